@@ -1,0 +1,1434 @@
+"""A local stand-in for Hugging Face Jobs, and an OpenEnv-compatible echo environment.
+
+`JobsEmulator` serves the HF Jobs REST API (whoami-v2, create, inspect, list, cancel, logs) on
+loopback with the JSON shapes huggingface_hub's `HfApi` parses, runs each job's command as a local
+process group, and fronts every exposed port with a token gate, as `https://<id>--<port>.hf.jobs`
+does. Faults (slow scheduling, crash at boot, 429s, lost create answers, sudden death) can be set per
+emulator or per job, so the provider's failure paths can be exercised offline.
+
+`python -m hf_jobs_emulator echo-server` is a stdlib OpenEnv echo environment (HTTP and `/ws`);
+`python -m hf_jobs_emulator serve` runs the emulator standalone and prints its endpoint and token.
+
+Where it differs from the real service: jobs run on this machine (the image is not pulled; the
+command runs as is, or `default_command` when the create body has none), exposed URLs are
+`http://127.0.0.1:<port>` gates instead of `https://<id>--<port>.hf.jobs`, every valid token is a
+user of this emulator only, and `timeoutSeconds` counts from the start of RUNNING.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import ipaddress
+import json
+import os
+import secrets
+import signal
+import socket
+import string
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+# The default namespace (user name) of the emulator's own token.
+DEFAULT_NAMESPACE = "local"
+# HF Jobs runs a job for 30 minutes when the create body has no `timeoutSeconds`.
+DEFAULT_JOB_TIMEOUT_S = 30 * 60
+# SIGTERM first so a job can shut down cleanly, SIGKILL after this many seconds: short, because
+# tests and benchmarks stop hundreds of jobs and a server that ignores SIGTERM must not stall them.
+KILL_GRACE_S = 3.0
+# How often a job supervisor looks at cancel / timeout / fault deadlines: cheap for hundreds of jobs,
+# quick enough that a cancel is seen well under a second later.
+SUPERVISE_POLL_S = 0.1
+# The real logs stream sends a `: keep-alive` comment every 30 s; the same here keeps clients honest.
+LOG_KEEPALIVE_S = 30.0
+# A create body is a few KB; anything bigger is a client bug, refused before it is read.
+MAX_BODY_BYTES = 1024 * 1024
+# Keep-alive connections that stay idle this long are closed so handler threads do not pile up.
+IDLE_CONNECTION_TIMEOUT_S = 120.0
+# serve_forever's poll interval: how long stop() waits for the accept loop to notice (stdlib: 0.5 s).
+SERVE_POLL_S = 0.05
+# Listen backlog: benchmarks open hundreds of connections at once; the stdlib default (5) drops them.
+LISTEN_BACKLOG = 1024
+# Labels starting with this prefix configure faults on one job (see FAULT_KEYS).
+FAULT_LABEL_PREFIX = "emulator-"
+# The fault keys, as emulator-wide `faults={key: value}` or per-job labels `emulator-<key>: value`.
+FAULT_KEYS = (
+    "scheduling-delay-s",  # extra seconds in SCHEDULING (float)
+    "crash-at-boot",  # the job starts, prints this message to stderr and exits 1 -> ERROR
+    "die-after-s",  # the job's process group is SIGKILLed this many seconds after RUNNING -> ERROR
+    "lost-create-response",  # "true": the job is created but the create connection drops unanswered
+    "rate-limit-after-create",  # N: the N API calls after this create answer 429 with Retry-After
+)
+# Seconds a client is told to wait in `Retry-After` when a 429 is injected without an explicit value.
+DEFAULT_RETRY_AFTER_S = 1
+# Hardware flavors the real API accepts (huggingface_hub's JobHardware); anything else is a 400.
+FLAVORS = (
+    "cpu-basic", "cpu-upgrade", "cpu-performance", "cpu-xl",
+    "t4-small", "t4-medium", "l4x1", "l4x4", "l40sx1", "l40sx4", "l40sx8",
+    "a10g-small", "a10g-large", "a10g-largex2", "a10g-largex4", "a100-large", "a100x4", "a100x8",
+    "h200", "h200x2", "h200x4", "h200x8",
+    "rtx-pro-6000", "rtx-pro-6000x2", "rtx-pro-6000x4", "rtx-pro-6000x8",
+)
+TERMINAL_STAGES = ("COMPLETED", "CANCELED", "ERROR", "DELETED")
+# Environment variables of this process a job must not inherit: the real service never hands the
+# submitting user's token to a job unless it is passed as a secret.
+SCRUBBED_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_API_TOKEN")
+# Echo server defaults: OpenEnv images listen on 8000; the step delay is for benchmarks only.
+ECHO_DEFAULT_PORT = 8000
+ECHO_STEP_DELAY_ENV = "ECHO_STEP_DELAY_S"
+# Largest WebSocket message the echo server accepts (OpenEnv clients default to 100 MiB; 16 MiB is
+# plenty for an echo and bounds memory).
+ECHO_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+# ==================================================================================================
+# Public API: the emulator
+# ==================================================================================================
+
+
+class EmulatedJob:
+    """One job of the emulator: its spec, stage, process and timings (read-only for callers).
+
+    Monotonic times (`*_mono`) share `time.monotonic()`'s clock with the caller's process, so a
+    provider's own timings can be compared with `first_health_ok_mono` to measure its overhead.
+    """
+
+    def __init__(self, job_id: str, namespace: str, owner_type: str, initiator: str,
+                 spec: Dict[str, Any], faults: Dict[str, str]) -> None:
+        self.id = job_id
+        self.namespace = namespace
+        self.owner_type = owner_type
+        self.initiator = initiator
+        self.spec = spec  # the validated create body; secret values are kept apart
+        self.faults = faults
+        self.stage = "SCHEDULING"
+        self.message: Optional[str] = None
+        self.expose_urls: Optional[List[str]] = None
+        self.created_at = _utcnow()
+        self.started_at: Optional[datetime.datetime] = None
+        self.finished_at: Optional[datetime.datetime] = None
+        self.created_mono = time.monotonic()
+        self.started_mono: Optional[float] = None
+        self.finished_mono: Optional[float] = None
+        self.first_health_ok_mono: Optional[float] = None
+        self.pid: Optional[int] = None
+        self.exit_code: Optional[int] = None
+        self.local_ports: Dict[int, int] = {}  # exposed port -> loopback port the process listens on
+        self.logs: List[Tuple[str, str]] = []  # (timestamp, line)
+        self._process: Optional[subprocess.Popen] = None
+        self._gates: List[Any] = []
+        self._stop_reason: Optional[str] = None  # set by cancel / emulator stop
+        self._supervisor: Optional[threading.Thread] = None
+
+    @property
+    def terminal(self) -> bool:
+        """Whether the job reached a stage it never leaves."""
+        return self.stage in TERMINAL_STAGES
+
+    def __repr__(self) -> str:
+        return f"EmulatedJob(id={self.id!r}, stage={self.stage!r}, pid={self.pid!r})"
+
+
+class JobsEmulator:
+    """A loopback HF Jobs API whose jobs are local process groups behind token gates.
+
+    Use as a context manager (or `start()` / `stop()`); `stop()` ends every job process and gate.
+    `token` is generated (`hf_...`) when not given; `extra_tokens` maps more tokens to user names and
+    `orgs` maps organisation namespaces to their member users, so initiator and namespace checks can
+    be tested. `faults` applies the FAULT_KEYS to every job; labels `emulator-<key>` apply them to one.
+    `default_command` runs when a create body has no command (default: this module's echo server);
+    `image_commands` picks one per image instead.
+    """
+
+    def __init__(
+        self,
+        token: Optional[str] = None,
+        namespace: str = DEFAULT_NAMESPACE,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        scheduling_delay_s: float = 0.0,
+        *,
+        extra_tokens: Optional[Mapping[str, str]] = None,
+        orgs: Optional[Mapping[str, Iterable[str]]] = None,
+        faults: Optional[Mapping[str, Any]] = None,
+        default_command: Optional[Sequence[str]] = None,
+        image_commands: Optional[Mapping[str, Sequence[str]]] = None,
+        kill_grace_s: float = KILL_GRACE_S,
+    ) -> None:
+        reason = (_host_rejection(host) or _namespace_rejection(namespace)
+                  or _delay_rejection("scheduling_delay_s", scheduling_delay_s)
+                  or _faults_rejection(faults or {}, "faults"))
+        if reason:
+            raise ValueError(reason)
+        self.token = token if token is not None else _generate_token()
+        if not isinstance(self.token, str) or not self.token:
+            raise ValueError("token must be a non-empty string (or None to generate one)")
+        self.namespace = namespace
+        self.host = host
+        self.scheduling_delay_s = float(scheduling_delay_s)
+        self.kill_grace_s = float(kill_grace_s)
+        self.default_faults = {k: str(v) for k, v in (faults or {}).items()}
+        self.default_command = list(default_command) if default_command else echo_server_command()
+        self.image_commands = {k: list(v) for k, v in (image_commands or {}).items()}
+        self._users: Dict[str, str] = {self.token: namespace}  # token -> user name
+        for extra_token, user in (extra_tokens or {}).items():
+            reason = _namespace_rejection(user)
+            if reason:
+                raise ValueError(f"extra_tokens: {reason}")
+            self._users[extra_token] = user
+        self._orgs: Dict[str, List[str]] = {org: list(members) for org, members in (orgs or {}).items()}
+        self._requested_port = port
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)  # stage or log changes; log streams wait here
+        self._jobs: Dict[str, EmulatedJob] = {}
+        self._api_calls: Dict[str, int] = {}
+        self._rate_limit_left = 0
+        self._rate_limit_retry_after_s = DEFAULT_RETRY_AFTER_S
+        self._rate_limit_routes: Optional[frozenset] = None
+        self._lose_creates_left = 0
+        self._server: Optional[_TrackingHTTPServer] = None
+        self._server_thread: Optional[threading.Thread] = None
+        self._stopping = False
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def start(self) -> "JobsEmulator":
+        """Bind the API listener and serve it from a background thread; returns self."""
+        with self._lock:
+            if self._server is not None:
+                return self
+            handler = type("_BoundApiHandler", (_ApiHandler,), {"emulator": self})
+            self._server = _TrackingHTTPServer((self.host, self._requested_port), handler)
+            self._stopping = False
+        self._server_thread = threading.Thread(
+            target=self._server.serve_forever, args=(SERVE_POLL_S,), name=f"jobs-emulator:{self.port}", daemon=True)
+        self._server_thread.start()
+        return self
+
+    def stop(self) -> None:
+        """End every job process group and gate, then the API listener. Safe to call twice."""
+        with self._lock:
+            self._stopping = True
+            jobs = list(self._jobs.values())
+            for job in jobs:
+                if job._stop_reason is None:
+                    job._stop_reason = "emulator stopped"
+            self._changed.notify_all()
+        for job in jobs:
+            if job._supervisor is not None:
+                job._supervisor.join(self.kill_grace_s + 5.0)
+        leftovers = [job for job in jobs if job._process is not None and job._process.poll() is None]
+        for job in leftovers:  # a supervisor that could not finish: kill without grace
+            _kill_process_group(job._process, 0.0)
+        for job in jobs:
+            for gate in job._gates:
+                _stop_quietly(gate)
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.close_all_connections()
+            server.server_close()
+        if self._server_thread is not None:
+            self._server_thread.join(5.0)
+            self._server_thread = None
+
+    def __enter__(self) -> "JobsEmulator":
+        return self.start()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:  # never shows the token
+        state = "running" if self._server is not None else "stopped"
+        return f"JobsEmulator(endpoint={self.endpoint!r}, namespace={self.namespace!r}, {state})"
+
+    # -- what callers read ------------------------------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        """The API listener's port (0 before `start()`)."""
+        return self._server.server_address[1] if self._server is not None else 0
+
+    @property
+    def endpoint(self) -> str:
+        """Base URL to give `HfApi(endpoint=...)` or the provider's `endpoint=`."""
+        return f"http://{_url_host(self.host)}:{self.port}"
+
+    @property
+    def api_calls(self) -> Dict[str, int]:
+        """API calls received so far per route (whoami, create, list, inspect, cancel, logs, unknown)."""
+        with self._lock:
+            return dict(self._api_calls)
+
+    def job(self, job_id: str) -> EmulatedJob:
+        """The job with this id (KeyError naming it when unknown)."""
+        with self._lock:
+            if job_id not in self._jobs:
+                raise KeyError(f"no job {job_id!r} on this emulator")
+            return self._jobs[job_id]
+
+    @property
+    def jobs(self) -> List[EmulatedJob]:
+        """Every job created so far, oldest first."""
+        with self._lock:
+            return list(self._jobs.values())
+
+    def live_pids(self) -> List[int]:
+        """Process ids of job processes that are still running (for leak checks)."""
+        return [job.pid for job in self.jobs
+                if job._process is not None and job._process.poll() is None and job.pid is not None]
+
+    def wait_for_stage(self, job_id: str, stages: Iterable[str], timeout_s: float = 10.0) -> EmulatedJob:
+        """Block until the job is in one of `stages` (or terminal); TimeoutError naming the stage."""
+        wanted = set(stages) | set(TERMINAL_STAGES)
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            job = self.job(job_id)
+            while job.stage not in wanted:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"job {job_id} still {job.stage} after {timeout_s}s")
+                self._changed.wait(left)
+            return job
+
+    # -- fault injection --------------------------------------------------------------------------
+
+    def inject_rate_limit(self, calls: int, retry_after_s: int = DEFAULT_RETRY_AFTER_S,
+                          routes: Optional[Iterable[str]] = None) -> None:
+        """Answer the next `calls` API calls (optionally only on these route names) with 429."""
+        if not isinstance(calls, int) or calls < 0:
+            raise ValueError(f"calls must be an int >= 0, got {calls!r}")
+        if not isinstance(retry_after_s, int) or retry_after_s < 0:
+            raise ValueError(f"retry_after_s must be an int >= 0 (whole seconds), got {retry_after_s!r}")
+        with self._lock:
+            self._rate_limit_left = calls
+            self._rate_limit_retry_after_s = retry_after_s
+            self._rate_limit_routes = frozenset(routes) if routes is not None else None
+
+    def lose_next_create_responses(self, count: int = 1) -> None:
+        """Create the next `count` jobs but drop each create connection before answering."""
+        if not isinstance(count, int) or count < 0:
+            raise ValueError(f"count must be an int >= 0, got {count!r}")
+        with self._lock:
+            self._lose_creates_left = count
+
+    def record_health_ok(self, job_id: str) -> None:
+        """Note the first time the job's server answered 200 on /health (called by its gate)."""
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is not None and job.first_health_ok_mono is None:
+                job.first_health_ok_mono = time.monotonic()
+
+    # -- the API, apart from HTTP (each returns (status, payload, extra headers)) ------------------
+
+    def _authenticate(self, authorization: Optional[str]) -> Optional[str]:
+        """The user name behind an `Authorization` header, or None."""
+        if not authorization or not authorization.startswith("Bearer "):
+            return None
+        return self._users.get(authorization[len("Bearer "):].strip())
+
+    def _namespace_access_rejection(self, user: str, namespace: str) -> Optional[str]:
+        if namespace == user or user in self._orgs.get(namespace, ()):
+            return None
+        return f"You don't have access to namespace '{namespace}' (authenticated as '{user}')"
+
+    def _take_rate_limit(self, route: str) -> Optional[int]:
+        """Retry-After seconds when this call must be answered 429, else None."""
+        with self._lock:
+            if self._rate_limit_left <= 0:
+                return None
+            if self._rate_limit_routes is not None and route not in self._rate_limit_routes:
+                return None
+            self._rate_limit_left -= 1
+            return self._rate_limit_retry_after_s
+
+    def _count(self, route: str) -> None:
+        with self._lock:
+            self._api_calls[route] = self._api_calls.get(route, 0) + 1
+
+    def _whoami(self, user: str) -> Dict[str, Any]:
+        orgs = [{"type": "org", "id": _stable_id(org), "name": org, "fullname": org, "roleInOrg": "write"}
+                for org, members in sorted(self._orgs.items()) if user in members]
+        return {
+            "type": "user", "id": _stable_id(user), "name": user, "fullname": user,
+            "email": f"{user}@emulator.invalid", "emailVerified": True, "canPay": True,
+            "isPro": False, "periodEnd": None, "avatarUrl": "", "orgs": orgs,
+            "auth": {"type": "access_token",
+                     "accessToken": {"displayName": "hf-jobs-emulator", "role": "write"}},
+        }
+
+    def _create(self, user: str, namespace: str, body: Any) -> Tuple[EmulatedJob, bool]:
+        """Validate and register a job, start its supervisor; returns (job, lose_the_answer)."""
+        reason = _create_body_rejection(body)
+        if reason:
+            raise _ApiError(400, reason)
+        labels = dict(body.get("labels") or {})
+        job_faults = {k[len(FAULT_LABEL_PREFIX):]: v for k, v in labels.items()
+                      if k.startswith(FAULT_LABEL_PREFIX)}
+        reason = _faults_rejection(job_faults, "labels", prefix=FAULT_LABEL_PREFIX)
+        if reason:
+            raise _ApiError(400, reason)
+        faults = {**self.default_faults, **job_faults}
+        spec = {k: v for k, v in body.items() if k != "secrets"}
+        secret_values = dict(body.get("secrets") or {})
+        owner_type = "user" if namespace in self._users.values() and namespace not in self._orgs else "org"
+        with self._lock:
+            if self._stopping:
+                raise _ApiError(503, "the emulator is stopping; no new jobs")
+            job = EmulatedJob(_new_job_id(), namespace, owner_type, user, spec, faults)
+            job._secret_names = sorted(secret_values)  # type: ignore[attr-defined]
+            self._jobs[job.id] = job
+            lose = _truthy(faults.get("lost-create-response", "false"))
+            if self._lose_creates_left > 0:
+                self._lose_creates_left -= 1
+                lose = True
+            after = int(faults.get("rate-limit-after-create", "0"))
+            if after > 0:
+                self._rate_limit_left = after
+                self._rate_limit_retry_after_s = DEFAULT_RETRY_AFTER_S
+                self._rate_limit_routes = None
+        job._supervisor = threading.Thread(
+            target=self._supervise, args=(job, secret_values), name=f"job:{job.id}", daemon=True)
+        job._supervisor.start()
+        return job, lose
+
+    def _find_job(self, namespace: str, job_id: str) -> EmulatedJob:
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is None or job.namespace != namespace:
+                raise _ApiError(404, f"Job {job_id} not found in namespace {namespace}")
+            return job
+
+    def _list(self, namespace: str, query: List[Tuple[str, str]]) -> List[Dict[str, Any]]:
+        labels: List[Tuple[str, str]] = []
+        stages = set()
+        for key, value in query:
+            if key == "label":
+                name, sep, wanted = value.partition("=")
+                if not sep or not name:
+                    raise _ApiError(400, f"label filter must be key=value, got {value!r}")
+                labels.append((name, wanted))
+            elif key == "stage":
+                stages.add(value.upper())
+        with self._lock:
+            jobs = [j for j in self._jobs.values() if j.namespace == namespace]
+            return [self._job_json(j) for j in jobs
+                    if (not stages or j.stage in stages)
+                    and all((j.spec.get("labels") or {}).get(k) == v for k, v in labels)]
+
+    def _cancel(self, job: EmulatedJob) -> None:
+        with self._lock:
+            if not job.terminal and job._stop_reason is None:
+                job._stop_reason = "canceled"
+            self._changed.notify_all()
+
+    def _job_json(self, job: EmulatedJob) -> Dict[str, Any]:
+        """The job as the real API answers it (field names and shapes HfApi's JobInfo reads)."""
+        with self._lock:
+            spec = job.spec
+            now = time.monotonic()
+            end = job.finished_mono if job.finished_mono is not None else now
+            status: Dict[str, Any] = {"stage": job.stage, "message": job.message}
+            if job.expose_urls is not None:
+                status["exposeUrls"] = list(job.expose_urls)
+            info: Dict[str, Any] = {
+                "id": job.id,
+                "createdAt": _iso(job.created_at),
+                "command": list(spec.get("command") or []),
+                "arguments": list(spec.get("arguments") or []),
+                "environment": dict(spec.get("environment") or {}),
+                # Names only: the real API never gives a secret's value back.
+                "secrets": {name: None for name in getattr(job, "_secret_names", [])},
+                "flavor": spec.get("flavor") or "cpu-basic",
+                "labels": dict(spec.get("labels") or {}) or None,
+                "timeoutSeconds": spec.get("timeoutSeconds", DEFAULT_JOB_TIMEOUT_S),
+                "status": status,
+                "owner": {"id": _stable_id(job.namespace), "name": job.namespace, "type": job.owner_type},
+                "initiator": {"type": "user", "id": _stable_id(job.initiator), "name": job.initiator},
+                "durations": {
+                    "schedulingSecs": (int((job.started_mono or end) - job.created_mono)
+                                       if job.started_mono is not None else None),
+                    "runningSecs": (int(end - job.started_mono) if job.started_mono is not None else None),
+                    "totalSecs": int(end - job.created_mono),
+                },
+            }
+            if "spaceId" in spec:
+                info["spaceId"] = spec["spaceId"]
+            else:
+                info["dockerImage"] = spec.get("dockerImage")
+            if job.started_at is not None:
+                info["startedAt"] = _iso(job.started_at)
+            if job.finished_at is not None:
+                info["finishedAt"] = _iso(job.finished_at)
+            if "expose" in spec:
+                info["expose"] = {"ports": list(spec["expose"].get("ports") or []),
+                                  "portsPublic": list(spec["expose"].get("portsPublic") or [])}
+            return info
+
+    # -- job machinery ----------------------------------------------------------------------------
+
+    def _supervise(self, job: EmulatedJob, secret_values: Dict[str, str]) -> None:
+        """Run one job: scheduling delay, gates, process, deadlines, final stage. Never raises."""
+        try:
+            self._run_job(job, secret_values)
+        except Exception as exc:  # a bug here must still leave the job terminal and nothing running
+            if job._process is not None:
+                _kill_process_group(job._process, 0.0)
+            self._finish(job, "ERROR", f"emulator error while running the job: {exc!r}")
+        finally:
+            for gate in job._gates:
+                _stop_quietly(gate)
+
+    def _run_job(self, job: EmulatedJob, secret_values: Dict[str, str]) -> None:
+        delay = self.scheduling_delay_s + float(job.faults.get("scheduling-delay-s", "0"))
+        if self._wait_for_stop_request(job, time.monotonic() + delay):
+            self._finish(job, "CANCELED", _stop_message(job._stop_reason))
+            return
+        argv = self._job_argv(job)
+        exposed = list((job.spec.get("expose") or {}).get("ports") or [])
+        public = set((job.spec.get("expose") or {}).get("portsPublic") or [])
+        job.local_ports = {p: _free_loopback_port(self.host) for p in exposed}
+        env = _job_environment(job.spec.get("environment") or {}, secret_values)
+        env["PORT"] = str(job.local_ports[exposed[0]] if exposed else _free_loopback_port(self.host))
+        for exposed_port, local_port in job.local_ports.items():
+            env[f"PORT_{exposed_port}"] = str(local_port)
+        urls = []
+        for exposed_port in exposed:
+            gate = self.make_gate(job, exposed_port, public=exposed_port in public)
+            job._gates.append(gate)
+            urls.append(gate.url)
+        with self._lock:
+            if job._stop_reason is not None:
+                self._finish(job, "CANCELED", _stop_message(job._stop_reason))
+                return
+            try:
+                job._process = subprocess.Popen(
+                    argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                    env=env, start_new_session=True)
+            except OSError as exc:
+                self._finish(job, "ERROR", f"Failed to start the job's command {argv[0]!r}: {exc.strerror or exc}")
+                return
+            job.pid = job._process.pid
+            job.stage = "RUNNING"
+            job.started_at = _utcnow()
+            job.started_mono = time.monotonic()
+            job.expose_urls = urls if exposed else None
+            job.logs.append((_iso(job.started_at), f"===== Job started at {job.started_at.isoformat()} ====="))
+            self._changed.notify_all()
+        reader = threading.Thread(target=self._read_output, args=(job,), name=f"job-log:{job.id}", daemon=True)
+        reader.start()
+        outcome = self._watch_process(job)
+        _kill_process_group(job._process, self.kill_grace_s)  # also ends any child left behind
+        reader.join(2.0)
+        if job._process.stdout is not None:
+            job._process.stdout.close()
+        job.exit_code = job._process.returncode
+        self._finish(job, *outcome)
+
+    def _watch_process(self, job: EmulatedJob) -> Tuple[str, Optional[str]]:
+        """Wait for the process to exit or a deadline to pass; returns (final stage, message)."""
+        timeout_s = float(job.spec.get("timeoutSeconds") or DEFAULT_JOB_TIMEOUT_S)
+        die_after = job.faults.get("die-after-s")
+        start = job.started_mono or time.monotonic()
+        die_at = start + float(die_after) if die_after is not None else None
+        proc = job._process
+        assert proc is not None
+        while True:
+            try:
+                code = proc.wait(SUPERVISE_POLL_S)
+            except subprocess.TimeoutExpired:
+                code = None
+            if code is not None:
+                crash = job.faults.get("crash-at-boot")
+                if code == 0:
+                    return "COMPLETED", None
+                if crash is not None:
+                    return "ERROR", crash
+                return "ERROR", f"Job failed with exit code: {code}"
+            now = time.monotonic()
+            if job._stop_reason is not None:
+                return "CANCELED", _stop_message(job._stop_reason)
+            if now - start >= timeout_s:
+                return "CANCELED", f"Job timed out after {timeout_s:g} seconds (timeoutSeconds)"
+            if die_at is not None and now >= die_at:
+                _kill_process_group(proc, 0.0)
+                return "ERROR", f"Job process died: killed {die_after}s after start (emulator fault die-after-s)"
+
+    def _wait_for_stop_request(self, job: EmulatedJob, until: float) -> bool:
+        """Sleep until `until` unless the job is canceled first; True when it was."""
+        with self._changed:
+            while job._stop_reason is None:
+                left = until - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(min(left, 1.0))
+            return True
+
+    def _job_argv(self, job: EmulatedJob) -> List[str]:
+        crash = job.faults.get("crash-at-boot")
+        if crash is not None:
+            return [sys.executable, "-c", "import sys; sys.stderr.write(sys.argv[1] + '\\n'); sys.exit(1)", crash]
+        command = list(job.spec.get("command") or [])
+        if not command:
+            image = job.spec.get("dockerImage") or job.spec.get("spaceId") or ""
+            command = list(self.image_commands.get(image, self.default_command))
+        return command + list(job.spec.get("arguments") or [])
+
+    def _read_output(self, job: EmulatedJob) -> None:
+        """Copy the job's merged stdout/stderr into its log, one timestamped entry per line."""
+        stream = job._process.stdout if job._process is not None else None
+        if stream is None:
+            return
+        try:
+            for raw in iter(stream.readline, b""):
+                line = raw.decode("utf-8", "replace").rstrip("\r\n")
+                with self._lock:
+                    job.logs.append((_iso(_utcnow()), line))
+                    self._changed.notify_all()
+        except (OSError, ValueError):  # the pipe was closed under us during teardown
+            pass
+
+    def _finish(self, job: EmulatedJob, stage: str, message: Optional[str]) -> None:
+        for gate in job._gates:
+            _stop_quietly(gate)
+        with self._lock:
+            if job.terminal:
+                return
+            job.stage = stage
+            job.message = message
+            job.finished_at = _utcnow()
+            job.finished_mono = time.monotonic()
+            self._changed.notify_all()
+
+    # -- the exposed-port gate (a small overridable hook) ---------------------------------------
+
+    def make_gate(self, job: EmulatedJob, exposed_port: int, public: bool = False) -> Any:
+        """Start the token gate in front of one exposed port; returns an object with `.url`, `.stop()`."""
+        return _JobGate(self, job, exposed_port, public).start()
+
+
+# ==================================================================================================
+# Public API: the echo environment
+# ==================================================================================================
+
+
+class EchoEnvironment:
+    """OpenEnv's echo environment: observations echo the message; reward is 0.1 per character."""
+
+    def __init__(self) -> None:
+        self.episode_id = str(uuid.uuid4())
+        self.step_count = 0
+
+    def reset(self, seed: Optional[int] = None, episode_id: Optional[str] = None) -> Dict[str, Any]:
+        self.episode_id = episode_id or str(uuid.uuid4())
+        self.step_count = 0
+        return _observation("Echo environment ready!", reward=0.0)
+
+    def step(self, message: str) -> Dict[str, Any]:
+        self.step_count += 1
+        return _observation(message, reward=len(message) * 0.1)
+
+    def state(self) -> Dict[str, Any]:
+        return {"episode_id": self.episode_id, "step_count": self.step_count}
+
+
+class EchoServer:
+    """The echo environment served like an OpenEnv server: HTTP endpoints plus `/ws` sessions.
+
+    The HTTP endpoints share one environment (as legacy servers do); every WebSocket session gets its
+    own. `step_delay_s` sleeps in every step, to model a slow environment in benchmarks.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, step_delay_s: float = 0.0) -> None:
+        reason = _delay_rejection("step_delay_s", step_delay_s)
+        if reason:
+            raise ValueError(reason)
+        self.host = host
+        self.step_delay_s = float(step_delay_s)
+        self.http_env = EchoEnvironment()
+        self.http_lock = threading.Lock()
+        handler = type("_BoundEchoHandler", (_EchoHandler,), {"server_ref": self})
+        self._server = _TrackingHTTPServer((host, port), handler)
+        self._thread: Optional[threading.Thread] = None
+
+    @property
+    def port(self) -> int:
+        return self._server.server_address[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{_url_host(self.host)}:{self.port}"
+
+    def start(self) -> "EchoServer":
+        """Serve from a background thread; returns self."""
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(SERVE_POLL_S,),
+                                        name=f"echo:{self.port}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and close every open connection, WebSocket sessions included. Idempotent."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._server.shutdown()
+            thread.join(5.0)
+        self._server.close_all_connections()
+        self._server.server_close()
+
+    def __enter__(self) -> "EchoServer":
+        return self.start()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.stop()
+
+
+def echo_server_command() -> List[str]:
+    """The argv that runs this module's echo server on `$PORT` (the emulator's default job command)."""
+    return [sys.executable, os.path.abspath(__file__), "echo-server"]
+
+
+# ==================================================================================================
+# Machinery: validation (each returns the reason something is refused, or None)
+# ==================================================================================================
+
+
+class _ApiError(Exception):
+    def __init__(self, status: int, message: str, headers: Optional[Dict[str, str]] = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = headers or {}
+
+
+def _host_rejection(host: str) -> Optional[str]:
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback:
+        return (f"host {host!r} is not a loopback address: the emulator runs commands for anyone holding "
+                "its token, so it only binds 127.0.0.1, ::1 or localhost")
+    return None
+
+
+def _namespace_rejection(name: Any) -> Optional[str]:
+    allowed = set(string.ascii_letters + string.digits + "-_.")
+    if not isinstance(name, str) or not name or not set(name) <= allowed:
+        return f"namespace {name!r} must be a non-empty string of letters, digits, '-', '_' or '.'"
+    return None
+
+
+def _delay_rejection(name: str, value: Any) -> Optional[str]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        return f"{name} must be a number of seconds >= 0, got {value!r}"
+    return None
+
+
+def _faults_rejection(faults: Mapping[str, Any], where: str, prefix: str = "") -> Optional[str]:
+    for key, value in faults.items():
+        shown = f"{where} {prefix}{key!s}"
+        if key not in FAULT_KEYS:
+            return f"{shown}: unknown fault; known faults are {', '.join(prefix + k for k in FAULT_KEYS)}"
+        text = str(value)
+        if key in ("scheduling-delay-s", "die-after-s"):
+            try:
+                number = float(text)
+            except ValueError:
+                number = -1.0
+            if not number >= 0:
+                return f"{shown}={text!r}: must be a number of seconds >= 0"
+        elif key == "rate-limit-after-create" and not (text.isdigit()):
+            return f"{shown}={text!r}: must be a whole number of API calls >= 0"
+        elif key == "lost-create-response" and text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+            return f"{shown}={text!r}: must be true or false"
+        elif key == "crash-at-boot" and not text:
+            return f"{shown}: give the crash message as the value"
+    return None
+
+
+def _str_list_rejection(body: Mapping[str, Any], field: str) -> Optional[str]:
+    value = body.get(field)
+    if value is not None and (not isinstance(value, list) or not all(isinstance(v, str) for v in value)):
+        return f"field '{field}' must be a list of strings, got {type(value).__name__}"
+    return None
+
+
+def _str_map_rejection(body: Mapping[str, Any], field: str) -> Optional[str]:
+    value = body.get(field)
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        return f"field '{field}' must be an object of string values, got {type(value).__name__}"
+    for key, item in value.items():
+        if not isinstance(item, str):
+            return f"field '{field}.{key}' must be a string, got {type(item).__name__}"
+    return None
+
+
+def _create_body_rejection(body: Any) -> Optional[str]:
+    """Why a create body is refused (naming the field), or None."""
+    if not isinstance(body, dict):
+        return "the request body must be a JSON object describing the job"
+    image, space = body.get("dockerImage"), body.get("spaceId")
+    if (image is None) == (space is None):
+        return "give exactly one of 'dockerImage' or 'spaceId'"
+    source = "dockerImage" if image is not None else "spaceId"
+    if not isinstance(body[source], str) or not body[source]:
+        return f"field '{source}' must be a non-empty string"
+    for field in ("command", "arguments"):
+        reason = _str_list_rejection(body, field)
+        if reason:
+            return reason
+    for field in ("environment", "secrets", "labels"):
+        reason = _str_map_rejection(body, field)
+        if reason:
+            return reason
+    flavor = body.get("flavor")
+    if flavor is not None and flavor not in FLAVORS:
+        return f"field 'flavor': unknown flavor {flavor!r}; use one of {', '.join(FLAVORS)}"
+    timeout = body.get("timeoutSeconds")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int) or timeout <= 0):
+        return f"field 'timeoutSeconds' must be a whole number of seconds > 0, got {timeout!r}"
+    expose = body.get("expose")
+    if expose is not None:
+        if not isinstance(expose, dict):
+            return "field 'expose' must be an object {\"ports\": [...], \"portsPublic\": [...]}"
+        ports, public = expose.get("ports") or [], expose.get("portsPublic") or []
+        for field, values in (("expose.ports", ports), ("expose.portsPublic", public)):
+            if not isinstance(values, list) or not all(
+                    isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536 for p in values):
+                return f"field '{field}' must be a list of port numbers (1-65535), got {values!r}"
+            if len(set(values)) != len(values):
+                return f"field '{field}' lists a port twice: {values!r}"
+        if not set(public) <= set(ports):
+            return "field 'expose.portsPublic' must be a subset of 'expose.ports'"
+    return None
+
+
+# ==================================================================================================
+# Machinery: small helpers
+# ==================================================================================================
+
+
+def _generate_token() -> str:
+    alphabet = string.ascii_letters
+    return "hf_" + "".join(secrets.choice(alphabet) for _ in range(34))
+
+
+def _new_job_id() -> str:
+    # Like the real ids (24 hex digits, time first) so ids sort by creation and look familiar.
+    return f"{int(time.time()):08x}{secrets.token_hex(8)}"
+
+
+def _stable_id(name: str) -> str:
+    return uuid.uuid5(uuid.NAMESPACE_URL, f"hf-jobs-emulator:{name}").hex[:24]
+
+
+def _utcnow() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+def _iso(moment: datetime.datetime) -> str:
+    """The Hub's timestamp format: `2025-07-16T20:35:12.808Z`."""
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+
+
+def _truthy(text: str) -> bool:
+    return str(text).lower() in ("true", "1", "yes")
+
+
+def _stop_message(reason: Optional[str]) -> str:
+    return "Job canceled by the emulator stopping" if reason == "emulator stopped" else "Job canceled"
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _free_loopback_port(host: str) -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    bind_host = host if host != "localhost" else "127.0.0.1"
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((bind_host, 0))
+        return probe.getsockname()[1]
+
+
+def _job_environment(environment: Mapping[str, str], secret_values: Mapping[str, str]) -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in SCRUBBED_ENV_VARS}
+    env.setdefault("PYTHONUNBUFFERED", "1")  # log lines reach the job log as they are printed
+    env.update(environment)
+    env.update(secret_values)
+    return env
+
+
+def _kill_process_group(proc: Optional[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM the process's group, SIGKILL it after `grace_s`, and reap the process."""
+    if proc is None:
+        return
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        if sig == signal.SIGTERM and grace_s <= 0:
+            continue
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass  # the whole group is gone already
+        try:
+            proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+        if sig == signal.SIGTERM:
+            # The leader exited; anything else in its group is killed outright.
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        return
+
+
+def _stop_quietly(thing: Any) -> None:
+    try:
+        thing.stop()
+    except Exception:  # teardown must go on; the gate is loopback-only and dies with the process
+        pass
+
+
+def _observation(message: str, reward: float) -> Dict[str, Any]:
+    return {"observation": {"echoed_message": message, "message_length": len(message)},
+            "reward": reward, "done": False}
+
+
+# ==================================================================================================
+# Machinery: HTTP servers
+# ==================================================================================================
+
+
+class _TrackingHTTPServer(ThreadingHTTPServer):
+    """A ThreadingHTTPServer that remembers open connections so `stop()` can close every one of them
+    (idle keep-alive connections, log streams and WebSocket sessions would otherwise outlive it)."""
+
+    daemon_threads = True
+    request_queue_size = LISTEN_BACKLOG
+
+    def __init__(self, address: Tuple[str, int], handler: type) -> None:
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self._open: set = set()
+        self._open_lock = threading.Lock()
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._open_lock:
+            self._open.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._open_lock:
+            self._open.discard(request)
+        super().shutdown_request(request)
+
+    def close_all_connections(self) -> None:
+        with self._open_lock:
+            sockets = list(self._open)
+        for sock in sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed by its handler
+
+
+class _QuietHandler(BaseHTTPRequestHandler):
+    """Shared HTTP plumbing: HTTP/1.1 keep-alive, bounded bodies, JSON answers, no stderr logging."""
+
+    protocol_version = "HTTP/1.1"
+    timeout = IDLE_CONNECTION_TIMEOUT_S
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        pass  # request lines may carry job ids only, but tests and benchmarks want a quiet stderr
+
+    def read_body(self) -> bytes:
+        """The request body (Content-Length or chunked); _ApiError 413 when it is too big."""
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            chunks, total = [], 0
+            while True:
+                size = int(self.rfile.readline(1024).split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    while self.rfile.readline(1024) not in (b"\r\n", b"\n", b""):
+                        pass  # trailers
+                    return b"".join(chunks)
+                total += size
+                if total > MAX_BODY_BYTES:
+                    self.close_connection = True
+                    raise _ApiError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+                chunks.append(self.rfile.read(size))
+                self.rfile.readline(1024)
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > MAX_BODY_BYTES:
+            self.close_connection = True
+            raise _ApiError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+        return self.rfile.read(length) if length > 0 else b""
+
+    def send_json(self, status: int, payload: Any, headers: Optional[Mapping[str, str]] = None) -> None:
+        body = json.dumps(payload).encode("utf-8")
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+
+class _ApiHandler(_QuietHandler):
+    """The HF Jobs REST API: routing and HTTP framing only; the rules live in JobsEmulator."""
+
+    emulator: JobsEmulator
+    server_version = "hf-jobs-emulator"
+
+    def do_GET(self) -> None:
+        self._dispatch()
+
+    do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = do_GET
+
+    def _dispatch(self) -> None:
+        self.request_id = uuid.uuid4().hex
+        try:
+            self._handle()
+        except _ApiError as exc:
+            self._send_error(exc.status, exc.message, exc.headers)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+        except Exception as exc:  # a bug must still answer, never hang the client
+            self._send_error(500, f"emulator error: {exc!r}")
+
+    def _handle(self) -> None:
+        emu = self.emulator
+        target = urlsplit(self.path)
+        body = self.read_body()
+        try:
+            route, params = _match_api_route(self.command, unquote(target.path))
+        except _ApiError:
+            emu._count("unknown")
+            raise
+        emu._count(route)
+        user = emu._authenticate(self.headers.get("Authorization"))
+        if user is None:
+            raise _ApiError(401, "Invalid credentials in Authorization header: send "
+                                 "'Authorization: Bearer <token>' with this emulator's token")
+        namespace = params.get("namespace")
+        if namespace is not None:
+            reason = emu._namespace_access_rejection(user, namespace)
+            if reason:
+                raise _ApiError(403, reason)
+        retry_after = emu._take_rate_limit(route)
+        if retry_after is not None:
+            raise _ApiError(429, "You have exceeded the rate limit of the Jobs API (injected by the emulator). "
+                                 f"Retry after {retry_after} seconds.",
+                            {"Retry-After": str(retry_after), "RateLimit": f'"api";r=0;t={retry_after}',
+                             "RateLimit-Policy": '"fixed window";"api";q=1000;w=300'})
+        if route == "whoami":
+            self._ok(emu._whoami(user))
+        elif route == "create":
+            self._create(user, namespace, body)
+        elif route == "list":
+            self._ok(emu._list(namespace, parse_qsl(target.query, keep_blank_values=True)))
+        elif route == "inspect":
+            self._ok(emu._job_json(emu._find_job(namespace, params["job_id"])))
+        elif route == "cancel":
+            job = emu._find_job(namespace, params["job_id"])
+            emu._cancel(job)
+            self._ok(emu._job_json(job))
+        elif route == "logs":
+            self._stream_logs(emu._find_job(namespace, params["job_id"]), target.query)
+
+    def _create(self, user: str, namespace: str, body: bytes) -> None:
+        try:
+            payload = json.loads(body.decode("utf-8")) if body else None
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise _ApiError(400, f"the request body is not valid JSON: {exc}")
+        job, lose_answer = self.emulator._create(user, namespace, payload)
+        if lose_answer:  # the job exists, but the client never learns it
+            self.close_connection = True
+            try:
+                self.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            return
+        self._ok(self.emulator._job_json(job))
+
+    def _stream_logs(self, job: EmulatedJob, query: str) -> None:
+        """Server-sent events, one `data: {"data": line, "timestamp": ...}` per line, live until the
+        job ends (as the real endpoint does); `tail=N` starts from the last N lines."""
+        emu = self.emulator
+        tail_text = dict(parse_qsl(query)).get("tail")
+        if tail_text is not None and not tail_text.isdigit():
+            raise _ApiError(400, f"query parameter 'tail' must be a whole number, got {tail_text!r}")
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.send_header("X-Request-Id", self.request_id)
+        self.end_headers()
+        self.close_connection = True
+        with emu._lock:
+            index = max(0, len(job.logs) - int(tail_text)) if tail_text is not None else 0
+        while True:
+            with emu._changed:
+                waited_since = time.monotonic()
+                while (index == len(job.logs) and not job.terminal and not emu._stopping
+                       and time.monotonic() - waited_since < LOG_KEEPALIVE_S):
+                    emu._changed.wait(1.0)
+                batch = job.logs[index:]
+                index += len(batch)
+                finished = job.terminal or emu._stopping
+            if batch:
+                self.wfile.write(b"".join(
+                    b"data: " + json.dumps({"data": line, "timestamp": ts}).encode("utf-8") + b"\n\n"
+                    for ts, line in batch))
+            elif not finished:
+                self.wfile.write(b": keep-alive\n\n")
+            if finished:
+                return
+
+    def _ok(self, payload: Any) -> None:
+        self.send_json(200, payload, {"X-Request-Id": self.request_id})
+
+    def _send_error(self, status: int, message: str, headers: Optional[Mapping[str, str]] = None) -> None:
+        header_message = message.replace("\r", " ").replace("\n", " ").encode("latin-1", "replace").decode("latin-1")
+        self.send_json(status, {"error": message},
+                       {"X-Request-Id": self.request_id, "X-Error-Message": header_message, **(headers or {})})
+
+
+def _match_api_route(method: str, path: str) -> Tuple[str, Dict[str, str]]:
+    """(route name, path parameters) for an API request; _ApiError 404 / 405 naming what is wrong."""
+    parts = [p for p in path.split("/") if p]
+    routes: List[Tuple[str, str, Dict[str, str]]] = []  # (method, route, params) this path can take
+    if parts == ["api", "whoami-v2"]:
+        routes = [("GET", "whoami", {})]
+    elif len(parts) == 3 and parts[:2] == ["api", "jobs"]:
+        routes = [("GET", "list", {"namespace": parts[2]}), ("POST", "create", {"namespace": parts[2]})]
+    elif len(parts) == 4 and parts[:2] == ["api", "jobs"]:
+        routes = [("GET", "inspect", {"namespace": parts[2], "job_id": parts[3]})]
+    elif len(parts) == 5 and parts[:2] == ["api", "jobs"] and parts[4] in ("cancel", "logs"):
+        verb = "POST" if parts[4] == "cancel" else "GET"
+        routes = [(verb, parts[4], {"namespace": parts[2], "job_id": parts[3]})]
+    if not routes:
+        raise _ApiError(404, f"Not found: no API route {path!r} (this emulator serves /api/whoami-v2 and "
+                             "/api/jobs/{namespace}[/{job_id}[/cancel|/logs]])")
+    for verb, route, params in routes:
+        if verb == method or (verb == "GET" and method == "HEAD"):
+            return route, params
+    allowed = " or ".join(verb for verb, _, _ in routes)
+    raise _ApiError(405, f"Method {method} not allowed on {path!r}; use {allowed}")
+
+
+# ==================================================================================================
+# Machinery: the echo server's protocol (no I/O) and its HTTP / WebSocket plumbing
+# ==================================================================================================
+
+_ECHO_METADATA = {
+    "name": "EchoEnvironment",
+    "description": "Echoes back every message; reward is 0.1 per character (hf_jobs_emulator).",
+    "readme_content": None, "version": "1.0.0", "author": None, "documentation_url": None,
+}
+_ECHO_SCHEMA = {
+    "action": {"title": "EchoAction", "type": "object", "additionalProperties": False,
+               "properties": {"metadata": {"title": "Metadata", "type": "object"},
+                              "message": {"title": "Message", "type": "string"}},
+               "required": ["message"]},
+    "observation": {"title": "EchoObservation", "type": "object", "additionalProperties": False,
+                    "properties": {"done": {"title": "Done", "type": "boolean", "default": False},
+                                   "reward": {"title": "Reward", "anyOf": [{"type": "boolean"}, {"type": "integer"},
+                                                                           {"type": "number"}, {"type": "null"}]},
+                                   "metadata": {"title": "Metadata", "type": "object"},
+                                   "echoed_message": {"title": "Echoed Message", "type": "string"},
+                                   "message_length": {"title": "Message Length", "type": "integer"}},
+                    "required": ["echoed_message", "message_length"]},
+    "state": {"title": "State", "type": "object", "additionalProperties": True,
+              "properties": {"episode_id": {"title": "Episode Id", "anyOf": [{"type": "string"}, {"type": "null"}]},
+                             "step_count": {"title": "Step Count", "type": "integer", "minimum": 0}}},
+}
+_ECHO_ROUTES = {"/health": "GET", "/metadata": "GET", "/schema": "GET", "/state": "GET",
+                "/reset": "POST", "/step": "POST", "/ws": "GET"}
+
+
+def _validation_error(kind: str, loc: Sequence[Any], msg: str, value: Any) -> Dict[str, Any]:
+    """One error in pydantic's shape, as OpenEnv servers put them in a 422 `detail` list."""
+    return {"type": kind, "loc": list(loc), "msg": msg, "input": value}
+
+
+def _echo_action_errors(action: Any) -> List[Dict[str, Any]]:
+    """Validation errors of an echo action (`{"message": str}`); empty when it is valid."""
+    if not isinstance(action, dict):
+        return [_validation_error("model_type", [], "Input should be an object", action)]
+    errors = [_validation_error("extra_forbidden", [key], "Extra inputs are not permitted", action[key])
+              for key in action if key not in ("message", "metadata")]
+    if "message" not in action:
+        errors.append(_validation_error("missing", ["message"], "Field required", action))
+    elif not isinstance(action["message"], str):
+        errors.append(_validation_error("string_type", ["message"], "Input should be a valid string",
+                                        action["message"]))
+    return errors
+
+
+def _echo_reset_errors(options: Any) -> List[Dict[str, Any]]:
+    if not isinstance(options, dict):
+        return [_validation_error("model_type", ["body"], "Input should be an object", options)]
+    errors = []
+    seed, episode = options.get("seed"), options.get("episode_id")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        errors.append(_validation_error("int_type", ["body", "seed"], "Input should be an integer >= 0", seed))
+    if episode is not None and (not isinstance(episode, str) or len(episode) > 255):
+        errors.append(_validation_error("string_type", ["body", "episode_id"],
+                                        "Input should be a string of at most 255 characters", episode))
+    return errors
+
+
+def _echo_http_answer(server: EchoServer, method: str, path: str, body: bytes) -> Tuple[int, Any]:
+    """(status, JSON payload) of one echo HTTP request, FastAPI-style errors included."""
+    expected = _ECHO_ROUTES.get(path)
+    if expected is None:
+        return 404, {"detail": "Not Found"}
+    if method != expected and not (method == "HEAD" and expected == "GET"):
+        return 405, {"detail": "Method Not Allowed"}
+    if path == "/health":
+        return 200, {"status": "healthy"}
+    if path == "/metadata":
+        return 200, dict(_ECHO_METADATA)
+    if path == "/schema":
+        return 200, _ECHO_SCHEMA
+    if path == "/state":
+        with server.http_lock:
+            return 200, server.http_env.state()
+    if path == "/ws":
+        return 400, {"detail": "WebSocket endpoint: connect with an Upgrade: websocket request"}
+    try:
+        request = json.loads(body.decode("utf-8")) if body.strip() else {}
+    except (UnicodeDecodeError, ValueError) as exc:
+        return 422, {"detail": [_validation_error("json_invalid", ["body"], f"JSON decode error: {exc}", None)]}
+    if path == "/reset":
+        errors = _echo_reset_errors(request)
+        if errors:
+            return 422, {"detail": errors}
+        with server.http_lock:
+            return 200, server.http_env.reset(request.get("seed"), request.get("episode_id"))
+    # /step
+    if not isinstance(request, dict) or "action" not in request:
+        return 422, {"detail": [_validation_error("missing", ["body", "action"], "Field required", request)]}
+    errors = _echo_action_errors(request["action"])
+    if errors:
+        return 422, {"detail": errors}
+    if server.step_delay_s:
+        time.sleep(server.step_delay_s)
+    with server.http_lock:
+        return 200, server.http_env.step(request["action"]["message"])
+
+
+def _echo_ws_reply(env: EchoEnvironment, text: str, step_delay_s: float = 0.0) -> Optional[Dict[str, Any]]:
+    """The reply to one OpenEnv WebSocket message, or None when the client asked to close."""
+    try:
+        message = json.loads(text)
+    except ValueError as exc:
+        return {"type": "error", "data": {"message": f"Invalid JSON: {exc}", "code": "INVALID_JSON"}}
+    kind = message.get("type", "") if isinstance(message, dict) else ""
+    data = message.get("data", {}) if isinstance(message, dict) else {}
+    if kind == "close":
+        return None
+    if kind == "reset":
+        errors = _echo_reset_errors(data)
+        if errors:
+            return {"type": "error", "data": {"message": "Invalid message", "code": "VALIDATION_ERROR",
+                                              "errors": errors}}
+        return {"type": "observation", "data": env.reset(data.get("seed"), data.get("episode_id"))}
+    if kind == "step":
+        errors = _echo_action_errors(data)
+        if errors:
+            return {"type": "error", "data": {"message": "Invalid message", "code": "VALIDATION_ERROR",
+                                              "errors": errors}}
+        if step_delay_s:
+            time.sleep(step_delay_s)
+        return {"type": "observation", "data": env.step(data["message"])}
+    if kind == "state":
+        return {"type": "state", "data": env.state()}
+    return {"type": "error", "data": {"message": f"Unknown message type: {kind}", "code": "UNKNOWN_TYPE"}}
+
+
+class _EchoHandler(_QuietHandler):
+    server_ref: EchoServer
+    server_version = "openenv-echo"
+
+    def do_GET(self) -> None:
+        if urlsplit(self.path).path == "/ws" and "websocket" in self.headers.get("Upgrade", "").lower():
+            _serve_echo_websocket(self, self.server_ref)
+            return
+        self._answer()
+
+    do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = do_GET
+
+    def _answer(self) -> None:
+        try:
+            body = self.read_body()
+        except _ApiError as exc:
+            self.send_json(exc.status, {"detail": exc.message})
+            return
+        status, payload = _echo_http_answer(self.server_ref, self.command, urlsplit(self.path).path, body)
+        self.send_json(status, payload)
+
+
+def _serve_echo_websocket(handler: BaseHTTPRequestHandler, server: EchoServer) -> None:
+    """Take the socket over after the upgrade request and run one OpenEnv session on it (wsproto)."""
+    from wsproto import ConnectionType, WSConnection
+    from wsproto.events import (AcceptConnection, BytesMessage, CloseConnection, Ping, RejectConnection,
+                                Request, TextMessage)
+    from wsproto.extensions import PerMessageDeflate
+    from wsproto.utilities import RemoteProtocolError
+
+    handler.close_connection = True
+    sock = handler.connection
+    sock.settimeout(None)  # sessions idle between steps for as long as the trainer likes
+    ws = WSConnection(ConnectionType.SERVER)
+    head = handler.requestline + "\r\n" + "".join(f"{k}: {v}\r\n" for k, v in handler.headers.items()) + "\r\n"
+    env = EchoEnvironment()
+    parts: List[str] = []
+    size = 0
+    try:
+        ws.receive_data(head.encode("latin-1"))
+        data = b""
+        while True:
+            for event in ws.events():
+                if isinstance(event, Request):
+                    sock.sendall(ws.send(AcceptConnection(extensions=[PerMessageDeflate()])))
+                elif isinstance(event, TextMessage):
+                    parts.append(event.data)
+                    size += len(event.data)
+                    if size > ECHO_MAX_MESSAGE_BYTES:
+                        sock.sendall(ws.send(CloseConnection(code=1009, reason="message too big")))
+                        return
+                    if not event.message_finished:
+                        continue
+                    text, parts, size = "".join(parts), [], 0
+                    reply = _echo_ws_reply(env, text, server.step_delay_s)
+                    if reply is None:
+                        sock.sendall(ws.send(CloseConnection(code=1000)))
+                        return
+                    sock.sendall(ws.send(TextMessage(data=json.dumps(reply))))
+                elif isinstance(event, BytesMessage):
+                    if event.message_finished:
+                        error = {"type": "error", "data": {"message": "binary frames are not supported; "
+                                                                      "send JSON text", "code": "INVALID_JSON"}}
+                        sock.sendall(ws.send(TextMessage(data=json.dumps(error))))
+                elif isinstance(event, Ping):
+                    sock.sendall(ws.send(event.response()))
+                elif isinstance(event, CloseConnection):
+                    sock.sendall(ws.send(event.response()))
+                    return
+            data = handler.rfile.read1(65536)
+            if not data:
+                return
+            ws.receive_data(data)
+    except RemoteProtocolError as exc:
+        try:
+            if exc.event_hint is not None and isinstance(exc.event_hint, RejectConnection):
+                sock.sendall(ws.send(exc.event_hint))
+        except Exception:
+            pass
+    except OSError:
+        pass  # the client (or stop()) closed the socket
+
+
+# ==================================================================================================
+# CLI
+# ==================================================================================================
+
+
+def _parse_fault(text: str) -> Tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"--fault takes KEY=VALUE, got {text!r}; keys: {', '.join(FAULT_KEYS)}")
+    return key.strip(), value.strip()
+
+
+def _echo_port_default() -> int:
+    text = os.environ.get("PORT", "")
+    return int(text) if text.isdigit() else ECHO_DEFAULT_PORT
+
+
+def _step_delay_default() -> float:
+    text = os.environ.get(ECHO_STEP_DELAY_ENV, "")
+    try:
+        return float(text) if text else 0.0
+    except ValueError:
+        raise SystemExit(f"{ECHO_STEP_DELAY_ENV}={text!r} is not a number of seconds")
+
+
+def _run_until_signal(stop: Callable[[], None]) -> None:
+    """Block the main thread until SIGINT / SIGTERM, then call `stop` (so nothing is left running)."""
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    try:
+        while not done.wait(0.5):
+            pass
+    finally:
+        stop()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`serve` runs the emulator standalone; `echo-server` runs the echo environment on $PORT."""
+    parser = argparse.ArgumentParser(prog="python -m hf_jobs_emulator", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="run the HF Jobs emulator and print its endpoint and token")
+    serve.add_argument("--host", default="127.0.0.1", help="loopback address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=0, help="API port (default: a free one)")
+    serve.add_argument("--namespace", default=DEFAULT_NAMESPACE, help="user name of the token")
+    serve.add_argument("--token", default=None, help="bearer token to accept (default: generated)")
+    serve.add_argument("--scheduling-delay-s", type=float, default=0.0, help="seconds each job spends SCHEDULING")
+    serve.add_argument("--fault", action="append", type=_parse_fault, default=[], metavar="KEY=VALUE",
+                       help=f"fault applied to every job; keys: {', '.join(FAULT_KEYS)}")
+    serve.add_argument("--json", action="store_true", help="print endpoint and token as one JSON line")
+    echo = commands.add_parser("echo-server", help="run the OpenEnv-compatible echo environment")
+    echo.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    echo.add_argument("--port", type=int, default=None, help=f"port (default $PORT or {ECHO_DEFAULT_PORT})")
+    echo.add_argument("--step-delay-s", type=float, default=None,
+                      help=f"seconds to sleep in every step (default ${ECHO_STEP_DELAY_ENV} or 0)")
+    args = parser.parse_args(argv)
+
+    if args.command == "echo-server":
+        port = args.port if args.port is not None else _echo_port_default()
+        delay = args.step_delay_s if args.step_delay_s is not None else _step_delay_default()
+        try:
+            server = EchoServer(args.host, port, delay)
+        except (ValueError, OSError) as exc:
+            print(f"echo-server: cannot listen on {args.host}:{port}: {exc}", file=sys.stderr)
+            return 2
+        server.start()
+        print(f"echo-server: OpenEnv echo environment listening on {server.url}", flush=True)
+        _run_until_signal(server.stop)
+        return 0
+
+    try:
+        emulator = JobsEmulator(args.token, args.namespace, args.host, args.port, args.scheduling_delay_s,
+                                faults=dict(args.fault))
+        emulator.start()
+    except (ValueError, OSError) as exc:
+        print(f"serve: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"endpoint": emulator.endpoint, "token": emulator.token,
+                          "namespace": emulator.namespace}), flush=True)
+    else:
+        print(f"HF Jobs emulator listening on {emulator.endpoint} (namespace {emulator.namespace})", flush=True)
+        print(f"HF_ENDPOINT={emulator.endpoint}", flush=True)
+        print(f"HF_TOKEN={emulator.token}", flush=True)
+        print("Ctrl-C stops it and every job it runs.", flush=True)
+    _run_until_signal(emulator.stop)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
