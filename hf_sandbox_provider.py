@@ -1,0 +1,1565 @@
+"""Run OpenEnv environment servers as Hugging Face Jobs, fronted by a local auth proxy.
+
+`HFSandboxProvider` implements OpenEnv's `ContainerProvider` contract on top of HF Jobs: it submits a
+job that serves the environment on an exposed port, waits for the job's URL, mounts that URL on a
+shared loopback `AuthProxy` (which adds the bearer token) and returns the proxy's base URL, which any
+unmodified OpenEnv client can use. Synchronous and threads-only, so it embeds in any training stack.
+
+Read top to bottom: errors, the provider, then the small Jobs REST client and its pure protocol
+helpers, then the `python -m hf_sandbox_provider` CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import base64
+import email.utils
+import hashlib
+import ipaddress
+import json
+import logging
+import os
+import random
+import re
+import shlex
+import socket
+import ssl
+import sys
+import threading
+import time
+import uuid
+import weakref
+from collections import deque
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from urllib.parse import urlsplit
+
+import requests
+
+if __package__:  # vendored inside a package: the proxy module sits next to this one
+    from . import proxy as _proxy
+else:
+    import proxy as _proxy
+
+InsecureURLError = _proxy.InsecureURLError
+
+__all__ = [
+    "HFSandboxProvider",
+    "SandboxError",
+    "SandboxConfigError",
+    "JobFailedError",
+    "JobStartTimeout",
+    "JobsAPIError",
+    "InsecureURLError",
+    "DEFAULT_COMMAND_TEMPLATE",
+    "KNOWN_FLAVORS",
+    "main",
+]
+
+__version__ = "0.1.0"
+
+logger = logging.getLogger("hf_sandbox_provider")
+
+# --------------------------------------------------------------------------------------------------
+# Constants
+# --------------------------------------------------------------------------------------------------
+
+# The public Hub; HF_ENDPOINT overrides it (mirrors, staging, the local emulator).
+DEFAULT_ENDPOINT = "https://huggingface.co"
+# OpenEnv servers listen on 8000 in every image built from OpenEnv's template.
+DEFAULT_PORT = 8000
+# The cheapest flavor; OpenEnv environment servers are CPU-bound HTTP servers.
+DEFAULT_FLAVOR = "cpu-basic"
+# Server-side lifetime of a job, always sent: nothing else stops billing if the client dies. One
+# hour covers a long batch of episodes yet bounds what a leaked job can cost.
+DEFAULT_JOB_TIMEOUT_S = 3600
+# From submit to an exposed URL. CPU jobs schedule in 4-11 s (see the upstream PR's benchmark);
+# GPU flavors and large images can take minutes, so the budget is generous.
+DEFAULT_START_TIMEOUT_S = 600.0
+# From URL to a 200 on /health: image pull plus server boot.
+DEFAULT_READY_TIMEOUT_S = 300.0
+# How often the job is inspected. The API allows ~1,000 calls per 5 minutes per user, so hundreds
+# of providers polling at 1 Hz would be throttled; 2 s is a compromise between latency and quota.
+DEFAULT_POLL_INTERVAL_S = 2.0
+# How often /health is probed through the local proxy (cheap: it does not touch the Jobs API).
+HEALTH_PROBE_INTERVAL_S = 0.5
+# Per-probe timeouts for /health: (connect, read). A wedged server must not eat the whole budget.
+HEALTH_PROBE_TIMEOUT_S = (5.0, 10.0)
+# Timeouts for Jobs API calls: (connect, read).
+API_TIMEOUT_S = (10.0, 30.0)
+# Retries for 429/5xx/connection failures on API calls, with full-jitter exponential backoff.
+API_MAX_RETRIES = 5
+API_BACKOFF_BASE_S = 0.5
+API_BACKOFF_CAP_S = 20.0
+# A server asking for a longer pause than this is waited for only this long.
+RETRY_AFTER_CAP_S = 60.0
+# Teardown retries a failed cancel briefly: it runs in `finally` blocks and at exit.
+CANCEL_ATTEMPTS = 3
+CANCEL_BACKOFF_CAP_S = 2.0
+# Log tail attached to JobFailedError: bounded in lines and in time (the SSE stream of a running
+# job never ends by itself).
+LOG_TAIL_LINES = 40
+LOG_FETCH_TIMEOUT_S = 5.0
+# Labels: one marks every job this library makes (so `sweep` can find leftovers), one is unique per
+# start so a create whose answer was lost can be found instead of submitted twice.
+PROVIDER_LABEL_KEY = "hf-sandbox-provider"
+PROVIDER_LABEL_VALUE = "1"
+START_LABEL_KEY = "hf-sandbox-start"
+# Stages after which a job never runs again (huggingface_hub's TERMINAL_JOB_STAGES).
+TERMINAL_STAGES = frozenset({"COMPLETED", "CANCELED", "ERROR", "DELETED"})
+# What OpenEnv's image template runs (openenv/cli/templates/openenv_env/server/Dockerfile, CMD:
+# `sh -c "cd /app/env && uvicorn server.app:app --host 0.0.0.0 --port 8000"`), with the port
+# filled in and `exec` so the server receives the job's stop signal directly.
+DEFAULT_COMMAND_TEMPLATE = (
+    "sh",
+    "-c",
+    "cd /app/env && exec uvicorn server.app:app --host 0.0.0.0 --port {port}",
+)
+# huggingface_hub's JobHardware values (2.4) plus older names; `_known_flavors()` adds whatever the
+# installed huggingface_hub knows, so a flavor newer than this list works after upgrading it.
+KNOWN_FLAVORS = frozenset(
+    {
+        "cpu-basic", "cpu-upgrade", "cpu-performance", "cpu-xl",
+        "t4-small", "t4-medium", "l4x1", "l4x4", "l40sx1", "l40sx4", "l40sx8",
+        "a10g-small", "a10g-large", "a10g-largex2", "a10g-largex4",
+        "a100-large", "a100x4", "a100x8", "h100", "h100x8",
+        "h200", "h200x2", "h200x4", "h200x8",
+        "rtx-pro-6000", "rtx-pro-6000x2", "rtx-pro-6000x4", "rtx-pro-6000x8",
+    }
+)
+# Image references of HF Spaces, sent as `spaceId` rather than `dockerImage` (as huggingface_hub does).
+SPACE_IMAGE_PREFIXES = ("https://huggingface.co/spaces/", "https://hf.co/spaces/",
+                        "huggingface.co/spaces/", "hf.co/spaces/")
+# start_container keywords that override the constructor's settings for one start.
+_OVERRIDABLE = ("command", "flavor", "namespace", "secrets", "labels", "job_timeout",
+                "start_timeout_s", "ready_timeout_s", "poll_interval_s", "verify")
+USER_AGENT = "hf-sandbox-provider/" + __version__
+
+
+# --------------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------------
+
+
+class SandboxError(RuntimeError):
+    """Base class of every error this module raises on purpose."""
+
+
+class SandboxConfigError(SandboxError, ValueError):
+    """A bad argument or missing credential, found before any network call."""
+
+
+class JobFailedError(SandboxError):
+    """The job reached a terminal stage before serving; carries its stage, message and log tail."""
+
+    def __init__(self, job_id: str, stage: str, message: Optional[str], log_tail: Sequence[str] = ()):
+        self.job_id = job_id
+        self.stage = stage
+        self.message = message
+        self.log_tail = list(log_tail)
+        text = "HF job %s ended with stage %s before it was ready: %s" % (
+            job_id, stage, message or "(no message from the Jobs API)")
+        if self.log_tail:
+            text += "\n--- last %d log lines ---\n%s" % (len(self.log_tail), "\n".join(self.log_tail))
+        else:
+            text += "\n(no log lines could be fetched)"
+        super().__init__(text)
+
+
+class JobStartTimeout(SandboxError, TimeoutError):
+    """The job did not expose its URL, or its server did not answer /health, in time."""
+
+    def __init__(self, message: str, job_id: Optional[str] = None, stage: Optional[str] = None):
+        self.job_id = job_id
+        self.stage = stage
+        super().__init__(message)
+
+
+class JobsAPIError(SandboxError):
+    """The Jobs REST API answered with an error (or could not be reached)."""
+
+    def __init__(self, action: str, status_code: Optional[int], server_message: Optional[str],
+                 request_id: Optional[str] = None, hint: Optional[str] = None):
+        self.action = action
+        self.status_code = status_code
+        self.server_message = server_message
+        self.request_id = request_id
+        text = "%s failed: %s" % (action, "HTTP %d" % status_code if status_code else "no answer")
+        if server_message:
+            text += ": " + server_message
+        if request_id:
+            text += " (request id %s)" % request_id
+        if hint:
+            text += ". " + hint
+        super().__init__(text)
+
+
+# --------------------------------------------------------------------------------------------------
+# The provider
+# --------------------------------------------------------------------------------------------------
+
+
+def _container_provider_base() -> type:
+    """OpenEnv's ContainerProvider ABC when importable (so isinstance checks pass), else object."""
+    for module_name in ("openenv.core.containers.runtime.providers", "openenv.core.containers.runtime",
+                        "openenv_core.containers.runtime.providers", "core.containers.runtime.providers"):
+        try:
+            module = __import__(module_name, fromlist=["ContainerProvider"])
+            return getattr(module, "ContainerProvider")
+        except Exception:  # absent, or an unrelated package named `core`: run without it
+            continue
+    return object
+
+
+_ProviderBase = _container_provider_base()
+
+
+class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
+    """One OpenEnv environment server running as an HF Job, reachable through the local auth proxy.
+
+    Every setting is validated at construction and again per start (before any network call). The
+    job is cancelled by `stop_container()`/`close()`/leaving the `with` block, by any failure after
+    it was created, and at interpreter exit; its `job_timeout` bounds the bill if all of that fails.
+    """
+
+    def __init__(
+        self,
+        image: Optional[str] = None,
+        *,
+        command: Union[None, str, Sequence[str]] = None,
+        port: int = DEFAULT_PORT,
+        flavor: str = DEFAULT_FLAVOR,
+        namespace: Optional[str] = None,
+        token: Optional[str] = None,
+        endpoint: Optional[str] = None,
+        env_vars: Optional[Mapping[str, Any]] = None,
+        secrets: Optional[Mapping[str, Any]] = None,
+        labels: Optional[Mapping[str, str]] = None,
+        job_timeout: Union[int, float, str] = DEFAULT_JOB_TIMEOUT_S,
+        start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+        ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
+        poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
+        verify: Union[bool, str] = True,
+        proxy: Optional["_proxy.AuthProxy"] = None,
+    ) -> None:
+        self.image = image
+        self.command = command
+        self.port = port
+        self.flavor = flavor
+        self.namespace = namespace
+        self.endpoint = _resolve_endpoint(endpoint)
+        self.env_vars = dict(env_vars or {})
+        self.secrets = dict(secrets or {})
+        self.labels = dict(labels or {})
+        self.job_timeout = job_timeout
+        self.start_timeout_s = start_timeout_s
+        self.ready_timeout_s = ready_timeout_s
+        self.poll_interval_s = poll_interval_s
+        self.verify = verify
+        self._token = token
+        self._proxy = proxy
+        # Fail at construction on what can be checked without a token or the network.
+        _raise_if_rejected(_settings_rejection(self._settings({}), image_required=False))
+        self._init_runtime_state()
+        self._reset_job_state()
+
+    # -- public API ---------------------------------------------------------------------------------
+
+    def start_container(self, image: Optional[str] = None, port: Optional[int] = None,
+                        env_vars: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> str:
+        """Submit the job, wait for its exposed URL, mount it on the proxy and return the base URL.
+
+        `image` defaults to the constructor's; `env_vars` are merged over the constructor's; the
+        keywords in `_OVERRIDABLE` override the constructor for this start. Other keywords OpenEnv
+        passes (e.g. `wait_timeout`, Docker-specific options) are ignored with a debug log.
+        Any failure or interrupt after the job was created cancels it before the error propagates.
+        """
+        overrides = {}
+        for key, value in kwargs.items():
+            if key in _OVERRIDABLE:
+                overrides[key] = value
+            else:
+                logger.debug("start_container: ignoring keyword %r (not used by HF Jobs)", key)
+        overrides["image"] = image if image is not None else self.image
+        overrides["port"] = port if port is not None else self.port
+        if env_vars:
+            overrides["env_vars"] = {**self.env_vars, **dict(env_vars)}
+        settings = self._settings(overrides)
+        _raise_if_rejected(_settings_rejection(settings, image_required=True))
+        token = self._resolve_token()
+        with self._lock:
+            if self._running or self._starting:
+                raise SandboxError(
+                    "this provider already runs job %s; call stop_container() before starting another "
+                    "(or use one provider per environment)" % (self.job_id or "(being created)"))
+            self._starting = True
+            self._stop_requested.clear()
+            self._reset_job_state()
+        try:
+            return self._start(settings, token)
+        finally:
+            with self._lock:
+                self._starting = False
+
+    def wait_for_ready(self, base_url: Optional[str] = None, timeout_s: Optional[float] = None) -> None:
+        """Poll `/health` through the proxy until it answers 200, watching the job's stage meanwhile.
+
+        Connection errors and 502/503/504 mean "not yet"; a terminal stage raises `JobFailedError`
+        at once; the deadline (`timeout_s`, default `ready_timeout_s`) raises `JobStartTimeout`.
+        On any failure or interrupt the job is cancelled before the error propagates.
+        """
+        if not self._running or self.base_url is None:
+            raise SandboxError("wait_for_ready() needs a started provider: call start_container() first")
+        url = (base_url or self.base_url).rstrip("/") + "/health"
+        budget = self.ready_timeout_s if timeout_s is None else timeout_s
+        _raise_if_rejected(_positive_number_rejection("timeout_s", budget))
+        try:
+            self._wait_healthy(url, float(budget))
+        except BaseException:
+            self._teardown()
+            raise
+
+    def stop_container(self) -> None:
+        """Unmount the route and cancel the job. Idempotent; never raises (problems are logged)."""
+        try:
+            self._stop_requested.set()
+            self._teardown()
+        except BaseException:  # a teardown must never mask the caller's own exception
+            logger.exception("unexpected error while stopping HF job %s", self.job_id)
+
+    def close(self) -> None:
+        """Same as `stop_container()`."""
+        self.stop_container()
+
+    def logs(self, tail: int = LOG_TAIL_LINES) -> List[str]:
+        """The last `tail` log lines of the current (or last) job, fetched within a few seconds."""
+        if self.job_id is None or self._job_namespace is None:
+            raise SandboxError("logs() needs a job: call start_container() first")
+        _raise_if_rejected(_positive_int_rejection("tail", tail))
+        client = self._job_client
+        if client is not None:
+            return client.job_logs(self._job_namespace, self.job_id, tail=tail)
+        client = _JobsClient(self.endpoint, self._resolve_token(), self._new_session())
+        try:
+            return client.job_logs(self._job_namespace, self.job_id, tail=tail)
+        finally:
+            client.close()
+
+    def __enter__(self) -> "HFSandboxProvider":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.stop_container()
+
+    def __repr__(self) -> str:
+        return "<HFSandboxProvider image=%r flavor=%r job_id=%r stage=%r base_url=%r>" % (
+            self.image, self.flavor, self.job_id, self.stage, self.base_url)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """Un-started providers pickle (TRL ships environment factories to workers); running ones don't."""
+        if self._running or self._starting:
+            raise TypeError(
+                "cannot pickle an HFSandboxProvider while its job %s is running: pickle it before "
+                "start_container() (each worker then starts its own job) or call stop_container() first"
+                % self.job_id)
+        state = dict(self.__dict__)
+        for name in ("_lock", "_stop_requested", "_job_client", "_proxy", "_finalizer", "_mounted_on"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._proxy = None  # a proxy's sockets and threads stay in their process: use the shared one
+        self._init_runtime_state()
+
+    # -- overridable hooks ----------------------------------------------------------------------------
+
+    def _new_session(self) -> requests.Session:
+        """The HTTP session the Jobs client uses (override to add adapters or a corporate CA)."""
+        return requests.Session()
+
+    def _exposed_url_rejection(self, url: str, job_id: str, port: int) -> Optional[str]:
+        """Why the job's exposed URL must not receive the token, or None (DESIGN.md's rule)."""
+        return _exposed_url_rejection(url, job_id, port, self.endpoint)
+
+    # -- machinery --------------------------------------------------------------------------------------
+
+    def _init_runtime_state(self) -> None:
+        self._lock = threading.Lock()
+        self._stop_requested = threading.Event()
+        self._job_client: Optional[_JobsClient] = None
+        if not hasattr(self, "_running"):
+            self._running = False
+        self._starting = False
+
+    def _reset_job_state(self) -> None:
+        self.job_id: Optional[str] = None
+        self.job_url: Optional[str] = None
+        self.upstream_url: Optional[str] = None
+        self.base_url: Optional[str] = None
+        self.stage: Optional[str] = None
+        self.timings: Dict[str, float] = {}
+        self._job_namespace: Optional[str] = None
+        self._running = False
+        self._submitted_at = 0.0
+        self._mounted_on: Optional[_proxy.AuthProxy] = None
+        self._finalizer: Optional[weakref.finalize] = None
+
+    def _settings(self, overrides: Mapping[str, Any]) -> Dict[str, Any]:
+        settings = {name: getattr(self, name) for name in _OVERRIDABLE}
+        settings.update(image=self.image, port=self.port, env_vars=self.env_vars)
+        settings.update(overrides)
+        return settings
+
+    def _resolve_token(self) -> str:
+        token = self._token if self._token is not None else _discover_token()
+        if not token:
+            raise SandboxConfigError(
+                "no Hugging Face token found: pass token=..., set HF_TOKEN, or run `hf auth login` "
+                "(the token needs permission to run Jobs); to try everything offline use "
+                "`python -m hf_sandbox_provider smoke --local`")
+        if not isinstance(token, str) or any(c.isspace() for c in token):
+            raise SandboxConfigError("the Hugging Face token must be a string without whitespace")
+        return token
+
+    def _proxy_instance(self) -> "_proxy.AuthProxy":
+        return self._proxy if self._proxy is not None else _shared_proxy()
+
+    def _elapsed(self) -> float:
+        return time.monotonic() - self._submitted_at
+
+    def _start(self, settings: Dict[str, Any], token: str) -> str:
+        client = self._job_client = _JobsClient(self.endpoint, token, self._new_session())
+        try:
+            namespace = settings["namespace"] or client.whoami_namespace()
+        except BaseException:
+            self._teardown(client)
+            raise
+        start_label = uuid.uuid4().hex
+        body = _job_body(settings, start_label)
+        self._submitted_at = time.monotonic()
+        logger.info("submitting HF job: image=%s flavor=%s namespace=%s", settings["image"],
+                    settings["flavor"], namespace)
+        try:
+            job = client.create_job(namespace, body, {START_LABEL_KEY: start_label})
+        except BaseException:
+            # The create may have succeeded even though we got no answer (or were interrupted).
+            self._cancel_by_label(client, namespace, start_label)
+            self._teardown(client)
+            raise
+        try:
+            with self._lock:
+                self.job_id = str(job["id"])
+                self._job_namespace = namespace
+                self.job_url = "%s/jobs/%s/%s" % (self.endpoint, namespace, self.job_id)
+                self._running = True
+                self.timings["created"] = self._elapsed()
+            self._arm_safety_net(client, None, None)
+            self._observe(job)
+            upstream = self._wait_for_url(client, settings)
+            if self._stop_requested.is_set():
+                raise SandboxError("stop_container() was called while job %s was starting" % self.job_id)
+            proxy = self._proxy_instance()
+            self._mounted_on = proxy
+            self.upstream_url = upstream
+            self.base_url = proxy.mount(upstream, token=token, verify=settings["verify"])
+            self._arm_safety_net(client, proxy, self.base_url)
+            self.timings["url"] = self._elapsed()
+            logger.info("HF job %s serving at %s (%.1fs after submit)", self.job_id, upstream, self._elapsed())
+            return self.base_url
+        except BaseException:
+            self._teardown(client)
+            raise
+
+    def _observe(self, job: Mapping[str, Any]) -> str:
+        """Record the job's stage; log a line when it changes."""
+        stage = str((job.get("status") or {}).get("stage") or "UNKNOWN")
+        if stage != self.stage:
+            logger.info("HF job %s: %s -> %s (%.1fs after submit)", self.job_id, self.stage or "submitted",
+                        stage, self._elapsed())
+            self.stage = stage
+            if stage == "RUNNING" and "running" not in self.timings:
+                self.timings["running"] = self._elapsed()
+        return stage
+
+    def _raise_if_terminal(self, client: "_JobsClient", job: Mapping[str, Any]) -> None:
+        stage = self._observe(job)
+        if self._stop_requested.is_set():
+            raise SandboxError("stop_container() was called while job %s was starting" % self.job_id)
+        if stage in TERMINAL_STAGES:
+            message = (job.get("status") or {}).get("message")
+            tail = client.job_logs(self._job_namespace or "", self.job_id or "", tail=LOG_TAIL_LINES)
+            raise JobFailedError(self.job_id or "", stage, message, tail)
+
+    def _wait_for_url(self, client: "_JobsClient", settings: Mapping[str, Any]) -> str:
+        deadline = self._submitted_at + float(settings["start_timeout_s"])
+        interval = float(settings["poll_interval_s"])
+        job_id, port = self.job_id or "", int(settings["port"])
+        while True:
+            job = client.get_job(self._job_namespace or "", job_id)
+            self._raise_if_terminal(client, job)
+            urls = (job.get("status") or {}).get("exposeUrls") or []
+            if urls:
+                url = str(urls[0]).rstrip("/")  # one port is exposed, so one URL
+                reason = self._exposed_url_rejection(url, job_id, port)
+                if reason:
+                    raise InsecureURLError(reason)
+                return url
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise JobStartTimeout(
+                    "HF job %s exposed no URL within start_timeout_s=%gs (last stage %s); raise "
+                    "start_timeout_s for slow flavors or large images" % (
+                        job_id, settings["start_timeout_s"], self.stage), job_id, self.stage)
+            if self._stop_requested.wait(min(interval, remaining)):
+                raise SandboxError("stop_container() was called while job %s was starting" % job_id)
+
+    def _wait_healthy(self, url: str, budget: float) -> None:
+        client = self._job_client
+        if client is None:
+            raise SandboxError("job %s was stopped before it became ready" % self.job_id)
+        start = time.monotonic()
+        deadline = start + budget
+        next_job_check = start
+        last_seen = "no answer yet"
+        with requests.Session() as session:
+            session.trust_env = False  # loopback proxy: never route through HTTP(S)_PROXY
+            while True:
+                now = time.monotonic()
+                if now >= next_job_check:
+                    self._raise_if_terminal(client, client.get_job(self._job_namespace or "", self.job_id or ""))
+                    next_job_check = now + self.poll_interval_s
+                try:
+                    response = session.get(url, timeout=HEALTH_PROBE_TIMEOUT_S)
+                    status = response.status_code
+                    response.close()
+                    last_seen = "HTTP %d" % status
+                    if status == 200:
+                        self.timings["ready"] = self._elapsed()
+                        logger.info("HF job %s ready (%.1fs after submit)", self.job_id, self._elapsed())
+                        return
+                    reason = _health_status_rejection(status)
+                    if reason:
+                        raise SandboxError("job %s: /health %s" % (self.job_id, reason))
+                except requests.RequestException as exc:
+                    last_seen = type(exc).__name__
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise JobStartTimeout(
+                        "HF job %s did not answer /health with 200 within %gs (last: %s, stage %s)"
+                        % (self.job_id, budget, last_seen, self.stage), self.job_id, self.stage)
+                if self._stop_requested.wait(min(HEALTH_PROBE_INTERVAL_S, remaining)):
+                    raise SandboxError("stop_container() was called while waiting for job %s" % self.job_id)
+
+    def _arm_safety_net(self, client: "_JobsClient", proxy: Optional["_proxy.AuthProxy"],
+                        base_url: Optional[str]) -> None:
+        """(Re)arm the finalizer that releases the job if this provider is collected or the process exits.
+
+        It holds the job's client and ids, never the provider, so the provider stays collectable.
+        """
+        finalizer = weakref.finalize(self, _release_abandoned_job, client, self._job_namespace, self.job_id,
+                                     proxy, base_url, self.job_url)
+        with self._lock:
+            old, self._finalizer = self._finalizer, finalizer
+        _live_finalizers.add(finalizer)
+        if old is not None:
+            old.detach()
+            _live_finalizers.discard(old)
+
+    def _teardown(self, client: Optional["_JobsClient"] = None) -> None:
+        """Unmount and cancel; log (never raise) whatever could not be cleaned up.
+
+        `client` is the starting thread's own client, in case a concurrent stop already took ours.
+        """
+        with self._lock:
+            job_id, namespace, base_url, proxy = self.job_id, self._job_namespace, self.base_url, self._mounted_on
+            running, client = self._running, client or self._job_client
+            finalizer, self._finalizer = self._finalizer, None
+            self._running = False
+            self.base_url = None
+            self._mounted_on = None
+            self._job_client = None
+        if finalizer is not None:
+            finalizer.detach()
+            _live_finalizers.discard(finalizer)
+        cancelled = _release_job(client, namespace, job_id if running else None, proxy, base_url, self.job_url)
+        if cancelled and self.stage not in TERMINAL_STAGES:
+            self.stage = "CANCELED"
+
+    def _cancel_by_label(self, client: "_JobsClient", namespace: str, start_label: str) -> None:
+        """After a create that failed or was interrupted, cancel the job it may have made anyway."""
+        try:
+            found = client.list_jobs(namespace, labels={START_LABEL_KEY: start_label})
+        except BaseException as exc:
+            logger.warning(
+                "could not check whether the failed create made a job anyway (%s); if it did, it runs "
+                "until its timeout: run `python -m hf_sandbox_provider sweep` (label %s=%s)",
+                type(exc).__name__, START_LABEL_KEY, start_label)
+            return
+        for job in found:
+            job_id = str(job.get("id"))
+            outcome = _cancel_briefly(client, namespace, job_id)
+            if outcome is None:
+                logger.info("cancelled job %s made by a create that reported failure", job_id)
+            else:
+                logger.warning("HF job %s (made by a failed create) could not be cancelled: %s; run "
+                               "`python -m hf_sandbox_provider sweep`", job_id, outcome)
+
+
+# --------------------------------------------------------------------------------------------------
+# Settings validation (pure: each `_..._rejection` returns why a value is refused, or None)
+# --------------------------------------------------------------------------------------------------
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_DOMAIN = r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*(?::[0-9]+)?"
+_PATH_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_IMAGE_REFERENCE = re.compile(
+    r"^(?:(?P<domain>%s)/)?%s(?:/%s)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@[A-Za-z0-9_+.-]+:[0-9a-fA-F]{32,})?$"
+    % (_DOMAIN, _PATH_COMPONENT, _PATH_COMPONENT))
+_NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_SPACE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([smhd]?)\s*$")
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _raise_if_rejected(reason: Optional[str]) -> None:
+    if reason:
+        raise SandboxConfigError(reason)
+
+
+def _image_rejection(image: Any) -> Optional[str]:
+    if not isinstance(image, str) or not image.strip():
+        return ("no image given: pass one to HFSandboxProvider(image=...) or start_container(image), "
+                "e.g. 'registry.hf.space/openenv-echo-env:latest' or 'hf.co/spaces/owner/name'")
+    for prefix in SPACE_IMAGE_PREFIXES:
+        if image.startswith(prefix):
+            if _SPACE_ID.match(image[len(prefix):]):
+                return None
+            return "image %r: a Space reference must look like 'hf.co/spaces/<owner>/<name>'" % image
+    if not _IMAGE_REFERENCE.match(image):
+        return ("image %r is not a valid Docker image reference (expected e.g. 'python:3.12', "
+                "'registry.hf.space/openenv-echo-env:latest' or 'hf.co/spaces/<owner>/<name>'; "
+                "repository names are lower case)" % image)
+    return None
+
+
+def _port_rejection(port: Any) -> Optional[str]:
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        return "port %r must be an integer from 1 to 65535 (the port the server listens on in the job)" % (port,)
+    return None
+
+
+def _known_flavors() -> frozenset:
+    try:
+        from huggingface_hub import JobHardware  # type: ignore[attr-defined]
+        return KNOWN_FLAVORS | {str(member.value) for member in JobHardware}
+    except Exception:  # old or absent huggingface_hub: the built-in list suffices
+        return KNOWN_FLAVORS
+
+
+def _flavor_rejection(flavor: Any) -> Optional[str]:
+    known = _known_flavors()
+    if isinstance(flavor, str) and flavor in known:
+        return None
+    return ("unknown flavor %r; known flavors: %s (if HF added a new one, upgrade huggingface_hub)"
+            % (flavor, ", ".join(sorted(known))))
+
+
+def _parse_duration(value: Any) -> Optional[int]:
+    """Seconds from 3600, 90.5, "3600", "30m", "2h", "1d"; None when unparseable or not positive."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str) and _DURATION.match(value):
+        number, unit = _DURATION.match(value).groups()  # type: ignore[union-attr]
+        seconds = float(number) * _DURATION_UNITS[unit]
+    else:
+        return None
+    if not seconds >= 1:  # also rejects NaN
+        return None
+    return int(seconds)
+
+
+def _positive_number_rejection(name: str, value: Any) -> Optional[str]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        return "%s=%r must be a positive number of seconds" % (name, value)
+    return None
+
+
+def _positive_int_rejection(name: str, value: Any) -> Optional[str]:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        return "%s=%r must be a positive integer" % (name, value)
+    return None
+
+
+def _mapping_rejection(name: str, value: Any, check_names: bool) -> Optional[str]:
+    if not isinstance(value, Mapping):
+        return "%s must be a dict of name -> string value, not %s" % (name, type(value).__name__)
+    for key, item in value.items():
+        if not isinstance(key, str) or (check_names and not _ENV_NAME.match(key)) or not key:
+            return "%s: %r is not a valid name (letters, digits and _, not starting with a digit)" % (name, key)
+        if not isinstance(item, (str, int, float)) or isinstance(item, bool):
+            return "%s[%r] must be a string or number, not %s" % (name, key, type(item).__name__)
+    return None
+
+
+def _command_rejection(command: Any) -> Optional[str]:
+    if command is None or isinstance(command, str):
+        return None if command is None or command.strip() else "command must not be empty"
+    if (isinstance(command, Sequence) and command
+            and all(isinstance(part, str) for part in command)):
+        return None
+    return "command must be None (OpenEnv's default server command), a string, or a non-empty list of strings"
+
+
+def _settings_rejection(settings: Mapping[str, Any], image_required: bool) -> Optional[str]:
+    """Why these provider settings cannot start a job (checked before any network call), or None."""
+    if image_required or settings.get("image") is not None:
+        reason = _image_rejection(settings.get("image"))
+        if reason:
+            return reason
+    checks = [
+        _port_rejection(settings["port"]),
+        _flavor_rejection(settings["flavor"]),
+        _command_rejection(settings["command"]),
+        _mapping_rejection("env_vars", settings["env_vars"], check_names=True),
+        _mapping_rejection("secrets", settings["secrets"], check_names=True),
+        _mapping_rejection("labels", settings["labels"], check_names=False),
+        _positive_number_rejection("start_timeout_s", settings["start_timeout_s"]),
+        _positive_number_rejection("ready_timeout_s", settings["ready_timeout_s"]),
+        _positive_number_rejection("poll_interval_s", settings["poll_interval_s"]),
+    ]
+    if _parse_duration(settings["job_timeout"]) is None:
+        checks.append("job_timeout=%r must be a positive duration: seconds (3600) or a string like "
+                      "'30m', '2h', '1d'" % (settings["job_timeout"],))
+    reserved = {PROVIDER_LABEL_KEY, START_LABEL_KEY} & set(settings["labels"] or {})
+    if reserved:
+        checks.append("labels %s are reserved for this library's own bookkeeping" % sorted(reserved))
+    namespace = settings.get("namespace")
+    if namespace is not None and (not isinstance(namespace, str) or not _NAMESPACE.match(namespace)):
+        checks.append("namespace %r must be a user or organisation name" % (namespace,))
+    verify = settings.get("verify")
+    if not isinstance(verify, (bool, str)):
+        checks.append("verify must be True, False or a CA bundle path, not %r" % (verify,))
+    return next((reason for reason in checks if reason), None)
+
+
+def _job_command(command: Union[None, str, Sequence[str]], port: int) -> List[str]:
+    if command is None:
+        return [part.format(port=port) for part in DEFAULT_COMMAND_TEMPLATE]
+    if isinstance(command, str):
+        return shlex.split(command)
+    return list(command)
+
+
+def _job_body(settings: Mapping[str, Any], start_label: str) -> Dict[str, Any]:
+    """The JSON body of `POST /api/jobs/{namespace}` for these (validated) settings."""
+    image = settings["image"]
+    labels = {str(k): str(v) for k, v in (settings["labels"] or {}).items()}
+    labels[PROVIDER_LABEL_KEY] = PROVIDER_LABEL_VALUE
+    labels[START_LABEL_KEY] = start_label
+    body: Dict[str, Any] = {
+        "command": _job_command(settings["command"], int(settings["port"])),
+        "arguments": [],
+        "environment": {k: str(v) for k, v in (settings["env_vars"] or {}).items()},
+        "flavor": settings["flavor"],
+        "timeoutSeconds": _parse_duration(settings["job_timeout"]),
+        "labels": labels,
+        "expose": {"ports": [int(settings["port"])], "portsPublic": []},
+    }
+    if settings["secrets"]:
+        body["secrets"] = {k: str(v) for k, v in settings["secrets"].items()}
+    for prefix in SPACE_IMAGE_PREFIXES:
+        if image.startswith(prefix):
+            body["spaceId"] = image[len(prefix):]
+            break
+    else:
+        body["dockerImage"] = image
+    return body
+
+
+def _is_loopback_host(host: Optional[str]) -> bool:
+    if not host:
+        return False
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _exposed_url_rejection(url: str, job_id: str, port: int, endpoint: str) -> Optional[str]:
+    """Why `url` must not receive the token, or None.
+
+    Allowed: `https://<job_id>--<port>.<domain>`; or, when the Jobs endpoint itself is loopback (the
+    emulator), an http(s) URL on a loopback host.
+    """
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname
+        parts.port  # raises on a malformed port
+    except ValueError:
+        return "the job's exposed URL %r is malformed; not sending the token to it" % url
+    if parts.username or parts.password:
+        return "the job's exposed URL %r carries credentials; not sending the token to it" % url
+    endpoint_host = urlsplit(endpoint).hostname
+    if _is_loopback_host(endpoint_host) and _is_loopback_host(host) and parts.scheme in ("http", "https"):
+        return None
+    if parts.scheme != "https":
+        return ("the job's exposed URL %r is not https; refusing to send the token in clear text" % url)
+    expected = ("%s--%d." % (job_id, port)).lower()
+    if not host or not host.lower().startswith(expected) or len(host) <= len(expected):
+        return ("the job's exposed URL %r does not belong to job %s port %d (expected host %s<domain>); "
+                "refusing to send the token to it" % (url, job_id, port, expected))
+    return None
+
+
+def _health_status_rejection(status: int) -> Optional[str]:
+    """Why a /health answer means "give up now" (auth refused), or None for "ready or not yet"."""
+    if status in (401, 403):
+        return ("answered HTTP %d: the job's proxy refused the token (it needs read access to the "
+                "job's namespace)" % status)
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Token and endpoint discovery
+# --------------------------------------------------------------------------------------------------
+
+
+def _discover_token() -> Optional[str]:
+    """huggingface_hub's `get_token()`, else HF_TOKEN, else the token file. Never logged."""
+    try:
+        try:
+            from huggingface_hub import get_token  # type: ignore[attr-defined]
+        except ImportError:
+            from huggingface_hub.utils import get_token  # type: ignore[no-redef]
+        token = get_token()
+        if token:
+            return token.strip()
+    except Exception:  # absent or too old: fall back to the documented locations
+        pass
+    token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
+    if token and token.strip():
+        return token.strip()
+    path = os.environ.get("HF_TOKEN_PATH") or os.path.join(
+        os.environ.get("HF_HOME") or os.path.join(
+            os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"), "token")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read().strip() or None
+    except OSError:
+        return None
+
+
+def _endpoint_rejection(endpoint: str) -> Optional[str]:
+    parts = urlsplit(endpoint)
+    if parts.scheme == "https" and parts.hostname:
+        return None
+    if parts.scheme == "http" and _is_loopback_host(parts.hostname):
+        return None
+    return ("Jobs endpoint %r must be https (http only for a loopback host such as the local emulator): "
+            "the token is sent to it" % endpoint)
+
+
+def _resolve_endpoint(endpoint: Optional[str]) -> str:
+    value = (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).strip().rstrip("/")
+    reason = _endpoint_rejection(value)
+    if reason:
+        raise InsecureURLError(reason)
+    return value
+
+
+def _token_fingerprint(token: str) -> str:
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+# --------------------------------------------------------------------------------------------------
+# The Jobs REST client
+# --------------------------------------------------------------------------------------------------
+
+# (endpoint, token fingerprint) -> namespace: whoami-v2 is heavily rate limited, so once per process.
+_namespace_cache: Dict[Tuple[str, str], str] = {}
+_namespace_lock = threading.Lock()
+
+
+def _retry_after_seconds(value: Optional[str], now: Optional[float] = None) -> Optional[float]:
+    """Seconds to wait from a Retry-After header (delta seconds or an HTTP date), or None."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when is None:
+        return None
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
+
+
+def _retry_delay(attempt: int, retry_after: Optional[float], base: float = API_BACKOFF_BASE_S,
+                 cap: float = API_BACKOFF_CAP_S, rng: Callable[[float, float], float] = random.uniform) -> float:
+    """Full-jitter exponential backoff; a server's Retry-After wins, capped at RETRY_AFTER_CAP_S."""
+    if retry_after is not None:
+        return min(retry_after, RETRY_AFTER_CAP_S)
+    return rng(0.0, min(cap, base * (2 ** attempt)))
+
+
+def _is_retryable_status(status: int) -> bool:
+    return status == 429 or 500 <= status <= 599
+
+
+def _server_message(response: requests.Response) -> Optional[str]:
+    message = response.headers.get("X-Error-Message")
+    if not message:
+        try:
+            payload = response.json()
+            if isinstance(payload, dict):
+                message = payload.get("error") or payload.get("message")
+        except ValueError:
+            message = (response.text or "").strip()[:300] or None
+    return str(message) if message else None
+
+
+def _status_hint(status: int) -> Optional[str]:
+    return {
+        401: "Check the token (HF_TOKEN or `hf auth login`)",
+        402: "The namespace needs a payment method or credits to run Jobs",
+        403: "The token lacks permission to run Jobs in this namespace (a fine-grained token needs "
+             "'jobs' write access)",
+        404: "Check the namespace and job id",
+        429: "The Jobs API rate limit (about 1,000 calls per 5 minutes) was hit; poll less often",
+    }.get(status)
+
+
+def _sse_lines(chunks: Iterable[str]) -> Iterable[str]:
+    """Log lines from an HF Jobs SSE stream: `data: {"data": line, "timestamp": ...}` events."""
+    for raw in chunks:
+        if not raw.startswith("data:"):
+            continue
+        payload = raw[5:].strip()
+        try:
+            event = json.loads(payload)
+            line = event.get("data") if isinstance(event, dict) else None
+        except ValueError:
+            line = payload
+        if isinstance(line, str) and not line.startswith("===== Job started"):
+            yield line
+
+
+class _JobsClient:
+    """The few Jobs REST calls the provider needs, on a private requests.Session."""
+
+    def __init__(self, endpoint: str, token: str, session: Optional[requests.Session] = None):
+        self.endpoint = endpoint
+        self._token = token
+        self._session = session or requests.Session()
+        self._session.headers.setdefault("User-Agent", USER_AGENT)
+        if self._session.headers["User-Agent"].startswith("python-requests/"):
+            self._session.headers["User-Agent"] = USER_AGENT
+        self._session.headers["Authorization"] = "Bearer " + token
+
+    def __repr__(self) -> str:
+        return "<_JobsClient endpoint=%r>" % self.endpoint
+
+    def close(self) -> None:
+        self._session.close()
+
+    # -- calls ----------------------------------------------------------------------------------------
+
+    def whoami_namespace(self) -> str:
+        key = (self.endpoint, _token_fingerprint(self._token))
+        with _namespace_lock:  # one call per token per process, even with many threads starting
+            if key not in _namespace_cache:
+                payload = self._json("GET", "/api/whoami-v2", "whoami-v2 (namespace lookup)")
+                name = payload.get("name") if isinstance(payload, dict) else None
+                if not name:
+                    raise JobsAPIError("whoami-v2 (namespace lookup)", 200, "answer has no 'name'",
+                                       hint="pass namespace=... explicitly")
+                _namespace_cache[key] = str(name)
+            return _namespace_cache[key]
+
+    def create_job(self, namespace: str, body: Mapping[str, Any], unique_label: Mapping[str, str]) -> Dict[str, Any]:
+        """POST the job; after an ambiguous failure, adopt the job carrying `unique_label` if it exists."""
+        action = "creating the job in namespace %r" % namespace
+        path = "/api/jobs/%s" % namespace
+        attempt = 0
+        while True:
+            retry_after: Optional[float] = None
+            try:
+                response = self._session.post(self.endpoint + path, json=dict(body), timeout=API_TIMEOUT_S)
+            except requests.ConnectTimeout as exc:
+                failure: Union[str, requests.Response] = "could not connect (%s)" % type(exc).__name__
+                ambiguous = False
+            except requests.RequestException as exc:
+                failure, ambiguous = "%s" % type(exc).__name__, True
+            else:
+                if response.status_code < 300:
+                    return self._decode(response, action)
+                if not _is_retryable_status(response.status_code):
+                    raise self._error(response, action)
+                failure, ambiguous = response, response.status_code != 429
+                retry_after = _retry_after_seconds(response.headers.get("Retry-After"))
+                response.close()
+            if ambiguous:
+                found = self.list_jobs(namespace, labels=unique_label)
+                if found:
+                    logger.info("create answer was lost; adopting job %s found by its start label", found[0].get("id"))
+                    return found[0]
+            if attempt >= API_MAX_RETRIES:
+                if isinstance(failure, requests.Response):
+                    raise self._error(failure, action)
+                raise JobsAPIError(action, None, failure, hint="check the network and HF_ENDPOINT")
+            delay = _retry_delay(attempt, retry_after)
+            logger.info("%s: retrying in %.1fs (%s)", action, delay,
+                        "HTTP %d" % failure.status_code if isinstance(failure, requests.Response) else failure)
+            time.sleep(delay)
+            attempt += 1
+
+    def get_job(self, namespace: str, job_id: str, retries: int = API_MAX_RETRIES) -> Dict[str, Any]:
+        return self._json("GET", "/api/jobs/%s/%s" % (namespace, job_id), "inspecting job %s" % job_id,
+                          retries=retries)
+
+    def cancel_job(self, namespace: str, job_id: str) -> None:
+        self._json("POST", "/api/jobs/%s/%s/cancel" % (namespace, job_id), "cancelling job %s" % job_id,
+                   retries=2, max_delay=CANCEL_BACKOFF_CAP_S, allow_empty=True)
+
+    def list_jobs(self, namespace: str, labels: Optional[Mapping[str, str]] = None,
+                  stages: Sequence[str] = ()) -> List[Dict[str, Any]]:
+        params = [("label", "%s=%s" % item) for item in (labels or {}).items()]
+        params += [("stage", stage) for stage in stages]
+        payload = self._json("GET", "/api/jobs/%s" % namespace, "listing jobs", params=params)
+        return [job for job in payload if isinstance(job, dict)] if isinstance(payload, list) else []
+
+    def job_logs(self, namespace: str, job_id: str, tail: int = LOG_TAIL_LINES,
+                 timeout_s: float = LOG_FETCH_TIMEOUT_S) -> List[str]:
+        """The last `tail` log lines, reading the SSE stream for at most `timeout_s`. Never raises."""
+        lines: deque = deque(maxlen=tail)
+        deadline = time.monotonic() + timeout_s
+        try:
+            with self._session.get(self.endpoint + "/api/jobs/%s/%s/logs" % (namespace, job_id),
+                                   params={"tail": tail}, stream=True,
+                                   timeout=(API_TIMEOUT_S[0], min(2.0, timeout_s))) as response:
+                if response.status_code >= 300:
+                    return []
+                raw = response.iter_lines(decode_unicode=True)
+                for line in _sse_lines(line for line in raw if line is not None):
+                    lines.append(line)
+                    if time.monotonic() > deadline:
+                        break
+        except (requests.RequestException, OSError) as exc:  # a read timeout ends a live stream
+            logger.debug("log stream for job %s ended: %s", job_id, type(exc).__name__)
+        return list(lines)
+
+    # -- machinery --------------------------------------------------------------------------------------
+
+    def _json(self, method: str, path: str, action: str, params: Any = None, retries: int = API_MAX_RETRIES,
+              max_delay: float = RETRY_AFTER_CAP_S, allow_empty: bool = False) -> Any:
+        """An idempotent call (safe to repeat): retries 429/5xx/connection errors with backoff."""
+        attempt = 0
+        while True:
+            retry_after: Optional[float] = None
+            try:
+                response = self._session.request(method, self.endpoint + path, params=params,
+                                                 timeout=API_TIMEOUT_S)
+            except requests.RequestException as exc:
+                if attempt >= retries:
+                    raise JobsAPIError(action, None, type(exc).__name__,
+                                       hint="check the network and HF_ENDPOINT (%s)" % self.endpoint) from None
+                failure = type(exc).__name__
+            else:
+                if response.status_code < 300:
+                    if allow_empty and not response.content:
+                        return None
+                    return self._decode(response, action, allow_empty=allow_empty)
+                if not _is_retryable_status(response.status_code) or attempt >= retries:
+                    raise self._error(response, action)
+                retry_after = _retry_after_seconds(response.headers.get("Retry-After"))
+                failure = "HTTP %d" % response.status_code
+                response.close()
+            delay = min(_retry_delay(attempt, retry_after), max_delay)
+            logger.debug("%s: %s, retrying in %.1fs", action, failure, delay)
+            time.sleep(delay)
+            attempt += 1
+
+    @staticmethod
+    def _decode(response: requests.Response, action: str, allow_empty: bool = False) -> Any:
+        try:
+            return response.json()
+        except ValueError:
+            if allow_empty:
+                return None
+            raise JobsAPIError(action, response.status_code, "the answer is not JSON",
+                               response.headers.get("X-Request-Id")) from None
+
+    @staticmethod
+    def _error(response: requests.Response, action: str) -> JobsAPIError:
+        return JobsAPIError(action, response.status_code, _server_message(response),
+                            response.headers.get("X-Request-Id"), _status_hint(response.status_code))
+
+
+# --------------------------------------------------------------------------------------------------
+# Process-wide state: the shared proxy and the exit hook
+# --------------------------------------------------------------------------------------------------
+
+_shared_proxy_instance: Optional["_proxy.AuthProxy"] = None
+_shared_proxy_lock = threading.Lock()
+# Safety nets of running providers (weakref.finalize objects: they do not keep providers alive).
+_live_finalizers: "set[weakref.finalize]" = set()
+def _shared_proxy() -> "_proxy.AuthProxy":
+    """One loopback proxy for every provider in the process (started on first use)."""
+    global _shared_proxy_instance
+    with _shared_proxy_lock:
+        if _shared_proxy_instance is None:
+            _shared_proxy_instance = _proxy.AuthProxy().start()
+        return _shared_proxy_instance
+
+
+def _cancel_briefly(client: "_JobsClient", namespace: str, job_id: str) -> Optional[str]:
+    """Cancel with a few brief retries; None once nothing bills any more, else the last reason."""
+    reason: Optional[str] = None
+    for attempt in range(CANCEL_ATTEMPTS):
+        try:
+            client.cancel_job(namespace, job_id)
+            return None
+        except JobsAPIError as exc:
+            reason = str(exc)
+            if exc.status_code == 404:
+                return None  # the job no longer exists
+            if exc.status_code is not None and 400 <= exc.status_code < 500 and exc.status_code != 429:
+                try:  # the API refuses to cancel a finished job: that is success too
+                    stage = (client.get_job(namespace, job_id, retries=0).get("status") or {}).get("stage")
+                    if stage in TERMINAL_STAGES:
+                        return None
+                except Exception:
+                    pass
+        except Exception as exc:
+            reason = "%s: %s" % (type(exc).__name__, exc)
+        if attempt + 1 < CANCEL_ATTEMPTS:
+            time.sleep(random.uniform(0, min(CANCEL_BACKOFF_CAP_S, 0.25 * 2 ** attempt)))
+    return reason
+
+
+def _release_abandoned_job(*args: Any) -> None:
+    """Safety net: a provider was garbage-collected or the interpreter is exiting with its job running."""
+    logger.warning("HF job %s is still running at exit (or its provider was garbage-collected): cancelling it",
+                   args[2])
+    _release_job(*args)
+
+
+def _release_job(client: Optional["_JobsClient"], namespace: Optional[str], job_id: Optional[str],
+                 proxy: Optional["_proxy.AuthProxy"], base_url: Optional[str], job_url: Optional[str]) -> bool:
+    """Unmount the route and cancel the job; warn (never raise) about what could not be done.
+
+    Returns True when the job was cancelled. Used by teardown and by the garbage-collection/exit
+    safety net, so it takes plain values, never the provider.
+    """
+    problems = []
+    cancelled = False
+    try:
+        if base_url and proxy is not None:
+            try:
+                proxy.unmount(base_url)
+            except Exception as exc:
+                problems.append("could not unmount its proxy route (%s)" % type(exc).__name__)
+        if job_id and namespace and client is not None:
+            outcome = _cancel_briefly(client, namespace, job_id)
+            if outcome is None:
+                cancelled = True
+                logger.info("HF job %s cancelled", job_id)
+            else:
+                problems.append("could not cancel it (%s)" % outcome)
+        if client is not None:
+            client.close()
+    except BaseException as exc:  # e.g. a second Ctrl-C during teardown: report, do not mask
+        problems.append("teardown interrupted (%s)" % type(exc).__name__)
+    if problems:
+        logger.warning(
+            "HF job %s: %s. It keeps running (and billing) until its timeout; cancel it at %s or run "
+            "`python -m hf_sandbox_provider sweep`", job_id, "; ".join(problems), job_url or "the Hub")
+    return cancelled
+
+
+@atexit.register
+def _stop_everything_at_exit() -> None:
+    """Cancel the jobs of providers still running at interpreter exit, then stop the shared proxy."""
+    for finalizer in list(_live_finalizers):
+        finalizer()  # runs at most once; a no-op if teardown already detached it
+    _live_finalizers.clear()
+    global _shared_proxy_instance
+    with _shared_proxy_lock:
+        proxy, _shared_proxy_instance = _shared_proxy_instance, None
+    if proxy is not None:
+        try:
+            proxy.stop()
+        except Exception:
+            pass
+
+
+# --------------------------------------------------------------------------------------------------
+# A small synchronous WebSocket client (for the smoke check; OpenEnv's JSON messages)
+# --------------------------------------------------------------------------------------------------
+
+
+class _WSClient:
+    """Blocking wsproto client over one socket, with a timeout on every read and write."""
+
+    def __init__(self, url: str, timeout_s: float = 30.0, verify: Union[bool, str] = True) -> None:
+        from wsproto import ConnectionType, WSConnection
+        from wsproto.events import Request
+
+        parts = urlsplit(url)
+        if parts.scheme not in ("ws", "wss") or not parts.hostname:
+            raise SandboxConfigError("WebSocket URL %r must start with ws:// or wss://" % url)
+        port = parts.port or (443 if parts.scheme == "wss" else 80)
+        self._sock: Any = socket.create_connection((parts.hostname, port), timeout=timeout_s)
+        try:
+            if parts.scheme == "wss":
+                context = ssl.create_default_context(cafile=verify if isinstance(verify, str) else None)
+                if verify is False:
+                    context.check_hostname = False
+                    context.verify_mode = ssl.CERT_NONE
+                self._sock = context.wrap_socket(self._sock, server_hostname=parts.hostname)
+            self._ws = WSConnection(ConnectionType.CLIENT)
+            self._pending: deque = deque()
+            target = (parts.path or "/") + ("?" + parts.query if parts.query else "")
+            self._send(Request(host=parts.netloc, target=target))
+            self._handshake()
+        except BaseException:
+            self._sock.close()
+            raise
+
+    def request(self, message: Mapping[str, Any]) -> Dict[str, Any]:
+        """Send one JSON message and return the JSON answer."""
+        from wsproto.events import Message
+
+        self._send(Message(data=json.dumps(message)))
+        return self.receive()
+
+    def receive(self) -> Dict[str, Any]:
+        from wsproto.events import BytesMessage, CloseConnection, Ping, TextMessage
+
+        parts: List[Any] = []
+        while True:
+            event = self._next_event()
+            if isinstance(event, Ping):
+                self._send(event.response())
+            elif isinstance(event, CloseConnection):
+                raise SandboxError("the server closed the WebSocket (code %s %s)" % (event.code, event.reason))
+            elif isinstance(event, (TextMessage, BytesMessage)):
+                parts.append(event.data)
+                if event.message_finished:
+                    data = "".join(parts) if isinstance(event, TextMessage) else b"".join(parts).decode()
+                    return json.loads(data)
+
+    def close(self) -> None:
+        """Close politely (OpenEnv's `close` message, then a close frame), then the socket."""
+        from wsproto.events import CloseConnection, Message
+
+        try:
+            self._send(Message(data=json.dumps({"type": "close"})))
+            self._send(CloseConnection(code=1000))
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline:
+                if isinstance(self._next_event(), CloseConnection):
+                    break
+        except Exception:
+            pass  # the socket closes below either way
+        finally:
+            self._sock.close()
+
+    def _handshake(self) -> None:
+        from wsproto.events import AcceptConnection, RejectConnection
+
+        event = self._next_event()
+        if isinstance(event, RejectConnection):
+            raise SandboxError("WebSocket upgrade refused with HTTP %d" % event.status_code)
+        if not isinstance(event, AcceptConnection):
+            raise SandboxError("unexpected answer to the WebSocket upgrade: %s" % type(event).__name__)
+
+    def _send(self, event: Any) -> None:
+        self._sock.sendall(self._ws.send(event))
+
+    def _next_event(self) -> Any:
+        while not self._pending:
+            self._pending.extend(self._ws.events())
+            if self._pending:
+                break
+            data = self._sock.recv(65536)
+            if not data:
+                raise SandboxError("the WebSocket connection closed unexpectedly")
+            self._ws.receive_data(data)
+        return self._pending.popleft()
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI: python -m hf_sandbox_provider smoke|sweep|bench
+# --------------------------------------------------------------------------------------------------
+
+# The image `smoke` runs on the real Hub unless --image or HF_SANDBOX_IMAGE says otherwise.
+SMOKE_DEFAULT_IMAGE = "registry.hf.space/openenv-echo-env:latest"
+# The echo environment's action; other environments take --action.
+SMOKE_DEFAULT_ACTION = {"message": "hello from hf-sandbox-provider smoke"}
+# WebSocket steps after the reset: enough to show a session keeps its state.
+SMOKE_WS_STEPS = 3
+# Per-request timeout of the smoke's own HTTP and WebSocket calls.
+SMOKE_REQUEST_TIMEOUT_S = 60.0
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+class _Smoke:
+    """Runs the smoke stages in order, printing one line per stage as it finishes."""
+
+    def __init__(self, quiet: bool, out: Any) -> None:
+        self.stages: List[Dict[str, Any]] = []
+        self.quiet = quiet
+        self.out = out
+        self.began = time.monotonic()
+
+    def stage(self, name: str, action: Callable[[], Optional[str]]) -> bool:
+        start = time.monotonic()
+        self.say("  ...   %s" % name)
+        try:
+            detail = action()
+            ok = True
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                self.record(name, False, start, "interrupted (%s)" % type(exc).__name__)
+                raise
+            detail, ok = "%s: %s" % (type(exc).__name__, exc), False
+        self.record(name, ok, start, detail)
+        return ok
+
+    def record(self, name: str, ok: bool, start: float, detail: Optional[str]) -> None:
+        seconds = time.monotonic() - start
+        self.stages.append({"name": name, "ok": ok, "seconds": round(seconds, 3), "detail": detail or ""})
+        first_line = (detail or "").splitlines()[0] if detail else ""
+        self.say("%s %6.2fs  %s%s" % ("  ok  " if ok else "  FAIL", seconds, name,
+                                       "  (%s)" % first_line if first_line else ""))
+        if not ok and detail and "\n" in detail:
+            self.say("\n".join("        | " + line for line in detail.splitlines()[1:]))
+
+    def say(self, line: str) -> None:
+        if not self.quiet:
+            print(line, file=self.out, flush=True)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.stages) and all(stage["ok"] for stage in self.stages)
+
+    def table(self) -> str:
+        width = max(len(stage["name"]) for stage in self.stages)
+        rows = ["%-*s  %-6s  %8s" % (width, "stage", "result", "seconds")]
+        rows += ["%-*s  %-6s  %8.2f" % (width, s["name"], "ok" if s["ok"] else "FAIL", s["seconds"])
+                 for s in self.stages]
+        rows.append("%-*s  %-6s  %8.2f" % (width, "total", "ok" if self.ok else "FAIL",
+                                            time.monotonic() - self.began))
+        return "\n".join(rows)
+
+
+def _smoke_checks(smoke: _Smoke, base_url: str, action: Mapping[str, Any]) -> None:
+    """/health, HTTP /reset + /step, and a WebSocket /ws session, all through the proxy's base URL."""
+    with requests.Session() as http:
+        http.trust_env = False
+
+        def health() -> str:
+            response = http.get(base_url + "/health", timeout=SMOKE_REQUEST_TIMEOUT_S)
+            response.raise_for_status()
+            return "HTTP %d %s" % (response.status_code, response.text.strip()[:80])
+
+        def reset() -> str:
+            response = http.post(base_url + "/reset", json={}, timeout=SMOKE_REQUEST_TIMEOUT_S)
+            response.raise_for_status()
+            return "done=%s" % response.json().get("done")
+
+        def step() -> str:
+            response = http.post(base_url + "/step", json={"action": dict(action)}, timeout=SMOKE_REQUEST_TIMEOUT_S)
+            response.raise_for_status()
+            payload = response.json()
+            return "reward=%s done=%s" % (payload.get("reward"), payload.get("done"))
+
+        smoke.stage("GET /health", health)
+        smoke.stage("HTTP POST /reset", reset)
+        smoke.stage("HTTP POST /step", step)
+
+    def websocket() -> str:
+        ws = _WSClient("ws" + base_url[len("http"):] + "/ws", timeout_s=SMOKE_REQUEST_TIMEOUT_S)
+        try:
+            answers = [ws.request({"type": "reset", "data": {}})]
+            answers += [ws.request({"type": "step", "data": dict(action)}) for _ in range(SMOKE_WS_STEPS)]
+            state = ws.request({"type": "state"})
+        finally:
+            ws.close()
+        errors = [a for a in answers + [state] if a.get("type") == "error"]
+        if errors:
+            raise SandboxError("server answered an error: %s" % json.dumps(errors[0].get("data"))[:300])
+        if [a.get("type") for a in answers] != ["observation"] * (1 + SMOKE_WS_STEPS):
+            raise SandboxError("unexpected answers: %s" % [a.get("type") for a in answers])
+        return "reset + %d steps, step_count=%s" % (SMOKE_WS_STEPS, (state.get("data") or {}).get("step_count"))
+
+    smoke.stage("WebSocket /ws reset + %d steps" % SMOKE_WS_STEPS, websocket)
+
+
+def _run_smoke(args: argparse.Namespace) -> int:
+    out = sys.stderr if args.json else sys.stdout
+    smoke = _Smoke(quiet=False, out=out)
+    try:
+        action = json.loads(args.action) if args.action else SMOKE_DEFAULT_ACTION
+        if not isinstance(action, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as exc:
+        print("error: --action must be a JSON object (%s)" % exc, file=sys.stderr)
+        return EXIT_USAGE
+    image = args.image or os.environ.get("HF_SANDBOX_IMAGE") or SMOKE_DEFAULT_IMAGE
+    emulator = None
+    provider: Optional[HFSandboxProvider] = None
+    failure: Optional[str] = None
+    try:
+        settings: Dict[str, Any] = dict(flavor=args.flavor)
+        if args.local:
+            if __package__:
+                from . import hf_jobs_emulator as _emulator
+            else:
+                import hf_jobs_emulator as _emulator
+            emulator = _emulator.JobsEmulator()
+            smoke.stage("start local Jobs emulator", lambda: "endpoint %s" % emulator.start().endpoint)
+            settings.update(endpoint=emulator.endpoint, token=emulator.token,
+                            command=args.command or _emulator.echo_server_command())
+        elif args.command:
+            settings.update(command=args.command)
+        if args.timeout:
+            settings.update(start_timeout_s=args.timeout, ready_timeout_s=args.timeout)
+        try:
+            provider = HFSandboxProvider(image, **settings)
+            if not args.local:
+                provider._resolve_token()  # fail now, with the hint, rather than mid-stage
+        except SandboxConfigError as exc:
+            print("error: %s" % exc, file=sys.stderr)
+            return EXIT_USAGE
+        if smoke.ok or not smoke.stages:
+            started = smoke.stage("start_container (submit -> exposed URL)", lambda: "job %s at %s" % (
+                provider.start_container() and provider.job_id, provider.upstream_url))
+            if started:
+                smoke.say("        job page: %s" % provider.job_url)
+                if smoke.stage("wait_for_ready (/health through the proxy)", lambda: provider.wait_for_ready()):
+                    _smoke_checks(smoke, provider.base_url or "", action)
+    except KeyboardInterrupt:
+        failure = "interrupted"
+    finally:
+        if provider is not None:
+            job_id = provider.job_id
+            smoke.stage("stop_container (cancel job, unmount)", lambda: provider.stop_container() or (
+                "job %s %s" % (job_id, provider.stage) if job_id else "nothing to stop"))
+        if emulator is not None:
+            live = []
+
+            def stop_emulator() -> str:
+                emulator.stop()
+                live.extend(emulator.live_pids())
+                if live:
+                    raise SandboxError("job processes still alive: %s" % live)
+                return "no job process left"
+
+            smoke.stage("stop local Jobs emulator", stop_emulator)
+    if args.json:
+        print(json.dumps({
+            "ok": smoke.ok and failure is None, "mode": "local" if args.local else "hub", "image": image,
+            "job_id": provider.job_id if provider else None, "job_url": provider.job_url if provider else None,
+            "timings": provider.timings if provider else {}, "stages": smoke.stages, "error": failure or next(
+                (s["detail"] for s in smoke.stages if not s["ok"]), None),
+        }, indent=2))
+    else:
+        print("\n" + smoke.table(), file=out)
+        if provider is not None and provider.timings:
+            print("job timings (s after submit): %s" % ", ".join(
+                "%s=%.2f" % item for item in sorted(provider.timings.items(), key=lambda kv: kv[1])), file=out)
+    return EXIT_OK if smoke.ok and failure is None else EXIT_FAILED
+
+
+def _run_sweep(args: argparse.Namespace) -> int:
+    """Cancel (or with --dry-run, list) this library's jobs still scheduling or running."""
+    try:
+        endpoint = _resolve_endpoint(args.endpoint)
+    except InsecureURLError as exc:
+        print("error: %s" % exc, file=sys.stderr)
+        return EXIT_USAGE
+    token = _discover_token()
+    if not token:
+        print("error: no Hugging Face token found: set HF_TOKEN or run `hf auth login`", file=sys.stderr)
+        return EXIT_USAGE
+    client = _JobsClient(endpoint, token)
+    try:
+        namespace = args.namespace or client.whoami_namespace()
+        jobs = client.list_jobs(namespace, labels={PROVIDER_LABEL_KEY: PROVIDER_LABEL_VALUE},
+                                stages=("SCHEDULING", "RUNNING"))
+        jobs = [job for job in jobs if (job.get("status") or {}).get("stage") not in TERMINAL_STAGES]
+        failed = 0
+        for job in jobs:
+            job_id = str(job.get("id"))
+            if args.dry_run:
+                print("would cancel %s (%s)" % (job_id, (job.get("status") or {}).get("stage")))
+                continue
+            outcome = _cancel_briefly(client, namespace, job_id)
+            print("cancelled %s" % job_id if outcome is None else "FAILED to cancel %s: %s" % (job_id, outcome))
+            failed += outcome is not None
+        print("%d leftover job(s) in %s" % (len(jobs), namespace))
+        return EXIT_FAILED if failed else EXIT_OK
+    except JobsAPIError as exc:
+        print("error: %s" % exc, file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        client.close()
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m hf_sandbox_provider",
+                                     description="Run OpenEnv environments as HF Jobs behind a local auth proxy.")
+    commands = parser.add_subparsers(dest="subcommand", metavar="{smoke,sweep,bench}")
+    smoke = commands.add_parser("smoke", help="start one environment, check HTTP and WebSocket, tear down")
+    smoke.add_argument("--local", action="store_true",
+                       help="use the local HF Jobs emulator and its echo server: no token, no network")
+    smoke.add_argument("--image", help="image to run (default: $HF_SANDBOX_IMAGE or %s)" % SMOKE_DEFAULT_IMAGE)
+    smoke.add_argument("--command", help="server command in the job (default: OpenEnv's uvicorn command; "
+                                         "with --local: the emulator's echo server)")
+    smoke.add_argument("--flavor", default=DEFAULT_FLAVOR, help="hardware flavor (default %(default)s)")
+    smoke.add_argument("--action", help="JSON action for /step (default: the echo environment's)")
+    smoke.add_argument("--timeout", type=float, help="seconds allowed for the start and for readiness")
+    smoke.add_argument("--json", action="store_true", help="print a JSON report on stdout (progress on stderr)")
+    smoke.add_argument("-v", "--verbose", action="count", default=0, help="log the provider's progress")
+    sweep = commands.add_parser("sweep", help="cancel this library's jobs still running in a namespace")
+    sweep.add_argument("--dry-run", action="store_true", help="only list them")
+    sweep.add_argument("--namespace", help="user or organisation (default: the token's user)")
+    sweep.add_argument("--endpoint", help="Hub endpoint (default: $HF_ENDPOINT or %s)" % DEFAULT_ENDPOINT)
+    sweep.add_argument("-v", "--verbose", action="count", default=0)
+    bench = commands.add_parser("bench", help="benchmark (not yet implemented)")
+    bench.add_argument("--local", action="store_true")
+    bench.add_argument("-v", "--verbose", action="count", default=0)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of `python -m hf_sandbox_provider`; returns the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.subcommand is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    if args.verbose:
+        logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO, stream=sys.stderr,
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.subcommand == "smoke":
+        return _run_smoke(args)
+    if args.subcommand == "sweep":
+        return _run_sweep(args)
+    print("error: `bench` is not implemented yet; see benchmarks/ for the benchmark scripts", file=sys.stderr)
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,310 @@
+"""The Jobs REST client and the pure protocol rules under it (retry timing, URL rule, validation).
+
+The Jobs API is mocked with `responses` (the only mocked boundary); everything else runs for real.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import threading
+import uuid
+
+import pytest
+import requests
+import responses
+
+import hf_sandbox_provider as hsp
+
+ENDPOINT = "https://hub.test"
+
+
+def fresh_token() -> str:
+    """A token unique to the test, so the per-process namespace cache never leaks between tests."""
+    return "hf_test_" + uuid.uuid4().hex
+
+
+def job_json(job_id="job1", stage="SCHEDULING", urls=None, message=None):
+    return {"id": job_id, "owner": {"id": "u1", "name": "alice", "type": "user"},
+            "status": {"stage": stage, "message": message, "exposeUrls": urls}}
+
+
+@pytest.fixture
+def api():
+    with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
+        yield mock
+
+
+def calls_to(mock, method, path):
+    return [c for c in mock.calls
+            if c.request.method == method and requests.utils.urlparse(c.request.url).path == path]
+
+
+# -- Retry-After and backoff ------------------------------------------------------------------------
+
+
+def test_retry_after_in_seconds_is_honoured():
+    assert hsp._retry_after_seconds("7") == 7.0
+    assert hsp._retry_delay(0, hsp._retry_after_seconds("7")) == 7.0
+
+
+def test_retry_after_as_http_date_counts_from_now():
+    now = 1_700_000_000.0
+    header = email.utils.formatdate(now + 30, usegmt=True)
+    assert hsp._retry_after_seconds(header, now=now) == pytest.approx(30.0)
+
+
+def test_retry_after_in_the_past_or_garbage_means_no_wait_or_no_hint():
+    assert hsp._retry_after_seconds(email.utils.formatdate(0, usegmt=True), now=1e9) == 0.0
+    assert hsp._retry_after_seconds("soon") is None
+    assert hsp._retry_after_seconds(None) is None
+
+
+def test_huge_retry_after_is_capped():
+    assert hsp._retry_delay(0, 10_000.0) == hsp.RETRY_AFTER_CAP_S
+
+
+def test_backoff_without_retry_after_is_full_jitter_bounded_by_cap():
+    seen = []
+
+    def rng(low, high):
+        seen.append((low, high))
+        return high
+
+    assert hsp._retry_delay(0, None, base=0.5, cap=20.0, rng=rng) == 0.5
+    assert hsp._retry_delay(3, None, base=0.5, cap=20.0, rng=rng) == 4.0
+    assert hsp._retry_delay(30, None, base=0.5, cap=20.0, rng=rng) == 20.0
+    assert all(low == 0.0 for low, _ in seen)
+
+
+# -- the exposed-URL rule ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("url", ["https://abc123--8000.hf.jobs", "https://ABC123--8000.hf.jobs/"])
+def test_job_url_matching_job_id_and_port_is_accepted(url):
+    assert hsp._exposed_url_rejection(url.rstrip("/"), "abc123", 8000, "https://huggingface.co") is None
+
+
+@pytest.mark.parametrize("url, why", [
+    ("http://abc123--8000.hf.jobs", "not https"),
+    ("https://other--8000.hf.jobs", "does not belong"),
+    ("https://abc123--9000.hf.jobs", "does not belong"),
+    ("https://evil.example/abc123--8000.hf.jobs", "does not belong"),
+    ("https://abc123--8000.", "does not belong"),
+    ("https://user:pw@abc123--8000.hf.jobs", "credentials"),
+    ("http://127.0.0.1:8000", "not https"),
+])
+def test_job_url_failing_the_rule_is_refused_with_the_reason(url, why):
+    reason = hsp._exposed_url_rejection(url, "abc123", 8000, "https://huggingface.co")
+    assert reason is not None and why in reason
+
+
+def test_loopback_job_url_is_accepted_only_when_the_endpoint_is_loopback():
+    assert hsp._exposed_url_rejection("http://127.0.0.1:4321", "j", 8000, "http://127.0.0.1:9999") is None
+    assert hsp._exposed_url_rejection("http://[::1]:4321", "j", 8000, "http://localhost:9999") is None
+    assert hsp._exposed_url_rejection("http://10.0.0.5:4321", "j", 8000, "http://127.0.0.1:9999")
+
+
+def test_plain_http_endpoint_off_loopback_is_refused_before_any_call():
+    with pytest.raises(hsp.InsecureURLError, match="must be https"):
+        hsp.HFSandboxProvider("python:3.12", endpoint="http://hub.example", token=fresh_token())
+    assert issubclass(hsp.InsecureURLError, ValueError)
+
+
+# -- validation -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("image", [
+    "python:3.12", "registry.hf.space/openenv-echo-env:latest", "localhost:5000/a/b:1",
+    "ghcr.io/astral-sh/uv:python3.12-bookworm", "hf.co/spaces/openenv/echo_env",
+    "python@sha256:" + "a" * 64,
+])
+def test_valid_image_references_pass(image):
+    assert hsp._image_rejection(image) is None
+
+
+@pytest.mark.parametrize("image", ["", "  ", "Python:3.12", "a b", "-rm", "hf.co/spaces/onlyowner",
+                                   "python:", None, 3])
+def test_malformed_image_references_are_refused(image):
+    assert hsp._image_rejection(image)
+
+
+@pytest.mark.parametrize("value, seconds", [(3600, 3600), (90.5, 90), ("45", 45), ("30m", 1800),
+                                            ("2h", 7200), ("1.5h", 5400), ("1d", 86400)])
+def test_job_timeout_accepts_numbers_and_unit_strings(value, seconds):
+    assert hsp._parse_duration(value) == seconds
+
+
+@pytest.mark.parametrize("value", [0, -5, "0m", "2w", "", "h", True, None, float("nan")])
+def test_job_timeout_refuses_non_positive_or_unparseable_values(value):
+    assert hsp._parse_duration(value) is None
+
+
+def test_flavor_list_includes_huggingface_hub_job_hardware():
+    from huggingface_hub import JobHardware
+
+    for member in JobHardware:
+        assert hsp._flavor_rejection(member.value) is None
+    assert "cpu-basic" in hsp._flavor_rejection("cpu-huge")
+
+
+# -- errors -----------------------------------------------------------------------------------------
+
+
+def test_error_answer_maps_to_jobs_api_error_with_status_request_id_and_header_message(api):
+    api.add(responses.GET, ENDPOINT + "/api/jobs/alice/j1", status=404,
+            headers={"X-Request-Id": "req-42", "X-Error-Message": "Job not found"})
+    client = hsp._JobsClient(ENDPOINT, fresh_token())
+    with pytest.raises(hsp.JobsAPIError) as info:
+        client.get_job("alice", "j1")
+    err = info.value
+    assert (err.status_code, err.request_id, err.server_message) == (404, "req-42", "Job not found")
+    assert "req-42" in str(err) and "Job not found" in str(err)
+    assert len(api.calls) == 1  # a 404 is not retried
+
+
+def test_json_error_body_is_used_when_no_error_header(api):
+    api.add(responses.GET, ENDPOINT + "/api/jobs/alice/j1", status=403, json={"error": "no jobs scope"})
+    token = fresh_token()
+    client = hsp._JobsClient(ENDPOINT, token)
+    with pytest.raises(hsp.JobsAPIError) as info:
+        client.get_job("alice", "j1")
+    assert info.value.server_message == "no jobs scope"
+    assert "permission" in str(info.value)
+    assert token not in str(info.value) and token not in repr(client)
+
+
+def test_every_call_carries_the_bearer_token_and_user_agent(api):
+    token = fresh_token()
+    api.add(responses.GET, ENDPOINT + "/api/jobs/alice/j1", json=job_json("j1"))
+    hsp._JobsClient(ENDPOINT, token).get_job("alice", "j1")
+    sent = api.calls[0].request.headers
+    assert sent["Authorization"] == "Bearer " + token
+    assert sent["User-Agent"].startswith("hf-sandbox-provider/")
+
+
+# -- retries ----------------------------------------------------------------------------------------
+
+
+def test_429_with_retry_after_is_retried_then_succeeds(api):
+    url = ENDPOINT + "/api/jobs/alice/j1"
+    api.add(responses.GET, url, status=429, headers={"Retry-After": "0"})
+    api.add(responses.GET, url, status=503)
+    api.add(responses.GET, url, json=job_json("j1", "RUNNING"))
+    job = hsp._JobsClient(ENDPOINT, fresh_token()).get_job("alice", "j1")
+    assert job["status"]["stage"] == "RUNNING"
+    assert len(api.calls) == 3
+
+
+def test_retries_are_bounded_and_end_with_the_last_error(api):
+    url = ENDPOINT + "/api/jobs/alice/j1"
+    api.add(responses.GET, url, status=429, headers={"Retry-After": "0", "X-Error-Message": "slow down"})
+    with pytest.raises(hsp.JobsAPIError) as info:
+        hsp._JobsClient(ENDPOINT, fresh_token()).get_job("alice", "j1", retries=2)
+    assert info.value.status_code == 429 and "slow down" in str(info.value)
+    assert len(api.calls) == 3
+
+
+def test_unreachable_api_raises_jobs_api_error_naming_the_endpoint(api):
+    api.add(responses.GET, ENDPOINT + "/api/jobs/alice/j1", body=requests.ConnectionError("refused"))
+    with pytest.raises(hsp.JobsAPIError, match="hub.test") as info:
+        hsp._JobsClient(ENDPOINT, fresh_token()).get_job("alice", "j1", retries=0)
+    assert info.value.status_code is None
+
+
+# -- create: never two jobs for one start -----------------------------------------------------------
+
+BODY = {"dockerImage": "python:3.12", "labels": {"hf-sandbox-start": "s1"}}
+LABEL = {"hf-sandbox-start": "s1"}
+
+
+def test_create_posts_the_body_once_on_success(api):
+    api.add(responses.POST, ENDPOINT + "/api/jobs/alice", json=job_json("j9"))
+    job = hsp._JobsClient(ENDPOINT, fresh_token()).create_job("alice", BODY, LABEL)
+    assert job["id"] == "j9"
+    assert json.loads(api.calls[0].request.body) == BODY
+
+
+def test_lost_create_response_adopts_the_job_found_by_its_start_label(api):
+    api.add(responses.POST, ENDPOINT + "/api/jobs/alice", body=requests.ConnectionError("reset by peer"))
+    api.add(responses.GET, ENDPOINT + "/api/jobs/alice", json=[job_json("j-made")])
+    job = hsp._JobsClient(ENDPOINT, fresh_token()).create_job("alice", BODY, LABEL)
+    assert job["id"] == "j-made"
+    assert len(calls_to(api, "POST", "/api/jobs/alice")) == 1  # never re-posted
+    listing = calls_to(api, "GET", "/api/jobs/alice")[0].request.url
+    assert "label=hf-sandbox-start%3Ds1" in listing
+
+
+def test_5xx_on_create_looks_up_the_label_then_reposts_when_no_job_exists(api):
+    api.add(responses.POST, ENDPOINT + "/api/jobs/alice", status=502)
+    api.add(responses.POST, ENDPOINT + "/api/jobs/alice", json=job_json("j2"))
+    api.add(responses.GET, ENDPOINT + "/api/jobs/alice", json=[])
+    job = hsp._JobsClient(ENDPOINT, fresh_token()).create_job("alice", BODY, LABEL)
+    assert job["id"] == "j2"
+    posts = calls_to(api, "POST", "/api/jobs/alice")
+    assert len(posts) == 2
+    assert all(json.loads(p.request.body)["labels"] == BODY["labels"] for p in posts)
+    assert len(calls_to(api, "GET", "/api/jobs/alice")) == 1  # looked up before the second POST
+
+
+def test_429_on_create_is_retried_without_a_lookup(api):
+    api.add(responses.POST, ENDPOINT + "/api/jobs/alice", status=429, headers={"Retry-After": "0"})
+    api.add(responses.POST, ENDPOINT + "/api/jobs/alice", json=job_json("j3"))
+    job = hsp._JobsClient(ENDPOINT, fresh_token()).create_job("alice", BODY, LABEL)
+    assert job["id"] == "j3"
+    assert calls_to(api, "GET", "/api/jobs/alice") == []
+
+
+def test_4xx_on_create_is_not_retried(api):
+    api.add(responses.POST, ENDPOINT + "/api/jobs/alice", status=400,
+            headers={"X-Error-Message": "Invalid flavor"})
+    with pytest.raises(hsp.JobsAPIError, match="Invalid flavor"):
+        hsp._JobsClient(ENDPOINT, fresh_token()).create_job("alice", BODY, LABEL)
+    assert len(api.calls) == 1
+
+
+# -- whoami, list, logs -----------------------------------------------------------------------------
+
+
+def test_namespace_is_looked_up_once_per_token_across_threads(api):
+    api.add(responses.GET, ENDPOINT + "/api/whoami-v2", json={"name": "alice", "type": "user"})
+    token = fresh_token()
+    names = []
+
+    def lookup():
+        names.append(hsp._JobsClient(ENDPOINT, token).whoami_namespace())
+
+    threads = [threading.Thread(target=lookup) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert names == ["alice"] * 8
+    assert len(api.calls) == 1
+    hsp._JobsClient(ENDPOINT, fresh_token()).whoami_namespace()  # another token: its own lookup
+    assert len(api.calls) == 2
+
+
+def test_list_sends_label_and_stage_filters(api):
+    api.add(responses.GET, ENDPOINT + "/api/jobs/alice", json=[job_json("a"), job_json("b")])
+    jobs = hsp._JobsClient(ENDPOINT, fresh_token()).list_jobs(
+        "alice", labels={"hf-sandbox-provider": "1"}, stages=["RUNNING", "SCHEDULING"])
+    assert [j["id"] for j in jobs] == ["a", "b"]
+    url = api.calls[0].request.url
+    assert "label=hf-sandbox-provider%3D1" in url and "stage=RUNNING" in url and "stage=SCHEDULING" in url
+
+
+def test_logs_are_parsed_from_server_sent_events_and_bounded_to_tail(api):
+    events = ["data: " + json.dumps({"data": "===== Job started at x =====", "timestamp": "t"})]
+    events += ["data: " + json.dumps({"data": "line %d" % i, "timestamp": "t"}) for i in range(10)]
+    events += [": keep-alive"]
+    api.add(responses.GET, ENDPOINT + "/api/jobs/alice/j1/logs", body="\n\n".join(events) + "\n\n",
+            content_type="text/event-stream")
+    lines = hsp._JobsClient(ENDPOINT, fresh_token()).job_logs("alice", "j1", tail=3)
+    assert lines == ["line 7", "line 8", "line 9"]
+    assert "tail=3" in api.calls[0].request.url
+
+
+def test_logs_never_raise_when_the_stream_fails(api):
+    api.add(responses.GET, ENDPOINT + "/api/jobs/alice/j1/logs", status=500)
+    assert hsp._JobsClient(ENDPOINT, fresh_token()).job_logs("alice", "j1") == []

@@ -1,0 +1,521 @@
+"""HFSandboxProvider's lifecycle: what it sends, how it fails fast, and that no failure leaks a job.
+
+The Jobs REST API is mocked with `responses`; the auth proxy is the real `proxy.AuthProxy`, and the
+readiness tests put a real loopback HTTP server behind it. "No live job" is proven by the cancel
+endpoint having been called; "no route" by the proxy answering 404 for the old base URL.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import pickle
+import threading
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import requests
+import responses
+
+import hf_sandbox_provider as hsp
+from proxy import AuthProxy
+
+ENDPOINT = "https://hub.test"
+LOOPBACK_ENDPOINT = "http://127.0.0.1:9"  # never contacted: `responses` answers for it
+IMAGE = "registry.hf.space/openenv-echo-env:latest"
+FAST = dict(poll_interval_s=0.01, start_timeout_s=5.0, ready_timeout_s=5.0)
+
+
+def fresh_token() -> str:
+    return "hf_test_" + uuid.uuid4().hex
+
+
+def job_json(job_id="job1", stage="SCHEDULING", urls=None, message=None):
+    return {"id": job_id, "owner": {"id": "u1", "name": "alice", "type": "user"},
+            "status": {"stage": stage, "message": message, "exposeUrls": urls}}
+
+
+def calls_to(mock, method, path):
+    return [c for c in mock.calls
+            if c.request.method == method and requests.utils.urlparse(c.request.url).path == path]
+
+
+@pytest.fixture
+def proxy():
+    p = AuthProxy().start()
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+@pytest.fixture
+def api(proxy):
+    with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
+        mock.add_passthru("http://127.0.0.1:%d" % proxy.port)
+        yield mock
+
+
+def add_job_api(mock, endpoint=ENDPOINT, job_id="job1", stages=(), cancel_status=200):
+    """whoami, create, a scripted sequence of inspect answers, cancel and an empty log stream."""
+    mock.add(responses.GET, endpoint + "/api/whoami-v2", json={"name": "alice", "type": "user"})
+    mock.add(responses.POST, endpoint + "/api/jobs/alice", json=job_json(job_id))
+    for answer in stages:
+        mock.add(responses.GET, endpoint + "/api/jobs/alice/" + job_id, json=answer)
+    mock.add(responses.POST, endpoint + "/api/jobs/alice/%s/cancel" % job_id, status=cancel_status)
+    mock.add(responses.GET, endpoint + "/api/jobs/alice/%s/logs" % job_id, body="",
+             content_type="text/event-stream")
+
+
+def running(job_id="job1", url=None):
+    return job_json(job_id, "RUNNING", [url or "https://%s--8000.hf.jobs" % job_id])
+
+
+def cancels(mock, job_id="job1"):
+    return len(calls_to(mock, "POST", "/api/jobs/alice/%s/cancel" % job_id))
+
+
+def route_is_gone(base_url):
+    with requests.Session() as session:
+        session.trust_env = False
+        return session.get(base_url + "/health", timeout=5).status_code == 404
+
+
+# -- a real loopback environment server -------------------------------------------------------------
+
+
+class Upstream:
+    """A loopback HTTP server answering /health from a script of statuses (the last one repeats)."""
+
+    def __init__(self, statuses):
+        self.statuses = list(statuses)
+        self.seen_auth = []
+        upstream = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                upstream.seen_auth.append(self.headers.get("Authorization"))
+                status = upstream.statuses.pop(0) if len(upstream.statuses) > 1 else upstream.statuses[0]
+                body = json.dumps({"status": "healthy" if status == 200 else "booting"}).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = "http://127.0.0.1:%d" % self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05})
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture
+def upstream_factory():
+    made = []
+
+    def make(statuses):
+        made.append(Upstream(statuses))
+        return made[-1]
+
+    yield make
+    for upstream in made:
+        upstream.close()
+
+
+# -- what is sent -----------------------------------------------------------------------------------
+
+
+def test_start_sends_the_documented_create_body_and_returns_the_proxy_base_url(api, proxy, caplog):
+    token = fresh_token()
+    add_job_api(api, stages=[job_json(), running()])
+    caplog.set_level(logging.DEBUG, logger="hf_sandbox_provider")
+    provider = hsp.HFSandboxProvider(IMAGE, token=token, endpoint=ENDPOINT, proxy=proxy, **FAST)
+    base_url = provider.start_container()
+    try:
+        body = json.loads(calls_to(api, "POST", "/api/jobs/alice")[0].request.body)
+        assert body["dockerImage"] == IMAGE and "spaceId" not in body
+        assert body["command"] == ["sh", "-c",
+                                   "cd /app/env && exec uvicorn server.app:app --host 0.0.0.0 --port 8000"]
+        assert body["flavor"] == "cpu-basic"
+        assert body["timeoutSeconds"] == 3600
+        assert body["expose"] == {"ports": [8000], "portsPublic": []}
+        assert body["labels"]["hf-sandbox-provider"] == "1"
+        assert len(body["labels"]["hf-sandbox-start"]) == 32
+        assert all(c.request.headers["Authorization"] == "Bearer " + token for c in api.calls
+                   if "hub.test" in c.request.url)
+        assert base_url.startswith("http://127.0.0.1:%d/" % proxy.port)
+        assert provider.base_url == base_url
+        assert provider.upstream_url == "https://job1--8000.hf.jobs"
+        assert provider.job_id == "job1" and provider.stage == "RUNNING"
+        assert provider.job_url == "https://hub.test/jobs/alice/job1"
+        assert {"created", "running", "url"} <= set(provider.timings)
+        assert "job1" in caplog.text and "SCHEDULING -> RUNNING" in caplog.text
+    finally:
+        provider.stop_container()
+    assert cancels(api) == 1
+    assert provider.base_url is None and route_is_gone(base_url)
+    provider.stop_container()
+    provider.close()
+    assert cancels(api) == 1  # idempotent
+    assert token not in caplog.text and token not in repr(provider)
+
+
+def test_space_image_and_per_call_overrides_reach_the_create_body(api, proxy, caplog):
+    add_job_api(api, stages=[running(url="https://job1--7860.hf.jobs")])
+    caplog.set_level(logging.DEBUG, logger="hf_sandbox_provider")
+    with hsp.HFSandboxProvider(token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, env_vars={"A": "1"},
+                               labels={"team": "rl"}, **FAST) as provider:
+        provider.start_container("hf.co/spaces/openenv/echo_env", port=7860, env_vars={"B": 2},
+                                 flavor="t4-small", job_timeout="30m", command="python -m server --x 'a b'",
+                                 secrets={"API_KEY": "s3cret"}, wait_timeout=30.0, workers=4)
+        body = json.loads(calls_to(api, "POST", "/api/jobs/alice")[0].request.body)
+    assert body["spaceId"] == "openenv/echo_env" and "dockerImage" not in body
+    assert body["flavor"] == "t4-small" and body["timeoutSeconds"] == 1800
+    assert body["command"] == ["python", "-m", "server", "--x", "a b"]
+    assert body["environment"] == {"A": "1", "B": "2"}
+    assert body["secrets"] == {"API_KEY": "s3cret"}
+    assert body["expose"]["ports"] == [7860]
+    assert body["labels"]["team"] == "rl"
+    assert "wait_timeout" in caplog.text  # ignored with a debug line, not a TypeError
+    assert "s3cret" not in caplog.text
+    assert cancels(api) == 1
+
+
+def test_namespace_given_explicitly_skips_whoami(api, proxy):
+    add_job_api(api, stages=[running()])
+    with hsp.HFSandboxProvider(IMAGE, namespace="alice", token=fresh_token(), endpoint=ENDPOINT,
+                               proxy=proxy, **FAST) as provider:
+        provider.start_container()
+    assert calls_to(api, "GET", "/api/whoami-v2") == []
+    assert cancels(api) == 1
+
+
+# -- validation before any network call -------------------------------------------------------------
+
+
+@pytest.fixture
+def no_token_anywhere(monkeypatch, tmp_path):
+    import huggingface_hub.constants as hub_constants
+
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.setattr(hub_constants, "HF_TOKEN_PATH", str(tmp_path / "token"))
+
+
+def test_missing_token_fails_before_any_network_call(api, proxy, no_token_anywhere):
+    provider = hsp.HFSandboxProvider(IMAGE, endpoint=ENDPOINT, proxy=proxy)
+    with pytest.raises(hsp.SandboxConfigError, match="no Hugging Face token.*--local"):
+        provider.start_container()
+    assert api.calls == []
+
+
+def test_token_is_discovered_from_hf_token_env(api, proxy, no_token_anywhere, monkeypatch):
+    token = fresh_token()
+    monkeypatch.setenv("HF_TOKEN", token)
+    add_job_api(api, stages=[running()])
+    with hsp.HFSandboxProvider(IMAGE, endpoint=ENDPOINT, proxy=proxy, **FAST) as provider:
+        provider.start_container()
+    assert api.calls[0].request.headers["Authorization"] == "Bearer " + token
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(flavor="cpu-huge"), "unknown flavor 'cpu-huge'"),
+    (dict(port=70000), "port 70000"),
+    (dict(image="Not An Image"), "not a valid Docker image"),
+    (dict(job_timeout="forever"), "job_timeout"),
+    (dict(env_vars={"1BAD": "x"}), "env_vars"),
+    (dict(labels={"hf-sandbox-start": "x"}), "reserved"),
+    (dict(command=[]), "command"),
+])
+def test_bad_start_arguments_fail_before_any_network_call(api, proxy, kwargs, message):
+    provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy)
+    with pytest.raises(hsp.SandboxConfigError, match=message):
+        provider.start_container(**kwargs)
+    assert api.calls == []
+
+
+def test_bad_constructor_arguments_are_refused_at_construction():
+    with pytest.raises(hsp.SandboxConfigError, match="unknown flavor"):
+        hsp.HFSandboxProvider(IMAGE, flavor="gpu-please")
+    with pytest.raises(hsp.SandboxConfigError, match="poll_interval_s"):
+        hsp.HFSandboxProvider(IMAGE, poll_interval_s=0)
+
+
+def test_start_without_any_image_names_both_places_to_give_one(api, proxy):
+    with pytest.raises(hsp.SandboxConfigError, match="start_container"):
+        hsp.HFSandboxProvider(token=fresh_token(), endpoint=ENDPOINT, proxy=proxy).start_container()
+
+
+# -- fail fast, and never leave a job behind --------------------------------------------------------
+
+
+@pytest.mark.parametrize("stages", [
+    [job_json(stage="ERROR", message="image pull failed")],
+    [job_json(), job_json(stage="ERROR", message="image pull failed")],
+    [job_json(), job_json(stage="RUNNING"), job_json(stage="COMPLETED", message="image pull failed")],
+])
+def test_terminal_stage_before_the_url_raises_job_failed_with_log_tail_and_cancels(api, proxy, stages):
+    add_job_api(api, stages=stages)
+    api.replace(responses.GET, ENDPOINT + "/api/jobs/alice/job1/logs",
+                body="".join("data: %s\n\n" % json.dumps({"data": "Traceback line %d" % i}) for i in range(3)),
+                content_type="text/event-stream")
+    provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST)
+    with pytest.raises(hsp.JobFailedError) as info:
+        provider.start_container()
+    err = info.value
+    assert err.job_id == "job1" and err.stage == stages[-1]["status"]["stage"]
+    assert err.message == "image pull failed"
+    assert err.log_tail == ["Traceback line 0", "Traceback line 1", "Traceback line 2"]
+    assert "image pull failed" in str(err) and "Traceback line 2" in str(err)
+    assert cancels(api) == 1 and provider.base_url is None
+
+
+def test_no_url_by_start_timeout_raises_timeout_error_and_cancels(api, proxy):
+    add_job_api(api, stages=[job_json()])
+    provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy,
+                                     poll_interval_s=0.01, start_timeout_s=0.2)
+    with pytest.raises(hsp.JobStartTimeout, match="start_timeout_s") as info:
+        provider.start_container()
+    assert isinstance(info.value, TimeoutError) and info.value.job_id == "job1"
+    assert cancels(api) == 1
+
+
+@pytest.mark.parametrize("url", ["https://evil.example", "http://job1--8000.hf.jobs",
+                                 "https://job2--8000.hf.jobs"])
+def test_url_failing_the_rule_raises_insecure_url_error_before_the_token_goes_anywhere(api, proxy, url):
+    add_job_api(api, stages=[running(url=url)])
+    provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST)
+    with pytest.raises(hsp.InsecureURLError, match="refusing"):
+        provider.start_container()
+    assert all("hub.test" in c.request.url for c in api.calls)  # nothing went to the foreign host
+    assert provider.base_url is None and cancels(api) == 1
+
+
+def test_loopback_url_from_a_remote_endpoint_is_refused(api, proxy):
+    add_job_api(api, stages=[running(url="http://127.0.0.1:8000")])
+    with pytest.raises(hsp.InsecureURLError):
+        hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy,
+                              **FAST).start_container()
+    assert cancels(api) == 1
+
+
+def test_failed_cancel_is_retried_then_logged_with_job_id_and_sweep_hint_without_raising(api, proxy, caplog):
+    add_job_api(api, stages=[running()], cancel_status=500)
+    provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST)
+    base_url = provider.start_container()
+    provider.stop_container()  # must not raise
+    assert cancels(api) == hsp.CANCEL_ATTEMPTS * 3  # each attempt is one call plus two quick retries
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings and "job1" in warnings[-1].getMessage() and "sweep" in warnings[-1].getMessage()
+    assert route_is_gone(base_url)
+
+
+def test_cancel_refused_because_the_job_already_finished_counts_as_done(api, proxy, caplog):
+    add_job_api(api, stages=[running()], cancel_status=400)
+    provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST)
+    provider.start_container()
+    api.replace(responses.GET, ENDPOINT + "/api/jobs/alice/job1", json=job_json(stage="COMPLETED"))
+    provider.stop_container()
+    assert cancels(api) == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_create_that_keeps_failing_reports_the_error_and_leaves_no_job(api, proxy):
+    api.add(responses.GET, ENDPOINT + "/api/whoami-v2", json={"name": "alice"})
+    api.add(responses.POST, ENDPOINT + "/api/jobs/alice", status=503, headers={"Retry-After": "0"})
+    api.add(responses.GET, ENDPOINT + "/api/jobs/alice", json=[])
+    provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST)
+    with pytest.raises(hsp.JobsAPIError) as info:
+        provider.start_container()
+    assert info.value.status_code == 503
+    assert len(calls_to(api, "POST", "/api/jobs/alice")) == hsp.API_MAX_RETRIES + 1
+    assert provider.job_id is None and provider.base_url is None
+
+
+def test_interrupted_create_cancels_the_job_it_made_anyway(api, proxy):
+    api.add(responses.GET, ENDPOINT + "/api/whoami-v2", json={"name": "alice"})
+    api.add(responses.POST, ENDPOINT + "/api/jobs/alice", body=KeyboardInterrupt())
+    api.add(responses.GET, ENDPOINT + "/api/jobs/alice", json=[job_json("ghost")])
+    api.add(responses.POST, ENDPOINT + "/api/jobs/alice/ghost/cancel", status=200)
+    provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST)
+    with pytest.raises(KeyboardInterrupt):
+        provider.start_container()
+    assert cancels(api, "ghost") == 1
+    listing = calls_to(api, "GET", "/api/jobs/alice")[0].request.url
+    assert "label=hf-sandbox-start%3D" in listing
+
+
+def test_keyboard_interrupt_while_waiting_for_the_url_cancels_the_job(api, proxy):
+    add_job_api(api, stages=[job_json()])
+    api.add(responses.GET, ENDPOINT + "/api/jobs/alice/job1", body=KeyboardInterrupt())
+    provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST)
+    with pytest.raises(KeyboardInterrupt):
+        provider.start_container()
+    assert cancels(api) == 1
+
+
+def test_stop_from_another_thread_aborts_a_start_in_progress_and_cancels(api, proxy):
+    add_job_api(api, stages=[job_json()])
+    provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy,
+                                     poll_interval_s=0.05, start_timeout_s=30)
+    outcome = []
+
+    def start():
+        try:
+            provider.start_container()
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=start)
+    thread.start()
+    while not calls_to(api, "GET", "/api/jobs/alice/job1"):
+        thread.join(timeout=0.01)
+    provider.stop_container()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    assert isinstance(outcome[0], hsp.SandboxError) and "stop_container" in str(outcome[0])
+    assert cancels(api) == 1
+
+
+def test_second_start_while_running_is_refused(api, proxy):
+    add_job_api(api, stages=[running()])
+    with hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST) as provider:
+        provider.start_container()
+        with pytest.raises(hsp.SandboxError, match="already runs job job1"):
+            provider.start_container()
+        assert len(calls_to(api, "POST", "/api/jobs/alice")) == 1
+    assert cancels(api) == 1
+
+
+def test_provider_collected_while_running_cancels_its_job(api, proxy):
+    add_job_api(api, stages=[running()])
+    provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST)
+    base_url = provider.start_container()
+    del provider
+    gc.collect()
+    assert cancels(api) == 1
+    assert route_is_gone(base_url)
+
+
+def test_exit_hook_cancels_jobs_still_running(api, proxy):
+    add_job_api(api, stages=[running()])
+    provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST)
+    provider.start_container()
+    hsp._stop_everything_at_exit()
+    assert cancels(api) == 1
+    provider.stop_container()  # the provider itself learns nothing more needs cancelling
+    assert cancels(api) == 1
+
+
+# -- readiness through the real proxy ---------------------------------------------------------------
+
+
+def start_on_loopback(api, proxy, upstream, stages_after_url=(), **kwargs):
+    add_job_api(api, endpoint=LOOPBACK_ENDPOINT,
+                stages=[running(url=upstream.url)] + list(stages_after_url))
+    api.add_passthru(upstream.url)
+    token = fresh_token()
+    settings = dict(FAST, **kwargs)
+    provider = hsp.HFSandboxProvider(IMAGE, token=token, endpoint=LOOPBACK_ENDPOINT, proxy=proxy, **settings)
+    return provider, provider.start_container(), token
+
+
+def test_wait_for_ready_retries_through_503_and_502_until_health_answers(api, proxy, upstream_factory):
+    upstream = upstream_factory([503, 502, 504, 200])
+    provider, base_url, token = start_on_loopback(api, proxy, upstream)
+    try:
+        provider.wait_for_ready(base_url)
+        assert "ready" in provider.timings
+        assert upstream.seen_auth[-1] == "Bearer " + token  # the proxy added the token
+        assert len(upstream.seen_auth) == 4
+    finally:
+        provider.close()
+    assert cancels(api) == 1 and route_is_gone(base_url)
+
+
+def test_job_crash_during_boot_fails_wait_for_ready_fast_and_tears_down(api, proxy, upstream_factory):
+    upstream = upstream_factory([503])
+    provider, base_url, _ = start_on_loopback(
+        api, proxy, upstream, stages_after_url=[job_json(stage="ERROR", message="exit code 1")],
+        ready_timeout_s=60)
+    with pytest.raises(hsp.JobFailedError, match="exit code 1"):
+        provider.wait_for_ready(base_url)
+    assert cancels(api) == 1 and route_is_gone(base_url)
+    assert provider.base_url is None
+
+
+def test_wait_for_ready_deadline_raises_timeout_error_and_tears_down(api, proxy, upstream_factory):
+    upstream = upstream_factory([503])
+    provider, base_url, _ = start_on_loopback(api, proxy, upstream)
+    with pytest.raises(hsp.JobStartTimeout, match="HTTP 503") as info:
+        provider.wait_for_ready(timeout_s=0.3)
+    assert isinstance(info.value, TimeoutError)
+    assert cancels(api) == 1 and route_is_gone(base_url)
+
+
+def test_unreachable_upstream_counts_as_not_yet(api, proxy, upstream_factory):
+    upstream = upstream_factory([200])
+    upstream.close()  # nothing listens there any more: the proxy answers 502
+    provider, base_url, _ = start_on_loopback(api, proxy, upstream)
+    with pytest.raises(hsp.JobStartTimeout):
+        provider.wait_for_ready(timeout_s=0.3)
+    assert cancels(api) == 1
+
+
+def test_token_refused_by_the_job_fails_fast(api, proxy, upstream_factory):
+    upstream = upstream_factory([401])
+    provider, base_url, _ = start_on_loopback(api, proxy, upstream, ready_timeout_s=60)
+    with pytest.raises(hsp.SandboxError, match="401"):
+        provider.wait_for_ready()
+    assert cancels(api) == 1
+
+
+def test_wait_for_ready_before_start_says_what_to_do():
+    with pytest.raises(hsp.SandboxError, match="start_container"):
+        hsp.HFSandboxProvider(IMAGE).wait_for_ready()
+
+
+# -- pickling, repr, OpenEnv contract ---------------------------------------------------------------
+
+
+def test_unstarted_provider_pickles_with_its_settings():
+    provider = hsp.HFSandboxProvider(IMAGE, flavor="t4-small", env_vars={"A": "1"}, job_timeout="2h")
+    clone = pickle.loads(pickle.dumps(provider))
+    assert (clone.image, clone.flavor, clone.env_vars, clone.job_timeout) == (IMAGE, "t4-small", {"A": "1"}, "2h")
+    assert clone.job_id is None
+    clone.stop_container()  # usable: nothing to stop, no error
+
+
+def test_running_provider_refuses_to_pickle_with_a_clear_type_error(api, proxy):
+    add_job_api(api, stages=[running()])
+    with hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST) as provider:
+        provider.start_container()
+        with pytest.raises(TypeError, match="before start_container"):
+            pickle.dumps(provider)
+    pickle.dumps(provider)  # stopped again: fine
+
+
+def test_provider_is_an_openenv_container_provider_when_openenv_is_installed():
+    providers = pytest.importorskip("openenv.core.containers.runtime.providers")
+    assert isinstance(hsp.HFSandboxProvider(IMAGE), providers.ContainerProvider)
+
+
+def test_logs_returns_the_job_tail(api, proxy):
+    add_job_api(api, stages=[running()])
+    api.replace(responses.GET, ENDPOINT + "/api/jobs/alice/job1/logs",
+                body="data: %s\n\n" % json.dumps({"data": "Uvicorn running"}), content_type="text/event-stream")
+    with hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST) as provider:
+        provider.start_container()
+        assert provider.logs(tail=5) == ["Uvicorn running"]
