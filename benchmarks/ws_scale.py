@@ -1,0 +1,702 @@
+"""WebSocket sessions at scale: direct to an environment server versus through one AuthProxy.
+
+The method of OpenEnv's scaling tutorial, run twice side by side in one invocation. For each batch
+size, N OpenEnv WebSocket sessions are opened at once; each connects, sends `reset`, K `step`s (the
+server waits a fixed time per step) and `close`. The same batch runs first straight against the
+upstream, then through one `proxy.AuthProxy`, and we report success rate, connect/reset/step p50,
+total p99, sessions per second, the largest batch at 100% and at >= 95% success, the proxy
+process's resident memory and thread count at peak, and the per-session increments.
+
+Every party runs in its own process so none starves another and the proxy can be measured from
+/proc: the load generator (benchmarks/_loadgen.py, one non-blocking selectors loop), the upstream
+(benchmarks/_ws_upstream.py, or the emulator's echo server with --upstream echo) and the proxy
+(benchmarks/_proxy_host.py). Everything is on loopback, every wait is bounded, and the run stops by
+itself. Results go to the `## WebSocket sessions at scale` section of benchmarks/RESULTS.md (other
+sections untouched) and a PNG plot when matplotlib is installed (the optional `bench` extra).
+
+    python benchmarks/ws_scale.py                 # full grid, about 5-10 minutes on 2 cores
+    python benchmarks/ws_scale.py --quick         # a short run: small batches, short step
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from typing import Any, Dict, IO, List, Optional, Sequence, Tuple
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from _loadgen import raise_nofile_limit  # noqa: E402  (needs HERE on sys.path)
+
+# The tutorial's grid, plus 1024 to locate a break between 512 and 2048, and 4096 "while it holds".
+DEFAULT_BATCHES = (32, 128, 512, 1024, 2048, 4096)
+QUICK_BATCHES = (32, 128, 512)
+# The tutorial's latency breakdown uses a 1.0 s step; --quick shortens it to keep the run brief.
+DEFAULT_STEP_DELAY_S = 1.0
+QUICK_STEP_DELAY_S = 0.2
+DEFAULT_STEPS = 1
+# The tutorial's "max batch" is the largest batch with >= 95% success; a mode that falls below it
+# is not run at larger batches (it would only fail harder and cost minutes).
+SUCCESS_FLOOR = 0.95
+# How often the proxy's /proc/<pid>/status is sampled during a batch to catch its peak.
+SAMPLE_INTERVAL_S = 0.02
+# After a batch the proxy's threads must drain back to the idle count; wait at most this long.
+SETTLE_TIMEOUT_S = 20.0
+# Quiet time between runs so one run's teardown does not overlap the next one's connects.
+PAUSE_BETWEEN_RUNS_S = 1.0
+# Generator deadline per batch = this + (steps + 1) x step delay x 3: a run that cannot finish in
+# that time has failed, and unfinished sessions are counted as timeouts.
+RUN_DEADLINE_BASE_S = 30.0
+# Time allowed for a helper process (upstream, proxy, generator) to start and say it is ready.
+CHILD_START_TIMEOUT_S = 30.0
+# File descriptors a process needs besides one per socket (stdio, selector, imports, listener).
+FD_HEADROOM = 64
+# Threads the proxy is expected to need per tunnelled session at most (handler + two pumps), used
+# only to skip a batch the machine's pid/thread limits cannot hold, instead of crashing it.
+PROXY_THREADS_PER_SESSION_BOUND = 3
+DEFAULT_RESULTS = os.path.join(HERE, "RESULTS.md")
+DEFAULT_PLOT = os.path.join(HERE, "ws_scale.png")
+SECTION_TITLE = "## WebSocket sessions at scale"
+MODES = ("direct", "proxy")
+# Upstreams: "mini" is benchmarks/_ws_upstream.py (one selectors loop, a timer per step); "echo" is
+# the emulator's echo server (a thread per session sleeping through each step).
+UPSTREAMS = ("mini", "echo")
+
+
+def run_benchmark(batches: Sequence[int], steps: int = DEFAULT_STEPS,
+                  step_delay_s: float = DEFAULT_STEP_DELAY_S, upstream: str = "mini",
+                  generators: int = 1, modes: Sequence[str] = MODES,
+                  progress: Optional[IO[str]] = None) -> Dict[str, Any]:
+    """Run every batch size in each mode and return the raw summary (see `summarize_run`)."""
+    nofile = raise_nofile_limit()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    up_proc, up_port, up_pid = _start_upstream(upstream, step_delay_s, env)
+    proxy_proc, proxy_pid = None, None
+    try:
+        targets = {"direct": (up_port, "/ws")}
+        if "proxy" in modes:
+            proxy_proc, base_url, proxy_pid = _start_proxy("http://127.0.0.1:%d" % up_port, env)
+            host_port, route_path = base_url.split("://", 1)[1].split("/", 1)
+            targets["proxy"] = (int(host_port.rsplit(":", 1)[1]), "/%s/ws" % route_path)
+        proxy_idle = _proc_status(proxy_pid)
+        rows: List[Dict[str, Any]] = []
+        stopped: Dict[str, str] = {}
+        for n in batches:
+            for mode in modes:
+                if mode in stopped:
+                    continue
+                skip = _batch_rejection(n, mode, nofile, generators)
+                if skip is not None:
+                    stopped[mode] = "%d: %s" % (n, skip)
+                    _say(progress, "%-6s N=%-5d skipped: %s" % (mode, n, skip))
+                    continue
+                row = _run_one(mode, n, targets[mode], steps, step_delay_s, generators,
+                               proxy_pid, up_pid, env)
+                rows.append(row)
+                _say(progress, _progress_line(row))
+                if row["success"] < SUCCESS_FLOOR:
+                    stopped[mode] = "%d: success %.1f%% < %.0f%%" % (
+                        n, 100 * row["success"], 100 * SUCCESS_FLOOR)
+                time.sleep(PAUSE_BETWEEN_RUNS_S)
+        return summarize_run(rows, {
+            "batches": list(batches), "steps": steps, "step_delay_s": step_delay_s,
+            "upstream": upstream, "generators": generators, "stopped": stopped, "modes": list(modes),
+            "proxy_idle": proxy_idle, "nofile": nofile})
+    finally:
+        for name, proc in (("proxy", proxy_proc), ("upstream", up_proc)):
+            leftover = _stop_child(proc, terminate_first=(name == "upstream" and upstream == "echo"))
+            if leftover:
+                _say(progress, "warning: %s process %s" % (name, leftover))
+
+
+def summarize_run(rows: List[Dict[str, Any]], config: Dict[str, Any]) -> Dict[str, Any]:
+    """Add the per-mode verdicts (largest batch at 100% / >= 95%) and proxy/direct p99 ratios."""
+    verdict: Dict[str, Dict[str, Optional[int]]] = {}
+    for mode in MODES:
+        mine = [r for r in rows if r["mode"] == mode]
+        verdict[mode] = {
+            "max_batch_100": max((r["n"] for r in mine if r["success"] >= 1.0), default=None),
+            "max_batch_95": max((r["n"] for r in mine if r["success"] >= SUCCESS_FLOOR),
+                                default=None),
+        }
+    direct = {r["n"]: r for r in rows if r["mode"] == "direct"}
+    for r in rows:
+        d = direct.get(r["n"])
+        if r["mode"] == "proxy" and d and d["total_p99"] and r["total_p99"]:
+            r["p99_ratio"] = r["total_p99"] / d["total_p99"]
+    return {"config": config, "rows": rows, "verdict": verdict, "machine": machine_info()}
+
+
+def render_markdown(result: Dict[str, Any], command: str) -> str:
+    """The RESULTS.md section: command, machine, method, one table per mode, proxy costs, checks."""
+    cfg, rows, verdict = result["config"], result["rows"], result["verdict"]
+    m = result["machine"]
+    out = [SECTION_TITLE, "",
+           "Command: `%s`  " % command,
+           "Machine: %s, %d cores, %s RAM, %s, Python %s. Run finished %s." % (
+               m["cpu"], m["cores"], m["mem"], m["kernel"], m["python"], m["when"]),
+           "",
+           "Method (OpenEnv scaling tutorial): N WebSocket sessions opened at once, each `connect` "
+           "(TCP + upgrade) -> `reset` -> %d x `step` (server waits %.2f s per step) -> `close`. "
+           "Each batch runs straight against the upstream (`direct`), then through one "
+           "`AuthProxy` in its own process (`proxy`). Upstream: %s. Load generator: %d process(es), "
+           "one non-blocking selectors+wsproto loop each. Total = connect to close done. "
+           "Percentiles are nearest-rank over successful sessions. sessions/s = successful "
+           "sessions / batch wall time (the tutorial's RPS, one request = one whole session)." % (
+               cfg["steps"], cfg["step_delay_s"], _upstream_label(cfg["upstream"]),
+               cfg["generators"]),
+           ""]
+    for mode in cfg["modes"]:
+        out += ["### %s" % mode, "",
+                "| batch | success | connect p50 | reset p50 | step p50 | total p50 | total p99 "
+                "| sessions/s | failures |",
+                "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for r in (r for r in rows if r["mode"] == mode):
+            out.append("| %d | %s | %s | %s | %s | %s | %s | %.0f | %s |" % (
+                r["n"], _pct(r["success"]), _s(r["connect_p50"]), _s(r["reset_p50"]),
+                _s(r["step_p50"]), _s(r["total_p50"]), _s(r["total_p99"]),
+                r["sessions_per_s"], _errors(r["errors"])))
+        v = verdict[mode]
+        out += ["", "Largest batch at 100%% success: **%s**; at >= 95%%: **%s**." % (
+            v["max_batch_100"] or "none", v["max_batch_95"] or "none")]
+        if mode in cfg["stopped"]:
+            out.append("Larger batches not run after N=%s." % cfg["stopped"][mode])
+        out.append("")
+    idle = cfg["proxy_idle"]
+    out += ["### proxy cost and bottleneck checks", "",
+            "Proxy idle: %.1f MiB RSS, %d threads. Peak values sampled every %d ms from "
+            "/proc/<pid>/status during the proxy run; increments are (peak - before) / N. "
+            "`threads after` is the proxy's count once the batch ended (should return to idle). "
+            "CPU columns: CPU seconds each process used during the run / run wall time "
+            "(100%% = one core)." % (idle["rss_kib"] / 1024.0, idle["threads"],
+                                      int(SAMPLE_INTERVAL_S * 1000)),
+            "",
+            "| batch | p99 proxy/direct | proxy RSS peak | RSS / session | proxy threads peak "
+            "| threads / session | threads after | proxy CPU | upstream CPU (direct/proxy) "
+            "| generator CPU (direct/proxy) |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    direct = {r["n"]: r for r in rows if r["mode"] == "direct"}
+    for r in (r for r in rows if r["mode"] == "proxy"):
+        d = direct.get(r["n"], {})
+        out.append("| %d | %s | %.1f MiB | %.1f KiB | %d | %.2f | %s | %s | %s / %s | %s / %s |" % (
+            r["n"], "%.2fx" % r["p99_ratio"] if r.get("p99_ratio") else "n/a",
+            r["proxy_rss_peak_kib"] / 1024.0, r["rss_kib_per_session"], r["proxy_threads_peak"],
+            r["threads_per_session"], r["proxy_threads_after"], _pct(r["proxy_cpu"]),
+            _pct(d.get("upstream_cpu")), _pct(r["upstream_cpu"]),
+            _pct(d.get("generator_cpu")), _pct(r["generator_cpu"])))
+    out += ["", "### against the targets", ""] + _target_lines(result) + [""]
+    return "\n".join(out)
+
+
+def write_results_section(path: str, section: str) -> None:
+    """Replace our section of RESULTS.md (from its title to the next `## ` title) or append it."""
+    text = ""
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.strip() == SECTION_TITLE), None)
+    if start is None:
+        body = text.rstrip("\n")
+        new = (body + "\n\n" if body else "") + section.rstrip("\n") + "\n"
+    else:
+        end = next((j for j in range(start + 1, len(lines)) if lines[j].startswith("## ")),
+                   len(lines))
+        kept_after = "\n".join(lines[end:])
+        new = "\n".join(lines[:start] + section.rstrip("\n").splitlines())
+        new = new.rstrip("\n") + "\n" + ("\n" + kept_after.rstrip("\n") + "\n" if kept_after else "")
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(new)
+
+
+def plot(result: Dict[str, Any], path: str) -> Optional[str]:
+    """Success rate and total p99 against batch size for both modes; None, or why it was skipped."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install -e '.[bench]')"
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for mode, marker in zip(MODES, ("o", "s")):
+        mine = [r for r in result["rows"] if r["mode"] == mode]
+        ns = [r["n"] for r in mine]
+        ax1.plot(ns, [100 * r["success"] for r in mine], marker=marker, label=mode)
+        ok = [r for r in mine if r["total_p99"] is not None]
+        ax2.plot([r["n"] for r in ok], [r["total_p99"] for r in ok], marker=marker, label=mode)
+    cfg = result["config"]
+    for ax, title, ylabel in ((ax1, "success rate", "% sessions"),
+                              (ax2, "total p99 (connect to close)", "seconds")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent WebSocket sessions")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    ax1.set_ylim(0, 105)
+    ax2.set_ylim(bottom=0)
+    fig.suptitle("ws_scale: %d x %.2f s step, direct vs one AuthProxy, %d cores" % (
+        cfg["steps"], cfg["step_delay_s"], result["machine"]["cores"]))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+# -- one run ------------------------------------------------------------------------------------
+
+def _run_one(mode: str, n: int, target: Tuple[int, str], steps: int, step_delay_s: float,
+             generators: int, proxy_pid: Optional[int], up_pid: int, env: Dict[str, str]) -> Dict[str, Any]:
+    """Run one batch in one mode, sampling the proxy and timing every process's CPU use."""
+    port, path = target
+    before = _proc_status(proxy_pid)
+    cpu_before = {"proxy": _cpu_seconds(proxy_pid), "upstream": _cpu_seconds(up_pid)}
+    deadline = RUN_DEADLINE_BASE_S + (steps + 1) * step_delay_s * 3
+    sampler = _PeakSampler(proxy_pid)
+    sampler.start()
+    t0 = time.monotonic()
+    try:
+        outputs = _run_generators(port, path, n, steps, deadline, generators, env)
+    finally:
+        sampler.stop()
+    wall = time.monotonic() - t0
+    cpu = {"proxy": _cpu_seconds(proxy_pid) - cpu_before["proxy"],
+           "upstream": _cpu_seconds(up_pid) - cpu_before["upstream"]}
+    after = _settle(proxy_pid, before["threads"]) if mode == "proxy" else _proc_status(proxy_pid)
+    sessions = [s for out in outputs for s in out["sessions"]]
+    row = summarize_sessions(sessions)
+    run_wall = (max(out["t0"] + out["wall_s"] for out in outputs)
+                - min(out["t0"] for out in outputs))
+    gen_cpu = sum(out["cpu_s"] for out in outputs)
+    row.update({
+        "mode": mode, "n": n,
+        "wall_s": run_wall,
+        "sessions_per_s": row["ok"] / run_wall if run_wall > 0 else 0.0,
+        "generator_cpu": gen_cpu / run_wall if run_wall > 0 else None,
+        "upstream_cpu": cpu["upstream"] / wall,
+        "proxy_cpu": cpu["proxy"] / wall,
+        "proxy_rss_before_kib": before["rss_kib"],
+        "proxy_rss_peak_kib": sampler.peak_rss_kib,
+        "proxy_threads_before": before["threads"],
+        "proxy_threads_peak": sampler.peak_threads,
+        "proxy_threads_after": after["threads"],
+        "rss_kib_per_session": max(0, sampler.peak_rss_kib - before["rss_kib"]) / n,
+        "threads_per_session": max(0, sampler.peak_threads - before["threads"]) / n,
+    })
+    return row
+
+
+def summarize_sessions(sessions: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Success rate, phase percentiles over successful sessions, and failure kinds by count."""
+    ok = [s for s in sessions if s["ok"]]
+    steps = [t for s in ok for t in s["steps"]]
+    totals = [s["total"] for s in ok]
+    return {
+        "sessions": len(sessions), "ok": len(ok),
+        "success": len(ok) / len(sessions) if sessions else 0.0,
+        "connect_p50": percentile([s["connect"] for s in ok], 50),
+        "reset_p50": percentile([s["reset"] for s in ok], 50),
+        "step_p50": percentile(steps, 50),
+        "total_p50": percentile(totals, 50),
+        "total_p99": percentile(totals, 99),
+        "total_max": max(totals) if totals else None,
+        "errors": dict(Counter(s["error"] for s in sessions if not s["ok"]).most_common()),
+    }
+
+
+def percentile(values: Sequence[float], p: float) -> Optional[float]:
+    """Nearest-rank percentile (a value that was actually observed); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, int(math.ceil(p / 100.0 * len(ordered))))
+    return ordered[rank - 1]
+
+
+def _run_generators(port: int, path: str, n: int, steps: int, deadline_s: float,
+                    generators: int, env: Dict[str, str]) -> List[Dict[str, Any]]:
+    """Start the generator processes, let them all load, say go at once, collect their JSON."""
+    shares = [n // generators + (1 if i < n % generators else 0) for i in range(generators)]
+    procs = []
+    try:
+        for share in (s for s in shares if s > 0):
+            cmd = [sys.executable, os.path.join(HERE, "_loadgen.py"), "--port", str(port),
+                   "--path", path, "--sessions", str(share), "--steps", str(steps),
+                   "--deadline-s", str(deadline_s), "--wait-go"]
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, env=env)
+            procs.append(proc)
+            line = _read_line(proc, CHILD_START_TIMEOUT_S)
+            if line.strip() != "ready":
+                raise RuntimeError("load generator did not start: %s%s" % (
+                    line.strip(), _stderr_tail(proc)))
+        for proc in procs:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        outputs = []
+        for proc in procs:
+            try:
+                out, err = proc.communicate(timeout=deadline_s + CHILD_START_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                raise RuntimeError("load generator overran its own %.0f s deadline" % deadline_s)
+            if proc.returncode != 0:
+                raise RuntimeError("load generator failed (exit %s): %s" % (
+                    proc.returncode, err.strip()[-500:]))
+            outputs.append(json.loads(out))
+        return outputs
+    finally:
+        for proc in procs:
+            _stop_child(proc)
+
+
+# -- helper processes ---------------------------------------------------------------------------
+
+def _start_upstream(kind: str, step_delay_s: float,
+                    env: Dict[str, str]) -> Tuple[subprocess.Popen, int, int]:
+    """Start the upstream environment server; return (process, port, pid to measure)."""
+    if kind not in UPSTREAMS:
+        raise ValueError("unknown upstream %r: use one of %s" % (kind, ", ".join(UPSTREAMS)))
+    if kind == "mini":
+        cmd = [sys.executable, os.path.join(HERE, "_ws_upstream.py"), "--port", "0",
+               "--step-delay-s", str(step_delay_s)]
+    else:
+        cmd = [sys.executable, "-m", "hf_jobs_emulator", "echo-server", "--port", "0",
+               "--step-delay-s", str(step_delay_s)]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    line = _read_line(proc, CHILD_START_TIMEOUT_S)
+    port = _upstream_port(kind, line)
+    if port is None:
+        _stop_child(proc)
+        raise RuntimeError("upstream %r did not start: %r%s" % (kind, line, _stderr_tail(proc)))
+    return proc, port, proc.pid
+
+
+def _upstream_port(kind: str, line: str) -> Optional[int]:
+    """The port from an upstream's first stdout line: JSON for mini, a URL for the echo server."""
+    if kind == "mini":
+        try:
+            return int(json.loads(line)["port"])
+        except (ValueError, KeyError, TypeError):
+            return None
+    match = re.search(r"http://127\.0\.0\.1:(\d+)", line)
+    return int(match.group(1)) if match else None
+
+
+def _start_proxy(upstream_url: str,
+                 env: Dict[str, str]) -> Tuple[subprocess.Popen, str, int]:
+    """Start benchmarks/_proxy_host.py; return (process, base_url, pid)."""
+    cmd = [sys.executable, os.path.join(HERE, "_proxy_host.py"), upstream_url]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    line = _read_line(proc, CHILD_START_TIMEOUT_S)
+    try:
+        info = json.loads(line)
+        return proc, str(info["base_url"]), int(info["pid"])
+    except (ValueError, KeyError, TypeError):
+        _stop_child(proc)
+        raise RuntimeError("proxy did not start: %r%s" % (line, _stderr_tail(proc)))
+
+
+def _read_line(proc: subprocess.Popen, timeout_s: float) -> str:
+    """One stdout line from a child, or '' after `timeout_s` (readline itself cannot time out)."""
+    box: List[str] = []
+    reader = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    return box[0] if box else ""
+
+
+def _stop_child(proc: Optional[subprocess.Popen], terminate_first: bool = False) -> Optional[str]:
+    """Close the child's stdin (our children's stop signal), then SIGTERM, then SIGKILL; return
+    what could not be stopped instead of raising. `terminate_first` for children that ignore stdin."""
+    if proc is None or proc.poll() is not None:
+        return None
+    try:
+        proc.stdin.close()
+    except OSError:
+        pass
+    steps = ((proc.terminate, 5.0), (proc.kill, 5.0))
+    for action, wait_s in (steps if terminate_first else ((None, 5.0),) + steps):
+        if action is not None:
+            action()
+        try:
+            proc.wait(wait_s)
+            return None
+        except subprocess.TimeoutExpired:
+            continue
+    return "pid %d did not exit after SIGKILL" % proc.pid
+
+
+def _stderr_tail(proc: subprocess.Popen) -> str:
+    try:
+        _, err = proc.communicate(timeout=5)
+    except (subprocess.TimeoutExpired, ValueError, OSError):
+        return ""
+    return (": " + err.strip()[-800:]) if err and err.strip() else ""
+
+
+# -- measuring the proxy process ----------------------------------------------------------------
+
+def _proc_status(pid: Optional[int]) -> Dict[str, int]:
+    """Resident memory (KiB) and thread count from /proc/<pid>/status; zeros if it is gone."""
+    rss = threads = 0
+    if pid is None:
+        return {"rss_kib": 0, "threads": 0}
+    try:
+        with open("/proc/%d/status" % pid) as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    rss = int(line.split()[1])
+                elif line.startswith("Threads:"):
+                    threads = int(line.split()[1])
+    except OSError:
+        pass
+    return {"rss_kib": rss, "threads": threads}
+
+
+def _cpu_seconds(pid: Optional[int]) -> float:
+    """User + system CPU seconds a process has used so far (/proc/<pid>/stat fields 14 and 15)."""
+    if pid is None:
+        return 0.0
+    try:
+        with open("/proc/%d/stat" % pid) as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / float(os.sysconf("SC_CLK_TCK"))
+
+
+class _PeakSampler:
+    """Background thread recording the highest RSS and thread count of one process."""
+
+    def __init__(self, pid: Optional[int]) -> None:
+        self.pid = pid
+        self.peak_rss_kib = 0
+        self.peak_threads = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="ws-scale-sampler", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+        self._sample()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(SAMPLE_INTERVAL_S):
+            self._sample()
+
+    def _sample(self) -> None:
+        st = _proc_status(self.pid)
+        self.peak_rss_kib = max(self.peak_rss_kib, st["rss_kib"])
+        self.peak_threads = max(self.peak_threads, st["threads"])
+
+
+def _settle(pid: int, idle_threads: int) -> Dict[str, int]:
+    """Wait (bounded) for the proxy's threads to drain back to `idle_threads`; return last status."""
+    end = time.monotonic() + SETTLE_TIMEOUT_S
+    st = _proc_status(pid)
+    while st["threads"] > idle_threads and time.monotonic() < end:
+        time.sleep(0.1)
+        st = _proc_status(pid)
+    return st
+
+
+# -- limits, reporting --------------------------------------------------------------------------
+
+def _batch_rejection(n: int, mode: str, nofile: int, generators: int) -> Optional[str]:
+    """Why this machine cannot run a batch of n sessions in `mode` (or None when it can)."""
+    per_generator = int(math.ceil(n / float(generators)))
+    needed = max(per_generator, 2 * n if mode == "proxy" else n) + FD_HEADROOM
+    if needed > nofile:
+        return ("needs %d open files per process, RLIMIT_NOFILE is %d (raise `ulimit -Hn`)"
+                % (needed, nofile))
+    if mode == "proxy":
+        limit = _thread_limit()
+        if limit is not None and PROXY_THREADS_PER_SESSION_BOUND * n + FD_HEADROOM > limit:
+            return "up to %d proxy threads needed, the machine allows about %d" % (
+                PROXY_THREADS_PER_SESSION_BOUND * n, limit)
+    return None
+
+
+def _thread_limit() -> Optional[int]:
+    """The smallest of the kernel's pid_max / threads-max and the cgroup's pids.max, if readable."""
+    limits = []
+    for path in ("/proc/sys/kernel/pid_max", "/proc/sys/kernel/threads-max",
+                 "/sys/fs/cgroup/pids.max"):
+        try:
+            with open(path) as fh:
+                value = fh.read().strip()
+            if value.isdigit():
+                limits.append(int(value))
+        except OSError:
+            pass
+    return min(limits) if limits else None
+
+
+def machine_info() -> Dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            cpu = next((line.split(":", 1)[1].strip() for line in fh
+                        if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    mem = "?"
+    try:
+        with open("/proc/meminfo") as fh:
+            kib = int(fh.readline().split()[1])
+        mem = "%.0f GiB" % (kib / 1024.0 / 1024.0)
+    except (OSError, ValueError, IndexError):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count() or 0, "mem": mem,
+            "kernel": "Linux " + platform.release(), "python": platform.python_version(),
+            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def _target_lines(result: Dict[str, Any]) -> List[str]:
+    """State plainly whether 2048 sessions through one proxy held at 100% within 1.5x of direct."""
+    rows = {(r["mode"], r["n"]): r for r in result["rows"]}
+    p, d = rows.get(("proxy", 2048)), rows.get(("direct", 2048))
+    step = result["config"]["step_delay_s"]
+    if p is None or d is None:
+        return ["- 2,048 sessions through one proxy: not run in this invocation (batches %s, "
+                "step %.2f s)." % (result["config"]["batches"], step)]
+    lines = ["- 2,048 concurrent sessions through one proxy at 100%% success: **%s** (%s, %d of "
+             "%d)." % ("reached" if p["success"] >= 1.0 else "NOT reached", _pct(p["success"]),
+                       p["ok"], p["sessions"])]
+    if p.get("p99_ratio"):
+        lines.append("- total p99 within 1.5x of direct at 2,048: **%s** (%.2fx: proxy %s vs "
+                     "direct %s)." % ("reached" if p["p99_ratio"] <= 1.5 else "NOT reached",
+                                     p["p99_ratio"], _s(p["total_p99"]), _s(d["total_p99"])))
+    if step != 1.0:
+        lines.append("- note: this run used a %.2f s step, the target is stated for 1.0 s." % step)
+    return lines
+
+
+def _progress_line(r: Dict[str, Any]) -> str:
+    proxy = ("  proxy peak %.0f MiB / %d threads (after: %d)" % (
+        r["proxy_rss_peak_kib"] / 1024.0, r["proxy_threads_peak"], r["proxy_threads_after"])
+        if r["mode"] == "proxy" else "")
+    return ("%-6s N=%-5d success %6s  connect p50 %s  step p50 %s  total p99 %s  %5.0f sess/s  "
+            "CPU gen/up/proxy %s/%s/%s%s%s" % (
+                r["mode"], r["n"], _pct(r["success"]), _s(r["connect_p50"]), _s(r["step_p50"]),
+                _s(r["total_p99"]), r["sessions_per_s"], _pct(r["generator_cpu"]),
+                _pct(r["upstream_cpu"]), _pct(r["proxy_cpu"]), proxy,
+                ("  failures: " + _errors(r["errors"])) if r["errors"] else ""))
+
+
+def _upstream_label(kind: str) -> str:
+    return {"mini": "benchmarks/_ws_upstream.py (one selectors loop, a timer per step)",
+            "echo": "`python -m hf_jobs_emulator echo-server` (a thread per session)"}.get(kind, kind)
+
+
+def _s(x: Optional[float]) -> str:
+    return "-" if x is None else "%.3f s" % x
+
+
+def _pct(x: Optional[float]) -> str:
+    return "-" if x is None else "%.1f%%" % (100 * x)
+
+
+def _errors(errors: Dict[str, int], limit: int = 3) -> str:
+    items = list(errors.items())
+    text = ", ".join("%s x%d" % (k, v) for k, v in items[:limit])
+    return text + (", ..." if len(items) > limit else "") if items else ""
+
+
+def _say(stream: Optional[IO[str]], text: str) -> None:
+    if stream is not None:
+        stream.write(text + "\n")
+        stream.flush()
+
+
+# -- CLI ----------------------------------------------------------------------------------------
+
+def _batches_arg(text: str) -> List[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(
+            "expected a comma-separated list of positive session counts, e.g. 32,128,512")
+    return values
+
+
+def _modes_arg(text: str) -> List[str]:
+    values = [x.strip() for x in text.split(",") if x.strip()]
+    if not values or any(v not in MODES for v in values):
+        raise argparse.ArgumentTypeError("expected modes from %s, comma-separated" % ", ".join(MODES))
+    return [m for m in MODES if m in values]
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="WebSocket sessions at scale, direct vs through one AuthProxy.")
+    parser.add_argument("--quick", action="store_true",
+                        help="short run: batches %s, %.1f s step" % (
+                            ",".join(map(str, QUICK_BATCHES)), QUICK_STEP_DELAY_S))
+    parser.add_argument("--batches", type=_batches_arg, default=None,
+                        help="comma-separated batch sizes (default %s)" % ",".join(
+                            map(str, DEFAULT_BATCHES)))
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="steps per session")
+    parser.add_argument("--step-delay-s", type=float, default=None,
+                        help="server-side wait per step (default %.1f)" % DEFAULT_STEP_DELAY_S)
+    parser.add_argument("--upstream", choices=UPSTREAMS, default="mini",
+                        help="environment server to benchmark against (default %(default)s)")
+    parser.add_argument("--modes", type=_modes_arg, default=list(MODES),
+                        help="which runs to do, comma-separated (default direct,proxy)")
+    parser.add_argument("--generators", type=int, default=1,
+                        help="load generator processes per batch (default 1)")
+    parser.add_argument("--results", default=DEFAULT_RESULTS,
+                        help="markdown file whose ws_scale section is written (default %(default)s)")
+    parser.add_argument("--plot", default=DEFAULT_PLOT, help="PNG path (default %(default)s)")
+    parser.add_argument("--json", default=None, help="also write the raw summary as JSON here")
+    parser.add_argument("--no-write", action="store_true",
+                        help="print the markdown instead of writing RESULTS.md and the plot")
+    args = parser.parse_args(argv)
+    batches = args.batches or list(QUICK_BATCHES if args.quick else DEFAULT_BATCHES)
+    delay = args.step_delay_s if args.step_delay_s is not None else (
+        QUICK_STEP_DELAY_S if args.quick else DEFAULT_STEP_DELAY_S)
+    if args.steps < 1 or delay < 0 or args.generators < 1:
+        parser.error("--steps and --generators must be >= 1 and --step-delay-s >= 0")
+    if not sys.platform.startswith("linux"):
+        parser.error("ws_scale reads /proc to measure the proxy: it runs on Linux only")
+    command = "python benchmarks/ws_scale.py" + (
+        " " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+        if (sys.argv[1:] if argv is None else argv) else "")
+    print("ws_scale: batches %s, %d x %.2f s step, upstream %s, %d generator process(es)" % (
+        ",".join(map(str, batches)), args.steps, delay, args.upstream, args.generators),
+        flush=True)
+    result = run_benchmark(batches, args.steps, delay, args.upstream, args.generators,
+                           modes=args.modes, progress=sys.stdout)
+    section = render_markdown(result, command)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(result, fh, indent=1)
+    if args.no_write:
+        print(section)
+        return 0
+    write_results_section(args.results, section)
+    print("wrote the %r section of %s" % (SECTION_TITLE[3:], args.results))
+    skipped = plot(result, args.plot)
+    print("plot skipped: %s" % skipped if skipped else "wrote %s" % args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
