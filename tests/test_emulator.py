@@ -1,0 +1,418 @@
+"""hf_jobs_emulator.JobsEmulator: the HF Jobs REST API as huggingface_hub's own HfApi sees it, job
+processes, errors, faults and teardown."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+import hf_jobs_emulator
+from hf_jobs_emulator import JobsEmulator
+
+hub = pytest.importorskip("huggingface_hub")
+from huggingface_hub import HfApi  # noqa: E402
+from huggingface_hub.errors import HfHubHTTPError  # noqa: E402
+
+TIMEOUT = 15
+PY = sys.executable
+
+
+def py(code: str) -> list:
+    return [PY, "-c", code]
+
+
+SLEEP_FOREVER = py("import time\nprint('up', flush=True)\nwhile True: time.sleep(1)")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def wait_until(predicate, what: str, timeout_s: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def emu():
+    with JobsEmulator() as emulator:
+        yield emulator
+        pids = [job.pid for job in emulator.jobs if job.pid]
+    assert not any(pid_alive(pid) for pid in pids), "a job process outlived the emulator"
+
+
+@pytest.fixture
+def api(emu):
+    return HfApi(endpoint=emu.endpoint, token=emu.token)
+
+
+def run(api: HfApi, emu: JobsEmulator, command: list, **kwargs):
+    return api.run_job(image="python:3.12", command=command, namespace=emu.namespace, **kwargs)
+
+
+def finished(api: HfApi, emu: JobsEmulator, job_id: str):
+    return api.wait_for_job(job_id, timeout=TIMEOUT, poll_interval=0.05, namespace=emu.namespace)
+
+
+def raw(emu: JobsEmulator, method: str, path: str, token: object = "default", **kwargs) -> requests.Response:
+    headers = kwargs.pop("headers", {})
+    token = emu.token if token == "default" else token
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    return requests.request(method, emu.endpoint + path, headers=headers, timeout=TIMEOUT, **kwargs)
+
+
+# -- conformance with HfApi ----------------------------------------------------------------------
+
+
+def test_whoami_v2_names_the_tokens_user(emu, api):
+    me = api.whoami()
+    assert me["type"] == "user" and me["name"] == "local"
+
+
+def test_run_inspect_and_finish_a_job_with_hfapi(emu, api):
+    job = run(api, emu, py("print('hello from the job')"), env={"A": "1"}, labels={"team": "rl"}, timeout=600)
+    assert job.status.stage in ("SCHEDULING", "RUNNING", "COMPLETED")
+    assert len(job.id) == 24 and job.docker_image == "python:3.12" and job.space_id is None
+    assert job.owner.name == "local" and job.owner.type == "user"
+    assert job.initiator.name == "local" and job.flavor == "cpu-basic"
+    assert job.environment == {"A": "1"} and job.labels["team"] == "rl"
+    assert job.url == f"{emu.endpoint}/jobs/local/{job.id}"
+    done = finished(api, emu, job.id)
+    assert done.status.stage == "COMPLETED" and done.status.message is None
+    assert done.started_at is not None and done.finished_at is not None and done.created_at is not None
+    assert done.durations.total_secs is not None and done.durations.running_secs is not None
+    assert api.inspect_job(job_id=job.id, namespace="local").status.stage == "COMPLETED"
+
+
+def test_space_image_is_sent_as_space_id(emu, api):
+    job = api.run_job(image="hf.co/spaces/someone/env", command=py("pass"), namespace="local")
+    assert job.space_id == "someone/env" and job.docker_image is None
+
+
+def test_env_and_secrets_reach_the_process_but_secret_values_never_come_back(emu, api, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_parent_token_must_not_leak")
+    code = "import os; print(os.environ['PLAIN'], os.environ['SECRET'], os.environ.get('HF_TOKEN'))"
+    job = run(api, emu, py(code), env={"PLAIN": "p"}, secrets={"SECRET": "s3cr3t-value"})
+    finished(api, emu, job.id)
+    assert list(api.fetch_job_logs(job_id=job.id, namespace="local")) == ["p s3cr3t-value None"]
+    assert job.secrets is not None and set(job.secrets) == {"SECRET"}
+    for path in (f"/api/jobs/local/{job.id}", "/api/jobs/local"):
+        assert "s3cr3t-value" not in raw(emu, "GET", path).text
+
+
+def test_logs_replay_with_tail_and_follow_until_the_job_ends(emu, api):
+    job = run(api, emu, py("import time\nfor i in range(5):\n    print('line', i)\n    time.sleep(0.05)"))
+    followed = list(api.fetch_job_logs(job_id=job.id, namespace="local", follow=True))
+    assert followed == [f"line {i}" for i in range(5)]
+    assert list(api.fetch_job_logs(job_id=job.id, namespace="local", tail=2)) == ["line 3", "line 4"]
+
+
+def test_logs_are_server_sent_events_with_timestamps(emu, api):
+    job = run(api, emu, py("import sys; print('out'); print('err', file=sys.stderr)"))
+    finished(api, emu, job.id)
+    answer = raw(emu, "GET", f"/api/jobs/local/{job.id}/logs")
+    assert answer.headers["Content-Type"].startswith("text/event-stream")
+    events = [json.loads(line[len("data: "):]) for line in answer.text.splitlines() if line.startswith("data: ")]
+    assert events[0]["data"].startswith("===== Job started")
+    assert [e["data"] for e in events[1:]] == ["out", "err"]
+    assert all(e["timestamp"].endswith("Z") for e in events)
+
+
+def test_list_filters_by_label_and_stage(emu, api):
+    done = run(api, emu, py("pass"), labels={"kind": "done"})
+    finished(api, emu, done.id)
+    live = run(api, emu, SLEEP_FOREVER, labels={"kind": "live"})
+    emu.wait_for_stage(live.id, ["RUNNING"])
+    ids = lambda **kw: sorted(j.id for j in api.list_jobs(namespace="local", **kw))  # noqa: E731
+    assert ids() == sorted([done.id, live.id])
+    assert ids(labels={"kind": "live"}) == [live.id]
+    assert ids(labels={"kind": "nope"}) == []
+    assert ids(status="RUNNING") == [live.id]
+    assert ids(status=["COMPLETED", "RUNNING"]) == sorted([done.id, live.id])
+    api.cancel_job(job_id=live.id, namespace="local")
+
+
+def test_cancel_kills_the_whole_process_group_and_marks_canceled(emu, api):
+    code = ("import subprocess, sys, time\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+            "print('child', child.pid, flush=True)\n"
+            "time.sleep(600)")
+    job = run(api, emu, py(code))
+    wait_until(lambda: any(line.startswith("child ") for _, line in emu.job(job.id).logs), "the child's pid")
+    child_pid = int(next(line for _, line in emu.job(job.id).logs if line.startswith("child ")).split()[1])
+    api.cancel_job(job_id=job.id, namespace="local")
+    final = finished(api, emu, job.id)
+    assert final.status.stage == "CANCELED"
+    assert not pid_alive(emu.job(job.id).pid)
+    wait_until(lambda: not pid_alive(child_pid), "the grandchild to die")
+
+
+def test_a_failing_command_ends_in_error_naming_the_exit_code(emu, api):
+    job = run(api, emu, py("import sys; sys.exit(3)"))
+    final = finished(api, emu, job.id)
+    assert final.status.stage == "ERROR" and "exit code: 3" in final.status.message
+
+
+def test_a_missing_command_ends_in_error_naming_it(emu, api):
+    job = run(api, emu, ["/nonexistent/binary-for-the-emulator-test"])
+    final = finished(api, emu, job.id)
+    assert final.status.stage == "ERROR" and "/nonexistent/binary-for-the-emulator-test" in final.status.message
+
+
+def test_timeout_seconds_ends_the_job_as_canceled(emu, api):
+    job = run(api, emu, SLEEP_FOREVER, timeout=1)
+    final = finished(api, emu, job.id)
+    assert final.status.stage == "CANCELED" and "timed out" in final.status.message
+    assert not pid_alive(emu.job(job.id).pid)
+
+
+def test_job_without_command_runs_the_default_or_the_images_command():
+    marker = py("print('image command ran')")
+    with JobsEmulator(image_commands={"my/image:1": marker}) as emu:
+        api = HfApi(endpoint=emu.endpoint, token=emu.token)
+        job = api.run_job(image="my/image:1", command=[], namespace="local")
+        finished(api, emu, job.id)
+        assert list(api.fetch_job_logs(job_id=job.id, namespace="local")) == ["image command ran"]
+    assert JobsEmulator().default_command == hf_jobs_emulator.echo_server_command()
+
+
+def test_api_calls_are_counted_per_route(emu, api):
+    job = run(api, emu, py("pass"))
+    api.inspect_job(job_id=job.id, namespace="local")
+    api.inspect_job(job_id=job.id, namespace="local")
+    raw(emu, "GET", "/api/nothing-here")
+    calls = emu.api_calls
+    assert calls["create"] == 1 and calls["inspect"] == 2 and calls["unknown"] == 1
+    assert "whoami" not in calls  # namespace given: HfApi never asked
+
+
+# -- errors as the real API answers them ---------------------------------------------------------
+
+
+def test_every_answer_carries_a_request_id_and_errors_an_error_message(emu):
+    ok = raw(emu, "GET", "/api/whoami-v2")
+    assert ok.status_code == 200 and ok.headers["X-Request-Id"]
+    missing = raw(emu, "GET", "/api/jobs/local/0123456789abcdef01234567")
+    assert missing.status_code == 404 and missing.headers["X-Request-Id"]
+    assert missing.json()["error"] == missing.headers["X-Error-Message"]
+
+
+@pytest.mark.parametrize("token", [None, "hf_wrong", ""])
+def test_missing_or_wrong_token_is_401(emu, token):
+    answer = raw(emu, "GET", "/api/jobs/local", token=token)
+    assert answer.status_code == 401 and "Authorization" in answer.json()["error"]
+
+
+def test_hfapi_with_a_wrong_token_raises_its_http_error(emu):
+    with pytest.raises(HfHubHTTPError) as caught:
+        HfApi(endpoint=emu.endpoint, token="hf_wrong").list_jobs(namespace="local").__iter__().__next__()
+    assert caught.value.response.status_code == 401
+
+
+def test_unknown_route_is_404_and_wrong_method_405_naming_the_allowed_one(emu):
+    assert raw(emu, "GET", "/api/spaces/x").status_code == 404
+    wrong = raw(emu, "DELETE", "/api/jobs/local")
+    assert wrong.status_code == 405 and "GET or POST" in wrong.json()["error"]
+
+
+def test_unknown_job_is_404_for_inspect_cancel_and_logs(emu):
+    for method, suffix in (("GET", ""), ("POST", "/cancel"), ("GET", "/logs")):
+        assert raw(emu, method, f"/api/jobs/local/ffffffffffffffffffffffff{suffix}").status_code == 404
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"command": ["x"]}, "dockerImage"),
+    ({"dockerImage": "a", "spaceId": "b"}, "dockerImage"),
+    ({"dockerImage": "a", "command": "echo hi"}, "command"),
+    ({"dockerImage": "a", "environment": {"A": 1}}, "environment.A"),
+    ({"dockerImage": "a", "flavor": "gpu-galore"}, "flavor"),
+    ({"dockerImage": "a", "timeoutSeconds": -5}, "timeoutSeconds"),
+    ({"dockerImage": "a", "expose": {"ports": [0]}}, "expose.ports"),
+    ({"dockerImage": "a", "expose": {"ports": [8000], "portsPublic": [9000]}}, "portsPublic"),
+    ({"dockerImage": "a", "labels": {"emulator-die-after-s": "soon"}}, "emulator-die-after-s"),
+    ({"dockerImage": "a", "labels": {"emulator-teleport": "1"}}, "emulator-teleport"),
+    ([1, 2], "JSON object"),
+])
+def test_bad_create_bodies_are_400_naming_the_field(emu, body, field):
+    answer = raw(emu, "POST", "/api/jobs/local", json=body)
+    assert answer.status_code == 400 and field in answer.json()["error"]
+    assert emu.jobs == []
+
+
+def test_invalid_json_is_400(emu):
+    answer = raw(emu, "POST", "/api/jobs/local", data=b"{oops", headers={"Content-Type": "application/json"})
+    assert answer.status_code == 400 and "JSON" in answer.json()["error"]
+
+
+def test_other_users_namespace_is_403_and_org_members_share_the_org_namespace():
+    with JobsEmulator(extra_tokens={"hf_other": "other"}, orgs={"team": ["local", "other"]}) as emu:
+        assert raw(emu, "GET", "/api/jobs/other").status_code == 403
+        mine = HfApi(endpoint=emu.endpoint, token=emu.token)
+        theirs = HfApi(endpoint=emu.endpoint, token="hf_other")
+        assert [o["name"] for o in theirs.whoami()["orgs"]] == ["team"]
+        job = theirs.run_job(image="python:3.12", command=py("pass"), namespace="team")
+        seen = mine.inspect_job(job_id=job.id, namespace="team")
+        assert seen.owner.name == "team" and seen.owner.type == "org" and seen.initiator.name == "other"
+        assert raw(emu, "GET", f"/api/jobs/local/{job.id}").status_code == 404  # wrong namespace
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    ({"host": "0.0.0.0"}, "loopback"),
+    ({"namespace": "bad name"}, "namespace"),
+    ({"scheduling_delay_s": -1}, "scheduling_delay_s"),
+    ({"faults": {"explode": "1"}}, "explode"),
+    ({"extra_tokens": {"hf_x": ""}}, "extra_tokens"),
+])
+def test_bad_constructor_arguments_are_refused_naming_them(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        JobsEmulator(**kwargs)
+
+
+def test_repr_never_shows_the_token():
+    emulator = JobsEmulator(token="hf_secret_token_value")
+    assert "hf_secret_token_value" not in repr(emulator)
+
+
+# -- faults --------------------------------------------------------------------------------------
+
+
+def test_scheduling_delay_fault_keeps_the_job_scheduling_and_cancel_never_starts_it(emu, api):
+    job = run(api, emu, SLEEP_FOREVER, labels={"emulator-scheduling-delay-s": "60"})
+    assert api.inspect_job(job_id=job.id, namespace="local").status.stage == "SCHEDULING"
+    api.cancel_job(job_id=job.id, namespace="local")
+    final = finished(api, emu, job.id)
+    assert final.status.stage == "CANCELED" and emu.job(job.id).pid is None
+
+
+def test_emulator_wide_scheduling_delay_applies_to_every_job():
+    with JobsEmulator(scheduling_delay_s=60) as emu:
+        api = HfApi(endpoint=emu.endpoint, token=emu.token)
+        job = run(api, emu, SLEEP_FOREVER)
+        assert api.inspect_job(job_id=job.id, namespace="local").status.stage == "SCHEDULING"
+
+
+def test_crash_at_boot_fault_ends_in_error_with_the_message_in_status_and_logs(emu, api):
+    job = run(api, emu, SLEEP_FOREVER, labels={"emulator-crash-at-boot": "ImportError: no module named env"})
+    final = finished(api, emu, job.id)
+    assert final.status.stage == "ERROR" and final.status.message == "ImportError: no module named env"
+    assert "ImportError: no module named env" in list(api.fetch_job_logs(job_id=job.id, namespace="local"))
+
+
+def test_emulator_wide_crash_fault_applies_to_every_job():
+    with JobsEmulator(faults={"crash-at-boot": "boom"}) as emu:
+        api = HfApi(endpoint=emu.endpoint, token=emu.token)
+        assert finished(api, emu, run(api, emu, SLEEP_FOREVER).id).status.message == "boom"
+
+
+def test_die_after_fault_kills_a_running_job_into_error(emu, api):
+    job = run(api, emu, SLEEP_FOREVER, labels={"emulator-die-after-s": "0.3"})
+    final = finished(api, emu, job.id)
+    assert final.status.stage == "ERROR" and "die-after-s" in final.status.message
+    assert not pid_alive(emu.job(job.id).pid)
+
+
+def test_injected_rate_limit_answers_429_with_retry_after_then_recovers(emu, api):
+    emu.inject_rate_limit(2, retry_after_s=7)
+    for _ in range(2):
+        limited = raw(emu, "GET", "/api/jobs/local")
+        assert limited.status_code == 429 and limited.headers["Retry-After"] == "7"
+        assert "rate limit" in limited.headers["X-Error-Message"]
+    assert raw(emu, "GET", "/api/jobs/local").status_code == 200
+    assert emu.api_calls["list"] == 3
+
+
+def test_rate_limit_can_target_one_route(emu, api):
+    emu.inject_rate_limit(1, routes=["create"])
+    assert raw(emu, "GET", "/api/jobs/local").status_code == 200
+    with pytest.raises(HfHubHTTPError) as caught:
+        run(api, emu, py("pass"))
+    assert caught.value.response.status_code == 429
+    assert emu.jobs == []  # a 429 create created nothing
+
+
+def test_rate_limit_after_create_label_limits_the_calls_that_follow(emu, api):
+    job = run(api, emu, py("pass"), labels={"emulator-rate-limit-after-create": "1"})
+    assert raw(emu, "GET", f"/api/jobs/local/{job.id}").status_code == 429
+    assert raw(emu, "GET", f"/api/jobs/local/{job.id}").status_code == 200
+
+
+def test_lost_create_response_creates_the_job_but_drops_the_answer(emu):
+    emu.lose_next_create_responses(1)
+    body = {"dockerImage": "python:3.12", "command": SLEEP_FOREVER, "labels": {"create-id": "abc"}}
+    with pytest.raises(requests.ConnectionError):
+        raw(emu, "POST", "/api/jobs/local", json=body)
+    found = raw(emu, "GET", "/api/jobs/local?label=create-id=abc").json()
+    assert len(found) == 1 and found[0]["labels"] == {"create-id": "abc"}
+    # only the next one was lost
+    assert raw(emu, "POST", "/api/jobs/local", json=body).status_code == 200
+
+
+def test_lost_create_response_label_loses_that_jobs_answer(emu):
+    body = {"dockerImage": "python:3.12", "command": py("pass"), "labels": {"emulator-lost-create-response": "true"}}
+    with pytest.raises(requests.ConnectionError):
+        raw(emu, "POST", "/api/jobs/local", json=body)
+    assert len(emu.jobs) == 1
+
+
+# -- teardown ------------------------------------------------------------------------------------
+
+
+def test_stop_ends_every_job_process_and_marks_jobs_canceled():
+    emu = JobsEmulator().start()
+    api = HfApi(endpoint=emu.endpoint, token=emu.token)
+    jobs = [run(api, emu, SLEEP_FOREVER) for _ in range(3)]
+    for job in jobs:
+        emu.wait_for_stage(job.id, ["RUNNING"])
+    pids = emu.live_pids()
+    assert len(pids) == 3
+    emu.stop()
+    assert not any(pid_alive(pid) for pid in pids)
+    assert {emu.job(job.id).stage for job in jobs} == {"CANCELED"}
+    emu.stop()  # twice is fine
+
+
+def test_a_job_that_ignores_sigterm_is_killed_after_the_grace():
+    code = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('up', flush=True)\ntime.sleep(600)"
+    with JobsEmulator(kill_grace_s=0.2) as emu:
+        api = HfApi(endpoint=emu.endpoint, token=emu.token)
+        job = run(api, emu, py(code))
+        wait_until(lambda: any(line == "up" for _, line in emu.job(job.id).logs), "the job to ignore SIGTERM")
+        api.cancel_job(job_id=job.id, namespace="local")
+        assert finished(api, emu, job.id).status.stage == "CANCELED"
+        assert not pid_alive(emu.job(job.id).pid)
+
+
+def test_serve_cli_prints_endpoint_and_token_and_sigterm_stops_its_jobs():
+    proc = subprocess.Popen([PY, hf_jobs_emulator.__file__, "serve", "--json"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        info = json.loads(proc.stdout.readline())
+        api = HfApi(endpoint=info["endpoint"], token=info["token"])
+        code = "import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(600)"
+        job = api.run_job(image="python:3.12", command=py(code), namespace=info["namespace"])
+        lines = api.fetch_job_logs(job_id=job.id, namespace="local", follow=True)
+        job_pid = int(next(iter(lines)))
+        lines.close()
+        assert pid_alive(job_pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(TIMEOUT) == 0
+        wait_until(lambda: not pid_alive(job_pid), "the serve job to die")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(TIMEOUT)
