@@ -175,23 +175,28 @@ def render_markdown(result: Dict[str, Any], command: str) -> str:
     idle = cfg["proxy_idle"]
     out += ["### proxy cost and bottleneck checks", "",
             "Proxy idle: %.1f MiB RSS, %d threads. Peak values sampled every %d ms from "
-            "/proc/<pid>/status during the proxy run; increments are (peak - before) / N. "
+            "/proc/<pid>/status during the proxy run; increments are (peak - before) / N and, "
+            "more telling, / the peak number of sessions open at once (`open`: 101 received, "
+            "close not yet done; below N when set-up is slower than the step). "
             "`threads after` is the proxy's count once the batch ended (should return to idle). "
             "CPU columns: CPU seconds each process used during the run / run wall time "
             "(100%% = one core)." % (idle["rss_kib"] / 1024.0, idle["threads"],
                                       int(SAMPLE_INTERVAL_S * 1000)),
             "",
-            "| batch | p99 proxy/direct | proxy RSS peak | RSS / session | proxy threads peak "
-            "| threads / session | threads after | proxy CPU | upstream CPU (direct/proxy) "
-            "| generator CPU (direct/proxy) |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "| batch | p99 proxy/direct | open at peak | proxy RSS peak | RSS / N, / open "
+            "| proxy threads peak | threads / N, / open | threads after | proxy CPU "
+            "| upstream CPU (direct/proxy) | generator CPU (direct/proxy) |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     direct = {r["n"]: r for r in rows if r["mode"] == "direct"}
     for r in (r for r in rows if r["mode"] == "proxy"):
         d = direct.get(r["n"], {})
-        out.append("| %d | %s | %.1f MiB | %.1f KiB | %d | %.2f | %s | %s | %s / %s | %s / %s |" % (
-            r["n"], "%.2fx" % r["p99_ratio"] if r.get("p99_ratio") else "n/a",
-            r["proxy_rss_peak_kib"] / 1024.0, r["rss_kib_per_session"], r["proxy_threads_peak"],
-            r["threads_per_session"], r["proxy_threads_after"], _pct(r["proxy_cpu"]),
+        out.append("| %d | %s | %d | %.1f MiB | %.1f / %s KiB | %d | %.2f / %s | %s | %s "
+                   "| %s / %s | %s / %s |" % (
+            r["n"], "%.2fx" % r["p99_ratio"] if r.get("p99_ratio") else "n/a", r["peak_open"],
+            r["proxy_rss_peak_kib"] / 1024.0, r["rss_kib_per_session"],
+            _num(r["rss_kib_per_open"], "%.1f"), r["proxy_threads_peak"],
+            r["threads_per_session"], _num(r["threads_per_open"], "%.2f"),
+            r["proxy_threads_after"], _pct(r["proxy_cpu"]),
             _pct(d.get("upstream_cpu")), _pct(r["upstream_cpu"]),
             _pct(d.get("generator_cpu")), _pct(r["generator_cpu"])))
     out += ["", "### against the targets", ""] + _target_lines(result) + [""]
@@ -292,6 +297,10 @@ def _run_one(mode: str, n: int, target: Tuple[int, str], steps: int, step_delay_
         "proxy_threads_after": after["threads"],
         "rss_kib_per_session": max(0, sampler.peak_rss_kib - before["rss_kib"]) / n,
         "threads_per_session": max(0, sampler.peak_threads - before["threads"]) / n,
+        "rss_kib_per_open": (max(0, sampler.peak_rss_kib - before["rss_kib"]) / row["peak_open"]
+                             if row["peak_open"] else None),
+        "threads_per_open": (max(0, sampler.peak_threads - before["threads"]) / row["peak_open"]
+                             if row["peak_open"] else None),
     })
     return row
 
@@ -310,8 +319,25 @@ def summarize_sessions(sessions: List[Dict[str, Any]]) -> Dict[str, Any]:
         "total_p50": percentile(totals, 50),
         "total_p99": percentile(totals, 99),
         "total_max": max(totals) if totals else None,
+        "peak_open": peak_open_sessions(sessions),
         "errors": dict(Counter(s["error"] for s in sessions if not s["ok"]).most_common()),
     }
+
+
+def peak_open_sessions(sessions: List[Dict[str, Any]]) -> int:
+    """Most sessions open at one moment, counting a session from its 101 to its close. With a slow
+    server not all N overlap, so this (not N) is what the proxy's threads and memory scale with."""
+    edges = []
+    for s in sessions:
+        if s["connect"] is not None and s["total"] is not None:
+            edges.append((s["start"] + s["connect"], 1))
+            edges.append((s["start"] + s["total"], -1))
+    edges.sort(key=lambda e: (e[0], e[1]))  # a close at the same instant counts before an open
+    open_now = peak = 0
+    for _, delta in edges:
+        open_now += delta
+        peak = max(peak, open_now)
+    return peak
 
 
 def percentile(values: Sequence[float], p: float) -> Optional[float]:
@@ -588,8 +614,9 @@ def _target_lines(result: Dict[str, Any]) -> List[str]:
 
 
 def _progress_line(r: Dict[str, Any]) -> str:
-    proxy = ("  proxy peak %.0f MiB / %d threads (after: %d)" % (
-        r["proxy_rss_peak_kib"] / 1024.0, r["proxy_threads_peak"], r["proxy_threads_after"])
+    proxy = ("  proxy peak %.0f MiB / %d threads for %d open (after: %d)" % (
+        r["proxy_rss_peak_kib"] / 1024.0, r["proxy_threads_peak"], r["peak_open"],
+        r["proxy_threads_after"])
         if r["mode"] == "proxy" else "")
     return ("%-6s N=%-5d success %6s  connect p50 %s  step p50 %s  total p99 %s  %5.0f sess/s  "
             "CPU gen/up/proxy %s/%s/%s%s%s" % (
@@ -602,6 +629,10 @@ def _progress_line(r: Dict[str, Any]) -> str:
 def _upstream_label(kind: str) -> str:
     return {"mini": "benchmarks/_ws_upstream.py (one selectors loop, a timer per step)",
             "echo": "`python -m hf_jobs_emulator echo-server` (a thread per session)"}.get(kind, kind)
+
+
+def _num(x: Optional[float], fmt: str) -> str:
+    return "-" if x is None else fmt % x
 
 
 def _s(x: Optional[float]) -> str:

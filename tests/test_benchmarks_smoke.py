@@ -1,0 +1,141 @@
+"""End-to-end smoke tests of benchmarks/ws_scale.py and its load generator (no timing assertions).
+
+A tiny batch runs through the real script (real subprocesses, loopback sockets, the real AuthProxy)
+to prove it works end to end; the load generator is also pointed at servers that must make it fail,
+so a broken generator cannot pass as "100% success".
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(REPO, "benchmarks")
+sys.path.insert(0, BENCH)
+
+import ws_scale  # noqa: E402  (benchmarks/ is not a package)
+
+RUN_TIMEOUT_S = 90
+OTHER_SECTION = "## HTTP proxy overhead\n\nA section another benchmark owns.\n\n| a | b |\n|---|---|\n| 1 | 2 |\n"
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ws_scale reads /proc")
+
+
+def _run(args, timeout=RUN_TIMEOUT_S):
+    return subprocess.run([sys.executable] + args, cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tiny_batch_runs_direct_and_through_proxy_and_keeps_other_results_sections(tmp_path):
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Benchmark results\n\n" + OTHER_SECTION)
+    raw = tmp_path / "ws.json"
+    png = tmp_path / "ws.png"
+    proc = _run([os.path.join(BENCH, "ws_scale.py"), "--batches", "4", "--step-delay-s", "0.05",
+                 "--results", str(results), "--plot", str(png), "--json", str(raw)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    result = json.loads(raw.read_text())
+    rows = {r["mode"]: r for r in result["rows"]}
+    assert set(rows) == {"direct", "proxy"}
+    for mode, row in rows.items():
+        assert (row["n"], row["sessions"], row["ok"], row["errors"]) == (4, 4, 4, {}), mode
+        assert row["step_p50"] >= 0.05, "each step waits for the server-side delay"
+        assert row["total_p99"] >= row["step_p50"]
+    proxy = rows["proxy"]
+    assert proxy["proxy_threads_peak"] > proxy["proxy_threads_before"], "tunnels ran in the proxy"
+    assert proxy["proxy_threads_after"] == result["config"]["proxy_idle"]["threads"], "threads leaked"
+    assert proxy["p99_ratio"] > 0
+    assert result["verdict"]["proxy"]["max_batch_100"] == 4
+
+    text = results.read_text()
+    assert text.count(OTHER_SECTION) == 1, "the other helper's section must survive untouched"
+    assert text.count(ws_scale.SECTION_TITLE) == 1
+    assert "--batches 4 --step-delay-s 0.05" in text, "the exact command is recorded"
+    assert "| 4 | 100.0% |" in text
+    if "plot skipped" in proc.stdout:
+        assert not png.exists()
+    else:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_rerun_replaces_only_its_own_section(tmp_path):
+    path = tmp_path / "RESULTS.md"
+    path.write_text("# Results\n\n" + ws_scale.SECTION_TITLE + "\n\nold numbers\n\n" + OTHER_SECTION)
+    ws_scale.write_results_section(str(path), ws_scale.SECTION_TITLE + "\n\nnew numbers\n")
+    text = path.read_text()
+    assert "old numbers" not in text and "new numbers" in text
+    assert text.startswith("# Results\n\n" + ws_scale.SECTION_TITLE)
+    assert text.endswith(OTHER_SECTION)
+
+
+def test_section_is_appended_when_results_file_lacks_it_or_is_missing(tmp_path):
+    path = tmp_path / "RESULTS.md"
+    ws_scale.write_results_section(str(path), ws_scale.SECTION_TITLE + "\n\nfirst\n")
+    assert path.read_text() == ws_scale.SECTION_TITLE + "\n\nfirst\n"
+    path.write_text(OTHER_SECTION)
+    ws_scale.write_results_section(str(path), ws_scale.SECTION_TITLE + "\n\nsecond\n")
+    assert path.read_text() == OTHER_SECTION + "\n" + ws_scale.SECTION_TITLE + "\n\nsecond\n"
+
+
+def test_load_generator_counts_refused_connections_as_failures():
+    port = _free_port()  # nothing listens there any more
+    proc = _run([os.path.join(BENCH, "_loadgen.py"), "--port", str(port), "--sessions", "3",
+                 "--deadline-s", "10"], timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    sessions = json.loads(proc.stdout)["sessions"]
+    assert [s["ok"] for s in sessions] == [False] * 3
+    assert all(s["error"].startswith("connect:") for s in sessions), sessions
+
+
+def test_load_generator_reports_a_refused_upgrade_and_a_server_that_never_answers():
+    upstream = subprocess.Popen([sys.executable, os.path.join(BENCH, "_ws_upstream.py"),
+                                 "--step-delay-s", "0"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True, cwd=REPO)
+    silent = socket.socket()
+    try:
+        port = json.loads(upstream.stdout.readline())["port"]
+        wrong_path = _run([os.path.join(BENCH, "_loadgen.py"), "--port", str(port), "--path",
+                           "/not-ws", "--sessions", "2", "--deadline-s", "10"], timeout=30)
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # accepts TCP (kernel backlog) but never answers the upgrade
+        hung = _run([os.path.join(BENCH, "_loadgen.py"), "--port", str(silent.getsockname()[1]),
+                     "--sessions", "2", "--deadline-s", "1"], timeout=30)
+    finally:
+        silent.close()
+        upstream.stdin.close()
+        upstream.wait(10)
+    errors = [s["error"] for s in json.loads(wrong_path.stdout)["sessions"]]
+    assert errors == ["rejected:404"] * 2
+    errors = [s["error"] for s in json.loads(hung.stdout)["sessions"]]
+    assert errors == ["timeout:handshake"] * 2
+
+
+def test_percentile_is_nearest_rank_and_peak_open_counts_overlap():
+    values = list(range(1, 101))
+    assert ws_scale.percentile(values, 50) == 50
+    assert ws_scale.percentile(values, 99) == 99
+    assert ws_scale.percentile([], 99) is None
+    # three sessions: two overlap, the third opens exactly when the first closes
+    sessions = [{"start": 0.0, "connect": 0.0, "total": 1.0},
+                {"start": 0.5, "connect": 0.0, "total": 1.0},
+                {"start": 1.0, "connect": 0.0, "total": 1.0},
+                {"start": 9.0, "connect": None, "total": 1.0}]  # never connected: not open
+    assert ws_scale.peak_open_sessions(sessions) == 2
+
+
+def test_bad_batch_list_is_refused_with_a_clear_message():
+    proc = _run([os.path.join(BENCH, "ws_scale.py"), "--batches", "32,zero"], timeout=30)
+    assert proc.returncode == 2
+    assert "comma-separated list of positive session counts" in proc.stderr
