@@ -1,0 +1,1468 @@
+"""A loopback auth proxy that fronts remote OpenEnv servers (HF Jobs exposed ports) for local clients.
+
+`AuthProxy` listens on 127.0.0.1 and mounts upstreams under unguessable path prefixes. Each request to
+`http://127.0.0.1:<port>/<route-id>/<rest>` is forwarded to `<upstream>/<rest>` with the route's bearer
+token injected, so unmodified OpenEnv clients (HTTP and WebSocket) can talk to a token-protected job
+without ever seeing the token. Threads only: no event loop, stdlib plus `wsproto`-free raw tunnelling.
+
+Public names: `AuthProxy`, `Route`, `Refusal`, `InsecureURLError`. Run `python proxy.py UPSTREAM_URL`
+to front one job from the command line.
+"""
+from __future__ import annotations
+
+import argparse
+import http.client
+import http.server
+import io
+import ipaddress
+import json
+import logging
+import os
+import re
+import secrets
+import select
+import signal
+import socket
+import ssl
+import sys
+import threading
+import time
+import urllib.parse
+import weakref
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Set, Tuple, Union
+
+__all__ = ["AuthProxy", "Route", "Refusal", "InsecureURLError"]
+
+log = logging.getLogger("proxy")
+
+# --------------------------------------------------------------------------------------------------
+# Constants
+# --------------------------------------------------------------------------------------------------
+
+# The stdlib listen backlog is 5: a burst of a few hundred environments connecting at once would see
+# connection resets. 1024 is what the kernel usually caps somaxconn at anyway.
+LISTEN_BACKLOG = 1024
+# A keep-alive client connection with no request in flight is closed after this long. Generous because
+# training loops may sit idle between episodes; clients (requests/urllib3) reconnect transparently.
+CLIENT_IDLE_TIMEOUT_S = 300.0
+# Once the first byte of a request has arrived, its request line and headers must be complete within
+# this bound, so a client that stalls (or drips bytes) mid-headers cannot hold a thread forever.
+HEADER_TIMEOUT_S = 30.0
+# Limits on the request head: the stdlib caps one line at 64 KiB and the count at 100 headers; we also
+# cap the whole header section, since 100 x 64 KiB would still be 6.4 MiB per request.
+MAX_HEADER_BYTES = 64 * 1024
+MAX_REQUEST_LINE = 64 * 1024
+# A chunk-size line ("1a2b;ext=...") longer than this is malformed, not a real chunk header.
+MAX_CHUNK_LINE = 4096
+# Request bodies up to this size are read fully before forwarding, which makes them replayable on a
+# fresh upstream connection when a pooled one turns out stale; bigger bodies are streamed.
+REPLAYABLE_BODY_BYTES = 1024 * 1024
+# Response bodies up to this size are read before answering so headers and body leave in one send.
+SMALL_RESPONSE_BYTES = 64 * 1024
+# Socket read size for streaming bodies and tunnels: large enough to move a 1 MiB frame in a few calls.
+IO_CHUNK = 64 * 1024
+# Idle upstream connections kept per route; more concurrent requests simply open more connections.
+POOL_MAX_IDLE = 64
+# Pooled upstream connections idle longer than this are not reused: uvicorn (OpenEnv's server) closes
+# idle keep-alive connections after 5 s, and racing that close would turn a request into an error.
+POOL_IDLE_S = 4.0
+# How long stop() waits for each thread it started before naming it as left behind.
+STOP_JOIN_S = 5.0
+# How long a TLS writer waits for the reader thread to feed bytes the TLS engine asked for, per round.
+TLS_WANT_READ_WAIT_S = 0.5
+
+# RFC 9110 section 7.6.1 hop-by-hop headers (plus the legacy Proxy-Connection). `Expect` is answered
+# by the proxy itself, and `Authorization`/`Host` are always replaced, so they never pass through.
+HOP_BY_HOP = frozenset(
+    ["connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization", "te",
+     "trailer", "transfer-encoding", "upgrade"]
+)
+REPLACED_REQUEST_HEADERS = frozenset(["authorization", "host", "expect", "content-length"])
+# Methods whose repetition has no extra effect (RFC 9110 section 9.2.2): safe to retry once on a fresh
+# connection when a pooled connection died before answering.
+IDEMPOTENT_METHODS = frozenset(["GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"])
+# RFC 9110 token characters: a method is exactly one token.
+_TOKEN_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+_OBS_FOLD_RE = re.compile(r"\r?\n[ \t]+")
+_STATUS_LINE_RE = re.compile(rb"^HTTP/1\.[01] (\d{3})(?: |\r?$)")
+
+Token = Union[str, Callable[[], str], None]
+Verify = Union[bool, str]
+
+
+class InsecureURLError(ValueError):
+    """Raised by `mount` for an upstream that would carry the token in clear text off this machine."""
+
+
+class Refusal(NamedTuple):
+    """A request the proxy answers itself instead of forwarding (sent as JSON with `X-Proxy-Error`)."""
+
+    status: int  # e.g. 401, 404
+    kind: str  # short machine word, e.g. "unauthorized", "unknown-route"
+    message: str  # human sentence, goes in the JSON body
+    headers: Tuple[Tuple[str, str], ...] = ()  # e.g. (("WWW-Authenticate", "Bearer"),)
+
+
+# --------------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------------
+
+
+class Route:
+    """One mounted upstream: where to forward, which token to inject (None = inject nothing), TLS verify.
+
+    A route owns its pool of keep-alive upstream connections and its open WebSocket tunnels, so closing
+    it (`AuthProxy.unmount`) ends everything that talks to that upstream.
+    """
+
+    def __init__(self, upstream: str, token: Token, verify: Verify = True) -> None:
+        reason = _upstream_rejection(upstream)
+        if reason:
+            raise ValueError(reason)
+        parts = urllib.parse.urlsplit(upstream)
+        if parts.scheme.lower() == "http" and not _is_loopback_host(parts.hostname or ""):
+            raise InsecureURLError(
+                "refusing cleartext upstream %s://%s: the token would cross the network unencrypted; use "
+                "https:// (http:// is only allowed for loopback hosts)" % (parts.scheme, parts.netloc))
+        reason = _token_rejection(token) or _verify_rejection(verify)
+        if reason:
+            raise ValueError(reason)
+        self.upstream: str = upstream
+        self.token: Token = token
+        self.verify: Verify = verify
+        self.scheme: str = parts.scheme.lower()
+        self.host: str = parts.hostname or ""
+        self.port: int = parts.port or (443 if self.scheme == "https" else 80)
+        self.base_path: str = parts.path.rstrip("/")
+        default_port = 443 if self.scheme == "https" else 80
+        host_for_header = "[%s]" % self.host if ":" in self.host else self.host
+        self.host_header: str = host_for_header if self.port == default_port else "%s:%d" % (host_for_header, self.port)
+        self.label: str = "%s://%s" % (self.scheme, self.host_header)
+        self._lock = threading.Lock()
+        self._idle: List[Tuple[http.client.HTTPConnection, float]] = []
+        self._active: Set[http.client.HTTPConnection] = set()
+        self._tunnels: Set[_Tunnel] = set()
+        self._tls_context: Optional[ssl.SSLContext] = None
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return "Route(%s, token=%s, verify=%r)" % (
+            self.label, "set" if self.token is not None else "None", self.verify if isinstance(self.verify, bool) else "<ca bundle>")
+
+    def current_token(self) -> Optional[str]:
+        """The token to inject now: the string, or the callable's answer (read per request for rotation)."""
+        token = self.token() if callable(self.token) else self.token
+        if token is not None and _token_rejection(token):
+            raise ValueError("the token callable returned something that is not a usable token string")
+        return token
+
+    def close(self) -> List[str]:
+        """Close pooled connections, abort in-flight requests and tunnels; return what could not be closed."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            active = list(self._active)
+            tunnels = list(self._tunnels)
+        problems: List[str] = []
+        for conn, _ in idle:
+            _quiet_close(conn)
+        for conn in active:
+            _abort_socket(conn.sock)
+        for tunnel in tunnels:
+            tunnel.close()
+        return problems
+
+    def tls_context(self) -> ssl.SSLContext:
+        """The TLS context for this upstream, honouring `verify` like requests (bool or CA bundle path)."""
+        with self._lock:
+            if self._tls_context is None:
+                self._tls_context = _make_tls_context(self.verify)
+            return self._tls_context
+
+
+    # -- machinery (used by the request handler) ------------------------------------------------
+
+    def _checkout(self, proxy: AuthProxy) -> Tuple[http.client.HTTPConnection, bool]:
+        """A keep-alive connection to the route's upstream: a pooled one if fresh, else a new one."""
+        now = time.monotonic()
+        stale: List[http.client.HTTPConnection] = []
+        chosen: Optional[http.client.HTTPConnection] = None
+        with self._lock:
+            if self._closed:
+                raise ConnectionAbortedError("route was unmounted")
+            while self._idle:
+                conn, since = self._idle.pop()
+                if now - since <= POOL_IDLE_S and not _looks_dropped(conn.sock):
+                    chosen = conn
+                    self._active.add(conn)
+                    break
+                stale.append(conn)
+        for conn in stale:
+            _quiet_close(conn)
+        if chosen is not None:
+            return chosen, True
+        if self.scheme == "https":
+            conn = http.client.HTTPSConnection(self.host, self.port, timeout=proxy.connect_timeout_s,
+                                               context=self.tls_context())
+        else:
+            conn = http.client.HTTPConnection(self.host, self.port, timeout=proxy.connect_timeout_s)
+        with self._lock:
+            if self._closed:
+                raise ConnectionAbortedError("route was unmounted")
+            self._active.add(conn)
+        try:
+            conn.connect()
+            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.sock.settimeout(proxy.read_timeout_s)
+        except BaseException:
+            with self._lock:
+                self._active.discard(conn)
+            conn.close()
+            raise
+        return conn, False
+
+    def _checkin(self, conn: http.client.HTTPConnection, reusable: bool) -> None:
+        """Return a connection after its response was fully read (reusable) or close it."""
+        with self._lock:
+            self._active.discard(conn)
+            if reusable and not self._closed and conn.sock is not None and len(self._idle) < POOL_MAX_IDLE:
+                self._idle.append((conn, time.monotonic()))
+                return
+        conn.close()
+
+    def _open_stream(self, proxy: AuthProxy) -> "_Stream":
+        """A dedicated TCP (or TLS) stream to the upstream, for one WebSocket tunnel."""
+        sock = socket.create_connection((self.host, self.port), timeout=proxy.connect_timeout_s)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.scheme == "https":
+                stream: _Stream = _TLSStream(sock, self.tls_context(), self.host)
+                stream.handshake()  # type: ignore[attr-defined]
+            else:
+                stream = _Stream(sock)
+            sock.settimeout(proxy.read_timeout_s)
+            return stream
+        except BaseException:
+            sock.close()
+            raise
+
+    def _add_tunnel(self, tunnel: "_Tunnel") -> bool:
+        with self._lock:
+            if self._closed:
+                return False
+            self._tunnels.add(tunnel)
+            return True
+
+    def _remove_tunnel(self, tunnel: "_Tunnel") -> None:
+        with self._lock:
+            self._tunnels.discard(tunnel)
+
+
+class AuthProxy:
+    """A loopback HTTP + WebSocket auth proxy: one listener, many routes, threads only.
+
+    Use as a context manager, or `start()` / `stop()`. `mount(upstream, token)` returns the base URL a
+    client should use in place of the upstream's URL. Subclasses may override `route_request` to map
+    request targets to routes their own way (the HF Jobs emulator's token gate does).
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        connect_timeout_s: float = 10.0,
+        read_timeout_s: float = 300.0,
+        idle_timeout_s: float = CLIENT_IDLE_TIMEOUT_S,
+        header_timeout_s: float = HEADER_TIMEOUT_S,
+    ) -> None:
+        for name, value in (("connect_timeout_s", connect_timeout_s), ("read_timeout_s", read_timeout_s),
+                            ("idle_timeout_s", idle_timeout_s), ("header_timeout_s", header_timeout_s)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError("%s must be a positive number of seconds, got %r" % (name, value))
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError("port must be an integer from 0 to 65535 (0 picks a free port), got %r" % (port,))
+        if not isinstance(host, str) or not host:
+            raise ValueError("host must be an address to bind, e.g. '127.0.0.1', got %r" % (host,))
+        self.host = host
+        self.connect_timeout_s = float(connect_timeout_s)
+        self.read_timeout_s = float(read_timeout_s)
+        self.idle_timeout_s = float(idle_timeout_s)
+        self.header_timeout_s = float(header_timeout_s)
+        self._requested_port = port
+        self._lock = threading.Lock()
+        self._routes: Dict[str, Route] = {}
+        self._seen_routes: "weakref.WeakSet[Route]" = weakref.WeakSet()
+        self._route_count = 0
+        self._server: Optional[_Server] = None
+        self._serve_thread: Optional[threading.Thread] = None
+        self._tunnel_threads: Set[threading.Thread] = set()
+        self._stopping = False
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def start(self) -> "AuthProxy":
+        """Bind the listener and start serving in a background thread; returns self."""
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("this AuthProxy was stopped; create a new one")
+            if self._server is not None:
+                return self
+            if not _is_loopback_host(self.host):
+                log.warning("proxy binding non-loopback address %s: anyone who can reach it and learns a "
+                            "route URL can use that route's token", self.host)
+            self._server = _Server(self)
+            self._serve_thread = threading.Thread(
+                target=self._server.serve_forever, kwargs={"poll_interval": 0.5}, name="proxy-listener", daemon=True)
+            self._serve_thread.start()
+        log.info("proxy listening on %s", self.url)
+        return self
+
+    def stop(self) -> None:
+        """Stop serving: close the listener, every client connection, upstream connection and tunnel,
+        and join every thread the proxy started. Never raises; logs what it could not clean up."""
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+            server, serve_thread = self._server, self._serve_thread
+            routes = list(self._routes.values()) + [r for r in list(self._seen_routes) if r not in self._routes.values()]
+            self._routes.clear()
+        if server is None:
+            return
+        leftovers: List[str] = []
+        try:
+            server.shutdown()
+        except Exception as exc:  # pragma: no cover - defensive: teardown must go on
+            leftovers.append("listener loop (%s)" % type(exc).__name__)
+        try:
+            server.server_close()
+        except OSError as exc:  # pragma: no cover
+            leftovers.append("listening socket (%s)" % type(exc).__name__)
+        for route in routes:
+            leftovers.extend(route.close())
+        server.abort_connections()
+        deadline = time.monotonic() + STOP_JOIN_S
+        threads = [serve_thread] if serve_thread else []
+        threads += server.live_threads()
+        with self._lock:
+            threads += list(self._tunnel_threads)
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                leftovers.append("thread %s" % thread.name)
+        if leftovers:
+            log.warning("proxy stopped but could not clean up: %s", ", ".join(leftovers))
+        else:
+            log.info("proxy stopped")
+
+    def __enter__(self) -> "AuthProxy":
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "stopped" if self._stopping else ("serving" if self._server else "not started")
+        return "AuthProxy(%s, %d routes, %s)" % (self.url if self._server else self.host, len(self._routes), state)
+
+    @property
+    def port(self) -> int:
+        """The bound port (the requested one until `start()` binds)."""
+        return self._server.server_address[1] if self._server is not None else self._requested_port
+
+    @property
+    def url(self) -> str:
+        """The listener's root URL, e.g. `http://127.0.0.1:41234`."""
+        host = "[%s]" % self.host if ":" in self.host else self.host
+        return "http://%s:%d" % (host, self.port)
+
+    # -- routes ------------------------------------------------------------------------------------
+
+    def mount(self, upstream: str, token: Token, *, verify: Verify = True) -> str:
+        """Forward `<base_url>/<rest>` to `<upstream>/<rest>` with `Authorization: Bearer <token>`.
+
+        `token` is a string or a zero-argument callable read at each request. Returns the base URL
+        (`http://127.0.0.1:<port>/<route-id>`); the route id is unguessable (192 random bits).
+        """
+        if self._server is None or self._stopping:
+            raise RuntimeError("AuthProxy is not serving: call start() (or use it as a context manager) before mount()")
+        route = Route(upstream, token, verify)
+        with self._lock:
+            self._route_count += 1
+            route.label = "route-%d (%s)" % (self._route_count, route.label)
+            route_id = secrets.token_urlsafe(24)
+            self._routes[route_id] = route
+        log.info("mounted %s", route.label)
+        return "%s/%s" % (self.url, route_id)
+
+    def unmount(self, base_url: str) -> bool:
+        """Remove the route behind `base_url` and close its connections and tunnels.
+
+        Returns False when no such route is mounted (already unmounted): safe to call twice."""
+        route_id = base_url.rstrip("/").rsplit("/", 1)[-1] if isinstance(base_url, str) else ""
+        with self._lock:
+            route = self._routes.pop(route_id, None)
+        if route is None:
+            return False
+        problems = route.close()
+        log.info("unmounted %s%s", route.label, (" (could not close: %s)" % ", ".join(problems)) if problems else "")
+        return True
+
+    def route_request(self, target: str, headers: http.client.HTTPMessage) -> Union[Tuple[Route, str], Refusal]:
+        """Overridable hook: map an origin-form request target to (route, upstream target), or refuse it.
+
+        Default: `/<route-id>/<rest>?q` -> (mounted route, `<upstream path>/<rest>?q`); unknown id -> 404.
+        """
+        path, sep, query = target.partition("?")
+        parts = path.split("/", 2)
+        route = self._routes.get(parts[1]) if len(parts) > 1 else None
+        if route is None:
+            return Refusal(404, "unknown-route",
+                           "No route is mounted at this path; use the exact base URL AuthProxy.mount() returned.")
+        rest = parts[2] if len(parts) > 2 else ""
+        return route, "%s/%s%s%s" % (route.base_path, rest, sep, query)
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation (each returns the reason something is refused, or None)
+# --------------------------------------------------------------------------------------------------
+
+
+def _is_loopback_host(host: str) -> bool:
+    host = host.strip("[]").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _upstream_rejection(upstream: object) -> Optional[str]:
+    if not isinstance(upstream, str) or not upstream:
+        return "upstream must be a URL string like 'https://<job>--8000.hf.jobs', got %r" % (type(upstream).__name__,)
+    if any(c in upstream for c in "\r\n\t ") or any(ord(c) < 32 for c in upstream):
+        return "upstream URL contains whitespace or control characters; pass the job URL exactly"
+    try:
+        parts = urllib.parse.urlsplit(upstream)
+        port = parts.port
+    except ValueError as exc:
+        return "upstream URL is malformed (%s); pass e.g. 'https://<job>--8000.hf.jobs'" % exc
+    if parts.scheme.lower() not in ("http", "https"):
+        return "upstream URL must start with https:// (or http:// for a loopback host), got scheme %r" % parts.scheme
+    if not parts.hostname:
+        return "upstream URL has no host; pass e.g. 'https://<job>--8000.hf.jobs'"
+    if parts.username is not None or parts.password is not None:
+        return "upstream URL must not embed credentials (user:pass@); pass the token separately"
+    if parts.query or parts.fragment:
+        return "upstream URL must not have a query or fragment; mount the server's base URL"
+    if port == 0:
+        return "upstream URL port 0 is not a real port"
+    return None
+
+
+def _token_rejection(token: object) -> Optional[str]:
+    if token is None or callable(token):
+        return None
+    if not isinstance(token, str):
+        return "token must be a string, a zero-argument callable returning one, or None; got %s" % type(token).__name__
+    if not token:
+        return "token is empty; pass your HF token (or None to inject no Authorization header)"
+    if any(ord(c) < 33 or ord(c) > 126 for c in token):
+        return "token contains whitespace, control or non-ASCII characters; pass the bare token without 'Bearer '"
+    return None
+
+
+def _verify_rejection(verify: object) -> Optional[str]:
+    if isinstance(verify, bool):
+        return None
+    if isinstance(verify, str):
+        if not os.path.exists(verify):
+            return "verify=%r: no such CA bundle file or directory; pass True, False or an existing path" % verify
+        return None
+    return "verify must be True, False or a CA bundle path (like requests), got %s" % type(verify).__name__
+
+
+def _target_refusal(method: str, target: str) -> Optional[Refusal]:
+    """Never an open proxy: only origin-form targets (`/path?query`) are forwarded."""
+    if method == "CONNECT":
+        return Refusal(405, "method-not-allowed", "CONNECT is not supported: this is not a forward proxy.",
+                       (("Allow", "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"),))
+    if not _TOKEN_RE.match(method):
+        return Refusal(400, "bad-request", "The request method is not a valid HTTP token.")
+    if target == "*":
+        return Refusal(400, "bad-target", "Asterisk-form targets (OPTIONS *) are not supported; use a route path.")
+    if not target.startswith("/"):
+        return Refusal(400, "bad-target",
+                       "Only origin-form targets (/path) are accepted: this is not a forward proxy.")
+    return None
+
+
+def _body_framing(headers: http.client.HTTPMessage) -> Union[Tuple[str, int], Refusal]:
+    """How the request body is delimited: ("none", 0), ("length", n) or ("chunked", -1), or a refusal.
+
+    Ambiguous framing is refused outright (it is how request smuggling works)."""
+    encodings = headers.get_all("Transfer-Encoding") or []
+    lengths = headers.get_all("Content-Length") or []
+    if encodings:
+        if lengths:
+            return Refusal(400, "bad-framing", "Both Transfer-Encoding and Content-Length were sent; send one.")
+        codings = [c.strip().lower() for value in encodings for c in value.split(",") if c.strip()]
+        if codings != ["chunked"]:
+            return Refusal(501, "unsupported-transfer-encoding",
+                           "Only 'Transfer-Encoding: chunked' request bodies are supported.")
+        return ("chunked", -1)
+    if lengths:
+        values = {v.strip() for value in lengths for v in value.split(",")}
+        if len(values) != 1:
+            return Refusal(400, "bad-content-length", "Conflicting Content-Length values were sent.")
+        value = values.pop()
+        if not value.isdigit() or len(value) > 18:
+            return Refusal(400, "bad-content-length", "Content-Length must be a non-negative decimal integer.")
+        return ("length", int(value))
+    return ("none", 0)
+
+
+def _connection_tokens(headers: http.client.HTTPMessage) -> Set[str]:
+    return {t.strip().lower() for value in headers.get_all("Connection") or [] for t in value.split(",") if t.strip()}
+
+
+def _is_websocket_upgrade(method: str, headers: http.client.HTTPMessage) -> bool:
+    upgrade = {t.strip().lower() for value in headers.get_all("Upgrade") or [] for t in value.split(",")}
+    return method == "GET" and "websocket" in upgrade and "upgrade" in _connection_tokens(headers)
+
+
+def _upstream_request_headers(headers: http.client.HTTPMessage, route: Route, token: Optional[str]) -> List[Tuple[str, str]]:
+    """Client headers minus hop-by-hop ones (stripped first, so a client cannot name the token away),
+    minus the client's own Authorization/Host; then Host and Authorization set for the upstream."""
+    drop = HOP_BY_HOP | REPLACED_REQUEST_HEADERS | _connection_tokens(headers)
+    out = [("Host", route.host_header)]
+    for name, value in headers.items():
+        if name.lower() not in drop:
+            out.append((name, _OBS_FOLD_RE.sub(" ", value)))
+    if token is not None:
+        out.append(("Authorization", "Bearer " + token))
+    return out
+
+
+def _response_headers(headers: http.client.HTTPMessage) -> List[Tuple[str, str]]:
+    drop = HOP_BY_HOP | _connection_tokens(headers)
+    return [(n, _OBS_FOLD_RE.sub(" ", v)) for n, v in headers.items() if n.lower() not in drop]
+
+
+# --------------------------------------------------------------------------------------------------
+# Upstream failures
+# --------------------------------------------------------------------------------------------------
+
+
+class _UpstreamFailure(Exception):
+    """An infrastructure failure talking to the upstream, already classified for the client."""
+
+    def __init__(self, refusal: Refusal) -> None:
+        super().__init__(refusal.message)
+        self.refusal = refusal
+
+
+class _ClientBodyError(Exception):
+    """The client's request body was malformed or cut short."""
+
+
+def _classify_upstream_error(exc: BaseException, route: Route) -> Refusal:
+    """Map an exception from talking to the upstream to a 502/504 refusal (never containing the token)."""
+    where = route.label
+    if isinstance(exc, (socket.timeout, TimeoutError)):
+        return Refusal(504, "upstream-timeout",
+                       "The upstream %s did not answer in time; the job may be overloaded or stuck." % where)
+    if isinstance(exc, (ssl.SSLError, ssl.CertificateError)):
+        return Refusal(502, "upstream-tls",
+                       "TLS with the upstream %s failed (%s); check its certificate or the route's verify "
+                       "setting." % (where, getattr(exc, "reason", None) or type(exc).__name__))
+    if isinstance(exc, socket.gaierror):
+        return Refusal(502, "upstream-unreachable",
+                       "The upstream host of %s could not be resolved; check the job URL." % where)
+    if isinstance(exc, ConnectionRefusedError):
+        return Refusal(502, "upstream-unreachable",
+                       "The upstream %s refused the connection; is the job running with its port exposed?" % where)
+    if isinstance(exc, http.client.HTTPException) and not isinstance(exc, http.client.RemoteDisconnected):
+        return Refusal(502, "upstream-protocol", "The upstream %s sent a malformed HTTP response." % where)
+    return Refusal(502, "upstream-unreachable",
+                   "The connection to the upstream %s failed (%s); is the job still running?" % (where, type(exc).__name__))
+
+
+def _may_retry(method: str, reused: bool, replayable: bool, fully_sent: bool, exc: BaseException) -> bool:
+    """The stale-connection retry rule: retry once, on a fresh connection, only if
+
+    - the connection came from the pool (a fresh connection failing is a real failure), and
+    - no response byte arrived (the connection was reset or closed, not slow: timeouts never retry), and
+    - the request can be replayed byte for byte (its body was buffered), and
+    - the method is idempotent, or the request was not completely sent (so the upstream cannot have
+      acted on it). A fully sent POST that then got no answer is NOT retried: it might have run.
+    """
+    no_answer = isinstance(exc, (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError,
+                                 ConnectionAbortedError))
+    return reused and no_answer and replayable and (method in IDEMPOTENT_METHODS or not fully_sent)
+
+
+# --------------------------------------------------------------------------------------------------
+# Server and request handler
+# --------------------------------------------------------------------------------------------------
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    """ThreadingHTTPServer that tracks its connections and threads so `stop()` can end them all."""
+
+    request_queue_size = LISTEN_BACKLOG
+    daemon_threads = True
+    allow_reuse_address = True
+    block_on_close = False
+
+    def __init__(self, proxy: AuthProxy) -> None:
+        self.proxy = proxy
+        self.address_family = socket.AF_INET6 if ":" in proxy.host else socket.AF_INET
+        self._conn_lock = threading.Lock()
+        self._conns: Set[socket.socket] = set()
+        self._handler_threads: Set[threading.Thread] = set()  # type: ignore[assignment]
+        super().__init__((proxy.host.strip("[]"), proxy._requested_port), _Handler)
+
+    def server_bind(self) -> None:
+        # HTTPServer.server_bind does a reverse DNS lookup (getfqdn) that can stall; we need none.
+        http.server.socketserver.TCPServer.server_bind(self)  # type: ignore[attr-defined]
+        self.server_name, self.server_port = self.proxy.host, self.server_address[1]
+
+    def process_request(self, request: socket.socket, client_address: object) -> None:  # type: ignore[override]
+        thread = threading.Thread(target=self._run, args=(request, client_address), name="proxy-conn", daemon=True)
+        with self._conn_lock:
+            if self.proxy._stopping:
+                self.shutdown_request(request)
+                return
+            self._conns.add(request)
+            self._handler_threads.add(thread)
+        thread.start()
+
+    def _run(self, request: socket.socket, client_address: object) -> None:
+        try:
+            self.finish_request(request, client_address)
+        except Exception:
+            self.handle_error(request, client_address)
+        finally:
+            self.shutdown_request(request)
+            with self._conn_lock:
+                self._conns.discard(request)
+                self._handler_threads.discard(threading.current_thread())
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        log.error("proxy: unexpected error while serving a connection", exc_info=True)
+
+    def abort_connections(self) -> None:
+        """Shut every live client socket so blocked handler threads wake up and exit."""
+        with self._conn_lock:
+            conns = list(self._conns)
+        for sock in conns:
+            _abort_socket(sock)
+
+    def live_threads(self) -> List[threading.Thread]:
+        with self._conn_lock:
+            return list(self._handler_threads)
+
+
+class _ClientReader(io.RawIOBase):
+    """Raw reader over the client socket that enforces a total deadline on the request head.
+
+    The first byte of a request may take up to the idle timeout; once it arrives, the rest of the head
+    must arrive within the header timeout, however slowly the client drips it."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._header_timeout: Optional[float] = None
+        self._deadline: Optional[float] = None
+
+    def readable(self) -> bool:
+        return True
+
+    def head_phase(self, idle_timeout: float, header_timeout: float) -> None:
+        self._header_timeout, self._deadline = header_timeout, None
+        self._sock.settimeout(idle_timeout)
+
+    def body_phase(self, timeout: Optional[float]) -> None:
+        self._header_timeout = self._deadline = None
+        self._sock.settimeout(timeout)
+
+    def readinto(self, buffer: "bytearray | memoryview") -> int:  # type: ignore[override]
+        if self._deadline is not None:
+            remaining = self._deadline - time.monotonic()
+            if remaining <= 0:
+                raise socket.timeout("request head not complete in time")
+            self._sock.settimeout(remaining)
+        n = self._sock.recv_into(buffer)
+        if self._header_timeout is not None and self._deadline is None:
+            self._deadline = time.monotonic() + self._header_timeout
+        return n
+
+
+class _HeaderBudget:
+    """Wraps rfile while the header section is parsed, refusing it once it exceeds MAX_HEADER_BYTES."""
+
+    def __init__(self, fp: io.BufferedReader, budget: int) -> None:
+        self._fp, self._budget = fp, budget
+
+    def readline(self, limit: int = -1) -> bytes:
+        line = self._fp.readline(min(limit, self._budget + 1) if limit >= 0 else self._budget + 1)
+        self._budget -= len(line)
+        if self._budget < 0:
+            raise http.client.LineTooLong("header section (more than %d bytes)" % MAX_HEADER_BYTES)
+        return line
+
+
+class _SocketWriter(io.BufferedIOBase):
+    """Unbuffered writes straight to the socket (what StreamRequestHandler does with wbufsize=0)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: "bytes | bytearray | memoryview") -> int:  # type: ignore[override]
+        self._sock.sendall(data)
+        with memoryview(data) as view:
+            return view.nbytes
+
+
+_ERROR_KINDS = {400: "bad-request", 408: "request-timeout", 414: "request-line-too-long",
+                431: "headers-too-large", 501: "not-implemented", 505: "http-version-not-supported"}
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    """Parses one client connection's requests and forwards each (or tunnels a WebSocket upgrade)."""
+
+    protocol_version = "HTTP/1.1"
+    server_version = "hf-sandbox-proxy"
+    sys_version = ""
+    server: _Server
+
+    # -- connection plumbing ----------------------------------------------------------------------
+
+    def setup(self) -> None:
+        self.proxy: AuthProxy = self.server.proxy
+        self.connection = self.request
+        try:
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:  # pragma: no cover - not every socket family supports it
+            pass
+        self._reader = _ClientReader(self.connection)
+        self.rfile = io.BufferedReader(self._reader, IO_CHUNK)
+        self.wfile = _SocketWriter(self.connection)
+
+    def finish(self) -> None:
+        try:
+            self.rfile.close()
+        except (OSError, ValueError):
+            pass
+
+    def handle(self) -> None:
+        self.close_connection = True
+        self.handle_one_request()
+        while not self.close_connection and not self.proxy._stopping:
+            self.handle_one_request()
+
+    def handle_one_request(self) -> None:
+        self.close_connection = True
+        self._reader.head_phase(self.proxy.idle_timeout_s, self.proxy.header_timeout_s)
+        try:
+            self.raw_requestline = self.rfile.readline(MAX_REQUEST_LINE + 1)
+            if not self.raw_requestline:
+                return
+            if len(self.raw_requestline) > MAX_REQUEST_LINE:
+                self.requestline, self.request_version, self.command = "", "HTTP/1.1", ""
+                self.send_error(414, "The request line is longer than %d bytes." % MAX_REQUEST_LINE)
+                return
+            rfile = self.rfile
+            self.rfile = _HeaderBudget(rfile, MAX_HEADER_BYTES)  # type: ignore[assignment]
+            try:
+                parsed = self.parse_request()
+            finally:
+                self.rfile = rfile
+            if not parsed:
+                return
+            self._reader.body_phase(self.proxy.idle_timeout_s)
+            self._dispatch()
+        except (socket.timeout, TimeoutError):
+            log.debug("proxy: client connection timed out; closing it")
+            self.close_connection = True
+        except (ConnectionError, OSError, ValueError) as exc:
+            log.debug("proxy: client connection ended (%s)", type(exc).__name__)
+            self.close_connection = True
+
+    def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
+        """Malformed requests (found by the stdlib parser) get the same JSON shape as other refusals."""
+        self.close_connection = True
+        text = message or explain or http.HTTPStatus(code).phrase
+        self._refuse(Refusal(code, _ERROR_KINDS.get(code, "bad-request"), text), close=True)
+
+    def log_message(self, format: str, *args: object) -> None:
+        # Request lines carry the route id (a secret): DEBUG only.
+        log.debug("proxy: " + format, *args)
+
+    def _refuse(self, refusal: Refusal, close: bool = False) -> None:
+        """Answer a refusal: its status and headers, X-Proxy-Error, and a small JSON body."""
+        body = json.dumps({"error": refusal.kind, "message": refusal.message}).encode()
+        if close:
+            self.close_connection = True
+        if not getattr(self, "request_version", "") or self.request_version == "HTTP/0.9":
+            self.request_version = "HTTP/1.1"
+        self.send_response_only(refusal.status)
+        for name, value in refusal.headers:
+            self.send_header(name, value)
+        self.send_header("X-Proxy-Error", refusal.kind)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self._end_headers_with(body if getattr(self, "command", "") != "HEAD" else b"")
+
+    def _end_headers_with(self, body: bytes) -> None:
+        """End the head and send it together with a small body: one send, one TCP segment."""
+        self._headers_buffer.append(b"\r\n" + body)  # type: ignore[attr-defined]
+        self.flush_headers()
+
+    # -- dispatch -----------------------------------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        if self.request_version == "HTTP/1.0":
+            self.close_connection = True  # no chunked framing for 1.0 clients: keep it simple, one per connection
+        refusal = _target_refusal(self.command, self.path)
+        framing = _body_framing(self.headers)
+        if refusal is None and isinstance(framing, Refusal):
+            refusal = framing
+        if refusal is None:
+            try:
+                decision = self.proxy.route_request(self.path, self.headers)
+            except Exception:
+                log.error("proxy: route_request raised", exc_info=True)
+                decision = Refusal(500, "proxy-error", "The proxy failed to route this request (see its log).")
+        else:
+            decision = refusal
+        if isinstance(decision, Refusal):
+            # An unread request body would be parsed as the next request: close instead.
+            has_body = isinstance(framing, Refusal) or framing[0] != "none"
+            self._refuse(decision, close=has_body or decision.status >= 500)
+            return
+        route, target = decision
+        self.proxy._seen_routes.add(route)
+        try:
+            token = route.current_token()
+        except Exception as exc:
+            log.warning("proxy: %s token callable failed (%s)", route.label, type(exc).__name__)
+            self._refuse(Refusal(502, "token-unavailable",
+                                 "The route's token callable failed (%s); check the token source." % type(exc).__name__),
+                         close=framing[0] != "none")  # type: ignore[index]
+            return
+        if _is_websocket_upgrade(self.command, self.headers):
+            self._tunnel(route, target, token)
+        else:
+            self._forward(route, target, token, framing)  # type: ignore[arg-type]
+
+    # -- HTTP forwarding ----------------------------------------------------------------------------
+
+    def _body_chunks(self, framing: Tuple[str, int]) -> Iterator[bytes]:
+        """Yield the client's request body as it arrives (Content-Length or chunked, de-chunked)."""
+        kind, length = framing
+        if kind == "length":
+            remaining = length
+            while remaining:
+                data = self.rfile.read1(min(IO_CHUNK, remaining))
+                if not data:
+                    raise _ClientBodyError("the client closed the connection before sending the whole body")
+                remaining -= len(data)
+                yield data
+        elif kind == "chunked":
+            while True:
+                line = self.rfile.readline(MAX_CHUNK_LINE + 1)
+                if len(line) > MAX_CHUNK_LINE or not line.endswith(b"\n"):
+                    raise _ClientBodyError("malformed chunked body: bad chunk-size line")
+                size_text = line.split(b";", 1)[0].strip()
+                if not size_text or len(size_text) > 16 or any(c not in b"0123456789abcdefABCDEF" for c in size_text):
+                    raise _ClientBodyError("malformed chunked body: chunk size is not hexadecimal")
+                size = int(size_text, 16)
+                if size == 0:
+                    break
+                remaining = size
+                while remaining:
+                    data = self.rfile.read1(min(IO_CHUNK, remaining))
+                    if not data:
+                        raise _ClientBodyError("the client closed the connection in the middle of a chunk")
+                    remaining -= len(data)
+                    yield data
+                if self.rfile.read(2) not in (b"\r\n",):
+                    raise _ClientBodyError("malformed chunked body: chunk data not followed by CRLF")
+            trailer_bytes = 0
+            while True:  # trailers are read and dropped
+                line = self.rfile.readline(MAX_CHUNK_LINE + 1)
+                trailer_bytes += len(line)
+                if not line.endswith(b"\n") or trailer_bytes > MAX_HEADER_BYTES:
+                    raise _ClientBodyError("malformed chunked body: bad or oversized trailer section")
+                if line in (b"\r\n", b"\n"):
+                    break
+
+    def _forward(self, route: Route, target: str, token: Optional[str], framing: Tuple[str, int]) -> None:
+        method = self.command
+        headers = _upstream_request_headers(self.headers, route, token)
+        body_iter = self._body_chunks(framing)
+        buffered: List[bytes] = []
+        size = 0
+        try:
+            for chunk in body_iter:
+                buffered.append(chunk)
+                size += len(chunk)
+                if size > REPLAYABLE_BODY_BYTES:
+                    break
+            else:
+                body_iter = iter(())
+        except _ClientBodyError as exc:
+            self._refuse(Refusal(400, "bad-body", "The request body was malformed: %s." % exc), close=True)
+            return
+        replayable = size <= REPLAYABLE_BODY_BYTES
+        body = b"".join(buffered)
+        has_body = framing[0] != "none"
+        try:
+            conn, response = self._send_upstream(route, method, target, headers, body, has_body, replayable, body_iter)
+        except _ClientBodyError as exc:
+            self._refuse(Refusal(400, "bad-body", "The request body was malformed: %s." % exc), close=True)
+            return
+        except _UpstreamFailure as failure:
+            log.warning("proxy: %s: %s", route.label, failure.refusal.kind)
+            self._refuse(failure.refusal, close=not replayable or failure.refusal.status == 504)
+            return
+        self._relay_response(route, response, on_done=lambda reusable: route._checkin(conn, reusable))
+
+    def _send_upstream(self, route: Route, method: str, target: str, headers: List[Tuple[str, str]], body: bytes,
+                       has_body: bool, replayable: bool, rest: Iterator[bytes]
+                       ) -> Tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        """Send the request on a pooled (or fresh) connection and return its response head."""
+        for attempt in (1, 2):
+            try:
+                conn, reused = route._checkout(self.proxy)
+            except Exception as exc:
+                raise _UpstreamFailure(_classify_upstream_error(exc, route)) from None
+            fully_sent = False
+            try:
+                conn.putrequest(method, target, skip_host=True, skip_accept_encoding=True)
+                for name, value in headers:
+                    conn.putheader(name, value)
+                if replayable:
+                    if has_body:
+                        conn.putheader("Content-Length", str(len(body)))
+                    conn.endheaders(body if body else None)
+                else:
+                    conn.putheader("Transfer-Encoding", "chunked")
+                    conn.endheaders()
+                    for chunk in _prepend(body, rest):
+                        conn.send(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                    conn.send(b"0\r\n\r\n")
+                fully_sent = True
+                return conn, conn.getresponse()
+            except _ClientBodyError:
+                route._checkin(conn, False)
+                raise
+            except Exception as exc:
+                route._checkin(conn, False)
+                if attempt == 1 and _may_retry(method, reused, replayable, fully_sent, exc):
+                    log.debug("proxy: %s pooled connection was stale; retrying once on a fresh one", route.label)
+                    continue
+                raise _UpstreamFailure(_classify_upstream_error(exc, route)) from None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _relay_response(self, route: Route, response: http.client.HTTPResponse,
+                        on_done: Callable[[bool], None]) -> None:
+        """Stream the upstream response to the client as it arrives; Content-Encoding untouched."""
+        status = response.status
+        bodyless = self.command == "HEAD" or status in (204, 304) or 100 <= status < 200
+        headers = _response_headers(response.msg)
+        length = response.length
+        if bodyless:
+            mode = "none"
+        elif length is not None and not response.chunked:
+            mode = "length"
+            headers = [(n, v) for n, v in headers if n.lower() != "content-length"]
+            headers.append(("Content-Length", str(length)))
+        elif self.request_version == "HTTP/1.0":
+            mode = "close"
+            headers = [(n, v) for n, v in headers if n.lower() != "content-length"]
+        else:
+            mode = "chunked"
+            headers = [(n, v) for n, v in headers if n.lower() != "content-length"]
+            headers.append(("Transfer-Encoding", "chunked"))
+        prefix = b""
+        if mode == "length" and length is not None and length <= SMALL_RESPONSE_BYTES:
+            try:
+                prefix = response.read()
+            except Exception as exc:
+                on_done(False)
+                refusal = _classify_upstream_error(exc, route)
+                log.warning("proxy: %s: %s while reading the response body", route.label, refusal.kind)
+                self._refuse(refusal, close=True)
+                return
+        if mode == "close":
+            self.close_connection = True
+        self.send_response_only(status, response.reason)
+        for name, value in headers:
+            self.send_header(name, value)
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        try:
+            self._end_headers_with(prefix)
+        except OSError:
+            on_done(False)
+            raise
+        if mode == "none" or prefix or (mode == "length" and length == 0):
+            on_done(not response.will_close and response.isclosed() if mode != "none" else not response.will_close)
+            if mode == "none":
+                response.close()
+            return
+        while True:
+            try:
+                data = response.read1(IO_CHUNK)
+            except Exception as exc:
+                # Headers already went out: never fake a complete response, cut the connection.
+                on_done(False)
+                log.warning("proxy: %s: upstream failed mid-response (%s); closing the client connection",
+                            route.label, type(exc).__name__)
+                self.close_connection = True
+                return
+            if not data:
+                break
+            try:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if mode == "chunked" else data)
+            except OSError:
+                on_done(False)
+                raise
+        if mode == "length" and not response.isclosed():  # pragma: no cover - read1 returned b"" early
+            on_done(False)
+            self.close_connection = True
+            return
+        if mode == "chunked":
+            self.wfile.write(b"0\r\n\r\n")
+        on_done(not response.will_close)
+
+    # -- WebSocket tunnel ---------------------------------------------------------------------------
+
+    def _tunnel(self, route: Route, target: str, token: Optional[str]) -> None:
+        """Replay the upgrade upstream; relay a 101 verbatim and copy bytes both ways, else relay HTTP."""
+        self.close_connection = True  # whatever happens, this connection ends with the tunnel
+        if not self.headers.get("Sec-WebSocket-Key"):
+            self._refuse(Refusal(400, "bad-upgrade", "WebSocket upgrade without Sec-WebSocket-Key."), close=True)
+            return
+        lines = ["GET %s HTTP/1.1" % target]
+        for name, value in _upstream_request_headers(self.headers, route, token):
+            lines.append("%s: %s" % (name, value))
+        lines += ["Upgrade: %s" % self.headers.get("Upgrade", "websocket"), "Connection: Upgrade"]
+        head_bytes = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        stream: Optional[_Stream] = None
+        try:
+            stream = route._open_stream(self.proxy)
+            stream.sendall(head_bytes)
+            head, extra = _read_head(stream)
+        except Exception as exc:
+            if stream is not None:
+                stream.close()
+            refusal = _classify_upstream_error(exc, route)
+            log.warning("proxy: %s: WebSocket upgrade failed: %s", route.label, refusal.kind)
+            self._refuse(refusal, close=True)
+            return
+        match = _STATUS_LINE_RE.match(head)
+        if match is None or match.group(1) != b"101":
+            # Not switching: parse it as an ordinary HTTP response and relay it.
+            response = http.client.HTTPResponse(_ReplaySocket(head + extra, stream), method="GET")  # type: ignore[arg-type]
+            try:
+                response.begin()
+            except Exception as exc:
+                stream.close()
+                self._refuse(_classify_upstream_error(exc, route), close=True)
+                return
+            try:
+                self._relay_response(route, response, on_done=lambda reusable: None)
+            finally:
+                stream.close()
+            return
+        tunnel = _Tunnel(self.connection, stream, route.label)
+        if not route._add_tunnel(tunnel):
+            stream.close()
+            return
+        try:
+            self.connection.sendall(head + extra)
+            self._reader.body_phase(None)
+            stream.settimeout(None)
+            tunnel.run(self.rfile.read1, self.proxy)
+        except OSError:
+            tunnel.close()
+        finally:
+            route._remove_tunnel(tunnel)
+            stream.close()
+
+
+def _prepend(first: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:
+    if first:
+        yield first
+    yield from rest
+
+
+def _read_head(stream: "_Stream") -> Tuple[bytes, bytes]:
+    """Read an HTTP response head from the stream: (head including the blank line, bytes past it)."""
+    buffer = b""
+    while True:
+        end = buffer.find(b"\r\n\r\n")
+        if end >= 0:
+            return buffer[:end + 4], buffer[end + 4:]
+        if len(buffer) > MAX_HEADER_BYTES:
+            raise http.client.LineTooLong("upstream response head")
+        data = stream.recv(IO_CHUNK)
+        if not data:
+            raise http.client.RemoteDisconnected("upstream closed the connection before answering the upgrade")
+        buffer += data
+
+
+class _ReplaySocket:
+    """Just enough of a socket for http.client.HTTPResponse: replays bytes already read, then the stream."""
+
+    def __init__(self, prefix: bytes, stream: "_Stream") -> None:
+        self._prefix, self._stream = prefix, stream
+
+    def makefile(self, mode: str) -> io.BufferedReader:
+        return io.BufferedReader(_ReplayRaw(self._prefix, self._stream))
+
+
+class _ReplayRaw(io.RawIOBase):
+    def __init__(self, prefix: bytes, stream: "_Stream") -> None:
+        self._prefix, self._stream = prefix, stream
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: "bytearray | memoryview") -> int:  # type: ignore[override]
+        if self._prefix:
+            n = min(len(buffer), len(self._prefix))
+            buffer[:n] = self._prefix[:n]
+            self._prefix = self._prefix[n:]
+            return n
+        data = self._stream.recv(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+
+# --------------------------------------------------------------------------------------------------
+# Upstream connections: pool, streams, TLS engine, tunnel
+# --------------------------------------------------------------------------------------------------
+
+
+def _make_tls_context(verify: Verify) -> ssl.SSLContext:
+    if verify is False:
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+        return context
+    if isinstance(verify, str):
+        if os.path.isdir(verify):
+            return ssl.create_default_context(capath=verify)
+        return ssl.create_default_context(cafile=verify)
+    context = ssl.create_default_context()
+    try:  # like requests: also trust certifi's bundle, for hosts with an empty system store
+        import certifi  # requests depends on it
+
+        context.load_verify_locations(cafile=certifi.where())
+    except (ImportError, OSError, ssl.SSLError):  # pragma: no cover
+        pass
+    return context
+
+
+def _looks_dropped(sock: Optional[socket.socket]) -> bool:
+    """An idle keep-alive socket that is readable has been closed (or sent garbage): do not reuse it."""
+    if sock is None:
+        return True
+    try:
+        if hasattr(select, "poll"):
+            poller = select.poll()
+            poller.register(sock, select.POLLIN)
+            return bool(poller.poll(0))
+        return bool(select.select([sock], [], [], 0)[0])
+    except (OSError, ValueError):
+        return True
+
+
+def _abort_socket(sock: Optional[socket.socket]) -> None:
+    """Wake any thread blocked on this socket (full shutdown, at the fd level even for TLS sockets)."""
+    if sock is None:
+        return
+    try:
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def _quiet_close(closeable: object) -> None:
+    try:
+        closeable.close()  # type: ignore[attr-defined]
+    except Exception:
+        pass
+
+
+class _Stream:
+    """A plain TCP byte stream to the upstream (the base the TLS engine mimics)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._closed = False
+
+    def recv(self, n: int) -> bytes:
+        return self.sock.recv(n)
+
+    def sendall(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def settimeout(self, timeout: Optional[float]) -> None:
+        self.sock.settimeout(timeout)
+
+    def abort(self) -> None:
+        """Wake threads blocked on this stream; they see EOF or an error and end."""
+        _abort_socket(self.sock)
+
+    def close(self) -> None:
+        self._closed = True
+        _abort_socket(self.sock)
+        self.sock.close()
+
+
+class _TLSStream(_Stream):
+    """TLS over a plain socket with an `ssl.MemoryBIO` engine, safe for one reader and one writer thread.
+
+    OpenSSL forbids two threads in one SSL object at once, so every engine call holds `_lock`; the
+    blocking socket recv/send happen outside it, so reading and writing progress independently.
+    Outgoing records are drained from the engine and sent under `_send_lock`, in order.
+    """
+
+    def __init__(self, sock: socket.socket, context: ssl.SSLContext, server_hostname: str) -> None:
+        super().__init__(sock)
+        self._incoming = ssl.MemoryBIO()
+        self._outgoing = ssl.MemoryBIO()
+        self._tls = context.wrap_bio(self._incoming, self._outgoing, server_hostname=server_hostname)
+        self._lock = threading.Lock()
+        self._fed = threading.Condition(self._lock)  # notified when incoming bytes arrive or the stream ends
+        self._send_lock = threading.Lock()
+        self._readers = 0  # threads currently waiting on the socket for incoming bytes
+        self._eof = False
+
+    def handshake(self) -> None:
+        while True:
+            with self._lock:
+                try:
+                    self._tls.do_handshake()
+                    done = True
+                except ssl.SSLWantReadError:
+                    done = False
+            self._flush(wait=True)
+            if done:
+                return
+            if not self._feed():
+                raise ssl.SSLEOFError("the upstream closed the connection during the TLS handshake")
+
+    def _feed(self) -> bool:
+        """Block on the socket (outside the engine lock) and hand what arrives to the engine."""
+        with self._lock:
+            self._readers += 1
+        data = b""
+        try:
+            data = self.sock.recv(IO_CHUNK)
+        finally:
+            with self._lock:
+                self._readers -= 1
+                if data:
+                    self._incoming.write(data)
+                else:
+                    self._incoming.write_eof()
+                    self._eof = True
+                self._fed.notify_all()
+        return bool(data)
+
+    def _flush(self, wait: bool) -> None:
+        """Send every pending outgoing record, in order. With wait=False, leave them to whoever holds
+        the send lock (it re-checks before leaving), so a reader never blocks behind a writer."""
+        while True:
+            if not self._send_lock.acquire(blocking=wait):
+                return
+            try:
+                while True:
+                    with self._lock:
+                        data = self._outgoing.read()
+                    if not data:
+                        break
+                    self.sock.sendall(data)
+            finally:
+                self._send_lock.release()
+            with self._lock:
+                if not self._outgoing.pending:
+                    return
+
+    def recv(self, n: int) -> bytes:
+        while True:
+            with self._lock:
+                try:
+                    data: Optional[bytes] = self._tls.read(n)
+                except ssl.SSLWantReadError:
+                    data = None
+                except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                    data = b""
+                pending = self._outgoing.pending
+            if pending:  # e.g. a TLS 1.3 KeyUpdate answer
+                self._flush(wait=False)
+            if data is not None:
+                return data
+            if self._closed:
+                return b""
+            self._feed()
+
+    def sendall(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            feed_myself = False
+            with self._lock:
+                try:
+                    sent = self._tls.write(view[:IO_CHUNK])
+                except ssl.SSLWantReadError:
+                    # The engine needs peer bytes first. A reader thread will feed them; if none is
+                    # waiting on the socket, this thread feeds them itself.
+                    sent = 0
+                    if self._eof or self._closed:
+                        raise ConnectionResetError("TLS stream ended")
+                    if self._readers:
+                        self._fed.wait(TLS_WANT_READ_WAIT_S)
+                    else:
+                        feed_myself = True
+            if feed_myself:
+                self._feed()
+            view = view[sent:]
+            self._flush(wait=True)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._fed.notify_all()
+        super().close()
+
+
+class _Tunnel:
+    """A WebSocket byte tunnel: one thread per direction; when either ends, both sockets close."""
+
+    def __init__(self, client: socket.socket, upstream: _Stream, label: str) -> None:
+        self.client, self.upstream, self.label = client, upstream, label
+        self._closed = threading.Event()
+
+    def close(self) -> None:
+        """End both directions now (safe from any thread, idempotent)."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        _abort_socket(self.client)
+        self.upstream.abort()
+
+    def run(self, client_read: Callable[[int], bytes], proxy: AuthProxy) -> None:
+        """Pump client->upstream in this thread and upstream->client in a new one; return when both end."""
+        pump = threading.Thread(target=self._pump, args=(self.upstream.recv, self.client.sendall),
+                                name="proxy-tunnel", daemon=True)
+        with proxy._lock:
+            stopping = proxy._stopping
+            if not stopping:
+                proxy._tunnel_threads.add(pump)
+        if stopping:
+            self.close()
+            return
+        pump.start()
+        try:
+            self._pump(client_read, self.upstream.sendall)
+        finally:
+            self.close()
+            pump.join(STOP_JOIN_S)
+            with proxy._lock:
+                proxy._tunnel_threads.discard(pump)
+            if pump.is_alive():  # pragma: no cover - the sockets are shut, so it cannot stay blocked
+                log.warning("proxy: %s tunnel thread did not end", self.label)
+
+    def _pump(self, read: Callable[[int], bytes], write: Callable[[bytes], None]) -> None:
+        try:
+            while not self._closed.is_set():
+                data = read(IO_CHUNK)
+                if not data:
+                    break
+                write(data)
+        except (OSError, ValueError, ssl.SSLError):
+            pass
+        finally:
+            self.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI: python proxy.py UPSTREAM_URL [--port P]
+# --------------------------------------------------------------------------------------------------
+
+
+def _discover_token() -> Optional[str]:
+    token = os.environ.get("HF_TOKEN")
+    if token:
+        return token.strip()
+    try:
+        from huggingface_hub import get_token
+
+        return get_token()
+    except Exception:
+        return None
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Front one upstream URL on loopback; print the base URL first; stop cleanly on Ctrl-C/SIGTERM."""
+    parser = argparse.ArgumentParser(prog="python proxy.py", description="Front a job URL with a local auth proxy.")
+    parser.add_argument("upstream", metavar="UPSTREAM_URL", help="e.g. https://<job_id>--8000.hf.jobs")
+    parser.add_argument("--port", type=int, default=0, help="local port (default: a free one)")
+    parser.add_argument("--host", default="127.0.0.1", help="local address to bind (default: 127.0.0.1)")
+    parser.add_argument("--insecure", action="store_true", help="do not verify the upstream's TLS certificate")
+    parser.add_argument("--ca-bundle", help="CA bundle file to verify the upstream with")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    reason = _upstream_rejection(args.upstream)
+    if reason:
+        parser.error(reason)
+    token = _discover_token()
+    host = urllib.parse.urlsplit(args.upstream).hostname or ""
+    if not token and not _is_loopback_host(host):
+        print("error: no HF token found: set HF_TOKEN or run `hf auth login`", file=sys.stderr)
+        return 2
+    verify: Verify = False if args.insecure else (args.ca_bundle or True)
+    stop = threading.Event()
+
+    def _on_signal(signum: int, frame: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    try:
+        proxy = AuthProxy(args.host, args.port).start()
+    except (OSError, ValueError) as exc:
+        print("error: cannot listen on %s:%d (%s)" % (args.host, args.port, exc), file=sys.stderr)
+        return 2
+    try:
+        try:
+            base_url = proxy.mount(args.upstream, token or None, verify=verify)
+        except ValueError as exc:
+            print("error: %s" % exc, file=sys.stderr)
+            return 2
+        print(base_url, flush=True)
+        while not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        proxy.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Shared pytest fixtures for the whole suite.
+
+Stable fixture names other test files may rely on:
+
+- `test_ca` (session): a `support.TestCA` (throwaway CA + localhost server certificate, PEM paths).
+- `upstream` / `tls_upstream`: a running `support.Upstream` over HTTP / HTTPS (stopped after the test).
+- `no_leaks`: asserts that the threads and open file descriptors of the process return to their
+  pre-test counts after the test (waits briefly for sockets/threads being torn down).
+- `log_guard` (autouse): captures every log record (all loggers, DEBUG and up) during each test and
+  fails the test if `support.TEST_TOKEN`, or any string passed to `log_guard.watch(...)`, appears in
+  one. `log_guard.text()` returns the captured log output for extra assertions.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Iterator, List
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+for path in (HERE, ROOT):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+import support  # noqa: E402
+
+LEAK_WAIT_S = 5.0
+
+
+@pytest.fixture(scope="session")
+def test_ca(tmp_path_factory: pytest.TempPathFactory) -> support.TestCA:
+    return support.make_test_ca(str(tmp_path_factory.mktemp("tls")))
+
+
+@pytest.fixture
+def upstream() -> Iterator[support.Upstream]:
+    with support.Upstream() as server:
+        yield server
+
+
+@pytest.fixture
+def tls_upstream(test_ca: support.TestCA) -> Iterator[support.Upstream]:
+    with support.Upstream(tls=test_ca) as server:
+        yield server
+
+
+def _open_fds() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:  # pragma: no cover - non-Linux: fall back to threads only
+        return -1
+
+
+@pytest.fixture
+def no_leaks() -> Iterator[None]:
+    """Fail the test if it leaves threads or file descriptors behind."""
+    threads_before = threading.active_count()
+    fds_before = _open_fds()
+    yield
+    deadline = time.monotonic() + LEAK_WAIT_S
+    while True:
+        threads, fds = threading.active_count(), _open_fds()
+        if threads <= threads_before and fds <= fds_before:
+            return
+        if time.monotonic() > deadline:
+            names = sorted(t.name for t in threading.enumerate())
+            pytest.fail("leak: threads %d -> %d (%s), fds %d -> %d"
+                        % (threads_before, threads, ", ".join(names), fds_before, fds))
+        time.sleep(0.05)
+
+
+class _Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: List[str] = []
+        self.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.lines.append(self.format(record))
+        except Exception as exc:  # a broken log call is itself worth seeing
+            self.lines.append("<unformattable record: %r>" % exc)
+
+
+class LogGuard:
+    """Captured log output plus the secrets that must never appear in it."""
+
+    def __init__(self, capture: _Capture) -> None:
+        self._capture = capture
+        self.secrets: List[str] = [support.TEST_TOKEN]
+
+    def watch(self, secret: str) -> None:
+        self.secrets.append(secret)
+
+    def text(self) -> str:
+        return "\n".join(self._capture.lines)
+
+
+@pytest.fixture(autouse=True)
+def log_guard() -> Iterator[LogGuard]:
+    root = logging.getLogger()
+    capture = _Capture()
+    old_level = root.level
+    root.addHandler(capture)
+    root.setLevel(logging.DEBUG)
+    guard = LogGuard(capture)
+    try:
+        yield guard
+    finally:
+        root.removeHandler(capture)
+        root.setLevel(old_level)
+    text = guard.text()
+    for secret in guard.secrets:
+        assert secret not in text, "a secret appeared in the captured log output"

@@ -1,0 +1,436 @@
+"""Reusable loopback test peers for the whole suite (import as `from support import ...` or `tests.support`).
+
+Stable names other test files may rely on:
+
+- `TEST_TOKEN`: the bearer token the upstreams require by default (never appears in logs: conftest checks).
+- `TestCA` / `make_test_ca(directory)`: a throwaway CA and a server certificate for localhost, 127.0.0.1
+  and ::1, made with `cryptography` at test time; `.ca_path`, `.cert_path`, `.key_path`,
+  `.server_context()`, `.client_context()`.
+- `Upstream(token=TEST_TOKEN, tls=None, host="127.0.0.1")`: a threaded HTTP/1.1 server (HTTPS when `tls`
+  is a `TestCA`) that requires `Authorization: Bearer <token>` (token None: no check) and answers:
+    any path                 -> 200 JSON echo: method, target, headers, body length and sha256, body text
+    /status/<code>           -> that status with a JSON body (the environment's own error)
+    /stream?n=N&delay=S      -> chunked body of N lines, one every S seconds
+    /gzip                    -> gzip-compressed JSON with Content-Encoding: gzip and Content-Length
+    /big?n=N                 -> N bytes (deterministic pattern) with Content-Length
+    /close-delimited?n=N     -> N bytes, no length, connection closed to end the body
+    /redirect                -> 302 to /elsewhere (must not be followed by a proxy)
+    /slow?s=S                -> answers after S seconds
+    /die-before-response     -> closes the connection without answering
+    /die-mid-body            -> promises 1000 bytes, sends 10, closes
+    WebSocket upgrade at any path -> echo server (wsproto, permessage-deflate offered/accepted):
+        text/binary echoed, pings answered, close answered; the text "die" closes the TCP connection
+        abruptly; path /ws-reject answers 403 instead of switching.
+  `.url`, `.requests` (list of `Seen(method, target, headers)`), `.connections` (accepted count),
+  `.stop()` (closes everything, joins its threads); context manager.
+- `ws_url(base_url)`: http(s)://... -> ws(s)://...
+- `raw_request(port, data, timeout=5)`: send raw bytes to 127.0.0.1:port, return everything read until
+  the peer closes or goes quiet.
+- `pattern(n)`: n deterministic bytes.
+"""
+from __future__ import annotations
+
+import base64
+import datetime
+import gzip
+import hashlib
+import http.server
+import ipaddress
+import json
+import os
+import socket
+import ssl
+import threading
+import time
+import urllib.parse
+from typing import List, NamedTuple, Optional, Set, Tuple
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+import wsproto
+from wsproto.connection import ConnectionState
+from wsproto.events import (AcceptConnection, BytesMessage, CloseConnection, Message, Ping, RejectConnection,
+                            Request, TextMessage)
+from wsproto.extensions import PerMessageDeflate
+
+TEST_TOKEN = "hf_testtoken_" + "Zq8XvB2kLw9Yt4"
+JOIN_S = 5.0
+
+
+# --------------------------------------------------------------------------------------------------
+# TLS material
+# --------------------------------------------------------------------------------------------------
+
+
+class TestCA:
+    """A self-signed CA and a localhost server certificate, written as PEM files in `directory`."""
+
+    __test__ = False  # not a pytest test class
+
+    def __init__(self, directory: str) -> None:
+        now = datetime.datetime.now(datetime.timezone.utc)
+        ca_key = ec.generate_private_key(ec.SECP256R1())
+        ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "hf-sandbox-provider test CA")])
+        ca_cert = (
+            x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=2))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                         key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+            .sign(ca_key, hashes.SHA256())
+        )
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]))
+            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=2))
+            .add_extension(x509.SubjectAlternativeName([
+                x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                x509.IPAddress(ipaddress.ip_address("::1"))]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+            .sign(ca_key, hashes.SHA256())
+        )
+        self.ca_path = os.path.join(directory, "ca.pem")
+        self.cert_path = os.path.join(directory, "server.pem")
+        self.key_path = os.path.join(directory, "server.key")
+        with open(self.ca_path, "wb") as f:
+            f.write(ca_cert.public_bytes(serialization.Encoding.PEM))
+        with open(self.cert_path, "wb") as f:
+            f.write(cert.public_bytes(serialization.Encoding.PEM))
+        with open(self.key_path, "wb") as f:
+            f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                      serialization.NoEncryption()))
+
+    def server_context(self) -> ssl.SSLContext:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(self.cert_path, self.key_path)
+        return context
+
+    def client_context(self) -> ssl.SSLContext:
+        return ssl.create_default_context(cafile=self.ca_path)
+
+
+def make_test_ca(directory: str) -> TestCA:
+    """Create a throwaway CA + localhost server certificate under `directory`."""
+    return TestCA(directory)
+
+
+# --------------------------------------------------------------------------------------------------
+# Small helpers
+# --------------------------------------------------------------------------------------------------
+
+
+def pattern(n: int) -> bytes:
+    """n deterministic, non-repeating-looking bytes (so truncation or reordering shows up)."""
+    block = hashlib.sha256(b"pattern").digest() * 64  # 2 KiB
+    out = bytearray()
+    i = 0
+    while len(out) < n:
+        out += bytes((b + i) & 0xFF for b in block[: min(len(block), n - len(out))])
+        i += 1
+    return bytes(out)
+
+
+def ws_url(base_url: str) -> str:
+    """http://host/x -> ws://host/x, https://... -> wss://..."""
+    if base_url.startswith("https://"):
+        return "wss://" + base_url[len("https://"):]
+    if base_url.startswith("http://"):
+        return "ws://" + base_url[len("http://"):]
+    return base_url
+
+
+def raw_request(port: int, data: bytes, timeout: float = 5.0, host: str = "127.0.0.1") -> bytes:
+    """Send raw bytes, then read until the peer closes or is quiet for `timeout` seconds."""
+    with socket.create_connection((host, port), timeout=timeout) as sock:
+        if data:
+            sock.sendall(data)
+        chunks = []
+        try:
+            while True:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+        except (socket.timeout, ConnectionResetError):
+            pass
+        return b"".join(chunks)
+
+
+class Seen(NamedTuple):
+    method: str
+    target: str
+    headers: List[Tuple[str, str]]
+
+
+# --------------------------------------------------------------------------------------------------
+# The upstream server
+# --------------------------------------------------------------------------------------------------
+
+
+class _UpstreamHTTPServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False
+    request_queue_size = 1024
+    allow_reuse_address = True
+
+    def __init__(self, upstream: "Upstream", address: Tuple[str, int], tls: Optional[ssl.SSLContext]) -> None:
+        self.upstream = upstream
+        self.tls = tls
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.lock = threading.Lock()
+        self.live: Set[socket.socket] = set()
+        self.threads: Set[threading.Thread] = set()
+        super().__init__(address, _UpstreamHandler)
+
+    def server_bind(self) -> None:
+        http.server.socketserver.TCPServer.server_bind(self)  # type: ignore[attr-defined]
+        self.server_name, self.server_port = "localhost", self.server_address[1]
+
+    def get_request(self):  # type: ignore[no-untyped-def]
+        sock, addr = self.socket.accept()
+        if self.tls is not None:
+            sock = self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        return sock, addr
+
+    def process_request(self, request, client_address):  # type: ignore[no-untyped-def]
+        thread = threading.Thread(target=self._run, args=(request, client_address), daemon=True,
+                                  name="test-upstream-conn")
+        with self.lock:
+            self.live.add(request)
+            self.threads.add(thread)
+            self.upstream.connections += 1
+        thread.start()
+
+    def _run(self, request, client_address):  # type: ignore[no-untyped-def]
+        try:
+            self.finish_request(request, client_address)
+        except Exception:
+            pass
+        finally:
+            self.shutdown_request(request)
+            with self.lock:
+                self.live.discard(request)
+                self.threads.discard(threading.current_thread())
+
+    def handle_error(self, request, client_address):  # type: ignore[no-untyped-def]
+        pass
+
+
+class _UpstreamHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _UpstreamHTTPServer
+    timeout = 30
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+    def handle_one_request(self) -> None:
+        try:
+            if isinstance(self.connection, ssl.SSLSocket) and not getattr(self, "_shaken", False):
+                self.connection.do_handshake()
+                self._shaken = True
+        except (OSError, ssl.SSLError):
+            self.close_connection = True
+            return
+        try:
+            super().handle_one_request()
+        except (OSError, ssl.SSLError):
+            self.close_connection = True
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        if name.startswith("do_"):
+            return self._serve
+        raise AttributeError(name)
+
+    # -- helpers -----------------------------------------------------------------------------------
+
+    def _read_body(self) -> bytes:
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            out = b""
+            while True:
+                size = int(self.rfile.readline().split(b";")[0].strip(), 16)
+                if size == 0:
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                        pass
+                    return out
+                out += self.rfile.read(size)
+                self.rfile.read(2)
+        length = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(length) if length else b""
+
+    def _send(self, status: int, body: bytes, headers: Tuple[Tuple[str, str], ...] = ()) -> None:
+        self.send_response(status)
+        for name, value in headers:
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _json(self, status: int, obj: object, headers: Tuple[Tuple[str, str], ...] = ()) -> None:
+        self._send(status, json.dumps(obj).encode(), (("Content-Type", "application/json"),) + headers)
+
+    # -- dispatch ----------------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        up = self.server.upstream
+        with self.server.lock:
+            up.requests.append(Seen(self.command, self.path, list(self.headers.items())))
+        if up.token is not None and self.headers.get("Authorization") != "Bearer " + up.token:
+            self._read_body()
+            self._json(401, {"detail": "missing or wrong bearer token"}, (("WWW-Authenticate", "Bearer"),))
+            return
+        url = urllib.parse.urlsplit(self.path)
+        query = dict(urllib.parse.parse_qsl(url.query))
+        if "websocket" in self.headers.get("Upgrade", "").lower():
+            if url.path == "/ws-reject":
+                self._json(403, {"detail": "no websocket for you"})
+                self.close_connection = True
+                return
+            self._websocket()
+            return
+        body = self._read_body()
+        path = url.path
+        if path.startswith("/status/"):
+            self._json(int(path.rsplit("/", 1)[1]), {"detail": "environment error", "path": path})
+        elif path == "/stream":
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for i in range(int(query.get("n", 5))):
+                line = ("line %d\n" % i).encode()
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+                time.sleep(float(query.get("delay", 0)))
+            self.wfile.write(b"0\r\n\r\n")
+        elif path == "/gzip":
+            payload = gzip.compress(json.dumps({"compressed": True, "pad": "x" * 2000}).encode(), mtime=0)
+            self._send(200, payload, (("Content-Encoding", "gzip"), ("Content-Type", "application/json")))
+        elif path == "/big":
+            self._send(200, pattern(int(query.get("n", 1 << 20))), (("Content-Type", "application/octet-stream"),))
+        elif path == "/close-delimited":
+            self.send_response(200)
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(pattern(int(query.get("n", 100000))))
+            self.close_connection = True
+        elif path == "/redirect":
+            self._send(302, b"", (("Location", "/elsewhere"),))
+        elif path == "/slow":
+            time.sleep(float(query.get("s", 1)))
+            self._json(200, {"slow": True})
+        elif path == "/die-before-response":
+            self.close_connection = True
+            _hard_close(self.connection)
+        elif path == "/die-mid-body":
+            self.send_response(200)
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            self.wfile.write(b"0123456789")
+            self.close_connection = True
+            _hard_close(self.connection)
+        else:
+            self._json(200, {
+                "method": self.command, "target": self.path, "headers": list(self.headers.items()),
+                "body_len": len(body), "body_sha256": hashlib.sha256(body).hexdigest(),
+                "body": body.decode("utf-8", "replace") if len(body) < 4096 else None,
+            })
+
+    def _websocket(self) -> None:
+        """Complete the handshake with wsproto from the parsed head, then echo until closed."""
+        ws = wsproto.WSConnection(wsproto.ConnectionType.SERVER)
+        head = "%s\r\n%s\r\n" % (self.requestline, "".join("%s: %s\r\n" % kv for kv in self.headers.items()))
+        ws.receive_data(head.encode("latin-1"))
+        sock = self.connection
+        self.close_connection = True
+        out = b""
+        for event in ws.events():
+            if isinstance(event, Request):
+                out += ws.send(AcceptConnection(extensions=[PerMessageDeflate()]))
+            else:
+                out += ws.send(RejectConnection())
+        sock.sendall(out)
+        while ws.state is ConnectionState.OPEN:
+            data = self.rfile.read1(65536)  # bytes past the head were buffered: read1 returns them first
+            if not data:
+                break
+            ws.receive_data(data)
+            out = b""
+            for event in ws.events():
+                if isinstance(event, TextMessage):
+                    if event.data == "die" and event.message_finished:
+                        _hard_close(sock)
+                        return
+                    out += ws.send(Message(data=event.data, message_finished=event.message_finished))
+                elif isinstance(event, BytesMessage):
+                    out += ws.send(Message(data=event.data, message_finished=event.message_finished))
+                elif isinstance(event, Ping):
+                    out += ws.send(event.response())
+                elif isinstance(event, CloseConnection):
+                    out += ws.send(event.response())
+            if out:
+                sock.sendall(out)
+
+
+def _hard_close(sock: socket.socket) -> None:
+    """Drop the TCP connection with an RST-free FIN, as a crashing process would."""
+    try:
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+class Upstream:
+    """A loopback HTTP(S) + WebSocket test upstream (see the module docstring for its routes)."""
+
+    def __init__(self, token: Optional[str] = TEST_TOKEN, tls: Optional[TestCA] = None,
+                 host: str = "127.0.0.1") -> None:
+        self.token = token
+        self.requests: List[Seen] = []
+        self.connections = 0
+        self._server = _UpstreamHTTPServer(self, (host, 0), tls.server_context() if tls else None)
+        scheme = "https" if tls else "http"
+        shown = "[%s]" % host if ":" in host else host
+        if tls and host == "127.0.0.1":
+            shown = "localhost"  # the certificate covers both; a name exercises SNI
+        self.port = self._server.server_address[1]
+        self.url = "%s://%s:%d" % (scheme, shown, self.port)
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
+                                        daemon=True, name="test-upstream")
+        self._thread.start()
+
+    def __enter__(self) -> "Upstream":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Stop accepting, cut every open connection, and join every thread."""
+        self._server.shutdown()
+        self._server.server_close()
+        with self._server.lock:
+            live = list(self._server.live)
+            threads = list(self._server.threads)
+        for sock in live:
+            _hard_close(sock)
+        self._thread.join(JOIN_S)
+        for thread in threads:
+            thread.join(JOIN_S)
+
+    def kill_connections(self) -> None:
+        """Cut every open connection (the server keeps listening)."""
+        with self._server.lock:
+            live = list(self._server.live)
+        for sock in live:
+            _hard_close(sock)

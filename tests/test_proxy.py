@@ -1,0 +1,161 @@
+"""AuthProxy core behaviour: HTTP forwarding, routing, the token, WebSocket tunnels, lifecycle."""
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from typing import Iterator, Optional, Tuple, Union
+
+import pytest
+import requests
+from websockets.sync.client import connect
+
+import support
+from support import TEST_TOKEN, Upstream, ws_url
+from proxy import AuthProxy, InsecureURLError, Refusal, Route
+
+TIMEOUT = 10
+
+
+@pytest.fixture(params=["http", "https"])
+def any_upstream(request: pytest.FixtureRequest, test_ca: support.TestCA) -> Iterator[Tuple[Upstream, object]]:
+    """The test upstream over plain HTTP and over HTTPS, with the matching `verify` for mount()."""
+    tls = request.param == "https"
+    with Upstream(tls=test_ca if tls else None) as server:
+        yield server, (test_ca.ca_path if tls else True)
+
+
+@pytest.fixture
+def proxy() -> Iterator[AuthProxy]:
+    with AuthProxy() as p:
+        yield p
+
+
+def _headers(echo: dict) -> dict:
+    out: dict = {}
+    for name, value in echo["headers"]:
+        out.setdefault(name.lower(), []).append(value)
+    return out
+
+
+def test_post_is_forwarded_with_token_injected_host_rewritten_and_query_kept(any_upstream, proxy):
+    upstream, verify = any_upstream
+    base = proxy.mount(upstream.url, TEST_TOKEN, verify=verify)
+    body = json.dumps({"action": {"message": "hi"}}).encode()
+    r = requests.post(base + "/step?x=1&y=%2F", data=body, headers={"Content-Type": "application/json"},
+                      timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    echo = r.json()
+    assert echo["method"] == "POST"
+    assert echo["target"] == "/step?x=1&y=%2F"
+    assert echo["body_sha256"] == hashlib.sha256(body).hexdigest()
+    headers = _headers(echo)
+    assert headers["authorization"] == ["Bearer " + TEST_TOKEN]
+    assert headers["host"] == [upstream.url.split("://", 1)[1]]
+    assert "X-Proxy-Error" not in r.headers
+
+
+def test_client_authorization_is_replaced_by_the_route_token(upstream, proxy):
+    base = proxy.mount(upstream.url, TEST_TOKEN)
+    r = requests.get(base + "/x", headers={"Authorization": "Bearer client-own", "Connection": "Authorization"},
+                     timeout=TIMEOUT)
+    assert r.status_code == 200
+    assert _headers(r.json())["authorization"] == ["Bearer " + TEST_TOKEN]
+
+
+def test_unknown_route_answers_404_without_contacting_upstream(upstream, proxy):
+    proxy.mount(upstream.url, TEST_TOKEN)
+    r = requests.get(proxy.url + "/not-a-route/health", timeout=TIMEOUT)
+    assert r.status_code == 404
+    assert r.headers["X-Proxy-Error"] == "unknown-route"
+    assert r.json()["error"] == "unknown-route"
+    assert upstream.requests == [] and upstream.connections == 0
+
+
+def test_environment_errors_pass_through_without_proxy_error_header(upstream, proxy):
+    base = proxy.mount(upstream.url, TEST_TOKEN)
+    r = requests.get(base + "/status/503", timeout=TIMEOUT)
+    assert r.status_code == 503
+    assert "X-Proxy-Error" not in r.headers
+    assert r.json() == {"detail": "environment error", "path": "/status/503"}
+
+
+def test_token_callable_is_read_at_each_request(upstream, proxy):
+    tokens = iter(["first-token", "second-token"])
+    upstream.token = None
+    base = proxy.mount(upstream.url, lambda: next(tokens))
+    seen = [_headers(requests.get(base + "/x", timeout=TIMEOUT).json())["authorization"] for _ in range(2)]
+    assert seen == [["Bearer first-token"], ["Bearer second-token"]]
+
+
+def test_keep_alive_session_reuses_one_upstream_connection(any_upstream, proxy):
+    upstream, verify = any_upstream
+    base = proxy.mount(upstream.url, TEST_TOKEN, verify=verify)
+    with requests.Session() as session:
+        for i in range(5):
+            assert session.post(base + "/step", json={"i": i}, timeout=TIMEOUT).status_code == 200
+    assert upstream.connections == 1
+
+
+def test_websocket_text_and_binary_echo_through_the_tunnel(any_upstream, proxy):
+    upstream, verify = any_upstream
+    base = proxy.mount(upstream.url, TEST_TOKEN, verify=verify)
+    with connect(ws_url(base) + "/ws", max_size=None, open_timeout=TIMEOUT) as ws:
+        ws.send('{"type": "reset", "data": {}}')
+        assert ws.recv(TIMEOUT) == '{"type": "reset", "data": {}}'
+        blob = support.pattern(1 << 20)
+        ws.send(blob)
+        assert ws.recv(TIMEOUT) == blob
+    seen = upstream.requests[-1]
+    assert seen.target == "/ws"
+    assert ("Authorization", "Bearer " + TEST_TOKEN) in seen.headers
+
+
+def test_mount_refuses_cleartext_upstream_off_loopback(proxy):
+    with pytest.raises(InsecureURLError, match="https"):
+        proxy.mount("http://example.com", TEST_TOKEN)
+    assert issubclass(InsecureURLError, ValueError)
+
+
+def test_stop_closes_everything_and_joins_every_thread(upstream, no_leaks):
+    p = AuthProxy().start()
+    base = p.mount(upstream.url, TEST_TOKEN)
+    with requests.Session() as session, connect(ws_url(base) + "/ws", open_timeout=TIMEOUT) as ws:
+        ws.send("open")
+        assert ws.recv(TIMEOUT) == "open"
+        assert session.get(base + "/x", timeout=TIMEOUT).status_code == 200
+        p.stop()
+        with pytest.raises(Exception):
+            ws.recv(TIMEOUT)
+    upstream.kill_connections()
+
+
+class _Gate(AuthProxy):
+    """A token gate like the HF Jobs emulator's: checks the client's token, forwards with none."""
+
+    def __init__(self, upstream_url: str) -> None:
+        super().__init__("127.0.0.1", 0)
+        self.route = Route(upstream_url, None)
+
+    def route_request(self, target, headers) -> Union[Tuple[Route, str], Refusal]:
+        if headers.get("Authorization") != "Bearer gate-secret":
+            return Refusal(401, "unauthorized", "Send the job owner's token.", (("WWW-Authenticate", "Bearer"),))
+        return self.route, target
+
+
+def test_route_request_hook_serves_a_subclass_that_never_mounts():
+    with Upstream(token=None) as upstream, _Gate(upstream.url) as gate:
+        denied = requests.get(gate.url + "/health", timeout=TIMEOUT)
+        assert denied.status_code == 401
+        assert denied.headers["X-Proxy-Error"] == "unauthorized"
+        assert denied.headers["WWW-Authenticate"] == "Bearer"
+        assert denied.json() == {"error": "unauthorized", "message": "Send the job owner's token."}
+        ok = requests.get(gate.url + "/health?q=1", headers={"Authorization": "Bearer gate-secret"}, timeout=TIMEOUT)
+        assert ok.status_code == 200
+        assert ok.json()["target"] == "/health?q=1"
+        assert "authorization" not in _headers(ok.json())
+        with connect(ws_url(gate.url) + "/ws", additional_headers={"Authorization": "Bearer gate-secret"},
+                     open_timeout=TIMEOUT) as ws:
+            ws.send("through the gate")
+            assert ws.recv(TIMEOUT) == "through the gate"
+        assert len(upstream.requests) == 2  # the refused request never reached it
