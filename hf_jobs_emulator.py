@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import http.client
 import ipaddress
 import json
 import os
@@ -35,6 +36,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 from urllib.parse import parse_qsl, unquote, urlsplit
 
+try:  # vendored inside a package next to proxy.py
+    from .proxy import AuthProxy, Refusal, Route
+except ImportError:  # top-level module (the repo layout), or run as a script
+    from proxy import AuthProxy, Refusal, Route
+
 # The default namespace (user name) of the emulator's own token.
 DEFAULT_NAMESPACE = "local"
 # HF Jobs runs a job for 30 minutes when the create body has no `timeoutSeconds`.
@@ -45,6 +51,9 @@ KILL_GRACE_S = 3.0
 # How often a job supervisor looks at cancel / timeout / fault deadlines: cheap for hundreds of jobs,
 # quick enough that a cancel is seen well under a second later.
 SUPERVISE_POLL_S = 0.1
+# How often the emulator probes a booting job's first exposed port for `GET /health` == 200, to record
+# when its server became ready (benchmarks subtract it from the provider's own ready time).
+HEALTH_PROBE_INTERVAL_S = 0.02
 # The real logs stream sends a `: keep-alive` comment every 30 s; the same here keeps clients honest.
 LOG_KEEPALIVE_S = 30.0
 # A create body is a few KB; anything bigger is a client bug, refused before it is read.
@@ -319,7 +328,7 @@ class JobsEmulator:
             self._lose_creates_left = count
 
     def record_health_ok(self, job_id: str) -> None:
-        """Note the first time the job's server answered 200 on /health (called by its gate)."""
+        """Note the first time the job's server answered 200 on /health (the emulator's own probe)."""
         with self._lock:
             job = self._jobs.get(job_id)
             if job is not None and job.first_health_ok_mono is None:
@@ -332,6 +341,14 @@ class JobsEmulator:
         if not authorization or not authorization.startswith("Bearer "):
             return None
         return self._users.get(authorization[len("Bearer "):].strip())
+
+    def _gate_rejection(self, job: EmulatedJob, authorization: Optional[str]) -> Optional[str]:
+        """Why a request to the job's exposed port is refused (no token / no read access), or None."""
+        user = self._authenticate(authorization)
+        if user is None:
+            return (f"Job {job.id}: this exposed port needs 'Authorization: Bearer <token>' with read access "
+                    f"to namespace '{job.namespace}'")
+        return self._namespace_access_rejection(user, job.namespace)
 
     def _namespace_access_rejection(self, user: str, namespace: str) -> Optional[str]:
         if namespace == user or user in self._orgs.get(namespace, ()):
@@ -523,9 +540,16 @@ class JobsEmulator:
             self._changed.notify_all()
         reader = threading.Thread(target=self._read_output, args=(job,), name=f"job-log:{job.id}", daemon=True)
         reader.start()
+        probe = None
+        if exposed:
+            probe = threading.Thread(target=self._probe_health, args=(job, job.local_ports[exposed[0]]),
+                                     name=f"job-health:{job.id}", daemon=True)
+            probe.start()
         outcome = self._watch_process(job)
         _kill_process_group(job._process, self.kill_grace_s)  # also ends any child left behind
         reader.join(2.0)
+        if probe is not None:
+            probe.join(2.0)
         if job._process.stdout is not None:
             job._process.stdout.close()
         job.exit_code = job._process.returncode
@@ -593,6 +617,22 @@ class JobsEmulator:
                     self._changed.notify_all()
         except (OSError, ValueError):  # the pipe was closed under us during teardown
             pass
+
+    def _probe_health(self, job: EmulatedJob, local_port: int) -> None:
+        """Poll the job's server until `GET /health` answers 200 (or the job ends); record when."""
+        host = "127.0.0.1" if self.host == "localhost" else self.host
+        while job._process is not None and job._process.poll() is None and job._stop_reason is None:
+            conn = http.client.HTTPConnection(host, local_port, timeout=1.0)
+            try:
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    self.record_health_ok(job.id)
+                    return
+            except (OSError, http.client.HTTPException):
+                pass  # not listening yet
+            finally:
+                conn.close()
+            time.sleep(HEALTH_PROBE_INTERVAL_S)
 
     def _finish(self, job: EmulatedJob, stage: str, message: Optional[str]) -> None:
         for gate in job._gates:
@@ -939,6 +979,27 @@ class _TrackingHTTPServer(ThreadingHTTPServer):
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass  # already closed by its handler
+
+
+class _JobGate(AuthProxy):
+    """One exposed port, like `https://<id>--<port>.hf.jobs`: 401 unless the bearer token can read the
+    job's namespace (public ports skip the check), then HTTP and WebSocket go to the job's local port
+    with `Authorization` consumed (the route injects no token). All of proxy.py's forwarding is reused."""
+
+    def __init__(self, emulator: JobsEmulator, job: EmulatedJob, exposed_port: int, public: bool) -> None:
+        super().__init__(host=emulator.host)
+        local_host = "127.0.0.1" if emulator.host == "localhost" else emulator.host
+        self.exposed_port = exposed_port
+        self._emulator = emulator
+        self._job = job
+        self._public = public
+        self._upstream = Route(f"http://{_url_host(local_host)}:{job.local_ports[exposed_port]}", None)
+
+    def route_request(self, target: str, headers: Any) -> Any:
+        reason = None if self._public else self._emulator._gate_rejection(self._job, headers.get("Authorization"))
+        if reason:
+            return Refusal(401, "unauthorized", reason, (("WWW-Authenticate", 'Bearer realm="hf.jobs"'),))
+        return self._upstream, target
 
 
 class _QuietHandler(BaseHTTPRequestHandler):

@@ -416,3 +416,108 @@ def test_serve_cli_prints_endpoint_and_token_and_sigterm_stops_its_jobs():
         if proc.poll() is None:
             proc.kill()
             proc.wait(TIMEOUT)
+
+
+# -- exposed ports behind the token gate ---------------------------------------------------------
+
+HEADER_ECHO = py(
+    "import json, os, threading\n"
+    "from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer\n"
+    "def serve(port, name):\n"
+    "    class H(BaseHTTPRequestHandler):\n"
+    "        def do_GET(self):\n"
+    "            body = json.dumps({'name': name, 'path': self.path, 'headers': dict(self.headers)}).encode()\n"
+    "            self.send_response(200)\n"
+    "            self.send_header('Content-Length', str(len(body)))\n"
+    "            self.end_headers()\n"
+    "            self.wfile.write(body)\n"
+    "        def log_message(self, *a): pass\n"
+    "    ThreadingHTTPServer(('127.0.0.1', int(port)), H).serve_forever()\n"
+    "threading.Thread(target=serve, args=(os.environ['PORT_9000'], 'nine'), daemon=True).start()\n"
+    "serve(os.environ['PORT'], 'eight')\n")
+
+
+def bearer(token: str) -> dict:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def get_when_up(url: str, headers: dict) -> requests.Response:
+    """GET through the gate, retrying while the job's server is still booting (the gate answers 502)."""
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        answer = requests.get(url, headers=headers, timeout=TIMEOUT)
+        if answer.status_code != 502 or time.monotonic() > deadline:
+            return answer
+        time.sleep(0.02)
+
+
+def running_with_urls(api: HfApi, emu: JobsEmulator, **kwargs):
+    job = run(api, emu, **kwargs)
+    return api.wait_for_job(job.id, stages=["RUNNING"], timeout=TIMEOUT, poll_interval=0.05, namespace="local")
+
+
+def test_exposed_url_is_401_without_the_token_and_200_with_it(emu, api):
+    job = running_with_urls(api, emu, command=[], expose=[8000])  # default command: the echo server
+    (url,) = job.status.expose_urls
+    assert url.startswith("http://127.0.0.1:")
+    assert get_when_up(url + "/health", bearer(emu.token)).json() == {"status": "healthy"}
+    for headers in ({}, bearer("hf_wrong"), {"Authorization": emu.token}):
+        refused = requests.get(url + "/health", headers=headers, timeout=TIMEOUT)
+        assert refused.status_code == 401 and "Authorization: Bearer" in refused.json()["message"]
+
+
+def test_the_gate_consumes_authorization_and_forwards_path_query_and_headers(emu, api):
+    job = running_with_urls(api, emu, command=HEADER_ECHO, expose=[8000, 9000])
+    url8000, url9000 = job.status.expose_urls
+    seen = get_when_up(url8000 + "/some/path?q=1", {**bearer(emu.token), "X-Trace": "t-1"}).json()
+    assert seen["name"] == "eight" and seen["path"] == "/some/path?q=1"
+    assert seen["headers"]["X-Trace"] == "t-1"
+    assert "Authorization" not in seen["headers"]
+    assert get_when_up(url9000 + "/", bearer(emu.token)).json()["name"] == "nine"
+
+
+def test_public_ports_need_no_token(emu, api):
+    job = running_with_urls(api, emu, command=HEADER_ECHO, expose=[8000], expose_public=[9000])
+    url8000, url9000 = job.status.expose_urls
+    assert get_when_up(url9000 + "/", {}).json()["name"] == "nine"
+    assert requests.get(url8000 + "/", timeout=TIMEOUT).status_code == 401
+
+
+def test_org_members_tokens_open_the_gate_and_outsiders_do_not():
+    with JobsEmulator(extra_tokens={"hf_member": "member", "hf_outsider": "outsider"},
+                      orgs={"local": ["member"]}) as emu:
+        api = HfApi(endpoint=emu.endpoint, token=emu.token)
+        (url,) = running_with_urls(api, emu, command=[], expose=[8000]).status.expose_urls
+        assert get_when_up(url + "/health", bearer("hf_member")).status_code == 200
+        assert requests.get(url + "/health", headers=bearer("hf_outsider"), timeout=TIMEOUT).status_code == 401
+
+
+def test_websocket_goes_through_the_gate_with_the_token_only(emu, api):
+    ws_sync = pytest.importorskip("websockets.sync.client")
+    (url,) = running_with_urls(api, emu, command=[], expose=[8000]).status.expose_urls
+    get_when_up(url + "/health", bearer(emu.token))
+    ws_url = url.replace("http://", "ws://") + "/ws"
+    with ws_sync.connect(ws_url, additional_headers=bearer(emu.token), open_timeout=TIMEOUT) as ws:
+        ws.send(json.dumps({"type": "step", "data": {"message": "through the gate"}}))
+        assert json.loads(ws.recv(timeout=TIMEOUT))["data"]["observation"]["echoed_message"] == "through the gate"
+    with pytest.raises(Exception) as refused:
+        ws_sync.connect(ws_url, open_timeout=TIMEOUT)
+    assert "401" in str(refused.value)
+
+
+def test_first_healthy_moment_is_recorded_after_running(emu, api):
+    job = running_with_urls(api, emu, command=[], expose=[8000])
+    get_when_up(job.status.expose_urls[0] + "/health", bearer(emu.token))
+    record = emu.job(job.id)
+    wait_until(lambda: record.first_health_ok_mono is not None, "the health probe")
+    assert record.created_mono <= record.started_mono <= record.first_health_ok_mono
+
+
+def test_the_gate_closes_when_the_job_ends(emu, api):
+    job = running_with_urls(api, emu, command=[], expose=[8000])
+    (url,) = job.status.expose_urls
+    get_when_up(url + "/health", bearer(emu.token))
+    api.cancel_job(job_id=job.id, namespace="local")
+    finished(api, emu, job.id)
+    with pytest.raises(requests.ConnectionError):
+        requests.get(url + "/health", headers=bearer(emu.token), timeout=TIMEOUT)
