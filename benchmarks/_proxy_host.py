@@ -4,16 +4,23 @@ The proxy gets a process of its own so its resident memory and thread count can 
 /proc/<pid>/status without counting the load generator or the upstream. It mounts one upstream,
 prints `{"base_url": ..., "pid": ...}` on stdout, and serves until stdin closes (or SIGTERM):
 
-    python benchmarks/_proxy_host.py http://127.0.0.1:PORT
+    python benchmarks/_proxy_host.py http://127.0.0.1:PORT [--profile proxy.pstats]
+
+`--profile` runs every thread of the proxy under cProfile and writes the merged statistics on exit
+(read them with `python -m pstats FILE`): a diagnostic for finding where the proxy spends its CPU.
+It slows the proxy down, so never combine it with numbers you publish.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import signal
 import sys
 import threading
+import time
 from typing import List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -24,7 +31,10 @@ BENCH_TOKEN = "ws-scale-benchmark-token"
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("upstream", help="loopback http:// URL of the environment server")
+    parser.add_argument("--profile", metavar="FILE", default=None,
+                        help="profile every proxy thread, write merged pstats here on exit")
     args = parser.parse_args(argv)
+    profiles = _profile_all_threads() if args.profile else None
     sys.path.insert(0, HERE)
     sys.path.insert(1, os.path.dirname(HERE))  # the repo root, where proxy.py lives
     from _loadgen import raise_nofile_limit
@@ -39,7 +49,41 @@ def main(argv: Optional[List[str]] = None) -> int:
         waiter = threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True)
         waiter.start()
         stop.wait()
+    if profiles is not None:
+        _write_profile(profiles, args.profile)
     return 0
+
+
+def _profile_all_threads() -> List[cProfile.Profile]:
+    """Wrap Thread.run so each thread started from now on runs under its own cProfile.Profile."""
+    profiles: List[cProfile.Profile] = []
+    lock = threading.Lock()
+    original_run = threading.Thread.run
+
+    def profiled_run(self: threading.Thread) -> None:
+        prof = cProfile.Profile(time.thread_time)  # CPU, not wall: blocking reads cost nothing
+        prof.enable()
+        try:
+            original_run(self)
+        finally:
+            prof.disable()
+            with lock:
+                profiles.append(prof)
+
+    threading.Thread.run = profiled_run  # type: ignore[method-assign]
+    return profiles
+
+
+def _write_profile(profiles: List[cProfile.Profile], path: str) -> None:
+    """Merge the finished threads' profiles into one pstats file (threads still running are lost)."""
+    done = list(profiles)
+    if not done:
+        print("no proxy thread finished: nothing profiled", file=sys.stderr)
+        return
+    stats = pstats.Stats(done[0])
+    for prof in done[1:]:
+        stats.add(prof)
+    stats.dump_stats(path)
 
 
 if __name__ == "__main__":

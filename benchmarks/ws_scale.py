@@ -45,6 +45,9 @@ QUICK_BATCHES = (32, 128, 512)
 DEFAULT_STEP_DELAY_S = 1.0
 QUICK_STEP_DELAY_S = 0.2
 DEFAULT_STEPS = 1
+# The tutorial repeats each configuration 3 times and requires >= 95% success in every repetition.
+DEFAULT_REPS = 3
+QUICK_REPS = 1
 # The tutorial's "max batch" is the largest batch with >= 95% success; a mode that falls below it
 # is not run at larger batches (it would only fail harder and cost minutes).
 SUCCESS_FLOOR = 0.95
@@ -75,8 +78,9 @@ UPSTREAMS = ("mini", "echo")
 
 def run_benchmark(batches: Sequence[int], steps: int = DEFAULT_STEPS,
                   step_delay_s: float = DEFAULT_STEP_DELAY_S, upstream: str = "mini",
-                  generators: int = 1, modes: Sequence[str] = MODES,
-                  progress: Optional[IO[str]] = None) -> Dict[str, Any]:
+                  generators: int = 1, modes: Sequence[str] = MODES, reps: int = 1,
+                  progress: Optional[IO[str]] = None,
+                  profile_proxy: Optional[str] = None) -> Dict[str, Any]:
     """Run every batch size in each mode and return the raw summary (see `summarize_run`)."""
     nofile = raise_nofile_limit()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -85,7 +89,8 @@ def run_benchmark(batches: Sequence[int], steps: int = DEFAULT_STEPS,
     try:
         targets = {"direct": (up_port, "/ws")}
         if "proxy" in modes:
-            proxy_proc, base_url, proxy_pid = _start_proxy("http://127.0.0.1:%d" % up_port, env)
+            proxy_proc, base_url, proxy_pid = _start_proxy("http://127.0.0.1:%d" % up_port, env,
+                                                           profile_proxy)
             host_port, route_path = base_url.split("://", 1)[1].split("/", 1)
             targets["proxy"] = (int(host_port.rsplit(":", 1)[1]), "/%s/ws" % route_path)
         proxy_idle = _proc_status(proxy_pid)
@@ -101,16 +106,17 @@ def run_benchmark(batches: Sequence[int], steps: int = DEFAULT_STEPS,
                     _say(progress, "%-6s N=%-5d skipped: %s" % (mode, n, skip))
                     continue
                 row = _run_one(mode, n, targets[mode], steps, step_delay_s, generators,
-                               proxy_pid, up_pid, env)
+                               proxy_pid, up_pid, env, reps)
                 rows.append(row)
                 _say(progress, _progress_line(row))
-                if row["success"] < SUCCESS_FLOOR:
+                if row["success_min"] < SUCCESS_FLOOR:
                     stopped[mode] = "%d: success %.1f%% < %.0f%%" % (
-                        n, 100 * row["success"], 100 * SUCCESS_FLOOR)
+                        n, 100 * row["success_min"], 100 * SUCCESS_FLOOR)
                 time.sleep(PAUSE_BETWEEN_RUNS_S)
         return summarize_run(rows, {
             "batches": list(batches), "steps": steps, "step_delay_s": step_delay_s,
-            "upstream": upstream, "generators": generators, "stopped": stopped, "modes": list(modes),
+            "upstream": upstream, "generators": generators, "stopped": stopped,
+            "modes": list(modes), "reps": reps,
             "proxy_idle": proxy_idle, "nofile": nofile})
     finally:
         for name, proc in (("proxy", proxy_proc), ("upstream", up_proc)):
@@ -125,8 +131,9 @@ def summarize_run(rows: List[Dict[str, Any]], config: Dict[str, Any]) -> Dict[st
     for mode in MODES:
         mine = [r for r in rows if r["mode"] == mode]
         verdict[mode] = {
-            "max_batch_100": max((r["n"] for r in mine if r["success"] >= 1.0), default=None),
-            "max_batch_95": max((r["n"] for r in mine if r["success"] >= SUCCESS_FLOOR),
+            "max_batch_100": max((r["n"] for r in mine if r["success_min"] >= 1.0),
+                                 default=None),
+            "max_batch_95": max((r["n"] for r in mine if r["success_min"] >= SUCCESS_FLOOR),
                                 default=None),
         }
     direct = {r["n"]: r for r in rows if r["mode"] == "direct"}
@@ -137,33 +144,36 @@ def summarize_run(rows: List[Dict[str, Any]], config: Dict[str, Any]) -> Dict[st
     return {"config": config, "rows": rows, "verdict": verdict, "machine": machine_info()}
 
 
-def render_markdown(result: Dict[str, Any], command: str) -> str:
+def render_markdown(result: Dict[str, Any], command: str, title: str = SECTION_TITLE) -> str:
     """The RESULTS.md section: command, machine, method, one table per mode, proxy costs, checks."""
     cfg, rows, verdict = result["config"], result["rows"], result["verdict"]
     m = result["machine"]
-    out = [SECTION_TITLE, "",
+    out = [title, "",
            "Command: `%s`  " % command,
            "Machine: %s, %d cores, %s RAM, %s, Python %s. Run finished %s." % (
                m["cpu"], m["cores"], m["mem"], m["kernel"], m["python"], m["when"]),
            "",
            "Method (OpenEnv scaling tutorial): N WebSocket sessions opened at once, each `connect` "
-           "(TCP + upgrade) -> `reset` -> %d x `step` (server waits %.2f s per step) -> `close`. "
+           "(TCP + upgrade) -> `reset` -> %d x `step` (server waits %.2f s per step) -> `close`, "
+           "%d repetition(s) per batch and mode, sessions pooled; `worst rep` is the lowest "
+           "success of one repetition, which the largest-batch verdicts use. "
            "Each batch runs straight against the upstream (`direct`), then through one "
            "`AuthProxy` in its own process (`proxy`). Upstream: %s. Load generator: %d process(es), "
            "one non-blocking selectors+wsproto loop each. Total = connect to close done. "
            "Percentiles are nearest-rank over successful sessions. sessions/s = successful "
            "sessions / batch wall time (the tutorial's RPS, one request = one whole session)." % (
-               cfg["steps"], cfg["step_delay_s"], _upstream_label(cfg["upstream"]),
+               cfg["steps"], cfg["step_delay_s"], cfg["reps"], _upstream_label(cfg["upstream"]),
                cfg["generators"]),
            ""]
     for mode in cfg["modes"]:
         out += ["### %s" % mode, "",
-                "| batch | success | connect p50 | reset p50 | step p50 | total p50 | total p99 "
-                "| sessions/s | failures |",
-                "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                "| batch | success | worst rep | connect p50 | reset p50 | step p50 | total p50 "
+                "| total p99 | sessions/s | failures |",
+                "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in (r for r in rows if r["mode"] == mode):
-            out.append("| %d | %s | %s | %s | %s | %s | %s | %.0f | %s |" % (
-                r["n"], _pct(r["success"]), _s(r["connect_p50"]), _s(r["reset_p50"]),
+            out.append("| %d | %s | %s | %s | %s | %s | %s | %s | %.0f | %s |" % (
+                r["n"], _pct(r["success"]), _pct(r["success_min"]), _s(r["connect_p50"]),
+                _s(r["reset_p50"]),
                 _s(r["step_p50"]), _s(r["total_p50"]), _s(r["total_p99"]),
                 r["sessions_per_s"], _errors(r["errors"])))
         v = verdict[mode]
@@ -203,14 +213,14 @@ def render_markdown(result: Dict[str, Any], command: str) -> str:
     return "\n".join(out)
 
 
-def write_results_section(path: str, section: str) -> None:
-    """Replace our section of RESULTS.md (from its title to the next `## ` title) or append it."""
+def write_results_section(path: str, section: str, title: str = SECTION_TITLE) -> None:
+    """Replace our section of RESULTS.md (from `title` to the next `## ` title) or append it."""
     text = ""
     if os.path.exists(path):
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
     lines = text.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.strip() == SECTION_TITLE), None)
+    start = next((i for i, line in enumerate(lines) if line.strip() == title), None)
     if start is None:
         body = text.rstrip("\n")
         new = (body + "\n\n" if body else "") + section.rstrip("\n") + "\n"
@@ -261,46 +271,64 @@ def plot(result: Dict[str, Any], path: str) -> Optional[str]:
 # -- one run ------------------------------------------------------------------------------------
 
 def _run_one(mode: str, n: int, target: Tuple[int, str], steps: int, step_delay_s: float,
-             generators: int, proxy_pid: Optional[int], up_pid: int, env: Dict[str, str]) -> Dict[str, Any]:
-    """Run one batch in one mode, sampling the proxy and timing every process's CPU use."""
+             generators: int, proxy_pid: Optional[int], up_pid: int, env: Dict[str, str],
+             reps: int = 1) -> Dict[str, Any]:
+    """Run one batch size in one mode `reps` times, sampling the proxy and timing each process's
+    CPU use; sessions of all repetitions are pooled, peaks are the worst repetition's."""
     port, path = target
-    before = _proc_status(proxy_pid)
-    cpu_before = {"proxy": _cpu_seconds(proxy_pid), "upstream": _cpu_seconds(up_pid)}
     deadline = RUN_DEADLINE_BASE_S + (steps + 1) * step_delay_s * 3
-    sampler = _PeakSampler(proxy_pid)
-    sampler.start()
-    t0 = time.monotonic()
-    try:
-        outputs = _run_generators(port, path, n, steps, deadline, generators, env)
-    finally:
-        sampler.stop()
-    wall = time.monotonic() - t0
-    cpu = {"proxy": _cpu_seconds(proxy_pid) - cpu_before["proxy"],
-           "upstream": _cpu_seconds(up_pid) - cpu_before["upstream"]}
-    after = _settle(proxy_pid, before["threads"]) if mode == "proxy" else _proc_status(proxy_pid)
-    sessions = [s for out in outputs for s in out["sessions"]]
-    row = summarize_sessions(sessions)
-    run_wall = (max(out["t0"] + out["wall_s"] for out in outputs)
-                - min(out["t0"] for out in outputs))
-    gen_cpu = sum(out["cpu_s"] for out in outputs)
+    sessions: List[Dict[str, Any]] = []
+    rep_success: List[float] = []
+    wall = run_wall = gen_cpu = up_cpu = proxy_cpu = 0.0
+    before = {"rss_kib": 0, "threads": 0}
+    peak = {"rss_kib": 0, "threads": 0}
+    after_threads = 0
+    for rep in range(reps):
+        if rep:
+            time.sleep(PAUSE_BETWEEN_RUNS_S)
+        st = _proc_status(proxy_pid)
+        before = st if rep == 0 else {k: min(before[k], st[k]) for k in st}
+        cpu0 = (_cpu_seconds(proxy_pid), _cpu_seconds(up_pid))
+        sampler = _PeakSampler(proxy_pid)
+        sampler.start()
+        t0 = time.monotonic()
+        try:
+            outputs = _run_generators(port, path, n, steps, deadline, generators, env)
+        finally:
+            sampler.stop()
+        wall += time.monotonic() - t0
+        proxy_cpu += _cpu_seconds(proxy_pid) - cpu0[0]
+        up_cpu += _cpu_seconds(up_pid) - cpu0[1]
+        peak = {"rss_kib": max(peak["rss_kib"], sampler.peak_rss_kib),
+                "threads": max(peak["threads"], sampler.peak_threads)}
+        settled = _settle(proxy_pid, st["threads"]) if mode == "proxy" else _proc_status(proxy_pid)
+        after_threads = max(after_threads, settled["threads"])
+        mine = [s for out in outputs for s in out["sessions"]]
+        rep_success.append(sum(1 for s in mine if s["ok"]) / float(len(mine)))
+        sessions += mine
+        run_wall += (max(out["t0"] + out["wall_s"] for out in outputs)
+                     - min(out["t0"] for out in outputs))
+        gen_cpu += sum(out["cpu_s"] for out in outputs)
+    row = summarize_sessions(sessions)  # reps are disjoint in time, so peak_open is the max rep's
+    grown_rss = max(0, peak["rss_kib"] - before["rss_kib"])
+    grown_threads = max(0, peak["threads"] - before["threads"])
     row.update({
-        "mode": mode, "n": n,
+        "mode": mode, "n": n, "reps": reps,
+        "success_min": min(rep_success),
         "wall_s": run_wall,
         "sessions_per_s": row["ok"] / run_wall if run_wall > 0 else 0.0,
         "generator_cpu": gen_cpu / run_wall if run_wall > 0 else None,
-        "upstream_cpu": cpu["upstream"] / wall,
-        "proxy_cpu": cpu["proxy"] / wall,
+        "upstream_cpu": up_cpu / wall,
+        "proxy_cpu": proxy_cpu / wall,
         "proxy_rss_before_kib": before["rss_kib"],
-        "proxy_rss_peak_kib": sampler.peak_rss_kib,
+        "proxy_rss_peak_kib": peak["rss_kib"],
         "proxy_threads_before": before["threads"],
-        "proxy_threads_peak": sampler.peak_threads,
-        "proxy_threads_after": after["threads"],
-        "rss_kib_per_session": max(0, sampler.peak_rss_kib - before["rss_kib"]) / n,
-        "threads_per_session": max(0, sampler.peak_threads - before["threads"]) / n,
-        "rss_kib_per_open": (max(0, sampler.peak_rss_kib - before["rss_kib"]) / row["peak_open"]
-                             if row["peak_open"] else None),
-        "threads_per_open": (max(0, sampler.peak_threads - before["threads"]) / row["peak_open"]
-                             if row["peak_open"] else None),
+        "proxy_threads_peak": peak["threads"],
+        "proxy_threads_after": after_threads,
+        "rss_kib_per_session": grown_rss / n,
+        "threads_per_session": grown_threads / n,
+        "rss_kib_per_open": grown_rss / row["peak_open"] if row["peak_open"] else None,
+        "threads_per_open": grown_threads / row["peak_open"] if row["peak_open"] else None,
     })
     return row
 
@@ -419,10 +447,12 @@ def _upstream_port(kind: str, line: str) -> Optional[int]:
     return int(match.group(1)) if match else None
 
 
-def _start_proxy(upstream_url: str,
-                 env: Dict[str, str]) -> Tuple[subprocess.Popen, str, int]:
+def _start_proxy(upstream_url: str, env: Dict[str, str],
+                 profile: Optional[str] = None) -> Tuple[subprocess.Popen, str, int]:
     """Start benchmarks/_proxy_host.py; return (process, base_url, pid)."""
     cmd = [sys.executable, os.path.join(HERE, "_proxy_host.py"), upstream_url]
+    if profile:
+        cmd += ["--profile", profile]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
     line = _read_line(proc, CHILD_START_TIMEOUT_S)
@@ -691,41 +721,60 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="environment server to benchmark against (default %(default)s)")
     parser.add_argument("--modes", type=_modes_arg, default=list(MODES),
                         help="which runs to do, comma-separated (default direct,proxy)")
+    parser.add_argument("--reps", type=int, default=None,
+                        help="repetitions per batch and mode, sessions pooled (default %d, "
+                             "--quick %d)" % (DEFAULT_REPS, QUICK_REPS))
+    parser.add_argument("--label", default=None,
+                        help="a variant's name: its results go to their own section "
+                             "'%s (LABEL)' and plot ws_scale_LABEL.png" % SECTION_TITLE[3:])
     parser.add_argument("--generators", type=int, default=1,
                         help="load generator processes per batch (default 1)")
     parser.add_argument("--results", default=DEFAULT_RESULTS,
                         help="markdown file whose ws_scale section is written (default %(default)s)")
     parser.add_argument("--plot", default=DEFAULT_PLOT, help="PNG path (default %(default)s)")
     parser.add_argument("--json", default=None, help="also write the raw summary as JSON here")
+    parser.add_argument("--profile-proxy", metavar="FILE", default=None,
+                        help="diagnostic: cProfile the proxy's threads into FILE (slows it; "
+                             "implies --no-write so profiled numbers are never published)")
     parser.add_argument("--no-write", action="store_true",
                         help="print the markdown instead of writing RESULTS.md and the plot")
     args = parser.parse_args(argv)
     batches = args.batches or list(QUICK_BATCHES if args.quick else DEFAULT_BATCHES)
     delay = args.step_delay_s if args.step_delay_s is not None else (
         QUICK_STEP_DELAY_S if args.quick else DEFAULT_STEP_DELAY_S)
-    if args.steps < 1 or delay < 0 or args.generators < 1:
-        parser.error("--steps and --generators must be >= 1 and --step-delay-s >= 0")
+    reps = args.reps if args.reps is not None else (QUICK_REPS if args.quick else DEFAULT_REPS)
+    if args.steps < 1 or delay < 0 or args.generators < 1 or reps < 1:
+        parser.error("--steps, --reps and --generators must be >= 1 and --step-delay-s >= 0")
+    if args.label is not None and not re.match(r"^[A-Za-z0-9][A-Za-z0-9 ._-]{0,40}$", args.label):
+        parser.error("--label must be 1-41 letters, digits, spaces, '.', '_' or '-', e.g. "
+                     "'held-open'")
+    title = SECTION_TITLE + (" (%s)" % args.label if args.label else "")
+    plot_path = args.plot
+    if args.label and plot_path == DEFAULT_PLOT:
+        plot_path = os.path.join(HERE, "ws_scale_%s.png" % re.sub(r"[^A-Za-z0-9_-]", "-",
+                                                                  args.label))
     if not sys.platform.startswith("linux"):
         parser.error("ws_scale reads /proc to measure the proxy: it runs on Linux only")
     command = "python benchmarks/ws_scale.py" + (
         " " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
         if (sys.argv[1:] if argv is None else argv) else "")
-    print("ws_scale: batches %s, %d x %.2f s step, upstream %s, %d generator process(es)" % (
-        ",".join(map(str, batches)), args.steps, delay, args.upstream, args.generators),
-        flush=True)
+    print("ws_scale: batches %s, %d x %.2f s step, %d rep(s), upstream %s, %d generator "
+          "process(es)" % (",".join(map(str, batches)), args.steps, delay, reps, args.upstream,
+                           args.generators), flush=True)
     result = run_benchmark(batches, args.steps, delay, args.upstream, args.generators,
-                           modes=args.modes, progress=sys.stdout)
-    section = render_markdown(result, command)
+                           modes=args.modes, reps=reps, progress=sys.stdout,
+                           profile_proxy=args.profile_proxy)
+    section = render_markdown(result, command, title)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(result, fh, indent=1)
-    if args.no_write:
+    if args.no_write or args.profile_proxy:
         print(section)
         return 0
-    write_results_section(args.results, section)
-    print("wrote the %r section of %s" % (SECTION_TITLE[3:], args.results))
-    skipped = plot(result, args.plot)
-    print("plot skipped: %s" % skipped if skipped else "wrote %s" % args.plot)
+    write_results_section(args.results, section, title)
+    print("wrote the %r section of %s" % (title[3:], args.results))
+    skipped = plot(result, plot_path)
+    print("plot skipped: %s" % skipped if skipped else "wrote %s" % plot_path)
     return 0
 
 

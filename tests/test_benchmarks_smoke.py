@@ -43,14 +43,16 @@ def test_tiny_batch_runs_direct_and_through_proxy_and_keeps_other_results_sectio
     raw = tmp_path / "ws.json"
     png = tmp_path / "ws.png"
     proc = _run([os.path.join(BENCH, "ws_scale.py"), "--batches", "4", "--step-delay-s", "0.05",
-                 "--results", str(results), "--plot", str(png), "--json", str(raw)])
+                 "--reps", "2", "--results", str(results), "--plot", str(png), "--json", str(raw)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
     result = json.loads(raw.read_text())
     rows = {r["mode"]: r for r in result["rows"]}
     assert set(rows) == {"direct", "proxy"}
     for mode, row in rows.items():
-        assert (row["n"], row["sessions"], row["ok"], row["errors"]) == (4, 4, 4, {}), mode
+        # two repetitions of 4 sessions, pooled
+        assert (row["n"], row["reps"], row["sessions"], row["ok"]) == (4, 2, 8, 8), mode
+        assert (row["errors"], row["success_min"]) == ({}, 1.0), mode
         assert row["step_p50"] >= 0.05, "each step waits for the server-side delay"
         assert row["total_p99"] >= row["step_p50"]
     proxy = rows["proxy"]
@@ -62,7 +64,7 @@ def test_tiny_batch_runs_direct_and_through_proxy_and_keeps_other_results_sectio
     text = results.read_text()
     assert text.count(OTHER_SECTION) == 1, "the other helper's section must survive untouched"
     assert text.count(ws_scale.SECTION_TITLE) == 1
-    assert "--batches 4 --step-delay-s 0.05" in text, "the exact command is recorded"
+    assert "--batches 4 --step-delay-s 0.05 --reps 2" in text, "the exact command is recorded"
     assert "| 4 | 100.0% |" in text
     if "plot skipped" in proc.stdout:
         assert not png.exists()
@@ -139,3 +141,14 @@ def test_bad_batch_list_is_refused_with_a_clear_message():
     proc = _run([os.path.join(BENCH, "ws_scale.py"), "--batches", "32,zero"], timeout=30)
     assert proc.returncode == 2
     assert "comma-separated list of positive session counts" in proc.stderr
+
+
+def test_a_labelled_variant_gets_its_own_section_beside_the_main_one(tmp_path):
+    path = tmp_path / "RESULTS.md"
+    main_section = ws_scale.SECTION_TITLE + "\n\nmain numbers\n"
+    ws_scale.write_results_section(str(path), main_section)
+    variant = ws_scale.SECTION_TITLE + " (held-open)"
+    ws_scale.write_results_section(str(path), variant + "\n\nvariant v1\n", variant)
+    ws_scale.write_results_section(str(path), variant + "\n\nvariant v2\n", variant)
+    text = path.read_text()
+    assert text == main_section + "\n" + variant + "\n\nvariant v2\n"
