@@ -580,6 +580,8 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
             self._mounted_on = None
             self._job_client = None
         if finalizer is not None:
+            if not finalizer.alive:  # the exit safety net already released this job
+                running, base_url = False, None
             finalizer.detach()
             _live_finalizers.discard(finalizer)
         cancelled = _release_job(client, namespace, job_id if running else None, proxy, base_url, self.job_url)

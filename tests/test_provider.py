@@ -197,7 +197,7 @@ def test_namespace_given_explicitly_skips_whoami(api, proxy):
     with hsp.HFSandboxProvider(IMAGE, namespace="alice", token=fresh_token(), endpoint=ENDPOINT,
                                proxy=proxy, **FAST) as provider:
         provider.start_container()
-    assert calls_to(api, "GET", "/api/whoami-v2") == []
+    assert len(calls_to(api, "GET", "/api/whoami-v2")) == 0
     assert cancels(api) == 1
 
 
@@ -218,7 +218,7 @@ def test_missing_token_fails_before_any_network_call(api, proxy, no_token_anywhe
     provider = hsp.HFSandboxProvider(IMAGE, endpoint=ENDPOINT, proxy=proxy)
     with pytest.raises(hsp.SandboxConfigError, match="no Hugging Face token.*--local"):
         provider.start_container()
-    assert api.calls == []
+    assert len(api.calls) == 0
 
 
 def test_token_is_discovered_from_hf_token_env(api, proxy, no_token_anywhere, monkeypatch):
@@ -243,7 +243,7 @@ def test_bad_start_arguments_fail_before_any_network_call(api, proxy, kwargs, me
     provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy)
     with pytest.raises(hsp.SandboxConfigError, match=message):
         provider.start_container(**kwargs)
-    assert api.calls == []
+    assert len(api.calls) == 0
 
 
 def test_bad_constructor_arguments_are_refused_at_construction():
@@ -344,9 +344,14 @@ def test_create_that_keeps_failing_reports_the_error_and_leaves_no_job(api, prox
     assert provider.job_id is None and provider.base_url is None
 
 
+def interrupt(request):
+    """A Ctrl-C arriving while the call is in flight."""
+    raise KeyboardInterrupt
+
+
 def test_interrupted_create_cancels_the_job_it_made_anyway(api, proxy):
     api.add(responses.GET, ENDPOINT + "/api/whoami-v2", json={"name": "alice"})
-    api.add(responses.POST, ENDPOINT + "/api/jobs/alice", body=KeyboardInterrupt())
+    api.add_callback(responses.POST, ENDPOINT + "/api/jobs/alice", callback=interrupt)
     api.add(responses.GET, ENDPOINT + "/api/jobs/alice", json=[job_json("ghost")])
     api.add(responses.POST, ENDPOINT + "/api/jobs/alice/ghost/cancel", status=200)
     provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST)
@@ -359,7 +364,7 @@ def test_interrupted_create_cancels_the_job_it_made_anyway(api, proxy):
 
 def test_keyboard_interrupt_while_waiting_for_the_url_cancels_the_job(api, proxy):
     add_job_api(api, stages=[job_json()])
-    api.add(responses.GET, ENDPOINT + "/api/jobs/alice/job1", body=KeyboardInterrupt())
+    api.add_callback(responses.GET, ENDPOINT + "/api/jobs/alice/job1", callback=interrupt)
     provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST)
     with pytest.raises(KeyboardInterrupt):
         provider.start_container()
