@@ -168,14 +168,14 @@ def render_markdown(result: Dict[str, Any], command: str, title: str = SECTION_T
     for mode in cfg["modes"]:
         out += ["### %s" % mode, "",
                 "| batch | success | worst rep | connect p50 | reset p50 | step p50 | total p50 "
-                "| total p99 | sessions/s | failures |",
-                "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                "| total p99 | sessions/s | connects/s | failures |",
+                "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in (r for r in rows if r["mode"] == mode):
-            out.append("| %d | %s | %s | %s | %s | %s | %s | %s | %.0f | %s |" % (
+            out.append("| %d | %s | %s | %s | %s | %s | %s | %s | %.0f | %s | %s |" % (
                 r["n"], _pct(r["success"]), _pct(r["success_min"]), _s(r["connect_p50"]),
                 _s(r["reset_p50"]),
                 _s(r["step_p50"]), _s(r["total_p50"]), _s(r["total_p99"]),
-                r["sessions_per_s"], _errors(r["errors"])))
+                r["sessions_per_s"], _num(r["connects_per_s"], "%.0f"), _errors(r["errors"])))
         v = verdict[mode]
         out += ["", "Largest batch at 100%% success: **%s**; at >= 95%%: **%s**." % (
             v["max_batch_100"] or "none", v["max_batch_95"] or "none")]
@@ -209,6 +209,7 @@ def render_markdown(result: Dict[str, Any], command: str, title: str = SECTION_T
             r["proxy_threads_after"], _pct(r["proxy_cpu"]),
             _pct(d.get("upstream_cpu")), _pct(r["upstream_cpu"]),
             _pct(d.get("generator_cpu")), _pct(r["generator_cpu"])))
+    out += [""] + _bottleneck_lines(result)
     out += ["", "### against the targets", ""] + _target_lines(result) + [""]
     return "\n".join(out)
 
@@ -283,6 +284,7 @@ def _run_one(mode: str, n: int, target: Tuple[int, str], steps: int, step_delay_
     before = {"rss_kib": 0, "threads": 0}
     peak = {"rss_kib": 0, "threads": 0}
     after_threads = 0
+    connected, connect_s = 0, 0.0
     for rep in range(reps):
         if rep:
             time.sleep(PAUSE_BETWEEN_RUNS_S)
@@ -306,6 +308,8 @@ def _run_one(mode: str, n: int, target: Tuple[int, str], steps: int, step_delay_
         mine = [s for out in outputs for s in out["sessions"]]
         rep_success.append(sum(1 for s in mine if s["ok"]) / float(len(mine)))
         sessions += mine
+        count, span = connect_span(mine)
+        connected, connect_s = connected + count, connect_s + span
         run_wall += (max(out["t0"] + out["wall_s"] for out in outputs)
                      - min(out["t0"] for out in outputs))
         gen_cpu += sum(out["cpu_s"] for out in outputs)
@@ -315,6 +319,7 @@ def _run_one(mode: str, n: int, target: Tuple[int, str], steps: int, step_delay_
     row.update({
         "mode": mode, "n": n, "reps": reps,
         "success_min": min(rep_success),
+        "connects_per_s": connected / connect_s if connect_s > 0 else None,
         "wall_s": run_wall,
         "sessions_per_s": row["ok"] / run_wall if run_wall > 0 else 0.0,
         "generator_cpu": gen_cpu / run_wall if run_wall > 0 else None,
@@ -366,6 +371,16 @@ def peak_open_sessions(sessions: List[Dict[str, Any]]) -> int:
         open_now += delta
         peak = max(peak, open_now)
     return peak
+
+
+def connect_span(sessions: List[Dict[str, Any]]) -> Tuple[int, float]:
+    """(upgrades completed, seconds from the first session's start to the last 101) for one run:
+    their ratio is the set-up capacity of whatever accepts the connections (server or proxy)."""
+    done = [s for s in sessions if s["connect"] is not None]
+    if not done:
+        return 0, 0.0
+    return len(done), (max(s["start"] + s["connect"] for s in done)
+                       - min(s["start"] for s in done))
 
 
 def percentile(values: Sequence[float], p: float) -> Optional[float]:
@@ -643,15 +658,52 @@ def _target_lines(result: Dict[str, Any]) -> List[str]:
     return lines
 
 
+def _bottleneck_lines(result: Dict[str, Any]) -> List[str]:
+    """Evidence, from this run's own numbers, that the generator and upstream were not the limit,
+    and where the proxy's added time goes (set-up versus relaying messages)."""
+    rows = result["rows"]
+    direct = [r for r in rows if r["mode"] == "direct"]
+    proxy = [r for r in rows if r["mode"] == "proxy"]
+    lines = []
+    if direct:
+        top = max(direct, key=lambda r: r["n"])
+        wait = result["config"]["step_delay_s"]
+        lines.append(
+            "- Generator and upstream: without the proxy the same generator and upstream complete "
+            "up to %.0f upgrades/s and, at N=%d, step p50 %s for a %.2f s server wait; the "
+            "generator used at most %s of one core and the upstream at most %s (per-run "
+            "averages)." % (
+                max(r["connects_per_s"] or 0 for r in direct), top["n"], _s(top["step_p50"]),
+                wait, _pct(max(r["generator_cpu"] or 0 for r in rows)),
+                _pct(max(r["upstream_cpu"] for r in rows))))
+    if proxy:
+        lines.append(
+            "- Through the proxy the set-up rate tops out at %.0f upgrades/s, below what the "
+            "generator and upstream sustain together: the set-up limit measured here is the "
+            "proxy's." % max(r["connects_per_s"] or 0 for r in proxy))
+        by_n = {r["n"]: r for r in direct}
+        pairs = [(p, by_n[p["n"]]) for p in proxy if p["n"] in by_n and p["ok"] and by_n[p["n"]]["ok"]]
+        if pairs:
+            p, d = max(pairs, key=lambda pd: pd[0]["n"])
+            lines.append(
+                "- Where the proxy's time goes at N=%d: connect p50 %+.3f s (accept, a thread, the "
+                "upgrade replayed upstream), reset p50 %+.3f s and step p50 %+.3f s (relaying "
+                "frames) against direct." % (
+                    p["n"], p["connect_p50"] - d["connect_p50"], p["reset_p50"] - d["reset_p50"],
+                    p["step_p50"] - d["step_p50"]))
+    return lines
+
+
 def _progress_line(r: Dict[str, Any]) -> str:
     proxy = ("  proxy peak %.0f MiB / %d threads for %d open (after: %d)" % (
         r["proxy_rss_peak_kib"] / 1024.0, r["proxy_threads_peak"], r["peak_open"],
         r["proxy_threads_after"])
         if r["mode"] == "proxy" else "")
     return ("%-6s N=%-5d success %6s  connect p50 %s  step p50 %s  total p99 %s  %5.0f sess/s  "
-            "CPU gen/up/proxy %s/%s/%s%s%s" % (
+            "%s conn/s  CPU gen/up/proxy %s/%s/%s%s%s" % (
                 r["mode"], r["n"], _pct(r["success"]), _s(r["connect_p50"]), _s(r["step_p50"]),
-                _s(r["total_p99"]), r["sessions_per_s"], _pct(r["generator_cpu"]),
+                _s(r["total_p99"]), r["sessions_per_s"], _num(r["connects_per_s"], "%.0f"),
+                _pct(r["generator_cpu"]),
                 _pct(r["upstream_cpu"]), _pct(r["proxy_cpu"]), proxy,
                 ("  failures: " + _errors(r["errors"])) if r["errors"] else ""))
 
