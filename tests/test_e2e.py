@@ -1,0 +1,253 @@
+"""End to end, offline: HFSandboxProvider -> local Jobs emulator -> token gate -> job process, with the
+echo server, every emulator fault, and the promise that each failure leaves no job process and no
+proxy route behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+import hf_jobs_emulator
+from hf_jobs_emulator import JobsEmulator
+from hf_sandbox_provider import HFSandboxProvider, JobFailedError, JobStartTimeout
+from proxy import AuthProxy
+
+TIMEOUT = 20
+IMAGE = "registry.hf.space/openenv-echo-env:latest"  # not pulled: the emulator runs the command
+ECHO = hf_jobs_emulator.echo_server_command()
+SLEEP_FOREVER = [sys.executable, "-c", "import time\nprint('booting forever', flush=True)\ntime.sleep(600)"]
+
+
+def wait_until(predicate, what: str, timeout_s: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def mounted_routes(proxy: AuthProxy) -> int:
+    return len(proxy._routes)  # read-only look at the proxy's route table: nothing public counts them
+
+
+@pytest.fixture
+def emu(log_guard):
+    with JobsEmulator() as emulator:
+        log_guard.watch(emulator.token)
+        yield emulator
+    assert emulator.live_pids() == []
+
+
+@pytest.fixture
+def proxy():
+    with AuthProxy() as auth_proxy:
+        yield auth_proxy
+
+
+def provider_for(emu: JobsEmulator, proxy: AuthProxy, **kwargs) -> HFSandboxProvider:
+    settings = dict(endpoint=emu.endpoint, token=emu.token, command=ECHO, proxy=proxy,
+                    poll_interval_s=0.05, start_timeout_s=TIMEOUT, ready_timeout_s=TIMEOUT)
+    settings.update(kwargs)
+    return HFSandboxProvider(IMAGE, **settings)
+
+
+def assert_nothing_left(emu: JobsEmulator, proxy: AuthProxy) -> None:
+    """No job process alive, every job terminal, no route mounted."""
+    wait_until(lambda: emu.live_pids() == [], "every job process to end")
+    wait_until(lambda: all(job.terminal for job in emu.jobs), "every job to reach a terminal stage")
+    assert mounted_routes(proxy) == 0
+
+
+# -- the happy path ------------------------------------------------------------------------------
+
+
+def test_echo_environment_over_http_and_websocket_then_close_cancels_the_job(emu, proxy):
+    ws_sync = pytest.importorskip("websockets.sync.client")
+    with provider_for(emu, proxy) as provider:
+        base_url = provider.start_container()
+        provider.wait_for_ready()
+        assert base_url.startswith(proxy.url + "/")
+        with requests.Session() as http:
+            assert http.post(base_url + "/reset", json={}, timeout=TIMEOUT).status_code == 200
+            step = http.post(base_url + "/step", json={"action": {"message": "e2e"}}, timeout=TIMEOUT).json()
+            assert step["observation"]["echoed_message"] == "e2e"
+        with ws_sync.connect(base_url.replace("http://", "ws://") + "/ws", open_timeout=TIMEOUT) as ws:
+            ws.send(json.dumps({"type": "step", "data": {"message": "over ws"}}))
+            assert json.loads(ws.recv(timeout=TIMEOUT))["data"]["observation"]["echoed_message"] == "over ws"
+        job = emu.job(provider.job_id)
+        assert job.stage == "RUNNING" and job.first_health_ok_mono is not None
+        assert set(provider.timings) >= {"created", "running", "url", "ready"}
+    assert emu.wait_for_stage(provider.job_id, ["CANCELED"]).stage == "CANCELED"  # cancel is asynchronous
+    assert requests.get(base_url + "/health", timeout=TIMEOUT).status_code == 404  # route gone
+    assert_nothing_left(emu, proxy)
+
+
+def test_legacy_http_client_flow_of_from_docker_image(emu, proxy):
+    """What OpenEnv's old HTTPEnvClient does: start_container(image, **kwargs), wait_for_ready(base_url),
+    then stateful POST /reset, POST /step, GET /state over one requests.Session, close() at the end."""
+    provider = provider_for(emu, proxy)
+    base_url = provider.start_container(IMAGE, env_vars={"EXTRA": "1"}, wait_timeout=30.0)
+    try:
+        provider.wait_for_ready(base_url)
+        with requests.Session() as http:
+            http.post(base_url + "/reset", json={"episode_id": "legacy"}, timeout=TIMEOUT).raise_for_status()
+            for word in ("one", "two", "three"):
+                http.post(base_url + "/step", json={"action": {"message": word}}, timeout=TIMEOUT).raise_for_status()
+            assert http.get(base_url + "/state", timeout=TIMEOUT).json() == {"episode_id": "legacy", "step_count": 3}
+    finally:
+        provider.close()
+    provider.close()  # twice is fine
+    assert emu.wait_for_stage(provider.job_id, ["CANCELED"]).stage == "CANCELED"
+    assert_nothing_left(emu, proxy)
+
+
+def test_emulator_token_never_reaches_the_job_and_env_vars_do(emu, proxy):
+    show = [sys.executable, "-c",
+            "import os, json, sys\nfrom http.server import BaseHTTPRequestHandler, ThreadingHTTPServer\n"
+            "class H(BaseHTTPRequestHandler):\n"
+            "    def do_GET(self):\n"
+            "        body = json.dumps({'auth': self.headers.get('Authorization'), 'env': os.environ.get('MODE')}).encode()\n"
+            "        self.send_response(200); self.send_header('Content-Length', str(len(body))); self.end_headers()\n"
+            "        self.wfile.write(body)\n"
+            "    def log_message(self, *a): pass\n"
+            "ThreadingHTTPServer(('127.0.0.1', int(os.environ['PORT'])), H).serve_forever()\n"]
+    with provider_for(emu, proxy, command=show, env_vars={"MODE": "e2e"}) as provider:
+        provider.start_container()
+        provider.wait_for_ready()
+        seen = requests.get(provider.base_url + "/anything", timeout=TIMEOUT).json()
+        assert seen == {"auth": None, "env": "e2e"}
+    assert_nothing_left(emu, proxy)
+
+
+# -- every fault, and nothing left behind --------------------------------------------------------
+
+
+def test_crash_at_boot_raises_job_failed_with_the_message_and_log_tail(emu, proxy):
+    provider = provider_for(emu, proxy, labels={"emulator-crash-at-boot": "ModuleNotFoundError: server"})
+    with pytest.raises(JobFailedError) as caught:
+        provider.start_container()
+        provider.wait_for_ready()
+    error = caught.value
+    assert error.stage == "ERROR" and error.message == "ModuleNotFoundError: server"
+    assert "ModuleNotFoundError: server" in "\n".join(error.log_tail)
+    assert error.job_id == provider.job_id
+    provider.close()
+    assert_nothing_left(emu, proxy)
+
+
+def test_a_server_that_exits_raises_job_failed_naming_the_exit_code(emu, proxy):
+    crash = [sys.executable, "-c", "import sys; print('config missing', file=sys.stderr); sys.exit(4)"]
+    provider = provider_for(emu, proxy, command=crash)
+    with pytest.raises(JobFailedError) as caught:
+        provider.start_container()
+        provider.wait_for_ready()
+    assert "exit code: 4" in caught.value.message and "config missing" in caught.value.log_tail
+    provider.close()
+    assert_nothing_left(emu, proxy)
+
+
+def test_slow_scheduling_past_the_start_timeout_raises_and_cancels_the_job(emu, proxy):
+    provider = provider_for(emu, proxy, labels={"emulator-scheduling-delay-s": "60"}, start_timeout_s=0.5)
+    with pytest.raises(JobStartTimeout):
+        provider.start_container()
+    assert emu.wait_for_stage(emu.jobs[0].id, ["CANCELED"]).stage == "CANCELED" and emu.jobs[0].pid is None
+    assert_nothing_left(emu, proxy)
+
+
+def test_a_server_that_never_answers_health_times_out_and_is_cancelled(emu, proxy):
+    provider = provider_for(emu, proxy, command=SLEEP_FOREVER, ready_timeout_s=1.0)
+    provider.start_container()
+    with pytest.raises(JobStartTimeout):
+        provider.wait_for_ready()
+    assert emu.wait_for_stage(emu.jobs[0].id, ["CANCELED"]).stage == "CANCELED"
+    assert_nothing_left(emu, proxy)
+
+
+def test_rate_limited_api_calls_are_retried_and_the_start_succeeds(emu, proxy):
+    emu.inject_rate_limit(2, retry_after_s=0, routes=["create"])
+    with provider_for(emu, proxy) as provider:
+        provider.start_container()
+        provider.wait_for_ready()
+        assert requests.get(provider.base_url + "/health", timeout=TIMEOUT).status_code == 200
+    assert emu.api_calls["create"] == 3  # two answered 429, the third created the job
+    assert len(emu.jobs) == 1
+    assert_nothing_left(emu, proxy)
+
+
+def test_rate_limit_right_after_create_is_survived(emu, proxy):
+    with provider_for(emu, proxy, labels={"emulator-rate-limit-after-create": "1"}) as provider:
+        provider.start_container()
+        provider.wait_for_ready()
+    assert len(emu.jobs) == 1
+    assert_nothing_left(emu, proxy)
+
+
+def test_lost_create_response_adopts_the_created_job_instead_of_making_a_second(emu, proxy):
+    emu.lose_next_create_responses(1)
+    with provider_for(emu, proxy) as provider:
+        provider.start_container()
+        provider.wait_for_ready()
+        assert [job.id for job in emu.jobs] == [provider.job_id]
+    assert_nothing_left(emu, proxy)
+
+
+def test_a_job_that_dies_mid_use_answers_502_and_teardown_still_works(emu, proxy):
+    with provider_for(emu, proxy, labels={"emulator-die-after-s": "1"}) as provider:
+        provider.start_container()
+        provider.wait_for_ready()
+        emu.wait_for_stage(provider.job_id, ["ERROR"])
+        answer = requests.get(provider.base_url + "/health", timeout=TIMEOUT)
+        assert answer.status_code == 502 and answer.headers.get("X-Proxy-Error")
+    assert emu.job(provider.job_id).stage == "ERROR"
+    assert_nothing_left(emu, proxy)
+
+
+def test_job_timeout_is_sent_and_enforced_server_side(emu, proxy):
+    with provider_for(emu, proxy, job_timeout=1) as provider:
+        provider.start_container()
+        assert emu.job(provider.job_id).spec["timeoutSeconds"] == 1
+        emu.wait_for_stage(provider.job_id, ["CANCELED"])
+        assert "timed out" in emu.job(provider.job_id).message
+    assert_nothing_left(emu, proxy)
+
+
+def test_stopping_the_emulator_while_the_provider_runs_leaves_nothing_behind(proxy):
+    emu = JobsEmulator().start()
+    provider = provider_for(emu, proxy)
+    try:
+        provider.start_container()
+        provider.wait_for_ready()
+        emu.stop()
+        assert emu.live_pids() == []
+    finally:
+        provider.close()  # the API is gone: close logs what it could not cancel, never raises
+        emu.stop()
+    assert mounted_routes(proxy) == 0
+
+
+# -- the smoke CLI as users run it ----------------------------------------------------------------
+
+
+def run_smoke(*extra: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HF_ENDPOINT")}
+    return subprocess.run([sys.executable, "-m", "hf_sandbox_provider", "smoke", "--local", *extra],
+                          capture_output=True, text=True, timeout=120, env=env,
+                          cwd=os.path.dirname(os.path.abspath(hf_jobs_emulator.__file__)))
+
+
+def test_smoke_local_exits_zero():
+    done = run_smoke()
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_smoke_local_with_a_crashing_job_exits_nonzero_with_the_reason():
+    crash = f"{sys.executable} -c \"import sys; print('env import failed', file=sys.stderr); sys.exit(3)\""
+    done = run_smoke("--command", crash)
+    assert done.returncode != 0
+    assert "exit code: 3" in done.stdout + done.stderr
