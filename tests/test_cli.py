@@ -1,0 +1,126 @@
+"""`python -m hf_sandbox_provider ...` run as real subprocesses against the local Jobs emulator."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import hf_sandbox_provider as hsp
+from hf_jobs_emulator import JobsEmulator
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN_TIMEOUT_S = 90
+
+
+def clean_env(tmp_path, **extra):
+    """An environment with no Hugging Face token anywhere, plus `extra`."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH", "HF_ENDPOINT")}
+    env.update(HOME=str(tmp_path), HF_HOME=str(tmp_path / "hf"), PYTHONPATH=REPO)
+    env.update(extra)
+    return env
+
+
+def run(args, env, timeout=RUN_TIMEOUT_S):
+    return subprocess.run([sys.executable, "-m", "hf_sandbox_provider"] + list(args), cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_smoke_local_json_passes_every_stage_and_leaves_nothing_running(tmp_path):
+    result = run(["smoke", "--local", "--json"], clean_env(tmp_path))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["ok"] is True and report["mode"] == "local" and report["error"] is None
+    names = [stage["name"] for stage in report["stages"]]
+    for expected in ("start_container", "wait_for_ready", "GET /health", "HTTP POST /reset",
+                     "HTTP POST /step", "WebSocket /ws", "stop_container", "stop local Jobs emulator"):
+        assert any(name.startswith(expected) for name in names), (expected, names)
+    assert all(stage["ok"] for stage in report["stages"])
+    assert {"created", "running", "url", "ready"} <= set(report["timings"])
+    assert report["stages"][-1]["detail"] == "no job process left"
+    assert "CANCELED" in next(s["detail"] for s in report["stages"] if s["name"].startswith("stop_container"))
+    assert "start_container" in result.stderr  # progress lines go to stderr with --json
+
+
+def test_smoke_local_prints_a_line_per_stage_and_a_summary_table(tmp_path):
+    result = run(["smoke", "--local"], clean_env(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert any(line.strip().startswith("ok") and "WebSocket /ws" in line for line in lines)
+    assert any(line.startswith("total") and " ok " in line for line in lines)
+
+
+def test_smoke_with_a_crashing_job_exits_non_zero_with_the_job_reason(tmp_path):
+    crash = "%s -c \"import sys; print('boom-at-boot', file=sys.stderr); sys.exit(3)\"" % sys.executable
+    result = run(["smoke", "--local", "--json", "--command", crash], clean_env(tmp_path))
+    assert result.returncode == 1
+    report = json.loads(result.stdout)
+    assert report["ok"] is False
+    assert "JobFailedError" in report["error"] and "ERROR" in report["error"]
+    assert "boom-at-boot" in report["error"]  # the log tail travels with the failure
+    assert report["stages"][-1]["detail"] == "no job process left"
+
+
+def test_smoke_without_a_token_points_at_local_and_exits_non_zero(tmp_path):
+    result = run(["smoke"], clean_env(tmp_path, HF_ENDPOINT="http://127.0.0.1:9"))
+    assert result.returncode == 2
+    assert "no Hugging Face token" in result.stderr and "--local" in result.stderr
+
+
+def test_smoke_rejects_a_non_object_action(tmp_path):
+    result = run(["smoke", "--local", "--action", "[1]"], clean_env(tmp_path))
+    assert result.returncode == 2 and "--action" in result.stderr
+
+
+def test_bench_says_it_is_not_implemented(tmp_path):
+    result = run(["bench"], clean_env(tmp_path))
+    assert result.returncode == 2 and "not implemented" in result.stderr
+
+
+def test_no_subcommand_prints_usage_and_exits_2(tmp_path):
+    result = run([], clean_env(tmp_path))
+    assert result.returncode == 2 and "smoke" in result.stderr
+
+
+def test_sweep_cancels_only_this_librarys_running_jobs(tmp_path):
+    with JobsEmulator() as emulator:
+        ours = hsp.HFSandboxProvider("python:3.12", endpoint=emulator.endpoint, token=emulator.token,
+                                     command=[sys.executable, "-c", "import time; time.sleep(60)"],
+                                     poll_interval_s=0.05)
+        try:
+            ours.start_container()
+            env = clean_env(tmp_path, HF_ENDPOINT=emulator.endpoint, HF_TOKEN=emulator.token)
+            dry = run(["sweep", "--dry-run"], env)
+            assert dry.returncode == 0 and "would cancel %s" % ours.job_id in dry.stdout
+            assert emulator.job(ours.job_id).stage == "RUNNING"
+            swept = run(["sweep"], env)
+            assert swept.returncode == 0, swept.stderr
+            assert "cancelled %s" % ours.job_id in swept.stdout
+            assert emulator.wait_for_stage(ours.job_id, ["CANCELED"]).stage == "CANCELED"
+        finally:
+            ours.stop_container()
+
+
+def test_job_of_a_process_that_exits_without_stopping_is_cancelled_at_exit(tmp_path):
+    script = textwrap.dedent("""
+        import sys, hf_sandbox_provider as hsp
+        provider = hsp.HFSandboxProvider("python:3.12", endpoint=sys.argv[1], token=sys.argv[2],
+                                         command=[sys.executable, "-c", "import time; time.sleep(60)"],
+                                         poll_interval_s=0.05)
+        provider.start_container()
+        print(provider.job_id, flush=True)
+        # no stop_container(): the exit hook must cancel the job
+    """)
+    with JobsEmulator() as emulator:
+        result = subprocess.run([sys.executable, "-c", script, emulator.endpoint, emulator.token], cwd=REPO,
+                                env=clean_env(tmp_path), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        assert result.returncode == 0, result.stderr
+        job_id = result.stdout.strip()
+        assert emulator.job(job_id).stage == "CANCELED"
+        assert "still running at exit" in result.stderr and job_id in result.stderr
+        assert emulator.token not in result.stderr + result.stdout
