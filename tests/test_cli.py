@@ -124,3 +124,25 @@ def test_job_of_a_process_that_exits_without_stopping_is_cancelled_at_exit(tmp_p
         assert emulator.job(job_id).stage == "CANCELED"
         assert "still running at exit" in result.stderr and job_id in result.stderr
         assert emulator.token not in result.stderr + result.stdout
+
+
+def test_module_works_vendored_inside_a_package(tmp_path):
+    package = tmp_path / "vendored"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    for name in ("hf_sandbox_provider.py", "proxy.py"):
+        (package / name).write_text(open(os.path.join(REPO, name), encoding="utf-8").read())
+    script = ("import vendored.hf_sandbox_provider as h, vendored.proxy as p, sys; "
+              "assert h.InsecureURLError is p.InsecureURLError; "
+              "assert 'proxy' not in sys.modules; print('ok')")
+    env = clean_env(tmp_path)
+    env["PYTHONPATH"] = str(tmp_path)
+    result = subprocess.run([sys.executable, "-c", script], cwd=str(tmp_path), env=env,
+                            capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_insecure_url_error_is_the_proxy_modules_class():
+    import proxy
+
+    assert hsp.InsecureURLError is proxy.InsecureURLError
