@@ -66,6 +66,9 @@ POOL_MAX_IDLE = 64
 # Pooled upstream connections idle longer than this are not reused: uvicorn (OpenEnv's server) closes
 # idle keep-alive connections after 5 s, and racing that close would turn a request into an error.
 POOL_IDLE_S = 4.0
+# How often the listener loop checks for stop(): bounds how long stop() waits for it, at ~10 idle
+# wake-ups per second (negligible CPU).
+LISTENER_POLL_S = 0.1
 # How long stop() waits for each thread it started before naming it as left behind.
 STOP_JOIN_S = 5.0
 # How long a TLS writer waits for the reader thread to feed bytes the TLS engine asked for, per round.
@@ -140,7 +143,9 @@ class Route:
         self.label: str = "%s://%s" % (self.scheme, self.host_header)
         self._lock = threading.Lock()
         self._idle: List[Tuple[http.client.HTTPConnection, float]] = []
-        self._active: Set[http.client.HTTPConnection] = set()
+        # In-flight connections -> their socket (kept even after http.client lets go of it for a
+        # close-delimited response), so close() can abort a request that is still streaming.
+        self._active: Dict[http.client.HTTPConnection, Optional[socket.socket]] = {}
         self._tunnels: Set[_Tunnel] = set()
         self._tls_context: Optional[ssl.SSLContext] = None
         self._closed = False
@@ -161,13 +166,13 @@ class Route:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
-            active = list(self._active)
+            active = list(self._active.values())
             tunnels = list(self._tunnels)
         problems: List[str] = []
         for conn, _ in idle:
             _quiet_close(conn)
-        for conn in active:
-            _abort_socket(conn.sock)
+        for sock in active:
+            _abort_socket(sock)
         for tunnel in tunnels:
             tunnel.close()
         return problems
@@ -194,7 +199,7 @@ class Route:
                 conn, since = self._idle.pop()
                 if now - since <= POOL_IDLE_S and not _looks_dropped(conn.sock):
                     chosen = conn
-                    self._active.add(conn)
+                    self._active[conn] = conn.sock
                     break
                 stale.append(conn)
         for conn in stale:
@@ -209,14 +214,19 @@ class Route:
         with self._lock:
             if self._closed:
                 raise ConnectionAbortedError("route was unmounted")
-            self._active.add(conn)
+            self._active[conn] = None
         try:
             conn.connect()
             conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.sock.settimeout(proxy.read_timeout_s)
+            with self._lock:
+                self._active[conn] = conn.sock
+                closed = self._closed
+            if closed:
+                raise ConnectionAbortedError("route was unmounted")
         except BaseException:
             with self._lock:
-                self._active.discard(conn)
+                self._active.pop(conn, None)
             conn.close()
             raise
         return conn, False
@@ -224,7 +234,7 @@ class Route:
     def _checkin(self, conn: http.client.HTTPConnection, reusable: bool) -> None:
         """Return a connection after its response was fully read (reusable) or close it."""
         with self._lock:
-            self._active.discard(conn)
+            self._active.pop(conn, None)
             if reusable and not self._closed and conn.sock is not None and len(self._idle) < POOL_MAX_IDLE:
                 self._idle.append((conn, time.monotonic()))
                 return
@@ -313,7 +323,7 @@ class AuthProxy:
                             "route URL can use that route's token", self.host)
             self._server = _Server(self)
             self._serve_thread = threading.Thread(
-                target=self._server.serve_forever, kwargs={"poll_interval": 0.5}, name="proxy-listener", daemon=True)
+                target=self._server.serve_forever, kwargs={"poll_interval": LISTENER_POLL_S}, name="proxy-listener", daemon=True)
             self._serve_thread.start()
         log.info("proxy listening on %s", self.url)
         return self
@@ -584,6 +594,9 @@ def _classify_upstream_error(exc: BaseException, route: Route) -> Refusal:
     if isinstance(exc, ConnectionRefusedError):
         return Refusal(502, "upstream-unreachable",
                        "The upstream %s refused the connection; is the job running with its port exposed?" % where)
+    if isinstance(exc, http.client.IncompleteRead):
+        return Refusal(502, "upstream-unreachable",
+                       "The upstream %s closed the connection in the middle of its response; did the job crash?" % where)
     if isinstance(exc, http.client.HTTPException) and not isinstance(exc, http.client.RemoteDisconnected):
         return Refusal(502, "upstream-protocol", "The upstream %s sent a malformed HTTP response." % where)
     return Refusal(502, "upstream-unreachable",
@@ -829,6 +842,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     # -- dispatch -----------------------------------------------------------------------------------
 
     def _dispatch(self) -> None:
+        if self.request_version == "HTTP/0.9":
+            self._refuse(Refusal(400, "bad-request", "HTTP/0.9 requests are not supported; send HTTP/1.1."), close=True)
+            return
         if self.request_version == "HTTP/1.0":
             self.close_connection = True  # no chunked framing for 1.0 clients: keep it simple, one per connection
         refusal = _target_refusal(self.command, self.path)
@@ -1010,37 +1026,39 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.send_header(name, value)
         if self.close_connection:
             self.send_header("Connection", "close")
+        if mode == "none" or prefix or length == 0:
+            response.close()  # nothing (more) to read: free the connection before handing it back
         try:
             self._end_headers_with(prefix)
         except OSError:
             on_done(False)
             raise
-        if mode == "none" or prefix or (mode == "length" and length == 0):
-            on_done(not response.will_close and response.isclosed() if mode != "none" else not response.will_close)
-            if mode == "none":
-                response.close()
+        if response.isclosed():
+            on_done(not response.will_close)
             return
+        sent = 0
         while True:
             try:
                 data = response.read1(IO_CHUNK)
             except Exception as exc:
+                data, failure = b"", exc
+            else:
+                failure = None
+            if failure is not None or (not data and mode == "length" and sent < (length or 0)):
                 # Headers already went out: never fake a complete response, cut the connection.
                 on_done(False)
                 log.warning("proxy: %s: upstream failed mid-response (%s); closing the client connection",
-                            route.label, type(exc).__name__)
+                            route.label, type(failure).__name__ if failure else "connection closed early")
                 self.close_connection = True
                 return
             if not data:
                 break
+            sent += len(data)
             try:
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if mode == "chunked" else data)
             except OSError:
                 on_done(False)
                 raise
-        if mode == "length" and not response.isclosed():  # pragma: no cover - read1 returned b"" early
-            on_done(False)
-            self.close_connection = True
-            return
         if mode == "chunked":
             self.wfile.write(b"0\r\n\r\n")
         on_done(not response.will_close)

@@ -10,20 +10,25 @@ Stable names other test files may rely on:
   is a `TestCA`) that requires `Authorization: Bearer <token>` (token None: no check) and answers:
     any path                 -> 200 JSON echo: method, target, headers, body length and sha256, body text
     /status/<code>           -> that status with a JSON body (the environment's own error)
-    /stream?n=N&delay=S      -> chunked body of N lines, one every S seconds
+    /stream?n=N&delay=S      -> chunked body of N lines, one every S seconds; with &gate=1 the last
+                                line waits until the test sets `upstream.gate` (proves streaming)
     /gzip                    -> gzip-compressed JSON with Content-Encoding: gzip and Content-Length
     /big?n=N                 -> N bytes (deterministic pattern) with Content-Length
     /close-delimited?n=N     -> N bytes, no length, connection closed to end the body
     /redirect                -> 302 to /elsewhere (must not be followed by a proxy)
     /slow?s=S                -> answers after S seconds
     /die-before-response     -> closes the connection without answering
-    /die-mid-body            -> promises 1000 bytes, sends 10, closes
+    /die-mid-body?n=N        -> promises N bytes (default 1000), sends 10, closes
     WebSocket upgrade at any path -> echo server (wsproto, permessage-deflate offered/accepted):
         text/binary echoed, pings answered, close answered; the text "die" closes the TCP connection
-        abruptly; path /ws-reject answers 403 instead of switching.
-  `.url`, `.requests` (list of `Seen(method, target, headers)`), `.connections` (accepted count),
+        abruptly; "ping-me" makes the server ping (payload b"srv") and report "pong:<payload>" when the
+        pong arrives; "close-me" makes the server close with code 4001 reason "bye";
+        path /ws-reject answers 403 instead of switching.
+  `.url`, `.port`, `.gate` (threading.Event), `.requests` (list of `Seen(method, target, headers)`), `.connections` (accepted count),
   `.stop()` (closes everything, joins its threads); context manager.
 - `ws_url(base_url)`: http(s)://... -> ws(s)://...
+- `ws_connect(url, **kwargs)`: `websockets.sync.client.connect` (an independent, real WebSocket client)
+  with test defaults: no system proxy, no size limit, 10 s open/close timeouts, no keepalive pings.
 - `raw_request(port, data, timeout=5)`: send raw bytes to 127.0.0.1:port, return everything read until
   the peer closes or goes quiet.
 - `pattern(n)`: n deterministic bytes.
@@ -52,8 +57,8 @@ from cryptography.x509.oid import NameOID
 
 import wsproto
 from wsproto.connection import ConnectionState
-from wsproto.events import (AcceptConnection, BytesMessage, CloseConnection, Message, Ping, RejectConnection,
-                            Request, TextMessage)
+from wsproto.events import (AcceptConnection, BytesMessage, CloseConnection, Message, Ping, Pong,
+                            RejectConnection, Request, TextMessage)
 from wsproto.extensions import PerMessageDeflate
 
 TEST_TOKEN = "hf_testtoken_" + "Zq8XvB2kLw9Yt4"
@@ -147,6 +152,15 @@ def ws_url(base_url: str) -> str:
     if base_url.startswith("http://"):
         return "ws://" + base_url[len("http://"):]
     return base_url
+
+
+def ws_connect(url: str, **kwargs: object):  # type: ignore[no-untyped-def]
+    """A real WebSocket client connection (use as a context manager) with test-friendly defaults."""
+    from websockets.sync.client import connect
+
+    options: dict = {"proxy": None, "max_size": None, "open_timeout": 10, "close_timeout": 10, "ping_interval": None}
+    options.update(kwargs)
+    return connect(url, **options)
 
 
 def raw_request(port: int, data: bytes, timeout: float = 5.0, host: str = "127.0.0.1") -> bytes:
@@ -308,7 +322,10 @@ class _UpstreamHandler(http.server.BaseHTTPRequestHandler):
             self.send_header("Content-Type", "text/plain")
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
-            for i in range(int(query.get("n", 5))):
+            n = int(query.get("n", 5))
+            for i in range(n):
+                if i == n - 1 and query.get("gate"):
+                    up.gate.wait(JOIN_S * 2)
                 line = ("line %d\n" % i).encode()
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
                 time.sleep(float(query.get("delay", 0)))
@@ -334,7 +351,7 @@ class _UpstreamHandler(http.server.BaseHTTPRequestHandler):
             _hard_close(self.connection)
         elif path == "/die-mid-body":
             self.send_response(200)
-            self.send_header("Content-Length", "1000")
+            self.send_header("Content-Length", query.get("n", "1000"))
             self.end_headers()
             self.wfile.write(b"0123456789")
             self.close_connection = True
@@ -360,7 +377,7 @@ class _UpstreamHandler(http.server.BaseHTTPRequestHandler):
             else:
                 out += ws.send(RejectConnection())
         sock.sendall(out)
-        while ws.state is ConnectionState.OPEN:
+        while ws.state in (ConnectionState.OPEN, ConnectionState.LOCAL_CLOSING, ConnectionState.REMOTE_CLOSING):
             data = self.rfile.read1(65536)  # bytes past the head were buffered: read1 returns them first
             if not data:
                 break
@@ -371,13 +388,22 @@ class _UpstreamHandler(http.server.BaseHTTPRequestHandler):
                     if event.data == "die" and event.message_finished:
                         _hard_close(sock)
                         return
+                    if event.data == "ping-me":
+                        out += ws.send(Ping(payload=b"srv"))
+                        continue
+                    if event.data == "close-me":
+                        out += ws.send(CloseConnection(code=4001, reason="bye"))
+                        continue
                     out += ws.send(Message(data=event.data, message_finished=event.message_finished))
+                elif isinstance(event, Pong):
+                    out += ws.send(Message(data="pong:" + bytes(event.payload).decode()))
                 elif isinstance(event, BytesMessage):
                     out += ws.send(Message(data=event.data, message_finished=event.message_finished))
                 elif isinstance(event, Ping):
                     out += ws.send(event.response())
                 elif isinstance(event, CloseConnection):
-                    out += ws.send(event.response())
+                    if ws.state is not ConnectionState.CLOSED:
+                        out += ws.send(event.response())
             if out:
                 sock.sendall(out)
 
@@ -398,6 +424,7 @@ class Upstream:
         self.token = token
         self.requests: List[Seen] = []
         self.connections = 0
+        self.gate = threading.Event()
         self._server = _UpstreamHTTPServer(self, (host, 0), tls.server_context() if tls else None)
         scheme = "https" if tls else "http"
         shown = "[%s]" % host if ":" in host else host

@@ -8,7 +8,7 @@ from typing import Iterator, Optional, Tuple, Union
 
 import pytest
 import requests
-from websockets.sync.client import connect
+from support import ws_connect as connect
 
 import support
 from support import TEST_TOKEN, Upstream, ws_url

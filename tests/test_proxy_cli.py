@@ -1,0 +1,88 @@
+"""`python proxy.py UPSTREAM_URL [--port P]`: a real subprocess fronting a real upstream."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from typing import Dict, List
+
+import pytest
+import requests
+
+from support import TEST_TOKEN
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROXY_PY = os.path.join(ROOT, "proxy.py")
+TIMEOUT = 15
+
+
+def _env(tmp_path, token: str = "") -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env["HF_HOME"] = str(tmp_path)  # no cached login from the machine running the tests
+    if token:
+        env["HF_TOKEN"] = token
+    return env
+
+
+def _run(args: List[str], env: Dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, PROXY_PY] + args, env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT)
+
+
+def test_cli_prints_the_base_url_first_forwards_with_the_token_and_stops_on_ctrl_c(upstream, tmp_path):
+    proc = subprocess.Popen([sys.executable, PROXY_PY, upstream.url, "--port", "0"], env=_env(tmp_path, TEST_TOKEN),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        base = proc.stdout.readline().strip()  # type: ignore[union-attr]
+        assert base.startswith("http://127.0.0.1:")
+        r = requests.get(base + "/health", timeout=TIMEOUT)
+        assert r.status_code == 200
+        assert ["Authorization", "Bearer " + TEST_TOKEN] in r.json()["headers"]
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 0
+    assert TEST_TOKEN not in out + err
+    assert "proxy stopped" in err
+
+
+def test_cli_fixed_port_and_sigterm(upstream, tmp_path):
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, PROXY_PY, upstream.url, "--port", str(port)],
+                            env=_env(tmp_path, TEST_TOKEN), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        base = proc.stdout.readline().strip()  # type: ignore[union-attr]
+        assert base.startswith("http://127.0.0.1:%d/" % port)
+        proc.terminate()
+        proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 0
+
+
+def test_cli_without_a_token_for_a_remote_job_exits_2_with_advice(tmp_path):
+    result = _run(["https://job--8000.hf.jobs"], _env(tmp_path))
+    assert result.returncode == 2
+    assert "HF_TOKEN" in result.stderr
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize("url, fragment", [
+    ("http://example.com", "https"),
+    ("not a url", "whitespace"),
+])
+def test_cli_rejects_bad_upstream_urls(tmp_path, url, fragment):
+    result = _run([url], _env(tmp_path, TEST_TOKEN))
+    assert result.returncode == 2
+    assert fragment in result.stderr
+    assert TEST_TOKEN not in result.stderr

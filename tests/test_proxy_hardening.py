@@ -1,0 +1,276 @@
+"""AuthProxy against bad input and misuse: never an open proxy, bounded time, clear refusals, no leaks."""
+from __future__ import annotations
+
+import socket
+import time
+from typing import Iterator, Tuple
+
+import pytest
+import requests
+
+from support import TEST_TOKEN, Upstream, raw_request
+from proxy import AuthProxy, InsecureURLError, Route
+
+TIMEOUT = 5
+
+
+@pytest.fixture
+def served(upstream: Upstream) -> Iterator[Tuple[Upstream, AuthProxy, str]]:
+    """(upstream, proxy, route path) with a short header timeout so stalls end quickly."""
+    with AuthProxy(header_timeout_s=0.5, idle_timeout_s=2) as proxy:
+        base = proxy.mount(upstream.url, TEST_TOKEN)
+        yield upstream, proxy, base[len(proxy.url):]
+
+
+def _still_serving(proxy: AuthProxy, path: str) -> None:
+    r = requests.get(proxy.url + path + "/ok", timeout=TIMEOUT)
+    assert r.status_code == 200 and r.json()["target"] == "/ok"
+
+
+def _status(raw: bytes) -> int:
+    return int(raw.split(b" ", 2)[1])
+
+
+def _header(raw: bytes, name: bytes) -> bytes:
+    for line in raw.split(b"\r\n\r\n", 1)[0].split(b"\r\n")[1:]:
+        key, _, value = line.partition(b":")
+        if key.strip().lower() == name.lower():
+            return value.strip()
+    return b""
+
+
+@pytest.mark.parametrize("request_line, status, kind", [
+    (b"GET http://example.com/ HTTP/1.1", 400, b"bad-target"),
+    (b"GET example.com:80 HTTP/1.1", 400, b"bad-target"),
+    (b"CONNECT example.com:443 HTTP/1.1", 405, b"method-not-allowed"),
+    (b"OPTIONS * HTTP/1.1", 400, b"bad-target"),
+    (b"G(E)T /x HTTP/1.1", 400, b"bad-request"),
+])
+def test_non_origin_form_targets_and_connect_are_refused(served, request_line, status, kind):
+    upstream, proxy, path = served
+    raw = raw_request(proxy.port, request_line + b"\r\nHost: example.com\r\nConnection: close\r\n\r\n")
+    assert _status(raw) == status
+    assert _header(raw, b"X-Proxy-Error") == kind
+    assert upstream.connections == 0
+    _still_serving(proxy, path)
+
+
+@pytest.mark.parametrize("head, status", [
+    (b"THIS IS NOT HTTP\r\n\r\n", 400),
+    (b"GET /x HTTP/9.9\r\n\r\n", 505),
+    (b"GET /x\r\n\r\n", 400),  # HTTP/0.9
+    (b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n", 414),
+    (b"GET /x HTTP/1.1\r\nX-Big: " + b"b" * 70000 + b"\r\n\r\n", 431),
+    (b"GET /x HTTP/1.1\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(101)) + b"\r\n", 431),
+    (b"GET /x HTTP/1.1\r\n" + b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 1000) for i in range(80)) + b"\r\n", 431),
+])
+def test_malformed_or_oversized_request_heads_get_a_4xx_and_the_proxy_keeps_serving(served, head, status):
+    upstream, proxy, path = served
+    raw = raw_request(proxy.port, head.replace(b"/x", path.encode() + b"/x", 1))
+    assert _status(raw) == status
+    assert _header(raw, b"Content-Type") == b"application/json"
+    assert upstream.requests == []
+    _still_serving(proxy, path)
+
+
+@pytest.mark.parametrize("headers, status, kind", [
+    (b"Content-Length: abc\r\n", 400, b"bad-content-length"),
+    (b"Content-Length: -5\r\n", 400, b"bad-content-length"),
+    (b"Content-Length: 5\r\nContent-Length: 6\r\n", 400, b"bad-content-length"),
+    (b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n", 400, b"bad-framing"),
+    (b"Transfer-Encoding: gzip, chunked\r\n", 501, b"unsupported-transfer-encoding"),
+])
+def test_ambiguous_or_bad_body_framing_is_refused_and_the_connection_closed(served, headers, status, kind):
+    upstream, proxy, path = served
+    raw = raw_request(proxy.port, b"POST %s/x HTTP/1.1\r\nHost: x\r\n%s\r\nhello" % (path.encode(), headers))
+    assert _status(raw) == status
+    assert _header(raw, b"X-Proxy-Error") == kind
+    assert _header(raw, b"Connection") == b"close"
+    assert upstream.requests == []
+    _still_serving(proxy, path)
+
+
+@pytest.mark.parametrize("body", [
+    b"zz\r\nhello\r\n0\r\n\r\n",  # size is not hex
+    b"5\r\nhelloXX0\r\n\r\n",  # data not followed by CRLF
+    b"5\r\nhel",  # cut short, then the client goes away
+])
+def test_broken_chunked_bodies_are_refused_without_reaching_the_upstream(served, body):
+    upstream, proxy, path = served
+    head = b"POST %s/x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" % path.encode()
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=TIMEOUT) as sock:
+        sock.sendall(head + body)
+        sock.shutdown(socket.SHUT_WR)
+        raw = b""
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                break
+            raw += data
+    assert _status(raw) == 400
+    assert _header(raw, b"X-Proxy-Error") == b"bad-body"
+    assert upstream.requests == []
+    _still_serving(proxy, path)
+
+
+def test_body_shorter_than_its_content_length_never_reaches_the_upstream(served):
+    upstream, proxy, path = served
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=TIMEOUT) as sock:
+        sock.sendall(b"POST %s/step HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n0123456789" % path.encode())
+        sock.shutdown(socket.SHUT_WR)  # the client gives up after 10 of its 100 bytes
+        raw = sock.recv(65536)
+    assert _status(raw) == 400 and _header(raw, b"X-Proxy-Error") == b"bad-body"
+    _still_serving(proxy, path)
+    assert [s.target for s in upstream.requests] == ["/ok"]
+
+
+def test_client_stalling_mid_headers_is_disconnected_in_bounded_time(served):
+    _, proxy, path = served
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=TIMEOUT) as sock:
+        sock.sendall(b"GET %s/x HTTP/1.1\r\nHost: x\r\n" % path.encode())
+        assert sock.recv(65536) == b""  # closed by the proxy (a socket timeout here fails the test)
+    _still_serving(proxy, path)
+
+
+def test_client_dripping_header_bytes_is_disconnected_in_bounded_time(served):
+    _, proxy, path = served
+    closed = False
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=TIMEOUT) as sock:
+        sock.sendall(b"GET %s/x HTTP/1.1\r\n" % path.encode())
+        for _ in range(50):  # one header byte every 0.1 s would last 5 s; the head deadline is 0.5 s
+            try:
+                sock.sendall(b"X")
+            except OSError:
+                closed = True
+                break
+            time.sleep(0.1)
+            sock.setblocking(False)
+            try:
+                closed = sock.recv(1) == b""
+            except BlockingIOError:
+                pass
+            except OSError:
+                closed = True
+            sock.setblocking(True)
+            sock.settimeout(TIMEOUT)
+            if closed:
+                break
+    assert closed
+    _still_serving(proxy, path)
+
+
+def test_idle_keep_alive_connections_are_closed_after_the_idle_timeout(served):
+    _, proxy, path = served
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=TIMEOUT) as sock:
+        sock.sendall(b"GET %s/x HTTP/1.1\r\nHost: x\r\n\r\n" % path.encode())
+        data = b""
+        while b"}" not in data:
+            data += sock.recv(65536)
+        assert sock.recv(65536) == b""  # idle_timeout_s=2 < the 5 s socket timeout
+
+
+def test_http_1_0_clients_are_served_and_the_connection_closed(served):
+    _, proxy, path = served
+    raw = raw_request(proxy.port, b"GET %s/stream?n=2 HTTP/1.0\r\n\r\n" % path.encode())
+    assert _status(raw) == 200
+    assert _header(raw, b"Connection") == b"close"
+    assert raw.split(b"\r\n\r\n", 1)[1] == b"line 0\nline 1\n"
+
+
+def test_expect_100_continue_is_honoured(served):
+    upstream, proxy, path = served
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=TIMEOUT) as sock:
+        sock.sendall(b"POST %s/x HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nExpect: 100-continue\r\n"
+                     b"Connection: close\r\n\r\n" % path.encode())
+        assert sock.recv(65536).startswith(b"HTTP/1.1 100")
+        sock.sendall(b"hello")
+        raw = b""
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                break
+            raw += data
+    assert _status(raw) == 200 and b'"body": "hello"' in raw
+    assert "expect" not in {name.lower() for name, _ in upstream.requests[-1].headers}
+
+
+@pytest.mark.parametrize("upstream_url, error, fragment", [
+    ("http://example.com", InsecureURLError, "https"),
+    ("http://10.0.0.1:8000", InsecureURLError, "loopback"),
+    ("ftp://example.com", ValueError, "https://"),
+    ("https://user:pw@example.com", ValueError, "credentials"),
+    ("https://", ValueError, "no host"),
+    ("https://example.com/?x=1", ValueError, "query"),
+    ("https://exa mple.com", ValueError, "whitespace"),
+    ("https://example.com:99999", ValueError, "malformed"),
+])
+def test_mount_rejects_bad_upstreams_with_a_clear_error(upstream_url, error, fragment):
+    with AuthProxy() as proxy:
+        with pytest.raises(error, match=fragment):
+            proxy.mount(upstream_url, TEST_TOKEN)
+
+
+@pytest.mark.parametrize("token, fragment", [
+    ("", "empty"),
+    ("Bearer hf_x", "whitespace"),
+    ("hf_x\r\nX-Evil: 1", "whitespace"),
+    (123, "string"),
+])
+def test_mount_rejects_bad_tokens_without_echoing_them(token, fragment):
+    with AuthProxy() as proxy:
+        with pytest.raises(ValueError, match=fragment) as info:
+            proxy.mount("https://job--8000.hf.jobs", token)
+        if isinstance(token, str) and token:
+            assert token not in str(info.value)
+
+
+def test_mount_rejects_a_missing_ca_bundle_and_accepts_loopback_http():
+    with AuthProxy() as proxy:
+        with pytest.raises(ValueError, match="CA bundle"):
+            proxy.mount("https://job--8000.hf.jobs", TEST_TOKEN, verify="/nonexistent/ca.pem")
+        assert proxy.mount("http://localhost:1", TEST_TOKEN).startswith(proxy.url + "/")
+        assert proxy.mount("http://[::1]:1", TEST_TOKEN).startswith(proxy.url + "/")
+
+
+def test_mount_before_start_and_bad_settings_fail_clearly():
+    with pytest.raises(RuntimeError, match="start"):
+        AuthProxy().mount("https://job--8000.hf.jobs", TEST_TOKEN)
+    with pytest.raises(ValueError, match="read_timeout_s"):
+        AuthProxy(read_timeout_s=0)
+    with pytest.raises(ValueError, match="port"):
+        AuthProxy(port=70000)
+
+
+def test_route_ids_are_unguessable_and_unique():
+    with AuthProxy() as proxy:
+        ids = {proxy.mount("https://job--8000.hf.jobs", TEST_TOKEN).rsplit("/", 1)[1] for _ in range(200)}
+    assert len(ids) == 200
+    assert all(len(i) >= 32 for i in ids)  # 24 random bytes, urlsafe base64: 192 bits
+
+
+def test_reprs_and_info_logs_show_neither_token_nor_route_id(upstream, log_guard):
+    with AuthProxy() as proxy:
+        base = proxy.mount(upstream.url, TEST_TOKEN)
+        route_id = base.rsplit("/", 1)[1]
+        requests.get(base + "/x", timeout=TIMEOUT)
+        requests.get(base + "/die-before-response", timeout=TIMEOUT)  # a WARNING with the route's label
+        for text in (repr(proxy), repr(Route(upstream.url, TEST_TOKEN))):
+            assert TEST_TOKEN not in text and route_id not in text
+        proxy.unmount(base)
+    important = [line for line in log_guard.text().splitlines()
+                 if line.startswith("proxy ") and " DEBUG " not in line]
+    assert any("upstream-unreachable" in line for line in important)
+    assert not any(route_id in line for line in important)
+
+
+def test_ipv6_loopback_proxy_and_upstream_work():
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    try:
+        upstream = Upstream(host="::1")
+    except OSError:
+        pytest.skip("::1 is not configured")
+    with upstream, AuthProxy("::1") as proxy:
+        base = proxy.mount(upstream.url, TEST_TOKEN)
+        assert base.startswith("http://[::1]:")
+        assert requests.get(base + "/v6", timeout=TIMEOUT).json()["target"] == "/v6"

@@ -1,0 +1,230 @@
+"""AuthProxy WebSocket tunnel: frames both ways, TLS engine under concurrent load, failures, teardown."""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import hashlib
+import random
+import socket
+import ssl
+import threading
+from typing import Iterator, List, Tuple
+
+import pytest
+import requests
+from websockets.exceptions import ConnectionClosed, ConnectionClosedError, InvalidStatus
+
+import support
+from support import TEST_TOKEN, Upstream, pattern, raw_request, ws_connect, ws_url
+from proxy import AuthProxy, _TLSStream
+
+TIMEOUT = 10
+
+
+@pytest.fixture(params=["ws", "wss"])
+def mounted(request: pytest.FixtureRequest, test_ca: support.TestCA) -> Iterator[Tuple[Upstream, AuthProxy, str]]:
+    """(upstream, proxy, ws base URL) with the upstream over plain TCP and over TLS."""
+    tls = request.param == "wss"
+    with Upstream(tls=test_ca if tls else None) as upstream, AuthProxy() as proxy:
+        base = proxy.mount(upstream.url, TEST_TOKEN, verify=test_ca.ca_path if tls else True)
+        yield upstream, proxy, ws_url(base)
+
+
+def test_text_binary_ping_pong_and_close_pass_both_ways(mounted):
+    upstream, _, base = mounted
+    with ws_connect(base + "/ws") as ws:
+        assert "permessage-deflate" in ws.response.headers.get("Sec-WebSocket-Extensions", "")
+        ws.send("text frame")
+        assert ws.recv(TIMEOUT) == "text frame"
+        blob = pattern(1 << 20)
+        ws.send(blob)
+        assert ws.recv(TIMEOUT) == blob
+        assert ws.ping(b"cli").wait(TIMEOUT)  # client ping, upstream pong
+        ws.send("ping-me")  # upstream ping, client pong, upstream reports the pong payload
+        assert ws.recv(TIMEOUT) == "pong:srv"
+        ws.close(1000, "done")
+    assert ws.protocol.close_rcvd is not None and ws.protocol.close_rcvd.code == 1000
+    assert ("Authorization", "Bearer " + TEST_TOKEN) in upstream.requests[-1].headers
+
+
+def test_upstream_close_frame_reaches_the_client(mounted):
+    _, _, base = mounted
+    with ws_connect(base + "/ws") as ws:
+        ws.send("close-me")
+        with pytest.raises(ConnectionClosed) as info:
+            ws.recv(TIMEOUT)
+    assert info.value.rcvd is not None
+    assert (info.value.rcvd.code, info.value.rcvd.reason) == (4001, "bye")
+
+
+def test_upstream_dying_mid_tunnel_closes_the_client_connection(mounted):
+    _, _, base = mounted
+    with ws_connect(base + "/ws") as ws:
+        ws.send("still alive?")
+        assert ws.recv(TIMEOUT) == "still alive?"
+        ws.send("die")
+        with pytest.raises(ConnectionClosedError) as info:
+            ws.recv(TIMEOUT)
+    assert info.value.rcvd is None  # no close frame: the connection was cut, as the upstream's was
+
+
+def test_pipelined_bursts_flow_both_ways_at_once(mounted):
+    _, _, base = mounted
+    messages = [pattern(size) for size in ([3, 700, 70000, 1] * 100)]
+    with ws_connect(base + "/ws", compression=None) as ws:
+        sender = threading.Thread(target=lambda: [ws.send(m) for m in messages])
+        sender.start()
+        received = [ws.recv(TIMEOUT) for _ in messages]
+        sender.join(TIMEOUT)
+    assert received == messages
+
+
+def _session(base: str, seed: int) -> Tuple[str, str]:
+    """One stress session: a sender thread and this thread receiving, at the same time."""
+    rng = random.Random(seed)
+    sizes = [rng.choice([1, 17, 1000, 16385, 131072]) for _ in range(24)]
+    messages = [hashlib.sha256(b"%d-%d" % (seed, i)).digest() * (size // 32 + 1) for i, size in enumerate(sizes)]
+    sent, got = hashlib.sha256(), hashlib.sha256()
+    with ws_connect(base + "/ws", compression=None) as ws:
+        def send_all() -> None:
+            for message in messages:
+                sent.update(message)
+                ws.send(message)
+
+        sender = threading.Thread(target=send_all)
+        sender.start()
+        for _ in messages:
+            got.update(ws.recv(TIMEOUT * 3))  # type: ignore[arg-type]
+        sender.join(TIMEOUT)
+    return sent.hexdigest(), got.hexdigest()
+
+
+def test_64_concurrent_tls_sessions_move_large_and_small_frames_both_ways_intact(test_ca, no_leaks):
+    with Upstream(tls=test_ca) as upstream, AuthProxy() as proxy:
+        base = ws_url(proxy.mount(upstream.url, TEST_TOKEN, verify=test_ca.ca_path))
+        with concurrent.futures.ThreadPoolExecutor(64) as pool:
+            results = list(pool.map(lambda seed: _session(base, seed), range(64)))
+    assert len(results) == 64
+    for sent, got in results:
+        assert sent == got
+
+
+def test_tls_engine_reader_and_writer_threads_progress_independently(test_ca):
+    """Drive the MemoryBIO engine directly: 4 MiB each way at once, against a TLS echo server."""
+    server_ctx = test_ca.server_context()
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(TIMEOUT)
+
+    def echo() -> None:
+        conn, _ = listener.accept()
+        with server_ctx.wrap_socket(conn, server_side=True) as tls:
+            tls.settimeout(TIMEOUT)
+            while True:
+                data = tls.recv(65536)
+                if not data:
+                    break
+                tls.sendall(data)
+
+    server = threading.Thread(target=echo)
+    server.start()
+    sock = socket.create_connection(listener.getsockname(), timeout=TIMEOUT)
+    stream = _TLSStream(sock, test_ca.client_context(), "localhost")
+    payload = pattern(4 * 1024 * 1024)
+    try:
+        stream.handshake()
+        writer = threading.Thread(target=stream.sendall, args=(payload,))
+        writer.start()
+        received = bytearray()
+        while len(received) < len(payload):
+            chunk = stream.recv(65536)
+            assert chunk, "stream ended early"
+            received += chunk
+        writer.join(TIMEOUT)
+        assert bytes(received) == payload
+    finally:
+        stream.close()
+        server.join(TIMEOUT)
+        listener.close()
+
+
+def test_non_101_answer_reaches_the_client_as_http(upstream):
+    with AuthProxy() as proxy:
+        base = ws_url(proxy.mount(upstream.url, TEST_TOKEN))
+        with pytest.raises(InvalidStatus) as info:
+            with ws_connect(base + "/ws-reject"):
+                pass  # pragma: no cover
+        assert info.value.response.status_code == 403
+        assert "X-Proxy-Error" not in info.value.response.headers
+        wrong = ws_url(proxy.mount(upstream.url, "not-the-token"))
+        with pytest.raises(InvalidStatus) as info:
+            with ws_connect(wrong + "/ws"):
+                pass  # pragma: no cover
+        assert info.value.response.status_code == 401
+        assert requests.get(proxy.url.replace("ws", "http") + "/nope", timeout=TIMEOUT).status_code == 404
+
+
+def test_websocket_to_unreachable_upstream_gets_502():
+    with socket.socket() as placeholder:
+        placeholder.bind(("127.0.0.1", 0))
+        with AuthProxy() as proxy:
+            base = ws_url(proxy.mount("http://127.0.0.1:%d" % placeholder.getsockname()[1], TEST_TOKEN))
+            with pytest.raises(InvalidStatus) as info:
+                with ws_connect(base + "/ws"):
+                    pass  # pragma: no cover
+    assert info.value.response.status_code == 502
+    assert info.value.response.headers["X-Proxy-Error"] == "upstream-unreachable"
+
+
+def test_websocket_to_untrusted_tls_upstream_gets_502_upstream_tls(tls_upstream):
+    with AuthProxy() as proxy:
+        base = ws_url(proxy.mount(tls_upstream.url, TEST_TOKEN, verify=True))
+        with pytest.raises(InvalidStatus) as info:
+            with ws_connect(base + "/ws"):
+                pass  # pragma: no cover
+    assert info.value.response.status_code == 502
+    assert info.value.response.headers["X-Proxy-Error"] == "upstream-tls"
+
+
+def test_unmount_closes_that_routes_open_tunnels_only(mounted, test_ca):
+    upstream, proxy, base = mounted
+    with Upstream() as other:
+        other_base = ws_url(proxy.mount(other.url, TEST_TOKEN))
+        with ws_connect(base + "/ws") as doomed, ws_connect(other_base + "/ws") as survivor:
+            doomed.send("a")
+            survivor.send("b")
+            assert doomed.recv(TIMEOUT) == "a" and survivor.recv(TIMEOUT) == "b"
+            assert proxy.unmount(base.replace("ws://", "http://"))
+            with pytest.raises(ConnectionClosed):
+                doomed.recv(TIMEOUT)
+            survivor.send("still here")
+            assert survivor.recv(TIMEOUT) == "still here"
+
+
+def test_stop_with_open_tls_and_plain_tunnels_leaves_no_threads_or_sockets(test_ca, no_leaks):
+    with Upstream(tls=test_ca) as secure, Upstream() as plain, contextlib.ExitStack() as clients:
+        proxy = AuthProxy().start()
+        try:
+            bases = [ws_url(proxy.mount(secure.url, TEST_TOKEN, verify=test_ca.ca_path)),
+                     ws_url(proxy.mount(plain.url, TEST_TOKEN))]
+            sessions = []
+            for i in range(8):
+                ws = clients.enter_context(ws_connect(bases[i % 2] + "/ws"))
+                sessions.append(ws)
+                ws.send("hi %d" % i)
+                assert ws.recv(TIMEOUT) == "hi %d" % i
+        finally:
+            proxy.stop()
+        for ws in sessions:
+            with pytest.raises(ConnectionClosed):
+                ws.recv(TIMEOUT)
+
+
+def test_upgrade_without_a_key_is_refused_with_400(upstream):
+    with AuthProxy() as proxy:
+        base = proxy.mount(upstream.url, TEST_TOKEN)
+        path = base[len(proxy.url):]
+        raw = raw_request(proxy.port, b"GET %s/ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+                                      b"Connection: Upgrade\r\nSec-WebSocket-Version: 13\r\n\r\n" % path.encode())
+    assert raw.startswith(b"HTTP/1.1 400")
+    assert b"X-Proxy-Error: bad-upgrade" in raw
+    assert upstream.requests == []
