@@ -36,9 +36,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-try:  # vendored inside a package next to proxy.py
+if __package__:  # vendored inside a package: proxy.py sits next to this module
     from .proxy import AuthProxy, Refusal, Route
-except ImportError:  # top-level module (the repo layout), or run as a script
+else:  # top-level module (the repo layout), or run as a script
     from proxy import AuthProxy, Refusal, Route
 
 # The default namespace (user name) of the emulator's own token.
@@ -114,7 +114,8 @@ class EmulatedJob:
         self.namespace = namespace
         self.owner_type = owner_type
         self.initiator = initiator
-        self.spec = spec  # the validated create body; secret values are kept apart
+        self.spec = spec  # the validated create body minus secrets
+        self.secret_names: List[str] = []  # values live only in the supervisor, never in an answer
         self.faults = faults
         self.stage = "SCHEDULING"
         self.message: Optional[str] = None
@@ -230,7 +231,7 @@ class JobsEmulator:
                     job._stop_reason = "emulator stopped"
             self._changed.notify_all()
         for job in jobs:
-            if job._supervisor is not None:
+            if job._supervisor is not None and job._supervisor.ident is not None:  # started
                 job._supervisor.join(self.kill_grace_s + 5.0)
         leftovers = [job for job in jobs if job._process is not None and job._process.poll() is None]
         for job in leftovers:  # a supervisor that could not finish: kill without grace
@@ -394,12 +395,15 @@ class JobsEmulator:
         faults = {**self.default_faults, **job_faults}
         spec = {k: v for k, v in body.items() if k != "secrets"}
         secret_values = dict(body.get("secrets") or {})
-        owner_type = "user" if namespace in self._users.values() and namespace not in self._orgs else "org"
+        owner_type = "org" if namespace in self._orgs else "user"
         with self._lock:
             if self._stopping:
                 raise _ApiError(503, "the emulator is stopping; no new jobs")
             job = EmulatedJob(_new_job_id(), namespace, owner_type, user, spec, faults)
-            job._secret_names = sorted(secret_values)  # type: ignore[attr-defined]
+            job.secret_names = sorted(secret_values)
+            # Made under the lock so stop() always sees (and joins) the supervisor of a listed job.
+            job._supervisor = threading.Thread(
+                target=self._supervise, args=(job, secret_values), name=f"job:{job.id}", daemon=True)
             self._jobs[job.id] = job
             lose = _truthy(faults.get("lost-create-response", "false"))
             if self._lose_creates_left > 0:
@@ -410,8 +414,6 @@ class JobsEmulator:
                 self._rate_limit_left = after
                 self._rate_limit_retry_after_s = DEFAULT_RETRY_AFTER_S
                 self._rate_limit_routes = None
-        job._supervisor = threading.Thread(
-            target=self._supervise, args=(job, secret_values), name=f"job:{job.id}", daemon=True)
         job._supervisor.start()
         return job, lose
 
@@ -461,7 +463,7 @@ class JobsEmulator:
                 "arguments": list(spec.get("arguments") or []),
                 "environment": dict(spec.get("environment") or {}),
                 # Names only: the real API never gives a secret's value back.
-                "secrets": {name: None for name in getattr(job, "_secret_names", [])},
+                "secrets": {name: None for name in job.secret_names},
                 "flavor": spec.get("flavor") or "cpu-basic",
                 "labels": dict(spec.get("labels") or {}) or None,
                 "timeoutSeconds": spec.get("timeoutSeconds", DEFAULT_JOB_TIMEOUT_S),

@@ -521,3 +521,19 @@ def test_the_gate_closes_when_the_job_ends(emu, api):
     finished(api, emu, job.id)
     with pytest.raises(requests.ConnectionError):
         requests.get(url + "/health", headers=bearer(emu.token), timeout=TIMEOUT)
+
+
+def test_vendored_copy_inside_a_package_uses_its_sibling_proxy(tmp_path):
+    package = tmp_path / "vendored_sandbox"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    root = os.path.dirname(os.path.abspath(hf_jobs_emulator.__file__))
+    for name in ("hf_jobs_emulator.py", "proxy.py"):
+        (package / name).write_text(open(os.path.join(root, name)).read())
+    code = ("import vendored_sandbox.hf_jobs_emulator as e, vendored_sandbox.proxy as p\n"
+            "assert issubclass(e._JobGate, p.AuthProxy)\n"
+            "with e.JobsEmulator() as emu: print(emu.endpoint)\n")
+    done = subprocess.run([PY, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("http://127.0.0.1:")
