@@ -311,7 +311,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         if not self._running or self.base_url is None:
             raise SandboxError("wait_for_ready() needs a started provider: call start_container() first")
         url = (base_url or self.base_url).rstrip("/") + "/health"
-        budget = self.ready_timeout_s if timeout_s is None else timeout_s
+        budget = self._active["ready_timeout_s"] if timeout_s is None else timeout_s
         _raise_if_rejected(_positive_number_rejection("timeout_s", budget))
         try:
             self._wait_healthy(url, float(budget))
@@ -404,6 +404,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         self._submitted_at = 0.0
         self._mounted_on: Optional[_proxy.AuthProxy] = None
         self._finalizer: Optional[weakref.finalize] = None
+        self._active: Dict[str, Any] = self._settings({})  # this start's settings (after overrides)
 
     def _settings(self, overrides: Mapping[str, Any]) -> Dict[str, Any]:
         settings = {name: getattr(self, name) for name in _OVERRIDABLE}
@@ -429,6 +430,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         return time.monotonic() - self._submitted_at
 
     def _start(self, settings: Dict[str, Any], token: str) -> str:
+        self._active = settings
         client = self._job_client = _JobsClient(self.endpoint, token, self._new_session())
         try:
             namespace = settings["namespace"] or client.whoami_namespace()
@@ -528,7 +530,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
                 now = time.monotonic()
                 if now >= next_job_check:
                     self._raise_if_terminal(client, client.get_job(self._job_namespace or "", self.job_id or ""))
-                    next_job_check = now + self.poll_interval_s
+                    next_job_check = now + float(self._active["poll_interval_s"])
                 try:
                     response = session.get(url, timeout=HEALTH_PROBE_TIMEOUT_S)
                     status = response.status_code

@@ -470,6 +470,18 @@ def test_wait_for_ready_deadline_raises_timeout_error_and_tears_down(api, proxy,
     assert cancels(api) == 1 and route_is_gone(base_url)
 
 
+def test_per_call_ready_timeout_becomes_wait_for_readys_default(api, proxy, upstream_factory):
+    upstream = upstream_factory([503])
+    provider, base_url, _ = start_on_loopback(api, proxy, upstream, ready_timeout_s=60)
+    provider.stop_container()
+    api.reset()
+    add_job_api(api, endpoint=LOOPBACK_ENDPOINT, stages=[running(url=upstream.url)])
+    provider.start_container(ready_timeout_s=0.25)
+    with pytest.raises(hsp.JobStartTimeout, match="within 0.25s"):
+        provider.wait_for_ready()
+    assert cancels(api) == 1
+
+
 def test_unreachable_upstream_counts_as_not_yet(api, proxy, upstream_factory):
     upstream = upstream_factory([200])
     upstream.close()  # nothing listens there any more: the proxy answers 502
