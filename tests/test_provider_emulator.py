@@ -1,0 +1,115 @@
+"""HFSandboxProvider against the local Jobs emulator: many providers on one proxy, and the pickled
+factory that TRL ships to worker processes. Real processes, real sockets, nothing mocked."""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+import threading
+import time
+
+import pytest
+import requests
+
+import hf_sandbox_provider as hsp
+from hf_jobs_emulator import JobsEmulator, echo_server_command
+from proxy import AuthProxy
+
+IMAGE = "registry.hf.space/openenv-echo-env:latest"
+TIMEOUT = 30
+
+
+@pytest.fixture
+def emu():
+    with JobsEmulator() as emulator:
+        yield emulator
+
+
+@pytest.fixture
+def proxy():
+    p = AuthProxy().start()
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+def wait_until(predicate, what, timeout_s=TIMEOUT):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting for " + what)
+        time.sleep(0.05)
+
+
+def test_eight_providers_started_from_threads_share_one_proxy_and_keep_their_own_jobs(emu, proxy):
+    providers = [hsp.HFSandboxProvider(IMAGE, endpoint=emu.endpoint, token=emu.token, proxy=proxy,
+                                       command=echo_server_command(), env_vars={"WHO": str(i)},
+                                       poll_interval_s=0.05) for i in range(8)]
+    errors = []
+
+    def bring_up(provider):
+        try:
+            provider.wait_for_ready(provider.start_container())
+        except BaseException as exc:  # reported below; the thread must not die silently
+            errors.append(exc)
+
+    threads = [threading.Thread(target=bring_up, args=(p,)) for p in providers]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=TIMEOUT)
+        assert not errors, errors
+        assert len({p.job_id for p in providers}) == 8
+        assert len({p.base_url for p in providers}) == 8
+        assert {p.base_url.split("/")[2] for p in providers} == {"127.0.0.1:%d" % proxy.port}
+        with requests.Session() as http:
+            for index, provider in enumerate(providers):
+                http.post(provider.base_url + "/reset", json={}, timeout=TIMEOUT).raise_for_status()
+                for _ in range(index + 1):
+                    http.post(provider.base_url + "/step", json={"action": {"message": "x"}},
+                              timeout=TIMEOUT).raise_for_status()
+            counts = [http.get(p.base_url + "/state", timeout=TIMEOUT).json()["step_count"] for p in providers]
+        assert counts == list(range(1, 9))  # each base URL reaches its own job
+    finally:
+        for provider in providers:
+            provider.stop_container()
+    wait_until(lambda: all(job.terminal for job in emu.jobs), "every job to end")
+    assert all(job.stage == "CANCELED" for job in emu.jobs)
+    wait_until(lambda: emu.live_pids() == [], "every job process to exit")
+
+
+def _worker(pickled: bytes, results) -> None:
+    """A worker process: unpickle the factory's provider, use it, stop it, report."""
+    provider = pickle.loads(pickled)
+    try:
+        base_url = provider.start_container()
+        provider.wait_for_ready(base_url)
+        status = requests.get(base_url + "/health", timeout=TIMEOUT).status_code
+        results.put((provider.job_id, status))
+    except BaseException as exc:
+        results.put((None, repr(exc)))
+    finally:
+        provider.stop_container()
+
+
+def test_unstarted_provider_pickled_to_a_spawned_worker_runs_its_own_job(emu):
+    provider = hsp.HFSandboxProvider(IMAGE, endpoint=emu.endpoint, token=emu.token,
+                                     command=echo_server_command(), poll_interval_s=0.05)
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    worker = context.Process(target=_worker, args=(pickle.dumps(provider), results))
+    worker.start()
+    try:
+        job_id, status = results.get(timeout=60)
+    finally:
+        worker.join(timeout=TIMEOUT)
+        if worker.is_alive():
+            worker.kill()
+            worker.join(timeout=5)
+    assert job_id is not None, status
+    assert status == 200
+    assert worker.exitcode == 0
+    assert emu.wait_for_stage(job_id, ["CANCELED"]).stage == "CANCELED"
+    assert provider.job_id is None  # the parent's provider never started anything
