@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import base64
 import email.utils
 import hashlib
 import ipaddress

@@ -8,7 +8,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 
 import hf_sandbox_provider as hsp
 from hf_jobs_emulator import JobsEmulator
