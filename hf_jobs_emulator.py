@@ -23,6 +23,7 @@ import http.client
 import ipaddress
 import json
 import os
+import random
 import secrets
 import signal
 import socket
@@ -54,6 +55,10 @@ SUPERVISE_POLL_S = 0.1
 # How often the emulator probes a booting job's first exposed port for `GET /health` == 200, to record
 # when its server became ready (benchmarks subtract it from the provider's own ready time).
 HEALTH_PROBE_INTERVAL_S = 0.02
+# Job processes listen on ports drawn from here, below the kernel's ephemeral range (Linux 32768-60999,
+# macOS 49152-65535): a port picked from the ephemeral range could be taken by the next gate or client
+# socket before the job binds it, and a request would then land on the wrong listener.
+JOB_PORT_RANGE = (20000, 32767)
 # The real logs stream sends a `: keep-alive` comment every 30 s; the same here keeps clients honest.
 LOG_KEEPALIVE_S = 30.0
 # A create body is a few KB; anything bigger is a client bug, refused before it is read.
@@ -129,6 +134,7 @@ class EmulatedJob:
         self.first_health_ok_mono: Optional[float] = None
         self.pid: Optional[int] = None
         self.exit_code: Optional[int] = None
+        self.port: Optional[int] = None  # the job's $PORT
         self.local_ports: Dict[int, int] = {}  # exposed port -> loopback port the process listens on
         self.logs: List[Tuple[str, str]] = []  # (timestamp, line)
         self._process: Optional[subprocess.Popen] = None
@@ -202,6 +208,7 @@ class JobsEmulator:
         self._rate_limit_retry_after_s = DEFAULT_RETRY_AFTER_S
         self._rate_limit_routes: Optional[frozenset] = None
         self._lose_creates_left = 0
+        self._reserved_ports: set = set()  # job ports handed out; released when the job ends
         self._server: Optional[_TrackingHTTPServer] = None
         self._server_thread: Optional[threading.Thread] = None
         self._stopping = False
@@ -512,9 +519,10 @@ class JobsEmulator:
         argv = self._job_argv(job)
         exposed = list((job.spec.get("expose") or {}).get("ports") or [])
         public = set((job.spec.get("expose") or {}).get("portsPublic") or [])
-        job.local_ports = {p: _free_loopback_port(self.host) for p in exposed}
+        job.local_ports = {p: self._reserve_port() for p in exposed}
+        job.port = job.local_ports[exposed[0]] if exposed else self._reserve_port()
         env = _job_environment(job.spec.get("environment") or {}, secret_values)
-        env["PORT"] = str(job.local_ports[exposed[0]] if exposed else _free_loopback_port(self.host))
+        env["PORT"] = str(job.port)
         for exposed_port, local_port in job.local_ports.items():
             env[f"PORT_{exposed_port}"] = str(local_port)
         urls = []
@@ -586,6 +594,17 @@ class JobsEmulator:
                 _kill_process_group(proc, 0.0)
                 return "ERROR", f"Job process died: killed {die_after}s after start (emulator fault die-after-s)"
 
+    def _reserve_port(self) -> int:
+        """A loopback port in JOB_PORT_RANGE that is free now and not promised to another live job."""
+        rng = random.SystemRandom()
+        with self._lock:
+            for _ in range(200):
+                port = rng.randint(*JOB_PORT_RANGE)
+                if port not in self._reserved_ports and _port_is_free(self.host, port):
+                    self._reserved_ports.add(port)
+                    return port
+        raise RuntimeError(f"no free loopback port in {JOB_PORT_RANGE} for the job after 200 tries")
+
     def _wait_for_stop_request(self, job: EmulatedJob, until: float) -> bool:
         """Sleep until `until` unless the job is canceled first; True when it was."""
         with self._changed:
@@ -640,6 +659,7 @@ class JobsEmulator:
         for gate in job._gates:
             _stop_quietly(gate)
         with self._lock:
+            self._reserved_ports -= {job.port, *job.local_ports.values()}
             if job.terminal:
                 return
             job.stage = stage
@@ -893,12 +913,15 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _free_loopback_port(host: str) -> int:
+def _port_is_free(host: str, port: int) -> bool:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     bind_host = host if host != "localhost" else "127.0.0.1"
     with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.bind((bind_host, 0))
-        return probe.getsockname()[1]
+        try:
+            probe.bind((bind_host, port))
+        except OSError:
+            return False
+    return True
 
 
 def _job_environment(environment: Mapping[str, str], secret_values: Mapping[str, str]) -> Dict[str, str]:

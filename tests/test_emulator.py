@@ -537,3 +537,31 @@ def test_vendored_copy_inside_a_package_uses_its_sibling_proxy(tmp_path):
                           env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("http://127.0.0.1:")
+
+
+WHO_AM_I = py(
+    "import os\n"
+    "from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer\n"
+    "class H(BaseHTTPRequestHandler):\n"
+    "    def do_GET(self):\n"
+    "        body = os.environ['WHO'].encode()\n"
+    "        self.send_response(200)\n"
+    "        self.send_header('Content-Length', str(len(body)))\n"
+    "        self.end_headers()\n"
+    "        self.wfile.write(body)\n"
+    "    def log_message(self, *a): pass\n"
+    "ThreadingHTTPServer(('127.0.0.1', int(os.environ['PORT'])), H).serve_forever()\n")
+
+
+def test_parallel_jobs_each_get_their_own_port_and_gate(emu, api):
+    """Job ports come from below the ephemeral range, so a gate or client socket opened meanwhile can
+    never take a job's port and receive another job's traffic."""
+    count = 12
+    jobs = [run(api, emu, WHO_AM_I, env={"WHO": f"job-{i}"}, expose=[8000]) for i in range(count)]
+    infos = [api.wait_for_job(j.id, stages=["RUNNING"], timeout=TIMEOUT, poll_interval=0.05, namespace="local")
+             for j in jobs]
+    ports = [emu.job(j.id).port for j in jobs]
+    assert len(set(ports)) == count
+    assert all(hf_jobs_emulator.JOB_PORT_RANGE[0] <= p <= hf_jobs_emulator.JOB_PORT_RANGE[1] for p in ports)
+    for i, info in enumerate(infos):
+        assert get_when_up(info.status.expose_urls[0] + "/", bearer(emu.token)).text == f"job-{i}"
