@@ -22,6 +22,7 @@ import datetime
 import http.client
 import ipaddress
 import json
+import logging
 import os
 import random
 import secrets
@@ -41,6 +42,8 @@ if __package__:  # vendored inside a package: proxy.py sits next to this module
     from .proxy import AuthProxy, Refusal, Route
 else:  # top-level module (the repo layout), or run as a script
     from proxy import AuthProxy, Refusal, Route
+
+log = logging.getLogger("hf_jobs_emulator")
 
 # The default namespace (user name) of the emulator's own token.
 DEFAULT_NAMESPACE = "local"
@@ -79,6 +82,8 @@ FAULT_KEYS = (
     "lost-create-response",  # "true": the job is created but the create connection drops unanswered
     "rate-limit-after-create",  # N: the N API calls after this create answer 429 with Retry-After
 )
+# Route names: keys of `api_calls` and the `routes` of `inject_rate_limit`.
+API_ROUTES = ("whoami", "create", "list", "inspect", "cancel", "logs", "unknown")
 # Seconds a client is told to wait in `Retry-After` when a 429 is injected without an explicit value.
 DEFAULT_RETRY_AFTER_S = 1
 # Hardware flavors the real API accepts (huggingface_hub's JobHardware); anything else is a 400.
@@ -179,6 +184,7 @@ class JobsEmulator:
     ) -> None:
         reason = (_host_rejection(host) or _namespace_rejection(namespace)
                   or _delay_rejection("scheduling_delay_s", scheduling_delay_s)
+                  or _delay_rejection("kill_grace_s", kill_grace_s)
                   or _faults_rejection(faults or {}, "faults"))
         if reason:
             raise ValueError(reason)
@@ -228,8 +234,11 @@ class JobsEmulator:
         self._server_thread.start()
         return self
 
-    def stop(self) -> None:
-        """End every job process group and gate, then the API listener. Safe to call twice."""
+    def stop(self) -> List[str]:
+        """End every job process group and gate, then the API listener. Safe to call twice.
+
+        Never raises: returns (and logs) what could not be cleaned up, e.g. `["job 6b00... pid 123"]`.
+        """
         with self._lock:
             self._stopping = True
             jobs = list(self._jobs.values())
@@ -240,20 +249,31 @@ class JobsEmulator:
         for job in jobs:
             if job._supervisor is not None and job._supervisor.ident is not None:  # started
                 job._supervisor.join(self.kill_grace_s + 5.0)
-        leftovers = [job for job in jobs if job._process is not None and job._process.poll() is None]
-        for job in leftovers:  # a supervisor that could not finish: kill without grace
-            _kill_process_group(job._process, 0.0)
+        problems: List[str] = []
         for job in jobs:
+            if job._process is not None and job._process.poll() is None:
+                _kill_process_group(job._process, 0.0)  # its supervisor could not finish: no grace
+            if job._process is not None and job._process.poll() is None:
+                problems.append(f"job {job.id} pid {job.pid}")
             for gate in job._gates:
-                _stop_quietly(gate)
+                if not _stop_quietly(gate):
+                    problems.append(f"job {job.id} gate on port {gate.port}")
         server, self._server = self._server, None
         if server is not None:
-            server.shutdown()
-            server.close_all_connections()
-            server.server_close()
+            try:
+                server.shutdown()
+                server.close_all_connections()
+                server.server_close()
+            except Exception as exc:  # teardown goes on; say what is left
+                problems.append(f"API listener ({exc!r})")
         if self._server_thread is not None:
             self._server_thread.join(5.0)
+            if self._server_thread.is_alive():
+                problems.append("API listener thread")
             self._server_thread = None
+        if problems:
+            log.warning("hf_jobs_emulator stopped but could not clean up: %s", ", ".join(problems))
+        return problems
 
     def __enter__(self) -> "JobsEmulator":
         return self.start()
@@ -323,6 +343,9 @@ class JobsEmulator:
             raise ValueError(f"calls must be an int >= 0, got {calls!r}")
         if not isinstance(retry_after_s, int) or retry_after_s < 0:
             raise ValueError(f"retry_after_s must be an int >= 0 (whole seconds), got {retry_after_s!r}")
+        unknown = sorted(set(routes or ()) - set(API_ROUTES))
+        if unknown:
+            raise ValueError(f"unknown route names {unknown}; use some of {', '.join(API_ROUTES)}")
         with self._lock:
             self._rate_limit_left = calls
             self._rate_limit_retry_after_s = retry_after_s
@@ -956,11 +979,13 @@ def _kill_process_group(proc: Optional[subprocess.Popen], grace_s: float) -> Non
         return
 
 
-def _stop_quietly(thing: Any) -> None:
+def _stop_quietly(thing: Any) -> bool:
+    """Stop a gate; False (never an exception) when it failed, so teardown goes on and can say so."""
     try:
         thing.stop()
-    except Exception:  # teardown must go on; the gate is loopback-only and dies with the process
-        pass
+    except Exception:
+        return False
+    return True
 
 
 def _observation(message: str, reward: float) -> Dict[str, Any]:
@@ -1452,7 +1477,7 @@ def _step_delay_default() -> float:
         raise SystemExit(f"{ECHO_STEP_DELAY_ENV}={text!r} is not a number of seconds")
 
 
-def _run_until_signal(stop: Callable[[], None]) -> None:
+def _run_until_signal(stop: Callable[[], Any]) -> Any:
     """Block the main thread until SIGINT / SIGTERM, then call `stop` (so nothing is left running)."""
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -1461,7 +1486,8 @@ def _run_until_signal(stop: Callable[[], None]) -> None:
         while not done.wait(0.5):
             pass
     finally:
-        stop()
+        result = stop()
+    return result
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -1512,7 +1538,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"HF_ENDPOINT={emulator.endpoint}", flush=True)
         print(f"HF_TOKEN={emulator.token}", flush=True)
         print("Ctrl-C stops it and every job it runs.", flush=True)
-    _run_until_signal(emulator.stop)
+    leftovers = _run_until_signal(emulator.stop)
+    if leftovers:
+        print(f"serve: could not clean up: {', '.join(leftovers)}", file=sys.stderr)
+        return 1
     return 0
 
 

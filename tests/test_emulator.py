@@ -336,6 +336,11 @@ def test_injected_rate_limit_answers_429_with_retry_after_then_recovers(emu, api
     assert emu.api_calls["list"] == 3
 
 
+def test_rate_limit_on_an_unknown_route_name_is_refused_naming_the_known_ones(emu):
+    with pytest.raises(ValueError, match="inspect"):
+        emu.inject_rate_limit(1, routes=["get_job"])
+
+
 def test_rate_limit_can_target_one_route(emu, api):
     emu.inject_rate_limit(1, routes=["create"])
     assert raw(emu, "GET", "/api/jobs/local").status_code == 200
@@ -383,7 +388,7 @@ def test_stop_ends_every_job_process_and_marks_jobs_canceled():
     emu.stop()
     assert not any(pid_alive(pid) for pid in pids)
     assert {emu.job(job.id).stage for job in jobs} == {"CANCELED"}
-    emu.stop()  # twice is fine
+    assert emu.stop() == []  # twice is fine, and nothing was left to report
 
 
 def test_a_job_that_ignores_sigterm_is_killed_after_the_grace():
@@ -565,3 +570,27 @@ def test_parallel_jobs_each_get_their_own_port_and_gate(emu, api):
     assert all(hf_jobs_emulator.JOB_PORT_RANGE[0] <= p <= hf_jobs_emulator.JOB_PORT_RANGE[1] for p in ports)
     for i, info in enumerate(infos):
         assert get_when_up(info.status.expose_urls[0] + "/", bearer(emu.token)).text == f"job-{i}"
+
+
+def test_stop_names_what_it_could_not_clean_up_instead_of_raising():
+    class StubbornGate:
+        def __init__(self, gate):
+            self.gate, self.url, self.port = gate, gate.url, gate.port
+
+        def stop(self):
+            self.gate.stop()  # really stopped, but reports a failure
+            raise RuntimeError("gate refused to stop")
+
+    class Emulator(JobsEmulator):
+        def make_gate(self, job, exposed_port, public=False):
+            return StubbornGate(super().make_gate(job, exposed_port, public))
+
+    emu = Emulator().start()
+    try:
+        api = HfApi(endpoint=emu.endpoint, token=emu.token)
+        job = run(api, emu, SLEEP_FOREVER, expose=[8000])
+        emu.wait_for_stage(job.id, ["RUNNING"])
+    finally:
+        problems = emu.stop()
+    assert problems == [f"job {job.id} gate on port {emu.job(job.id)._gates[0].port}"]
+    assert emu.live_pids() == []
