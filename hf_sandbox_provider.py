@@ -1485,8 +1485,19 @@ def _run_smoke(args: argparse.Namespace) -> int:
     return EXIT_OK if smoke.ok and failure is None else EXIT_FAILED
 
 
+def _sweep_skip_reason(job: Mapping[str, Any], user: str) -> Optional[str]:
+    """Why `sweep` must leave this job alone, or None. A label is a claim, not proof: only jobs the
+    current user started are cancelled."""
+    if (job.get("status") or {}).get("stage") in TERMINAL_STAGES:
+        return "already finished"
+    initiator = job.get("initiator") or {}
+    if initiator.get("name") != user:
+        return "started by %s, not by %s" % (initiator.get("name") or "an unknown initiator", user)
+    return None
+
+
 def _run_sweep(args: argparse.Namespace) -> int:
-    """Cancel (or with --dry-run, list) this library's jobs still scheduling or running."""
+    """Cancel (or with --dry-run, list) this library's jobs the current user left scheduling or running."""
     try:
         endpoint = _resolve_endpoint(args.endpoint)
     except InsecureURLError as exc:
@@ -1498,20 +1509,26 @@ def _run_sweep(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     client = _JobsClient(endpoint, token)
     try:
-        namespace = args.namespace or client.whoami_namespace()
-        jobs = client.list_jobs(namespace, labels={PROVIDER_LABEL_KEY: PROVIDER_LABEL_VALUE},
-                                stages=("SCHEDULING", "RUNNING"))
-        jobs = [job for job in jobs if (job.get("status") or {}).get("stage") not in TERMINAL_STAGES]
-        failed = 0
-        for job in jobs:
+        user = client.whoami_namespace()
+        namespace = args.namespace or user
+        found = client.list_jobs(namespace, labels={PROVIDER_LABEL_KEY: PROVIDER_LABEL_VALUE},
+                                 stages=("SCHEDULING", "RUNNING"))
+        failed = swept = 0
+        for job in found:
             job_id = str(job.get("id"))
+            summary = "%s (%s, %s)" % (job_id, (job.get("status") or {}).get("stage"), job.get("flavor") or "?")
+            reason = _sweep_skip_reason(job, user)
+            if reason:
+                print("skipped %s: %s" % (summary, reason))
+                continue
+            swept += 1
             if args.dry_run:
-                print("would cancel %s (%s)" % (job_id, (job.get("status") or {}).get("stage")))
+                print("would cancel %s" % summary)
                 continue
             outcome = _cancel_briefly(client, namespace, job_id)
-            print("cancelled %s" % job_id if outcome is None else "FAILED to cancel %s: %s" % (job_id, outcome))
+            print("cancelled %s" % summary if outcome is None else "FAILED to cancel %s: %s" % (summary, outcome))
             failed += outcome is not None
-        print("%d leftover job(s) in %s" % (len(jobs), namespace))
+        print("%d leftover job(s) of %s in %s%s" % (swept, user, namespace, " (dry run)" if args.dry_run else ""))
         return EXIT_FAILED if failed else EXIT_OK
     except JobsAPIError as exc:
         print("error: %s" % exc, file=sys.stderr)

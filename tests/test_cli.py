@@ -145,3 +145,26 @@ def test_insecure_url_error_is_the_proxy_modules_class():
     import proxy
 
     assert hsp.InsecureURLError is proxy.InsecureURLError
+
+
+def test_sweep_in_an_org_cancels_only_jobs_the_current_user_started(tmp_path):
+    other_token = "hf_other_" + "b" * 24
+    with JobsEmulator(extra_tokens={other_token: "bob"}, orgs={"team": ["local", "bob"]}) as emulator:
+        sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+        mine = hsp.HFSandboxProvider("python:3.12", endpoint=emulator.endpoint, token=emulator.token,
+                                     namespace="team", command=sleeper, poll_interval_s=0.05)
+        bobs = hsp.HFSandboxProvider("python:3.12", endpoint=emulator.endpoint, token=other_token,
+                                     namespace="team", command=sleeper, poll_interval_s=0.05)
+        try:
+            mine.start_container()
+            bobs.start_container()
+            env = clean_env(tmp_path, HF_ENDPOINT=emulator.endpoint, HF_TOKEN=emulator.token)
+            swept = run(["sweep", "--namespace", "team"], env)
+            assert swept.returncode == 0, swept.stderr
+            assert "cancelled %s" % mine.job_id in swept.stdout
+            assert "skipped %s" % bobs.job_id in swept.stdout and "started by bob" in swept.stdout
+            assert emulator.wait_for_stage(mine.job_id, ["CANCELED"]).stage == "CANCELED"
+            assert emulator.job(bobs.job_id).stage == "RUNNING"
+        finally:
+            mine.stop_container()
+            bobs.stop_container()
