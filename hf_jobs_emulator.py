@@ -95,6 +95,7 @@ FLAVORS = (
     "rtx-pro-6000", "rtx-pro-6000x2", "rtx-pro-6000x4", "rtx-pro-6000x8",
 )
 TERMINAL_STAGES = ("COMPLETED", "CANCELED", "ERROR", "DELETED")
+ALL_STAGES = ("SCHEDULING", "RUNNING") + TERMINAL_STAGES
 # Environment variables of this process a job must not inherit: the real service never hands the
 # submitting user's token to a job unless it is passed as a secret.
 SCRUBBED_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_API_TOKEN")
@@ -365,7 +366,7 @@ class JobsEmulator:
             if job is not None and job.first_health_ok_mono is None:
                 job.first_health_ok_mono = time.monotonic()
 
-    # -- the API, apart from HTTP (each returns (status, payload, extra headers)) ------------------
+    # -- the API's rules, apart from HTTP (answers are JSON-ready values; refusals raise _ApiError) --
 
     def _authenticate(self, authorization: Optional[str]) -> Optional[str]:
         """The user name behind an `Authorization` header, or None."""
@@ -464,6 +465,8 @@ class JobsEmulator:
                     raise _ApiError(400, f"label filter must be key=value, got {value!r}")
                 labels.append((name, wanted))
             elif key == "stage":
+                if value.upper() not in ALL_STAGES:
+                    raise _ApiError(400, f"stage filter {value!r} is not a job stage; use one of {', '.join(ALL_STAGES)}")
                 stages.add(value.upper())
         with self._lock:
             jobs = [j for j in self._jobs.values() if j.namespace == namespace]

@@ -254,6 +254,11 @@ def test_bad_create_bodies_are_400_naming_the_field(emu, body, field):
     assert emu.jobs == []
 
 
+def test_bad_list_filters_are_400_naming_them(emu):
+    assert "key=value" in raw(emu, "GET", "/api/jobs/local?label=novalue").json()["error"]
+    assert "RUNNING" in raw(emu, "GET", "/api/jobs/local?stage=SLEEPING").json()["error"]
+
+
 def test_invalid_json_is_400(emu):
     answer = raw(emu, "POST", "/api/jobs/local", data=b"{oops", headers={"Content-Type": "application/json"})
     assert answer.status_code == 400 and "JSON" in answer.json()["error"]
@@ -594,3 +599,9 @@ def test_stop_names_what_it_could_not_clean_up_instead_of_raising():
         problems = emu.stop()
     assert problems == [f"job {job.id} gate on port {emu.job(job.id)._gates[0].port}"]
     assert emu.live_pids() == []
+
+
+def test_serve_cli_refuses_an_unknown_fault_naming_it():
+    done = subprocess.run([PY, hf_jobs_emulator.__file__, "serve", "--fault", "explode=1"],
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 2 and "explode" in done.stderr and "crash-at-boot" in done.stderr
