@@ -506,6 +506,19 @@ def _target_refusal(method: str, target: str) -> Optional[Refusal]:
     if not target.startswith("/"):
         return Refusal(400, "bad-target",
                        "Only origin-form targets (/path) are accepted: this is not a forward proxy.")
+    if any(ord(c) <= 32 or ord(c) >= 127 for c in target):
+        return Refusal(400, "bad-target", "The request target must be ASCII without spaces or control "
+                                          "characters; percent-encode it.")
+    return None
+
+
+def _header_refusal(headers: http.client.HTTPMessage) -> Optional[Refusal]:
+    """Header names must be RFC 9110 tokens; values must not carry stray control characters."""
+    for name, value in headers.items():
+        if not _TOKEN_RE.match(name):
+            return Refusal(400, "bad-header", "A request header name is not a valid HTTP token.")
+        if any(ord(c) < 32 and c not in "\t\r\n" or ord(c) == 127 for c in value):
+            return Refusal(400, "bad-header", "A request header value contains control characters.")
     return None
 
 
@@ -847,7 +860,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return
         if self.request_version == "HTTP/1.0":
             self.close_connection = True  # no chunked framing for 1.0 clients: keep it simple, one per connection
-        refusal = _target_refusal(self.command, self.path)
+        refusal = _target_refusal(self.command, self.path) or _header_refusal(self.headers)
         framing = _body_framing(self.headers)
         if refusal is None and isinstance(framing, Refusal):
             refusal = framing
@@ -860,9 +873,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         else:
             decision = refusal
         if isinstance(decision, Refusal):
-            # An unread request body would be parsed as the next request: close instead.
+            # Malformed input, or an unread body that would be parsed as the next request: close.
             has_body = isinstance(framing, Refusal) or framing[0] != "none"
-            self._refuse(decision, close=has_body or decision.status >= 500)
+            self._refuse(decision, close=refusal is not None or has_body or decision.status >= 500)
             return
         route, target = decision
         self.proxy._seen_routes.add(route)

@@ -45,6 +45,7 @@ def _header(raw: bytes, name: bytes) -> bytes:
     (b"CONNECT example.com:443 HTTP/1.1", 405, b"method-not-allowed"),
     (b"OPTIONS * HTTP/1.1", 400, b"bad-target"),
     (b"G(E)T /x HTTP/1.1", 400, b"bad-request"),
+    (b"GET /\xc3\xa9t\xc3\xa9 HTTP/1.1", 400, b"bad-target"),
 ])
 def test_non_origin_form_targets_and_connect_are_refused(served, request_line, status, kind):
     upstream, proxy, path = served
@@ -74,6 +75,8 @@ def test_malformed_or_oversized_request_heads_get_a_4xx_and_the_proxy_keeps_serv
 
 
 @pytest.mark.parametrize("headers, status, kind", [
+    (b"Bad Name: 1\r\n", 400, b"bad-header"),
+    (b"X-Ctl: a\x01b\r\n", 400, b"bad-header"),
     (b"Content-Length: abc\r\n", 400, b"bad-content-length"),
     (b"Content-Length: -5\r\n", 400, b"bad-content-length"),
     (b"Content-Length: 5\r\nContent-Length: 6\r\n", 400, b"bad-content-length"),
