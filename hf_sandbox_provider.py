@@ -533,8 +533,8 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
                 try:
                     response = session.get(url, timeout=HEALTH_PROBE_TIMEOUT_S)
                     status = response.status_code
+                    last_seen = _describe_health_answer(response)
                     response.close()
-                    last_seen = "HTTP %d" % status
                     if status == 200:
                         self.timings["ready"] = self._elapsed()
                         logger.info("HF job %s ready (%.1fs after submit)", self.job_id, self._elapsed())
@@ -817,6 +817,21 @@ def _exposed_url_rejection(url: str, job_id: str, port: int, endpoint: str) -> O
         return ("the job's exposed URL %r does not belong to job %s port %d (expected host %s<domain>); "
                 "refusing to send the token to it" % (url, job_id, port, expected))
     return None
+
+
+def _describe_health_answer(response: requests.Response) -> str:
+    """`HTTP 502 upstream-tls: <the proxy's explanation>` for the timeout message; the proxy's own
+    errors carry X-Proxy-Error and a JSON body, which say why the job is not reachable."""
+    text = "HTTP %d" % response.status_code
+    kind = response.headers.get("X-Proxy-Error")
+    if kind:
+        try:
+            detail = response.json()
+            message = detail.get("message") or detail.get("error") if isinstance(detail, dict) else None
+        except ValueError:
+            message = None
+        text += " %s%s" % (kind, ": %s" % str(message)[:300] if message else "")
+    return text
 
 
 def _health_status_rejection(status: int) -> Optional[str]:

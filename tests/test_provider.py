@@ -536,3 +536,26 @@ def test_logs_returns_the_job_tail(api, proxy):
     with hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST) as provider:
         provider.start_container()
         assert provider.logs(tail=5) == ["Uvicorn running"]
+
+
+# -- TLS to the job: `verify` reaches the proxy -----------------------------------------------------
+
+
+def test_verify_with_the_jobs_ca_reaches_a_tls_job_and_default_verification_refuses_it(api, proxy, tls_upstream,
+                                                                                       test_ca):
+    import support
+
+    api.add_passthru("https://localhost:%d" % tls_upstream.port)
+    add_job_api(api, endpoint=LOOPBACK_ENDPOINT, stages=[running(url=tls_upstream.url)])
+    trusted = hsp.HFSandboxProvider(IMAGE, token=support.TEST_TOKEN, endpoint=LOOPBACK_ENDPOINT, proxy=proxy,
+                                    verify=test_ca.ca_path, **FAST)
+    with trusted:
+        trusted.wait_for_ready(trusted.start_container())
+        assert "ready" in trusted.timings
+    untrusted = hsp.HFSandboxProvider(IMAGE, token=support.TEST_TOKEN, endpoint=LOOPBACK_ENDPOINT,
+                                      proxy=proxy, **FAST)
+    untrusted.start_container()
+    # a TLS failure is "not yet" (handshakes can fail while a job boots), and the timeout says why
+    with pytest.raises(hsp.JobStartTimeout, match="HTTP 502 upstream-tls: TLS with the upstream"):
+        untrusted.wait_for_ready(timeout_s=0.5)
+    assert cancels(api) == 2
