@@ -437,7 +437,7 @@ def start_on_loopback(api, proxy, upstream, stages_after_url=(), **kwargs):
     return provider, provider.start_container(), token
 
 
-def test_wait_for_ready_retries_through_503_and_502_until_health_answers(api, proxy, upstream_factory):
+def test_wait_for_ready_retries_through_503_and_502_until_health_answers(no_leaks, api, proxy, upstream_factory):
     upstream = upstream_factory([503, 502, 504, 200])
     provider, base_url, token = start_on_loopback(api, proxy, upstream)
     try:
@@ -450,7 +450,7 @@ def test_wait_for_ready_retries_through_503_and_502_until_health_answers(api, pr
     assert cancels(api) == 1 and route_is_gone(base_url)
 
 
-def test_job_crash_during_boot_fails_wait_for_ready_fast_and_tears_down(api, proxy, upstream_factory):
+def test_job_crash_during_boot_fails_wait_for_ready_fast_and_tears_down(no_leaks, api, proxy, upstream_factory):
     upstream = upstream_factory([503])
     provider, base_url, _ = start_on_loopback(
         api, proxy, upstream, stages_after_url=[job_json(stage="ERROR", message="exit code 1")],
