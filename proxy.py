@@ -514,6 +514,10 @@ def _target_refusal(method: str, target: str) -> Optional[Refusal]:
 
 def _header_refusal(headers: http.client.HTTPMessage) -> Optional[Refusal]:
     """Header names must be RFC 9110 tokens; values must not carry stray control characters."""
+    if headers.defects or headers.get_payload():
+        # The stdlib parser stops at the first line that is not "name: value" and keeps the rest as
+        # a "payload": those headers would silently vanish (a smuggling vector), so refuse instead.
+        return Refusal(400, "bad-header", "A request header line is malformed (expected 'Name: value').")
     for name, value in headers.items():
         if not _TOKEN_RE.match(name):
             return Refusal(400, "bad-header", "A request header name is not a valid HTTP token.")
