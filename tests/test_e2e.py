@@ -67,7 +67,7 @@ def assert_nothing_left(emu: JobsEmulator, proxy: AuthProxy) -> None:
 # -- the happy path ------------------------------------------------------------------------------
 
 
-def test_echo_environment_over_http_and_websocket_then_close_cancels_the_job(emu, proxy):
+def test_echo_environment_over_http_and_websocket_then_close_cancels_the_job(no_leaks, emu, proxy):
     ws_sync = pytest.importorskip("websockets.sync.client")
     with provider_for(emu, proxy) as provider:
         base_url = provider.start_container()
