@@ -103,8 +103,9 @@ def test_negative_step_delay_is_refused_with_the_reason():
 # -- WebSocket -------------------------------------------------------------------------------------
 
 
-def test_websocket_reset_step_state_and_close(echo):
-    with ws_sync.connect(ws_url(echo), open_timeout=TIMEOUT, close_timeout=TIMEOUT) as ws:
+@pytest.mark.parametrize("compression", ["deflate", None])
+def test_websocket_reset_step_state_and_close(echo, compression):
+    with ws_sync.connect(ws_url(echo), open_timeout=TIMEOUT, close_timeout=TIMEOUT, compression=compression) as ws:
         reset = ask(ws, {"type": "reset", "data": {"episode_id": "ws-1"}})
         assert reset["type"] == "observation"
         assert reset["data"]["observation"]["echoed_message"] == "Echo environment ready!"
