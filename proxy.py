@@ -3,7 +3,8 @@
 `AuthProxy` listens on 127.0.0.1 and mounts upstreams under unguessable path prefixes. Each request to
 `http://127.0.0.1:<port>/<route-id>/<rest>` is forwarded to `<upstream>/<rest>` with the route's bearer
 token injected, so unmodified OpenEnv clients (HTTP and WebSocket) can talk to a token-protected job
-without ever seeing the token. Threads only: no event loop, stdlib plus `wsproto`-free raw tunnelling.
+without ever seeing the token. Threads only, standard library only: no event loop; WebSocket frames are
+never parsed, the tunnel copies raw bytes.
 
 Public names: `AuthProxy`, `Route`, `Refusal`, `InsecureURLError`. Run `python proxy.py UPSTREAM_URL`
 to front one job from the command line.
@@ -87,6 +88,10 @@ IDEMPOTENT_METHODS = frozenset(["GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELET
 # RFC 9110 token characters: a method is exactly one token.
 _TOKEN_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 _OBS_FOLD_RE = re.compile(r"\r?\n[ \t]+")
+# Request targets: visible ASCII only (anything else must be percent-encoded by the client).
+_BAD_TARGET_CHAR_RE = re.compile(r"[^\x21-\x7e]")
+# Header values: no control characters except tab (CR/LF only appear in obs-folds, normalised later).
+_BAD_VALUE_CHAR_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 _STATUS_LINE_RE = re.compile(rb"^HTTP/1\.[01] (\d{3})(?: |\r?$)")
 
 Token = Union[str, Callable[[], str], None]
@@ -151,8 +156,8 @@ class Route:
         self._closed = False
 
     def __repr__(self) -> str:
-        return "Route(%s, token=%s, verify=%r)" % (
-            self.label, "set" if self.token is not None else "None", self.verify if isinstance(self.verify, bool) else "<ca bundle>")
+        verify = self.verify if isinstance(self.verify, bool) else "<ca bundle>"
+        return "Route(%s, token=%s, verify=%s)" % (self.label, "set" if self.token is not None else "None", verify)
 
     def current_token(self) -> Optional[str]:
         """The token to inject now: the string, or the callable's answer (read per request for rotation)."""
@@ -506,7 +511,7 @@ def _target_refusal(method: str, target: str) -> Optional[Refusal]:
     if not target.startswith("/"):
         return Refusal(400, "bad-target",
                        "Only origin-form targets (/path) are accepted: this is not a forward proxy.")
-    if any(ord(c) <= 32 or ord(c) >= 127 for c in target):
+    if _BAD_TARGET_CHAR_RE.search(target):
         return Refusal(400, "bad-target", "The request target must be ASCII without spaces or control "
                                           "characters; percent-encode it.")
     return None
@@ -521,7 +526,7 @@ def _header_refusal(headers: http.client.HTTPMessage) -> Optional[Refusal]:
     for name, value in headers.items():
         if not _TOKEN_RE.match(name):
             return Refusal(400, "bad-header", "A request header name is not a valid HTTP token.")
-        if any(ord(c) < 32 and c not in "\t\r\n" or ord(c) == 127 for c in value):
+        if _BAD_VALUE_CHAR_RE.search(value):
             return Refusal(400, "bad-header", "A request header value contains control characters.")
     return None
 
@@ -876,6 +881,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 decision = Refusal(500, "proxy-error", "The proxy failed to route this request (see its log).")
         else:
             decision = refusal
+        if not isinstance(decision, Refusal) and not (
+                isinstance(decision, tuple) and len(decision) == 2 and isinstance(decision[0], Route)
+                and isinstance(decision[1], str) and decision[1].startswith("/")):
+            log.error("proxy: route_request returned %s; expected (Route, '/target') or a Refusal",
+                      type(decision).__name__)
+            decision = Refusal(500, "proxy-error", "The proxy failed to route this request (see its log).")
         if isinstance(decision, Refusal):
             # Malformed input, or an unread body that would be parsed as the next request: close.
             has_body = isinstance(framing, Refusal) or framing[0] != "none"
@@ -1051,7 +1062,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             on_done(False)
             raise
         if response.isclosed():
-            on_done(not response.will_close)
+            # After a 1xx other than 101, http.client cannot find the final response: never reuse.
+            on_done(not response.will_close and status >= 200)
             return
         sent = 0
         while True:
@@ -1477,7 +1489,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     def _on_signal(signum: int, frame: object) -> None:
         stop.set()
 
-    signal.signal(signal.SIGTERM, _on_signal)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_signal)
     try:
         proxy = AuthProxy(args.host, args.port).start()
     except (OSError, ValueError) as exc:

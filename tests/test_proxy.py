@@ -159,3 +159,15 @@ def test_route_request_hook_serves_a_subclass_that_never_mounts():
             ws.send("through the gate")
             assert ws.recv(TIMEOUT) == "through the gate"
         assert len(upstream.requests) == 2  # the refused request never reached it
+
+
+class _BrokenHook(AuthProxy):
+    def route_request(self, target, headers):  # type: ignore[override]
+        return "not a decision"
+
+
+def test_a_route_request_hook_returning_garbage_gets_500_not_a_dropped_connection(log_guard):
+    with _BrokenHook() as proxy:
+        r = requests.get(proxy.url + "/x", timeout=TIMEOUT)
+        assert r.status_code == 500 and r.headers["X-Proxy-Error"] == "proxy-error"
+    assert "expected (Route, '/target') or a Refusal" in log_guard.text()
