@@ -175,7 +175,9 @@ class Route:
             tunnels = list(self._tunnels)
         problems: List[str] = []
         for conn, _ in idle:
-            _quiet_close(conn)
+            problem = _quiet_close(conn)
+            if problem:
+                problems.append("pooled connection to %s (%s)" % (self.label, problem))
         for sock in active:
             _abort_socket(sock)
         for tunnel in tunnels:
@@ -341,7 +343,8 @@ class AuthProxy:
                 return
             self._stopping = True
             server, serve_thread = self._server, self._serve_thread
-            routes = list(self._routes.values()) + [r for r in list(self._seen_routes) if r not in self._routes.values()]
+            mounted = list(self._routes.values())
+            routes = mounted + [r for r in list(self._seen_routes) if r not in mounted]
             self._routes.clear()
         if server is None:
             return
@@ -893,7 +896,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._refuse(decision, close=refusal is not None or has_body or decision.status >= 500)
             return
         route, target = decision
-        self.proxy._seen_routes.add(route)
+        if route not in self.proxy._seen_routes:  # so stop() also closes routes a subclass made
+            with self.proxy._lock:
+                self.proxy._seen_routes.add(route)
         try:
             token = route.current_token()
         except Exception as exc:
@@ -1246,11 +1251,13 @@ def _abort_socket(sock: Optional[socket.socket]) -> None:
         pass
 
 
-def _quiet_close(closeable: object) -> None:
+def _quiet_close(closeable: object) -> Optional[str]:
+    """Close without raising; return the error's name if closing failed."""
     try:
         closeable.close()  # type: ignore[attr-defined]
-    except Exception:
-        pass
+    except Exception as exc:
+        return type(exc).__name__
+    return None
 
 
 class _Stream:
