@@ -146,6 +146,7 @@ class EmulatedJob:
         self._process: Optional[subprocess.Popen] = None
         self._gates: List[Any] = []
         self._stop_reason: Optional[str] = None  # set by cancel / emulator stop
+        self._die_now = False  # set by JobsEmulator.kill_job
         self._supervisor: Optional[threading.Thread] = None
 
     @property
@@ -358,6 +359,17 @@ class JobsEmulator:
             raise ValueError(f"count must be an int >= 0, got {count!r}")
         with self._lock:
             self._lose_creates_left = count
+
+    def kill_job(self, job_id: str) -> None:
+        """SIGKILL a running job's process group now, as if its machine died: the job ends in ERROR.
+
+        The deterministic twin of the `die-after-s` fault, for tests that must first see the job ready.
+        """
+        with self._lock:
+            job = self.job(job_id)
+            if job.stage != "RUNNING":
+                raise ValueError(f"job {job_id} is {job.stage}; only a RUNNING job can be killed")
+            job._die_now = True
 
     def record_health_ok(self, job_id: str) -> None:
         """Note the first time the job's server answered 200 on /health (the emulator's own probe)."""
@@ -619,6 +631,9 @@ class JobsEmulator:
             if die_at is not None and now >= die_at:
                 _kill_process_group(proc, 0.0)
                 return "ERROR", f"Job process died: killed {die_after}s after start (emulator fault die-after-s)"
+            if job._die_now:
+                _kill_process_group(proc, 0.0)
+                return "ERROR", "Job process died: killed by JobsEmulator.kill_job"
 
     def _reserve_port(self) -> int:
         """A loopback port in JOB_PORT_RANGE that is free now and not promised to another live job."""

@@ -331,6 +331,17 @@ def test_die_after_fault_kills_a_running_job_into_error(emu, api):
     assert not pid_alive(emu.job(job.id).pid)
 
 
+def test_kill_job_ends_a_running_job_in_error_and_refuses_other_stages(emu, api):
+    job = run(api, emu, SLEEP_FOREVER)
+    emu.wait_for_stage(job.id, ["RUNNING"])
+    emu.kill_job(job.id)
+    final = finished(api, emu, job.id)
+    assert final.status.stage == "ERROR" and "kill_job" in final.status.message
+    assert not pid_alive(emu.job(job.id).pid)
+    with pytest.raises(ValueError, match="ERROR"):
+        emu.kill_job(job.id)
+
+
 def test_injected_rate_limit_answers_429_with_retry_after_then_recovers(emu, api):
     emu.inject_rate_limit(2, retry_after_s=7)
     for _ in range(2):
