@@ -214,10 +214,10 @@ class Route:
         if chosen is not None:
             return chosen, True
         if self.scheme == "https":
-            conn = http.client.HTTPSConnection(self.host, self.port, timeout=proxy.connect_timeout_s,
-                                               context=self.tls_context())
+            conn: http.client.HTTPConnection = _UpstreamHTTPSConnection(
+                self.host, self.port, timeout=proxy.connect_timeout_s, context=self.tls_context())
         else:
-            conn = http.client.HTTPConnection(self.host, self.port, timeout=proxy.connect_timeout_s)
+            conn = _UpstreamHTTPConnection(self.host, self.port, timeout=proxy.connect_timeout_s)
         with self._lock:
             if self._closed:
                 raise ConnectionAbortedError("route was unmounted")
@@ -714,24 +714,32 @@ class _ClientReader(io.RawIOBase):
         self._sock = sock
         self._header_timeout: Optional[float] = None
         self._deadline: Optional[float] = None
+        self._timeout: Optional[float] = -1.0  # what the socket is set to (-1: unknown)
 
     def readable(self) -> bool:
         return True
 
     def head_phase(self, idle_timeout: float, header_timeout: float) -> None:
         self._header_timeout, self._deadline = header_timeout, None
-        self._sock.settimeout(idle_timeout)
+        self._set_timeout(idle_timeout)
 
     def body_phase(self, timeout: Optional[float]) -> None:
         self._header_timeout = self._deadline = None
-        self._sock.settimeout(timeout)
+        self._set_timeout(timeout)
+
+    def _set_timeout(self, timeout: Optional[float]) -> None:
+        # settimeout costs two fcntl syscalls every call: skip it when nothing changes (the common
+        # keep-alive case, where head and body phases use the same idle timeout).
+        if timeout != self._timeout:
+            self._sock.settimeout(timeout)
+            self._timeout = timeout
 
     def readinto(self, buffer: "bytearray | memoryview") -> int:  # type: ignore[override]
         if self._deadline is not None:
             remaining = self._deadline - time.monotonic()
             if remaining <= 0:
                 raise socket.timeout("request head not complete in time")
-            self._sock.settimeout(remaining)
+            self._set_timeout(remaining)
         n = self._sock.recv_into(buffer)
         if self._header_timeout is not None and self._deadline is None:
             self._deadline = time.monotonic() + self._header_timeout
@@ -1205,6 +1213,29 @@ class _ReplayRaw(io.RawIOBase):
 # --------------------------------------------------------------------------------------------------
 # Upstream connections: pool, streams, TLS engine, tunnel
 # --------------------------------------------------------------------------------------------------
+
+
+class _OneSendMixin:
+    """http.client sends a request's head and body in two writes; for a small body (a `/step` action)
+    send them in one: one syscall, one TCP segment, and the upstream parses it in one read."""
+
+    def _send_output(self, message_body: object = None, encode_chunked: bool = False) -> None:
+        buffer = getattr(self, "_buffer", None)
+        if isinstance(message_body, bytes) and len(message_body) <= SMALL_RESPONSE_BYTES and isinstance(buffer, list):
+            buffer.extend((b"", message_body))  # joined with CRLF: head CRLF CRLF body
+            message = b"\r\n".join(buffer)
+            del buffer[:]
+            self.send(message)  # type: ignore[attr-defined]
+            return
+        super()._send_output(message_body, encode_chunked)  # type: ignore[misc]
+
+
+class _UpstreamHTTPConnection(_OneSendMixin, http.client.HTTPConnection):
+    pass
+
+
+class _UpstreamHTTPSConnection(_OneSendMixin, http.client.HTTPSConnection):
+    pass
 
 
 def _make_tls_context(verify: Verify) -> ssl.SSLContext:
