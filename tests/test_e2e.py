@@ -18,7 +18,7 @@ from hf_jobs_emulator import JobsEmulator
 from hf_sandbox_provider import HFSandboxProvider, JobFailedError, JobStartTimeout
 from proxy import AuthProxy
 
-TIMEOUT = 20
+TIMEOUT = 30  # generous: other work may load the 2 cores; passing tests never wait this long
 IMAGE = "registry.hf.space/openenv-echo-env:latest"  # not pulled: the emulator runs the command
 ECHO = hf_jobs_emulator.echo_server_command()
 SLEEP_FOREVER = [sys.executable, "-c", "import time\nprint('booting forever', flush=True)\ntime.sleep(600)"]
