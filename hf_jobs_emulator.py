@@ -382,9 +382,10 @@ class JobsEmulator:
 
     def _authenticate(self, authorization: Optional[str]) -> Optional[str]:
         """The user name behind an `Authorization` header, or None."""
-        if not authorization or not authorization.startswith("Bearer "):
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer":  # the scheme is case-insensitive (RFC 9110 section 11.1)
             return None
-        return self._users.get(authorization[len("Bearer "):].strip())
+        return self._users.get(token.strip())
 
     def _gate_rejection(self, job: EmulatedJob, authorization: Optional[str]) -> Optional[str]:
         """Why a request to the job's exposed port is refused (no token / no read access), or None."""
@@ -1392,7 +1393,8 @@ class _EchoHandler(_QuietHandler):
     server_version = "openenv-echo"
 
     def do_GET(self) -> None:
-        if urlsplit(self.path).path == "/ws" and "websocket" in self.headers.get("Upgrade", "").lower():
+        if (self.command == "GET" and urlsplit(self.path).path == "/ws"
+                and "websocket" in self.headers.get("Upgrade", "").lower()):
             _serve_echo_websocket(self, self.server_ref)
             return
         self._answer()

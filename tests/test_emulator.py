@@ -218,6 +218,11 @@ def test_missing_or_wrong_token_is_401(emu, token):
     assert answer.status_code == 401 and "Authorization" in answer.json()["error"]
 
 
+def test_the_bearer_scheme_is_case_insensitive(emu):
+    answer = raw(emu, "GET", "/api/whoami-v2", token=None, headers={"Authorization": f"bearer {emu.token}"})
+    assert answer.status_code == 200
+
+
 def test_hfapi_with_a_wrong_token_raises_its_http_error(emu):
     with pytest.raises(HfHubHTTPError) as caught:
         HfApi(endpoint=emu.endpoint, token="hf_wrong").list_jobs(namespace="local").__iter__().__next__()
