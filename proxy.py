@@ -1320,9 +1320,13 @@ class _Stream:
 class _TLSStream(_Stream):
     """TLS over a plain socket with an `ssl.MemoryBIO` engine, safe for one reader and one writer thread.
 
-    OpenSSL forbids two threads in one SSL object at once, so every engine call holds `_lock`; the
-    blocking socket recv/send happen outside it, so reading and writing progress independently.
-    Outgoing records are drained from the engine and sent under `_send_lock`, in order.
+    OpenSSL forbids two threads in one SSL object at once, so every engine call holds `_lock`, a
+    short lock; the blocking socket I/O happens outside it, so reading and writing progress
+    independently. Outgoing records are drained from the engine and sent under `_send_lock`, in
+    order. Incoming bytes are read from the socket under `_recv_lock`, by one thread at a time, so
+    they reach the engine in order. When a write needs peer bytes first (SSLWantReadError: the
+    handshake, or a TLS 1.3 post-handshake message), the writer reads them itself if no reader is on
+    the socket, else waits for the reader to feed them.
     """
 
     def __init__(self, sock: socket.socket, context: ssl.SSLContext, server_hostname: str) -> None:
@@ -1331,12 +1335,14 @@ class _TLSStream(_Stream):
         self._outgoing = ssl.MemoryBIO()
         self._tls = context.wrap_bio(self._incoming, self._outgoing, server_hostname=server_hostname)
         self._lock = threading.Lock()
-        self._fed = threading.Condition(self._lock)  # notified when incoming bytes arrive or the stream ends
+        self._fed = threading.Condition(self._lock)  # notified when incoming bytes arrive or input ends
+        self._fed_count = 0  # how many socket reads reached the engine: "did anything arrive since?"
         self._send_lock = threading.Lock()
-        self._readers = 0  # threads currently waiting on the socket for incoming bytes
+        self._recv_lock = threading.Lock()
         self._eof = False
 
     def handshake(self) -> None:
+        """Complete the TLS handshake (single-threaded, before the tunnel starts)."""
         while True:
             with self._lock:
                 try:
@@ -1344,29 +1350,90 @@ class _TLSStream(_Stream):
                     done = True
                 except ssl.SSLWantReadError:
                     done = False
+                fed = self._fed_count
             self._flush(wait=True)
             if done:
                 return
-            if not self._feed():
+            if self._eof:
                 raise ssl.SSLEOFError("the upstream closed the connection during the TLS handshake")
+            self._await_peer_bytes(fed, wait_for_reader=False)
 
-    def _feed(self) -> bool:
-        """Block on the socket (outside the engine lock) and hand what arrives to the engine."""
-        with self._lock:
-            self._readers += 1
-        data = b""
-        try:
-            data = self.sock.recv(IO_CHUNK)
-        finally:
+    def recv(self, n: int) -> bytes:
+        """Up to n bytes of plaintext; b"" once the peer or `close()` ended the stream."""
+        while True:
             with self._lock:
-                self._readers -= 1
+                try:
+                    data: Optional[bytes] = self._tls.read(n)
+                except ssl.SSLWantReadError:
+                    data = None
+                except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                    data = b""
+                pending = self._outgoing.pending
+                fed = self._fed_count
+            if pending:  # e.g. the answer to a TLS 1.3 KeyUpdate
+                self._flush(wait=False)
+            if data is not None:
+                return data
+            if self._closed:
+                return b""
+            self._await_peer_bytes(fed, wait_for_reader=False)
+
+    def sendall(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            with self._lock:
+                if self._closed:
+                    raise ConnectionResetError("TLS stream closed")
+                try:
+                    sent = self._tls.write(view[:IO_CHUNK])
+                    need_peer_bytes = False
+                except ssl.SSLWantReadError:
+                    if self._eof:
+                        raise ConnectionResetError("the upstream ended the TLS stream")
+                    sent, need_peer_bytes = 0, True
+                fed = self._fed_count
+            self._flush(wait=True)  # what the engine produced (records, or a handshake message) goes first
+            if need_peer_bytes:
+                self._await_peer_bytes(fed, wait_for_reader=True)
+            view = view[sent:]
+
+    def _await_peer_bytes(self, fed_before: int, wait_for_reader: bool) -> None:
+        """Make sure the engine got socket bytes after `fed_before`: read them (one thread at a time),
+        or, for a writer while the reader is on the socket, wait for the reader to feed them."""
+        if not self._recv_lock.acquire(blocking=not wait_for_reader):
+            with self._lock:
+                self._fed.wait_for(lambda: self._fed_count != fed_before or self._eof or self._closed,
+                                   TLS_WANT_READ_WAIT_S)
+            return
+        try:
+            with self._lock:
+                if self._fed_count != fed_before or self._eof:
+                    return  # someone fed the engine meanwhile: try it again first
+            try:
+                data = self.sock.recv(IO_CHUNK)  # blocking, outside the engine lock
+            except OSError:
+                data = b""
+                if not self._closed:
+                    with self._lock:
+                        self._mark_eof()
+                    raise
+            with self._lock:
                 if data:
                     self._incoming.write(data)
+                    self._fed_count += 1
+                    self._fed.notify_all()
                 else:
-                    self._incoming.write_eof()
-                    self._eof = True
-                self._fed.notify_all()
-        return bool(data)
+                    self._mark_eof()
+        finally:
+            self._recv_lock.release()
+
+    def _mark_eof(self) -> None:
+        # Caller holds _lock.
+        if not self._eof:
+            self._eof = True
+            self._incoming.write_eof()
+            self._fed_count += 1
+            self._fed.notify_all()
 
     def _flush(self, wait: bool) -> None:
         """Send every pending outgoing record, in order. With wait=False, leave them to whoever holds
@@ -1386,46 +1453,6 @@ class _TLSStream(_Stream):
             with self._lock:
                 if not self._outgoing.pending:
                     return
-
-    def recv(self, n: int) -> bytes:
-        while True:
-            with self._lock:
-                try:
-                    data: Optional[bytes] = self._tls.read(n)
-                except ssl.SSLWantReadError:
-                    data = None
-                except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
-                    data = b""
-                pending = self._outgoing.pending
-            if pending:  # e.g. a TLS 1.3 KeyUpdate answer
-                self._flush(wait=False)
-            if data is not None:
-                return data
-            if self._closed:
-                return b""
-            self._feed()
-
-    def sendall(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            feed_myself = False
-            with self._lock:
-                try:
-                    sent = self._tls.write(view[:IO_CHUNK])
-                except ssl.SSLWantReadError:
-                    # The engine needs peer bytes first. A reader thread will feed them; if none is
-                    # waiting on the socket, this thread feeds them itself.
-                    sent = 0
-                    if self._eof or self._closed:
-                        raise ConnectionResetError("TLS stream ended")
-                    if self._readers:
-                        self._fed.wait(TLS_WANT_READ_WAIT_S)
-                    else:
-                        feed_myself = True
-            if feed_myself:
-                self._feed()
-            view = view[sent:]
-            self._flush(wait=True)
 
     def close(self) -> None:
         with self._lock:

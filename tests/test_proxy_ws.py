@@ -109,15 +109,19 @@ def test_64_concurrent_tls_sessions_move_large_and_small_frames_both_ways_intact
         assert sent == got
 
 
-def test_tls_engine_reader_and_writer_threads_progress_independently(test_ca):
-    """Drive the MemoryBIO engine directly: 4 MiB each way at once, against a TLS echo server."""
-    server_ctx = test_ca.server_context()
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.settimeout(TIMEOUT)
+class _TLSEcho:
+    """A one-connection TLS echo server (stdlib ssl) for driving the proxy's TLS engine directly."""
 
-    def echo() -> None:
-        conn, _ = listener.accept()
-        with server_ctx.wrap_socket(conn, server_side=True) as tls:
+    def __init__(self, test_ca: support.TestCA) -> None:
+        self._context = test_ca.server_context()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(TIMEOUT)
+        self.thread = threading.Thread(target=self._serve)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self.listener.accept()
+        with self._context.wrap_socket(conn, server_side=True) as tls:
             tls.settimeout(TIMEOUT)
             while True:
                 data = tls.recv(65536)
@@ -125,26 +129,68 @@ def test_tls_engine_reader_and_writer_threads_progress_independently(test_ca):
                     break
                 tls.sendall(data)
 
-    server = threading.Thread(target=echo)
-    server.start()
-    sock = socket.create_connection(listener.getsockname(), timeout=TIMEOUT)
-    stream = _TLSStream(sock, test_ca.client_context(), "localhost")
+    def connect(self, test_ca: support.TestCA) -> _TLSStream:
+        sock = socket.create_connection(self.listener.getsockname(), timeout=TIMEOUT)
+        return _TLSStream(sock, test_ca.client_context(), "localhost")
+
+    def close(self) -> None:
+        self.thread.join(TIMEOUT)
+        self.listener.close()
+
+
+def _recv_exactly(stream: _TLSStream, n: int) -> bytes:
+    received = bytearray()
+    while len(received) < n:
+        chunk = stream.recv(65536)
+        assert chunk, "stream ended early"
+        received += chunk
+    return bytes(received)
+
+
+def test_tls_engine_reader_and_writer_threads_progress_independently(test_ca):
+    """Drive the MemoryBIO engine directly: 4 MiB each way at once, against a TLS echo server."""
+    server = _TLSEcho(test_ca)
+    stream = server.connect(test_ca)
     payload = pattern(4 * 1024 * 1024)
     try:
         stream.handshake()
         writer = threading.Thread(target=stream.sendall, args=(payload,))
         writer.start()
-        received = bytearray()
-        while len(received) < len(payload):
-            chunk = stream.recv(65536)
-            assert chunk, "stream ended early"
-            received += chunk
+        assert _recv_exactly(stream, len(payload)) == payload
         writer.join(TIMEOUT)
-        assert bytes(received) == payload
     finally:
         stream.close()
-        server.join(TIMEOUT)
-        listener.close()
+        server.close()
+
+
+def test_tls_engine_write_that_needs_peer_bytes_feeds_itself_when_no_reader_waits(test_ca):
+    """Writing before the handshake makes the engine ask for peer bytes (SSLWantReadError on write);
+    with no reader thread on the socket, the writer must fetch them itself instead of hanging."""
+    server = _TLSEcho(test_ca)
+    stream = server.connect(test_ca)
+    try:
+        stream.sendall(b"first words")
+        assert _recv_exactly(stream, 11) == b"first words"
+    finally:
+        stream.close()
+        server.close()
+
+
+def test_tls_engine_write_that_needs_peer_bytes_waits_for_the_reader_thread(test_ca):
+    """Same, with a reader thread already blocked on the socket: the writer waits for it to feed."""
+    server = _TLSEcho(test_ca)
+    stream = server.connect(test_ca)
+    got: List[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(_recv_exactly(stream, 64 * 1024)))
+    try:
+        reader.start()
+        stream.sendall(pattern(64 * 1024))
+        reader.join(TIMEOUT)
+        assert got == [pattern(64 * 1024)]
+    finally:
+        stream.close()
+        reader.join(TIMEOUT)
+        server.close()
 
 
 def test_non_101_answer_reaches_the_client_as_http(upstream):
@@ -228,3 +274,40 @@ def test_upgrade_without_a_key_is_refused_with_400(upstream):
     assert raw.startswith(b"HTTP/1.1 400")
     assert b"X-Proxy-Error: bad-upgrade" in raw
     assert upstream.requests == []
+
+
+def test_bytes_sent_right_after_the_101_reach_the_client(no_leaks):
+    """An upstream that greets in the same write as its 101: those frame bytes must not be lost."""
+    import base64
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(TIMEOUT)
+
+    def greet_then_wait() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(TIMEOUT)
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += conn.recv(4096)
+            key = [line.split(b":", 1)[1].strip() for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"sec-websocket-key:")][0]
+            accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
+            frame = b"\x81\x05hello"  # unmasked text frame from the server
+            conn.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                         b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n" + frame)
+            try:
+                conn.recv(4096)  # until the client closes
+            except OSError:
+                pass
+
+    server = threading.Thread(target=greet_then_wait)
+    server.start()
+    try:
+        with AuthProxy() as proxy:
+            base = ws_url(proxy.mount("http://127.0.0.1:%d" % listener.getsockname()[1], TEST_TOKEN))
+            with ws_connect(base + "/ws", compression=None, close_timeout=1) as ws:
+                assert ws.recv(TIMEOUT) == "hello"
+    finally:
+        server.join(TIMEOUT)
+        listener.close()
