@@ -42,8 +42,8 @@ MAX_SELECT_WAIT_S = 0.5
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 
 # Session phases, in order. A failed session reports the phase it was in.
-CONNECTING, HANDSHAKE, RESET, STEP, CLOSING, DONE = (
-    "connect", "handshake", "reset", "step", "close", "done")
+CONNECTING, HANDSHAKE, RESET, STEP, BARRIER, CLOSING, DONE = (
+    "connect", "handshake", "reset", "step", "barrier", "close", "done")
 
 
 class Session:
@@ -90,7 +90,7 @@ class LoadGenerator:
     """Drives many Sessions against one host:port/path until all finish or the deadline passes."""
 
     def __init__(self, host: str, port: int, path: str, sessions: int, steps: int,
-                 deadline_s: float, message: str = "hi") -> None:
+                 deadline_s: float, message: str = "hi", lockstep: bool = False) -> None:
         self.host, self.port, self.path = host, port, path
         self.n, self.steps, self.deadline_s = sessions, steps, deadline_s
         self.reset_payload = json.dumps({"type": "reset", "data": {}})
@@ -99,6 +99,10 @@ class LoadGenerator:
         self.sel = selectors.DefaultSelector()
         self.sessions = [Session(i, steps) for i in range(sessions)]
         self.active = 0
+        # lockstep: like a trainer's batched env.step, every session waits at a barrier until all
+        # live sessions have their previous reply, then all send the next step at once.
+        self.lockstep = lockstep
+        self.waiting: List[Session] = []
         self.family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.host_header = "[%s]:%d" % (host, port) if ":" in host else "%s:%d" % (host, port)
 
@@ -124,6 +128,7 @@ class LoadGenerator:
                         self._on_readable(s)
                 except (LocalProtocolError, RemoteProtocolError) as exc:
                     self._fail(s, "protocol:%s:%s" % (s.phase, type(exc).__name__))
+        self.lockstep = False  # past the deadline: no barrier releases while failing the rest
         for s in self.sessions:
             if s.phase != DONE and s.error is None:
                 self._fail(s, "timeout:%s" % s.phase)
@@ -232,14 +237,29 @@ class LoadGenerator:
             s.steps_left -= 1
         else:
             return  # a stray message while closing: harmless, ignored
-        if s.steps_left > 0:
-            s.phase = STEP
-            s.t_step_sent = time.monotonic()
-            self._send(s, s.ws.send(TextMessage(data=self.step_payload)))
+        if s.steps_left > 0 and self.lockstep:
+            s.phase = BARRIER
+            self.waiting.append(s)
+            self._release_barrier()
+        elif s.steps_left > 0:
+            self._send_step(s)
         else:
             s.phase = CLOSING
             self._send(s, s.ws.send(TextMessage(data=self.close_payload))
                        + s.ws.send(CloseConnection(code=1000)))
+
+    def _send_step(self, s: Session) -> None:
+        s.phase = STEP
+        s.t_step_sent = time.monotonic()
+        self._send(s, s.ws.send(TextMessage(data=self.step_payload)))
+
+    def _release_barrier(self) -> None:
+        """In lockstep, send everyone's next step once every live session is waiting."""
+        if self.waiting and len(self.waiting) >= self.active:
+            released, self.waiting = self.waiting, []
+            for s in released:
+                if s.sock is not None and s.error is None:
+                    self._send_step(s)
 
     # -- I/O helpers -----------------------------------------------------------------------------
 
@@ -279,6 +299,10 @@ class LoadGenerator:
             s.sock.close()
             s.sock = None
             self.active -= 1
+            if self.lockstep:
+                if s.phase == BARRIER:
+                    self.waiting.remove(s)
+                self._release_barrier()
 
 
 def _reply_rejection(text: str) -> Optional[str]:
@@ -317,6 +341,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--deadline-s", type=float, default=120.0,
                         help="stop waiting after this long; unfinished sessions count as timeouts")
+    parser.add_argument("--lockstep", action="store_true",
+                        help="all sessions step together, like a trainer's batched env.step")
     parser.add_argument("--wait-go", action="store_true",
                         help="print 'ready', then wait for a line on stdin before starting")
     args = parser.parse_args(argv)
@@ -327,7 +353,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error("--sessions %d needs more open files than RLIMIT_NOFILE allows (%d); raise "
                      "the hard limit (ulimit -Hn) or split sessions across processes"
                      % (args.sessions, limit))
-    gen = LoadGenerator(args.host, args.port, args.path, args.sessions, args.steps, args.deadline_s)
+    gen = LoadGenerator(args.host, args.port, args.path, args.sessions, args.steps, args.deadline_s,
+                        lockstep=args.lockstep)
     if args.wait_go:
         print("ready", flush=True)
         if not sys.stdin.readline():

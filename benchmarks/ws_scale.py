@@ -92,7 +92,8 @@ def run_benchmark(batches: Sequence[int], steps: int = DEFAULT_STEPS,
                   generators: int = 1, modes: Sequence[str] = MODES, reps: int = 1,
                   progress: Optional[IO[str]] = None,
                   profile_proxy: Optional[str] = None,
-                  quiet_wait_s: float = QUIET_WAIT_S) -> Dict[str, Any]:
+                  quiet_wait_s: float = QUIET_WAIT_S,
+                  lockstep: bool = False) -> Dict[str, Any]:
     """Run every batch size in each mode and return the raw summary (see `summarize_run`)."""
     nofile = raise_nofile_limit()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -118,7 +119,7 @@ def run_benchmark(batches: Sequence[int], steps: int = DEFAULT_STEPS,
                     _say(progress, "%-6s N=%-5d skipped: %s" % (mode, n, skip))
                     continue
                 row = _run_one(mode, n, targets[mode], steps, step_delay_s, generators,
-                               proxy_pid, up_pid, env, reps, quiet_wait_s)
+                               proxy_pid, up_pid, env, reps, quiet_wait_s, lockstep)
                 rows.append(row)
                 _say(progress, _progress_line(row))
                 if row["success_min"] < SUCCESS_FLOOR:
@@ -129,6 +130,7 @@ def run_benchmark(batches: Sequence[int], steps: int = DEFAULT_STEPS,
             "batches": list(batches), "steps": steps, "step_delay_s": step_delay_s,
             "upstream": upstream, "generators": generators, "stopped": stopped,
             "modes": list(modes), "reps": reps, "quiet_wait_s": quiet_wait_s,
+            "lockstep": lockstep,
             "proxy_idle": proxy_idle, "nofile": nofile})
     finally:
         for name, proc in (("proxy", proxy_proc), ("upstream", up_proc)):
@@ -166,7 +168,7 @@ def render_markdown(result: Dict[str, Any], command: str, title: str = SECTION_T
                m["cpu"], m["cores"], m["mem"], m["kernel"], m["python"], m["when"]),
            "",
            "Method (OpenEnv scaling tutorial): N WebSocket sessions opened at once, each `connect` "
-           "(TCP + upgrade) -> `reset` -> %d x `step` (server waits %.2f s per step) -> `close`, "
+           "(TCP + upgrade) -> `reset` -> %d x `step` (server waits %.2f s per step) -> `close`%s, "
            "%d repetition(s) per batch and mode, sessions pooled; `worst rep` is the lowest "
            "success of one repetition, which the largest-batch verdicts use. "
            "Each batch runs straight against the upstream (`direct`), then through one "
@@ -174,7 +176,10 @@ def render_markdown(result: Dict[str, Any], command: str, title: str = SECTION_T
            "one non-blocking selectors+wsproto loop each. Total = connect to close done. "
            "Percentiles are nearest-rank over successful sessions. sessions/s = successful "
            "sessions / batch wall time (the tutorial's RPS, one request = one whole session)." % (
-               cfg["steps"], cfg["step_delay_s"], cfg["reps"], _upstream_label(cfg["upstream"]),
+               cfg["steps"], cfg["step_delay_s"],
+               " (lockstep: every step waits until all sessions have their previous reply, then "
+               "all send at once, as a trainer's batched `env.step` does)" if cfg["lockstep"] else "",
+               cfg["reps"], _upstream_label(cfg["upstream"]),
                cfg["generators"]),
            ""]
     for mode in cfg["modes"]:
@@ -208,7 +213,7 @@ def render_markdown(result: Dict[str, Any], command: str, title: str = SECTION_T
                 m["cores"]),
             "",
             "| batch | p99 proxy/direct | open at peak | proxy RSS peak | RSS / N, / open "
-            "| proxy threads peak | threads / N, / open | threads after | proxy CPU "
+            "| proxy threads peak | threads / N, / open | threads after | proxy CPU (kernel) "
             "| upstream CPU (direct/proxy) | generator CPU (direct/proxy) "
             "| other processes' CPU (direct/proxy) |",
             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -221,7 +226,8 @@ def render_markdown(result: Dict[str, Any], command: str, title: str = SECTION_T
             r["proxy_rss_peak_kib"] / 1024.0, r["rss_kib_per_session"],
             _num(r["rss_kib_per_open"], "%.1f"), r["proxy_threads_peak"],
             r["threads_per_session"], _num(r["threads_per_open"], "%.2f"),
-            r["proxy_threads_after"], _pct(r["proxy_cpu"]),
+            r["proxy_threads_after"], "%s (%s)" % (_pct(r["proxy_cpu"]),
+                                                   _pct(r["proxy_cpu_kernel"])),
             _pct(d.get("upstream_cpu")), _pct(r["upstream_cpu"]),
             _pct(d.get("generator_cpu")), _pct(r["generator_cpu"]),
             _pct(d.get("other_cpu")), _pct(r["other_cpu"])))
@@ -298,14 +304,15 @@ def plot(result: Dict[str, Any], path: str) -> Optional[str]:
 
 def _run_one(mode: str, n: int, target: Tuple[int, str], steps: int, step_delay_s: float,
              generators: int, proxy_pid: Optional[int], up_pid: int, env: Dict[str, str],
-             reps: int = 1, quiet_wait_s: float = QUIET_WAIT_S) -> Dict[str, Any]:
+             reps: int = 1, quiet_wait_s: float = QUIET_WAIT_S,
+             lockstep: bool = False) -> Dict[str, Any]:
     """Run one batch size in one mode `reps` times, sampling the proxy and timing each process's
     CPU use; sessions of all repetitions are pooled, peaks are the worst repetition's."""
     port, path = target
     deadline = RUN_DEADLINE_BASE_S + (steps + 1) * step_delay_s * 3
     sessions: List[Dict[str, Any]] = []
     rep_success: List[float] = []
-    wall = run_wall = gen_cpu = up_cpu = proxy_cpu = other_cpu = 0.0
+    wall = run_wall = gen_cpu = up_cpu = proxy_cpu = proxy_sys = other_cpu = 0.0
     before = {"rss_kib": 0, "threads": 0}
     peak = {"rss_kib": 0, "threads": 0}
     after_threads = 0
@@ -317,16 +324,18 @@ def _run_one(mode: str, n: int, target: Tuple[int, str], steps: int, step_delay_
         noisy_starts += 0 if _wait_for_quiet(quiet_wait_s) else 1
         st = _proc_status(proxy_pid)
         before = st if rep == 0 else {k: min(before[k], st[k]) for k in st}
-        cpu0 = (_cpu_seconds(proxy_pid), _cpu_seconds(up_pid), _machine_busy_seconds())
+        cpu0 = (_cpu_seconds(proxy_pid), _cpu_seconds(up_pid), _machine_busy_seconds(),
+                _cpu_seconds(proxy_pid, kernel_only=True))
         sampler = _PeakSampler(proxy_pid)
         sampler.start()
         t0 = time.monotonic()
         try:
-            outputs = _run_generators(port, path, n, steps, deadline, generators, env)
+            outputs = _run_generators(port, path, n, steps, deadline, generators, env, lockstep)
         finally:
             sampler.stop()
         wall += time.monotonic() - t0
         rep_proxy = _cpu_seconds(proxy_pid) - cpu0[0]
+        proxy_sys += _cpu_seconds(proxy_pid, kernel_only=True) - cpu0[3]
         rep_up = _cpu_seconds(up_pid) - cpu0[1]
         rep_gen = sum(out["cpu_s"] for out in outputs)
         other_cpu += max(0.0, _machine_busy_seconds() - cpu0[2] - rep_proxy - rep_up - rep_gen)
@@ -356,6 +365,7 @@ def _run_one(mode: str, n: int, target: Tuple[int, str], steps: int, step_delay_
         "generator_cpu": gen_cpu / run_wall if run_wall > 0 else None,
         "upstream_cpu": up_cpu / wall,
         "proxy_cpu": proxy_cpu / wall,
+        "proxy_cpu_kernel": proxy_sys / wall,
         "other_cpu": other_cpu / wall,
         "noisy_starts": noisy_starts,
         "proxy_rss_before_kib": before["rss_kib"],
@@ -426,7 +436,8 @@ def percentile(values: Sequence[float], p: float) -> Optional[float]:
 
 
 def _run_generators(port: int, path: str, n: int, steps: int, deadline_s: float,
-                    generators: int, env: Dict[str, str]) -> List[Dict[str, Any]]:
+                    generators: int, env: Dict[str, str],
+                    lockstep: bool = False) -> List[Dict[str, Any]]:
     """Start the generator processes, let them all load, say go at once, collect their JSON."""
     shares = [n // generators + (1 if i < n % generators else 0) for i in range(generators)]
     procs = []
@@ -434,7 +445,8 @@ def _run_generators(port: int, path: str, n: int, steps: int, deadline_s: float,
         for share in (s for s in shares if s > 0):
             cmd = [sys.executable, os.path.join(HERE, "_loadgen.py"), "--port", str(port),
                    "--path", path, "--sessions", str(share), "--steps", str(steps),
-                   "--deadline-s", str(deadline_s), "--wait-go"]
+                   "--deadline-s", str(deadline_s), "--wait-go"] + (
+                       ["--lockstep"] if lockstep else [])
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True, env=env)
             procs.append(proc)
@@ -569,8 +581,10 @@ def _proc_status(pid: Optional[int]) -> Dict[str, int]:
     return {"rss_kib": rss, "threads": threads}
 
 
-def _cpu_seconds(pid: Optional[int]) -> float:
-    """User + system CPU seconds a process has used so far (/proc/<pid>/stat fields 14 and 15)."""
+def _cpu_seconds(pid: Optional[int], kernel_only: bool = False) -> float:
+    """User + system (or only system) CPU seconds a process has used so far (/proc/<pid>/stat
+    fields 14 and 15). Kernel time is worth its own number: thousands of threads contending for
+    the GIL show up there, as futex and scheduler work, not as Python work."""
     if pid is None:
         return 0.0
     try:
@@ -578,7 +592,8 @@ def _cpu_seconds(pid: Optional[int]) -> float:
             fields = fh.read().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / float(os.sysconf("SC_CLK_TCK"))
+    ticks = int(fields[12]) if kernel_only else int(fields[11]) + int(fields[12])
+    return ticks / float(os.sysconf("SC_CLK_TCK"))
 
 
 class _PeakSampler:
@@ -767,11 +782,11 @@ def _progress_line(r: Dict[str, Any]) -> str:
         r["proxy_threads_after"])
         if r["mode"] == "proxy" else "")
     return ("%-6s N=%-5d success %6s  connect p50 %s  step p50 %s  total p99 %s  %5.0f sess/s  "
-            "%s conn/s  CPU gen/up/proxy %s/%s/%s%s%s" % (
+            "%s conn/s  CPU gen/up/proxy(kernel) %s/%s/%s(%s)%s%s" % (
                 r["mode"], r["n"], _pct(r["success"]), _s(r["connect_p50"]), _s(r["step_p50"]),
                 _s(r["total_p99"]), r["sessions_per_s"], _num(r["connects_per_s"], "%.0f"),
                 _pct(r["generator_cpu"]),
-                _pct(r["upstream_cpu"]), _pct(r["proxy_cpu"]), proxy,
+                _pct(r["upstream_cpu"]), _pct(r["proxy_cpu"]), _pct(r["proxy_cpu_kernel"]), proxy,
                 ("  failures: " + _errors(r["errors"])) if r["errors"] else ""))
 
 
@@ -846,6 +861,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--label", default=None,
                         help="a variant's name: its results go to their own section "
                              "'%s (LABEL)' and plot ws_scale_LABEL.png" % SECTION_TITLE[3:])
+    parser.add_argument("--lockstep", action="store_true",
+                        help="sessions step together, like a trainer's batched env.step: each "
+                             "step waits until every session has its previous reply")
     parser.add_argument("--quiet-wait-s", type=float, default=QUIET_WAIT_S,
                         help="before each run, wait up to this long for the machine to go quiet "
                              "(0: do not wait; default %(default)s)")
@@ -885,7 +903,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                            args.generators), flush=True)
     result = run_benchmark(batches, args.steps, delay, args.upstream, args.generators,
                            modes=args.modes, reps=reps, progress=sys.stdout,
-                           profile_proxy=args.profile_proxy, quiet_wait_s=args.quiet_wait_s)
+                           profile_proxy=args.profile_proxy, quiet_wait_s=args.quiet_wait_s,
+                           lockstep=args.lockstep)
     section = render_markdown(result, command, title)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
