@@ -152,3 +152,19 @@ def test_a_labelled_variant_gets_its_own_section_beside_the_main_one(tmp_path):
     ws_scale.write_results_section(str(path), variant + "\n\nvariant v2\n", variant)
     text = path.read_text()
     assert text == main_section + "\n" + variant + "\n\nvariant v2\n"
+
+
+def test_lockstep_sessions_all_finish_every_step_behind_the_barrier():
+    upstream = subprocess.Popen([sys.executable, os.path.join(BENCH, "_ws_upstream.py"),
+                                 "--step-delay-s", "0.02"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        port = json.loads(upstream.stdout.readline())["port"]
+        proc = _run([os.path.join(BENCH, "_loadgen.py"), "--port", str(port), "--sessions", "5",
+                     "--steps", "3", "--lockstep", "--deadline-s", "20"], timeout=40)
+    finally:
+        upstream.stdin.close()
+        upstream.wait(10)
+    sessions = json.loads(proc.stdout)["sessions"]
+    assert [(s["ok"], s["error"], len(s["steps"])) for s in sessions] == [(True, None, 3)] * 5
+    assert all(t >= 0.02 for s in sessions for t in s["steps"])
