@@ -164,8 +164,9 @@ def render_markdown(result: Dict[str, Any], command: str, title: str = SECTION_T
     m = result["machine"]
     out = [title, "",
            "Command: `%s`  " % command,
-           "Machine: %s, %d cores, %s RAM, %s, Python %s. Run finished %s." % (
-               m["cpu"], m["cores"], m["mem"], m["kernel"], m["python"], m["when"]),
+           "Machine: %s, %d cores, %s RAM, %s, Python %s. proxy.py at %s. Run finished %s." % (
+               m["cpu"], m["cores"], m["mem"], m["kernel"], m["python"],
+               m.get("proxy_version", "?"), m["when"]),
            "",
            "Method (OpenEnv scaling tutorial): N WebSocket sessions opened at once, each `connect` "
            "(TCP + upgrade) -> `reset` -> %d x `step` (server waits %.2f s per step) -> `close`%s, "
@@ -710,7 +711,20 @@ def machine_info() -> Dict[str, Any]:
         pass
     return {"cpu": cpu, "cores": os.cpu_count() or 0, "mem": mem,
             "kernel": "Linux " + platform.release(), "python": platform.python_version(),
-            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "proxy_version": _proxy_version()}
+
+
+def _proxy_version() -> str:
+    """Which proxy.py was measured: its last commit, and whether the file had local edits."""
+    try:
+        commit = subprocess.run(["git", "log", "-1", "--format=%h", "--", "proxy.py"], cwd=REPO,
+                                capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "--", "proxy.py"], cwd=REPO,
+                               capture_output=True, timeout=10).returncode != 0
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no git)"
+    return (commit or "uncommitted") + (" with uncommitted edits" if dirty else "")
 
 
 def _target_lines(result: Dict[str, Any]) -> List[str]:
