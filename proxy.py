@@ -328,7 +328,11 @@ class AuthProxy:
             if not _is_loopback_host(self.host):
                 log.warning("proxy binding non-loopback address %s: anyone who can reach it and learns a "
                             "route URL can use that route's token", self.host)
-            self._server = _Server(self)
+            try:
+                self._server = _Server(self)
+            except OSError as exc:
+                raise OSError(exc.errno, "AuthProxy cannot listen on %s:%d (%s); pick another port, or 0 for a "
+                                         "free one" % (self.host, self._requested_port, exc.strerror or exc)) from None
             self._serve_thread = threading.Thread(
                 target=self._server.serve_forever, kwargs={"poll_interval": LISTENER_POLL_S}, name="proxy-listener", daemon=True)
             self._serve_thread.start()

@@ -277,3 +277,11 @@ def test_ipv6_loopback_proxy_and_upstream_work():
         base = proxy.mount(upstream.url, TEST_TOKEN)
         assert base.startswith("http://[::1]:")
         assert requests.get(base + "/v6", timeout=TIMEOUT).json()["target"] == "/v6"
+
+
+def test_a_busy_port_fails_start_with_a_clear_error():
+    with AuthProxy() as first:
+        second = AuthProxy(port=first.port)
+        with pytest.raises(OSError, match="cannot listen on 127.0.0.1:%d" % first.port):
+            second.start()
+        second.stop()  # never started: a no-op that must not raise
