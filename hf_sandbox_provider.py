@@ -77,10 +77,16 @@ DEFAULT_JOB_TIMEOUT_S = 3600
 DEFAULT_START_TIMEOUT_S = 600.0
 # From URL to a 200 on /health: image pull plus server boot.
 DEFAULT_READY_TIMEOUT_S = 300.0
-# How often the job is inspected. The API allows ~1,000 calls per 5 minutes per user, so hundreds
-# of providers polling at 1 Hz would be throttled; 2 s is a compromise between latency and quota.
-DEFAULT_POLL_INTERVAL_S = 2.0
-# How often /health is probed through the local proxy (cheap: it does not touch the Jobs API).
+# How often the process-wide job watcher refreshes the jobs that are starting. It makes ONE call per
+# interval for the whole process (a `list` filtered by this process's label), however many providers
+# wait, so 1 s costs at most ~300 of the Hub's ~1,000 calls per 5 minutes, and only while something
+# is starting; a stage change is then seen within a second.
+DEFAULT_POLL_INTERVAL_S = 1.0
+# /health is probed through the local proxy (no Jobs API call) on a growing schedule: the first
+# probes come quickly, so a server that boots in a few hundred milliseconds is seen within ~0.1 s of
+# answering, and the interval grows to the cap so a slow image does not flood its job with probes.
+HEALTH_PROBE_FIRST_S = 0.05
+HEALTH_PROBE_GROWTH = 1.3
 HEALTH_PROBE_INTERVAL_S = 0.5
 # Per-probe timeouts for /health: (connect, read). A wedged server must not eat the whole budget.
 HEALTH_PROBE_TIMEOUT_S = (5.0, 10.0)
@@ -104,6 +110,21 @@ LOG_FETCH_TIMEOUT_S = 5.0
 PROVIDER_LABEL_KEY = "hf-sandbox-provider"
 PROVIDER_LABEL_VALUE = "1"
 START_LABEL_KEY = "hf-sandbox-start"
+# Every job this process creates carries `hf-sandbox-process=<uuid of this process>`, so the watcher
+# can refresh all of them with one filtered `list` call.
+PROCESS_LABEL_KEY = "hf-sandbox-process"
+# The process's share of the Hub's per-user limit (about 1,000 calls per 5 minutes): every Jobs API
+# call of the process passes one sliding-window budget per token, with headroom left for other
+# tools of the same user; a 429 pauses every call of that token until its Retry-After.
+RATE_LIMIT_CALLS = 900
+RATE_LIMIT_WINDOW_S = 300.0
+# A job missing from the watcher's `list` (of SCHEDULING/RUNNING jobs) has ended or is not listed
+# yet: it is inspected on its own, at most this many per refresh, so a burst of endings cannot turn
+# one call per interval into hundreds.
+WATCH_MAX_INSPECTS = 8
+# start_many(): how many environments are brought up at once by default. Each in-flight start is a
+# thread waiting on the watcher (cheap), so the bound mostly spreads the creates and the boot probes.
+DEFAULT_MAX_PARALLEL = 64
 # Stages after which a job never runs again (huggingface_hub's TERMINAL_JOB_STAGES).
 TERMINAL_STAGES = frozenset({"COMPLETED", "CANCELED", "ERROR", "DELETED"})
 # What OpenEnv's image template runs (openenv/cli/templates/openenv_env/server/Dockerfile, CMD:
@@ -322,6 +343,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         """Unmount the route and cancel the job. Idempotent; never raises (problems are logged)."""
         try:
             self._stop_requested.set()
+            self._wake.set()  # a start or readiness wait in another thread notices at once
             self._teardown()
         except BaseException:  # a teardown must never mask the caller's own exception
             logger.exception("unexpected error while stopping HF job %s", self.job_id)
@@ -362,7 +384,8 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
                 "start_container() (each worker then starts its own job) or call stop_container() first"
                 % self.job_id)
         state = dict(self.__dict__)
-        for name in ("_lock", "_stop_requested", "_job_client", "_proxy", "_finalizer", "_mounted_on"):
+        for name in ("_lock", "_stop_requested", "_wake", "_watch", "_last_job", "_job_client", "_proxy", "_finalizer",
+                     "_mounted_on"):
             state.pop(name, None)
         return state
 
@@ -386,6 +409,9 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
     def _init_runtime_state(self) -> None:
         self._lock = threading.Lock()
         self._stop_requested = threading.Event()
+        self._wake = threading.Event()  # set by the job watcher on a stage change, and by stop
+        self._watch: Optional[_Watch] = None
+        self._last_job: Optional[Mapping[str, Any]] = None
         self._job_client: Optional[_JobsClient] = None
         if not hasattr(self, "_running"):
             self._running = False
@@ -457,7 +483,11 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
                 self.timings["created"] = self._elapsed()
             self._arm_safety_net(client, None, None)
             self._observe(job)
-            upstream = self._wait_for_url(client, settings)
+            self._watch_job(client, job)
+            try:
+                upstream = self._wait_for_url(client, settings)
+            finally:
+                self._unwatch_job()
             if self._stop_requested.is_set():
                 raise SandboxError("stop_container() was called while job %s was starting" % self.job_id)
             proxy = self._proxy_instance()
@@ -492,13 +522,36 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
             tail = client.job_logs(self._job_namespace or "", self.job_id or "", tail=LOG_TAIL_LINES)
             raise JobFailedError(self.job_id or "", stage, message, tail)
 
+    def _watch_job(self, client: "_JobsClient", job: Optional[Mapping[str, Any]]) -> None:
+        """Register with the process-wide watcher: it refreshes the job and sets `_wake` on a change."""
+        self._watch = _watcher.register(client, self._new_session, self._job_namespace or "", self.job_id or "",
+                                        float(self._active["poll_interval_s"]), self._wake, job)
+
+    def _unwatch_job(self) -> None:
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            self._last_job = watch.job
+            _watcher.unregister(watch)
+
+    def _latest_job(self, client: "_JobsClient") -> Optional[Mapping[str, Any]]:
+        """The watcher's latest answer for our job (raising what it failed with, or on a terminal stage)."""
+        watch = self._watch
+        if watch is None:
+            raise SandboxError("job %s was stopped while starting" % self.job_id)
+        if watch.error is not None:
+            raise watch.error
+        if watch.job is not None:
+            self._raise_if_terminal(client, watch.job)
+        elif self._stop_requested.is_set():
+            raise SandboxError("stop_container() was called while job %s was starting" % self.job_id)
+        return watch.job
+
     def _wait_for_url(self, client: "_JobsClient", settings: Mapping[str, Any]) -> str:
         deadline = self._submitted_at + float(settings["start_timeout_s"])
-        interval = float(settings["poll_interval_s"])
         job_id, port = self.job_id or "", int(settings["port"])
         while True:
-            job = client.get_job(self._job_namespace or "", job_id)
-            self._raise_if_terminal(client, job)
+            self._wake.clear()  # before reading, so a change made after the read still wakes the wait
+            job = self._latest_job(client) or {}
             urls = (job.get("status") or {}).get("exposeUrls") or []
             if urls:
                 url = str(urls[0]).rstrip("/")  # one port is exposed, so one URL
@@ -512,8 +565,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
                     "HF job %s exposed no URL within start_timeout_s=%gs (last stage %s); raise "
                     "start_timeout_s for slow flavors or large images" % (
                         job_id, settings["start_timeout_s"], self.stage), job_id, self.stage)
-            if self._stop_requested.wait(min(interval, remaining)):
-                raise SandboxError("stop_container() was called while job %s was starting" % job_id)
+            self._wake.wait(remaining)
 
     def _wait_healthy(self, url: str, budget: float) -> None:
         client = self._job_client
@@ -521,36 +573,38 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
             raise SandboxError("job %s was stopped before it became ready" % self.job_id)
         start = time.monotonic()
         deadline = start + budget
-        next_job_check = start
+        interval = HEALTH_PROBE_FIRST_S
         last_seen = "no answer yet"
-        with requests.Session() as session:
-            session.trust_env = False  # loopback proxy: never route through HTTP(S)_PROXY
-            while True:
-                now = time.monotonic()
-                if now >= next_job_check:
-                    self._raise_if_terminal(client, client.get_job(self._job_namespace or "", self.job_id or ""))
-                    next_job_check = now + float(self._active["poll_interval_s"])
-                try:
-                    response = session.get(url, timeout=HEALTH_PROBE_TIMEOUT_S)
-                    status = response.status_code
-                    last_seen = _describe_health_answer(response)
-                    response.close()
-                    if status == 200:
-                        self.timings["ready"] = self._elapsed()
-                        logger.info("HF job %s ready (%.1fs after submit)", self.job_id, self._elapsed())
-                        return
-                    reason = _health_status_rejection(status)
-                    if reason:
-                        raise SandboxError("job %s: /health %s" % (self.job_id, reason))
-                except requests.RequestException as exc:
-                    last_seen = type(exc).__name__
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise JobStartTimeout(
-                        "HF job %s did not answer /health with 200 within %gs (last: %s, stage %s)"
-                        % (self.job_id, budget, last_seen, self.stage), self.job_id, self.stage)
-                if self._stop_requested.wait(min(HEALTH_PROBE_INTERVAL_S, remaining)):
-                    raise SandboxError("stop_container() was called while waiting for job %s" % self.job_id)
+        self._watch_job(client, self._last_job)
+        try:
+            with requests.Session() as session:
+                session.trust_env = False  # loopback proxy: never route through HTTP(S)_PROXY
+                while True:
+                    self._wake.clear()
+                    self._latest_job(client)
+                    try:
+                        response = session.get(url, timeout=HEALTH_PROBE_TIMEOUT_S)
+                        status = response.status_code
+                        last_seen = _describe_health_answer(response)
+                        response.close()
+                        if status == 200:
+                            self.timings["ready"] = self._elapsed()
+                            logger.info("HF job %s ready (%.1fs after submit)", self.job_id, self._elapsed())
+                            return
+                        reason = _health_status_rejection(status)
+                        if reason:
+                            raise SandboxError("job %s: /health %s" % (self.job_id, reason))
+                    except requests.RequestException as exc:
+                        last_seen = type(exc).__name__
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise JobStartTimeout(
+                            "HF job %s did not answer /health with 200 within %gs (last: %s, stage %s)"
+                            % (self.job_id, budget, last_seen, self.stage), self.job_id, self.stage)
+                    self._wake.wait(min(interval, remaining))  # a crash seen by the watcher ends it
+                    interval = min(HEALTH_PROBE_INTERVAL_S, interval * HEALTH_PROBE_GROWTH)
+        finally:
+            self._unwatch_job()
 
     def _arm_safety_net(self, client: "_JobsClient", proxy: Optional["_proxy.AuthProxy"],
                         base_url: Optional[str]) -> None:
@@ -762,6 +816,7 @@ def _job_body(settings: Mapping[str, Any], start_label: str) -> Dict[str, Any]:
     labels = {str(k): str(v) for k, v in (settings["labels"] or {}).items()}
     labels[PROVIDER_LABEL_KEY] = PROVIDER_LABEL_VALUE
     labels[START_LABEL_KEY] = start_label
+    labels[PROCESS_LABEL_KEY] = _process_label()
     body: Dict[str, Any] = {
         "command": _job_command(settings["command"], int(settings["port"])),
         "arguments": [],
@@ -982,9 +1037,15 @@ class _JobsClient:
         if self._session.headers["User-Agent"].startswith("python-requests/"):
             self._session.headers["User-Agent"] = USER_AGENT
         self._session.headers["Authorization"] = "Bearer " + token
+        self._budget = _api_budget(endpoint, token)  # shared with every client of this token
 
     def __repr__(self) -> str:
         return "<_JobsClient endpoint=%r>" % self.endpoint
+
+    @property
+    def budget_key(self) -> Tuple[str, str]:
+        """(endpoint, token fingerprint): the rate-limit identity of this client."""
+        return (self.endpoint, _token_fingerprint(self._token))
 
     def close(self) -> None:
         self._session.close()
@@ -1010,6 +1071,7 @@ class _JobsClient:
         attempt = 0
         while True:
             retry_after: Optional[float] = None
+            self._budget.acquire()
             try:
                 response = self._session.post(self.endpoint + path, json=dict(body), timeout=API_TIMEOUT_S)
             except requests.ConnectTimeout as exc:
@@ -1024,6 +1086,8 @@ class _JobsClient:
                     raise self._error(response, action)
                 failure, ambiguous = response, response.status_code != 429
                 retry_after = _retry_after_seconds(response.headers.get("Retry-After"))
+                if response.status_code == 429:
+                    self._budget.rate_limited(retry_after)
                 response.close()
             if ambiguous:
                 found = self.list_jobs(namespace, labels=unique_label)
@@ -1049,10 +1113,10 @@ class _JobsClient:
                    retries=2, max_delay=CANCEL_BACKOFF_CAP_S, allow_empty=True)
 
     def list_jobs(self, namespace: str, labels: Optional[Mapping[str, str]] = None,
-                  stages: Sequence[str] = ()) -> List[Dict[str, Any]]:
+                  stages: Sequence[str] = (), retries: int = API_MAX_RETRIES) -> List[Dict[str, Any]]:
         params = [("label", "%s=%s" % item) for item in (labels or {}).items()]
         params += [("stage", stage) for stage in stages]
-        payload = self._json("GET", "/api/jobs/%s" % namespace, "listing jobs", params=params)
+        payload = self._json("GET", "/api/jobs/%s" % namespace, "listing jobs", params=params, retries=retries)
         return [job for job in payload if isinstance(job, dict)] if isinstance(payload, list) else []
 
     def job_logs(self, namespace: str, job_id: str, tail: int = LOG_TAIL_LINES,
@@ -1061,6 +1125,7 @@ class _JobsClient:
         lines: deque = deque(maxlen=tail)
         deadline = time.monotonic() + timeout_s
         try:
+            self._budget.acquire()
             with self._session.get(self.endpoint + "/api/jobs/%s/%s/logs" % (namespace, job_id),
                                    params={"tail": tail}, stream=True,
                                    timeout=(API_TIMEOUT_S[0], min(2.0, timeout_s))) as response:
@@ -1083,6 +1148,7 @@ class _JobsClient:
         attempt = 0
         while True:
             retry_after: Optional[float] = None
+            self._budget.acquire()
             try:
                 response = self._session.request(method, self.endpoint + path, params=params,
                                                  timeout=API_TIMEOUT_S)
@@ -1096,9 +1162,11 @@ class _JobsClient:
                     if allow_empty and not response.content:
                         return None
                     return self._decode(response, action, allow_empty=allow_empty)
+                retry_after = _retry_after_seconds(response.headers.get("Retry-After"))
+                if response.status_code == 429:
+                    self._budget.rate_limited(retry_after)
                 if not _is_retryable_status(response.status_code) or attempt >= retries:
                     raise self._error(response, action)
-                retry_after = _retry_after_seconds(response.headers.get("Retry-After"))
                 failure = "HTTP %d" % response.status_code
                 response.close()
             delay = min(_retry_delay(attempt, retry_after), max_delay)
@@ -1120,6 +1188,246 @@ class _JobsClient:
     def _error(response: requests.Response, action: str) -> JobsAPIError:
         return JobsAPIError(action, response.status_code, _server_message(response),
                             response.headers.get("X-Request-Id"), _status_hint(response.status_code))
+
+
+# --------------------------------------------------------------------------------------------------
+# Process-wide Jobs API budget and job watcher (many providers, one thread, O(1) calls per interval)
+# --------------------------------------------------------------------------------------------------
+
+
+class _ApiBudget:
+    """One token's share of the Jobs API rate limit, shared by every client in the process.
+
+    A sliding window of at most `calls` requests per `window_s`, and one 429 pause: after any call of
+    this token is answered 429, every call of every client with this token waits for Retry-After.
+    `clock` and `sleep` are hooks (tests record the waits; the defaults are the real ones).
+    """
+
+    def __init__(self, calls: int = RATE_LIMIT_CALLS, window_s: float = RATE_LIMIT_WINDOW_S,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+        self.calls = calls
+        self.window_s = window_s
+        self.clock = clock
+        self.sleep = sleep
+        self.paused_until = 0.0
+        self.rate_limited_count = 0
+        self._sent: deque = deque()
+        self._lock = threading.Lock()
+
+    def acquire(self) -> None:
+        """Block until a call may be sent (not paused by a 429, room left in the window); count it."""
+        while True:
+            with self._lock:
+                now = self.clock()
+                while self._sent and self._sent[0] <= now - self.window_s:
+                    self._sent.popleft()
+                wait = self.paused_until - now
+                if wait <= 0 and len(self._sent) >= self.calls:
+                    wait = self._sent[0] + self.window_s - now
+                    logger.warning("this process used its Jobs API budget (%d calls per %gs); waiting %.1fs",
+                                   self.calls, self.window_s, wait)
+                if wait <= 0:
+                    self._sent.append(now)
+                    return
+            self.sleep(wait)
+
+    def rate_limited(self, retry_after: Optional[float]) -> None:
+        """A call was answered 429: pause every call of this token (Retry-After, else a backoff)."""
+        with self._lock:
+            self.rate_limited_count += 1
+            delay = _retry_delay(min(self.rate_limited_count, 6), retry_after)
+            self.paused_until = max(self.paused_until, self.clock() + delay)
+        logger.info("Jobs API answered 429: every call of this process with this token pauses %.1fs", delay)
+
+
+_budgets: Dict[Tuple[str, str], _ApiBudget] = {}
+_budgets_lock = threading.Lock()
+
+
+def _api_budget(endpoint: str, token: str) -> _ApiBudget:
+    """The process's budget for this (endpoint, token)."""
+    key = (endpoint, _token_fingerprint(token))
+    with _budgets_lock:
+        if key not in _budgets:
+            _budgets[key] = _ApiBudget()
+        return _budgets[key]
+
+
+class _Watch:
+    """One starting provider's registration: the latest job answer, or the error that ends the wait."""
+
+    def __init__(self, namespace: str, job_id: str, interval_s: float, wake: threading.Event,
+                 job: Optional[Mapping[str, Any]] = None) -> None:
+        self.namespace = namespace
+        self.job_id = job_id
+        self.interval_s = interval_s
+        self.wake = wake  # set whenever `job` changes stage/URLs or `error` is set
+        self.job: Optional[Mapping[str, Any]] = job
+        self.error: Optional[BaseException] = None
+        self.refreshed = 0  # answers received (tests and the bench read it)
+
+    def deliver(self, job: Mapping[str, Any]) -> None:
+        before = self.job or {}
+        self.job = job
+        self.refreshed += 1
+        if _watch_signature(job) != _watch_signature(before):
+            self.wake.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.wake.set()
+
+
+def _watch_signature(job: Mapping[str, Any]) -> Tuple[Any, ...]:
+    status = job.get("status") or {}
+    return (status.get("stage"), tuple(status.get("exposeUrls") or ()))
+
+
+class _WatchGroup:
+    """The watches that share one (endpoint, token, namespace): refreshed together by one call."""
+
+    def __init__(self, client: "_JobsClient", namespace: str) -> None:
+        self.client = client
+        self.namespace = namespace
+        self.watches: List[_Watch] = []
+        self.next_due = 0.0
+        self.failures = 0
+
+
+class _JobWatcher:
+    """One background thread that refreshes every starting job of the process.
+
+    Per group and per interval (the smallest `poll_interval_s` of its providers): one `inspect` when
+    one job waits, else one `list` filtered by this process's label and the live stages, plus an
+    `inspect` for the few jobs missing from it (they ended, or are not listed yet). Each provider is
+    woken on its own change. The thread starts with the first registration and exits with the last.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._groups: Dict[Tuple[str, str, str], _WatchGroup] = {}
+        self._thread: Optional[threading.Thread] = None
+        self.refreshes = 0  # API refreshes made (one per group per interval)
+
+    def register(self, client: "_JobsClient", new_session: Callable[[], requests.Session], namespace: str,
+                 job_id: str, interval_s: float, wake: threading.Event,
+                 job: Optional[Mapping[str, Any]] = None) -> _Watch:
+        """Watch `job_id` until `unregister`; `new_session` makes the group's own HTTP session."""
+        watch = _Watch(namespace, job_id, interval_s, wake, job)
+        key = client.budget_key + (namespace,)
+        with self._cond:
+            group = self._groups.get(key)
+            if group is None:
+                group = self._groups[key] = _WatchGroup(
+                    _JobsClient(client.endpoint, client._token, new_session()), namespace)
+                group.next_due = time.monotonic() + interval_s
+            group.watches.append(watch)
+            group.next_due = min(group.next_due, time.monotonic() + interval_s)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="hf-sandbox-job-watcher", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        return watch
+
+    def unregister(self, watch: Optional[_Watch]) -> None:
+        if watch is None:
+            return
+        with self._cond:
+            for group in self._groups.values():
+                if watch in group.watches:
+                    group.watches.remove(watch)
+            self._cond.notify_all()
+
+    @property
+    def thread(self) -> Optional[threading.Thread]:
+        return self._thread
+
+    def _run(self) -> None:
+        while True:
+            closing: List[_JobsClient] = []
+            snapshots: List[Tuple[_WatchGroup, List[_Watch]]] = []
+            with self._cond:
+                for key in [k for k, g in self._groups.items() if not g.watches]:
+                    closing.append(self._groups.pop(key).client)
+                exiting = not self._groups
+                if exiting:
+                    self._thread = None  # under the lock: the next register() starts a new thread
+                else:
+                    now = time.monotonic()
+                    due = [g for g in self._groups.values() if g.next_due <= now]
+                    if due:
+                        snapshots = [(group, list(group.watches)) for group in due]
+                        for group, watches in snapshots:
+                            group.next_due = now + min(w.interval_s for w in watches)
+                    elif not closing:
+                        self._cond.wait(max(0.0, min(g.next_due for g in self._groups.values()) - now))
+            for client in closing:
+                client.close()
+            if exiting:
+                return
+            for group, watches in snapshots:
+                self._refresh(group, watches)
+
+    def _refresh(self, group: _WatchGroup, watches: List[_Watch]) -> None:
+        """One refresh of a group; failures pause it, and end the waits after API_MAX_RETRIES."""
+        self.refreshes += 1
+        client = group.client
+        try:
+            if len(watches) == 1:
+                found = {watches[0].job_id: client.get_job(group.namespace, watches[0].job_id, retries=0)}
+            else:
+                listed = client.list_jobs(group.namespace, labels={PROCESS_LABEL_KEY: _process_label()},
+                                          stages=("SCHEDULING", "RUNNING"), retries=0)
+                found = {str(job.get("id")): job for job in listed}
+                missing = [w for w in watches if w.job_id not in found][:WATCH_MAX_INSPECTS]
+                for watch in missing:
+                    try:
+                        found[watch.job_id] = client.get_job(group.namespace, watch.job_id, retries=0)
+                    except JobsAPIError as exc:
+                        if exc.status_code is not None and 400 <= exc.status_code < 500 and exc.status_code != 429:
+                            watch.fail(exc)  # e.g. 404: this job is gone; the others are fine
+                        else:
+                            raise
+        except BaseException as exc:  # never kill the thread: the waiting providers get the error instead
+            group.failures += 1
+            permanent = not isinstance(exc, Exception) or (
+                isinstance(exc, JobsAPIError) and exc.status_code is not None
+                and 400 <= exc.status_code < 500 and exc.status_code != 429)
+            if permanent or group.failures > API_MAX_RETRIES:
+                for watch in watches:
+                    watch.fail(exc)
+                group.failures = 0
+            else:
+                group.next_due = time.monotonic() + _retry_delay(group.failures, None)
+                logger.debug("job watcher: refresh failed (%s), retrying", exc)
+            return
+        group.failures = 0
+        for watch in watches:
+            job = found.get(watch.job_id)
+            if job is not None:
+                watch.deliver(job)
+
+
+_watcher = _JobWatcher()
+_process_label_value = uuid.uuid4().hex
+
+
+def _process_label() -> str:
+    """This process's label value (renewed in a forked child, whose jobs are its own)."""
+    return _process_label_value
+
+
+def _reset_after_fork() -> None:
+    """A forked child inherits no threads: give it its own watcher, budgets and process label."""
+    global _watcher, _process_label_value, _budgets_lock
+    _watcher = _JobWatcher()
+    _process_label_value = uuid.uuid4().hex
+    _budgets_lock = threading.Lock()
+    _budgets.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 # --------------------------------------------------------------------------------------------------
