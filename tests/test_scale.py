@@ -1,0 +1,283 @@
+"""Many environments from one process: the process-wide job watcher, the shared Jobs API budget and
+`start_many`. Real emulator (real job processes, real sockets), real threads; nothing of ours mocked."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+
+import hf_sandbox_provider as hsp
+from hf_jobs_emulator import JobsEmulator, echo_server_command
+from proxy import AuthProxy
+
+IMAGE = "registry.hf.space/openenv-echo-env:latest"
+TIMEOUT = 60
+# A job whose server never answers /health: readiness waits until the test ends it.
+NEVER_READY = [sys.executable, "-c", "import time; time.sleep(120)"]
+
+
+@pytest.fixture
+def proxy():
+    p = AuthProxy().start()
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+def wait_until(predicate, what, timeout_s=TIMEOUT):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting for " + what)
+        time.sleep(0.02)
+
+
+def watcher_threads():
+    return [t for t in threading.enumerate() if t.name == "hf-sandbox-job-watcher"]
+
+
+def in_threads(function, items):
+    """Run function(item) for each item in its own thread; returns {index: exception or result}."""
+    outcome = {}
+
+    def run(index, item):
+        try:
+            outcome[index] = function(item)
+        except BaseException as exc:  # reported to the test, never lost
+            outcome[index] = exc
+
+    threads = [threading.Thread(target=run, args=(i, item)) for i, item in enumerate(items)]
+    for thread in threads:
+        thread.start()
+    return threads, outcome
+
+
+def join_all(threads):
+    for thread in threads:
+        thread.join(TIMEOUT)
+    assert not any(thread.is_alive() for thread in threads), "a start did not finish"
+
+
+# -- the watcher ------------------------------------------------------------------------------------
+
+
+def test_sixteen_starting_providers_cost_one_api_call_per_watcher_refresh_and_share_one_thread(proxy):
+    with JobsEmulator(scheduling_delay_s=1.0) as emu:
+        providers = [hsp.HFSandboxProvider(IMAGE, endpoint=emu.endpoint, token=emu.token, proxy=proxy,
+                                           command=echo_server_command(), poll_interval_s=0.1)
+                     for _ in range(16)]
+        refreshes_before = hsp._watcher.refreshes
+        threads, outcome = in_threads(lambda p: p.wait_for_ready(p.start_container()), providers)
+        try:
+            wait_until(lambda: len(emu.jobs) == 16, "16 creates")
+            assert len(watcher_threads()) == 1  # one thread for every waiting provider
+            join_all(threads)
+            assert [o for o in outcome.values() if o is not None] == []
+            calls = emu.api_calls
+            waiting_calls = calls.get("list", 0) + calls.get("inspect", 0)
+            refreshes = hsp._watcher.refreshes - refreshes_before
+            # Every refresh is exactly one call however many jobs wait (polling per provider would
+            # have made one call per provider per interval: at least 16 per refresh).
+            assert waiting_calls == refreshes
+            assert calls.get("list", 0) >= 1
+            assert all(p.timings["ready"] >= p.timings["running"] for p in providers)
+        finally:
+            hsp.stop_all(providers)
+        wait_until(lambda: not watcher_threads(), "the watcher thread to exit once nothing waits")
+        wait_until(lambda: emu.live_pids() == [], "every job process to exit")
+
+
+def test_a_job_that_crashes_while_booting_wakes_its_own_provider_and_no_other(proxy):
+    with JobsEmulator() as emu:
+        doomed, survivor = [hsp.HFSandboxProvider(IMAGE, endpoint=emu.endpoint, token=emu.token, proxy=proxy,
+                                                  command=NEVER_READY, poll_interval_s=0.05,
+                                                  ready_timeout_s=TIMEOUT) for _ in range(2)]
+        try:
+            for provider in (doomed, survivor):
+                provider.start_container()
+            threads, outcome = in_threads(lambda p: p.wait_for_ready(), [doomed, survivor])
+            wait_until(lambda: len(hsp._watcher._groups) == 1 and
+                       len(next(iter(hsp._watcher._groups.values())).watches) == 2, "both waits to register")
+            emu.kill_job(doomed.job_id)
+            threads[0].join(TIMEOUT)
+            assert isinstance(outcome[0], hsp.JobFailedError)
+            assert outcome[0].job_id == doomed.job_id and outcome[0].stage == "ERROR"
+            assert threads[1].is_alive() and 1 not in outcome  # the other provider still waits
+            assert emu.job(survivor.job_id).stage == "RUNNING"
+            survivor.stop_container()
+            threads[1].join(TIMEOUT)
+            assert isinstance(outcome[1], hsp.SandboxError) and "stop_container" in str(outcome[1])
+        finally:
+            hsp.stop_all([doomed, survivor])
+        wait_until(lambda: emu.live_pids() == [], "every job process to exit")
+
+
+def test_watcher_list_refresh_ignores_jobs_of_another_process_label(proxy):
+    with JobsEmulator(scheduling_delay_s=0.5) as emu:
+        stranger = hsp._JobsClient(emu.endpoint, emu.token)
+        try:  # a job with this library's label but another process's: never delivered to our watches
+            body = hsp._job_body(dict(image=IMAGE, command=NEVER_READY, port=8000, env_vars={}, labels={},
+                                      flavor="cpu-basic", job_timeout=60, secrets={}), "other-start")
+            body["labels"][hsp.PROCESS_LABEL_KEY] = "another-process"
+            other = stranger.create_job(emu.namespace, body, {hsp.START_LABEL_KEY: "other-start"})
+            providers = [hsp.HFSandboxProvider(IMAGE, endpoint=emu.endpoint, token=emu.token, proxy=proxy,
+                                               command=echo_server_command(), poll_interval_s=0.1)
+                         for _ in range(3)]
+            threads, outcome = in_threads(lambda p: p.start_container(), providers)
+            join_all(threads)
+            assert all(isinstance(o, str) for o in outcome.values()), outcome
+            assert other["id"] not in {p.job_id for p in providers}
+            assert emu.job(other["id"]).stage in ("SCHEDULING", "RUNNING")  # untouched
+            hsp.stop_all(providers)
+            stranger.cancel_job(emu.namespace, other["id"])
+        finally:
+            stranger.close()
+        wait_until(lambda: emu.live_pids() == [], "every job process to exit")
+
+
+# -- the shared rate-limit budget -------------------------------------------------------------------
+
+
+def test_one_429_pauses_every_client_of_that_token_and_no_other_token():
+    other_token = "hf_other_" + "c" * 24
+    with JobsEmulator(extra_tokens={other_token: "carol"}) as emu:
+        first, second = hsp._JobsClient(emu.endpoint, emu.token), hsp._JobsClient(emu.endpoint, emu.token)
+        carol = hsp._JobsClient(emu.endpoint, other_token)
+        budget, carol_budget = hsp._api_budget(emu.endpoint, emu.token), hsp._api_budget(emu.endpoint, other_token)
+        waits, carol_waits = [], []
+        budget.sleep = lambda s: (waits.append(s), time.sleep(s))
+        carol_budget.sleep = lambda s: (carol_waits.append(s), time.sleep(s))
+        try:
+            emu.inject_rate_limit(1, retry_after_s=1, routes=["list"])
+            with pytest.raises(hsp.JobsAPIError) as info:
+                first.list_jobs(emu.namespace, retries=0)
+            assert info.value.status_code == 429
+            assert carol.list_jobs("carol", retries=0) == []  # another user's budget is not paused
+            assert carol_waits == []
+            assert second.list_jobs(emu.namespace, retries=0) == []  # waits out the 429 first, then succeeds
+            assert len(waits) == 1 and 0.5 < waits[0] <= 1.0
+        finally:
+            for client in (first, second, carol):
+                client.close()
+            budget.sleep = carol_budget.sleep = time.sleep
+
+
+def test_budget_window_makes_the_call_past_the_limit_wait_for_the_oldest_to_expire():
+    now = [100.0]
+    waits = []
+
+    def sleep(seconds):
+        waits.append(seconds)
+        now[0] += seconds
+
+    budget = hsp._ApiBudget(calls=3, window_s=10.0, clock=lambda: now[0], sleep=sleep)
+    for _ in range(3):
+        budget.acquire()
+        now[0] += 1.0
+    budget.acquire()  # the 4th call within 10 s waits until the first one leaves the window
+    assert waits == [7.0] and budget.sent_total == 4
+
+
+def test_providers_waiting_through_a_429_all_become_ready(proxy):
+    with JobsEmulator(scheduling_delay_s=0.3) as emu:
+        providers = [hsp.HFSandboxProvider(IMAGE, endpoint=emu.endpoint, token=emu.token, proxy=proxy,
+                                           command=echo_server_command(), poll_interval_s=0.05)
+                     for _ in range(4)]
+        emu.inject_rate_limit(2, retry_after_s=1, routes=["list", "inspect"])
+        try:
+            threads, outcome = in_threads(lambda p: p.wait_for_ready(p.start_container()), providers)
+            join_all(threads)
+            assert [o for o in outcome.values() if o is not None] == []
+            assert hsp._api_budget(emu.endpoint, emu.token).rate_limited_count >= 1
+        finally:
+            hsp.stop_all(providers)
+        wait_until(lambda: emu.live_pids() == [], "every job process to exit")
+
+
+# -- start_many -------------------------------------------------------------------------------------
+
+
+class ThirdOneCrashes(hsp.HFSandboxProvider):
+    """The third provider made asks the emulator to crash its job at boot (a per-job fault label)."""
+
+    made = 0
+
+    def __init__(self, *args, **kwargs):
+        type(self).made += 1
+        if type(self).made == 3:
+            kwargs["labels"] = {"emulator-crash-at-boot": "boom: third environment"}
+        super().__init__(*args, **kwargs)
+
+
+def test_start_many_returns_n_ready_providers_with_progress(proxy):
+    seen = []
+    with JobsEmulator(scheduling_delay_s=0.2) as emu:
+        providers = hsp.HFSandboxProvider.start_many(
+            5, IMAGE, max_parallel=3, progress=lambda ready, failed, total: seen.append((ready, failed, total)),
+            endpoint=emu.endpoint, token=emu.token, proxy=proxy, command=echo_server_command(),
+            poll_interval_s=0.05)
+        try:
+            assert len(providers) == 5 and len({p.job_id for p in providers}) == 5
+            assert all(p.base_url and "ready" in p.timings for p in providers)
+            assert sorted(seen) == [(i, 0, 5) for i in range(1, 6)]
+        finally:
+            hsp.stop_all(providers)
+        wait_until(lambda: all(job.terminal for job in emu.jobs), "every job to end")
+        assert all(job.stage == "CANCELED" for job in emu.jobs)
+        wait_until(lambda: emu.live_pids() == [], "every job process to exit")
+
+
+def test_start_many_all_or_nothing_cancels_every_job_and_raises_one_error_naming_the_failure(proxy):
+    ThirdOneCrashes.made = 0
+    with JobsEmulator(scheduling_delay_s=0.2) as emu:
+        with pytest.raises(hsp.StartManyError) as info:
+            ThirdOneCrashes.start_many(6, IMAGE, max_parallel=6, progress=False, endpoint=emu.endpoint,
+                                       token=emu.token, proxy=proxy, command=echo_server_command(),
+                                       poll_interval_s=0.05)
+        err = info.value
+        assert [index for index, _ in err.errors] == [2]
+        assert isinstance(err.errors[0][1], hsp.JobFailedError)
+        assert "environment 2" in str(err) and "boom: third environment" in str(err)
+        wait_until(lambda: all(job.terminal for job in emu.jobs), "every job to end")
+        assert len(emu.jobs) >= 3
+        assert {job.stage for job in emu.jobs} <= {"CANCELED", "ERROR"}
+        wait_until(lambda: emu.live_pids() == [], "every job process to exit")
+        assert "0 routes" in repr(proxy)
+
+
+def test_start_many_without_all_or_nothing_returns_the_ready_ones_and_the_errors(proxy):
+    ThirdOneCrashes.made = 0
+    with JobsEmulator(scheduling_delay_s=0.2) as emu:
+        ready, errors = ThirdOneCrashes.start_many(
+            4, IMAGE, all_or_nothing=False, progress=False, endpoint=emu.endpoint, token=emu.token,
+            proxy=proxy, command=echo_server_command(), poll_interval_s=0.05)
+        try:
+            assert len(ready) == 3 and [index for index, _ in errors] == [2]
+            assert isinstance(errors[0][1], hsp.JobFailedError)
+            assert all(emu.job(p.job_id).stage == "RUNNING" for p in ready)
+        finally:
+            hsp.stop_all(ready)
+        wait_until(lambda: emu.live_pids() == [], "every job process to exit")
+        assert "0 routes" in repr(proxy)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(n=0), "n=0"),
+    (dict(n=2, max_parallel=0), "max_parallel"),
+    (dict(n=2, progress="yes"), "progress"),
+    (dict(n=2, flavor="cpu-huge"), "unknown flavor"),
+])
+def test_start_many_refuses_bad_arguments_before_any_job(kwargs, message):
+    with JobsEmulator() as emu:
+        with pytest.raises(hsp.SandboxConfigError, match=message):
+            hsp.HFSandboxProvider.start_many(image=IMAGE, endpoint=emu.endpoint, token=emu.token, **kwargs)
+        assert emu.jobs == []
+
+
+def test_start_many_without_an_image_says_where_to_give_one():
+    with pytest.raises(hsp.SandboxConfigError, match="no image given"):
+        hsp.HFSandboxProvider.start_many(2, token="hf_x")
