@@ -68,6 +68,10 @@ RUN_DEADLINE_BASE_S = 60.0
 QUIET_CORES = 0.3
 QUIET_SAMPLE_S = 0.5
 QUIET_WAIT_S = 15.0
+# A repetition during which other processes used more than NOISY_CORES on average is redone, at
+# most NOISY_RETRIES times (then kept, and counted as noisy in the report).
+NOISY_CORES = 0.5
+NOISY_RETRIES = 2
 # Time allowed for a helper process (upstream, proxy, generator) to start and say it is ready.
 CHILD_START_TIMEOUT_S = 30.0
 # File descriptors a process needs besides one per socket (stdio, selector, imports, listener).
@@ -93,7 +97,7 @@ def run_benchmark(batches: Sequence[int], steps: int = DEFAULT_STEPS,
                   progress: Optional[IO[str]] = None,
                   profile_proxy: Optional[str] = None,
                   quiet_wait_s: float = QUIET_WAIT_S,
-                  lockstep: bool = False) -> Dict[str, Any]:
+                  lockstep: bool = False, noisy_retries: int = NOISY_RETRIES) -> Dict[str, Any]:
     """Run every batch size in each mode and return the raw summary (see `summarize_run`)."""
     nofile = raise_nofile_limit()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -119,7 +123,8 @@ def run_benchmark(batches: Sequence[int], steps: int = DEFAULT_STEPS,
                     _say(progress, "%-6s N=%-5d skipped: %s" % (mode, n, skip))
                     continue
                 row = _run_one(mode, n, targets[mode], steps, step_delay_s, generators,
-                               proxy_pid, up_pid, env, reps, quiet_wait_s, lockstep)
+                               proxy_pid, up_pid, env, reps, quiet_wait_s, lockstep,
+                               noisy_retries)
                 rows.append(row)
                 _say(progress, _progress_line(row))
                 if row["success_min"] < SUCCESS_FLOOR:
@@ -130,7 +135,7 @@ def run_benchmark(batches: Sequence[int], steps: int = DEFAULT_STEPS,
             "batches": list(batches), "steps": steps, "step_delay_s": step_delay_s,
             "upstream": upstream, "generators": generators, "stopped": stopped,
             "modes": list(modes), "reps": reps, "quiet_wait_s": quiet_wait_s,
-            "lockstep": lockstep,
+            "lockstep": lockstep, "noisy_retries": noisy_retries,
             "proxy_idle": proxy_idle, "nofile": nofile})
     finally:
         for name, proc in (("proxy", proxy_proc), ("upstream", up_proc)):
@@ -233,9 +238,13 @@ def render_markdown(result: Dict[str, Any], command: str, title: str = SECTION_T
             _pct(d.get("generator_cpu")), _pct(r["generator_cpu"]),
             _pct(d.get("other_cpu")), _pct(r["other_cpu"])))
     noisy = sum(r["noisy_starts"] for r in rows)
-    out += ["", "Each run waited up to %.0f s for the rest of the machine to drop below %.0f%% of "
-            "one core before starting; %d of %d runs started without reaching that quiet." % (
-                cfg["quiet_wait_s"], 100 * QUIET_CORES, noisy, sum(r["reps"] for r in rows))]
+    out += ["", "The machine is shared: each run waited up to %.0f s for the rest of it to drop "
+            "below %.0f%% of one core (%d runs started without that quiet), and a run during which "
+            "other processes used more than %.0f%% of a core was redone, up to %d times "
+            "(%d runs discarded)." % (
+                cfg["quiet_wait_s"], 100 * QUIET_CORES, noisy, 100 * NOISY_CORES,
+                cfg["noisy_retries"],
+                sum(r["discarded_noisy"] for r in rows))]
     out += [""] + _bottleneck_lines(result)
     out += ["", "### against the targets", ""] + _target_lines(result) + [""]
     return "\n".join(out)
@@ -306,54 +315,39 @@ def plot(result: Dict[str, Any], path: str) -> Optional[str]:
 def _run_one(mode: str, n: int, target: Tuple[int, str], steps: int, step_delay_s: float,
              generators: int, proxy_pid: Optional[int], up_pid: int, env: Dict[str, str],
              reps: int = 1, quiet_wait_s: float = QUIET_WAIT_S,
-             lockstep: bool = False) -> Dict[str, Any]:
+             lockstep: bool = False, noisy_retries: int = NOISY_RETRIES) -> Dict[str, Any]:
     """Run one batch size in one mode `reps` times, sampling the proxy and timing each process's
-    CPU use; sessions of all repetitions are pooled, peaks are the worst repetition's."""
-    port, path = target
+    CPU use; sessions of all repetitions are pooled, peaks are the worst repetition's. A
+    repetition during which other processes kept the machine busy is discarded and redone (at
+    most `noisy_retries` times per repetition; the last attempt is kept whatever happened)."""
     deadline = RUN_DEADLINE_BASE_S + (steps + 1) * step_delay_s * 3
-    sessions: List[Dict[str, Any]] = []
-    rep_success: List[float] = []
-    wall = run_wall = gen_cpu = up_cpu = proxy_cpu = proxy_sys = other_cpu = 0.0
-    before = {"rss_kib": 0, "threads": 0}
-    peak = {"rss_kib": 0, "threads": 0}
-    after_threads = 0
-    connected, connect_s = 0, 0.0
-    noisy_starts = 0
+    runs: List[Dict[str, Any]] = []
+    noisy_starts = discarded = 0
     for rep in range(reps):
-        if rep:
-            time.sleep(PAUSE_BETWEEN_RUNS_S)
-        noisy_starts += 0 if _wait_for_quiet(quiet_wait_s) else 1
-        st = _proc_status(proxy_pid)
-        before = st if rep == 0 else {k: min(before[k], st[k]) for k in st}
-        cpu0 = (_cpu_seconds(proxy_pid), _cpu_seconds(up_pid), _machine_busy_seconds(),
-                _cpu_seconds(proxy_pid, kernel_only=True))
-        sampler = _PeakSampler(proxy_pid)
-        sampler.start()
-        t0 = time.monotonic()
-        try:
-            outputs = _run_generators(port, path, n, steps, deadline, generators, env, lockstep)
-        finally:
-            sampler.stop()
-        wall += time.monotonic() - t0
-        rep_proxy = _cpu_seconds(proxy_pid) - cpu0[0]
-        proxy_sys += _cpu_seconds(proxy_pid, kernel_only=True) - cpu0[3]
-        rep_up = _cpu_seconds(up_pid) - cpu0[1]
-        rep_gen = sum(out["cpu_s"] for out in outputs)
-        other_cpu += max(0.0, _machine_busy_seconds() - cpu0[2] - rep_proxy - rep_up - rep_gen)
-        proxy_cpu += rep_proxy
-        up_cpu += rep_up
-        peak = {"rss_kib": max(peak["rss_kib"], sampler.peak_rss_kib),
-                "threads": max(peak["threads"], sampler.peak_threads)}
-        settled = _settle(proxy_pid, st["threads"]) if mode == "proxy" else _proc_status(proxy_pid)
-        after_threads = max(after_threads, settled["threads"])
-        mine = [s for out in outputs for s in out["sessions"]]
-        rep_success.append(sum(1 for s in mine if s["ok"]) / float(len(mine)))
-        sessions += mine
-        count, span = connect_span(mine)
-        connected, connect_s = connected + count, connect_s + span
-        run_wall += (max(out["t0"] + out["wall_s"] for out in outputs)
-                     - min(out["t0"] for out in outputs))
-        gen_cpu += sum(out["cpu_s"] for out in outputs)
+        for attempt in range(noisy_retries + 1):
+            if rep or attempt:
+                time.sleep(PAUSE_BETWEEN_RUNS_S)
+            noisy_starts += 0 if _wait_for_quiet(quiet_wait_s) else 1
+            run = _measure_once(mode, target, n, steps, deadline, generators, proxy_pid, up_pid,
+                                env, lockstep)
+            if run["other_cpu"] / run["wall"] <= NOISY_CORES or attempt == noisy_retries:
+                break
+            discarded += 1
+        runs.append(run)
+    sessions = [s for run in runs for s in run["sessions"]]
+    wall = sum(run["wall"] for run in runs)
+    run_wall = sum(run["run_wall"] for run in runs)
+    gen_cpu = sum(run["gen_cpu"] for run in runs)
+    up_cpu = sum(run["up_cpu"] for run in runs)
+    proxy_cpu = sum(run["proxy_cpu"] for run in runs)
+    proxy_sys = sum(run["proxy_sys"] for run in runs)
+    other_cpu = sum(run["other_cpu"] for run in runs)
+    before = {k: min(run["before"][k] for run in runs) for k in ("rss_kib", "threads")}
+    peak = {k: max(run["peak"][k] for run in runs) for k in ("rss_kib", "threads")}
+    after_threads = max(run["after_threads"] for run in runs)
+    rep_success = [run["success"] for run in runs]
+    connected = sum(run["connected"] for run in runs)
+    connect_s = sum(run["connect_s"] for run in runs)
     row = summarize_sessions(sessions)  # reps are disjoint in time, so peak_open is the max rep's
     grown_rss = max(0, peak["rss_kib"] - before["rss_kib"])
     grown_threads = max(0, peak["threads"] - before["threads"])
@@ -369,6 +363,7 @@ def _run_one(mode: str, n: int, target: Tuple[int, str], steps: int, step_delay_
         "proxy_cpu_kernel": proxy_sys / wall,
         "other_cpu": other_cpu / wall,
         "noisy_starts": noisy_starts,
+        "discarded_noisy": discarded,
         "proxy_rss_before_kib": before["rss_kib"],
         "proxy_rss_peak_kib": peak["rss_kib"],
         "proxy_threads_before": before["threads"],
@@ -380,6 +375,44 @@ def _run_one(mode: str, n: int, target: Tuple[int, str], steps: int, step_delay_
         "threads_per_open": grown_threads / row["peak_open"] if row["peak_open"] else None,
     })
     return row
+
+
+def _measure_once(mode: str, target: Tuple[int, str], n: int, steps: int, deadline: float,
+                  generators: int, proxy_pid: Optional[int], up_pid: int, env: Dict[str, str],
+                  lockstep: bool) -> Dict[str, Any]:
+    """One repetition: run the generators, sample the proxy, account every process's CPU."""
+    port, path = target
+    before = _proc_status(proxy_pid)
+    cpu0 = (_cpu_seconds(proxy_pid), _cpu_seconds(proxy_pid, kernel_only=True),
+            _cpu_seconds(up_pid), _machine_busy_seconds())
+    sampler = _PeakSampler(proxy_pid)
+    sampler.start()
+    t0 = time.monotonic()
+    try:
+        outputs = _run_generators(port, path, n, steps, deadline, generators, env, lockstep)
+    finally:
+        sampler.stop()
+    wall = time.monotonic() - t0
+    proxy_cpu = _cpu_seconds(proxy_pid) - cpu0[0]
+    up_cpu = _cpu_seconds(up_pid) - cpu0[2]
+    gen_cpu = sum(out["cpu_s"] for out in outputs)
+    busy = _machine_busy_seconds() - cpu0[3]
+    settled = _settle(proxy_pid, before["threads"]) if mode == "proxy" else _proc_status(proxy_pid)
+    sessions = [s for out in outputs for s in out["sessions"]]
+    connected, connect_s = connect_span(sessions)
+    return {
+        "sessions": sessions, "wall": wall,
+        "run_wall": (max(out["t0"] + out["wall_s"] for out in outputs)
+                     - min(out["t0"] for out in outputs)),
+        "gen_cpu": gen_cpu, "up_cpu": up_cpu, "proxy_cpu": proxy_cpu,
+        "proxy_sys": _cpu_seconds(proxy_pid, kernel_only=True) - cpu0[1],
+        "other_cpu": max(0.0, busy - proxy_cpu - up_cpu - gen_cpu),
+        "before": before, "peak": {"rss_kib": sampler.peak_rss_kib,
+                                   "threads": sampler.peak_threads},
+        "after_threads": settled["threads"],
+        "success": sum(1 for s in sessions if s["ok"]) / float(len(sessions)),
+        "connected": connected, "connect_s": connect_s,
+    }
 
 
 def summarize_sessions(sessions: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -881,6 +914,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--quiet-wait-s", type=float, default=QUIET_WAIT_S,
                         help="before each run, wait up to this long for the machine to go quiet "
                              "(0: do not wait; default %(default)s)")
+    parser.add_argument("--noisy-retries", type=int, default=NOISY_RETRIES,
+                        help="redo a run at most this many times when other processes kept the "
+                             "machine busy during it (default %(default)s)")
     parser.add_argument("--generators", type=int, default=1,
                         help="load generator processes per batch (default 1)")
     parser.add_argument("--results", default=DEFAULT_RESULTS,
@@ -897,8 +933,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     delay = args.step_delay_s if args.step_delay_s is not None else (
         QUICK_STEP_DELAY_S if args.quick else DEFAULT_STEP_DELAY_S)
     reps = args.reps if args.reps is not None else (QUICK_REPS if args.quick else DEFAULT_REPS)
-    if args.steps < 1 or delay < 0 or args.generators < 1 or reps < 1:
-        parser.error("--steps, --reps and --generators must be >= 1 and --step-delay-s >= 0")
+    if (args.steps < 1 or delay < 0 or args.generators < 1 or reps < 1
+            or args.noisy_retries < 0 or args.quiet_wait_s < 0):
+        parser.error("--steps, --reps and --generators must be >= 1; --step-delay-s, "
+                     "--noisy-retries and --quiet-wait-s >= 0")
     if args.label is not None and not re.match(r"^[A-Za-z0-9][A-Za-z0-9 ._-]{0,40}$", args.label):
         parser.error("--label must be 1-41 letters, digits, spaces, '.', '_' or '-', e.g. "
                      "'held-open'")
@@ -918,7 +956,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     result = run_benchmark(batches, args.steps, delay, args.upstream, args.generators,
                            modes=args.modes, reps=reps, progress=sys.stdout,
                            profile_proxy=args.profile_proxy, quiet_wait_s=args.quiet_wait_s,
-                           lockstep=args.lockstep)
+                           lockstep=args.lockstep, noisy_retries=args.noisy_retries)
     section = render_markdown(result, command, title)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:

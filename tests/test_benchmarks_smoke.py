@@ -43,7 +43,7 @@ def test_tiny_batch_runs_direct_and_through_proxy_and_keeps_other_results_sectio
     raw = tmp_path / "ws.json"
     png = tmp_path / "ws.png"
     proc = _run([os.path.join(BENCH, "ws_scale.py"), "--batches", "4", "--step-delay-s", "0.05",
-                 "--reps", "2", "--quiet-wait-s", "0", "--results", str(results), "--plot", str(png), "--json", str(raw)])
+                 "--reps", "2", "--quiet-wait-s", "0", "--noisy-retries", "0", "--results", str(results), "--plot", str(png), "--json", str(raw)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
     result = json.loads(raw.read_text())
@@ -64,7 +64,7 @@ def test_tiny_batch_runs_direct_and_through_proxy_and_keeps_other_results_sectio
     text = results.read_text()
     assert text.count(OTHER_SECTION) == 1, "the other helper's section must survive untouched"
     assert text.count(ws_scale.SECTION_TITLE) == 1
-    assert "--batches 4 --step-delay-s 0.05 --reps 2 --quiet-wait-s 0" in text, "the exact command is recorded"
+    assert "--batches 4 --step-delay-s 0.05 --reps 2 --quiet-wait-s 0 --noisy-retries 0" in text, "the exact command is recorded"
     assert "| 4 | 100.0% |" in text
     if "plot skipped" in proc.stdout:
         assert not png.exists()
