@@ -23,8 +23,10 @@ import os
 import random
 import re
 import shlex
+import signal
 import socket
 import ssl
+import subprocess
 import sys
 import threading
 import time
@@ -2071,6 +2073,9 @@ BENCH_DEFAULT_STEPS = 5
 BENCH_SAMPLE_S = 0.05
 # Budget for one concurrency level on top of the providers' own timeouts (joins never hang).
 BENCH_LEVEL_TIMEOUT_S = 900.0
+# --emulator-process: how long the child may take to print its endpoint, and to stop its jobs.
+BENCH_EMULATOR_START_S = 30.0
+BENCH_EMULATOR_STOP_S = 30.0
 
 
 def _percentile(values: Sequence[float], q: float) -> Optional[float]:
@@ -2122,12 +2127,16 @@ class _Sampler:
             self.peak_threads = max(self.peak_threads, threads)
 
 
-def _run_episode(base_url: str, steps: int, http: bool, action: Mapping[str, Any]) -> None:
-    """reset + `steps` steps over one WebSocket session (or the legacy HTTP endpoints)."""
+def _run_episode(base_url: str, steps: int, http: bool, action: Mapping[str, Any],
+                 after_reset: Callable[[], None] = lambda: None) -> None:
+    """reset + `steps` steps over one WebSocket session (or the legacy HTTP endpoints).
+
+    `after_reset` runs with the session open (bench --hold measures memory there)."""
     if http:
         with requests.Session() as session:
             session.trust_env = False
             session.post(base_url + "/reset", json={}, timeout=SMOKE_REQUEST_TIMEOUT_S).raise_for_status()
+            after_reset()
             for _ in range(steps):
                 session.post(base_url + "/step", json={"action": dict(action)},
                              timeout=SMOKE_REQUEST_TIMEOUT_S).raise_for_status()
@@ -2135,6 +2144,7 @@ def _run_episode(base_url: str, steps: int, http: bool, action: Mapping[str, Any
     ws = _WSClient("ws" + base_url[len("http"):] + "/ws", timeout_s=SMOKE_REQUEST_TIMEOUT_S)
     try:
         answers = [ws.request({"type": "reset", "data": {}})]
+        after_reset()
         answers += [ws.request({"type": "step", "data": dict(action)}) for _ in range(steps)]
     finally:
         ws.close()
@@ -2156,18 +2166,45 @@ class _BenchRun:
         self.ready_mono: Optional[float] = None
 
 
-def _bench_one(run: _BenchRun, args: argparse.Namespace, on_done: Callable[[_BenchRun], None]) -> None:
+class _Hold:
+    """bench --hold: every environment pauses when ready, and again with its session open, so the
+    main thread can sample this process's memory with all providers idle, then with all sessions open."""
+
+    def __init__(self, parties: int) -> None:
+        self.barriers = [threading.Barrier(parties + 1) for _ in range(4)]
+
+    def meet(self, index: int) -> None:
+        self.barriers[index].wait(BENCH_LEVEL_TIMEOUT_S)
+
+    def abort(self) -> None:
+        for barrier in self.barriers:
+            barrier.abort()
+
+
+def _bench_one(run: _BenchRun, args: argparse.Namespace, on_done: Callable[[_BenchRun], None],
+               hold: Optional[_Hold] = None) -> None:
     provider = run.provider
     began = time.monotonic()
+
+    def sessions_open() -> None:
+        if hold is not None:
+            hold.meet(2)  # every session open: the main thread samples
+            hold.meet(3)
+
     try:
         provider.wait_for_ready(provider.start_container())
         run.ready_mono = time.monotonic()
         run.job_id = provider.job_id
+        if hold is not None:
+            hold.meet(0)  # every provider ready and idle: the main thread samples
+            hold.meet(1)
         if args.steps >= 0 and not args.no_episode:
             episode_began = time.monotonic()
-            _run_episode(provider.base_url or "", args.steps, args.http, SMOKE_DEFAULT_ACTION)
+            _run_episode(provider.base_url or "", args.steps, args.http, SMOKE_DEFAULT_ACTION, sessions_open)
             run.episode = time.monotonic() - episode_began
     except Exception as exc:
+        if hold is not None:
+            hold.abort()  # the others must not wait for this one
         run.error = "%s: %s" % (type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
     finally:
         run.job_id = provider.job_id or run.job_id
@@ -2197,11 +2234,16 @@ def _bench_level(concurrency: int, args: argparse.Namespace, settings: Mapping[s
             concurrency, count, concurrency, "ok  " if run.error is None else "FAIL", run.job_id or "-",
             "  ready %.2fs" % run.timings["ready"] if "ready" in run.timings else "  " + (run.error or "")))
 
-    threads = [threading.Thread(target=_bench_one, args=(run, args, on_done), name="bench-env", daemon=True)
+    hold = _Hold(concurrency) if args.hold else None
+    memory: Dict[str, Any] = {}
+    threads = [threading.Thread(target=_bench_one, args=(run, args, on_done, hold), name="bench-env", daemon=True)
                for run in runs]
+    baseline_rss, baseline_threads = _process_sample()
     with _Sampler() as sampler:
         for thread in threads:
             thread.start()
+        if hold is not None:
+            memory = _hold_samples(hold, concurrency, baseline_rss, baseline_threads, not args.no_episode)
         deadline = began + BENCH_LEVEL_TIMEOUT_S
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
@@ -2223,7 +2265,7 @@ def _bench_level(concurrency: int, args: argparse.Namespace, settings: Mapping[s
         after = emulator.api_calls
         calls = {route: after.get(route, 0) - calls_before.get(route, 0) for route in after}
         calls = {route: n for route, n in calls.items() if n}
-    else:
+    else:  # the Hub (or an emulator in another process): count this process's own calls
         calls = {"all": (budget.sent_total - sent_before) if budget is not None else 0}
     total_calls = sum(calls.values())
     waiting_calls = calls.get("list", 0) + calls.get("inspect", 0) if emulator is not None else None
@@ -2243,7 +2285,29 @@ def _bench_level(concurrency: int, args: argparse.Namespace, settings: Mapping[s
         "api_calls": calls, "api_calls_per_env": _round(total_calls / concurrency),
         "waiting_calls": waiting_calls, "watcher_refreshes": _watcher.refreshes - refreshes_before,
         "peak_rss_mib": _round((sampler.peak_rss or 0) / 2 ** 20), "peak_threads": sampler.peak_threads,
+        "memory": memory or None,
     }
+
+
+def _hold_samples(hold: _Hold, concurrency: int, baseline_rss: Optional[int], baseline_threads: int,
+                  sessions: bool) -> Dict[str, Any]:
+    """With --hold: this process's RSS and threads per idle provider and per open session."""
+    result: Dict[str, Any] = {}
+    try:
+        hold.meet(0)
+        gc_rss, gc_threads = _process_sample()
+        result["rss_per_idle_provider_kib"] = _round(((gc_rss or 0) - (baseline_rss or 0)) / 1024 / concurrency, 1)
+        result["threads_per_idle_provider"] = _round((gc_threads - baseline_threads) / concurrency)
+        hold.meet(1)
+        if sessions:
+            hold.meet(2)
+            rss, threads = _process_sample()
+            result["rss_per_session_kib"] = _round(((rss or 0) - (gc_rss or 0)) / 1024 / concurrency, 1)
+            result["threads_per_session"] = _round((threads - gc_threads) / concurrency)
+            hold.meet(3)
+    except threading.BrokenBarrierError:
+        result["error"] = "an environment failed, so not all were held at once"
+    return result
 
 
 def _round(value: Optional[float], digits: int = 2) -> Optional[float]:
@@ -2268,6 +2332,16 @@ def _bench_markdown(report: Mapping[str, Any]) -> str:
             row["concurrency"], row["success"], row["concurrency"], row["wall_s"], _fmt_pair(row["scheduling_s"]),
             _fmt_pair(row["running_to_ready_s"]), _fmt_pair(row["total_s"]), row["throughput_env_per_min"] or 0,
             _fmt_pair(row["overhead_s"]), row["api_calls_per_env"], row["peak_rss_mib"], row["peak_threads"]))
+    held = [row for row in report["rows"] if row.get("memory")]
+    if held:
+        lines += ["", "| concurrency | RSS per idle provider | threads per idle provider | RSS per open session "
+                      "| threads per open session |", "| --- | --- | --- | --- | --- |"]
+        for row in held:
+            memory = row["memory"]
+            lines.append("| %d | %s KiB | %s | %s KiB | %s |" % (
+                row["concurrency"], memory.get("rss_per_idle_provider_kib", "n/a"),
+                memory.get("threads_per_idle_provider", "n/a"), memory.get("rss_per_session_kib", "n/a"),
+                memory.get("threads_per_session", "n/a")))
     return "\n".join(lines)
 
 
@@ -2305,6 +2379,54 @@ def _bench_plot(report: Mapping[str, Any], path: str) -> Optional[str]:
     return None
 
 
+class _EmulatorProcess:
+    """The emulator in a child process (`hf_jobs_emulator serve --json`), so that this process's RSS
+    and threads are the trainer side's alone. Its jobs' health times are not visible from here, so
+    the provider overhead is then reported as n/a."""
+
+    def __init__(self, module: Any, scheduling_delay_s: float) -> None:
+        import tempfile
+
+        self._stderr = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, module.__file__, "serve", "--json", "--scheduling-delay-s", str(scheduling_delay_s)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._stderr, text=True)
+        try:
+            line = self._first_line(BENCH_EMULATOR_START_S)
+            info = json.loads(line)
+            self.endpoint, self.token = str(info["endpoint"]), str(info["token"])
+        except BaseException:
+            self.stop()
+            raise
+
+    def _first_line(self, timeout_s: float) -> str:
+        import selectors
+
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.proc.stdout, selectors.EVENT_READ)  # type: ignore[arg-type]
+            if not selector.select(timeout_s):
+                raise SandboxError("the emulator process printed no endpoint within %gs" % timeout_s)
+        return self.proc.stdout.readline()  # type: ignore[union-attr]
+
+    def stop(self) -> List[str]:
+        """Stop it like Ctrl-C would (it ends every job it runs); what it could not clean up."""
+        problems: List[str] = []
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(BENCH_EMULATOR_STOP_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(BENCH_EMULATOR_STOP_S)
+                problems.append("the emulator process had to be killed (its jobs may be left running)")
+        self._stderr.seek(0)
+        problems += [line.strip() for line in self._stderr if "could not clean up" in line]
+        self._stderr.close()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        return problems
+
+
 def _grid_rejection(text: str) -> Optional[str]:
     try:
         values = [int(part) for part in text.split(",") if part.strip()]
@@ -2333,16 +2455,26 @@ def _run_bench(args: argparse.Namespace) -> int:
     settings: Dict[str, Any] = dict(flavor=args.flavor, poll_interval_s=args.poll_interval_s)
     if args.timeout:
         settings.update(start_timeout_s=args.timeout, ready_timeout_s=args.timeout)
+    emulator_process: Optional[_EmulatorProcess] = None
     if args.local:
         if __package__:
             from . import hf_jobs_emulator as _emulator
         else:
             import hf_jobs_emulator as _emulator
-        emulator = _emulator.JobsEmulator(scheduling_delay_s=args.scheduling_delay_s).start()
-        settings.update(endpoint=emulator.endpoint, token=emulator.token,
-                        command=args.command or _emulator.echo_server_command())
+        if args.emulator_process:
+            try:
+                emulator_process = _EmulatorProcess(_emulator, args.scheduling_delay_s)
+            except (SandboxError, OSError, ValueError, KeyError) as exc:
+                print("error: could not start the emulator process: %s" % exc, file=sys.stderr)
+                return EXIT_FAILED
+            endpoint, token = emulator_process.endpoint, emulator_process.token
+        else:
+            emulator = _emulator.JobsEmulator(scheduling_delay_s=args.scheduling_delay_s).start()
+            endpoint, token = emulator.endpoint, emulator.token
+        settings.update(endpoint=endpoint, token=token, command=args.command or _emulator.echo_server_command())
         args.image = args.image or SMOKE_DEFAULT_IMAGE
-        description = "local emulator, scheduling delay %gs" % args.scheduling_delay_s
+        description = "local emulator%s, scheduling delay %gs" % (
+            " in its own process" if args.emulator_process else "", args.scheduling_delay_s)
     else:
         token = _discover_token()
         if not token:
@@ -2360,6 +2492,8 @@ def _run_bench(args: argparse.Namespace) -> int:
         print("error: %s" % exc, file=sys.stderr)
         if emulator is not None:
             emulator.stop()
+        if emulator_process is not None:
+            emulator_process.stop()
         return EXIT_USAGE
     report: Dict[str, Any] = {
         "mode": "local" if args.local else "hub", "mode_description": description, "image": args.image,
@@ -2376,6 +2510,8 @@ def _run_bench(args: argparse.Namespace) -> int:
                 "peak threads %d" % (concurrency, row["success"], concurrency, row["wall_s"],
                                      _fmt_pair(row["overhead_s"]), row["api_calls_per_env"], row["peak_rss_mib"],
                                      row["peak_threads"]))
+            if row["memory"]:
+                say("c=%d held: %s" % (concurrency, ", ".join("%s %s" % kv for kv in row["memory"].items())))
             for error in row["errors"]:
                 say("    error: %s" % error)
     except KeyboardInterrupt:
@@ -2384,6 +2520,8 @@ def _run_bench(args: argparse.Namespace) -> int:
         if emulator is not None:
             leftovers = emulator.stop()
             leftovers += ["job process %d" % pid for pid in emulator.live_pids()]
+        if emulator_process is not None:
+            leftovers = emulator_process.stop()
     report["leftovers"] = leftovers
     markdown = _bench_markdown(report)
     if args.json:
@@ -2435,6 +2573,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-episode", action="store_true", help="only start, wait ready and stop")
     bench.add_argument("--scheduling-delay-s", type=float, default=BENCH_DEFAULT_SCHEDULING_DELAY_S,
                        help="--local: seconds each job stays SCHEDULING (default %(default)s, HF's cold start)")
+    bench.add_argument("--emulator-process", action="store_true",
+                       help="--local: run the emulator in its own process, so RSS and threads are the trainer "
+                            "side's alone (the provider overhead is then n/a)")
+    bench.add_argument("--hold", action="store_true",
+                       help="hold every environment when ready and with its session open, to measure RSS and "
+                            "threads per idle provider and per open session")
     bench.add_argument("--poll-interval-s", type=float, default=DEFAULT_POLL_INTERVAL_S,
                        help="job watcher interval (default %(default)s)")
     bench.add_argument("--image", help="image to run (default: $HF_SANDBOX_IMAGE or %s)" % SMOKE_DEFAULT_IMAGE)

@@ -76,11 +76,6 @@ def test_smoke_rejects_a_non_object_action(tmp_path):
     assert result.returncode == 2 and "--action" in result.stderr
 
 
-def test_bench_says_it_is_not_implemented(tmp_path):
-    result = run(["bench"], clean_env(tmp_path))
-    assert result.returncode == 2 and "not implemented" in result.stderr
-
-
 def test_no_subcommand_prints_usage_and_exits_2(tmp_path):
     result = run([], clean_env(tmp_path))
     assert result.returncode == 2 and "smoke" in result.stderr

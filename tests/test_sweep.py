@@ -1,0 +1,67 @@
+"""`python -m hf_sandbox_provider sweep --older-than`: real subprocesses against the local Jobs emulator."""
+
+from __future__ import annotations
+
+import datetime
+import sys
+
+import hf_sandbox_provider as hsp
+from hf_jobs_emulator import JobsEmulator
+from test_cli import clean_env, run
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
+
+
+def start_sleeper(emulator):
+    provider = hsp.HFSandboxProvider("python:3.12", endpoint=emulator.endpoint, token=emulator.token,
+                                     command=SLEEPER, poll_interval_s=0.05)
+    provider.start_container()
+    return provider
+
+
+def test_sweep_older_than_cancels_only_jobs_created_before_the_cutoff_and_lists_age_and_flavor(tmp_path):
+    with JobsEmulator() as emulator:
+        old, young = start_sleeper(emulator), start_sleeper(emulator)
+        try:  # backdate one job as if a trainer had crashed two hours ago
+            emulator.job(old.job_id).created_at -= datetime.timedelta(hours=2)
+            env = clean_env(tmp_path, HF_ENDPOINT=emulator.endpoint, HF_TOKEN=emulator.token)
+            dry = run(["sweep", "--dry-run", "--older-than", "1h"], env)
+            assert dry.returncode == 0, dry.stderr
+            assert "would cancel %s (RUNNING, cpu-basic, 2.0h old)" % old.job_id in dry.stdout
+            assert "skipped %s" % young.job_id in dry.stdout and "younger than 1h" in dry.stdout
+            swept = run(["sweep", "--older-than", "1h"], env)
+            assert swept.returncode == 0, swept.stderr
+            assert "cancelled %s" % old.job_id in swept.stdout
+            assert emulator.wait_for_stage(old.job_id, ["CANCELED"]).stage == "CANCELED"
+            assert emulator.job(young.job_id).stage == "RUNNING"
+            assert "1 leftover job(s)" in swept.stdout
+        finally:
+            hsp.stop_all([old, young])
+
+
+def test_sweep_without_older_than_cancels_young_jobs_too(tmp_path):
+    with JobsEmulator() as emulator:
+        young = start_sleeper(emulator)
+        try:
+            env = clean_env(tmp_path, HF_ENDPOINT=emulator.endpoint, HF_TOKEN=emulator.token)
+            swept = run(["sweep"], env)
+            assert swept.returncode == 0 and "cancelled %s" % young.job_id in swept.stdout
+            assert "s old)" in swept.stdout
+        finally:
+            young.stop_container()
+
+
+def test_sweep_refuses_an_unparseable_duration_before_any_call(tmp_path):
+    result = run(["sweep", "--older-than", "soon"], clean_env(tmp_path, HF_ENDPOINT="http://127.0.0.1:9",
+                                                              HF_TOKEN="hf_unused"))
+    assert result.returncode == 2
+    assert "--older-than 'soon' is not a duration" in result.stderr and "30m" in result.stderr
+
+
+def test_job_age_is_read_from_created_at_and_unknown_when_absent():
+    now = datetime.datetime(2026, 1, 1, 12, 0, tzinfo=datetime.timezone.utc).timestamp()
+    assert hsp._job_age_s({"createdAt": "2026-01-01T11:30:00.000Z"}, now) == 1800
+    assert hsp._job_age_s({"createdAt": "not a date"}, now) is None
+    assert hsp._job_age_s({}, now) is None
+    assert hsp._format_age(None) == "age unknown" and hsp._format_age(90) == "90s old"
+    assert hsp._format_age(1800) == "30m old" and hsp._format_age(7200) == "2.0h old"
