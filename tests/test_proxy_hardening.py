@@ -64,6 +64,10 @@ def test_non_origin_form_targets_and_connect_are_refused(served, request_line, s
     (b"GET /x HTTP/1.1\r\nX-Big: " + b"b" * 70000 + b"\r\n\r\n", 431),
     (b"GET /x HTTP/1.1\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(101)) + b"\r\n", 431),
     (b"GET /x HTTP/1.1\r\n" + b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 1000) for i in range(80)) + b"\r\n", 431),
+    (b"GET  /x HTTP/1.1\r\n\r\n", 400),  # two spaces: not a valid request line
+    (b"GET /x HTTP/1.1\r\nX-A: 1\r\n folded\r\n\r\n", 400),  # obs-fold
+    (b"GET /x HTTP/1.1\r\nHost : x\r\n\r\n", 400),  # whitespace before the colon
+    (b"GET /x HTTP/1.1\r\nno colon here\r\nContent-Length: 5\r\n\r\n", 400),
 ])
 def test_malformed_or_oversized_request_heads_get_a_4xx_and_the_proxy_keeps_serving(served, head, status):
     upstream, proxy, path = served
@@ -285,3 +289,14 @@ def test_a_busy_port_fails_start_with_a_clear_error():
         with pytest.raises(OSError, match="cannot listen on 127.0.0.1:%d" % first.port):
             second.start()
         second.stop()  # never started: a no-op that must not raise
+
+
+def test_a_client_closing_mid_head_gets_400_and_nothing_is_forwarded(served):
+    upstream, proxy, path = served
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=TIMEOUT) as sock:
+        sock.sendall(b"POST %s/step HTTP/1.1\r\nHost: x\r\nContent-Le" % path.encode())
+        sock.shutdown(socket.SHUT_WR)
+        raw = sock.recv(65536)
+    assert _status(raw) == 400
+    assert upstream.requests == []
+    _still_serving(proxy, path)
