@@ -746,6 +746,50 @@ class _ClientReader(io.RawIOBase):
         return n
 
 
+class _RequestHeaders(http.client.HTTPMessage):
+    """The request's headers, as the `HTTPMessage` hooks expect, with O(1) `get`/`get_all`: the
+    email package scans and lowercases every header on each lookup, and the proxy does a dozen."""
+
+    _index: Optional[Dict[str, List[str]]] = None
+
+    def _lookup(self) -> Dict[str, List[str]]:
+        if self._index is None:
+            index: Dict[str, List[str]] = {}
+            for name, value in self.raw_items():
+                index.setdefault(name.lower(), []).append(value)
+            self._index = index
+        return self._index
+
+    def get(self, name: str, failobj: object = None) -> object:  # type: ignore[override]
+        values = self._lookup().get(name.lower())
+        return values[0] if values else failobj
+
+    def get_all(self, name: str, failobj: object = None) -> object:  # type: ignore[override]
+        values = self._lookup().get(name.lower())
+        return list(values) if values else failobj
+
+    # Any mutation (a subclass hook may edit headers) drops the index; it is rebuilt on next lookup.
+    def __setitem__(self, name: str, value: object) -> None:
+        self._index = None
+        super().__setitem__(name, value)
+
+    def __delitem__(self, name: str) -> None:
+        self._index = None
+        super().__delitem__(name)
+
+    def add_header(self, *args: object, **kwargs: object) -> None:  # type: ignore[override]
+        self._index = None
+        super().add_header(*args, **kwargs)  # type: ignore[arg-type]
+
+    def replace_header(self, name: str, value: object) -> None:  # type: ignore[override]
+        self._index = None
+        super().replace_header(name, value)
+
+    def set_raw(self, name: str, value: object) -> None:  # type: ignore[override]
+        self._index = None
+        super().set_raw(name, value)
+
+
 class _SocketWriter(io.BufferedIOBase):
     """Unbuffered writes straight to the socket (what StreamRequestHandler does with wbufsize=0)."""
 
@@ -842,7 +886,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.send_error(505, "Only HTTP/1.0 and HTTP/1.1 are supported.")
             return False
         self.command, self.path, self.request_version = command, target, version
-        headers = http.client.HTTPMessage()
+        headers = _RequestHeaders()
         budget, count = MAX_HEADER_BYTES, 0
         while True:
             line = self.rfile.readline(MAX_HEADER_BYTES + 1)

@@ -171,3 +171,25 @@ def test_a_route_request_hook_returning_garbage_gets_500_not_a_dropped_connectio
         r = requests.get(proxy.url + "/x", timeout=TIMEOUT)
         assert r.status_code == 500 and r.headers["X-Proxy-Error"] == "proxy-error"
     assert "expected (Route, '/target') or a Refusal" in log_guard.text()
+
+
+class _EditingHook(AuthProxy):
+    """A hook that edits the request headers it is given: the proxy must forward the edited set."""
+
+    def __init__(self, upstream_url: str) -> None:
+        super().__init__()
+        self.route = Route(upstream_url, TEST_TOKEN)
+
+    def route_request(self, target, headers):  # type: ignore[override]
+        assert headers.get("x-remove-me") == "1" and headers.get_all("X-Twice") == ["a, b"]
+        del headers["X-Remove-Me"]
+        headers["X-Added"] = "by-hook"
+        return self.route, target
+
+
+def test_headers_edited_by_a_route_request_hook_are_what_gets_forwarded(upstream):
+    with _EditingHook(upstream.url) as proxy:
+        r = requests.get(proxy.url + "/edit", headers={"X-Remove-Me": "1", "X-Twice": "a, b"}, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        names = {name.lower(): value for name, value in r.json()["headers"]}
+    assert "x-remove-me" not in names and names["x-added"] == "by-hook"
