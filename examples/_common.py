@@ -1,0 +1,159 @@
+"""Plumbing shared by the examples: their flags, the `--local` Jobs emulator, a blocking WebSocket session.
+
+Nothing here is needed to use the library; it keeps each example about its own user path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import sys
+from collections import deque
+from typing import Any, Deque, Dict, List, Mapping
+from urllib.parse import urlsplit
+
+# Run from a checkout without installing: the library modules sit one folder up.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.append(ROOT)
+
+from wsproto import ConnectionType, WSConnection  # noqa: E402
+from wsproto.events import (AcceptConnection, CloseConnection, Ping, RejectConnection, Request,  # noqa: E402
+                            TextMessage)
+
+# OpenEnv's echo environment, published as a Space image; $HF_SANDBOX_IMAGE overrides it, as for `smoke`.
+DEFAULT_IMAGE = os.environ.get("HF_SANDBOX_IMAGE") or "registry.hf.space/openenv-echo-env:latest"
+# Exit codes, the same as `python -m hf_sandbox_provider smoke`.
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+# A remote step may be slow, but a session that says nothing for this long is broken.
+WS_TIMEOUT_S = 60.0
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    """The flags every example takes: --local, --image, --flavor, -v."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--local", action="store_true",
+                   help="run against a local HF Jobs emulator and its echo server (no token, no network)")
+    p.add_argument("--image", default=DEFAULT_IMAGE, help="environment image (default: %(default)s)")
+    p.add_argument("--flavor", default="cpu-basic", help="HF Jobs hardware flavor (default: %(default)s)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log each job's stage changes")
+    return p
+
+
+class Backend:
+    """Where the jobs run: the Hub (token from the environment) or, with --local, a JobsEmulator.
+
+    `settings` are the HFSandboxProvider keywords for it. Leaving the block stops the emulator and
+    records any job process it could not end in `leftovers` (which must stay empty).
+    """
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                            format="%(asctime)s %(name)s %(message)s")
+        self.settings: Dict[str, Any] = {"flavor": args.flavor}
+        self.emulator: Any = None
+        self.leftovers: List[str] = []
+        if args.local:
+            from hf_jobs_emulator import JobsEmulator, echo_server_command
+            self.emulator = JobsEmulator()
+            self.settings.update(command=echo_server_command())
+
+    def __enter__(self) -> "Backend":
+        if self.emulator is not None:
+            self.emulator.start()
+            self.settings.update(endpoint=self.emulator.endpoint, token=self.emulator.token)
+            print("local HF Jobs emulator at %s" % self.emulator.endpoint)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self.emulator is None:
+            return
+        self.leftovers = list(self.emulator.stop()) + ["pid %d" % pid for pid in self.emulator.live_pids()]
+        print("local emulator stopped: %d jobs run, %d job processes left"
+              % (len(self.emulator.jobs), len(self.leftovers)))
+        if self.leftovers:
+            print("error: job processes still running: %s" % ", ".join(self.leftovers), file=sys.stderr)
+
+
+class WSSession:
+    """One OpenEnv WebSocket session (`<base_url>/ws`) on one blocking socket: no event loop, no thread.
+
+    `request({"type": "step", "data": {...}})` returns the reply's `data`; an `error` reply raises.
+    """
+
+    def __init__(self, base_url: str, timeout_s: float = WS_TIMEOUT_S) -> None:
+        url = urlsplit(base_url)
+        if url.scheme != "http" or not url.hostname:
+            raise ValueError("WSSession needs the provider's http://127.0.0.1:<port>/<route> base_url, "
+                             "not %r" % base_url)
+        self._ws = WSConnection(ConnectionType.CLIENT)
+        self._events: Deque[Any] = deque()
+        self._sock = socket.create_connection((url.hostname, url.port or 80), timeout=timeout_s)
+        try:
+            self._send(Request(host=url.netloc, target=url.path.rstrip("/") + "/ws"))
+            event = self._next_event()
+            if isinstance(event, RejectConnection):
+                raise ConnectionError("the environment refused the WebSocket: HTTP %d" % event.status_code)
+            if not isinstance(event, AcceptConnection):
+                raise ConnectionError("unexpected WebSocket handshake answer: %r" % (event,))
+        except BaseException:
+            self._sock.close()
+            raise
+
+    def request(self, message: Mapping[str, Any]) -> Dict[str, Any]:
+        self._send(TextMessage(data=json.dumps(message)))
+        text = ""
+        while True:
+            event = self._next_event()
+            if isinstance(event, Ping):
+                self._send(event.response())
+            elif isinstance(event, CloseConnection):
+                raise ConnectionError("the environment closed the session (code %s)" % event.code)
+            elif isinstance(event, TextMessage):
+                text += event.data
+                if event.message_finished:
+                    break
+        reply = json.loads(text)
+        if reply.get("type") == "error":
+            data = reply.get("data") or {}
+            raise RuntimeError("environment error %s: %s" % (data.get("code"), data.get("message")))
+        return reply.get("data") or {}
+
+    def close(self) -> None:
+        """Say goodbye if the socket still works; always release it."""
+        try:
+            self._send(TextMessage(data=json.dumps({"type": "close"})))
+            self._send(CloseConnection(code=1000))
+        except Exception:
+            pass  # the peer is gone already: nothing left to tell it
+        finally:
+            self._sock.close()
+
+    def _send(self, event: Any) -> None:
+        self._sock.sendall(self._ws.send(event))
+
+    def _next_event(self) -> Any:
+        while not self._events:
+            data = self._sock.recv(65536)
+            if not data:
+                raise ConnectionError("the environment's connection closed mid-session")
+            self._ws.receive_data(data)
+            self._events.extend(self._ws.events())
+        return self._events.popleft()
+
+
+def failure_exit(exc: BaseException) -> int:
+    """Print why the run failed and return its exit code (2 for a usage or configuration error)."""
+    from hf_sandbox_provider import SandboxConfigError
+    print("error: %s: %s" % (type(exc).__name__, exc), file=sys.stderr)
+    return EXIT_USAGE if isinstance(exc, SandboxConfigError) else EXIT_FAILED
+
+
+def leftover_exit(code: int, backend: Backend) -> int:
+    """The run's exit code, made a failure when a job process outlived it."""
+    return EXIT_FAILED if backend.leftovers and code == EXIT_OK else code
+
+
