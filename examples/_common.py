@@ -53,6 +53,10 @@ class Backend:
     def __init__(self, args: argparse.Namespace) -> None:
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                             format="%(asctime)s %(name)s %(message)s")
+        if not args.verbose:
+            # The proxy warns about every 502 it answers, including the /health probes that reach a
+            # job still booting; those are expected here, so they only show with -v.
+            logging.getLogger("proxy").setLevel(logging.ERROR)
         self.settings: Dict[str, Any] = {"flavor": args.flavor}
         self.emulator: Any = None
         self.leftovers: List[str] = []
@@ -96,7 +100,9 @@ class WSSession:
             self._send(Request(host=url.netloc, target=url.path.rstrip("/") + "/ws"))
             event = self._next_event()
             if isinstance(event, RejectConnection):
-                raise ConnectionError("the environment refused the WebSocket: HTTP %d" % event.status_code)
+                kind = dict(event.headers).get(b"x-proxy-error", b"").decode("latin-1")
+                raise ConnectionError("the WebSocket was refused: HTTP %d%s" % (
+                    event.status_code, " from the proxy (%s)" % kind if kind else " from the environment"))
             if not isinstance(event, AcceptConnection):
                 raise ConnectionError("unexpected WebSocket handshake answer: %r" % (event,))
         except BaseException:
