@@ -1541,7 +1541,9 @@ class _JobWatcher:
                 listed = client.list_jobs(group.namespace, labels={PROCESS_LABEL_KEY: _process_label()},
                                           stages=("SCHEDULING", "RUNNING"), retries=0)
                 found = {str(job.get("id")): job for job in listed}
-                missing = [w for w in watches if w.job_id not in found][:WATCH_MAX_INSPECTS]
+                # the least refreshed first, so a job that stays unlisted cannot starve the others
+                missing = sorted((w for w in watches if w.job_id not in found),
+                                 key=lambda w: w.refreshed)[:WATCH_MAX_INSPECTS]
                 for watch in missing:
                     try:
                         found[watch.job_id] = client.get_job(group.namespace, watch.job_id, retries=0)
@@ -2358,12 +2360,13 @@ def _bench_plot(report: Mapping[str, Any], path: str) -> Optional[str]:
         return "no successful level to plot"
     xs = [row["concurrency"] for row in rows]
     figure, axis = plt.subplots(figsize=(8, 5))
-    for key, label in (("scheduling_s", "scheduling"), ("running_to_ready_s", "running -> ready"),
-                       ("total_s", "total (submit -> stopped)"), ("overhead_s", "provider overhead")):
-        for index, style in ((0, "-o"), (1, ":x")):
+    series = (("scheduling_s", "scheduling"), ("running_to_ready_s", "running -> ready"),
+              ("total_s", "total (submit -> stopped)"), ("overhead_s", "provider overhead"))
+    for number, (key, label) in enumerate(series):
+        for index, style in ((0, "-o"), (1, ":x")):  # one colour per measure: solid p50, dotted p95
             ys = [(row[key] or [None, None])[index] for row in rows]
             if any(y is not None for y in ys):
-                axis.plot(xs, [y if y is not None else float("nan") for y in ys], style,
+                axis.plot(xs, [y if y is not None else float("nan") for y in ys], style, color="C%d" % number,
                           label="%s %s" % (label, "p50" if index == 0 else "p95"))
     axis.set_xscale("log", base=2)
     axis.set_xticks(xs)
