@@ -5,8 +5,13 @@ job that serves the environment on an exposed port, waits for the job's URL, mou
 shared loopback `AuthProxy` (which adds the bearer token) and returns the proxy's base URL, which any
 unmodified OpenEnv client can use. Synchronous and threads-only, so it embeds in any training stack.
 
-Read top to bottom: errors, the provider, then the small Jobs REST client and its pure protocol
-helpers, then the `python -m hf_sandbox_provider` CLI.
+Many environments per process are a first-class path: every provider shares one proxy, one job
+watcher thread (one Jobs API call per interval for all starting jobs) and one API budget per token;
+`HFSandboxProvider.start_many()` launches n with bounded concurrency, all or nothing.
+
+Read top to bottom: errors, the provider (and `start_many`), parallel launch, settings validation,
+the small Jobs REST client and its pure protocol helpers, the process-wide budget and job watcher,
+then the `python -m hf_sandbox_provider` CLI (smoke, sweep, and the `bench` machinery last).
 """
 
 from __future__ import annotations
@@ -1561,8 +1566,9 @@ class _JobWatcher:
                 for watch in watches:
                     watch.fail(exc)
                 group.failures = 0
-            else:
-                group.next_due = time.monotonic() + _retry_delay(group.failures, None)
+            else:  # a 429 paused this token: wait that out here, so other tokens' groups keep going
+                group.next_due = max(time.monotonic() + _retry_delay(group.failures, None),
+                                     client._budget.paused_until)
                 logger.debug("job watcher: refresh failed (%s), retrying", exc)
             return
         group.failures = 0
