@@ -952,33 +952,17 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     # -- dispatch -----------------------------------------------------------------------------------
 
     def _dispatch(self) -> None:
-        if self.request_version == "HTTP/0.9":
-            self._refuse(Refusal(400, "bad-request", "HTTP/0.9 requests are not supported; send HTTP/1.1."), close=True)
-            return
         if self.request_version == "HTTP/1.0":
             self.close_connection = True  # no chunked framing for 1.0 clients: keep it simple, one per connection
-        refusal = _target_refusal(self.command, self.path) or _header_refusal(self.headers)
         framing = _body_framing(self.headers)
-        if refusal is None and isinstance(framing, Refusal):
-            refusal = framing
-        if refusal is None:
-            try:
-                decision = self.proxy.route_request(self.path, self.headers)
-            except Exception:
-                log.error("proxy: route_request raised", exc_info=True)
-                decision = Refusal(500, "proxy-error", "The proxy failed to route this request (see its log).")
-        else:
-            decision = refusal
-        if not isinstance(decision, Refusal) and not (
-                isinstance(decision, tuple) and len(decision) == 2 and isinstance(decision[0], Route)
-                and isinstance(decision[1], str) and decision[1].startswith("/")):
-            log.error("proxy: route_request returned %s; expected (Route, '/target') or a Refusal",
-                      type(decision).__name__)
-            decision = Refusal(500, "proxy-error", "The proxy failed to route this request (see its log).")
+        malformed = _target_refusal(self.command, self.path) or _header_refusal(self.headers)
+        if malformed is None and isinstance(framing, Refusal):
+            malformed = framing
+        decision = malformed or self._route()
         if isinstance(decision, Refusal):
             # Malformed input, or an unread body that would be parsed as the next request: close.
             has_body = isinstance(framing, Refusal) or framing[0] != "none"
-            self._refuse(decision, close=refusal is not None or has_body or decision.status >= 500)
+            self._refuse(decision, close=malformed is not None or has_body or decision.status >= 500)
             return
         route, target = decision
         if route not in self.proxy._seen_routes:  # so stop() also closes routes a subclass made
@@ -996,6 +980,20 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._tunnel(route, target, token)
         else:
             self._forward(route, target, token, framing)  # type: ignore[arg-type]
+
+    def _route(self) -> Union[Tuple[Route, str], Refusal]:
+        """Ask the `route_request` hook, turning a hook that raises or answers nonsense into a 500."""
+        try:
+            decision = self.proxy.route_request(self.path, self.headers)
+        except Exception:
+            log.error("proxy: route_request raised", exc_info=True)
+            return Refusal(500, "proxy-error", "The proxy failed to route this request (see its log).")
+        if isinstance(decision, Refusal) or (
+                isinstance(decision, tuple) and len(decision) == 2 and isinstance(decision[0], Route)
+                and isinstance(decision[1], str) and decision[1].startswith("/")):
+            return decision
+        log.error("proxy: route_request returned %s; expected (Route, '/target') or a Refusal", type(decision).__name__)
+        return Refusal(500, "proxy-error", "The proxy failed to route this request (see its log).")
 
     # -- HTTP forwarding ----------------------------------------------------------------------------
 
