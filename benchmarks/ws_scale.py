@@ -14,8 +14,13 @@ Every party runs in its own process so none starves another and the proxy can be
 itself. Results go to the `## WebSocket sessions at scale` section of benchmarks/RESULTS.md (other
 sections untouched) and a PNG plot when matplotlib is installed (the optional `bench` extra).
 
-    python benchmarks/ws_scale.py                 # full grid, about 5-10 minutes on 2 cores
+    python benchmarks/ws_scale.py                 # full grid, 3 reps: about 5-10 minutes on 2 cores
     python benchmarks/ws_scale.py --quick         # a short run: small batches, short step
+    python benchmarks/ws_scale.py --label lockstep --lockstep --steps 5 --batches 512,2048,4096
+                                                  # trainer-style batched steps, own section
+
+Diagnostics: `--modes direct` checks an upstream alone, `--upstream echo` uses the emulator's echo
+server, `--profile-proxy FILE` writes a per-thread CPU profile of the proxy (numbers not published).
 """
 from __future__ import annotations
 
@@ -76,8 +81,9 @@ NOISY_RETRIES = 2
 CHILD_START_TIMEOUT_S = 30.0
 # File descriptors a process needs besides one per socket (stdio, selector, imports, listener).
 FD_HEADROOM = 64
-# Threads the proxy is expected to need per tunnelled session at most (handler + two pumps), used
-# only to skip a batch the machine's pid/thread limits cannot hold, instead of crashing it.
+# Threads the proxy may need per tunnelled session (today two: the handler pumps one direction, a
+# second thread the other; 3 leaves headroom). Used only to skip a batch the machine's pid/thread
+# limits cannot hold, instead of crashing it.
 PROXY_THREADS_PER_SESSION_BOUND = 3
 DEFAULT_RESULTS = os.path.join(HERE, "RESULTS.md")
 DEFAULT_PLOT = os.path.join(HERE, "ws_scale.png")
@@ -251,7 +257,9 @@ def render_markdown(result: Dict[str, Any], command: str, title: str = SECTION_T
 
 
 def write_results_section(path: str, section: str, title: str = SECTION_TITLE) -> None:
-    """Replace our section of RESULTS.md (from `title` to the next `## ` title) or append it."""
+    """Replace our section of RESULTS.md or append it. The section runs from `title` to the next
+    line that starts another part of the file: a `#`/`##` heading or an HTML comment (other
+    scripts mark their sections with `<!-- name:start -->`), so nothing of theirs is swallowed."""
     text = ""
     if os.path.exists(path):
         with open(path, encoding="utf-8") as fh:
@@ -262,13 +270,18 @@ def write_results_section(path: str, section: str, title: str = SECTION_TITLE) -
         body = text.rstrip("\n")
         new = (body + "\n\n" if body else "") + section.rstrip("\n") + "\n"
     else:
-        end = next((j for j in range(start + 1, len(lines)) if lines[j].startswith("## ")),
+        end = next((j for j in range(start + 1, len(lines)) if _starts_other_part(lines[j])),
                    len(lines))
         kept_after = "\n".join(lines[end:])
         new = "\n".join(lines[:start] + section.rstrip("\n").splitlines())
         new = new.rstrip("\n") + "\n" + ("\n" + kept_after.rstrip("\n") + "\n" if kept_after else "")
     with open(path, "w", encoding="utf-8") as fh:
         fh.write(new)
+
+
+def _starts_other_part(line: str) -> bool:
+    """True for a line that begins something that is not ours: a level-1/2 heading or a marker."""
+    return line.startswith("# ") or line.startswith("## ") or line.startswith("<!--")
 
 
 def plot(result: Dict[str, Any], path: str) -> Optional[str]:

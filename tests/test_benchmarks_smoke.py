@@ -168,3 +168,11 @@ def test_lockstep_sessions_all_finish_every_step_behind_the_barrier():
     sessions = json.loads(proc.stdout)["sessions"]
     assert [(s["ok"], s["error"], len(s["steps"])) for s in sessions] == [(True, None, 3)] * 5
     assert all(t >= 0.02 for s in sessions for t in s["steps"])
+
+
+def test_rewriting_keeps_a_following_title_and_another_scripts_markers(tmp_path):
+    path = tmp_path / "RESULTS.md"
+    others = "# Benchmark results\n\n<!-- proxy_bench:start -->\n" + OTHER_SECTION + "<!-- proxy_bench:end -->\n"
+    path.write_text(ws_scale.SECTION_TITLE + "\n\nold\n\n" + others)
+    ws_scale.write_results_section(str(path), ws_scale.SECTION_TITLE + "\n\nnew\n")
+    assert path.read_text() == ws_scale.SECTION_TITLE + "\n\nnew\n\n" + others
