@@ -1,0 +1,143 @@
+"""Every example's `--local` path, run as a real subprocess against the local Jobs emulator.
+
+Each run carries a unique marker in its environment, which the emulator's job processes (and the TRL
+example's spawned worker) inherit; after the run no live process may still carry it, so a job or
+worker left behind fails the test even if the example claimed to have cleaned up.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+from typing import List
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+# Generous: the machine running the suite may be heavily loaded; a healthy run takes a few seconds.
+RUN_TIMEOUT_S = 110.0
+LEFTOVER_WAIT_S = 5.0
+MARKER_VAR = "HF_SANDBOX_EXAMPLE_RUN"
+# A token-shaped string in any output means a token leaked into a print or a log line.
+TOKEN_SHAPE = re.compile(r"hf_[A-Za-z]{30,}")  # HF and emulator tokens: hf_ + 34 letters
+
+
+class Run:
+    def __init__(self, proc: "subprocess.CompletedProcess[str]", marker: str) -> None:
+        self.code = proc.returncode
+        self.out = proc.stdout
+        self.err = proc.stderr
+        self.marker = marker
+
+    def __repr__(self) -> str:  # shown by pytest when an assertion fails
+        return "<exit %s>\n--- stdout ---\n%s\n--- stderr ---\n%s" % (self.code, self.out, self.err)
+
+
+def _processes_carrying(marker: str) -> List[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open("/proc/%s/environ" % name, "rb") as handle:
+                if marker.encode() in handle.read():
+                    found.append(int(name))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def run_example(script: str, *args: str, home: str) -> Run:
+    """Run examples/<script> with args; assert that no process it started outlives it."""
+    marker = uuid.uuid4().hex
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH")}
+    env.update({MARKER_VAR: marker, "HF_HOME": home, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, script), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    run = Run(proc, marker)
+    if sys.platform.startswith("linux"):
+        deadline = time.monotonic() + LEFTOVER_WAIT_S
+        while _processes_carrying(marker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _processes_carrying(marker) == [], "processes outlived the example: %r" % run
+    assert not TOKEN_SHAPE.search(run.out + run.err), "a token appeared in the output: %r" % run
+    return run
+
+
+@pytest.fixture
+def home(tmp_path) -> str:
+    """An empty HF_HOME: no token file to discover."""
+    return str(tmp_path)
+
+
+def test_legacy_http_client_runs_an_episode_and_cancels_its_job(home: str) -> None:
+    run = run_example("legacy_http_client.py", "--local", home=home)
+    assert run.code == 0, run
+    assert "step   -> 'Hello'" in run.out, run
+    assert "episode done: total reward 2.9" in run.out, run  # 0.1 per echoed character
+    assert re.search(r"sandbox stopped: job \w+ is CANCELED", run.out), run
+    assert "1 jobs run, 0 job processes left" in run.out, run
+
+
+def test_openenv_client_runs_a_sync_and_an_async_episode(home: str) -> None:
+    run = run_example("openenv_client.py", "--local", home=home)
+    assert run.code == 0, run
+    assert "both episodes done: total reward sync 3.5, async 3.5" in run.out, run
+    assert len(re.findall(r"job \w+ is CANCELED", run.out)) == 2, run
+    assert "2 jobs run, 0 job processes left" in run.out, run
+
+
+def test_many_envs_runs_24_episodes_from_threads(home: str) -> None:
+    run = run_example("many_envs.py", "--local", home=home)
+    assert run.code == 0, run
+    assert "24 environments ready" in run.out, run
+    assert "24 of 24 episodes x 5 steps done" in run.out, run
+    assert "still running: none" in run.out, run
+    assert "24 jobs run, 0 job processes left" in run.out, run
+    assert "FAILED" not in run.err, run
+
+
+def test_many_envs_exits_nonzero_naming_the_environment_whose_job_died(home: str) -> None:
+    run = run_example("many_envs.py", "--local", "--n", "4", "--kill-env", "2", home=home)
+    assert run.code == 1, run
+    failures = re.findall(r"FAILED environment (\d+) \(job \w+\): (.*)", run.err)
+    assert failures == [("2", "ConnectionError: the WebSocket was refused: HTTP 502 from the proxy "
+                              "(upstream-unreachable)")], run
+    assert "3 of 4 episodes" in run.out, run
+    assert "still running: none" in run.out and "4 jobs run, 0 job processes left" in run.out, run
+
+
+def test_many_envs_start_failure_cancels_every_job_and_exits_nonzero(home: str) -> None:
+    run = run_example("many_envs.py", "--local", "--n", "4", "--fault", "crash-at-boot=boom-at-boot", home=home)
+    assert run.code == 1, run
+    assert "error: StartManyError" in run.err and "boom-at-boot" in run.err, run
+    assert "episodes" not in run.out, run  # no episode ran on a partial fleet
+    assert "0 job processes left" in run.out, run
+
+
+def test_trl_environment_pickles_before_use_and_runs_here_and_in_a_spawned_worker(home: str) -> None:
+    run = run_example("trl_environment_factory.py", "--local", home=home)
+    assert run.code == 0, run
+    assert "tools TRL would offer the model: ['echo']" in run.out, run
+    here = re.search(r"\[this process\]   job (\w+): 3 tool calls, reward 4\.3 \(pid (\d+)\)", run.out)
+    worker = re.search(r"\[spawned worker\] job (\w+): 3 tool calls, reward 4\.3 \(pid (\d+), inside a running "
+                       r"event loop\)", run.out)
+    assert here and worker, run
+    assert here.group(1) != worker.group(1) and here.group(2) != worker.group(2), run  # own job, own process
+    assert "2 jobs run, 0 job processes left" in run.out, run
+
+
+def test_hub_mode_without_a_token_exits_2_with_the_fix(home: str) -> None:
+    run = run_example("legacy_http_client.py", home=home)
+    assert run.code == 2, run
+    assert "no Hugging Face token found" in run.err and "smoke --local" in run.err, run
+
+
+def test_failure_injection_without_local_is_a_usage_error(home: str) -> None:
+    run = run_example("many_envs.py", "--kill-env", "1", home=home)
+    assert run.code == 2, run
+    assert "add --local" in run.err, run
