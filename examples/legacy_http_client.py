@@ -78,10 +78,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def run(args: Any, backend: _common.Backend) -> int:
+    provider = None
     try:
         provider = HFSandboxProvider(**backend.settings)
         env = LegacyHTTPEnvClient.from_docker_image(args.image, provider=provider)
     except Exception as exc:
+        if provider is not None:
+            provider.close()  # a failed start cancels its job itself; closing again is harmless
         return _common.failure_exit(exc)
     print("job %s is serving (%s); client base URL %s" % (provider.job_id, provider.job_url, provider.base_url))
     try:

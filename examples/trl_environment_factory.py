@@ -1,20 +1,16 @@
 """An environment for TRL's `GRPOTrainer(environment_factory=...)`, running in an HF Jobs sandbox.
 
-TRL calls `environment_factory()` once per rollout slot, `reset()` before each episode, offers every
-other public method to the model as a tool (docstring and type hints become its schema) and hands the
-environments to the reward functions. For that to work at scale, `EchoSandboxEnv` is:
-
-- picklable until first use: AsyncGRPO ships it to rollout worker processes, so `__init__` only
-  stores settings and the sandbox (an `HFSandboxProvider` job) starts on the first `reset()`, in the
-  process that uses it;
-- synchronous: `reset()` and `echo()` block on one plain socket, with no event loop, so they work from
-  a trainer thread and from inside a worker's running asyncio loop alike;
-- leak-proof: `with env:` or `env._close()`, then `__del__`, then the provider's own safety nets
-  (interpreter exit, garbage collection, the job's server-side timeout). Teardown is not a public
-  `close()` on purpose: TRL would offer it to the model as a tool.
+TRL calls `environment_factory()` per rollout slot and `reset()` before each episode, offers every
+other public method to the model as a tool (docstring and type hints make the schema), and passes
+the environments to the reward functions. So `EchoSandboxEnv` is:
+- picklable until first use (AsyncGRPO ships it to worker processes): the sandbox starts lazily, on
+  the first `reset()`, in the process that uses it;
+- synchronous: `reset()` and `echo()` block on one socket, with no event loop, so they work from a
+  trainer thread and inside a worker's running asyncio loop alike;
+- leak-proof: `with env:`, `__del__`, then the provider's safety nets (exit, garbage collection, the
+  job's server-side timeout). No public `close()`: TRL would offer it to the model as a tool.
 
     python examples/trl_environment_factory.py --local     # the environment part, offline
-    python examples/trl_environment_factory.py             # the same on real HF Jobs
     python examples/trl_environment_factory.py --train     # GRPO training (needs trl, datasets, a model)
 """
 
@@ -23,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import importlib.util
 import inspect
 import multiprocessing
 import os
@@ -82,15 +79,13 @@ class EchoSandboxEnv:
             raise
 
     def _close(self) -> None:
-        """Close the session and cancel the job. Idempotent, never raises (the provider logs problems)."""
+        """Close the session and cancel the job. Idempotent; never raises (the provider logs problems)."""
         session, self._session = getattr(self, "_session", None), None
         provider, self._provider = getattr(self, "_provider", None), None
-        try:
-            if session is not None:
-                session.close()
-        finally:
-            if provider is not None:
-                provider.close()
+        if session is not None:
+            session.close()  # never raises
+        if provider is not None:
+            provider.close()  # never raises
 
     def __enter__(self) -> "EchoSandboxEnv":
         return self
@@ -101,8 +96,8 @@ class EchoSandboxEnv:
     def __del__(self) -> None:
         try:
             self._close()
-        except Exception:
-            pass  # at interpreter exit modules may be half gone; the provider's atexit hook still runs
+        except Exception:  # at interpreter exit modules may be half gone; the provider's atexit hook runs
+            pass
 
     def __getstate__(self) -> dict:
         if self._provider is not None:
@@ -164,7 +159,7 @@ def train(args: Any, settings: dict) -> None:
     prompts = [[{"role": "user", "content": "Make the environment echo '%s'." % p}] for p in PHRASES]
     trainer = GRPOTrainer(
         model=args.model, reward_funcs=reward_func, train_dataset=Dataset.from_dict({"prompt": prompts}),
-        args=GRPOConfig(output_dir=args.output_dir, max_steps=args.max_steps, logging_steps=1),
+        args=GRPOConfig(output_dir="echo-grpo", max_steps=10, logging_steps=1),
         environment_factory=functools.partial(EchoSandboxEnv, args.image, **settings))  # picklable
     trainer.train()
 
@@ -173,15 +168,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _common.parser(__doc__.splitlines()[0])
     parser.add_argument("--train", action="store_true", help="train with TRL's GRPOTrainer (needs trl)")
     parser.add_argument("--model", default="Qwen/Qwen3-0.6B", help="model to train (default: %(default)s)")
-    parser.add_argument("--max-steps", type=int, default=10, help="training steps (default: %(default)s)")
-    parser.add_argument("--output-dir", default="echo-grpo", help="training output (default: %(default)s)")
     args = parser.parse_args(argv)
-    if args.train:
-        try:
-            import datasets, trl  # noqa: F401,E401
-        except ImportError as exc:
-            print("error: --train needs TRL: pip install trl datasets (%s)" % exc, file=sys.stderr)
-            return _common.EXIT_USAGE
+    if args.train and not all(importlib.util.find_spec(name) for name in ("trl", "datasets")):
+        parser.error("--train needs TRL: pip install trl datasets")
     with _common.Backend(args) as backend:
         try:
             if args.train:
