@@ -39,6 +39,8 @@ def parser(description: str) -> argparse.ArgumentParser:
                    help="run against a local HF Jobs emulator and its echo server (no token, no network)")
     p.add_argument("--image", default=DEFAULT_IMAGE, help="environment image (default: %(default)s)")
     p.add_argument("--flavor", default="cpu-basic", help="HF Jobs hardware flavor (default: %(default)s)")
+    p.add_argument("--command", help="the job's server command (default: OpenEnv's uvicorn command; "
+                   "with --local, the emulator's echo server)")
     p.add_argument("-v", "--verbose", action="store_true", help="log each job's stage changes")
     return p
 
@@ -58,12 +60,14 @@ class Backend:
             # job still booting; those are expected here, so they only show with -v.
             logging.getLogger("proxy").setLevel(logging.ERROR)
         self.settings: Dict[str, Any] = {"flavor": args.flavor}
+        if args.command:
+            self.settings["command"] = args.command
         self.emulator: Any = None
         self.leftovers: List[str] = []
         if args.local:
             from hf_jobs_emulator import JobsEmulator, echo_server_command
             self.emulator = JobsEmulator()
-            self.settings.update(command=echo_server_command())
+            self.settings.setdefault("command", echo_server_command())
 
     def __enter__(self) -> "Backend":
         if self.emulator is not None:

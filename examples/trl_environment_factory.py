@@ -47,9 +47,20 @@ class EchoSandboxEnv:
         self._session: Optional[_common.WSSession] = None
 
     def reset(self, **kwargs: Any) -> None:
-        """Start a new episode; the first call starts the sandbox (tens of seconds on HF Jobs)."""
-        if self._session is None:
-            self._start()
+        """Start a new episode; the first call starts the sandbox (tens of seconds on HF Jobs).
+
+        A sandbox lost since the last episode (its job died, the connection broke) is replaced by a
+        new one, with a line on stderr; a replacement that cannot start raises.
+        """
+        if self._session is not None:
+            try:
+                self._session.request({"type": "reset", "data": {}})
+                self.reward = 0.0
+                return
+            except (ConnectionError, OSError) as exc:
+                print("sandbox job %s lost (%s); starting a new one" % (self.job_id, exc), file=sys.stderr)
+                self._close()
+        self._start()
         self._session.request({"type": "reset", "data": {}})
         self.reward = 0.0
 

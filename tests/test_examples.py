@@ -7,6 +7,7 @@ worker left behind fails the test even if the example claimed to have cleaned up
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -141,3 +142,60 @@ def test_failure_injection_without_local_is_a_usage_error(home: str) -> None:
     run = run_example("many_envs.py", "--kill-env", "1", home=home)
     assert run.code == 2, run
     assert "add --local" in run.err, run
+
+
+# -- the TRL environment class in this process, against an in-process emulator ---------------------
+
+
+@pytest.fixture
+def trl_example():
+    if EXAMPLES not in sys.path:
+        sys.path.insert(0, EXAMPLES)
+    import trl_environment_factory
+    return trl_environment_factory
+
+
+@pytest.fixture
+def emulator(log_guard):
+    from hf_jobs_emulator import JobsEmulator, echo_server_command
+    with JobsEmulator() as emu:
+        log_guard.watch(emu.token)
+        emu.provider_settings = dict(endpoint=emu.endpoint, token=emu.token, command=echo_server_command())
+        yield emu
+    assert emu.live_pids() == []
+
+
+def test_trl_environment_offers_only_echo_as_a_tool_and_needs_reset_first(trl_example) -> None:
+    env = trl_example.EchoSandboxEnv("any/image:tag", token="hf_unused")
+    assert trl_example.trl_tools(env) == ["echo"]  # a public close() would become a tool the model can call
+    with pytest.raises(RuntimeError, match=r"call reset\(\)"):
+        env.echo("too early")
+
+
+def test_trl_environment_refuses_to_pickle_while_its_sandbox_runs(trl_example, emulator) -> None:
+    env = trl_example.EchoSandboxEnv("any/image:tag", **emulator.provider_settings)
+    with env:
+        env.reset()
+        with pytest.raises(TypeError, match=r"before its first reset\(\).*runs job %s" % env.job_id):
+            pickle.dumps(env)
+    assert emulator.wait_for_stage(env.job_id, ["CANCELED"]).stage == "CANCELED"
+    clone = pickle.loads(pickle.dumps(env))  # closed: picklable again, and the copy starts its own sandbox
+    with clone:
+        clone.reset()
+        assert clone.echo("again") == "again" and clone.job_id != env.job_id
+
+
+def test_trl_environment_replaces_a_sandbox_that_died_between_episodes(trl_example, emulator, capsys) -> None:
+    env = trl_example.EchoSandboxEnv("any/image:tag", **emulator.provider_settings)
+    with env:
+        env.reset()
+        assert env.echo("one") == "one"
+        first = env.job_id
+        emulator.kill_job(first)
+        emulator.wait_for_stage(first, ["ERROR"])
+        env.reset()
+        assert env.job_id != first
+        assert env.echo("two") == "two"
+        assert env.reward == pytest.approx(0.3)  # the new episode's reward only
+    assert "sandbox job %s lost" % first in capsys.readouterr().err
+    assert emulator.wait_for_stage(env.job_id, ["CANCELED"]).stage == "CANCELED"
