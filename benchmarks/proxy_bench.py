@@ -225,10 +225,11 @@ def report(r: Dict[str, float], command: str, http_n: int, ws_n: int, upstream: 
         "## Proxy latency (benchmarks/proxy_bench.py)",
         "",
         "Command: `%s`  " % command,
-        "Machine: %s, Python %s, %d CPUs; %s. Upstream: %s, in its own process; "
+        "Machine: %s, Python %s, %d CPUs; %s; load average at the end %.1f (other work on the machine "
+        "shows up in the p99 rows first). Upstream: %s, in its own process; "
         "proxy in the benchmark process (as inside a trainer); direct and proxied calls interleaved."
         % (platform.platform(), platform.python_version(), os.cpu_count() or 0,
-           time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), os.getloadavg()[0],
            "`hf_jobs_emulator echo-server`" if upstream == "echo" else
            "the script's minimal OpenEnv-shaped server (one write per response, TCP_NODELAY, like uvicorn)"),
         "",
