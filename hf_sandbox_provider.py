@@ -377,7 +377,9 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
     @classmethod
     def start_many(cls, n: int, image: Optional[str] = None, *, max_parallel: int = DEFAULT_MAX_PARALLEL,
                    all_or_nothing: bool = True, progress: Union[bool, Callable[[int, int, int], None]] = True,
-                   **provider_kwargs: Any) -> Any:
+                   **provider_kwargs: Any
+                   ) -> Union[List["HFSandboxProvider"],
+                              Tuple[List["HFSandboxProvider"], List[Tuple[int, BaseException]]]]:
         """Start `n` providers, at most `max_parallel` at a time, and wait until each is ready.
 
         `all_or_nothing=True` (default): returns the list of n ready providers, or stops every job it
