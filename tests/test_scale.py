@@ -213,7 +213,7 @@ class ThirdOneCrashes(hsp.HFSandboxProvider):
         super().__init__(*args, **kwargs)
 
 
-def test_start_many_returns_n_ready_providers_with_progress(proxy):
+def test_start_many_returns_n_ready_providers_with_progress(no_leaks, proxy):
     seen = []
     with JobsEmulator(scheduling_delay_s=0.2) as emu:
         providers = hsp.HFSandboxProvider.start_many(

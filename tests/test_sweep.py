@@ -65,3 +65,41 @@ def test_job_age_is_read_from_created_at_and_unknown_when_absent():
     assert hsp._job_age_s({}, now) is None
     assert hsp._format_age(None) == "age unknown" and hsp._format_age(90) == "90s old"
     assert hsp._format_age(1800) == "30m old" and hsp._format_age(7200) == "2.0h old"
+
+
+def test_sweep_finds_and_cancels_the_jobs_of_a_trainer_killed_without_any_cleanup(tmp_path):
+    import signal
+    import subprocess
+    import textwrap
+
+    from test_cli import REPO, RUN_TIMEOUT_S
+
+    trainer = textwrap.dedent("""
+        import sys, time, hf_sandbox_provider as hsp
+        providers = [hsp.HFSandboxProvider("python:3.12", endpoint=sys.argv[1], token=sys.argv[2],
+                                           command=[sys.executable, "-c", "import time; time.sleep(60)"],
+                                           poll_interval_s=0.05) for _ in range(3)]
+        for provider in providers:
+            provider.start_container()
+        print(" ".join(p.job_id for p in providers), flush=True)
+        time.sleep(60)
+    """)
+    with JobsEmulator() as emulator:
+        proc = subprocess.Popen([sys.executable, "-c", trainer, emulator.endpoint, emulator.token],
+                                cwd=REPO, env=clean_env(tmp_path), stdout=subprocess.PIPE, text=True)
+        try:
+            job_ids = proc.stdout.readline().split()
+            assert len(job_ids) == 3
+            proc.send_signal(signal.SIGKILL)  # no atexit hook, no finalizer: the jobs keep running
+            proc.wait(RUN_TIMEOUT_S)
+            assert all(emulator.job(job_id).stage == "RUNNING" for job_id in job_ids)
+            swept = run(["sweep"], clean_env(tmp_path, HF_ENDPOINT=emulator.endpoint, HF_TOKEN=emulator.token))
+            assert swept.returncode == 0, swept.stderr
+            for job_id in job_ids:
+                assert "cancelled %s" % job_id in swept.stdout
+                assert emulator.wait_for_stage(job_id, ["CANCELED"]).stage == "CANCELED"
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(RUN_TIMEOUT_S)
+            proc.stdout.close()
