@@ -120,6 +120,9 @@ CANCEL_BACKOFF_CAP_S = 2.0
 # job never ends by itself).
 LOG_TAIL_LINES = 40
 LOG_FETCH_TIMEOUT_S = 5.0
+# `list` answers are paginated (Link: rel="next", as huggingface_hub's paginate() follows); more pages
+# than this means something is wrong (a loop, or thousands of live jobs), so the rest is skipped.
+LIST_MAX_PAGES = 50
 # Labels: one marks every job this library makes (so `sweep` can find leftovers), one is unique per
 # start so a create whose answer was lost can be found instead of submitted twice.
 PROVIDER_LABEL_KEY = "hf-sandbox-provider"
@@ -1118,6 +1121,13 @@ _namespace_cache: Dict[Tuple[str, str], str] = {}
 _namespace_lock = threading.Lock()
 
 
+def _next_link_rejection(url: str, endpoint: str) -> Optional[str]:
+    """Why a pagination link must not be followed (it would carry the token elsewhere), or None."""
+    if not url.startswith(endpoint.rstrip("/") + "/api/jobs/"):
+        return "the API's next-page link %r is not under %s/api/jobs/; not following it" % (url[:200], endpoint)
+    return None
+
+
 def _retry_after_seconds(value: Optional[str], now: Optional[float] = None) -> Optional[float]:
     """Seconds to wait from a Retry-After header (delta seconds or an HTTP date), or None."""
     if not value:
@@ -1274,10 +1284,23 @@ class _JobsClient:
 
     def list_jobs(self, namespace: str, labels: Optional[Mapping[str, str]] = None,
                   stages: Sequence[str] = (), retries: int = API_MAX_RETRIES) -> List[Dict[str, Any]]:
-        params = [("label", "%s=%s" % item) for item in (labels or {}).items()]
+        """Jobs with all these labels and one of these stages, following the API's pagination links."""
+        params: Any = [("label", "%s=%s" % item) for item in (labels or {}).items()]
         params += [("stage", stage) for stage in stages]
-        payload = self._json("GET", "/api/jobs/%s" % namespace, "listing jobs", params=params, retries=retries)
-        return [job for job in payload if isinstance(job, dict)] if isinstance(payload, list) else []
+        path: Optional[str] = "/api/jobs/%s" % namespace
+        jobs: List[Dict[str, Any]] = []
+        for _ in range(LIST_MAX_PAGES):
+            links: List[Optional[str]] = []
+            payload = self._json("GET", path or "", "listing jobs", params=params, retries=retries, next_links=links)
+            jobs += [job for job in payload if isinstance(job, dict)] if isinstance(payload, list) else []
+            path, params = links[-1] if links else None, None  # the next link carries the query
+            if path is None:
+                break
+            if _next_link_rejection(path, self.endpoint):
+                logger.warning("listing jobs: %s; using the first %d jobs", _next_link_rejection(path, self.endpoint),
+                               len(jobs))
+                break
+        return jobs
 
     def job_logs(self, namespace: str, job_id: str, tail: int = LOG_TAIL_LINES,
                  timeout_s: float = LOG_FETCH_TIMEOUT_S) -> List[str]:
@@ -1303,15 +1326,19 @@ class _JobsClient:
     # -- machinery --------------------------------------------------------------------------------------
 
     def _json(self, method: str, path: str, action: str, params: Any = None, retries: int = API_MAX_RETRIES,
-              max_delay: float = RETRY_AFTER_CAP_S, allow_empty: bool = False) -> Any:
-        """An idempotent call (safe to repeat): retries 429/5xx/connection errors with backoff."""
+              max_delay: float = RETRY_AFTER_CAP_S, allow_empty: bool = False,
+              next_links: Optional[List[Optional[str]]] = None) -> Any:
+        """An idempotent call (safe to repeat): retries 429/5xx/connection errors with backoff.
+
+        `path` may also be a full URL on the endpoint (a pagination link); `next_links`, when given,
+        receives the answer's `Link: <...>; rel="next"` URL (or None)."""
+        url = path if path.startswith(self.endpoint + "/") else self.endpoint + path
         attempt = 0
         while True:
             retry_after: Optional[float] = None
             self._budget.acquire()
             try:
-                response = self._session.request(method, self.endpoint + path, params=params,
-                                                 timeout=API_TIMEOUT_S)
+                response = self._session.request(method, url, params=params, timeout=API_TIMEOUT_S)
             except requests.RequestException as exc:
                 if attempt >= retries:
                     raise JobsAPIError(action, None, type(exc).__name__,
@@ -1319,6 +1346,8 @@ class _JobsClient:
                 failure = type(exc).__name__
             else:
                 if response.status_code < 300:
+                    if next_links is not None:
+                        next_links.append((response.links.get("next") or {}).get("url"))
                     if allow_empty and not response.content:
                         return None
                     return self._decode(response, action, allow_empty=allow_empty)

@@ -308,3 +308,22 @@ def test_logs_are_parsed_from_server_sent_events_and_bounded_to_tail(api):
 def test_logs_never_raise_when_the_stream_fails(api):
     api.add(responses.GET, ENDPOINT + "/api/jobs/alice/j1/logs", status=500)
     assert hsp._JobsClient(ENDPOINT, fresh_token()).job_logs("alice", "j1") == []
+
+
+def test_list_follows_next_page_links_on_the_endpoint(api):
+    page2 = ENDPOINT + "/api/jobs/alice?label=a%3Db&cursor=abc"
+    api.add(responses.GET, ENDPOINT + "/api/jobs/alice", json=[job_json("j1"), job_json("j2")],
+            headers={"Link": '<%s>; rel="next"' % page2}, match=[responses.matchers.query_param_matcher({"label": "a=b"})])
+    api.add(responses.GET, page2, json=[job_json("j3")])
+    jobs = hsp._JobsClient(ENDPOINT, fresh_token()).list_jobs("alice", labels={"a": "b"})
+    assert [job["id"] for job in jobs] == ["j1", "j2", "j3"]
+    assert len(calls_to(api, "GET", "/api/jobs/alice")) == 2
+
+
+def test_list_never_follows_a_next_link_off_the_endpoint(api, caplog):
+    api.add(responses.GET, ENDPOINT + "/api/jobs/alice", json=[job_json("j1")],
+            headers={"Link": '<https://evil.example/api/jobs/alice?page=2>; rel="next"'})
+    jobs = hsp._JobsClient(ENDPOINT, fresh_token()).list_jobs("alice")
+    assert [job["id"] for job in jobs] == ["j1"]
+    assert all(c.request.url.startswith(ENDPOINT) for c in api.calls)  # the token went nowhere else
+    assert "not following it" in caplog.text
