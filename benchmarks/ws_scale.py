@@ -407,6 +407,7 @@ def _measure_once(mode: str, target: Tuple[int, str], n: int, steps: int, deadli
         sampler.stop()
     wall = time.monotonic() - t0
     proxy_cpu = _cpu_seconds(proxy_pid) - cpu0[0]
+    proxy_sys = _cpu_seconds(proxy_pid, kernel_only=True) - cpu0[1]  # before settling, like the rest
     up_cpu = _cpu_seconds(up_pid) - cpu0[2]
     gen_cpu = sum(out["cpu_s"] for out in outputs)
     busy = _machine_busy_seconds() - cpu0[3]
@@ -418,7 +419,7 @@ def _measure_once(mode: str, target: Tuple[int, str], n: int, steps: int, deadli
         "run_wall": (max(out["t0"] + out["wall_s"] for out in outputs)
                      - min(out["t0"] for out in outputs)),
         "gen_cpu": gen_cpu, "up_cpu": up_cpu, "proxy_cpu": proxy_cpu,
-        "proxy_sys": _cpu_seconds(proxy_pid, kernel_only=True) - cpu0[1],
+        "proxy_sys": proxy_sys,
         "other_cpu": max(0.0, busy - proxy_cpu - up_cpu - gen_cpu),
         "before": before, "peak": {"rss_kib": sampler.peak_rss_kib,
                                    "threads": sampler.peak_threads},
