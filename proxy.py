@@ -603,6 +603,10 @@ class _ClientBodyError(Exception):
     """The client's request body was malformed or cut short."""
 
 
+class _ClientGone(Exception):
+    """The client closed its connection while the proxy waited for the upstream's answer."""
+
+
 def _classify_upstream_error(exc: BaseException, route: Route) -> Refusal:
     """Map an exception from talking to the upstream to a 502/504 refusal (never containing the token)."""
     where = route.label
@@ -1062,6 +1066,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         except _ClientBodyError as exc:
             self._refuse(Refusal(400, "bad-body", "The request body was malformed: %s." % exc), close=True)
             return
+        except _ClientGone:
+            log.debug("proxy: %s: client left before the upstream answered; request abandoned", route.label)
+            self.close_connection = True
+            return
         except _UpstreamFailure as failure:
             log.warning("proxy: %s: %s", route.label, failure.refusal.kind)
             self._refuse(failure.refusal, close=not replayable or failure.refusal.status == 504)
@@ -1093,8 +1101,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                         conn.send(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                     conn.send(b"0\r\n\r\n")
                 fully_sent = True
+                if not self._await_answer(conn.sock):
+                    raise _ClientGone()
                 return conn, conn.getresponse()
-            except _ClientBodyError:
+            except (_ClientBodyError, _ClientGone):
                 route._checkin(conn, False)
                 raise
             except Exception as exc:
@@ -1104,6 +1114,41 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     continue
                 raise _UpstreamFailure(_classify_upstream_error(exc, route)) from None
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _await_answer(self, upstream: Optional[socket.socket]) -> bool:
+        """Wait until the upstream has something to say; False if the client hung up meanwhile.
+
+        A trainer whose request timed out closes its socket and retries; without this, each retry
+        against a stuck job would hold a proxy thread and an upstream connection for read_timeout_s.
+        A client that sends more bytes instead (a pipelined request) is simply no longer watched."""
+        if upstream is None or not hasattr(select, "poll"):
+            return True
+        if isinstance(upstream, ssl.SSLSocket) and upstream.pending():
+            return True
+        poller = select.poll()
+        poller.register(upstream, select.POLLIN)
+        poller.register(self.connection, select.POLLIN)
+        client_fd = self.connection.fileno()
+        deadline = time.monotonic() + self.proxy.read_timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return True  # the upstream read will time out now and answer 504
+            events = poller.poll(remaining * 1000)
+            if any(fd != client_fd for fd, _ in events):
+                return True
+            if not events:
+                continue
+            try:
+                peeked = self.connection.recv(1, socket.MSG_PEEK | getattr(socket, "MSG_DONTWAIT", 0))
+            except BlockingIOError:
+                continue
+            except OSError:
+                return False
+            if not peeked:
+                return False
+            poller.unregister(self.connection)
+            client_fd = -1
 
     def _relay_response(self, route: Route, response: http.client.HTTPResponse,
                         on_done: Callable[[bool], None]) -> None:

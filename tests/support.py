@@ -16,7 +16,7 @@ Stable names other test files may rely on:
     /big?n=N                 -> N bytes (deterministic pattern) with Content-Length
     /close-delimited?n=N     -> N bytes, no length, connection closed to end the body
     /redirect                -> 302 to /elsewhere (must not be followed by a proxy)
-    /slow?s=S                -> answers after S seconds
+    /slow?s=S                -> answers after S seconds (with &gate=1: once `upstream.gate` is set, at most S)
     /die-before-response     -> closes the connection without answering
     /die-mid-body?n=N        -> promises N bytes (default 1000), sends 10, closes
     WebSocket upgrade at any path -> echo server (wsproto, permessage-deflate offered/accepted):
@@ -345,7 +345,10 @@ class _UpstreamHandler(http.server.BaseHTTPRequestHandler):
         elif path == "/redirect":
             self._send(302, b"", (("Location", "/elsewhere"),))
         elif path == "/slow":
-            time.sleep(float(query.get("s", 1)))
+            if query.get("gate"):
+                up.gate.wait(float(query.get("s", 10)))
+            else:
+                time.sleep(float(query.get("s", 1)))
             self._json(200, {"slow": True})
         elif path == "/die-before-response":
             self.close_connection = True

@@ -7,6 +7,7 @@ import hashlib
 import http.client
 import json
 import socket
+import time
 from typing import Iterator, Tuple
 
 import pytest
@@ -303,3 +304,43 @@ def test_one_listener_serves_many_routes(upstream, test_ca):
         assert requests.get(b + "/b", timeout=TIMEOUT).json()["target"] == "/b"
         assert [s.target for s in upstream.requests] == ["/a"]
         assert [s.target for s in other.requests] == ["/b"]
+
+
+def test_a_client_that_hangs_up_while_the_upstream_is_slow_frees_its_proxy_thread(upstream):
+    with AuthProxy(read_timeout_s=60) as proxy:
+        path = proxy.mount(upstream.url, TEST_TOKEN)[len(proxy.url):]
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=TIMEOUT) as sock:
+            sock.sendall(b"GET %s/slow?gate=1&s=20 HTTP/1.1\r\nHost: x\r\n\r\n" % path.encode())
+            deadline = time.monotonic() + TIMEOUT
+            while not upstream.requests and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert upstream.requests, "the request never reached the upstream"
+        # The client is gone while the upstream still holds the answer back (for up to 20 s): the
+        # proxy must notice and drop the request instead of waiting out the upstream.
+        deadline = time.monotonic() + TIMEOUT
+        while proxy._server.live_threads() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert proxy._server.live_threads() == []
+        upstream.gate.set()
+        assert requests.get(proxy.url + path + "/ok", timeout=TIMEOUT).status_code == 200
+
+
+def test_a_pipelining_client_is_not_mistaken_for_one_that_hung_up(plain):
+    upstream, proxy, base = plain
+    path = base[len(proxy.url):].encode()
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=TIMEOUT) as sock:
+        sock.sendall(b"GET %s/slow?gate=1&s=10 HTTP/1.1\r\nHost: x\r\n\r\n" % path)
+        deadline = time.monotonic() + TIMEOUT
+        while not upstream.requests and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # The next request arrives while the proxy waits on the upstream: readable, but not a hang-up.
+        sock.sendall(b"GET %s/after HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % path)
+        time.sleep(0.2)
+        upstream.gate.set()
+        raw = b""
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                break
+            raw += data
+    assert raw.count(b"HTTP/1.1 200 OK") == 2 and b'"slow": true' in raw and b'"/after"' in raw
