@@ -159,7 +159,8 @@ def failure_exit(exc: BaseException) -> int:
     """Print why the run failed and return its exit code (2 for a usage or configuration error)."""
     from hf_sandbox_provider import SandboxConfigError
     print("error: %s: %s" % (type(exc).__name__, exc), file=sys.stderr)
-    return EXIT_USAGE if isinstance(exc, SandboxConfigError) else EXIT_FAILED
+    causes = [error for _, error in getattr(exc, "errors", [])] or [exc]  # StartManyError lists its causes
+    return EXIT_USAGE if all(isinstance(c, SandboxConfigError) for c in causes) else EXIT_FAILED
 
 
 def leftover_exit(code: int, backend: Backend) -> int:

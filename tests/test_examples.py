@@ -132,8 +132,10 @@ def test_trl_environment_pickles_before_use_and_runs_here_and_in_a_spawned_worke
     assert "2 jobs run, 0 job processes left" in run.out, run
 
 
-def test_hub_mode_without_a_token_exits_2_with_the_fix(home: str) -> None:
-    run = run_example("legacy_http_client.py", home=home)
+@pytest.mark.parametrize("script", ["legacy_http_client.py", "openenv_client.py", "many_envs.py",
+                                    "trl_environment_factory.py"])
+def test_hub_mode_without_a_token_exits_2_with_the_fix(script: str, home: str) -> None:
+    run = run_example(script, home=home)
     assert run.code == 2, run
     assert "no Hugging Face token found" in run.err and "smoke --local" in run.err, run
 
