@@ -28,12 +28,13 @@ from wsproto.events import (AcceptConnection, CloseConnection, Ping, RejectConne
 DEFAULT_IMAGE = os.environ.get("HF_SANDBOX_IMAGE") or "registry.hf.space/openenv-echo-env:latest"
 # Exit codes, the same as `python -m hf_sandbox_provider smoke`.
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-# A remote step may be slow, but a session that says nothing for this long is broken.
+# Longest wait for one reply (or the handshake): the echo environment answers at once; raise it
+# (WSSession(timeout_s=...)) for environments whose steps run long.
 WS_TIMEOUT_S = 60.0
 
 
 def parser(description: str) -> argparse.ArgumentParser:
-    """The flags every example takes: --local, --image, --flavor, -v."""
+    """The flags every example takes: --local, --image, --flavor, --command, -v."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--local", action="store_true",
                    help="run against a local HF Jobs emulator and its echo server (no token, no network)")
@@ -79,7 +80,8 @@ class Backend:
     def __exit__(self, *exc_info: Any) -> None:
         if self.emulator is None:
             return
-        self.leftovers = list(self.emulator.stop()) + ["pid %d" % pid for pid in self.emulator.live_pids()]
+        problems = self.emulator.stop()  # names what it could not end, e.g. "job 6b00... pid 123"
+        self.leftovers = list(problems) or ["pid %d" % pid for pid in self.emulator.live_pids()]
         print("local emulator stopped: %d jobs run, %d job processes left"
               % (len(self.emulator.jobs), len(self.leftovers)))
         if self.leftovers:
@@ -101,6 +103,7 @@ class WSSession:
         self._events: Deque[Any] = deque()
         self._sock = socket.create_connection((url.hostname, url.port or 80), timeout=timeout_s)
         try:
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small request/reply frames
             self._send(Request(host=url.netloc, target=url.path.rstrip("/") + "/ws"))
             event = self._next_event()
             if isinstance(event, RejectConnection):

@@ -146,13 +146,20 @@ def test_failure_injection_without_local_is_a_usage_error(home: str) -> None:
     assert "add --local" in run.err, run
 
 
-# -- the TRL environment class in this process, against an in-process emulator ---------------------
+# -- the examples' classes in this process, against an in-process emulator or echo server ----------
 
 
 @pytest.fixture
-def trl_example():
+def common():
+    """examples/_common.py, imported the way the examples import it."""
     if EXAMPLES not in sys.path:
         sys.path.insert(0, EXAMPLES)
+    import _common
+    return _common
+
+
+@pytest.fixture
+def trl_example(common):
     import trl_environment_factory
     return trl_environment_factory
 
@@ -201,3 +208,29 @@ def test_trl_environment_replaces_a_sandbox_that_died_between_episodes(trl_examp
         assert env.reward == pytest.approx(0.3)  # the new episode's reward only
     assert "sandbox job %s lost" % first in capsys.readouterr().err
     assert emulator.wait_for_stage(env.job_id, ["CANCELED"]).stage == "CANCELED"
+
+
+@pytest.fixture
+def echo_url():
+    from hf_jobs_emulator import EchoServer
+    server = EchoServer().start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def test_ws_session_raises_the_environments_own_error_and_keeps_the_session(common, echo_url, no_leaks) -> None:
+    session = common.WSSession(echo_url, timeout_s=10)
+    try:
+        session.request({"type": "reset", "data": {}})
+        with pytest.raises(RuntimeError, match="environment error VALIDATION_ERROR"):
+            session.request({"type": "step", "data": {"not-a-field": 1}})
+        assert session.request({"type": "step", "data": {"message": "still here"}})["reward"] == pytest.approx(1.0)
+    finally:
+        session.close()
+
+
+def test_ws_session_refused_upgrade_says_the_environment_refused(common, echo_url, no_leaks) -> None:
+    with pytest.raises(ConnectionError, match="HTTP 404 from the environment"):
+        common.WSSession(echo_url + "/no-such-prefix", timeout_s=10)
