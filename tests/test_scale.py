@@ -281,3 +281,28 @@ def test_start_many_refuses_bad_arguments_before_any_job(kwargs, message):
 def test_start_many_without_an_image_says_where_to_give_one():
     with pytest.raises(hsp.SandboxConfigError, match="no image given"):
         hsp.HFSandboxProvider.start_many(2, token="hf_x")
+
+
+def test_a_job_waiting_longer_than_the_slowdown_threshold_is_refreshed_less_often():
+    wake = threading.Event()
+    watch = hsp._Watch("ns", "job1", 0.5, wake, since=100.0)
+    assert watch.interval_s(100.0 + hsp.WATCH_SLOWDOWN_AFTER_S - 1) == 0.5
+    assert watch.interval_s(100.0 + hsp.WATCH_SLOWDOWN_AFTER_S) == hsp.WATCH_SLOW_INTERVAL_S
+    slow = hsp._Watch("ns", "job2", 60.0, wake, since=100.0)  # a provider asking for less is not sped up
+    assert slow.interval_s(1000.0) == 60.0
+
+
+def test_a_watch_wakes_its_provider_only_when_stage_or_urls_change():
+    wake = threading.Event()
+    watch = hsp._Watch("ns", "job1", 0.5, wake)
+    scheduling = {"id": "job1", "status": {"stage": "SCHEDULING"}}
+    watch.deliver(scheduling)
+    assert wake.is_set()
+    wake.clear()
+    watch.deliver(dict(scheduling))
+    assert not wake.is_set() and watch.refreshed == 2
+    watch.deliver({"id": "job1", "status": {"stage": "RUNNING", "exposeUrls": ["https://job1--8000.hf.jobs"]}})
+    assert wake.is_set()
+    wake.clear()
+    watch.fail(hsp.JobsAPIError("listing jobs", 403, "forbidden"))
+    assert wake.is_set() and watch.error.status_code == 403
