@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -39,8 +40,9 @@ class Run:
 
 
 def _processes_carrying(marker: str) -> List[int]:
-    found = []
-    for name in os.listdir("/proc"):
+    """Live processes whose environment holds the marker (Linux /proc; elsewhere none are seen)."""
+    found: List[int] = []
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
         if not name.isdigit():
             continue
         try:
@@ -52,19 +54,34 @@ def _processes_carrying(marker: str) -> List[int]:
     return found
 
 
+def _kill_leftovers(marker: str) -> List[int]:
+    """SIGKILL the processes a run left behind (found by its marker, so only ours); returns their pids."""
+    leftovers = _processes_carrying(marker)
+    for pid in leftovers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    return leftovers
+
+
 def run_example(script: str, *args: str, home: str) -> Run:
     """Run examples/<script> with args; assert that no process it started outlives it."""
     marker = uuid.uuid4().hex
     env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH")}
     env.update({MARKER_VAR: marker, "HF_HOME": home, "PYTHONUNBUFFERED": "1"})
-    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, script), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    try:
+        proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, script), *args], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        _kill_leftovers(marker)  # its job processes (own process groups) survive its kill
+        pytest.fail("%s %s did not finish within %gs; output so far:\n%s" % (script, " ".join(args), RUN_TIMEOUT_S,
+                                                                            exc.stdout))
     run = Run(proc, marker)
-    if sys.platform.startswith("linux"):
-        deadline = time.monotonic() + LEFTOVER_WAIT_S
-        while _processes_carrying(marker) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert _processes_carrying(marker) == [], "processes outlived the example: %r" % run
+    deadline = time.monotonic() + LEFTOVER_WAIT_S
+    while _processes_carrying(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _kill_leftovers(marker) == [], "processes outlived the example: %r" % run
     assert not TOKEN_SHAPE.search(run.out + run.err), "a token appeared in the output: %r" % run
     return run
 
