@@ -22,6 +22,7 @@ import os
 import re
 import secrets
 import select
+import selectors
 import signal
 import socket
 import ssl
@@ -68,9 +69,9 @@ POOL_MAX_IDLE = 64
 # Pooled upstream connections idle longer than this are not reused: uvicorn (OpenEnv's server) closes
 # idle keep-alive connections after 5 s, and racing that close would turn a request into an error.
 POOL_IDLE_S = 4.0
-# How often the listener loop checks for stop(): bounds how long stop() waits for it, at ~10 idle
-# wake-ups per second (negligible CPU).
-LISTENER_POLL_S = 0.1
+# The listener loop sleeps in select() on the listening socket and a wake-up socket that stop() writes
+# to, so it never polls: an idle proxy costs no CPU and stop() does not wait for a poll interval (the
+# emulator runs one proxy per job, and tearing down hundreds of them must not cost a poll each).
 # How long stop() waits for each thread it started before naming it as left behind.
 STOP_JOIN_S = 5.0
 # How long a TLS writer waits for the reader thread to feed bytes the TLS engine asked for, per round.
@@ -105,12 +106,16 @@ class InsecureURLError(ValueError):
 
 
 class Refusal(NamedTuple):
-    """A request the proxy answers itself instead of forwarding (sent as JSON with `X-Proxy-Error`)."""
+    """A request the proxy answers itself instead of forwarding (sent as JSON with `X-Proxy-Error`).
+
+    `proxy_error=False` leaves out the `X-Proxy-Error` header, for a subclass that must answer like the
+    server it stands in for (the HF Jobs emulator's 401 looks like the real `*.hf.jobs` one)."""
 
     status: int  # e.g. 401, 404
     kind: str  # short machine word, e.g. "unauthorized", "unknown-route"
     message: str  # human sentence, goes in the JSON body
     headers: Tuple[Tuple[str, str], ...] = ()  # e.g. (("WWW-Authenticate", "Bearer"),)
+    proxy_error: bool = True  # send `X-Proxy-Error: <kind>` (False: look like the upstream's own answer)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -335,8 +340,8 @@ class AuthProxy:
             except OSError as exc:
                 raise OSError(exc.errno, "AuthProxy cannot listen on %s:%d (%s); pick another port, or 0 for a "
                                          "free one" % (self.host, self._requested_port, exc.strerror or exc)) from None
-            self._serve_thread = threading.Thread(
-                target=self._server.serve_forever, kwargs={"poll_interval": LISTENER_POLL_S}, name="proxy-listener", daemon=True)
+            self._serve_thread = threading.Thread(target=self._server.serve_until_woken, name="proxy-listener",
+                                                  daemon=True)
             self._serve_thread.start()
         log.info("proxy listening on %s", self.url)
         return self
@@ -355,10 +360,9 @@ class AuthProxy:
         if server is None:
             return
         leftovers: List[str] = []
-        try:
-            server.shutdown()
-        except Exception as exc:  # pragma: no cover - defensive: teardown must go on
-            leftovers.append("listener loop (%s)" % type(exc).__name__)
+        server.wake()
+        if serve_thread is not None:
+            serve_thread.join(STOP_JOIN_S)  # the loop must be out of select() before its sockets close
         try:
             server.server_close()
         except OSError as exc:  # pragma: no cover
@@ -666,6 +670,32 @@ class _Server(http.server.ThreadingHTTPServer):
         self._conns: Set[socket.socket] = set()
         self._handler_threads: Set[threading.Thread] = set()  # type: ignore[assignment]
         super().__init__((proxy.host.strip("[]"), proxy._requested_port), _Handler)
+        self._wake_r, self._wake_w = socket.socketpair()  # after super(): a failed bind leaks nothing
+        self._woken = False
+
+    def serve_until_woken(self) -> None:
+        """Accept connections until `wake()`: select() on the listener and the wake-up socket, no polling."""
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.socket, selectors.EVENT_READ)
+            selector.register(self._wake_r, selectors.EVENT_READ)
+            while not self._woken:
+                for key, _ in selector.select():
+                    if key.fileobj is self.socket and not self._woken:
+                        self._handle_request_noblock()  # type: ignore[attr-defined]  # accept + process_request
+
+    def wake(self) -> None:
+        """Make `serve_until_woken` return now (thread-safe, idempotent)."""
+        self._woken = True
+        try:
+            self._wake_w.send(b"x")
+        except OSError:  # already closed, or the buffer is full of earlier wake-ups: it is awake
+            pass
+
+    def server_close(self) -> None:
+        super().server_close()
+        for sock in (getattr(self, "_wake_r", None), getattr(self, "_wake_w", None)):  # absent if bind failed
+            if sock is not None:
+                sock.close()
 
     def server_bind(self) -> None:
         # HTTPServer.server_bind does a reverse DNS lookup (getfqdn) that can stall; we need none.
@@ -941,7 +971,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.send_response_only(refusal.status)
         for name, value in refusal.headers:
             self.send_header(name, value)
-        self.send_header("X-Proxy-Error", refusal.kind)
+        if refusal.proxy_error:
+            self.send_header("X-Proxy-Error", refusal.kind)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         if self.close_connection:
