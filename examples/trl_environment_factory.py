@@ -55,13 +55,12 @@ class EchoSandboxEnv:
         if self._session is not None:
             try:
                 self._session.request({"type": "reset", "data": {}})
-                self.reward = 0.0
-                return
             except (ConnectionError, OSError) as exc:
                 print("sandbox job %s lost (%s); starting a new one" % (self.job_id, exc), file=sys.stderr)
                 self._close()
-        self._start()
-        self._session.request({"type": "reset", "data": {}})
+        if self._session is None:
+            self._start()
+            self._session.request({"type": "reset", "data": {}})
         self.reward = 0.0
 
     def echo(self, message: str) -> str:
