@@ -2279,13 +2279,20 @@ def _bench_level(concurrency: int, args: argparse.Namespace, settings: Mapping[s
                for run in runs]
     baseline_rss, baseline_threads = _process_sample()
     with _Sampler() as sampler:
-        for thread in threads:
-            thread.start()
-        if hold is not None:
-            memory = _hold_samples(hold, concurrency, baseline_rss, baseline_threads, not args.no_episode)
-        deadline = began + BENCH_LEVEL_TIMEOUT_S
-        for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
+        try:
+            for thread in threads:
+                thread.start()
+            if hold is not None:
+                memory = _hold_samples(hold, concurrency, baseline_rss, baseline_threads, not args.no_episode)
+            deadline = began + BENCH_LEVEL_TIMEOUT_S
+            for thread in threads:
+                while thread.is_alive() and time.monotonic() < deadline:
+                    thread.join(min(0.5, max(0.0, deadline - time.monotonic())))  # Ctrl-C reaches us
+        except BaseException:  # Ctrl-C: stop every environment of this level before leaving
+            if hold is not None:
+                hold.abort()
+            stop_all(run.provider for run in runs)
+            raise
     wall = time.monotonic() - began
     stuck = sum(thread.is_alive() for thread in threads)
     if stuck:
