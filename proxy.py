@@ -6,7 +6,7 @@ token injected, so unmodified OpenEnv clients (HTTP and WebSocket) can talk to a
 without ever seeing the token. Threads only, standard library only: no event loop; WebSocket frames are
 never parsed, the tunnel copies raw bytes.
 
-Public names: `AuthProxy`, `Route`, `Refusal`, `InsecureURLError`. Run `python proxy.py UPSTREAM_URL`
+Public names: `AuthProxy`, `Route`, `ReplicaRoute`, `Refusal`, `InsecureURLError`. Run `python proxy.py UPSTREAM_URL`
 to front one job from the command line.
 """
 from __future__ import annotations
@@ -31,9 +31,9 @@ import threading
 import time
 import urllib.parse
 import weakref
-from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Set, Tuple, Union
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
-__all__ = ["AuthProxy", "Route", "Refusal", "InsecureURLError"]
+__all__ = ["AuthProxy", "Route", "ReplicaRoute", "Refusal", "InsecureURLError"]
 
 log = logging.getLogger("proxy")
 
@@ -77,6 +77,19 @@ STOP_JOIN_S = 5.0
 # How long a TLS writer waits for the reader thread to feed bytes the TLS engine asked for, per round.
 TLS_WANT_READ_WAIT_S = 0.5
 
+# HTTP on a replica route: OpenEnv's /reset, /step and /state keep one environment per server, so a
+# request sent to "any replica" would act on some other episode's state. These GET endpoints are
+# stateless on every OpenEnv server (health check, environment metadata, action/observation schema),
+# so they may go to any live replica; everything else is refused unless the route was mounted with
+# http="any".
+STATELESS_HTTP_PATHS = frozenset(["/health", "/metadata", "/schema"])
+# Answers to a WebSocket upgrade that mean "this replica is down" (the HF jobs proxy answers these when
+# the job is gone or not listening): the upgrade never reached the environment, so it is safe to retry.
+REPLICA_DOWN_STATUSES = frozenset([502, 503, 504])
+# A session whose upgrade fails on one replica is retried on one other replica, no more: a failure on
+# two replicas in a row usually means the request (or the image) is at fault, not one job.
+REPLICA_ATTEMPTS = 2
+
 # RFC 9110 section 7.6.1 hop-by-hop headers (plus the legacy Proxy-Connection). `Expect` is answered
 # by the proxy itself, and `Authorization`/`Host` are always replaced, so they never pass through.
 HOP_BY_HOP = frozenset(
@@ -99,6 +112,7 @@ _STATUS_LINE_RE = re.compile(rb"^HTTP/1\.[01] (\d{3})(?: |\r?$)")
 
 Token = Union[str, Callable[[], str], None]
 Verify = Union[bool, str]
+HTTP_MODES = ("refuse", "any")
 
 
 class InsecureURLError(ValueError):
@@ -116,6 +130,7 @@ class Refusal(NamedTuple):
     message: str  # human sentence, goes in the JSON body
     headers: Tuple[Tuple[str, str], ...] = ()  # e.g. (("WWW-Authenticate", "Bearer"),)
     proxy_error: bool = True  # send `X-Proxy-Error: <kind>` (False: look like the upstream's own answer)
+    body: Optional[Dict[str, object]] = None  # extra JSON fields for the body, e.g. which replicas failed
 
 
 # --------------------------------------------------------------------------------------------------
@@ -282,6 +297,173 @@ class Route:
             self._tunnels.discard(tunnel)
 
 
+class ReplicaRoute:
+    """One route id in front of K upstreams running the same server (e.g. K jobs of one image, each
+    hosting many WebSocket sessions): each new WebSocket session goes to the live replica with the
+    fewest open sessions (ties: round robin).
+
+    A replica whose upgrade fails (connection refused/reset, TLS failure, timeout, or a 502/503/504
+    answer) is taken out of rotation, logged and reported by `status()`, and the session is retried
+    once on another live replica. Sessions already open on a replica that dies simply end. HTTP is
+    refused with 409 except `GET`/`HEAD` of `STATELESS_HTTP_PATHS`, unless `http="any"` (for servers
+    whose HTTP endpoints are stateless), because a stateful request cannot be pinned to a replica.
+    Made by `AuthProxy.mount_replicas`; each replica is a `Route` (its own pool and tunnels).
+    """
+
+    base_path = ""  # each replica's own base path is added when a request is sent to it
+
+    def __init__(self, upstreams: Sequence[str], token: Token, verify: Verify = True, http: str = "refuse") -> None:
+        reason = _replicas_rejection(upstreams) or _http_mode_rejection(http)
+        if reason:
+            raise ValueError(reason)
+        self.token: Token = token
+        self.verify: Verify = verify
+        self.http: str = http
+        self.label: str = "replica route"
+        self._lock = threading.Lock()
+        self._replicas: List[_Replica] = []
+        self._next = 0  # round-robin start among replicas tied on open sessions
+        self._created = 0  # replicas ever added: numbers them in logs (never reused)
+        self._closed = False
+        for upstream in upstreams:
+            self._replicas.append(self._new_replica(upstream))
+
+    def __repr__(self) -> str:
+        with self._lock:
+            live = sum(1 for r in self._replicas if r.healthy)
+            total = len(self._replicas)
+        return "ReplicaRoute(%d/%d replicas live, token=%s, http=%r)" % (
+            live, total, "set" if self.token is not None else "None", self.http)
+
+    def current_token(self) -> Optional[str]:
+        """The token to inject now (the string, or the callable's answer), shared by every replica."""
+        token = self.token() if callable(self.token) else self.token
+        if token is not None and _token_rejection(token):
+            raise ValueError("the token callable returned something that is not a usable token string")
+        return token
+
+    def status(self) -> List[Dict[str, object]]:
+        """One dict per replica, in mount order: `upstream` (the URL as mounted; it holds no secret),
+        `open_sessions` (WebSocket sessions open or being opened), `healthy`, `reason` (why it was
+        taken out of rotation, else None)."""
+        with self._lock:
+            return [{"upstream": r.upstream, "open_sessions": r.open_sessions, "healthy": r.healthy,
+                     "reason": r.reason} for r in self._replicas]
+
+    def add(self, upstream: str) -> bool:
+        """Add a replica, or put a failed one back in rotation; False if it was already live."""
+        reason = _replicas_rejection([upstream])
+        if reason:
+            raise ValueError(reason)
+        with self._lock:
+            for replica in self._replicas:
+                if replica.upstream == upstream:
+                    if replica.healthy:
+                        return False
+                    replica.healthy, replica.reason = True, None
+                    log.info("proxy: %s is back in rotation", replica.label)
+                    return True
+        replica = self._new_replica(upstream)
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._replicas.append(replica)
+        if closed:
+            replica.route.close()
+            raise RuntimeError("this replica route was unmounted; mount a new one")
+        log.info("proxy: %s added", replica.label)
+        return True
+
+    def remove(self, upstream: str) -> bool:
+        """Take a replica out for good and end its open sessions; False if no such replica."""
+        with self._lock:
+            found = [r for r in self._replicas if r.upstream == upstream]
+            self._replicas = [r for r in self._replicas if r.upstream != upstream]
+        for replica in found:
+            problems = replica.route.close()
+            log.info("proxy: %s removed%s", replica.label,
+                     (" (could not close: %s)" % ", ".join(problems)) if problems else "")
+        return bool(found)
+
+    def close(self) -> List[str]:
+        """Close every replica's connections and tunnels; return what could not be closed."""
+        with self._lock:
+            self._closed = True
+            replicas = list(self._replicas)
+        problems: List[str] = []
+        for replica in replicas:
+            problems.extend(replica.route.close())
+        return problems
+
+    # -- machinery (used by the request handler) ------------------------------------------------
+
+    def _new_replica(self, upstream: str) -> "_Replica":
+        route = Route(upstream, self.token, self.verify)  # validates the URL, the token and verify
+        with self._lock:
+            self._created += 1
+            replica = _Replica(upstream, route, self._created, route.label)
+            replica.set_label(self.label)
+        return replica
+
+    def _set_label(self, label: str) -> None:
+        """Name the route in logs (e.g. "route-3"); replicas are logged as "<label> replica-<n> (<host>)"."""
+        with self._lock:
+            self.label = label
+            for replica in self._replicas:
+                replica.set_label(label)
+
+    def _acquire(self, exclude: Sequence["_Replica"] = (), reserve: bool = True) -> Optional["_Replica"]:
+        """The live replica with the fewest open sessions (ties: round robin), skipping `exclude`, with
+        a session slot reserved on it (released by `_release`) unless `reserve` is False (HTTP);
+        None when no live replica is left."""
+        with self._lock:
+            candidates = [(r.open_sessions, (i - self._next) % len(self._replicas), i, r)
+                          for i, r in enumerate(self._replicas) if r.healthy and r not in exclude]
+            if not candidates:
+                return None
+            _, _, index, chosen = min(candidates, key=lambda c: (c[0], c[1]))
+            self._next = index + 1
+            if reserve:
+                chosen.open_sessions += 1
+            return chosen
+
+    def _release(self, replica: "_Replica") -> None:
+        with self._lock:
+            replica.open_sessions -= 1
+
+    def _mark_failed(self, replica: "_Replica", reason: str) -> None:
+        with self._lock:
+            was_healthy, replica.healthy, replica.reason = replica.healthy, False, reason
+        if was_healthy:
+            log.warning("proxy: %s taken out of rotation: %s", replica.label, reason)
+
+    def _failure_summary(self) -> Tuple[int, List[Dict[str, object]]]:
+        with self._lock:
+            failed = [{"replica": r.number, "reason": r.reason} for r in self._replicas if not r.healthy]
+            return len(self._replicas), failed
+
+
+class _Replica:
+    """One upstream of a `ReplicaRoute`: its `Route` plus its rotation state (guarded by the
+    ReplicaRoute's lock)."""
+
+    def __init__(self, upstream: str, route: Route, number: int, where: str) -> None:
+        self.upstream = upstream
+        self.route = route
+        self.number = number
+        self.where = where  # scheme://host[:port]: no path, no secret
+        self.label = ""
+        self.open_sessions = 0
+        self.healthy = True
+        self.reason: Optional[str] = None
+
+    def set_label(self, route_label: str) -> None:
+        self.label = self.route.label = "%s replica-%d (%s)" % (route_label, self.number, self.where)
+
+
+AnyRoute = Union[Route, ReplicaRoute]
+
+
 class AuthProxy:
     """A loopback HTTP + WebSocket auth proxy: one listener, many routes, threads only.
 
@@ -315,8 +497,8 @@ class AuthProxy:
         self.header_timeout_s = float(header_timeout_s)
         self._requested_port = port
         self._lock = threading.Lock()
-        self._routes: Dict[str, Route] = {}
-        self._seen_routes: "weakref.WeakSet[Route]" = weakref.WeakSet()
+        self._routes: Dict[str, AnyRoute] = {}
+        self._seen_routes: "weakref.WeakSet[AnyRoute]" = weakref.WeakSet()
         self._route_count = 0
         self._server: Optional[_Server] = None
         self._serve_thread: Optional[threading.Thread] = None
@@ -424,11 +606,61 @@ class AuthProxy:
         log.info("mounted %s", route.label)
         return "%s/%s" % (self.url, route_id)
 
-    def unmount(self, base_url: str) -> bool:
-        """Remove the route behind `base_url` and close its connections and tunnels.
+    def mount_replicas(self, upstreams: Sequence[str], token: Token, *, verify: Verify = True,
+                       http: str = "refuse") -> str:
+        """Mount one route in front of several upstreams running the same server; returns its base URL.
 
-        Returns False when no such route is mounted (already unmounted): safe to call twice."""
-        route_id = base_url.rstrip("/").rsplit("/", 1)[-1] if isinstance(base_url, str) else ""
+        Every upstream gets the same `token` (string or callable) and `verify`. Each new WebSocket
+        session goes to the live replica with the fewest open sessions; a replica whose upgrade fails
+        is taken out of rotation (see `replica_status`) and the session retried once on another; with
+        no live replica left the client gets 502 `X-Proxy-Error: no-live-replica`. HTTP: `GET`/`HEAD`
+        of /health, /metadata and /schema go to a live replica; anything else is answered 409
+        `X-Proxy-Error: replicated-http-refused`, because OpenEnv's HTTP /reset and /step keep state
+        per server and cannot be pinned to one replica. `http="any"` forwards every HTTP request to a
+        live replica, for servers whose HTTP endpoints are stateless. `unmount` closes it like any route.
+        """
+        if self._server is None or self._stopping:
+            raise RuntimeError("AuthProxy is not serving: call start() (or use it as a context manager) "
+                               "before mount_replicas()")
+        replicas = ReplicaRoute(upstreams, token, verify, http)
+        with self._lock:
+            self._route_count += 1
+            replicas._set_label("route-%d" % self._route_count)
+            route_id = secrets.token_urlsafe(24)
+            self._routes[route_id] = replicas
+        log.info("mounted %s with %d replicas (http=%s)", replicas.label, len(upstreams), http)
+        return "%s/%s" % (self.url, route_id)
+
+    def add_replica(self, base_url: str, upstream: str) -> bool:
+        """Add `upstream` to the replica route at `base_url`, or put it back in rotation if it had
+        failed. Returns False if it was already live. Same token and verify as the route's others."""
+        return self._replica_route(base_url).add(upstream)
+
+    def remove_replica(self, base_url: str, upstream: str) -> bool:
+        """Remove `upstream` from the replica route at `base_url` and end its open sessions (e.g.
+        before cancelling its job). Returns False if the route has no such replica."""
+        return self._replica_route(base_url).remove(upstream)
+
+    def replica_status(self, base_url: str) -> List[Dict[str, object]]:
+        """Per replica of the route at `base_url`, in mount order: `{"upstream": url, "open_sessions":
+        n, "healthy": bool, "reason": why it left rotation or None}`. No token, no route id."""
+        return self._replica_route(base_url).status()
+
+    def _replica_route(self, base_url: str) -> ReplicaRoute:
+        with self._lock:
+            route = self._routes.get(_route_id(base_url))
+        if isinstance(route, ReplicaRoute):
+            return route
+        if route is None:
+            raise ValueError("no route is mounted at that base URL (unmounted, or not from this proxy); "
+                             "pass the exact URL mount_replicas() returned")
+        raise ValueError("the route at that base URL fronts a single upstream; replicas need a route made "
+                         "by mount_replicas()")
+
+    def unmount(self, base_url: str) -> bool:
+        """Remove the route behind `base_url` (single or replica route) and close its connections and
+        tunnels. Returns False when no such route is mounted (already unmounted): safe to call twice."""
+        route_id = _route_id(base_url)
         with self._lock:
             route = self._routes.pop(route_id, None)
         if route is None:
@@ -437,10 +669,11 @@ class AuthProxy:
         log.info("unmounted %s%s", route.label, (" (could not close: %s)" % ", ".join(problems)) if problems else "")
         return True
 
-    def route_request(self, target: str, headers: http.client.HTTPMessage) -> Union[Tuple[Route, str], Refusal]:
+    def route_request(self, target: str, headers: http.client.HTTPMessage) -> Union[Tuple[AnyRoute, str], Refusal]:
         """Overridable hook: map an origin-form request target to (route, upstream target), or refuse it.
 
         Default: `/<route-id>/<rest>?q` -> (mounted route, `<upstream path>/<rest>?q`); unknown id -> 404.
+        For a `ReplicaRoute` the target is `/<rest>?q`: each replica's own path is added when sent.
         """
         path, sep, query = target.partition("?")
         parts = path.split("/", 2)
@@ -465,6 +698,33 @@ def _is_loopback_host(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _route_id(base_url: object) -> str:
+    """The route id: the last path segment of a base URL `mount` returned."""
+    return base_url.rstrip("/").rsplit("/", 1)[-1] if isinstance(base_url, str) else ""
+
+
+def _replicas_rejection(upstreams: object) -> Optional[str]:
+    if isinstance(upstreams, (str, bytes)) or not isinstance(upstreams, (list, tuple)):
+        return ("upstreams must be a list of job URLs like ['https://<job>--8000.hf.jobs', ...], got %s"
+                % type(upstreams).__name__)
+    if not upstreams:
+        return "upstreams is empty; pass at least one job URL (use mount() for a single job)"
+    for upstream in upstreams:
+        reason = _upstream_rejection(upstream)
+        if reason:
+            return reason
+    if len(set(upstreams)) != len(upstreams):
+        return "upstreams lists the same URL twice; each replica must be a different job"
+    return None
+
+
+def _http_mode_rejection(http_mode: object) -> Optional[str]:
+    if http_mode not in HTTP_MODES:
+        return ("http must be 'refuse' (only GET /health, /metadata, /schema pass) or 'any' (every HTTP "
+                "request goes to some live replica), got %r" % (http_mode,))
+    return None
 
 
 def _upstream_rejection(upstream: object) -> Optional[str]:
@@ -528,6 +788,38 @@ def _target_refusal(method: str, target: str) -> Optional[Refusal]:
         return Refusal(400, "bad-target", "The request target must be ASCII without spaces or control "
                                           "characters; percent-encode it.")
     return None
+
+
+def _upgrade_refusal(headers: http.client.HTTPMessage) -> Optional[Refusal]:
+    if not headers.get("Sec-WebSocket-Key"):
+        return Refusal(400, "bad-upgrade", "WebSocket upgrade without Sec-WebSocket-Key.")
+    return None
+
+
+def _replicated_http_refusal(http_mode: str, method: str, target: str) -> Optional[Refusal]:
+    """HTTP on a replica route: only what cannot depend on which replica answers passes (see
+    STATELESS_HTTP_PATHS), unless the route was mounted with http="any"."""
+    if http_mode == "any":
+        return None
+    path = target.split("?", 1)[0].rstrip("/")
+    if method in ("GET", "HEAD") and path in STATELESS_HTTP_PATHS:
+        return None
+    return Refusal(409, "replicated-http-refused",
+                   "This route spreads sessions over several replicas, and OpenEnv's HTTP endpoints (/reset, "
+                   "/step, /state) keep state per server, so an HTTP request cannot be pinned to one replica. "
+                   "Use a WebSocket session at <base_url>/ws (OpenEnv's EnvClient does), or mount a single job "
+                   "for HTTP clients. Only GET /health, /metadata and /schema are forwarded here.")
+
+
+def _no_live_replica_refusal(total: int, failed: List[Dict[str, object]]) -> Refusal:
+    if not total:
+        why = "the route has no replicas (all were removed)"
+    else:
+        why = "%d of %d replicas failed: %s" % (len(failed), total, "; ".join(
+            "replica-%s %s" % (f["replica"], f["reason"]) for f in failed))
+    return Refusal(502, "no-live-replica", "No live replica is left behind this route: %s. Check the jobs "
+                                           "(replica_status() lists them) and add_replica() new ones." % why,
+                   body={"replicas": total, "failed": failed})
 
 
 def _header_refusal(headers: http.client.HTTPMessage) -> Optional[Refusal]:
@@ -609,6 +901,11 @@ class _ClientBodyError(Exception):
 
 class _ClientGone(Exception):
     """The client closed its connection while the proxy waited for the upstream's answer."""
+
+
+def _failure_name(exc: BaseException) -> str:
+    """A short, secret-free name for a connection failure (the TLS reason, else the exception type)."""
+    return str(getattr(exc, "reason", None) or type(exc).__name__)
 
 
 def _classify_upstream_error(exc: BaseException, route: Route) -> Refusal:
@@ -963,7 +1260,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _refuse(self, refusal: Refusal, close: bool = False) -> None:
         """Answer a refusal: its status and headers, X-Proxy-Error, and a small JSON body."""
-        body = json.dumps({"error": refusal.kind, "message": refusal.message}).encode()
+        fields: Dict[str, object] = {"error": refusal.kind, "message": refusal.message}
+        fields.update(refusal.body or {})
+        body = json.dumps(fields).encode()
         if close:
             self.close_connection = True
         if not getattr(self, "request_version", "") or self.request_version == "HTTP/0.9":
@@ -1003,6 +1302,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if route not in self.proxy._seen_routes:  # so stop() also closes routes a subclass made
             with self.proxy._lock:
                 self.proxy._seen_routes.add(route)
+        upgrade = _is_websocket_upgrade(self.command, self.headers)
+        refusal = _upgrade_refusal(self.headers) if upgrade else (
+            _replicated_http_refusal(route.http, self.command, target) if isinstance(route, ReplicaRoute) else None)
+        if refusal is not None:
+            self._refuse(refusal, close=upgrade or framing[0] != "none")  # type: ignore[index]
+            return
         try:
             token = route.current_token()
         except Exception as exc:
@@ -1011,12 +1316,22 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                                  "The route's token callable failed (%s); check the token source." % type(exc).__name__),
                          close=framing[0] != "none")  # type: ignore[index]
             return
-        if _is_websocket_upgrade(self.command, self.headers):
+        if isinstance(route, ReplicaRoute):
+            if upgrade:
+                self._tunnel_replicas(route, target, token)
+                return
+            replica = route._acquire(reserve=False)
+            if replica is None:
+                self._refuse(_no_live_replica_refusal(*route._failure_summary()), close=True)
+                return
+            route = replica.route
+            target = route.base_path + target
+        if upgrade:
             self._tunnel(route, target, token)
         else:
             self._forward(route, target, token, framing)  # type: ignore[arg-type]
 
-    def _route(self) -> Union[Tuple[Route, str], Refusal]:
+    def _route(self) -> Union[Tuple[AnyRoute, str], Refusal]:
         """Ask the `route_request` hook, turning a hook that raises or answers nonsense into a 500."""
         try:
             decision = self.proxy.route_request(self.path, self.headers)
@@ -1024,7 +1339,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             log.error("proxy: route_request raised", exc_info=True)
             return Refusal(500, "proxy-error", "The proxy failed to route this request (see its log).")
         if isinstance(decision, Refusal) or (
-                isinstance(decision, tuple) and len(decision) == 2 and isinstance(decision[0], Route)
+                isinstance(decision, tuple) and len(decision) == 2 and isinstance(decision[0], (Route, ReplicaRoute))
                 and isinstance(decision[1], str) and decision[1].startswith("/")):
             return decision
         log.error("proxy: route_request returned %s; expected (Route, '/target') or a Refusal", type(decision).__name__)
@@ -1261,28 +1576,82 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _tunnel(self, route: Route, target: str, token: Optional[str]) -> None:
         """Replay the upgrade upstream; relay a 101 verbatim and copy bytes both ways, else relay HTTP."""
         self.close_connection = True  # whatever happens, this connection ends with the tunnel
-        if not self.headers.get("Sec-WebSocket-Key"):
-            self._refuse(Refusal(400, "bad-upgrade", "WebSocket upgrade without Sec-WebSocket-Key."), close=True)
+        try:
+            stream, head, extra, status = self._upgrade(route, target, token)
+        except _ClientGone:
+            log.debug("proxy: %s: client left before the upstream answered the upgrade", route.label)
             return
+        except Exception as exc:
+            refusal = _classify_upstream_error(exc, route)
+            log.warning("proxy: %s: WebSocket upgrade failed: %s", route.label, refusal.kind)
+            self._refuse(refusal, close=True)
+            return
+        self._finish_upgrade(route, stream, head, extra, status)
+
+    def _tunnel_replicas(self, replicas: ReplicaRoute, target: str, token: Optional[str]) -> None:
+        """Open the session on the least busy live replica; if that replica fails before switching
+        protocols, take it out of rotation and retry once on another (the environment never saw it)."""
+        self.close_connection = True
+        tried: List[_Replica] = []
+        last: Optional[Refusal] = None
+        for _ in range(REPLICA_ATTEMPTS):
+            replica = replicas._acquire(exclude=tried)
+            if replica is None:
+                break
+            tried.append(replica)
+            route = replica.route
+            try:
+                try:
+                    stream, head, extra, status = self._upgrade(route, route.base_path + target, token)
+                except _ClientGone:
+                    log.debug("proxy: %s: client left before the upstream answered the upgrade", route.label)
+                    return
+                except Exception as exc:
+                    last = _classify_upstream_error(exc, route)
+                    replicas._mark_failed(replica, "%s (%s)" % (last.kind, _failure_name(exc)))
+                    continue
+                if status in REPLICA_DOWN_STATUSES:
+                    stream.close()
+                    last = Refusal(502, "replica-unavailable", "The replica %s answered %d to the WebSocket "
+                                                               "upgrade; its job may have stopped." % (route.label, status))
+                    replicas._mark_failed(replica, "answered %d to the WebSocket upgrade" % status)
+                    continue
+                self._finish_upgrade(route, stream, head, extra, status)
+                return
+            finally:
+                replicas._release(replica)
+        total, failed = replicas._failure_summary()
+        if last is not None and len(failed) < total:
+            self._refuse(last, close=True)  # tried twice; other replicas remain for the next session
+        else:
+            self._refuse(_no_live_replica_refusal(total, failed), close=True)
+
+    def _upgrade(self, route: Route, target: str, token: Optional[str]) -> Tuple["_Stream", bytes, bytes, int]:
+        """Send the upgrade request on a new stream and read the answer's head, watching the client
+        meanwhile: (stream, head, bytes past the head, status). Raises _ClientGone if the client hung
+        up first, or the connection error; the stream is closed on any failure."""
         lines = ["GET %s HTTP/1.1" % target]
         for name, value in _upstream_request_headers(self.headers, route, token):
             lines.append("%s: %s" % (name, value))
         lines += ["Upgrade: %s" % self.headers.get("Upgrade", "websocket"), "Connection: Upgrade"]
         head_bytes = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-        stream: Optional[_Stream] = None
+        stream = route._open_stream(self.proxy)
         try:
-            stream = route._open_stream(self.proxy)
             stream.sendall(head_bytes)
+            # A TLS stream's engine holds no answer bytes yet (nothing was asked before this request),
+            # so waiting on its raw socket is exact.
+            if not self._await_answer(stream.sock):
+                raise _ClientGone()
             head, extra = _read_head(stream)
-        except Exception as exc:
-            if stream is not None:
-                stream.close()
-            refusal = _classify_upstream_error(exc, route)
-            log.warning("proxy: %s: WebSocket upgrade failed: %s", route.label, refusal.kind)
-            self._refuse(refusal, close=True)
-            return
+        except BaseException:
+            stream.close()
+            raise
         match = _STATUS_LINE_RE.match(head)
-        if match is None or match.group(1) != b"101":
+        return stream, head, extra, int(match.group(1)) if match else 0
+
+    def _finish_upgrade(self, route: Route, stream: "_Stream", head: bytes, extra: bytes, status: int) -> None:
+        """Relay a non-101 answer as HTTP; on 101 relay the head and run the tunnel until it ends."""
+        if status != 101:
             # Not switching: parse it as an ordinary HTTP response and relay it.
             response = http.client.HTTPResponse(_ReplaySocket(head + extra, stream), method="GET")  # type: ignore[arg-type]
             try:
