@@ -23,7 +23,7 @@ Stable names other test files may rely on:
         text/binary echoed, pings answered, close answered; the text "die" closes the TCP connection
         abruptly; "ping-me" makes the server ping (payload b"srv") and report "pong:<payload>" when the
         pong arrives; "close-me" makes the server close with code 4001 reason "bye";
-        path /ws-reject answers 403 instead of switching.
+        path /ws-reject answers 403 instead of switching; /ws-status/<code>[/...] answers <code>.
   `.url`, `.port`, `.gate` (threading.Event), `.requests` (list of `Seen(method, target, headers)`), `.connections` (accepted count),
   `.stop()` (closes everything, joins its threads); context manager.
 - `ws_url(base_url)`: http(s)://... -> ws(s)://...
@@ -310,6 +310,10 @@ class _UpstreamHandler(http.server.BaseHTTPRequestHandler):
         if "websocket" in self.headers.get("Upgrade", "").lower():
             if url.path == "/ws-reject":
                 self._json(403, {"detail": "no websocket for you"})
+                self.close_connection = True
+                return
+            if url.path.startswith("/ws-status/"):  # e.g. a job proxy answering 503 for a stopped job
+                self._json(int(url.path.split("/")[2]), {"detail": "upgrade answered with a status"})
                 self.close_connection = True
                 return
             self._websocket()
