@@ -396,6 +396,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
             raise SandboxConfigError("progress=%r must be True, False or a callable(ready, failed, total)" % (progress,))
         providers = [cls(image, **provider_kwargs) for _ in range(n)]  # bad settings fail here, before any job
         _raise_if_rejected(_image_rejection(providers[0].image))
+        providers[0]._resolve_token()  # no token: one SandboxConfigError now, not n failures later
         launch = _Launch(providers, all_or_nothing, progress)
         workers = [threading.Thread(target=launch.work, name="hf-sandbox-start-%d" % i, daemon=True)
                    for i in range(min(max_parallel, n))]

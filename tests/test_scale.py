@@ -306,3 +306,14 @@ def test_a_watch_wakes_its_provider_only_when_stage_or_urls_change():
     wake.clear()
     watch.fail(hsp.JobsAPIError("listing jobs", 403, "forbidden"))
     assert wake.is_set() and watch.error.status_code == 403
+
+
+def test_start_many_without_a_token_raises_one_config_error_before_any_job(monkeypatch, tmp_path):
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # no token file either
+    monkeypatch.setenv("HF_TOKEN_PATH", str(tmp_path / "token"))
+    with JobsEmulator() as emu:
+        with pytest.raises(hsp.SandboxConfigError, match="no Hugging Face token"):
+            hsp.HFSandboxProvider.start_many(3, IMAGE, endpoint=emu.endpoint, progress=False)
+        assert emu.jobs == []
