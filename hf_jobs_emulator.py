@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import http.client
 import ipaddress
 import json
 import logging
 import os
 import random
 import secrets
+import selectors
 import signal
 import socket
 import string
@@ -58,6 +58,18 @@ SUPERVISE_POLL_S = 0.1
 # How often the emulator probes a booting job's first exposed port for `GET /health` == 200, to record
 # when its server became ready (benchmarks subtract it from the provider's own ready time).
 HEALTH_PROBE_INTERVAL_S = 0.02
+# The one prober thread makes at most this many attempts per second over all booting jobs (256 jobs
+# -> each every 64 ms): a refused loopback connect costs ~30 us of CPU, so this stays under ~15% of a
+# core while hundreds of servers boot, and the recorded time is at worst one interval late.
+HEALTH_PROBES_PER_S = 4000
+# An attempt (connect, send, status line) that takes longer is abandoned and retried.
+HEALTH_PROBE_TIMEOUT_S = 1.0
+# The zygote answers a fork request in milliseconds; this long without an answer means it is wedged.
+ZYGOTE_SPAWN_TIMEOUT_S = 10.0
+# Upper bound of one control message (a job's environment as JSON; os.environ is a few KB).
+ZYGOTE_MAX_MESSAGE_BYTES = 256 * 1024
+# How long stop() waits for the zygote to exit after its control socket closed.
+ZYGOTE_EXIT_WAIT_S = 5.0
 # Job processes listen on ports drawn from here, below the kernel's ephemeral range (Linux 32768-60999,
 # macOS 49152-65535): a port picked from the ephemeral range could be taken by the next gate or client
 # socket before the job binds it, and a request would then land on the wrong listener.
@@ -166,7 +178,8 @@ class JobsEmulator:
     `orgs` maps organisation namespaces to their member users, so initiator and namespace checks can
     be tested. `faults` applies the FAULT_KEYS to every job; labels `emulator-<key>` apply them to one.
     `default_command` runs when a create body has no command (default: this module's echo server);
-    `image_commands` picks one per image instead.
+    `image_commands` picks one per image instead. `zygote=False` starts even the echo server with
+    `Popen` (see `launch_process`).
     """
 
     def __init__(
@@ -183,6 +196,7 @@ class JobsEmulator:
         default_command: Optional[Sequence[str]] = None,
         image_commands: Optional[Mapping[str, Sequence[str]]] = None,
         kill_grace_s: float = KILL_GRACE_S,
+        zygote: bool = True,
     ) -> None:
         reason = (_host_rejection(host) or _namespace_rejection(namespace)
                   or _delay_rejection("scheduling_delay_s", scheduling_delay_s)
@@ -220,6 +234,12 @@ class JobsEmulator:
         self._server: Optional[_TrackingHTTPServer] = None
         self._server_thread: Optional[threading.Thread] = None
         self._stopping = False
+        # Fork the echo server from a pre-imported process where the platform can (POSIX with fork).
+        self.zygote = bool(zygote) and hasattr(os, "fork") and hasattr(socket, "send_fds")
+        self._zygote_lock = threading.Lock()
+        self._zygote: Optional[_Zygote] = None
+        self._retired_zygotes: List[_Zygote] = []  # ones that died; their children are cleaned up
+        self._prober: Optional[_HealthProber] = None
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -260,6 +280,15 @@ class JobsEmulator:
             for gate in job._gates:
                 if not _stop_quietly(gate):
                     problems.append(f"job {job.id} gate on port {gate.port}")
+        with self._lock:
+            prober, self._prober = self._prober, None
+        if prober is not None and not prober.stop():
+            problems.append("health prober thread")
+        with self._zygote_lock:  # _stopping is set, so no new zygote can start after this
+            zygotes = self._retired_zygotes + ([self._zygote] if self._zygote is not None else [])
+            self._zygote, self._retired_zygotes = None, []
+        for zygote in zygotes:
+            problems.extend(zygote.stop())
         server, self._server = self._server, None
         if server is not None:
             try:
@@ -481,11 +510,11 @@ class JobsEmulator:
                 if value.upper() not in ALL_STAGES:
                     raise _ApiError(400, f"stage filter {value!r} is not a job stage; use one of {', '.join(ALL_STAGES)}")
                 stages.add(value.upper())
-        with self._lock:
-            jobs = [j for j in self._jobs.values() if j.namespace == namespace]
-            return [self._job_json(j) for j in jobs
-                    if (not stages or j.stage in stages)
-                    and all((j.spec.get("labels") or {}).get(k) == v for k, v in labels)]
+        with self._lock:  # only a snapshot under the lock: 256 jobs' JSON is built outside it
+            chosen = [(j, _JobState.of(j)) for j in self._jobs.values()
+                      if j.namespace == namespace and (not stages or j.stage in stages)
+                      and all((j.spec.get("labels") or {}).get(k) == v for k, v in labels)]
+        return [_job_info(j, state) for j, state in chosen]
 
     def _cancel(self, job: EmulatedJob) -> None:
         with self._lock:
@@ -496,45 +525,8 @@ class JobsEmulator:
     def _job_json(self, job: EmulatedJob) -> Dict[str, Any]:
         """The job as the real API answers it (field names and shapes HfApi's JobInfo reads)."""
         with self._lock:
-            spec = job.spec
-            now = time.monotonic()
-            end = job.finished_mono if job.finished_mono is not None else now
-            status: Dict[str, Any] = {"stage": job.stage, "message": job.message}
-            if job.expose_urls is not None:
-                status["exposeUrls"] = list(job.expose_urls)
-            info: Dict[str, Any] = {
-                "id": job.id,
-                "createdAt": _iso(job.created_at),
-                "command": list(spec.get("command") or []),
-                "arguments": list(spec.get("arguments") or []),
-                "environment": dict(spec.get("environment") or {}),
-                # Names only: the real API never gives a secret's value back.
-                "secrets": {name: None for name in job.secret_names},
-                "flavor": spec.get("flavor") or "cpu-basic",
-                "labels": dict(spec.get("labels") or {}) or None,
-                "timeoutSeconds": spec.get("timeoutSeconds", DEFAULT_JOB_TIMEOUT_S),
-                "status": status,
-                "owner": {"id": _stable_id(job.namespace), "name": job.namespace, "type": job.owner_type},
-                "initiator": {"type": "user", "id": _stable_id(job.initiator), "name": job.initiator},
-                "durations": {
-                    "schedulingSecs": (int((job.started_mono or end) - job.created_mono)
-                                       if job.started_mono is not None else None),
-                    "runningSecs": (int(end - job.started_mono) if job.started_mono is not None else None),
-                    "totalSecs": int(end - job.created_mono),
-                },
-            }
-            if "spaceId" in spec:
-                info["spaceId"] = spec["spaceId"]
-            else:
-                info["dockerImage"] = spec.get("dockerImage")
-            if job.started_at is not None:
-                info["startedAt"] = _iso(job.started_at)
-            if job.finished_at is not None:
-                info["finishedAt"] = _iso(job.finished_at)
-            if "expose" in spec:
-                info["expose"] = {"ports": list(spec["expose"].get("ports") or []),
-                                  "portsPublic": list(spec["expose"].get("portsPublic") or [])}
-            return info
+            state = _JobState.of(job)
+        return _job_info(job, state)
 
     # -- job machinery ----------------------------------------------------------------------------
 
@@ -555,6 +547,8 @@ class JobsEmulator:
         if self._wait_for_stop_request(job, time.monotonic() + delay):
             self._finish(job, "CANCELED", _stop_message(job._stop_reason))
             return
+        # Everything slow (port probes, gates, starting the process) happens outside the lock, so
+        # hundreds of jobs leaving SCHEDULING together neither queue behind each other nor block the API.
         argv = self._job_argv(job)
         exposed = list((job.spec.get("expose") or {}).get("ports") or [])
         public = set((job.spec.get("expose") or {}).get("portsPublic") or [])
@@ -569,40 +563,54 @@ class JobsEmulator:
             gate = self.make_gate(job, exposed_port, public=exposed_port in public)
             job._gates.append(gate)
             urls.append(gate.url)
+        if job._stop_reason is not None:
+            self._finish(job, "CANCELED", _stop_message(job._stop_reason))
+            return
+        try:
+            process = self.launch_process(argv, env)
+        except OSError as exc:
+            self._finish(job, "ERROR", f"Failed to start the job's command {argv[0]!r}: {exc.strerror or exc}")
+            return
         with self._lock:
-            if job._stop_reason is not None:
-                self._finish(job, "CANCELED", _stop_message(job._stop_reason))
-                return
-            try:
-                job._process = subprocess.Popen(
-                    argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                    env=env, start_new_session=True)
-            except OSError as exc:
-                self._finish(job, "ERROR", f"Failed to start the job's command {argv[0]!r}: {exc.strerror or exc}")
-                return
-            job.pid = job._process.pid
-            job.stage = "RUNNING"
-            job.started_at = _utcnow()
-            job.started_mono = time.monotonic()
-            job.expose_urls = urls if exposed else None
-            job.logs.append((_iso(job.started_at), f"===== Job started at {job.started_at.isoformat()} ====="))
-            self._changed.notify_all()
+            job._process = process
+            job.pid = process.pid
+            canceled = job._stop_reason is not None  # canceled while the process was starting
+            if not canceled:
+                job.stage = "RUNNING"
+                job.started_at = _utcnow()
+                job.started_mono = time.monotonic()
+                job.expose_urls = urls if exposed else None
+                job.logs.append((_iso(job.started_at), f"===== Job started at {job.started_at.isoformat()} ====="))
+                self._changed.notify_all()
         reader = threading.Thread(target=self._read_output, args=(job,), name=f"job-log:{job.id}", daemon=True)
         reader.start()
-        probe = None
-        if exposed:
-            probe = threading.Thread(target=self._probe_health, args=(job, job.local_ports[exposed[0]]),
-                                     name=f"job-health:{job.id}", daemon=True)
-            probe.start()
+        if exposed and not canceled:
+            self._health_prober().watch(job, job.local_ports[exposed[0]])
         outcome = self._watch_process(job)
-        _kill_process_group(job._process, self.kill_grace_s)  # also ends any child left behind
+        _kill_process_group(process, self.kill_grace_s)  # also ends any child left behind
         reader.join(2.0)
-        if probe is not None:
-            probe.join(2.0)
-        if job._process.stdout is not None:
-            job._process.stdout.close()
-        job.exit_code = job._process.returncode
+        if process.stdout is not None:
+            process.stdout.close()
+        job.exit_code = process.returncode
         self._finish(job, *outcome)
+
+    def launch_process(self, argv: List[str], env: Dict[str, str]) -> Any:
+        """Start a job's command as its own process group with its output on one pipe (a hook).
+
+        The emulator's own echo server is forked from a pre-imported zygote process (a few ms instead
+        of ~100 ms of interpreter start and imports); any other command runs through `Popen`. Returns a
+        `Popen` or an object with the same `pid`, `stdout`, `returncode`, `poll()` and `wait()`.
+        """
+        echo = echo_server_command()
+        if self.zygote and argv[:len(echo)] == echo:
+            zygote = self._zygote_for_jobs()
+            if zygote is not None:
+                try:
+                    return zygote.spawn(argv[len(echo):], env)
+                except _ZygoteUnavailable as exc:  # it died under us: the ordinary path still works
+                    log.warning("hf_jobs_emulator: zygote unavailable (%s); starting the job with Popen", exc)
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
 
     def _watch_process(self, job: EmulatedJob) -> Tuple[str, Optional[str]]:
         """Wait for the process to exit or a deadline to pass; returns (final stage, message)."""
@@ -639,12 +647,16 @@ class JobsEmulator:
     def _reserve_port(self) -> int:
         """A loopback port in JOB_PORT_RANGE that is free now and not promised to another live job."""
         rng = random.SystemRandom()
-        with self._lock:
-            for _ in range(200):
-                port = rng.randint(*JOB_PORT_RANGE)
-                if port not in self._reserved_ports and _port_is_free(self.host, port):
-                    self._reserved_ports.add(port)
-                    return port
+        for _ in range(200):
+            port = rng.randint(*JOB_PORT_RANGE)
+            with self._lock:
+                if port in self._reserved_ports:
+                    continue
+                self._reserved_ports.add(port)  # promised first, probed outside the lock
+            if _port_is_free(self.host, port):
+                return port
+            with self._lock:
+                self._reserved_ports.discard(port)
         raise RuntimeError(f"no free loopback port in {JOB_PORT_RANGE} for the job after 200 tries")
 
     def _wait_for_stop_request(self, job: EmulatedJob, until: float) -> bool:
@@ -681,21 +693,29 @@ class JobsEmulator:
         except (OSError, ValueError):  # the pipe was closed under us during teardown
             pass
 
-    def _probe_health(self, job: EmulatedJob, local_port: int) -> None:
-        """Poll the job's server until `GET /health` answers 200 (or the job ends); record when."""
-        host = "127.0.0.1" if self.host == "localhost" else self.host
-        while job._process is not None and job._process.poll() is None and job._stop_reason is None:
-            conn = http.client.HTTPConnection(host, local_port, timeout=1.0)
-            try:
-                conn.request("GET", "/health")
-                if conn.getresponse().status == 200:
-                    self.record_health_ok(job.id)
-                    return
-            except (OSError, http.client.HTTPException):
-                pass  # not listening yet
-            finally:
-                conn.close()
-            time.sleep(HEALTH_PROBE_INTERVAL_S)
+    def _health_prober(self) -> "_HealthProber":
+        """The one thread that probes every booting job's `/health` (started on first use)."""
+        with self._lock:
+            if self._prober is None:
+                host = "127.0.0.1" if self.host == "localhost" else self.host
+                self._prober = _HealthProber(host, self.record_health_ok)
+            return self._prober
+
+    def _zygote_for_jobs(self) -> Optional["_Zygote"]:
+        """The running zygote (started on first use, restarted if it died), or None when it cannot run."""
+        with self._zygote_lock:  # not the global lock: starting it takes ~100 ms
+            if self._stopping:
+                return None
+            if self._zygote is None or not self._zygote.alive:
+                if self._zygote is not None:
+                    self._retired_zygotes.append(self._zygote)
+                try:
+                    self._zygote = _Zygote.start()
+                except (OSError, _ZygoteUnavailable) as exc:
+                    log.warning("hf_jobs_emulator: cannot start the zygote (%s); jobs start with Popen", exc)
+                    self.zygote = False
+                    self._zygote = None
+            return self._zygote
 
     def _finish(self, job: EmulatedJob, stage: str, message: Optional[str]) -> None:
         for gate in job._gates:
@@ -915,6 +935,64 @@ def _create_body_rejection(body: Any) -> Optional[str]:
     return None
 
 
+class _JobState:
+    """The fields of a job that change while it runs, copied under the emulator's lock."""
+
+    __slots__ = ("stage", "message", "expose_urls", "started_at", "finished_at", "started_mono", "finished_mono")
+
+    @classmethod
+    def of(cls, job: EmulatedJob) -> "_JobState":
+        state = cls()
+        state.stage, state.message = job.stage, job.message
+        state.expose_urls = list(job.expose_urls) if job.expose_urls is not None else None
+        state.started_at, state.finished_at = job.started_at, job.finished_at
+        state.started_mono, state.finished_mono = job.started_mono, job.finished_mono
+        return state
+
+
+def _job_info(job: EmulatedJob, state: _JobState) -> Dict[str, Any]:
+    """The job as the real API answers it (field names and shapes HfApi's JobInfo reads)."""
+    spec = job.spec
+    now = time.monotonic()
+    end = state.finished_mono if state.finished_mono is not None else now
+    status: Dict[str, Any] = {"stage": state.stage, "message": state.message}
+    if state.expose_urls is not None:
+        status["exposeUrls"] = list(state.expose_urls)
+    info: Dict[str, Any] = {
+        "id": job.id,
+        "createdAt": _iso(job.created_at),
+        "command": list(spec.get("command") or []),
+        "arguments": list(spec.get("arguments") or []),
+        "environment": dict(spec.get("environment") or {}),
+        # Names only: the real API never gives a secret's value back.
+        "secrets": {name: None for name in job.secret_names},
+        "flavor": spec.get("flavor") or "cpu-basic",
+        "labels": dict(spec.get("labels") or {}) or None,
+        "timeoutSeconds": spec.get("timeoutSeconds", DEFAULT_JOB_TIMEOUT_S),
+        "status": status,
+        "owner": {"id": _stable_id(job.namespace), "name": job.namespace, "type": job.owner_type},
+        "initiator": {"type": "user", "id": _stable_id(job.initiator), "name": job.initiator},
+        "durations": {
+            "schedulingSecs": (int((state.started_mono or end) - job.created_mono)
+                               if state.started_mono is not None else None),
+            "runningSecs": (int(end - state.started_mono) if state.started_mono is not None else None),
+            "totalSecs": int(end - job.created_mono),
+        },
+    }
+    if "spaceId" in spec:
+        info["spaceId"] = spec["spaceId"]
+    else:
+        info["dockerImage"] = spec.get("dockerImage")
+    if state.started_at is not None:
+        info["startedAt"] = _iso(state.started_at)
+    if state.finished_at is not None:
+        info["finishedAt"] = _iso(state.finished_at)
+    if "expose" in spec:
+        info["expose"] = {"ports": list(spec["expose"].get("ports") or []),
+                          "portsPublic": list(spec["expose"].get("portsPublic") or [])}
+    return info
+
+
 # ==================================================================================================
 # Machinery: small helpers
 # ==================================================================================================
@@ -1010,6 +1088,433 @@ def _stop_quietly(thing: Any) -> bool:
 def _observation(message: str, reward: float) -> Dict[str, Any]:
     return {"observation": {"echoed_message": message, "message_length": len(message)},
             "reward": reward, "done": False}
+
+
+# ==================================================================================================
+# Machinery: the zygote (fast echo-server jobs) and the health prober
+# ==================================================================================================
+
+
+class _ZygoteUnavailable(RuntimeError):
+    """The zygote is not running (or died while starting a job); use the ordinary Popen path."""
+
+
+class _ZygoteChild:
+    """A job process forked by the zygote, with the part of `Popen`'s interface the emulator uses.
+
+    The zygote (its parent) reaps it and reports the exit code; until then `poll()` is None.
+    """
+
+    def __init__(self, pid: int, stdout: Any, argv: List[str]) -> None:
+        self.pid = pid
+        self.stdout = stdout
+        self.args = argv
+        self.returncode: Optional[int] = None
+        self._exited = threading.Event()
+
+    def poll(self) -> Optional[int]:
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        if not self._exited.wait(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        assert self.returncode is not None
+        return self.returncode
+
+    def _set_exited(self, code: int) -> None:
+        if self.returncode is None:
+            self.returncode = code
+        self._exited.set()
+
+
+class _Zygote:
+    """One pre-imported helper process that forks a fresh echo-server child per job.
+
+    Protocol over a SOCK_SEQPACKET socketpair, one JSON message each way per event:
+    `{"id", "args", "env"}` plus the write end of the job's output pipe (SCM_RIGHTS) -> the zygote forks
+    and answers `{"id", "pid"}` (or `{"id", "error"}`); whenever it reaps a child it sends
+    `{"exit": pid, "code": returncode}`. If the emulator goes away the zygote kills its children and
+    exits; if the zygote dies the emulator SIGKILLs the children it knew (each is its own group).
+    """
+
+    def __init__(self, process: subprocess.Popen, sock: socket.socket) -> None:
+        self._process = process
+        self._sock = sock
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._next_id = 0
+        self._pending: Dict[int, List[Any]] = {}  # request id -> [Event, answer]
+        self._children: Dict[int, _ZygoteChild] = {}  # pid -> child not yet reported exited
+        self._argv: Dict[int, List[str]] = {}
+        self.alive = True
+        self._reader = threading.Thread(target=self._read_answers, name=f"zygote:{process.pid}", daemon=True)
+        self._reader.start()
+
+    @classmethod
+    def start(cls) -> "_Zygote":
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            process = subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "zygote", str(theirs.fileno())],
+                stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),), start_new_session=True,
+                env={k: v for k, v in os.environ.items() if k not in SCRUBBED_ENV_VARS})
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        return cls(process, ours)
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def spawn(self, args: List[str], env: Dict[str, str]) -> _ZygoteChild:
+        """Fork one echo server (`echo-server *args`) with this environment; its output on a new pipe."""
+        read_fd, write_fd = os.pipe()
+        waiter: List[Any] = [threading.Event(), None]
+        with self._lock:
+            if not self.alive:
+                os.close(read_fd)
+                os.close(write_fd)
+                raise _ZygoteUnavailable("the zygote has exited")
+            self._next_id += 1
+            request_id = self._next_id
+            self._pending[request_id] = waiter
+        try:
+            message = json.dumps({"id": request_id, "args": args, "env": env}).encode("utf-8")
+            with self._send_lock:
+                socket.send_fds(self._sock, [message], [write_fd])
+        except OSError as exc:
+            os.close(read_fd)
+            with self._lock:
+                self._pending.pop(request_id, None)
+            raise _ZygoteUnavailable(f"cannot reach the zygote: {exc}")
+        finally:
+            os.close(write_fd)  # the child holds its copy now; EOF on read_fd means the job's output ended
+        if not waiter[0].wait(ZYGOTE_SPAWN_TIMEOUT_S) or not isinstance(waiter[1], dict) or "pid" not in waiter[1]:
+            os.close(read_fd)
+            with self._lock:
+                self._pending.pop(request_id, None)
+            reason = (waiter[1] or {}).get("error") if isinstance(waiter[1], dict) else None
+            raise _ZygoteUnavailable(reason or f"no answer from the zygote within {ZYGOTE_SPAWN_TIMEOUT_S}s")
+        pid = waiter[1]["pid"]
+        with self._lock:
+            child = self._children.get(pid)
+        assert child is not None
+        child.stdout = os.fdopen(read_fd, "rb")
+        child.args = echo_server_command() + list(args)
+        return child
+
+    def stop(self) -> List[str]:
+        """Close the control socket (the zygote then kills what it still runs) and reap it. Never raises."""
+        problems: List[str] = []
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        try:
+            self._process.wait(ZYGOTE_EXIT_WAIT_S)
+        except subprocess.TimeoutExpired:
+            _kill_process_group(self._process, 0.0)
+        if self._process.poll() is None:
+            problems.append(f"zygote pid {self._process.pid}")
+        self._reader.join(ZYGOTE_EXIT_WAIT_S)
+        if self._reader.is_alive():
+            problems.append("zygote reader thread")
+        self._sock.close()
+        return problems
+
+    def _read_answers(self) -> None:
+        """Route the zygote's answers to `spawn` calls and its exit reports to the children."""
+        while True:
+            try:
+                data = self._sock.recv(ZYGOTE_MAX_MESSAGE_BYTES)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            try:
+                message = json.loads(data.decode("utf-8"))
+            except ValueError:
+                continue
+            with self._lock:
+                if "exit" in message:
+                    child = self._children.pop(message["exit"], None)
+                    if child is not None:
+                        child._set_exited(int(message["code"]))
+                    continue
+                waiter = self._pending.pop(message.get("id"), None)
+                if "pid" in message:
+                    self._children[message["pid"]] = _ZygoteChild(message["pid"], None, [])
+            if waiter is not None:
+                waiter[1] = message
+                waiter[0].set()
+        self._orphaned()
+
+    def _orphaned(self) -> None:
+        """The zygote is gone: no exit report will come, so end its children here and wake every waiter."""
+        with self._lock:
+            self.alive = False
+            children, self._children = list(self._children.values()), {}
+            pending, self._pending = list(self._pending.values()), {}
+        for child in children:
+            try:
+                os.killpg(child.pid, signal.SIGKILL)  # each child leads its own session and group
+            except (ProcessLookupError, PermissionError):
+                pass
+            child._set_exited(-signal.SIGKILL)
+        for waiter in pending:
+            waiter[0].set()
+        if children:
+            log.warning("hf_jobs_emulator: the zygote exited; killed its %d job process(es)", len(children))
+
+
+def _zygote_main(fd: int) -> int:
+    """The zygote process: fork an echo server per request on the control socket, report exits."""
+    import selectors as _selectors
+    import wsproto.events  # noqa: F401 - pre-imported so the children start warm
+    import wsproto.extensions  # noqa: F401
+    import wsproto.utilities  # noqa: F401 - (pyflakes: used by the children)
+
+    control = socket.socket(fileno=fd)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    os.set_blocking(wake_r, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler is needed for the wakeup fd to fire
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the emulator ends us by closing the socket
+    children: set = set()
+    selector = _selectors.DefaultSelector()
+    selector.register(control, _selectors.EVENT_READ)
+    selector.register(wake_r, _selectors.EVENT_READ)
+
+    def reap() -> None:
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            children.discard(pid)
+            code = os.waitstatus_to_exitcode(status)
+            control.send(json.dumps({"exit": pid, "code": code}).encode("utf-8"))
+
+    try:
+        while True:
+            for key, _ in selector.select():
+                if key.fileobj == wake_r:
+                    try:
+                        while os.read(wake_r, 512):
+                            pass
+                    except BlockingIOError:
+                        pass
+                    reap()
+                    continue
+                data, fds, _, _ = socket.recv_fds(control, ZYGOTE_MAX_MESSAGE_BYTES, 1)
+                if not data:
+                    return 0
+                request = json.loads(data.decode("utf-8"))
+                try:
+                    pid = os.fork()
+                except OSError as exc:
+                    for extra in fds:
+                        os.close(extra)
+                    control.send(json.dumps({"id": request["id"], "error": f"fork failed: {exc}"}).encode())
+                    continue
+                if pid == 0:
+                    _zygote_child(request, fds, (control.fileno(), wake_r, wake_w))
+                children.add(pid)
+                for extra in fds:
+                    os.close(extra)
+                control.send(json.dumps({"id": request["id"], "pid": pid}).encode("utf-8"))
+                reap()
+    except OSError:
+        return 1  # the emulator is gone
+    finally:
+        for pid in children:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _zygote_child(request: Dict[str, Any], fds: List[int], close_fds: Tuple[int, ...]) -> None:
+    """In a fresh fork of the zygote: become a job (own session, output pipe, environment), run the
+    echo server, and never return into the zygote's loop."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGCHLD, signal.SIGINT):
+            signal.signal(sig, signal.SIG_DFL)
+        os.setsid()
+        for fd in close_fds:
+            os.close(fd)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(fds[0], 1)
+        os.dup2(fds[0], 2)
+        for fd in (devnull, *fds):
+            os.close(fd)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # line-buffered, like PYTHONUNBUFFERED
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        code = main(["echo-server", *request["args"]])
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+class _HealthProber:
+    """One thread that probes every booting job's server with `GET /health` until it answers 200.
+
+    Non-blocking sockets on one selector, instead of a thread per job: hundreds of jobs booting at once
+    cost one thread, and the probe rate is bounded (HEALTH_PROBES_PER_S) so it never starves the jobs.
+    """
+
+    def __init__(self, host: str, record: Callable[[str], None]) -> None:
+        self._host = host
+        self._record = record
+        self._lock = threading.Lock()
+        self._jobs: Dict[str, Tuple[EmulatedJob, int]] = {}  # job id -> (job, local port)
+        self._stopping = False
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self._thread = threading.Thread(target=self._run, name="job-health-prober", daemon=True)
+        self._thread.start()
+
+    def watch(self, job: EmulatedJob, port: int) -> None:
+        """Start probing this job (until it answers 200 or ends)."""
+        with self._lock:
+            self._jobs[job.id] = (job, port)
+        self._wake()
+
+    def stop(self) -> bool:
+        """End the thread; False when it did not end in time."""
+        with self._lock:
+            self._stopping = True
+        self._wake()
+        self._thread.join(5.0)
+        if self._thread.is_alive():
+            return False
+        self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()
+        return True
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass  # already full (a wake is pending) or closed
+
+    def _run(self) -> None:
+        attempts: Dict[str, Dict[str, Any]] = {}  # job id -> in-flight attempt {sock, deadline, sent, data}
+        next_at: Dict[str, float] = {}  # job id -> when to try again
+        try:
+            while True:
+                with self._lock:
+                    if self._stopping:
+                        return
+                    jobs = dict(self._jobs)
+                now = time.monotonic()
+                interval = max(HEALTH_PROBE_INTERVAL_S, len(jobs) / HEALTH_PROBES_PER_S)
+                for job_id, (job, port) in jobs.items():
+                    if job.terminal or job._stop_reason is not None or job.first_health_ok_mono is not None:
+                        self._drop(job_id, attempts, next_at)
+                    elif job_id not in attempts and next_at.get(job_id, 0.0) <= now:
+                        attempts[job_id] = self._connect(job_id, port, now)
+                for job_id, attempt in list(attempts.items()):
+                    if now >= attempt["deadline"]:
+                        self._retry(job_id, attempts, next_at, now + interval)
+                waits = [attempt["deadline"] for attempt in attempts.values()]
+                waits += [next_at.get(j, now) for j in jobs if j not in attempts]
+                timeout = max(0.0, min(waits) - now) if waits else None
+                for key, events in self._selector.select(timeout):
+                    if key.fileobj is self._wake_r:
+                        try:
+                            while self._wake_r.recv(4096):
+                                pass
+                        except OSError:
+                            pass
+                        continue
+                    job_id = key.data
+                    if job_id in attempts:
+                        self._advance(job_id, attempts, next_at, time.monotonic() + interval)
+        finally:
+            for job_id in list(attempts):
+                self._drop(job_id, attempts, next_at)
+
+    def _connect(self, job_id: str, port: int, now: float) -> Dict[str, Any]:
+        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        sock.connect_ex((self._host, port))
+        self._selector.register(sock, selectors.EVENT_WRITE, job_id)
+        return {"sock": sock, "deadline": now + HEALTH_PROBE_TIMEOUT_S, "sent": False, "data": b""}
+
+    def _advance(self, job_id: str, attempts: Dict[str, Dict[str, Any]], next_at: Dict[str, float],
+                 retry_at: float) -> None:
+        """One step of an attempt: connected -> send the request; readable -> read the status line."""
+        attempt = attempts[job_id]
+        sock = attempt["sock"]
+        try:
+            if not attempt["sent"]:
+                if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) != 0:
+                    raise OSError("not listening yet")
+                sock.send(b"GET /health HTTP/1.1\r\nHost: job\r\nConnection: close\r\n\r\n")
+                attempt["sent"] = True
+                self._selector.modify(sock, selectors.EVENT_READ, job_id)
+                return
+            chunk = sock.recv(1024)
+            attempt["data"] += chunk
+            if b"\r\n" not in attempt["data"] and chunk:
+                return
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._retry(job_id, attempts, next_at, retry_at)
+            return
+        status = attempt["data"].split(b"\r\n", 1)[0].split()
+        if len(status) >= 2 and status[0].startswith(b"HTTP/") and status[1] == b"200":
+            self._record(job_id)
+            with self._lock:
+                self._jobs.pop(job_id, None)
+            self._drop(job_id, attempts, next_at)
+        else:
+            self._retry(job_id, attempts, next_at, retry_at)
+
+    def _retry(self, job_id: str, attempts: Dict[str, Dict[str, Any]], next_at: Dict[str, float],
+               when: float) -> None:
+        self._close(attempts.pop(job_id, None))
+        next_at[job_id] = when
+
+    def _drop(self, job_id: str, attempts: Dict[str, Dict[str, Any]], next_at: Dict[str, float]) -> None:
+        self._close(attempts.pop(job_id, None))
+        next_at.pop(job_id, None)
+        with self._lock:
+            self._jobs.pop(job_id, None)
+
+    def _close(self, attempt: Optional[Dict[str, Any]]) -> None:
+        if attempt is None:
+            return
+        try:
+            self._selector.unregister(attempt["sock"])
+        except (KeyError, ValueError):
+            pass
+        attempt["sock"].close()
 
 
 # ==================================================================================================
@@ -1534,8 +2039,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     echo.add_argument("--port", type=int, default=None, help=f"port (default $PORT or {ECHO_DEFAULT_PORT})")
     echo.add_argument("--step-delay-s", type=float, default=None,
                       help=f"seconds to sleep in every step (default ${ECHO_STEP_DELAY_ENV} or 0)")
+    zygote = commands.add_parser("zygote", help=argparse.SUPPRESS)  # internal: started by JobsEmulator
+    zygote.add_argument("fd", type=int)
     args = parser.parse_args(argv)
 
+    if args.command == "zygote":
+        return _zygote_main(args.fd)
     if args.command == "echo-server":
         port = args.port if args.port is not None else _echo_port_default()
         delay = args.step_delay_s if args.step_delay_s is not None else _step_delay_default()
