@@ -3,19 +3,17 @@ refusals without X-Proxy-Error."""
 from __future__ import annotations
 
 import contextlib
-import json
 import socket
 import threading
 import time
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, Iterator, List
 
 import pytest
 import requests
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-import support
 from support import TEST_TOKEN, Upstream, ws_connect, ws_url
-from proxy import AuthProxy, InsecureURLError, Refusal, ReplicaRoute, Route
+from proxy import AuthProxy, InsecureURLError, Refusal, ReplicaRoute
 
 TIMEOUT = 10
 
@@ -324,11 +322,13 @@ def test_a_route_request_hook_may_return_a_replica_route(upstream):
 # -- small fixes: client hang-up during the upgrade, prompt stop, refusals without X-Proxy-Error --------
 
 
-def test_client_hanging_up_during_the_upgrade_ends_the_upstream_attempt():
+@pytest.mark.parametrize("replicated", [False, True], ids=["single", "replicas"])
+def test_client_hanging_up_during_the_upgrade_ends_the_upstream_attempt(replicated):
     with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, never answers
         silent.settimeout(TIMEOUT)
         with AuthProxy() as proxy:
-            base = proxy.mount_replicas(["http://127.0.0.1:%d" % silent.getsockname()[1]], TEST_TOKEN)
+            url = "http://127.0.0.1:%d" % silent.getsockname()[1]
+            base = proxy.mount_replicas([url], TEST_TOKEN) if replicated else proxy.mount(url, TEST_TOKEN)
             route_path = base.split("/", 3)[3]
             client = socket.create_connection(("127.0.0.1", proxy.port), timeout=TIMEOUT)
             client.sendall(("GET /%s/ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
@@ -343,8 +343,9 @@ def test_client_hanging_up_during_the_upgrade_ends_the_upstream_attempt():
                 assert head.startswith(b"GET /ws HTTP/1.1")
                 client.close()  # the trainer gave up
                 assert conn.recv(4096) == b""  # so the proxy ended its upstream attempt
-            assert proxy.replica_status(base)[0]["healthy"] is True  # a client leaving says nothing about the job
-            wait_until(lambda: sessions_per_replica(proxy, base) == [0], "the abandoned slot to be released")
+            if replicated:
+                assert proxy.replica_status(base)[0]["healthy"] is True  # a client leaving says nothing about the job
+                wait_until(lambda: sessions_per_replica(proxy, base) == [0], "the abandoned slot to be released")
 
 
 def test_stop_returns_with_the_listener_ended_and_the_port_closed(no_leaks):
