@@ -4,7 +4,8 @@
 `http://127.0.0.1:<port>/<route-id>/<rest>` is forwarded to `<upstream>/<rest>` with the route's bearer
 token injected, so unmodified OpenEnv clients (HTTP and WebSocket) can talk to a token-protected job
 without ever seeing the token. Threads only, standard library only: no event loop; WebSocket frames are
-never parsed, the tunnel copies raw bytes.
+never parsed, the tunnel copies raw bytes. `mount_replicas` puts one route in front of several jobs of
+the same server and spreads WebSocket sessions over them (fewest open sessions first).
 
 Public names: `AuthProxy`, `Route`, `ReplicaRoute`, `Refusal`, `InsecureURLError`. Run `python proxy.py UPSTREAM_URL`
 to front one job from the command line.
@@ -69,9 +70,6 @@ POOL_MAX_IDLE = 64
 # Pooled upstream connections idle longer than this are not reused: uvicorn (OpenEnv's server) closes
 # idle keep-alive connections after 5 s, and racing that close would turn a request into an error.
 POOL_IDLE_S = 4.0
-# The listener loop sleeps in select() on the listening socket and a wake-up socket that stop() writes
-# to, so it never polls: an idle proxy costs no CPU and stop() does not wait for a poll interval (the
-# emulator runs one proxy per job, and tearing down hundreds of them must not cost a poll each).
 # How long stop() waits for each thread it started before naming it as left behind.
 STOP_JOIN_S = 5.0
 # How long a TLS writer waits for the reader thread to feed bytes the TLS engine asked for, per round.
@@ -112,6 +110,8 @@ _STATUS_LINE_RE = re.compile(rb"^HTTP/1\.[01] (\d{3})(?: |\r?$)")
 
 Token = Union[str, Callable[[], str], None]
 Verify = Union[bool, str]
+# `mount_replicas(http=...)`: "refuse" forwards only STATELESS_HTTP_PATHS (safe for every OpenEnv
+# server); "any" forwards all HTTP to some live replica (only for servers stateless over HTTP).
 HTTP_MODES = ("refuse", "any")
 
 
@@ -971,7 +971,10 @@ class _Server(http.server.ThreadingHTTPServer):
         self._woken = False
 
     def serve_until_woken(self) -> None:
-        """Accept connections until `wake()`: select() on the listener and the wake-up socket, no polling."""
+        """Accept connections until `wake()`: select() on the listener and the wake-up socket, no polling.
+
+        Unlike `serve_forever(poll_interval)`, an idle proxy costs no wake-ups and `stop()` does not wait
+        for a poll (the emulator runs one proxy per job: tearing down hundreds must not cost a poll each)."""
         with selectors.DefaultSelector() as selector:
             selector.register(self.socket, selectors.EVENT_READ)
             selector.register(self._wake_r, selectors.EVENT_READ)
