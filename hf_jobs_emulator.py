@@ -70,6 +70,8 @@ HEALTH_PROBE_TIMEOUT_S = 1.0
 ZYGOTE_SPAWN_TIMEOUT_S = 10.0
 # Upper bound of one control message (a job's environment as JSON; os.environ is a few KB).
 ZYGOTE_MAX_MESSAGE_BYTES = 256 * 1024
+# prctl option (linux/prctl.h): deliver a signal to this process when its parent dies.
+PR_SET_PDEATHSIG = 1
 # How long stop() waits for the zygote to exit after its control socket closed.
 ZYGOTE_EXIT_WAIT_S = 5.0
 # Job processes listen on ports drawn from here, below the kernel's ephemeral range (Linux 32768-60999,
@@ -1263,7 +1265,7 @@ class _Zygote:
             pending, self._pending = list(self._pending.values()), {}
         for child in children:
             try:
-                os.killpg(child.pid, signal.SIGKILL)  # each child leads its own session and group
+                os.killpg(child.pid, signal.SIGKILL)  # each child leads its own process group
             except (ProcessLookupError, PermissionError):
                 pass
             child._set_exited(-signal.SIGKILL)
@@ -1278,8 +1280,9 @@ def _zygote_main(fd: int) -> int:
     import selectors as _selectors
     import wsproto.events  # noqa: F401 - pre-imported so the children start warm
     import wsproto.extensions  # noqa: F401
-    import wsproto.utilities  # noqa: F401 - (pyflakes: used by the children)
+    import wsproto.utilities  # noqa: F401
 
+    prctl = _load_prctl()
     gc.freeze()  # children share the imported objects' pages instead of copying them on the first GC
     control = socket.socket(fileno=fd)
     wake_r, wake_w = os.pipe()
@@ -1328,7 +1331,14 @@ def _zygote_main(fd: int) -> int:
                     control.send(json.dumps({"id": request["id"], "error": f"fork failed: {exc}"}).encode())
                     continue
                 if pid == 0:
-                    _zygote_child(request, fds, (control.fileno(), wake_r, wake_w))
+                    _zygote_child(request, fds, (control.fileno(), wake_r, wake_w), prctl)
+                # The child's own group before anyone learns its pid, so a cancel's killpg never misses
+                # it (both sides call setpgid: whichever runs first wins, the classic race fix). No
+                # setsid: the zygote leads a session without a terminal, which its children share.
+                try:
+                    os.setpgid(pid, pid)
+                except OSError:
+                    pass  # the child already did it (EACCES after exec cannot happen: it never execs)
                 children.add(pid)
                 for extra in fds:
                     os.close(extra)
@@ -1344,15 +1354,18 @@ def _zygote_main(fd: int) -> int:
                 pass
 
 
-def _zygote_child(request: Dict[str, Any], fds: List[int], close_fds: Tuple[int, ...]) -> None:
-    """In a fresh fork of the zygote: become a job (own session, output pipe, environment), run the
+def _zygote_child(request: Dict[str, Any], fds: List[int], close_fds: Tuple[int, ...],
+                  prctl: Optional[Callable[..., int]]) -> None:
+    """In a fresh fork of the zygote: become a job (own process group, output pipe, environment), run the
     echo server, and never return into the zygote's loop."""
     code = 1
+    zygote_pid = os.getppid()
     try:
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGCHLD, signal.SIGINT):
             signal.signal(sig, signal.SIG_DFL)
-        os.setsid()
+        os.setpgid(0, 0)  # its own group; the zygote does the same from its side (see _zygote_main)
+        _die_with_parent(prctl, zygote_pid)
         for fd in close_fds:
             os.close(fd)
         devnull = os.open(os.devnull, os.O_RDONLY)
@@ -1378,6 +1391,27 @@ def _zygote_child(request: Dict[str, Any], fds: List[int], close_fds: Tuple[int,
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+def _load_prctl() -> Optional[Callable[..., int]]:
+    """libc's prctl (Linux), loaded once in the zygote so children do not pay for ctypes; else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def _die_with_parent(prctl: Optional[Callable[..., int]], parent_pid: int) -> None:
+    """Linux: SIGKILL this process when its parent (the zygote) dies, even if nobody else is left to
+    clean up (the emulator and the zygote both killed). Elsewhere the emulator's own cleanup is all."""
+    if prctl is None:
+        return
+    prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
 
 
 class _HealthProber:

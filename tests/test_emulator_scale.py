@@ -1,0 +1,256 @@
+"""hf_jobs_emulator at scale: echo-server jobs forked from the zygote (real, separate, killable process
+groups), the ordinary Popen path for every other command, the one health-prober thread, and no
+process left behind when the emulator, the zygote or both go away."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import requests
+
+import hf_jobs_emulator
+from hf_jobs_emulator import JobsEmulator
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+TIMEOUT = 30  # generous: other work may load the 2 cores; passing tests never wait this long
+PY = sys.executable
+
+
+def wait_until(predicate, what: str, timeout_s: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def proc_stat(pid: int):
+    """(state, ppid, pgid) of a process from /proc, or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = text.rsplit(")", 1)[1].split()
+    return fields[0], int(fields[1]), int(fields[2])
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan killed here may wait for an init that never reaps)."""
+    stat = proc_stat(pid)
+    return stat is not None and stat[0] != "Z"
+
+
+def create(emu: JobsEmulator, command=None, labels=None) -> str:
+    body = {"dockerImage": "python:3.12", "expose": {"ports": [8000]}, "labels": labels or {}}
+    if command is not None:
+        body["command"] = command
+    answer = requests.post(f"{emu.endpoint}/api/jobs/{emu.namespace}", json=body,
+                           headers={"Authorization": f"Bearer {emu.token}"}, timeout=TIMEOUT)
+    assert answer.status_code == 200, answer.text
+    return answer.json()["id"]
+
+
+def health(emu: JobsEmulator, job_id: str) -> int:
+    url = emu.job(job_id).expose_urls[0]
+    return requests.get(url + "/health", headers={"Authorization": f"Bearer {emu.token}"}, timeout=TIMEOUT).status_code
+
+
+@pytest.fixture
+def emu():
+    with JobsEmulator() as emulator:
+        yield emulator
+        pids = [job.pid for job in emulator.jobs if job.pid]
+        zygote = emulator._zygote.pid if emulator._zygote is not None else None
+    assert not any(running(pid) for pid in pids), "a job process outlived the emulator"
+    assert zygote is None or not running(zygote), "the zygote outlived the emulator"
+
+
+def test_echo_jobs_are_forked_by_the_zygote_each_in_its_own_process_group(emu):
+    ids = [create(emu) for _ in range(3)]
+    jobs = [emu.wait_for_stage(job_id, ["RUNNING"], TIMEOUT) for job_id in ids]
+    zygote = emu._zygote
+    assert zygote is not None and zygote.alive
+    for job in jobs:
+        state, ppid, pgid = proc_stat(job.pid)
+        assert ppid == zygote.pid, "an echo job should be a child of the zygote, not of this process"
+        assert pgid == job.pid, "each job leads its own process group (killable as one)"
+    assert len({job.pid for job in jobs}) == 3
+    wait_until(lambda: all(health(emu, job.id) == 200 for job in jobs), "every echo server to answer /health")
+    assert sorted(emu.live_pids()) == sorted(job.pid for job in jobs)
+    # Its log shows the server's own output, read from the pipe the zygote handed to the child.
+    wait_until(lambda: any("listening on" in line for _, line in emu.job(ids[0]).logs), "the echo server's log line")
+
+
+def test_canceling_a_zygote_job_ends_its_process_and_leaves_the_others_running(emu):
+    first, second = create(emu), create(emu)
+    emu.wait_for_stage(first, ["RUNNING"], TIMEOUT)
+    emu.wait_for_stage(second, ["RUNNING"], TIMEOUT)
+    pid = emu.job(first).pid
+    answer = requests.post(f"{emu.endpoint}/api/jobs/{emu.namespace}/{first}/cancel",
+                           headers={"Authorization": f"Bearer {emu.token}"}, timeout=TIMEOUT)
+    assert answer.status_code == 200
+    assert emu.wait_for_stage(first, ["CANCELED"], TIMEOUT).stage == "CANCELED"
+    wait_until(lambda: not running(pid), "the canceled job's process to end")
+    assert emu.live_pids() == [emu.job(second).pid]
+    assert health(emu, second) == 200
+
+
+def test_a_zygote_job_that_exits_reports_its_exit_code_from_the_zygote(emu):
+    # A bad argument makes the echo server exit 2 at once: the stage must come from the real exit code.
+    job_id = create(emu, command=hf_jobs_emulator.echo_server_command() + ["--port", "not-a-port"])
+    job = emu.wait_for_stage(job_id, ["ERROR", "COMPLETED"], TIMEOUT)
+    assert job.stage == "ERROR"
+    assert job.exit_code == 2
+    assert "exit code: 2" in job.message
+    assert any("--port" in line for _, line in job.logs), "argparse's complaint should be in the job log"
+
+
+def test_other_commands_still_start_with_popen_as_children_of_the_emulator(emu):
+    job_id = create(emu, command=[PY, "-c", "import time\nwhile True: time.sleep(1)"])
+    job = emu.wait_for_stage(job_id, ["RUNNING"], TIMEOUT)
+    state, ppid, pgid = proc_stat(job.pid)
+    assert ppid == os.getpid() and pgid == job.pid
+    assert isinstance(job._process, subprocess.Popen)
+
+
+def test_zygote_false_starts_the_echo_server_with_popen():
+    with JobsEmulator(zygote=False) as emu:
+        job = emu.wait_for_stage(create(emu), ["RUNNING"], TIMEOUT)
+        assert proc_stat(job.pid)[1] == os.getpid()
+        wait_until(lambda: health(emu, job.id) == 200, "the echo server to answer /health")
+        assert emu._zygote is None
+        pid = job.pid
+    assert not running(pid)
+
+
+def test_when_the_zygote_dies_its_jobs_are_killed_and_end_in_error_and_new_jobs_still_start(emu):
+    ids = [create(emu) for _ in range(2)]
+    pids = [emu.wait_for_stage(job_id, ["RUNNING"], TIMEOUT).pid for job_id in ids]
+    old = emu._zygote
+    os.kill(old.pid, signal.SIGKILL)
+    for job_id in ids:
+        assert emu.wait_for_stage(job_id, ["ERROR"], TIMEOUT).stage == "ERROR"
+    wait_until(lambda: not any(running(pid) for pid in pids), "the dead zygote's jobs to be killed")
+    assert emu.live_pids() == []
+    fresh = emu.wait_for_stage(create(emu), ["RUNNING"], TIMEOUT)
+    assert emu._zygote is not old and proc_stat(fresh.pid)[1] == emu._zygote.pid
+    wait_until(lambda: health(emu, fresh.id) == 200, "the job of the restarted zygote to answer")
+
+
+def test_a_job_canceled_while_its_process_starts_is_never_running_and_its_process_ends():
+    class CancelDuringLaunch(JobsEmulator):
+        def launch_process(self, argv, env):
+            job = self.jobs[-1]
+            self._cancel(job)  # the cancel lands between the scheduling wait and the process start
+            return super().launch_process(argv, env)
+
+    with CancelDuringLaunch() as emu:
+        job = emu.wait_for_stage(create(emu), ["CANCELED"], TIMEOUT)
+        assert job.stage == "CANCELED" and job.started_mono is None and job.expose_urls is None
+        assert job.pid is not None
+        wait_until(lambda: not running(job.pid), "the process started for a canceled job to end")
+        assert emu.live_pids() == []
+
+
+def test_one_prober_thread_records_first_health_for_many_jobs(emu):
+    ids = [create(emu) for _ in range(8)]
+    for job_id in ids:
+        emu.wait_for_stage(job_id, ["RUNNING"], TIMEOUT)
+    wait_until(lambda: all(emu.job(j).first_health_ok_mono is not None for j in ids), "every health record")
+    for job_id in ids:
+        job = emu.job(job_id)
+        assert job.created_mono <= job.started_mono <= job.first_health_ok_mono
+    probers = [t for t in threading.enumerate() if t.name.startswith("job-health")]
+    assert len(probers) == 1
+
+
+HEALTH_AFTER_FILE = """
+import os, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        ok = os.path.exists(sys.argv[1])
+        self.send_response(200 if ok else 503)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+HTTPServer(("127.0.0.1", int(os.environ["PORT"])), H).serve_forever()
+"""
+
+
+def test_the_prober_records_the_first_200_not_the_first_answer(emu, tmp_path):
+    flag = tmp_path / "ready"
+    job_id = create(emu, command=[PY, "-c", HEALTH_AFTER_FILE, str(flag)])
+    emu.wait_for_stage(job_id, ["RUNNING"], TIMEOUT)
+    wait_until(lambda: health(emu, job_id) == 503, "the server to answer 503")
+    time.sleep(0.2)  # several probe rounds answered 503
+    assert emu.job(job_id).first_health_ok_mono is None
+    made = time.monotonic()
+    flag.write_text("now")
+    wait_until(lambda: emu.job(job_id).first_health_ok_mono is not None, "the first 200 to be recorded")
+    assert emu.job(job_id).first_health_ok_mono >= made
+
+
+def test_list_answers_with_every_job_while_many_start(emu):
+    ids = [create(emu) for _ in range(24)]
+    seen = []
+    while len(seen) < 5:
+        answer = requests.get(f"{emu.endpoint}/api/jobs/{emu.namespace}",
+                              headers={"Authorization": f"Bearer {emu.token}"}, timeout=TIMEOUT)
+        assert answer.status_code == 200
+        seen.append(answer.json())
+    assert all({job["id"] for job in page} == set(ids) for page in seen)
+    for job_id in ids:
+        emu.wait_for_stage(job_id, ["RUNNING"], TIMEOUT)
+    stages = {job["id"]: job["status"]["stage"] for job in requests.get(
+        f"{emu.endpoint}/api/jobs/{emu.namespace}", headers={"Authorization": f"Bearer {emu.token}"},
+        timeout=TIMEOUT).json()}
+    assert stages == {job_id: "RUNNING" for job_id in ids}
+
+
+def _children(pid: int):
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = proc_stat(int(entry))
+            if stat is not None and stat[1] == pid:
+                found.append(int(entry))
+    return found
+
+
+def test_killing_the_emulator_process_ends_the_zygote_and_every_echo_job(tmp_path):
+    serve = subprocess.Popen([PY, hf_jobs_emulator.__file__, "serve", "--json"], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        info = json.loads(serve.stdout.readline())
+        body = {"dockerImage": "python:3.12", "expose": {"ports": [8000]}}
+        headers = {"Authorization": f"Bearer {info['token']}"}
+        ids = [requests.post(f"{info['endpoint']}/api/jobs/{info['namespace']}", json=body, headers=headers,
+                             timeout=TIMEOUT).json()["id"] for _ in range(2)]
+
+        def stages():
+            return [requests.get(f"{info['endpoint']}/api/jobs/{info['namespace']}/{i}", headers=headers,
+                                 timeout=TIMEOUT).json()["status"]["stage"] for i in ids]
+        wait_until(lambda: stages() == ["RUNNING", "RUNNING"], "both jobs to run")
+        zygotes = [pid for pid in _children(serve.pid) if "zygote" in open(f"/proc/{pid}/cmdline").read()]
+        assert len(zygotes) == 1
+        jobs = _children(zygotes[0])
+        assert len(jobs) == 2
+        os.kill(serve.pid, signal.SIGKILL)  # no stop(), no cleanup: the zygote must notice alone
+        serve.wait(TIMEOUT)
+        wait_until(lambda: not any(running(pid) for pid in jobs + zygotes), "the zygote and its jobs to end")
+    finally:
+        if serve.poll() is None:
+            os.killpg(serve.pid, signal.SIGKILL)
+            serve.wait(TIMEOUT)
+        serve.stdout.close()
