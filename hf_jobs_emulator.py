@@ -162,10 +162,10 @@ class EmulatedJob:
         self._process: Optional[subprocess.Popen] = None
         self._gates: List[Any] = []
         self._stop_reason: Optional[str] = None  # set by cancel / emulator stop
-        # Set with _stop_reason: a job waiting out its scheduling delay waits on its own event, not on
-        # the emulator's condition (which every stage change and log line notifies: 256 waiters there
-        # made each notify wake 256 threads).
-        self._stop_requested = threading.Event()
+        # Set on anything its supervisor must look at (stop request, kill_job, a zygote child's exit):
+        # a supervisor waits on its own event, not on the emulator's condition (which every stage change
+        # and log line notifies: 256 waiters there made each notify wake 256 threads).
+        self._attention = threading.Event()
         self._die_now = False  # set by JobsEmulator.kill_job
         self._supervisor: Optional[threading.Thread] = None
 
@@ -275,7 +275,7 @@ class JobsEmulator:
             for job in jobs:
                 if job._stop_reason is None:
                     job._stop_reason = "emulator stopped"
-                    job._stop_requested.set()
+                    job._attention.set()
             self._changed.notify_all()
         for job in jobs:
             if job._supervisor is not None and job._supervisor.ident is not None:  # started
@@ -408,6 +408,7 @@ class JobsEmulator:
             if job.stage != "RUNNING":
                 raise ValueError(f"job {job_id} is {job.stage}; only a RUNNING job can be killed")
             job._die_now = True
+            job._attention.set()
 
     def record_health_ok(self, job_id: str) -> None:
         """Note the first time the job's server answered 200 on /health (the emulator's own probe)."""
@@ -529,7 +530,7 @@ class JobsEmulator:
         with self._lock:
             if not job.terminal and job._stop_reason is None:
                 job._stop_reason = "canceled"
-                job._stop_requested.set()
+                job._attention.set()
             self._changed.notify_all()
 
     def _job_json(self, job: EmulatedJob) -> Dict[str, Any]:
@@ -631,11 +632,21 @@ class JobsEmulator:
         die_at = start + float(die_after) if die_after is not None else None
         proc = job._process
         assert proc is not None
+        if isinstance(proc, _ZygoteChild):  # its exit sets the event too: no polling at all
+            proc.on_exit = job._attention.set
+            if proc.poll() is not None:  # it exited before the hook was set
+                job._attention.set()
         while True:
-            try:
-                code = proc.wait(SUPERVISE_POLL_S)
-            except subprocess.TimeoutExpired:
-                code = None
+            if isinstance(proc, _ZygoteChild):
+                deadlines = [start + timeout_s] + ([die_at] if die_at is not None else [])
+                job._attention.wait(max(0.0, min(deadlines) - time.monotonic()))
+                job._attention.clear()  # before the checks below, so nothing set after them is lost
+                code = proc.poll()
+            else:
+                try:
+                    code = proc.wait(SUPERVISE_POLL_S)
+                except subprocess.TimeoutExpired:
+                    code = None
             if code is not None:
                 crash = job.faults.get("crash-at-boot")
                 if code == 0:
@@ -672,7 +683,13 @@ class JobsEmulator:
 
     def _wait_for_stop_request(self, job: EmulatedJob, until: float) -> bool:
         """Sleep until `until` unless the job is canceled first; True when it was."""
-        return job._stop_requested.wait(max(0.0, until - time.monotonic()))
+        while job._stop_reason is None:
+            left = until - time.monotonic()
+            if left <= 0:
+                return False
+            job._attention.wait(left)
+            job._attention.clear()  # a kill_job of a job not RUNNING yet is refused: only stops matter
+        return True
 
     def _job_argv(self, job: EmulatedJob) -> List[str]:
         crash = job.faults.get("crash-at-boot")
@@ -1115,6 +1132,7 @@ class _ZygoteChild:
         self.stdout = stdout
         self.args = argv
         self.returncode: Optional[int] = None
+        self.on_exit: Optional[Callable[[], None]] = None  # called once it exited (a supervisor's wake-up)
         self._exited = threading.Event()
 
     def poll(self) -> Optional[int]:
@@ -1130,6 +1148,8 @@ class _ZygoteChild:
         if self.returncode is None:
             self.returncode = code
         self._exited.set()
+        if self.on_exit is not None:
+            self.on_exit()
 
 
 class _Zygote:
