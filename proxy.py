@@ -176,6 +176,10 @@ class Route:
         self._tunnels: Set[_Tunnel] = set()
         self._tls_context: Optional[ssl.SSLContext] = None
         self._closed = False
+        # The current run of upstream failures: while a job boots, every readiness probe fails the
+        # same way, and one WARNING per run (plus one INFO on recovery) says all there is to say.
+        self._failing_kind: Optional[str] = None
+        self._failures_in_run = 0
 
     def __repr__(self) -> str:
         verify = self.verify if isinstance(self.verify, bool) else "<ca bundle>"
@@ -187,6 +191,25 @@ class Route:
         if token is not None and _token_rejection(token):
             raise ValueError("the token callable returned something that is not a usable token string")
         return token
+
+    def note_failure(self, kind: str) -> bool:
+        """Record an upstream failure of `kind`; True when it starts a run (worth a WARNING), False for
+        a repeat of the failure already reported."""
+        with self._lock:
+            news = kind != self._failing_kind
+            self._failing_kind = kind
+            self._failures_in_run += 1
+            return news
+
+    def note_answer(self) -> None:
+        """Record that the upstream answered; ends a run of failures with one INFO line."""
+        if self._failing_kind is None:  # the common case, without the lock
+            return
+        with self._lock:
+            kind, count = self._failing_kind, self._failures_in_run
+            self._failing_kind, self._failures_in_run = None, 0
+        if kind is not None:
+            log.info("proxy: %s answering again after %d failed attempt(s) (%s)", self.label, count, kind)
 
     def close(self) -> List[str]:
         """Close pooled connections, abort in-flight requests and tunnels; return what could not be closed."""
@@ -908,6 +931,13 @@ def _failure_name(exc: BaseException) -> str:
     return str(getattr(exc, "reason", None) or type(exc).__name__)
 
 
+def _log_upstream_failure(route: Route, kind: str, what: str) -> None:
+    """WARNING for the first failure of a run on a route, DEBUG for its repeats (a booting job fails
+    every readiness probe the same way; hundreds of identical warnings would bury real problems)."""
+    level = logging.WARNING if route.note_failure(kind) else logging.DEBUG
+    log.log(level, "proxy: %s: %s%s", route.label, what, kind)
+
+
 def _classify_upstream_error(exc: BaseException, route: Route) -> Refusal:
     """Map an exception from talking to the upstream to a 502/504 refusal (never containing the token)."""
     where = route.label
@@ -1420,9 +1450,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
             return
         except _UpstreamFailure as failure:
-            log.warning("proxy: %s: %s", route.label, failure.refusal.kind)
+            _log_upstream_failure(route, failure.refusal.kind, "")
             self._refuse(failure.refusal, close=not replayable or failure.refusal.status == 504)
             return
+        route.note_answer()
         self._relay_response(route, response, on_done=lambda reusable: route._checkin(conn, reusable))
 
     def _send_upstream(self, route: Route, method: str, target: str, headers: List[Tuple[str, str]], body: bytes,
@@ -1586,9 +1617,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return
         except Exception as exc:
             refusal = _classify_upstream_error(exc, route)
-            log.warning("proxy: %s: WebSocket upgrade failed: %s", route.label, refusal.kind)
+            _log_upstream_failure(route, refusal.kind, "WebSocket upgrade failed: ")
             self._refuse(refusal, close=True)
             return
+        route.note_answer()
         self._finish_upgrade(route, stream, head, extra, status)
 
     def _tunnel_replicas(self, replicas: ReplicaRoute, target: str, token: Optional[str]) -> None:
