@@ -9,6 +9,10 @@ emulator or per job, so the provider's failure paths can be exercised offline.
 `python -m hf_jobs_emulator echo-server` is a stdlib OpenEnv echo environment (HTTP and `/ws`);
 `python -m hf_jobs_emulator serve` runs the emulator standalone and prints its endpoint and token.
 
+Built for hundreds of jobs at once: nothing slow runs under the emulator's lock, echo-server jobs are
+forked from one pre-imported "zygote" process (a fresh interpreter per job cannot boot 256 of them on
+2 cores in seconds), and one thread probes every booting job's `/health`.
+
 Where it differs from the real service: jobs run on this machine (the image is not pulled; the
 command runs as is, or `default_command` when the create body has none), exposed URLs are
 `http://127.0.0.1:<port>` gates instead of `https://<id>--<port>.hf.jobs`, every valid token is a
@@ -54,8 +58,9 @@ DEFAULT_JOB_TIMEOUT_S = 30 * 60
 # SIGTERM first so a job can shut down cleanly, SIGKILL after this many seconds: short, because
 # tests and benchmarks stop hundreds of jobs and a server that ignores SIGTERM must not stall them.
 KILL_GRACE_S = 3.0
-# How often a job supervisor looks at cancel / timeout / fault deadlines: cheap for hundreds of jobs,
-# quick enough that a cancel is seen well under a second later.
+# How often the supervisor of a Popen job looks at its process and at cancel / timeout / fault
+# deadlines: quick enough that a cancel is seen well under a second later. (Zygote jobs do not poll:
+# their exit and every request wake their supervisor.)
 SUPERVISE_POLL_S = 0.1
 # How often the emulator probes a booting job's first exposed port for `GET /health` == 200, to record
 # when its server became ready (benchmarks subtract it from the provider's own ready time).
@@ -66,8 +71,10 @@ HEALTH_PROBE_INTERVAL_S = 0.02
 HEALTH_PROBES_PER_S = 4000
 # An attempt (connect, send, status line) that takes longer is abandoned and retried.
 HEALTH_PROBE_TIMEOUT_S = 1.0
-# The zygote answers a fork request in milliseconds; this long without an answer means it is wedged.
-ZYGOTE_SPAWN_TIMEOUT_S = 10.0
+# The zygote answers a fork request in milliseconds, but requests queue behind each other: 256 at once
+# on a machine at load 100 took up to 10 s. This long without an answer means it is wedged (the job
+# then starts with Popen, and a late child is killed).
+ZYGOTE_SPAWN_TIMEOUT_S = 60.0
 # Upper bound of one control message (a job's environment as JSON; os.environ is a few KB).
 ZYGOTE_MAX_MESSAGE_BYTES = 256 * 1024
 # prctl option (linux/prctl.h): deliver a signal to this process when its parent dies.
@@ -1272,6 +1279,11 @@ class _Zygote:
                 waiter = self._pending.pop(message.get("id"), None)
                 if "pid" in message:
                     self._children[message["pid"]] = _ZygoteChild(message["pid"], None, [])
+            if waiter is None and "pid" in message:  # its spawn() gave up waiting: no job owns it
+                try:
+                    os.killpg(message["pid"], signal.SIGKILL)  # the zygote reaps it and reports the exit
+                except (ProcessLookupError, PermissionError):
+                    pass
             if waiter is not None:
                 waiter[1] = message
                 waiter[0].set()

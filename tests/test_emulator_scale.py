@@ -254,3 +254,17 @@ def test_killing_the_emulator_process_ends_the_zygote_and_every_echo_job(tmp_pat
             os.killpg(serve.pid, signal.SIGKILL)
             serve.wait(TIMEOUT)
         serve.stdout.close()
+
+
+def test_a_child_whose_spawn_gave_up_waiting_is_killed_not_left_running(monkeypatch):
+    monkeypatch.setattr(hf_jobs_emulator, "ZYGOTE_SPAWN_TIMEOUT_S", 0.0)  # give up before any answer
+    zygote = hf_jobs_emulator._Zygote.start()
+    try:
+        env = dict(os.environ, PORT="0")
+        with pytest.raises(hf_jobs_emulator._ZygoteUnavailable, match="no answer from the zygote"):
+            zygote.spawn([], env)
+        wait_until(lambda: zygote._children == {} and not [
+            pid for pid in _children(zygote.pid) if running(pid)], "the late child to be killed and reaped")
+    finally:
+        assert zygote.stop() == []
+    assert not running(zygote.pid)
