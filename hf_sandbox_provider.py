@@ -58,6 +58,7 @@ __all__ = [
     "JobStartTimeout",
     "JobsAPIError",
     "StartManyError",
+    "ReplicaStartError",
     "stop_all",
     "InsecureURLError",
     "DEFAULT_COMMAND_TEMPLATE",
@@ -143,6 +144,9 @@ WATCH_MAX_INSPECTS = 8
 # start_many(): how many environments are brought up at once by default. Each in-flight start is a
 # thread waiting on the watcher (cheap), so the bound mostly spreads the creates and the boot probes.
 DEFAULT_MAX_PARALLEL = 64
+# replicas=K: K jobs start at once (one thread each) behind one proxy route. Beyond this many, one
+# route is the wrong tool: use start_many() (independent environments) or several providers.
+MAX_REPLICAS = 64
 # stop_all(): cancels run this many at a time (each is one API call plus a brief retry).
 STOP_PARALLEL = 32
 # Stages after which a job never runs again (huggingface_hub's TERMINAL_JOB_STAGES).
@@ -172,7 +176,7 @@ SPACE_IMAGE_PREFIXES = ("https://huggingface.co/spaces/", "https://hf.co/spaces/
                         "huggingface.co/spaces/", "hf.co/spaces/")
 # start_container keywords that override the constructor's settings for one start.
 _OVERRIDABLE = ("command", "flavor", "namespace", "secrets", "labels", "job_timeout",
-                "start_timeout_s", "ready_timeout_s", "poll_interval_s", "verify")
+                "start_timeout_s", "ready_timeout_s", "poll_interval_s", "verify", "replicas")
 USER_AGENT = "hf-sandbox-provider/" + __version__
 
 
@@ -233,6 +237,27 @@ class StartManyError(SandboxError):
         super().__init__("\n".join(lines))
 
 
+class ReplicaStartError(SandboxError):
+    """Some of a provider's K replica jobs failed to start or become ready; all K jobs were cancelled.
+
+    `errors` lists `(replica index, exception)` per replica that failed (each exception names its job
+    when it had one); `aborted` counts the replicas given up because of those failures; `job_ids`
+    are the jobs that were created (every one cancelled).
+    """
+
+    def __init__(self, phase: str, total: int, errors: Sequence[Tuple[int, BaseException]], aborted: int,
+                 job_ids: Sequence[str]):
+        self.errors = sorted(errors, key=lambda item: item[0])
+        self.aborted = aborted
+        self.job_ids = list(job_ids)
+        lines = ["%d of %d replicas failed to %s (%d more were given up; every replica job was cancelled: %s):"
+                 % (len(self.errors), total, phase, aborted, ", ".join(self.job_ids) or "none was created")]
+        for index, exc in self.errors:
+            text = str(exc).splitlines()[0] if str(exc) else ""
+            lines.append("  replica %d: %s: %s" % (index, type(exc).__name__, text))
+        super().__init__("\n".join(lines))
+
+
 class JobsAPIError(SandboxError):
     """The Jobs REST API answered with an error (or could not be reached)."""
 
@@ -278,6 +303,15 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
     Every setting is validated at construction and again per start (before any network call). The
     job is cancelled by `stop_container()`/`close()`/leaving the `with` block, by any failure after
     it was created, and at interpreter exit; its `job_timeout` bounds the bill if all of that fails.
+
+    `replicas=K` (K > 1) runs K jobs of the same image and settings behind ONE proxy route, for
+    servers that host many WebSocket sessions each (`MAX_CONCURRENT_ENVS`): each new session goes to
+    the job with the fewest open sessions. All K start and become ready, or every one is cancelled and
+    `ReplicaStartError` names each failure. `job_id` is the first job's, `job_ids` lists all K, and
+    `replica_status()` reports each job's sessions, health and stage. HTTP on the replicated base URL
+    follows the proxy's rule: only `GET`/`HEAD` of /health, /metadata and /schema are forwarded; any
+    other request (e.g. the legacy HTTP /reset and /step, which keep one environment per server) gets
+    `409` with `X-Proxy-Error: replicated-http-refused`, so use the WebSocket session.
     """
 
     def __init__(
@@ -299,6 +333,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
         verify: Union[bool, str] = True,
         proxy: Optional["_proxy.AuthProxy"] = None,
+        replicas: int = 1,
     ) -> None:
         self.image = image
         self.command = command
@@ -314,6 +349,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         self.ready_timeout_s = ready_timeout_s
         self.poll_interval_s = poll_interval_s
         self.verify = verify
+        self.replicas = replicas
         self._token = token
         self._proxy = proxy
         # Fail at construction on what can be checked without a token or the network.
@@ -345,15 +381,10 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         settings = self._settings(overrides)
         _raise_if_rejected(_settings_rejection(settings, image_required=True))
         token = self._resolve_token()
-        with self._lock:
-            if self._running or self._starting:
-                raise SandboxError(
-                    "this provider already runs job %s; call stop_container() before starting another "
-                    "(or use one provider per environment)" % (self.job_id or "(being created)"))
-            self._starting = True
-            self._stop_requested.clear()
-            self._reset_job_state()
+        self._claim_start()
         try:
+            if settings["replicas"] > 1:
+                return self._start_replicas(settings, token)
             return self._start(settings, token)
         finally:
             with self._lock:
@@ -365,14 +396,19 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         Connection errors and 502/503/504 mean "not yet"; a terminal stage raises `JobFailedError`
         at once; the deadline (`timeout_s`, default `ready_timeout_s`) raises `JobStartTimeout`.
         On any failure or interrupt the job is cancelled before the error propagates.
+        With replicas, every job's own /health is polled (in parallel, each through its own route:
+        the replicated URL reaches only one of them) and `base_url` is not used; one failure cancels
+        all K jobs and raises `ReplicaStartError`.
         """
         if not self._running or self.base_url is None:
             raise SandboxError("wait_for_ready() needs a started provider: call start_container() first")
-        url = (base_url or self.base_url).rstrip("/") + "/health"
         budget = self._active["ready_timeout_s"] if timeout_s is None else timeout_s
         _raise_if_rejected(_positive_number_rejection("timeout_s", budget))
         try:
-            self._wait_healthy(url, float(budget))
+            if self._replica_children:
+                self._wait_replicas_ready(float(budget))
+            else:
+                self._wait_healthy((base_url or self.base_url).rstrip("/") + "/health", float(budget))
         except BaseException:
             self._teardown()
             raise
@@ -448,6 +484,54 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         finally:
             client.close()
 
+    def replica_status(self, refresh: bool = False) -> List[Dict[str, Any]]:
+        """Per replica job, in start order: the proxy's view (`upstream`, `open_sessions`, `healthy`,
+        `reason`) plus `index`, `job_id`, `stage` and the job's status `message`.
+
+        A replica the proxy took out of rotation (its job did not take a session) has its job
+        inspected; if the job has ended it is removed from the route for good and logged at WARNING
+        with its stage and message. `refresh=True` inspects every replica's job (one API call each),
+        which also finds a dead job no session has tried yet. Needs `replicas` > 1 and a start.
+        """
+        with self._lock:
+            children, base_url, proxy = list(self._replica_children), self.base_url, self._mounted_on
+        if not children:
+            raise SandboxError("replica_status() needs a provider started with replicas > 1 (this one runs %s); "
+                               "use .stage and .job_id for a single job" % (self.job_id or "no job"))
+        entries = self._proxy_replica_entries(proxy, base_url)
+        for index, child in enumerate(children):
+            entry = entries.get(child.upstream_url or "")
+            if refresh or (entry is not None and not entry["healthy"]):
+                self._check_replica(index, child, proxy, base_url)
+        entries = self._proxy_replica_entries(proxy, base_url)
+        status = []
+        for index, child in enumerate(children):
+            entry = entries.get(child.upstream_url or "") or {
+                "upstream": child.upstream_url, "open_sessions": 0, "healthy": False,
+                "reason": self._replica_removed.get(index, "not in the route (stopped)")}
+            message = ((child._last_job or {}).get("status") or {}).get("message")
+            status.append(dict(entry, index=index, job_id=child.job_id, stage=child.stage, message=message))
+        return status
+
+    @property
+    def job_ids(self) -> List[str]:
+        """Every job of this provider: K with replicas, else the one job (empty before a start)."""
+        if self._replica_children:
+            return [child.job_id for child in self._replica_children if child.job_id]
+        return [self.job_id] if self.job_id else []
+
+    @property
+    def stage(self) -> Optional[str]:
+        """The job's stage. With replicas: the least advanced stage of the live jobs (SCHEDULING until
+        all K run), or, once every job has ended, their common end stage (ERROR if any failed)."""
+        if self._replica_children:
+            return _replicas_stage([child.stage for child in self._replica_children])
+        return self._stage
+
+    @stage.setter
+    def stage(self, value: Optional[str]) -> None:
+        self._stage = value
+
     def __enter__(self) -> "HFSandboxProvider":
         return self
 
@@ -455,8 +539,9 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         self.stop_container()
 
     def __repr__(self) -> str:
-        return "<HFSandboxProvider image=%r flavor=%r job_id=%r stage=%r base_url=%r>" % (
-            self.image, self.flavor, self.job_id, self.stage, self.base_url)
+        replicas = " job_ids=%r" % (self.job_ids,) if self._replica_children else ""
+        return "<HFSandboxProvider image=%r flavor=%r job_id=%r stage=%r base_url=%r%s>" % (
+            self.image, self.flavor, self.job_id, self.stage, self.base_url, replicas)
 
     def __getstate__(self) -> Dict[str, Any]:
         """Un-started providers pickle (TRL ships environment factories to workers); running ones don't."""
@@ -467,13 +552,14 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
                 % self.job_id)
         state = dict(self.__dict__)
         for name in ("_lock", "_stop_requested", "_wake", "_watch", "_last_job", "_job_client", "_proxy", "_finalizer",
-                     "_mounted_on"):
+                     "_mounted_on", "_replica_children"):
             state.pop(name, None)
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._proxy = None  # a proxy's sockets and threads stay in their process: use the shared one
+        self._replica_children = []
         self._init_runtime_state()
 
     # -- overridable hooks ----------------------------------------------------------------------------
@@ -485,6 +571,11 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
     def _exposed_url_rejection(self, url: str, job_id: str, port: int) -> Optional[str]:
         """Why the job's exposed URL must not receive the token, or None (DESIGN.md's rule)."""
         return _exposed_url_rejection(url, job_id, port, self.endpoint)
+
+    def _replica_settings(self, index: int, settings: Dict[str, Any]) -> Dict[str, Any]:
+        """The settings replica `index` starts with (default: the provider's, the same for every job).
+        Override to vary one replica, e.g. an env var or label per index."""
+        return settings
 
     # -- machinery --------------------------------------------------------------------------------------
 
@@ -504,8 +595,12 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         self.job_url: Optional[str] = None
         self.upstream_url: Optional[str] = None
         self.base_url: Optional[str] = None
-        self.stage: Optional[str] = None
+        self.stage = None
         self.timings: Dict[str, float] = {}
+        # With replicas: one single-job provider per job (sharing this one's proxy and the watcher),
+        # and why a replica was removed from the route (by index).
+        self._replica_children: List[HFSandboxProvider] = []
+        self._replica_removed: Dict[int, str] = {}
         self._job_namespace: Optional[str] = None
         self._running = False
         self._submitted_at = 0.0
@@ -583,6 +678,172 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         except BaseException:
             self._teardown(client)
             raise
+
+    def _claim_start(self) -> None:
+        """Mark this provider as starting (refused if it already runs a job) and clear the last job's state."""
+        with self._lock:
+            if self._running or self._starting:
+                raise SandboxError(
+                    "this provider already runs job %s; call stop_container() before starting another "
+                    "(or use one provider per environment)" % (self.job_id or "(being created)"))
+            self._starting = True
+            self._stop_requested.clear()
+            self._reset_job_state()
+
+    # -- replicas: K single-job providers behind one replica route --------------------------------------
+
+    def _start_replicas(self, settings: Dict[str, Any], token: str) -> str:
+        """Start K jobs in parallel (each through the single-job path, on its own route), then mount one
+        replica route over their URLs. Any failure cancels all K and raises one ReplicaStartError."""
+        count = int(settings["replicas"])
+        proxy = self._proxy_instance()
+        children = [self._replica_provider(proxy, token) for _ in range(count)]
+        replica_settings = [dict(self._replica_settings(i, dict(settings, replicas=1))) for i in range(count)]
+        for index, item in enumerate(replica_settings):  # a bad override fails before any job
+            reason = _settings_rejection(item, image_required=True)
+            if reason or item.get("replicas") != 1:
+                raise SandboxConfigError("_replica_settings(%d): %s" % (index, reason or "replicas must stay 1"))
+        self._active = settings
+        self._submitted_at = time.monotonic()
+        with self._lock:
+            self._replica_children = children
+            self._mounted_on = proxy
+            self._running = True  # from here on teardown stops the children, whatever happens
+        group = _ReplicaGroup(children)
+
+        def start_one(index: int, child: "HFSandboxProvider") -> None:
+            child._claim_start()
+            try:
+                if group.stopping() or self._stop_requested.is_set():  # given up before this one began
+                    child._stop_requested.set()
+                    raise SandboxError("replica %d was not started: another replica failed" % index)
+                child._start(replica_settings[index], token)
+            finally:
+                with child._lock:
+                    child._starting = False
+
+        try:
+            logger.info("starting %d replica jobs of %s", count, settings["image"])
+            group.run(start_one, "hf-sandbox-replica-start")
+            self._raise_if_replicas_failed(group, "start")
+            with self._lock:
+                first = children[0]
+                self.job_id, self.job_url, self._job_namespace = first.job_id, first.job_url, first._job_namespace
+                self.upstream_url = first.upstream_url
+            base_url = proxy.mount_replicas([child.upstream_url for child in children], token=token,
+                                            verify=settings["verify"])
+            with self._lock:
+                self.base_url = base_url
+            self._arm_route_safety_net(proxy, base_url)
+            if self._stop_requested.is_set():  # a stop that ran before base_url was set left the route
+                raise SandboxError("stop_container() was called while the %d replicas were starting" % count)
+            self.timings["created"] = self._replicas_time("created")
+            self.timings["running"] = self._replicas_time("running")
+            self.timings["url"] = self._elapsed()
+            logger.info("%d replica jobs (%s) serving on one route (%.1fs after submit)", count,
+                        ", ".join(self.job_ids), self._elapsed())
+            return base_url
+        except BaseException:
+            self._teardown()
+            raise
+
+    def _wait_replicas_ready(self, budget: float) -> None:
+        """Wait for every replica's own /health (in parallel); one failure fails them all."""
+        group = _ReplicaGroup(list(self._replica_children))
+        group.run(lambda index, child: child.wait_for_ready(timeout_s=budget), "hf-sandbox-replica-ready")
+        self._raise_if_replicas_failed(group, "become ready")
+        self.timings["ready"] = self._elapsed()
+        logger.info("%d replica jobs ready (%.1fs after submit)", len(group.children), self._elapsed())
+
+    def _raise_if_replicas_failed(self, group: "_ReplicaGroup", phase: str) -> None:
+        if self._stop_requested.is_set():
+            raise SandboxError("stop_container() was called while the %d replicas were starting"
+                               % len(group.children))
+        if group.errors:
+            raise ReplicaStartError(phase, len(group.children), group.errors, group.aborted,
+                                    [child.job_id for child in group.children if child.job_id])
+
+    def _replica_provider(self, proxy: "_proxy.AuthProxy", token: str) -> "HFSandboxProvider":
+        """A single-job provider with this one's settings, class and hooks, sharing its proxy and token."""
+        child = object.__new__(type(self))  # not the constructor: a subclass may take other arguments
+        child.__dict__.update(self.__dict__)
+        child.replicas, child._token, child._proxy, child._running = 1, token, proxy, False
+        child._init_runtime_state()
+        child._reset_job_state()
+        return child
+
+    def _replicas_time(self, key: str) -> float:
+        """Seconds from this provider's submit until every replica had reached `key` of its timings."""
+        moments = [child._submitted_at + child.timings[key] for child in self._replica_children
+                   if key in child.timings]
+        return max(moments) - self._submitted_at if moments else self._elapsed()
+
+    @staticmethod
+    def _proxy_replica_entries(proxy: Optional["_proxy.AuthProxy"], base_url: Optional[str]
+                               ) -> Dict[str, Dict[str, Any]]:
+        """The proxy's status of the replica route by upstream URL ({} once it is unmounted)."""
+        if proxy is None or base_url is None:
+            return {}
+        try:
+            return {str(entry["upstream"]): dict(entry) for entry in proxy.replica_status(base_url)}
+        except ValueError:  # unmounted by a concurrent stop
+            return {}
+
+    def _check_replica(self, index: int, child: "HFSandboxProvider", proxy: Optional["_proxy.AuthProxy"],
+                       base_url: Optional[str]) -> None:
+        """Inspect a replica's job; one that has ended leaves the route for good, with a WARNING."""
+        client = child._job_client
+        if client is None or child.job_id is None or child.stage in TERMINAL_STAGES:
+            return
+        try:
+            job = client.get_job(child._job_namespace or "", child.job_id, retries=0)
+        except Exception as exc:  # a status call must not fail over a busy API: report what is known
+            logger.debug("replica %d: could not inspect job %s (%s)", index, child.job_id, type(exc).__name__)
+            return
+        child._last_job = job
+        stage = child._observe(job)
+        if stage not in TERMINAL_STAGES or proxy is None or base_url is None:
+            return
+        message = (job.get("status") or {}).get("message") or "(no message from the Jobs API)"
+        reason = "job %s: %s" % (stage, message)
+        self._replica_removed[index] = reason
+        try:
+            removed = proxy.remove_replica(base_url, child.upstream_url or "")
+        except ValueError:  # the route was unmounted meanwhile
+            removed = False
+        if removed:
+            logger.warning("replica %d (HF job %s) ended with stage %s (%s): taken out of rotation; %d replicas "
+                           "remain", index, child.job_id, stage, message, len(self._proxy_replica_entries(proxy, base_url)))
+
+    def _arm_route_safety_net(self, proxy: "_proxy.AuthProxy", base_url: str) -> None:
+        """Unmount the replica route if this provider is collected (each replica's own net cancels its job)."""
+        finalizer = weakref.finalize(self, _release_job, None, None, None, proxy, base_url, None)
+        with self._lock:
+            old, self._finalizer = self._finalizer, finalizer
+        _live_finalizers.add(finalizer)
+        if old is not None:
+            old.detach()
+            _live_finalizers.discard(old)
+
+    def _teardown_replicas(self) -> None:
+        """Unmount the replica route, then stop every replica (each names a job it could not cancel)."""
+        with self._lock:
+            children, base_url, proxy = list(self._replica_children), self.base_url, self._mounted_on
+            finalizer, self._finalizer = self._finalizer, None
+            self._running = False
+            self.base_url = None
+            self._mounted_on = None
+        if finalizer is not None:
+            finalizer.detach()
+            _live_finalizers.discard(finalizer)
+        if base_url and proxy is not None:
+            try:
+                proxy.unmount(base_url)
+            except Exception as exc:
+                logger.warning("could not unmount the replica route of jobs %s (%s)",
+                               ", ".join(self.job_ids), type(exc).__name__)
+        stop_all(children)
+        self._stage = _replicas_stage([child.stage for child in children])
 
     def _observe(self, job: Mapping[str, Any]) -> str:
         """Record the job's stage; log a line when it changes."""
@@ -709,6 +970,9 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
 
         `client` is the starting thread's own client, in case a concurrent stop already took ours.
         """
+        if self._replica_children:
+            self._teardown_replicas()
+            return
         with self._lock:
             job_id, namespace, base_url, proxy = self.job_id, self._job_namespace, self.base_url, self._mounted_on
             running, client = self._running, client or self._job_client
@@ -827,6 +1091,75 @@ class _Launch:
             print(line, file=sys.stderr, flush=True)
 
 
+class _ReplicaGroup:
+    """Runs one action (start, or wait until ready) on K replica providers in parallel, all or nothing:
+    the first failure stops the others (their jobs are cancelled by their own teardown)."""
+
+    def __init__(self, children: List["HFSandboxProvider"]) -> None:
+        self.children = children
+        self.errors: List[Tuple[int, BaseException]] = []
+        self.aborted = 0  # replicas given up because another one failed
+        self._lock = threading.Lock()
+        self._stopping = False
+
+    def run(self, action: Callable[[int, "HFSandboxProvider"], None], name: str) -> None:
+        """`action(index, child)` in one thread per replica; returns when all have finished."""
+        threads = [threading.Thread(target=self._work, args=(i, child, action), name="%s-%d" % (name, i),
+                                    daemon=True) for i, child in enumerate(self.children)]
+        try:
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                while thread.is_alive():
+                    thread.join(0.5)  # short joins: a Ctrl-C reaches this thread
+        except BaseException:
+            self.abort()
+            for thread in threads:
+                if thread.ident is not None:
+                    thread.join()
+            raise
+
+    def stopping(self) -> bool:
+        with self._lock:
+            return self._stopping
+
+    def abort(self) -> None:
+        """Make every replica's start or readiness wait give up at once."""
+        with self._lock:
+            self._stopping = True
+        for child in self.children:
+            child._stop_requested.set()
+            child._wake.set()
+
+    def _work(self, index: int, child: "HFSandboxProvider", action: Callable[[int, "HFSandboxProvider"], None]) -> None:
+        try:
+            action(index, child)
+        except BaseException as exc:  # recorded and raised by the provider, never lost
+            with self._lock:
+                if self._stopping and child._stop_requested.is_set():
+                    self.aborted += 1
+                    return
+                self.errors.append((index, exc))
+            self.abort()
+
+
+# Order of the live stages, least advanced first (an unknown live stage counts as not running yet).
+_LIVE_STAGE_ORDER = {None: 0, "SCHEDULING": 1, "RUNNING": 2}
+
+
+def _replicas_stage(stages: Sequence[Optional[str]]) -> Optional[str]:
+    """One stage for K jobs: the least advanced live one; once all ended, their common end (ERROR first)."""
+    if not stages:
+        return None
+    live = [stage for stage in stages if stage not in TERMINAL_STAGES]
+    if live:
+        return min(live, key=lambda stage: _LIVE_STAGE_ORDER.get(stage, 1))
+    for stage in ("ERROR", "CANCELED"):  # a failure shows first; a stopped group reads CANCELED
+        if stage in stages:
+            return stage
+    return stages[0]
+
+
 # --------------------------------------------------------------------------------------------------
 # Settings validation (pure: each `_..._rejection` returns why a value is refused, or None)
 # --------------------------------------------------------------------------------------------------
@@ -914,6 +1247,16 @@ def _positive_int_rejection(name: str, value: Any) -> Optional[str]:
     return None
 
 
+def _replicas_rejection(replicas: Any) -> Optional[str]:
+    reason = _positive_int_rejection("replicas", replicas)
+    if reason:
+        return reason + " (the number of jobs behind one route; 1 = a single job)"
+    if replicas > MAX_REPLICAS:
+        return ("replicas=%d is more than %d jobs behind one route; use start_many() for independent "
+                "environments, or several providers" % (replicas, MAX_REPLICAS))
+    return None
+
+
 def _mapping_rejection(name: str, value: Any, check_names: bool) -> Optional[str]:
     if not isinstance(value, Mapping):
         return "%s must be a dict of name -> string value, not %s" % (name, type(value).__name__)
@@ -950,6 +1293,7 @@ def _settings_rejection(settings: Mapping[str, Any], image_required: bool) -> Op
         _positive_number_rejection("start_timeout_s", settings["start_timeout_s"]),
         _positive_number_rejection("ready_timeout_s", settings["ready_timeout_s"]),
         _positive_number_rejection("poll_interval_s", settings["poll_interval_s"]),
+        _replicas_rejection(settings.get("replicas", 1)),
     ]
     if _parse_duration(settings["job_timeout"]) is None:
         checks.append("job_timeout=%r must be a positive duration: seconds (3600) or a string like "
