@@ -1,0 +1,353 @@
+"""HFSandboxProvider(replicas=K): K jobs of one image behind one replica route, on the real Jobs
+emulator (real job processes, real sockets, real WebSocket clients); nothing of ours mocked."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import pickle
+import sys
+import threading
+import time
+
+import pytest
+import requests
+
+import hf_sandbox_provider as hsp
+from hf_jobs_emulator import JobsEmulator, echo_server_command
+from proxy import AuthProxy
+from support import ws_connect, ws_url
+
+IMAGE = "registry.hf.space/openenv-echo-env:latest"
+TIMEOUT = 30
+# A job whose server never answers /health.
+NEVER_READY = [sys.executable, "-c", "import time; time.sleep(120)"]
+
+
+@pytest.fixture
+def emu():
+    with JobsEmulator() as emulator:
+        yield emulator
+
+
+@pytest.fixture
+def proxy():
+    p = AuthProxy().start()
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+@pytest.fixture
+def warm_emu(emu, proxy):
+    """The emulator after one job ran: its lazily started helpers (zygote, health prober) exist, so a
+    leak check that starts after this sees only what the test itself leaves behind."""
+    provider = replicated(emu, proxy, replicas=1)
+    provider.wait_for_ready(provider.start_container())
+    provider.stop_container()
+    wait_until(lambda: all_jobs_gone(emu), "the warm-up job to end")
+    return emu
+
+
+def wait_until(predicate, what, timeout_s=TIMEOUT):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting for " + what)
+        time.sleep(0.02)
+
+
+def replicated(emu, proxy, cls=hsp.HFSandboxProvider, **kwargs):
+    options = dict(endpoint=emu.endpoint, token=emu.token, proxy=proxy, command=echo_server_command(),
+                   poll_interval_s=0.05, replicas=3)
+    options.update(kwargs)
+    return cls(IMAGE, **options)
+
+
+def mounted_routes(proxy):
+    with proxy._lock:
+        return len(proxy._routes)
+
+
+def open_sessions(provider):
+    return [entry["open_sessions"] for entry in provider.replica_status()]
+
+
+def all_jobs_gone(emu):
+    return all(job.terminal for job in emu.jobs) and emu.live_pids() == []
+
+
+@contextlib.contextmanager
+def sessions(base_url, n):
+    """n open WebSocket sessions on the route, each reset once; closed on exit."""
+    with contextlib.ExitStack() as stack:
+        opened = []
+        for _ in range(n):
+            ws = stack.enter_context(ws_connect(ws_url(base_url) + "/ws"))
+            ws.send(json.dumps({"type": "reset", "data": {}}))
+            assert json.loads(ws.recv(timeout=TIMEOUT))["type"] == "observation"
+            opened.append(ws)
+        yield opened
+
+
+def step(ws, message):
+    ws.send(json.dumps({"type": "step", "data": {"message": message}}))
+    reply = json.loads(ws.recv(timeout=TIMEOUT))
+    assert reply["type"] == "observation", reply
+    return reply["data"]
+
+
+def state(ws):
+    ws.send(json.dumps({"type": "state"}))
+    return json.loads(ws.recv(timeout=TIMEOUT))["data"]
+
+
+class CrashOneReplica(hsp.HFSandboxProvider):
+    """Replica 1's job crashes at boot (an emulator fault label on that job only)."""
+
+    def _replica_settings(self, index, settings):
+        if index == 1:
+            settings = dict(settings, labels={**settings["labels"], "emulator-crash-at-boot": "replica 1 boom"})
+        return settings
+
+
+class OneReplicaNeverReady(hsp.HFSandboxProvider):
+    """Replica 2 runs a server that never answers /health; the others are ready at once."""
+
+    def _replica_settings(self, index, settings):
+        return dict(settings, command=NEVER_READY) if index == 2 else settings
+
+
+# -- start, readiness, sessions -----------------------------------------------------------------------
+
+
+def test_three_replicas_start_behind_one_route_with_every_job_id_and_stage(emu, proxy):
+    provider = replicated(emu, proxy)
+    try:
+        provider.wait_for_ready(provider.start_container())
+        base_url = provider.base_url
+        assert base_url.startswith(proxy.url + "/")
+        assert len(provider.job_ids) == 3 and len(set(provider.job_ids)) == 3
+        assert provider.job_id == provider.job_ids[0]
+        assert sorted(provider.job_ids) == sorted(job.id for job in emu.jobs)
+        assert provider.stage == "RUNNING"
+        assert set(provider.timings) == {"created", "running", "url", "ready"}
+        status = provider.replica_status()
+        assert [entry["index"] for entry in status] == [0, 1, 2]
+        assert [entry["job_id"] for entry in status] == provider.job_ids
+        assert all(entry["healthy"] and entry["stage"] == "RUNNING" and entry["reason"] is None for entry in status)
+        assert len({entry["upstream"] for entry in status}) == 3
+        assert "job_ids=" in repr(provider) and emu.token not in repr(provider)
+    finally:
+        provider.stop_container()
+
+
+def test_wait_for_ready_checks_every_jobs_own_health_and_fails_all_when_one_never_answers(emu, proxy, log_guard):
+    provider = replicated(emu, proxy, cls=OneReplicaNeverReady, ready_timeout_s=1.0)
+    provider.start_container()
+    job_ids = provider.job_ids
+    # The replicated URL answers /health from a live replica (two are ready); only per-job checks
+    # can see that replica 2 never answers.
+    with pytest.raises(hsp.ReplicaStartError) as caught:
+        provider.wait_for_ready()
+    error = caught.value
+    assert [index for index, _ in error.errors] == [2]
+    assert isinstance(error.errors[0][1], hsp.JobStartTimeout)
+    assert error.errors[0][1].job_id == job_ids[2]
+    assert "replica 2" in str(error) and sorted(error.job_ids) == sorted(job_ids)
+    assert provider.base_url is None
+    wait_until(lambda: all_jobs_gone(emu), "every replica job to end")
+    assert {emu.job(job_id).stage for job_id in job_ids} == {"CANCELED"}
+    assert mounted_routes(proxy) == 0
+
+
+def test_websocket_sessions_go_to_the_replica_with_fewest_sessions_and_stay_isolated(emu, proxy):
+    provider = replicated(emu, proxy)
+    try:
+        provider.wait_for_ready(provider.start_container())
+        with sessions(provider.base_url, 6) as opened:
+            assert open_sessions(provider) == [2, 2, 2]
+            for count, ws in enumerate(opened, start=1):
+                for _ in range(count):
+                    step(ws, "x")
+            assert [state(ws)["step_count"] for ws in opened] == [1, 2, 3, 4, 5, 6]  # one env per session
+        wait_until(lambda: open_sessions(provider) == [0, 0, 0], "every session to close")
+        with sessions(provider.base_url, 1):  # a lone session lands on one replica
+            assert sorted(open_sessions(provider)) == [0, 0, 1]
+    finally:
+        provider.stop_container()
+
+
+def test_http_reset_on_the_replicated_url_is_refused_409_while_health_passes(emu, proxy):
+    provider = replicated(emu, proxy)
+    try:
+        provider.wait_for_ready(provider.start_container())
+        with requests.Session() as http:
+            refused = http.post(provider.base_url + "/reset", json={}, timeout=TIMEOUT)
+            assert refused.status_code == 409
+            assert refused.headers["X-Proxy-Error"] == "replicated-http-refused"
+            assert http.get(provider.base_url + "/health", timeout=TIMEOUT).status_code == 200
+    finally:
+        provider.stop_container()
+
+
+# -- a replica that dies ----------------------------------------------------------------------------
+
+
+def test_a_killed_replica_leaves_rotation_new_sessions_go_to_the_others_and_status_names_its_job(
+        emu, proxy, log_guard):
+    provider = replicated(emu, proxy)
+    try:
+        provider.wait_for_ready(provider.start_container())
+        dead = provider.job_ids[0]
+        with sessions(provider.base_url, 3):
+            assert open_sessions(provider) == [1, 1, 1]
+            emu.kill_job(dead)
+            emu.wait_for_stage(dead, ["ERROR"])
+            wait_until(lambda: provider.replica_status()[0]["open_sessions"] == 0, "the dead job's session to end")
+            # The dead replica has the fewest sessions: the proxy tries it, takes it out and retries.
+            with sessions(provider.base_url, 4):
+                status = provider.replica_status()
+                assert [entry["open_sessions"] for entry in status] == [0, 3, 3]
+        assert status[0]["job_id"] == dead and status[0]["stage"] == "ERROR"
+        assert status[0]["healthy"] is False and "ERROR" in status[0]["reason"]
+        assert all(entry["healthy"] and entry["stage"] == "RUNNING" for entry in status[1:])
+        assert provider.stage == "RUNNING"  # the route still serves
+        assert len(proxy.replica_status(provider.base_url)) == 2  # removed from the route for good
+        warnings = [line for line in log_guard.text().splitlines() if "WARNING" in line and dead in line]
+        assert any("taken out of rotation" in line for line in warnings)
+    finally:
+        provider.stop_container()
+    wait_until(lambda: all_jobs_gone(emu), "every job to end")
+
+
+def test_status_refresh_finds_a_dead_replica_before_any_session_tried_it(emu, proxy, log_guard):
+    provider = replicated(emu, proxy)
+    try:
+        provider.wait_for_ready(provider.start_container())
+        dead = provider.job_ids[1]
+        emu.kill_job(dead)
+        emu.wait_for_stage(dead, ["ERROR"])
+        assert provider.replica_status()[1]["stage"] == "RUNNING"  # no API call without refresh or a failure
+        status = provider.replica_status(refresh=True)
+        assert status[1]["stage"] == "ERROR" and status[1]["healthy"] is False
+        with sessions(provider.base_url, 4):
+            assert [entry["open_sessions"] for entry in provider.replica_status()] == [2, 0, 2]
+        assert any("WARNING" in line and dead in line for line in log_guard.text().splitlines())
+    finally:
+        provider.stop_container()
+
+
+# -- all or nothing, teardown -----------------------------------------------------------------------
+
+
+def test_one_replica_crashing_at_boot_cancels_every_job_and_leaves_no_route(emu, proxy):
+    provider = replicated(emu, proxy, cls=CrashOneReplica)
+    with pytest.raises(hsp.ReplicaStartError) as caught:
+        provider.wait_for_ready(provider.start_container())
+    error = caught.value
+    assert [index for index, _ in error.errors] == [1]
+    failure = error.errors[0][1]
+    assert isinstance(failure, hsp.JobFailedError) and failure.stage == "ERROR"
+    assert "replica 1 boom" in str(failure)
+    assert len(error.job_ids) == 3 and "replica 1" in str(error)
+    wait_until(lambda: all_jobs_gone(emu), "every replica job to end")
+    assert len(emu.jobs) == 3
+    assert mounted_routes(proxy) == 0
+    assert provider.base_url is None and provider.stage == "ERROR"
+    provider.stop_container()  # still safe
+
+
+def test_stop_cancels_every_replica_job_unmounts_every_route_and_is_idempotent(warm_emu, proxy, no_leaks):
+    emu = warm_emu
+    provider = replicated(emu, proxy)
+    provider.wait_for_ready(provider.start_container())
+    base_url, job_ids = provider.base_url, provider.job_ids
+    assert mounted_routes(proxy) == 4  # the replica route and each job's own route
+    provider.stop_container()
+    provider.stop_container()
+    assert provider.base_url is None and provider.stage == "CANCELED"
+    assert mounted_routes(proxy) == 0
+    assert requests.get(base_url + "/health", timeout=TIMEOUT).status_code == 404
+    wait_until(lambda: all_jobs_gone(emu), "every replica job to end")
+    assert {emu.job(job_id).stage for job_id in job_ids} == {"CANCELED"}
+    assert mounted_routes(proxy) == 0
+    with pytest.raises(TypeError):  # a running provider never pickles; a stopped one does
+        provider._running = True
+        pickle.dumps(provider)
+    provider._running = False
+    assert pickle.loads(pickle.dumps(provider)).replicas == 3
+
+
+def test_stop_from_another_thread_while_replicas_schedule_cancels_every_job(proxy):
+    with JobsEmulator(scheduling_delay_s=1.0) as emu:
+        provider = replicated(emu, proxy)
+        outcome = []
+        starter = threading.Thread(target=lambda: outcome.append(_raised(provider.start_container)))
+        starter.start()
+        try:
+            wait_until(lambda: len(emu.jobs) == 3, "three creates")
+            provider.stop_container()
+            starter.join(TIMEOUT)
+            assert not starter.is_alive()
+            assert isinstance(outcome[0], hsp.SandboxError) and "stop_container" in str(outcome[0])
+        finally:
+            provider.stop_container()
+        wait_until(lambda: all_jobs_gone(emu), "every replica job to end")
+        assert {job.stage for job in emu.jobs} == {"CANCELED"}
+        assert mounted_routes(proxy) == 0
+
+
+def test_a_collected_replica_provider_cancels_every_job_and_unmounts_its_route(emu, proxy, log_guard):
+    provider = replicated(emu, proxy)
+    provider.start_container()
+    job_ids = provider.job_ids
+    del provider
+    gc.collect()
+    wait_until(lambda: all_jobs_gone(emu), "every replica job to end")
+    assert {emu.job(job_id).stage for job_id in job_ids} == {"CANCELED"}
+    assert mounted_routes(proxy) == 0
+    assert all(job_id in log_guard.text() for job_id in job_ids)
+
+
+# -- settings -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, "3", True, hsp.MAX_REPLICAS + 1])
+def test_bad_replicas_value_is_refused_with_its_name_before_any_job(emu, proxy, bad):
+    with pytest.raises(hsp.SandboxConfigError, match="replicas"):
+        replicated(emu, proxy, replicas=bad)
+    provider = replicated(emu, proxy, replicas=1)
+    with pytest.raises(hsp.SandboxConfigError, match="replicas"):
+        provider.start_container(replicas=bad)
+    assert emu.jobs == []
+
+
+def test_replicas_given_per_start_override_the_constructor(emu, proxy):
+    provider = replicated(emu, proxy, replicas=1)
+    try:
+        provider.wait_for_ready(provider.start_container(replicas=2))
+        assert len(provider.job_ids) == 2 and len(emu.jobs) == 2
+    finally:
+        provider.stop_container()
+
+
+def test_replica_status_of_a_single_job_provider_says_to_use_stage_and_job_id(emu, proxy):
+    provider = replicated(emu, proxy, replicas=1)
+    try:
+        provider.wait_for_ready(provider.start_container())
+        assert provider.job_ids == [provider.job_id]
+        with pytest.raises(hsp.SandboxError, match="replicas > 1"):
+            provider.replica_status()
+    finally:
+        provider.stop_container()
+
+
+def _raised(function):
+    try:
+        function()
+    except BaseException as exc:  # handed to the test thread
+        return exc
+    return None
