@@ -39,7 +39,7 @@ RECV_BYTES = 65536
 # Upper bound on one select() wait so the deadline is checked even when nothing happens.
 MAX_SELECT_WAIT_S = 0.5
 # Only loopback targets: the generator is a benchmark tool, never pointed at another machine.
-LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
+LOOPBACK_HOSTS = ("127.0.0.1", "::1")
 
 # Session phases, in order. A failed session reports the phase it was in.
 CONNECTING, HANDSHAKE, RESET, STEP, BARRIER, CLOSING, DONE = (

@@ -315,8 +315,9 @@ def plot(result: Dict[str, Any], path: str) -> Optional[str]:
         ax.minorticks_off()
     ax1.set_ylim(0, 105)
     ax2.set_ylim(bottom=0)
-    fig.suptitle("ws_scale: %d x %.2f s step, direct vs one AuthProxy, %d cores" % (
-        cfg["steps"], cfg["step_delay_s"], result["machine"]["cores"]))
+    fig.suptitle("ws_scale: %d x %.2f s step%s, direct vs one AuthProxy, %d cores" % (
+        cfg["steps"], cfg["step_delay_s"], " (lockstep)" if cfg.get("lockstep") else "",
+        result["machine"]["cores"]))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
