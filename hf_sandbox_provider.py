@@ -709,7 +709,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
             self._replica_children = children
             self._mounted_on = proxy
             self._running = True  # from here on teardown stops the children, whatever happens
-        group = _ReplicaGroup(children)
+        group = _ReplicaGroup(children, self._stop_requested, self._wake)
 
         def start_one(index: int, child: "HFSandboxProvider") -> None:
             child._claim_start()
@@ -749,7 +749,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
 
     def _wait_replicas_ready(self, budget: float) -> None:
         """Wait for every replica's own /health (in parallel); one failure fails them all."""
-        group = _ReplicaGroup(list(self._replica_children))
+        group = _ReplicaGroup(list(self._replica_children), self._stop_requested, self._wake)
         group.run(lambda index, child: child.wait_for_ready(timeout_s=budget), "hf-sandbox-replica-ready")
         self._raise_if_replicas_failed(group, "become ready")
         self.timings["ready"] = self._elapsed()
@@ -1093,14 +1093,19 @@ class _Launch:
 
 class _ReplicaGroup:
     """Runs one action (start, or wait until ready) on K replica providers in parallel, all or nothing:
-    the first failure stops the others (their jobs are cancelled by their own teardown)."""
+    the first failure stops the others (their jobs are cancelled by their own teardown), and so does
+    a stop of the provider that owns them (`stop_requested`, e.g. set by a start_many() abort)."""
 
-    def __init__(self, children: List["HFSandboxProvider"]) -> None:
+    def __init__(self, children: List["HFSandboxProvider"], stop_requested: threading.Event,
+                 wake: threading.Event) -> None:
         self.children = children
         self.errors: List[Tuple[int, BaseException]] = []
         self.aborted = 0  # replicas given up because another one failed
+        self._stop_requested = stop_requested
+        self._wake = wake  # the owner's: set by its stop, and here by each replica that finishes
         self._lock = threading.Lock()
         self._stopping = False
+        self._finished = 0
 
     def run(self, action: Callable[[int, "HFSandboxProvider"], None], name: str) -> None:
         """`action(index, child)` in one thread per replica; returns when all have finished."""
@@ -1109,9 +1114,16 @@ class _ReplicaGroup:
         try:
             for thread in threads:
                 thread.start()
+            while True:
+                self._wake.clear()  # before the checks, so a change made after them still wakes the wait
+                if self._stop_requested.is_set() and not self.stopping():
+                    self.abort()
+                with self._lock:
+                    if self._finished == len(threads):
+                        break
+                self._wake.wait(0.5)  # bounded: a Ctrl-C reaches this thread
             for thread in threads:
-                while thread.is_alive():
-                    thread.join(0.5)  # short joins: a Ctrl-C reaches this thread
+                thread.join()  # each has finished its action; this only reaps it
         except BaseException:
             self.abort()
             for thread in threads:
@@ -1141,6 +1153,10 @@ class _ReplicaGroup:
                     return
                 self.errors.append((index, exc))
             self.abort()
+        finally:
+            with self._lock:
+                self._finished += 1
+            self._wake.set()
 
 
 # Order of the live stages, least advanced first (an unknown live stage counts as not running yet).

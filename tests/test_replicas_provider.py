@@ -312,6 +312,40 @@ def test_a_collected_replica_provider_cancels_every_job_and_unmounts_its_route(e
     assert all(job_id in log_guard.text() for job_id in job_ids)
 
 
+class FirstCrashesOthersHang(hsp.HFSandboxProvider):
+    """For start_many: environment 0's replica 0 crashes at boot; every other replica never gets ready."""
+
+    made = 0
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.role, FirstCrashesOthersHang.made = FirstCrashesOthersHang.made, FirstCrashesOthersHang.made + 1
+
+    def _replica_settings(self, index, settings):
+        if self.role == 0 and index == 0:
+            return dict(settings, labels={**settings["labels"], "emulator-crash-at-boot": "env 0 boom"})
+        return dict(settings, command=NEVER_READY)
+
+
+def test_start_many_of_replicated_providers_aborts_the_waiting_ones_when_one_fails(emu, proxy):
+    FirstCrashesOthersHang.made = 0
+    outcome = []
+    options = dict(endpoint=emu.endpoint, token=emu.token, proxy=proxy, poll_interval_s=0.05, replicas=2,
+                   ready_timeout_s=300)  # the hanging replicas would wait this long if the abort were lost
+    starter = threading.Thread(target=lambda: outcome.append(_raised(
+        lambda: FirstCrashesOthersHang.start_many(2, IMAGE, progress=False, **options))))
+    starter.start()
+    starter.join(TIMEOUT)
+    assert not starter.is_alive(), "the abort did not reach the replicas waiting for /health"
+    error = outcome[0]
+    assert isinstance(error, hsp.StartManyError)
+    assert [index for index, _ in error.errors] == [0] and error.aborted == 1
+    assert isinstance(error.errors[0][1], hsp.ReplicaStartError)
+    wait_until(lambda: all_jobs_gone(emu), "every replica job to end")
+    assert len(emu.jobs) == 4 and {job.stage for job in emu.jobs} <= {"CANCELED", "ERROR"}
+    assert mounted_routes(proxy) == 0
+
+
 # -- settings -----------------------------------------------------------------------------------------
 
 
