@@ -7,7 +7,8 @@ unmodified OpenEnv client can use. Synchronous and threads-only, so it embeds in
 
 Many environments per process are a first-class path: every provider shares one proxy, one job
 watcher thread (one Jobs API call per interval for all starting jobs) and one API budget per token;
-`HFSandboxProvider.start_many()` launches n with bounded concurrency, all or nothing.
+`HFSandboxProvider.start_many()` launches n with bounded concurrency, all or nothing; `replicas=K`
+puts K jobs of one image behind one route (sessions spread by the proxy, least sessions first).
 
 Read top to bottom: errors, the provider (and `start_many`), parallel launch, settings validation,
 the small Jobs REST client and its pure protocol helpers, the process-wide budget and job watcher,
@@ -147,6 +148,9 @@ DEFAULT_MAX_PARALLEL = 64
 # replicas=K: K jobs start at once (one thread each) behind one proxy route. Beyond this many, one
 # route is the wrong tool: use start_many() (independent environments) or several providers.
 MAX_REPLICAS = 64
+# replica_status() inspects a job the proxy took out of rotation at most this often, so a caller that
+# polls the status in a loop cannot drain the Jobs API budget (refresh=True always inspects).
+REPLICA_CHECK_INTERVAL_S = 5.0
 # stop_all(): cancels run this many at a time (each is one API call plus a brief retry).
 STOP_PARALLEL = 32
 # Stages after which a job never runs again (huggingface_hub's TERMINAL_JOB_STAGES).
@@ -499,9 +503,13 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
             raise SandboxError("replica_status() needs a provider started with replicas > 1 (this one runs %s); "
                                "use .stage and .job_id for a single job" % (self.job_id or "no job"))
         entries = self._proxy_replica_entries(proxy, base_url)
+        now = time.monotonic()
         for index, child in enumerate(children):
             entry = entries.get(child.upstream_url or "")
-            if refresh or (entry is not None and not entry["healthy"]):
+            checked = self._replica_checked.get(index)
+            if refresh or (entry is not None and not entry["healthy"]
+                           and (checked is None or now - checked >= REPLICA_CHECK_INTERVAL_S)):
+                self._replica_checked[index] = now
                 self._check_replica(index, child, proxy, base_url)
         entries = self._proxy_replica_entries(proxy, base_url)
         status = []
@@ -601,6 +609,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         # and why a replica was removed from the route (by index).
         self._replica_children: List[HFSandboxProvider] = []
         self._replica_removed: Dict[int, str] = {}
+        self._replica_checked: Dict[int, float] = {}  # when replica_status() last inspected each job
         self._job_namespace: Optional[str] = None
         self._running = False
         self._submitted_at = 0.0
@@ -716,7 +725,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
             try:
                 if group.stopping() or self._stop_requested.is_set():  # given up before this one began
                     child._stop_requested.set()
-                    raise SandboxError("replica %d was not started: another replica failed" % index)
+                    raise SandboxError("replica %d was not started: the start was given up" % index)
                 child._start(replica_settings[index], token)
             finally:
                 with child._lock:
@@ -813,7 +822,8 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
             removed = False
         if removed:
             logger.warning("replica %d (HF job %s) ended with stage %s (%s): taken out of rotation; %d replicas "
-                           "remain", index, child.job_id, stage, message, len(self._proxy_replica_entries(proxy, base_url)))
+                           "remain on the route", index, child.job_id, stage, message,
+                           len(self._proxy_replica_entries(proxy, base_url)))
 
     def _arm_route_safety_net(self, proxy: "_proxy.AuthProxy", base_url: str) -> None:
         """Unmount the replica route if this provider is collected (each replica's own net cancels its job)."""
