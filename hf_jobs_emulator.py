@@ -1363,7 +1363,8 @@ def _zygote_main(fd: int) -> int:
                     control.send(json.dumps({"id": request["id"], "error": f"fork failed: {exc}"}).encode())
                     continue
                 if pid == 0:
-                    _zygote_child(request, fds, (control.fileno(), wake_r, wake_w), prctl)
+                    inherited = (control.fileno(), wake_r, wake_w, getattr(selector, "fileno", lambda: -1)())
+                    _zygote_child(request, fds, inherited, prctl)
                 # The child's own group before anyone learns its pid, so a cancel's killpg never misses
                 # it (both sides call setpgid: whichever runs first wins, the classic race fix). No
                 # setsid: the zygote leads a session without a terminal, which its children share.
@@ -1398,8 +1399,11 @@ def _zygote_child(request: Dict[str, Any], fds: List[int], close_fds: Tuple[int,
             signal.signal(sig, signal.SIG_DFL)
         os.setpgid(0, 0)  # its own group; the zygote does the same from its side (see _zygote_main)
         _die_with_parent(prctl, zygote_pid)
-        for fd in close_fds:
-            os.close(fd)
+        for fd in close_fds:  # the zygote's own: a job holds only its pipe and what it opens
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # -1 (a selector without an fd) or not inherited (kqueue)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.dup2(fds[0], 1)

@@ -268,3 +268,15 @@ def test_a_child_whose_spawn_gave_up_waiting_is_killed_not_left_running(monkeypa
     finally:
         assert zygote.stop() == []
     assert not running(zygote.pid)
+
+
+def test_a_zygote_job_holds_none_of_the_zygotes_descriptors(emu):
+    job = emu.wait_for_stage(create(emu), ["RUNNING"], TIMEOUT)
+    wait_until(lambda: health(emu, job.id) == 200, "the echo server to answer")
+    targets = [os.readlink(f"/proc/{job.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{job.pid}/fd")]
+    # stdin on /dev/null, one pipe for stdout and stderr, and the server's own sockets: the zygote's
+    # control socket pair, wake-up pipe and epoll instance are all closed in the job.
+    assert [t for t in targets if not t.startswith(("socket:", "pipe:", "/dev/null"))] == []
+    assert len({t for t in targets if t.startswith("pipe:")}) == 1
+    zygote_sockets = {os.readlink(f"/proc/{emu._zygote.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{emu._zygote.pid}/fd")}
+    assert not zygote_sockets & {t for t in targets if t.startswith("socket:")}
