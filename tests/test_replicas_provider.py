@@ -26,8 +26,9 @@ NEVER_READY = [sys.executable, "-c", "import time; time.sleep(120)"]
 
 
 @pytest.fixture
-def emu():
+def emu(log_guard):
     with JobsEmulator() as emulator:
+        log_guard.watch(emulator.token)  # never in a log line, whatever happens to the replicas
         yield emulator
 
 
@@ -266,6 +267,8 @@ def test_stop_cancels_every_replica_job_unmounts_every_route_and_is_idempotent(w
     provider.wait_for_ready(provider.start_container())
     base_url, job_ids = provider.base_url, provider.job_ids
     assert mounted_routes(proxy) == 4  # the replica route and each job's own route
+    with pytest.raises(TypeError, match="running"):
+        pickle.dumps(provider)
     provider.stop_container()
     provider.stop_container()
     assert provider.base_url is None and provider.stage == "CANCELED"
@@ -274,15 +277,12 @@ def test_stop_cancels_every_replica_job_unmounts_every_route_and_is_idempotent(w
     wait_until(lambda: all_jobs_gone(emu), "every replica job to end")
     assert {emu.job(job_id).stage for job_id in job_ids} == {"CANCELED"}
     assert mounted_routes(proxy) == 0
-    with pytest.raises(TypeError):  # a running provider never pickles; a stopped one does
-        provider._running = True
-        pickle.dumps(provider)
-    provider._running = False
-    assert pickle.loads(pickle.dumps(provider)).replicas == 3
+    assert pickle.loads(pickle.dumps(provider)).replicas == 3  # stopped: pickles again
 
 
-def test_stop_from_another_thread_while_replicas_schedule_cancels_every_job(proxy):
+def test_stop_from_another_thread_while_replicas_schedule_cancels_every_job(proxy, log_guard):
     with JobsEmulator(scheduling_delay_s=1.0) as emu:
+        log_guard.watch(emu.token)
         provider = replicated(emu, proxy)
         outcome = []
         starter = threading.Thread(target=lambda: outcome.append(_raised(provider.start_container)))
