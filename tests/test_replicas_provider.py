@@ -346,6 +346,18 @@ def test_start_many_of_replicated_providers_aborts_the_waiting_ones_when_one_fai
     assert mounted_routes(proxy) == 0
 
 
+def test_the_exit_hook_cancels_every_replica_job_and_unmounts_the_route(emu, proxy):
+    provider = replicated(emu, proxy)
+    provider.start_container()
+    job_ids = provider.job_ids
+    hsp._stop_everything_at_exit()
+    wait_until(lambda: all_jobs_gone(emu), "every replica job to end")
+    assert {emu.job(job_id).stage for job_id in job_ids} == {"CANCELED"}
+    assert mounted_routes(proxy) == 0
+    provider.stop_container()  # the provider learns nothing is left to cancel
+    assert emu.api_calls.get("cancel", 0) == 3
+
+
 # -- settings -----------------------------------------------------------------------------------------
 
 
