@@ -371,6 +371,8 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         keywords in `_OVERRIDABLE` override the constructor for this start. Other keywords OpenEnv
         passes (e.g. `wait_timeout`, Docker-specific options) are ignored with a debug log.
         Any failure or interrupt after the job was created cancels it before the error propagates.
+        With `replicas` > 1, K jobs start in parallel and the returned URL is their replica route; if
+        any fails, all are cancelled and `ReplicaStartError` names each failure.
         """
         overrides = {}
         for key, value in kwargs.items():
@@ -462,7 +464,8 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         return ready
 
     def stop_container(self) -> None:
-        """Unmount the route and cancel the job. Idempotent; never raises (problems are logged)."""
+        """Unmount the route and cancel the job (all K with replicas, in parallel). Idempotent; never
+        raises (a job that could not be cancelled is named in a WARNING)."""
         try:
             self._stop_requested.set()
             self._wake.set()  # a start or readiness wait in another thread notices at once
