@@ -1654,7 +1654,8 @@ class _JobGate(AuthProxy):
     def route_request(self, target: str, headers: Any) -> Any:
         reason = None if self._public else self._emulator._gate_rejection(self._job, headers.get("Authorization"))
         if reason:
-            return Refusal(401, "unauthorized", reason, (("WWW-Authenticate", 'Bearer realm="hf.jobs"'),))
+            return Refusal(401, "unauthorized", reason, (("WWW-Authenticate", 'Bearer realm="hf.jobs"'),),
+                           proxy_error=False)  # the real *.hf.jobs 401 carries no proxy header
         return self._upstream, target
 
 
