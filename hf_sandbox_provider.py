@@ -1327,7 +1327,7 @@ def _settings_rejection(settings: Mapping[str, Any], image_required: bool) -> Op
     if _parse_duration(settings["job_timeout"]) is None:
         checks.append("job_timeout=%r must be a positive duration: seconds (3600) or a string like "
                       "'30m', '2h', '1d'" % (settings["job_timeout"],))
-    reserved = {PROVIDER_LABEL_KEY, START_LABEL_KEY} & set(settings["labels"] or {})
+    reserved = {PROVIDER_LABEL_KEY, START_LABEL_KEY, PROCESS_LABEL_KEY} & set(settings["labels"] or {})
     if reserved:
         checks.append("labels %s are reserved for this library's own bookkeeping" % sorted(reserved))
     namespace = settings.get("namespace")

@@ -237,6 +237,7 @@ def test_token_is_discovered_from_hf_token_env(api, proxy, no_token_anywhere, mo
     (dict(job_timeout="forever"), "job_timeout"),
     (dict(env_vars={"1BAD": "x"}), "env_vars"),
     (dict(labels={"hf-sandbox-start": "x"}), "reserved"),
+    (dict(labels={"hf-sandbox-process": "x"}), "reserved"),
     (dict(command=[]), "command"),
 ])
 def test_bad_start_arguments_fail_before_any_network_call(api, proxy, kwargs, message):
