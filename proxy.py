@@ -782,7 +782,7 @@ def _token_rejection(token: object) -> Optional[str]:
         return "token must be a string, a zero-argument callable returning one, or None; got %s" % type(token).__name__
     if not token:
         return "token is empty; pass your HF token (or None to inject no Authorization header)"
-    if any(ord(c) < 33 or ord(c) > 126 for c in token):
+    if _BAD_TARGET_CHAR_RE.search(token):  # checked per request (tokens rotate): a regex, not a char loop
         return "token contains whitespace, control or non-ASCII characters; pass the bare token without 'Bearer '"
     return None
 
@@ -1117,6 +1117,25 @@ class _RequestHeaders(http.client.HTTPMessage):
     email package scans and lowercases every header on each lookup, and the proxy does a dozen."""
 
     _index: Optional[Dict[str, List[str]]] = None
+    # The parsed (name, value) pairs while nothing mutated them: what `items()` answers without the
+    # email policy's per-header sanitising (parsed values are latin-1 text, so it would change nothing).
+    _pairs: Optional[List[Tuple[str, str]]] = None
+
+    @classmethod
+    def parsed(cls, pairs: List[Tuple[str, str]]) -> "_RequestHeaders":
+        """Headers from the parser's (name, value) pairs, indexed once."""
+        headers = cls()
+        headers._headers = list(pairs)  # type: ignore[attr-defined]  # what Message.__setitem__ appends to
+        index: Dict[str, List[str]] = {}
+        for name, value in pairs:
+            index.setdefault(name.lower(), []).append(value)
+        headers._index, headers._pairs = index, pairs
+        return headers
+
+    def items(self) -> List[Tuple[str, str]]:  # type: ignore[override]
+        if self._pairs is not None:
+            return list(self._pairs)
+        return super().items()  # type: ignore[return-value]
 
     def _lookup(self) -> Dict[str, List[str]]:
         if self._index is None:
@@ -1136,23 +1155,23 @@ class _RequestHeaders(http.client.HTTPMessage):
 
     # Any mutation (a subclass hook may edit headers) drops the index; it is rebuilt on next lookup.
     def __setitem__(self, name: str, value: object) -> None:
-        self._index = None
+        self._index = self._pairs = None
         super().__setitem__(name, value)
 
     def __delitem__(self, name: str) -> None:
-        self._index = None
+        self._index = self._pairs = None
         super().__delitem__(name)
 
     def add_header(self, *args: object, **kwargs: object) -> None:  # type: ignore[override]
-        self._index = None
+        self._index = self._pairs = None
         super().add_header(*args, **kwargs)  # type: ignore[arg-type]
 
     def replace_header(self, name: str, value: object) -> None:  # type: ignore[override]
-        self._index = None
+        self._index = self._pairs = None
         super().replace_header(name, value)
 
     def set_raw(self, name: str, value: object) -> None:  # type: ignore[override]
-        self._index = None
+        self._index = self._pairs = None
         super().set_raw(name, value)
 
 
@@ -1252,7 +1271,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.send_error(505, "Only HTTP/1.0 and HTTP/1.1 are supported.")
             return False
         self.command, self.path, self.request_version = command, target, version
-        headers = _RequestHeaders()
+        pairs: List[Tuple[str, str]] = []
         budget, count = MAX_HEADER_BYTES, 0
         while True:
             line = self.rfile.readline(MAX_HEADER_BYTES + 1)
@@ -1275,8 +1294,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self._refuse(Refusal(400, "bad-header", "Malformed header line (expected 'Name: value', no "
                                                         "line folding)."), close=True)
                 return False
-            headers[name] = value.strip(" \t")  # appends: repeated headers are all kept, in order
-        self.headers = headers
+            pairs.append((name, value.strip(" \t")))  # repeated headers are all kept, in order
+        self.headers = headers = _RequestHeaders.parsed(pairs)
         tokens = _connection_tokens(headers)
         self.close_connection = "close" in tokens or (version == "HTTP/1.0" and "keep-alive" not in tokens)
         if version == "HTTP/1.1" and headers.get("Expect", "").lower() == "100-continue":
