@@ -166,6 +166,10 @@ class Route:
         self.host: str = parts.hostname or ""
         self.port: int = parts.port or (443 if self.scheme == "https" else 80)
         self.base_path: str = parts.path.rstrip("/")
+        # An IP-literal upstream (the emulator, a local server) needs no name lookup per connection:
+        # getaddrinfo releases the GIL, and with thousands of sessions opening every release is a
+        # context switch. Host names are still resolved per connection (DNS answers change).
+        self._ip_family: Optional[int] = _ip_literal_family(self.host)
         default_port = 443 if self.scheme == "https" else 80
         host_for_header = "[%s]" % self.host if ":" in self.host else self.host
         self.host_header: str = host_for_header if self.port == default_port else "%s:%d" % (host_for_header, self.port)
@@ -296,7 +300,7 @@ class Route:
 
     def _open_stream(self, proxy: AuthProxy) -> "_Stream":
         """A dedicated TCP (or TLS) stream to the upstream, for one WebSocket tunnel."""
-        sock = socket.create_connection((self.host, self.port), timeout=proxy.connect_timeout_s)
+        sock = self._connect(proxy.connect_timeout_s)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.scheme == "https":
@@ -309,6 +313,19 @@ class Route:
         except BaseException:
             sock.close()
             raise
+
+    def _connect(self, timeout: float) -> socket.socket:
+        """A connected TCP socket to the upstream (with `timeout` set), like socket.create_connection."""
+        if self._ip_family is None:
+            return socket.create_connection((self.host, self.port), timeout=timeout)
+        sock = socket.socket(self._ip_family, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            sock.connect((self.host, self.port))
+        except BaseException:
+            sock.close()
+            raise
+        return sock
 
     def _add_tunnel(self, tunnel: "_Tunnel") -> bool:
         with self._lock:
@@ -723,6 +740,14 @@ def _is_loopback_host(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _ip_literal_family(host: str) -> Optional[int]:
+    """AF_INET or AF_INET6 when `host` is an IP address literal, else None (a name to resolve)."""
+    try:
+        return socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    except ValueError:
+        return None
 
 
 def _route_id(base_url: object) -> str:
@@ -1726,9 +1751,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             stream.close()
             return
         try:
-            self.connection.sendall(head + extra)
+            # Blocking from here on (the tunnel waits as long as the session lasts); switched before the
+            # 101 is sent, so that send is not preceded by the poll() a socket with a timeout does.
             self._reader.body_phase(None)
             stream.settimeout(None)
+            self.connection.sendall(head + extra)
             tunnel.run(self.rfile.read1, self.proxy)
         except OSError:
             tunnel.close()
@@ -1873,6 +1900,7 @@ class _Stream:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self._closed = False
+        self._aborted = False  # shut down already: closing needs no second shutdown syscall
 
     def recv(self, n: int) -> bytes:
         return self.sock.recv(n)
@@ -1885,11 +1913,13 @@ class _Stream:
 
     def abort(self) -> None:
         """Wake threads blocked on this stream; they see EOF or an error and end."""
+        self._aborted = True
         _abort_socket(self.sock)
 
     def close(self) -> None:
         self._closed = True
-        _abort_socket(self.sock)
+        if not self._aborted:
+            self.abort()
         self.sock.close()
 
 
