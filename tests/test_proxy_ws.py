@@ -311,3 +311,20 @@ def test_bytes_sent_right_after_the_101_reach_the_client(no_leaks):
     finally:
         server.join(TIMEOUT)
         listener.close()
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1", "localhost"])
+def test_tunnel_reaches_upstreams_named_by_ipv4_ipv6_literal_or_host_name(host, no_leaks):
+    # IP literals are connected to without a name lookup; a host name is still resolved per session.
+    bind = "::1" if host == "::1" else "127.0.0.1"
+    try:
+        upstream = Upstream(host=bind)
+    except OSError:
+        pytest.skip("%s is not configured" % bind)
+    shown = "[::1]" if host == "::1" else host
+    with upstream, AuthProxy() as proxy:
+        base = proxy.mount("http://%s:%d" % (shown, upstream.port), TEST_TOKEN)
+        with ws_connect(ws_url(base) + "/ws") as ws:
+            ws.send("over %s" % host)
+            assert ws.recv(TIMEOUT) == "over %s" % host
+    assert ("Authorization", "Bearer " + TEST_TOKEN) in upstream.requests[-1].headers
