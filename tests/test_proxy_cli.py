@@ -86,3 +86,23 @@ def test_cli_rejects_bad_upstream_urls(tmp_path, url, fragment):
     assert result.returncode == 2
     assert fragment in result.stderr
     assert TEST_TOKEN not in result.stderr
+
+
+def test_cli_sets_its_own_switch_interval_but_an_in_process_proxy_leaves_it_alone(upstream, tmp_path):
+    import proxy
+
+    before = sys.getswitchinterval()
+    with proxy.AuthProxy() as in_process:
+        in_process.mount(upstream.url, TEST_TOKEN)
+        assert sys.getswitchinterval() == before  # a trainer's process keeps its own setting
+    proc = subprocess.Popen([sys.executable, PROXY_PY, upstream.url, "-v"], env=_env(tmp_path, TEST_TOKEN),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().startswith("http://127.0.0.1:")  # type: ignore[union-attr]
+        proc.terminate()
+        _, err = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=TIMEOUT)
+    assert "GIL switch interval %.3g s" % proxy.CLI_SWITCH_INTERVAL_S in err
