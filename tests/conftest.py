@@ -6,6 +6,9 @@ Stable fixture names other test files may rely on:
 - `upstream` / `tls_upstream`: a running `support.Upstream` over HTTP / HTTPS (stopped after the test).
 - `no_leaks`: asserts that the threads and open file descriptors of the process return to their
   pre-test counts after the test (waits briefly for sockets/threads being torn down).
+- `proxy`: a started `proxy.AuthProxy` on loopback, stopped after the test.
+- `emu`: a running `hf_jobs_emulator.JobsEmulator` whose token is watched in the logs; after it stops,
+  the test fails if any job process outlived it.
 - `log_guard` (autouse): captures every log record (all loggers, DEBUG and up) during each test and
   fails the test if `support.TEST_TOKEN`, or any string passed to `log_guard.watch(...)`, appears in
   one. `log_guard.text()` returns the captured log output for extra assertions.
@@ -28,6 +31,8 @@ for path in (HERE, ROOT):
         sys.path.insert(0, path)
 
 import support  # noqa: E402
+from hf_jobs_emulator import JobsEmulator  # noqa: E402
+from proxy import AuthProxy  # noqa: E402
 
 LEAK_WAIT_S = 5.0
 
@@ -117,3 +122,17 @@ def log_guard() -> Iterator[LogGuard]:
     text = guard.text()
     for secret in guard.secrets:
         assert secret not in text, "a secret appeared in the captured log output"
+
+
+@pytest.fixture
+def proxy() -> Iterator[AuthProxy]:
+    with AuthProxy() as auth_proxy:
+        yield auth_proxy
+
+
+@pytest.fixture
+def emu(log_guard: LogGuard) -> Iterator[JobsEmulator]:
+    with JobsEmulator() as emulator:
+        log_guard.watch(emulator.token)
+        yield emulator
+    assert emulator.live_pids() == [], "a job process outlived the emulator"

@@ -35,7 +35,6 @@ Stable names other test files may rely on:
 """
 from __future__ import annotations
 
-import base64
 import datetime
 import gzip
 import hashlib
@@ -48,7 +47,7 @@ import ssl
 import threading
 import time
 import urllib.parse
-from typing import List, NamedTuple, Optional, Set, Tuple
+from typing import Callable, List, NamedTuple, Optional, Set, Tuple
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -469,3 +468,13 @@ class Upstream:
             live = list(self._server.live)
         for sock in live:
             _hard_close(sock)
+
+
+def wait_until(predicate: Callable[[], object], what: str, timeout_s: float = 60.0) -> None:
+    """Poll `predicate` until it is truthy; fail naming `what` after `timeout_s` (generous: the 2 cores
+    may be loaded by other work, and a passing test never waits that long)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting for " + what)
+        time.sleep(0.02)

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import requests
@@ -17,6 +16,7 @@ import hf_jobs_emulator
 from hf_jobs_emulator import JobsEmulator
 from hf_sandbox_provider import HFSandboxProvider, JobFailedError, JobStartTimeout
 from proxy import AuthProxy
+from support import wait_until
 
 TIMEOUT = 30  # generous: other work may load the 2 cores; passing tests never wait this long
 IMAGE = "registry.hf.space/openenv-echo-env:latest"  # not pulled: the emulator runs the command
@@ -24,30 +24,8 @@ ECHO = hf_jobs_emulator.echo_server_command()
 SLEEP_FOREVER = [sys.executable, "-c", "import time\nprint('booting forever', flush=True)\ntime.sleep(600)"]
 
 
-def wait_until(predicate, what: str, timeout_s: float = TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
 def mounted_routes(proxy: AuthProxy) -> int:
     return len(proxy._routes)  # read-only look at the proxy's route table: nothing public counts them
-
-
-@pytest.fixture
-def emu(log_guard):
-    with JobsEmulator() as emulator:
-        log_guard.watch(emulator.token)
-        yield emulator
-    assert emulator.live_pids() == []
-
-
-@pytest.fixture
-def proxy():
-    with AuthProxy() as auth_proxy:
-        yield auth_proxy
 
 
 def provider_for(emu: JobsEmulator, proxy: AuthProxy, **kwargs) -> HFSandboxProvider:

@@ -77,19 +77,6 @@ def server_command(tmp_path_factory):
     return [sys.executable, str(script)]
 
 
-@pytest.fixture
-def emu():
-    with JobsEmulator() as emulator:
-        yield emulator
-    assert emulator.live_pids() == []
-
-
-@pytest.fixture
-def proxy():
-    with AuthProxy() as auth_proxy:
-        yield auth_proxy
-
-
 def make_provider(emu: JobsEmulator, proxy: AuthProxy, command: list) -> HFSandboxProvider:
     return HFSandboxProvider(IMAGE, endpoint=emu.endpoint, token=emu.token, command=command, proxy=proxy,
                              poll_interval_s=0.1, start_timeout_s=TIMEOUT, ready_timeout_s=TIMEOUT)

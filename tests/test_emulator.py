@@ -19,6 +19,7 @@ from hf_jobs_emulator import JobsEmulator
 hub = pytest.importorskip("huggingface_hub")
 from huggingface_hub import HfApi  # noqa: E402
 from huggingface_hub.errors import HfHubHTTPError  # noqa: E402
+from support import wait_until
 
 TIMEOUT = 30  # generous: other work may load the 2 cores; passing tests never wait this long
 PY = sys.executable
@@ -37,14 +38,6 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
-
-
-def wait_until(predicate, what: str, timeout_s: float = TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 @pytest.fixture

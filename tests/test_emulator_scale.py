@@ -17,19 +17,12 @@ import requests
 
 import hf_jobs_emulator
 from hf_jobs_emulator import JobsEmulator
+from support import wait_until
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
 TIMEOUT = 30  # generous: other work may load the 2 cores; passing tests never wait this long
 PY = sys.executable
-
-
-def wait_until(predicate, what: str, timeout_s: float = TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def proc_stat(pid: int):

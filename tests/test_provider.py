@@ -20,7 +20,6 @@ import requests
 import responses
 
 import hf_sandbox_provider as hsp
-from proxy import AuthProxy
 
 ENDPOINT = "https://hub.test"
 LOOPBACK_ENDPOINT = "http://127.0.0.1:9"  # never contacted: `responses` answers for it
@@ -40,15 +39,6 @@ def job_json(job_id="job1", stage="SCHEDULING", urls=None, message=None):
 def calls_to(mock, method, path):
     return [c for c in mock.calls
             if c.request.method == method and requests.utils.urlparse(c.request.url).path == path]
-
-
-@pytest.fixture
-def proxy():
-    p = AuthProxy().start()
-    try:
-        yield p
-    finally:
-        p.stop()
 
 
 @pytest.fixture

@@ -6,40 +6,15 @@ from __future__ import annotations
 import multiprocessing
 import pickle
 import threading
-import time
 
-import pytest
 import requests
 
 import hf_sandbox_provider as hsp
-from hf_jobs_emulator import JobsEmulator, echo_server_command
-from proxy import AuthProxy
+from hf_jobs_emulator import echo_server_command
+from support import wait_until
 
 IMAGE = "registry.hf.space/openenv-echo-env:latest"
 TIMEOUT = 30
-
-
-@pytest.fixture
-def emu():
-    with JobsEmulator() as emulator:
-        yield emulator
-
-
-@pytest.fixture
-def proxy():
-    p = AuthProxy().start()
-    try:
-        yield p
-    finally:
-        p.stop()
-
-
-def wait_until(predicate, what, timeout_s=TIMEOUT):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out waiting for " + what)
-        time.sleep(0.05)
 
 
 def test_eight_providers_started_from_threads_share_one_proxy_and_keep_their_own_jobs(emu, proxy):

@@ -9,36 +9,18 @@ import json
 import pickle
 import sys
 import threading
-import time
 
 import pytest
 import requests
 
 import hf_sandbox_provider as hsp
 from hf_jobs_emulator import JobsEmulator, echo_server_command
-from proxy import AuthProxy
-from support import ws_connect, ws_url
+from support import wait_until, ws_connect, ws_url
 
 IMAGE = "registry.hf.space/openenv-echo-env:latest"
 TIMEOUT = 30
 # A job whose server never answers /health.
 NEVER_READY = [sys.executable, "-c", "import time; time.sleep(120)"]
-
-
-@pytest.fixture
-def emu(log_guard):
-    with JobsEmulator() as emulator:
-        log_guard.watch(emulator.token)  # never in a log line, whatever happens to the replicas
-        yield emulator
-
-
-@pytest.fixture
-def proxy():
-    p = AuthProxy().start()
-    try:
-        yield p
-    finally:
-        p.stop()
 
 
 @pytest.fixture
@@ -50,14 +32,6 @@ def warm_emu(emu, proxy):
     provider.stop_container()
     wait_until(lambda: all_jobs_gone(emu), "the warm-up job to end")
     return emu
-
-
-def wait_until(predicate, what, timeout_s=TIMEOUT):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out waiting for " + what)
-        time.sleep(0.02)
 
 
 def replicated(emu, proxy, cls=hsp.HFSandboxProvider, **kwargs):

@@ -11,29 +11,12 @@ import pytest
 
 import hf_sandbox_provider as hsp
 from hf_jobs_emulator import JobsEmulator, echo_server_command
-from proxy import AuthProxy
+from support import wait_until
 
 IMAGE = "registry.hf.space/openenv-echo-env:latest"
 TIMEOUT = 60
 # A job whose server never answers /health: readiness waits until the test ends it.
 NEVER_READY = [sys.executable, "-c", "import time; time.sleep(120)"]
-
-
-@pytest.fixture
-def proxy():
-    p = AuthProxy().start()
-    try:
-        yield p
-    finally:
-        p.stop()
-
-
-def wait_until(predicate, what, timeout_s=TIMEOUT):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out waiting for " + what)
-        time.sleep(0.02)
 
 
 def watcher_threads():
