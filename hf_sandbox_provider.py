@@ -830,13 +830,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
 
     def _arm_route_safety_net(self, proxy: "_proxy.AuthProxy", base_url: str) -> None:
         """Unmount the replica route if this provider is collected (each replica's own net cancels its job)."""
-        finalizer = weakref.finalize(self, _release_job, None, None, None, proxy, base_url, None)
-        with self._lock:
-            old, self._finalizer = self._finalizer, finalizer
-        _live_finalizers.add(finalizer)
-        if old is not None:
-            old.detach()
-            _live_finalizers.discard(old)
+        self._swap_finalizer(weakref.finalize(self, _release_job, None, None, None, proxy, base_url, None))
 
     def _teardown_replicas(self) -> None:
         """Unmount the replica route, then stop every replica (each names a job it could not cancel)."""
@@ -969,8 +963,11 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
 
         It holds the job's client and ids, never the provider, so the provider stays collectable.
         """
-        finalizer = weakref.finalize(self, _release_abandoned_job, client, self._job_namespace, self.job_id,
-                                     proxy, base_url, self.job_url)
+        self._swap_finalizer(weakref.finalize(self, _release_abandoned_job, client, self._job_namespace,
+                                              self.job_id, proxy, base_url, self.job_url))
+
+    def _swap_finalizer(self, finalizer: "weakref.finalize") -> None:
+        """Make `finalizer` this provider's safety net, retiring the one it replaces."""
         with self._lock:
             old, self._finalizer = self._finalizer, finalizer
         _live_finalizers.add(finalizer)
