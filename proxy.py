@@ -2090,6 +2090,8 @@ class _Tunnel:
 
     def run(self, client_read: Callable[[int], bytes], proxy: AuthProxy) -> None:
         """Pump client->upstream in this thread and upstream->client in a new one; return when both end."""
+        # The pump keeps the default thread stack size: threading.stack_size() is process-wide, so
+        # setting it around this start would also shrink any thread the trainer starts meanwhile.
         pump = threading.Thread(target=self._pump, args=(self.upstream.recv, self.client.sendall),
                                 name="proxy-tunnel", daemon=True)
         with proxy._lock:
