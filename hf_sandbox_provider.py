@@ -680,13 +680,16 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
             if self._stop_requested.is_set():
                 raise SandboxError("stop_container() was called while job %s was starting" % self.job_id)
             proxy = self._proxy_instance()
-            self._mounted_on = proxy
             self.upstream_url = upstream
-            self.base_url = proxy.mount(upstream, token=token, verify=settings["verify"])
-            self._arm_safety_net(client, proxy, self.base_url)
+            base_url = proxy.mount(upstream, token=token, verify=settings["verify"])
+            with self._lock:  # a stop from now on sees the route and unmounts it
+                self._mounted_on, self.base_url = proxy, base_url
+            self._arm_safety_net(client, proxy, base_url)
+            if self._stop_requested.is_set():  # a stop that ran during mount() saw no route to unmount
+                raise SandboxError("stop_container() was called while job %s was starting" % self.job_id)
             self.timings["url"] = self._elapsed()
             logger.info("HF job %s serving at %s (%.1fs after submit)", self.job_id, upstream, self._elapsed())
-            return self.base_url
+            return base_url
         except BaseException:
             self._teardown(client)
             raise

@@ -550,3 +550,28 @@ def test_verify_with_the_jobs_ca_reaches_a_tls_job_and_default_verification_refu
     with pytest.raises(hsp.JobStartTimeout, match="HTTP 502 upstream-tls: TLS with the upstream"):
         untrusted.wait_for_ready(timeout_s=0.5)
     assert cancels(api) == 2
+
+
+def test_stop_landing_while_the_route_is_mounted_leaves_no_route(api):
+    """A stop_container() from another thread that runs while mount() is in flight (after the start's
+    last stop check) must not leave the freshly mounted route behind."""
+    add_job_api(api, stages=[running()])
+    mounted = []
+
+    class StopDuringMount(hsp._proxy.AuthProxy):
+        def mount(self, upstream, token, *, verify=True):
+            mounted.append(super().mount(upstream, token, verify=verify))
+            stopper = threading.Thread(target=provider.stop_container)
+            stopper.start()
+            stopper.join(timeout=10)
+            return mounted[-1]
+
+    with StopDuringMount() as racing_proxy:
+        api.add_passthru("http://127.0.0.1:%d" % racing_proxy.port)
+        provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=racing_proxy, **FAST)
+        with pytest.raises(hsp.SandboxError, match="stop_container"):
+            provider.start_container()
+        provider.stop_container()
+        assert mounted and route_is_gone(mounted[0])
+        assert provider.base_url is None
+    assert cancels(api) == 1
