@@ -747,8 +747,8 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
                 self.upstream_url = first.upstream_url
             base_url = proxy.mount_replicas([child.upstream_url for child in children], token=token,
                                             verify=settings["verify"])
-            with self._lock:
-                self.base_url = base_url
+            with self._lock:  # from now on a stop sees the route (an earlier stop cleared _mounted_on)
+                self._mounted_on, self.base_url = proxy, base_url
             self._arm_route_safety_net(proxy, base_url)
             if self._stop_requested.is_set():  # a stop that ran before base_url was set left the route
                 raise SandboxError("stop_container() was called while the %d replicas were starting" % count)

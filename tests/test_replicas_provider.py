@@ -371,3 +371,25 @@ def _raised(function):
     except BaseException as exc:  # handed to the test thread
         return exc
     return None
+
+
+def test_stop_landing_while_the_replica_route_is_mounted_leaves_no_route(emu, log_guard):
+    """A stop_container() from another thread that runs just before mount_replicas() (after the
+    replicas started) must not leave the replica route mounted."""
+    holder = []
+
+    class StopBeforeMount(hsp._proxy.AuthProxy):
+        def mount_replicas(self, upstreams, token, **kwargs):
+            stopper = threading.Thread(target=holder[0].stop_container)
+            stopper.start()
+            stopper.join(timeout=TIMEOUT)
+            return super().mount_replicas(upstreams, token, **kwargs)
+
+    with StopBeforeMount() as racing_proxy:
+        provider = replicated(emu, racing_proxy, replicas=2)
+        holder.append(provider)
+        with pytest.raises(hsp.SandboxError, match="stop_container"):
+            provider.start_container()
+        provider.stop_container()
+        assert mounted_routes(racing_proxy) == 0
+    wait_until(lambda: all_jobs_gone(emu), "every replica job to end")
