@@ -663,6 +663,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
             self._cancel_by_label(client, namespace, start_label)
             self._teardown(client)
             raise
+        recorded = False  # until the job is ours to cancel, a failure must find it by its start label
         try:
             with self._lock:
                 self.job_id = str(job["id"])
@@ -670,6 +671,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
                 self.job_url = "%s/jobs/%s/%s" % (self.endpoint, namespace, self.job_id)
                 self._running = True
                 self.timings["created"] = self._elapsed()
+            recorded = True
             self._arm_safety_net(client, None, None)
             self._observe(job)
             self._watch_job(client, job)
@@ -691,6 +693,8 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
             logger.info("HF job %s serving at %s (%.1fs after submit)", self.job_id, upstream, self._elapsed())
             return base_url
         except BaseException:
+            if not recorded:  # e.g. a create answer without an id, or a Ctrl-C just after the create
+                self._cancel_by_label(client, namespace, start_label)
             self._teardown(client)
             raise
 

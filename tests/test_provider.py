@@ -575,3 +575,15 @@ def test_stop_landing_while_the_route_is_mounted_leaves_no_route(api):
         assert mounted and route_is_gone(mounted[0])
         assert provider.base_url is None
     assert cancels(api) == 1
+
+
+def test_create_answer_without_a_job_id_cancels_the_job_found_by_its_start_label(api, proxy):
+    api.add(responses.GET, ENDPOINT + "/api/whoami-v2", json={"name": "alice"})
+    api.add(responses.POST, ENDPOINT + "/api/jobs/alice", json={"status": {"stage": "SCHEDULING"}})
+    api.add(responses.GET, ENDPOINT + "/api/jobs/alice", json=[job_json("ghost")])
+    api.add(responses.POST, ENDPOINT + "/api/jobs/alice/ghost/cancel", status=200)
+    provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST)
+    with pytest.raises(Exception):
+        provider.start_container()
+    assert cancels(api, "ghost") == 1
+    assert "label=hf-sandbox-start%3D" in calls_to(api, "GET", "/api/jobs/alice")[0].request.url
