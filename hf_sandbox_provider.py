@@ -1099,7 +1099,10 @@ class _Launch:
         with self._lock:
             ready, failed = len(self.ready), len(self.errors)
         if callable(self.progress):
-            self.progress(ready, failed, len(self.providers))
+            try:
+                self.progress(ready, failed, len(self.providers))
+            except Exception:  # the caller's display must not kill a launch worker (and lose its work)
+                logger.warning("start_many: the progress callback raised; ignoring it", exc_info=True)
         elif self.progress:
             line = "start_many: %d/%d ready, %d failed (%.1fs)" % (
                 ready, len(self.providers), failed, time.monotonic() - self._began)

@@ -300,3 +300,18 @@ def test_start_many_without_a_token_raises_one_config_error_before_any_job(monke
         with pytest.raises(hsp.SandboxConfigError, match="no Hugging Face token"):
             hsp.HFSandboxProvider.start_many(3, IMAGE, endpoint=emu.endpoint, progress=False)
         assert emu.jobs == []
+
+
+def test_a_progress_callback_that_raises_does_not_lose_any_environment(proxy, emu, caplog):
+    def broken_progress(ready, failed, total):
+        raise RuntimeError("display broke")
+
+    providers = hsp.HFSandboxProvider.start_many(
+        4, IMAGE, max_parallel=2, progress=broken_progress, endpoint=emu.endpoint, token=emu.token,
+        proxy=proxy, command=echo_server_command(), poll_interval_s=0.05)
+    try:
+        assert len(providers) == 4 and all(p.base_url for p in providers)
+        assert "progress callback raised" in caplog.text
+    finally:
+        hsp.stop_all(providers)
+    wait_until(lambda: emu.live_pids() == [], "every job process to exit")
