@@ -1432,17 +1432,21 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     # -- HTTP forwarding ----------------------------------------------------------------------------
 
+    def _body_piece(self, size: int, where: str) -> Iterator[bytes]:
+        """Yield exactly `size` body bytes as they arrive; the client closing first is a body error."""
+        remaining = size
+        while remaining:
+            data = self.rfile.read1(min(IO_CHUNK, remaining))
+            if not data:
+                raise _ClientBodyError("the client closed the connection " + where)
+            remaining -= len(data)
+            yield data
+
     def _body_chunks(self, framing: Tuple[str, int]) -> Iterator[bytes]:
         """Yield the client's request body as it arrives (Content-Length or chunked, de-chunked)."""
         kind, length = framing
         if kind == "length":
-            remaining = length
-            while remaining:
-                data = self.rfile.read1(min(IO_CHUNK, remaining))
-                if not data:
-                    raise _ClientBodyError("the client closed the connection before sending the whole body")
-                remaining -= len(data)
-                yield data
+            yield from self._body_piece(length, "before sending the whole body")
         elif kind == "chunked":
             while True:
                 line = self.rfile.readline(MAX_CHUNK_LINE + 1)
@@ -1454,13 +1458,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 size = int(size_text, 16)
                 if size == 0:
                     break
-                remaining = size
-                while remaining:
-                    data = self.rfile.read1(min(IO_CHUNK, remaining))
-                    if not data:
-                        raise _ClientBodyError("the client closed the connection in the middle of a chunk")
-                    remaining -= len(data)
-                    yield data
+                yield from self._body_piece(size, "in the middle of a chunk")
                 if self.rfile.read(2) not in (b"\r\n",):
                     raise _ClientBodyError("malformed chunked body: chunk data not followed by CRLF")
             trailer_bytes = 0

@@ -162,6 +162,17 @@ def ws_connect(url: str, **kwargs: object):  # type: ignore[no-untyped-def]
     return connect(url, **options)
 
 
+def read_to_eof(sock: socket.socket) -> bytes:
+    """Everything the peer sends until it closes; a socket timeout propagates (the peer kept the
+    connection open, which the caller's test means to catch)."""
+    chunks = []
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+
+
 def raw_request(port: int, data: bytes, timeout: float = 5.0, host: str = "127.0.0.1") -> bytes:
     """Send raw bytes, then read until the peer closes or is quiet for `timeout` seconds."""
     with socket.create_connection((host, port), timeout=timeout) as sock:

@@ -8,7 +8,7 @@ from typing import Iterator, Tuple
 import pytest
 import requests
 
-from support import TEST_TOKEN, Upstream, raw_request
+from support import TEST_TOKEN, Upstream, raw_request, read_to_eof
 from proxy import AuthProxy, InsecureURLError, Route
 
 TIMEOUT = 5
@@ -108,12 +108,7 @@ def test_broken_chunked_bodies_are_refused_without_reaching_the_upstream(served,
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=TIMEOUT) as sock:
         sock.sendall(head + body)
         sock.shutdown(socket.SHUT_WR)
-        raw = b""
-        while True:
-            data = sock.recv(65536)
-            if not data:
-                break
-            raw += data
+        raw = read_to_eof(sock)
     assert _status(raw) == 400
     assert _header(raw, b"X-Proxy-Error") == b"bad-body"
     assert upstream.requests == []
@@ -191,12 +186,7 @@ def test_expect_100_continue_is_honoured(served):
                      b"Connection: close\r\n\r\n" % path.encode())
         assert sock.recv(65536).startswith(b"HTTP/1.1 100")
         sock.sendall(b"hello")
-        raw = b""
-        while True:
-            data = sock.recv(65536)
-            if not data:
-                break
-            raw += data
+        raw = read_to_eof(sock)
     assert _status(raw) == 200 and b'"body": "hello"' in raw
     assert "expect" not in {name.lower() for name, _ in upstream.requests[-1].headers}
 

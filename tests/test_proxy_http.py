@@ -14,7 +14,7 @@ import pytest
 import requests
 
 import support
-from support import TEST_TOKEN, Upstream, pattern, raw_request
+from support import TEST_TOKEN, Upstream, pattern, raw_request, read_to_eof
 from proxy import AuthProxy, _may_retry
 
 TIMEOUT = 10
@@ -215,12 +215,7 @@ def test_upstream_dying_mid_stream_cuts_the_client_connection(plain):
     path = base[len(proxy.url):]
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=TIMEOUT) as sock:
         sock.sendall(b"GET %s/die-mid-body?n=1000000 HTTP/1.1\r\nHost: x\r\n\r\n" % path.encode())
-        raw = b""
-        while True:
-            data = sock.recv(65536)  # a socket.timeout here (connection left open) fails the test
-            if not data:
-                break
-            raw += data
+        raw = read_to_eof(sock)  # a socket.timeout here (connection left open) fails the test
     head, _, body = raw.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200") and b"Content-Length: 1000000" in head
     # The proxy closed the connection: the body is visibly short,
@@ -337,10 +332,5 @@ def test_a_pipelining_client_is_not_mistaken_for_one_that_hung_up(plain):
         sock.sendall(b"GET %s/after HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % path)
         time.sleep(0.2)
         upstream.gate.set()
-        raw = b""
-        while True:
-            data = sock.recv(65536)
-            if not data:
-                break
-            raw += data
+        raw = read_to_eof(sock)
     assert raw.count(b"HTTP/1.1 200 OK") == 2 and b'"slow": true' in raw and b'"/after"' in raw
