@@ -17,22 +17,18 @@ then the `python -m hf_sandbox_provider` CLI (smoke, sweep, and the `bench` mach
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import datetime
 import email.utils
 import hashlib
-import ipaddress
 import json
 import logging
 import os
 import random
 import re
 import shlex
-import signal
 import socket
 import ssl
-import subprocess
 import sys
 import threading
 import time
@@ -50,6 +46,9 @@ else:
     import proxy as _proxy
 
 InsecureURLError = _proxy.InsecureURLError
+# One copy each, shared with the proxy and the emulator (see proxy.py's shared block).
+_is_loopback_host = _proxy._is_loopback_host
+_discover_token = _proxy._discover_token
 
 __all__ = [
     "HFSandboxProvider",
@@ -153,8 +152,8 @@ MAX_REPLICAS = 64
 REPLICA_CHECK_INTERVAL_S = 5.0
 # stop_all(): cancels run this many at a time (each is one API call plus a brief retry).
 STOP_PARALLEL = 32
-# Stages after which a job never runs again (huggingface_hub's TERMINAL_JOB_STAGES).
-TERMINAL_STAGES = frozenset({"COMPLETED", "CANCELED", "ERROR", "DELETED"})
+# Stages after which a job never runs again (one list shared with the emulator, in proxy.py).
+TERMINAL_STAGES = frozenset(_proxy.JOB_TERMINAL_STAGES)
 # What OpenEnv's image template runs (openenv/cli/templates/openenv_env/server/Dockerfile, CMD:
 # `sh -c "cd /app/env && uvicorn server.app:app --host 0.0.0.0 --port 8000"`), with the port
 # filled in and `exec` so the server receives the job's stop signal directly.
@@ -163,18 +162,9 @@ DEFAULT_COMMAND_TEMPLATE = (
     "-c",
     "cd /app/env && exec uvicorn server.app:app --host 0.0.0.0 --port {port}",
 )
-# huggingface_hub's JobHardware values (2.4) plus older names; `_known_flavors()` adds whatever the
-# installed huggingface_hub knows, so a flavor newer than this list works after upgrading it.
-KNOWN_FLAVORS = frozenset(
-    {
-        "cpu-basic", "cpu-upgrade", "cpu-performance", "cpu-xl",
-        "t4-small", "t4-medium", "l4x1", "l4x4", "l40sx1", "l40sx4", "l40sx8",
-        "a10g-small", "a10g-large", "a10g-largex2", "a10g-largex4",
-        "a100-large", "a100x4", "a100x8", "h100", "h100x8",
-        "h200", "h200x2", "h200x4", "h200x8",
-        "rtx-pro-6000", "rtx-pro-6000x2", "rtx-pro-6000x4", "rtx-pro-6000x8",
-    }
-)
+# The flavors HF Jobs accepts (one list shared with the emulator, in proxy.py); `_known_flavors()` adds
+# whatever the installed huggingface_hub knows, so a flavor newer than this list works after upgrading it.
+KNOWN_FLAVORS = _proxy.JOB_FLAVORS
 # Image references of HF Spaces, sent as `spaceId` rather than `dockerImage` (as huggingface_hub does).
 SPACE_IMAGE_PREFIXES = ("https://huggingface.co/spaces/", "https://hf.co/spaces/",
                         "huggingface.co/spaces/", "hf.co/spaces/")
@@ -1381,17 +1371,6 @@ def _job_body(settings: Mapping[str, Any], start_label: str) -> Dict[str, Any]:
     return body
 
 
-def _is_loopback_host(host: Optional[str]) -> bool:
-    if not host:
-        return False
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _exposed_url_rejection(url: str, job_id: str, port: int, endpoint: str) -> Optional[str]:
     """Why `url` must not receive the token, or None.
 
@@ -1444,31 +1423,6 @@ def _health_status_rejection(status: int) -> Optional[str]:
 # --------------------------------------------------------------------------------------------------
 # Token and endpoint discovery
 # --------------------------------------------------------------------------------------------------
-
-
-def _discover_token() -> Optional[str]:
-    """huggingface_hub's `get_token()`, else HF_TOKEN, else the token file. Never logged."""
-    try:
-        try:
-            from huggingface_hub import get_token  # type: ignore[attr-defined]
-        except ImportError:
-            from huggingface_hub.utils import get_token  # type: ignore[no-redef]
-        token = get_token()
-        if token:
-            return token.strip()
-    except Exception:  # absent or too old: fall back to the documented locations
-        pass
-    token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
-    if token and token.strip():
-        return token.strip()
-    path = os.environ.get("HF_TOKEN_PATH") or os.path.join(
-        os.environ.get("HF_HOME") or os.path.join(
-            os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"), "token")
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return handle.read().strip() or None
-    except OSError:
-        return None
 
 
 def _endpoint_rejection(endpoint: str) -> Optional[str]:
@@ -1781,7 +1735,6 @@ class _ApiBudget:
         self.sleep = sleep
         self.paused_until = 0.0
         self.rate_limited_count = 0
-        self.sent_total = 0  # calls let through so far (the bench reports them per environment)
         self._sent: deque = deque()
         self._lock = threading.Lock()
 
@@ -1799,7 +1752,6 @@ class _ApiBudget:
                                    self.calls, self.window_s, wait)
                 if wait <= 0:
                     self._sent.append(now)
-                    self.sent_total += 1
                     return
             self.sleep(wait)
 
@@ -1886,7 +1838,7 @@ class _JobWatcher:
         self._cond = threading.Condition(threading.Lock())
         self._groups: Dict[Tuple[str, str, str], _WatchGroup] = {}
         self._thread: Optional[threading.Thread] = None
-        self.refreshes = 0  # API refreshes made (one per group per interval)
+        self.refreshes = 0  # refreshes made (one API call each when no job is missing): the O(1) test reads it
 
     def register(self, client: "_JobsClient", new_session: Callable[[], requests.Session], namespace: str,
                  job_id: str, interval_s: float, wake: threading.Event,
@@ -1956,7 +1908,7 @@ class _JobWatcher:
                 found = {watches[0].job_id: client.get_job(group.namespace, watches[0].job_id, retries=0)}
             else:
                 listed = client.list_jobs(group.namespace, labels={PROCESS_LABEL_KEY: _process_label()},
-                                          stages=("SCHEDULING", "RUNNING"), retries=0)
+                                          stages=_proxy.JOB_LIVE_STAGES, retries=0)
                 found = {str(job.get("id")): job for job in listed}
                 # the least refreshed first, so a job that stays unlisted cannot starve the others
                 missing = sorted((w for w in watches if w.job_id not in found),
@@ -2314,7 +2266,18 @@ def _smoke_checks(smoke: _Smoke, base_url: str, action: Mapping[str, Any]) -> No
     smoke.stage("WebSocket /ws reset + %d steps" % SMOKE_WS_STEPS, websocket)
 
 
-def _run_smoke(args: argparse.Namespace) -> int:
+def _import_emulator() -> Any:
+    """The local HF Jobs emulator module, imported only when `smoke --local` asks for it; None if absent."""
+    import importlib
+    import importlib.util
+
+    name = "%s.hf_jobs_emulator" % __package__ if __package__ else "hf_jobs_emulator"
+    if importlib.util.find_spec(name) is None:
+        return None
+    return importlib.import_module(name)  # present but broken: its own error says why
+
+
+def _run_smoke(args: Any) -> int:
     out = sys.stderr if args.json else sys.stdout
     smoke = _Smoke(quiet=False, out=out)
     try:
@@ -2331,10 +2294,12 @@ def _run_smoke(args: argparse.Namespace) -> int:
     try:
         settings: Dict[str, Any] = dict(flavor=args.flavor)
         if args.local:
-            if __package__:
-                from . import hf_jobs_emulator as _emulator
-            else:
-                import hf_jobs_emulator as _emulator
+            _emulator = _import_emulator()
+            if _emulator is None:
+                print("error: smoke --local needs hf_jobs_emulator.py next to this module (it is not part of a "
+                      "vendored copy); copy it from the hf-sandbox-provider repository, or run smoke without "
+                      "--local against the Hub", file=sys.stderr)
+                return EXIT_USAGE
             emulator = _emulator.JobsEmulator()
             smoke.stage("start local Jobs emulator", lambda: "endpoint %s" % emulator.start().endpoint)
             settings.update(endpoint=emulator.endpoint, token=emulator.token,
@@ -2425,7 +2390,7 @@ def _format_age(seconds: Optional[float]) -> str:
     return "%.1fh old" % (seconds / 3600)
 
 
-def _run_sweep(args: argparse.Namespace) -> int:
+def _run_sweep(args: Any) -> int:
     """Cancel (or with --dry-run, list) this library's jobs the current user left scheduling or running."""
     try:
         endpoint = _resolve_endpoint(args.endpoint)
@@ -2448,7 +2413,7 @@ def _run_sweep(args: argparse.Namespace) -> int:
         user = client.whoami_namespace()
         namespace = args.namespace or user
         found = client.list_jobs(namespace, labels={PROVIDER_LABEL_KEY: PROVIDER_LABEL_VALUE},
-                                 stages=("SCHEDULING", "RUNNING"))
+                                 stages=_proxy.JOB_LIVE_STAGES)
         failed = swept = 0
         now = time.time()
         for job in found:
@@ -2478,498 +2443,9 @@ def _run_sweep(args: argparse.Namespace) -> int:
         client.close()
 
 
-# --------------------------------------------------------------------------------------------------
-# CLI: bench (the lifecycle benchmark; machinery apart from the library above)
-# --------------------------------------------------------------------------------------------------
+def _parser() -> Any:
+    import argparse  # only the command line needs it: a trainer importing the library never pays for it
 
-# Concurrency grid of `bench` (issue 5): doubling up to what one trainer commonly launches together.
-BENCH_DEFAULT_GRID = (1, 2, 4, 8, 16, 32, 64)
-# HF's CPU cold start is 4-6 s (the upstream PR's table: scheduling p50 4.0-5.0 s); the emulator
-# waits this long in SCHEDULING so --local timings have the real shape.
-BENCH_DEFAULT_SCHEDULING_DELAY_S = 5.0
-# Steps per episode after the reset: enough to exercise a session, short next to the lifecycle.
-BENCH_DEFAULT_STEPS = 5
-# RSS and thread count are sampled this often while a concurrency level runs (peak per level).
-BENCH_SAMPLE_S = 0.05
-# Budget for one concurrency level on top of the providers' own timeouts (joins never hang).
-BENCH_LEVEL_TIMEOUT_S = 900.0
-# --emulator-process: how long the child may take to print its endpoint, and to stop its jobs.
-BENCH_EMULATOR_START_S = 30.0
-BENCH_EMULATOR_STOP_S = 30.0
-
-
-def _percentile(values: Sequence[float], q: float) -> Optional[float]:
-    """Nearest-rank percentile (q in 0..100) of `values`, or None when empty."""
-    ordered = sorted(v for v in values if v is not None)
-    if not ordered:
-        return None
-    rank = max(1, int(-(-q * len(ordered) // 100)))  # ceil(q/100 * n)
-    return ordered[min(rank, len(ordered)) - 1]
-
-
-def _process_sample() -> Tuple[Optional[int], int]:
-    """(resident set size in bytes or None, OS thread count) of this process."""
-    rss, threads = None, threading.active_count()
-    try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    rss = int(line.split()[1]) * 1024
-                elif line.startswith("Threads:"):
-                    threads = int(line.split()[1])
-    except OSError:  # not Linux: ru_maxrss (KiB on Linux, bytes on macOS) is the best we have
-        import resource
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        rss = peak if sys.platform == "darwin" else peak * 1024
-    return rss, threads
-
-
-class _Sampler:
-    """Peak RSS and thread count of this process while a level runs (a background sampling thread)."""
-
-    def __init__(self) -> None:
-        self.peak_rss, self.peak_threads = _process_sample()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="bench-sampler", daemon=True)
-
-    def __enter__(self) -> "_Sampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self._stop.set()
-        self._thread.join(5.0)
-
-    def _run(self) -> None:
-        while not self._stop.wait(BENCH_SAMPLE_S):
-            rss, threads = _process_sample()
-            self.peak_rss = max(self.peak_rss or 0, rss or 0) or None
-            self.peak_threads = max(self.peak_threads, threads)
-
-
-def _run_episode(base_url: str, steps: int, http: bool, action: Mapping[str, Any],
-                 after_reset: Callable[[], None] = lambda: None) -> None:
-    """reset + `steps` steps over one WebSocket session (or the legacy HTTP endpoints).
-
-    `after_reset` runs with the session open (bench --hold measures memory there)."""
-    if http:
-        with requests.Session() as session:
-            session.trust_env = False
-            session.post(base_url + "/reset", json={}, timeout=SMOKE_REQUEST_TIMEOUT_S).raise_for_status()
-            after_reset()
-            for _ in range(steps):
-                session.post(base_url + "/step", json={"action": dict(action)},
-                             timeout=SMOKE_REQUEST_TIMEOUT_S).raise_for_status()
-        return
-    ws = _WSClient("ws" + base_url[len("http"):] + "/ws", timeout_s=SMOKE_REQUEST_TIMEOUT_S)
-    try:
-        answers = [ws.request({"type": "reset", "data": {}})]
-        after_reset()
-        answers += [ws.request({"type": "step", "data": dict(action)}) for _ in range(steps)]
-    finally:
-        ws.close()
-    bad = [a for a in answers if a.get("type") != "observation"]
-    if bad:
-        raise SandboxError("episode: server answered %s" % json.dumps(bad[0])[:300])
-
-
-class _BenchRun:
-    """One environment of one concurrency level: its provider and what happened to it."""
-
-    def __init__(self, provider: HFSandboxProvider) -> None:
-        self.provider = provider
-        self.error: Optional[str] = None
-        self.total: Optional[float] = None
-        self.episode: Optional[float] = None
-        self.timings: Dict[str, float] = {}
-        self.job_id: Optional[str] = None
-        self.ready_mono: Optional[float] = None
-
-
-class _Hold:
-    """bench --hold: every environment pauses when ready, and again with its session open, so the
-    main thread can sample this process's memory with all providers idle, then with all sessions open."""
-
-    def __init__(self, parties: int) -> None:
-        self.barriers = [threading.Barrier(parties + 1) for _ in range(4)]
-
-    def meet(self, index: int) -> None:
-        self.barriers[index].wait(BENCH_LEVEL_TIMEOUT_S)
-
-    def abort(self) -> None:
-        for barrier in self.barriers:
-            barrier.abort()
-
-
-def _bench_one(run: _BenchRun, args: argparse.Namespace, on_done: Callable[[_BenchRun], None],
-               hold: Optional[_Hold] = None) -> None:
-    provider = run.provider
-    began = time.monotonic()
-
-    def sessions_open() -> None:
-        if hold is not None:
-            hold.meet(2)  # every session open: the main thread samples
-            hold.meet(3)
-
-    try:
-        provider.wait_for_ready(provider.start_container())
-        run.ready_mono = time.monotonic()
-        run.job_id = provider.job_id
-        if hold is not None:
-            hold.meet(0)  # every provider ready and idle: the main thread samples
-            hold.meet(1)
-        if args.steps >= 0 and not args.no_episode:
-            episode_began = time.monotonic()
-            _run_episode(provider.base_url or "", args.steps, args.http, SMOKE_DEFAULT_ACTION, sessions_open)
-            run.episode = time.monotonic() - episode_began
-    except Exception as exc:
-        if hold is not None:
-            hold.abort()  # the others must not wait for this one
-        run.error = "%s: %s" % (type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-    finally:
-        run.job_id = provider.job_id or run.job_id
-        run.timings = dict(provider.timings)
-        provider.stop_container()
-        run.total = time.monotonic() - began
-        on_done(run)
-
-
-def _bench_level(concurrency: int, args: argparse.Namespace, settings: Mapping[str, Any], emulator: Any,
-                 say: Callable[[str], None]) -> Dict[str, Any]:
-    """Start `concurrency` providers at once from threads, each: ready, episode, stop; summarise."""
-    runs = [_BenchRun(HFSandboxProvider(args.image, **settings)) for _ in range(concurrency)]
-    budget = _api_budget(settings["endpoint"], settings["token"]) if settings.get("token") else None
-    calls_before = dict(emulator.api_calls) if emulator is not None else {}
-    sent_before = budget.sent_total if budget is not None else 0
-    refreshes_before = _watcher.refreshes
-    finished: List[_BenchRun] = []
-    lock = threading.Lock()
-    began = time.monotonic()
-
-    def on_done(run: _BenchRun) -> None:
-        with lock:
-            finished.append(run)
-            count = len(finished)
-        say("  c=%-4d %3d/%d %s %s%s" % (
-            concurrency, count, concurrency, "ok  " if run.error is None else "FAIL", run.job_id or "-",
-            "  ready %.2fs" % run.timings["ready"] if "ready" in run.timings else "  " + (run.error or "")))
-
-    hold = _Hold(concurrency) if args.hold else None
-    memory: Dict[str, Any] = {}
-    threads = [threading.Thread(target=_bench_one, args=(run, args, on_done, hold), name="bench-env", daemon=True)
-               for run in runs]
-    baseline_rss, baseline_threads = _process_sample()
-    with _Sampler() as sampler:
-        try:
-            for thread in threads:
-                thread.start()
-            if hold is not None:
-                memory = _hold_samples(hold, concurrency, baseline_rss, baseline_threads, not args.no_episode)
-            deadline = began + BENCH_LEVEL_TIMEOUT_S
-            for thread in threads:
-                while thread.is_alive() and time.monotonic() < deadline:
-                    thread.join(min(0.5, max(0.0, deadline - time.monotonic())))  # Ctrl-C reaches us
-        except BaseException:  # Ctrl-C: stop every environment of this level before leaving
-            if hold is not None:
-                hold.abort()
-            stop_all(run.provider for run in runs)
-            raise
-    wall = time.monotonic() - began
-    stuck = sum(thread.is_alive() for thread in threads)
-    if stuck:
-        stop_all(run.provider for run in runs)
-    ok = [run for run in runs if run.error is None and run.total is not None]
-    scheduling = [run.timings["running"] for run in ok if "running" in run.timings]
-    to_ready = [run.timings["ready"] - run.timings["running"] for run in ok
-                if "ready" in run.timings and "running" in run.timings]
-    overhead: List[float] = []
-    if emulator is not None:
-        for run in ok:
-            job = emulator.job(run.job_id) if run.job_id else None
-            if job is not None and job.first_health_ok_mono is not None and run.ready_mono is not None:
-                overhead.append(run.ready_mono - job.first_health_ok_mono)
-    if emulator is not None:
-        after = emulator.api_calls
-        calls = {route: after.get(route, 0) - calls_before.get(route, 0) for route in after}
-        calls = {route: n for route, n in calls.items() if n}
-    else:  # the Hub (or an emulator in another process): count this process's own calls
-        calls = {"all": (budget.sent_total - sent_before) if budget is not None else 0}
-    total_calls = sum(calls.values())
-    waiting_calls = calls.get("list", 0) + calls.get("inspect", 0) if emulator is not None else None
-
-    def pair(values: Sequence[float]) -> List[Optional[float]]:
-        return [_round(_percentile(values, 50)), _round(_percentile(values, 95))]
-
-    return {
-        "concurrency": concurrency, "success": len(ok), "failed": concurrency - len(ok),
-        "errors": sorted({run.error for run in runs if run.error})[:5] + (["%d runs still alive" % stuck] if stuck else []),
-        "wall_s": _round(wall),
-        "scheduling_s": pair(scheduling), "running_to_ready_s": pair(to_ready),
-        "total_s": pair([run.total for run in ok if run.total is not None]),
-        "episode_s": pair([run.episode for run in ok if run.episode is not None]),
-        "overhead_s": pair(overhead) if emulator is not None else None,
-        "throughput_env_per_min": _round(len(ok) / wall * 60.0) if wall > 0 else None,
-        "api_calls": calls, "api_calls_per_env": _round(total_calls / concurrency),
-        "waiting_calls": waiting_calls, "watcher_refreshes": _watcher.refreshes - refreshes_before,
-        "peak_rss_mib": _round((sampler.peak_rss or 0) / 2 ** 20), "peak_threads": sampler.peak_threads,
-        "memory": memory or None,
-    }
-
-
-def _hold_samples(hold: _Hold, concurrency: int, baseline_rss: Optional[int], baseline_threads: int,
-                  sessions: bool) -> Dict[str, Any]:
-    """With --hold: this process's RSS and threads per idle provider and per open session."""
-    result: Dict[str, Any] = {}
-    try:
-        hold.meet(0)
-        gc_rss, gc_threads = _process_sample()
-        result["rss_per_idle_provider_kib"] = _round(((gc_rss or 0) - (baseline_rss or 0)) / 1024 / concurrency, 1)
-        result["threads_per_idle_provider"] = _round((gc_threads - baseline_threads) / concurrency)
-        hold.meet(1)
-        if sessions:
-            hold.meet(2)
-            rss, threads = _process_sample()
-            result["rss_per_session_kib"] = _round(((rss or 0) - (gc_rss or 0)) / 1024 / concurrency, 1)
-            result["threads_per_session"] = _round((threads - gc_threads) / concurrency)
-            hold.meet(3)
-    except threading.BrokenBarrierError:
-        result["error"] = "an environment failed, so not all were held at once"
-    return result
-
-
-def _round(value: Optional[float], digits: int = 2) -> Optional[float]:
-    return None if value is None else round(value, digits)
-
-
-def _fmt_pair(values: Optional[Sequence[Optional[float]]]) -> str:
-    if not values or values[0] is None:
-        return "n/a"
-    return "%.2fs/%.2fs" % (values[0], values[1])
-
-
-def _bench_markdown(report: Mapping[str, Any]) -> str:
-    """The results as a markdown table (the upstream PR's HF Jobs benchmark shape, plus ours)."""
-    lines = [
-        "| concurrency | success | wall | scheduling p50/p95 | running->ready p50/p95 | total p50/p95 "
-        "| throughput | provider overhead p50/p95 | Jobs API calls/env | peak RSS | peak threads |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for row in report["rows"]:
-        lines.append("| %d | %d/%d | %.1fs | %s | %s | %s | %.1f env/min | %s | %.2f | %.1f MiB | %d |" % (
-            row["concurrency"], row["success"], row["concurrency"], row["wall_s"], _fmt_pair(row["scheduling_s"]),
-            _fmt_pair(row["running_to_ready_s"]), _fmt_pair(row["total_s"]), row["throughput_env_per_min"] or 0,
-            _fmt_pair(row["overhead_s"]), row["api_calls_per_env"], row["peak_rss_mib"], row["peak_threads"]))
-    held = [row for row in report["rows"] if row.get("memory")]
-    if held:
-        lines += ["", "| concurrency | RSS per idle provider | threads per idle provider | RSS per open session "
-                      "| threads per open session |", "| --- | --- | --- | --- | --- |"]
-        for row in held:
-            memory = row["memory"]
-            lines.append("| %d | %s KiB | %s | %s KiB | %s |" % (
-                row["concurrency"], memory.get("rss_per_idle_provider_kib", "n/a"),
-                memory.get("threads_per_idle_provider", "n/a"), memory.get("rss_per_session_kib", "n/a"),
-                memory.get("threads_per_session", "n/a")))
-    return "\n".join(lines)
-
-
-def _bench_plot(report: Mapping[str, Any], path: str) -> Optional[str]:
-    """Stage times against concurrency as a PNG; returns why it was skipped, or None."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed (pip install 'hf-sandbox-provider[bench]'); no plot written"
-    rows = [row for row in report["rows"] if row["success"]]
-    if not rows:
-        return "no successful level to plot"
-    xs = [row["concurrency"] for row in rows]
-    figure, axis = plt.subplots(figsize=(8, 5))
-    series = (("scheduling_s", "scheduling"), ("running_to_ready_s", "running -> ready"),
-              ("total_s", "total (submit -> stopped)"), ("overhead_s", "provider overhead"))
-    for number, (key, label) in enumerate(series):
-        for index, style in ((0, "-o"), (1, ":x")):  # one colour per measure: solid p50, dotted p95
-            ys = [(row[key] or [None, None])[index] for row in rows]
-            if any(y is not None for y in ys):
-                axis.plot(xs, [y if y is not None else float("nan") for y in ys], style, color="C%d" % number,
-                          label="%s %s" % (label, "p50" if index == 0 else "p95"))
-    axis.set_xscale("log", base=2)
-    axis.set_xticks(xs)
-    axis.set_xticklabels([str(x) for x in xs])
-    axis.set_xlabel("environments started together")
-    axis.set_ylabel("seconds")
-    axis.set_title("Environment lifecycle (%s)" % report["mode_description"])
-    axis.grid(True, alpha=0.3)
-    axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return None
-
-
-class _EmulatorProcess:
-    """The emulator in a child process (`hf_jobs_emulator serve --json`), so that this process's RSS
-    and threads are the trainer side's alone. Its jobs' health times are not visible from here, so
-    the provider overhead is then reported as n/a."""
-
-    def __init__(self, module: Any, scheduling_delay_s: float) -> None:
-        import tempfile
-
-        self._stderr = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(
-            [sys.executable, module.__file__, "serve", "--json", "--scheduling-delay-s", str(scheduling_delay_s)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._stderr, text=True)
-        try:
-            line = self._first_line(BENCH_EMULATOR_START_S)
-            info = json.loads(line)
-            self.endpoint, self.token = str(info["endpoint"]), str(info["token"])
-        except BaseException:
-            self.stop()
-            raise
-
-    def _first_line(self, timeout_s: float) -> str:
-        import selectors
-
-        with selectors.DefaultSelector() as selector:
-            selector.register(self.proc.stdout, selectors.EVENT_READ)  # type: ignore[arg-type]
-            if not selector.select(timeout_s):
-                raise SandboxError("the emulator process printed no endpoint within %gs" % timeout_s)
-        return self.proc.stdout.readline()  # type: ignore[union-attr]
-
-    def stop(self) -> List[str]:
-        """Stop it like Ctrl-C would (it ends every job it runs); what it could not clean up."""
-        problems: List[str] = []
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(BENCH_EMULATOR_STOP_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(BENCH_EMULATOR_STOP_S)
-                problems.append("the emulator process had to be killed (its jobs may be left running)")
-        self._stderr.seek(0)
-        problems += [line.strip() for line in self._stderr if "could not clean up" in line]
-        self._stderr.close()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        return problems
-
-
-def _grid_rejection(text: str) -> Optional[str]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        values = []
-    if not values or any(v < 1 for v in values):
-        return "--concurrency %r must be a comma-separated list of positive integers, e.g. 1,2,4,8" % text
-    return None
-
-
-def _run_bench(args: argparse.Namespace) -> int:
-    out = sys.stderr if args.json else sys.stdout
-
-    def say(line: str) -> None:
-        print(line, file=out, flush=True)
-
-    reason = (_grid_rejection(args.concurrency) or _positive_number_rejection("--poll-interval-s", args.poll_interval_s)
-              or (None if args.steps >= 0 else "--steps must be 0 or more"))
-    if args.scheduling_delay_s < 0:
-        reason = reason or "--scheduling-delay-s must be 0 or more"
-    if reason:
-        print("error: %s" % reason, file=sys.stderr)
-        return EXIT_USAGE
-    grid = [int(part) for part in args.concurrency.split(",") if part.strip()]
-    emulator = None
-    settings: Dict[str, Any] = dict(flavor=args.flavor, poll_interval_s=args.poll_interval_s)
-    if args.timeout:
-        settings.update(start_timeout_s=args.timeout, ready_timeout_s=args.timeout)
-    emulator_process: Optional[_EmulatorProcess] = None
-    if args.local:
-        if __package__:
-            from . import hf_jobs_emulator as _emulator
-        else:
-            import hf_jobs_emulator as _emulator
-        if args.emulator_process:
-            try:
-                emulator_process = _EmulatorProcess(_emulator, args.scheduling_delay_s)
-            except (SandboxError, OSError, ValueError, KeyError) as exc:
-                print("error: could not start the emulator process: %s" % exc, file=sys.stderr)
-                return EXIT_FAILED
-            endpoint, token = emulator_process.endpoint, emulator_process.token
-        else:
-            emulator = _emulator.JobsEmulator(scheduling_delay_s=args.scheduling_delay_s).start()
-            endpoint, token = emulator.endpoint, emulator.token
-        settings.update(endpoint=endpoint, token=token, command=args.command or _emulator.echo_server_command())
-        args.image = args.image or SMOKE_DEFAULT_IMAGE
-        description = "local emulator%s, scheduling delay %gs" % (
-            " in its own process" if args.emulator_process else "", args.scheduling_delay_s)
-    else:
-        token = _discover_token()
-        if not token:
-            print("error: no Hugging Face token found: set HF_TOKEN or run `hf auth login` "
-                  "(or use --local)", file=sys.stderr)
-            return EXIT_USAGE
-        settings.update(endpoint=_resolve_endpoint(None), token=token)
-        if args.command:
-            settings.update(command=args.command)
-        args.image = args.image or os.environ.get("HF_SANDBOX_IMAGE") or SMOKE_DEFAULT_IMAGE
-        description = "HF Jobs, %s" % args.flavor
-    try:
-        HFSandboxProvider(args.image, **settings)  # bad settings fail here, before any job
-    except SandboxConfigError as exc:
-        print("error: %s" % exc, file=sys.stderr)
-        if emulator is not None:
-            emulator.stop()
-        if emulator_process is not None:
-            emulator_process.stop()
-        return EXIT_USAGE
-    report: Dict[str, Any] = {
-        "mode": "local" if args.local else "hub", "mode_description": description, "image": args.image,
-        "episode": "none" if args.no_episode else "reset + %d steps over %s" % (args.steps, "HTTP" if args.http else "WebSocket"),
-        "poll_interval_s": args.poll_interval_s, "rows": [],
-    }
-    say("bench: %s; image %s; episode: %s; grid %s" % (description, args.image, report["episode"], grid))
-    leftovers: List[str] = []
-    try:
-        for concurrency in grid:
-            row = _bench_level(concurrency, args, settings, emulator, say)
-            report["rows"].append(row)
-            say("c=%d: %d/%d ok, wall %.1fs, overhead p50 %s, API calls/env %.2f, peak RSS %.0f MiB, "
-                "peak threads %d" % (concurrency, row["success"], concurrency, row["wall_s"],
-                                     _fmt_pair(row["overhead_s"]), row["api_calls_per_env"], row["peak_rss_mib"],
-                                     row["peak_threads"]))
-            if row["memory"]:
-                say("c=%d held: %s" % (concurrency, ", ".join("%s %s" % kv for kv in row["memory"].items())))
-            for error in row["errors"]:
-                say("    error: %s" % error)
-    except KeyboardInterrupt:
-        say("bench: interrupted")
-    finally:
-        if emulator is not None:
-            leftovers = emulator.stop()
-            leftovers += ["job process %d" % pid for pid in emulator.live_pids()]
-        if emulator_process is not None:
-            leftovers = emulator_process.stop()
-    report["leftovers"] = leftovers
-    markdown = _bench_markdown(report)
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        say("\n" + markdown)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as handle:
-            handle.write(markdown + "\n")
-        say("table written to %s" % args.out)
-    if args.plot:
-        skipped = _bench_plot(report, args.plot)
-        say("plot: %s" % (skipped or "written to %s" % args.plot))
-    if leftovers:
-        say("error: left behind: %s" % ", ".join(leftovers))
-    complete = len(report["rows"]) == len(grid)
-    return EXIT_OK if complete and not leftovers and all(not r["failed"] for r in report["rows"]) else EXIT_FAILED
-
-
-def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m hf_sandbox_provider",
                                      description="Run OpenEnv environments as HF Jobs behind a local auth proxy.")
     commands = parser.add_subparsers(dest="subcommand", metavar="{smoke,sweep,bench}")
@@ -2992,36 +2468,32 @@ def _parser() -> argparse.ArgumentParser:
     sweep.add_argument("--namespace", help="user or organisation (default: the token's user)")
     sweep.add_argument("--endpoint", help="Hub endpoint (default: $HF_ENDPOINT or %s)" % DEFAULT_ENDPOINT)
     sweep.add_argument("-v", "--verbose", action="count", default=0)
-    bench = commands.add_parser("bench", help="lifecycle benchmark: start N environments at once, episode, stop")
-    bench.add_argument("--local", action="store_true", help="use the local HF Jobs emulator (no token, no network)")
-    bench.add_argument("--concurrency", default=",".join(str(c) for c in BENCH_DEFAULT_GRID),
-                       help="comma-separated environments started together per level (default %(default)s)")
-    bench.add_argument("--steps", type=int, default=BENCH_DEFAULT_STEPS, help="steps per episode (default %(default)s)")
-    bench.add_argument("--http", action="store_true", help="run the episode over HTTP /reset + /step, not /ws")
-    bench.add_argument("--no-episode", action="store_true", help="only start, wait ready and stop")
-    bench.add_argument("--scheduling-delay-s", type=float, default=BENCH_DEFAULT_SCHEDULING_DELAY_S,
-                       help="--local: seconds each job stays SCHEDULING (default %(default)s, HF's cold start)")
-    bench.add_argument("--emulator-process", action="store_true",
-                       help="--local: run the emulator in its own process, so RSS and threads are the trainer "
-                            "side's alone (the provider overhead is then n/a)")
-    bench.add_argument("--hold", action="store_true",
-                       help="hold every environment when ready and with its session open, to measure RSS and "
-                            "threads per idle provider and per open session")
-    bench.add_argument("--poll-interval-s", type=float, default=DEFAULT_POLL_INTERVAL_S,
-                       help="job watcher interval (default %(default)s)")
-    bench.add_argument("--image", help="image to run (default: $HF_SANDBOX_IMAGE or %s)" % SMOKE_DEFAULT_IMAGE)
-    bench.add_argument("--command", help="server command in the job")
-    bench.add_argument("--flavor", default=DEFAULT_FLAVOR, help="hardware flavor (default %(default)s)")
-    bench.add_argument("--timeout", type=float, help="seconds allowed for each start and for readiness")
-    bench.add_argument("--json", action="store_true", help="print the JSON report on stdout (progress on stderr)")
-    bench.add_argument("--out", help="also write the markdown table to this file")
-    bench.add_argument("--plot", help="write a PNG of stage times against concurrency (needs matplotlib)")
-    bench.add_argument("-v", "--verbose", action="count", default=0)
+    commands.add_parser("bench", add_help=False,
+                        help="lifecycle benchmark (runs benchmarks/lifecycle.py of a repository checkout; "
+                             "`bench --help` lists its options)")
     return parser
+
+
+def _run_bench(argv: Sequence[str]) -> int:
+    """`bench`: a thin entry into benchmarks/lifecycle.py, which lives in the repository, not in the library."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmarks", "lifecycle.py")
+    if not os.path.exists(path):
+        print("error: `bench` runs benchmarks/lifecycle.py from a checkout of the hf-sandbox-provider repository; "
+              "this copy of the module (%s) has none next to it" % os.path.abspath(__file__), file=sys.stderr)
+        return EXIT_USAGE
+    spec = importlib.util.spec_from_file_location("hf_sandbox_provider_lifecycle_bench", path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return int(module.main(list(argv), prog="python -m hf_sandbox_provider bench"))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of `python -m hf_sandbox_provider`; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        return _run_bench(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if args.subcommand is None:
@@ -3032,11 +2504,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.subcommand == "smoke":
         return _run_smoke(args)
-    if args.subcommand == "sweep":
-        return _run_sweep(args)
-    if not args.verbose:  # every readiness probe before the server listens is a 502 the proxy warns about
-        logging.getLogger("proxy").setLevel(logging.ERROR)
-    return _run_bench(args)
+    return _run_sweep(args)
 
 
 if __name__ == "__main__":
