@@ -10,9 +10,12 @@ watcher thread (one Jobs API call per interval for all starting jobs) and one AP
 `HFSandboxProvider.start_many()` launches n with bounded concurrency, all or nothing; `replicas=K`
 puts K jobs of one image behind one route (sessions spread by the proxy, least sessions first).
 
-Read top to bottom: errors, the provider (and `start_many`), parallel launch, settings validation,
-the small Jobs REST client and its pure protocol helpers, the process-wide budget and job watcher,
-then the `python -m hf_sandbox_provider` CLI (smoke, sweep, and the `bench` machinery last).
+Read top to bottom: constants, errors, the job lifecycle (`Phase`), the provider, what runs its jobs
+(its own single job, or a `_ReplicaSet`), parallel launch (`start_many`, `stop_all`), settings
+validation, the small Jobs REST client, the process-wide API budget and job watcher, teardown and the
+exit hook, then the thin `python -m hf_sandbox_provider` CLI (smoke, sweep; `bench` runs
+benchmarks/lifecycle.py of a repository checkout). Vendoring: copy this file and proxy.py; the local
+emulator (hf_jobs_emulator.py) is imported only by `smoke --local`.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import email.utils
+import enum
 import hashlib
 import json
 import logging
@@ -52,6 +56,7 @@ _discover_token = _proxy._discover_token
 
 __all__ = [
     "HFSandboxProvider",
+    "Phase",
     "SandboxError",
     "SandboxConfigError",
     "JobFailedError",
@@ -272,6 +277,42 @@ class JobsAPIError(SandboxError):
 
 
 # --------------------------------------------------------------------------------------------------
+# The job lifecycle: one explicit phase per provider (in the spirit of wsproto's ConnectionState)
+# --------------------------------------------------------------------------------------------------
+
+
+class Phase(enum.Enum):
+    """Where a provider is in its job's life (`HFSandboxProvider.phase`).
+
+    Only `HFSandboxProvider._move()` changes it, under the provider's lock and along `_PHASE_MOVES`,
+    so a stop racing a start always finds one consistent answer to "is there a job to cancel?".
+    """
+
+    IDLE = "idle"              # no job: start_container() may begin (also after a stop)
+    SUBMITTING = "submitting"  # a start is claimed; its create call is in flight, no job recorded yet
+    STARTING = "starting"      # the job is recorded (any teardown cancels it); waiting for its URL, mounting
+    RUNNING = "running"        # start_container() returned: the job serves behind the mounted route
+    STOPPING = "stopping"      # torn down while the start still runs in its thread; it gives up at its next check
+
+
+# The only phase changes there are. A start: IDLE -> SUBMITTING -> STARTING -> RUNNING. A teardown:
+# RUNNING -> IDLE, or, while the start is still in flight, -> STOPPING, which the start turns into
+# IDLE when it returns (STARTING again first if its create answers after the stop: that job is then
+# recorded, so the start's own teardown cancels it).
+_PHASE_MOVES = {
+    Phase.IDLE: frozenset({Phase.SUBMITTING, Phase.IDLE}),
+    Phase.SUBMITTING: frozenset({Phase.STARTING, Phase.STOPPING, Phase.IDLE}),
+    Phase.STARTING: frozenset({Phase.RUNNING, Phase.STOPPING}),
+    Phase.RUNNING: frozenset({Phase.IDLE}),
+    Phase.STOPPING: frozenset({Phase.STARTING, Phase.STOPPING, Phase.IDLE}),
+}
+# Phases in which start_container() is still running in some thread.
+_START_IN_FLIGHT = frozenset({Phase.SUBMITTING, Phase.STARTING, Phase.STOPPING})
+# Phases in which a job is recorded and not yet released: a teardown must cancel it.
+_JOB_HELD = frozenset({Phase.STARTING, Phase.RUNNING})
+
+
+# --------------------------------------------------------------------------------------------------
 # The provider
 # --------------------------------------------------------------------------------------------------
 
@@ -307,6 +348,12 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
     other request (e.g. the legacy HTTP /reset and /step, which keep one environment per server) gets
     `409` with `X-Proxy-Error: replicated-http-refused`, so use the WebSocket session.
     """
+
+    # What a pickled provider carries: its settings (and explicit token), never its job, lock, threads
+    # or sockets. A subclass with settings of its own adds their names (like requests' Session.__attrs__).
+    _pickled_settings: Tuple[str, ...] = (
+        "image", "command", "port", "flavor", "namespace", "endpoint", "env_vars", "secrets", "labels",
+        "job_timeout", "start_timeout_s", "ready_timeout_s", "poll_interval_s", "verify", "replicas", "_token")
 
     def __init__(
         self,
@@ -378,13 +425,17 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         _raise_if_rejected(_settings_rejection(settings, image_required=True))
         token = self._resolve_token()
         self._claim_start()
+        started = False
         try:
             if settings["replicas"] > 1:
-                return self._start_replicas(settings, token)
-            return self._start(settings, token)
+                replicas = _ReplicaSet(self, settings, token, self._proxy_instance())  # bad overrides fail here
+                with self._lock:
+                    self._replicas = replicas
+            base_url = self._jobs.start(self, settings, token)
+            started = True
+            return base_url
         finally:
-            with self._lock:
-                self._starting = False
+            self._end_start(started)
 
     def wait_for_ready(self, base_url: Optional[str] = None, timeout_s: Optional[float] = None) -> None:
         """Poll `/health` through the proxy until it answers 200, watching the job's stage meanwhile.
@@ -396,15 +447,12 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         the replicated URL reaches only one of them) and `base_url` is not used; one failure cancels
         all K jobs and raises `ReplicaStartError`.
         """
-        if not self._running or self.base_url is None:
+        if self._phase is not Phase.RUNNING or self.base_url is None:
             raise SandboxError("wait_for_ready() needs a started provider: call start_container() first")
         budget = self._active["ready_timeout_s"] if timeout_s is None else timeout_s
         _raise_if_rejected(_positive_number_rejection("timeout_s", budget))
         try:
-            if self._replica_children:
-                self._wait_replicas_ready(float(budget))
-            else:
-                self._wait_healthy((base_url or self.base_url).rstrip("/") + "/health", float(budget))
+            self._jobs.wait_ready(self, base_url or self.base_url, float(budget))
         except BaseException:
             self._teardown()
             raise
@@ -457,8 +505,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         """Unmount the route and cancel the job (all K with replicas, in parallel). Idempotent; never
         raises (a job that could not be cancelled is named in a WARNING)."""
         try:
-            self._stop_requested.set()
-            self._wake.set()  # a start or readiness wait in another thread notices at once
+            self._request_stop()  # a start or readiness wait in another thread notices at once
             self._teardown()
         except BaseException:  # a teardown must never mask the caller's own exception
             logger.exception("unexpected error while stopping HF job %s", self.job_id)
@@ -475,7 +522,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         client = self._job_client
         if client is not None:
             return client.job_logs(self._job_namespace, self.job_id, tail=tail)
-        client = _JobsClient(self.endpoint, self._resolve_token(), self._new_session())
+        client = _JobsClient(self.endpoint, self._resolve_token(), self._hooks()._new_session())
         try:
             return client.job_logs(self._job_namespace, self.job_id, tail=tail)
         finally:
@@ -490,44 +537,27 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         with its stage and message. `refresh=True` inspects every replica's job (one API call each),
         which also finds a dead job no session has tried yet. Needs `replicas` > 1 and a start.
         """
-        with self._lock:
-            children, base_url, proxy = list(self._replica_children), self.base_url, self._mounted_on
-        if not children:
+        replicas = self._replicas
+        if replicas is None:
             raise SandboxError("replica_status() needs a provider started with replicas > 1 (this one runs %s); "
                                "use .stage and .job_id for a single job" % (self.job_id or "no job"))
-        entries = self._proxy_replica_entries(proxy, base_url)
-        now = time.monotonic()
-        for index, child in enumerate(children):
-            entry = entries.get(child.upstream_url or "")
-            checked = self._replica_checked.get(index)
-            if refresh or (entry is not None and not entry["healthy"]
-                           and (checked is None or now - checked >= REPLICA_CHECK_INTERVAL_S)):
-                self._replica_checked[index] = now
-                self._check_replica(index, child, proxy, base_url)
-        entries = self._proxy_replica_entries(proxy, base_url)
-        status = []
-        for index, child in enumerate(children):
-            entry = entries.get(child.upstream_url or "") or {
-                "upstream": child.upstream_url, "open_sessions": 0, "healthy": False,
-                "reason": self._replica_removed.get(index, "not in the route (stopped)")}
-            message = ((child._last_job or {}).get("status") or {}).get("message")
-            status.append(dict(entry, index=index, job_id=child.job_id, stage=child.stage, message=message))
-        return status
+        return replicas.status(self, refresh)
+
+    @property
+    def phase(self) -> Phase:
+        """Where this provider is in its job's life (see `Phase`)."""
+        return self._phase
 
     @property
     def job_ids(self) -> List[str]:
         """Every job of this provider: K with replicas, else the one job (empty before a start)."""
-        if self._replica_children:
-            return [child.job_id for child in self._replica_children if child.job_id]
-        return [self.job_id] if self.job_id else []
+        return self._jobs.job_ids(self)
 
     @property
     def stage(self) -> Optional[str]:
         """The job's stage. With replicas: the least advanced stage of the live jobs (SCHEDULING until
         all K run), or, once every job has ended, their common end stage (ERROR if any failed)."""
-        if self._replica_children:
-            return _replicas_stage([child.stage for child in self._replica_children])
-        return self._stage
+        return self._jobs.stage(self)
 
     @stage.setter
     def stage(self, value: Optional[str]) -> None:
@@ -540,28 +570,28 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         self.stop_container()
 
     def __repr__(self) -> str:
-        replicas = " job_ids=%r" % (self.job_ids,) if self._replica_children else ""
+        job_ids = self.job_ids
         return "<HFSandboxProvider image=%r flavor=%r job_id=%r stage=%r base_url=%r%s>" % (
-            self.image, self.flavor, self.job_id, self.stage, self.base_url, replicas)
+            self.image, self.flavor, self.job_id, self.stage, self.base_url,
+            " job_ids=%r" % (job_ids,) if len(job_ids) > 1 else "")
 
     def __getstate__(self) -> Dict[str, Any]:
-        """Un-started providers pickle (TRL ships environment factories to workers); running ones don't."""
-        if self._running or self._starting:
+        """Un-started providers pickle (TRL ships environment factories to workers); running ones don't.
+        Only the settings in `_pickled_settings` travel: the copy starts its own job, on its own proxy."""
+        if self._phase is not Phase.IDLE:
             raise TypeError(
                 "cannot pickle an HFSandboxProvider while its job %s is running: pickle it before "
                 "start_container() (each worker then starts its own job) or call stop_container() first"
-                % self.job_id)
-        state = dict(self.__dict__)
-        for name in ("_lock", "_stop_requested", "_wake", "_watch", "_last_job", "_job_client", "_proxy", "_finalizer",
-                     "_mounted_on", "_replica_children"):
-            state.pop(name, None)
-        return state
+                % (self.job_id or "(being created)"))
+        return {name: getattr(self, name) for name in self._pickled_settings if hasattr(self, name)}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        for name in self._pickled_settings:
+            if name in state:
+                setattr(self, name, state[name])
         self._proxy = None  # a proxy's sockets and threads stay in their process: use the shared one
-        self._replica_children = []
         self._init_runtime_state()
+        self._reset_job_state()
 
     # -- overridable hooks ----------------------------------------------------------------------------
 
@@ -578,37 +608,106 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         Override to vary one replica, e.g. an env var or label per index."""
         return settings
 
-    # -- machinery --------------------------------------------------------------------------------------
+    # -- lifecycle state ----------------------------------------------------------------------------------
 
     def _init_runtime_state(self) -> None:
-        self._lock = threading.Lock()
-        self._stop_requested = threading.Event()
+        # One lock guards the phase and the job's handles; re-entrant so a teardown can move the phase
+        # while it swaps the handles out, in one critical section.
+        self._lock = threading.RLock()
+        self._phase = Phase.IDLE
+        self._stop_requested = threading.Event()  # "give up": set by stop, and by start_many's abort
         self._wake = threading.Event()  # set by the job watcher on a stage change, and by stop
         self._watch: Optional[_Watch] = None
         self._last_job: Optional[Mapping[str, Any]] = None
         self._job_client: Optional[_JobsClient] = None
-        if not hasattr(self, "_running"):
-            self._running = False
-        self._starting = False
+        # A replica job: a weak reference to the provider that owns it (whose hooks it uses).
+        self._owner: Optional["weakref.ReferenceType[HFSandboxProvider]"] = None
 
     def _reset_job_state(self) -> None:
         self.job_id: Optional[str] = None
         self.job_url: Optional[str] = None
         self.upstream_url: Optional[str] = None
         self.base_url: Optional[str] = None
-        self.stage = None
+        self._stage: Optional[str] = None
         self.timings: Dict[str, float] = {}
-        # With replicas: one single-job provider per job (sharing this one's proxy and the watcher),
-        # and why a replica was removed from the route (by index).
-        self._replica_children: List[HFSandboxProvider] = []
-        self._replica_removed: Dict[int, str] = {}
-        self._replica_checked: Dict[int, float] = {}  # when replica_status() last inspected each job
+        self._replicas: Optional[_ReplicaSet] = None  # set by a start with replicas > 1
         self._job_namespace: Optional[str] = None
-        self._running = False
         self._submitted_at = 0.0
         self._mounted_on: Optional[_proxy.AuthProxy] = None
         self._finalizer: Optional[weakref.finalize] = None
         self._active: Dict[str, Any] = self._settings({})  # this start's settings (after overrides)
+
+    def _move(self, phase: Phase) -> Phase:
+        """The one way the phase changes: under the lock, along `_PHASE_MOVES`. Returns the previous one."""
+        with self._lock:
+            previous = self._phase
+            if phase not in _PHASE_MOVES[previous]:
+                raise SandboxError("internal error: a provider in phase %s cannot move to %s"
+                                   % (previous.name, phase.name))
+            self._phase = phase
+            return previous
+
+    def _claim_start(self) -> None:
+        """Begin a start (refused unless IDLE) and clear the last job's state."""
+        with self._lock:
+            if self._phase is not Phase.IDLE:
+                raise SandboxError(
+                    "this provider already runs job %s; call stop_container() before starting another "
+                    "(or use one provider per environment)" % (self.job_id or "(being created)"))
+            self._stop_requested.clear()
+            self._reset_job_state()
+            self._move(Phase.SUBMITTING)
+
+    def _end_start(self, started: bool) -> None:
+        """End a start: RUNNING if it returned a URL and no stop landed meanwhile, else IDLE."""
+        if not started and self._phase is Phase.STARTING:  # a recorded job never outlives a failed start
+            self._teardown()
+        with self._lock:
+            self._move(Phase.RUNNING if started and self._phase is Phase.STARTING else Phase.IDLE)
+
+    def _request_stop(self) -> None:
+        """Make a start or readiness wait in another thread give up at its next check."""
+        self._stop_requested.set()
+        self._wake.set()
+
+    def _detach(self) -> Tuple[bool, Optional[str], Optional["_proxy.AuthProxy"], Optional["_JobsClient"]]:
+        """Take what a teardown must release: (a job is held, route URL, its proxy, the job's client).
+
+        Moves the phase in the same critical section: STOPPING while a start is still in flight in its
+        thread (it returns IDLE), else IDLE; and retires the safety net.
+        """
+        with self._lock:
+            held = self._phase in _JOB_HELD
+            self._move(Phase.STOPPING if self._phase in _START_IN_FLIGHT else Phase.IDLE)
+            base_url, proxy, client = self.base_url, self._mounted_on, self._job_client
+            finalizer, self._finalizer = self._finalizer, None
+            self.base_url = self._mounted_on = self._job_client = None
+        if finalizer is not None:
+            if not finalizer.alive:  # the exit safety net already released the job and its route
+                held, base_url = False, None
+            finalizer.detach()
+            _live_finalizers.discard(finalizer)
+        return held, base_url, proxy, client
+
+    @property
+    def _jobs(self) -> Any:
+        """What runs this provider's jobs: its `_ReplicaSet` after a start with replicas, else its own
+        single job (`_ONE_JOB`). Both offer start, wait_ready, teardown, job_ids and stage."""
+        return self._replicas or _ONE_JOB
+
+    def _hooks(self) -> "HFSandboxProvider":
+        """Whose overridable hooks this job uses: its own, or for a replica job its owner's."""
+        owner = self._owner() if self._owner is not None else None
+        return owner if owner is not None else self
+
+    def _teardown(self, client: Optional["_JobsClient"] = None) -> None:
+        """Unmount and cancel; log (never raise) whatever could not be cleaned up.
+
+        `client` is the starting thread's own client, in case a concurrent stop already took ours.
+        """
+        self._jobs.teardown(self, client)
+
+    # -- one job ------------------------------------------------------------------------------------------
 
     def _settings(self, overrides: Mapping[str, Any]) -> Dict[str, Any]:
         settings = {name: getattr(self, name) for name in _OVERRIDABLE}
@@ -633,9 +732,9 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
     def _elapsed(self) -> float:
         return time.monotonic() - self._submitted_at
 
-    def _start(self, settings: Dict[str, Any], token: str) -> str:
+    def _start_job(self, settings: Dict[str, Any], token: str) -> str:
         self._active = settings
-        client = self._job_client = _JobsClient(self.endpoint, token, self._new_session())
+        client = self._job_client = _JobsClient(self.endpoint, token, self._hooks()._new_session())
         try:
             namespace = settings["namespace"] or client.whoami_namespace()
         except BaseException:
@@ -659,7 +758,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
                 self.job_id = str(job["id"])
                 self._job_namespace = namespace
                 self.job_url = "%s/jobs/%s/%s" % (self.endpoint, namespace, self.job_id)
-                self._running = True
+                self._move(Phase.STARTING)  # from here on every teardown cancels this job
                 self.timings["created"] = self._elapsed()
             recorded = True
             self._arm_safety_net(client, None, None)
@@ -688,174 +787,20 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
             self._teardown(client)
             raise
 
-    def _claim_start(self) -> None:
-        """Mark this provider as starting (refused if it already runs a job) and clear the last job's state."""
-        with self._lock:
-            if self._running or self._starting:
-                raise SandboxError(
-                    "this provider already runs job %s; call stop_container() before starting another "
-                    "(or use one provider per environment)" % (self.job_id or "(being created)"))
-            self._starting = True
-            self._stop_requested.clear()
-            self._reset_job_state()
-
-    # -- replicas: K single-job providers behind one replica route --------------------------------------
-
-    def _start_replicas(self, settings: Dict[str, Any], token: str) -> str:
-        """Start K jobs in parallel (each through the single-job path, on its own route), then mount one
-        replica route over their URLs. Any failure cancels all K and raises one ReplicaStartError."""
-        count = int(settings["replicas"])
-        proxy = self._proxy_instance()
-        children = [self._replica_provider(proxy, token) for _ in range(count)]
-        replica_settings = [dict(self._replica_settings(i, dict(settings, replicas=1))) for i in range(count)]
-        for index, item in enumerate(replica_settings):  # a bad override fails before any job
-            reason = _settings_rejection(item, image_required=True)
-            if reason or item.get("replicas") != 1:
-                raise SandboxConfigError("_replica_settings(%d): %s" % (index, reason or "replicas must stay 1"))
-        self._active = settings
-        self._submitted_at = time.monotonic()
-        with self._lock:
-            self._replica_children = children
-            self._mounted_on = proxy
-            self._running = True  # from here on teardown stops the children, whatever happens
-        group = _ReplicaGroup(children, self._stop_requested, self._wake)
-
-        def start_one(index: int, child: "HFSandboxProvider") -> None:
-            child._claim_start()
-            try:
-                if group.stopping() or self._stop_requested.is_set():  # given up before this one began
-                    child._stop_requested.set()
-                    raise SandboxError("replica %d was not started: the start was given up" % index)
-                child._start(replica_settings[index], token)
-            finally:
-                with child._lock:
-                    child._starting = False
-
-        try:
-            logger.info("starting %d replica jobs of %s", count, settings["image"])
-            group.run(start_one, "hf-sandbox-replica-start")
-            self._raise_if_replicas_failed(group, "start")
-            with self._lock:
-                first = children[0]
-                self.job_id, self.job_url, self._job_namespace = first.job_id, first.job_url, first._job_namespace
-                self.upstream_url = first.upstream_url
-            base_url = proxy.mount_replicas([child.upstream_url for child in children], token=token,
-                                            verify=settings["verify"])
-            with self._lock:  # from now on a stop sees the route (an earlier stop cleared _mounted_on)
-                self._mounted_on, self.base_url = proxy, base_url
-            self._arm_route_safety_net(proxy, base_url)
-            if self._stop_requested.is_set():  # a stop that ran before base_url was set left the route
-                raise SandboxError("stop_container() was called while the %d replicas were starting" % count)
-            self.timings["created"] = self._replicas_time("created")
-            self.timings["running"] = self._replicas_time("running")
-            self.timings["url"] = self._elapsed()
-            logger.info("%d replica jobs (%s) serving on one route (%.1fs after submit)", count,
-                        ", ".join(self.job_ids), self._elapsed())
-            return base_url
-        except BaseException:
-            self._teardown()
-            raise
-
-    def _wait_replicas_ready(self, budget: float) -> None:
-        """Wait for every replica's own /health (in parallel); one failure fails them all."""
-        group = _ReplicaGroup(list(self._replica_children), self._stop_requested, self._wake)
-        group.run(lambda index, child: child.wait_for_ready(timeout_s=budget), "hf-sandbox-replica-ready")
-        self._raise_if_replicas_failed(group, "become ready")
-        self.timings["ready"] = self._elapsed()
-        logger.info("%d replica jobs ready (%.1fs after submit)", len(group.children), self._elapsed())
-
-    def _raise_if_replicas_failed(self, group: "_ReplicaGroup", phase: str) -> None:
-        if self._stop_requested.is_set():
-            raise SandboxError("stop_container() was called while the %d replicas were starting"
-                               % len(group.children))
-        if group.errors:
-            raise ReplicaStartError(phase, len(group.children), group.errors, group.aborted,
-                                    [child.job_id for child in group.children if child.job_id])
-
-    def _replica_provider(self, proxy: "_proxy.AuthProxy", token: str) -> "HFSandboxProvider":
-        """A single-job provider with this one's settings, class and hooks, sharing its proxy and token."""
-        child = object.__new__(type(self))  # not the constructor: a subclass may take other arguments
-        child.__dict__.update(self.__dict__)
-        child.replicas, child._token, child._proxy, child._running = 1, token, proxy, False
-        child._init_runtime_state()
-        child._reset_job_state()
-        return child
-
-    def _replicas_time(self, key: str) -> float:
-        """Seconds from this provider's submit until every replica had reached `key` of its timings."""
-        moments = [child._submitted_at + child.timings[key] for child in self._replica_children
-                   if key in child.timings]
-        return max(moments) - self._submitted_at if moments else self._elapsed()
-
-    @staticmethod
-    def _proxy_replica_entries(proxy: Optional["_proxy.AuthProxy"], base_url: Optional[str]
-                               ) -> Dict[str, Dict[str, Any]]:
-        """The proxy's status of the replica route by upstream URL ({} once it is unmounted)."""
-        if proxy is None or base_url is None:
-            return {}
-        try:
-            return {str(entry["upstream"]): dict(entry) for entry in proxy.replica_status(base_url)}
-        except ValueError:  # unmounted by a concurrent stop
-            return {}
-
-    def _check_replica(self, index: int, child: "HFSandboxProvider", proxy: Optional["_proxy.AuthProxy"],
-                       base_url: Optional[str]) -> None:
-        """Inspect a replica's job; one that has ended leaves the route for good, with a WARNING."""
-        client = child._job_client
-        if client is None or child.job_id is None or child.stage in TERMINAL_STAGES:
-            return
-        try:
-            job = client.get_job(child._job_namespace or "", child.job_id, retries=0)
-        except Exception as exc:  # a status call must not fail over a busy API: report what is known
-            logger.debug("replica %d: could not inspect job %s (%s)", index, child.job_id, type(exc).__name__)
-            return
-        child._last_job = job
-        stage = child._observe(job)
-        if stage not in TERMINAL_STAGES or proxy is None or base_url is None:
-            return
-        message = (job.get("status") or {}).get("message") or "(no message from the Jobs API)"
-        reason = "job %s: %s" % (stage, message)
-        self._replica_removed[index] = reason
-        try:
-            removed = proxy.remove_replica(base_url, child.upstream_url or "")
-        except ValueError:  # the route was unmounted meanwhile
-            removed = False
-        if removed:
-            logger.warning("replica %d (HF job %s) ended with stage %s (%s): taken out of rotation; %d replicas "
-                           "remain on the route", index, child.job_id, stage, message,
-                           len(self._proxy_replica_entries(proxy, base_url)))
-
-    def _arm_route_safety_net(self, proxy: "_proxy.AuthProxy", base_url: str) -> None:
-        """Unmount the replica route if this provider is collected (each replica's own net cancels its job)."""
-        self._swap_finalizer(weakref.finalize(self, _release_job, None, None, None, proxy, base_url, None))
-
-    def _teardown_replicas(self) -> None:
-        """Unmount the replica route, then stop every replica (each names a job it could not cancel)."""
-        with self._lock:
-            children, base_url, proxy = list(self._replica_children), self.base_url, self._mounted_on
-            finalizer, self._finalizer = self._finalizer, None
-            self._running = False
-            self.base_url = None
-            self._mounted_on = None
-        if finalizer is not None:
-            finalizer.detach()
-            _live_finalizers.discard(finalizer)
-        if base_url and proxy is not None:
-            try:
-                proxy.unmount(base_url)
-            except Exception as exc:
-                logger.warning("could not unmount the replica route of jobs %s (%s)",
-                               ", ".join(self.job_ids), type(exc).__name__)
-        stop_all(children)
-        self._stage = _replicas_stage([child.stage for child in children])
+    def _teardown_job(self, client: Optional["_JobsClient"]) -> None:
+        held, base_url, proxy, own_client = self._detach()
+        cancelled = _release_job(client or own_client, self._job_namespace, self.job_id if held else None,
+                                 proxy, base_url, self.job_url)
+        if cancelled and self._stage not in TERMINAL_STAGES:
+            self._stage = "CANCELED"
 
     def _observe(self, job: Mapping[str, Any]) -> str:
         """Record the job's stage; log a line when it changes."""
         stage = str((job.get("status") or {}).get("stage") or "UNKNOWN")
-        if stage != self.stage:
-            logger.info("HF job %s: %s -> %s (%.1fs after submit)", self.job_id, self.stage or "submitted",
+        if stage != self._stage:
+            logger.info("HF job %s: %s -> %s (%.1fs after submit)", self.job_id, self._stage or "submitted",
                         stage, self._elapsed())
-            self.stage = stage
+            self._stage = stage
             if stage == "RUNNING" and "running" not in self.timings:
                 self.timings["running"] = self._elapsed()
         return stage
@@ -871,7 +816,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
 
     def _watch_job(self, client: "_JobsClient", job: Optional[Mapping[str, Any]]) -> None:
         """Register with the process-wide watcher: it refreshes the job and sets `_wake` on a change."""
-        self._watch = _watcher.register(client, self._new_session, self._job_namespace or "", self.job_id or "",
+        self._watch = _watcher.register(client, self._hooks()._new_session, self._job_namespace or "", self.job_id or "",
                                         float(self._active["poll_interval_s"]), self._wake, job,
                                         since=self._submitted_at)
 
@@ -903,7 +848,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
             urls = (job.get("status") or {}).get("exposeUrls") or []
             if urls:
                 url = str(urls[0]).rstrip("/")  # one port is exposed, so one URL
-                reason = self._exposed_url_rejection(url, job_id, port)
+                reason = self._hooks()._exposed_url_rejection(url, job_id, port)
                 if reason:
                     raise InsecureURLError(reason)
                 return url
@@ -972,31 +917,6 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
             old.detach()
             _live_finalizers.discard(old)
 
-    def _teardown(self, client: Optional["_JobsClient"] = None) -> None:
-        """Unmount and cancel; log (never raise) whatever could not be cleaned up.
-
-        `client` is the starting thread's own client, in case a concurrent stop already took ours.
-        """
-        if self._replica_children:
-            self._teardown_replicas()
-            return
-        with self._lock:
-            job_id, namespace, base_url, proxy = self.job_id, self._job_namespace, self.base_url, self._mounted_on
-            running, client = self._running, client or self._job_client
-            finalizer, self._finalizer = self._finalizer, None
-            self._running = False
-            self.base_url = None
-            self._mounted_on = None
-            self._job_client = None
-        if finalizer is not None:
-            if not finalizer.alive:  # the exit safety net already released this job
-                running, base_url = False, None
-            finalizer.detach()
-            _live_finalizers.discard(finalizer)
-        cancelled = _release_job(client, namespace, job_id if running else None, proxy, base_url, self.job_url)
-        if cancelled and self.stage not in TERMINAL_STAGES:
-            self.stage = "CANCELED"
-
     def _cancel_by_label(self, client: "_JobsClient", namespace: str, start_label: str) -> None:
         """After a create that failed or was interrupted, cancel the job it may have made anyway."""
         try:
@@ -1015,6 +935,308 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
             else:
                 logger.warning("HF job %s (made by a failed create) could not be cancelled: %s; run "
                                "`python -m hf_sandbox_provider sweep`", job_id, outcome)
+
+
+# --------------------------------------------------------------------------------------------------
+# What runs a provider's jobs: its own single job, or a replica set of K single-job providers
+# --------------------------------------------------------------------------------------------------
+
+
+class _OneJob:
+    """The provider's own single job. `_ReplicaSet` offers the same five operations for K jobs, so the
+    provider delegates to one or the other (`HFSandboxProvider._jobs`) and never branches on replicas."""
+
+    @staticmethod
+    def start(provider: HFSandboxProvider, settings: Dict[str, Any], token: str) -> str:
+        return provider._start_job(settings, token)
+
+    @staticmethod
+    def wait_ready(provider: HFSandboxProvider, base_url: str, budget: float) -> None:
+        provider._wait_healthy(base_url.rstrip("/") + "/health", budget)
+
+    @staticmethod
+    def teardown(provider: HFSandboxProvider, client: Optional["_JobsClient"]) -> None:
+        provider._teardown_job(client)
+
+    @staticmethod
+    def job_ids(provider: HFSandboxProvider) -> List[str]:
+        return [provider.job_id] if provider.job_id else []
+
+    @staticmethod
+    def stage(provider: HFSandboxProvider) -> Optional[str]:
+        return provider._stage
+
+
+_ONE_JOB = _OneJob()
+
+
+class _ReplicaSet:
+    """K jobs of one image behind ONE replica route, for the provider that owns them.
+
+    Each replica is a plain single-job `HFSandboxProvider`, built by the constructor from the owner's
+    settings for its index (`_replica_settings`), sharing the owner's proxy and token, using the
+    owner's overridable hooks (through a weak reference: the set never keeps its owner alive). Each
+    replica starts on its own route (its readiness is probed there); the replica route over their
+    URLs is what the owner returns. The set holds no reference to its owner: every call gets it.
+    """
+
+    def __init__(self, owner: HFSandboxProvider, settings: Mapping[str, Any], token: str,
+                 proxy: "_proxy.AuthProxy") -> None:
+        count = int(settings["replicas"])
+        per_replica = [dict(owner._replica_settings(i, dict(settings, replicas=1))) for i in range(count)]
+        for index, item in enumerate(per_replica):  # a bad override fails before any job
+            reason = _settings_rejection(item, image_required=True)
+            if reason or item.get("replicas") != 1:
+                raise SandboxConfigError("_replica_settings(%d): %s" % (index, reason or "replicas must stay 1"))
+        self.proxy = proxy
+        self.children = [self._replica(owner, item, token, proxy) for item in per_replica]
+        self.removed: Dict[int, str] = {}  # why a replica left the route, by index
+        self.checked: Dict[int, float] = {}  # when status() last inspected each replica's job
+
+    @staticmethod
+    def _replica(owner: HFSandboxProvider, settings: Mapping[str, Any], token: str,
+                 proxy: "_proxy.AuthProxy") -> HFSandboxProvider:
+        options = {name: settings[name] for name in _OVERRIDABLE if name != "replicas"}
+        child = HFSandboxProvider(settings["image"], port=settings["port"], env_vars=settings["env_vars"],
+                                  token=token, endpoint=owner.endpoint, proxy=proxy, **options)
+        child._owner = weakref.ref(owner)
+        return child
+
+    # -- the five operations the provider delegates ---------------------------------------------------
+
+    def start(self, owner: HFSandboxProvider, settings: Dict[str, Any], token: str) -> str:
+        """Start the K jobs in parallel, then mount one replica route over their URLs. Any failure
+        cancels all K and raises one ReplicaStartError."""
+        count, proxy = len(self.children), self.proxy
+        owner._active = settings
+        owner._submitted_at = time.monotonic()
+        with owner._lock:
+            owner._mounted_on = proxy
+            owner._move(Phase.STARTING)  # from here on a teardown stops the replicas, whatever happens
+        group = _ReplicaGroup(self.children, owner._stop_requested, owner._wake)
+
+        def start_one(index: int, child: HFSandboxProvider) -> None:
+            child._claim_start()
+            started = False
+            try:
+                if group.stopping() or owner._stop_requested.is_set():  # given up before this one began
+                    child._request_stop()
+                    raise SandboxError("replica %d was not started: the start was given up" % index)
+                child._start_job(child._settings({}), token)
+                started = True
+            finally:
+                child._end_start(started)
+
+        try:
+            logger.info("starting %d replica jobs of %s", count, settings["image"])
+            group.run(start_one, "hf-sandbox-replica-start")
+            self._raise_if_failed(owner, group, "start")
+            first = self.children[0]
+            with owner._lock:
+                owner.job_id, owner.job_url, owner._job_namespace = first.job_id, first.job_url, first._job_namespace
+                owner.upstream_url = first.upstream_url
+            base_url = proxy.mount_replicas([child.upstream_url for child in self.children], token=token,
+                                            verify=settings["verify"])
+            with owner._lock:  # from now on a stop sees the route (an earlier stop cleared _mounted_on)
+                owner._mounted_on, owner.base_url = proxy, base_url
+            # The owner's safety net unmounts the route if it is collected (each replica's own cancels its job).
+            owner._swap_finalizer(weakref.finalize(owner, _release_job, None, None, None, proxy, base_url, None))
+            if owner._stop_requested.is_set():  # a stop that ran before base_url was set left the route
+                raise SandboxError("stop_container() was called while the %d replicas were starting" % count)
+            owner.timings["created"] = self._all_reached(owner, "created")
+            owner.timings["running"] = self._all_reached(owner, "running")
+            owner.timings["url"] = owner._elapsed()
+            logger.info("%d replica jobs (%s) serving on one route (%.1fs after submit)", count,
+                        ", ".join(self.job_ids(owner)), owner._elapsed())
+            return base_url
+        except BaseException:
+            owner._teardown()
+            raise
+
+    def wait_ready(self, owner: HFSandboxProvider, base_url: str, budget: float) -> None:
+        """Wait for every replica's own /health (in parallel); one failure fails them all."""
+        group = _ReplicaGroup(list(self.children), owner._stop_requested, owner._wake)
+        group.run(lambda index, child: child.wait_for_ready(timeout_s=budget), "hf-sandbox-replica-ready")
+        self._raise_if_failed(owner, group, "become ready")
+        owner.timings["ready"] = owner._elapsed()
+        logger.info("%d replica jobs ready (%.1fs after submit)", len(group.children), owner._elapsed())
+
+    def teardown(self, owner: HFSandboxProvider, client: Optional["_JobsClient"]) -> None:
+        """Unmount the replica route, then stop every replica (each names a job it could not cancel)."""
+        _, base_url, proxy, _ = owner._detach()
+        if base_url and proxy is not None:
+            try:
+                proxy.unmount(base_url)
+            except Exception as exc:
+                logger.warning("could not unmount the replica route of jobs %s (%s)",
+                               ", ".join(self.job_ids(owner)), type(exc).__name__)
+        stop_all(self.children)
+
+    def job_ids(self, owner: HFSandboxProvider) -> List[str]:
+        return [child.job_id for child in self.children if child.job_id]
+
+    def stage(self, owner: HFSandboxProvider) -> Optional[str]:
+        return _replicas_stage([child.stage for child in self.children])
+
+    # -- status -------------------------------------------------------------------------------------------
+
+    def status(self, owner: HFSandboxProvider, refresh: bool) -> List[Dict[str, Any]]:
+        """`HFSandboxProvider.replica_status()`: the proxy's view of each replica plus its job's stage."""
+        with owner._lock:
+            base_url, proxy = owner.base_url, owner._mounted_on
+        entries = self._route_entries(proxy, base_url)
+        now = time.monotonic()
+        for index, child in enumerate(self.children):
+            entry = entries.get(child.upstream_url or "")
+            checked = self.checked.get(index)
+            if refresh or (entry is not None and not entry["healthy"]
+                           and (checked is None or now - checked >= REPLICA_CHECK_INTERVAL_S)):
+                self.checked[index] = now
+                self._check(index, child, proxy, base_url)
+        entries = self._route_entries(proxy, base_url)
+        status = []
+        for index, child in enumerate(self.children):
+            entry = entries.get(child.upstream_url or "") or {
+                "upstream": child.upstream_url, "open_sessions": 0, "healthy": False,
+                "reason": self.removed.get(index, "not in the route (stopped)")}
+            message = ((child._last_job or {}).get("status") or {}).get("message")
+            status.append(dict(entry, index=index, job_id=child.job_id, stage=child.stage, message=message))
+        return status
+
+    def _check(self, index: int, child: HFSandboxProvider, proxy: Optional["_proxy.AuthProxy"],
+               base_url: Optional[str]) -> None:
+        """Inspect a replica's job; one that has ended leaves the route for good, with a WARNING."""
+        client = child._job_client
+        if client is None or child.job_id is None or child.stage in TERMINAL_STAGES:
+            return
+        try:
+            job = client.get_job(child._job_namespace or "", child.job_id, retries=0)
+        except Exception as exc:  # a status call must not fail over a busy API: report what is known
+            logger.debug("replica %d: could not inspect job %s (%s)", index, child.job_id, type(exc).__name__)
+            return
+        child._last_job = job
+        stage = child._observe(job)
+        if stage not in TERMINAL_STAGES or proxy is None or base_url is None:
+            return
+        message = (job.get("status") or {}).get("message") or "(no message from the Jobs API)"
+        self.removed[index] = "job %s: %s" % (stage, message)
+        try:
+            removed = proxy.remove_replica(base_url, child.upstream_url or "")
+        except ValueError:  # the route was unmounted meanwhile
+            removed = False
+        if removed:
+            logger.warning("replica %d (HF job %s) ended with stage %s (%s): taken out of rotation; %d replicas "
+                           "remain on the route", index, child.job_id, stage, message,
+                           len(self._route_entries(proxy, base_url)))
+
+    # -- helpers ------------------------------------------------------------------------------------------
+
+    def _raise_if_failed(self, owner: HFSandboxProvider, group: "_ReplicaGroup", phase: str) -> None:
+        if owner._stop_requested.is_set():
+            raise SandboxError("stop_container() was called while the %d replicas were starting"
+                               % len(group.children))
+        if group.errors:
+            raise ReplicaStartError(phase, len(group.children), group.errors, group.aborted,
+                                    [child.job_id for child in group.children if child.job_id])
+
+    def _all_reached(self, owner: HFSandboxProvider, key: str) -> float:
+        """Seconds from the owner's submit until every replica had reached `key` of its timings."""
+        moments = [child._submitted_at + child.timings[key] for child in self.children if key in child.timings]
+        return max(moments) - owner._submitted_at if moments else owner._elapsed()
+
+    @staticmethod
+    def _route_entries(proxy: Optional["_proxy.AuthProxy"], base_url: Optional[str]) -> Dict[str, Dict[str, Any]]:
+        """The proxy's status of the replica route by upstream URL ({} once it is unmounted)."""
+        if proxy is None or base_url is None:
+            return {}
+        try:
+            return {str(entry["upstream"]): dict(entry) for entry in proxy.replica_status(base_url)}
+        except ValueError:  # unmounted by a concurrent stop
+            return {}
+
+
+class _ReplicaGroup:
+    """Runs one action (start, or wait until ready) on K replica providers in parallel, all or nothing:
+    the first failure stops the others (their jobs are cancelled by their own teardown), and so does
+    a stop of the provider that owns them (`stop_requested`, e.g. set by a start_many() abort)."""
+
+    def __init__(self, children: List["HFSandboxProvider"], stop_requested: threading.Event,
+                 wake: threading.Event) -> None:
+        self.children = children
+        self.errors: List[Tuple[int, BaseException]] = []
+        self.aborted = 0  # replicas given up because another one failed
+        self._stop_requested = stop_requested
+        self._wake = wake  # the owner's: set by its stop, and here by each replica that finishes
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._finished = 0
+
+    def run(self, action: Callable[[int, "HFSandboxProvider"], None], name: str) -> None:
+        """`action(index, child)` in one thread per replica; returns when all have finished."""
+        threads = [threading.Thread(target=self._work, args=(i, child, action), name="%s-%d" % (name, i),
+                                    daemon=True) for i, child in enumerate(self.children)]
+        try:
+            for thread in threads:
+                thread.start()
+            while True:
+                self._wake.clear()  # before the checks, so a change made after them still wakes the wait
+                if self._stop_requested.is_set() and not self.stopping():
+                    self.abort()
+                with self._lock:
+                    if self._finished == len(threads):
+                        break
+                self._wake.wait(0.5)  # bounded: a Ctrl-C reaches this thread
+            for thread in threads:
+                thread.join()  # each has finished its action; this only reaps it
+        except BaseException:
+            self.abort()
+            for thread in threads:
+                if thread.ident is not None:
+                    thread.join()
+            raise
+
+    def stopping(self) -> bool:
+        with self._lock:
+            return self._stopping
+
+    def abort(self) -> None:
+        """Make every replica's start or readiness wait give up at once."""
+        with self._lock:
+            self._stopping = True
+        for child in self.children:
+            child._request_stop()
+
+    def _work(self, index: int, child: "HFSandboxProvider", action: Callable[[int, "HFSandboxProvider"], None]) -> None:
+        try:
+            action(index, child)
+        except BaseException as exc:  # recorded and raised by the provider, never lost
+            with self._lock:
+                if self._stopping and child._stop_requested.is_set():
+                    self.aborted += 1
+                    return
+                self.errors.append((index, exc))
+            self.abort()
+        finally:
+            with self._lock:
+                self._finished += 1
+            self._wake.set()
+
+
+# Order of the live stages, least advanced first (an unknown live stage counts as not running yet).
+_LIVE_STAGE_ORDER = {None: 0, "SCHEDULING": 1, "RUNNING": 2}
+
+
+def _replicas_stage(stages: Sequence[Optional[str]]) -> Optional[str]:
+    """One stage for K jobs: the least advanced live one; once all ended, their common end (ERROR first)."""
+    if not stages:
+        return None
+    live = [stage for stage in stages if stage not in TERMINAL_STAGES]
+    if live:
+        return min(live, key=lambda stage: _LIVE_STAGE_ORDER.get(stage, 1))
+    for stage in ("ERROR", "CANCELED"):  # a failure shows first; a stopped group reads CANCELED
+        if stage in stages:
+            return stage
+    return stages[0]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1082,8 +1304,7 @@ class _Launch:
             self.aborted += len(self.providers) - self._next
             self._next = len(self.providers)
         for provider in in_flight:
-            provider._stop_requested.set()
-            provider._wake.set()
+            provider._request_stop()
 
     def _report(self, index: int, error: Optional[BaseException]) -> None:
         with self._lock:
@@ -1099,91 +1320,6 @@ class _Launch:
             if error is not None:
                 line += "; environment %d: %s" % (index, str(error).splitlines()[0] if str(error) else type(error).__name__)
             print(line, file=sys.stderr, flush=True)
-
-
-class _ReplicaGroup:
-    """Runs one action (start, or wait until ready) on K replica providers in parallel, all or nothing:
-    the first failure stops the others (their jobs are cancelled by their own teardown), and so does
-    a stop of the provider that owns them (`stop_requested`, e.g. set by a start_many() abort)."""
-
-    def __init__(self, children: List["HFSandboxProvider"], stop_requested: threading.Event,
-                 wake: threading.Event) -> None:
-        self.children = children
-        self.errors: List[Tuple[int, BaseException]] = []
-        self.aborted = 0  # replicas given up because another one failed
-        self._stop_requested = stop_requested
-        self._wake = wake  # the owner's: set by its stop, and here by each replica that finishes
-        self._lock = threading.Lock()
-        self._stopping = False
-        self._finished = 0
-
-    def run(self, action: Callable[[int, "HFSandboxProvider"], None], name: str) -> None:
-        """`action(index, child)` in one thread per replica; returns when all have finished."""
-        threads = [threading.Thread(target=self._work, args=(i, child, action), name="%s-%d" % (name, i),
-                                    daemon=True) for i, child in enumerate(self.children)]
-        try:
-            for thread in threads:
-                thread.start()
-            while True:
-                self._wake.clear()  # before the checks, so a change made after them still wakes the wait
-                if self._stop_requested.is_set() and not self.stopping():
-                    self.abort()
-                with self._lock:
-                    if self._finished == len(threads):
-                        break
-                self._wake.wait(0.5)  # bounded: a Ctrl-C reaches this thread
-            for thread in threads:
-                thread.join()  # each has finished its action; this only reaps it
-        except BaseException:
-            self.abort()
-            for thread in threads:
-                if thread.ident is not None:
-                    thread.join()
-            raise
-
-    def stopping(self) -> bool:
-        with self._lock:
-            return self._stopping
-
-    def abort(self) -> None:
-        """Make every replica's start or readiness wait give up at once."""
-        with self._lock:
-            self._stopping = True
-        for child in self.children:
-            child._stop_requested.set()
-            child._wake.set()
-
-    def _work(self, index: int, child: "HFSandboxProvider", action: Callable[[int, "HFSandboxProvider"], None]) -> None:
-        try:
-            action(index, child)
-        except BaseException as exc:  # recorded and raised by the provider, never lost
-            with self._lock:
-                if self._stopping and child._stop_requested.is_set():
-                    self.aborted += 1
-                    return
-                self.errors.append((index, exc))
-            self.abort()
-        finally:
-            with self._lock:
-                self._finished += 1
-            self._wake.set()
-
-
-# Order of the live stages, least advanced first (an unknown live stage counts as not running yet).
-_LIVE_STAGE_ORDER = {None: 0, "SCHEDULING": 1, "RUNNING": 2}
-
-
-def _replicas_stage(stages: Sequence[Optional[str]]) -> Optional[str]:
-    """One stage for K jobs: the least advanced live one; once all ended, their common end (ERROR first)."""
-    if not stages:
-        return None
-    live = [stage for stage in stages if stage not in TERMINAL_STAGES]
-    if live:
-        return min(live, key=lambda stage: _LIVE_STAGE_ORDER.get(stage, 1))
-    for stage in ("ERROR", "CANCELED"):  # a failure shows first; a stopped group reads CANCELED
-        if stage in stages:
-            return stage
-    return stages[0]
 
 
 # --------------------------------------------------------------------------------------------------
