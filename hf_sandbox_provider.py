@@ -1925,7 +1925,7 @@ class _Watch:
         self.wake = wake  # set whenever `job` changes stage/URLs or `error` is set
         self.job: Optional[Mapping[str, Any]] = job
         self.error: Optional[BaseException] = None
-        self.refreshed = 0  # answers received (tests and the bench read it)
+        self.refreshed = 0  # answers received: a refresh inspects the least refreshed missing jobs first
 
     def interval_s(self, now: float) -> float:
         """This job's refresh interval: its provider's, slowed down once it has waited a long time."""

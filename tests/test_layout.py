@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from test_cli import REPO, RUN_TIMEOUT_S, clean_env
 
 LIBRARY = os.path.join(REPO, "hf_sandbox_provider.py")
@@ -33,6 +35,7 @@ def test_the_library_module_imports_neither_argparse_nor_the_emulator_at_module_
     assert "proxy" in imported  # the one sibling it needs
 
 
+@pytest.mark.slow  # fresh interpreters importing requests, huggingface_hub and openenv
 def test_importing_the_library_does_not_load_the_emulator():
     script = "import sys, hf_sandbox_provider; print(sorted({'hf_jobs_emulator'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
@@ -51,6 +54,7 @@ def vendor(tmp_path, names):
     return env
 
 
+@pytest.mark.slow  # fresh interpreters importing requests, huggingface_hub and openenv
 def test_a_vendored_copy_without_the_emulator_refuses_smoke_local_in_one_sentence(tmp_path):
     env = vendor(tmp_path, ["hf_sandbox_provider.py", "proxy.py"])
     result = subprocess.run([sys.executable, "-m", "vendored.hf_sandbox_provider", "smoke", "--local"],
@@ -63,6 +67,7 @@ def test_a_vendored_copy_without_the_emulator_refuses_smoke_local_in_one_sentenc
     assert bench.returncode == 2 and "benchmarks/lifecycle.py" in bench.stderr and "Traceback" not in bench.stderr
 
 
+@pytest.mark.slow  # fresh interpreters importing requests, huggingface_hub and openenv
 def test_a_vendored_copy_with_the_emulator_passes_smoke_local(tmp_path):
     env = vendor(tmp_path, ["hf_sandbox_provider.py", "proxy.py", "hf_jobs_emulator.py"])
     result = subprocess.run([sys.executable, "-m", "vendored.hf_sandbox_provider", "smoke", "--local", "--json"],

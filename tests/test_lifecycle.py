@@ -134,3 +134,43 @@ def test_pickling_carries_exactly_the_allowlisted_settings():
     assert (clone.role, clone.flavor, clone.labels, clone._token) == ("actor", "t4-small", {"team": "rl"}, provider._token)
     assert not hasattr(clone, "scratch") and clone.phase is Phase.IDLE and clone.job_id is None
     assert clone._lock is not provider._lock
+
+
+# Where a stop lands relative to the start it races: before the create answers, while the job is
+# recorded but not serving, after the start returned, after the readiness wait.
+STOP_POINTS = ["submitting", "starting", "running", "ready"]
+
+
+def test_a_sequence_of_starts_each_stopped_at_a_different_point_leaves_nothing_behind(proxy):
+    """One provider, reused: every cycle ends IDLE with its job cancelled and no route left, whatever
+    the previous cycle's stop interrupted (bugs live in what the previous start left behind)."""
+    with JobsEmulator(scheduling_delay_s=0.3) as emu:
+        provider = provider_on(emu, proxy)
+        seen_jobs = []
+        for cycle, point in enumerate(STOP_POINTS * 2):
+            creates = emu.api_calls.get("create", 0)
+            if point == "submitting":  # the create is answered 429: the start waits 1 s in SUBMITTING
+                emu.inject_rate_limit(1, retry_after_s=1, routes=["create"])
+            thread, outcome = in_thread(lambda: provider.wait_for_ready(provider.start_container()))
+            if point == "submitting":
+                wait_until(lambda: emu.api_calls.get("create", 0) > creates, "the refused create")
+                assert provider.phase is Phase.SUBMITTING
+            elif point == "starting":
+                wait_until(lambda: provider.phase is Phase.STARTING, "the job to be recorded")
+            elif point == "running":
+                wait_until(lambda: provider.phase is Phase.RUNNING, "the start to return")
+            else:
+                thread.join(TIMEOUT)
+                assert outcome == [None], outcome
+            provider.stop_container()
+            thread.join(TIMEOUT)
+            assert not thread.is_alive()
+            assert provider.phase is Phase.IDLE, (cycle, point)
+            assert provider.base_url is None
+            with proxy._lock:
+                assert proxy._routes == {}, (cycle, point)
+            if provider.job_id:
+                seen_jobs.append(provider.job_id)
+        wait_until(lambda: all(job.terminal for job in emu.jobs) and emu.live_pids() == [], "every job to end")
+        assert {emu.job(job_id).stage for job_id in seen_jobs} <= {"CANCELED"}
+        assert len(emu.jobs) >= len(seen_jobs) and all(job.stage == "CANCELED" for job in emu.jobs)
