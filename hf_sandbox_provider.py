@@ -39,7 +39,7 @@ import time
 import uuid
 import weakref
 from collections import deque
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 from urllib.parse import urlsplit
 
 import requests
@@ -310,6 +310,17 @@ _PHASE_MOVES = {
 _START_IN_FLIGHT = frozenset({Phase.SUBMITTING, Phase.STARTING, Phase.STOPPING})
 # Phases in which a job is recorded and not yet released: a teardown must cancel it.
 _JOB_HELD = frozenset({Phase.STARTING, Phase.RUNNING})
+
+
+class _Detached(NamedTuple):
+    """What one teardown took from its provider: the job to cancel (None if none is held), its route."""
+
+    job_id: Optional[str]
+    namespace: Optional[str]
+    job_url: Optional[str]
+    base_url: Optional[str]
+    proxy: Any  # Optional[AuthProxy]
+    client: Any  # Optional[_JobsClient]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -670,24 +681,23 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         self._stop_requested.set()
         self._wake.set()
 
-    def _detach(self) -> Tuple[bool, Optional[str], Optional["_proxy.AuthProxy"], Optional["_JobsClient"]]:
-        """Take what a teardown must release: (a job is held, route URL, its proxy, the job's client).
-
-        Moves the phase in the same critical section: STOPPING while a start is still in flight in its
-        thread (it returns IDLE), else IDLE; and retires the safety net.
-        """
+    def _detach(self) -> "_Detached":
+        """Take what a teardown must release, in one critical section with the phase change (STOPPING
+        while a start is still in flight in its thread, which then returns IDLE; else IDLE), so a start
+        claimed right after cannot swap the job's identity under the teardown. Retires the safety net."""
         with self._lock:
             held = self._phase in _JOB_HELD
             self._move(Phase.STOPPING if self._phase in _START_IN_FLIGHT else Phase.IDLE)
-            base_url, proxy, client = self.base_url, self._mounted_on, self._job_client
+            detached = _Detached(self.job_id if held else None, self._job_namespace, self.job_url,
+                                 self.base_url, self._mounted_on, self._job_client)
             finalizer, self._finalizer = self._finalizer, None
             self.base_url = self._mounted_on = self._job_client = None
         if finalizer is not None:
             if not finalizer.alive:  # the exit safety net already released the job and its route
-                held, base_url = False, None
+                detached = detached._replace(job_id=None, base_url=None)
             finalizer.detach()
             _live_finalizers.discard(finalizer)
-        return held, base_url, proxy, client
+        return detached
 
     @property
     def _jobs(self) -> Any:
@@ -788,9 +798,9 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
             raise
 
     def _teardown_job(self, client: Optional["_JobsClient"]) -> None:
-        held, base_url, proxy, own_client = self._detach()
-        cancelled = _release_job(client or own_client, self._job_namespace, self.job_id if held else None,
-                                 proxy, base_url, self.job_url)
+        gone = self._detach()
+        cancelled = _release_job(client or gone.client, gone.namespace, gone.job_id, gone.proxy, gone.base_url,
+                                 gone.job_url)
         if cancelled and self._stage not in TERMINAL_STAGES:
             self._stage = "CANCELED"
 
@@ -1063,10 +1073,10 @@ class _ReplicaSet:
 
     def teardown(self, owner: HFSandboxProvider, client: Optional["_JobsClient"]) -> None:
         """Unmount the replica route, then stop every replica (each names a job it could not cancel)."""
-        _, base_url, proxy, _ = owner._detach()
-        if base_url and proxy is not None:
+        gone = owner._detach()
+        if gone.base_url and gone.proxy is not None:
             try:
-                proxy.unmount(base_url)
+                gone.proxy.unmount(gone.base_url)
             except Exception as exc:
                 logger.warning("could not unmount the replica route of jobs %s (%s)",
                                ", ".join(self.job_ids(owner)), type(exc).__name__)
