@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import ipaddress
 import json
 import logging
 import os
@@ -45,9 +44,9 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 if __package__:  # vendored inside a package: proxy.py sits next to this module
-    from .proxy import AuthProxy, Refusal, Route
+    from .proxy import JOB_FLAVORS, JOB_LIVE_STAGES, JOB_TERMINAL_STAGES, AuthProxy, Refusal, Route, _is_loopback_host
 else:  # top-level module (the repo layout), or run as a script
-    from proxy import AuthProxy, Refusal, Route
+    from proxy import JOB_FLAVORS, JOB_LIVE_STAGES, JOB_TERMINAL_STAGES, AuthProxy, Refusal, Route, _is_loopback_host
 
 log = logging.getLogger("hf_jobs_emulator")
 
@@ -109,16 +108,10 @@ FAULT_KEYS = (
 API_ROUTES = ("whoami", "create", "list", "inspect", "cancel", "logs", "unknown")
 # Seconds a client is told to wait in `Retry-After` when a 429 is injected without an explicit value.
 DEFAULT_RETRY_AFTER_S = 1
-# Hardware flavors the real API accepts (huggingface_hub's JobHardware); anything else is a 400.
-FLAVORS = (
-    "cpu-basic", "cpu-upgrade", "cpu-performance", "cpu-xl",
-    "t4-small", "t4-medium", "l4x1", "l4x4", "l40sx1", "l40sx4", "l40sx8",
-    "a10g-small", "a10g-large", "a10g-largex2", "a10g-largex4", "a100-large", "a100x4", "a100x8",
-    "h200", "h200x2", "h200x4", "h200x8",
-    "rtx-pro-6000", "rtx-pro-6000x2", "rtx-pro-6000x4", "rtx-pro-6000x8",
-)
-TERMINAL_STAGES = ("COMPLETED", "CANCELED", "ERROR", "DELETED")
-ALL_STAGES = ("SCHEDULING", "RUNNING") + TERMINAL_STAGES
+# Hardware flavors and job stages: the same facts the provider relies on (one copy, in proxy.py).
+FLAVORS = tuple(sorted(JOB_FLAVORS))
+TERMINAL_STAGES = JOB_TERMINAL_STAGES
+ALL_STAGES = JOB_LIVE_STAGES + JOB_TERMINAL_STAGES
 # Environment variables of this process a job must not inherit: the real service never hands the
 # submitting user's token to a job unless it is passed as a secret.
 SCRUBBED_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_API_TOKEN")
@@ -860,11 +853,7 @@ class _ApiError(Exception):
 
 
 def _host_rejection(host: str) -> Optional[str]:
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = host == "localhost"
-    if not loopback:
+    if not _is_loopback_host(host):
         return (f"host {host!r} is not a loopback address: the emulator runs commands for anyone holding "
                 "its token, so it only binds 127.0.0.1, ::1 or localhost")
     return None

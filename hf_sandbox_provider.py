@@ -10,36 +10,36 @@ watcher thread (one Jobs API call per interval for all starting jobs) and one AP
 `HFSandboxProvider.start_many()` launches n with bounded concurrency, all or nothing; `replicas=K`
 puts K jobs of one image behind one route (sessions spread by the proxy, least sessions first).
 
-Read top to bottom: errors, the provider (and `start_many`), parallel launch, settings validation,
-the small Jobs REST client and its pure protocol helpers, the process-wide budget and job watcher,
-then the `python -m hf_sandbox_provider` CLI (smoke, sweep, and the `bench` machinery last).
+Read top to bottom: constants, errors, the job lifecycle (`Phase`), the provider, what runs its jobs
+(its own single job, or a `_ReplicaSet`), parallel launch (`start_many`, `stop_all`), settings
+validation, the small Jobs REST client, the process-wide API budget and job watcher, teardown and the
+exit hook, then the thin `python -m hf_sandbox_provider` CLI (smoke, sweep; `bench` runs
+benchmarks/lifecycle.py of a repository checkout). Vendoring: copy this file and proxy.py; the local
+emulator (hf_jobs_emulator.py) is imported only by `smoke --local`.
 """
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import datetime
 import email.utils
+import enum
 import hashlib
-import ipaddress
 import json
 import logging
 import os
 import random
 import re
 import shlex
-import signal
 import socket
 import ssl
-import subprocess
 import sys
 import threading
 import time
 import uuid
 import weakref
 from collections import deque
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 from urllib.parse import urlsplit
 
 import requests
@@ -50,9 +50,13 @@ else:
     import proxy as _proxy
 
 InsecureURLError = _proxy.InsecureURLError
+# One copy each, shared with the proxy and the emulator (see proxy.py's shared block).
+_is_loopback_host = _proxy._is_loopback_host
+_discover_token = _proxy._discover_token
 
 __all__ = [
     "HFSandboxProvider",
+    "Phase",
     "SandboxError",
     "SandboxConfigError",
     "JobFailedError",
@@ -153,8 +157,8 @@ MAX_REPLICAS = 64
 REPLICA_CHECK_INTERVAL_S = 5.0
 # stop_all(): cancels run this many at a time (each is one API call plus a brief retry).
 STOP_PARALLEL = 32
-# Stages after which a job never runs again (huggingface_hub's TERMINAL_JOB_STAGES).
-TERMINAL_STAGES = frozenset({"COMPLETED", "CANCELED", "ERROR", "DELETED"})
+# Stages after which a job never runs again (one list shared with the emulator, in proxy.py).
+TERMINAL_STAGES = frozenset(_proxy.JOB_TERMINAL_STAGES)
 # What OpenEnv's image template runs (openenv/cli/templates/openenv_env/server/Dockerfile, CMD:
 # `sh -c "cd /app/env && uvicorn server.app:app --host 0.0.0.0 --port 8000"`), with the port
 # filled in and `exec` so the server receives the job's stop signal directly.
@@ -163,18 +167,9 @@ DEFAULT_COMMAND_TEMPLATE = (
     "-c",
     "cd /app/env && exec uvicorn server.app:app --host 0.0.0.0 --port {port}",
 )
-# huggingface_hub's JobHardware values (2.4) plus older names; `_known_flavors()` adds whatever the
-# installed huggingface_hub knows, so a flavor newer than this list works after upgrading it.
-KNOWN_FLAVORS = frozenset(
-    {
-        "cpu-basic", "cpu-upgrade", "cpu-performance", "cpu-xl",
-        "t4-small", "t4-medium", "l4x1", "l4x4", "l40sx1", "l40sx4", "l40sx8",
-        "a10g-small", "a10g-large", "a10g-largex2", "a10g-largex4",
-        "a100-large", "a100x4", "a100x8", "h100", "h100x8",
-        "h200", "h200x2", "h200x4", "h200x8",
-        "rtx-pro-6000", "rtx-pro-6000x2", "rtx-pro-6000x4", "rtx-pro-6000x8",
-    }
-)
+# The flavors HF Jobs accepts (one list shared with the emulator, in proxy.py); `_known_flavors()` adds
+# whatever the installed huggingface_hub knows, so a flavor newer than this list works after upgrading it.
+KNOWN_FLAVORS = _proxy.JOB_FLAVORS
 # Image references of HF Spaces, sent as `spaceId` rather than `dockerImage` (as huggingface_hub does).
 SPACE_IMAGE_PREFIXES = ("https://huggingface.co/spaces/", "https://hf.co/spaces/",
                         "huggingface.co/spaces/", "hf.co/spaces/")
@@ -282,6 +277,53 @@ class JobsAPIError(SandboxError):
 
 
 # --------------------------------------------------------------------------------------------------
+# The job lifecycle: one explicit phase per provider (in the spirit of wsproto's ConnectionState)
+# --------------------------------------------------------------------------------------------------
+
+
+class Phase(enum.Enum):
+    """Where a provider is in its job's life (`HFSandboxProvider.phase`).
+
+    Only `HFSandboxProvider._move()` changes it, under the provider's lock and along `_PHASE_MOVES`,
+    so a stop racing a start always finds one consistent answer to "is there a job to cancel?".
+    """
+
+    IDLE = "idle"              # no job: start_container() may begin (also after a stop)
+    SUBMITTING = "submitting"  # a start is claimed; its create call is in flight, no job recorded yet
+    STARTING = "starting"      # the job is recorded (any teardown cancels it); waiting for its URL, mounting
+    RUNNING = "running"        # start_container() returned: the job serves behind the mounted route
+    STOPPING = "stopping"      # torn down while the start still runs in its thread; it gives up at its next check
+
+
+# The only phase changes there are. A start: IDLE -> SUBMITTING -> STARTING -> RUNNING. A teardown:
+# RUNNING -> IDLE, or, while the start is still in flight, -> STOPPING, which the start turns into
+# IDLE when it returns (STARTING again first if its create answers after the stop: that job is then
+# recorded, so the start's own teardown cancels it).
+_PHASE_MOVES = {
+    Phase.IDLE: frozenset({Phase.SUBMITTING, Phase.IDLE}),
+    Phase.SUBMITTING: frozenset({Phase.STARTING, Phase.STOPPING, Phase.IDLE}),
+    Phase.STARTING: frozenset({Phase.RUNNING, Phase.STOPPING}),
+    Phase.RUNNING: frozenset({Phase.IDLE}),
+    Phase.STOPPING: frozenset({Phase.STARTING, Phase.STOPPING, Phase.IDLE}),
+}
+# Phases in which start_container() is still running in some thread.
+_START_IN_FLIGHT = frozenset({Phase.SUBMITTING, Phase.STARTING, Phase.STOPPING})
+# Phases in which a job is recorded and not yet released: a teardown must cancel it.
+_JOB_HELD = frozenset({Phase.STARTING, Phase.RUNNING})
+
+
+class _Detached(NamedTuple):
+    """What one teardown took from its provider: the job to cancel (None if none is held), its route."""
+
+    job_id: Optional[str]
+    namespace: Optional[str]
+    job_url: Optional[str]
+    base_url: Optional[str]
+    proxy: Any  # Optional[AuthProxy]
+    client: Any  # Optional[_JobsClient]
+
+
+# --------------------------------------------------------------------------------------------------
 # The provider
 # --------------------------------------------------------------------------------------------------
 
@@ -317,6 +359,12 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
     other request (e.g. the legacy HTTP /reset and /step, which keep one environment per server) gets
     `409` with `X-Proxy-Error: replicated-http-refused`, so use the WebSocket session.
     """
+
+    # What a pickled provider carries: its settings (and explicit token), never its job, lock, threads
+    # or sockets. A subclass with settings of its own adds their names (like requests' Session.__attrs__).
+    _pickled_settings: Tuple[str, ...] = (
+        "image", "command", "port", "flavor", "namespace", "endpoint", "env_vars", "secrets", "labels",
+        "job_timeout", "start_timeout_s", "ready_timeout_s", "poll_interval_s", "verify", "replicas", "_token")
 
     def __init__(
         self,
@@ -388,13 +436,17 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         _raise_if_rejected(_settings_rejection(settings, image_required=True))
         token = self._resolve_token()
         self._claim_start()
+        started = False
         try:
             if settings["replicas"] > 1:
-                return self._start_replicas(settings, token)
-            return self._start(settings, token)
+                replicas = _ReplicaSet(self, settings, token, self._proxy_instance())  # bad overrides fail here
+                with self._lock:
+                    self._replicas = replicas
+            base_url = self._jobs.start(self, settings, token)
+            started = True
+            return base_url
         finally:
-            with self._lock:
-                self._starting = False
+            self._end_start(started)
 
     def wait_for_ready(self, base_url: Optional[str] = None, timeout_s: Optional[float] = None) -> None:
         """Poll `/health` through the proxy until it answers 200, watching the job's stage meanwhile.
@@ -406,15 +458,12 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         the replicated URL reaches only one of them) and `base_url` is not used; one failure cancels
         all K jobs and raises `ReplicaStartError`.
         """
-        if not self._running or self.base_url is None:
+        if self._phase is not Phase.RUNNING or self.base_url is None:
             raise SandboxError("wait_for_ready() needs a started provider: call start_container() first")
         budget = self._active["ready_timeout_s"] if timeout_s is None else timeout_s
         _raise_if_rejected(_positive_number_rejection("timeout_s", budget))
         try:
-            if self._replica_children:
-                self._wait_replicas_ready(float(budget))
-            else:
-                self._wait_healthy((base_url or self.base_url).rstrip("/") + "/health", float(budget))
+            self._jobs.wait_ready(self, base_url or self.base_url, float(budget))
         except BaseException:
             self._teardown()
             raise
@@ -467,8 +516,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         """Unmount the route and cancel the job (all K with replicas, in parallel). Idempotent; never
         raises (a job that could not be cancelled is named in a WARNING)."""
         try:
-            self._stop_requested.set()
-            self._wake.set()  # a start or readiness wait in another thread notices at once
+            self._request_stop()  # a start or readiness wait in another thread notices at once
             self._teardown()
         except BaseException:  # a teardown must never mask the caller's own exception
             logger.exception("unexpected error while stopping HF job %s", self.job_id)
@@ -485,7 +533,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         client = self._job_client
         if client is not None:
             return client.job_logs(self._job_namespace, self.job_id, tail=tail)
-        client = _JobsClient(self.endpoint, self._resolve_token(), self._new_session())
+        client = _JobsClient(self.endpoint, self._resolve_token(), self._hooks()._new_session())
         try:
             return client.job_logs(self._job_namespace, self.job_id, tail=tail)
         finally:
@@ -500,44 +548,27 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         with its stage and message. `refresh=True` inspects every replica's job (one API call each),
         which also finds a dead job no session has tried yet. Needs `replicas` > 1 and a start.
         """
-        with self._lock:
-            children, base_url, proxy = list(self._replica_children), self.base_url, self._mounted_on
-        if not children:
+        replicas = self._replicas
+        if replicas is None:
             raise SandboxError("replica_status() needs a provider started with replicas > 1 (this one runs %s); "
                                "use .stage and .job_id for a single job" % (self.job_id or "no job"))
-        entries = self._proxy_replica_entries(proxy, base_url)
-        now = time.monotonic()
-        for index, child in enumerate(children):
-            entry = entries.get(child.upstream_url or "")
-            checked = self._replica_checked.get(index)
-            if refresh or (entry is not None and not entry["healthy"]
-                           and (checked is None or now - checked >= REPLICA_CHECK_INTERVAL_S)):
-                self._replica_checked[index] = now
-                self._check_replica(index, child, proxy, base_url)
-        entries = self._proxy_replica_entries(proxy, base_url)
-        status = []
-        for index, child in enumerate(children):
-            entry = entries.get(child.upstream_url or "") or {
-                "upstream": child.upstream_url, "open_sessions": 0, "healthy": False,
-                "reason": self._replica_removed.get(index, "not in the route (stopped)")}
-            message = ((child._last_job or {}).get("status") or {}).get("message")
-            status.append(dict(entry, index=index, job_id=child.job_id, stage=child.stage, message=message))
-        return status
+        return replicas.status(self, refresh)
+
+    @property
+    def phase(self) -> Phase:
+        """Where this provider is in its job's life (see `Phase`)."""
+        return self._phase
 
     @property
     def job_ids(self) -> List[str]:
         """Every job of this provider: K with replicas, else the one job (empty before a start)."""
-        if self._replica_children:
-            return [child.job_id for child in self._replica_children if child.job_id]
-        return [self.job_id] if self.job_id else []
+        return self._jobs.job_ids(self)
 
     @property
     def stage(self) -> Optional[str]:
         """The job's stage. With replicas: the least advanced stage of the live jobs (SCHEDULING until
         all K run), or, once every job has ended, their common end stage (ERROR if any failed)."""
-        if self._replica_children:
-            return _replicas_stage([child.stage for child in self._replica_children])
-        return self._stage
+        return self._jobs.stage(self)
 
     @stage.setter
     def stage(self, value: Optional[str]) -> None:
@@ -550,28 +581,28 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         self.stop_container()
 
     def __repr__(self) -> str:
-        replicas = " job_ids=%r" % (self.job_ids,) if self._replica_children else ""
+        job_ids = self.job_ids
         return "<HFSandboxProvider image=%r flavor=%r job_id=%r stage=%r base_url=%r%s>" % (
-            self.image, self.flavor, self.job_id, self.stage, self.base_url, replicas)
+            self.image, self.flavor, self.job_id, self.stage, self.base_url,
+            " job_ids=%r" % (job_ids,) if len(job_ids) > 1 else "")
 
     def __getstate__(self) -> Dict[str, Any]:
-        """Un-started providers pickle (TRL ships environment factories to workers); running ones don't."""
-        if self._running or self._starting:
+        """Un-started providers pickle (TRL ships environment factories to workers); running ones don't.
+        Only the settings in `_pickled_settings` travel: the copy starts its own job, on its own proxy."""
+        if self._phase is not Phase.IDLE:
             raise TypeError(
                 "cannot pickle an HFSandboxProvider while its job %s is running: pickle it before "
                 "start_container() (each worker then starts its own job) or call stop_container() first"
-                % self.job_id)
-        state = dict(self.__dict__)
-        for name in ("_lock", "_stop_requested", "_wake", "_watch", "_last_job", "_job_client", "_proxy", "_finalizer",
-                     "_mounted_on", "_replica_children"):
-            state.pop(name, None)
-        return state
+                % (self.job_id or "(being created)"))
+        return {name: getattr(self, name) for name in self._pickled_settings if hasattr(self, name)}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        for name in self._pickled_settings:
+            if name in state:
+                setattr(self, name, state[name])
         self._proxy = None  # a proxy's sockets and threads stay in their process: use the shared one
-        self._replica_children = []
         self._init_runtime_state()
+        self._reset_job_state()
 
     # -- overridable hooks ----------------------------------------------------------------------------
 
@@ -588,37 +619,105 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         Override to vary one replica, e.g. an env var or label per index."""
         return settings
 
-    # -- machinery --------------------------------------------------------------------------------------
+    # -- lifecycle state ----------------------------------------------------------------------------------
 
     def _init_runtime_state(self) -> None:
-        self._lock = threading.Lock()
-        self._stop_requested = threading.Event()
+        # One lock guards the phase and the job's handles; re-entrant so a teardown can move the phase
+        # while it swaps the handles out, in one critical section.
+        self._lock = threading.RLock()
+        self._phase = Phase.IDLE
+        self._stop_requested = threading.Event()  # "give up": set by stop, and by start_many's abort
         self._wake = threading.Event()  # set by the job watcher on a stage change, and by stop
         self._watch: Optional[_Watch] = None
         self._last_job: Optional[Mapping[str, Any]] = None
         self._job_client: Optional[_JobsClient] = None
-        if not hasattr(self, "_running"):
-            self._running = False
-        self._starting = False
+        # A replica job: a weak reference to the provider that owns it (whose hooks it uses).
+        self._owner: Optional["weakref.ReferenceType[HFSandboxProvider]"] = None
 
     def _reset_job_state(self) -> None:
         self.job_id: Optional[str] = None
         self.job_url: Optional[str] = None
         self.upstream_url: Optional[str] = None
         self.base_url: Optional[str] = None
-        self.stage = None
+        self._stage: Optional[str] = None
         self.timings: Dict[str, float] = {}
-        # With replicas: one single-job provider per job (sharing this one's proxy and the watcher),
-        # and why a replica was removed from the route (by index).
-        self._replica_children: List[HFSandboxProvider] = []
-        self._replica_removed: Dict[int, str] = {}
-        self._replica_checked: Dict[int, float] = {}  # when replica_status() last inspected each job
+        self._replicas: Optional[_ReplicaSet] = None  # set by a start with replicas > 1
         self._job_namespace: Optional[str] = None
-        self._running = False
         self._submitted_at = 0.0
         self._mounted_on: Optional[_proxy.AuthProxy] = None
         self._finalizer: Optional[weakref.finalize] = None
         self._active: Dict[str, Any] = self._settings({})  # this start's settings (after overrides)
+
+    def _move(self, phase: Phase) -> Phase:
+        """The one way the phase changes: under the lock, along `_PHASE_MOVES`. Returns the previous one."""
+        with self._lock:
+            previous = self._phase
+            if phase not in _PHASE_MOVES[previous]:
+                raise SandboxError("internal error: a provider in phase %s cannot move to %s"
+                                   % (previous.name, phase.name))
+            self._phase = phase
+            return previous
+
+    def _claim_start(self) -> None:
+        """Begin a start (refused unless IDLE) and clear the last job's state."""
+        with self._lock:
+            if self._phase is not Phase.IDLE:
+                raise SandboxError(
+                    "this provider already runs job %s; call stop_container() before starting another "
+                    "(or use one provider per environment)" % (self.job_id or "(being created)"))
+            self._stop_requested.clear()
+            self._reset_job_state()
+            self._move(Phase.SUBMITTING)
+
+    def _end_start(self, started: bool) -> None:
+        """End a start: RUNNING if it returned a URL and no stop landed meanwhile, else IDLE."""
+        if not started and self._phase is Phase.STARTING:  # a recorded job never outlives a failed start
+            self._teardown()
+        with self._lock:
+            self._move(Phase.RUNNING if started and self._phase is Phase.STARTING else Phase.IDLE)
+
+    def _request_stop(self) -> None:
+        """Make a start or readiness wait in another thread give up at its next check."""
+        self._stop_requested.set()
+        self._wake.set()
+
+    def _detach(self) -> "_Detached":
+        """Take what a teardown must release, in one critical section with the phase change (STOPPING
+        while a start is still in flight in its thread, which then returns IDLE; else IDLE), so a start
+        claimed right after cannot swap the job's identity under the teardown. Retires the safety net."""
+        with self._lock:
+            held = self._phase in _JOB_HELD
+            self._move(Phase.STOPPING if self._phase in _START_IN_FLIGHT else Phase.IDLE)
+            detached = _Detached(self.job_id if held else None, self._job_namespace, self.job_url,
+                                 self.base_url, self._mounted_on, self._job_client)
+            finalizer, self._finalizer = self._finalizer, None
+            self.base_url = self._mounted_on = self._job_client = None
+        if finalizer is not None:
+            if not finalizer.alive:  # the exit safety net already released the job and its route
+                detached = detached._replace(job_id=None, base_url=None)
+            finalizer.detach()
+            _live_finalizers.discard(finalizer)
+        return detached
+
+    @property
+    def _jobs(self) -> Any:
+        """What runs this provider's jobs: its `_ReplicaSet` after a start with replicas, else its own
+        single job (`_ONE_JOB`). Both offer start, wait_ready, teardown, job_ids and stage."""
+        return self._replicas or _ONE_JOB
+
+    def _hooks(self) -> "HFSandboxProvider":
+        """Whose overridable hooks this job uses: its own, or for a replica job its owner's."""
+        owner = self._owner() if self._owner is not None else None
+        return owner if owner is not None else self
+
+    def _teardown(self, client: Optional["_JobsClient"] = None) -> None:
+        """Unmount and cancel; log (never raise) whatever could not be cleaned up.
+
+        `client` is the starting thread's own client, in case a concurrent stop already took ours.
+        """
+        self._jobs.teardown(self, client)
+
+    # -- one job ------------------------------------------------------------------------------------------
 
     def _settings(self, overrides: Mapping[str, Any]) -> Dict[str, Any]:
         settings = {name: getattr(self, name) for name in _OVERRIDABLE}
@@ -643,9 +742,9 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
     def _elapsed(self) -> float:
         return time.monotonic() - self._submitted_at
 
-    def _start(self, settings: Dict[str, Any], token: str) -> str:
+    def _start_job(self, settings: Dict[str, Any], token: str) -> str:
         self._active = settings
-        client = self._job_client = _JobsClient(self.endpoint, token, self._new_session())
+        client = self._job_client = _JobsClient(self.endpoint, token, self._hooks()._new_session())
         try:
             namespace = settings["namespace"] or client.whoami_namespace()
         except BaseException:
@@ -669,7 +768,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
                 self.job_id = str(job["id"])
                 self._job_namespace = namespace
                 self.job_url = "%s/jobs/%s/%s" % (self.endpoint, namespace, self.job_id)
-                self._running = True
+                self._move(Phase.STARTING)  # from here on every teardown cancels this job
                 self.timings["created"] = self._elapsed()
             recorded = True
             self._arm_safety_net(client, None, None)
@@ -698,174 +797,20 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
             self._teardown(client)
             raise
 
-    def _claim_start(self) -> None:
-        """Mark this provider as starting (refused if it already runs a job) and clear the last job's state."""
-        with self._lock:
-            if self._running or self._starting:
-                raise SandboxError(
-                    "this provider already runs job %s; call stop_container() before starting another "
-                    "(or use one provider per environment)" % (self.job_id or "(being created)"))
-            self._starting = True
-            self._stop_requested.clear()
-            self._reset_job_state()
-
-    # -- replicas: K single-job providers behind one replica route --------------------------------------
-
-    def _start_replicas(self, settings: Dict[str, Any], token: str) -> str:
-        """Start K jobs in parallel (each through the single-job path, on its own route), then mount one
-        replica route over their URLs. Any failure cancels all K and raises one ReplicaStartError."""
-        count = int(settings["replicas"])
-        proxy = self._proxy_instance()
-        children = [self._replica_provider(proxy, token) for _ in range(count)]
-        replica_settings = [dict(self._replica_settings(i, dict(settings, replicas=1))) for i in range(count)]
-        for index, item in enumerate(replica_settings):  # a bad override fails before any job
-            reason = _settings_rejection(item, image_required=True)
-            if reason or item.get("replicas") != 1:
-                raise SandboxConfigError("_replica_settings(%d): %s" % (index, reason or "replicas must stay 1"))
-        self._active = settings
-        self._submitted_at = time.monotonic()
-        with self._lock:
-            self._replica_children = children
-            self._mounted_on = proxy
-            self._running = True  # from here on teardown stops the children, whatever happens
-        group = _ReplicaGroup(children, self._stop_requested, self._wake)
-
-        def start_one(index: int, child: "HFSandboxProvider") -> None:
-            child._claim_start()
-            try:
-                if group.stopping() or self._stop_requested.is_set():  # given up before this one began
-                    child._stop_requested.set()
-                    raise SandboxError("replica %d was not started: the start was given up" % index)
-                child._start(replica_settings[index], token)
-            finally:
-                with child._lock:
-                    child._starting = False
-
-        try:
-            logger.info("starting %d replica jobs of %s", count, settings["image"])
-            group.run(start_one, "hf-sandbox-replica-start")
-            self._raise_if_replicas_failed(group, "start")
-            with self._lock:
-                first = children[0]
-                self.job_id, self.job_url, self._job_namespace = first.job_id, first.job_url, first._job_namespace
-                self.upstream_url = first.upstream_url
-            base_url = proxy.mount_replicas([child.upstream_url for child in children], token=token,
-                                            verify=settings["verify"])
-            with self._lock:  # from now on a stop sees the route (an earlier stop cleared _mounted_on)
-                self._mounted_on, self.base_url = proxy, base_url
-            self._arm_route_safety_net(proxy, base_url)
-            if self._stop_requested.is_set():  # a stop that ran before base_url was set left the route
-                raise SandboxError("stop_container() was called while the %d replicas were starting" % count)
-            self.timings["created"] = self._replicas_time("created")
-            self.timings["running"] = self._replicas_time("running")
-            self.timings["url"] = self._elapsed()
-            logger.info("%d replica jobs (%s) serving on one route (%.1fs after submit)", count,
-                        ", ".join(self.job_ids), self._elapsed())
-            return base_url
-        except BaseException:
-            self._teardown()
-            raise
-
-    def _wait_replicas_ready(self, budget: float) -> None:
-        """Wait for every replica's own /health (in parallel); one failure fails them all."""
-        group = _ReplicaGroup(list(self._replica_children), self._stop_requested, self._wake)
-        group.run(lambda index, child: child.wait_for_ready(timeout_s=budget), "hf-sandbox-replica-ready")
-        self._raise_if_replicas_failed(group, "become ready")
-        self.timings["ready"] = self._elapsed()
-        logger.info("%d replica jobs ready (%.1fs after submit)", len(group.children), self._elapsed())
-
-    def _raise_if_replicas_failed(self, group: "_ReplicaGroup", phase: str) -> None:
-        if self._stop_requested.is_set():
-            raise SandboxError("stop_container() was called while the %d replicas were starting"
-                               % len(group.children))
-        if group.errors:
-            raise ReplicaStartError(phase, len(group.children), group.errors, group.aborted,
-                                    [child.job_id for child in group.children if child.job_id])
-
-    def _replica_provider(self, proxy: "_proxy.AuthProxy", token: str) -> "HFSandboxProvider":
-        """A single-job provider with this one's settings, class and hooks, sharing its proxy and token."""
-        child = object.__new__(type(self))  # not the constructor: a subclass may take other arguments
-        child.__dict__.update(self.__dict__)
-        child.replicas, child._token, child._proxy, child._running = 1, token, proxy, False
-        child._init_runtime_state()
-        child._reset_job_state()
-        return child
-
-    def _replicas_time(self, key: str) -> float:
-        """Seconds from this provider's submit until every replica had reached `key` of its timings."""
-        moments = [child._submitted_at + child.timings[key] for child in self._replica_children
-                   if key in child.timings]
-        return max(moments) - self._submitted_at if moments else self._elapsed()
-
-    @staticmethod
-    def _proxy_replica_entries(proxy: Optional["_proxy.AuthProxy"], base_url: Optional[str]
-                               ) -> Dict[str, Dict[str, Any]]:
-        """The proxy's status of the replica route by upstream URL ({} once it is unmounted)."""
-        if proxy is None or base_url is None:
-            return {}
-        try:
-            return {str(entry["upstream"]): dict(entry) for entry in proxy.replica_status(base_url)}
-        except ValueError:  # unmounted by a concurrent stop
-            return {}
-
-    def _check_replica(self, index: int, child: "HFSandboxProvider", proxy: Optional["_proxy.AuthProxy"],
-                       base_url: Optional[str]) -> None:
-        """Inspect a replica's job; one that has ended leaves the route for good, with a WARNING."""
-        client = child._job_client
-        if client is None or child.job_id is None or child.stage in TERMINAL_STAGES:
-            return
-        try:
-            job = client.get_job(child._job_namespace or "", child.job_id, retries=0)
-        except Exception as exc:  # a status call must not fail over a busy API: report what is known
-            logger.debug("replica %d: could not inspect job %s (%s)", index, child.job_id, type(exc).__name__)
-            return
-        child._last_job = job
-        stage = child._observe(job)
-        if stage not in TERMINAL_STAGES or proxy is None or base_url is None:
-            return
-        message = (job.get("status") or {}).get("message") or "(no message from the Jobs API)"
-        reason = "job %s: %s" % (stage, message)
-        self._replica_removed[index] = reason
-        try:
-            removed = proxy.remove_replica(base_url, child.upstream_url or "")
-        except ValueError:  # the route was unmounted meanwhile
-            removed = False
-        if removed:
-            logger.warning("replica %d (HF job %s) ended with stage %s (%s): taken out of rotation; %d replicas "
-                           "remain on the route", index, child.job_id, stage, message,
-                           len(self._proxy_replica_entries(proxy, base_url)))
-
-    def _arm_route_safety_net(self, proxy: "_proxy.AuthProxy", base_url: str) -> None:
-        """Unmount the replica route if this provider is collected (each replica's own net cancels its job)."""
-        self._swap_finalizer(weakref.finalize(self, _release_job, None, None, None, proxy, base_url, None))
-
-    def _teardown_replicas(self) -> None:
-        """Unmount the replica route, then stop every replica (each names a job it could not cancel)."""
-        with self._lock:
-            children, base_url, proxy = list(self._replica_children), self.base_url, self._mounted_on
-            finalizer, self._finalizer = self._finalizer, None
-            self._running = False
-            self.base_url = None
-            self._mounted_on = None
-        if finalizer is not None:
-            finalizer.detach()
-            _live_finalizers.discard(finalizer)
-        if base_url and proxy is not None:
-            try:
-                proxy.unmount(base_url)
-            except Exception as exc:
-                logger.warning("could not unmount the replica route of jobs %s (%s)",
-                               ", ".join(self.job_ids), type(exc).__name__)
-        stop_all(children)
-        self._stage = _replicas_stage([child.stage for child in children])
+    def _teardown_job(self, client: Optional["_JobsClient"]) -> None:
+        gone = self._detach()
+        cancelled = _release_job(client or gone.client, gone.namespace, gone.job_id, gone.proxy, gone.base_url,
+                                 gone.job_url)
+        if cancelled and self._stage not in TERMINAL_STAGES:
+            self._stage = "CANCELED"
 
     def _observe(self, job: Mapping[str, Any]) -> str:
         """Record the job's stage; log a line when it changes."""
         stage = str((job.get("status") or {}).get("stage") or "UNKNOWN")
-        if stage != self.stage:
-            logger.info("HF job %s: %s -> %s (%.1fs after submit)", self.job_id, self.stage or "submitted",
+        if stage != self._stage:
+            logger.info("HF job %s: %s -> %s (%.1fs after submit)", self.job_id, self._stage or "submitted",
                         stage, self._elapsed())
-            self.stage = stage
+            self._stage = stage
             if stage == "RUNNING" and "running" not in self.timings:
                 self.timings["running"] = self._elapsed()
         return stage
@@ -881,7 +826,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
 
     def _watch_job(self, client: "_JobsClient", job: Optional[Mapping[str, Any]]) -> None:
         """Register with the process-wide watcher: it refreshes the job and sets `_wake` on a change."""
-        self._watch = _watcher.register(client, self._new_session, self._job_namespace or "", self.job_id or "",
+        self._watch = _watcher.register(client, self._hooks()._new_session, self._job_namespace or "", self.job_id or "",
                                         float(self._active["poll_interval_s"]), self._wake, job,
                                         since=self._submitted_at)
 
@@ -913,7 +858,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
             urls = (job.get("status") or {}).get("exposeUrls") or []
             if urls:
                 url = str(urls[0]).rstrip("/")  # one port is exposed, so one URL
-                reason = self._exposed_url_rejection(url, job_id, port)
+                reason = self._hooks()._exposed_url_rejection(url, job_id, port)
                 if reason:
                     raise InsecureURLError(reason)
                 return url
@@ -982,31 +927,6 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
             old.detach()
             _live_finalizers.discard(old)
 
-    def _teardown(self, client: Optional["_JobsClient"] = None) -> None:
-        """Unmount and cancel; log (never raise) whatever could not be cleaned up.
-
-        `client` is the starting thread's own client, in case a concurrent stop already took ours.
-        """
-        if self._replica_children:
-            self._teardown_replicas()
-            return
-        with self._lock:
-            job_id, namespace, base_url, proxy = self.job_id, self._job_namespace, self.base_url, self._mounted_on
-            running, client = self._running, client or self._job_client
-            finalizer, self._finalizer = self._finalizer, None
-            self._running = False
-            self.base_url = None
-            self._mounted_on = None
-            self._job_client = None
-        if finalizer is not None:
-            if not finalizer.alive:  # the exit safety net already released this job
-                running, base_url = False, None
-            finalizer.detach()
-            _live_finalizers.discard(finalizer)
-        cancelled = _release_job(client, namespace, job_id if running else None, proxy, base_url, self.job_url)
-        if cancelled and self.stage not in TERMINAL_STAGES:
-            self.stage = "CANCELED"
-
     def _cancel_by_label(self, client: "_JobsClient", namespace: str, start_label: str) -> None:
         """After a create that failed or was interrupted, cancel the job it may have made anyway."""
         try:
@@ -1025,6 +945,308 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
             else:
                 logger.warning("HF job %s (made by a failed create) could not be cancelled: %s; run "
                                "`python -m hf_sandbox_provider sweep`", job_id, outcome)
+
+
+# --------------------------------------------------------------------------------------------------
+# What runs a provider's jobs: its own single job, or a replica set of K single-job providers
+# --------------------------------------------------------------------------------------------------
+
+
+class _OneJob:
+    """The provider's own single job. `_ReplicaSet` offers the same five operations for K jobs, so the
+    provider delegates to one or the other (`HFSandboxProvider._jobs`) and never branches on replicas."""
+
+    @staticmethod
+    def start(provider: HFSandboxProvider, settings: Dict[str, Any], token: str) -> str:
+        return provider._start_job(settings, token)
+
+    @staticmethod
+    def wait_ready(provider: HFSandboxProvider, base_url: str, budget: float) -> None:
+        provider._wait_healthy(base_url.rstrip("/") + "/health", budget)
+
+    @staticmethod
+    def teardown(provider: HFSandboxProvider, client: Optional["_JobsClient"]) -> None:
+        provider._teardown_job(client)
+
+    @staticmethod
+    def job_ids(provider: HFSandboxProvider) -> List[str]:
+        return [provider.job_id] if provider.job_id else []
+
+    @staticmethod
+    def stage(provider: HFSandboxProvider) -> Optional[str]:
+        return provider._stage
+
+
+_ONE_JOB = _OneJob()
+
+
+class _ReplicaSet:
+    """K jobs of one image behind ONE replica route, for the provider that owns them.
+
+    Each replica is a plain single-job `HFSandboxProvider`, built by the constructor from the owner's
+    settings for its index (`_replica_settings`), sharing the owner's proxy and token, using the
+    owner's overridable hooks (through a weak reference: the set never keeps its owner alive). Each
+    replica starts on its own route (its readiness is probed there); the replica route over their
+    URLs is what the owner returns. The set holds no reference to its owner: every call gets it.
+    """
+
+    def __init__(self, owner: HFSandboxProvider, settings: Mapping[str, Any], token: str,
+                 proxy: "_proxy.AuthProxy") -> None:
+        count = int(settings["replicas"])
+        per_replica = [dict(owner._replica_settings(i, dict(settings, replicas=1))) for i in range(count)]
+        for index, item in enumerate(per_replica):  # a bad override fails before any job
+            reason = _settings_rejection(item, image_required=True)
+            if reason or item.get("replicas") != 1:
+                raise SandboxConfigError("_replica_settings(%d): %s" % (index, reason or "replicas must stay 1"))
+        self.proxy = proxy
+        self.children = [self._replica(owner, item, token, proxy) for item in per_replica]
+        self.removed: Dict[int, str] = {}  # why a replica left the route, by index
+        self.checked: Dict[int, float] = {}  # when status() last inspected each replica's job
+
+    @staticmethod
+    def _replica(owner: HFSandboxProvider, settings: Mapping[str, Any], token: str,
+                 proxy: "_proxy.AuthProxy") -> HFSandboxProvider:
+        options = {name: settings[name] for name in _OVERRIDABLE if name != "replicas"}
+        child = HFSandboxProvider(settings["image"], port=settings["port"], env_vars=settings["env_vars"],
+                                  token=token, endpoint=owner.endpoint, proxy=proxy, **options)
+        child._owner = weakref.ref(owner)
+        return child
+
+    # -- the five operations the provider delegates ---------------------------------------------------
+
+    def start(self, owner: HFSandboxProvider, settings: Dict[str, Any], token: str) -> str:
+        """Start the K jobs in parallel, then mount one replica route over their URLs. Any failure
+        cancels all K and raises one ReplicaStartError."""
+        count, proxy = len(self.children), self.proxy
+        owner._active = settings
+        owner._submitted_at = time.monotonic()
+        with owner._lock:
+            owner._mounted_on = proxy
+            owner._move(Phase.STARTING)  # from here on a teardown stops the replicas, whatever happens
+        group = _ReplicaGroup(self.children, owner._stop_requested, owner._wake)
+
+        def start_one(index: int, child: HFSandboxProvider) -> None:
+            child._claim_start()
+            started = False
+            try:
+                if group.stopping() or owner._stop_requested.is_set():  # given up before this one began
+                    child._request_stop()
+                    raise SandboxError("replica %d was not started: the start was given up" % index)
+                child._start_job(child._settings({}), token)
+                started = True
+            finally:
+                child._end_start(started)
+
+        try:
+            logger.info("starting %d replica jobs of %s", count, settings["image"])
+            group.run(start_one, "hf-sandbox-replica-start")
+            self._raise_if_failed(owner, group, "start")
+            first = self.children[0]
+            with owner._lock:
+                owner.job_id, owner.job_url, owner._job_namespace = first.job_id, first.job_url, first._job_namespace
+                owner.upstream_url = first.upstream_url
+            base_url = proxy.mount_replicas([child.upstream_url for child in self.children], token=token,
+                                            verify=settings["verify"])
+            with owner._lock:  # from now on a stop sees the route (an earlier stop cleared _mounted_on)
+                owner._mounted_on, owner.base_url = proxy, base_url
+            # The owner's safety net unmounts the route if it is collected (each replica's own cancels its job).
+            owner._swap_finalizer(weakref.finalize(owner, _release_job, None, None, None, proxy, base_url, None))
+            if owner._stop_requested.is_set():  # a stop that ran before base_url was set left the route
+                raise SandboxError("stop_container() was called while the %d replicas were starting" % count)
+            owner.timings["created"] = self._all_reached(owner, "created")
+            owner.timings["running"] = self._all_reached(owner, "running")
+            owner.timings["url"] = owner._elapsed()
+            logger.info("%d replica jobs (%s) serving on one route (%.1fs after submit)", count,
+                        ", ".join(self.job_ids(owner)), owner._elapsed())
+            return base_url
+        except BaseException:
+            owner._teardown()
+            raise
+
+    def wait_ready(self, owner: HFSandboxProvider, base_url: str, budget: float) -> None:
+        """Wait for every replica's own /health (in parallel); one failure fails them all."""
+        group = _ReplicaGroup(list(self.children), owner._stop_requested, owner._wake)
+        group.run(lambda index, child: child.wait_for_ready(timeout_s=budget), "hf-sandbox-replica-ready")
+        self._raise_if_failed(owner, group, "become ready")
+        owner.timings["ready"] = owner._elapsed()
+        logger.info("%d replica jobs ready (%.1fs after submit)", len(group.children), owner._elapsed())
+
+    def teardown(self, owner: HFSandboxProvider, client: Optional["_JobsClient"]) -> None:
+        """Unmount the replica route, then stop every replica (each names a job it could not cancel)."""
+        gone = owner._detach()
+        if gone.base_url and gone.proxy is not None:
+            try:
+                gone.proxy.unmount(gone.base_url)
+            except Exception as exc:
+                logger.warning("could not unmount the replica route of jobs %s (%s)",
+                               ", ".join(self.job_ids(owner)), type(exc).__name__)
+        stop_all(self.children)
+
+    def job_ids(self, owner: HFSandboxProvider) -> List[str]:
+        return [child.job_id for child in self.children if child.job_id]
+
+    def stage(self, owner: HFSandboxProvider) -> Optional[str]:
+        return _replicas_stage([child.stage for child in self.children])
+
+    # -- status -------------------------------------------------------------------------------------------
+
+    def status(self, owner: HFSandboxProvider, refresh: bool) -> List[Dict[str, Any]]:
+        """`HFSandboxProvider.replica_status()`: the proxy's view of each replica plus its job's stage."""
+        with owner._lock:
+            base_url, proxy = owner.base_url, owner._mounted_on
+        entries = self._route_entries(proxy, base_url)
+        now = time.monotonic()
+        for index, child in enumerate(self.children):
+            entry = entries.get(child.upstream_url or "")
+            checked = self.checked.get(index)
+            if refresh or (entry is not None and not entry["healthy"]
+                           and (checked is None or now - checked >= REPLICA_CHECK_INTERVAL_S)):
+                self.checked[index] = now
+                self._check(index, child, proxy, base_url)
+        entries = self._route_entries(proxy, base_url)
+        status = []
+        for index, child in enumerate(self.children):
+            entry = entries.get(child.upstream_url or "") or {
+                "upstream": child.upstream_url, "open_sessions": 0, "healthy": False,
+                "reason": self.removed.get(index, "not in the route (stopped)")}
+            message = ((child._last_job or {}).get("status") or {}).get("message")
+            status.append(dict(entry, index=index, job_id=child.job_id, stage=child.stage, message=message))
+        return status
+
+    def _check(self, index: int, child: HFSandboxProvider, proxy: Optional["_proxy.AuthProxy"],
+               base_url: Optional[str]) -> None:
+        """Inspect a replica's job; one that has ended leaves the route for good, with a WARNING."""
+        client = child._job_client
+        if client is None or child.job_id is None or child.stage in TERMINAL_STAGES:
+            return
+        try:
+            job = client.get_job(child._job_namespace or "", child.job_id, retries=0)
+        except Exception as exc:  # a status call must not fail over a busy API: report what is known
+            logger.debug("replica %d: could not inspect job %s (%s)", index, child.job_id, type(exc).__name__)
+            return
+        child._last_job = job
+        stage = child._observe(job)
+        if stage not in TERMINAL_STAGES or proxy is None or base_url is None:
+            return
+        message = (job.get("status") or {}).get("message") or "(no message from the Jobs API)"
+        self.removed[index] = "job %s: %s" % (stage, message)
+        try:
+            removed = proxy.remove_replica(base_url, child.upstream_url or "")
+        except ValueError:  # the route was unmounted meanwhile
+            removed = False
+        if removed:
+            logger.warning("replica %d (HF job %s) ended with stage %s (%s): taken out of rotation; %d replicas "
+                           "remain on the route", index, child.job_id, stage, message,
+                           len(self._route_entries(proxy, base_url)))
+
+    # -- helpers ------------------------------------------------------------------------------------------
+
+    def _raise_if_failed(self, owner: HFSandboxProvider, group: "_ReplicaGroup", phase: str) -> None:
+        if owner._stop_requested.is_set():
+            raise SandboxError("stop_container() was called while the %d replicas were starting"
+                               % len(group.children))
+        if group.errors:
+            raise ReplicaStartError(phase, len(group.children), group.errors, group.aborted,
+                                    [child.job_id for child in group.children if child.job_id])
+
+    def _all_reached(self, owner: HFSandboxProvider, key: str) -> float:
+        """Seconds from the owner's submit until every replica had reached `key` of its timings."""
+        moments = [child._submitted_at + child.timings[key] for child in self.children if key in child.timings]
+        return max(moments) - owner._submitted_at if moments else owner._elapsed()
+
+    @staticmethod
+    def _route_entries(proxy: Optional["_proxy.AuthProxy"], base_url: Optional[str]) -> Dict[str, Dict[str, Any]]:
+        """The proxy's status of the replica route by upstream URL ({} once it is unmounted)."""
+        if proxy is None or base_url is None:
+            return {}
+        try:
+            return {str(entry["upstream"]): dict(entry) for entry in proxy.replica_status(base_url)}
+        except ValueError:  # unmounted by a concurrent stop
+            return {}
+
+
+class _ReplicaGroup:
+    """Runs one action (start, or wait until ready) on K replica providers in parallel, all or nothing:
+    the first failure stops the others (their jobs are cancelled by their own teardown), and so does
+    a stop of the provider that owns them (`stop_requested`, e.g. set by a start_many() abort)."""
+
+    def __init__(self, children: List["HFSandboxProvider"], stop_requested: threading.Event,
+                 wake: threading.Event) -> None:
+        self.children = children
+        self.errors: List[Tuple[int, BaseException]] = []
+        self.aborted = 0  # replicas given up because another one failed
+        self._stop_requested = stop_requested
+        self._wake = wake  # the owner's: set by its stop, and here by each replica that finishes
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._finished = 0
+
+    def run(self, action: Callable[[int, "HFSandboxProvider"], None], name: str) -> None:
+        """`action(index, child)` in one thread per replica; returns when all have finished."""
+        threads = [threading.Thread(target=self._work, args=(i, child, action), name="%s-%d" % (name, i),
+                                    daemon=True) for i, child in enumerate(self.children)]
+        try:
+            for thread in threads:
+                thread.start()
+            while True:
+                self._wake.clear()  # before the checks, so a change made after them still wakes the wait
+                if self._stop_requested.is_set() and not self.stopping():
+                    self.abort()
+                with self._lock:
+                    if self._finished == len(threads):
+                        break
+                self._wake.wait(0.5)  # bounded: a Ctrl-C reaches this thread
+            for thread in threads:
+                thread.join()  # each has finished its action; this only reaps it
+        except BaseException:
+            self.abort()
+            for thread in threads:
+                if thread.ident is not None:
+                    thread.join()
+            raise
+
+    def stopping(self) -> bool:
+        with self._lock:
+            return self._stopping
+
+    def abort(self) -> None:
+        """Make every replica's start or readiness wait give up at once."""
+        with self._lock:
+            self._stopping = True
+        for child in self.children:
+            child._request_stop()
+
+    def _work(self, index: int, child: "HFSandboxProvider", action: Callable[[int, "HFSandboxProvider"], None]) -> None:
+        try:
+            action(index, child)
+        except BaseException as exc:  # recorded and raised by the provider, never lost
+            with self._lock:
+                if self._stopping and child._stop_requested.is_set():
+                    self.aborted += 1
+                    return
+                self.errors.append((index, exc))
+            self.abort()
+        finally:
+            with self._lock:
+                self._finished += 1
+            self._wake.set()
+
+
+# Order of the live stages, least advanced first (an unknown live stage counts as not running yet).
+_LIVE_STAGE_ORDER = {None: 0, "SCHEDULING": 1, "RUNNING": 2}
+
+
+def _replicas_stage(stages: Sequence[Optional[str]]) -> Optional[str]:
+    """One stage for K jobs: the least advanced live one; once all ended, their common end (ERROR first)."""
+    if not stages:
+        return None
+    live = [stage for stage in stages if stage not in TERMINAL_STAGES]
+    if live:
+        return min(live, key=lambda stage: _LIVE_STAGE_ORDER.get(stage, 1))
+    for stage in ("ERROR", "CANCELED"):  # a failure shows first; a stopped group reads CANCELED
+        if stage in stages:
+            return stage
+    return stages[0]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1092,8 +1314,7 @@ class _Launch:
             self.aborted += len(self.providers) - self._next
             self._next = len(self.providers)
         for provider in in_flight:
-            provider._stop_requested.set()
-            provider._wake.set()
+            provider._request_stop()
 
     def _report(self, index: int, error: Optional[BaseException]) -> None:
         with self._lock:
@@ -1109,91 +1330,6 @@ class _Launch:
             if error is not None:
                 line += "; environment %d: %s" % (index, str(error).splitlines()[0] if str(error) else type(error).__name__)
             print(line, file=sys.stderr, flush=True)
-
-
-class _ReplicaGroup:
-    """Runs one action (start, or wait until ready) on K replica providers in parallel, all or nothing:
-    the first failure stops the others (their jobs are cancelled by their own teardown), and so does
-    a stop of the provider that owns them (`stop_requested`, e.g. set by a start_many() abort)."""
-
-    def __init__(self, children: List["HFSandboxProvider"], stop_requested: threading.Event,
-                 wake: threading.Event) -> None:
-        self.children = children
-        self.errors: List[Tuple[int, BaseException]] = []
-        self.aborted = 0  # replicas given up because another one failed
-        self._stop_requested = stop_requested
-        self._wake = wake  # the owner's: set by its stop, and here by each replica that finishes
-        self._lock = threading.Lock()
-        self._stopping = False
-        self._finished = 0
-
-    def run(self, action: Callable[[int, "HFSandboxProvider"], None], name: str) -> None:
-        """`action(index, child)` in one thread per replica; returns when all have finished."""
-        threads = [threading.Thread(target=self._work, args=(i, child, action), name="%s-%d" % (name, i),
-                                    daemon=True) for i, child in enumerate(self.children)]
-        try:
-            for thread in threads:
-                thread.start()
-            while True:
-                self._wake.clear()  # before the checks, so a change made after them still wakes the wait
-                if self._stop_requested.is_set() and not self.stopping():
-                    self.abort()
-                with self._lock:
-                    if self._finished == len(threads):
-                        break
-                self._wake.wait(0.5)  # bounded: a Ctrl-C reaches this thread
-            for thread in threads:
-                thread.join()  # each has finished its action; this only reaps it
-        except BaseException:
-            self.abort()
-            for thread in threads:
-                if thread.ident is not None:
-                    thread.join()
-            raise
-
-    def stopping(self) -> bool:
-        with self._lock:
-            return self._stopping
-
-    def abort(self) -> None:
-        """Make every replica's start or readiness wait give up at once."""
-        with self._lock:
-            self._stopping = True
-        for child in self.children:
-            child._stop_requested.set()
-            child._wake.set()
-
-    def _work(self, index: int, child: "HFSandboxProvider", action: Callable[[int, "HFSandboxProvider"], None]) -> None:
-        try:
-            action(index, child)
-        except BaseException as exc:  # recorded and raised by the provider, never lost
-            with self._lock:
-                if self._stopping and child._stop_requested.is_set():
-                    self.aborted += 1
-                    return
-                self.errors.append((index, exc))
-            self.abort()
-        finally:
-            with self._lock:
-                self._finished += 1
-            self._wake.set()
-
-
-# Order of the live stages, least advanced first (an unknown live stage counts as not running yet).
-_LIVE_STAGE_ORDER = {None: 0, "SCHEDULING": 1, "RUNNING": 2}
-
-
-def _replicas_stage(stages: Sequence[Optional[str]]) -> Optional[str]:
-    """One stage for K jobs: the least advanced live one; once all ended, their common end (ERROR first)."""
-    if not stages:
-        return None
-    live = [stage for stage in stages if stage not in TERMINAL_STAGES]
-    if live:
-        return min(live, key=lambda stage: _LIVE_STAGE_ORDER.get(stage, 1))
-    for stage in ("ERROR", "CANCELED"):  # a failure shows first; a stopped group reads CANCELED
-        if stage in stages:
-            return stage
-    return stages[0]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1381,17 +1517,6 @@ def _job_body(settings: Mapping[str, Any], start_label: str) -> Dict[str, Any]:
     return body
 
 
-def _is_loopback_host(host: Optional[str]) -> bool:
-    if not host:
-        return False
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _exposed_url_rejection(url: str, job_id: str, port: int, endpoint: str) -> Optional[str]:
     """Why `url` must not receive the token, or None.
 
@@ -1444,31 +1569,6 @@ def _health_status_rejection(status: int) -> Optional[str]:
 # --------------------------------------------------------------------------------------------------
 # Token and endpoint discovery
 # --------------------------------------------------------------------------------------------------
-
-
-def _discover_token() -> Optional[str]:
-    """huggingface_hub's `get_token()`, else HF_TOKEN, else the token file. Never logged."""
-    try:
-        try:
-            from huggingface_hub import get_token  # type: ignore[attr-defined]
-        except ImportError:
-            from huggingface_hub.utils import get_token  # type: ignore[no-redef]
-        token = get_token()
-        if token:
-            return token.strip()
-    except Exception:  # absent or too old: fall back to the documented locations
-        pass
-    token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
-    if token and token.strip():
-        return token.strip()
-    path = os.environ.get("HF_TOKEN_PATH") or os.path.join(
-        os.environ.get("HF_HOME") or os.path.join(
-            os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"), "token")
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return handle.read().strip() or None
-    except OSError:
-        return None
 
 
 def _endpoint_rejection(endpoint: str) -> Optional[str]:
@@ -1781,7 +1881,6 @@ class _ApiBudget:
         self.sleep = sleep
         self.paused_until = 0.0
         self.rate_limited_count = 0
-        self.sent_total = 0  # calls let through so far (the bench reports them per environment)
         self._sent: deque = deque()
         self._lock = threading.Lock()
 
@@ -1799,7 +1898,6 @@ class _ApiBudget:
                                    self.calls, self.window_s, wait)
                 if wait <= 0:
                     self._sent.append(now)
-                    self.sent_total += 1
                     return
             self.sleep(wait)
 
@@ -1837,7 +1935,7 @@ class _Watch:
         self.wake = wake  # set whenever `job` changes stage/URLs or `error` is set
         self.job: Optional[Mapping[str, Any]] = job
         self.error: Optional[BaseException] = None
-        self.refreshed = 0  # answers received (tests and the bench read it)
+        self.refreshed = 0  # answers received: a refresh inspects the least refreshed missing jobs first
 
     def interval_s(self, now: float) -> float:
         """This job's refresh interval: its provider's, slowed down once it has waited a long time."""
@@ -1886,7 +1984,7 @@ class _JobWatcher:
         self._cond = threading.Condition(threading.Lock())
         self._groups: Dict[Tuple[str, str, str], _WatchGroup] = {}
         self._thread: Optional[threading.Thread] = None
-        self.refreshes = 0  # API refreshes made (one per group per interval)
+        self.refreshes = 0  # refreshes made (one API call each when no job is missing): the O(1) test reads it
 
     def register(self, client: "_JobsClient", new_session: Callable[[], requests.Session], namespace: str,
                  job_id: str, interval_s: float, wake: threading.Event,
@@ -1956,7 +2054,7 @@ class _JobWatcher:
                 found = {watches[0].job_id: client.get_job(group.namespace, watches[0].job_id, retries=0)}
             else:
                 listed = client.list_jobs(group.namespace, labels={PROCESS_LABEL_KEY: _process_label()},
-                                          stages=("SCHEDULING", "RUNNING"), retries=0)
+                                          stages=_proxy.JOB_LIVE_STAGES, retries=0)
                 found = {str(job.get("id")): job for job in listed}
                 # the least refreshed first, so a job that stays unlisted cannot starve the others
                 missing = sorted((w for w in watches if w.job_id not in found),
@@ -2314,7 +2412,18 @@ def _smoke_checks(smoke: _Smoke, base_url: str, action: Mapping[str, Any]) -> No
     smoke.stage("WebSocket /ws reset + %d steps" % SMOKE_WS_STEPS, websocket)
 
 
-def _run_smoke(args: argparse.Namespace) -> int:
+def _import_emulator() -> Any:
+    """The local HF Jobs emulator module, imported only when `smoke --local` asks for it; None if absent."""
+    import importlib
+    import importlib.util
+
+    name = "%s.hf_jobs_emulator" % __package__ if __package__ else "hf_jobs_emulator"
+    if importlib.util.find_spec(name) is None:
+        return None
+    return importlib.import_module(name)  # present but broken: its own error says why
+
+
+def _run_smoke(args: Any) -> int:
     out = sys.stderr if args.json else sys.stdout
     smoke = _Smoke(quiet=False, out=out)
     try:
@@ -2331,10 +2440,12 @@ def _run_smoke(args: argparse.Namespace) -> int:
     try:
         settings: Dict[str, Any] = dict(flavor=args.flavor)
         if args.local:
-            if __package__:
-                from . import hf_jobs_emulator as _emulator
-            else:
-                import hf_jobs_emulator as _emulator
+            _emulator = _import_emulator()
+            if _emulator is None:
+                print("error: smoke --local needs hf_jobs_emulator.py next to this module (it is not part of a "
+                      "vendored copy); copy it from the hf-sandbox-provider repository, or run smoke without "
+                      "--local against the Hub", file=sys.stderr)
+                return EXIT_USAGE
             emulator = _emulator.JobsEmulator()
             smoke.stage("start local Jobs emulator", lambda: "endpoint %s" % emulator.start().endpoint)
             settings.update(endpoint=emulator.endpoint, token=emulator.token,
@@ -2425,7 +2536,7 @@ def _format_age(seconds: Optional[float]) -> str:
     return "%.1fh old" % (seconds / 3600)
 
 
-def _run_sweep(args: argparse.Namespace) -> int:
+def _run_sweep(args: Any) -> int:
     """Cancel (or with --dry-run, list) this library's jobs the current user left scheduling or running."""
     try:
         endpoint = _resolve_endpoint(args.endpoint)
@@ -2448,7 +2559,7 @@ def _run_sweep(args: argparse.Namespace) -> int:
         user = client.whoami_namespace()
         namespace = args.namespace or user
         found = client.list_jobs(namespace, labels={PROVIDER_LABEL_KEY: PROVIDER_LABEL_VALUE},
-                                 stages=("SCHEDULING", "RUNNING"))
+                                 stages=_proxy.JOB_LIVE_STAGES)
         failed = swept = 0
         now = time.time()
         for job in found:
@@ -2478,498 +2589,9 @@ def _run_sweep(args: argparse.Namespace) -> int:
         client.close()
 
 
-# --------------------------------------------------------------------------------------------------
-# CLI: bench (the lifecycle benchmark; machinery apart from the library above)
-# --------------------------------------------------------------------------------------------------
+def _parser() -> Any:
+    import argparse  # only the command line needs it: a trainer importing the library never pays for it
 
-# Concurrency grid of `bench` (issue 5): doubling up to what one trainer commonly launches together.
-BENCH_DEFAULT_GRID = (1, 2, 4, 8, 16, 32, 64)
-# HF's CPU cold start is 4-6 s (the upstream PR's table: scheduling p50 4.0-5.0 s); the emulator
-# waits this long in SCHEDULING so --local timings have the real shape.
-BENCH_DEFAULT_SCHEDULING_DELAY_S = 5.0
-# Steps per episode after the reset: enough to exercise a session, short next to the lifecycle.
-BENCH_DEFAULT_STEPS = 5
-# RSS and thread count are sampled this often while a concurrency level runs (peak per level).
-BENCH_SAMPLE_S = 0.05
-# Budget for one concurrency level on top of the providers' own timeouts (joins never hang).
-BENCH_LEVEL_TIMEOUT_S = 900.0
-# --emulator-process: how long the child may take to print its endpoint, and to stop its jobs.
-BENCH_EMULATOR_START_S = 30.0
-BENCH_EMULATOR_STOP_S = 30.0
-
-
-def _percentile(values: Sequence[float], q: float) -> Optional[float]:
-    """Nearest-rank percentile (q in 0..100) of `values`, or None when empty."""
-    ordered = sorted(v for v in values if v is not None)
-    if not ordered:
-        return None
-    rank = max(1, int(-(-q * len(ordered) // 100)))  # ceil(q/100 * n)
-    return ordered[min(rank, len(ordered)) - 1]
-
-
-def _process_sample() -> Tuple[Optional[int], int]:
-    """(resident set size in bytes or None, OS thread count) of this process."""
-    rss, threads = None, threading.active_count()
-    try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    rss = int(line.split()[1]) * 1024
-                elif line.startswith("Threads:"):
-                    threads = int(line.split()[1])
-    except OSError:  # not Linux: ru_maxrss (KiB on Linux, bytes on macOS) is the best we have
-        import resource
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        rss = peak if sys.platform == "darwin" else peak * 1024
-    return rss, threads
-
-
-class _Sampler:
-    """Peak RSS and thread count of this process while a level runs (a background sampling thread)."""
-
-    def __init__(self) -> None:
-        self.peak_rss, self.peak_threads = _process_sample()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="bench-sampler", daemon=True)
-
-    def __enter__(self) -> "_Sampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self._stop.set()
-        self._thread.join(5.0)
-
-    def _run(self) -> None:
-        while not self._stop.wait(BENCH_SAMPLE_S):
-            rss, threads = _process_sample()
-            self.peak_rss = max(self.peak_rss or 0, rss or 0) or None
-            self.peak_threads = max(self.peak_threads, threads)
-
-
-def _run_episode(base_url: str, steps: int, http: bool, action: Mapping[str, Any],
-                 after_reset: Callable[[], None] = lambda: None) -> None:
-    """reset + `steps` steps over one WebSocket session (or the legacy HTTP endpoints).
-
-    `after_reset` runs with the session open (bench --hold measures memory there)."""
-    if http:
-        with requests.Session() as session:
-            session.trust_env = False
-            session.post(base_url + "/reset", json={}, timeout=SMOKE_REQUEST_TIMEOUT_S).raise_for_status()
-            after_reset()
-            for _ in range(steps):
-                session.post(base_url + "/step", json={"action": dict(action)},
-                             timeout=SMOKE_REQUEST_TIMEOUT_S).raise_for_status()
-        return
-    ws = _WSClient("ws" + base_url[len("http"):] + "/ws", timeout_s=SMOKE_REQUEST_TIMEOUT_S)
-    try:
-        answers = [ws.request({"type": "reset", "data": {}})]
-        after_reset()
-        answers += [ws.request({"type": "step", "data": dict(action)}) for _ in range(steps)]
-    finally:
-        ws.close()
-    bad = [a for a in answers if a.get("type") != "observation"]
-    if bad:
-        raise SandboxError("episode: server answered %s" % json.dumps(bad[0])[:300])
-
-
-class _BenchRun:
-    """One environment of one concurrency level: its provider and what happened to it."""
-
-    def __init__(self, provider: HFSandboxProvider) -> None:
-        self.provider = provider
-        self.error: Optional[str] = None
-        self.total: Optional[float] = None
-        self.episode: Optional[float] = None
-        self.timings: Dict[str, float] = {}
-        self.job_id: Optional[str] = None
-        self.ready_mono: Optional[float] = None
-
-
-class _Hold:
-    """bench --hold: every environment pauses when ready, and again with its session open, so the
-    main thread can sample this process's memory with all providers idle, then with all sessions open."""
-
-    def __init__(self, parties: int) -> None:
-        self.barriers = [threading.Barrier(parties + 1) for _ in range(4)]
-
-    def meet(self, index: int) -> None:
-        self.barriers[index].wait(BENCH_LEVEL_TIMEOUT_S)
-
-    def abort(self) -> None:
-        for barrier in self.barriers:
-            barrier.abort()
-
-
-def _bench_one(run: _BenchRun, args: argparse.Namespace, on_done: Callable[[_BenchRun], None],
-               hold: Optional[_Hold] = None) -> None:
-    provider = run.provider
-    began = time.monotonic()
-
-    def sessions_open() -> None:
-        if hold is not None:
-            hold.meet(2)  # every session open: the main thread samples
-            hold.meet(3)
-
-    try:
-        provider.wait_for_ready(provider.start_container())
-        run.ready_mono = time.monotonic()
-        run.job_id = provider.job_id
-        if hold is not None:
-            hold.meet(0)  # every provider ready and idle: the main thread samples
-            hold.meet(1)
-        if args.steps >= 0 and not args.no_episode:
-            episode_began = time.monotonic()
-            _run_episode(provider.base_url or "", args.steps, args.http, SMOKE_DEFAULT_ACTION, sessions_open)
-            run.episode = time.monotonic() - episode_began
-    except Exception as exc:
-        if hold is not None:
-            hold.abort()  # the others must not wait for this one
-        run.error = "%s: %s" % (type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-    finally:
-        run.job_id = provider.job_id or run.job_id
-        run.timings = dict(provider.timings)
-        provider.stop_container()
-        run.total = time.monotonic() - began
-        on_done(run)
-
-
-def _bench_level(concurrency: int, args: argparse.Namespace, settings: Mapping[str, Any], emulator: Any,
-                 say: Callable[[str], None]) -> Dict[str, Any]:
-    """Start `concurrency` providers at once from threads, each: ready, episode, stop; summarise."""
-    runs = [_BenchRun(HFSandboxProvider(args.image, **settings)) for _ in range(concurrency)]
-    budget = _api_budget(settings["endpoint"], settings["token"]) if settings.get("token") else None
-    calls_before = dict(emulator.api_calls) if emulator is not None else {}
-    sent_before = budget.sent_total if budget is not None else 0
-    refreshes_before = _watcher.refreshes
-    finished: List[_BenchRun] = []
-    lock = threading.Lock()
-    began = time.monotonic()
-
-    def on_done(run: _BenchRun) -> None:
-        with lock:
-            finished.append(run)
-            count = len(finished)
-        say("  c=%-4d %3d/%d %s %s%s" % (
-            concurrency, count, concurrency, "ok  " if run.error is None else "FAIL", run.job_id or "-",
-            "  ready %.2fs" % run.timings["ready"] if "ready" in run.timings else "  " + (run.error or "")))
-
-    hold = _Hold(concurrency) if args.hold else None
-    memory: Dict[str, Any] = {}
-    threads = [threading.Thread(target=_bench_one, args=(run, args, on_done, hold), name="bench-env", daemon=True)
-               for run in runs]
-    baseline_rss, baseline_threads = _process_sample()
-    with _Sampler() as sampler:
-        try:
-            for thread in threads:
-                thread.start()
-            if hold is not None:
-                memory = _hold_samples(hold, concurrency, baseline_rss, baseline_threads, not args.no_episode)
-            deadline = began + BENCH_LEVEL_TIMEOUT_S
-            for thread in threads:
-                while thread.is_alive() and time.monotonic() < deadline:
-                    thread.join(min(0.5, max(0.0, deadline - time.monotonic())))  # Ctrl-C reaches us
-        except BaseException:  # Ctrl-C: stop every environment of this level before leaving
-            if hold is not None:
-                hold.abort()
-            stop_all(run.provider for run in runs)
-            raise
-    wall = time.monotonic() - began
-    stuck = sum(thread.is_alive() for thread in threads)
-    if stuck:
-        stop_all(run.provider for run in runs)
-    ok = [run for run in runs if run.error is None and run.total is not None]
-    scheduling = [run.timings["running"] for run in ok if "running" in run.timings]
-    to_ready = [run.timings["ready"] - run.timings["running"] for run in ok
-                if "ready" in run.timings and "running" in run.timings]
-    overhead: List[float] = []
-    if emulator is not None:
-        for run in ok:
-            job = emulator.job(run.job_id) if run.job_id else None
-            if job is not None and job.first_health_ok_mono is not None and run.ready_mono is not None:
-                overhead.append(run.ready_mono - job.first_health_ok_mono)
-    if emulator is not None:
-        after = emulator.api_calls
-        calls = {route: after.get(route, 0) - calls_before.get(route, 0) for route in after}
-        calls = {route: n for route, n in calls.items() if n}
-    else:  # the Hub (or an emulator in another process): count this process's own calls
-        calls = {"all": (budget.sent_total - sent_before) if budget is not None else 0}
-    total_calls = sum(calls.values())
-    waiting_calls = calls.get("list", 0) + calls.get("inspect", 0) if emulator is not None else None
-
-    def pair(values: Sequence[float]) -> List[Optional[float]]:
-        return [_round(_percentile(values, 50)), _round(_percentile(values, 95))]
-
-    return {
-        "concurrency": concurrency, "success": len(ok), "failed": concurrency - len(ok),
-        "errors": sorted({run.error for run in runs if run.error})[:5] + (["%d runs still alive" % stuck] if stuck else []),
-        "wall_s": _round(wall),
-        "scheduling_s": pair(scheduling), "running_to_ready_s": pair(to_ready),
-        "total_s": pair([run.total for run in ok if run.total is not None]),
-        "episode_s": pair([run.episode for run in ok if run.episode is not None]),
-        "overhead_s": pair(overhead) if emulator is not None else None,
-        "throughput_env_per_min": _round(len(ok) / wall * 60.0) if wall > 0 else None,
-        "api_calls": calls, "api_calls_per_env": _round(total_calls / concurrency),
-        "waiting_calls": waiting_calls, "watcher_refreshes": _watcher.refreshes - refreshes_before,
-        "peak_rss_mib": _round((sampler.peak_rss or 0) / 2 ** 20), "peak_threads": sampler.peak_threads,
-        "memory": memory or None,
-    }
-
-
-def _hold_samples(hold: _Hold, concurrency: int, baseline_rss: Optional[int], baseline_threads: int,
-                  sessions: bool) -> Dict[str, Any]:
-    """With --hold: this process's RSS and threads per idle provider and per open session."""
-    result: Dict[str, Any] = {}
-    try:
-        hold.meet(0)
-        gc_rss, gc_threads = _process_sample()
-        result["rss_per_idle_provider_kib"] = _round(((gc_rss or 0) - (baseline_rss or 0)) / 1024 / concurrency, 1)
-        result["threads_per_idle_provider"] = _round((gc_threads - baseline_threads) / concurrency)
-        hold.meet(1)
-        if sessions:
-            hold.meet(2)
-            rss, threads = _process_sample()
-            result["rss_per_session_kib"] = _round(((rss or 0) - (gc_rss or 0)) / 1024 / concurrency, 1)
-            result["threads_per_session"] = _round((threads - gc_threads) / concurrency)
-            hold.meet(3)
-    except threading.BrokenBarrierError:
-        result["error"] = "an environment failed, so not all were held at once"
-    return result
-
-
-def _round(value: Optional[float], digits: int = 2) -> Optional[float]:
-    return None if value is None else round(value, digits)
-
-
-def _fmt_pair(values: Optional[Sequence[Optional[float]]]) -> str:
-    if not values or values[0] is None:
-        return "n/a"
-    return "%.2fs/%.2fs" % (values[0], values[1])
-
-
-def _bench_markdown(report: Mapping[str, Any]) -> str:
-    """The results as a markdown table (the upstream PR's HF Jobs benchmark shape, plus ours)."""
-    lines = [
-        "| concurrency | success | wall | scheduling p50/p95 | running->ready p50/p95 | total p50/p95 "
-        "| throughput | provider overhead p50/p95 | Jobs API calls/env | peak RSS | peak threads |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for row in report["rows"]:
-        lines.append("| %d | %d/%d | %.1fs | %s | %s | %s | %.1f env/min | %s | %.2f | %.1f MiB | %d |" % (
-            row["concurrency"], row["success"], row["concurrency"], row["wall_s"], _fmt_pair(row["scheduling_s"]),
-            _fmt_pair(row["running_to_ready_s"]), _fmt_pair(row["total_s"]), row["throughput_env_per_min"] or 0,
-            _fmt_pair(row["overhead_s"]), row["api_calls_per_env"], row["peak_rss_mib"], row["peak_threads"]))
-    held = [row for row in report["rows"] if row.get("memory")]
-    if held:
-        lines += ["", "| concurrency | RSS per idle provider | threads per idle provider | RSS per open session "
-                      "| threads per open session |", "| --- | --- | --- | --- | --- |"]
-        for row in held:
-            memory = row["memory"]
-            lines.append("| %d | %s KiB | %s | %s KiB | %s |" % (
-                row["concurrency"], memory.get("rss_per_idle_provider_kib", "n/a"),
-                memory.get("threads_per_idle_provider", "n/a"), memory.get("rss_per_session_kib", "n/a"),
-                memory.get("threads_per_session", "n/a")))
-    return "\n".join(lines)
-
-
-def _bench_plot(report: Mapping[str, Any], path: str) -> Optional[str]:
-    """Stage times against concurrency as a PNG; returns why it was skipped, or None."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed (pip install 'hf-sandbox-provider[bench]'); no plot written"
-    rows = [row for row in report["rows"] if row["success"]]
-    if not rows:
-        return "no successful level to plot"
-    xs = [row["concurrency"] for row in rows]
-    figure, axis = plt.subplots(figsize=(8, 5))
-    series = (("scheduling_s", "scheduling"), ("running_to_ready_s", "running -> ready"),
-              ("total_s", "total (submit -> stopped)"), ("overhead_s", "provider overhead"))
-    for number, (key, label) in enumerate(series):
-        for index, style in ((0, "-o"), (1, ":x")):  # one colour per measure: solid p50, dotted p95
-            ys = [(row[key] or [None, None])[index] for row in rows]
-            if any(y is not None for y in ys):
-                axis.plot(xs, [y if y is not None else float("nan") for y in ys], style, color="C%d" % number,
-                          label="%s %s" % (label, "p50" if index == 0 else "p95"))
-    axis.set_xscale("log", base=2)
-    axis.set_xticks(xs)
-    axis.set_xticklabels([str(x) for x in xs])
-    axis.set_xlabel("environments started together")
-    axis.set_ylabel("seconds")
-    axis.set_title("Environment lifecycle (%s)" % report["mode_description"])
-    axis.grid(True, alpha=0.3)
-    axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return None
-
-
-class _EmulatorProcess:
-    """The emulator in a child process (`hf_jobs_emulator serve --json`), so that this process's RSS
-    and threads are the trainer side's alone. Its jobs' health times are not visible from here, so
-    the provider overhead is then reported as n/a."""
-
-    def __init__(self, module: Any, scheduling_delay_s: float) -> None:
-        import tempfile
-
-        self._stderr = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(
-            [sys.executable, module.__file__, "serve", "--json", "--scheduling-delay-s", str(scheduling_delay_s)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._stderr, text=True)
-        try:
-            line = self._first_line(BENCH_EMULATOR_START_S)
-            info = json.loads(line)
-            self.endpoint, self.token = str(info["endpoint"]), str(info["token"])
-        except BaseException:
-            self.stop()
-            raise
-
-    def _first_line(self, timeout_s: float) -> str:
-        import selectors
-
-        with selectors.DefaultSelector() as selector:
-            selector.register(self.proc.stdout, selectors.EVENT_READ)  # type: ignore[arg-type]
-            if not selector.select(timeout_s):
-                raise SandboxError("the emulator process printed no endpoint within %gs" % timeout_s)
-        return self.proc.stdout.readline()  # type: ignore[union-attr]
-
-    def stop(self) -> List[str]:
-        """Stop it like Ctrl-C would (it ends every job it runs); what it could not clean up."""
-        problems: List[str] = []
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(BENCH_EMULATOR_STOP_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(BENCH_EMULATOR_STOP_S)
-                problems.append("the emulator process had to be killed (its jobs may be left running)")
-        self._stderr.seek(0)
-        problems += [line.strip() for line in self._stderr if "could not clean up" in line]
-        self._stderr.close()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        return problems
-
-
-def _grid_rejection(text: str) -> Optional[str]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        values = []
-    if not values or any(v < 1 for v in values):
-        return "--concurrency %r must be a comma-separated list of positive integers, e.g. 1,2,4,8" % text
-    return None
-
-
-def _run_bench(args: argparse.Namespace) -> int:
-    out = sys.stderr if args.json else sys.stdout
-
-    def say(line: str) -> None:
-        print(line, file=out, flush=True)
-
-    reason = (_grid_rejection(args.concurrency) or _positive_number_rejection("--poll-interval-s", args.poll_interval_s)
-              or (None if args.steps >= 0 else "--steps must be 0 or more"))
-    if args.scheduling_delay_s < 0:
-        reason = reason or "--scheduling-delay-s must be 0 or more"
-    if reason:
-        print("error: %s" % reason, file=sys.stderr)
-        return EXIT_USAGE
-    grid = [int(part) for part in args.concurrency.split(",") if part.strip()]
-    emulator = None
-    settings: Dict[str, Any] = dict(flavor=args.flavor, poll_interval_s=args.poll_interval_s)
-    if args.timeout:
-        settings.update(start_timeout_s=args.timeout, ready_timeout_s=args.timeout)
-    emulator_process: Optional[_EmulatorProcess] = None
-    if args.local:
-        if __package__:
-            from . import hf_jobs_emulator as _emulator
-        else:
-            import hf_jobs_emulator as _emulator
-        if args.emulator_process:
-            try:
-                emulator_process = _EmulatorProcess(_emulator, args.scheduling_delay_s)
-            except (SandboxError, OSError, ValueError, KeyError) as exc:
-                print("error: could not start the emulator process: %s" % exc, file=sys.stderr)
-                return EXIT_FAILED
-            endpoint, token = emulator_process.endpoint, emulator_process.token
-        else:
-            emulator = _emulator.JobsEmulator(scheduling_delay_s=args.scheduling_delay_s).start()
-            endpoint, token = emulator.endpoint, emulator.token
-        settings.update(endpoint=endpoint, token=token, command=args.command or _emulator.echo_server_command())
-        args.image = args.image or SMOKE_DEFAULT_IMAGE
-        description = "local emulator%s, scheduling delay %gs" % (
-            " in its own process" if args.emulator_process else "", args.scheduling_delay_s)
-    else:
-        token = _discover_token()
-        if not token:
-            print("error: no Hugging Face token found: set HF_TOKEN or run `hf auth login` "
-                  "(or use --local)", file=sys.stderr)
-            return EXIT_USAGE
-        settings.update(endpoint=_resolve_endpoint(None), token=token)
-        if args.command:
-            settings.update(command=args.command)
-        args.image = args.image or os.environ.get("HF_SANDBOX_IMAGE") or SMOKE_DEFAULT_IMAGE
-        description = "HF Jobs, %s" % args.flavor
-    try:
-        HFSandboxProvider(args.image, **settings)  # bad settings fail here, before any job
-    except SandboxConfigError as exc:
-        print("error: %s" % exc, file=sys.stderr)
-        if emulator is not None:
-            emulator.stop()
-        if emulator_process is not None:
-            emulator_process.stop()
-        return EXIT_USAGE
-    report: Dict[str, Any] = {
-        "mode": "local" if args.local else "hub", "mode_description": description, "image": args.image,
-        "episode": "none" if args.no_episode else "reset + %d steps over %s" % (args.steps, "HTTP" if args.http else "WebSocket"),
-        "poll_interval_s": args.poll_interval_s, "rows": [],
-    }
-    say("bench: %s; image %s; episode: %s; grid %s" % (description, args.image, report["episode"], grid))
-    leftovers: List[str] = []
-    try:
-        for concurrency in grid:
-            row = _bench_level(concurrency, args, settings, emulator, say)
-            report["rows"].append(row)
-            say("c=%d: %d/%d ok, wall %.1fs, overhead p50 %s, API calls/env %.2f, peak RSS %.0f MiB, "
-                "peak threads %d" % (concurrency, row["success"], concurrency, row["wall_s"],
-                                     _fmt_pair(row["overhead_s"]), row["api_calls_per_env"], row["peak_rss_mib"],
-                                     row["peak_threads"]))
-            if row["memory"]:
-                say("c=%d held: %s" % (concurrency, ", ".join("%s %s" % kv for kv in row["memory"].items())))
-            for error in row["errors"]:
-                say("    error: %s" % error)
-    except KeyboardInterrupt:
-        say("bench: interrupted")
-    finally:
-        if emulator is not None:
-            leftovers = emulator.stop()
-            leftovers += ["job process %d" % pid for pid in emulator.live_pids()]
-        if emulator_process is not None:
-            leftovers = emulator_process.stop()
-    report["leftovers"] = leftovers
-    markdown = _bench_markdown(report)
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        say("\n" + markdown)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as handle:
-            handle.write(markdown + "\n")
-        say("table written to %s" % args.out)
-    if args.plot:
-        skipped = _bench_plot(report, args.plot)
-        say("plot: %s" % (skipped or "written to %s" % args.plot))
-    if leftovers:
-        say("error: left behind: %s" % ", ".join(leftovers))
-    complete = len(report["rows"]) == len(grid)
-    return EXIT_OK if complete and not leftovers and all(not r["failed"] for r in report["rows"]) else EXIT_FAILED
-
-
-def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m hf_sandbox_provider",
                                      description="Run OpenEnv environments as HF Jobs behind a local auth proxy.")
     commands = parser.add_subparsers(dest="subcommand", metavar="{smoke,sweep,bench}")
@@ -2992,36 +2614,32 @@ def _parser() -> argparse.ArgumentParser:
     sweep.add_argument("--namespace", help="user or organisation (default: the token's user)")
     sweep.add_argument("--endpoint", help="Hub endpoint (default: $HF_ENDPOINT or %s)" % DEFAULT_ENDPOINT)
     sweep.add_argument("-v", "--verbose", action="count", default=0)
-    bench = commands.add_parser("bench", help="lifecycle benchmark: start N environments at once, episode, stop")
-    bench.add_argument("--local", action="store_true", help="use the local HF Jobs emulator (no token, no network)")
-    bench.add_argument("--concurrency", default=",".join(str(c) for c in BENCH_DEFAULT_GRID),
-                       help="comma-separated environments started together per level (default %(default)s)")
-    bench.add_argument("--steps", type=int, default=BENCH_DEFAULT_STEPS, help="steps per episode (default %(default)s)")
-    bench.add_argument("--http", action="store_true", help="run the episode over HTTP /reset + /step, not /ws")
-    bench.add_argument("--no-episode", action="store_true", help="only start, wait ready and stop")
-    bench.add_argument("--scheduling-delay-s", type=float, default=BENCH_DEFAULT_SCHEDULING_DELAY_S,
-                       help="--local: seconds each job stays SCHEDULING (default %(default)s, HF's cold start)")
-    bench.add_argument("--emulator-process", action="store_true",
-                       help="--local: run the emulator in its own process, so RSS and threads are the trainer "
-                            "side's alone (the provider overhead is then n/a)")
-    bench.add_argument("--hold", action="store_true",
-                       help="hold every environment when ready and with its session open, to measure RSS and "
-                            "threads per idle provider and per open session")
-    bench.add_argument("--poll-interval-s", type=float, default=DEFAULT_POLL_INTERVAL_S,
-                       help="job watcher interval (default %(default)s)")
-    bench.add_argument("--image", help="image to run (default: $HF_SANDBOX_IMAGE or %s)" % SMOKE_DEFAULT_IMAGE)
-    bench.add_argument("--command", help="server command in the job")
-    bench.add_argument("--flavor", default=DEFAULT_FLAVOR, help="hardware flavor (default %(default)s)")
-    bench.add_argument("--timeout", type=float, help="seconds allowed for each start and for readiness")
-    bench.add_argument("--json", action="store_true", help="print the JSON report on stdout (progress on stderr)")
-    bench.add_argument("--out", help="also write the markdown table to this file")
-    bench.add_argument("--plot", help="write a PNG of stage times against concurrency (needs matplotlib)")
-    bench.add_argument("-v", "--verbose", action="count", default=0)
+    commands.add_parser("bench", add_help=False,
+                        help="lifecycle benchmark (runs benchmarks/lifecycle.py of a repository checkout; "
+                             "`bench --help` lists its options)")
     return parser
+
+
+def _run_bench(argv: Sequence[str]) -> int:
+    """`bench`: a thin entry into benchmarks/lifecycle.py, which lives in the repository, not in the library."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmarks", "lifecycle.py")
+    if not os.path.exists(path):
+        print("error: `bench` runs benchmarks/lifecycle.py from a checkout of the hf-sandbox-provider repository; "
+              "this copy of the module (%s) has none next to it" % os.path.abspath(__file__), file=sys.stderr)
+        return EXIT_USAGE
+    spec = importlib.util.spec_from_file_location("hf_sandbox_provider_lifecycle_bench", path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return int(module.main(list(argv), prog="python -m hf_sandbox_provider bench"))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of `python -m hf_sandbox_provider`; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        return _run_bench(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if args.subcommand is None:
@@ -3032,11 +2650,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.subcommand == "smoke":
         return _run_smoke(args)
-    if args.subcommand == "sweep":
-        return _run_sweep(args)
-    if not args.verbose:  # every readiness probe before the server listens is a 502 the proxy warns about
-        logging.getLogger("proxy").setLevel(logging.ERROR)
-    return _run_bench(args)
+    return _run_sweep(args)
 
 
 if __name__ == "__main__":

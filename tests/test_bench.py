@@ -6,10 +6,14 @@ from __future__ import annotations
 import json
 import os
 
+import sys
+
 import pytest
 
-import hf_sandbox_provider as hsp
-from test_cli import clean_env, run
+from test_cli import REPO, clean_env, run
+
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+import lifecycle as bench  # noqa: E402  (benchmarks/ is not a package)
 
 COLUMNS = ("concurrency", "success", "wall", "scheduling p50/p95", "running->ready p50/p95", "total p50/p95",
            "throughput", "provider overhead p50/p95", "Jobs API calls/env", "peak RSS", "peak threads")
@@ -85,17 +89,17 @@ def test_bench_on_the_hub_without_a_token_points_at_local(tmp_path):
 
 
 def test_percentile_is_nearest_rank():
-    assert hsp._percentile([], 50) is None
-    assert hsp._percentile([3.0], 95) == 3.0
+    assert bench._percentile([], 50) is None
+    assert bench._percentile([3.0], 95) == 3.0
     values = [float(v) for v in range(1, 21)]  # 1..20
-    assert hsp._percentile(values, 50) == 10.0 and hsp._percentile(values, 95) == 19.0
-    assert hsp._percentile(list(reversed(values)), 100) == 20.0
+    assert bench._percentile(values, 50) == 10.0 and bench._percentile(values, 95) == 19.0
+    assert bench._percentile(list(reversed(values)), 100) == 20.0
 
 
 def test_markdown_table_says_n_a_where_a_measure_is_unavailable():
     row = {"concurrency": 2, "success": 2, "wall_s": 7.5, "scheduling_s": [4.0, 5.0],
            "running_to_ready_s": [1.0, 1.5], "total_s": [6.0, 7.0], "throughput_env_per_min": 16.0,
            "overhead_s": None, "api_calls_per_env": 3.5, "peak_rss_mib": 80.0, "peak_threads": 20}
-    table = hsp._bench_markdown({"rows": [row]})
+    table = bench._bench_markdown({"rows": [row]})
     assert table.splitlines()[2] == ("| 2 | 2/2 | 7.5s | 4.00s/5.00s | 1.00s/1.50s | 6.00s/7.00s | 16.0 env/min "
                                      "| n/a | 3.50 | 80.0 MiB | 20 |")

@@ -1,0 +1,76 @@
+"""What a vendoring user copies: the library module imports no command-line or test machinery at module
+level, runs from a package with proxy.py alone, and says in one sentence what `smoke --local` misses."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+
+from test_cli import REPO, RUN_TIMEOUT_S, clean_env
+
+LIBRARY = os.path.join(REPO, "hf_sandbox_provider.py")
+
+
+def module_level_imports(path: str):
+    """Top-level module names imported when the module is imported (not inside functions or classes)."""
+    tree = ast.parse(open(path, encoding="utf-8").read(), filename=path)
+    names = []
+    for node in tree.body:
+        for child in ast.walk(node) if isinstance(node, (ast.If, ast.Try)) else [node]:
+            if isinstance(child, ast.Import):
+                names += [alias.name.split(".")[0] for alias in child.names]
+            elif isinstance(child, ast.ImportFrom):
+                names += [child.module.split(".")[0]] if child.level == 0 and child.module else \
+                    [alias.name for alias in child.names]
+    return names
+
+
+def test_the_library_module_imports_neither_argparse_nor_the_emulator_at_module_level():
+    imported = module_level_imports(LIBRARY)
+    assert "argparse" not in imported and "hf_jobs_emulator" not in imported
+    assert "proxy" in imported  # the one sibling it needs
+
+
+@pytest.mark.slow  # fresh interpreters importing requests, huggingface_hub and openenv
+def test_importing_the_library_does_not_load_the_emulator():
+    script = "import sys, hf_sandbox_provider; print(sorted({'hf_jobs_emulator'} & set(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
+                            timeout=RUN_TIMEOUT_S)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr
+
+
+def vendor(tmp_path, names):
+    package = tmp_path / "vendored"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    for name in names:
+        (package / name).write_text(open(os.path.join(REPO, name), encoding="utf-8").read())
+    env = clean_env(tmp_path)
+    env["PYTHONPATH"] = str(tmp_path)
+    return env
+
+
+@pytest.mark.slow  # fresh interpreters importing requests, huggingface_hub and openenv
+def test_a_vendored_copy_without_the_emulator_refuses_smoke_local_in_one_sentence(tmp_path):
+    env = vendor(tmp_path, ["hf_sandbox_provider.py", "proxy.py"])
+    result = subprocess.run([sys.executable, "-m", "vendored.hf_sandbox_provider", "smoke", "--local"],
+                            cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "hf_jobs_emulator.py" in lines[0] and "Traceback" not in result.stderr
+    bench = subprocess.run([sys.executable, "-m", "vendored.hf_sandbox_provider", "bench", "--local"],
+                           cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert bench.returncode == 2 and "benchmarks/lifecycle.py" in bench.stderr and "Traceback" not in bench.stderr
+
+
+@pytest.mark.slow  # fresh interpreters importing requests, huggingface_hub and openenv
+def test_a_vendored_copy_with_the_emulator_passes_smoke_local(tmp_path):
+    env = vendor(tmp_path, ["hf_sandbox_provider.py", "proxy.py", "hf_jobs_emulator.py"])
+    result = subprocess.run([sys.executable, "-m", "vendored.hf_sandbox_provider", "smoke", "--local", "--json"],
+                            cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert '"ok": true' in result.stdout
