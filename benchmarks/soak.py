@@ -51,7 +51,7 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Client, Listener
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -95,6 +95,8 @@ ABANDON_SETTLE_S = 5.0
 # An error within this long of a fault aimed at its environment (or, for a start, of any API or URL
 # fault) is explained by it; any other is listed as unexplained, the place to look for bugs.
 EXPLAIN_WINDOW_S = 20.0
+# Events kept per environment, printed with a violation to show what led to it.
+HISTORY_EVENTS = 40
 # Backoff between failed replacement attempts (a user's retry loop).
 REPLACE_BACKOFF_S = (0.5, 5.0)
 
@@ -102,8 +104,13 @@ REPLACE_BACKOFF_S = (0.5, 5.0)
 SAMPLE_INTERVAL_S = 1.0
 # Samples in the first part of the run (initial start, caches warming) are left out of the slopes.
 WARMUP_FRACTION = 0.2
-# "Flat": the regression line may rise at most this much over the measured window.
+# "Flat": the regression line may rise at most this much over the measured window. RSS is judged over
+# the second half of the run: with ~200 threads coming and going, glibc's per-thread malloc arenas and
+# cached thread stacks keep growing RSS for minutes after the Python heap is flat (measured: the heap,
+# sys.getallocatedblocks(), grows <1% while RSS grows 30 MiB in the first 150 s), so the Python heap
+# gets its own check.
 RSS_GROWTH_LIMIT_MIB = 16.0
+PY_HEAP_GROWTH_LIMIT = 0.02  # fraction of the mean allocated blocks
 THREAD_GROWTH_LIMIT = 8.0
 # After the trainer stops everything, how long jobs, routes, threads and fds get to return to baseline.
 SETTLE_S = 30.0
@@ -401,6 +408,7 @@ class Slot:
         self.last_big = False
         self.failed_at: Optional[float] = None
         self.last_fault_at = -1e9  # monotonic time of the last fault aimed at this environment
+        self.history: Deque[str] = collections.deque(maxlen=HISTORY_EVENTS)  # shown with a violation
 
 
 class Soak:
@@ -429,6 +437,7 @@ class Soak:
         self.known_bug_hits: collections.Counter = collections.Counter()
         self.ran_despite: collections.Counter = collections.Counter()  # failure kind -> steps that ran anyway
         self.unexplained: collections.Counter = collections.Counter()  # errors no injected fault explains
+        self.abandoned: collections.Counter = collections.Counter()  # what became of abandoned HTTP steps
         self.last_global_fault_at = -1e9  # the last API or URL fault (any start may meet it)
         self.recoveries: List[float] = []
         self.samples: List[Dict[str, float]] = []
@@ -445,12 +454,18 @@ class Soak:
 
     def violation(self, slot: Optional[Slot], what: str) -> None:
         text = "%.1fs env %s: %s" % (self.now(), slot.index if slot else "-", what)
+        if slot is not None:
+            text += " [history: %s]" % " | ".join(slot.history)
         self.watch.scan(text, "violation text")
         with self.lock:
             self.violations.append(text)
         log.error("soak invariant broken: %s", text)
 
+    def note(self, slot: Slot, event: str) -> None:
+        slot.history.append("%.2f %s" % (self.now(), event))
+
     def record_error(self, slot: Slot, phase: str, kind: str, detail: str = "") -> None:
+        self.note(slot, "error %s %s" % (phase, kind))
         self.watch.scan(detail, "error text")
         with self.lock:
             self.errors["%s %s" % (phase, kind)] += 1
@@ -557,6 +572,7 @@ class Soak:
             self._fault("kill-between-episodes", lambda: self.emu.call("kill_job", slot.provider.job_id), slot)
         slot.episode_id = "soak-%d-%s" % (slot.index, secrets.token_hex(6))
         slot.answered = slot.unknown = 0
+        self.note(slot, "episode %s job %s" % (slot.episode_id[-12:], slot.provider.job_id if slot.provider else None))
         slot.reset_done = False
         slot.in_episode = True
         try:
@@ -593,6 +609,7 @@ class Soak:
             answer = self._http(slot, "POST", "/step", {"action": {"message": sent}}, step=True)
             slot.last_big = len(sent) > BIG_MESSAGE_BYTES
             slot.answered += 1
+            self.note(slot, "step %d ok%s" % (i, " (big)" if slot.last_big else ""))
             reason = answer_rejection(sent, answer)
             if reason:
                 self.violation(slot, "step: " + reason)
@@ -635,6 +652,7 @@ class Soak:
         self._check_state(slot, state)
 
     def _check_state(self, slot: Slot, state: Any) -> None:
+        self.note(slot, "state %s" % (state.get("step_count") if isinstance(state, dict) else state,))
         if not isinstance(state, dict) or state.get("episode_id") != slot.episode_id:
             self.violation(slot, "state belongs to episode %r, not %r: another environment's or episode's state" % (
                 (state or {}).get("episode_id") if isinstance(state, dict) else state, slot.episode_id))
@@ -654,6 +672,9 @@ class Soak:
         request = ("POST /%s/step HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
                    "Content-Length: %d\r\n\r\n" % (path, host_port, len(body))).encode() + body
         host, port = host_port.rsplit(":", 1)
+        # Counted as unknown from the moment it is sent: if a /state below fails, the failure path
+        # reads the step count with this step already allowed for.
+        slot.unknown += 1
         try:
             with socket.create_connection((host, int(port)), timeout=CLIENT_TIMEOUT_S) as sock:
                 sock.sendall(request)
@@ -665,11 +686,17 @@ class Soak:
         deadline = time.monotonic() + ABANDON_SETTLE_S
         while time.monotonic() < deadline:
             state = self._http(slot, "GET", "/state", None, step=False)
-            if state.get("step_count", 0) >= slot.answered + slot.unknown + 1:
+            if state.get("step_count", 0) >= slot.answered + slot.unknown:
+                slot.unknown -= 1
                 slot.answered += 1
+                self.note(slot, "abandoned step ran")
+                with self.lock:
+                    self.abandoned["ran, seen within %g s" % ABANDON_SETTLE_S] += 1
                 return
             time.sleep(0.1)
-        slot.unknown += 1  # it may still run: the bound allows it
+        self.note(slot, "abandoned step not seen")
+        with self.lock:
+            self.abandoned["not seen within %g s" % ABANDON_SETTLE_S] += 1
 
     def _ws_episode(self, slot: Slot) -> None:
         if slot.ws is None:
@@ -817,6 +844,7 @@ class Soak:
             with self.lock:
                 self.replacements += 1
             self._attach(slot, provider)
+            self.note(slot, "replaced: job %s" % provider.job_id)
             return
 
     def _close_clients(self, slot: Slot) -> None:
@@ -838,6 +866,7 @@ class Soak:
     def _fault(self, kind: str, inject: Callable[[], Tuple[bool, Any]], slot: Optional[Slot] = None) -> None:
         if slot is not None:
             slot.last_fault_at = time.monotonic()  # before it acts: its effects come after
+            self.note(slot, "fault " + kind)
         ok, why = inject()
         with self.lock:
             if ok:
@@ -876,6 +905,7 @@ class Soak:
             slot = self._pick(pick, lambda s: True)  # a replacement start meets the fault
             if slot is not None:
                 slot.last_fault_at = time.monotonic()
+                self.note(slot, "fault kill (with %s)" % kind)
                 emu.call("kill_job", slot.provider.job_id)
         elif kind == "upstream-stall":
             slot = self._pick(pick, lambda s: s.transport == "http" and s.in_episode)
@@ -907,6 +937,7 @@ class Soak:
         for slot in chosen:
             slot.stopped_by_chaos = True
             slot.last_fault_at = time.monotonic()
+            self.note(slot, "fault stop-start-storm")
         threads = [threading.Thread(target=s.provider.stop_container, name="soak-storm", daemon=True)
                    for s in chosen if s.provider is not None]
         for thread in threads:
@@ -923,6 +954,7 @@ class Soak:
         while True:
             ok, status = self.emu.call("status")
             sample = {"t": self.now(), "rss_mib": _rss_mib(), "threads": threading.active_count(),
+                      "py_blocks": sys.getallocatedblocks(),  # Python objects' memory blocks: a Python-level leak
                       "fds": _open_fds(), "api_calls": status["api_calls"] if ok else -1,
                       "routes": len(self.proxy._routes)}  # the proxy's mounted routes (private: no public count)
             with self.lock:
@@ -962,6 +994,11 @@ class Soak:
         rss_slope = slope_per_hour([(s["t"], s["rss_mib"]) for s in steady])
         thread_slope = slope_per_hour([(s["t"], s["threads"]) for s in steady])
         fd_slope = slope_per_hour([(s["t"], s["fds"]) for s in steady])
+        block_slope = slope_per_hour([(s["t"], s["py_blocks"]) for s in steady])
+        second_half = [s for s in self.samples if s["t"] >= ran_s / 2]
+        half_window = (second_half[-1]["t"] - second_half[0]["t"]) if len(second_half) > 1 else 0.0
+        rss_late_slope = slope_per_hour([(s["t"], s["rss_mib"]) for s in second_half])
+        mean_blocks = sum(s["py_blocks"] for s in steady) / max(1, len(steady))
         calls = [(s["t"], int(s["api_calls"])) for s in self.samples if s["api_calls"] >= 0]
         ok, status = self.emu.call("status")
         total_calls = status["api_calls"] if ok else (calls[-1][1] if calls else 0)
@@ -969,7 +1006,8 @@ class Soak:
         checks = {
             "no wrong answer, undocumented error or double step": not self.violations,
             "nothing left running or mounted": all(v == 0 for k, v in leaks.items() if not k.endswith(" left")),
-            "RSS flat": rss_slope * window / 3600.0 <= RSS_GROWTH_LIMIT_MIB,
+            "RSS flat": rss_late_slope * half_window / 3600.0 <= RSS_GROWTH_LIMIT_MIB,
+            "Python heap flat": block_slope * window / 3600.0 <= PY_HEAP_GROWTH_LIMIT * mean_blocks,
             "threads flat": thread_slope * window / 3600.0 <= THREAD_GROWTH_LIMIT,
             "token never printed": not self.watch.leaks,
             "Jobs API within the Hub's limit": busiest <= HUB_CALLS_LIMIT,
@@ -982,11 +1020,16 @@ class Soak:
             "violations": self.violations, "known_bug_hits": dict(self.known_bug_hits),
             "steps_run_despite_error": dict(self.ran_despite),
             "unexplained_errors": dict(sorted(self.unexplained.items())),
+            "abandoned_http_steps": dict(self.abandoned),
             "recovery_s": {"count": len(self.recoveries), "p50": _round(percentile(self.recoveries, 50)),
                            "p99": _round(percentile(self.recoveries, 99)), "max": _round(max(self.recoveries or [0]))},
             "leaks": leaks, "baseline": {k: v for k, v in baseline.items() if k != "fd_targets"},
             "slopes_per_hour": {"rss_mib": round(rss_slope, 2), "threads": round(thread_slope, 2),
-                                "fds": round(fd_slope, 2), "window_s": round(window, 1)},
+                                "fds": round(fd_slope, 2), "py_blocks": round(block_slope),
+                                "rss_mib_second_half": round(rss_late_slope, 2),
+                                "window_s": round(window, 1)},
+            "py_blocks": {"min": min(s["py_blocks"] for s in self.samples),
+                          "max": max(s["py_blocks"] for s in self.samples)},
             "rss_mib": {"min": _round(min(s["rss_mib"] for s in self.samples)),
                         "max": _round(max(s["rss_mib"] for s in self.samples))},
             "threads": {"min": min(s["threads"] for s in self.samples), "max": max(s["threads"] for s in self.samples)},
@@ -1086,10 +1129,14 @@ def markdown(report: Dict[str, Any], command: str) -> str:
             "%s %s" % (k, v) for k, v in report["leaks"].items() if not k.endswith(" left")),
         "",
         "Trainer process over the run (samples every %g s; slopes by least squares after the first %d%%, "
-        "over %.0f s): RSS %.1f-%.1f MiB, slope %+.2f MiB/h; threads %d-%d, slope %+.2f /h; fds slope %+.2f /h. "
-        "![soak](soak.png)" % (SAMPLE_INTERVAL_S, WARMUP_FRACTION * 100, slopes["window_s"], report["rss_mib"]["min"],
-                               report["rss_mib"]["max"], slopes["rss_mib"], report["threads"]["min"],
-                               report["threads"]["max"], slopes["threads"], slopes["fds"]),
+        "over %.0f s): RSS %.1f-%.1f MiB, slope %+.2f MiB/h (second half of the run: %+.2f MiB/h); Python heap "
+        "(allocated blocks) %d-%d, slope %+d blocks/h; threads %d-%d, slope %+.2f /h; fds slope %+.2f /h.\n\n"
+        "![soak: RSS, threads and fds over the run](soak.png)" % (
+            SAMPLE_INTERVAL_S, WARMUP_FRACTION * 100, slopes["window_s"], report["rss_mib"]["min"],
+            report["rss_mib"]["max"], slopes["rss_mib"], slopes.get("rss_mib_second_half", float("nan")),
+            report.get("py_blocks", {}).get("min", 0), report.get("py_blocks", {}).get("max", 0),
+            slopes.get("py_blocks", 0), report["threads"]["min"], report["threads"]["max"], slopes["threads"],
+            slopes["fds"]),
         "",
         "Jobs API: %d calls (%s), %.2f per environment per minute; busiest 5 minutes %d calls (Hub limit ~%d)." % (
             api["calls"], ", ".join("%s %d" % kv for kv in sorted((api["by_route"] or {}).items())),
@@ -1134,9 +1181,11 @@ def plot(report: Dict[str, Any], path: str = PLOT_PATH) -> None:
 
     samples = report["samples"]
     t = [s["t"] for s in samples]
-    fig, axes = plt.subplots(3, 1, figsize=(8, 7), sharex=True)
-    for axis, key, label in zip(axes, ("rss_mib", "threads", "fds"), ("RSS (MiB)", "threads", "open fds")):
-        axis.plot(t, [s[key] for s in samples], lw=1)
+    fig, axes = plt.subplots(4, 1, figsize=(8, 8.5), sharex=True)
+    panels = (("rss_mib", "RSS (MiB)", 1.0), ("py_blocks", "Python heap\n(1000 blocks)", 1e-3),
+              ("threads", "threads", 1.0), ("fds", "open fds", 1.0))
+    for axis, (key, label, scale) in zip(axes, panels):
+        axis.plot(t, [s.get(key, 0) * scale for s in samples], lw=1)
         axis.set_ylabel(label)
         axis.grid(alpha=0.3)
     axes[-1].set_xlabel("seconds")
