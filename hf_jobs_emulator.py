@@ -3,7 +3,8 @@
 `JobsEmulator` serves the HF Jobs REST API (whoami-v2, create, inspect, list, cancel, logs) on
 loopback with the JSON shapes huggingface_hub's `HfApi` parses, runs each job's command as a local
 process group, and fronts every exposed port with a token gate, as `https://<id>--<port>.hf.jobs`
-does. Faults (slow scheduling, crash at boot, 429s, lost create answers, sudden death) can be set per
+does. Faults (slow scheduling, crash at boot, 429s and 5xx, lost create answers, jobs that never get a
+URL, sudden death, and with `network_faults=True` stalls and resets on the wire) can be set per
 emulator or per job, so the provider's failure paths can be exercised offline.
 
 `python -m hf_jobs_emulator echo-server` is a stdlib OpenEnv echo environment (HTTP and `/ws`);
@@ -453,8 +454,9 @@ class JobsEmulator:
     def withhold_next_urls(self, count: int = 1) -> None:
         """The next `count` jobs to reach RUNNING never publish their exposed URLs (the `no-url` fault):
         a client waiting for `status.exposeUrls` waits until it gives up and cancels."""
-        if not isinstance(count, int) or count < 0:
-            raise ValueError(f"count must be an int >= 0, got {count!r}")
+        reason = _count_rejection(count)
+        if reason:
+            raise ValueError(reason)
         with self._lock:
             self._withhold_urls_left = count
 

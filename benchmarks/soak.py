@@ -956,6 +956,7 @@ class Soak:
             sample = {"t": self.now(), "rss_mib": _rss_mib(), "threads": threading.active_count(),
                       "py_blocks": sys.getallocatedblocks(),  # Python objects' memory blocks: a Python-level leak
                       "fds": _open_fds(), "api_calls": status["api_calls"] if ok else -1,
+                      "live_jobs": status["live_jobs"] if ok else -1,  # a job leaked mid-run shows here
                       "routes": len(self.proxy._routes)}  # the proxy's mounted routes (private: no public count)
             with self.lock:
                 self.samples.append(sample)
@@ -1033,6 +1034,7 @@ class Soak:
             "rss_mib": {"min": _round(min(s["rss_mib"] for s in self.samples)),
                         "max": _round(max(s["rss_mib"] for s in self.samples))},
             "threads": {"min": min(s["threads"] for s in self.samples), "max": max(s["threads"] for s in self.samples)},
+            "live_jobs_max": max(s.get("live_jobs", -1) for s in self.samples),
             "api": {"calls": total_calls, "per_env_per_min": round(total_calls / len(self.slots) / (ran_s / 60.0), 2),
                     "busiest_5_min": busiest, "limit_5_min": HUB_CALLS_LIMIT,
                     "by_route": status.get("calls_by_route") if ok else None},
@@ -1138,9 +1140,11 @@ def markdown(report: Dict[str, Any], command: str) -> str:
             slopes.get("py_blocks", 0), report["threads"]["min"], report["threads"]["max"], slopes["threads"],
             slopes["fds"]),
         "",
-        "Jobs API: %d calls (%s), %.2f per environment per minute; busiest 5 minutes %d calls (Hub limit ~%d)." % (
+        "Jobs API: %d calls (%s), %.2f per environment per minute; busiest 5 minutes %d calls (Hub limit ~%d).%s" % (
             api["calls"], ", ".join("%s %d" % kv for kv in sorted((api["by_route"] or {}).items())),
-            api["per_env_per_min"], api["busiest_5_min"], api["limit_5_min"]),
+            api["per_env_per_min"], api["busiest_5_min"], api["limit_5_min"],
+            " Most jobs alive at once (emulator, sampled): %d for %d environments." % (
+                report["live_jobs_max"], report["environments"]) if report.get("live_jobs_max", -1) >= 0 else ""),
         "",
         "Token scan: %d lines of logs (every logger at DEBUG), stdout/stderr, error texts, reprs and URLs; "
         "token found in %d." % (report["token_scan"]["lines"], len(report["token_scan"]["leaks"])),
