@@ -59,7 +59,6 @@ sys.path.insert(0, ROOT)
 
 import requests  # noqa: E402
 
-import hf_sandbox_provider as hsp  # noqa: E402
 from hf_sandbox_provider import HFSandboxProvider, SandboxError, stop_all  # noqa: E402
 from proxy import AuthProxy  # noqa: E402
 
