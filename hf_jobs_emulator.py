@@ -3,7 +3,8 @@
 `JobsEmulator` serves the HF Jobs REST API (whoami-v2, create, inspect, list, cancel, logs) on
 loopback with the JSON shapes huggingface_hub's `HfApi` parses, runs each job's command as a local
 process group, and fronts every exposed port with a token gate, as `https://<id>--<port>.hf.jobs`
-does. Faults (slow scheduling, crash at boot, 429s, lost create answers, sudden death) can be set per
+does. Faults (slow scheduling, crash at boot, 429s and 5xx, lost create answers, jobs that never get a
+URL, sudden death, and with `network_faults=True` stalls and resets on the wire) can be set per
 emulator or per job, so the provider's failure paths can be exercised offline.
 
 `python -m hf_jobs_emulator echo-server` is a stdlib OpenEnv echo environment (HTTP and `/ws`);
@@ -34,6 +35,7 @@ import signal
 import socket
 import socketserver
 import string
+import struct
 import subprocess
 import sys
 import threading
@@ -103,7 +105,14 @@ FAULT_KEYS = (
     "die-after-s",  # the job's process group is SIGKILLed this many seconds after RUNNING -> ERROR
     "lost-create-response",  # "true": the job is created but the create connection drops unanswered
     "rate-limit-after-create",  # N: the N API calls after this create answer 429 with Retry-After
+    "no-url",  # "true": the job runs but its exposed URLs never appear (status.exposeUrls stays empty)
 )
+# Status an injected API server error answers when none is given (the Hub's load balancer says 503).
+DEFAULT_SERVER_ERROR_STATUS = 503
+# Network faults (`network_faults=True`): how long a link waits on a socket before looking again for a
+# reset order, and the most bytes it relays per read (small enough to cut a response in the middle).
+LINK_POLL_S = 0.5
+LINK_CHUNK = 16 * 1024
 # Route names: keys of `api_calls` and the `routes` of `inject_rate_limit`.
 API_ROUTES = ("whoami", "create", "list", "inspect", "cancel", "logs", "unknown")
 # Seconds a client is told to wait in `Retry-After` when a 429 is injected without an explicit value.
@@ -167,6 +176,7 @@ class EmulatedJob:
         # and log line notifies: 256 waiters there made each notify wake 256 threads).
         self._attention = threading.Event()
         self._die_now = False  # set by JobsEmulator.kill_job
+        self._links: List["_FaultLink"] = []  # network_faults=True: one per exposed port
         self._supervisor: Optional[threading.Thread] = None
 
     @property
@@ -205,6 +215,7 @@ class JobsEmulator:
         image_commands: Optional[Mapping[str, Sequence[str]]] = None,
         kill_grace_s: float = KILL_GRACE_S,
         zygote: bool = True,
+        network_faults: bool = False,
     ) -> None:
         reason = (_host_rejection(host) or _namespace_rejection(namespace)
                   or _delay_rejection("scheduling_delay_s", scheduling_delay_s)
@@ -238,6 +249,13 @@ class JobsEmulator:
         self._rate_limit_retry_after_s = DEFAULT_RETRY_AFTER_S
         self._rate_limit_routes: Optional[frozenset] = None
         self._lose_creates_left = 0
+        self._server_errors_left = 0
+        self._server_error_status = DEFAULT_SERVER_ERROR_STATUS
+        self._server_error_routes: Optional[frozenset] = None
+        self._withhold_urls_left = 0
+        # network_faults=True puts a _FaultLink between each exposed port's gate and the job's process,
+        # so stall_next_responses / reset_next_responses / reset_tunnels can act on the wire.
+        self.network_faults = bool(network_faults)
         self._reserved_ports: set = set()  # job ports handed out; released when the job ends
         self._server: Optional[_TrackingHTTPServer] = None
         self._server_thread: Optional[threading.Thread] = None
@@ -410,6 +428,64 @@ class JobsEmulator:
             job._die_now = True
             job._attention.set()
 
+    def inject_server_errors(self, calls: int, status: int = DEFAULT_SERVER_ERROR_STATUS,
+                             routes: Optional[Iterable[str]] = None) -> None:
+        """Answer the next `calls` API calls (optionally only on these route names) with a 5xx `status`.
+
+        The call is refused before it does anything: an injected error on a create makes no job (a
+        create that makes a job but loses its answer is `lose_next_create_responses`)."""
+        reason = _count_rejection(calls, "calls") or _route_names_rejection(routes)
+        if not isinstance(status, int) or not 500 <= status <= 599:
+            reason = reason or f"status must be a 5xx status code (500..599), got {status!r}"
+        if reason:
+            raise ValueError(reason)
+        with self._lock:
+            self._server_errors_left = calls
+            self._server_error_status = status
+            self._server_error_routes = frozenset(routes) if routes is not None else None
+
+    def withhold_next_urls(self, count: int = 1) -> None:
+        """The next `count` jobs to reach RUNNING never publish their exposed URLs (the `no-url` fault):
+        a client waiting for `status.exposeUrls` waits until it gives up and cancels."""
+        reason = _count_rejection(count)
+        if reason:
+            raise ValueError(reason)
+        with self._lock:
+            self._withhold_urls_left = count
+
+    def stall_next_responses(self, job_id: str, count: int = 1, seconds: float = 10.0) -> None:
+        """Hold the job's next `count` HTTP responses for `seconds` (the request has run), then reset
+        their connections: the caller sees the upstream stall past its read timeout. Needs
+        `network_faults=True`."""
+        reason = _delay_rejection("seconds", seconds) or _count_rejection(count)
+        if reason:
+            raise ValueError(reason)
+        self._links_of(job_id, "stall_next_responses")[0].arm("stall", count, float(seconds))
+
+    def reset_next_responses(self, job_id: str, count: int = 1, after_bytes: int = 20) -> None:
+        """Relay only the first `after_bytes` bytes of the job's next `count` HTTP responses, then reset
+        the connection (TCP RST), as when the job's machine drops mid-answer. Needs `network_faults=True`."""
+        reason = _count_rejection(count) or _count_rejection(after_bytes, "after_bytes")
+        if reason:
+            raise ValueError(reason)
+        self._links_of(job_id, "reset_next_responses")[0].arm("reset", count, int(after_bytes))
+
+    def reset_tunnels(self, job_id: str) -> int:
+        """Reset (TCP RST) every open WebSocket connection to the job now; returns how many.
+        Needs `network_faults=True`."""
+        return sum(link.reset_tunnels() for link in self._links_of(job_id, "reset_tunnels"))
+
+    def _links_of(self, job_id: str, what: str) -> List["_FaultLink"]:
+        if not self.network_faults:
+            raise ValueError(f"{what} needs JobsEmulator(network_faults=True): without it nothing sits "
+                             "between the gate and the job to act on the wire")
+        with self._lock:
+            job = self.job(job_id)
+            if job.stage != "RUNNING" or not job._links:
+                raise ValueError(f"job {job_id} is {job.stage}; network faults apply to a RUNNING job "
+                                 "with an exposed port")
+            return list(job._links)
+
     def record_health_ok(self, job_id: str) -> None:
         """Note the first time the job's server answered 200 on /health (the emulator's own probe)."""
         with self._lock:
@@ -448,6 +524,16 @@ class JobsEmulator:
                 return None
             self._rate_limit_left -= 1
             return self._rate_limit_retry_after_s
+
+    def _take_server_error(self, route: str) -> Optional[int]:
+        """The 5xx status this call must be answered with (inject_server_errors), else None."""
+        with self._lock:
+            if self._server_errors_left <= 0:
+                return None
+            if self._server_error_routes is not None and route not in self._server_error_routes:
+                return None
+            self._server_errors_left -= 1
+            return self._server_error_status
 
     def _count(self, route: str) -> None:
         with self._lock:
@@ -550,7 +636,7 @@ class JobsEmulator:
                 _kill_process_group(job._process, 0.0)
             self._finish(job, "ERROR", f"emulator error while running the job: {exc!r}")
         finally:
-            for gate in job._gates:
+            for gate in job._gates + job._links:
                 _stop_quietly(gate)
 
     def _run_job(self, job: EmulatedJob, secret_values: Dict[str, str]) -> None:
@@ -564,6 +650,7 @@ class JobsEmulator:
         public = set((job.spec.get("expose") or {}).get("portsPublic") or [])
         job.local_ports = {p: self._reserve_port() for p in exposed}
         job.port = job.local_ports[exposed[0]] if exposed else self._reserve_port()
+        process_ports = self._insert_fault_links(job)
         urls = []
         for exposed_port in exposed:
             gate = self.make_gate(job, exposed_port, public=exposed_port in public)
@@ -575,9 +662,9 @@ class JobsEmulator:
             self._finish(job, "CANCELED", _stop_message(job._stop_reason))
             return
         env = _job_environment(job.spec.get("environment") or {}, secret_values)
-        env["PORT"] = str(job.port)
+        env["PORT"] = str(process_ports.get(job.port, job.port))
         for exposed_port, local_port in job.local_ports.items():
-            env[f"PORT_{exposed_port}"] = str(local_port)
+            env[f"PORT_{exposed_port}"] = str(process_ports.get(local_port, local_port))
         try:
             process = self.launch_process(argv, env)
         except OSError as exc:
@@ -587,11 +674,15 @@ class JobsEmulator:
             job._process = process
             job.pid = process.pid
             canceled = job._stop_reason is not None  # canceled while the process was starting
+            withhold = _truthy(job.faults.get("no-url", "false"))
+            if not canceled and not withhold and exposed and self._withhold_urls_left > 0:
+                self._withhold_urls_left -= 1
+                withhold = True
             if not canceled:
                 job.stage = "RUNNING"
                 job.started_at = _utcnow()
                 job.started_mono = time.monotonic()
-                job.expose_urls = urls if exposed else None
+                job.expose_urls = urls if exposed and not withhold else None
                 job.logs.append((_iso(job.started_at), f"===== Job started at {job.started_at.isoformat()} ====="))
                 self._changed.notify_all()
         reader = threading.Thread(target=self._read_output, args=(job,), name=f"job-log:{job.id}", daemon=True)
@@ -740,10 +831,10 @@ class JobsEmulator:
             return self._zygote
 
     def _finish(self, job: EmulatedJob, stage: str, message: Optional[str]) -> None:
-        for gate in job._gates:
+        for gate in job._gates + job._links:
             _stop_quietly(gate)
         with self._lock:
-            self._reserved_ports -= {job.port, *job.local_ports.values()}
+            self._reserved_ports -= {job.port, *job.local_ports.values(), *(l.backend_port for l in job._links)}
             if job.terminal:
                 return
             job.stage = stage
@@ -751,6 +842,18 @@ class JobsEmulator:
             job.finished_at = _utcnow()
             job.finished_mono = time.monotonic()
             self._changed.notify_all()
+
+    def _insert_fault_links(self, job: EmulatedJob) -> Dict[int, int]:
+        """With network_faults, put a _FaultLink on each exposed port's local port and move the job's
+        process to a new port behind it; returns {local port: port the process listens on}."""
+        if not self.network_faults:
+            return {}
+        moved = {}
+        for local_port in job.local_ports.values():
+            link = _FaultLink(self.host, local_port, self._reserve_port())
+            job._links.append(link.start())
+            moved[local_port] = link.backend_port
+        return moved
 
     # -- the exposed-port gate (a small overridable hook) ---------------------------------------
 
@@ -887,11 +990,22 @@ def _faults_rejection(faults: Mapping[str, Any], where: str, prefix: str = "") -
                 return f"{shown}={text!r}: must be a number of seconds >= 0"
         elif key == "rate-limit-after-create" and not (text.isdigit()):
             return f"{shown}={text!r}: must be a whole number of API calls >= 0"
-        elif key == "lost-create-response" and text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+        elif key in ("lost-create-response", "no-url") and text.lower() not in ("true", "false", "1", "0", "yes", "no"):
             return f"{shown}={text!r}: must be true or false"
         elif key == "crash-at-boot" and not text:
             return f"{shown}: give the crash message as the value"
     return None
+
+
+def _count_rejection(count: Any, name: str = "count") -> Optional[str]:
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        return f"{name} must be an int >= 0, got {count!r}"
+    return None
+
+
+def _route_names_rejection(routes: Optional[Iterable[str]]) -> Optional[str]:
+    unknown = sorted(set(routes or ()) - set(API_ROUTES))
+    return f"unknown route names {unknown}; use some of {', '.join(API_ROUTES)}" if unknown else None
 
 
 def _str_list_rejection(body: Mapping[str, Any], field: str) -> Optional[str]:
@@ -1626,6 +1740,148 @@ class _TrackingHTTPServer(ThreadingHTTPServer):
                 pass  # already closed by its handler
 
 
+class _FaultLink:
+    """A loopback TCP relay between an exposed port's gate and the job's process (network_faults=True),
+    where wire faults happen: a response held back then reset (stall), a response cut after a few bytes
+    then reset, every WebSocket connection reset at once. One thread accepts; two relay each connection.
+
+    Faults are armed per link and taken by the next HTTP response to start (the first bytes the job
+    sends after a request on a connection that was not upgraded); a reset is a TCP RST (SO_LINGER 0)."""
+
+    def __init__(self, host: str, listen_port: int, backend_port: int) -> None:
+        bind_host = "127.0.0.1" if host == "localhost" else host
+        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+        self.backend = (bind_host, backend_port)
+        self.backend_port = backend_port
+        self._listener = socket.create_server((bind_host, listen_port), family=family, backlog=LISTEN_BACKLOG)
+        self._listener.settimeout(LINK_POLL_S)
+        self._lock = threading.Lock()
+        self._armed: List[Tuple[str, float]] = []  # (kind, parameter), taken oldest first
+        self._pairs: Dict[int, Dict[str, Any]] = {}  # id -> {"client", "backend", "upgraded", "awaiting"}
+        self._threads: List[threading.Thread] = []
+        self._stopped = threading.Event()
+
+    def start(self) -> "_FaultLink":
+        self._spawn(self._accept_loop, "accept")
+        return self
+
+    def arm(self, kind: str, count: int, parameter: float) -> None:
+        with self._lock:
+            self._armed.extend([(kind, parameter)] * count)
+
+    def reset_tunnels(self) -> int:
+        with self._lock:
+            tunnels = [pair for pair in self._pairs.values() if pair["upgraded"]]
+        for pair in tunnels:
+            self._reset(pair)
+        return len(tunnels)
+
+    def stop(self) -> None:
+        self._stopped.set()
+        with self._lock:
+            pairs = list(self._pairs.values())
+        for pair in pairs:
+            self._reset(pair)
+        for thread in list(self._threads):
+            if thread is not threading.current_thread():
+                thread.join(LINK_POLL_S + 5.0)
+        self._listener.close()
+
+    def _spawn(self, target: Callable[..., None], what: str, *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, name=f"fault-link:{self.backend_port}:{what}", daemon=True)
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            client.settimeout(None)
+            try:
+                backend = socket.create_connection(self.backend, timeout=5.0)
+                backend.settimeout(None)
+            except OSError:  # the job's process is not listening (yet): refuse like a closed port
+                self._close(client, rst=True)
+                continue
+            for sock in (client, backend):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            pair = {"client": client, "backend": backend, "upgraded": False, "awaiting": False, "closed": False}
+            with self._lock:
+                if self._stopped.is_set():
+                    self._close(client, rst=True)
+                    self._close(backend, rst=True)
+                    return
+                self._pairs[id(pair)] = pair
+            self._spawn(self._relay_requests, "up", pair)
+            self._spawn(self._relay_responses, "down", pair)
+
+    def _relay_requests(self, pair: Dict[str, Any]) -> None:
+        try:
+            while True:
+                data = pair["client"].recv(LINK_CHUNK)
+                if not data:
+                    break
+                pair["awaiting"] = True  # the next bytes from the job start its answer
+                pair["backend"].sendall(data)
+        except OSError:
+            pass
+        self._reset(pair)
+
+    def _relay_responses(self, pair: Dict[str, Any]) -> None:
+        first = True
+        try:
+            while True:
+                data = pair["backend"].recv(LINK_CHUNK)
+                if not data:
+                    break
+                if first and data.startswith(b"HTTP/1.1 101"):
+                    pair["upgraded"] = True
+                first = False
+                fault = None
+                if pair["awaiting"] and not pair["upgraded"]:
+                    pair["awaiting"] = False
+                    fault = self._take()
+                if fault is not None and fault[0] == "stall":
+                    self._stopped.wait(fault[1])  # the request ran; its answer never comes in time
+                    break
+                if fault is not None and fault[0] == "reset":
+                    pair["client"].sendall(data[:int(fault[1])])
+                    break
+                pair["client"].sendall(data)
+        except OSError:
+            pass
+        self._reset(pair)
+
+    def _take(self) -> Optional[Tuple[str, float]]:
+        with self._lock:
+            return self._armed.pop(0) if self._armed else None
+
+    def _reset(self, pair: Dict[str, Any]) -> None:
+        """End both sides of a connection with a TCP RST (idempotent; wakes both relay threads)."""
+        with self._lock:
+            if pair["closed"]:
+                return
+            pair["closed"] = True
+            self._pairs.pop(id(pair), None)
+        for sock in (pair["client"], pair["backend"]):
+            self._close(sock, rst=True)
+
+    @staticmethod
+    def _close(sock: socket.socket, rst: bool) -> None:
+        try:
+            if rst:  # SHUT_RD wakes a thread blocked in recv without sending a FIN; close then sends RST
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.shutdown(socket.SHUT_RD if rst else socket.SHUT_RDWR)
+        except OSError:
+            pass
+        sock.close()
+
+
 class _JobGate(AuthProxy):
     """One exposed port, like `https://<id>--<port>.hf.jobs`: 401 unless the bearer token can read the
     job's namespace (public ports skip the check), then HTTP and WebSocket go to the job's local port
@@ -1744,6 +2000,9 @@ class _ApiHandler(_QuietHandler):
                                  f"Retry after {retry_after} seconds.",
                             {"Retry-After": str(retry_after), "RateLimit": f'"api";r=0;t={retry_after}',
                              "RateLimit-Policy": '"fixed window";"api";q=1000;w=300'})
+        server_error = emu._take_server_error(route)
+        if server_error is not None:
+            raise _ApiError(server_error, "Internal error (injected by the emulator); retry later")
         if route == "whoami":
             self._ok(emu._whoami(user))
         elif route == "create":
