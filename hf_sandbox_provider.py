@@ -2635,7 +2635,8 @@ class Sandbox:
         if "proxy" in provider_kwargs:
             raise SandboxConfigError("Sandbox uses the process-wide proxy (a proxy object cannot travel with a "
                                      "pickled environment); leave out proxy=")
-        HFSandboxProvider(image, **provider_kwargs)  # bad settings fail here, before any thread or job
+        # Bad settings and a missing token fail here, in the caller's thread, before any thread or job.
+        HFSandboxProvider(image, **provider_kwargs)._resolve_token()
         self.image = image
         self.shared = shared
         self._provider_kwargs = dict(provider_kwargs)
