@@ -2567,15 +2567,17 @@ class _BackgroundStart:
         return self._done.is_set()
 
     def stop(self, wait_s: float = BACKGROUND_STOP_WAIT_S) -> None:
-        """Cancel the job (never raises). A start that has not yet claimed the provider would clear a
-        single stop request, so the request is repeated until the start thread ends (or `wait_s`)."""
+        """Make the start give up, wait (up to `wait_s`) for its thread, then cancel what is left. Never raises.
+
+        The start thread cancels its own job when it gives up. `stop_container()` is called only after
+        it ended: run concurrently, it would close the client of a create still in flight, whose job
+        could then be made without anyone to cancel it."""
         self._stopped = True
-        self.provider.stop_container()
         deadline = time.monotonic() + wait_s
+        _request_stop(self.provider)
         while not self._done.wait(BACKGROUND_STOP_REPEAT_S) and time.monotonic() < deadline:
-            self.provider.stop_container()
-        if self._done.is_set():
-            self.provider.stop_container()  # a start that succeeded just before the stop: cancel its job
+            _request_stop(self.provider)  # a start that claimed the provider since cleared the last request
+        self.provider.stop_container()  # a start that succeeded just before: cancel its job
 
     def _run(self) -> None:
         try:
@@ -2598,6 +2600,13 @@ class _BackgroundStart:
             with _background_lock:
                 _background_starts.discard(self)
             self._done.set()
+
+
+def _request_stop(provider: HFSandboxProvider) -> None:
+    """What stop_container() does first, without its teardown: a start or readiness wait in another
+    thread gives up at its next check and cancels its own job (replicas included)."""
+    provider._stop_requested.set()
+    provider._wake.set()
 
 
 # -- Sandbox: what an environment object holds --------------------------------------------------------
@@ -2645,12 +2654,14 @@ class Sandbox:
             self.begin()
 
     def begin(self) -> "Sandbox":
-        """Begin the start in the background (no-op when begun; a stopped sandbox starts a new job)."""
+        """Begin the start in the background. A no-op once begun (a failed start keeps raising its error
+        until `restart()`); a stopped sandbox starts a new job."""
+        if self._start is not None:
+            return self
         if self.shared is not None:
             self._start = _shared_start(self.shared, self._settings_key(), self._new_provider, replace=None)
-        elif self._start is None or self._start.error is not None:
-            provider = self._new_provider()
-            self._start = _BackgroundStart(provider)
+        else:
+            self._start = _BackgroundStart(self._new_provider())
         return self
 
     def wait(self, timeout_s: Optional[float] = None) -> str:
