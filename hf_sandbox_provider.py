@@ -2764,13 +2764,17 @@ def stop_sandboxes() -> None:
     This is the explicit teardown for environments handed to a trainer that never closes them (e.g.
     TRL): call it when training ends (an environment class can expose it as a classmethod, which TRL
     does not offer to the model as a tool)."""
+    _in_parallel([s.stop for s in _take_starts()] + [p.stop_container for p in list(_sandbox_providers)])
+
+
+def _take_starts() -> List[_BackgroundStart]:
+    """Every shared group (forgotten: the next use starts a new one) and every start still in flight."""
     with _shared_lock:
         groups = [start for _, start in _shared_groups.values()]
         _shared_groups.clear()
     with _background_lock:
         in_flight = list(_background_starts)
-    starts = {id(s): s for s in groups + in_flight}
-    _in_parallel([s.stop for s in starts.values()] + [p.stop_container for p in list(_sandbox_providers)])
+    return list({id(s): s for s in groups + in_flight}.values())
 
 
 def _in_parallel(actions: Sequence[Callable[[], None]], budget_s: Optional[float] = None) -> None:
@@ -2789,13 +2793,7 @@ def _teardown_process(budget_s: float) -> None:
     """Cancel every job this process runs or is starting, in parallel, within `budget_s`: background
     starts (waiting for creates in flight), every Sandbox, then every provider's safety net."""
     deadline = time.monotonic() + budget_s
-    with _shared_lock:
-        groups = [start for _, start in _shared_groups.values()]
-        _shared_groups.clear()
-    with _background_lock:
-        in_flight = list(_background_starts)
-    starts = {id(s): s for s in groups + in_flight}
-    stop_starts = [lambda start=start: start.stop(budget_s) for start in starts.values()]
+    stop_starts = [lambda start=start: start.stop(budget_s) for start in _take_starts()]
     safety_nets = list(_live_finalizers)  # each cancels one running job at most once, provider or not
     _in_parallel(stop_starts + safety_nets, budget_s)
     _in_parallel(list(_live_finalizers), max(0.0, deadline - time.monotonic()))  # jobs recorded meanwhile

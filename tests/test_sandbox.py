@@ -21,15 +21,13 @@ STOP_AFTER_S = (0.0, 0.01, 0.05, 0.3, 1.0, 2.5)
 
 
 @pytest.fixture
-def slow_emu(log_guard):
+def slow_emu(make_emu):
     """An emulator whose jobs wait SCHEDULING_DELAY_S before RUNNING, like a (short) cold start."""
-    with JobsEmulator(scheduling_delay_s=SCHEDULING_DELAY_S) as emulator:
-        log_guard.watch(emulator.token)
-        emulator.settings = dict(endpoint=emulator.endpoint, token=emulator.token, command=echo_server_command(),
-                                 poll_interval_s=0.1)
-        yield emulator
-        stop_sandboxes()
-    assert emulator.live_pids() == [], "a job process outlived the emulator"
+    emulator = make_emu(scheduling_delay_s=SCHEDULING_DELAY_S)
+    emulator.settings = dict(endpoint=emulator.endpoint, token=emulator.token, command=echo_server_command(),
+                             poll_interval_s=0.1)
+    yield emulator
+    stop_sandboxes()
 
 
 def all_ended(emu: JobsEmulator) -> None:

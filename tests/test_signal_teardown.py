@@ -50,11 +50,8 @@ CHILD = textwrap.dedent('''
 
 
 @pytest.fixture
-def slow_emu(log_guard):
-    with JobsEmulator(scheduling_delay_s=SCHEDULING_DELAY_S) as emulator:
-        log_guard.watch(emulator.token)
-        yield emulator
-    assert emulator.live_pids() == [], "a job process outlived the emulator"
+def slow_emu(make_emu):
+    return make_emu(scheduling_delay_s=SCHEDULING_DELAY_S)
 
 
 def run_child_until(emu: JobsEmulator, phase: str, chain: bool = False) -> subprocess.Popen:
@@ -114,17 +111,16 @@ def test_sigterm_right_after_the_starts_began_waits_for_creates_in_flight(slow_e
 
 
 @pytest.mark.slow
-def test_sigterm_while_sessions_run_cancels_every_job_and_chains_the_previous_handler(log_guard) -> None:
-    with JobsEmulator(scheduling_delay_s=0.5) as emu:
-        log_guard.watch(emu.token)
-        child = run_child_until(emu, "running", chain=True)
-        assert all(job.stage == "RUNNING" for job in emu.jobs)
-        child.send_signal(signal.SIGTERM)
-        out, err = child.communicate(timeout=CHILD_TIMEOUT_S)
-        assert child.returncode == 7, (out, err)  # the handler installed before ours ran, after the teardown
-        assert "previous handler ran for signal %d" % signal.SIGTERM in out
-        assert_every_job_cancelled(emu, SLOTS + 2)
-        assert emu.token not in out + err
+def test_sigterm_while_sessions_run_cancels_every_job_and_chains_the_previous_handler(make_emu) -> None:
+    emu = make_emu(scheduling_delay_s=0.5)
+    child = run_child_until(emu, "running", chain=True)
+    assert all(job.stage == "RUNNING" for job in emu.jobs)
+    child.send_signal(signal.SIGTERM)
+    out, err = child.communicate(timeout=CHILD_TIMEOUT_S)
+    assert child.returncode == 7, (out, err)  # the handler installed before ours ran, after the teardown
+    assert "previous handler ran for signal %d" % signal.SIGTERM in out
+    assert_every_job_cancelled(emu, SLOTS + 2)
+    assert emu.token not in out + err
 
 
 def test_uninstall_restores_the_previous_handler_and_an_ignored_signal_is_left_alone() -> None:

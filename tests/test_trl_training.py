@@ -51,11 +51,8 @@ def trl_example(monkeypatch):
 
 
 @pytest.fixture
-def cold_emu(log_guard):
-    with JobsEmulator(scheduling_delay_s=SCHEDULING_DELAY_S) as emulator:
-        log_guard.watch(emulator.token)
-        yield emulator
-    assert emulator.live_pids() == [], "a job process outlived the emulator"
+def cold_emu(make_emu):
+    return make_emu(scheduling_delay_s=SCHEDULING_DELAY_S)
 
 
 def train(trl_example, emu: JobsEmulator, tmp_path, **env_kwargs) -> list:
