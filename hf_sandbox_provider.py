@@ -2368,10 +2368,7 @@ class EnvSession:
             try:
                 self._send_message(text)
                 return self._receive(time.monotonic() + self.timeout_s)
-            except SessionTimeout:
-                self._abort()
-                raise
-            except SessionError:
+            except SessionError:  # timeouts included: a late reply must never answer the next request
                 self._abort()
                 raise
             except OSError as exc:  # reset, broken pipe, TLS failure: the session is gone
@@ -2385,10 +2382,18 @@ class EnvSession:
 
     def close(self) -> None:
         """Say goodbye (OpenEnv's `close` message, then a close frame) if the socket still works, and
-        release it. Idempotent; never raises."""
+        release it. Idempotent; never raises. Called while another thread waits for a reply, it shuts
+        the socket down instead, so that thread gets `SessionError` at once rather than after its timeout."""
         from wsproto.events import CloseConnection
 
-        with self._lock:
+        if not self._lock.acquire(blocking=False):
+            self._closed = True
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)  # the waiting thread sees EOF and releases the socket
+            except OSError:
+                pass
+            return
+        with _Released(self._lock):
             if self._closed:
                 return
             self._closed = True
@@ -2497,6 +2502,19 @@ class EnvSession:
                                    % self.url)
             self._ws.receive_data(data)
         return self._events.popleft()
+
+
+class _Released:
+    """Context manager releasing a lock acquired beforehand (close() acquires without blocking)."""
+
+    def __init__(self, lock: Any) -> None:
+        self._lock = lock
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._lock.release()
 
 
 def _session_url_rejection(base_url: Any) -> Optional[str]:
@@ -2678,10 +2696,13 @@ class Sandbox:
         return EnvSession(self.wait(wait_timeout_s), timeout_s=timeout_s)
 
     def restart(self) -> "Sandbox":
-        """Replace a lost job: stop this sandbox's job and begin a new one. For a shared sandbox the
-        group is replaced once, however many of its environments ask (the others adopt the new one)."""
+        """Replace a lost job: stop this sandbox's job and begin a new one. A shared group is kept while
+        one of its jobs still serves (the proxy places new sessions on live jobs only); once none does
+        it is replaced once, however many of its environments ask (the others adopt the new one)."""
         if self.shared is not None:
-            self._start = _shared_start(self.shared, self._settings_key(), self._new_provider, replace=self._start)
+            if not _group_serves(self._start):
+                self._start = _shared_start(self.shared, self._settings_key(), self._new_provider,
+                                            replace=self._start)
         else:
             self.stop()
             self.begin()
@@ -2736,6 +2757,17 @@ class Sandbox:
         provider = HFSandboxProvider(self.image, **self._provider_kwargs)
         _sandbox_providers.add(provider)
         return provider
+
+
+def _group_serves(start: Optional[_BackgroundStart]) -> bool:
+    """Whether a shared group still has a job serving: asks the Jobs API about each (replicas > 1)."""
+    if start is None or not start.done or start.error is not None or start.provider.replicas <= 1:
+        return False
+    try:
+        status = start.provider.replica_status(refresh=True)
+    except Exception:  # stopped or replaced meanwhile
+        return False
+    return any(entry["healthy"] and entry["stage"] == "RUNNING" for entry in status)
 
 
 def _shared_start(name: str, key: Tuple[Any, ...], new_provider: Callable[[], HFSandboxProvider],

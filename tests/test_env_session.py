@@ -151,6 +151,7 @@ def test_through_the_provider_a_dead_job_and_a_stopped_provider_raise_typed_sess
 OPENENV_TIMEOUT = 90.0  # the job imports fastapi, uvicorn and openenv
 
 
+@pytest.mark.slow
 def test_a_real_openenv_create_app_server_from_a_thread_and_from_inside_a_loop(emu, proxy, tmp_path) -> None:
     pytest.importorskip("openenv.core.env_server.http_server")
     pytest.importorskip("uvicorn")
@@ -186,3 +187,28 @@ def test_a_real_openenv_create_app_server_from_a_thread_and_from_inside_a_loop(e
     assert seen["thread"][:3] == ("ready", "thread", pytest.approx(0.6))
     assert seen["loop"][:3] == ("ready", "loop", pytest.approx(0.4))
     assert seen["loop"][3]["episode_id"] == "loop" and seen["loop"][3]["step_count"] == 1
+
+
+def test_close_from_another_thread_ends_a_request_in_flight_with_a_session_error(no_leaks) -> None:
+    with EchoServer(step_delay_s=2.0) as server:
+        session = EnvSession(server.url, timeout_s=TIMEOUT)
+        session.reset()
+        outcome = []
+        started = threading.Event()
+
+        def slow_step() -> None:
+            started.set()
+            try:
+                outcome.append(session.step({"message": "slow"}))
+            except BaseException as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=slow_step)
+        thread.start()
+        started.wait(TIMEOUT)
+        while not session._lock.locked():  # the step is waiting for its reply
+            threading.Event().wait(0.01)
+        session.close()  # e.g. close_all() at the end of training
+        thread.join(TIMEOUT)
+        assert len(outcome) == 1 and isinstance(outcome[0], SessionError), outcome  # not the late reply
+        assert session.closed

@@ -151,6 +151,33 @@ def test_a_lost_shared_group_is_replaced_once_however_many_environments_ask(slow
     all_ended(slow_emu)
 
 
+def test_a_shared_group_with_one_live_job_is_kept_and_new_sessions_go_to_that_job(slow_emu) -> None:
+    boxes = [Sandbox("img:tag", shared="half", replicas=2, **slow_emu.settings) for _ in range(2)]
+    sessions = [box.session() for box in boxes]
+    for session in sessions:
+        session.reset()
+    jobs = list(boxes[0].job_ids)
+    victim = jobs[0]
+    slow_emu.kill_job(victim)
+    slow_emu.wait_for_stage(victim, ["ERROR"])
+    try:
+        for box, session in zip(boxes, sessions):
+            try:
+                session.step({"message": "probe"})
+                continue  # this slot's session lives on the other job
+            except SessionError:
+                session.close()
+            box.restart()  # one job still serves: the group is kept
+            with box.session() as fresh:
+                assert fresh.step({"message": "moved"})["observation"]["echoed_message"] == "moved"
+        assert len(slow_emu.jobs) == 2 and boxes[0].job_ids == boxes[1].job_ids
+    finally:
+        for session in sessions:
+            session.close()
+    stop_sandboxes()
+    all_ended(slow_emu)
+
+
 def test_stop_sandboxes_cancels_own_shared_and_in_flight_starts_in_one_call(slow_emu) -> None:
     ready = Sandbox("img:tag", **slow_emu.settings)
     ready.wait()
