@@ -2873,7 +2873,8 @@ def install_signal_teardown(signals: Optional[Sequence[int]] = None) -> bool:
     Trainers stop workers with SIGTERM, which skips `atexit` and finalizers: without this, their jobs
     run (and bill) until `job_timeout`. A signal the process ignores (SIG_IGN, e.g. SIGHUP under nohup)
     is left alone. Signal handlers can only be set from the main thread: elsewhere this does nothing
-    (debug log) and returns False. Calling it twice is harmless. Returns True when a handler is installed.
+    (debug log) and returns False. Calling it twice is harmless (a handler set on top of ours later is
+    left in place). Returns True when a handler is installed.
     """
     if threading.current_thread() is not threading.main_thread():
         logger.debug("install_signal_teardown() called off the main thread: nothing installed (Python sets "
@@ -2881,7 +2882,7 @@ def install_signal_teardown(signals: Optional[Sequence[int]] = None) -> bool:
         return False
     for signum in _teardown_signals(signals):
         if signum in _signal_previous:
-            continue
+            continue  # installed already (possibly under a handler set later, which may chain to ours)
         previous = signal.getsignal(signum)
         if previous is signal.SIG_IGN:
             logger.debug("install_signal_teardown: signal %d is ignored by this process; left alone", signum)
@@ -2914,7 +2915,8 @@ def _on_teardown_signal(signum: int, frame: Any) -> None:
     """Cancel every job within SIGNAL_TEARDOWN_BUDGET_S, then run the previous disposition.
 
     The work runs in a helper thread the handler waits for (bounded): the interrupted main thread may
-    hold a lock the teardown needs. A second signal during the teardown is absorbed by the first."""
+    hold a lock the teardown needs. A second signal while this runs (or a chained handler that calls
+    this one again) is absorbed by the first."""
     if _signal_teardown_active.is_set():
         return
     _signal_teardown_active.set()
@@ -2924,15 +2926,15 @@ def _on_teardown_signal(signum: int, frame: Any) -> None:
                                   name="hf-sandbox-signal-teardown", daemon=True)
         worker.start()
         worker.join(SIGNAL_TEARDOWN_BUDGET_S + 1.0)
+        previous = _signal_previous.get(signum, signal.SIG_DFL)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous is not signal.SIG_IGN:  # SIG_DFL (or a handler set outside Python): die of the signal
+            _signal_previous.pop(signum, None)
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
     finally:
         _signal_teardown_active.clear()
-    previous = _signal_previous.get(signum, signal.SIG_DFL)
-    if callable(previous):
-        previous(signum, frame)
-    elif previous is not signal.SIG_IGN:  # SIG_DFL (or a handler set outside Python): die of the signal
-        _signal_previous.pop(signum, None)
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
 
 
 # --------------------------------------------------------------------------------------------------

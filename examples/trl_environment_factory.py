@@ -44,12 +44,16 @@ class EchoSandboxEnv:
     """One remote echo environment per rollout slot; `get_reward()` is the episode's total so far.
 
     `image` and `provider_kwargs` are `HFSandboxProvider`'s; `shared` and `begin` are `Sandbox`'s.
+    `teardown_on_signal=True` calls `install_signal_teardown()`: TRL's async rollout worker builds its
+    environments on its main thread and is stopped with SIGTERM, which would otherwise leak the jobs.
     """
 
     _instances: "weakref.WeakSet[EchoSandboxEnv]" = weakref.WeakSet()
 
     def __init__(self, image: str = _common.DEFAULT_IMAGE, *, shared: Optional[str] = None, begin: bool = True,
-                 **provider_kwargs: Any) -> None:
+                 teardown_on_signal: bool = False, **provider_kwargs: Any) -> None:
+        if teardown_on_signal:
+            install_signal_teardown()  # opt-in; idempotent; a no-op off the main thread
         self.reward = 0.0
         self.job_id: Optional[str] = None
         self._sandbox = Sandbox(image, shared=shared, begin=begin, **provider_kwargs)  # starts in the background
@@ -173,9 +177,9 @@ def train(args: Any, settings: dict) -> None:
     if args.shared_jobs:
         settings = dict(settings, shared="echo-grpo", replicas=args.shared_jobs,
                         env_vars={"MAX_CONCURRENT_ENVS": str(args.batch)})
-    factory = functools.partial(EchoSandboxEnv, args.image, **settings)
+    # teardown_on_signal: a SIGTERM (a scheduler, TRL's async worker shutdown) cancels the jobs first.
+    factory = functools.partial(EchoSandboxEnv, args.image, teardown_on_signal=True, **settings)
     factory(begin=False)  # settings and token checked now, before minutes of model loading
-    install_signal_teardown()  # a SIGTERM (e.g. from a scheduler) cancels the jobs before the process dies
 
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer

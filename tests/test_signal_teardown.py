@@ -152,3 +152,30 @@ def test_off_the_main_thread_nothing_is_installed() -> None:
     thread.start()
     thread.join(10)
     assert results == [False] and signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_handler_set_on_top_of_ours_stays_and_the_whole_chain_runs_once() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    calls = []
+
+    def theirs(signum, frame):  # e.g. a framework that saved ours and calls it from its own handler
+        calls.append("theirs")
+        saved(signum, frame)
+
+    def innermost(signum, frame):
+        calls.append("innermost")
+
+    signal.signal(signal.SIGTERM, innermost)
+    try:
+        assert install_signal_teardown() is True
+        saved = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, theirs)
+        assert install_signal_teardown() is True  # already installed: theirs stays on top
+        assert signal.getsignal(signal.SIGTERM) is theirs
+        signal.raise_signal(signal.SIGTERM)  # nothing runs in this process: the teardown has nothing to cancel
+        assert calls == ["theirs", "innermost"]  # theirs -> ours (teardown) -> the one before ours
+        uninstall_signal_teardown()
+        assert signal.getsignal(signal.SIGTERM) is theirs  # not ours to restore
+    finally:
+        uninstall_signal_teardown()
+        signal.signal(signal.SIGTERM, before)
