@@ -2308,7 +2308,8 @@ class EnvSession:
                            or _positive_number_rejection("connect_timeout_s", connect_timeout_s)
                            or _session_url_rejection(base_url))
         parts = urlsplit(_session_url(base_url, path))
-        self.url = "%s://%s%s" % (parts.scheme, parts.netloc, parts.path)
+        # For messages and repr: scheme and host only. The path holds the proxy's route id, a secret.
+        self.where = "%s://%s" % (parts.scheme, parts.netloc)
         self.timeout_s = float(timeout_s)
         self._lock = threading.Lock()
         self._closed = False
@@ -2319,10 +2320,10 @@ class EnvSession:
         try:
             self._sock: Any = socket.create_connection((parts.hostname, port), timeout=float(connect_timeout_s))
         except socket.timeout:
-            raise SessionTimeout("could not connect to %s within %gs" % (self.url, connect_timeout_s)) from None
+            raise SessionTimeout("could not connect to %s within %gs" % (self.where, connect_timeout_s)) from None
         except OSError as exc:
             raise SessionError("could not connect to %s: %s (is the provider still running?)"
-                               % (self.url, exc.strerror or exc)) from None
+                               % (self.where, exc.strerror or exc)) from None
         try:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small request/reply frames
             if parts.scheme == "wss":
@@ -2373,7 +2374,7 @@ class EnvSession:
                 raise
             except OSError as exc:  # reset, broken pipe, TLS failure: the session is gone
                 self._abort()
-                raise SessionError("the WebSocket session to %s broke: %s" % (self.url, exc)) from None
+                raise SessionError("the WebSocket session to %s broke: %s" % (self.where, exc)) from None
 
     @property
     def closed(self) -> bool:
@@ -2414,9 +2415,8 @@ class EnvSession:
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
 
-    def __repr__(self) -> str:  # the URL holds the proxy route id (a secret): show its host only
-        return "<EnvSession %s://%s %s>" % (urlsplit(self.url).scheme, urlsplit(self.url).netloc,
-                                              "closed" if self._closed else "open")
+    def __repr__(self) -> str:  # host only: the path holds the proxy's route id (a secret)
+        return "<EnvSession %s %s>" % (self.where, "closed" if self._closed else "open")
 
     # -- machinery ------------------------------------------------------------------------------------
 
@@ -2490,16 +2490,17 @@ class EnvSession:
                 break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise SessionTimeout("no answer from %s within %gs" % (self.url, self.timeout_s))
+                raise SessionTimeout("no answer from %s in time (timeout_s=%g); the session is closed"
+                                     % (self.where, self.timeout_s))
             self._sock.settimeout(remaining)
             try:
                 data = self._sock.recv(65536)
             except socket.timeout:
                 raise SessionTimeout("no answer from %s within %gs; the session is closed (raise timeout_s "
-                                     "for slow environments)" % (self.url, self.timeout_s)) from None
+                                     "for slow environments)" % (self.where, self.timeout_s)) from None
             if not data:
                 raise SessionError("the connection to %s closed mid-session: the job or the proxy route is gone"
-                                   % self.url)
+                                   % self.where)
             self._ws.receive_data(data)
         return self._events.popleft()
 

@@ -137,12 +137,14 @@ def test_through_the_provider_a_dead_job_and_a_stopped_provider_raise_typed_sess
         assert session.step({"message": "via the gate"})["reward"] == pytest.approx(1.2)
         emu.kill_job(provider.job_id)
         emu.wait_for_stage(provider.job_id, ["ERROR"])
-        with pytest.raises(SessionError):
+        with pytest.raises(SessionError) as lost:
             session.step({"message": "after death"})
         assert session.closed
         with pytest.raises(SessionRefusedError, match="HTTP 502 from the proxy") as refused:
             EnvSession(base_url, timeout_s=TIMEOUT)
         assert refused.value.proxy_error == "upstream-unreachable"
+        route_id = base_url.rstrip("/").split("/")[-1]
+        assert route_id not in str(lost.value) and route_id not in str(refused.value)
     with pytest.raises(SessionRefusedError) as gone:  # the route is unmounted with the job
         EnvSession(base_url, timeout_s=TIMEOUT)
     assert gone.value.status_code == 404 and gone.value.proxy_error == "unknown-route"

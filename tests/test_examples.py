@@ -6,6 +6,7 @@ worker left behind fails the test even if the example claimed to have cleaned up
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import pickle
 import re
@@ -155,6 +156,14 @@ def test_hub_mode_without_a_token_exits_2_with_the_fix(script: str, home: str) -
     run = run_example(script, home=home)
     assert run.code == 2, run
     assert "no Hugging Face token found" in run.err and "smoke --local" in run.err, run
+
+
+def test_trl_train_checks_the_token_before_it_loads_a_model(home: str) -> None:
+    if not all(importlib.util.find_spec(name) for name in ("trl", "datasets", "torch")):
+        pytest.skip("--train needs trl, datasets and torch (pip install '.[trl]')")
+    run = run_example("trl_environment_factory.py", "--train", "--model", "no-such-org/no-such-model", home=home)
+    assert run.code == 2, run  # a model load would have failed first, naming the model
+    assert "no Hugging Face token found" in run.err and "no-such-model" not in run.out + run.err, run
 
 
 def test_failure_injection_without_local_is_a_usage_error(home: str) -> None:
