@@ -1,36 +1,26 @@
-"""Plumbing shared by the examples: their flags, the `--local` Jobs emulator, a blocking WebSocket session.
+"""Plumbing shared by the examples: their flags and the `--local` Jobs emulator.
 
-Nothing here is needed to use the library; it keeps each example about its own user path.
+Nothing here is needed to use the library; it keeps each example about its own user path. The
+blocking WebSocket session the examples use is the library's `hf_sandbox_provider.EnvSession`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import socket
 import sys
-from collections import deque
-from typing import Any, Deque, Dict, List, Mapping
-from urllib.parse import urlsplit
+from typing import Any, Dict, List
 
 # Run from a checkout without installing: the library modules sit one folder up.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.append(ROOT)
 
-from wsproto import ConnectionType, WSConnection  # noqa: E402
-from wsproto.events import (AcceptConnection, CloseConnection, Ping, RejectConnection, Request,  # noqa: E402
-                            TextMessage)
-
 # OpenEnv's echo environment, published as a Space image; $HF_SANDBOX_IMAGE overrides it, as for `smoke`.
 DEFAULT_IMAGE = os.environ.get("HF_SANDBOX_IMAGE") or "registry.hf.space/openenv-echo-env:latest"
 # Exit codes, the same as `python -m hf_sandbox_provider smoke`.
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-# Longest wait for one reply (or the handshake): the echo environment answers at once; raise it
-# (WSSession(timeout_s=...)) for environments whose steps run long.
-WS_TIMEOUT_S = 60.0
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -86,76 +76,6 @@ class Backend:
               % (len(self.emulator.jobs), len(self.leftovers)))
         if self.leftovers:
             print("error: job processes still running: %s" % ", ".join(self.leftovers), file=sys.stderr)
-
-
-class WSSession:
-    """One OpenEnv WebSocket session (`<base_url>/ws`) on one blocking socket: no event loop, no thread.
-
-    `request({"type": "step", "data": {...}})` returns the reply's `data`; an `error` reply raises.
-    """
-
-    def __init__(self, base_url: str, timeout_s: float = WS_TIMEOUT_S) -> None:
-        url = urlsplit(base_url)
-        if url.scheme != "http" or not url.hostname:
-            raise ValueError("WSSession needs the provider's http://127.0.0.1:<port>/<route> base_url, "
-                             "not %r" % base_url)
-        self._ws = WSConnection(ConnectionType.CLIENT)
-        self._events: Deque[Any] = deque()
-        self._sock = socket.create_connection((url.hostname, url.port or 80), timeout=timeout_s)
-        try:
-            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small request/reply frames
-            self._send(Request(host=url.netloc, target=url.path.rstrip("/") + "/ws"))
-            event = self._next_event()
-            if isinstance(event, RejectConnection):
-                kind = dict(event.headers).get(b"x-proxy-error", b"").decode("latin-1")
-                raise ConnectionError("the WebSocket was refused: HTTP %d%s" % (
-                    event.status_code, " from the proxy (%s)" % kind if kind else " from the environment"))
-            if not isinstance(event, AcceptConnection):
-                raise ConnectionError("unexpected WebSocket handshake answer: %r" % (event,))
-        except BaseException:
-            self._sock.close()
-            raise
-
-    def request(self, message: Mapping[str, Any]) -> Dict[str, Any]:
-        self._send(TextMessage(data=json.dumps(message)))
-        text = ""
-        while True:
-            event = self._next_event()
-            if isinstance(event, Ping):
-                self._send(event.response())
-            elif isinstance(event, CloseConnection):
-                raise ConnectionError("the environment closed the session (code %s)" % event.code)
-            elif isinstance(event, TextMessage):
-                text += event.data
-                if event.message_finished:
-                    break
-        reply = json.loads(text)
-        if reply.get("type") == "error":
-            data = reply.get("data") or {}
-            raise RuntimeError("environment error %s: %s" % (data.get("code"), data.get("message")))
-        return reply.get("data") or {}
-
-    def close(self) -> None:
-        """Say goodbye if the socket still works; always release it."""
-        try:
-            self._send(TextMessage(data=json.dumps({"type": "close"})))
-            self._send(CloseConnection(code=1000))
-        except Exception:
-            pass  # the peer is gone already: nothing left to tell it
-        finally:
-            self._sock.close()
-
-    def _send(self, event: Any) -> None:
-        self._sock.sendall(self._ws.send(event))
-
-    def _next_event(self) -> Any:
-        while not self._events:
-            data = self._sock.recv(65536)
-            if not data:
-                raise ConnectionError("the environment's connection closed mid-session")
-            self._ws.receive_data(data)
-            self._events.extend(self._ws.events())
-        return self._events.popleft()
 
 
 def failure_exit(exc: BaseException) -> int:

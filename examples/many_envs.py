@@ -20,7 +20,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 import _common
-from hf_sandbox_provider import HFSandboxProvider, stop_all
+from hf_sandbox_provider import EnvSession, HFSandboxProvider, stop_all
 
 # Stages after which a job is no longer billed.
 ENDED = {"COMPLETED", "CANCELED", "ERROR", "DELETED"}
@@ -30,19 +30,16 @@ EPISODE_TIMEOUT_S = 300.0
 
 def episode(index: int, base_url: str, steps: int) -> float:
     """Reset, then `steps` echo steps, each checked; returns the episode's total reward."""
-    session = _common.WSSession(base_url)
-    try:
-        session.request({"type": "reset", "data": {}})
+    with EnvSession(base_url) as session:  # one blocking WebSocket session, no event loop
+        session.reset()
         total = 0.0
         for step in range(steps):
             message = "env %d step %d" % (index, step)
-            result = session.request({"type": "step", "data": {"message": message}})
+            result = session.step({"message": message})
             if result["observation"]["echoed_message"] != message:
                 raise RuntimeError("step %d: echoed %r" % (step, result["observation"]["echoed_message"]))
             total += result.get("reward") or 0.0
         return total
-    finally:
-        session.close()
 
 
 def run_episodes(providers: List[HFSandboxProvider], steps: int) -> Dict[int, Any]:

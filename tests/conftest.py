@@ -9,6 +9,8 @@ Stable fixture names other test files may rely on:
 - `proxy`: a started `proxy.AuthProxy` on loopback, stopped after the test.
 - `emu`: a running `hf_jobs_emulator.JobsEmulator` whose token is watched in the logs; after it stops,
   the test fails if any job process outlived it.
+- `make_emu`: `make_emu(**JobsEmulator_kwargs)` starts an emulator (e.g. with `scheduling_delay_s`)
+  whose token is watched; each is stopped after the test, which fails if a job process outlived it.
 - `log_guard` (autouse): captures every log record (all loggers, DEBUG and up) during each test and
   fails the test if `support.TEST_TOKEN`, or any string passed to `log_guard.watch(...)`, appears in
   one. `log_guard.text()` returns the captured log output for extra assertions.
@@ -20,7 +22,7 @@ import os
 import sys
 import threading
 import time
-from typing import Iterator, List
+from typing import Any, Callable, Iterator, List
 
 import pytest
 
@@ -136,3 +138,19 @@ def emu(log_guard: LogGuard) -> Iterator[JobsEmulator]:
         log_guard.watch(emulator.token)
         yield emulator
     assert emulator.live_pids() == [], "a job process outlived the emulator"
+
+
+@pytest.fixture
+def make_emu(log_guard: LogGuard) -> Iterator[Callable[..., JobsEmulator]]:
+    made: List[JobsEmulator] = []
+
+    def make(**kwargs: Any) -> JobsEmulator:
+        emulator = JobsEmulator(**kwargs).start()
+        made.append(emulator)
+        log_guard.watch(emulator.token)
+        return emulator
+
+    yield make
+    for emulator in made:
+        emulator.stop()
+        assert emulator.live_pids() == [], "a job process outlived the emulator"

@@ -6,6 +6,7 @@ worker left behind fails the test even if the example claimed to have cleaned up
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import pickle
 import re
@@ -123,8 +124,8 @@ def test_many_envs_exits_nonzero_naming_the_environment_whose_job_died(home: str
     run = run_example("many_envs.py", "--local", "--n", "4", "--kill-env", "2", home=home)
     assert run.code == 1, run
     failures = re.findall(r"FAILED environment (\d+) \(job \w+\): (.*)", run.err)
-    assert failures == [("2", "ConnectionError: the WebSocket was refused: HTTP 502 from the proxy "
-                              "(upstream-unreachable)")], run
+    assert failures == [("2", "SessionRefusedError: the WebSocket was refused: HTTP 502 from the proxy "
+                              "(upstream-unreachable: the job is gone or not serving; start a new one)")], run
     assert "3 of 4 episodes" in run.out, run
     assert "still running: none" in run.out and "4 jobs run, 0 job processes left" in run.out, run
 
@@ -137,7 +138,7 @@ def test_many_envs_start_failure_cancels_every_job_and_exits_nonzero(home: str) 
     assert "0 job processes left" in run.out, run
 
 
-def test_trl_environment_pickles_before_use_and_runs_here_and_in_a_spawned_worker(home: str) -> None:
+def test_trl_example_runs_an_episode_here_and_from_its_pickled_factory_in_a_spawned_worker(home: str) -> None:
     run = run_example("trl_environment_factory.py", "--local", home=home)
     assert run.code == 0, run
     assert "tools TRL would offer the model: ['echo']" in run.out, run
@@ -155,6 +156,14 @@ def test_hub_mode_without_a_token_exits_2_with_the_fix(script: str, home: str) -
     run = run_example(script, home=home)
     assert run.code == 2, run
     assert "no Hugging Face token found" in run.err and "smoke --local" in run.err, run
+
+
+def test_trl_train_checks_the_token_before_it_loads_a_model(home: str) -> None:
+    if not all(importlib.util.find_spec(name) for name in ("trl", "datasets", "torch")):
+        pytest.skip("--train needs trl, datasets and torch (pip install '.[trl]')")
+    run = run_example("trl_environment_factory.py", "--train", "--model", "no-such-org/no-such-model", home=home)
+    assert run.code == 2, run  # a model load would have failed first, naming the model
+    assert "no Hugging Face token found" in run.err and "no-such-model" not in run.out + run.err, run
 
 
 def test_failure_injection_without_local_is_a_usage_error(home: str) -> None:
@@ -192,23 +201,36 @@ def emulator(log_guard):
 
 
 def test_trl_environment_offers_only_echo_as_a_tool_and_needs_reset_first(trl_example) -> None:
-    env = trl_example.EchoSandboxEnv("any/image:tag", token="hf_unused")
-    assert trl_example.trl_tools(env) == ["echo"]  # a public close() would become a tool the model can call
+    env = trl_example.EchoSandboxEnv("any/image:tag", token="hf_unused", begin=False)
+    # TRL 1.16's rule: plain and static methods except reset/get_reward; close_all (a classmethod) is no tool
+    assert trl_example.trl_tools(env) == ["echo"]
+    assert callable(trl_example.EchoSandboxEnv.close_all) and env.get_reward() == 0.0
     with pytest.raises(RuntimeError, match=r"call reset\(\)"):
         env.echo("too early")
 
 
-def test_trl_environment_refuses_to_pickle_while_its_sandbox_runs(trl_example, emulator) -> None:
-    env = trl_example.EchoSandboxEnv("any/image:tag", **emulator.provider_settings)
-    with env:
-        env.reset()
-        with pytest.raises(TypeError, match=r"before its first reset\(\).*runs job %s" % env.job_id):
-            pickle.dumps(env)
-    assert emulator.wait_for_stage(env.job_id, ["CANCELED"]).stage == "CANCELED"
-    clone = pickle.loads(pickle.dumps(env))  # closed: picklable again, and the copy starts its own sandbox
-    with clone:
-        clone.reset()
-        assert clone.echo("again") == "again" and clone.job_id != env.job_id
+def test_trl_environment_pickles_until_its_own_sandbox_begins_and_a_shared_one_always(trl_example, emulator) -> None:
+    lazy = trl_example.EchoSandboxEnv("any/image:tag", begin=False, **emulator.provider_settings)
+    clone = pickle.loads(pickle.dumps(lazy))
+    with trl_example.EchoSandboxEnv("any/image:tag", **emulator.provider_settings) as begun:
+        with pytest.raises(TypeError, match=r"cannot pickle a Sandbox that has begun"):
+            pickle.dumps(begun)
+        begun.reset()
+        assert begun.echo("mine") == "mine"
+    assert emulator.wait_for_stage(begun.job_id, ["CANCELED"]).stage == "CANCELED"
+    shared = trl_example.EchoSandboxEnv("any/image:tag", shared="pickle-test", **emulator.provider_settings)
+    try:
+        shared.reset()
+        copy = pickle.loads(pickle.dumps(shared))  # in this process the copy joins the same group
+        copy.reset()
+        assert copy.job_id == shared.job_id and copy.echo("shared") == "shared"
+        with clone:  # the clone of the lazy one starts its own job when first used
+            clone.reset()
+            assert clone.echo("again") == "again" and clone.job_id not in (begun.job_id, shared.job_id)
+    finally:
+        trl_example.EchoSandboxEnv.close_all()
+    assert len(emulator.jobs) == 3  # own, shared (one job for both copies), the clone's own
+    assert all(emulator.wait_for_stage(job.id, ["CANCELED"]).terminal for job in emulator.jobs), emulator.jobs
 
 
 def test_trl_environment_replaces_a_sandbox_that_died_between_episodes(trl_example, emulator, capsys) -> None:
@@ -225,29 +247,3 @@ def test_trl_environment_replaces_a_sandbox_that_died_between_episodes(trl_examp
         assert env.reward == pytest.approx(0.3)  # the new episode's reward only
     assert "sandbox job %s lost" % first in capsys.readouterr().err
     assert emulator.wait_for_stage(env.job_id, ["CANCELED"]).stage == "CANCELED"
-
-
-@pytest.fixture
-def echo_url():
-    from hf_jobs_emulator import EchoServer
-    server = EchoServer().start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
-
-
-def test_ws_session_raises_the_environments_own_error_and_keeps_the_session(common, echo_url, no_leaks) -> None:
-    session = common.WSSession(echo_url, timeout_s=10)
-    try:
-        session.request({"type": "reset", "data": {}})
-        with pytest.raises(RuntimeError, match="environment error VALIDATION_ERROR"):
-            session.request({"type": "step", "data": {"not-a-field": 1}})
-        assert session.request({"type": "step", "data": {"message": "still here"}})["reward"] == pytest.approx(1.0)
-    finally:
-        session.close()
-
-
-def test_ws_session_refused_upgrade_says_the_environment_refused(common, echo_url, no_leaks) -> None:
-    with pytest.raises(ConnectionError, match="HTTP 404 from the environment"):
-        common.WSSession(echo_url + "/no-such-prefix", timeout_s=10)

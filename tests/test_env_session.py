@@ -1,0 +1,216 @@
+"""`EnvSession`, the library's blocking OpenEnv WebSocket session: against the stdlib echo server, through
+the provider and the emulator's token gate, against a real OpenEnv `create_app` server, from plain
+threads and from inside a running asyncio loop; typed errors when the environment, the proxy or the job
+says no; timeouts that close the session instead of mixing up replies."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+import threading
+
+import pytest
+
+from hf_jobs_emulator import EchoEnvironment, EchoServer, JobsEmulator, echo_server_command
+from hf_sandbox_provider import (EnvError, EnvSession, HFSandboxProvider, SandboxConfigError, SessionError,
+                                 SessionRefusedError, SessionTimeout)
+
+TIMEOUT = 30.0
+SEQUENCE_SEEDS = range(6)
+SEQUENCE_LENGTH = 40
+
+
+@pytest.fixture
+def echo_url():
+    with EchoServer() as server:
+        yield server.url
+
+
+def run_sequence(session: EnvSession, seed: int) -> None:
+    """A random sequence of OpenEnv messages, each answer checked against a local EchoEnvironment."""
+    rng = random.Random(seed)
+    model = EchoEnvironment()
+    session.reset(episode_id="seed-%d" % seed)
+    model.reset(episode_id="seed-%d" % seed)
+    for _ in range(SEQUENCE_LENGTH):
+        op = rng.choice(["step", "step", "state", "reset", "bad-step", "unknown"])
+        if op == "step":
+            message = "".join(rng.choice("ab ✓\n\"") for _ in range(rng.randint(0, 12)))
+            assert session.step({"message": message}) == model.step(message)
+        elif op == "state":
+            assert session.state() == model.state()
+        elif op == "reset":
+            episode = "e%d" % rng.randint(0, 1000)
+            assert session.reset(episode_id=episode) == model.reset(episode_id=episode)
+        elif op == "bad-step":
+            with pytest.raises(EnvError) as caught:
+                session.step({"not-a-field": 1})
+            assert caught.value.code == "VALIDATION_ERROR"
+        else:
+            with pytest.raises(EnvError, match="UNKNOWN_TYPE"):
+                session.request({"type": "dance"})
+    assert session.state() == model.state()  # the errors changed nothing on the server's side
+
+
+@pytest.mark.parametrize("seed", SEQUENCE_SEEDS)
+def test_a_random_message_sequence_matches_the_echo_environment_model(echo_url, seed, no_leaks) -> None:
+    with EnvSession(echo_url, timeout_s=TIMEOUT) as session:
+        run_sequence(session, seed)
+    assert session.closed
+
+
+def test_sessions_in_plain_threads_and_inside_a_running_loop_keep_their_own_episodes(echo_url, no_leaks) -> None:
+    errors = []
+
+    def in_thread(seed: int) -> None:
+        try:
+            with EnvSession(echo_url, timeout_s=TIMEOUT) as session:
+                run_sequence(session, seed)
+        except BaseException as exc:  # collected: a failing thread must fail the test
+            errors.append(exc)
+
+    async def in_loop() -> dict:
+        assert asyncio.get_running_loop() is not None
+        with EnvSession(echo_url, timeout_s=TIMEOUT) as session:  # blocks the loop briefly; needs none
+            run_sequence(session, 99)
+            return session.state()
+
+    threads = [threading.Thread(target=in_thread, args=(seed,)) for seed in SEQUENCE_SEEDS]
+    for thread in threads:
+        thread.start()
+    state = asyncio.run(in_loop())
+    for thread in threads:
+        thread.join(TIMEOUT)
+    assert errors == [] and not any(t.is_alive() for t in threads)
+    assert state["step_count"] >= 0
+
+
+def test_an_environment_error_keeps_the_session_and_a_refused_upgrade_names_the_environment(echo_url) -> None:
+    with EnvSession(echo_url, timeout_s=TIMEOUT) as session:
+        session.reset()
+        with pytest.raises(EnvError, match="environment error VALIDATION_ERROR") as caught:
+            session.step({"not-a-field": 1})
+        assert caught.value.data["errors"] and not session.closed
+        assert session.step({"message": "still here"})["reward"] == pytest.approx(1.0)
+    with pytest.raises(SessionRefusedError, match="HTTP 404 from the environment") as refused:
+        EnvSession(echo_url + "/no-such-prefix", timeout_s=TIMEOUT)
+    assert refused.value.status_code == 404 and refused.value.proxy_error is None
+    assert isinstance(refused.value, ConnectionError)  # code that caught ConnectionError keeps working
+
+
+def test_a_slow_reply_times_out_closes_the_session_and_never_answers_the_next_request(no_leaks) -> None:
+    with EchoServer(step_delay_s=1.0) as server:
+        session = EnvSession(server.url, timeout_s=0.3)
+        session.reset()
+        with pytest.raises(SessionTimeout, match="no answer"):
+            session.step({"message": "slow"})
+        assert session.closed
+        with pytest.raises(SessionError, match="closed"):
+            session.state()  # the late reply to "slow" must never be taken for this one
+        session.close()  # idempotent, never raises
+        session.close()
+
+
+def test_bad_urls_and_actions_are_refused_with_the_fix(echo_url) -> None:
+    for url in ("", "ftp://127.0.0.1/x", "127.0.0.1:8000", None):
+        with pytest.raises(SandboxConfigError, match="base_url"):
+            EnvSession(url)  # type: ignore[arg-type]
+    with pytest.raises(SandboxConfigError, match="timeout_s"):
+        EnvSession(echo_url, timeout_s=0)
+    with EnvSession(echo_url) as session:
+        with pytest.raises(SandboxConfigError, match="mapping"):
+            session.step("hello")  # type: ignore[arg-type]
+    with pytest.raises(SessionError, match="could not connect"):
+        EnvSession("http://127.0.0.1:1", connect_timeout_s=5)
+
+
+def test_through_the_provider_a_dead_job_and_a_stopped_provider_raise_typed_session_errors(emu, proxy) -> None:
+    provider = HFSandboxProvider("img:tag", endpoint=emu.endpoint, token=emu.token, command=echo_server_command(),
+                                 proxy=proxy, poll_interval_s=0.1)
+    with provider:
+        base_url = provider.start_container()
+        provider.wait_for_ready()
+        session = EnvSession(base_url, timeout_s=TIMEOUT)
+        assert base_url.split("/")[-1] not in repr(session)  # the route id is a secret
+        assert session.reset()["observation"]["echoed_message"] == "Echo environment ready!"
+        assert session.step({"message": "via the gate"})["reward"] == pytest.approx(1.2)
+        emu.kill_job(provider.job_id)
+        emu.wait_for_stage(provider.job_id, ["ERROR"])
+        with pytest.raises(SessionError) as lost:
+            session.step({"message": "after death"})
+        assert session.closed
+        with pytest.raises(SessionRefusedError, match="HTTP 502 from the proxy") as refused:
+            EnvSession(base_url, timeout_s=TIMEOUT)
+        assert refused.value.proxy_error == "upstream-unreachable"
+        route_id = base_url.rstrip("/").split("/")[-1]
+        assert route_id not in str(lost.value) and route_id not in str(refused.value)
+    with pytest.raises(SessionRefusedError) as gone:  # the route is unmounted with the job
+        EnvSession(base_url, timeout_s=TIMEOUT)
+    assert gone.value.status_code == 404 and gone.value.proxy_error == "unknown-route"
+
+
+OPENENV_TIMEOUT = 90.0  # the job imports fastapi, uvicorn and openenv
+
+
+@pytest.mark.slow
+def test_a_real_openenv_create_app_server_from_a_thread_and_from_inside_a_loop(emu, proxy, tmp_path) -> None:
+    pytest.importorskip("openenv.core.env_server.http_server")
+    pytest.importorskip("uvicorn")
+    from test_e2e_openenv import OPENENV_SERVER
+
+    script = tmp_path / "server.py"
+    script.write_text(OPENENV_SERVER)
+    provider = HFSandboxProvider("img:tag", endpoint=emu.endpoint, token=emu.token, command=[sys.executable, str(script)],
+                                 proxy=proxy, poll_interval_s=0.1, start_timeout_s=OPENENV_TIMEOUT,
+                                 ready_timeout_s=OPENENV_TIMEOUT)
+    with provider:
+        base_url = provider.start_container()
+        provider.wait_for_ready()
+        seen = {}
+
+        def episode(name: str) -> None:
+            with EnvSession(base_url, timeout_s=TIMEOUT) as session:
+                first = session.reset(episode_id=name)
+                step = session.step({"message": name})
+                with pytest.raises(EnvError):
+                    session.step({"wrong": 1})  # openenv validates the action
+                seen[name] = (first["observation"]["echoed_message"], step["observation"]["echoed_message"],
+                              step["reward"], session.state())
+
+        thread = threading.Thread(target=episode, args=("thread",))
+        thread.start()
+        thread.join(TIMEOUT)
+
+        async def in_loop() -> None:
+            episode("loop")
+
+        asyncio.run(in_loop())
+    assert seen["thread"][:3] == ("ready", "thread", pytest.approx(0.6))
+    assert seen["loop"][:3] == ("ready", "loop", pytest.approx(0.4))
+    assert seen["loop"][3]["episode_id"] == "loop" and seen["loop"][3]["step_count"] == 1
+
+
+def test_close_from_another_thread_ends_a_request_in_flight_with_a_session_error(no_leaks) -> None:
+    with EchoServer(step_delay_s=2.0) as server:
+        session = EnvSession(server.url, timeout_s=TIMEOUT)
+        session.reset()
+        outcome = []
+        started = threading.Event()
+
+        def slow_step() -> None:
+            started.set()
+            try:
+                outcome.append(session.step({"message": "slow"}))
+            except BaseException as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=slow_step)
+        thread.start()
+        started.wait(TIMEOUT)
+        while not session._lock.locked():  # the step is waiting for its reply
+            threading.Event().wait(0.01)
+        session.close()  # e.g. close_all() at the end of training
+        thread.join(TIMEOUT)
+        assert len(outcome) == 1 and isinstance(outcome[0], SessionError), outcome  # not the late reply
+        assert session.closed

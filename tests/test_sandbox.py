@@ -1,0 +1,205 @@
+"""`Sandbox`: starts begun in the background when an environment is built (so N of them overlap), shared
+groups of `replicas=K` jobs that many environments open sessions on, and teardown that leaves no job
+running whether a sandbox is stopped before, during or after its start."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+
+import pytest
+
+from hf_jobs_emulator import JobsEmulator, echo_server_command
+from hf_sandbox_provider import (JobFailedError, JobStartTimeout, Sandbox, SandboxConfigError, SessionError,
+                                 stop_sandboxes)
+
+SLOTS = 6
+SCHEDULING_DELAY_S = 1.5
+# Stop a sandbox this long after it began: before its create, during SCHEDULING, while RUNNING.
+STOP_AFTER_S = (0.0, 0.01, 0.05, 0.3, 1.0, 2.5)
+
+
+@pytest.fixture
+def slow_emu(make_emu):
+    """An emulator whose jobs wait SCHEDULING_DELAY_S before RUNNING, like a (short) cold start."""
+    emulator = make_emu(scheduling_delay_s=SCHEDULING_DELAY_S)
+    emulator.settings = dict(endpoint=emulator.endpoint, token=emulator.token, command=echo_server_command(),
+                             poll_interval_s=0.1)
+    yield emulator
+    stop_sandboxes()
+
+
+def all_ended(emu: JobsEmulator) -> None:
+    for job in emu.jobs:
+        assert emu.wait_for_stage(job.id, ["CANCELED", "ERROR", "COMPLETED"]).terminal, job
+
+
+def test_sandboxes_built_together_start_together_and_each_waits_for_its_own_job(slow_emu) -> None:
+    boxes = [Sandbox("img:tag", **slow_emu.settings) for _ in range(SLOTS)]
+    for index, box in enumerate(boxes):  # what TRL does: reset slot after slot
+        with box.session() as session:
+            assert session.step({"message": "slot %d" % index})["observation"]["echoed_message"] == "slot %d" % index
+    jobs = slow_emu.jobs
+    assert sorted(j.id for j in jobs) == sorted(b.job_ids[0] for b in boxes)
+    # Every create reached the emulator before the first job left SCHEDULING: the cold starts overlapped.
+    assert max(j.created_mono for j in jobs) < min(j.started_mono for j in jobs)
+    for box in boxes:
+        box.stop()
+    all_ended(slow_emu)
+
+
+@pytest.mark.parametrize("delay", STOP_AFTER_S)
+def test_a_sandbox_stopped_at_any_point_of_its_start_leaves_no_job(slow_emu, delay) -> None:
+    box = Sandbox("img:tag", **slow_emu.settings)
+    time.sleep(delay)
+    box.stop()  # returns once the job (if it was created) is cancelled
+    assert not box.ready and box.provider is None
+    assert len(slow_emu.jobs) <= 1
+    assert all(slow_emu.wait_for_stage(job.id, ["CANCELED"]).stage == "CANCELED" for job in slow_emu.jobs)
+    box.stop()  # idempotent
+    box.begin()  # a stopped sandbox can start again
+    assert box.wait(timeout_s=60).startswith("http://127.0.0.1:")
+    box.stop()
+    all_ended(slow_emu)
+
+
+def test_a_start_that_fails_raises_in_the_waiting_environment_with_its_job_cancelled(slow_emu) -> None:
+    box = Sandbox("img:tag", labels={"emulator-crash-at-boot": "boom-at-boot"}, **slow_emu.settings)
+    with pytest.raises(JobFailedError, match="boom-at-boot"):
+        box.session()
+    with pytest.raises(JobFailedError):  # asked again: the same answer, no second job
+        box.wait()
+    assert len(slow_emu.jobs) == 1 and slow_emu.jobs[0].stage == "ERROR"
+    with pytest.raises(JobStartTimeout, match="still starting"):
+        Sandbox("img:tag", **slow_emu.settings).wait(timeout_s=0.05)  # bounded wait; the start goes on
+    stop_sandboxes()
+    all_ended(slow_emu)
+
+
+def test_a_lazy_sandbox_starts_nothing_until_used_and_pickles_until_then(slow_emu) -> None:
+    lazy = Sandbox("img:tag", begin=False, **slow_emu.settings)
+    assert slow_emu.jobs == [] and lazy.provider is None and "not begun" in repr(lazy)
+    copy = pickle.loads(pickle.dumps(lazy))
+    with copy.session() as session:
+        session.reset()
+    assert len(slow_emu.jobs) == 1 and lazy.provider is None
+    with pytest.raises(TypeError, match="begun its job"):
+        pickle.dumps(copy)
+    copy.stop()
+    assert pickle.loads(pickle.dumps(copy)).provider is None  # stopped: settings only again
+    all_ended(slow_emu)
+
+
+def test_many_environments_share_a_few_jobs_each_with_its_own_session(slow_emu) -> None:
+    boxes = [Sandbox("img:tag", shared="pool", replicas=2, **slow_emu.settings) for _ in range(SLOTS)]
+    sessions = [box.session() for box in boxes]
+    try:
+        for index, session in enumerate(sessions):
+            session.reset(episode_id="slot-%d" % index)
+        for index, session in enumerate(sessions):
+            for _ in range(index + 1):
+                session.step({"message": "x"})
+        states = [session.state() for session in sessions]
+        assert [s["episode_id"] for s in states] == ["slot-%d" % i for i in range(SLOTS)]
+        assert [s["step_count"] for s in states] == list(range(1, SLOTS + 1))  # no two slots share an episode
+        assert len(slow_emu.jobs) == 2 and {tuple(b.job_ids) for b in boxes} == {tuple(boxes[0].job_ids)}
+        assert [r["open_sessions"] for r in boxes[0].provider.replica_status()] == [SLOTS // 2, SLOTS // 2]
+        copy = pickle.loads(pickle.dumps(boxes[0]))  # a shared handle pickles at any time
+        assert copy.wait() == boxes[0].wait()  # and in this process it joins the same group
+        with pytest.raises(SandboxConfigError, match="other settings"):
+            Sandbox("img:tag", shared="pool", replicas=3, **slow_emu.settings)
+        boxes[0].stop()  # one environment lets go: the group runs on for the others
+        assert sessions[1].step({"message": "still"})["observation"]["echoed_message"] == "still"
+    finally:
+        for session in sessions:
+            session.close()
+    stop_sandboxes()
+    all_ended(slow_emu)
+
+
+def test_a_lost_shared_group_is_replaced_once_however_many_environments_ask(slow_emu) -> None:
+    boxes = [Sandbox("img:tag", shared="lost", replicas=2, **slow_emu.settings) for _ in range(4)]
+    sessions = [box.session() for box in boxes]
+    old_jobs = list(boxes[0].job_ids)
+    for job_id in old_jobs:
+        slow_emu.kill_job(job_id)
+        slow_emu.wait_for_stage(job_id, ["ERROR"])
+    for session in sessions:
+        with pytest.raises(SessionError):
+            session.step({"message": "dead"})
+    errors = []
+
+    def replace(box: Sandbox) -> None:
+        try:
+            box.restart()
+            with box.session() as session:
+                session.reset()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=replace, args=(box,)) for box in boxes]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == []
+    assert len(slow_emu.jobs) == 4  # the 2 lost ones and ONE replacement group of 2
+    assert {tuple(box.job_ids) for box in boxes} == {tuple(j for j in boxes[0].job_ids)}
+    assert not set(boxes[0].job_ids) & set(old_jobs)
+    stop_sandboxes()
+    all_ended(slow_emu)
+
+
+def test_a_shared_group_with_one_live_job_is_kept_and_new_sessions_go_to_that_job(slow_emu) -> None:
+    boxes = [Sandbox("img:tag", shared="half", replicas=2, **slow_emu.settings) for _ in range(2)]
+    sessions = [box.session() for box in boxes]
+    for session in sessions:
+        session.reset()
+    jobs = list(boxes[0].job_ids)
+    victim = jobs[0]
+    slow_emu.kill_job(victim)
+    slow_emu.wait_for_stage(victim, ["ERROR"])
+    try:
+        for box, session in zip(boxes, sessions):
+            try:
+                session.step({"message": "probe"})
+                continue  # this slot's session lives on the other job
+            except SessionError:
+                session.close()
+            box.restart()  # one job still serves: the group is kept
+            with box.session() as fresh:
+                assert fresh.step({"message": "moved"})["observation"]["echoed_message"] == "moved"
+        assert len(slow_emu.jobs) == 2 and boxes[0].job_ids == boxes[1].job_ids
+    finally:
+        for session in sessions:
+            session.close()
+    stop_sandboxes()
+    all_ended(slow_emu)
+
+
+def test_stop_sandboxes_cancels_own_shared_and_in_flight_starts_in_one_call(slow_emu) -> None:
+    ready = Sandbox("img:tag", **slow_emu.settings)
+    ready.wait()
+    shared = Sandbox("img:tag", shared="all", replicas=2, **slow_emu.settings)
+    shared.wait()
+    starting = [Sandbox("img:tag", **slow_emu.settings) for _ in range(3)]
+    stop_sandboxes()
+    assert not any(box.ready for box in starting)
+    assert all(job.stage == "CANCELED" or slow_emu.wait_for_stage(job.id, ["CANCELED"]) for job in slow_emu.jobs)
+    assert len(slow_emu.jobs) <= 6
+    all_ended(slow_emu)
+
+
+def test_bad_settings_and_a_missing_token_fail_at_construction(monkeypatch, tmp_path) -> None:
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    with pytest.raises(SandboxConfigError, match="no Hugging Face token"):
+        Sandbox("img:tag")
+    with pytest.raises(SandboxConfigError, match="shared="):
+        Sandbox("img:tag", shared="", token="hf_x")
+    with pytest.raises(SandboxConfigError, match="proxy="):
+        Sandbox("img:tag", proxy=object(), token="hf_x")
+    with pytest.raises(SandboxConfigError, match="flavor"):
+        Sandbox("img:tag", flavor="no-such-flavor", token="hf_x")

@@ -1,0 +1,181 @@
+"""`install_signal_teardown()`: a real trainer-like subprocess killed by SIGTERM (or SIGHUP) during a cold
+start and while its sessions run cancels every job before it dies of the signal; a handler installed
+before is chained; uninstall restores; off the main thread nothing is installed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+import hf_sandbox_provider
+from hf_jobs_emulator import JobsEmulator, echo_server_command
+from hf_sandbox_provider import install_signal_teardown, uninstall_signal_teardown
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SLOTS = 4
+SCHEDULING_DELAY_S = 6.0  # long enough that "during a cold start" is certain when the signal lands
+CHILD_TIMEOUT_S = 60.0
+
+# A trainer in miniature: SLOTS sandboxes begun in the background (plus a shared group of 2), then
+# either it waits for nothing ("cold"), or opens one session per slot and reports "ready".
+CHILD = textwrap.dedent('''
+    import json, signal, sys, time
+    from hf_sandbox_provider import Sandbox, install_signal_teardown
+
+    settings, phase, chain = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3] == "chain"
+    if chain:
+        def previous(signum, frame):
+            print("previous handler ran for signal %d" % signum, flush=True)
+            sys.exit(7)
+        signal.signal(signal.SIGTERM, previous)
+    print("installed %s" % install_signal_teardown(), flush=True)
+    boxes = [Sandbox("img:tag", **settings) for _ in range(SLOTS)]
+    boxes.append(Sandbox("img:tag", shared="group", replicas=2, **settings))
+    if phase == "running":
+        sessions = [box.session() for box in boxes]
+        for session in sessions:
+            session.reset()
+    print(phase, flush=True)
+    time.sleep(120)
+    print("not killed", flush=True)
+''').replace("SLOTS", str(SLOTS))
+
+
+@pytest.fixture
+def slow_emu(make_emu):
+    return make_emu(scheduling_delay_s=SCHEDULING_DELAY_S)
+
+
+def run_child_until(emu: JobsEmulator, phase: str, chain: bool = False) -> subprocess.Popen:
+    settings = dict(endpoint=emu.endpoint, token=emu.token, command=echo_server_command(), poll_interval_s=0.1)
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+    child = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(settings), phase, "chain" if chain else "-"],
+                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "installed True"
+        assert child.stdout.readline().strip() == phase
+    except BaseException:
+        child.kill()
+        child.wait()
+        raise
+    return child
+
+
+def wait_for_jobs(emu: JobsEmulator, count: int) -> None:
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
+    while len(emu.jobs) < count:
+        assert time.monotonic() < deadline, "the child created %d of %d jobs" % (len(emu.jobs), count)
+        time.sleep(0.02)
+
+
+def assert_every_job_cancelled(emu: JobsEmulator, count: int) -> None:
+    assert len(emu.jobs) == count, emu.jobs
+    for job in emu.jobs:
+        assert emu.wait_for_stage(job.id, ["CANCELED"]).stage == "CANCELED", job
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
+    while emu.live_pids():
+        assert time.monotonic() < deadline, "job processes still running: %s" % emu.live_pids()
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_during_the_cold_start_cancels_every_job_then_kills_the_process(slow_emu, signum) -> None:
+    child = run_child_until(slow_emu, "cold")
+    wait_for_jobs(slow_emu, SLOTS + 2)  # every create answered; all jobs still SCHEDULING
+    assert all(job.stage == "SCHEDULING" for job in slow_emu.jobs)
+    child.send_signal(signum)
+    out, err = child.communicate(timeout=CHILD_TIMEOUT_S)
+    assert child.returncode == -signum, (out, err)  # then died of the signal, as by default
+    assert "cancelling this process's HF jobs" in err and "not killed" not in out
+    assert_every_job_cancelled(slow_emu, SLOTS + 2)
+
+
+@pytest.mark.slow
+def test_sigterm_right_after_the_starts_began_waits_for_creates_in_flight(slow_emu) -> None:
+    child = run_child_until(slow_emu, "cold")
+    child.send_signal(signal.SIGTERM)  # some creates may not have been answered yet
+    out, err = child.communicate(timeout=CHILD_TIMEOUT_S)
+    assert child.returncode == -signal.SIGTERM, (out, err)
+    time.sleep(1.0)  # a create the child never saw answered would show up by now
+    for job in slow_emu.jobs:
+        assert slow_emu.wait_for_stage(job.id, ["CANCELED"]).stage == "CANCELED", job
+
+
+@pytest.mark.slow
+def test_sigterm_while_sessions_run_cancels_every_job_and_chains_the_previous_handler(make_emu) -> None:
+    emu = make_emu(scheduling_delay_s=0.5)
+    child = run_child_until(emu, "running", chain=True)
+    assert all(job.stage == "RUNNING" for job in emu.jobs)
+    child.send_signal(signal.SIGTERM)
+    out, err = child.communicate(timeout=CHILD_TIMEOUT_S)
+    assert child.returncode == 7, (out, err)  # the handler installed before ours ran, after the teardown
+    assert "previous handler ran for signal %d" % signal.SIGTERM in out
+    assert_every_job_cancelled(emu, SLOTS + 2)
+    assert emu.token not in out + err
+
+
+def test_uninstall_restores_the_previous_handler_and_an_ignored_signal_is_left_alone() -> None:
+    def mine(signum, frame):
+        pass
+
+    before_term, before_hup = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)
+    signal.signal(signal.SIGTERM, mine)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # e.g. under nohup
+    try:
+        assert install_signal_teardown() is True
+        assert install_signal_teardown() is True  # twice: harmless, still chains to `mine`
+        assert signal.getsignal(signal.SIGTERM) is hf_sandbox_provider._on_teardown_signal
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        uninstall_signal_teardown()
+        assert signal.getsignal(signal.SIGTERM) is mine
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        uninstall_signal_teardown()  # nothing installed: no-op
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, before_term)
+        signal.signal(signal.SIGHUP, before_hup)
+
+
+def test_off_the_main_thread_nothing_is_installed() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    results = []
+    thread = threading.Thread(target=lambda: results.append(install_signal_teardown()))
+    thread.start()
+    thread.join(10)
+    assert results == [False] and signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_handler_set_on_top_of_ours_stays_and_the_whole_chain_runs_once() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    calls = []
+
+    def theirs(signum, frame):  # e.g. a framework that saved ours and calls it from its own handler
+        calls.append("theirs")
+        saved(signum, frame)
+
+    def innermost(signum, frame):
+        calls.append("innermost")
+
+    signal.signal(signal.SIGTERM, innermost)
+    try:
+        assert install_signal_teardown() is True
+        saved = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, theirs)
+        assert install_signal_teardown() is True  # already installed: theirs stays on top
+        assert signal.getsignal(signal.SIGTERM) is theirs
+        signal.raise_signal(signal.SIGTERM)  # nothing runs in this process: the teardown has nothing to cancel
+        assert calls == ["theirs", "innermost"]  # theirs -> ours (teardown) -> the one before ours
+        uninstall_signal_teardown()
+        assert signal.getsignal(signal.SIGTERM) is theirs  # not ours to restore
+    finally:
+        uninstall_signal_teardown()
+        signal.signal(signal.SIGTERM, before)

@@ -1,0 +1,114 @@
+"""A real TRL run: `GRPOTrainer` (TRL 1.16, CPU) trains a tiny offline model for 2 steps with the TRL
+example's `EchoSandboxEnv` as `environment_factory`, against the emulator with a 3 s cold start.
+
+The tiny model always calls the `echo` tool once (tests/tiny_trl.py), so each rollout makes a real tool
+call through the proxy into a job's WebSocket session. Checked: the environment's rewards reach the
+trainer's logs, the rollout slots' cold starts overlapped (every slot's job was created before any of
+them left SCHEDULING), shared jobs use K jobs for all slots, and `close_all()` leaves no job or job
+process. Skips without TRL, except under CI (env CI set), where it fails: CI installs `.[trl]`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import threading
+
+import pytest
+
+NEEDED = ("torch", "trl", "transformers", "datasets", "accelerate")
+_missing = [name for name in NEEDED if importlib.util.find_spec(name) is None]
+if _missing and os.environ.get("CI"):
+    pytest.fail("CI must run the real TRL test, but %s is not installed: pip install torch==2.13.0, then "
+                "pip install -e '.[test,trl]'" % ", ".join(_missing), pytrace=False)
+if _missing:
+    pytest.skip("needs %s (pip install torch==2.13.0, then pip install -e '.[test,trl]')" % ", ".join(_missing),
+                allow_module_level=True)
+
+from hf_jobs_emulator import JobsEmulator, echo_server_command  # noqa: E402
+
+import tiny_trl  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCHEDULING_DELAY_S = 3.0
+SLOTS = 4  # rollout slots per step: per_device_train_batch_size, each with its own environment
+STEPS = 2
+EXPECTED_REWARD = 0.1 * len(tiny_trl.TOOL_MESSAGE)  # the echo environment: 0.1 per echoed character
+
+
+@pytest.fixture
+def trl_example(monkeypatch):
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # everything is made here: nothing may be downloaded
+    examples = os.path.join(ROOT, "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    import trl_environment_factory
+    return trl_environment_factory
+
+
+@pytest.fixture
+def cold_emu(make_emu):
+    return make_emu(scheduling_delay_s=SCHEDULING_DELAY_S)
+
+
+def train(trl_example, emu: JobsEmulator, tmp_path, **env_kwargs) -> list:
+    """GRPO for STEPS steps with SLOTS environments; returns the trainer's per-step logs."""
+    import functools
+
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    tokenizer = tiny_trl.build_tokenizer()
+    settings = dict(endpoint=emu.endpoint, token=emu.token, command=echo_server_command(), poll_interval_s=0.1)
+    factory = functools.partial(trl_example.EchoSandboxEnv, "img:tag", **settings, **env_kwargs)
+    prompts = [[{"role": "user", "content": "Echo '%s'." % tiny_trl.TOOL_MESSAGE}]] * (SLOTS * STEPS)
+    config = GRPOConfig(output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=SLOTS,
+                        num_generations=SLOTS, max_completion_length=64, max_tool_calling_iterations=1,
+                        learning_rate=1e-6, logging_steps=1, use_cpu=True, bf16=False, report_to="none",
+                        save_strategy="no", seed=0)
+    trainer = GRPOTrainer(model=tiny_trl.build_model(tokenizer), processing_class=tokenizer, reward_funcs=[],
+                          args=config, train_dataset=Dataset.from_dict({"prompt": prompts}),
+                          environment_factory=factory)
+    try:
+        trainer.train()
+    finally:
+        trl_example.EchoSandboxEnv.close_all()
+    return [entry for entry in trainer.state.log_history if "loss" in entry]
+
+
+def assert_rewards_reached_the_trainer(steps: list) -> None:
+    assert len(steps) == STEPS
+    for entry in steps:
+        assert entry["tools/call_frequency"] == 1.0 and entry["tools/failure_frequency"] == 0.0, entry
+        assert entry["rewards/EchoSandboxEnv/mean"] == pytest.approx(EXPECTED_REWARD), entry
+        assert entry["reward"] == pytest.approx(EXPECTED_REWARD), entry
+
+
+def assert_nothing_left(emu: JobsEmulator) -> None:
+    for job in emu.jobs:
+        assert emu.wait_for_stage(job.id, ["CANCELED"]).stage == "CANCELED", job
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("hf-sandbox-background")]
+
+
+def test_grpo_trains_two_steps_with_one_sandbox_per_slot_started_together(trl_example, cold_emu, tmp_path) -> None:
+    steps = train(trl_example, cold_emu, tmp_path)
+    assert_rewards_reached_the_trainer(steps)
+    jobs = sorted(cold_emu.jobs, key=lambda job: job.created_mono)
+    assert len(jobs) == SLOTS  # one per slot, reused by the second step
+    # TRL builds one environment at init and the rest just before the first step's resets: those
+    # were all created before any of them left SCHEDULING, so the first step waited one cold start.
+    batch = jobs[1:]
+    assert max(job.created_mono for job in batch) < min(job.started_mono for job in batch)
+    assert_nothing_left(cold_emu)
+
+
+def test_grpo_slots_share_two_jobs_each_with_its_own_session(trl_example, cold_emu, tmp_path) -> None:
+    steps = train(trl_example, cold_emu, tmp_path, shared="trl-test", replicas=2,
+                  env_vars={"MAX_CONCURRENT_ENVS": str(SLOTS)})
+    assert_rewards_reached_the_trainer(steps)
+    assert len(cold_emu.jobs) == 2  # SLOTS environments, 2 jobs
+    assert_nothing_left(cold_emu)
