@@ -31,6 +31,7 @@ import os
 import random
 import re
 import shlex
+import signal
 import socket
 import ssl
 import sys
