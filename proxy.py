@@ -67,6 +67,11 @@ REPLAYABLE_BODY_BYTES = 1024 * 1024
 SMALL_RESPONSE_BYTES = 64 * 1024
 # Socket read size for streaming bodies and tunnels: large enough to move a 1 MiB frame in a few calls.
 IO_CHUNK = 64 * 1024
+# Read size of each WebSocket tunnel direction. A direction spends the whole session blocked in recv
+# holding a buffer of this size, so it sets most of an open session's memory (64 KiB per direction
+# measured 37-43 KiB RSS per session at 2,048 sessions). OpenEnv frames are a few hundred bytes; a
+# 1 MiB frame takes 64 reads instead of 16.
+TUNNEL_READ_BYTES = 16 * 1024
 # Idle upstream connections kept per route; more concurrent requests simply open more connections.
 POOL_MAX_IDLE = 64
 # Pooled upstream connections idle longer than this are not reused: uvicorn (OpenEnv's server) closes
@@ -1259,6 +1264,7 @@ class _ClientReader(io.RawIOBase):
         self._header_timeout: Optional[float] = None
         self._deadline: Optional[float] = None
         self._timeout: Optional[float] = -1.0  # what the socket is set to (-1: unknown)
+        self._stopped = False
 
     def readable(self) -> bool:
         return True
@@ -1271,6 +1277,11 @@ class _ClientReader(io.RawIOBase):
         self._header_timeout = self._deadline = None
         self._set_timeout(timeout)
 
+    def stop(self) -> None:
+        """Make every later raw read answer "no more" without touching the socket, so the buffered
+        reader above gives up only what it already holds (see `_Handler._take_buffered`)."""
+        self._stopped = True
+
     def _set_timeout(self, timeout: Optional[float]) -> None:
         # settimeout costs two fcntl syscalls every call: skip it when nothing changes (the common
         # keep-alive case, where head and body phases use the same idle timeout).
@@ -1279,6 +1290,8 @@ class _ClientReader(io.RawIOBase):
             self._timeout = timeout
 
     def readinto(self, buffer: "bytearray | memoryview") -> int:  # type: ignore[override]
+        if self._stopped:
+            return 0
         if self._deadline is not None:
             remaining = self._deadline - time.monotonic()
             if remaining <= 0:
@@ -1881,6 +1894,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         match = _STATUS_LINE_RE.match(head)
         return stream, head, extra, int(match.group(1)) if match else 0
 
+    def _take_buffered(self) -> bytes:
+        return _drain_buffered(self.rfile, self._reader)
+
     def _finish_upgrade(self, route: Route, stream: "_Stream", head: bytes, extra: bytes, status: int) -> None:
         """Relay a non-101 answer as HTTP; on 101 relay the head and run the tunnel until it ends."""
         if status != 101:
@@ -1917,10 +1933,24 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self.connection.sendall(head + extra)
             except OSError:
                 tunnel.close()
-            tunnel.run(self.rfile.read1)
+            tunnel.run(self._take_buffered())
         finally:
             route._remove_tunnel(tunnel)
             stream.close()
+
+
+def _drain_buffered(rfile: io.BufferedReader, reader: _ClientReader) -> bytes:
+    """What the client sent past the upgrade request that `rfile` already buffered (frames sent right
+    behind the request), then close it: its 64 KiB buffer is freed and the tunnel reads the socket."""
+    reader.stop()
+    chunks = []
+    while True:
+        chunk = rfile.read1(IO_CHUNK)  # buffered bytes only: the stopped raw reader answers b""
+        if not chunk:
+            break
+        chunks.append(chunk)
+    rfile.close()
+    return b"".join(chunks)
 
 
 def _prepend(first: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:
@@ -2201,7 +2231,7 @@ class _TLSStream(_Stream):
                 if self._fed_count != fed_before or self._eof:
                     return  # someone fed the engine meanwhile: try it again first
             try:
-                data = self.sock.recv(IO_CHUNK)  # blocking, outside the engine lock
+                data = self.sock.recv(TUNNEL_READ_BYTES)  # blocking, outside the engine lock; one TLS record
             except OSError:
                 data = b""
                 if not self._closed:
@@ -2273,12 +2303,17 @@ class _Tunnel:
         _abort_socket(self.client)
         self.upstream.abort()
 
-    def run(self, client_read: Callable[[int], bytes]) -> None:
-        """Pump client->upstream in this thread (releasing the upstream->client worker first); return
-        when both directions ended."""
+    def run(self, first: bytes = b"") -> None:
+        """Pump client->upstream in this thread (releasing the upstream->client worker first), starting
+        with `first`, bytes of the client's already read; return when both directions ended."""
         self._go.set()
         try:
-            self._pump(client_read, self.upstream.sendall)
+            if first:
+                try:
+                    self.upstream.sendall(first)
+                except (OSError, ValueError, ssl.SSLError):
+                    self.close()
+            self._pump(self.client.recv, self.upstream.sendall)
         finally:
             self.close()
             if not self._pump_done.wait(STOP_JOIN_S):  # pragma: no cover - its sockets are shut
@@ -2295,7 +2330,7 @@ class _Tunnel:
     def _pump(self, read: Callable[[int], bytes], write: Callable[[bytes], None]) -> None:
         try:
             while not self._closed.is_set():
-                data = read(IO_CHUNK)
+                data = read(TUNNEL_READ_BYTES)
                 if not data:
                     break
                 write(data)
