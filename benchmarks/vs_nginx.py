@@ -472,8 +472,8 @@ def _summarize_stacks(path: str) -> Dict[str, Any]:
             if not stack or not count.isdigit():
                 continue
             n = int(count)
-            if "importlib._bootstrap" in stack:
-                continue  # the proxy process starting up, before the load
+            if "importlib._bootstrap" in stack or "AuthProxy.__exit__" in stack:
+                continue  # the proxy process starting up before the load, or stopping after it
             total += n
             frames = [_frame_name(f) for f in stack.split(";") if not f.startswith("process ") and
                       not f.startswith("thread ")]
@@ -680,6 +680,13 @@ def _verdicts(result: Dict[str, Any]) -> List[str]:
                       and r["upstream"] == upstream and r["target"] == "proxy"), None)
             g = next((r for r in result["runs"] if r["measure"] == "sessions" and r["n"] == n
                       and r["upstream"] == upstream and r["target"] == "nginx"), None)
+            c = next((r for r in result["runs"] if r["measure"] == "sessions" and r["n"] == n
+                      and r["upstream"] == upstream and r["target"] == CLI_TARGET), None)
+            if c and g and c["total_p99_s"] and g["total_p99_s"]:
+                out.append("- %s: (for comparison, not a target) %s, its own process at a %.1f s GIL switch "
+                           "interval like `python proxy.py`: total p99 at %d sessions %.2fx nginx's (%.3f s)" % (
+                               upstream, CLI_TARGET, CLI_SWITCH_INTERVAL_S, n, c["total_p99_s"] / g["total_p99_s"],
+                               c["total_p99_s"]))
             if p and g and p["total_p99_s"] and g["total_p99_s"]:
                 verdict("%s: total p99 at %d sessions <= %.2fx nginx's (%.2fx: %.3f s vs %.3f s)" % (
                     upstream, n, TARGET_P99_VS_NGINX, p["total_p99_s"] / g["total_p99_s"], p["total_p99_s"],
