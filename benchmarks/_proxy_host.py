@@ -37,6 +37,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="profile every proxy thread, write merged pstats here on exit")
     parser.add_argument("--switch-interval", type=float, default=None, metavar="S",
                         help="sys.setswitchinterval(S) first, as `python proxy.py` does (default: Python's 5 ms)")
+    parser.add_argument("--worker-idle-s", type=float, default=None, metavar="S",
+                        help="parked worker threads end after S idle seconds (default proxy.WORKER_IDLE_S)")
     args = parser.parse_args(argv)
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
@@ -44,7 +46,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     sys.path.insert(0, HERE)
     sys.path.insert(1, os.path.dirname(HERE))  # the repo root, where proxy.py lives
     from _loadgen import raise_nofile_limit
+    import proxy as proxy_module
     from proxy import AuthProxy
+
+    if args.worker_idle_s:
+        proxy_module.WORKER_IDLE_S = args.worker_idle_s  # read when the server starts
 
     raise_nofile_limit()
     stop = threading.Event()

@@ -69,6 +69,8 @@ NOISY_CORES = 0.75
 NOISY_RETRIES = 1
 # How long py-spy samples the proxy during each profiled load (a separate, unpublished-timing run).
 PROFILE_SECONDS = 4
+# Sessions traced with strace -c to count each process's system calls per WebSocket session.
+STRACE_SESSIONS = 400
 # The JSON body of a /step request (an OpenEnv action).
 STEP_BODY = '{"action": {"message": "hello"}}'
 # The benchmark token: any string works, nothing checks it; never a real credential.
@@ -462,6 +464,37 @@ def _proxy_upstream_url(stack: Stack, upstream: str) -> str:
     return "%s://127.0.0.1:%d" % ("https" if upstream == "tls" else "http", stack.up[upstream][0])
 
 
+def syscalls_per_session(stack: Stack, target: str, upstream: str, n: int = STRACE_SESSIONS) -> Optional[Dict[str, Any]]:
+    """System calls the target process makes per WebSocket session (strace -c -f over n sessions,
+    set-up to close; its pool warmed first). strace slows every call, so only the counts are kept."""
+    if shutil.which("strace") is None:
+        return None
+    port, path, _ = stack.ws_target(target, upstream, "/ws")
+    scale._run_generators(port, path, n, 0, 60.0, 1, stack.env)  # warm: workers parked, pools filled
+    out = os.path.join(stack.workdir, "strace-%s-%s.txt" % (target, upstream))
+    tracer = subprocess.Popen(["strace", "-c", "-f", "-p", str(stack.pid(target, upstream)), "-o", out],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(1.0)  # attaching to thousands of threads takes a moment
+        scale._run_generators(port, path, n, 0, 120.0, 1, stack.env)
+        time.sleep(0.5)
+    finally:
+        tracer.terminate()
+        tracer.wait(30)
+    counts: Dict[str, int] = {}
+    try:
+        with open(out) as fh:
+            for line in fh:
+                fields = line.split()
+                if len(fields) >= 5 and fields[0][0].isdigit() and fields[-1] != "total":
+                    counts[fields[-1]] = int(fields[3])
+    except OSError:
+        return None
+    total = sum(counts.values())
+    return {"sessions": n, "per_session": total / float(n), "futex_per_session": counts.get("futex", 0) / float(n),
+            "top": sorted(((k, v / float(n)) for k, v in counts.items()), key=lambda kv: -kv[1])[:6]}
+
+
 def _summarize_stacks(path: str) -> Dict[str, Any]:
     inclusive: Counter = Counter()
     own: Counter = Counter()
@@ -551,6 +584,10 @@ def run(quick: bool, say: Callable[[str], None]) -> Dict[str, Any]:
                                upstream=upstream, rep=0)
                     result["runs"].append(row)
                     say(_progress(row))
+        for upstream in UPSTREAMS:
+            for target in ("nginx", "proxy"):
+                result.setdefault("syscalls", {})["%s/%s" % (target, upstream)] = syscalls_per_session(
+                    stack, target, upstream)
         for upstream in UPSTREAMS:
             result["profiles"]["http_c64/" + upstream] = profile(
                 stack, upstream, lambda base: subprocess.run(
@@ -660,6 +697,13 @@ def render(result: Dict[str, Any], command: str) -> str:
             label, prof["samples"],
             ", ".join("`%s` %.0f%%" % (n, 100 * s) for n, s in prof["inclusive"][:8]),
             ", ".join("`%s` %.0f%%" % (n, 100 * s) for n, s in prof["own"][:6])))
+    calls = {k: v for k, v in result.get("syscalls", {}).items() if v}
+    if calls:
+        lines += ["", "System calls per WebSocket session (strace -c -f, %d warm sessions, upgrade to close; "
+                  "futex is mostly the GIL changing hands): " % STRACE_SESSIONS + "; ".join(
+                      "%s %.0f (futex %.0f; %s)" % (k, v["per_session"], v["futex_per_session"],
+                                                    ", ".join("%s %.1f" % kv for kv in v["top"] if kv[0] != "futex"))
+                      for k, v in sorted(calls.items())) + "."]
     lines += ["", "### Against the targets", ""] + _verdicts(result) + [SECTION_END]
     return "\n".join(lines) + "\n"
 
