@@ -1935,6 +1935,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 tunnel.close()
             tunnel.run(self._take_buffered())
         finally:
+            tunnel.close()  # a no-op after run(); if something raised before it, frees the gated worker
             route._remove_tunnel(tunnel)
             stream.close()
 
