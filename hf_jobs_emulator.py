@@ -30,14 +30,18 @@ import logging
 import os
 import random
 import secrets
+import select
 import selectors
+import shutil
 import signal
 import socket
 import socketserver
+import ssl
 import string
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -96,6 +100,13 @@ IDLE_CONNECTION_TIMEOUT_S = 120.0
 SERVE_POLL_S = 0.05
 # Listen backlog: benchmarks open hundreds of connections at once; the stdlib default (5) drops them.
 LISTEN_BACKLOG = 1024
+# `JobsEmulator(tls=True)`: exposed ports are `https://<job_id>--<port>.<TLS_HOST_SUFFIX>:<gate port>`,
+# as on the Hub (`https://<job_id>--<port>.hf.jobs`), so the provider's exposed-URL rule runs for real.
+# Under `localhost` because RFC 6761 reserves such names for loopback; this process's resolver maps them
+# to 127.0.0.1 while a TLS emulator runs (many system resolvers do not, see _LoopbackNames).
+TLS_HOST_SUFFIX = "jobs.localhost"
+# How long a TLS client of an exposed port may take to complete its handshake.
+TLS_HANDSHAKE_TIMEOUT_S = 10.0
 # Labels starting with this prefix configure faults on one job (see FAULT_KEYS).
 FAULT_LABEL_PREFIX = "emulator-"
 # The fault keys, as emulator-wide `faults={key: value}` or per-job labels `emulator-<key>: value`.
@@ -216,6 +227,7 @@ class JobsEmulator:
         kill_grace_s: float = KILL_GRACE_S,
         zygote: bool = True,
         network_faults: bool = False,
+        tls: bool = False,
     ) -> None:
         reason = (_host_rejection(host) or _namespace_rejection(namespace)
                   or _delay_rejection("scheduling_delay_s", scheduling_delay_s)
@@ -266,6 +278,11 @@ class JobsEmulator:
         self._zygote: Optional[_Zygote] = None
         self._retired_zygotes: List[_Zygote] = []  # ones that died; their children are cleaned up
         self._prober: Optional[_HealthProber] = None
+        # tls=True: exposed ports serve https under job-shaped names; `ca_path` is the CA to trust
+        # (pass it as the provider's or proxy's `verify`). Made at start(), removed at stop().
+        self.tls = bool(tls)
+        self.ca_path: Optional[str] = None
+        self._tls: Optional[_TLSMaterial] = None
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -275,6 +292,10 @@ class JobsEmulator:
             if self._server is not None:
                 return self
             handler = type("_BoundApiHandler", (_ApiHandler,), {"emulator": self})
+            if self.tls and self._tls is None:
+                self._tls = _TLSMaterial(TLS_HOST_SUFFIX)
+                self.ca_path = self._tls.ca_path
+                _LoopbackNames.add(TLS_HOST_SUFFIX)
             self._server = _TrackingHTTPServer((self.host, self._requested_port), handler)
             self._stopping = False
         self._server_thread = threading.Thread(
@@ -329,6 +350,10 @@ class JobsEmulator:
             if self._server_thread.is_alive():
                 problems.append("API listener thread")
             self._server_thread = None
+        material, self._tls = self._tls, None
+        if material is not None:
+            _LoopbackNames.remove(TLS_HOST_SUFFIX)
+            material.remove()
         if problems:
             log.warning("hf_jobs_emulator stopped but could not clean up: %s", ", ".join(problems))
         return problems
@@ -1895,6 +1920,30 @@ class _JobGate(AuthProxy):
         self._job = job
         self._public = public
         self._upstream = Route(f"http://{_url_host(local_host)}:{job.local_ports[exposed_port]}", None)
+        material = emulator._tls
+        self._front = _TLSFront(material.server_context(), self) if material is not None else None
+
+    def start(self) -> "_JobGate":
+        super().start()
+        if self._front is not None:
+            try:
+                self._front.start()
+            except BaseException:
+                super().stop()
+                raise
+        return self
+
+    def stop(self) -> None:
+        if self._front is not None:
+            self._front.stop()
+        super().stop()
+
+    @property
+    def url(self) -> str:
+        """`http://127.0.0.1:<port>`, or with tls `https://<job_id>--<port>.jobs.localhost:<port>`."""
+        if self._front is None:
+            return super().url
+        return f"https://{self._job.id}--{self.exposed_port}.{TLS_HOST_SUFFIX}:{self._front.port}"
 
     def route_request(self, target: str, headers: Any) -> Any:
         reason = None if self._public else self._emulator._gate_rejection(self._job, headers.get("Authorization"))
@@ -1902,6 +1951,188 @@ class _JobGate(AuthProxy):
             return Refusal(401, "unauthorized", reason, (("WWW-Authenticate", 'Bearer realm="hf.jobs"'),),
                            proxy_error=False)  # the real *.hf.jobs 401 carries no proxy header
         return self._upstream, target
+
+
+class _TLSMaterial:
+    """A throwaway CA and a `*.<suffix>` server certificate (PEM files in a temporary directory), made
+    with `cryptography` (a test dependency: the emulator's TLS mode is for tests and benchmarks)."""
+
+    def __init__(self, suffix: str) -> None:
+        try:
+            from cryptography import x509
+            from cryptography.hazmat.primitives import hashes, serialization
+            from cryptography.hazmat.primitives.asymmetric import ec
+            from cryptography.x509.oid import NameOID
+        except ImportError:
+            raise RuntimeError("JobsEmulator(tls=True) makes its certificates with the `cryptography` package; "
+                               "install it (pip install cryptography, or the project's [test] extra)") from None
+        self.directory = tempfile.mkdtemp(prefix="hf-jobs-emulator-tls-")
+        now = datetime.datetime.now(datetime.timezone.utc)
+        lifetime = (now - datetime.timedelta(days=1), now + datetime.timedelta(days=2))
+        ca_key = ec.generate_private_key(ec.SECP256R1())
+        ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "hf_jobs_emulator test CA")])
+        ca_cert = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
+                   .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(lifetime[0]).not_valid_after(lifetime[1])
+                   .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+                   .sign(ca_key, hashes.SHA256()))
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (x509.CertificateBuilder()
+                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "*." + suffix)]))
+                .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(lifetime[0]).not_valid_after(lifetime[1])
+                .add_extension(x509.SubjectAlternativeName([x509.DNSName("*." + suffix)]), critical=False)
+                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+                .sign(ca_key, hashes.SHA256()))
+        self.ca_path = os.path.join(self.directory, "ca.pem")
+        self.cert_path = os.path.join(self.directory, "server.pem")
+        self.key_path = os.path.join(self.directory, "server.key")
+        for path, data in ((self.ca_path, ca_cert.public_bytes(serialization.Encoding.PEM)),
+                           (self.cert_path, cert.public_bytes(serialization.Encoding.PEM)),
+                           (self.key_path, key.private_bytes(serialization.Encoding.PEM,
+                                                             serialization.PrivateFormat.PKCS8,
+                                                             serialization.NoEncryption()))):
+            with open(path, "wb") as fh:
+                fh.write(data)
+        self._context: Optional[ssl.SSLContext] = None
+
+    def server_context(self) -> ssl.SSLContext:
+        if self._context is None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(self.cert_path, self.key_path)
+            self._context = context
+        return self._context
+
+    def remove(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class _LoopbackNames:
+    """Resolve `<anything>.<suffix>` to 127.0.0.1 in this process while a TLS emulator runs (RFC 6761:
+    names under `localhost` are loopback), by wrapping `socket.getaddrinfo`; every other name goes to the
+    system resolver unchanged. Installed with the first suffix, removed with the last."""
+
+    _lock = threading.Lock()
+    _suffixes: Dict[str, int] = {}
+    _original: Optional[Callable[..., Any]] = None
+
+    @classmethod
+    def add(cls, suffix: str) -> None:
+        with cls._lock:
+            cls._suffixes[suffix] = cls._suffixes.get(suffix, 0) + 1
+            if cls._original is None:
+                cls._original = socket.getaddrinfo
+                socket.getaddrinfo = cls._getaddrinfo  # type: ignore[assignment]
+
+    @classmethod
+    def remove(cls, suffix: str) -> None:
+        with cls._lock:
+            left = cls._suffixes.get(suffix, 0) - 1
+            if left > 0:
+                cls._suffixes[suffix] = left
+            else:
+                cls._suffixes.pop(suffix, None)
+            if not cls._suffixes and cls._original is not None:
+                socket.getaddrinfo = cls._original  # type: ignore[assignment]
+                cls._original = None
+
+    @classmethod
+    def _getaddrinfo(cls, host: Any, *args: Any, **kwargs: Any) -> Any:
+        original = cls._original or socket.getaddrinfo
+        name = host.decode("idna") if isinstance(host, bytes) else host
+        if isinstance(name, str) and any(name.lower().endswith("." + suffix) for suffix in list(cls._suffixes)):
+            host = "127.0.0.1"
+        return original(host, *args, **kwargs)
+
+
+class _TLSFront:
+    """The https side of one exposed port: accepts TLS connections and relays each, decrypted, to the
+    gate's plain loopback listener. One thread per connection moves bytes both ways with select(), so
+    no two threads ever use one TLS object (OpenSSL forbids it)."""
+
+    def __init__(self, context: ssl.SSLContext, gate: AuthProxy) -> None:
+        self._context, self._gate = context, gate
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(LISTEN_BACKLOG)
+        self.port = self._listener.getsockname()[1]
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._lock = threading.Lock()
+        self._conns: List[socket.socket] = []
+        self._threads: List[threading.Thread] = []
+        self._stopping = False
+        self._acceptor = threading.Thread(target=self._accept_loop, name=f"tls-front:{self.port}", daemon=True)
+
+    def start(self) -> None:
+        self._acceptor.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            conns, threads = list(self._conns), list(self._threads)
+        self._wake_w.send(b"x")
+        self._acceptor.join(5.0)
+        for sock in conns:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for thread in threads:
+            thread.join(5.0)
+        for sock in (self._listener, self._wake_r, self._wake_w):
+            sock.close()
+
+    def _accept_loop(self) -> None:
+        while True:
+            readable, _, _ = select.select([self._listener, self._wake_r], [], [])
+            if self._wake_r in readable:
+                return
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                continue
+            with self._lock:
+                if self._stopping:
+                    client.close()
+                    return
+                self._conns.append(client)
+                thread = threading.Thread(target=self._relay, args=(client,), name="tls-front-conn", daemon=True)
+                self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+            thread.start()
+
+    def _relay(self, raw: socket.socket) -> None:
+        plain: Optional[socket.socket] = None
+        tls: Optional[ssl.SSLSocket] = None
+        try:
+            raw.settimeout(TLS_HANDSHAKE_TIMEOUT_S)
+            tls = self._context.wrap_socket(raw, server_side=True)
+            with self._lock:
+                self._conns.append(tls)  # wrap_socket detached `raw`: stop() must shut this one
+            plain = socket.create_connection(("127.0.0.1", self._gate.port), timeout=TLS_HANDSHAKE_TIMEOUT_S)
+            plain.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tls.settimeout(None)
+            plain.settimeout(None)
+            while True:
+                readable = [tls] if tls.pending() else select.select([tls, plain], [], [])[0]
+                if tls in readable:
+                    data = tls.recv(65536)
+                    if not data:
+                        return
+                    plain.sendall(data)
+                if plain in readable:
+                    data = plain.recv(65536)
+                    if not data:
+                        return
+                    tls.sendall(data)
+        except (OSError, ValueError):
+            return  # a failed handshake, a reset, or stop(): the connection just ends
+        finally:
+            for sock in (plain, tls, raw):
+                if sock is not None:
+                    sock.close()
+            with self._lock:
+                self._conns = [c for c in self._conns if c is not raw and c is not tls]
 
 
 class _QuietHandler(BaseHTTPRequestHandler):

@@ -67,6 +67,11 @@ REPLAYABLE_BODY_BYTES = 1024 * 1024
 SMALL_RESPONSE_BYTES = 64 * 1024
 # Socket read size for streaming bodies and tunnels: large enough to move a 1 MiB frame in a few calls.
 IO_CHUNK = 64 * 1024
+# Read size of each WebSocket tunnel direction. A direction spends the whole session blocked in recv
+# holding a buffer of this size, so it sets most of an open session's memory (64 KiB per direction
+# measured 37-43 KiB RSS per session at 2,048 sessions). OpenEnv frames are a few hundred bytes; a
+# 1 MiB frame takes 64 reads instead of 16.
+TUNNEL_READ_BYTES = 16 * 1024
 # Idle upstream connections kept per route; more concurrent requests simply open more connections.
 POOL_MAX_IDLE = 64
 # Pooled upstream connections idle longer than this are not reused: uvicorn (OpenEnv's server) closes
@@ -74,6 +79,21 @@ POOL_MAX_IDLE = 64
 POOL_IDLE_S = 4.0
 # How long stop() waits for each thread it started before naming it as left behind.
 STOP_JOIN_S = 5.0
+# Worker threads (client connections, and the second direction of each WebSocket tunnel) at most. A
+# tunnel holds two for its whole life, so this allows 8,192 open sessions, the largest batch
+# benchmarks/ws_scale.py runs. At the cap a new connection (or tunnel) is answered 503
+# `X-Proxy-Error: proxy-busy` with `Retry-After` instead of queueing behind sessions that may last hours.
+MAX_WORKERS = 16384
+# A parked worker that got no work for this long ends. Long enough that a trainer's next batch of
+# sessions (seconds to a minute apart) finds the threads the previous one left; short enough that a
+# burst's thousands of threads do not outlive it by much.
+WORKER_IDLE_S = 60.0
+# Stack reserved per worker thread (the default is 8 MiB of address space). The proxy's call depth
+# is shallow (handler -> forwarding -> ssl/http.client), far below 256 KiB; it is virtual memory, so
+# resident memory is what is touched either way (benchmarks/RESULTS.md measures RSS per session).
+WORKER_STACK_BYTES = 256 * 1024
+# Seconds a client is asked to wait (Retry-After) when the proxy is at MAX_WORKERS.
+BUSY_RETRY_AFTER_S = 1
 # `python proxy.py` only (its own process, nothing else to be fair to): how long a thread may hold the
 # GIL before another runnable one gets it. The default 5 ms makes thousands of tunnel threads hand the
 # GIL round in a futex-and-context-switch storm when sessions step together; 0.1 s cut a lockstep
@@ -550,7 +570,6 @@ class AuthProxy:
         self._route_count = 0
         self._server: Optional[_Server] = None
         self._serve_thread: Optional[threading.Thread] = None
-        self._tunnel_threads: Set[threading.Thread] = set()
         self._stopping = False
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -600,11 +619,10 @@ class AuthProxy:
         for route in routes:
             leftovers.extend(route.close())
         server.abort_connections()
+        server.workers.close()
         deadline = time.monotonic() + STOP_JOIN_S
         threads = [serve_thread] if serve_thread else []
-        threads += server.live_threads()
-        with self._lock:
-            threads += list(self._tunnel_threads)
+        threads += server.all_threads()
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
             if thread.is_alive():
@@ -1075,8 +1093,137 @@ def _may_retry(method: str, reused: bool, replayable: bool, fully_sent: bool, ex
 # --------------------------------------------------------------------------------------------------
 
 
+class _Worker:
+    """One pool thread's mailbox: the job it is given and the lock it parks on (held while parked)."""
+
+    __slots__ = ("job", "wake", "thread")
+
+    def __init__(self, job: Tuple[Callable[..., None], tuple]) -> None:
+        self.job: Optional[Tuple[Callable[..., None], tuple]] = job
+        self.wake = threading.Lock()
+        self.wake.acquire()  # released by whoever hands this worker its next job
+        self.thread: Optional[threading.Thread] = None
+
+
+class _WorkerPool:
+    """Parked threads that run jobs: `submit` hands a job to the most recently parked worker (its stack
+    and caches are warm) or starts a new thread while under `max_workers`; a worker idle for `idle_s`
+    ends. No thread is created while parked ones exist, so a warm proxy serves a connection with one
+    lock release instead of a thread start (which cost most of a WebSocket set-up's CPU)."""
+
+    def __init__(self, name: str, max_workers: int, idle_s: float, stack_bytes: int) -> None:
+        self.name, self.max_workers, self.idle_s, self.stack_bytes = name, max_workers, idle_s, stack_bytes
+        self._lock = threading.Lock()
+        self._parked: Dict[_Worker, None] = {}  # insertion order: popitem() takes the latest parked
+        self._threads: Set[threading.Thread] = set()
+        self._closed = False
+
+    def submit(self, fn: Callable[..., None], *args: object) -> bool:
+        """Run fn(*args) on a worker; False (nothing run) if the pool is closed or at `max_workers`."""
+        with self._lock:
+            if self._closed:
+                return False
+            if self._parked:
+                worker, _ = self._parked.popitem()
+                worker.job = (fn, args)
+                worker.wake.release()
+                return True
+            if len(self._threads) >= self.max_workers:
+                return False
+            worker = _Worker((fn, args))
+            thread = threading.Thread(target=self._work, args=(worker,), name=self.name, daemon=True)
+            worker.thread = thread
+            self._threads.add(thread)
+        try:
+            _start_with_stack(thread, self.stack_bytes)
+        except BaseException:  # e.g. RuntimeError: can't start new thread (a process or memory limit)
+            with self._lock:
+                self._threads.discard(thread)
+            return False
+        return True
+
+    def close(self) -> None:
+        """Refuse new jobs and end every parked worker; busy ones end after their current job."""
+        with self._lock:
+            self._closed = True
+            parked = list(self._parked)
+            self._parked.clear()
+        for worker in parked:
+            worker.job = None
+            worker.wake.release()
+
+    def threads(self) -> List[threading.Thread]:
+        """Every thread the pool started that has not ended yet (busy or parked)."""
+        with self._lock:
+            return list(self._threads)
+
+    def busy_threads(self) -> List[threading.Thread]:
+        """The threads running a job now (not parked)."""
+        with self._lock:
+            parked = set(worker.thread for worker in self._parked)
+            return [thread for thread in self._threads if thread not in parked]
+
+    def counts(self) -> Tuple[int, int]:
+        """(threads alive, of which parked)."""
+        with self._lock:
+            return len(self._threads), len(self._parked)
+
+    def _work(self, worker: _Worker) -> None:
+        try:
+            while worker.job is not None:
+                fn, args = worker.job
+                worker.job = None
+                try:
+                    fn(*args)
+                except Exception:
+                    log.error("proxy: unexpected error in a worker thread", exc_info=True)
+                del fn, args  # drop references to the finished job's sockets before parking
+                if not self._park(worker):
+                    return
+        finally:
+            with self._lock:
+                self._threads.discard(threading.current_thread())
+
+    def _park(self, worker: _Worker) -> bool:
+        """Wait for the next job; False when the pool closed or nothing came within `idle_s`."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._parked[worker] = None
+        if worker.wake.acquire(timeout=self.idle_s):
+            return worker.job is not None
+        with self._lock:
+            if worker in self._parked:  # nobody picked it: retire
+                del self._parked[worker]
+                return False
+        # submit() or close() took it off the parked list just as the wait timed out: its release is
+        # coming (or came), and with it a job or the order to end.
+        worker.wake.acquire()
+        return worker.job is not None
+
+
+# threading.stack_size() is process-wide: starts that set it are serialized, and it is restored at once.
+_STACK_SIZE_LOCK = threading.Lock()
+
+
+def _start_with_stack(thread: threading.Thread, stack_bytes: int) -> None:
+    """Start `thread` with a `stack_bytes` stack. A thread some other code starts in the same instant
+    would get it too (the setting is process-wide); the window is one thread creation, and the pool
+    creates threads only while growing."""
+    with _STACK_SIZE_LOCK:
+        try:
+            previous = threading.stack_size(stack_bytes)
+        except (ValueError, RuntimeError):  # a platform that cannot change it: keep its default
+            thread.start()
+            return
+        try:
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+
+
 class _Server(http.server.ThreadingHTTPServer):
-    """ThreadingHTTPServer that tracks its connections and threads so `stop()` can end them all."""
+    """ThreadingHTTPServer whose connections run on a `_WorkerPool`, tracked so `stop()` can end them all."""
 
     request_queue_size = LISTEN_BACKLOG
     daemon_threads = True
@@ -1088,7 +1235,7 @@ class _Server(http.server.ThreadingHTTPServer):
         self.address_family = socket.AF_INET6 if ":" in proxy.host else socket.AF_INET
         self._conn_lock = threading.Lock()
         self._conns: Set[socket.socket] = set()
-        self._handler_threads: Set[threading.Thread] = set()  # type: ignore[assignment]
+        self.workers = _WorkerPool("proxy-worker", MAX_WORKERS, WORKER_IDLE_S, WORKER_STACK_BYTES)
         super().__init__((proxy.host.strip("[]"), proxy._requested_port), _Handler)
         self._wake_r, self._wake_w = socket.socketpair()  # after super(): a failed bind leaks nothing
         self._woken = False
@@ -1126,14 +1273,16 @@ class _Server(http.server.ThreadingHTTPServer):
         self.server_name, self.server_port = self.proxy.host, self.server_address[1]
 
     def process_request(self, request: socket.socket, client_address: object) -> None:  # type: ignore[override]
-        thread = threading.Thread(target=self._run, args=(request, client_address), name="proxy-conn", daemon=True)
         with self._conn_lock:
             if self.proxy._stopping:
                 self.shutdown_request(request)
                 return
             self._conns.add(request)
-            self._handler_threads.add(thread)
-        thread.start()
+        if not self.workers.submit(self._run, request, client_address):
+            with self._conn_lock:
+                self._conns.discard(request)
+            _answer_busy(request)
+            self.shutdown_request(request)
 
     def _run(self, request: socket.socket, client_address: object) -> None:
         try:
@@ -1144,7 +1293,6 @@ class _Server(http.server.ThreadingHTTPServer):
             self.shutdown_request(request)
             with self._conn_lock:
                 self._conns.discard(request)
-                self._handler_threads.discard(threading.current_thread())
 
     def handle_error(self, request: object, client_address: object) -> None:
         log.error("proxy: unexpected error while serving a connection", exc_info=True)
@@ -1157,8 +1305,12 @@ class _Server(http.server.ThreadingHTTPServer):
             _abort_socket(sock)
 
     def live_threads(self) -> List[threading.Thread]:
-        with self._conn_lock:
-            return list(self._handler_threads)
+        """Worker threads serving a connection or a tunnel direction right now (parked ones excluded)."""
+        return self.workers.busy_threads()
+
+    def all_threads(self) -> List[threading.Thread]:
+        """Every worker thread, busy or parked: what `stop()` joins."""
+        return self.workers.threads()
 
 
 class _ClientReader(io.RawIOBase):
@@ -1172,6 +1324,7 @@ class _ClientReader(io.RawIOBase):
         self._header_timeout: Optional[float] = None
         self._deadline: Optional[float] = None
         self._timeout: Optional[float] = -1.0  # what the socket is set to (-1: unknown)
+        self._stopped = False
 
     def readable(self) -> bool:
         return True
@@ -1184,6 +1337,11 @@ class _ClientReader(io.RawIOBase):
         self._header_timeout = self._deadline = None
         self._set_timeout(timeout)
 
+    def stop(self) -> None:
+        """Make every later raw read answer "no more" without touching the socket, so the buffered
+        reader above gives up only what it already holds (see `_Handler._take_buffered`)."""
+        self._stopped = True
+
     def _set_timeout(self, timeout: Optional[float]) -> None:
         # settimeout costs two fcntl syscalls every call: skip it when nothing changes (the common
         # keep-alive case, where head and body phases use the same idle timeout).
@@ -1192,6 +1350,8 @@ class _ClientReader(io.RawIOBase):
             self._timeout = timeout
 
     def readinto(self, buffer: "bytearray | memoryview") -> int:  # type: ignore[override]
+        if self._stopped:
+            return 0
         if self._deadline is not None:
             remaining = self._deadline - time.monotonic()
             if remaining <= 0:
@@ -1794,6 +1954,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         match = _STATUS_LINE_RE.match(head)
         return stream, head, extra, int(match.group(1)) if match else 0
 
+    def _take_buffered(self) -> bytes:
+        return _drain_buffered(self.rfile, self._reader)
+
     def _finish_upgrade(self, route: Route, stream: "_Stream", head: bytes, extra: bytes, status: int) -> None:
         """Relay a non-101 answer as HTTP; on 101 relay the head and run the tunnel until it ends."""
         if status != 101:
@@ -1815,17 +1978,40 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             stream.close()
             return
         try:
-            # Blocking from here on (the tunnel waits as long as the session lasts); switched before the
-            # 101 is sent, so that send is not preceded by the poll() a socket with a timeout does.
-            self._reader.body_phase(None)
-            stream.settimeout(None)
-            self.connection.sendall(head + extra)
-            tunnel.run(self.rfile.read1, self.proxy)
-        except OSError:
-            tunnel.close()
+            # The upstream->client direction runs on a pool worker, gated until the 101 is sent. Taken
+            # before the 101 so that, at the thread limit, the client gets a 503 rather than a tunnel
+            # that cannot carry the upstream's frames.
+            if not self.server.workers.submit(tunnel.pump_upstream):
+                if not self.proxy._stopping:  # (the upstream stream is closed below; the client gets the answer)
+                    self._refuse(_busy_refusal(), close=True)
+                return
+            try:
+                # Blocking from here on (the tunnel waits as long as the session lasts); switched before
+                # the 101 is sent, so that send is not preceded by the poll() a socket with a timeout does.
+                self._reader.body_phase(None)
+                stream.settimeout(None)
+                self.connection.sendall(head + extra)
+            except OSError:
+                tunnel.close()
+            tunnel.run(self._take_buffered())
         finally:
+            tunnel.close()  # a no-op after run(); if something raised before it, frees the gated worker
             route._remove_tunnel(tunnel)
             stream.close()
+
+
+def _drain_buffered(rfile: io.BufferedReader, reader: _ClientReader) -> bytes:
+    """What the client sent past the upgrade request that `rfile` already buffered (frames sent right
+    behind the request), then close it: its 64 KiB buffer is freed and the tunnel reads the socket."""
+    reader.stop()
+    chunks = []
+    while True:
+        chunk = rfile.read1(IO_CHUNK)  # buffered bytes only: the stopped raw reader answers b""
+        if not chunk:
+            break
+        chunks.append(chunk)
+    rfile.close()
+    return b"".join(chunks)
 
 
 def _prepend(first: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:
@@ -1958,6 +2144,32 @@ def _quiet_close(closeable: object) -> Optional[str]:
     return None
 
 
+def _busy_refusal() -> Refusal:
+    return Refusal(503, "proxy-busy", "The proxy is at its limit of %d threads (each WebSocket session holds "
+                                      "two); retry shortly, or spread sessions over more processes." % MAX_WORKERS,
+                   headers=(("Retry-After", str(BUSY_RETRY_AFTER_S)),))
+
+
+def _answer_busy(sock: socket.socket) -> None:
+    """Best effort, from the listener thread (which must never block): answer a connection the pool
+    had no thread for with a 503 `proxy-busy`, without reading its request."""
+    refusal = _busy_refusal()
+    body = json.dumps({"error": refusal.kind, "message": refusal.message}).encode()
+    head = ("HTTP/1.1 503 Service Unavailable\r\nX-Proxy-Error: %s\r\nRetry-After: %d\r\n"
+            "Content-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+            % (refusal.kind, BUSY_RETRY_AFTER_S, len(body)))
+    log.warning("proxy: no free worker thread (%d in use); answered 503 proxy-busy", MAX_WORKERS)
+    try:
+        sock.setblocking(False)
+        try:
+            sock.recv(IO_CHUNK)  # what already arrived: closing with unread bytes would send a reset
+        except OSError:
+            pass
+        sock.send(head.encode("latin-1") + body)
+    except OSError:
+        pass
+
+
 class _Stream:
     """A plain TCP byte stream to the upstream (the base the TLS engine mimics)."""
 
@@ -2080,7 +2292,7 @@ class _TLSStream(_Stream):
                 if self._fed_count != fed_before or self._eof:
                     return  # someone fed the engine meanwhile: try it again first
             try:
-                data = self.sock.recv(IO_CHUNK)  # blocking, outside the engine lock
+                data = self.sock.recv(TUNNEL_READ_BYTES)  # blocking, outside the engine lock; one TLS record
             except OSError:
                 data = b""
                 if not self._closed:
@@ -2132,48 +2344,54 @@ class _TLSStream(_Stream):
 
 
 class _Tunnel:
-    """A WebSocket byte tunnel: one thread per direction; when either ends, both sockets close."""
+    """A WebSocket byte tunnel: one thread per direction; when either ends, both sockets close.
+
+    The handler's thread copies client->upstream (`run`); a pool worker copies upstream->client
+    (`pump_upstream`), starting only once `run` begins (after the 101 went to the client)."""
 
     def __init__(self, client: socket.socket, upstream: _Stream, label: str) -> None:
         self.client, self.upstream, self.label = client, upstream, label
         self._closed = threading.Event()
+        self._go = threading.Event()  # set when the 101 is out (or the tunnel closed before)
+        self._pump_done = threading.Event()
 
     def close(self) -> None:
         """End both directions now (safe from any thread, idempotent)."""
         if self._closed.is_set():
             return
         self._closed.set()
+        self._go.set()
         _abort_socket(self.client)
         self.upstream.abort()
 
-    def run(self, client_read: Callable[[int], bytes], proxy: AuthProxy) -> None:
-        """Pump client->upstream in this thread and upstream->client in a new one; return when both end."""
-        # The pump keeps the default thread stack size: threading.stack_size() is process-wide, so
-        # setting it around this start would also shrink any thread the trainer starts meanwhile.
-        pump = threading.Thread(target=self._pump, args=(self.upstream.recv, self.client.sendall),
-                                name="proxy-tunnel", daemon=True)
-        with proxy._lock:
-            stopping = proxy._stopping
-            if not stopping:
-                proxy._tunnel_threads.add(pump)
-        if stopping:
-            self.close()
-            return
-        pump.start()
+    def run(self, first: bytes = b"") -> None:
+        """Pump client->upstream in this thread (releasing the upstream->client worker first), starting
+        with `first`, bytes of the client's already read; return when both directions ended."""
+        self._go.set()
         try:
-            self._pump(client_read, self.upstream.sendall)
+            if first:
+                try:
+                    self.upstream.sendall(first)
+                except (OSError, ValueError, ssl.SSLError):
+                    self.close()
+            self._pump(self.client.recv, self.upstream.sendall)
         finally:
             self.close()
-            pump.join(STOP_JOIN_S)
-            with proxy._lock:
-                proxy._tunnel_threads.discard(pump)
-            if pump.is_alive():  # pragma: no cover - the sockets are shut, so it cannot stay blocked
-                log.warning("proxy: %s tunnel thread did not end", self.label)
+            if not self._pump_done.wait(STOP_JOIN_S):  # pragma: no cover - its sockets are shut
+                log.warning("proxy: %s tunnel's upstream reader did not end", self.label)
+
+    def pump_upstream(self) -> None:
+        """Upstream->client (a pool worker's job)."""
+        try:
+            self._go.wait()
+            self._pump(self.upstream.recv, self.client.sendall)
+        finally:
+            self._pump_done.set()
 
     def _pump(self, read: Callable[[int], bytes], write: Callable[[bytes], None]) -> None:
         try:
             while not self._closed.is_set():
-                data = read(IO_CHUNK)
+                data = read(TUNNEL_READ_BYTES)
                 if not data:
                     break
                 write(data)

@@ -4,7 +4,7 @@ The proxy gets a process of its own so its resident memory and thread count can 
 /proc/<pid>/status without counting the load generator or the upstream. It mounts one upstream,
 prints `{"base_url": ..., "pid": ...}` on stdout, and serves until stdin closes (or SIGTERM):
 
-    python benchmarks/_proxy_host.py http://127.0.0.1:PORT [--profile proxy.pstats]
+    python benchmarks/_proxy_host.py http://127.0.0.1:PORT [--verify CA_PEM] [--profile proxy.pstats]
 
 `--profile` runs every thread of the proxy under cProfile and writes the merged statistics on exit
 (read them with `python -m pstats FILE`): a diagnostic for finding where the proxy spends its CPU.
@@ -30,21 +30,33 @@ BENCH_TOKEN = "ws-scale-benchmark-token"
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("upstream", help="loopback http:// URL of the environment server")
+    parser.add_argument("upstream", help="loopback http:// (or https://) URL of the environment server")
+    parser.add_argument("--verify", default=None, metavar="CA_PEM",
+                        help="CA bundle for an https upstream (default: the system store)")
     parser.add_argument("--profile", metavar="FILE", default=None,
                         help="profile every proxy thread, write merged pstats here on exit")
+    parser.add_argument("--switch-interval", type=float, default=None, metavar="S",
+                        help="sys.setswitchinterval(S) first, as `python proxy.py` does (default: Python's 5 ms)")
+    parser.add_argument("--worker-idle-s", type=float, default=None, metavar="S",
+                        help="parked worker threads end after S idle seconds (default proxy.WORKER_IDLE_S)")
     args = parser.parse_args(argv)
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     profiles = _profile_all_threads() if args.profile else None
     sys.path.insert(0, HERE)
     sys.path.insert(1, os.path.dirname(HERE))  # the repo root, where proxy.py lives
     from _loadgen import raise_nofile_limit
+    import proxy as proxy_module
     from proxy import AuthProxy
+
+    if args.worker_idle_s:
+        proxy_module.WORKER_IDLE_S = args.worker_idle_s  # read when the server starts
 
     raise_nofile_limit()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with AuthProxy() as proxy:
-        base_url = proxy.mount(args.upstream, token=BENCH_TOKEN)
+        base_url = proxy.mount(args.upstream, token=BENCH_TOKEN, verify=args.verify or True)
         print(json.dumps({"base_url": base_url, "pid": os.getpid()}), flush=True)
         waiter = threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True)
         waiter.start()

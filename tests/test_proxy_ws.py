@@ -328,3 +328,29 @@ def test_tunnel_reaches_upstreams_named_by_ipv4_ipv6_literal_or_host_name(host, 
             ws.send("over %s" % host)
             assert ws.recv(TIMEOUT) == "over %s" % host
     assert ("Authorization", "Bearer " + TEST_TOKEN) in upstream.requests[-1].headers
+
+
+def test_frames_sent_in_the_same_packet_as_the_upgrade_request_reach_the_upstream(mounted):
+    """Bytes the proxy read past the upgrade request (buffered with it) are replayed into the tunnel
+    before it reads the client socket itself, in order, on plain and TLS upstreams."""
+    from wsproto import ConnectionType, WSConnection
+    from wsproto.events import AcceptConnection, Request, TextMessage
+
+    _, _, base = mounted
+    host_port, _, path = base[len("ws://"):].partition("/")
+    conn = WSConnection(ConnectionType.CLIENT)
+    request = conn.send(Request(host="x", target="/%s/ws" % path))
+    mask = b"\x01\x02\x03\x04"
+    frames = b""
+    for text in (b"early one", b"early two"):  # masked client text frames, sent before any 101
+        frames += b"\x81" + bytes([0x80 | len(text)]) + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(text))
+    with socket.create_connection(("127.0.0.1", int(host_port.split(":")[1])), timeout=TIMEOUT) as sock:
+        sock.sendall(request + frames)
+        seen: list = []
+        while len([e for e in seen if isinstance(e, TextMessage)]) < 2:
+            data = sock.recv(65536)
+            assert data, "the proxy closed the tunnel before echoing both frames"
+            conn.receive_data(data)
+            seen.extend(conn.events())
+    assert isinstance(seen[0], AcceptConnection)
+    assert [e.data for e in seen if isinstance(e, TextMessage)] == ["early one", "early two"]

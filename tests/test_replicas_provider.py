@@ -235,7 +235,7 @@ def test_one_replica_crashing_at_boot_cancels_every_job_and_leaves_no_route(emu,
     provider.stop_container()  # still safe
 
 
-def test_stop_cancels_every_replica_job_unmounts_every_route_and_is_idempotent(warm_emu, proxy, no_leaks):
+def test_stop_cancels_every_replica_job_unmounts_every_route_and_is_idempotent(no_leaks, warm_emu, proxy):
     emu = warm_emu
     provider = replicated(emu, proxy)
     provider.wait_for_ready(provider.start_container())

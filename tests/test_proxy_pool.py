@@ -1,0 +1,267 @@
+"""AuthProxy's worker pool: parked threads reused across connections and tunnels, growth on demand,
+idle retirement, a refusal at the cap, and stop() ending every thread."""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import socket
+import sys
+import threading
+from typing import Iterator, List, Tuple
+
+import pytest
+import requests
+
+import proxy as proxy_module
+import support
+from support import TEST_TOKEN, Upstream, wait_until, ws_connect, ws_url
+from proxy import AuthProxy, _WorkerPool
+
+TIMEOUT = 10
+
+
+def _blocking_jobs(pool: _WorkerPool, n: int) -> Tuple[threading.Event, List[threading.Event]]:
+    """Submit n jobs that each signal they started, then wait for one shared release."""
+    release = threading.Event()
+    started = [threading.Event() for _ in range(n)]
+    for event in started:
+        assert pool.submit(lambda e=event: (e.set(), release.wait(TIMEOUT)))
+    for event in started:
+        assert event.wait(TIMEOUT)
+    return release, started
+
+
+def _counting_thread_starts(monkeypatch: pytest.MonkeyPatch) -> List[str]:
+    """Record the name of every thread started from now on (stdlib Thread.start wrapped, not the proxy)."""
+    names: List[str] = []
+    original = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        names.append(self.name)
+        original(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    return names
+
+
+@contextlib.contextmanager
+def _pool(max_workers: int = 8, idle_s: float = 60, stack_bytes: int = 256 * 1024) -> Iterator[_WorkerPool]:
+    """A worker pool that is closed, and every thread of it joined, on leaving the block."""
+    pool = _WorkerPool("t", max_workers=max_workers, idle_s=idle_s, stack_bytes=stack_bytes)
+    try:
+        yield pool
+    finally:
+        pool.close()
+        for thread in pool.threads():
+            thread.join(TIMEOUT)
+
+
+# -- the pool on its own ------------------------------------------------------------------------
+
+
+def test_the_pool_grows_to_one_thread_per_concurrent_job_and_reuses_them_afterwards():
+    with _pool() as pool:
+        release, _ = _blocking_jobs(pool, 5)
+        assert pool.counts() == (5, 0)
+        release.set()
+        wait_until(lambda: pool.counts() == (5, 5), "five parked workers")
+        first = set(pool.threads())
+        for _round in range(3):  # sequences of smaller bursts: served by the parked threads only
+            release, _ = _blocking_jobs(pool, 3)
+            release.set()
+            wait_until(lambda: pool.counts()[1] == 5, "the workers to park again")
+        assert set(pool.threads()) == first
+
+
+def test_idle_workers_retire_and_the_pool_starts_new_ones_when_work_returns():
+    with _pool(idle_s=0.05) as pool:
+        release, _ = _blocking_jobs(pool, 4)
+        old = pool.threads()
+        release.set()
+        wait_until(lambda: pool.counts() == (0, 0), "idle workers to retire")
+        for thread in old:
+            thread.join(TIMEOUT)
+            assert not thread.is_alive()
+        done = threading.Event()
+        assert pool.submit(done.set)
+        assert done.wait(TIMEOUT)
+
+
+def test_at_the_cap_submit_refuses_without_running_and_accepts_again_once_a_worker_is_free():
+    ran = threading.Event()
+    with _pool(max_workers=2) as pool:
+        release, _ = _blocking_jobs(pool, 2)
+        assert pool.submit(ran.set) is False
+        assert pool.counts() == (2, 0)
+        release.set()
+        wait_until(lambda: pool.counts() == (2, 2), "the two workers to park")
+        assert not ran.is_set()  # the refused job was dropped, not queued
+        assert pool.submit(ran.set)
+        assert ran.wait(TIMEOUT)
+        assert pool.counts()[0] == 2
+
+
+def test_close_ends_parked_workers_lets_busy_ones_finish_and_refuses_new_jobs():
+    pool = _WorkerPool("t", max_workers=4, idle_s=60, stack_bytes=256 * 1024)
+    release, _ = _blocking_jobs(pool, 3)
+    finished = threading.Event()
+    assert pool.submit(lambda: None)  # a fourth worker, parked once done
+    wait_until(lambda: pool.counts() == (4, 1), "one parked worker")
+    pool.close()
+    assert pool.submit(finished.set) is False
+    release.set()
+    threads = pool.threads()
+    for thread in threads:
+        thread.join(TIMEOUT)
+    assert not any(thread.is_alive() for thread in threads)
+    assert pool.counts() == (0, 0)
+    assert not finished.is_set()
+
+
+def test_a_job_that_raises_is_logged_and_its_worker_serves_the_next_job(log_guard):
+    with _pool(max_workers=1) as pool:
+        def boom() -> None:
+            raise RuntimeError("job failed")
+
+        assert pool.submit(boom)
+        wait_until(lambda: pool.counts() == (1, 1), "the worker to park after the failure")
+        done = threading.Event()
+        assert pool.submit(done.set)
+        assert done.wait(TIMEOUT)
+        assert "unexpected error in a worker thread" in log_guard.text()
+        assert "RuntimeError: job failed" in log_guard.text()
+
+
+def _own_stack_size() -> int:
+    """The calling thread's stack size as glibc reports it (pthread_getattr_np)."""
+    libc = ctypes.CDLL(None)
+    libc.pthread_self.restype = ctypes.c_ulong  # the default int restype would truncate the handle
+    attr = ctypes.create_string_buffer(128)  # pthread_attr_t is 56 bytes on x86-64 glibc: room to spare
+    size = ctypes.c_size_t()
+    assert libc.pthread_getattr_np(ctypes.c_ulong(libc.pthread_self()), attr) == 0
+    try:
+        assert libc.pthread_attr_getstacksize(attr, ctypes.byref(size)) == 0
+    finally:
+        libc.pthread_attr_destroy(attr)
+    return size.value
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the stack size through glibc")
+def test_pool_threads_get_the_configured_stack_size_and_the_process_default_is_restored():
+    sizes: List[int] = []
+    before = threading.stack_size()
+    with _pool(max_workers=1, stack_bytes=512 * 1024) as pool:
+        done = threading.Event()
+        assert pool.submit(lambda: (sizes.append(_own_stack_size()), done.set()))
+        assert done.wait(TIMEOUT)
+        assert threading.stack_size() == before
+        assert sizes == [512 * 1024]
+        other: List[int] = []
+        thread = threading.Thread(target=lambda: other.append(_own_stack_size()))
+        thread.start()
+        thread.join(TIMEOUT)
+        assert other and other[0] != 512 * 1024  # a thread started afterwards has the process default
+
+
+# -- the pool inside AuthProxy ------------------------------------------------------------------
+
+
+@pytest.fixture
+def served(no_leaks: None) -> Iterator[Tuple[Upstream, AuthProxy, str]]:
+    with Upstream() as upstream, AuthProxy() as proxy:
+        yield upstream, proxy, proxy.mount(upstream.url, TEST_TOKEN)
+
+
+def _get_and_close(base: str, path: str) -> int:
+    """One request on a fresh connection that the client closes (no keep-alive reuse)."""
+    return requests.get(base + path, headers={"Connection": "close"}, timeout=TIMEOUT).status_code
+
+
+def test_a_warm_proxy_starts_no_thread_for_200_sequential_connections(served, monkeypatch):
+    _, proxy, base = served
+    workers = proxy._server.workers
+    for _ in range(5):  # warm up: the listener, a worker, the upstream pool
+        assert _get_and_close(base, "/warm") == 200
+    wait_until(lambda: not proxy._server.live_threads(), "the warm-up workers to park")
+    starts = _counting_thread_starts(monkeypatch)
+    idents = set()
+    for i in range(200):
+        assert _get_and_close(base, "/step/%d" % i) == 200
+        # Sequential for the server too: the connection's worker parks before the next one arrives.
+        wait_until(lambda: not proxy._server.live_threads(), "the worker to park")
+        idents.update(t.ident for t in workers.threads())
+    assert [name for name in starts if name.startswith("proxy")] == []
+    assert idents == set(t.ident for t in workers.threads())  # the same parked threads throughout
+
+
+def test_sequential_websocket_sessions_reuse_the_same_workers_for_both_directions(served, monkeypatch):
+    _, proxy, base = served
+    for _ in range(2):
+        with ws_connect(ws_url(base) + "/ws") as ws:
+            ws.send("warm")
+            assert ws.recv(TIMEOUT) == "warm"
+    wait_until(lambda: not proxy._server.live_threads(), "the warm-up tunnels' workers to park")
+    starts = _counting_thread_starts(monkeypatch)
+    for i in range(30):
+        with ws_connect(ws_url(base) + "/ws") as ws:
+            ws.send("step %d" % i)
+            assert ws.recv(TIMEOUT) == "step %d" % i
+        wait_until(lambda: not proxy._server.live_threads(), "both directions' workers to park")
+    assert [name for name in starts if name.startswith("proxy")] == []
+    total, parked = proxy._server.workers.counts()
+    assert total == parked >= 2
+
+
+def test_concurrent_sessions_grow_the_pool_and_stop_joins_every_worker(no_leaks):
+    with Upstream() as upstream, contextlib.ExitStack() as clients:
+        proxy = AuthProxy().start()
+        try:
+            base = ws_url(proxy.mount(upstream.url, TEST_TOKEN))
+            sessions = [clients.enter_context(ws_connect(base + "/ws")) for _ in range(6)]
+            for i, ws in enumerate(sessions):
+                ws.send("s%d" % i)
+            assert [ws.recv(TIMEOUT) for ws in sessions] == ["s%d" % i for i in range(len(sessions))]
+            total, parked = proxy._server.workers.counts()
+            assert total - parked >= 12  # two per open tunnel
+            threads = proxy._server.workers.threads()
+            proxy.stop()  # tunnels still open: stop must cut them and join both directions
+            assert not any(thread.is_alive() for thread in threads)
+            assert proxy._server.workers.counts() == (0, 0)
+        finally:
+            proxy.stop()
+
+
+def test_at_the_thread_cap_a_new_connection_gets_503_proxy_busy_and_service_resumes_after(monkeypatch, no_leaks):
+    monkeypatch.setattr(proxy_module, "MAX_WORKERS", 2)
+    with Upstream() as upstream, AuthProxy() as proxy:
+        base = proxy.mount(upstream.url, TEST_TOKEN)
+        with ws_connect(ws_url(base) + "/ws") as ws:  # one tunnel: both workers taken
+            ws.send("hold")
+            assert ws.recv(TIMEOUT) == "hold"
+            with socket.create_connection(("127.0.0.1", proxy.port), timeout=TIMEOUT) as sock:
+                sock.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+                answer = support.read_to_eof(sock)
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 503 ")
+            assert b"X-Proxy-Error: proxy-busy" in head and b"Retry-After: 1" in head
+            assert json.loads(body)["error"] == "proxy-busy"
+            ws.send("still open")  # the session at the cap is untouched
+            assert ws.recv(TIMEOUT) == "still open"
+        wait_until(lambda: proxy._server.workers.counts() == (2, 2), "the tunnel's workers to park")
+        assert requests.get(base + "/after", timeout=TIMEOUT).status_code == 200
+
+
+def test_an_upgrade_with_no_worker_left_for_its_second_direction_gets_503_before_switching(monkeypatch, no_leaks):
+    monkeypatch.setattr(proxy_module, "MAX_WORKERS", 1)
+    with Upstream() as upstream, AuthProxy() as proxy:
+        base = proxy.mount(upstream.url, TEST_TOKEN)
+        path = base[len(proxy.url):].encode()
+        answer = support.raw_request(
+            proxy.port, b"GET %s/ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n" % path)
+        assert answer.startswith(b"HTTP/1.1 503 ")
+        assert b"X-Proxy-Error: proxy-busy" in answer
+        assert b"101" not in answer.split(b"\r\n", 1)[0]
+        wait_until(lambda: not proxy._server.live_threads(), "the worker to park")
+        assert requests.get(base + "/after", timeout=TIMEOUT).status_code == 200

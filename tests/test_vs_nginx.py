@@ -1,0 +1,82 @@
+"""benchmarks/vs_nginx.py's parsing and reporting (no timing): wrk output, py-spy stacks, the nginx
+configuration, and RESULTS.md sections it must leave alone."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+
+import vs_nginx  # noqa: E402  (benchmarks/ is not a package)
+
+WRK_OUTPUT = """Running 3s test @ http://127.0.0.1:4000/r/step
+  2 threads and 64 connections
+  Thread Stats   Avg      Stdev     Max   +/- Stdev
+    Latency     5.05ms    1.20ms  30.01ms   90.00%
+  Latency Distribution
+     50%  137.00us
+     75%    5.20ms
+     90%    6.00ms
+     99%    1.20s
+  33636 requests in 3.00s, 7.22MB read
+  Socket errors: connect 0, read 2, write 0, timeout 0
+  Non-2xx or 3xx responses: 7
+Requests/sec:  11212.34
+Transfer/sec:      2.41MB
+"""
+
+
+def test_wrk_output_is_read_with_units_errors_and_request_count():
+    parsed = vs_nginx._parse_wrk(WRK_OUTPUT)
+    assert parsed["p50_us"] == pytest.approx(137.0)
+    assert parsed["p99_us"] == pytest.approx(1.2e6)
+    assert parsed["rps"] == pytest.approx(11212.34)
+    assert parsed["requests"] == 33636
+    assert parsed["errors"] == 7
+    assert parsed["socket_errors"] == "connect 0, read 2, write 0, timeout 0"
+
+
+def test_wrk_output_without_a_latency_line_gives_none_not_zero():
+    parsed = vs_nginx._parse_wrk("unable to connect to 127.0.0.1:1 Connection refused\n")
+    assert parsed["p50_us"] is None and parsed["rps"] is None and parsed["requests"] == 0
+
+
+def test_py_spy_stacks_are_summed_inclusively_once_per_stack_and_plumbing_and_start_up_are_left_out(tmp_path):
+    raw = tmp_path / "raw.txt"
+    raw.write_text(
+        "process 1;thread (0x1);_bootstrap (threading.py:995);_WorkerPool._work (/x/proxy.py:10);_forward (/x/proxy.py:20);"
+        "_send_upstream (/x/proxy.py:30) 6\n"
+        "process 1;thread (0x1);_bootstrap (threading.py:995);_forward (/x/proxy.py:20);_forward (/x/proxy.py:20) 2\n"
+        "process 1;_find_and_load (<frozen importlib._bootstrap>:1176);exec_module (x.py:1) 5\n")
+    summary = vs_nginx._summarize_stacks(str(raw))
+    assert summary["samples"] == 8  # the import-time stack is not the load's
+    inclusive = dict(summary["inclusive"])
+    assert inclusive["proxy._forward"] == pytest.approx(1.0)  # a recursive frame counts once
+    assert inclusive["proxy._send_upstream"] == pytest.approx(0.75)
+    assert not any(name.startswith("threading.") or name == "proxy._WorkerPool._work" for name in inclusive)
+    assert dict(summary["own"]) == {"proxy._send_upstream": pytest.approx(0.75), "proxy._forward": pytest.approx(0.25)}
+
+
+def test_writing_the_section_replaces_only_its_own_markers(tmp_path):
+    path = tmp_path / "RESULTS.md"
+    path.write_text("# Benchmark results\n\n<!-- proxy_bench:start -->\nkeep me\n<!-- proxy_bench:end -->\n")
+    vs_nginx.write_section(str(path), vs_nginx.SECTION_START + "\nfirst\n" + vs_nginx.SECTION_END + "\n")
+    vs_nginx.write_section(str(path), vs_nginx.SECTION_START + "\nsecond\n" + vs_nginx.SECTION_END + "\n")
+    text = path.read_text()
+    assert "keep me" in text and "second" in text and "first" not in text
+    assert text.count(vs_nginx.SECTION_START) == 1
+
+
+@pytest.mark.skipif(shutil.which("nginx") is None, reason="nginx is not installed")
+def test_the_generated_nginx_configuration_is_accepted_by_nginx(tmp_path, test_ca):
+    conf = tmp_path / "nginx.conf"
+    conf.write_text(vs_nginx._nginx_conf(str(tmp_path), {"plain": (20001, 1), "tls": (20002, 2)},
+                                         {"plain": 20003, "tls": 20004}, test_ca.ca_path))
+    check = subprocess.run(["nginx", "-t", "-p", str(tmp_path), "-c", str(conf)], capture_output=True, text=True,
+                           timeout=30)
+    assert "syntax is ok" in check.stderr, check.stderr
