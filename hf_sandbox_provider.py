@@ -1343,6 +1343,7 @@ _PATH_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
 _IMAGE_REFERENCE = re.compile(
     r"^(?:(?P<domain>%s)/)?%s(?:/%s)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@[A-Za-z0-9_+.-]+:[0-9a-fA-F]{32,})?$"
     % (_DOMAIN, _PATH_COMPONENT, _PATH_COMPONENT))
+_JOB_HOST = re.compile(r"^[^.]+--[0-9]+\.")  # an exposed-port host: `<job_id>--<port>.<domain>`
 _NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _SPACE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([smhd]?)\s*$")
@@ -1533,7 +1534,11 @@ def _exposed_url_rejection(url: str, job_id: str, port: int, endpoint: str) -> O
     if parts.username or parts.password:
         return "the job's exposed URL %r carries credentials; not sending the token to it" % url
     endpoint_host = urlsplit(endpoint).hostname
-    if _is_loopback_host(endpoint_host) and _is_loopback_host(host) and parts.scheme in ("http", "https"):
+    # A job-shaped host (`<id>--<port>.`) must be this job's even on loopback: the TLS emulator serves
+    # `<job_id>--<port>.jobs.localhost`, which is loopback, and must still be checked as on the Hub.
+    job_shaped = bool(host) and _JOB_HOST.match(host) is not None
+    if (not job_shaped and _is_loopback_host(endpoint_host) and _is_loopback_host(host)
+            and parts.scheme in ("http", "https")):
         return None
     if parts.scheme != "https":
         return ("the job's exposed URL %r is not https; refusing to send the token in clear text" % url)
