@@ -2219,97 +2219,6 @@ def _stop_everything_at_exit() -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-class _WSClient:
-    """Blocking wsproto client over one socket, with a timeout on every read and write."""
-
-    def __init__(self, url: str, timeout_s: float = 30.0, verify: Union[bool, str] = True) -> None:
-        from wsproto import ConnectionType, WSConnection
-        from wsproto.events import Request
-
-        parts = urlsplit(url)
-        if parts.scheme not in ("ws", "wss") or not parts.hostname:
-            raise SandboxConfigError("WebSocket URL %r must start with ws:// or wss://" % url)
-        port = parts.port or (443 if parts.scheme == "wss" else 80)
-        self._sock: Any = socket.create_connection((parts.hostname, port), timeout=timeout_s)
-        try:
-            if parts.scheme == "wss":
-                context = ssl.create_default_context(cafile=verify if isinstance(verify, str) else None)
-                if verify is False:
-                    context.check_hostname = False
-                    context.verify_mode = ssl.CERT_NONE
-                self._sock = context.wrap_socket(self._sock, server_hostname=parts.hostname)
-            self._ws = WSConnection(ConnectionType.CLIENT)
-            self._pending: deque = deque()
-            target = (parts.path or "/") + ("?" + parts.query if parts.query else "")
-            self._send(Request(host=parts.netloc, target=target))
-            self._handshake()
-        except BaseException:
-            self._sock.close()
-            raise
-
-    def request(self, message: Mapping[str, Any]) -> Dict[str, Any]:
-        """Send one JSON message and return the JSON answer."""
-        from wsproto.events import Message
-
-        self._send(Message(data=json.dumps(message)))
-        return self.receive()
-
-    def receive(self) -> Dict[str, Any]:
-        from wsproto.events import BytesMessage, CloseConnection, Ping, TextMessage
-
-        parts: List[Any] = []
-        while True:
-            event = self._next_event()
-            if isinstance(event, Ping):
-                self._send(event.response())
-            elif isinstance(event, CloseConnection):
-                raise SandboxError("the server closed the WebSocket (code %s %s)" % (event.code, event.reason))
-            elif isinstance(event, (TextMessage, BytesMessage)):
-                parts.append(event.data)
-                if event.message_finished:
-                    data = "".join(parts) if isinstance(event, TextMessage) else b"".join(parts).decode()
-                    return json.loads(data)
-
-    def close(self) -> None:
-        """Close politely (OpenEnv's `close` message, then a close frame), then the socket."""
-        from wsproto.events import CloseConnection, Message
-
-        try:
-            self._send(Message(data=json.dumps({"type": "close"})))
-            self._send(CloseConnection(code=1000))
-            deadline = time.monotonic() + 2.0
-            while time.monotonic() < deadline:
-                if isinstance(self._next_event(), CloseConnection):
-                    break
-        except Exception:
-            pass  # the socket closes below either way
-        finally:
-            self._sock.close()
-
-    def _handshake(self) -> None:
-        from wsproto.events import AcceptConnection, RejectConnection
-
-        event = self._next_event()
-        if isinstance(event, RejectConnection):
-            raise SandboxError("WebSocket upgrade refused with HTTP %d" % event.status_code)
-        if not isinstance(event, AcceptConnection):
-            raise SandboxError("unexpected answer to the WebSocket upgrade: %s" % type(event).__name__)
-
-    def _send(self, event: Any) -> None:
-        self._sock.sendall(self._ws.send(event))
-
-    def _next_event(self) -> Any:
-        while not self._pending:
-            self._pending.extend(self._ws.events())
-            if self._pending:
-                break
-            data = self._sock.recv(65536)
-            if not data:
-                raise SandboxError("the WebSocket connection closed unexpectedly")
-            self._ws.receive_data(data)
-        return self._pending.popleft()
-
-
 # --------------------------------------------------------------------------------------------------
 # --- Training-loop helpers: WebSocket session, background starts, shared jobs, signal teardown ---
 # --------------------------------------------------------------------------------------------------
@@ -3133,13 +3042,10 @@ def _smoke_checks(smoke: _Smoke, base_url: str, action: Mapping[str, Any]) -> No
         smoke.stage("HTTP POST /step", step)
 
     def websocket() -> str:
-        ws = _WSClient("ws" + base_url[len("http"):] + "/ws", timeout_s=SMOKE_REQUEST_TIMEOUT_S)
-        try:
-            answers = [ws.request({"type": "reset", "data": {}})]
-            answers += [ws.request({"type": "step", "data": dict(action)}) for _ in range(SMOKE_WS_STEPS)]
-            state = ws.request({"type": "state"})
-        finally:
-            ws.close()
+        with EnvSession(base_url, timeout_s=SMOKE_REQUEST_TIMEOUT_S) as ws:
+            answers = [ws.exchange({"type": "reset", "data": {}})]
+            answers += [ws.exchange({"type": "step", "data": dict(action)}) for _ in range(SMOKE_WS_STEPS)]
+            state = ws.exchange({"type": "state"})
         errors = [a for a in answers + [state] if a.get("type") == "error"]
         if errors:
             raise SandboxError("server answered an error: %s" % json.dumps(errors[0].get("data"))[:300])

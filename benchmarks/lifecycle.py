@@ -145,13 +145,10 @@ def _run_episode(base_url: str, steps: int, http: bool, action: Mapping[str, Any
                 session.post(base_url + "/step", json={"action": dict(action)},
                              timeout=SMOKE_REQUEST_TIMEOUT_S).raise_for_status()
         return
-    ws = hsp._WSClient("ws" + base_url[len("http"):] + "/ws", timeout_s=SMOKE_REQUEST_TIMEOUT_S)
-    try:
-        answers = [ws.request({"type": "reset", "data": {}})]
+    with hsp.EnvSession(base_url, timeout_s=SMOKE_REQUEST_TIMEOUT_S) as ws:
+        answers = [ws.exchange({"type": "reset", "data": {}})]
         after_reset()
-        answers += [ws.request({"type": "step", "data": dict(action)}) for _ in range(steps)]
-    finally:
-        ws.close()
+        answers += [ws.exchange({"type": "step", "data": dict(action)}) for _ in range(steps)]
     bad = [a for a in answers if a.get("type") != "observation"]
     if bad:
         raise SandboxError("episode: server answered %s" % json.dumps(bad[0])[:300])
