@@ -257,13 +257,9 @@ class JobsEmulator:
         self._changed = threading.Condition(self._lock)  # stage or log changes; log streams wait here
         self._jobs: Dict[str, EmulatedJob] = {}
         self._api_calls: Dict[str, int] = {}
-        self._rate_limit_left = 0
-        self._rate_limit_retry_after_s = DEFAULT_RETRY_AFTER_S
-        self._rate_limit_routes: Optional[frozenset] = None
+        self._rate_limits = _Injection(DEFAULT_RETRY_AFTER_S)  # 429s to answer; value: Retry-After seconds
         self._lose_creates_left = 0
-        self._server_errors_left = 0
-        self._server_error_status = DEFAULT_SERVER_ERROR_STATUS
-        self._server_error_routes: Optional[frozenset] = None
+        self._server_errors = _Injection(DEFAULT_SERVER_ERROR_STATUS)  # 5xx answers to give; value: status
         self._withhold_urls_left = 0
         # network_faults=True puts a _FaultLink between each exposed port's gate and the job's process,
         # so stall_next_responses / reset_next_responses / reset_tunnels can act on the wire.
@@ -430,9 +426,7 @@ class JobsEmulator:
         if unknown:
             raise ValueError(f"unknown route names {unknown}; use some of {', '.join(API_ROUTES)}")
         with self._lock:
-            self._rate_limit_left = calls
-            self._rate_limit_retry_after_s = retry_after_s
-            self._rate_limit_routes = frozenset(routes) if routes is not None else None
+            self._rate_limits.arm(calls, retry_after_s, routes)
 
     def lose_next_create_responses(self, count: int = 1) -> None:
         """Create the next `count` jobs but drop each create connection before answering."""
@@ -465,9 +459,7 @@ class JobsEmulator:
         if reason:
             raise ValueError(reason)
         with self._lock:
-            self._server_errors_left = calls
-            self._server_error_status = status
-            self._server_error_routes = frozenset(routes) if routes is not None else None
+            self._server_errors.arm(calls, status, routes)
 
     def withhold_next_urls(self, count: int = 1) -> None:
         """The next `count` jobs to reach RUNNING never publish their exposed URLs (the `no-url` fault):
@@ -543,22 +535,12 @@ class JobsEmulator:
     def _take_rate_limit(self, route: str) -> Optional[int]:
         """Retry-After seconds when this call must be answered 429, else None."""
         with self._lock:
-            if self._rate_limit_left <= 0:
-                return None
-            if self._rate_limit_routes is not None and route not in self._rate_limit_routes:
-                return None
-            self._rate_limit_left -= 1
-            return self._rate_limit_retry_after_s
+            return self._rate_limits.take(route)
 
     def _take_server_error(self, route: str) -> Optional[int]:
         """The 5xx status this call must be answered with (inject_server_errors), else None."""
         with self._lock:
-            if self._server_errors_left <= 0:
-                return None
-            if self._server_error_routes is not None and route not in self._server_error_routes:
-                return None
-            self._server_errors_left -= 1
-            return self._server_error_status
+            return self._server_errors.take(route)
 
     def _count(self, route: str) -> None:
         with self._lock:
@@ -605,9 +587,7 @@ class JobsEmulator:
                 lose = True
             after = int(faults.get("rate-limit-after-create", "0"))
             if after > 0:
-                self._rate_limit_left = after
-                self._rate_limit_retry_after_s = DEFAULT_RETRY_AFTER_S
-                self._rate_limit_routes = None
+                self._rate_limits.arm(after, DEFAULT_RETRY_AFTER_S, None)
         job._supervisor.start()
         return job, lose
 
@@ -970,6 +950,26 @@ def echo_server_command() -> List[str]:
 # ==================================================================================================
 # Machinery: validation (each returns the reason something is refused, or None)
 # ==================================================================================================
+
+
+class _Injection:
+    """An armed API fault: the next `left` calls (of `routes`, or any) are answered with `value`."""
+
+    def __init__(self, value: Any) -> None:
+        self.left = 0
+        self.value = value
+        self.routes: Optional[frozenset] = None
+
+    def arm(self, calls: int, value: Any, routes: Optional[Iterable[str]]) -> None:
+        self.left, self.value = calls, value
+        self.routes = frozenset(routes) if routes is not None else None
+
+    def take(self, route: str) -> Optional[Any]:
+        """The value for this call, counting it, or None when it is not one of the armed calls."""
+        if self.left <= 0 or (self.routes is not None and route not in self.routes):
+            return None
+        self.left -= 1
+        return self.value
 
 
 class _ApiError(Exception):
