@@ -15,6 +15,9 @@ from test_cli import REPO, clean_env, run
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import lifecycle as bench  # noqa: E402  (benchmarks/ is not a package)
 
+# Every test here runs the CLI or a script as a subprocess (seconds each): the slow tier.
+pytestmark = pytest.mark.slow
+
 COLUMNS = ("concurrency", "success", "wall", "scheduling p50/p95", "running->ready p50/p95", "total p50/p95",
            "throughput", "provider overhead p50/p95", "Jobs API calls/env", "peak RSS", "peak threads")
 

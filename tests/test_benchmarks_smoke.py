@@ -23,7 +23,9 @@ import ws_scale  # noqa: E402  (benchmarks/ is not a package)
 RUN_TIMEOUT_S = 90
 OTHER_SECTION = "## HTTP proxy overhead\n\nA section another benchmark owns.\n\n| a | b |\n|---|---|\n| 1 | 2 |\n"
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ws_scale reads /proc")
+# The benchmark scripts run as subprocesses (seconds each): the slow tier.
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ws_scale reads /proc")]
 
 
 def _run(args, timeout=RUN_TIMEOUT_S):

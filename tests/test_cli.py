@@ -8,10 +8,13 @@ import subprocess
 import sys
 import textwrap
 
-
+import pytest
 import hf_sandbox_provider as hsp
 from hf_jobs_emulator import JobsEmulator
 from support import wait_until
+
+# Every test here runs the CLI or a script as a subprocess (seconds each): the slow tier.
+pytestmark = pytest.mark.slow
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_TIMEOUT_S = 90

@@ -62,6 +62,7 @@ def test_library_module_imports_no_event_loop_or_web_framework(module):
     assert not FORBIDDEN_IMPORTS.intersection(imported), f"{module} imports {FORBIDDEN_IMPORTS.intersection(imported)}"
 
 
+@pytest.mark.slow  # a fresh virtualenv per dependency set
 @pytest.mark.timeout(INSTALL_TIMEOUT_S + 120)
 @pytest.mark.parametrize("requirements, hub_version", list(DEPENDENCY_SETS.values()), ids=list(DEPENDENCY_SETS))
 def test_smoke_local_passes_on_each_supported_dependency_set(tmp_path, requirements, hub_version):

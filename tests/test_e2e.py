@@ -235,11 +235,13 @@ def run_smoke(*extra: str) -> subprocess.CompletedProcess:
                           cwd=os.path.dirname(os.path.abspath(hf_jobs_emulator.__file__)))
 
 
+@pytest.mark.slow  # the CLI as a subprocess
 def test_smoke_local_exits_zero():
     done = run_smoke()
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+@pytest.mark.slow  # the CLI as a subprocess
 def test_smoke_local_with_a_crashing_job_exits_nonzero_with_the_reason():
     crash = f"{sys.executable} -c \"import sys; print('env import failed', file=sys.stderr); sys.exit(3)\""
     done = run_smoke("--command", crash)

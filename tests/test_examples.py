@@ -19,6 +19,9 @@ from typing import List
 
 import pytest
 
+# Every test here runs the CLI or a script as a subprocess (seconds each): the slow tier.
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
 # Generous: the machine running the suite may be heavily loaded; a healthy run takes a few seconds.

@@ -5,9 +5,14 @@ from __future__ import annotations
 import datetime
 import sys
 
+import pytest
+
 import hf_sandbox_provider as hsp
 from hf_jobs_emulator import JobsEmulator
 from test_cli import clean_env, run
+
+# Every test here runs the CLI or a script as a subprocess (seconds each): the slow tier.
+pytestmark = pytest.mark.slow
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 
