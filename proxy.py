@@ -2066,7 +2066,7 @@ def _parse_answer(head: bytes, method: str) -> _Answer:
             headers.append((name, (value + " " + line.strip(" \t")).strip(" ")))
             continue
         name, colon, value = line.partition(":")
-        value = value.strip(" \t")
+        value = value.lstrip(" \t")  # trailing whitespace is relayed as sent: http.client clients keep it
         if not colon or not _TOKEN_RE.match(name) or _BAD_VALUE_CHAR_RE.search(value) or "\r" in value:
             raise _BadResponse("upstream-protocol", "sent a malformed response header line")
         headers.append((name, value))
