@@ -321,7 +321,8 @@ class Route:
                 break
             old.close()
         if self._closed:  # close() ran while we appended: it may have missed this connection
-            self._drain_idle()
+            for late in self._drain_idle():
+                late.close()
 
     def _drain_idle(self) -> List["_UpstreamConnection"]:
         drained = []
