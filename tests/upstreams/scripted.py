@@ -13,6 +13,8 @@ import ssl
 import threading
 from typing import Callable, List, Optional, Tuple
 
+from .common import read_chunked
+
 Script = Callable[[socket.socket, io.BufferedReader, int], None]
 
 
@@ -35,14 +37,7 @@ def read_request(rfile: io.BufferedReader, body: bool = True) -> Optional[Tuple[
     lower = {n.lower(): v for n, v in headers}
     data = b""
     if "chunked" in lower.get("transfer-encoding", "").lower():
-        while True:
-            size = int(rfile.readline().split(b";")[0], 16)
-            if size == 0:
-                while rfile.readline() not in (b"\r\n", b"\n", b""):
-                    pass
-                break
-            data += rfile.read(size)
-            rfile.read(2)
+        data = read_chunked(rfile)
     elif lower.get("content-length"):
         data = rfile.read(int(lower["content-length"]))
     return method, target, headers, data
