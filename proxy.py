@@ -1410,21 +1410,23 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
         if not getattr(self, "request_version", "") or self.request_version == "HTTP/0.9":
             self.request_version = "HTTP/1.1"
-        self.send_response_only(refusal.status)
-        for name, value in refusal.headers:
-            self.send_header(name, value)
+        headers = list(refusal.headers)
         if refusal.proxy_error:
-            self.send_header("X-Proxy-Error", refusal.kind)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
+            headers.append(("X-Proxy-Error", refusal.kind))
+        headers += [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
         if self.close_connection:
-            self.send_header("Connection", "close")
-        self._end_headers_with(body if getattr(self, "command", "") != "HEAD" else b"")
+            headers.append(("Connection", "close"))
+        self._send_head(refusal.status, None, headers, body if getattr(self, "command", "") != "HEAD" else b"")
 
-    def _end_headers_with(self, body: bytes) -> None:
-        """End the head and send it together with a small body: one send, one TCP segment."""
-        self._headers_buffer.append(b"\r\n" + body)  # type: ignore[attr-defined]
-        self.flush_headers()
+    def _send_head(self, status: int, reason: Optional[str], headers: List[Tuple[str, str]], body: bytes = b"") -> None:
+        """Send a response head and a small body in one write: one syscall, one TCP segment. Built
+        here rather than with send_response_only/send_header, whose buffer is a private attribute."""
+        if reason is None:
+            reason = self.responses.get(status, ("",))[0]
+        lines = ["%s %d %s" % (self.protocol_version, status, reason)]
+        lines += ["%s: %s" % pair for pair in headers]
+        lines += ["", ""]
+        self.wfile.write("\r\n".join(lines).encode("latin-1") + body)
 
     # -- dispatch -----------------------------------------------------------------------------------
 
@@ -1624,11 +1626,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         raise _BadResponse("upstream-protocol", "sent more than %d interim (1xx) responses" % MAX_INTERIM_RESPONSES)
 
     def _relay_interim(self, answer: _Answer) -> None:
-        self.send_response_only(answer.status, answer.reason)
-        for name, value in _response_headers(answer.headers):
-            self.send_header(name, value)
         try:
-            self._end_headers_with(b"")
+            self._send_head(answer.status, answer.reason, _response_headers(answer.headers))
         except OSError:
             raise _ClientGone() from None
 
@@ -1698,13 +1697,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 log.warning("proxy: %s: %s while reading the response body", route.label, refusal.kind)
                 self._refuse(refusal, close=True)
                 return
-        self.send_response_only(answer.status, answer.reason)
-        for name, value in headers:
-            self.send_header(name, value)
         if self.close_connection:
-            self.send_header("Connection", "close")
+            headers.append(("Connection", "close"))
         try:
-            self._end_headers_with(prefix)
+            self._send_head(answer.status, answer.reason, headers, prefix)
         except OSError:
             on_done(False)
             raise
