@@ -1214,7 +1214,11 @@ class _RequestHeaders(http.client.HTTPMessage):
     def parsed(cls, pairs: List[Tuple[str, str]]) -> "_RequestHeaders":
         """Headers from the parser's (name, value) pairs, indexed once."""
         headers = cls()
-        headers._headers = list(pairs)  # type: ignore[attr-defined]  # what Message.__setitem__ appends to
+        # A private attribute, kept on purpose: email.message.Message stores headers in `_headers`
+        # (unchanged from Python 3.3 to 3.13; the proxy tests pass on 3.9.18 and 3.13.0), and
+        # filling it directly skips the email policy's per-header work, the proxy's largest
+        # per-request cost when it went through __setitem__.
+        headers._headers = list(pairs)  # type: ignore[attr-defined]
         index: Dict[str, List[str]] = {}
         for name, value in pairs:
             index.setdefault(name.lower(), []).append(value)

@@ -44,8 +44,13 @@ def plan(method: str, target: str, body: bytes, headers: Dict[str, str], token: 
             ("X-Echo-Custom", headers.get("x-custom", "-"))]
     if headers.get(TOKEN_HEADER) != "Bearer " + token:
         return 401, echo + [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")], b"no token", {}
-    status = int(query.get("status", 200))
-    payload = body_of(int(query.get("size", 0)))
+    try:
+        status, size = int(query.get("status", 200)), int(query.get("size", 0))
+    except ValueError:  # the fuzz tests send mangled queries
+        return 400, echo + [("Content-Type", "text/plain")], b"bad query", {}
+    if not 100 <= status <= 599 or size < 0:
+        return 400, echo + [("Content-Type", "text/plain")], b"bad query", {}
+    payload = body_of(size)
     out = echo + [("Content-Type", "application/octet-stream"), ("X-Multi", "a"), ("X-Multi", "b")]
     if query.get("gzip"):
         payload = gzip.compress(payload, compresslevel=1, mtime=0)
