@@ -1507,7 +1507,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             yield data
 
     def _body_chunks(self, framing: Tuple[str, int]) -> Iterator[bytes]:
-        """Yield the client's request body as it arrives (Content-Length or chunked, de-chunked)."""
+        """Yield the client's request body as it arrives (Content-Length or chunked, de-chunked).
+
+        The client's connection failing or stalling mid-body is a _ClientBodyError, never an OSError:
+        while the body streams upstream, an OSError means the upstream dropped the connection."""
+        try:
+            yield from self._client_body(framing)
+        except (OSError, ValueError) as exc:
+            raise _ClientBodyError("reading it from the client failed (%s)" % _failure_name(exc)) from None
+
+    def _client_body(self, framing: Tuple[str, int]) -> Iterator[bytes]:
         kind, length = framing
         if kind == "length":
             yield from self._body_piece(length, "before sending the whole body")

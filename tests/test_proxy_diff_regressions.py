@@ -272,3 +272,31 @@ def test_response_header_values_keep_their_trailing_whitespace_like_a_direct_con
     for name in ("Server", "X-Tabs"):
         assert proxied.headers[name] == direct.headers[name], name
     assert proxied.headers["Server"] == "stdlib-upstream "
+
+
+# -- family 7 (found by review of the new send path): a client dying mid-body ----------------------
+
+
+def test_client_resetting_mid_body_ends_its_handler_without_waiting_for_the_upstream(test_ca):
+    """A client that resets its connection while its (streamed, over 1 MiB) body is being forwarded:
+    the read from the client fails with an OSError, which the send path took for the upstream
+    dropping the connection, so it waited for an upstream answer that could not come (the upstream
+    waits for the rest of the body) until read_timeout_s. It must end at once."""
+    def script(sock, rfile, number):  # type: ignore[no-untyped-def]
+        read_request(rfile, body=False)
+        sock.settimeout(60)
+        while rfile.read1(65536):  # wait for the rest of the body, which never comes
+            pass
+
+    from proxy import AuthProxy
+
+    with ScriptedUpstream(script) as up, AuthProxy(read_timeout_s=60) as proxy:
+        base = proxy.mount(up.url, None)
+        prefix = base.split(str(proxy.port), 1)[1].encode()
+        sock = socket.create_connection(("127.0.0.1", proxy.port), timeout=TIMEOUT_S)
+        sock.sendall(b"POST %s/upload HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n" % (prefix, 8 << 20))
+        sock.sendall(support.pattern(2 << 20))
+        support.wait_until(lambda: up.connections == 1, "the upstream sees the request", TIMEOUT_S)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        sock.close()  # a reset, mid-body
+        support.wait_until(lambda: not proxy._server.live_threads(), "the handler thread to end", 20)

@@ -32,7 +32,7 @@ TOKEN = "hf_difftoken_" + "Qm3Lr8Vx2Kp7"
 SEED_ENV = os.environ.get("PROXY_DIFF_SEED", "20261123")
 SEED = random.randrange(1 << 32) if SEED_ENV == "random" else int(SEED_ENV)
 SLOW_EXAMPLES = int(os.environ.get("PROXY_DIFF_EXAMPLES", "1000"))
-FAST_EXAMPLES = 40
+FAST_EXAMPLES = 30
 WS_SLOW_EXAMPLES = max(1, SLOW_EXAMPLES // 5)
 WS_FAST_EXAMPLES = 12
 
