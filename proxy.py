@@ -2063,6 +2063,8 @@ def _parse_answer(head: bytes, method: str) -> _Answer:
     if not match:
         raise _BadResponse("upstream-protocol", "sent a malformed status line")
     minor, status, reason = match.group(1), int(match.group(2)), match.group(3) or ""
+    if status < 100:  # "000"-"099" are not statuses (http.client and h11 refuse them too)
+        raise _BadResponse("upstream-protocol", "sent the status code %03d" % status)
     headers: List[Tuple[str, str]] = []
     for line in lines[1:]:
         if line.endswith("\r"):

@@ -300,3 +300,29 @@ def test_client_resetting_mid_body_ends_its_handler_without_waiting_for_the_upst
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
         sock.close()  # a reset, mid-body
         support.wait_until(lambda: not proxy._server.live_threads(), "the handler thread to end", 20)
+
+
+# -- family 8 (found by the response fuzzer): status codes below 100 --------------------------------
+
+
+@pytest.mark.parametrize("status_line", [b"HTTP/1.1 003 Odd", b"HTTP/1.1 099 Odd", b"HTTP/1.1 000"])
+def test_a_status_code_below_100_is_an_upstream_protocol_error_not_an_interim_answer(proxy, status_line):
+    """The fuzzer's upstream sent 'HTTP/1.1 003 ...': the proxy took it for an interim (1xx) answer
+    and relayed 'HTTP/1.1 3 ...', a status line no client can parse. http.client and h11 refuse such
+    a status; the proxy now answers 502 upstream-protocol, and the route keeps working."""
+    def script(sock, rfile, number):  # type: ignore[no-untyped-def]
+        while True:
+            request = read_request(rfile)
+            if request is None:
+                return
+            if request[1].endswith("/odd"):
+                sock.sendall(status_line + b"\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                return
+            sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\ngood")
+
+    with ScriptedUpstream(script) as up:
+        base = proxy.mount(up.url, None)
+        prefix = base.split(str(proxy.port), 1)[1].encode()
+        answer = support.raw_request(proxy.port, b"GET %s/odd HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n" % prefix)
+        assert answer.startswith(b"HTTP/1.1 502 ") and b"X-Proxy-Error: upstream-protocol" in answer, answer[:200]
+        assert requests.get(base + "/next", timeout=TIMEOUT_S).content == b"good"
