@@ -105,7 +105,9 @@ def mutate(data: bytes, rng: random.Random) -> bytes:
     return data
 
 
-_STATUS_LINE = re.compile(rb"^HTTP/1\.1 [1-5]\d\d ")
+# 600-999 are invalid statuses but relayed as sent, as http.client (so requests) hands them over
+# directly (RFC 9110 section 15: the client treats them as 5xx).
+_STATUS_LINE = re.compile(rb"^HTTP/1\.1 [1-9]\d\d ")
 
 
 class Tally:
