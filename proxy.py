@@ -183,17 +183,13 @@ class Route:
     """
 
     def __init__(self, upstream: str, token: Token, verify: Verify = True) -> None:
-        reason = _upstream_rejection(upstream)
-        if reason:
-            raise ValueError(reason)
+        _raise_if_rejected(_upstream_rejection(upstream))
         parts = urllib.parse.urlsplit(upstream)
         if parts.scheme.lower() == "http" and not _is_loopback_host(parts.hostname or ""):
             raise InsecureURLError(
                 "refusing cleartext upstream %s://%s: the token would cross the network unencrypted; use "
                 "https:// (http:// is only allowed for loopback hosts)" % (parts.scheme, parts.netloc))
-        reason = _token_rejection(token) or _verify_rejection(verify)
-        if reason:
-            raise ValueError(reason)
+        _raise_if_rejected(_token_rejection(token) or _verify_rejection(verify))
         self.upstream: str = upstream
         self.token: Token = token
         self.verify: Verify = verify
@@ -409,9 +405,7 @@ class ReplicaRoute:
     base_path = ""  # each replica's own base path is added when a request is sent to it
 
     def __init__(self, upstreams: Sequence[str], token: Token, verify: Verify = True, http: str = "refuse") -> None:
-        reason = _replicas_rejection(upstreams) or _http_mode_rejection(http)
-        if reason:
-            raise ValueError(reason)
+        _raise_if_rejected(_replicas_rejection(upstreams) or _http_mode_rejection(http))
         self.token: Token = token
         self.verify: Verify = verify
         self.http: str = http
@@ -448,9 +442,7 @@ class ReplicaRoute:
 
     def add(self, upstream: str) -> bool:
         """Add a replica, or put a failed one back in rotation; False if it was already live."""
-        reason = _replicas_rejection([upstream])
-        if reason:
-            raise ValueError(reason)
+        _raise_if_rejected(_replicas_rejection([upstream]))
         with self._lock:
             for replica in self._replicas:
                 if replica.upstream == upstream:
@@ -887,6 +879,12 @@ def _http_mode_rejection(http_mode: object) -> Optional[str]:
         return ("http must be 'refuse' (only GET /health, /metadata, /schema pass) or 'any' (every HTTP "
                 "request goes to some live replica), got %r" % (http_mode,))
     return None
+
+
+def _raise_if_rejected(reason: Optional[str]) -> None:
+    """Raise the `ValueError` a `_..._rejection()` helper's reason calls for, if it gave one."""
+    if reason:
+        raise ValueError(reason)
 
 
 def _upstream_rejection(upstream: object) -> Optional[str]:
