@@ -693,7 +693,10 @@ class JobsEmulator:
         reader = threading.Thread(target=self._read_output, args=(job,), name=f"job-log:{job.id}", daemon=True)
         reader.start()
         if exposed and not canceled:
-            self._health_prober().watch(job, job.local_ports[exposed[0]])
+            # The emulator's own probe goes to the process itself, never through a fault link: it must
+            # not take (or be hit by) a fault armed for the job's clients.
+            probe_port = job.local_ports[exposed[0]]
+            self._health_prober().watch(job, process_ports.get(probe_port, probe_port))
         outcome = self._watch_process(job)
         _kill_process_group(process, self.kill_grace_s)  # also ends any child left behind
         reader.join(2.0)

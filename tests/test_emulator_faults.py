@@ -169,8 +169,15 @@ def test_a_response_reset_after_its_headers_ends_the_client_connection_early(wir
             if not chunk:
                 break
             received += chunk
+            if received.startswith(b"HTTP/1.1 502") and b"\r\n\r\n" in received:
+                break  # the proxy's own answer (it may keep the connection open)
     head, _, rest = received.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 200")
+    # A TCP RST may discard the bytes the gate had not read yet: then nothing of the answer reached it
+    # and it says so with a 502 of its own; otherwise the head went out and the body is cut.
+    if head.startswith(b"HTTP/1.1 502"):
+        assert b"X-Proxy-Error: upstream-" in head
+    else:
+        assert head.startswith(b"HTTP/1.1 200")
     assert b"m" * 100_000 not in rest  # never a response that looks complete when it is not
 
 
