@@ -490,7 +490,7 @@ class Soak:
         deadline = time.monotonic() + 5.0
         while self.proxy._server is not None and self.proxy._server.live_threads() and time.monotonic() < deadline:
             time.sleep(0.01)
-        baseline = {"threads": threading.active_count(), "fds": _open_fds(), "fd_targets": _fd_targets()}
+        baseline = {"threads": _threads_outside_pool(self.proxy), "fds": _open_fds(), "fd_targets": _fd_targets()}
         self.t0 = time.monotonic()
         sampler = threading.Thread(target=self._sample_loop, name="soak-sampler", daemon=True)
         sampler.start()
@@ -953,7 +953,7 @@ class Soak:
     def _sample_loop(self) -> None:
         while True:
             ok, status = self.emu.call("status")
-            sample = {"t": self.now(), "rss_mib": _rss_mib(), "threads": threading.active_count(),
+            sample = {"t": self.now(), "rss_mib": _rss_mib(), "threads": _threads_outside_pool(self.proxy),
                       "py_blocks": sys.getallocatedblocks(),  # Python objects' memory blocks: a Python-level leak
                       "fds": _open_fds(), "api_calls": status["api_calls"] if ok else -1,
                       "live_jobs": status["live_jobs"] if ok else -1,  # a job leaked mid-run shows here
@@ -976,8 +976,7 @@ class Soak:
                 "job processes alive": status["live_pids"] if ok else -1,
                 "proxy routes": len(self.proxy._routes),
                 "proxy connection threads": len(self.proxy._server.live_threads()) if self.proxy._server else 0,
-                "proxy tunnel threads": len(self.proxy._tunnel_threads),
-                "threads over baseline": threading.active_count() - baseline["threads"],
+                "threads over baseline": _threads_outside_pool(self.proxy) - baseline["threads"],
                 "fds over baseline": _open_fds() - baseline["fds"],
                 "providers still in memory": sum(1 for o in gc.get_objects() if isinstance(o, HFSandboxProvider)),
                 "routes still in memory": len(self.proxy._seen_routes),  # a WeakSet of every route made
@@ -1083,6 +1082,13 @@ def _describe_fds(targets: Sequence[Tuple[int, str]]) -> List[str]:
         inode = target[len("socket:["):-1] if target.startswith("socket:[") else None
         described.append("%d %s%s" % (fd, target, " (%s)" % ends[inode] if inode in ends else ""))
     return described
+
+
+def _threads_outside_pool(proxy: AuthProxy) -> int:
+    """Threads of this process less the proxy's pooled workers: parked ones stay (and retire after a
+    minute idle) by design, and busy ones, connections and tunnel directions, are counted apart."""
+    pooled = len(proxy._server.all_threads()) if proxy._server else 0  # private: no public count
+    return threading.active_count() - pooled
 
 
 def _rss_mib() -> float:
