@@ -6,12 +6,13 @@ Runs PROXY_DIFF_EXAMPLES / 5 sessions in the slow tier and a small sample in the
 """
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import threading
 from typing import Dict, Iterator, List, Tuple
 
 import pytest
-from hypothesis import given, note, seed, settings
+from hypothesis import given, note, reject, seed, settings
 from hypothesis import strategies as st
 from websockets.exceptions import ConnectionClosed
 
@@ -68,7 +69,10 @@ def _digest(message: object) -> Tuple[str, int, str]:
 def play(url: str, headers: Dict[str, str], tls: object, steps: List[Op], ending: Op) -> List[object]:
     """Run one session; the transcript of everything the client received, in order."""
     got: List[object] = []
-    options = {"additional_headers": headers}
+    # max_queue=None: the client's background reader never stops reading. With the default (16
+    # messages) a client burst can deadlock against the server's echoes when it talks to the server
+    # directly: the server stops reading while its sends wait, and the client blocks in send.
+    options = {"additional_headers": headers, "max_queue": None}
     if tls is not None:
         options["ssl"] = tls.client_context()  # type: ignore[attr-defined]
     with support.ws_connect(url, **options) as ws:
@@ -115,15 +119,25 @@ def check_session(session, upstreams, proxy, test_ca) -> None:  # type: ignore[n
                                     daemon=True) for k, a in runs.items()]
         for thread in threads:
             thread.start()
-        for thread in threads:
-            thread.join(120)
-            assert not thread.is_alive(), "hang: a WebSocket session did not finish within 120 s"
+        direct, proxied = threads
+        proxied.join(120)
+        if proxied.is_alive():  # say where every thread (the proxy's included) is stuck
+            faulthandler.dump_traceback(all_threads=True)
+        assert not proxied.is_alive(), "hang: the WebSocket session through the proxy did not finish within 120 s"
+        direct.join(20)  # it ran beside the proxied one: it is done by now unless it is stuck
     finally:
         proxy.unmount(base)
-    assert set(results) == {"direct", "proxy"}, "a session raised (see the captured stderr)"
+    assert "proxy" in results, "the session through the proxy raised (see the captured stderr)"
+    if "direct" not in results:
+        # The reference run itself failed: now and then uvicorn leaves a direct TLS handshake unanswered
+        # for over 10 s, and the websockets client then blocks in its own cleanup. That says nothing about
+        # the proxy (whose run finished), so the example is inconclusive rather than a disagreement.
+        note("the direct run failed or hung: example rejected")
+        reject()
     assert results["proxy"] == results["direct"]
 
 
+@pytest.mark.timeout(600)  # an inconclusive example waits for its stuck reference run
 @seed(SEED + 2)
 @settings(max_examples=WS_FAST_EXAMPLES, **DIFF_SETTINGS)
 @given(session=sessions)
