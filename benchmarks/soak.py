@@ -62,6 +62,9 @@ import requests  # noqa: E402
 from hf_sandbox_provider import HFSandboxProvider, SandboxError, stop_all  # noqa: E402
 from proxy import AuthProxy  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: _results when imported
+from _results import replace_marked_section  # noqa: E402
+
 # -- the run ----------------------------------------------------------------------------------------
 DEFAULT_DURATION_S = 600.0
 DEFAULT_ENVS = 64
@@ -1173,14 +1176,7 @@ def markdown(report: Dict[str, Any], command: str) -> str:
 
 
 def write_results(section: str, path: str = RESULTS_PATH) -> None:
-    text = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
-    if MARK_START in text and MARK_END in text:
-        head, rest = text.split(MARK_START, 1)
-        text = head + section.rstrip("\n") + rest.split(MARK_END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    with open(path, "w") as out:
-        out.write(text)
+    replace_marked_section(path, MARK_START, MARK_END, section)
 
 
 def plot(report: Dict[str, Any], path: str = PLOT_PATH) -> None:

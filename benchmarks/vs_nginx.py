@@ -39,6 +39,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.join(REPO, "tests"))  # support.make_test_ca: the tests' throwaway CA
 import ws_scale as scale  # noqa: E402  (needs HERE on sys.path)
 from _loadgen import raise_nofile_limit  # noqa: E402
+from _results import replace_marked_section  # noqa: E402
 
 DEFAULT_RESULTS = os.path.join(HERE, "RESULTS.md")
 SECTION_START, SECTION_END = "<!-- vs_nginx:start -->", "<!-- vs_nginx:end -->"
@@ -773,14 +774,7 @@ def _s(x: Optional[float]) -> str:
 
 def write_section(path: str, section: str) -> None:
     """Replace the marked section of RESULTS.md (or append it), leaving every other section alone."""
-    text = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
-    if SECTION_START in text and SECTION_END in text:
-        head, rest = text.split(SECTION_START, 1)
-        text = head + section.rstrip("\n") + rest.split(SECTION_END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    with open(path, "w") as fh:
-        fh.write(text)
+    replace_marked_section(path, SECTION_START, SECTION_END, section)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
