@@ -102,6 +102,9 @@ WORKER_IDLE_S = 60.0
 WORKER_STACK_BYTES = 256 * 1024
 # Seconds a client is asked to wait (Retry-After) when the proxy is at MAX_WORKERS.
 BUSY_RETRY_AFTER_S = 1
+# At the thread cap every new connection is refused, possibly thousands a second: at most one WARNING
+# per this many seconds, carrying the count of refusals since the previous one, says it all.
+BUSY_WARNING_EVERY_S = 10.0
 # `python proxy.py` only (its own process, nothing else to be fair to): how long a thread may hold the
 # GIL before another runnable one gets it. The default 5 ms makes thousands of tunnel threads hand the
 # GIL round in a futex-and-context-switch storm when sessions step together; 0.1 s cut a lockstep
@@ -1292,6 +1295,7 @@ class _Server(http.server.ThreadingHTTPServer):
         self._conn_lock = threading.Lock()
         self._conns: Set[socket.socket] = set()
         self.workers = _WorkerPool("proxy-worker", MAX_WORKERS, WORKER_IDLE_S, WORKER_STACK_BYTES)
+        self.busy_warnings = _WarningRate(BUSY_WARNING_EVERY_S)  # connections refused at the thread cap
         super().__init__((proxy.host.strip("[]"), proxy._requested_port), _Handler)
         self._wake_r, self._wake_w = socket.socketpair()  # after super(): a failed bind leaks nothing
         self._woken = False
@@ -1337,7 +1341,7 @@ class _Server(http.server.ThreadingHTTPServer):
         if not self.workers.submit(self._run, request, client_address):
             with self._conn_lock:
                 self._conns.discard(request)
-            _answer_busy(request)
+            _answer_busy(request, self.busy_warnings)
             self.shutdown_request(request)
 
     def _run(self, request: socket.socket, client_address: object) -> None:
@@ -2069,6 +2073,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             # that cannot carry the upstream's frames.
             if not self.server.workers.submit(tunnel.pump_upstream):
                 if not self.proxy._stopping:  # (the upstream stream is closed below; the client gets the answer)
+                    _warn_busy(self.server.busy_warnings)
                     self._refuse(_busy_refusal(), close=True)
                 return
             try:
@@ -2449,7 +2454,7 @@ def _busy_refusal() -> Refusal:
                    headers=(("Retry-After", str(BUSY_RETRY_AFTER_S)),))
 
 
-def _answer_busy(sock: socket.socket) -> None:
+def _answer_busy(sock: socket.socket, warnings: "_WarningRate") -> None:
     """Best effort, from the listener thread (which must never block): answer a connection the pool
     had no thread for with a 503 `proxy-busy`, without reading its request."""
     refusal = _busy_refusal()
@@ -2457,7 +2462,7 @@ def _answer_busy(sock: socket.socket) -> None:
     head = ("HTTP/1.1 503 Service Unavailable\r\nX-Proxy-Error: %s\r\nRetry-After: %d\r\n"
             "Content-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
             % (refusal.kind, BUSY_RETRY_AFTER_S, len(body)))
-    log.warning("proxy: no free worker thread (%d in use); answered 503 proxy-busy", MAX_WORKERS)
+    _warn_busy(warnings)
     try:
         sock.setblocking(False)
         try:
@@ -2467,6 +2472,34 @@ def _answer_busy(sock: socket.socket) -> None:
         sock.send(head.encode("latin-1") + body)
     except OSError:
         pass
+
+
+def _warn_busy(warnings: "_WarningRate") -> None:
+    refused = warnings.note(time.monotonic())
+    if refused:
+        log.warning("proxy: no free worker thread (%d in use); answered 503 proxy-busy %d time(s) since the "
+                    "previous warning (at most one per %g s)", MAX_WORKERS, refused, warnings.every_s)
+
+
+class _WarningRate:
+    """Counts events and says when a WARNING about them is due: the first at once, then at most one per
+    `every_s` seconds, each reporting how many events happened since the previous one."""
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
+        self._lock = threading.Lock()
+        self._last: Optional[float] = None
+        self._held = 0
+
+    def note(self, now: float) -> int:
+        """Count one event at `now` (a monotonic time); the number to report (this event and those held
+        back since the last warning) if a warning is due, else 0."""
+        with self._lock:
+            self._held += 1
+            if self._last is not None and now - self._last < self.every_s:
+                return 0
+            self._last, held, self._held = now, self._held, 0
+            return held
 
 
 class _Stream:
