@@ -28,6 +28,7 @@ import selectors
 import signal
 import socket
 import ssl
+import struct
 import sys
 import threading
 import time
@@ -113,6 +114,12 @@ BUSY_WARNING_EVERY_S = 10.0
 CLI_SWITCH_INTERVAL_S = 0.1
 # How long a TLS writer waits for the reader thread to feed bytes the TLS engine asked for, per round.
 TLS_WANT_READ_WAIT_S = 0.5
+# A Python socket with a timeout polls before every recv and send: two system calls (and two GIL
+# hand-offs) where one would do. On Linux the client connections and pooled plain upstream connections
+# are blocking sockets whose timeouts the kernel enforces (SO_RCVTIMEO/SO_SNDTIMEO): one call each,
+# about four fewer per forwarded request (benchmarks/RESULTS.md). Elsewhere (timeval layouts differ)
+# Python's own timeouts are used.
+KERNEL_TIMEOUTS = sys.platform.startswith("linux")
 
 # HTTP on a replica route: OpenEnv's /reset, /step and /state keep one environment per server, so a
 # request sent to "any replica" would act on some other episode's state. These GET endpoints are
@@ -195,6 +202,7 @@ class Route:
         _raise_if_rejected(_token_rejection(token) or _verify_rejection(verify))
         self.upstream: str = upstream
         self.token: Token = token
+        self._checked_token: Optional[str] = token if isinstance(token, str) else None  # validated above
         self.verify: Verify = verify
         self.scheme: str = parts.scheme.lower()
         self.host: str = parts.hostname or ""
@@ -227,10 +235,18 @@ class Route:
 
     def current_token(self) -> Optional[str]:
         """The token to inject now: the string, or the callable's answer (read per request for rotation)."""
-        token = self.token() if callable(self.token) else self.token
+        token = self.token
+        if token is None or token is self._checked_token:  # a fixed token, checked once: no work per request
+            return token
+        fixed = not callable(token)
+        if not fixed:
+            token = token()  # type: ignore[operator]
         if token is not None and _token_rejection(token):
-            raise ValueError("the token callable returned something that is not a usable token string")
-        return token
+            raise ValueError("the token %s is not a usable token string" % ("set on the route" if fixed else
+                                                                            "callable returned something that"))
+        if fixed:
+            self._checked_token = token  # type: ignore[assignment]  # (assigned after mount)
+        return token  # type: ignore[return-value]
 
     def note_failure(self, kind: str) -> bool:
         """Record an upstream failure of `kind`; True when it starts a run (worth a WARNING), False for
@@ -306,7 +322,9 @@ class Route:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.scheme == "https":
                 sock = self.tls_context().wrap_socket(sock, server_hostname=self.host)  # handshakes now
-            sock.settimeout(proxy.read_timeout_s)
+                sock.settimeout(proxy.read_timeout_s)  # (an SSL socket reads before it polls: no extra call)
+            else:
+                _set_socket_timeout(sock, proxy.read_timeout_s)
         except BaseException:
             sock.close()
             raise
@@ -1034,26 +1052,30 @@ def _upstream_request_headers(headers: http.client.HTTPMessage, route: Route, to
     out = [("Host", route.host_header)]
     for name, value in headers.items():
         if name.lower() not in drop:
-            out.append((name, _OBS_FOLD_RE.sub(" ", value)))
+            out.append((name, _OBS_FOLD_RE.sub(" ", value) if "\n" in value else value))
     if token is not None:
         out.append(("Authorization", "Bearer " + token))
     return out
 
 
-def _response_headers(headers: List[Tuple[str, str]]) -> List[Tuple[str, str]]:
-    """The upstream's response headers minus hop-by-hop ones (and those its Connection header names)."""
-    drop = HOP_BY_HOP | {t.strip().lower() for n, v in headers if n.lower() == "connection" for t in v.split(",")}
-    return [(n, v) for n, v in headers if n.lower() not in drop]
-
-
-def _one_content_length(headers: List[Tuple[str, str]], length: int) -> List[Tuple[str, str]]:
-    """One Content-Length header, where the upstream's first one was (repeats of the same value merged)."""
+def _response_headers(headers: List[Tuple[str, str]], length: Optional[int] = None,
+                      drop_length: bool = False) -> List[Tuple[str, str]]:
+    """The upstream's response headers minus hop-by-hop ones (and those its Connection header names);
+    with `length`, one Content-Length of that value where the upstream's first one was (repeats of the
+    same value merged); with `drop_length`, none (the body is re-framed). One pass, one lower() a name."""
+    lowered = [(name.lower(), name, value) for name, value in headers]
+    drop = HOP_BY_HOP
+    if any(low == "connection" for low, _, _ in lowered):
+        drop = drop | {t.strip().lower() for low, _, v in lowered if low == "connection" for t in v.split(",")}
     out: List[Tuple[str, str]] = []
-    for name, value in headers:
-        if name.lower() == "content-length":
-            if any(n.lower() == "content-length" for n, _ in out):
+    length_sent = drop_length
+    for low, name, value in lowered:
+        if low in drop:
+            continue
+        if low == "content-length" and (length is not None or drop_length):
+            if length_sent:
                 continue
-            value = str(length)
+            length_sent, value = True, str(length)
         out.append((name, value))
     return out
 
@@ -1403,10 +1425,10 @@ class _ClientReader(io.RawIOBase):
         self._stopped = True
 
     def _set_timeout(self, timeout: Optional[float]) -> None:
-        # settimeout costs two fcntl syscalls every call: skip it when nothing changes (the common
+        # Setting a timeout costs system calls every time: skip it when nothing changes (the common
         # keep-alive case, where head and body phases use the same idle timeout).
         if timeout != self._timeout:
-            self._sock.settimeout(timeout)
+            _set_socket_timeout(self._sock, timeout)
             self._timeout = timeout
 
     def readinto(self, buffer: "bytearray | memoryview") -> int:  # type: ignore[override]
@@ -1417,7 +1439,10 @@ class _ClientReader(io.RawIOBase):
             if remaining <= 0:
                 raise socket.timeout("request head not complete in time")
             self._set_timeout(remaining)
-        n = self._sock.recv_into(buffer)
+        try:
+            n = self._sock.recv_into(buffer)
+        except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
+            raise socket.timeout("timed out") from None
         if self._header_timeout is not None and self._deadline is None:
             self._deadline = time.monotonic() + self._header_timeout
         return n
@@ -1500,7 +1525,10 @@ class _SocketWriter(io.BufferedIOBase):
         return True
 
     def write(self, data: "bytes | bytearray | memoryview") -> int:  # type: ignore[override]
-        self._sock.sendall(data)
+        try:
+            self._sock.sendall(data)
+        except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
+            raise socket.timeout("timed out") from None
         with memoryview(data) as view:
             return view.nbytes
 
@@ -1768,22 +1796,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _forward(self, route: Route, target: str, token: Optional[str], framing: Tuple[str, int]) -> None:
         method = self.command
         headers = _upstream_request_headers(self.headers, route, token)
-        body_iter = self._body_chunks(framing)
-        buffered: List[bytes] = []
-        size = 0
         try:
-            for chunk in body_iter:
-                buffered.append(chunk)
-                size += len(chunk)
-                if size > REPLAYABLE_BODY_BYTES:
-                    break
-            else:
-                body_iter = iter(())
+            body, body_iter = self._buffered_body(framing)
         except _ClientBodyError as exc:
             self._refuse(Refusal(400, "bad-body", "The request body was malformed: %s." % exc), close=True)
             return
-        replayable = size <= REPLAYABLE_BODY_BYTES
-        body = b"".join(buffered)
+        replayable = len(body) <= REPLAYABLE_BODY_BYTES
         has_body = framing[0] != "none"
         try:
             conn, answer, sent_all = self._send_upstream(route, method, target, headers, body, has_body, replayable,
@@ -1804,6 +1822,31 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True  # the upstream answered early: the rest of the client's body is unread
         self._relay_response(route, conn.reader, answer,
                              on_done=lambda reusable: route._checkin(conn, reusable and sent_all))
+
+    def _buffered_body(self, framing: Tuple[str, int]) -> Tuple[bytes, Iterator[bytes]]:
+        """The request body's first bytes, all of it if it is at most REPLAYABLE_BODY_BYTES (then it
+        can be replayed on a retry), and an iterator over the rest. A Content-Length body that small
+        (every OpenEnv action) is one buffered read, without the generators a streamed body needs."""
+        kind, length = framing
+        if kind == "none":
+            return b"", iter(())
+        if kind == "length" and length <= REPLAYABLE_BODY_BYTES:
+            try:
+                body = self.rfile.read(length)
+            except (OSError, ValueError) as exc:
+                raise _ClientBodyError("reading it from the client failed (%s)" % _failure_name(exc)) from None
+            if len(body) < length:
+                raise _ClientBodyError("the client closed the connection before sending the whole body")
+            return body, iter(())
+        body_iter = self._body_chunks(framing)
+        buffered: List[bytes] = []
+        size = 0
+        for chunk in body_iter:
+            buffered.append(chunk)
+            size += len(chunk)
+            if size > REPLAYABLE_BODY_BYTES:
+                return b"".join(buffered), body_iter
+        return b"".join(buffered), iter(())
 
     def _send_upstream(self, route: Route, method: str, target: str, headers: List[Tuple[str, str]], body: bytes,
                        has_body: bool, replayable: bool, rest: Iterator[bytes]
@@ -1911,12 +1954,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
         Bodies keep their Content-Length; chunked and close-delimited ones are re-chunked for HTTP/1.1
         clients (so the client connection stays open) and close-delimited for HTTP/1.0 ones."""
-        headers = _response_headers(answer.headers)
         mode = answer.mode
-        if mode == "length":
-            headers = _one_content_length(headers, answer.length)
-        elif mode != "none":
-            headers = [(n, v) for n, v in headers if n.lower() != "content-length"]
+        headers = _response_headers(answer.headers, answer.length if mode == "length" else None,
+                                    drop_length=mode not in ("length", "none"))
+        if mode not in ("length", "none"):
             if self.request_version == "HTTP/1.0":
                 mode, self.close_connection = "close", True
             else:
@@ -2140,8 +2181,20 @@ class _UpstreamConnection:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.reader = _UpstreamReader(sock.recv)
+        self.reader = _UpstreamReader(sock.recv if isinstance(sock, ssl.SSLSocket) else self._recv)
         self.since = 0.0  # when it was last checked in
+
+    def _recv(self, n: int) -> bytes:
+        try:
+            return self.sock.recv(n)
+        except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
+            raise socket.timeout("timed out") from None
+
+    def _sendall(self, data: bytes) -> None:
+        try:
+            self.sock.sendall(data)
+        except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
+            raise socket.timeout("timed out") from None
 
     def looks_reusable(self) -> bool:
         """No stray bytes read or readable: an idle keep-alive connection that is readable was closed."""
@@ -2177,26 +2230,26 @@ class _UpstreamConnection:
         A small body leaves with its head in one send. Big ones go IO_CHUNK at a time with a zero
         timeout poll between sends, so an early answer is read before the upstream's close resets
         the connection (and the kernel drops the answer)."""
-        sock, pending, sent = self.sock, head, 0
+        sendall, pending, sent = self._sendall, head, 0
         for piece in pieces:
             if chunked:
                 piece = b"%x\r\n%s\r\n" % (len(piece), piece)
             if pending:
                 if len(pending) + len(piece) <= SMALL_RESPONSE_BYTES:
-                    sock.sendall(pending + piece)
+                    sendall(pending + piece)
                     pending, sent = b"", len(piece)
                     continue
-                sock.sendall(pending)
+                sendall(pending)
                 pending = b""
             with memoryview(piece) as view:
                 for offset in range(0, len(view), IO_CHUNK):
                     if sent > SMALL_RESPONSE_BYTES and self.has_input():
                         return False
-                    sock.sendall(view[offset:offset + IO_CHUNK])
+                    sendall(view[offset:offset + IO_CHUNK])
                     sent += min(IO_CHUNK, len(view) - offset)
         pending += b"0\r\n\r\n" if chunked else b""
         if pending:
-            sock.sendall(pending)
+            sendall(pending)
         return True
 
     def close(self) -> None:
@@ -2393,6 +2446,21 @@ def _request_head(method: str, target: str, headers: List[Tuple[str, str]]) -> b
     lines += ["%s: %s" % pair for pair in headers]
     lines += ["", ""]
     return "\r\n".join(lines).encode("latin-1")  # parsed as latin-1 text, so this round-trips
+
+
+def _set_socket_timeout(sock: socket.socket, timeout: Optional[float]) -> None:
+    """Give a plain socket `timeout` (None: block forever): with KERNEL_TIMEOUTS a blocking socket whose
+    recv/send time out in the kernel (raising BlockingIOError, which callers turn into socket.timeout),
+    else Python's settimeout."""
+    if not KERNEL_TIMEOUTS:
+        sock.settimeout(timeout)
+        return
+    if sock.gettimeout() is not None:  # e.g. the connect timeout, or socket.setdefaulttimeout()'s
+        sock.settimeout(None)
+    seconds = 0.0 if timeout is None else max(float(timeout), 1e-6)  # 0 is "never" to the kernel
+    timeval = struct.pack("@ll", int(seconds), int((seconds - int(seconds)) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
 
 def _readable(sock: socket.socket) -> bool:
