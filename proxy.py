@@ -112,8 +112,6 @@ BUSY_WARNING_EVERY_S = 10.0
 # 4,096-session p99 from 67.8 s to 11.6 s. The library never changes it: the setting is process-wide
 # and a trainer's own threads need the default.
 CLI_SWITCH_INTERVAL_S = 0.1
-# How long a TLS writer waits for the reader thread to feed bytes the TLS engine asked for, per round.
-TLS_WANT_READ_WAIT_S = 0.5
 # A Python socket with a timeout polls before every recv and send: two system calls (and two GIL
 # hand-offs) where one would do. On Linux the client connections and pooled plain upstream connections
 # are blocking sockets whose timeouts the kernel enforces (SO_RCVTIMEO/SO_SNDTIMEO): one call each,
@@ -375,8 +373,8 @@ class Route:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.scheme == "https":
-                stream: _Stream = _TLSStream(sock, self.tls_context(), self.host)
-                stream.handshake()  # type: ignore[attr-defined]
+                sock = self.tls_context().wrap_socket(sock, server_hostname=self.host)  # handshakes now
+                stream: _Stream = _TLSStream(sock)
             else:
                 stream = _Stream(sock)
             sock.settimeout(proxy.read_timeout_s)
@@ -2109,6 +2107,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             stream.close()
             return
         try:
+            if stream.one_thread:
+                try:
+                    self._reader.body_phase(None)
+                    self.connection.sendall(head + extra)
+                except OSError:
+                    tunnel.close()
+                tunnel.relay(self._take_buffered())
+                return
             # The upstream->client direction runs on a pool worker, gated until the 101 is sent. Taken
             # before the 101 so that, at the thread limit, the client gets a 503 rather than a tunnel
             # that cannot carry the upstream's frames.
@@ -2571,7 +2577,9 @@ class _WarningRate:
 
 
 class _Stream:
-    """A plain TCP byte stream to the upstream (the base the TLS engine mimics)."""
+    """A plain TCP byte stream to the upstream (the base `_TLSStream` keeps, over an SSLSocket)."""
+
+    one_thread = False  # True: the tunnel must use this stream from one thread only (`_Tunnel.relay`)
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -2600,154 +2608,20 @@ class _Stream:
 
 
 class _TLSStream(_Stream):
-    """TLS over a plain socket with an `ssl.MemoryBIO` engine, safe for one reader and one writer thread.
+    """A TLS byte stream to the upstream: an `ssl.SSLSocket`, used by one thread at a time (OpenSSL
+    forbids two in one SSL object), so its tunnel pumps both directions in one thread (`_Tunnel.relay`)."""
 
-    OpenSSL forbids two threads in one SSL object at once, so every engine call holds `_lock`, a
-    short lock; the blocking socket I/O happens outside it, so reading and writing progress
-    independently. Outgoing records are drained from the engine and sent under `_send_lock`, in
-    order. Incoming bytes are read from the socket under `_recv_lock`, by one thread at a time, so
-    they reach the engine in order. When a write needs peer bytes first (SSLWantReadError: the
-    handshake, or a TLS 1.3 post-handshake message), the writer reads them itself if no reader is on
-    the socket, else waits for the reader to feed them.
-    """
-
-    def __init__(self, sock: socket.socket, context: ssl.SSLContext, server_hostname: str) -> None:
-        super().__init__(sock)
-        self._incoming = ssl.MemoryBIO()
-        self._outgoing = ssl.MemoryBIO()
-        self._tls = context.wrap_bio(self._incoming, self._outgoing, server_hostname=server_hostname)
-        self._lock = threading.Lock()
-        self._fed = threading.Condition(self._lock)  # notified when incoming bytes arrive or input ends
-        self._fed_count = 0  # how many socket reads reached the engine: "did anything arrive since?"
-        self._send_lock = threading.Lock()
-        self._recv_lock = threading.Lock()
-        self._eof = False
-
-    def handshake(self) -> None:
-        """Complete the TLS handshake (single-threaded, before the tunnel starts)."""
-        while True:
-            with self._lock:
-                try:
-                    self._tls.do_handshake()
-                    done = True
-                except ssl.SSLWantReadError:
-                    done = False
-                fed = self._fed_count
-            self._flush(wait=True)
-            if done:
-                return
-            if self._eof:
-                raise ssl.SSLEOFError("the upstream closed the connection during the TLS handshake")
-            self._await_peer_bytes(fed, wait_for_reader=False)
-
-    def recv(self, n: int) -> bytes:
-        """Up to n bytes of plaintext; b"" once the peer or `close()` ended the stream."""
-        while True:
-            with self._lock:
-                try:
-                    data: Optional[bytes] = self._tls.read(n)
-                except ssl.SSLWantReadError:
-                    data = None
-                except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
-                    data = b""
-                pending = self._outgoing.pending
-                fed = self._fed_count
-            if pending:  # e.g. the answer to a TLS 1.3 KeyUpdate
-                self._flush(wait=False)
-            if data is not None:
-                return data
-            if self._closed:
-                return b""
-            self._await_peer_bytes(fed, wait_for_reader=False)
-
-    def sendall(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            with self._lock:
-                if self._closed:
-                    raise ConnectionResetError("TLS stream closed")
-                try:
-                    sent = self._tls.write(view[:IO_CHUNK])
-                    need_peer_bytes = False
-                except ssl.SSLWantReadError:
-                    if self._eof:
-                        raise ConnectionResetError("the upstream ended the TLS stream")
-                    sent, need_peer_bytes = 0, True
-                fed = self._fed_count
-            self._flush(wait=True)  # what the engine produced (records, or a handshake message) goes first
-            if need_peer_bytes:
-                self._await_peer_bytes(fed, wait_for_reader=True)
-            view = view[sent:]
-
-    def _await_peer_bytes(self, fed_before: int, wait_for_reader: bool) -> None:
-        """Make sure the engine got socket bytes after `fed_before`: read them (one thread at a time),
-        or, for a writer while the reader is on the socket, wait for the reader to feed them."""
-        if not self._recv_lock.acquire(blocking=not wait_for_reader):
-            with self._lock:
-                self._fed.wait_for(lambda: self._fed_count != fed_before or self._eof or self._closed,
-                                   TLS_WANT_READ_WAIT_S)
-            return
-        try:
-            with self._lock:
-                if self._fed_count != fed_before or self._eof:
-                    return  # someone fed the engine meanwhile: try it again first
-            try:
-                data = self.sock.recv(TUNNEL_READ_BYTES)  # blocking, outside the engine lock; one TLS record
-            except OSError:
-                data = b""
-                if not self._closed:
-                    with self._lock:
-                        self._mark_eof()
-                    raise
-            with self._lock:
-                if data:
-                    self._incoming.write(data)
-                    self._fed_count += 1
-                    self._fed.notify_all()
-                else:
-                    self._mark_eof()
-        finally:
-            self._recv_lock.release()
-
-    def _mark_eof(self) -> None:
-        # Caller holds _lock.
-        if not self._eof:
-            self._eof = True
-            self._incoming.write_eof()
-            self._fed_count += 1
-            self._fed.notify_all()
-
-    def _flush(self, wait: bool) -> None:
-        """Send every pending outgoing record, in order. With wait=False, leave them to whoever holds
-        the send lock (it re-checks before leaving), so a reader never blocks behind a writer."""
-        while True:
-            if not self._send_lock.acquire(blocking=wait):
-                return
-            try:
-                while True:
-                    with self._lock:
-                        data = self._outgoing.read()
-                    if not data:
-                        break
-                    self.sock.sendall(data)
-            finally:
-                self._send_lock.release()
-            with self._lock:
-                if not self._outgoing.pending:
-                    return
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            self._fed.notify_all()
-        super().close()
+    one_thread = True
 
 
 class _Tunnel:
-    """A WebSocket byte tunnel: one thread per direction; when either ends, both sockets close.
+    """A WebSocket byte tunnel; when either direction ends, both sockets close.
 
-    The handler's thread copies client->upstream (`run`); a pool worker copies upstream->client
-    (`pump_upstream`), starting only once `run` begins (after the 101 went to the client)."""
+    Plain upstream: one thread per direction. The handler's thread copies client->upstream (`run`); a
+    pool worker copies upstream->client (`pump_upstream`), starting only once `run` begins (after the
+    101 went to the client). TLS upstream: the handler's thread pumps both (`relay`), because an SSL
+    object must not be used by two threads at once (docs/performance.md: it cut a TLS session's system
+    calls from ~3,000 to ~480, most of them futex)."""
 
     def __init__(self, client: socket.socket, upstream: _Stream, label: str) -> None:
         self.client, self.upstream, self.label = client, upstream, label
@@ -2779,6 +2653,77 @@ class _Tunnel:
             self.close()
             if not self._pump_done.wait(STOP_JOIN_S):  # pragma: no cover - its sockets are shut
                 log.warning("proxy: %s tunnel's upstream reader did not end", self.label)
+
+    def relay(self, first: bytes = b"") -> None:
+        """Copy both directions in this one thread (for a `one_thread` stream: TLS), starting with
+        `first`; return when either side ends. Non-blocking sockets and poll(): a side is read only
+        when what was read from it before has been written to the other (back-pressure), and the
+        SSL object, which may hold decrypted bytes the socket no longer shows, is read until empty."""
+        client, up = self.client, self.upstream.sock
+        tls = isinstance(up, ssl.SSLSocket)
+        to_up, to_client = first, b""
+        client_in, up_in = False, True  # readable now (the SSL object may hold bytes read with the 101)
+        up_wants = 0  # the poll events the SSL object asked for to finish an interrupted recv or send
+        poller = select.poll()
+        client_fd, up_fd = client.fileno(), up.fileno()
+        try:
+            client.setblocking(False)
+            up.setblocking(False)
+            while not self._closed.is_set():
+                if client_in and not to_up:
+                    client_in = False
+                    try:
+                        to_up = client.recv(TUNNEL_READ_BYTES)
+                    except BlockingIOError:  # (a readiness that went away)
+                        pass
+                    else:
+                        if not to_up:
+                            return
+                if to_up:
+                    try:
+                        to_up = to_up[up.send(to_up):]
+                        up_wants &= ~select.POLLOUT
+                    except ssl.SSLWantReadError:
+                        up_wants |= select.POLLIN
+                    except (ssl.SSLWantWriteError, BlockingIOError):
+                        up_wants |= select.POLLOUT
+                if up_in and not to_client:
+                    up_in = False
+                    try:
+                        to_client = up.recv(TUNNEL_READ_BYTES)
+                        if not to_client:
+                            return
+                        up_in = tls and up.pending() > 0  # more decrypted bytes than one read took
+                    except (ssl.SSLWantReadError, BlockingIOError):
+                        to_client = b""
+                    except ssl.SSLWantWriteError:
+                        to_client, up_wants = b"", up_wants | select.POLLOUT
+                if to_client:
+                    try:
+                        to_client = to_client[client.send(to_client):]
+                    except BlockingIOError:
+                        pass
+                if up_in and not to_client:
+                    continue  # the SSL object still holds bytes: no poll would report them
+                poller.register(client_fd, (0 if to_up else select.POLLIN) | (select.POLLOUT if to_client else 0))
+                poller.register(up_fd, (0 if to_client else select.POLLIN) | up_wants |
+                                (select.POLLOUT if to_up else 0))
+                for fd, events in poller.poll():
+                    if events & (select.POLLERR | select.POLLNVAL):
+                        return
+                    if fd == client_fd:
+                        if events & select.POLLHUP and to_up:  # gone while its bytes wait: nothing to read
+                            return
+                        client_in = bool(events & (select.POLLIN | select.POLLHUP))
+                    else:
+                        if events & select.POLLHUP and to_client:
+                            return
+                        up_in = bool(events & (select.POLLIN | select.POLLHUP | select.POLLOUT))
+                        up_wants = 0
+        except (OSError, ValueError, ssl.SSLError):
+            pass
+        finally:
+            self.close()
 
     def pump_upstream(self) -> None:
         """Upstream->client (a pool worker's job)."""
