@@ -2625,23 +2625,33 @@ class _Tunnel:
 
     def __init__(self, client: socket.socket, upstream: _Stream, label: str) -> None:
         self.client, self.upstream, self.label = client, upstream, label
-        self._closed = threading.Event()
-        self._go = threading.Event()  # set when the 101 is out (or the tunnel closed before)
-        self._pump_done = threading.Event()
+        # Plain locks, not Events: an Event is a Condition, a lock and a waiter list, built and notified
+        # per session; these are one futex each way. Both start held.
+        self._closed = False
+        self._go = threading.Lock()  # released once the 101 is out (or the tunnel closed before)
+        self._go.acquire()
+        self._pump_done = threading.Lock()  # released when the upstream->client pump ended
+        self._pump_done.acquire()
 
     def close(self) -> None:
-        """End both directions now (safe from any thread, idempotent)."""
-        if self._closed.is_set():
+        """End both directions now (safe from any thread, idempotent: shutting a socket twice is harmless)."""
+        if self._closed:
             return
-        self._closed.set()
-        self._go.set()
+        self._closed = True
+        self._release_go()
         _abort_socket(self.client)
         self.upstream.abort()
+
+    def _release_go(self) -> None:
+        try:
+            self._go.release()
+        except RuntimeError:  # released already (by run() or close())
+            pass
 
     def run(self, first: bytes = b"") -> None:
         """Pump client->upstream in this thread (releasing the upstream->client worker first), starting
         with `first`, bytes of the client's already read; return when both directions ended."""
-        self._go.set()
+        self._release_go()
         try:
             if first:
                 try:
@@ -2651,7 +2661,7 @@ class _Tunnel:
             self._pump(self.client.recv, self.upstream.sendall)
         finally:
             self.close()
-            if not self._pump_done.wait(STOP_JOIN_S):  # pragma: no cover - its sockets are shut
+            if not self._pump_done.acquire(timeout=STOP_JOIN_S):  # pragma: no cover - its sockets are shut
                 log.warning("proxy: %s tunnel's upstream reader did not end", self.label)
 
     def relay(self, first: bytes = b"") -> None:
@@ -2669,7 +2679,7 @@ class _Tunnel:
         try:
             client.setblocking(False)
             up.setblocking(False)
-            while not self._closed.is_set():
+            while not self._closed:
                 if client_in and not to_up:
                     client_in = False
                     try:
@@ -2728,14 +2738,14 @@ class _Tunnel:
     def pump_upstream(self) -> None:
         """Upstream->client (a pool worker's job)."""
         try:
-            self._go.wait()
+            self._go.acquire()
             self._pump(self.upstream.recv, self.client.sendall)
         finally:
-            self._pump_done.set()
+            self._pump_done.release()
 
     def _pump(self, read: Callable[[int], bytes], write: Callable[[bytes], None]) -> None:
         try:
-            while not self._closed.is_set():
+            while not self._closed:
                 data = read(TUNNEL_READ_BYTES)
                 if not data:
                     break
