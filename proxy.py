@@ -1034,8 +1034,15 @@ def _body_framing(headers: http.client.HTTPMessage) -> Union[Tuple[str, int], Re
     return ("none", 0)
 
 
-def _connection_tokens(headers: http.client.HTTPMessage) -> Set[str]:
-    return {t.strip().lower() for value in headers.get_all("Connection") or [] for t in value.split(",") if t.strip()}
+def _connection_tokens(headers: http.client.HTTPMessage) -> "frozenset[str]":
+    """The Connection header's tokens, lower-cased; parsed once per request (three checks read them)."""
+    tokens = getattr(headers, "_tokens", None)
+    if tokens is None:
+        tokens = frozenset(t.strip().lower() for value in headers.get_all("Connection") or []
+                           for t in value.split(",") if t.strip())
+        if isinstance(headers, _RequestHeaders) and headers._index is not None:
+            headers._tokens = tokens  # dropped with the index by any mutation
+    return tokens
 
 
 def _is_websocket_upgrade(method: str, headers: http.client.HTTPMessage) -> bool:
@@ -1451,6 +1458,7 @@ class _RequestHeaders(http.client.HTTPMessage):
     email package scans and lowercases every header on each lookup, and the proxy does a dozen."""
 
     _index: Optional[Dict[str, List[str]]] = None
+    _tokens: "Optional[frozenset[str]]" = None  # the Connection tokens (see _connection_tokens)
     # The parsed (name, value) pairs while nothing mutated them: what `items()` answers without the
     # email policy's per-header sanitising (parsed values are latin-1 text, so it would change nothing).
     _pairs: Optional[List[Tuple[str, str]]] = None
@@ -1493,23 +1501,23 @@ class _RequestHeaders(http.client.HTTPMessage):
 
     # Any mutation (a subclass hook may edit headers) drops the index; it is rebuilt on next lookup.
     def __setitem__(self, name: str, value: object) -> None:
-        self._index = self._pairs = None
+        self._index = self._pairs = self._tokens = None
         super().__setitem__(name, value)
 
     def __delitem__(self, name: str) -> None:
-        self._index = self._pairs = None
+        self._index = self._pairs = self._tokens = None
         super().__delitem__(name)
 
     def add_header(self, *args: object, **kwargs: object) -> None:  # type: ignore[override]
-        self._index = self._pairs = None
+        self._index = self._pairs = self._tokens = None
         super().add_header(*args, **kwargs)  # type: ignore[arg-type]
 
     def replace_header(self, name: str, value: object) -> None:  # type: ignore[override]
-        self._index = self._pairs = None
+        self._index = self._pairs = self._tokens = None
         super().replace_header(name, value)
 
     def set_raw(self, name: str, value: object) -> None:  # type: ignore[override]
-        self._index = self._pairs = None
+        self._index = self._pairs = self._tokens = None
         super().set_raw(name, value)
 
 
