@@ -28,6 +28,7 @@ import selectors
 import signal
 import socket
 import ssl
+import struct
 import sys
 import threading
 import time
@@ -102,14 +103,21 @@ WORKER_IDLE_S = 60.0
 WORKER_STACK_BYTES = 256 * 1024
 # Seconds a client is asked to wait (Retry-After) when the proxy is at MAX_WORKERS.
 BUSY_RETRY_AFTER_S = 1
+# At the thread cap every new connection is refused, possibly thousands a second: at most one WARNING
+# per this many seconds, carrying the count of refusals since the previous one, says it all.
+BUSY_WARNING_EVERY_S = 10.0
 # `python proxy.py` only (its own process, nothing else to be fair to): how long a thread may hold the
 # GIL before another runnable one gets it. The default 5 ms makes thousands of tunnel threads hand the
 # GIL round in a futex-and-context-switch storm when sessions step together; 0.1 s cut a lockstep
 # 4,096-session p99 from 67.8 s to 11.6 s. The library never changes it: the setting is process-wide
 # and a trainer's own threads need the default.
 CLI_SWITCH_INTERVAL_S = 0.1
-# How long a TLS writer waits for the reader thread to feed bytes the TLS engine asked for, per round.
-TLS_WANT_READ_WAIT_S = 0.5
+# A Python socket with a timeout polls before every recv and send: two system calls (and two GIL
+# hand-offs) where one would do. On Linux the client connections and pooled plain upstream connections
+# are blocking sockets whose timeouts the kernel enforces (SO_RCVTIMEO/SO_SNDTIMEO): one call each,
+# about four fewer per forwarded request (benchmarks/RESULTS.md). Elsewhere (timeval layouts differ)
+# Python's own timeouts are used.
+KERNEL_TIMEOUTS = sys.platform.startswith("linux")
 
 # HTTP on a replica route: OpenEnv's /reset, /step and /state keep one environment per server, so a
 # request sent to "any replica" would act on some other episode's state. These GET endpoints are
@@ -192,6 +200,7 @@ class Route:
         _raise_if_rejected(_token_rejection(token) or _verify_rejection(verify))
         self.upstream: str = upstream
         self.token: Token = token
+        self._checked_token: Optional[str] = token if isinstance(token, str) else None  # validated above
         self.verify: Verify = verify
         self.scheme: str = parts.scheme.lower()
         self.host: str = parts.hostname or ""
@@ -224,10 +233,18 @@ class Route:
 
     def current_token(self) -> Optional[str]:
         """The token to inject now: the string, or the callable's answer (read per request for rotation)."""
-        token = self.token() if callable(self.token) else self.token
+        token = self.token
+        if token is None or token is self._checked_token:  # a fixed token, checked once: no work per request
+            return token
+        fixed = not callable(token)
+        if not fixed:
+            token = token()  # type: ignore[operator]
         if token is not None and _token_rejection(token):
-            raise ValueError("the token callable returned something that is not a usable token string")
-        return token
+            raise ValueError("the token %s is not a usable token string" % ("set on the route" if fixed else
+                                                                            "callable returned something that"))
+        if fixed:
+            self._checked_token = token  # type: ignore[assignment]  # (assigned after mount)
+        return token  # type: ignore[return-value]
 
     def note_failure(self, kind: str) -> bool:
         """Record an upstream failure of `kind`; True when it starts a run (worth a WARNING), False for
@@ -303,7 +320,9 @@ class Route:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.scheme == "https":
                 sock = self.tls_context().wrap_socket(sock, server_hostname=self.host)  # handshakes now
-            sock.settimeout(proxy.read_timeout_s)
+                sock.settimeout(proxy.read_timeout_s)  # (an SSL socket reads before it polls: no extra call)
+            else:
+                _set_socket_timeout(sock, proxy.read_timeout_s)
         except BaseException:
             sock.close()
             raise
@@ -354,8 +373,8 @@ class Route:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.scheme == "https":
-                stream: _Stream = _TLSStream(sock, self.tls_context(), self.host)
-                stream.handshake()  # type: ignore[attr-defined]
+                sock = self.tls_context().wrap_socket(sock, server_hostname=self.host)  # handshakes now
+                stream: _Stream = _TLSStream(sock)
             else:
                 stream = _Stream(sock)
             sock.settimeout(proxy.read_timeout_s)
@@ -1015,8 +1034,15 @@ def _body_framing(headers: http.client.HTTPMessage) -> Union[Tuple[str, int], Re
     return ("none", 0)
 
 
-def _connection_tokens(headers: http.client.HTTPMessage) -> Set[str]:
-    return {t.strip().lower() for value in headers.get_all("Connection") or [] for t in value.split(",") if t.strip()}
+def _connection_tokens(headers: http.client.HTTPMessage) -> "frozenset[str]":
+    """The Connection header's tokens, lower-cased; parsed once per request (three checks read them)."""
+    tokens = getattr(headers, "_tokens", None)
+    if tokens is None:
+        tokens = frozenset(t.strip().lower() for value in headers.get_all("Connection") or []
+                           for t in value.split(",") if t.strip())
+        if isinstance(headers, _RequestHeaders) and headers._index is not None:
+            headers._tokens = tokens  # dropped with the index by any mutation
+    return tokens
 
 
 def _is_websocket_upgrade(method: str, headers: http.client.HTTPMessage) -> bool:
@@ -1031,26 +1057,30 @@ def _upstream_request_headers(headers: http.client.HTTPMessage, route: Route, to
     out = [("Host", route.host_header)]
     for name, value in headers.items():
         if name.lower() not in drop:
-            out.append((name, _OBS_FOLD_RE.sub(" ", value)))
+            out.append((name, _OBS_FOLD_RE.sub(" ", value) if "\n" in value else value))
     if token is not None:
         out.append(("Authorization", "Bearer " + token))
     return out
 
 
-def _response_headers(headers: List[Tuple[str, str]]) -> List[Tuple[str, str]]:
-    """The upstream's response headers minus hop-by-hop ones (and those its Connection header names)."""
-    drop = HOP_BY_HOP | {t.strip().lower() for n, v in headers if n.lower() == "connection" for t in v.split(",")}
-    return [(n, v) for n, v in headers if n.lower() not in drop]
-
-
-def _one_content_length(headers: List[Tuple[str, str]], length: int) -> List[Tuple[str, str]]:
-    """One Content-Length header, where the upstream's first one was (repeats of the same value merged)."""
+def _response_headers(headers: List[Tuple[str, str]], length: Optional[int] = None,
+                      drop_length: bool = False) -> List[Tuple[str, str]]:
+    """The upstream's response headers minus hop-by-hop ones (and those its Connection header names);
+    with `length`, one Content-Length of that value where the upstream's first one was (repeats of the
+    same value merged); with `drop_length`, none (the body is re-framed). One pass, one lower() a name."""
+    lowered = [(name.lower(), name, value) for name, value in headers]
+    drop = HOP_BY_HOP
+    if any(low == "connection" for low, _, _ in lowered):
+        drop = drop | {t.strip().lower() for low, _, v in lowered if low == "connection" for t in v.split(",")}
     out: List[Tuple[str, str]] = []
-    for name, value in headers:
-        if name.lower() == "content-length":
-            if any(n.lower() == "content-length" for n, _ in out):
+    length_sent = drop_length
+    for low, name, value in lowered:
+        if low in drop:
+            continue
+        if low == "content-length" and (length is not None or drop_length):
+            if length_sent:
                 continue
-            value = str(length)
+            length_sent, value = True, str(length)
         out.append((name, value))
     return out
 
@@ -1292,6 +1322,7 @@ class _Server(http.server.ThreadingHTTPServer):
         self._conn_lock = threading.Lock()
         self._conns: Set[socket.socket] = set()
         self.workers = _WorkerPool("proxy-worker", MAX_WORKERS, WORKER_IDLE_S, WORKER_STACK_BYTES)
+        self.busy_warnings = _WarningRate(BUSY_WARNING_EVERY_S)  # connections refused at the thread cap
         super().__init__((proxy.host.strip("[]"), proxy._requested_port), _Handler)
         self._wake_r, self._wake_w = socket.socketpair()  # after super(): a failed bind leaks nothing
         self._woken = False
@@ -1337,7 +1368,7 @@ class _Server(http.server.ThreadingHTTPServer):
         if not self.workers.submit(self._run, request, client_address):
             with self._conn_lock:
                 self._conns.discard(request)
-            _answer_busy(request)
+            _answer_busy(request, self.busy_warnings)
             self.shutdown_request(request)
 
     def _run(self, request: socket.socket, client_address: object) -> None:
@@ -1399,10 +1430,10 @@ class _ClientReader(io.RawIOBase):
         self._stopped = True
 
     def _set_timeout(self, timeout: Optional[float]) -> None:
-        # settimeout costs two fcntl syscalls every call: skip it when nothing changes (the common
+        # Setting a timeout costs system calls every time: skip it when nothing changes (the common
         # keep-alive case, where head and body phases use the same idle timeout).
         if timeout != self._timeout:
-            self._sock.settimeout(timeout)
+            _set_socket_timeout(self._sock, timeout)
             self._timeout = timeout
 
     def readinto(self, buffer: "bytearray | memoryview") -> int:  # type: ignore[override]
@@ -1413,7 +1444,10 @@ class _ClientReader(io.RawIOBase):
             if remaining <= 0:
                 raise socket.timeout("request head not complete in time")
             self._set_timeout(remaining)
-        n = self._sock.recv_into(buffer)
+        try:
+            n = self._sock.recv_into(buffer)
+        except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
+            raise socket.timeout("timed out") from None
         if self._header_timeout is not None and self._deadline is None:
             self._deadline = time.monotonic() + self._header_timeout
         return n
@@ -1424,6 +1458,7 @@ class _RequestHeaders(http.client.HTTPMessage):
     email package scans and lowercases every header on each lookup, and the proxy does a dozen."""
 
     _index: Optional[Dict[str, List[str]]] = None
+    _tokens: "Optional[frozenset[str]]" = None  # the Connection tokens (see _connection_tokens)
     # The parsed (name, value) pairs while nothing mutated them: what `items()` answers without the
     # email policy's per-header sanitising (parsed values are latin-1 text, so it would change nothing).
     _pairs: Optional[List[Tuple[str, str]]] = None
@@ -1466,23 +1501,23 @@ class _RequestHeaders(http.client.HTTPMessage):
 
     # Any mutation (a subclass hook may edit headers) drops the index; it is rebuilt on next lookup.
     def __setitem__(self, name: str, value: object) -> None:
-        self._index = self._pairs = None
+        self._index = self._pairs = self._tokens = None
         super().__setitem__(name, value)
 
     def __delitem__(self, name: str) -> None:
-        self._index = self._pairs = None
+        self._index = self._pairs = self._tokens = None
         super().__delitem__(name)
 
     def add_header(self, *args: object, **kwargs: object) -> None:  # type: ignore[override]
-        self._index = self._pairs = None
+        self._index = self._pairs = self._tokens = None
         super().add_header(*args, **kwargs)  # type: ignore[arg-type]
 
     def replace_header(self, name: str, value: object) -> None:  # type: ignore[override]
-        self._index = self._pairs = None
+        self._index = self._pairs = self._tokens = None
         super().replace_header(name, value)
 
     def set_raw(self, name: str, value: object) -> None:  # type: ignore[override]
-        self._index = self._pairs = None
+        self._index = self._pairs = self._tokens = None
         super().set_raw(name, value)
 
 
@@ -1496,7 +1531,10 @@ class _SocketWriter(io.BufferedIOBase):
         return True
 
     def write(self, data: "bytes | bytearray | memoryview") -> int:  # type: ignore[override]
-        self._sock.sendall(data)
+        try:
+            self._sock.sendall(data)
+        except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
+            raise socket.timeout("timed out") from None
         with memoryview(data) as view:
             return view.nbytes
 
@@ -1764,22 +1802,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _forward(self, route: Route, target: str, token: Optional[str], framing: Tuple[str, int]) -> None:
         method = self.command
         headers = _upstream_request_headers(self.headers, route, token)
-        body_iter = self._body_chunks(framing)
-        buffered: List[bytes] = []
-        size = 0
         try:
-            for chunk in body_iter:
-                buffered.append(chunk)
-                size += len(chunk)
-                if size > REPLAYABLE_BODY_BYTES:
-                    break
-            else:
-                body_iter = iter(())
+            body, body_iter = self._buffered_body(framing)
         except _ClientBodyError as exc:
             self._refuse(Refusal(400, "bad-body", "The request body was malformed: %s." % exc), close=True)
             return
-        replayable = size <= REPLAYABLE_BODY_BYTES
-        body = b"".join(buffered)
+        replayable = len(body) <= REPLAYABLE_BODY_BYTES
         has_body = framing[0] != "none"
         try:
             conn, answer, sent_all = self._send_upstream(route, method, target, headers, body, has_body, replayable,
@@ -1800,6 +1828,31 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True  # the upstream answered early: the rest of the client's body is unread
         self._relay_response(route, conn.reader, answer,
                              on_done=lambda reusable: route._checkin(conn, reusable and sent_all))
+
+    def _buffered_body(self, framing: Tuple[str, int]) -> Tuple[bytes, Iterator[bytes]]:
+        """The request body's first bytes, all of it if it is at most REPLAYABLE_BODY_BYTES (then it
+        can be replayed on a retry), and an iterator over the rest. A Content-Length body that small
+        (every OpenEnv action) is one buffered read, without the generators a streamed body needs."""
+        kind, length = framing
+        if kind == "none":
+            return b"", iter(())
+        if kind == "length" and length <= REPLAYABLE_BODY_BYTES:
+            try:
+                body = self.rfile.read(length)
+            except (OSError, ValueError) as exc:
+                raise _ClientBodyError("reading it from the client failed (%s)" % _failure_name(exc)) from None
+            if len(body) < length:
+                raise _ClientBodyError("the client closed the connection before sending the whole body")
+            return body, iter(())
+        body_iter = self._body_chunks(framing)
+        buffered: List[bytes] = []
+        size = 0
+        for chunk in body_iter:
+            buffered.append(chunk)
+            size += len(chunk)
+            if size > REPLAYABLE_BODY_BYTES:
+                return b"".join(buffered), body_iter
+        return b"".join(buffered), iter(())
 
     def _send_upstream(self, route: Route, method: str, target: str, headers: List[Tuple[str, str]], body: bytes,
                        has_body: bool, replayable: bool, rest: Iterator[bytes]
@@ -1907,12 +1960,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
         Bodies keep their Content-Length; chunked and close-delimited ones are re-chunked for HTTP/1.1
         clients (so the client connection stays open) and close-delimited for HTTP/1.0 ones."""
-        headers = _response_headers(answer.headers)
         mode = answer.mode
-        if mode == "length":
-            headers = _one_content_length(headers, answer.length)
-        elif mode != "none":
-            headers = [(n, v) for n, v in headers if n.lower() != "content-length"]
+        headers = _response_headers(answer.headers, answer.length if mode == "length" else None,
+                                    drop_length=mode not in ("length", "none"))
+        if mode not in ("length", "none"):
             if self.request_version == "HTTP/1.0":
                 mode, self.close_connection = "close", True
             else:
@@ -2064,11 +2115,20 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             stream.close()
             return
         try:
+            if stream.one_thread:
+                try:
+                    self._reader.body_phase(None)
+                    self.connection.sendall(head + extra)
+                except OSError:
+                    tunnel.close()
+                tunnel.relay(self._take_buffered())
+                return
             # The upstream->client direction runs on a pool worker, gated until the 101 is sent. Taken
             # before the 101 so that, at the thread limit, the client gets a 503 rather than a tunnel
             # that cannot carry the upstream's frames.
             if not self.server.workers.submit(tunnel.pump_upstream):
                 if not self.proxy._stopping:  # (the upstream stream is closed below; the client gets the answer)
+                    _warn_busy(self.server.busy_warnings)
                     self._refuse(_busy_refusal(), close=True)
                 return
             try:
@@ -2135,8 +2195,20 @@ class _UpstreamConnection:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.reader = _UpstreamReader(sock.recv)
+        self.reader = _UpstreamReader(sock.recv if isinstance(sock, ssl.SSLSocket) else self._recv)
         self.since = 0.0  # when it was last checked in
+
+    def _recv(self, n: int) -> bytes:
+        try:
+            return self.sock.recv(n)
+        except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
+            raise socket.timeout("timed out") from None
+
+    def _sendall(self, data: bytes) -> None:
+        try:
+            self.sock.sendall(data)
+        except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
+            raise socket.timeout("timed out") from None
 
     def looks_reusable(self) -> bool:
         """No stray bytes read or readable: an idle keep-alive connection that is readable was closed."""
@@ -2172,26 +2244,26 @@ class _UpstreamConnection:
         A small body leaves with its head in one send. Big ones go IO_CHUNK at a time with a zero
         timeout poll between sends, so an early answer is read before the upstream's close resets
         the connection (and the kernel drops the answer)."""
-        sock, pending, sent = self.sock, head, 0
+        sendall, pending, sent = self._sendall, head, 0
         for piece in pieces:
             if chunked:
                 piece = b"%x\r\n%s\r\n" % (len(piece), piece)
             if pending:
                 if len(pending) + len(piece) <= SMALL_RESPONSE_BYTES:
-                    sock.sendall(pending + piece)
+                    sendall(pending + piece)
                     pending, sent = b"", len(piece)
                     continue
-                sock.sendall(pending)
+                sendall(pending)
                 pending = b""
             with memoryview(piece) as view:
                 for offset in range(0, len(view), IO_CHUNK):
                     if sent > SMALL_RESPONSE_BYTES and self.has_input():
                         return False
-                    sock.sendall(view[offset:offset + IO_CHUNK])
+                    sendall(view[offset:offset + IO_CHUNK])
                     sent += min(IO_CHUNK, len(view) - offset)
         pending += b"0\r\n\r\n" if chunked else b""
         if pending:
-            sock.sendall(pending)
+            sendall(pending)
         return True
 
     def close(self) -> None:
@@ -2390,6 +2462,21 @@ def _request_head(method: str, target: str, headers: List[Tuple[str, str]]) -> b
     return "\r\n".join(lines).encode("latin-1")  # parsed as latin-1 text, so this round-trips
 
 
+def _set_socket_timeout(sock: socket.socket, timeout: Optional[float]) -> None:
+    """Give a plain socket `timeout` (None: block forever): with KERNEL_TIMEOUTS a blocking socket whose
+    recv/send time out in the kernel (raising BlockingIOError, which callers turn into socket.timeout),
+    else Python's settimeout."""
+    if not KERNEL_TIMEOUTS:
+        sock.settimeout(timeout)
+        return
+    if sock.gettimeout() is not None:  # e.g. the connect timeout, or socket.setdefaulttimeout()'s
+        sock.settimeout(None)
+    seconds = 0.0 if timeout is None else max(float(timeout), 1e-6)  # 0 is "never" to the kernel
+    timeval = struct.pack("@ll", int(seconds), int((seconds - int(seconds)) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+
+
 def _readable(sock: socket.socket) -> bool:
     """Whether the upstream has sent something (a zero-timeout poll; no read)."""
     if isinstance(sock, ssl.SSLSocket) and sock.pending():
@@ -2449,7 +2536,7 @@ def _busy_refusal() -> Refusal:
                    headers=(("Retry-After", str(BUSY_RETRY_AFTER_S)),))
 
 
-def _answer_busy(sock: socket.socket) -> None:
+def _answer_busy(sock: socket.socket, warnings: "_WarningRate") -> None:
     """Best effort, from the listener thread (which must never block): answer a connection the pool
     had no thread for with a 503 `proxy-busy`, without reading its request."""
     refusal = _busy_refusal()
@@ -2457,7 +2544,7 @@ def _answer_busy(sock: socket.socket) -> None:
     head = ("HTTP/1.1 503 Service Unavailable\r\nX-Proxy-Error: %s\r\nRetry-After: %d\r\n"
             "Content-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
             % (refusal.kind, BUSY_RETRY_AFTER_S, len(body)))
-    log.warning("proxy: no free worker thread (%d in use); answered 503 proxy-busy", MAX_WORKERS)
+    _warn_busy(warnings)
     try:
         sock.setblocking(False)
         try:
@@ -2469,8 +2556,38 @@ def _answer_busy(sock: socket.socket) -> None:
         pass
 
 
+def _warn_busy(warnings: "_WarningRate") -> None:
+    refused = warnings.note(time.monotonic())
+    if refused:
+        log.warning("proxy: no free worker thread (%d in use); answered 503 proxy-busy %d time(s) since the "
+                    "previous warning (at most one per %g s)", MAX_WORKERS, refused, warnings.every_s)
+
+
+class _WarningRate:
+    """Counts events and says when a WARNING about them is due: the first at once, then at most one per
+    `every_s` seconds, each reporting how many events happened since the previous one."""
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
+        self._lock = threading.Lock()
+        self._last: Optional[float] = None
+        self._held = 0
+
+    def note(self, now: float) -> int:
+        """Count one event at `now` (a monotonic time); the number to report (this event and those held
+        back since the last warning) if a warning is due, else 0."""
+        with self._lock:
+            self._held += 1
+            if self._last is not None and now - self._last < self.every_s:
+                return 0
+            self._last, held, self._held = now, self._held, 0
+            return held
+
+
 class _Stream:
-    """A plain TCP byte stream to the upstream (the base the TLS engine mimics)."""
+    """A plain TCP byte stream to the upstream (the base `_TLSStream` keeps, over an SSLSocket)."""
+
+    one_thread = False  # True: the tunnel must use this stream from one thread only (`_Tunnel.relay`)
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -2499,174 +2616,50 @@ class _Stream:
 
 
 class _TLSStream(_Stream):
-    """TLS over a plain socket with an `ssl.MemoryBIO` engine, safe for one reader and one writer thread.
+    """A TLS byte stream to the upstream: an `ssl.SSLSocket`, used by one thread at a time (OpenSSL
+    forbids two in one SSL object), so its tunnel pumps both directions in one thread (`_Tunnel.relay`)."""
 
-    OpenSSL forbids two threads in one SSL object at once, so every engine call holds `_lock`, a
-    short lock; the blocking socket I/O happens outside it, so reading and writing progress
-    independently. Outgoing records are drained from the engine and sent under `_send_lock`, in
-    order. Incoming bytes are read from the socket under `_recv_lock`, by one thread at a time, so
-    they reach the engine in order. When a write needs peer bytes first (SSLWantReadError: the
-    handshake, or a TLS 1.3 post-handshake message), the writer reads them itself if no reader is on
-    the socket, else waits for the reader to feed them.
-    """
-
-    def __init__(self, sock: socket.socket, context: ssl.SSLContext, server_hostname: str) -> None:
-        super().__init__(sock)
-        self._incoming = ssl.MemoryBIO()
-        self._outgoing = ssl.MemoryBIO()
-        self._tls = context.wrap_bio(self._incoming, self._outgoing, server_hostname=server_hostname)
-        self._lock = threading.Lock()
-        self._fed = threading.Condition(self._lock)  # notified when incoming bytes arrive or input ends
-        self._fed_count = 0  # how many socket reads reached the engine: "did anything arrive since?"
-        self._send_lock = threading.Lock()
-        self._recv_lock = threading.Lock()
-        self._eof = False
-
-    def handshake(self) -> None:
-        """Complete the TLS handshake (single-threaded, before the tunnel starts)."""
-        while True:
-            with self._lock:
-                try:
-                    self._tls.do_handshake()
-                    done = True
-                except ssl.SSLWantReadError:
-                    done = False
-                fed = self._fed_count
-            self._flush(wait=True)
-            if done:
-                return
-            if self._eof:
-                raise ssl.SSLEOFError("the upstream closed the connection during the TLS handshake")
-            self._await_peer_bytes(fed, wait_for_reader=False)
-
-    def recv(self, n: int) -> bytes:
-        """Up to n bytes of plaintext; b"" once the peer or `close()` ended the stream."""
-        while True:
-            with self._lock:
-                try:
-                    data: Optional[bytes] = self._tls.read(n)
-                except ssl.SSLWantReadError:
-                    data = None
-                except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
-                    data = b""
-                pending = self._outgoing.pending
-                fed = self._fed_count
-            if pending:  # e.g. the answer to a TLS 1.3 KeyUpdate
-                self._flush(wait=False)
-            if data is not None:
-                return data
-            if self._closed:
-                return b""
-            self._await_peer_bytes(fed, wait_for_reader=False)
-
-    def sendall(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            with self._lock:
-                if self._closed:
-                    raise ConnectionResetError("TLS stream closed")
-                try:
-                    sent = self._tls.write(view[:IO_CHUNK])
-                    need_peer_bytes = False
-                except ssl.SSLWantReadError:
-                    if self._eof:
-                        raise ConnectionResetError("the upstream ended the TLS stream")
-                    sent, need_peer_bytes = 0, True
-                fed = self._fed_count
-            self._flush(wait=True)  # what the engine produced (records, or a handshake message) goes first
-            if need_peer_bytes:
-                self._await_peer_bytes(fed, wait_for_reader=True)
-            view = view[sent:]
-
-    def _await_peer_bytes(self, fed_before: int, wait_for_reader: bool) -> None:
-        """Make sure the engine got socket bytes after `fed_before`: read them (one thread at a time),
-        or, for a writer while the reader is on the socket, wait for the reader to feed them."""
-        if not self._recv_lock.acquire(blocking=not wait_for_reader):
-            with self._lock:
-                self._fed.wait_for(lambda: self._fed_count != fed_before or self._eof or self._closed,
-                                   TLS_WANT_READ_WAIT_S)
-            return
-        try:
-            with self._lock:
-                if self._fed_count != fed_before or self._eof:
-                    return  # someone fed the engine meanwhile: try it again first
-            try:
-                data = self.sock.recv(TUNNEL_READ_BYTES)  # blocking, outside the engine lock; one TLS record
-            except OSError:
-                data = b""
-                if not self._closed:
-                    with self._lock:
-                        self._mark_eof()
-                    raise
-            with self._lock:
-                if data:
-                    self._incoming.write(data)
-                    self._fed_count += 1
-                    self._fed.notify_all()
-                else:
-                    self._mark_eof()
-        finally:
-            self._recv_lock.release()
-
-    def _mark_eof(self) -> None:
-        # Caller holds _lock.
-        if not self._eof:
-            self._eof = True
-            self._incoming.write_eof()
-            self._fed_count += 1
-            self._fed.notify_all()
-
-    def _flush(self, wait: bool) -> None:
-        """Send every pending outgoing record, in order. With wait=False, leave them to whoever holds
-        the send lock (it re-checks before leaving), so a reader never blocks behind a writer."""
-        while True:
-            if not self._send_lock.acquire(blocking=wait):
-                return
-            try:
-                while True:
-                    with self._lock:
-                        data = self._outgoing.read()
-                    if not data:
-                        break
-                    self.sock.sendall(data)
-            finally:
-                self._send_lock.release()
-            with self._lock:
-                if not self._outgoing.pending:
-                    return
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            self._fed.notify_all()
-        super().close()
+    one_thread = True
 
 
 class _Tunnel:
-    """A WebSocket byte tunnel: one thread per direction; when either ends, both sockets close.
+    """A WebSocket byte tunnel; when either direction ends, both sockets close.
 
-    The handler's thread copies client->upstream (`run`); a pool worker copies upstream->client
-    (`pump_upstream`), starting only once `run` begins (after the 101 went to the client)."""
+    Plain upstream: one thread per direction. The handler's thread copies client->upstream (`run`); a
+    pool worker copies upstream->client (`pump_upstream`), starting only once `run` begins (after the
+    101 went to the client). TLS upstream: the handler's thread pumps both (`relay`), because an SSL
+    object must not be used by two threads at once (docs/performance.md: it cut a TLS session's system
+    calls from ~3,000 to ~480, most of them futex)."""
 
     def __init__(self, client: socket.socket, upstream: _Stream, label: str) -> None:
         self.client, self.upstream, self.label = client, upstream, label
-        self._closed = threading.Event()
-        self._go = threading.Event()  # set when the 101 is out (or the tunnel closed before)
-        self._pump_done = threading.Event()
+        # Plain locks, not Events: an Event is a Condition, a lock and a waiter list, built and notified
+        # per session; these are one futex each way. Both start held.
+        self._closed = False
+        self._go = threading.Lock()  # released once the 101 is out (or the tunnel closed before)
+        self._go.acquire()
+        self._pump_done = threading.Lock()  # released when the upstream->client pump ended
+        self._pump_done.acquire()
 
     def close(self) -> None:
-        """End both directions now (safe from any thread, idempotent)."""
-        if self._closed.is_set():
+        """End both directions now (safe from any thread, idempotent: shutting a socket twice is harmless)."""
+        if self._closed:
             return
-        self._closed.set()
-        self._go.set()
+        self._closed = True
+        self._release_go()
         _abort_socket(self.client)
         self.upstream.abort()
+
+    def _release_go(self) -> None:
+        try:
+            self._go.release()
+        except RuntimeError:  # released already (by run() or close())
+            pass
 
     def run(self, first: bytes = b"") -> None:
         """Pump client->upstream in this thread (releasing the upstream->client worker first), starting
         with `first`, bytes of the client's already read; return when both directions ended."""
-        self._go.set()
+        self._release_go()
         try:
             if first:
                 try:
@@ -2676,20 +2669,91 @@ class _Tunnel:
             self._pump(self.client.recv, self.upstream.sendall)
         finally:
             self.close()
-            if not self._pump_done.wait(STOP_JOIN_S):  # pragma: no cover - its sockets are shut
+            if not self._pump_done.acquire(timeout=STOP_JOIN_S):  # pragma: no cover - its sockets are shut
                 log.warning("proxy: %s tunnel's upstream reader did not end", self.label)
+
+    def relay(self, first: bytes = b"") -> None:
+        """Copy both directions in this one thread (for a `one_thread` stream: TLS), starting with
+        `first`; return when either side ends. Non-blocking sockets and poll(): a side is read only
+        when what was read from it before has been written to the other (back-pressure), and the
+        SSL object, which may hold decrypted bytes the socket no longer shows, is read until empty."""
+        client, up = self.client, self.upstream.sock
+        tls = isinstance(up, ssl.SSLSocket)
+        to_up, to_client = first, b""
+        client_in, up_in = False, True  # readable now (the SSL object may hold bytes read with the 101)
+        up_wants = 0  # the poll events the SSL object asked for to finish an interrupted recv or send
+        poller = select.poll()
+        client_fd, up_fd = client.fileno(), up.fileno()
+        try:
+            client.setblocking(False)
+            up.setblocking(False)
+            while not self._closed:
+                if client_in and not to_up:
+                    client_in = False
+                    try:
+                        to_up = client.recv(TUNNEL_READ_BYTES)
+                    except BlockingIOError:  # (a readiness that went away)
+                        pass
+                    else:
+                        if not to_up:
+                            return
+                if to_up:
+                    try:
+                        to_up = to_up[up.send(to_up):]
+                        up_wants &= ~select.POLLOUT
+                    except ssl.SSLWantReadError:
+                        up_wants |= select.POLLIN
+                    except (ssl.SSLWantWriteError, BlockingIOError):
+                        up_wants |= select.POLLOUT
+                if up_in and not to_client:
+                    up_in = False
+                    try:
+                        to_client = up.recv(TUNNEL_READ_BYTES)
+                        if not to_client:
+                            return
+                        up_in = tls and up.pending() > 0  # more decrypted bytes than one read took
+                    except (ssl.SSLWantReadError, BlockingIOError):
+                        to_client = b""
+                    except ssl.SSLWantWriteError:
+                        to_client, up_wants = b"", up_wants | select.POLLOUT
+                if to_client:
+                    try:
+                        to_client = to_client[client.send(to_client):]
+                    except BlockingIOError:
+                        pass
+                if up_in and not to_client:
+                    continue  # the SSL object still holds bytes: no poll would report them
+                poller.register(client_fd, (0 if to_up else select.POLLIN) | (select.POLLOUT if to_client else 0))
+                poller.register(up_fd, (0 if to_client else select.POLLIN) | up_wants |
+                                (select.POLLOUT if to_up else 0))
+                for fd, events in poller.poll():
+                    if events & (select.POLLERR | select.POLLNVAL):
+                        return
+                    if fd == client_fd:
+                        if events & select.POLLHUP and to_up:  # gone while its bytes wait: nothing to read
+                            return
+                        client_in = bool(events & (select.POLLIN | select.POLLHUP))
+                    else:
+                        if events & select.POLLHUP and to_client:
+                            return
+                        up_in = bool(events & (select.POLLIN | select.POLLHUP | select.POLLOUT))
+                        up_wants = 0
+        except (OSError, ValueError, ssl.SSLError):
+            pass
+        finally:
+            self.close()
 
     def pump_upstream(self) -> None:
         """Upstream->client (a pool worker's job)."""
         try:
-            self._go.wait()
+            self._go.acquire()
             self._pump(self.upstream.recv, self.client.sendall)
         finally:
-            self._pump_done.set()
+            self._pump_done.release()
 
     def _pump(self, read: Callable[[int], bytes], write: Callable[[bytes], None]) -> None:
         try:
-            while not self._closed.is_set():
+            while not self._closed:
                 data = read(TUNNEL_READ_BYTES)
                 if not data:
                     break

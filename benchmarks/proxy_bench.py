@@ -30,10 +30,12 @@ from typing import Callable, Dict, List, Tuple
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+sys.path.insert(1, HERE)  # _results: the shared marked-section rewrite
 
 import requests  # noqa: E402
 from websockets.sync.client import connect  # noqa: E402
 
+from _results import replace_marked_section  # noqa: E402
 from proxy import AuthProxy  # noqa: E402
 
 RESULTS = os.path.join(HERE, "RESULTS.md")
@@ -257,14 +259,7 @@ def report(r: Dict[str, float], command: str, http_n: int, ws_n: int, upstream: 
 
 def write_results(section: str) -> None:
     """Replace only the proxy section of RESULTS.md (other benchmarks own the rest)."""
-    text = open(RESULTS).read() if os.path.exists(RESULTS) else "# Benchmark results\n"
-    block = "%s\n%s%s" % (START, section, END)
-    if START in text and END in text:
-        text = text[:text.index(START)] + block + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    with open(RESULTS, "w") as f:
-        f.write(text)
+    replace_marked_section(RESULTS, START, END, "%s\n%s%s\n" % (START, section, END))
 
 
 def main(argv: List[str] = None) -> int:  # type: ignore[assignment]

@@ -250,6 +250,7 @@ class Meter:
 
     def __enter__(self) -> "Meter":
         self._cpu0 = [scale._cpu_seconds(pid) for pid in self.pids]
+        self._sys0 = scale._cpu_seconds(self.pids[0], kernel_only=True) if self.pids else 0.0
         self._busy0 = scale._machine_busy_seconds()
         self._t0 = time.monotonic()
         return self
@@ -257,6 +258,8 @@ class Meter:
     def __exit__(self, *exc: object) -> None:
         self.wall = time.monotonic() - self._t0
         self.cpu = [scale._cpu_seconds(pid) - c0 for pid, c0 in zip(self.pids, self._cpu0)]
+        # the measured (first) process's kernel share: futex and scheduling show up there
+        self.sys = scale._cpu_seconds(self.pids[0], kernel_only=True) - self._sys0 if self.pids else 0.0
         self.busy = scale._machine_busy_seconds() - self._busy0
         self.loadavg = _loadavg()
 
@@ -312,7 +315,8 @@ def wrk(stack: Stack, target: str, upstream: str, connections: int, seconds: flo
         gen_cpu = _children_cpu() - gen0
         parsed = _parse_wrk(out.stdout)
         requests = parsed["requests"] or 1
-        return dict(parsed, cpu_us_per_request=meter.cpu[0] / requests * 1e6, target_cpu=meter.cpu[0] / meter.wall,
+        return dict(parsed, cpu_us_per_request=meter.cpu[0] / requests * 1e6, sys_us_per_request=meter.sys / requests * 1e6,
+                    target_cpu=meter.cpu[0] / meter.wall,
                     wrk_cpu=gen_cpu / meter.wall, others=meter.others(gen_cpu), loadavg=meter.loadavg)
 
     return _quietest(once)
@@ -414,7 +418,7 @@ def ws_sessions(stack: Stack, target: str, upstream: str, n: int, steps: int) ->
                 "peak_open": peak_open, "rss_before_kib": before["rss_kib"], "rss_peak_kib": sampler.peak_rss_kib,
                 "rss_kib_per_open": grown / peak_open if peak_open else None,
                 "threads_peak": sampler.peak_threads, "target_cpu": meter.cpu[0] / meter.wall,
-                "cpu_us_per_session": meter.cpu[0] / n * 1e6,
+                "cpu_us_per_session": meter.cpu[0] / n * 1e6, "sys_us_per_session": meter.sys / n * 1e6,
                 "errors": dict(Counter(s["error"] for s in sessions if not s["ok"]).most_common(3)),
                 "others": meter.others(gen_cpu), "loadavg": meter.loadavg}
 
@@ -712,14 +716,16 @@ def render(result: Dict[str, Any], command: str) -> str:
 def _verdicts(result: Dict[str, Any]) -> List[str]:
     out = []
 
-    def verdict(text: str, ok: Optional[bool]) -> None:
-        out.append("- %s: **%s**" % (text, "met" if ok else ("NOT met" if ok is not None else "not measured")))
+    def verdict(text: str, ok: Optional[bool], why: str = "") -> None:
+        out.append("- %s: **%s**%s" % (text, "met" if ok else ("NOT met" if ok is not None else "not measured"),
+                                       " " + why if ok is False and why else ""))
 
     for upstream in UPSTREAMS:
         up = lambda measure, target, key: median_of(result, measure, target, upstream, key)
         proxy_up, nginx_up = up("upgrades", "proxy", "upgrades_per_s"), up("upgrades", "nginx", "upgrades_per_s")
+        setup_why = _setup_bottleneck(result, upstream)
         verdict("%s: upgrades/s >= nginx's (%s vs %s)" % (upstream, _n(proxy_up), _n(nginx_up)),
-                None if not proxy_up or not nginx_up else proxy_up >= TARGET_UPGRADES_VS_NGINX * nginx_up)
+                None if not proxy_up or not nginx_up else proxy_up >= TARGET_UPGRADES_VS_NGINX * nginx_up, setup_why)
         for n in (2048, 4096):
             p = next((r for r in result["runs"] if r["measure"] == "sessions" and r["n"] == n
                       and r["upstream"] == upstream and r["target"] == "proxy"), None)
@@ -735,18 +741,19 @@ def _verdicts(result: Dict[str, Any]) -> List[str]:
             if p and g and p["total_p99_s"] and g["total_p99_s"]:
                 verdict("%s: total p99 at %d sessions <= %.2fx nginx's (%.2fx: %.3f s vs %.3f s)" % (
                     upstream, n, TARGET_P99_VS_NGINX, p["total_p99_s"] / g["total_p99_s"], p["total_p99_s"],
-                    g["total_p99_s"]), p["total_p99_s"] <= TARGET_P99_VS_NGINX * g["total_p99_s"] and p["success"] == 1)
+                    g["total_p99_s"]), p["total_p99_s"] <= TARGET_P99_VS_NGINX * g["total_p99_s"] and p["success"] == 1,
+                    setup_why)
         cpu = up("http_c64", "proxy", "cpu_us_per_request")
         verdict("%s: proxy CPU per HTTP request <= %.0f us (%s us at 64 connections, %s us at 1)" % (
             upstream, TARGET_CPU_PER_REQUEST_US, _n(cpu), _n(up("http_c1", "proxy", "cpu_us_per_request"))),
-            None if cpu is None else cpu <= TARGET_CPU_PER_REQUEST_US)
+            None if cpu is None else cpu <= TARGET_CPU_PER_REQUEST_US, _http_bottleneck(result, upstream, "http_c64"))
         rps = up("http_c64", "proxy", "rps")
         verdict("%s: req/s at 64 connections >= %.0f (%s; direct %s, nginx %s)" % (
             upstream, TARGET_RPS_64, _n(rps), _n(up("http_c64", "direct", "rps")), _n(up("http_c64", "nginx", "rps"))),
-            None if rps is None else rps >= TARGET_RPS_64)
+            None if rps is None else rps >= TARGET_RPS_64, _http_bottleneck(result, upstream, "http_c64"))
         p50, n50 = up("http_c1", "proxy", "p50_us"), up("http_c1", "nginx", "p50_us")
         verdict("%s: HTTP p50 with wrk -c1 <= %.0fx nginx's (%s us vs %s us)" % (upstream, TARGET_P50_VS_NGINX, _n(p50), _n(n50)),
-                None if not p50 or not n50 else p50 <= TARGET_P50_VS_NGINX * n50)
+                None if not p50 or not n50 else p50 <= TARGET_P50_VS_NGINX * n50, _http_bottleneck(result, upstream, "http_c1"))
         added = None
         if up("ws_rt", "proxy", "p50_us") is not None and up("ws_rt", "direct", "p50_us") is not None:
             added = up("ws_rt", "proxy", "p50_us") - up("ws_rt", "direct", "p50_us")
@@ -754,14 +761,78 @@ def _verdicts(result: Dict[str, Any]) -> List[str]:
             upstream, TARGET_WS_ADDED_US, _n(added), _n(None if up("ws_rt", "nginx", "p50_us") is None or
                                                          up("ws_rt", "direct", "p50_us") is None else
                                                          up("ws_rt", "nginx", "p50_us") - up("ws_rt", "direct", "p50_us"))),
-            None if added is None else added <= TARGET_WS_ADDED_US)
+            None if added is None else added <= TARGET_WS_ADDED_US, _round_trip_bottleneck(result, upstream))
         per = [r["rss_kib_per_open"] for r in result["runs"] if r["measure"] == "sessions" and r["target"] == "proxy"
                and r["upstream"] == upstream and r["n"] == max(x["n"] for x in result["runs"] if x["measure"] == "sessions")
                and r.get("rss_kib_per_open")]
         verdict("%s: RSS per open session <= %.0f KiB (%s KiB at the largest batch)" % (
             upstream, TARGET_RSS_PER_SESSION_KIB, _n(per[0] if per else None)),
-            None if not per else per[0] <= TARGET_RSS_PER_SESSION_KIB)
+            None if not per else per[0] <= TARGET_RSS_PER_SESSION_KIB, _rss_bottleneck(result, upstream))
     return out
+
+
+# What would remove each bottleneck: one fixed sentence per kind (the reasoning is in docs/performance.md);
+# the measured part of each "why" comes from the run being reported.
+REMEDY_SETUP = ("each hand-off between the listener, the handler's worker and (plain) the second direction's "
+                "worker is a GIL hand-off, and with hundreds of sessions setting up at once the waiting threads "
+                "wake every switch interval: fewer threads per session (an event-loop relay for open tunnels, a "
+                "contract change), or one proxy process per core (SO_REUSEPORT), would remove it")
+REMEDY_HTTP = ("what is left is Python work per request (parsing, header building, checks) and one GIL hand-off "
+               "per system call with one thread per connection: a C HTTP parser, or one proxy process per core, "
+               "would remove it")
+REMEDY_ROUND_TRIP = ("each frame is a recv and a send per direction in Python plus a thread wake-up (plain) or a "
+                     "poll() (TLS, one thread); only a relay outside the interpreter (splice(), or nginx) removes it")
+REMEDY_RSS = ("each open session holds its worker threads' touched stacks, 16 KiB read buffers and, over TLS, an "
+              "OpenSSL connection with its record buffers (Python cannot set SSL_MODE_RELEASE_BUFFERS as nginx "
+              "does): fewer threads per session or a relay that frees idle buffers would remove it")
+
+
+def _top_own(result: Dict[str, Any], label: str, n: int = 3) -> str:
+    prof = result.get("profiles", {}).get(label) or {}
+    own = prof.get("own") or []
+    return ", ".join("`%s` %.0f%%" % (name, 100 * share) for name, share in own[:n]) or "no profile"
+
+
+def _setup_bottleneck(result: Dict[str, Any], upstream: str) -> str:
+    """WebSocket set-up: system calls and futex per session (strace), CPU per session split user/sys,
+    and where the GIL is held (py-spy)."""
+    calls = (result.get("syscalls") or {}).get("proxy/" + upstream) or {}
+    nginx_calls = (result.get("syscalls") or {}).get("nginx/" + upstream) or {}
+    cpu = median_of(result, "upgrades", "proxy", upstream, "cpu_us_per_session")
+    sys_cpu = median_of(result, "upgrades", "proxy", upstream, "sys_us_per_session")
+    parts = []
+    if calls:
+        parts.append("%.0f system calls per session, %.0f of them futex (nginx %s)" % (
+            calls["per_session"], calls["futex_per_session"], _n(nginx_calls.get("per_session"))))
+    if cpu is not None:
+        parts.append("%.0f us CPU per session (%s us of it in the kernel)" % (cpu, _n(sys_cpu)))
+    parts.append("GIL held most in %s" % _top_own(result, "upgrades/" + upstream))
+    return "Measured: %s. What would remove it: %s." % ("; ".join(parts), REMEDY_SETUP)
+
+
+def _http_bottleneck(result: Dict[str, Any], upstream: str, measure: str) -> str:
+    cpu = median_of(result, measure, "proxy", upstream, "cpu_us_per_request")
+    sys_cpu = median_of(result, measure, "proxy", upstream, "sys_us_per_request")
+    return "Measured: %s us CPU per request at %s (%s us user, %s us kernel); GIL held most in %s. " \
+           "What would remove it: %s." % (
+               _n(cpu), "64 connections" if measure == "http_c64" else "1 connection",
+               _n(None if cpu is None or sys_cpu is None else cpu - sys_cpu), _n(sys_cpu),
+               _top_own(result, "http_c64/" + upstream), REMEDY_HTTP)
+
+
+def _round_trip_bottleneck(result: Dict[str, Any], upstream: str) -> str:
+    cpu = median_of(result, "ws_rt", "proxy", upstream, "cpu_us_per_rt")
+    return "Measured: %s us of proxy CPU per round trip. What would remove it: %s." % (_n(cpu), REMEDY_ROUND_TRIP)
+
+
+def _rss_bottleneck(result: Dict[str, Any], upstream: str) -> str:
+    rows = [r for r in result["runs"] if r["measure"] == "sessions" and r["target"] == "proxy" and r["upstream"] == upstream
+            and r.get("peak_open")]
+    if not rows:
+        return ""
+    r = max(rows, key=lambda x: x["n"])
+    return "Measured: %.1f threads per open session at the peak (%d threads, %d open). What would remove it: %s." % (
+        r["threads_peak"] / float(r["peak_open"]), r["threads_peak"], r["peak_open"], REMEDY_RSS)
 
 
 def _n(x: Optional[float]) -> str:

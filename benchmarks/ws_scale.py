@@ -42,6 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from _loadgen import raise_nofile_limit  # noqa: E402  (needs HERE on sys.path)
+from _results import replace_marked_section  # noqa: E402
 
 # The tutorial's grid up to 8192, plus 1024 to locate a break between 512 and 2048; larger batches
 # run only while the previous one held (see SUCCESS_FLOOR).
@@ -260,32 +261,19 @@ def render_markdown(result: Dict[str, Any], command: str, title: str = SECTION_T
     return "\n".join(out)
 
 
+def section_markers(title: str = SECTION_TITLE) -> Tuple[str, str]:
+    """The HTML comments around the section titled `title` in RESULTS.md: `ws_scale` for the main run,
+    `ws_scale:<label>` for a labelled variant (`SECTION_TITLE (label)`), so each is rewritten alone."""
+    label = title[len(SECTION_TITLE):].strip(" ()") if title.startswith(SECTION_TITLE) else title
+    name = "ws_scale" + (":" + re.sub(r"[^A-Za-z0-9_.-]+", "-", label) if label else "")
+    return "<!-- %s:start -->" % name, "<!-- %s:end -->" % name
+
+
 def write_results_section(path: str, section: str, title: str = SECTION_TITLE) -> None:
-    """Replace our section of RESULTS.md or append it. The section runs from `title` to the next
-    line that starts another part of the file: a `#`/`##` heading or an HTML comment (other
-    scripts mark their sections with `<!-- name:start -->`), so nothing of theirs is swallowed."""
-    text = ""
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-    lines = text.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.strip() == title), None)
-    if start is None:
-        body = text.rstrip("\n")
-        new = (body + "\n\n" if body else "") + section.rstrip("\n") + "\n"
-    else:
-        end = next((j for j in range(start + 1, len(lines)) if _starts_other_part(lines[j])),
-                   len(lines))
-        kept_after = "\n".join(lines[end:])
-        new = "\n".join(lines[:start] + section.rstrip("\n").splitlines())
-        new = new.rstrip("\n") + "\n" + ("\n" + kept_after.rstrip("\n") + "\n" if kept_after else "")
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.write(new)
-
-
-def _starts_other_part(line: str) -> bool:
-    """True for a line that begins something that is not ours: a level-1/2 heading or a marker."""
-    return line.startswith("# ") or line.startswith("## ") or line.startswith("<!--")
+    """Replace our marked section of RESULTS.md (see `section_markers`) or append it; the rest of the
+    file is left as it is."""
+    start, end = section_markers(title)
+    replace_marked_section(path, start, end, "%s\n%s\n%s\n" % (start, section.rstrip("\n"), end))
 
 
 def plot(result: Dict[str, Any], path: str) -> Optional[str]:

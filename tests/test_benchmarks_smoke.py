@@ -74,23 +74,27 @@ def test_tiny_batch_runs_direct_and_through_proxy_and_keeps_other_results_sectio
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def _marked(section: str, title: str = ws_scale.SECTION_TITLE) -> str:
+    start, end = ws_scale.section_markers(title)
+    return "%s\n%s%s\n" % (start, section, end)
+
+
 def test_rerun_replaces_only_its_own_section(tmp_path):
     path = tmp_path / "RESULTS.md"
-    path.write_text("# Results\n\n" + ws_scale.SECTION_TITLE + "\n\nold numbers\n\n" + OTHER_SECTION)
+    path.write_text("# Results\n\n" + _marked(ws_scale.SECTION_TITLE + "\n\nold numbers\n") + "\n" + OTHER_SECTION)
     ws_scale.write_results_section(str(path), ws_scale.SECTION_TITLE + "\n\nnew numbers\n")
     text = path.read_text()
     assert "old numbers" not in text and "new numbers" in text
-    assert text.startswith("# Results\n\n" + ws_scale.SECTION_TITLE)
-    assert text.endswith(OTHER_SECTION)
+    assert text == "# Results\n\n" + _marked(ws_scale.SECTION_TITLE + "\n\nnew numbers\n") + "\n" + OTHER_SECTION
 
 
 def test_section_is_appended_when_results_file_lacks_it_or_is_missing(tmp_path):
     path = tmp_path / "RESULTS.md"
     ws_scale.write_results_section(str(path), ws_scale.SECTION_TITLE + "\n\nfirst\n")
-    assert path.read_text() == ws_scale.SECTION_TITLE + "\n\nfirst\n"
+    assert path.read_text() == "# Benchmark results\n\n" + _marked(ws_scale.SECTION_TITLE + "\n\nfirst\n")
     path.write_text(OTHER_SECTION)
     ws_scale.write_results_section(str(path), ws_scale.SECTION_TITLE + "\n\nsecond\n")
-    assert path.read_text() == OTHER_SECTION + "\n" + ws_scale.SECTION_TITLE + "\n\nsecond\n"
+    assert path.read_text() == OTHER_SECTION + "\n" + _marked(ws_scale.SECTION_TITLE + "\n\nsecond\n")
 
 
 def test_load_generator_counts_refused_connections_as_failures():
@@ -153,7 +157,8 @@ def test_a_labelled_variant_gets_its_own_section_beside_the_main_one(tmp_path):
     ws_scale.write_results_section(str(path), variant + "\n\nvariant v1\n", variant)
     ws_scale.write_results_section(str(path), variant + "\n\nvariant v2\n", variant)
     text = path.read_text()
-    assert text == main_section + "\n" + variant + "\n\nvariant v2\n"
+    assert text == "# Benchmark results\n\n" + _marked(main_section) + "\n" + _marked(variant + "\n\nvariant v2\n",
+                                                                                       variant)
 
 
 def test_lockstep_sessions_all_finish_every_step_behind_the_barrier():
@@ -175,6 +180,6 @@ def test_lockstep_sessions_all_finish_every_step_behind_the_barrier():
 def test_rewriting_keeps_a_following_title_and_another_scripts_markers(tmp_path):
     path = tmp_path / "RESULTS.md"
     others = "# Benchmark results\n\n<!-- proxy_bench:start -->\n" + OTHER_SECTION + "<!-- proxy_bench:end -->\n"
-    path.write_text(ws_scale.SECTION_TITLE + "\n\nold\n\n" + others)
+    path.write_text(_marked(ws_scale.SECTION_TITLE + "\n\nold\n") + "\n" + others)
     ws_scale.write_results_section(str(path), ws_scale.SECTION_TITLE + "\n\nnew\n")
-    assert path.read_text() == ws_scale.SECTION_TITLE + "\n\nnew\n\n" + others
+    assert path.read_text() == _marked(ws_scale.SECTION_TITLE + "\n\nnew\n") + "\n" + others

@@ -84,7 +84,7 @@ def _weighted(values: List[int], weights: List[int]) -> st.SearchStrategy[int]:
 
 
 @st.composite
-def steps(draw: st.DrawFn, upstream: str, client: str, keep_alive_only: bool) -> Step:
+def steps(draw: st.DrawFn, upstream: str, client: str, keep_alive_only: bool, http10: bool = False) -> Step:
     stdlib = upstream.startswith("stdlib")
     method = draw(st.sampled_from(METHODS))
     with_body = method in ("POST", "PUT", "PATCH", "DELETE") and draw(st.integers(0, 4)) > 0
@@ -100,7 +100,9 @@ def steps(draw: st.DrawFn, upstream: str, client: str, keep_alive_only: bool) ->
         interim=stdlib and client in ("raw", "httpx") and draw(st.integers(0, 5)) == 0,
         close=not keep_alive_only and draw(st.integers(0, 10)) == 0,
         body=body, body_size=draw(st.sampled_from(BODY_SIZES)) if with_body else 0,
-        expect=client == "raw" and with_body and not keep_alive_only and draw(st.integers(0, 3)) == 0,
+        # not over HTTP/1.0: RFC 9110 10.1.1 has a server ignore Expect there (the proxy does), while
+        # uvicorn still sends 100 Continue, so the two would differ by design
+        expect=client == "raw" and with_body and not keep_alive_only and not http10 and draw(st.integers(0, 3)) == 0,
         abandon=client == "raw" and not keep_alive_only and draw(st.integers(0, 15)) == 0,
         # only clients that reconnect a stale keep-alive connection themselves (as the proxy does for
         # its pool): http.client and the raw client would fail on their own idle connection, directly
@@ -119,7 +121,7 @@ def sequences(draw: st.DrawFn) -> Sequence:
     n_conns = draw(st.integers(1, min(3, total)))
     cuts = sorted(draw(st.lists(st.integers(1, total - 1), min_size=n_conns - 1, max_size=n_conns - 1, unique=True)))
     bounds = [0] + cuts + [total]
-    conns = [draw(st.lists(steps(upstream, client, pipelined), min_size=b - a, max_size=b - a))
+    conns = [draw(st.lists(steps(upstream, client, pipelined, http10), min_size=b - a, max_size=b - a))
              for a, b in zip(bounds, bounds[1:])]
     return Sequence(upstream, client, conns, pipelined, http10)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import logging
 import socket
 import sys
 import threading
@@ -16,7 +17,7 @@ import requests
 import proxy as proxy_module
 import support
 from support import TEST_TOKEN, Upstream, wait_until, ws_connect, ws_url
-from proxy import AuthProxy, _WorkerPool
+from proxy import AuthProxy, _WarningRate, _WorkerPool
 
 TIMEOUT = 10
 
@@ -250,6 +251,40 @@ def test_at_the_thread_cap_a_new_connection_gets_503_proxy_busy_and_service_resu
             assert ws.recv(TIMEOUT) == "still open"
         wait_until(lambda: proxy._server.workers.counts() == (2, 2), "the tunnel's workers to park")
         assert requests.get(base + "/after", timeout=TIMEOUT).status_code == 200
+
+
+def test_warning_rate_reports_the_first_event_then_one_count_per_interval():
+    rate = _WarningRate(every_s=10.0)
+    times = [100.0, 100.5, 101.0, 109.9, 110.0, 110.1, 125.0, 125.0]
+    assert [rate.note(t) for t in times] == [1, 0, 0, 0, 4, 0, 2, 0]
+    # every event is reported exactly once, whatever the spacing (the last is held until the next is due)
+    rate = _WarningRate(every_s=3.0)
+    reported = sum(rate.note(float(t)) for t in range(0, 30, 1))
+    assert reported + rate.note(1000.0) == 31
+
+
+@pytest.mark.parametrize("every_s, expected", [
+    (None, ["1 time(s)"]),  # the default interval: the first refusal warns, the 4 after it are held
+    (0.0, ["1 time(s)"] * 5),  # no interval: each refusal is its own warning
+], ids=["default-interval", "no-interval"])
+def test_refusals_at_the_thread_cap_warn_at_most_once_per_interval_with_a_count(monkeypatch, caplog, no_leaks,
+                                                                               every_s, expected):
+    monkeypatch.setattr(proxy_module, "MAX_WORKERS", 2)
+    if every_s is not None:
+        monkeypatch.setattr(proxy_module, "BUSY_WARNING_EVERY_S", every_s)
+    caplog.set_level(logging.WARNING, logger="proxy")
+    with Upstream() as upstream, AuthProxy() as proxy:
+        base = proxy.mount(upstream.url, TEST_TOKEN)
+        with ws_connect(ws_url(base) + "/ws") as ws:  # both workers taken
+            ws.send("hold")
+            assert ws.recv(TIMEOUT) == "hold"
+            for _ in range(5):
+                with socket.create_connection(("127.0.0.1", proxy.port), timeout=TIMEOUT) as sock:
+                    sock.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+                    assert support.read_to_eof(sock).startswith(b"HTTP/1.1 503 ")
+    busy = [r.getMessage() for r in caplog.records if r.name == "proxy" and "proxy-busy" in r.getMessage()]
+    assert len(busy) == len(expected), busy
+    assert all(count + " since the previous warning" in m for count, m in zip(expected, busy)), busy
 
 
 def test_an_upgrade_with_no_worker_left_for_its_second_direction_gets_503_before_switching(monkeypatch, no_leaks):

@@ -1,4 +1,4 @@
-"""AuthProxy WebSocket tunnel: frames both ways, TLS engine under concurrent load, failures, teardown."""
+"""AuthProxy WebSocket tunnel: frames both ways, the one-thread TLS relay under load, failures, teardown."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -6,7 +6,6 @@ import contextlib
 import hashlib
 import random
 import socket
-import ssl
 import threading
 from typing import Iterator, List, Tuple
 
@@ -16,7 +15,7 @@ from websockets.exceptions import ConnectionClosed, ConnectionClosedError, Inval
 
 import support
 from support import TEST_TOKEN, Upstream, pattern, raw_request, ws_connect, ws_url
-from proxy import AuthProxy, _TLSStream
+from proxy import AuthProxy
 
 TIMEOUT = 10
 
@@ -109,13 +108,17 @@ def test_64_concurrent_tls_sessions_move_large_and_small_frames_both_ways_intact
         assert sent == got
 
 
-class _TLSEcho:
-    """A one-connection TLS echo server (stdlib ssl) for driving the proxy's TLS engine directly."""
+class _TLSUpgradeEcho:
+    """A one-connection TLS upstream (stdlib ssl) that answers a WebSocket upgrade with 101, sends
+    `greeting` right behind it in separate TLS records, then echoes raw bytes until the client ends:
+    drives the proxy's one-thread TLS relay without a WebSocket library hiding what moves."""
 
-    def __init__(self, test_ca: support.TestCA) -> None:
+    def __init__(self, test_ca: support.TestCA, greeting: List[bytes]) -> None:
         self._context = test_ca.server_context()
+        self.greeting = greeting
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.listener.settimeout(TIMEOUT)
+        self.url = "https://localhost:%d" % self.listener.getsockname()[1]
         self.thread = threading.Thread(target=self._serve)
         self.thread.start()
 
@@ -123,73 +126,82 @@ class _TLSEcho:
         conn, _ = self.listener.accept()
         with self._context.wrap_socket(conn, server_side=True) as tls:
             tls.settimeout(TIMEOUT)
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += tls.recv(65536)
+            tls.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n")
+            for record in self.greeting:
+                tls.sendall(record)  # one TLS record each
             while True:
                 data = tls.recv(65536)
                 if not data:
                     break
                 tls.sendall(data)
 
-    def connect(self, test_ca: support.TestCA) -> _TLSStream:
-        sock = socket.create_connection(self.listener.getsockname(), timeout=TIMEOUT)
-        return _TLSStream(sock, test_ca.client_context(), "localhost")
-
     def close(self) -> None:
         self.thread.join(TIMEOUT)
         self.listener.close()
 
 
-def _recv_exactly(stream: _TLSStream, n: int) -> bytes:
-    received = bytearray()
+def _open_raw_tunnel(proxy: AuthProxy, base: str) -> Tuple[socket.socket, bytes]:
+    """A raw client socket whose upgrade the proxy switched: (socket, bytes that arrived past the 101)."""
+    sock = socket.create_connection(("127.0.0.1", proxy.port), timeout=TIMEOUT)
+    sock.sendall(b"GET %s/ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                 b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+                 % base[len(proxy.url):].encode())
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        chunk = sock.recv(65536)
+        assert chunk, answer
+        answer += chunk
+    head, _, rest = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 101 "), head
+    return sock, rest
+
+
+def _recv_exactly(sock: socket.socket, n: int, already: bytes = b"") -> bytes:
+    received = bytearray(already)
     while len(received) < n:
-        chunk = stream.recv(65536)
+        chunk = sock.recv(65536)
         assert chunk, "stream ended early"
         received += chunk
     return bytes(received)
 
 
-def test_tls_engine_reader_and_writer_threads_progress_independently(test_ca):
-    """Drive the MemoryBIO engine directly: 4 MiB each way at once, against a TLS echo server."""
-    server = _TLSEcho(test_ca)
-    stream = server.connect(test_ca)
+def test_tls_tunnel_relays_4_mib_each_way_at_once_and_bytes_the_upstream_sent_behind_its_101(test_ca, no_leaks):
+    """One thread pumps both directions of a TLS tunnel: a client writing 4 MiB while it reads the echo
+    must not stall (back-pressure both ways), and records that arrived right after the 101, which the
+    SSL object may hold decrypted where no poll() sees them, reach the client before the echo."""
+    greeting = [b"hello-1;", b"hello-2;", b"x" * 20000]
+    server = _TLSUpgradeEcho(test_ca, greeting)
     payload = pattern(4 * 1024 * 1024)
     try:
-        stream.handshake()
-        writer = threading.Thread(target=stream.sendall, args=(payload,))
-        writer.start()
-        assert _recv_exactly(stream, len(payload)) == payload
-        writer.join(TIMEOUT)
+        with AuthProxy() as proxy:
+            base = proxy.mount(server.url, TEST_TOKEN, verify=test_ca.ca_path)
+            sock, early = _open_raw_tunnel(proxy, base)
+            with sock:
+                writer = threading.Thread(target=sock.sendall, args=(payload,))
+                writer.start()
+                got = _recv_exactly(sock, len(b"".join(greeting)) + len(payload), early)
+                writer.join(TIMEOUT)
+                assert got == b"".join(greeting) + payload
+                assert proxy._server.live_threads() and len(proxy._server.live_threads()) == 1  # one worker
     finally:
-        stream.close()
         server.close()
 
 
-def test_tls_engine_write_that_needs_peer_bytes_feeds_itself_when_no_reader_waits(test_ca):
-    """Writing before the handshake makes the engine ask for peer bytes (SSLWantReadError on write);
-    with no reader thread on the socket, the writer must fetch them itself instead of hanging."""
-    server = _TLSEcho(test_ca)
-    stream = server.connect(test_ca)
+def test_tls_tunnel_ends_and_frees_its_worker_when_the_upstream_closes(test_ca, no_leaks):
+    server = _TLSUpgradeEcho(test_ca, [b"bye"])
     try:
-        stream.sendall(b"first words")
-        assert _recv_exactly(stream, 11) == b"first words"
+        with AuthProxy() as proxy:
+            base = proxy.mount(server.url, TEST_TOKEN, verify=test_ca.ca_path)
+            sock, early = _open_raw_tunnel(proxy, base)
+            with sock:
+                assert _recv_exactly(sock, 3, early) == b"bye"
+                sock.shutdown(socket.SHUT_WR)  # the upstream echo sees EOF and closes its side
+                assert support.read_to_eof(sock) == b""
+            support.wait_until(lambda: not proxy._server.live_threads(), "the relay's worker to park")
     finally:
-        stream.close()
-        server.close()
-
-
-def test_tls_engine_write_that_needs_peer_bytes_waits_for_the_reader_thread(test_ca):
-    """Same, with a reader thread already blocked on the socket: the writer waits for it to feed."""
-    server = _TLSEcho(test_ca)
-    stream = server.connect(test_ca)
-    got: List[bytes] = []
-    reader = threading.Thread(target=lambda: got.append(_recv_exactly(stream, 64 * 1024)))
-    try:
-        reader.start()
-        stream.sendall(pattern(64 * 1024))
-        reader.join(TIMEOUT)
-        assert got == [pattern(64 * 1024)]
-    finally:
-        stream.close()
-        reader.join(TIMEOUT)
         server.close()
 
 

@@ -80,3 +80,38 @@ def test_the_generated_nginx_configuration_is_accepted_by_nginx(tmp_path, test_c
     check = subprocess.run(["nginx", "-t", "-p", str(tmp_path), "-c", str(conf)], capture_output=True, text=True,
                            timeout=30)
     assert "syntax is ok" in check.stderr, check.stderr
+
+
+def _run(measure, target, upstream, **values):
+    return dict(values, measure=measure, target=target, upstream=upstream, rep=0, others=0.0, loadavg=1.0)
+
+
+def test_every_target_not_met_names_its_measured_bottleneck_and_what_would_remove_it():
+    runs = [_run("http_c64", "proxy", "plain", rps=3000.0, cpu_us_per_request=300.0, sys_us_per_request=120.0),
+            _run("http_c64", "nginx", "plain", rps=20000.0, cpu_us_per_request=30.0),
+            _run("http_c1", "proxy", "plain", p50_us=200.0, cpu_us_per_request=140.0, sys_us_per_request=40.0),
+            _run("http_c1", "nginx", "plain", p50_us=150.0),
+            _run("ws_rt", "proxy", "plain", p50_us=300.0, cpu_us_per_rt=70.0),
+            _run("ws_rt", "direct", "plain", p50_us=200.0),
+            _run("upgrades", "proxy", "plain", upgrades_per_s=500.0, cpu_us_per_session=1300.0, sys_us_per_session=600.0),
+            _run("upgrades", "nginx", "plain", upgrades_per_s=1000.0),
+            _run("sessions", "proxy", "plain", n=2048, total_p99_s=2.0, success=1.0, rss_kib_per_open=40.0,
+                 threads_peak=4100, peak_open=2048),
+            _run("sessions", "nginx", "plain", n=2048, total_p99_s=1.0, success=1.0)]
+    result = {"runs": runs, "syscalls": {"proxy/plain": {"per_session": 274.0, "futex_per_session": 237.0},
+                                         "nginx/plain": {"per_session": 25.0}},
+              "profiles": {"http_c64/plain": {"own": [("proxy.parse_request", 0.2), ("proxy._forward", 0.1)]},
+                           "upgrades/plain": {"own": [("proxy._WorkerPool.submit", 0.3)]}}}
+    verdicts = [line for line in vs_nginx._verdicts(result) if line.startswith("- plain")]
+    not_met = [line for line in verdicts if "**NOT met**" in line]
+    met = [line for line in verdicts if "**met**" in line]
+    assert len(not_met) == 6 and len(met) == 1, verdicts  # only p50 (200 <= 2 x 150) is met
+    assert all("Measured:" in line and "What would remove it:" in line for line in not_met), not_met
+    assert not any("Measured:" in line for line in met)
+    text = "\n".join(not_met)
+    assert "274 system calls per session, 237 of them futex (nginx 25)" in text
+    assert "1300 us CPU per session (600 us of it in the kernel)" in text
+    assert "300 us CPU per request at 64 connections (180 us user, 120 us kernel)" in text
+    assert "`proxy.parse_request` 20%" in text and "`proxy._WorkerPool.submit` 30%" in text
+    assert "70 us of proxy CPU per round trip" in text
+    assert "2.0 threads per open session at the peak (4100 threads, 2048 open)" in text
