@@ -97,8 +97,10 @@ def test_every_target_not_met_names_its_measured_bottleneck_and_what_would_remov
             _run("upgrades", "nginx", "plain", upgrades_per_s=1000.0),
             _run("sessions", "proxy", "plain", n=2048, total_p99_s=2.0, success=1.0, rss_kib_per_open=40.0,
                  threads_peak=4100, peak_open=2048),
-            _run("sessions", "nginx", "plain", n=2048, total_p99_s=1.0, success=1.0)]
-    result = {"runs": runs, "syscalls": {"proxy/plain": {"per_session": 274.0, "futex_per_session": 237.0},
+            _run("sessions", "nginx", "plain", n=2048, total_p99_s=1.0, success=1.0),
+            _run("held", "proxy", "plain", n=1024, success=1.0, rss_kib_per_open=55.0, threads_peak=2051,
+                 peak_open=1024)]
+    result = {"runs": runs, "thread_rss_kib": 15.0, "syscalls": {"proxy/plain": {"per_session": 274.0, "futex_per_session": 237.0},
                                          "nginx/plain": {"per_session": 25.0}},
               "profiles": {"http_c64/plain": {"own": [("proxy.parse_request", 0.2), ("proxy._forward", 0.1)]},
                            "upgrades/plain": {"own": [("proxy._WorkerPool.submit", 0.3)]}}}
@@ -114,4 +116,6 @@ def test_every_target_not_met_names_its_measured_bottleneck_and_what_would_remov
     assert "300 us CPU per request at 64 connections (180 us user, 120 us kernel)" in text
     assert "`proxy.parse_request` 20%" in text and "`proxy._WorkerPool.submit` 30%" in text
     assert "70 us of proxy CPU per round trip" in text
-    assert "2.0 threads per open session at the peak (4100 threads, 2048 open)" in text
+    assert "2.0 threads per open session (2051 threads, 1024 open)" in text
+    assert "costs 15.0 KiB of RSS by itself" in text
+    assert "RSS per open session <= 32 KiB (55 KiB with 1024 sessions held open" in text
