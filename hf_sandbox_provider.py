@@ -158,6 +158,9 @@ MAX_REPLICAS = 64
 REPLICA_CHECK_INTERVAL_S = 5.0
 # stop_all(): cancels run this many at a time (each is one API call plus a brief retry).
 STOP_PARALLEL = 32
+# stop_container() during a start in another thread waits this long for that start to end (its create
+# answered, its job cancelled), so it never returns while a job it could not see may still be made.
+STOP_WAIT_S = 30.0
 # Stages after which a job never runs again (one list shared with the emulator, in proxy.py).
 TERMINAL_STAGES = frozenset(_proxy.JOB_TERMINAL_STAGES)
 # What OpenEnv's image template runs (openenv/cli/templates/openenv_env/server/Dockerfile, CMD:
@@ -519,6 +522,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         try:
             self._request_stop()  # a start or readiness wait in another thread notices at once
             self._teardown()
+            self._wait_for_start_to_end()
         except BaseException:  # a teardown must never mask the caller's own exception
             logger.exception("unexpected error while stopping HF job %s", self.job_id)
 
@@ -626,7 +630,10 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         # One lock guards the phase and the job's handles; re-entrant so a teardown can move the phase
         # while it swaps the handles out, in one critical section.
         self._lock = threading.RLock()
+        self._phase_changed = threading.Condition(self._lock)  # a stop waits on it for the start to end
         self._phase = Phase.IDLE
+        self._starter: Optional[int] = None  # the thread running start_container(), while it runs
+        self._starts = 0  # starts claimed so far: tells a stop which start it waits for
         self._stop_requested = threading.Event()  # "give up": set by stop, and by start_many's abort
         self._wake = threading.Event()  # set by the job watcher on a stage change, and by stop
         self._watch: Optional[_Watch] = None
@@ -645,6 +652,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         self._replicas: Optional[_ReplicaSet] = None  # set by a start with replicas > 1
         self._job_namespace: Optional[str] = None
         self._submitted_at = 0.0
+        self._start_label: Optional[str] = None  # labels the create in flight: a lost answer is found by it
         self._mounted_on: Optional[_proxy.AuthProxy] = None
         self._finalizer: Optional[weakref.finalize] = None
         self._active: Dict[str, Any] = self._settings({})  # this start's settings (after overrides)
@@ -657,6 +665,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
                 raise SandboxError("internal error: a provider in phase %s cannot move to %s"
                                    % (previous.name, phase.name))
             self._phase = phase
+            self._phase_changed.notify_all()
             return previous
 
     def _claim_start(self) -> None:
@@ -668,14 +677,37 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
                     "(or use one provider per environment)" % (self.job_id or "(being created)"))
             self._stop_requested.clear()
             self._reset_job_state()
+            self._starter = threading.get_ident()
+            self._starts += 1
             self._move(Phase.SUBMITTING)
 
     def _end_start(self, started: bool) -> None:
-        """End a start: RUNNING if it returned a URL and no stop landed meanwhile, else IDLE."""
+        """End a start: RUNNING if it returned a URL and no stop landed meanwhile, else IDLE. A start
+        that succeeded just as a stop took (and cancelled) its job raises instead of returning a dead URL."""
         if not started and self._phase is Phase.STARTING:  # a recorded job never outlives a failed start
             self._teardown()
         with self._lock:
-            self._move(Phase.RUNNING if started and self._phase is Phase.STARTING else Phase.IDLE)
+            stopped = self._phase is Phase.STOPPING
+            self._starter = None
+            self._move(Phase.RUNNING if started and not stopped else Phase.IDLE)
+        if started and stopped:
+            raise SandboxError("stop_container() was called while job %s was starting; it was cancelled"
+                               % (self.job_id or "(being created)"))
+
+    def _wait_for_start_to_end(self) -> None:
+        """After a stop's teardown: wait (bounded) until a start in another thread has let go of its job,
+        so a create answered after the stop is cancelled before stop_container() returns."""
+        with self._lock:
+            if self._starter == threading.get_ident():
+                return  # called from the start's own thread (e.g. a hook): it ends after this returns
+            start = self._starts  # a start claimed after this one ended is not waited for
+            if not self._phase_changed.wait_for(
+                    lambda: self._phase not in _START_IN_FLIGHT or self._starts != start, STOP_WAIT_S):
+                logger.warning(
+                    "stop_container(): the start of this provider has not ended after %gs; it cancels its job "
+                    "when its create answers, but if this process exits first look for the job labelled %s=%s "
+                    "(or run `python -m hf_sandbox_provider sweep`)", STOP_WAIT_S, START_LABEL_KEY,
+                    self._start_label)
 
     def _request_stop(self) -> None:
         """Make a start or readiness wait in another thread give up at its next check."""
@@ -688,7 +720,12 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         claimed right after cannot swap the job's identity under the teardown. Retires the safety net."""
         with self._lock:
             held = self._phase in _JOB_HELD
-            self._move(Phase.STOPPING if self._phase in _START_IN_FLIGHT else Phase.IDLE)
+            if self._phase in _START_IN_FLIGHT:
+                # Under the lock, after the start's claim cleared any earlier request: it cannot be lost.
+                self._request_stop()
+                self._move(Phase.STOPPING)
+            else:
+                self._move(Phase.IDLE)
             detached = _Detached(self.job_id if held else None, self._job_namespace, self.job_url,
                                  self.base_url, self._mounted_on, self._job_client)
             finalizer, self._finalizer = self._finalizer, None
@@ -751,13 +788,13 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         except BaseException:
             self._teardown(client)
             raise
-        start_label = uuid.uuid4().hex
+        start_label = self._start_label = uuid.uuid4().hex
         body = _job_body(settings, start_label)
         self._submitted_at = time.monotonic()
         logger.info("submitting HF job: image=%s flavor=%s namespace=%s", settings["image"],
                     settings["flavor"], namespace)
         try:
-            job = client.create_job(namespace, body, {START_LABEL_KEY: start_label})
+            job = client.create_job(namespace, body, {START_LABEL_KEY: start_label}, self._stop_requested.is_set)
         except BaseException:
             # The create may have succeeded even though we got no answer (or were interrupted).
             self._cancel_by_label(client, namespace, start_label)
@@ -1721,8 +1758,10 @@ class _JobsClient:
                 _namespace_cache[key] = str(name)
             return _namespace_cache[key]
 
-    def create_job(self, namespace: str, body: Mapping[str, Any], unique_label: Mapping[str, str]) -> Dict[str, Any]:
-        """POST the job; after an ambiguous failure, adopt the job carrying `unique_label` if it exists."""
+    def create_job(self, namespace: str, body: Mapping[str, Any], unique_label: Mapping[str, str],
+                   given_up: Callable[[], bool] = lambda: False) -> Dict[str, Any]:
+        """POST the job; after an ambiguous failure, adopt the job carrying `unique_label` if it exists.
+        Once `given_up()` (a stop), a failed POST is not retried."""
         action = "creating the job in namespace %r" % namespace
         path = "/api/jobs/%s" % namespace
         attempt = 0
@@ -1751,6 +1790,8 @@ class _JobsClient:
                 if found:
                     logger.info("create answer was lost; adopting job %s found by its start label", found[0].get("id"))
                     return found[0]
+            if given_up():
+                raise SandboxError("stop_container() was called while the job was being created")
             if attempt >= API_MAX_RETRIES:
                 if isinstance(failure, requests.Response):
                     raise self._error(failure, action)
