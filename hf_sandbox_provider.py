@@ -492,19 +492,27 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         providers = [cls(image, **provider_kwargs) for _ in range(n)]  # bad settings fail here, before any job
         _raise_if_rejected(_image_rejection(providers[0].image))
         providers[0]._resolve_token()  # no token: one SandboxConfigError now, not n failures later
-        launch = _Launch(providers, all_or_nothing, progress)
-        workers = [threading.Thread(target=launch.work, name="hf-sandbox-start-%d" % i, daemon=True)
-                   for i in range(min(max_parallel, n))]
+        began = time.monotonic()
+
+        def report(index: int, error: Optional[BaseException]) -> None:
+            ready, failed = len(launch.ready), len(launch.errors)
+            if callable(progress):
+                try:
+                    progress(ready, failed, n)
+                except Exception:  # the caller's display must not kill a launch worker (and lose its work)
+                    logger.warning("start_many: the progress callback raised; ignoring it", exc_info=True)
+            elif progress:
+                line = "start_many: %d/%d ready, %d failed (%.1fs)" % (ready, n, failed, time.monotonic() - began)
+                if error is not None:
+                    line += "; environment %d: %s" % (index, str(error).splitlines()[0] if str(error)
+                                                      else type(error).__name__)
+                print(line, file=sys.stderr, flush=True)
+
+        launch = _Parallel(providers, lambda index, p: p.wait_for_ready(p.start_container()), max_parallel,
+                           all_or_nothing, on_done=report)
         try:
-            for worker in workers:
-                worker.start()
-            for worker in workers:
-                while worker.is_alive():
-                    worker.join(0.5)  # short joins: a Ctrl-C reaches this thread
+            launch.run("hf-sandbox-start")
         except BaseException:
-            launch.abort()
-            for worker in workers:
-                worker.join()
             stop_all(providers)
             raise
         if launch.errors and all_or_nothing:
@@ -1061,13 +1069,11 @@ class _ReplicaSet:
         with owner._lock:
             owner._mounted_on = proxy
             owner._move(Phase.STARTING)  # from here on a teardown stops the replicas, whatever happens
-        group = _ReplicaGroup(self.children, owner._stop_requested, owner._wake)
-
         def start_one(index: int, child: HFSandboxProvider) -> None:
             child._claim_start()
             started = False
             try:
-                if group.stopping() or owner._stop_requested.is_set():  # given up before this one began
+                if group.stopping or owner._stop_requested.is_set():  # given up before this one began
                     child._request_stop()
                     raise SandboxError("replica %d was not started: the start was given up" % index)
                 child._start_job(child._settings({}), token)
@@ -1077,7 +1083,8 @@ class _ReplicaSet:
 
         try:
             logger.info("starting %d replica jobs of %s", count, settings["image"])
-            group.run(start_one, "hf-sandbox-replica-start")
+            group = self._parallel(owner, start_one)
+            group.run("hf-sandbox-replica-start")
             self._raise_if_failed(owner, group, "start")
             first = self.children[0]
             with owner._lock:
@@ -1103,11 +1110,11 @@ class _ReplicaSet:
 
     def wait_ready(self, owner: HFSandboxProvider, base_url: str, budget: float) -> None:
         """Wait for every replica's own /health (in parallel); one failure fails them all."""
-        group = _ReplicaGroup(list(self.children), owner._stop_requested, owner._wake)
-        group.run(lambda index, child: child.wait_for_ready(timeout_s=budget), "hf-sandbox-replica-ready")
+        group = self._parallel(owner, lambda index, child: child.wait_for_ready(timeout_s=budget))
+        group.run("hf-sandbox-replica-ready")
         self._raise_if_failed(owner, group, "become ready")
         owner.timings["ready"] = owner._elapsed()
-        logger.info("%d replica jobs ready (%.1fs after submit)", len(group.children), owner._elapsed())
+        logger.info("%d replica jobs ready (%.1fs after submit)", len(self.children), owner._elapsed())
 
     def teardown(self, owner: HFSandboxProvider, client: Optional["_JobsClient"]) -> None:
         """Unmount the replica route, then stop every replica (each names a job it could not cancel)."""
@@ -1179,13 +1186,17 @@ class _ReplicaSet:
 
     # -- helpers ------------------------------------------------------------------------------------------
 
-    def _raise_if_failed(self, owner: HFSandboxProvider, group: "_ReplicaGroup", phase: str) -> None:
+    def _parallel(self, owner: HFSandboxProvider, action: Callable[[int, HFSandboxProvider], None]) -> "_Parallel":
+        """All K replicas at once, all or nothing, given up when the owner is stopped."""
+        return _Parallel(self.children, action, len(self.children), True, owner._stop_requested, owner._wake)
+
+    def _raise_if_failed(self, owner: HFSandboxProvider, group: "_Parallel", phase: str) -> None:
         if owner._stop_requested.is_set():
             raise SandboxError("stop_container() was called while the %d replicas were starting"
-                               % len(group.children))
+                               % len(self.children))
         if group.errors:
-            raise ReplicaStartError(phase, len(group.children), group.errors, group.aborted,
-                                    [child.job_id for child in group.children if child.job_id])
+            raise ReplicaStartError(phase, len(self.children), group.errors, group.aborted,
+                                    [child.job_id for child in self.children if child.job_id])
 
     def _all_reached(self, owner: HFSandboxProvider, key: str) -> float:
         """Seconds from the owner's submit until every replica had reached `key` of its timings."""
@@ -1203,71 +1214,88 @@ class _ReplicaSet:
             return {}
 
 
-class _ReplicaGroup:
-    """Runs one action (start, or wait until ready) on K replica providers in parallel, all or nothing:
-    the first failure stops the others (their jobs are cancelled by their own teardown), and so does
-    a stop of the provider that owns them (`stop_requested`, e.g. set by a start_many() abort)."""
+class _Parallel:
+    """Runs `action(index, provider)` over providers, at most `max_parallel` at a time, for start_many()
+    and for a replica set. With `all_or_nothing`, the first failure makes the others give up (their
+    jobs are cancelled by their own teardown); so does `stop_requested` (the owner's stop), which
+    `wake` signals. Outcomes: `ready` (indexes), `errors` [(index, exception)], `aborted` (given up)."""
 
-    def __init__(self, children: List["HFSandboxProvider"], stop_requested: threading.Event,
-                 wake: threading.Event) -> None:
-        self.children = children
+    def __init__(self, providers: List["HFSandboxProvider"], action: Callable[[int, "HFSandboxProvider"], None],
+                 max_parallel: int, all_or_nothing: bool = True, stop_requested: Optional[threading.Event] = None,
+                 wake: Optional[threading.Event] = None,
+                 on_done: Callable[[int, Optional[BaseException]], None] = lambda index, error: None) -> None:
+        self.providers, self.action, self.on_done = providers, action, on_done
+        self.max_parallel, self.all_or_nothing = min(max_parallel, len(providers)), all_or_nothing
+        self.stop_requested = stop_requested or threading.Event()
+        self.wake = wake or threading.Event()  # set by each worker that finishes (and by the owner's stop)
+        self.ready: set = set()
         self.errors: List[Tuple[int, BaseException]] = []
-        self.aborted = 0  # replicas given up because another one failed
-        self._stop_requested = stop_requested
-        self._wake = wake  # the owner's: set by its stop, and here by each replica that finishes
+        self.aborted = 0
+        self.stopping = False
+        self._next = self._finished = 0
         self._lock = threading.Lock()
-        self._stopping = False
-        self._finished = 0
 
-    def run(self, action: Callable[[int, "HFSandboxProvider"], None], name: str) -> None:
-        """`action(index, child)` in one thread per replica; returns when all have finished."""
-        threads = [threading.Thread(target=self._work, args=(i, child, action), name="%s-%d" % (name, i),
-                                    daemon=True) for i, child in enumerate(self.children)]
+    def run(self, name: str) -> None:
+        """Returns when every worker has finished; an interrupt gives the rest up, then propagates."""
+        workers = [threading.Thread(target=self._work, name="%s-%d" % (name, i), daemon=True)
+                   for i in range(self.max_parallel)]
         try:
-            for thread in threads:
-                thread.start()
+            for worker in workers:
+                worker.start()
             while True:
-                self._wake.clear()  # before the checks, so a change made after them still wakes the wait
-                if self._stop_requested.is_set() and not self.stopping():
+                self.wake.clear()  # before the checks, so a change made after them still wakes the wait
+                if self.stop_requested.is_set() and not self.stopping:
                     self.abort()
                 with self._lock:
-                    if self._finished == len(threads):
+                    if self._finished == len(workers):
                         break
-                self._wake.wait(0.5)  # bounded: a Ctrl-C reaches this thread
-            for thread in threads:
-                thread.join()  # each has finished its action; this only reaps it
+                self.wake.wait(0.5)  # bounded: a Ctrl-C reaches this thread
+            for worker in workers:
+                worker.join()  # each has finished its work; this only reaps it
         except BaseException:
             self.abort()
-            for thread in threads:
-                if thread.ident is not None:
-                    thread.join()
+            for worker in workers:
+                if worker.ident is not None:
+                    worker.join()
             raise
 
-    def stopping(self) -> bool:
-        with self._lock:
-            return self._stopping
-
     def abort(self) -> None:
-        """Make every replica's start or readiness wait give up at once."""
+        """Stop taking work and make every start or readiness wait in flight give up at once."""
         with self._lock:
-            self._stopping = True
-        for child in self.children:
-            child._request_stop()
+            self.stopping = True
+            in_flight = [p for i, p in enumerate(self.providers[:self._next]) if i not in self.ready]
+            self.aborted += len(self.providers) - self._next
+            self._next = len(self.providers)
+        for provider in in_flight:
+            provider._request_stop()
 
-    def _work(self, index: int, child: "HFSandboxProvider", action: Callable[[int, "HFSandboxProvider"], None]) -> None:
+    def _work(self) -> None:
         try:
-            action(index, child)
-        except BaseException as exc:  # recorded and raised by the provider, never lost
-            with self._lock:
-                if self._stopping and child._stop_requested.is_set():
-                    self.aborted += 1
-                    return
-                self.errors.append((index, exc))
-            self.abort()
+            while True:
+                with self._lock:
+                    if self._next >= len(self.providers):
+                        return
+                    index, self._next = self._next, self._next + 1
+                provider, error = self.providers[index], None
+                try:
+                    self.action(index, provider)
+                except BaseException as exc:  # recorded and raised by the caller, never lost
+                    error = exc
+                with self._lock:
+                    if error is None:
+                        self.ready.add(index)
+                    elif self.stopping and provider._stop_requested.is_set():
+                        self.aborted += 1  # given up because another one failed: not its own failure
+                        continue
+                    else:
+                        self.errors.append((index, error))
+                self.on_done(index, error)
+                if error is not None and self.all_or_nothing:
+                    self.abort()
         finally:
             with self._lock:
                 self._finished += 1
-            self._wake.set()
+            self.wake.set()
 
 
 # Order of the live stages, least advanced first (an unknown live stage counts as not running yet).
@@ -1294,80 +1322,19 @@ def _replicas_stage(stages: Sequence[Optional[str]]) -> Optional[str]:
 
 def stop_all(providers: Iterable["HFSandboxProvider"]) -> None:
     """Stop many providers at once (one thread each, bounded); never raises, like stop_container()."""
-    pending = [p for p in providers if p is not None]
-    threads = [threading.Thread(target=p.stop_container, name="hf-sandbox-stop", daemon=True)
-               for p in pending]
-    for start in range(0, len(threads), STOP_PARALLEL):
-        batch = threads[start:start + STOP_PARALLEL]
+    _in_parallel([p.stop_container for p in providers if p is not None])
+
+
+def _in_parallel(actions: Sequence[Callable[[], None]], budget_s: Optional[float] = None) -> None:
+    """Run each action in its own daemon thread (at most STOP_PARALLEL at a time); wait up to `budget_s`."""
+    deadline = None if budget_s is None else time.monotonic() + budget_s
+    for first in range(0, len(actions), STOP_PARALLEL):
+        batch = [threading.Thread(target=action, name="hf-sandbox-stop", daemon=True)
+                 for action in actions[first:first + STOP_PARALLEL]]
         for thread in batch:
             thread.start()
         for thread in batch:
-            thread.join()
-
-
-class _Launch:
-    """The shared state of one start_many(): a work queue, outcomes, and the abort switch."""
-
-    def __init__(self, providers: List["HFSandboxProvider"], all_or_nothing: bool,
-                 progress: Union[bool, Callable[[int, int, int], None]]) -> None:
-        self.providers = providers
-        self.all_or_nothing = all_or_nothing
-        self.progress = progress
-        self.ready: set = set()
-        self.errors: List[Tuple[int, BaseException]] = []
-        self.aborted = 0  # starts given up because another environment failed
-        self._next = 0
-        self._lock = threading.Lock()
-        self._stopping = False
-        self._began = time.monotonic()
-
-    def work(self) -> None:
-        while True:
-            with self._lock:
-                if self._stopping or self._next >= len(self.providers):
-                    return
-                index, self._next = self._next, self._next + 1
-            provider = self.providers[index]
-            try:
-                provider.wait_for_ready(provider.start_container())
-            except BaseException as exc:  # recorded and reported by start_many, never lost
-                with self._lock:
-                    if self._stopping and provider._stop_requested.is_set():
-                        self.aborted += 1
-                        continue
-                    self.errors.append((index, exc))
-                self._report(index, exc)
-                if self.all_or_nothing:
-                    self.abort()
-                continue
-            with self._lock:
-                self.ready.add(index)
-            self._report(index, None)
-
-    def abort(self) -> None:
-        """Stop taking work and stop the starts in flight (their jobs are cancelled)."""
-        with self._lock:
-            self._stopping = True
-            in_flight = [p for i, p in enumerate(self.providers[:self._next]) if i not in self.ready]
-            self.aborted += len(self.providers) - self._next
-            self._next = len(self.providers)
-        for provider in in_flight:
-            provider._request_stop()
-
-    def _report(self, index: int, error: Optional[BaseException]) -> None:
-        with self._lock:
-            ready, failed = len(self.ready), len(self.errors)
-        if callable(self.progress):
-            try:
-                self.progress(ready, failed, len(self.providers))
-            except Exception:  # the caller's display must not kill a launch worker (and lose its work)
-                logger.warning("start_many: the progress callback raised; ignoring it", exc_info=True)
-        elif self.progress:
-            line = "start_many: %d/%d ready, %d failed (%.1fs)" % (
-                ready, len(self.providers), failed, time.monotonic() - self._began)
-            if error is not None:
-                line += "; environment %d: %s" % (index, str(error).splitlines()[0] if str(error) else type(error).__name__)
-            print(line, file=sys.stderr, flush=True)
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -2448,20 +2415,20 @@ class EnvSession:
             except OSError:
                 pass
             return
-        with _Released(self._lock):
+        try:
             if self._closed:
                 return
             self._closed = True
-            try:
-                self._send_message(json.dumps({"type": "close"}))
-                self._send(CloseConnection(code=1000))
-                deadline = time.monotonic() + SESSION_CLOSE_WAIT_S
-                while not isinstance(self._next_event(deadline), CloseConnection):
-                    pass
-            except Exception:
-                pass  # the peer is gone or slow: the socket closes below either way
-            finally:
-                self._sock.close()
+            self._send_message(json.dumps({"type": "close"}))
+            self._send(CloseConnection(code=1000))
+            deadline = time.monotonic() + SESSION_CLOSE_WAIT_S
+            while not isinstance(self._next_event(deadline), CloseConnection):
+                pass
+        except Exception:
+            pass  # the peer is gone or slow: the socket closes below either way
+        finally:
+            self._sock.close()
+            self._lock.release()
 
     def __enter__(self) -> "EnvSession":
         return self
@@ -2559,19 +2526,6 @@ class EnvSession:
         return self._events.popleft()
 
 
-class _Released:
-    """Context manager releasing a lock acquired beforehand (close() acquires without blocking)."""
-
-    def __init__(self, lock: Any) -> None:
-        self._lock = lock
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self._lock.release()
-
-
 def _session_url_rejection(base_url: Any) -> Optional[str]:
     """Why `base_url` cannot carry a WebSocket session, or None."""
     if not isinstance(base_url, str) or not base_url:
@@ -2647,9 +2601,9 @@ class _BackgroundStart:
         could then be made without anyone to cancel it."""
         self._stopped = True
         deadline = time.monotonic() + wait_s
-        _request_stop(self.provider)
+        self.provider._request_stop()
         while not self._done.wait(BACKGROUND_STOP_REPEAT_S) and time.monotonic() < deadline:
-            _request_stop(self.provider)  # a start that claimed the provider since cleared the last request
+            self.provider._request_stop()  # a start that claimed the provider since cleared the last request
         self.provider.stop_container()  # a start that succeeded just before: cancel its job
 
     def _run(self) -> None:
@@ -2673,13 +2627,6 @@ class _BackgroundStart:
             with _background_lock:
                 _background_starts.discard(self)
             self._done.set()
-
-
-def _request_stop(provider: HFSandboxProvider) -> None:
-    """What stop_container() does first, without its teardown: a start or readiness wait in another
-    thread gives up at its next check and cancels its own job (replicas included)."""
-    provider._stop_requested.set()
-    provider._wake.set()
 
 
 # -- Sandbox: what an environment object holds --------------------------------------------------------
@@ -2864,18 +2811,6 @@ def _take_starts() -> List[_BackgroundStart]:
     return list({id(s): s for s in groups + in_flight}.values())
 
 
-def _in_parallel(actions: Sequence[Callable[[], None]], budget_s: Optional[float] = None) -> None:
-    """Run each action in its own daemon thread (at most STOP_PARALLEL at a time); wait up to `budget_s`."""
-    deadline = None if budget_s is None else time.monotonic() + budget_s
-    for first in range(0, len(actions), STOP_PARALLEL):
-        batch = [threading.Thread(target=action, name="hf-sandbox-stop", daemon=True)
-                 for action in actions[first:first + STOP_PARALLEL]]
-        for thread in batch:
-            thread.start()
-        for thread in batch:
-            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-
-
 def _teardown_process(budget_s: float) -> None:
     """Cancel every job this process runs or is starting, in parallel, within `budget_s`: background
     starts (waiting for creates in flight), every Sandbox, then every provider's safety net."""
@@ -3010,9 +2945,8 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 class _Smoke:
     """Runs the smoke stages in order, printing one line per stage as it finishes."""
 
-    def __init__(self, quiet: bool, out: Any) -> None:
+    def __init__(self, out: Any) -> None:
         self.stages: List[Dict[str, Any]] = []
-        self.quiet = quiet
         self.out = out
         self.began = time.monotonic()
 
@@ -3020,28 +2954,24 @@ class _Smoke:
         start = time.monotonic()
         self.say("  ...   %s" % name)
         try:
-            detail = action()
-            ok = True
-        except BaseException as exc:
-            if not isinstance(exc, Exception):
-                self.record(name, False, start, "interrupted (%s)" % type(exc).__name__)
-                raise
-            detail, ok = "%s: %s" % (type(exc).__name__, exc), False
+            ok, detail = True, action()
+        except Exception as exc:
+            ok, detail = False, "%s: %s" % (type(exc).__name__, exc)
+        except BaseException as exc:  # Ctrl-C: recorded, then it propagates
+            self.record(name, False, start, "interrupted (%s)" % type(exc).__name__)
+            raise
         self.record(name, ok, start, detail)
         return ok
 
     def record(self, name: str, ok: bool, start: float, detail: Optional[str]) -> None:
-        seconds = time.monotonic() - start
+        seconds, lines = time.monotonic() - start, (detail or "").splitlines() or [""]
         self.stages.append({"name": name, "ok": ok, "seconds": round(seconds, 3), "detail": detail or ""})
-        first_line = (detail or "").splitlines()[0] if detail else ""
-        self.say("%s %6.2fs  %s%s" % ("  ok  " if ok else "  FAIL", seconds, name,
-                                       "  (%s)" % first_line if first_line else ""))
-        if not ok and detail and "\n" in detail:
-            self.say("\n".join("        | " + line for line in detail.splitlines()[1:]))
+        self.say("%s %6.2fs  %s%s" % ("  ok  " if ok else "  FAIL", seconds, name, "  (%s)" % lines[0] if lines[0] else ""))
+        if not ok and len(lines) > 1:
+            self.say("\n".join("        | " + line for line in lines[1:]))
 
     def say(self, line: str) -> None:
-        if not self.quiet:
-            print(line, file=self.out, flush=True)
+        print(line, file=self.out, flush=True)
 
     @property
     def ok(self) -> bool:
@@ -3049,52 +2979,46 @@ class _Smoke:
 
     def table(self) -> str:
         width = max(len(stage["name"]) for stage in self.stages)
-        rows = ["%-*s  %-6s  %8s" % (width, "stage", "result", "seconds")]
-        rows += ["%-*s  %-6s  %8.2f" % (width, s["name"], "ok" if s["ok"] else "FAIL", s["seconds"])
-                 for s in self.stages]
-        rows.append("%-*s  %-6s  %8.2f" % (width, "total", "ok" if self.ok else "FAIL",
-                                            time.monotonic() - self.began))
-        return "\n".join(rows)
+        rows = [(s["name"], "ok" if s["ok"] else "FAIL", "%8.2f" % s["seconds"]) for s in self.stages]
+        rows = [("stage", "result", " seconds")] + rows + [
+            ("total", "ok" if self.ok else "FAIL", "%8.2f" % (time.monotonic() - self.began))]
+        return "\n".join("%-*s  %-6s  %s" % (width, name, result, seconds) for name, result, seconds in rows)
 
 
 def _smoke_checks(smoke: _Smoke, base_url: str, action: Mapping[str, Any]) -> None:
     """/health, HTTP /reset + /step, and a WebSocket /ws session, all through the proxy's base URL."""
     with requests.Session() as http:
-        http.trust_env = False
+        http.trust_env = False  # loopback proxy: never route through HTTP(S)_PROXY
+
+        def call(method: str, path: str, body: Any = None) -> requests.Response:
+            response = http.request(method, base_url + path, json=body, timeout=SMOKE_REQUEST_TIMEOUT_S)
+            response.raise_for_status()
+            return response
 
         def health() -> str:
-            response = http.get(base_url + "/health", timeout=SMOKE_REQUEST_TIMEOUT_S)
-            response.raise_for_status()
+            response = call("GET", "/health")
             return "HTTP %d %s" % (response.status_code, response.text.strip()[:80])
 
-        def reset() -> str:
-            response = http.post(base_url + "/reset", json={}, timeout=SMOKE_REQUEST_TIMEOUT_S)
-            response.raise_for_status()
-            return "done=%s" % response.json().get("done")
-
         def step() -> str:
-            response = http.post(base_url + "/step", json={"action": dict(action)}, timeout=SMOKE_REQUEST_TIMEOUT_S)
-            response.raise_for_status()
-            payload = response.json()
+            payload = call("POST", "/step", {"action": dict(action)}).json()
             return "reward=%s done=%s" % (payload.get("reward"), payload.get("done"))
 
-        smoke.stage("GET /health", health)
-        smoke.stage("HTTP POST /reset", reset)
-        smoke.stage("HTTP POST /step", step)
+        def websocket() -> str:
+            with EnvSession(base_url, timeout_s=SMOKE_REQUEST_TIMEOUT_S) as ws:
+                answers = [ws.exchange({"type": "reset", "data": {}})]
+                answers += [ws.exchange({"type": "step", "data": dict(action)}) for _ in range(SMOKE_WS_STEPS)]
+                state = ws.exchange({"type": "state"})
+            errors = [a for a in answers + [state] if a.get("type") == "error"]
+            if errors:
+                raise SandboxError("server answered an error: %s" % json.dumps(errors[0].get("data"))[:300])
+            if [a.get("type") for a in answers] != ["observation"] * (1 + SMOKE_WS_STEPS):
+                raise SandboxError("unexpected answers: %s" % [a.get("type") for a in answers])
+            return "reset + %d steps, step_count=%s" % (SMOKE_WS_STEPS, (state.get("data") or {}).get("step_count"))
 
-    def websocket() -> str:
-        with EnvSession(base_url, timeout_s=SMOKE_REQUEST_TIMEOUT_S) as ws:
-            answers = [ws.exchange({"type": "reset", "data": {}})]
-            answers += [ws.exchange({"type": "step", "data": dict(action)}) for _ in range(SMOKE_WS_STEPS)]
-            state = ws.exchange({"type": "state"})
-        errors = [a for a in answers + [state] if a.get("type") == "error"]
-        if errors:
-            raise SandboxError("server answered an error: %s" % json.dumps(errors[0].get("data"))[:300])
-        if [a.get("type") for a in answers] != ["observation"] * (1 + SMOKE_WS_STEPS):
-            raise SandboxError("unexpected answers: %s" % [a.get("type") for a in answers])
-        return "reset + %d steps, step_count=%s" % (SMOKE_WS_STEPS, (state.get("data") or {}).get("step_count"))
-
-    smoke.stage("WebSocket /ws reset + %d steps" % SMOKE_WS_STEPS, websocket)
+        for name, check in [("GET /health", health),
+                            ("HTTP POST /reset", lambda: "done=%s" % call("POST", "/reset", {}).json().get("done")),
+                            ("HTTP POST /step", step), ("WebSocket /ws reset + %d steps" % SMOKE_WS_STEPS, websocket)]:
+            smoke.stage(name, check)
 
 
 def _import_emulator() -> Any:
@@ -3108,44 +3032,42 @@ def _import_emulator() -> Any:
     return importlib.import_module(name)  # present but broken: its own error says why
 
 
+def _usage_error(message: str) -> int:
+    print("error: %s" % message, file=sys.stderr)
+    return EXIT_USAGE
+
+
 def _run_smoke(args: Any) -> int:
-    out = sys.stderr if args.json else sys.stdout
-    smoke = _Smoke(quiet=False, out=out)
+    """`smoke`: one environment through every stage, then teardown; the exit status says if all passed."""
     try:
         action = json.loads(args.action) if args.action else SMOKE_DEFAULT_ACTION
         if not isinstance(action, dict):
             raise ValueError("not a JSON object")
     except ValueError as exc:
-        print("error: --action must be a JSON object (%s)" % exc, file=sys.stderr)
-        return EXIT_USAGE
+        return _usage_error("--action must be a JSON object (%s)" % exc)
     image = args.image or os.environ.get("HF_SANDBOX_IMAGE") or SMOKE_DEFAULT_IMAGE
-    emulator = None
-    provider: Optional[HFSandboxProvider] = None
-    failure: Optional[str] = None
+    settings: Dict[str, Any] = dict(flavor=args.flavor, command=args.command)
+    if args.timeout:
+        settings.update(start_timeout_s=args.timeout, ready_timeout_s=args.timeout)
+    out = sys.stderr if args.json else sys.stdout
+    smoke, emulator, provider, failure = _Smoke(out), None, None, None
     try:
-        settings: Dict[str, Any] = dict(flavor=args.flavor)
         if args.local:
-            _emulator = _import_emulator()
-            if _emulator is None:
-                print("error: smoke --local needs hf_jobs_emulator.py next to this module (it is not part of a "
-                      "vendored copy); copy it from the hf-sandbox-provider repository, or run smoke without "
-                      "--local against the Hub", file=sys.stderr)
-                return EXIT_USAGE
-            emulator = _emulator.JobsEmulator()
+            module = _import_emulator()
+            if module is None:
+                return _usage_error("smoke --local needs hf_jobs_emulator.py next to this module (it is not part of a "
+                                    "vendored copy); copy it from the hf-sandbox-provider repository, or run smoke "
+                                    "without --local against the Hub")
+            emulator = module.JobsEmulator()
             smoke.stage("start local Jobs emulator", lambda: "endpoint %s" % emulator.start().endpoint)
             settings.update(endpoint=emulator.endpoint, token=emulator.token,
-                            command=args.command or _emulator.echo_server_command())
-        elif args.command:
-            settings.update(command=args.command)
-        if args.timeout:
-            settings.update(start_timeout_s=args.timeout, ready_timeout_s=args.timeout)
+                            command=args.command or module.echo_server_command())
         try:
             provider = HFSandboxProvider(image, **settings)
             if not args.local:
                 provider._resolve_token()  # fail now, with the hint, rather than mid-stage
         except SandboxConfigError as exc:
-            print("error: %s" % exc, file=sys.stderr)
-            return EXIT_USAGE
+            return _usage_error(str(exc))
         if smoke.ok or not smoke.stages:
             started = smoke.stage("start_container (submit -> exposed URL)", lambda: "job %s at %s" % (
                 provider.start_container() and provider.job_id, provider.upstream_url))
@@ -3161,16 +3083,7 @@ def _run_smoke(args: Any) -> int:
             smoke.stage("stop_container (cancel job, unmount)", lambda: provider.stop_container() or (
                 "job %s %s" % (job_id, provider.stage) if job_id else "nothing to stop"))
         if emulator is not None:
-            live = []
-
-            def stop_emulator() -> str:
-                emulator.stop()
-                live.extend(emulator.live_pids())
-                if live:
-                    raise SandboxError("job processes still alive: %s" % live)
-                return "no job process left"
-
-            smoke.stage("stop local Jobs emulator", stop_emulator)
+            smoke.stage("stop local Jobs emulator", lambda: _stop_emulator(emulator))
     if args.json:
         print(json.dumps({
             "ok": smoke.ok and failure is None, "mode": "local" if args.local else "hub", "image": image,
@@ -3184,6 +3097,14 @@ def _run_smoke(args: Any) -> int:
             print("job timings (s after submit): %s" % ", ".join(
                 "%s=%.2f" % item for item in sorted(provider.timings.items(), key=lambda kv: kv[1])), file=out)
     return EXIT_OK if smoke.ok and failure is None else EXIT_FAILED
+
+
+def _stop_emulator(emulator: Any) -> str:
+    emulator.stop()
+    live = emulator.live_pids()
+    if live:
+        raise SandboxError("job processes still alive: %s" % live)
+    return "no job process left"
 
 
 def _sweep_skip_reason(job: Mapping[str, Any], user: str) -> Optional[str]:
@@ -3216,9 +3137,7 @@ def _format_age(seconds: Optional[float]) -> str:
         return "age unknown"
     if seconds < 120:
         return "%ds old" % seconds
-    if seconds < 7200:
-        return "%dm old" % (seconds // 60)
-    return "%.1fh old" % (seconds / 3600)
+    return "%dm old" % (seconds // 60) if seconds < 7200 else "%.1fh old" % (seconds / 3600)
 
 
 def _run_sweep(args: Any) -> int:
@@ -3226,19 +3145,14 @@ def _run_sweep(args: Any) -> int:
     try:
         endpoint = _resolve_endpoint(args.endpoint)
     except InsecureURLError as exc:
-        print("error: %s" % exc, file=sys.stderr)
-        return EXIT_USAGE
-    older_than: Optional[int] = None
-    if args.older_than is not None:
-        older_than = _parse_duration(args.older_than)
-        if older_than is None:
-            print("error: --older-than %r is not a duration: use seconds or a number with s, m, h or d "
-                  "(e.g. 90s, 30m, 2h, 1d)" % args.older_than, file=sys.stderr)
-            return EXIT_USAGE
+        return _usage_error(str(exc))
+    older_than = None if args.older_than is None else _parse_duration(args.older_than)
+    if args.older_than is not None and older_than is None:
+        return _usage_error("--older-than %r is not a duration: use seconds or a number with s, m, h or d "
+                            "(e.g. 90s, 30m, 2h, 1d)" % args.older_than)
     token = _discover_token()
     if not token:
-        print("error: no Hugging Face token found: set HF_TOKEN or run `hf auth login`", file=sys.stderr)
-        return EXIT_USAGE
+        return _usage_error("no Hugging Face token found: set HF_TOKEN or run `hf auth login`")
     client = _JobsClient(endpoint, token)
     try:
         user = client.whoami_namespace()
@@ -3333,9 +3247,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.verbose:
         logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO, stream=sys.stderr,
                             format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.subcommand == "smoke":
-        return _run_smoke(args)
-    return _run_sweep(args)
+    return _run_smoke(args) if args.subcommand == "smoke" else _run_sweep(args)
 
 
 if __name__ == "__main__":
