@@ -11,10 +11,11 @@ watcher thread (one Jobs API call per interval for all starting jobs) and one AP
 puts K jobs of one image behind one route (sessions spread by the proxy, least sessions first).
 
 Read top to bottom: constants, errors, the job lifecycle (`Phase`), the provider, what runs its jobs
-(its own single job, or a `_ReplicaSet`), parallel launch (`start_many`, `stop_all`), settings
-validation, the small Jobs REST client, the process-wide API budget and job watcher, teardown and the
-exit hook, then the thin `python -m hf_sandbox_provider` CLI (smoke, sweep; `bench` runs
-benchmarks/lifecycle.py of a repository checkout). Vendoring: copy this file and proxy.py; the local
+(its own single job, or a `_ReplicaSet`), `_Parallel` (start_many's and a replica set's workers) and
+`stop_all`, settings validation, the small Jobs REST client, the process-wide API budget and job
+watcher, teardown and the exit hook; then the trainer-side layer (`EnvSession`, `Sandbox`,
+`stop_sandboxes`, `install_signal_teardown`); then the thin `python -m hf_sandbox_provider` CLI (smoke,
+sweep; `bench` runs benchmarks/lifecycle.py of a repository checkout). Vendoring: copy this file and proxy.py; the local
 emulator (hf_jobs_emulator.py) is imported only by `smoke --local`.
 """
 
@@ -224,10 +225,7 @@ class JobStartTimeout(SandboxError, TimeoutError):
 
 class StartManyError(SandboxError):
     """start_many() could not bring every environment up; every job it started was cancelled.
-
-    `errors` lists `(index, exception)` per environment that failed; `aborted` counts the starts
-    given up (and cancelled) because of those failures.
-    """
+    `errors`: `(index, exception)` per failure; `aborted`: starts given up because of them."""
 
     def __init__(self, total: int, errors: Sequence[Tuple[int, BaseException]], aborted: int = 0):
         self.errors = sorted(errors, key=lambda item: item[0])
@@ -241,12 +239,8 @@ class StartManyError(SandboxError):
 
 
 class ReplicaStartError(SandboxError):
-    """Some of a provider's K replica jobs failed to start or become ready; all K jobs were cancelled.
-
-    `errors` lists `(replica index, exception)` per replica that failed (each exception names its job
-    when it had one); `aborted` counts the replicas given up because of those failures; `job_ids`
-    are the jobs that were created (every one cancelled).
-    """
+    """Some of K replica jobs failed to start or become ready; all K were cancelled.
+    `errors`: `(replica index, exception)`; `aborted`: replicas given up; `job_ids`: the jobs created."""
 
     def __init__(self, phase: str, total: int, errors: Sequence[Tuple[int, BaseException]], aborted: int,
                  job_ids: Sequence[str]):
@@ -286,11 +280,8 @@ class JobsAPIError(SandboxError):
 
 
 class Phase(enum.Enum):
-    """Where a provider is in its job's life (`HFSandboxProvider.phase`).
-
-    Only `HFSandboxProvider._move()` changes it, under the provider's lock and along `_PHASE_MOVES`,
-    so a stop racing a start always finds one consistent answer to "is there a job to cancel?".
-    """
+    """Where a provider is in its job's life (`HFSandboxProvider.phase`). Only `_move()` changes it, under
+    the provider's lock and along `_PHASE_MOVES`, so a stop racing a start sees one consistent answer."""
 
     IDLE = "idle"              # no job: start_container() may begin (also after a stop)
     SUBMITTING = "submitting"  # a start is claimed; its create call is in flight, no job recorded yet
@@ -350,18 +341,9 @@ _ProviderBase = _container_provider_base()
 class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
     """One OpenEnv environment server running as an HF Job, reachable through the local auth proxy.
 
-    Every setting is validated at construction and again per start (before any network call). The
-    job is cancelled by `stop_container()`/`close()`/leaving the `with` block, by any failure after
-    it was created, and at interpreter exit; its `job_timeout` bounds the bill if all of that fails.
-
-    `replicas=K` (K > 1) runs K jobs of the same image and settings behind ONE proxy route, for
-    servers that host many WebSocket sessions each (`MAX_CONCURRENT_ENVS`): each new session goes to
-    the job with the fewest open sessions. All K start and become ready, or every one is cancelled and
-    `ReplicaStartError` names each failure. `job_id` is the first job's, `job_ids` lists all K, and
-    `replica_status()` reports each job's sessions, health and stage. HTTP on the replicated base URL
-    follows the proxy's rule: only `GET`/`HEAD` of /health, /metadata and /schema are forwarded; any
-    other request (e.g. the legacy HTTP /reset and /step, which keep one environment per server) gets
-    `409` with `X-Proxy-Error: replicated-http-refused`, so use the WebSocket session.
+    Settings are validated at construction and per start, before any network call. The job is cancelled
+    by `stop_container()`, by any failure after its create, and at exit; `job_timeout` bounds the rest.
+    `replicas=K` puts K jobs behind one route (sessions go to the least busy; see docs/replicas.md).
     """
 
     # What a pickled provider carries: its settings (and explicit token), never its job, lock, threads
@@ -419,12 +401,8 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
                         env_vars: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> str:
         """Submit the job, wait for its exposed URL, mount it on the proxy and return the base URL.
 
-        `image` defaults to the constructor's; `env_vars` are merged over the constructor's; the
-        keywords in `_OVERRIDABLE` override the constructor for this start. Other keywords OpenEnv
-        passes (e.g. `wait_timeout`, Docker-specific options) are ignored with a debug log.
-        Any failure or interrupt after the job was created cancels it before the error propagates.
-        With `replicas` > 1, K jobs start in parallel and the returned URL is their replica route; if
-        any fails, all are cancelled and `ReplicaStartError` names each failure.
+        Keywords in `_OVERRIDABLE` override the constructor for this start; other OpenEnv keywords are
+        ignored (debug log). Any failure or interrupt after the create cancels the job (all K with replicas).
         """
         overrides = {}
         for key, value in kwargs.items():
@@ -453,15 +431,9 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
             self._end_start(started)
 
     def wait_for_ready(self, base_url: Optional[str] = None, timeout_s: Optional[float] = None) -> None:
-        """Poll `/health` through the proxy until it answers 200, watching the job's stage meanwhile.
+        """Poll `/health` through the proxy until 200, watching the job's stage (each replica's, in parallel).
 
-        Connection errors and 502/503/504 mean "not yet"; a terminal stage raises `JobFailedError`
-        at once; the deadline (`timeout_s`, default `ready_timeout_s`) raises `JobStartTimeout`.
-        On any failure or interrupt the job is cancelled before the error propagates.
-        With replicas, every job's own /health is polled (in parallel, each through its own route:
-        the replicated URL reaches only one of them) and `base_url` is not used; one failure cancels
-        all K jobs and raises `ReplicaStartError`.
-        """
+        A terminal stage raises `JobFailedError`, the deadline `JobStartTimeout`; any failure cancels the job."""
         if self._phase is not Phase.RUNNING or self.base_url is None:
             raise SandboxError("wait_for_ready() needs a started provider: call start_container() first")
         budget = self._active["ready_timeout_s"] if timeout_s is None else timeout_s
@@ -480,11 +452,9 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
                               Tuple[List["HFSandboxProvider"], List[Tuple[int, BaseException]]]]:
         """Start `n` providers, at most `max_parallel` at a time, and wait until each is ready.
 
-        `all_or_nothing=True` (default): returns the list of n ready providers, or stops every job it
-        started and raises one `StartManyError` listing each failure. `all_or_nothing=False`: returns
-        `(ready_providers, errors)` with `errors` a list of `(index, exception)`. `progress`: True prints
-        a line per finished environment to stderr; a callable gets `(ready, failed, n)` instead.
-        The providers share the process-wide proxy and job watcher; stop each (or use `stop_all`).
+        All or nothing (default): the n providers, or every job cancelled and one `StartManyError`. Else
+        `(ready_providers, [(index, exception)])`. `progress`: True prints a line per environment to
+        stderr; a callable gets `(ready, failed, n)`.
         """
         _raise_if_rejected(_positive_int_rejection("n", n) or _positive_int_rejection("max_parallel", max_parallel))
         if not (isinstance(progress, bool) or callable(progress)):
@@ -554,13 +524,8 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
 
     def replica_status(self, refresh: bool = False) -> List[Dict[str, Any]]:
         """Per replica job, in start order: the proxy's view (`upstream`, `open_sessions`, `healthy`,
-        `reason`) plus `index`, `job_id`, `stage` and the job's status `message`.
-
-        A replica the proxy took out of rotation (its job did not take a session) has its job
-        inspected; if the job has ended it is removed from the route for good and logged at WARNING
-        with its stage and message. `refresh=True` inspects every replica's job (one API call each),
-        which also finds a dead job no session has tried yet. Needs `replicas` > 1 and a start.
-        """
+        `reason`) plus `index`, `job_id`, `stage`, `message`. A replica out of rotation has its job inspected
+        (all, with `refresh=True`); one that has ended leaves the route for good, with a WARNING."""
         replicas = self._replicas
         if replicas is None:
             raise SandboxError("replica_status() needs a provider started with replicas > 1 (this one runs %s); "
@@ -757,10 +722,8 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         return owner if owner is not None else self
 
     def _teardown(self, client: Optional["_JobsClient"] = None) -> None:
-        """Unmount and cancel; log (never raise) whatever could not be cleaned up.
-
-        `client` is the starting thread's own client, in case a concurrent stop already took ours.
-        """
+        """Unmount and cancel, logging (never raising) what could not be cleaned up. `client` is the
+        starting thread's own, in case a concurrent stop already took ours."""
         self._jobs.teardown(self, client)
 
     # -- one job ------------------------------------------------------------------------------------------
@@ -957,10 +920,8 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
 
     def _arm_safety_net(self, client: "_JobsClient", proxy: Optional["_proxy.AuthProxy"],
                         base_url: Optional[str]) -> None:
-        """(Re)arm the finalizer that releases the job if this provider is collected or the process exits.
-
-        It holds the job's client and ids, never the provider, so the provider stays collectable.
-        """
+        """(Re)arm the finalizer that releases the job at collection or exit; it holds the job's client and
+        ids, never the provider, so the provider stays collectable."""
         self._swap_finalizer(weakref.finalize(self, _release_abandoned_job, client, self._job_namespace,
                                               self.job_id, proxy, base_url, self.job_url))
 
@@ -1027,13 +988,10 @@ _ONE_JOB = _OneJob()
 
 
 class _ReplicaSet:
-    """K jobs of one image behind ONE replica route, for the provider that owns them.
+    """K jobs of one image behind ONE replica route, for the provider that owns them (passed to every call).
 
-    Each replica is a plain single-job `HFSandboxProvider`, built by the constructor from the owner's
-    settings for its index (`_replica_settings`), sharing the owner's proxy and token, using the
-    owner's overridable hooks (through a weak reference: the set never keeps its owner alive). Each
-    replica starts on its own route (its readiness is probed there); the replica route over their
-    URLs is what the owner returns. The set holds no reference to its owner: every call gets it.
+    Each replica is a plain single-job `HFSandboxProvider` built from the owner's settings for its index,
+    with the owner's proxy, token and hooks (through a weak reference); each is probed on its own route.
     """
 
     def __init__(self, owner: HFSandboxProvider, settings: Mapping[str, Any], token: str,
@@ -1214,6 +1172,45 @@ class _ReplicaSet:
             return {}
 
 
+# Order of the live stages, least advanced first (an unknown live stage counts as not running yet).
+_LIVE_STAGE_ORDER = {None: 0, "SCHEDULING": 1, "RUNNING": 2}
+
+
+def _replicas_stage(stages: Sequence[Optional[str]]) -> Optional[str]:
+    """One stage for K jobs: the least advanced live one; once all ended, their common end (ERROR first)."""
+    if not stages:
+        return None
+    live = [stage for stage in stages if stage not in TERMINAL_STAGES]
+    if live:
+        return min(live, key=lambda stage: _LIVE_STAGE_ORDER.get(stage, 1))
+    for stage in ("ERROR", "CANCELED"):  # a failure shows first; a stopped group reads CANCELED
+        if stage in stages:
+            return stage
+    return stages[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# Many providers at once: stop_all and the parallel workers of start_many and replica sets
+# --------------------------------------------------------------------------------------------------
+
+
+def stop_all(providers: Iterable["HFSandboxProvider"]) -> None:
+    """Stop many providers at once (one thread each, bounded); never raises, like stop_container()."""
+    _in_parallel([p.stop_container for p in providers if p is not None])
+
+
+def _in_parallel(actions: Sequence[Callable[[], None]], budget_s: Optional[float] = None) -> None:
+    """Run each action in its own daemon thread (at most STOP_PARALLEL at a time); wait up to `budget_s`."""
+    deadline = None if budget_s is None else time.monotonic() + budget_s
+    for first in range(0, len(actions), STOP_PARALLEL):
+        batch = [threading.Thread(target=action, name="hf-sandbox-stop", daemon=True)
+                 for action in actions[first:first + STOP_PARALLEL]]
+        for thread in batch:
+            thread.start()
+        for thread in batch:
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+
 class _Parallel:
     """Runs `action(index, provider)` over providers, at most `max_parallel` at a time, for start_many()
     and for a replica set. With `all_or_nothing`, the first failure makes the others give up (their
@@ -1296,45 +1293,6 @@ class _Parallel:
             with self._lock:
                 self._finished += 1
             self.wake.set()
-
-
-# Order of the live stages, least advanced first (an unknown live stage counts as not running yet).
-_LIVE_STAGE_ORDER = {None: 0, "SCHEDULING": 1, "RUNNING": 2}
-
-
-def _replicas_stage(stages: Sequence[Optional[str]]) -> Optional[str]:
-    """One stage for K jobs: the least advanced live one; once all ended, their common end (ERROR first)."""
-    if not stages:
-        return None
-    live = [stage for stage in stages if stage not in TERMINAL_STAGES]
-    if live:
-        return min(live, key=lambda stage: _LIVE_STAGE_ORDER.get(stage, 1))
-    for stage in ("ERROR", "CANCELED"):  # a failure shows first; a stopped group reads CANCELED
-        if stage in stages:
-            return stage
-    return stages[0]
-
-
-# --------------------------------------------------------------------------------------------------
-# Parallel launch (start_many)
-# --------------------------------------------------------------------------------------------------
-
-
-def stop_all(providers: Iterable["HFSandboxProvider"]) -> None:
-    """Stop many providers at once (one thread each, bounded); never raises, like stop_container()."""
-    _in_parallel([p.stop_container for p in providers if p is not None])
-
-
-def _in_parallel(actions: Sequence[Callable[[], None]], budget_s: Optional[float] = None) -> None:
-    """Run each action in its own daemon thread (at most STOP_PARALLEL at a time); wait up to `budget_s`."""
-    deadline = None if budget_s is None else time.monotonic() + budget_s
-    for first in range(0, len(actions), STOP_PARALLEL):
-        batch = [threading.Thread(target=action, name="hf-sandbox-stop", daemon=True)
-                 for action in actions[first:first + STOP_PARALLEL]]
-        for thread in batch:
-            thread.start()
-        for thread in batch:
-            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1455,37 +1413,44 @@ def _command_rejection(command: Any) -> Optional[str]:
     return "command must be None (OpenEnv's default server command), a string, or a non-empty list of strings"
 
 
+def _reserved_labels_rejection(labels: Any) -> Optional[str]:
+    reserved = {PROVIDER_LABEL_KEY, START_LABEL_KEY, PROCESS_LABEL_KEY} & set(labels or {})
+    return "labels %s are reserved for this library's own bookkeeping" % sorted(reserved) if reserved else None
+
+
+# Each setting's check, in the order refusals are reported (the first one wins).
+_SETTING_CHECKS: Tuple[Tuple[str, Callable[[Any], Optional[str]]], ...] = (
+    ("port", _port_rejection),
+    ("flavor", _flavor_rejection),
+    ("command", _command_rejection),
+    ("env_vars", lambda value: _mapping_rejection("env_vars", value, check_names=True)),
+    ("secrets", lambda value: _mapping_rejection("secrets", value, check_names=True)),
+    ("labels", lambda value: _mapping_rejection("labels", value, check_names=False)),
+    ("start_timeout_s", lambda value: _positive_number_rejection("start_timeout_s", value)),
+    ("ready_timeout_s", lambda value: _positive_number_rejection("ready_timeout_s", value)),
+    ("poll_interval_s", lambda value: _positive_number_rejection("poll_interval_s", value)),
+    ("replicas", _replicas_rejection),
+    ("job_timeout", lambda value: None if _parse_duration(value) is not None else (
+        "job_timeout=%r must be a positive duration: seconds (3600) or a string like '30m', '2h', '1d'" % (value,))),
+    ("labels", _reserved_labels_rejection),
+    ("namespace", lambda value: None if value is None or (isinstance(value, str) and _NAMESPACE.match(value)) else (
+        "namespace %r must be a user or organisation name" % (value,))),
+    ("verify", lambda value: None if isinstance(value, (bool, str)) else (
+        "verify must be True, False or a CA bundle path, not %r" % (value,))),
+)
+
+
 def _settings_rejection(settings: Mapping[str, Any], image_required: bool) -> Optional[str]:
     """Why these provider settings cannot start a job (checked before any network call), or None."""
     if image_required or settings.get("image") is not None:
         reason = _image_rejection(settings.get("image"))
         if reason:
             return reason
-    checks = [
-        _port_rejection(settings["port"]),
-        _flavor_rejection(settings["flavor"]),
-        _command_rejection(settings["command"]),
-        _mapping_rejection("env_vars", settings["env_vars"], check_names=True),
-        _mapping_rejection("secrets", settings["secrets"], check_names=True),
-        _mapping_rejection("labels", settings["labels"], check_names=False),
-        _positive_number_rejection("start_timeout_s", settings["start_timeout_s"]),
-        _positive_number_rejection("ready_timeout_s", settings["ready_timeout_s"]),
-        _positive_number_rejection("poll_interval_s", settings["poll_interval_s"]),
-        _replicas_rejection(settings.get("replicas", 1)),
-    ]
-    if _parse_duration(settings["job_timeout"]) is None:
-        checks.append("job_timeout=%r must be a positive duration: seconds (3600) or a string like "
-                      "'30m', '2h', '1d'" % (settings["job_timeout"],))
-    reserved = {PROVIDER_LABEL_KEY, START_LABEL_KEY, PROCESS_LABEL_KEY} & set(settings["labels"] or {})
-    if reserved:
-        checks.append("labels %s are reserved for this library's own bookkeeping" % sorted(reserved))
-    namespace = settings.get("namespace")
-    if namespace is not None and (not isinstance(namespace, str) or not _NAMESPACE.match(namespace)):
-        checks.append("namespace %r must be a user or organisation name" % (namespace,))
-    verify = settings.get("verify")
-    if not isinstance(verify, (bool, str)):
-        checks.append("verify must be True, False or a CA bundle path, not %r" % (verify,))
-    return next((reason for reason in checks if reason), None)
+    for name, check in _SETTING_CHECKS:
+        reason = check(settings.get(name, 1 if name == "replicas" else None))
+        if reason:
+            return reason
+    return None
 
 
 def _job_command(command: Union[None, str, Sequence[str]], port: int) -> List[str]:
@@ -1524,11 +1489,8 @@ def _job_body(settings: Mapping[str, Any], start_label: str) -> Dict[str, Any]:
 
 
 def _exposed_url_rejection(url: str, job_id: str, port: int, endpoint: str) -> Optional[str]:
-    """Why `url` must not receive the token, or None.
-
-    Allowed: `https://<job_id>--<port>.<domain>`; or, when the Jobs endpoint itself is loopback (the
-    emulator), an http(s) URL on a loopback host.
-    """
+    """Why `url` must not receive the token, or None. Allowed: `https://<job_id>--<port>.<domain>`, or a
+    loopback http(s) URL when the Jobs endpoint itself is loopback (the emulator)."""
     try:
         parts = urlsplit(url)
         host = parts.hostname
@@ -1727,47 +1689,19 @@ class _JobsClient:
 
     def create_job(self, namespace: str, body: Mapping[str, Any], unique_label: Mapping[str, str],
                    given_up: Callable[[], bool] = lambda: False) -> Dict[str, Any]:
-        """POST the job; after an ambiguous failure, adopt the job carrying `unique_label` if it exists.
-        Once `given_up()` (a stop), a failed POST is not retried."""
-        action = "creating the job in namespace %r" % namespace
-        path = "/api/jobs/%s" % namespace
-        attempt = 0
-        while True:
-            retry_after: Optional[float] = None
-            self._budget.acquire()
-            try:
-                response = self._session.post(self.endpoint + path, json=dict(body), timeout=API_TIMEOUT_S)
-            except requests.ConnectTimeout as exc:
-                failure: Union[str, requests.Response] = "could not connect (%s)" % type(exc).__name__
-                ambiguous = False
-            except requests.RequestException as exc:
-                failure, ambiguous = "%s" % type(exc).__name__, True
-            else:
-                if response.status_code < 300:
-                    return self._decode(response, action)
-                if not _is_retryable_status(response.status_code):
-                    raise self._error(response, action)
-                failure, ambiguous = response, response.status_code != 429
-                retry_after = _retry_after_seconds(response.headers.get("Retry-After"))
-                if response.status_code == 429:
-                    self._budget.rate_limited(retry_after)
-                response.close()
-            if ambiguous:
-                found = self.list_jobs(namespace, labels=unique_label)
-                if found:
-                    logger.info("create answer was lost; adopting job %s found by its start label", found[0].get("id"))
-                    return found[0]
+        """POST the job, never twice for one start: after an ambiguous failure the job carrying
+        `unique_label` is adopted if it exists. Once `given_up()` (a stop), a failed POST is not retried."""
+        def find_lost() -> Optional[Dict[str, Any]]:
+            found = self.list_jobs(namespace, labels=unique_label)
+            if found:
+                logger.info("create answer was lost; adopting job %s found by its start label", found[0].get("id"))
+                return found[0]
             if given_up():
                 raise SandboxError("stop_container() was called while the job was being created")
-            if attempt >= API_MAX_RETRIES:
-                if isinstance(failure, requests.Response):
-                    raise self._error(failure, action)
-                raise JobsAPIError(action, None, failure, hint="check the network and HF_ENDPOINT")
-            delay = _retry_delay(attempt, retry_after)
-            logger.info("%s: retrying in %.1fs (%s)", action, delay,
-                        "HTTP %d" % failure.status_code if isinstance(failure, requests.Response) else failure)
-            time.sleep(delay)
-            attempt += 1
+            return None
+
+        return self._json("POST", "/api/jobs/%s" % namespace, "creating the job in namespace %r" % namespace,
+                          body=dict(body), find_lost=find_lost)
 
     def get_job(self, namespace: str, job_id: str, retries: int = API_MAX_RETRIES) -> Dict[str, Any]:
         return self._json("GET", "/api/jobs/%s/%s" % (namespace, job_id), "inspecting job %s" % job_id,
@@ -1822,23 +1756,22 @@ class _JobsClient:
 
     def _json(self, method: str, path: str, action: str, params: Any = None, retries: int = API_MAX_RETRIES,
               max_delay: float = RETRY_AFTER_CAP_S, allow_empty: bool = False,
-              next_links: Optional[List[Optional[str]]] = None) -> Any:
-        """An idempotent call (safe to repeat): retries 429/5xx/connection errors with backoff.
-
-        `path` may also be a full URL on the endpoint (a pagination link); `next_links`, when given,
-        receives the answer's `Link: <...>; rel="next"` URL (or None)."""
+              next_links: Optional[List[Optional[str]]] = None, body: Any = None,
+              find_lost: Optional[Callable[[], Any]] = None) -> Any:
+        """A call retried on 429/5xx/connection errors with backoff. With `find_lost` (a create, not safe to
+        repeat), an ambiguous failure (no answer, a 5xx) first asks `find_lost()` for what it made anyway.
+        `path` may be a full URL (a pagination link); `next_links` receives the `rel="next"` URL."""
         url = path if path.startswith(self.endpoint + "/") else self.endpoint + path
         attempt = 0
         while True:
             retry_after: Optional[float] = None
             self._budget.acquire()
             try:
-                response = self._session.request(method, url, params=params, timeout=API_TIMEOUT_S)
+                response: Optional[requests.Response] = self._session.request(
+                    method, url, params=params, json=body, timeout=API_TIMEOUT_S)
             except requests.RequestException as exc:
-                if attempt >= retries:
-                    raise JobsAPIError(action, None, type(exc).__name__,
-                                       hint="check the network and HF_ENDPOINT (%s)" % self.endpoint) from None
-                failure = type(exc).__name__
+                response, failure = None, type(exc).__name__
+                ambiguous = not isinstance(exc, requests.ConnectTimeout)  # a refused connect sent nothing
             else:
                 if response.status_code < 300:
                     if next_links is not None:
@@ -1849,10 +1782,19 @@ class _JobsClient:
                 retry_after = _retry_after_seconds(response.headers.get("Retry-After"))
                 if response.status_code == 429:
                     self._budget.rate_limited(retry_after)
-                if not _is_retryable_status(response.status_code) or attempt >= retries:
+                if not _is_retryable_status(response.status_code):
                     raise self._error(response, action)
-                failure = "HTTP %d" % response.status_code
+                failure, ambiguous = "HTTP %d" % response.status_code, response.status_code != 429
                 response.close()
+            if find_lost is not None and ambiguous:
+                found = find_lost()
+                if found is not None:
+                    return found
+            if attempt >= retries:
+                if response is not None:
+                    raise self._error(response, action)
+                raise JobsAPIError(action, None, failure,
+                                   hint="check the network and HF_ENDPOINT (%s)" % self.endpoint) from None
             delay = min(_retry_delay(attempt, retry_after), max_delay)
             logger.debug("%s: %s, retrying in %.1fs", action, failure, delay)
             time.sleep(delay)
@@ -1880,12 +1822,8 @@ class _JobsClient:
 
 
 class _ApiBudget:
-    """One token's share of the Jobs API rate limit, shared by every client in the process.
-
-    A sliding window of at most `calls` requests per `window_s`, and one 429 pause: after any call of
-    this token is answered 429, every call of every client with this token waits for Retry-After.
-    `clock` and `sleep` are hooks (tests record the waits; the defaults are the real ones).
-    """
+    """One token's share of the Jobs API rate limit, shared by every client in the process: a sliding
+    window of `calls` per `window_s`, and one 429 pause for all of them. `clock`/`sleep` are hooks for tests."""
 
     def __init__(self, calls: int = RATE_LIMIT_CALLS, window_s: float = RATE_LIMIT_WINDOW_S,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
@@ -1986,13 +1924,9 @@ class _WatchGroup:
 
 
 class _JobWatcher:
-    """One background thread that refreshes every starting job of the process.
-
-    Per group and per interval (the smallest `poll_interval_s` of its providers): one `inspect` when
-    one job waits, else one `list` filtered by this process's label and the live stages, plus an
-    `inspect` for the few jobs missing from it (they ended, or are not listed yet). Each provider is
-    woken on its own change. The thread starts with the first registration and exits with the last.
-    """
+    """One background thread that refreshes every starting job of the process: per group and interval,
+    one `inspect` (one job) or one `list` by this process's label plus an `inspect` per job missing from
+    it. Each provider is woken on its own change; the thread lives while anything is registered."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
@@ -2175,11 +2109,8 @@ def _release_abandoned_job(*args: Any) -> None:
 
 def _release_job(client: Optional["_JobsClient"], namespace: Optional[str], job_id: Optional[str],
                  proxy: Optional["_proxy.AuthProxy"], base_url: Optional[str], job_url: Optional[str]) -> bool:
-    """Unmount the route and cancel the job; warn (never raise) about what could not be done.
-
-    Returns True when the job was cancelled. Used by teardown and by the garbage-collection/exit
-    safety net, so it takes plain values, never the provider.
-    """
+    """Unmount the route and cancel the job, warning (never raising) about what could not be done; True
+    when cancelled. Plain values, never the provider: the exit safety net uses it too."""
     problems = []
     cancelled = False
     try:
@@ -2220,11 +2151,6 @@ def _stop_everything_at_exit() -> None:
             proxy.stop()
         except Exception:
             pass
-
-
-# --------------------------------------------------------------------------------------------------
-# A small synchronous WebSocket client (for the smoke check; OpenEnv's JSON messages)
-# --------------------------------------------------------------------------------------------------
 
 
 # --------------------------------------------------------------------------------------------------
@@ -2311,12 +2237,9 @@ class EnvError(SandboxError):
 class EnvSession:
     """One OpenEnv WebSocket session (`<base_url>/ws`) on one blocking socket: no event loop, no thread.
 
-    Works from any thread and from inside a running asyncio loop (it never touches one). `reset()`,
-    `step(action)` and `state()` send OpenEnv's messages and return the reply's `data`; `request()`
-    sends any message. An `{"type": "error"}` reply raises `EnvError` (the session stays usable);
-    a lost job, a refused upgrade or a closed connection raises `SessionError`, a reply slower than
-    `timeout_s` raises `SessionTimeout` (both close the session). One caller at a time per session
-    (a lock serialises requests); open one session per rollout slot. A context manager.
+    `reset()`, `step(action)`, `state()` return the reply's `data`; an error reply raises `EnvError` (the
+    session stays usable); a lost connection `SessionError`, a slow reply `SessionTimeout` (both close it).
+    One caller at a time (a lock); open one session per rollout slot.
     """
 
     def __init__(self, base_url: str, *, timeout_s: float = SESSION_TIMEOUT_S,
@@ -2403,9 +2326,8 @@ class EnvSession:
         return self._closed
 
     def close(self) -> None:
-        """Say goodbye (OpenEnv's `close` message, then a close frame) if the socket still works, and
-        release it. Idempotent; never raises. Called while another thread waits for a reply, it shuts
-        the socket down instead, so that thread gets `SessionError` at once rather than after its timeout."""
+        """Send OpenEnv's `close` and a close frame, then release the socket; idempotent, never raises. While
+        another thread waits for a reply it shuts the socket down, so that thread gets `SessionError` at once."""
         from wsproto.events import CloseConnection
 
         if not self._lock.acquire(blocking=False):
@@ -2562,12 +2484,8 @@ _background_slots = threading.BoundedSemaphore(BACKGROUND_MAX_PARALLEL)
 
 
 class _BackgroundStart:
-    """`start_container()` + `wait_for_ready()` of one provider in a daemon thread, begun at once.
-
-    `wait()` blocks for this start only and returns the base URL or raises what the start raised (the
-    provider has cancelled a failed job already). `stop()` cancels the job, mid-start too, and waits
-    until the start thread has let go of it.
-    """
+    """`start_container()` + `wait_for_ready()` of one provider in a daemon thread, begun at once; `wait()`
+    returns its base URL or raises its error, `stop()` cancels the job, mid-start too."""
 
     def __init__(self, provider: HFSandboxProvider) -> None:
         self.provider = provider
@@ -2594,11 +2512,7 @@ class _BackgroundStart:
         return self._done.is_set()
 
     def stop(self, wait_s: float = BACKGROUND_STOP_WAIT_S) -> None:
-        """Make the start give up, wait (up to `wait_s`) for its thread, then cancel what is left. Never raises.
-
-        The start thread cancels its own job when it gives up. `stop_container()` is called only after
-        it ended: run concurrently, it would close the client of a create still in flight, whose job
-        could then be made without anyone to cancel it."""
+        """Make the start give up, wait (up to `wait_s`) for its thread, then cancel what is left. Never raises."""
         self._stopped = True
         deadline = time.monotonic() + wait_s
         self.provider._request_stop()
@@ -2641,19 +2555,9 @@ _sandbox_providers: "weakref.WeakSet[HFSandboxProvider]" = weakref.WeakSet()
 class Sandbox:
     """An environment's remote sandbox: begun in the background when built, waited for only when used.
 
-    `Sandbox(image, **provider_kwargs)` (the `HFSandboxProvider` keywords) starts its job at once in a
-    background thread and returns; `session()` waits for THAT job (so N environments built together wait
-    about one cold start, not N) and opens an `EnvSession` on it. `begin=False` starts nothing until the
-    first `begin()`, `wait()` or `session()`.
-
-    `shared="name"`: every Sandbox of this process with that name uses ONE provider, started once, with
-    the same settings (`replicas=K` puts K jobs behind its route); each `session()` is its own WebSocket
-    session, placed on the job with the fewest. The server must host several sessions
-    (`MAX_CONCURRENT_ENVS`). Stopping one shared Sandbox lets go of the group; `stop_sandboxes()` (or
-    exit, or the signal teardown) cancels it.
-
-    Pickles with its settings only: an own sandbox until it begins (each process starts its own),
-    a shared one at any time (the other process starts its own group of that name).
+    `Sandbox(image, **provider_kwargs)` starts its job in a background thread; `session()` waits for THAT
+    job and opens an `EnvSession`. `shared="name"`: every Sandbox of the process with that name uses one
+    provider (`replicas=K` jobs); `stop_sandboxes()` cancels it. See docs/training.md.
     """
 
     def __init__(self, image: Optional[str] = None, *, shared: Optional[str] = None, begin: bool = True,
@@ -2685,10 +2589,8 @@ class Sandbox:
         return self
 
     def wait(self, timeout_s: Optional[float] = None) -> str:
-        """Begin if needed and block until this sandbox's job answers /health; returns its base URL.
-
-        Raises what the start raised (`JobFailedError`, `JobStartTimeout`, ...): its job is cancelled.
-        `timeout_s` bounds this wait only (`JobStartTimeout`; the start goes on)."""
+        """Begin if needed and block until the job answers /health; returns its base URL or raises what the
+        start raised. `timeout_s` bounds this wait only (`JobStartTimeout`; the start goes on)."""
         self.begin()
         assert self._start is not None
         return self._start.wait(timeout_s)
@@ -2698,9 +2600,8 @@ class Sandbox:
         return EnvSession(self.wait(wait_timeout_s), timeout_s=timeout_s)
 
     def restart(self) -> "Sandbox":
-        """Replace a lost job: stop this sandbox's job and begin a new one. A shared group is kept while
-        one of its jobs still serves (the proxy places new sessions on live jobs only); once none does
-        it is replaced once, however many of its environments ask (the others adopt the new one)."""
+        """Replace a lost job. A shared group is replaced once none of its jobs serves, however many of its
+        environments ask (the others adopt the new one)."""
         if self.shared is not None:
             if not _group_serves(self._start):
                 self._start = _shared_start(self.shared, self._settings_key(), self._new_provider,
@@ -2792,12 +2693,8 @@ def _shared_start(name: str, key: Tuple[Any, ...], new_provider: Callable[[], HF
 
 
 def stop_sandboxes() -> None:
-    """Cancel the job of every Sandbox of this process, own and shared, in parallel, starts in flight
-    included, and wait until each is released. Sessions on them end. Never raises.
-
-    This is the explicit teardown for environments handed to a trainer that never closes them (e.g.
-    TRL): call it when training ends (an environment class can expose it as a classmethod, which TRL
-    does not offer to the model as a tool)."""
+    """Cancel the job of every Sandbox of this process (own, shared, starting) in parallel and wait until
+    each is released. Never raises. The explicit teardown for trainers that never close environments (TRL)."""
     _in_parallel([s.stop for s in _take_starts()] + [p.stop_container for p in list(_sandbox_providers)])
 
 
@@ -2857,15 +2754,8 @@ _signal_teardown_active = threading.Event()
 
 def install_signal_teardown(signals: Optional[Sequence[int]] = None) -> bool:
     """Opt in: on SIGTERM or SIGHUP (or `signals`), cancel every job of this process, then let the signal
-    do what it did before: a handler installed earlier is called, the default disposition ends the
-    process with that signal (exit status -15 for SIGTERM).
-
-    Trainers stop workers with SIGTERM, which skips `atexit` and finalizers: without this, their jobs
-    run (and bill) until `job_timeout`. A signal the process ignores (SIG_IGN, e.g. SIGHUP under nohup)
-    is left alone. Signal handlers can only be set from the main thread: elsewhere this does nothing
-    (debug log) and returns False. Calling it twice is harmless (a handler set on top of ours later is
-    left in place). Returns True when a handler is installed.
-    """
+    do what it did before (a previous handler, or death by the signal). SIGTERM skips atexit: without
+    this, jobs bill until `job_timeout`. Ignored signals are left alone. Main thread only (else False)."""
     if threading.current_thread() is not threading.main_thread():
         logger.debug("install_signal_teardown() called off the main thread: nothing installed (Python sets "
                      "signal handlers from the main thread only)")
@@ -2902,11 +2792,8 @@ def _teardown_signals(signals: Optional[Sequence[int]]) -> List[int]:
 
 
 def _on_teardown_signal(signum: int, frame: Any) -> None:
-    """Cancel every job within SIGNAL_TEARDOWN_BUDGET_S, then run the previous disposition.
-
-    The work runs in a helper thread the handler waits for (bounded): the interrupted main thread may
-    hold a lock the teardown needs. A second signal while this runs (or a chained handler that calls
-    this one again) is absorbed by the first."""
+    """Cancel every job within SIGNAL_TEARDOWN_BUDGET_S (in a helper thread: the interrupted main thread
+    may hold a lock the teardown needs), then run the previous disposition. A second signal is absorbed."""
     if _signal_teardown_active.is_set():
         return
     _signal_teardown_active.set()
@@ -2966,7 +2853,8 @@ class _Smoke:
     def record(self, name: str, ok: bool, start: float, detail: Optional[str]) -> None:
         seconds, lines = time.monotonic() - start, (detail or "").splitlines() or [""]
         self.stages.append({"name": name, "ok": ok, "seconds": round(seconds, 3), "detail": detail or ""})
-        self.say("%s %6.2fs  %s%s" % ("  ok  " if ok else "  FAIL", seconds, name, "  (%s)" % lines[0] if lines[0] else ""))
+        self.say("%s %6.2fs  %s%s" % ("  ok  " if ok else "  FAIL", seconds, name,
+                                       "  (%s)" % lines[0] if lines[0] else ""))
         if not ok and len(lines) > 1:
             self.say("\n".join("        | " + line for line in lines[1:]))
 
