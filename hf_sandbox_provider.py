@@ -57,20 +57,13 @@ _is_loopback_host = _proxy._is_loopback_host
 _discover_token = _proxy._discover_token
 
 __all__ = [
-    "HFSandboxProvider",
-    "Phase",
-    "SandboxError",
-    "SandboxConfigError",
-    "JobFailedError",
-    "JobStartTimeout",
-    "JobsAPIError",
-    "StartManyError",
-    "ReplicaStartError",
-    "stop_all",
-    "InsecureURLError",
-    "DEFAULT_COMMAND_TEMPLATE",
-    "KNOWN_FLAVORS",
-    "main",
+    # the provider and its errors
+    "HFSandboxProvider", "Phase", "SandboxError", "SandboxConfigError", "JobFailedError", "JobStartTimeout",
+    "JobsAPIError", "StartManyError", "ReplicaStartError", "stop_all", "InsecureURLError",
+    "DEFAULT_COMMAND_TEMPLATE", "KNOWN_FLAVORS", "main",
+    # the trainer-side layer
+    "EnvSession", "SessionError", "SessionRefusedError", "SessionTimeout", "EnvError", "Sandbox",
+    "stop_sandboxes", "install_signal_teardown", "uninstall_signal_teardown",
 ]
 
 __version__ = "0.1.0"
@@ -352,27 +345,15 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         "image", "command", "port", "flavor", "namespace", "endpoint", "env_vars", "secrets", "labels",
         "job_timeout", "start_timeout_s", "ready_timeout_s", "poll_interval_s", "verify", "replicas", "_token")
 
-    def __init__(
-        self,
-        image: Optional[str] = None,
-        *,
-        command: Union[None, str, Sequence[str]] = None,
-        port: int = DEFAULT_PORT,
-        flavor: str = DEFAULT_FLAVOR,
-        namespace: Optional[str] = None,
-        token: Optional[str] = None,
-        endpoint: Optional[str] = None,
-        env_vars: Optional[Mapping[str, Any]] = None,
-        secrets: Optional[Mapping[str, Any]] = None,
-        labels: Optional[Mapping[str, str]] = None,
-        job_timeout: Union[int, float, str] = DEFAULT_JOB_TIMEOUT_S,
-        start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
-        ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
-        poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
-        verify: Union[bool, str] = True,
-        proxy: Optional["_proxy.AuthProxy"] = None,
-        replicas: int = 1,
-    ) -> None:
+    def __init__(self, image: Optional[str] = None, *, command: Union[None, str, Sequence[str]] = None,
+                 port: int = DEFAULT_PORT, flavor: str = DEFAULT_FLAVOR, namespace: Optional[str] = None,
+                 token: Optional[str] = None, endpoint: Optional[str] = None,
+                 env_vars: Optional[Mapping[str, Any]] = None, secrets: Optional[Mapping[str, Any]] = None,
+                 labels: Optional[Mapping[str, str]] = None,
+                 job_timeout: Union[int, float, str] = DEFAULT_JOB_TIMEOUT_S,
+                 start_timeout_s: float = DEFAULT_START_TIMEOUT_S, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
+                 poll_interval_s: float = DEFAULT_POLL_INTERVAL_S, verify: Union[bool, str] = True,
+                 proxy: Optional["_proxy.AuthProxy"] = None, replicas: int = 1) -> None:
         self.image = image
         self.command = command
         self.port = port
@@ -2161,18 +2142,6 @@ def _stop_everything_at_exit() -> None:
 # environment object is built, optionally shared by many environments via `replicas=K`),
 # `stop_sandboxes()` (explicit teardown of all of them) and `install_signal_teardown()` (cancel every
 # job of the process on SIGTERM/SIGHUP, then let the signal do what it did before).
-
-__all__ += [
-    "EnvSession",
-    "SessionError",
-    "SessionRefusedError",
-    "SessionTimeout",
-    "EnvError",
-    "Sandbox",
-    "stop_sandboxes",
-    "install_signal_teardown",
-    "uninstall_signal_teardown",
-]
 
 # Longest wait for one reply: OpenEnv's own client waits 60 s per message; raise it for slow steps.
 SESSION_TIMEOUT_S = 60.0

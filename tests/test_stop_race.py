@@ -32,12 +32,12 @@ class Recording(hsp.HFSandboxProvider):
         return previous
 
 
-def _stop_mid_start(emu: JobsEmulator, proxy, rng: random.Random, lose_create: bool) -> dict:
+def _stop_mid_start(emu: JobsEmulator, proxy, rng: random.Random, lose_create: bool, replicas: int = 1) -> dict:
     """One iteration: begin a start, stop it at a random moment after it was claimed, and report."""
     if lose_create:
         emu.lose_next_create_responses(1)  # the job is made, its answer never comes: found by label
     provider = Recording(IMAGE, endpoint=emu.endpoint, token=emu.token, proxy=proxy,
-                         command=echo_server_command(), poll_interval_s=0.05)
+                         command=echo_server_command(), poll_interval_s=0.05, replicas=replicas)
     provider.moves = []
     outcome: list = []
 
@@ -61,21 +61,34 @@ def _stop_mid_start(emu: JobsEmulator, proxy, rng: random.Random, lose_create: b
             "stopped_running": provider.moves[-1:] == [(Phase.RUNNING, Phase.IDLE)]}
 
 
+def _assert_no_job_outlived_its_stop(emu: JobsEmulator, results: list) -> None:
+    leaked = [r["live"] for r in results if r["live"]]
+    assert leaked == [], "jobs left running after stop_container() returned: %s" % leaked
+    assert [r for r in results if r["alive"] or r["phase"] is not Phase.IDLE] == []
+    for result in results:  # a URL only from a start that had returned before the stop came
+        (answer,) = result["outcome"]
+        if result["stopped_running"]:
+            assert isinstance(answer, str), answer
+        else:
+            assert isinstance(answer, hsp.SandboxError) and "stop_container() was called" in str(answer), answer
+    wait_until(lambda: all(job.terminal for job in emu.jobs), "every job to end")
+    assert all(job.stage == "CANCELED" for job in emu.jobs)
+    assert emu.live_pids() == []
+
+
 @pytest.mark.slow
 def test_a_stop_racing_a_start_at_random_points_leaves_no_job_running_and_the_start_raises(proxy):
     rng = random.Random(1111)
     with JobsEmulator(scheduling_delay_s=0.1) as emu:
         results = [_stop_mid_start(emu, proxy, rng, lose_create=i % 3 == 0) for i in range(ITERATIONS)]
-        leaked = [r["live"] for r in results if r["live"]]
-        assert leaked == [], "jobs left running after stop_container() returned: %s" % leaked
-        assert [r for r in results if r["alive"] or r["phase"] is not Phase.IDLE] == []
-        for result in results:  # a URL only from a start that had returned before the stop came
-            (answer,) = result["outcome"]
-            if result["stopped_running"]:
-                assert isinstance(answer, str), answer
-            else:
-                assert isinstance(answer, hsp.SandboxError) and "stop_container() was called" in str(answer), answer
+        _assert_no_job_outlived_its_stop(emu, results)
         assert sum(not r["stopped_running"] for r in results) > ITERATIONS // 2  # most stops land mid-start
-        wait_until(lambda: all(job.terminal for job in emu.jobs), "every job to end")
-        assert all(job.stage == "CANCELED" for job in emu.jobs)
-        assert emu.live_pids() == []
+
+
+@pytest.mark.slow
+def test_a_stop_racing_a_replicated_start_cancels_every_replica_before_it_returns(proxy):
+    rng = random.Random(2222)
+    with JobsEmulator(scheduling_delay_s=0.1) as emu:
+        results = [_stop_mid_start(emu, proxy, rng, lose_create=i % 3 == 0, replicas=2)
+                   for i in range(ITERATIONS // 4)]
+        _assert_no_job_outlived_its_stop(emu, results)
