@@ -1944,10 +1944,6 @@ class _JobWatcher:
                     group.watches.remove(watch)
             self._cond.notify_all()
 
-    @property
-    def thread(self) -> Optional[threading.Thread]:
-        return self._thread
-
     def _run(self) -> None:
         while True:
             closing: List[_JobsClient] = []
