@@ -735,25 +735,16 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
     def _start_job(self, settings: Dict[str, Any], token: str) -> str:
         self._active = settings
         client = self._job_client = _JobsClient(self.endpoint, token, self._hooks()._new_session())
-        try:
-            namespace = settings["namespace"] or client.whoami_namespace()
-        except BaseException:
-            self._teardown(client)
-            raise
         start_label = self._start_label = uuid.uuid4().hex
-        body = _job_body(settings, start_label)
-        self._submitted_at = time.monotonic()
-        logger.info("submitting HF job: image=%s flavor=%s namespace=%s", settings["image"],
-                    settings["flavor"], namespace)
-        try:
-            job = client.create_job(namespace, body, {START_LABEL_KEY: start_label}, self._stop_requested.is_set)
-        except BaseException:
-            # The create may have succeeded even though we got no answer (or were interrupted).
-            self._cancel_by_label(client, namespace, start_label)
-            self._teardown(client)
-            raise
+        namespace: Optional[str] = None
         recorded = False  # until the job is ours to cancel, a failure must find it by its start label
         try:
+            namespace = settings["namespace"] or client.whoami_namespace()
+            self._submitted_at = time.monotonic()
+            logger.info("submitting HF job: image=%s flavor=%s namespace=%s", settings["image"],
+                        settings["flavor"], namespace)
+            job = client.create_job(namespace, _job_body(settings, start_label), {START_LABEL_KEY: start_label},
+                                    self._stop_requested.is_set)
             with self._lock:
                 self.job_id = str(job["id"])
                 self._job_namespace = namespace
@@ -782,7 +773,8 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
             logger.info("HF job %s serving at %s (%.1fs after submit)", self.job_id, upstream, self._elapsed())
             return base_url
         except BaseException:
-            if not recorded:  # e.g. a create answer without an id, or a Ctrl-C just after the create
+            if namespace is not None and not recorded:
+                # The create may have made the job though its answer was lost, unusable (no id) or interrupted.
                 self._cancel_by_label(client, namespace, start_label)
             self._teardown(client)
             raise
@@ -1008,6 +1000,7 @@ class _ReplicaSet:
         with owner._lock:
             owner._mounted_on = proxy
             owner._move(Phase.STARTING)  # from here on a teardown stops the replicas, whatever happens
+
         def start_one(index: int, child: HFSandboxProvider) -> None:
             child._claim_start()
             started = False
