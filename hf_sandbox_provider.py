@@ -11,7 +11,7 @@ watcher thread (one Jobs API call per interval for all starting jobs) and one AP
 puts K jobs of one image behind one route (sessions spread by the proxy, least sessions first).
 
 Read top to bottom: constants, errors, the job lifecycle (`Phase`), the provider, what runs its jobs
-(its own single job, or a `_ReplicaSet`), `_Parallel` (start_many's and a replica set's workers) and
+(itself for one job, a `_ReplicaSet` for K), `_Parallel` (start_many's and a replica set's workers) and
 `stop_all`, settings validation, the small Jobs REST client, the process-wide API budget and job
 watcher, teardown and the exit hook; then the trainer-side layer (`EnvSession`, `Sandbox`,
 `stop_sandboxes`, `install_signal_teardown`); then the thin `python -m hf_sandbox_provider` CLI (smoke,
@@ -405,7 +405,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
                 replicas = _ReplicaSet(self, settings, token, self._proxy_instance())  # bad overrides fail here
                 with self._lock:
                     self._replicas = replicas
-            base_url = self._jobs.start(self, settings, token)
+            base_url = self._jobs._start_jobs(settings, token)
             started = True
             return base_url
         finally:
@@ -420,7 +420,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         budget = self._active["ready_timeout_s"] if timeout_s is None else timeout_s
         _raise_if_rejected(_positive_number_rejection("timeout_s", budget))
         try:
-            self._jobs.wait_ready(self, base_url or self.base_url, float(budget))
+            self._jobs._wait_ready(base_url or self.base_url, float(budget))
         except BaseException:
             self._teardown()
             raise
@@ -511,7 +511,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         if replicas is None:
             raise SandboxError("replica_status() needs a provider started with replicas > 1 (this one runs %s); "
                                "use .stage and .job_id for a single job" % (self.job_id or "no job"))
-        return replicas.status(self, refresh)
+        return replicas.status(refresh)
 
     @property
     def phase(self) -> Phase:
@@ -521,13 +521,13 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
     @property
     def job_ids(self) -> List[str]:
         """Every job of this provider: K with replicas, else the one job (empty before a start)."""
-        return self._jobs.job_ids(self)
+        return self._jobs._job_ids()
 
     @property
     def stage(self) -> Optional[str]:
         """The job's stage. With replicas: the least advanced stage of the live jobs (SCHEDULING until
         all K run), or, once every job has ended, their common end stage (ERROR if any failed)."""
-        return self._jobs.stage(self)
+        return self._jobs._job_stage()
 
     @stage.setter
     def stage(self, value: Optional[str]) -> None:
@@ -693,9 +693,9 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
 
     @property
     def _jobs(self) -> Any:
-        """What runs this provider's jobs: its `_ReplicaSet` after a start with replicas, else its own
-        single job (`_ONE_JOB`). Both offer start, wait_ready, teardown, job_ids and stage."""
-        return self._replicas or _ONE_JOB
+        """What runs this provider's jobs: its `_ReplicaSet` after a start with replicas, else the provider
+        itself (one job). Both offer `_start_jobs`, `_wait_ready`, `_teardown_jobs`, `_job_ids`, `_job_stage`."""
+        return self._replicas or self
 
     def _hooks(self) -> "HFSandboxProvider":
         """Whose overridable hooks this job uses: its own, or for a replica job its owner's."""
@@ -705,7 +705,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
     def _teardown(self, client: Optional["_JobsClient"] = None) -> None:
         """Unmount and cancel, logging (never raising) what could not be cleaned up. `client` is the
         starting thread's own, in case a concurrent stop already took ours."""
-        self._jobs.teardown(self, client)
+        self._jobs._teardown_jobs(client)
 
     # -- one job ------------------------------------------------------------------------------------------
 
@@ -732,7 +732,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
     def _elapsed(self) -> float:
         return time.monotonic() - self._submitted_at
 
-    def _start_job(self, settings: Dict[str, Any], token: str) -> str:
+    def _start_jobs(self, settings: Dict[str, Any], token: str) -> str:
         self._active = settings
         client = self._job_client = _JobsClient(self.endpoint, token, self._hooks()._new_session())
         start_label = self._start_label = uuid.uuid4().hex
@@ -752,24 +752,18 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
                 self._move(Phase.STARTING)  # from here on every teardown cancels this job
                 self.timings["created"] = self._elapsed()
             recorded = True
-            self._arm_safety_net(client, None, None)
+            self._swap_finalizer(self._safety_net(client, None, None))
             self._observe(job)
             self._watch_job(client, job)
             try:
                 upstream = self._wait_for_url(client, settings)
             finally:
                 self._unwatch_job()
-            if self._stop_requested.is_set():
-                raise SandboxError("stop_container() was called while job %s was starting" % self.job_id)
+            self._raise_if_stopped()
             proxy = self._proxy_instance()
             self.upstream_url = upstream
             base_url = proxy.mount(upstream, token=token, verify=settings["verify"])
-            with self._lock:  # a stop from now on sees the route and unmounts it
-                self._mounted_on, self.base_url = proxy, base_url
-            self._arm_safety_net(client, proxy, base_url)
-            if self._stop_requested.is_set():  # a stop that ran during mount() saw no route to unmount
-                raise SandboxError("stop_container() was called while job %s was starting" % self.job_id)
-            self.timings["url"] = self._elapsed()
+            self._publish_route(proxy, base_url, self._safety_net(client, proxy, base_url))
             logger.info("HF job %s serving at %s (%.1fs after submit)", self.job_id, upstream, self._elapsed())
             return base_url
         except BaseException:
@@ -779,12 +773,34 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
             self._teardown(client)
             raise
 
-    def _teardown_job(self, client: Optional["_JobsClient"]) -> None:
+    def _teardown_jobs(self, client: Optional["_JobsClient"]) -> None:
         gone = self._detach()
         cancelled = _release_job(client or gone.client, gone.namespace, gone.job_id, gone.proxy, gone.base_url,
                                  gone.job_url)
         if cancelled and self._stage not in TERMINAL_STAGES:
             self._stage = "CANCELED"
+
+    def _job_ids(self) -> List[str]:
+        return [self.job_id] if self.job_id else []
+
+    def _job_stage(self) -> Optional[str]:
+        return self._stage
+
+    def _raise_if_stopped(self) -> None:
+        """A start or readiness wait gives up once a stop was requested (its teardown cancels the job)."""
+        if self._stop_requested.is_set():
+            raise SandboxError("stop_container() was called while %s starting" % (
+                "the %d replicas were" % len(self._replicas.children) if self._replicas is not None
+                else "job %s was" % self.job_id))
+
+    def _publish_route(self, proxy: "_proxy.AuthProxy", base_url: str, finalizer: "weakref.finalize") -> None:
+        """Record the mounted route, so a stop from now on unmounts it, and make `finalizer` the safety net.
+        A stop that ran during the mount saw no route to unmount: then the start gives up here."""
+        with self._lock:
+            self._mounted_on, self.base_url = proxy, base_url
+        self._swap_finalizer(finalizer)
+        self._raise_if_stopped()
+        self.timings["url"] = self._elapsed()
 
     def _observe(self, job: Mapping[str, Any]) -> str:
         """Record the job's stage; log a line when it changes."""
@@ -799,8 +815,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
 
     def _raise_if_terminal(self, client: "_JobsClient", job: Mapping[str, Any]) -> None:
         stage = self._observe(job)
-        if self._stop_requested.is_set():
-            raise SandboxError("stop_container() was called while job %s was starting" % self.job_id)
+        self._raise_if_stopped()
         if stage in TERMINAL_STAGES:
             message = (job.get("status") or {}).get("message")
             tail = client.job_logs(self._job_namespace or "", self.job_id or "", tail=LOG_TAIL_LINES)
@@ -827,8 +842,8 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
             raise watch.error
         if watch.job is not None:
             self._raise_if_terminal(client, watch.job)
-        elif self._stop_requested.is_set():
-            raise SandboxError("stop_container() was called while job %s was starting" % self.job_id)
+        else:
+            self._raise_if_stopped()
         return watch.job
 
     def _wait_for_url(self, client: "_JobsClient", settings: Mapping[str, Any]) -> str:
@@ -852,7 +867,8 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
                         job_id, settings["start_timeout_s"], self.stage), job_id, self.stage)
             self._wake.wait(remaining)
 
-    def _wait_healthy(self, url: str, budget: float) -> None:
+    def _wait_ready(self, base_url: str, budget: float) -> None:
+        url = base_url.rstrip("/") + "/health"
         client = self._job_client
         if client is None:
             raise SandboxError("job %s was stopped before it became ready" % self.job_id)
@@ -891,12 +907,12 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         finally:
             self._unwatch_job()
 
-    def _arm_safety_net(self, client: "_JobsClient", proxy: Optional["_proxy.AuthProxy"],
-                        base_url: Optional[str]) -> None:
-        """(Re)arm the finalizer that releases the job at collection or exit; it holds the job's client and
-        ids, never the provider, so the provider stays collectable."""
-        self._swap_finalizer(weakref.finalize(self, _release_abandoned_job, client, self._job_namespace,
-                                              self.job_id, proxy, base_url, self.job_url))
+    def _safety_net(self, client: "_JobsClient", proxy: Optional["_proxy.AuthProxy"],
+                    base_url: Optional[str]) -> "weakref.finalize":
+        """The finalizer that releases the job at collection or exit; it holds the job's client and ids,
+        never the provider, so the provider stays collectable."""
+        return weakref.finalize(self, _release_abandoned_job, client, self._job_namespace, self.job_id, proxy,
+                                base_url, self.job_url)
 
     def _swap_finalizer(self, finalizer: "weakref.finalize") -> None:
         """Make `finalizer` this provider's safety net, retiring the one it replaces."""
@@ -928,40 +944,12 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
 
 
 # --------------------------------------------------------------------------------------------------
-# What runs a provider's jobs: its own single job, or a replica set of K single-job providers
+# Replicas: K single-job providers behind one route, run for the provider that owns them
 # --------------------------------------------------------------------------------------------------
 
 
-class _OneJob:
-    """The provider's own single job. `_ReplicaSet` offers the same five operations for K jobs, so the
-    provider delegates to one or the other (`HFSandboxProvider._jobs`) and never branches on replicas."""
-
-    @staticmethod
-    def start(provider: HFSandboxProvider, settings: Dict[str, Any], token: str) -> str:
-        return provider._start_job(settings, token)
-
-    @staticmethod
-    def wait_ready(provider: HFSandboxProvider, base_url: str, budget: float) -> None:
-        provider._wait_healthy(base_url.rstrip("/") + "/health", budget)
-
-    @staticmethod
-    def teardown(provider: HFSandboxProvider, client: Optional["_JobsClient"]) -> None:
-        provider._teardown_job(client)
-
-    @staticmethod
-    def job_ids(provider: HFSandboxProvider) -> List[str]:
-        return [provider.job_id] if provider.job_id else []
-
-    @staticmethod
-    def stage(provider: HFSandboxProvider) -> Optional[str]:
-        return provider._stage
-
-
-_ONE_JOB = _OneJob()
-
-
 class _ReplicaSet:
-    """K jobs of one image behind ONE replica route, for the provider that owns them (passed to every call).
+    """K jobs of one image behind ONE replica route, for the provider that owns them (its `_jobs`).
 
     Each replica is a plain single-job `HFSandboxProvider` built from the owner's settings for its index,
     with the owner's proxy, token and hooks (through a weak reference); each is probed on its own route.
@@ -976,6 +964,7 @@ class _ReplicaSet:
             if reason or item.get("replicas") != 1:
                 raise SandboxConfigError("_replica_settings(%d): %s" % (index, reason or "replicas must stay 1"))
         self.proxy = proxy
+        self._owner = weakref.ref(owner)  # weak: the owner holds this set and must stay collectable
         self.children = [self._replica(owner, item, token, proxy) for item in per_replica]
         self.removed: Dict[int, str] = {}  # why a replica left the route, by index
         self.checked: Dict[int, float] = {}  # when status() last inspected each replica's job
@@ -989,12 +978,16 @@ class _ReplicaSet:
         child._owner = weakref.ref(owner)
         return child
 
+    @property
+    def owner(self) -> HFSandboxProvider:
+        return self._owner()  # type: ignore[return-value]  # alive: only the owner calls its set
+
     # -- the five operations the provider delegates ---------------------------------------------------
 
-    def start(self, owner: HFSandboxProvider, settings: Dict[str, Any], token: str) -> str:
+    def _start_jobs(self, settings: Dict[str, Any], token: str) -> str:
         """Start the K jobs in parallel, then mount one replica route over their URLs. Any failure
         cancels all K and raises one ReplicaStartError."""
-        count, proxy = len(self.children), self.proxy
+        owner, count, proxy = self.owner, len(self.children), self.proxy
         owner._active = settings
         owner._submitted_at = time.monotonic()
         with owner._lock:
@@ -1008,67 +1001,65 @@ class _ReplicaSet:
                 if group.stopping or owner._stop_requested.is_set():  # given up before this one began
                     child._request_stop()
                     raise SandboxError("replica %d was not started: the start was given up" % index)
-                child._start_job(child._settings({}), token)
+                child._start_jobs(child._settings({}), token)
                 started = True
             finally:
                 child._end_start(started)
 
         try:
             logger.info("starting %d replica jobs of %s", count, settings["image"])
-            group = self._parallel(owner, start_one)
+            group = self._parallel(start_one)
             group.run("hf-sandbox-replica-start")
-            self._raise_if_failed(owner, group, "start")
+            self._raise_if_failed(group, "start")
             first = self.children[0]
             with owner._lock:
                 owner.job_id, owner.job_url, owner._job_namespace = first.job_id, first.job_url, first._job_namespace
                 owner.upstream_url = first.upstream_url
             base_url = proxy.mount_replicas([child.upstream_url for child in self.children], token=token,
                                             verify=settings["verify"])
-            with owner._lock:  # from now on a stop sees the route (an earlier stop cleared _mounted_on)
-                owner._mounted_on, owner.base_url = proxy, base_url
+            owner.timings["created"] = self._all_reached("created")
+            owner.timings["running"] = self._all_reached("running")
             # The owner's safety net unmounts the route if it is collected (each replica's own cancels its job).
-            owner._swap_finalizer(weakref.finalize(owner, _release_job, None, None, None, proxy, base_url, None))
-            if owner._stop_requested.is_set():  # a stop that ran before base_url was set left the route
-                raise SandboxError("stop_container() was called while the %d replicas were starting" % count)
-            owner.timings["created"] = self._all_reached(owner, "created")
-            owner.timings["running"] = self._all_reached(owner, "running")
-            owner.timings["url"] = owner._elapsed()
+            owner._publish_route(proxy, base_url, weakref.finalize(owner, _release_job, None, None, None, proxy,
+                                                                   base_url, None))
             logger.info("%d replica jobs (%s) serving on one route (%.1fs after submit)", count,
-                        ", ".join(self.job_ids(owner)), owner._elapsed())
+                        ", ".join(self._job_ids()), owner._elapsed())
             return base_url
         except BaseException:
             owner._teardown()
             raise
 
-    def wait_ready(self, owner: HFSandboxProvider, base_url: str, budget: float) -> None:
+    def _wait_ready(self, base_url: str, budget: float) -> None:
         """Wait for every replica's own /health (in parallel); one failure fails them all."""
-        group = self._parallel(owner, lambda index, child: child.wait_for_ready(timeout_s=budget))
+        owner = self.owner
+        group = self._parallel(lambda index, child: child.wait_for_ready(timeout_s=budget))
         group.run("hf-sandbox-replica-ready")
-        self._raise_if_failed(owner, group, "become ready")
+        self._raise_if_failed(group, "become ready")
         owner.timings["ready"] = owner._elapsed()
         logger.info("%d replica jobs ready (%.1fs after submit)", len(self.children), owner._elapsed())
 
-    def teardown(self, owner: HFSandboxProvider, client: Optional["_JobsClient"]) -> None:
+    def _teardown_jobs(self, client: Optional["_JobsClient"]) -> None:
         """Unmount the replica route, then stop every replica (each names a job it could not cancel)."""
-        gone = owner._detach()
+        gone = self.owner._detach()
         if gone.base_url and gone.proxy is not None:
             try:
                 gone.proxy.unmount(gone.base_url)
             except Exception as exc:
                 logger.warning("could not unmount the replica route of jobs %s (%s)",
-                               ", ".join(self.job_ids(owner)), type(exc).__name__)
+                               ", ".join(self._job_ids()), type(exc).__name__)
         stop_all(self.children)
 
-    def job_ids(self, owner: HFSandboxProvider) -> List[str]:
+    def _job_ids(self) -> List[str]:
         return [child.job_id for child in self.children if child.job_id]
 
-    def stage(self, owner: HFSandboxProvider) -> Optional[str]:
+    def _job_stage(self) -> Optional[str]:
         return _replicas_stage([child.stage for child in self.children])
 
     # -- status -------------------------------------------------------------------------------------------
 
-    def status(self, owner: HFSandboxProvider, refresh: bool) -> List[Dict[str, Any]]:
+    def status(self, refresh: bool) -> List[Dict[str, Any]]:
         """`HFSandboxProvider.replica_status()`: the proxy's view of each replica plus its job's stage."""
+        owner = self.owner
         with owner._lock:
             base_url, proxy = owner.base_url, owner._mounted_on
         entries = self._route_entries(proxy, base_url)
@@ -1118,20 +1109,20 @@ class _ReplicaSet:
 
     # -- helpers ------------------------------------------------------------------------------------------
 
-    def _parallel(self, owner: HFSandboxProvider, action: Callable[[int, HFSandboxProvider], None]) -> "_Parallel":
+    def _parallel(self, action: Callable[[int, HFSandboxProvider], None]) -> "_Parallel":
         """All K replicas at once, all or nothing, given up when the owner is stopped."""
+        owner = self.owner
         return _Parallel(self.children, action, len(self.children), True, owner._stop_requested, owner._wake)
 
-    def _raise_if_failed(self, owner: HFSandboxProvider, group: "_Parallel", phase: str) -> None:
-        if owner._stop_requested.is_set():
-            raise SandboxError("stop_container() was called while the %d replicas were starting"
-                               % len(self.children))
+    def _raise_if_failed(self, group: "_Parallel", phase: str) -> None:
+        self.owner._raise_if_stopped()
         if group.errors:
             raise ReplicaStartError(phase, len(self.children), group.errors, group.aborted,
                                     [child.job_id for child in self.children if child.job_id])
 
-    def _all_reached(self, owner: HFSandboxProvider, key: str) -> float:
+    def _all_reached(self, key: str) -> float:
         """Seconds from the owner's submit until every replica had reached `key` of its timings."""
+        owner = self.owner
         moments = [child._submitted_at + child.timings[key] for child in self.children if key in child.timings]
         return max(moments) - owner._submitted_at if moments else owner._elapsed()
 
