@@ -45,6 +45,9 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Opt
 from urllib.parse import urlsplit
 
 import requests
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import (AcceptConnection, BytesMessage, CloseConnection, Ping, RejectConnection, RejectData,
+                            Request, TextMessage)
 
 if __package__:  # vendored inside a package: the proxy module sits next to this one
     from . import proxy as _proxy
@@ -911,8 +914,8 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
                     base_url: Optional[str]) -> "weakref.finalize":
         """The finalizer that releases the job at collection or exit; it holds the job's client and ids,
         never the provider, so the provider stays collectable."""
-        return weakref.finalize(self, _release_abandoned_job, client, self._job_namespace, self.job_id, proxy,
-                                base_url, self.job_url)
+        return weakref.finalize(self, _release_job, client, self._job_namespace, self.job_id, proxy, base_url,
+                                self.job_url, abandoned=True)
 
     def _swap_finalizer(self, finalizer: "weakref.finalize") -> None:
         """Make `finalizer` this provider's safety net, retiring the one it replaces."""
@@ -2061,17 +2064,15 @@ def _cancel_briefly(client: "_JobsClient", namespace: str, job_id: str) -> Optio
     return reason
 
 
-def _release_abandoned_job(*args: Any) -> None:
-    """Safety net: a provider was garbage-collected or the interpreter is exiting with its job running."""
-    logger.warning("HF job %s is still running at exit (or its provider was garbage-collected): cancelling it",
-                   args[2])
-    _release_job(*args)
-
-
 def _release_job(client: Optional["_JobsClient"], namespace: Optional[str], job_id: Optional[str],
-                 proxy: Optional["_proxy.AuthProxy"], base_url: Optional[str], job_url: Optional[str]) -> bool:
+                 proxy: Optional["_proxy.AuthProxy"], base_url: Optional[str], job_url: Optional[str],
+                 abandoned: bool = False) -> bool:
     """Unmount the route and cancel the job, warning (never raising) about what could not be done; True
-    when cancelled. Plain values, never the provider: the exit safety net uses it too."""
+    when cancelled. Plain values, never the provider: the safety net (`abandoned`: a provider collected,
+    or the interpreter exiting, with its job running) uses it too."""
+    if abandoned and job_id:
+        logger.warning("HF job %s is still running at exit (or its provider was garbage-collected): cancelling it",
+                       job_id)
     problems = []
     cancelled = False
     try:
@@ -2194,9 +2195,6 @@ class EnvSession:
     def __init__(self, base_url: str, *, timeout_s: float = SESSION_TIMEOUT_S,
                  connect_timeout_s: float = SESSION_CONNECT_TIMEOUT_S, verify: Union[bool, str] = True,
                  path: str = "/ws") -> None:
-        from wsproto import ConnectionType, WSConnection
-        from wsproto.events import Request
-
         _raise_if_rejected(_positive_number_rejection("timeout_s", timeout_s)
                            or _positive_number_rejection("connect_timeout_s", connect_timeout_s)
                            or _session_url_rejection(base_url))
@@ -2277,8 +2275,6 @@ class EnvSession:
     def close(self) -> None:
         """Send OpenEnv's `close` and a close frame, then release the socket; idempotent, never raises. While
         another thread waits for a reply it shuts the socket down, so that thread gets `SessionError` at once."""
-        from wsproto.events import CloseConnection
-
         if not self._lock.acquire(blocking=False):
             self._closed = True
             try:
@@ -2324,8 +2320,6 @@ class EnvSession:
             pass
 
     def _handshake(self, deadline: float) -> None:
-        from wsproto.events import AcceptConnection, RejectConnection, RejectData
-
         event = self._next_event(deadline)
         if isinstance(event, RejectConnection):
             status, headers = event.status_code, {k.lower(): v for k, v in event.headers}
@@ -2344,13 +2338,9 @@ class EnvSession:
         self._sock.sendall(self._ws.send(event))
 
     def _send_message(self, text: str) -> None:
-        from wsproto.events import TextMessage
-
         self._send(TextMessage(data=text))
 
     def _receive(self, deadline: float) -> Dict[str, Any]:
-        from wsproto.events import BytesMessage, CloseConnection, Ping, TextMessage
-
         parts: List[Any] = []
         size = 0
         while True:
