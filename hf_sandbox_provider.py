@@ -11,10 +11,11 @@ watcher thread (one Jobs API call per interval for all starting jobs) and one AP
 puts K jobs of one image behind one route (sessions spread by the proxy, least sessions first).
 
 Read top to bottom: constants, errors, the job lifecycle (`Phase`), the provider, what runs its jobs
-(its own single job, or a `_ReplicaSet`), parallel launch (`start_many`, `stop_all`), settings
-validation, the small Jobs REST client, the process-wide API budget and job watcher, teardown and the
-exit hook, then the thin `python -m hf_sandbox_provider` CLI (smoke, sweep; `bench` runs
-benchmarks/lifecycle.py of a repository checkout). Vendoring: copy this file and proxy.py; the local
+(itself for one job, a `_ReplicaSet` for K), `_Parallel` (start_many's and a replica set's workers) and
+`stop_all`, settings validation, the small Jobs REST client, the process-wide API budget and job
+watcher, teardown and the exit hook; then the trainer-side layer (`EnvSession`, `Sandbox`,
+`stop_sandboxes`, `install_signal_teardown`); then the thin `python -m hf_sandbox_provider` CLI (smoke,
+sweep; `bench` runs benchmarks/lifecycle.py of a repository checkout). Vendoring: copy this file and proxy.py; the local
 emulator (hf_jobs_emulator.py) is imported only by `smoke --local`.
 """
 
@@ -44,6 +45,9 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Opt
 from urllib.parse import urlsplit
 
 import requests
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import (AcceptConnection, BytesMessage, CloseConnection, Ping, RejectConnection, RejectData,
+                            Request, TextMessage)
 
 if __package__:  # vendored inside a package: the proxy module sits next to this one
     from . import proxy as _proxy
@@ -56,20 +60,13 @@ _is_loopback_host = _proxy._is_loopback_host
 _discover_token = _proxy._discover_token
 
 __all__ = [
-    "HFSandboxProvider",
-    "Phase",
-    "SandboxError",
-    "SandboxConfigError",
-    "JobFailedError",
-    "JobStartTimeout",
-    "JobsAPIError",
-    "StartManyError",
-    "ReplicaStartError",
-    "stop_all",
-    "InsecureURLError",
-    "DEFAULT_COMMAND_TEMPLATE",
-    "KNOWN_FLAVORS",
-    "main",
+    # the provider and its errors
+    "HFSandboxProvider", "Phase", "SandboxError", "SandboxConfigError", "JobFailedError", "JobStartTimeout",
+    "JobsAPIError", "StartManyError", "ReplicaStartError", "stop_all", "InsecureURLError",
+    "DEFAULT_COMMAND_TEMPLATE", "KNOWN_FLAVORS", "main",
+    # the trainer-side layer
+    "EnvSession", "SessionError", "SessionRefusedError", "SessionTimeout", "EnvError", "Sandbox",
+    "stop_sandboxes", "install_signal_teardown", "uninstall_signal_teardown",
 ]
 
 __version__ = "0.1.0"
@@ -158,6 +155,9 @@ MAX_REPLICAS = 64
 REPLICA_CHECK_INTERVAL_S = 5.0
 # stop_all(): cancels run this many at a time (each is one API call plus a brief retry).
 STOP_PARALLEL = 32
+# stop_container() during a start in another thread waits this long for that start to end (its create
+# answered, its job cancelled), so it never returns while a job it could not see may still be made.
+STOP_WAIT_S = 30.0
 # Stages after which a job never runs again (one list shared with the emulator, in proxy.py).
 TERMINAL_STAGES = frozenset(_proxy.JOB_TERMINAL_STAGES)
 # What OpenEnv's image template runs (openenv/cli/templates/openenv_env/server/Dockerfile, CMD:
@@ -221,10 +221,7 @@ class JobStartTimeout(SandboxError, TimeoutError):
 
 class StartManyError(SandboxError):
     """start_many() could not bring every environment up; every job it started was cancelled.
-
-    `errors` lists `(index, exception)` per environment that failed; `aborted` counts the starts
-    given up (and cancelled) because of those failures.
-    """
+    `errors`: `(index, exception)` per failure; `aborted`: starts given up because of them."""
 
     def __init__(self, total: int, errors: Sequence[Tuple[int, BaseException]], aborted: int = 0):
         self.errors = sorted(errors, key=lambda item: item[0])
@@ -238,12 +235,8 @@ class StartManyError(SandboxError):
 
 
 class ReplicaStartError(SandboxError):
-    """Some of a provider's K replica jobs failed to start or become ready; all K jobs were cancelled.
-
-    `errors` lists `(replica index, exception)` per replica that failed (each exception names its job
-    when it had one); `aborted` counts the replicas given up because of those failures; `job_ids`
-    are the jobs that were created (every one cancelled).
-    """
+    """Some of K replica jobs failed to start or become ready; all K were cancelled.
+    `errors`: `(replica index, exception)`; `aborted`: replicas given up; `job_ids`: the jobs created."""
 
     def __init__(self, phase: str, total: int, errors: Sequence[Tuple[int, BaseException]], aborted: int,
                  job_ids: Sequence[str]):
@@ -283,11 +276,8 @@ class JobsAPIError(SandboxError):
 
 
 class Phase(enum.Enum):
-    """Where a provider is in its job's life (`HFSandboxProvider.phase`).
-
-    Only `HFSandboxProvider._move()` changes it, under the provider's lock and along `_PHASE_MOVES`,
-    so a stop racing a start always finds one consistent answer to "is there a job to cancel?".
-    """
+    """Where a provider is in its job's life (`HFSandboxProvider.phase`). Only `_move()` changes it, under
+    the provider's lock and along `_PHASE_MOVES`, so a stop racing a start sees one consistent answer."""
 
     IDLE = "idle"              # no job: start_container() may begin (also after a stop)
     SUBMITTING = "submitting"  # a start is claimed; its create call is in flight, no job recorded yet
@@ -347,18 +337,9 @@ _ProviderBase = _container_provider_base()
 class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
     """One OpenEnv environment server running as an HF Job, reachable through the local auth proxy.
 
-    Every setting is validated at construction and again per start (before any network call). The
-    job is cancelled by `stop_container()`/`close()`/leaving the `with` block, by any failure after
-    it was created, and at interpreter exit; its `job_timeout` bounds the bill if all of that fails.
-
-    `replicas=K` (K > 1) runs K jobs of the same image and settings behind ONE proxy route, for
-    servers that host many WebSocket sessions each (`MAX_CONCURRENT_ENVS`): each new session goes to
-    the job with the fewest open sessions. All K start and become ready, or every one is cancelled and
-    `ReplicaStartError` names each failure. `job_id` is the first job's, `job_ids` lists all K, and
-    `replica_status()` reports each job's sessions, health and stage. HTTP on the replicated base URL
-    follows the proxy's rule: only `GET`/`HEAD` of /health, /metadata and /schema are forwarded; any
-    other request (e.g. the legacy HTTP /reset and /step, which keep one environment per server) gets
-    `409` with `X-Proxy-Error: replicated-http-refused`, so use the WebSocket session.
+    Settings are validated at construction and per start, before any network call. The job is cancelled
+    by `stop_container()`, by any failure after its create, and at exit; `job_timeout` bounds the rest.
+    `replicas=K` puts K jobs behind one route (sessions go to the least busy; see docs/replicas.md).
     """
 
     # What a pickled provider carries: its settings (and explicit token), never its job, lock, threads
@@ -367,27 +348,15 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         "image", "command", "port", "flavor", "namespace", "endpoint", "env_vars", "secrets", "labels",
         "job_timeout", "start_timeout_s", "ready_timeout_s", "poll_interval_s", "verify", "replicas", "_token")
 
-    def __init__(
-        self,
-        image: Optional[str] = None,
-        *,
-        command: Union[None, str, Sequence[str]] = None,
-        port: int = DEFAULT_PORT,
-        flavor: str = DEFAULT_FLAVOR,
-        namespace: Optional[str] = None,
-        token: Optional[str] = None,
-        endpoint: Optional[str] = None,
-        env_vars: Optional[Mapping[str, Any]] = None,
-        secrets: Optional[Mapping[str, Any]] = None,
-        labels: Optional[Mapping[str, str]] = None,
-        job_timeout: Union[int, float, str] = DEFAULT_JOB_TIMEOUT_S,
-        start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
-        ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
-        poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
-        verify: Union[bool, str] = True,
-        proxy: Optional["_proxy.AuthProxy"] = None,
-        replicas: int = 1,
-    ) -> None:
+    def __init__(self, image: Optional[str] = None, *, command: Union[None, str, Sequence[str]] = None,
+                 port: int = DEFAULT_PORT, flavor: str = DEFAULT_FLAVOR, namespace: Optional[str] = None,
+                 token: Optional[str] = None, endpoint: Optional[str] = None,
+                 env_vars: Optional[Mapping[str, Any]] = None, secrets: Optional[Mapping[str, Any]] = None,
+                 labels: Optional[Mapping[str, str]] = None,
+                 job_timeout: Union[int, float, str] = DEFAULT_JOB_TIMEOUT_S,
+                 start_timeout_s: float = DEFAULT_START_TIMEOUT_S, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
+                 poll_interval_s: float = DEFAULT_POLL_INTERVAL_S, verify: Union[bool, str] = True,
+                 proxy: Optional["_proxy.AuthProxy"] = None, replicas: int = 1) -> None:
         self.image = image
         self.command = command
         self.port = port
@@ -416,12 +385,8 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
                         env_vars: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> str:
         """Submit the job, wait for its exposed URL, mount it on the proxy and return the base URL.
 
-        `image` defaults to the constructor's; `env_vars` are merged over the constructor's; the
-        keywords in `_OVERRIDABLE` override the constructor for this start. Other keywords OpenEnv
-        passes (e.g. `wait_timeout`, Docker-specific options) are ignored with a debug log.
-        Any failure or interrupt after the job was created cancels it before the error propagates.
-        With `replicas` > 1, K jobs start in parallel and the returned URL is their replica route; if
-        any fails, all are cancelled and `ReplicaStartError` names each failure.
+        Keywords in `_OVERRIDABLE` override the constructor for this start; other OpenEnv keywords are
+        ignored (debug log). Any failure or interrupt after the create cancels the job (all K with replicas).
         """
         overrides = {}
         for key, value in kwargs.items():
@@ -443,28 +408,22 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
                 replicas = _ReplicaSet(self, settings, token, self._proxy_instance())  # bad overrides fail here
                 with self._lock:
                     self._replicas = replicas
-            base_url = self._jobs.start(self, settings, token)
+            base_url = self._jobs._start_jobs(settings, token)
             started = True
             return base_url
         finally:
             self._end_start(started)
 
     def wait_for_ready(self, base_url: Optional[str] = None, timeout_s: Optional[float] = None) -> None:
-        """Poll `/health` through the proxy until it answers 200, watching the job's stage meanwhile.
+        """Poll `/health` through the proxy until 200, watching the job's stage (each replica's, in parallel).
 
-        Connection errors and 502/503/504 mean "not yet"; a terminal stage raises `JobFailedError`
-        at once; the deadline (`timeout_s`, default `ready_timeout_s`) raises `JobStartTimeout`.
-        On any failure or interrupt the job is cancelled before the error propagates.
-        With replicas, every job's own /health is polled (in parallel, each through its own route:
-        the replicated URL reaches only one of them) and `base_url` is not used; one failure cancels
-        all K jobs and raises `ReplicaStartError`.
-        """
+        A terminal stage raises `JobFailedError`, the deadline `JobStartTimeout`; any failure cancels the job."""
         if self._phase is not Phase.RUNNING or self.base_url is None:
             raise SandboxError("wait_for_ready() needs a started provider: call start_container() first")
         budget = self._active["ready_timeout_s"] if timeout_s is None else timeout_s
         _raise_if_rejected(_positive_number_rejection("timeout_s", budget))
         try:
-            self._jobs.wait_ready(self, base_url or self.base_url, float(budget))
+            self._jobs._wait_ready(base_url or self.base_url, float(budget))
         except BaseException:
             self._teardown()
             raise
@@ -477,11 +436,9 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
                               Tuple[List["HFSandboxProvider"], List[Tuple[int, BaseException]]]]:
         """Start `n` providers, at most `max_parallel` at a time, and wait until each is ready.
 
-        `all_or_nothing=True` (default): returns the list of n ready providers, or stops every job it
-        started and raises one `StartManyError` listing each failure. `all_or_nothing=False`: returns
-        `(ready_providers, errors)` with `errors` a list of `(index, exception)`. `progress`: True prints
-        a line per finished environment to stderr; a callable gets `(ready, failed, n)` instead.
-        The providers share the process-wide proxy and job watcher; stop each (or use `stop_all`).
+        All or nothing (default): the n providers, or every job cancelled and one `StartManyError`. Else
+        `(ready_providers, [(index, exception)])`. `progress`: True prints a line per environment to
+        stderr; a callable gets `(ready, failed, n)`.
         """
         _raise_if_rejected(_positive_int_rejection("n", n) or _positive_int_rejection("max_parallel", max_parallel))
         if not (isinstance(progress, bool) or callable(progress)):
@@ -489,19 +446,27 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         providers = [cls(image, **provider_kwargs) for _ in range(n)]  # bad settings fail here, before any job
         _raise_if_rejected(_image_rejection(providers[0].image))
         providers[0]._resolve_token()  # no token: one SandboxConfigError now, not n failures later
-        launch = _Launch(providers, all_or_nothing, progress)
-        workers = [threading.Thread(target=launch.work, name="hf-sandbox-start-%d" % i, daemon=True)
-                   for i in range(min(max_parallel, n))]
+        began = time.monotonic()
+
+        def report(index: int, error: Optional[BaseException]) -> None:
+            ready, failed = len(launch.ready), len(launch.errors)
+            if callable(progress):
+                try:
+                    progress(ready, failed, n)
+                except Exception:  # the caller's display must not kill a launch worker (and lose its work)
+                    logger.warning("start_many: the progress callback raised; ignoring it", exc_info=True)
+            elif progress:
+                line = "start_many: %d/%d ready, %d failed (%.1fs)" % (ready, n, failed, time.monotonic() - began)
+                if error is not None:
+                    line += "; environment %d: %s" % (index, str(error).splitlines()[0] if str(error)
+                                                      else type(error).__name__)
+                print(line, file=sys.stderr, flush=True)
+
+        launch = _Parallel(providers, lambda index, p: p.wait_for_ready(p.start_container()), max_parallel,
+                           all_or_nothing, on_done=report)
         try:
-            for worker in workers:
-                worker.start()
-            for worker in workers:
-                while worker.is_alive():
-                    worker.join(0.5)  # short joins: a Ctrl-C reaches this thread
+            launch.run("hf-sandbox-start")
         except BaseException:
-            launch.abort()
-            for worker in workers:
-                worker.join()
             stop_all(providers)
             raise
         if launch.errors and all_or_nothing:
@@ -519,6 +484,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         try:
             self._request_stop()  # a start or readiness wait in another thread notices at once
             self._teardown()
+            self._wait_for_start_to_end()
         except BaseException:  # a teardown must never mask the caller's own exception
             logger.exception("unexpected error while stopping HF job %s", self.job_id)
 
@@ -542,18 +508,13 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
 
     def replica_status(self, refresh: bool = False) -> List[Dict[str, Any]]:
         """Per replica job, in start order: the proxy's view (`upstream`, `open_sessions`, `healthy`,
-        `reason`) plus `index`, `job_id`, `stage` and the job's status `message`.
-
-        A replica the proxy took out of rotation (its job did not take a session) has its job
-        inspected; if the job has ended it is removed from the route for good and logged at WARNING
-        with its stage and message. `refresh=True` inspects every replica's job (one API call each),
-        which also finds a dead job no session has tried yet. Needs `replicas` > 1 and a start.
-        """
+        `reason`) plus `index`, `job_id`, `stage`, `message`. A replica out of rotation has its job inspected
+        (all, with `refresh=True`); one that has ended leaves the route for good, with a WARNING."""
         replicas = self._replicas
         if replicas is None:
             raise SandboxError("replica_status() needs a provider started with replicas > 1 (this one runs %s); "
                                "use .stage and .job_id for a single job" % (self.job_id or "no job"))
-        return replicas.status(self, refresh)
+        return replicas.status(refresh)
 
     @property
     def phase(self) -> Phase:
@@ -563,13 +524,13 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
     @property
     def job_ids(self) -> List[str]:
         """Every job of this provider: K with replicas, else the one job (empty before a start)."""
-        return self._jobs.job_ids(self)
+        return self._jobs._job_ids()
 
     @property
     def stage(self) -> Optional[str]:
         """The job's stage. With replicas: the least advanced stage of the live jobs (SCHEDULING until
         all K run), or, once every job has ended, their common end stage (ERROR if any failed)."""
-        return self._jobs.stage(self)
+        return self._jobs._job_stage()
 
     @stage.setter
     def stage(self, value: Optional[str]) -> None:
@@ -626,7 +587,10 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         # One lock guards the phase and the job's handles; re-entrant so a teardown can move the phase
         # while it swaps the handles out, in one critical section.
         self._lock = threading.RLock()
+        self._phase_changed = threading.Condition(self._lock)  # a stop waits on it for the start to end
         self._phase = Phase.IDLE
+        self._starter: Optional[int] = None  # the thread running start_container(), while it runs
+        self._starts = 0  # starts claimed so far: tells a stop which start it waits for
         self._stop_requested = threading.Event()  # "give up": set by stop, and by start_many's abort
         self._wake = threading.Event()  # set by the job watcher on a stage change, and by stop
         self._watch: Optional[_Watch] = None
@@ -645,6 +609,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         self._replicas: Optional[_ReplicaSet] = None  # set by a start with replicas > 1
         self._job_namespace: Optional[str] = None
         self._submitted_at = 0.0
+        self._start_label: Optional[str] = None  # labels the create in flight: a lost answer is found by it
         self._mounted_on: Optional[_proxy.AuthProxy] = None
         self._finalizer: Optional[weakref.finalize] = None
         self._active: Dict[str, Any] = self._settings({})  # this start's settings (after overrides)
@@ -657,6 +622,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
                 raise SandboxError("internal error: a provider in phase %s cannot move to %s"
                                    % (previous.name, phase.name))
             self._phase = phase
+            self._phase_changed.notify_all()
             return previous
 
     def _claim_start(self) -> None:
@@ -668,14 +634,37 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
                     "(or use one provider per environment)" % (self.job_id or "(being created)"))
             self._stop_requested.clear()
             self._reset_job_state()
+            self._starter = threading.get_ident()
+            self._starts += 1
             self._move(Phase.SUBMITTING)
 
     def _end_start(self, started: bool) -> None:
-        """End a start: RUNNING if it returned a URL and no stop landed meanwhile, else IDLE."""
+        """End a start: RUNNING if it returned a URL and no stop landed meanwhile, else IDLE. A start
+        that succeeded just as a stop took (and cancelled) its job raises instead of returning a dead URL."""
         if not started and self._phase is Phase.STARTING:  # a recorded job never outlives a failed start
             self._teardown()
         with self._lock:
-            self._move(Phase.RUNNING if started and self._phase is Phase.STARTING else Phase.IDLE)
+            stopped = self._phase is Phase.STOPPING
+            self._starter = None
+            self._move(Phase.RUNNING if started and not stopped else Phase.IDLE)
+        if started and stopped:
+            raise SandboxError("stop_container() was called while job %s was starting; it was cancelled"
+                               % (self.job_id or "(being created)"))
+
+    def _wait_for_start_to_end(self) -> None:
+        """After a stop's teardown: wait (bounded) until a start in another thread has let go of its job,
+        so a create answered after the stop is cancelled before stop_container() returns."""
+        with self._lock:
+            if self._starter == threading.get_ident():
+                return  # called from the start's own thread (e.g. a hook): it ends after this returns
+            start = self._starts  # a start claimed after this one ended is not waited for
+            if not self._phase_changed.wait_for(
+                    lambda: self._phase not in _START_IN_FLIGHT or self._starts != start, STOP_WAIT_S):
+                logger.warning(
+                    "stop_container(): the start of this provider has not ended after %gs; it cancels its job "
+                    "when its create answers, but if this process exits first look for the job labelled %s=%s "
+                    "(or run `python -m hf_sandbox_provider sweep`)", STOP_WAIT_S, START_LABEL_KEY,
+                    self._start_label)
 
     def _request_stop(self) -> None:
         """Make a start or readiness wait in another thread give up at its next check."""
@@ -688,7 +677,12 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         claimed right after cannot swap the job's identity under the teardown. Retires the safety net."""
         with self._lock:
             held = self._phase in _JOB_HELD
-            self._move(Phase.STOPPING if self._phase in _START_IN_FLIGHT else Phase.IDLE)
+            if self._phase in _START_IN_FLIGHT:
+                # Under the lock, after the start's claim cleared any earlier request: it cannot be lost.
+                self._request_stop()
+                self._move(Phase.STOPPING)
+            else:
+                self._move(Phase.IDLE)
             detached = _Detached(self.job_id if held else None, self._job_namespace, self.job_url,
                                  self.base_url, self._mounted_on, self._job_client)
             finalizer, self._finalizer = self._finalizer, None
@@ -702,9 +696,9 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
 
     @property
     def _jobs(self) -> Any:
-        """What runs this provider's jobs: its `_ReplicaSet` after a start with replicas, else its own
-        single job (`_ONE_JOB`). Both offer start, wait_ready, teardown, job_ids and stage."""
-        return self._replicas or _ONE_JOB
+        """What runs this provider's jobs: its `_ReplicaSet` after a start with replicas, else the provider
+        itself (one job). Both offer `_start_jobs`, `_wait_ready`, `_teardown_jobs`, `_job_ids`, `_job_stage`."""
+        return self._replicas or self
 
     def _hooks(self) -> "HFSandboxProvider":
         """Whose overridable hooks this job uses: its own, or for a replica job its owner's."""
@@ -712,11 +706,9 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         return owner if owner is not None else self
 
     def _teardown(self, client: Optional["_JobsClient"] = None) -> None:
-        """Unmount and cancel; log (never raise) whatever could not be cleaned up.
-
-        `client` is the starting thread's own client, in case a concurrent stop already took ours.
-        """
-        self._jobs.teardown(self, client)
+        """Unmount and cancel, logging (never raising) what could not be cleaned up. `client` is the
+        starting thread's own, in case a concurrent stop already took ours."""
+        self._jobs._teardown_jobs(client)
 
     # -- one job ------------------------------------------------------------------------------------------
 
@@ -743,28 +735,19 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
     def _elapsed(self) -> float:
         return time.monotonic() - self._submitted_at
 
-    def _start_job(self, settings: Dict[str, Any], token: str) -> str:
+    def _start_jobs(self, settings: Dict[str, Any], token: str) -> str:
         self._active = settings
         client = self._job_client = _JobsClient(self.endpoint, token, self._hooks()._new_session())
-        try:
-            namespace = settings["namespace"] or client.whoami_namespace()
-        except BaseException:
-            self._teardown(client)
-            raise
-        start_label = uuid.uuid4().hex
-        body = _job_body(settings, start_label)
-        self._submitted_at = time.monotonic()
-        logger.info("submitting HF job: image=%s flavor=%s namespace=%s", settings["image"],
-                    settings["flavor"], namespace)
-        try:
-            job = client.create_job(namespace, body, {START_LABEL_KEY: start_label})
-        except BaseException:
-            # The create may have succeeded even though we got no answer (or were interrupted).
-            self._cancel_by_label(client, namespace, start_label)
-            self._teardown(client)
-            raise
+        start_label = self._start_label = uuid.uuid4().hex
+        namespace: Optional[str] = None
         recorded = False  # until the job is ours to cancel, a failure must find it by its start label
         try:
+            namespace = settings["namespace"] or client.whoami_namespace()
+            self._submitted_at = time.monotonic()
+            logger.info("submitting HF job: image=%s flavor=%s namespace=%s", settings["image"],
+                        settings["flavor"], namespace)
+            job = client.create_job(namespace, _job_body(settings, start_label), {START_LABEL_KEY: start_label},
+                                    self._stop_requested.is_set)
             with self._lock:
                 self.job_id = str(job["id"])
                 self._job_namespace = namespace
@@ -772,38 +755,55 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
                 self._move(Phase.STARTING)  # from here on every teardown cancels this job
                 self.timings["created"] = self._elapsed()
             recorded = True
-            self._arm_safety_net(client, None, None)
+            self._swap_finalizer(self._safety_net(client, None, None))
             self._observe(job)
             self._watch_job(client, job)
             try:
                 upstream = self._wait_for_url(client, settings)
             finally:
                 self._unwatch_job()
-            if self._stop_requested.is_set():
-                raise SandboxError("stop_container() was called while job %s was starting" % self.job_id)
+            self._raise_if_stopped()
             proxy = self._proxy_instance()
             self.upstream_url = upstream
             base_url = proxy.mount(upstream, token=token, verify=settings["verify"])
-            with self._lock:  # a stop from now on sees the route and unmounts it
-                self._mounted_on, self.base_url = proxy, base_url
-            self._arm_safety_net(client, proxy, base_url)
-            if self._stop_requested.is_set():  # a stop that ran during mount() saw no route to unmount
-                raise SandboxError("stop_container() was called while job %s was starting" % self.job_id)
-            self.timings["url"] = self._elapsed()
+            self._publish_route(proxy, base_url, self._safety_net(client, proxy, base_url))
             logger.info("HF job %s serving at %s (%.1fs after submit)", self.job_id, upstream, self._elapsed())
             return base_url
         except BaseException:
-            if not recorded:  # e.g. a create answer without an id, or a Ctrl-C just after the create
+            if namespace is not None and not recorded:
+                # The create may have made the job though its answer was lost, unusable (no id) or interrupted.
                 self._cancel_by_label(client, namespace, start_label)
             self._teardown(client)
             raise
 
-    def _teardown_job(self, client: Optional["_JobsClient"]) -> None:
+    def _teardown_jobs(self, client: Optional["_JobsClient"]) -> None:
         gone = self._detach()
         cancelled = _release_job(client or gone.client, gone.namespace, gone.job_id, gone.proxy, gone.base_url,
                                  gone.job_url)
         if cancelled and self._stage not in TERMINAL_STAGES:
             self._stage = "CANCELED"
+
+    def _job_ids(self) -> List[str]:
+        return [self.job_id] if self.job_id else []
+
+    def _job_stage(self) -> Optional[str]:
+        return self._stage
+
+    def _raise_if_stopped(self) -> None:
+        """A start or readiness wait gives up once a stop was requested (its teardown cancels the job)."""
+        if self._stop_requested.is_set():
+            raise SandboxError("stop_container() was called while %s starting" % (
+                "the %d replicas were" % len(self._replicas.children) if self._replicas is not None
+                else "job %s was" % self.job_id))
+
+    def _publish_route(self, proxy: "_proxy.AuthProxy", base_url: str, finalizer: "weakref.finalize") -> None:
+        """Record the mounted route, so a stop from now on unmounts it, and make `finalizer` the safety net.
+        A stop that ran during the mount saw no route to unmount: then the start gives up here."""
+        with self._lock:
+            self._mounted_on, self.base_url = proxy, base_url
+        self._swap_finalizer(finalizer)
+        self._raise_if_stopped()
+        self.timings["url"] = self._elapsed()
 
     def _observe(self, job: Mapping[str, Any]) -> str:
         """Record the job's stage; log a line when it changes."""
@@ -818,8 +818,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
 
     def _raise_if_terminal(self, client: "_JobsClient", job: Mapping[str, Any]) -> None:
         stage = self._observe(job)
-        if self._stop_requested.is_set():
-            raise SandboxError("stop_container() was called while job %s was starting" % self.job_id)
+        self._raise_if_stopped()
         if stage in TERMINAL_STAGES:
             message = (job.get("status") or {}).get("message")
             tail = client.job_logs(self._job_namespace or "", self.job_id or "", tail=LOG_TAIL_LINES)
@@ -846,8 +845,8 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
             raise watch.error
         if watch.job is not None:
             self._raise_if_terminal(client, watch.job)
-        elif self._stop_requested.is_set():
-            raise SandboxError("stop_container() was called while job %s was starting" % self.job_id)
+        else:
+            self._raise_if_stopped()
         return watch.job
 
     def _wait_for_url(self, client: "_JobsClient", settings: Mapping[str, Any]) -> str:
@@ -871,7 +870,8 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
                         job_id, settings["start_timeout_s"], self.stage), job_id, self.stage)
             self._wake.wait(remaining)
 
-    def _wait_healthy(self, url: str, budget: float) -> None:
+    def _wait_ready(self, base_url: str, budget: float) -> None:
+        url = base_url.rstrip("/") + "/health"
         client = self._job_client
         if client is None:
             raise SandboxError("job %s was stopped before it became ready" % self.job_id)
@@ -910,14 +910,12 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         finally:
             self._unwatch_job()
 
-    def _arm_safety_net(self, client: "_JobsClient", proxy: Optional["_proxy.AuthProxy"],
-                        base_url: Optional[str]) -> None:
-        """(Re)arm the finalizer that releases the job if this provider is collected or the process exits.
-
-        It holds the job's client and ids, never the provider, so the provider stays collectable.
-        """
-        self._swap_finalizer(weakref.finalize(self, _release_abandoned_job, client, self._job_namespace,
-                                              self.job_id, proxy, base_url, self.job_url))
+    def _safety_net(self, client: "_JobsClient", proxy: Optional["_proxy.AuthProxy"],
+                    base_url: Optional[str]) -> "weakref.finalize":
+        """The finalizer that releases the job at collection or exit; it holds the job's client and ids,
+        never the provider, so the provider stays collectable."""
+        return weakref.finalize(self, _release_job, client, self._job_namespace, self.job_id, proxy, base_url,
+                                self.job_url, abandoned=True)
 
     def _swap_finalizer(self, finalizer: "weakref.finalize") -> None:
         """Make `finalizer` this provider's safety net, retiring the one it replaces."""
@@ -949,46 +947,15 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
 
 
 # --------------------------------------------------------------------------------------------------
-# What runs a provider's jobs: its own single job, or a replica set of K single-job providers
+# Replicas: K single-job providers behind one route, run for the provider that owns them
 # --------------------------------------------------------------------------------------------------
 
 
-class _OneJob:
-    """The provider's own single job. `_ReplicaSet` offers the same five operations for K jobs, so the
-    provider delegates to one or the other (`HFSandboxProvider._jobs`) and never branches on replicas."""
-
-    @staticmethod
-    def start(provider: HFSandboxProvider, settings: Dict[str, Any], token: str) -> str:
-        return provider._start_job(settings, token)
-
-    @staticmethod
-    def wait_ready(provider: HFSandboxProvider, base_url: str, budget: float) -> None:
-        provider._wait_healthy(base_url.rstrip("/") + "/health", budget)
-
-    @staticmethod
-    def teardown(provider: HFSandboxProvider, client: Optional["_JobsClient"]) -> None:
-        provider._teardown_job(client)
-
-    @staticmethod
-    def job_ids(provider: HFSandboxProvider) -> List[str]:
-        return [provider.job_id] if provider.job_id else []
-
-    @staticmethod
-    def stage(provider: HFSandboxProvider) -> Optional[str]:
-        return provider._stage
-
-
-_ONE_JOB = _OneJob()
-
-
 class _ReplicaSet:
-    """K jobs of one image behind ONE replica route, for the provider that owns them.
+    """K jobs of one image behind ONE replica route, for the provider that owns them (its `_jobs`).
 
-    Each replica is a plain single-job `HFSandboxProvider`, built by the constructor from the owner's
-    settings for its index (`_replica_settings`), sharing the owner's proxy and token, using the
-    owner's overridable hooks (through a weak reference: the set never keeps its owner alive). Each
-    replica starts on its own route (its readiness is probed there); the replica route over their
-    URLs is what the owner returns. The set holds no reference to its owner: every call gets it.
+    Each replica is a plain single-job `HFSandboxProvider` built from the owner's settings for its index,
+    with the owner's proxy, token and hooks (through a weak reference); each is probed on its own route.
     """
 
     def __init__(self, owner: HFSandboxProvider, settings: Mapping[str, Any], token: str,
@@ -1000,6 +967,7 @@ class _ReplicaSet:
             if reason or item.get("replicas") != 1:
                 raise SandboxConfigError("_replica_settings(%d): %s" % (index, reason or "replicas must stay 1"))
         self.proxy = proxy
+        self._owner = weakref.ref(owner)  # weak: the owner holds this set and must stay collectable
         self.children = [self._replica(owner, item, token, proxy) for item in per_replica]
         self.removed: Dict[int, str] = {}  # why a replica left the route, by index
         self.checked: Dict[int, float] = {}  # when status() last inspected each replica's job
@@ -1013,86 +981,88 @@ class _ReplicaSet:
         child._owner = weakref.ref(owner)
         return child
 
+    @property
+    def owner(self) -> HFSandboxProvider:
+        return self._owner()  # type: ignore[return-value]  # alive: only the owner calls its set
+
     # -- the five operations the provider delegates ---------------------------------------------------
 
-    def start(self, owner: HFSandboxProvider, settings: Dict[str, Any], token: str) -> str:
+    def _start_jobs(self, settings: Dict[str, Any], token: str) -> str:
         """Start the K jobs in parallel, then mount one replica route over their URLs. Any failure
         cancels all K and raises one ReplicaStartError."""
-        count, proxy = len(self.children), self.proxy
+        owner, count, proxy = self.owner, len(self.children), self.proxy
         owner._active = settings
         owner._submitted_at = time.monotonic()
         with owner._lock:
             owner._mounted_on = proxy
             owner._move(Phase.STARTING)  # from here on a teardown stops the replicas, whatever happens
-        group = _ReplicaGroup(self.children, owner._stop_requested, owner._wake)
 
         def start_one(index: int, child: HFSandboxProvider) -> None:
             child._claim_start()
             started = False
             try:
-                if group.stopping() or owner._stop_requested.is_set():  # given up before this one began
+                if group.stopping or owner._stop_requested.is_set():  # given up before this one began
                     child._request_stop()
                     raise SandboxError("replica %d was not started: the start was given up" % index)
-                child._start_job(child._settings({}), token)
+                child._start_jobs(child._settings({}), token)
                 started = True
             finally:
                 child._end_start(started)
 
         try:
             logger.info("starting %d replica jobs of %s", count, settings["image"])
-            group.run(start_one, "hf-sandbox-replica-start")
-            self._raise_if_failed(owner, group, "start")
+            group = self._parallel(start_one)
+            group.run("hf-sandbox-replica-start")
+            self._raise_if_failed(group, "start")
             first = self.children[0]
             with owner._lock:
                 owner.job_id, owner.job_url, owner._job_namespace = first.job_id, first.job_url, first._job_namespace
                 owner.upstream_url = first.upstream_url
             base_url = proxy.mount_replicas([child.upstream_url for child in self.children], token=token,
                                             verify=settings["verify"])
-            with owner._lock:  # from now on a stop sees the route (an earlier stop cleared _mounted_on)
-                owner._mounted_on, owner.base_url = proxy, base_url
+            owner.timings["created"] = self._all_reached("created")
+            owner.timings["running"] = self._all_reached("running")
             # The owner's safety net unmounts the route if it is collected (each replica's own cancels its job).
-            owner._swap_finalizer(weakref.finalize(owner, _release_job, None, None, None, proxy, base_url, None))
-            if owner._stop_requested.is_set():  # a stop that ran before base_url was set left the route
-                raise SandboxError("stop_container() was called while the %d replicas were starting" % count)
-            owner.timings["created"] = self._all_reached(owner, "created")
-            owner.timings["running"] = self._all_reached(owner, "running")
-            owner.timings["url"] = owner._elapsed()
+            owner._publish_route(proxy, base_url, weakref.finalize(owner, _release_job, None, None, None, proxy,
+                                                                   base_url, None))
             logger.info("%d replica jobs (%s) serving on one route (%.1fs after submit)", count,
-                        ", ".join(self.job_ids(owner)), owner._elapsed())
+                        ", ".join(self._job_ids()), owner._elapsed())
             return base_url
         except BaseException:
             owner._teardown()
             raise
 
-    def wait_ready(self, owner: HFSandboxProvider, base_url: str, budget: float) -> None:
+    def _wait_ready(self, base_url: str, budget: float) -> None:
         """Wait for every replica's own /health (in parallel); one failure fails them all."""
-        group = _ReplicaGroup(list(self.children), owner._stop_requested, owner._wake)
-        group.run(lambda index, child: child.wait_for_ready(timeout_s=budget), "hf-sandbox-replica-ready")
-        self._raise_if_failed(owner, group, "become ready")
+        owner = self.owner
+        group = self._parallel(lambda index, child: child.wait_for_ready(timeout_s=budget))
+        group.run("hf-sandbox-replica-ready")
+        self._raise_if_failed(group, "become ready")
         owner.timings["ready"] = owner._elapsed()
-        logger.info("%d replica jobs ready (%.1fs after submit)", len(group.children), owner._elapsed())
+        logger.info("%d replica jobs ready (%.1fs after submit)", len(self.children), owner._elapsed())
 
-    def teardown(self, owner: HFSandboxProvider, client: Optional["_JobsClient"]) -> None:
+    def _teardown_jobs(self, client: Optional["_JobsClient"]) -> None:
         """Unmount the replica route, then stop every replica (each names a job it could not cancel)."""
-        gone = owner._detach()
+        gone = self.owner._detach()
         if gone.base_url and gone.proxy is not None:
             try:
                 gone.proxy.unmount(gone.base_url)
             except Exception as exc:
                 logger.warning("could not unmount the replica route of jobs %s (%s)",
-                               ", ".join(self.job_ids(owner)), type(exc).__name__)
+                               ", ".join(self._job_ids()), type(exc).__name__)
         stop_all(self.children)
 
-    def job_ids(self, owner: HFSandboxProvider) -> List[str]:
+    def _job_ids(self) -> List[str]:
         return [child.job_id for child in self.children if child.job_id]
 
-    def stage(self, owner: HFSandboxProvider) -> Optional[str]:
+    def _job_stage(self) -> Optional[str]:
         return _replicas_stage([child.stage for child in self.children])
 
     # -- status -------------------------------------------------------------------------------------------
 
-    def status(self, owner: HFSandboxProvider, refresh: bool) -> List[Dict[str, Any]]:
+    def status(self, refresh: bool) -> List[Dict[str, Any]]:
         """`HFSandboxProvider.replica_status()`: the proxy's view of each replica plus its job's stage."""
+        owner = self.owner
         with owner._lock:
             base_url, proxy = owner.base_url, owner._mounted_on
         entries = self._route_entries(proxy, base_url)
@@ -1142,16 +1112,20 @@ class _ReplicaSet:
 
     # -- helpers ------------------------------------------------------------------------------------------
 
-    def _raise_if_failed(self, owner: HFSandboxProvider, group: "_ReplicaGroup", phase: str) -> None:
-        if owner._stop_requested.is_set():
-            raise SandboxError("stop_container() was called while the %d replicas were starting"
-                               % len(group.children))
-        if group.errors:
-            raise ReplicaStartError(phase, len(group.children), group.errors, group.aborted,
-                                    [child.job_id for child in group.children if child.job_id])
+    def _parallel(self, action: Callable[[int, HFSandboxProvider], None]) -> "_Parallel":
+        """All K replicas at once, all or nothing, given up when the owner is stopped."""
+        owner = self.owner
+        return _Parallel(self.children, action, len(self.children), True, owner._stop_requested, owner._wake)
 
-    def _all_reached(self, owner: HFSandboxProvider, key: str) -> float:
+    def _raise_if_failed(self, group: "_Parallel", phase: str) -> None:
+        self.owner._raise_if_stopped()
+        if group.errors:
+            raise ReplicaStartError(phase, len(self.children), group.errors, group.aborted,
+                                    [child.job_id for child in self.children if child.job_id])
+
+    def _all_reached(self, key: str) -> float:
         """Seconds from the owner's submit until every replica had reached `key` of its timings."""
+        owner = self.owner
         moments = [child._submitted_at + child.timings[key] for child in self.children if key in child.timings]
         return max(moments) - owner._submitted_at if moments else owner._elapsed()
 
@@ -1164,73 +1138,6 @@ class _ReplicaSet:
             return {str(entry["upstream"]): dict(entry) for entry in proxy.replica_status(base_url)}
         except ValueError:  # unmounted by a concurrent stop
             return {}
-
-
-class _ReplicaGroup:
-    """Runs one action (start, or wait until ready) on K replica providers in parallel, all or nothing:
-    the first failure stops the others (their jobs are cancelled by their own teardown), and so does
-    a stop of the provider that owns them (`stop_requested`, e.g. set by a start_many() abort)."""
-
-    def __init__(self, children: List["HFSandboxProvider"], stop_requested: threading.Event,
-                 wake: threading.Event) -> None:
-        self.children = children
-        self.errors: List[Tuple[int, BaseException]] = []
-        self.aborted = 0  # replicas given up because another one failed
-        self._stop_requested = stop_requested
-        self._wake = wake  # the owner's: set by its stop, and here by each replica that finishes
-        self._lock = threading.Lock()
-        self._stopping = False
-        self._finished = 0
-
-    def run(self, action: Callable[[int, "HFSandboxProvider"], None], name: str) -> None:
-        """`action(index, child)` in one thread per replica; returns when all have finished."""
-        threads = [threading.Thread(target=self._work, args=(i, child, action), name="%s-%d" % (name, i),
-                                    daemon=True) for i, child in enumerate(self.children)]
-        try:
-            for thread in threads:
-                thread.start()
-            while True:
-                self._wake.clear()  # before the checks, so a change made after them still wakes the wait
-                if self._stop_requested.is_set() and not self.stopping():
-                    self.abort()
-                with self._lock:
-                    if self._finished == len(threads):
-                        break
-                self._wake.wait(0.5)  # bounded: a Ctrl-C reaches this thread
-            for thread in threads:
-                thread.join()  # each has finished its action; this only reaps it
-        except BaseException:
-            self.abort()
-            for thread in threads:
-                if thread.ident is not None:
-                    thread.join()
-            raise
-
-    def stopping(self) -> bool:
-        with self._lock:
-            return self._stopping
-
-    def abort(self) -> None:
-        """Make every replica's start or readiness wait give up at once."""
-        with self._lock:
-            self._stopping = True
-        for child in self.children:
-            child._request_stop()
-
-    def _work(self, index: int, child: "HFSandboxProvider", action: Callable[[int, "HFSandboxProvider"], None]) -> None:
-        try:
-            action(index, child)
-        except BaseException as exc:  # recorded and raised by the provider, never lost
-            with self._lock:
-                if self._stopping and child._stop_requested.is_set():
-                    self.aborted += 1
-                    return
-                self.errors.append((index, exc))
-            self.abort()
-        finally:
-            with self._lock:
-                self._finished += 1
-            self._wake.set()
 
 
 # Order of the live stages, least advanced first (an unknown live stage counts as not running yet).
@@ -1251,86 +1158,109 @@ def _replicas_stage(stages: Sequence[Optional[str]]) -> Optional[str]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Parallel launch (start_many)
+# Many providers at once: stop_all and the parallel workers of start_many and replica sets
 # --------------------------------------------------------------------------------------------------
 
 
 def stop_all(providers: Iterable["HFSandboxProvider"]) -> None:
     """Stop many providers at once (one thread each, bounded); never raises, like stop_container()."""
-    pending = [p for p in providers if p is not None]
-    threads = [threading.Thread(target=p.stop_container, name="hf-sandbox-stop", daemon=True)
-               for p in pending]
-    for start in range(0, len(threads), STOP_PARALLEL):
-        batch = threads[start:start + STOP_PARALLEL]
+    _in_parallel([p.stop_container for p in providers if p is not None])
+
+
+def _in_parallel(actions: Sequence[Callable[[], None]], budget_s: Optional[float] = None) -> None:
+    """Run each action in its own daemon thread (at most STOP_PARALLEL at a time); wait up to `budget_s`."""
+    deadline = None if budget_s is None else time.monotonic() + budget_s
+    for first in range(0, len(actions), STOP_PARALLEL):
+        batch = [threading.Thread(target=action, name="hf-sandbox-stop", daemon=True)
+                 for action in actions[first:first + STOP_PARALLEL]]
         for thread in batch:
             thread.start()
         for thread in batch:
-            thread.join()
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
 
-class _Launch:
-    """The shared state of one start_many(): a work queue, outcomes, and the abort switch."""
+class _Parallel:
+    """Runs `action(index, provider)` over providers, at most `max_parallel` at a time, for start_many()
+    and for a replica set. With `all_or_nothing`, the first failure makes the others give up (their
+    jobs are cancelled by their own teardown); so does `stop_requested` (the owner's stop), which
+    `wake` signals. Outcomes: `ready` (indexes), `errors` [(index, exception)], `aborted` (given up)."""
 
-    def __init__(self, providers: List["HFSandboxProvider"], all_or_nothing: bool,
-                 progress: Union[bool, Callable[[int, int, int], None]]) -> None:
-        self.providers = providers
-        self.all_or_nothing = all_or_nothing
-        self.progress = progress
+    def __init__(self, providers: List["HFSandboxProvider"], action: Callable[[int, "HFSandboxProvider"], None],
+                 max_parallel: int, all_or_nothing: bool = True, stop_requested: Optional[threading.Event] = None,
+                 wake: Optional[threading.Event] = None,
+                 on_done: Callable[[int, Optional[BaseException]], None] = lambda index, error: None) -> None:
+        self.providers, self.action, self.on_done = providers, action, on_done
+        self.max_parallel, self.all_or_nothing = min(max_parallel, len(providers)), all_or_nothing
+        self.stop_requested = stop_requested or threading.Event()
+        self.wake = wake or threading.Event()  # set by each worker that finishes (and by the owner's stop)
         self.ready: set = set()
         self.errors: List[Tuple[int, BaseException]] = []
-        self.aborted = 0  # starts given up because another environment failed
-        self._next = 0
+        self.aborted = 0
+        self.stopping = False
+        self._next = self._finished = 0
         self._lock = threading.Lock()
-        self._stopping = False
-        self._began = time.monotonic()
 
-    def work(self) -> None:
-        while True:
-            with self._lock:
-                if self._stopping or self._next >= len(self.providers):
-                    return
-                index, self._next = self._next, self._next + 1
-            provider = self.providers[index]
-            try:
-                provider.wait_for_ready(provider.start_container())
-            except BaseException as exc:  # recorded and reported by start_many, never lost
-                with self._lock:
-                    if self._stopping and provider._stop_requested.is_set():
-                        self.aborted += 1
-                        continue
-                    self.errors.append((index, exc))
-                self._report(index, exc)
-                if self.all_or_nothing:
+    def run(self, name: str) -> None:
+        """Returns when every worker has finished; an interrupt gives the rest up, then propagates."""
+        workers = [threading.Thread(target=self._work, name="%s-%d" % (name, i), daemon=True)
+                   for i in range(self.max_parallel)]
+        try:
+            for worker in workers:
+                worker.start()
+            while True:
+                self.wake.clear()  # before the checks, so a change made after them still wakes the wait
+                if self.stop_requested.is_set() and not self.stopping:
                     self.abort()
-                continue
-            with self._lock:
-                self.ready.add(index)
-            self._report(index, None)
+                with self._lock:
+                    if self._finished == len(workers):
+                        break
+                self.wake.wait(0.5)  # bounded: a Ctrl-C reaches this thread
+            for worker in workers:
+                worker.join()  # each has finished its work; this only reaps it
+        except BaseException:
+            self.abort()
+            for worker in workers:
+                if worker.ident is not None:
+                    worker.join()
+            raise
 
     def abort(self) -> None:
-        """Stop taking work and stop the starts in flight (their jobs are cancelled)."""
+        """Stop taking work and make every start or readiness wait in flight give up at once."""
         with self._lock:
-            self._stopping = True
+            self.stopping = True
             in_flight = [p for i, p in enumerate(self.providers[:self._next]) if i not in self.ready]
             self.aborted += len(self.providers) - self._next
             self._next = len(self.providers)
         for provider in in_flight:
             provider._request_stop()
 
-    def _report(self, index: int, error: Optional[BaseException]) -> None:
-        with self._lock:
-            ready, failed = len(self.ready), len(self.errors)
-        if callable(self.progress):
-            try:
-                self.progress(ready, failed, len(self.providers))
-            except Exception:  # the caller's display must not kill a launch worker (and lose its work)
-                logger.warning("start_many: the progress callback raised; ignoring it", exc_info=True)
-        elif self.progress:
-            line = "start_many: %d/%d ready, %d failed (%.1fs)" % (
-                ready, len(self.providers), failed, time.monotonic() - self._began)
-            if error is not None:
-                line += "; environment %d: %s" % (index, str(error).splitlines()[0] if str(error) else type(error).__name__)
-            print(line, file=sys.stderr, flush=True)
+    def _work(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    if self._next >= len(self.providers):
+                        return
+                    index, self._next = self._next, self._next + 1
+                provider, error = self.providers[index], None
+                try:
+                    self.action(index, provider)
+                except BaseException as exc:  # recorded and raised by the caller, never lost
+                    error = exc
+                with self._lock:
+                    if error is None:
+                        self.ready.add(index)
+                    elif self.stopping and provider._stop_requested.is_set():
+                        self.aborted += 1  # given up because another one failed: not its own failure
+                        continue
+                    else:
+                        self.errors.append((index, error))
+                self.on_done(index, error)
+                if error is not None and self.all_or_nothing:
+                    self.abort()
+        finally:
+            with self._lock:
+                self._finished += 1
+            self.wake.set()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1451,37 +1381,44 @@ def _command_rejection(command: Any) -> Optional[str]:
     return "command must be None (OpenEnv's default server command), a string, or a non-empty list of strings"
 
 
+def _reserved_labels_rejection(labels: Any) -> Optional[str]:
+    reserved = {PROVIDER_LABEL_KEY, START_LABEL_KEY, PROCESS_LABEL_KEY} & set(labels or {})
+    return "labels %s are reserved for this library's own bookkeeping" % sorted(reserved) if reserved else None
+
+
+# Each setting's check, in the order refusals are reported (the first one wins).
+_SETTING_CHECKS: Tuple[Tuple[str, Callable[[Any], Optional[str]]], ...] = (
+    ("port", _port_rejection),
+    ("flavor", _flavor_rejection),
+    ("command", _command_rejection),
+    ("env_vars", lambda value: _mapping_rejection("env_vars", value, check_names=True)),
+    ("secrets", lambda value: _mapping_rejection("secrets", value, check_names=True)),
+    ("labels", lambda value: _mapping_rejection("labels", value, check_names=False)),
+    ("start_timeout_s", lambda value: _positive_number_rejection("start_timeout_s", value)),
+    ("ready_timeout_s", lambda value: _positive_number_rejection("ready_timeout_s", value)),
+    ("poll_interval_s", lambda value: _positive_number_rejection("poll_interval_s", value)),
+    ("replicas", _replicas_rejection),
+    ("job_timeout", lambda value: None if _parse_duration(value) is not None else (
+        "job_timeout=%r must be a positive duration: seconds (3600) or a string like '30m', '2h', '1d'" % (value,))),
+    ("labels", _reserved_labels_rejection),
+    ("namespace", lambda value: None if value is None or (isinstance(value, str) and _NAMESPACE.match(value)) else (
+        "namespace %r must be a user or organisation name" % (value,))),
+    ("verify", lambda value: None if isinstance(value, (bool, str)) else (
+        "verify must be True, False or a CA bundle path, not %r" % (value,))),
+)
+
+
 def _settings_rejection(settings: Mapping[str, Any], image_required: bool) -> Optional[str]:
     """Why these provider settings cannot start a job (checked before any network call), or None."""
     if image_required or settings.get("image") is not None:
         reason = _image_rejection(settings.get("image"))
         if reason:
             return reason
-    checks = [
-        _port_rejection(settings["port"]),
-        _flavor_rejection(settings["flavor"]),
-        _command_rejection(settings["command"]),
-        _mapping_rejection("env_vars", settings["env_vars"], check_names=True),
-        _mapping_rejection("secrets", settings["secrets"], check_names=True),
-        _mapping_rejection("labels", settings["labels"], check_names=False),
-        _positive_number_rejection("start_timeout_s", settings["start_timeout_s"]),
-        _positive_number_rejection("ready_timeout_s", settings["ready_timeout_s"]),
-        _positive_number_rejection("poll_interval_s", settings["poll_interval_s"]),
-        _replicas_rejection(settings.get("replicas", 1)),
-    ]
-    if _parse_duration(settings["job_timeout"]) is None:
-        checks.append("job_timeout=%r must be a positive duration: seconds (3600) or a string like "
-                      "'30m', '2h', '1d'" % (settings["job_timeout"],))
-    reserved = {PROVIDER_LABEL_KEY, START_LABEL_KEY, PROCESS_LABEL_KEY} & set(settings["labels"] or {})
-    if reserved:
-        checks.append("labels %s are reserved for this library's own bookkeeping" % sorted(reserved))
-    namespace = settings.get("namespace")
-    if namespace is not None and (not isinstance(namespace, str) or not _NAMESPACE.match(namespace)):
-        checks.append("namespace %r must be a user or organisation name" % (namespace,))
-    verify = settings.get("verify")
-    if not isinstance(verify, (bool, str)):
-        checks.append("verify must be True, False or a CA bundle path, not %r" % (verify,))
-    return next((reason for reason in checks if reason), None)
+    for name, check in _SETTING_CHECKS:
+        reason = check(settings.get(name, 1 if name == "replicas" else None))
+        if reason:
+            return reason
+    return None
 
 
 def _job_command(command: Union[None, str, Sequence[str]], port: int) -> List[str]:
@@ -1520,11 +1457,8 @@ def _job_body(settings: Mapping[str, Any], start_label: str) -> Dict[str, Any]:
 
 
 def _exposed_url_rejection(url: str, job_id: str, port: int, endpoint: str) -> Optional[str]:
-    """Why `url` must not receive the token, or None.
-
-    Allowed: `https://<job_id>--<port>.<domain>`; or, when the Jobs endpoint itself is loopback (the
-    emulator), an http(s) URL on a loopback host.
-    """
+    """Why `url` must not receive the token, or None. Allowed: `https://<job_id>--<port>.<domain>`, or a
+    loopback http(s) URL when the Jobs endpoint itself is loopback (the emulator)."""
     try:
         parts = urlsplit(url)
         host = parts.hostname
@@ -1721,45 +1655,21 @@ class _JobsClient:
                 _namespace_cache[key] = str(name)
             return _namespace_cache[key]
 
-    def create_job(self, namespace: str, body: Mapping[str, Any], unique_label: Mapping[str, str]) -> Dict[str, Any]:
-        """POST the job; after an ambiguous failure, adopt the job carrying `unique_label` if it exists."""
-        action = "creating the job in namespace %r" % namespace
-        path = "/api/jobs/%s" % namespace
-        attempt = 0
-        while True:
-            retry_after: Optional[float] = None
-            self._budget.acquire()
-            try:
-                response = self._session.post(self.endpoint + path, json=dict(body), timeout=API_TIMEOUT_S)
-            except requests.ConnectTimeout as exc:
-                failure: Union[str, requests.Response] = "could not connect (%s)" % type(exc).__name__
-                ambiguous = False
-            except requests.RequestException as exc:
-                failure, ambiguous = "%s" % type(exc).__name__, True
-            else:
-                if response.status_code < 300:
-                    return self._decode(response, action)
-                if not _is_retryable_status(response.status_code):
-                    raise self._error(response, action)
-                failure, ambiguous = response, response.status_code != 429
-                retry_after = _retry_after_seconds(response.headers.get("Retry-After"))
-                if response.status_code == 429:
-                    self._budget.rate_limited(retry_after)
-                response.close()
-            if ambiguous:
-                found = self.list_jobs(namespace, labels=unique_label)
-                if found:
-                    logger.info("create answer was lost; adopting job %s found by its start label", found[0].get("id"))
-                    return found[0]
-            if attempt >= API_MAX_RETRIES:
-                if isinstance(failure, requests.Response):
-                    raise self._error(failure, action)
-                raise JobsAPIError(action, None, failure, hint="check the network and HF_ENDPOINT")
-            delay = _retry_delay(attempt, retry_after)
-            logger.info("%s: retrying in %.1fs (%s)", action, delay,
-                        "HTTP %d" % failure.status_code if isinstance(failure, requests.Response) else failure)
-            time.sleep(delay)
-            attempt += 1
+    def create_job(self, namespace: str, body: Mapping[str, Any], unique_label: Mapping[str, str],
+                   given_up: Callable[[], bool] = lambda: False) -> Dict[str, Any]:
+        """POST the job, never twice for one start: after an ambiguous failure the job carrying
+        `unique_label` is adopted if it exists. Once `given_up()` (a stop), a failed POST is not retried."""
+        def find_lost() -> Optional[Dict[str, Any]]:
+            found = self.list_jobs(namespace, labels=unique_label)
+            if found:
+                logger.info("create answer was lost; adopting job %s found by its start label", found[0].get("id"))
+                return found[0]
+            if given_up():
+                raise SandboxError("stop_container() was called while the job was being created")
+            return None
+
+        return self._json("POST", "/api/jobs/%s" % namespace, "creating the job in namespace %r" % namespace,
+                          body=dict(body), find_lost=find_lost)
 
     def get_job(self, namespace: str, job_id: str, retries: int = API_MAX_RETRIES) -> Dict[str, Any]:
         return self._json("GET", "/api/jobs/%s/%s" % (namespace, job_id), "inspecting job %s" % job_id,
@@ -1814,23 +1724,22 @@ class _JobsClient:
 
     def _json(self, method: str, path: str, action: str, params: Any = None, retries: int = API_MAX_RETRIES,
               max_delay: float = RETRY_AFTER_CAP_S, allow_empty: bool = False,
-              next_links: Optional[List[Optional[str]]] = None) -> Any:
-        """An idempotent call (safe to repeat): retries 429/5xx/connection errors with backoff.
-
-        `path` may also be a full URL on the endpoint (a pagination link); `next_links`, when given,
-        receives the answer's `Link: <...>; rel="next"` URL (or None)."""
+              next_links: Optional[List[Optional[str]]] = None, body: Any = None,
+              find_lost: Optional[Callable[[], Any]] = None) -> Any:
+        """A call retried on 429/5xx/connection errors with backoff. With `find_lost` (a create, not safe to
+        repeat), an ambiguous failure (no answer, a 5xx) first asks `find_lost()` for what it made anyway.
+        `path` may be a full URL (a pagination link); `next_links` receives the `rel="next"` URL."""
         url = path if path.startswith(self.endpoint + "/") else self.endpoint + path
         attempt = 0
         while True:
             retry_after: Optional[float] = None
             self._budget.acquire()
             try:
-                response = self._session.request(method, url, params=params, timeout=API_TIMEOUT_S)
+                response: Optional[requests.Response] = self._session.request(
+                    method, url, params=params, json=body, timeout=API_TIMEOUT_S)
             except requests.RequestException as exc:
-                if attempt >= retries:
-                    raise JobsAPIError(action, None, type(exc).__name__,
-                                       hint="check the network and HF_ENDPOINT (%s)" % self.endpoint) from None
-                failure = type(exc).__name__
+                response, failure = None, type(exc).__name__
+                ambiguous = not isinstance(exc, requests.ConnectTimeout)  # a refused connect sent nothing
             else:
                 if response.status_code < 300:
                     if next_links is not None:
@@ -1841,10 +1750,19 @@ class _JobsClient:
                 retry_after = _retry_after_seconds(response.headers.get("Retry-After"))
                 if response.status_code == 429:
                     self._budget.rate_limited(retry_after)
-                if not _is_retryable_status(response.status_code) or attempt >= retries:
+                if not _is_retryable_status(response.status_code):
                     raise self._error(response, action)
-                failure = "HTTP %d" % response.status_code
+                failure, ambiguous = "HTTP %d" % response.status_code, response.status_code != 429
                 response.close()
+            if find_lost is not None and ambiguous:
+                found = find_lost()
+                if found is not None:
+                    return found
+            if attempt >= retries:
+                if response is not None:
+                    raise self._error(response, action)
+                raise JobsAPIError(action, None, failure,
+                                   hint="check the network and HF_ENDPOINT (%s)" % self.endpoint) from None
             delay = min(_retry_delay(attempt, retry_after), max_delay)
             logger.debug("%s: %s, retrying in %.1fs", action, failure, delay)
             time.sleep(delay)
@@ -1872,12 +1790,8 @@ class _JobsClient:
 
 
 class _ApiBudget:
-    """One token's share of the Jobs API rate limit, shared by every client in the process.
-
-    A sliding window of at most `calls` requests per `window_s`, and one 429 pause: after any call of
-    this token is answered 429, every call of every client with this token waits for Retry-After.
-    `clock` and `sleep` are hooks (tests record the waits; the defaults are the real ones).
-    """
+    """One token's share of the Jobs API rate limit, shared by every client in the process: a sliding
+    window of `calls` per `window_s`, and one 429 pause for all of them. `clock`/`sleep` are hooks for tests."""
 
     def __init__(self, calls: int = RATE_LIMIT_CALLS, window_s: float = RATE_LIMIT_WINDOW_S,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
@@ -1978,13 +1892,9 @@ class _WatchGroup:
 
 
 class _JobWatcher:
-    """One background thread that refreshes every starting job of the process.
-
-    Per group and per interval (the smallest `poll_interval_s` of its providers): one `inspect` when
-    one job waits, else one `list` filtered by this process's label and the live stages, plus an
-    `inspect` for the few jobs missing from it (they ended, or are not listed yet). Each provider is
-    woken on its own change. The thread starts with the first registration and exits with the last.
-    """
+    """One background thread that refreshes every starting job of the process: per group and interval,
+    one `inspect` (one job) or one `list` by this process's label plus an `inspect` per job missing from
+    it. Each provider is woken on its own change; the thread lives while anything is registered."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
@@ -2020,10 +1930,6 @@ class _JobWatcher:
                 if watch in group.watches:
                     group.watches.remove(watch)
             self._cond.notify_all()
-
-    @property
-    def thread(self) -> Optional[threading.Thread]:
-        return self._thread
 
     def _run(self) -> None:
         while True:
@@ -2158,20 +2064,15 @@ def _cancel_briefly(client: "_JobsClient", namespace: str, job_id: str) -> Optio
     return reason
 
 
-def _release_abandoned_job(*args: Any) -> None:
-    """Safety net: a provider was garbage-collected or the interpreter is exiting with its job running."""
-    logger.warning("HF job %s is still running at exit (or its provider was garbage-collected): cancelling it",
-                   args[2])
-    _release_job(*args)
-
-
 def _release_job(client: Optional["_JobsClient"], namespace: Optional[str], job_id: Optional[str],
-                 proxy: Optional["_proxy.AuthProxy"], base_url: Optional[str], job_url: Optional[str]) -> bool:
-    """Unmount the route and cancel the job; warn (never raise) about what could not be done.
-
-    Returns True when the job was cancelled. Used by teardown and by the garbage-collection/exit
-    safety net, so it takes plain values, never the provider.
-    """
+                 proxy: Optional["_proxy.AuthProxy"], base_url: Optional[str], job_url: Optional[str],
+                 abandoned: bool = False) -> bool:
+    """Unmount the route and cancel the job, warning (never raising) about what could not be done; True
+    when cancelled. Plain values, never the provider: the safety net (`abandoned`: a provider collected,
+    or the interpreter exiting, with its job running) uses it too."""
+    if abandoned and job_id:
+        logger.warning("HF job %s is still running at exit (or its provider was garbage-collected): cancelling it",
+                       job_id)
     problems = []
     cancelled = False
     try:
@@ -2215,11 +2116,6 @@ def _stop_everything_at_exit() -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# A small synchronous WebSocket client (for the smoke check; OpenEnv's JSON messages)
-# --------------------------------------------------------------------------------------------------
-
-
-# --------------------------------------------------------------------------------------------------
 # --- Training-loop helpers: WebSocket session, background starts, shared jobs, signal teardown ---
 # --------------------------------------------------------------------------------------------------
 # What a training loop with many rollout slots needs on top of the provider, built on its public API:
@@ -2227,18 +2123,6 @@ def _stop_everything_at_exit() -> None:
 # environment object is built, optionally shared by many environments via `replicas=K`),
 # `stop_sandboxes()` (explicit teardown of all of them) and `install_signal_teardown()` (cancel every
 # job of the process on SIGTERM/SIGHUP, then let the signal do what it did before).
-
-__all__ += [
-    "EnvSession",
-    "SessionError",
-    "SessionRefusedError",
-    "SessionTimeout",
-    "EnvError",
-    "Sandbox",
-    "stop_sandboxes",
-    "install_signal_teardown",
-    "uninstall_signal_teardown",
-]
 
 # Longest wait for one reply: OpenEnv's own client waits 60 s per message; raise it for slow steps.
 SESSION_TIMEOUT_S = 60.0
@@ -2303,20 +2187,14 @@ class EnvError(SandboxError):
 class EnvSession:
     """One OpenEnv WebSocket session (`<base_url>/ws`) on one blocking socket: no event loop, no thread.
 
-    Works from any thread and from inside a running asyncio loop (it never touches one). `reset()`,
-    `step(action)` and `state()` send OpenEnv's messages and return the reply's `data`; `request()`
-    sends any message. An `{"type": "error"}` reply raises `EnvError` (the session stays usable);
-    a lost job, a refused upgrade or a closed connection raises `SessionError`, a reply slower than
-    `timeout_s` raises `SessionTimeout` (both close the session). One caller at a time per session
-    (a lock serialises requests); open one session per rollout slot. A context manager.
+    `reset()`, `step(action)`, `state()` return the reply's `data`; an error reply raises `EnvError` (the
+    session stays usable); a lost connection `SessionError`, a slow reply `SessionTimeout` (both close it).
+    One caller at a time (a lock); open one session per rollout slot.
     """
 
     def __init__(self, base_url: str, *, timeout_s: float = SESSION_TIMEOUT_S,
                  connect_timeout_s: float = SESSION_CONNECT_TIMEOUT_S, verify: Union[bool, str] = True,
                  path: str = "/ws") -> None:
-        from wsproto import ConnectionType, WSConnection
-        from wsproto.events import Request
-
         _raise_if_rejected(_positive_number_rejection("timeout_s", timeout_s)
                            or _positive_number_rejection("connect_timeout_s", connect_timeout_s)
                            or _session_url_rejection(base_url))
@@ -2395,11 +2273,8 @@ class EnvSession:
         return self._closed
 
     def close(self) -> None:
-        """Say goodbye (OpenEnv's `close` message, then a close frame) if the socket still works, and
-        release it. Idempotent; never raises. Called while another thread waits for a reply, it shuts
-        the socket down instead, so that thread gets `SessionError` at once rather than after its timeout."""
-        from wsproto.events import CloseConnection
-
+        """Send OpenEnv's `close` and a close frame, then release the socket; idempotent, never raises. While
+        another thread waits for a reply it shuts the socket down, so that thread gets `SessionError` at once."""
         if not self._lock.acquire(blocking=False):
             self._closed = True
             try:
@@ -2407,20 +2282,20 @@ class EnvSession:
             except OSError:
                 pass
             return
-        with _Released(self._lock):
+        try:
             if self._closed:
                 return
             self._closed = True
-            try:
-                self._send_message(json.dumps({"type": "close"}))
-                self._send(CloseConnection(code=1000))
-                deadline = time.monotonic() + SESSION_CLOSE_WAIT_S
-                while not isinstance(self._next_event(deadline), CloseConnection):
-                    pass
-            except Exception:
-                pass  # the peer is gone or slow: the socket closes below either way
-            finally:
-                self._sock.close()
+            self._send_message(json.dumps({"type": "close"}))
+            self._send(CloseConnection(code=1000))
+            deadline = time.monotonic() + SESSION_CLOSE_WAIT_S
+            while not isinstance(self._next_event(deadline), CloseConnection):
+                pass
+        except Exception:
+            pass  # the peer is gone or slow: the socket closes below either way
+        finally:
+            self._sock.close()
+            self._lock.release()
 
     def __enter__(self) -> "EnvSession":
         return self
@@ -2445,8 +2320,6 @@ class EnvSession:
             pass
 
     def _handshake(self, deadline: float) -> None:
-        from wsproto.events import AcceptConnection, RejectConnection, RejectData
-
         event = self._next_event(deadline)
         if isinstance(event, RejectConnection):
             status, headers = event.status_code, {k.lower(): v for k, v in event.headers}
@@ -2465,13 +2338,9 @@ class EnvSession:
         self._sock.sendall(self._ws.send(event))
 
     def _send_message(self, text: str) -> None:
-        from wsproto.events import TextMessage
-
         self._send(TextMessage(data=text))
 
     def _receive(self, deadline: float) -> Dict[str, Any]:
-        from wsproto.events import BytesMessage, CloseConnection, Ping, TextMessage
-
         parts: List[Any] = []
         size = 0
         while True:
@@ -2518,19 +2387,6 @@ class EnvSession:
         return self._events.popleft()
 
 
-class _Released:
-    """Context manager releasing a lock acquired beforehand (close() acquires without blocking)."""
-
-    def __init__(self, lock: Any) -> None:
-        self._lock = lock
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self._lock.release()
-
-
 def _session_url_rejection(base_url: Any) -> Optional[str]:
     """Why `base_url` cannot carry a WebSocket session, or None."""
     if not isinstance(base_url, str) or not base_url:
@@ -2567,12 +2423,8 @@ _background_slots = threading.BoundedSemaphore(BACKGROUND_MAX_PARALLEL)
 
 
 class _BackgroundStart:
-    """`start_container()` + `wait_for_ready()` of one provider in a daemon thread, begun at once.
-
-    `wait()` blocks for this start only and returns the base URL or raises what the start raised (the
-    provider has cancelled a failed job already). `stop()` cancels the job, mid-start too, and waits
-    until the start thread has let go of it.
-    """
+    """`start_container()` + `wait_for_ready()` of one provider in a daemon thread, begun at once; `wait()`
+    returns its base URL or raises its error, `stop()` cancels the job, mid-start too."""
 
     def __init__(self, provider: HFSandboxProvider) -> None:
         self.provider = provider
@@ -2599,16 +2451,12 @@ class _BackgroundStart:
         return self._done.is_set()
 
     def stop(self, wait_s: float = BACKGROUND_STOP_WAIT_S) -> None:
-        """Make the start give up, wait (up to `wait_s`) for its thread, then cancel what is left. Never raises.
-
-        The start thread cancels its own job when it gives up. `stop_container()` is called only after
-        it ended: run concurrently, it would close the client of a create still in flight, whose job
-        could then be made without anyone to cancel it."""
+        """Make the start give up, wait (up to `wait_s`) for its thread, then cancel what is left. Never raises."""
         self._stopped = True
         deadline = time.monotonic() + wait_s
-        _request_stop(self.provider)
+        self.provider._request_stop()
         while not self._done.wait(BACKGROUND_STOP_REPEAT_S) and time.monotonic() < deadline:
-            _request_stop(self.provider)  # a start that claimed the provider since cleared the last request
+            self.provider._request_stop()  # a start that claimed the provider since cleared the last request
         self.provider.stop_container()  # a start that succeeded just before: cancel its job
 
     def _run(self) -> None:
@@ -2634,13 +2482,6 @@ class _BackgroundStart:
             self._done.set()
 
 
-def _request_stop(provider: HFSandboxProvider) -> None:
-    """What stop_container() does first, without its teardown: a start or readiness wait in another
-    thread gives up at its next check and cancels its own job (replicas included)."""
-    provider._stop_requested.set()
-    provider._wake.set()
-
-
 # -- Sandbox: what an environment object holds --------------------------------------------------------
 
 _shared_lock = threading.Lock()
@@ -2653,19 +2494,9 @@ _sandbox_providers: "weakref.WeakSet[HFSandboxProvider]" = weakref.WeakSet()
 class Sandbox:
     """An environment's remote sandbox: begun in the background when built, waited for only when used.
 
-    `Sandbox(image, **provider_kwargs)` (the `HFSandboxProvider` keywords) starts its job at once in a
-    background thread and returns; `session()` waits for THAT job (so N environments built together wait
-    about one cold start, not N) and opens an `EnvSession` on it. `begin=False` starts nothing until the
-    first `begin()`, `wait()` or `session()`.
-
-    `shared="name"`: every Sandbox of this process with that name uses ONE provider, started once, with
-    the same settings (`replicas=K` puts K jobs behind its route); each `session()` is its own WebSocket
-    session, placed on the job with the fewest. The server must host several sessions
-    (`MAX_CONCURRENT_ENVS`). Stopping one shared Sandbox lets go of the group; `stop_sandboxes()` (or
-    exit, or the signal teardown) cancels it.
-
-    Pickles with its settings only: an own sandbox until it begins (each process starts its own),
-    a shared one at any time (the other process starts its own group of that name).
+    `Sandbox(image, **provider_kwargs)` starts its job in a background thread; `session()` waits for THAT
+    job and opens an `EnvSession`. `shared="name"`: every Sandbox of the process with that name uses one
+    provider (`replicas=K` jobs); `stop_sandboxes()` cancels it. See docs/training.md.
     """
 
     def __init__(self, image: Optional[str] = None, *, shared: Optional[str] = None, begin: bool = True,
@@ -2697,10 +2528,8 @@ class Sandbox:
         return self
 
     def wait(self, timeout_s: Optional[float] = None) -> str:
-        """Begin if needed and block until this sandbox's job answers /health; returns its base URL.
-
-        Raises what the start raised (`JobFailedError`, `JobStartTimeout`, ...): its job is cancelled.
-        `timeout_s` bounds this wait only (`JobStartTimeout`; the start goes on)."""
+        """Begin if needed and block until the job answers /health; returns its base URL or raises what the
+        start raised. `timeout_s` bounds this wait only (`JobStartTimeout`; the start goes on)."""
         self.begin()
         assert self._start is not None
         return self._start.wait(timeout_s)
@@ -2710,9 +2539,8 @@ class Sandbox:
         return EnvSession(self.wait(wait_timeout_s), timeout_s=timeout_s)
 
     def restart(self) -> "Sandbox":
-        """Replace a lost job: stop this sandbox's job and begin a new one. A shared group is kept while
-        one of its jobs still serves (the proxy places new sessions on live jobs only); once none does
-        it is replaced once, however many of its environments ask (the others adopt the new one)."""
+        """Replace a lost job. A shared group is replaced once none of its jobs serves, however many of its
+        environments ask (the others adopt the new one)."""
         if self.shared is not None:
             if not _group_serves(self._start):
                 self._start = _shared_start(self.shared, self._settings_key(), self._new_provider,
@@ -2804,12 +2632,8 @@ def _shared_start(name: str, key: Tuple[Any, ...], new_provider: Callable[[], HF
 
 
 def stop_sandboxes() -> None:
-    """Cancel the job of every Sandbox of this process, own and shared, in parallel, starts in flight
-    included, and wait until each is released. Sessions on them end. Never raises.
-
-    This is the explicit teardown for environments handed to a trainer that never closes them (e.g.
-    TRL): call it when training ends (an environment class can expose it as a classmethod, which TRL
-    does not offer to the model as a tool)."""
+    """Cancel the job of every Sandbox of this process (own, shared, starting) in parallel and wait until
+    each is released. Never raises. The explicit teardown for trainers that never close environments (TRL)."""
     _in_parallel([s.stop for s in _take_starts()] + [p.stop_container for p in list(_sandbox_providers)])
 
 
@@ -2821,18 +2645,6 @@ def _take_starts() -> List[_BackgroundStart]:
     with _background_lock:
         in_flight = list(_background_starts)
     return list({id(s): s for s in groups + in_flight}.values())
-
-
-def _in_parallel(actions: Sequence[Callable[[], None]], budget_s: Optional[float] = None) -> None:
-    """Run each action in its own daemon thread (at most STOP_PARALLEL at a time); wait up to `budget_s`."""
-    deadline = None if budget_s is None else time.monotonic() + budget_s
-    for first in range(0, len(actions), STOP_PARALLEL):
-        batch = [threading.Thread(target=action, name="hf-sandbox-stop", daemon=True)
-                 for action in actions[first:first + STOP_PARALLEL]]
-        for thread in batch:
-            thread.start()
-        for thread in batch:
-            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
 
 def _teardown_process(budget_s: float) -> None:
@@ -2881,15 +2693,8 @@ _signal_teardown_active = threading.Event()
 
 def install_signal_teardown(signals: Optional[Sequence[int]] = None) -> bool:
     """Opt in: on SIGTERM or SIGHUP (or `signals`), cancel every job of this process, then let the signal
-    do what it did before: a handler installed earlier is called, the default disposition ends the
-    process with that signal (exit status -15 for SIGTERM).
-
-    Trainers stop workers with SIGTERM, which skips `atexit` and finalizers: without this, their jobs
-    run (and bill) until `job_timeout`. A signal the process ignores (SIG_IGN, e.g. SIGHUP under nohup)
-    is left alone. Signal handlers can only be set from the main thread: elsewhere this does nothing
-    (debug log) and returns False. Calling it twice is harmless (a handler set on top of ours later is
-    left in place). Returns True when a handler is installed.
-    """
+    do what it did before (a previous handler, or death by the signal). SIGTERM skips atexit: without
+    this, jobs bill until `job_timeout`. Ignored signals are left alone. Main thread only (else False)."""
     if threading.current_thread() is not threading.main_thread():
         logger.debug("install_signal_teardown() called off the main thread: nothing installed (Python sets "
                      "signal handlers from the main thread only)")
@@ -2926,11 +2731,8 @@ def _teardown_signals(signals: Optional[Sequence[int]]) -> List[int]:
 
 
 def _on_teardown_signal(signum: int, frame: Any) -> None:
-    """Cancel every job within SIGNAL_TEARDOWN_BUDGET_S, then run the previous disposition.
-
-    The work runs in a helper thread the handler waits for (bounded): the interrupted main thread may
-    hold a lock the teardown needs. A second signal while this runs (or a chained handler that calls
-    this one again) is absorbed by the first."""
+    """Cancel every job within SIGNAL_TEARDOWN_BUDGET_S (in a helper thread: the interrupted main thread
+    may hold a lock the teardown needs), then run the previous disposition. A second signal is absorbed."""
     if _signal_teardown_active.is_set():
         return
     _signal_teardown_active.set()
@@ -2969,9 +2771,8 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 class _Smoke:
     """Runs the smoke stages in order, printing one line per stage as it finishes."""
 
-    def __init__(self, quiet: bool, out: Any) -> None:
+    def __init__(self, out: Any) -> None:
         self.stages: List[Dict[str, Any]] = []
-        self.quiet = quiet
         self.out = out
         self.began = time.monotonic()
 
@@ -2979,28 +2780,25 @@ class _Smoke:
         start = time.monotonic()
         self.say("  ...   %s" % name)
         try:
-            detail = action()
-            ok = True
-        except BaseException as exc:
-            if not isinstance(exc, Exception):
-                self.record(name, False, start, "interrupted (%s)" % type(exc).__name__)
-                raise
-            detail, ok = "%s: %s" % (type(exc).__name__, exc), False
+            ok, detail = True, action()
+        except Exception as exc:
+            ok, detail = False, "%s: %s" % (type(exc).__name__, exc)
+        except BaseException as exc:  # Ctrl-C: recorded, then it propagates
+            self.record(name, False, start, "interrupted (%s)" % type(exc).__name__)
+            raise
         self.record(name, ok, start, detail)
         return ok
 
     def record(self, name: str, ok: bool, start: float, detail: Optional[str]) -> None:
-        seconds = time.monotonic() - start
+        seconds, lines = time.monotonic() - start, (detail or "").splitlines() or [""]
         self.stages.append({"name": name, "ok": ok, "seconds": round(seconds, 3), "detail": detail or ""})
-        first_line = (detail or "").splitlines()[0] if detail else ""
         self.say("%s %6.2fs  %s%s" % ("  ok  " if ok else "  FAIL", seconds, name,
-                                       "  (%s)" % first_line if first_line else ""))
-        if not ok and detail and "\n" in detail:
-            self.say("\n".join("        | " + line for line in detail.splitlines()[1:]))
+                                       "  (%s)" % lines[0] if lines[0] else ""))
+        if not ok and len(lines) > 1:
+            self.say("\n".join("        | " + line for line in lines[1:]))
 
     def say(self, line: str) -> None:
-        if not self.quiet:
-            print(line, file=self.out, flush=True)
+        print(line, file=self.out, flush=True)
 
     @property
     def ok(self) -> bool:
@@ -3008,52 +2806,46 @@ class _Smoke:
 
     def table(self) -> str:
         width = max(len(stage["name"]) for stage in self.stages)
-        rows = ["%-*s  %-6s  %8s" % (width, "stage", "result", "seconds")]
-        rows += ["%-*s  %-6s  %8.2f" % (width, s["name"], "ok" if s["ok"] else "FAIL", s["seconds"])
-                 for s in self.stages]
-        rows.append("%-*s  %-6s  %8.2f" % (width, "total", "ok" if self.ok else "FAIL",
-                                            time.monotonic() - self.began))
-        return "\n".join(rows)
+        rows = [(s["name"], "ok" if s["ok"] else "FAIL", "%8.2f" % s["seconds"]) for s in self.stages]
+        rows = [("stage", "result", " seconds")] + rows + [
+            ("total", "ok" if self.ok else "FAIL", "%8.2f" % (time.monotonic() - self.began))]
+        return "\n".join("%-*s  %-6s  %s" % (width, name, result, seconds) for name, result, seconds in rows)
 
 
 def _smoke_checks(smoke: _Smoke, base_url: str, action: Mapping[str, Any]) -> None:
     """/health, HTTP /reset + /step, and a WebSocket /ws session, all through the proxy's base URL."""
     with requests.Session() as http:
-        http.trust_env = False
+        http.trust_env = False  # loopback proxy: never route through HTTP(S)_PROXY
+
+        def call(method: str, path: str, body: Any = None) -> requests.Response:
+            response = http.request(method, base_url + path, json=body, timeout=SMOKE_REQUEST_TIMEOUT_S)
+            response.raise_for_status()
+            return response
 
         def health() -> str:
-            response = http.get(base_url + "/health", timeout=SMOKE_REQUEST_TIMEOUT_S)
-            response.raise_for_status()
+            response = call("GET", "/health")
             return "HTTP %d %s" % (response.status_code, response.text.strip()[:80])
 
-        def reset() -> str:
-            response = http.post(base_url + "/reset", json={}, timeout=SMOKE_REQUEST_TIMEOUT_S)
-            response.raise_for_status()
-            return "done=%s" % response.json().get("done")
-
         def step() -> str:
-            response = http.post(base_url + "/step", json={"action": dict(action)}, timeout=SMOKE_REQUEST_TIMEOUT_S)
-            response.raise_for_status()
-            payload = response.json()
+            payload = call("POST", "/step", {"action": dict(action)}).json()
             return "reward=%s done=%s" % (payload.get("reward"), payload.get("done"))
 
-        smoke.stage("GET /health", health)
-        smoke.stage("HTTP POST /reset", reset)
-        smoke.stage("HTTP POST /step", step)
+        def websocket() -> str:
+            with EnvSession(base_url, timeout_s=SMOKE_REQUEST_TIMEOUT_S) as ws:
+                answers = [ws.exchange({"type": "reset", "data": {}})]
+                answers += [ws.exchange({"type": "step", "data": dict(action)}) for _ in range(SMOKE_WS_STEPS)]
+                state = ws.exchange({"type": "state"})
+            errors = [a for a in answers + [state] if a.get("type") == "error"]
+            if errors:
+                raise SandboxError("server answered an error: %s" % json.dumps(errors[0].get("data"))[:300])
+            if [a.get("type") for a in answers] != ["observation"] * (1 + SMOKE_WS_STEPS):
+                raise SandboxError("unexpected answers: %s" % [a.get("type") for a in answers])
+            return "reset + %d steps, step_count=%s" % (SMOKE_WS_STEPS, (state.get("data") or {}).get("step_count"))
 
-    def websocket() -> str:
-        with EnvSession(base_url, timeout_s=SMOKE_REQUEST_TIMEOUT_S) as ws:
-            answers = [ws.exchange({"type": "reset", "data": {}})]
-            answers += [ws.exchange({"type": "step", "data": dict(action)}) for _ in range(SMOKE_WS_STEPS)]
-            state = ws.exchange({"type": "state"})
-        errors = [a for a in answers + [state] if a.get("type") == "error"]
-        if errors:
-            raise SandboxError("server answered an error: %s" % json.dumps(errors[0].get("data"))[:300])
-        if [a.get("type") for a in answers] != ["observation"] * (1 + SMOKE_WS_STEPS):
-            raise SandboxError("unexpected answers: %s" % [a.get("type") for a in answers])
-        return "reset + %d steps, step_count=%s" % (SMOKE_WS_STEPS, (state.get("data") or {}).get("step_count"))
-
-    smoke.stage("WebSocket /ws reset + %d steps" % SMOKE_WS_STEPS, websocket)
+        for name, check in [("GET /health", health),
+                            ("HTTP POST /reset", lambda: "done=%s" % call("POST", "/reset", {}).json().get("done")),
+                            ("HTTP POST /step", step), ("WebSocket /ws reset + %d steps" % SMOKE_WS_STEPS, websocket)]:
+            smoke.stage(name, check)
 
 
 def _import_emulator() -> Any:
@@ -3067,44 +2859,42 @@ def _import_emulator() -> Any:
     return importlib.import_module(name)  # present but broken: its own error says why
 
 
+def _usage_error(message: str) -> int:
+    print("error: %s" % message, file=sys.stderr)
+    return EXIT_USAGE
+
+
 def _run_smoke(args: Any) -> int:
-    out = sys.stderr if args.json else sys.stdout
-    smoke = _Smoke(quiet=False, out=out)
+    """`smoke`: one environment through every stage, then teardown; the exit status says if all passed."""
     try:
         action = json.loads(args.action) if args.action else SMOKE_DEFAULT_ACTION
         if not isinstance(action, dict):
             raise ValueError("not a JSON object")
     except ValueError as exc:
-        print("error: --action must be a JSON object (%s)" % exc, file=sys.stderr)
-        return EXIT_USAGE
+        return _usage_error("--action must be a JSON object (%s)" % exc)
     image = args.image or os.environ.get("HF_SANDBOX_IMAGE") or SMOKE_DEFAULT_IMAGE
-    emulator = None
-    provider: Optional[HFSandboxProvider] = None
-    failure: Optional[str] = None
+    settings: Dict[str, Any] = dict(flavor=args.flavor, command=args.command)
+    if args.timeout:
+        settings.update(start_timeout_s=args.timeout, ready_timeout_s=args.timeout)
+    out = sys.stderr if args.json else sys.stdout
+    smoke, emulator, provider, failure = _Smoke(out), None, None, None
     try:
-        settings: Dict[str, Any] = dict(flavor=args.flavor)
         if args.local:
-            _emulator = _import_emulator()
-            if _emulator is None:
-                print("error: smoke --local needs hf_jobs_emulator.py next to this module (it is not part of a "
-                      "vendored copy); copy it from the hf-sandbox-provider repository, or run smoke without "
-                      "--local against the Hub", file=sys.stderr)
-                return EXIT_USAGE
-            emulator = _emulator.JobsEmulator()
+            module = _import_emulator()
+            if module is None:
+                return _usage_error("smoke --local needs hf_jobs_emulator.py next to this module (it is not part of a "
+                                    "vendored copy); copy it from the hf-sandbox-provider repository, or run smoke "
+                                    "without --local against the Hub")
+            emulator = module.JobsEmulator()
             smoke.stage("start local Jobs emulator", lambda: "endpoint %s" % emulator.start().endpoint)
             settings.update(endpoint=emulator.endpoint, token=emulator.token,
-                            command=args.command or _emulator.echo_server_command())
-        elif args.command:
-            settings.update(command=args.command)
-        if args.timeout:
-            settings.update(start_timeout_s=args.timeout, ready_timeout_s=args.timeout)
+                            command=args.command or module.echo_server_command())
         try:
             provider = HFSandboxProvider(image, **settings)
             if not args.local:
                 provider._resolve_token()  # fail now, with the hint, rather than mid-stage
         except SandboxConfigError as exc:
-            print("error: %s" % exc, file=sys.stderr)
-            return EXIT_USAGE
+            return _usage_error(str(exc))
         if smoke.ok or not smoke.stages:
             started = smoke.stage("start_container (submit -> exposed URL)", lambda: "job %s at %s" % (
                 provider.start_container() and provider.job_id, provider.upstream_url))
@@ -3120,16 +2910,7 @@ def _run_smoke(args: Any) -> int:
             smoke.stage("stop_container (cancel job, unmount)", lambda: provider.stop_container() or (
                 "job %s %s" % (job_id, provider.stage) if job_id else "nothing to stop"))
         if emulator is not None:
-            live = []
-
-            def stop_emulator() -> str:
-                emulator.stop()
-                live.extend(emulator.live_pids())
-                if live:
-                    raise SandboxError("job processes still alive: %s" % live)
-                return "no job process left"
-
-            smoke.stage("stop local Jobs emulator", stop_emulator)
+            smoke.stage("stop local Jobs emulator", lambda: _stop_emulator(emulator))
     if args.json:
         print(json.dumps({
             "ok": smoke.ok and failure is None, "mode": "local" if args.local else "hub", "image": image,
@@ -3143,6 +2924,14 @@ def _run_smoke(args: Any) -> int:
             print("job timings (s after submit): %s" % ", ".join(
                 "%s=%.2f" % item for item in sorted(provider.timings.items(), key=lambda kv: kv[1])), file=out)
     return EXIT_OK if smoke.ok and failure is None else EXIT_FAILED
+
+
+def _stop_emulator(emulator: Any) -> str:
+    emulator.stop()
+    live = emulator.live_pids()
+    if live:
+        raise SandboxError("job processes still alive: %s" % live)
+    return "no job process left"
 
 
 def _sweep_skip_reason(job: Mapping[str, Any], user: str) -> Optional[str]:
@@ -3175,9 +2964,7 @@ def _format_age(seconds: Optional[float]) -> str:
         return "age unknown"
     if seconds < 120:
         return "%ds old" % seconds
-    if seconds < 7200:
-        return "%dm old" % (seconds // 60)
-    return "%.1fh old" % (seconds / 3600)
+    return "%dm old" % (seconds // 60) if seconds < 7200 else "%.1fh old" % (seconds / 3600)
 
 
 def _run_sweep(args: Any) -> int:
@@ -3185,19 +2972,14 @@ def _run_sweep(args: Any) -> int:
     try:
         endpoint = _resolve_endpoint(args.endpoint)
     except InsecureURLError as exc:
-        print("error: %s" % exc, file=sys.stderr)
-        return EXIT_USAGE
-    older_than: Optional[int] = None
-    if args.older_than is not None:
-        older_than = _parse_duration(args.older_than)
-        if older_than is None:
-            print("error: --older-than %r is not a duration: use seconds or a number with s, m, h or d "
-                  "(e.g. 90s, 30m, 2h, 1d)" % args.older_than, file=sys.stderr)
-            return EXIT_USAGE
+        return _usage_error(str(exc))
+    older_than = None if args.older_than is None else _parse_duration(args.older_than)
+    if args.older_than is not None and older_than is None:
+        return _usage_error("--older-than %r is not a duration: use seconds or a number with s, m, h or d "
+                            "(e.g. 90s, 30m, 2h, 1d)" % args.older_than)
     token = _discover_token()
     if not token:
-        print("error: no Hugging Face token found: set HF_TOKEN or run `hf auth login`", file=sys.stderr)
-        return EXIT_USAGE
+        return _usage_error("no Hugging Face token found: set HF_TOKEN or run `hf auth login`")
     client = _JobsClient(endpoint, token)
     try:
         user = client.whoami_namespace()
@@ -3292,9 +3074,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.verbose:
         logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO, stream=sys.stderr,
                             format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.subcommand == "smoke":
-        return _run_smoke(args)
-    return _run_sweep(args)
+    return _run_smoke(args) if args.subcommand == "smoke" else _run_sweep(args)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import multiprocessing
 import pickle
+import sys
 import threading
 
+import pytest
 import requests
 
 import hf_sandbox_provider as hsp
@@ -88,3 +90,54 @@ def test_unstarted_provider_pickled_to_a_spawned_worker_runs_its_own_job(emu):
     assert worker.exitcode == 0
     assert emu.wait_for_stage(job_id, ["CANCELED"]).stage == "CANCELED"
     assert provider.job_id is None  # the parent's provider never started anything
+
+
+# A job whose server answers every request with $STATUS: a stand-in for a job proxy that refuses the token.
+_REFUSING_SERVER = """
+import http.server, os
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = b'{"error": "refused"}'
+        self.send_response(int(os.environ["STATUS"]))
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(os.environ["PORT"])), Handler).serve_forever()
+"""
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_health_answering_auth_refusal_gives_up_with_an_error_naming_it_and_cancels_the_job(emu, proxy, status):
+    provider = hsp.HFSandboxProvider(IMAGE, endpoint=emu.endpoint, token=emu.token, proxy=proxy,
+                                     command=[sys.executable, "-c", _REFUSING_SERVER], env_vars={"STATUS": status},
+                                     poll_interval_s=0.05, ready_timeout_s=15)
+    try:
+        base_url = provider.start_container()
+        with pytest.raises(hsp.SandboxError) as caught:
+            provider.wait_for_ready(base_url)
+        # Given up on the refusal itself, not after the 15 s readiness budget.
+        assert not isinstance(caught.value, hsp.JobStartTimeout)
+        assert "/health answered HTTP %d" % status in str(caught.value)
+        assert "refused the token" in str(caught.value)
+        assert provider.phase is hsp.Phase.IDLE  # the failed wait tore the job down
+    finally:
+        provider.stop_container()
+    wait_until(lambda: all(job.terminal for job in emu.jobs), "every job to end")
+    assert [job.stage for job in emu.jobs] == ["CANCELED"]
+
+
+def test_health_answering_503_is_not_a_refusal_the_wait_goes_on_until_its_deadline(emu, proxy):
+    provider = hsp.HFSandboxProvider(IMAGE, endpoint=emu.endpoint, token=emu.token, proxy=proxy,
+                                     command=[sys.executable, "-c", _REFUSING_SERVER], env_vars={"STATUS": 503},
+                                     poll_interval_s=0.05)
+    try:
+        base_url = provider.start_container()
+        with pytest.raises(hsp.JobStartTimeout) as caught:
+            provider.wait_for_ready(base_url, timeout_s=1.5)
+        assert "last: HTTP 503" in str(caught.value)
+    finally:
+        provider.stop_container()
+    wait_until(lambda: all(job.terminal for job in emu.jobs), "every job to end")
+    assert [job.stage for job in emu.jobs] == ["CANCELED"]
