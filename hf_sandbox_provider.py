@@ -58,6 +58,7 @@ InsecureURLError = _proxy.InsecureURLError
 # One copy each, shared with the proxy and the emulator (see proxy.py's shared block).
 _is_loopback_host = _proxy._is_loopback_host
 _discover_token = _proxy._discover_token
+_start_thread = _proxy._start_thread
 
 __all__ = [
     # the provider and its errors
@@ -1174,7 +1175,7 @@ def _in_parallel(actions: Sequence[Callable[[], None]], budget_s: Optional[float
         batch = [threading.Thread(target=action, name="hf-sandbox-stop", daemon=True)
                  for action in actions[first:first + STOP_PARALLEL]]
         for thread in batch:
-            thread.start()
+            _start_thread(thread)
         for thread in batch:
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
@@ -1206,7 +1207,7 @@ class _Parallel:
                    for i in range(self.max_parallel)]
         try:
             for worker in workers:
-                worker.start()
+                _start_thread(worker)
             while True:
                 self.wake.clear()  # before the checks, so a change made after them still wakes the wait
                 if self.stop_requested.is_set() and not self.stopping:
@@ -1918,7 +1919,7 @@ class _JobWatcher:
             group.next_due = min(group.next_due, time.monotonic() + watch.interval_s(time.monotonic()))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="hf-sandbox-job-watcher", daemon=True)
-                self._thread.start()
+                _start_thread(self._thread)
             self._cond.notify_all()
         return watch
 
@@ -2435,7 +2436,7 @@ class _BackgroundStart:
         self._thread = threading.Thread(target=self._run, name="hf-sandbox-background-start", daemon=True)
         with _background_lock:
             _background_starts.add(self)
-        self._thread.start()
+        _start_thread(self._thread)
 
     def wait(self, timeout_s: Optional[float] = None) -> str:
         if not self._done.wait(timeout_s):
@@ -2740,7 +2741,7 @@ def _on_teardown_signal(signum: int, frame: Any) -> None:
         logger.warning("signal %d: cancelling this process's HF jobs before it exits", signum)
         worker = threading.Thread(target=_teardown_process, args=(SIGNAL_TEARDOWN_BUDGET_S,),
                                   name="hf-sandbox-signal-teardown", daemon=True)
-        worker.start()
+        _start_thread(worker)
         worker.join(SIGNAL_TEARDOWN_BUDGET_S + 1.0)
         previous = _signal_previous.get(signum, signal.SIG_DFL)
         if callable(previous):

@@ -630,7 +630,7 @@ class AuthProxy:
                                          "free one" % (self.host, self._requested_port, exc.strerror or exc)) from None
             self._serve_thread = threading.Thread(target=self._server.serve_until_woken, name="proxy-listener",
                                                   daemon=True)
-            self._serve_thread.start()
+            _start_thread(self._serve_thread)
         log.info("proxy listening on %s", self.url)
         return self
 
@@ -822,6 +822,28 @@ JOB_TERMINAL_STAGES = ("COMPLETED", "CANCELED", "ERROR", "DELETED")
 # (so the answer is the same with or without huggingface_hub installed), then its get_token() (the
 # `hf auth login` file, Colab secrets), then the token file at the documented path.
 TOKEN_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+
+
+# Signals a process receives to end (a scheduler's SIGTERM, Ctrl-C, a closed terminal). The kernel may hand
+# a process-directed signal to any thread that does not block it (Linux prefers the main thread, but not
+# when that one has a signal pending), while CPython runs Python handlers only in the main thread and a
+# blocking call there (a sleep, a join) is cut short only if the signal landed on that thread. Every thread
+# the library starts blocks these, so they always reach the main thread.
+MAIN_THREAD_SIGNALS = frozenset(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
+                                if hasattr(signal, name))
+
+
+def _start_thread(thread: threading.Thread) -> None:
+    """Start a library thread with MAIN_THREAD_SIGNALS blocked (a new thread inherits its creator's signal
+    mask, so the mask is set around the start and restored: a signal arriving meanwhile waits, it is not lost)."""
+    if not hasattr(signal, "pthread_sigmask"):  # Windows: no per-thread signal masks
+        thread.start()
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, MAIN_THREAD_SIGNALS)
+    try:
+        thread.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _is_loopback_host(host: Optional[str]) -> bool:
@@ -1300,10 +1322,10 @@ def _start_with_stack(thread: threading.Thread, stack_bytes: int) -> None:
         try:
             previous = threading.stack_size(stack_bytes)
         except (ValueError, RuntimeError):  # a platform that cannot change it: keep its default
-            thread.start()
+            _start_thread(thread)
             return
         try:
-            thread.start()
+            _start_thread(thread)
         finally:
             threading.stack_size(previous)
 

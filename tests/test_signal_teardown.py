@@ -24,6 +24,10 @@ SLOTS = 4
 SCHEDULING_DELAY_S = 6.0  # long enough that "during a cold start" is certain when the signal lands
 CHILD_TIMEOUT_S = 60.0
 
+# CPython runs a Python signal handler only between bytecodes: a signal that lands after the child's last
+# check and before a sleep's system call waits out the whole sleep (about 1 run in 10 with one 120 s sleep
+# right after the "cold" line), which is CPython's behaviour, not the library's; the child therefore
+# sleeps in short steps, as a training loop returns to Python between its steps.
 # A trainer in miniature: SLOTS sandboxes begun in the background (plus a shared group of 2), then
 # either it waits for nothing ("cold"), or opens one session per slot and reports "ready".
 CHILD = textwrap.dedent('''
@@ -44,7 +48,8 @@ CHILD = textwrap.dedent('''
         for session in sessions:
             session.reset()
     print(phase, flush=True)
-    time.sleep(120)
+    for _ in range(240):  # a trainer's loop: back in Python bytecode often (see the note below)
+        time.sleep(0.5)
     print("not killed", flush=True)
 ''').replace("SLOTS", str(SLOTS))
 
@@ -179,3 +184,41 @@ def test_a_handler_set_on_top_of_ours_stays_and_the_whole_chain_runs_once() -> N
     finally:
         uninstall_signal_teardown()
         signal.signal(signal.SIGTERM, before)
+
+
+def _blocked_signals_of_thread(native_id: int) -> set:
+    """The signals a thread of this process blocks, read from the kernel (/proc), not from Python."""
+    with open("/proc/self/task/%d/status" % native_id) as fh:
+        mask = int(next(line for line in fh if line.startswith("SigBlk:")).split()[1], 16)
+    return {signum for signum in range(1, 65) if mask & (1 << (signum - 1))}
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread signal masks from Linux /proc")
+def test_library_threads_leave_termination_signals_to_the_main_thread() -> None:
+    # A SIGTERM the kernel hands to a library thread would leave a main thread blocked in a sleep or a
+    # join deaf to it (CPython runs handlers only in the main thread): every thread the proxy, the
+    # provider's parallel runner and the job watcher start must block them; the main thread must not.
+    import requests
+
+    from proxy import MAIN_THREAD_SIGNALS, AuthProxy
+
+    wanted = {int(s) for s in MAIN_THREAD_SIGNALS}
+    assert {int(signal.SIGTERM), int(signal.SIGINT), int(signal.SIGHUP)} <= wanted
+    seen = {}
+
+    def record() -> None:
+        seen[threading.current_thread().name] = _blocked_signals_of_thread(threading.get_native_id())
+
+    hf_sandbox_provider._in_parallel([record, record])
+    with AuthProxy() as proxy:
+        proxy_threads = []
+        base = proxy.mount("http://127.0.0.1:9", token="t")  # nothing listens: a 502 still runs a worker
+        requests.get(base + "/health", timeout=10)
+        for thread in threading.enumerate():
+            if thread.name.startswith("proxy") and thread.native_id is not None:
+                proxy_threads.append(thread.name)
+                seen[thread.name + "#%d" % thread.native_id] = _blocked_signals_of_thread(thread.native_id)
+    assert any(name.startswith("hf-sandbox-stop") for name in seen), seen
+    assert len(proxy_threads) >= 2, proxy_threads  # the listener and at least one pool worker
+    assert all(wanted <= blocked for blocked in seen.values()), seen
+    assert not wanted & _blocked_signals_of_thread(threading.get_native_id())  # the main thread's mask is untouched
