@@ -119,9 +119,7 @@ class Stack:
         self._start_nginx()
         for target in ("proxy", CLI_TARGET):
             for kind in UPSTREAMS:
-                cmd = [sys.executable, os.path.join(HERE, "_proxy_host.py"), _proxy_upstream_url(self, kind)]
-                if kind == "tls":
-                    cmd += ["--verify", self.ca.ca_path]
+                cmd = self.proxy_host_command(kind)
                 if target == CLI_TARGET:
                     cmd += ["--switch-interval", str(CLI_SWITCH_INTERVAL_S)]
                 info = self._spawn(cmd)
@@ -149,9 +147,12 @@ class Stack:
     def ws_target(self, target: str, upstream: str, path: str) -> Tuple[int, str, bool]:
         """(port, request target, client speaks TLS) for a WebSocket session on this target."""
         url = self.http_url(target, upstream, path)
-        match = re.match(r"https?://127\.0\.0\.1:(\d+)(/.*)$", url)
-        assert match, url
-        return int(match.group(1)), match.group(2), url.startswith("https")
+        return _port_and_path(url) + (url.startswith("https"),)
+
+    def proxy_host_command(self, upstream: str) -> List[str]:
+        """The command that runs one AuthProxy for `upstream` in its own process (benchmarks/_proxy_host.py)."""
+        cmd = [sys.executable, os.path.join(HERE, "_proxy_host.py"), _proxy_upstream_url(self, upstream)]
+        return cmd + ["--verify", self.ca.ca_path] if upstream == "tls" else cmd
 
     def _spawn(self, cmd: List[str]) -> Dict[str, Any]:
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -435,16 +436,11 @@ def ws_sessions(stack: Stack, target: str, upstream: str, n: int, steps: int,
 def held_sessions(stack: Stack, upstream: str) -> Dict[str, Any]:
     """RSS per open session: HELD_SESSIONS sessions all open at once through a proxy process started
     for this measure (its RSS before them is its idle RSS), peak RSS and threads while they are open."""
-    cmd = [sys.executable, os.path.join(HERE, "_proxy_host.py"), _proxy_upstream_url(stack, upstream)]
-    if upstream == "tls":
-        cmd += ["--verify", stack.ca.ca_path]
-    info = stack._spawn(cmd)
+    info = stack._spawn(stack.proxy_host_command(upstream))
     proc = stack.procs.pop()
     try:
-        match = re.match(r"http://127\.0\.0\.1:(\d+)(/.*)$", str(info["base_url"]))
-        assert match, info
         row = ws_sessions(stack, "proxy", upstream, HELD_SESSIONS, 1, delay_s=HELD_STEP_S, pid=int(info["pid"]),
-                          port_path=(int(match.group(1)), match.group(2) + "/ws?delay=%g" % HELD_STEP_S))
+                          port_path=_port_and_path("%s/ws?delay=%g" % (info["base_url"], HELD_STEP_S)))
     finally:
         scale._stop_child(proc, terminate_first=True)
     return row
@@ -463,10 +459,8 @@ def profile(stack: Stack, upstream: str, load: Callable[[str], object], label: s
     if not os.path.exists(spy):
         return {"error": "py-spy not installed (pip install py-spy)"}
     out = os.path.join(stack.workdir, "pyspy-%s-%s.txt" % (label, upstream))
-    cmd = [spy, "record", "--gil", "--nonblocking", "-r", "250", "-f", "raw", "-o", out, "--",
-           sys.executable, os.path.join(HERE, "_proxy_host.py"), _proxy_upstream_url(stack, upstream)]
-    if upstream == "tls":
-        cmd += ["--verify", stack.ca.ca_path]
+    cmd = [spy, "record", "--gil", "--nonblocking", "-r", "250", "-f", "raw", "-o", out, "--"] + \
+        stack.proxy_host_command(upstream)
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=stack.env, cwd=REPO)
     try:
@@ -486,6 +480,13 @@ def profile(stack: Stack, upstream: str, load: Callable[[str], object], label: s
     if not os.path.exists(out):
         return {"error": "py-spy wrote no profile"}
     return _summarize_stacks(out)
+
+
+def _port_and_path(url: str) -> Tuple[int, str]:
+    """(port, request target) of a loopback http(s) URL."""
+    match = re.match(r"https?://127\.0\.0\.1:(\d+)(/.*)$", url)
+    assert match, url
+    return int(match.group(1)), match.group(2)
 
 
 def _proxy_upstream_url(stack: Stack, upstream: str) -> str:
@@ -629,8 +630,7 @@ def run(quick: bool, say: Callable[[str], None]) -> Dict[str, Any]:
                     ["wrk", "-t2", "-c64", "-d1s", "-s", script, base + "/step"], capture_output=True, timeout=30), "http")
             result["profiles"]["upgrades/" + upstream] = profile(
                 stack, upstream, lambda base: scale._run_generators(
-                    int(base.split(":")[2].split("/")[0]), "/" + base.split("/", 3)[3] + "/ws", 512, 0, 60.0, 1,
-                    stack.env), "upgrades")
+                    *_port_and_path(base + "/ws"), 512, 0, 60.0, 1, stack.env), "upgrades")
         for target in ("nginx", "proxy"):
             for upstream in UPSTREAMS:
                 result.setdefault("after_rss_kib", {})["%s/%s" % (target, upstream)] = \
