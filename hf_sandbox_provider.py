@@ -21,6 +21,7 @@ emulator (hf_jobs_emulator.py) is imported only by `smoke --local`.
 
 from __future__ import annotations
 
+import abc
 import atexit
 import datetime
 import email.utils
@@ -320,22 +321,32 @@ class _Detached(NamedTuple):
 # --------------------------------------------------------------------------------------------------
 
 
-def _container_provider_base() -> type:
-    """OpenEnv's ContainerProvider ABC when importable (so isinstance checks pass), else object."""
-    for module_name in ("openenv.core.containers.runtime.providers", "openenv.core.containers.runtime",
-                        "openenv_core.containers.runtime.providers", "core.containers.runtime.providers"):
-        try:
-            module = __import__(module_name, fromlist=["ContainerProvider"])
-            return getattr(module, "ContainerProvider")
-        except Exception:  # absent, or an unrelated package named `core`: run without it
-            continue
-    return object
+# Where OpenEnv's `ContainerProvider` ABC has lived (current, older and pre-package layouts). It is looked up
+# in sys.modules, never imported: `openenv.core`'s package init loads gradio, pandas and pyarrow (about 4 s,
+# 170 MiB and two native threads in every process that imports this module), which a trainer that never
+# uses OpenEnv must not pay. Whoever checks isinstance against the ABC has imported it already.
+_OPENENV_PROVIDER_MODULES = ("openenv.core.containers.runtime.providers", "openenv.core.containers.runtime",
+                             "openenv_core.containers.runtime.providers", "core.containers.runtime.providers")
 
 
-_ProviderBase = _container_provider_base()
+def _register_with_openenv() -> None:
+    """Make HFSandboxProvider a (virtual) OpenEnv `ContainerProvider` once OpenEnv is loaded, so isinstance and
+    issubclass checks pass. Runs at import and at every construction; a no-op once registered."""
+    global _openenv_registered
+    if _openenv_registered:
+        return
+    for module_name in _OPENENV_PROVIDER_MODULES:
+        base = getattr(sys.modules.get(module_name), "ContainerProvider", None)
+        if isinstance(base, abc.ABCMeta):  # not an unrelated package that happens to be called `core`
+            base.register(HFSandboxProvider)
+            _openenv_registered = True
+            return
 
 
-class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
+_openenv_registered = False
+
+
+class HFSandboxProvider:
     """One OpenEnv environment server running as an HF Job, reachable through the local auth proxy.
 
     Settings are validated at construction and per start, before any network call. The job is cancelled
@@ -599,6 +610,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         self._job_client: Optional[_JobsClient] = None
         # A replica job: a weak reference to the provider that owns it (whose hooks it uses).
         self._owner: Optional["weakref.ReferenceType[HFSandboxProvider]"] = None
+        _register_with_openenv()  # OpenEnv may have been imported since this module was
 
     def _reset_job_state(self) -> None:
         self.job_id: Optional[str] = None
@@ -945,6 +957,9 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
             else:
                 logger.warning("HF job %s (made by a failed create) could not be cancelled: %s; run "
                                "`python -m hf_sandbox_provider sweep`", job_id, outcome)
+
+
+_register_with_openenv()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ level, runs from a package with proxy.py alone, and says in one sentence what `s
 from __future__ import annotations
 
 import ast
+import json
 import os
 import subprocess
 import sys
@@ -41,6 +42,37 @@ def test_importing_the_library_does_not_load_the_emulator():
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
                             timeout=RUN_TIMEOUT_S)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr
+
+
+@pytest.mark.slow  # a fresh interpreter
+def test_importing_the_library_loads_no_openenv_and_starts_no_thread():
+    # openenv.core's package init loads gradio, pandas and pyarrow: about 4 s, 170 MiB and two native threads
+    # that every trainer process importing the library would pay, whether or not it uses OpenEnv.
+    script = ("import json, os, sys, hf_sandbox_provider\n"
+              "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('openenv', 'gradio', 'pandas', 'pyarrow'))\n"
+              "tasks = len(os.listdir('/proc/self/task')) if os.path.isdir('/proc/self/task') else 1\n"
+              "print(json.dumps({'heavy': heavy, 'threads': tasks}))")
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
+                            timeout=RUN_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"heavy": [], "threads": 1}
+
+
+@pytest.mark.slow  # fresh interpreters importing openenv
+@pytest.mark.parametrize("order", ["openenv first", "library first"])
+def test_the_provider_is_an_openenv_container_provider_whichever_is_imported_first(order):
+    pytest.importorskip("openenv.core.containers.runtime.providers")
+    imports = ["from openenv.core.containers.runtime.providers import ContainerProvider",
+               "import hf_sandbox_provider as hsp"]
+    script = "\n".join((imports if order == "openenv first" else imports[::-1]) + [
+        "import pickle",
+        "provider = hsp.HFSandboxProvider('python:3.12')",
+        "copy = pickle.loads(pickle.dumps(provider))",
+        "print(issubclass(hsp.HFSandboxProvider, ContainerProvider), isinstance(provider, ContainerProvider),"
+        " isinstance(copy, ContainerProvider))"])
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
+                            timeout=RUN_TIMEOUT_S)
+    assert result.returncode == 0 and result.stdout.split() == ["True"] * 3, result.stderr
 
 
 def vendor(tmp_path, names):
