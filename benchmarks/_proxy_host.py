@@ -2,7 +2,9 @@
 
 The proxy gets a process of its own so its resident memory and thread count can be read from
 /proc/<pid>/status without counting the load generator or the upstream. It mounts one upstream,
-prints `{"base_url": ..., "pid": ...}` on stdout, and serves until stdin closes (or SIGTERM):
+prints `{"base_url": ..., "pid": ...}` on stdout once every thread of the idle proxy runs, and serves
+until stdin closes (or SIGTERM). On SIGUSR1 it prints `{"threads": [{"name", "stack"}, ...]}`, one line
+naming each live thread with its stack, so a caller whose thread count did not drain can name a leak:
 
     python benchmarks/_proxy_host.py http://127.0.0.1:PORT [--verify CA_PEM] [--profile proxy.pstats]
 
@@ -21,7 +23,9 @@ import signal
 import sys
 import threading
 import time
-from typing import List, Optional
+import traceback
+from types import FrameType
+from typing import Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # The benchmark token: any string works, the upstream here has no gate; never a real credential.
@@ -55,15 +59,28 @@ def main(argv: Optional[List[str]] = None) -> int:
     raise_nofile_limit()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGUSR1, _print_threads)
     with AuthProxy() as proxy:
         base_url = proxy.mount(args.upstream, token=BENCH_TOKEN, verify=args.verify or True)
-        print(json.dumps({"base_url": base_url, "pid": os.getpid()}), flush=True)
-        waiter = threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True)
+        # Started before the ready line: ws_scale takes the thread count it reads right after that
+        # line as the idle baseline, and under load it read it before this thread existed (2, not 3).
+        waiter = threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), name="stdin-waiter", daemon=True)
         waiter.start()
+        print(json.dumps({"base_url": base_url, "pid": os.getpid()}), flush=True)
         stop.wait()
     if profiles is not None:
         _write_profile(profiles, args.profile)
     return 0
+
+
+def _print_threads(signum: int, interrupted: Optional[FrameType]) -> None:
+    """Answer SIGUSR1 with one stdout line naming every live thread with its stack (innermost frame
+    last; for the main thread, which runs this handler, where the signal interrupted it)."""
+    frames: Dict[int, Optional[FrameType]] = dict(sys._current_frames())
+    frames[threading.get_ident()] = interrupted
+    threads = [{"name": t.name, "stack": traceback.format_stack(frames[t.ident]) if frames.get(t.ident) else []}
+               for t in threading.enumerate()]
+    print(json.dumps({"threads": threads}), flush=True)
 
 
 def _profile_all_threads() -> List[cProfile.Profile]:

@@ -31,6 +31,7 @@ import os
 import platform
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -60,8 +61,14 @@ QUICK_REPS = 1
 SUCCESS_FLOOR = 0.95
 # How often the proxy's /proc/<pid>/status is sampled during a batch to catch its peak.
 SAMPLE_INTERVAL_S = 0.02
-# After a batch the proxy's threads must drain back to the idle count; wait at most this long.
+# After a batch the proxy's threads must drain back to the idle count; wait at most this long (a
+# tunnel's teardown and a parked worker's PROXY_WORKER_IDLE_S take well under a second when quiet: 20 s
+# leaves room for a machine loaded by others).
 SETTLE_TIMEOUT_S = 20.0
+# When they did not drain, the proxy host names its threads (SIGUSR1, one stdout line): wait this long.
+THREAD_DUMP_TIMEOUT_S = 10.0
+# Innermost frames of each leftover thread's stack kept in the row and report: where it is stuck.
+THREAD_DUMP_FRAMES = 4
 # Quiet time between runs so one run's teardown does not overlap the next one's connects.
 PAUSE_BETWEEN_RUNS_S = 1.0
 # Generator deadline per batch = this + (steps + 1) x step delay x 3: a run that cannot finish in
@@ -121,6 +128,7 @@ def run_benchmark(batches: Sequence[int], steps: int = DEFAULT_STEPS,
                                                            profile_proxy)
             host_port, route_path = base_url.split("://", 1)[1].split("/", 1)
             targets["proxy"] = (int(host_port.rsplit(":", 1)[1]), "/%s/ws" % route_path)
+        # The host prints its ready line once every thread of the idle proxy has started.
         proxy_idle = _proc_status(proxy_pid)
         rows: List[Dict[str, Any]] = []
         stopped: Dict[str, str] = {}
@@ -134,7 +142,7 @@ def run_benchmark(batches: Sequence[int], steps: int = DEFAULT_STEPS,
                     _say(progress, "%-6s N=%-5d skipped: %s" % (mode, n, skip))
                     continue
                 row = _run_one(mode, n, targets[mode], steps, step_delay_s, generators,
-                               proxy_pid, up_pid, env, reps, quiet_wait_s, lockstep,
+                               proxy_proc, up_pid, env, reps, quiet_wait_s, lockstep,
                                noisy_retries)
                 rows.append(row)
                 _say(progress, _progress_line(row))
@@ -248,6 +256,9 @@ def render_markdown(result: Dict[str, Any], command: str, title: str = SECTION_T
             _pct(d.get("upstream_cpu")), _pct(r["upstream_cpu"]),
             _pct(d.get("generator_cpu")), _pct(r["generator_cpu"]),
             _pct(d.get("other_cpu")), _pct(r["other_cpu"])))
+    for r in (r for r in rows if r.get("proxy_threads_left")):
+        out += ["", "Proxy threads still alive %.0f s after the N=%d batch (name: innermost frames): %s." % (
+            SETTLE_TIMEOUT_S, r["n"], "; ".join("`%s`" % t for t in r["proxy_threads_left"]))]
     noisy = sum(r["noisy_starts"] for r in rows)
     out += ["", "The machine is shared: each run waited up to %.0f s for the rest of it to drop "
             "below %.0f%% of one core (%d runs started without that quiet), and a run during which "
@@ -319,7 +330,7 @@ def plot(result: Dict[str, Any], path: str) -> Optional[str]:
 # -- one run ------------------------------------------------------------------------------------
 
 def _run_one(mode: str, n: int, target: Tuple[int, str], steps: int, step_delay_s: float,
-             generators: int, proxy_pid: Optional[int], up_pid: int, env: Dict[str, str],
+             generators: int, proxy_proc: Optional[subprocess.Popen], up_pid: int, env: Dict[str, str],
              reps: int = 1, quiet_wait_s: float = QUIET_WAIT_S,
              lockstep: bool = False, noisy_retries: int = NOISY_RETRIES) -> Dict[str, Any]:
     """Run one batch size in one mode `reps` times, sampling the proxy and timing each process's
@@ -334,7 +345,7 @@ def _run_one(mode: str, n: int, target: Tuple[int, str], steps: int, step_delay_
             if rep or attempt:
                 time.sleep(PAUSE_BETWEEN_RUNS_S)
             noisy_starts += 0 if _wait_for_quiet(quiet_wait_s) else 1
-            run = _measure_once(mode, target, n, steps, deadline, generators, proxy_pid, up_pid,
+            run = _measure_once(mode, target, n, steps, deadline, generators, proxy_proc, up_pid,
                                 env, lockstep)
             if run["other_cpu"] / run["wall"] <= NOISY_CORES or attempt == noisy_retries:
                 break
@@ -351,6 +362,7 @@ def _run_one(mode: str, n: int, target: Tuple[int, str], steps: int, step_delay_
     before = {k: min(run["before"][k] for run in runs) for k in ("rss_kib", "threads")}
     peak = {k: max(run["peak"][k] for run in runs) for k in ("rss_kib", "threads")}
     after_threads = max(run["after_threads"] for run in runs)
+    threads_left = next((run["threads_left"] for run in runs if run["threads_left"]), [])
     rep_success = [run["success"] for run in runs]
     connected = sum(run["connected"] for run in runs)
     connect_s = sum(run["connect_s"] for run in runs)
@@ -375,6 +387,7 @@ def _run_one(mode: str, n: int, target: Tuple[int, str], steps: int, step_delay_
         "proxy_threads_before": before["threads"],
         "proxy_threads_peak": peak["threads"],
         "proxy_threads_after": after_threads,
+        "proxy_threads_left": threads_left,
         "rss_kib_per_session": grown_rss / n,
         "threads_per_session": grown_threads / n,
         "rss_kib_per_open": grown_rss / row["peak_open"] if row["peak_open"] else None,
@@ -384,10 +397,11 @@ def _run_one(mode: str, n: int, target: Tuple[int, str], steps: int, step_delay_
 
 
 def _measure_once(mode: str, target: Tuple[int, str], n: int, steps: int, deadline: float,
-                  generators: int, proxy_pid: Optional[int], up_pid: int, env: Dict[str, str],
-                  lockstep: bool) -> Dict[str, Any]:
+                  generators: int, proxy_proc: Optional[subprocess.Popen], up_pid: int,
+                  env: Dict[str, str], lockstep: bool) -> Dict[str, Any]:
     """One repetition: run the generators, sample the proxy, account every process's CPU."""
     port, path = target
+    proxy_pid = proxy_proc.pid if proxy_proc is not None else None
     before = _proc_status(proxy_pid)
     cpu0 = (_cpu_seconds(proxy_pid), _cpu_seconds(proxy_pid, kernel_only=True),
             _cpu_seconds(up_pid), _machine_busy_seconds())
@@ -404,7 +418,7 @@ def _measure_once(mode: str, target: Tuple[int, str], n: int, steps: int, deadli
     up_cpu = _cpu_seconds(up_pid) - cpu0[2]
     gen_cpu = sum(out["cpu_s"] for out in outputs)
     busy = _machine_busy_seconds() - cpu0[3]
-    settled = _settle(proxy_pid, before["threads"]) if mode == "proxy" else _proc_status(proxy_pid)
+    settled = _settle(proxy_proc, before["threads"]) if mode == "proxy" else _proc_status(proxy_pid)
     sessions = [s for out in outputs for s in out["sessions"]]
     connected, connect_s = connect_span(sessions)
     return {
@@ -417,6 +431,7 @@ def _measure_once(mode: str, target: Tuple[int, str], n: int, steps: int, deadli
         "before": before, "peak": {"rss_kib": sampler.peak_rss_kib,
                                    "threads": sampler.peak_threads},
         "after_threads": settled["threads"],
+        "threads_left": settled.get("left", []),
         "success": sum(1 for s in sessions if s["ok"]) / float(len(sessions)),
         "connected": connected, "connect_s": connect_s,
     }
@@ -693,14 +708,39 @@ def _machine_busy_seconds() -> float:
     return (sum(fields) - idle - guest) / float(os.sysconf("SC_CLK_TCK"))
 
 
-def _settle(pid: int, idle_threads: int) -> Dict[str, int]:
-    """Wait (bounded) for the proxy's threads to drain back to `idle_threads`; return last status."""
+def _settle(proc: subprocess.Popen, idle_threads: int) -> Dict[str, Any]:
+    """Wait (bounded) for the proxy host's threads to drain back to `idle_threads`; return the last
+    status, with `left` (see `_thread_dump`) naming its threads when they did not drain."""
     end = time.monotonic() + SETTLE_TIMEOUT_S
-    st = _proc_status(pid)
+    st: Dict[str, Any] = _proc_status(proc.pid)
     while st["threads"] > idle_threads and time.monotonic() < end:
         time.sleep(0.1)
-        st = _proc_status(pid)
+        st = _proc_status(proc.pid)
+    if st["threads"] > idle_threads:
+        st["left"] = _thread_dump(proc)
     return st
+
+
+def _thread_dump(proc: subprocess.Popen) -> List[str]:
+    """Every live thread of the proxy host as 'name: innermost frames' (it answers SIGUSR1 with one
+    JSON line on stdout), or one line saying why it could not be had."""
+    try:
+        proc.send_signal(signal.SIGUSR1)
+    except OSError as exc:
+        return ["no thread dump: %s" % exc]
+    line = _read_line(proc, THREAD_DUMP_TIMEOUT_S)
+    try:
+        threads = json.loads(line)["threads"]
+    except (ValueError, KeyError, TypeError):
+        return ["no thread dump: the proxy host answered %r" % line[:200]]
+    return ["%s: %s" % (t["name"], " <- ".join(_frame_summary(f) for f in reversed(t["stack"][-THREAD_DUMP_FRAMES:])))
+            for t in threads]
+
+
+def _frame_summary(frame: str) -> str:
+    """'file.py:LINE in func' from one traceback.format_stack() entry."""
+    match = re.match(r'\s*File "([^"]+)", line (\d+), in (\S+)', frame)
+    return "%s:%s in %s" % (os.path.basename(match.group(1)), match.group(2), match.group(3)) if match else frame.strip()
 
 
 # -- limits, reporting --------------------------------------------------------------------------
@@ -836,6 +876,8 @@ def _progress_line(r: Dict[str, Any]) -> str:
         r["proxy_rss_peak_kib"] / 1024.0, r["proxy_threads_peak"], r["peak_open"],
         r["proxy_threads_after"])
         if r["mode"] == "proxy" else "")
+    if r.get("proxy_threads_left"):
+        proxy += "  threads left: " + "; ".join(r["proxy_threads_left"])
     return ("%-6s N=%-5d success %6s  connect p50 %s  step p50 %s  total p99 %s  %5.0f sess/s  "
             "%s conn/s  CPU gen/up/proxy(kernel) %s/%s/%s(%s)%s%s" % (
                 r["mode"], r["n"], _pct(r["success"]), _s(r["connect_p50"]), _s(r["step_p50"]),

@@ -7,6 +7,8 @@ Stable fixture names other test files may rely on:
 - `no_leaks`: asserts that the threads and open file descriptors of the process return to their
   pre-test counts after the test (waits briefly for sockets/threads being torn down).
 - `proxy`: a started `proxy.AuthProxy` on loopback, stopped after the test.
+- `shared_proxy` (module): one `proxy.AuthProxy` (30 s read timeout) for every test of a module, for
+  suites that mount a fresh route per example (the differential ones) instead of paying a start each.
 - `emu`: a running `hf_jobs_emulator.JobsEmulator` whose token is watched in the logs; after it stops,
   the test fails if any job process outlived it.
 - `make_emu`: `make_emu(**JobsEmulator_kwargs)` starts an emulator (e.g. with `scheduling_delay_s`)
@@ -129,6 +131,12 @@ def log_guard() -> Iterator[LogGuard]:
 @pytest.fixture
 def proxy() -> Iterator[AuthProxy]:
     with AuthProxy() as auth_proxy:
+        yield auth_proxy
+
+
+@pytest.fixture(scope="module")
+def shared_proxy() -> Iterator[AuthProxy]:
+    with AuthProxy(read_timeout_s=30) as auth_proxy:
         yield auth_proxy
 
 

@@ -59,7 +59,8 @@ def test_tiny_batch_runs_direct_and_through_proxy_and_keeps_other_results_sectio
         assert row["total_p99"] >= row["step_p50"]
     proxy = rows["proxy"]
     assert proxy["proxy_threads_peak"] > proxy["proxy_threads_before"], "tunnels ran in the proxy"
-    assert proxy["proxy_threads_after"] == result["config"]["proxy_idle"]["threads"], "threads leaked"
+    assert (proxy["proxy_threads_after"], proxy["proxy_threads_left"]) == \
+        (result["config"]["proxy_idle"]["threads"], []), "threads leaked (name: innermost frames)"
     assert proxy["p99_ratio"] > 0
     assert result["verdict"]["proxy"]["max_batch_100"] == 4
 
@@ -72,6 +73,27 @@ def test_tiny_batch_runs_direct_and_through_proxy_and_keeps_other_results_sectio
         assert not png.exists()
     else:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_proxy_whose_threads_do_not_drain_gets_them_named_with_their_stacks(monkeypatch):
+    """The settle step names every thread of the proxy host when its count stays above the target,
+    so a leak seen by `threads after` says which thread and where it waits; a drained count names
+    none. The count read right after the ready line is already the idle one (the host starts all its
+    threads first: a late stdin waiter once made `threads after` 3 against an idle of 2)."""
+    monkeypatch.setattr(ws_scale, "SETTLE_TIMEOUT_S", 0.2)
+    proc, _, pid = ws_scale._start_proxy("http://127.0.0.1:9", dict(os.environ))  # mounting connects nowhere
+    try:
+        idle = ws_scale._proc_status(pid)["threads"]
+        drained = ws_scale._settle(proc, idle)
+        stuck = ws_scale._settle(proc, idle - 1)  # a target below what an idle host runs: never reached
+        again = ws_scale._settle(proc, idle)  # the dump left the host serving, and its count unchanged
+    finally:
+        ws_scale._stop_child(proc)
+    assert "left" not in drained and "left" not in again and drained["threads"] == again["threads"] == idle
+    names = sorted(line.split(":", 1)[0] for line in stuck["left"])
+    assert names == ["MainThread", "proxy-listener", "stdin-waiter"] and stuck["threads"] == idle
+    listener = next(line for line in stuck["left"] if line.startswith("proxy-listener:"))
+    assert "proxy.py" in listener and "in serve_until_woken" in listener, listener
 
 
 def _marked(section: str, title: str = ws_scale.SECTION_TITLE) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import socket
 import ssl
 import threading
-import time
 from typing import List
 
 import pytest
@@ -20,7 +19,7 @@ import requests
 
 import support
 from proxy import _may_retry
-from upstreams.scripted import ScriptedUpstream, read_request
+from upstreams.scripted import Script, ScriptedUpstream, read_request, serve_by_path
 
 TIMEOUT_S = 10.0
 
@@ -211,17 +210,9 @@ def _send_quietly(sock: socket.socket, data: bytes) -> None:
 # -- family 5: big response heads ------------------------------------------------------------------
 
 
-def _head_script(extra_headers: bytes):  # type: ignore[no-untyped-def]
-    def script(sock, rfile, number):  # type: ignore[no-untyped-def]
-        while True:
-            request = read_request(rfile)
-            if request is None:
-                return
-            if request[1].endswith("/big-head"):
-                sock.sendall(b"HTTP/1.1 200 OK\r\n" + extra_headers + b"Content-Length: 4\r\n\r\nbody")
-            else:
-                sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nsmall")
-    return script
+def _head_script(extra_headers: bytes) -> Script:
+    return serve_by_path({"/big-head": b"HTTP/1.1 200 OK\r\n" + extra_headers + b"Content-Length: 4\r\n\r\nbody"},
+                         b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nsmall")
 
 
 @pytest.mark.parametrize("extra_headers", [
@@ -310,15 +301,8 @@ def test_a_status_code_below_100_is_an_upstream_protocol_error_not_an_interim_an
     """The fuzzer's upstream sent 'HTTP/1.1 003 ...': the proxy took it for an interim (1xx) answer
     and relayed 'HTTP/1.1 3 ...', a status line no client can parse. http.client and h11 refuse such
     a status; the proxy now answers 502 upstream-protocol, and the route keeps working."""
-    def script(sock, rfile, number):  # type: ignore[no-untyped-def]
-        while True:
-            request = read_request(rfile)
-            if request is None:
-                return
-            if request[1].endswith("/odd"):
-                sock.sendall(status_line + b"\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-                return
-            sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\ngood")
+    odd = status_line + b"\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    script = serve_by_path({"/odd": lambda target: (odd, False)}, b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\ngood")
 
     with ScriptedUpstream(script) as up:
         base = proxy.mount(up.url, None)

@@ -18,7 +18,6 @@ from websockets.exceptions import ConnectionClosed
 
 import support
 from diff_clients import UpstreamProcess, start_upstreams
-from proxy import AuthProxy
 from test_proxy_differential import DIFF_SETTINGS, SEED, TOKEN, WS_FAST_EXAMPLES, WS_SLOW_EXAMPLES
 
 WS_SIZES = [0, 125, 126, 65535, 65536, 1 << 20]
@@ -34,12 +33,6 @@ def ws_upstreams(test_ca: support.TestCA) -> Iterator[Dict[str, UpstreamProcess]
     yield started
     for up in started.values():
         up.stop()
-
-
-@pytest.fixture(scope="module")
-def ws_proxy() -> Iterator[AuthProxy]:
-    with AuthProxy(read_timeout_s=30) as proxy:
-        yield proxy
 
 
 size = st.sampled_from(WS_SIZES)
@@ -141,8 +134,8 @@ def check_session(session, upstreams, proxy, test_ca) -> None:  # type: ignore[n
 @seed(SEED + 2)
 @settings(max_examples=WS_FAST_EXAMPLES, **DIFF_SETTINGS)
 @given(session=sessions)
-def test_websocket_through_the_proxy_matches_direct_sample(session, ws_upstreams, ws_proxy, test_ca):
-    check_session(session, ws_upstreams, ws_proxy, test_ca)
+def test_websocket_through_the_proxy_matches_direct_sample(session, ws_upstreams, shared_proxy, test_ca):
+    check_session(session, ws_upstreams, shared_proxy, test_ca)
 
 
 @pytest.mark.slow
@@ -150,5 +143,5 @@ def test_websocket_through_the_proxy_matches_direct_sample(session, ws_upstreams
 @seed(SEED + 3)
 @settings(max_examples=WS_SLOW_EXAMPLES, **DIFF_SETTINGS)
 @given(session=sessions)
-def test_websocket_through_the_proxy_matches_direct(session, ws_upstreams, ws_proxy, test_ca):
-    check_session(session, ws_upstreams, ws_proxy, test_ca)
+def test_websocket_through_the_proxy_matches_direct(session, ws_upstreams, shared_proxy, test_ca):
+    check_session(session, ws_upstreams, shared_proxy, test_ca)

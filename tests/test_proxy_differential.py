@@ -55,7 +55,7 @@ CLIENTS = ["raw", "raw", "requests", "httpx", "http.client"]
 
 
 # --------------------------------------------------------------------------------------------------
-# Fixtures: upstream processes and one proxy for the module (a fresh route per sequence)
+# Fixtures: upstream processes; the module's one proxy is conftest's shared_proxy (a fresh route per sequence)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -66,12 +66,6 @@ def upstreams(test_ca: support.TestCA) -> Iterator[Dict[str, UpstreamProcess]]:
     yield started
     for up in started.values():
         up.stop()
-
-
-@pytest.fixture(scope="module")
-def shared_proxy() -> Iterator[AuthProxy]:
-    with AuthProxy(read_timeout_s=30) as proxy:
-        yield proxy
 
 
 # --------------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ import requests
 import support
 from diff_clients import UpstreamProcess, start_upstreams
 from proxy import AuthProxy
-from upstreams.scripted import ScriptedUpstream, read_request
+from upstreams.scripted import Script, ScriptedUpstream, serve_by_path
 
 TOKEN = "hf_fuzztoken_" + "Wd4Hs9Pq1Zt6"
 SEED = int(os.environ.get("PROXY_FUZZ_SEED", "1123"))
@@ -292,20 +292,12 @@ RESPONSE_TEMPLATES = [
 GOOD = b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\ngood"
 
 
-def _response_script(rng_for: Callable[[int], random.Random]):  # type: ignore[no-untyped-def]
-    def script(sock, rfile, number):  # type: ignore[no-untyped-def]
-        while True:
-            request = read_request(rfile)
-            if request is None:
-                return
-            if request[1].endswith("/good"):
-                sock.sendall(GOOD)
-                continue
-            rng = rng_for(int(request[1].rsplit("=", 1)[1]))
-            sock.sendall(mutate(rng.choice(RESPONSE_TEMPLATES), rng))
-            if rng.randrange(2):  # half the time the connection stays open (may be pooled)
-                return
-    return script
+def _response_script(rng_for: Callable[[int], random.Random]) -> Script:
+    def mutated(target: str) -> Tuple[bytes, bool]:
+        rng = rng_for(int(target.rsplit("=", 1)[1]))
+        answer = mutate(rng.choice(RESPONSE_TEMPLATES), rng)
+        return answer, rng.randrange(2) == 0  # half the time the connection stays open (may be pooled)
+    return serve_by_path({"/good": GOOD}, mutated)
 
 
 def run_response_fuzz(count: int, error_log: _ErrorLog) -> Tally:

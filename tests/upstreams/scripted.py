@@ -11,11 +11,14 @@ import io
 import socket
 import ssl
 import threading
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Mapping, Optional, Tuple, Union
 
 from .common import read_chunked
 
 Script = Callable[[socket.socket, io.BufferedReader, int], None]
+# What `serve_by_path` sends for one request: fixed bytes (the connection stays open), or a function
+# of the request target returning (bytes, keep_open) for answers that vary or end the connection.
+Reply = Union[bytes, Callable[[str], Tuple[bytes, bool]]]
 
 
 def read_request(rfile: io.BufferedReader, body: bool = True) -> Optional[Tuple[str, str, List[Tuple[str, str]], bytes]]:
@@ -41,6 +44,23 @@ def read_request(rfile: io.BufferedReader, body: bool = True) -> Optional[Tuple[
     elif lower.get("content-length"):
         data = rfile.read(int(lower["content-length"]))
     return method, target, headers, data
+
+
+def serve_by_path(routes: Mapping[str, Reply], otherwise: Reply) -> Script:
+    """A script that reads requests (bodies included) until the client closes and answers each with
+    the reply of the first suffix in `routes` its target ends with, else `otherwise`."""
+    def script(sock: socket.socket, rfile: io.BufferedReader, number: int) -> None:
+        while True:
+            request = read_request(rfile)
+            if request is None:
+                return
+            target = request[1]
+            reply = next((r for suffix, r in routes.items() if target.endswith(suffix)), otherwise)
+            data, keep_open = reply(target) if callable(reply) else (reply, True)
+            sock.sendall(data)
+            if not keep_open:
+                return
+    return script
 
 
 class ScriptedUpstream:
