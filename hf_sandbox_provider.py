@@ -1901,7 +1901,6 @@ class _JobWatcher:
         self._cond = threading.Condition(threading.Lock())
         self._groups: Dict[Tuple[str, str, str], _WatchGroup] = {}
         self._thread: Optional[threading.Thread] = None
-        self.refreshes = 0  # refreshes made (one API call each when no job is missing): the O(1) test reads it
 
     def register(self, client: "_JobsClient", new_session: Callable[[], requests.Session], namespace: str,
                  job_id: str, interval_s: float, wake: threading.Event,
@@ -1960,7 +1959,6 @@ class _JobWatcher:
 
     def _refresh(self, group: _WatchGroup, watches: List[_Watch]) -> None:
         """One refresh of a group; failures pause it, and end the waits after API_MAX_RETRIES."""
-        self.refreshes += 1
         client = group.client
         try:
             if len(watches) == 1:
