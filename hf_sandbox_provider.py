@@ -220,36 +220,40 @@ class JobStartTimeout(SandboxError, TimeoutError):
         super().__init__(message)
 
 
-class StartManyError(SandboxError):
-    """start_many() could not bring every environment up; every job it started was cancelled.
-    `errors`: `(index, exception)` per failure; `aborted`: starts given up because of them."""
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return text.splitlines()[0] if text else ""
+
+
+class _StartFailures(SandboxError):
+    """Some starts of a group failed: `errors` holds `(index, exception)` per failure, in index order, and
+    `aborted` counts the starts given up because of them. The message names each failure on its own line."""
+
+    def __init__(self, headline: str, item: str, errors: Sequence[Tuple[int, BaseException]], aborted: int):
+        self.errors = sorted(errors, key=lambda pair: pair[0])
+        self.aborted = aborted
+        super().__init__("\n".join([headline] + ["  %s %d: %s: %s" % (item, index, type(exc).__name__, _first_line(exc))
+                                                 for index, exc in self.errors]))
+
+
+class StartManyError(_StartFailures):
+    """start_many() could not bring every environment up; every job it started was cancelled."""
 
     def __init__(self, total: int, errors: Sequence[Tuple[int, BaseException]], aborted: int = 0):
-        self.errors = sorted(errors, key=lambda item: item[0])
-        self.aborted = aborted
-        lines = ["%d of %d environments failed to start (%d more were cancelled before they were ready; "
-                 "every job started was cancelled):" % (len(self.errors), total, aborted)]
-        for index, exc in self.errors:
-            text = str(exc).splitlines()[0] if str(exc) else ""
-            lines.append("  environment %d: %s: %s" % (index, type(exc).__name__, text))
-        super().__init__("\n".join(lines))
+        super().__init__("%d of %d environments failed to start (%d more were cancelled before they were ready; "
+                         "every job started was cancelled):" % (len(errors), total, aborted), "environment",
+                         errors, aborted)
 
 
-class ReplicaStartError(SandboxError):
-    """Some of K replica jobs failed to start or become ready; all K were cancelled.
-    `errors`: `(replica index, exception)`; `aborted`: replicas given up; `job_ids`: the jobs created."""
+class ReplicaStartError(_StartFailures):
+    """Some of K replica jobs failed to start or become ready; all K were cancelled (`job_ids`: those created)."""
 
     def __init__(self, phase: str, total: int, errors: Sequence[Tuple[int, BaseException]], aborted: int,
                  job_ids: Sequence[str]):
-        self.errors = sorted(errors, key=lambda item: item[0])
-        self.aborted = aborted
         self.job_ids = list(job_ids)
-        lines = ["%d of %d replicas failed to %s (%d more were given up; every replica job was cancelled: %s):"
-                 % (len(self.errors), total, phase, aborted, ", ".join(self.job_ids) or "none was created")]
-        for index, exc in self.errors:
-            text = str(exc).splitlines()[0] if str(exc) else ""
-            lines.append("  replica %d: %s: %s" % (index, type(exc).__name__, text))
-        super().__init__("\n".join(lines))
+        super().__init__("%d of %d replicas failed to %s (%d more were given up; every replica job was cancelled: "
+                         "%s):" % (len(errors), total, phase, aborted, ", ".join(self.job_ids) or "none was created"),
+                         "replica", errors, aborted)
 
 
 class JobsAPIError(SandboxError):
@@ -459,8 +463,7 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
             elif progress:
                 line = "start_many: %d/%d ready, %d failed (%.1fs)" % (ready, n, failed, time.monotonic() - began)
                 if error is not None:
-                    line += "; environment %d: %s" % (index, str(error).splitlines()[0] if str(error)
-                                                      else type(error).__name__)
+                    line += "; environment %d: %s" % (index, _first_line(error) or type(error).__name__)
                 print(line, file=sys.stderr, flush=True)
 
         launch = _Parallel(providers, lambda index, p: p.wait_for_ready(p.start_container()), max_parallel,
