@@ -1533,8 +1533,9 @@ def _resolve_endpoint(endpoint: Optional[str]) -> str:
     return value
 
 
-def _token_fingerprint(token: str) -> str:
-    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+def _token_key(endpoint: str, token: str) -> Tuple[str, str]:
+    """(endpoint, sha256 of the token): what the process caches a namespace and an API budget by."""
+    return (endpoint, hashlib.sha256(token.encode("utf-8")).hexdigest())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1632,15 +1633,11 @@ class _JobsClient:
         if self._session.headers["User-Agent"].startswith("python-requests/"):
             self._session.headers["User-Agent"] = USER_AGENT
         self._session.headers["Authorization"] = "Bearer " + token
+        self.token_key = _token_key(endpoint, token)  # its namespace, API budget and watcher group go by it
         self._budget = _api_budget(endpoint, token)  # shared with every client of this token
 
     def __repr__(self) -> str:
         return "<_JobsClient endpoint=%r>" % self.endpoint
-
-    @property
-    def budget_key(self) -> Tuple[str, str]:
-        """(endpoint, token fingerprint): the rate-limit identity of this client."""
-        return (self.endpoint, _token_fingerprint(self._token))
 
     def close(self) -> None:
         self._session.close()
@@ -1648,7 +1645,7 @@ class _JobsClient:
     # -- calls ----------------------------------------------------------------------------------------
 
     def whoami_namespace(self) -> str:
-        key = (self.endpoint, _token_fingerprint(self._token))
+        key = self.token_key
         with _namespace_lock:  # one call per token per process, even with many threads starting
             if key not in _namespace_cache:
                 payload = self._json("GET", "/api/whoami-v2", "whoami-v2 (namespace lookup)")
@@ -1840,7 +1837,7 @@ _budgets_lock = threading.Lock()
 
 def _api_budget(endpoint: str, token: str) -> _ApiBudget:
     """The process's budget for this (endpoint, token)."""
-    key = (endpoint, _token_fingerprint(token))
+    key = _token_key(endpoint, token)
     with _budgets_lock:
         if key not in _budgets:
             _budgets[key] = _ApiBudget()
@@ -1910,7 +1907,7 @@ class _JobWatcher:
                  job: Optional[Mapping[str, Any]] = None, since: Optional[float] = None) -> _Watch:
         """Watch `job_id` until `unregister`; `new_session` makes the group's own HTTP session."""
         watch = _Watch(namespace, job_id, interval_s, wake, job, since)
-        key = client.budget_key + (namespace,)
+        key = client.token_key + (namespace,)
         with self._cond:
             group = self._groups.get(key)
             if group is None:
