@@ -536,10 +536,6 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         all K run), or, once every job has ended, their common end stage (ERROR if any failed)."""
         return self._jobs._job_stage()
 
-    @stage.setter
-    def stage(self, value: Optional[str]) -> None:
-        self._stage = value
-
     def __enter__(self) -> "HFSandboxProvider":
         return self
 
@@ -1331,11 +1327,11 @@ def _parse_duration(value: Any) -> Optional[int]:
     """Seconds from 3600, 90.5, "3600", "30m", "2h", "1d"; None when unparseable or not positive."""
     if isinstance(value, bool):
         return None
+    match = _DURATION.match(value) if isinstance(value, str) else None
     if isinstance(value, (int, float)):
         seconds = float(value)
-    elif isinstance(value, str) and _DURATION.match(value):
-        number, unit = _DURATION.match(value).groups()  # type: ignore[union-attr]
-        seconds = float(number) * _DURATION_UNITS[unit]
+    elif match:
+        seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
     else:
         return None
     if not seconds >= 1:  # also rejects NaN
@@ -1439,7 +1435,7 @@ def _job_body(settings: Mapping[str, Any], start_label: str) -> Dict[str, Any]:
     labels = {str(k): str(v) for k, v in (settings["labels"] or {}).items()}
     labels[PROVIDER_LABEL_KEY] = PROVIDER_LABEL_VALUE
     labels[START_LABEL_KEY] = start_label
-    labels[PROCESS_LABEL_KEY] = _process_label()
+    labels[PROCESS_LABEL_KEY] = _process_label
     body: Dict[str, Any] = {
         "command": _job_command(settings["command"], int(settings["port"])),
         "arguments": [],
@@ -1580,10 +1576,6 @@ def _retry_delay(attempt: int, retry_after: Optional[float], base: float = API_B
     return rng(0.0, min(cap, base * (2 ** attempt)))
 
 
-def _is_retryable_status(status: int) -> bool:
-    return status == 429 or 500 <= status <= 599
-
-
 def _server_message(response: requests.Response) -> Optional[str]:
     message = response.headers.get("X-Error-Message")
     if not message:
@@ -1692,11 +1684,10 @@ class _JobsClient:
             payload = self._json("GET", path or "", "listing jobs", params=params, retries=retries, next_links=links)
             jobs += [job for job in payload if isinstance(job, dict)] if isinstance(payload, list) else []
             path, params = links[-1] if links else None, None  # the next link carries the query
-            if path is None:
-                break
-            if _next_link_rejection(path, self.endpoint):
-                logger.warning("listing jobs: %s; using the first %d jobs", _next_link_rejection(path, self.endpoint),
-                               len(jobs))
+            reason = _next_link_rejection(path, self.endpoint) if path is not None else None
+            if reason:
+                logger.warning("listing jobs: %s; using the first %d jobs", reason, len(jobs))
+            if path is None or reason:
                 break
         return jobs
 
@@ -1745,13 +1736,17 @@ class _JobsClient:
                 if response.status_code < 300:
                     if next_links is not None:
                         next_links.append((response.links.get("next") or {}).get("url"))
-                    if allow_empty and not response.content:
-                        return None
-                    return self._decode(response, action, allow_empty=allow_empty)
+                    try:
+                        return response.json()
+                    except ValueError:  # also an empty body
+                        if allow_empty:
+                            return None
+                        raise JobsAPIError(action, response.status_code, "the answer is not JSON",
+                                           response.headers.get("X-Request-Id")) from None
                 retry_after = _retry_after_seconds(response.headers.get("Retry-After"))
                 if response.status_code == 429:
                     self._budget.rate_limited(retry_after)
-                if not _is_retryable_status(response.status_code):
+                if response.status_code != 429 and not 500 <= response.status_code <= 599:
                     raise self._error(response, action)
                 failure, ambiguous = "HTTP %d" % response.status_code, response.status_code != 429
                 response.close()
@@ -1768,16 +1763,6 @@ class _JobsClient:
             logger.debug("%s: %s, retrying in %.1fs", action, failure, delay)
             time.sleep(delay)
             attempt += 1
-
-    @staticmethod
-    def _decode(response: requests.Response, action: str, allow_empty: bool = False) -> Any:
-        try:
-            return response.json()
-        except ValueError:
-            if allow_empty:
-                return None
-            raise JobsAPIError(action, response.status_code, "the answer is not JSON",
-                               response.headers.get("X-Request-Id")) from None
 
     @staticmethod
     def _error(response: requests.Response, action: str) -> JobsAPIError:
@@ -1922,9 +1907,7 @@ class _JobWatcher:
             self._cond.notify_all()
         return watch
 
-    def unregister(self, watch: Optional[_Watch]) -> None:
-        if watch is None:
-            return
+    def unregister(self, watch: _Watch) -> None:
         with self._cond:
             for group in self._groups.values():
                 if watch in group.watches:
@@ -1964,7 +1947,7 @@ class _JobWatcher:
             if len(watches) == 1:
                 found = {watches[0].job_id: client.get_job(group.namespace, watches[0].job_id, retries=0)}
             else:
-                listed = client.list_jobs(group.namespace, labels={PROCESS_LABEL_KEY: _process_label()},
+                listed = client.list_jobs(group.namespace, labels={PROCESS_LABEL_KEY: _process_label},
                                           stages=_proxy.JOB_LIVE_STAGES, retries=0)
                 found = {str(job.get("id")): job for job in listed}
                 # the least refreshed first, so a job that stays unlisted cannot starve the others
@@ -2000,19 +1983,14 @@ class _JobWatcher:
 
 
 _watcher = _JobWatcher()
-_process_label_value = uuid.uuid4().hex
-
-
-def _process_label() -> str:
-    """This process's label value (renewed in a forked child, whose jobs are its own)."""
-    return _process_label_value
+_process_label = uuid.uuid4().hex  # this process's PROCESS_LABEL_KEY value (a forked child gets its own)
 
 
 def _reset_after_fork() -> None:
     """A forked child inherits no threads: give it its own watcher, budgets and process label."""
-    global _watcher, _process_label_value, _budgets_lock
+    global _watcher, _process_label, _budgets_lock
     _watcher = _JobWatcher()
-    _process_label_value = uuid.uuid4().hex
+    _process_label = uuid.uuid4().hex
     _budgets_lock = threading.Lock()
     _budgets.clear()
 
