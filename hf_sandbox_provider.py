@@ -1576,6 +1576,12 @@ def _retry_delay(attempt: int, retry_after: Optional[float], base: float = API_B
     return rng(0.0, min(cap, base * (2 ** attempt)))
 
 
+def _refused(exc: BaseException) -> bool:
+    """A 4xx answer other than 429: the API refused the call, and asking again will not change that."""
+    status = exc.status_code if isinstance(exc, JobsAPIError) else None
+    return status is not None and 400 <= status < 500 and status != 429
+
+
 def _server_message(response: requests.Response) -> Optional[str]:
     message = response.headers.get("X-Error-Message")
     if not message:
@@ -1621,9 +1627,8 @@ class _JobsClient:
         self.endpoint = endpoint
         self._token = token
         self._session = session or requests.Session()
-        self._session.headers.setdefault("User-Agent", USER_AGENT)
-        if self._session.headers["User-Agent"].startswith("python-requests/"):
-            self._session.headers["User-Agent"] = USER_AGENT
+        if self._session.headers.get("User-Agent", "python-requests/").startswith("python-requests/"):
+            self._session.headers["User-Agent"] = USER_AGENT  # a session's own agent (a hook's) is kept
         self._session.headers["Authorization"] = "Bearer " + token
         self.token_key = _token_key(endpoint, token)  # its namespace, API budget and watcher group go by it
         self._budget = _api_budget(endpoint, token)  # shared with every client of this token
@@ -1957,15 +1962,13 @@ class _JobWatcher:
                     try:
                         found[watch.job_id] = client.get_job(group.namespace, watch.job_id, retries=0)
                     except JobsAPIError as exc:
-                        if exc.status_code is not None and 400 <= exc.status_code < 500 and exc.status_code != 429:
+                        if _refused(exc):
                             watch.fail(exc)  # e.g. 404: this job is gone; the others are fine
                         else:
                             raise
         except BaseException as exc:  # never kill the thread: the waiting providers get the error instead
             group.failures += 1
-            permanent = not isinstance(exc, Exception) or (
-                isinstance(exc, JobsAPIError) and exc.status_code is not None
-                and 400 <= exc.status_code < 500 and exc.status_code != 429)
+            permanent = not isinstance(exc, Exception) or _refused(exc)
             if permanent or group.failures > API_MAX_RETRIES:
                 for watch in watches:
                     watch.fail(exc)
@@ -2027,7 +2030,7 @@ def _cancel_briefly(client: "_JobsClient", namespace: str, job_id: str) -> Optio
             reason = str(exc)
             if exc.status_code == 404:
                 return None  # the job no longer exists
-            if exc.status_code is not None and 400 <= exc.status_code < 500 and exc.status_code != 429:
+            if _refused(exc):
                 try:  # the API refuses to cancel a finished job: that is success too
                     stage = (client.get_job(namespace, job_id, retries=0).get("status") or {}).get("stage")
                     if stage in TERMINAL_STAGES:
@@ -2756,23 +2759,22 @@ class _Smoke:
     def stage(self, name: str, action: Callable[[], Optional[str]]) -> bool:
         start = time.monotonic()
         self.say("  ...   %s" % name)
+        ok, detail = False, None
         try:
             ok, detail = True, action()
         except Exception as exc:
-            ok, detail = False, "%s: %s" % (type(exc).__name__, exc)
+            detail = "%s: %s" % (type(exc).__name__, exc)
         except BaseException as exc:  # Ctrl-C: recorded, then it propagates
-            self.record(name, False, start, "interrupted (%s)" % type(exc).__name__)
+            detail = "interrupted (%s)" % type(exc).__name__
             raise
-        self.record(name, ok, start, detail)
+        finally:
+            seconds, lines = time.monotonic() - start, (detail or "").splitlines() or [""]
+            self.stages.append({"name": name, "ok": ok, "seconds": round(seconds, 3), "detail": detail or ""})
+            self.say("%s %6.2fs  %s%s" % ("  ok  " if ok else "  FAIL", seconds, name,
+                                           "  (%s)" % lines[0] if lines[0] else ""))
+            if not ok and len(lines) > 1:
+                self.say("\n".join("        | " + line for line in lines[1:]))
         return ok
-
-    def record(self, name: str, ok: bool, start: float, detail: Optional[str]) -> None:
-        seconds, lines = time.monotonic() - start, (detail or "").splitlines() or [""]
-        self.stages.append({"name": name, "ok": ok, "seconds": round(seconds, 3), "detail": detail or ""})
-        self.say("%s %6.2fs  %s%s" % ("  ok  " if ok else "  FAIL", seconds, name,
-                                       "  (%s)" % lines[0] if lines[0] else ""))
-        if not ok and len(lines) > 1:
-            self.say("\n".join("        | " + line for line in lines[1:]))
 
     def say(self, line: str) -> None:
         print(line, file=self.out, flush=True)
