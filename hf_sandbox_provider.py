@@ -1289,15 +1289,22 @@ def _image_rejection(image: Any) -> Optional[str]:
     if not isinstance(image, str) or not image.strip():
         return ("no image given: pass one to HFSandboxProvider(image=...) or start_container(image), "
                 "e.g. 'registry.hf.space/openenv-echo-env:latest' or 'hf.co/spaces/owner/name'")
-    for prefix in SPACE_IMAGE_PREFIXES:
-        if image.startswith(prefix):
-            if _SPACE_ID.match(image[len(prefix):]):
-                return None
-            return "image %r: a Space reference must look like 'hf.co/spaces/<owner>/<name>'" % image
+    space = _space_id(image)
+    if space is not None:
+        return None if _SPACE_ID.match(space) else (
+            "image %r: a Space reference must look like 'hf.co/spaces/<owner>/<name>'" % image)
     if not _IMAGE_REFERENCE.match(image):
         return ("image %r is not a valid Docker image reference (expected e.g. 'python:3.12', "
                 "'registry.hf.space/openenv-echo-env:latest' or 'hf.co/spaces/<owner>/<name>'; "
                 "repository names are lower case)" % image)
+    return None
+
+
+def _space_id(image: str) -> Optional[str]:
+    """`<owner>/<name>` when `image` names an HF Space (sent as `spaceId`), else None (a Docker image)."""
+    for prefix in SPACE_IMAGE_PREFIXES:
+        if image.startswith(prefix):
+            return image[len(prefix):]
     return None
 
 
@@ -1447,10 +1454,9 @@ def _job_body(settings: Mapping[str, Any], start_label: str) -> Dict[str, Any]:
     }
     if settings["secrets"]:
         body["secrets"] = {k: str(v) for k, v in settings["secrets"].items()}
-    for prefix in SPACE_IMAGE_PREFIXES:
-        if image.startswith(prefix):
-            body["spaceId"] = image[len(prefix):]
-            break
+    space = _space_id(image)
+    if space is not None:
+        body["spaceId"] = space
     else:
         body["dockerImage"] = image
     return body
@@ -1506,11 +1512,6 @@ def _health_status_rejection(status: int) -> Optional[str]:
     return None
 
 
-# --------------------------------------------------------------------------------------------------
-# Token and endpoint discovery
-# --------------------------------------------------------------------------------------------------
-
-
 def _endpoint_rejection(endpoint: str) -> Optional[str]:
     parts = urlsplit(endpoint)
     if parts.scheme == "https" and parts.hostname:
@@ -1529,16 +1530,17 @@ def _resolve_endpoint(endpoint: Optional[str]) -> str:
     return value
 
 
+# --------------------------------------------------------------------------------------------------
+# The Jobs REST client
+# --------------------------------------------------------------------------------------------------
+
+
 def _token_key(endpoint: str, token: str) -> Tuple[str, str]:
     """(endpoint, sha256 of the token): what the process caches a namespace and an API budget by."""
     return (endpoint, hashlib.sha256(token.encode("utf-8")).hexdigest())
 
 
-# --------------------------------------------------------------------------------------------------
-# The Jobs REST client
-# --------------------------------------------------------------------------------------------------
-
-# (endpoint, token fingerprint) -> namespace: whoami-v2 is heavily rate limited, so once per process.
+# _token_key -> namespace: whoami-v2 is heavily rate limited, so once per process.
 _namespace_cache: Dict[Tuple[str, str], str] = {}
 _namespace_lock = threading.Lock()
 
@@ -1826,7 +1828,6 @@ _budgets_lock = threading.Lock()
 
 
 def _api_budget(endpoint: str, token: str) -> _ApiBudget:
-    """The process's budget for this (endpoint, token)."""
     key = _token_key(endpoint, token)
     with _budgets_lock:
         if key not in _budgets:
@@ -2236,7 +2237,8 @@ class EnvSession:
         """Send one JSON message and return the whole JSON reply (`type` and `data`), whatever its type."""
         text = json.dumps(message)
         with self._lock:
-            self._raise_if_closed()
+            if self._closed:
+                raise SessionError("this EnvSession is closed (close() ran or the connection was lost); open a new one")
             try:
                 self._send_message(text)
                 return self._receive(time.monotonic() + self.timeout_s)
@@ -2287,10 +2289,6 @@ class EnvSession:
         return "<EnvSession %s %s>" % (self.where, "closed" if self._closed else "open")
 
     # -- machinery ------------------------------------------------------------------------------------
-
-    def _raise_if_closed(self) -> None:
-        if self._closed:
-            raise SessionError("this EnvSession is closed (close() ran or the connection was lost); open a new one")
 
     def _abort(self) -> None:
         self._closed = True
@@ -2679,7 +2677,9 @@ def install_signal_teardown(signals: Optional[Sequence[int]] = None) -> bool:
         logger.debug("install_signal_teardown() called off the main thread: nothing installed (Python sets "
                      "signal handlers from the main thread only)")
         return False
-    for signum in _teardown_signals(signals):
+    if signals is None:
+        signals = [s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s is not None]
+    for signum in [int(s) for s in signals]:
         if signum in _signal_previous:
             continue  # installed already (possibly under a handler set later, which may chain to ours)
         previous = signal.getsignal(signum)
@@ -2702,12 +2702,6 @@ def uninstall_signal_teardown() -> None:
         else:  # someone installed their own on top of ours: theirs stays, and may still chain to ours
             logger.debug("uninstall_signal_teardown: signal %d has another handler now; left as is", signum)
         del _signal_previous[signum]
-
-
-def _teardown_signals(signals: Optional[Sequence[int]]) -> List[int]:
-    if signals is not None:
-        return [int(s) for s in signals]
-    return [s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s is not None]
 
 
 def _on_teardown_signal(signum: int, frame: Any) -> None:
