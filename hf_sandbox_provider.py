@@ -2410,10 +2410,9 @@ class _BackgroundStart:
         self.error: Optional[BaseException] = None
         self._stopped = False
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="hf-sandbox-background-start", daemon=True)
         with _background_lock:
             _background_starts.add(self)
-        _start_thread(self._thread)
+        _start_thread(threading.Thread(target=self._run, name="hf-sandbox-background-start", daemon=True))
 
     def wait(self, timeout_s: Optional[float] = None) -> str:
         if not self._done.wait(timeout_s):
