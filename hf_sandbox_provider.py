@@ -501,14 +501,13 @@ class HFSandboxProvider(_ProviderBase):  # type: ignore[misc, valid-type]
         if self.job_id is None or self._job_namespace is None:
             raise SandboxError("logs() needs a job: call start_container() first")
         _raise_if_rejected(_positive_int_rejection("tail", tail))
-        client = self._job_client
-        if client is not None:
-            return client.job_logs(self._job_namespace, self.job_id, tail=tail)
-        client = _JobsClient(self.endpoint, self._resolve_token(), self._hooks()._new_session())
+        running = self._job_client
+        client = running or _JobsClient(self.endpoint, self._resolve_token(), self._hooks()._new_session())
         try:
             return client.job_logs(self._job_namespace, self.job_id, tail=tail)
         finally:
-            client.close()
+            if client is not running:  # made for this call: the job's own client closed at its stop
+                client.close()
 
     def replica_status(self, refresh: bool = False) -> List[Dict[str, Any]]:
         """Per replica job, in start order: the proxy's view (`upstream`, `open_sessions`, `healthy`,
