@@ -221,36 +221,40 @@ class JobStartTimeout(SandboxError, TimeoutError):
         super().__init__(message)
 
 
-class StartManyError(SandboxError):
-    """start_many() could not bring every environment up; every job it started was cancelled.
-    `errors`: `(index, exception)` per failure; `aborted`: starts given up because of them."""
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return text.splitlines()[0] if text else ""
+
+
+class _StartFailures(SandboxError):
+    """Some starts of a group failed: `errors` holds `(index, exception)` per failure, in index order, and
+    `aborted` counts the starts given up because of them. The message names each failure on its own line."""
+
+    def __init__(self, headline: str, item: str, errors: Sequence[Tuple[int, BaseException]], aborted: int):
+        self.errors = sorted(errors, key=lambda pair: pair[0])
+        self.aborted = aborted
+        super().__init__("\n".join([headline] + ["  %s %d: %s: %s" % (item, index, type(exc).__name__, _first_line(exc))
+                                                 for index, exc in self.errors]))
+
+
+class StartManyError(_StartFailures):
+    """start_many() could not bring every environment up; every job it started was cancelled."""
 
     def __init__(self, total: int, errors: Sequence[Tuple[int, BaseException]], aborted: int = 0):
-        self.errors = sorted(errors, key=lambda item: item[0])
-        self.aborted = aborted
-        lines = ["%d of %d environments failed to start (%d more were cancelled before they were ready; "
-                 "every job started was cancelled):" % (len(self.errors), total, aborted)]
-        for index, exc in self.errors:
-            text = str(exc).splitlines()[0] if str(exc) else ""
-            lines.append("  environment %d: %s: %s" % (index, type(exc).__name__, text))
-        super().__init__("\n".join(lines))
+        super().__init__("%d of %d environments failed to start (%d more were cancelled before they were ready; "
+                         "every job started was cancelled):" % (len(errors), total, aborted), "environment",
+                         errors, aborted)
 
 
-class ReplicaStartError(SandboxError):
-    """Some of K replica jobs failed to start or become ready; all K were cancelled.
-    `errors`: `(replica index, exception)`; `aborted`: replicas given up; `job_ids`: the jobs created."""
+class ReplicaStartError(_StartFailures):
+    """Some of K replica jobs failed to start or become ready; all K were cancelled (`job_ids`: those created)."""
 
     def __init__(self, phase: str, total: int, errors: Sequence[Tuple[int, BaseException]], aborted: int,
                  job_ids: Sequence[str]):
-        self.errors = sorted(errors, key=lambda item: item[0])
-        self.aborted = aborted
         self.job_ids = list(job_ids)
-        lines = ["%d of %d replicas failed to %s (%d more were given up; every replica job was cancelled: %s):"
-                 % (len(self.errors), total, phase, aborted, ", ".join(self.job_ids) or "none was created")]
-        for index, exc in self.errors:
-            text = str(exc).splitlines()[0] if str(exc) else ""
-            lines.append("  replica %d: %s: %s" % (index, type(exc).__name__, text))
-        super().__init__("\n".join(lines))
+        super().__init__("%d of %d replicas failed to %s (%d more were given up; every replica job was cancelled: "
+                         "%s):" % (len(errors), total, phase, aborted, ", ".join(self.job_ids) or "none was created"),
+                         "replica", errors, aborted)
 
 
 class JobsAPIError(SandboxError):
@@ -470,8 +474,7 @@ class HFSandboxProvider:
             elif progress:
                 line = "start_many: %d/%d ready, %d failed (%.1fs)" % (ready, n, failed, time.monotonic() - began)
                 if error is not None:
-                    line += "; environment %d: %s" % (index, str(error).splitlines()[0] if str(error)
-                                                      else type(error).__name__)
+                    line += "; environment %d: %s" % (index, _first_line(error) or type(error).__name__)
                 print(line, file=sys.stderr, flush=True)
 
         launch = _Parallel(providers, lambda index, p: p.wait_for_ready(p.start_container()), max_parallel,
@@ -509,14 +512,13 @@ class HFSandboxProvider:
         if self.job_id is None or self._job_namespace is None:
             raise SandboxError("logs() needs a job: call start_container() first")
         _raise_if_rejected(_positive_int_rejection("tail", tail))
-        client = self._job_client
-        if client is not None:
-            return client.job_logs(self._job_namespace, self.job_id, tail=tail)
-        client = _JobsClient(self.endpoint, self._resolve_token(), self._hooks()._new_session())
+        running = self._job_client
+        client = running or _JobsClient(self.endpoint, self._resolve_token(), self._hooks()._new_session())
         try:
             return client.job_logs(self._job_namespace, self.job_id, tail=tail)
         finally:
-            client.close()
+            if client is not running:  # made for this call: the job's own client closed at its stop
+                client.close()
 
     def replica_status(self, refresh: bool = False) -> List[Dict[str, Any]]:
         """Per replica job, in start order: the proxy's view (`upstream`, `open_sessions`, `healthy`,
@@ -543,10 +545,6 @@ class HFSandboxProvider:
         """The job's stage. With replicas: the least advanced stage of the live jobs (SCHEDULING until
         all K run), or, once every job has ended, their common end stage (ERROR if any failed)."""
         return self._jobs._job_stage()
-
-    @stage.setter
-    def stage(self, value: Optional[str]) -> None:
-        self._stage = value
 
     def __enter__(self) -> "HFSandboxProvider":
         return self
@@ -1305,15 +1303,22 @@ def _image_rejection(image: Any) -> Optional[str]:
     if not isinstance(image, str) or not image.strip():
         return ("no image given: pass one to HFSandboxProvider(image=...) or start_container(image), "
                 "e.g. 'registry.hf.space/openenv-echo-env:latest' or 'hf.co/spaces/owner/name'")
-    for prefix in SPACE_IMAGE_PREFIXES:
-        if image.startswith(prefix):
-            if _SPACE_ID.match(image[len(prefix):]):
-                return None
-            return "image %r: a Space reference must look like 'hf.co/spaces/<owner>/<name>'" % image
+    space = _space_id(image)
+    if space is not None:
+        return None if _SPACE_ID.match(space) else (
+            "image %r: a Space reference must look like 'hf.co/spaces/<owner>/<name>'" % image)
     if not _IMAGE_REFERENCE.match(image):
         return ("image %r is not a valid Docker image reference (expected e.g. 'python:3.12', "
                 "'registry.hf.space/openenv-echo-env:latest' or 'hf.co/spaces/<owner>/<name>'; "
                 "repository names are lower case)" % image)
+    return None
+
+
+def _space_id(image: str) -> Optional[str]:
+    """`<owner>/<name>` when `image` names an HF Space (sent as `spaceId`), else None (a Docker image)."""
+    for prefix in SPACE_IMAGE_PREFIXES:
+        if image.startswith(prefix):
+            return image[len(prefix):]
     return None
 
 
@@ -1343,11 +1348,11 @@ def _parse_duration(value: Any) -> Optional[int]:
     """Seconds from 3600, 90.5, "3600", "30m", "2h", "1d"; None when unparseable or not positive."""
     if isinstance(value, bool):
         return None
+    match = _DURATION.match(value) if isinstance(value, str) else None
     if isinstance(value, (int, float)):
         seconds = float(value)
-    elif isinstance(value, str) and _DURATION.match(value):
-        number, unit = _DURATION.match(value).groups()  # type: ignore[union-attr]
-        seconds = float(number) * _DURATION_UNITS[unit]
+    elif match:
+        seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
     else:
         return None
     if not seconds >= 1:  # also rejects NaN
@@ -1451,7 +1456,7 @@ def _job_body(settings: Mapping[str, Any], start_label: str) -> Dict[str, Any]:
     labels = {str(k): str(v) for k, v in (settings["labels"] or {}).items()}
     labels[PROVIDER_LABEL_KEY] = PROVIDER_LABEL_VALUE
     labels[START_LABEL_KEY] = start_label
-    labels[PROCESS_LABEL_KEY] = _process_label()
+    labels[PROCESS_LABEL_KEY] = _process_label
     body: Dict[str, Any] = {
         "command": _job_command(settings["command"], int(settings["port"])),
         "arguments": [],
@@ -1463,10 +1468,9 @@ def _job_body(settings: Mapping[str, Any], start_label: str) -> Dict[str, Any]:
     }
     if settings["secrets"]:
         body["secrets"] = {k: str(v) for k, v in settings["secrets"].items()}
-    for prefix in SPACE_IMAGE_PREFIXES:
-        if image.startswith(prefix):
-            body["spaceId"] = image[len(prefix):]
-            break
+    space = _space_id(image)
+    if space is not None:
+        body["spaceId"] = space
     else:
         body["dockerImage"] = image
     return body
@@ -1522,11 +1526,6 @@ def _health_status_rejection(status: int) -> Optional[str]:
     return None
 
 
-# --------------------------------------------------------------------------------------------------
-# Token and endpoint discovery
-# --------------------------------------------------------------------------------------------------
-
-
 def _endpoint_rejection(endpoint: str) -> Optional[str]:
     parts = urlsplit(endpoint)
     if parts.scheme == "https" and parts.hostname:
@@ -1545,15 +1544,17 @@ def _resolve_endpoint(endpoint: Optional[str]) -> str:
     return value
 
 
-def _token_fingerprint(token: str) -> str:
-    return hashlib.sha256(token.encode("utf-8")).hexdigest()
-
-
 # --------------------------------------------------------------------------------------------------
 # The Jobs REST client
 # --------------------------------------------------------------------------------------------------
 
-# (endpoint, token fingerprint) -> namespace: whoami-v2 is heavily rate limited, so once per process.
+
+def _token_key(endpoint: str, token: str) -> Tuple[str, str]:
+    """(endpoint, sha256 of the token): what the process caches a namespace and an API budget by."""
+    return (endpoint, hashlib.sha256(token.encode("utf-8")).hexdigest())
+
+
+# _token_key -> namespace: whoami-v2 is heavily rate limited, so once per process.
 _namespace_cache: Dict[Tuple[str, str], str] = {}
 _namespace_lock = threading.Lock()
 
@@ -1591,8 +1592,10 @@ def _retry_delay(attempt: int, retry_after: Optional[float], base: float = API_B
     return rng(0.0, min(cap, base * (2 ** attempt)))
 
 
-def _is_retryable_status(status: int) -> bool:
-    return status == 429 or 500 <= status <= 599
+def _refused(exc: BaseException) -> bool:
+    """A 4xx answer other than 429: the API refused the call, and asking again will not change that."""
+    status = exc.status_code if isinstance(exc, JobsAPIError) else None
+    return status is not None and 400 <= status < 500 and status != 429
 
 
 def _server_message(response: requests.Response) -> Optional[str]:
@@ -1640,19 +1643,14 @@ class _JobsClient:
         self.endpoint = endpoint
         self._token = token
         self._session = session or requests.Session()
-        self._session.headers.setdefault("User-Agent", USER_AGENT)
-        if self._session.headers["User-Agent"].startswith("python-requests/"):
-            self._session.headers["User-Agent"] = USER_AGENT
+        if self._session.headers.get("User-Agent", "python-requests/").startswith("python-requests/"):
+            self._session.headers["User-Agent"] = USER_AGENT  # a session's own agent (a hook's) is kept
         self._session.headers["Authorization"] = "Bearer " + token
+        self.token_key = _token_key(endpoint, token)  # its namespace, API budget and watcher group go by it
         self._budget = _api_budget(endpoint, token)  # shared with every client of this token
 
     def __repr__(self) -> str:
         return "<_JobsClient endpoint=%r>" % self.endpoint
-
-    @property
-    def budget_key(self) -> Tuple[str, str]:
-        """(endpoint, token fingerprint): the rate-limit identity of this client."""
-        return (self.endpoint, _token_fingerprint(self._token))
 
     def close(self) -> None:
         self._session.close()
@@ -1660,7 +1658,7 @@ class _JobsClient:
     # -- calls ----------------------------------------------------------------------------------------
 
     def whoami_namespace(self) -> str:
-        key = (self.endpoint, _token_fingerprint(self._token))
+        key = self.token_key
         with _namespace_lock:  # one call per token per process, even with many threads starting
             if key not in _namespace_cache:
                 payload = self._json("GET", "/api/whoami-v2", "whoami-v2 (namespace lookup)")
@@ -1707,11 +1705,10 @@ class _JobsClient:
             payload = self._json("GET", path or "", "listing jobs", params=params, retries=retries, next_links=links)
             jobs += [job for job in payload if isinstance(job, dict)] if isinstance(payload, list) else []
             path, params = links[-1] if links else None, None  # the next link carries the query
-            if path is None:
-                break
-            if _next_link_rejection(path, self.endpoint):
-                logger.warning("listing jobs: %s; using the first %d jobs", _next_link_rejection(path, self.endpoint),
-                               len(jobs))
+            reason = _next_link_rejection(path, self.endpoint) if path is not None else None
+            if reason:
+                logger.warning("listing jobs: %s; using the first %d jobs", reason, len(jobs))
+            if path is None or reason:
                 break
         return jobs
 
@@ -1760,13 +1757,17 @@ class _JobsClient:
                 if response.status_code < 300:
                     if next_links is not None:
                         next_links.append((response.links.get("next") or {}).get("url"))
-                    if allow_empty and not response.content:
-                        return None
-                    return self._decode(response, action, allow_empty=allow_empty)
+                    try:
+                        return response.json()
+                    except ValueError:  # also an empty body
+                        if allow_empty:
+                            return None
+                        raise JobsAPIError(action, response.status_code, "the answer is not JSON",
+                                           response.headers.get("X-Request-Id")) from None
                 retry_after = _retry_after_seconds(response.headers.get("Retry-After"))
                 if response.status_code == 429:
                     self._budget.rate_limited(retry_after)
-                if not _is_retryable_status(response.status_code):
+                if response.status_code != 429 and not 500 <= response.status_code <= 599:
                     raise self._error(response, action)
                 failure, ambiguous = "HTTP %d" % response.status_code, response.status_code != 429
                 response.close()
@@ -1783,16 +1784,6 @@ class _JobsClient:
             logger.debug("%s: %s, retrying in %.1fs", action, failure, delay)
             time.sleep(delay)
             attempt += 1
-
-    @staticmethod
-    def _decode(response: requests.Response, action: str, allow_empty: bool = False) -> Any:
-        try:
-            return response.json()
-        except ValueError:
-            if allow_empty:
-                return None
-            raise JobsAPIError(action, response.status_code, "the answer is not JSON",
-                               response.headers.get("X-Request-Id")) from None
 
     @staticmethod
     def _error(response: requests.Response, action: str) -> JobsAPIError:
@@ -1851,8 +1842,7 @@ _budgets_lock = threading.Lock()
 
 
 def _api_budget(endpoint: str, token: str) -> _ApiBudget:
-    """The process's budget for this (endpoint, token)."""
-    key = (endpoint, _token_fingerprint(token))
+    key = _token_key(endpoint, token)
     with _budgets_lock:
         if key not in _budgets:
             _budgets[key] = _ApiBudget()
@@ -1916,14 +1906,13 @@ class _JobWatcher:
         self._cond = threading.Condition(threading.Lock())
         self._groups: Dict[Tuple[str, str, str], _WatchGroup] = {}
         self._thread: Optional[threading.Thread] = None
-        self.refreshes = 0  # refreshes made (one API call each when no job is missing): the O(1) test reads it
 
     def register(self, client: "_JobsClient", new_session: Callable[[], requests.Session], namespace: str,
                  job_id: str, interval_s: float, wake: threading.Event,
                  job: Optional[Mapping[str, Any]] = None, since: Optional[float] = None) -> _Watch:
         """Watch `job_id` until `unregister`; `new_session` makes the group's own HTTP session."""
         watch = _Watch(namespace, job_id, interval_s, wake, job, since)
-        key = client.budget_key + (namespace,)
+        key = client.token_key + (namespace,)
         with self._cond:
             group = self._groups.get(key)
             if group is None:
@@ -1938,9 +1927,7 @@ class _JobWatcher:
             self._cond.notify_all()
         return watch
 
-    def unregister(self, watch: Optional[_Watch]) -> None:
-        if watch is None:
-            return
+    def unregister(self, watch: _Watch) -> None:
         with self._cond:
             for group in self._groups.values():
                 if watch in group.watches:
@@ -1975,13 +1962,12 @@ class _JobWatcher:
 
     def _refresh(self, group: _WatchGroup, watches: List[_Watch]) -> None:
         """One refresh of a group; failures pause it, and end the waits after API_MAX_RETRIES."""
-        self.refreshes += 1
         client = group.client
         try:
             if len(watches) == 1:
                 found = {watches[0].job_id: client.get_job(group.namespace, watches[0].job_id, retries=0)}
             else:
-                listed = client.list_jobs(group.namespace, labels={PROCESS_LABEL_KEY: _process_label()},
+                listed = client.list_jobs(group.namespace, labels={PROCESS_LABEL_KEY: _process_label},
                                           stages=_proxy.JOB_LIVE_STAGES, retries=0)
                 found = {str(job.get("id")): job for job in listed}
                 # the least refreshed first, so a job that stays unlisted cannot starve the others
@@ -1991,15 +1977,13 @@ class _JobWatcher:
                     try:
                         found[watch.job_id] = client.get_job(group.namespace, watch.job_id, retries=0)
                     except JobsAPIError as exc:
-                        if exc.status_code is not None and 400 <= exc.status_code < 500 and exc.status_code != 429:
+                        if _refused(exc):
                             watch.fail(exc)  # e.g. 404: this job is gone; the others are fine
                         else:
                             raise
         except BaseException as exc:  # never kill the thread: the waiting providers get the error instead
             group.failures += 1
-            permanent = not isinstance(exc, Exception) or (
-                isinstance(exc, JobsAPIError) and exc.status_code is not None
-                and 400 <= exc.status_code < 500 and exc.status_code != 429)
+            permanent = not isinstance(exc, Exception) or _refused(exc)
             if permanent or group.failures > API_MAX_RETRIES:
                 for watch in watches:
                     watch.fail(exc)
@@ -2017,19 +2001,14 @@ class _JobWatcher:
 
 
 _watcher = _JobWatcher()
-_process_label_value = uuid.uuid4().hex
-
-
-def _process_label() -> str:
-    """This process's label value (renewed in a forked child, whose jobs are its own)."""
-    return _process_label_value
+_process_label = uuid.uuid4().hex  # this process's PROCESS_LABEL_KEY value (a forked child gets its own)
 
 
 def _reset_after_fork() -> None:
     """A forked child inherits no threads: give it its own watcher, budgets and process label."""
-    global _watcher, _process_label_value, _budgets_lock
+    global _watcher, _process_label, _budgets_lock
     _watcher = _JobWatcher()
-    _process_label_value = uuid.uuid4().hex
+    _process_label = uuid.uuid4().hex
     _budgets_lock = threading.Lock()
     _budgets.clear()
 
@@ -2066,7 +2045,7 @@ def _cancel_briefly(client: "_JobsClient", namespace: str, job_id: str) -> Optio
             reason = str(exc)
             if exc.status_code == 404:
                 return None  # the job no longer exists
-            if exc.status_code is not None and 400 <= exc.status_code < 500 and exc.status_code != 429:
+            if _refused(exc):
                 try:  # the API refuses to cancel a finished job: that is success too
                     stage = (client.get_job(namespace, job_id, retries=0).get("status") or {}).get("stage")
                     if stage in TERMINAL_STAGES:
@@ -2272,7 +2251,8 @@ class EnvSession:
         """Send one JSON message and return the whole JSON reply (`type` and `data`), whatever its type."""
         text = json.dumps(message)
         with self._lock:
-            self._raise_if_closed()
+            if self._closed:
+                raise SessionError("this EnvSession is closed (close() ran or the connection was lost); open a new one")
             try:
                 self._send_message(text)
                 return self._receive(time.monotonic() + self.timeout_s)
@@ -2323,10 +2303,6 @@ class EnvSession:
         return "<EnvSession %s %s>" % (self.where, "closed" if self._closed else "open")
 
     # -- machinery ------------------------------------------------------------------------------------
-
-    def _raise_if_closed(self) -> None:
-        if self._closed:
-            raise SessionError("this EnvSession is closed (close() ran or the connection was lost); open a new one")
 
     def _abort(self) -> None:
         self._closed = True
@@ -2448,10 +2424,9 @@ class _BackgroundStart:
         self.error: Optional[BaseException] = None
         self._stopped = False
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="hf-sandbox-background-start", daemon=True)
         with _background_lock:
             _background_starts.add(self)
-        _start_thread(self._thread)
+        _start_thread(threading.Thread(target=self._run, name="hf-sandbox-background-start", daemon=True))
 
     def wait(self, timeout_s: Optional[float] = None) -> str:
         if not self._done.wait(timeout_s):
@@ -2715,7 +2690,9 @@ def install_signal_teardown(signals: Optional[Sequence[int]] = None) -> bool:
         logger.debug("install_signal_teardown() called off the main thread: nothing installed (Python sets "
                      "signal handlers from the main thread only)")
         return False
-    for signum in _teardown_signals(signals):
+    if signals is None:
+        signals = [s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s is not None]
+    for signum in [int(s) for s in signals]:
         if signum in _signal_previous:
             continue  # installed already (possibly under a handler set later, which may chain to ours)
         previous = signal.getsignal(signum)
@@ -2738,12 +2715,6 @@ def uninstall_signal_teardown() -> None:
         else:  # someone installed their own on top of ours: theirs stays, and may still chain to ours
             logger.debug("uninstall_signal_teardown: signal %d has another handler now; left as is", signum)
         del _signal_previous[signum]
-
-
-def _teardown_signals(signals: Optional[Sequence[int]]) -> List[int]:
-    if signals is not None:
-        return [int(s) for s in signals]
-    return [s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s is not None]
 
 
 def _on_teardown_signal(signum: int, frame: Any) -> None:
@@ -2795,23 +2766,22 @@ class _Smoke:
     def stage(self, name: str, action: Callable[[], Optional[str]]) -> bool:
         start = time.monotonic()
         self.say("  ...   %s" % name)
+        ok, detail = False, None
         try:
             ok, detail = True, action()
         except Exception as exc:
-            ok, detail = False, "%s: %s" % (type(exc).__name__, exc)
+            detail = "%s: %s" % (type(exc).__name__, exc)
         except BaseException as exc:  # Ctrl-C: recorded, then it propagates
-            self.record(name, False, start, "interrupted (%s)" % type(exc).__name__)
+            detail = "interrupted (%s)" % type(exc).__name__
             raise
-        self.record(name, ok, start, detail)
+        finally:
+            seconds, lines = time.monotonic() - start, (detail or "").splitlines() or [""]
+            self.stages.append({"name": name, "ok": ok, "seconds": round(seconds, 3), "detail": detail or ""})
+            self.say("%s %6.2fs  %s%s" % ("  ok  " if ok else "  FAIL", seconds, name,
+                                           "  (%s)" % lines[0] if lines[0] else ""))
+            if not ok and len(lines) > 1:
+                self.say("\n".join("        | " + line for line in lines[1:]))
         return ok
-
-    def record(self, name: str, ok: bool, start: float, detail: Optional[str]) -> None:
-        seconds, lines = time.monotonic() - start, (detail or "").splitlines() or [""]
-        self.stages.append({"name": name, "ok": ok, "seconds": round(seconds, 3), "detail": detail or ""})
-        self.say("%s %6.2fs  %s%s" % ("  ok  " if ok else "  FAIL", seconds, name,
-                                       "  (%s)" % lines[0] if lines[0] else ""))
-        if not ok and len(lines) > 1:
-            self.say("\n".join("        | " + line for line in lines[1:]))
 
     def say(self, line: str) -> None:
         print(line, file=self.out, flush=True)

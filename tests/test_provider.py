@@ -520,13 +520,16 @@ def test_provider_is_an_openenv_container_provider_when_openenv_is_installed():
     assert isinstance(hsp.HFSandboxProvider(IMAGE), providers.ContainerProvider)
 
 
-def test_logs_returns_the_job_tail(api, proxy):
+def test_logs_returns_the_job_tail_while_it_runs_and_after_its_stop(api, proxy):
     add_job_api(api, stages=[running()])
     api.replace(responses.GET, ENDPOINT + "/api/jobs/alice/job1/logs",
                 body="data: %s\n\n" % json.dumps({"data": "Uvicorn running"}), content_type="text/event-stream")
     with hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST) as provider:
         provider.start_container()
         assert provider.logs(tail=5) == ["Uvicorn running"]
+    # After the stop the job's own client is closed: logs() makes one for the call, twice in a row.
+    assert provider.job_id == "job1" and provider.logs(tail=5) == ["Uvicorn running"]
+    assert provider.logs(tail=5) == ["Uvicorn running"]
 
 
 # -- TLS to the job: `verify` reaches the proxy -----------------------------------------------------

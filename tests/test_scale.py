@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+import urllib.parse
 
 import pytest
 
@@ -48,29 +49,61 @@ def join_all(threads):
 # -- the watcher ------------------------------------------------------------------------------------
 
 
+class RecordingSessions(hsp.HFSandboxProvider):
+    """Records each `list` and `inspect` answer its sessions receive (the documented `_new_session` hook),
+    with the thread that made the call: the Jobs API calls counted from outside the library."""
+
+    calls = []
+
+    def _new_session(self):
+        session = super()._new_session()
+        session.hooks["response"].append(self._record)
+        return session
+
+    @classmethod
+    def _record(cls, response, *args, **kwargs):
+        path = urllib.parse.urlsplit(response.url).path.split("/")  # "", "api", "jobs", ns[, id[, verb]]
+        if response.request.method != "GET" or path[1:3] != ["api", "jobs"] or len(path) not in (4, 5):
+            return
+        cls.calls.append((threading.current_thread().name, "list" if len(path) == 4 else "inspect"))
+
+
 def test_sixteen_starting_providers_cost_one_api_call_per_watcher_refresh_and_share_one_thread(proxy):
+    RecordingSessions.calls = []
     with JobsEmulator(scheduling_delay_s=1.0) as emu:
-        providers = [hsp.HFSandboxProvider(IMAGE, endpoint=emu.endpoint, token=emu.token, proxy=proxy,
-                                           command=echo_server_command(), poll_interval_s=0.1)
-                     for _ in range(16)]
-        refreshes_before = hsp._watcher.refreshes
-        threads, outcome = in_threads(lambda p: p.wait_for_ready(p.start_container()), providers)
+        def provider(command):
+            return RecordingSessions(IMAGE, endpoint=emu.endpoint, token=emu.token, proxy=proxy, command=command,
+                                     poll_interval_s=0.1, ready_timeout_s=TIMEOUT)
+
+        # Two jobs that never become ready keep at least two waits registered for the whole run, so every
+        # refresh of the watcher is the one `list` call of a group (a lone wait is refreshed by an inspect).
+        sentinels = [provider(NEVER_READY) for _ in range(2)]
+        providers = [provider(echo_server_command()) for _ in range(16)]
         try:
-            wait_until(lambda: len(emu.jobs) == 16, "16 creates")
+            for sentinel in sentinels:
+                sentinel.start_container()
+            sentinel_threads, sentinel_outcome = in_threads(lambda p: p.wait_for_ready(), sentinels)
+            wait_until(lambda: any(call[1] == "list" for call in RecordingSessions.calls), "both sentinels to wait")
+            first = len(RecordingSessions.calls)
+            threads, outcome = in_threads(lambda p: p.wait_for_ready(p.start_container()), providers)
+            wait_until(lambda: len(emu.jobs) == 18, "16 more creates")
             assert len(watcher_threads()) == 1  # one thread for every waiting provider
             join_all(threads)
             assert [o for o in outcome.values() if o is not None] == []
-            calls = emu.api_calls
-            waiting_calls = calls.get("list", 0) + calls.get("inspect", 0)
-            refreshes = hsp._watcher.refreshes - refreshes_before
-            # Every refresh is exactly one call however many jobs wait (polling per provider would
-            # have made one call per provider per interval: at least 16 per refresh).
-            assert waiting_calls == refreshes
-            assert calls.get("list", 0) >= 1
+            during = RecordingSessions.calls[first:]
+            # Every call while the 16 started was one watcher refresh of one `list` however many jobs waited:
+            # no provider polled on its own, and no refresh inspected jobs one by one.
+            assert during and all(call[:2] == ("hf-sandbox-job-watcher", "list") for call in during), during
             assert all(p.timings["ready"] >= p.timings["running"] for p in providers)
         finally:
-            hsp.stop_all(providers)
+            hsp.stop_all(providers + sentinels)
+        join_all(sentinel_threads)
+        assert all(isinstance(o, hsp.SandboxError) for o in sentinel_outcome.values())
         wait_until(lambda: not watcher_threads(), "the watcher thread to exit once nothing waits")
+        # Over the whole run, every list and inspect the emulator answered came from the watcher thread.
+        calls = emu.api_calls
+        assert len(RecordingSessions.calls) == calls.get("list", 0) + calls.get("inspect", 0)
+        assert all(call[0] == "hf-sandbox-job-watcher" for call in RecordingSessions.calls)
         wait_until(lambda: emu.live_pids() == [], "every job process to exit")
 
 
