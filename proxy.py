@@ -2733,11 +2733,17 @@ class _Tunnel:
         """Copy both directions in this one thread (for a `one_thread` stream: TLS), starting with
         `first`; return when either side ends. Non-blocking sockets and poll(): a side is read only
         when what was read from it before has been written to the other (back-pressure), and the
-        SSL object, which may hold decrypted bytes the socket no longer shows, is read until empty."""
+        SSL object, which may hold decrypted bytes the socket no longer shows, is read until empty.
+
+        A side that hung up or reset (POLLHUP/POLLERR) stays readable until its recv says so: the
+        bytes it sent before still sit in its socket and SSL object, and are relayed first (as the
+        two-thread plain tunnel does). Such a side is no longer polled, since poll() reports a
+        hang-up whatever is asked and would spin while the other side's bytes wait."""
         client, up = self.client, self.upstream.sock
         tls = isinstance(up, ssl.SSLSocket)
         to_up, to_client = first, b""
         client_in, up_in = False, True  # readable now (the SSL object may hold bytes read with the 101)
+        client_ended = up_ended = False  # hung up or reset: read what is left, poll it no more
         up_wants = 0  # the poll events the SSL object asked for to finish an interrupted recv or send
         poller = select.poll()
         client_fd, up_fd = client.fileno(), up.fileno()
@@ -2746,11 +2752,12 @@ class _Tunnel:
             up.setblocking(False)
             while not self._closed:
                 if client_in and not to_up:
-                    client_in = False
+                    client_in = client_ended
                     try:
                         to_up = client.recv(TUNNEL_READ_BYTES)
                     except BlockingIOError:  # (a readiness that went away)
-                        pass
+                        if client_ended:
+                            return
                     else:
                         if not to_up:
                             return
@@ -2763,13 +2770,15 @@ class _Tunnel:
                     except (ssl.SSLWantWriteError, BlockingIOError):
                         up_wants |= select.POLLOUT
                 if up_in and not to_client:
-                    up_in = False
+                    up_in = up_ended
                     try:
                         to_client = up.recv(TUNNEL_READ_BYTES)
                         if not to_client:
                             return
-                        up_in = tls and up.pending() > 0  # more decrypted bytes than one read took
+                        up_in = up_ended or (tls and up.pending() > 0)  # more decrypted bytes than one read took
                     except (ssl.SSLWantReadError, BlockingIOError):
+                        if up_ended:
+                            return
                         to_client = b""
                     except ssl.SSLWantWriteError:
                         to_client, up_wants = b"", up_wants | select.POLLOUT
@@ -2778,22 +2787,25 @@ class _Tunnel:
                         to_client = to_client[client.send(to_client):]
                     except BlockingIOError:
                         pass
-                if up_in and not to_client:
-                    continue  # the SSL object still holds bytes: no poll would report them
-                poller.register(client_fd, (0 if to_up else select.POLLIN) | (select.POLLOUT if to_client else 0))
-                poller.register(up_fd, (0 if to_client else select.POLLIN) | up_wants |
-                                (select.POLLOUT if to_up else 0))
+                if (up_in and not to_client) or (client_in and not to_up):
+                    continue  # readable already (bytes in the SSL object, or a side that ended): no poll
+                if not client_ended:
+                    poller.register(client_fd, (0 if to_up else select.POLLIN) | (select.POLLOUT if to_client else 0))
+                if not up_ended:
+                    poller.register(up_fd, (0 if to_client else select.POLLIN) | up_wants |
+                                    (select.POLLOUT if to_up else 0))
                 for fd, events in poller.poll():
-                    if events & (select.POLLERR | select.POLLNVAL):
+                    if events & select.POLLNVAL:  # closed under us (unmount, stop)
                         return
+                    ended = bool(events & (select.POLLHUP | select.POLLERR))
+                    if ended:
+                        poller.unregister(fd)
                     if fd == client_fd:
-                        if events & select.POLLHUP and to_up:  # gone while its bytes wait: nothing to read
-                            return
-                        client_in = bool(events & (select.POLLIN | select.POLLHUP))
+                        client_ended = client_ended or ended
+                        client_in = ended or bool(events & select.POLLIN)
                     else:
-                        if events & select.POLLHUP and to_client:
-                            return
-                        up_in = bool(events & (select.POLLIN | select.POLLHUP | select.POLLOUT))
+                        up_ended = up_ended or ended
+                        up_in = ended or bool(events & (select.POLLIN | select.POLLOUT))
                         up_wants = 0
         except (OSError, ValueError, ssl.SSLError):
             pass

@@ -12,6 +12,7 @@ echoed, text or binary):
   "flood:N:SIZE"  answer N binary messages of SIZE bytes (message i ends with its number)
   "deaf:S"        stop reading for S seconds (uvicorn then stops reading the socket: back-pressure),
                   then answer "awake" and echo again
+  "close:CODE"    close the WebSocket with CODE (reason "asked")
   "sha"           answer the SHA-256 hex of every binary byte received so far, and the count
   "die:SIZE"      start sending a SIZE-byte message, then end the server process at once: the
                   peer sees the frame cut short and a bare TCP close (no WebSocket close, no TLS
@@ -76,6 +77,9 @@ async def _websocket(receive, send):  # type: ignore[no-untyped-def]
         elif text.startswith("deaf:"):
             await asyncio.sleep(float(text.split(":")[1]))
             await send({"type": "websocket.send", "text": "awake"})
+        elif text.startswith("close:"):
+            await send({"type": "websocket.close", "code": int(text.split(":")[1]), "reason": "asked"})
+            return
         elif text == "sha":
             await send({"type": "websocket.send", "text": "%s %d" % (digest.hexdigest(), count)})
         elif text.startswith("die:"):  # queue one big message, then end before it is all on the wire
