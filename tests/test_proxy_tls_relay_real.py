@@ -1,9 +1,10 @@
 """The one-thread TLS tunnel relay (`proxy._Tunnel.relay`) with real peers: the `websockets` sync client
 and uvicorn over TLS in its own process (tests/upstreams/pressure_app.py), plus raw sockets and a
 stdlib TLS server for the peers that misbehave. Seeded sequences of large frames both ways at once,
-bursts of small frames and deaf periods; a peer that stops reading (the relay must wait, not spin);
-abrupt closes mid-frame from either side; TLS close_notify, a bare TCP close and a reset from the
-upstream, each compared with the two-thread plain tunnel. After each: no thread or fd left behind.
+bursts of small frames and deaf periods (PROXY_RELAY_SEED and PROXY_RELAY_EXAMPLES set the slow run);
+a peer that stops reading (the relay must wait, not spin); abrupt closes mid-frame from either side;
+TLS close_notify, a bare TCP close and a reset from the upstream, each compared with the two-thread
+plain tunnel. After each: no thread or fd left behind.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ TOKEN = "unused-by-the-pressure-app"
 MIB = 1 << 20
 TIMEOUT = 30.0  # generous: a relay that works moves these sizes in well under a second
 SEED = int(os.environ.get("PROXY_RELAY_SEED", "20261123"))
-FAST_EXAMPLES, SLOW_EXAMPLES = 6, 60
+FAST_EXAMPLES, SLOW_EXAMPLES = 6, int(os.environ.get("PROXY_RELAY_EXAMPLES", "60"))
 SETTINGS = dict(deadline=None, database=None, print_blob=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 # Over this many seconds of a stalled peer the relay's thread may use at most half as much CPU time:
