@@ -7,12 +7,14 @@ request leaves behind. Bounds on time are generous and only prove "freed" or "no
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import signal
 import socket
 import threading
 import time
 from typing import Dict, Iterator, List, Tuple
 
+import httpx
 import pytest
 import requests
 from websockets.exceptions import InvalidStatus
@@ -167,6 +169,36 @@ def test_a_request_stalled_half_way_gets_408_or_a_close_and_the_proxy_serves_on(
             _assert_answered_like_directly(session, base, up, test_ca, ["/r?size=10", "/r?size=100000"])
 
 
+@pytest.mark.parametrize("framing", ["length", "chunked"])
+def test_a_body_dripping_in_for_longer_than_the_timeout_is_forwarded_whole(pressure, test_ca, framing):
+    # The timeout bounds each wait for the next byte, not the whole body: 40 bytes, one every 50 ms
+    # (2 s in all) with idle_timeout_s=0.5 reach the upstream intact, and the connection serves on.
+    up = pressure["plain"]
+    body = bytes(range(65, 105))
+    with AuthProxy(idle_timeout_s=0.5) as proxy:
+        base = _mounted(proxy, up, test_ca)
+        path = base[len(proxy.url):].encode()
+        if framing == "length":
+            head, pieces, tail = b"Content-Length: %d\r\n" % len(body), [body[i:i + 1] for i in range(len(body))], b""
+        else:
+            head = b"Transfer-Encoding: chunked\r\n"
+            pieces, tail = [b"1\r\n%s\r\n" % body[i:i + 1] for i in range(len(body))], b"0\r\n\r\n"
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=CLIENT_TIMEOUT_S) as sock:
+            sock.sendall(b"POST %s/r?size=7 HTTP/1.1\r\nHost: x\r\n%s\r\n" % (path, head))
+            for piece in pieces:
+                sock.sendall(piece)
+                time.sleep(0.05)
+            sock.sendall(tail + b"GET %s/r?size=3 HTTP/1.1\r\nHost: x\r\n\r\n" % path)
+            answers = b""
+            while not answers.endswith(body_of(3)):
+                chunk = sock.recv(65536)
+                assert chunk, answers
+                answers += chunk
+        first, _, second = answers.partition(body_of(7))
+        assert _status_line(first) == b"HTTP/1.1 200 OK" and _status_line(second) == b"HTTP/1.1 200 OK"
+        assert b"x-body-sha: %s" % hashlib.sha256(body).hexdigest().encode() in first.lower()
+
+
 # --------------------------------------------------------------------------------------------------
 # An upstream that stalls
 # --------------------------------------------------------------------------------------------------
@@ -199,7 +231,7 @@ def _stall_then_answer(session: requests.Session, base: str, up: UpstreamProcess
     assert second not in ports and first not in ports
 
 
-NO_ANSWER_CASES = [("http", "plain"), pytest.param("http", "tls", marks=pytest.mark.slow),
+NO_ANSWER_CASES = [("http", "plain"), ("httpx", "plain"), pytest.param("http", "tls", marks=pytest.mark.slow),
                    pytest.param("websocket", "plain", marks=pytest.mark.slow), ("websocket", "tls")]
 
 
@@ -212,8 +244,9 @@ def test_an_upstream_that_does_not_answer_within_read_timeout_gets_504_not_a_sec
     up = pressure[scheme]
     with AuthProxy(read_timeout_s=1.5) as proxy:
         base = _mounted(proxy, up, test_ca)
-        if kind == "http":
-            r = requests.get(base + "/r?size=10&wait_s=2.25", timeout=CLIENT_TIMEOUT_S)
+        if kind in ("http", "httpx"):
+            get = requests.get if kind == "http" else httpx.get
+            r = get(base + "/r?size=10&wait_s=2.25", timeout=CLIENT_TIMEOUT_S)
             assert (r.status_code, r.headers.get("X-Proxy-Error")) == (504, "upstream-timeout")
         else:
             with pytest.raises(InvalidStatus) as info:

@@ -5,7 +5,7 @@ prints its port, then serves. No token check (the tests mount it with a dummy to
 HTTP `GET /r?size=N&stall_after=K&stall_s=S&wait_s=W`: waits W seconds before answering, then sends
 N bytes of `common.body_of(N)` with a Content-Length, pausing S seconds after the first K bytes. Every
 answer carries `X-Client-Port`, the port of the connection it came in on (which pooled connection the
-proxy used).
+proxy used), and `X-Body-Sha`, the SHA-256 hex of the request body it read.
 
 WebSocket at any path; `/ws-wait/S` waits S seconds before accepting. Text commands (anything else is
 echoed, text or binary):
@@ -40,15 +40,20 @@ async def app(scope, receive, send):  # type: ignore[no-untyped-def]
             await asyncio.sleep(float(scope["path"].rsplit("/", 1)[1]))
         await _websocket(receive, send)
         return
-    while (await receive()).get("more_body"):
-        pass
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
     query = dict(urllib.parse.parse_qsl(scope["query_string"].decode()))
     size, stall_after = int(query.get("size", 0)), int(query.get("stall_after", -1))
     await asyncio.sleep(float(query.get("wait_s", 0)))
     payload = common.body_of(size)
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-length", str(size).encode()), (b"content-type", b"application/octet-stream"),
-                            (b"x-client-port", str(scope["client"][1]).encode())]})
+                            (b"x-client-port", str(scope["client"][1]).encode()),
+                            (b"x-body-sha", hashlib.sha256(body).hexdigest().encode())]})
     if 0 <= stall_after < size:
         await send({"type": "http.response.body", "body": payload[:stall_after], "more_body": True})
         await asyncio.sleep(float(query.get("stall_s", 3600)))
