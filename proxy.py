@@ -831,15 +831,28 @@ TOKEN_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 # the library starts blocks these, so they always reach the main thread.
 MAIN_THREAD_SIGNALS = frozenset(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
                                 if hasattr(signal, name))
+# Every other asynchronous signal (timers, children, terminals, users) is blocked in library threads too.
+# They have no use for one (CPython runs Python handlers only in the main thread), and one landing there
+# interrupts a blocking call: CPython retries a recv or send that a signal interrupted, and for a socket
+# whose timeout the kernel enforces (KERNEL_TIMEOUTS) the retry starts the whole timeout again, so a
+# signal every few seconds kept a stalled upstream or client from ever timing out (a SIGUSR1 every 20 ms:
+# no 504 in 15 s instead of one at 1.5 s). Left deliverable: the fault signals, which must reach the
+# thread that caused them, and the CPU-time profiling timers (SIGPROF, SIGVTALRM), which the kernel
+# sends only to a thread that is running, never to one waiting in a recv.
+LIBRARY_THREAD_BLOCKED_SIGNALS = MAIN_THREAD_SIGNALS | frozenset(
+    getattr(signal, name) for name in ("SIGALRM", "SIGUSR1", "SIGUSR2", "SIGCHLD", "SIGPIPE", "SIGQUIT",
+                                       "SIGWINCH", "SIGCONT", "SIGTSTP", "SIGTTIN", "SIGTTOU", "SIGURG", "SIGIO",
+                                       "SIGPWR", "SIGXCPU", "SIGXFSZ") if hasattr(signal, name))
 
 
 def _start_thread(thread: threading.Thread) -> None:
-    """Start a library thread with MAIN_THREAD_SIGNALS blocked (a new thread inherits its creator's signal
-    mask, so the mask is set around the start and restored: a signal arriving meanwhile waits, it is not lost)."""
+    """Start a library thread with LIBRARY_THREAD_BLOCKED_SIGNALS blocked (a new thread inherits its
+    creator's signal mask, so the mask is set around the start and restored: a signal arriving meanwhile
+    waits, it is not lost)."""
     if not hasattr(signal, "pthread_sigmask"):  # Windows: no per-thread signal masks
         thread.start()
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, MAIN_THREAD_SIGNALS)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, LIBRARY_THREAD_BLOCKED_SIGNALS)
     try:
         thread.start()
     finally:
@@ -1134,6 +1147,26 @@ class _BadResponse(Exception):
 
 class _ClientBodyError(Exception):
     """The client's request body was malformed or cut short."""
+
+
+class _ClientBodyTimeout(_ClientBodyError):
+    """The client stopped sending its request body: nothing arrived for idle_timeout_s."""
+
+
+def _client_body_error(exc: BaseException) -> _ClientBodyError:
+    """What reading the request body from the client failing with `exc` means for the client."""
+    if isinstance(exc, (socket.timeout, TimeoutError)):
+        return _ClientBodyTimeout("the client sent no more of it for idle_timeout_s")
+    return _ClientBodyError("reading it from the client failed (%s)" % _failure_name(exc))
+
+
+def _client_body_refusal(exc: _ClientBodyError, idle_timeout_s: float) -> Refusal:
+    """408 for a body that stopped arriving (the client is slow, not wrong), 400 for a malformed one."""
+    if isinstance(exc, _ClientBodyTimeout):
+        return Refusal(408, "request-timeout", "The request body stopped arriving: nothing came for %g s "
+                                               "(idle_timeout_s); the request was dropped. Send the whole "
+                                               "body without pausing that long." % idle_timeout_s)
+    return Refusal(400, "bad-body", "The request body was malformed: %s." % exc)
 
 
 class _ClientGone(Exception):
@@ -1792,7 +1825,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         try:
             yield from self._client_body(framing)
         except (OSError, ValueError) as exc:
-            raise _ClientBodyError("reading it from the client failed (%s)" % _failure_name(exc)) from None
+            raise _client_body_error(exc) from None
 
     def _client_body(self, framing: Tuple[str, int]) -> Iterator[bytes]:
         kind, length = framing
@@ -1827,7 +1860,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         try:
             body, body_iter = self._buffered_body(framing)
         except _ClientBodyError as exc:
-            self._refuse(Refusal(400, "bad-body", "The request body was malformed: %s." % exc), close=True)
+            self._refuse(_client_body_refusal(exc, self.proxy.idle_timeout_s), close=True)
             return
         replayable = len(body) <= REPLAYABLE_BODY_BYTES
         has_body = framing[0] != "none"
@@ -1835,7 +1868,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             conn, answer, sent_all = self._send_upstream(route, method, target, headers, body, has_body, replayable,
                                                          body_iter)
         except _ClientBodyError as exc:
-            self._refuse(Refusal(400, "bad-body", "The request body was malformed: %s." % exc), close=True)
+            self._refuse(_client_body_refusal(exc, self.proxy.idle_timeout_s), close=True)
             return
         except _ClientGone:
             log.debug("proxy: %s: client left before the upstream answered; request abandoned", route.label)
@@ -1862,7 +1895,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             try:
                 body = self.rfile.read(length)
             except (OSError, ValueError) as exc:
-                raise _ClientBodyError("reading it from the client failed (%s)" % _failure_name(exc)) from None
+                raise _client_body_error(exc) from None
             if len(body) < length:
                 raise _ClientBodyError("the client closed the connection before sending the whole body")
             return body, iter(())
@@ -1938,7 +1971,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             raise _ClientGone() from None
 
     def _await_answer(self, upstream: Union[_UpstreamConnection, socket.socket, None]) -> bool:
-        """Wait until the upstream has something to say; False if the client hung up meanwhile.
+        """Wait until the upstream has something to say; False if the client hung up meanwhile, and
+        socket.timeout if the upstream said nothing for read_timeout_s (this wait is the read timeout
+        for the first byte: reading after it would wait read_timeout_s a second time).
 
         A trainer whose request timed out closes its socket and retries; without this, each retry
         against a stuck job would hold a proxy thread and an upstream connection for read_timeout_s.
@@ -1959,7 +1994,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                return True  # the upstream read will time out now and answer 504
+                raise socket.timeout("the upstream sent nothing within read_timeout_s")
             events = poller.poll(remaining * 1000)
             if any(fd != client_fd for fd, _ in events):
                 return True
@@ -2698,11 +2733,17 @@ class _Tunnel:
         """Copy both directions in this one thread (for a `one_thread` stream: TLS), starting with
         `first`; return when either side ends. Non-blocking sockets and poll(): a side is read only
         when what was read from it before has been written to the other (back-pressure), and the
-        SSL object, which may hold decrypted bytes the socket no longer shows, is read until empty."""
+        SSL object, which may hold decrypted bytes the socket no longer shows, is read until empty.
+
+        A side that hung up or reset (POLLHUP/POLLERR) stays readable until its recv says so: the
+        bytes it sent before still sit in its socket and SSL object, and are relayed first (as the
+        two-thread plain tunnel does). Such a side is no longer polled, since poll() reports a
+        hang-up whatever is asked and would spin while the other side's bytes wait."""
         client, up = self.client, self.upstream.sock
         tls = isinstance(up, ssl.SSLSocket)
         to_up, to_client = first, b""
         client_in, up_in = False, True  # readable now (the SSL object may hold bytes read with the 101)
+        client_ended = up_ended = False  # hung up or reset: read what is left, poll it no more
         up_wants = 0  # the poll events the SSL object asked for to finish an interrupted recv or send
         poller = select.poll()
         client_fd, up_fd = client.fileno(), up.fileno()
@@ -2711,11 +2752,12 @@ class _Tunnel:
             up.setblocking(False)
             while not self._closed:
                 if client_in and not to_up:
-                    client_in = False
+                    client_in = client_ended
                     try:
                         to_up = client.recv(TUNNEL_READ_BYTES)
                     except BlockingIOError:  # (a readiness that went away)
-                        pass
+                        if client_ended:
+                            return
                     else:
                         if not to_up:
                             return
@@ -2728,13 +2770,15 @@ class _Tunnel:
                     except (ssl.SSLWantWriteError, BlockingIOError):
                         up_wants |= select.POLLOUT
                 if up_in and not to_client:
-                    up_in = False
+                    up_in = up_ended
                     try:
                         to_client = up.recv(TUNNEL_READ_BYTES)
                         if not to_client:
                             return
-                        up_in = tls and up.pending() > 0  # more decrypted bytes than one read took
+                        up_in = up_ended or (tls and up.pending() > 0)  # more decrypted bytes than one read took
                     except (ssl.SSLWantReadError, BlockingIOError):
+                        if up_ended:
+                            return
                         to_client = b""
                     except ssl.SSLWantWriteError:
                         to_client, up_wants = b"", up_wants | select.POLLOUT
@@ -2743,22 +2787,25 @@ class _Tunnel:
                         to_client = to_client[client.send(to_client):]
                     except BlockingIOError:
                         pass
-                if up_in and not to_client:
-                    continue  # the SSL object still holds bytes: no poll would report them
-                poller.register(client_fd, (0 if to_up else select.POLLIN) | (select.POLLOUT if to_client else 0))
-                poller.register(up_fd, (0 if to_client else select.POLLIN) | up_wants |
-                                (select.POLLOUT if to_up else 0))
+                if (up_in and not to_client) or (client_in and not to_up):
+                    continue  # readable already (bytes in the SSL object, or a side that ended): no poll
+                if not client_ended:
+                    poller.register(client_fd, (0 if to_up else select.POLLIN) | (select.POLLOUT if to_client else 0))
+                if not up_ended:
+                    poller.register(up_fd, (0 if to_client else select.POLLIN) | up_wants |
+                                    (select.POLLOUT if to_up else 0))
                 for fd, events in poller.poll():
-                    if events & (select.POLLERR | select.POLLNVAL):
+                    if events & select.POLLNVAL:  # closed under us (unmount, stop)
                         return
+                    ended = bool(events & (select.POLLHUP | select.POLLERR))
+                    if ended:
+                        poller.unregister(fd)
                     if fd == client_fd:
-                        if events & select.POLLHUP and to_up:  # gone while its bytes wait: nothing to read
-                            return
-                        client_in = bool(events & (select.POLLIN | select.POLLHUP))
+                        client_ended = client_ended or ended
+                        client_in = ended or bool(events & select.POLLIN)
                     else:
-                        if events & select.POLLHUP and to_client:
-                            return
-                        up_in = bool(events & (select.POLLIN | select.POLLHUP | select.POLLOUT))
+                        up_ended = up_ended or ended
+                        up_in = ended or bool(events & (select.POLLIN | select.POLLOUT))
                         up_wants = 0
         except (OSError, ValueError, ssl.SSLError):
             pass
