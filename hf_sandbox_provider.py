@@ -46,6 +46,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Opt
 from urllib.parse import urlsplit
 
 import requests
+import urllib3.exceptions
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import (AcceptConnection, BytesMessage, CloseConnection, Ping, RejectConnection, RejectData,
                             Request, TextMessage)
@@ -258,7 +259,8 @@ class ReplicaStartError(_StartFailures):
 
 
 class JobsAPIError(SandboxError):
-    """The Jobs REST API answered with an error (or could not be reached)."""
+    """The Jobs REST API answered with an error (or could not be reached). `may_have_acted` is False when no
+    attempt of the call can have reached the server (refused connections): a failed create then made no job."""
 
     def __init__(self, action: str, status_code: Optional[int], server_message: Optional[str],
                  request_id: Optional[str] = None, hint: Optional[str] = None):
@@ -266,6 +268,7 @@ class JobsAPIError(SandboxError):
         self.status_code = status_code
         self.server_message = server_message
         self.request_id = request_id
+        self.may_have_acted = True
         text = "%s failed: %s" % (action, "HTTP %d" % status_code if status_code else "no answer")
         if server_message:
             text += ": " + server_message
@@ -781,7 +784,7 @@ class HFSandboxProvider:
             logger.info("HF job %s serving at %s (%.1fs after submit)", self.job_id, upstream, self._elapsed())
             return base_url
         except BaseException:
-            if namespace is not None and not recorded:
+            if namespace is not None and not recorded and getattr(sys.exc_info()[1], "may_have_acted", True):
                 # The create may have made the job though its answer was lost, unusable (no id) or interrupted.
                 self._cancel_by_label(client, namespace, start_label)
             self._teardown(client)
@@ -1592,6 +1595,18 @@ def _retry_delay(attempt: int, retry_after: Optional[float], base: float = API_B
     return rng(0.0, min(cap, base * (2 ** attempt)))
 
 
+def _transport_failure(exc: requests.RequestException) -> Tuple[str, bool]:
+    """(what went wrong, whether the server may have received the request) for a call with no answer. A
+    refused, unresolvable or timed-out connection sent nothing; the OS's reason is kept for the message."""
+    text = str(exc)
+    reason = re.search(r"\[Errno -?[0-9]+\] ([^'\")\]]+)", text) or re.search(r"RemoteDisconnected\('([^']+)'", text)
+    failure = "%s (%s)" % (type(exc).__name__, reason.group(1).strip()) if reason else type(exc).__name__
+    cause = exc.args[0] if exc.args else None
+    nothing_sent = isinstance(exc, requests.ConnectTimeout) or isinstance(
+        getattr(cause, "reason", cause), urllib3.exceptions.NewConnectionError)
+    return failure, not nothing_sent
+
+
 def _refused(exc: BaseException) -> bool:
     """A 4xx answer other than 429: the API refused the call, and asking again will not change that."""
     status = exc.status_code if isinstance(exc, JobsAPIError) else None
@@ -1744,6 +1759,7 @@ class _JobsClient:
         `path` may be a full URL (a pagination link); `next_links` receives the `rel="next"` URL."""
         url = path if path.startswith(self.endpoint + "/") else self.endpoint + path
         attempt = 0
+        sent_maybe = False  # whether any attempt may have reached the server without an answer
         while True:
             retry_after: Optional[float] = None
             self._budget.acquire()
@@ -1751,8 +1767,8 @@ class _JobsClient:
                 response: Optional[requests.Response] = self._session.request(
                     method, url, params=params, json=body, timeout=API_TIMEOUT_S)
             except requests.RequestException as exc:
-                response, failure = None, type(exc).__name__
-                ambiguous = not isinstance(exc, requests.ConnectTimeout)  # a refused connect sent nothing
+                response = None
+                failure, ambiguous = _transport_failure(exc)
             else:
                 if response.status_code < 300:
                     if next_links is not None:
@@ -1771,15 +1787,22 @@ class _JobsClient:
                     raise self._error(response, action)
                 failure, ambiguous = "HTTP %d" % response.status_code, response.status_code != 429
                 response.close()
+            sent_maybe = sent_maybe or ambiguous
             if find_lost is not None and ambiguous:
-                found = find_lost()
+                try:
+                    found = find_lost()
+                except JobsAPIError as lookup:  # report the create, which is what failed
+                    error = JobsAPIError(action, response.status_code if response is not None else None,
+                                         "%s; whether it made a job anyway could not be checked (%s)" % (failure, lookup),
+                                         hint="run `python -m hf_sandbox_provider sweep` once %s answers" % self.endpoint)
+                    raise error from None
                 if found is not None:
                     return found
             if attempt >= retries:
-                if response is not None:
-                    raise self._error(response, action)
-                raise JobsAPIError(action, None, failure,
-                                   hint="check the network and HF_ENDPOINT (%s)" % self.endpoint) from None
+                error = self._error(response, action) if response is not None else JobsAPIError(
+                    action, None, failure, hint="check the network and HF_ENDPOINT (%s)" % self.endpoint)
+                error.may_have_acted = sent_maybe
+                raise error from None
             delay = min(_retry_delay(attempt, retry_after), max_delay)
             logger.debug("%s: %s, retrying in %.1fs", action, failure, delay)
             time.sleep(delay)

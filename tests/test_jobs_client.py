@@ -6,6 +6,7 @@ The Jobs API is mocked with `responses` (the only mocked boundary); everything e
 from __future__ import annotations
 
 import email.utils
+import socket
 import json
 import threading
 import uuid
@@ -327,3 +328,82 @@ def test_list_never_follows_a_next_link_off_the_endpoint(api, caplog):
     assert [job["id"] for job in jobs] == ["j1"]
     assert all(c.request.url.startswith(ENDPOINT) for c in api.calls)  # the token went nowhere else
     assert "not following it" in caplog.text
+
+
+# -- create against a network that fails for real (loopback sockets, not mocks) ----------------------
+
+
+def refused_endpoint() -> str:
+    """A loopback endpoint whose port refuses connections (bound, then closed)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return "http://127.0.0.1:%d" % probe.getsockname()[1]
+
+
+class HangUpServer:
+    """A loopback "API" that reads each request and hangs up without answering: every call is ambiguous
+    (the request was sent, no answer came). Records each request line."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = "http://127.0.0.1:%d" % self.listener.getsockname()[1]
+        self.request_lines: list = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    data += chunk
+                if data:
+                    self.request_lines.append(data.split(b"\r\n", 1)[0].decode("latin-1"))
+
+    def close(self) -> None:
+        self.listener.close()
+        self.thread.join(5)
+
+
+@pytest.mark.slow  # the create is retried with backoff (about 8 s)
+def test_a_refused_create_is_retried_and_reported_as_the_create_with_the_reason():
+    # A refused connection sent nothing, so no job can exist: no lookup, and the error is the create's own.
+    with pytest.raises(hsp.JobsAPIError) as info:
+        hsp._JobsClient(refused_endpoint(), fresh_token()).create_job("alice", BODY, LABEL)
+    message = str(info.value)
+    assert info.value.action.startswith("creating the job") and info.value.status_code is None
+    assert "refused" in message.lower(), message
+
+
+@pytest.mark.slow  # the label lookup is retried with backoff (about 8 s)
+def test_an_unanswered_create_whose_lookup_also_fails_is_reported_as_the_create_and_never_reposted():
+    server = HangUpServer()
+    try:
+        with pytest.raises(hsp.JobsAPIError) as info:
+            hsp._JobsClient(server.endpoint, fresh_token()).create_job("alice", BODY, LABEL)
+    finally:
+        server.close()
+    message = str(info.value)
+    assert info.value.action.startswith("creating the job"), message
+    assert "could not be checked" in message, message
+    assert [line for line in server.request_lines if line.startswith("POST")] == ["POST /api/jobs/alice HTTP/1.1"]
+    assert any(line.startswith("GET /api/jobs/alice?label=") for line in server.request_lines)
+
+
+@pytest.mark.slow  # the create is retried with backoff (about 8 s)
+def test_a_start_whose_create_was_refused_raises_the_create_error_and_looks_for_no_lost_job(caplog):
+    endpoint = refused_endpoint()
+    provider = hsp.HFSandboxProvider("python:3.12", token=fresh_token(), endpoint=endpoint, namespace="alice")
+    with caplog.at_level("INFO", logger="hf_sandbox_provider"):
+        with pytest.raises(hsp.JobsAPIError, match="creating the job") as info:
+            provider.start_container()
+    assert info.value.may_have_acted is False
+    assert "made a job anyway" not in caplog.text  # nothing was sent: no lookup, no warning about a lost job
+    assert provider.phase is hsp.Phase.IDLE
