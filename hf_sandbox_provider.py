@@ -783,8 +783,8 @@ class HFSandboxProvider:
             self._publish_route(proxy, base_url, self._safety_net(client, proxy, base_url))
             logger.info("HF job %s serving at %s (%.1fs after submit)", self.job_id, upstream, self._elapsed())
             return base_url
-        except BaseException:
-            if namespace is not None and not recorded and getattr(sys.exc_info()[1], "may_have_acted", True):
+        except BaseException as exc:
+            if namespace is not None and not recorded and getattr(exc, "may_have_acted", True):
                 # The create may have made the job though its answer was lost, unusable (no id) or interrupted.
                 self._cancel_by_label(client, namespace, start_label)
             self._teardown(client)
@@ -1595,11 +1595,17 @@ def _retry_delay(attempt: int, retry_after: Optional[float], base: float = API_B
     return rng(0.0, min(cap, base * (2 ** attempt)))
 
 
+# The OS's words in a requests/urllib3 failure ("[Errno 111] Connection refused"), or http.client's when
+# the server hung up without answering; the rest of such a message is object reprs.
+_OS_ERROR_REASON = re.compile(r"\[Errno -?[0-9]+\] ([^'\")\]]+)")
+_DISCONNECT_REASON = re.compile(r"RemoteDisconnected\('([^']+)'")
+
+
 def _transport_failure(exc: requests.RequestException) -> Tuple[str, bool]:
     """(what went wrong, whether the server may have received the request) for a call with no answer. A
     refused, unresolvable or timed-out connection sent nothing; the OS's reason is kept for the message."""
     text = str(exc)
-    reason = re.search(r"\[Errno -?[0-9]+\] ([^'\")\]]+)", text) or re.search(r"RemoteDisconnected\('([^']+)'", text)
+    reason = _OS_ERROR_REASON.search(text) or _DISCONNECT_REASON.search(text)
     failure = "%s (%s)" % (type(exc).__name__, reason.group(1).strip()) if reason else type(exc).__name__
     cause = exc.args[0] if exc.args else None
     nothing_sent = isinstance(exc, requests.ConnectTimeout) or isinstance(

@@ -24,12 +24,7 @@ async def app(scope, receive, send):  # type: ignore[no-untyped-def]
     if scope["type"] == "websocket":
         await _websocket(scope, receive, send, headers)
         return
-    body = b""
-    while True:
-        message = await receive()
-        body += message.get("body", b"")
-        if not message.get("more_body"):
-            break
+    body = await common.receive_body(receive)
     target = scope["path"] + ("?" + scope["query_string"].decode() if scope["query_string"] else "")
     status, out, payload, options = common.plan(scope["method"], target, body, headers, TOKEN)
     raw = [(n.lower().encode(), v.encode()) for n, v in out]

@@ -21,6 +21,16 @@ def body_of(size: int) -> bytes:
     return (_BLOCK * reps)[:size]
 
 
+async def receive_body(receive) -> bytes:  # type: ignore[no-untyped-def]
+    """The whole request body of an ASGI HTTP request (its `http.request` messages joined)."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            return body
+
+
 def read_chunked(rfile) -> bytes:  # type: ignore[no-untyped-def]
     """A chunked request body from a binary file object (extensions and trailers dropped)."""
     pieces = []

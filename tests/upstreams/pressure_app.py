@@ -40,12 +40,7 @@ async def app(scope, receive, send):  # type: ignore[no-untyped-def]
             await asyncio.sleep(float(scope["path"].rsplit("/", 1)[1]))
         await _websocket(receive, send)
         return
-    body = b""
-    while True:
-        message = await receive()
-        body += message.get("body", b"")
-        if not message.get("more_body"):
-            break
+    body = await common.receive_body(receive)
     query = dict(urllib.parse.parse_qsl(scope["query_string"].decode()))
     size, stall_after = int(query.get("size", 0)), int(query.get("stall_after", -1))
     await asyncio.sleep(float(query.get("wait_s", 0)))
