@@ -156,6 +156,9 @@ MAX_REPLICAS = 64
 # replica_status() inspects a job the proxy took out of rotation at most this often, so a caller that
 # polls the status in a loop cannot drain the Jobs API budget (refresh=True always inspects).
 REPLICA_CHECK_INTERVAL_S = 5.0
+# proxy="process": every provider of the process mounts on one AuthProxy served by a child process
+# (AuthProxy.spawn), so relaying costs the trainer's GIL nothing. The default (None) keeps it in-process.
+PROXY_PROCESS = "process"
 # stop_all(): cancels run this many at a time (each is one API call plus a brief retry).
 STOP_PARALLEL = 32
 # stop_container() during a start in another thread waits this long for that start to end (its create
@@ -375,7 +378,8 @@ class HFSandboxProvider:
                  job_timeout: Union[int, float, str] = DEFAULT_JOB_TIMEOUT_S,
                  start_timeout_s: float = DEFAULT_START_TIMEOUT_S, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
                  poll_interval_s: float = DEFAULT_POLL_INTERVAL_S, verify: Union[bool, str] = True,
-                 proxy: Optional["_proxy.AuthProxy"] = None, replicas: int = 1) -> None:
+                 proxy: Union[None, str, "_proxy.AuthProxy", "_proxy.AuthProxyProcess"] = None,
+                 replicas: int = 1) -> None:
         self.image = image
         self.command = command
         self.port = port
@@ -393,6 +397,7 @@ class HFSandboxProvider:
         self.replicas = replicas
         self._token = token
         self._proxy = proxy
+        _raise_if_rejected(_proxy_rejection(proxy))
         # Fail at construction on what can be checked without a token or the network.
         _raise_if_rejected(_settings_rejection(self._settings({}), image_required=False))
         self._init_runtime_state()
@@ -569,13 +574,17 @@ class HFSandboxProvider:
                 "cannot pickle an HFSandboxProvider while its job %s is running: pickle it before "
                 "start_container() (each worker then starts its own job) or call stop_container() first"
                 % (self.job_id or "(being created)"))
-        return {name: getattr(self, name) for name in self._pickled_settings if hasattr(self, name)}
+        state = {name: getattr(self, name) for name in self._pickled_settings if hasattr(self, name)}
+        if isinstance(self._proxy, str):  # proxy="process" is a setting; a proxy object stays here
+            state["_proxy"] = self._proxy
+        return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         for name in self._pickled_settings:
             if name in state:
                 setattr(self, name, state[name])
-        self._proxy = None  # a proxy's sockets and threads stay in their process: use the shared one
+        # A proxy's sockets and threads stay in their process: use the shared one (of the same kind).
+        self._proxy = state.get("_proxy") if isinstance(state.get("_proxy"), str) else None
         self._init_runtime_state()
         self._reset_job_state()
 
@@ -744,7 +753,7 @@ class HFSandboxProvider:
         return token
 
     def _proxy_instance(self) -> "_proxy.AuthProxy":
-        return self._proxy if self._proxy is not None else _shared_proxy()
+        return self._proxy if self._proxy is not None and not isinstance(self._proxy, str) else _shared_proxy(self._proxy)
 
     def _elapsed(self) -> float:
         return time.monotonic() - self._submitted_at
@@ -1300,6 +1309,15 @@ _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 def _raise_if_rejected(reason: Optional[str]) -> None:
     if reason:
         raise SandboxConfigError(reason)
+
+
+def _proxy_rejection(proxy: Any) -> Optional[str]:
+    if proxy is None or (not isinstance(proxy, str) and callable(getattr(proxy, "mount", None))):
+        return None
+    if proxy == PROXY_PROCESS:
+        return None
+    return ("proxy must be None (one in-process proxy shared by the process), %r (one shared proxy in a "
+            "child process) or a started AuthProxy / AuthProxy.spawn() handle, got %r" % (PROXY_PROCESS, proxy))
 
 
 def _image_rejection(image: Any) -> Optional[str]:
@@ -2051,13 +2069,22 @@ if hasattr(os, "register_at_fork"):
 # --------------------------------------------------------------------------------------------------
 
 _shared_proxy_instance: Optional["_proxy.AuthProxy"] = None
+_shared_process_proxy: Optional["_proxy.AuthProxyProcess"] = None  # proxy="process"
 _shared_proxy_lock = threading.Lock()
 # Safety nets of running providers (weakref.finalize objects: they do not keep providers alive).
 _live_finalizers: "set[weakref.finalize]" = set()
-def _shared_proxy() -> "_proxy.AuthProxy":
-    """One loopback proxy for every provider in the process (started on first use)."""
-    global _shared_proxy_instance
+def _shared_proxy(mode: Optional[str] = None) -> "_proxy.AuthProxy":
+    """One loopback proxy for every provider in the process (started on first use). `mode="process"`:
+    one proxy host child process (AuthProxy.spawn) shared the same way, replaced if it died."""
+    global _shared_proxy_instance, _shared_process_proxy
     with _shared_proxy_lock:
+        if mode == PROXY_PROCESS:
+            host = _shared_process_proxy
+            if host is None or not host.running:
+                if host is not None:
+                    host.stop()  # reaps it and closes its channel; its routes died with it
+                _shared_process_proxy = host = _proxy.AuthProxy.spawn()
+            return host  # type: ignore[return-value]  # the same routes API
         if _shared_proxy_instance is None:
             _shared_proxy_instance = _proxy.AuthProxy().start()
         return _shared_proxy_instance

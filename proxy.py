@@ -3070,11 +3070,11 @@ class AuthProxyProcess:
     def _call(self, op: str, timeout: float = CONTROL_ANSWER_S, **fields: object) -> object:
         """Send one request and wait for its answer; raise the child's error as its own type."""
         with self._lock:
+            if self._stopping and op != "stop":
+                raise RuntimeError("this AuthProxyProcess was stopped; spawn a new one")
             if self._ended is not None or self._sock is None:
                 raise RuntimeError("the proxy host process is not serving (%s); spawn a new one"
                                    % (self._ended or "not started"))
-            if self._stopping and op != "stop":
-                raise RuntimeError("this AuthProxyProcess was stopped; spawn a new one")
             self._next_id += 1
             request_id = self._next_id
             pending = self._pending[request_id] = _PendingAnswer()

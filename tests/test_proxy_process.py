@@ -1,0 +1,382 @@
+"""The out-of-process proxy host (`AuthProxy.spawn()`, `HFSandboxProvider(proxy="process")`) against
+real peers: uvicorn upstreams in their own processes (plain and TLS), `requests` and `websockets`
+clients, the HF Jobs emulator, real child processes and real signals. Nothing is mocked: each test
+reads the child through /proc or through what its clients see.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Dict, Iterator, List
+
+import pytest
+import requests
+
+import hf_sandbox_provider as hsp
+import proxy as proxy_module
+import support
+from diff_clients import UpstreamProcess, start_upstreams
+from hf_jobs_emulator import echo_server_command
+from proxy import AuthProxy, AuthProxyProcess, InsecureURLError
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; signals as on Linux")
+
+TOKEN = support.TEST_TOKEN
+IMAGE = "registry.hf.space/openenv-echo-env:latest"
+TIMEOUT = 30
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def ups(test_ca: support.TestCA) -> Iterator[Dict[str, UpstreamProcess]]:
+    """uvicorn upstreams, each in its own process: the token-checking ASGI app (plain and TLS) and the
+    pressure app (stalls on demand, no token check)."""
+    started = start_upstreams([("plain", "asgi_app.py", False, ()), ("tls", "asgi_app.py", True, ()),
+                               ("pressure", "pressure_app.py", False, ())],
+                              TOKEN, (test_ca.cert_path, test_ca.key_path))
+    yield started
+    for up in started.values():
+        up.stop()
+
+
+@pytest.fixture
+def host() -> Iterator[AuthProxyProcess]:
+    with AuthProxy.spawn() as spawned:
+        yield spawned
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited (absent, or a zombie its new parent has not reaped yet)."""
+    try:
+        with open("/proc/%d/stat" % pid) as handle:
+            state = handle.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state in ("Z", "X")
+
+
+def _read_proc(pid: int, name: str) -> bytes:
+    with open("/proc/%d/%s" % (pid, name), "rb") as handle:
+        return handle.read()
+
+
+# -- relaying: HTTP, WebSocket, TLS ------------------------------------------------------------------
+
+
+def test_http_through_the_child_reaches_uvicorn_with_the_token_and_answers_like_directly(host, ups):
+    base = host.mount(ups["plain"].url, TOKEN)
+    assert base.startswith(host.url + "/") and host.port != 0
+    with requests.Session() as http:
+        for target in ("/r?size=100", "/r?size=70000&mode=chunked", "/r?status=418&size=5"):
+            via = http.post(base + target, data=b"x" * 1000, timeout=TIMEOUT)
+            direct = requests.post(ups["plain"].url + target, data=b"x" * 1000, timeout=TIMEOUT,
+                                   headers={"Authorization": "Bearer " + TOKEN})
+            assert (via.status_code, via.content) == (direct.status_code, direct.content), target
+            assert via.headers["X-Echo-Body-Sha"] == direct.headers["X-Echo-Body-Sha"]
+            assert "X-Proxy-Error" not in via.headers
+
+
+def test_websocket_session_through_the_child_echoes_text_and_binary(host, ups):
+    base = host.mount(ups["plain"].url, TOKEN)
+    with support.ws_connect(support.ws_url(base) + "/ws") as ws:
+        ws.send("hello")
+        assert ws.recv(timeout=TIMEOUT) == "hello"
+        ws.send(b"\x00\x01" * 5000)
+        assert ws.recv(timeout=TIMEOUT) == b"\x00\x01" * 5000
+
+
+def test_tls_upstream_with_a_relative_ca_bundle_path_works_after_the_parent_changes_directory(
+        host, ups, test_ca, monkeypatch):
+    # The child resolves the CA path itself: a relative one must mean what it meant to the caller.
+    monkeypatch.chdir(os.path.dirname(test_ca.ca_path))
+    base = host.mount(ups["tls"].url, TOKEN, verify=os.path.basename(test_ca.ca_path))
+    monkeypatch.chdir(ROOT)
+    assert requests.get(base + "/r?size=10", timeout=TIMEOUT).status_code == 200
+    with support.ws_connect(support.ws_url(base) + "/ws") as ws:
+        ws.send("over tls")
+        assert ws.recv(timeout=TIMEOUT) == "over tls"
+    unverified = host.mount(ups["tls"].url, TOKEN)  # verify=True: the test CA is not in the system store
+    failed = requests.get(unverified + "/r", timeout=TIMEOUT)
+    assert (failed.status_code, failed.headers.get("X-Proxy-Error")) == (502, "upstream-tls")
+
+
+def test_infrastructure_failures_come_back_as_502_and_504_with_x_proxy_error(ups):
+    with AuthProxy.spawn(read_timeout_s=0.5) as host:
+        refused = requests.get(host.mount("http://127.0.0.1:1", TOKEN) + "/r", timeout=TIMEOUT)
+        slow = requests.get(host.mount(ups["pressure"].url, "t") + "/r?wait_s=5", timeout=TIMEOUT)
+    assert (refused.status_code, refused.headers.get("X-Proxy-Error")) == (502, "upstream-unreachable")
+    assert (slow.status_code, slow.headers.get("X-Proxy-Error")) == (504, "upstream-timeout")
+    assert slow.json()["error"] == "upstream-timeout"
+
+
+def test_replica_routes_are_served_by_the_child(host, ups):
+    direct = ups["plain"]
+    twins = [direct.url, direct.url.replace("127.0.0.1", "localhost")]
+    base = host.mount_replicas(twins, TOKEN)
+    with support.ws_connect(support.ws_url(base) + "/ws") as ws:
+        ws.send("one")
+        assert ws.recv(timeout=TIMEOUT) == "one"
+        assert sorted(r["open_sessions"] for r in host.replica_status(base)) == [0, 1]
+    assert host.remove_replica(base, twins[1]) is True
+    assert [r["upstream"] for r in host.replica_status(base)] == twins[:1]
+    assert host.add_replica(base, twins[1]) is True
+    assert host.unmount(base) is True
+    with pytest.raises(ValueError, match="no route is mounted at that base URL"):
+        host.replica_status(base)
+
+
+def test_threads_mounting_at_once_each_get_their_own_working_route(host, ups):
+    urls: List[str] = []
+    lock = threading.Lock()
+
+    def mount_one() -> None:
+        url = host.mount(ups["plain"].url, TOKEN)
+        with lock:
+            urls.append(url)
+
+    threads = [threading.Thread(target=mount_one) for _ in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(TIMEOUT)
+    assert len(set(urls)) == 16
+    with requests.Session() as http:
+        assert {http.get(url + "/r", timeout=TIMEOUT).status_code for url in urls} == {200}
+    assert all(host.unmount(url) for url in urls)
+
+
+# -- same refusals as in-process ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("upstream, token, verify, kind", [
+    ("http://example.com:8000", TOKEN, True, InsecureURLError),
+    ("ftp://127.0.0.1", TOKEN, True, ValueError),
+    ("http://127.0.0.1:9", "has space", True, ValueError),
+    ("http://127.0.0.1:9", TOKEN, "/no/such/ca.pem", ValueError),
+])
+def test_mount_refusals_are_the_in_process_types_and_messages(host, proxy, upstream, token, verify, kind):
+    with pytest.raises(kind) as in_process:
+        proxy.mount(upstream, token, verify=verify)
+    with pytest.raises(kind) as hosted:
+        host.mount(upstream, token, verify=verify)
+    assert type(hosted.value) is type(in_process.value) and str(hosted.value) == str(in_process.value)
+
+
+def test_spawn_refuses_bad_settings_and_a_taken_port_like_start(proxy):
+    with pytest.raises(ValueError, match="read_timeout_s must be a positive number"):
+        AuthProxy.spawn(read_timeout_s=0)
+    with pytest.raises(OSError, match="AuthProxy cannot listen on 127.0.0.1:%d" % proxy.port):
+        AuthProxy.spawn(port=proxy.port)
+
+
+# -- tokens --------------------------------------------------------------------------------------------
+
+
+def test_no_token_is_in_the_childs_argv_or_environment(ups, monkeypatch):
+    env_token = "hf_parentenvsecret" + "Q7w3"
+    monkeypatch.setenv("HF_TOKEN", env_token)
+    callable_token = "hf_callablesecret" + "P5x1"
+    with AuthProxy.spawn() as host:
+        host.mount(ups["plain"].url, TOKEN)
+        host.mount(ups["plain"].url, lambda: callable_token)
+        cmdline, environ = _read_proc(host.pid, "cmdline"), _read_proc(host.pid, "environ")
+        assert b"--proxy-host" in cmdline  # it is the child we think it is
+        for secret in (TOKEN, env_token, callable_token):
+            assert secret.encode() not in cmdline and secret.encode() not in environ
+        assert b"HF_TOKEN" not in environ
+
+
+def test_a_rotated_callable_token_reaches_the_child(host, ups):
+    current = {"token": "hf_stale"}
+    base = host.mount(ups["plain"].url, lambda: current["token"])
+    with requests.Session() as http:
+        assert http.get(base + "/r", timeout=TIMEOUT).status_code == 401  # the upstream refuses the stale one
+        current["token"] = TOKEN
+        support.wait_until(lambda: http.get(base + "/r", timeout=TIMEOUT).status_code == 200,
+                           "the rotated token to be used", 10)
+
+
+def test_a_failing_token_callable_gives_502_token_unavailable_and_its_log_line(host, ups, log_guard):
+    def broken() -> str:
+        raise KeyError("vault down")
+
+    base = host.mount(ups["plain"].url, broken)
+    answer = requests.get(base + "/r", timeout=TIMEOUT)
+    assert (answer.status_code, answer.headers.get("X-Proxy-Error")) == (502, "token-unavailable")
+    support.wait_until(lambda: "token callable failed (KeyError)" in log_guard.text(), "the child's warning", 10)
+
+
+# -- logs ------------------------------------------------------------------------------------------------
+
+
+def test_the_childs_log_records_arrive_on_the_parents_proxy_logger(ups):
+    records: List[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[assignment]
+    logging.getLogger("proxy").addHandler(handler)
+    try:
+        with AuthProxy.spawn() as host:
+            host.mount(ups["plain"].url, TOKEN)
+            pid = host.pid
+    finally:
+        logging.getLogger("proxy").removeHandler(handler)
+    from_child = [r for r in records if r.process == pid]
+    messages = [r.getMessage() for r in from_child]
+    assert any(m.startswith("proxy listening on http://127.0.0.1:") for m in messages)
+    assert any(m.startswith("mounted route-1 (") for m in messages)
+    assert "proxy stopped" in messages
+    assert {r.processName for r in from_child} == {"proxy-host"}
+
+
+# -- the child's lifetime ------------------------------------------------------------------------------------
+
+_PARENT_SCRIPT = r"""
+import sys, threading, time
+sys.path.insert(0, sys.argv[1])
+import requests
+from proxy import AuthProxy
+box = {}
+starter = threading.Thread(target=lambda: box.update(host=AuthProxy.spawn()))  # a thread that then ends
+starter.start()
+starter.join()
+host = box["host"]
+base = host.mount(sys.argv[2], sys.argv[3])
+time.sleep(1.0)  # the starting thread is gone: the child must not have taken that for the parent's death
+status = requests.get(base + "/r", timeout=30).status_code
+print(host.pid, status, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_child_outlives_the_thread_that_spawned_it_and_dies_with_a_sigkilled_parent(ups):
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT_SCRIPT, ROOT, ups["plain"].url, TOKEN],
+                              stdout=subprocess.PIPE)
+    try:
+        pid_text, status = parent.stdout.readline().split()  # type: ignore[union-attr]
+        child = int(pid_text)
+        assert status == b"200"
+        assert not _gone(child)
+        parent.kill()
+        parent.wait(TIMEOUT)
+        support.wait_until(lambda: _gone(child), "the host process to end after its parent's SIGKILL", 10)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait(TIMEOUT)
+        parent.stdout.close()  # type: ignore[union-attr]
+
+
+def test_sigterm_ends_a_child_spawned_from_a_thread_that_blocks_it(ups):
+    box: Dict[str, AuthProxyProcess] = {}
+
+    def spawn_with_signals_blocked() -> None:  # what every library thread does (proxy._start_thread)
+        signal.pthread_sigmask(signal.SIG_BLOCK, proxy_module.LIBRARY_THREAD_BLOCKED_SIGNALS)
+        box["host"] = AuthProxy.spawn()
+
+    starter = threading.Thread(target=spawn_with_signals_blocked)
+    starter.start()
+    starter.join(TIMEOUT)
+    host = box["host"]
+    try:
+        base = host.mount(ups["plain"].url, TOKEN)
+        status = _read_proc(host.pid, "status").decode()
+        blocked = int(next(line for line in status.splitlines() if line.startswith("SigBlk:")).split()[1], 16)
+        assert blocked & (1 << (signal.SIGTERM - 1)) == 0
+        os.kill(host.pid, signal.SIGTERM)
+        support.wait_until(lambda: not host.running, "the host to end on SIGTERM", 10)
+        assert host._process.returncode == 0  # a clean exit, not death by the signal
+        with pytest.raises(RuntimeError, match="not serving .*exited with code 0"):
+            host.mount(ups["plain"].url, TOKEN)
+        with pytest.raises(requests.ConnectionError):
+            requests.get(base + "/r", timeout=TIMEOUT)
+    finally:
+        host.stop()
+
+
+def test_stop_leaves_no_process_thread_or_socket(no_leaks, ups):
+    host = AuthProxy.spawn()
+    base = host.mount(ups["plain"].url, TOKEN)
+    with support.ws_connect(support.ws_url(base) + "/ws") as ws:  # a tunnel open while stopping
+        ws.send("x")
+        assert ws.recv(timeout=TIMEOUT) == "x"
+        pid = host.pid
+        host.stop()
+        host.stop()  # idempotent
+    assert _gone(pid) and host._process.returncode == 0
+    assert not os.path.exists("/proc/%d" % pid)  # reaped by us, not left a zombie
+    assert "stopped" in repr(host) and TOKEN not in repr(host)
+    with pytest.raises(RuntimeError, match="stopped"):
+        host.mount(ups["plain"].url, TOKEN)
+
+
+def test_spawn_is_refused_on_a_subclass():
+    class Gate(AuthProxy):
+        pass
+
+    with pytest.raises(TypeError, match="plain AuthProxy"):
+        Gate.spawn()
+
+
+# -- the provider ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_process_proxy() -> Iterator[None]:
+    """The core's shared process host, started fresh by the test and stopped after it."""
+    assert hsp._shared_process_proxy is None or not hsp._shared_process_proxy.running
+    yield
+    with hsp._shared_proxy_lock:
+        host, hsp._shared_process_proxy = hsp._shared_process_proxy, None
+    if host is not None:
+        host.stop()
+
+
+def test_provider_with_proxy_process_serves_http_and_websocket_from_the_shared_child(emu, fresh_process_proxy):
+    providers = [hsp.HFSandboxProvider(IMAGE, endpoint=emu.endpoint, token=emu.token, proxy="process",
+                                       command=echo_server_command(), poll_interval_s=0.05) for _ in range(2)]
+    try:
+        urls = [p.start_container() for p in providers]
+        for provider in providers:
+            provider.wait_for_ready()
+        host = hsp._shared_process_proxy
+        assert isinstance(host, AuthProxyProcess) and host.running
+        assert all(url.startswith(host.url + "/") for url in urls)  # one child for both
+        with requests.Session() as http:
+            assert http.post(urls[0] + "/reset", json={}, timeout=TIMEOUT).status_code == 200
+            step = http.post(urls[0] + "/step", json={"action": {"message": "hosted"}}, timeout=TIMEOUT).json()
+            assert step["observation"]["echoed_message"] == "hosted"
+        with support.ws_connect(support.ws_url(urls[1]) + "/ws") as ws:
+            ws.send(json.dumps({"type": "step", "data": {"message": "over ws"}}))
+            assert json.loads(ws.recv(timeout=TIMEOUT))["data"]["observation"]["echoed_message"] == "over ws"
+    finally:
+        for provider in providers:
+            provider.stop_container()
+    assert requests.get(urls[0] + "/health", timeout=TIMEOUT).status_code == 404  # unmounted in the child
+    support.wait_until(lambda: all(job.stage == "CANCELED" for job in emu.jobs), "both jobs cancelled")
+
+
+def test_provider_replaces_a_shared_process_host_that_died(emu, fresh_process_proxy):
+    first = hsp._shared_proxy("process")
+    os.kill(first.pid, signal.SIGKILL)
+    support.wait_until(lambda: not first.running, "the host's death to be noticed", 10)
+    provider = hsp.HFSandboxProvider(IMAGE, endpoint=emu.endpoint, token=emu.token, proxy="process",
+                                     command=echo_server_command(), poll_interval_s=0.05)
+    try:
+        provider.wait_for_ready(provider.start_container())
+        assert hsp._shared_process_proxy is not first and hsp._shared_process_proxy.running
+    finally:
+        provider.stop_container()
+
+
+def test_provider_proxy_setting_is_checked_and_survives_pickling():
+    with pytest.raises(hsp.SandboxConfigError, match="proxy must be None"):
+        hsp.HFSandboxProvider(IMAGE, proxy="processes")
+    import pickle
+    copy = pickle.loads(pickle.dumps(hsp.HFSandboxProvider(IMAGE, proxy="process", token="hf_x")))
+    assert copy._proxy == "process"
