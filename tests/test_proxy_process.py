@@ -310,6 +310,8 @@ def test_stop_leaves_no_process_thread_or_socket(no_leaks, ups):
         host.stop()  # idempotent
     assert _gone(pid) and host._process.returncode == 0
     assert not os.path.exists("/proc/%d" % pid)  # reaped by us, not left a zombie
+    assert host._sock.fileno() == -1  # the channel is closed now, not when the handle is collected
+    assert not [t for t in threading.enumerate() if t.name.startswith("proxy-host")]
     assert "stopped" in repr(host) and TOKEN not in repr(host)
     with pytest.raises(RuntimeError, match="stopped"):
         host.mount(ups["plain"].url, TOKEN)
