@@ -1,0 +1,385 @@
+"""What the proxy costs the trainer, in-process (`AuthProxy()`) and out of process (`AuthProxy.spawn()`).
+
+This process plays the trainer: its main thread runs a pure-Python loop and counts iterations while a
+load generator in another process steps an environment through the proxy, either paced (default
+1,000 HTTP `POST /step` per second over 8 keep-alive connections, a Python generator in a subprocess)
+or at full load (`wrk -t1 -c64`). The environment is uvicorn serving benchmarks/_asgi_upstream.py,
+over plain HTTP and over TLS. Each loaded run reports the loop's speed as a fraction of the idle speed
+measured in the same round (the proxy mounted, nothing sent), so machine noise hits both alike; the
+rounds interleave every mode. Also reported: the requests achieved, the proxy's CPU per request, the
+machine's load average.
+
+The "ask" row measures the design the process host did not take for token callables: the child asking
+the parent for the token on every request (1,000 small JSON round trips per second answered by a
+parent thread), so its cost to the trainer sits beside the chosen push design's.
+
+    python benchmarks/trainer_cost_process.py [--rate 1000] [--seconds 5] [--rounds 3] [--write]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)
+sys.path.insert(1, os.path.join(REPO, "tests"))  # support.make_test_ca: the tests' throwaway CA
+
+from _results import replace_marked_section  # noqa: E402
+from proxy import AuthProxy  # noqa: E402
+
+# Paced load: connections the generator spreads the rate over (8 environments stepping at 125/s each).
+PACED_CONNECTIONS = 8
+# Full load: wrk's connections, as in issue 22's figures (wrk -t1 -c64).
+FULL_CONNECTIONS = 64
+# The load runs this long before the loop is timed, so the proxy's threads and connections are warm.
+WARMUP_S = 1.0
+# The loop's unit of work: enough iterations that reading the clock is a rounding error.
+SPIN_BATCH = 2000
+STEP_BODY = json.dumps({"action": {"message": "hello"}}).encode()
+TOKEN = "trainer-cost-benchmark-token"  # the upstream checks none; never a real credential
+RESULTS = os.path.join(HERE, "RESULTS.md")
+SECTION_START = "<!-- trainer_cost_process:start -->"
+SECTION_END = "<!-- trainer_cost_process:end -->"
+
+
+# --------------------------------------------------------------------------------------------------
+# The measurement
+# --------------------------------------------------------------------------------------------------
+
+
+def spin(seconds: float) -> float:
+    """Loop iterations per second of a pure-Python loop on this (the main) thread."""
+    count, x = 0, 0
+    start = time.perf_counter()
+    deadline = start + seconds
+    while True:
+        for i in range(SPIN_BATCH):
+            x = (x * 31 + i) & 0xFFFF
+        count += 1
+        now = time.perf_counter()
+        if now >= deadline:
+            return count / (now - start)
+
+
+class Machine:
+    """CPU used over a window by processes that are not this benchmark's (the machine is shared): all
+    CPUs' busy time (/proc/stat) minus ours (this process and `pids`), in cores."""
+
+    def __init__(self, pids: List[int]) -> None:
+        self.pids = pids
+
+    def __enter__(self) -> "Machine":
+        self.start = self._read()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        end = self._read()
+        self.others = max(0.0, (end[1] - self.start[1]) - (end[2] - self.start[2])) / (end[0] - self.start[0])
+
+    def _read(self) -> Tuple[float, float, float]:
+        with open("/proc/stat") as handle:
+            fields = [int(v) for v in handle.readline().split()[1:]]
+        busy = (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+        ours = process_cpu_s(os.getpid())
+        for pid in self.pids:
+            try:
+                ours += process_cpu_s(pid)
+            except OSError:
+                pass
+        return time.monotonic(), busy, ours
+
+
+def process_cpu_s(pid: int) -> float:
+    with open("/proc/%d/stat" % pid) as handle:
+        fields = handle.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_load(url: str, rate: int, seconds: float) -> subprocess.Popen:
+    """Start the load generator (paced Python when rate > 0, else wrk at full load) for `seconds`."""
+    host_port, path = url.split("//", 1)[1].split("/", 1)
+    port = int(host_port.rsplit(":", 1)[1])
+    if rate > 0:
+        cmd = [sys.executable, os.path.abspath(__file__), "--loadgen", str(port), "/" + path + "/step",
+               str(rate), str(seconds)]
+    else:
+        script = os.path.join(tempfile.gettempdir(), "trainer_cost_post.lua")
+        with open(script, "w") as handle:
+            handle.write('wrk.method = "POST"\nwrk.body = %s\nwrk.headers["Content-Type"] = "application/json"\n'
+                         % json.dumps(STEP_BODY.decode()))
+        cmd = ["wrk", "-t1", "-c%d" % FULL_CONNECTIONS, "-d%ds" % max(1, round(seconds)), "-s", script,
+               url + "/step"]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def load_result(proc: subprocess.Popen, rate: int) -> Dict[str, Any]:
+    out, err = proc.communicate(timeout=120)
+    if rate > 0:
+        return json.loads(out.strip().splitlines()[-1])
+    found = {"ok": 0, "errors": 0, "rps": 0.0}
+    for line in out.splitlines():
+        line = line.strip()
+        if line.startswith("Requests/sec:"):
+            found["rps"] = float(line.split()[1])
+        elif line.startswith("Non-2xx") or line.startswith("Socket errors"):
+            found["errors"] += sum(int(v) for v in line.replace(",", " ").split() if v.isdigit())
+        elif "requests in" in line:
+            found["ok"] = int(line.split()[0])
+    return found
+
+
+def measure(host: Any, url: str, rate: int, seconds: float, ours: List[int]) -> Dict[str, Any]:
+    """One loaded run: the loop's speed while the load runs, what the load achieved, the proxy's CPU."""
+    child_pid = getattr(host, "pid", None)
+    proc = run_load(url, rate, WARMUP_S + seconds + 0.5)
+    time.sleep(WARMUP_S)
+    cpu_before = process_cpu_s(child_pid) if child_pid else _process_cpu_but_main()
+    with Machine(ours + [proc.pid]) as machine:
+        speed = spin(seconds)
+    cpu = (process_cpu_s(child_pid) if child_pid else _process_cpu_but_main()) - cpu_before
+    load = load_result(proc, rate)
+    return {"speed": speed, "rps": load["rps"], "errors": load["errors"], "proxy_cpu_s": cpu,
+            "window_s": seconds, "others": machine.others}
+
+
+
+def _process_cpu_but_main() -> float:
+    """This process's CPU time minus the main thread's (the loop's): what its other threads used."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime - time.thread_time()
+
+
+# --------------------------------------------------------------------------------------------------
+# The rejected token design, measured: the child asks the parent per request
+# --------------------------------------------------------------------------------------------------
+
+
+def measure_ask_parent(rate: int, seconds: float) -> Dict[str, Any]:
+    """A parent thread answering `rate` token questions per second over a socketpair (length-prefixed
+    JSON, as the control channel), asked by a subprocess: the trainer's share of that design."""
+    parent_end, child_end = socket.socketpair()
+    asker = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--asker", str(child_end.fileno()),
+                              str(rate), str(WARMUP_S + seconds + 0.5)], pass_fds=(child_end.fileno(),))
+    child_end.close()
+    answered = [0]
+
+    def answer() -> None:
+        frame = struct.Struct("!I")
+        while True:
+            head = parent_end.recv(4, socket.MSG_WAITALL)
+            if len(head) < 4:
+                return
+            question = json.loads(parent_end.recv(frame.unpack(head)[0], socket.MSG_WAITALL))
+            reply = json.dumps({"id": question["id"], "token": TOKEN}).encode()
+            parent_end.sendall(frame.pack(len(reply)) + reply)
+            answered[0] += 1
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    time.sleep(WARMUP_S)
+    before = answered[0]
+    with Machine([asker.pid]) as machine:
+        speed = spin(seconds)
+    rps = (answered[0] - before) / seconds
+    asker.wait(60)
+    thread.join(10)
+    parent_end.close()
+    return {"speed": speed, "rps": rps, "errors": 0, "proxy_cpu_s": 0.0, "window_s": seconds,
+            "others": machine.others}
+
+
+def asker_main(fd: int, rate: int, seconds: float) -> int:
+    sock = socket.socket(fileno=fd)
+    frame = struct.Struct("!I")
+    start = time.monotonic()
+    n = 0
+    while time.monotonic() - start < seconds:
+        due = start + n / rate
+        delay = due - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        data = json.dumps({"id": n, "op": "token", "route": "x" * 32}).encode()
+        sock.sendall(frame.pack(len(data)) + data)
+        head = sock.recv(4, socket.MSG_WAITALL)
+        sock.recv(frame.unpack(head)[0], socket.MSG_WAITALL)
+        n += 1
+    sock.close()
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------
+# The paced load generator (run as a subprocess)
+# --------------------------------------------------------------------------------------------------
+
+
+def loadgen_main(port: int, path: str, rate: int, seconds: float) -> int:
+    """POST `path` at `rate` per second over PACED_CONNECTIONS keep-alive connections for `seconds`;
+    print {"rps", "ok", "errors", "cpu_s"} as JSON."""
+    request = (b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(STEP_BODY), STEP_BODY))
+    counts = {"ok": 0, "errors": 0}
+    lock = threading.Lock()
+    start = time.monotonic() + 0.05
+    end = start + seconds
+
+    def connection(index: int) -> None:
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        n, ok, errors, buf = 0, 0, 0, b""
+        while True:
+            due = start + (n * PACED_CONNECTIONS + index) / rate
+            if due >= end:
+                break
+            delay = due - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            n += 1
+            try:
+                sock.sendall(request)
+                while b"\r\n\r\n" not in buf:
+                    piece = sock.recv(65536)
+                    if not piece:
+                        raise ConnectionError("closed")
+                    buf += piece
+                head, buf = buf.split(b"\r\n\r\n", 1)
+                length = int(head.lower().split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
+                while len(buf) < length:
+                    buf += sock.recv(65536)
+                buf = buf[length:]
+                if head.startswith(b"HTTP/1.1 200"):
+                    ok += 1
+                else:
+                    errors += 1
+            except (OSError, IndexError, ValueError):
+                errors += 1
+                sock.close()
+                sock = socket.create_connection(("127.0.0.1", port))
+                buf = b""
+        sock.close()
+        with lock:
+            counts["ok"] += ok
+            counts["errors"] += errors
+
+    threads = [threading.Thread(target=connection, args=(i,)) for i in range(PACED_CONNECTIONS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    print(json.dumps({"rps": counts["ok"] / seconds, "ok": counts["ok"], "errors": counts["errors"],
+                      "cpu_s": usage.ru_utime + usage.ru_stime}), flush=True)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------------------------------
+
+
+def start_upstream(ca: Any, tls: bool) -> Tuple[subprocess.Popen, str]:
+    extra = ["--certfile", ca.cert_path, "--keyfile", ca.key_path] if tls else []
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "_asgi_upstream.py")] + extra,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    info = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
+    return proc, "%s://127.0.0.1:%d" % ("https" if tls else "http", info["port"])
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rate", type=int, default=1000, help="paced HTTP steps per second (default 1000)")
+    parser.add_argument("--seconds", type=float, default=5.0, help="loop timing window per run (default 5)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    parser.add_argument("--no-full", action="store_true", help="skip the full-load (wrk) runs")
+    parser.add_argument("--no-tls", action="store_true", help="skip the TLS upstream")
+    parser.add_argument("--write", action="store_true", help="write the table into benchmarks/RESULTS.md")
+    args = parser.parse_args(argv)
+    import support
+
+    workdir = tempfile.mkdtemp(prefix="trainer-cost-")
+    ca = support.make_test_ca(workdir)
+    upstreams = {"plain": start_upstream(ca, False)}
+    if not args.no_tls:
+        upstreams["tls"] = start_upstream(ca, True)
+    loads = [args.rate] + ([] if args.no_full else [0])
+    hosts = {"in-process": AuthProxy().start(), "process": AuthProxy.spawn()}
+    urls = {(mode, kind): host.mount(up_url, TOKEN, verify=ca.ca_path if kind == "tls" else True)
+            for mode, host in hosts.items() for kind, (_, up_url) in upstreams.items()}
+    ours = [proc.pid for proc, _ in upstreams.values()] + [hosts["process"].pid]  # type: ignore[attr-defined]
+    rows: Dict[Tuple[str, str, int], List[Dict[str, Any]]] = {}
+    idle: List[float] = []
+    try:
+        for round_no in range(args.rounds):
+            print("round %d" % (round_no + 1), flush=True)
+            cases = [(mode, kind, rate) for rate in loads for kind in upstreams for mode in hosts]
+            cases.append(("ask-parent", "-", args.rate))
+            for mode, kind, rate in cases:
+                paired_idle = spin(args.seconds)  # just before: the machine's other load drifts
+                idle.append(paired_idle)
+                if mode == "ask-parent":
+                    result = measure_ask_parent(rate, args.seconds)
+                else:
+                    result = measure(hosts[mode], urls[mode, kind], rate, args.seconds, ours)
+                result["fraction"] = result["speed"] / paired_idle
+                rows.setdefault((mode, kind, rate), []).append(result)
+                print("  %-10s %-5s %-6s loop %5.1f%% of idle, %6.0f req/s, %d errors, others %.2f cores"
+                      % (mode, kind, rate or "full", 100 * result["fraction"], result["rps"], result["errors"],
+                         result["others"]), flush=True)
+    finally:
+        for host in hosts.values():
+            host.stop()
+        for proc, _ in upstreams.values():
+            proc.stdin.close()  # type: ignore[union-attr]
+            proc.terminate()
+            proc.wait(10)
+    table = render(rows, idle, args)
+    print(table)
+    if args.write:
+        replace_marked_section(RESULTS, SECTION_START, SECTION_END, table)
+    return 0
+
+
+def render(rows: Dict[Tuple[str, str, int], List[Dict[str, Any]]], idle: List[float], args: argparse.Namespace) -> str:
+    def median(values: List[float]) -> float:
+        values = sorted(values)
+        return values[len(values) // 2]
+
+    lines = [SECTION_START, "## The trainer's cost: in-process proxy vs the process host (`AuthProxy.spawn()`)", "",
+             "`python benchmarks/trainer_cost_process.py --rate %d --seconds %g --rounds %d` on %d CPUs, "
+             "%s; loop speed as a fraction of its idle speed measured just before (median of %d rounds, min-max "
+             "in brackets); idle loop %.0f iterations/s (median). \"others\": CPU used meanwhile by processes "
+             "not this benchmark's (the machine is shared), in cores. Paced: %d keep-alive connections from a "
+             "Python generator; full: `wrk -t1 -c%d`. Upstream: uvicorn (benchmarks/_asgi_upstream.py)."
+             % (args.rate, args.seconds, args.rounds, os.cpu_count() or 0, time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                args.rounds, median(idle), PACED_CONNECTIONS, FULL_CONNECTIONS), "",
+             "| proxy | upstream | load | trainer loop vs idle | req/s achieved | proxy CPU per request | others |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for (mode, kind, rate), results in rows.items():
+        fractions = [r["fraction"] for r in results]
+        per_request = [1e6 * r["proxy_cpu_s"] / (r["rps"] * r["window_s"]) for r in results if r["rps"] and r["proxy_cpu_s"]]
+        lines.append("| %s | %s | %s | %.0f%% (%.0f-%.0f%%) | %.0f | %s | %.2f |" % (
+            mode, kind, "%d/s" % rate if rate else "full", 100 * median(fractions), 100 * min(fractions),
+            100 * max(fractions), median([r["rps"] for r in results]),
+            "%.0f us" % median(per_request) if per_request else "-",
+            median([r["others"] for r in results])))
+    lines += ["", "ask-parent: the rejected token design (the child asks the parent per request), simulated as "
+              "a parent thread answering that many length-prefixed JSON questions per second.", SECTION_END, ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--loadgen"]:
+        sys.exit(loadgen_main(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), float(sys.argv[5])))
+    if sys.argv[1:2] == ["--asker"]:
+        sys.exit(asker_main(int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])))
+    sys.exit(main())
