@@ -58,9 +58,14 @@ SECTION_END = "<!-- trainer_cost_process:end -->"
 # --------------------------------------------------------------------------------------------------
 
 
-def spin(seconds: float) -> float:
-    """Loop iterations per second of a pure-Python loop on this (the main) thread."""
+def spin(seconds: float) -> Dict[str, float]:
+    """Run a pure-Python loop on this (the main) thread for `seconds`. Returns its speed per wall second
+    (`wall`), its speed per second the thread could have run (`own_core`: wall minus the time it sat
+    runnable while every CPU was busy, from /proc schedstat, so other users of this shared machine, and
+    our own load generator and upstream, do not count), and the share of wall time it was blocked
+    while runnable work existed for it, i.e. waiting for the GIL (`gil_wait`)."""
     count, x = 0, 0
+    cpu0, queued0 = _schedstat()
     start = time.perf_counter()
     deadline = start + seconds
     while True:
@@ -69,7 +74,18 @@ def spin(seconds: float) -> float:
         count += 1
         now = time.perf_counter()
         if now >= deadline:
-            return count / (now - start)
+            break
+    cpu1, queued1 = _schedstat()
+    wall, cpu, queued = now - start, cpu1 - cpu0, queued1 - queued0
+    return {"wall": count / wall, "own_core": count / max(1e-9, wall - queued),
+            "gil_wait": max(0.0, wall - cpu - queued) / wall}
+
+
+def _schedstat() -> Tuple[float, float]:
+    """(seconds on a CPU, seconds runnable but waiting for one) of the calling thread."""
+    with open("/proc/self/task/%d/schedstat" % threading.get_native_id()) as handle:
+        on_cpu, queued = handle.read().split()[:2]
+    return int(on_cpu) / 1e9, int(queued) / 1e9
 
 
 class Machine:
@@ -149,7 +165,7 @@ def measure(host: Any, url: str, rate: int, seconds: float, ours: List[int]) -> 
         speed = spin(seconds)
     cpu = (process_cpu_s(child_pid) if child_pid else _process_cpu_but_main()) - cpu_before
     load = load_result(proc, rate)
-    return {"speed": speed, "rps": load["rps"], "errors": load["errors"], "proxy_cpu_s": cpu,
+    return {"loop": speed, "rps": load["rps"], "errors": load["errors"], "proxy_cpu_s": cpu,
             "window_s": seconds, "others": machine.others}
 
 
@@ -195,7 +211,7 @@ def measure_ask_parent(rate: int, seconds: float) -> Dict[str, Any]:
     asker.wait(60)
     thread.join(10)
     parent_end.close()
-    return {"speed": speed, "rps": rps, "errors": 0, "proxy_cpu_s": 0.0, "window_s": seconds,
+    return {"loop": speed, "rps": rps, "errors": 0, "proxy_cpu_s": 0.0, "window_s": seconds,
             "others": machine.others}
 
 
@@ -317,7 +333,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             for mode, host in hosts.items() for kind, (_, up_url) in upstreams.items()}
     ours = [proc.pid for proc, _ in upstreams.values()] + [hosts["process"].pid]  # type: ignore[attr-defined]
     rows: Dict[Tuple[str, str, int], List[Dict[str, Any]]] = {}
-    idle: List[float] = []
+    idle: List[Dict[str, float]] = []
     try:
         for round_no in range(args.rounds):
             print("round %d" % (round_no + 1), flush=True)
@@ -330,11 +346,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                     result = measure_ask_parent(rate, args.seconds)
                 else:
                     result = measure(hosts[mode], urls[mode, kind], rate, args.seconds, ours)
-                result["fraction"] = result["speed"] / paired_idle
+                result["fraction"] = result["loop"]["wall"] / paired_idle["wall"]
+                result["own_core"] = result["loop"]["own_core"] / paired_idle["own_core"]
+                result["gil_wait"] = result["loop"]["gil_wait"]
                 rows.setdefault((mode, kind, rate), []).append(result)
-                print("  %-10s %-5s %-6s loop %5.1f%% of idle, %6.0f req/s, %d errors, others %.2f cores"
-                      % (mode, kind, rate or "full", 100 * result["fraction"], result["rps"], result["errors"],
-                         result["others"]), flush=True)
+                print("  %-10s %-5s %-6s loop %5.1f%% of idle (%5.1f%% with a core of its own, GIL wait %4.1f%%), "
+                      "%6.0f req/s, %d errors, others %.2f cores"
+                      % (mode, kind, rate or "full", 100 * result["fraction"], 100 * result["own_core"],
+                         100 * result["gil_wait"], result["rps"], result["errors"], result["others"]), flush=True)
     finally:
         for host in hosts.values():
             host.stop()
@@ -349,27 +368,34 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
-def render(rows: Dict[Tuple[str, str, int], List[Dict[str, Any]]], idle: List[float], args: argparse.Namespace) -> str:
+def render(rows: Dict[Tuple[str, str, int], List[Dict[str, Any]]], idle: List[Dict[str, float]],
+           args: argparse.Namespace) -> str:
     def median(values: List[float]) -> float:
         values = sorted(values)
         return values[len(values) // 2]
 
     lines = [SECTION_START, "## The trainer's cost: in-process proxy vs the process host (`AuthProxy.spawn()`)", "",
              "`python benchmarks/trainer_cost_process.py --rate %d --seconds %g --rounds %d` on %d CPUs, "
-             "%s; loop speed as a fraction of its idle speed measured just before (median of %d rounds, min-max "
-             "in brackets); idle loop %.0f iterations/s (median). \"others\": CPU used meanwhile by processes "
-             "not this benchmark's (the machine is shared), in cores. Paced: %d keep-alive connections from a "
+             "%s. The trainer's loop speed as a fraction of its idle speed measured just before (median of %d "
+             "rounds, min-max in brackets; idle loop %.0f iterations/s, median): per wall second, and \"with a "
+             "core of its own\", per second the main thread was not sitting runnable while every CPU was busy "
+             "(schedstat), which takes out the other users of this shared machine, the load generator and the "
+             "upstream, and keeps what the GIL costs; \"GIL wait\": share of the window the main thread was "
+             "blocked. \"others\": CPU used meanwhile by processes not this benchmark's, in cores. Paced: %d keep-alive connections from a "
              "Python generator; full: `wrk -t1 -c%d`. Upstream: uvicorn (benchmarks/_asgi_upstream.py)."
              % (args.rate, args.seconds, args.rounds, os.cpu_count() or 0, time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                args.rounds, median(idle), PACED_CONNECTIONS, FULL_CONNECTIONS), "",
-             "| proxy | upstream | load | trainer loop vs idle | req/s achieved | proxy CPU per request | others |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+                args.rounds, median([i["wall"] for i in idle]), PACED_CONNECTIONS, FULL_CONNECTIONS), "",
+             "| proxy | upstream | load | trainer loop vs idle | with a core of its own | GIL wait | req/s achieved "
+             "| proxy CPU per request | others |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (mode, kind, rate), results in rows.items():
         fractions = [r["fraction"] for r in results]
         per_request = [1e6 * r["proxy_cpu_s"] / (r["rps"] * r["window_s"]) for r in results if r["rps"] and r["proxy_cpu_s"]]
-        lines.append("| %s | %s | %s | %.0f%% (%.0f-%.0f%%) | %.0f | %s | %.2f |" % (
+        own = [r["own_core"] for r in results]
+        lines.append("| %s | %s | %s | %.0f%% (%.0f-%.0f%%) | %.0f%% (%.0f-%.0f%%) | %.1f%% | %.0f | %s | %.2f |" % (
             mode, kind, "%d/s" % rate if rate else "full", 100 * median(fractions), 100 * min(fractions),
-            100 * max(fractions), median([r["rps"] for r in results]),
+            100 * max(fractions), 100 * median(own), 100 * min(own), 100 * max(own),
+            100 * median([r["gil_wait"] for r in results]), median([r["rps"] for r in results]),
             "%.0f us" % median(per_request) if per_request else "-",
             median([r["others"] for r in results])))
     lines += ["", "ask-parent: the rejected token design (the child asks the parent per request), simulated as "
