@@ -425,6 +425,7 @@ class HFSandboxProvider:
         settings = self._settings(overrides)
         _raise_if_rejected(_settings_rejection(settings, image_required=True))
         token = self._resolve_token()
+        self._proxy_instance()  # start (or spawn) the shared proxy now: one that cannot start costs no job
         self._claim_start()
         started = False
         try:
