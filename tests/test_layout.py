@@ -14,6 +14,8 @@ import pytest
 from test_cli import REPO, RUN_TIMEOUT_S, clean_env
 
 LIBRARY = os.path.join(REPO, "hf_sandbox_provider.py")
+# What the command line needs: the core, proxy.py and the modules it imports (not the emulator).
+COMMAND_LINE = ["hf_sandbox_provider.py", "proxy.py", "hf_sandbox_cli.py"]
 
 
 def module_level_imports(path: str):
@@ -88,7 +90,7 @@ def vendor(tmp_path, names):
 
 @pytest.mark.slow  # fresh interpreters importing requests, huggingface_hub and openenv
 def test_a_vendored_copy_without_the_emulator_refuses_smoke_local_in_one_sentence(tmp_path):
-    env = vendor(tmp_path, ["hf_sandbox_provider.py", "proxy.py"])
+    env = vendor(tmp_path, COMMAND_LINE)
     result = subprocess.run([sys.executable, "-m", "vendored.hf_sandbox_provider", "smoke", "--local"],
                             cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert result.returncode == 2
@@ -101,7 +103,7 @@ def test_a_vendored_copy_without_the_emulator_refuses_smoke_local_in_one_sentenc
 
 @pytest.mark.slow  # fresh interpreters importing requests, huggingface_hub and openenv
 def test_a_vendored_copy_with_the_emulator_passes_smoke_local(tmp_path):
-    env = vendor(tmp_path, ["hf_sandbox_provider.py", "proxy.py", "hf_jobs_emulator.py"])
+    env = vendor(tmp_path, COMMAND_LINE + ["hf_jobs_emulator.py"])
     result = subprocess.run([sys.executable, "-m", "vendored.hf_sandbox_provider", "smoke", "--local", "--json"],
                             cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
