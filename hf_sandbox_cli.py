@@ -20,14 +20,16 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import requests
 
-if __package__:  # vendored inside a package: the core sits next to this module
+if __package__:  # vendored inside a package: the core and the training layer sit next to this module
     from . import hf_sandbox_provider as _core
+    from .hf_sandbox_training import EnvSession
 else:
     import hf_sandbox_provider as _core
+    from hf_sandbox_training import EnvSession
 
 # What the command line uses of the core.
 _proxy = _core._proxy
-HFSandboxProvider, EnvSession = _core.HFSandboxProvider, _core.EnvSession
+HFSandboxProvider = _core.HFSandboxProvider
 SandboxError, SandboxConfigError, JobsAPIError = _core.SandboxError, _core.SandboxConfigError, _core.JobsAPIError
 InsecureURLError = _core.InsecureURLError
 DEFAULT_ENDPOINT, DEFAULT_FLAVOR, TERMINAL_STAGES = _core.DEFAULT_ENDPOINT, _core.DEFAULT_FLAVOR, _core.TERMINAL_STAGES

@@ -15,7 +15,7 @@ from test_cli import REPO, RUN_TIMEOUT_S, clean_env
 
 LIBRARY = os.path.join(REPO, "hf_sandbox_provider.py")
 # What the command line needs: the core, proxy.py and the modules it imports (not the emulator).
-COMMAND_LINE = ["hf_sandbox_provider.py", "proxy.py", "hf_sandbox_cli.py"]
+COMMAND_LINE = ["hf_sandbox_provider.py", "proxy.py", "hf_sandbox_training.py", "hf_sandbox_cli.py"]
 
 
 def module_level_imports(path: str):
