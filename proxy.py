@@ -3035,7 +3035,8 @@ class AuthProxyProcess:
         self._send_lock = threading.Lock()  # one message at a time on the channel
         self._next_id = 0
         self._pending: Dict[int, "_PendingAnswer"] = {}
-        self._routes: Dict[str, Dict[str, object]] = {}  # route id -> {"token": callable, "sent": value}
+        # Routes with callables: route id -> {"token"/"headers": the callable or None, and what was sent}.
+        self._routes: Dict[str, Dict[str, object]] = {}
         self._sock: Optional[socket.socket] = None
         self._process: Optional["subprocess.Popen[bytes]"] = None
         self._control: Optional[threading.Thread] = None
@@ -3140,16 +3141,16 @@ class AuthProxyProcess:
 
     # -- routes (same contract as AuthProxy's) -----------------------------------------------------
 
-    def mount(self, upstream: str, token: Token, *, verify: Verify = True) -> str:
-        """As `AuthProxy.mount`; a callable token is re-read here every TOKEN_PUSH_INTERVAL_S."""
-        Route(upstream, token, verify)  # refusals raised here, with the in-process types and messages
-        return self._mount("mount", token, upstream=upstream, verify=_portable_verify(verify))
+    def mount(self, upstream: str, token: Token, *, verify: Verify = True, headers: ExtraHeaders = None) -> str:
+        """As `AuthProxy.mount`; a callable token or headers is re-read here every TOKEN_PUSH_INTERVAL_S."""
+        Route(upstream, token, verify, headers)  # refusals raised here, with the in-process types and messages
+        return self._mount("mount", token, headers, upstream=upstream, verify=_portable_verify(verify))
 
     def mount_replicas(self, upstreams: Sequence[str], token: Token, *, verify: Verify = True,
                        http: str = "refuse") -> str:
         """As `AuthProxy.mount_replicas`."""
         ReplicaRoute(upstreams, token, verify, http)  # refusals raised here, as in-process
-        return self._mount("mount_replicas", token, upstreams=list(upstreams), verify=_portable_verify(verify),
+        return self._mount("mount_replicas", token, None, upstreams=list(upstreams), verify=_portable_verify(verify),
                            http=http)
 
     def add_replica(self, base_url: str, upstream: str) -> bool:
@@ -3174,13 +3175,15 @@ class AuthProxyProcess:
 
     # -- machinery ---------------------------------------------------------------------------------
 
-    def _mount(self, op: str, token: Token, **fields: object) -> str:
-        pushed = _TokenValue.read(token)
-        answer = self._call(op, token=pushed.value, token_error=pushed.error, dynamic=callable(token), **fields)
+    def _mount(self, op: str, token: Token, headers: ExtraHeaders, **fields: object) -> str:
+        sent = {"token": _Pushed.of_token(token), "headers": _Pushed.of_headers(headers)}
+        answer = self._call(op, dynamic=[name for name, source in (("token", token), ("headers", headers))
+                                         if callable(source)], **_pushed_fields(sent), **fields)
         route_id = _route_id(answer)
-        if callable(token):
+        if callable(token) or callable(headers):
             with self._lock:
-                self._routes[route_id] = {"token": token, "sent": pushed}
+                self._routes[route_id] = {"token": token if callable(token) else None, "sent": sent,
+                                          "headers": headers if callable(headers) else None}
                 start_pusher = self._pusher is None
                 if start_pusher:
                     self._pusher = threading.Thread(target=self._push_tokens, name="proxy-host-tokens", daemon=True)
@@ -3285,16 +3288,21 @@ class AuthProxyProcess:
             pusher.join(STOP_JOIN_S)
 
     def _push_tokens(self) -> None:
-        """Re-read every token callable each TOKEN_PUSH_INTERVAL_S; send the child what changed."""
+        """Re-read every token and headers callable each TOKEN_PUSH_INTERVAL_S; send the child what changed."""
         while not self._pusher_stop.wait(TOKEN_PUSH_INTERVAL_S):
             with self._lock:
                 routes = list(self._routes.items())
             for route_id, entry in routes:
-                now = _TokenValue.read(entry["token"])  # type: ignore[arg-type]
-                if now == entry["sent"]:
+                sent: Dict[str, _Pushed] = entry["sent"]  # type: ignore[assignment]
+                now = dict(sent)
+                if entry["token"] is not None:
+                    now["token"] = _Pushed.of_token(entry["token"])  # type: ignore[arg-type]
+                if entry["headers"] is not None:
+                    now["headers"] = _Pushed.of_headers(entry["headers"])  # type: ignore[arg-type]
+                if now == sent:
                     continue
                 try:
-                    self._call("token", route=route_id, token=now.value, token_error=now.error)
+                    self._call("refresh", route=route_id, **_pushed_fields(now))
                 except Exception as exc:  # the child is gone (logged once there) or the route was unmounted
                     log.debug("proxy host: could not push a token (%s)", type(exc).__name__)
                     continue
@@ -3321,14 +3329,15 @@ class _PendingAnswer:
         self.error: Optional[BaseException] = None
 
 
-class _TokenValue(NamedTuple):
-    """What a token (callable) gave: the value to inject, or the name of the error it raised."""
+class _Pushed(NamedTuple):
+    """What a route's token or headers (or its callable, read now) gave: the value to send the child,
+    or the name of the error the in-process proxy would have met reading it."""
 
-    value: Optional[str]
+    value: object
     error: Optional[str]
 
     @classmethod
-    def read(cls, token: Token) -> "_TokenValue":
+    def of_token(cls, token: Token) -> "_Pushed":
         if not callable(token):
             return cls(token, None)
         try:
@@ -3338,6 +3347,24 @@ class _TokenValue(NamedTuple):
         if value is not None and not isinstance(value, str):
             return cls(None, "ValueError")  # in-process: "not a usable token string"
         return cls(value, None)
+
+    @classmethod
+    def of_headers(cls, headers: ExtraHeaders) -> "_Pushed":
+        try:
+            value = headers() if callable(headers) else headers
+        except Exception as exc:
+            return cls(None, type(exc).__name__)
+        if value is None:
+            return cls(None, None)
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            return cls(None, "ValueError")  # in-process: "not a mapping" / "not a string of printable ASCII"
+        return cls(dict(value), None)
+
+
+def _pushed_fields(sent: Dict[str, "_Pushed"]) -> Dict[str, object]:
+    """The control-message fields for a route's token and headers."""
+    return {"token": sent["token"].value, "token_error": sent["token"].error,
+            "headers": sent["headers"].value, "headers_error": sent["headers"].error}
 
 
 # Handles of this process whose children are alive: closed in a forked child (see _after_fork_in_child).
@@ -3436,16 +3463,17 @@ def _recv_message(sock: socket.socket) -> Optional[Dict[str, object]]:
 # -- the child side ------------------------------------------------------------------------------------
 
 
-class _PushedToken:
-    """A route's token in the child: the last value the parent pushed (a callable, as Route expects)."""
+class _PushedValue:
+    """A route's token or headers in the child: the last value the parent pushed, as the callable the
+    route reads per request (raising the error the parent's callable raised, by name)."""
 
-    def __init__(self, value: Optional[str], error: Optional[str]) -> None:
+    def __init__(self, value: object, error: Optional[str]) -> None:
         self.set(value, error)
 
-    def set(self, value: Optional[str], error: Optional[str]) -> None:
+    def set(self, value: object, error: Optional[str]) -> None:
         self.value, self.error = value, error
 
-    def __call__(self) -> Optional[str]:
+    def __call__(self) -> object:
         if self.error is not None:
             raise _error_named(self.error)()
         return self.value
@@ -3485,7 +3513,7 @@ class _ProxyHost:
         self.sock = sock
         self.send_lock = threading.Lock()
         self.proxy: Optional[AuthProxy] = None
-        self.tokens: Dict[str, _PushedToken] = {}
+        self.pushed: Dict[str, Dict[str, _PushedValue]] = {}  # route id -> "token"/"headers" -> value
 
     def send(self, message: Dict[str, object]) -> None:
         _send_message(self.sock, self.send_lock, message)
@@ -3542,28 +3570,29 @@ class _ProxyHost:
         if proxy is None:
             raise RuntimeError("the proxy host is not serving")
         if op in ("mount", "mount_replicas"):
-            token: Token = message.get("token")  # type: ignore[assignment]
-            pushed = None
-            if message.get("dynamic") or message.get("token_error"):
-                pushed = _PushedToken(message.get("token"), message.get("token_error"))  # type: ignore[arg-type]
-                token = pushed
+            # A callable (or one whose first read failed) becomes a _PushedValue the parent refreshes.
+            pushed = {name: _PushedValue(message.get(name), message.get(name + "_error")) for name in ("token", "headers")
+                      if name in (message.get("dynamic") or ()) or message.get(name + "_error")}
+            token: Token = pushed.get("token") or message.get("token")  # type: ignore[assignment]
+            headers: ExtraHeaders = pushed.get("headers") or message.get("headers")  # type: ignore[assignment]
             if op == "mount":
-                base_url = proxy.mount(str(message["upstream"]), token, verify=message["verify"])  # type: ignore[arg-type]
+                base_url = proxy.mount(str(message["upstream"]), token, verify=message["verify"],  # type: ignore[arg-type]
+                                       headers=headers)
             else:
                 base_url = proxy.mount_replicas(message["upstreams"], token, verify=message["verify"],  # type: ignore[arg-type]
                                                 http=str(message.get("http")))
-            if pushed is not None:
-                self.tokens[_route_id(base_url)] = pushed
+            if pushed:
+                self.pushed[_route_id(base_url)] = pushed
             return base_url
         route = str(message.get("route"))
         base_url = "%s/%s" % (proxy.url, route)
-        if op == "token":
-            pushed = self.tokens.get(route)
-            if pushed is not None:
-                pushed.set(message.get("token"), message.get("token_error"))  # type: ignore[arg-type]
-            return pushed is not None
+        if op == "refresh":
+            values = self.pushed.get(route, {})
+            for name, value in values.items():
+                value.set(message.get(name), message.get(name + "_error"))
+            return bool(values)
         if op == "unmount":
-            self.tokens.pop(route, None)
+            self.pushed.pop(route, None)
             return proxy.unmount(base_url)
         if op == "add_replica":
             return proxy.add_replica(base_url, str(message.get("upstream")))

@@ -154,17 +154,19 @@ def test_threads_mounting_at_once_each_get_their_own_working_route(host, ups):
 # -- same refusals as in-process ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("upstream, token, verify, kind", [
-    ("http://example.com:8000", TOKEN, True, InsecureURLError),
-    ("ftp://127.0.0.1", TOKEN, True, ValueError),
-    ("http://127.0.0.1:9", "has space", True, ValueError),
-    ("http://127.0.0.1:9", TOKEN, "/no/such/ca.pem", ValueError),
+@pytest.mark.parametrize("upstream, token, verify, headers, kind", [
+    ("http://example.com:8000", TOKEN, True, None, InsecureURLError),
+    ("ftp://127.0.0.1", TOKEN, True, None, ValueError),
+    ("http://127.0.0.1:9", "has space", True, None, ValueError),
+    ("http://127.0.0.1:9", TOKEN, "/no/such/ca.pem", None, ValueError),
+    ("http://127.0.0.1:9", TOKEN, True, {"Authorization": "x"}, ValueError),
+    ("http://127.0.0.1:9", TOKEN, True, {"X-Ok": "line\nbreak"}, ValueError),
 ])
-def test_mount_refusals_are_the_in_process_types_and_messages(host, proxy, upstream, token, verify, kind):
+def test_mount_refusals_are_the_in_process_types_and_messages(host, proxy, upstream, token, verify, headers, kind):
     with pytest.raises(kind) as in_process:
-        proxy.mount(upstream, token, verify=verify)
+        proxy.mount(upstream, token, verify=verify, headers=headers)
     with pytest.raises(kind) as hosted:
-        host.mount(upstream, token, verify=verify)
+        host.mount(upstream, token, verify=verify, headers=headers)
     assert type(hosted.value) is type(in_process.value) and str(hosted.value) == str(in_process.value)
 
 
@@ -200,6 +202,23 @@ def test_a_rotated_callable_token_reaches_the_child(host, ups):
         current["token"] = TOKEN
         support.wait_until(lambda: http.get(base + "/r", timeout=TIMEOUT).status_code == 200,
                            "the rotated token to be used", 10)
+
+
+def test_extra_headers_fixed_and_rotating_reach_the_upstream(host, ups):
+    fixed = host.mount(ups["plain"].url, TOKEN, headers={"X-Custom": "fixed"})
+    current = {"X-Custom": "first"}
+    rotating = host.mount(ups["plain"].url, TOKEN, headers=lambda: current)
+    with requests.Session() as http:
+        assert http.get(fixed + "/r", timeout=TIMEOUT).headers["X-Echo-Custom"] == "fixed"
+        assert http.get(rotating + "/r", timeout=TIMEOUT).headers["X-Echo-Custom"] == "first"
+        current = {"X-Custom": "second"}  # a new mapping, as a sandbox's headers property returns
+        support.wait_until(lambda: http.get(rotating + "/r", timeout=TIMEOUT).headers["X-Echo-Custom"] == "second",
+                           "the rotated header to be sent", 10)
+
+
+def test_a_headers_callable_that_fails_gives_502_headers_unavailable(host, ups):
+    answer = requests.get(host.mount(ups["plain"].url, TOKEN, headers=lambda: 42) + "/r", timeout=TIMEOUT)
+    assert (answer.status_code, answer.headers.get("X-Proxy-Error")) == (502, "headers-unavailable")
 
 
 def test_a_failing_token_callable_gives_502_token_unavailable_and_its_log_line(host, ups, log_guard):
