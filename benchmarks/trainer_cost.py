@@ -74,8 +74,18 @@ def in_process_proxy() -> Iterator[Tuple[Callable[[str, Any], str], List[int]]]:
         yield (lambda upstream, verify: proxy.mount(upstream, BENCH_TOKEN, verify=verify)), []
 
 
+@contextlib.contextmanager
+def process_host() -> Iterator[Tuple[Callable[[str, Any], str], List[int]]]:
+    """The out-of-process host: the proxy in a child process (`AuthProxy.spawn()`, what
+    `HFSandboxProvider(proxy="process")` uses); this process keeps only the handle's control thread."""
+    from proxy import AuthProxy
+
+    with AuthProxy.spawn() as host:
+        yield (lambda upstream, verify: host.mount(upstream, BENCH_TOKEN, verify=verify)), [host.pid]  # type: ignore[list-item]
+
+
 # name -> context manager yielding (mount, pids of the proxy's own processes, if any).
-PROXY_MODES: Dict[str, Callable[[], Any]] = {"in-process": in_process_proxy}
+PROXY_MODES: Dict[str, Callable[[], Any]] = {"in-process": in_process_proxy, "process": process_host}
 
 
 @contextlib.contextmanager

@@ -1,23 +1,26 @@
-"""What the proxy costs the trainer, in-process (`AuthProxy()`) and out of process (`AuthProxy.spawn()`).
+"""Where the proxy's cost to the trainer goes, in-process and with the process host (`AuthProxy.spawn()`):
+CPU or GIL, and what the token design chosen for the host costs.
 
-This process plays the trainer: its main thread runs a pure-Python loop and counts iterations while a
-load generator in another process steps an environment through the proxy, either paced (default
-1,000 HTTP `POST /step` per second over 8 keep-alive connections, a Python generator in a subprocess)
-or at full load (`wrk -t1 -c64`). The environment is uvicorn serving benchmarks/_asgi_upstream.py,
-over plain HTTP and over TLS. Each loaded run reports the loop's speed as a fraction of the idle speed
-measured in the same round (the proxy mounted, nothing sent), so machine noise hits both alike; the
-rounds interleave every mode. Also reported: the requests achieved, the proxy's CPU per request, the
-machine's load average.
+benchmarks/trainer_cost.py gives the issue's grid (paced rates, HTTP and WebSocket, both proxy modes).
+On a shared machine its one figure, the loop's speed per wall second, moves with everybody else's load;
+this script adds what tells the two apart, for paced HTTP steps and for full load (`wrk -t1 -c64`):
 
-The "ask" row measures the design the process host did not take for token callables: the child asking
-the parent for the token on every request (1,000 small JSON round trips per second answered by a
-parent thread), so its cost to the trainer sits beside the chosen push design's.
+- "with a core of its own": the loop's speed per second its thread was not sitting runnable while every
+  CPU was busy (/proc schedstat). That takes out CPU contention (other users, the load generator, the
+  upstream, the proxy's child) and keeps what the GIL costs;
+- "GIL wait": the share of the window the loop's thread was blocked (neither running nor runnable);
+- "ask-parent": the token design the host did not take (the child asking the parent per request),
+  simulated as a parent thread answering that many length-prefixed JSON questions a second.
 
-    python benchmarks/trainer_cost_process.py [--rate 1000] [--seconds 5] [--rounds 3] [--write]
+Each loaded run is paired with an idle run just before it; rounds interleave every mode. The paced
+client and the upstreams (uvicorn, plain and TLS, in their own processes) are trainer_cost.py's.
+
+    python benchmarks/trainer_cost_process.py [--rate 1000] [--seconds 3] [--rounds 5] [--write]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -31,14 +34,11 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-sys.path.insert(0, REPO)
-sys.path.insert(1, os.path.join(REPO, "tests"))  # support.make_test_ca: the tests' throwaway CA
-
+sys.path.insert(0, HERE)
+import trainer_cost as grid  # noqa: E402  (puts the repository and tests/ on sys.path too)
 from _results import replace_marked_section  # noqa: E402
-from proxy import AuthProxy  # noqa: E402
 
-# Paced load: connections the generator spreads the rate over (8 environments stepping at 125/s each).
+# Paced load: keep-alive connections the paced client spreads the rate over.
 PACED_CONNECTIONS = 8
 # Full load: wrk's connections, as in issue 22's figures (wrk -t1 -c64).
 FULL_CONNECTIONS = 64
@@ -47,7 +47,6 @@ WARMUP_S = 1.0
 # The loop's unit of work: enough iterations that reading the clock is a rounding error.
 SPIN_BATCH = 2000
 STEP_BODY = json.dumps({"action": {"message": "hello"}}).encode()
-TOKEN = "trainer-cost-benchmark-token"  # the upstream checks none; never a real credential
 RESULTS = os.path.join(HERE, "RESULTS.md")
 SECTION_START = "<!-- trainer_cost_process:start -->"
 SECTION_END = "<!-- trainer_cost_process:end -->"
@@ -123,41 +122,35 @@ def process_cpu_s(pid: int) -> float:
 
 
 def run_load(url: str, rate: int, seconds: float) -> subprocess.Popen:
-    """Start the load generator (paced Python when rate > 0, else wrk at full load) for `seconds`."""
-    host_port, path = url.split("//", 1)[1].split("/", 1)
-    port = int(host_port.rsplit(":", 1)[1])
+    """Start the load for `seconds`: trainer_cost.py's paced client when rate > 0, else wrk at full load."""
     if rate > 0:
-        cmd = [sys.executable, os.path.abspath(__file__), "--loadgen", str(port), "/" + path + "/step",
-               str(rate), str(seconds)]
-    else:
-        script = os.path.join(tempfile.gettempdir(), "trainer_cost_post.lua")
-        with open(script, "w") as handle:
-            handle.write('wrk.method = "POST"\nwrk.body = %s\nwrk.headers["Content-Type"] = "application/json"\n'
-                         % json.dumps(STEP_BODY.decode()))
-        cmd = ["wrk", "-t1", "-c%d" % FULL_CONNECTIONS, "-d%ds" % max(1, round(seconds)), "-s", script,
-               url + "/step"]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return grid.paced(url, "http", rate, seconds, PACED_CONNECTIONS)
+    script = os.path.join(tempfile.gettempdir(), "trainer_cost_post.lua")
+    with open(script, "w") as handle:
+        handle.write('wrk.method = "POST"\nwrk.body = %s\nwrk.headers["Content-Type"] = "application/json"\n'
+                     % json.dumps(STEP_BODY.decode()))
+    return subprocess.Popen(["wrk", "-t1", "-c%d" % FULL_CONNECTIONS, "-d%ds" % max(1, round(seconds)), "-s", script,
+                             url + "/step"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def load_result(proc: subprocess.Popen, rate: int) -> Dict[str, Any]:
-    out, err = proc.communicate(timeout=120)
+    out, _ = proc.communicate(timeout=120)
     if rate > 0:
-        return json.loads(out.strip().splitlines()[-1])
-    found = {"ok": 0, "errors": 0, "rps": 0.0}
+        answer = json.loads(out.strip().splitlines()[-1])
+        return {"rps": answer["achieved_per_s"], "errors": answer["errors"]}
+    found = {"errors": 0, "rps": 0.0}
     for line in out.splitlines():
         line = line.strip()
         if line.startswith("Requests/sec:"):
             found["rps"] = float(line.split()[1])
         elif line.startswith("Non-2xx") or line.startswith("Socket errors"):
             found["errors"] += sum(int(v) for v in line.replace(",", " ").split() if v.isdigit())
-        elif "requests in" in line:
-            found["ok"] = int(line.split()[0])
     return found
 
 
-def measure(host: Any, url: str, rate: int, seconds: float, ours: List[int]) -> Dict[str, Any]:
+def measure(proxy_pids: List[int], url: str, rate: int, seconds: float, ours: List[int]) -> Dict[str, Any]:
     """One loaded run: the loop's speed while the load runs, what the load achieved, the proxy's CPU."""
-    child_pid = getattr(host, "pid", None)
+    child_pid = proxy_pids[0] if proxy_pids else None
     proc = run_load(url, rate, WARMUP_S + seconds + 0.5)
     time.sleep(WARMUP_S)
     cpu_before = process_cpu_s(child_pid) if child_pid else _process_cpu_but_main()
@@ -198,7 +191,7 @@ def measure_ask_parent(rate: int, seconds: float) -> Dict[str, Any]:
             if len(head) < 4:
                 return
             question = json.loads(parent_end.recv(frame.unpack(head)[0], socket.MSG_WAITALL))
-            reply = json.dumps({"id": question["id"], "token": TOKEN}).encode()
+            reply = json.dumps({"id": question["id"], "token": grid.BENCH_TOKEN}).encode()
             parent_end.sendall(frame.pack(len(reply)) + reply)
             answered[0] += 1
 
@@ -241,109 +234,31 @@ def asker_main(fd: int, rate: int, seconds: float) -> int:
 
 
 # --------------------------------------------------------------------------------------------------
-# The paced load generator (run as a subprocess)
-# --------------------------------------------------------------------------------------------------
-
-
-def loadgen_main(port: int, path: str, rate: int, seconds: float) -> int:
-    """POST `path` at `rate` per second over PACED_CONNECTIONS keep-alive connections for `seconds`;
-    print {"rps", "ok", "errors", "cpu_s"} as JSON."""
-    request = (b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-               b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(STEP_BODY), STEP_BODY))
-    counts = {"ok": 0, "errors": 0}
-    lock = threading.Lock()
-    start = time.monotonic() + 0.05
-    end = start + seconds
-
-    def connection(index: int) -> None:
-        sock = socket.create_connection(("127.0.0.1", port))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        n, ok, errors, buf = 0, 0, 0, b""
-        while True:
-            due = start + (n * PACED_CONNECTIONS + index) / rate
-            if due >= end:
-                break
-            delay = due - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
-            n += 1
-            try:
-                sock.sendall(request)
-                while b"\r\n\r\n" not in buf:
-                    piece = sock.recv(65536)
-                    if not piece:
-                        raise ConnectionError("closed")
-                    buf += piece
-                head, buf = buf.split(b"\r\n\r\n", 1)
-                length = int(head.lower().split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
-                while len(buf) < length:
-                    buf += sock.recv(65536)
-                buf = buf[length:]
-                if head.startswith(b"HTTP/1.1 200"):
-                    ok += 1
-                else:
-                    errors += 1
-            except (OSError, IndexError, ValueError):
-                errors += 1
-                sock.close()
-                sock = socket.create_connection(("127.0.0.1", port))
-                buf = b""
-        sock.close()
-        with lock:
-            counts["ok"] += ok
-            counts["errors"] += errors
-
-    threads = [threading.Thread(target=connection, args=(i,)) for i in range(PACED_CONNECTIONS)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    print(json.dumps({"rps": counts["ok"] / seconds, "ok": counts["ok"], "errors": counts["errors"],
-                      "cpu_s": usage.ru_utime + usage.ru_stime}), flush=True)
-    return 0
-
-
-# --------------------------------------------------------------------------------------------------
 # The run
 # --------------------------------------------------------------------------------------------------
-
-
-def start_upstream(ca: Any, tls: bool) -> Tuple[subprocess.Popen, str]:
-    extra = ["--certfile", ca.cert_path, "--keyfile", ca.key_path] if tls else []
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "_asgi_upstream.py")] + extra,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    info = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
-    return proc, "%s://127.0.0.1:%d" % ("https" if tls else "http", info["port"])
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate", type=int, default=1000, help="paced HTTP steps per second (default 1000)")
-    parser.add_argument("--seconds", type=float, default=5.0, help="loop timing window per run (default 5)")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    parser.add_argument("--seconds", type=float, default=3.0, help="loop timing window per run (default 3)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     parser.add_argument("--no-full", action="store_true", help="skip the full-load (wrk) runs")
     parser.add_argument("--no-tls", action="store_true", help="skip the TLS upstream")
     parser.add_argument("--write", action="store_true", help="write the table into benchmarks/RESULTS.md")
     args = parser.parse_args(argv)
-    import support
-
-    workdir = tempfile.mkdtemp(prefix="trainer-cost-")
-    ca = support.make_test_ca(workdir)
-    upstreams = {"plain": start_upstream(ca, False)}
-    if not args.no_tls:
-        upstreams["tls"] = start_upstream(ca, True)
+    kinds = ["plain"] + ([] if args.no_tls else ["tls"])
     loads = [args.rate] + ([] if args.no_full else [0])
-    hosts = {"in-process": AuthProxy().start(), "process": AuthProxy.spawn()}
-    urls = {(mode, kind): host.mount(up_url, TOKEN, verify=ca.ca_path if kind == "tls" else True)
-            for mode, host in hosts.items() for kind, (_, up_url) in upstreams.items()}
-    ours = [proc.pid for proc, _ in upstreams.values()] + [hosts["process"].pid]  # type: ignore[attr-defined]
     rows: Dict[Tuple[str, str, int], List[Dict[str, Any]]] = {}
     idle: List[Dict[str, float]] = []
-    try:
+    with contextlib.ExitStack() as stack:
+        ups = stack.enter_context(grid.upstreams(tempfile.mkdtemp(prefix="trainer-cost-"), kinds))
+        modes = {name: stack.enter_context(grid.PROXY_MODES[name]()) for name in ("in-process", "process")}
+        urls = {(mode, kind): mount(*ups[kind]) for mode, (mount, _) in modes.items() for kind in kinds}
+        ours = _child_pids()  # the upstreams and the proxy's child: not "others"
         for round_no in range(args.rounds):
             print("round %d" % (round_no + 1), flush=True)
-            cases = [(mode, kind, rate) for rate in loads for kind in upstreams for mode in hosts]
+            cases = [(mode, kind, rate) for rate in loads for kind in kinds for mode in modes]
             cases.append(("ask-parent", "-", args.rate))
             for mode, kind, rate in cases:
                 paired_idle = spin(args.seconds)  # just before: the machine's other load drifts
@@ -351,7 +266,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 if mode == "ask-parent":
                     result = measure_ask_parent(rate, args.seconds)
                 else:
-                    result = measure(hosts[mode], urls[mode, kind], rate, args.seconds, ours)
+                    result = measure(modes[mode][1], urls[mode, kind], rate, args.seconds, ours)
                 result["fraction"] = result["loop"]["wall"] / paired_idle["wall"]
                 result["own_core"] = result["loop"]["own_core"] / paired_idle["own_core"]
                 result["gil_wait"] = result["loop"]["gil_wait"]
@@ -362,18 +277,25 @@ def main(argv: Optional[List[str]] = None) -> int:
                          100 * result["gil_wait"], result["rps"], result["errors"], result["others"],
                          ", answer p50 %(p50).2f ms p99 %(p99).2f ms" % result["ask_ms"] if "ask_ms" in result else ""),
                       flush=True)
-    finally:
-        for host in hosts.values():
-            host.stop()
-        for proc, _ in upstreams.values():
-            proc.stdin.close()  # type: ignore[union-attr]
-            proc.terminate()
-            proc.wait(10)
     table = render(rows, idle, args)
     print(table)
     if args.write:
         replace_marked_section(RESULTS, SECTION_START, SECTION_END, table)
     return 0
+
+
+def _child_pids() -> List[int]:
+    """This process's child processes (the upstreams, the proxy's host), from /proc."""
+    me, found = os.getpid(), []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open("/proc/%s/stat" % name) as handle:
+                    if int(handle.read().rsplit(")", 1)[1].split()[1]) == me:
+                        found.append(int(name))
+            except (OSError, ValueError, IndexError):
+                pass
+    return found
 
 
 def render(rows: Dict[Tuple[str, str, int], List[Dict[str, Any]]], idle: List[Dict[str, float]],
@@ -389,8 +311,8 @@ def render(rows: Dict[Tuple[str, str, int], List[Dict[str, Any]]], idle: List[Di
              "core of its own\", per second the main thread was not sitting runnable while every CPU was busy "
              "(schedstat), which takes out the other users of this shared machine, the load generator and the "
              "upstream, and keeps what the GIL costs; \"GIL wait\": share of the window the main thread was "
-             "blocked. \"others\": CPU used meanwhile by processes not this benchmark's, in cores. Paced: %d keep-alive connections from a "
-             "Python generator; full: `wrk -t1 -c%d`. Upstream: uvicorn (benchmarks/_asgi_upstream.py)."
+             "blocked. \"others\": CPU used meanwhile by processes not this benchmark's, in cores. Paced: %d "
+             "keep-alive connections from trainer_cost.py's client (benchmarks/_paced.py); full: `wrk -t1 -c%d`. Upstream: uvicorn (benchmarks/_asgi_upstream.py)."
              % (args.rate, args.seconds, args.rounds, os.cpu_count() or 0, time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 args.rounds, median([i["wall"] for i in idle]), PACED_CONNECTIONS, FULL_CONNECTIONS), "",
              "| proxy | upstream | load | trainer loop vs idle | with a core of its own | GIL wait | req/s achieved "
@@ -417,8 +339,6 @@ def render(rows: Dict[Tuple[str, str, int], List[Dict[str, Any]]], idle: List[Di
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--loadgen"]:
-        sys.exit(loadgen_main(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), float(sys.argv[5])))
     if sys.argv[1:2] == ["--asker"]:
         sys.exit(asker_main(int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])))
     sys.exit(main())

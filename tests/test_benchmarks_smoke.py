@@ -216,14 +216,14 @@ def test_trainer_cost_runs_every_cell_through_the_proxy_and_writes_only_its_sect
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(raw.read_text())["rows"]
     assert sorted((r["mode"], r["upstream"], r["kind"]) for r in rows) == [
-        ("in-process", up, kind) for up in ("plain", "tls") for kind in ("http", "ws")]
+        (mode, up, kind) for mode in ("in-process", "process") for up in ("plain", "tls") for kind in ("http", "ws")]
     for row in rows:
         # every step went through the proxy and came back answered: ~40/s for 0.5 s, none failed
         assert row["errors"] == 0 and row["steps"] >= 5, row
         assert row["fraction_of_idle"] > 0 and row["idle_per_s"] > 0
     text = results.read_text()
     assert OTHER_SECTION.strip() in text and text.count("<!-- trainer_cost:start -->") == 1
-    assert "| in-process | tls | ws | 40/s |" in text
+    assert "| in-process | tls | ws | 40/s |" in text and "| process | tls | ws | 40/s |" in text
 
 
 def test_trainer_cost_refuses_an_unknown_proxy_mode_naming_the_known_ones():
