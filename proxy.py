@@ -699,14 +699,20 @@ class AuthProxy:
         self._stopping = False
 
     @classmethod
-    def spawn(cls, host: str = "127.0.0.1", port: int = 0, **timeouts: float) -> "AuthProxyProcess":
+    def spawn(cls, host: str = "127.0.0.1", port: int = 0, *, processes: int = 1,
+              **timeouts: float) -> "AuthProxyProcess":
         """Serve an AuthProxy from a child process (same arguments as the constructor) and return its
         started handle, an `AuthProxyProcess` with the routes API; the relaying then costs this process's
-        GIL nothing. Tokens reach the child over a private channel only; the child ends with this process."""
+        GIL nothing. Tokens reach the child over a private channel only; the child ends with this process.
+        `processes=N` (Linux) starts N children sharing one port (SO_REUSEPORT), every route mounted in
+        each, so the kernel spreads connections, and the relaying, over N cores."""
         if cls is not AuthProxy:
             raise TypeError("spawn() hosts a plain AuthProxy: a subclass's overrides cannot cross into the child "
                             "process; start %s in-process instead" % cls.__name__)
-        return AuthProxyProcess(host, port, **timeouts).start()
+        _raise_if_rejected(_processes_rejection(processes))
+        if processes == 1:
+            return AuthProxyProcess(host, port, **timeouts).start()
+        return _ProxyProcessGroup(host, port, processes, timeouts).start()  # type: ignore[return-value]
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -3027,6 +3033,7 @@ class AuthProxyProcess:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, **timeouts: float) -> None:
         AuthProxy(host, port, **timeouts)  # the same checks and messages as in-process (binds nothing)
+        self._reuse_port = False  # set by a process group: bind with SO_REUSEPORT
         self.host = host
         self._requested_port = port
         self._timeouts = timeouts
@@ -3069,7 +3076,7 @@ class AuthProxyProcess:
         _live_hosts.add(self)
         try:
             answer = self._call("start", timeout=HOST_START_S, host=self.host, port=self._requested_port,
-                                timeouts=self._timeouts)
+                                timeouts=self._timeouts, reuse_port=self._reuse_port)
         except BaseException:
             self.stop()
             raise
@@ -3320,6 +3327,107 @@ class AuthProxyProcess:
                 pass
 
 
+class _ProxyProcessGroup:
+    """`AuthProxy.spawn(processes=N)`: N proxy host children sharing one port (SO_REUSEPORT), each route
+    mounted in every one under the same route id, so whichever child the kernel hands a connection to
+    serves it. Same API as `AuthProxyProcess` except replica routes: each child would balance its own
+    sessions, so `mount_replicas` is refused (use processes=1)."""
+
+    def __init__(self, host: str, port: int, processes: int, timeouts: Dict[str, float]) -> None:
+        self.host = host
+        self.members = [AuthProxyProcess(host, port, **timeouts) for _ in range(processes)]
+        for member in self.members:
+            member._reuse_port = True
+
+    def start(self) -> "_ProxyProcessGroup":
+        try:
+            first = self.members[0].start()
+            for member in self.members[1:]:
+                member._requested_port = first.port
+                member.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Stop every child (never raises; each logs what it could not clean up)."""
+        for member in self.members:
+            member.stop()
+
+    def __enter__(self) -> "_ProxyProcessGroup":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return "AuthProxyProcess(%s, pids %s, %s)" % (self.url, self.pids, "serving" if self.running else "not serving")
+
+    port = property(lambda self: self.members[0].port, doc="The shared port.")
+    url = property(lambda self: self.members[0].url, doc="The listener's root URL.")
+    pid = property(lambda self: self.members[0].pid, doc="The first child's process id.")
+    pids = property(lambda self: [m.pid for m in self.members], doc="Every child's process id.")
+    running = property(lambda self: all(m.running for m in self.members), doc="True while every child serves.")
+
+    def mount(self, upstream: str, token: Token, *, verify: Verify = True, headers: ExtraHeaders = None) -> str:
+        """As `AuthProxy.mount`, in every child; undone in all if one refuses."""
+        base_url = self.members[0].mount(upstream, token, verify=verify, headers=headers)
+        try:
+            for member in self.members[1:]:
+                member._mount("mount", token, headers, upstream=upstream, verify=_portable_verify(verify),
+                              route_id=_route_id(base_url))
+        except BaseException:
+            self.unmount(base_url)
+            raise
+        return base_url
+
+    def unmount(self, base_url: str) -> bool:
+        """As `AuthProxy.unmount`, in every child (one that has died is skipped)."""
+        removed = False
+        for member in self.members:
+            try:
+                removed = member.unmount(base_url) or removed
+            except RuntimeError:
+                pass
+        return removed
+
+    def mount_replicas(self, *args: object, **kwargs: object) -> str:
+        raise RuntimeError(_GROUP_REPLICAS_REFUSAL)
+
+    add_replica = remove_replica = replica_status = mount_replicas
+
+
+# Why a process group has no replica routes.
+_GROUP_REPLICAS_REFUSAL = ("replica routes need one proxy process: each child would balance its own sessions; "
+                           "spawn with processes=1 for mount_replicas()")
+
+
+def _processes_rejection(processes: object) -> Optional[str]:
+    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+        return "processes must be a whole number of child processes, 1 or more, got %r" % (processes,)
+    if processes > 1 and not hasattr(socket, "SO_REUSEPORT"):
+        return "processes > 1 needs SO_REUSEPORT (Linux, BSD, macOS); this platform has none: use processes=1"
+    return None
+
+
+class _ReusePortServer(_Server):
+    """The child's listener when it shares its port with sibling children (`spawn(processes=N)`)."""
+
+    def server_bind(self) -> None:
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        super().server_bind()
+
+
+def _rekey_route(proxy: AuthProxy, route_id: str, wanted: str) -> str:
+    """Serve the route just mounted at `route_id` under `wanted` instead (a group's shared id)."""
+    with proxy._lock:
+        if wanted in proxy._routes:
+            raise ValueError("route id already mounted")
+        proxy._routes[wanted] = proxy._routes.pop(route_id)
+    return "%s/%s" % (proxy.url, wanted)
+
+
 class _PendingAnswer:
     __slots__ = ("done", "result", "error")
 
@@ -3561,6 +3669,9 @@ class _ProxyHost:
         if op == "start":
             if self.proxy is not None:
                 raise RuntimeError("the proxy host is already serving")
+            if message.get("reuse_port"):
+                # This process serves nothing but this proxy: its listener may share the port.
+                globals()["_Server"] = _ReusePortServer
             self.proxy = AuthProxy(str(message["host"]), int(message["port"]),  # type: ignore[call-overload]
                                    **dict(message.get("timeouts") or {})).start()  # type: ignore[arg-type]
             return {"port": self.proxy.port, "pid": os.getpid()}
@@ -3581,6 +3692,8 @@ class _ProxyHost:
             else:
                 base_url = proxy.mount_replicas(message["upstreams"], token, verify=message["verify"],  # type: ignore[arg-type]
                                                 http=str(message.get("http")))
+            if message.get("route_id"):  # a process group: every child serves the route at the first one's id
+                base_url = _rekey_route(proxy, _route_id(base_url), str(message["route_id"]))
             if pushed:
                 self.pushed[_route_id(base_url)] = pushed
             return base_url

@@ -344,6 +344,48 @@ def test_spawn_is_refused_on_a_subclass():
         Gate.spawn()
 
 
+# -- several children on one port (SO_REUSEPORT) -------------------------------------------------------------
+
+
+def _sockets(pid: int) -> int:
+    count = 0
+    for fd in os.listdir("/proc/%d/fd" % pid):
+        try:
+            count += os.readlink("/proc/%d/fd/%s" % (pid, fd)).startswith("socket:")
+        except OSError:
+            pass
+    return count
+
+
+def test_two_children_share_one_port_and_each_serves_every_route(ups):
+    with AuthProxy.spawn(processes=2) as group:
+        pids = group.pids
+        assert len(set(pids)) == 2 and group.running
+        base = group.mount(ups["plain"].url, TOKEN, headers={"X-Custom": "both"})
+        before = {pid: _sockets(pid) for pid in pids}
+        sessions = [requests.Session() for _ in range(16)]  # 16 connections held open: the kernel spreads them
+        try:
+            answers = {(r.status_code, r.headers["X-Echo-Custom"])
+                       for r in (s.get(base + "/r", timeout=TIMEOUT) for s in sessions)}
+            held = {pid: _sockets(pid) for pid in pids}
+        finally:
+            for session in sessions:
+                session.close()
+        assert answers == {(200, "both")}  # every child had the route, under the same id
+        assert all(held[pid] > before[pid] for pid in pids), (before, held)  # both children took connections
+        with pytest.raises(RuntimeError, match="replica routes need one proxy process"):
+            group.mount_replicas([ups["plain"].url], TOKEN)
+        assert group.unmount(base) is True
+        assert requests.get(base + "/r", timeout=TIMEOUT).status_code == 404
+    assert not group.running
+    support.wait_until(lambda: all(_gone(pid) for pid in pids), "both children to exit", 10)
+
+
+def test_spawn_refuses_a_bad_process_count():
+    with pytest.raises(ValueError, match="processes must be a whole number"):
+        AuthProxy.spawn(processes=0)
+
+
 # -- the provider ------------------------------------------------------------------------------------------------
 
 
