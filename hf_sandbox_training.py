@@ -432,9 +432,9 @@ class Sandbox:
         if shared is not None and (not isinstance(shared, str) or not shared):
             raise SandboxConfigError("shared=%r must be a non-empty name (environments with the same name "
                                      "share one group of jobs)" % (shared,))
-        if "proxy" in provider_kwargs:
+        if "proxy" in provider_kwargs and not isinstance(provider_kwargs["proxy"], str):  # "process" travels
             raise SandboxConfigError("Sandbox uses the process-wide proxy (a proxy object cannot travel with a "
-                                     "pickled environment); leave out proxy=")
+                                     "pickled environment); leave out proxy=, or pass proxy=\"process\"")
         # Bad settings and a missing token fail here, in the caller's thread, before any thread or job.
         HFSandboxProvider(image, **provider_kwargs)._resolve_token()
         self.image = image

@@ -437,6 +437,21 @@ def test_provider_replaces_a_shared_process_host_that_died(emu, fresh_process_pr
         provider.stop_container()
 
 
+def test_a_sandbox_with_proxy_process_opens_its_session_through_the_shared_child(emu, fresh_process_proxy):
+    from hf_sandbox_provider import Sandbox, stop_sandboxes
+
+    box = Sandbox(IMAGE, proxy="process", endpoint=emu.endpoint, token=emu.token, command=echo_server_command(),
+                  poll_interval_s=0.05)
+    try:
+        with box.session() as env:
+            env.reset()
+            assert env.step({"message": "slot"})["observation"]["echoed_message"] == "slot"
+        host = hsp._shared_process_proxy
+        assert host is not None and host.running and box.provider.base_url.startswith(host.url + "/")
+    finally:
+        stop_sandboxes()
+
+
 def test_provider_proxy_setting_is_checked_and_survives_pickling():
     with pytest.raises(hsp.SandboxConfigError, match="proxy must be None"):
         hsp.HFSandboxProvider(IMAGE, proxy="processes")
