@@ -336,6 +336,21 @@ def test_stop_leaves_no_process_thread_or_socket(no_leaks, ups):
         host.mount(ups["plain"].url, TOKEN)
 
 
+def test_a_copy_vendored_inside_a_package_spawns_its_own_file(tmp_path, ups):
+    package = tmp_path / "vendored_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "proxy.py").write_bytes(open(proxy_module.__file__, "rb").read())
+    script = ("import sys, requests\nfrom vendored_pkg.proxy import AuthProxy\n"
+              "with AuthProxy.spawn() as host:\n"
+              "    print(requests.get(host.mount(sys.argv[1], sys.argv[2]) + '/r', timeout=30).status_code,\n"
+              "          open('/proc/%d/cmdline' % host.pid).read().split(chr(0))[2])\n")
+    out = subprocess.run([sys.executable, "-c", script, ups["plain"].url, TOKEN], cwd=str(tmp_path),
+                         capture_output=True, text=True, timeout=TIMEOUT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["200", str(package / "proxy.py")]
+
+
 def test_spawn_is_refused_on_a_subclass():
     class Gate(AuthProxy):
         pass
