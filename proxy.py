@@ -3511,6 +3511,9 @@ def _host_environment() -> Dict[str, str]:
 
 def _spawn_host_child(child_end: socket.socket) -> "subprocess.Popen[bytes]":
     script = os.path.abspath(__file__)
+    if os.name != "posix" or not sys.executable:
+        raise RuntimeError("AuthProxy.spawn() needs a POSIX system and sys.executable (it hands the child a "
+                           "socket by file descriptor); use the in-process AuthProxy here")
     if not script.endswith(".py") or not os.path.exists(script):
         raise RuntimeError("AuthProxy.spawn() runs this module's source file as the child, but %s is not a .py "
                            "file; use the in-process AuthProxy" % script)
