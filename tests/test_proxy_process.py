@@ -351,6 +351,35 @@ def test_a_copy_vendored_inside_a_package_spawns_its_own_file(tmp_path, ups):
     assert out.stdout.split() == ["200", str(package / "proxy.py")]
 
 
+def test_a_forked_copy_of_the_trainer_closes_its_copy_of_the_channel_and_refuses_to_use_it(host, ups):
+    base = host.mount(ups["plain"].url, TOKEN)
+    channel_fd = host._sock.fileno()
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the forked copy (e.g. a DataLoader worker): report, then leave without cleanup
+        try:
+            os.close(read_end)
+            try:
+                os.fstat(channel_fd)
+                closed = False
+            except OSError:
+                closed = True
+            try:
+                host.mount(ups["plain"].url, TOKEN)
+                refused = ""
+            except RuntimeError as exc:
+                refused = str(exc)
+            os.write(write_end, json.dumps([closed, host.running, refused]).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as report:
+        closed, running, refused = json.loads(report.read())
+    os.waitpid(pid, 0)
+    assert closed and not running and "belongs to the process that spawned it" in refused
+    assert requests.get(base + "/r", timeout=TIMEOUT).status_code == 200  # the parent's host is untouched
+
+
 def test_spawn_is_refused_on_a_subclass():
     class Gate(AuthProxy):
         pass
