@@ -135,6 +135,12 @@ LIST_MAX_PAGES = 50
 PROVIDER_LABEL_KEY = "hf-sandbox-provider"
 PROVIDER_LABEL_VALUE = "1"
 START_LABEL_KEY = "hf-sandbox-start"
+# The Hub's rule for job labels (huggingface_hub's update_job_labels): keys and values at most this many
+# characters of letters, digits, '-' and '_'. Checked before any call, so a bad label never costs a create.
+LABEL_MAX_CHARS = 100
+# Labels with this key prefix configure faults of the local emulator (hf_jobs_emulator.FAULT_LABEL_PREFIX);
+# their values (messages, seconds) are not label-shaped, and only the emulator reads them.
+EMULATOR_FAULT_LABEL_PREFIX = "emulator-"
 # Every job this process creates carries `hf-sandbox-process=<uuid of this process>`, so the watcher
 # can refresh all of them with one filtered `list` call.
 PROCESS_LABEL_KEY = "hf-sandbox-process"
@@ -1293,6 +1299,8 @@ _IMAGE_REFERENCE = re.compile(
 _JOB_HOST = re.compile(r"^[^.]+--[0-9]+\.")  # an exposed-port host: `<job_id>--<port>.<domain>`
 _NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _SPACE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_LABEL_KEY = re.compile(r"^[A-Za-z0-9_-]{1,%d}$" % LABEL_MAX_CHARS)
+_LABEL_VALUE = re.compile(r"^[A-Za-z0-9_-]{0,%d}$" % LABEL_MAX_CHARS)
 _DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([smhd]?)\s*$")
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -1405,6 +1413,19 @@ def _command_rejection(command: Any) -> Optional[str]:
     return "command must be None (OpenEnv's default server command), a string, or a non-empty list of strings"
 
 
+def _label_rule_rejection(labels: Any) -> Optional[str]:
+    """Why a label breaks the Hub's rule (refused at create time, after the call), or None. The local
+    emulator's fault labels (`emulator-<fault>`) are its own extension: their values are passed as they are."""
+    for key, value in (labels or {}).items():
+        if not _LABEL_KEY.match(str(key)):
+            return ("label key %r must be 1 to %d characters of letters, digits, '-' and '_' (the Hub's rule "
+                    "for job labels)" % (key, LABEL_MAX_CHARS))
+        if not str(key).startswith(EMULATOR_FAULT_LABEL_PREFIX) and not _LABEL_VALUE.match(str(value)):
+            return ("label %s=%r: the value must be at most %d characters of letters, digits, '-' and '_' "
+                    "(the Hub's rule for job labels)" % (key, str(value), LABEL_MAX_CHARS))
+    return None
+
+
 def _reserved_labels_rejection(labels: Any) -> Optional[str]:
     reserved = {PROVIDER_LABEL_KEY, START_LABEL_KEY, PROCESS_LABEL_KEY} & set(labels or {})
     return "labels %s are reserved for this library's own bookkeeping" % sorted(reserved) if reserved else None
@@ -1425,6 +1446,7 @@ _SETTING_CHECKS: Tuple[Tuple[str, Callable[[Any], Optional[str]]], ...] = (
     ("job_timeout", lambda value: None if _parse_duration(value) is not None else (
         "job_timeout=%r must be a positive duration: seconds (3600) or a string like '30m', '2h', '1d'" % (value,))),
     ("labels", _reserved_labels_rejection),
+    ("labels", _label_rule_rejection),
     ("namespace", lambda value: None if value is None or (isinstance(value, str) and _NAMESPACE.match(value)) else (
         "namespace %r must be a user or organisation name" % (value,))),
     ("verify", lambda value: None if isinstance(value, (bool, str)) else (

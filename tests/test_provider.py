@@ -229,12 +229,23 @@ def test_token_is_discovered_from_hf_token_env(api, proxy, no_token_anywhere, mo
     (dict(labels={"hf-sandbox-start": "x"}), "reserved"),
     (dict(labels={"hf-sandbox-process": "x"}), "reserved"),
     (dict(command=[]), "command"),
+    (dict(labels={"run id": "1"}), "label key 'run id' must be 1 to 100 characters of letters, digits"),
+    (dict(labels={"k" * 101: "1"}), "label key 'k{101}' must be 1 to 100"),
+    (dict(labels={"model": "Qwen/Qwen3-0.6B"}), r"label model='Qwen/Qwen3-0.6B': the value must be at most 100"),
+    (dict(labels={"step": "v" * 101}), "label step='v{101}'"),
 ])
 def test_bad_start_arguments_fail_before_any_network_call(api, proxy, kwargs, message):
     provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy)
     with pytest.raises(hsp.SandboxConfigError, match=message):
         provider.start_container(**kwargs)
     assert len(api.calls) == 0
+
+
+def test_labels_within_the_hubs_rule_and_this_librarys_own_labels_pass():
+    settings = hsp.HFSandboxProvider(IMAGE, labels={"run-id": "a" * 100, "b_2": "", "n": 7})._settings({})
+    body = hsp._job_body(settings, uuid.uuid4().hex)
+    assert hsp._label_rule_rejection(body["labels"]) is None  # the reserved ones comply too
+    assert set(body["labels"]) >= {hsp.PROVIDER_LABEL_KEY, hsp.START_LABEL_KEY, hsp.PROCESS_LABEL_KEY}
 
 
 def test_bad_constructor_arguments_are_refused_at_construction():
