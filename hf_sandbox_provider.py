@@ -371,7 +371,8 @@ class HFSandboxProvider:
     # or sockets. A subclass with settings of its own adds their names (like requests' Session.__attrs__).
     _pickled_settings: Tuple[str, ...] = (
         "image", "command", "port", "flavor", "namespace", "endpoint", "env_vars", "secrets", "labels",
-        "job_timeout", "start_timeout_s", "ready_timeout_s", "poll_interval_s", "verify", "replicas", "_token")
+        "job_timeout", "start_timeout_s", "ready_timeout_s", "poll_interval_s", "verify", "replicas", "_token",
+        "warn_env_credentials")
 
     def __init__(self, image: Optional[str] = None, *, command: Union[None, str, Sequence[str]] = None,
                  port: int = DEFAULT_PORT, flavor: str = DEFAULT_FLAVOR, namespace: Optional[str] = None,
@@ -381,7 +382,8 @@ class HFSandboxProvider:
                  job_timeout: Union[int, float, str] = DEFAULT_JOB_TIMEOUT_S,
                  start_timeout_s: float = DEFAULT_START_TIMEOUT_S, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
                  poll_interval_s: float = DEFAULT_POLL_INTERVAL_S, verify: Union[bool, str] = True,
-                 proxy: Optional["_proxy.AuthProxy"] = None, replicas: int = 1) -> None:
+                 proxy: Optional["_proxy.AuthProxy"] = None, replicas: int = 1,
+                 warn_env_credentials: bool = True) -> None:
         self.image = image
         self.command = command
         self.port = port
@@ -397,10 +399,13 @@ class HFSandboxProvider:
         self.poll_interval_s = poll_interval_s
         self.verify = verify
         self.replicas = replicas
+        self.warn_env_credentials = warn_env_credentials
         self._token = token
         self._proxy = proxy
         # Fail at construction on what can be checked without a token or the network.
         _raise_if_rejected(_settings_rejection(self._settings({}), image_required=False))
+        if warn_env_credentials:
+            _warn_credential_env_vars(self.env_vars)
         self._init_runtime_state()
         self._reset_job_state()
 
@@ -425,6 +430,8 @@ class HFSandboxProvider:
             overrides["env_vars"] = {**self.env_vars, **dict(env_vars)}
         settings = self._settings(overrides)
         _raise_if_rejected(_settings_rejection(settings, image_required=True))
+        if env_vars and getattr(self, "warn_env_credentials", True):
+            _warn_credential_env_vars(env_vars)
         token = self._resolve_token()
         self._claim_start()
         started = False
@@ -1301,6 +1308,8 @@ _NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _SPACE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _LABEL_KEY = re.compile(r"^[A-Za-z0-9_-]{1,%d}$" % LABEL_MAX_CHARS)
 _LABEL_VALUE = re.compile(r"^[A-Za-z0-9_-]{0,%d}$" % LABEL_MAX_CHARS)
+# What the parts of a credential's variable name end with (HF_TOKEN, AWS_SECRET_ACCESS_KEY, DB_PASSWORD).
+_CREDENTIAL_NAME_ENDINGS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIALS", "APIKEY")
 _DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([smhd]?)\s*$")
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -1402,6 +1411,34 @@ def _mapping_rejection(name: str, value: Any, check_names: bool) -> Optional[str
         if not isinstance(item, (str, int, float)) or isinstance(item, bool):
             return "%s[%r] must be a string or number, not %s" % (name, key, type(item).__name__)
     return None
+
+
+def _credential_env_names(env_vars: Mapping[str, Any]) -> List[str]:
+    """The names in `env_vars` that look like credentials: a `_`-separated part ending in TOKEN, SECRET,
+    PASSWORD..., or a last part KEY (OPENAI_API_KEY). TOKENIZERS_PARALLELISM and MAX_TOKENS are not."""
+    found = []
+    for name in env_vars:
+        parts = str(name).upper().split("_")
+        if any(part.endswith(_CREDENTIAL_NAME_ENDINGS) for part in parts) or parts[-1] in ("KEY", "APIKEY"):
+            found.append(str(name))
+    return found
+
+
+def _warn_credential_env_vars(env_vars: Mapping[str, Any]) -> None:
+    """One WARNING per credential-like variable name and process: a job's environment is shown to everyone
+    who can read the namespace's jobs, its secrets are not."""
+    with _credential_warnings_lock:
+        names = [name for name in _credential_env_names(env_vars) if name not in _credential_warnings]
+        _credential_warnings.update(names)
+    for name in names:
+        logger.warning("env_vars[%r] looks like a credential: job environment variables are visible to anyone who "
+                       "can read the namespace's jobs; pass it as secrets={%r: ...} instead (or "
+                       "warn_env_credentials=False if it is not secret)", name, name)
+
+
+# Variable names already warned about (once per process, however many providers carry them).
+_credential_warnings: "set[str]" = set()
+_credential_warnings_lock = threading.Lock()
 
 
 def _command_rejection(command: Any) -> Optional[str]:
