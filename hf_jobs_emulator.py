@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import random
+import re
 import secrets
 import select
 import selectors
@@ -125,7 +126,7 @@ DEFAULT_SERVER_ERROR_STATUS = 503
 LINK_POLL_S = 0.5
 LINK_CHUNK = 16 * 1024
 # Route names: keys of `api_calls` and the `routes` of `inject_rate_limit`.
-API_ROUTES = ("whoami", "create", "list", "inspect", "cancel", "logs", "unknown")
+API_ROUTES = ("whoami", "create", "list", "inspect", "cancel", "logs", "hardware", "unknown")
 # Seconds a client is told to wait in `Retry-After` when a 429 is injected without an explicit value.
 DEFAULT_RETRY_AFTER_S = 1
 # Hardware flavors and job stages: the same facts the provider relies on (one copy, in proxy.py).
@@ -228,6 +229,7 @@ class JobsEmulator:
         zygote: bool = True,
         network_faults: bool = False,
         tls: bool = False,
+        flavors: Optional[Iterable[str]] = None,
     ) -> None:
         reason = (_host_rejection(host) or _namespace_rejection(namespace)
                   or _delay_rejection("scheduling_delay_s", scheduling_delay_s)
@@ -245,6 +247,8 @@ class JobsEmulator:
         self.default_faults = {k: str(v) for k, v in (faults or {}).items()}
         self.default_command = list(default_command) if default_command else echo_server_command()
         self.image_commands = {k: list(v) for k, v in (image_commands or {}).items()}
+        # The flavors `GET /api/jobs/hardware` lists and creates accept (default: the Hub's, FLAVORS).
+        self.flavors = tuple(sorted(flavors)) if flavors is not None else FLAVORS
         self._users: Dict[str, str] = {self.token: namespace}  # token -> user name
         for extra_token, user in (extra_tokens or {}).items():
             reason = _namespace_rejection(user)
@@ -559,7 +563,7 @@ class JobsEmulator:
 
     def _create(self, user: str, namespace: str, body: Any) -> Tuple[EmulatedJob, bool]:
         """Validate and register a job, start its supervisor; returns (job, lose_the_answer)."""
-        reason = _create_body_rejection(body)
+        reason = _create_body_rejection(body, self.flavors)
         if reason:
             raise _ApiError(400, reason)
         labels = dict(body.get("labels") or {})
@@ -1055,7 +1059,7 @@ def _str_map_rejection(body: Mapping[str, Any], field: str) -> Optional[str]:
     return None
 
 
-def _create_body_rejection(body: Any) -> Optional[str]:
+def _create_body_rejection(body: Any, flavors: Sequence[str] = FLAVORS) -> Optional[str]:
     """Why a create body is refused (naming the field), or None."""
     if not isinstance(body, dict):
         return "the request body must be a JSON object describing the job"
@@ -1074,8 +1078,8 @@ def _create_body_rejection(body: Any) -> Optional[str]:
         if reason:
             return reason
     flavor = body.get("flavor")
-    if flavor is not None and flavor not in FLAVORS:
-        return f"field 'flavor': unknown flavor {flavor!r}; use one of {', '.join(FLAVORS)}"
+    if flavor is not None and flavor not in flavors:
+        return f"field 'flavor': unknown flavor {flavor!r}; use one of {', '.join(flavors)}"
     timeout = body.get("timeoutSeconds")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int) or timeout <= 0):
         return f"field 'timeoutSeconds' must be a whole number of seconds > 0, got {timeout!r}"
@@ -1156,6 +1160,25 @@ def _job_info(job: EmulatedJob, state: _JobState) -> Dict[str, Any]:
 # ==================================================================================================
 # Machinery: small helpers
 # ==================================================================================================
+
+
+def _hardware_list(flavors: Sequence[str] = FLAVORS) -> List[Dict[str, Any]]:
+    """`GET /api/jobs/hardware` in the shape huggingface_hub's JobHardwareInfo reads. Only the names are the
+    Hub's (FLAVORS); the specs and prices are placeholders (docs/emulator.md)."""
+    entries = []
+    for name in flavors:
+        shape = re.match(r"^(?P<model>.+?)(?:-(?:small|medium|large))?(?:x(?P<count>[0-9]+))?$", name)
+        gpu = None if name.startswith("cpu") or shape is None else shape.group("model").upper()
+        count = (shape.group("count") if shape is not None else None) or "1"
+        entries.append({
+            "name": name, "prettyName": name.replace("-", " ").title(), "cpu": "emulated", "ram": "emulated",
+            "ephemeralStorage": "emulated",
+            "accelerator": None if gpu is None else {
+                "type": "gpu", "model": gpu, "quantity": count,
+                "vram": "emulated", "manufacturer": "Nvidia"},
+            "unitCostMicroUSD": 0, "unitCostUSD": 0.0, "unitLabel": "minute",
+        })
+    return entries
 
 
 def _generate_token() -> str:
@@ -2239,6 +2262,8 @@ class _ApiHandler(_QuietHandler):
             raise _ApiError(server_error, "Internal error (injected by the emulator); retry later")
         if route == "whoami":
             self._ok(emu._whoami(user))
+        elif route == "hardware":
+            self._ok(_hardware_list(emu.flavors))
         elif route == "create":
             self._create(user, namespace, body)
         elif route == "list":
@@ -2316,6 +2341,8 @@ def _match_api_route(method: str, path: str) -> Tuple[str, Dict[str, str]]:
     routes: List[Tuple[str, str, Dict[str, str]]] = []  # (method, route, params) this path can take
     if parts == ["api", "whoami-v2"]:
         routes = [("GET", "whoami", {})]
+    elif parts == ["api", "jobs", "hardware"]:  # the hardware list, not a namespace called "hardware"
+        routes = [("GET", "hardware", {})]
     elif len(parts) == 3 and parts[:2] == ["api", "jobs"]:
         routes = [("GET", "list", {"namespace": parts[2]}), ("POST", "create", {"namespace": parts[2]})]
     elif len(parts) == 4 and parts[:2] == ["api", "jobs"]:

@@ -177,9 +177,12 @@ DEFAULT_COMMAND_TEMPLATE = (
     "-c",
     "cd /app/env && exec uvicorn server.app:app --host 0.0.0.0 --port {port}",
 )
-# The flavors HF Jobs accepts (one list shared with the emulator, in proxy.py); `_known_flavors()` adds
-# whatever the installed huggingface_hub knows, so a flavor newer than this list works after upgrading it.
+# The Jobs flavors (a static copy of huggingface_hub's JobHardware, shared with the emulator, in proxy.py). The
+# authority is the Hub: `_known_flavors()` takes the installed huggingface_hub's JobHardware where there is one,
+# and the live `GET /api/jobs/hardware` list once a start of this process has fetched it.
 KNOWN_FLAVORS = _proxy.JOB_FLAVORS
+# Spaces hardware names that are not Jobs flavors, left out even if an old huggingface_hub listed them.
+SPACES_ONLY_HARDWARE = frozenset({"h100", "h100x8", "zero-a10g"})
 # Image references of HF Spaces, sent as `spaceId` rather than `dockerImage` (as huggingface_hub does).
 SPACE_IMAGE_PREFIXES = ("https://huggingface.co/spaces/", "https://hf.co/spaces/",
                         "huggingface.co/spaces/", "hf.co/spaces/")
@@ -769,6 +772,7 @@ class HFSandboxProvider:
         namespace: Optional[str] = None
         recorded = False  # until the job is ours to cancel, a failure must find it by its start label
         try:
+            _raise_if_rejected(_live_flavor_rejection(client, settings["flavor"]))
             namespace = settings["namespace"] or client.whoami_namespace()
             self._submitted_at = time.monotonic()
             logger.info("submitting HF job: image=%s flavor=%s namespace=%s", settings["image"],
@@ -1348,20 +1352,44 @@ def _port_rejection(port: Any) -> Optional[str]:
     return None
 
 
-def _known_flavors() -> frozenset:
+def _known_flavors(endpoint: Optional[str] = None) -> frozenset:
+    """The flavors a job may ask for: the live list of `endpoint` once fetched; else huggingface_hub's
+    JobHardware (the static copy when it is too old to have one), plus, with no endpoint (the check at
+    construction), whatever a live list of this process named."""
+    with _hardware_lock:
+        live = dict(_live_hardware)
+    if endpoint is not None and live.get(endpoint) is not None:
+        return live[endpoint]
     try:
         from huggingface_hub import JobHardware  # type: ignore[attr-defined]
-        return KNOWN_FLAVORS | {str(member.value) for member in JobHardware}
-    except Exception:  # old or absent huggingface_hub: the built-in list suffices
-        return KNOWN_FLAVORS
+        static = (KNOWN_FLAVORS | {str(member.value) for member in JobHardware}) - SPACES_ONLY_HARDWARE
+    except Exception:  # huggingface_hub older than Jobs, or absent: the static copy
+        static = KNOWN_FLAVORS
+    return static.union(*(flavors for flavors in live.values() if flavors is not None)) if endpoint is None else static
 
 
-def _flavor_rejection(flavor: Any) -> Optional[str]:
-    known = _known_flavors()
+def _flavor_rejection(flavor: Any, endpoint: Optional[str] = None) -> Optional[str]:
+    known = _known_flavors(endpoint)
     if isinstance(flavor, str) and flavor in known:
         return None
-    return ("unknown flavor %r; known flavors: %s (if HF added a new one, upgrade huggingface_hub)"
-            % (flavor, ", ".join(sorted(known))))
+    return ("unknown flavor %r; valid Jobs flavors: %s (see `hf jobs hardware`; if HF added a new one, upgrade "
+            "huggingface_hub)" % (flavor, ", ".join(sorted(known))))
+
+
+# endpoint -> the flavors its `GET /api/jobs/hardware` listed, or None when it did not answer (asked once
+# per process and endpoint: the list changes when HF adds hardware, not during a run).
+_live_hardware: Dict[str, Optional[frozenset]] = {}
+_hardware_lock = threading.Lock()
+
+
+def _live_flavor_rejection(client: "_JobsClient", flavor: str) -> Optional[str]:
+    """Why the Hub's live hardware list refuses `flavor` (fetched on this process's first start), or None.
+    A Hub that does not answer the list leaves the check to the static one done at construction."""
+    with _hardware_lock:
+        if client.endpoint not in _live_hardware:
+            _live_hardware[client.endpoint] = client.hardware_flavors()
+        live = _live_hardware[client.endpoint]
+    return None if live is None else _flavor_rejection(flavor, client.endpoint)
 
 
 def _parse_duration(value: Any) -> Optional[int]:
@@ -1792,6 +1820,17 @@ class _JobsClient:
                 break
         return jobs
 
+    def hardware_flavors(self) -> Optional[frozenset]:
+        """The flavor names of `GET /api/jobs/hardware` (huggingface_hub's list_jobs_hardware), or None when
+        the endpoint does not answer it with a list of named entries (asked once, never retried)."""
+        try:
+            payload = self._json("GET", "/api/jobs/hardware", "listing the Jobs hardware", retries=0)
+        except JobsAPIError as exc:
+            logger.debug("the Jobs hardware list is not available (%s); using the built-in flavor list", exc)
+            return None
+        names = [entry.get("name") for entry in payload if isinstance(entry, dict)] if isinstance(payload, list) else []
+        return frozenset(str(name) for name in names if name) or None
+
     def job_logs(self, namespace: str, job_id: str, tail: int = LOG_TAIL_LINES,
                  timeout_s: float = LOG_FETCH_TIMEOUT_S) -> List[str]:
         """The last `tail` log lines, reading the SSE stream for at most `timeout_s`. Never raises."""
@@ -2094,11 +2133,12 @@ _process_label = uuid.uuid4().hex  # this process's PROCESS_LABEL_KEY value (a f
 
 def _reset_after_fork() -> None:
     """A forked child inherits no threads: give it its own watcher, budgets and process label."""
-    global _watcher, _process_label, _budgets_lock
+    global _watcher, _process_label, _budgets_lock, _hardware_lock
     _watcher = _JobWatcher()
     _process_label = uuid.uuid4().hex
     _budgets_lock = threading.Lock()
     _budgets.clear()
+    _hardware_lock = threading.Lock()  # the fetched lists stay valid; a lock held at the fork would not
 
 
 if hasattr(os, "register_at_fork"):

@@ -222,6 +222,26 @@ def test_hfapi_with_a_wrong_token_raises_its_http_error(emu):
     assert caught.value.response.status_code == 401
 
 
+def test_hardware_is_listed_in_the_hubs_shape_and_is_not_a_namespace(emu, api):
+    from huggingface_hub import JobHardware
+
+    listed = api.list_jobs_hardware()
+    assert [hw.name for hw in listed] == sorted(member.value for member in JobHardware)
+    t4 = next(hw for hw in listed if hw.name == "t4-small")
+    assert t4.accelerator.model == "T4" and t4.accelerator.quantity == "1" and t4.unit_label == "minute"
+    assert next(hw for hw in listed if hw.name == "cpu-basic").accelerator is None
+    refused = raw(emu, "POST", "/api/jobs/hardware", json={"dockerImage": "python:3.12"})
+    assert refused.status_code == 405 and emu.jobs == []  # never a job in a namespace called "hardware"
+
+
+def test_an_emulator_with_its_own_flavors_lists_and_accepts_only_those():
+    with JobsEmulator(flavors=["cpu-basic", "b300x8"]) as emu:
+        api = HfApi(endpoint=emu.endpoint, token=emu.token)
+        assert [hw.name for hw in api.list_jobs_hardware()] == ["b300x8", "cpu-basic"]
+        refused = raw(emu, "POST", "/api/jobs/local", json={"dockerImage": "python:3.12", "flavor": "t4-small"})
+        assert refused.status_code == 400 and "b300x8, cpu-basic" in refused.json()["error"]
+
+
 def test_unknown_route_is_404_and_wrong_method_405_naming_the_allowed_one(emu):
     assert raw(emu, "GET", "/api/spaces/x").status_code == 404
     wrong = raw(emu, "DELETE", "/api/jobs/local")

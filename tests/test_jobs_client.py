@@ -149,6 +149,41 @@ def test_flavor_list_includes_huggingface_hub_job_hardware():
     assert "cpu-basic" in hsp._flavor_rejection("cpu-huge")
 
 
+def test_the_static_flavor_copy_is_huggingface_hubs_job_hardware_without_spaces_names():
+    from huggingface_hub import JobHardware
+
+    assert hsp.KNOWN_FLAVORS == {member.value for member in JobHardware}  # update proxy.JOB_FLAVORS if not
+    for spaces_name in ("h100", "h100x8"):
+        assert "valid Jobs flavors: a100-large" in hsp._flavor_rejection(spaces_name)
+
+
+def hardware_entry(name):
+    return {"name": name, "prettyName": name, "cpu": "2 vCPU", "ram": "16 GB", "accelerator": None,
+            "unitCostMicroUSD": 167, "unitCostUSD": 0.000167, "unitLabel": "minute"}
+
+
+def test_a_flavor_missing_from_the_hubs_live_hardware_list_is_refused_before_the_create(api):
+    endpoint = "https://hw-%s.test" % uuid.uuid4().hex[:8]  # the live list is fetched once per endpoint
+    api.add(responses.GET, endpoint + "/api/jobs/hardware", json=[hardware_entry("cpu-basic"),
+                                                                 hardware_entry("cpu-upgrade")])
+    provider = hsp.HFSandboxProvider("python:3.12", endpoint=endpoint, token=fresh_token(), flavor="t4-small",
+                                     namespace="alice")
+    for _ in range(2):
+        with pytest.raises(hsp.SandboxConfigError, match="unknown flavor 't4-small'; valid Jobs flavors: "
+                                                         "cpu-basic, cpu-upgrade"):
+            provider.start_container()
+    assert [c.request.url for c in api.calls] == [endpoint + "/api/jobs/hardware"]  # once, and no create
+
+
+def test_a_hub_without_the_hardware_list_leaves_the_static_check(api):
+    endpoint = "https://hw-%s.test" % uuid.uuid4().hex[:8]
+    api.add(responses.GET, endpoint + "/api/jobs/hardware", status=404)
+    client = hsp._JobsClient(endpoint, fresh_token())
+    assert hsp._live_flavor_rejection(client, "t4-small") is None
+    assert hsp._live_flavor_rejection(client, "t4-small") is None
+    assert len(api.calls) == 1  # asked once per process, never retried
+
+
 # -- errors -----------------------------------------------------------------------------------------
 
 
