@@ -48,7 +48,7 @@ import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 if __package__:  # vendored inside a package: proxy.py sits next to this module
     from .proxy import JOB_FLAVORS, JOB_LIVE_STAGES, JOB_TERMINAL_STAGES, AuthProxy, Refusal, Route, _is_loopback_host
@@ -230,6 +230,8 @@ class JobsEmulator:
         network_faults: bool = False,
         tls: bool = False,
         flavors: Optional[Iterable[str]] = None,
+        list_page_size: Optional[int] = None,
+        next_link_base: Optional[str] = None,
     ) -> None:
         reason = (_host_rejection(host) or _namespace_rejection(namespace)
                   or _delay_rejection("scheduling_delay_s", scheduling_delay_s)
@@ -249,6 +251,13 @@ class JobsEmulator:
         self.image_commands = {k: list(v) for k, v in (image_commands or {}).items()}
         # The flavors `GET /api/jobs/hardware` lists and creates accept (default: the Hub's, FLAVORS).
         self.flavors = tuple(sorted(flavors)) if flavors is not None else FLAVORS
+        # list_page_size=N: listings answer N jobs a page with a `Link: <...>; rel="next"` (as the Hub
+        # paginates), whose scheme://host:port is `next_link_base` (default: the emulator's own endpoint), so
+        # a client can be shown the same server under another name, or a foreign one.
+        if list_page_size is not None and (_count_rejection(list_page_size, "list_page_size") or list_page_size < 1):
+            raise ValueError(f"list_page_size must be an int >= 1, got {list_page_size!r}")
+        self.list_page_size = list_page_size
+        self.next_link_base = next_link_base.rstrip("/") if next_link_base else None
         self._users: Dict[str, str] = {self.token: namespace}  # token -> user name
         for extra_token, user in (extra_tokens or {}).items():
             reason = _namespace_rejection(user)
@@ -2267,7 +2276,7 @@ class _ApiHandler(_QuietHandler):
         elif route == "create":
             self._create(user, namespace, body)
         elif route == "list":
-            self._ok(emu._list(namespace, parse_qsl(target.query, keep_blank_values=True)))
+            self._list_page(namespace, parse_qsl(target.query, keep_blank_values=True))
         elif route == "inspect":
             self._ok(emu._job_json(emu._find_job(namespace, params["job_id"])))
         elif route == "cancel":
@@ -2291,6 +2300,25 @@ class _ApiHandler(_QuietHandler):
                 pass
             return
         self._ok(self.emulator._job_json(job))
+
+    def _list_page(self, namespace: str, query: List[Tuple[str, str]]) -> None:
+        """The listing, one page of `list_page_size` jobs at a time when set, the next page linked by an
+        `cursor=<offset>` query (the Hub's cursor format is its own; only the Link header is the contract)."""
+        emu = self.emulator
+        filters = [(key, value) for key, value in query if key != "cursor"]
+        jobs = emu._list(namespace, filters)
+        if emu.list_page_size is None:
+            return self._ok(jobs)
+        cursor = dict(query).get("cursor", "0")
+        if not cursor.isdigit():
+            raise _ApiError(400, f"query parameter 'cursor' must be a whole number, got {cursor!r}")
+        start, end = int(cursor), int(cursor) + emu.list_page_size
+        headers = {"X-Request-Id": self.request_id}
+        if end < len(jobs):
+            base = emu.next_link_base or emu.endpoint
+            headers["Link"] = '<%s/api/jobs/%s?%s>; rel="next"' % (base, namespace,
+                                                                   urlencode(filters + [("cursor", str(end))]))
+        self.send_json(200, jobs[start:end], headers)
 
     def _stream_logs(self, job: EmulatedJob, query: str) -> None:
         """Server-sent events, one `data: {"data": line, "timestamp": ...}` per line, live until the

@@ -128,8 +128,11 @@ CANCEL_BACKOFF_CAP_S = 2.0
 LOG_TAIL_LINES = 40
 LOG_FETCH_TIMEOUT_S = 5.0
 # `list` answers are paginated (Link: rel="next", as huggingface_hub's paginate() follows); more pages
-# than this means something is wrong (a loop, or thousands of live jobs), so the rest is skipped.
+# than this means something is wrong (a loop, or thousands of live jobs): the listing fails, naming it.
 LIST_MAX_PAGES = 50
+# Host names of the one public Hub: a next-page link may name another of them than the configured endpoint
+# (it is followed on the configured one); any other host is refused, since the token would go with it.
+HUB_HOST_NAMES = frozenset({"huggingface.co", "hf.co"})
 # Labels: one marks every job this library makes (so `sweep` can find leftovers), one is unique per
 # start so a create whose answer was lost can be found instead of submitted twice.
 PROVIDER_LABEL_KEY = "hf-sandbox-provider"
@@ -1650,10 +1653,28 @@ _namespace_lock = threading.Lock()
 
 
 def _next_link_rejection(url: str, endpoint: str) -> Optional[str]:
-    """Why a pagination link must not be followed (it would carry the token elsewhere), or None."""
-    if not url.startswith(endpoint.rstrip("/") + "/api/jobs/"):
-        return "the API's next-page link %r is not under %s/api/jobs/; not following it" % (url[:200], endpoint)
+    """Why a pagination link must not be followed (it would carry the token to another server), or None. The
+    same Hub under another of its names (hf.co for huggingface.co; another loopback name) is the same server."""
+    try:
+        link, base = urlsplit(url), urlsplit(endpoint)
+        same_port = link.port == base.port
+    except ValueError:
+        same_port = False
+        link, base = urlsplit(""), urlsplit(endpoint)
+    host, base_host = (link.hostname or "").lower(), (base.hostname or "").lower()
+    same_hub = host == base_host or {host, base_host} <= HUB_HOST_NAMES or (
+        _is_loopback_host(host) and _is_loopback_host(base_host))
+    if (link.scheme != base.scheme or not same_hub or not same_port or link.username or link.password
+            or not link.path.startswith(base.path.rstrip("/") + "/api/jobs/")):
+        return ("the API's next-page link %r is not under %s/api/jobs/ (nor the same Hub under another name); "
+                "not following it, since the token would go with it" % (url[:200], endpoint))
     return None
+
+
+def _on_endpoint(url: str, endpoint: str) -> str:
+    """A next-page link (already accepted by _next_link_rejection) moved onto the configured endpoint."""
+    link, base = urlsplit(url), urlsplit(endpoint)
+    return endpoint.rstrip("/") + link.path[len(base.path.rstrip("/")):] + ("?" + link.query if link.query else "")
 
 
 def _retry_after_seconds(value: Optional[str], now: Optional[float] = None) -> Optional[float]:
@@ -1813,12 +1834,15 @@ class _JobsClient:
             payload = self._json("GET", path or "", "listing jobs", params=params, retries=retries, next_links=links)
             jobs += [job for job in payload if isinstance(job, dict)] if isinstance(payload, list) else []
             path, params = links[-1] if links else None, None  # the next link carries the query
-            reason = _next_link_rejection(path, self.endpoint) if path is not None else None
-            if reason:
-                logger.warning("listing jobs: %s; using the first %d jobs", reason, len(jobs))
-            if path is None or reason:
-                break
-        return jobs
+            if path is None:
+                return jobs
+            reason = _next_link_rejection(path, self.endpoint)
+            if reason:  # a listing cut short would miss jobs (a lost create, a leftover for sweep): say so
+                raise JobsAPIError("listing jobs", 200, "%s after %d jobs" % (reason, len(jobs)),
+                                   hint="report the link to the Jobs API's maintainers")
+            path = _on_endpoint(path, self.endpoint)
+        raise JobsAPIError("listing jobs", 200, "the API gave more than %d pages (%d jobs so far); a next-page link "
+                           "loops or the namespace has too many jobs for one listing" % (LIST_MAX_PAGES, len(jobs)))
 
     def hardware_flavors(self) -> Optional[frozenset]:
         """The flavor names of `GET /api/jobs/hardware` (huggingface_hub's list_jobs_hardware), or None when

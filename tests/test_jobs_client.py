@@ -356,13 +356,35 @@ def test_list_follows_next_page_links_on_the_endpoint(api):
     assert len(calls_to(api, "GET", "/api/jobs/alice")) == 2
 
 
-def test_list_never_follows_a_next_link_off_the_endpoint(api, caplog):
+@pytest.mark.parametrize("link", ["https://evil.example/api/jobs/alice?page=2", "http://huggingface.co/api/jobs/alice",
+                                  "https://huggingface.co.evil.example/api/jobs/alice", "https://hf.co:8443/api/jobs/x",
+                                  "https://hf.co/api/models?page=2", "https://u:p@hf.co/api/jobs/alice"])
+def test_list_refuses_a_next_link_off_the_hub_loudly_and_sends_the_token_nowhere_else(api, link):
+    endpoint = "https://huggingface.co"
+    api.add(responses.GET, endpoint + "/api/jobs/alice", json=[job_json("j1")], headers={"Link": '<%s>; rel="next"' % link})
+    with pytest.raises(hsp.JobsAPIError, match="listing jobs failed.*next-page link.*not following it.*after 1 jobs"):
+        hsp._JobsClient(endpoint, fresh_token()).list_jobs("alice")
+    assert [c.request.url for c in api.calls] == [endpoint + "/api/jobs/alice"]  # the token went nowhere else
+
+
+@pytest.mark.parametrize("endpoint, link_base", [("https://huggingface.co", "https://hf.co"),
+                                                 ("https://hf.co", "https://huggingface.co"),
+                                                 ("https://huggingface.co", "https://HuggingFace.co")])
+def test_list_follows_a_next_link_to_the_same_hub_under_another_name_on_the_configured_host(api, endpoint, link_base):
+    page2 = link_base + "/api/jobs/alice?label=a%3Db&cursor=abc"
+    api.add(responses.GET, endpoint + "/api/jobs/alice", json=[job_json("j1")], headers={"Link": '<%s>; rel="next"' % page2},
+            match=[responses.matchers.query_param_matcher({"label": "a=b"})])
+    api.add(responses.GET, endpoint + "/api/jobs/alice?label=a%3Db&cursor=abc", json=[job_json("j2")])
+    jobs = hsp._JobsClient(endpoint, fresh_token()).list_jobs("alice", labels={"a": "b"})
+    assert [job["id"] for job in jobs] == ["j1", "j2"]
+    assert all(c.request.url.startswith(endpoint + "/") for c in api.calls)
+
+
+def test_a_listing_longer_than_the_page_bound_fails_naming_it(api):
     api.add(responses.GET, ENDPOINT + "/api/jobs/alice", json=[job_json("j1")],
-            headers={"Link": '<https://evil.example/api/jobs/alice?page=2>; rel="next"'})
-    jobs = hsp._JobsClient(ENDPOINT, fresh_token()).list_jobs("alice")
-    assert [job["id"] for job in jobs] == ["j1"]
-    assert all(c.request.url.startswith(ENDPOINT) for c in api.calls)  # the token went nowhere else
-    assert "not following it" in caplog.text
+            headers={"Link": '<%s/api/jobs/alice>; rel="next"' % ENDPOINT})  # a link that loops
+    with pytest.raises(hsp.JobsAPIError, match="more than %d pages" % hsp.LIST_MAX_PAGES):
+        hsp._JobsClient(ENDPOINT, fresh_token()).list_jobs("alice")
 
 
 # -- create against a network that fails for real (loopback sockets, not mocks) ----------------------
