@@ -129,6 +129,13 @@ LINK_CHUNK = 16 * 1024
 API_ROUTES = ("whoami", "create", "list", "inspect", "cancel", "logs", "hardware", "unknown")
 # Seconds a client is told to wait in `Retry-After` when a 429 is injected without an explicit value.
 DEFAULT_RETRY_AFTER_S = 1
+# `rate_limit=(quota, window_s)`: the Hub's API limit is per user, in fixed windows (5 minutes; 1,000 calls
+# for a free account, 2,500 PRO, 3,000 Team, 6,000 Enterprise). Off by default, so tests and benchmarks that
+# do not ask for it are not paced.
+HUB_RATE_LIMIT_WINDOW_S = 300.0
+# whoami-v2 is limited much harder than the rest ("intentionally strict", huggingface_hub says; the real
+# number is not published): in the emulator, this fraction of the quota per window (at least 1 call).
+WHOAMI_QUOTA_FRACTION = 0.05
 # Hardware flavors and job stages: the same facts the provider relies on (one copy, in proxy.py).
 FLAVORS = tuple(sorted(JOB_FLAVORS))
 TERMINAL_STAGES = JOB_TERMINAL_STAGES
@@ -209,7 +216,9 @@ class JobsEmulator:
     be tested. `faults` applies the FAULT_KEYS to every job; labels `emulator-<key>` apply them to one.
     `default_command` runs when a create body has no command (default: this module's echo server);
     `image_commands` picks one per image instead. `zygote=False` starts even the echo server with
-    `Popen` (see `launch_process`).
+    `Popen` (see `launch_process`). `rate_limit=(quota, window_s)` limits each user as the Hub does (fixed
+    windows, RateLimit headers on every answer, 429 past the quota, whoami harder); `flavors` replaces the
+    Hub's hardware list; `list_page_size` / `next_link_base` paginate listings.
     """
 
     def __init__(
@@ -232,6 +241,7 @@ class JobsEmulator:
         flavors: Optional[Iterable[str]] = None,
         list_page_size: Optional[int] = None,
         next_link_base: Optional[str] = None,
+        rate_limit: Optional[Tuple[int, float]] = None,
     ) -> None:
         reason = (_host_rejection(host) or _namespace_rejection(namespace)
                   or _delay_rejection("scheduling_delay_s", scheduling_delay_s)
@@ -258,6 +268,14 @@ class JobsEmulator:
             raise ValueError(f"list_page_size must be an int >= 1, got {list_page_size!r}")
         self.list_page_size = list_page_size
         self.next_link_base = next_link_base.rstrip("/") if next_link_base else None
+        # rate_limit=(quota, window_s): per user (every token and process of that user), fixed windows.
+        reason = _rate_limit_rejection(rate_limit)
+        if reason:
+            raise ValueError(reason)
+        self.rate_limit = (int(rate_limit[0]), float(rate_limit[1])) if rate_limit is not None else None
+        self._windows: Dict[Tuple[str, str], List[float]] = {}  # (user, bucket) -> [window start, calls]
+        self.rate_limited_calls = 0  # calls answered 429 by the limit (not by inject_rate_limit)
+        self.window_peaks: Dict[str, int] = {}  # user -> the most calls any one window of theirs admitted
         self._users: Dict[str, str] = {self.token: namespace}  # token -> user name
         for extra_token, user in (extra_tokens or {}).items():
             reason = _namespace_rejection(user)
@@ -554,6 +572,38 @@ class JobsEmulator:
         """The 5xx status this call must be answered with (inject_server_errors), else None."""
         with self._lock:
             return self._server_errors.take(route)
+
+    def _admit(self, user: str, route: str) -> Tuple[Optional[int], Dict[str, str]]:
+        """Count one call of `user` against the fixed-window limit: (None or the seconds to wait when it must be
+        answered 429, the RateLimit / RateLimit-Policy headers). whoami also counts against its own, smaller
+        bucket; the headers describe the tighter one. Refused calls are not counted."""
+        if self.rate_limit is None:
+            return None, {}
+        quota, window = self.rate_limit
+        buckets = [("api", quota)]
+        if route == "whoami":
+            buckets.append(("whoami", max(1, int(quota * WHOAMI_QUOTA_FRACTION))))
+        now = time.monotonic()
+        with self._lock:
+            states = []
+            for bucket, limit in buckets:
+                state = self._windows.get((user, bucket))
+                if state is None or now >= state[0] + window:  # a fresh fixed window from this call
+                    state = self._windows[(user, bucket)] = [now, 0]
+                states.append((bucket, limit, state))
+            full = [entry for entry in states if entry[2][1] >= entry[1]]
+            if not full:
+                for _, _, state in states:
+                    state[1] += 1
+                peak = states[0][2][1]
+                self.window_peaks[user] = max(self.window_peaks.get(user, 0), int(peak))
+            else:
+                self.rate_limited_calls += 1
+            bucket, limit, state = full[0] if full else min(states, key=lambda entry: entry[1] - entry[2][1])
+        reset = max(1, int(-(-(state[0] + window - now) // 1)))  # whole seconds, rounded up
+        headers = {"RateLimit": f'"{bucket}";r={max(0, int(limit - state[1]))};t={reset}',
+                   "RateLimit-Policy": f'"fixed window";"{bucket}";q={limit};w={int(window)}'}
+        return (reset if full else None), headers
 
     def _count(self, route: str) -> None:
         with self._lock:
@@ -1035,6 +1085,19 @@ def _faults_rejection(faults: Mapping[str, Any], where: str, prefix: str = "") -
             return f"{shown}={text!r}: must be true or false"
         elif key == "crash-at-boot" and not text:
             return f"{shown}: give the crash message as the value"
+    return None
+
+
+def _rate_limit_rejection(rate_limit: Any) -> Optional[str]:
+    if rate_limit is None:
+        return None
+    try:
+        quota, window = rate_limit
+    except (TypeError, ValueError):
+        quota = window = None
+    if (isinstance(quota, bool) or not isinstance(quota, int) or quota < 1 or isinstance(window, bool)
+            or not isinstance(window, (int, float)) or not window > 0):
+        return f"rate_limit must be (calls >= 1, window seconds > 0), e.g. (1000, 300), got {rate_limit!r}"
     return None
 
 
@@ -2232,6 +2295,7 @@ class _ApiHandler(_QuietHandler):
 
     def _dispatch(self) -> None:
         self.request_id = uuid.uuid4().hex
+        self.limit_headers: Dict[str, str] = {}  # the user's RateLimit headers, sent on every answer
         try:
             self._handle()
         except _ApiError as exc:
@@ -2260,6 +2324,11 @@ class _ApiHandler(_QuietHandler):
             reason = emu._namespace_access_rejection(user, namespace)
             if reason:
                 raise _ApiError(403, reason)
+        wait, self.limit_headers = emu._admit(user, route)
+        if wait is not None:
+            raise _ApiError(429, f"You have exceeded the rate limit of the Hub's API for user '{user}' "
+                                 f"({emu.rate_limit[0]} calls per {emu.rate_limit[1]:g}s, whoami less). "
+                                 f"Retry after {wait} seconds.", {"Retry-After": str(wait)})
         retry_after = emu._take_rate_limit(route)
         if retry_after is not None:
             raise _ApiError(429, "You have exceeded the rate limit of the Jobs API (injected by the emulator). "
@@ -2313,7 +2382,7 @@ class _ApiHandler(_QuietHandler):
         if not cursor.isdigit():
             raise _ApiError(400, f"query parameter 'cursor' must be a whole number, got {cursor!r}")
         start, end = int(cursor), int(cursor) + emu.list_page_size
-        headers = {"X-Request-Id": self.request_id}
+        headers = {"X-Request-Id": self.request_id, **self.limit_headers}
         if end < len(jobs):
             base = emu.next_link_base or emu.endpoint
             headers["Link"] = '<%s/api/jobs/%s?%s>; rel="next"' % (base, namespace,
@@ -2332,6 +2401,8 @@ class _ApiHandler(_QuietHandler):
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Connection", "close")
         self.send_header("X-Request-Id", self.request_id)
+        for name, value in self.limit_headers.items():
+            self.send_header(name, value)
         self.end_headers()
         self.close_connection = True
         with emu._lock:
@@ -2355,12 +2426,12 @@ class _ApiHandler(_QuietHandler):
                 return
 
     def _ok(self, payload: Any) -> None:
-        self.send_json(200, payload, {"X-Request-Id": self.request_id})
+        self.send_json(200, payload, {"X-Request-Id": self.request_id, **self.limit_headers})
 
     def _send_error(self, status: int, message: str, headers: Optional[Mapping[str, str]] = None) -> None:
         header_message = message.replace("\r", " ").replace("\n", " ").encode("latin-1", "replace").decode("latin-1")
-        self.send_json(status, {"error": message},
-                       {"X-Request-Id": self.request_id, "X-Error-Message": header_message, **(headers or {})})
+        self.send_json(status, {"error": message}, {"X-Request-Id": self.request_id, "X-Error-Message": header_message,
+                                                    **self.limit_headers, **(headers or {})})
 
 
 def _match_api_route(method: str, path: str) -> Tuple[str, Dict[str, str]]:
@@ -2608,6 +2679,18 @@ def _serve_echo_websocket(handler: BaseHTTPRequestHandler, server: EchoServer) -
 # ==================================================================================================
 
 
+def _parse_rate_limit(text: str) -> Tuple[int, float]:
+    calls, _, window = text.partition("/")
+    try:
+        limit = (int(calls), float(window or HUB_RATE_LIMIT_WINDOW_S))
+    except ValueError:
+        limit = None
+    reason = _rate_limit_rejection(limit) if limit is not None else "not CALLS/SECONDS"
+    if reason:
+        raise argparse.ArgumentTypeError(f"--rate-limit {text!r}: {reason}")
+    return limit  # type: ignore[return-value]
+
+
 def _parse_fault(text: str) -> Tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep:
@@ -2669,6 +2752,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     serve.add_argument("--scheduling-delay-s", type=float, default=0.0, help="seconds each job spends SCHEDULING")
     serve.add_argument("--fault", action="append", type=_parse_fault, default=[], metavar="KEY=VALUE",
                        help=f"fault applied to every job; keys: {', '.join(FAULT_KEYS)}")
+    serve.add_argument("--rate-limit", type=_parse_rate_limit, default=None, metavar="CALLS/SECONDS",
+                       help="per-user API limit in fixed windows, as on the Hub (e.g. 1000/300); default none")
     serve.add_argument("--json", action="store_true", help="print endpoint and token as one JSON line")
     echo = commands.add_parser("echo-server", help="run the OpenEnv-compatible echo environment")
     echo.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -2686,7 +2771,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         emulator = JobsEmulator(args.token, args.namespace, args.host, args.port, args.scheduling_delay_s,
-                                faults=dict(args.fault))
+                                faults=dict(args.fault), rate_limit=args.rate_limit)
         emulator.start()
     except (ValueError, OSError) as exc:
         print(f"serve: {exc}", file=sys.stderr)

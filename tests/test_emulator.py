@@ -300,6 +300,9 @@ def test_other_users_namespace_is_403_and_org_members_share_the_org_namespace():
     ({"scheduling_delay_s": -1}, "scheduling_delay_s"),
     ({"faults": {"explode": "1"}}, "explode"),
     ({"extra_tokens": {"hf_x": ""}}, "extra_tokens"),
+    ({"rate_limit": (0, 300)}, "rate_limit"),
+    ({"rate_limit": 1000}, "rate_limit"),
+    ({"list_page_size": 0}, "list_page_size"),
 ])
 def test_bad_constructor_arguments_are_refused_naming_them(kwargs, word):
     with pytest.raises(ValueError, match=word):
@@ -368,6 +371,40 @@ def test_injected_rate_limit_answers_429_with_retry_after_then_recovers(emu, api
         assert "rate limit" in limited.headers["X-Error-Message"]
     assert raw(emu, "GET", "/api/jobs/local").status_code == 200
     assert emu.api_calls["list"] == 3
+
+
+def test_a_per_user_limit_sends_both_headers_on_every_answer_and_429_past_the_quota():
+    from huggingface_hub.utils import parse_ratelimit_headers
+
+    with JobsEmulator(rate_limit=(5, 300), extra_tokens={"hf_second": "local", "hf_bob": "bob"}) as emu:
+        seen = []
+        for token in (emu.token, "hf_second", emu.token, "hf_second", emu.token):  # one user, two tokens
+            answer = raw(emu, "GET", "/api/jobs/local", token=token)
+            info = parse_ratelimit_headers(answer.headers)
+            seen.append((answer.status_code, info.remaining, info.limit, info.window_seconds, info.resource_type))
+        assert seen == [(200, r, 5, 300, "api") for r in (4, 3, 2, 1, 0)]
+        refused = raw(emu, "GET", "/api/jobs/local/000000000000000000000000", token="hf_second")
+        info = parse_ratelimit_headers(refused.headers)
+        assert refused.status_code == 429 and info.remaining == 0 and 0 < info.reset_in_seconds <= 300
+        assert refused.headers["Retry-After"] == str(info.reset_in_seconds)
+        assert "rate limit" in refused.json()["error"]
+        assert raw(emu, "GET", "/api/jobs/bob", token="hf_bob").status_code == 200  # another user: own quota
+        assert emu.window_peaks == {"local": 5, "bob": 1} and emu.rate_limited_calls == 1
+        with pytest.raises(HfHubHTTPError) as caught:  # huggingface_hub reads the 429 as the Hub's
+            HfApi(endpoint=emu.endpoint, token=emu.token).inspect_job(job_id="0" * 24, namespace="local")
+        assert caught.value.response.status_code == 429
+
+
+def test_whoami_is_limited_harder_than_the_rest():
+    with JobsEmulator(rate_limit=(40, 300)) as emu:
+        statuses = [raw(emu, "GET", "/api/whoami-v2").status_code for _ in range(3)]
+        assert statuses == [200, 200, 429]  # 5% of 40
+        assert raw(emu, "GET", "/api/jobs/local").status_code == 200  # the rest of the quota is still there
+        assert 'q=2;' in raw(emu, "GET", "/api/whoami-v2").headers["RateLimit-Policy"]
+
+
+def test_without_a_rate_limit_no_ratelimit_headers_are_sent(emu):
+    assert "RateLimit" not in raw(emu, "GET", "/api/jobs/local").headers
 
 
 def test_rate_limit_on_an_unknown_route_name_is_refused_naming_the_known_ones(emu):
