@@ -147,11 +147,29 @@ EMULATOR_FAULT_LABEL_PREFIX = "emulator-"
 # Every job this process creates carries `hf-sandbox-process=<uuid of this process>`, so the watcher
 # can refresh all of them with one filtered `list` call.
 PROCESS_LABEL_KEY = "hf-sandbox-process"
-# The process's share of the Hub's per-user limit (about 1,000 calls per 5 minutes): every Jobs API
-# call of the process passes one sliding-window budget per token, with headroom left for other
-# tools of the same user; a 429 pauses every call of that token until its Retry-After.
-RATE_LIMIT_CALLS = 900
+# The Hub's API limit is per user (every process and tool of that user shares it), in fixed 5-minute
+# windows: 1,000 calls (free), 2,500 (PRO), 3,000 (Team), 6,000 (Enterprise). Every answer says what is
+# left (`RateLimit: "api";r=<remaining>;t=<seconds to reset>`, `RateLimit-Policy: ...;q=<quota>;w=<window>`),
+# and that shared truth is what the budget follows; these defaults (the free tier, or HF_SANDBOX_RATE_LIMIT,
+# e.g. "2500/300") serve until the first answer and with a server that sends no such headers.
+RATE_LIMIT_CALLS = 1000
 RATE_LIMIT_WINDOW_S = 300.0
+RATE_LIMIT_ENV = "HF_SANDBOX_RATE_LIMIT"
+# The budget follows the "api" bucket; an answer describing another (whoami-v2 has its own, smaller one) is
+# not taken for the quota of the other calls.
+RATE_LIMIT_RESOURCE = "api"
+# Below this fraction of the quota left, calls are spread over the time to the reset instead of spent at
+# once (then stalling until the reset): each process paces by the server's count, which also falls with the
+# other processes' calls, so N processes slow down together without talking to each other.
+RATE_LIMIT_PACE_BELOW = 0.25
+# This fraction of the quota (at least RATE_LIMIT_RESERVE_MIN calls) is left to teardown: ordinary calls
+# wait for the reset once only this much remains, while cancels are never held by the budget.
+RATE_LIMIT_RESERVE = 0.05
+RATE_LIMIT_RESERVE_MIN = 5
+# A call waiting for budget looks again at least this often: other threads' answers may change the count.
+RATE_LIMIT_RECHECK_S = 2.0
+# Added to a 429's reset time, as huggingface_hub does (the server rounds `t` to whole seconds).
+RATE_LIMIT_RESET_MARGIN_S = 1.0
 # A job missing from the watcher's `list` (of SCHEDULING/RUNNING jobs) has ended or is not listed
 # yet: it is inspected on its own, at most this many per refresh, so a burst of endings cannot turn
 # one call per interval into hundreds.
@@ -1820,7 +1838,7 @@ class _JobsClient:
 
     def cancel_job(self, namespace: str, job_id: str) -> None:
         self._json("POST", "/api/jobs/%s/%s/cancel" % (namespace, job_id), "cancelling job %s" % job_id,
-                   retries=2, max_delay=CANCEL_BACKOFF_CAP_S, allow_empty=True)
+                   retries=2, max_delay=CANCEL_BACKOFF_CAP_S, allow_empty=True, teardown=True)
 
     def list_jobs(self, namespace: str, labels: Optional[Mapping[str, str]] = None,
                   stages: Sequence[str] = (), retries: int = API_MAX_RETRIES) -> List[Dict[str, Any]]:
@@ -1861,10 +1879,11 @@ class _JobsClient:
         lines: deque = deque(maxlen=tail)
         deadline = time.monotonic() + timeout_s
         try:
-            self._budget.acquire()
+            ticket = self._budget.acquire()
             with self._session.get(self.endpoint + "/api/jobs/%s/%s/logs" % (namespace, job_id),
                                    params={"tail": tail}, stream=True,
                                    timeout=(API_TIMEOUT_S[0], min(2.0, timeout_s))) as response:
+                self._budget.observe(response.headers, ticket)
                 if response.status_code >= 300:
                     return []
                 raw = response.iter_lines(decode_unicode=True)
@@ -1881,16 +1900,18 @@ class _JobsClient:
     def _json(self, method: str, path: str, action: str, params: Any = None, retries: int = API_MAX_RETRIES,
               max_delay: float = RETRY_AFTER_CAP_S, allow_empty: bool = False,
               next_links: Optional[List[Optional[str]]] = None, body: Any = None,
-              find_lost: Optional[Callable[[], Any]] = None) -> Any:
+              find_lost: Optional[Callable[[], Any]] = None, teardown: bool = False) -> Any:
         """A call retried on 429/5xx/connection errors with backoff. With `find_lost` (a create, not safe to
         repeat), an ambiguous failure (no answer, a 5xx) first asks `find_lost()` for what it made anyway.
-        `path` may be a full URL (a pagination link); `next_links` receives the `rel="next"` URL."""
+        `path` may be a full URL (a pagination link); `next_links` receives the `rel="next"` URL. A
+        `teardown` call never waits for budget; answered 429, it waits for the server's reset."""
         url = path if path.startswith(self.endpoint + "/") else self.endpoint + path
         attempt = 0
         sent_maybe = False  # whether any attempt may have reached the server without an answer
         while True:
             retry_after: Optional[float] = None
-            self._budget.acquire()
+            paused = None
+            ticket = self._budget.acquire(teardown)
             try:
                 response: Optional[requests.Response] = self._session.request(
                     method, url, params=params, json=body, timeout=API_TIMEOUT_S)
@@ -1898,6 +1919,7 @@ class _JobsClient:
                 response = None
                 failure, ambiguous = _transport_failure(exc)
             else:
+                self._budget.observe(response.headers, ticket)
                 if response.status_code < 300:
                     if next_links is not None:
                         next_links.append((response.links.get("next") or {}).get("url"))
@@ -1910,7 +1932,7 @@ class _JobsClient:
                                            response.headers.get("X-Request-Id")) from None
                 retry_after = _retry_after_seconds(response.headers.get("Retry-After"))
                 if response.status_code == 429:
-                    self._budget.rate_limited(retry_after)
+                    paused = self._budget.rate_limited(retry_after, response.headers)
                 if response.status_code != 429 and not 500 <= response.status_code <= 599:
                     raise self._error(response, action)
                 failure, ambiguous = "HTTP %d" % response.status_code, response.status_code != 429
@@ -1931,7 +1953,10 @@ class _JobsClient:
                     action, None, failure, hint="check the network and HF_ENDPOINT (%s)" % self.endpoint)
                 error.may_have_acted = sent_maybe
                 raise error from None
-            delay = min(_retry_delay(attempt, retry_after), max_delay)
+            if paused is not None:  # the budget holds ordinary calls until the reset; a teardown waits it here
+                delay = paused if teardown else 0.0
+            else:
+                delay = min(_retry_delay(attempt, retry_after), max_delay)
             logger.debug("%s: %s, retrying in %.1fs", action, failure, delay)
             time.sleep(delay)
             attempt += 1
@@ -1948,44 +1973,159 @@ class _JobsClient:
 
 
 class _ApiBudget:
-    """One token's share of the Jobs API rate limit, shared by every client in the process: a sliding
-    window of `calls` per `window_s`, and one 429 pause for all of them. `clock`/`sleep` are hooks for tests."""
+    """One token's view of the Hub's per-user rate limit, shared by every client of the process. It follows
+    the server's RateLimit headers (remaining calls, seconds to reset, quota, window) when they come, else
+    counts this process's own calls against the configured quota. When little is left it paces calls over
+    the time to the reset; the last `reserve` calls are kept for teardown, which never waits here; a 429
+    pauses every other call until the server's reset. `clock`/`sleep` are hooks for tests."""
 
     def __init__(self, calls: int = RATE_LIMIT_CALLS, window_s: float = RATE_LIMIT_WINDOW_S,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
-        self.calls = calls
+        self.calls = calls  # the quota per window: the server's once it says, else the setting
         self.window_s = window_s
         self.clock = clock
         self.sleep = sleep
         self.paused_until = 0.0
         self.rate_limited_count = 0
-        self._sent: deque = deque()
+        self.server_told = False  # whether an answer carried RateLimit headers
+        self.remaining: Optional[float] = None  # the server's count (minus calls sent since), while it holds
+        self.reset_at = 0.0  # clock time the server's window resets
+        self.sent = 0  # calls sent through this budget; a call's ticket is this count once it was sent
+        self.teardown_sent = 0
+        self.waited_s = 0.0  # time calls spent waiting here, summed over threads
+        self._next_paced = 0.0
+        self._sent: deque = deque()  # send times within the window, for a server that says nothing
         self._lock = threading.Lock()
 
-    def acquire(self) -> None:
-        """Block until a call may be sent (not paused by a 429, room left in the window); count it."""
+    @property
+    def reserve(self) -> int:
+        return max(RATE_LIMIT_RESERVE_MIN, int(self.calls * RATE_LIMIT_RESERVE))
+
+    def acquire(self, teardown: bool = False) -> int:
+        """Block until a call may be sent and count it; returns its ticket for `observe`. Teardown (cancels)
+        never waits: the reserve is kept for it, and past that the server's 429 answers."""
+        warned = False
         while True:
             with self._lock:
                 now = self.clock()
-                while self._sent and self._sent[0] <= now - self.window_s:
-                    self._sent.popleft()
-                wait = self.paused_until - now
-                if wait <= 0 and len(self._sent) >= self.calls:
-                    wait = self._sent[0] + self.window_s - now
-                    logger.warning("this process used its Jobs API budget (%d calls per %gs); waiting %.1fs",
-                                   self.calls, self.window_s, wait)
+                wait = 0.0 if teardown else self._wait_locked(now)
                 if wait <= 0:
-                    self._sent.append(now)
-                    return
-            self.sleep(wait)
+                    return self._record_locked(now, teardown)
+                remaining, reset_in = self._estimate_locked(now)
+            if not warned and wait >= RATE_LIMIT_RECHECK_S:
+                warned = True
+                logger.info("Jobs API budget: about %d of %d calls left for %.0fs; pacing this call %.1fs",
+                            remaining, self.calls, reset_in, wait)
+            step = min(wait, RATE_LIMIT_RECHECK_S)
+            self.waited_s += step
+            self.sleep(step)
 
-    def rate_limited(self, retry_after: Optional[float]) -> None:
-        """A call was answered 429: pause every call of this token (Retry-After, else a backoff)."""
+    def wait_s(self) -> float:
+        """How long an ordinary call would wait now (0: it may go); counts nothing. The job watcher asks this
+        instead of blocking its thread, which serves other tokens too."""
+        with self._lock:
+            return self._wait_locked(self.clock())
+
+    def observe(self, headers: Mapping[str, str], ticket: int) -> None:
+        """Take the server's count from an answer's RateLimit headers; `ticket` (from acquire) discounts the
+        calls this process sent after that request, which the count does not include yet."""
+        info = _ratelimit_info(headers)
+        if info is None or info[4] != RATE_LIMIT_RESOURCE:  # e.g. whoami's own, smaller bucket
+            return
+        remaining, reset_in, quota, window, _ = info
+        with self._lock:
+            now = self.clock()
+            self.server_told = True
+            if quota and window:
+                self.calls, self.window_s = quota, float(window)
+            self.remaining = max(0.0, remaining - (self.sent - ticket))
+            self.reset_at = now + reset_in
+
+    def rate_limited(self, retry_after: Optional[float], headers: Optional[Mapping[str, str]] = None) -> float:
+        """A call was answered 429: pause every ordinary call until the server's reset (`t` of RateLimit when
+        it says nothing is left, else Retry-After, else a backoff). Returns the pause in seconds."""
+        info = _ratelimit_info(headers or {})
         with self._lock:
             self.rate_limited_count += 1
-            delay = _retry_delay(min(self.rate_limited_count, 6), retry_after)
+            if info is not None and info[0] == 0:
+                delay = info[1] + RATE_LIMIT_RESET_MARGIN_S
+                if info[4] == RATE_LIMIT_RESOURCE:
+                    self.remaining, self.reset_at = 0.0, self.clock() + info[1]
+            elif retry_after is not None:
+                delay = retry_after + RATE_LIMIT_RESET_MARGIN_S
+            else:
+                delay = _retry_delay(min(self.rate_limited_count, 6), None)
+            delay = min(delay, self.window_s + RATE_LIMIT_RESET_MARGIN_S)
             self.paused_until = max(self.paused_until, self.clock() + delay)
-        logger.info("Jobs API answered 429: every call of this process with this token pauses %.1fs", delay)
+        logger.info("Jobs API answered 429: every call of this process with this token (but cancels) pauses %.1fs",
+                    delay)
+        return delay
+
+    def _estimate_locked(self, now: float) -> Tuple[float, float]:
+        """(calls left, seconds to the reset): the server's count while its window lasts, else this
+        process's own calls in a sliding window of the configured quota."""
+        if self.server_told:
+            if now >= self.reset_at:  # the server's window has passed: a fresh quota until it says otherwise
+                self.remaining, self.reset_at = float(self.calls), now + self.window_s
+            return float(self.remaining or 0.0), self.reset_at - now
+        while self._sent and self._sent[0] <= now - self.window_s:
+            self._sent.popleft()
+        reset_in = self._sent[0] + self.window_s - now if self._sent else self.window_s
+        return float(self.calls - len(self._sent)), reset_in
+
+    def _wait_locked(self, now: float) -> float:
+        if self.paused_until > now:
+            return self.paused_until - now
+        remaining, reset_in = self._estimate_locked(now)
+        if remaining <= self.reserve:  # the rest is teardown's: wait for the reset
+            return max(reset_in, 0.01)
+        if remaining < self.calls * RATE_LIMIT_PACE_BELOW:
+            return max(0.0, self._next_paced - now)
+        return 0.0
+
+    def _record_locked(self, now: float, teardown: bool) -> int:
+        remaining, reset_in = self._estimate_locked(now)
+        if not teardown and remaining < self.calls * RATE_LIMIT_PACE_BELOW:
+            self._next_paced = now + reset_in / max(1.0, remaining - self.reserve)
+        if self.remaining is not None:
+            self.remaining = max(0.0, self.remaining - 1)
+        self._sent.append(now)
+        self.teardown_sent += int(teardown)
+        self.sent += 1
+        return self.sent
+
+
+# RateLimit headers as huggingface_hub's parse_ratelimit_headers reads them (its regexes; the IETF draft).
+_RATELIMIT = re.compile(r"\"(?P<resource>\w+)\"\s*;\s*r\s*=\s*(?P<r>\d+)\s*;\s*t\s*=\s*(?P<t>\d+)")
+_RATELIMIT_POLICY = re.compile(r"q\s*=\s*(?P<q>\d+).*?w\s*=\s*(?P<w>\d+)")
+
+
+def _ratelimit_info(headers: Mapping[str, str]) -> Optional[Tuple[int, int, Optional[int], Optional[int], str]]:
+    """(remaining, seconds to reset, quota or None, window or None, resource) from an answer's headers, or None."""
+    lowered = {str(key).lower(): value for key, value in headers.items()}
+    match = _RATELIMIT.search(lowered.get("ratelimit") or "")
+    if match is None:
+        return None
+    policy = _RATELIMIT_POLICY.search(lowered.get("ratelimit-policy") or "")
+    return (int(match.group("r")), int(match.group("t")), int(policy.group("q")) if policy else None,
+            int(policy.group("w")) if policy else None, match.group("resource"))
+
+
+def _configured_rate_limit() -> Tuple[int, float]:
+    """The quota and window to assume before the server says: HF_SANDBOX_RATE_LIMIT ("2500/300"), else the
+    free tier."""
+    text = os.environ.get(RATE_LIMIT_ENV, "").strip()
+    if not text:
+        return RATE_LIMIT_CALLS, RATE_LIMIT_WINDOW_S
+    calls, _, window = text.partition("/")
+    try:
+        quota, seconds = int(calls), float(window or RATE_LIMIT_WINDOW_S)
+    except ValueError:
+        quota, seconds = 0, 0.0
+    if quota < 1 or not seconds > 0:
+        raise SandboxConfigError("%s=%r must be <calls>/<seconds>, e.g. 2500/300 for a PRO account"
+                                 % (RATE_LIMIT_ENV, text))
+    return quota, seconds
 
 
 _budgets: Dict[Tuple[str, str], _ApiBudget] = {}
@@ -1996,7 +2136,7 @@ def _api_budget(endpoint: str, token: str) -> _ApiBudget:
     key = _token_key(endpoint, token)
     with _budgets_lock:
         if key not in _budgets:
-            _budgets[key] = _ApiBudget()
+            _budgets[key] = _ApiBudget(*_configured_rate_limit())
         return _budgets[key]
 
 
@@ -2112,8 +2252,13 @@ class _JobWatcher:
                 self._refresh(group, watches)
 
     def _refresh(self, group: _WatchGroup, watches: List[_Watch]) -> None:
-        """One refresh of a group; failures pause it, and end the waits after API_MAX_RETRIES."""
+        """One refresh of a group; failures pause it, and end the waits after API_MAX_RETRIES. A refresh the
+        budget would hold is put off instead, so this thread never blocks the groups of other tokens."""
         client = group.client
+        held = client._budget.wait_s()
+        if held > 0:
+            group.next_due = max(group.next_due, time.monotonic() + min(held, RATE_LIMIT_RECHECK_S))
+            return
         try:
             if len(watches) == 1:
                 found = {watches[0].job_id: client.get_job(group.namespace, watches[0].job_id, retries=0)}

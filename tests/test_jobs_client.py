@@ -184,6 +184,130 @@ def test_a_hub_without_the_hardware_list_leaves_the_static_check(api):
     assert len(api.calls) == 1  # asked once per process, never retried
 
 
+# -- the rate limit: the server's RateLimit headers drive the budget -----------------------------------
+
+
+class FakeTime:
+    """A clock and a sleep for one budget: sleeping advances the clock and is recorded."""
+
+    def __init__(self):
+        self.now, self.waits = 1000.0, []
+
+    def clock(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.waits.append(seconds)
+        self.now += seconds
+
+    def on(self, budget):
+        budget.clock, budget.sleep = self.clock, self.sleep
+        return budget
+
+
+def limit_headers(remaining, reset_s, quota=1000, window=300):
+    return {"RateLimit": '"api";r=%d;t=%d' % (remaining, reset_s),
+            "RateLimit-Policy": '"fixed window";"api";q=%d;w=%d' % (quota, window)}
+
+
+def test_ratelimit_headers_are_read_as_huggingface_hub_reads_them():
+    from huggingface_hub.utils import parse_ratelimit_headers
+
+    for headers in (limit_headers(0, 55, 500, 300), {"ratelimit": '"api";r=12;t=3'}, {"RateLimit": "garbage"}, {}):
+        theirs = parse_ratelimit_headers(headers)
+        ours = hsp._ratelimit_info(headers)
+        assert ours == (None if theirs is None else (theirs.remaining, theirs.reset_in_seconds, theirs.limit,
+                                                     theirs.window_seconds, theirs.resource_type))
+
+
+def test_the_quota_and_window_come_from_the_server_when_it_says_else_the_setting(monkeypatch):
+    budget = hsp._ApiBudget(*hsp._configured_rate_limit())
+    assert (budget.calls, budget.window_s) == (1000, 300.0)  # the free tier
+    budget.observe(limit_headers(2400, 250, 2500, 300), budget.acquire())
+    assert (budget.calls, budget.window_s, budget.remaining) == (2500, 300.0, 2400)
+    monkeypatch.setenv(hsp.RATE_LIMIT_ENV, "3000/300")
+    assert hsp._configured_rate_limit() == (3000, 300.0)
+    monkeypatch.setenv(hsp.RATE_LIMIT_ENV, "lots")
+    with pytest.raises(hsp.SandboxConfigError, match="HF_SANDBOX_RATE_LIMIT='lots' must be <calls>/<seconds>"):
+        hsp._configured_rate_limit()
+
+
+def test_an_answer_about_another_bucket_is_not_taken_for_the_api_quota():
+    budget = hsp._ApiBudget()
+    budget.observe({"RateLimit": '"whoami";r=1;t=200', "RateLimit-Policy": '"fixed window";"whoami";q=2;w=300'},
+                   budget.acquire())
+    assert (budget.calls, budget.remaining, budget.server_told) == (1000, None, False)
+    assert budget.wait_s() == 0
+
+
+def test_with_plenty_left_calls_go_at_once():
+    fake = FakeTime()
+    budget = fake.on(hsp._ApiBudget())
+    budget.observe(limit_headers(900, 200), budget.acquire())
+    for _ in range(100):
+        budget.acquire()
+    assert fake.waits == []
+
+
+def test_when_little_is_left_the_remaining_calls_are_spread_over_the_time_to_the_reset():
+    fake = FakeTime()
+    budget = fake.on(hsp._ApiBudget())
+    budget.observe(limit_headers(150, 100), budget.sent)  # under a quarter of 1000 left, 100 s to go
+    sent_at = []
+    for _ in range(5):
+        budget.acquire()
+        sent_at.append(fake.now)
+    gaps = [later - earlier for earlier, later in zip(sent_at, sent_at[1:])]
+    assert all(0.9 < gap < 1.2 for gap in gaps), gaps  # ~100 s / (150 - 50 reserved) apart: not all at once
+    assert sent_at[0] == 1000.0  # the first one went at once
+
+
+def test_at_the_reserve_ordinary_calls_wait_for_the_reset_and_teardown_does_not():
+    fake = FakeTime()
+    budget = fake.on(hsp._ApiBudget())
+    budget.observe(limit_headers(budget.reserve, 40), budget.sent)
+    budget.acquire(teardown=True)
+    assert fake.waits == [] and budget.teardown_sent == 1
+    assert budget.wait_s() == pytest.approx(40.0)
+    budget.acquire()
+    assert sum(fake.waits) == pytest.approx(40.0)  # then a fresh window
+
+
+def test_calls_sent_after_a_request_are_discounted_from_its_answers_count():
+    budget = hsp._ApiBudget()
+    ticket = budget.acquire()
+    for _ in range(30):
+        budget.acquire()  # in flight while the first answer comes back
+    budget.observe(limit_headers(500, 100), ticket)
+    assert budget.remaining == 470
+
+
+@pytest.mark.parametrize("headers, pause", [
+    (dict(limit_headers(0, 55), **{"Retry-After": "7"}), 56.0),  # RateLimit's t first (+1 s, as huggingface_hub)
+    ({"Retry-After": "7"}, 8.0),  # then Retry-After
+    ({"RateLimit": '"api";r=600;t=55', "Retry-After": "9"}, 10.0),  # r > 0: the limit was not the reason
+])
+def test_a_429_pauses_until_the_servers_reset_then_retry_after(api, headers, pause):
+    url = ENDPOINT + "/api/jobs/alice/j1"
+    api.add(responses.GET, url, status=429, headers=headers)
+    api.add(responses.GET, url, json=job_json("j1", "RUNNING"))
+    client = hsp._JobsClient(ENDPOINT, fresh_token())
+    fake = FakeTime()
+    fake.on(client._budget)
+    assert client.get_job("alice", "j1")["status"]["stage"] == "RUNNING"
+    assert sum(fake.waits) == pytest.approx(pause) and client._budget.rate_limited_count == 1
+
+
+def test_a_cancel_answered_429_waits_for_the_reset_and_retries_instead_of_giving_up(api, monkeypatch):
+    url = ENDPOINT + "/api/jobs/alice/j1/cancel"
+    api.add(responses.POST, url, status=429, headers=limit_headers(0, 3))
+    api.add(responses.POST, url, status=200)
+    slept = []
+    monkeypatch.setattr(hsp.time, "sleep", slept.append)
+    hsp._JobsClient(ENDPOINT, fresh_token()).cancel_job("alice", "j1")
+    assert slept == [4.0] and len(api.calls) == 2
+
+
 # -- errors -----------------------------------------------------------------------------------------
 
 
