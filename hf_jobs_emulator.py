@@ -126,7 +126,17 @@ DEFAULT_SERVER_ERROR_STATUS = 503
 LINK_POLL_S = 0.5
 LINK_CHUNK = 16 * 1024
 # Route names: keys of `api_calls` and the `routes` of `inject_rate_limit`.
-API_ROUTES = ("whoami", "create", "list", "inspect", "cancel", "logs", "hardware", "unknown")
+API_ROUTES = ("whoami", "create", "list", "inspect", "cancel", "logs", "hardware", "labels", "expose", "metrics",
+              "unknown")
+# Job routes below /api/jobs/{namespace}/{job_id}/: their method (huggingface_hub's HfApi calls them so).
+JOB_SUBROUTES = {"cancel": "POST", "logs": "GET", "labels": "PUT", "expose": "PUT", "metrics": "GET"}
+# The Hub's rule for labels (huggingface_hub's update_job_labels): keys and values of at most this many
+# letters, digits, '-' and '_'. The emulator's own fault labels (FAULT_LABEL_PREFIX) keep free-form values.
+LABEL_MAX_CHARS = 100
+# GET .../metrics sends one `event: metric` a second (huggingface_hub's fetch_job_metrics).
+METRICS_INTERVAL_S = 1.0
+# What a job's metrics report as its memory size (cpu-basic's 16 GB; the emulator does not limit memory).
+METRICS_MEMORY_TOTAL_BYTES = 16 * 1024 ** 3
 # Seconds a client is told to wait in `Retry-After` when a 429 is injected without an explicit value.
 DEFAULT_RETRY_AFTER_S = 1
 # `rate_limit=(quota, window_s)`: the Hub's API limit is per user, in fixed windows (5 minutes; 1,000 calls
@@ -687,6 +697,44 @@ class JobsEmulator:
                 job._attention.set()
             self._changed.notify_all()
 
+    def _update_labels(self, job: EmulatedJob, body: Any) -> None:
+        """PUT .../labels: `{"labels": {...}}` replaces every label of the job (huggingface_hub's
+        update_job_labels); the Hub's label rule applies (fault labels act only at create)."""
+        labels = body.get("labels") if isinstance(body, dict) else None
+        reason = ("the request body must be {\"labels\": {key: value}}" if not isinstance(labels, dict)
+                  else _str_map_rejection(body, "labels") or _labels_rejection(labels, fault_prefix=None))
+        if reason:
+            raise _ApiError(400, reason)
+        with self._lock:
+            job.spec["labels"] = dict(labels)
+
+    def _update_expose(self, job: EmulatedJob, body: Any) -> None:
+        """PUT .../expose: `{"ports": [...], "portsPublic": [...]}` replaces a RUNNING job's exposed ports
+        (huggingface_hub's update_job_expose). A kept port keeps its gate and URL; a new one gets a gate to a
+        new local port ($PORT_<n> was fixed at start, so the job's process must find that port itself)."""
+        reason = _expose_rejection(body)
+        if reason:
+            raise _ApiError(400, reason)
+        ports, public = list(body.get("ports") or []), set(body.get("portsPublic") or [])
+        with self._lock:
+            if job.stage != "RUNNING":
+                raise _ApiError(400, f"Job {job.id} is {job.stage}: only a running job's ports can be changed")
+            kept = {gate.exposed_port: gate for gate in job._gates
+                    if gate.exposed_port in ports and gate._public == (gate.exposed_port in public)}
+            dropped = [gate for gate in job._gates if gate not in kept.values()]
+            for port in ports:
+                if port not in job.local_ports:
+                    job.local_ports[port] = self._reserve_port()
+        for gate in dropped:
+            _stop_quietly(gate)
+        gates = [kept.get(port) or self.make_gate(job, port, public=port in public) for port in ports]
+        with self._lock:
+            job._gates = gates
+            job.spec["expose"] = {"ports": ports, "portsPublic": sorted(public)}
+            if job.expose_urls is not None or ports:
+                job.expose_urls = [gate.url for gate in gates] or None
+            self._changed.notify_all()
+
     def _job_json(self, job: EmulatedJob) -> Dict[str, Any]:
         """The job as the real API answers it (field names and shapes HfApi's JobInfo reads)."""
         with self._lock:
@@ -1155,20 +1203,64 @@ def _create_body_rejection(body: Any, flavors: Sequence[str] = FLAVORS) -> Optio
     timeout = body.get("timeoutSeconds")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int) or timeout <= 0):
         return f"field 'timeoutSeconds' must be a whole number of seconds > 0, got {timeout!r}"
-    expose = body.get("expose")
-    if expose is not None:
-        if not isinstance(expose, dict):
-            return "field 'expose' must be an object {\"ports\": [...], \"portsPublic\": [...]}"
-        ports, public = expose.get("ports") or [], expose.get("portsPublic") or []
-        for field, values in (("expose.ports", ports), ("expose.portsPublic", public)):
-            if not isinstance(values, list) or not all(
-                    isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536 for p in values):
-                return f"field '{field}' must be a list of port numbers (1-65535), got {values!r}"
-            if len(set(values)) != len(values):
-                return f"field '{field}' lists a port twice: {values!r}"
-        if not set(public) <= set(ports):
-            return "field 'expose.portsPublic' must be a subset of 'expose.ports'"
+    reason = _labels_rejection(body.get("labels") or {}, FAULT_LABEL_PREFIX)
+    if reason:
+        return reason
+    return None if body.get("expose") is None else _expose_rejection(body["expose"], "expose.")
+
+
+def _labels_rejection(labels: Mapping[str, Any], fault_prefix: Optional[str]) -> Optional[str]:
+    """Why labels break the Hub's rule (naming the label), or None; fault labels keep free-form values."""
+    allowed = set(string.ascii_letters + string.digits + "-_")
+    for key, value in labels.items():
+        if not key or len(key) > LABEL_MAX_CHARS or not set(key) <= allowed:
+            return f"label key {key!r}: keys must be 1-{LABEL_MAX_CHARS} letters, digits, '-' or '_'"
+        if fault_prefix and key.startswith(fault_prefix):
+            continue
+        if len(value) > LABEL_MAX_CHARS or not set(value) <= allowed:
+            return f"label {key}={value!r}: values must be at most {LABEL_MAX_CHARS} letters, digits, '-' or '_'"
     return None
+
+
+def _expose_rejection(expose: Any, prefix: str = "") -> Optional[str]:
+    """Why an expose object (`{"ports": [...], "portsPublic": [...]}`) is refused, naming the field, or None."""
+    if not isinstance(expose, dict):
+        return f"field '{prefix or 'expose'}' must be an object {{\"ports\": [...], \"portsPublic\": [...]}}"
+    ports, public = expose.get("ports") or [], expose.get("portsPublic") or []
+    for field, values in ((prefix + "ports", ports), (prefix + "portsPublic", public)):
+        if not isinstance(values, list) or not all(
+                isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536 for p in values):
+            return f"field '{field}' must be a list of port numbers (1-65535), got {values!r}"
+        if len(set(values)) != len(values):
+            return f"field '{field}' lists a port twice: {values!r}"
+    if not set(public) <= set(ports):
+        return f"field '{prefix}portsPublic' must be a subset of '{prefix}ports'"
+    return None
+
+
+def _json_body(body: bytes) -> Any:
+    try:
+        return json.loads(body.decode("utf-8")) if body else None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise _ApiError(400, f"the request body is not valid JSON: {exc}")
+
+
+def _process_cpu_seconds(pid: Optional[int]) -> float:
+    """User + system CPU seconds of a process (Linux /proc; 0 where unreadable)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, TypeError):
+        return 0.0
+
+
+def _process_rss_bytes(pid: Optional[int]) -> int:
+    try:
+        with open(f"/proc/{pid}/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError, TypeError):
+        return 0
 
 
 class _JobState:
@@ -2354,13 +2446,19 @@ class _ApiHandler(_QuietHandler):
             self._ok(emu._job_json(job))
         elif route == "logs":
             self._stream_logs(emu._find_job(namespace, params["job_id"]), target.query)
+        elif route == "labels":
+            job = emu._find_job(namespace, params["job_id"])
+            emu._update_labels(job, _json_body(body))
+            self._ok(emu._job_json(job))
+        elif route == "expose":
+            job = emu._find_job(namespace, params["job_id"])
+            emu._update_expose(job, _json_body(body))
+            self._ok(emu._job_json(job))
+        elif route == "metrics":
+            self._stream_metrics(emu._find_job(namespace, params["job_id"]))
 
     def _create(self, user: str, namespace: str, body: bytes) -> None:
-        try:
-            payload = json.loads(body.decode("utf-8")) if body else None
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise _ApiError(400, f"the request body is not valid JSON: {exc}")
-        job, lose_answer = self.emulator._create(user, namespace, payload)
+        job, lose_answer = self.emulator._create(user, namespace, _json_body(body))
         if lose_answer:  # the job exists, but the client never learns it
             self.close_connection = True
             try:
@@ -2388,6 +2486,35 @@ class _ApiHandler(_QuietHandler):
             headers["Link"] = '<%s/api/jobs/%s?%s>; rel="next"' % (base, namespace,
                                                                    urlencode(filters + [("cursor", str(end))]))
         self.send_json(200, jobs[start:end], headers)
+
+    def _stream_metrics(self, job: EmulatedJob) -> None:
+        """Server-sent `event: metric` once a second while the job runs (the shape huggingface_hub documents);
+        406 once it has ended, as the Hub answers. CPU and memory are the job process's own."""
+        emu = self.emulator
+        if job.terminal:
+            raise _ApiError(406, f"Job {job.id} has finished: no live metrics")
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.send_header("X-Request-Id", self.request_id)
+        for name, value in self.limit_headers.items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.close_connection = True
+        replica = job.id[-5:]
+        previous = _process_cpu_seconds(job.pid), time.monotonic()
+        while not job.terminal and not emu._stopping:
+            with emu._changed:
+                emu._changed.wait(METRICS_INTERVAL_S)
+            cpu, now = _process_cpu_seconds(job.pid), time.monotonic()
+            busy = max(0.0, cpu - previous[0]) / max(1e-6, now - previous[1])
+            previous = cpu, now
+            sample = {"cpu_usage_pct": round(100.0 * busy, 1), "cpu_millicores": int(1000 * busy),
+                      "memory_used_bytes": _process_rss_bytes(job.pid), "memory_total_bytes": METRICS_MEMORY_TOTAL_BYTES,
+                      "rx_bps": 0, "tx_bps": 0, "gpus": {}, "replica": replica}
+            self.wfile.write(b"event: metric\ndata: " + json.dumps(sample).encode("utf-8") + b"\n\n")
+            self.wfile.flush()
 
     def _stream_logs(self, job: EmulatedJob, query: str) -> None:
         """Server-sent events, one `data: {"data": line, "timestamp": ...}` per line, live until the
@@ -2446,12 +2573,12 @@ def _match_api_route(method: str, path: str) -> Tuple[str, Dict[str, str]]:
         routes = [("GET", "list", {"namespace": parts[2]}), ("POST", "create", {"namespace": parts[2]})]
     elif len(parts) == 4 and parts[:2] == ["api", "jobs"]:
         routes = [("GET", "inspect", {"namespace": parts[2], "job_id": parts[3]})]
-    elif len(parts) == 5 and parts[:2] == ["api", "jobs"] and parts[4] in ("cancel", "logs"):
-        verb = "POST" if parts[4] == "cancel" else "GET"
-        routes = [(verb, parts[4], {"namespace": parts[2], "job_id": parts[3]})]
+    elif len(parts) == 5 and parts[:2] == ["api", "jobs"] and parts[4] in JOB_SUBROUTES:
+        routes = [(JOB_SUBROUTES[parts[4]], parts[4], {"namespace": parts[2], "job_id": parts[3]})]
     if not routes:
-        raise _ApiError(404, f"Not found: no API route {path!r} (this emulator serves /api/whoami-v2 and "
-                             "/api/jobs/{namespace}[/{job_id}[/cancel|/logs]])")
+        raise _ApiError(404, f"Not found: no API route {path!r} (this emulator serves /api/whoami-v2, "
+                             "/api/jobs/hardware and /api/jobs/{namespace}[/{job_id}[/cancel|/logs|/labels|/expose"
+                             "|/metrics]])")
     for verb, route, params in routes:
         if verb == method or (verb == "GET" and method == "HEAD"):
             return route, params

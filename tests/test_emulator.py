@@ -264,6 +264,8 @@ def test_unknown_job_is_404_for_inspect_cancel_and_logs(emu):
     ({"dockerImage": "a", "expose": {"ports": [8000], "portsPublic": [9000]}}, "portsPublic"),
     ({"dockerImage": "a", "labels": {"emulator-die-after-s": "soon"}}, "emulator-die-after-s"),
     ({"dockerImage": "a", "labels": {"emulator-teleport": "1"}}, "emulator-teleport"),
+    ({"dockerImage": "a", "labels": {"model": "Qwen/Qwen3"}}, "label model='Qwen/Qwen3'"),
+    ({"dockerImage": "a", "labels": {"a b": "1"}}, "label key 'a b'"),
     ([1, 2], "JSON object"),
 ])
 def test_bad_create_bodies_are_400_naming_the_field(emu, body, field):
@@ -530,6 +532,48 @@ def get_when_up(url: str, headers: dict) -> requests.Response:
 def running_with_urls(api: HfApi, emu: JobsEmulator, **kwargs):
     job = run(api, emu, **kwargs)
     return api.wait_for_job(job.id, stages=["RUNNING"], timeout=TIMEOUT, poll_interval=0.05, namespace="local")
+
+
+def test_labels_are_replaced_with_hfapi_and_checked_by_the_hubs_rule(emu, api):
+    job = run(api, emu, SLEEP_FOREVER, labels={"team": "rl", "run": "1"})
+    updated = api.update_job_labels(job_id=job.id, labels={"team": "eval"}, namespace="local")
+    assert updated.labels == {"team": "eval"} and api.inspect_job(job_id=job.id, namespace="local").labels == {"team": "eval"}
+    assert [j.id for j in api.list_jobs(namespace="local", labels={"team": "eval"})] == [job.id]
+    refused = raw(emu, "PUT", f"/api/jobs/local/{job.id}/labels", json={"labels": {"team": "a/b"}})
+    assert refused.status_code == 400 and "label team='a/b'" in refused.json()["error"]
+    assert raw(emu, "PUT", f"/api/jobs/local/{job.id}/labels", json={"team": "x"}).status_code == 400
+    api.cancel_job(job_id=job.id, namespace="local")
+
+
+def test_exposed_ports_are_replaced_on_a_running_job_with_hfapi(emu, api):
+    job = running_with_urls(api, emu, command=[], expose=[8000])  # default command: the echo server
+    (url,) = job.status.expose_urls
+    assert get_when_up(url + "/health", bearer(emu.token)).status_code == 200
+    updated = api.update_job_expose(job_id=job.id, expose=[8000], expose_public=[9000], namespace="local")
+    assert updated.expose == [8000, 9000] and updated.expose_public == [9000]
+    assert updated.status.expose_urls[0] == url and len(updated.status.expose_urls) == 2  # the kept port keeps its URL
+    assert requests.get(url + "/health", headers=bearer(emu.token), timeout=TIMEOUT).status_code == 200
+    public_url = updated.status.expose_urls[1]
+    assert requests.get(public_url + "/health", timeout=TIMEOUT).status_code != 401  # public: no token asked
+    closed = api.update_job_expose(job_id=job.id, namespace="local")  # neither list: every port closed
+    assert closed.expose == [] and closed.status.expose_urls is None
+    with pytest.raises(requests.ConnectionError):
+        requests.get(url + "/health", headers=bearer(emu.token), timeout=TIMEOUT)
+    api.cancel_job(job_id=job.id, namespace="local")
+    finished(api, emu, job.id)
+    assert raw(emu, "PUT", f"/api/jobs/local/{job.id}/expose", json={"ports": [8000]}).status_code == 400
+
+
+def test_metrics_stream_one_sample_a_second_while_running_and_406_after(emu, api):
+    job = running_with_urls(api, emu, command=SLEEP_FOREVER)
+    (sample,) = list(api.fetch_job_metrics(job_id=job.id, namespace="local"))
+    assert set(sample) == {"cpu_usage_pct", "cpu_millicores", "memory_used_bytes", "memory_total_bytes", "rx_bps",
+                           "tx_bps", "gpus", "replica"}
+    assert sample["memory_used_bytes"] > 0 and sample["gpus"] == {}
+    api.cancel_job(job_id=job.id, namespace="local")
+    finished(api, emu, job.id)
+    assert raw(emu, "GET", f"/api/jobs/local/{job.id}/metrics").status_code == 406
+    assert list(api.fetch_job_metrics(job_id=job.id, namespace="local")) == []  # huggingface_hub tolerates it
 
 
 def test_exposed_url_is_401_without_the_token_and_200_with_it(emu, api):
