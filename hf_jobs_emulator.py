@@ -2487,12 +2487,8 @@ class _ApiHandler(_QuietHandler):
                                                                    urlencode(filters + [("cursor", str(end))]))
         self.send_json(200, jobs[start:end], headers)
 
-    def _stream_metrics(self, job: EmulatedJob) -> None:
-        """Server-sent `event: metric` once a second while the job runs (the shape huggingface_hub documents);
-        406 once it has ended, as the Hub answers. CPU and memory are the job process's own."""
-        emu = self.emulator
-        if job.terminal:
-            raise _ApiError(406, f"Job {job.id} has finished: no live metrics")
+    def _start_event_stream(self) -> None:
+        """The head of a server-sent events answer (logs, metrics): it ends when the connection closes."""
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
@@ -2502,6 +2498,14 @@ class _ApiHandler(_QuietHandler):
             self.send_header(name, value)
         self.end_headers()
         self.close_connection = True
+
+    def _stream_metrics(self, job: EmulatedJob) -> None:
+        """Server-sent `event: metric` once a second while the job runs (the shape huggingface_hub documents);
+        406 once it has ended, as the Hub answers. CPU and memory are the job process's own."""
+        emu = self.emulator
+        if job.terminal:
+            raise _ApiError(406, f"Job {job.id} has finished: no live metrics")
+        self._start_event_stream()
         replica = job.id[-5:]
         previous = _process_cpu_seconds(job.pid), time.monotonic()
         while not job.terminal and not emu._stopping:
@@ -2523,15 +2527,7 @@ class _ApiHandler(_QuietHandler):
         tail_text = dict(parse_qsl(query)).get("tail")
         if tail_text is not None and not tail_text.isdigit():
             raise _ApiError(400, f"query parameter 'tail' must be a whole number, got {tail_text!r}")
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Connection", "close")
-        self.send_header("X-Request-Id", self.request_id)
-        for name, value in self.limit_headers.items():
-            self.send_header(name, value)
-        self.end_headers()
-        self.close_connection = True
+        self._start_event_stream()
         with emu._lock:
             index = max(0, len(job.logs) - int(tail_text)) if tail_text is not None else 0
         while True:
