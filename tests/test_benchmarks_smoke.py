@@ -226,3 +226,4 @@ def test_multiproc_runs_processes_of_one_user_within_its_quota_and_records_the_t
     text = results.read_text()
     assert text.count(OTHER_SECTION) == 1 and text.count("## Many trainer processes on one account") == 1
     assert "| 2 x 2 | 14 / 5s | 4/4 | 0 |" in text
+    assert "(jobs CANCELED), while an ordinary call then waited" in text  # the stop did not wait for budget
