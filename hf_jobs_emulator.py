@@ -1,7 +1,8 @@
 """A local stand-in for Hugging Face Jobs, and an OpenEnv-compatible echo environment.
 
-`JobsEmulator` serves the HF Jobs REST API (whoami-v2, create, inspect, list, cancel, logs) on
-loopback with the JSON shapes huggingface_hub's `HfApi` parses, runs each job's command as a local
+`JobsEmulator` serves the HF Jobs REST API (whoami-v2, hardware, create, inspect, list, cancel, logs,
+labels, expose, metrics; optionally the Hub's per-user rate limit and pagination) on loopback with the
+JSON shapes huggingface_hub's `HfApi` parses, runs each job's command as a local
 process group, and fronts every exposed port with a token gate, as `https://<id>--<port>.hf.jobs`
 does. Faults (slow scheduling, crash at boot, 429s and 5xx, lost create answers, jobs that never get a
 URL, sudden death, and with `network_faults=True` stalls and resets on the wire) can be set per
