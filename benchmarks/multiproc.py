@@ -168,14 +168,17 @@ def _markdown(rows: Sequence[Dict[str, Any]], command: str, load: Sequence[float
              "same token, and starts its environments with start_many at the same moment as the others."
              % (platform.platform(), platform.python_version(), os.cpu_count() or 0, load[0], load[1], load[2], started),
              "", "| processes x envs | quota / window | ready | errors | time to all ready | API calls | most in one window "
-             "| answered 429 | longest budget wait (one process) | most CPU (one process) | slowest stop |",
+             "| answered 429 | budget waits (one process, its threads summed) | most CPU (one process) | slowest stop |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in rows:
         lines.append("| %d x %d | %d / %gs | %d/%d | %d | %s | %d | %d | %d | %s | %s | %s |" % (
             row["processes"], row["envs"], row["quota"], row["window_s"], row["ready"], row["wanted"],
             len(row["errors"]), _seconds(row["all_ready_s"]), row["api_calls_total"], row["window_peak"],
             row["answered_429"], _seconds(row["budget_wait_s_max"]), _seconds(row["cpu_s_max"]), _seconds(row["stop_s_max"])))
-    lines += ["", "Calls by route: " + "; ".join(
+    lines += ["", "Ready and stop times are the slowest process's, from the common start. A 429 is waited out (the "
+              "server's reset), never surfaced: `errors` counts environments that failed. Cancels never wait for the "
+              "budget; past the quota the server answers them 429 and they wait for the reset.",
+              "", "Calls by route: " + "; ".join(
         "%d/%gs: %s" % (row["quota"], row["window_s"], ", ".join("%s %d" % kv for kv in sorted(row["api_calls"].items())))
         for row in rows)]
     for row in rows:
