@@ -1992,7 +1992,7 @@ class _ApiBudget:
         self.reset_at = 0.0  # clock time the server's window resets
         self.sent = 0  # calls sent through this budget; a call's ticket is this count once it was sent
         self.teardown_sent = 0
-        self.waited_s = 0.0  # time calls spent waiting here, summed over threads
+        self.waited_s = 0.0  # time calls spent held here (and watcher refreshes put off), summed over threads
         self._next_paced = 0.0
         self._sent: deque = deque()  # send times within the window, for a server that says nothing
         self._lock = threading.Lock()
@@ -2257,7 +2257,9 @@ class _JobWatcher:
         client = group.client
         held = client._budget.wait_s()
         if held > 0:
-            group.next_due = max(group.next_due, time.monotonic() + min(held, RATE_LIMIT_RECHECK_S))
+            put_off = min(held, RATE_LIMIT_RECHECK_S)
+            group.next_due = max(group.next_due, time.monotonic() + put_off)
+            client._budget.waited_s += put_off
             return
         try:
             if len(watches) == 1:
