@@ -229,3 +229,25 @@ def test_trainer_cost_runs_every_cell_through_the_proxy_and_writes_only_its_sect
 def test_trainer_cost_refuses_an_unknown_proxy_mode_naming_the_known_ones():
     proc = _run([os.path.join(BENCH, "trainer_cost.py"), "--modes", "elsewhere"])
     assert proc.returncode == 2 and "unknown mode elsewhere; choose from in-process" in proc.stderr
+
+
+def test_multiproc_runs_processes_of_one_user_within_its_quota_and_records_the_table(tmp_path):
+    """benchmarks/multiproc.py end to end with small numbers: real worker processes against one rate-limited
+    emulator; the second quota is smaller than the run needs, so the workers must pace across windows."""
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Benchmark results\n\n" + OTHER_SECTION)
+    raw = tmp_path / "multiproc.json"
+    proc = _run([os.path.join(BENCH, "multiproc.py"), "--processes", "2", "--envs", "2", "--quotas", "40,14",
+                 "--window-s", "5", "--timeout-s", "120", "--write", "--results", str(results), "--json", str(raw)],
+                timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(raw.read_text())
+    for row in rows:
+        assert (row["ready"], row["wanted"], row["errors"], row["leftovers"]) == (4, 4, [], [])
+        assert row["window_peak"] <= row["quota"] and row["server_told"]
+        assert row["api_calls"]["create"] == 4 and row["api_calls"]["cancel"] == 4
+    assert rows[1]["api_calls_total"] > 14  # more than one window's worth: paced, not refused into errors
+    text = results.read_text()
+    assert text.count(OTHER_SECTION) == 1 and text.count("## Many trainer processes on one account") == 1
+    assert "| 2 x 2 | 14 / 5s | 4/4 | 0 |" in text
+    assert "(jobs CANCELED), while an ordinary call then waited" in text  # the stop did not wait for budget
