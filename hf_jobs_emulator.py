@@ -135,6 +135,9 @@ ALL_STAGES = JOB_LIVE_STAGES + JOB_TERMINAL_STAGES
 # Environment variables of this process a job must not inherit: the real service never hands the
 # submitting user's token to a job unless it is passed as a secret.
 SCRUBBED_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_API_TOKEN")
+# Signals every child the emulator starts can receive and that end it by default, whichever thread started
+# it: a child inherits its creator thread's mask (library threads block these) and ignored dispositions.
+CHILD_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
 # Echo server defaults: OpenEnv images listen on 8000; the step delay is for benchmarks only.
 ECHO_DEFAULT_PORT = 8000
 ECHO_STEP_DELAY_ENV = "ECHO_STEP_DELAY_S"
@@ -188,6 +191,7 @@ class EmulatedJob:
         self._attention = threading.Event()
         self._die_now = False  # set by JobsEmulator.kill_job
         self._links: List["_FaultLink"] = []  # network_faults=True: one per exposed port
+        self._gates_made = threading.Event()  # its exposed URLs are known (a sandbox host answers them at create)
         self._supervisor: Optional[threading.Thread] = None
 
     @property
@@ -228,6 +232,11 @@ class JobsEmulator:
         zygote: bool = True,
         network_faults: bool = False,
         tls: bool = False,
+        sandbox_host_boot_s: float = 13.0,
+        sandbox_host_ready_s: float = 4.7,
+        sandbox_create_s: float = 0.27,
+        sandbox_capacity: Optional[int] = None,
+        sandbox_idle_timeout_s: Optional[float] = None,
     ) -> None:
         reason = (_host_rejection(host) or _namespace_rejection(namespace)
                   or _delay_rejection("scheduling_delay_s", scheduling_delay_s)
@@ -279,6 +288,10 @@ class JobsEmulator:
         self.tls = bool(tls)
         self.ca_path: Optional[str] = None
         self._tls: Optional[_TLSMaterial] = None
+        # huggingface_hub's sandbox host jobs run the emulated sbx-server (hf_sbx_emulator.py, when present).
+        self.sandbox_hosts = _sandbox_hosts(host_boot_s=sandbox_host_boot_s, host_ready_s=sandbox_host_ready_s,
+                                            sandbox_create_s=sandbox_create_s, capacity=sandbox_capacity,
+                                            idle_timeout_s=sandbox_idle_timeout_s)
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -396,9 +409,10 @@ class JobsEmulator:
             return list(self._jobs.values())
 
     def live_pids(self) -> List[int]:
-        """Process ids of job processes that are still running (for leak checks)."""
+        """Process ids of job and sandbox processes that are still running (for leak checks)."""
+        sandboxes = self.sandbox_hosts.live_pids() if self.sandbox_hosts is not None else []
         return [job.pid for job in self.jobs
-                if job._process is not None and job._process.poll() is None and job.pid is not None]
+                if job._process is not None and job._process.poll() is None and job.pid is not None] + sandboxes
 
     def wait_for_stage(self, job_id: str, stages: Iterable[str], timeout_s: float = 10.0) -> EmulatedJob:
         """Block until the job is in one of `stages` (or terminal); TimeoutError naming the stage."""
@@ -589,6 +603,8 @@ class JobsEmulator:
             if after > 0:
                 self._rate_limits.arm(after, DEFAULT_RETRY_AFTER_S, None)
         job._supervisor.start()
+        if self._is_sandbox_host(job):
+            job._gates_made.wait(ZYGOTE_SPAWN_TIMEOUT_S)
         return job, lose
 
     def _find_job(self, namespace: str, job_id: str) -> EmulatedJob:
@@ -643,6 +659,8 @@ class JobsEmulator:
         finally:
             for gate in job._gates + job._links:
                 _stop_quietly(gate)
+            if self.sandbox_hosts is not None:
+                self.sandbox_hosts.release(job.id)  # a sandbox host's sandboxes end with its job
 
     def _run_job(self, job: EmulatedJob, secret_values: Dict[str, str]) -> None:
         # Everything slow (port probes, gates, starting the process) happens outside the lock, so
@@ -650,6 +668,9 @@ class JobsEmulator:
         # Ports and gates are made while the job waits out its scheduling delay (nobody can see them
         # before RUNNING publishes the URLs), which keeps ~1 ms of work per job out of the RUNNING burst.
         scheduled_at = job.created_mono + self.scheduling_delay_s + float(job.faults.get("scheduling-delay-s", "0"))
+        sbx_host = self._is_sandbox_host(job)
+        if sbx_host:
+            scheduled_at += self.sandbox_hosts.host_boot_s
         argv = self._job_argv(job)
         exposed = list((job.spec.get("expose") or {}).get("ports") or [])
         public = set((job.spec.get("expose") or {}).get("portsPublic") or [])
@@ -661,6 +682,10 @@ class JobsEmulator:
             gate = self.make_gate(job, exposed_port, public=exposed_port in public)
             job._gates.append(gate)
             urls.append(gate.url)
+        if sbx_host and not _truthy(job.faults.get("no-url", "false")):
+            with self._lock:  # huggingface_hub reads a sandbox job's URL from the create answer itself
+                job.expose_urls = urls
+        job._gates_made.set()
         if self.zygote and argv[:len(echo_server_command())] == echo_server_command():
             self._zygote_for_jobs()  # started (once) while jobs are still scheduling
         if self._wait_for_stop_request(job, scheduled_at):
@@ -671,7 +696,7 @@ class JobsEmulator:
         for exposed_port, local_port in job.local_ports.items():
             env[f"PORT_{exposed_port}"] = str(process_ports.get(local_port, local_port))
         try:
-            process = self.launch_process(argv, env)
+            process = self.sandbox_hosts.launch(job, env, self.host) if sbx_host else self.launch_process(argv, env)
         except OSError as exc:
             self._finish(job, "ERROR", f"Failed to start the job's command {argv[0]!r}: {exc.strerror or exc}")
             return
@@ -720,8 +745,8 @@ class JobsEmulator:
                     return zygote.spawn(argv[len(echo):], env)
                 except _ZygoteUnavailable as exc:  # it died under us: the ordinary path still works
                     log.warning("hf_jobs_emulator: zygote unavailable (%s); starting the job with Popen", exc)
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
+        return spawn_process(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             env=env, start_new_session=True)
 
     def _watch_process(self, job: EmulatedJob) -> Tuple[str, Optional[str]]:
         """Wait for the process to exit or a deadline to pass; returns (final stage, message)."""
@@ -789,6 +814,12 @@ class JobsEmulator:
             job._attention.wait(left)
             job._attention.clear()  # a kill_job of a job not RUNNING yet is refused: only stops matter
         return True
+
+    def _is_sandbox_host(self, job: EmulatedJob) -> bool:
+        """Whether the job is huggingface_hub's sandbox bootstrap, run as an emulated sbx-server (a crash
+        fault still runs the crashing command instead)."""
+        return (self.sandbox_hosts is not None and "crash-at-boot" not in job.faults
+                and _sbx_module().is_sandbox_host_spec(job.spec))
 
     def _job_argv(self, job: EmulatedJob) -> List[str]:
         crash = job.faults.get("crash-at-boot")
@@ -1158,6 +1189,24 @@ def _job_info(job: EmulatedJob, state: _JobState) -> Dict[str, Any]:
 # ==================================================================================================
 
 
+def _sbx_module() -> Any:
+    """hf_sbx_emulator, imported on first use (it imports this module), or None when it is not installed."""
+    try:
+        if __package__:
+            from . import hf_sbx_emulator
+        else:
+            import hf_sbx_emulator
+    except ImportError:
+        return None
+    return hf_sbx_emulator
+
+
+def _sandbox_hosts(**settings: Any) -> Any:
+    """The emulator's `hf_sbx_emulator.SandboxHosts`, or None without that module (bootstraps then run as is)."""
+    module = _sbx_module()
+    return module.SandboxHosts(**settings) if module is not None else None
+
+
 def _generate_token() -> str:
     alphabet = string.ascii_letters
     return "hf_" + "".join(secrets.choice(alphabet) for _ in range(34))
@@ -1210,6 +1259,26 @@ def _job_environment(environment: Mapping[str, str], secret_values: Mapping[str,
     env.update(environment)
     env.update(secret_values)
     return env
+
+
+def spawn_process(argv: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen:
+    """`subprocess.Popen` whose child has CHILD_SIGNALS unblocked and at their default action, even when
+    the calling thread blocks them (the child inherits its mask) or this process ignores one.
+
+    The mask is lifted in the calling thread for the instant of the fork (a signal arriving then is
+    handled as it would be in the main thread); only an ignored disposition needs code in the child.
+    """
+    ignored = [sig for sig in CHILD_SIGNALS if signal.getsignal(sig) == signal.SIG_IGN]
+    if ignored:
+        popen_kwargs["preexec_fn"] = lambda: [signal.signal(sig, signal.SIG_DFL) for sig in ignored]
+    if not hasattr(signal, "pthread_sigmask"):
+        return subprocess.Popen(argv, **popen_kwargs)
+    blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, CHILD_SIGNALS)
+    try:
+        return subprocess.Popen(argv, **popen_kwargs)
+    finally:
+        if blocked & set(CHILD_SIGNALS):
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def _kill_process_group(proc: Optional[subprocess.Popen], grace_s: float) -> None:
@@ -1317,7 +1386,7 @@ class _Zygote:
     def start(cls) -> "_Zygote":
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            process = subprocess.Popen(
+            process = spawn_process(
                 [sys.executable, os.path.abspath(__file__), "zygote", str(theirs.fileno())],
                 stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),), start_new_session=True,
                 env={k: v for k, v in os.environ.items() if k not in SCRUBBED_ENV_VARS})
@@ -1526,8 +1595,10 @@ def _zygote_child(request: Dict[str, Any], fds: List[int], close_fds: Tuple[int,
     zygote_pid = os.getppid()
     try:
         signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGINT):
+        for sig in (signal.SIGCHLD, *CHILD_SIGNALS):
             signal.signal(sig, signal.SIG_DFL)
+        if hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, CHILD_SIGNALS)
         os.setpgid(0, 0)  # its own group; the zygote does the same from its side (see _zygote_main)
         _die_with_parent(prctl, zygote_pid)
         for fd in close_fds:  # the zygote's own: a job holds only its pipe and what it opens
@@ -2072,6 +2143,8 @@ class _TLSFront:
 
     def stop(self) -> None:
         with self._lock:
+            if self._stopping:  # a job's gates are stopped when it ends and again by the emulator's stop()
+                return
             self._stopping = True
             conns, threads = list(self._conns), list(self._threads)
         self._wake_w.send(b"x")
@@ -2153,8 +2226,8 @@ class _QuietHandler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         pass  # request lines may carry job ids only, but tests and benchmarks want a quiet stderr
 
-    def read_body(self) -> bytes:
-        """The request body (Content-Length or chunked); _ApiError 413 when it is too big."""
+    def read_body(self, limit: int = MAX_BODY_BYTES) -> bytes:
+        """The request body (Content-Length or chunked); _ApiError 413 when it is over `limit` bytes."""
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
             chunks, total = [], 0
             while True:
@@ -2164,15 +2237,15 @@ class _QuietHandler(BaseHTTPRequestHandler):
                         pass  # trailers
                     return b"".join(chunks)
                 total += size
-                if total > MAX_BODY_BYTES:
+                if total > limit:
                     self.close_connection = True
-                    raise _ApiError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+                    raise _ApiError(413, f"request body larger than {limit} bytes")
                 chunks.append(self.rfile.read(size))
                 self.rfile.readline(1024)
         length = int(self.headers.get("Content-Length") or 0)
-        if length > MAX_BODY_BYTES:
+        if length > limit:
             self.close_connection = True
-            raise _ApiError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+            raise _ApiError(413, f"request body larger than {limit} bytes")
         return self.rfile.read(length) if length > 0 else b""
 
     def send_json(self, status: int, payload: Any, headers: Optional[Mapping[str, str]] = None) -> None:
