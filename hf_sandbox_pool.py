@@ -66,6 +66,10 @@ SANDBOX_IDLE_TIMEOUT = None
 NAMED_POOL_WARM_UP = 1
 # At exit, how long killing the pooled sandboxes still running may take (in parallel), before the pools close.
 EXIT_KILL_BUDGET_S = 15.0
+# A sandbox create the host answers 429 or 5xx (busy, restarting) is retried this many times, with the
+# Jobs client's backoff; huggingface_hub itself does not retry it.
+CREATE_RETRIES = 4
+CREATE_RETRY_STATUSES = frozenset([429, 500, 502, 503, 504])
 # Pool names become the `hf-sandbox-pool` job label: the Hub's label rule.
 _POOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
 
@@ -200,7 +204,7 @@ class PooledSandbox:
             if settings["labels"]:
                 logger.debug("pool=%s: labels are not used by a pooled sandbox (its host's labels are the pool's)",
                              pool.name)
-            sandbox = pool.create(env=env or None, idle_timeout=SANDBOX_IDLE_TIMEOUT, forward_hf_token=False)
+            sandbox = self._create(pool, env)
             self._hold(owner, sandbox, namespace)
             owner._raise_if_stopped()
             upstream = sandbox.proxy_url_for(self.port, "").rstrip("/")
@@ -288,6 +292,53 @@ class PooledSandbox:
         return _server_log_tail(sandbox, self.port, tail)
 
     # -- machinery ------------------------------------------------------------------------------------
+
+    def _create(self, pool: Any, env: Mapping[str, str]) -> Any:
+        """pool.create(), retrying a 429/5xx answer (CREATE_RETRIES times, with backoff); what still fails
+        is raised as this library's error, with huggingface_hub's message."""
+        owner = self.owner
+        for attempt in range(CREATE_RETRIES + 1):
+            try:
+                return pool.create(env=dict(env) or None, idle_timeout=SANDBOX_IDLE_TIMEOUT, forward_hf_token=False)
+            except Exception as exc:
+                if isinstance(exc, _core.SandboxError):
+                    raise
+                status = getattr(exc, "status_code", None)
+                if status is None and attempt < CREATE_RETRIES and self._drop_dead_hosts(pool):
+                    continue  # the pool placed it on a host whose job has ended: now forgotten, place again
+                if status in CREATE_RETRY_STATUSES and attempt < CREATE_RETRIES:
+                    delay = _core._retry_delay(attempt, None)
+                    logger.info("pool %s: sandbox create answered %s; retrying in %.1fs", pool.name, status, delay)
+                    if owner._stop_requested.wait(delay):
+                        owner._raise_if_stopped()
+                    continue
+                if status is not None:
+                    raise _core.JobsAPIError("creating a sandbox in pool %s" % pool.name, status,
+                                             _first_line(exc)) from None
+                raise _core.SandboxError("pool %s: creating a sandbox failed: %s" % (pool.name, _first_line(exc))) from None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _drop_dead_hosts(self, pool: Any) -> bool:
+        """Make the pool forget its hosts whose jobs have ended (huggingface_hub keeps placing sandboxes on
+        a host it booted until it is closed, even after the host died); True if it forgot any."""
+        owner = self.owner
+        client, hosts, drop = owner._job_client, getattr(pool, "_hosts", None), getattr(pool, "_drop_host", None)
+        if client is None or hosts is None or drop is None:
+            return False
+        dropped = []
+        for host in list(hosts):
+            try:
+                job = client.get_job(getattr(host, "owner", None) or owner._job_namespace or "", host.job_id, retries=0)
+            except Exception:
+                continue
+            stage = (job.get("status") or {}).get("stage")
+            if stage in _core.TERMINAL_STAGES:
+                drop(host)
+                dropped.append("%s (%s)" % (host.job_id, stage))
+        if dropped:
+            logger.warning("pool %s: host job(s) %s ended; placing sandboxes on the others or a new host",
+                           pool.name, ", ".join(dropped))
+        return bool(dropped)
 
     def _hold(self, owner: "_core.HFSandboxProvider", sandbox: Any, namespace: str) -> None:
         """Record the new sandbox so every teardown from now on kills it, and make that the safety net."""
@@ -395,6 +446,10 @@ def _release_sandbox(sandbox: Any, proxy: Any, base_url: Optional[str], client: 
     return killed
 
 
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
 def _server_log_tail(sandbox: Any, port: int, tail: int) -> List[str]:
     """The last `tail` lines of the server's log in the sandbox ([] when it cannot be read)."""
     try:
@@ -480,7 +535,12 @@ def _pool_for(settings: Mapping[str, Any], token: str, namespace: str, endpoint:
                                          "one" % pool)
             logger.info("pool %s: starting (image %s, flavor %s, namespace %s)", pool, settings["image"],
                         settings["flavor"], namespace)
-            entry.pool = _new_pool(pool, settings, token, namespace, endpoint)
+            try:
+                entry.pool = _new_pool(pool, settings, token, namespace, endpoint)
+            except Exception as exc:  # its first host failed to boot (and was cancelled by huggingface_hub)
+                if isinstance(exc, _core.SandboxError):
+                    raise
+                raise _core.SandboxError("pool %s could not start a host job: %s" % (pool, exc)) from None
             entry.finalizer = weakref.finalize(entry, _close_pool, entry.pool, entry)
             _core._live_finalizers.add(entry.finalizer)  # atexit and signal teardown run it
         return entry.pool
