@@ -58,12 +58,16 @@ SERVER_LOG_TEMPLATE = '"${HOME:-/tmp}/.hf-sandbox-server-%d.log"'
 # While waiting for /health, how often the host is asked whether the server process still runs (one
 # small request each): a crash at boot is reported within about this long, with its output.
 SERVER_CHECK_INTERVAL_S = 0.5
-# A sandbox's own idle eviction: off. The server is a running process (activity to the host anyway), and
-# the sandbox ends with stop_container(), the safety nets, or its host.
-SANDBOX_IDLE_TIMEOUT = None
+# A sandbox's own idle eviction (huggingface_hub's default, 10 minutes). A running server counts as activity,
+# so this only ends a sandbox whose server has exited, e.g. at its job_timeout deadline after this process
+# was killed without teardown; the host, once empty, then ends after its own idle timeout. That is the
+# pooled form of a dedicated job's timeoutSeconds: nothing bills forever.
+SANDBOX_IDLE_TIMEOUT = 600
 # Hosts a named pool pre-boots when this process first uses it (SandboxPool's warm_up): one, the rest
 # on demand as hosts fill.
 NAMED_POOL_WARM_UP = 1
+# Sandboxes per host prewarm() plans for before the pool exists (huggingface_hub's default density).
+HOST_CAPACITY_ASSUMED = 50
 # At exit, how long killing the pooled sandboxes still running may take (in parallel), before the pools close.
 EXIT_KILL_BUDGET_S = 15.0
 # A sandbox create the host answers 429 or 5xx (busy, restarting) is retried this many times, with the
@@ -140,10 +144,11 @@ def _version_tuple(version: str) -> Tuple[int, ...]:
     return tuple(parts) or (0,)
 
 
-def server_command(command: Union[None, str, Sequence[str]], port: int) -> str:
+def server_command(command: Union[None, str, Sequence[str]], port: int, timeout_s: Optional[int] = None) -> str:
     """The shell command a sandbox runs for the environment server: its output to the server log, the
-    socket path in `$HF_SANDBOX_SOCKET`, `{socket}` in `command` replaced by it (a list is quoted word by
-    word), then the server (default: OpenEnv's uvicorn on the socket)."""
+    socket path in `$HF_SANDBOX_SOCKET`, a deadline after `timeout_s` (the provider's job_timeout: the
+    process group is sent SIGTERM), `{socket}` in `command` replaced by the path (a list is quoted word
+    by word), then the server (default: OpenEnv's uvicorn on the socket)."""
     socket_word = '"$SBX_PROXY_DIR/%d.sock"' % port
     if command is None:
         body = POOL_COMMAND_TEMPLATE.replace(SOCKET_PLACEHOLDER, socket_word)
@@ -153,7 +158,10 @@ def server_command(command: Union[None, str, Sequence[str]], port: int) -> str:
         body = "exec " + " ".join(socket_word.join(shlex.quote(piece) if piece else "" for piece in part.split(
             SOCKET_PLACEHOLDER)) if part else "''" for part in command)
     log = SERVER_LOG_TEMPLATE % port
-    return 'exec >%s 2>&1; export HF_SANDBOX_SOCKET=%s; %s' % (log, socket_word, body)
+    deadline = "" if timeout_s is None else (
+        '(sleep %d; echo "hf-sandbox: job_timeout of %ds reached: stopping the server"; kill -TERM 0) & '
+        % (timeout_s, timeout_s))
+    return 'exec >%s 2>&1; export HF_SANDBOX_SOCKET=%s; %s%s' % (log, socket_word, deadline, body)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -211,7 +219,8 @@ class PooledSandbox:
             reason = owner._hooks()._exposed_url_rejection(upstream, self.host_id or "", SANDBOX_SERVER_PORT)
             if reason:
                 raise _core.InsecureURLError(reason)
-            process = sandbox.run(server_command(settings["command"], self.port), background=True)
+            command = server_command(settings["command"], self.port, _core._parse_duration(settings["job_timeout"]))
+            process = sandbox.run(command, background=True)
             self.process_id = process.id
             owner._raise_if_stopped()
             proxy = owner._proxy_instance()
@@ -517,9 +526,30 @@ _pools_lock = threading.Lock()
 _pools: Dict[Tuple[Any, ...], _NamedPool] = {}
 
 
-def _pool_for(settings: Mapping[str, Any], token: str, namespace: str, endpoint: str) -> Any:
+def prewarm(provider: "_core.HFSandboxProvider", n: int) -> None:
+    """Before `start_many(n, pool="name")`: make sure the named pool has hosts for `n` more sandboxes,
+    booting the missing ones in parallel (one cold start for all of them, not one per full host)."""
+    settings = provider._settings({})
+    if not isinstance(settings["pool"], str):
+        return
+    token = provider._resolve_token()
+    client = _core._JobsClient(provider.endpoint, token, provider._new_session())
+    try:
+        namespace = settings["namespace"] or client.whoami_namespace()
+    finally:
+        client.close()
+    hosts = -(-n // HOST_CAPACITY_ASSUMED)
+    pool = _pool_for(settings, token, namespace, provider.endpoint, warm_up=hosts)
+    per_host = int(getattr(pool, "sandboxes_per_host", HOST_CAPACITY_ASSUMED) or HOST_CAPACITY_ASSUMED)
+    wanted = -(-(n + pool.num_sandboxes) // per_host)
+    if pool.num_hosts < wanted:
+        logger.info("pool %s: warming %d host(s) for %d environments", pool.name, wanted, n)
+        pool.warm(wanted)
+
+
+def _pool_for(settings: Mapping[str, Any], token: str, namespace: str, endpoint: str, warm_up: int = 1) -> Any:
     """The pool a start places its sandbox in: the caller's SandboxPool as given, or this process's
-    named pool for these settings (made on first use, which boots its first host)."""
+    named pool for these settings (made on first use, which boots its first `warm_up` hosts)."""
     pool = settings["pool"]
     if not isinstance(pool, str):
         return pool
@@ -536,7 +566,7 @@ def _pool_for(settings: Mapping[str, Any], token: str, namespace: str, endpoint:
             logger.info("pool %s: starting (image %s, flavor %s, namespace %s)", pool, settings["image"],
                         settings["flavor"], namespace)
             try:
-                entry.pool = _new_pool(pool, settings, token, namespace, endpoint)
+                entry.pool = _new_pool(pool, settings, token, namespace, endpoint, warm_up)
             except Exception as exc:  # its first host failed to boot (and was cancelled by huggingface_hub)
                 if isinstance(exc, _core.SandboxError):
                     raise
@@ -546,11 +576,12 @@ def _pool_for(settings: Mapping[str, Any], token: str, namespace: str, endpoint:
         return entry.pool
 
 
-def _new_pool(name: str, settings: Mapping[str, Any], token: str, namespace: str, endpoint: str) -> Any:
-    """A SandboxPool (booting its first host) whose Hub calls go to the provider's endpoint."""
+def _new_pool(name: str, settings: Mapping[str, Any], token: str, namespace: str, endpoint: str,
+              warm_up: int) -> Any:
+    """A SandboxPool (booting its first `warm_up` hosts in parallel) whose Hub calls go to the provider's endpoint."""
     return _pool_class()(image=settings["image"], flavor=settings["flavor"], name=name, namespace=namespace,
-                         token=token, warm_up=NAMED_POOL_WARM_UP, start_timeout=float(settings["start_timeout_s"]),
-                         hub_endpoint=endpoint)
+                         token=token, warm_up=max(NAMED_POOL_WARM_UP, warm_up),
+                         start_timeout=float(settings["start_timeout_s"]), hub_endpoint=endpoint)
 
 
 _pool_class_cache: List[Any] = []

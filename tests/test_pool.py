@@ -361,3 +361,14 @@ def test_a_process_that_exits_or_gets_sigterm_kills_its_sandboxes_and_cancels_th
     assert child.returncode == (-signal.SIGTERM if ending == "signal" else 0)
     assert emu.wait_for_stage(host_id, ["CANCELED"]).stage == "CANCELED"
     assert emu.token not in child.stderr.read()
+
+
+def test_job_timeout_bounds_a_pooled_server_so_nothing_bills_forever_after_a_lost_client(pool_env, proxy):
+    emu = pool_env()
+    with provider(emu, proxy, job_timeout=3) as p:
+        p.wait_for_ready(p.start_container())
+        sandbox = p._pooled.sandbox
+        wait_until(lambda: not [proc for proc in sandbox.processes() if proc.running], "the server's deadline",
+                   timeout_s=30)
+        assert any("job_timeout of 3s reached" in line for line in p.logs())
+        assert requests.get(p.base_url + "/health", timeout=10).status_code == 502
