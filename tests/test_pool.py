@@ -372,3 +372,17 @@ def test_job_timeout_bounds_a_pooled_server_so_nothing_bills_forever_after_a_los
                    timeout_s=30)
         assert any("job_timeout of 3s reached" in line for line in p.logs())
         assert requests.get(p.base_url + "/health", timeout=10).status_code == 502
+
+
+def test_smoke_local_pool_runs_every_stage_and_closes_the_pool(tmp_path):
+    import json
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HF_ENDPOINT", "SSL_CERT_FILE")}
+    env.update(PYTHONPATH=os.path.dirname(HERE), HF_HOME=str(tmp_path))
+    run = subprocess.run([sys.executable, "-m", "hf_sandbox_provider", "smoke", "--local", "--pool", "smoke", "--json"],
+                         capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=120)
+    report = json.loads(run.stdout)
+    assert run.returncode == 0 and report["ok"], run.stderr
+    assert "." in report["job_id"]  # <host job id>.<sandbox id>
+    assert [s["ok"] for s in report["stages"] if s["name"].startswith("close pool")] == [True]
