@@ -318,8 +318,10 @@ def _run_sweep(args: Any) -> int:
     try:
         user = client.whoami_namespace()
         namespace = args.namespace or user
-        found = client.list_jobs(namespace, labels={PROVIDER_LABEL_KEY: PROVIDER_LABEL_VALUE},
-                                 stages=_proxy.JOB_LIVE_STAGES)
+        labels = {PROVIDER_LABEL_KEY: PROVIDER_LABEL_VALUE}
+        if args.pool:  # the host jobs of a named pool (huggingface_hub's labels: hosts carry no label of ours)
+            labels = {"hf-sandbox-mode": "pool", "hf-sandbox-pool": args.pool}
+        found = client.list_jobs(namespace, labels=labels, stages=_proxy.JOB_LIVE_STAGES)
         failed = swept = 0
         now = time.time()
         for job in found:
@@ -374,6 +376,8 @@ def _parser() -> Any:
                        help="only jobs created at least this long ago (e.g. 90s, 30m, 2h, 1d): spares the "
                             "jobs of trainers still running")
     sweep.add_argument("--namespace", help="user or organisation (default: the token's user)")
+    sweep.add_argument("--pool", metavar="NAME", help="cancel the host jobs of the named sandbox pool instead "
+                                                      "(pooled placement; every sandbox on them ends too)")
     sweep.add_argument("--endpoint", help="Hub endpoint (default: $HF_ENDPOINT or %s)" % DEFAULT_ENDPOINT)
     sweep.add_argument("-v", "--verbose", action="count", default=0)
     commands.add_parser("bench", add_help=False,

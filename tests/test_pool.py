@@ -386,3 +386,21 @@ def test_smoke_local_pool_runs_every_stage_and_closes_the_pool(tmp_path):
     assert run.returncode == 0 and report["ok"], run.stderr
     assert "." in report["job_id"]  # <host job id>.<sandbox id>
     assert [s["ok"] for s in report["stages"] if s["name"].startswith("close pool")] == [True]
+
+
+def test_sweep_pool_cancels_the_host_jobs_a_lost_process_left_of_that_pool_only(pool_env, proxy, monkeypatch, capsys):
+    import hf_sandbox_cli
+
+    emu = pool_env()
+    kept = provider(emu, proxy, pool="other")
+    kept.wait_for_ready(kept.start_container())
+    lost = provider(emu, proxy, pool="lost")
+    lost.wait_for_ready(lost.start_container())
+    monkeypatch.setenv("HF_TOKEN", emu.token)
+    monkeypatch.setenv("HF_ENDPOINT", emu.endpoint)
+    assert hf_sandbox_cli.main(["sweep", "--pool", "lost"]) == 0
+    assert "cancelled %s" % lost._pooled.host_id in capsys.readouterr().out
+    assert emu.wait_for_stage(lost._pooled.host_id, ["CANCELED"]).stage == "CANCELED"
+    assert emu.job(kept._pooled.host_id).stage == "RUNNING"
+    kept.stop_container()
+    lost.stop_container()
