@@ -404,3 +404,15 @@ def test_sweep_pool_cancels_the_host_jobs_a_lost_process_left_of_that_pool_only(
     assert emu.job(kept._pooled.host_id).stage == "RUNNING"
     kept.stop_container()
     lost.stop_container()
+
+
+@pytest.mark.parametrize("example", ["legacy_http_client.py", "openenv_client.py"])
+def test_an_example_runs_pooled_with_local_and_pool(tmp_path, example):
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HF_ENDPOINT", "SSL_CERT_FILE")}
+    env.update(HF_HOME=str(tmp_path))
+    run = subprocess.run([sys.executable, os.path.join(os.path.dirname(HERE), "examples", example), "--local",
+                          "--pool", "example"], capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=180)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "1 jobs run, 0 job processes left" in run.stdout, run.stdout
