@@ -163,7 +163,7 @@ def report(r: Dict[str, Any]) -> str:
         "while it waits for it)." % (_routes(r["dedicated_api_by_route"]), _routes(r["pooled_api_by_route"])),
         "- Restarting one environment on a warm host, start_container + wait_for_ready: p50 %.2f s, p90 %.2f s "
         "(target: p50 under 1 s)." % (r["restart_p50_s"], r["restart_p90_s"]),
-        "- The host hop adds %.2f ms per step at p50 here (the emulated hop: a TLS relay and a unix socket, "
+        "- The host hop adds %+.2f ms per step at p50 here (the emulated hop: a TLS relay and a unix socket, "
         "both in Python on this machine; on the Hub it is the host's own relay inside the VM)." % (
             pooled_p50 - dedicated_p50),
         "",
