@@ -7,6 +7,9 @@ does. Faults (slow scheduling, crash at boot, 429s and 5xx, lost create answers,
 URL, sudden death, and with `network_faults=True` stalls and resets on the wire) can be set per
 emulator or per job, so the provider's failure paths can be exercised offline.
 
+A job that is huggingface_hub's sandbox bootstrap (`SandboxPool` hosts, `Sandbox.create`) runs the
+emulated sandbox server of `hf_sbx_emulator.py` on its port 49983 instead of downloading the real one.
+
 `python -m hf_jobs_emulator echo-server` is a stdlib OpenEnv echo environment (HTTP and `/ws`);
 `python -m hf_jobs_emulator serve` runs the emulator standalone and prints its endpoint and token.
 
@@ -212,7 +215,8 @@ class JobsEmulator:
     be tested. `faults` applies the FAULT_KEYS to every job; labels `emulator-<key>` apply them to one.
     `default_command` runs when a create body has no command (default: this module's echo server);
     `image_commands` picks one per image instead. `zygote=False` starts even the echo server with
-    `Popen` (see `launch_process`).
+    `Popen` (see `launch_process`). A job that is huggingface_hub's sandbox bootstrap runs the emulated
+    sbx-server instead (hf_sbx_emulator.py; `sandbox_*` settings, `sandbox_hosts` for its hosts and faults).
     """
 
     def __init__(
@@ -237,6 +241,7 @@ class JobsEmulator:
         sandbox_create_s: float = 0.27,
         sandbox_capacity: Optional[int] = None,
         sandbox_idle_timeout_s: Optional[float] = None,
+        sandbox_strict_tokens: bool = True,
     ) -> None:
         reason = (_host_rejection(host) or _namespace_rejection(namespace)
                   or _delay_rejection("scheduling_delay_s", scheduling_delay_s)
@@ -291,7 +296,8 @@ class JobsEmulator:
         # huggingface_hub's sandbox host jobs run the emulated sbx-server (hf_sbx_emulator.py, when present).
         self.sandbox_hosts = _sandbox_hosts(host_boot_s=sandbox_host_boot_s, host_ready_s=sandbox_host_ready_s,
                                             sandbox_create_s=sandbox_create_s, capacity=sandbox_capacity,
-                                            idle_timeout_s=sandbox_idle_timeout_s)
+                                            idle_timeout_s=sandbox_idle_timeout_s,
+                                            strict_tokens=sandbox_strict_tokens)
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -672,6 +678,7 @@ class JobsEmulator:
         if sbx_host:
             scheduled_at += self.sandbox_hosts.host_boot_s
         argv = self._job_argv(job)
+        crash = "crash-at-boot" in job.faults  # a crashing sandbox host runs the crash command instead
         exposed = list((job.spec.get("expose") or {}).get("ports") or [])
         public = set((job.spec.get("expose") or {}).get("portsPublic") or [])
         job.local_ports = {p: self._reserve_port() for p in exposed}
@@ -696,7 +703,10 @@ class JobsEmulator:
         for exposed_port, local_port in job.local_ports.items():
             env[f"PORT_{exposed_port}"] = str(process_ports.get(local_port, local_port))
         try:
-            process = self.sandbox_hosts.launch(job, env, self.host) if sbx_host else self.launch_process(argv, env)
+            if sbx_host and not crash:
+                process = self.sandbox_hosts.launch(job, env, self.host)
+            else:
+                process = self.launch_process(argv, env)
         except OSError as exc:
             self._finish(job, "ERROR", f"Failed to start the job's command {argv[0]!r}: {exc.strerror or exc}")
             return
@@ -816,10 +826,8 @@ class JobsEmulator:
         return True
 
     def _is_sandbox_host(self, job: EmulatedJob) -> bool:
-        """Whether the job is huggingface_hub's sandbox bootstrap, run as an emulated sbx-server (a crash
-        fault still runs the crashing command instead)."""
-        return (self.sandbox_hosts is not None and "crash-at-boot" not in job.faults
-                and _sbx_module().is_sandbox_host_spec(job.spec))
+        """Whether the job is huggingface_hub's sandbox bootstrap, run as an emulated sbx-server."""
+        return self.sandbox_hosts is not None and _sbx_module().is_sandbox_host_spec(job.spec)
 
     def _job_argv(self, job: EmulatedJob) -> List[str]:
         crash = job.faults.get("crash-at-boot")
@@ -2687,6 +2695,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     serve.add_argument("--scheduling-delay-s", type=float, default=0.0, help="seconds each job spends SCHEDULING")
     serve.add_argument("--fault", action="append", type=_parse_fault, default=[], metavar="KEY=VALUE",
                        help=f"fault applied to every job; keys: {', '.join(FAULT_KEYS)}")
+    serve.add_argument("--tls", action="store_true",
+                       help="serve exposed ports as https://<job>--<port>.jobs.localhost (prints the CA to trust)")
+    serve.add_argument("--sandbox-host-boot-s", type=float, default=13.0,
+                       help="extra seconds a sandbox host job spends SCHEDULING (default 13)")
+    serve.add_argument("--sandbox-host-ready-s", type=float, default=4.7,
+                       help="seconds from RUNNING until a sandbox host's server answers (default 4.7)")
+    serve.add_argument("--sandbox-create-s", type=float, default=0.27,
+                       help="seconds each sandbox create takes on a warm host (default 0.27)")
+    serve.add_argument("--sandbox-capacity", type=int, default=None,
+                       help="sandboxes per host, overriding the pool's SBX_CAPACITY")
+    serve.add_argument("--sandbox-idle-timeout-s", type=float, default=None,
+                       help="idle seconds before any sandbox is evicted, overriding what each create asks")
     serve.add_argument("--json", action="store_true", help="print endpoint and token as one JSON line")
     echo = commands.add_parser("echo-server", help="run the OpenEnv-compatible echo environment")
     echo.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -2704,18 +2724,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         emulator = JobsEmulator(args.token, args.namespace, args.host, args.port, args.scheduling_delay_s,
-                                faults=dict(args.fault))
+                                faults=dict(args.fault), tls=args.tls,
+                                sandbox_host_boot_s=args.sandbox_host_boot_s,
+                                sandbox_host_ready_s=args.sandbox_host_ready_s,
+                                sandbox_create_s=args.sandbox_create_s, sandbox_capacity=args.sandbox_capacity,
+                                sandbox_idle_timeout_s=args.sandbox_idle_timeout_s)
         emulator.start()
     except (ValueError, OSError) as exc:
         print(f"serve: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps({"endpoint": emulator.endpoint, "token": emulator.token,
-                          "namespace": emulator.namespace}), flush=True)
+                          "namespace": emulator.namespace, "ca_path": emulator.ca_path}), flush=True)
     else:
         print(f"HF Jobs emulator listening on {emulator.endpoint} (namespace {emulator.namespace})", flush=True)
         print(f"HF_ENDPOINT={emulator.endpoint}", flush=True)
         print(f"HF_TOKEN={emulator.token}", flush=True)
+        if emulator.ca_path:
+            print(f"SSL_CERT_FILE={emulator.ca_path}", flush=True)
         print("Ctrl-C stops it and every job it runs.", flush=True)
     leftovers = _run_until_signal(emulator.stop)
     if leftovers:

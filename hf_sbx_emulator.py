@@ -115,12 +115,13 @@ class SandboxHosts:
     `host_boot_s` is added to a host job's SCHEDULING time, `host_ready_s` passes between RUNNING and
     the server answering, `sandbox_create_s` is spent in every sandbox create. `capacity` (None: the
     job's SBX_CAPACITY, else 50) and `idle_timeout_s` (None: what each create asks) override the
-    client's settings for every host.
+    client's settings for every host. `strict_tokens=False` also accepts a host's token on its
+    sandboxes' routes, as huggingface_hub clients before 2.1 (sbx protocol < 3) send it there.
     """
 
     def __init__(self, *, host_boot_s: float = DEFAULT_HOST_BOOT_S, host_ready_s: float = DEFAULT_HOST_READY_S,
                  sandbox_create_s: float = DEFAULT_SANDBOX_CREATE_S, capacity: Optional[int] = None,
-                 idle_timeout_s: Optional[float] = None) -> None:
+                 idle_timeout_s: Optional[float] = None, strict_tokens: bool = True) -> None:
         for name, value in (("sandbox_host_boot_s", host_boot_s), ("sandbox_host_ready_s", host_ready_s),
                             ("sandbox_create_s", sandbox_create_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
@@ -135,6 +136,7 @@ class SandboxHosts:
         self.sandbox_create_s = float(sandbox_create_s)
         self.capacity = capacity
         self.idle_timeout_s = None if idle_timeout_s is None else float(idle_timeout_s)
+        self.strict_tokens = bool(strict_tokens)
         self._lock = threading.Lock()
         self._hosts: Dict[str, SandboxHost] = {}
         self._create_errors: List[Tuple[int, Optional[int]]] = []  # (status, Retry-After) per next create
@@ -221,8 +223,8 @@ class SandboxHost:
         self._tunnels: set = set()  # upstream sockets of open proxy connections, closed on stop
         self._stopped = threading.Event()
         self._last_active = time.monotonic()
+        self._ready_at = float("inf")  # until then every request answers 503 (the server is still starting)
         self._janitor = threading.Thread(target=self._evict_idle, name=f"sbx-janitor:{job_id}", daemon=True)
-        self._starter = threading.Thread(target=self._serve_when_ready, name=f"sbx-start:{job_id}", daemon=True)
 
     def start(self) -> subprocess.Popen:
         self._stub = _jobs.spawn_process(["cat"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -231,8 +233,27 @@ class SandboxHost:
             self.log(f"sbx-server: {TOKEN_ENV} is not set; refusing to serve without a credential")
             self._end_job()
             return self._stub
-        self._starter.start()
+        handler = type("_BoundSbxHandler", (_SbxHandler,), {"host": self})
+        try:
+            self._server = _jobs._TrackingHTTPServer((self._bind, self._port), handler)
+        except OSError as exc:
+            self.log(f"sbx-server: cannot listen on port {self._port}: {exc}")
+            self._end_job()
+            return self._stub
+        self._ready_at = time.monotonic() + self._owner.host_ready_s
+        self._last_active = self._ready_at
+        self._serve_thread = threading.Thread(target=self._server.serve_forever, args=(_jobs.SERVE_POLL_S,),
+                                              name=f"sbx-server:{self.job_id}", daemon=True)
+        self._serve_thread.start()
+        self._janitor.start()
+        mode = f"pool host, {self.capacity} sandboxes" if self.pool_mode else "dedicated sandbox"
+        self.log(f"sbx-server {EMULATED_SERVER_VERSION} (protocol {SANDBOX_SERVER_PROTOCOL}, emulated): {mode}")
         return self._stub
+
+    @property
+    def ready(self) -> bool:
+        """Whether the server answers yet (it listens from the start, like a job proxy that is up)."""
+        return time.monotonic() >= self._ready_at
 
     def stop(self) -> List[str]:
         """Close the server, every connection and tunnel, end every sandbox; returns what is left."""
@@ -249,6 +270,8 @@ class SandboxHost:
         for sock in tunnels:
             _close_socket(sock)
         problems.extend(_end_sandboxes(sandboxes))
+        if self._janitor.ident is not None:
+            self._janitor.join(5.0)
         if self._serve_thread is not None:
             self._serve_thread.join(5.0)
             if self._serve_thread.is_alive():
@@ -283,29 +306,6 @@ class SandboxHost:
                 pass  # the job died: its log is gone with it
 
     # -- machinery ---------------------------------------------------------------------------------
-
-    def _serve_when_ready(self) -> None:
-        if self._stopped.wait(self._owner.host_ready_s):
-            return
-        handler = type("_BoundSbxHandler", (_SbxHandler,), {"host": self})
-        try:
-            server = _jobs._TrackingHTTPServer((self._bind, self._port), handler)
-        except OSError as exc:
-            self.log(f"sbx-server: cannot listen on port {self._port}: {exc}")
-            self._end_job()
-            return
-        with self._lock:
-            if self._stopped.is_set():
-                server.server_close()
-                return
-            self._server = server
-            self._last_active = time.monotonic()
-        self._serve_thread = threading.Thread(target=server.serve_forever, args=(_jobs.SERVE_POLL_S,),
-                                              name=f"sbx-server:{self.job_id}", daemon=True)
-        self._serve_thread.start()
-        self._janitor.start()
-        mode = f"pool host, {self.capacity} sandboxes" if self.pool_mode else "dedicated sandbox"
-        self.log(f"sbx-server {EMULATED_SERVER_VERSION} (protocol {SANDBOX_SERVER_PROTOCOL}) ready: {mode}")
 
     def _end_job(self) -> None:
         """Exit like the real server does when idle: the stub ends and the job COMPLETES."""
@@ -552,12 +552,18 @@ class _SbxHandler(_jobs._QuietHandler):
     server_version = "sbx-server"
 
     def do_GET(self) -> None:
+        self._body_read = False
         try:
             self._route()
         except _SbxError as exc:
             self._send_error(exc.status, exc.message, exc.headers)
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
+        if not self._body_read and not self.close_connection:
+            try:  # a body nobody read would be parsed as the next request on this connection
+                self._body()
+            except (_SbxError, OSError, ValueError):
+                self.close_connection = True
 
     do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = do_OPTIONS = do_GET
 
@@ -571,6 +577,8 @@ class _SbxHandler(_jobs._QuietHandler):
         path = urlsplit(self.path).path
         method = self.command
         presented = self.headers.get(TOKEN_HEADER)
+        if not self.host.ready:
+            raise _SbxError(503, "the sandbox server is starting", {"Retry-After": "1"})
         if path == "/health" and method == "GET":
             return self._health()
         host = self.host
@@ -595,7 +603,10 @@ class _SbxHandler(_jobs._QuietHandler):
             sbx = host.find(sandbox_id)
             if sbx is None:
                 raise _SbxError(404, f"no sandbox {sandbox_id} on this host")
-            self._check(_token_rejection(presented, sbx.token, f"sandbox {sandbox_id}'s own token"))
+            rejection = _token_rejection(presented, sbx.token, f"sandbox {sandbox_id}'s own token")
+            if rejection is not None and not host._owner.strict_tokens and host.host_token_rejection(presented) is None:
+                rejection = None  # lenient: the host's token opens its sandboxes too (clients before protocol 3)
+            self._check(rejection)
             if rest == "" and method == "DELETE":
                 host.delete_sandbox(sandbox_id)
                 return self.send_json(200, {"id": sandbox_id, "deleted": True})
@@ -636,6 +647,7 @@ class _SbxHandler(_jobs._QuietHandler):
         if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
             self.close_connection = True
             raise _SbxError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+        self._body_read = True
         try:
             return self.read_body(MAX_BODY_BYTES)
         except _jobs._ApiError as exc:
