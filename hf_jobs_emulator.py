@@ -1603,10 +1603,8 @@ def _zygote_child(request: Dict[str, Any], fds: List[int], close_fds: Tuple[int,
     zygote_pid = os.getppid()
     try:
         signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, *CHILD_SIGNALS):
+        for sig in (signal.SIGCHLD, signal.SIGINT):
             signal.signal(sig, signal.SIG_DFL)
-        if hasattr(signal, "pthread_sigmask"):
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, CHILD_SIGNALS)
         os.setpgid(0, 0)  # its own group; the zygote does the same from its side (see _zygote_main)
         _die_with_parent(prctl, zygote_pid)
         for fd in close_fds:  # the zygote's own: a job holds only its pipe and what it opens
