@@ -28,6 +28,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -1198,15 +1200,11 @@ def _job_info(job: EmulatedJob, state: _JobState) -> Dict[str, Any]:
 
 
 def _sbx_module() -> Any:
-    """hf_sbx_emulator, imported on first use (it imports this module), or None when it is not installed."""
-    try:
-        if __package__:
-            from . import hf_sbx_emulator
-        else:
-            import hf_sbx_emulator
-    except ImportError:
+    """hf_sbx_emulator, imported on first use (it imports this module), or None in a vendored copy without it."""
+    name = f"{__package__}.hf_sbx_emulator" if __package__ else "hf_sbx_emulator"
+    if importlib.util.find_spec(name) is None:
         return None
-    return hf_sbx_emulator
+    return importlib.import_module(name)
 
 
 def _sandbox_hosts(**settings: Any) -> Any:
