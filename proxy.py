@@ -34,7 +34,7 @@ import threading
 import time
 import urllib.parse
 import weakref
-from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
+from typing import Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
 __all__ = ["AuthProxy", "Route", "ReplicaRoute", "Refusal", "InsecureURLError"]
 
@@ -155,6 +155,12 @@ _RESPONSE_LINE_RE = re.compile(r"^HTTP/1\.([01]) ([0-9]{3})(?: (.*))?$")
 
 Token = Union[str, Callable[[], str], None]
 Verify = Union[bool, str]
+# Extra per-route request headers (e.g. a pooled sandbox's X-Sandbox-Token): a mapping, or a
+# zero-argument callable returning one, read at each request because such credentials rotate.
+ExtraHeaders = Union[Mapping[str, str], Callable[[], Mapping[str, str]], None]
+# Header names a route's extra headers may not set: the proxy frames the request and names the host
+# itself, and hop-by-hop headers describe the proxy's own connection, not the request.
+PROXY_SET_HEADERS = HOP_BY_HOP | frozenset(["host", "content-length", "expect"])
 # `mount_replicas(http=...)`: "refuse" forwards only STATELESS_HTTP_PATHS (safe for every OpenEnv
 # server); "any" forwards all HTTP to some live replica (only for servers stateless over HTTP).
 HTTP_MODES = ("refuse", "any")
@@ -184,20 +190,26 @@ class Refusal(NamedTuple):
 
 
 class Route:
-    """One mounted upstream: where to forward, which token to inject (None = inject nothing), TLS verify.
+    """One mounted upstream: where to forward, which token to inject (None = inject nothing), TLS verify,
+    and extra request headers (`headers`: a mapping or a zero-argument callable, read per request).
 
-    A route owns its pool of keep-alive upstream connections and its open WebSocket tunnels, so closing
-    it (`AuthProxy.unmount`) ends everything that talks to that upstream.
+    Keep-alive upstream connections live in a pool per upstream host (scheme, host, port, verify) that
+    every route of one `AuthProxy` to that host shares (many sandboxes behind one host job: one TLS
+    handshake per connection, not per sandbox). A route owns its in-flight requests and its open
+    WebSocket tunnels, so closing it (`AuthProxy.unmount`) ends everything that talks through it; the
+    host's idle connections close with the last route that uses them.
     """
 
-    def __init__(self, upstream: str, token: Token, verify: Verify = True) -> None:
+    def __init__(self, upstream: str, token: Token, verify: Verify = True, headers: ExtraHeaders = None,
+                 host_pools: Optional["_HostPools"] = None) -> None:
         _raise_if_rejected(_upstream_rejection(upstream))
         parts = urllib.parse.urlsplit(upstream)
         if parts.scheme.lower() == "http" and not _is_loopback_host(parts.hostname or ""):
             raise InsecureURLError(
                 "refusing cleartext upstream %s://%s: the token would cross the network unencrypted; use "
                 "https:// (http:// is only allowed for loopback hosts)" % (parts.scheme, parts.netloc))
-        _raise_if_rejected(_token_rejection(token) or _verify_rejection(verify))
+        _raise_if_rejected(_token_rejection(token) or _verify_rejection(verify)
+                           or _extra_headers_rejection(headers, token is not None))
         self.upstream: str = upstream
         self.token: Token = token
         self._checked_token: Optional[str] = token if isinstance(token, str) else None  # validated above
@@ -214,13 +226,18 @@ class Route:
         host_for_header = "[%s]" % self.host if ":" in self.host else self.host
         self.host_header: str = host_for_header if self.port == default_port else "%s:%d" % (host_for_header, self.port)
         self.label: str = "%s://%s" % (self.scheme, self.host_header)
-        self._lock = threading.Lock()  # tunnels, the TLS context and failure runs; never the pool
-        # Idle keep-alive connections (newest on the right) and the ones in flight, so close() can
-        # abort a request that is still streaming. Lock-free: see _checkout.
-        self._idle: "collections.deque[_UpstreamConnection]" = collections.deque()
+        self.headers: ExtraHeaders = headers  # never logged or shown: it may hold credentials
+        self._fixed_headers: Tuple[Tuple[str, str], ...] = (
+            () if headers is None or callable(headers) else tuple(headers.items()))
+        self._lock = threading.Lock()  # tunnels and failure runs; never the pool
+        # The host's pool (shared with the proxy's other routes to this host, or this route's own),
+        # whose idle keep-alive connections (newest on the right) this route uses, and this route's
+        # connections in flight, so close() can abort a request that is still streaming. Lock-free:
+        # see _checkout.
+        self._pool: _HostPool = (host_pools or _HostPools()).acquire((self.scheme, self.host, self.port, verify))
+        self._idle: "collections.deque[_UpstreamConnection]" = self._pool.idle
         self._active: Set[_UpstreamConnection] = set()
         self._tunnels: Set[_Tunnel] = set()
-        self._tls_context: Optional[ssl.SSLContext] = None
         self._closed = False
         # The current run of upstream failures: while a job boots, every readiness probe fails the
         # same way, and one WARNING per run (plus one INFO on recovery) says all there is to say.
@@ -229,7 +246,8 @@ class Route:
 
     def __repr__(self) -> str:
         verify = self.verify if isinstance(self.verify, bool) else "<ca bundle>"
-        return "Route(%s, token=%s, verify=%s)" % (self.label, "set" if self.token is not None else "None", verify)
+        return "Route(%s, token=%s, verify=%s%s)" % (self.label, "set" if self.token is not None else "None", verify,
+                                                    "" if self.headers is None else ", headers=set")
 
     def current_token(self) -> Optional[str]:
         """The token to inject now: the string, or the callable's answer (read per request for rotation)."""
@@ -245,6 +263,18 @@ class Route:
         if fixed:
             self._checked_token = token  # type: ignore[assignment]  # (assigned after mount)
         return token  # type: ignore[return-value]
+
+    def current_headers(self) -> Tuple[Tuple[str, str], ...]:
+        """The extra headers to send now: the mapping's, or the callable's answer (read per request)."""
+        headers = self.headers
+        if not callable(headers):
+            return self._fixed_headers
+        answer = headers()
+        reason = ("the headers callable returned %s, not a mapping" % type(answer).__name__
+                  if not isinstance(answer, Mapping) else _extra_headers_rejection(answer, self.token is not None))
+        if reason:
+            raise ValueError(reason)
+        return tuple(answer.items())
 
     def note_failure(self, kind: str) -> bool:
         """Record an upstream failure of `kind`; True when it starts a run (worth a WARNING), False for
@@ -266,11 +296,12 @@ class Route:
             log.info("proxy: %s answering again after %d failed attempt(s) (%s)", self.label, count, kind)
 
     def close(self) -> List[str]:
-        """Close pooled connections, abort in-flight requests and tunnels; return what could not be closed."""
+        """Abort this route's in-flight requests and tunnels, close the host's pooled connections if no
+        other route uses them; return what could not be closed. Safe to call twice."""
         with self._lock:
-            self._closed = True
+            was_closed, self._closed = self._closed, True
             tunnels = list(self._tunnels)
-        idle = self._drain_idle()
+        idle = [] if was_closed else self._pool.release()
         active = self._active.copy()
         problems: List[str] = []
         for conn in idle:
@@ -285,13 +316,7 @@ class Route:
 
     def tls_context(self) -> ssl.SSLContext:
         """The TLS context for this upstream, honouring `verify` like requests (bool or CA bundle path)."""
-        context = self._tls_context
-        if context is None:
-            with self._lock:
-                if self._tls_context is None:
-                    self._tls_context = _make_tls_context(self.verify)
-                context = self._tls_context
-        return context
+        return self._pool.tls_context(self.verify)
 
 
     # -- machinery (used by the request handler) ------------------------------------------------
@@ -340,7 +365,7 @@ class Route:
     def _checkin(self, conn: "_UpstreamConnection", reusable: bool) -> None:
         """Return a connection after its response was fully read (reusable) or close it."""
         self._active.discard(conn)
-        if not reusable or self._closed or len(self._idle) >= POOL_MAX_IDLE:
+        if not reusable or self._closed or self._pool.closed or len(self._idle) >= POOL_MAX_IDLE:
             conn.close()
             return
         conn.since = now = time.monotonic()
@@ -355,17 +380,12 @@ class Route:
                 idle.append(old)
                 break
             old.close()
-        if self._closed:  # close() ran while we appended: it may have missed this connection
+        if self._pool.closed:  # the pool's last route closed while we appended: it may have missed this one
             for late in self._drain_idle():
                 late.close()
 
     def _drain_idle(self) -> List["_UpstreamConnection"]:
-        drained = []
-        while True:
-            try:
-                drained.append(self._idle.popleft())
-            except IndexError:
-                return drained
+        return _drain(self._idle)
 
     def _open_stream(self, proxy: AuthProxy) -> "_Stream":
         """A dedicated TCP (or TLS) stream to the upstream, for one WebSocket tunnel."""
@@ -406,6 +426,71 @@ class Route:
     def _remove_tunnel(self, tunnel: "_Tunnel") -> None:
         with self._lock:
             self._tunnels.discard(tunnel)
+
+
+class _HostPool:
+    """The idle keep-alive connections to one upstream host and its TLS context, shared by the routes
+    that use it (`users`); closed, with its idle connections, when the last of them closes."""
+
+    def __init__(self, key: Tuple[str, str, int, Verify]) -> None:
+        self.key = key
+        self.idle: "collections.deque[_UpstreamConnection]" = collections.deque()
+        self.users = 0
+        self.closed = False
+        self._registry: Optional[_HostPools] = None
+        self._tls_context: Optional[ssl.SSLContext] = None
+        self._tls_lock = threading.Lock()
+
+    def tls_context(self, verify: Verify) -> ssl.SSLContext:
+        context = self._tls_context
+        if context is None:
+            with self._tls_lock:
+                if self._tls_context is None:
+                    self._tls_context = _make_tls_context(verify)
+                context = self._tls_context
+        return context
+
+    def release(self) -> List["_UpstreamConnection"]:
+        """One user fewer; when it was the last, close the pool and return its idle connections."""
+        assert self._registry is not None
+        return self._registry.release(self)
+
+
+class _HostPools:
+    """The host pools of one `AuthProxy` (or of one stand-alone route), by (scheme, host, port, verify)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pools: Dict[Tuple[str, str, int, Verify], _HostPool] = {}
+
+    def acquire(self, key: Tuple[str, str, int, Verify]) -> _HostPool:
+        with self._lock:
+            pool = self._pools.get(key)
+            if pool is None:
+                pool = self._pools[key] = _HostPool(key)
+                pool._registry = self
+            pool.users += 1
+            return pool
+
+    def release(self, pool: _HostPool) -> List["_UpstreamConnection"]:
+        with self._lock:
+            pool.users -= 1
+            if pool.users > 0:
+                return []
+            pool.closed = True  # set before draining: a late check-in sees it and closes its connection
+            if self._pools.get(pool.key) is pool:
+                del self._pools[pool.key]
+        return _drain(pool.idle)
+
+
+def _drain(idle: "collections.deque[_UpstreamConnection]") -> List["_UpstreamConnection"]:
+    """Take every connection out of an idle deque (safe against concurrent appends and pops)."""
+    drained = []
+    while True:
+        try:
+            drained.append(idle.popleft())
+        except IndexError:
+            return drained
 
 
 class ReplicaRoute:
@@ -605,6 +690,7 @@ class AuthProxy:
         self._requested_port = port
         self._lock = threading.Lock()
         self._routes: Dict[str, AnyRoute] = {}
+        self._host_pools = _HostPools()  # keep-alive connections per upstream host, shared by its routes
         self._seen_routes: "weakref.WeakSet[AnyRoute]" = weakref.WeakSet()
         self._route_count = 0
         self._server: Optional[_Server] = None
@@ -694,15 +780,20 @@ class AuthProxy:
 
     # -- routes ------------------------------------------------------------------------------------
 
-    def mount(self, upstream: str, token: Token, *, verify: Verify = True) -> str:
+    def mount(self, upstream: str, token: Token, *, verify: Verify = True, headers: ExtraHeaders = None) -> str:
         """Forward `<base_url>/<rest>` to `<upstream>/<rest>` with `Authorization: Bearer <token>`.
 
-        `token` is a string or a zero-argument callable read at each request. Returns the base URL
+        `token` is a string or a zero-argument callable read at each request. The upstream may carry a
+        path prefix (`https://host/v1/x/proxy/8000`: `<base_url>/a?q` goes to `/v1/x/proxy/8000/a?q`).
+        `headers` (a mapping, or a zero-argument callable returning one, read at each request) are
+        added to every request and WebSocket upgrade, replacing any the client sent with the same
+        names; their values are never logged or shown. Routes to the same upstream host (scheme, host,
+        port, verify) share its keep-alive connections. Returns the base URL
         (`http://127.0.0.1:<port>/<route-id>`); the route id is unguessable (192 random bits).
         """
         if self._server is None or self._stopping:
             raise RuntimeError("AuthProxy is not serving: call start() (or use it as a context manager) before mount()")
-        route = Route(upstream, token, verify)
+        route = Route(upstream, token, verify, headers, self._host_pools)
         with self._lock:
             self._route_count += 1
             route.label = "route-%d (%s)" % (self._route_count, route.label)
@@ -976,6 +1067,27 @@ def _token_rejection(token: object) -> Optional[str]:
     return None
 
 
+def _extra_headers_rejection(headers: object, with_token: bool) -> Optional[str]:
+    """Why a route's extra headers cannot be sent (names shown, values never: they may be credentials)."""
+    if headers is None or callable(headers):
+        return None  # a callable's answer is checked at each request
+    if not isinstance(headers, Mapping):
+        return ("headers must be a mapping of header names to values, a zero-argument callable returning one, "
+                "or None; got %s" % type(headers).__name__)
+    for name, value in headers.items():
+        if not isinstance(name, str) or not _TOKEN_RE.match(name):
+            return "headers: %r is not a valid HTTP header name" % (name if isinstance(name, str) else type(name).__name__)
+        low = name.lower()
+        if low in PROXY_SET_HEADERS:
+            return "headers: %s is set by the proxy itself (framing, host or hop-by-hop); leave it out" % name
+        if low == "authorization" and with_token:
+            return "headers: Authorization conflicts with the route's token; pass token=None to send your own"
+        if not isinstance(value, str) or not value.isascii() or "\r" in value or "\n" in value or \
+                _BAD_VALUE_CHAR_RE.search(value):
+            return "headers: the value of %s is not a string of printable ASCII (the value is not shown)" % name
+    return None
+
+
 def _verify_rejection(verify: object) -> Optional[str]:
     if isinstance(verify, bool):
         return None
@@ -1085,16 +1197,21 @@ def _is_websocket_upgrade(method: str, headers: http.client.HTTPMessage) -> bool
     return method == "GET" and "websocket" in upgrade and "upgrade" in _connection_tokens(headers)
 
 
-def _upstream_request_headers(headers: http.client.HTTPMessage, route: Route, token: Optional[str]) -> List[Tuple[str, str]]:
+def _upstream_request_headers(headers: http.client.HTTPMessage, route: Route, token: Optional[str],
+                              extra: Tuple[Tuple[str, str], ...] = ()) -> List[Tuple[str, str]]:
     """Client headers minus hop-by-hop ones (stripped first, so a client cannot name the token away),
-    minus the client's own Authorization/Host; then Host and Authorization set for the upstream."""
+    minus the client's own Authorization/Host and those the route's `extra` headers replace; then Host,
+    Authorization and the extra headers set for the upstream."""
     drop = HOP_BY_HOP | REPLACED_REQUEST_HEADERS | _connection_tokens(headers)
+    if extra:
+        drop = drop | {name.lower() for name, _ in extra}
     out = [("Host", route.host_header)]
     for name, value in headers.items():
         if name.lower() not in drop:
             out.append((name, _OBS_FOLD_RE.sub(" ", value) if "\n" in value else value))
     if token is not None:
         out.append(("Authorization", "Bearer " + token))
+    out.extend(extra)
     return out
 
 
@@ -1605,6 +1722,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     server_version = "hf-sandbox-proxy"
     sys_version = ""
     server: _Server
+    _route_headers: Tuple[Tuple[str, str], ...] = ()  # the current request's route headers (set per request)
 
     # -- connection plumbing ----------------------------------------------------------------------
 
@@ -1768,12 +1886,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if refusal is not None:
             self._refuse(refusal, close=upgrade or framing[0] != "none")  # type: ignore[index]
             return
+        source = "token"
         try:
             token = route.current_token()
+            source = "headers"
+            self._route_headers = route.current_headers() if isinstance(route, Route) else ()
         except Exception as exc:
-            log.warning("proxy: %s token callable failed (%s)", route.label, type(exc).__name__)
-            self._refuse(Refusal(502, "token-unavailable",
-                                 "The route's token callable failed (%s); check the token source." % type(exc).__name__),
+            log.warning("proxy: %s %s callable failed (%s)", route.label, source, type(exc).__name__)
+            self._refuse(Refusal(502, source + "-unavailable", "The route's %s callable failed (%s); check the %s "
+                                                               "source." % (source, type(exc).__name__, source)),
                          close=framing[0] != "none")  # type: ignore[index]
             return
         if isinstance(route, ReplicaRoute):
@@ -1856,7 +1977,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _forward(self, route: Route, target: str, token: Optional[str], framing: Tuple[str, int]) -> None:
         method = self.command
-        headers = _upstream_request_headers(self.headers, route, token)
+        headers = _upstream_request_headers(self.headers, route, token, self._route_headers)
         try:
             body, body_iter = self._buffered_body(framing)
         except _ClientBodyError as exc:
@@ -2133,7 +2254,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         meanwhile: (stream, head, bytes past the head, status). Raises _ClientGone if the client hung
         up first, or the connection error; the stream is closed on any failure."""
         lines = ["GET %s HTTP/1.1" % target]
-        for name, value in _upstream_request_headers(self.headers, route, token):
+        for name, value in _upstream_request_headers(self.headers, route, token, self._route_headers):
             lines.append("%s: %s" % (name, value))
         lines += ["Upgrade: %s" % self.headers.get("Upgrade", "websocket"), "Connection: Upgrade"]
         head_bytes = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
