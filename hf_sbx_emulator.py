@@ -231,14 +231,14 @@ class SandboxHost:
                                          stderr=subprocess.STDOUT, env=self._env, start_new_session=True)
         if not self._token:
             self.log(f"sbx-server: {TOKEN_ENV} is not set; refusing to serve without a credential")
-            self._end_job()
+            self._end_job(failed=True)
             return self._stub
         handler = type("_BoundSbxHandler", (_SbxHandler,), {"host": self})
         try:
             self._server = _jobs._TrackingHTTPServer((self._bind, self._port), handler)
         except OSError as exc:
             self.log(f"sbx-server: cannot listen on port {self._port}: {exc}")
-            self._end_job()
+            self._end_job(failed=True)
             return self._stub
         self._ready_at = time.monotonic() + self._owner.host_ready_s
         self._last_active = self._ready_at
@@ -307,10 +307,15 @@ class SandboxHost:
 
     # -- machinery ---------------------------------------------------------------------------------
 
-    def _end_job(self) -> None:
-        """Exit like the real server does when idle: the stub ends and the job COMPLETES."""
+    def _end_job(self, failed: bool = False) -> None:
+        """Exit as the real server does: idle, the stub ends and the job COMPLETES; failed, it is
+        terminated and the job ends in ERROR."""
         with self._stub_lock:
-            if self._stub is not None and self._stub.stdin is not None:
+            if self._stub is None:
+                return
+            if failed:
+                self._stub.terminate()
+            elif self._stub.stdin is not None:
                 try:
                     self._stub.stdin.close()
                 except OSError:
@@ -320,8 +325,7 @@ class SandboxHost:
         while not self._stopped.wait(EVICTION_POLL_S):
             now = time.monotonic()
             with self._lock:
-                idle = [s for s in self._sandboxes.values() if s.idle_for(now) is not None
-                        and s.idle_for(now) >= s.idle_timeout_s]  # type: ignore[operator]
+                idle = [s for s in self._sandboxes.values() if s.idle_for(now) >= s.idle_timeout_s]
                 for sbx in idle:
                     del self._sandboxes[sbx.id]
                 host_idle = (self.idle_timeout_s is not None and not self._sandboxes
@@ -415,13 +419,12 @@ class EmulatedSandbox:
             self._active_requests += delta
             self._last_active = time.monotonic()
 
-    def idle_for(self, now: float) -> Optional[float]:
-        """Seconds without an API call or a running process, or None when it never idles out."""
-        if self.idle_timeout_s is None:
-            return None
+    def idle_for(self, now: float) -> float:
+        """Seconds without an API call, proxied byte or running process (-inf when it never idles out)."""
         with self._lock:
-            if self._active_requests or any(p.running for p in self._processes.values()):
-                return None
+            if (self.idle_timeout_s is None or self._active_requests
+                    or any(p.running for p in self._processes.values())):
+                return float("-inf")
             return now - self._last_active
 
     def start_process(self, argv: List[str], env: Mapping[str, str], cwd: str, cmd: Any,
@@ -429,8 +432,8 @@ class EmulatedSandbox:
         popen = _jobs.spawn_process(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                     stderr=subprocess.DEVNULL, env={**self.env, **env}, cwd=cwd,
                                     start_new_session=True)
-        proc = _Process(_new_id(set(self._processes)), popen, cmd, tag)
         with self._lock:
+            proc = _Process(_new_id(set(self._processes)), popen, cmd, tag)
             self._processes[proc.id] = proc
             finished = [p for p in self._processes.values() if not p.running]
             for old in finished[:max(0, len(finished) - FINISHED_PROCESSES_KEPT)]:
@@ -947,6 +950,8 @@ class _SbxHandler(_jobs._QuietHandler):
                     conn.putheader("Content-Length", str(len(body)))
                 conn.endheaders(body or None)
                 response = conn.getresponse()
+            except socket.timeout:
+                raise _SbxError(504, f"the server on port {port} did not answer within {UPSTREAM_TIMEOUT_S:g}s")
             except OSError as exc:
                 raise _SbxError(502, f"nothing answers on port {port} in this sandbox "
                                      f"(a server must listen on $SBX_PROXY_DIR/{port}.sock): {exc.strerror or exc}")
@@ -1016,6 +1021,7 @@ class _SbxHandler(_jobs._QuietHandler):
         head += [f"{k}: {v}" for k, v in headers]
         head += [f"Connection: {self.headers.get('Connection', 'Upgrade')}", f"Upgrade: {self.headers['Upgrade']}"]
         client = self.connection
+        client.settimeout(None)  # a WebSocket session may idle for longer than a keep-alive connection
         try:
             upstream.sendall(("\r\n".join(head) + "\r\n\r\n").encode("latin-1"))
             self.wfile.flush()

@@ -21,6 +21,7 @@ import pytest
 import requests
 
 import hf_jobs_emulator
+import hf_sbx_emulator
 from hf_jobs_emulator import JobsEmulator, spawn_process
 from support import wait_until
 
@@ -266,6 +267,19 @@ def test_a_websocket_server_on_the_unix_socket_is_reached_through_proxy_url_for(
                 assert ws.recv(timeout=10) == message
             ws.send(b"\x00\x01binary")
             assert ws.recv(timeout=10) == b"\x00\x01binary"
+
+
+def test_a_websocket_session_outlives_the_hosts_keep_alive_timeout(hub_env, monkeypatch):
+    monkeypatch.setattr(hf_sbx_emulator._SbxHandler, "timeout", 0.3)  # idle keep-alive connections close
+    emu = hub_env()
+    with _pool(emu) as pool:
+        sbx = pool.create()
+        _start_app(sbx, "ws.py", WS_APP, 8001)
+        url = sbx.proxy_url_for(8001, "/ws", scheme="wss://")
+        with ws_connect(url, additional_headers=sbx.proxy_headers, ssl=_ws_ssl(emu)) as ws:
+            time.sleep(1.0)  # idle well past that timeout
+            ws.send("still here")
+            assert ws.recv(timeout=10) == "still here"
 
 
 def test_nothing_listening_on_the_port_answers_502_naming_the_socket(hub_env):
