@@ -91,6 +91,7 @@ HOP_BY_HOP = frozenset(["connection", "keep-alive", "proxy-connection", "proxy-a
                         "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade"])
 CONSUMED = frozenset(["authorization", TOKEN_HEADER.lower()])
 # Sandbox and process ids: hex, never containing huggingface_hub's shared-id separator ".".
+DEDICATED_ID = "dedicated"  # the one sandbox of a dedicated job (never in a pool's listing)
 _SANDBOX_ROUTE = re.compile(r"^/v1/sandboxes/([0-9a-f]{12})(/.*)?$")
 _PROXY_ROUTE = re.compile(r"^/proxy/([0-9]{1,5})(/.*)?$")
 
@@ -325,11 +326,16 @@ class SandboxHost:
         while not self._stopped.wait(EVICTION_POLL_S):
             now = time.monotonic()
             with self._lock:
-                idle = [s for s in self._sandboxes.values() if s.idle_for(now) >= s.idle_timeout_s]
-                for sbx in idle:
-                    del self._sandboxes[sbx.id]
-                host_idle = (self.idle_timeout_s is not None and not self._sandboxes
-                             and now - self._last_active >= self.idle_timeout_s)
+                if self.pool_mode:  # per-sandbox eviction, then an empty host shuts down
+                    idle = [s for s in self._sandboxes.values() if s.idle_for(now) >= s.idle_timeout_s]
+                    for sbx in idle:
+                        del self._sandboxes[sbx.id]
+                    quiet = now - self._last_active if not self._sandboxes else float("-inf")
+                else:  # a dedicated sandbox is the job: the whole job shuts down when it idles
+                    idle = []
+                    only = self._sandboxes.get(DEDICATED_ID)
+                    quiet = only.idle_for(now) if only is not None else now - self._last_active
+                host_idle = self.idle_timeout_s is not None and quiet >= self.idle_timeout_s
             for sbx in idle:
                 self.log(f"sbx-server: sandbox {sbx.id} evicted after {sbx.idle_timeout_s:g}s idle")
             _end_sandboxes(idle)
@@ -373,10 +379,10 @@ class SandboxHost:
     def dedicated_sandbox(self) -> "EmulatedSandbox":
         """A dedicated job is one sandbox, addressed under /v1 with the job's own token."""
         with self._lock:
-            if "dedicated" not in self._sandboxes:
-                sbx = EmulatedSandbox(self, "dedicated", self.idle_timeout_s, {}, token=self._token)
-                self._sandboxes["dedicated"] = sbx
-            return self._sandboxes["dedicated"]
+            if DEDICATED_ID not in self._sandboxes:
+                sbx = EmulatedSandbox(self, DEDICATED_ID, self.idle_timeout_s, {}, token=self._token)
+                self._sandboxes[DEDICATED_ID] = sbx
+            return self._sandboxes[DEDICATED_ID]
 
     def host_token_rejection(self, presented: Optional[str]) -> Optional[Tuple[int, str]]:
         return _token_rejection(presented, self._token, "the host's management token")

@@ -502,6 +502,20 @@ def test_a_dedicated_sandbox_runs_commands_and_its_kill_cancels_the_job(hub_env)
     assert emu.wait_for_stage(sbx.id, ["CANCELED"]).stage == "CANCELED"
 
 
+def test_an_idle_dedicated_sandbox_ends_its_job_unless_a_process_runs(hub_env):
+    emu = hub_env()
+    busy = Sandbox.create(IMAGE, token=emu.token, start_timeout=60, idle_timeout=1)
+    idle = Sandbox.create(IMAGE, token=emu.token, start_timeout=60, idle_timeout=1)
+    try:
+        busy.run(["sleep", "60"], background=True)
+        assert idle.run("echo used").ok
+        assert emu.wait_for_stage(idle.id, ["COMPLETED"], timeout_s=30).stage == "COMPLETED"
+        assert emu.job(busy.id).stage == "RUNNING"
+    finally:
+        busy.kill()
+        idle.kill()
+
+
 # ------------------------------------------------------------------------------------------------
 # Signals and cleanup
 # ------------------------------------------------------------------------------------------------
