@@ -143,6 +143,14 @@ SCRUBBED_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_API_TOKEN")
 # Signals every child the emulator starts can receive and that end it by default, whichever thread started
 # it: a child inherits its creator thread's mask (library threads block these) and ignored dispositions.
 CHILD_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
+# Sandbox hosts (hf_sbx_emulator.py), upstream figures (issue 20): a cold host takes ~13 s to RUNNING and
+# ~4.7 s more until its server answers; a sandbox on a warm host ~0.27 s. Tests set them near zero.
+SANDBOX_HOST_BOOT_S = 13.0
+SANDBOX_HOST_READY_S = 4.7
+SANDBOX_CREATE_S = 0.27
+# huggingface_hub reads a sandbox host's URL from the create answer, so the answer waits for its gates
+# (made in milliseconds; this bounds a wedged machine).
+SANDBOX_GATES_WAIT_S = 60.0
 # Echo server defaults: OpenEnv images listen on 8000; the step delay is for benchmarks only.
 ECHO_DEFAULT_PORT = 8000
 ECHO_STEP_DELAY_ENV = "ECHO_STEP_DELAY_S"
@@ -238,9 +246,9 @@ class JobsEmulator:
         zygote: bool = True,
         network_faults: bool = False,
         tls: bool = False,
-        sandbox_host_boot_s: float = 13.0,
-        sandbox_host_ready_s: float = 4.7,
-        sandbox_create_s: float = 0.27,
+        sandbox_host_boot_s: float = SANDBOX_HOST_BOOT_S,
+        sandbox_host_ready_s: float = SANDBOX_HOST_READY_S,
+        sandbox_create_s: float = SANDBOX_CREATE_S,
         sandbox_capacity: Optional[int] = None,
         sandbox_idle_timeout_s: Optional[float] = None,
         sandbox_strict_tokens: bool = True,
@@ -612,7 +620,7 @@ class JobsEmulator:
                 self._rate_limits.arm(after, DEFAULT_RETRY_AFTER_S, None)
         job._supervisor.start()
         if self._is_sandbox_host(job):
-            job._gates_made.wait(ZYGOTE_SPAWN_TIMEOUT_S)
+            job._gates_made.wait(SANDBOX_GATES_WAIT_S)
         return job, lose
 
     def _find_job(self, namespace: str, job_id: str) -> EmulatedJob:
@@ -2650,12 +2658,14 @@ def _step_delay_default() -> float:
         raise SystemExit(f"{ECHO_STEP_DELAY_ENV}={text!r} is not a number of seconds")
 
 
-def _run_until_signal(stop: Callable[[], Any]) -> Any:
-    """Block the main thread until SIGINT / SIGTERM, then call `stop` (so nothing is left running)."""
+def _run_until_signal(stop: Callable[[], Any], announce: Callable[[], None] = lambda: None) -> Any:
+    """Block the main thread until SIGINT / SIGTERM, then call `stop` (so nothing is left running).
+    `announce` runs once the handlers are in place, so a caller that reads it may signal at once."""
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
     try:
+        announce()
         while not done.wait(0.5):
             pass
     finally:
@@ -2693,12 +2703,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        help=f"fault applied to every job; keys: {', '.join(FAULT_KEYS)}")
     serve.add_argument("--tls", action="store_true",
                        help="serve exposed ports as https://<job>--<port>.jobs.localhost (prints the CA to trust)")
-    serve.add_argument("--sandbox-host-boot-s", type=float, default=13.0,
-                       help="extra seconds a sandbox host job spends SCHEDULING (default 13)")
-    serve.add_argument("--sandbox-host-ready-s", type=float, default=4.7,
-                       help="seconds from RUNNING until a sandbox host's server answers (default 4.7)")
-    serve.add_argument("--sandbox-create-s", type=float, default=0.27,
-                       help="seconds each sandbox create takes on a warm host (default 0.27)")
+    serve.add_argument("--sandbox-host-boot-s", type=float, default=SANDBOX_HOST_BOOT_S,
+                       help=f"extra seconds a sandbox host job spends SCHEDULING (default {SANDBOX_HOST_BOOT_S:g})")
+    serve.add_argument("--sandbox-host-ready-s", type=float, default=SANDBOX_HOST_READY_S,
+                       help=f"seconds from RUNNING until a sandbox host answers (default {SANDBOX_HOST_READY_S:g})")
+    serve.add_argument("--sandbox-create-s", type=float, default=SANDBOX_CREATE_S,
+                       help=f"seconds each sandbox create takes on a warm host (default {SANDBOX_CREATE_S:g})")
     serve.add_argument("--sandbox-capacity", type=int, default=None,
                        help="sandboxes per host, overriding the pool's SBX_CAPACITY")
     serve.add_argument("--sandbox-idle-timeout-s", type=float, default=None,
@@ -2729,17 +2739,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"serve: {exc}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps({"endpoint": emulator.endpoint, "token": emulator.token,
-                          "namespace": emulator.namespace, "ca_path": emulator.ca_path}), flush=True)
-    else:
+    def announce() -> None:
+        if args.json:
+            print(json.dumps({"endpoint": emulator.endpoint, "token": emulator.token,
+                              "namespace": emulator.namespace, "ca_path": emulator.ca_path}), flush=True)
+            return
         print(f"HF Jobs emulator listening on {emulator.endpoint} (namespace {emulator.namespace})", flush=True)
         print(f"HF_ENDPOINT={emulator.endpoint}", flush=True)
         print(f"HF_TOKEN={emulator.token}", flush=True)
         if emulator.ca_path:
             print(f"SSL_CERT_FILE={emulator.ca_path}", flush=True)
         print("Ctrl-C stops it and every job it runs.", flush=True)
-    leftovers = _run_until_signal(emulator.stop)
+
+    leftovers = _run_until_signal(emulator.stop, announce)
     if leftovers:
         print(f"serve: could not clean up: {', '.join(leftovers)}", file=sys.stderr)
         return 1

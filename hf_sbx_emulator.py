@@ -13,7 +13,8 @@ local process groups started in it. Where this differs from the real server: no 
 isolation (sandboxes are processes of the emulator's user), no resource limits, and the details the
 client does not reveal are this module's choices (see docs/emulator.md, "Sandbox server").
 
-Stdlib only; `hf_jobs_emulator` creates one `SandboxHosts` per emulator and asks it to run each host job.
+Standard library and hf_jobs_emulator's pieces only; `hf_jobs_emulator` creates one `SandboxHosts` per
+emulator and asks it to run each host job.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ import subprocess
 import tempfile
 import threading
 import time
-from http.server import BaseHTTPRequestHandler
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 from urllib.parse import parse_qs, urlsplit
 
@@ -64,13 +64,11 @@ PROXY_DIR_ENV = "SBX_PROXY_DIR"
 TOKEN_HEADER = "X-Sandbox-Token"
 # Sandboxes per host when neither the emulator nor the job's SBX_CAPACITY says (huggingface_hub's default).
 DEFAULT_CAPACITY = 50
-# Upstream figures (issue 20): a cold host takes ~13 s to RUNNING and ~4.7 s more until its server
-# answers; a sandbox on a warm host ~0.27 s. Tests set them near zero.
-DEFAULT_HOST_BOOT_S = 13.0
-DEFAULT_HOST_READY_S = 4.7
-DEFAULT_SANDBOX_CREATE_S = 0.27
 # The client reads an exec stream with a 70 s timeout and expects a ping every 15 s.
 EXEC_PING_S = 15.0
+# After an exec'd command exits, output still in its pipes is sent for this long; descendants that keep
+# the pipes open are not waited for (they are killed with the command's process group).
+EXEC_DRAIN_S = 0.5
 # Finished background processes a sandbox keeps listing (the real server keeps "a bounded number").
 FINISHED_PROCESSES_KEPT = 100
 # SIGTERM, then SIGKILL after this long, when a process, a sandbox or a host is stopped.
@@ -90,8 +88,9 @@ UPSTREAM_TIMEOUT_S = 300.0
 HOP_BY_HOP = frozenset(["connection", "keep-alive", "proxy-connection", "proxy-authenticate",
                         "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade"])
 CONSUMED = frozenset(["authorization", TOKEN_HEADER.lower()])
-# Sandbox and process ids: hex, never containing huggingface_hub's shared-id separator ".".
-DEDICATED_ID = "dedicated"  # the one sandbox of a dedicated job (never in a pool's listing)
+# The one sandbox of a dedicated job (never in a pool's listing).
+DEDICATED_ID = "dedicated"
+# Sandbox and process ids: 12 hex digits, never containing huggingface_hub's shared-id separator ".".
 _SANDBOX_ROUTE = re.compile(r"^/v1/sandboxes/([0-9a-f]{12})(/.*)?$")
 _PROXY_ROUTE = re.compile(r"^/proxy/([0-9]{1,5})(/.*)?$")
 
@@ -117,11 +116,12 @@ class SandboxHosts:
     the server answering, `sandbox_create_s` is spent in every sandbox create. `capacity` (None: the
     job's SBX_CAPACITY, else 50) and `idle_timeout_s` (None: what each create asks) override the
     client's settings for every host. `strict_tokens=False` also accepts a host's token on its
-    sandboxes' routes, as huggingface_hub clients before 2.1 (sbx protocol < 3) send it there.
+    sandboxes' routes, as huggingface_hub 1.22-1.31 (before per-sandbox tokens) send it there.
     """
 
-    def __init__(self, *, host_boot_s: float = DEFAULT_HOST_BOOT_S, host_ready_s: float = DEFAULT_HOST_READY_S,
-                 sandbox_create_s: float = DEFAULT_SANDBOX_CREATE_S, capacity: Optional[int] = None,
+    def __init__(self, *, host_boot_s: float = _jobs.SANDBOX_HOST_BOOT_S,
+                 host_ready_s: float = _jobs.SANDBOX_HOST_READY_S, sandbox_create_s: float = _jobs.SANDBOX_CREATE_S,
+                 capacity: Optional[int] = None,
                  idle_timeout_s: Optional[float] = None, strict_tokens: bool = True) -> None:
         for name, value in (("sandbox_host_boot_s", host_boot_s), ("sandbox_host_ready_s", host_ready_s),
                             ("sandbox_create_s", sandbox_create_s)):
@@ -171,9 +171,9 @@ class SandboxHosts:
 
     # -- used by hf_jobs_emulator -----------------------------------------------------------------
 
-    def launch(self, job: Any, env: Dict[str, str], host: str) -> subprocess.Popen:
+    def launch(self, job: Any, env: Dict[str, str], bind: str) -> subprocess.Popen:
         """Start the host of a bootstrap job on its local port; returns the job's process (see SandboxHost)."""
-        sbx = SandboxHost(self, job.id, env, host, job.local_ports[SANDBOX_SERVER_PORT])
+        sbx = SandboxHost(self, job.id, env, bind, job.local_ports[SANDBOX_SERVER_PORT])
         process = sbx.start()
         with self._lock:
             self._hosts[job.id] = sbx
@@ -284,10 +284,6 @@ class SandboxHost:
     def sandbox_ids(self) -> List[str]:
         with self._lock:
             return list(self._sandboxes)
-
-    def sandbox(self, sandbox_id: str) -> "EmulatedSandbox":
-        with self._lock:
-            return self._sandboxes[sandbox_id]
 
     def live_pids(self) -> List[int]:
         with self._lock:
@@ -417,6 +413,7 @@ class EmulatedSandbox:
         self.env.update({str(k): str(v) for k, v in env.items()})
         self._lock = threading.Lock()
         self._processes: Dict[str, _Process] = {}
+        self._foreground: set = set()  # Popen of commands being exec'd (ended with the sandbox too)
         self._active_requests = 0
         self._last_active = time.monotonic()
 
@@ -446,6 +443,10 @@ class EmulatedSandbox:
                 del self._processes[old.id]
         return proc
 
+    def foreground(self, popen: subprocess.Popen, running: bool) -> None:
+        with self._lock:
+            (self._foreground.add if running else self._foreground.discard)(popen)
+
     def processes(self) -> List["_Process"]:
         with self._lock:
             return list(self._processes.values())
@@ -455,11 +456,17 @@ class EmulatedSandbox:
             return self._processes.get(process_id)
 
     def live_pids(self) -> List[int]:
-        return [p.popen.pid for p in self.processes() if p.running]
+        with self._lock:
+            foreground = [p.pid for p in self._foreground if p.poll() is None]
+        return [p.popen.pid for p in self.processes() if p.running] + foreground
 
     def end(self) -> List[str]:
-        """Stop every process group of this sandbox and remove its files; returns what survived."""
-        procs = self.processes()
+        """Stop every process group of this sandbox and remove its files; returns what survived.
+
+        Only groups whose leader still runs: an exited leader's pid may since belong to someone else."""
+        with self._lock:
+            foreground = [_Process("exec", p, None, None) for p in self._foreground]
+        procs = [p for p in self.processes() + foreground if p.running]
         for proc in procs:
             proc.signal(signal.SIGTERM)
         deadline = time.monotonic() + KILL_GRACE_S
@@ -756,24 +763,32 @@ class _SbxHandler(_jobs._QuietHandler):
                                         cwd=cwd, start_new_session=True)
         except OSError as exc:
             raise _SbxError(400, f"cannot start {argv[0]!r}: {exc.strerror or exc}")
+        sbx.foreground(popen, True)
         events: "queue.Queue[Optional[Tuple[str, str]]]" = queue.Queue()
-        readers = [threading.Thread(target=_pump, args=(stream, name, events), daemon=True)
+        workers = [threading.Thread(target=_pump, args=(stream, name, events), daemon=True)
                    for stream, name in ((popen.stdout, "stdout"), (popen.stderr, "stderr"))]
-        for reader in readers:
-            reader.start()
+        workers.append(threading.Thread(target=lambda: (popen.wait(), events.put(("exit", ""))), daemon=True))
+        for worker in workers:
+            worker.start()
         if stdin is not None:
             threading.Thread(target=_feed, args=(popen.stdin, stdin.encode("utf-8")), daemon=True).start()
         deadline = started + float(timeout) if timeout is not None else None
-        timed_out = False
+        timed_out, exited_at = False, None
         try:
             self._start_stream()
             self._event({"event": "start", "pid": popen.pid})
-            open_streams = len(readers)
+            open_streams = 2
             while open_streams:
-                wait = EXEC_PING_S if deadline is None else max(0.0, min(EXEC_PING_S, deadline - time.monotonic()))
+                now = time.monotonic()
+                if exited_at is not None:  # what is left in the pipes, not what descendants still write
+                    wait = exited_at + EXEC_DRAIN_S - now
+                else:
+                    wait = EXEC_PING_S if deadline is None else min(EXEC_PING_S, deadline - now)
                 try:
-                    item = events.get(timeout=wait)
+                    item = events.get(timeout=max(0.0, wait))
                 except queue.Empty:
+                    if exited_at is not None:
+                        break
                     if deadline is not None and time.monotonic() >= deadline:
                         timed_out = True
                         _kill_group(popen.pid, signal.SIGKILL)
@@ -783,8 +798,10 @@ class _SbxHandler(_jobs._QuietHandler):
                     continue
                 if item is None:
                     open_streams -= 1
-                    continue
-                self._event({"event": item[0], "data": item[1]})
+                elif item[0] == "exit":
+                    exited_at = time.monotonic()
+                else:
+                    self._event({"event": item[0], "data": item[1]})
             code = popen.wait()
             exit_event: Dict[str, Any] = {"event": "exit", "exit_code": code if code >= 0 else None,
                                           "duration_ms": int((time.monotonic() - started) * 1000),
@@ -798,6 +815,7 @@ class _SbxHandler(_jobs._QuietHandler):
         finally:
             _kill_group(popen.pid, signal.SIGKILL)
             popen.wait()
+            sbx.foreground(popen, False)
             for stream in (popen.stdout, popen.stderr, popen.stdin):
                 if stream is not None:
                     try:

@@ -229,6 +229,15 @@ def test_an_exec_timeout_kills_the_command_and_says_so(hub_env):
         assert result.timed_out and result.stdout == "started\n" and result.signal == signal.SIGKILL
 
 
+def test_an_exec_ends_with_its_command_not_with_descendants_holding_its_output(hub_env):
+    emu = hub_env()
+    with _pool(emu) as pool:
+        sbx = pool.create()
+        result = sbx.run("sleep 60 & echo $! > child.pid; echo done")
+        assert result.stdout == "done\n"
+        wait_until(lambda: not _alive(int(sbx.files.read_text("child.pid"))), "the leftover child to be killed")
+
+
 def test_host_boot_and_ready_delays_are_applied(hub_env):
     emu = hub_env(sandbox_host_boot_s=0.6, sandbox_host_ready_s=0.4)
     with _pool(emu) as pool:
@@ -575,8 +584,22 @@ def test_no_sandbox_process_or_directory_is_left_after_the_emulator_stops(hub_en
     boxes = [pool.create() for _ in range(3)]
     pids = [b.run(["sleep", "60"], background=True).pid for b in boxes]
     homes = [os.path.dirname(b.run("pwd").stdout.strip()) for b in boxes]
+    cut: List[BaseException] = []
+
+    def run_until_cut() -> None:
+        try:
+            boxes[0].run("echo $$ > fg.pid; exec sleep 60")
+        except Exception as exc:  # the host goes away under it
+            cut.append(exc)
+
+    running = threading.Thread(target=run_until_cut, daemon=True)
+    running.start()  # a command still being exec'd when the emulator stops
+    wait_until(lambda: boxes[0].files.exists("fg.pid"), "the exec'd command to start")
+    pids.append(int(boxes[0].files.read_text("fg.pid")))
     assert sorted(emu.live_pids()) == sorted(pids + [emu.job(pool.host_ids[0]).pid])
     assert emu.stop() == []
+    running.join(30)
+    assert len(cut) == 1
     assert [pid for pid in pids if _alive(pid)] == []
     assert [home for home in homes if os.path.exists(home)] == []
     with pytest.raises(SandboxError):
