@@ -233,7 +233,7 @@ def test_an_exec_ends_with_its_command_not_with_descendants_holding_its_output(h
     emu = hub_env()
     with _pool(emu) as pool:
         sbx = pool.create()
-        result = sbx.run("sleep 60 & echo $! > child.pid; echo done")
+        result = sbx.run("sleep 600 & echo $! > child.pid; echo done")  # waiting for it hits the test timeout
         assert result.stdout == "done\n"
         wait_until(lambda: not _alive(int(sbx.files.read_text("child.pid"))), "the leftover child to be killed")
 
