@@ -277,6 +277,12 @@ class SandboxHost:
             self._serve_thread.join(5.0)
             if self._serve_thread.is_alive():
                 problems.append("server thread")
+        with self._stub_lock:  # the job's supervisor reaped the stub and closed its output; its input is ours
+            if self._stub is not None and self._stub.stdin is not None:
+                try:
+                    self._stub.stdin.close()
+                except OSError:
+                    pass
         shutil.rmtree(self._state_dir, ignore_errors=True)
         return problems
 

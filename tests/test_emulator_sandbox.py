@@ -619,3 +619,17 @@ def test_serve_takes_the_sandbox_settings_and_prints_the_ca_to_trust(tmp_path):
     bad = subprocess.run([PY, hf_jobs_emulator.__file__, "serve", "--sandbox-capacity", "0"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "sandbox_capacity must be an int >= 1" in bad.stderr
+
+
+def test_no_thread_or_descriptor_is_left_after_a_host_served_http_websocket_and_exec(no_leaks, hub_env):
+    emu = hub_env()
+    with _pool(emu) as pool:
+        sbx = pool.create()
+        _start_app(sbx, "ws.py", WS_APP, 8001)
+        with ws_connect(sbx.proxy_url_for(8001, "/ws", scheme="wss://"), additional_headers=sbx.proxy_headers,
+                        ssl=_ws_ssl(emu)) as ws:
+            ws.send("x")
+            assert ws.recv(timeout=10) == "x"
+        assert sbx.run("echo out; echo err >&2").stdout == "out\n"
+    assert emu.stop() == []
+    hub.utils._http.close_session()  # huggingface_hub's own keep-alive connection to the Jobs API
