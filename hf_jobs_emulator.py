@@ -699,9 +699,12 @@ class JobsEmulator:
             gate = self.make_gate(job, exposed_port, public=exposed_port in public)
             job._gates.append(gate)
             urls.append(gate.url)
-        if sbx_host and not _truthy(job.faults.get("no-url", "false")):
-            with self._lock:  # huggingface_hub reads a sandbox job's URL from the create answer itself
-                job.expose_urls = urls
+        if sbx_host:  # its server answers 503 while it boots; huggingface_hub reads its URL at create
+            self.sandbox_hosts.prepare(job, _job_environment(job.spec.get("environment") or {}, secret_values),
+                                       self.host, process_ports)
+            if not _truthy(job.faults.get("no-url", "false")):
+                with self._lock:
+                    job.expose_urls = urls
         job._gates_made.set()
         if self.zygote and argv[:len(echo_server_command())] == echo_server_command():
             self._zygote_for_jobs()  # started (once) while jobs are still scheduling
@@ -714,7 +717,7 @@ class JobsEmulator:
             env[f"PORT_{exposed_port}"] = str(process_ports.get(local_port, local_port))
         try:
             if sbx_host and not crash:
-                process = self.sandbox_hosts.launch(job, env, self.host)
+                process = self.sandbox_hosts.launch(job)
             else:
                 process = self.launch_process(argv, env)
         except OSError as exc:

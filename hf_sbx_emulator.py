@@ -171,13 +171,18 @@ class SandboxHosts:
 
     # -- used by hf_jobs_emulator -----------------------------------------------------------------
 
-    def launch(self, job: Any, env: Dict[str, str], bind: str) -> subprocess.Popen:
-        """Start the host of a bootstrap job on its local port; returns the job's process (see SandboxHost)."""
-        sbx = SandboxHost(self, job.id, env, bind, job.local_ports[SANDBOX_SERVER_PORT])
-        process = sbx.start()
+    def prepare(self, job: Any, env: Dict[str, str], bind: str, moved: Mapping[int, int]) -> None:
+        """A bootstrap job was created: make its host and listen on the job's local port (answering 503);
+        `moved` maps a local port to the one its process must use instead (network fault links)."""
+        local = job.local_ports[SANDBOX_SERVER_PORT]
+        sbx = SandboxHost(self, job.id, env, bind, moved.get(local, local))
         with self._lock:
             self._hosts[job.id] = sbx
-        return process
+        sbx.listen()
+
+    def launch(self, job: Any) -> subprocess.Popen:
+        """The bootstrap job runs: start its host; returns the job's process (see SandboxHost)."""
+        return self.host(job.id).start()
 
     def release(self, job_id: str) -> None:
         """The host's job ended: stop its server and every sandbox process. Never raises."""
@@ -225,27 +230,35 @@ class SandboxHost:
         self._stopped = threading.Event()
         self._last_active = time.monotonic()
         self._ready_at = float("inf")  # until then every request answers 503 (the server is still starting)
+        self._listen_error: Optional[str] = None
         self._janitor = threading.Thread(target=self._evict_idle, name=f"sbx-janitor:{job_id}", daemon=True)
 
-    def start(self) -> subprocess.Popen:
-        self._stub = _jobs.spawn_process(["cat"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=subprocess.STDOUT, env=self._env, start_new_session=True)
-        if not self._token:
-            self.log(f"sbx-server: {TOKEN_ENV} is not set; refusing to serve without a credential")
-            self._end_job(failed=True)
-            return self._stub
+    def listen(self) -> None:
+        """Bind the job's port while the job is still scheduling: until `start()` and `host_ready_s`
+        every request answers 503, as a job proxy does for a server that is not up (instead of the gate
+        failing to connect, and logging it, on every poll of a booting host)."""
         handler = type("_BoundSbxHandler", (_SbxHandler,), {"host": self})
         try:
             self._server = _jobs._TrackingHTTPServer((self._bind, self._port), handler)
         except OSError as exc:
-            self.log(f"sbx-server: cannot listen on port {self._port}: {exc}")
+            self._listen_error = f"sbx-server: cannot listen on port {self._port}: {exc}"
+            return
+        self._serve_thread = threading.Thread(target=self._server.serve_forever, args=(_jobs.SERVE_POLL_S,),
+                                              name=f"sbx-server:{self.job_id}", daemon=True)
+        self._serve_thread.start()
+
+    def start(self) -> subprocess.Popen:
+        """The job runs: start its process (the stub) and become ready after `host_ready_s`."""
+        self._stub = _jobs.spawn_process(["cat"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, env=self._env, start_new_session=True)
+        failure = self._listen_error or (None if self._token else
+                                         f"sbx-server: {TOKEN_ENV} is not set; refusing to serve without a credential")
+        if failure:
+            self.log(failure)
             self._end_job(failed=True)
             return self._stub
         self._ready_at = time.monotonic() + self._owner.host_ready_s
         self._last_active = self._ready_at
-        self._serve_thread = threading.Thread(target=self._server.serve_forever, args=(_jobs.SERVE_POLL_S,),
-                                              name=f"sbx-server:{self.job_id}", daemon=True)
-        self._serve_thread.start()
         self._janitor.start()
         mode = f"pool host, {self.capacity} sandboxes" if self.pool_mode else "dedicated sandbox"
         self.log(f"sbx-server {EMULATED_SERVER_VERSION} (protocol {SANDBOX_SERVER_PROTOCOL}, emulated): {mode}")

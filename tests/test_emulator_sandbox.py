@@ -238,12 +238,15 @@ def test_an_exec_ends_with_its_command_not_with_descendants_holding_its_output(h
         wait_until(lambda: not _alive(int(sbx.files.read_text("child.pid"))), "the leftover child to be killed")
 
 
-def test_host_boot_and_ready_delays_are_applied(hub_env):
+def test_host_boot_and_ready_delays_are_applied_and_a_booting_host_answers_503(hub_env, log_guard):
     emu = hub_env(sandbox_host_boot_s=0.6, sandbox_host_ready_s=0.4)
     with _pool(emu) as pool:
         host = emu.job(pool.host_ids[0])
         assert host.started_mono - host.created_mono >= 0.6
         assert host.first_health_ok_mono - host.started_mono >= 0.4
+    # The client polled /health through the job's gate all along: a server that is not up yet answers
+    # 503, so the gate never failed to reach it (and never logged that it could not).
+    assert "upstream-unreachable" not in log_guard.text()
 
 
 def test_a_background_server_on_the_unix_socket_is_reached_over_http_through_proxy_url_for(hub_env):
@@ -633,3 +636,17 @@ def test_no_thread_or_descriptor_is_left_after_a_host_served_http_websocket_and_
         assert sbx.run("echo out; echo err >&2").stdout == "out\n"
     assert emu.stop() == []
     hub.utils._http.close_session()  # huggingface_hub's own keep-alive connection to the Jobs API
+
+
+def test_a_host_behind_network_fault_links_serves_and_its_tunnels_can_be_reset(hub_env):
+    emu = hub_env(network_faults=True)
+    with _pool(emu) as pool:
+        sbx = pool.create()
+        _start_app(sbx, "ws.py", WS_APP, 8001)
+        with ws_connect(sbx.proxy_url_for(8001, "/ws", scheme="wss://"), additional_headers=sbx.proxy_headers,
+                        ssl=_ws_ssl(emu)) as ws:
+            ws.send("through the link")
+            assert ws.recv(timeout=10) == "through the link"
+            assert emu.reset_tunnels(sbx.host_id) >= 1
+            with pytest.raises(ConnectionClosed):
+                ws.recv(timeout=20)
