@@ -1,7 +1,8 @@
 """Plumbing shared by the examples: their flags and the `--local` Jobs emulator.
 
 Nothing here is needed to use the library; it keeps each example about its own user path. The
-blocking WebSocket session the examples use is the library's `hf_sandbox_provider.EnvSession`.
+blocking WebSocket session the examples use is the library's `EnvSession` (hf_sandbox_training.py,
+importable from hf_sandbox_provider).
 """
 
 from __future__ import annotations

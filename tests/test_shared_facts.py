@@ -127,7 +127,8 @@ def test_provider_and_emulator_share_the_job_stages():
 def test_the_shared_block_is_the_only_copy():
     """Each helper is defined once, in proxy.py: the other modules bind the same objects."""
     for name in ("_is_loopback_host", "_discover_token"):
-        sources = [path for path in ("hf_sandbox_provider.py", "proxy.py", "hf_jobs_emulator.py")
+        sources = [path for path in ("hf_sandbox_provider.py", "hf_sandbox_training.py", "hf_sandbox_cli.py",
+                                     "proxy.py", "hf_jobs_emulator.py")
                    if "def %s(" % name in open(os.path.join(os.path.dirname(proxy_module.__file__), path)).read()]
         assert sources == ["proxy.py"], name
     assert emulator_module._is_loopback_host is proxy_module._is_loopback_host is hsp._is_loopback_host

@@ -16,6 +16,7 @@ import time
 import pytest
 
 import hf_sandbox_provider
+import hf_sandbox_training
 from hf_jobs_emulator import JobsEmulator, echo_server_command
 from hf_sandbox_provider import install_signal_teardown, uninstall_signal_teardown
 
@@ -138,7 +139,7 @@ def test_uninstall_restores_the_previous_handler_and_an_ignored_signal_is_left_a
     try:
         assert install_signal_teardown() is True
         assert install_signal_teardown() is True  # twice: harmless, still chains to `mine`
-        assert signal.getsignal(signal.SIGTERM) is hf_sandbox_provider._on_teardown_signal
+        assert signal.getsignal(signal.SIGTERM) is hf_sandbox_training._on_teardown_signal
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
         uninstall_signal_teardown()
         assert signal.getsignal(signal.SIGTERM) is mine

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+import hf_sandbox_cli as cli
 import hf_sandbox_provider as hsp
 from hf_jobs_emulator import JobsEmulator
 from test_cli import clean_env, run
@@ -65,11 +66,11 @@ def test_sweep_refuses_an_unparseable_duration_before_any_call(tmp_path):
 
 def test_job_age_is_read_from_created_at_and_unknown_when_absent():
     now = datetime.datetime(2026, 1, 1, 12, 0, tzinfo=datetime.timezone.utc).timestamp()
-    assert hsp._job_age_s({"createdAt": "2026-01-01T11:30:00.000Z"}, now) == 1800
-    assert hsp._job_age_s({"createdAt": "not a date"}, now) is None
-    assert hsp._job_age_s({}, now) is None
-    assert hsp._format_age(None) == "age unknown" and hsp._format_age(90) == "90s old"
-    assert hsp._format_age(1800) == "30m old" and hsp._format_age(7200) == "2.0h old"
+    assert cli._job_age_s({"createdAt": "2026-01-01T11:30:00.000Z"}, now) == 1800
+    assert cli._job_age_s({"createdAt": "not a date"}, now) is None
+    assert cli._job_age_s({}, now) is None
+    assert cli._format_age(None) == "age unknown" and cli._format_age(90) == "90s old"
+    assert cli._format_age(1800) == "30m old" and cli._format_age(7200) == "2.0h old"
 
 
 def test_sweep_finds_and_cancels_the_jobs_of_a_trainer_killed_without_any_cleanup(tmp_path):

@@ -1,0 +1,368 @@
+"""The command line of hf-sandbox-provider: `smoke`, `sweep` and the `bench` entry.
+
+`python -m hf_sandbox_provider smoke|sweep|bench` hands over to `main()` here (so does
+`python -m hf_sandbox_cli`). Tooling, not code a trainer runs: it imports the core (`hf_sandbox_provider`)
+and the training layer (`hf_sandbox_training`, for the smoke's WebSocket session), relatively inside a
+package and absolutely at top level, like the core imports `proxy`; argparse only when it parses, and the
+local emulator (hf_jobs_emulator.py) only for `smoke --local`. A vendored core needs this file only for
+the command line.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+
+import requests
+
+if __package__:  # vendored inside a package: the core and the training layer sit next to this module
+    from . import hf_sandbox_provider as _core
+    from .hf_sandbox_training import EnvSession
+else:
+    import hf_sandbox_provider as _core
+    from hf_sandbox_training import EnvSession
+
+# What the command line uses of the core.
+_proxy = _core._proxy
+HFSandboxProvider = _core.HFSandboxProvider
+SandboxError, SandboxConfigError, JobsAPIError = _core.SandboxError, _core.SandboxConfigError, _core.JobsAPIError
+InsecureURLError = _core.InsecureURLError
+DEFAULT_ENDPOINT, DEFAULT_FLAVOR, TERMINAL_STAGES = _core.DEFAULT_ENDPOINT, _core.DEFAULT_FLAVOR, _core.TERMINAL_STAGES
+PROVIDER_LABEL_KEY, PROVIDER_LABEL_VALUE = _core.PROVIDER_LABEL_KEY, _core.PROVIDER_LABEL_VALUE
+_JobsClient, _cancel_briefly, _discover_token = _core._JobsClient, _core._cancel_briefly, _core._discover_token
+_parse_duration, _resolve_endpoint = _core._parse_duration, _core._resolve_endpoint
+
+__all__ = ["main", "SMOKE_DEFAULT_IMAGE", "SMOKE_DEFAULT_ACTION", "SMOKE_WS_STEPS", "SMOKE_REQUEST_TIMEOUT_S",
+           "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE"]
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI: python -m hf_sandbox_provider smoke|sweep|bench
+# --------------------------------------------------------------------------------------------------
+
+# The image `smoke` runs on the real Hub unless --image or HF_SANDBOX_IMAGE says otherwise.
+SMOKE_DEFAULT_IMAGE = "registry.hf.space/openenv-echo-env:latest"
+# The echo environment's action; other environments take --action.
+SMOKE_DEFAULT_ACTION = {"message": "hello from hf-sandbox-provider smoke"}
+# WebSocket steps after the reset: enough to show a session keeps its state.
+SMOKE_WS_STEPS = 3
+# Per-request timeout of the smoke's own HTTP and WebSocket calls.
+SMOKE_REQUEST_TIMEOUT_S = 60.0
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+class _Smoke:
+    """Runs the smoke stages in order, printing one line per stage as it finishes."""
+
+    def __init__(self, out: Any) -> None:
+        self.stages: List[Dict[str, Any]] = []
+        self.out = out
+        self.began = time.monotonic()
+
+    def stage(self, name: str, action: Callable[[], Optional[str]]) -> bool:
+        start = time.monotonic()
+        self.say("  ...   %s" % name)
+        ok, detail = False, None
+        try:
+            ok, detail = True, action()
+        except Exception as exc:
+            detail = "%s: %s" % (type(exc).__name__, exc)
+        except BaseException as exc:  # Ctrl-C: recorded, then it propagates
+            detail = "interrupted (%s)" % type(exc).__name__
+            raise
+        finally:
+            seconds, lines = time.monotonic() - start, (detail or "").splitlines() or [""]
+            self.stages.append({"name": name, "ok": ok, "seconds": round(seconds, 3), "detail": detail or ""})
+            self.say("%s %6.2fs  %s%s" % ("  ok  " if ok else "  FAIL", seconds, name,
+                                           "  (%s)" % lines[0] if lines[0] else ""))
+            if not ok and len(lines) > 1:
+                self.say("\n".join("        | " + line for line in lines[1:]))
+        return ok
+
+    def say(self, line: str) -> None:
+        print(line, file=self.out, flush=True)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.stages) and all(stage["ok"] for stage in self.stages)
+
+    def table(self) -> str:
+        width = max(len(stage["name"]) for stage in self.stages)
+        rows = [(s["name"], "ok" if s["ok"] else "FAIL", "%8.2f" % s["seconds"]) for s in self.stages]
+        rows = [("stage", "result", " seconds")] + rows + [
+            ("total", "ok" if self.ok else "FAIL", "%8.2f" % (time.monotonic() - self.began))]
+        return "\n".join("%-*s  %-6s  %s" % (width, name, result, seconds) for name, result, seconds in rows)
+
+
+def _smoke_checks(smoke: _Smoke, base_url: str, action: Mapping[str, Any]) -> None:
+    """/health, HTTP /reset + /step, and a WebSocket /ws session, all through the proxy's base URL."""
+    with requests.Session() as http:
+        http.trust_env = False  # loopback proxy: never route through HTTP(S)_PROXY
+
+        def call(method: str, path: str, body: Any = None) -> requests.Response:
+            response = http.request(method, base_url + path, json=body, timeout=SMOKE_REQUEST_TIMEOUT_S)
+            response.raise_for_status()
+            return response
+
+        def health() -> str:
+            response = call("GET", "/health")
+            return "HTTP %d %s" % (response.status_code, response.text.strip()[:80])
+
+        def step() -> str:
+            payload = call("POST", "/step", {"action": dict(action)}).json()
+            return "reward=%s done=%s" % (payload.get("reward"), payload.get("done"))
+
+        def websocket() -> str:
+            with EnvSession(base_url, timeout_s=SMOKE_REQUEST_TIMEOUT_S) as ws:
+                answers = [ws.exchange({"type": "reset", "data": {}})]
+                answers += [ws.exchange({"type": "step", "data": dict(action)}) for _ in range(SMOKE_WS_STEPS)]
+                state = ws.exchange({"type": "state"})
+            errors = [a for a in answers + [state] if a.get("type") == "error"]
+            if errors:
+                raise SandboxError("server answered an error: %s" % json.dumps(errors[0].get("data"))[:300])
+            if [a.get("type") for a in answers] != ["observation"] * (1 + SMOKE_WS_STEPS):
+                raise SandboxError("unexpected answers: %s" % [a.get("type") for a in answers])
+            return "reset + %d steps, step_count=%s" % (SMOKE_WS_STEPS, (state.get("data") or {}).get("step_count"))
+
+        for name, check in [("GET /health", health),
+                            ("HTTP POST /reset", lambda: "done=%s" % call("POST", "/reset", {}).json().get("done")),
+                            ("HTTP POST /step", step), ("WebSocket /ws reset + %d steps" % SMOKE_WS_STEPS, websocket)]:
+            smoke.stage(name, check)
+
+
+def _import_emulator() -> Any:
+    """The local HF Jobs emulator module, imported only when `smoke --local` asks for it; None if absent."""
+    import importlib
+    import importlib.util
+
+    name = "%s.hf_jobs_emulator" % __package__ if __package__ else "hf_jobs_emulator"
+    if importlib.util.find_spec(name) is None:
+        return None
+    return importlib.import_module(name)  # present but broken: its own error says why
+
+
+def _usage_error(message: str) -> int:
+    print("error: %s" % message, file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _run_smoke(args: Any) -> int:
+    """`smoke`: one environment through every stage, then teardown; the exit status says if all passed."""
+    try:
+        action = json.loads(args.action) if args.action else SMOKE_DEFAULT_ACTION
+        if not isinstance(action, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as exc:
+        return _usage_error("--action must be a JSON object (%s)" % exc)
+    image = args.image or os.environ.get("HF_SANDBOX_IMAGE") or SMOKE_DEFAULT_IMAGE
+    settings: Dict[str, Any] = dict(flavor=args.flavor, command=args.command)
+    if args.timeout:
+        settings.update(start_timeout_s=args.timeout, ready_timeout_s=args.timeout)
+    out = sys.stderr if args.json else sys.stdout
+    smoke, emulator, provider, failure = _Smoke(out), None, None, None
+    try:
+        if args.local:
+            module = _import_emulator()
+            if module is None:
+                return _usage_error("smoke --local needs hf_jobs_emulator.py next to this module (it is not part of a "
+                                    "vendored copy); copy it from the hf-sandbox-provider repository, or run smoke "
+                                    "without --local against the Hub")
+            emulator = module.JobsEmulator()
+            smoke.stage("start local Jobs emulator", lambda: "endpoint %s" % emulator.start().endpoint)
+            settings.update(endpoint=emulator.endpoint, token=emulator.token,
+                            command=args.command or module.echo_server_command())
+        try:
+            provider = HFSandboxProvider(image, **settings)
+            if not args.local:
+                provider._resolve_token()  # fail now, with the hint, rather than mid-stage
+        except SandboxConfigError as exc:
+            return _usage_error(str(exc))
+        if smoke.ok or not smoke.stages:
+            started = smoke.stage("start_container (submit -> exposed URL)", lambda: "job %s at %s" % (
+                provider.start_container() and provider.job_id, provider.upstream_url))
+            if started:
+                smoke.say("        job page: %s" % provider.job_url)
+                if smoke.stage("wait_for_ready (/health through the proxy)", lambda: provider.wait_for_ready()):
+                    _smoke_checks(smoke, provider.base_url or "", action)
+    except KeyboardInterrupt:
+        failure = "interrupted"
+    finally:
+        if provider is not None:
+            job_id = provider.job_id
+            smoke.stage("stop_container (cancel job, unmount)", lambda: provider.stop_container() or (
+                "job %s %s" % (job_id, provider.stage) if job_id else "nothing to stop"))
+        if emulator is not None:
+            smoke.stage("stop local Jobs emulator", lambda: _stop_emulator(emulator))
+    if args.json:
+        print(json.dumps({
+            "ok": smoke.ok and failure is None, "mode": "local" if args.local else "hub", "image": image,
+            "job_id": provider.job_id if provider else None, "job_url": provider.job_url if provider else None,
+            "timings": provider.timings if provider else {}, "stages": smoke.stages, "error": failure or next(
+                (s["detail"] for s in smoke.stages if not s["ok"]), None),
+        }, indent=2))
+    else:
+        print("\n" + smoke.table(), file=out)
+        if provider is not None and provider.timings:
+            print("job timings (s after submit): %s" % ", ".join(
+                "%s=%.2f" % item for item in sorted(provider.timings.items(), key=lambda kv: kv[1])), file=out)
+    return EXIT_OK if smoke.ok and failure is None else EXIT_FAILED
+
+
+def _stop_emulator(emulator: Any) -> str:
+    emulator.stop()
+    live = emulator.live_pids()
+    if live:
+        raise SandboxError("job processes still alive: %s" % live)
+    return "no job process left"
+
+
+def _sweep_skip_reason(job: Mapping[str, Any], user: str) -> Optional[str]:
+    """Why `sweep` must leave this job alone, or None. A label is a claim, not proof: only jobs the
+    current user started are cancelled."""
+    if (job.get("status") or {}).get("stage") in TERMINAL_STAGES:
+        return "already finished"
+    initiator = job.get("initiator") or {}
+    if initiator.get("name") != user:
+        return "started by %s, not by %s" % (initiator.get("name") or "an unknown initiator", user)
+    return None
+
+
+def _job_age_s(job: Mapping[str, Any], now: float) -> Optional[float]:
+    """Seconds since the job's `createdAt` (ISO 8601), or None when absent or unparseable."""
+    created = job.get("createdAt")
+    if not isinstance(created, str):
+        return None
+    try:
+        moment = datetime.datetime.fromisoformat(created.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=datetime.timezone.utc)
+    return max(0.0, now - moment.timestamp())
+
+
+def _format_age(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "age unknown"
+    if seconds < 120:
+        return "%ds old" % seconds
+    return "%dm old" % (seconds // 60) if seconds < 7200 else "%.1fh old" % (seconds / 3600)
+
+
+def _run_sweep(args: Any) -> int:
+    """Cancel (or with --dry-run, list) this library's jobs the current user left scheduling or running."""
+    try:
+        endpoint = _resolve_endpoint(args.endpoint)
+    except InsecureURLError as exc:
+        return _usage_error(str(exc))
+    older_than = None if args.older_than is None else _parse_duration(args.older_than)
+    if args.older_than is not None and older_than is None:
+        return _usage_error("--older-than %r is not a duration: use seconds or a number with s, m, h or d "
+                            "(e.g. 90s, 30m, 2h, 1d)" % args.older_than)
+    token = _discover_token()
+    if not token:
+        return _usage_error("no Hugging Face token found: set HF_TOKEN or run `hf auth login`")
+    client = _JobsClient(endpoint, token)
+    try:
+        user = client.whoami_namespace()
+        namespace = args.namespace or user
+        found = client.list_jobs(namespace, labels={PROVIDER_LABEL_KEY: PROVIDER_LABEL_VALUE},
+                                 stages=_proxy.JOB_LIVE_STAGES)
+        failed = swept = 0
+        now = time.time()
+        for job in found:
+            job_id = str(job.get("id"))
+            age = _job_age_s(job, now)
+            summary = "%s (%s, %s, %s)" % (job_id, (job.get("status") or {}).get("stage"),
+                                           job.get("flavor") or "?", _format_age(age))
+            reason = _sweep_skip_reason(job, user)
+            if reason is None and older_than is not None and (age is None or age < older_than):
+                reason = "younger than %s" % args.older_than if age is not None else "its age is unknown"
+            if reason:
+                print("skipped %s: %s" % (summary, reason))
+                continue
+            swept += 1
+            if args.dry_run:
+                print("would cancel %s" % summary)
+                continue
+            outcome = _cancel_briefly(client, namespace, job_id)
+            print("cancelled %s" % summary if outcome is None else "FAILED to cancel %s: %s" % (summary, outcome))
+            failed += outcome is not None
+        print("%d leftover job(s) of %s in %s%s" % (swept, user, namespace, " (dry run)" if args.dry_run else ""))
+        return EXIT_FAILED if failed else EXIT_OK
+    except JobsAPIError as exc:
+        print("error: %s" % exc, file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        client.close()
+
+
+def _parser() -> Any:
+    import argparse  # only the command line needs it: a trainer importing the library never pays for it
+
+    parser = argparse.ArgumentParser(prog="python -m hf_sandbox_provider",
+                                     description="Run OpenEnv environments as HF Jobs behind a local auth proxy.")
+    commands = parser.add_subparsers(dest="subcommand", metavar="{smoke,sweep,bench}")
+    smoke = commands.add_parser("smoke", help="start one environment, check HTTP and WebSocket, tear down")
+    smoke.add_argument("--local", action="store_true",
+                       help="use the local HF Jobs emulator and its echo server: no token, no network")
+    smoke.add_argument("--image", help="image to run (default: $HF_SANDBOX_IMAGE or %s)" % SMOKE_DEFAULT_IMAGE)
+    smoke.add_argument("--command", help="server command in the job (default: OpenEnv's uvicorn command; "
+                                         "with --local: the emulator's echo server)")
+    smoke.add_argument("--flavor", default=DEFAULT_FLAVOR, help="hardware flavor (default %(default)s)")
+    smoke.add_argument("--action", help="JSON action for /step (default: the echo environment's)")
+    smoke.add_argument("--timeout", type=float, help="seconds allowed for the start and for readiness")
+    smoke.add_argument("--json", action="store_true", help="print a JSON report on stdout (progress on stderr)")
+    smoke.add_argument("-v", "--verbose", action="count", default=0, help="log the provider's progress")
+    sweep = commands.add_parser("sweep", help="cancel this library's jobs still running in a namespace")
+    sweep.add_argument("--dry-run", action="store_true", help="only list them")
+    sweep.add_argument("--older-than", metavar="DURATION",
+                       help="only jobs created at least this long ago (e.g. 90s, 30m, 2h, 1d): spares the "
+                            "jobs of trainers still running")
+    sweep.add_argument("--namespace", help="user or organisation (default: the token's user)")
+    sweep.add_argument("--endpoint", help="Hub endpoint (default: $HF_ENDPOINT or %s)" % DEFAULT_ENDPOINT)
+    sweep.add_argument("-v", "--verbose", action="count", default=0)
+    commands.add_parser("bench", add_help=False,
+                        help="lifecycle benchmark (runs benchmarks/lifecycle.py of a repository checkout; "
+                             "`bench --help` lists its options)")
+    return parser
+
+
+def _run_bench(argv: Sequence[str]) -> int:
+    """`bench`: a thin entry into benchmarks/lifecycle.py, which lives in the repository, not in the library."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmarks", "lifecycle.py")
+    if not os.path.exists(path):
+        print("error: `bench` runs benchmarks/lifecycle.py from a checkout of the hf-sandbox-provider repository; "
+              "this copy of the module (%s) has none next to it" % os.path.abspath(__file__), file=sys.stderr)
+        return EXIT_USAGE
+    spec = importlib.util.spec_from_file_location("hf_sandbox_provider_lifecycle_bench", path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return int(module.main(list(argv), prog="python -m hf_sandbox_provider bench"))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of `python -m hf_sandbox_provider`; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        return _run_bench(argv[1:])
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.subcommand is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    if args.verbose:
+        logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO, stream=sys.stderr,
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return _run_smoke(args) if args.subcommand == "smoke" else _run_sweep(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
