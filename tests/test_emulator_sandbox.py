@@ -282,14 +282,16 @@ def test_a_websocket_server_on_the_unix_socket_is_reached_through_proxy_url_for(
 
 
 def test_a_websocket_session_outlives_the_hosts_keep_alive_timeout(hub_env, monkeypatch):
-    monkeypatch.setattr(hf_sbx_emulator._SbxHandler, "timeout", 0.3)  # idle keep-alive connections close
+    # Idle keep-alive connections to the host close after 2 s (120 s by default); a busy machine still
+    # sends a request head well within that.
+    monkeypatch.setattr(hf_sbx_emulator._SbxHandler, "timeout", 2.0)
     emu = hub_env()
     with _pool(emu) as pool:
         sbx = pool.create()
         _start_app(sbx, "ws.py", WS_APP, 8001)
         url = sbx.proxy_url_for(8001, "/ws", scheme="wss://")
         with ws_connect(url, additional_headers=sbx.proxy_headers, ssl=_ws_ssl(emu)) as ws:
-            time.sleep(1.0)  # idle well past that timeout
+            time.sleep(3.0)  # idle past that timeout
             ws.send("still here")
             assert ws.recv(timeout=10) == "still here"
 
