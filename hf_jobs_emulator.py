@@ -7,6 +7,9 @@ does. Faults (slow scheduling, crash at boot, 429s and 5xx, lost create answers,
 URL, sudden death, and with `network_faults=True` stalls and resets on the wire) can be set per
 emulator or per job, so the provider's failure paths can be exercised offline.
 
+A job that is huggingface_hub's sandbox bootstrap (`SandboxPool` hosts, `Sandbox.create`) runs the
+emulated sandbox server of `hf_sbx_emulator.py` on its port 49983 instead of downloading the real one.
+
 `python -m hf_jobs_emulator echo-server` is a stdlib OpenEnv echo environment (HTTP and `/ws`);
 `python -m hf_jobs_emulator serve` runs the emulator standalone and prints its endpoint and token.
 
@@ -25,6 +28,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -138,6 +143,14 @@ SCRUBBED_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_API_TOKEN")
 # Signals every child the emulator starts can receive and that end it by default, whichever thread started
 # it: a child inherits its creator thread's mask (library threads block these) and ignored dispositions.
 CHILD_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
+# Sandbox hosts (hf_sbx_emulator.py), upstream figures (issue 20): a cold host takes ~13 s to RUNNING and
+# ~4.7 s more until its server answers; a sandbox on a warm host ~0.27 s. Tests set them near zero.
+SANDBOX_HOST_BOOT_S = 13.0
+SANDBOX_HOST_READY_S = 4.7
+SANDBOX_CREATE_S = 0.27
+# huggingface_hub reads a sandbox host's URL from the create answer, so the answer waits for its gates
+# (made in milliseconds; this bounds a wedged machine).
+SANDBOX_GATES_WAIT_S = 60.0
 # Echo server defaults: OpenEnv images listen on 8000; the step delay is for benchmarks only.
 ECHO_DEFAULT_PORT = 8000
 ECHO_STEP_DELAY_ENV = "ECHO_STEP_DELAY_S"
@@ -212,7 +225,8 @@ class JobsEmulator:
     be tested. `faults` applies the FAULT_KEYS to every job; labels `emulator-<key>` apply them to one.
     `default_command` runs when a create body has no command (default: this module's echo server);
     `image_commands` picks one per image instead. `zygote=False` starts even the echo server with
-    `Popen` (see `launch_process`).
+    `Popen` (see `launch_process`). A job that is huggingface_hub's sandbox bootstrap runs the emulated
+    sbx-server instead (hf_sbx_emulator.py; `sandbox_*` settings, `sandbox_hosts` for its hosts and faults).
     """
 
     def __init__(
@@ -232,11 +246,12 @@ class JobsEmulator:
         zygote: bool = True,
         network_faults: bool = False,
         tls: bool = False,
-        sandbox_host_boot_s: float = 13.0,
-        sandbox_host_ready_s: float = 4.7,
-        sandbox_create_s: float = 0.27,
+        sandbox_host_boot_s: float = SANDBOX_HOST_BOOT_S,
+        sandbox_host_ready_s: float = SANDBOX_HOST_READY_S,
+        sandbox_create_s: float = SANDBOX_CREATE_S,
         sandbox_capacity: Optional[int] = None,
         sandbox_idle_timeout_s: Optional[float] = None,
+        sandbox_strict_tokens: bool = True,
     ) -> None:
         reason = (_host_rejection(host) or _namespace_rejection(namespace)
                   or _delay_rejection("scheduling_delay_s", scheduling_delay_s)
@@ -291,7 +306,8 @@ class JobsEmulator:
         # huggingface_hub's sandbox host jobs run the emulated sbx-server (hf_sbx_emulator.py, when present).
         self.sandbox_hosts = _sandbox_hosts(host_boot_s=sandbox_host_boot_s, host_ready_s=sandbox_host_ready_s,
                                             sandbox_create_s=sandbox_create_s, capacity=sandbox_capacity,
-                                            idle_timeout_s=sandbox_idle_timeout_s)
+                                            idle_timeout_s=sandbox_idle_timeout_s,
+                                            strict_tokens=sandbox_strict_tokens)
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -604,7 +620,7 @@ class JobsEmulator:
                 self._rate_limits.arm(after, DEFAULT_RETRY_AFTER_S, None)
         job._supervisor.start()
         if self._is_sandbox_host(job):
-            job._gates_made.wait(ZYGOTE_SPAWN_TIMEOUT_S)
+            job._gates_made.wait(SANDBOX_GATES_WAIT_S)
         return job, lose
 
     def _find_job(self, namespace: str, job_id: str) -> EmulatedJob:
@@ -672,6 +688,7 @@ class JobsEmulator:
         if sbx_host:
             scheduled_at += self.sandbox_hosts.host_boot_s
         argv = self._job_argv(job)
+        crash = "crash-at-boot" in job.faults  # a crashing sandbox host runs the crash command instead
         exposed = list((job.spec.get("expose") or {}).get("ports") or [])
         public = set((job.spec.get("expose") or {}).get("portsPublic") or [])
         job.local_ports = {p: self._reserve_port() for p in exposed}
@@ -682,9 +699,12 @@ class JobsEmulator:
             gate = self.make_gate(job, exposed_port, public=exposed_port in public)
             job._gates.append(gate)
             urls.append(gate.url)
-        if sbx_host and not _truthy(job.faults.get("no-url", "false")):
-            with self._lock:  # huggingface_hub reads a sandbox job's URL from the create answer itself
-                job.expose_urls = urls
+        if sbx_host:  # its server answers 503 while it boots; huggingface_hub reads its URL at create
+            self.sandbox_hosts.prepare(job, _job_environment(job.spec.get("environment") or {}, secret_values),
+                                       self.host, process_ports)
+            if not _truthy(job.faults.get("no-url", "false")):
+                with self._lock:
+                    job.expose_urls = urls
         job._gates_made.set()
         if self.zygote and argv[:len(echo_server_command())] == echo_server_command():
             self._zygote_for_jobs()  # started (once) while jobs are still scheduling
@@ -696,7 +716,10 @@ class JobsEmulator:
         for exposed_port, local_port in job.local_ports.items():
             env[f"PORT_{exposed_port}"] = str(process_ports.get(local_port, local_port))
         try:
-            process = self.sandbox_hosts.launch(job, env, self.host) if sbx_host else self.launch_process(argv, env)
+            if sbx_host and not crash:
+                process = self.sandbox_hosts.launch(job)
+            else:
+                process = self.launch_process(argv, env)
         except OSError as exc:
             self._finish(job, "ERROR", f"Failed to start the job's command {argv[0]!r}: {exc.strerror or exc}")
             return
@@ -816,10 +839,8 @@ class JobsEmulator:
         return True
 
     def _is_sandbox_host(self, job: EmulatedJob) -> bool:
-        """Whether the job is huggingface_hub's sandbox bootstrap, run as an emulated sbx-server (a crash
-        fault still runs the crashing command instead)."""
-        return (self.sandbox_hosts is not None and "crash-at-boot" not in job.faults
-                and _sbx_module().is_sandbox_host_spec(job.spec))
+        """Whether the job is huggingface_hub's sandbox bootstrap, run as an emulated sbx-server."""
+        return self.sandbox_hosts is not None and _sbx_module().is_sandbox_host_spec(job.spec)
 
     def _job_argv(self, job: EmulatedJob) -> List[str]:
         crash = job.faults.get("crash-at-boot")
@@ -1190,15 +1211,11 @@ def _job_info(job: EmulatedJob, state: _JobState) -> Dict[str, Any]:
 
 
 def _sbx_module() -> Any:
-    """hf_sbx_emulator, imported on first use (it imports this module), or None when it is not installed."""
-    try:
-        if __package__:
-            from . import hf_sbx_emulator
-        else:
-            import hf_sbx_emulator
-    except ImportError:
+    """hf_sbx_emulator, imported on first use (it imports this module), or None in a vendored copy without it."""
+    name = f"{__package__}.hf_sbx_emulator" if __package__ else "hf_sbx_emulator"
+    if importlib.util.find_spec(name) is None:
         return None
-    return hf_sbx_emulator
+    return importlib.import_module(name)
 
 
 def _sandbox_hosts(**settings: Any) -> Any:
@@ -1595,10 +1612,8 @@ def _zygote_child(request: Dict[str, Any], fds: List[int], close_fds: Tuple[int,
     zygote_pid = os.getppid()
     try:
         signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, *CHILD_SIGNALS):
+        for sig in (signal.SIGCHLD, signal.SIGINT):
             signal.signal(sig, signal.SIG_DFL)
-        if hasattr(signal, "pthread_sigmask"):
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, CHILD_SIGNALS)
         os.setpgid(0, 0)  # its own group; the zygote does the same from its side (see _zygote_main)
         _die_with_parent(prctl, zygote_pid)
         for fd in close_fds:  # the zygote's own: a job holds only its pipe and what it opens
@@ -2646,12 +2661,14 @@ def _step_delay_default() -> float:
         raise SystemExit(f"{ECHO_STEP_DELAY_ENV}={text!r} is not a number of seconds")
 
 
-def _run_until_signal(stop: Callable[[], Any]) -> Any:
-    """Block the main thread until SIGINT / SIGTERM, then call `stop` (so nothing is left running)."""
+def _run_until_signal(stop: Callable[[], Any], announce: Callable[[], None] = lambda: None) -> Any:
+    """Block the main thread until SIGINT / SIGTERM, then call `stop` (so nothing is left running).
+    `announce` runs once the handlers are in place, so a caller that reads it may signal at once."""
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
     try:
+        announce()
         while not done.wait(0.5):
             pass
     finally:
@@ -2687,6 +2704,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     serve.add_argument("--scheduling-delay-s", type=float, default=0.0, help="seconds each job spends SCHEDULING")
     serve.add_argument("--fault", action="append", type=_parse_fault, default=[], metavar="KEY=VALUE",
                        help=f"fault applied to every job; keys: {', '.join(FAULT_KEYS)}")
+    serve.add_argument("--tls", action="store_true",
+                       help="serve exposed ports as https://<job>--<port>.jobs.localhost (prints the CA to trust)")
+    serve.add_argument("--sandbox-host-boot-s", type=float, default=SANDBOX_HOST_BOOT_S,
+                       help=f"extra seconds a sandbox host job spends SCHEDULING (default {SANDBOX_HOST_BOOT_S:g})")
+    serve.add_argument("--sandbox-host-ready-s", type=float, default=SANDBOX_HOST_READY_S,
+                       help=f"seconds from RUNNING until a sandbox host answers (default {SANDBOX_HOST_READY_S:g})")
+    serve.add_argument("--sandbox-create-s", type=float, default=SANDBOX_CREATE_S,
+                       help=f"seconds each sandbox create takes on a warm host (default {SANDBOX_CREATE_S:g})")
+    serve.add_argument("--sandbox-capacity", type=int, default=None,
+                       help="sandboxes per host, overriding the pool's SBX_CAPACITY")
+    serve.add_argument("--sandbox-idle-timeout-s", type=float, default=None,
+                       help="idle seconds before any sandbox is evicted, overriding what each create asks")
     serve.add_argument("--json", action="store_true", help="print endpoint and token as one JSON line")
     echo = commands.add_parser("echo-server", help="run the OpenEnv-compatible echo environment")
     echo.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -2704,20 +2733,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         emulator = JobsEmulator(args.token, args.namespace, args.host, args.port, args.scheduling_delay_s,
-                                faults=dict(args.fault))
+                                faults=dict(args.fault), tls=args.tls,
+                                sandbox_host_boot_s=args.sandbox_host_boot_s,
+                                sandbox_host_ready_s=args.sandbox_host_ready_s,
+                                sandbox_create_s=args.sandbox_create_s, sandbox_capacity=args.sandbox_capacity,
+                                sandbox_idle_timeout_s=args.sandbox_idle_timeout_s)
         emulator.start()
     except (ValueError, OSError) as exc:
         print(f"serve: {exc}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps({"endpoint": emulator.endpoint, "token": emulator.token,
-                          "namespace": emulator.namespace}), flush=True)
-    else:
+    def announce() -> None:
+        if args.json:
+            print(json.dumps({"endpoint": emulator.endpoint, "token": emulator.token,
+                              "namespace": emulator.namespace, "ca_path": emulator.ca_path}), flush=True)
+            return
         print(f"HF Jobs emulator listening on {emulator.endpoint} (namespace {emulator.namespace})", flush=True)
         print(f"HF_ENDPOINT={emulator.endpoint}", flush=True)
         print(f"HF_TOKEN={emulator.token}", flush=True)
+        if emulator.ca_path:
+            print(f"SSL_CERT_FILE={emulator.ca_path}", flush=True)
         print("Ctrl-C stops it and every job it runs.", flush=True)
-    leftovers = _run_until_signal(emulator.stop)
+
+    leftovers = _run_until_signal(emulator.stop, announce)
     if leftovers:
         print(f"serve: could not clean up: {', '.join(leftovers)}", file=sys.stderr)
         return 1

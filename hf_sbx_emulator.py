@@ -13,7 +13,8 @@ local process groups started in it. Where this differs from the real server: no 
 isolation (sandboxes are processes of the emulator's user), no resource limits, and the details the
 client does not reveal are this module's choices (see docs/emulator.md, "Sandbox server").
 
-Stdlib only; `hf_jobs_emulator` creates one `SandboxHosts` per emulator and asks it to run each host job.
+Standard library and hf_jobs_emulator's pieces only; `hf_jobs_emulator` creates one `SandboxHosts` per
+emulator and asks it to run each host job.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ import subprocess
 import tempfile
 import threading
 import time
-from http.server import BaseHTTPRequestHandler
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 from urllib.parse import parse_qs, urlsplit
 
@@ -64,13 +64,11 @@ PROXY_DIR_ENV = "SBX_PROXY_DIR"
 TOKEN_HEADER = "X-Sandbox-Token"
 # Sandboxes per host when neither the emulator nor the job's SBX_CAPACITY says (huggingface_hub's default).
 DEFAULT_CAPACITY = 50
-# Upstream figures (issue 20): a cold host takes ~13 s to RUNNING and ~4.7 s more until its server
-# answers; a sandbox on a warm host ~0.27 s. Tests set them near zero.
-DEFAULT_HOST_BOOT_S = 13.0
-DEFAULT_HOST_READY_S = 4.7
-DEFAULT_SANDBOX_CREATE_S = 0.27
 # The client reads an exec stream with a 70 s timeout and expects a ping every 15 s.
 EXEC_PING_S = 15.0
+# After an exec'd command exits, output still in its pipes is sent for this long; descendants that keep
+# the pipes open are not waited for (they are killed with the command's process group).
+EXEC_DRAIN_S = 0.5
 # Finished background processes a sandbox keeps listing (the real server keeps "a bounded number").
 FINISHED_PROCESSES_KEPT = 100
 # SIGTERM, then SIGKILL after this long, when a process, a sandbox or a host is stopped.
@@ -90,7 +88,9 @@ UPSTREAM_TIMEOUT_S = 300.0
 HOP_BY_HOP = frozenset(["connection", "keep-alive", "proxy-connection", "proxy-authenticate",
                         "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade"])
 CONSUMED = frozenset(["authorization", TOKEN_HEADER.lower()])
-# Sandbox and process ids: hex, never containing huggingface_hub's shared-id separator ".".
+# The one sandbox of a dedicated job (never in a pool's listing).
+DEDICATED_ID = "dedicated"
+# Sandbox and process ids: 12 hex digits, never containing huggingface_hub's shared-id separator ".".
 _SANDBOX_ROUTE = re.compile(r"^/v1/sandboxes/([0-9a-f]{12})(/.*)?$")
 _PROXY_ROUTE = re.compile(r"^/proxy/([0-9]{1,5})(/.*)?$")
 
@@ -115,12 +115,14 @@ class SandboxHosts:
     `host_boot_s` is added to a host job's SCHEDULING time, `host_ready_s` passes between RUNNING and
     the server answering, `sandbox_create_s` is spent in every sandbox create. `capacity` (None: the
     job's SBX_CAPACITY, else 50) and `idle_timeout_s` (None: what each create asks) override the
-    client's settings for every host.
+    client's settings for every host. `strict_tokens=False` also accepts a host's token on its
+    sandboxes' routes, as huggingface_hub 1.22-1.31 (before per-sandbox tokens) send it there.
     """
 
-    def __init__(self, *, host_boot_s: float = DEFAULT_HOST_BOOT_S, host_ready_s: float = DEFAULT_HOST_READY_S,
-                 sandbox_create_s: float = DEFAULT_SANDBOX_CREATE_S, capacity: Optional[int] = None,
-                 idle_timeout_s: Optional[float] = None) -> None:
+    def __init__(self, *, host_boot_s: float = _jobs.SANDBOX_HOST_BOOT_S,
+                 host_ready_s: float = _jobs.SANDBOX_HOST_READY_S, sandbox_create_s: float = _jobs.SANDBOX_CREATE_S,
+                 capacity: Optional[int] = None,
+                 idle_timeout_s: Optional[float] = None, strict_tokens: bool = True) -> None:
         for name, value in (("sandbox_host_boot_s", host_boot_s), ("sandbox_host_ready_s", host_ready_s),
                             ("sandbox_create_s", sandbox_create_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
@@ -135,6 +137,7 @@ class SandboxHosts:
         self.sandbox_create_s = float(sandbox_create_s)
         self.capacity = capacity
         self.idle_timeout_s = None if idle_timeout_s is None else float(idle_timeout_s)
+        self.strict_tokens = bool(strict_tokens)
         self._lock = threading.Lock()
         self._hosts: Dict[str, SandboxHost] = {}
         self._create_errors: List[Tuple[int, Optional[int]]] = []  # (status, Retry-After) per next create
@@ -168,13 +171,18 @@ class SandboxHosts:
 
     # -- used by hf_jobs_emulator -----------------------------------------------------------------
 
-    def launch(self, job: Any, env: Dict[str, str], host: str) -> subprocess.Popen:
-        """Start the host of a bootstrap job on its local port; returns the job's process (see SandboxHost)."""
-        sbx = SandboxHost(self, job.id, env, host, job.local_ports[SANDBOX_SERVER_PORT])
-        process = sbx.start()
+    def prepare(self, job: Any, env: Dict[str, str], bind: str, moved: Mapping[int, int]) -> None:
+        """A bootstrap job was created: make its host and listen on the job's local port (answering 503);
+        `moved` maps a local port to the one its process must use instead (network fault links)."""
+        local = job.local_ports[SANDBOX_SERVER_PORT]
+        sbx = SandboxHost(self, job.id, env, bind, moved.get(local, local))
         with self._lock:
             self._hosts[job.id] = sbx
-        return process
+        sbx.listen()
+
+    def launch(self, job: Any) -> subprocess.Popen:
+        """The bootstrap job runs: start its host; returns the job's process (see SandboxHost)."""
+        return self.host(job.id).start()
 
     def release(self, job_id: str) -> None:
         """The host's job ended: stop its server and every sandbox process. Never raises."""
@@ -221,18 +229,45 @@ class SandboxHost:
         self._tunnels: set = set()  # upstream sockets of open proxy connections, closed on stop
         self._stopped = threading.Event()
         self._last_active = time.monotonic()
+        self._ready_at = float("inf")  # until then every request answers 503 (the server is still starting)
+        self._listen_error: Optional[str] = None
         self._janitor = threading.Thread(target=self._evict_idle, name=f"sbx-janitor:{job_id}", daemon=True)
-        self._starter = threading.Thread(target=self._serve_when_ready, name=f"sbx-start:{job_id}", daemon=True)
+
+    def listen(self) -> None:
+        """Bind the job's port while the job is still scheduling: until `start()` and `host_ready_s`
+        every request answers 503, as a job proxy does for a server that is not up (instead of the gate
+        failing to connect, and logging it, on every poll of a booting host)."""
+        handler = type("_BoundSbxHandler", (_SbxHandler,), {"host": self})
+        try:
+            self._server = _jobs._TrackingHTTPServer((self._bind, self._port), handler)
+        except OSError as exc:
+            self._listen_error = f"sbx-server: cannot listen on port {self._port}: {exc}"
+            return
+        self._serve_thread = threading.Thread(target=self._server.serve_forever, args=(_jobs.SERVE_POLL_S,),
+                                              name=f"sbx-server:{self.job_id}", daemon=True)
+        self._serve_thread.start()
 
     def start(self) -> subprocess.Popen:
+        """The job runs: start its process (the stub) and become ready after `host_ready_s`."""
         self._stub = _jobs.spawn_process(["cat"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, env=self._env, start_new_session=True)
-        if not self._token:
-            self.log(f"sbx-server: {TOKEN_ENV} is not set; refusing to serve without a credential")
-            self._end_job()
+        failure = self._listen_error or (None if self._token else
+                                         f"sbx-server: {TOKEN_ENV} is not set; refusing to serve without a credential")
+        if failure:
+            self.log(failure)
+            self._end_job(failed=True)
             return self._stub
-        self._starter.start()
+        self._ready_at = time.monotonic() + self._owner.host_ready_s
+        self._last_active = self._ready_at
+        self._janitor.start()
+        mode = f"pool host, {self.capacity} sandboxes" if self.pool_mode else "dedicated sandbox"
+        self.log(f"sbx-server {EMULATED_SERVER_VERSION} (protocol {SANDBOX_SERVER_PROTOCOL}, emulated): {mode}")
         return self._stub
+
+    @property
+    def ready(self) -> bool:
+        """Whether the server answers yet (it listens from the start, like a job proxy that is up)."""
+        return time.monotonic() >= self._ready_at
 
     def stop(self) -> List[str]:
         """Close the server, every connection and tunnel, end every sandbox; returns what is left."""
@@ -249,10 +284,18 @@ class SandboxHost:
         for sock in tunnels:
             _close_socket(sock)
         problems.extend(_end_sandboxes(sandboxes))
+        if self._janitor.ident is not None:
+            self._janitor.join(5.0)
         if self._serve_thread is not None:
             self._serve_thread.join(5.0)
             if self._serve_thread.is_alive():
                 problems.append("server thread")
+        with self._stub_lock:  # the job's supervisor reaped the stub and closed its output; its input is ours
+            if self._stub is not None and self._stub.stdin is not None:
+                try:
+                    self._stub.stdin.close()
+                except OSError:
+                    pass
         shutil.rmtree(self._state_dir, ignore_errors=True)
         return problems
 
@@ -260,10 +303,6 @@ class SandboxHost:
     def sandbox_ids(self) -> List[str]:
         with self._lock:
             return list(self._sandboxes)
-
-    def sandbox(self, sandbox_id: str) -> "EmulatedSandbox":
-        with self._lock:
-            return self._sandboxes[sandbox_id]
 
     def live_pids(self) -> List[int]:
         with self._lock:
@@ -284,33 +323,15 @@ class SandboxHost:
 
     # -- machinery ---------------------------------------------------------------------------------
 
-    def _serve_when_ready(self) -> None:
-        if self._stopped.wait(self._owner.host_ready_s):
-            return
-        handler = type("_BoundSbxHandler", (_SbxHandler,), {"host": self})
-        try:
-            server = _jobs._TrackingHTTPServer((self._bind, self._port), handler)
-        except OSError as exc:
-            self.log(f"sbx-server: cannot listen on port {self._port}: {exc}")
-            self._end_job()
-            return
-        with self._lock:
-            if self._stopped.is_set():
-                server.server_close()
-                return
-            self._server = server
-            self._last_active = time.monotonic()
-        self._serve_thread = threading.Thread(target=server.serve_forever, args=(_jobs.SERVE_POLL_S,),
-                                              name=f"sbx-server:{self.job_id}", daemon=True)
-        self._serve_thread.start()
-        self._janitor.start()
-        mode = f"pool host, {self.capacity} sandboxes" if self.pool_mode else "dedicated sandbox"
-        self.log(f"sbx-server {EMULATED_SERVER_VERSION} (protocol {SANDBOX_SERVER_PROTOCOL}) ready: {mode}")
-
-    def _end_job(self) -> None:
-        """Exit like the real server does when idle: the stub ends and the job COMPLETES."""
+    def _end_job(self, failed: bool = False) -> None:
+        """Exit as the real server does: idle, the stub ends and the job COMPLETES; failed, it is
+        terminated and the job ends in ERROR."""
         with self._stub_lock:
-            if self._stub is not None and self._stub.stdin is not None:
+            if self._stub is None:
+                return
+            if failed:
+                self._stub.terminate()
+            elif self._stub.stdin is not None:
                 try:
                     self._stub.stdin.close()
                 except OSError:
@@ -320,12 +341,16 @@ class SandboxHost:
         while not self._stopped.wait(EVICTION_POLL_S):
             now = time.monotonic()
             with self._lock:
-                idle = [s for s in self._sandboxes.values() if s.idle_for(now) is not None
-                        and s.idle_for(now) >= s.idle_timeout_s]  # type: ignore[operator]
-                for sbx in idle:
-                    del self._sandboxes[sbx.id]
-                host_idle = (self.idle_timeout_s is not None and not self._sandboxes
-                             and now - self._last_active >= self.idle_timeout_s)
+                if self.pool_mode:  # per-sandbox eviction, then an empty host shuts down
+                    idle = [s for s in self._sandboxes.values() if s.idle_for(now) >= s.idle_timeout_s]
+                    for sbx in idle:
+                        del self._sandboxes[sbx.id]
+                    quiet = now - self._last_active if not self._sandboxes else float("-inf")
+                else:  # a dedicated sandbox is the job: the whole job shuts down when it idles
+                    idle = []
+                    only = self._sandboxes.get(DEDICATED_ID)
+                    quiet = only.idle_for(now) if only is not None else now - self._last_active
+                host_idle = self.idle_timeout_s is not None and quiet >= self.idle_timeout_s
             for sbx in idle:
                 self.log(f"sbx-server: sandbox {sbx.id} evicted after {sbx.idle_timeout_s:g}s idle")
             _end_sandboxes(idle)
@@ -369,10 +394,10 @@ class SandboxHost:
     def dedicated_sandbox(self) -> "EmulatedSandbox":
         """A dedicated job is one sandbox, addressed under /v1 with the job's own token."""
         with self._lock:
-            if "dedicated" not in self._sandboxes:
-                sbx = EmulatedSandbox(self, "dedicated", self.idle_timeout_s, {}, token=self._token)
-                self._sandboxes["dedicated"] = sbx
-            return self._sandboxes["dedicated"]
+            if DEDICATED_ID not in self._sandboxes:
+                sbx = EmulatedSandbox(self, DEDICATED_ID, self.idle_timeout_s, {}, token=self._token)
+                self._sandboxes[DEDICATED_ID] = sbx
+            return self._sandboxes[DEDICATED_ID]
 
     def host_token_rejection(self, presented: Optional[str]) -> Optional[Tuple[int, str]]:
         return _token_rejection(presented, self._token, "the host's management token")
@@ -407,6 +432,7 @@ class EmulatedSandbox:
         self.env.update({str(k): str(v) for k, v in env.items()})
         self._lock = threading.Lock()
         self._processes: Dict[str, _Process] = {}
+        self._foreground: set = set()  # Popen of commands being exec'd (ended with the sandbox too)
         self._active_requests = 0
         self._last_active = time.monotonic()
 
@@ -415,13 +441,12 @@ class EmulatedSandbox:
             self._active_requests += delta
             self._last_active = time.monotonic()
 
-    def idle_for(self, now: float) -> Optional[float]:
-        """Seconds without an API call or a running process, or None when it never idles out."""
-        if self.idle_timeout_s is None:
-            return None
+    def idle_for(self, now: float) -> float:
+        """Seconds without an API call, proxied byte or running process (-inf when it never idles out)."""
         with self._lock:
-            if self._active_requests or any(p.running for p in self._processes.values()):
-                return None
+            if (self.idle_timeout_s is None or self._active_requests
+                    or any(p.running for p in self._processes.values())):
+                return float("-inf")
             return now - self._last_active
 
     def start_process(self, argv: List[str], env: Mapping[str, str], cwd: str, cmd: Any,
@@ -429,13 +454,17 @@ class EmulatedSandbox:
         popen = _jobs.spawn_process(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                     stderr=subprocess.DEVNULL, env={**self.env, **env}, cwd=cwd,
                                     start_new_session=True)
-        proc = _Process(_new_id(set(self._processes)), popen, cmd, tag)
         with self._lock:
+            proc = _Process(_new_id(set(self._processes)), popen, cmd, tag)
             self._processes[proc.id] = proc
             finished = [p for p in self._processes.values() if not p.running]
             for old in finished[:max(0, len(finished) - FINISHED_PROCESSES_KEPT)]:
                 del self._processes[old.id]
         return proc
+
+    def foreground(self, popen: subprocess.Popen, running: bool) -> None:
+        with self._lock:
+            (self._foreground.add if running else self._foreground.discard)(popen)
 
     def processes(self) -> List["_Process"]:
         with self._lock:
@@ -446,11 +475,17 @@ class EmulatedSandbox:
             return self._processes.get(process_id)
 
     def live_pids(self) -> List[int]:
-        return [p.popen.pid for p in self.processes() if p.running]
+        with self._lock:
+            foreground = [p.pid for p in self._foreground if p.poll() is None]
+        return [p.popen.pid for p in self.processes() if p.running] + foreground
 
     def end(self) -> List[str]:
-        """Stop every process group of this sandbox and remove its files; returns what survived."""
-        procs = self.processes()
+        """Stop every process group of this sandbox and remove its files; returns what survived.
+
+        Only groups whose leader still runs: an exited leader's pid may since belong to someone else."""
+        with self._lock:
+            foreground = [_Process("exec", p, None, None) for p in self._foreground]
+        procs = [p for p in self.processes() + foreground if p.running]
         for proc in procs:
             proc.signal(signal.SIGTERM)
         deadline = time.monotonic() + KILL_GRACE_S
@@ -552,12 +587,18 @@ class _SbxHandler(_jobs._QuietHandler):
     server_version = "sbx-server"
 
     def do_GET(self) -> None:
+        self._body_read = False
         try:
             self._route()
         except _SbxError as exc:
             self._send_error(exc.status, exc.message, exc.headers)
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
+        if not self._body_read and not self.close_connection:
+            try:  # a body nobody read would be parsed as the next request on this connection
+                self._body()
+            except (_SbxError, OSError, ValueError):
+                self.close_connection = True
 
     do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = do_OPTIONS = do_GET
 
@@ -571,6 +612,8 @@ class _SbxHandler(_jobs._QuietHandler):
         path = urlsplit(self.path).path
         method = self.command
         presented = self.headers.get(TOKEN_HEADER)
+        if not self.host.ready:
+            raise _SbxError(503, "the sandbox server is starting", {"Retry-After": "1"})
         if path == "/health" and method == "GET":
             return self._health()
         host = self.host
@@ -595,7 +638,10 @@ class _SbxHandler(_jobs._QuietHandler):
             sbx = host.find(sandbox_id)
             if sbx is None:
                 raise _SbxError(404, f"no sandbox {sandbox_id} on this host")
-            self._check(_token_rejection(presented, sbx.token, f"sandbox {sandbox_id}'s own token"))
+            rejection = _token_rejection(presented, sbx.token, f"sandbox {sandbox_id}'s own token")
+            if rejection is not None and not host._owner.strict_tokens and host.host_token_rejection(presented) is None:
+                rejection = None  # lenient: the host's token opens its sandboxes too (clients before protocol 3)
+            self._check(rejection)
             if rest == "" and method == "DELETE":
                 host.delete_sandbox(sandbox_id)
                 return self.send_json(200, {"id": sandbox_id, "deleted": True})
@@ -636,6 +682,7 @@ class _SbxHandler(_jobs._QuietHandler):
         if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
             self.close_connection = True
             raise _SbxError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+        self._body_read = True
         try:
             return self.read_body(MAX_BODY_BYTES)
         except _jobs._ApiError as exc:
@@ -735,24 +782,32 @@ class _SbxHandler(_jobs._QuietHandler):
                                         cwd=cwd, start_new_session=True)
         except OSError as exc:
             raise _SbxError(400, f"cannot start {argv[0]!r}: {exc.strerror or exc}")
+        sbx.foreground(popen, True)
         events: "queue.Queue[Optional[Tuple[str, str]]]" = queue.Queue()
-        readers = [threading.Thread(target=_pump, args=(stream, name, events), daemon=True)
+        workers = [threading.Thread(target=_pump, args=(stream, name, events), daemon=True)
                    for stream, name in ((popen.stdout, "stdout"), (popen.stderr, "stderr"))]
-        for reader in readers:
-            reader.start()
+        workers.append(threading.Thread(target=lambda: (popen.wait(), events.put(("exit", ""))), daemon=True))
+        for worker in workers:
+            worker.start()
         if stdin is not None:
             threading.Thread(target=_feed, args=(popen.stdin, stdin.encode("utf-8")), daemon=True).start()
         deadline = started + float(timeout) if timeout is not None else None
-        timed_out = False
+        timed_out, exited_at = False, None
         try:
             self._start_stream()
             self._event({"event": "start", "pid": popen.pid})
-            open_streams = len(readers)
+            open_streams = 2
             while open_streams:
-                wait = EXEC_PING_S if deadline is None else max(0.0, min(EXEC_PING_S, deadline - time.monotonic()))
+                now = time.monotonic()
+                if exited_at is not None:  # what is left in the pipes, not what descendants still write
+                    wait = exited_at + EXEC_DRAIN_S - now
+                else:
+                    wait = EXEC_PING_S if deadline is None else min(EXEC_PING_S, deadline - now)
                 try:
-                    item = events.get(timeout=wait)
+                    item = events.get(timeout=max(0.0, wait))
                 except queue.Empty:
+                    if exited_at is not None:
+                        break
                     if deadline is not None and time.monotonic() >= deadline:
                         timed_out = True
                         _kill_group(popen.pid, signal.SIGKILL)
@@ -762,8 +817,10 @@ class _SbxHandler(_jobs._QuietHandler):
                     continue
                 if item is None:
                     open_streams -= 1
-                    continue
-                self._event({"event": item[0], "data": item[1]})
+                elif item[0] == "exit":
+                    exited_at = time.monotonic()
+                else:
+                    self._event({"event": item[0], "data": item[1]})
             code = popen.wait()
             exit_event: Dict[str, Any] = {"event": "exit", "exit_code": code if code >= 0 else None,
                                           "duration_ms": int((time.monotonic() - started) * 1000),
@@ -777,6 +834,7 @@ class _SbxHandler(_jobs._QuietHandler):
         finally:
             _kill_group(popen.pid, signal.SIGKILL)
             popen.wait()
+            sbx.foreground(popen, False)
             for stream in (popen.stdout, popen.stderr, popen.stdin):
                 if stream is not None:
                     try:
@@ -935,6 +993,8 @@ class _SbxHandler(_jobs._QuietHandler):
                     conn.putheader("Content-Length", str(len(body)))
                 conn.endheaders(body or None)
                 response = conn.getresponse()
+            except socket.timeout:
+                raise _SbxError(504, f"the server on port {port} did not answer within {UPSTREAM_TIMEOUT_S:g}s")
             except OSError as exc:
                 raise _SbxError(502, f"nothing answers on port {port} in this sandbox "
                                      f"(a server must listen on $SBX_PROXY_DIR/{port}.sock): {exc.strerror or exc}")
@@ -1004,6 +1064,7 @@ class _SbxHandler(_jobs._QuietHandler):
         head += [f"{k}: {v}" for k, v in headers]
         head += [f"Connection: {self.headers.get('Connection', 'Upgrade')}", f"Upgrade: {self.headers['Upgrade']}"]
         client = self.connection
+        client.settimeout(None)  # a WebSocket session may idle for longer than a keep-alive connection
         try:
             upstream.sendall(("\r\n".join(head) + "\r\n\r\n").encode("latin-1"))
             self.wfile.flush()
