@@ -54,6 +54,7 @@ def pool_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Any, log_guard: Any) -> 
 
     yield make
     hf_sandbox_pool.close_pools()
+    hub.utils.close_session()  # huggingface_hub's process-wide HTTP client keeps a connection to the Jobs API
     for emulator in made:
         assert emulator.stop() == []
         assert emulator.live_pids() == [], "a job, sandbox or server process outlived the emulator"
@@ -82,7 +83,7 @@ def watch_sandbox_token(p: HFSandboxProvider, log_guard: Any) -> None:
 
 
 def test_a_pooled_environment_serves_http_and_websocket_through_the_proxy_and_stop_kills_only_its_sandbox(
-        pool_env, proxy, log_guard):
+        no_leaks, pool_env, proxy, log_guard):
     emu = pool_env()
     with provider(emu, proxy) as p:
         base_url = p.start_container()
