@@ -57,7 +57,8 @@ from http.server import BaseHTTPRequestHandler
 sys.path.insert(0, os.environ["HF_SMOKE_EMULATOR_DIR"])
 import hf_jobs_emulator as emulator
 state = emulator.EchoServer.__new__(emulator.EchoServer)
-state.host, state.step_delay_s, state.http_env, state.http_lock = "uds", 0.0, emulator.EchoEnvironment(), threading.Lock()
+state.host, state.step_delay_s = "uds", 0.0
+state.http_env, state.http_lock = emulator.EchoEnvironment(), threading.Lock()
 class Handler(emulator._EchoHandler):
     server_ref = state
     def setup(self):

@@ -84,8 +84,8 @@ _POOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
 
 
 def close_pools() -> None:
-    """Close every named pool this process created: kill its remaining sandboxes and cancel the host jobs
-    it booted (hosts it only adopted keep running). Never raises; names what it could not cancel."""
+    """Close every named pool this process created: cancel the host jobs it booted (their sandboxes end
+    with them; hosts it only adopted keep running). Never raises; names what it could not cancel."""
     with _pools_lock:
         entries = list(_pools.values())
         _pools.clear()
@@ -118,7 +118,8 @@ def pool_rejection(pool: Any) -> Optional[str]:
 def hub_rejection() -> Optional[str]:
     """Why the installed huggingface_hub cannot run pooled placement, or None."""
     needed = ".".join(str(part) for part in MIN_HUB_VERSION)
-    advice = "pip install -U 'huggingface_hub>=%s' (or the 'pool' extra: pip install 'hf-sandbox-provider[pool]')" % needed
+    advice = ("pip install -U 'huggingface_hub>=%s' (or the 'pool' extra: pip install 'hf-sandbox-provider[pool]')"
+              % needed)
     try:
         import huggingface_hub
     except ImportError:
@@ -324,7 +325,8 @@ class PooledSandbox:
                 if status is not None:
                     raise _core.JobsAPIError("creating a sandbox in pool %s" % pool.name, status,
                                              _first_line(exc)) from None
-                raise _core.SandboxError("pool %s: creating a sandbox failed: %s" % (pool.name, _first_line(exc))) from None
+                raise _core.SandboxError("pool %s: creating a sandbox failed: %s"
+                                         % (pool.name, _first_line(exc))) from None
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _drop_dead_hosts(self, pool: Any) -> bool:
