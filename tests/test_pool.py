@@ -417,3 +417,19 @@ def test_an_example_runs_pooled_with_local_and_pool(tmp_path, example):
                           "--pool", "example"], capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=180)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "1 jobs run, 0 job processes left" in run.stdout, run.stdout
+
+
+def test_a_training_sandbox_runs_pooled_and_stop_sandboxes_also_cancels_the_pools_host(pool_env):
+    from hf_sandbox_training import Sandbox, stop_sandboxes
+
+    emu = pool_env()
+    sandbox = Sandbox(IMAGE, pool="training", endpoint=emu.endpoint, token=emu.token, verify=emu.ca_path,
+                      command=SERVER, start_timeout_s=TIMEOUT, ready_timeout_s=TIMEOUT)
+    try:
+        with sandbox.session() as session:
+            session.reset()
+            assert session.step({"message": "pooled"})["observation"]["echoed_message"] == "pooled"
+        host_id = sandbox.provider._pooled.host_id
+    finally:
+        stop_sandboxes()
+    assert emu.wait_for_stage(host_id, ["CANCELED"]).stage == "CANCELED"
