@@ -375,6 +375,7 @@ def test_job_timeout_bounds_a_pooled_server_so_nothing_bills_forever_after_a_los
         assert requests.get(p.base_url + "/health", timeout=10).status_code == 502
 
 
+@pytest.mark.slow  # a CLI / example subprocess, like the other CLI and example tests
 def test_smoke_local_pool_runs_every_stage_and_closes_the_pool(tmp_path):
     import json
     import subprocess
@@ -407,6 +408,7 @@ def test_sweep_pool_cancels_the_host_jobs_a_lost_process_left_of_that_pool_only(
     lost.stop_container()
 
 
+@pytest.mark.slow  # a CLI / example subprocess, like the other CLI and example tests
 @pytest.mark.parametrize("example", ["legacy_http_client.py", "openenv_client.py"])
 def test_an_example_runs_pooled_with_local_and_pool(tmp_path, example):
     import subprocess
