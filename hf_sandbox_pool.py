@@ -158,11 +158,15 @@ def server_command(command: Union[None, str, Sequence[str]], port: int, timeout_
     else:
         body = "exec " + " ".join(socket_word.join(shlex.quote(piece) if piece else "" for piece in part.split(
             SOCKET_PLACEHOLDER)) if part else "''" for part in command)
-    log = SERVER_LOG_TEMPLATE % port
-    deadline = "" if timeout_s is None else (
-        '(sleep %d; echo "hf-sandbox: job_timeout of %ds reached: stopping the server"; kill -TERM 0) & '
-        % (timeout_s, timeout_s))
-    return 'exec >%s 2>&1; export HF_SANDBOX_SOCKET=%s; %s%s' % (log, socket_word, deadline, body)
+    head = 'exec >%s 2>&1; export HF_SANDBOX_SOCKET=%s; ' % (SERVER_LOG_TEMPLATE % port, socket_word)
+    if timeout_s is None:
+        return head + body
+    # The deadline: a watcher that sends the process group SIGTERM after timeout_s, and that ends (its
+    # sleep too) as soon as the server does, so nothing of it outlives the server.
+    watcher = ("(trap 'kill $s 2>/dev/null; exit 0' TERM; sleep %d & s=$!; wait $s; "
+               'echo "hf-sandbox: job_timeout of %ds reached: stopping the server"; kill -TERM 0) & d=$!; '
+               % (timeout_s, timeout_s))
+    return head + watcher + "(%s); status=$?; kill $d 2>/dev/null; wait $d; exit $status" % body
 
 
 # --------------------------------------------------------------------------------------------------

@@ -435,3 +435,29 @@ def test_a_training_sandbox_runs_pooled_and_stop_sandboxes_also_cancels_the_pool
     finally:
         stop_sandboxes()
     assert emu.wait_for_stage(host_id, ["CANCELED"]).stage == "CANCELED"
+
+
+def _processes_running(needle: str) -> List[int]:
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open("/proc/%s/cmdline" % pid, "rb") as handle:
+                cmdline = handle.read().replace(b"\0", b" ").decode(errors="replace")
+            with open("/proc/%s/stat" % pid) as handle:
+                zombie = handle.read().split(") ")[-1][:1] == "Z"
+        except OSError:
+            continue
+        if needle in cmdline and not zombie:
+            found.append(int(pid))
+    return found
+
+
+def test_the_job_timeout_watcher_ends_with_its_server_so_no_process_is_left(pool_env, proxy):
+    emu = pool_env()
+    marker = "--crash-after"
+    p = provider(emu, proxy, command=SERVER + [marker, "0"], job_timeout=3599)
+    p.start_container()
+    with pytest.raises(JobFailedError):
+        p.wait_for_ready()
+    wait_until(lambda: not _processes_running("sleep 3599") and not _processes_running("job_timeout of 3599s"),
+               "the deadline watcher to end with its server", timeout_s=10)
