@@ -214,7 +214,7 @@ SPACE_IMAGE_PREFIXES = ("https://huggingface.co/spaces/", "https://hf.co/spaces/
                         "huggingface.co/spaces/", "hf.co/spaces/")
 # start_container keywords that override the constructor's settings for one start.
 _OVERRIDABLE = ("command", "flavor", "namespace", "secrets", "labels", "job_timeout",
-                "start_timeout_s", "ready_timeout_s", "poll_interval_s", "verify", "replicas")
+                "start_timeout_s", "ready_timeout_s", "poll_interval_s", "verify", "replicas", "pool")
 USER_AGENT = "hf-sandbox-provider/" + __version__
 
 
@@ -400,8 +400,8 @@ class HFSandboxProvider:
     # or sockets. A subclass with settings of its own adds their names (like requests' Session.__attrs__).
     _pickled_settings: Tuple[str, ...] = (
         "image", "command", "port", "flavor", "namespace", "endpoint", "env_vars", "secrets", "labels",
-        "job_timeout", "start_timeout_s", "ready_timeout_s", "poll_interval_s", "verify", "replicas", "_token",
-        "warn_env_credentials")
+        "job_timeout", "start_timeout_s", "ready_timeout_s", "poll_interval_s", "verify", "replicas", "pool",
+        "_token", "warn_env_credentials")
 
     def __init__(self, image: Optional[str] = None, *, command: Union[None, str, Sequence[str]] = None,
                  port: int = DEFAULT_PORT, flavor: str = DEFAULT_FLAVOR, namespace: Optional[str] = None,
@@ -411,7 +411,7 @@ class HFSandboxProvider:
                  job_timeout: Union[int, float, str] = DEFAULT_JOB_TIMEOUT_S,
                  start_timeout_s: float = DEFAULT_START_TIMEOUT_S, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
                  poll_interval_s: float = DEFAULT_POLL_INTERVAL_S, verify: Union[bool, str] = True,
-                 proxy: Optional["_proxy.AuthProxy"] = None, replicas: int = 1,
+                 proxy: Optional["_proxy.AuthProxy"] = None, replicas: int = 1, pool: Any = None,
                  warn_env_credentials: bool = True) -> None:
         self.image = image
         self.command = command
@@ -428,6 +428,7 @@ class HFSandboxProvider:
         self.poll_interval_s = poll_interval_s
         self.verify = verify
         self.replicas = replicas
+        self.pool = pool  # None: a dedicated job; a pool name or SandboxPool: a pooled sandbox (hf_sandbox_pool)
         self.warn_env_credentials = warn_env_credentials
         self._token = token
         self._proxy = proxy
@@ -465,7 +466,11 @@ class HFSandboxProvider:
         self._claim_start()
         started = False
         try:
-            if settings["replicas"] > 1:
+            if settings["pool"] is not None:
+                pooled = _pool_module().PooledSandbox(self, settings)  # bad combinations fail here
+                with self._lock:
+                    self._pooled = pooled
+            elif settings["replicas"] > 1:
                 replicas = _ReplicaSet(self, settings, token, self._proxy_instance())  # bad overrides fail here
                 with self._lock:
                     self._replicas = replicas
@@ -507,6 +512,8 @@ class HFSandboxProvider:
         providers = [cls(image, **provider_kwargs) for _ in range(n)]  # bad settings fail here, before any job
         _raise_if_rejected(_image_rejection(providers[0].image))
         providers[0]._resolve_token()  # no token: one SandboxConfigError now, not n failures later
+        if isinstance(providers[0].pool, str):  # boot the hosts n sandboxes need at once, in parallel
+            _pool_module().prewarm(providers[0], n)
         began = time.monotonic()
 
         def report(index: int, error: Optional[BaseException]) -> None:
@@ -557,6 +564,8 @@ class HFSandboxProvider:
         if self.job_id is None or self._job_namespace is None:
             raise SandboxError("logs() needs a job: call start_container() first")
         _raise_if_rejected(_positive_int_rejection("tail", tail))
+        if self._pooled is not None:
+            return self._pooled.logs(tail)
         running = self._job_client
         client = running or _JobsClient(self.endpoint, self._resolve_token(), self._hooks()._new_session())
         try:
@@ -663,6 +672,7 @@ class HFSandboxProvider:
         self._stage: Optional[str] = None
         self.timings: Dict[str, float] = {}
         self._replicas: Optional[_ReplicaSet] = None  # set by a start with replicas > 1
+        self._pooled: Any = None  # hf_sandbox_pool.PooledSandbox, set by a start with pool=
         self._job_namespace: Optional[str] = None
         self._submitted_at = 0.0
         self._start_label: Optional[str] = None  # labels the create in flight: a lost answer is found by it
@@ -754,7 +764,7 @@ class HFSandboxProvider:
     def _jobs(self) -> Any:
         """What runs this provider's jobs: its `_ReplicaSet` after a start with replicas, else the provider
         itself (one job). Both offer `_start_jobs`, `_wait_ready`, `_teardown_jobs`, `_job_ids`, `_job_stage`."""
-        return self._replicas or self
+        return self._replicas or self._pooled or self
 
     def _hooks(self) -> "HFSandboxProvider":
         """Whose overridable hooks this job uses: its own, or for a replica job its owner's."""
@@ -1542,6 +1552,7 @@ _SETTING_CHECKS: Tuple[Tuple[str, Callable[[Any], Optional[str]]], ...] = (
         "namespace %r must be a user or organisation name" % (value,))),
     ("verify", lambda value: None if isinstance(value, (bool, str)) else (
         "verify must be True, False or a CA bundle path, not %r" % (value,))),
+    ("pool", lambda value: None if value is None else _pool_module().pool_rejection(value)),
 )
 
 
@@ -1556,6 +1567,15 @@ def _settings_rejection(settings: Mapping[str, Any], image_required: bool) -> Op
         if reason:
             return reason
     return None
+
+
+def _pool_module() -> Any:
+    """hf_sandbox_pool (pooled placement), imported on first use: dedicated placement never loads it."""
+    if __package__:
+        from . import hf_sandbox_pool
+    else:
+        import hf_sandbox_pool
+    return hf_sandbox_pool
 
 
 def _job_command(command: Union[None, str, Sequence[str]], port: int) -> List[str]:
