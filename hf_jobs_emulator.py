@@ -8,6 +8,9 @@ does. Faults (slow scheduling, crash at boot, 429s and 5xx, lost create answers,
 URL, sudden death, and with `network_faults=True` stalls and resets on the wire) can be set per
 emulator or per job, so the provider's failure paths can be exercised offline.
 
+A job that is huggingface_hub's sandbox bootstrap (`SandboxPool` hosts, `Sandbox.create`) runs the
+emulated sandbox server of `hf_sbx_emulator.py` on its port 49983 instead of downloading the real one.
+
 `python -m hf_jobs_emulator echo-server` is a stdlib OpenEnv echo environment (HTTP and `/ws`);
 `python -m hf_jobs_emulator serve` runs the emulator standalone and prints its endpoint and token.
 
@@ -26,6 +29,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -154,6 +159,17 @@ ALL_STAGES = JOB_LIVE_STAGES + JOB_TERMINAL_STAGES
 # Environment variables of this process a job must not inherit: the real service never hands the
 # submitting user's token to a job unless it is passed as a secret.
 SCRUBBED_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_API_TOKEN")
+# Signals every child the emulator starts can receive and that end it by default, whichever thread started
+# it: a child inherits its creator thread's mask (library threads block these) and ignored dispositions.
+CHILD_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
+# Sandbox hosts (hf_sbx_emulator.py), upstream figures (issue 20): a cold host takes ~13 s to RUNNING and
+# ~4.7 s more until its server answers; a sandbox on a warm host ~0.27 s. Tests set them near zero.
+SANDBOX_HOST_BOOT_S = 13.0
+SANDBOX_HOST_READY_S = 4.7
+SANDBOX_CREATE_S = 0.27
+# huggingface_hub reads a sandbox host's URL from the create answer, so the answer waits for its gates
+# (made in milliseconds; this bounds a wedged machine).
+SANDBOX_GATES_WAIT_S = 60.0
 # Echo server defaults: OpenEnv images listen on 8000; the step delay is for benchmarks only.
 ECHO_DEFAULT_PORT = 8000
 ECHO_STEP_DELAY_ENV = "ECHO_STEP_DELAY_S"
@@ -207,6 +223,7 @@ class EmulatedJob:
         self._attention = threading.Event()
         self._die_now = False  # set by JobsEmulator.kill_job
         self._links: List["_FaultLink"] = []  # network_faults=True: one per exposed port
+        self._gates_made = threading.Event()  # its exposed URLs are known (a sandbox host answers them at create)
         self._supervisor: Optional[threading.Thread] = None
 
     @property
@@ -230,6 +247,8 @@ class JobsEmulator:
     `Popen` (see `launch_process`). `rate_limit=(quota, window_s)` limits each user as the Hub does (fixed
     windows, RateLimit headers on every answer, 429 past the quota, whoami harder); `flavors` replaces the
     Hub's hardware list; `list_page_size` / `next_link_base` paginate listings.
+    `Popen` (see `launch_process`). A job that is huggingface_hub's sandbox bootstrap runs the emulated
+    sbx-server instead (hf_sbx_emulator.py; `sandbox_*` settings, `sandbox_hosts` for its hosts and faults).
     """
 
     def __init__(
@@ -253,6 +272,12 @@ class JobsEmulator:
         list_page_size: Optional[int] = None,
         next_link_base: Optional[str] = None,
         rate_limit: Optional[Tuple[int, float]] = None,
+        sandbox_host_boot_s: float = SANDBOX_HOST_BOOT_S,
+        sandbox_host_ready_s: float = SANDBOX_HOST_READY_S,
+        sandbox_create_s: float = SANDBOX_CREATE_S,
+        sandbox_capacity: Optional[int] = None,
+        sandbox_idle_timeout_s: Optional[float] = None,
+        sandbox_strict_tokens: bool = True,
     ) -> None:
         reason = (_host_rejection(host) or _namespace_rejection(namespace)
                   or _delay_rejection("scheduling_delay_s", scheduling_delay_s)
@@ -321,6 +346,11 @@ class JobsEmulator:
         self.tls = bool(tls)
         self.ca_path: Optional[str] = None
         self._tls: Optional[_TLSMaterial] = None
+        # huggingface_hub's sandbox host jobs run the emulated sbx-server (hf_sbx_emulator.py, when present).
+        self.sandbox_hosts = _sandbox_hosts(host_boot_s=sandbox_host_boot_s, host_ready_s=sandbox_host_ready_s,
+                                            sandbox_create_s=sandbox_create_s, capacity=sandbox_capacity,
+                                            idle_timeout_s=sandbox_idle_timeout_s,
+                                            strict_tokens=sandbox_strict_tokens)
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -438,9 +468,10 @@ class JobsEmulator:
             return list(self._jobs.values())
 
     def live_pids(self) -> List[int]:
-        """Process ids of job processes that are still running (for leak checks)."""
+        """Process ids of job and sandbox processes that are still running (for leak checks)."""
+        sandboxes = self.sandbox_hosts.live_pids() if self.sandbox_hosts is not None else []
         return [job.pid for job in self.jobs
-                if job._process is not None and job._process.poll() is None and job.pid is not None]
+                if job._process is not None and job._process.poll() is None and job.pid is not None] + sandboxes
 
     def wait_for_stage(self, job_id: str, stages: Iterable[str], timeout_s: float = 10.0) -> EmulatedJob:
         """Block until the job is in one of `stages` (or terminal); TimeoutError naming the stage."""
@@ -663,6 +694,8 @@ class JobsEmulator:
             if after > 0:
                 self._rate_limits.arm(after, DEFAULT_RETRY_AFTER_S, None)
         job._supervisor.start()
+        if self._is_sandbox_host(job):
+            job._gates_made.wait(SANDBOX_GATES_WAIT_S)
         return job, lose
 
     def _find_job(self, namespace: str, job_id: str) -> EmulatedJob:
@@ -755,6 +788,8 @@ class JobsEmulator:
         finally:
             for gate in job._gates + job._links:
                 _stop_quietly(gate)
+            if self.sandbox_hosts is not None:
+                self.sandbox_hosts.release(job.id)  # a sandbox host's sandboxes end with its job
 
     def _run_job(self, job: EmulatedJob, secret_values: Dict[str, str]) -> None:
         # Everything slow (port probes, gates, starting the process) happens outside the lock, so
@@ -762,7 +797,11 @@ class JobsEmulator:
         # Ports and gates are made while the job waits out its scheduling delay (nobody can see them
         # before RUNNING publishes the URLs), which keeps ~1 ms of work per job out of the RUNNING burst.
         scheduled_at = job.created_mono + self.scheduling_delay_s + float(job.faults.get("scheduling-delay-s", "0"))
+        sbx_host = self._is_sandbox_host(job)
+        if sbx_host:
+            scheduled_at += self.sandbox_hosts.host_boot_s
         argv = self._job_argv(job)
+        crash = "crash-at-boot" in job.faults  # a crashing sandbox host runs the crash command instead
         exposed = list((job.spec.get("expose") or {}).get("ports") or [])
         public = set((job.spec.get("expose") or {}).get("portsPublic") or [])
         job.local_ports = {p: self._reserve_port() for p in exposed}
@@ -773,6 +812,13 @@ class JobsEmulator:
             gate = self.make_gate(job, exposed_port, public=exposed_port in public)
             job._gates.append(gate)
             urls.append(gate.url)
+        if sbx_host:  # its server answers 503 while it boots; huggingface_hub reads its URL at create
+            self.sandbox_hosts.prepare(job, _job_environment(job.spec.get("environment") or {}, secret_values),
+                                       self.host, process_ports)
+            if not _truthy(job.faults.get("no-url", "false")):
+                with self._lock:
+                    job.expose_urls = urls
+        job._gates_made.set()
         if self.zygote and argv[:len(echo_server_command())] == echo_server_command():
             self._zygote_for_jobs()  # started (once) while jobs are still scheduling
         if self._wait_for_stop_request(job, scheduled_at):
@@ -783,7 +829,10 @@ class JobsEmulator:
         for exposed_port, local_port in job.local_ports.items():
             env[f"PORT_{exposed_port}"] = str(process_ports.get(local_port, local_port))
         try:
-            process = self.launch_process(argv, env)
+            if sbx_host and not crash:
+                process = self.sandbox_hosts.launch(job)
+            else:
+                process = self.launch_process(argv, env)
         except OSError as exc:
             self._finish(job, "ERROR", f"Failed to start the job's command {argv[0]!r}: {exc.strerror or exc}")
             return
@@ -832,8 +881,8 @@ class JobsEmulator:
                     return zygote.spawn(argv[len(echo):], env)
                 except _ZygoteUnavailable as exc:  # it died under us: the ordinary path still works
                     log.warning("hf_jobs_emulator: zygote unavailable (%s); starting the job with Popen", exc)
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
+        return spawn_process(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             env=env, start_new_session=True)
 
     def _watch_process(self, job: EmulatedJob) -> Tuple[str, Optional[str]]:
         """Wait for the process to exit or a deadline to pass; returns (final stage, message)."""
@@ -901,6 +950,10 @@ class JobsEmulator:
             job._attention.wait(left)
             job._attention.clear()  # a kill_job of a job not RUNNING yet is refused: only stops matter
         return True
+
+    def _is_sandbox_host(self, job: EmulatedJob) -> bool:
+        """Whether the job is huggingface_hub's sandbox bootstrap, run as an emulated sbx-server."""
+        return self.sandbox_hosts is not None and _sbx_module().is_sandbox_host_spec(job.spec)
 
     def _job_argv(self, job: EmulatedJob) -> List[str]:
         crash = job.faults.get("crash-at-boot")
@@ -1344,6 +1397,18 @@ def _hardware_list(flavors: Sequence[str] = FLAVORS) -> List[Dict[str, Any]]:
             "unitCostMicroUSD": 0, "unitCostUSD": 0.0, "unitLabel": "minute",
         })
     return entries
+def _sbx_module() -> Any:
+    """hf_sbx_emulator, imported on first use (it imports this module), or None in a vendored copy without it."""
+    name = f"{__package__}.hf_sbx_emulator" if __package__ else "hf_sbx_emulator"
+    if importlib.util.find_spec(name) is None:
+        return None
+    return importlib.import_module(name)
+
+
+def _sandbox_hosts(**settings: Any) -> Any:
+    """The emulator's `hf_sbx_emulator.SandboxHosts`, or None without that module (bootstraps then run as is)."""
+    module = _sbx_module()
+    return module.SandboxHosts(**settings) if module is not None else None
 
 
 def _generate_token() -> str:
@@ -1398,6 +1463,26 @@ def _job_environment(environment: Mapping[str, str], secret_values: Mapping[str,
     env.update(environment)
     env.update(secret_values)
     return env
+
+
+def spawn_process(argv: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen:
+    """`subprocess.Popen` whose child has CHILD_SIGNALS unblocked and at their default action, even when
+    the calling thread blocks them (the child inherits its mask) or this process ignores one.
+
+    The mask is lifted in the calling thread for the instant of the fork (a signal arriving then is
+    handled as it would be in the main thread); only an ignored disposition needs code in the child.
+    """
+    ignored = [sig for sig in CHILD_SIGNALS if signal.getsignal(sig) == signal.SIG_IGN]
+    if ignored:
+        popen_kwargs["preexec_fn"] = lambda: [signal.signal(sig, signal.SIG_DFL) for sig in ignored]
+    if not hasattr(signal, "pthread_sigmask"):
+        return subprocess.Popen(argv, **popen_kwargs)
+    blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, CHILD_SIGNALS)
+    try:
+        return subprocess.Popen(argv, **popen_kwargs)
+    finally:
+        if blocked & set(CHILD_SIGNALS):
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def _kill_process_group(proc: Optional[subprocess.Popen], grace_s: float) -> None:
@@ -1505,7 +1590,7 @@ class _Zygote:
     def start(cls) -> "_Zygote":
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            process = subprocess.Popen(
+            process = spawn_process(
                 [sys.executable, os.path.abspath(__file__), "zygote", str(theirs.fileno())],
                 stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),), start_new_session=True,
                 env={k: v for k, v in os.environ.items() if k not in SCRUBBED_ENV_VARS})
@@ -2260,6 +2345,8 @@ class _TLSFront:
 
     def stop(self) -> None:
         with self._lock:
+            if self._stopping:  # a job's gates are stopped when it ends and again by the emulator's stop()
+                return
             self._stopping = True
             conns, threads = list(self._conns), list(self._threads)
         self._wake_w.send(b"x")
@@ -2341,8 +2428,8 @@ class _QuietHandler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         pass  # request lines may carry job ids only, but tests and benchmarks want a quiet stderr
 
-    def read_body(self) -> bytes:
-        """The request body (Content-Length or chunked); _ApiError 413 when it is too big."""
+    def read_body(self, limit: int = MAX_BODY_BYTES) -> bytes:
+        """The request body (Content-Length or chunked); _ApiError 413 when it is over `limit` bytes."""
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
             chunks, total = [], 0
             while True:
@@ -2352,15 +2439,15 @@ class _QuietHandler(BaseHTTPRequestHandler):
                         pass  # trailers
                     return b"".join(chunks)
                 total += size
-                if total > MAX_BODY_BYTES:
+                if total > limit:
                     self.close_connection = True
-                    raise _ApiError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+                    raise _ApiError(413, f"request body larger than {limit} bytes")
                 chunks.append(self.rfile.read(size))
                 self.rfile.readline(1024)
         length = int(self.headers.get("Content-Length") or 0)
-        if length > MAX_BODY_BYTES:
+        if length > limit:
             self.close_connection = True
-            raise _ApiError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+            raise _ApiError(413, f"request body larger than {limit} bytes")
         return self.rfile.read(length) if length > 0 else b""
 
     def send_json(self, status: int, payload: Any, headers: Optional[Mapping[str, str]] = None) -> None:
@@ -2835,12 +2922,14 @@ def _step_delay_default() -> float:
         raise SystemExit(f"{ECHO_STEP_DELAY_ENV}={text!r} is not a number of seconds")
 
 
-def _run_until_signal(stop: Callable[[], Any]) -> Any:
-    """Block the main thread until SIGINT / SIGTERM, then call `stop` (so nothing is left running)."""
+def _run_until_signal(stop: Callable[[], Any], announce: Callable[[], None] = lambda: None) -> Any:
+    """Block the main thread until SIGINT / SIGTERM, then call `stop` (so nothing is left running).
+    `announce` runs once the handlers are in place, so a caller that reads it may signal at once."""
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
     try:
+        announce()
         while not done.wait(0.5):
             pass
     finally:
@@ -2878,6 +2967,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        help=f"fault applied to every job; keys: {', '.join(FAULT_KEYS)}")
     serve.add_argument("--rate-limit", type=_parse_rate_limit, default=None, metavar="CALLS/SECONDS",
                        help="per-user API limit in fixed windows, as on the Hub (e.g. 1000/300); default none")
+    serve.add_argument("--tls", action="store_true",
+                       help="serve exposed ports as https://<job>--<port>.jobs.localhost (prints the CA to trust)")
+    serve.add_argument("--sandbox-host-boot-s", type=float, default=SANDBOX_HOST_BOOT_S,
+                       help=f"extra seconds a sandbox host job spends SCHEDULING (default {SANDBOX_HOST_BOOT_S:g})")
+    serve.add_argument("--sandbox-host-ready-s", type=float, default=SANDBOX_HOST_READY_S,
+                       help=f"seconds from RUNNING until a sandbox host answers (default {SANDBOX_HOST_READY_S:g})")
+    serve.add_argument("--sandbox-create-s", type=float, default=SANDBOX_CREATE_S,
+                       help=f"seconds each sandbox create takes on a warm host (default {SANDBOX_CREATE_S:g})")
+    serve.add_argument("--sandbox-capacity", type=int, default=None,
+                       help="sandboxes per host, overriding the pool's SBX_CAPACITY")
+    serve.add_argument("--sandbox-idle-timeout-s", type=float, default=None,
+                       help="idle seconds before any sandbox is evicted, overriding what each create asks")
     serve.add_argument("--json", action="store_true", help="print endpoint and token as one JSON line")
     echo = commands.add_parser("echo-server", help="run the OpenEnv-compatible echo environment")
     echo.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -2895,20 +2996,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         emulator = JobsEmulator(args.token, args.namespace, args.host, args.port, args.scheduling_delay_s,
-                                faults=dict(args.fault), rate_limit=args.rate_limit)
+                                faults=dict(args.fault), rate_limit=args.rate_limit, tls=args.tls,
+                                sandbox_host_boot_s=args.sandbox_host_boot_s,
+                                sandbox_host_ready_s=args.sandbox_host_ready_s,
+                                sandbox_create_s=args.sandbox_create_s, sandbox_capacity=args.sandbox_capacity,
+                                sandbox_idle_timeout_s=args.sandbox_idle_timeout_s)
         emulator.start()
     except (ValueError, OSError) as exc:
         print(f"serve: {exc}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps({"endpoint": emulator.endpoint, "token": emulator.token,
-                          "namespace": emulator.namespace}), flush=True)
-    else:
+    def announce() -> None:
+        if args.json:
+            print(json.dumps({"endpoint": emulator.endpoint, "token": emulator.token,
+                              "namespace": emulator.namespace, "ca_path": emulator.ca_path}), flush=True)
+            return
         print(f"HF Jobs emulator listening on {emulator.endpoint} (namespace {emulator.namespace})", flush=True)
         print(f"HF_ENDPOINT={emulator.endpoint}", flush=True)
         print(f"HF_TOKEN={emulator.token}", flush=True)
+        if emulator.ca_path:
+            print(f"SSL_CERT_FILE={emulator.ca_path}", flush=True)
         print("Ctrl-C stops it and every job it runs.", flush=True)
-    leftovers = _run_until_signal(emulator.stop)
+
+    leftovers = _run_until_signal(emulator.stop, announce)
     if leftovers:
         print(f"serve: could not clean up: {', '.join(leftovers)}", file=sys.stderr)
         return 1

@@ -217,7 +217,7 @@ SPACE_IMAGE_PREFIXES = ("https://huggingface.co/spaces/", "https://hf.co/spaces/
                         "huggingface.co/spaces/", "hf.co/spaces/")
 # start_container keywords that override the constructor's settings for one start.
 _OVERRIDABLE = ("command", "flavor", "namespace", "secrets", "labels", "job_timeout",
-                "start_timeout_s", "ready_timeout_s", "poll_interval_s", "verify", "replicas")
+                "start_timeout_s", "ready_timeout_s", "poll_interval_s", "verify", "replicas", "pool")
 USER_AGENT = "hf-sandbox-provider/" + __version__
 
 
@@ -403,8 +403,8 @@ class HFSandboxProvider:
     # or sockets. A subclass with settings of its own adds their names (like requests' Session.__attrs__).
     _pickled_settings: Tuple[str, ...] = (
         "image", "command", "port", "flavor", "namespace", "endpoint", "env_vars", "secrets", "labels",
-        "job_timeout", "start_timeout_s", "ready_timeout_s", "poll_interval_s", "verify", "replicas", "_token",
-        "warn_env_credentials")
+        "job_timeout", "start_timeout_s", "ready_timeout_s", "poll_interval_s", "verify", "replicas", "pool",
+        "_token", "warn_env_credentials")
 
     def __init__(self, image: Optional[str] = None, *, command: Union[None, str, Sequence[str]] = None,
                  port: int = DEFAULT_PORT, flavor: str = DEFAULT_FLAVOR, namespace: Optional[str] = None,
@@ -415,7 +415,7 @@ class HFSandboxProvider:
                  start_timeout_s: float = DEFAULT_START_TIMEOUT_S, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
                  poll_interval_s: float = DEFAULT_POLL_INTERVAL_S, verify: Union[bool, str] = True,
                  proxy: Union[None, str, "_proxy.AuthProxy", "_proxy.AuthProxyProcess"] = None,
-                 replicas: int = 1, warn_env_credentials: bool = True) -> None:
+                 replicas: int = 1, pool: Any = None, warn_env_credentials: bool = True) -> None:
         self.image = image
         self.command = command
         self.port = port
@@ -431,6 +431,7 @@ class HFSandboxProvider:
         self.poll_interval_s = poll_interval_s
         self.verify = verify
         self.replicas = replicas
+        self.pool = pool  # None: a dedicated job; a pool name or SandboxPool: a pooled sandbox (hf_sandbox_pool)
         self.warn_env_credentials = warn_env_credentials
         self._token = token
         self._proxy = proxy
@@ -470,7 +471,11 @@ class HFSandboxProvider:
         self._claim_start()
         started = False
         try:
-            if settings["replicas"] > 1:
+            if settings["pool"] is not None:
+                pooled = _pool_module().PooledSandbox(self, settings)  # bad combinations fail here
+                with self._lock:
+                    self._pooled = pooled
+            elif settings["replicas"] > 1:
                 replicas = _ReplicaSet(self, settings, token, self._proxy_instance())  # bad overrides fail here
                 with self._lock:
                     self._replicas = replicas
@@ -512,6 +517,8 @@ class HFSandboxProvider:
         providers = [cls(image, **provider_kwargs) for _ in range(n)]  # bad settings fail here, before any job
         _raise_if_rejected(_image_rejection(providers[0].image))
         providers[0]._resolve_token()  # no token: one SandboxConfigError now, not n failures later
+        if isinstance(providers[0].pool, str):  # boot the hosts n sandboxes need at once, in parallel
+            _pool_module().prewarm(providers[0], n)
         began = time.monotonic()
 
         def report(index: int, error: Optional[BaseException]) -> None:
@@ -562,6 +569,8 @@ class HFSandboxProvider:
         if self.job_id is None or self._job_namespace is None:
             raise SandboxError("logs() needs a job: call start_container() first")
         _raise_if_rejected(_positive_int_rejection("tail", tail))
+        if self._pooled is not None:
+            return self._pooled.logs(tail)
         running = self._job_client
         client = running or _JobsClient(self.endpoint, self._resolve_token(), self._hooks()._new_session())
         try:
@@ -672,6 +681,7 @@ class HFSandboxProvider:
         self._stage: Optional[str] = None
         self.timings: Dict[str, float] = {}
         self._replicas: Optional[_ReplicaSet] = None  # set by a start with replicas > 1
+        self._pooled: Any = None  # hf_sandbox_pool.PooledSandbox, set by a start with pool=
         self._job_namespace: Optional[str] = None
         self._submitted_at = 0.0
         self._start_label: Optional[str] = None  # labels the create in flight: a lost answer is found by it
@@ -763,7 +773,7 @@ class HFSandboxProvider:
     def _jobs(self) -> Any:
         """What runs this provider's jobs: its `_ReplicaSet` after a start with replicas, else the provider
         itself (one job). Both offer `_start_jobs`, `_wait_ready`, `_teardown_jobs`, `_job_ids`, `_job_stage`."""
-        return self._replicas or self
+        return self._replicas or self._pooled or self
 
     def _hooks(self) -> "HFSandboxProvider":
         """Whose overridable hooks this job uses: its own, or for a replica job its owner's."""
@@ -1560,6 +1570,7 @@ _SETTING_CHECKS: Tuple[Tuple[str, Callable[[Any], Optional[str]]], ...] = (
         "namespace %r must be a user or organisation name" % (value,))),
     ("verify", lambda value: None if isinstance(value, (bool, str)) else (
         "verify must be True, False or a CA bundle path, not %r" % (value,))),
+    ("pool", lambda value: None if value is None else _pool_module().pool_rejection(value)),
 )
 
 
@@ -1574,6 +1585,15 @@ def _settings_rejection(settings: Mapping[str, Any], image_required: bool) -> Op
         if reason:
             return reason
     return None
+
+
+def _pool_module() -> Any:
+    """hf_sandbox_pool (pooled placement), imported on first use: dedicated placement never loads it."""
+    if __package__:
+        from . import hf_sandbox_pool
+    else:
+        import hf_sandbox_pool
+    return hf_sandbox_pool
 
 
 def _job_command(command: Union[None, str, Sequence[str]], port: int) -> List[str]:
@@ -2431,14 +2451,16 @@ def _stop_everything_at_exit() -> None:
     for finalizer in list(_live_finalizers):
         finalizer()  # runs at most once; a no-op if teardown already detached it
     _live_finalizers.clear()
-    global _shared_proxy_instance
+    global _shared_proxy_instance, _shared_process_proxy
     with _shared_proxy_lock:
         proxy, _shared_proxy_instance = _shared_proxy_instance, None
-    if proxy is not None:
-        try:
-            proxy.stop()
-        except Exception:
-            pass
+        host, _shared_process_proxy = _shared_process_proxy, None  # proxy="process": its child stops cleanly
+    for shared in (proxy, host):
+        if shared is not None:
+            try:
+                shared.stop()
+            except Exception:
+                pass
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1094,7 +1094,8 @@ def _extra_headers_rejection(headers: object, with_token: bool) -> Optional[str]
                 "or None; got %s" % type(headers).__name__)
     for name, value in headers.items():
         if not isinstance(name, str) or not _TOKEN_RE.match(name):
-            return "headers: %r is not a valid HTTP header name" % (name if isinstance(name, str) else type(name).__name__)
+            shown = name if isinstance(name, str) else type(name).__name__
+            return "headers: %r is not a valid HTTP header name" % (shown,)
         low = name.lower()
         if low in PROXY_SET_HEADERS:
             return "headers: %s is set by the proxy itself (framing, host or hop-by-hop); leave it out" % name

@@ -1,0 +1,654 @@
+"""The emulated sandbox server (hf_sbx_emulator) driven by huggingface_hub's real, unmodified
+`SandboxPool` and `Sandbox` over TLS: host boot, sandboxes, commands, background servers on
+`$SBX_PROXY_DIR/<port>.sock` reached through `proxy_url_for` + `proxy_headers` (HTTP and WebSocket),
+credential scoping, capacity, idle eviction, kill, host death, faults, signals and cleanup."""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import signal
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable, Dict, Iterator, List
+
+import pytest
+import requests
+
+import hf_jobs_emulator
+import hf_sbx_emulator
+from hf_jobs_emulator import JobsEmulator, spawn_process
+from support import wait_until
+
+hub = pytest.importorskip("huggingface_hub")
+sandbox_mod = pytest.importorskip("huggingface_hub._sandbox")
+if not hasattr(sandbox_mod.Sandbox, "proxy_url_for"):  # pragma: no cover - older huggingface_hub
+    pytest.skip("huggingface_hub has no Sandbox.proxy_url_for", allow_module_level=True)
+from huggingface_hub import Sandbox, SandboxPool  # noqa: E402
+from huggingface_hub.errors import SandboxError  # noqa: E402
+from websockets.exceptions import ConnectionClosed  # noqa: E402
+from websockets.sync.client import connect as ws_connect  # noqa: E402
+
+IMAGE = "python:3.12"
+PY = sys.executable
+CHILD_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# Small delays: the defaults (13 s cold host, 0.27 s per sandbox) are for benchmarks.
+FAST = dict(tls=True, sandbox_host_boot_s=0.0, sandbox_host_ready_s=0.1, sandbox_create_s=0.0)
+
+# The in-sandbox HTTP app: answers what it received (method, path, headers, body) as JSON, and
+# `/stream` as three chunks sent a moment apart; it listens only on $SBX_PROXY_DIR/8000.sock.
+HTTP_APP = r'''
+import json, os, socketserver, time
+from http.server import BaseHTTPRequestHandler
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def log_message(self, *args):
+        pass
+    def do_GET(self):
+        if self.path == "/stream":
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for i in range(3):
+                line = ("part %d\n" % i).encode()
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+                self.wfile.flush()
+                time.sleep(0.05)
+            self.wfile.write(b"0\r\n\r\n")
+            return
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length).decode() if length else ""
+        answer = json.dumps({"method": self.command, "path": self.path, "body": body,
+                             "headers": {k.lower(): v for k, v in self.headers.items()}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+    do_POST = do_GET
+class Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+    def get_request(self):
+        request, _ = super().get_request()
+        return request, ("sandbox", 0)
+Server(os.environ["SBX_PROXY_DIR"] + "/8000.sock", Handler).serve_forever()
+'''
+# The in-sandbox WebSocket echo server on $SBX_PROXY_DIR/8001.sock.
+WS_APP = r'''
+import asyncio, os, websockets
+async def echo(ws):
+    async for message in ws:
+        await ws.send(message)
+async def main():
+    async with websockets.unix_serve(echo, os.environ["SBX_PROXY_DIR"] + "/8001.sock"):
+        await asyncio.Future()
+asyncio.run(main())
+'''
+
+
+@pytest.fixture(autouse=True)
+def _quiet_websockets_client() -> Iterator[None]:
+    """The websockets client logs request headers (the bearer) at DEBUG, which the log guard catches."""
+    logger = logging.getLogger("websockets")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    yield
+    logger.setLevel(level)
+
+
+@pytest.fixture
+def hub_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Any, log_guard: Any) -> Callable[..., JobsEmulator]:
+    """`hub_env(**JobsEmulator_kwargs)`: a TLS emulator that huggingface_hub's module-level API, its
+    pool cache and its httpx2 clients (SSL_CERT_FILE) all point at. After the test the emulator is
+    stopped and every process it ran, sandboxes included, must be gone."""
+    made: List[JobsEmulator] = []
+
+    def make(**kwargs: Any) -> JobsEmulator:
+        emulator = JobsEmulator(**{**FAST, **kwargs}).start()
+        made.append(emulator)
+        log_guard.watch(emulator.token)
+        monkeypatch.setattr(hub.constants, "ENDPOINT", emulator.endpoint)
+        monkeypatch.setattr(hub.hf_api.api, "endpoint", emulator.endpoint)  # whoami() and friends
+        monkeypatch.setattr(hub.constants, "HF_HOME", str(tmp_path / "hf-home"))  # the pool cache
+        monkeypatch.setenv("HF_TOKEN", emulator.token)  # list_jobs() resolves the token itself
+        monkeypatch.setenv("SSL_CERT_FILE", emulator.ca_path)  # huggingface_hub's httpx2 clients
+        monkeypatch.setenv("REQUESTS_CA_BUNDLE", emulator.ca_path)  # this test's own requests calls
+        return emulator
+
+    yield make
+    for emulator in made:
+        pids = emulator.live_pids()
+        assert emulator.stop() == []
+        assert [pid for pid in pids if _alive(pid)] == [], "a job or sandbox process outlived the emulator"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().split(") ")[-1][:1] != "Z"  # a zombie is dead, only not reaped yet
+    except FileNotFoundError:
+        return False
+
+
+def _pool(emu: JobsEmulator, **kwargs: Any) -> SandboxPool:
+    return SandboxPool(IMAGE, token=emu.token, start_timeout=60, **kwargs)
+
+
+def _host_token(emu: JobsEmulator, host_job_id: str) -> str:
+    """The host's management credential, derived the way huggingface_hub documents it (HMAC of the
+    HF token over the job's public nonce label)."""
+    nonce = emu.job(host_job_id).spec["labels"]["hf-sandbox-nonce"]
+    return hmac.new(emu.token.encode(), f"hf-sandbox:{nonce}".encode(), hashlib.sha256).hexdigest()
+
+
+def _host_url(emu: JobsEmulator, host_job_id: str) -> str:
+    return emu.job(host_job_id).expose_urls[0]
+
+
+def _start_app(sbx: Sandbox, name: str, source: str, port: int) -> None:
+    """Write an app into the sandbox, start it in the background, wait until its socket answers."""
+    sbx.files.write(name, source)
+    sbx.run([PY, name], background=True)
+    wait_until(lambda: _probe(sbx, port), f"the sandbox app on port {port}", timeout_s=30)
+
+
+def _probe(sbx: Sandbox, port: int) -> bool:
+    return requests.get(sbx.proxy_url_for(port, "/"), headers=sbx.proxy_headers, timeout=10).status_code != 502
+
+
+def _ws_ssl(emu: JobsEmulator) -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=emu.ca_path)
+
+
+def _signal_state(pid: int) -> Dict[str, int]:
+    """The SigBlk and SigIgn masks of a process, from /proc."""
+    masks = {}
+    with open(f"/proc/{pid}/status") as handle:
+        for line in handle:
+            key, _, value = line.partition(":")
+            if key in ("SigBlk", "SigIgn"):
+                masks[key] = int(value.strip(), 16)
+    return masks
+
+
+def _bits(signals: Any) -> int:
+    return sum(1 << (int(sig) - 1) for sig in signals)
+
+
+def _in_blocked_thread(fn: Callable[[], Any]) -> Any:
+    """Run `fn` in a thread that blocks SIGTERM/SIGINT/SIGHUP, as library threads do; returns its result."""
+    result: Dict[str, Any] = {}
+
+    def run() -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, CHILD_SIGNALS)
+        try:
+            result["value"] = fn()
+        except BaseException as exc:  # re-raised in the test's thread
+            result["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(120)
+    if "error" in result:
+        raise result["error"]
+    return result.get("value")
+
+
+# ------------------------------------------------------------------------------------------------
+# Boot, commands, background servers through the proxy route
+# ------------------------------------------------------------------------------------------------
+
+
+def test_a_pool_host_boots_as_a_job_and_a_sandbox_runs_a_command(hub_env):
+    emu = hub_env()
+    with _pool(emu) as pool:
+        sbx = pool.create(env={"GREETING": "hello"})
+        host = emu.job(pool.host_ids[0])
+        assert host.stage == "RUNNING" and host.spec["labels"]["hf-sandbox-mode"] == "pool"
+        assert sbx.host_id == host.id and sbx.id.startswith(host.id + ".")
+        result = sbx.run("echo $GREETING; echo $SBX_PROXY_DIR; echo oops >&2; exit 3", check=False)
+        assert result.exit_code == 3
+        greeting, proxy_dir = result.stdout.split()
+        assert greeting == "hello" and os.path.isdir(proxy_dir)
+        assert result.stderr == "oops\n"
+        assert sbx.run(["pwd"]).stdout.strip() == os.path.dirname(proxy_dir) + "/home"
+        assert sbx.run("echo $HF_TOKEN$SBX_TOKEN").stdout == "\n"  # no credential reaches a sandbox
+        health = requests.get(_host_url(emu, host.id) + "/health", headers={"Authorization": f"Bearer {emu.token}"})
+        assert health.json()["protocol"] == 3
+
+
+def test_an_exec_timeout_kills_the_command_and_says_so(hub_env):
+    emu = hub_env()
+    with _pool(emu) as pool:
+        result = pool.create().run("echo started; sleep 30", timeout=0.5, check=False)
+        assert result.timed_out and result.stdout == "started\n" and result.signal == signal.SIGKILL
+
+
+def test_an_exec_ends_with_its_command_not_with_descendants_holding_its_output(hub_env):
+    emu = hub_env()
+    with _pool(emu) as pool:
+        sbx = pool.create()
+        result = sbx.run("sleep 600 & echo $! > child.pid; echo done")  # waiting for it hits the test timeout
+        assert result.stdout == "done\n"
+        wait_until(lambda: not _alive(int(sbx.files.read_text("child.pid"))), "the leftover child to be killed")
+
+
+def test_host_boot_and_ready_delays_are_applied_and_a_booting_host_answers_503(hub_env, log_guard):
+    emu = hub_env(sandbox_host_boot_s=0.6, sandbox_host_ready_s=0.4)
+    with _pool(emu) as pool:
+        host = emu.job(pool.host_ids[0])
+        assert host.started_mono - host.created_mono >= 0.6
+        assert host.first_health_ok_mono - host.started_mono >= 0.4
+    # The client polled /health through the job's gate all along: a server that is not up yet answers
+    # 503, so the gate never failed to reach it (and never logged that it could not).
+    assert "upstream-unreachable" not in log_guard.text()
+
+
+def test_a_background_server_on_the_unix_socket_is_reached_over_http_through_proxy_url_for(hub_env):
+    emu = hub_env()
+    with _pool(emu) as pool:
+        sbx = pool.create()
+        _start_app(sbx, "app.py", HTTP_APP, 8000)
+        with requests.Session() as session:
+            got = session.post(sbx.proxy_url_for(8000, "/echo?x=1&y=2"), data=b"payload",
+                               headers={**sbx.proxy_headers, "X-Custom": "kept"}, timeout=10)
+            assert got.status_code == 200
+            seen = got.json()
+            assert (seen["method"], seen["path"], seen["body"]) == ("POST", "/echo?x=1&y=2", "payload")
+            assert seen["headers"]["x-custom"] == "kept"
+            # The host consumes both credentials: the app sees neither the HF bearer nor the sandbox token.
+            assert "authorization" not in seen["headers"] and "x-sandbox-token" not in seen["headers"]
+            streamed = session.get(sbx.proxy_url_for(8000, "/stream"), headers=sbx.proxy_headers, stream=True)
+            assert list(streamed.iter_lines()) == [b"part 0", b"part 1", b"part 2"]
+
+
+def test_a_websocket_server_on_the_unix_socket_is_reached_through_proxy_url_for(hub_env):
+    emu = hub_env()
+    with _pool(emu) as pool:
+        sbx = pool.create()
+        _start_app(sbx, "ws.py", WS_APP, 8001)
+        url = sbx.proxy_url_for(8001, "/ws", scheme="wss://")
+        with ws_connect(url, additional_headers=sbx.proxy_headers, ssl=_ws_ssl(emu)) as ws:
+            for message in ("hello", "x" * 100_000):
+                ws.send(message)
+                assert ws.recv(timeout=10) == message
+            ws.send(b"\x00\x01binary")
+            assert ws.recv(timeout=10) == b"\x00\x01binary"
+
+
+def test_a_websocket_session_outlives_the_hosts_keep_alive_timeout(hub_env, monkeypatch):
+    # Idle keep-alive connections to the host close after 2 s (120 s by default); a busy machine still
+    # sends a request head well within that.
+    monkeypatch.setattr(hf_sbx_emulator._SbxHandler, "timeout", 2.0)
+    emu = hub_env()
+    with _pool(emu) as pool:
+        sbx = pool.create()
+        _start_app(sbx, "ws.py", WS_APP, 8001)
+        url = sbx.proxy_url_for(8001, "/ws", scheme="wss://")
+        with ws_connect(url, additional_headers=sbx.proxy_headers, ssl=_ws_ssl(emu)) as ws:
+            time.sleep(3.0)  # idle past that timeout
+            ws.send("still here")
+            assert ws.recv(timeout=10) == "still here"
+
+
+def test_nothing_listening_on_the_port_answers_502_naming_the_socket(hub_env):
+    emu = hub_env()
+    with _pool(emu) as pool:
+        sbx = pool.create()
+        got = requests.get(sbx.proxy_url_for(8000, "/"), headers=sbx.proxy_headers, timeout=10)
+        assert got.status_code == 502 and "$SBX_PROXY_DIR/8000.sock" in got.json()["error"]
+
+
+def test_background_processes_are_listed_and_killed(hub_env):
+    emu = hub_env()
+    with _pool(emu) as pool:
+        sbx = pool.create()
+        sleeper = sbx.run(["sleep", "60"], background=True)
+        quick = sbx.run("exit 7", background=True)
+        wait_until(lambda: not {p.id: p for p in sbx.processes()}[quick.id].running, "the quick process to end")
+        listed = {p.id: p for p in sbx.processes()}
+        assert listed[sleeper.id].running and listed[sleeper.id].cmd == ["sleep", "60"]
+        assert listed[quick.id].exit_code == 7
+        assert sleeper.kill() is True
+        assert not _alive(sleeper.pid)
+        assert sleeper.kill() is False  # already gone: idempotent, not an error
+        assert not {p.id: p for p in sbx.processes()}[sleeper.id].running
+
+
+def test_files_are_rooted_at_the_sandbox_home_and_symlinks_are_refused(hub_env):
+    emu = hub_env()
+    with _pool(emu) as pool:
+        sbx = pool.create()
+        sbx.files.write("/data/a.txt", "alpha")
+        assert sbx.files.read_text("data/a.txt") == "alpha"
+        assert sbx.files.read_text("/../../data/a.txt") == "alpha"  # '..' cannot leave the home
+        assert [e.name for e in sbx.files.list("/data")] == ["a.txt"]
+        assert sbx.files.stat("/data").type == "dir"
+        sbx.run("ln -s /etc/passwd $HOME/link")
+        with pytest.raises(SandboxError):
+            sbx.files.read("link")
+        sbx.files.delete("/data", recursive=True)
+        assert not sbx.files.exists("/data/a.txt")
+
+
+# ------------------------------------------------------------------------------------------------
+# Credentials: the host token on management routes, each sandbox's own token on its routes
+# ------------------------------------------------------------------------------------------------
+
+
+def test_sandbox_routes_want_that_sandboxs_own_token_and_management_routes_the_hosts(hub_env):
+    emu = hub_env()
+    with _pool(emu) as pool:
+        first, second = pool.create(), pool.create()
+        host_id = first.host_id
+        base = _host_url(emu, host_id)
+        bearer = {"Authorization": f"Bearer {emu.token}"}
+        host_token = _host_token(emu, host_id)
+        own = first.proxy_headers["X-Sandbox-Token"]
+        other = second.proxy_headers["X-Sandbox-Token"]
+        assert own not in (other, host_token)
+        processes = f"{base}/v1/sandboxes/{first.id.split('.')[1]}/processes"
+
+        def status(method: str, url: str, token: Any, with_bearer: bool = True) -> int:
+            headers = dict(bearer) if with_bearer else {}
+            if token is not None:
+                headers["X-Sandbox-Token"] = token
+            return requests.request(method, url, headers=headers, json={"count": 1}, timeout=10).status_code
+
+        assert status("GET", processes, own) == 200
+        assert status("GET", processes, None) == 401
+        assert status("GET", processes, other) == 403
+        assert status("GET", processes, host_token) == 403
+        assert status("GET", processes, own, with_bearer=False) == 401  # the job's gate wants the bearer
+        assert status("GET", processes.replace("/processes", "/proxy/8000/"), host_token) == 403
+        assert status("GET", f"{base}/v1/sandboxes", own) == 403
+        assert status("POST", f"{base}/v1/sandboxes", own) == 403
+        assert status("GET", f"{base}/v1/sandboxes/{first.id.split('.')[1]}/token", own) == 403
+        assert status("GET", f"{base}/v1/sandboxes", host_token) == 200
+        assert status("DELETE", processes.rsplit("/", 1)[0], other) == 403
+        assert first.run("true").ok  # still there after the refused delete
+
+
+def test_a_lenient_emulator_also_opens_sandboxes_with_the_host_token(hub_env):
+    emu = hub_env(sandbox_strict_tokens=False)
+    with _pool(emu) as pool:
+        sbx = pool.create()
+        url = f"{_host_url(emu, sbx.host_id)}/v1/sandboxes/{sbx.id.split('.')[1]}/processes"
+        headers = {"Authorization": f"Bearer {emu.token}", "X-Sandbox-Token": _host_token(emu, sbx.host_id)}
+        assert requests.get(url, headers=headers, timeout=10).status_code == 200
+        headers["X-Sandbox-Token"] = "0" * 64
+        assert requests.get(url, headers=headers, timeout=10).status_code == 403
+
+
+def test_sandbox_connect_and_a_second_pool_of_the_same_name_reuse_the_running_host(hub_env):
+    emu = hub_env()
+    with _pool(emu, name="shared") as pool:
+        sbx = pool.create()
+        again = Sandbox.connect(sbx.id)
+        try:
+            assert again.run("echo reattached").stdout == "reattached\n"
+            assert again.proxy_headers["X-Sandbox-Token"] == sbx.proxy_headers["X-Sandbox-Token"]
+        finally:
+            again.close()
+        with _pool(emu, name="shared") as second:
+            assert second.create().host_id == sbx.host_id
+        assert len(emu.jobs) == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Capacity, idle eviction, kill, host death
+# ------------------------------------------------------------------------------------------------
+
+
+def test_a_full_host_refuses_a_create_and_the_pool_boots_another_host(hub_env):
+    emu = hub_env(sandbox_capacity=2)
+    with _pool(emu) as pool:
+        boxes = [pool.create() for _ in range(3)]
+        hosts = [b.host_id for b in boxes]
+        assert hosts[0] == hosts[1] != hosts[2]
+        assert sorted(pool.host_ids) == sorted(set(hosts)) and len(emu.jobs) == 2
+        assert emu.sandbox_hosts.host(hosts[0]).capacity == 2
+
+
+def test_an_idle_sandbox_is_evicted_but_one_running_a_process_is_not(hub_env):
+    emu = hub_env()
+    with _pool(emu) as pool:
+        idle, busy = pool.create(idle_timeout=1), pool.create(idle_timeout=1)
+        sleeper = busy.run(["sleep", "60"], background=True)
+        host = emu.sandbox_hosts.host(idle.host_id)
+        wait_until(lambda: idle.id.split(".")[1] not in host.sandbox_ids, "the idle sandbox to be evicted")
+        with pytest.raises(SandboxError) as refused:
+            idle.run("true")
+        assert refused.value.status_code == 404
+        assert busy.id.split(".")[1] in host.sandbox_ids and _alive(sleeper.pid)
+
+
+def test_an_emulator_idle_timeout_overrides_what_the_create_asks(hub_env):
+    emu = hub_env(sandbox_idle_timeout_s=0.5)
+    with _pool(emu) as pool:
+        sbx = pool.create(idle_timeout=None)  # the client asks for no eviction at all
+        host = emu.sandbox_hosts.host(sbx.host_id)
+        wait_until(lambda: not host.sandbox_ids, "the sandbox to be evicted")
+
+
+def test_an_empty_pool_host_idle_past_its_timeout_ends_its_job(hub_env):
+    emu = hub_env()
+    with _pool(emu, idle_timeout=1) as pool:
+        job = emu.wait_for_stage(pool.host_ids[0], ["COMPLETED"], timeout_s=30)
+        assert job.stage == "COMPLETED"
+
+
+def test_killing_a_sandbox_ends_its_processes_and_its_routes(hub_env):
+    emu = hub_env()
+    with _pool(emu) as pool:
+        sbx, neighbour = pool.create(), pool.create()
+        sleeper = sbx.run("sleep 60", background=True)
+        survivor = neighbour.run("sleep 60", background=True)
+        sbx.kill()
+        assert not _alive(sleeper.pid) and _alive(survivor.pid)
+        url = f"{_host_url(emu, sbx.host_id)}/v1/sandboxes/{sbx.id.split('.')[1]}/processes"
+        headers = {"Authorization": f"Bearer {emu.token}", **sbx.proxy_headers}
+        assert requests.get(url, headers=headers, timeout=10).status_code == 404
+
+
+def test_a_host_killed_while_serving_fails_its_sessions_promptly_and_ends_its_sandboxes(hub_env):
+    emu = hub_env()
+    with _pool(emu) as pool:
+        sbx = pool.create()
+        _start_app(sbx, "ws.py", WS_APP, 8001)
+        app_pids = [p.pid for p in sbx.processes()]
+        url = sbx.proxy_url_for(8001, "/ws", scheme="wss://")
+        with ws_connect(url, additional_headers=sbx.proxy_headers, ssl=_ws_ssl(emu)) as ws:
+            ws.send("before")
+            assert ws.recv(timeout=10) == "before"
+            emu.kill_job(sbx.host_id)
+            with pytest.raises(ConnectionClosed):
+                ws.recv(timeout=20)  # the session ends when the host does, not at a timeout
+        assert emu.wait_for_stage(sbx.host_id, ["ERROR"]).stage == "ERROR"
+        wait_until(lambda: not [pid for pid in app_pids if _alive(pid)], "the host's sandbox processes to end")
+        with pytest.raises(requests.RequestException):
+            requests.get(sbx.proxy_url_for(8001, "/"), headers=sbx.proxy_headers, timeout=10)
+
+
+# ------------------------------------------------------------------------------------------------
+# Faults a caller must survive
+# ------------------------------------------------------------------------------------------------
+
+
+def test_a_host_whose_server_crashes_at_boot_fails_the_pool_start_with_its_log(hub_env):
+    emu = hub_env(faults={"crash-at-boot": "sbx-server: cannot start (emulated crash)"})
+    with pytest.raises(SandboxError, match="emulated crash"):
+        _pool(emu)
+    assert [job.stage for job in emu.jobs] == ["ERROR"]
+
+
+def test_429_and_503_on_sandbox_create_reach_the_client_and_later_creates_succeed(hub_env):
+    emu = hub_env()
+    with _pool(emu) as pool:
+        emu.sandbox_hosts.inject_create_errors(1, 429)
+        with pytest.raises(SandboxError) as limited:
+            pool.create()
+        assert limited.value.status_code == 429
+        emu.sandbox_hosts.inject_create_errors(1, 503)
+        with pytest.raises(SandboxError) as unavailable:
+            pool.create()
+        assert unavailable.value.status_code == 503
+        assert pool.create().run("true").ok
+        host = pool.host_ids[0]
+        emu.sandbox_hosts.inject_create_errors(1, 429, retry_after_s=7)
+        raw = requests.post(f"{_host_url(emu, host)}/v1/sandboxes", json={"count": 1}, timeout=10,
+                            headers={"Authorization": f"Bearer {emu.token}", "X-Sandbox-Token": _host_token(emu, host)})
+        assert (raw.status_code, raw.headers["Retry-After"]) == (429, "7")
+
+
+def test_a_dedicated_sandbox_runs_commands_and_its_kill_cancels_the_job(hub_env):
+    emu = hub_env()
+    sbx = Sandbox.create(IMAGE, token=emu.token, start_timeout=60)
+    try:
+        assert sbx.run("echo dedicated").stdout == "dedicated\n"
+    finally:
+        sbx.kill()
+    assert emu.wait_for_stage(sbx.id, ["CANCELED"]).stage == "CANCELED"
+
+
+def test_an_idle_dedicated_sandbox_ends_its_job_unless_a_process_runs(hub_env):
+    emu = hub_env()
+    busy = Sandbox.create(IMAGE, token=emu.token, start_timeout=60, idle_timeout=1)
+    idle = Sandbox.create(IMAGE, token=emu.token, start_timeout=60, idle_timeout=1)
+    try:
+        busy.run(["sleep", "60"], background=True)
+        assert idle.run("echo used").ok
+        assert emu.wait_for_stage(idle.id, ["COMPLETED"], timeout_s=30).stage == "COMPLETED"
+        assert emu.job(busy.id).stage == "RUNNING"
+    finally:
+        busy.kill()
+        idle.kill()
+
+
+# ------------------------------------------------------------------------------------------------
+# Signals and cleanup
+# ------------------------------------------------------------------------------------------------
+
+
+def test_a_child_spawned_from_a_thread_that_blocks_signals_has_them_unblocked_and_dies_on_sigterm():
+    child = _in_blocked_thread(lambda: spawn_process(["sleep", "60"]))
+    try:
+        assert _signal_state(child.pid)["SigBlk"] & _bits(CHILD_SIGNALS) == 0
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(10) == -signal.SIGTERM
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_child_gets_default_dispositions_even_when_this_process_ignores_a_signal():
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        child = spawn_process(["sleep", "60"])
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    try:
+        assert _signal_state(child.pid)["SigIgn"] & _bits(CHILD_SIGNALS) == 0
+        child.send_signal(signal.SIGHUP)
+        assert child.wait(10) == -signal.SIGHUP
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_sandbox_and_job_processes_of_an_emulator_started_in_a_blocked_thread_end_on_sigterm(hub_env):
+    # Every thread of this emulator inherits the blocked mask from the thread that started it.
+    emu = _in_blocked_thread(lambda: hub_env())
+    with _pool(emu) as pool:
+        sbx = pool.create()
+        sleeper = sbx.run(["sleep", "60"], background=True)
+        assert _signal_state(sleeper.pid)["SigBlk"] & _bits(CHILD_SIGNALS) == 0
+        os.kill(sleeper.pid, signal.SIGTERM)
+        wait_until(lambda: not _alive(sleeper.pid), "the sandbox process to end on SIGTERM", timeout_s=10)
+        host_stub = emu.job(sbx.host_id).pid
+        assert _signal_state(host_stub)["SigBlk"] & _bits(CHILD_SIGNALS) == 0
+    echo = hf_jobs_emulator.echo_server_command()  # a zygote child, then a plain Popen job
+    for command in (echo, ["sleep", "60"]):
+        created = requests.post(f"{emu.endpoint}/api/jobs/{emu.namespace}", timeout=10,
+                                headers={"Authorization": f"Bearer {emu.token}"},
+                                json={"dockerImage": IMAGE, "command": command, "expose": {"ports": [8000]}})
+        job = emu.wait_for_stage(created.json()["id"], ["RUNNING"])
+        assert _signal_state(job.pid)["SigBlk"] & _bits(CHILD_SIGNALS) == 0, command
+        os.kill(job.pid, signal.SIGTERM)
+        assert emu.wait_for_stage(job.id, ["ERROR", "COMPLETED"]).terminal
+
+
+def test_no_sandbox_process_or_directory_is_left_after_the_emulator_stops(hub_env):
+    emu = hub_env()
+    pool = _pool(emu)
+    boxes = [pool.create() for _ in range(3)]
+    pids = [b.run(["sleep", "60"], background=True).pid for b in boxes]
+    homes = [os.path.dirname(b.run("pwd").stdout.strip()) for b in boxes]
+    cut: List[BaseException] = []
+
+    def run_until_cut() -> None:
+        try:
+            boxes[0].run("echo $$ > fg.pid; exec sleep 60")
+        except Exception as exc:  # the host goes away under it
+            cut.append(exc)
+
+    running = threading.Thread(target=run_until_cut, daemon=True)
+    running.start()  # a command still being exec'd when the emulator stops
+    wait_until(lambda: boxes[0].files.exists("fg.pid"), "the exec'd command to start")
+    pids.append(int(boxes[0].files.read_text("fg.pid")))
+    assert sorted(emu.live_pids()) == sorted(pids + [emu.job(pool.host_ids[0]).pid])
+    assert emu.stop() == []
+    running.join(30)
+    assert len(cut) == 1
+    assert [pid for pid in pids if _alive(pid)] == []
+    assert [home for home in homes if os.path.exists(home)] == []
+    with pytest.raises(SandboxError):
+        pool.close()  # its host is gone already: close() says it could not cancel it
+
+
+def test_serve_takes_the_sandbox_settings_and_prints_the_ca_to_trust(tmp_path):
+    proc = subprocess.Popen([PY, hf_jobs_emulator.__file__, "serve", "--json", "--tls", "--sandbox-host-boot-s", "0",
+                             "--sandbox-host-ready-s", "0", "--sandbox-create-s", "0", "--sandbox-capacity", "3",
+                             "--sandbox-idle-timeout-s", "5"], stdout=subprocess.PIPE, text=True)
+    try:
+        info = json.loads(proc.stdout.readline())
+        assert os.path.isfile(info["ca_path"]) and info["endpoint"].startswith("http://127.0.0.1:")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    bad = subprocess.run([PY, hf_jobs_emulator.__file__, "serve", "--sandbox-capacity", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "sandbox_capacity must be an int >= 1" in bad.stderr
+
+
+def test_no_thread_or_descriptor_is_left_after_a_host_served_http_websocket_and_exec(no_leaks, hub_env):
+    emu = hub_env()
+    with _pool(emu) as pool:
+        sbx = pool.create()
+        _start_app(sbx, "ws.py", WS_APP, 8001)
+        with ws_connect(sbx.proxy_url_for(8001, "/ws", scheme="wss://"), additional_headers=sbx.proxy_headers,
+                        ssl=_ws_ssl(emu)) as ws:
+            ws.send("x")
+            assert ws.recv(timeout=10) == "x"
+        assert sbx.run("echo out; echo err >&2").stdout == "out\n"
+    assert emu.stop() == []
+    hub.utils._http.close_session()  # huggingface_hub's own keep-alive connection to the Jobs API
+
+
+def test_a_host_behind_network_fault_links_serves_and_its_tunnels_can_be_reset(hub_env):
+    emu = hub_env(network_faults=True)
+    with _pool(emu) as pool:
+        sbx = pool.create()
+        _start_app(sbx, "ws.py", WS_APP, 8001)
+        with ws_connect(sbx.proxy_url_for(8001, "/ws", scheme="wss://"), additional_headers=sbx.proxy_headers,
+                        ssl=_ws_ssl(emu)) as ws:
+            ws.send("through the link")
+            assert ws.recv(timeout=10) == "through the link"
+            assert emu.reset_tunnels(sbx.host_id) >= 1
+            with pytest.raises(ConnectionClosed):
+                ws.recv(timeout=20)
