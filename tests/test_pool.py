@@ -461,3 +461,22 @@ def test_the_job_timeout_watcher_ends_with_its_server_so_no_process_is_left(pool
         p.wait_for_ready()
     wait_until(lambda: not _processes_running("sleep 3599") and not _processes_running("job_timeout of 3599s"),
                "the deadline watcher to end with its server", timeout_s=10)
+
+
+def test_a_pooled_environment_works_through_the_process_host_with_its_sandbox_headers_pushed(pool_env, log_guard):
+    # The sandbox's headers (bearer and X-Sandbox-Token) are a callable read in this process and pushed to
+    # the proxy's child (AuthProxy.spawn), which sends them with every request and WebSocket upgrade.
+    emu = pool_env()
+    with AuthProxy.spawn() as host:
+        with provider(emu, host) as p:  # type: ignore[arg-type]
+            base_url = p.start_container()
+            watch_sandbox_token(p, log_guard)
+            p.wait_for_ready()
+            assert base_url.startswith(host.url + "/")
+            step = requests.post(base_url + "/step", json={"action": {"message": "abc"}}, timeout=10).json()
+            assert step["observation"]["echoed_message"] == "abc"
+            with EnvSession(base_url) as session:
+                session.reset()
+                assert session.step({"message": "hello"})["observation"]["echoed_message"] == "hello"
+        assert requests.get(base_url + "/health", timeout=10).status_code == 404  # unmounted in the child
+    hf_sandbox_pool.close_pools()

@@ -106,6 +106,12 @@ def test_tls_upstream_with_a_relative_ca_bundle_path_works_after_the_parent_chan
     assert (failed.status_code, failed.headers.get("X-Proxy-Error")) == (502, "upstream-tls")
 
 
+def test_the_child_resolves_localhost_subdomains_to_loopback(host, ups):
+    # RFC 6761 names (the TLS emulator's *.jobs.localhost): glibc does not resolve them, the child does.
+    base = host.mount(ups["plain"].url.replace("127.0.0.1", "env-7.localhost"), TOKEN)
+    assert requests.get(base + "/r", timeout=TIMEOUT).status_code == 200
+
+
 def test_infrastructure_failures_come_back_as_502_and_504_with_x_proxy_error(ups):
     with AuthProxy.spawn(read_timeout_s=0.5) as host:
         refused = requests.get(host.mount("http://127.0.0.1:1", TOKEN) + "/r", timeout=TIMEOUT)
