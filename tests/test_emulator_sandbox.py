@@ -578,6 +578,8 @@ def test_sandbox_and_job_processes_of_an_emulator_started_in_a_blocked_thread_en
                                 headers={"Authorization": f"Bearer {emu.token}"},
                                 json={"dockerImage": IMAGE, "command": command, "expose": {"ports": [8000]}})
         job = emu.wait_for_stage(created.json()["id"], ["RUNNING"])
+        if command == echo:  # glibc blocks every signal for a moment while a thread starts: wait till it has
+            wait_until(lambda: job.first_health_ok_mono is not None, "the echo server to answer")
         assert _signal_state(job.pid)["SigBlk"] & _bits(CHILD_SIGNALS) == 0, command
         os.kill(job.pid, signal.SIGTERM)
         assert emu.wait_for_stage(job.id, ["ERROR", "COMPLETED"]).terminal
