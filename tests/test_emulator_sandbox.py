@@ -243,6 +243,8 @@ def test_host_boot_and_ready_delays_are_applied_and_a_booting_host_answers_503(h
     with _pool(emu) as pool:
         host = emu.job(pool.host_ids[0])
         assert host.started_mono - host.created_mono >= 0.6
+        # the emulator's own prober records the first 200 (it may come a moment after the client's)
+        wait_until(lambda: host.first_health_ok_mono is not None, "the emulator to record the host ready")
         assert host.first_health_ok_mono - host.started_mono >= 0.4
     # The client polled /health through the job's gate all along: a server that is not up yet answers
     # 503, so the gate never failed to reach it (and never logged that it could not).
