@@ -1,7 +1,8 @@
 """A local stand-in for Hugging Face Jobs, and an OpenEnv-compatible echo environment.
 
-`JobsEmulator` serves the HF Jobs REST API (whoami-v2, create, inspect, list, cancel, logs) on
-loopback with the JSON shapes huggingface_hub's `HfApi` parses, runs each job's command as a local
+`JobsEmulator` serves the HF Jobs REST API (whoami-v2, hardware, create, inspect, list, cancel, logs,
+labels, expose, metrics; optionally the Hub's per-user rate limit and pagination) on loopback with the
+JSON shapes huggingface_hub's `HfApi` parses, runs each job's command as a local
 process group, and fronts every exposed port with a token gate, as `https://<id>--<port>.hf.jobs`
 does. Faults (slow scheduling, crash at boot, 429s and 5xx, lost create answers, jobs that never get a
 URL, sudden death, and with `network_faults=True` stalls and resets on the wire) can be set per
@@ -34,6 +35,7 @@ import json
 import logging
 import os
 import random
+import re
 import secrets
 import select
 import selectors
@@ -52,7 +54,7 @@ import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 if __package__:  # vendored inside a package: proxy.py sits next to this module
     from .proxy import JOB_FLAVORS, JOB_LIVE_STAGES, JOB_TERMINAL_STAGES, AuthProxy, Refusal, Route, _is_loopback_host
@@ -130,9 +132,26 @@ DEFAULT_SERVER_ERROR_STATUS = 503
 LINK_POLL_S = 0.5
 LINK_CHUNK = 16 * 1024
 # Route names: keys of `api_calls` and the `routes` of `inject_rate_limit`.
-API_ROUTES = ("whoami", "create", "list", "inspect", "cancel", "logs", "unknown")
+API_ROUTES = ("whoami", "create", "list", "inspect", "cancel", "logs", "hardware", "labels", "expose", "metrics",
+              "unknown")
+# Job routes below /api/jobs/{namespace}/{job_id}/: their method (huggingface_hub's HfApi calls them so).
+JOB_SUBROUTES = {"cancel": "POST", "logs": "GET", "labels": "PUT", "expose": "PUT", "metrics": "GET"}
+# The Hub's rule for labels (huggingface_hub's update_job_labels): keys and values of at most this many
+# letters, digits, '-' and '_'. The emulator's own fault labels (FAULT_LABEL_PREFIX) keep free-form values.
+LABEL_MAX_CHARS = 100
+# GET .../metrics sends one `event: metric` a second (huggingface_hub's fetch_job_metrics).
+METRICS_INTERVAL_S = 1.0
+# What a job's metrics report as its memory size (cpu-basic's 16 GB; the emulator does not limit memory).
+METRICS_MEMORY_TOTAL_BYTES = 16 * 1024 ** 3
 # Seconds a client is told to wait in `Retry-After` when a 429 is injected without an explicit value.
 DEFAULT_RETRY_AFTER_S = 1
+# `rate_limit=(quota, window_s)`: the Hub's API limit is per user, in fixed windows (5 minutes; 1,000 calls
+# for a free account, 2,500 PRO, 3,000 Team, 6,000 Enterprise). Off by default, so tests and benchmarks that
+# do not ask for it are not paced.
+HUB_RATE_LIMIT_WINDOW_S = 300.0
+# whoami-v2 is limited much harder than the rest ("intentionally strict", huggingface_hub says; the real
+# number is not published): in the emulator, this fraction of the quota per window (at least 1 call).
+WHOAMI_QUOTA_FRACTION = 0.05
 # Hardware flavors and job stages: the same facts the provider relies on (one copy, in proxy.py).
 FLAVORS = tuple(sorted(JOB_FLAVORS))
 TERMINAL_STAGES = JOB_TERMINAL_STAGES
@@ -225,6 +244,9 @@ class JobsEmulator:
     be tested. `faults` applies the FAULT_KEYS to every job; labels `emulator-<key>` apply them to one.
     `default_command` runs when a create body has no command (default: this module's echo server);
     `image_commands` picks one per image instead. `zygote=False` starts even the echo server with
+    `Popen` (see `launch_process`). `rate_limit=(quota, window_s)` limits each user as the Hub does (fixed
+    windows, RateLimit headers on every answer, 429 past the quota, whoami harder); `flavors` replaces the
+    Hub's hardware list; `list_page_size` / `next_link_base` paginate listings.
     `Popen` (see `launch_process`). A job that is huggingface_hub's sandbox bootstrap runs the emulated
     sbx-server instead (hf_sbx_emulator.py; `sandbox_*` settings, `sandbox_hosts` for its hosts and faults).
     """
@@ -246,6 +268,10 @@ class JobsEmulator:
         zygote: bool = True,
         network_faults: bool = False,
         tls: bool = False,
+        flavors: Optional[Iterable[str]] = None,
+        list_page_size: Optional[int] = None,
+        next_link_base: Optional[str] = None,
+        rate_limit: Optional[Tuple[int, float]] = None,
         sandbox_host_boot_s: float = SANDBOX_HOST_BOOT_S,
         sandbox_host_ready_s: float = SANDBOX_HOST_READY_S,
         sandbox_create_s: float = SANDBOX_CREATE_S,
@@ -269,6 +295,23 @@ class JobsEmulator:
         self.default_faults = {k: str(v) for k, v in (faults or {}).items()}
         self.default_command = list(default_command) if default_command else echo_server_command()
         self.image_commands = {k: list(v) for k, v in (image_commands or {}).items()}
+        # The flavors `GET /api/jobs/hardware` lists and creates accept (default: the Hub's, FLAVORS).
+        self.flavors = tuple(sorted(flavors)) if flavors is not None else FLAVORS
+        # list_page_size=N: listings answer N jobs a page with a `Link: <...>; rel="next"` (as the Hub
+        # paginates), whose scheme://host:port is `next_link_base` (default: the emulator's own endpoint), so
+        # a client can be shown the same server under another name, or a foreign one.
+        if list_page_size is not None and (_count_rejection(list_page_size, "list_page_size") or list_page_size < 1):
+            raise ValueError(f"list_page_size must be an int >= 1, got {list_page_size!r}")
+        self.list_page_size = list_page_size
+        self.next_link_base = next_link_base.rstrip("/") if next_link_base else None
+        # rate_limit=(quota, window_s): per user (every token and process of that user), fixed windows.
+        reason = _rate_limit_rejection(rate_limit)
+        if reason:
+            raise ValueError(reason)
+        self.rate_limit = (int(rate_limit[0]), float(rate_limit[1])) if rate_limit is not None else None
+        self._windows: Dict[Tuple[str, str], List[float]] = {}  # (user, bucket) -> [window start, calls]
+        self.rate_limited_calls = 0  # calls answered 429 by the limit (not by inject_rate_limit)
+        self.window_peaks: Dict[str, int] = {}  # user -> the most calls any one window of theirs admitted
         self._users: Dict[str, str] = {self.token: namespace}  # token -> user name
         for extra_token, user in (extra_tokens or {}).items():
             reason = _namespace_rejection(user)
@@ -572,6 +615,38 @@ class JobsEmulator:
         with self._lock:
             return self._server_errors.take(route)
 
+    def _admit(self, user: str, route: str) -> Tuple[Optional[int], Dict[str, str]]:
+        """Count one call of `user` against the fixed-window limit: (None or the seconds to wait when it must be
+        answered 429, the RateLimit / RateLimit-Policy headers). whoami also counts against its own, smaller
+        bucket; the headers describe the tighter one. Refused calls are not counted."""
+        if self.rate_limit is None:
+            return None, {}
+        quota, window = self.rate_limit
+        buckets = [("api", quota)]
+        if route == "whoami":
+            buckets.append(("whoami", max(1, int(quota * WHOAMI_QUOTA_FRACTION))))
+        now = time.monotonic()
+        with self._lock:
+            states = []
+            for bucket, limit in buckets:
+                state = self._windows.get((user, bucket))
+                if state is None or now >= state[0] + window:  # a fresh fixed window from this call
+                    state = self._windows[(user, bucket)] = [now, 0]
+                states.append((bucket, limit, state))
+            full = [entry for entry in states if entry[2][1] >= entry[1]]
+            if not full:
+                for _, _, state in states:
+                    state[1] += 1
+                peak = states[0][2][1]
+                self.window_peaks[user] = max(self.window_peaks.get(user, 0), int(peak))
+            else:
+                self.rate_limited_calls += 1
+            bucket, limit, state = full[0] if full else min(states, key=lambda entry: entry[1] - entry[2][1])
+        reset = max(1, int(-(-(state[0] + window - now) // 1)))  # whole seconds, rounded up
+        headers = {"RateLimit": f'"{bucket}";r={max(0, int(limit - state[1]))};t={reset}',
+                   "RateLimit-Policy": f'"fixed window";"{bucket}";q={limit};w={int(window)}'}
+        return (reset if full else None), headers
+
     def _count(self, route: str) -> None:
         with self._lock:
             self._api_calls[route] = self._api_calls.get(route, 0) + 1
@@ -589,7 +664,7 @@ class JobsEmulator:
 
     def _create(self, user: str, namespace: str, body: Any) -> Tuple[EmulatedJob, bool]:
         """Validate and register a job, start its supervisor; returns (job, lose_the_answer)."""
-        reason = _create_body_rejection(body)
+        reason = _create_body_rejection(body, self.flavors)
         if reason:
             raise _ApiError(400, reason)
         labels = dict(body.get("labels") or {})
@@ -654,6 +729,44 @@ class JobsEmulator:
             if not job.terminal and job._stop_reason is None:
                 job._stop_reason = "canceled"
                 job._attention.set()
+            self._changed.notify_all()
+
+    def _update_labels(self, job: EmulatedJob, body: Any) -> None:
+        """PUT .../labels: `{"labels": {...}}` replaces every label of the job (huggingface_hub's
+        update_job_labels); the Hub's label rule applies (fault labels act only at create)."""
+        labels = body.get("labels") if isinstance(body, dict) else None
+        reason = ("the request body must be {\"labels\": {key: value}}" if not isinstance(labels, dict)
+                  else _str_map_rejection(body, "labels") or _labels_rejection(labels, fault_prefix=None))
+        if reason:
+            raise _ApiError(400, reason)
+        with self._lock:
+            job.spec["labels"] = dict(labels)
+
+    def _update_expose(self, job: EmulatedJob, body: Any) -> None:
+        """PUT .../expose: `{"ports": [...], "portsPublic": [...]}` replaces a RUNNING job's exposed ports
+        (huggingface_hub's update_job_expose). A kept port keeps its gate and URL; a new one gets a gate to a
+        new local port ($PORT_<n> was fixed at start, so the job's process must find that port itself)."""
+        reason = _expose_rejection(body)
+        if reason:
+            raise _ApiError(400, reason)
+        ports, public = list(body.get("ports") or []), set(body.get("portsPublic") or [])
+        with self._lock:
+            if job.stage != "RUNNING":
+                raise _ApiError(400, f"Job {job.id} is {job.stage}: only a running job's ports can be changed")
+            kept = {gate.exposed_port: gate for gate in job._gates
+                    if gate.exposed_port in ports and gate._public == (gate.exposed_port in public)}
+            dropped = [gate for gate in job._gates if gate not in kept.values()]
+            for port in ports:
+                if port not in job.local_ports:
+                    job.local_ports[port] = self._reserve_port()
+        for gate in dropped:
+            _stop_quietly(gate)
+        gates = [kept.get(port) or self.make_gate(job, port, public=port in public) for port in ports]
+        with self._lock:
+            job._gates = gates
+            job.spec["expose"] = {"ports": ports, "portsPublic": sorted(public)}
+            if job.expose_urls is not None or ports:
+                job.expose_urls = [gate.url for gate in gates] or None
             self._changed.notify_all()
 
     def _job_json(self, job: EmulatedJob) -> Dict[str, Any]:
@@ -1077,6 +1190,19 @@ def _faults_rejection(faults: Mapping[str, Any], where: str, prefix: str = "") -
     return None
 
 
+def _rate_limit_rejection(rate_limit: Any) -> Optional[str]:
+    if rate_limit is None:
+        return None
+    try:
+        quota, window = rate_limit
+    except (TypeError, ValueError):
+        quota = window = None
+    if (isinstance(quota, bool) or not isinstance(quota, int) or quota < 1 or isinstance(window, bool)
+            or not isinstance(window, (int, float)) or not window > 0):
+        return f"rate_limit must be (calls >= 1, window seconds > 0), e.g. (1000, 300), got {rate_limit!r}"
+    return None
+
+
 def _count_rejection(count: Any, name: str = "count") -> Optional[str]:
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
         return f"{name} must be an int >= 0, got {count!r}"
@@ -1107,7 +1233,7 @@ def _str_map_rejection(body: Mapping[str, Any], field: str) -> Optional[str]:
     return None
 
 
-def _create_body_rejection(body: Any) -> Optional[str]:
+def _create_body_rejection(body: Any, flavors: Sequence[str] = FLAVORS) -> Optional[str]:
     """Why a create body is refused (naming the field), or None."""
     if not isinstance(body, dict):
         return "the request body must be a JSON object describing the job"
@@ -1126,25 +1252,69 @@ def _create_body_rejection(body: Any) -> Optional[str]:
         if reason:
             return reason
     flavor = body.get("flavor")
-    if flavor is not None and flavor not in FLAVORS:
-        return f"field 'flavor': unknown flavor {flavor!r}; use one of {', '.join(FLAVORS)}"
+    if flavor is not None and flavor not in flavors:
+        return f"field 'flavor': unknown flavor {flavor!r}; use one of {', '.join(flavors)}"
     timeout = body.get("timeoutSeconds")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int) or timeout <= 0):
         return f"field 'timeoutSeconds' must be a whole number of seconds > 0, got {timeout!r}"
-    expose = body.get("expose")
-    if expose is not None:
-        if not isinstance(expose, dict):
-            return "field 'expose' must be an object {\"ports\": [...], \"portsPublic\": [...]}"
-        ports, public = expose.get("ports") or [], expose.get("portsPublic") or []
-        for field, values in (("expose.ports", ports), ("expose.portsPublic", public)):
-            if not isinstance(values, list) or not all(
-                    isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536 for p in values):
-                return f"field '{field}' must be a list of port numbers (1-65535), got {values!r}"
-            if len(set(values)) != len(values):
-                return f"field '{field}' lists a port twice: {values!r}"
-        if not set(public) <= set(ports):
-            return "field 'expose.portsPublic' must be a subset of 'expose.ports'"
+    reason = _labels_rejection(body.get("labels") or {}, FAULT_LABEL_PREFIX)
+    if reason:
+        return reason
+    return None if body.get("expose") is None else _expose_rejection(body["expose"], "expose.")
+
+
+def _labels_rejection(labels: Mapping[str, Any], fault_prefix: Optional[str]) -> Optional[str]:
+    """Why labels break the Hub's rule (naming the label), or None; fault labels keep free-form values."""
+    allowed = set(string.ascii_letters + string.digits + "-_")
+    for key, value in labels.items():
+        if not key or len(key) > LABEL_MAX_CHARS or not set(key) <= allowed:
+            return f"label key {key!r}: keys must be 1-{LABEL_MAX_CHARS} letters, digits, '-' or '_'"
+        if fault_prefix and key.startswith(fault_prefix):
+            continue
+        if len(value) > LABEL_MAX_CHARS or not set(value) <= allowed:
+            return f"label {key}={value!r}: values must be at most {LABEL_MAX_CHARS} letters, digits, '-' or '_'"
     return None
+
+
+def _expose_rejection(expose: Any, prefix: str = "") -> Optional[str]:
+    """Why an expose object (`{"ports": [...], "portsPublic": [...]}`) is refused, naming the field, or None."""
+    if not isinstance(expose, dict):
+        return f"field '{prefix or 'expose'}' must be an object {{\"ports\": [...], \"portsPublic\": [...]}}"
+    ports, public = expose.get("ports") or [], expose.get("portsPublic") or []
+    for field, values in ((prefix + "ports", ports), (prefix + "portsPublic", public)):
+        if not isinstance(values, list) or not all(
+                isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536 for p in values):
+            return f"field '{field}' must be a list of port numbers (1-65535), got {values!r}"
+        if len(set(values)) != len(values):
+            return f"field '{field}' lists a port twice: {values!r}"
+    if not set(public) <= set(ports):
+        return f"field '{prefix}portsPublic' must be a subset of '{prefix}ports'"
+    return None
+
+
+def _json_body(body: bytes) -> Any:
+    try:
+        return json.loads(body.decode("utf-8")) if body else None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise _ApiError(400, f"the request body is not valid JSON: {exc}")
+
+
+def _process_cpu_seconds(pid: Optional[int]) -> float:
+    """User + system CPU seconds of a process (Linux /proc; 0 where unreadable)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, TypeError):
+        return 0.0
+
+
+def _process_rss_bytes(pid: Optional[int]) -> int:
+    try:
+        with open(f"/proc/{pid}/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError, TypeError):
+        return 0
 
 
 class _JobState:
@@ -1210,6 +1380,23 @@ def _job_info(job: EmulatedJob, state: _JobState) -> Dict[str, Any]:
 # ==================================================================================================
 
 
+def _hardware_list(flavors: Sequence[str] = FLAVORS) -> List[Dict[str, Any]]:
+    """`GET /api/jobs/hardware` in the shape huggingface_hub's JobHardwareInfo reads. Only the names are the
+    Hub's (FLAVORS); the specs and prices are placeholders (docs/emulator.md)."""
+    entries = []
+    for name in flavors:
+        shape = re.match(r"^(?P<model>.+?)(?:-(?:small|medium|large))?(?:x(?P<count>[0-9]+))?$", name)
+        gpu = None if name.startswith("cpu") or shape is None else shape.group("model").upper()
+        count = (shape.group("count") if shape is not None else None) or "1"
+        entries.append({
+            "name": name, "prettyName": name.replace("-", " ").title(), "cpu": "emulated", "ram": "emulated",
+            "ephemeralStorage": "emulated",
+            "accelerator": None if gpu is None else {
+                "type": "gpu", "model": gpu, "quantity": count,
+                "vram": "emulated", "manufacturer": "Nvidia"},
+            "unitCostMicroUSD": 0, "unitCostUSD": 0.0, "unitLabel": "minute",
+        })
+    return entries
 def _sbx_module() -> Any:
     """hf_sbx_emulator, imported on first use (it imports this module), or None in a vendored copy without it."""
     name = f"{__package__}.hf_sbx_emulator" if __package__ else "hf_sbx_emulator"
@@ -2288,6 +2475,7 @@ class _ApiHandler(_QuietHandler):
 
     def _dispatch(self) -> None:
         self.request_id = uuid.uuid4().hex
+        self.limit_headers: Dict[str, str] = {}  # the user's RateLimit headers, sent on every answer
         try:
             self._handle()
         except _ApiError as exc:
@@ -2316,6 +2504,11 @@ class _ApiHandler(_QuietHandler):
             reason = emu._namespace_access_rejection(user, namespace)
             if reason:
                 raise _ApiError(403, reason)
+        wait, self.limit_headers = emu._admit(user, route)
+        if wait is not None:
+            raise _ApiError(429, f"You have exceeded the rate limit of the Hub's API for user '{user}' "
+                                 f"({emu.rate_limit[0]} calls per {emu.rate_limit[1]:g}s, whoami less). "
+                                 f"Retry after {wait} seconds.", {"Retry-After": str(wait)})
         retry_after = emu._take_rate_limit(route)
         if retry_after is not None:
             raise _ApiError(429, "You have exceeded the rate limit of the Jobs API (injected by the emulator). "
@@ -2327,10 +2520,12 @@ class _ApiHandler(_QuietHandler):
             raise _ApiError(server_error, "Internal error (injected by the emulator); retry later")
         if route == "whoami":
             self._ok(emu._whoami(user))
+        elif route == "hardware":
+            self._ok(_hardware_list(emu.flavors))
         elif route == "create":
             self._create(user, namespace, body)
         elif route == "list":
-            self._ok(emu._list(namespace, parse_qsl(target.query, keep_blank_values=True)))
+            self._list_page(namespace, parse_qsl(target.query, keep_blank_values=True))
         elif route == "inspect":
             self._ok(emu._job_json(emu._find_job(namespace, params["job_id"])))
         elif route == "cancel":
@@ -2339,13 +2534,19 @@ class _ApiHandler(_QuietHandler):
             self._ok(emu._job_json(job))
         elif route == "logs":
             self._stream_logs(emu._find_job(namespace, params["job_id"]), target.query)
+        elif route == "labels":
+            job = emu._find_job(namespace, params["job_id"])
+            emu._update_labels(job, _json_body(body))
+            self._ok(emu._job_json(job))
+        elif route == "expose":
+            job = emu._find_job(namespace, params["job_id"])
+            emu._update_expose(job, _json_body(body))
+            self._ok(emu._job_json(job))
+        elif route == "metrics":
+            self._stream_metrics(emu._find_job(namespace, params["job_id"]))
 
     def _create(self, user: str, namespace: str, body: bytes) -> None:
-        try:
-            payload = json.loads(body.decode("utf-8")) if body else None
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise _ApiError(400, f"the request body is not valid JSON: {exc}")
-        job, lose_answer = self.emulator._create(user, namespace, payload)
+        job, lose_answer = self.emulator._create(user, namespace, _json_body(body))
         if lose_answer:  # the job exists, but the client never learns it
             self.close_connection = True
             try:
@@ -2355,6 +2556,58 @@ class _ApiHandler(_QuietHandler):
             return
         self._ok(self.emulator._job_json(job))
 
+    def _list_page(self, namespace: str, query: List[Tuple[str, str]]) -> None:
+        """The listing, one page of `list_page_size` jobs at a time when set, the next page linked by an
+        `cursor=<offset>` query (the Hub's cursor format is its own; only the Link header is the contract)."""
+        emu = self.emulator
+        filters = [(key, value) for key, value in query if key != "cursor"]
+        jobs = emu._list(namespace, filters)
+        if emu.list_page_size is None:
+            return self._ok(jobs)
+        cursor = dict(query).get("cursor", "0")
+        if not cursor.isdigit():
+            raise _ApiError(400, f"query parameter 'cursor' must be a whole number, got {cursor!r}")
+        start, end = int(cursor), int(cursor) + emu.list_page_size
+        headers = {"X-Request-Id": self.request_id, **self.limit_headers}
+        if end < len(jobs):
+            base = emu.next_link_base or emu.endpoint
+            headers["Link"] = '<%s/api/jobs/%s?%s>; rel="next"' % (base, namespace,
+                                                                   urlencode(filters + [("cursor", str(end))]))
+        self.send_json(200, jobs[start:end], headers)
+
+    def _start_event_stream(self) -> None:
+        """The head of a server-sent events answer (logs, metrics): it ends when the connection closes."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.send_header("X-Request-Id", self.request_id)
+        for name, value in self.limit_headers.items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.close_connection = True
+
+    def _stream_metrics(self, job: EmulatedJob) -> None:
+        """Server-sent `event: metric` once a second while the job runs (the shape huggingface_hub documents);
+        406 once it has ended, as the Hub answers. CPU and memory are the job process's own."""
+        emu = self.emulator
+        if job.terminal:
+            raise _ApiError(406, f"Job {job.id} has finished: no live metrics")
+        self._start_event_stream()
+        replica = job.id[-5:]
+        previous = _process_cpu_seconds(job.pid), time.monotonic()
+        while not job.terminal and not emu._stopping:
+            with emu._changed:
+                emu._changed.wait(METRICS_INTERVAL_S)
+            cpu, now = _process_cpu_seconds(job.pid), time.monotonic()
+            busy = max(0.0, cpu - previous[0]) / max(1e-6, now - previous[1])
+            previous = cpu, now
+            sample = {"cpu_usage_pct": round(100.0 * busy, 1), "cpu_millicores": int(1000 * busy),
+                      "memory_used_bytes": _process_rss_bytes(job.pid), "memory_total_bytes": METRICS_MEMORY_TOTAL_BYTES,
+                      "rx_bps": 0, "tx_bps": 0, "gpus": {}, "replica": replica}
+            self.wfile.write(b"event: metric\ndata: " + json.dumps(sample).encode("utf-8") + b"\n\n")
+            self.wfile.flush()
+
     def _stream_logs(self, job: EmulatedJob, query: str) -> None:
         """Server-sent events, one `data: {"data": line, "timestamp": ...}` per line, live until the
         job ends (as the real endpoint does); `tail=N` starts from the last N lines."""
@@ -2362,13 +2615,7 @@ class _ApiHandler(_QuietHandler):
         tail_text = dict(parse_qsl(query)).get("tail")
         if tail_text is not None and not tail_text.isdigit():
             raise _ApiError(400, f"query parameter 'tail' must be a whole number, got {tail_text!r}")
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Connection", "close")
-        self.send_header("X-Request-Id", self.request_id)
-        self.end_headers()
-        self.close_connection = True
+        self._start_event_stream()
         with emu._lock:
             index = max(0, len(job.logs) - int(tail_text)) if tail_text is not None else 0
         while True:
@@ -2390,12 +2637,12 @@ class _ApiHandler(_QuietHandler):
                 return
 
     def _ok(self, payload: Any) -> None:
-        self.send_json(200, payload, {"X-Request-Id": self.request_id})
+        self.send_json(200, payload, {"X-Request-Id": self.request_id, **self.limit_headers})
 
     def _send_error(self, status: int, message: str, headers: Optional[Mapping[str, str]] = None) -> None:
         header_message = message.replace("\r", " ").replace("\n", " ").encode("latin-1", "replace").decode("latin-1")
-        self.send_json(status, {"error": message},
-                       {"X-Request-Id": self.request_id, "X-Error-Message": header_message, **(headers or {})})
+        self.send_json(status, {"error": message}, {"X-Request-Id": self.request_id, "X-Error-Message": header_message,
+                                                    **self.limit_headers, **(headers or {})})
 
 
 def _match_api_route(method: str, path: str) -> Tuple[str, Dict[str, str]]:
@@ -2404,16 +2651,18 @@ def _match_api_route(method: str, path: str) -> Tuple[str, Dict[str, str]]:
     routes: List[Tuple[str, str, Dict[str, str]]] = []  # (method, route, params) this path can take
     if parts == ["api", "whoami-v2"]:
         routes = [("GET", "whoami", {})]
+    elif parts == ["api", "jobs", "hardware"]:  # the hardware list, not a namespace called "hardware"
+        routes = [("GET", "hardware", {})]
     elif len(parts) == 3 and parts[:2] == ["api", "jobs"]:
         routes = [("GET", "list", {"namespace": parts[2]}), ("POST", "create", {"namespace": parts[2]})]
     elif len(parts) == 4 and parts[:2] == ["api", "jobs"]:
         routes = [("GET", "inspect", {"namespace": parts[2], "job_id": parts[3]})]
-    elif len(parts) == 5 and parts[:2] == ["api", "jobs"] and parts[4] in ("cancel", "logs"):
-        verb = "POST" if parts[4] == "cancel" else "GET"
-        routes = [(verb, parts[4], {"namespace": parts[2], "job_id": parts[3]})]
+    elif len(parts) == 5 and parts[:2] == ["api", "jobs"] and parts[4] in JOB_SUBROUTES:
+        routes = [(JOB_SUBROUTES[parts[4]], parts[4], {"namespace": parts[2], "job_id": parts[3]})]
     if not routes:
-        raise _ApiError(404, f"Not found: no API route {path!r} (this emulator serves /api/whoami-v2 and "
-                             "/api/jobs/{namespace}[/{job_id}[/cancel|/logs]])")
+        raise _ApiError(404, f"Not found: no API route {path!r} (this emulator serves /api/whoami-v2, "
+                             "/api/jobs/hardware and /api/jobs/{namespace}[/{job_id}[/cancel|/logs|/labels|/expose"
+                             "|/metrics]])")
     for verb, route, params in routes:
         if verb == method or (verb == "GET" and method == "HEAD"):
             return route, params
@@ -2641,6 +2890,18 @@ def _serve_echo_websocket(handler: BaseHTTPRequestHandler, server: EchoServer) -
 # ==================================================================================================
 
 
+def _parse_rate_limit(text: str) -> Tuple[int, float]:
+    calls, _, window = text.partition("/")
+    try:
+        limit = (int(calls), float(window or HUB_RATE_LIMIT_WINDOW_S))
+    except ValueError:
+        limit = None
+    reason = _rate_limit_rejection(limit) if limit is not None else "not CALLS/SECONDS"
+    if reason:
+        raise argparse.ArgumentTypeError(f"--rate-limit {text!r}: {reason}")
+    return limit  # type: ignore[return-value]
+
+
 def _parse_fault(text: str) -> Tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep:
@@ -2704,6 +2965,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     serve.add_argument("--scheduling-delay-s", type=float, default=0.0, help="seconds each job spends SCHEDULING")
     serve.add_argument("--fault", action="append", type=_parse_fault, default=[], metavar="KEY=VALUE",
                        help=f"fault applied to every job; keys: {', '.join(FAULT_KEYS)}")
+    serve.add_argument("--rate-limit", type=_parse_rate_limit, default=None, metavar="CALLS/SECONDS",
+                       help="per-user API limit in fixed windows, as on the Hub (e.g. 1000/300); default none")
     serve.add_argument("--tls", action="store_true",
                        help="serve exposed ports as https://<job>--<port>.jobs.localhost (prints the CA to trust)")
     serve.add_argument("--sandbox-host-boot-s", type=float, default=SANDBOX_HOST_BOOT_S,
@@ -2733,7 +2996,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         emulator = JobsEmulator(args.token, args.namespace, args.host, args.port, args.scheduling_delay_s,
-                                faults=dict(args.fault), tls=args.tls,
+                                faults=dict(args.fault), rate_limit=args.rate_limit, tls=args.tls,
                                 sandbox_host_boot_s=args.sandbox_host_boot_s,
                                 sandbox_host_ready_s=args.sandbox_host_ready_s,
                                 sandbox_create_s=args.sandbox_create_s, sandbox_capacity=args.sandbox_capacity,

@@ -49,6 +49,27 @@ __all__ = ["main", "SMOKE_DEFAULT_IMAGE", "SMOKE_DEFAULT_ACTION", "SMOKE_WS_STEP
 SMOKE_DEFAULT_IMAGE = "registry.hf.space/openenv-echo-env:latest"
 # The echo environment's action; other environments take --action.
 SMOKE_DEFAULT_ACTION = {"message": "hello from hf-sandbox-provider smoke"}
+# `smoke --local --pool NAME`: the emulator's echo environment on the sandbox's unix socket (argv[1], the
+# `{socket}` of hf_sandbox_pool), since a pooled sandbox cannot bind a TCP port.
+SMOKE_POOL_SERVER = r"""
+import os, socketserver, sys, threading
+from http.server import BaseHTTPRequestHandler
+sys.path.insert(0, os.environ["HF_SMOKE_EMULATOR_DIR"])
+import hf_jobs_emulator as emulator
+state = emulator.EchoServer.__new__(emulator.EchoServer)
+state.host, state.step_delay_s = "uds", 0.0
+state.http_env, state.http_lock = emulator.EchoEnvironment(), threading.Lock()
+class Handler(emulator._EchoHandler):
+    server_ref = state
+    def setup(self):
+        BaseHTTPRequestHandler.setup(self)
+class Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+print("echo environment on", sys.argv[1], flush=True)
+Server(sys.argv[1], Handler).serve_forever()
+"""
+# The emulator's sandbox hosts for `smoke --local --pool`: ready at once (the defaults model the Hub's delays).
+SMOKE_POOL_EMULATOR = dict(tls=True, sandbox_host_boot_s=0.0, sandbox_host_ready_s=0.1, sandbox_create_s=0.05)
 # WebSocket steps after the reset: enough to show a session keeps its state.
 SMOKE_WS_STEPS = 3
 # Per-request timeout of the smoke's own HTTP and WebSocket calls.
@@ -160,7 +181,7 @@ def _run_smoke(args: Any) -> int:
     except ValueError as exc:
         return _usage_error("--action must be a JSON object (%s)" % exc)
     image = args.image or os.environ.get("HF_SANDBOX_IMAGE") or SMOKE_DEFAULT_IMAGE
-    settings: Dict[str, Any] = dict(flavor=args.flavor, command=args.command)
+    settings: Dict[str, Any] = dict(flavor=args.flavor, command=args.command, pool=args.pool)
     if args.timeout:
         settings.update(start_timeout_s=args.timeout, ready_timeout_s=args.timeout)
     out = sys.stderr if args.json else sys.stdout
@@ -172,10 +193,12 @@ def _run_smoke(args: Any) -> int:
                 return _usage_error("smoke --local needs hf_jobs_emulator.py next to this module (it is not part of a "
                                     "vendored copy); copy it from the hf-sandbox-provider repository, or run smoke "
                                     "without --local against the Hub")
-            emulator = module.JobsEmulator()
+            emulator = module.JobsEmulator(**(SMOKE_POOL_EMULATOR if args.pool else {}))
             smoke.stage("start local Jobs emulator", lambda: "endpoint %s" % emulator.start().endpoint)
             settings.update(endpoint=emulator.endpoint, token=emulator.token,
                             command=args.command or module.echo_server_command())
+            if args.pool:
+                _local_pool_settings(settings, emulator, module, args.command)
         try:
             provider = HFSandboxProvider(image, **settings)
             if not args.local:
@@ -196,6 +219,8 @@ def _run_smoke(args: Any) -> int:
             job_id = provider.job_id
             smoke.stage("stop_container (cancel job, unmount)", lambda: provider.stop_container() or (
                 "job %s %s" % (job_id, provider.stage) if job_id else "nothing to stop"))
+            if args.pool and provider._pooled is not None:
+                smoke.stage("close pool %s (cancel the host jobs it booted)" % args.pool, _close_pools)
         if emulator is not None:
             smoke.stage("stop local Jobs emulator", lambda: _stop_emulator(emulator))
     if args.json:
@@ -211,6 +236,29 @@ def _run_smoke(args: Any) -> int:
             print("job timings (s after submit): %s" % ", ".join(
                 "%s=%.2f" % item for item in sorted(provider.timings.items(), key=lambda kv: kv[1])), file=out)
     return EXIT_OK if smoke.ok and failure is None else EXIT_FAILED
+
+
+def _local_pool_settings(settings: Dict[str, Any], emulator: Any, module: Any, command: Optional[str]) -> None:
+    """`smoke --local --pool`: huggingface_hub's clients trust the TLS emulator's CA and keep their pool cache
+    in a temporary directory; the server is the echo environment on the sandbox's unix socket."""
+    import tempfile
+
+    import huggingface_hub.constants
+
+    os.environ["SSL_CERT_FILE"] = emulator.ca_path
+    os.environ["HF_SMOKE_EMULATOR_DIR"] = os.path.dirname(os.path.abspath(module.__file__))
+    huggingface_hub.constants.HF_HOME = tempfile.mkdtemp(prefix="hf-sandbox-smoke-")
+    settings.update(verify=emulator.ca_path,
+                    command=command or [sys.executable, "-c", SMOKE_POOL_SERVER, "{socket}"])
+
+
+def _close_pools() -> str:
+    if __package__:
+        from . import hf_sandbox_pool
+    else:
+        import hf_sandbox_pool
+    hf_sandbox_pool.close_pools()
+    return "closed"
 
 
 def _stop_emulator(emulator: Any) -> str:
@@ -271,8 +319,10 @@ def _run_sweep(args: Any) -> int:
     try:
         user = client.whoami_namespace()
         namespace = args.namespace or user
-        found = client.list_jobs(namespace, labels={PROVIDER_LABEL_KEY: PROVIDER_LABEL_VALUE},
-                                 stages=_proxy.JOB_LIVE_STAGES)
+        labels = {PROVIDER_LABEL_KEY: PROVIDER_LABEL_VALUE}
+        if args.pool:  # the host jobs of a named pool (huggingface_hub's labels: hosts carry no label of ours)
+            labels = {"hf-sandbox-mode": "pool", "hf-sandbox-pool": args.pool}
+        found = client.list_jobs(namespace, labels=labels, stages=_proxy.JOB_LIVE_STAGES)
         failed = swept = 0
         now = time.time()
         for job in found:
@@ -315,6 +365,8 @@ def _parser() -> Any:
     smoke.add_argument("--command", help="server command in the job (default: OpenEnv's uvicorn command; "
                                          "with --local: the emulator's echo server)")
     smoke.add_argument("--flavor", default=DEFAULT_FLAVOR, help="hardware flavor (default %(default)s)")
+    smoke.add_argument("--pool", metavar="NAME", help="pooled placement: a sandbox of the named SandboxPool's host "
+                                                      "jobs instead of a dedicated job (docs/pool.md)")
     smoke.add_argument("--action", help="JSON action for /step (default: the echo environment's)")
     smoke.add_argument("--timeout", type=float, help="seconds allowed for the start and for readiness")
     smoke.add_argument("--json", action="store_true", help="print a JSON report on stdout (progress on stderr)")
@@ -325,6 +377,8 @@ def _parser() -> Any:
                        help="only jobs created at least this long ago (e.g. 90s, 30m, 2h, 1d): spares the "
                             "jobs of trainers still running")
     sweep.add_argument("--namespace", help="user or organisation (default: the token's user)")
+    sweep.add_argument("--pool", metavar="NAME", help="cancel the host jobs of the named sandbox pool instead "
+                                                      "(pooled placement; every sandbox on them ends too)")
     sweep.add_argument("--endpoint", help="Hub endpoint (default: $HF_ENDPOINT or %s)" % DEFAULT_ENDPOINT)
     sweep.add_argument("-v", "--verbose", action="count", default=0)
     commands.add_parser("bench", add_help=False,

@@ -133,21 +133,48 @@ CANCEL_BACKOFF_CAP_S = 2.0
 LOG_TAIL_LINES = 40
 LOG_FETCH_TIMEOUT_S = 5.0
 # `list` answers are paginated (Link: rel="next", as huggingface_hub's paginate() follows); more pages
-# than this means something is wrong (a loop, or thousands of live jobs), so the rest is skipped.
+# than this means something is wrong (a loop, or thousands of live jobs): the listing fails, naming it.
 LIST_MAX_PAGES = 50
+# Host names of the one public Hub: a next-page link may name another of them than the configured endpoint
+# (it is followed on the configured one); any other host is refused, since the token would go with it.
+HUB_HOST_NAMES = frozenset({"huggingface.co", "hf.co"})
 # Labels: one marks every job this library makes (so `sweep` can find leftovers), one is unique per
 # start so a create whose answer was lost can be found instead of submitted twice.
 PROVIDER_LABEL_KEY = "hf-sandbox-provider"
 PROVIDER_LABEL_VALUE = "1"
 START_LABEL_KEY = "hf-sandbox-start"
+# The Hub's rule for job labels (huggingface_hub's update_job_labels): keys and values at most this many
+# characters of letters, digits, '-' and '_'. Checked before any call, so a bad label never costs a create.
+LABEL_MAX_CHARS = 100
+# Labels with this key prefix configure faults of the local emulator (hf_jobs_emulator.FAULT_LABEL_PREFIX);
+# their values (messages, seconds) are not label-shaped, and only the emulator reads them.
+EMULATOR_FAULT_LABEL_PREFIX = "emulator-"
 # Every job this process creates carries `hf-sandbox-process=<uuid of this process>`, so the watcher
 # can refresh all of them with one filtered `list` call.
 PROCESS_LABEL_KEY = "hf-sandbox-process"
-# The process's share of the Hub's per-user limit (about 1,000 calls per 5 minutes): every Jobs API
-# call of the process passes one sliding-window budget per token, with headroom left for other
-# tools of the same user; a 429 pauses every call of that token until its Retry-After.
-RATE_LIMIT_CALLS = 900
+# The Hub's API limit is per user (every process and tool of that user shares it), in fixed 5-minute
+# windows: 1,000 calls (free), 2,500 (PRO), 3,000 (Team), 6,000 (Enterprise). Every answer says what is
+# left (`RateLimit: "api";r=<remaining>;t=<seconds to reset>`, `RateLimit-Policy: ...;q=<quota>;w=<window>`),
+# and that shared truth is what the budget follows; these defaults (the free tier, or HF_SANDBOX_RATE_LIMIT,
+# e.g. "2500/300") serve until the first answer and with a server that sends no such headers.
+RATE_LIMIT_CALLS = 1000
 RATE_LIMIT_WINDOW_S = 300.0
+RATE_LIMIT_ENV = "HF_SANDBOX_RATE_LIMIT"
+# The budget follows the "api" bucket; an answer describing another (whoami-v2 has its own, smaller one) is
+# not taken for the quota of the other calls.
+RATE_LIMIT_RESOURCE = "api"
+# Below this fraction of the quota left, calls are spread over the time to the reset instead of spent at
+# once (then stalling until the reset): each process paces by the server's count, which also falls with the
+# other processes' calls, so N processes slow down together without talking to each other.
+RATE_LIMIT_PACE_BELOW = 0.25
+# This fraction of the quota (at least RATE_LIMIT_RESERVE_MIN calls) is left to teardown: ordinary calls
+# wait for the reset once only this much remains, while cancels are never held by the budget.
+RATE_LIMIT_RESERVE = 0.05
+RATE_LIMIT_RESERVE_MIN = 5
+# A call waiting for budget looks again at least this often: other threads' answers may change the count.
+RATE_LIMIT_RECHECK_S = 2.0
+# Added to a 429's reset time, as huggingface_hub does (the server rounds `t` to whole seconds).
+RATE_LIMIT_RESET_MARGIN_S = 1.0
 # A job missing from the watcher's `list` (of SCHEDULING/RUNNING jobs) has ended or is not listed
 # yet: it is inspected on its own, at most this many per refresh, so a burst of endings cannot turn
 # one call per interval into hundreds.
@@ -176,15 +203,18 @@ DEFAULT_COMMAND_TEMPLATE = (
     "-c",
     "cd /app/env && exec uvicorn server.app:app --host 0.0.0.0 --port {port}",
 )
-# The flavors HF Jobs accepts (one list shared with the emulator, in proxy.py); `_known_flavors()` adds
-# whatever the installed huggingface_hub knows, so a flavor newer than this list works after upgrading it.
+# The Jobs flavors (a static copy of huggingface_hub's JobHardware, shared with the emulator, in proxy.py). The
+# authority is the Hub: `_known_flavors()` takes the installed huggingface_hub's JobHardware where there is one,
+# and the live `GET /api/jobs/hardware` list once a start of this process has fetched it.
 KNOWN_FLAVORS = _proxy.JOB_FLAVORS
+# Spaces hardware names that are not Jobs flavors, left out even if an old huggingface_hub listed them.
+SPACES_ONLY_HARDWARE = frozenset({"h100", "h100x8", "zero-a10g"})
 # Image references of HF Spaces, sent as `spaceId` rather than `dockerImage` (as huggingface_hub does).
 SPACE_IMAGE_PREFIXES = ("https://huggingface.co/spaces/", "https://hf.co/spaces/",
                         "huggingface.co/spaces/", "hf.co/spaces/")
 # start_container keywords that override the constructor's settings for one start.
 _OVERRIDABLE = ("command", "flavor", "namespace", "secrets", "labels", "job_timeout",
-                "start_timeout_s", "ready_timeout_s", "poll_interval_s", "verify", "replicas")
+                "start_timeout_s", "ready_timeout_s", "poll_interval_s", "verify", "replicas", "pool")
 USER_AGENT = "hf-sandbox-provider/" + __version__
 
 
@@ -370,7 +400,8 @@ class HFSandboxProvider:
     # or sockets. A subclass with settings of its own adds their names (like requests' Session.__attrs__).
     _pickled_settings: Tuple[str, ...] = (
         "image", "command", "port", "flavor", "namespace", "endpoint", "env_vars", "secrets", "labels",
-        "job_timeout", "start_timeout_s", "ready_timeout_s", "poll_interval_s", "verify", "replicas", "_token")
+        "job_timeout", "start_timeout_s", "ready_timeout_s", "poll_interval_s", "verify", "replicas", "pool",
+        "_token", "warn_env_credentials")
 
     def __init__(self, image: Optional[str] = None, *, command: Union[None, str, Sequence[str]] = None,
                  port: int = DEFAULT_PORT, flavor: str = DEFAULT_FLAVOR, namespace: Optional[str] = None,
@@ -380,7 +411,8 @@ class HFSandboxProvider:
                  job_timeout: Union[int, float, str] = DEFAULT_JOB_TIMEOUT_S,
                  start_timeout_s: float = DEFAULT_START_TIMEOUT_S, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
                  poll_interval_s: float = DEFAULT_POLL_INTERVAL_S, verify: Union[bool, str] = True,
-                 proxy: Optional["_proxy.AuthProxy"] = None, replicas: int = 1) -> None:
+                 proxy: Optional["_proxy.AuthProxy"] = None, replicas: int = 1, pool: Any = None,
+                 warn_env_credentials: bool = True) -> None:
         self.image = image
         self.command = command
         self.port = port
@@ -396,10 +428,14 @@ class HFSandboxProvider:
         self.poll_interval_s = poll_interval_s
         self.verify = verify
         self.replicas = replicas
+        self.pool = pool  # None: a dedicated job; a pool name or SandboxPool: a pooled sandbox (hf_sandbox_pool)
+        self.warn_env_credentials = warn_env_credentials
         self._token = token
         self._proxy = proxy
         # Fail at construction on what can be checked without a token or the network.
         _raise_if_rejected(_settings_rejection(self._settings({}), image_required=False))
+        if warn_env_credentials:
+            _warn_credential_env_vars(self.env_vars)
         self._init_runtime_state()
         self._reset_job_state()
 
@@ -424,11 +460,17 @@ class HFSandboxProvider:
             overrides["env_vars"] = {**self.env_vars, **dict(env_vars)}
         settings = self._settings(overrides)
         _raise_if_rejected(_settings_rejection(settings, image_required=True))
+        if env_vars and getattr(self, "warn_env_credentials", True):
+            _warn_credential_env_vars(env_vars)
         token = self._resolve_token()
         self._claim_start()
         started = False
         try:
-            if settings["replicas"] > 1:
+            if settings["pool"] is not None:
+                pooled = _pool_module().PooledSandbox(self, settings)  # bad combinations fail here
+                with self._lock:
+                    self._pooled = pooled
+            elif settings["replicas"] > 1:
                 replicas = _ReplicaSet(self, settings, token, self._proxy_instance())  # bad overrides fail here
                 with self._lock:
                     self._replicas = replicas
@@ -470,6 +512,8 @@ class HFSandboxProvider:
         providers = [cls(image, **provider_kwargs) for _ in range(n)]  # bad settings fail here, before any job
         _raise_if_rejected(_image_rejection(providers[0].image))
         providers[0]._resolve_token()  # no token: one SandboxConfigError now, not n failures later
+        if isinstance(providers[0].pool, str):  # boot the hosts n sandboxes need at once, in parallel
+            _pool_module().prewarm(providers[0], n)
         began = time.monotonic()
 
         def report(index: int, error: Optional[BaseException]) -> None:
@@ -520,6 +564,8 @@ class HFSandboxProvider:
         if self.job_id is None or self._job_namespace is None:
             raise SandboxError("logs() needs a job: call start_container() first")
         _raise_if_rejected(_positive_int_rejection("tail", tail))
+        if self._pooled is not None:
+            return self._pooled.logs(tail)
         running = self._job_client
         client = running or _JobsClient(self.endpoint, self._resolve_token(), self._hooks()._new_session())
         try:
@@ -626,6 +672,7 @@ class HFSandboxProvider:
         self._stage: Optional[str] = None
         self.timings: Dict[str, float] = {}
         self._replicas: Optional[_ReplicaSet] = None  # set by a start with replicas > 1
+        self._pooled: Any = None  # hf_sandbox_pool.PooledSandbox, set by a start with pool=
         self._job_namespace: Optional[str] = None
         self._submitted_at = 0.0
         self._start_label: Optional[str] = None  # labels the create in flight: a lost answer is found by it
@@ -717,7 +764,7 @@ class HFSandboxProvider:
     def _jobs(self) -> Any:
         """What runs this provider's jobs: its `_ReplicaSet` after a start with replicas, else the provider
         itself (one job). Both offer `_start_jobs`, `_wait_ready`, `_teardown_jobs`, `_job_ids`, `_job_stage`."""
-        return self._replicas or self
+        return self._replicas or self._pooled or self
 
     def _hooks(self) -> "HFSandboxProvider":
         """Whose overridable hooks this job uses: its own, or for a replica job its owner's."""
@@ -761,6 +808,7 @@ class HFSandboxProvider:
         namespace: Optional[str] = None
         recorded = False  # until the job is ours to cancel, a failure must find it by its start label
         try:
+            _raise_if_rejected(_live_flavor_rejection(client, settings["flavor"]))
             namespace = settings["namespace"] or client.whoami_namespace()
             self._submitted_at = time.monotonic()
             logger.info("submitting HF job: image=%s flavor=%s namespace=%s", settings["image"],
@@ -1298,6 +1346,10 @@ _IMAGE_REFERENCE = re.compile(
 _JOB_HOST = re.compile(r"^[^.]+--[0-9]+\.")  # an exposed-port host: `<job_id>--<port>.<domain>`
 _NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _SPACE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_LABEL_KEY = re.compile(r"^[A-Za-z0-9_-]{1,%d}$" % LABEL_MAX_CHARS)
+_LABEL_VALUE = re.compile(r"^[A-Za-z0-9_-]{0,%d}$" % LABEL_MAX_CHARS)
+# What the parts of a credential's variable name end with (HF_TOKEN, AWS_SECRET_ACCESS_KEY, DB_PASSWORD).
+_CREDENTIAL_NAME_ENDINGS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIALS", "APIKEY")
 _DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([smhd]?)\s*$")
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -1336,20 +1388,44 @@ def _port_rejection(port: Any) -> Optional[str]:
     return None
 
 
-def _known_flavors() -> frozenset:
+def _known_flavors(endpoint: Optional[str] = None) -> frozenset:
+    """The flavors a job may ask for: the live list of `endpoint` once fetched; else huggingface_hub's
+    JobHardware (the static copy when it is too old to have one), plus, with no endpoint (the check at
+    construction), whatever a live list of this process named."""
+    with _hardware_lock:
+        live = dict(_live_hardware)
+    if endpoint is not None and live.get(endpoint) is not None:
+        return live[endpoint]
     try:
         from huggingface_hub import JobHardware  # type: ignore[attr-defined]
-        return KNOWN_FLAVORS | {str(member.value) for member in JobHardware}
-    except Exception:  # old or absent huggingface_hub: the built-in list suffices
-        return KNOWN_FLAVORS
+        static = (KNOWN_FLAVORS | {str(member.value) for member in JobHardware}) - SPACES_ONLY_HARDWARE
+    except Exception:  # huggingface_hub older than Jobs, or absent: the static copy
+        static = KNOWN_FLAVORS
+    return static.union(*(flavors for flavors in live.values() if flavors is not None)) if endpoint is None else static
 
 
-def _flavor_rejection(flavor: Any) -> Optional[str]:
-    known = _known_flavors()
+def _flavor_rejection(flavor: Any, endpoint: Optional[str] = None) -> Optional[str]:
+    known = _known_flavors(endpoint)
     if isinstance(flavor, str) and flavor in known:
         return None
-    return ("unknown flavor %r; known flavors: %s (if HF added a new one, upgrade huggingface_hub)"
-            % (flavor, ", ".join(sorted(known))))
+    return ("unknown flavor %r; valid Jobs flavors: %s (see `hf jobs hardware`; if HF added a new one, upgrade "
+            "huggingface_hub)" % (flavor, ", ".join(sorted(known))))
+
+
+# endpoint -> the flavors its `GET /api/jobs/hardware` listed, or None when it did not answer (asked once
+# per process and endpoint: the list changes when HF adds hardware, not during a run).
+_live_hardware: Dict[str, Optional[frozenset]] = {}
+_hardware_lock = threading.Lock()
+
+
+def _live_flavor_rejection(client: "_JobsClient", flavor: str) -> Optional[str]:
+    """Why the Hub's live hardware list refuses `flavor` (fetched on this process's first start), or None.
+    A Hub that does not answer the list leaves the check to the static one done at construction."""
+    with _hardware_lock:
+        if client.endpoint not in _live_hardware:
+            _live_hardware[client.endpoint] = client.hardware_flavors()
+        live = _live_hardware[client.endpoint]
+    return None if live is None else _flavor_rejection(flavor, client.endpoint)
 
 
 def _parse_duration(value: Any) -> Optional[int]:
@@ -1401,6 +1477,34 @@ def _mapping_rejection(name: str, value: Any, check_names: bool) -> Optional[str
     return None
 
 
+def _credential_env_names(env_vars: Mapping[str, Any]) -> List[str]:
+    """The names in `env_vars` that look like credentials: a `_`-separated part ending in TOKEN, SECRET,
+    PASSWORD..., or a last part KEY (OPENAI_API_KEY). TOKENIZERS_PARALLELISM and MAX_TOKENS are not."""
+    found = []
+    for name in env_vars:
+        parts = str(name).upper().split("_")
+        if any(part.endswith(_CREDENTIAL_NAME_ENDINGS) for part in parts) or parts[-1] in ("KEY", "APIKEY"):
+            found.append(str(name))
+    return found
+
+
+def _warn_credential_env_vars(env_vars: Mapping[str, Any]) -> None:
+    """One WARNING per credential-like variable name and process: a job's environment is shown to everyone
+    who can read the namespace's jobs, its secrets are not."""
+    with _credential_warnings_lock:
+        names = [name for name in _credential_env_names(env_vars) if name not in _credential_warnings]
+        _credential_warnings.update(names)
+    for name in names:
+        logger.warning("env_vars[%r] looks like a credential: job environment variables are visible to anyone who "
+                       "can read the namespace's jobs; pass it as secrets={%r: ...} instead (or "
+                       "warn_env_credentials=False if it is not secret)", name, name)
+
+
+# Variable names already warned about (once per process, however many providers carry them).
+_credential_warnings: "set[str]" = set()
+_credential_warnings_lock = threading.Lock()
+
+
 def _command_rejection(command: Any) -> Optional[str]:
     if command is None or isinstance(command, str):
         return None if command is None or command.strip() else "command must not be empty"
@@ -1408,6 +1512,19 @@ def _command_rejection(command: Any) -> Optional[str]:
             and all(isinstance(part, str) for part in command)):
         return None
     return "command must be None (OpenEnv's default server command), a string, or a non-empty list of strings"
+
+
+def _label_rule_rejection(labels: Any) -> Optional[str]:
+    """Why a label breaks the Hub's rule (refused at create time, after the call), or None. The local
+    emulator's fault labels (`emulator-<fault>`) are its own extension: their values are passed as they are."""
+    for key, value in (labels or {}).items():
+        if not _LABEL_KEY.match(str(key)):
+            return ("label key %r must be 1 to %d characters of letters, digits, '-' and '_' (the Hub's rule "
+                    "for job labels)" % (key, LABEL_MAX_CHARS))
+        if not str(key).startswith(EMULATOR_FAULT_LABEL_PREFIX) and not _LABEL_VALUE.match(str(value)):
+            return ("label %s=%r: the value must be at most %d characters of letters, digits, '-' and '_' "
+                    "(the Hub's rule for job labels)" % (key, str(value), LABEL_MAX_CHARS))
+    return None
 
 
 def _reserved_labels_rejection(labels: Any) -> Optional[str]:
@@ -1430,10 +1547,12 @@ _SETTING_CHECKS: Tuple[Tuple[str, Callable[[Any], Optional[str]]], ...] = (
     ("job_timeout", lambda value: None if _parse_duration(value) is not None else (
         "job_timeout=%r must be a positive duration: seconds (3600) or a string like '30m', '2h', '1d'" % (value,))),
     ("labels", _reserved_labels_rejection),
+    ("labels", _label_rule_rejection),
     ("namespace", lambda value: None if value is None or (isinstance(value, str) and _NAMESPACE.match(value)) else (
         "namespace %r must be a user or organisation name" % (value,))),
     ("verify", lambda value: None if isinstance(value, (bool, str)) else (
         "verify must be True, False or a CA bundle path, not %r" % (value,))),
+    ("pool", lambda value: None if value is None else _pool_module().pool_rejection(value)),
 )
 
 
@@ -1448,6 +1567,15 @@ def _settings_rejection(settings: Mapping[str, Any], image_required: bool) -> Op
         if reason:
             return reason
     return None
+
+
+def _pool_module() -> Any:
+    """hf_sandbox_pool (pooled placement), imported on first use: dedicated placement never loads it."""
+    if __package__:
+        from . import hf_sandbox_pool
+    else:
+        import hf_sandbox_pool
+    return hf_sandbox_pool
 
 
 def _job_command(command: Union[None, str, Sequence[str]], port: int) -> List[str]:
@@ -1568,10 +1696,28 @@ _namespace_lock = threading.Lock()
 
 
 def _next_link_rejection(url: str, endpoint: str) -> Optional[str]:
-    """Why a pagination link must not be followed (it would carry the token elsewhere), or None."""
-    if not url.startswith(endpoint.rstrip("/") + "/api/jobs/"):
-        return "the API's next-page link %r is not under %s/api/jobs/; not following it" % (url[:200], endpoint)
+    """Why a pagination link must not be followed (it would carry the token to another server), or None. The
+    same Hub under another of its names (hf.co for huggingface.co; another loopback name) is the same server."""
+    try:
+        link, base = urlsplit(url), urlsplit(endpoint)
+        same_port = link.port == base.port
+    except ValueError:
+        same_port = False
+        link, base = urlsplit(""), urlsplit(endpoint)
+    host, base_host = (link.hostname or "").lower(), (base.hostname or "").lower()
+    same_hub = host == base_host or {host, base_host} <= HUB_HOST_NAMES or (
+        _is_loopback_host(host) and _is_loopback_host(base_host))
+    if (link.scheme != base.scheme or not same_hub or not same_port or link.username or link.password
+            or not link.path.startswith(base.path.rstrip("/") + "/api/jobs/")):
+        return ("the API's next-page link %r is not under %s/api/jobs/ (nor the same Hub under another name); "
+                "not following it, since the token would go with it" % (url[:200], endpoint))
     return None
+
+
+def _on_endpoint(url: str, endpoint: str) -> str:
+    """A next-page link (already accepted by _next_link_rejection) moved onto the configured endpoint."""
+    link, base = urlsplit(url), urlsplit(endpoint)
+    return endpoint.rstrip("/") + link.path[len(base.path.rstrip("/")):] + ("?" + link.query if link.query else "")
 
 
 def _retry_after_seconds(value: Optional[str], now: Optional[float] = None) -> Optional[float]:
@@ -1717,7 +1863,7 @@ class _JobsClient:
 
     def cancel_job(self, namespace: str, job_id: str) -> None:
         self._json("POST", "/api/jobs/%s/%s/cancel" % (namespace, job_id), "cancelling job %s" % job_id,
-                   retries=2, max_delay=CANCEL_BACKOFF_CAP_S, allow_empty=True)
+                   retries=2, max_delay=CANCEL_BACKOFF_CAP_S, allow_empty=True, teardown=True)
 
     def list_jobs(self, namespace: str, labels: Optional[Mapping[str, str]] = None,
                   stages: Sequence[str] = (), retries: int = API_MAX_RETRIES) -> List[Dict[str, Any]]:
@@ -1731,12 +1877,26 @@ class _JobsClient:
             payload = self._json("GET", path or "", "listing jobs", params=params, retries=retries, next_links=links)
             jobs += [job for job in payload if isinstance(job, dict)] if isinstance(payload, list) else []
             path, params = links[-1] if links else None, None  # the next link carries the query
-            reason = _next_link_rejection(path, self.endpoint) if path is not None else None
-            if reason:
-                logger.warning("listing jobs: %s; using the first %d jobs", reason, len(jobs))
-            if path is None or reason:
-                break
-        return jobs
+            if path is None:
+                return jobs
+            reason = _next_link_rejection(path, self.endpoint)
+            if reason:  # a listing cut short would miss jobs (a lost create, a leftover for sweep): say so
+                raise JobsAPIError("listing jobs", 200, "%s after %d jobs" % (reason, len(jobs)),
+                                   hint="report the link to the Jobs API's maintainers")
+            path = _on_endpoint(path, self.endpoint)
+        raise JobsAPIError("listing jobs", 200, "the API gave more than %d pages (%d jobs so far); a next-page link "
+                           "loops or the namespace has too many jobs for one listing" % (LIST_MAX_PAGES, len(jobs)))
+
+    def hardware_flavors(self) -> Optional[frozenset]:
+        """The flavor names of `GET /api/jobs/hardware` (huggingface_hub's list_jobs_hardware), or None when
+        the endpoint does not answer it with a list of named entries (asked once, never retried)."""
+        try:
+            payload = self._json("GET", "/api/jobs/hardware", "listing the Jobs hardware", retries=0)
+        except JobsAPIError as exc:
+            logger.debug("the Jobs hardware list is not available (%s); using the built-in flavor list", exc)
+            return None
+        names = [entry.get("name") for entry in payload if isinstance(entry, dict)] if isinstance(payload, list) else []
+        return frozenset(str(name) for name in names if name) or None
 
     def job_logs(self, namespace: str, job_id: str, tail: int = LOG_TAIL_LINES,
                  timeout_s: float = LOG_FETCH_TIMEOUT_S) -> List[str]:
@@ -1744,10 +1904,11 @@ class _JobsClient:
         lines: deque = deque(maxlen=tail)
         deadline = time.monotonic() + timeout_s
         try:
-            self._budget.acquire()
+            ticket = self._budget.acquire()
             with self._session.get(self.endpoint + "/api/jobs/%s/%s/logs" % (namespace, job_id),
                                    params={"tail": tail}, stream=True,
                                    timeout=(API_TIMEOUT_S[0], min(2.0, timeout_s))) as response:
+                self._budget.observe(response.headers, ticket)
                 if response.status_code >= 300:
                     return []
                 raw = response.iter_lines(decode_unicode=True)
@@ -1764,16 +1925,18 @@ class _JobsClient:
     def _json(self, method: str, path: str, action: str, params: Any = None, retries: int = API_MAX_RETRIES,
               max_delay: float = RETRY_AFTER_CAP_S, allow_empty: bool = False,
               next_links: Optional[List[Optional[str]]] = None, body: Any = None,
-              find_lost: Optional[Callable[[], Any]] = None) -> Any:
+              find_lost: Optional[Callable[[], Any]] = None, teardown: bool = False) -> Any:
         """A call retried on 429/5xx/connection errors with backoff. With `find_lost` (a create, not safe to
         repeat), an ambiguous failure (no answer, a 5xx) first asks `find_lost()` for what it made anyway.
-        `path` may be a full URL (a pagination link); `next_links` receives the `rel="next"` URL."""
+        `path` may be a full URL (a pagination link); `next_links` receives the `rel="next"` URL. A
+        `teardown` call never waits for budget; answered 429, it waits for the server's reset."""
         url = path if path.startswith(self.endpoint + "/") else self.endpoint + path
         attempt = 0
         sent_maybe = False  # whether any attempt may have reached the server without an answer
         while True:
             retry_after: Optional[float] = None
-            self._budget.acquire()
+            paused = None
+            ticket = self._budget.acquire(teardown)
             try:
                 response: Optional[requests.Response] = self._session.request(
                     method, url, params=params, json=body, timeout=API_TIMEOUT_S)
@@ -1781,6 +1944,7 @@ class _JobsClient:
                 response = None
                 failure, ambiguous = _transport_failure(exc)
             else:
+                self._budget.observe(response.headers, ticket)
                 if response.status_code < 300:
                     if next_links is not None:
                         next_links.append((response.links.get("next") or {}).get("url"))
@@ -1793,7 +1957,7 @@ class _JobsClient:
                                            response.headers.get("X-Request-Id")) from None
                 retry_after = _retry_after_seconds(response.headers.get("Retry-After"))
                 if response.status_code == 429:
-                    self._budget.rate_limited(retry_after)
+                    paused = self._budget.rate_limited(retry_after, response.headers)
                 if response.status_code != 429 and not 500 <= response.status_code <= 599:
                     raise self._error(response, action)
                 failure, ambiguous = "HTTP %d" % response.status_code, response.status_code != 429
@@ -1814,7 +1978,10 @@ class _JobsClient:
                     action, None, failure, hint="check the network and HF_ENDPOINT (%s)" % self.endpoint)
                 error.may_have_acted = sent_maybe
                 raise error from None
-            delay = min(_retry_delay(attempt, retry_after), max_delay)
+            if paused is not None:  # the budget holds ordinary calls until the reset; a teardown waits it here
+                delay = paused if teardown else 0.0
+            else:
+                delay = min(_retry_delay(attempt, retry_after), max_delay)
             logger.debug("%s: %s, retrying in %.1fs", action, failure, delay)
             time.sleep(delay)
             attempt += 1
@@ -1831,44 +1998,159 @@ class _JobsClient:
 
 
 class _ApiBudget:
-    """One token's share of the Jobs API rate limit, shared by every client in the process: a sliding
-    window of `calls` per `window_s`, and one 429 pause for all of them. `clock`/`sleep` are hooks for tests."""
+    """One token's view of the Hub's per-user rate limit, shared by every client of the process. It follows
+    the server's RateLimit headers (remaining calls, seconds to reset, quota, window) when they come, else
+    counts this process's own calls against the configured quota. When little is left it paces calls over
+    the time to the reset; the last `reserve` calls are kept for teardown, which never waits here; a 429
+    pauses every other call until the server's reset. `clock`/`sleep` are hooks for tests."""
 
     def __init__(self, calls: int = RATE_LIMIT_CALLS, window_s: float = RATE_LIMIT_WINDOW_S,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
-        self.calls = calls
+        self.calls = calls  # the quota per window: the server's once it says, else the setting
         self.window_s = window_s
         self.clock = clock
         self.sleep = sleep
         self.paused_until = 0.0
         self.rate_limited_count = 0
-        self._sent: deque = deque()
+        self.server_told = False  # whether an answer carried RateLimit headers
+        self.remaining: Optional[float] = None  # the server's count (minus calls sent since), while it holds
+        self.reset_at = 0.0  # clock time the server's window resets
+        self.sent = 0  # calls sent through this budget; a call's ticket is this count once it was sent
+        self.teardown_sent = 0
+        self.waited_s = 0.0  # time calls spent held here (and watcher refreshes put off), summed over threads
+        self._next_paced = 0.0
+        self._sent: deque = deque()  # send times within the window, for a server that says nothing
         self._lock = threading.Lock()
 
-    def acquire(self) -> None:
-        """Block until a call may be sent (not paused by a 429, room left in the window); count it."""
+    @property
+    def reserve(self) -> int:
+        return max(RATE_LIMIT_RESERVE_MIN, int(self.calls * RATE_LIMIT_RESERVE))
+
+    def acquire(self, teardown: bool = False) -> int:
+        """Block until a call may be sent and count it; returns its ticket for `observe`. Teardown (cancels)
+        never waits: the reserve is kept for it, and past that the server's 429 answers."""
+        warned = False
         while True:
             with self._lock:
                 now = self.clock()
-                while self._sent and self._sent[0] <= now - self.window_s:
-                    self._sent.popleft()
-                wait = self.paused_until - now
-                if wait <= 0 and len(self._sent) >= self.calls:
-                    wait = self._sent[0] + self.window_s - now
-                    logger.warning("this process used its Jobs API budget (%d calls per %gs); waiting %.1fs",
-                                   self.calls, self.window_s, wait)
+                wait = 0.0 if teardown else self._wait_locked(now)
                 if wait <= 0:
-                    self._sent.append(now)
-                    return
-            self.sleep(wait)
+                    return self._record_locked(now, teardown)
+                remaining, reset_in = self._estimate_locked(now)
+            if not warned and wait >= RATE_LIMIT_RECHECK_S:
+                warned = True
+                logger.info("Jobs API budget: about %d of %d calls left for %.0fs; pacing this call %.1fs",
+                            remaining, self.calls, reset_in, wait)
+            step = min(wait, RATE_LIMIT_RECHECK_S)
+            self.waited_s += step
+            self.sleep(step)
 
-    def rate_limited(self, retry_after: Optional[float]) -> None:
-        """A call was answered 429: pause every call of this token (Retry-After, else a backoff)."""
+    def wait_s(self) -> float:
+        """How long an ordinary call would wait now (0: it may go); counts nothing. The job watcher asks this
+        instead of blocking its thread, which serves other tokens too."""
+        with self._lock:
+            return self._wait_locked(self.clock())
+
+    def observe(self, headers: Mapping[str, str], ticket: int) -> None:
+        """Take the server's count from an answer's RateLimit headers; `ticket` (from acquire) discounts the
+        calls this process sent after that request, which the count does not include yet."""
+        info = _ratelimit_info(headers)
+        if info is None or info[4] != RATE_LIMIT_RESOURCE:  # e.g. whoami's own, smaller bucket
+            return
+        remaining, reset_in, quota, window, _ = info
+        with self._lock:
+            now = self.clock()
+            self.server_told = True
+            if quota and window:
+                self.calls, self.window_s = quota, float(window)
+            self.remaining = max(0.0, remaining - (self.sent - ticket))
+            self.reset_at = now + reset_in
+
+    def rate_limited(self, retry_after: Optional[float], headers: Optional[Mapping[str, str]] = None) -> float:
+        """A call was answered 429: pause every ordinary call until the server's reset (`t` of RateLimit when
+        it says nothing is left, else Retry-After, else a backoff). Returns the pause in seconds."""
+        info = _ratelimit_info(headers or {})
         with self._lock:
             self.rate_limited_count += 1
-            delay = _retry_delay(min(self.rate_limited_count, 6), retry_after)
+            if info is not None and info[0] == 0:
+                delay = info[1] + RATE_LIMIT_RESET_MARGIN_S
+                if info[4] == RATE_LIMIT_RESOURCE:
+                    self.remaining, self.reset_at = 0.0, self.clock() + info[1]
+            elif retry_after is not None:
+                delay = retry_after + RATE_LIMIT_RESET_MARGIN_S
+            else:
+                delay = _retry_delay(min(self.rate_limited_count, 6), None)
+            delay = min(delay, self.window_s + RATE_LIMIT_RESET_MARGIN_S)
             self.paused_until = max(self.paused_until, self.clock() + delay)
-        logger.info("Jobs API answered 429: every call of this process with this token pauses %.1fs", delay)
+        logger.info("Jobs API answered 429: every call of this process with this token (but cancels) pauses %.1fs",
+                    delay)
+        return delay
+
+    def _estimate_locked(self, now: float) -> Tuple[float, float]:
+        """(calls left, seconds to the reset): the server's count while its window lasts, else this
+        process's own calls in a sliding window of the configured quota."""
+        if self.server_told:
+            if now >= self.reset_at:  # the server's window has passed: a fresh quota until it says otherwise
+                self.remaining, self.reset_at = float(self.calls), now + self.window_s
+            return float(self.remaining or 0.0), self.reset_at - now
+        while self._sent and self._sent[0] <= now - self.window_s:
+            self._sent.popleft()
+        reset_in = self._sent[0] + self.window_s - now if self._sent else self.window_s
+        return float(self.calls - len(self._sent)), reset_in
+
+    def _wait_locked(self, now: float) -> float:
+        if self.paused_until > now:
+            return self.paused_until - now
+        remaining, reset_in = self._estimate_locked(now)
+        if remaining <= self.reserve:  # the rest is teardown's: wait for the reset
+            return max(reset_in, 0.01)
+        if remaining < self.calls * RATE_LIMIT_PACE_BELOW:
+            return max(0.0, self._next_paced - now)
+        return 0.0
+
+    def _record_locked(self, now: float, teardown: bool) -> int:
+        remaining, reset_in = self._estimate_locked(now)
+        if not teardown and remaining < self.calls * RATE_LIMIT_PACE_BELOW:
+            self._next_paced = now + reset_in / max(1.0, remaining - self.reserve)
+        if self.remaining is not None:
+            self.remaining = max(0.0, self.remaining - 1)
+        self._sent.append(now)
+        self.teardown_sent += int(teardown)
+        self.sent += 1
+        return self.sent
+
+
+# RateLimit headers as huggingface_hub's parse_ratelimit_headers reads them (its regexes; the IETF draft).
+_RATELIMIT = re.compile(r"\"(?P<resource>\w+)\"\s*;\s*r\s*=\s*(?P<r>\d+)\s*;\s*t\s*=\s*(?P<t>\d+)")
+_RATELIMIT_POLICY = re.compile(r"q\s*=\s*(?P<q>\d+).*?w\s*=\s*(?P<w>\d+)")
+
+
+def _ratelimit_info(headers: Mapping[str, str]) -> Optional[Tuple[int, int, Optional[int], Optional[int], str]]:
+    """(remaining, seconds to reset, quota or None, window or None, resource) from an answer's headers, or None."""
+    lowered = {str(key).lower(): value for key, value in headers.items()}
+    match = _RATELIMIT.search(lowered.get("ratelimit") or "")
+    if match is None:
+        return None
+    policy = _RATELIMIT_POLICY.search(lowered.get("ratelimit-policy") or "")
+    return (int(match.group("r")), int(match.group("t")), int(policy.group("q")) if policy else None,
+            int(policy.group("w")) if policy else None, match.group("resource"))
+
+
+def _configured_rate_limit() -> Tuple[int, float]:
+    """The quota and window to assume before the server says: HF_SANDBOX_RATE_LIMIT ("2500/300"), else the
+    free tier."""
+    text = os.environ.get(RATE_LIMIT_ENV, "").strip()
+    if not text:
+        return RATE_LIMIT_CALLS, RATE_LIMIT_WINDOW_S
+    calls, _, window = text.partition("/")
+    try:
+        quota, seconds = int(calls), float(window or RATE_LIMIT_WINDOW_S)
+    except ValueError:
+        quota, seconds = 0, 0.0
+    if quota < 1 or not seconds > 0:
+        raise SandboxConfigError("%s=%r must be <calls>/<seconds>, e.g. 2500/300 for a PRO account"
+                                 % (RATE_LIMIT_ENV, text))
+    return quota, seconds
 
 
 _budgets: Dict[Tuple[str, str], _ApiBudget] = {}
@@ -1879,7 +2161,7 @@ def _api_budget(endpoint: str, token: str) -> _ApiBudget:
     key = _token_key(endpoint, token)
     with _budgets_lock:
         if key not in _budgets:
-            _budgets[key] = _ApiBudget()
+            _budgets[key] = _ApiBudget(*_configured_rate_limit())
         return _budgets[key]
 
 
@@ -1995,8 +2277,15 @@ class _JobWatcher:
                 self._refresh(group, watches)
 
     def _refresh(self, group: _WatchGroup, watches: List[_Watch]) -> None:
-        """One refresh of a group; failures pause it, and end the waits after API_MAX_RETRIES."""
+        """One refresh of a group; failures pause it, and end the waits after API_MAX_RETRIES. A refresh the
+        budget would hold is put off instead, so this thread never blocks the groups of other tokens."""
         client = group.client
+        held = client._budget.wait_s()
+        if held > 0:
+            put_off = min(held, RATE_LIMIT_RECHECK_S)
+            group.next_due = max(group.next_due, time.monotonic() + put_off)
+            client._budget.waited_s += put_off
+            return
         try:
             if len(watches) == 1:
                 found = {watches[0].job_id: client.get_job(group.namespace, watches[0].job_id, retries=0)}
@@ -2040,11 +2329,12 @@ _process_label = uuid.uuid4().hex  # this process's PROCESS_LABEL_KEY value (a f
 
 def _reset_after_fork() -> None:
     """A forked child inherits no threads: give it its own watcher, budgets and process label."""
-    global _watcher, _process_label, _budgets_lock
+    global _watcher, _process_label, _budgets_lock, _hardware_lock
     _watcher = _JobWatcher()
     _process_label = uuid.uuid4().hex
     _budgets_lock = threading.Lock()
     _budgets.clear()
+    _hardware_lock = threading.Lock()  # the fetched lists stay valid; a lock held at the fork would not
 
 
 if hasattr(os, "register_at_fork"):

@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 import ssl
+import sys
 import threading
 import time
 import weakref
@@ -561,8 +562,12 @@ def _shared_start(name: str, key: Tuple[Any, ...], new_provider: Callable[[], HF
 
 def stop_sandboxes() -> None:
     """Cancel the job of every Sandbox of this process (own, shared, starting) in parallel and wait until
-    each is released. Never raises. The explicit teardown for trainers that never close environments (TRL)."""
+    each is released, then close the named pools of pooled ones (their host jobs this process booted).
+    Never raises. The explicit teardown for trainers that never close environments (TRL)."""
     _in_parallel([s.stop for s in _take_starts()] + [p.stop_container for p in list(_sandbox_providers)])
+    pools = sys.modules.get(__name__.rpartition(".")[0] + ".hf_sandbox_pool" if __package__ else "hf_sandbox_pool")
+    if pools is not None:  # loaded only once something used pool=
+        pools.close_pools()
 
 
 def _take_starts() -> List[_BackgroundStart]:

@@ -893,14 +893,15 @@ class AuthProxy:
 # emulator, and every echo-server job process it spawns, never imports requests or the provider.
 # --------------------------------------------------------------------------------------------------
 
-# Hardware flavors HF Jobs accepts: huggingface_hub's JobHardware values plus older names the API still
-# takes (h100, h100x8). The provider also accepts whatever a newer installed huggingface_hub adds.
+# Hardware flavors HF Jobs accepts: a static copy of huggingface_hub 2.4's JobHardware (the Hub's live list is
+# `GET /api/jobs/hardware`). Spaces hardware such as h100 is not a Jobs flavor. The provider prefers the
+# installed huggingface_hub's enum and the live list; this copy serves huggingface_hub versions without Jobs.
 JOB_FLAVORS = frozenset(
     {
         "cpu-basic", "cpu-upgrade", "cpu-performance", "cpu-xl",
         "t4-small", "t4-medium", "l4x1", "l4x4", "l40sx1", "l40sx4", "l40sx8",
         "a10g-small", "a10g-large", "a10g-largex2", "a10g-largex4",
-        "a100-large", "a100x4", "a100x8", "h100", "h100x8",
+        "a100-large", "a100x4", "a100x8",
         "h200", "h200x2", "h200x4", "h200x8",
         "rtx-pro-6000", "rtx-pro-6000x2", "rtx-pro-6000x4", "rtx-pro-6000x8",
     }
@@ -1076,7 +1077,8 @@ def _extra_headers_rejection(headers: object, with_token: bool) -> Optional[str]
                 "or None; got %s" % type(headers).__name__)
     for name, value in headers.items():
         if not isinstance(name, str) or not _TOKEN_RE.match(name):
-            return "headers: %r is not a valid HTTP header name" % (name if isinstance(name, str) else type(name).__name__)
+            shown = name if isinstance(name, str) else type(name).__name__
+            return "headers: %r is not a valid HTTP header name" % (shown,)
         low = name.lower()
         if low in PROXY_SET_HEADERS:
             return "headers: %s is set by the proxy itself (framing, host or hop-by-hop); leave it out" % name

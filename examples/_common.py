@@ -25,7 +25,7 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 def parser(description: str) -> argparse.ArgumentParser:
-    """The flags every example takes: --local, --image, --flavor, --command, -v."""
+    """The flags every example takes: --local, --image, --flavor, --command, --pool, -v."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--local", action="store_true",
                    help="run against a local HF Jobs emulator and its echo server (no token, no network)")
@@ -33,6 +33,8 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--flavor", default="cpu-basic", help="HF Jobs hardware flavor (default: %(default)s)")
     p.add_argument("--command", help="the job's server command (default: OpenEnv's uvicorn command; "
                    "with --local, the emulator's echo server)")
+    p.add_argument("--pool", metavar="NAME", help="pooled placement: each environment a sandbox of the named "
+                   "SandboxPool's host jobs instead of its own job (docs/pool.md)")
     p.add_argument("-v", "--verbose", action="store_true", help="log each job's stage changes")
     return p
 
@@ -54,21 +56,33 @@ class Backend:
         self.settings: Dict[str, Any] = {"flavor": args.flavor}
         if args.command:
             self.settings["command"] = args.command
+        if args.pool:
+            self.settings["pool"] = args.pool
+        self.pool = args.pool
         self.emulator: Any = None
         self.leftovers: List[str] = []
         if args.local:
             from hf_jobs_emulator import JobsEmulator, echo_server_command
-            self.emulator = JobsEmulator()
-            self.settings.setdefault("command", echo_server_command())
+            from hf_sandbox_cli import SMOKE_POOL_EMULATOR
+            self.emulator = JobsEmulator(**(SMOKE_POOL_EMULATOR if args.pool else {}))
+            if not args.pool:
+                self.settings.setdefault("command", echo_server_command())
 
     def __enter__(self) -> "Backend":
         if self.emulator is not None:
             self.emulator.start()
             self.settings.update(endpoint=self.emulator.endpoint, token=self.emulator.token)
+            if self.pool:  # TLS hosts, the echo environment on each sandbox's unix socket (as smoke --local --pool)
+                import hf_jobs_emulator
+                from hf_sandbox_cli import _local_pool_settings
+                _local_pool_settings(self.settings, self.emulator, hf_jobs_emulator, self.settings.get("command"))
             print("local HF Jobs emulator at %s" % self.emulator.endpoint)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
+        if self.pool:
+            from hf_sandbox_pool import close_pools
+            close_pools()  # the host jobs this run booted (the Hub's too)
         if self.emulator is None:
             return
         problems = self.emulator.stop()  # names what it could not end, e.g. "job 6b00... pid 123"

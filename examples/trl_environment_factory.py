@@ -159,7 +159,7 @@ def worker_episode(factory: Any) -> str:
     return asyncio.run(rollout()) + " (pid %d, inside a running event loop)" % os.getpid()
 
 
-def demo(image: str, settings: dict) -> None:
+def demo(image: str, settings: dict, spawn_worker: bool = True) -> None:
     factory = functools.partial(EchoSandboxEnv, image, **settings)  # what you hand to GRPOTrainer
     probe = factory(begin=False)  # nothing starts: just the tools and the settings check
     print("tools TRL would offer the model: %s" % trl_tools(probe))
@@ -167,6 +167,10 @@ def demo(image: str, settings: dict) -> None:
         raise RuntimeError("unexpected tools: %s" % trl_tools(probe))
     print("pickled factory: %d bytes" % len(pickle.dumps(factory)))
     print("[this process]   %s (pid %d)" % (episode(factory()), os.getpid()))
+    if not spawn_worker:
+        print("[spawned worker] skipped: with --local --pool the emulator's TLS host names resolve only in this "
+              "process (on the Hub a worker uses the pool like this process)")
+        return
     spawn = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
         print("[spawned worker] %s" % pool.submit(worker_episode, factory).result(timeout=WORKER_TIMEOUT_S))
@@ -220,7 +224,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if args.train:
                 train(args, backend.settings)
             else:
-                demo(args.image, backend.settings)
+                demo(args.image, backend.settings, spawn_worker=not (args.local and args.pool))
             code = _common.EXIT_OK
         except Exception as exc:
             code = _common.failure_exit(exc)

@@ -205,3 +205,25 @@ def test_rewriting_keeps_a_following_title_and_another_scripts_markers(tmp_path)
     path.write_text(_marked(ws_scale.SECTION_TITLE + "\n\nold\n") + "\n" + others)
     ws_scale.write_results_section(str(path), ws_scale.SECTION_TITLE + "\n\nnew\n")
     assert path.read_text() == _marked(ws_scale.SECTION_TITLE + "\n\nnew\n") + "\n" + others
+
+
+def test_multiproc_runs_processes_of_one_user_within_its_quota_and_records_the_table(tmp_path):
+    """benchmarks/multiproc.py end to end with small numbers: real worker processes against one rate-limited
+    emulator; the second quota is smaller than the run needs, so the workers must pace across windows."""
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Benchmark results\n\n" + OTHER_SECTION)
+    raw = tmp_path / "multiproc.json"
+    proc = _run([os.path.join(BENCH, "multiproc.py"), "--processes", "2", "--envs", "2", "--quotas", "40,14",
+                 "--window-s", "5", "--timeout-s", "120", "--write", "--results", str(results), "--json", str(raw)],
+                timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(raw.read_text())
+    for row in rows:
+        assert (row["ready"], row["wanted"], row["errors"], row["leftovers"]) == (4, 4, [], [])
+        assert row["window_peak"] <= row["quota"] and row["server_told"]
+        assert row["api_calls"]["create"] == 4 and row["api_calls"]["cancel"] == 4
+    assert rows[1]["api_calls_total"] > 14  # more than one window's worth: paced, not refused into errors
+    text = results.read_text()
+    assert text.count(OTHER_SECTION) == 1 and text.count("## Many trainer processes on one account") == 1
+    assert "| 2 x 2 | 14 / 5s | 4/4 | 0 |" in text
+    assert "(jobs CANCELED), while an ordinary call then waited" in text  # the stop did not wait for budget

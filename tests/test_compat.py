@@ -16,8 +16,8 @@ from typing import List, Optional
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-LIBRARY_MODULES = ["hf_sandbox_provider.py", "hf_sandbox_training.py", "hf_sandbox_cli.py", "proxy.py",
-                   "hf_jobs_emulator.py", "hf_sbx_emulator.py"]
+LIBRARY_MODULES = ["hf_sandbox_provider.py", "hf_sandbox_training.py", "hf_sandbox_cli.py", "hf_sandbox_pool.py",
+                   "proxy.py", "hf_jobs_emulator.py", "hf_sbx_emulator.py"]
 FORBIDDEN_IMPORTS = {"asyncio", "httpx", "fastapi", "uvicorn", "websockets", "aiohttp", "starlette", "anyio"}
 
 # The matrix stated in setup.cfg and README.md. The lowest pins are the declared lower bounds; the main

@@ -222,6 +222,26 @@ def test_hfapi_with_a_wrong_token_raises_its_http_error(emu):
     assert caught.value.response.status_code == 401
 
 
+def test_hardware_is_listed_in_the_hubs_shape_and_is_not_a_namespace(emu, api):
+    from huggingface_hub import JobHardware
+
+    listed = api.list_jobs_hardware()
+    assert [hw.name for hw in listed] == sorted(member.value for member in JobHardware)
+    t4 = next(hw for hw in listed if hw.name == "t4-small")
+    assert t4.accelerator.model == "T4" and t4.accelerator.quantity == "1" and t4.unit_label == "minute"
+    assert next(hw for hw in listed if hw.name == "cpu-basic").accelerator is None
+    refused = raw(emu, "POST", "/api/jobs/hardware", json={"dockerImage": "python:3.12"})
+    assert refused.status_code == 405 and emu.jobs == []  # never a job in a namespace called "hardware"
+
+
+def test_an_emulator_with_its_own_flavors_lists_and_accepts_only_those():
+    with JobsEmulator(flavors=["cpu-basic", "b300x8"]) as emu:
+        api = HfApi(endpoint=emu.endpoint, token=emu.token)
+        assert [hw.name for hw in api.list_jobs_hardware()] == ["b300x8", "cpu-basic"]
+        refused = raw(emu, "POST", "/api/jobs/local", json={"dockerImage": "python:3.12", "flavor": "t4-small"})
+        assert refused.status_code == 400 and "b300x8, cpu-basic" in refused.json()["error"]
+
+
 def test_unknown_route_is_404_and_wrong_method_405_naming_the_allowed_one(emu):
     assert raw(emu, "GET", "/api/spaces/x").status_code == 404
     wrong = raw(emu, "DELETE", "/api/jobs/local")
@@ -244,6 +264,8 @@ def test_unknown_job_is_404_for_inspect_cancel_and_logs(emu):
     ({"dockerImage": "a", "expose": {"ports": [8000], "portsPublic": [9000]}}, "portsPublic"),
     ({"dockerImage": "a", "labels": {"emulator-die-after-s": "soon"}}, "emulator-die-after-s"),
     ({"dockerImage": "a", "labels": {"emulator-teleport": "1"}}, "emulator-teleport"),
+    ({"dockerImage": "a", "labels": {"model": "Qwen/Qwen3"}}, "label model='Qwen/Qwen3'"),
+    ({"dockerImage": "a", "labels": {"a b": "1"}}, "label key 'a b'"),
     ([1, 2], "JSON object"),
 ])
 def test_bad_create_bodies_are_400_naming_the_field(emu, body, field):
@@ -280,6 +302,9 @@ def test_other_users_namespace_is_403_and_org_members_share_the_org_namespace():
     ({"scheduling_delay_s": -1}, "scheduling_delay_s"),
     ({"faults": {"explode": "1"}}, "explode"),
     ({"extra_tokens": {"hf_x": ""}}, "extra_tokens"),
+    ({"rate_limit": (0, 300)}, "rate_limit"),
+    ({"rate_limit": 1000}, "rate_limit"),
+    ({"list_page_size": 0}, "list_page_size"),
 ])
 def test_bad_constructor_arguments_are_refused_naming_them(kwargs, word):
     with pytest.raises(ValueError, match=word):
@@ -348,6 +373,40 @@ def test_injected_rate_limit_answers_429_with_retry_after_then_recovers(emu, api
         assert "rate limit" in limited.headers["X-Error-Message"]
     assert raw(emu, "GET", "/api/jobs/local").status_code == 200
     assert emu.api_calls["list"] == 3
+
+
+def test_a_per_user_limit_sends_both_headers_on_every_answer_and_429_past_the_quota():
+    from huggingface_hub.utils import parse_ratelimit_headers
+
+    with JobsEmulator(rate_limit=(5, 300), extra_tokens={"hf_second": "local", "hf_bob": "bob"}) as emu:
+        seen = []
+        for token in (emu.token, "hf_second", emu.token, "hf_second", emu.token):  # one user, two tokens
+            answer = raw(emu, "GET", "/api/jobs/local", token=token)
+            info = parse_ratelimit_headers(answer.headers)
+            seen.append((answer.status_code, info.remaining, info.limit, info.window_seconds, info.resource_type))
+        assert seen == [(200, r, 5, 300, "api") for r in (4, 3, 2, 1, 0)]
+        refused = raw(emu, "GET", "/api/jobs/local/000000000000000000000000", token="hf_second")
+        info = parse_ratelimit_headers(refused.headers)
+        assert refused.status_code == 429 and info.remaining == 0 and 0 < info.reset_in_seconds <= 300
+        assert refused.headers["Retry-After"] == str(info.reset_in_seconds)
+        assert "rate limit" in refused.json()["error"]
+        assert raw(emu, "GET", "/api/jobs/bob", token="hf_bob").status_code == 200  # another user: own quota
+        assert emu.window_peaks == {"local": 5, "bob": 1} and emu.rate_limited_calls == 1
+        with pytest.raises(HfHubHTTPError) as caught:  # huggingface_hub reads the 429 as the Hub's
+            HfApi(endpoint=emu.endpoint, token=emu.token).inspect_job(job_id="0" * 24, namespace="local")
+        assert caught.value.response.status_code == 429
+
+
+def test_whoami_is_limited_harder_than_the_rest():
+    with JobsEmulator(rate_limit=(40, 300)) as emu:
+        statuses = [raw(emu, "GET", "/api/whoami-v2").status_code for _ in range(3)]
+        assert statuses == [200, 200, 429]  # 5% of 40
+        assert raw(emu, "GET", "/api/jobs/local").status_code == 200  # the rest of the quota is still there
+        assert 'q=2;' in raw(emu, "GET", "/api/whoami-v2").headers["RateLimit-Policy"]
+
+
+def test_without_a_rate_limit_no_ratelimit_headers_are_sent(emu):
+    assert "RateLimit" not in raw(emu, "GET", "/api/jobs/local").headers
 
 
 def test_rate_limit_on_an_unknown_route_name_is_refused_naming_the_known_ones(emu):
@@ -473,6 +532,48 @@ def get_when_up(url: str, headers: dict) -> requests.Response:
 def running_with_urls(api: HfApi, emu: JobsEmulator, **kwargs):
     job = run(api, emu, **kwargs)
     return api.wait_for_job(job.id, stages=["RUNNING"], timeout=TIMEOUT, poll_interval=0.05, namespace="local")
+
+
+def test_labels_are_replaced_with_hfapi_and_checked_by_the_hubs_rule(emu, api):
+    job = run(api, emu, SLEEP_FOREVER, labels={"team": "rl", "run": "1"})
+    updated = api.update_job_labels(job_id=job.id, labels={"team": "eval"}, namespace="local")
+    assert updated.labels == {"team": "eval"} and api.inspect_job(job_id=job.id, namespace="local").labels == {"team": "eval"}
+    assert [j.id for j in api.list_jobs(namespace="local", labels={"team": "eval"})] == [job.id]
+    refused = raw(emu, "PUT", f"/api/jobs/local/{job.id}/labels", json={"labels": {"team": "a/b"}})
+    assert refused.status_code == 400 and "label team='a/b'" in refused.json()["error"]
+    assert raw(emu, "PUT", f"/api/jobs/local/{job.id}/labels", json={"team": "x"}).status_code == 400
+    api.cancel_job(job_id=job.id, namespace="local")
+
+
+def test_exposed_ports_are_replaced_on_a_running_job_with_hfapi(emu, api):
+    job = running_with_urls(api, emu, command=[], expose=[8000])  # default command: the echo server
+    (url,) = job.status.expose_urls
+    assert get_when_up(url + "/health", bearer(emu.token)).status_code == 200
+    updated = api.update_job_expose(job_id=job.id, expose=[8000], expose_public=[9000], namespace="local")
+    assert updated.expose == [8000, 9000] and updated.expose_public == [9000]
+    assert updated.status.expose_urls[0] == url and len(updated.status.expose_urls) == 2  # the kept port keeps its URL
+    assert requests.get(url + "/health", headers=bearer(emu.token), timeout=TIMEOUT).status_code == 200
+    public_url = updated.status.expose_urls[1]
+    assert requests.get(public_url + "/health", timeout=TIMEOUT).status_code != 401  # public: no token asked
+    closed = api.update_job_expose(job_id=job.id, namespace="local")  # neither list: every port closed
+    assert closed.expose == [] and closed.status.expose_urls is None
+    with pytest.raises(requests.ConnectionError):
+        requests.get(url + "/health", headers=bearer(emu.token), timeout=TIMEOUT)
+    api.cancel_job(job_id=job.id, namespace="local")
+    finished(api, emu, job.id)
+    assert raw(emu, "PUT", f"/api/jobs/local/{job.id}/expose", json={"ports": [8000]}).status_code == 400
+
+
+def test_metrics_stream_one_sample_a_second_while_running_and_406_after(emu, api):
+    job = running_with_urls(api, emu, command=SLEEP_FOREVER)
+    (sample,) = list(api.fetch_job_metrics(job_id=job.id, namespace="local"))
+    assert set(sample) == {"cpu_usage_pct", "cpu_millicores", "memory_used_bytes", "memory_total_bytes", "rx_bps",
+                           "tx_bps", "gpus", "replica"}
+    assert sample["memory_used_bytes"] > 0 and sample["gpus"] == {}
+    api.cancel_job(job_id=job.id, namespace="local")
+    finished(api, emu, job.id)
+    assert raw(emu, "GET", f"/api/jobs/local/{job.id}/metrics").status_code == 406
+    assert list(api.fetch_job_metrics(job_id=job.id, namespace="local")) == []  # huggingface_hub tolerates it
 
 
 def test_exposed_url_is_401_without_the_token_and_200_with_it(emu, api):

@@ -149,6 +149,165 @@ def test_flavor_list_includes_huggingface_hub_job_hardware():
     assert "cpu-basic" in hsp._flavor_rejection("cpu-huge")
 
 
+def test_the_static_flavor_copy_is_huggingface_hubs_job_hardware_without_spaces_names():
+    from huggingface_hub import JobHardware
+
+    assert hsp.KNOWN_FLAVORS == {member.value for member in JobHardware}  # update proxy.JOB_FLAVORS if not
+    for spaces_name in ("h100", "h100x8"):
+        assert "valid Jobs flavors: a100-large" in hsp._flavor_rejection(spaces_name)
+
+
+def hardware_entry(name):
+    return {"name": name, "prettyName": name, "cpu": "2 vCPU", "ram": "16 GB", "accelerator": None,
+            "unitCostMicroUSD": 167, "unitCostUSD": 0.000167, "unitLabel": "minute"}
+
+
+def test_a_flavor_missing_from_the_hubs_live_hardware_list_is_refused_before_the_create(api):
+    endpoint = "https://hw-%s.test" % uuid.uuid4().hex[:8]  # the live list is fetched once per endpoint
+    api.add(responses.GET, endpoint + "/api/jobs/hardware", json=[hardware_entry("cpu-basic"),
+                                                                 hardware_entry("cpu-upgrade")])
+    provider = hsp.HFSandboxProvider("python:3.12", endpoint=endpoint, token=fresh_token(), flavor="t4-small",
+                                     namespace="alice")
+    for _ in range(2):
+        with pytest.raises(hsp.SandboxConfigError, match="unknown flavor 't4-small'; valid Jobs flavors: "
+                                                         "cpu-basic, cpu-upgrade"):
+            provider.start_container()
+    assert [c.request.url for c in api.calls] == [endpoint + "/api/jobs/hardware"]  # once, and no create
+
+
+def test_a_hub_without_the_hardware_list_leaves_the_static_check(api):
+    endpoint = "https://hw-%s.test" % uuid.uuid4().hex[:8]
+    api.add(responses.GET, endpoint + "/api/jobs/hardware", status=404)
+    client = hsp._JobsClient(endpoint, fresh_token())
+    assert hsp._live_flavor_rejection(client, "t4-small") is None
+    assert hsp._live_flavor_rejection(client, "t4-small") is None
+    assert len(api.calls) == 1  # asked once per process, never retried
+
+
+# -- the rate limit: the server's RateLimit headers drive the budget -----------------------------------
+
+
+class FakeTime:
+    """A clock and a sleep for one budget: sleeping advances the clock and is recorded."""
+
+    def __init__(self):
+        self.now, self.waits = 1000.0, []
+
+    def clock(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.waits.append(seconds)
+        self.now += seconds
+
+    def on(self, budget):
+        budget.clock, budget.sleep = self.clock, self.sleep
+        return budget
+
+
+def limit_headers(remaining, reset_s, quota=1000, window=300):
+    return {"RateLimit": '"api";r=%d;t=%d' % (remaining, reset_s),
+            "RateLimit-Policy": '"fixed window";"api";q=%d;w=%d' % (quota, window)}
+
+
+def test_ratelimit_headers_are_read_as_huggingface_hub_reads_them():
+    from huggingface_hub.utils import parse_ratelimit_headers
+
+    for headers in (limit_headers(0, 55, 500, 300), {"ratelimit": '"api";r=12;t=3'}, {"RateLimit": "garbage"}, {}):
+        theirs = parse_ratelimit_headers(headers)
+        ours = hsp._ratelimit_info(headers)
+        assert ours == (None if theirs is None else (theirs.remaining, theirs.reset_in_seconds, theirs.limit,
+                                                     theirs.window_seconds, theirs.resource_type))
+
+
+def test_the_quota_and_window_come_from_the_server_when_it_says_else_the_setting(monkeypatch):
+    budget = hsp._ApiBudget(*hsp._configured_rate_limit())
+    assert (budget.calls, budget.window_s) == (1000, 300.0)  # the free tier
+    budget.observe(limit_headers(2400, 250, 2500, 300), budget.acquire())
+    assert (budget.calls, budget.window_s, budget.remaining) == (2500, 300.0, 2400)
+    monkeypatch.setenv(hsp.RATE_LIMIT_ENV, "3000/300")
+    assert hsp._configured_rate_limit() == (3000, 300.0)
+    monkeypatch.setenv(hsp.RATE_LIMIT_ENV, "lots")
+    with pytest.raises(hsp.SandboxConfigError, match="HF_SANDBOX_RATE_LIMIT='lots' must be <calls>/<seconds>"):
+        hsp._configured_rate_limit()
+
+
+def test_an_answer_about_another_bucket_is_not_taken_for_the_api_quota():
+    budget = hsp._ApiBudget()
+    budget.observe({"RateLimit": '"whoami";r=1;t=200', "RateLimit-Policy": '"fixed window";"whoami";q=2;w=300'},
+                   budget.acquire())
+    assert (budget.calls, budget.remaining, budget.server_told) == (1000, None, False)
+    assert budget.wait_s() == 0
+
+
+def test_with_plenty_left_calls_go_at_once():
+    fake = FakeTime()
+    budget = fake.on(hsp._ApiBudget())
+    budget.observe(limit_headers(900, 200), budget.acquire())
+    for _ in range(100):
+        budget.acquire()
+    assert fake.waits == []
+
+
+def test_when_little_is_left_the_remaining_calls_are_spread_over_the_time_to_the_reset():
+    fake = FakeTime()
+    budget = fake.on(hsp._ApiBudget())
+    budget.observe(limit_headers(150, 100), budget.sent)  # under a quarter of 1000 left, 100 s to go
+    sent_at = []
+    for _ in range(5):
+        budget.acquire()
+        sent_at.append(fake.now)
+    gaps = [later - earlier for earlier, later in zip(sent_at, sent_at[1:])]
+    assert all(0.9 < gap < 1.2 for gap in gaps), gaps  # ~100 s / (150 - 50 reserved) apart: not all at once
+    assert sent_at[0] == 1000.0  # the first one went at once
+
+
+def test_at_the_reserve_ordinary_calls_wait_for_the_reset_and_teardown_does_not():
+    fake = FakeTime()
+    budget = fake.on(hsp._ApiBudget())
+    budget.observe(limit_headers(budget.reserve, 40), budget.sent)
+    budget.acquire(teardown=True)
+    assert fake.waits == [] and budget.teardown_sent == 1
+    assert budget.wait_s() == pytest.approx(40.0)
+    budget.acquire()
+    assert sum(fake.waits) == pytest.approx(40.0)  # then a fresh window
+
+
+def test_calls_sent_after_a_request_are_discounted_from_its_answers_count():
+    budget = hsp._ApiBudget()
+    ticket = budget.acquire()
+    for _ in range(30):
+        budget.acquire()  # in flight while the first answer comes back
+    budget.observe(limit_headers(500, 100), ticket)
+    assert budget.remaining == 470
+
+
+@pytest.mark.parametrize("headers, pause", [
+    (dict(limit_headers(0, 55), **{"Retry-After": "7"}), 56.0),  # RateLimit's t first (+1 s, as huggingface_hub)
+    ({"Retry-After": "7"}, 8.0),  # then Retry-After
+    ({"RateLimit": '"api";r=600;t=55', "Retry-After": "9"}, 10.0),  # r > 0: the limit was not the reason
+])
+def test_a_429_pauses_until_the_servers_reset_then_retry_after(api, headers, pause):
+    url = ENDPOINT + "/api/jobs/alice/j1"
+    api.add(responses.GET, url, status=429, headers=headers)
+    api.add(responses.GET, url, json=job_json("j1", "RUNNING"))
+    client = hsp._JobsClient(ENDPOINT, fresh_token())
+    fake = FakeTime()
+    fake.on(client._budget)
+    assert client.get_job("alice", "j1")["status"]["stage"] == "RUNNING"
+    assert sum(fake.waits) == pytest.approx(pause) and client._budget.rate_limited_count == 1
+
+
+def test_a_cancel_answered_429_waits_for_the_reset_and_retries_instead_of_giving_up(api, monkeypatch):
+    url = ENDPOINT + "/api/jobs/alice/j1/cancel"
+    api.add(responses.POST, url, status=429, headers=limit_headers(0, 3))
+    api.add(responses.POST, url, status=200)
+    slept = []
+    monkeypatch.setattr(hsp.time, "sleep", slept.append)
+    hsp._JobsClient(ENDPOINT, fresh_token()).cancel_job("alice", "j1")
+    assert slept == [4.0] and len(api.calls) == 2
+
+
 # -- errors -----------------------------------------------------------------------------------------
 
 
@@ -321,13 +480,35 @@ def test_list_follows_next_page_links_on_the_endpoint(api):
     assert len(calls_to(api, "GET", "/api/jobs/alice")) == 2
 
 
-def test_list_never_follows_a_next_link_off_the_endpoint(api, caplog):
+@pytest.mark.parametrize("link", ["https://evil.example/api/jobs/alice?page=2", "http://huggingface.co/api/jobs/alice",
+                                  "https://huggingface.co.evil.example/api/jobs/alice", "https://hf.co:8443/api/jobs/x",
+                                  "https://hf.co/api/models?page=2", "https://u:p@hf.co/api/jobs/alice"])
+def test_list_refuses_a_next_link_off_the_hub_loudly_and_sends_the_token_nowhere_else(api, link):
+    endpoint = "https://huggingface.co"
+    api.add(responses.GET, endpoint + "/api/jobs/alice", json=[job_json("j1")], headers={"Link": '<%s>; rel="next"' % link})
+    with pytest.raises(hsp.JobsAPIError, match="listing jobs failed.*next-page link.*not following it.*after 1 jobs"):
+        hsp._JobsClient(endpoint, fresh_token()).list_jobs("alice")
+    assert [c.request.url for c in api.calls] == [endpoint + "/api/jobs/alice"]  # the token went nowhere else
+
+
+@pytest.mark.parametrize("endpoint, link_base", [("https://huggingface.co", "https://hf.co"),
+                                                 ("https://hf.co", "https://huggingface.co"),
+                                                 ("https://huggingface.co", "https://HuggingFace.co")])
+def test_list_follows_a_next_link_to_the_same_hub_under_another_name_on_the_configured_host(api, endpoint, link_base):
+    page2 = link_base + "/api/jobs/alice?label=a%3Db&cursor=abc"
+    api.add(responses.GET, endpoint + "/api/jobs/alice", json=[job_json("j1")], headers={"Link": '<%s>; rel="next"' % page2},
+            match=[responses.matchers.query_param_matcher({"label": "a=b"})])
+    api.add(responses.GET, endpoint + "/api/jobs/alice?label=a%3Db&cursor=abc", json=[job_json("j2")])
+    jobs = hsp._JobsClient(endpoint, fresh_token()).list_jobs("alice", labels={"a": "b"})
+    assert [job["id"] for job in jobs] == ["j1", "j2"]
+    assert all(c.request.url.startswith(endpoint + "/") for c in api.calls)
+
+
+def test_a_listing_longer_than_the_page_bound_fails_naming_it(api):
     api.add(responses.GET, ENDPOINT + "/api/jobs/alice", json=[job_json("j1")],
-            headers={"Link": '<https://evil.example/api/jobs/alice?page=2>; rel="next"'})
-    jobs = hsp._JobsClient(ENDPOINT, fresh_token()).list_jobs("alice")
-    assert [job["id"] for job in jobs] == ["j1"]
-    assert all(c.request.url.startswith(ENDPOINT) for c in api.calls)  # the token went nowhere else
-    assert "not following it" in caplog.text
+            headers={"Link": '<%s/api/jobs/alice>; rel="next"' % ENDPOINT})  # a link that loops
+    with pytest.raises(hsp.JobsAPIError, match="more than %d pages" % hsp.LIST_MAX_PAGES):
+        hsp._JobsClient(ENDPOINT, fresh_token()).list_jobs("alice")
 
 
 # -- create against a network that fails for real (loopback sockets, not mocks) ----------------------

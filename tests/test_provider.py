@@ -229,12 +229,48 @@ def test_token_is_discovered_from_hf_token_env(api, proxy, no_token_anywhere, mo
     (dict(labels={"hf-sandbox-start": "x"}), "reserved"),
     (dict(labels={"hf-sandbox-process": "x"}), "reserved"),
     (dict(command=[]), "command"),
+    (dict(labels={"run id": "1"}), "label key 'run id' must be 1 to 100 characters of letters, digits"),
+    (dict(labels={"k" * 101: "1"}), "label key 'k{101}' must be 1 to 100"),
+    (dict(labels={"model": "Qwen/Qwen3-0.6B"}), r"label model='Qwen/Qwen3-0.6B': the value must be at most 100"),
+    (dict(labels={"step": "v" * 101}), "label step='v{101}'"),
 ])
 def test_bad_start_arguments_fail_before_any_network_call(api, proxy, kwargs, message):
     provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy)
     with pytest.raises(hsp.SandboxConfigError, match=message):
         provider.start_container(**kwargs)
     assert len(api.calls) == 0
+
+
+def test_labels_within_the_hubs_rule_and_this_librarys_own_labels_pass():
+    settings = hsp.HFSandboxProvider(IMAGE, labels={"run-id": "a" * 100, "b_2": "", "n": 7})._settings({})
+    body = hsp._job_body(settings, uuid.uuid4().hex)
+    assert hsp._label_rule_rejection(body["labels"]) is None  # the reserved ones comply too
+    assert set(body["labels"]) >= {hsp.PROVIDER_LABEL_KEY, hsp.START_LABEL_KEY, hsp.PROCESS_LABEL_KEY}
+
+
+def test_credential_like_env_vars_get_one_warning_naming_each_and_pointing_at_secrets(caplog):
+    name = "MY_%s_TOKEN" % uuid.uuid4().hex[:8].upper()  # unique: the warning is once per process
+    env = {name: "x", "TOKENIZERS_PARALLELISM": "false", "MAX_NEW_TOKENS": "8",
+           "MONKEY": "1"}
+    with caplog.at_level(logging.WARNING, logger="hf_sandbox_provider"):
+        for _ in range(3):
+            hsp.HFSandboxProvider(IMAGE, env_vars=env)
+    warned = [r.getMessage() for r in caplog.records if "looks like a credential" in r.getMessage()]
+    assert len(warned) == 1 and name in warned[0] and "secrets=" in warned[0]
+    assert hsp._credential_env_names(env) == [name]
+    assert hsp._credential_env_names({"AWS_SECRET_ACCESS_KEY": 1, "OPENAI_API_KEY": 1, "DB_PASSWORD": 1,
+                                      "hf_token": 1}) == ["AWS_SECRET_ACCESS_KEY", "OPENAI_API_KEY",
+                                                          "DB_PASSWORD", "hf_token"]
+
+
+def test_the_credential_warning_is_turned_off_by_its_keyword(api, proxy, caplog, no_token_anywhere):
+    name = "X_%s_SECRET" % uuid.uuid4().hex[:8].upper()
+    with caplog.at_level(logging.WARNING, logger="hf_sandbox_provider"):
+        provider = hsp.HFSandboxProvider(IMAGE, env_vars={name: "1"}, warn_env_credentials=False)
+        with pytest.raises(hsp.SandboxConfigError, match="no Hugging Face token"):  # after the warning would be
+            provider.start_container(env_vars={"DB_" + name: "1"})
+    assert "looks like a credential" not in caplog.text
+    assert pickle.loads(pickle.dumps(provider)).warn_env_credentials is False
 
 
 def test_bad_constructor_arguments_are_refused_at_construction():

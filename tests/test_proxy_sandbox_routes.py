@@ -14,6 +14,7 @@ import requests
 
 import support
 from diff_clients import UpstreamProcess, start_upstreams
+import proxy as proxy_module
 from proxy import AuthProxy
 
 TOKEN = "hf_routestoken_" + "Vb7Qk2Lp9Wx3"
@@ -144,7 +145,8 @@ def _handshakes(up: support.Upstream) -> int:
 
 
 def test_many_routes_to_one_tls_host_share_its_connections_one_handshake_each(
-        proxy: AuthProxy, test_ca: support.TestCA) -> None:
+        proxy: AuthProxy, test_ca: support.TestCA, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(proxy_module, "POOL_IDLE_S", 300.0)  # a loaded machine's pauses must not expire them
     with support.Upstream(tls=test_ca) as up:
         bases = [proxy.mount(up.url + "/v1/sandboxes/sb-%d/proxy/8000" % i, support.TEST_TOKEN,
                              verify=test_ca.ca_path, headers={"X-Sandbox-Token": "sbx-%d" % i}) for i in range(8)]
@@ -177,7 +179,8 @@ def test_many_routes_to_one_tls_host_share_its_connections_one_handshake_each(
 
 
 def test_unmounting_one_route_keeps_the_hosts_connections_for_the_others_and_the_last_closes_them(
-        proxy: AuthProxy, test_ca: support.TestCA) -> None:
+        proxy: AuthProxy, test_ca: support.TestCA, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(proxy_module, "POOL_IDLE_S", 300.0)
     with support.Upstream(tls=test_ca) as up:
         first = proxy.mount(up.url + "/a", support.TEST_TOKEN, verify=test_ca.ca_path)
         second = proxy.mount(up.url + "/b", support.TEST_TOKEN, verify=test_ca.ca_path)

@@ -1,0 +1,631 @@
+"""Pooled placement: each environment runs as a sandbox of a shared host job (huggingface_hub's `SandboxPool`).
+
+`HFSandboxProvider(image, pool="name")` (or a caller's own `SandboxPool`) imports this module on its
+first pooled start. A start creates one sandbox on a warm host (booting a host only when every host is
+full), runs the environment server in it in the background bound to the unix socket
+`$SBX_PROXY_DIR/<port>.sock`, and mounts the host's proxy URL for that socket
+(`https://<host_job_id>--49983.<domain>/v1/sandboxes/<id>/proxy/<port>`) on the shared `AuthProxy`,
+with the sandbox's headers (bearer and `X-Sandbox-Token`) read at every request. The provider's contract
+is unchanged: a loopback `base_url`, `wait_for_ready` (failing fast with the server's own output when it
+exits), typed errors, `stop_container()` (kills the sandbox), and the safety nets (finalizer, atexit,
+signal teardown), which also cancel the host jobs this process booted for a named pool.
+
+Public names: `close_pools()`, `MIN_HUB_VERSION`, `TESTED_HUB_VERSIONS`. See docs/pool.md.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import re
+import shlex
+import threading
+import time
+import weakref
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import requests
+
+if __package__:  # vendored inside a package
+    from . import hf_sandbox_provider as _core
+else:
+    import hf_sandbox_provider as _core
+
+__all__ = ["close_pools", "MIN_HUB_VERSION", "TESTED_HUB_VERSIONS"]
+
+logger = logging.getLogger("hf_sandbox_provider")
+
+# --------------------------------------------------------------------------------------------------
+# Constants
+# --------------------------------------------------------------------------------------------------
+
+# The oldest huggingface_hub pooled placement accepts. Sandbox.proxy_url_for/proxy_headers exist since
+# 1.22.0, but until 1.31 its sandbox client follows redirects carrying the token, and until 2.1 a pooled
+# sandbox's proxy_headers carry the host's credential (authority over every sibling) and it speaks an
+# older sbx-server protocol than 3, which current hosts (and the emulator) serve.
+MIN_HUB_VERSION = (2, 1, 1)
+# The versions this module's tests ran against (tests/test_pool.py; docs/pool.md says how to rerun).
+TESTED_HUB_VERSIONS = ("2.1.1", "2.4.0")
+# The port a host's sandbox server listens on (huggingface_hub's SANDBOX_SERVER_PORT): the token may go
+# only to `https://<host_job_id>--49983.<domain>`.
+SANDBOX_SERVER_PORT = 49983
+# In a custom `command`, where the server's unix socket path goes (a shell word, expanded in the sandbox).
+SOCKET_PLACEHOLDER = "{socket}"
+# OpenEnv's image command (see the core's DEFAULT_COMMAND_TEMPLATE) with a unix socket instead of a port:
+# a pooled sandbox cannot bind TCP ports, its host proxies `proxy/<port>/...` to `$SBX_PROXY_DIR/<port>.sock`.
+POOL_COMMAND_TEMPLATE = "cd /app/env && exec uvicorn server.app:app --uds {socket}"
+# Where the server's stdout and stderr go inside the sandbox (read back as a failed start's log tail).
+SERVER_LOG_TEMPLATE = '"${HOME:-/tmp}/.hf-sandbox-server-%d.log"'
+# While waiting for /health, how often the host is asked whether the server process still runs (one
+# small request each): a crash at boot is reported within about this long, with its output.
+SERVER_CHECK_INTERVAL_S = 0.5
+# A sandbox's own idle eviction (huggingface_hub's default, 10 minutes). A running server counts as activity,
+# so this only ends a sandbox whose server has exited, e.g. at its job_timeout deadline after this process
+# was killed without teardown; the host, once empty, then ends after its own idle timeout. That is the
+# pooled form of a dedicated job's timeoutSeconds: nothing bills forever.
+SANDBOX_IDLE_TIMEOUT = 600
+# Hosts a named pool pre-boots when this process first uses it (SandboxPool's warm_up): one, the rest
+# on demand as hosts fill.
+NAMED_POOL_WARM_UP = 1
+# Sandboxes per host prewarm() plans for before the pool exists (huggingface_hub's default density).
+HOST_CAPACITY_ASSUMED = 50
+# At exit, how long killing the pooled sandboxes still running may take (in parallel), before the pools close.
+EXIT_KILL_BUDGET_S = 15.0
+# A sandbox create the host answers 429 or 5xx (busy, restarting) is retried this many times, with the
+# Jobs client's backoff; huggingface_hub itself does not retry it.
+CREATE_RETRIES = 4
+CREATE_RETRY_STATUSES = frozenset([429, 500, 502, 503, 504])
+# Pool names become the `hf-sandbox-pool` job label: the Hub's label rule.
+_POOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
+
+
+# --------------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------------
+
+
+def close_pools() -> None:
+    """Close every named pool this process created: cancel the host jobs it booted (their sandboxes end
+    with them; hosts it only adopted keep running). Never raises; names what it could not cancel."""
+    with _pools_lock:
+        entries = list(_pools.values())
+        _pools.clear()
+    _core._in_parallel([entry.close for entry in entries])
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation (each returns the reason something is refused, or None)
+# --------------------------------------------------------------------------------------------------
+
+
+def pool_rejection(pool: Any) -> Optional[str]:
+    """Why `pool=` cannot place environments (None, a pool name, or a huggingface_hub SandboxPool)."""
+    if pool is None:
+        return None
+    if isinstance(pool, str):
+        if not _POOL_NAME.match(pool):
+            return ("pool=%r must be a pool name of 1-100 letters, digits, '-' or '_' (it becomes the host "
+                    "jobs' hf-sandbox-pool label), or a huggingface_hub SandboxPool" % (pool,))
+        return None
+    reason = hub_rejection()
+    if reason:
+        return reason
+    from huggingface_hub import SandboxPool
+    if not isinstance(pool, SandboxPool):
+        return "pool must be None, a pool name, or a huggingface_hub SandboxPool, not %s" % type(pool).__name__
+    return None
+
+
+def hub_rejection() -> Optional[str]:
+    """Why the installed huggingface_hub cannot run pooled placement, or None."""
+    needed = ".".join(str(part) for part in MIN_HUB_VERSION)
+    advice = ("pip install -U 'huggingface_hub>=%s' (or the 'pool' extra: pip install 'hf-sandbox-provider[pool]')"
+              % needed)
+    try:
+        import huggingface_hub
+    except ImportError:
+        return "pooled placement needs huggingface_hub >= %s, which is not installed: %s" % (needed, advice)
+    version = str(getattr(huggingface_hub, "__version__", "0"))
+    sandbox = getattr(huggingface_hub, "Sandbox", None)
+    if (_version_tuple(version) < MIN_HUB_VERSION or getattr(huggingface_hub, "SandboxPool", None) is None
+            or not hasattr(sandbox, "proxy_url_for") or not hasattr(sandbox, "proxy_headers")):
+        return ("pooled placement needs huggingface_hub >= %s (its SandboxPool with per-sandbox proxy "
+                "credentials, no redirects followed, sbx-server protocol 3); huggingface_hub %s is installed: %s"
+                % (needed, version, advice))
+    return None
+
+
+def _version_tuple(version: str) -> Tuple[int, ...]:
+    """(2, 4, 0) for '2.4.0', '2.4.0rc1', '2.4.0.dev0'; (0,) when unparseable."""
+    parts = []
+    for piece in version.split(".")[:3]:
+        digits = re.match(r"[0-9]+", piece)
+        if digits is None:
+            break
+        parts.append(int(digits.group()))
+    return tuple(parts) or (0,)
+
+
+def server_command(command: Union[None, str, Sequence[str]], port: int, timeout_s: Optional[int] = None) -> str:
+    """The shell command a sandbox runs for the environment server: its output to the server log, the
+    socket path in `$HF_SANDBOX_SOCKET`, a deadline after `timeout_s` (the provider's job_timeout: the
+    process group is sent SIGTERM), `{socket}` in `command` replaced by the path (a list is quoted word
+    by word), then the server (default: OpenEnv's uvicorn on the socket)."""
+    socket_word = '"$SBX_PROXY_DIR/%d.sock"' % port
+    if command is None:
+        body = POOL_COMMAND_TEMPLATE.replace(SOCKET_PLACEHOLDER, socket_word)
+    elif isinstance(command, str):
+        body = command.replace(SOCKET_PLACEHOLDER, socket_word)
+    else:
+        body = "exec " + " ".join(socket_word.join(shlex.quote(piece) if piece else "" for piece in part.split(
+            SOCKET_PLACEHOLDER)) if part else "''" for part in command)
+    head = 'exec >%s 2>&1; export HF_SANDBOX_SOCKET=%s; ' % (SERVER_LOG_TEMPLATE % port, socket_word)
+    if timeout_s is None:
+        return head + body
+    # The deadline: a watcher that sends the process group SIGTERM after timeout_s, and that ends (its
+    # sleep too) as soon as the server does, so nothing of it outlives the server.
+    watcher = ("(trap 'kill $s 2>/dev/null; exit 0' TERM; sleep %d & s=$!; wait $s; "
+               'echo "hf-sandbox: job_timeout of %ds reached: stopping the server"; kill -TERM 0) & d=$!; '
+               % (timeout_s, timeout_s))
+    return head + watcher + "(%s); status=$?; kill $d 2>/dev/null; wait $d; exit $status" % body
+
+
+# --------------------------------------------------------------------------------------------------
+# One environment in a pooled sandbox: what HFSandboxProvider delegates to (like its _ReplicaSet)
+# --------------------------------------------------------------------------------------------------
+
+
+class PooledSandbox:
+    """One provider's environment in a sandbox of a `SandboxPool` host: the provider's `_jobs` while
+    it runs pooled. It starts, probes and tears down the sandbox; the provider keeps its phase."""
+
+    def __init__(self, owner: "_core.HFSandboxProvider", settings: Mapping[str, Any]) -> None:
+        reason = pool_rejection(settings["pool"]) or hub_rejection()
+        if reason:
+            raise _core.SandboxConfigError(reason)
+        if int(settings.get("replicas") or 1) != 1:
+            raise _core.SandboxConfigError("replicas=%r and pool= cannot be combined: a pooled environment is one "
+                                           "sandbox (start several providers instead)" % (settings["replicas"],))
+        self._owner = weakref.ref(owner)  # weak: the owner holds this object and must stay collectable
+        self._lock = threading.Lock()
+        self.sandbox: Any = None  # huggingface_hub Sandbox, until torn down
+        self.process_id: Optional[str] = None  # the server's background process on the sandbox
+        self.host_id: Optional[str] = None
+        self.port = int(settings["port"])
+
+    @property
+    def owner(self) -> "_core.HFSandboxProvider":
+        return self._owner()  # type: ignore[return-value]  # alive: only the owner calls it
+
+    # -- the five operations the provider delegates ---------------------------------------------------
+
+    def _start_jobs(self, settings: Dict[str, Any], token: str) -> str:
+        """Create the sandbox, start the server in it, mount the host's proxy URL for its socket. Any
+        failure (or a stop meanwhile) kills the sandbox before raising."""
+        owner = self.owner
+        owner._active = settings
+        owner._submitted_at = time.monotonic()
+        client = owner._job_client = _core._JobsClient(owner.endpoint, token, owner._hooks()._new_session())
+        try:
+            namespace = settings["namespace"] or client.whoami_namespace()
+            with owner._lock:
+                owner._job_namespace = namespace
+                owner._move(_core.Phase.STARTING)  # from here on a teardown kills whatever sandbox we hold
+            pool = _pool_for(settings, token, namespace, owner.endpoint)
+            owner._raise_if_stopped()
+            env = {**{k: str(v) for k, v in settings["secrets"].items()},
+                   **{k: str(v) for k, v in settings["env_vars"].items()}}
+            if settings["labels"]:
+                logger.debug("pool=%s: labels are not used by a pooled sandbox (its host's labels are the pool's)",
+                             pool.name)
+            sandbox = self._create(pool, env)
+            self._hold(owner, sandbox, namespace)
+            owner._raise_if_stopped()
+            upstream = sandbox.proxy_url_for(self.port, "").rstrip("/")
+            reason = owner._hooks()._exposed_url_rejection(upstream, self.host_id or "", SANDBOX_SERVER_PORT)
+            if reason:
+                raise _core.InsecureURLError(reason)
+            command = server_command(settings["command"], self.port, _core._parse_duration(settings["job_timeout"]))
+            process = sandbox.run(command, background=True)
+            self.process_id = process.id
+            owner._raise_if_stopped()
+            proxy = owner._proxy_instance()
+            owner.upstream_url = upstream
+            base_url = proxy.mount(upstream, token=None, verify=settings["verify"], headers=_SandboxHeaders(sandbox))
+            owner._publish_route(proxy, base_url, weakref.finalize(owner, _release_sandbox, sandbox, proxy, base_url,
+                                                                   None, True))
+            logger.info("sandbox %s (pool %s, host %s) serving through the proxy (%.1fs after submit)",
+                        sandbox.id, pool.name, self.host_id, owner._elapsed())
+            return base_url
+        except BaseException:
+            owner._teardown(client)
+            raise
+
+    def _wait_ready(self, base_url: str, budget: float) -> None:
+        """Probe /health through the proxy until 200, asking the host meanwhile whether the server process
+        still runs: one that exited fails at once with its output as the log tail."""
+        owner = self.owner
+        url = base_url.rstrip("/") + "/health"
+        deadline = time.monotonic() + budget
+        interval = _core.HEALTH_PROBE_FIRST_S
+        next_check = time.monotonic() + SERVER_CHECK_INTERVAL_S
+        last_seen = "no answer yet"
+        with requests.Session() as session:
+            session.trust_env = False  # loopback proxy: never route through HTTP(S)_PROXY
+            while True:
+                owner._wake.clear()
+                owner._raise_if_stopped()
+                try:
+                    response = session.get(url, timeout=_core.HEALTH_PROBE_TIMEOUT_S)
+                    status = response.status_code
+                    last_seen = _core._describe_health_answer(response)
+                    response.close()
+                    if status == 200:
+                        owner.timings["ready"] = owner._elapsed()
+                        logger.info("sandbox %s ready (%.1fs after submit)", owner.job_id, owner._elapsed())
+                        return
+                    reason = _core._health_status_rejection(status)
+                    if reason:
+                        raise _core.SandboxError("sandbox %s: /health %s" % (owner.job_id, reason))
+                except requests.RequestException as exc:
+                    last_seen = type(exc).__name__
+                if time.monotonic() >= next_check:
+                    self._raise_if_server_ended()
+                    next_check = time.monotonic() + SERVER_CHECK_INTERVAL_S
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise _core.JobStartTimeout(
+                        "sandbox %s did not answer /health with 200 within %gs (last: %s)"
+                        % (owner.job_id, budget, last_seen), owner.job_id, owner.stage)
+                owner._wake.wait(min(interval, remaining))  # a stop wakes it
+                interval = min(_core.HEALTH_PROBE_INTERVAL_S, interval * _core.HEALTH_PROBE_GROWTH)
+
+    def _teardown_jobs(self, client: Optional["_core._JobsClient"]) -> None:
+        """Unmount the route and kill the sandbox (its host keeps running for the pool's other sandboxes)."""
+        gone = self.owner._detach()
+        with self._lock:
+            sandbox, self.sandbox = self.sandbox, None
+        killed = _release_sandbox(sandbox, gone.proxy, gone.base_url, client or gone.client)
+        if killed and self.owner._stage not in _core.TERMINAL_STAGES:
+            self.owner._stage = "CANCELED"
+
+    def _job_ids(self) -> List[str]:
+        job_id = self.owner.job_id
+        return [job_id] if job_id else []
+
+    def _job_stage(self) -> Optional[str]:
+        return self.owner._stage
+
+    # -- more of the provider's API -------------------------------------------------------------------
+
+    def logs(self, tail: int) -> List[str]:
+        """The last `tail` lines the environment server wrote (its log file in the sandbox)."""
+        sandbox = self.sandbox
+        if sandbox is None:
+            raise _core.SandboxError("logs(): sandbox %s was stopped (a pooled server's output goes with its "
+                                     "sandbox)" % self.owner.job_id)
+        return _server_log_tail(sandbox, self.port, tail)
+
+    # -- machinery ------------------------------------------------------------------------------------
+
+    def _create(self, pool: Any, env: Mapping[str, str]) -> Any:
+        """pool.create(), retrying a 429/5xx answer (CREATE_RETRIES times, with backoff); what still fails
+        is raised as this library's error, with huggingface_hub's message."""
+        owner = self.owner
+        for attempt in range(CREATE_RETRIES + 1):
+            try:
+                return pool.create(env=dict(env) or None, idle_timeout=SANDBOX_IDLE_TIMEOUT, forward_hf_token=False)
+            except Exception as exc:
+                if isinstance(exc, _core.SandboxError):
+                    raise
+                status = getattr(exc, "status_code", None)
+                if status is None and attempt < CREATE_RETRIES and self._drop_dead_hosts(pool):
+                    continue  # the pool placed it on a host whose job has ended: now forgotten, place again
+                if status in CREATE_RETRY_STATUSES and attempt < CREATE_RETRIES:
+                    delay = _core._retry_delay(attempt, None)
+                    logger.info("pool %s: sandbox create answered %s; retrying in %.1fs", pool.name, status, delay)
+                    if owner._stop_requested.wait(delay):
+                        owner._raise_if_stopped()
+                    continue
+                if status is not None:
+                    raise _core.JobsAPIError("creating a sandbox in pool %s" % pool.name, status,
+                                             _first_line(exc)) from None
+                raise _core.SandboxError("pool %s: creating a sandbox failed: %s"
+                                         % (pool.name, _first_line(exc))) from None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _drop_dead_hosts(self, pool: Any) -> bool:
+        """Make the pool forget its hosts whose jobs have ended (huggingface_hub keeps placing sandboxes on
+        a host it booted until it is closed, even after the host died); True if it forgot any."""
+        owner = self.owner
+        client, hosts, drop = owner._job_client, getattr(pool, "_hosts", None), getattr(pool, "_drop_host", None)
+        if client is None or hosts is None or drop is None:
+            return False
+        dropped = []
+        for host in list(hosts):
+            try:
+                job = client.get_job(getattr(host, "owner", None) or owner._job_namespace or "", host.job_id, retries=0)
+            except Exception:
+                continue
+            stage = (job.get("status") or {}).get("stage")
+            if stage in _core.TERMINAL_STAGES:
+                drop(host)
+                dropped.append("%s (%s)" % (host.job_id, stage))
+        if dropped:
+            logger.warning("pool %s: host job(s) %s ended; placing sandboxes on the others or a new host",
+                           pool.name, ", ".join(dropped))
+        return bool(dropped)
+
+    def _hold(self, owner: "_core.HFSandboxProvider", sandbox: Any, namespace: str) -> None:
+        """Record the new sandbox so every teardown from now on kills it, and make that the safety net."""
+        with self._lock:
+            self.sandbox = sandbox
+        self.host_id = sandbox.host_id
+        with owner._lock:
+            owner.job_id = sandbox.id
+            owner.job_url = "%s/jobs/%s/%s" % (owner.endpoint, namespace, self.host_id)
+            owner._stage = "RUNNING"  # a sandbox exists only on a running host
+            owner.timings["created"] = owner.timings["running"] = owner._elapsed()
+        owner._swap_finalizer(weakref.finalize(owner, _release_sandbox, sandbox, None, None, None, True))
+
+    def _raise_if_server_ended(self) -> None:
+        """JobFailedError when the server process exited, the sandbox is gone or its host has ended."""
+        owner, sandbox = self.owner, self.sandbox
+        if sandbox is None:
+            owner._raise_if_stopped()
+            raise _core.SandboxError("sandbox %s was stopped while starting" % owner.job_id)
+        try:
+            processes = sandbox.processes()
+        except Exception as exc:
+            self._raise_if_host_ended(exc)
+            return  # a transient failure asking: /health decides, or the next check
+        process = next((p for p in processes if p.id == self.process_id), None)
+        if process is not None and process.running:
+            return
+        code = "unknown" if process is None else process.exit_code
+        raise _core.JobFailedError(owner.job_id or "", "ERROR",
+                                   "the environment server exited (code %s) before it answered /health" % code,
+                                   _server_log_tail(sandbox, self.port, _core.LOG_TAIL_LINES))
+
+    def _raise_if_host_ended(self, error: BaseException) -> None:
+        """After the host failed to answer: JobFailedError if its job has ended or the sandbox is gone."""
+        owner = self.owner
+        client = owner._job_client
+        status = getattr(error, "status_code", None)
+        if status == 404:
+            raise _core.JobFailedError(owner.job_id or "", "DELETED", "the sandbox no longer exists on host %s "
+                                       "(evicted or killed)" % self.host_id)
+        if client is None or self.host_id is None:
+            return
+        try:
+            job = client.get_job(owner._job_namespace or "", self.host_id, retries=0)
+        except Exception:
+            return
+        stage = (job.get("status") or {}).get("stage")
+        if stage in _core.TERMINAL_STAGES:
+            tail = client.job_logs(owner._job_namespace or "", self.host_id, tail=_core.LOG_TAIL_LINES)
+            raise _core.JobFailedError(self.host_id, str(stage), (job.get("status") or {}).get("message")
+                                       or "the sandbox's host job ended", tail)
+
+
+class _SandboxHeaders:
+    """The proxy route's headers: the sandbox's own (bearer and X-Sandbox-Token), read at each request
+    because the bearer may rotate. Never shown."""
+
+    __slots__ = ("_sandbox",)
+
+    def __init__(self, sandbox: Any) -> None:
+        self._sandbox = sandbox
+
+    def __call__(self) -> Mapping[str, str]:
+        return self._sandbox.proxy_headers
+
+    def __repr__(self) -> str:
+        return "<sandbox proxy headers>"
+
+
+def _release_sandbox(sandbox: Any, proxy: Any, base_url: Optional[str], client: Any,
+                     abandoned: bool = False) -> bool:
+    """Unmount the route and kill the sandbox, warning (never raising) about what could not be done; True
+    when killed. Plain values, never the provider: the safety net uses it too."""
+    if sandbox is None and not base_url and client is None:
+        return False
+    sandbox_id = getattr(sandbox, "id", None)
+    if abandoned and sandbox_id:
+        logger.warning("sandbox %s is still running at exit (or its provider was garbage-collected): killing it",
+                       sandbox_id)
+    problems = []
+    killed = False
+    try:
+        if base_url and proxy is not None:
+            try:
+                proxy.unmount(base_url)
+            except Exception as exc:
+                problems.append("could not unmount its proxy route (%s)" % type(exc).__name__)
+        if sandbox is not None:
+            if _host_cancelled_by_us(sandbox):
+                killed = True  # its host job was cancelled with its pool: the sandbox went with it
+            else:
+                sandbox.kill()  # logs its own warning on failure and stays killable
+                killed = bool(getattr(sandbox, "_killed", True))
+                if killed:
+                    logger.info("sandbox %s killed", sandbox_id)
+                else:
+                    problems.append("could not kill it")
+        if client is not None:
+            client.close()
+    except BaseException as exc:  # e.g. a second Ctrl-C during teardown: report, do not mask
+        problems.append("teardown interrupted (%s)" % type(exc).__name__)
+    if problems:
+        logger.warning("sandbox %s: %s. It ends with its host job (pool close, or the host's idle timeout)",
+                       sandbox_id, "; ".join(problems))
+    return killed
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _server_log_tail(sandbox: Any, port: int, tail: int) -> List[str]:
+    """The last `tail` lines of the server's log in the sandbox ([] when it cannot be read)."""
+    try:
+        result = sandbox.run("tail -n %d %s" % (int(tail), SERVER_LOG_TEMPLATE % port), check=False,
+                             timeout=_core.LOG_FETCH_TIMEOUT_S)
+    except Exception as exc:
+        logger.debug("could not read the server log of sandbox %s (%s)", getattr(sandbox, "id", "?"),
+                     type(exc).__name__)
+        return []
+    return result.stdout.splitlines()[-tail:]
+
+
+# --------------------------------------------------------------------------------------------------
+# Named pools: one SandboxPool per (name, image, flavor, namespace, token) in the process
+# --------------------------------------------------------------------------------------------------
+
+
+class _NamedPool:
+    """A named pool of this process: created (its first host booted) on first use, closed by
+    close_pools(), at exit or by signal teardown (its safety net is among the provider's)."""
+
+    def __init__(self, key: Tuple[Any, ...]) -> None:
+        self.key = key
+        self.lock = threading.Lock()  # held while the pool is made: concurrent first starts wait for it
+        self.pool: Any = None
+        self.closed = False
+        self.finalizer: Optional[weakref.finalize] = None
+        self.cancelled_hosts: "set[str]" = set()
+
+    def close(self) -> None:
+        with self.lock:
+            pool, self.pool, self.closed = self.pool, None, True
+            finalizer, self.finalizer = self.finalizer, None
+        if finalizer is not None:
+            finalizer.detach()
+            _core._live_finalizers.discard(finalizer)
+        if pool is not None:
+            _close_pool(pool, self)
+
+
+def _close_pool(pool: Any, entry: Optional[_NamedPool] = None) -> None:
+    """Close a pool we created: its host jobs this process booted are cancelled (so their sandboxes
+    end), adopted ones only released. Never raises."""
+    owned = [host.job_id for host in list(getattr(pool, "_hosts", [])) if getattr(host, "owned", False)]
+    if entry is not None:
+        entry.cancelled_hosts.update(owned)
+        _cancelled_hosts.update(owned)
+    try:
+        pool.close()
+        if owned:
+            logger.info("pool %s closed: host job(s) %s cancelled", pool.name, ", ".join(owned))
+    except Exception as exc:
+        logger.warning("pool %s: %s", getattr(pool, "name", "?"), exc)
+
+
+# Host job ids this process cancelled by closing their pool: their sandboxes need no kill of their own.
+_cancelled_hosts: "set[str]" = set()
+
+
+def _host_cancelled_by_us(sandbox: Any) -> bool:
+    return getattr(sandbox, "host_id", None) in _cancelled_hosts
+
+
+_pools_lock = threading.Lock()
+_pools: Dict[Tuple[Any, ...], _NamedPool] = {}
+
+
+def prewarm(provider: "_core.HFSandboxProvider", n: int) -> None:
+    """Before `start_many(n, pool="name")`: make sure the named pool has hosts for `n` more sandboxes,
+    booting the missing ones in parallel (one cold start for all of them, not one per full host)."""
+    settings = provider._settings({})
+    if not isinstance(settings["pool"], str):
+        return
+    token = provider._resolve_token()
+    client = _core._JobsClient(provider.endpoint, token, provider._new_session())
+    try:
+        namespace = settings["namespace"] or client.whoami_namespace()
+    finally:
+        client.close()
+    hosts = -(-n // HOST_CAPACITY_ASSUMED)
+    pool = _pool_for(settings, token, namespace, provider.endpoint, warm_up=hosts)
+    per_host = int(getattr(pool, "sandboxes_per_host", HOST_CAPACITY_ASSUMED) or HOST_CAPACITY_ASSUMED)
+    wanted = -(-(n + pool.num_sandboxes) // per_host)
+    if pool.num_hosts < wanted:
+        logger.info("pool %s: warming %d host(s) for %d environments", pool.name, wanted, n)
+        pool.warm(wanted)
+
+
+def _pool_for(settings: Mapping[str, Any], token: str, namespace: str, endpoint: str, warm_up: int = 1) -> Any:
+    """The pool a start places its sandbox in: the caller's SandboxPool as given, or this process's
+    named pool for these settings (made on first use, which boots its first `warm_up` hosts)."""
+    pool = settings["pool"]
+    if not isinstance(pool, str):
+        return pool
+    key = (pool, settings["image"], settings["flavor"], namespace, _core._token_key(endpoint, token))
+    with _pools_lock:
+        entry = _pools.get(key)
+        if entry is None:
+            entry = _pools[key] = _NamedPool(key)
+    with entry.lock:
+        if entry.pool is None:
+            if entry.closed:
+                raise _core.SandboxError("pool %r was closed (close_pools() or teardown); start again to make a new "
+                                         "one" % pool)
+            logger.info("pool %s: starting (image %s, flavor %s, namespace %s)", pool, settings["image"],
+                        settings["flavor"], namespace)
+            try:
+                entry.pool = _new_pool(pool, settings, token, namespace, endpoint, warm_up)
+            except Exception as exc:  # its first host failed to boot (and was cancelled by huggingface_hub)
+                if isinstance(exc, _core.SandboxError):
+                    raise
+                raise _core.SandboxError("pool %s could not start a host job: %s" % (pool, exc)) from None
+            entry.finalizer = weakref.finalize(entry, _close_pool, entry.pool, entry)
+            _core._live_finalizers.add(entry.finalizer)  # atexit and signal teardown run it
+        return entry.pool
+
+
+def _new_pool(name: str, settings: Mapping[str, Any], token: str, namespace: str, endpoint: str,
+              warm_up: int) -> Any:
+    """A SandboxPool (booting its first `warm_up` hosts in parallel) whose Hub calls go to the provider's endpoint."""
+    return _pool_class()(image=settings["image"], flavor=settings["flavor"], name=name, namespace=namespace,
+                         token=token, warm_up=max(NAMED_POOL_WARM_UP, warm_up),
+                         start_timeout=float(settings["start_timeout_s"]), hub_endpoint=endpoint)
+
+
+_pool_class_cache: List[Any] = []
+
+
+def _pool_class() -> Any:
+    """SandboxPool with the provider's endpoint: huggingface_hub's own calls the endpoint HF_ENDPOINT named
+    when it was imported, while a provider's `endpoint=` (e.g. the emulator's) may differ. The pool makes its
+    HfApi first thing in its constructor (which then boots a host), so the endpoint is set as it is assigned."""
+    if _pool_class_cache:
+        return _pool_class_cache[0]
+    from huggingface_hub import HfApi, SandboxPool
+
+    class ProviderSandboxPool(SandboxPool):  # type: ignore[misc,valid-type]
+        def __init__(self, *args: Any, hub_endpoint: str, **kwargs: Any) -> None:
+            self.__dict__["_hub_endpoint"] = hub_endpoint
+            super().__init__(*args, **kwargs)
+
+        @property
+        def _api(self) -> Any:
+            return self.__dict__["_provider_api"]
+
+        @_api.setter
+        def _api(self, api: Any) -> None:
+            endpoint = self.__dict__.get("_hub_endpoint")
+            if endpoint and getattr(api, "endpoint", endpoint) != endpoint:
+                api = HfApi(endpoint=endpoint, token=api.token)
+            self.__dict__["_provider_api"] = api
+
+    _pool_class_cache.append(ProviderSandboxPool)
+    return ProviderSandboxPool
+
+
+@atexit.register
+def _close_pools_at_exit() -> None:
+    """At exit (before the core's own hook: atexit runs in reverse order, and this module is imported
+    after the core), kill pooled sandboxes still running, then close the named pools."""
+    finalizers = [f for f in list(_core._live_finalizers) if f.alive and f.peek() is not None
+                  and f.peek()[1] is _release_sandbox]
+    _core._in_parallel(finalizers, EXIT_KILL_BUDGET_S)
+    close_pools()

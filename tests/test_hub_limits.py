@@ -1,0 +1,123 @@
+"""The Hub as it is, end to end against the emulator: the live flavor list, the per-user rate limit shared by
+processes, teardown that never waits for budget, pagination across the Hub's host names."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import requests
+
+import hf_sandbox_provider as hsp
+from hf_jobs_emulator import JobsEmulator, echo_server_command
+
+IMAGE = "registry.hf.space/openenv-echo-env:latest"
+
+
+def test_a_flavor_the_hubs_live_list_lacks_is_refused_before_any_create(proxy):
+    with JobsEmulator(flavors=["cpu-basic", "cpu-upgrade"]) as emu:
+        provider = hsp.HFSandboxProvider(IMAGE, endpoint=emu.endpoint, token=emu.token, proxy=proxy,
+                                         flavor="a100-large", command=echo_server_command())
+        with pytest.raises(hsp.SandboxConfigError, match="valid Jobs flavors: cpu-basic, cpu-upgrade"):
+            provider.start_container()
+        assert emu.api_calls == {"hardware": 1} and emu.jobs == []
+
+
+# -- pagination ------------------------------------------------------------------------------------------
+
+
+def listing_emulator(link_host):
+    """An emulator paginating 2 jobs a page, with 5 jobs; its next links name `link_host` (same port)."""
+    emu = JobsEmulator(list_page_size=2).start()
+    emu.next_link_base = "http://%s:%d" % (link_host, emu.port)
+    client = hsp._JobsClient(emu.endpoint, emu.token)
+    for _ in range(5):
+        client.create_job("local", {"dockerImage": "python:3.12", "command": ["true"], "labels": {"batch": "b1"}},
+                          {"batch": "b1"})
+    return emu, client
+
+
+def test_a_listing_follows_next_links_naming_the_emulator_under_another_loopback_name():
+    emu, client = listing_emulator("localhost")  # the endpoint says 127.0.0.1
+    try:
+        listed = client.list_jobs("local", labels={"batch": "b1"})
+        assert sorted(job["id"] for job in listed) == sorted(job.id for job in emu.jobs)
+        assert emu.api_calls["list"] == 3
+        from huggingface_hub import HfApi  # the Hub's own client reads the same pages
+        assert len(list(HfApi(endpoint=emu.endpoint, token=emu.token).list_jobs(namespace="local"))) == 5
+    finally:
+        client.close()
+        emu.stop()
+
+
+def test_a_listing_whose_next_link_names_a_foreign_host_fails_loudly_after_the_first_page():
+    emu, client = listing_emulator("192.0.2.1")  # TEST-NET-1: not this server
+    try:
+        with pytest.raises(hsp.JobsAPIError, match="next-page link 'http://192.0.2.1.*not following it.*after 2 jobs"):
+            client.list_jobs("local", labels={"batch": "b1"})
+        assert emu.api_calls["list"] == 1
+    finally:
+        client.close()
+        emu.stop()
+
+
+# -- the per-user rate limit ---------------------------------------------------------------------------
+
+
+def test_two_processes_of_one_user_share_its_quota_through_the_servers_count_without_a_429():
+    """Each client stands for a process (its own budget), both with the user's token: the server's RateLimit
+    count is all they share, and it keeps both under the quota across windows."""
+    with JobsEmulator(rate_limit=(40, 4)) as emu:
+        clients = [hsp._JobsClient(emu.endpoint, emu.token) for _ in range(2)]
+        for client in clients:
+            client._budget = hsp._ApiBudget()  # another process: its own budget
+        outcome = {}
+
+        def spend(index):
+            try:
+                outcome[index] = sum(len(clients[index].list_jobs("local", retries=0)) + 1 for _ in range(30))
+            except BaseException as exc:
+                outcome[index] = exc
+
+        threads = [threading.Thread(target=spend, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        try:
+            assert outcome == {0: 30, 1: 30}  # 60 calls for a quota of 40: more than one window, none refused
+            assert emu.rate_limited_calls == 0 and emu.window_peaks["local"] <= 40
+            assert all(client._budget.calls == 40 and client._budget.window_s == 4 for client in clients)
+        finally:
+            for client in clients:
+                client.close()
+
+
+def test_a_process_that_spent_its_window_still_cancels_its_jobs_at_once(proxy):
+    """The budget holds ordinary calls once only the reserve is left (a replica_status(refresh=True) loop
+    got a process there; here plain calls of the same user spend it faster); stop_container's cancels pass
+    while such a call still waits for the reset."""
+    with JobsEmulator(rate_limit=(60, 300)) as emu:
+        provider = hsp.HFSandboxProvider(IMAGE, endpoint=emu.endpoint, token=emu.token, proxy=proxy, replicas=2,
+                                         namespace="local", command=echo_server_command(), poll_interval_s=0.05)
+        provider.wait_for_ready(provider.start_container())
+        budget = hsp._api_budget(emu.endpoint, emu.token)
+        spender = hsp._JobsClient(emu.endpoint, emu.token)
+        auth = {"Authorization": "Bearer " + emu.token}
+        while hsp._ratelimit_info(requests.get(emu.endpoint + "/api/jobs/local", headers=auth).headers)[0] > 6:
+            pass  # another tool of the same user spends the window, down to the reserve
+        spender.list_jobs("local", retries=0)  # this process's next answer says so
+        assert budget.wait_s() > 60
+        held = threading.Thread(target=provider.replica_status, kwargs={"refresh": True})
+        held.start()  # an ordinary call: waits for the reset, minutes away
+        try:
+            provider.stop_container()
+            assert held.is_alive()  # the stop did not wait for the budget
+            assert provider.stage == "CANCELED"  # both cancels were answered
+            assert {emu.wait_for_stage(job.id, ["CANCELED"]).stage for job in emu.jobs} == {"CANCELED"}
+            assert emu.rate_limited_calls == 0 and budget.teardown_sent >= 2
+        finally:
+            with budget._lock:  # let the held call go (the emulator will answer it 429: it is not waited out)
+                budget.remaining, budget.reset_at = float(budget.calls), budget.clock() + 300
+            held.join(30)
+            spender.close()

@@ -1,0 +1,463 @@
+"""Pooled placement (`HFSandboxProvider(..., pool=...)`, hf_sandbox_pool.py) against the emulator over TLS:
+huggingface_hub's real SandboxPool boots host jobs on `JobsEmulator(tls=True)` (hf_sbx_emulator runs
+their sandbox server), each environment is a sandbox whose server (the emulator's echo environment)
+binds `$SBX_PROXY_DIR/<port>.sock`, reached through the shared AuthProxy. Checked: the provider's
+contract (loopback base_url, readiness, typed errors, stop), packing and host reuse, the caller's own
+pool, credentials (no token in a sandbox or a log), version refusal, faults (server crash at boot, host
+killed, full host, eviction, 429/503 on create), and that nothing is left: no sandbox, no host we
+booted, no process.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable, Iterator, List
+
+import pytest
+import requests
+
+hub = pytest.importorskip("huggingface_hub")
+pytest.importorskip("huggingface_hub._sandbox")
+
+import hf_sandbox_pool  # noqa: E402
+from hf_jobs_emulator import JobsEmulator  # noqa: E402
+from hf_sandbox_provider import (EnvSession, HFSandboxProvider, InsecureURLError, JobFailedError,  # noqa: E402
+                                 JobsAPIError, SandboxConfigError, SandboxError, SessionError)
+from proxy import AuthProxy  # noqa: E402
+from support import wait_until  # noqa: E402
+
+if hf_sandbox_pool.hub_rejection():  # pragma: no cover - an older huggingface_hub: see test_versions
+    pytest.skip(hf_sandbox_pool.hub_rejection(), allow_module_level=True)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SERVER = [sys.executable, os.path.join(HERE, "upstreams", "uds_echo_env.py"), "{socket}"]
+IMAGE = "python:3.12"
+# Small delays: the defaults (13 s cold host, 0.27 s per sandbox) are for benchmarks.
+FAST = dict(tls=True, sandbox_host_boot_s=0.0, sandbox_host_ready_s=0.1, sandbox_create_s=0.0)
+TIMEOUT = 60.0
+
+
+@pytest.fixture
+def pool_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Any, log_guard: Any) -> Iterator[Callable[..., JobsEmulator]]:
+    """`pool_env(**JobsEmulator_kwargs)`: a TLS emulator huggingface_hub's clients trust (SSL_CERT_FILE)
+    with its pool cache under tmp_path. After the test: named pools are closed, the emulator stopped,
+    and every process it ran (hosts, sandboxes, servers) must be gone."""
+    made: List[JobsEmulator] = []
+
+    def make(**kwargs: Any) -> JobsEmulator:
+        emulator = JobsEmulator(**{**FAST, **kwargs}).start()
+        made.append(emulator)
+        log_guard.watch(emulator.token)
+        monkeypatch.setattr(hub.constants, "HF_HOME", str(tmp_path / "hf-home"))
+        monkeypatch.setenv("SSL_CERT_FILE", emulator.ca_path)
+        return emulator
+
+    yield make
+    hf_sandbox_pool.close_pools()
+    hub.utils.close_session()  # huggingface_hub's process-wide HTTP client keeps a connection to the Jobs API
+    for emulator in made:
+        assert emulator.stop() == []
+        assert emulator.live_pids() == [], "a job, sandbox or server process outlived the emulator"
+
+
+def provider(emu: JobsEmulator, proxy: AuthProxy, **kwargs: Any) -> HFSandboxProvider:
+    options = dict(endpoint=emu.endpoint, token=emu.token, verify=emu.ca_path, proxy=proxy, command=SERVER,
+                   pool="test-pool", start_timeout_s=TIMEOUT, ready_timeout_s=TIMEOUT)
+    options.update(kwargs)
+    return HFSandboxProvider(IMAGE, **options)
+
+
+def host_sandboxes(emu: JobsEmulator, host_id: str) -> List[str]:
+    return list(emu.sandbox_hosts.host(host_id).sandbox_ids)
+
+
+def local_id(p: HFSandboxProvider) -> str:
+    return (p.job_id or "").split(".", 1)[1]
+
+
+def watch_sandbox_token(p: HFSandboxProvider, log_guard: Any) -> None:
+    log_guard.watch(p._pooled.sandbox.proxy_headers["X-Sandbox-Token"])
+
+
+# -- the provider's contract, pooled ----------------------------------------------------------------
+
+
+def test_a_pooled_environment_serves_http_and_websocket_through_the_proxy_and_stop_kills_only_its_sandbox(
+        no_leaks, pool_env, proxy, log_guard):
+    emu = pool_env()
+    with provider(emu, proxy) as p:
+        base_url = p.start_container()
+        watch_sandbox_token(p, log_guard)
+        p.wait_for_ready()
+        host_id = p._pooled.host_id
+        assert base_url.startswith(proxy.url + "/")
+        assert p.job_id == "%s.%s" % (host_id, local_id(p))
+        assert p.upstream_url.startswith("https://%s--49983." % host_id)
+        assert p.upstream_url.endswith("/v1/sandboxes/%s/proxy/8000" % local_id(p))
+        assert set(p.timings) == {"created", "running", "url", "ready"} and p.stage == "RUNNING"
+        assert requests.post(base_url + "/reset", json={}, timeout=10).status_code == 200
+        step = requests.post(base_url + "/step", json={"action": {"message": "abc"}}, timeout=10).json()
+        assert step["observation"]["echoed_message"] == "abc"
+        with EnvSession(base_url) as session:
+            session.reset()
+            assert session.step({"message": "hello"})["observation"]["echoed_message"] == "hello"
+        assert any("serving on" in line for line in p.logs())
+        assert host_sandboxes(emu, host_id) == [local_id(p)]
+    assert host_sandboxes(emu, host_id) == []  # killed; the host keeps running for the pool
+    assert emu.job(host_id).stage == "RUNNING" and p.stage == "CANCELED"
+    assert requests.get(base_url + "/health", timeout=10).status_code == 404  # unmounted
+    hf_sandbox_pool.close_pools()
+    assert emu.wait_for_stage(host_id, ["CANCELED"]).stage == "CANCELED"  # a host we booted is cancelled
+
+
+def test_environments_of_one_named_pool_pack_onto_one_host_with_one_jobs_api_create(pool_env, proxy, log_guard):
+    emu = pool_env()
+    providers = HFSandboxProvider.start_many(4, IMAGE, progress=False, endpoint=emu.endpoint, token=emu.token,
+                                             verify=emu.ca_path, proxy=proxy, command=SERVER, pool="packed",
+                                             start_timeout_s=TIMEOUT, ready_timeout_s=TIMEOUT)
+    try:
+        hosts = {p._pooled.host_id for p in providers}
+        assert len(hosts) == 1 and len(emu.jobs) == 1
+        assert sorted(host_sandboxes(emu, hosts.pop())) == sorted(local_id(p) for p in providers)
+        for index, p in enumerate(providers):
+            with EnvSession(p.base_url) as session:
+                session.reset()
+                assert session.step({"message": "env %d" % index})["observation"]["echoed_message"] == "env %d" % index
+    finally:
+        for p in providers:
+            p.stop_container()
+
+
+def test_a_full_host_makes_the_pool_boot_another(pool_env, proxy):
+    emu = pool_env(sandbox_capacity=2)
+    providers = [provider(emu, proxy, pool="small-hosts") for _ in range(3)]
+    try:
+        for p in providers:
+            p.wait_for_ready(p.start_container())
+        hosts = [p._pooled.host_id for p in providers]
+        assert hosts[0] == hosts[1] != hosts[2] and len(emu.jobs) == 2
+    finally:
+        for p in providers:
+            p.stop_container()
+    hf_sandbox_pool.close_pools()
+    for host in set(hosts):
+        assert emu.wait_for_stage(host, ["CANCELED"]).stage == "CANCELED"
+
+
+def test_a_callers_own_sandbox_pool_is_used_as_given_and_its_host_is_never_cancelled(pool_env, proxy, monkeypatch):
+    emu = pool_env()
+    monkeypatch.setattr(hub.constants, "ENDPOINT", emu.endpoint)  # the caller's pool uses huggingface_hub's
+    with hub.SandboxPool(IMAGE, token=emu.token, namespace=emu.namespace, start_timeout=TIMEOUT) as pool:
+        with provider(emu, proxy, pool=pool) as p:
+            p.wait_for_ready(p.start_container())
+            assert p._pooled.host_id == pool.host_ids[0]
+        hf_sandbox_pool.close_pools()
+        assert emu.job(pool.host_ids[0]).stage == "RUNNING" and host_sandboxes(emu, pool.host_ids[0]) == []
+        host_id = pool.host_ids[0]
+    assert emu.wait_for_stage(host_id, ["CANCELED"]).stage == "CANCELED"  # the caller's close did it
+
+
+def test_a_start_container_override_places_one_start_in_a_pool(pool_env, proxy):
+    emu = pool_env()
+    with provider(emu, proxy, pool=None) as p:
+        p.wait_for_ready(p.start_container(pool="override"))
+        assert p._pooled is not None and "." in (p.job_id or "")
+
+
+# -- credentials ------------------------------------------------------------------------------------
+
+
+def test_the_sandbox_gets_no_hf_token_and_the_sandbox_token_never_reaches_a_log(pool_env, proxy, log_guard):
+    emu = pool_env()
+    with provider(emu, proxy, env_vars={"GREETING": "hi"}) as p:
+        p.wait_for_ready(p.start_container())
+        watch_sandbox_token(p, log_guard)
+        seen = p._pooled.sandbox.run("echo ${HF_TOKEN:-none} ${HUGGING_FACE_HUB_TOKEN:-none} $GREETING").stdout
+        assert seen.split() == ["none", "none", "hi"]
+        assert emu.token not in repr(p) and "X-Sandbox-Token" not in repr(proxy._routes)
+
+
+def test_a_host_url_that_is_not_the_hosts_own_gets_no_token_and_the_sandbox_is_killed(pool_env, proxy):
+    emu = pool_env()
+
+    class Strict(HFSandboxProvider):
+        def _exposed_url_rejection(self, url: str, job_id: str, port: int) -> str:
+            return "refused %s for the test" % url.split("/v1/")[0]
+
+    p = Strict(IMAGE, endpoint=emu.endpoint, token=emu.token, verify=emu.ca_path, proxy=proxy, command=SERVER,
+               pool="strict", start_timeout_s=TIMEOUT)
+    with pytest.raises(InsecureURLError, match="refused https://"):
+        p.start_container()
+    host_id = emu.jobs[0].id
+    assert host_sandboxes(emu, host_id) == [] and proxy._routes == {}
+
+
+# -- refusals before anything starts ----------------------------------------------------------------
+
+
+def test_an_older_huggingface_hub_is_refused_naming_the_version_needed(monkeypatch, proxy):
+    monkeypatch.setattr(hub, "__version__", "2.0.0")
+    with pytest.raises(SandboxConfigError, match=r"huggingface_hub >= 2\.1\.1.*2\.0\.0 is installed"):
+        HFSandboxProvider(IMAGE, pool=hub.SandboxPool.__new__(hub.SandboxPool), token="x", proxy=proxy)
+    p = HFSandboxProvider(IMAGE, pool="named", token="hf_x", endpoint="http://127.0.0.1:9", proxy=proxy)
+    with pytest.raises(SandboxConfigError, match=r"2\.1\.1"):
+        p.start_container()
+
+
+@pytest.mark.parametrize("pool, words", [
+    ("has space", "pool name of 1-100 letters"),
+    ("x" * 101, "pool name of 1-100 letters"),
+    (42, "a huggingface_hub SandboxPool, not int"),
+])
+def test_a_bad_pool_is_refused_at_construction(pool, words):
+    with pytest.raises(SandboxConfigError, match=words):
+        HFSandboxProvider(IMAGE, pool=pool)
+
+
+def test_pool_and_replicas_cannot_be_combined(proxy):
+    p = HFSandboxProvider(IMAGE, pool="named", replicas=2, token="hf_x", endpoint="http://127.0.0.1:9", proxy=proxy)
+    with pytest.raises(SandboxConfigError, match="replicas=2 and pool= cannot be combined"):
+        p.start_container()
+
+
+def test_the_server_command_places_the_socket_and_keeps_list_arguments_as_words():
+    default = hf_sandbox_pool.server_command(None, 8000)
+    assert 'uvicorn server.app:app --uds "$SBX_PROXY_DIR/8000.sock"' in default
+    listed = hf_sandbox_pool.server_command(["python", "my server.py", "--uds={socket}", ""], 9000)
+    assert listed.endswith("""exec python 'my server.py' --uds="$SBX_PROXY_DIR/9000.sock" ''""")
+    assert 'export HF_SANDBOX_SOCKET="$SBX_PROXY_DIR/9000.sock"' in listed
+
+
+# -- faults -----------------------------------------------------------------------------------------
+
+
+def test_a_server_that_crashes_at_boot_fails_fast_with_its_own_output_and_its_sandbox_is_killed(pool_env, proxy):
+    emu = pool_env()
+    p = provider(emu, proxy, command=SERVER + ["--crash-after", "0"])
+    p.start_container()
+    host_id = p._pooled.host_id
+    with pytest.raises(JobFailedError) as failed:
+        p.wait_for_ready()
+    assert "exited (code 3)" in str(failed.value)
+    assert any("crashing at boot" in line for line in failed.value.log_tail)
+    assert host_sandboxes(emu, host_id) == [] and proxy._routes == {}
+
+
+def test_a_host_killed_while_serving_fails_each_session_with_a_typed_error_and_a_restart_lands_on_a_new_host(
+        pool_env, proxy):
+    emu = pool_env()
+    providers = [provider(emu, proxy, pool="doomed") for _ in range(2)]
+    for p in providers:
+        p.wait_for_ready(p.start_container())
+    host_id = providers[0]._pooled.host_id
+    sessions = [EnvSession(p.base_url, timeout_s=20) for p in providers]
+    try:
+        for session in sessions:
+            session.reset()
+        emu.kill_job(host_id)
+        emu.wait_for_stage(host_id, ["ERROR"])
+        for session in sessions:
+            with pytest.raises(SessionError):
+                session.step({"message": "after the host died"})
+    finally:
+        for session in sessions:
+            session.close()
+    restarted = providers[0]
+    restarted.stop_container()  # its sandbox went with the host: the kill fails quietly
+    restarted.wait_for_ready(restarted.start_container())
+    assert restarted._pooled.host_id != host_id
+    with EnvSession(restarted.base_url) as session:
+        session.reset()
+        assert session.step({"message": "again"})["observation"]["echoed_message"] == "again"
+    for p in providers:
+        p.stop_container()
+
+
+def test_an_evicted_sandbox_fails_readiness_with_a_typed_error(pool_env, proxy):
+    emu = pool_env()
+    p = provider(emu, proxy, command=[sys.executable, "-c", "import time; time.sleep(60)"])  # never serves
+    p.start_container()
+    emu.sandbox_hosts.host(p._pooled.host_id).delete_sandbox(local_id(p))  # as the host's eviction does
+    with pytest.raises(JobFailedError) as failed:
+        p.wait_for_ready(timeout_s=30)
+    assert failed.value.stage in ("DELETED", "ERROR")
+
+
+@pytest.mark.parametrize("status", [429, 503])
+def test_a_transient_error_on_sandbox_create_is_retried(pool_env, proxy, status):
+    emu = pool_env()
+    with provider(emu, proxy, pool="warm") as first:
+        first.wait_for_ready(first.start_container())  # the host is up
+        emu.sandbox_hosts.inject_create_errors(2, status)
+        with provider(emu, proxy, pool="warm") as second:
+            second.wait_for_ready(second.start_container())
+            assert second._pooled.host_id == first._pooled.host_id
+
+
+def test_a_create_error_that_persists_is_a_jobs_api_error_and_leaves_nothing(pool_env, proxy):
+    emu = pool_env()
+    with provider(emu, proxy, pool="failing") as first:
+        first.wait_for_ready(first.start_container())
+        emu.sandbox_hosts.inject_create_errors(hf_sandbox_pool.CREATE_RETRIES + 1, 503)
+        second = provider(emu, proxy, pool="failing")
+        with pytest.raises(JobsAPIError) as failed:
+            second.start_container()
+        assert failed.value.status_code == 503
+        assert host_sandboxes(emu, first._pooled.host_id) == [local_id(first)]
+
+
+def test_a_host_that_crashes_at_boot_fails_the_start_with_its_log(pool_env, proxy):
+    emu = pool_env(faults={"crash-at-boot": "sbx-server: cannot start (emulated crash)"})
+    with pytest.raises(SandboxError, match="pool crashing could not start a host job"):
+        provider(emu, proxy, pool="crashing").start_container()
+    assert len(emu.jobs) == 1 and proxy._routes == {}
+    assert emu.wait_for_stage(emu.jobs[0].id, ["ERROR", "CANCELED"]).stage in ("ERROR", "CANCELED")
+
+
+# -- safety nets: a process that ends without stopping its environments -----------------------------
+
+CHILD = r'''
+import os, sys, time
+sys.path[:0] = [os.environ["ROOT"], os.environ["TESTS"]]
+import huggingface_hub.constants
+huggingface_hub.constants.HF_HOME = os.environ["HF_HOME_DIR"]
+import hf_jobs_emulator  # the TLS emulator's job names (*.jobs.localhost) resolve per process
+hf_jobs_emulator._LoopbackNames.add(hf_jobs_emulator.TLS_HOST_SUFFIX)
+import hf_sandbox_provider as hsp
+p = hsp.HFSandboxProvider("python:3.12", endpoint=os.environ["EMU_ENDPOINT"], token=os.environ["EMU_TOKEN"],
+                          verify=os.environ["SSL_CERT_FILE"], command=os.environ["SERVER"].split("\x1f"),
+                          pool="child", start_timeout_s=60, ready_timeout_s=60)
+p.wait_for_ready(p.start_container())
+if sys.argv[1] == "signal":
+    hsp.install_signal_teardown()
+print("READY", p.job_id, flush=True)
+if sys.argv[1] == "signal":
+    time.sleep(120)
+'''
+
+
+@pytest.mark.parametrize("ending", ["exit", "signal"])
+def test_a_process_that_exits_or_gets_sigterm_kills_its_sandboxes_and_cancels_the_hosts_it_booted(
+        pool_env, tmp_path, ending):
+    import signal
+    import subprocess
+
+    emu = pool_env()
+    env = dict(os.environ, ROOT=os.path.dirname(HERE), TESTS=HERE, HF_HOME_DIR=str(tmp_path / "child-home"),
+               EMU_ENDPOINT=emu.endpoint, EMU_TOKEN=emu.token, SERVER="\x1f".join(SERVER))
+    child = subprocess.Popen([sys.executable, "-c", CHILD, ending], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env=env, text=True)
+    try:
+        line = child.stdout.readline()
+        assert line.startswith("READY"), child.stderr.read()
+        host_id = line.split()[1].split(".")[0]
+        assert len(host_sandboxes(emu, host_id)) == 1
+        if ending == "signal":
+            child.send_signal(signal.SIGTERM)
+        child.wait(60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == (-signal.SIGTERM if ending == "signal" else 0)
+    assert emu.wait_for_stage(host_id, ["CANCELED"]).stage == "CANCELED"
+    assert emu.token not in child.stderr.read()
+
+
+def test_job_timeout_bounds_a_pooled_server_so_nothing_bills_forever_after_a_lost_client(pool_env, proxy):
+    emu = pool_env()
+    with provider(emu, proxy, job_timeout=3) as p:
+        p.wait_for_ready(p.start_container())
+        sandbox = p._pooled.sandbox
+        wait_until(lambda: not [proc for proc in sandbox.processes() if proc.running], "the server's deadline",
+                   timeout_s=30)
+        assert any("job_timeout of 3s reached" in line for line in p.logs())
+        assert requests.get(p.base_url + "/health", timeout=10).status_code == 502
+
+
+@pytest.mark.slow  # a CLI / example subprocess, like the other CLI and example tests
+def test_smoke_local_pool_runs_every_stage_and_closes_the_pool(tmp_path):
+    import json
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HF_ENDPOINT", "SSL_CERT_FILE")}
+    env.update(PYTHONPATH=os.path.dirname(HERE), HF_HOME=str(tmp_path))
+    run = subprocess.run([sys.executable, "-m", "hf_sandbox_provider", "smoke", "--local", "--pool", "smoke", "--json"],
+                         capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=120)
+    report = json.loads(run.stdout)
+    assert run.returncode == 0 and report["ok"], run.stderr
+    assert "." in report["job_id"]  # <host job id>.<sandbox id>
+    assert [s["ok"] for s in report["stages"] if s["name"].startswith("close pool")] == [True]
+
+
+def test_sweep_pool_cancels_the_host_jobs_a_lost_process_left_of_that_pool_only(pool_env, proxy, monkeypatch, capsys):
+    import hf_sandbox_cli
+
+    emu = pool_env()
+    kept = provider(emu, proxy, pool="other")
+    kept.wait_for_ready(kept.start_container())
+    lost = provider(emu, proxy, pool="lost")
+    lost.wait_for_ready(lost.start_container())
+    monkeypatch.setenv("HF_TOKEN", emu.token)
+    monkeypatch.setenv("HF_ENDPOINT", emu.endpoint)
+    assert hf_sandbox_cli.main(["sweep", "--pool", "lost"]) == 0
+    assert "cancelled %s" % lost._pooled.host_id in capsys.readouterr().out
+    assert emu.wait_for_stage(lost._pooled.host_id, ["CANCELED"]).stage == "CANCELED"
+    assert emu.job(kept._pooled.host_id).stage == "RUNNING"
+    kept.stop_container()
+    lost.stop_container()
+
+
+@pytest.mark.slow  # a CLI / example subprocess, like the other CLI and example tests
+@pytest.mark.parametrize("example", ["legacy_http_client.py", "openenv_client.py"])
+def test_an_example_runs_pooled_with_local_and_pool(tmp_path, example):
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HF_ENDPOINT", "SSL_CERT_FILE")}
+    env.update(HF_HOME=str(tmp_path))
+    run = subprocess.run([sys.executable, os.path.join(os.path.dirname(HERE), "examples", example), "--local",
+                          "--pool", "example"], capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=180)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "1 jobs run, 0 job processes left" in run.stdout, run.stdout
+
+
+def test_a_training_sandbox_runs_pooled_and_stop_sandboxes_also_cancels_the_pools_host(pool_env):
+    from hf_sandbox_training import Sandbox, stop_sandboxes
+
+    emu = pool_env()
+    sandbox = Sandbox(IMAGE, pool="training", endpoint=emu.endpoint, token=emu.token, verify=emu.ca_path,
+                      command=SERVER, start_timeout_s=TIMEOUT, ready_timeout_s=TIMEOUT)
+    try:
+        with sandbox.session() as session:
+            session.reset()
+            assert session.step({"message": "pooled"})["observation"]["echoed_message"] == "pooled"
+        host_id = sandbox.provider._pooled.host_id
+    finally:
+        stop_sandboxes()
+    assert emu.wait_for_stage(host_id, ["CANCELED"]).stage == "CANCELED"
+
+
+def _processes_running(needle: str) -> List[int]:
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open("/proc/%s/cmdline" % pid, "rb") as handle:
+                cmdline = handle.read().replace(b"\0", b" ").decode(errors="replace")
+            with open("/proc/%s/stat" % pid) as handle:
+                zombie = handle.read().split(") ")[-1][:1] == "Z"
+        except OSError:
+            continue
+        if needle in cmdline and not zombie:
+            found.append(int(pid))
+    return found
+
+
+def test_the_job_timeout_watcher_ends_with_its_server_so_no_process_is_left(pool_env, proxy):
+    emu = pool_env()
+    marker = "--crash-after"
+    p = provider(emu, proxy, command=SERVER + [marker, "0"], job_timeout=3599)
+    p.start_container()
+    with pytest.raises(JobFailedError):
+        p.wait_for_ready()
+    wait_until(lambda: not _processes_running("sleep 3599") and not _processes_running("job_timeout of 3599s"),
+               "the deadline watcher to end with its server", timeout_s=10)
