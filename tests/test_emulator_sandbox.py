@@ -243,6 +243,8 @@ def test_host_boot_and_ready_delays_are_applied_and_a_booting_host_answers_503(h
     with _pool(emu) as pool:
         host = emu.job(pool.host_ids[0])
         assert host.started_mono - host.created_mono >= 0.6
+        # the emulator's own prober records the first 200 (it may come a moment after the client's)
+        wait_until(lambda: host.first_health_ok_mono is not None, "the emulator to record the host ready")
         assert host.first_health_ok_mono - host.started_mono >= 0.4
     # The client polled /health through the job's gate all along: a server that is not up yet answers
     # 503, so the gate never failed to reach it (and never logged that it could not).
@@ -578,6 +580,8 @@ def test_sandbox_and_job_processes_of_an_emulator_started_in_a_blocked_thread_en
                                 headers={"Authorization": f"Bearer {emu.token}"},
                                 json={"dockerImage": IMAGE, "command": command, "expose": {"ports": [8000]}})
         job = emu.wait_for_stage(created.json()["id"], ["RUNNING"])
+        if command == echo:  # glibc blocks every signal for a moment while a thread starts: wait till it has
+            wait_until(lambda: job.first_health_ok_mono is not None, "the echo server to answer")
         assert _signal_state(job.pid)["SigBlk"] & _bits(CHILD_SIGNALS) == 0, command
         os.kill(job.pid, signal.SIGTERM)
         assert emu.wait_for_stage(job.id, ["ERROR", "COMPLETED"]).terminal
@@ -652,3 +656,73 @@ def test_a_host_behind_network_fault_links_serves_and_its_tunnels_can_be_reset(h
             assert emu.reset_tunnels(sbx.host_id) >= 1
             with pytest.raises(ConnectionClosed):
                 ws.recv(timeout=20)
+
+
+# ------------------------------------------------------------------------------------------------
+# Older huggingface_hub clients (fresh virtualenvs: slow)
+# ------------------------------------------------------------------------------------------------
+
+# Run in a virtualenv holding one huggingface_hub release: boot a pool against the emulator, run a
+# command, start a server on the sandbox's unix socket, reach it through proxy_url_for + proxy_headers.
+OLD_CLIENT = r'''
+import json, os, socket, sys, time
+import requests
+# The emulator maps *.jobs.localhost to loopback in its own process only; this one needs the same.
+_resolve = socket.getaddrinfo
+socket.getaddrinfo = lambda host, *a, **k: _resolve(
+    "127.0.0.1" if str(host).endswith(".jobs.localhost") else host, *a, **k)
+from huggingface_hub import SandboxPool
+from huggingface_hub import __version__
+APP = """import os, socketserver, http.server
+class S(socketserver.UnixStreamServer):
+    def get_request(self):
+        request, _ = super().get_request()
+        return request, ("sandbox", 0)
+S(os.environ["SBX_PROXY_DIR"] + "/8000.sock", http.server.SimpleHTTPRequestHandler).serve_forever()
+"""
+result = {"version": __version__}
+try:
+    with SandboxPool("python:3.12", token=os.environ["HF_TOKEN"], start_timeout=60) as pool:
+        sbx = pool.create()
+        result["run"] = sbx.run("echo hi").stdout
+        sbx.files.write("app.py", APP)
+        sbx.run([sys.argv[1], "app.py"], background=True)
+        for _ in range(300):
+            status = requests.get(sbx.proxy_url_for(8000, "/"), headers=sbx.proxy_headers, timeout=10).status_code
+            if status != 502:
+                break
+            time.sleep(0.1)
+        result["proxy"] = status
+        sbx.kill()
+except Exception as exc:
+    result["error"] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(result))
+'''
+
+
+@pytest.mark.slow  # a fresh virtualenv per huggingface_hub release
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("version, strict, works", [
+    ("1.22.0", False, True),   # the first release with Sandbox.proxy_url_for / proxy_headers
+    ("1.22.0", True, False),   # ... sends the host token on sandbox routes: the strict emulator refuses it
+    ("1.32.0", True, True),    # the first release with per-sandbox tokens (and no redirect following)
+    ("2.1.1", True, True),     # the first release of sbx protocol 3
+], ids=["1.22.0-lenient", "1.22.0-strict", "1.32.0", "2.1.1"])
+def test_older_huggingface_hub_releases_drive_the_emulated_server(tmp_path, hub_env, version, strict, works):
+    venv = tmp_path / "venv"
+    subprocess.run([PY, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    install = subprocess.run([python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                              f"huggingface_hub=={version}", "requests"], capture_output=True, text=True, timeout=300)
+    assert install.returncode == 0, install.stderr[-2000:]
+    emu = hub_env(sandbox_strict_tokens=strict)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "HF_", "VIRTUAL_ENV"))}
+    env.update(HF_ENDPOINT=emu.endpoint, HF_TOKEN=emu.token, HF_HOME=str(tmp_path / "hf-home"),
+               SSL_CERT_FILE=emu.ca_path, REQUESTS_CA_BUNDLE=emu.ca_path)
+    client = subprocess.run([python, "-c", OLD_CLIENT, PY], env=env, capture_output=True, text=True, timeout=240)
+    result = json.loads(client.stdout.strip().splitlines()[-1])
+    assert result["version"] == version
+    if works:
+        assert (result.get("error"), result.get("run"), result.get("proxy")) == (None, "hi\n", 200)
+    else:
+        assert "403" in result["error"] and "own token" in result["error"]
