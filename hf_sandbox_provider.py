@@ -1378,24 +1378,20 @@ def _port_rejection(port: Any) -> Optional[str]:
     return None
 
 
-def _known_flavors(endpoint: Optional[str] = None) -> frozenset:
-    """The flavors a job may ask for: the live list of `endpoint` once fetched; else huggingface_hub's
-    JobHardware (the static copy when it is too old to have one), plus, with no endpoint (the check at
-    construction), whatever a live list of this process named."""
-    with _hardware_lock:
-        live = dict(_live_hardware)
-    if endpoint is not None and live.get(endpoint) is not None:
-        return live[endpoint]
+def _known_flavors() -> frozenset:
+    """The flavors a job may ask for before a start has fetched its Hub's live list: huggingface_hub's
+    JobHardware (the static copy when it is too old to have one), plus whatever a live list of this process named."""
     try:
         from huggingface_hub import JobHardware  # type: ignore[attr-defined]
         static = (KNOWN_FLAVORS | {str(member.value) for member in JobHardware}) - SPACES_ONLY_HARDWARE
     except Exception:  # huggingface_hub older than Jobs, or absent: the static copy
         static = KNOWN_FLAVORS
-    return static.union(*(flavors for flavors in live.values() if flavors is not None)) if endpoint is None else static
+    with _hardware_lock:
+        return static.union(*(flavors for flavors in _live_hardware.values() if flavors is not None))
 
 
-def _flavor_rejection(flavor: Any, endpoint: Optional[str] = None) -> Optional[str]:
-    known = _known_flavors(endpoint)
+def _flavor_rejection(flavor: Any, known: Optional[frozenset] = None) -> Optional[str]:
+    known = _known_flavors() if known is None else known
     if isinstance(flavor, str) and flavor in known:
         return None
     return ("unknown flavor %r; valid Jobs flavors: %s (see `hf jobs hardware`; if HF added a new one, upgrade "
@@ -1415,7 +1411,7 @@ def _live_flavor_rejection(client: "_JobsClient", flavor: str) -> Optional[str]:
         if client.endpoint not in _live_hardware:
             _live_hardware[client.endpoint] = client.hardware_flavors()
         live = _live_hardware[client.endpoint]
-    return None if live is None else _flavor_rejection(flavor, client.endpoint)
+    return None if live is None else _flavor_rejection(flavor, live)
 
 
 def _parse_duration(value: Any) -> Optional[int]:
