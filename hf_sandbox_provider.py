@@ -892,14 +892,6 @@ class HFSandboxProvider:
                 self.timings["running"] = self._elapsed()
         return stage
 
-    def _raise_if_terminal(self, client: "_JobsClient", job: Mapping[str, Any]) -> None:
-        stage = self._observe(job)
-        self._raise_if_stopped()
-        if stage in TERMINAL_STAGES:
-            message = (job.get("status") or {}).get("message")
-            tail = client.job_logs(self._job_namespace or "", self.job_id or "", tail=LOG_TAIL_LINES)
-            raise JobFailedError(self.job_id or "", stage, message, tail)
-
     def _watch_job(self, client: "_JobsClient", job: Optional[Mapping[str, Any]]) -> None:
         """Register with the process-wide watcher: it refreshes the job and sets `_wake` on a change."""
         self._watch = _watcher.register(client, self._hooks()._new_session, self._job_namespace or "", self.job_id or "",
@@ -919,11 +911,13 @@ class HFSandboxProvider:
             raise SandboxError("job %s was stopped while starting" % self.job_id)
         if watch.error is not None:
             raise watch.error
-        if watch.job is not None:
-            self._raise_if_terminal(client, watch.job)
-        else:
-            self._raise_if_stopped()
-        return watch.job
+        job = watch.job
+        stage = self._observe(job) if job is not None else None
+        self._raise_if_stopped()
+        if job is not None and stage in TERMINAL_STAGES:
+            tail = client.job_logs(self._job_namespace or "", self.job_id or "", tail=LOG_TAIL_LINES)
+            raise JobFailedError(self.job_id or "", stage, (job.get("status") or {}).get("message"), tail)
+        return job
 
     def _wait_for_url(self, client: "_JobsClient", settings: Mapping[str, Any]) -> str:
         deadline = self._submitted_at + float(settings["start_timeout_s"])
@@ -1400,30 +1394,20 @@ def _space_id(image: str) -> Optional[str]:
     return None
 
 
-def _port_rejection(port: Any) -> Optional[str]:
-    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-        return "port %r must be an integer from 1 to 65535 (the port the server listens on in the job)" % (port,)
-    return None
-
-
-def _known_flavors(endpoint: Optional[str] = None) -> frozenset:
-    """The flavors a job may ask for: the live list of `endpoint` once fetched; else huggingface_hub's
-    JobHardware (the static copy when it is too old to have one), plus, with no endpoint (the check at
-    construction), whatever a live list of this process named."""
-    with _hardware_lock:
-        live = dict(_live_hardware)
-    if endpoint is not None and live.get(endpoint) is not None:
-        return live[endpoint]
+def _known_flavors() -> frozenset:
+    """The flavors a job may ask for before a start has fetched its Hub's live list: huggingface_hub's
+    JobHardware (the static copy when it is too old to have one), plus whatever a live list of this process named."""
     try:
         from huggingface_hub import JobHardware  # type: ignore[attr-defined]
         static = (KNOWN_FLAVORS | {str(member.value) for member in JobHardware}) - SPACES_ONLY_HARDWARE
     except Exception:  # huggingface_hub older than Jobs, or absent: the static copy
         static = KNOWN_FLAVORS
-    return static.union(*(flavors for flavors in live.values() if flavors is not None)) if endpoint is None else static
+    with _hardware_lock:
+        return static.union(*(flavors for flavors in _live_hardware.values() if flavors is not None))
 
 
-def _flavor_rejection(flavor: Any, endpoint: Optional[str] = None) -> Optional[str]:
-    known = _known_flavors(endpoint)
+def _flavor_rejection(flavor: Any, known: Optional[frozenset] = None) -> Optional[str]:
+    known = _known_flavors() if known is None else known
     if isinstance(flavor, str) and flavor in known:
         return None
     return ("unknown flavor %r; valid Jobs flavors: %s (see `hf jobs hardware`; if HF added a new one, upgrade "
@@ -1443,7 +1427,7 @@ def _live_flavor_rejection(client: "_JobsClient", flavor: str) -> Optional[str]:
         if client.endpoint not in _live_hardware:
             _live_hardware[client.endpoint] = client.hardware_flavors()
         live = _live_hardware[client.endpoint]
-    return None if live is None else _flavor_rejection(flavor, client.endpoint)
+    return None if live is None else _flavor_rejection(flavor, live)
 
 
 def _parse_duration(value: Any) -> Optional[int]:
@@ -1552,7 +1536,8 @@ def _reserved_labels_rejection(labels: Any) -> Optional[str]:
 
 # Each setting's check, in the order refusals are reported (the first one wins).
 _SETTING_CHECKS: Tuple[Tuple[str, Callable[[Any], Optional[str]]], ...] = (
-    ("port", _port_rejection),
+    ("port", lambda value: None if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 65535
+        else "port %r must be an integer from 1 to 65535 (the port the server listens on in the job)" % (value,)),
     ("flavor", _flavor_rejection),
     ("command", _command_rejection),
     ("env_vars", lambda value: _mapping_rejection("env_vars", value, check_names=True)),
@@ -1750,8 +1735,6 @@ def _retry_after_seconds(value: Optional[str], now: Optional[float] = None) -> O
     try:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError, IndexError):
-        return None
-    if when is None:
         return None
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
