@@ -75,7 +75,7 @@ EXIT_KILL_BUDGET_S = 15.0
 CREATE_RETRIES = 4
 CREATE_RETRY_STATUSES = frozenset([429, 500, 502, 503, 504])
 # Pool names become the `hf-sandbox-pool` job label: the Hub's label rule.
-_POOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
+_POOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,100}\Z")  # \Z: `$` would accept a trailing newline
 
 
 # --------------------------------------------------------------------------------------------------

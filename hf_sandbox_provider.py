@@ -1340,17 +1340,18 @@ class _Parallel:
 # Settings validation (pure: each `_..._rejection` returns why a value is refused, or None)
 # --------------------------------------------------------------------------------------------------
 
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Patterns end in \Z, not $: `$` also matches before a trailing newline, which would let "name\n" through.
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 _DOMAIN = r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*(?::[0-9]+)?"
 _PATH_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
 _IMAGE_REFERENCE = re.compile(
-    r"^(?:(?P<domain>%s)/)?%s(?:/%s)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@[A-Za-z0-9_+.-]+:[0-9a-fA-F]{32,})?$"
+    r"^(?:(?P<domain>%s)/)?%s(?:/%s)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@[A-Za-z0-9_+.-]+:[0-9a-fA-F]{32,})?\Z"
     % (_DOMAIN, _PATH_COMPONENT, _PATH_COMPONENT))
 _JOB_HOST = re.compile(r"^[^.]+--[0-9]+\.")  # an exposed-port host: `<job_id>--<port>.<domain>`
-_NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-_SPACE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
-_LABEL_KEY = re.compile(r"^[A-Za-z0-9_-]{1,%d}$" % LABEL_MAX_CHARS)
-_LABEL_VALUE = re.compile(r"^[A-Za-z0-9_-]{0,%d}$" % LABEL_MAX_CHARS)
+_NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
+_SPACE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
+_LABEL_KEY = re.compile(r"^[A-Za-z0-9_-]{1,%d}\Z" % LABEL_MAX_CHARS)
+_LABEL_VALUE = re.compile(r"^[A-Za-z0-9_-]{0,%d}\Z" % LABEL_MAX_CHARS)
 # What the parts of a credential's variable name end with (HF_TOKEN, AWS_SECRET_ACCESS_KEY, DB_PASSWORD).
 _CREDENTIAL_NAME_ENDINGS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIALS", "APIKEY")
 _DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([smhd]?)\s*$")

@@ -480,3 +480,12 @@ def test_a_pooled_environment_works_through_the_process_host_with_its_sandbox_he
                 assert session.step({"message": "hello"})["observation"]["echoed_message"] == "hello"
         assert requests.get(base_url + "/health", timeout=10).status_code == 404  # unmounted in the child
     hf_sandbox_pool.close_pools()
+
+
+@pytest.mark.parametrize("pool, message", [
+    ("", "pool=''"), ("my pool", "pool='my pool'"), ("p" * 101, "1-100 letters"), ("pool\n", "pool='pool"),
+    (42, "not int"),
+], ids=["empty", "space", "too-long", "trailing-newline", "int"])
+def test_a_bad_pool_is_refused_at_construction_naming_the_value_and_the_rule(pool, message):
+    with pytest.raises(SandboxConfigError, match=message):
+        HFSandboxProvider("python:3.12", pool=pool)

@@ -241,6 +241,18 @@ def test_bad_start_arguments_fail_before_any_network_call(api, proxy, kwargs, me
     assert len(api.calls) == 0
 
 
+@pytest.mark.parametrize("kwargs", [
+    dict(image="python:3.12\n"), dict(image="hf.co/spaces/owner/name\n"), dict(namespace="me\n"),
+    dict(env_vars={"NAME\n": "x"}), dict(labels={"run\n": "1"}), dict(labels={"run": "1\n"}),
+], ids=["image", "space", "namespace", "env-name", "label-key", "label-value"])
+def test_a_value_that_passes_only_before_a_trailing_newline_is_refused_before_any_call(api, proxy, kwargs):
+    # Each check once anchored with `$`, which also matches before a final newline: "me\n" went into a URL path.
+    provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy)
+    with pytest.raises(hsp.SandboxConfigError):
+        provider.start_container(**kwargs)
+    assert len(api.calls) == 0
+
+
 def test_labels_within_the_hubs_rule_and_this_librarys_own_labels_pass():
     settings = hsp.HFSandboxProvider(IMAGE, labels={"run-id": "a" * 100, "b_2": "", "n": 7})._settings({})
     body = hsp._job_body(settings, uuid.uuid4().hex)
