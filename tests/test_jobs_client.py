@@ -8,6 +8,7 @@ from __future__ import annotations
 import email.utils
 import socket
 import json
+import random
 import threading
 import uuid
 
@@ -296,6 +297,26 @@ def test_a_429_pauses_until_the_servers_reset_then_retry_after(api, headers, pau
     fake.on(client._budget)
     assert client.get_job("alice", "j1")["status"]["stage"] == "RUNNING"
     assert sum(fake.waits) == pytest.approx(pause) and client._budget.rate_limited_count == 1
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_429_with_neither_reset_nor_retry_after_pauses_within_the_backoff_bound_then_succeeds(api, seed):
+    # Nothing says when the window resets: each refusal pauses the budget for a full-jitter backoff on the
+    # count of refusals so far (never beyond one window), and the call goes through once a pause ends.
+    random.seed(seed)
+    url = ENDPOINT + "/api/jobs/alice/j1"
+    for _ in range(3):
+        api.add(responses.GET, url, status=429)
+    api.add(responses.GET, url, json=job_json("j1", "RUNNING"))
+    client = hsp._JobsClient(ENDPOINT, fresh_token())
+    fake = FakeTime()
+    fake.on(client._budget)
+    began = fake.now
+    assert client.get_job("alice", "j1")["status"]["stage"] == "RUNNING"
+    assert client._budget.rate_limited_count == 3 and len(api.calls) == 4
+    bound = sum(min(hsp.API_BACKOFF_CAP_S, hsp.API_BACKOFF_BASE_S * 2 ** n) for n in (1, 2, 3))
+    assert 0 < fake.now - began <= bound + 3 * hsp.RATE_LIMIT_RESET_MARGIN_S
+    assert client._budget.paused_until <= fake.now  # the last pause was waited out before the call that passed
 
 
 def test_a_cancel_answered_429_waits_for_the_reset_and_retries_instead_of_giving_up(api, monkeypatch):
