@@ -83,6 +83,11 @@ IO_CHUNK = 64 * 1024
 TUNNEL_READ_BYTES = 16 * 1024
 # Idle upstream connections kept per route; more concurrent requests simply open more connections.
 POOL_MAX_IDLE = 64
+# While a request waits for its upstream's answer, the client may hang up (a trainer whose request
+# timed out retries on a new connection): the wait is a blocking read in slices of this many seconds,
+# checking the client between slices, instead of a poll() of both sockets per request (a system call
+# and a GIL hand-off the CPython floor does not pay; an answer within the first slice costs nothing).
+ANSWER_WATCH_S = 0.5
 # Pooled upstream connections idle longer than this are not reused: uvicorn (OpenEnv's server) closes
 # idle keep-alive connections after 5 s, and racing that close would turn a request into an error.
 POOL_IDLE_S = 4.0
@@ -316,17 +321,18 @@ class Route:
                 return conn, True
             conn.close()
         sock = self._connect(proxy.connect_timeout_s)
+        slice_s = min(ANSWER_WATCH_S, proxy.read_timeout_s)  # reads wait in slices (see _UpstreamConnection)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.scheme == "https":
                 sock = self.tls_context().wrap_socket(sock, server_hostname=self.host)  # handshakes now
-                sock.settimeout(proxy.read_timeout_s)  # (an SSL socket reads before it polls: no extra call)
+                sock.settimeout(slice_s)  # (an SSL socket reads before it polls: no extra call)
             else:
-                _set_socket_timeout(sock, proxy.read_timeout_s)
+                _set_socket_timeout(sock, slice_s, send_timeout=proxy.read_timeout_s)
         except BaseException:
             sock.close()
             raise
-        conn = _UpstreamConnection(sock)
+        conn = _UpstreamConnection(sock, proxy.read_timeout_s)
         self._register(conn)
         return conn, False
 
@@ -1934,10 +1940,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     # Dropped while sending: a stale pooled connection (nothing to read: the retry rule
                     # decides), or an upstream that answered early (e.g. 413) and closed: relay that.
                     pass
-                else:
-                    if sent_all and not self._await_answer(conn):
-                        raise _ClientGone()
-                return conn, self._read_answer(conn.reader, method), sent_all
+                if sent_all:  # the client is watched while the upstream works on the request
+                    conn.watch = self._client_watch(conn)
+                try:
+                    answer = self._read_answer(conn.reader, method)
+                finally:
+                    conn.watch = None
+                return conn, answer, sent_all
             except (_ClientBodyError, _ClientGone):
                 route._checkin(conn, False)
                 raise
@@ -1969,6 +1978,25 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._send_head(answer.status, answer.reason, _response_headers(answer.headers))
         except OSError:
             raise _ClientGone() from None
+
+    def _client_watch(self, conn: _UpstreamConnection) -> Callable[[], None]:
+        """What an upstream read calls each ANSWER_WATCH_S it waits: raise _ClientGone if the client hung
+        up meanwhile (no thread and upstream connection held for read_timeout_s on its behalf). A client
+        that sent more bytes instead (a pipelined request) is no longer watched."""
+        client = self.connection
+
+        def watch() -> None:
+            try:
+                peeked = client.recv(1, socket.MSG_PEEK | getattr(socket, "MSG_DONTWAIT", 0))
+            except BlockingIOError:
+                return
+            except OSError:
+                raise _ClientGone() from None
+            if not peeked:
+                raise _ClientGone()
+            conn.watch = None
+
+        return watch
 
     def _await_answer(self, upstream: Union[_UpstreamConnection, socket.socket, None]) -> bool:
         """Wait until the upstream has something to say; False if the client hung up meanwhile, and
@@ -2246,26 +2274,55 @@ def _read_head(stream: "_Stream") -> Tuple[bytes, bytes]:
 class _UpstreamConnection:
     """One keep-alive HTTP/1.1 connection to an upstream: its socket (TLS-wrapped for https) and a
     reader that keeps what was read past the current response visible, so such a connection is
-    never pooled."""
+    never pooled.
 
-    __slots__ = ("sock", "reader", "since", "__weakref__")
+    Its socket's receive timeout is a slice (ANSWER_WATCH_S): a read that waits longer calls `watch`
+    (set while a request waits for its answer) between slices, and gives up after read_timeout_s."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    __slots__ = ("sock", "reader", "since", "watch", "read_timeout_s", "__weakref__")
+
+    def __init__(self, sock: socket.socket, read_timeout_s: float) -> None:
         self.sock = sock
-        self.reader = _UpstreamReader(sock.recv if isinstance(sock, ssl.SSLSocket) else self._recv)
+        self.read_timeout_s = read_timeout_s
+        self.watch: Optional[Callable[[], None]] = None
+        self.reader = _UpstreamReader(self._recv)
         self.since = 0.0  # when it was last checked in
 
     def _recv(self, n: int) -> bytes:
         try:
             return self.sock.recv(n)
-        except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
-            raise socket.timeout("timed out") from None
+        except (BlockingIOError, socket.timeout):  # one slice passed (BlockingIOError: a kernel timeout)
+            pass
+        deadline = time.monotonic() + self.read_timeout_s - min(ANSWER_WATCH_S, self.read_timeout_s)
+        while True:
+            if self.watch is not None:
+                self.watch()
+            if time.monotonic() >= deadline:
+                raise socket.timeout("timed out")
+            try:
+                return self.sock.recv(n)
+            except (BlockingIOError, socket.timeout):
+                continue
 
     def _sendall(self, data: bytes) -> None:
-        try:
-            self.sock.sendall(data)
-        except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
-            raise socket.timeout("timed out") from None
+        if KERNEL_TIMEOUTS and not isinstance(self.sock, ssl.SSLSocket):
+            try:
+                self.sock.sendall(data)  # the kernel's send timeout is read_timeout_s
+            except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
+                raise socket.timeout("timed out") from None
+            return
+        # One timeout (an SSL socket, or Python's timeouts), the read slice: send until read_timeout_s
+        # passes with no progress.
+        with memoryview(data) as view:
+            deadline = None
+            while view:
+                try:
+                    view = view[self.sock.send(view):]
+                    deadline = None
+                except (ssl.SSLWantWriteError, ssl.SSLWantReadError, socket.timeout):
+                    deadline = deadline or time.monotonic() + self.read_timeout_s - min(ANSWER_WATCH_S, self.read_timeout_s)
+                    if time.monotonic() >= deadline:
+                        raise socket.timeout("timed out") from None
 
     def looks_reusable(self) -> bool:
         """No stray bytes read or readable: an idle keep-alive connection that is readable was closed."""
@@ -2519,19 +2576,22 @@ def _request_head(method: str, target: str, headers: List[Tuple[str, str]]) -> b
     return "\r\n".join(lines).encode("latin-1")  # parsed as latin-1 text, so this round-trips
 
 
-def _set_socket_timeout(sock: socket.socket, timeout: Optional[float]) -> None:
+def _set_socket_timeout(sock: socket.socket, timeout: Optional[float], send_timeout: Optional[float] = None) -> None:
     """Give a plain socket `timeout` (None: block forever): with KERNEL_TIMEOUTS a blocking socket whose
     recv/send time out in the kernel (raising BlockingIOError, which callers turn into socket.timeout),
-    else Python's settimeout."""
+    else Python's settimeout. `send_timeout`, when given, is the kernel's send timeout instead."""
     if not KERNEL_TIMEOUTS:
         sock.settimeout(timeout)
         return
     if sock.gettimeout() is not None:  # e.g. the connect timeout, or socket.setdefaulttimeout()'s
         sock.settimeout(None)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(timeout))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout if send_timeout is None else send_timeout))
+
+
+def _timeval(timeout: Optional[float]) -> bytes:
     seconds = 0.0 if timeout is None else max(float(timeout), 1e-6)  # 0 is "never" to the kernel
-    timeval = struct.pack("@ll", int(seconds), int((seconds - int(seconds)) * 1e6))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+    return struct.pack("@ll", int(seconds), int((seconds - int(seconds)) * 1e6))
 
 
 def _readable(sock: socket.socket) -> bool:
