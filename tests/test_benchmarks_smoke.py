@@ -205,3 +205,27 @@ def test_rewriting_keeps_a_following_title_and_another_scripts_markers(tmp_path)
     path.write_text(_marked(ws_scale.SECTION_TITLE + "\n\nold\n") + "\n" + others)
     ws_scale.write_results_section(str(path), ws_scale.SECTION_TITLE + "\n\nnew\n")
     assert path.read_text() == _marked(ws_scale.SECTION_TITLE + "\n\nnew\n") + "\n" + others
+
+
+def test_trainer_cost_runs_every_cell_through_the_proxy_and_writes_only_its_section(tmp_path):
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Benchmark results\n\n" + OTHER_SECTION)
+    raw = tmp_path / "cost.json"
+    proc = _run([os.path.join(BENCH, "trainer_cost.py"), "--rates", "40", "--seconds", "0.5", "--idle-seconds", "0.2",
+                 "--connections", "2", "--results", str(results), "--json", str(raw), "--write"], timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(raw.read_text())["rows"]
+    assert sorted((r["mode"], r["upstream"], r["kind"]) for r in rows) == [
+        ("in-process", up, kind) for up in ("plain", "tls") for kind in ("http", "ws")]
+    for row in rows:
+        # every step went through the proxy and came back answered: ~40/s for 0.5 s, none failed
+        assert row["errors"] == 0 and row["steps"] >= 5, row
+        assert row["fraction_of_idle"] > 0 and row["idle_per_s"] > 0
+    text = results.read_text()
+    assert OTHER_SECTION.strip() in text and text.count("<!-- trainer_cost:start -->") == 1
+    assert "| in-process | tls | ws | 40/s |" in text
+
+
+def test_trainer_cost_refuses_an_unknown_proxy_mode_naming_the_known_ones():
+    proc = _run([os.path.join(BENCH, "trainer_cost.py"), "--modes", "elsewhere"])
+    assert proc.returncode == 2 and "unknown mode elsewhere; choose from in-process" in proc.stderr
