@@ -91,6 +91,11 @@ ANSWER_WATCH_S = 0.5
 # Pooled upstream connections idle longer than this are not reused: uvicorn (OpenEnv's server) closes
 # idle keep-alive connections after 5 s, and racing that close would turn a request into an error.
 POOL_IDLE_S = 4.0
+# TLS contexts shared by routes with the same `verify`: one with the system store and certifi's bundle
+# costs ~920 KiB of RSS (measured), and a trainer mounts a route per environment and per replacement,
+# so per-route contexts cost 64 environments ~58 MiB and churned the heap at every restart. A handful
+# of distinct `verify` values is the norm; the least recently used beyond this many is dropped.
+TLS_CONTEXTS_KEPT = 8
 # How long stop() waits for each thread it started before naming it as left behind.
 STOP_JOIN_S = 5.0
 # Worker threads (client connections, and the second direction of each WebSocket tunnel) at most. A
@@ -294,7 +299,7 @@ class Route:
         if context is None:
             with self._lock:
                 if self._tls_context is None:
-                    self._tls_context = _make_tls_context(self.verify)
+                    self._tls_context = _shared_tls_context(self.verify)
                 context = self._tls_context
         return context
 
@@ -2606,6 +2611,34 @@ def _readable(sock: socket.socket) -> bool:
         return bool(select.select([sock], [], [], 0)[0])
     except (OSError, ValueError):
         return True
+
+
+_TLS_CONTEXTS: "collections.OrderedDict[object, ssl.SSLContext]" = collections.OrderedDict()
+_TLS_CONTEXTS_LOCK = threading.Lock()
+
+
+def _shared_tls_context(verify: Verify) -> ssl.SSLContext:
+    """The TLS context for `verify`, shared by every route with the same one (TLS_CONTEXTS_KEPT). A CA
+    bundle path is keyed with its file's size and modification time, so an edited bundle is re-read."""
+    key: object = verify
+    if isinstance(verify, str):
+        try:
+            stat = os.stat(verify)
+            key = (verify, stat.st_mtime_ns, stat.st_size)
+        except OSError:  # let the context creation report it
+            key = (verify, None, None)
+    with _TLS_CONTEXTS_LOCK:
+        context = _TLS_CONTEXTS.get(key)
+        if context is not None:
+            _TLS_CONTEXTS.move_to_end(key)
+            return context
+    context = _make_tls_context(verify)  # outside the lock: loading a CA store takes milliseconds
+    with _TLS_CONTEXTS_LOCK:
+        context = _TLS_CONTEXTS.setdefault(key, context)
+        _TLS_CONTEXTS.move_to_end(key)
+        while len(_TLS_CONTEXTS) > TLS_CONTEXTS_KEPT:
+            _TLS_CONTEXTS.popitem(last=False)
+    return context
 
 
 def _make_tls_context(verify: Verify) -> ssl.SSLContext:
