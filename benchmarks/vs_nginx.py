@@ -43,6 +43,8 @@ from _results import replace_marked_section  # noqa: E402
 
 DEFAULT_RESULTS = os.path.join(HERE, "RESULTS.md")
 SECTION_START, SECTION_END = "<!-- vs_nginx:start -->", "<!-- vs_nginx:end -->"
+# A run limited with --measures writes its own section, so it never replaces a full run's tables.
+SUBSET_START, SUBSET_END = "<!-- vs_nginx:subset:start -->", "<!-- vs_nginx:subset:end -->"
 TARGETS = ("direct", "nginx", "floor", "proxy")
 # "floor": benchmarks/_floor.py, a minimal thread-per-connection CPython forwarder (keep-alive with one
 # upstream socket per client connection, heads found with bytes.find, Content-Length only, the token set;
@@ -935,8 +937,8 @@ def _round_trip_bottleneck(result: Dict[str, Any], upstream: str) -> str:
 
 
 def _rss_bottleneck(result: Dict[str, Any], upstream: str) -> str:
-    r = next((x for x in result["runs"] if x["measure"] == "held" and x["upstream"] == upstream and x.get("peak_open")),
-             None)
+    r = next((x for x in result["runs"] if x["measure"] == "held" and x["upstream"] == upstream
+              and x["target"] == "proxy" and x.get("peak_open")), None)
     if not r:
         return ""
     per_thread = result.get("thread_rss_kib")
@@ -974,9 +976,15 @@ def _s(x: Optional[float]) -> str:
     return "-" if x is None else "%.3f s" % x
 
 
-def write_section(path: str, section: str) -> None:
-    """Replace the marked section of RESULTS.md (or append it), leaving every other section alone."""
-    replace_marked_section(path, SECTION_START, SECTION_END, section)
+def write_section(path: str, section: str, subset: bool = False) -> None:
+    """Replace the marked section of RESULTS.md (or append it), leaving every other section alone; a
+    run of a subset of the measures has a section of its own."""
+    if subset:
+        section = section.replace(SECTION_START, SUBSET_START).replace(SECTION_END, SUBSET_END).replace(
+            "## AuthProxy vs nginx vs direct,", "## AuthProxy vs the CPython floor, nginx and direct (a subset of the measures),")
+        replace_marked_section(path, SUBSET_START, SUBSET_END, section)
+    else:
+        replace_marked_section(path, SECTION_START, SECTION_END, section)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -1001,7 +1009,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             json.dump(result, fh, indent=1)
     print(section)
     if args.write:
-        write_section(args.results, section)
+        write_section(args.results, section, subset=tuple(measures) != MEASURES)
     return 0
 
 
