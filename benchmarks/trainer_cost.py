@@ -212,7 +212,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             parser.error("unknown %s %s; choose from %s" % (name, ", ".join(bad), ", ".join(allowed)))
     rates = [float(r) for r in split(args.rates)]
     result = run(modes, kinds, ups, rates, args.seconds, args.idle_seconds, args.connections)
-    command = "python benchmarks/trainer_cost.py " + " ".join(a for a in (argv if argv is not None else sys.argv[1:]))
+    shown = list(argv if argv is not None else sys.argv[1:])
+    if "--json" in shown[:-1]:  # where the raw rows went is no part of how to reproduce them
+        del shown[shown.index("--json"):shown.index("--json") + 2]
+    command = "python benchmarks/trainer_cost.py " + " ".join(shown)
     section = render(result, command.strip())
     print(section)
     if args.json:
