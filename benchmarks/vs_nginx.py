@@ -760,7 +760,7 @@ def render(result: Dict[str, Any], command: str) -> str:
         "%s %.1f MiB" % (k, v / 1024.0) for k, v in sorted(idle.items())) + ". After the whole run: " + ", ".join(
         "%s %.1f MiB" % (k, v / 1024.0) for k, v in sorted(result.get("after_rss_kib", {}).items())) + "."]
     noisy = [r for r in runs if r["others"] > NOISY_CORES]
-    lines += ["", "Load: load average %.1f-%.1f over the runs; other processes used %.2f cores on average (max %.2f); "
+    lines += [] if not runs else ["", "Load: load average %.1f-%.1f over the runs; other processes used %.2f cores on average (max %.2f); "
               "%d run(s) redone for noise, %d still above %.1f cores after %d retries (kept, marked by the max)." % (
                   min(r["loadavg"] for r in runs), max(r["loadavg"] for r in runs),
                   statistics.mean(r["others"] for r in runs), max(r["others"] for r in runs),
@@ -1003,10 +1003,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     result = run(args.quick, lambda line: print(line, flush=True), measures)
     command = "python benchmarks/vs_nginx.py" + (" --quick" if args.quick else "") + (" --write" if args.write else "") + (
         " --measures " + ",".join(measures) if tuple(measures) != MEASURES else "")
-    section = render(result, command)
-    if args.json:
+    if args.json:  # first: a report that fails to render must not lose the measures
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=1)
+    section = render(result, command)
     print(section)
     if args.write:
         write_section(args.results, section, subset=tuple(measures) != MEASURES)
