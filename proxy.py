@@ -84,9 +84,25 @@ IO_CHUNK = 64 * 1024
 TUNNEL_READ_BYTES = 16 * 1024
 # Idle upstream connections kept per route; more concurrent requests simply open more connections.
 POOL_MAX_IDLE = 64
+# While a request waits for its upstream's answer, the client may hang up (a trainer whose request
+# timed out retries on a new connection): the wait is a blocking read in slices of this many seconds,
+# checking the client between slices, instead of a poll() of both sockets per request (a system call
+# and a GIL hand-off the CPython floor does not pay; an answer within the first slice costs nothing).
+ANSWER_WATCH_S = 0.5
 # Pooled upstream connections idle longer than this are not reused: uvicorn (OpenEnv's server) closes
 # idle keep-alive connections after 5 s, and racing that close would turn a request into an error.
 POOL_IDLE_S = 4.0
+# TLS contexts shared by routes with the same `verify`: one with the system store and certifi's bundle
+# costs ~920 KiB of RSS (measured), and a trainer mounts a route per environment and per replacement,
+# so per-route contexts cost 64 environments ~58 MiB and churned the heap at every restart. A handful
+# of distinct `verify` values is the norm; the least recently used beyond this many is dropped.
+TLS_CONTEXTS_KEPT = 8
+# glibc gives each busy thread an arena of its own and returns freed memory to the system only from
+# the top of an arena's heap: in a 5-minute chaos run (64 environments, restarts) the live heap stayed
+# ~20 MiB while the free memory glibc held grew ~2 MiB a minute, and RSS with it. The proxy asks glibc
+# to release free pages (malloc_trim) after an unmount or a worker's retirement, at most this often
+# (a trim walks every arena: a few milliseconds); no-op where malloc_trim does not exist (not glibc).
+MALLOC_TRIM_EVERY_S = 30.0
 # How long stop() waits for each thread it started before naming it as left behind.
 STOP_JOIN_S = 5.0
 # Worker threads (client connections, and the second direction of each WebSocket tunnel) at most. A
@@ -153,6 +169,10 @@ _BAD_VALUE_CHAR_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 _VERSION_RE = re.compile(r"^HTTP/[0-9]\.[0-9]$")
 _STATUS_LINE_RE = re.compile(rb"^HTTP/1\.[01] (\d{3})(?: |\r?$)")
 _RESPONSE_LINE_RE = re.compile(r"^HTTP/1\.([01]) ([0-9]{3})(?: (.*))?$")
+# One response header line (its CR removed) in one match: a token name, a colon, the value after its
+# leading blanks, with no control character but tab (what _TOKEN_RE, _BAD_VALUE_CHAR_RE and a CR check
+# did in three calls per line).
+_RESPONSE_HEADER_RE = re.compile(r"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*([^\x00-\x08\x0a-\x1f\x7f]*)\Z")
 
 Token = Union[str, Callable[[], str], None]
 Verify = Union[bool, str]
@@ -342,17 +362,18 @@ class Route:
                 return conn, True
             conn.close()
         sock = self._connect(proxy.connect_timeout_s)
+        slice_s = min(ANSWER_WATCH_S, proxy.read_timeout_s)  # reads wait in slices (see _UpstreamConnection)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.scheme == "https":
                 sock = self.tls_context().wrap_socket(sock, server_hostname=self.host)  # handshakes now
-                sock.settimeout(proxy.read_timeout_s)  # (an SSL socket reads before it polls: no extra call)
+                sock.settimeout(slice_s)  # (an SSL socket reads before it polls: no extra call)
             else:
-                _set_socket_timeout(sock, proxy.read_timeout_s)
+                _set_socket_timeout(sock, slice_s, send_timeout=proxy.read_timeout_s)
         except BaseException:
             sock.close()
             raise
-        conn = _UpstreamConnection(sock)
+        conn = _UpstreamConnection(sock, proxy.read_timeout_s)
         self._register(conn)
         return conn, False
 
@@ -447,7 +468,7 @@ class _HostPool:
         if context is None:
             with self._tls_lock:
                 if self._tls_context is None:
-                    self._tls_context = _make_tls_context(verify)
+                    self._tls_context = _shared_tls_context(verify)  # one per verify for the whole process
                 context = self._tls_context
         return context
 
@@ -879,6 +900,7 @@ class AuthProxy:
         if route is None:
             return False
         problems = route.close()
+        _MEMORY.trim_soon()
         log.info("unmounted %s%s", route.label, (" (could not close: %s)" % ", ".join(problems)) if problems else "")
         return True
 
@@ -1169,9 +1191,8 @@ def _no_live_replica_refusal(total: int, failed: List[Dict[str, object]]) -> Ref
 
 def _header_refusal(headers: http.client.HTTPMessage) -> Optional[Refusal]:
     """Header values must not carry control characters (names were checked while parsing)."""
-    for name, value in headers.items():
-        if _BAD_VALUE_CHAR_RE.search(value):
-            return Refusal(400, "bad-header", "A request header value contains control characters.")
+    if _BAD_VALUE_CHAR_RE.search("".join([value for _, value in headers.items()])):  # one search, not one a header
+        return Refusal(400, "bad-header", "A request header value contains control characters.")
     return None
 
 
@@ -1470,9 +1491,12 @@ class _WorkerPool:
         if worker.wake.acquire(timeout=self.idle_s):
             return worker.job is not None
         with self._lock:
-            if worker in self._parked:  # nobody picked it: retire
+            retire = worker in self._parked
+            if retire:  # nobody picked it
                 del self._parked[worker]
-                return False
+        if retire:
+            _MEMORY.trim_soon()
+            return False
         # submit() or close() took it off the parked list just as the wait timed out: its release is
         # coming (or came), and with it a job or the order to end.
         worker.wake.acquire()
@@ -2074,10 +2098,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     # Dropped while sending: a stale pooled connection (nothing to read: the retry rule
                     # decides), or an upstream that answered early (e.g. 413) and closed: relay that.
                     pass
-                else:
-                    if sent_all and not self._await_answer(conn):
-                        raise _ClientGone()
-                return conn, self._read_answer(conn.reader, method), sent_all
+                if sent_all:  # the client is watched while the upstream works on the request
+                    conn.watch = self._client_watch(conn)
+                try:
+                    answer = self._read_answer(conn.reader, method)
+                finally:
+                    conn.watch = None
+                return conn, answer, sent_all
             except (_ClientBodyError, _ClientGone):
                 route._checkin(conn, False)
                 raise
@@ -2109,6 +2136,25 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._send_head(answer.status, answer.reason, _response_headers(answer.headers))
         except OSError:
             raise _ClientGone() from None
+
+    def _client_watch(self, conn: _UpstreamConnection) -> Callable[[], None]:
+        """What an upstream read calls each ANSWER_WATCH_S it waits: raise _ClientGone if the client hung
+        up meanwhile (no thread and upstream connection held for read_timeout_s on its behalf). A client
+        that sent more bytes instead (a pipelined request) is no longer watched."""
+        client = self.connection
+
+        def watch() -> None:
+            try:
+                peeked = client.recv(1, socket.MSG_PEEK | getattr(socket, "MSG_DONTWAIT", 0))
+            except BlockingIOError:
+                return
+            except OSError:
+                raise _ClientGone() from None
+            if not peeked:
+                raise _ClientGone()
+            conn.watch = None
+
+        return watch
 
     def _await_answer(self, upstream: Union[_UpstreamConnection, socket.socket, None]) -> bool:
         """Wait until the upstream has something to say; False if the client hung up meanwhile, and
@@ -2169,7 +2215,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         prefix = b""
         if mode == "length" and answer.length <= SMALL_RESPONSE_BYTES:
             try:
-                prefix = b"".join(reader.pieces(answer.length, "its response body"))
+                prefix = reader.read1(answer.length) if reader.buffered() >= answer.length else \
+                    b"".join(reader.pieces(answer.length, "its response body"))  # (read with its head: no generator)
             except Exception as exc:
                 on_done(False)
                 refusal = _classify_upstream_error(exc, route)
@@ -2386,26 +2433,55 @@ def _read_head(stream: "_Stream") -> Tuple[bytes, bytes]:
 class _UpstreamConnection:
     """One keep-alive HTTP/1.1 connection to an upstream: its socket (TLS-wrapped for https) and a
     reader that keeps what was read past the current response visible, so such a connection is
-    never pooled."""
+    never pooled.
 
-    __slots__ = ("sock", "reader", "since", "__weakref__")
+    Its socket's receive timeout is a slice (ANSWER_WATCH_S): a read that waits longer calls `watch`
+    (set while a request waits for its answer) between slices, and gives up after read_timeout_s."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    __slots__ = ("sock", "reader", "since", "watch", "read_timeout_s", "__weakref__")
+
+    def __init__(self, sock: socket.socket, read_timeout_s: float) -> None:
         self.sock = sock
-        self.reader = _UpstreamReader(sock.recv if isinstance(sock, ssl.SSLSocket) else self._recv)
+        self.read_timeout_s = read_timeout_s
+        self.watch: Optional[Callable[[], None]] = None
+        self.reader = _UpstreamReader(self._recv)
         self.since = 0.0  # when it was last checked in
 
     def _recv(self, n: int) -> bytes:
         try:
             return self.sock.recv(n)
-        except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
-            raise socket.timeout("timed out") from None
+        except (BlockingIOError, socket.timeout):  # one slice passed (BlockingIOError: a kernel timeout)
+            pass
+        deadline = time.monotonic() + self.read_timeout_s - min(ANSWER_WATCH_S, self.read_timeout_s)
+        while True:
+            if self.watch is not None:
+                self.watch()
+            if time.monotonic() >= deadline:
+                raise socket.timeout("timed out")
+            try:
+                return self.sock.recv(n)
+            except (BlockingIOError, socket.timeout):
+                continue
 
     def _sendall(self, data: bytes) -> None:
-        try:
-            self.sock.sendall(data)
-        except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
-            raise socket.timeout("timed out") from None
+        if KERNEL_TIMEOUTS and not isinstance(self.sock, ssl.SSLSocket):
+            try:
+                self.sock.sendall(data)  # the kernel's send timeout is read_timeout_s
+            except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
+                raise socket.timeout("timed out") from None
+            return
+        # One timeout (an SSL socket, or Python's timeouts), the read slice: send until read_timeout_s
+        # passes with no progress.
+        with memoryview(data) as view:
+            deadline = None
+            while view:
+                try:
+                    view = view[self.sock.send(view):]
+                    deadline = None
+                except (ssl.SSLWantWriteError, ssl.SSLWantReadError, socket.timeout):
+                    deadline = deadline or time.monotonic() + self.read_timeout_s - min(ANSWER_WATCH_S, self.read_timeout_s)
+                    if time.monotonic() >= deadline:
+                        raise socket.timeout("timed out") from None
 
     def looks_reusable(self) -> bool:
         """No stray bytes read or readable: an idle keep-alive connection that is readable was closed."""
@@ -2590,11 +2666,10 @@ def _parse_answer(head: bytes, method: str) -> _Answer:
             name, value = headers.pop()
             headers.append((name, (value + " " + line.strip(" \t")).strip(" ")))
             continue
-        name, colon, value = line.partition(":")
-        value = value.lstrip(" \t")  # trailing whitespace is relayed as sent: http.client clients keep it
-        if not colon or not _TOKEN_RE.match(name) or _BAD_VALUE_CHAR_RE.search(value) or "\r" in value:
+        match = _RESPONSE_HEADER_RE.match(line)  # trailing whitespace is relayed as sent: http.client keeps it
+        if match is None:
             raise _BadResponse("upstream-protocol", "sent a malformed response header line")
-        headers.append((name, value))
+        headers.append(match.groups())  # type: ignore[arg-type]
     codings: List[str] = []
     lengths: Set[str] = set()
     connection: Set[str] = set()
@@ -2659,19 +2734,22 @@ def _request_head(method: str, target: str, headers: List[Tuple[str, str]]) -> b
     return "\r\n".join(lines).encode("latin-1")  # parsed as latin-1 text, so this round-trips
 
 
-def _set_socket_timeout(sock: socket.socket, timeout: Optional[float]) -> None:
+def _set_socket_timeout(sock: socket.socket, timeout: Optional[float], send_timeout: Optional[float] = None) -> None:
     """Give a plain socket `timeout` (None: block forever): with KERNEL_TIMEOUTS a blocking socket whose
     recv/send time out in the kernel (raising BlockingIOError, which callers turn into socket.timeout),
-    else Python's settimeout."""
+    else Python's settimeout. `send_timeout`, when given, is the kernel's send timeout instead."""
     if not KERNEL_TIMEOUTS:
         sock.settimeout(timeout)
         return
     if sock.gettimeout() is not None:  # e.g. the connect timeout, or socket.setdefaulttimeout()'s
         sock.settimeout(None)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(timeout))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout if send_timeout is None else send_timeout))
+
+
+def _timeval(timeout: Optional[float]) -> bytes:
     seconds = 0.0 if timeout is None else max(float(timeout), 1e-6)  # 0 is "never" to the kernel
-    timeval = struct.pack("@ll", int(seconds), int((seconds - int(seconds)) * 1e6))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+    return struct.pack("@ll", int(seconds), int((seconds - int(seconds)) * 1e6))
 
 
 def _readable(sock: socket.socket) -> bool:
@@ -2686,6 +2764,34 @@ def _readable(sock: socket.socket) -> bool:
         return bool(select.select([sock], [], [], 0)[0])
     except (OSError, ValueError):
         return True
+
+
+_TLS_CONTEXTS: "collections.OrderedDict[object, ssl.SSLContext]" = collections.OrderedDict()
+_TLS_CONTEXTS_LOCK = threading.Lock()
+
+
+def _shared_tls_context(verify: Verify) -> ssl.SSLContext:
+    """The TLS context for `verify`, shared by every route with the same one (TLS_CONTEXTS_KEPT). A CA
+    bundle path is keyed with its file's size and modification time, so an edited bundle is re-read."""
+    key: object = verify
+    if isinstance(verify, str):
+        try:
+            stat = os.stat(verify)
+            key = (verify, stat.st_mtime_ns, stat.st_size)
+        except OSError:  # let the context creation report it
+            key = (verify, None, None)
+    with _TLS_CONTEXTS_LOCK:
+        context = _TLS_CONTEXTS.get(key)
+        if context is not None:
+            _TLS_CONTEXTS.move_to_end(key)
+            return context
+    context = _make_tls_context(verify)  # outside the lock: loading a CA store takes milliseconds
+    with _TLS_CONTEXTS_LOCK:
+        context = _TLS_CONTEXTS.setdefault(key, context)
+        _TLS_CONTEXTS.move_to_end(key)
+        while len(_TLS_CONTEXTS) > TLS_CONTEXTS_KEPT:
+            _TLS_CONTEXTS.popitem(last=False)
+    return context
 
 
 def _make_tls_context(verify: Verify) -> ssl.SSLContext:
@@ -2779,6 +2885,46 @@ class _WarningRate:
                 return 0
             self._last, held, self._held = now, self._held, 0
             return held
+
+
+class _FreedMemory:
+    """Hands memory that threads freed back to the system (glibc's malloc_trim), at most once per
+    MALLOC_TRIM_EVERY_S; the first call after that long trims, in the calling thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last = time.monotonic()
+        self._trim: Optional[Callable[[int], int]] = None
+        self._loaded = False
+        self.trims = 0
+
+    def trim_soon(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last < MALLOC_TRIM_EVERY_S:
+                return
+            self._last = now
+            if not self._loaded:  # ctypes only when first needed: importing the proxy stays cheap
+                self._trim, self._loaded = _find_malloc_trim(), True
+        if self._trim is not None:
+            self._trim(0)
+            self.trims += 1
+
+
+def _find_malloc_trim() -> Optional[Callable[[int], int]]:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        trim = ctypes.CDLL(None).malloc_trim  # the process's own C library; musl has no malloc_trim
+    except (ImportError, OSError, AttributeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim  # type: ignore[no-any-return]
+
+
+_MEMORY = _FreedMemory()
 
 
 class _Stream:

@@ -89,8 +89,8 @@ PROXY_MODES: Dict[str, Callable[[], Any]] = {"in-process": in_process_proxy, "pr
 
 
 @contextlib.contextmanager
-def upstreams(workdir: str, kinds: Sequence[str]) -> Iterator[Dict[str, Tuple[str, Any]]]:
-    """uvicorn upstreams in their own processes: {kind: (url, verify)}."""
+def upstreams(workdir: str, kinds: Sequence[str]) -> Iterator[Dict[str, Tuple[str, Any, int]]]:
+    """uvicorn upstreams in their own processes: {kind: (url, verify, pid)}."""
     import support
 
     ca = support.make_test_ca(workdir)
@@ -103,7 +103,8 @@ def upstreams(workdir: str, kinds: Sequence[str]) -> Iterator[Dict[str, Tuple[st
             procs.append(proc)
             info = json.loads(scale._read_line(proc, scale.CHILD_START_TIMEOUT_S))
             scheme = "https" if kind == "tls" else "http"
-            out[kind] = ("%s://127.0.0.1:%d" % (scheme, info["port"]), ca.ca_path if kind == "tls" else True)
+            out[kind] = ("%s://127.0.0.1:%d" % (scheme, info["port"]), ca.ca_path if kind == "tls" else True,
+                         int(info["pid"]))
         yield out
     finally:
         for proc in procs:
@@ -120,20 +121,27 @@ def paced(base_url: str, kind: str, rate: float, seconds: float, connections: in
                             text=True)
 
 
-def measure_cell(mount: Callable[[str, Any], str], up: Tuple[str, Any], kind: str, rate: float, seconds: float,
-                 idle_seconds: float, connections: int) -> Dict[str, Any]:
-    """Idle loop, loop under the paced load, idle loop again: the loaded speed as a fraction of idle."""
-    base = mount(*up)
+def measure_cell(mount: Callable[[str, Any], str], up: Tuple[str, Any, int], kind: str, rate: float, seconds: float,
+                 idle_seconds: float, connections: int, proxy_pids: Sequence[int] = ()) -> Dict[str, Any]:
+    """Idle loop, loop under the paced load, idle loop again: the loaded speed as a fraction of idle.
+    `proxy_pids`: the proxy's own processes (the process host), whose CPU counts as the proxy's."""
+    base = mount(up[0], up[1])
     idle_before = spin(idle_seconds)
     load0 = os.getloadavg()[0]
     client = paced(base, kind, rate, seconds, connections)
     ready = scale._read_line(client, scale.CHILD_START_TIMEOUT_S)  # connected: its steps start now
     own0, busy0, t0 = time.process_time(), scale._machine_busy_seconds(), time.monotonic()
+    upstream0 = scale._cpu_seconds(up[2])
+    hosts0 = sum(scale._cpu_seconds(pid) for pid in proxy_pids)
+    main0 = time.thread_time()
     loaded = spin(seconds)
+    main_cpu = time.thread_time() - main0
     out, err = client.communicate(timeout=seconds + 60)
     wall = time.monotonic() - t0
     own = time.process_time() - own0
     busy = scale._machine_busy_seconds() - busy0
+    upstream_cpu = scale._cpu_seconds(up[2]) - upstream0
+    hosts_cpu = sum(scale._cpu_seconds(pid) for pid in proxy_pids) - hosts0
     idle_after = spin(idle_seconds)
     if "ready" not in ready:
         raise RuntimeError("the paced client did not start: %s %s" % (ready, err.strip()[-500:]))
@@ -141,11 +149,16 @@ def measure_cell(mount: Callable[[str, Any], str], up: Tuple[str, Any], kind: st
         load = json.loads(out.strip().splitlines()[-1])
     except (ValueError, IndexError):
         raise RuntimeError("the paced client failed: %s" % err.strip()[-500:])
-    idle = (idle_before + idle_after) / 2.0
+    # The quieter of the two idle measures: another process's burst during one of them would otherwise
+    # make the loaded loop look faster than idle.
+    idle = max(idle_before, idle_after)
     return {"kind": kind, "rate": rate, "fraction_of_idle": loaded / idle, "idle_per_s": idle,
             "idle_spread": abs(idle_before - idle_after) / idle, "achieved_per_s": load["achieved_per_s"],
             "steps": load["steps"], "errors": load["errors"], "p50_us": load["p50_us"], "p99_us": load["p99_us"],
-            "trainer_cpu": own / wall, "others": max(0.0, busy - own - load["cpu_s"]) / wall,
+            "trainer_cpu": own / wall, "upstream_cpu": upstream_cpu / wall,
+            # the proxy's CPU (this process's minus the loop's own thread, plus a process host's): robust to load
+            "proxy_us_per_step": (max(0.0, own - main_cpu) + hosts_cpu) / max(1, load["steps"]) * 1e6,
+            "others": max(0.0, busy - own - load["cpu_s"] - upstream_cpu - hosts_cpu) / wall,
             "loadavg": [round(load0, 2), round(os.getloadavg()[0], 2)]}
 
 
@@ -155,12 +168,12 @@ def run(modes: Sequence[str], kinds: Sequence[str], kinds_up: Sequence[str], rat
     workdir = tempfile.mkdtemp(prefix="trainer-cost-")
     with upstreams(workdir, kinds_up) as ups:
         for mode in modes:
-            with PROXY_MODES[mode]() as (mount, _pids):
+            with PROXY_MODES[mode]() as (mount, pids):
                 for upstream in kinds_up:
                     for kind in kinds:
                         for rate in rates:
                             row = dict(measure_cell(mount, ups[upstream], kind, rate, seconds, idle_seconds,
-                                                    connections), mode=mode, upstream=upstream)
+                                                    connections, pids), mode=mode, upstream=upstream)
                             result["rows"].append(row)
                             say("%-10s %-5s %-4s %5d/s: loop at %.0f%% of idle (achieved %.0f/s, %d errors, "
                                 "others %.2f cores, load %s)" % (mode, upstream, kind, rate, 100 * row["fraction_of_idle"],
@@ -177,15 +190,17 @@ def render(result: Dict[str, Any], command: str) -> str:
                  m["cpu"], m["cores"], m["python"], m["proxy_version"], m["when"]), "",
              "A pure-Python loop on the trainer's main thread while environments (another process, %d keep-alive "
              "connections or WebSocket sessions) step through the proxy at a paced rate; the loop's speed under load "
-             "as a fraction of its idle speed (idle measured right before and after each cell, %g s under load). "
+             "as a fraction of its idle speed (idle measured right before and after each cell, the quieter one kept; %g s "
+             "under load); the proxy's CPU per step is the trainer process's CPU minus the loop thread's, per step "
+             "relayed (robust to the machine's load, unlike the fraction). "
              "Upstreams: uvicorn in their own processes." % (result["connections"], result["seconds"]), "",
              "| proxy mode | upstream | steps | paced rate | achieved | loop speed / idle | step p50 | step p99 | "
-             "trainer process CPU | others (cores) | load average |",
-             "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
+             "proxy CPU per step | trainer process CPU | upstream CPU | others (cores) | load average |",
+             "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for r in result["rows"]:
-        lines.append("| %s | %s | %s | %d/s | %.0f/s | **%.0f%%** | %s us | %s us | %.2f | %.2f | %s |" % (
+        lines.append("| %s | %s | %s | %d/s | %.0f/s | **%.0f%%** | %s us | %s us | %.0f us | %.2f | %.2f | %.2f | %s |" % (
             r["mode"], r["upstream"], r["kind"], r["rate"], r["achieved_per_s"], 100 * r["fraction_of_idle"],
-            r["p50_us"], r["p99_us"], r["trainer_cpu"], r["others"], " -> ".join(str(x) for x in r["loadavg"])))
+            r["p50_us"], r["p99_us"], r.get("proxy_us_per_step", 0.0), r["trainer_cpu"], r.get("upstream_cpu", 0.0), r["others"], " -> ".join(str(x) for x in r["loadavg"])))
     return "\n".join(lines + ["", SECTION_END]) + "\n"
 
 
@@ -210,7 +225,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             parser.error("unknown %s %s; choose from %s" % (name, ", ".join(bad), ", ".join(allowed)))
     rates = [float(r) for r in split(args.rates)]
     result = run(modes, kinds, ups, rates, args.seconds, args.idle_seconds, args.connections)
-    command = "python benchmarks/trainer_cost.py " + " ".join(a for a in (argv if argv is not None else sys.argv[1:]))
+    shown = list(argv if argv is not None else sys.argv[1:])
+    if "--json" in shown[:-1]:  # where the raw rows went is no part of how to reproduce them
+        del shown[shown.index("--json"):shown.index("--json") + 2]
+    command = "python benchmarks/trainer_cost.py " + " ".join(shown)
     section = render(result, command.strip())
     print(section)
     if args.json:

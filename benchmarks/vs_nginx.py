@@ -43,7 +43,13 @@ from _results import replace_marked_section  # noqa: E402
 
 DEFAULT_RESULTS = os.path.join(HERE, "RESULTS.md")
 SECTION_START, SECTION_END = "<!-- vs_nginx:start -->", "<!-- vs_nginx:end -->"
-TARGETS = ("direct", "nginx", "proxy")
+# A run limited with --measures writes its own section, so it never replaces a full run's tables.
+SUBSET_START, SUBSET_END = "<!-- vs_nginx:subset:start -->", "<!-- vs_nginx:subset:end -->"
+TARGETS = ("direct", "nginx", "floor", "proxy")
+# "floor": benchmarks/_floor.py, a minimal thread-per-connection CPython forwarder (keep-alive with one
+# upstream socket per client connection, heads found with bytes.find, Content-Length only, the token set;
+# a WebSocket tunnel with a thread per direction; TLS upstream for both): what this language and thread
+# model can do at all, so every AuthProxy figure is also a ratio to it ("proxy / floor").
 # Also in the session grid: AuthProxy in its own process with `python proxy.py`'s GIL switch interval
 # (proxy.CLI_SWITCH_INTERVAL_S), which a library inside a trainer cannot set.
 CLI_TARGET = "proxy-cli"
@@ -68,8 +74,8 @@ STEP_DELAY_S = 1.0
 # RSS per open session: this many sessions held open at once (each one step of HELD_STEP_S, long
 # enough that every session is set up before the first one ends) on a proxy process started for it,
 # so memory freed by earlier runs cannot hide what a session costs.
-HELD_SESSIONS = 1024
-HELD_STEP_S = 8.0
+HELD_SESSIONS = 2048
+HELD_STEP_S = 12.0
 # A run during which other processes kept more than this many cores busy is redone.
 NOISY_CORES = 0.75
 NOISY_RETRIES = 1
@@ -89,6 +95,14 @@ TARGET_RPS_64 = 5000.0
 TARGET_P50_VS_NGINX = 2.0
 TARGET_RSS_PER_SESSION_KIB = 32.0
 TARGET_WS_ADDED_US = 60.0
+# Issue 22's targets, against the CPython floor measured in the same run.
+TARGET_CPU_VS_FLOOR = 1.5
+TARGET_RPS_VS_FLOOR = 0.67
+TARGET_UPGRADES_VS_FLOOR = 0.8
+TARGET_ADDED_VS_FLOOR = 1.2
+TARGET_TLS_HELD_KIB = 48.0
+# Measures a run can be limited to (--measures): a targeted re-run after a change costs minutes, not 15.
+MEASURES = ("http", "ws_rt", "upgrades", "sessions", "held", "syscalls", "profiles")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -110,6 +124,7 @@ class Stack:
         self.nginx_ports: Dict[str, int] = {}
         self.nginx_pid = 0
         self.proxy: Dict[Tuple[str, str], Tuple[str, int]] = {}  # (target, upstream) -> (base_url, pid)
+        self.floor: Dict[str, Tuple[str, int]] = {}  # upstream -> (base_url, pid) of benchmarks/_floor.py
 
     def start(self) -> "Stack":
         for kind in UPSTREAMS:
@@ -117,6 +132,9 @@ class Stack:
             info = self._spawn([sys.executable, os.path.join(HERE, "_asgi_upstream.py")] + extra)
             self.up[kind] = (int(info["port"]), int(info["pid"]))
         self._start_nginx()
+        for kind in UPSTREAMS:
+            info = self._spawn(self.floor_command(kind))
+            self.floor[kind] = (str(info["base_url"]), int(info["pid"]))
         for target in ("proxy", CLI_TARGET):
             for kind in UPSTREAMS:
                 cmd = self.proxy_host_command(kind)
@@ -133,6 +151,8 @@ class Stack:
     def pid(self, target: str, upstream: str) -> int:
         if target == "direct":
             return self.up[upstream][1]
+        if target == "floor":
+            return self.floor[upstream][1]
         return self.nginx_pid if target == "nginx" else self.proxy[target, upstream][1]
 
     def http_url(self, target: str, upstream: str, path: str) -> str:
@@ -142,6 +162,8 @@ class Stack:
             return "%s://127.0.0.1:%d%s" % (scheme, self.up[upstream][0], path)
         if target == "nginx":
             return "http://127.0.0.1:%d/r%s" % (self.nginx_ports[upstream], path)
+        if target == "floor":
+            return self.floor[upstream][0] + path
         return self.proxy[target, upstream][0] + path
 
     def ws_target(self, target: str, upstream: str, path: str) -> Tuple[int, str, bool]:
@@ -152,6 +174,11 @@ class Stack:
     def proxy_host_command(self, upstream: str) -> List[str]:
         """The command that runs one AuthProxy for `upstream` in its own process (benchmarks/_proxy_host.py)."""
         cmd = [sys.executable, os.path.join(HERE, "_proxy_host.py"), _proxy_upstream_url(self, upstream)]
+        return cmd + ["--verify", self.ca.ca_path] if upstream == "tls" else cmd
+
+    def floor_command(self, upstream: str) -> List[str]:
+        """The command that runs the CPython floor forwarder for `upstream` (benchmarks/_floor.py)."""
+        cmd = [sys.executable, os.path.join(HERE, "_floor.py"), _proxy_upstream_url(self, upstream)]
         return cmd + ["--verify", self.ca.ca_path] if upstream == "tls" else cmd
 
     def _spawn(self, cmd: List[str]) -> Dict[str, Any]:
@@ -433,13 +460,13 @@ def ws_sessions(stack: Stack, target: str, upstream: str, n: int, steps: int,
     return _quietest(once)
 
 
-def held_sessions(stack: Stack, upstream: str) -> Dict[str, Any]:
-    """RSS per open session: HELD_SESSIONS sessions all open at once through a proxy process started
-    for this measure (its RSS before them is its idle RSS), peak RSS and threads while they are open."""
-    info = stack._spawn(stack.proxy_host_command(upstream))
+def held_sessions(stack: Stack, upstream: str, target: str = "proxy") -> Dict[str, Any]:
+    """RSS per open session: HELD_SESSIONS sessions all open at once through a proxy (or floor) process
+    started for this measure (its RSS before them is its idle RSS), peak RSS and threads while they are open."""
+    info = stack._spawn(stack.proxy_host_command(upstream) if target == "proxy" else stack.floor_command(upstream))
     proc = stack.procs.pop()
     try:
-        row = ws_sessions(stack, "proxy", upstream, HELD_SESSIONS, 1, delay_s=HELD_STEP_S, pid=int(info["pid"]),
+        row = ws_sessions(stack, target, upstream, HELD_SESSIONS, 1, delay_s=HELD_STEP_S, pid=int(info["pid"]),
                           port_path=_port_and_path("%s/ws?delay=%g" % (info["base_url"], HELD_STEP_S)))
     finally:
         scale._stop_child(proc, terminate_first=True)
@@ -567,7 +594,7 @@ def _frame_name(frame: str) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
-def run(quick: bool, say: Callable[[str], None]) -> Dict[str, Any]:
+def run(quick: bool, say: Callable[[str], None], measures: Sequence[str] = MEASURES) -> Dict[str, Any]:
     for tool in ("nginx", "wrk"):
         if shutil.which(tool) is None:
             raise SystemExit("%s is not installed: apt-get update && apt-get install -y nginx wrk" % tool)
@@ -586,7 +613,7 @@ def run(quick: bool, say: Callable[[str], None]) -> Dict[str, Any]:
                               "runs": [], "profiles": {}}
     try:
         stack.start()
-        for target in ("nginx", "proxy"):
+        for target in ("nginx", "floor", "proxy"):
             for upstream in UPSTREAMS:
                 result.setdefault("idle_rss_kib", {})["%s/%s" % (target, upstream)] = \
                     scale._proc_status(stack.pid(target, upstream))["rss_kib"]
@@ -597,16 +624,18 @@ def run(quick: bool, say: Callable[[str], None]) -> Dict[str, Any]:
                     for measure, fn in (("http_c1", lambda: wrk(stack, target, upstream, 1, seconds, script)),
                                         ("http_c64", lambda: wrk(stack, target, upstream, 64, seconds, script)),
                                         ("ws_rt", lambda: ws_round_trips(stack, target, upstream, WS_ROUND_TRIPS))):
+                        if measure.split("_")[0] not in measures and measure not in measures:
+                            continue
                         row = dict(fn(), measure=measure, target=target, upstream=upstream, rep=rep)
                         result["runs"].append(row)
                         say(_progress(row))
-                    if target != "direct" or upstream == "plain":  # the generator speaks plain ws only
+                    if "upgrades" in measures and (target != "direct" or upstream == "plain"):  # plain ws only
                         row = dict(ws_sessions(stack, target, upstream, UPGRADE_SESSIONS, 0), measure="upgrades",
                                    target=target, upstream=upstream, rep=rep)
                         result["runs"].append(row)
                         say(_progress(row))
             order = order[1:] + order[:1]
-        for n in batches:
+        for n in (batches if "sessions" in measures else ()):
             for upstream in UPSTREAMS:
                 for target in TARGETS + (CLI_TARGET,):
                     if target == "direct" and upstream == "tls":
@@ -615,23 +644,26 @@ def run(quick: bool, say: Callable[[str], None]) -> Dict[str, Any]:
                                upstream=upstream, rep=0)
                     result["runs"].append(row)
                     say(_progress(row))
-        result["thread_rss_kib"] = thread_rss_kib()
-        for upstream in UPSTREAMS:
-            row = dict(held_sessions(stack, upstream), measure="held", target="proxy", upstream=upstream, rep=0)
-            result["runs"].append(row)
-            say(_progress(row))
-        for upstream in UPSTREAMS:
-            for target in ("nginx", "proxy"):
+        if "held" in measures:
+            result["thread_rss_kib"] = thread_rss_kib()
+        for upstream in (UPSTREAMS if "held" in measures else ()):
+            for target in ("floor", "proxy"):
+                row = dict(held_sessions(stack, upstream, target), measure="held", target=target, upstream=upstream,
+                           rep=0)
+                result["runs"].append(row)
+                say(_progress(row))
+        for upstream in (UPSTREAMS if "syscalls" in measures else ()):
+            for target in ("nginx", "floor", "proxy"):
                 result.setdefault("syscalls", {})["%s/%s" % (target, upstream)] = syscalls_per_session(
                     stack, target, upstream)
-        for upstream in UPSTREAMS:
+        for upstream in (UPSTREAMS if "profiles" in measures else ()):
             result["profiles"]["http_c64/" + upstream] = profile(
                 stack, upstream, lambda base: subprocess.run(
                     ["wrk", "-t2", "-c64", "-d1s", "-s", script, base + "/step"], capture_output=True, timeout=30), "http")
             result["profiles"]["upgrades/" + upstream] = profile(
                 stack, upstream, lambda base: scale._run_generators(
                     *_port_and_path(base + "/ws"), 512, 0, 60.0, 1, stack.env), "upgrades")
-        for target in ("nginx", "proxy"):
+        for target in ("nginx", "floor", "proxy"):
             for upstream in UPSTREAMS:
                 result.setdefault("after_rss_kib", {})["%s/%s" % (target, upstream)] = \
                     scale._proc_status(stack.pid(target, upstream))["rss_kib"]
@@ -678,15 +710,16 @@ def render(result: Dict[str, Any], command: str) -> str:
              "process's own /proc/<pid>/stat utime+stime over the run divided by wrk's request count. `direct` "
              "over TLS means the client itself speaks TLS to uvicorn." % (result["reps"], result["wrk_seconds"]),
              ""]
-    lines += ["| measure | upstream | direct | nginx | AuthProxy | proxy / nginx | proxy / direct |",
-              "|---|---|--:|--:|--:|--:|--:|"]
+    lines += ["| measure | upstream | direct | nginx | CPython floor | AuthProxy | proxy / floor | proxy / nginx | "
+              "proxy / direct |", "|---|---|--:|--:|--:|--:|--:|--:|--:|"]
 
     def row(label: str, measure: str, key: str, fmt: str, upstream: str) -> None:
-        vals = [median_of(result, measure, t, upstream, key) for t in TARGETS]
-        cells = [fmt % v if v is not None else "-" for v in vals]
+        direct, nginx, floor, proxy = [median_of(result, measure, t, upstream, key) for t in TARGETS]
+        cells = [fmt % v if v is not None else "-" for v in (direct, nginx, floor, proxy)]
         ratio = lambda a, b: "%.2fx" % (a / b) if a is not None and b else "-"
-        lines.append("| %s | %s | %s | %s | %s | %s | %s |" % (label, upstream, cells[0], cells[1], cells[2],
-                                                                ratio(vals[2], vals[1]), ratio(vals[2], vals[0])))
+        lines.append("| %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
+            label, upstream, cells[0], cells[1], cells[2], cells[3], ratio(proxy, floor), ratio(proxy, nginx),
+            ratio(proxy, direct)))
 
     for upstream in UPSTREAMS:
         row("HTTP POST /step p50, wrk -c1", "http_c1", "p50_us", "%.0f us", upstream)
@@ -716,10 +749,10 @@ def render(result: Dict[str, Any], command: str) -> str:
     held = [r for r in runs if r["measure"] == "held"]
     if held:
         lines += ["", "RSS per open session, measured alone: %d sessions held open at once (one %g s step each) through a "
-                  "proxy process started for the measure: %s. One CPython thread blocked in recv() costs %s KiB of RSS "
+                  "proxy (or floor) process started for the measure: %s. One CPython thread blocked in recv() costs %s KiB of RSS "
                   "on this machine." % (HELD_SESSIONS, HELD_STEP_S, "; ".join(
-                      "%s %s KiB per session (%d open, %d threads, RSS %.1f -> %.1f MiB)" % (
-                          r["upstream"], _n(r["rss_kib_per_open"]), r["peak_open"], r["threads_peak"],
+                      "%s %s %s KiB per session (%d open, %d threads, RSS %.1f -> %.1f MiB)" % (
+                          r["target"], r["upstream"], _n(r["rss_kib_per_open"]), r["peak_open"], r["threads_peak"],
                           r["rss_before_kib"] / 1024.0, r["rss_peak_kib"] / 1024.0) for r in held),
                       _n(result.get("thread_rss_kib")))]
     idle = result.get("idle_rss_kib", {})
@@ -727,7 +760,7 @@ def render(result: Dict[str, Any], command: str) -> str:
         "%s %.1f MiB" % (k, v / 1024.0) for k, v in sorted(idle.items())) + ". After the whole run: " + ", ".join(
         "%s %.1f MiB" % (k, v / 1024.0) for k, v in sorted(result.get("after_rss_kib", {}).items())) + "."]
     noisy = [r for r in runs if r["others"] > NOISY_CORES]
-    lines += ["", "Load: load average %.1f-%.1f over the runs; other processes used %.2f cores on average (max %.2f); "
+    lines += [] if not runs else ["", "Load: load average %.1f-%.1f over the runs; other processes used %.2f cores on average (max %.2f); "
               "%d run(s) redone for noise, %d still above %.1f cores after %d retries (kept, marked by the max)." % (
                   min(r["loadavg"] for r in runs), max(r["loadavg"] for r in runs),
                   statistics.mean(r["others"] for r in runs), max(r["others"] for r in runs),
@@ -802,10 +835,49 @@ def _verdicts(result: Dict[str, Any]) -> List[str]:
                                                          up("ws_rt", "nginx", "p50_us") - up("ws_rt", "direct", "p50_us"))),
             None if added is None else added <= TARGET_WS_ADDED_US, _round_trip_bottleneck(result, upstream))
         held = next((r for r in result["runs"] if r["measure"] == "held" and r["upstream"] == upstream
-                     and r.get("rss_kib_per_open")), None)
+                     and r["target"] == "proxy" and r.get("rss_kib_per_open")), None)
         verdict("%s: RSS per open session <= %.0f KiB (%s KiB with %d sessions held open on a fresh proxy process)" % (
             upstream, TARGET_RSS_PER_SESSION_KIB, _n(held["rss_kib_per_open"] if held else None), HELD_SESSIONS),
             None if not held else held["rss_kib_per_open"] <= TARGET_RSS_PER_SESSION_KIB, _rss_bottleneck(result, upstream))
+    out += _floor_verdicts(result)
+    return out
+
+
+def _floor_verdicts(result: Dict[str, Any]) -> List[str]:
+    """Issue 22's targets: AuthProxy against the CPython floor (benchmarks/_floor.py) of the same run."""
+    out = ["", "Against the CPython floor (issue 22; `proxy / floor` measured side by side):", ""]
+
+    def verdict(text: str, value: Optional[float], limit: float, at_most: bool) -> None:
+        ok = None if value is None else (value <= limit if at_most else value >= limit)
+        out.append("- %s: %s (%s %.2fx): **%s**" % (text, "-" if value is None else "%.2fx" % value,
+                                                    "limit" if at_most else "floor", limit,
+                                                    "not measured" if ok is None else ("met" if ok else "NOT met")))
+
+    def ratio(measure: str, key: str, upstream: str) -> Optional[float]:
+        p, f = median_of(result, measure, "proxy", upstream, key), median_of(result, measure, "floor", upstream, key)
+        return p / f if p is not None and f else None
+
+    for upstream in UPSTREAMS:
+        verdict("%s: CPU per HTTP request at 64 connections, proxy / floor <= %.1fx" % (upstream, TARGET_CPU_VS_FLOOR),
+                ratio("http_c64", "cpu_us_per_request", upstream), TARGET_CPU_VS_FLOOR, True)
+        verdict("%s: req/s at 64 connections, proxy / floor >= %.2fx" % (upstream, TARGET_RPS_VS_FLOOR),
+                ratio("http_c64", "rps", upstream), TARGET_RPS_VS_FLOOR, False)
+        verdict("%s: WebSocket upgrades/s (%d at once), proxy / floor >= %.1fx" % (
+            upstream, UPGRADE_SESSIONS, TARGET_UPGRADES_VS_FLOOR), ratio("upgrades", "upgrades_per_s", upstream),
+            TARGET_UPGRADES_VS_FLOOR, False)
+        direct = median_of(result, "ws_rt", "direct", upstream, "p50_us")
+        p, f = median_of(result, "ws_rt", "proxy", upstream, "p50_us"), median_of(result, "ws_rt", "floor", upstream, "p50_us")
+        added = None
+        if None not in (direct, p, f) and f - direct > 0:
+            added = (p - direct) / (f - direct)  # type: ignore[operator]
+        verdict("%s: WebSocket round trip added, proxy / floor <= %.1fx (%s us vs %s us)" % (
+            upstream, TARGET_ADDED_VS_FLOOR, _n(None if None in (p, direct) else p - direct),  # type: ignore[operator]
+            _n(None if None in (f, direct) else f - direct)), added, TARGET_ADDED_VS_FLOOR, True)  # type: ignore[operator]
+    held = {(r["target"], r["upstream"]): r.get("rss_kib_per_open") for r in result["runs"] if r["measure"] == "held"}
+    tls = held.get(("proxy", "tls"))
+    out.append("- tls: RSS per held TLS session <= %.0f KiB (%d held): %s KiB (floor %s KiB): **%s**" % (
+        TARGET_TLS_HELD_KIB, HELD_SESSIONS, _n(tls), _n(held.get(("floor", "tls"))),
+        "not measured" if tls is None else ("met" if tls <= TARGET_TLS_HELD_KIB else "NOT met")))
     return out
 
 
@@ -865,8 +937,8 @@ def _round_trip_bottleneck(result: Dict[str, Any], upstream: str) -> str:
 
 
 def _rss_bottleneck(result: Dict[str, Any], upstream: str) -> str:
-    r = next((x for x in result["runs"] if x["measure"] == "held" and x["upstream"] == upstream and x.get("peak_open")),
-             None)
+    r = next((x for x in result["runs"] if x["measure"] == "held" and x["upstream"] == upstream
+              and x["target"] == "proxy" and x.get("peak_open")), None)
     if not r:
         return ""
     per_thread = result.get("thread_rss_kib")
@@ -904,9 +976,15 @@ def _s(x: Optional[float]) -> str:
     return "-" if x is None else "%.3f s" % x
 
 
-def write_section(path: str, section: str) -> None:
-    """Replace the marked section of RESULTS.md (or append it), leaving every other section alone."""
-    replace_marked_section(path, SECTION_START, SECTION_END, section)
+def write_section(path: str, section: str, subset: bool = False) -> None:
+    """Replace the marked section of RESULTS.md (or append it), leaving every other section alone; a
+    run of a subset of the measures has a section of its own."""
+    if subset:
+        section = section.replace(SECTION_START, SUBSET_START).replace(SECTION_END, SUBSET_END).replace(
+            "## AuthProxy vs nginx vs direct,", "## AuthProxy vs the CPython floor, nginx and direct (a subset of the measures),")
+        replace_marked_section(path, SUBSET_START, SUBSET_END, section)
+    else:
+        replace_marked_section(path, SECTION_START, SECTION_END, section)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -915,16 +993,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--write", action="store_true", help="update the vs_nginx section of RESULTS.md")
     parser.add_argument("--results", default=DEFAULT_RESULTS)
     parser.add_argument("--json", default=None, help="also write the raw runs as JSON here")
+    parser.add_argument("--measures", default=",".join(MEASURES),
+                        help="comma-separated subset of %s (default: all)" % ",".join(MEASURES))
     args = parser.parse_args(argv)
-    result = run(args.quick, lambda line: print(line, flush=True))
-    command = "python benchmarks/vs_nginx.py" + (" --quick" if args.quick else "") + (" --write" if args.write else "")
-    section = render(result, command)
-    if args.json:
+    measures = [m.strip() for m in args.measures.split(",") if m.strip()]
+    unknown = sorted(set(measures) - set(MEASURES))
+    if unknown:
+        parser.error("unknown measure(s) %s; choose from %s" % (", ".join(unknown), ",".join(MEASURES)))
+    result = run(args.quick, lambda line: print(line, flush=True), measures)
+    command = "python benchmarks/vs_nginx.py" + (" --quick" if args.quick else "") + (" --write" if args.write else "") + (
+        " --measures " + ",".join(measures) if tuple(measures) != MEASURES else "")
+    if args.json:  # first: a report that fails to render must not lose the measures
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=1)
+    section = render(result, command)
     print(section)
     if args.write:
-        write_section(args.results, section)
+        write_section(args.results, section, subset=tuple(measures) != MEASURES)
     return 0
 
 

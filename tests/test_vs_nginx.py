@@ -118,4 +118,25 @@ def test_every_target_not_met_names_its_measured_bottleneck_and_what_would_remov
     assert "70 us of proxy CPU per round trip" in text
     assert "2.0 threads per open session (2051 threads, 1024 open)" in text
     assert "costs 15.0 KiB of RSS by itself" in text
-    assert "RSS per open session <= 32 KiB (55 KiB with 1024 sessions held open" in text
+    assert "RSS per open session <= 32 KiB (55 KiB with %d sessions held open" % vs_nginx.HELD_SESSIONS in text
+
+
+def test_a_run_of_a_subset_of_the_measures_writes_its_own_section_beside_the_full_one(tmp_path):
+    path = tmp_path / "RESULTS.md"
+    vs_nginx.write_section(str(path), vs_nginx.SECTION_START + "\n## AuthProxy vs nginx vs direct, full\n" +
+                           vs_nginx.SECTION_END + "\n")
+    vs_nginx.write_section(str(path), vs_nginx.SECTION_START + "\n## AuthProxy vs nginx vs direct, part\n" +
+                           vs_nginx.SECTION_END + "\n", subset=True)
+    text = path.read_text()
+    assert "full" in text and "part" in text and text.count(vs_nginx.SUBSET_START) == 1
+
+
+def test_the_floor_verdicts_are_ratios_to_the_floor_of_the_same_run():
+    runs = [_run("http_c64", "proxy", "tls", rps=3000.0, cpu_us_per_request=200.0),
+            _run("http_c64", "floor", "tls", rps=4000.0, cpu_us_per_request=100.0),
+            _run("held", "proxy", "tls", rss_kib_per_open=40.0, peak_open=2048, threads_peak=2051)]
+    lines = vs_nginx._floor_verdicts({"runs": runs})
+    assert "- tls: CPU per HTTP request at 64 connections, proxy / floor <= 1.5x: 2.00x (limit 1.50x): **NOT met**" in lines
+    assert "- tls: req/s at 64 connections, proxy / floor >= 0.67x: 0.75x (floor 0.67x): **met**" in lines
+    assert any(line.startswith("- tls: RSS per held TLS session <= 48 KiB") and "40 KiB" in line and "**met**" in line
+               for line in lines)
