@@ -387,7 +387,8 @@ class Route:
     def _checkin(self, conn: "_UpstreamConnection", reusable: bool) -> None:
         """Return a connection after its response was fully read (reusable) or close it."""
         self._active.discard(conn)
-        if not reusable or self._closed or self._pool.closed or len(self._idle) >= POOL_MAX_IDLE:
+        # A closed route's finished connection still serves the host's other routes: only the pool's end closes it.
+        if not reusable or self._pool.closed or len(self._idle) >= POOL_MAX_IDLE:
             conn.close()
             return
         conn.since = now = time.monotonic()
@@ -2223,15 +2224,18 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 log.warning("proxy: %s: %s while reading the response body", route.label, refusal.kind)
                 self._refuse(refusal, close=True)
                 return
+        whole = mode == "none" or (mode == "length" and answer.length <= SMALL_RESPONSE_BYTES)
+        if whole:  # the answer is read: its connection goes back before the client can send its next request
+            on_done(answer.keep_alive and not reader.buffered())
         if self.close_connection:
             headers.append(("Connection", "close"))
         try:
             self._send_head(answer.status, answer.reason, headers, prefix)
         except OSError:
-            on_done(False)
+            if not whole:
+                on_done(False)
             raise
-        if mode == "none" or (mode == "length" and answer.length <= SMALL_RESPONSE_BYTES):
-            on_done(answer.keep_alive and not reader.buffered())
+        if whole:
             return
         body = _answer_body(reader, answer)
         while True:

@@ -197,6 +197,23 @@ def test_unmounting_one_route_keeps_the_hosts_connections_for_the_others_and_the
         assert up.connections == 2
 
 
+def test_sandboxes_that_come_and_go_on_one_host_reuse_its_one_connection(
+        proxy: AuthProxy, test_ca: support.TestCA, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A trainer restarting environments on one host: each route does its request and is unmounted at once.
+    # The connection must be back in the host's pool before the client has its answer, and a closed route's
+    # finished connection must stay there for the others (under load, a late check-in once closed it).
+    monkeypatch.setattr(proxy_module, "POOL_IDLE_S", 300.0)
+    with support.Upstream(tls=test_ca) as up:
+        keep = proxy.mount(up.url + "/keep", support.TEST_TOKEN, verify=test_ca.ca_path)
+        with requests.Session() as client:
+            assert client.get(keep + "/x", timeout=10).status_code == 200
+            for number in range(100):
+                route = proxy.mount(up.url + "/r%d" % number, support.TEST_TOKEN, verify=test_ca.ca_path)
+                assert client.get(route + "/x", timeout=10).status_code == 200
+                assert proxy.unmount(route)
+        assert up.connections == 1 and _handshakes(up) == 1
+
+
 def test_unmount_aborts_only_that_routes_websocket_sessions(proxy: AuthProxy, upstream: support.Upstream) -> None:
     first = proxy.mount(upstream.url + "/a", support.TEST_TOKEN)
     second = proxy.mount(upstream.url + "/b", support.TEST_TOKEN)
