@@ -2276,6 +2276,13 @@ class _TLSMaterial:
         if self._context is None:
             context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             context.load_cert_chain(self.cert_path, self.key_path)
+            # No TLS 1.3 session tickets. They arrive just after the handshake, while a client like the
+            # `websockets` sync one reads its SSL socket in one thread (select, then a blocking recv)
+            # and writes its upgrade request in another; OpenSSL forbids that, and about one
+            # connection in ten (more under load) lost the request (the client waited for an answer
+            # that never came), raised `SSLError: internal error`, or crashed. With nothing to read
+            # before the answer, the reader sleeps in select() until the request has been written.
+            context.num_tickets = 0
             self._context = context
         return self._context
 

@@ -87,6 +87,9 @@ def test_canceling_a_zygote_job_ends_its_process_and_leaves_the_others_running(e
     first, second = create(emu), create(emu)
     emu.wait_for_stage(first, ["RUNNING"], TIMEOUT)
     emu.wait_for_stage(second, ["RUNNING"], TIMEOUT)
+    # RUNNING comes before the echo server listens (a loaded machine showed a 502 here): wait until the
+    # second serves, so the check after the cancel proves it still does.
+    wait_until(lambda: health(emu, second) == 200, "the second echo server to answer /health")
     pid = emu.job(first).pid
     answer = requests.post(f"{emu.endpoint}/api/jobs/{emu.namespace}/{first}/cancel",
                            headers={"Authorization": f"Bearer {emu.token}"}, timeout=TIMEOUT)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import ssl
 from typing import Iterator
 from urllib.parse import urlsplit
 
@@ -103,3 +104,29 @@ def test_job_shaped_names_resolve_to_loopback_only_while_a_tls_emulator_runs():
     assert not os.path.exists(ca_dir)  # the CA and key files are gone with the emulator
     with pytest.raises(socket.gaierror):
         socket.getaddrinfo(name, 443)
+
+
+def test_the_tls_front_sends_no_session_ticket_a_two_thread_client_could_race_its_first_write_with(tls_emu, proxy):
+    # The websockets sync client reads its SSL socket in one thread while it writes the upgrade request
+    # in another; a TLS 1.3 ticket arriving then made OpenSSL lose the request (the handshake hung until
+    # the test timed out) or crash. After a whole exchange, any ticket the front sent has been read.
+    provider = _provider(tls_emu, proxy)
+    try:
+        provider.wait_for_ready(provider.start_container())
+        upstream = urlsplit(provider.upstream_url)
+        context = ssl.create_default_context(cafile=tls_emu.ca_path)
+        with socket.create_connection(("127.0.0.1", upstream.port), timeout=TIMEOUT) as raw:
+            with context.wrap_socket(raw, server_hostname=upstream.hostname) as tls:
+                assert tls.version() == "TLSv1.3"
+                tls.sendall(b"GET /health HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n"
+                            % upstream.netloc.encode())
+                answer = b""
+                while True:
+                    chunk = tls.recv(65536)
+                    if not chunk:
+                        break
+                    answer += chunk
+                assert answer.startswith(b"HTTP/1.1 ")
+                assert not tls.session.has_ticket
+    finally:
+        provider.stop_container()
