@@ -756,6 +756,7 @@ class AuthProxy:
             self._serve_thread = threading.Thread(target=self._server.serve_until_woken, name="proxy-listener",
                                                   daemon=True)
             _start_thread(self._serve_thread)
+        _MEMORY.load()
         log.info("proxy listening on %s", self.url)
         return self
 
@@ -2902,14 +2903,20 @@ class _FreedMemory:
         self._loaded = False
         self.trims = 0
 
+    def load(self) -> None:
+        """Find malloc_trim (importing ctypes) when a proxy starts: importing the proxy stays cheap, and
+        the one-time allocation is done before a long run's memory is measured, not in its middle."""
+        with self._lock:
+            if not self._loaded:
+                self._trim, self._loaded = _find_malloc_trim(), True
+
     def trim_soon(self) -> None:
         now = time.monotonic()
         with self._lock:
             if now - self._last < MALLOC_TRIM_EVERY_S:
                 return
             self._last = now
-            if not self._loaded:  # ctypes only when first needed: importing the proxy stays cheap
-                self._trim, self._loaded = _find_malloc_trim(), True
+        self.load()
         if self._trim is not None:
             self._trim(0)
             self.trims += 1
