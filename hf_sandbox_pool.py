@@ -21,7 +21,7 @@ import shlex
 import threading
 import time
 import weakref
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import requests
 
@@ -74,6 +74,12 @@ EXIT_KILL_BUDGET_S = 15.0
 # Jobs client's backoff; huggingface_hub itself does not retry it.
 CREATE_RETRIES = 4
 CREATE_RETRY_STATUSES = frozenset([429, 500, 502, 503, 504])
+# While a host job this process started boots, huggingface_hub checks its stage every 2 s: one inspect per
+# host. The pool's HfApi answers those checks from the process's job watcher instead, which refreshes every
+# job the process is starting with one call (a `list` by this process's label) this often: a 13 s cold boot
+# costs ~4 calls for all the hosts booting at once instead of ~7 per host, and a host that dies while
+# booting still fails its start within this long plus huggingface_hub's 2 s, with its stage and log.
+HOST_WATCH_INTERVAL_S = 3.0
 # Pool names become the `hf-sandbox-pool` job label: the Hub's label rule.
 _POOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,100}\Z")  # \Z: `$` would accept a trailing newline
 
@@ -210,7 +216,7 @@ class PooledSandbox:
             with owner._lock:
                 owner._job_namespace = namespace
                 owner._move(_core.Phase.STARTING)  # from here on a teardown kills whatever sandbox we hold
-            pool = _pool_for(settings, token, namespace, owner.endpoint)
+            pool = _pool_for(settings, token, namespace, owner.endpoint, new_session=owner._hooks()._new_session)
             owner._raise_if_stopped()
             env = {**{k: str(v) for k, v in settings["secrets"].items()},
                    **{k: str(v) for k, v in settings["env_vars"].items()}}
@@ -545,7 +551,7 @@ def prewarm(provider: "_core.HFSandboxProvider", n: int) -> None:
     finally:
         client.close()
     hosts = -(-n // HOST_CAPACITY_ASSUMED)
-    pool = _pool_for(settings, token, namespace, provider.endpoint, warm_up=hosts)
+    pool = _pool_for(settings, token, namespace, provider.endpoint, warm_up=hosts, new_session=provider._new_session)
     per_host = int(getattr(pool, "sandboxes_per_host", HOST_CAPACITY_ASSUMED) or HOST_CAPACITY_ASSUMED)
     wanted = -(-(n + pool.num_sandboxes) // per_host)
     if pool.num_hosts < wanted:
@@ -553,9 +559,11 @@ def prewarm(provider: "_core.HFSandboxProvider", n: int) -> None:
         pool.warm(wanted)
 
 
-def _pool_for(settings: Mapping[str, Any], token: str, namespace: str, endpoint: str, warm_up: int = 1) -> Any:
+def _pool_for(settings: Mapping[str, Any], token: str, namespace: str, endpoint: str, warm_up: int = 1,
+              new_session: Callable[[], requests.Session] = requests.Session) -> Any:
     """The pool a start places its sandbox in: the caller's SandboxPool as given, or this process's
-    named pool for these settings (made on first use, which boots its first `warm_up` hosts)."""
+    named pool for these settings (made on first use, which boots its first `warm_up` hosts; the job
+    watcher's session for its booting hosts comes from `new_session`)."""
     pool = settings["pool"]
     if not isinstance(pool, str):
         return pool
@@ -572,7 +580,7 @@ def _pool_for(settings: Mapping[str, Any], token: str, namespace: str, endpoint:
             logger.info("pool %s: starting (image %s, flavor %s, namespace %s)", pool, settings["image"],
                         settings["flavor"], namespace)
             try:
-                entry.pool = _new_pool(pool, settings, token, namespace, endpoint, warm_up)
+                entry.pool = _new_pool(pool, settings, token, namespace, endpoint, warm_up, new_session)
             except Exception as exc:  # its first host failed to boot (and was cancelled by huggingface_hub)
                 if isinstance(exc, _core.SandboxError):
                     raise
@@ -583,27 +591,79 @@ def _pool_for(settings: Mapping[str, Any], token: str, namespace: str, endpoint:
 
 
 def _new_pool(name: str, settings: Mapping[str, Any], token: str, namespace: str, endpoint: str,
-              warm_up: int) -> Any:
-    """A SandboxPool (booting its first `warm_up` hosts in parallel) whose Hub calls go to the provider's endpoint."""
+              warm_up: int, new_session: Callable[[], requests.Session]) -> Any:
+    """A SandboxPool (booting its first `warm_up` hosts in parallel) whose Hub calls go to the provider's
+    endpoint, its booting hosts watched by the process's job watcher."""
     return _pool_class()(image=settings["image"], flavor=settings["flavor"], name=name, namespace=namespace,
                          token=token, warm_up=max(NAMED_POOL_WARM_UP, warm_up),
-                         start_timeout=float(settings["start_timeout_s"]), hub_endpoint=endpoint)
+                         start_timeout=float(settings["start_timeout_s"]), hub_endpoint=endpoint,
+                         new_session=new_session)
 
 
 _pool_class_cache: List[Any] = []
 
 
 def _pool_class() -> Any:
-    """SandboxPool with the provider's endpoint: huggingface_hub's own calls the endpoint HF_ENDPOINT named
-    when it was imported, while a provider's `endpoint=` (e.g. the emulator's) may differ. The pool makes its
-    HfApi first thing in its constructor (which then boots a host), so the endpoint is set as it is assigned."""
+    """SandboxPool with the provider's endpoint and the process's job watcher.
+
+    huggingface_hub's own calls go to the endpoint HF_ENDPOINT named when it was imported, while a provider's
+    `endpoint=` (e.g. the emulator's) may differ: the pool makes its HfApi first thing in its constructor
+    (which then boots a host), so the HfApi is replaced as it is assigned, by one that also serves the stage
+    checks of the hosts the pool boots from the job watcher (HOST_WATCH_INTERVAL_S)."""
     if _pool_class_cache:
         return _pool_class_cache[0]
-    from huggingface_hub import HfApi, SandboxPool
+    from huggingface_hub import HfApi, JobInfo, SandboxPool
+
+    class WatchingHfApi(HfApi):  # type: ignore[misc,valid-type]
+        """HfApi whose `inspect_job` of a host this pool is booting reads the job watcher's latest answer
+        (no call of its own); the host job carries this process's label so the watcher's `list` finds it."""
+
+        def __init__(self, endpoint: str, token: Optional[str], new_session: Callable[[], requests.Session]) -> None:
+            super().__init__(endpoint=endpoint, token=token)
+            self._new_session = new_session
+            self._booting = threading.local()  # the host jobs the current thread's _boot_host started
+            self._watches: Dict[str, Tuple[Any, Any]] = {}  # job id -> (watch, the create answer)
+            self._watches_lock = threading.Lock()
+
+        def run_job(self, *, labels: Optional[Dict[str, str]] = None, **kwargs: Any) -> Any:
+            started = getattr(self._booting, "jobs", None)
+            if started is None or not self.token:  # not a host boot: as huggingface_hub does it
+                return super().run_job(labels=labels, **kwargs)
+            job = super().run_job(labels={**(labels or {}), _core.PROCESS_LABEL_KEY: _core._process_label}, **kwargs)
+            client = _core._JobsClient(self.endpoint, self.token, self._new_session())  # the watcher's key
+            try:
+                watch = _core._watcher.register(client, self._new_session, job.owner.name, job.id,
+                                                HOST_WATCH_INTERVAL_S, threading.Event())
+            finally:
+                client.close()
+            with self._watches_lock:
+                self._watches[job.id] = (watch, job)
+            started.append(job.id)
+            return job
+
+        def inspect_job(self, *, job_id: str, **kwargs: Any) -> Any:
+            with self._watches_lock:
+                entry = self._watches.get(job_id)
+            if entry is None:
+                return super().inspect_job(job_id=job_id, **kwargs)
+            watch, created = entry
+            if watch.error is not None:
+                raise watch.error
+            return created if watch.job is None else JobInfo(**watch.job, endpoint=self.endpoint)
+
+        def booting(self, active: bool) -> None:
+            """Around one `_boot_host`: watch the host jobs it starts, then stop watching them."""
+            started, self._booting.jobs = getattr(self._booting, "jobs", None), [] if active else None
+            for job_id in started or []:
+                with self._watches_lock:
+                    watch, _ = self._watches.pop(job_id)
+                _core._watcher.unregister(watch)
 
     class ProviderSandboxPool(SandboxPool):  # type: ignore[misc,valid-type]
-        def __init__(self, *args: Any, hub_endpoint: str, **kwargs: Any) -> None:
+        def __init__(self, *args: Any, hub_endpoint: str, new_session: Callable[[], requests.Session],
+                     **kwargs: Any) -> None:
             self.__dict__["_hub_endpoint"] = hub_endpoint
+            self.__dict__["_new_session"] = new_session
             super().__init__(*args, **kwargs)
 
         @property
@@ -612,10 +672,17 @@ def _pool_class() -> Any:
 
         @_api.setter
         def _api(self, api: Any) -> None:
-            endpoint = self.__dict__.get("_hub_endpoint")
-            if endpoint and getattr(api, "endpoint", endpoint) != endpoint:
-                api = HfApi(endpoint=endpoint, token=api.token)
+            if not isinstance(api, WatchingHfApi):
+                api = WatchingHfApi(self.__dict__.get("_hub_endpoint") or api.endpoint, api.token,
+                                    self.__dict__["_new_session"])
             self.__dict__["_provider_api"] = api
+
+        def _boot_host(self) -> Any:
+            self._api.booting(True)
+            try:
+                return super()._boot_host()
+            finally:
+                self._api.booting(False)
 
     _pool_class_cache.append(ProviderSandboxPool)
     return ProviderSandboxPool

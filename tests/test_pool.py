@@ -20,6 +20,7 @@ hub = pytest.importorskip("huggingface_hub")
 pytest.importorskip("huggingface_hub._sandbox")
 
 import hf_sandbox_pool  # noqa: E402
+import hf_sandbox_provider as hsp  # noqa: E402
 from hf_jobs_emulator import JobsEmulator  # noqa: E402
 from hf_sandbox_provider import (EnvSession, HFSandboxProvider, InsecureURLError, JobFailedError,  # noqa: E402
                                  JobsAPIError, SandboxConfigError, SandboxError, SessionError)
@@ -126,6 +127,17 @@ def test_environments_of_one_named_pool_pack_onto_one_host_with_one_jobs_api_cre
     finally:
         for p in providers:
             p.stop_container()
+
+
+def test_hosts_booting_at_once_are_watched_with_one_list_per_refresh_not_an_inspect_per_host(pool_env, proxy):
+    emu = pool_env(sandbox_host_boot_s=hf_sandbox_pool.HOST_WATCH_INTERVAL_S + 1.0)  # at least one refresh
+    p = provider(emu, proxy, pool="two-hosts")
+    hf_sandbox_pool.prewarm(p, hf_sandbox_pool.HOST_CAPACITY_ASSUMED + 1)  # boots two hosts in parallel
+    calls = emu.api_calls
+    assert len(emu.jobs) == 2 and all(job.stage == "RUNNING" for job in emu.jobs)
+    assert calls.get("inspect", 0) == 0 and calls["list"] >= 2, calls  # huggingface_hub's checks: the watcher's
+    assert all(job.spec["labels"]["hf-sandbox-process"] == hsp._process_label for job in emu.jobs)
+    assert hsp._watcher._groups == {} or all(not g.watches for g in hsp._watcher._groups.values())
 
 
 def test_a_full_host_makes_the_pool_boot_another(pool_env, proxy):
@@ -308,8 +320,10 @@ def test_a_create_error_that_persists_is_a_jobs_api_error_and_leaves_nothing(poo
 
 def test_a_host_that_crashes_at_boot_fails_the_start_with_its_log(pool_env, proxy):
     emu = pool_env(faults={"crash-at-boot": "sbx-server: cannot start (emulated crash)"})
-    with pytest.raises(SandboxError, match="pool crashing could not start a host job"):
+    with pytest.raises(SandboxError, match="pool crashing could not start a host job") as failed:
         provider(emu, proxy, pool="crashing").start_container()
+    # the stage seen by the job watcher (huggingface_hub's own checks are answered from it), the message, the log
+    assert "status: ERROR" in str(failed.value) and "emulated crash" in str(failed.value)
     assert len(emu.jobs) == 1 and proxy._routes == {}
     assert emu.wait_for_stage(emu.jobs[0].id, ["ERROR", "CANCELED"]).stage in ("ERROR", "CANCELED")
 
