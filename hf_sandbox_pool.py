@@ -247,43 +247,18 @@ class PooledSandbox:
             raise
 
     def _wait_ready(self, base_url: str, budget: float) -> None:
-        """Probe /health through the proxy until 200, asking the host meanwhile whether the server process
-        still runs: one that exited fails at once with its output as the log tail."""
+        """Probe /health through the proxy until 200, asking the host every SERVER_CHECK_INTERVAL_S meanwhile
+        whether the server process still runs: one that exited fails at once with its output as the log tail."""
         owner = self.owner
-        url = base_url.rstrip("/") + "/health"
-        deadline = time.monotonic() + budget
-        interval = _core.HEALTH_PROBE_FIRST_S
-        next_check = time.monotonic() + SERVER_CHECK_INTERVAL_S
-        last_seen = "no answer yet"
-        with requests.Session() as session:
-            session.trust_env = False  # loopback proxy: never route through HTTP(S)_PROXY
-            while True:
-                owner._wake.clear()
-                owner._raise_if_stopped()
-                try:
-                    response = session.get(url, timeout=_core.HEALTH_PROBE_TIMEOUT_S)
-                    status = response.status_code
-                    last_seen = _core._describe_health_answer(response)
-                    response.close()
-                    if status == 200:
-                        owner.timings["ready"] = owner._elapsed()
-                        logger.info("sandbox %s ready (%.1fs after submit)", owner.job_id, owner._elapsed())
-                        return
-                    reason = _core._health_status_rejection(status)
-                    if reason:
-                        raise _core.SandboxError("sandbox %s: /health %s" % (owner.job_id, reason))
-                except requests.RequestException as exc:
-                    last_seen = type(exc).__name__
-                if time.monotonic() >= next_check:
-                    self._raise_if_server_ended()
-                    next_check = time.monotonic() + SERVER_CHECK_INTERVAL_S
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise _core.JobStartTimeout(
-                        "sandbox %s did not answer /health with 200 within %gs (last: %s)"
-                        % (owner.job_id, budget, last_seen), owner.job_id, owner.stage)
-                owner._wake.wait(min(interval, remaining))  # a stop wakes it
-                interval = min(_core.HEALTH_PROBE_INTERVAL_S, interval * _core.HEALTH_PROBE_GROWTH)
+        next_check = [time.monotonic() + SERVER_CHECK_INTERVAL_S]
+
+        def check() -> None:
+            owner._raise_if_stopped()
+            if time.monotonic() >= next_check[0]:
+                self._raise_if_server_ended()
+                next_check[0] = time.monotonic() + SERVER_CHECK_INTERVAL_S
+
+        owner._probe_until_ready(base_url, budget, check, "sandbox %s" % owner.job_id, "sandbox %s" % owner.job_id)
 
     def _teardown_jobs(self, client: Optional["_core._JobsClient"]) -> None:
         """Unmount the route and kill the sandbox (its host keeps running for the pool's other sandboxes)."""
@@ -442,11 +417,7 @@ def _release_sandbox(sandbox: Any, proxy: Any, base_url: Optional[str], client: 
     problems = []
     killed = False
     try:
-        if base_url and proxy is not None:
-            try:
-                proxy.unmount(base_url)
-            except Exception as exc:
-                problems.append("could not unmount its proxy route (%s)" % type(exc).__name__)
+        problems.extend(_core._unmount(proxy, base_url))
         if sandbox is not None:
             if _host_cancelled_by_us(sandbox):
                 killed = True  # its host job was cancelled with its pool: the sandbox went with it
@@ -664,6 +635,8 @@ def _pool_class() -> Any:
                      **kwargs: Any) -> None:
             self.__dict__["_hub_endpoint"] = hub_endpoint
             self.__dict__["_new_session"] = new_session
+            self._cache_lock = threading.Lock()
+            self._cache_writing = self._cache_stale = False
             super().__init__(*args, **kwargs)
 
         @property
@@ -676,6 +649,31 @@ def _pool_class() -> Any:
                 api = WatchingHfApi(self.__dict__.get("_hub_endpoint") or api.endpoint, api.token,
                                     self.__dict__["_new_session"])
             self.__dict__["_provider_api"] = api
+
+        def _save_cache(self, hosts: Any = None) -> None:
+            """huggingface_hub saves its host cache file after every create, under a file lock polled every
+            50 ms: 64 creates at once waited up to 4 s in line for it. Here one thread writes at a time and a
+            save asked for meanwhile is folded into that thread's next write (the latest state): each create
+            returns at once and the file still ends with the last state. `hosts` (close()) is written as given."""
+            if hosts is not None:
+                return super()._save_cache(hosts)
+            with self._cache_lock:
+                self._cache_stale = True
+                if self._cache_writing:
+                    return
+                self._cache_writing = True
+            try:
+                while True:
+                    with self._cache_lock:  # the check and the hand-back in one step: no save is lost
+                        if not self._cache_stale:
+                            self._cache_writing = False
+                            return
+                        self._cache_stale = False
+                    super()._save_cache()
+            except BaseException:
+                with self._cache_lock:
+                    self._cache_writing = False
+                raise
 
         def _boot_host(self) -> Any:
             self._api.booting(True)

@@ -941,44 +941,51 @@ class HFSandboxProvider:
             self._wake.wait(remaining)
 
     def _wait_ready(self, base_url: str, budget: float) -> None:
-        url = base_url.rstrip("/") + "/health"
         client = self._job_client
         if client is None:
             raise SandboxError("job %s was stopped before it became ready" % self.job_id)
-        start = time.monotonic()
-        deadline = start + budget
-        interval = HEALTH_PROBE_FIRST_S
-        last_seen = "no answer yet"
         self._watch_job(client, self._last_job)
-        try:
-            with requests.Session() as session:
-                session.trust_env = False  # loopback proxy: never route through HTTP(S)_PROXY
-                while True:
-                    self._wake.clear()
-                    self._latest_job(client)
-                    try:
-                        response = session.get(url, timeout=HEALTH_PROBE_TIMEOUT_S)
-                        status = response.status_code
-                        last_seen = _describe_health_answer(response)
-                        response.close()
-                        if status == 200:
-                            self.timings["ready"] = self._elapsed()
-                            logger.info("HF job %s ready (%.1fs after submit)", self.job_id, self._elapsed())
-                            return
-                        reason = _health_status_rejection(status)
-                        if reason:
-                            raise SandboxError("job %s: /health %s" % (self.job_id, reason))
-                    except requests.RequestException as exc:
-                        last_seen = type(exc).__name__
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise JobStartTimeout(
-                            "HF job %s did not answer /health with 200 within %gs (last: %s, stage %s)"
-                            % (self.job_id, budget, last_seen, self.stage), self.job_id, self.stage)
-                    self._wake.wait(min(interval, remaining))  # a crash seen by the watcher ends it
-                    interval = min(HEALTH_PROBE_INTERVAL_S, interval * HEALTH_PROBE_GROWTH)
+        try:  # between probes: the watcher's latest answer (a crash it saw ends the wait)
+            self._probe_until_ready(base_url, budget, lambda: self._latest_job(client), "HF job %s" % self.job_id,
+                                    "job %s" % self.job_id, lambda: ", stage %s" % self.stage)
         finally:
             self._unwatch_job()
+
+    def _probe_until_ready(self, base_url: str, budget: float, check: Callable[[], Any], label: str, short: str,
+                           detail: Callable[[], str] = lambda: "") -> None:
+        """Probe `/health` through the proxy until 200 (HEALTH_PROBE_* schedule; a stop wakes the wait),
+        calling `check` before each probe: it raises when waiting is pointless (the job ended, the server
+        exited). JobStartTimeout after `budget` s. `label`/`short` name the job or sandbox in the log and
+        errors; `detail()` is appended to the timeout's `last:` (e.g. the stage). Shared by both placements."""
+        url = base_url.rstrip("/") + "/health"
+        deadline = time.monotonic() + budget
+        interval = HEALTH_PROBE_FIRST_S
+        last_seen = "no answer yet"
+        with requests.Session() as session:
+            session.trust_env = False  # loopback proxy: never route through HTTP(S)_PROXY
+            while True:
+                self._wake.clear()
+                check()
+                try:
+                    response = session.get(url, timeout=HEALTH_PROBE_TIMEOUT_S)
+                    status = response.status_code
+                    last_seen = _describe_health_answer(response)
+                    response.close()
+                    if status == 200:
+                        self.timings["ready"] = self._elapsed()
+                        logger.info("%s ready (%.1fs after submit)", label, self._elapsed())
+                        return
+                    reason = _health_status_rejection(status)
+                    if reason:
+                        raise SandboxError("%s: /health %s" % (short, reason))
+                except requests.RequestException as exc:
+                    last_seen = type(exc).__name__
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise JobStartTimeout("%s did not answer /health with 200 within %gs (last: %s%s)"
+                                          % (label, budget, last_seen, detail()), self.job_id, self.stage)
+                self._wake.wait(min(interval, remaining))  # a stop, or a crash seen by the watcher, ends it
+                interval = min(HEALTH_PROBE_INTERVAL_S, interval * HEALTH_PROBE_GROWTH)
 
     def _safety_net(self, client: "_JobsClient", proxy: Optional["_proxy.AuthProxy"],
                     base_url: Optional[str]) -> "weakref.finalize":
@@ -2406,11 +2413,7 @@ def _release_job(client: Optional["_JobsClient"], namespace: Optional[str], job_
     problems = []
     cancelled = False
     try:
-        if base_url and proxy is not None:
-            try:
-                proxy.unmount(base_url)
-            except Exception as exc:
-                problems.append("could not unmount its proxy route (%s)" % type(exc).__name__)
+        problems.extend(_unmount(proxy, base_url))
         if job_id and namespace and client is not None:
             outcome = _cancel_briefly(client, namespace, job_id)
             if outcome is None:
@@ -2427,6 +2430,17 @@ def _release_job(client: Optional["_JobsClient"], namespace: Optional[str], job_
             "HF job %s: %s. It keeps running (and billing) until its timeout; cancel it at %s or run "
             "`python -m hf_sandbox_provider sweep`", job_id, "; ".join(problems), job_url or "the Hub")
     return cancelled
+
+
+def _unmount(proxy: Optional["_proxy.AuthProxy"], base_url: Optional[str]) -> List[str]:
+    """Unmount a route (when there is one) for a teardown: [] when done, else the problem as a phrase for
+    its warning. Shared by a job's and a pooled sandbox's release."""
+    if base_url and proxy is not None:
+        try:
+            proxy.unmount(base_url)
+        except Exception as exc:
+            return ["could not unmount its proxy route (%s)" % type(exc).__name__]
+    return []
 
 
 @atexit.register

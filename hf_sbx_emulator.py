@@ -34,6 +34,7 @@ import signal
 import socket
 import stat as stat_mod
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -73,6 +74,24 @@ EXEC_DRAIN_S = 0.5
 FINISHED_PROCESSES_KEPT = 100
 # SIGTERM, then SIGKILL after this long, when a process, a sandbox or a host is stopped.
 KILL_GRACE_S = 1.0
+# A sandbox's processes lead their own process groups (a shell's children stay in them). If the emulator is
+# killed outright (SIGKILL), no teardown runs: a reaper process, told each group as it starts and ends,
+# SIGKILLs the groups still listed when its input pipe reaches end of file, which the kernel makes happen
+# however the emulator ended. PR_SET_PDEATHSIG on each process would not do: it is not inherited by the
+# shell's children (the server itself), it fires when the *thread* that forked ends (here a request
+# handler), and setting it needs code between fork and exec (preexec_fn, unsafe with threads).
+REAPER_SOURCE = """
+import os, signal, sys
+groups = set()
+for line in sys.stdin.buffer:
+    pgid = int(line[1:])
+    (groups.add if line[:1] == b"+" else groups.discard)(pgid)
+for pgid in groups:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        pass
+"""
 # How often idle sandboxes (and an idle empty host) are looked for.
 EVICTION_POLL_S = 0.1
 # Largest request body buffered (file writes come in 1-2 MiB ranges; proxied bodies are small).
@@ -141,6 +160,7 @@ class SandboxHosts:
         self._lock = threading.Lock()
         self._hosts: Dict[str, SandboxHost] = {}
         self._create_errors: List[Tuple[int, Optional[int]]] = []  # (status, Retry-After) per next create
+        self.reaper: Optional[_Reaper] = None  # while any host runs (see REAPER_SOURCE)
 
     def host(self, job_id: str) -> "SandboxHost":
         """The running host of this job (KeyError naming it when there is none)."""
@@ -175,8 +195,10 @@ class SandboxHosts:
         """A bootstrap job was created: make its host and listen on the job's local port (answering 503);
         `moved` maps a local port to the one its process must use instead (network fault links)."""
         local = job.local_ports[SANDBOX_SERVER_PORT]
-        sbx = SandboxHost(self, job.id, env, bind, moved.get(local, local))
         with self._lock:
+            if self.reaper is None:
+                self.reaper = _Reaper()
+            sbx = SandboxHost(self, job.id, env, bind, moved.get(local, local))
             self._hosts[job.id] = sbx
         sbx.listen()
 
@@ -192,6 +214,12 @@ class SandboxHosts:
             problems = sbx.stop()
             if problems:
                 log.warning("sandbox host %s stopped but could not clean up: %s", job_id, ", ".join(problems))
+        with self._lock:
+            reaper = self.reaper if not self._hosts else None
+            if reaper is not None:
+                self.reaper = None
+        if reaper is not None:
+            reaper.close()  # every host ended its sandboxes: nothing is left for it to kill
 
     def _take_create_error(self) -> Optional[Tuple[int, Optional[int]]]:
         with self._lock:
@@ -433,6 +461,7 @@ class EmulatedSandbox:
         self._lock = threading.Lock()
         self._processes: Dict[str, _Process] = {}
         self._foreground: set = set()  # Popen of commands being exec'd (ended with the sandbox too)
+        self.reaper = host._owner.reaper
         self._active_requests = 0
         self._last_active = time.monotonic()
 
@@ -455,7 +484,7 @@ class EmulatedSandbox:
                                     stderr=subprocess.DEVNULL, env={**self.env, **env}, cwd=cwd,
                                     start_new_session=True)
         with self._lock:
-            proc = _Process(_new_id(set(self._processes)), popen, cmd, tag)
+            proc = _Process(_new_id(set(self._processes)), popen, cmd, tag, self.reaper)
             self._processes[proc.id] = proc
             finished = [p for p in self._processes.values() if not p.running]
             for old in finished[:max(0, len(finished) - FINISHED_PROCESSES_KEPT)]:
@@ -465,6 +494,8 @@ class EmulatedSandbox:
     def foreground(self, popen: subprocess.Popen, running: bool) -> None:
         with self._lock:
             (self._foreground.add if running else self._foreground.discard)(popen)
+        if self.reaper is not None:
+            (self.reaper.watch if running else self.reaper.forget)(popen.pid)
 
     def processes(self) -> List["_Process"]:
         with self._lock:
@@ -484,7 +515,7 @@ class EmulatedSandbox:
 
         Only groups whose leader still runs: an exited leader's pid may since belong to someone else."""
         with self._lock:
-            foreground = [_Process("exec", p, None, None) for p in self._foreground]
+            foreground = [_Process("exec", p, None, None, None) for p in self._foreground]
         procs = [p for p in self.processes() + foreground if p.running]
         for proc in procs:
             proc.signal(signal.SIGTERM)
@@ -500,6 +531,7 @@ class EmulatedSandbox:
                 proc.popen.wait(5.0)
             except subprocess.TimeoutExpired:
                 left.append(f"sandbox {self.id} pid {proc.popen.pid}")
+            proc.forget_if_reaped()
         shutil.rmtree(os.path.dirname(self.home), ignore_errors=True)
         return left
 
@@ -512,16 +544,30 @@ class EmulatedSandbox:
 class _Process:
     """A background process of a sandbox: its own process group, output discarded."""
 
-    def __init__(self, process_id: str, popen: subprocess.Popen, cmd: Any, tag: Optional[str]) -> None:
+    def __init__(self, process_id: str, popen: subprocess.Popen, cmd: Any, tag: Optional[str],
+                 reaper: Optional["_Reaper"]) -> None:
         self.id = process_id
         self.popen = popen
         self.cmd = cmd
         self.tag = tag
         self.started_at_ms = int(time.time() * 1000)
+        self._reaper = reaper  # told when the group starts, and when its leader is reaped
+        if reaper is not None:
+            reaper.watch(popen.pid)
 
     @property
     def running(self) -> bool:
-        return self.popen.poll() is None
+        if self.popen.poll() is None:
+            return True
+        self.forget_if_reaped()
+        return False
+
+    def forget_if_reaped(self) -> None:
+        """Once the leader is reaped its pid may be reused: take its group off the reaper's list."""
+        if self.popen.returncode is not None:
+            reaper, self._reaper = self._reaper, None
+            if reaper is not None:
+                reaper.forget(self.popen.pid)
 
     def signal(self, sig: int) -> None:
         try:
@@ -543,6 +589,7 @@ class _Process:
             self.popen.wait(5.0)
         except subprocess.TimeoutExpired:
             pass
+        self.forget_if_reaped()
         return True
 
     def as_json(self) -> Dict[str, Any]:
@@ -550,6 +597,43 @@ class _Process:
         return {"id": self.id, "pid": self.popen.pid, "cmd": self.cmd, "tag": self.tag,
                 "started_at_ms": self.started_at_ms, "running": code is None,
                 "exit_code": code if code is not None and code >= 0 else None}
+
+
+class _Reaper:
+    """The reaper process (REAPER_SOURCE) and the pipe it reads: `watch(pgid)` when a sandbox process group
+    starts, `forget(pgid)` once its leader is reaped; `close()` after every listed group ended."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._process = _jobs.spawn_process([sys.executable, "-I", "-S", "-c", REAPER_SOURCE], stdin=subprocess.PIPE,
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                            start_new_session=True)  # not in a terminal's group: Ctrl-C spares it
+
+    def watch(self, pgid: int) -> None:
+        self._send(b"+%d\n" % pgid)
+
+    def forget(self, pgid: int) -> None:
+        self._send(b"-%d\n" % pgid)
+
+    def close(self) -> None:
+        with self._lock:
+            try:
+                self._process.stdin.close()  # type: ignore[union-attr]
+            except OSError:
+                pass
+        try:
+            self._process.wait(5.0)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+
+    def _send(self, line: bytes) -> None:
+        with self._lock:
+            try:
+                self._process.stdin.write(line)  # type: ignore[union-attr]
+                self._process.stdin.flush()  # type: ignore[union-attr]
+            except (OSError, ValueError):
+                pass  # closed, or the reaper died: the emulator's own teardown still ends every group
 
 
 class _SbxError(Exception):

@@ -9,17 +9,25 @@ calls, per-step latency added by the host hop, and the VM-hours table. Results g
 Every environment server is the emulator's echo environment (tests/upstreams/uds_echo_env.py on the
 sandbox's unix socket when pooled, the emulator's echo-server job when dedicated), so the two differ only
 in placement. Both run on this machine: the host hop measured here is the emulated one (a TLS relay and a
-unix socket in Python), not the Hub's network path.
+unix socket in Python), not the Hub's network path. A dedicated echo job is forked from the emulator's
+pre-imported zygote (no interpreter start-up); a pooled one is a new interpreter in its sandbox, as on a
+host, its modules byte-compiled once first, as an image build leaves them. The start-up CPU of one
+server (the echo environment with and without that bytecode, and a real OpenEnv server) is measured too.
 """
 from __future__ import annotations
 
 import argparse
+import compileall
 import os
+import resource
+import shutil
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -39,6 +47,36 @@ COLD_S = 13.0
 WARM_S = 0.3
 SANDBOXES_PER_HOST = 50  # huggingface_hub's default density, used for the VM-hours table
 TIMEOUT_S = 300.0
+# A real OpenEnv server (openenv-core's create_app, served by uvicorn on a unix socket), for its start-up cost.
+OPENENV_SERVER = """
+import os
+from openenv.core.env_server.http_server import create_app
+from openenv.core.env_server.interfaces import Environment
+from openenv.core.env_server.types import Action, Observation, State
+import uvicorn
+
+class MessageAction(Action):
+    message: str
+
+class MessageObservation(Observation):
+    echoed_message: str = ""
+
+class Echo(Environment):
+    def __init__(self):
+        super().__init__()
+        self._state = State(episode_id="e", step_count=0)
+    def reset(self, seed=None, episode_id=None, **kwargs):
+        return MessageObservation(echoed_message="ready")
+    def step(self, action, timeout_s=None, **kwargs):
+        return MessageObservation(echoed_message=action.message)
+    @property
+    def state(self):
+        return self._state
+
+uvicorn.run(create_app(Echo, MessageAction, MessageObservation, env_name="echo"), uds=os.environ["HF_SANDBOX_SOCKET"],
+            log_level="warning")
+"""
+STARTUP_RUNS = 3  # start-up CPU: the median of this many starts of one server, alone
 START = "<!-- pool:start -->"
 END = "<!-- pool:end -->"
 
@@ -49,10 +87,14 @@ def _emulator(dedicated: bool, cold_s: float) -> JobsEmulator:
                         sandbox_host_ready_s=0.0, sandbox_create_s=WARM_S).start()
 
 
-def _providers(emu: JobsEmulator, n: int, pooled: bool) -> List[HFSandboxProvider]:
+def _providers(emu: JobsEmulator, n: int, pooled_server: Optional[List[str]]) -> List[HFSandboxProvider]:
+    """n environments at once: pooled (running `pooled_server` in each sandbox), or dedicated jobs if None."""
     options: Dict[str, Any] = dict(endpoint=emu.endpoint, token=emu.token, verify=emu.ca_path, progress=False,
                                    start_timeout_s=TIMEOUT_S, ready_timeout_s=TIMEOUT_S, max_parallel=n)
-    options.update(pool="bench", command=SERVER) if pooled else options.update(command=echo_server_command())
+    if pooled_server:
+        options.update(pool="bench", command=pooled_server)
+    else:
+        options.update(command=echo_server_command())
     return HFSandboxProvider.start_many(n, IMAGE, **options)  # type: ignore[return-value]
 
 
@@ -74,17 +116,82 @@ def _percentile(values: List[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
+def _byte_compiled_echo_server() -> List[str]:
+    """The pooled servers' command: the echo environment run from a copy of its modules byte-compiled once,
+    as an image build leaves its code (pip, a Dockerfile's compileall). This machine runs with
+    PYTHONDONTWRITEBYTECODE=1, so run from the repository each server would compile the ~7,000 lines of
+    hf_jobs_emulator and proxy at its start; a copy keeps the repository free of __pycache__ directories."""
+    root = tempfile.mkdtemp(prefix="pool-bench-echo-")
+    for module in ("hf_jobs_emulator.py", "proxy.py", "hf_sbx_emulator.py", os.path.join("tests", "upstreams",
+                                                                                        "uds_echo_env.py")):
+        os.makedirs(os.path.dirname(os.path.join(root, module)), exist_ok=True)
+        shutil.copyfile(os.path.join(ROOT, module), os.path.join(root, module))
+    compileall.compile_dir(root, quiet=1)
+    return [sys.executable, os.path.join(root, "tests", "upstreams", "uds_echo_env.py"), "{socket}"]
+
+
+def _startup_cpu_s(argv: List[str], env: Dict[str, str]) -> float:
+    """CPU seconds (user + system) one server takes from exec until its /health answers 200 on its unix
+    socket: the median of STARTUP_RUNS starts, each alone."""
+    samples = []
+    for _ in range(STARTUP_RUNS):
+        path = os.path.join(tempfile.mkdtemp(prefix="pool-bench-sock-"), "8000.sock")
+        proc = subprocess.Popen(argv, env={**env, "HF_SANDBOX_SOCKET": path}, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                with socket.socket(socket.AF_UNIX) as sock:
+                    sock.connect(path)
+                    sock.sendall(b"GET /health HTTP/1.1\r\nHost: env\r\nConnection: close\r\n\r\n")
+                    if sock.recv(64).startswith(b"HTTP/1.1 200"):
+                        break
+            except OSError:
+                pass
+            time.sleep(0.005)
+        proc.terminate()
+        usage = os.wait4(proc.pid, 0)[2]
+        proc.returncode = 0  # reaped here
+        samples.append(usage.ru_utime + usage.ru_stime)
+    return statistics.median(samples)
+
+
+def _startup_costs(server: List[str]) -> Dict[str, float]:
+    """Start-up CPU of one echo server as the benchmark runs it (`server`), and compiling its modules at
+    start (run from the repository, as this machine's PYTHONDONTWRITEBYTECODE=1 makes it), and of a real
+    OpenEnv server (its packages installed, so byte-compiled, as in an image)."""
+    costs = {"echo": _startup_cpu_s(server[:2], dict(os.environ)),
+             "echo_uncompiled": _startup_cpu_s(SERVER[:2], {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})}
+    try:
+        import openenv.core.env_server.http_server  # noqa: F401 - only whether it is installed
+    except ImportError:
+        return costs
+    script = os.path.join(tempfile.mkdtemp(prefix="pool-bench-openenv-"), "server.py")
+    with open(script, "w") as handle:
+        handle.write(OPENENV_SERVER)
+    costs["openenv"] = _startup_cpu_s([sys.executable, script], dict(os.environ))
+    return costs
+
+
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     import huggingface_hub.constants
     huggingface_hub.constants.HF_HOME = tempfile.mkdtemp(prefix="pool-bench-")  # its pool cache: not the user's
     result: Dict[str, Any] = {"envs": args.envs, "cold_s": args.cold_s, "warm_s": WARM_S}
+    server = _byte_compiled_echo_server()
+    result["startup_cpu_s"] = _startup_costs(server)
     # Pooled.
     emu = _emulator(False, args.cold_s)
     os.environ["SSL_CERT_FILE"] = emu.ca_path  # huggingface_hub's own clients trust the emulator's CA
     try:
         began = time.monotonic()
-        providers = _providers(emu, args.envs, True)
+        cpu_before = resource.getrusage(resource.RUSAGE_SELF)
+        load_before = os.getloadavg()[0]
+        providers = _providers(emu, args.envs, server)
         result["pooled_all_ready_s"] = time.monotonic() - began
+        cpu_after = resource.getrusage(resource.RUSAGE_SELF)
+        result["pooled_own_cpu_s"] = (cpu_after.ru_utime + cpu_after.ru_stime) - (cpu_before.ru_utime
+                                                                                 + cpu_before.ru_stime)
+        result["pooled_load"] = (load_before, os.getloadavg()[0])
         for stage in ("created", "url", "ready"):  # sandbox created, server started and mounted, /health 200
             moments = sorted(p._submitted_at + p.timings[stage] - began for p in providers)
             result["pooled_%s_s" % stage] = (moments[0], statistics.median(moments), moments[-1])
@@ -111,7 +218,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     emu = _emulator(True, args.cold_s)
     try:
         began = time.monotonic()
-        providers = _providers(emu, args.envs, False)
+        providers = _providers(emu, args.envs, None)
         result["dedicated_all_ready_s"] = time.monotonic() - began
         result["dedicated_jobs"] = len(emu.jobs)
         result["dedicated_api_calls"] = sum(emu.api_calls.values())
@@ -134,7 +241,8 @@ def report(r: Dict[str, Any]) -> str:
         "",
         "Machine: %s, Python %s, %d CPUs; %s UTC; load average at the end %.1f (the machine is shared). "
         "Emulator over TLS: a cold host or dedicated job %.0f s, a sandbox on a warm host %.1f s; every server is "
-        "the emulator's echo environment. huggingface_hub %s." % (
+        "the emulator's echo environment (dedicated: forked from the emulator's pre-imported zygote, no interpreter "
+        "start-up; pooled: a new interpreter in each sandbox, its modules byte-compiled). huggingface_hub %s." % (
             os.uname().machine, sys.version.split()[0], os.cpu_count() or 0,
             time.strftime("%Y-%m-%d %H:%M", time.gmtime()), r["load_average_end"], r["cold_s"], r["warm_s"],
             __import__("huggingface_hub").__version__),
@@ -159,8 +267,25 @@ def report(r: Dict[str, Any]) -> str:
         "the emulator, both hosts' TLS fronts, every sandbox and all %d servers' interpreter start-up (on the Hub "
         "each host's own CPU does that part)." % tuple(
             ["%.1f / %.1f / %.1f" % r["pooled_%s_s" % stage] for stage in ("created", "url", "ready")] + [r["envs"]]),
-        "- Jobs API calls by route, dedicated %s; pooled %s (huggingface_hub inspects each booting host every 2 s "
-        "while it waits for it)." % (_routes(r["dedicated_api_by_route"]), _routes(r["pooled_api_by_route"])),
+        "- CPU after the cold start: the %d echo servers' start-up is %d x %.3f = %.1f CPU-seconds (%.1f s of both "
+        "cores; one start measured alone), this process (emulator, proxy, huggingface_hub's clients, the "
+        "providers) used %.1f CPU-seconds over the whole start; load average %.1f before, %.1f after (other "
+        "work shares the 2 cores)." % (
+            r["envs"], r["envs"], r["startup_cpu_s"]["echo"], r["envs"] * r["startup_cpu_s"]["echo"],
+            r["envs"] * r["startup_cpu_s"]["echo"] / (os.cpu_count() or 1), r["pooled_own_cpu_s"],
+            r["pooled_load"][0], r["pooled_load"][1]),
+        "- Start-up CPU of one server until /health answers: the echo environment %.3f s (%.3f s with its modules "
+        "compiled at every start, as this machine's PYTHONDONTWRITEBYTECODE=1 would do without the benchmark's "
+        "byte-compiled copy)%s." % (
+            r["startup_cpu_s"]["echo"], r["startup_cpu_s"]["echo_uncompiled"],
+            "; a real OpenEnv server (openenv-core's create_app under uvicorn) %.2f s, so one cpu-basic host "
+            "(2 vCPU) starting 50 of them spends about %.0f s on it" % (
+                r["startup_cpu_s"]["openenv"], 50 * r["startup_cpu_s"]["openenv"] / 2)
+            if "openenv" in r["startup_cpu_s"] else ""),
+        "- Jobs API calls by route, dedicated %s; pooled %s (huggingface_hub's 2 s stage checks of the booting "
+        "hosts are answered by the process's job watcher: one list per %.0f s for both hosts)." % (
+            _routes(r["dedicated_api_by_route"]), _routes(r["pooled_api_by_route"]),
+            hf_sandbox_pool.HOST_WATCH_INTERVAL_S),
         "- Restarting one environment on a warm host, start_container + wait_for_ready: p50 %.2f s, p90 %.2f s "
         "(target: p50 under 1 s)." % (r["restart_p50_s"], r["restart_p90_s"]),
         "- The host hop adds %+.2f ms per step at p50 here (the emulated hop: a TLS relay and a unix socket, "

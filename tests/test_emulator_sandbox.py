@@ -726,3 +726,55 @@ def test_older_huggingface_hub_releases_drive_the_emulated_server(tmp_path, hub_
         assert (result.get("error"), result.get("run"), result.get("proxy")) == (None, "hi\n", 200)
     else:
         assert "403" in result["error"] and "own token" in result["error"]
+
+
+KILLED_EMULATOR_CHILD = r'''
+import json, os, sys, tempfile, time
+sys.path[:0] = [os.environ["ROOT"]]
+import huggingface_hub, huggingface_hub.constants, huggingface_hub.hf_api
+import hf_jobs_emulator
+from hf_jobs_emulator import JobsEmulator
+hf_jobs_emulator._LoopbackNames.add(hf_jobs_emulator.TLS_HOST_SUFFIX)
+emu = JobsEmulator(tls=True, sandbox_host_boot_s=0, sandbox_host_ready_s=0, sandbox_create_s=0).start()
+os.environ.update(SSL_CERT_FILE=emu.ca_path, HF_TOKEN=emu.token)
+huggingface_hub.constants.ENDPOINT = huggingface_hub.hf_api.api.endpoint = emu.endpoint
+huggingface_hub.constants.HF_HOME = tempfile.mkdtemp()
+pool = huggingface_hub.SandboxPool("python:3.12", token=emu.token, start_timeout=60)
+process = pool.create().run("sleep 300 & sleep 301; wait", background=True)  # a leader and a child
+print(json.dumps({"pgid": process.pid}), flush=True)
+time.sleep(300)
+'''
+
+
+def _group_members(pgid: int) -> List[int]:
+    """Live processes (not zombies) of the process group `pgid`."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as handle:
+                    fields = handle.read().rsplit(") ", 1)[1].split()
+            except (FileNotFoundError, IndexError):
+                continue
+            if fields[0] != "Z" and int(fields[2]) == pgid:
+                members.append(int(entry))
+    return members
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_an_emulator_killed_outright_leaves_no_sandbox_process(tmp_path):
+    child = subprocess.Popen([PY, "-c", KILLED_EMULATOR_CHILD], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "ROOT": os.path.dirname(hf_jobs_emulator.__file__)})
+    pgid = None
+    try:
+        pgid = json.loads(child.stdout.readline())["pgid"]
+        wait_until(lambda: len(_group_members(pgid)) >= 2, "the sandbox's shell and its sleep", 30)
+        child.kill()  # SIGKILL: no teardown of the emulator's runs
+        child.wait(30)
+        wait_until(lambda: _group_members(pgid) == [], "the sandbox's processes to end with the emulator", 30)
+    finally:
+        child.kill()
+        child.wait(30)
+        child.stdout.close()
+        if pgid is not None and _group_members(pgid):
+            os.killpg(pgid, signal.SIGKILL)  # a failed run leaves nothing either

@@ -347,6 +347,7 @@ if sys.argv[1] == "signal":
 print("READY", p.job_id, flush=True)
 if sys.argv[1] == "signal":
     time.sleep(120)
+sys.stdin.readline()  # "exit": ends when the test has looked at its sandbox
 '''
 
 
@@ -359,8 +360,8 @@ def test_a_process_that_exits_or_gets_sigterm_kills_its_sandboxes_and_cancels_th
     emu = pool_env()
     env = dict(os.environ, ROOT=os.path.dirname(HERE), TESTS=HERE, HF_HOME_DIR=str(tmp_path / "child-home"),
                EMU_ENDPOINT=emu.endpoint, EMU_TOKEN=emu.token, SERVER="\x1f".join(SERVER))
-    child = subprocess.Popen([sys.executable, "-c", CHILD, ending], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             env=env, text=True)
+    child = subprocess.Popen([sys.executable, "-c", CHILD, ending], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=env, text=True)
     try:
         line = child.stdout.readline()
         assert line.startswith("READY"), child.stderr.read()
@@ -368,6 +369,7 @@ def test_a_process_that_exits_or_gets_sigterm_kills_its_sandboxes_and_cancels_th
         assert len(host_sandboxes(emu, host_id)) == 1
         if ending == "signal":
             child.send_signal(signal.SIGTERM)
+        child.stdin.close()  # "exit": the child's stdin ends, so does the child
         child.wait(60)
     finally:
         if child.poll() is None:
