@@ -111,6 +111,19 @@ def _step_latency_ms(base_url: str, steps: int) -> List[float]:
     return out
 
 
+def _serving_at(emu: JobsEmulator, p: HFSandboxProvider) -> float:
+    """When the pooled server began serving (wall clock): its log file's last write, the echo server's
+    "serving on" line (the emulated sandbox's home is a local directory)."""
+    host = emu.sandbox_hosts.host(p._pooled.host_id)
+    home = os.path.join(host._state_dir, (p.job_id or "").split(".", 1)[1], "home")
+    return os.path.getmtime(os.path.join(home, ".hf-sandbox-server-%d.log" % p.port))
+
+
+def _first_median_last(values: List[float]) -> Any:
+    ordered = sorted(values)
+    return ordered[0], statistics.median(ordered), ordered[-1]
+
+
 def _percentile(values: List[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
@@ -183,7 +196,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     emu = _emulator(False, args.cold_s)
     os.environ["SSL_CERT_FILE"] = emu.ca_path  # huggingface_hub's own clients trust the emulator's CA
     try:
-        began = time.monotonic()
+        began, began_wall = time.monotonic(), time.time()
         cpu_before = resource.getrusage(resource.RUSAGE_SELF)
         load_before = os.getloadavg()[0]
         providers = _providers(emu, args.envs, server)
@@ -193,8 +206,12 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                                                                                  + cpu_before.ru_stime)
         result["pooled_load"] = (load_before, os.getloadavg()[0])
         for stage in ("created", "url", "ready"):  # sandbox created, server started and mounted, /health 200
-            moments = sorted(p._submitted_at + p.timings[stage] - began for p in providers)
-            result["pooled_%s_s" % stage] = (moments[0], statistics.median(moments), moments[-1])
+            result["pooled_%s_s" % stage] = _first_median_last([p._submitted_at + p.timings[stage] - began
+                                                                for p in providers])
+        serving = [_serving_at(emu, p) - began_wall for p in providers]
+        result["pooled_serving_s"] = _first_median_last(serving)
+        lags = sorted(p._submitted_at + p.timings["ready"] - began - at for p, at in zip(providers, serving))
+        result["pooled_probe_lag_s"] = (statistics.median(lags), _percentile(lags, 0.9), lags[-1])
         result["pooled_api_by_route"] = dict(emu.api_calls)
         result["pooled_hosts"] = len({p._pooled.host_id for p in providers})
         result["pooled_host_jobs"] = len(emu.jobs)
@@ -263,10 +280,12 @@ def report(r: Dict[str, Any]) -> str:
         "(target: + 3 s), on %d host jobs (target: at most 2)." % (
             r["envs"], r["pooled_all_ready_s"], r["cold_s"], r["pooled_all_ready_s"] - r["cold_s"], r["pooled_hosts"]),
         "- Where the pooled time goes (seconds from start_many, first / median / last environment): sandbox "
-        "created %s, server started and mounted %s, /health 200 %s. Everything here runs on this one machine: "
-        "the emulator, both hosts' TLS fronts, every sandbox and all %d servers' interpreter start-up (on the Hub "
-        "each host's own CPU does that part)." % tuple(
-            ["%.1f / %.1f / %.1f" % r["pooled_%s_s" % stage] for stage in ("created", "url", "ready")] + [r["envs"]]),
+        "created %s, server process started and mounted %s, server serving %s, /health 200 through the proxy %s "
+        "(from serving to that 200, the readiness probe's lag: median %.2f s, p90 %.2f s, max %.2f s). Everything "
+        "here runs on this one machine: the emulator, both hosts' TLS fronts, every sandbox and all %d servers' "
+        "interpreter start-up (on the Hub each host's own CPU does that part)." % tuple(
+            ["%.1f / %.1f / %.1f" % r["pooled_%s_s" % stage] for stage in ("created", "url", "serving", "ready")]
+            + list(r["pooled_probe_lag_s"]) + [r["envs"]]),
         "- CPU after the cold start: the %d echo servers' start-up is %d x %.3f = %.1f CPU-seconds (%.1f s of both "
         "cores; one start measured alone), this process (emulator, proxy, huggingface_hub's clients, the "
         "providers) used %.1f CPU-seconds over the whole start; load average %.1f before, %.1f after (other "
