@@ -253,7 +253,6 @@ class PooledSandbox:
         next_check = [time.monotonic() + SERVER_CHECK_INTERVAL_S]
 
         def check() -> None:
-            owner._raise_if_stopped()
             if time.monotonic() >= next_check[0]:
                 self._raise_if_server_ended()
                 next_check[0] = time.monotonic() + SERVER_CHECK_INTERVAL_S

@@ -954,9 +954,10 @@ class HFSandboxProvider:
     def _probe_until_ready(self, base_url: str, budget: float, check: Callable[[], Any], label: str, short: str,
                            detail: Callable[[], str] = lambda: "") -> None:
         """Probe `/health` through the proxy until 200 (HEALTH_PROBE_* schedule; a stop wakes the wait),
-        calling `check` before each probe: it raises when waiting is pointless (the job ended, the server
-        exited). JobStartTimeout after `budget` s. `label`/`short` name the job or sandbox in the log and
-        errors; `detail()` is appended to the timeout's `last:` (e.g. the stage). Shared by both placements."""
+        calling `check` after each probe that was not: it raises when waiting is pointless (the job ended, the
+        server exited), and may take a request of its own, which must not delay the next probe. JobStartTimeout
+        after `budget` s. `label`/`short` name the job or sandbox in the log and errors; `detail()` is appended
+        to the timeout's `last:` (e.g. the stage). Shared by both placements."""
         url = base_url.rstrip("/") + "/health"
         deadline = time.monotonic() + budget
         interval = HEALTH_PROBE_FIRST_S
@@ -965,7 +966,7 @@ class HFSandboxProvider:
             session.trust_env = False  # loopback proxy: never route through HTTP(S)_PROXY
             while True:
                 self._wake.clear()
-                check()
+                self._raise_if_stopped()
                 try:
                     response = session.get(url, timeout=HEALTH_PROBE_TIMEOUT_S)
                     status = response.status_code
@@ -980,6 +981,7 @@ class HFSandboxProvider:
                         raise SandboxError("%s: /health %s" % (short, reason))
                 except requests.RequestException as exc:
                     last_seen = type(exc).__name__
+                check()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise JobStartTimeout("%s did not answer /health with 200 within %gs (last: %s%s)"
