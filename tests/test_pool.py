@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Any, Callable, Iterator, List
 
 import pytest
@@ -138,6 +139,30 @@ def test_hosts_booting_at_once_are_watched_with_one_list_per_refresh_not_an_insp
     assert calls.get("inspect", 0) == 0 and calls["list"] >= 2, calls  # huggingface_hub's checks: the watcher's
     assert all(job.spec["labels"]["hf-sandbox-process"] == hsp._process_label for job in emu.jobs)
     assert hsp._watcher._groups == {} or all(not g.watches for g in hsp._watcher._groups.values())
+
+
+def test_pool_cache_saves_during_a_slow_one_are_folded_into_one_write_that_keeps_the_last_state(
+        pool_env, proxy, monkeypatch):
+    import huggingface_hub._sandbox as hub_sandbox
+    emu = pool_env()
+    writes: List[int] = []  # the live count each write recorded
+    real_save = hub_sandbox.save_pool_cache
+
+    def slow_save(*args: Any, **kwargs: Any) -> None:
+        time.sleep(1.0)  # a slow disk (or a contended file lock): creates arrive while it writes
+        writes.append(sum(host.live for host in kwargs["hosts"]))
+        real_save(*args, **kwargs)
+
+    monkeypatch.setattr(hub_sandbox, "save_pool_cache", slow_save)
+    providers = HFSandboxProvider.start_many(8, IMAGE, progress=False, endpoint=emu.endpoint, token=emu.token,
+                                             verify=emu.ca_path, proxy=proxy, command=SERVER, pool="slow-cache",
+                                             start_timeout_s=TIMEOUT, ready_timeout_s=TIMEOUT)
+    try:
+        assert len(writes) < 1 + len(providers), writes  # the warm-up's write, then fewer than one per create
+        assert writes[-1] == len(providers)  # the last write has every sandbox: no save was lost
+    finally:
+        for p in providers:
+            p.stop_container()
 
 
 def test_a_full_host_makes_the_pool_boot_another(pool_env, proxy):
