@@ -967,6 +967,7 @@ class HFSandboxProvider:
             while True:
                 self._wake.clear()
                 self._raise_if_stopped()
+                probed_at = time.monotonic()
                 try:
                     response = session.get(url, timeout=HEALTH_PROBE_TIMEOUT_S)
                     status = response.status_code
@@ -986,7 +987,9 @@ class HFSandboxProvider:
                 if remaining <= 0:
                     raise JobStartTimeout("%s did not answer /health with 200 within %gs (last: %s%s)"
                                           % (label, budget, last_seen, detail()), self.job_id, self.stage)
-                self._wake.wait(min(interval, remaining))  # a stop, or a crash seen by the watcher, ends it
+                # the next probe `interval` after this one began (a slow check eats into the wait, not after
+                # it); a stop, or a crash seen by the watcher, ends the wait
+                self._wake.wait(max(0.0, min(probed_at + interval - time.monotonic(), remaining)))
                 interval = min(HEALTH_PROBE_INTERVAL_S, interval * HEALTH_PROBE_GROWTH)
 
     def _safety_net(self, client: "_JobsClient", proxy: Optional["_proxy.AuthProxy"],
