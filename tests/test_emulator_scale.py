@@ -157,6 +157,7 @@ def test_a_job_canceled_while_its_process_starts_is_never_running_and_its_proces
         assert emu.live_pids() == []
 
 
+@pytest.mark.slow  # eight jobs
 def test_one_prober_thread_records_first_health_for_many_jobs(emu):
     ids = [create(emu) for _ in range(8)]
     for job_id in ids:
@@ -197,6 +198,7 @@ def test_the_prober_records_the_first_200_not_the_first_answer(emu, tmp_path):
     assert emu.job(job_id).first_health_ok_mono >= made
 
 
+@pytest.mark.slow  # twenty-four jobs
 def test_list_answers_with_every_job_while_many_start(emu):
     ids = [create(emu) for _ in range(24)]
     seen = []

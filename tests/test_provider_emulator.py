@@ -128,6 +128,7 @@ def test_health_answering_auth_refusal_gives_up_with_an_error_naming_it_and_canc
     assert [job.stage for job in emu.jobs] == ["CANCELED"]
 
 
+@pytest.mark.slow  # waits out a 1.5 s ready timeout
 def test_health_answering_503_is_not_a_refusal_the_wait_goes_on_until_its_deadline(emu, proxy):
     provider = hsp.HFSandboxProvider(IMAGE, endpoint=emu.endpoint, token=emu.token, proxy=proxy,
                                      command=[sys.executable, "-c", _REFUSING_SERVER], env_vars={"STATUS": 503},
