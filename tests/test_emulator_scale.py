@@ -128,6 +128,7 @@ def test_zygote_false_starts_the_echo_server_with_popen():
     assert not running(pid)
 
 
+@pytest.mark.slow  # a fresh zygote interpreter replaces the killed one
 def test_when_the_zygote_dies_its_jobs_are_killed_and_end_in_error_and_new_jobs_still_start(emu):
     ids = [create(emu) for _ in range(2)]
     pids = [emu.wait_for_stage(job_id, ["RUNNING"], TIMEOUT).pid for job_id in ids]

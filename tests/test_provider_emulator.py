@@ -71,6 +71,7 @@ def _worker(pickled: bytes, results) -> None:
         provider.stop_container()
 
 
+@pytest.mark.slow  # a spawned worker interpreter
 def test_unstarted_provider_pickled_to_a_spawned_worker_runs_its_own_job(emu):
     provider = hsp.HFSandboxProvider(IMAGE, endpoint=emu.endpoint, token=emu.token,
                                      command=echo_server_command(), poll_interval_s=0.05)
