@@ -173,6 +173,28 @@ _RESPONSE_LINE_RE = re.compile(r"^HTTP/1\.([01]) ([0-9]{3})(?: (.*))?$")
 # leading blanks, with no control character but tab (what _TOKEN_RE, _BAD_VALUE_CHAR_RE and a CR check
 # did in three calls per line).
 _RESPONSE_HEADER_RE = re.compile(r"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*([^\x00-\x08\x0a-\x1f\x7f]*)\Z")
+# The common request head, whole, in one match (the fast path; anything else goes to the strict
+# line-by-line parser, which names what is wrong): "METHOD /target HTTP/1.x", then "Name: value" lines
+# with one space after the colon, a value without surrounding blanks or control characters, CRLF line
+# ends. Such a head parses to exactly what the strict parser makes of it, and each line is already
+# the "Name: value" line the strict path would write upstream.
+_CLEAN_VALUE = r"[^\x00-\x20\x7f](?:[^\x00-\x08\x0a-\x1f\x7f]*[^\x00-\x20\x7f])?"
+_CLEAN_REQUEST_RE = re.compile(r"([!#$%%&'*+\-.^_`|~0-9A-Za-z]+) (/[\x21-\x7e]*) (HTTP/1\.[01])\r\n"
+                               r"((?:[!#$%%&'*+\-.^_`|~0-9A-Za-z]+: %s\r\n)*)\r\n" % _CLEAN_VALUE)
+_CLEAN_LINE_RE = re.compile(r"([!#$%%&'*+\-.^_`|~0-9A-Za-z]+): (%s)\r\n" % _CLEAN_VALUE)
+# The request headers the fast path must look at (framing, connection, expectations) or drop (hop-by-hop
+# ones, and those the proxy replaces): found by name in one search. `close` is here because a
+# `Connection: close` names it hop-by-hop: a client header called Close takes the strict path.
+_SPECIAL_REQUEST_NAMES = sorted(HOP_BY_HOP | REPLACED_REQUEST_HEADERS | {"close"}, key=len, reverse=True)
+_SPECIAL_REQUEST_RE = re.compile(r"\r\n(%s): ([^\r]*)" % "|".join(_SPECIAL_REQUEST_NAMES), re.I)
+# Those the proxy never forwards (every special name but `close`), as whole lines of a clean head.
+# Special request headers the fast path simply drops; any other special one takes the strict path.
+_DROPPED_PLAINLY = frozenset(["host", "authorization", "keep-alive", "proxy-connection", "proxy-authorization",
+                              "proxy-authenticate"])
+# Connection tokens the fast path understands ("" from a stray comma, which the strict parse skips).
+_PLAIN_CONNECTION_TOKENS = frozenset(["keep-alive", "close", ""])
+_DROPPED_REQUEST_LINE_RE = re.compile(r"^(?:%s): [^\r]*\r\n" % "|".join(
+    n for n in _SPECIAL_REQUEST_NAMES if n != "close"), re.I | re.M)
 
 Token = Union[str, Callable[[], str], None]
 Verify = Union[bool, str]
@@ -250,6 +272,9 @@ class Route:
         self.headers: ExtraHeaders = headers  # never logged or shown: it may hold credentials
         self._fixed_headers: Tuple[Tuple[str, str], ...] = (
             () if headers is None or callable(headers) else tuple(headers.items()))
+        # The last extra headers as clean-head lines (see _clean_request_lines): (headers, the pattern of
+        # the client lines they replace, their lines).
+        self._extra_lines: Optional[Tuple[Tuple[Tuple[str, str], ...], "re.Pattern[str]", str]] = None
         self._lock = threading.Lock()  # tunnels and failure runs; never the pool
         # The host's pool (shared with the proxy's other routes to this host, or this route's own),
         # whose idle keep-alive connections (newest on the right) this route uses, and this route's
@@ -1682,17 +1707,15 @@ class _RequestHeaders(http.client.HTTPMessage):
 
     @classmethod
     def parsed(cls, pairs: List[Tuple[str, str]]) -> "_RequestHeaders":
-        """Headers from the parser's (name, value) pairs, indexed once."""
+        """Headers from the parser's (name, value) pairs (indexed at the first lookup: a clean request
+        that no hook reads is never indexed)."""
         headers = cls()
         # A private attribute, kept on purpose: email.message.Message stores headers in `_headers`
         # (unchanged from Python 3.3 to 3.13; the proxy tests pass on 3.9.18 and 3.13.0), and
         # filling it directly skips the email policy's per-header work, the proxy's largest
         # per-request cost when it went through __setitem__.
         headers._headers = list(pairs)  # type: ignore[attr-defined]
-        index: Dict[str, List[str]] = {}
-        for name, value in pairs:
-            index.setdefault(name.lower(), []).append(value)
-        headers._index, headers._pairs = index, pairs
+        headers._pairs = pairs
         return headers
 
     def items(self) -> List[Tuple[str, str]]:  # type: ignore[override]
@@ -1703,7 +1726,7 @@ class _RequestHeaders(http.client.HTTPMessage):
     def _lookup(self) -> Dict[str, List[str]]:
         if self._index is None:
             index: Dict[str, List[str]] = {}
-            for name, value in self.raw_items():
+            for name, value in self._pairs if self._pairs is not None else self.raw_items():
                 index.setdefault(name.lower(), []).append(value)
             self._index = index
         return self._index
@@ -1768,6 +1791,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     sys_version = ""
     server: _Server
     _route_headers: Tuple[Tuple[str, str], ...] = ()  # the current request's route headers (set per request)
+    # For a head the fast path parsed (see _parse_clean_head): its body framing and its header lines
+    # the upstream gets as they are (hop-by-hop and replaced ones removed); None for a strict parse.
+    _clean: Optional[Tuple[Tuple[str, int], str]] = None
 
     # -- connection plumbing ----------------------------------------------------------------------
 
@@ -1797,16 +1823,18 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def handle_one_request(self) -> None:
         self.close_connection = True
         self._reader.head_phase(self.proxy.idle_timeout_s, self.proxy.header_timeout_s)
+        self._clean = None
         try:
-            self.raw_requestline = self.rfile.readline(MAX_REQUEST_LINE + 1)
-            if not self.raw_requestline:
-                return
-            if len(self.raw_requestline) > MAX_REQUEST_LINE:
-                self.requestline, self.request_version, self.command = "", "HTTP/1.1", ""
-                self.send_error(414, "The request line is longer than %d bytes." % MAX_REQUEST_LINE)
-                return
-            if not self.parse_request():
-                return
+            if not self._parse_clean_head():
+                self.raw_requestline = self.rfile.readline(MAX_REQUEST_LINE + 1)
+                if not self.raw_requestline:
+                    return
+                if len(self.raw_requestline) > MAX_REQUEST_LINE:
+                    self.requestline, self.request_version, self.command = "", "HTTP/1.1", ""
+                    self.send_error(414, "The request line is longer than %d bytes." % MAX_REQUEST_LINE)
+                    return
+                if not self.parse_request():
+                    return
             self._reader.body_phase(self.proxy.idle_timeout_s)
             self._dispatch()
         except (socket.timeout, TimeoutError):
@@ -1869,6 +1897,48 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return self.handle_expect_100()
         return True
 
+    def _parse_clean_head(self) -> bool:
+        """The fast path for the common request head: if the bytes already buffered hold a whole head
+        that _CLEAN_REQUEST_RE matches, with at most one Content-Length, a Connection of keep-alive
+        and/or close only, and no Transfer-Encoding, Expect, Upgrade, TE or Trailer, consume it and set
+        what parse_request sets (the same values it would), plus `_clean`. Otherwise consume nothing
+        and return False: parse_request reads the head and answers whatever is wrong with it."""
+        buffered = self.rfile.peek(1)  # (one read if nothing is buffered yet, as readline would do)
+        end = buffered.find(b"\r\n\r\n") + 4
+        if not 4 <= end <= MAX_HEADER_BYTES:
+            return False
+        text = buffered[:end].decode("iso-8859-1")
+        match = _CLEAN_REQUEST_RE.fullmatch(text)
+        if match is None:
+            return False
+        command, target, version, block = match.groups()
+        if command == "CONNECT":
+            return False
+        length, tokens = -1, ()
+        for name, value in _SPECIAL_REQUEST_RE.findall(text):
+            name = name.lower()
+            if name == "content-length":
+                if length >= 0 or not (value.isdigit() and value.isascii()) or len(value) > 18:
+                    return False
+                length = int(value)
+            elif name == "connection":
+                tokens = [t.strip() for t in value.lower().split(",")]
+                if not _PLAIN_CONNECTION_TOKENS.issuperset(tokens):
+                    return False
+            elif name not in _DROPPED_PLAINLY:
+                return False
+        pairs = _CLEAN_LINE_RE.findall(block)
+        if len(pairs) > MAX_HEADERS:
+            return False
+        self.rfile.read(end)
+        self.command, self.path, self.request_version = command, target, version
+        self.requestline = "%s %s %s" % (command, target, version)
+        self.headers = _RequestHeaders.parsed(pairs)
+        self.close_connection = "close" in tokens or (version == "HTTP/1.0" and "keep-alive" not in tokens)
+        self._clean = (("length", length) if length >= 0 else ("none", 0),
+                       _DROPPED_REQUEST_LINE_RE.sub("", block))
+        return True
+
     def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
         """Malformed requests (found by the stdlib parser) get the same JSON shape as other refusals."""
         self.close_connection = True
@@ -1911,10 +1981,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _dispatch(self) -> None:
         if self.request_version == "HTTP/1.0":
             self.close_connection = True  # no chunked framing for 1.0 clients: keep it simple, one per connection
-        framing = _body_framing(self.headers)
-        malformed = _target_refusal(self.command, self.path) or _header_refusal(self.headers)
-        if malformed is None and isinstance(framing, Refusal):
-            malformed = framing
+        clean = self._clean
+        if clean is not None:  # method, target and header values were proven clean while parsing
+            framing: Union[Tuple[str, int], Refusal] = clean[0]
+            malformed: Optional[Refusal] = None
+        else:
+            framing = _body_framing(self.headers)
+            malformed = _target_refusal(self.command, self.path) or _header_refusal(self.headers)
+            if malformed is None and isinstance(framing, Refusal):
+                malformed = framing
         decision = malformed or self._route()
         if isinstance(decision, Refusal):
             # Malformed input, or an unread body that would be parsed as the next request: close.
@@ -1925,7 +2000,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if route not in self.proxy._seen_routes:  # so stop() also closes routes a subclass made
             with self.proxy._lock:
                 self.proxy._seen_routes.add(route)
-        upgrade = _is_websocket_upgrade(self.command, self.headers)
+        # A clean head has no Upgrade header (unless a route_request hook added one: then it is no longer
+        # the parsed pairs, and the headers are read again).
+        upgrade = (clean is None or self.headers._pairs is None) and _is_websocket_upgrade(self.command, self.headers)
         refusal = _upgrade_refusal(self.headers) if upgrade else (
             _replicated_http_refusal(route.http, self.command, target) if isinstance(route, ReplicaRoute) else None)
         if refusal is not None:
@@ -2022,7 +2099,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _forward(self, route: Route, target: str, token: Optional[str], framing: Tuple[str, int]) -> None:
         method = self.command
-        headers = _upstream_request_headers(self.headers, route, token, self._route_headers)
+        if self._clean is not None and self.headers._pairs is not None:  # (None: a route_request hook edited them)
+            lines = _clean_request_lines(method, target, self._clean[1], route, token, self._route_headers)
+        else:
+            lines = _request_lines(method, target, _upstream_request_headers(self.headers, route, token,
+                                                                             self._route_headers))
         try:
             body, body_iter = self._buffered_body(framing)
         except _ClientBodyError as exc:
@@ -2031,8 +2112,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         replayable = len(body) <= REPLAYABLE_BODY_BYTES
         has_body = framing[0] != "none"
         try:
-            conn, answer, sent_all = self._send_upstream(route, method, target, headers, body, has_body, replayable,
-                                                         body_iter)
+            conn, answer, sent_all = self._send_upstream(route, method, lines, body, has_body, replayable, body_iter)
         except _ClientBodyError as exc:
             self._refuse(_client_body_refusal(exc, self.proxy.idle_timeout_s), close=True)
             return
@@ -2075,15 +2155,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 return b"".join(buffered), body_iter
         return b"".join(buffered), iter(())
 
-    def _send_upstream(self, route: Route, method: str, target: str, headers: List[Tuple[str, str]], body: bytes,
-                       has_body: bool, replayable: bool, rest: Iterator[bytes]
-                       ) -> Tuple[_UpstreamConnection, _Answer, bool]:
-        """Send the request on a pooled (or fresh) connection; (connection, final answer head, whether
-        the whole request was sent). Interim answers are relayed on the way."""
+    def _send_upstream(self, route: Route, method: str, lines: str, body: bytes, has_body: bool, replayable: bool,
+                       rest: Iterator[bytes]) -> Tuple[_UpstreamConnection, _Answer, bool]:
+        """Send the request (`lines`: its head without framing header and blank line) on a pooled (or
+        fresh) connection; (connection, final answer head, whether the whole request was sent).
+        Interim answers are relayed on the way."""
         if replayable:
-            head = _request_head(method, target, headers + [("Content-Length", str(len(body)))] if has_body else headers)
+            lines += "Content-Length: %d\r\n\r\n" % len(body) if has_body else "\r\n"
         else:
-            head = _request_head(method, target, headers + [("Transfer-Encoding", "chunked")])
+            lines += "Transfer-Encoding: chunked\r\n\r\n"
+        head = lines.encode("latin-1")  # parsed as latin-1 text, so this round-trips
         for attempt in (1, 2):
             try:
                 conn, reused = route._checkout(self.proxy)
@@ -2732,11 +2813,32 @@ def _answer_body(reader: _UpstreamReader, answer: _Answer) -> Iterator[bytes]:
                 break
 
 
-def _request_head(method: str, target: str, headers: List[Tuple[str, str]]) -> bytes:
-    lines = ["%s %s HTTP/1.1" % (method, target)]
-    lines += ["%s: %s" % pair for pair in headers]
-    lines += ["", ""]
-    return "\r\n".join(lines).encode("latin-1")  # parsed as latin-1 text, so this round-trips
+def _request_lines(method: str, target: str, headers: List[Tuple[str, str]]) -> str:
+    """The upstream request's line and header lines, each ending CRLF (no blank line yet)."""
+    return "%s %s HTTP/1.1\r\n%s" % (method, target, "".join(["%s: %s\r\n" % pair for pair in headers]))
+
+
+def _clean_request_lines(method: str, target: str, kept: str, route: Route, token: Optional[str],
+                         extra: Tuple[Tuple[str, str], ...]) -> str:
+    """What `_request_lines(_upstream_request_headers(...))` makes of a clean head (see
+    _parse_clean_head) whose forwarded lines are `kept`, without looking at each header: Host, the
+    kept lines (minus those the route's `extra` headers replace), Authorization, the extra headers."""
+    extra_lines = ""
+    if extra:
+        cached = route._extra_lines
+        if cached is None or cached[0] is not extra:  # (a mapping's headers are one tuple for the route's life)
+            route._extra_lines = cached = (extra,) + _extra_header_lines(extra)
+        kept, extra_lines = cached[1].sub("", kept), cached[2]
+    return "%s %s HTTP/1.1\r\nHost: %s\r\n%s%s%s" % (
+        method, target, route.host_header, kept, "" if token is None else "Authorization: Bearer %s\r\n" % token,
+        extra_lines)
+
+
+def _extra_header_lines(extra: Tuple[Tuple[str, str], ...]) -> Tuple["re.Pattern[str]", str]:
+    """For a route's extra headers: the pattern of the clean-head lines they replace, and their lines."""
+    names = "|".join(re.escape(name) for name, _ in extra)
+    return (re.compile(r"^(?:%s): [^\r]*\r\n" % names, re.I | re.M),
+            "".join(["%s: %s\r\n" % pair for pair in extra]))
 
 
 def _set_socket_timeout(sock: socket.socket, timeout: Optional[float], send_timeout: Optional[float] = None) -> None:
