@@ -188,6 +188,17 @@ _CLEAN_LINE_RE = re.compile(r"([!#$%%&'*+\-.^_`|~0-9A-Za-z]+): (%s)\r\n" % _CLEA
 _SPECIAL_REQUEST_NAMES = sorted(HOP_BY_HOP | REPLACED_REQUEST_HEADERS | {"close"}, key=len, reverse=True)
 _SPECIAL_REQUEST_RE = re.compile(r"\r\n(%s): ([^\r]*)" % "|".join(_SPECIAL_REQUEST_NAMES), re.I)
 # Those the proxy never forwards (every special name but `close`), as whole lines of a clean head.
+# The common response head, whole (the fast path of _parse_answer): an HTTP/1.1 status line with a
+# reason, "Name: value" lines as _CLEAN_REQUEST_RE's (an empty value allowed), CRLF line ends. The
+# proxy relays such a head byte for byte when it names no hop-by-hop header and one Content-Length:
+# what the strict path would write for it, without rewriting each line.
+_CLEAN_ANSWER_RE = re.compile(r"HTTP/1\.1 ([2-5][0-9][0-9]) ([^\x00-\x08\x0a-\x1f\x7f]*)\r\n"
+                              r"((?:[!#$%%&'*+\-.^_`|~0-9A-Za-z]+: (?:%s)?\r\n)*)\r\n" % _CLEAN_VALUE)
+_CLEAN_ANSWER_LINE_RE = re.compile(r"([!#$%%&'*+\-.^_`|~0-9A-Za-z]+): ((?:%s)?)\r\n" % _CLEAN_VALUE)
+_SPECIAL_ANSWER_RE = re.compile(r"\r\n(%s): " % "|".join(sorted(HOP_BY_HOP | {"content-length"}, key=len, reverse=True)),
+                                re.I)
+# A Content-Length the strict path would relay unchanged (it writes the number back in decimal).
+_CANONICAL_LENGTH_RE = re.compile(r"\r\n[Cc][Oo][Nn][Tt][Ee][Nn][Tt]-[Ll][Ee][Nn][Gg][Tt][Hh]: (0|[1-9][0-9]{0,17})\r\n")
 # Special request headers the fast path simply drops; any other special one takes the strict path.
 _DROPPED_PLAINLY = frozenset(["host", "authorization", "keep-alive", "proxy-connection", "proxy-authorization",
                               "proxy-authenticate"])
@@ -2287,8 +2298,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         Bodies keep their Content-Length; chunked and close-delimited ones are re-chunked for HTTP/1.1
         clients (so the client connection stays open) and close-delimited for HTTP/1.0 ones."""
         mode = answer.mode
-        headers = _response_headers(answer.headers, answer.length if mode == "length" else None,
-                                    drop_length=mode not in ("length", "none"))
+        headers = [] if answer.raw is not None else _response_headers(
+            answer.headers, answer.length if mode == "length" else None, drop_length=mode not in ("length", "none"))
         if mode not in ("length", "none"):
             if self.request_version == "HTTP/1.0":
                 mode, self.close_connection = "close", True
@@ -2309,10 +2320,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         whole = mode == "none" or (mode == "length" and answer.length <= SMALL_RESPONSE_BYTES)
         if whole:  # the answer is read: its connection goes back before the client can send its next request
             on_done(answer.keep_alive and not reader.buffered())
-        if self.close_connection:
-            headers.append(("Connection", "close"))
         try:
-            self._send_head(answer.status, answer.reason, headers, prefix)
+            if answer.raw is not None:  # a clean head (always "length"): as it came, Connection added
+                self.wfile.write((answer.raw[:-2] + b"Connection: close\r\n\r\n" if self.close_connection
+                                  else answer.raw) + prefix)
+            else:
+                if self.close_connection:
+                    headers.append(("Connection", "close"))
+                self._send_head(answer.status, answer.reason, headers, prefix)
         except OSError:
             if not whole:
                 on_done(False)
@@ -2727,13 +2742,22 @@ class _Answer(NamedTuple):
     mode: str  # "none", "length", "chunked" or "close" (read until the upstream closes)
     length: int  # the Content-Length for "length", else -1
     keep_alive: bool  # the connection may carry another request once this body is read
+    raw: Optional[bytes] = None  # the head to relay as it is (a clean head, see _CLEAN_ANSWER_RE), else None
 
 
 def _parse_answer(head: bytes, method: str) -> _Answer:
     """Parse a response head (status line, `Name: value` lines; obs-fold joined with a space), or raise
     _BadResponse. Framing: HEAD, 1xx, 204 and 304 have no body; Transfer-Encoding wins over
     Content-Length (and then the connection is not reused); conflicting lengths are refused."""
-    lines = head.decode("latin-1").split("\n")
+    text = head.decode("latin-1")
+    clean = _CLEAN_ANSWER_RE.fullmatch(text)
+    if clean is not None and method != "HEAD" and clean.group(1) not in ("204", "304"):
+        special = _SPECIAL_ANSWER_RE.findall(text)
+        length = _CANONICAL_LENGTH_RE.search(text) if len(special) == 1 else None
+        if length is not None:  # one Content-Length, nothing hop-by-hop: relayed as it is
+            return _Answer(int(clean.group(1)), clean.group(2), _CLEAN_ANSWER_LINE_RE.findall(clean.group(3)),
+                           "length", int(length.group(1)), True, head)
+    lines = text.split("\n")
     match = _RESPONSE_LINE_RE.match(lines[0].rstrip("\r"))
     if not match:
         raise _BadResponse("upstream-protocol", "sent a malformed status line")
