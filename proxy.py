@@ -1663,11 +1663,13 @@ class _ClientReader(io.RawIOBase):
 
     def head_phase(self, idle_timeout: float, header_timeout: float) -> None:
         self._header_timeout, self._deadline = header_timeout, None
-        self._set_timeout(idle_timeout)
+        if idle_timeout != self._timeout:
+            self._set_timeout(idle_timeout)
 
     def body_phase(self, timeout: Optional[float]) -> None:
         self._header_timeout = self._deadline = None
-        self._set_timeout(timeout)
+        if timeout != self._timeout:
+            self._set_timeout(timeout)
 
     def stop(self) -> None:
         """Make every later raw read answer "no more" without touching the socket, so the buffered
@@ -1778,8 +1780,7 @@ class _SocketWriter(io.BufferedIOBase):
             self._sock.sendall(data)
         except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
             raise socket.timeout("timed out") from None
-        with memoryview(data) as view:
-            return view.nbytes
+        return len(data)  # (bytes: every writer here passes bytes)
 
 
 _ERROR_KINDS = {400: "bad-request", 408: "request-timeout", 414: "request-line-too-long",
@@ -1802,6 +1803,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         self.proxy: AuthProxy = self.server.proxy
+        # The default route_request answers (Route, "/target") or a Refusal: only a subclass's is checked.
+        self._own_routing = type(self.proxy).route_request is AuthProxy.route_request
+        self._seen_route: Optional[AnyRoute] = None  # the last route known to be in proxy._seen_routes
         self.connection = self.request
         try:
             self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -2003,9 +2007,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._refuse(decision, close=malformed is not None or has_body or decision.status >= 500)
             return
         route, target = decision
-        if route not in self.proxy._seen_routes:  # so stop() also closes routes a subclass made
-            with self.proxy._lock:
-                self.proxy._seen_routes.add(route)
+        if route is not self._seen_route:  # (a keep-alive connection usually asks for one route)
+            if route not in self.proxy._seen_routes:  # so stop() also closes routes a subclass made
+                with self.proxy._lock:
+                    self.proxy._seen_routes.add(route)
+            self._seen_route = route
         # A clean head has no Upgrade header (unless a route_request hook added one: then it is no longer
         # the parsed pairs, and the headers are read again).
         upgrade = (clean is None or self.headers._pairs is None) and _is_websocket_upgrade(self.command, self.headers)
@@ -2042,6 +2048,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _route(self) -> Union[Tuple[AnyRoute, str], Refusal]:
         """Ask the `route_request` hook, turning a hook that raises or answers nonsense into a 500."""
+        if self._own_routing:
+            return self.proxy.route_request(self.path, self.headers)
         try:
             decision = self.proxy.route_request(self.path, self.headers)
         except Exception:
@@ -2130,7 +2138,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             _log_upstream_failure(route, failure.refusal.kind, "")
             self._refuse(failure.refusal, close=not replayable or failure.refusal.status == 504)
             return
-        route.note_answer()
+        if route._failing_kind is not None:  # (note_answer's own test, without the call)
+            route.note_answer()
         if not sent_all and not replayable:
             self.close_connection = True  # the upstream answered early: the rest of the client's body is unread
         self._relay_response(route, conn.reader, answer,
@@ -2179,8 +2188,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             sent_all = False
             try:
                 try:
-                    sent_all = conn.send_request(head, iter((body,)) if replayable else _prepend(body, rest),
-                                                 chunked=not replayable)
+                    if replayable and len(body) <= SMALL_RESPONSE_BYTES:  # one send, as send_request would
+                        conn._sendall(head + body)
+                        sent_all = True
+                    else:
+                        sent_all = conn.send_request(head, iter((body,)) if replayable else _prepend(body, rest),
+                                                     chunked=not replayable)
                 except (socket.timeout, TimeoutError):
                     raise
                 except OSError:
@@ -2534,11 +2547,14 @@ class _UpstreamConnection:
     Its socket's receive timeout is a slice (ANSWER_WATCH_S): a read that waits longer calls `watch`
     (set while a request waits for its answer) between slices, and gives up after read_timeout_s."""
 
-    __slots__ = ("sock", "reader", "since", "watch", "read_timeout_s", "__weakref__")
+    __slots__ = ("sock", "reader", "since", "watch", "read_timeout_s", "tls", "_poller", "__weakref__")
 
     def __init__(self, sock: socket.socket, read_timeout_s: float) -> None:
         self.sock = sock
         self.read_timeout_s = read_timeout_s
+        self.tls = isinstance(sock, ssl.SSLSocket)
+        # The liveness check's poll object, the socket registered once (not one poll object a request).
+        self._poller: Optional["select.poll"] = None
         self.watch: Optional[Callable[[], None]] = None
         self.reader = _UpstreamReader(self._recv)
         self.since = 0.0  # when it was last checked in
@@ -2560,11 +2576,16 @@ class _UpstreamConnection:
                 continue
 
     def _sendall(self, data: bytes) -> None:
-        if KERNEL_TIMEOUTS and not isinstance(self.sock, ssl.SSLSocket):
+        if KERNEL_TIMEOUTS and not self.tls:
             try:
                 self.sock.sendall(data)  # the kernel's send timeout is read_timeout_s
             except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
                 raise socket.timeout("timed out") from None
+            return
+        if len(data) <= SMALL_RESPONSE_BYTES:
+            # A small request fits in the socket buffers of a connection whose answers were all read:
+            # it never waits, and one sendall is one write (no loop over a view).
+            self.sock.sendall(data)
             return
         # One timeout (an SSL socket, or Python's timeouts), the read slice: send until read_timeout_s
         # passes with no progress.
@@ -2581,7 +2602,7 @@ class _UpstreamConnection:
 
     def looks_reusable(self) -> bool:
         """No stray bytes read or readable: an idle keep-alive connection that is readable was closed."""
-        return not self.reader.buffered() and not self.has_input()
+        return not self.reader._buf and not self.has_input()
 
     def has_input(self) -> bool:
         """Whether the upstream sent something (bytes or an end of stream), without blocking.
@@ -2590,9 +2611,19 @@ class _UpstreamConnection:
         right after the handshake): those are consumed by a non-blocking read, and only application
         bytes (kept for the reader) or an end of stream count."""
         sock = self.sock
-        if not _readable(sock):
+        if self.tls and sock.pending():
+            return True
+        poller = self._poller
+        if poller is None and hasattr(select, "poll"):
+            poller = self._poller = select.poll()
+            poller.register(sock, select.POLLIN)
+        try:
+            readable = bool(poller.poll(0)) if poller is not None else _readable(sock)
+        except (OSError, ValueError):
+            readable = True
+        if not readable:
             return False
-        if not isinstance(sock, ssl.SSLSocket) or sock.pending():
+        if not self.tls:
             return True
         timeout = sock.gettimeout()
         sock.settimeout(0.0)
