@@ -2774,7 +2774,10 @@ class _Answer(NamedTuple):
 def _parse_answer(head: bytes, method: str) -> _Answer:
     """Parse a response head (status line, `Name: value` lines; obs-fold joined with a space), or raise
     _BadResponse. Framing: HEAD, 1xx, 204 and 304 have no body; Transfer-Encoding wins over
-    Content-Length (and then the connection is not reused); conflicting lengths are refused."""
+    Content-Length (and then the connection is not reused); conflicting lengths are refused.
+
+    The common head (see _CLEAN_ANSWER_RE) is recognised whole and kept to be relayed as it is;
+    anything else is parsed line by line (_parse_answer_strictly)."""
     text = head.decode("latin-1")
     clean = _CLEAN_ANSWER_RE.fullmatch(text)
     if clean is not None and method != "HEAD" and clean.group(1) not in ("204", "304"):
@@ -2784,6 +2787,11 @@ def _parse_answer(head: bytes, method: str) -> _Answer:
             if value.isascii() and value.isdigit() and len(value) <= 18 and (value[0] != "0" or value == "0"):
                 # nothing hop-by-hop, one canonical Content-Length: relayed as it is (headers not parsed)
                 return _Answer(int(clean.group(1)), clean.group(2), [], "length", int(value), True, head)
+    return _parse_answer_strictly(text, method)
+
+
+def _parse_answer_strictly(text: str, method: str) -> _Answer:
+    """`_parse_answer` line by line, for any head (`text`: decoded as latin-1)."""
     lines = text.split("\n")
     match = _RESPONSE_LINE_RE.match(lines[0].rstrip("\r"))
     if not match:
