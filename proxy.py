@@ -1245,7 +1245,7 @@ def _body_framing(headers: http.client.HTTPMessage) -> Union[Tuple[str, int], Re
         if len(values) != 1:
             return Refusal(400, "bad-content-length", "Conflicting Content-Length values were sent.")
         value = values.pop()
-        if not value.isdigit() or len(value) > 18:
+        if not (value.isascii() and value.isdigit()) or len(value) > 18:  # (not "²", a digit to isdigit)
             return Refusal(400, "bad-content-length", "Content-Length must be a non-negative decimal integer.")
         return ("length", int(value))
     return ("none", 0)
@@ -2835,7 +2835,7 @@ def _parse_answer_strictly(text: str, method: str) -> _Answer:
         return _Answer(status, reason, headers, "close", -1, False)
     if lengths:
         value = lengths.pop()
-        if lengths or not value.isdigit() or len(value) > 18:
+        if lengths or not (value.isascii() and value.isdigit()) or len(value) > 18:
             raise _BadResponse("upstream-protocol", "sent an invalid or conflicting Content-Length")
         return _Answer(status, reason, headers, "length", int(value), keep_alive)
     return _Answer(status, reason, headers, "close", -1, False)
