@@ -393,15 +393,14 @@ class Route:
         slice_s = min(ANSWER_WATCH_S, proxy.read_timeout_s)  # reads wait in slices (see _UpstreamConnection)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self.scheme == "https":
-                sock = self.tls_context().wrap_socket(sock, server_hostname=self.host)  # handshakes now
-                sock.settimeout(slice_s)  # (an SSL socket reads before it polls: no extra call)
+            if self.scheme == "https":  # handshakes now, within the connect timeout
+                conn = _UpstreamConnection.over_tls(sock, self.tls_context(), self.host, proxy.read_timeout_s)
             else:
-                _set_socket_timeout(sock, slice_s, send_timeout=proxy.read_timeout_s)
+                conn = _UpstreamConnection(sock, proxy.read_timeout_s)
+            _set_socket_timeout(sock, slice_s, send_timeout=proxy.read_timeout_s)
         except BaseException:
             sock.close()
             raise
-        conn = _UpstreamConnection(sock, proxy.read_timeout_s)
         self._register(conn)
         return conn, False
 
@@ -2540,24 +2539,71 @@ def _read_head(stream: "_Stream") -> Tuple[bytes, bytes]:
 
 
 class _UpstreamConnection:
-    """One keep-alive HTTP/1.1 connection to an upstream: its socket (TLS-wrapped for https) and a
-    reader that keeps what was read past the current response visible, so such a connection is
-    never pooled.
+    """One keep-alive HTTP/1.1 connection to an upstream: its TCP socket, for https the TLS engine
+    over it (`tls`, an `ssl.SSLObject` on memory buffers: see `over_tls`), and a reader that keeps
+    what was read past the current response visible, so such a connection is never pooled.
 
     Its socket's receive timeout is a slice (ANSWER_WATCH_S): a read that waits longer calls `watch`
     (set while a request waits for its answer) between slices, and gives up after read_timeout_s."""
 
-    __slots__ = ("sock", "reader", "since", "watch", "read_timeout_s", "tls", "_poller", "__weakref__")
+    __slots__ = ("sock", "reader", "since", "watch", "read_timeout_s", "tls", "_incoming", "_outgoing", "_poller",
+                 "__weakref__")
 
-    def __init__(self, sock: socket.socket, read_timeout_s: float) -> None:
+    def __init__(self, sock: socket.socket, read_timeout_s: float,
+                 tls: Optional[Tuple[ssl.SSLObject, ssl.MemoryBIO, ssl.MemoryBIO]] = None) -> None:
         self.sock = sock
         self.read_timeout_s = read_timeout_s
-        self.tls = isinstance(sock, ssl.SSLSocket)
+        self.tls, self._incoming, self._outgoing = tls if tls is not None else (None, None, None)
         # The liveness check's poll object, the socket registered once (not one poll object a request).
         self._poller: Optional["select.poll"] = None
         self.watch: Optional[Callable[[], None]] = None
-        self.reader = _UpstreamReader(self._recv)
+        self.reader = _UpstreamReader(self._recv if tls is None else self._recv_tls)
         self.since = 0.0  # when it was last checked in
+
+    @classmethod
+    def over_tls(cls, sock: socket.socket, context: ssl.SSLContext, host: str,
+                 read_timeout_s: float) -> "_UpstreamConnection":
+        """TLS over `sock` (connected, with the connect timeout set) through memory buffers: the
+        handshake happens now. The engine never touches the socket, so reads are the plain socket's
+        (kernel timeouts, whole segments at once: an SSLSocket with a timeout polls before each
+        read, and OpenSSL reads each record's header and body in two calls)."""
+        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        engine = context.wrap_bio(incoming, outgoing, server_hostname=host)
+        while True:
+            try:
+                engine.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                pass
+            flight = outgoing.read()
+            if flight:
+                sock.sendall(flight)
+            data = sock.recv(IO_CHUNK)
+            if data:
+                incoming.write(data)
+            else:
+                incoming.write_eof()  # the handshake then fails with SSLEOFError, as an SSLSocket's does
+        flight = outgoing.read()
+        if flight:
+            sock.sendall(flight)
+        return cls(sock, read_timeout_s, (engine, incoming, outgoing))
+
+    def _recv_tls(self, n: int) -> bytes:
+        """Up to n decrypted bytes (b"" at the end of the stream), reading the socket only when the
+        engine holds no whole record."""
+        engine, incoming = self.tls, self._incoming
+        while True:
+            if incoming.pending or engine.pending():  # type: ignore[union-attr]
+                try:
+                    return engine.read(n)  # type: ignore[union-attr]
+                except ssl.SSLWantReadError:  # part of a record, or records without data (session tickets)
+                    pass
+                except ssl.SSLZeroReturnError:  # the upstream's close_notify
+                    return b""
+            data = self._recv(IO_CHUNK)
+            if not data:
+                return b""
+            incoming.write(data)  # type: ignore[union-attr]
 
     def _recv(self, n: int) -> bytes:
         try:
@@ -2576,19 +2622,17 @@ class _UpstreamConnection:
                 continue
 
     def _sendall(self, data: bytes) -> None:
-        if KERNEL_TIMEOUTS and not self.tls:
+        if self.tls is not None:
+            self.tls.write(data)  # (a memory buffer takes it all)
+            data = self._outgoing.read()  # type: ignore[union-attr]
+        if KERNEL_TIMEOUTS:
             try:
                 self.sock.sendall(data)  # the kernel's send timeout is read_timeout_s
             except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
                 raise socket.timeout("timed out") from None
             return
-        if len(data) <= SMALL_RESPONSE_BYTES:
-            # A small request fits in the socket buffers of a connection whose answers were all read:
-            # it never waits, and one sendall is one write (no loop over a view).
-            self.sock.sendall(data)
-            return
-        # One timeout (an SSL socket, or Python's timeouts), the read slice: send until read_timeout_s
-        # passes with no progress.
+        # Python's timeouts (no kernel ones), the read slice: send until read_timeout_s passes with no
+        # progress.
         with memoryview(data) as view:
             deadline = None
             while view:
@@ -2610,9 +2654,10 @@ class _UpstreamConnection:
         A TLS socket is also readable for records that carry no data (TLS 1.3 session tickets arrive
         right after the handshake): those are consumed by a non-blocking read, and only application
         bytes (kept for the reader) or an end of stream count."""
-        sock = self.sock
-        if self.tls and sock.pending():
-            return True
+        sock, engine = self.sock, self.tls
+        if engine is not None and (engine.pending() or self._incoming.pending):  # type: ignore[union-attr]
+            if self._has_tls_data():
+                return True
         poller = self._poller
         if poller is None and hasattr(select, "poll"):
             poller = self._poller = select.poll()
@@ -2623,18 +2668,29 @@ class _UpstreamConnection:
             readable = True
         if not readable:
             return False
-        if not self.tls:
+        if engine is None:
             return True
-        timeout = sock.gettimeout()
-        sock.settimeout(0.0)
         try:
-            self.reader.unread(sock.recv(IO_CHUNK))
-        except (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError):
+            data = sock.recv(IO_CHUNK, getattr(socket, "MSG_DONTWAIT", 0))
+        except BlockingIOError:
             return False
         except OSError:
             return True
-        finally:
-            sock.settimeout(timeout)
+        if not data:
+            return True
+        self._incoming.write(data)  # type: ignore[union-attr]
+        return self._has_tls_data()
+
+    def _has_tls_data(self) -> bool:
+        """Whether the engine's buffered records hold data or an end (kept for the reader); records
+        without data (TLS 1.3 session tickets arrive right after the handshake) are consumed."""
+        try:
+            data = self.tls.read(IO_CHUNK)  # type: ignore[union-attr]
+        except ssl.SSLWantReadError:
+            return False
+        except OSError:  # (ssl.SSLError included: a close_notify, a bad record)
+            return True
+        self.reader.unread(data)
         return True
 
     def send_request(self, head: bytes, pieces: Iterator[bytes], chunked: bool) -> bool:
