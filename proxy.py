@@ -385,7 +385,8 @@ class Route:
                 conn = self._idle.pop()  # the most recently used: the least likely to be stale
             except IndexError:
                 break
-            if conn.since >= cutoff and conn.looks_reusable():
+            # Reusable: no stray bytes read or readable (an idle keep-alive connection that is readable was closed).
+            if conn.since >= cutoff and not conn.reader._buf and not conn.has_input():
                 self._register(conn)
                 return conn, True
             conn.close()
@@ -940,12 +941,11 @@ class AuthProxy:
         For a `ReplicaRoute` the target is `/<rest>?q`: each replica's own path is added when sent.
         """
         path, sep, query = target.partition("?")
-        parts = path.split("/", 2)
-        route = self._routes.get(parts[1]) if len(parts) > 1 else None
+        route_id, _, rest = path.partition("/")[2].partition("/")  # "/<route-id>/<rest>" (route ids are never "")
+        route = self._routes.get(route_id)
         if route is None:
             return Refusal(404, "unknown-route",
                            "No route is mounted at this path; use the exact base URL AuthProxy.mount() returned.")
-        rest = parts[2] if len(parts) > 2 else ""
         return route, "%s/%s%s%s" % (route.base_path, rest, sep, query)
 
 
@@ -2174,8 +2174,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         """Send the request (`lines`: its head without framing header and blank line) on a pooled (or
         fresh) connection; (connection, final answer head, whether the whole request was sent).
         Interim answers are relayed on the way."""
+        size = len(body)
         if replayable:
-            lines += "Content-Length: %d\r\n\r\n" % len(body) if has_body else "\r\n"
+            lines += "Content-Length: %d\r\n\r\n" % size if has_body else "\r\n"
         else:
             lines += "Transfer-Encoding: chunked\r\n\r\n"
         head = lines.encode("latin-1")  # parsed as latin-1 text, so this round-trips
@@ -2187,7 +2188,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             sent_all = False
             try:
                 try:
-                    if replayable and len(body) <= SMALL_RESPONSE_BYTES:  # one send, as send_request would
+                    if replayable and size <= SMALL_RESPONSE_BYTES:  # one send, as send_request would
                         conn._sendall(head + body)
                         sent_all = True
                     else:
@@ -2316,7 +2317,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         prefix = b""
         if mode == "length" and answer.length <= SMALL_RESPONSE_BYTES:
             try:
-                prefix = reader.read1(answer.length) if reader.buffered() >= answer.length else \
+                prefix = reader.read1(answer.length) if len(reader._buf) >= answer.length else \
                     b"".join(reader.pieces(answer.length, "its response body"))  # (read with its head: no generator)
             except Exception as exc:
                 on_done(False)
@@ -2326,7 +2327,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 return
         whole = mode == "none" or (mode == "length" and answer.length <= SMALL_RESPONSE_BYTES)
         if whole:  # the answer is read: its connection goes back before the client can send its next request
-            on_done(answer.keep_alive and not reader.buffered())
+            on_done(answer.keep_alive and not reader._buf)
         try:
             if answer.raw is not None:  # a clean head (always "length"): as it came, Connection added
                 self.wfile.write((answer.raw[:-2] + b"Connection: close\r\n\r\n" if self.close_connection
@@ -2644,10 +2645,6 @@ class _UpstreamConnection:
                     if time.monotonic() >= deadline:
                         raise socket.timeout("timed out") from None
 
-    def looks_reusable(self) -> bool:
-        """No stray bytes read or readable: an idle keep-alive connection that is readable was closed."""
-        return not self.reader._buf and not self.has_input()
-
     def has_input(self) -> bool:
         """Whether the upstream sent something (bytes or an end of stream), without blocking.
 
@@ -2750,14 +2747,15 @@ class _UpstreamReader:
         cut short, or larger than MAX_RESPONSE_HEAD_BYTES, is a _BadResponse."""
         buf, searched = self._buf, 0
         while True:
-            end = _head_end(buf, searched)
-            if 0 <= end <= MAX_RESPONSE_HEAD_BYTES:
-                self._buf = buf[end:]
-                return buf[:end]
-            if end > MAX_RESPONSE_HEAD_BYTES or len(buf) > MAX_RESPONSE_HEAD_BYTES:
-                raise _BadResponse("upstream-head-too-large", "sent a response head larger than %d bytes (the "
-                                                              "proxy's limit)" % MAX_RESPONSE_HEAD_BYTES)
-            searched = max(0, len(buf) - 3)
+            if buf:  # (nothing to search before the first read: a pooled connection's buffer is empty)
+                end = _head_end(buf, searched)
+                if 0 <= end <= MAX_RESPONSE_HEAD_BYTES:
+                    self._buf = buf[end:]
+                    return buf[:end]
+                if end > MAX_RESPONSE_HEAD_BYTES or len(buf) > MAX_RESPONSE_HEAD_BYTES:
+                    raise _BadResponse("upstream-head-too-large", "sent a response head larger than %d bytes (the "
+                                                                  "proxy's limit)" % MAX_RESPONSE_HEAD_BYTES)
+                searched = max(0, len(buf) - 3)
             try:
                 data = self._recv(IO_CHUNK)
             except (socket.timeout, TimeoutError):
