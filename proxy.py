@@ -1805,6 +1805,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         # The default route_request answers (Route, "/target") or a Refusal: only a subclass's is checked.
         self._own_routing = type(self.proxy).route_request is AuthProxy.route_request
         self._seen_route: Optional[AnyRoute] = None  # the last route known to be in proxy._seen_routes
+        self._watched: Optional[_UpstreamConnection] = None  # the connection whose answer is awaited
         self.connection = self.request
         try:
             self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -2201,7 +2202,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     # decides), or an upstream that answered early (e.g. 413) and closed: relay that.
                     pass
                 if sent_all:  # the client is watched while the upstream works on the request
-                    conn.watch = self._client_watch(conn)
+                    self._watched, conn.watch = conn, self._watch_client
                 try:
                     answer = self._read_answer(conn.reader, method)
                 finally:
@@ -2239,24 +2240,20 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         except OSError:
             raise _ClientGone() from None
 
-    def _client_watch(self, conn: _UpstreamConnection) -> Callable[[], None]:
-        """What an upstream read calls each ANSWER_WATCH_S it waits: raise _ClientGone if the client hung
-        up meanwhile (no thread and upstream connection held for read_timeout_s on its behalf). A client
-        that sent more bytes instead (a pipelined request) is no longer watched."""
-        client = self.connection
-
-        def watch() -> None:
-            try:
-                peeked = client.recv(1, socket.MSG_PEEK | getattr(socket, "MSG_DONTWAIT", 0))
-            except BlockingIOError:
-                return
-            except OSError:
-                raise _ClientGone() from None
-            if not peeked:
-                raise _ClientGone()
-            conn.watch = None
-
-        return watch
+    def _watch_client(self) -> None:
+        """What an upstream read calls each ANSWER_WATCH_S it waits (as the watch of `_watched`): raise
+        _ClientGone if the client hung up meanwhile (no thread and upstream connection held for
+        read_timeout_s on its behalf). A client that sent more bytes instead (a pipelined request) is
+        no longer watched."""
+        try:
+            peeked = self.connection.recv(1, socket.MSG_PEEK | getattr(socket, "MSG_DONTWAIT", 0))
+        except BlockingIOError:
+            return
+        except OSError:
+            raise _ClientGone() from None
+        if not peeked:
+            raise _ClientGone()
+        self._watched.watch = None
 
     def _await_answer(self, upstream: Union[_UpstreamConnection, socket.socket, None]) -> bool:
         """Wait until the upstream has something to say; False if the client hung up meanwhile, and
