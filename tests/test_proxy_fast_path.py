@@ -16,6 +16,7 @@ import threading
 from typing import Iterator, List, Optional, Tuple
 
 import pytest
+import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -328,3 +329,14 @@ def test_a_content_length_of_a_non_ascii_digit_is_refused_not_dropped(proxy: Aut
     head = WRK_HEAD.replace(b"/r/step", base[len(proxy.url):].encode() + b"/step").replace(b": 2\r\n", b": \xb2\r\n")
     answer = support.raw_request(proxy.port, head + b"{}")
     assert answer.startswith(b"HTTP/1.1 400 ") and b"X-Proxy-Error: bad-content-length" in answer
+
+
+def test_empty_and_multi_record_tls_answers_are_relayed_on_one_pooled_connection(test_ca, tls_upstream) -> None:
+    # A pooled TLS connection decrypts from memory buffers: an empty body must not wait for bytes
+    # (it hung until read_timeout_s), and a body sent in several records must be read record by record.
+    with AuthProxy(read_timeout_s=5) as p, requests.Session() as session:
+        base = p.mount(tls_upstream.url, support.TEST_TOKEN, verify=test_ca.ca_path)
+        for path in ("/big?n=0", "/big?n=0", "/stream?n=5&delay=0.01", "/big?n=70000", "/big?n=0"):
+            answer = session.get(base + path, timeout=4)
+            assert answer.status_code == 200 and "X-Proxy-Error" not in answer.headers, (path, answer.text[:200])
+        assert tls_upstream.connections == 1  # (one pooled connection served them all)
