@@ -1,7 +1,7 @@
 """Instructions and system calls per proxied HTTP request, AuthProxy against the CPython floor.
 
     python benchmarks/_hotpath.py [--requests 2000] [--connections 64] [--upstreams plain,tls]
-                                  [--targets floor,proxy] [--tool callgrind|strace|both]
+                                  [--targets floor,proxy] [--tool callgrind|strace|both] [--write]
 
 A load-independent companion to benchmarks/vs_nginx.py's `http` measure (whose CPU figures move with
 whatever else the shared machine runs): the forwarder (benchmarks/_proxy_host.py, or the floor,
@@ -12,8 +12,10 @@ this process: `--connections` keep-alive connections, one `POST /step` in flight
 request, byte for byte), against the same uvicorn upstream as vs_nginx.py (benchmarks/_asgi_upstream.py,
 plain or TLS). User-space instructions are the forwarder's own work (Python, OpenSSL, libc); the
 kernel's share is counted separately as system calls per request (`strace -f -c` over the same load,
-unprocessed). Both figures repeat to within a percent or two whatever the machine's load, which is
-what a cut of a few percent needs. Neither is a time: vs_nginx.py stays the published CPU figure.
+warm-up excluded by difference; futex calls, the GIL's hand-offs, are left out of the table: strace
+slows every call and so changes how often threads contend). Both figures repeat to within a percent
+or two whatever the machine's load, which is what a cut of a few percent needs. Neither is a time:
+vs_nginx.py stays the published CPU figure. `--write` puts the table in RESULTS.md.
 """
 from __future__ import annotations
 
@@ -35,6 +37,10 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.join(REPO, "tests"))  # support.make_test_ca: the tests' throwaway CA
 import ws_scale as scale  # noqa: E402
+from _results import replace_marked_section  # noqa: E402
+
+DEFAULT_RESULTS = os.path.join(HERE, "RESULTS.md")
+SECTION_START, SECTION_END = "<!-- hotpath:start -->", "<!-- hotpath:end -->"
 
 # The body of vs_nginx.py's POST /step (an OpenEnv action).
 STEP_BODY = b'{"action": {"message": "hello"}}'
@@ -52,6 +58,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--upstreams", default="plain,tls")
     parser.add_argument("--targets", default="floor,proxy")
     parser.add_argument("--tool", choices=("callgrind", "strace", "both"), default="both")
+    parser.add_argument("--write", action="store_true", help="update the hotpath section of RESULTS.md")
     args = parser.parse_args(argv)
     for tool in (["valgrind", "callgrind_control"] if args.tool != "strace" else []) + (
             ["strace"] if args.tool != "callgrind" else []):
@@ -84,7 +91,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         for _, proc in upstreams.values():
             scale._stop_child(proc, terminate_first=True)
         shutil.rmtree(workdir, ignore_errors=True)
-    print(_table(results))
+    table = _table(results)
+    print(table)
+    if args.write:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
+        replace_marked_section(DEFAULT_RESULTS, SECTION_START, SECTION_END, "\n".join([
+            SECTION_START,
+            "## Instructions and system calls per proxied HTTP request (benchmarks/_hotpath.py)",
+            "",
+            "`python benchmarks/_hotpath.py --requests %d --connections %d --write` at %s: user-space instructions "
+            "(callgrind, warm-up excluded) and system calls other than futex (strace -c) per `POST /step`, with %d "
+            "connections each keeping one request in flight. Both repeat within a percent or two whatever the load; "
+            "neither is a time (the CPU figures are vs_nginx.py's)." % (args.requests, args.connections, commit,
+                                                                       args.connections),
+            "", table, "", SECTION_END, ""]))
     return 0
 
 
@@ -217,7 +237,8 @@ class _Client:
 
 
 def _table(results: List[Dict[str, object]]) -> str:
-    lines = ["| upstream | target | instructions / request | system calls / request |", "|---|---|---|---|"]
+    lines = ["| upstream | target | instructions / request | system calls / request (futex apart) | of which |",
+             "|---|---|---|---|---|"]
     floor = {r["upstream"]: r for r in results if r["target"] == "floor"}
     for r in results:
         ins = r.get("instructions")
@@ -226,8 +247,10 @@ def _table(results: List[Dict[str, object]]) -> str:
         ratio = ""
         if ins and f and f.get("instructions") and r is not f:
             ratio = " (%.2fx floor)" % (ins / f["instructions"])  # type: ignore[operator]
-        lines.append("| %s | %s | %s%s | %s |" % (r["upstream"], r["target"], "%.0f" % ins if ins else "-", ratio,
-                                                sc["total"] if sc else "-"))  # type: ignore[index]
+        calls = {k: v for k, v in sc.items() if k not in ("total", "futex")} if sc else {}  # type: ignore[union-attr]
+        lines.append("| %s | %s | %s%s | %s | %s |" % (
+            r["upstream"], r["target"], "{:,.0f}".format(ins) if ins else "-", ratio,
+            "%.2f" % sum(calls.values()) if sc else "-", ", ".join("%s %.2f" % kv for kv in calls.items()) or "-"))
     return "\n".join(lines)
 
 
