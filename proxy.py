@@ -386,7 +386,7 @@ class Route:
             except IndexError:
                 break
             # Reusable: no stray bytes read or readable (an idle keep-alive connection that is readable was closed).
-            if conn.since >= cutoff and not conn.reader._buf and not conn.has_input():
+            if conn.since >= cutoff and not conn.reader._buf and conn.looks_idle():
                 self._register(conn)
                 return conn, True
             conn.close()
@@ -2545,7 +2545,7 @@ class _UpstreamConnection:
     (set while a request waits for its answer) between slices, and gives up after read_timeout_s."""
 
     __slots__ = ("sock", "reader", "since", "watch", "read_timeout_s", "tls", "_incoming", "_outgoing", "_poller",
-                 "__weakref__")
+                 "received", "__weakref__")
 
     def __init__(self, sock: socket.socket, read_timeout_s: float,
                  tls: Optional[Tuple[ssl.SSLObject, ssl.MemoryBIO, ssl.MemoryBIO]] = None) -> None:
@@ -2554,6 +2554,7 @@ class _UpstreamConnection:
         self.tls, self._incoming, self._outgoing = tls if tls is not None else (None, None, None)
         # The liveness check's poll object, the socket registered once (not one poll object a request).
         self._poller: Optional["select.poll"] = None
+        self.received = 0  # bytes read from the socket (see looks_idle)
         self.watch: Optional[Callable[[], None]] = None
         self.reader = _UpstreamReader(self._recv if tls is None else self._recv_tls)
         self.since = 0.0  # when it was last checked in
@@ -2567,6 +2568,7 @@ class _UpstreamConnection:
         read, and OpenSSL reads each record's header and body in two calls)."""
         incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
         engine = context.wrap_bio(incoming, outgoing, server_hostname=host)
+        received = 0
         while True:
             try:
                 engine.do_handshake()
@@ -2577,6 +2579,7 @@ class _UpstreamConnection:
             if flight:
                 sock.sendall(flight)
             data = sock.recv(IO_CHUNK)
+            received += len(data)
             if data:
                 incoming.write(data)
             else:
@@ -2584,7 +2587,9 @@ class _UpstreamConnection:
         flight = outgoing.read()
         if flight:
             sock.sendall(flight)
-        return cls(sock, read_timeout_s, (engine, incoming, outgoing))
+        conn = cls(sock, read_timeout_s, (engine, incoming, outgoing))
+        conn.received = received
+        return conn
 
     def _recv_tls(self, n: int) -> bytes:
         """Up to n decrypted bytes (b"" at the end of the stream, or at once for n=0 as a socket's recv),
@@ -2609,9 +2614,13 @@ class _UpstreamConnection:
 
     def _recv(self, n: int) -> bytes:
         try:
-            return self.sock.recv(n)
+            data = self.sock.recv(n)
         except (BlockingIOError, socket.timeout):  # one slice passed (BlockingIOError: a kernel timeout)
-            pass
+            data = self._recv_slices(n)
+        self.received += len(data)
+        return data
+
+    def _recv_slices(self, n: int) -> bytes:
         deadline = time.monotonic() + self.read_timeout_s - min(ANSWER_WATCH_S, self.read_timeout_s)
         while True:
             if self.watch is not None:
@@ -2646,6 +2655,20 @@ class _UpstreamConnection:
                     if time.monotonic() >= deadline:
                         raise socket.timeout("timed out") from None
 
+    def looks_idle(self) -> bool:
+        """Whether a pooled connection is as its last answer left it: the upstream neither closed nor
+        reset it (TCP state ESTABLISHED) nor sent a byte since (the kernel's count of bytes received
+        equals ours). One getsockopt(TCP_INFO), which, unlike poll(), keeps the GIL: with many busy
+        threads every release is a hand-off. Where TCP_INFO is missing: not has_input()."""
+        if _TCP_INFO_BYTES:
+            try:
+                info = self.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_BYTES)
+            except OSError:
+                return False
+            if len(info) == _TCP_INFO_BYTES:
+                return info[0] == _TCP_ESTABLISHED and _TCP_INFO_RECEIVED.unpack_from(info)[0] == self.received
+        return not self.has_input()
+
     def has_input(self) -> bool:
         """Whether the upstream sent something (bytes or an end of stream), without blocking.
 
@@ -2676,6 +2699,7 @@ class _UpstreamConnection:
             return True
         if not data:
             return True
+        self.received += len(data)
         self._incoming.write(data)  # type: ignore[union-attr]
         return self._has_tls_data()
 
@@ -2971,6 +2995,13 @@ def _set_socket_timeout(sock: socket.socket, timeout: Optional[float], send_time
 def _timeval(timeout: Optional[float]) -> bytes:
     seconds = 0.0 if timeout is None else max(float(timeout), 1e-6)  # 0 is "never" to the kernel
     return struct.pack("@ll", int(seconds), int((seconds - int(seconds)) * 1e6))
+
+
+# struct tcp_info (linux/tcp.h): tcpi_state is its first byte, tcpi_bytes_received (Linux 4.1+) the u64
+# at offset 128. 0: no TCP_INFO on this platform (the liveness check polls instead).
+_TCP_INFO_BYTES = 136 if hasattr(socket, "TCP_INFO") and sys.platform.startswith("linux") else 0
+_TCP_INFO_RECEIVED = struct.Struct("=128xQ")
+_TCP_ESTABLISHED = 1
 
 
 def _readable(sock: socket.socket) -> bool:
