@@ -1926,7 +1926,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         names, values = parts[2::4], parts[3::4]
         kept: List[str] = []
         length, tokens = -1, []  # type: Tuple[int, List[str]]
-        for line_text, name, value in zip(parts[1::4], ",".join(names).lower().split(","), values):  # (no comma in a token)
+        lowered = ",".join(names).lower().split(",")  # (a token has no comma)
+        for line_text, name, value in zip(parts[1::4], lowered, values):
             if name not in _SPECIAL_REQUEST_HEADERS:
                 kept.append(line_text)
             elif name == "content-length":
