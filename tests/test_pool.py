@@ -112,6 +112,7 @@ def test_a_pooled_environment_serves_http_and_websocket_through_the_proxy_and_st
     assert emu.wait_for_stage(host_id, ["CANCELED"]).stage == "CANCELED"  # a host we booted is cancelled
 
 
+@pytest.mark.slow  # four environments on one host job
 def test_environments_of_one_named_pool_pack_onto_one_host_with_one_jobs_api_create(pool_env, proxy, log_guard):
     emu = pool_env()
     providers = HFSandboxProvider.start_many(4, IMAGE, progress=False, endpoint=emu.endpoint, token=emu.token,
@@ -130,6 +131,7 @@ def test_environments_of_one_named_pool_pack_onto_one_host_with_one_jobs_api_cre
             p.stop_container()
 
 
+@pytest.mark.slow  # boots two host jobs
 def test_hosts_booting_at_once_are_watched_with_one_list_per_refresh_not_an_inspect_per_host(pool_env, proxy):
     emu = pool_env(sandbox_host_boot_s=hf_sandbox_pool.HOST_WATCH_INTERVAL_S + 1.0)  # at least one refresh
     p = provider(emu, proxy, pool="two-hosts")
@@ -141,6 +143,7 @@ def test_hosts_booting_at_once_are_watched_with_one_list_per_refresh_not_an_insp
     assert hsp._watcher._groups == {} or all(not g.watches for g in hsp._watcher._groups.values())
 
 
+@pytest.mark.slow  # eight environments, a 1 s cache write each
 def test_pool_cache_saves_during_a_slow_one_are_folded_into_one_write_that_keeps_the_last_state(
         pool_env, proxy, monkeypatch):
     import huggingface_hub._sandbox as hub_sandbox
@@ -165,6 +168,7 @@ def test_pool_cache_saves_during_a_slow_one_are_folded_into_one_write_that_keeps
             p.stop_container()
 
 
+@pytest.mark.slow  # boots two host jobs
 def test_a_full_host_makes_the_pool_boot_another(pool_env, proxy):
     emu = pool_env(sandbox_capacity=2)
     providers = [provider(emu, proxy, pool="small-hosts") for _ in range(3)]
@@ -280,6 +284,7 @@ def test_a_server_that_crashes_at_boot_fails_fast_with_its_own_output_and_its_sa
     assert host_sandboxes(emu, host_id) == [] and proxy._routes == {}
 
 
+@pytest.mark.slow  # boots two host jobs
 def test_a_host_killed_while_serving_fails_each_session_with_a_typed_error_and_a_restart_lands_on_a_new_host(
         pool_env, proxy):
     emu = pool_env()
@@ -320,6 +325,7 @@ def test_an_evicted_sandbox_fails_readiness_with_a_typed_error(pool_env, proxy):
     assert failed.value.stage in ("DELETED", "ERROR")
 
 
+@pytest.mark.slow  # the create is retried with backoff
 @pytest.mark.parametrize("status", [429, 503])
 def test_a_transient_error_on_sandbox_create_is_retried(pool_env, proxy, status):
     emu = pool_env()
@@ -331,6 +337,7 @@ def test_a_transient_error_on_sandbox_create_is_retried(pool_env, proxy, status)
             assert second._pooled.host_id == first._pooled.host_id
 
 
+@pytest.mark.slow  # the create is retried with backoff
 def test_a_create_error_that_persists_is_a_jobs_api_error_and_leaves_nothing(pool_env, proxy):
     emu = pool_env()
     with provider(emu, proxy, pool="failing") as first:
@@ -343,6 +350,7 @@ def test_a_create_error_that_persists_is_a_jobs_api_error_and_leaves_nothing(poo
         assert host_sandboxes(emu, first._pooled.host_id) == [local_id(first)]
 
 
+@pytest.mark.slow  # a host job that crashes at boot
 def test_a_host_that_crashes_at_boot_fails_the_start_with_its_log(pool_env, proxy):
     emu = pool_env(faults={"crash-at-boot": "sbx-server: cannot start (emulated crash)"})
     with pytest.raises(SandboxError, match="pool crashing could not start a host job") as failed:
@@ -376,6 +384,7 @@ sys.stdin.readline()  # "exit": ends when the test has looked at its sandbox
 '''
 
 
+@pytest.mark.slow  # a child interpreter that boots a host job
 @pytest.mark.parametrize("ending", ["exit", "signal"])
 def test_a_process_that_exits_or_gets_sigterm_kills_its_sandboxes_and_cancels_the_hosts_it_booted(
         pool_env, tmp_path, ending):
@@ -405,6 +414,7 @@ def test_a_process_that_exits_or_gets_sigterm_kills_its_sandboxes_and_cancels_th
     assert emu.token not in child.stderr.read()
 
 
+@pytest.mark.slow  # waits out a 3 s job timeout
 def test_job_timeout_bounds_a_pooled_server_so_nothing_bills_forever_after_a_lost_client(pool_env, proxy):
     emu = pool_env()
     with provider(emu, proxy, job_timeout=3) as p:
@@ -431,6 +441,7 @@ def test_smoke_local_pool_runs_every_stage_and_closes_the_pool(tmp_path):
     assert [s["ok"] for s in report["stages"] if s["name"].startswith("close pool")] == [True]
 
 
+@pytest.mark.slow  # boots two host jobs
 def test_sweep_pool_cancels_the_host_jobs_a_lost_process_left_of_that_pool_only(pool_env, proxy, monkeypatch, capsys):
     import hf_sandbox_cli
 
