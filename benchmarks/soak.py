@@ -453,6 +453,9 @@ class Soak:
         # 30 minutes, which the heap check then blamed on the library.
         self.recoveries = array.array("d")
         self.columns = {name: array.array("d") for name in SAMPLE_FIELDS}
+        # (seconds, allocated blocks) right after each full collection: the live heap, without the cyclic
+        # garbage that piles up between full collections (the saw-tooth of the per-second samples).
+        self.after_full_gc = array.array("d")
         self.replacements = 0
 
     # -- bookkeeping --------------------------------------------------------------------------------
@@ -506,6 +509,7 @@ class Soak:
         self.t0 = time.monotonic()
         sampler = threading.Thread(target=self._sample_loop, name="soak-sampler", daemon=True)
         sampler.start()
+        gc.callbacks.append(self._on_gc)
         self._start_all()
         workers = [threading.Thread(target=self._work, args=(slot,), name="soak-env-%d" % slot.index, daemon=True)
                    for slot in self.slots]
@@ -515,6 +519,7 @@ class Soak:
         chaos.start()
         self.stop_event.wait(self.duration_s)
         self.stop_event.set()
+        gc.callbacks.remove(self._on_gc)
         chaos.join(60)
         for worker in workers:
             worker.join(CLIENT_TIMEOUT_S + READY_TIMEOUT_S + START_TIMEOUT_S + 30)
@@ -962,6 +967,10 @@ class Soak:
 
     # -- measuring and the final checks -----------------------------------------------------------------
 
+    def _on_gc(self, phase: str, info: Dict[str, int]) -> None:
+        if phase == "stop" and info.get("generation") == 2:
+            self.after_full_gc.extend((self.now(), sys.getallocatedblocks()))
+
     def _sample_loop(self) -> None:
         while True:
             ok, status = self.emu.call("status")
@@ -1021,6 +1030,8 @@ class Soak:
         half_window = (second_half[-1]["t"] - second_half[0]["t"]) if len(second_half) > 1 else 0.0
         rss_late_slope = slope_per_hour([(s["t"], s["rss_mib"]) for s in second_half])
         block_late_slope = slope_per_hour([(s["t"], s["py_blocks"]) for s in second_half])
+        full_gc = [(t, v) for t, v in zip(self.after_full_gc[0::2], self.after_full_gc[1::2])]
+        late_gc = [(t, v) for t, v in full_gc if t >= ran_s / 2]
         mean_late_blocks = sum(s["py_blocks"] for s in second_half) / max(1, len(second_half))
         mean_blocks = sum(s["py_blocks"] for s in steady) / max(1, len(steady))
         calls = [(s["t"], int(s["api_calls"])) for s in samples if s["api_calls"] >= 0]
@@ -1056,6 +1067,10 @@ class Soak:
                                 "rss_mib_per_min_second_half": round(rss_late_slope / 60.0, 3),
                                 "py_blocks_growth_second_half_pct": round(
                                     100.0 * block_late_slope * half_window / 3600.0 / max(1.0, mean_late_blocks), 2),
+                                # the same for the heap right after each full collection (None: fewer than 3)
+                                "live_heap_growth_second_half_pct": round(
+                                    100.0 * slope_per_hour(late_gc) * half_window / 3600.0
+                                    / (sum(v for _, v in late_gc) / len(late_gc)), 2) if len(late_gc) >= 3 else None,
                                 "window_s": round(window, 1)},
             "py_blocks": {"min": min(s["py_blocks"] for s in samples),
                           "max": max(s["py_blocks"] for s in samples)},
@@ -1068,6 +1083,7 @@ class Soak:
                     "by_route": status.get("calls_by_route") if ok else None},
             "token_scan": {"lines": self.watch.lines, "leaks": self.watch.leaks},
             "samples": samples,
+            "after_full_gc": [[round(t, 1), int(v)] for t, v in full_gc],
         }
 
 
@@ -1167,12 +1183,16 @@ def markdown(report: Dict[str, Any], command: str) -> str:
         "",
         "Trainer process over the run (samples every %g s; slopes by least squares after the first %d%%, "
         "over %.0f s): RSS %.1f-%.1f MiB, slope %+.2f MiB/h (second half of the run: %+.2f MiB/h); Python heap "
-        "(allocated blocks) %d-%d, slope %+d blocks/h (second half of the run: %+.2f%% along the regression line); threads %d-%d, slope %+.2f /h; fds slope %+.2f /h.\n\n"
+        "(allocated blocks) %d-%d, slope %+d blocks/h (second half of the run: %+.2f%% along the regression line; "
+        "right after each of the %d full collections there: %s); threads %d-%d, slope %+.2f /h; fds slope %+.2f /h.\n\n"
         "![soak: RSS, threads and fds over the run](soak.png)" % (
             SAMPLE_INTERVAL_S, WARMUP_FRACTION * 100, slopes["window_s"], report["rss_mib"]["min"],
             report["rss_mib"]["max"], slopes["rss_mib"], slopes.get("rss_mib_second_half", float("nan")),
             report.get("py_blocks", {}).get("min", 0), report.get("py_blocks", {}).get("max", 0),
             slopes.get("py_blocks", 0), slopes.get("py_blocks_growth_second_half_pct", float("nan")),
+            len([1 for t, _ in report.get("after_full_gc", []) if t >= report["duration_s"] / 2]),
+            "n/a" if slopes.get("live_heap_growth_second_half_pct") is None
+            else "%+.2f%%" % slopes["live_heap_growth_second_half_pct"],
             report["threads"]["min"], report["threads"]["max"], slopes["threads"],
             slopes["fds"]),
         "",
