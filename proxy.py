@@ -3067,6 +3067,9 @@ class _Tunnel:
         self.client_in, self.up_in = False, True
         self.client_ended = self.up_ended = False  # hung up or reset: read what is left, poll it no more
         self.up_wants = 0  # the poll events the SSL object asked for to finish an interrupted recv or send
+        self.tls = isinstance(self.upstream.sock, ssl.SSLSocket)
+        self.client_fd, self.up_fd = self.client.fileno(), self.upstream.sock.fileno()
+        self.wanted: Optional[Tuple[int, int]] = None  # the events each side is registered for
         self.client.setblocking(False)
         self.upstream.sock.setblocking(False)
 
@@ -3095,53 +3098,59 @@ class _Tunnel:
         (as the two-thread plain tunnel does). Such a side is no longer polled, since poll() reports a
         hang-up whatever is asked and would spin while the other side's bytes wait."""
         client, up = self.client, self.upstream.sock
+        # Locals while it runs (this is the relay's hot path), stored back however it returns.
+        to_up, to_client, client_in, up_in = self.to_up, self.to_client, self.client_in, self.up_in
+        client_ended, up_ended, up_wants = self.client_ended, self.up_ended, self.up_wants
         try:
             while not self._closed:
-                if self.client_in and not self.to_up:
-                    self.client_in = self.client_ended
+                if client_in and not to_up:
+                    client_in = client_ended
                     try:
-                        self.to_up = client.recv(TUNNEL_READ_BYTES)
+                        to_up = client.recv(TUNNEL_READ_BYTES)
                     except BlockingIOError:  # (a readiness that went away)
-                        if self.client_ended:
+                        if client_ended:
                             return None
                     else:
-                        if not self.to_up:
+                        if not to_up:
                             return None
-                if self.to_up:
+                if to_up:
                     try:
-                        self.to_up = self.to_up[up.send(self.to_up):]
-                        self.up_wants &= ~select.POLLOUT
+                        to_up = to_up[up.send(to_up):]
+                        up_wants &= ~select.POLLOUT
                     except ssl.SSLWantReadError:
-                        self.up_wants |= select.POLLIN
+                        up_wants |= select.POLLIN
                     except (ssl.SSLWantWriteError, BlockingIOError):
-                        self.up_wants |= select.POLLOUT
-                if self.up_in and not self.to_client:
-                    self.up_in = self.up_ended
+                        up_wants |= select.POLLOUT
+                if up_in and not to_client:
+                    up_in = up_ended
                     try:
-                        self.to_client = up.recv(TUNNEL_READ_BYTES)
-                        if not self.to_client:
+                        to_client = up.recv(TUNNEL_READ_BYTES)
+                        if not to_client:
                             return None
                         # more decrypted bytes than one read took
-                        self.up_in = self.up_ended or (isinstance(up, ssl.SSLSocket) and up.pending() > 0)
+                        up_in = up_ended or (self.tls and up.pending() > 0)
                     except (ssl.SSLWantReadError, BlockingIOError):
-                        if self.up_ended:
+                        if up_ended:
                             return None
-                        self.to_client = b""
+                        to_client = b""
                     except ssl.SSLWantWriteError:
-                        self.to_client, self.up_wants = b"", self.up_wants | select.POLLOUT
-                if self.to_client:
+                        to_client, up_wants = b"", up_wants | select.POLLOUT
+                if to_client:
                     try:
-                        self.to_client = self.to_client[client.send(self.to_client):]
+                        to_client = to_client[client.send(to_client):]
                     except BlockingIOError:
                         pass
-                if (self.up_in and not self.to_client) or (self.client_in and not self.to_up):
+                if (up_in and not to_client) or (client_in and not to_up):
                     continue  # readable already (bytes in the SSL object, or a side that ended): no poll
-                return (-1 if self.client_ended else
-                        (0 if self.to_up else select.POLLIN) | (select.POLLOUT if self.to_client else 0),
-                        -1 if self.up_ended else
-                        (0 if self.to_client else select.POLLIN) | self.up_wants | (select.POLLOUT if self.to_up else 0))
+                return (-1 if client_ended else
+                        (0 if to_up else select.POLLIN) | (select.POLLOUT if to_client else 0),
+                        -1 if up_ended else
+                        (0 if to_client else select.POLLIN) | up_wants | (select.POLLOUT if to_up else 0))
         except (OSError, ValueError, ssl.SSLError):
             pass
+        finally:
+            self.to_up, self.to_client, self.client_in, self.up_in = to_up, to_client, client_in, up_in
+            self.up_wants = up_wants
         return None
 
     def pump_upstream(self) -> None:
@@ -3251,7 +3260,12 @@ class _TunnelRelay:
                     closed = self._closed
                 for tunnel, first, owner in batch:
                     self._owners[tunnel] = owner
-                    tunnel.start_relay(first)
+                    try:
+                        tunnel.start_relay(first)
+                    except (OSError, ValueError):  # a socket closed already
+                        tunnel.close()
+                        self._end(tunnel)
+                        continue
                     self._advance(tunnel)
                 if closed:
                     return
@@ -3294,13 +3308,18 @@ class _TunnelRelay:
 
     def _advance(self, tunnel: _Tunnel) -> None:
         """Move the tunnel's bytes, then register what each side waits for (or end it)."""
-        wanted = tunnel.advance()
-        if wanted is None:
-            tunnel.close()
-            self._end(tunnel)
-            return
-        self._want(tunnel, tunnel.client.fileno(), True, wanted[0])
-        self._want(tunnel, tunnel.upstream.sock.fileno(), False, wanted[1])
+        try:
+            wanted = tunnel.advance()
+            if wanted is not None:
+                if wanted != tunnel.wanted:  # (a session in steady use keeps what it waits for)
+                    self._want(tunnel, tunnel.client_fd, True, wanted[0])
+                    self._want(tunnel, tunnel.up_fd, False, wanted[1])
+                    tunnel.wanted = wanted
+                return
+        except (OSError, ValueError):  # a socket closed under the relay: end this tunnel, not the relay
+            pass
+        tunnel.close()
+        self._end(tunnel)
 
     def _want(self, tunnel: _Tunnel, fd: int, client_side: bool, events: int) -> None:
         had = self._masks.get(fd)
@@ -3326,12 +3345,9 @@ class _TunnelRelay:
 
     def _end(self, tunnel: _Tunnel) -> None:
         """A tunnel ended: stop polling it, close it, take it off its route, release its client."""
-        for sock in (tunnel.client, tunnel.upstream.sock):
-            fd = sock.fileno()
-            if fd >= 0:
+        for fd in (getattr(tunnel, "client_fd", -1), getattr(tunnel, "up_fd", -1)):  # (unset: start failed)
+            if self._sides.get(fd, (None,))[0] is tunnel:
                 self._forget(fd)
-        for fd in [fd for fd, side in self._sides.items() if side[0] is tunnel]:  # fds closed under us
-            self._forget(fd)
         route, server = self._owners.pop(tunnel)
         try:
             route._remove_tunnel(tunnel)
