@@ -896,10 +896,11 @@ REMEDY_HTTP = ("what is left is Python work per request (parsing, header buildin
                "would remove it")
 REMEDY_ROUND_TRIP = ("each frame is a recv and a send per direction in Python plus a thread wake-up (plain) or a "
                      "poll() (TLS, one thread); only a relay outside the interpreter (splice(), or nginx) removes it")
-REMEDY_RSS = ("an open session holds its threads (two for a plain tunnel, one for TLS), each costing the figure "
-              "above, plus its sockets and, over TLS, an OpenSSL connection (Python's ssl module already releases "
-              "idle record buffers, SSL_MODE_RELEASE_BUFFERS): only a relay with no thread per session (an event "
-              "loop for open tunnels, a contract change) would bring it under 32 KiB")
+REMEDY_RSS = ("an open plain session holds two threads, each costing the figure above; an open TLS session holds "
+              "none (one relay thread carries them all) but an OpenSSL connection (~19 KiB; idle record buffers "
+              "are already released, SSL_MODE_RELEASE_BUFFERS), and each session still setting up holds a worker "
+              "from accept to 101: set-ups driven by an event loop too (no thread per set-up) would remove the "
+              "threads from the figure (docs/performance.md, 'Memory per held TLS session')")
 
 
 def _top_own(result: Dict[str, Any], label: str, n: int = 3) -> str:
