@@ -186,7 +186,8 @@ def test_tls_tunnel_relays_4_mib_each_way_at_once_and_bytes_the_upstream_sent_be
                 writer.join(TIMEOUT)
                 assert got == b"".join(greeting) + payload
                 # no worker holds it: the proxy's one TLS relay thread carries it
-                assert not proxy._server.live_threads() and proxy._server.relay.count() == 1
+                support.wait_until(lambda: not proxy._server.live_threads() and proxy._server.relay.count() == 1,
+                                   "the relay alone to carry the session")
     finally:
         server.close()
 
