@@ -35,6 +35,7 @@ alone) and takes fault orders over a `multiprocessing.connection` on loopback.
 from __future__ import annotations
 
 import argparse
+import array
 import collections
 import datetime
 import gc
@@ -104,6 +105,8 @@ REPLACE_BACKOFF_S = (0.5, 5.0)
 
 # -- measuring ----------------------------------------------------------------------------------------
 SAMPLE_INTERVAL_S = 1.0
+# What each sample records, in this order.
+SAMPLE_FIELDS = ("t", "rss_mib", "threads", "py_blocks", "fds", "api_calls", "live_jobs", "routes")
 # Samples in the first part of the run (initial start, caches warming) are left out of the slopes.
 WARMUP_FRACTION = 0.2
 # "Flat": the regression line may rise at most this much over the measured window. RSS is judged over
@@ -445,8 +448,11 @@ class Soak:
         self.unexplained: collections.Counter = collections.Counter()  # errors no injected fault explains
         self.abandoned: collections.Counter = collections.Counter()  # what became of abandoned HTTP steps
         self.last_global_fault_at = -1e9  # the last API or URL fault (any start may meet it)
-        self.recoveries: List[float] = []
-        self.samples: List[Dict[str, float]] = []
+        # Both grow all run long, so they hold plain doubles (one buffer each), never a Python object per
+        # value: kept as lists of floats and dicts they were ~8 blocks a second, about 3% of the heap over
+        # 30 minutes, which the heap check then blamed on the library.
+        self.recoveries = array.array("d")
+        self.columns = {name: array.array("d") for name in SAMPLE_FIELDS}
         self.replacements = 0
 
     # -- bookkeeping --------------------------------------------------------------------------------
@@ -959,13 +965,14 @@ class Soak:
     def _sample_loop(self) -> None:
         while True:
             ok, status = self.emu.call("status")
-            sample = {"t": self.now(), "rss_mib": _rss_mib(), "threads": _threads_outside_pool(self.proxy),
-                      "py_blocks": sys.getallocatedblocks(),  # Python objects' memory blocks: a Python-level leak
-                      "fds": _open_fds(), "api_calls": status["api_calls"] if ok else -1,
-                      "live_jobs": status["live_jobs"] if ok else -1,  # a job leaked mid-run shows here
-                      "routes": len(self.proxy._routes)}  # the proxy's mounted routes (private: no public count)
+            sample = (self.now(), _rss_mib(), _threads_outside_pool(self.proxy),
+                      sys.getallocatedblocks(),  # Python objects' memory blocks: a Python-level leak
+                      _open_fds(), status["api_calls"] if ok else -1,
+                      status["live_jobs"] if ok else -1,  # a job leaked mid-run shows here
+                      len(self.proxy._routes))  # the proxy's mounted routes (private: no public count)
             with self.lock:
-                self.samples.append(sample)
+                for name, value in zip(SAMPLE_FIELDS, sample):
+                    self.columns[name].append(value)
             if self.stop_event.wait(SAMPLE_INTERVAL_S):
                 return
 
@@ -994,18 +1001,29 @@ class Soak:
                 return leaks
             time.sleep(0.2)
 
+    @property
+    def samples(self) -> List[Dict[str, float]]:
+        """The samples as one dict each (made when asked: the run itself keeps only the columns)."""
+        with self.lock:
+            rows = list(zip(*(self.columns[name] for name in SAMPLE_FIELDS)))
+        return [{name: (value if name in ("t", "rss_mib") else int(value)) for name, value in zip(SAMPLE_FIELDS, row)}
+                for row in rows]
+
     def _report(self, ran_s: float, baseline: Dict[str, int], leaks: Dict[str, Any]) -> Dict[str, Any]:
-        steady = [s for s in self.samples if s["t"] >= WARMUP_FRACTION * ran_s]
+        samples = self.samples
+        steady = [s for s in samples if s["t"] >= WARMUP_FRACTION * ran_s]
         window = (steady[-1]["t"] - steady[0]["t"]) if len(steady) > 1 else 0.0
         rss_slope = slope_per_hour([(s["t"], s["rss_mib"]) for s in steady])
         thread_slope = slope_per_hour([(s["t"], s["threads"]) for s in steady])
         fd_slope = slope_per_hour([(s["t"], s["fds"]) for s in steady])
         block_slope = slope_per_hour([(s["t"], s["py_blocks"]) for s in steady])
-        second_half = [s for s in self.samples if s["t"] >= ran_s / 2]
+        second_half = [s for s in samples if s["t"] >= ran_s / 2]
         half_window = (second_half[-1]["t"] - second_half[0]["t"]) if len(second_half) > 1 else 0.0
         rss_late_slope = slope_per_hour([(s["t"], s["rss_mib"]) for s in second_half])
+        block_late_slope = slope_per_hour([(s["t"], s["py_blocks"]) for s in second_half])
+        mean_late_blocks = sum(s["py_blocks"] for s in second_half) / max(1, len(second_half))
         mean_blocks = sum(s["py_blocks"] for s in steady) / max(1, len(steady))
-        calls = [(s["t"], int(s["api_calls"])) for s in self.samples if s["api_calls"] >= 0]
+        calls = [(s["t"], int(s["api_calls"])) for s in samples if s["api_calls"] >= 0]
         ok, status = self.emu.call("status")
         total_calls = status["api_calls"] if ok else (calls[-1][1] if calls else 0)
         busiest = max_calls_in_window(calls, HUB_WINDOW_S)  # a run under 5 minutes: all its calls
@@ -1033,18 +1051,23 @@ class Soak:
             "slopes_per_hour": {"rss_mib": round(rss_slope, 2), "threads": round(thread_slope, 2),
                                 "fds": round(fd_slope, 2), "py_blocks": round(block_slope),
                                 "rss_mib_second_half": round(rss_late_slope, 2),
+                                # issue 22's measures: over the second half, MiB per minute and the heap's
+                                # growth along its regression line as a share of its mean
+                                "rss_mib_per_min_second_half": round(rss_late_slope / 60.0, 3),
+                                "py_blocks_growth_second_half_pct": round(
+                                    100.0 * block_late_slope * half_window / 3600.0 / max(1.0, mean_late_blocks), 2),
                                 "window_s": round(window, 1)},
-            "py_blocks": {"min": min(s["py_blocks"] for s in self.samples),
-                          "max": max(s["py_blocks"] for s in self.samples)},
-            "rss_mib": {"min": _round(min(s["rss_mib"] for s in self.samples)),
-                        "max": _round(max(s["rss_mib"] for s in self.samples))},
-            "threads": {"min": min(s["threads"] for s in self.samples), "max": max(s["threads"] for s in self.samples)},
-            "live_jobs_max": max(s.get("live_jobs", -1) for s in self.samples),
+            "py_blocks": {"min": min(s["py_blocks"] for s in samples),
+                          "max": max(s["py_blocks"] for s in samples)},
+            "rss_mib": {"min": _round(min(s["rss_mib"] for s in samples)),
+                        "max": _round(max(s["rss_mib"] for s in samples))},
+            "threads": {"min": min(s["threads"] for s in samples), "max": max(s["threads"] for s in samples)},
+            "live_jobs_max": max(s.get("live_jobs", -1) for s in samples),
             "api": {"calls": total_calls, "per_env_per_min": round(total_calls / len(self.slots) / (ran_s / 60.0), 2),
                     "busiest_5_min": busiest, "limit_5_min": HUB_CALLS_LIMIT,
                     "by_route": status.get("calls_by_route") if ok else None},
             "token_scan": {"lines": self.watch.lines, "leaks": self.watch.leaks},
-            "samples": self.samples,
+            "samples": samples,
         }
 
 
@@ -1144,12 +1167,13 @@ def markdown(report: Dict[str, Any], command: str) -> str:
         "",
         "Trainer process over the run (samples every %g s; slopes by least squares after the first %d%%, "
         "over %.0f s): RSS %.1f-%.1f MiB, slope %+.2f MiB/h (second half of the run: %+.2f MiB/h); Python heap "
-        "(allocated blocks) %d-%d, slope %+d blocks/h; threads %d-%d, slope %+.2f /h; fds slope %+.2f /h.\n\n"
+        "(allocated blocks) %d-%d, slope %+d blocks/h (second half of the run: %+.2f%% along the regression line); threads %d-%d, slope %+.2f /h; fds slope %+.2f /h.\n\n"
         "![soak: RSS, threads and fds over the run](soak.png)" % (
             SAMPLE_INTERVAL_S, WARMUP_FRACTION * 100, slopes["window_s"], report["rss_mib"]["min"],
             report["rss_mib"]["max"], slopes["rss_mib"], slopes.get("rss_mib_second_half", float("nan")),
             report.get("py_blocks", {}).get("min", 0), report.get("py_blocks", {}).get("max", 0),
-            slopes.get("py_blocks", 0), report["threads"]["min"], report["threads"]["max"], slopes["threads"],
+            slopes.get("py_blocks", 0), slopes.get("py_blocks_growth_second_half_pct", float("nan")),
+            report["threads"]["min"], report["threads"]["max"], slopes["threads"],
             slopes["fds"]),
         "",
         "Jobs API: %d calls (%s), %.2f per environment per minute; busiest 5 minutes %d calls (Hub limit ~%d).%s" % (

@@ -44,6 +44,7 @@ def _python39() -> Optional[str]:
     return None
 
 
+@pytest.mark.slow  # vermin in a fresh interpreter
 def test_library_modules_need_nothing_newer_than_python_3_9():
     vermin = Path(sys.executable).with_name("vermin")
     result = subprocess.run([str(vermin), "--target=3.9-", "--violations", "--no-tips", "--eval-annotations",

@@ -139,6 +139,7 @@ def test_slow_scheduling_past_the_start_timeout_raises_and_cancels_the_job(emu, 
     assert_nothing_left(emu, proxy)
 
 
+@pytest.mark.slow  # waits out a ready timeout
 def test_a_server_that_never_answers_health_times_out_and_is_cancelled(emu, proxy):
     provider = provider_for(emu, proxy, command=SLEEP_FOREVER, ready_timeout_s=1.0)
     provider.start_container()
@@ -148,6 +149,7 @@ def test_a_server_that_never_answers_health_times_out_and_is_cancelled(emu, prox
     assert_nothing_left(emu, proxy)
 
 
+@pytest.mark.slow  # the create is retried with backoff
 def test_rate_limited_api_calls_are_retried_and_the_start_succeeds(emu, proxy):
     emu.inject_rate_limit(2, retry_after_s=0, routes=["create"])
     with provider_for(emu, proxy) as provider:
@@ -159,6 +161,7 @@ def test_rate_limited_api_calls_are_retried_and_the_start_succeeds(emu, proxy):
     assert_nothing_left(emu, proxy)
 
 
+@pytest.mark.slow  # retried with backoff
 def test_rate_limit_right_after_create_is_survived(emu, proxy):
     with provider_for(emu, proxy, labels={"emulator-rate-limit-after-create": "1"}) as provider:
         provider.start_container()
@@ -198,6 +201,7 @@ def test_die_after_fault_ends_a_started_job_in_error_and_the_provider_reports_it
     assert_nothing_left(emu, proxy)
 
 
+@pytest.mark.slow  # waits out a 1 s job timeout
 def test_job_timeout_is_sent_and_enforced_server_side(emu, proxy):
     provider = provider_for(emu, proxy, job_timeout=1)
     try:
@@ -211,6 +215,7 @@ def test_job_timeout_is_sent_and_enforced_server_side(emu, proxy):
     assert_nothing_left(emu, proxy)
 
 
+@pytest.mark.slow  # the provider's cancel is retried with backoff against a stopped API
 def test_stopping_the_emulator_while_the_provider_runs_leaves_nothing_behind(proxy):
     emu = JobsEmulator().start()
     provider = provider_for(emu, proxy)

@@ -89,6 +89,7 @@ def wait_for_no_processes(emu: JobsEmulator) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow  # the job imports fastapi, uvicorn and openenv
 def test_sixteen_sync_clients_in_plain_threads_keep_their_own_sessions(emu, proxy, server_command):
     with make_provider(emu, proxy, server_command) as provider:
         base_url = provider.start_container()
@@ -121,6 +122,7 @@ def test_sixteen_sync_clients_in_plain_threads_keep_their_own_sessions(emu, prox
     wait_for_no_processes(emu)
 
 
+@pytest.mark.slow  # the job imports fastapi, uvicorn and openenv
 def test_async_from_docker_image_inside_a_running_event_loop(emu, proxy, server_command):
     provider = make_provider(emu, proxy, server_command)
     seen = {}

@@ -140,6 +140,7 @@ def test_list_filters_by_label_and_stage(emu, api):
     api.cancel_job(job_id=live.id, namespace="local")
 
 
+@pytest.mark.slow  # a job with a child interpreter, then its SIGTERM
 def test_cancel_kills_the_whole_process_group_and_marks_canceled(emu, api):
     code = ("import subprocess, sys, time\n"
             "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
@@ -167,6 +168,7 @@ def test_a_missing_command_ends_in_error_naming_it(emu, api):
     assert final.status.stage == "ERROR" and "/nonexistent/binary-for-the-emulator-test" in final.status.message
 
 
+@pytest.mark.slow  # waits out a 1 s job timeout
 def test_timeout_seconds_ends_the_job_as_canceled(emu, api):
     job = run(api, emu, SLEEP_FOREVER, timeout=1)
     final = finished(api, emu, job.id)
@@ -475,6 +477,7 @@ def test_a_job_that_ignores_sigterm_is_killed_after_the_grace():
         assert not pid_alive(emu.job(job.id).pid)
 
 
+@pytest.mark.slow  # the emulator CLI as a subprocess
 def test_serve_cli_prints_endpoint_and_token_and_sigterm_stops_its_jobs():
     proc = subprocess.Popen([PY, hf_jobs_emulator.__file__, "serve", "--json"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -674,6 +677,7 @@ WHO_AM_I = py(
     "ThreadingHTTPServer(('127.0.0.1', int(os.environ['PORT'])), H).serve_forever()\n")
 
 
+@pytest.mark.slow  # twelve jobs
 def test_parallel_jobs_each_get_their_own_port_and_gate(emu, api):
     """Job ports come from below the ephemeral range, so a gate or client socket opened meanwhile can
     never take a job's port and receive another job's traffic."""

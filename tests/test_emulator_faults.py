@@ -126,6 +126,7 @@ def test_wire_faults_need_network_faults_on(emu):
         emu.stall_next_responses(job_id)
 
 
+@pytest.mark.slow  # waits out a 1 s client timeout
 def test_a_stalled_response_ran_upstream_times_out_the_client_and_the_next_request_is_served(wire_emu):
     job_id, url, session = running_echo(wire_emu)
     assert session.post(url + "/reset", json={}, timeout=TIMEOUT).status_code == 200

@@ -238,6 +238,7 @@ def test_an_exec_ends_with_its_command_not_with_descendants_holding_its_output(h
         wait_until(lambda: not _alive(int(sbx.files.read_text("child.pid"))), "the leftover child to be killed")
 
 
+@pytest.mark.slow  # waits out 1 s of boot and ready delays
 def test_host_boot_and_ready_delays_are_applied_and_a_booting_host_answers_503(hub_env, log_guard):
     emu = hub_env(sandbox_host_boot_s=0.6, sandbox_host_ready_s=0.4)
     with _pool(emu) as pool:
@@ -283,6 +284,7 @@ def test_a_websocket_server_on_the_unix_socket_is_reached_through_proxy_url_for(
             assert ws.recv(timeout=10) == b"\x00\x01binary"
 
 
+@pytest.mark.slow  # idles 3 s past a keep-alive timeout on purpose
 def test_a_websocket_session_outlives_the_hosts_keep_alive_timeout(hub_env, monkeypatch):
     # Idle keep-alive connections to the host close after 2 s (120 s by default); a busy machine still
     # sends a request head well within that.
@@ -417,6 +419,7 @@ def test_a_full_host_refuses_a_create_and_the_pool_boots_another_host(hub_env):
         assert emu.sandbox_hosts.host(hosts[0]).capacity == 2
 
 
+@pytest.mark.slow  # waits out a 1 s idle timeout
 def test_an_idle_sandbox_is_evicted_but_one_running_a_process_is_not(hub_env):
     emu = hub_env()
     with _pool(emu) as pool:
@@ -438,6 +441,7 @@ def test_an_emulator_idle_timeout_overrides_what_the_create_asks(hub_env):
         wait_until(lambda: not host.sandbox_ids, "the sandbox to be evicted")
 
 
+@pytest.mark.slow  # waits out a 1 s idle timeout
 def test_an_empty_pool_host_idle_past_its_timeout_ends_its_job(hub_env):
     emu = hub_env()
     with _pool(emu, idle_timeout=1) as pool:
@@ -458,6 +462,7 @@ def test_killing_a_sandbox_ends_its_processes_and_its_routes(hub_env):
         assert requests.get(url, headers=headers, timeout=10).status_code == 404
 
 
+@pytest.mark.slow  # kills a host job and waits for its processes to end
 def test_a_host_killed_while_serving_fails_its_sessions_promptly_and_ends_its_sandboxes(hub_env):
     emu = hub_env()
     with _pool(emu) as pool:
@@ -482,6 +487,7 @@ def test_a_host_killed_while_serving_fails_its_sessions_promptly_and_ends_its_sa
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a host job that crashes at boot
 def test_a_host_whose_server_crashes_at_boot_fails_the_pool_start_with_its_log(hub_env):
     emu = hub_env(faults={"crash-at-boot": "sbx-server: cannot start (emulated crash)"})
     with pytest.raises(SandboxError, match="emulated crash"):
@@ -518,6 +524,7 @@ def test_a_dedicated_sandbox_runs_commands_and_its_kill_cancels_the_job(hub_env)
     assert emu.wait_for_stage(sbx.id, ["CANCELED"]).stage == "CANCELED"
 
 
+@pytest.mark.slow  # waits out a 1 s idle timeout
 def test_an_idle_dedicated_sandbox_ends_its_job_unless_a_process_runs(hub_env):
     emu = hub_env()
     busy = Sandbox.create(IMAGE, token=emu.token, start_timeout=60, idle_timeout=1)
@@ -615,6 +622,7 @@ def test_no_sandbox_process_or_directory_is_left_after_the_emulator_stops(hub_en
         pool.close()  # its host is gone already: close() says it could not cancel it
 
 
+@pytest.mark.slow  # the emulator CLI as a subprocess
 def test_serve_takes_the_sandbox_settings_and_prints_the_ca_to_trust(tmp_path):
     proc = subprocess.Popen([PY, hf_jobs_emulator.__file__, "serve", "--json", "--tls", "--sandbox-host-boot-s", "0",
                              "--sandbox-host-ready-s", "0", "--sandbox-create-s", "0", "--sandbox-capacity", "3",
@@ -644,6 +652,7 @@ def test_no_thread_or_descriptor_is_left_after_a_host_served_http_websocket_and_
     hub.utils._http.close_session()  # huggingface_hub's own keep-alive connection to the Jobs API
 
 
+@pytest.mark.slow  # a host job behind fault links, then a tunnel reset
 def test_a_host_behind_network_fault_links_serves_and_its_tunnels_can_be_reset(hub_env):
     emu = hub_env(network_faults=True)
     with _pool(emu) as pool:

@@ -128,6 +128,7 @@ def test_zygote_false_starts_the_echo_server_with_popen():
     assert not running(pid)
 
 
+@pytest.mark.slow  # a fresh zygote interpreter replaces the killed one
 def test_when_the_zygote_dies_its_jobs_are_killed_and_end_in_error_and_new_jobs_still_start(emu):
     ids = [create(emu) for _ in range(2)]
     pids = [emu.wait_for_stage(job_id, ["RUNNING"], TIMEOUT).pid for job_id in ids]
@@ -157,6 +158,7 @@ def test_a_job_canceled_while_its_process_starts_is_never_running_and_its_proces
         assert emu.live_pids() == []
 
 
+@pytest.mark.slow  # eight jobs
 def test_one_prober_thread_records_first_health_for_many_jobs(emu):
     ids = [create(emu) for _ in range(8)]
     for job_id in ids:
@@ -197,6 +199,7 @@ def test_the_prober_records_the_first_200_not_the_first_answer(emu, tmp_path):
     assert emu.job(job_id).first_health_ok_mono >= made
 
 
+@pytest.mark.slow  # twenty-four jobs
 def test_list_answers_with_every_job_while_many_start(emu):
     ids = [create(emu) for _ in range(24)]
     seen = []

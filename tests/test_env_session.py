@@ -99,6 +99,7 @@ def test_an_environment_error_keeps_the_session_and_a_refused_upgrade_names_the_
     assert isinstance(refused.value, ConnectionError)  # code that caught ConnectionError keeps working
 
 
+@pytest.mark.slow  # a step that takes 1 s on purpose
 def test_a_slow_reply_times_out_closes_the_session_and_never_answers_the_next_request(no_leaks) -> None:
     with EchoServer(step_delay_s=1.0) as server:
         session = EnvSession(server.url, timeout_s=0.3)
@@ -191,6 +192,7 @@ def test_a_real_openenv_create_app_server_from_a_thread_and_from_inside_a_loop(e
     assert seen["loop"][3]["episode_id"] == "loop" and seen["loop"][3]["step_count"] == 1
 
 
+@pytest.mark.slow  # a step that takes 2 s on purpose
 def test_close_from_another_thread_ends_a_request_in_flight_with_a_session_error(no_leaks) -> None:
     with EchoServer(step_delay_s=2.0) as server:
         session = EnvSession(server.url, timeout_s=TIMEOUT)

@@ -64,6 +64,7 @@ def test_a_listing_whose_next_link_names_a_foreign_host_fails_loudly_after_the_f
 # -- the per-user rate limit ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # waits out rate-limit windows
 def test_two_processes_of_one_user_share_its_quota_through_the_servers_count_without_a_429():
     """Each client stands for a process (its own budget), both with the user's token: the server's RateLimit
     count is all they share, and it keeps both under the quota across windows."""
@@ -93,6 +94,7 @@ def test_two_processes_of_one_user_share_its_quota_through_the_servers_count_wit
                 client.close()
 
 
+@pytest.mark.slow  # spends a rate-limit window
 def test_a_process_that_spent_its_window_still_cancels_its_jobs_at_once(proxy):
     """The budget holds ordinary calls once only the reserve is left (a replica_status(refresh=True) loop
     got a process there; here plain calls of the same user spend it faster); stop_container's cancels pass

@@ -367,6 +367,7 @@ def test_every_call_carries_the_bearer_token_and_user_agent(api):
 # -- retries ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # retried with backoff
 def test_429_with_retry_after_is_retried_then_succeeds(api):
     url = ENDPOINT + "/api/jobs/alice/j1"
     api.add(responses.GET, url, status=429, headers={"Retry-After": "0"})
@@ -377,6 +378,7 @@ def test_429_with_retry_after_is_retried_then_succeeds(api):
     assert len(api.calls) == 3
 
 
+@pytest.mark.slow  # retried with backoff
 def test_retries_are_bounded_and_end_with_the_last_error(api):
     url = ENDPOINT + "/api/jobs/alice/j1"
     api.add(responses.GET, url, status=429, headers={"Retry-After": "0", "X-Error-Message": "slow down"})
@@ -428,6 +430,7 @@ def test_5xx_on_create_looks_up_the_label_then_reposts_when_no_job_exists(api):
     assert len(calls_to(api, "GET", "/api/jobs/alice")) == 1  # looked up before the second POST
 
 
+@pytest.mark.slow  # retried with backoff
 def test_429_on_create_is_retried_without_a_lookup(api):
     api.add(responses.POST, ENDPOINT + "/api/jobs/alice", status=429, headers={"Retry-After": "0"})
     api.add(responses.POST, ENDPOINT + "/api/jobs/alice", json=job_json("j3"))

@@ -141,6 +141,7 @@ def test_pickling_carries_exactly_the_allowlisted_settings():
 STOP_POINTS = ["submitting", "starting", "running", "ready"]
 
 
+@pytest.mark.slow  # twelve start/stop cycles, some waiting out Retry-After
 def test_a_sequence_of_starts_each_stopped_at_a_different_point_leaves_nothing_behind(proxy):
     """One provider, reused: every cycle ends IDLE with its job cancelled and no route left, whatever
     the previous cycle's stop interrupted (bugs live in what the previous start left behind)."""

@@ -110,6 +110,7 @@ def test_a_pooled_environment_serves_http_and_websocket_through_the_proxy_and_st
     assert emu.wait_for_stage(host_id, ["CANCELED"]).stage == "CANCELED"  # a host we booted is cancelled
 
 
+@pytest.mark.slow  # four environments on one host job
 def test_environments_of_one_named_pool_pack_onto_one_host_with_one_jobs_api_create(pool_env, proxy, log_guard):
     emu = pool_env()
     providers = HFSandboxProvider.start_many(4, IMAGE, progress=False, endpoint=emu.endpoint, token=emu.token,
@@ -128,6 +129,7 @@ def test_environments_of_one_named_pool_pack_onto_one_host_with_one_jobs_api_cre
             p.stop_container()
 
 
+@pytest.mark.slow  # boots two host jobs
 def test_a_full_host_makes_the_pool_boot_another(pool_env, proxy):
     emu = pool_env(sandbox_capacity=2)
     providers = [provider(emu, proxy, pool="small-hosts") for _ in range(3)]
@@ -243,6 +245,7 @@ def test_a_server_that_crashes_at_boot_fails_fast_with_its_own_output_and_its_sa
     assert host_sandboxes(emu, host_id) == [] and proxy._routes == {}
 
 
+@pytest.mark.slow  # boots two host jobs
 def test_a_host_killed_while_serving_fails_each_session_with_a_typed_error_and_a_restart_lands_on_a_new_host(
         pool_env, proxy):
     emu = pool_env()
@@ -283,6 +286,7 @@ def test_an_evicted_sandbox_fails_readiness_with_a_typed_error(pool_env, proxy):
     assert failed.value.stage in ("DELETED", "ERROR")
 
 
+@pytest.mark.slow  # the create is retried with backoff
 @pytest.mark.parametrize("status", [429, 503])
 def test_a_transient_error_on_sandbox_create_is_retried(pool_env, proxy, status):
     emu = pool_env()
@@ -294,6 +298,7 @@ def test_a_transient_error_on_sandbox_create_is_retried(pool_env, proxy, status)
             assert second._pooled.host_id == first._pooled.host_id
 
 
+@pytest.mark.slow  # the create is retried with backoff
 def test_a_create_error_that_persists_is_a_jobs_api_error_and_leaves_nothing(pool_env, proxy):
     emu = pool_env()
     with provider(emu, proxy, pool="failing") as first:
@@ -306,6 +311,7 @@ def test_a_create_error_that_persists_is_a_jobs_api_error_and_leaves_nothing(poo
         assert host_sandboxes(emu, first._pooled.host_id) == [local_id(first)]
 
 
+@pytest.mark.slow  # a host job that crashes at boot
 def test_a_host_that_crashes_at_boot_fails_the_start_with_its_log(pool_env, proxy):
     emu = pool_env(faults={"crash-at-boot": "sbx-server: cannot start (emulated crash)"})
     with pytest.raises(SandboxError, match="pool crashing could not start a host job"):
@@ -336,6 +342,7 @@ if sys.argv[1] == "signal":
 '''
 
 
+@pytest.mark.slow  # a child interpreter that boots a host job
 @pytest.mark.parametrize("ending", ["exit", "signal"])
 def test_a_process_that_exits_or_gets_sigterm_kills_its_sandboxes_and_cancels_the_hosts_it_booted(
         pool_env, tmp_path, ending):
@@ -364,6 +371,7 @@ def test_a_process_that_exits_or_gets_sigterm_kills_its_sandboxes_and_cancels_th
     assert emu.token not in child.stderr.read()
 
 
+@pytest.mark.slow  # waits out a 3 s job timeout
 def test_job_timeout_bounds_a_pooled_server_so_nothing_bills_forever_after_a_lost_client(pool_env, proxy):
     emu = pool_env()
     with provider(emu, proxy, job_timeout=3) as p:
@@ -390,6 +398,7 @@ def test_smoke_local_pool_runs_every_stage_and_closes_the_pool(tmp_path):
     assert [s["ok"] for s in report["stages"] if s["name"].startswith("close pool")] == [True]
 
 
+@pytest.mark.slow  # boots two host jobs
 def test_sweep_pool_cancels_the_host_jobs_a_lost_process_left_of_that_pool_only(pool_env, proxy, monkeypatch, capsys):
     import hf_sandbox_cli
 

@@ -350,6 +350,7 @@ def test_loopback_url_from_a_remote_endpoint_is_refused(api, proxy):
     assert cancels(api) == 1
 
 
+@pytest.mark.slow  # the cancel is retried with backoff
 def test_failed_cancel_is_retried_then_logged_with_job_id_and_sweep_hint_without_raising(api, proxy, caplog):
     add_job_api(api, stages=[running()], cancel_status=500)
     provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST)
@@ -603,6 +604,7 @@ def test_verify_with_the_jobs_ca_reaches_a_tls_job_and_default_verification_refu
     assert cancels(api) == 2
 
 
+@pytest.mark.slow  # the stop waits for the start it interrupts: the test waits out its 10 s join
 def test_stop_landing_while_the_route_is_mounted_leaves_no_route(api):
     """A stop_container() from another thread that runs while mount() is in flight (after the start's
     last stop check) must not leave the freshly mounted route behind."""

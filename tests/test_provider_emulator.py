@@ -71,6 +71,7 @@ def _worker(pickled: bytes, results) -> None:
         provider.stop_container()
 
 
+@pytest.mark.slow  # a spawned worker interpreter
 def test_unstarted_provider_pickled_to_a_spawned_worker_runs_its_own_job(emu):
     provider = hsp.HFSandboxProvider(IMAGE, endpoint=emu.endpoint, token=emu.token,
                                      command=echo_server_command(), poll_interval_s=0.05)
@@ -128,6 +129,7 @@ def test_health_answering_auth_refusal_gives_up_with_an_error_naming_it_and_canc
     assert [job.stage for job in emu.jobs] == ["CANCELED"]
 
 
+@pytest.mark.slow  # waits out a 1.5 s ready timeout
 def test_health_answering_503_is_not_a_refusal_the_wait_goes_on_until_its_deadline(emu, proxy):
     provider = hsp.HFSandboxProvider(IMAGE, endpoint=emu.endpoint, token=emu.token, proxy=proxy,
                                      command=[sys.executable, "-c", _REFUSING_SERVER], env_vars={"STATUS": 503},

@@ -5,9 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow  # the benchmark as a subprocess
 def test_proxy_bench_runs_and_reports_both_targets():
     result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "proxy_bench.py"),
                              "--http-n", "20", "--ws-n", "20"], cwd=ROOT, capture_output=True, text=True, timeout=120)

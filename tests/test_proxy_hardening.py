@@ -161,6 +161,7 @@ def test_client_dripping_header_bytes_is_disconnected_in_bounded_time(served):
     _still_serving(proxy, path)
 
 
+@pytest.mark.slow  # waits out a 2 s idle timeout
 def test_idle_keep_alive_connections_are_closed_after_the_idle_timeout(served):
     _, proxy, path = served
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=TIMEOUT) as sock:

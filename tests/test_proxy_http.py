@@ -171,6 +171,7 @@ def test_upstream_refusing_connections_gives_502_upstream_unreachable():
     assert TEST_TOKEN not in r.text
 
 
+@pytest.mark.slow  # an upstream that answers after 2 s
 def test_slow_upstream_gives_504_upstream_timeout(upstream):
     with AuthProxy(read_timeout_s=0.3) as proxy:
         base = proxy.mount(upstream.url, TEST_TOKEN)

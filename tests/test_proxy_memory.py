@@ -47,6 +47,7 @@ def test_routes_with_the_same_verify_share_one_tls_context_and_an_edited_bundle_
     assert third.tls_context() is not first.tls_context()
 
 
+@pytest.mark.slow  # many warm-up and measured rounds
 def test_repeated_mount_request_session_unmount_keeps_the_live_object_count_flat_and_leaves_no_thread(
         test_ca, no_leaks):
     logging.disable(logging.INFO)  # pytest's and the test's log captures keep every record they see

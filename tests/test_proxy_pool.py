@@ -179,6 +179,7 @@ def _get_and_close(base: str, path: str) -> int:
     return requests.get(base + path, headers={"Connection": "close"}, timeout=TIMEOUT).status_code
 
 
+@pytest.mark.slow  # 200 connections
 def test_a_warm_proxy_starts_no_thread_for_200_sequential_connections(served, monkeypatch):
     _, proxy, base = served
     workers = proxy._server.workers

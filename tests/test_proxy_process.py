@@ -279,6 +279,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow  # a parent interpreter as a subprocess
 def test_the_child_outlives_the_thread_that_spawned_it_and_dies_with_a_sigkilled_parent(ups):
     parent = subprocess.Popen([sys.executable, "-c", _PARENT_SCRIPT, ROOT, ups["plain"].url, TOKEN],
                               stdout=subprocess.PIPE)

@@ -76,6 +76,7 @@ def _status_line(raw: bytes) -> bytes:
 # --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # waits out a 1 s send timeout
 def test_a_client_that_stops_reading_a_large_response_is_cut_off_freed_and_others_are_served(pressure, test_ca):
     # The proxy's send to this client times out after a PARTIAL send (sendall loses the count): the
     # stream is corrupt, so the connection must close, its worker be freed, and nothing else suffer.
@@ -101,6 +102,7 @@ def test_a_client_that_stops_reading_a_large_response_is_cut_off_freed_and_other
         assert len(set(ports)) == 1  # one pooled upstream connection carried all three
 
 
+@pytest.mark.slow  # reads for longer than a 1 s timeout on purpose
 def test_a_slow_reader_gets_the_whole_body_byte_exact_and_its_next_request_answered(pressure, test_ca):
     # The kernel timeout limits each send, not the whole response: a client that keeps reading a little
     # (every 50 ms) is served for as long as it takes (here longer than the 1 s timeout), byte for byte.
@@ -169,6 +171,7 @@ def test_a_request_stalled_half_way_gets_408_or_a_close_and_the_proxy_serves_on(
             _assert_answered_like_directly(session, base, up, test_ca, ["/r?size=10", "/r?size=100000"])
 
 
+@pytest.mark.slow  # drips a body for 2 s on purpose
 @pytest.mark.parametrize("framing", ["length", "chunked"])
 def test_a_body_dripping_in_for_longer_than_the_timeout_is_forwarded_whole(pressure, test_ca, framing):
     # The timeout bounds each wait for the next byte, not the whole body: 40 bytes, one every 50 ms
@@ -204,6 +207,7 @@ def test_a_body_dripping_in_for_longer_than_the_timeout_is_forwarded_whole(press
 # --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # waits out a 1 s read timeout
 def test_an_upstream_stalling_mid_body_gives_504_or_a_cut_stream_and_its_connection_is_never_reused(pressure, test_ca):
     # A small body (read whole before answering) stalling: 504 upstream-timeout. A large one, whose head
     # already went out: the client connection is cut (docs/proxy.md: "never a response that looks
@@ -231,10 +235,10 @@ def _stall_then_answer(session: requests.Session, base: str, up: UpstreamProcess
     assert second not in ports and first not in ports
 
 
-NO_ANSWER_CASES = [("http", "plain"), ("httpx", "plain"), pytest.param("http", "tls", marks=pytest.mark.slow),
-                   pytest.param("websocket", "plain", marks=pytest.mark.slow), ("websocket", "tls")]
+NO_ANSWER_CASES = [("http", "plain"), ("httpx", "plain"), ("http", "tls"), ("websocket", "plain"), ("websocket", "tls")]
 
 
+@pytest.mark.slow  # waits out a 1.5 s read timeout
 @pytest.mark.parametrize("kind, scheme", NO_ANSWER_CASES)
 def test_an_upstream_that_does_not_answer_within_read_timeout_gets_504_not_a_second_wait(pressure, test_ca, kind,
                                                                                         scheme):
@@ -292,6 +296,7 @@ class _SignalRain:
         signal.signal(signal.SIGUSR1, self._previous)
 
 
+@pytest.mark.slow  # waits out 1-1.5 s timeouts under a signal rain
 @pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs POSIX thread-directed signals")
 def test_signals_landing_on_proxy_threads_neither_cut_a_wait_short_nor_stretch_it_forever(pressure, test_ca):
     # CPython retries a system call a signal interrupted, and the kernel restarts SO_RCVTIMEO for the

@@ -211,6 +211,7 @@ def test_seeded_sessions_through_the_tls_relay_arrive_complete_and_in_order(sequ
 # --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # measures the relay's CPU over a STALL_S stall
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads a thread's CPU time from Linux /proc")
 def test_a_client_that_stops_reading_makes_the_relay_wait_not_spin_and_loses_nothing(tls_app, test_ca, no_leaks):
     count, size = 200, 65536  # 12.5 MiB: far more than the socket buffers between app and client hold
@@ -229,6 +230,7 @@ def test_a_client_that_stops_reading_makes_the_relay_wait_not_spin_and_loses_not
             assert ws.recv(TIMEOUT) == "after"
 
 
+@pytest.mark.slow  # measures the relay's CPU over a STALL_S stall
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads a thread's CPU time from Linux /proc")
 def test_an_upstream_that_stops_reading_makes_the_relay_wait_not_spin_and_loses_nothing(tls_app, test_ca, no_leaks):
     count = 300
@@ -286,6 +288,7 @@ def test_a_client_vanishing_mid_frame_ends_the_session_upstream_and_frees_everyt
             assert ws.recv(TIMEOUT) == b"next"
 
 
+@pytest.mark.slow  # an upstream in its own process
 def test_an_upstream_dying_mid_frame_gives_the_client_an_abnormal_close_and_frees_everything(test_ca, no_leaks):
     # The app starts an 8 MiB message and ends its process: the frame is cut and the TCP connection
     # closed with no WebSocket close and no TLS close_notify.
@@ -347,7 +350,12 @@ class _EndingTLSUpstream:
         self.listener.close()
 
 
-ENDINGS = [("tls", "close_notify"), ("tls", "tcp-close"), ("tls", "reset"), ("plain", "tcp-close"), ("plain", "reset")]
+# Each case sleeps about a second on purpose (the upstream ends before the client reads), so the fast tier
+# keeps one of them: TLS ended by a reset.
+_SLOW = pytest.mark.slow
+ENDINGS = [pytest.param("tls", "close_notify", marks=_SLOW), pytest.param("tls", "tcp-close", marks=_SLOW),
+           ("tls", "reset"),
+           pytest.param("plain", "tcp-close", marks=_SLOW), pytest.param("plain", "reset", marks=_SLOW)]
 
 
 @pytest.mark.parametrize("scheme, ending", ENDINGS)

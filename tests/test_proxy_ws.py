@@ -98,6 +98,7 @@ def _session(base: str, seed: int) -> Tuple[str, str]:
     return sent.hexdigest(), got.hexdigest()
 
 
+@pytest.mark.slow  # 64 concurrent TLS sessions
 def test_64_concurrent_tls_sessions_move_large_and_small_frames_both_ways_intact(test_ca, no_leaks):
     with Upstream(tls=test_ca) as upstream, AuthProxy() as proxy:
         base = ws_url(proxy.mount(upstream.url, TEST_TOKEN, verify=test_ca.ca_path))

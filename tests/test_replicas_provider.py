@@ -119,6 +119,7 @@ def test_three_replicas_start_behind_one_route_with_every_job_id_and_stage(emu, 
         provider.stop_container()
 
 
+@pytest.mark.slow  # waits out a 1 s ready timeout
 def test_wait_for_ready_checks_every_jobs_own_health_and_fails_all_when_one_never_answers(emu, proxy, log_guard):
     provider = replicated(emu, proxy, cls=OneReplicaNeverReady, ready_timeout_s=1.0)
     provider.start_container()
@@ -373,6 +374,7 @@ def _raised(function):
     return None
 
 
+@pytest.mark.slow  # the stop waits for the start it interrupts: the test waits out its 30 s join
 def test_stop_landing_while_the_replica_route_is_mounted_leaves_no_route(emu, log_guard):
     """A stop_container() from another thread that runs just before mount_replicas() (after the
     replicas started) must not leave the replica route mounted."""

@@ -35,6 +35,7 @@ def all_ended(emu: JobsEmulator) -> None:
         assert emu.wait_for_stage(job.id, ["CANCELED", "ERROR", "COMPLETED"]).terminal, job
 
 
+@pytest.mark.slow  # jobs wait SCHEDULING_DELAY_S before running
 def test_sandboxes_built_together_start_together_and_each_waits_for_its_own_job(slow_emu) -> None:
     boxes = [Sandbox("img:tag", **slow_emu.settings) for _ in range(SLOTS)]
     for index, box in enumerate(boxes):  # what TRL does: reset slot after slot
@@ -49,6 +50,7 @@ def test_sandboxes_built_together_start_together_and_each_waits_for_its_own_job(
     all_ended(slow_emu)
 
 
+@pytest.mark.slow  # jobs wait SCHEDULING_DELAY_S before running
 @pytest.mark.parametrize("delay", STOP_AFTER_S)
 def test_a_sandbox_stopped_at_any_point_of_its_start_leaves_no_job(slow_emu, delay) -> None:
     box = Sandbox("img:tag", **slow_emu.settings)
@@ -64,6 +66,7 @@ def test_a_sandbox_stopped_at_any_point_of_its_start_leaves_no_job(slow_emu, del
     all_ended(slow_emu)
 
 
+@pytest.mark.slow  # jobs wait SCHEDULING_DELAY_S before running
 def test_a_start_that_fails_raises_in_the_waiting_environment_with_its_job_cancelled(slow_emu) -> None:
     box = Sandbox("img:tag", labels={"emulator-crash-at-boot": "boom-at-boot"}, **slow_emu.settings)
     with pytest.raises(JobFailedError, match="boom-at-boot"):
@@ -77,6 +80,7 @@ def test_a_start_that_fails_raises_in_the_waiting_environment_with_its_job_cance
     all_ended(slow_emu)
 
 
+@pytest.mark.slow  # jobs wait SCHEDULING_DELAY_S before running
 def test_a_lazy_sandbox_starts_nothing_until_used_and_pickles_until_then(slow_emu) -> None:
     lazy = Sandbox("img:tag", begin=False, **slow_emu.settings)
     assert slow_emu.jobs == [] and lazy.provider is None and "not begun" in repr(lazy)
@@ -118,6 +122,7 @@ def test_many_environments_share_a_few_jobs_each_with_its_own_session(slow_emu) 
     all_ended(slow_emu)
 
 
+@pytest.mark.slow  # jobs wait SCHEDULING_DELAY_S before running
 def test_a_lost_shared_group_is_replaced_once_however_many_environments_ask(slow_emu) -> None:
     boxes = [Sandbox("img:tag", shared="lost", replicas=2, **slow_emu.settings) for _ in range(4)]
     sessions = [box.session() for box in boxes]
@@ -151,6 +156,7 @@ def test_a_lost_shared_group_is_replaced_once_however_many_environments_ask(slow
     all_ended(slow_emu)
 
 
+@pytest.mark.slow  # jobs wait SCHEDULING_DELAY_S before running
 def test_a_shared_group_with_one_live_job_is_kept_and_new_sessions_go_to_that_job(slow_emu) -> None:
     boxes = [Sandbox("img:tag", shared="half", replicas=2, **slow_emu.settings) for _ in range(2)]
     sessions = [box.session() for box in boxes]
@@ -178,6 +184,7 @@ def test_a_shared_group_with_one_live_job_is_kept_and_new_sessions_go_to_that_jo
     all_ended(slow_emu)
 
 
+@pytest.mark.slow  # jobs wait SCHEDULING_DELAY_S before running
 def test_stop_sandboxes_cancels_own_shared_and_in_flight_starts_in_one_call(slow_emu) -> None:
     ready = Sandbox("img:tag", **slow_emu.settings)
     ready.wait()

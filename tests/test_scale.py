@@ -69,6 +69,7 @@ class RecordingSessions(hsp.HFSandboxProvider):
         cls.calls.append((threading.current_thread().name, "list" if len(path) == 4 else "inspect"))
 
 
+@pytest.mark.slow  # eighteen jobs with a 1 s scheduling delay
 def test_sixteen_starting_providers_cost_one_api_call_per_watcher_refresh_and_share_one_thread(proxy):
     RecordingSessions.calls = []
     with JobsEmulator(scheduling_delay_s=1.0) as emu:
@@ -159,6 +160,7 @@ def test_watcher_list_refresh_ignores_jobs_of_another_process_label(proxy):
 # -- the shared rate-limit budget -------------------------------------------------------------------
 
 
+@pytest.mark.slow  # waits out Retry-After
 def test_one_429_pauses_every_client_of_that_token_and_no_other_token():
     other_token = "hf_other_" + "c" * 24
     with JobsEmulator(extra_tokens={other_token: "carol"}) as emu:
@@ -201,6 +203,7 @@ def test_without_rate_limit_headers_the_budget_counts_its_own_calls_and_keeps_th
     assert sum(waits) == pytest.approx(10.0) and max(waits) <= hsp.RATE_LIMIT_RECHECK_S
 
 
+@pytest.mark.slow  # waits out Retry-After
 def test_providers_waiting_through_a_429_all_become_ready(proxy):
     with JobsEmulator(scheduling_delay_s=0.3) as emu:
         providers = [hsp.HFSandboxProvider(IMAGE, endpoint=emu.endpoint, token=emu.token, proxy=proxy,

@@ -1,0 +1,258 @@
+"""Instructions and system calls per proxied HTTP request, AuthProxy against the CPython floor.
+
+    python benchmarks/_hotpath.py [--requests 2000] [--connections 64] [--upstreams plain,tls]
+                                  [--targets floor,proxy] [--tool callgrind|strace|both] [--write]
+
+A load-independent companion to benchmarks/vs_nginx.py's `http` measure (whose CPU figures move with
+whatever else the shared machine runs): the forwarder (benchmarks/_proxy_host.py, or the floor,
+benchmarks/_floor.py) runs under `valgrind --tool=callgrind` with instrumentation off; once a warm-up
+has filled its pools, instrumentation is switched on (`callgrind_control -i on`) for exactly
+`--requests` requests and off again, so the count covers steady-state requests only. The client is
+this process: `--connections` keep-alive connections, one `POST /step` in flight on each (wrk's
+request, byte for byte), against the same uvicorn upstream as vs_nginx.py (benchmarks/_asgi_upstream.py,
+plain or TLS). User-space instructions are the forwarder's own work (Python, OpenSSL, libc); the
+kernel's share is counted separately as system calls per request (`strace -f -c` over the same load,
+warm-up excluded by difference; futex calls, the GIL's hand-offs, are left out of the table: strace
+slows every call and so changes how often threads contend). Both figures repeat to within a percent
+or two whatever the machine's load, which is what a cut of a few percent needs. Neither is a time:
+vs_nginx.py stays the published CPU figure. `--write` puts the table in RESULTS.md.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional, Tuple
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(1, os.path.join(REPO, "tests"))  # support.make_test_ca: the tests' throwaway CA
+import ws_scale as scale  # noqa: E402
+from _results import replace_marked_section  # noqa: E402
+
+DEFAULT_RESULTS = os.path.join(HERE, "RESULTS.md")
+SECTION_START, SECTION_END = "<!-- hotpath:start -->", "<!-- hotpath:end -->"
+
+# The body of vs_nginx.py's POST /step (an OpenEnv action).
+STEP_BODY = b'{"action": {"message": "hello"}}'
+# Warm-up requests per connection before counting: every pooled upstream connection exists and every
+# code path has run (callgrind translates code on first use; that is not per-request work).
+WARMUP_ROUNDS = 5
+# How long a forwarder under valgrind may take to start (Python's start-up runs 30-50x slower there).
+START_TIMEOUT_S = 180.0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=2000, help="counted requests per target (default 2000)")
+    parser.add_argument("--connections", type=int, default=64, help="client connections (default 64)")
+    parser.add_argument("--upstreams", default="plain,tls")
+    parser.add_argument("--targets", default="floor,proxy")
+    parser.add_argument("--tool", choices=("callgrind", "strace", "both"), default="both")
+    parser.add_argument("--write", action="store_true", help="update the hotpath section of RESULTS.md")
+    args = parser.parse_args(argv)
+    for tool in (["valgrind", "callgrind_control"] if args.tool != "strace" else []) + (
+            ["strace"] if args.tool != "callgrind" else []):
+        if not shutil.which(tool):
+            raise SystemExit("%s is not installed: apt-get install -y valgrind strace" % tool)
+    workdir = tempfile.mkdtemp(prefix="hotpath-")
+    import support
+
+    ca = support.make_test_ca(workdir)
+    upstreams: Dict[str, Tuple[int, subprocess.Popen]] = {}
+    results: List[Dict[str, object]] = []
+    try:
+        for kind in args.upstreams.split(","):
+            extra = ["--certfile", ca.cert_path, "--keyfile", ca.key_path] if kind == "tls" else []
+            proc, info = _spawn([sys.executable, os.path.join(HERE, "_asgi_upstream.py")] + extra, 30.0)
+            upstreams[kind] = (int(info["port"]), proc)
+        for kind in args.upstreams.split(","):
+            url = "%s://127.0.0.1:%d" % ("https" if kind == "tls" else "http", upstreams[kind][0])
+            for target in args.targets.split(","):
+                script = "_proxy_host.py" if target == "proxy" else "_floor.py"
+                cmd = [sys.executable, os.path.join(HERE, script), url] + (["--verify", ca.ca_path] if kind == "tls" else [])
+                row: Dict[str, object] = {"target": target, "upstream": kind}
+                if args.tool in ("callgrind", "both"):
+                    row["instructions"] = _instructions(cmd, workdir, args.requests, args.connections)
+                if args.tool in ("strace", "both"):
+                    row["syscalls"] = _syscalls(cmd, workdir, args.requests, args.connections)
+                results.append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        for _, proc in upstreams.values():
+            scale._stop_child(proc, terminate_first=True)
+        shutil.rmtree(workdir, ignore_errors=True)
+    table = _table(results)
+    print(table)
+    if args.write:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
+        replace_marked_section(DEFAULT_RESULTS, SECTION_START, SECTION_END, "\n".join([
+            SECTION_START,
+            "## Instructions and system calls per proxied HTTP request (benchmarks/_hotpath.py)",
+            "",
+            "`python benchmarks/_hotpath.py --requests %d --connections %d --write` at %s: user-space instructions "
+            "(callgrind, warm-up excluded) and system calls other than futex (strace -c) per `POST /step`, with %d "
+            "connections each keeping one request in flight. Both repeat within a percent or two whatever the load; "
+            "neither is a time (the CPU figures are vs_nginx.py's)." % (args.requests, args.connections, commit,
+                                                                       args.connections),
+            "", table, "", SECTION_END, ""]))
+    return 0
+
+
+def _instructions(cmd: List[str], workdir: str, requests: int, connections: int) -> float:
+    """User-space instructions per request of the forwarder `cmd`, counted by callgrind."""
+    out = os.path.join(workdir, "callgrind.out.%d" % time.monotonic_ns())
+    proc, info = _spawn(["valgrind", "--tool=callgrind", "--instr-atstart=no", "--callgrind-out-file=" + out]
+                        + cmd, START_TIMEOUT_S)
+    try:
+        client = _Client(str(info["base_url"]), connections)
+        client.run(connections * WARMUP_ROUNDS)
+        _control(proc.pid, "-i", "on")
+        client.run(requests)
+        _control(proc.pid, "-i", "off")
+        client.close()
+    finally:
+        scale._stop_child(proc, terminate_first=True)
+    total = 0
+    for path in glob.glob(out + "*"):
+        with open(path) as fh:
+            for line in fh:
+                if line.startswith(("totals:", "summary:")):
+                    total = max(total, int(line.split()[1]))
+    return total / requests
+
+
+def _syscalls(cmd: List[str], workdir: str, requests: int, connections: int) -> Dict[str, float]:
+    """System calls per request of the forwarder `cmd` (strace -f -c), warm-up excluded by difference."""
+    counts = []
+    for n in (requests // 4, requests):
+        out = os.path.join(workdir, "strace.%d" % time.monotonic_ns())
+        proc, info = _spawn(["strace", "-f", "-c", "-o", out] + cmd, START_TIMEOUT_S)
+        try:
+            client = _Client(str(info["base_url"]), connections)
+            client.run(connections * WARMUP_ROUNDS + n)
+            client.close()
+        finally:
+            scale._stop_child(proc, terminate_first=True)
+        counts.append(_strace_counts(out))
+    names = set(counts[0]) | set(counts[1])
+    per = {name: (counts[1].get(name, 0) - counts[0].get(name, 0)) / (requests - requests // 4) for name in names}
+    per = {name: round(value, 2) for name, value in sorted(per.items(), key=lambda kv: -kv[1]) if value >= 0.05}
+    per["total"] = round(sum(v for v in per.values()), 2)
+    return per
+
+
+def _strace_counts(path: str) -> Dict[str, int]:
+    counts: Dict[str, int] = {}
+    with open(path) as fh:
+        for line in fh:
+            fields = line.split()
+            if len(fields) >= 5 and fields[0][0].isdigit() and fields[-1] != "total":
+                counts[fields[-1]] = int(fields[3])
+    return counts
+
+
+def _control(pid: int, *args: str) -> None:
+    subprocess.run(["callgrind_control"] + list(args) + [str(pid)], check=True, capture_output=True, timeout=120)
+
+
+def _spawn(cmd: List[str], timeout: float) -> Tuple[subprocess.Popen, Dict[str, object]]:
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=REPO), cwd=REPO)
+    line = scale._read_line(proc, timeout)
+    try:
+        return proc, json.loads(line)
+    except ValueError:
+        scale._stop_child(proc, terminate_first=True)
+        raise RuntimeError("%s did not start: %r%s" % (cmd[0], line, scale._stderr_tail(proc)))
+
+
+class _Client:
+    """`connections` keep-alive connections, each with one request in flight: what wrk -cN does,
+    minus its timing."""
+
+    def __init__(self, base_url: str, connections: int) -> None:
+        match = re.match(r"http://([^:/]+):(\d+)(/.*)?$", base_url)
+        assert match, base_url
+        host, port, path = match.group(1), int(match.group(2)), (match.group(3) or "").rstrip("/")
+        self.request = (b"POST %s/step HTTP/1.1\r\nHost: %s:%d\r\nContent-Length: %d\r\n"
+                        b"Content-Type: application/json\r\n\r\n%s"
+                        % (path.encode(), host.encode(), port, len(STEP_BODY), STEP_BODY))
+        self.socks = [socket.create_connection((host, port), timeout=120) for _ in range(connections)]
+        for sock in self.socks:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.bufs = [b""] * connections
+
+    def run(self, requests: int) -> None:
+        """Send `requests` requests, keeping one in flight per connection, and read every answer."""
+        sent = 0
+        live = []
+        for i, sock in enumerate(self.socks):
+            if sent == requests:
+                break
+            sock.sendall(self.request)
+            sent += 1
+            live.append(i)
+        while live:
+            still = []
+            for i in live:
+                self._answer(i)
+                if sent < requests:
+                    self.socks[i].sendall(self.request)
+                    sent += 1
+                    still.append(i)
+            live = still
+
+    def _answer(self, i: int) -> None:
+        sock, buf = self.socks[i], self.bufs[i]
+        while b"\r\n\r\n" not in buf:
+            data = sock.recv(65536)
+            if not data:
+                raise ConnectionError("the forwarder closed the connection")
+            buf += data
+        end = buf.index(b"\r\n\r\n") + 4
+        head = buf[:end].lower()
+        assert head.startswith(b"http/1.1 200"), head[:200]
+        start = head.index(b"\r\ncontent-length:") + 17
+        length = int(head[start:head.index(b"\r\n", start)])
+        while len(buf) < end + length:
+            data = sock.recv(65536)
+            if not data:
+                raise ConnectionError("the forwarder closed the connection")
+            buf += data
+        self.bufs[i] = buf[end + length:]
+
+    def close(self) -> None:
+        for sock in self.socks:
+            sock.close()
+
+
+def _table(results: List[Dict[str, object]]) -> str:
+    lines = ["| upstream | target | instructions / request | system calls / request (futex apart) | of which |",
+             "|---|---|---|---|---|"]
+    floor = {r["upstream"]: r for r in results if r["target"] == "floor"}
+    for r in results:
+        ins = r.get("instructions")
+        sc = r.get("syscalls")
+        f = floor.get(r["upstream"])
+        ratio = ""
+        if ins and f and f.get("instructions") and r is not f:
+            ratio = " (%.2fx floor)" % (ins / f["instructions"])  # type: ignore[operator]
+        calls = {k: v for k, v in sc.items() if k not in ("total", "futex")} if sc else {}  # type: ignore[union-attr]
+        lines.append("| %s | %s | %s%s | %s | %s |" % (
+            r["upstream"], r["target"], "{:,.0f}".format(ins) if ins else "-", ratio,
+            "%.2f" % sum(calls.values()) if sc else "-", ", ".join("%s %.2f" % kv for kv in calls.items()) or "-"))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

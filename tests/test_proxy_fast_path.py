@@ -1,0 +1,369 @@
+"""The proxy's fast paths agree with its strict parsers, and everything else takes the strict way.
+
+The request head of the common shape is recognised whole (`_Handler._parse_clean_head`), and so is
+the common answer head (`_parse_answer`, relayed byte for byte); anything else goes through the
+strict line-by-line parsers. Hypothesis draws heads mixing clean and unclean features; whenever a
+fast path takes one, every result must equal the strict parser's (parsed request, framing,
+connection handling, the head sent upstream, the head relayed to the client). Each fallback trigger
+is checked to take the strict path, and an end-to-end run through a real proxy checks that an
+upstream and a client see the same bytes whichever path served the request.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import socket
+import threading
+from typing import Iterator, List, Optional, Tuple
+
+import pytest
+import requests
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import proxy
+import support
+from proxy import AuthProxy, Route
+
+# A request wrk sends (benchmarks/vs_nginx.py), and one `requests` sends: the shapes the fast path is for.
+WRK_HEAD = b"POST /r/step HTTP/1.1\r\nHost: 127.0.0.1:8080\r\nContent-Length: 2\r\nContent-Type: application/json\r\n\r\n"
+REQUESTS_HEAD = (b"POST /r/step HTTP/1.1\r\nHost: 127.0.0.1:8080\r\nUser-Agent: python-requests/2.32.3\r\n"
+                 b"Accept-Encoding: gzip, deflate\r\nAccept: */*\r\nConnection: keep-alive\r\nContent-Length: 2\r\n"
+                 b"Content-Type: application/json\r\n\r\n")
+UVICORN_ANSWER = (b"HTTP/1.1 200 OK\r\ndate: Wed, 25 Nov 2026 00:00:00 GMT\r\nserver: uvicorn\r\n"
+                  b"content-type: application/json\r\ncontent-length: 2\r\n\r\n")
+
+NAMES = ["Host", "host", "Content-Length", "content-length", "Transfer-Encoding", "Connection", "connection",
+         "Expect", "Upgrade", "TE", "Trailer", "Close", "Keep-Alive", "Proxy-Authorization", "Proxy-Connection",
+         "Authorization", "Content-Type", "X-Sandbox-Token", "X-A", "Accept", "Bad Name", "X(y)", ""]
+VALUES = ["x", "127.0.0.1:8080", "0", "2", "32", "010", "2, 2", "2,3", "\xb2", "-1", "99999999999999999999",
+          "keep-alive", "close", "Keep-Alive, close", "keep-alive,", "upgrade", "te", "x-a", "100-continue",
+          "chunked", "websocket", "a b", "a\tb", "v ", " v", "\tv", "", "caf\xe9", "a\x01b", "a\x7fb", "a\rb"]
+# Clean choices repeated, so that most drawn heads are ones the fast path may take.
+SEPARATORS = [": "] * 12 + [":", ":  ", ": \t", " : "]
+LINE_ENDS = ["\r\n"] * 16 + ["\n"]
+METHODS = ["GET", "POST", "PUT", "DELETE", "HEAD"] * 3 + ["CONNECT", "G@T", "get"]
+TARGETS = ["/r/step", "/r/x?a=1&b=%20", "/"] * 4 + ["*", "http://h/x", "/a b", "/caf\xe9"]
+VERSIONS = ["HTTP/1.1"] * 6 + ["HTTP/1.0"] * 2 + ["HTTP/1.2", "HTTP/2.0", "http/1.1"]
+
+
+@st.composite
+def request_heads(draw: st.DrawFn) -> bytes:
+    lines = ["%s %s %s" % (draw(st.sampled_from(METHODS)), draw(st.sampled_from(TARGETS)),
+                           draw(st.sampled_from(VERSIONS)))]
+    for _ in range(draw(st.integers(0, 8))):
+        lines.append(draw(st.sampled_from(NAMES)) + draw(st.sampled_from(SEPARATORS)) + draw(st.sampled_from(VALUES)))
+    ends = [draw(st.sampled_from(LINE_ENDS)) for _ in lines]
+    return ("".join(line + end for line, end in zip(lines, ends)) + "\r\n").encode("latin-1")
+
+
+def _handler_over(data: bytes) -> proxy._Handler:
+    """A request handler whose parsers read `data` (no server, no socket: only parsing runs)."""
+    handler = proxy._Handler.__new__(proxy._Handler)
+    handler.rfile = io.BufferedReader(io.BytesIO(data), proxy.IO_CHUNK)  # type: ignore[arg-type]
+    handler.wfile = io.BytesIO()  # type: ignore[assignment]
+    handler.close_connection = True
+    handler._clean = None
+    return handler
+
+
+def _strict_parse(data: bytes) -> Tuple[proxy._Handler, bool]:
+    handler = _handler_over(data)
+    handler.raw_requestline = handler.rfile.readline(proxy.MAX_REQUEST_LINE + 1)
+    return handler, handler.parse_request()
+
+
+@pytest.fixture(scope="module")
+def route() -> Iterator[Route]:
+    route = Route("http://127.0.0.1:9/base", "tok-fast-path", headers={"X-Sandbox-Token": "sbx"})
+    yield route
+    route.close()
+
+
+def _upstream_lines(handler: proxy._Handler, route: Route, strict: bool) -> str:
+    target = route.base_path + handler.path
+    token, extra = route.current_token(), route.current_headers()
+    if strict:
+        return proxy._request_lines(handler.command, target,
+                                    proxy._upstream_request_headers(handler.headers, route, token, extra))
+    assert handler._clean is not None
+    return proxy._clean_request_lines(handler.command, target, handler._clean[1], route, token, extra)
+
+
+def _assert_request_paths_agree(data: bytes, route: Route) -> bool:
+    """Parse `data` both ways; if the fast path took it, check every result against the strict
+    parser's. Returns whether the fast path took it."""
+    fast = _handler_over(data + b"NEXT")
+    took = fast._parse_clean_head()
+    if not took:
+        assert fast.rfile.read() == data + b"NEXT", "a declined head must be left for the strict parser"
+        return False
+    strict, ok = _strict_parse(data + b"NEXT")
+    assert ok and not strict.wfile.getvalue(), "the fast path took a head the strict parser refuses"
+    assert (fast.command, fast.path, fast.request_version, fast.requestline, fast.close_connection) == (
+        strict.command, strict.path, strict.request_version, strict.requestline, strict.close_connection)
+    assert fast.headers.items() == strict.headers.items()
+    assert fast._clean is not None and fast._clean[0] == proxy._body_framing(strict.headers)
+    assert proxy._target_refusal(strict.command, strict.path) is None and proxy._header_refusal(strict.headers) is None
+    assert not proxy._is_websocket_upgrade(strict.command, strict.headers)
+    assert _upstream_lines(fast, route, strict=False) == _upstream_lines(strict, route, strict=True)
+    assert fast.rfile.read() == strict.rfile.read() == b"NEXT"
+    return True
+
+
+def test_the_benchmark_and_requests_heads_take_the_fast_path(route: Route) -> None:
+    assert _assert_request_paths_agree(WRK_HEAD, route)
+    assert _assert_request_paths_agree(REQUESTS_HEAD, route)
+
+
+@pytest.mark.parametrize("lines", [
+    b"Authorization: Bearer client-token\r\nX-Sandbox-Token: client\r\n",
+    b"Proxy-Authorization: x\r\nProxy-Connection: keep-alive\r\nKeep-Alive: timeout=5\r\n",
+    b"Connection: close\r\nx-sandbox-token: client\r\nHOST: other\r\n",
+    b"Connection: keep-alive, close,\r\nX-A: caf\xe9\r\nX-Empty: \r\n",
+])
+def test_headers_the_proxy_drops_or_replaces_are_dropped_on_the_fast_path_too(route: Route, lines: bytes) -> None:
+    head = WRK_HEAD.replace(b"Content-Type", lines + b"Content-Type")
+    assert _assert_request_paths_agree(head, route)
+    assert _assert_request_paths_agree(head.replace(b"HTTP/1.1", b"HTTP/1.0"), route)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(head=request_heads())
+def test_a_request_head_the_fast_path_takes_parses_as_the_strict_parser_has_it(route: Route, head: bytes) -> None:
+    _assert_request_paths_agree(head, route)
+
+
+@pytest.mark.parametrize("change", [
+    (b"Content-Length: 2\r\n", b"Transfer-Encoding: chunked\r\n"),
+    (b"Content-Length: 2\r\n", b"Content-Length: 2\r\nContent-Length: 2\r\n"),
+    (b"Content-Length: 2\r\n", b"Content-Length: \xb2\r\n"),
+    (b"Content-Type", b"Expect: 100-continue\r\nContent-Type"),
+    (b"Content-Type", b"Upgrade: websocket\r\nConnection: Upgrade\r\nContent-Type"),
+    (b"Content-Type", b"TE: trailers\r\nContent-Type"),
+    (b"Content-Type", b"Trailer: x\r\nContent-Type"),
+    (b"Content-Type", b"Connection: x-a\r\nContent-Type"),
+    (b"Content-Type", b"Connection: close\r\nConnection: close\r\nContent-Type"),
+    (b"Content-Type", b"Close: x\r\nContent-Type"),
+    (b"Content-Type: ", b"Content-Type:"),
+    (b"Content-Type: ", b"Content-Type:  "),
+    (b"application/json", b"application/json "),
+    (b"application/json", b"application/\x01json"),
+    (b"application/json\r\n", b"application/json\r\n folded\r\n"),
+    (b"application/json\r\n", b"application/json\n"),
+    (b"POST /r/step", b"CONNECT /r/step"),
+    (b"POST /r/step", b"POST  /r/step"),
+    (b"HTTP/1.1\r\n", b"HTTP/1.2\r\n"),
+])
+def test_each_fallback_trigger_takes_the_strict_path(route: Route, change: Tuple[bytes, bytes]) -> None:
+    head = WRK_HEAD.replace(*change)
+    assert head != WRK_HEAD
+    assert not _assert_request_paths_agree(head, route)
+
+
+def test_a_head_with_too_many_headers_or_not_yet_whole_takes_the_strict_path(route: Route) -> None:
+    many = WRK_HEAD.replace(b"Content-Type", b"X-A: 1\r\n" * proxy.MAX_HEADERS + b"Content-Type")
+    assert not _assert_request_paths_agree(many, route)
+    assert not _assert_request_paths_agree(WRK_HEAD[:-2], route)  # no blank line yet
+
+
+ANSWER_STATUS_LINES = ["HTTP/1.1 200 OK", "HTTP/1.1 200 ", "HTTP/1.1 200", "HTTP/1.0 200 OK", "HTTP/1.1 204 No Content",
+                       "HTTP/1.1 304 Not Modified", "HTTP/1.1 404 Not Found", "HTTP/1.1 503 x\ty", "HTTP/1.1 600 x",
+                       "HTTP/1.1 101 Switching", "HTTP/1.1 103 Early"]
+ANSWER_NAMES = ["content-length", "Content-Length", "Transfer-Encoding", "Connection", "Keep-Alive", "TE", "Trailer",
+                "Upgrade", "Proxy-Authenticate", "date", "server", "content-type", "X-A", "Close"]
+
+
+@st.composite
+def answer_heads(draw: st.DrawFn) -> bytes:
+    lines = [draw(st.sampled_from(ANSWER_STATUS_LINES))]
+    for _ in range(draw(st.integers(0, 6))):
+        lines.append(draw(st.sampled_from(ANSWER_NAMES)) + draw(st.sampled_from(SEPARATORS))
+                     + draw(st.sampled_from(VALUES)))
+    ends = [draw(st.sampled_from(LINE_ENDS)) for _ in lines]
+    return ("".join(line + end for line, end in zip(lines, ends)) + "\r\n").encode("latin-1")
+
+
+def _assert_answer_paths_agree(head: bytes, method: str) -> bool:
+    """Parse an answer head both ways; if the fast path kept it to relay as it is, check that the
+    strict parse frames it the same and the strict relay would write exactly those bytes."""
+    try:
+        strict: Optional[proxy._Answer] = proxy._parse_answer_strictly(head.decode("latin-1"), method)
+    except proxy._BadResponse:
+        strict = None
+    try:
+        fast: Optional[proxy._Answer] = proxy._parse_answer(head, method)
+    except proxy._BadResponse:
+        fast = None
+    if fast is None or fast.raw is None:
+        assert fast == strict
+        return False
+    assert strict is not None
+    assert (fast.status, fast.reason, fast.mode, fast.length, fast.keep_alive) == (
+        strict.status, strict.reason, strict.mode, strict.length, strict.keep_alive)
+    writer = _handler_over(b"")
+    writer._send_head(strict.status, strict.reason, proxy._response_headers(strict.headers, strict.length))
+    assert fast.raw == writer.wfile.getvalue()
+    return True
+
+
+def test_the_uvicorn_answer_takes_the_fast_path() -> None:
+    assert _assert_answer_paths_agree(UVICORN_ANSWER, "POST")
+    assert not _assert_answer_paths_agree(UVICORN_ANSWER, "HEAD")  # no body: the strict framing
+
+
+@settings(max_examples=200, deadline=None)
+@given(head=answer_heads(), method=st.sampled_from(["GET", "POST", "HEAD"]))
+def test_an_answer_head_the_fast_path_relays_is_what_the_strict_path_writes(head: bytes, method: str) -> None:
+    _assert_answer_paths_agree(head, method)
+
+
+@pytest.mark.parametrize("change", [
+    (b"content-length: 2\r\n", b"transfer-encoding: chunked\r\n"),
+    (b"content-length: 2\r\n", b"content-length: 2\r\ncontent-length: 2\r\n"),
+    (b"content-length: 2\r\n", b"content-length: 002\r\n"),
+    (b"content-length: 2\r\n", b""),
+    (b"server: uvicorn\r\n", b"Connection: keep-alive\r\n"),
+    (b"server: uvicorn\r\n", b"Keep-Alive: timeout=5\r\n"),
+    (b"server: uvicorn\r\n", b"server:uvicorn\r\n"),
+    (b"server: uvicorn\r\n", b"server: uvicorn\n"),
+    (b"HTTP/1.1 200 OK", b"HTTP/1.0 200 OK"),
+    (b"HTTP/1.1 200 OK", b"HTTP/1.1 200"),
+    (b"HTTP/1.1 200 OK", b"HTTP/1.1 204 OK"),
+])
+def test_each_answer_fallback_trigger_takes_the_strict_path(change: Tuple[bytes, bytes]) -> None:
+    head = UVICORN_ANSWER.replace(*change)
+    assert head != UVICORN_ANSWER
+    assert not _assert_answer_paths_agree(head, "POST")
+
+
+# --------------------------------------------------------------------------------------------------
+# End to end: the same request through each path, as an upstream and a client see it
+# --------------------------------------------------------------------------------------------------
+
+
+class _RecordingUpstream:
+    """A loopback HTTP/1.1 server that records each request's bytes and answers UVICORN_ANSWER + "ok"."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.seen: List[bytes] = []
+        self.threads: List[threading.Thread] = []
+        self.socks: List[socket.socket] = []
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return
+            self.socks.append(sock)
+            thread = threading.Thread(target=self._serve, args=(sock,), daemon=True)
+            self.threads.append(thread)
+            thread.start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        buf = b""
+        with sock, contextlib.suppress(OSError):
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    data = sock.recv(65536)
+                    if not data:
+                        return
+                    buf += data
+                end = buf.index(b"\r\n\r\n") + 4
+                length = 0
+                for line in buf[:end].split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                while len(buf) < end + length:
+                    buf += sock.recv(65536)
+                self.seen.append(buf[:end + length])
+                buf = buf[end + length:]
+                sock.sendall(UVICORN_ANSWER + b"ok")
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)  # (wakes the accept; a close alone does not)
+        self.listener.close()
+        for sock in self.socks:  # (the proxy keeps its pooled connection open)
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        self.thread.join(5)
+        for thread in self.threads:
+            thread.join(5)
+
+
+def _exchange(port: int, path: str, head: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(head.replace(b"/r/step", path.encode()) + b"{}")
+        answer = b""
+        while not answer.endswith(b"ok"):
+            data = sock.recv(65536)
+            assert data, answer
+            answer += data
+        return answer
+
+
+@pytest.mark.parametrize("head", [WRK_HEAD, REQUESTS_HEAD], ids=["wrk", "requests"])
+def test_an_upstream_and_a_client_see_the_same_bytes_through_either_path(proxy: AuthProxy, head: bytes) -> None:
+    # A TE header sends a request the strict way, and is hop-by-hop: the strict path drops it, so the
+    # same request with it must reach the upstream, and answer the client, exactly as without it.
+    assert _handler_over(head)._parse_clean_head()
+    strict_head = head.replace(b"Content-Type", b"TE: trailers\r\nContent-Type")
+    assert not _handler_over(strict_head)._parse_clean_head()
+    upstream = _RecordingUpstream()
+    try:
+        base = proxy.mount("http://127.0.0.1:%d/base" % upstream.port, token="tok-e2e",
+                           headers={"X-Sandbox-Token": "sbx-e2e"})
+        path = base[len(proxy.url):] + "/step"
+        fast_answer = _exchange(proxy.port, path, head)
+        strict_answer = _exchange(proxy.port, path, strict_head)
+    finally:
+        upstream.close()
+    assert fast_answer == strict_answer == UVICORN_ANSWER + b"ok"
+    fast_seen, strict_seen = upstream.seen
+    assert fast_seen == strict_seen
+    assert b"Authorization: Bearer tok-e2e\r\nX-Sandbox-Token: sbx-e2e\r\nContent-Length: 2\r\n\r\n{}" in fast_seen
+
+
+def test_a_content_length_of_a_non_ascii_digit_is_refused_not_dropped(proxy: AuthProxy, upstream) -> None:
+    # "²" is a digit to str.isdigit() but not to int(): the strict path let a ValueError end the
+    # connection without an answer (and called an upstream's such answer a connection failure).
+    base = proxy.mount(upstream.url, token="tok-digit")
+    head = WRK_HEAD.replace(b"/r/step", base[len(proxy.url):].encode() + b"/step").replace(b": 2\r\n", b": \xb2\r\n")
+    answer = support.raw_request(proxy.port, head + b"{}")
+    assert answer.startswith(b"HTTP/1.1 400 ") and b"X-Proxy-Error: bad-content-length" in answer
+
+
+def test_empty_and_multi_record_tls_answers_are_relayed_on_one_pooled_connection(test_ca, tls_upstream) -> None:
+    # A pooled TLS connection decrypts from memory buffers: an empty body must not wait for bytes
+    # (it hung until read_timeout_s), and a body sent in several records must be read record by record.
+    with AuthProxy(read_timeout_s=5) as p, requests.Session() as session:
+        base = p.mount(tls_upstream.url, support.TEST_TOKEN, verify=test_ca.ca_path)
+        for path in ("/big?n=0", "/big?n=0", "/stream?n=5&delay=0.01", "/big?n=70000", "/big?n=0"):
+            answer = session.get(base + path, timeout=4)
+            assert answer.status_code == 200 and "X-Proxy-Error" not in answer.headers, (path, answer.text[:200])
+        assert tls_upstream.connections == 1  # (one pooled connection served them all)
+
+
+def test_a_pooled_connection_looks_idle_only_until_the_upstream_sends_or_closes() -> None:
+    # The pool's liveness check reads the kernel's TCP state and byte count (no poll: a poll hands
+    # the GIL to another thread): stray bytes and a FIN must both be seen, and reading them counts.
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname())
+        server, _ = listener.accept()
+        conn = proxy._UpstreamConnection(client, 5.0)
+        try:
+            assert conn.looks_idle()
+            server.sendall(b"stray")
+            support.wait_until(lambda: not conn.looks_idle(), "stray bytes seen", 5)
+            assert conn.reader.read1(10) == b"stray" and conn.looks_idle()
+            server.shutdown(socket.SHUT_RDWR)
+            support.wait_until(lambda: not conn.looks_idle(), "the FIN seen", 5)
+        finally:
+            conn.close()
+            server.close()
