@@ -103,6 +103,12 @@ TLS_CONTEXTS_KEPT = 8
 # to release free pages (malloc_trim) after an unmount or a worker's retirement, at most this often
 # (a trim walks every arena: a few milliseconds); no-op where malloc_trim does not exist (not glibc).
 MALLOC_TRIM_EVERY_S = 30.0
+# A burst of TLS WebSocket set-ups leaves the memory each handshake touched and freed (OpenSSL's
+# handshake buffers, ~16 KiB each) resident between the sessions' long-lived allocations: with 1,024
+# sessions held, one malloc_trim returned 18 KiB per session. A tunnel that starts relaying trims when
+# the last trim is this old, so a burst is trimmed while it sets up (a trim of a 120 MiB heap took 36 ms,
+# without the GIL); a steady trickle of sessions trims at most this often.
+TUNNEL_TRIM_EVERY_S = 1.0
 # How long stop() waits for each thread it started before naming it as left behind.
 STOP_JOIN_S = 5.0
 # Worker threads (client connections, and the second direction of each WebSocket tunnel) at most. A
@@ -813,6 +819,7 @@ class AuthProxy:
             leftovers.extend(route.close())
         server.abort_connections()
         server.workers.close()
+        server.relay.close()
         deadline = time.monotonic() + STOP_JOIN_S
         threads = [serve_thread] if serve_thread else []
         threads += server.all_threads()
@@ -1566,6 +1573,8 @@ class _Server(http.server.ThreadingHTTPServer):
         self._conn_lock = threading.Lock()
         self._conns: Set[socket.socket] = set()
         self.workers = _WorkerPool("proxy-worker", MAX_WORKERS, WORKER_IDLE_S, WORKER_STACK_BYTES)
+        self.relay = _TunnelRelay("proxy-tls-relay")  # every open TLS tunnel, on one thread
+        self._relayed: Set[socket.socket] = set()  # client connections the relay owns: _run leaves them open
         self.busy_warnings = _WarningRate(BUSY_WARNING_EVERY_S)  # connections refused at the thread cap
         super().__init__((proxy.host.strip("[]"), proxy._requested_port), _Handler)
         self._wake_r, self._wake_w = socket.socketpair()  # after super(): a failed bind leaks nothing
@@ -1621,9 +1630,22 @@ class _Server(http.server.ThreadingHTTPServer):
         except Exception:
             self.handle_error(request, client_address)
         finally:
-            self.shutdown_request(request)
             with self._conn_lock:
-                self._conns.discard(request)
+                relayed = request in self._relayed
+                self._relayed.discard(request)
+            if not relayed:
+                self.release_connection(request)
+
+    def hand_off(self, request: socket.socket) -> None:
+        """The relay owns this client connection now: its worker returns without closing it."""
+        with self._conn_lock:
+            self._relayed.add(request)
+
+    def release_connection(self, request: socket.socket) -> None:
+        """Close a client connection the proxy is done with (its worker's, or the relay's when it ends)."""
+        self.shutdown_request(request)
+        with self._conn_lock:
+            self._conns.discard(request)
 
     def handle_error(self, request: object, client_address: object) -> None:
         log.error("proxy: unexpected error while serving a connection", exc_info=True)
@@ -1640,8 +1662,8 @@ class _Server(http.server.ThreadingHTTPServer):
         return self.workers.busy_threads()
 
     def all_threads(self) -> List[threading.Thread]:
-        """Every worker thread, busy or parked: what `stop()` joins."""
-        return self.workers.threads()
+        """Every worker thread, busy or parked, and the TLS relay's: what `stop()` joins."""
+        return self.workers.threads() + self.relay.threads()
 
 
 class _ClientReader(io.RawIOBase):
@@ -2465,6 +2487,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if not route._add_tunnel(tunnel):
             stream.close()
             return
+        relayed = False
         try:
             if stream.one_thread:
                 try:
@@ -2472,7 +2495,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     self.connection.sendall(head + extra)
                 except OSError:
                     tunnel.close()
-                tunnel.relay(self._take_buffered())
+                first = self._take_buffered()
+                _MEMORY.trim_soon(TUNNEL_TRIM_EVERY_S)
+                # The relay thread pumps it from here on and closes everything when it ends; this worker
+                # goes back to the pool (an open session holds no thread).
+                self.server.hand_off(self.connection)
+                relayed = self.server.relay.add(tunnel, first, (route, self.server))
+                if not relayed:  # stopping: nothing relays any more
+                    with self.server._conn_lock:
+                        self.server._relayed.discard(self.connection)
                 return
             # The upstream->client direction runs on a pool worker, gated until the 101 is sent. Taken
             # before the 101 so that, at the thread limit, the client gets a 503 rather than a tunnel
@@ -2492,9 +2523,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 tunnel.close()
             tunnel.run(self._take_buffered())
         finally:
-            tunnel.close()  # a no-op after run(); if something raised before it, frees the gated worker
-            route._remove_tunnel(tunnel)
-            stream.close()
+            if not relayed:
+                tunnel.close()  # a no-op after run(); if something raised before it, frees the gated worker
+                route._remove_tunnel(tunnel)
+                stream.close()
 
 
 def _drain_buffered(rfile: io.BufferedReader, reader: _ClientReader) -> bytes:
@@ -3158,10 +3190,10 @@ class _FreedMemory:
             if not self._loaded:
                 self._trim, self._loaded = _find_malloc_trim(), True
 
-    def trim_soon(self) -> None:
+    def trim_soon(self, every_s: float = MALLOC_TRIM_EVERY_S) -> None:
         now = time.monotonic()
         with self._lock:
-            if now - self._last < MALLOC_TRIM_EVERY_S:
+            if now - self._last < every_s:
                 return
             self._last = now
         self.load()
@@ -3189,7 +3221,7 @@ _MEMORY = _FreedMemory()
 class _Stream:
     """A plain TCP byte stream to the upstream (the base `_TLSStream` keeps, over an SSLSocket)."""
 
-    one_thread = False  # True: the tunnel must use this stream from one thread only (`_Tunnel.relay`)
+    one_thread = False  # True: the tunnel must use this stream from one thread only (`_TunnelRelay`)
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -3219,7 +3251,7 @@ class _Stream:
 
 class _TLSStream(_Stream):
     """A TLS byte stream to the upstream: an `ssl.SSLSocket`, used by one thread at a time (OpenSSL
-    forbids two in one SSL object), so its tunnel pumps both directions in one thread (`_Tunnel.relay`)."""
+    forbids two in one SSL object), so the proxy's relay thread pumps both directions (`_TunnelRelay`)."""
 
     one_thread = True
 
@@ -3229,9 +3261,10 @@ class _Tunnel:
 
     Plain upstream: one thread per direction. The handler's thread copies client->upstream (`run`); a
     pool worker copies upstream->client (`pump_upstream`), starting only once `run` begins (after the
-    101 went to the client). TLS upstream: the handler's thread pumps both (`relay`), because an SSL
-    object must not be used by two threads at once (docs/performance.md: it cut a TLS session's system
-    calls from ~3,000 to ~480, most of them futex)."""
+    101 went to the client). TLS upstream: the proxy's relay thread pumps both directions of every TLS
+    tunnel (`_TunnelRelay` calling `advance`), because an SSL object must not be used by two threads at
+    once (docs/performance.md: one thread per tunnel cut a TLS session's system calls from ~3,000 to
+    ~480, most of them futex), and one thread for all of them means an open session holds none."""
 
     def __init__(self, client: socket.socket, upstream: _Stream, label: str) -> None:
         self.client, self.upstream, self.label = client, upstream, label
@@ -3274,27 +3307,49 @@ class _Tunnel:
             if not self._pump_done.acquire(timeout=STOP_JOIN_S):  # pragma: no cover - its sockets are shut
                 log.warning("proxy: %s tunnel's upstream reader did not end", self.label)
 
-    def relay(self, first: bytes = b"") -> None:
-        """Copy both directions in this one thread (for a `one_thread` stream: TLS), starting with
-        `first`; return when either side ends. Non-blocking sockets and poll(): a side is read only
-        when what was read from it before has been written to the other (back-pressure), and the
-        SSL object, which may hold decrypted bytes the socket no longer shows, is read until empty.
+    def start_relay(self, first: bytes) -> None:
+        """Set this tunnel up for `_TunnelRelay` (TLS): non-blocking sockets, `first` (bytes of the
+        client's already read) to go upstream, and the upstream counted readable (its SSL object may
+        hold bytes read with the 101)."""
+        self.to_up, self.to_client = first, b""
+        self.client_in, self.up_in = False, True
+        self.client_ended = self.up_ended = False  # hung up or reset: read what is left, poll it no more
+        self.up_wants = 0  # the poll events the SSL object asked for to finish an interrupted recv or send
+        self.tls = isinstance(self.upstream.sock, ssl.SSLSocket)
+        self.client_fd, self.up_fd = self.client.fileno(), self.upstream.sock.fileno()
+        self.wanted: Optional[Tuple[int, int]] = None  # the events each side is registered for
+        self.client.setblocking(False)
+        self.upstream.sock.setblocking(False)
 
-        A side that hung up or reset (POLLHUP/POLLERR) stays readable until its recv says so: the
-        bytes it sent before still sit in its socket and SSL object, and are relayed first (as the
-        two-thread plain tunnel does). Such a side is no longer polled, since poll() reports a
+    def note(self, client_side: bool, events: int) -> bool:
+        """Take in what poll reported for one side; False if its socket was closed under the relay."""
+        if events & select.POLLNVAL:  # closed under us (unmount, stop)
+            return False
+        ended = bool(events & (select.POLLHUP | select.POLLERR))
+        if client_side:
+            self.client_ended = self.client_ended or ended
+            self.client_in = ended or bool(events & select.POLLIN)
+        else:
+            self.up_ended = self.up_ended or ended
+            self.up_in = ended or bool(events & (select.POLLIN | select.POLLOUT))
+            self.up_wants = 0
+        return True
+
+    def advance(self) -> Optional[Tuple[int, int]]:
+        """Copy both ways until neither side can move without waiting; then the poll events to wait
+        for on (client, upstream), -1 for a side no longer polled, or None once the tunnel ended.
+
+        A side is read only when what was read from it before has been written to the other
+        (back-pressure), and the SSL object, which may hold decrypted bytes the socket no longer shows,
+        is read until empty. A side that hung up or reset (POLLHUP/POLLERR) stays readable until its recv
+        says so: the bytes it sent before still sit in its socket and SSL object, and are relayed first
+        (as the two-thread plain tunnel does). Such a side is no longer polled, since poll() reports a
         hang-up whatever is asked and would spin while the other side's bytes wait."""
         client, up = self.client, self.upstream.sock
-        tls = isinstance(up, ssl.SSLSocket)
-        to_up, to_client = first, b""
-        client_in, up_in = False, True  # readable now (the SSL object may hold bytes read with the 101)
-        client_ended = up_ended = False  # hung up or reset: read what is left, poll it no more
-        up_wants = 0  # the poll events the SSL object asked for to finish an interrupted recv or send
-        poller = select.poll()
-        client_fd, up_fd = client.fileno(), up.fileno()
+        # Locals while it runs (this is the relay's hot path), stored back however it returns.
+        to_up, to_client, client_in, up_in = self.to_up, self.to_client, self.client_in, self.up_in
+        client_ended, up_ended, up_wants = self.client_ended, self.up_ended, self.up_wants
         try:
-            client.setblocking(False)
-            up.setblocking(False)
             while not self._closed:
                 if client_in and not to_up:
                     client_in = client_ended
@@ -3302,10 +3357,10 @@ class _Tunnel:
                         to_up = client.recv(TUNNEL_READ_BYTES)
                     except BlockingIOError:  # (a readiness that went away)
                         if client_ended:
-                            return
+                            return None
                     else:
                         if not to_up:
-                            return
+                            return None
                 if to_up:
                     try:
                         to_up = to_up[up.send(to_up):]
@@ -3319,11 +3374,12 @@ class _Tunnel:
                     try:
                         to_client = up.recv(TUNNEL_READ_BYTES)
                         if not to_client:
-                            return
-                        up_in = up_ended or (tls and up.pending() > 0)  # more decrypted bytes than one read took
+                            return None
+                        # more decrypted bytes than one read took
+                        up_in = up_ended or (self.tls and up.pending() > 0)
                     except (ssl.SSLWantReadError, BlockingIOError):
                         if up_ended:
-                            return
+                            return None
                         to_client = b""
                     except ssl.SSLWantWriteError:
                         to_client, up_wants = b"", up_wants | select.POLLOUT
@@ -3334,28 +3390,16 @@ class _Tunnel:
                         pass
                 if (up_in and not to_client) or (client_in and not to_up):
                     continue  # readable already (bytes in the SSL object, or a side that ended): no poll
-                if not client_ended:
-                    poller.register(client_fd, (0 if to_up else select.POLLIN) | (select.POLLOUT if to_client else 0))
-                if not up_ended:
-                    poller.register(up_fd, (0 if to_client else select.POLLIN) | up_wants |
-                                    (select.POLLOUT if to_up else 0))
-                for fd, events in poller.poll():
-                    if events & select.POLLNVAL:  # closed under us (unmount, stop)
-                        return
-                    ended = bool(events & (select.POLLHUP | select.POLLERR))
-                    if ended:
-                        poller.unregister(fd)
-                    if fd == client_fd:
-                        client_ended = client_ended or ended
-                        client_in = ended or bool(events & select.POLLIN)
-                    else:
-                        up_ended = up_ended or ended
-                        up_in = ended or bool(events & (select.POLLIN | select.POLLOUT))
-                        up_wants = 0
+                return (-1 if client_ended else
+                        (0 if to_up else select.POLLIN) | (select.POLLOUT if to_client else 0),
+                        -1 if up_ended else
+                        (0 if to_client else select.POLLIN) | up_wants | (select.POLLOUT if to_up else 0))
         except (OSError, ValueError, ssl.SSLError):
             pass
         finally:
-            self.close()
+            self.to_up, self.to_client, self.client_in, self.up_in = to_up, to_client, client_in, up_in
+            self.up_wants = up_wants
+        return None
 
     def pump_upstream(self) -> None:
         """Upstream->client (a pool worker's job)."""
@@ -3376,6 +3420,189 @@ class _Tunnel:
             pass
         finally:
             self.close()
+
+
+class _TunnelRelay:
+    """One thread that relays every open TLS tunnel of a proxy (`_Tunnel.advance` per tunnel, around
+    one epoll, or poll() where there is none), so an open session holds no thread: with a thread per
+    TLS session, 2,048 held sessions kept 2,048 threads, each ~30 KiB of RSS (its touched stack, Python's
+    frame stack, glibc's per-thread cache). Started with the first tunnel, ended by `close()`."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._lock = threading.Lock()
+        self._incoming: List[Tuple[_Tunnel, bytes, Tuple[Route, "_Server"]]] = []
+        self._thread: Optional[threading.Thread] = None
+        self._closed = False
+        self._wake_r: Optional[socket.socket] = None
+        self._wake_w: Optional[socket.socket] = None
+        self._poller = None  # type: ignore[var-annotated]  # epoll (poll where there is none), made by _start()
+        self._sides: Dict[int, Tuple[_Tunnel, bool]] = {}  # registered fd -> (tunnel, is it the client side)
+        self._masks: Dict[int, int] = {}  # registered fd -> the events it is registered for
+        self._owners: Dict[_Tunnel, Tuple[Route, "_Server"]] = {}  # relayed tunnels: who to tell at the end
+
+    def add(self, tunnel: _Tunnel, first: bytes, owner: Tuple[Route, "_Server"]) -> bool:
+        """Relay `tunnel` (its 101 sent, `first` the client's bytes already read) until it ends, then
+        close it, take it off its route and release the client connection. False if closed."""
+        with self._lock:
+            if self._closed:
+                return False
+            if self._thread is None and not self._start():
+                return False
+            self._incoming.append((tunnel, first, owner))
+            wake = len(self._incoming) == 1  # else a wake-up is on its way already
+        if wake:
+            self._wake()
+        return True
+
+    def close(self) -> None:
+        """End the thread: tunnels still open are closed (stop() has shut their sockets already)."""
+        with self._lock:
+            self._closed = True
+            started = self._thread is not None
+        if started:
+            self._wake()
+
+    def threads(self) -> List[threading.Thread]:
+        with self._lock:
+            thread = self._thread
+        return [thread] if thread is not None and thread.is_alive() else []
+
+    def count(self) -> int:
+        """Tunnels relayed now (a diagnostic for tests)."""
+        with self._lock:
+            return len(self._owners) + len(self._incoming)
+
+    def _start(self) -> bool:
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        if hasattr(select, "epoll"):
+            self._poller = select.epoll()
+        else:  # pragma: no cover - not Linux
+            self._poller = select.poll()
+        self._poller.register(self._wake_r.fileno(), select.POLLIN)
+        thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        try:
+            _start_with_stack(thread, WORKER_STACK_BYTES)
+        except BaseException:  # e.g. RuntimeError: can't start new thread
+            self._poller.close()
+            self._wake_r.close()
+            self._wake_w.close()
+            return False
+        self._thread = thread
+        return True
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"x")  # type: ignore[union-attr]
+        except OSError:  # full of earlier wake-ups: it is awake
+            pass
+
+    def _run(self) -> None:
+        poller, wake_fd = self._poller, self._wake_r.fileno()  # type: ignore[union-attr]
+        try:
+            while True:
+                with self._lock:
+                    batch, self._incoming = self._incoming, []
+                    closed = self._closed
+                for tunnel, first, owner in batch:
+                    self._owners[tunnel] = owner
+                    try:
+                        tunnel.start_relay(first)
+                    except (OSError, ValueError):  # a socket closed already
+                        tunnel.close()
+                        self._end(tunnel)
+                        continue
+                    self._advance(tunnel)
+                if closed:
+                    return
+                ready: Dict[_Tunnel, None] = {}
+                for fd, events in poller.poll():
+                    if fd == wake_fd:
+                        try:
+                            while self._wake_r.recv(4096):  # type: ignore[union-attr]
+                                pass
+                        except OSError:  # drained
+                            pass
+                        continue
+                    side = self._sides.get(fd)
+                    if side is None:
+                        continue
+                    if side[0].note(side[1], events):
+                        ready[side[0]] = None
+                    else:
+                        side[0].close()
+                        ready[side[0]] = None
+                for tunnel in ready:
+                    if tunnel in self._owners:
+                        self._advance(tunnel)
+        except Exception:  # pragma: no cover - a bug: end every tunnel rather than leave them hanging
+            log.error("proxy: unexpected error in the TLS relay", exc_info=True)
+        finally:
+            for tunnel in list(self._owners):
+                tunnel.close()
+                self._end(tunnel)
+            with self._lock:
+                late = self._incoming
+                self._incoming = []
+            for tunnel, _, owner in late:  # added as close() ran
+                self._owners[tunnel] = owner
+                tunnel.close()
+                self._end(tunnel)
+            poller.close()
+            self._wake_r.close()  # type: ignore[union-attr]
+            self._wake_w.close()  # type: ignore[union-attr]
+
+    def _advance(self, tunnel: _Tunnel) -> None:
+        """Move the tunnel's bytes, then register what each side waits for (or end it)."""
+        try:
+            wanted = tunnel.advance()
+            if wanted is not None:
+                if wanted != tunnel.wanted:  # (a session in steady use keeps what it waits for)
+                    self._want(tunnel, tunnel.client_fd, True, wanted[0])
+                    self._want(tunnel, tunnel.up_fd, False, wanted[1])
+                    tunnel.wanted = wanted
+                return
+        except (OSError, ValueError):  # a socket closed under the relay: end this tunnel, not the relay
+            pass
+        tunnel.close()
+        self._end(tunnel)
+
+    def _want(self, tunnel: _Tunnel, fd: int, client_side: bool, events: int) -> None:
+        had = self._masks.get(fd)
+        if events < 0:
+            if had is not None:
+                self._forget(fd)
+            return
+        if had is None:
+            self._poller.register(fd, events)
+            self._sides[fd] = (tunnel, client_side)
+            self._masks[fd] = events
+        elif had != events:
+            self._poller.modify(fd, events)
+            self._masks[fd] = events
+
+    def _forget(self, fd: int) -> None:
+        if self._masks.pop(fd, None) is not None:
+            del self._sides[fd]
+            try:
+                self._poller.unregister(fd)
+            except (OSError, ValueError, KeyError):  # closed already
+                pass
+
+    def _end(self, tunnel: _Tunnel) -> None:
+        """A tunnel ended: stop polling it, close it, take it off its route, release its client."""
+        for fd in (getattr(tunnel, "client_fd", -1), getattr(tunnel, "up_fd", -1)):  # (unset: start failed)
+            if self._sides.get(fd, (None,))[0] is tunnel:
+                self._forget(fd)
+        route, server = self._owners.pop(tunnel)
+        try:
+            route._remove_tunnel(tunnel)
+            tunnel.upstream.close()
+            server.release_connection(tunnel.client)
+        except Exception:  # pragma: no cover - closing sockets does not raise; never kill the relay
+            log.error("proxy: unexpected error ending a TLS tunnel", exc_info=True)
 
 
 # --------------------------------------------------------------------------------------------------

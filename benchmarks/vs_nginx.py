@@ -424,8 +424,8 @@ def _ws_wait(sock: socket.socket, conn: WSConnection, kind: type) -> None:
 
 
 def ws_sessions(stack: Stack, target: str, upstream: str, n: int, steps: int,
-                delay_s: float = STEP_DELAY_S, pid: Optional[int] = None, port_path: Optional[Tuple[int, str]] = None
-                ) -> Dict[str, Any]:
+                delay_s: float = STEP_DELAY_S, pid: Optional[int] = None, port_path: Optional[Tuple[int, str]] = None,
+                redo_noisy: bool = True) -> Dict[str, Any]:
     """N sessions at once (connect, reset, `steps` x `delay_s` step, close): upgrades/s, total p99, RSS."""
     port, path = port_path or stack.ws_target(target, upstream, "/ws?delay=%g" % delay_s)[:2]
     pid = pid or stack.pid(target, upstream)
@@ -457,20 +457,24 @@ def ws_sessions(stack: Stack, target: str, upstream: str, n: int, steps: int,
                 "errors": dict(Counter(s["error"] for s in sessions if not s["ok"]).most_common(3)),
                 "others": meter.others(gen_cpu), "loadavg": meter.loadavg}
 
-    return _quietest(once)
+    return _quietest(once) if redo_noisy else once()
 
 
 def held_sessions(stack: Stack, upstream: str, target: str = "proxy") -> Dict[str, Any]:
     """RSS per open session: HELD_SESSIONS sessions all open at once through a proxy (or floor) process
-    started for this measure (its RSS before them is its idle RSS), peak RSS and threads while they are open."""
-    info = stack._spawn(stack.proxy_host_command(upstream) if target == "proxy" else stack.floor_command(upstream))
-    proc = stack.procs.pop()
-    try:
-        row = ws_sessions(stack, target, upstream, HELD_SESSIONS, 1, delay_s=HELD_STEP_S, pid=int(info["pid"]),
-                          port_path=_port_and_path("%s/ws?delay=%g" % (info["base_url"], HELD_STEP_S)))
-    finally:
-        scale._stop_child(proc, terminate_first=True)
-    return row
+    started for this measure (its RSS before them is its idle RSS), peak RSS and threads while they are open.
+    A noisy run is redone on a fresh process too: a second batch on the same one reuses what the first freed."""
+    def fresh() -> Dict[str, Any]:
+        info = stack._spawn(stack.proxy_host_command(upstream) if target == "proxy" else stack.floor_command(upstream))
+        proc = stack.procs.pop()
+        try:
+            return ws_sessions(stack, target, upstream, HELD_SESSIONS, 1, delay_s=HELD_STEP_S, pid=int(info["pid"]),
+                               port_path=_port_and_path("%s/ws?delay=%g" % (info["base_url"], HELD_STEP_S)),
+                               redo_noisy=False)
+        finally:
+            scale._stop_child(proc, terminate_first=True)
+
+    return _quietest(fresh)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -892,10 +896,11 @@ REMEDY_HTTP = ("what is left is Python work per request (parsing, header buildin
                "would remove it")
 REMEDY_ROUND_TRIP = ("each frame is a recv and a send per direction in Python plus a thread wake-up (plain) or a "
                      "poll() (TLS, one thread); only a relay outside the interpreter (splice(), or nginx) removes it")
-REMEDY_RSS = ("an open session holds its threads (two for a plain tunnel, one for TLS), each costing the figure "
-              "above, plus its sockets and, over TLS, an OpenSSL connection (Python's ssl module already releases "
-              "idle record buffers, SSL_MODE_RELEASE_BUFFERS): only a relay with no thread per session (an event "
-              "loop for open tunnels, a contract change) would bring it under 32 KiB")
+REMEDY_RSS = ("an open plain session holds two threads, each costing the figure above; an open TLS session holds "
+              "none (one relay thread carries them all) but an OpenSSL connection (~19 KiB; idle record buffers "
+              "are already released, SSL_MODE_RELEASE_BUFFERS), and each session still setting up holds a worker "
+              "from accept to 101: set-ups driven by an event loop too (no thread per set-up) would remove the "
+              "threads from the figure (docs/performance.md, 'Memory per held TLS session')")
 
 
 def _top_own(result: Dict[str, Any], label: str, n: int = 3) -> str:

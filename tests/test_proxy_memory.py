@@ -109,3 +109,22 @@ def test_memory_threads_freed_is_handed_back_to_the_system_when_a_route_is_unmou
     # A quarter of it: in a long test session the churn partly reuses free pages already resident, and
     # those were released too (measured: 32 MiB given back in the fast tier, 0 without the trim).
     assert before - after > 16 * 1024, "RSS %d -> %d KiB: the ~60 MiB freed stayed resident" % (before, after)
+
+
+@pytest.mark.skipif(proxy_module._find_malloc_trim() is None, reason="glibc's malloc_trim only")
+def test_a_tls_tunnel_that_starts_relaying_trims_once_the_last_trim_is_older_than_the_tunnel_interval(test_ca):
+    """A burst of TLS set-ups leaves each handshake's freed buffers resident: a tunnel starting to relay
+    trims when the last trim is TUNNEL_TRIM_EVERY_S old, and not again within that interval."""
+    with support.Upstream(tls=test_ca) as tls, AuthProxy(read_timeout_s=TIMEOUT) as proxy:
+        base = support.ws_url(proxy.mount(tls.url, TEST_TOKEN, verify=test_ca.ca_path))
+        proxy_module._MEMORY._last = time.monotonic() - proxy_module.TUNNEL_TRIM_EVERY_S - 1
+        trims = proxy_module._MEMORY.trims
+        with support.ws_connect(base + "/ws") as ws:
+            ws.send("hello")
+            assert ws.recv(TIMEOUT) == "hello"
+        assert proxy_module._MEMORY.trims == trims + 1
+        proxy_module._MEMORY._last = time.monotonic()  # trimmed just now: the next tunnel does not
+        with support.ws_connect(base + "/ws") as ws:
+            ws.send("again")
+            assert ws.recv(TIMEOUT) == "again"
+        assert proxy_module._MEMORY.trims == trims + 1

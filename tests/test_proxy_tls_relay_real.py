@@ -54,9 +54,15 @@ def _mount(proxy: AuthProxy, url: str, test_ca: support.TestCA) -> str:
 
 
 def _relay_thread(proxy: AuthProxy) -> threading.Thread:
-    """The one proxy worker busy with the session (over TLS one thread pumps both directions)."""
-    support.wait_until(lambda: len(proxy._server.live_threads()) == 1, "exactly one busy proxy worker", TIMEOUT)
-    return proxy._server.live_threads()[0]
+    """The proxy's TLS relay thread, once it carries the session (no worker holds a TLS session)."""
+    # (its worker is handing it over, then back to the pool: both settle)
+    support.wait_until(lambda: proxy._server.relay.count() == 1 and not proxy._server.live_threads(),
+                       "the relay to carry the session and no worker to hold it", TIMEOUT)
+    return proxy._server.relay.threads()[0]
+
+
+def _relay_idle(proxy: AuthProxy) -> bool:
+    return proxy._server.relay.count() == 0 and not proxy._server.live_threads()
 
 
 def _cpu_seconds(thread: threading.Thread) -> float:
@@ -181,7 +187,7 @@ def _check_sequence(sequence, tls_app, test_ca) -> None:  # type: ignore[no-unty
     with AuthProxy(read_timeout_s=TIMEOUT) as proxy:
         base = _mount(proxy, tls_app.url, test_ca)
         play(base + "/ws", steps, ending)
-        support.wait_until(lambda: not proxy._server.live_threads(), "the relay's worker to be free", TIMEOUT)
+        support.wait_until(lambda: _relay_idle(proxy), "the relay to end the tunnel", TIMEOUT)
 
 
 @seed(SEED)
@@ -276,7 +282,7 @@ def test_a_client_vanishing_mid_frame_ends_the_session_upstream_and_frees_everyt
         if how == "reset":
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         sock.close()
-        support.wait_until(lambda: not proxy._server.live_threads(), "the relay's worker to be free", TIMEOUT)
+        support.wait_until(lambda: _relay_idle(proxy), "the relay to end the tunnel", TIMEOUT)
         with support.ws_connect(base + "/ws", compression=None) as ws:  # the route works on
             ws.send(b"next")
             assert ws.recv(TIMEOUT) == b"next"
@@ -295,7 +301,7 @@ def test_an_upstream_dying_mid_frame_gives_the_client_an_abnormal_close_and_free
                 with pytest.raises(ConnectionClosedError) as info:
                     ws.recv(TIMEOUT)
             assert info.value.rcvd is None  # cut, as the upstream's connection was
-            support.wait_until(lambda: not proxy._server.live_threads(), "the relay's worker to be free", TIMEOUT)
+            support.wait_until(lambda: _relay_idle(proxy), "the relay to end the tunnel", TIMEOUT)
     finally:
         up.stop()
 
@@ -380,6 +386,6 @@ def test_bytes_the_upstream_sent_before_it_ended_reach_a_slow_client_then_the_co
             head, _, rest = received.partition(b"\r\n\r\n")
             assert head.startswith(b"HTTP/1.1 101 ")
             assert len(rest) == len(payload) and rest == payload
-            support.wait_until(lambda: not proxy._server.live_threads(), "the tunnel's workers to be free", TIMEOUT)
+            support.wait_until(lambda: _relay_idle(proxy), "the tunnel's relay or workers to be free", TIMEOUT)
     finally:
         server.close()
