@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import errno
 import gc
 import importlib
 import importlib.util
@@ -1470,11 +1471,17 @@ def spawn_process(argv: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen:
     the calling thread blocks them (the child inherits its mask) or this process ignores one.
 
     The mask is lifted in the calling thread for the instant of the fork (a signal arriving then is
-    handled as it would be in the main thread); only an ignored disposition needs code in the child.
+    handled as it would be in the main thread). An ignored disposition (SIGHUP under `nohup`) survives
+    exec, so the child first runs `_SIGNAL_DEFAULT_SHIM`, which resets it and execs `argv`: Python code
+    between fork and exec (`preexec_fn`) can deadlock the child of a process with threads (seen: CI under
+    nohup left forks of pytest that never reached exec).
     """
+    argv = list(argv)
     ignored = [sig for sig in CHILD_SIGNALS if signal.getsignal(sig) == signal.SIG_IGN]
     if ignored:
-        popen_kwargs["preexec_fn"] = lambda: [signal.signal(sig, signal.SIG_DFL) for sig in ignored]
+        # A command that cannot run fails here, as Popen's own exec would, not later in the shim.
+        argv[0] = _executable(argv[0], popen_kwargs.get("env"), popen_kwargs.get("cwd"))
+        argv = [sys.executable, "-I", "-S", "-c", _SIGNAL_DEFAULT_SHIM, ",".join(str(int(sig)) for sig in ignored)] + argv
     if not hasattr(signal, "pthread_sigmask"):
         return subprocess.Popen(argv, **popen_kwargs)
     blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, CHILD_SIGNALS)
@@ -1483,6 +1490,29 @@ def spawn_process(argv: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen:
     finally:
         if blocked & set(CHILD_SIGNALS):
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+# Run by a child of spawn_process when this process ignores some of CHILD_SIGNALS: argv[1] lists them,
+# argv[2:] is the command (its pid, fds, cwd and environment are the child's own: exec keeps them).
+_SIGNAL_DEFAULT_SHIM = (
+    "import os, signal, sys\n"
+    "for number in sys.argv[1].split(','):\n"
+    "    signal.signal(int(number), signal.SIG_DFL)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n")
+
+
+def _executable(command: str, env: Optional[Mapping[str, str]], cwd: Optional[str]) -> str:
+    """The path `command` runs from (searched on the child's PATH when it names no directory), or the
+    FileNotFoundError/PermissionError Popen raises for a command that cannot run."""
+    if os.sep in command:
+        path = os.path.join(cwd, command) if cwd and not os.path.isabs(command) else command
+    else:
+        path = shutil.which(command, path=(env if env is not None else os.environ).get("PATH", os.defpath)) or ""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), command)
+    if not os.access(path, os.X_OK):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), command)
+    return os.path.abspath(path)
 
 
 def _kill_process_group(proc: Optional[subprocess.Popen], grace_s: float) -> None:
