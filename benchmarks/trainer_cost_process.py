@@ -252,9 +252,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     rows: Dict[Tuple[str, str, int], List[Dict[str, Any]]] = {}
     idle: List[Dict[str, float]] = []
     with contextlib.ExitStack() as stack:
+        # {kind: (url, verify, pid)}: a proxy mounts the url with its verify
         ups = stack.enter_context(grid.upstreams(tempfile.mkdtemp(prefix="trainer-cost-"), kinds))
         modes = {name: stack.enter_context(grid.PROXY_MODES[name]()) for name in ("in-process", "process")}
-        urls = {(mode, kind): mount(*ups[kind]) for mode, (mount, _) in modes.items() for kind in kinds}
+        urls = {(mode, kind): mount(*ups[kind][:2]) for mode, (mount, _) in modes.items() for kind in kinds}
         ours = _child_pids()  # the upstreams and the proxy's child: not "others"
         for round_no in range(args.rounds):
             print("round %d" % (round_no + 1), flush=True)
