@@ -220,6 +220,13 @@ def slope_per_hour(samples: Sequence[Tuple[float, float]]) -> float:
     return 3600.0 * sum((t - mean_t) * (v - mean_v) for t, v in samples) / var
 
 
+def growth_pct(samples: Sequence[Tuple[float, float]], window_s: float) -> float:
+    """How far the least-squares line through (seconds, value) samples rises over `window_s`, in percent
+    of the samples' mean (0 with fewer than 2 samples)."""
+    mean = sum(v for _, v in samples) / max(1, len(samples))
+    return 100.0 * slope_per_hour(samples) * window_s / 3600.0 / max(1.0, mean)
+
+
 def max_calls_in_window(samples: Sequence[Tuple[float, int]], window_s: float) -> int:
     """The most API calls in any `window_s` seconds, from (seconds, cumulative calls) samples."""
     best, start = 0, 0
@@ -1029,10 +1036,8 @@ class Soak:
         second_half = [s for s in samples if s["t"] >= ran_s / 2]
         half_window = (second_half[-1]["t"] - second_half[0]["t"]) if len(second_half) > 1 else 0.0
         rss_late_slope = slope_per_hour([(s["t"], s["rss_mib"]) for s in second_half])
-        block_late_slope = slope_per_hour([(s["t"], s["py_blocks"]) for s in second_half])
         full_gc = [(t, v) for t, v in zip(self.after_full_gc[0::2], self.after_full_gc[1::2])]
         late_gc = [(t, v) for t, v in full_gc if t >= ran_s / 2]
-        mean_late_blocks = sum(s["py_blocks"] for s in second_half) / max(1, len(second_half))
         mean_blocks = sum(s["py_blocks"] for s in steady) / max(1, len(steady))
         calls = [(s["t"], int(s["api_calls"])) for s in samples if s["api_calls"] >= 0]
         ok, status = self.emu.call("status")
@@ -1066,11 +1071,10 @@ class Soak:
                                 # growth along its regression line as a share of its mean
                                 "rss_mib_per_min_second_half": round(rss_late_slope / 60.0, 3),
                                 "py_blocks_growth_second_half_pct": round(
-                                    100.0 * block_late_slope * half_window / 3600.0 / max(1.0, mean_late_blocks), 2),
+                                    growth_pct([(s["t"], s["py_blocks"]) for s in second_half], half_window), 2),
                                 # the same for the heap right after each full collection (None: fewer than 3)
-                                "live_heap_growth_second_half_pct": round(
-                                    100.0 * slope_per_hour(late_gc) * half_window / 3600.0
-                                    / (sum(v for _, v in late_gc) / len(late_gc)), 2) if len(late_gc) >= 3 else None,
+                                "live_heap_growth_second_half_pct": round(growth_pct(late_gc, half_window), 2)
+                                if len(late_gc) >= 3 else None,
                                 "window_s": round(window, 1)},
             "py_blocks": {"min": min(s["py_blocks"] for s in samples),
                           "max": max(s["py_blocks"] for s in samples)},
