@@ -165,6 +165,13 @@ def _ws_ssl(emu: JobsEmulator) -> ssl.SSLContext:
     return ssl.create_default_context(cafile=emu.ca_path)
 
 
+def _ws_echo(emu: JobsEmulator, sbx: Sandbox) -> Any:
+    """Start the WebSocket echo app on port 8001 of `sbx` and open a session to it through the host's proxy."""
+    _start_app(sbx, "ws.py", WS_APP, 8001)
+    return ws_connect(sbx.proxy_url_for(8001, "/ws", scheme="wss://"), additional_headers=sbx.proxy_headers,
+                      ssl=_ws_ssl(emu))
+
+
 def _signal_state(pid: int) -> Dict[str, int]:
     """The SigBlk and SigIgn masks of a process, from /proc."""
     masks = {}
@@ -276,9 +283,7 @@ def test_a_websocket_server_on_the_unix_socket_is_reached_through_proxy_url_for(
     emu = hub_env()
     with _pool(emu) as pool:
         sbx = pool.create()
-        _start_app(sbx, "ws.py", WS_APP, 8001)
-        url = sbx.proxy_url_for(8001, "/ws", scheme="wss://")
-        with ws_connect(url, additional_headers=sbx.proxy_headers, ssl=_ws_ssl(emu)) as ws:
+        with _ws_echo(emu, sbx) as ws:
             for message in ("hello", "x" * 100_000):
                 ws.send(message)
                 assert ws.recv(timeout=10) == message
@@ -294,9 +299,7 @@ def test_a_websocket_session_outlives_the_hosts_keep_alive_timeout(hub_env, monk
     emu = hub_env()
     with _pool(emu) as pool:
         sbx = pool.create()
-        _start_app(sbx, "ws.py", WS_APP, 8001)
-        url = sbx.proxy_url_for(8001, "/ws", scheme="wss://")
-        with ws_connect(url, additional_headers=sbx.proxy_headers, ssl=_ws_ssl(emu)) as ws:
+        with _ws_echo(emu, sbx) as ws:
             time.sleep(3.0)  # idle past that timeout
             ws.send("still here")
             assert ws.recv(timeout=10) == "still here"
@@ -674,9 +677,7 @@ def test_no_thread_or_descriptor_is_left_after_a_host_served_http_websocket_and_
     emu = hub_env()
     with _pool(emu) as pool:
         sbx = pool.create()
-        _start_app(sbx, "ws.py", WS_APP, 8001)
-        with ws_connect(sbx.proxy_url_for(8001, "/ws", scheme="wss://"), additional_headers=sbx.proxy_headers,
-                        ssl=_ws_ssl(emu)) as ws:
+        with _ws_echo(emu, sbx) as ws:
             ws.send("x")
             assert ws.recv(timeout=10) == "x"
         assert sbx.run("echo out; echo err >&2").stdout == "out\n"
@@ -689,9 +690,7 @@ def test_a_host_behind_network_fault_links_serves_and_its_tunnels_can_be_reset(h
     emu = hub_env(network_faults=True)
     with _pool(emu) as pool:
         sbx = pool.create()
-        _start_app(sbx, "ws.py", WS_APP, 8001)
-        with ws_connect(sbx.proxy_url_for(8001, "/ws", scheme="wss://"), additional_headers=sbx.proxy_headers,
-                        ssl=_ws_ssl(emu)) as ws:
+        with _ws_echo(emu, sbx) as ws:
             ws.send("through the link")
             assert ws.recv(timeout=10) == "through the link"
             assert emu.reset_tunnels(sbx.host_id) >= 1
