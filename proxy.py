@@ -35,7 +35,7 @@ import threading
 import time
 import urllib.parse
 import weakref
-from typing import Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple, Union
+from typing import Callable, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
 __all__ = ["AuthProxy", "AuthProxyProcess", "Route", "ReplicaRoute", "Refusal", "InsecureURLError"]
 
@@ -1678,6 +1678,9 @@ class _ClientReader(io.RawIOBase):
         self._deadline: Optional[float] = None
         self._timeout: Optional[float] = -1.0  # what the socket is set to (-1: unknown)
         self._stopped = False
+        # Bytes the clean-request loop (`_Handler._serve_clean`) read and handed over: served before
+        # the socket is read, as if they had just arrived (the header deadline starts with them).
+        self.pending = b""
 
     def readable(self) -> bool:
         return True
@@ -1707,6 +1710,14 @@ class _ClientReader(io.RawIOBase):
     def readinto(self, buffer: "bytearray | memoryview") -> int:  # type: ignore[override]
         if self._stopped:
             return 0
+        pending = self.pending
+        if pending:
+            n = min(len(buffer), len(pending))
+            buffer[:n] = pending[:n]
+            self.pending = pending[n:]
+            if self._header_timeout is not None and self._deadline is None:
+                self._deadline = time.monotonic() + self._header_timeout
+            return n
         if self._deadline is not None:
             remaining = self._deadline - time.monotonic()
             if remaining <= 0:
@@ -1816,6 +1827,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     sys_version = ""
     server: _Server
     _route_headers: Tuple[Tuple[str, str], ...] = ()  # the current request's route headers (set per request)
+    _token: Optional[str] = None  # the current request's token (set per request, see _credentials)
     # For a head the fast path parsed (see _parse_clean_head): its body framing and its header lines
     # the upstream gets as they are (hop-by-hop and replaced ones removed); None for a strict parse.
     _clean: Optional[Tuple[Tuple[str, int], str]] = None
@@ -1845,9 +1857,128 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def handle(self) -> None:
         self.close_connection = True
+        if self._own_routing:  # clean requests take _serve_clean's loop; any other one request the strict way
+            pending = self._serve_clean(b"")
+            while pending is not None:
+                self._reader.pending = pending
+                self.handle_one_request()
+                if self.close_connection or self.proxy._stopping:
+                    return
+                pending = self._serve_clean(self._take_pending())
+            return
         self.handle_one_request()
         while not self.close_connection and not self.proxy._stopping:
             self.handle_one_request()
+
+    def _serve_clean(self, buf: bytes) -> Optional[bytes]:
+        """Serve the connection's requests while they are clean keep-alive HTTP/1.1 requests with a small
+        body to a single route (`buf`: bytes already read), in one loop over one buffer: what the strict
+        path does for them (same checks, refusals, timeouts, retries and bytes on both sides; the
+        fast-path tests compare the two) without its layers (BufferedReader, header objects, dispatch).
+
+        Returns None when the connection is done (closed, timed out, or closed after a refusal), or the
+        bytes read so far when the next request is one it does not take (a head not complete in one
+        read or not clean, HTTP/1.0, Connection: close, a body over SMALL_RESPONSE_BYTES, a refusal by
+        routing, a replica route): the strict path (handle_one_request) then serves it from them."""
+        proxy, sock = self.proxy, self.connection
+        recv, sendall = sock.recv, sock.sendall
+        route_request, idle_timeout_s = proxy.route_request, proxy.idle_timeout_s
+        self._reader.body_phase(idle_timeout_s)  # each read waits idle_timeout_s (the strict path's first byte and body)
+        self.request_version, self.close_connection = "HTTP/1.1", False
+        try:
+            while not proxy._stopping:
+                if not buf:
+                    buf = recv(IO_CHUNK)
+                    if not buf:
+                        return None
+                end = buf.find(b"\r\n\r\n") + 4
+                if not 4 <= end <= MAX_HEADER_BYTES:
+                    return buf
+                clean = _clean_request_head(buf, end)
+                if clean is None:
+                    return buf
+                method, target, version, _, _, length, tokens, kept = clean
+                if version != "HTTP/1.1" or "close" in tokens or length > SMALL_RESPONSE_BYTES:
+                    return buf
+                decision = route_request(target, None)  # type: ignore[arg-type]  # (the default never reads headers)
+                if decision.__class__ is Refusal or decision[0].__class__ is not Route:
+                    return buf
+                route, target = decision  # type: ignore[misc]
+                if route is not self._seen_route:
+                    if route not in proxy._seen_routes:
+                        with proxy._lock:
+                            proxy._seen_routes.add(route)
+                    self._seen_route = route
+                self.command, has_body = method, length >= 0
+                if route.token is route._checked_token and route.headers is None:  # fixed: nothing to call
+                    token, extra = route.token, ()
+                elif self._credentials(route, has_body):
+                    token, extra = self._token, self._route_headers
+                elif self.close_connection:
+                    return None
+                else:
+                    buf = buf[end:]
+                    continue
+                stop = end + length if has_body else end
+                while len(buf) < stop:  # the rest of the body (a client may send it after the head)
+                    error = None
+                    try:
+                        data = recv(IO_CHUNK)
+                    except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
+                        error = _client_body_error(socket.timeout("timed out"))
+                    except (OSError, ValueError) as exc:
+                        error = _client_body_error(exc)
+                    else:
+                        if not data:
+                            error = _ClientBodyError("the client closed the connection before sending the whole body")
+                        buf += data
+                    if error is not None:
+                        self._refuse(_client_body_refusal(error, idle_timeout_s), close=True)
+                        return None
+                body, buf = buf[end:stop], buf[stop:]
+                exchange = self._exchange(route, method, _clean_request_lines(method, target, kept, route, token, extra),
+                                          body, has_body, ())
+                if exchange is None:
+                    if self.close_connection:
+                        return None
+                    continue
+                conn, answer, sent_all = exchange
+                reader = conn.reader
+                held, size = reader._buf, answer.length
+                if answer.raw is None or len(held) < size:  # anything but a clean answer read whole: the strict relay
+                    self._relay_response(route, reader, answer,
+                                         on_done=lambda reusable: route._checkin(conn, reusable and sent_all))
+                    if self.close_connection:
+                        return None
+                    continue
+                # What _relay_response does for it: the connection back to the pool, then one send.
+                reader._buf = held[size:]
+                route._checkin(conn, sent_all and len(held) == size)
+                try:
+                    sendall(answer.raw + (held if len(held) == size else held[:size]))
+                except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
+                    raise socket.timeout("timed out") from None
+        except (socket.timeout, TimeoutError, BlockingIOError):
+            log.debug("proxy: client connection timed out; closing it")
+        except (ConnectionError, OSError, ValueError) as exc:
+            log.debug("proxy: client connection ended (%s)", type(exc).__name__)
+        self.close_connection = True
+        return None
+
+    def _take_pending(self) -> bytes:
+        """After a request served the strict way: the bytes read past it (the BufferedReader's, then any
+        handed-over ones it did not reach), without reading the socket; the reader is ready again."""
+        reader, chunks = self._reader, []
+        reader._stopped = True  # raw reads answer "no more": read1 gives up only what is buffered
+        while True:
+            chunk = self.rfile.read1(IO_CHUNK)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        reader._stopped = False
+        chunks.append(reader.pending)
+        reader.pending = b""
+        return b"".join(chunks)
 
     def handle_one_request(self) -> None:
         self.close_connection = True
@@ -1928,48 +2059,23 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _parse_clean_head(self) -> bool:
         """The fast path for the common request head: if the bytes already buffered hold a whole clean
-        head (see _CLEAN_HEADER_LINE_RE) with at most one Content-Length, at most one Connection (of
-        keep-alive and/or close), and no Transfer-Encoding, Expect, Upgrade, TE or Trailer, consume it
-        and set what parse_request sets (the same values it would), plus `_clean`. Otherwise consume
-        nothing and return False: parse_request reads the head and answers whatever is wrong with it."""
+        head (see `_clean_request_head`), consume it and set what parse_request sets (the same values
+        it would), plus `_clean`. Otherwise consume nothing and return False: parse_request reads the
+        head and answers whatever is wrong with it."""
         buffered = self.rfile.peek(1)  # (one read if nothing is buffered yet, as readline would do)
         end = buffered.find(b"\r\n\r\n") + 4
         if not 4 <= end <= MAX_HEADER_BYTES:
             return False
-        text = buffered[:end].decode("iso-8859-1")
-        line = _CLEAN_REQUEST_LINE_RE.match(text)
-        if line is None:
+        clean = _clean_request_head(buffered, end)
+        if clean is None:
             return False
-        command, target, version = line.groups()
-        # ['', line, name, value, '', line, name, value, ..., '\r\n']: any other gap is an unclean line.
-        parts = _CLEAN_HEADER_LINE_RE.split(text[line.end():])
-        if "".join(parts[::4]) != "\r\n" or len(parts) > 4 * MAX_HEADERS + 1 or command == "CONNECT":
-            return False
-        names, values = parts[2::4], parts[3::4]
-        kept: List[str] = []
-        length, tokens = -1, []  # type: Tuple[int, List[str]]
-        lowered = ",".join(names).lower().split(",")  # (a token has no comma)
-        for line_text, name, value in zip(parts[1::4], lowered, values):
-            if name not in _SPECIAL_REQUEST_HEADERS:
-                kept.append(line_text)
-            elif name == "content-length":
-                if length >= 0 or not (value.isdigit() and value.isascii()) or len(value) > 18:
-                    return False
-                length = int(value)
-            elif name == "connection":
-                if tokens:  # a second Connection header
-                    return False
-                tokens = [t.strip() for t in value.lower().split(",")]
-                if not _PLAIN_CONNECTION_TOKENS.issuperset(tokens):
-                    return False
-            elif name not in _DROPPED_PLAINLY:
-                return False
+        command, target, version, names, values, length, tokens, kept = clean
         self.rfile.read(end)
         self.command, self.path, self.request_version = command, target, version
         self.requestline = "%s %s %s" % (command, target, version)
         self.headers = _RequestHeaders.parsed(list(zip(names, values)))
         self.close_connection = "close" in tokens or (version == "HTTP/1.0" and "keep-alive" not in tokens)
-        self._clean = (("length", length) if length >= 0 else ("none", 0), "".join(kept))
+        self._clean = (("length", length) if length >= 0 else ("none", 0), kept)
         return True
 
     def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
@@ -2043,17 +2149,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if refusal is not None:
             self._refuse(refusal, close=upgrade or framing[0] != "none")  # type: ignore[index]
             return
-        source = "token"
-        try:
-            token = route.current_token()
-            source = "headers"
-            self._route_headers = route.current_headers() if isinstance(route, Route) else ()
-        except Exception as exc:
-            log.warning("proxy: %s %s callable failed (%s)", route.label, source, type(exc).__name__)
-            self._refuse(Refusal(502, source + "-unavailable", "The route's %s callable failed (%s); check the %s "
-                                                               "source." % (source, type(exc).__name__, source)),
-                         close=framing[0] != "none")  # type: ignore[index]
+        if not self._credentials(route, framing[0] != "none"):  # type: ignore[index]
             return
+        token = self._token
         if isinstance(route, ReplicaRoute):
             if upgrade:
                 self._tunnel_replicas(route, target, token)
@@ -2068,6 +2166,22 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._tunnel(route, target, token)
         else:
             self._forward(route, target, token, framing)  # type: ignore[arg-type]
+
+    def _credentials(self, route: AnyRoute, has_body: bool) -> bool:
+        """Read the route's token and extra headers for this request (`_token`, `_route_headers`); a
+        callable that fails is answered 502 here (closing if a body is unread) and False returned."""
+        source = "token"
+        try:
+            self._token = route.current_token()
+            source = "headers"
+            self._route_headers = route.current_headers() if isinstance(route, Route) else ()
+        except Exception as exc:
+            log.warning("proxy: %s %s callable failed (%s)", route.label, source, type(exc).__name__)
+            self._refuse(Refusal(502, source + "-unavailable", "The route's %s callable failed (%s); check the %s "
+                                                               "source." % (source, type(exc).__name__, source)),
+                         close=has_body)
+            return False
+        return True
 
     def _route(self) -> Union[Tuple[AnyRoute, str], Refusal]:
         """Ask the `route_request` hook, turning a hook that raises or answers nonsense into a 500."""
@@ -2146,27 +2260,36 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         except _ClientBodyError as exc:
             self._refuse(_client_body_refusal(exc, self.proxy.idle_timeout_s), close=True)
             return
+        exchange = self._exchange(route, method, lines, body, framing[0] != "none", body_iter)
+        if exchange is None:
+            return
+        conn, answer, sent_all = exchange
+        self._relay_response(route, conn.reader, answer,
+                             on_done=lambda reusable: route._checkin(conn, reusable and sent_all))
+
+    def _exchange(self, route: Route, method: str, lines: str, body: bytes, has_body: bool,
+                  rest: Iterable[bytes]) -> Optional[Tuple[_UpstreamConnection, _Answer, bool]]:
+        """Send the request upstream (see _send_upstream) and read its answer head: (connection, answer,
+        whether the whole request was sent), or None once the client was answered (a refusal) or left."""
         replayable = len(body) <= REPLAYABLE_BODY_BYTES
-        has_body = framing[0] != "none"
         try:
-            conn, answer, sent_all = self._send_upstream(route, method, lines, body, has_body, replayable, body_iter)
+            exchange = self._send_upstream(route, method, lines, body, has_body, replayable, rest)
         except _ClientBodyError as exc:
             self._refuse(_client_body_refusal(exc, self.proxy.idle_timeout_s), close=True)
-            return
+            return None
         except _ClientGone:
             log.debug("proxy: %s: client left before the upstream answered; request abandoned", route.label)
             self.close_connection = True
-            return
+            return None
         except _UpstreamFailure as failure:
             _log_upstream_failure(route, failure.refusal.kind, "")
             self._refuse(failure.refusal, close=not replayable or failure.refusal.status == 504)
-            return
+            return None
         if route._failing_kind is not None:  # (note_answer's own test, without the call)
             route.note_answer()
-        if not sent_all and not replayable:
+        if not exchange[2] and not replayable:
             self.close_connection = True  # the upstream answered early: the rest of the client's body is unread
-        self._relay_response(route, conn.reader, answer,
-                             on_done=lambda reusable: route._checkin(conn, reusable and sent_all))
+        return exchange
 
     def _buffered_body(self, framing: Tuple[str, int]) -> Tuple[bytes, Iterator[bytes]]:
         """The request body's first bytes, all of it if it is at most REPLAYABLE_BODY_BYTES (then it
@@ -2194,7 +2317,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return b"".join(buffered), iter(())
 
     def _send_upstream(self, route: Route, method: str, lines: str, body: bytes, has_body: bool, replayable: bool,
-                       rest: Iterator[bytes]) -> Tuple[_UpstreamConnection, _Answer, bool]:
+                       rest: Iterable[bytes]) -> Tuple[_UpstreamConnection, _Answer, bool]:
         """Send the request (`lines`: its head without framing header and blank line) on a pooled (or
         fresh) connection; (connection, final answer head, whether the whole request was sent).
         Interim answers are relayed on the way."""
@@ -2543,7 +2666,7 @@ def _drain_buffered(rfile: io.BufferedReader, reader: _ClientReader) -> bytes:
     return b"".join(chunks)
 
 
-def _prepend(first: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:
+def _prepend(first: bytes, rest: Iterable[bytes]) -> Iterator[bytes]:
     if first:
         yield first
     yield from rest
@@ -2982,6 +3105,43 @@ def _answer_body(reader: _UpstreamReader, answer: _Answer) -> Iterator[bytes]:
                 raise _BadResponse("upstream-head-too-large", "sent an oversized trailer section")
             if line in (b"\r\n", b"\n"):
                 break
+
+
+def _clean_request_head(data: bytes, end: int) -> Optional[Tuple[str, str, str, List[str], List[str], int, List[str], str]]:
+    """The request head `data[:end]` (through its blank line) if it is clean (see _CLEAN_HEADER_LINE_RE),
+    with at most one Content-Length, at most one Connection (of keep-alive and/or close), and no
+    Transfer-Encoding, Expect, Upgrade, TE or Trailer: (method, target, version, header names, their
+    values, the Content-Length or -1, the Connection tokens, the header lines forwarded as they are).
+    None for any other head: the strict parser (`_Handler.parse_request`) takes it."""
+    text = data[:end].decode("iso-8859-1")
+    line = _CLEAN_REQUEST_LINE_RE.match(text)
+    if line is None:
+        return None
+    command, target, version = line.groups()
+    # ['', line, name, value, '', line, name, value, ..., '\r\n']: any other gap is an unclean line.
+    parts = _CLEAN_HEADER_LINE_RE.split(text[line.end():])
+    if "".join(parts[::4]) != "\r\n" or len(parts) > 4 * MAX_HEADERS + 1 or command == "CONNECT":
+        return None
+    names, values = parts[2::4], parts[3::4]
+    kept: List[str] = []
+    length, tokens = -1, []  # type: Tuple[int, List[str]]
+    lowered = ",".join(names).lower().split(",")  # (a token has no comma)
+    for line_text, name, value in zip(parts[1::4], lowered, values):
+        if name not in _SPECIAL_REQUEST_HEADERS:
+            kept.append(line_text)
+        elif name == "content-length":
+            if length >= 0 or not (value.isdigit() and value.isascii()) or len(value) > 18:
+                return None
+            length = int(value)
+        elif name == "connection":
+            if tokens:  # a second Connection header
+                return None
+            tokens = [t.strip() for t in value.lower().split(",")]
+            if not _PLAIN_CONNECTION_TOKENS.issuperset(tokens):
+                return None
+        elif name not in _DROPPED_PLAINLY:
+            return None
+    return command, target, version, names, values, length, tokens, "".join(kept)
 
 
 def _request_lines(method: str, target: str, headers: List[Tuple[str, str]]) -> str:
