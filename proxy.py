@@ -1885,6 +1885,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         route_request, idle_timeout_s = proxy.route_request, proxy.idle_timeout_s
         self._reader.body_phase(idle_timeout_s)  # each read waits idle_timeout_s (the strict path's first byte and body)
         self.request_version, self.close_connection = "HTTP/1.1", False
+        # The last clean head, minus its Content-Length value, and what it parsed to: a client's requests
+        # usually differ in that value alone (see _head_key).
+        last_key, last_clean = b"", None  # type: Tuple[bytes, Optional[Tuple[str, str, str, List[str], List[str], int, List[str], str]]]
         try:
             while not proxy._stopping:
                 if not buf:
@@ -1894,10 +1897,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 end = buf.find(b"\r\n\r\n") + 4
                 if not 4 <= end <= MAX_HEADER_BYTES:
                     return buf
-                clean = _clean_request_head(buf, end)
-                if clean is None:
-                    return buf
-                method, target, version, _, _, length, tokens, kept = clean
+                key, length = _head_key(buf, end)
+                if key != last_key or length < -1 or last_clean is None:
+                    last_clean = clean = _clean_request_head(buf, end)
+                    if clean is None:
+                        return buf
+                    last_key, length = key, clean[5]
+                method, target, version, _, _, _, tokens, kept = last_clean
                 if version != "HTTP/1.1" or "close" in tokens or length > SMALL_RESPONSE_BYTES:
                     return buf
                 decision = route_request(target, None)  # type: ignore[arg-type]  # (the default never reads headers)
@@ -1944,18 +1950,29 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     continue
                 conn, answer, sent_all = exchange
                 reader = conn.reader
-                held, size = reader._buf, answer.length
-                if answer.raw is None or len(held) < size:  # anything but a clean answer read whole: the strict relay
+                size = answer.length
+                if answer.raw is None or size > SMALL_RESPONSE_BYTES:  # any other answer: the strict relay
                     self._relay_response(route, reader, answer,
                                          on_done=lambda reusable: route._checkin(conn, reusable and sent_all))
                     if self.close_connection:
                         return None
                     continue
-                # What _relay_response does for it: the connection back to the pool, then one send.
-                reader._buf = held[size:]
-                route._checkin(conn, sent_all and len(held) == size)
+                # What _relay_response does for a clean small answer: read it whole, give the connection
+                # back to the pool, relay head and body in one send.
+                held = reader._buf
+                if len(held) >= size:
+                    reader._buf = held[size:]
+                    body = held if len(held) == size else held[:size]
+                else:
+                    try:
+                        body = b"".join(reader.pieces(size, "its response body"))
+                    except Exception as exc:
+                        route._checkin(conn, False)
+                        self._answer_body_failed(route, exc)
+                        return None
+                route._checkin(conn, sent_all and not reader._buf)
                 try:
-                    sendall(answer.raw + (held if len(held) == size else held[:size]))
+                    sendall(answer.raw + body)
                 except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
                     raise socket.timeout("timed out") from None
         except (socket.timeout, TimeoutError, BlockingIOError):
@@ -2442,6 +2459,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             poller.unregister(self.connection)
             client_fd = -1
 
+    def _answer_body_failed(self, route: Route, exc: BaseException) -> None:
+        """Answer the client when reading a small answer's body (before its head was relayed) failed."""
+        refusal = _classify_upstream_error(exc, route)
+        log.warning("proxy: %s: %s while reading the response body", route.label, refusal.kind)
+        self._refuse(refusal, close=True)
+
     def _relay_response(self, route: Route, reader: _UpstreamReader, answer: _Answer,
                         on_done: Callable[[bool], None]) -> None:
         """Stream the upstream answer to the client as it arrives; Content-Encoding untouched.
@@ -2464,9 +2487,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     b"".join(reader.pieces(answer.length, "its response body"))  # (read with its head: no generator)
             except Exception as exc:
                 on_done(False)
-                refusal = _classify_upstream_error(exc, route)
-                log.warning("proxy: %s: %s while reading the response body", route.label, refusal.kind)
-                self._refuse(refusal, close=True)
+                self._answer_body_failed(route, exc)
                 return
         whole = mode == "none" or (mode == "length" and answer.length <= SMALL_RESPONSE_BYTES)
         if whole:  # the answer is read: its connection goes back before the client can send its next request
@@ -2758,11 +2779,22 @@ class _UpstreamConnection:
         while True:
             if incoming.pending or engine.pending():  # type: ignore[union-attr]
                 try:
-                    return engine.read(n)  # type: ignore[union-attr]
+                    data = engine.read(n)  # type: ignore[union-attr]
                 except ssl.SSLWantReadError:  # part of a record, or records without data (session tickets)
                     pass
                 except ssl.SSLZeroReturnError:  # the upstream's close_notify
                     return b""
+                else:
+                    # A record at a time: an answer whose head and body came as two records (uvicorn
+                    # writes them apart) is read whole in one call while more records are buffered.
+                    # Whatever ends the gathering (a partial record, an end, an error) is left for the
+                    # next read to meet, after these bytes.
+                    while incoming.pending and len(data) < n:
+                        try:
+                            data += engine.read(n - len(data))  # type: ignore[union-attr]
+                        except ssl.SSLError:
+                            break
+                    return data
             data = self._recv(IO_CHUNK)
             if not data:
                 return b""
@@ -3142,6 +3174,19 @@ def _clean_request_head(data: bytes, end: int) -> Optional[Tuple[str, str, str, 
         elif name not in _DROPPED_PLAINLY:
             return None
     return command, target, version, names, values, length, tokens, "".join(kept)
+
+
+def _head_key(data: bytes, end: int) -> Tuple[bytes, int]:
+    """The request head `data[:end]` without the value of its first `Content-Length` line, and that
+    value (-1 without such a line, -2 if it is not 1-18 ASCII digits). Two heads with the same key
+    and a valid value differ in the length alone: if one is clean (`_clean_request_head`), so is the
+    other, with the same parse but the length, so a connection's repeated head is parsed once."""
+    start = data.find(b"\r\nContent-Length: ", 0, end)
+    if start < 0:
+        return data[:end], -1
+    stop = data.find(b"\r\n", start + 18)
+    value = data[start + 18:stop]
+    return data[:start + 18] + data[stop:end], int(value) if value.isdigit() and len(value) <= 18 else -2
 
 
 def _request_lines(method: str, target: str, headers: List[Tuple[str, str]]) -> str:
