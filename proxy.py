@@ -2388,7 +2388,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         100 Continue is not relayed: the proxy answered the client's Expect itself and never sends
         one upstream. A 101 without an upgrade request is a protocol error."""
         for count in range(MAX_INTERIM_RESPONSES + 1):
-            answer = _parse_answer(reader.read_head(first=count == 0), method)
+            answer = _parse_answer(reader.read_head(first=count == 0), method, reader)
             if answer.status >= 200:
                 return answer
             if answer.status == 101:
@@ -2940,10 +2940,12 @@ class _UpstreamReader:
     """Buffered reads over a `recv(n)` callable (a socket's, or a WebSocket `_Stream`'s after a non-101
     answer). Public stdlib calls only: `io.BufferedReader` would hide how many bytes it holds."""
 
-    __slots__ = ("_recv", "_buf")
+    __slots__ = ("_recv", "_buf", "memo")
 
     def __init__(self, recv: Callable[[int], bytes], prefix: bytes = b"") -> None:
         self._recv, self._buf = recv, prefix
+        # The last answer head relayed as it came, as (its _answer_key, status, reason): see _parse_answer.
+        self.memo: Optional[Tuple[bytes, int, str]] = None
 
     def buffered(self) -> int:
         return len(self._buf)
@@ -3038,13 +3040,21 @@ class _Answer(NamedTuple):
     raw: Optional[bytes] = None  # a clean head (see _CLEAN_ANSWER_RE) to relay as it is; `headers` is then []
 
 
-def _parse_answer(head: bytes, method: str) -> _Answer:
+def _parse_answer(head: bytes, method: str, reader: Optional[_UpstreamReader] = None) -> _Answer:
     """Parse a response head (status line, `Name: value` lines; obs-fold joined with a space), or raise
     _BadResponse. Framing: HEAD, 1xx, 204 and 304 have no body; Transfer-Encoding wins over
     Content-Length (and then the connection is not reused); conflicting lengths are refused.
 
     The common head (see _CLEAN_ANSWER_RE) is recognised whole and kept to be relayed as it is;
-    anything else is parsed line by line (_parse_answer_strictly)."""
+    anything else is parsed line by line (_parse_answer_strictly). With the connection's `reader`, a
+    head equal to the last one relayed as it is but in its Date and Content-Length values (an
+    upstream's answers usually differ in those alone: see _answer_key) is recognised without the
+    regular expressions."""
+    memo = reader.memo if reader is not None and method != "HEAD" else None
+    if memo is not None:
+        key, length = _answer_key(head)
+        if length >= 0 and key == memo[0]:
+            return _Answer(memo[1], memo[2], [], "length", length, True, head)
     text = head.decode("latin-1")
     clean = _CLEAN_ANSWER_RE.fullmatch(text)
     if clean is not None and method != "HEAD" and clean.group(1) not in ("204", "304"):
@@ -3053,8 +3063,37 @@ def _parse_answer(head: bytes, method: str) -> _Answer:
             value = special[0][1]
             if value.isascii() and value.isdigit() and len(value) <= 18 and (value[0] != "0" or value == "0"):
                 # nothing hop-by-hop, one canonical Content-Length: relayed as it is (headers not parsed)
-                return _Answer(int(clean.group(1)), clean.group(2), [], "length", int(value), True, head)
+                status, reason = int(clean.group(1)), clean.group(2)
+                if reader is not None:
+                    key, length = _answer_key(head)
+                    reader.memo = (key, status, reason) if length >= 0 else None
+                return _Answer(status, reason, [], "length", int(value), True, head)
     return _parse_answer_strictly(text, method)
+
+
+def _answer_key(head: bytes) -> Tuple[bytes, int]:
+    """An answer head without the values of its first Content-Length and Date lines, and its length
+    (-1 when that value is not canonical decimal or the Date value not plain printable ASCII). Values
+    hold no line end, so two heads with the same key have the same lines but in those two values: if
+    one is clean with nothing hop-by-hop (relayed as it is), so is the other, with the same status."""
+    lowered = head.lower()
+    start = lowered.find(b"\r\ncontent-length: ") + 18
+    if start < 18:
+        return b"", -1
+    stop = head.find(b"\r\n", start)
+    value = head[start:stop]
+    if not value.isdigit() or len(value) > 18 or (value[:1] == b"0" and value != b"0"):
+        return b"", -1
+    date = lowered.find(b"\r\ndate: ") + 8
+    if date < 8:
+        return head[:start] + head[stop:], int(value)
+    end = head.find(b"\r\n", date)
+    stamp = head[date:end]
+    if not (stamp.isascii() and stamp.decode("ascii").isprintable()) or stamp[:1] in (b"", b" ") or stamp[-1:] == b" ":
+        return b"", -1
+    if date < start:
+        return head[:date] + head[end:start] + head[stop:], int(value)
+    return head[:start] + head[stop:date] + head[end:], int(value)
 
 
 def _parse_answer_strictly(text: str, method: str) -> _Answer:
