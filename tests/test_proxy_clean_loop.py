@@ -24,6 +24,7 @@ from proxy import AuthProxy
 # Every answer's head is fixed (no changing Date), so the two runs compare byte for byte.
 ANSWER_HEAD = b"HTTP/1.1 200 OK\r\ndate: Wed, 25 Nov 2026 00:00:00 GMT\r\nserver: recorder\r\ncontent-length: %d\r\n\r\n"
 BIG_BODY = b"b" * 70000  # over SMALL_RESPONSE_BYTES: streamed
+HUGE_BODY = b"h" * (8 << 20)  # more than loopback socket buffers hold: its relay is still sending when the client leaves
 # Seconds a pause in a conversation lasts: long enough that what comes after it is a second read.
 PAUSE_S = 0.1
 # How long a client waits for more bytes before calling the answer complete.
@@ -33,7 +34,7 @@ QUIET_S = 2.0
 class _Recorder:
     """A loopback HTTP/1.1 upstream (Content-Length bodies) that records each request and answers by
     the path's last segment: `ok` echoes the body; `close` answers then closes without saying so; `drop`
-    closes a reused connection without answering; `slow` answers after 0.8 s; `big` sends BIG_BODY;
+    closes a reused connection without answering; `slow` answers after 0.8 s; `big` and `huge` send BIG_BODY and HUGE_BODY;
     `chunked` answers chunked; `empty` answers 204."""
 
     def __init__(self) -> None:
@@ -86,8 +87,9 @@ class _Recorder:
                 if what == b"slow":
                     time.sleep(0.8)
                 body = request[end:]
-                if what == b"big":
-                    sock.sendall(ANSWER_HEAD % len(BIG_BODY) + BIG_BODY)
+                if what in (b"big", b"huge"):
+                    big = BIG_BODY if what == b"big" else HUGE_BODY
+                    sock.sendall(ANSWER_HEAD % len(big) + big)
                 elif what == b"chunked":
                     sock.sendall(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nab\r\n0\r\n\r\n")
                 elif what == b"empty":
@@ -116,7 +118,8 @@ class _StrictProxy(AuthProxy):
         return AuthProxy.route_request(self, target, headers)
 
 
-# A conversation step: bytes to send, a pause (float seconds), or "shut" (the client ends its side).
+# A conversation step: bytes to send, a pause (float seconds), "shut" (the client ends its side), an int
+# (read exactly that many bytes), or "reconnect" (close the connection, unread bytes and all, and open another).
 Step = object
 Conversation = Callable[[str], List[Step]]
 
@@ -138,13 +141,21 @@ def _play(proxy_class: type, conversation: Conversation,
         with proxy_class(read_timeout_s=5, idle_timeout_s=10) as auth:
             base = auth.mount("http://127.0.0.1:%d/up" % upstream.port, token="tok-loop")[len(auth.url):]
             received = b""
-            with socket.create_connection(("127.0.0.1", auth.port), timeout=QUIET_S) as client:
-                client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            client = socket.create_connection(("127.0.0.1", auth.port), timeout=QUIET_S)
+            with contextlib.ExitStack() as closing:
+                closing.callback(lambda: client.close())
                 for step in conversation(base):
                     if isinstance(step, float):
                         time.sleep(step)
+                    elif isinstance(step, int):
+                        want = len(received) + step
+                        while len(received) < want:
+                            received += client.recv(want - len(received))
                     elif step == "shut":
                         client.shutdown(socket.SHUT_WR)
+                    elif step == "reconnect":
+                        client.close()
+                        client = socket.create_connection(("127.0.0.1", auth.port), timeout=QUIET_S)
                     else:
                         client.sendall(step)  # type: ignore[arg-type]
                 with contextlib.suppress(socket.timeout, ConnectionResetError):
@@ -242,10 +253,14 @@ def test_a_client_gone_before_the_answer_abandons_the_request_as_the_strict_path
 
 
 def test_a_client_gone_mid_answer_ends_its_connection_as_the_strict_path() -> None:
+    # Small answers leave in one send after their upstream connection went back to the pool; a streamed
+    # one cut short by the client costs its upstream connection (the next request opens another).
     def conversation(base: str) -> List[Step]:
-        return [_request(base, "GET", "/big") + _request(base, "GET", "/big"), "shut"]
+        return [_request(base, "POST", "/ok", b"small"), len(_answer(b"small")), _request(base, "GET", "/huge"), 1000,
+                "reconnect", _request(base, "GET", "/ok", b"next", headers=b"Connection: close\r\n")]
     received, seen, connections = _assert_same(conversation)
-    assert received == 2 * (ANSWER_HEAD % len(BIG_BODY) + BIG_BODY) and len(seen) == 2 and connections == 1
+    assert received.startswith(_answer(b"small")) and received.endswith(b"next") and len(seen) == 3
+    assert connections == 2
 
 
 def test_an_upstream_that_closed_a_pooled_connection_is_retried_or_refused_as_by_the_strict_path() -> None:
@@ -259,3 +274,20 @@ def test_an_upstream_that_closed_a_pooled_connection_is_retried_or_refused_as_by
     received, seen, connections = _assert_same(conversation)
     assert received.count(b"HTTP/1.1 200 OK") == 5 and b"X-Proxy-Error: upstream-unreachable" in received
     assert connections == 4
+
+
+def test_bytes_handed_to_the_strict_path_come_back_intact_whatever_it_read_of_them() -> None:
+    # The loop hands its buffer over through the client reader; after the strict request, what the
+    # BufferedReader holds and what it never reached come back in order, without a socket read.
+    client, served = socket.socketpair()
+    with client, served:
+        handler = proxy._Handler.__new__(proxy._Handler)
+        handler.request = served
+        handler.server = type("Server", (), {"proxy": AuthProxy()})()  # type: ignore[assignment]
+        handler.setup()
+        data = bytes(range(256)) * 600  # 150 KiB: more than the BufferedReader takes in one read
+        handler._reader.pending = data
+        assert handler.rfile.read(10) == data[:10]
+        assert handler._take_pending() == data[10:]
+        client.sendall(b"after")
+        assert handler.rfile.read(5) == b"after"  # the reader reads the socket again
