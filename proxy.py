@@ -204,6 +204,8 @@ _CLEAN_ANSWER_RE = re.compile(r"HTTP/1\.1 ([2-5][0-9][0-9]) ([^\x00-\x08\x0a-\x1
                               r"(?:[!#$%%&'*+\-.^_`|~0-9A-Za-z]+: (?:%s)?\r\n)*\r\n" % _CLEAN_VALUE)
 # Its special lines, searched in the lower-cased head (a literal prefix: the search skips ahead).
 _SPECIAL_ANSWER_RE = re.compile(r"\r\n(%s): ([^\r]*)" % "|".join(sorted(HOP_BY_HOP | {"content-length"})))
+# A Date value the answer memo accepts unseen (see _answer_key): printable ASCII, deleted to nothing.
+_PRINTABLE_ASCII = bytes(range(0x20, 0x7F))
 
 Token = Union[str, Callable[[], str], None]
 Verify = Union[bool, str]
@@ -2387,15 +2389,18 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
         100 Continue is not relayed: the proxy answered the client's Expect itself and never sends
         one upstream. A 101 without an upgrade request is a protocol error."""
-        for count in range(MAX_INTERIM_RESPONSES + 1):
-            answer = _parse_answer(reader.read_head(first=count == 0), method, reader)
-            if answer.status >= 200:
-                return answer
+        answer = _parse_answer(reader.read_head(first=True), method, reader)
+        count = 0
+        while answer.status < 200:
             if answer.status == 101:
                 raise _BadResponse("upstream-protocol", "switched protocols without being asked to")
             if answer.status != 100 and self.request_version == "HTTP/1.1":
                 self._relay_interim(answer)
-        raise _BadResponse("upstream-protocol", "sent more than %d interim (1xx) responses" % MAX_INTERIM_RESPONSES)
+            count += 1
+            if count > MAX_INTERIM_RESPONSES:
+                raise _BadResponse("upstream-protocol", "sent more than %d interim (1xx) responses" % MAX_INTERIM_RESPONSES)
+            answer = _parse_answer(reader.read_head(first=False), method, reader)
+        return answer
 
     def _relay_interim(self, answer: _Answer) -> None:
         try:
@@ -3078,18 +3083,16 @@ def _answer_key(head: bytes) -> Tuple[bytes, int]:
     one is clean with nothing hop-by-hop (relayed as it is), so is the other, with the same status."""
     lowered = head.lower()
     start = lowered.find(b"\r\ncontent-length: ") + 18
-    if start < 18:
-        return b"", -1
     stop = head.find(b"\r\n", start)
     value = head[start:stop]
-    if not value.isdigit() or len(value) > 18 or (value[:1] == b"0" and value != b"0"):
+    if start < 18 or not value.isdigit() or len(value) > 18 or (value[0] == 48 and stop - start > 1):  # (48: "0")
         return b"", -1
     date = lowered.find(b"\r\ndate: ") + 8
     if date < 8:
         return head[:start] + head[stop:], int(value)
     end = head.find(b"\r\n", date)
-    stamp = head[date:end]
-    if not (stamp.isascii() and stamp.decode("ascii").isprintable()) or stamp[:1] in (b"", b" ") or stamp[-1:] == b" ":
+    # A clean value of printable ASCII: no control character, no blank at either end (none at all is unclean).
+    if end == date or head[date] == 32 or head[end - 1] == 32 or head[date:end].translate(None, _PRINTABLE_ASCII):
         return b"", -1
     if date < start:
         return head[:date] + head[end:start] + head[stop:], int(value)

@@ -11,6 +11,7 @@ upstream and a client see the same bytes whichever path served the request.
 from __future__ import annotations
 
 import contextlib
+import re
 import io
 import socket
 import threading
@@ -367,3 +368,33 @@ def test_a_pooled_connection_looks_idle_only_until_the_upstream_sends_or_closes(
         finally:
             conn.close()
             server.close()
+
+
+@settings(max_examples=300, deadline=None)
+@given(first=answer_heads(), second=answer_heads(), method=st.sampled_from(["GET", "POST"]),
+       date=st.sampled_from(["Thu, 26 Nov 2026 00:00:01 GMT", "x", " x", "x ", "", "a\tb", "caf\xe9", "a\x01b"]),
+       length=st.sampled_from(["0", "7", "70000", "007", "", "x", "1" * 19]))
+def test_an_answer_the_memo_recognises_is_what_the_strict_path_writes(first: bytes, second: bytes, method: str,
+                                                                     date: str, length: str) -> None:
+    # A connection's reader remembers the last head it relayed as it came; a later head equal to it but
+    # in its Date and Content-Length values is recognised without the regular expressions: it must be
+    # exactly a head the fast path would relay (the strict path writes the same bytes).
+    for head in (first, UVICORN_ANSWER):
+        reader = proxy._UpstreamReader(lambda n: b"")
+        try:
+            proxy._parse_answer(head, method, reader)
+        except proxy._BadResponse:
+            pass
+        text = head.decode("latin-1")
+        varied = re.sub(r"(?im)^(date|content-length): [^\r\n]*", lambda m: "%s: %s" % (
+            m.group(1), date if m.group(1).lower() == "date" else length), text, count=2).encode("latin-1")
+        for later in (varied, second):
+            try:
+                remembered = proxy._parse_answer(later, method, reader)
+            except proxy._BadResponse:
+                continue
+            if remembered.raw is not None:
+                assert _assert_answer_paths_agree(later, method)
+                assert (remembered.status, remembered.reason, remembered.length) == (
+                    proxy._parse_answer(later, method).status, proxy._parse_answer(later, method).reason,
+                    proxy._parse_answer(later, method).length)
