@@ -3224,8 +3224,10 @@ def _head_key(data: bytes, end: int) -> Tuple[bytes, int]:
     and a valid value differ in the length alone: if one is clean (`_clean_request_head`), so is the
     other, with the same parse but the length, so a connection's repeated head is parsed once."""
     start = data.find(b"\r\nContent-Length: ", 0, end)
-    if start < 0:
-        return data[:end], -1
+    if start < 0:  # (the usual spellings; a head with another is still parsed, only not reused)
+        start = data.find(b"\r\ncontent-length: ", 0, end)
+        if start < 0:
+            return data[:end], -1
     stop = data.find(b"\r\n", start + 18)
     value = data[start + 18:stop]
     return data[:start + 18] + data[stop:end], int(value) if value.isdigit() and len(value) <= 18 else -2

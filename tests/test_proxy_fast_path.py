@@ -398,3 +398,23 @@ def test_an_answer_the_memo_recognises_is_what_the_strict_path_writes(first: byt
                 assert (remembered.status, remembered.reason, remembered.length) == (
                     proxy._parse_answer(later, method).status, proxy._parse_answer(later, method).reason,
                     proxy._parse_answer(later, method).length)
+
+
+@settings(max_examples=300, deadline=None)
+@given(head=request_heads(), length=st.sampled_from(["0", "7", "70000", "007", "", "x", "\xb2", "1" * 19, "2 ", "-1"]))
+def test_a_head_the_clean_loop_reuses_a_parse_for_parses_to_that_with_its_own_length(head: bytes, length: str) -> None:
+    # The clean loop parses a connection's head once and reuses the parse for a later head with the same
+    # _head_key (equal but in its Content-Length value): the later head must be clean too, and parse to
+    # the same request with its own length.
+    for head in (head, WRK_HEAD, REQUESTS_HEAD, REQUESTS_HEAD.replace(b"Content-Length", b"content-length")):
+        first = proxy._clean_request_head(head, len(head))
+        key, _ = proxy._head_key(head, len(head))
+        later = re.sub(rb"(?i)(\r\ncontent-length: )[^\r\n]*", lambda m: m.group(1) + length.encode("latin-1"),
+                       head, count=1)
+        later_key, later_length = proxy._head_key(later, len(later))
+        if first is None or later_key != key or later_length < -1:
+            continue  # (the loop parses such a head afresh)
+        again = proxy._clean_request_head(later, len(later))
+        assert again is not None, "a head the loop would reuse a parse for is not clean"
+        assert again[5] == later_length
+        assert again[:3] + again[6:] == first[:3] + first[6:]
