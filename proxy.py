@@ -1887,9 +1887,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         route_request, idle_timeout_s = proxy.route_request, proxy.idle_timeout_s
         self._reader.body_phase(idle_timeout_s)  # each read waits idle_timeout_s (the strict path's first byte and body)
         self.request_version, self.close_connection = "HTTP/1.1", False
-        # The last clean head, minus its Content-Length value, and what it parsed to: a client's requests
-        # usually differ in that value alone (see _head_key).
-        last_key, last_clean = b"", None  # type: Tuple[bytes, Optional[Tuple[str, str, str, List[str], List[str], int, List[str], str]]]
+        # The last clean head, minus its Content-Length value, and what the loop needs of its parse (method,
+        # target, forwarded lines, whether it is keep-alive HTTP/1.1): a client's requests usually differ
+        # in that value alone (see _head_key).
+        last_key, last = b"", None  # type: Tuple[bytes, Optional[Tuple[str, str, str, bool]]]
         try:
             while not proxy._stopping:
                 if not buf:
@@ -1900,13 +1901,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 if not 4 <= end <= MAX_HEADER_BYTES:
                     return buf
                 key, length = _head_key(buf, end)
-                if key != last_key or length < -1 or last_clean is None:
-                    last_clean = clean = _clean_request_head(buf, end)
+                if key != last_key or length < -1 or last is None:
+                    clean = _clean_request_head(buf, end)
                     if clean is None:
                         return buf
                     last_key, length = key, clean[5]
-                method, target, version, _, _, _, tokens, kept = last_clean
-                if version != "HTTP/1.1" or "close" in tokens or length > SMALL_RESPONSE_BYTES:
+                    last = (clean[0], clean[1], clean[7], clean[2] == "HTTP/1.1" and "close" not in clean[6])
+                method, target, kept, keep_alive = last
+                if not keep_alive or length > SMALL_RESPONSE_BYTES:
                     return buf
                 decision = route_request(target, None)  # type: ignore[arg-type]  # (the default never reads headers)
                 if decision.__class__ is Refusal or decision[0].__class__ is not Route:

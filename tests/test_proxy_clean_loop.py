@@ -291,3 +291,12 @@ def test_bytes_handed_to_the_strict_path_come_back_intact_whatever_it_read_of_th
         assert handler._take_pending() == data[10:]
         client.sendall(b"after")
         assert handler.rfile.read(5) == b"after"  # the reader reads the socket again
+
+
+def test_an_http_1_0_request_is_answered_and_ends_the_connection_as_on_the_strict_path() -> None:
+    def conversation(base: str) -> List[Step]:
+        return [_request(base, "POST", "/ok", b"one"), len(_answer(b"one")),
+                _request(base, "POST", "/ok", b"two", headers=b"Connection: keep-alive\r\n", version="HTTP/1.0"),
+                PAUSE_S, _request(base, "POST", "/ok", b"three")]
+    received, seen, _ = _assert_same(conversation)
+    assert received.endswith(b"Connection: close\r\n\r\ntwo") and len(seen) == 2
