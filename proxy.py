@@ -2729,7 +2729,7 @@ class _UpstreamConnection:
     (set while a request waits for its answer) between slices, and gives up after read_timeout_s."""
 
     __slots__ = ("sock", "reader", "since", "watch", "read_timeout_s", "tls", "_incoming", "_outgoing", "_poller",
-                 "received", "__weakref__")
+                 "received", "_tls_held", "__weakref__")
 
     def __init__(self, sock: socket.socket, read_timeout_s: float,
                  tls: Optional[Tuple[ssl.SSLObject, ssl.MemoryBIO, ssl.MemoryBIO]] = None) -> None:
@@ -2739,6 +2739,8 @@ class _UpstreamConnection:
         # The liveness check's poll object, the socket registered once (not one poll object a request).
         self._poller: Optional["select.poll"] = None
         self.received = 0  # bytes read from the socket (see looks_idle)
+        # Whether the TLS engine may hold decrypted bytes not yet read (see _recv_tls); True until known.
+        self._tls_held = True
         self.watch: Optional[Callable[[], None]] = None
         self.reader = _UpstreamReader(self._recv if tls is None else self._recv_tls)
         self.since = 0.0  # when it was last checked in
@@ -2779,16 +2781,20 @@ class _UpstreamConnection:
         """Up to n decrypted bytes (b"" at the end of the stream, or at once for n=0 as a socket's recv),
         reading the socket only when the engine holds no whole record. (OpenSSL takes one record at
         a time from the buffer, so what it has not read is `incoming.pending`: the engine is asked
-        only then, not to fail with an exception, which costs as much as a hundred bytecodes.)"""
+        only then, not to fail with an exception, which costs as much as a hundred bytecodes.)
+
+        Decrypted bytes stay in the engine only after a read that filled its n (`_tls_held`): asking
+        the engine instead (`pending()`) would release the GIL, a hand-off to one of the other busy
+        threads before every socket read."""
         engine, incoming = self.tls, self._incoming
         if n <= 0:
             return b""
         while True:
-            if incoming.pending or engine.pending():  # type: ignore[union-attr]
+            if incoming.pending or self._tls_held:
                 try:
                     data = engine.read(n)  # type: ignore[union-attr]
                 except ssl.SSLWantReadError:  # part of a record, or records without data (session tickets)
-                    pass
+                    self._tls_held = False
                 except ssl.SSLZeroReturnError:  # the upstream's close_notify
                     return b""
                 else:
@@ -2801,6 +2807,7 @@ class _UpstreamConnection:
                             data += engine.read(n - len(data))  # type: ignore[union-attr]
                         except ssl.SSLError:
                             break
+                    self._tls_held = len(data) >= n  # (a read short of n emptied the engine's record)
                     return data
             data = self._recv(IO_CHUNK)
             if not data:
@@ -2901,6 +2908,7 @@ class _UpstreamConnection:
     def _has_tls_data(self) -> bool:
         """Whether the engine's buffered records hold data or an end (kept for the reader); records
         without data (TLS 1.3 session tickets arrive right after the handshake) are consumed."""
+        self._tls_held = True  # (this read may leave decrypted bytes behind: _recv_tls asks the engine next)
         try:
             data = self.tls.read(IO_CHUNK)  # type: ignore[union-attr]
         except ssl.SSLWantReadError:
