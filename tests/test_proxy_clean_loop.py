@@ -263,6 +263,7 @@ def test_a_client_gone_mid_answer_ends_its_connection_as_the_strict_path() -> No
     assert connections == 2
 
 
+@pytest.mark.slow  # five pauses a run, two runs: about 1 s
 def test_an_upstream_that_closed_a_pooled_connection_is_retried_or_refused_as_by_the_strict_path() -> None:
     # `close` answers and hangs up without saying so (the pool's liveness check sees it); `drop` hangs up
     # on a reused connection without answering: GET is retried on a fresh one, a sent POST is not (502).
