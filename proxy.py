@@ -1699,7 +1699,8 @@ class _ClientReader(io.RawIOBase):
 
     def stop(self) -> None:
         """Make every later raw read answer "no more" without touching the socket, so the buffered
-        reader above gives up only what it already holds (see `_Handler._take_buffered`)."""
+        reader above gives up only what it already holds, and any handed-over bytes it has not yet
+        reached (see `_Handler._take_buffered`)."""
         self._stopped = True
 
     def _set_timeout(self, timeout: Optional[float]) -> None:
@@ -1710,16 +1711,16 @@ class _ClientReader(io.RawIOBase):
             self._timeout = timeout
 
     def readinto(self, buffer: "bytearray | memoryview") -> int:  # type: ignore[override]
-        if self._stopped:
-            return 0
         pending = self.pending
-        if pending:
+        if pending:  # (already read: served even when stopped, so a drain gives these up too)
             n = min(len(buffer), len(pending))
             buffer[:n] = pending[:n]
             self.pending = pending[n:]
             if self._header_timeout is not None and self._deadline is None:
                 self._deadline = time.monotonic() + self._header_timeout
             return n
+        if self._stopped:
+            return 0
         if self._deadline is not None:
             remaining = self._deadline - time.monotonic()
             if remaining <= 0:
@@ -1990,15 +1991,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         """After a request served the strict way: the bytes read past it (the BufferedReader's, then any
         handed-over ones it did not reach), without reading the socket; the reader is ready again."""
         reader, chunks = self._reader, []
-        reader._stopped = True  # raw reads answer "no more": read1 gives up only what is buffered
+        reader._stopped = True  # raw reads answer "no more": read1 gives up only what was already read
         while True:
             chunk = self.rfile.read1(IO_CHUNK)
             if not chunk:
                 break
             chunks.append(chunk)
         reader._stopped = False
-        chunks.append(reader.pending)
-        reader.pending = b""
         return b"".join(chunks)
 
     def handle_one_request(self) -> None:

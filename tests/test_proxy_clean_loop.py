@@ -292,6 +292,10 @@ def test_bytes_handed_to_the_strict_path_come_back_intact_whatever_it_read_of_th
         assert handler._take_pending() == data[10:]
         client.sendall(b"after")
         assert handler.rfile.read(5) == b"after"  # the reader reads the socket again
+        # A WebSocket upgrade served from handed-over bytes drains them all for its tunnel too.
+        handler._reader.pending = data
+        assert handler.rfile.read(10) == data[:10]
+        assert proxy._drain_buffered(handler.rfile, handler._reader) == data[10:]
 
 
 def test_an_http_1_0_request_is_answered_and_ends_the_connection_as_on_the_strict_path() -> None:
