@@ -370,7 +370,7 @@ def test_a_pooled_connection_looks_idle_only_until_the_upstream_sends_or_closes(
             server.close()
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(first=answer_heads(), second=answer_heads(), method=st.sampled_from(["GET", "POST"]),
        date=st.sampled_from(["Thu, 26 Nov 2026 00:00:01 GMT", "x", " x", "x ", "", "a\tb", "caf\xe9", "a\x01b"]),
        length=st.sampled_from(["0", "7", "70000", "007", "", "x", "1" * 19]))
@@ -400,7 +400,7 @@ def test_an_answer_the_memo_recognises_is_what_the_strict_path_writes(first: byt
                     proxy._parse_answer(later, method).length)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(head=request_heads(), length=st.sampled_from(["0", "7", "70000", "007", "", "x", "\xb2", "1" * 19, "2 ", "-1"]))
 def test_a_head_the_clean_loop_reuses_a_parse_for_parses_to_that_with_its_own_length(head: bytes, length: str) -> None:
     # The clean loop parses a connection's head once and reuses the parse for a later head with the same
