@@ -3629,28 +3629,28 @@ class _TunnelRelay:
 
     def _run(self) -> None:
         poller, wake_fd = self._poller, self._wake_r.fileno()  # type: ignore[union-attr]
+        per_second = 1 if hasattr(select, "epoll") else 1000  # epoll's timeout is in seconds, poll's in ms
         try:
             while True:
-                with self._lock:
-                    batch, self._incoming = self._incoming, []
-                    closed = self._closed
-                for tunnel, first, owner in batch:
-                    self._owners[tunnel] = owner
-                    try:
-                        tunnel.start_relay(first)
-                    except (OSError, ValueError):  # a socket closed already
-                        tunnel.close()
-                        self._end(tunnel)
-                        continue
-                    self._advance(tunnel)
-                if closed:
-                    return
+                if self._incoming or self._closed:  # (a lock-free look first: most wake-ups carry only bytes)
+                    with self._lock:
+                        batch, self._incoming = self._incoming, []
+                        closed = self._closed
+                    for tunnel, first, owner in batch:
+                        self._owners[tunnel] = owner
+                        try:
+                            tunnel.start_relay(first)
+                        except (OSError, ValueError):  # a socket closed already
+                            tunnel.close()
+                            self._end(tunnel)
+                            continue
+                        self._advance(tunnel)
+                    del batch
+                    if closed:
+                        return
                 ready: Dict[_Tunnel, None] = {}
-                timeout = self._expire_setups()
-                if timeout is None:
-                    polled = poller.poll()
-                else:  # epoll's timeout is in seconds, poll's in milliseconds
-                    polled = poller.poll(timeout if hasattr(select, "epoll") else timeout * 1000)
+                timeout = self._expire_setups() if self._deadlines else None
+                polled = poller.poll() if timeout is None else poller.poll(timeout * per_second)
                 for fd, events in polled:
                     if fd == wake_fd:
                         try:
