@@ -3385,6 +3385,10 @@ class _Tunnel:
         self.client_ended = self.up_ended = False  # hung up or reset: read what is left, poll it no more
         self.up_wants = 0  # the poll events the SSL object asked for to finish an interrupted recv or send
         self.tls = isinstance(self.upstream.sock, ssl.SSLSocket)
+        # The SSL object under the SSLSocket (CPython's _ssl._SSLSocket): its read/write/pending skip the
+        # wrapper's checks (closed? flags?), three Python calls per frame that the relay, the only user of
+        # a socket it closes itself, does not need. A plain socket (or another Python) uses the socket.
+        self.engine = getattr(self.upstream.sock, "_sslobj", None) if self.tls else None
         self.client_fd, self.up_fd = self.client.fileno(), self.upstream.sock.fileno()
         self.wanted: Optional[Tuple[int, int]] = None  # the events each side is registered for
         self.client.setblocking(False)
@@ -3414,7 +3418,8 @@ class _Tunnel:
         says so: the bytes it sent before still sit in its socket and SSL object, and are relayed first
         (as the two-thread plain tunnel does). Such a side is no longer polled, since poll() reports a
         hang-up whatever is asked and would spin while the other side's bytes wait."""
-        client, up = self.client, self.upstream.sock
+        client, up, engine = self.client, self.upstream.sock, self.engine
+        up_send, up_recv = (engine.write, engine.read) if engine is not None else (up.send, up.recv)
         # Locals while it runs (this is the relay's hot path), stored back however it returns.
         to_up, to_client, client_in, up_in = self.to_up, self.to_client, self.client_in, self.up_in
         client_ended, up_ended, up_wants = self.client_ended, self.up_ended, self.up_wants
@@ -3432,7 +3437,7 @@ class _Tunnel:
                             return None
                 if to_up:
                     try:
-                        to_up = to_up[up.send(to_up):]
+                        to_up = to_up[up_send(to_up):]
                         up_wants &= ~select.POLLOUT
                     except ssl.SSLWantReadError:
                         up_wants |= select.POLLIN
@@ -3441,11 +3446,12 @@ class _Tunnel:
                 if up_in and not to_client:
                     up_in = up_ended
                     try:
-                        to_client = up.recv(TUNNEL_READ_BYTES)
+                        to_client = up_recv(TUNNEL_READ_BYTES)
                         if not to_client:
                             return None
-                        # more decrypted bytes than one read took
-                        up_in = up_ended or (self.tls and up.pending() > 0)
+                        # more decrypted bytes than one read took: only a full read can leave some (OpenSSL
+                        # reads one record at a time and a short read emptied it), so most frames skip the call
+                        up_in = up_ended or (len(to_client) == TUNNEL_READ_BYTES and self.tls and up.pending() > 0)
                     except (ssl.SSLWantReadError, BlockingIOError):
                         if up_ended:
                             return None
@@ -3549,8 +3555,8 @@ class _UpgradeSetup:
 
 
 class _TunnelRelay:
-    """One thread that relays every open TLS tunnel of a proxy (`_Tunnel.advance` per tunnel, around
-    one epoll, or poll() where there is none), so an open session holds no thread: with a thread per
+    """One thread that sets up (`_UpgradeSetup`) and relays every TLS tunnel of a proxy (`_Tunnel.advance`
+    per tunnel, around one epoll, or poll() where there is none), so a session holds no thread: with a thread per
     TLS session, 2,048 held sessions kept 2,048 threads, each ~30 KiB of RSS (its touched stack, Python's
     frame stack, glibc's per-thread cache). Started with the first tunnel, ended by `close()`."""
 
@@ -3570,8 +3576,9 @@ class _TunnelRelay:
         self._queued = 0  # entries pushed: ties on the heap never compare tunnels
 
     def add(self, tunnel: _Tunnel, first: bytes, owner: Tuple[Route, "_Server"]) -> bool:
-        """Relay `tunnel` (its 101 sent, `first` the client's bytes already read) until it ends, then
-        close it, take it off its route and release the client connection. False if closed."""
+        """Relay `tunnel` (its 101 sent, or `tunnel.setup` set: the relay sets it up first; `first` the
+        client's bytes already read) until it ends, then close it, take it off its route and release the
+        client connection. False if closed."""
         with self._lock:
             if self._closed:
                 return False

@@ -12,7 +12,7 @@ import hashlib
 import socket
 import ssl
 import threading
-from typing import Iterator, List, Optional
+from typing import Callable, Iterator, List, Optional
 
 import pytest
 from websockets.exceptions import InvalidStatus
@@ -105,7 +105,7 @@ class _ScriptedTLSUpstream:
 
 
 @pytest.fixture
-def scripted(test_ca: support.TestCA) -> Iterator[callable]:
+def scripted(test_ca: support.TestCA) -> Iterator[Callable[..., "_ScriptedTLSUpstream"]]:
     made: List[_ScriptedTLSUpstream] = []
 
     def make(mode: str = "101", hold: Optional[threading.Event] = None) -> _ScriptedTLSUpstream:
