@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import heapq
 import http.client
 import http.server
 import io
@@ -2543,18 +2544,81 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _tunnel(self, route: Route, target: str, token: Optional[str]) -> None:
         """Replay the upgrade upstream; relay a 101 verbatim and copy bytes both ways, else relay HTTP."""
         self.close_connection = True  # whatever happens, this connection ends with the tunnel
+        if route.scheme == "https":
+            self._tunnel_on_relay(route, target, token)
+            return
         try:
             stream, head, extra, status = self._upgrade(route, target, token)
         except _ClientGone:
             log.debug("proxy: %s: client left before the upstream answered the upgrade", route.label)
             return
         except Exception as exc:
-            refusal = _classify_upstream_error(exc, route)
-            _log_upstream_failure(route, refusal.kind, "WebSocket upgrade failed: ")
-            self._refuse(refusal, close=True)
+            self._upgrade_failed(route, exc)
             return
         route.note_answer()
         self._finish_upgrade(route, stream, head, extra, status)
+
+    def _upgrade_failed(self, route: Route, exc: BaseException) -> None:
+        refusal = _classify_upstream_error(exc, route)
+        _log_upstream_failure(route, refusal.kind, "WebSocket upgrade failed: ")
+        self._refuse(refusal, close=True)
+
+    def _tunnel_on_relay(self, route: Route, target: str, token: Optional[str]) -> None:
+        """TLS upstream: connect, then hand the session to the relay thread, which drives the TLS
+        handshake and the upgrade exchange without blocking (`_UpgradeSetup`) and relays from the 101 on.
+        This worker goes back to the pool at once, so a session being set up holds no thread: a burst of
+        2,048 set-ups kept ~1,200 workers (~30 KiB each: stack, frame stack, glibc's per-thread cache).
+        A set-up that fails or is answered without a 101 comes back to a worker (`_after_relay_setup`)."""
+        head = self._upgrade_head(route, target, token)
+        try:
+            sock = route._connect(self.proxy.connect_timeout_s)
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock = route.tls_context().wrap_socket(sock, server_hostname=route.host, do_handshake_on_connect=False)
+            except BaseException:
+                sock.close()
+                raise
+        except Exception as exc:
+            self._upgrade_failed(route, exc)
+            return
+        stream = _TLSStream(sock)
+        tunnel = _Tunnel(self.connection, stream, route.label)
+        if not route._add_tunnel(tunnel):  # unmounted meanwhile
+            stream.close()
+            return
+        self._reader.body_phase(None)
+        first = self._take_buffered()  # frames the client sent right behind its request: upstream after the 101
+        tunnel.setup = _UpgradeSetup(self, route, head)
+        _MEMORY.trim_soon(TUNNEL_TRIM_EVERY_S)
+        self.server.hand_off(self.connection)
+        if not self.server.relay.add(tunnel, first, (route, self.server)):  # stopping: nothing relays any more
+            with self.server._conn_lock:
+                self.server._relayed.discard(self.connection)
+            tunnel.close()
+            route._remove_tunnel(tunnel)
+            stream.close()
+
+    def _after_relay_setup(self, tunnel: "_Tunnel", failure: Optional[BaseException],
+                           answer: Optional[Tuple[bytes, bytes, int]]) -> None:
+        """A worker's job when the relay's set-up ended without a 101: answer the client as the blocking
+        path does (the refusal for `failure`, or the upstream's non-101 `answer` relayed as HTTP), then
+        close the session."""
+        route, stream = tunnel.setup.route, tunnel.upstream  # type: ignore[union-attr]
+        try:
+            self.connection.setblocking(True)
+            _set_socket_timeout(self.connection, self.proxy.read_timeout_s)
+            if failure is not None:
+                self._upgrade_failed(route, failure)
+            elif answer is not None:
+                stream.settimeout(self.proxy.read_timeout_s)
+                self._finish_upgrade(route, stream, *answer)
+        except (OSError, ValueError, ssl.SSLError) as exc:  # the client or the upstream went away meanwhile
+            log.debug("proxy: %s: answering a refused upgrade failed (%s)", route.label, type(exc).__name__)
+        finally:
+            tunnel.close()
+            route._remove_tunnel(tunnel)
+            stream.close()
+            self.server.release_connection(self.connection)
 
     def _tunnel_replicas(self, replicas: ReplicaRoute, target: str, token: Optional[str]) -> None:
         """Open the session on the least busy live replica; if that replica fails before switching
@@ -2598,11 +2662,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         """Send the upgrade request on a new stream and read the answer's head, watching the client
         meanwhile: (stream, head, bytes past the head, status). Raises _ClientGone if the client hung
         up first, or the connection error; the stream is closed on any failure."""
-        lines = ["GET %s HTTP/1.1" % target]
-        for name, value in _upstream_request_headers(self.headers, route, token, self._route_headers):
-            lines.append("%s: %s" % (name, value))
-        lines += ["Upgrade: %s" % self.headers.get("Upgrade", "websocket"), "Connection: Upgrade"]
-        head_bytes = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        head_bytes = self._upgrade_head(route, target, token)
         stream = route._open_stream(self.proxy)
         try:
             stream.sendall(head_bytes)
@@ -2616,6 +2676,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             raise
         match = _STATUS_LINE_RE.match(head)
         return stream, head, extra, int(match.group(1)) if match else 0
+
+    def _upgrade_head(self, route: Route, target: str, token: Optional[str]) -> bytes:
+        """The upgrade request the upstream gets: the client's, with the route's token and headers."""
+        lines = ["GET %s HTTP/1.1" % target]
+        for name, value in _upstream_request_headers(self.headers, route, token, self._route_headers):
+            lines.append("%s: %s" % (name, value))
+        lines += ["Upgrade: %s" % self.headers.get("Upgrade", "websocket"), "Connection: Upgrade"]
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
     def _take_buffered(self) -> bytes:
         return _drain_buffered(self.rfile, self._reader)
@@ -3533,6 +3601,7 @@ class _Tunnel:
         self._go.acquire()
         self._pump_done = threading.Lock()  # released when the upstream->client pump ended
         self._pump_done.acquire()
+        self.setup: Optional[_UpgradeSetup] = None  # TLS: the relay is still setting it up (until the 101)
 
     def close(self) -> None:
         """End both directions now (safe from any thread, idempotent: shutting a socket twice is harmless)."""
@@ -3574,6 +3643,10 @@ class _Tunnel:
         self.client_ended = self.up_ended = False  # hung up or reset: read what is left, poll it no more
         self.up_wants = 0  # the poll events the SSL object asked for to finish an interrupted recv or send
         self.tls = isinstance(self.upstream.sock, ssl.SSLSocket)
+        # The SSL object under the SSLSocket (CPython's _ssl._SSLSocket): its read/write/pending skip the
+        # wrapper's checks (closed? flags?), three Python calls per frame that the relay, the only user of
+        # a socket it closes itself, does not need. A plain socket (or another Python) uses the socket.
+        self.engine = getattr(self.upstream.sock, "_sslobj", None) if self.tls else None
         self.client_fd, self.up_fd = self.client.fileno(), self.upstream.sock.fileno()
         self.wanted: Optional[Tuple[int, int]] = None  # the events each side is registered for
         self.client.setblocking(False)
@@ -3603,7 +3676,8 @@ class _Tunnel:
         says so: the bytes it sent before still sit in its socket and SSL object, and are relayed first
         (as the two-thread plain tunnel does). Such a side is no longer polled, since poll() reports a
         hang-up whatever is asked and would spin while the other side's bytes wait."""
-        client, up = self.client, self.upstream.sock
+        client, up, engine = self.client, self.upstream.sock, self.engine
+        up_send, up_recv = (engine.write, engine.read) if engine is not None else (up.send, up.recv)
         # Locals while it runs (this is the relay's hot path), stored back however it returns.
         to_up, to_client, client_in, up_in = self.to_up, self.to_client, self.client_in, self.up_in
         client_ended, up_ended, up_wants = self.client_ended, self.up_ended, self.up_wants
@@ -3621,7 +3695,7 @@ class _Tunnel:
                             return None
                 if to_up:
                     try:
-                        to_up = to_up[up.send(to_up):]
+                        to_up = to_up[up_send(to_up):]
                         up_wants &= ~select.POLLOUT
                     except ssl.SSLWantReadError:
                         up_wants |= select.POLLIN
@@ -3630,11 +3704,12 @@ class _Tunnel:
                 if up_in and not to_client:
                     up_in = up_ended
                     try:
-                        to_client = up.recv(TUNNEL_READ_BYTES)
+                        to_client = up_recv(TUNNEL_READ_BYTES)
                         if not to_client:
                             return None
-                        # more decrypted bytes than one read took
-                        up_in = up_ended or (self.tls and up.pending() > 0)
+                        # more decrypted bytes than one read took: only a full read can leave some (OpenSSL
+                        # reads one record at a time and a short read emptied it), so most frames skip the call
+                        up_in = up_ended or (len(to_client) == TUNNEL_READ_BYTES and self.tls and up.pending() > 0)
                     except (ssl.SSLWantReadError, BlockingIOError):
                         if up_ended:
                             return None
@@ -3680,9 +3755,66 @@ class _Tunnel:
             self.close()
 
 
+class _UpgradeSetup:
+    """A TLS session the relay thread is setting up (`_TunnelRelay._advance_setup`): the TLS handshake
+    with the upstream, the upgrade request sent, the answer's head read, each step taken when its socket
+    is ready, so no thread waits on it. The client is watched meanwhile, as `_Handler._await_answer`
+    does: a client that hangs up ends the set-up quietly."""
+
+    __slots__ = ("handler", "route", "request", "answer", "phase", "deadline", "watch_client", "wants", "queued")
+
+    HANDSHAKE, SEND, ANSWER = 0, 1, 2
+
+    def __init__(self, handler: "_Handler", route: Route, request: bytes) -> None:
+        self.handler, self.route, self.request = handler, route, request
+        self.answer = b""
+        self.phase = self.HANDSHAKE
+        self.deadline = time.monotonic() + handler.proxy.connect_timeout_s  # the handshake's, as in a blocking connect
+        self.watch_client = True  # until the client sends something (then it is relayed after the 101)
+        self.wants = 0  # the poll events the upstream's next step waits for
+        self.queued = 0.0  # the deadline last put on the relay's heap (a newer one makes that entry stale)
+
+    def advance(self, sock: ssl.SSLSocket) -> Optional[Tuple[bytes, bytes, int]]:
+        """Take every step the upstream allows now: the answer's (head, bytes past it, status) once its
+        head is in, else None with `wants` set to the poll events the next step waits for. Raises what
+        the blocking path would (an SSL or socket error, a timeout, a head too large or cut short)."""
+        self.wants = 0
+        try:
+            if self.phase == self.HANDSHAKE:
+                sock.do_handshake()
+                self.phase = self.SEND
+                self.deadline = time.monotonic() + self.handler.proxy.read_timeout_s  # the answer's
+            while self.phase == self.SEND:
+                self.request = self.request[sock.send(self.request):]
+                if not self.request:
+                    self.phase = self.ANSWER
+            while True:
+                data = sock.recv(TUNNEL_READ_BYTES)
+                if not data:
+                    raise http.client.RemoteDisconnected("upstream closed the connection before answering the upgrade")
+                self.answer += data
+                end = self.answer.find(b"\r\n\r\n")
+                if end >= 0:
+                    head, extra = self.answer[:end + 4], self.answer[end + 4:]
+                    match = _STATUS_LINE_RE.match(head)
+                    return head, extra, int(match.group(1)) if match else 0
+                if len(self.answer) > MAX_HEADER_BYTES:
+                    raise http.client.LineTooLong("upstream response head")
+        except ssl.SSLWantReadError:
+            self.wants = select.POLLIN
+        except (ssl.SSLWantWriteError, BlockingIOError):
+            self.wants = select.POLLOUT
+        return None
+
+    def timed_out(self) -> BaseException:
+        if self.phase == self.HANDSHAKE:
+            return socket.timeout("TLS handshake with the upstream not done within connect_timeout_s")
+        return socket.timeout("the upstream did not answer the upgrade within read_timeout_s")
+
+
 class _TunnelRelay:
-    """One thread that relays every open TLS tunnel of a proxy (`_Tunnel.advance` per tunnel, around
-    one epoll, or poll() where there is none), so an open session holds no thread: with a thread per
+    """One thread that sets up (`_UpgradeSetup`) and relays every TLS tunnel of a proxy (`_Tunnel.advance`
+    per tunnel, around one epoll, or poll() where there is none), so a session holds no thread: with a thread per
     TLS session, 2,048 held sessions kept 2,048 threads, each ~30 KiB of RSS (its touched stack, Python's
     frame stack, glibc's per-thread cache). Started with the first tunnel, ended by `close()`."""
 
@@ -3698,10 +3830,13 @@ class _TunnelRelay:
         self._sides: Dict[int, Tuple[_Tunnel, bool]] = {}  # registered fd -> (tunnel, is it the client side)
         self._masks: Dict[int, int] = {}  # registered fd -> the events it is registered for
         self._owners: Dict[_Tunnel, Tuple[Route, "_Server"]] = {}  # relayed tunnels: who to tell at the end
+        self._deadlines: List[Tuple[float, int, _Tunnel]] = []  # heap of set-ups' deadlines (stale ones skipped)
+        self._queued = 0  # entries pushed: ties on the heap never compare tunnels
 
     def add(self, tunnel: _Tunnel, first: bytes, owner: Tuple[Route, "_Server"]) -> bool:
-        """Relay `tunnel` (its 101 sent, `first` the client's bytes already read) until it ends, then
-        close it, take it off its route and release the client connection. False if closed."""
+        """Relay `tunnel` (its 101 sent, or `tunnel.setup` set: the relay sets it up first; `first` the
+        client's bytes already read) until it ends, then close it, take it off its route and release the
+        client connection. False if closed."""
         with self._lock:
             if self._closed:
                 return False
@@ -3759,24 +3894,29 @@ class _TunnelRelay:
 
     def _run(self) -> None:
         poller, wake_fd = self._poller, self._wake_r.fileno()  # type: ignore[union-attr]
+        per_second = 1 if hasattr(select, "epoll") else 1000  # epoll's timeout is in seconds, poll's in ms
         try:
             while True:
-                with self._lock:
-                    batch, self._incoming = self._incoming, []
-                    closed = self._closed
-                for tunnel, first, owner in batch:
-                    self._owners[tunnel] = owner
-                    try:
-                        tunnel.start_relay(first)
-                    except (OSError, ValueError):  # a socket closed already
-                        tunnel.close()
-                        self._end(tunnel)
-                        continue
-                    self._advance(tunnel)
-                if closed:
-                    return
+                if self._incoming or self._closed:  # (a lock-free look first: most wake-ups carry only bytes)
+                    with self._lock:
+                        batch, self._incoming = self._incoming, []
+                        closed = self._closed
+                    for tunnel, first, owner in batch:
+                        self._owners[tunnel] = owner
+                        try:
+                            tunnel.start_relay(first)
+                        except (OSError, ValueError):  # a socket closed already
+                            tunnel.close()
+                            self._end(tunnel)
+                            continue
+                        self._advance(tunnel)
+                    del batch
+                    if closed:
+                        return
                 ready: Dict[_Tunnel, None] = {}
-                for fd, events in poller.poll():
+                timeout = self._expire_setups() if self._deadlines else None
+                polled = poller.poll() if timeout is None else poller.poll(timeout * per_second)
+                for fd, events in polled:
                     if fd == wake_fd:
                         try:
                             while self._wake_r.recv(4096):  # type: ignore[union-attr]
@@ -3814,6 +3954,9 @@ class _TunnelRelay:
 
     def _advance(self, tunnel: _Tunnel) -> None:
         """Move the tunnel's bytes, then register what each side waits for (or end it)."""
+        if tunnel.setup is not None:
+            self._advance_setup(tunnel)
+            return
         try:
             wanted = tunnel.advance()
             if wanted is not None:
@@ -3826,6 +3969,87 @@ class _TunnelRelay:
             pass
         tunnel.close()
         self._end(tunnel)
+
+    def _advance_setup(self, tunnel: _Tunnel) -> None:
+        """Take the set-up's next steps (`_UpgradeSetup`); on a 101 start relaying the session, on a
+        failure or another answer hand it back to a worker, on the client's hang-up end it."""
+        setup = tunnel.setup
+        assert setup is not None
+        try:
+            if tunnel._closed:  # unmounted or stopping
+                raise _ClientGone()
+            if setup.watch_client and (tunnel.client_in or tunnel.client_ended):
+                tunnel.client_in = False
+                try:
+                    peeked: Optional[bytes] = tunnel.client.recv(1, socket.MSG_PEEK)
+                except BlockingIOError:
+                    peeked = None
+                except OSError:
+                    peeked = b""
+                if peeked == b"":
+                    log.debug("proxy: %s: client left before the upstream answered the upgrade", tunnel.label)
+                    raise _ClientGone()
+                setup.watch_client = peeked is None  # it sent bytes: they go upstream after the 101
+            answer = setup.advance(tunnel.upstream.sock)  # type: ignore[arg-type]
+        except _ClientGone:
+            tunnel.close()
+            self._end(tunnel)
+            return
+        except Exception as exc:
+            self._hand_back(tunnel, exc, None)
+            return
+        if answer is None:
+            try:
+                self._want(tunnel, tunnel.client_fd, True, select.POLLIN if setup.watch_client else -1)
+                self._want(tunnel, tunnel.up_fd, False, setup.wants or select.POLLIN)
+            except (OSError, ValueError):  # a socket closed under the relay
+                tunnel.close()
+                self._end(tunnel)
+                return
+            if setup.deadline != setup.queued:
+                setup.queued = setup.deadline
+                self._queued += 1
+                heapq.heappush(self._deadlines, (setup.deadline, self._queued, tunnel))
+            return
+        setup.route.note_answer()
+        head, extra, status = answer
+        if status != 101:
+            self._hand_back(tunnel, None, answer)
+            return
+        tunnel.setup = None
+        tunnel.to_client, tunnel.up_in, tunnel.client_in = head + extra, True, True
+        self._advance(tunnel)
+
+    def _expire_setups(self) -> Optional[float]:
+        """Fail the set-ups whose deadline passed (the blocking path's timeouts); the seconds until the
+        next deadline, or None if no set-up is waiting."""
+        deadlines = self._deadlines
+        now = time.monotonic()
+        while deadlines:
+            deadline, _, tunnel = deadlines[0]
+            setup = tunnel.setup
+            if setup is None or setup.queued != deadline or tunnel not in self._owners:  # stale
+                heapq.heappop(deadlines)
+                continue
+            if deadline > now:
+                return deadline - now
+            heapq.heappop(deadlines)
+            self._hand_back(tunnel, setup.timed_out(), None)
+        return None
+
+    def _hand_back(self, tunnel: _Tunnel, failure: Optional[BaseException],
+                   answer: Optional[Tuple[bytes, bytes, int]]) -> None:
+        """A set-up that did not end in a 101: a worker answers the client (`_Handler._after_relay_setup`)
+        and closes the session; if no worker can (stopping, or at the thread cap), it just ends."""
+        self._unregister(tunnel)
+        route, server = self._owners.pop(tunnel)
+        handler = tunnel.setup.handler  # type: ignore[union-attr]
+        if server.workers.submit(handler._after_relay_setup, tunnel, failure, answer):
+            return
+        if not server.proxy._stopping:
+            _answer_busy(tunnel.client, server.busy_warnings)
+        tunnel.close()
+        self._release(tunnel, route, server)
 
     def _want(self, tunnel: _Tunnel, fd: int, client_side: bool, events: int) -> None:
         had = self._masks.get(fd)
@@ -3851,10 +4075,17 @@ class _TunnelRelay:
 
     def _end(self, tunnel: _Tunnel) -> None:
         """A tunnel ended: stop polling it, close it, take it off its route, release its client."""
+        self._unregister(tunnel)
+        route, server = self._owners.pop(tunnel)
+        self._release(tunnel, route, server)
+
+    def _unregister(self, tunnel: _Tunnel) -> None:
         for fd in (getattr(tunnel, "client_fd", -1), getattr(tunnel, "up_fd", -1)):  # (unset: start failed)
             if self._sides.get(fd, (None,))[0] is tunnel:
                 self._forget(fd)
-        route, server = self._owners.pop(tunnel)
+
+    @staticmethod
+    def _release(tunnel: _Tunnel, route: Route, server: "_Server") -> None:
         try:
             route._remove_tunnel(tunnel)
             tunnel.upstream.close()

@@ -897,10 +897,10 @@ REMEDY_HTTP = ("what is left is Python work per request (parsing, header buildin
 REMEDY_ROUND_TRIP = ("each frame is a recv and a send per direction in Python plus a thread wake-up (plain) or a "
                      "poll() (TLS, one thread); only a relay outside the interpreter (splice(), or nginx) removes it")
 REMEDY_RSS = ("an open plain session holds two threads, each costing the figure above; an open TLS session holds "
-              "none (one relay thread carries them all) but an OpenSSL connection (~19 KiB; idle record buffers "
-              "are already released, SSL_MODE_RELEASE_BUFFERS), and each session still setting up holds a worker "
-              "from accept to 101: set-ups driven by an event loop too (no thread per set-up) would remove the "
-              "threads from the figure (docs/performance.md, 'Memory per held TLS session')")
+              "none, and neither does one being set up (the relay thread runs the TLS handshake and the upgrade "
+              "exchange), but an OpenSSL connection: ~35 KiB with OpenSSL 3.0 once the server's TLS 1.3 session "
+              "tickets were read (19 KiB before), which the proxy cannot shrink (benchmarks/held_tls_memory.py; "
+              "docs/performance.md, 'Memory per held TLS session')")
 
 
 def _top_own(result: Dict[str, Any], label: str, n: int = 3) -> str:
