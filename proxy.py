@@ -36,7 +36,7 @@ import threading
 import time
 import urllib.parse
 import weakref
-from typing import Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple, Union
+from typing import Callable, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
 __all__ = ["AuthProxy", "AuthProxyProcess", "Route", "ReplicaRoute", "Refusal", "InsecureURLError"]
 
@@ -205,6 +205,8 @@ _CLEAN_ANSWER_RE = re.compile(r"HTTP/1\.1 ([2-5][0-9][0-9]) ([^\x00-\x08\x0a-\x1
                               r"(?:[!#$%%&'*+\-.^_`|~0-9A-Za-z]+: (?:%s)?\r\n)*\r\n" % _CLEAN_VALUE)
 # Its special lines, searched in the lower-cased head (a literal prefix: the search skips ahead).
 _SPECIAL_ANSWER_RE = re.compile(r"\r\n(%s): ([^\r]*)" % "|".join(sorted(HOP_BY_HOP | {"content-length"})))
+# A Date value the answer memo accepts unseen (see _answer_key): printable ASCII, deleted to nothing.
+_PRINTABLE_ASCII = bytes(range(0x20, 0x7F))
 
 Token = Union[str, Callable[[], str], None]
 Verify = Union[bool, str]
@@ -1679,6 +1681,9 @@ class _ClientReader(io.RawIOBase):
         self._deadline: Optional[float] = None
         self._timeout: Optional[float] = -1.0  # what the socket is set to (-1: unknown)
         self._stopped = False
+        # Bytes the clean-request loop (`_Handler._serve_clean`) read and handed over: served before
+        # the socket is read, as if they had just arrived (the header deadline starts with them).
+        self.pending = b""
 
     def readable(self) -> bool:
         return True
@@ -1695,7 +1700,8 @@ class _ClientReader(io.RawIOBase):
 
     def stop(self) -> None:
         """Make every later raw read answer "no more" without touching the socket, so the buffered
-        reader above gives up only what it already holds (see `_Handler._take_buffered`)."""
+        reader above gives up only what it already holds, and any handed-over bytes it has not yet
+        reached (see `_Handler._take_buffered`)."""
         self._stopped = True
 
     def _set_timeout(self, timeout: Optional[float]) -> None:
@@ -1706,6 +1712,14 @@ class _ClientReader(io.RawIOBase):
             self._timeout = timeout
 
     def readinto(self, buffer: "bytearray | memoryview") -> int:  # type: ignore[override]
+        pending = self.pending
+        if pending:  # (already read: served even when stopped, so a drain gives these up too)
+            n = min(len(buffer), len(pending))
+            buffer[:n] = pending[:n]
+            self.pending = pending[n:]
+            if self._header_timeout is not None and self._deadline is None:
+                self._deadline = time.monotonic() + self._header_timeout
+            return n
         if self._stopped:
             return 0
         if self._deadline is not None:
@@ -1817,6 +1831,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     sys_version = ""
     server: _Server
     _route_headers: Tuple[Tuple[str, str], ...] = ()  # the current request's route headers (set per request)
+    _token: Optional[str] = None  # the current request's token (set per request, see _credentials)
     # For a head the fast path parsed (see _parse_clean_head): its body framing and its header lines
     # the upstream gets as they are (hop-by-hop and replaced ones removed); None for a strict parse.
     _clean: Optional[Tuple[Tuple[str, int], str]] = None
@@ -1846,9 +1861,145 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def handle(self) -> None:
         self.close_connection = True
+        if self._own_routing:  # clean requests take _serve_clean's loop; any other one request the strict way
+            pending = self._serve_clean(b"")
+            while pending is not None:
+                self._reader.pending = pending
+                self.handle_one_request()
+                if self.close_connection or self.proxy._stopping:
+                    return
+                pending = self._serve_clean(self._take_pending())
+            return
         self.handle_one_request()
         while not self.close_connection and not self.proxy._stopping:
             self.handle_one_request()
+
+    def _serve_clean(self, buf: bytes) -> Optional[bytes]:
+        """Serve the connection's requests while they are clean keep-alive HTTP/1.1 requests with a small
+        body to a single route (`buf`: bytes already read), in one loop over one buffer: what the strict
+        path does for them (same checks, refusals, timeouts, retries and bytes on both sides; the
+        fast-path tests compare the two) without its layers (BufferedReader, header objects, dispatch).
+
+        Returns None when the connection is done (closed, timed out, or closed after a refusal), or the
+        bytes read so far when the next request is one it does not take (a head not complete in one
+        read or not clean, HTTP/1.0, Connection: close, a body over SMALL_RESPONSE_BYTES, a refusal by
+        routing, a replica route): the strict path (handle_one_request) then serves it from them."""
+        proxy, sock = self.proxy, self.connection
+        recv, sendall = sock.recv, sock.sendall
+        route_request, idle_timeout_s = proxy.route_request, proxy.idle_timeout_s
+        self._reader.body_phase(idle_timeout_s)  # each read waits idle_timeout_s (the strict path's first byte and body)
+        self.request_version, self.close_connection = "HTTP/1.1", False
+        # The last clean head, minus its Content-Length value, and what the loop needs of its parse (method,
+        # target, forwarded lines, whether it is keep-alive HTTP/1.1): a client's requests usually differ
+        # in that value alone (see _head_key).
+        last_key, last = b"", None  # type: Tuple[bytes, Optional[Tuple[str, str, str, bool]]]
+        try:
+            while not proxy._stopping:
+                if not buf:
+                    buf = recv(IO_CHUNK)
+                    if not buf:
+                        return None
+                end = buf.find(b"\r\n\r\n") + 4
+                if not 4 <= end <= MAX_HEADER_BYTES:
+                    return buf
+                key, length = _head_key(buf, end)
+                if key != last_key or length < -1 or last is None:
+                    clean = _clean_request_head(buf, end)
+                    if clean is None:
+                        return buf
+                    last_key, length = key, clean[5]
+                    last = (clean[0], clean[1], clean[7], clean[2] == "HTTP/1.1" and "close" not in clean[6])
+                method, target, kept, keep_alive = last
+                if not keep_alive or length > SMALL_RESPONSE_BYTES:
+                    return buf
+                decision = route_request(target, None)  # type: ignore[arg-type]  # (the default never reads headers)
+                if decision.__class__ is Refusal or decision[0].__class__ is not Route:
+                    return buf
+                route, target = decision  # type: ignore[misc]
+                if route is not self._seen_route:
+                    if route not in proxy._seen_routes:
+                        with proxy._lock:
+                            proxy._seen_routes.add(route)
+                    self._seen_route = route
+                self.command, has_body = method, length >= 0
+                if route.token is route._checked_token and route.headers is None:  # fixed: nothing to call
+                    token, extra = route.token, ()
+                elif self._credentials(route, has_body):
+                    token, extra = self._token, self._route_headers
+                elif self.close_connection:
+                    return None
+                else:
+                    buf = buf[end:]
+                    continue
+                stop = end + length if has_body else end
+                while len(buf) < stop:  # the rest of the body (a client may send it after the head)
+                    error = None
+                    try:
+                        data = recv(IO_CHUNK)
+                    except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
+                        error = _client_body_error(socket.timeout("timed out"))
+                    except (OSError, ValueError) as exc:
+                        error = _client_body_error(exc)
+                    else:
+                        if not data:
+                            error = _ClientBodyError("the client closed the connection before sending the whole body")
+                        buf += data
+                    if error is not None:
+                        self._refuse(_client_body_refusal(error, idle_timeout_s), close=True)
+                        return None
+                body, buf = buf[end:stop], buf[stop:]
+                exchange = self._exchange(route, method, _clean_request_lines(method, target, kept, route, token, extra),
+                                          body, has_body, ())
+                if exchange is None:
+                    if self.close_connection:
+                        return None
+                    continue
+                conn, answer, sent_all = exchange
+                reader = conn.reader
+                size = answer.length
+                if answer.raw is None or size > SMALL_RESPONSE_BYTES:  # any other answer: the strict relay
+                    self._relay_response(route, reader, answer,
+                                         on_done=lambda reusable: route._checkin(conn, reusable and sent_all))
+                    if self.close_connection:
+                        return None
+                    continue
+                # What _relay_response does for a clean small answer: read it whole, give the connection
+                # back to the pool, relay head and body in one send.
+                held = reader._buf
+                if len(held) >= size:
+                    reader._buf = held[size:]
+                    body = held if len(held) == size else held[:size]
+                else:
+                    try:
+                        body = b"".join(reader.pieces(size, "its response body"))
+                    except Exception as exc:
+                        route._checkin(conn, False)
+                        self._answer_body_failed(route, exc)
+                        return None
+                route._checkin(conn, sent_all and not reader._buf)
+                try:
+                    sendall(answer.raw + body)
+                except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
+                    raise socket.timeout("timed out") from None
+        except (socket.timeout, TimeoutError, BlockingIOError):
+            log.debug("proxy: client connection timed out; closing it")
+        except (ConnectionError, OSError, ValueError) as exc:
+            log.debug("proxy: client connection ended (%s)", type(exc).__name__)
+        self.close_connection = True
+        return None
+
+    def _take_pending(self) -> bytes:
+        """After a request served the strict way: the bytes read past it (the BufferedReader's, then any
+        handed-over ones it did not reach), without reading the socket; the reader is ready again."""
+        reader, chunks = self._reader, []
+        reader._stopped = True  # raw reads answer "no more": read1 gives up only what was already read
+        while True:
+            chunk = self.rfile.read1(IO_CHUNK)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        reader._stopped = False
+        return b"".join(chunks)
 
     def handle_one_request(self) -> None:
         self.close_connection = True
@@ -1929,48 +2080,23 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _parse_clean_head(self) -> bool:
         """The fast path for the common request head: if the bytes already buffered hold a whole clean
-        head (see _CLEAN_HEADER_LINE_RE) with at most one Content-Length, at most one Connection (of
-        keep-alive and/or close), and no Transfer-Encoding, Expect, Upgrade, TE or Trailer, consume it
-        and set what parse_request sets (the same values it would), plus `_clean`. Otherwise consume
-        nothing and return False: parse_request reads the head and answers whatever is wrong with it."""
+        head (see `_clean_request_head`), consume it and set what parse_request sets (the same values
+        it would), plus `_clean`. Otherwise consume nothing and return False: parse_request reads the
+        head and answers whatever is wrong with it."""
         buffered = self.rfile.peek(1)  # (one read if nothing is buffered yet, as readline would do)
         end = buffered.find(b"\r\n\r\n") + 4
         if not 4 <= end <= MAX_HEADER_BYTES:
             return False
-        text = buffered[:end].decode("iso-8859-1")
-        line = _CLEAN_REQUEST_LINE_RE.match(text)
-        if line is None:
+        clean = _clean_request_head(buffered, end)
+        if clean is None:
             return False
-        command, target, version = line.groups()
-        # ['', line, name, value, '', line, name, value, ..., '\r\n']: any other gap is an unclean line.
-        parts = _CLEAN_HEADER_LINE_RE.split(text[line.end():])
-        if "".join(parts[::4]) != "\r\n" or len(parts) > 4 * MAX_HEADERS + 1 or command == "CONNECT":
-            return False
-        names, values = parts[2::4], parts[3::4]
-        kept: List[str] = []
-        length, tokens = -1, []  # type: Tuple[int, List[str]]
-        lowered = ",".join(names).lower().split(",")  # (a token has no comma)
-        for line_text, name, value in zip(parts[1::4], lowered, values):
-            if name not in _SPECIAL_REQUEST_HEADERS:
-                kept.append(line_text)
-            elif name == "content-length":
-                if length >= 0 or not (value.isdigit() and value.isascii()) or len(value) > 18:
-                    return False
-                length = int(value)
-            elif name == "connection":
-                if tokens:  # a second Connection header
-                    return False
-                tokens = [t.strip() for t in value.lower().split(",")]
-                if not _PLAIN_CONNECTION_TOKENS.issuperset(tokens):
-                    return False
-            elif name not in _DROPPED_PLAINLY:
-                return False
+        command, target, version, names, values, length, tokens, kept = clean
         self.rfile.read(end)
         self.command, self.path, self.request_version = command, target, version
         self.requestline = "%s %s %s" % (command, target, version)
         self.headers = _RequestHeaders.parsed(list(zip(names, values)))
         self.close_connection = "close" in tokens or (version == "HTTP/1.0" and "keep-alive" not in tokens)
-        self._clean = (("length", length) if length >= 0 else ("none", 0), "".join(kept))
+        self._clean = (("length", length) if length >= 0 else ("none", 0), kept)
         return True
 
     def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
@@ -2044,17 +2170,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if refusal is not None:
             self._refuse(refusal, close=upgrade or framing[0] != "none")  # type: ignore[index]
             return
-        source = "token"
-        try:
-            token = route.current_token()
-            source = "headers"
-            self._route_headers = route.current_headers() if isinstance(route, Route) else ()
-        except Exception as exc:
-            log.warning("proxy: %s %s callable failed (%s)", route.label, source, type(exc).__name__)
-            self._refuse(Refusal(502, source + "-unavailable", "The route's %s callable failed (%s); check the %s "
-                                                               "source." % (source, type(exc).__name__, source)),
-                         close=framing[0] != "none")  # type: ignore[index]
+        if not self._credentials(route, framing[0] != "none"):  # type: ignore[index]
             return
+        token = self._token
         if isinstance(route, ReplicaRoute):
             if upgrade:
                 self._tunnel_replicas(route, target, token)
@@ -2069,6 +2187,22 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._tunnel(route, target, token)
         else:
             self._forward(route, target, token, framing)  # type: ignore[arg-type]
+
+    def _credentials(self, route: AnyRoute, has_body: bool) -> bool:
+        """Read the route's token and extra headers for this request (`_token`, `_route_headers`); a
+        callable that fails is answered 502 here (closing if a body is unread) and False returned."""
+        source = "token"
+        try:
+            self._token = route.current_token()
+            source = "headers"
+            self._route_headers = route.current_headers() if isinstance(route, Route) else ()
+        except Exception as exc:
+            log.warning("proxy: %s %s callable failed (%s)", route.label, source, type(exc).__name__)
+            self._refuse(Refusal(502, source + "-unavailable", "The route's %s callable failed (%s); check the %s "
+                                                               "source." % (source, type(exc).__name__, source)),
+                         close=has_body)
+            return False
+        return True
 
     def _route(self) -> Union[Tuple[AnyRoute, str], Refusal]:
         """Ask the `route_request` hook, turning a hook that raises or answers nonsense into a 500."""
@@ -2147,27 +2281,36 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         except _ClientBodyError as exc:
             self._refuse(_client_body_refusal(exc, self.proxy.idle_timeout_s), close=True)
             return
+        exchange = self._exchange(route, method, lines, body, framing[0] != "none", body_iter)
+        if exchange is None:
+            return
+        conn, answer, sent_all = exchange
+        self._relay_response(route, conn.reader, answer,
+                             on_done=lambda reusable: route._checkin(conn, reusable and sent_all))
+
+    def _exchange(self, route: Route, method: str, lines: str, body: bytes, has_body: bool,
+                  rest: Iterable[bytes]) -> Optional[Tuple[_UpstreamConnection, _Answer, bool]]:
+        """Send the request upstream (see _send_upstream) and read its answer head: (connection, answer,
+        whether the whole request was sent), or None once the client was answered (a refusal) or left."""
         replayable = len(body) <= REPLAYABLE_BODY_BYTES
-        has_body = framing[0] != "none"
         try:
-            conn, answer, sent_all = self._send_upstream(route, method, lines, body, has_body, replayable, body_iter)
+            exchange = self._send_upstream(route, method, lines, body, has_body, replayable, rest)
         except _ClientBodyError as exc:
             self._refuse(_client_body_refusal(exc, self.proxy.idle_timeout_s), close=True)
-            return
+            return None
         except _ClientGone:
             log.debug("proxy: %s: client left before the upstream answered; request abandoned", route.label)
             self.close_connection = True
-            return
+            return None
         except _UpstreamFailure as failure:
             _log_upstream_failure(route, failure.refusal.kind, "")
             self._refuse(failure.refusal, close=not replayable or failure.refusal.status == 504)
-            return
+            return None
         if route._failing_kind is not None:  # (note_answer's own test, without the call)
             route.note_answer()
-        if not sent_all and not replayable:
+        if not exchange[2] and not replayable:
             self.close_connection = True  # the upstream answered early: the rest of the client's body is unread
-        self._relay_response(route, conn.reader, answer,
-                             on_done=lambda reusable: route._checkin(conn, reusable and sent_all))
+        return exchange
 
     def _buffered_body(self, framing: Tuple[str, int]) -> Tuple[bytes, Iterator[bytes]]:
         """The request body's first bytes, all of it if it is at most REPLAYABLE_BODY_BYTES (then it
@@ -2195,7 +2338,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return b"".join(buffered), iter(())
 
     def _send_upstream(self, route: Route, method: str, lines: str, body: bytes, has_body: bool, replayable: bool,
-                       rest: Iterator[bytes]) -> Tuple[_UpstreamConnection, _Answer, bool]:
+                       rest: Iterable[bytes]) -> Tuple[_UpstreamConnection, _Answer, bool]:
         """Send the request (`lines`: its head without framing header and blank line) on a pooled (or
         fresh) connection; (connection, final answer head, whether the whole request was sent).
         Interim answers are relayed on the way."""
@@ -2248,15 +2391,18 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
         100 Continue is not relayed: the proxy answered the client's Expect itself and never sends
         one upstream. A 101 without an upgrade request is a protocol error."""
-        for count in range(MAX_INTERIM_RESPONSES + 1):
-            answer = _parse_answer(reader.read_head(first=count == 0), method)
-            if answer.status >= 200:
-                return answer
+        answer = _parse_answer(reader.read_head(first=True), method, reader)
+        count = 0
+        while answer.status < 200:
             if answer.status == 101:
                 raise _BadResponse("upstream-protocol", "switched protocols without being asked to")
             if answer.status != 100 and self.request_version == "HTTP/1.1":
                 self._relay_interim(answer)
-        raise _BadResponse("upstream-protocol", "sent more than %d interim (1xx) responses" % MAX_INTERIM_RESPONSES)
+            count += 1
+            if count > MAX_INTERIM_RESPONSES:
+                raise _BadResponse("upstream-protocol", "sent more than %d interim (1xx) responses" % MAX_INTERIM_RESPONSES)
+            answer = _parse_answer(reader.read_head(first=False), method, reader)
+        return answer
 
     def _relay_interim(self, answer: _Answer) -> None:
         try:
@@ -2320,6 +2466,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             poller.unregister(self.connection)
             client_fd = -1
 
+    def _answer_body_failed(self, route: Route, exc: BaseException) -> None:
+        """Answer the client when reading a small answer's body (before its head was relayed) failed."""
+        refusal = _classify_upstream_error(exc, route)
+        log.warning("proxy: %s: %s while reading the response body", route.label, refusal.kind)
+        self._refuse(refusal, close=True)
+
     def _relay_response(self, route: Route, reader: _UpstreamReader, answer: _Answer,
                         on_done: Callable[[bool], None]) -> None:
         """Stream the upstream answer to the client as it arrives; Content-Encoding untouched.
@@ -2342,9 +2494,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     b"".join(reader.pieces(answer.length, "its response body"))  # (read with its head: no generator)
             except Exception as exc:
                 on_done(False)
-                refusal = _classify_upstream_error(exc, route)
-                log.warning("proxy: %s: %s while reading the response body", route.label, refusal.kind)
-                self._refuse(refusal, close=True)
+                self._answer_body_failed(route, exc)
                 return
         whole = mode == "none" or (mode == "length" and answer.length <= SMALL_RESPONSE_BYTES)
         if whole:  # the answer is read: its connection goes back before the client can send its next request
@@ -2611,7 +2761,7 @@ def _drain_buffered(rfile: io.BufferedReader, reader: _ClientReader) -> bytes:
     return b"".join(chunks)
 
 
-def _prepend(first: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:
+def _prepend(first: bytes, rest: Iterable[bytes]) -> Iterator[bytes]:
     if first:
         yield first
     yield from rest
@@ -2646,7 +2796,7 @@ class _UpstreamConnection:
     (set while a request waits for its answer) between slices, and gives up after read_timeout_s."""
 
     __slots__ = ("sock", "reader", "since", "watch", "read_timeout_s", "tls", "_incoming", "_outgoing", "_poller",
-                 "received", "__weakref__")
+                 "received", "_tls_held", "__weakref__")
 
     def __init__(self, sock: socket.socket, read_timeout_s: float,
                  tls: Optional[Tuple[ssl.SSLObject, ssl.MemoryBIO, ssl.MemoryBIO]] = None) -> None:
@@ -2656,6 +2806,8 @@ class _UpstreamConnection:
         # The liveness check's poll object, the socket registered once (not one poll object a request).
         self._poller: Optional["select.poll"] = None
         self.received = 0  # bytes read from the socket (see looks_idle)
+        # Whether the TLS engine may hold decrypted bytes not yet read (see _recv_tls); True until known.
+        self._tls_held = True
         self.watch: Optional[Callable[[], None]] = None
         self.reader = _UpstreamReader(self._recv if tls is None else self._recv_tls)
         self.since = 0.0  # when it was last checked in
@@ -2696,18 +2848,34 @@ class _UpstreamConnection:
         """Up to n decrypted bytes (b"" at the end of the stream, or at once for n=0 as a socket's recv),
         reading the socket only when the engine holds no whole record. (OpenSSL takes one record at
         a time from the buffer, so what it has not read is `incoming.pending`: the engine is asked
-        only then, not to fail with an exception, which costs as much as a hundred bytecodes.)"""
+        only then, not to fail with an exception, which costs as much as a hundred bytecodes.)
+
+        Decrypted bytes stay in the engine only after a read that filled its n (`_tls_held`): asking
+        the engine instead (`pending()`) would release the GIL, a hand-off to one of the other busy
+        threads before every socket read."""
         engine, incoming = self.tls, self._incoming
         if n <= 0:
             return b""
         while True:
-            if incoming.pending or engine.pending():  # type: ignore[union-attr]
+            if incoming.pending or self._tls_held:
                 try:
-                    return engine.read(n)  # type: ignore[union-attr]
+                    data = engine.read(n)  # type: ignore[union-attr]
                 except ssl.SSLWantReadError:  # part of a record, or records without data (session tickets)
-                    pass
+                    self._tls_held = False
                 except ssl.SSLZeroReturnError:  # the upstream's close_notify
                     return b""
+                else:
+                    # A record at a time: an answer whose head and body came as two records (uvicorn
+                    # writes them apart) is read whole in one call while more records are buffered.
+                    # Whatever ends the gathering (a partial record, an end, an error) is left for the
+                    # next read to meet, after these bytes.
+                    while incoming.pending and len(data) < n:
+                        try:
+                            data += engine.read(n - len(data))  # type: ignore[union-attr]
+                        except ssl.SSLError:
+                            break
+                    self._tls_held = len(data) >= n  # (a read short of n emptied the engine's record)
+                    return data
             data = self._recv(IO_CHUNK)
             if not data:
                 return b""
@@ -2807,6 +2975,7 @@ class _UpstreamConnection:
     def _has_tls_data(self) -> bool:
         """Whether the engine's buffered records hold data or an end (kept for the reader); records
         without data (TLS 1.3 session tickets arrive right after the handshake) are consumed."""
+        self._tls_held = True  # (this read may leave decrypted bytes behind: _recv_tls asks the engine next)
         try:
             data = self.tls.read(IO_CHUNK)  # type: ignore[union-attr]
         except ssl.SSLWantReadError:
@@ -2853,10 +3022,12 @@ class _UpstreamReader:
     """Buffered reads over a `recv(n)` callable (a socket's, or a WebSocket `_Stream`'s after a non-101
     answer). Public stdlib calls only: `io.BufferedReader` would hide how many bytes it holds."""
 
-    __slots__ = ("_recv", "_buf")
+    __slots__ = ("_recv", "_buf", "memo")
 
     def __init__(self, recv: Callable[[int], bytes], prefix: bytes = b"") -> None:
         self._recv, self._buf = recv, prefix
+        # The last answer head relayed as it came, as (its _answer_key, status, reason): see _parse_answer.
+        self.memo: Optional[Tuple[bytes, int, str]] = None
 
     def buffered(self) -> int:
         return len(self._buf)
@@ -2951,13 +3122,21 @@ class _Answer(NamedTuple):
     raw: Optional[bytes] = None  # a clean head (see _CLEAN_ANSWER_RE) to relay as it is; `headers` is then []
 
 
-def _parse_answer(head: bytes, method: str) -> _Answer:
+def _parse_answer(head: bytes, method: str, reader: Optional[_UpstreamReader] = None) -> _Answer:
     """Parse a response head (status line, `Name: value` lines; obs-fold joined with a space), or raise
     _BadResponse. Framing: HEAD, 1xx, 204 and 304 have no body; Transfer-Encoding wins over
     Content-Length (and then the connection is not reused); conflicting lengths are refused.
 
     The common head (see _CLEAN_ANSWER_RE) is recognised whole and kept to be relayed as it is;
-    anything else is parsed line by line (_parse_answer_strictly)."""
+    anything else is parsed line by line (_parse_answer_strictly). With the connection's `reader`, a
+    head equal to the last one relayed as it is but in its Date and Content-Length values (an
+    upstream's answers usually differ in those alone: see _answer_key) is recognised without the
+    regular expressions."""
+    memo = reader.memo if reader is not None and method != "HEAD" else None
+    if memo is not None:
+        key, length = _answer_key(head)
+        if length >= 0 and key == memo[0]:
+            return _Answer(memo[1], memo[2], [], "length", length, True, head)
     text = head.decode("latin-1")
     clean = _CLEAN_ANSWER_RE.fullmatch(text)
     if clean is not None and method != "HEAD" and clean.group(1) not in ("204", "304"):
@@ -2966,8 +3145,35 @@ def _parse_answer(head: bytes, method: str) -> _Answer:
             value = special[0][1]
             if value.isascii() and value.isdigit() and len(value) <= 18 and (value[0] != "0" or value == "0"):
                 # nothing hop-by-hop, one canonical Content-Length: relayed as it is (headers not parsed)
-                return _Answer(int(clean.group(1)), clean.group(2), [], "length", int(value), True, head)
+                status, reason = int(clean.group(1)), clean.group(2)
+                if reader is not None:
+                    key, length = _answer_key(head)
+                    reader.memo = (key, status, reason) if length >= 0 else None
+                return _Answer(status, reason, [], "length", int(value), True, head)
     return _parse_answer_strictly(text, method)
+
+
+def _answer_key(head: bytes) -> Tuple[bytes, int]:
+    """An answer head without the values of its first Content-Length and Date lines, and its length
+    (-1 when that value is not canonical decimal or the Date value not plain printable ASCII). Values
+    hold no line end, so two heads with the same key have the same lines but in those two values: if
+    one is clean with nothing hop-by-hop (relayed as it is), so is the other, with the same status."""
+    lowered = head.lower()
+    start = lowered.find(b"\r\ncontent-length: ") + 18
+    stop = head.find(b"\r\n", start)
+    value = head[start:stop]
+    if start < 18 or not value.isdigit() or len(value) > 18 or (value[0] == 48 and stop - start > 1):  # (48: "0")
+        return b"", -1
+    date = lowered.find(b"\r\ndate: ") + 8
+    if date < 8:
+        return head[:start] + head[stop:], int(value)
+    end = head.find(b"\r\n", date)
+    # A clean value of printable ASCII: no control character, no blank at either end (none at all is unclean).
+    if end == date or head[date] == 32 or head[end - 1] == 32 or head[date:end].translate(None, _PRINTABLE_ASCII):
+        return b"", -1
+    if date < start:
+        return head[:date] + head[end:start] + head[stop:], int(value)
+    return head[:start] + head[stop:date] + head[end:], int(value)
 
 
 def _parse_answer_strictly(text: str, method: str) -> _Answer:
@@ -3050,6 +3256,58 @@ def _answer_body(reader: _UpstreamReader, answer: _Answer) -> Iterator[bytes]:
                 raise _BadResponse("upstream-head-too-large", "sent an oversized trailer section")
             if line in (b"\r\n", b"\n"):
                 break
+
+
+def _clean_request_head(data: bytes, end: int) -> Optional[Tuple[str, str, str, List[str], List[str], int, List[str], str]]:
+    """The request head `data[:end]` (through its blank line) if it is clean (see _CLEAN_HEADER_LINE_RE),
+    with at most one Content-Length, at most one Connection (of keep-alive and/or close), and no
+    Transfer-Encoding, Expect, Upgrade, TE or Trailer: (method, target, version, header names, their
+    values, the Content-Length or -1, the Connection tokens, the header lines forwarded as they are).
+    None for any other head: the strict parser (`_Handler.parse_request`) takes it."""
+    text = data[:end].decode("iso-8859-1")
+    line = _CLEAN_REQUEST_LINE_RE.match(text)
+    if line is None:
+        return None
+    command, target, version = line.groups()
+    # ['', line, name, value, '', line, name, value, ..., '\r\n']: any other gap is an unclean line.
+    parts = _CLEAN_HEADER_LINE_RE.split(text[line.end():])
+    if "".join(parts[::4]) != "\r\n" or len(parts) > 4 * MAX_HEADERS + 1 or command == "CONNECT":
+        return None
+    names, values = parts[2::4], parts[3::4]
+    kept: List[str] = []
+    length, tokens = -1, []  # type: Tuple[int, List[str]]
+    lowered = ",".join(names).lower().split(",")  # (a token has no comma)
+    for line_text, name, value in zip(parts[1::4], lowered, values):
+        if name not in _SPECIAL_REQUEST_HEADERS:
+            kept.append(line_text)
+        elif name == "content-length":
+            if length >= 0 or not (value.isdigit() and value.isascii()) or len(value) > 18:
+                return None
+            length = int(value)
+        elif name == "connection":
+            if tokens:  # a second Connection header
+                return None
+            tokens = [t.strip() for t in value.lower().split(",")]
+            if not _PLAIN_CONNECTION_TOKENS.issuperset(tokens):
+                return None
+        elif name not in _DROPPED_PLAINLY:
+            return None
+    return command, target, version, names, values, length, tokens, "".join(kept)
+
+
+def _head_key(data: bytes, end: int) -> Tuple[bytes, int]:
+    """The request head `data[:end]` without the value of its first `Content-Length` line, and that
+    value (-1 without such a line, -2 if it is not 1-18 ASCII digits). Two heads with the same key
+    and a valid value differ in the length alone: if one is clean (`_clean_request_head`), so is the
+    other, with the same parse but the length, so a connection's repeated head is parsed once."""
+    start = data.find(b"\r\nContent-Length: ", 0, end)
+    if start < 0:  # (the usual spellings; a head with another is still parsed, only not reused)
+        start = data.find(b"\r\ncontent-length: ", 0, end)
+        if start < 0:
+            return data[:end], -1
+    stop = data.find(b"\r\n", start + 18)
+    value = data[start + 18:stop]
+    return data[:start + 18] + data[stop:end], int(value) if value.isdigit() and len(value) <= 18 else -2
 
 
 def _request_lines(method: str, target: str, headers: List[Tuple[str, str]]) -> str:

@@ -14,7 +14,9 @@ plain or TLS). User-space instructions are the forwarder's own work (Python, Ope
 kernel's share is counted separately as system calls per request (`strace -f -c` over the same load,
 warm-up excluded by difference; futex calls, the GIL's hand-offs, are left out of the table: strace
 slows every call and so changes how often threads contend). Both figures repeat to within a percent
-or two whatever the machine's load, which is what a cut of a few percent needs. Neither is a time:
+or two whatever the machine's load over plain HTTP, which is what a cut of a few percent needs; over
+TLS the instructions move by about ten (how often the threads hand the GIL over changes what OpenSSL
+and the interpreter's GIL code execute): compare several runs there. Neither is a time:
 vs_nginx.py stays the published CPU figure. `--write` puts the table in RESULTS.md.
 """
 from __future__ import annotations
@@ -101,7 +103,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             "",
             "`python benchmarks/_hotpath.py --requests %d --connections %d --write` at %s: user-space instructions "
             "(callgrind, warm-up excluded) and system calls other than futex (strace -c) per `POST /step`, with %d "
-            "connections each keeping one request in flight. Both repeat within a percent or two whatever the load; "
+            "connections each keeping one request in flight. Both repeat whatever the load, within a percent or two "
+            "over plain HTTP and about ten over TLS (how often the threads hand the GIL over changes what OpenSSL and "
+            "the GIL's code execute); "
             "neither is a time (the CPU figures are vs_nginx.py's)." % (args.requests, args.connections, commit,
                                                                        args.connections),
             "", table, "", SECTION_END, ""]))

@@ -11,6 +11,7 @@ upstream and a client see the same bytes whichever path served the request.
 from __future__ import annotations
 
 import contextlib
+import re
 import io
 import socket
 import threading
@@ -367,3 +368,53 @@ def test_a_pooled_connection_looks_idle_only_until_the_upstream_sends_or_closes(
         finally:
             conn.close()
             server.close()
+
+
+@settings(max_examples=100, deadline=None)
+@given(first=answer_heads(), second=answer_heads(), method=st.sampled_from(["GET", "POST"]),
+       date=st.sampled_from(["Thu, 26 Nov 2026 00:00:01 GMT", "x", " x", "x ", "", "a\tb", "caf\xe9", "a\x01b"]),
+       length=st.sampled_from(["0", "7", "70000", "007", "", "x", "1" * 19]))
+def test_an_answer_the_memo_recognises_is_what_the_strict_path_writes(first: bytes, second: bytes, method: str,
+                                                                     date: str, length: str) -> None:
+    # A connection's reader remembers the last head it relayed as it came; a later head equal to it but
+    # in its Date and Content-Length values is recognised without the regular expressions: it must be
+    # exactly a head the fast path would relay (the strict path writes the same bytes).
+    for head in (first, UVICORN_ANSWER):
+        reader = proxy._UpstreamReader(lambda n: b"")
+        try:
+            proxy._parse_answer(head, method, reader)
+        except proxy._BadResponse:
+            pass
+        text = head.decode("latin-1")
+        varied = re.sub(r"(?im)^(date|content-length): [^\r\n]*", lambda m: "%s: %s" % (
+            m.group(1), date if m.group(1).lower() == "date" else length), text, count=2).encode("latin-1")
+        for later in (varied, second):
+            try:
+                remembered = proxy._parse_answer(later, method, reader)
+            except proxy._BadResponse:
+                continue
+            if remembered.raw is not None:
+                assert _assert_answer_paths_agree(later, method)
+                assert (remembered.status, remembered.reason, remembered.length) == (
+                    proxy._parse_answer(later, method).status, proxy._parse_answer(later, method).reason,
+                    proxy._parse_answer(later, method).length)
+
+
+@settings(max_examples=100, deadline=None)
+@given(head=request_heads(), length=st.sampled_from(["0", "7", "70000", "007", "", "x", "\xb2", "1" * 19, "2 ", "-1"]))
+def test_a_head_the_clean_loop_reuses_a_parse_for_parses_to_that_with_its_own_length(head: bytes, length: str) -> None:
+    # The clean loop parses a connection's head once and reuses the parse for a later head with the same
+    # _head_key (equal but in its Content-Length value): the later head must be clean too, and parse to
+    # the same request with its own length.
+    for head in (head, WRK_HEAD, REQUESTS_HEAD, REQUESTS_HEAD.replace(b"Content-Length", b"content-length")):
+        first = proxy._clean_request_head(head, len(head))
+        key, _ = proxy._head_key(head, len(head))
+        later = re.sub(rb"(?i)(\r\ncontent-length: )[^\r\n]*", lambda m: m.group(1) + length.encode("latin-1"),
+                       head, count=1)
+        later_key, later_length = proxy._head_key(later, len(later))
+        if first is None or later_key != key or later_length < -1:
+            continue  # (the loop parses such a head afresh)
+        again = proxy._clean_request_head(later, len(later))
+        assert again is not None, "a head the loop would reuse a parse for is not clean"
+        assert again[5] == later_length
+        assert again[:3] + again[6:] == first[:3] + first[6:]

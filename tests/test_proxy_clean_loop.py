@@ -1,0 +1,307 @@
+"""The clean-request loop (`_Handler._serve_clean`) answers every request sequence as the strict path does.
+
+A proxy using its own routing serves clean keep-alive requests in one loop over one buffer, and hands
+any other request, with the bytes already read, to the strict `handle_one_request`. Each test here
+plays one conversation (byte for byte, pauses included) on one client connection, once through a
+plain `AuthProxy` and once through a subclass whose `route_request` hook merely calls the default,
+which keeps every request on the strict path, each against a fresh recording upstream; the client
+must receive the same bytes, and the upstream see the same requests on the same number of
+connections. Both proxies mount one route, so refusal messages name the same `route-1`.
+"""
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from typing import Callable, Iterator, List, Optional, Tuple
+
+import pytest
+
+import proxy
+from proxy import AuthProxy
+
+# Every answer's head is fixed (no changing Date), so the two runs compare byte for byte.
+ANSWER_HEAD = b"HTTP/1.1 200 OK\r\ndate: Wed, 25 Nov 2026 00:00:00 GMT\r\nserver: recorder\r\ncontent-length: %d\r\n\r\n"
+BIG_BODY = b"b" * 70000  # over SMALL_RESPONSE_BYTES: streamed
+HUGE_BODY = b"h" * (8 << 20)  # more than loopback socket buffers hold: its relay is still sending when the client leaves
+# Seconds a pause in a conversation lasts: long enough that what comes after it is a second read.
+PAUSE_S = 0.1
+# How long a client waits for more bytes before calling the answer complete.
+QUIET_S = 2.0
+
+
+class _Recorder:
+    """A loopback HTTP/1.1 upstream (Content-Length bodies) that records each request and answers by
+    the path's last segment: `ok` echoes the body; `close` answers then closes without saying so; `drop`
+    closes a reused connection without answering; `slow` answers after 0.8 s; `big` and `huge` send BIG_BODY and HUGE_BODY;
+    `chunked` answers chunked; `empty` answers 204."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.seen: List[bytes] = []
+        self.connections = 0
+        self._socks: List[socket.socket] = []
+        self._threads: List[threading.Thread] = []
+        self._accepting = threading.Thread(target=self._accept, daemon=True)
+        self._accepting.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            self._socks.append(sock)
+            thread = threading.Thread(target=self._serve, args=(sock,), daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        buf, served = b"", 0
+        with sock, contextlib.suppress(OSError):
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    data = sock.recv(65536)
+                    if not data:
+                        return
+                    buf += data
+                end = buf.index(b"\r\n\r\n") + 4
+                length = 0
+                for line in buf[:end].split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                while len(buf) < end + length:
+                    data = sock.recv(65536)
+                    if not data:
+                        return
+                    buf += data
+                request, buf = buf[:end + length], buf[end + length:]
+                self.seen.append(request)
+                served += 1
+                what = request.split(b" ", 2)[1].split(b"?")[0].rsplit(b"/", 1)[-1]
+                if what == b"drop" and served > 1:
+                    return
+                if what == b"slow":
+                    time.sleep(0.8)
+                body = request[end:]
+                if what in (b"big", b"huge"):
+                    big = BIG_BODY if what == b"big" else HUGE_BODY
+                    sock.sendall(ANSWER_HEAD % len(big) + big)
+                elif what == b"chunked":
+                    sock.sendall(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nab\r\n0\r\n\r\n")
+                elif what == b"empty":
+                    sock.sendall(b"HTTP/1.1 204 No Content\r\nserver: recorder\r\n\r\n")
+                else:
+                    sock.sendall(ANSWER_HEAD % len(body) + body)
+                if what == b"close":
+                    return
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)
+        self.listener.close()
+        for sock in self._socks:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        self._accepting.join(5)
+        for thread in self._threads:
+            thread.join(5)
+
+
+class _StrictProxy(AuthProxy):
+    """An AuthProxy whose route_request hook is its own (the default's answer): every request takes the strict path."""
+
+    def route_request(self, target, headers):  # type: ignore[no-untyped-def]
+        return AuthProxy.route_request(self, target, headers)
+
+
+# A conversation step: bytes to send, a pause (float seconds), "shut" (the client ends its side), an int
+# (read exactly that many bytes), or "reconnect" (close the connection, unread bytes and all, and open another).
+Step = object
+Conversation = Callable[[str], List[Step]]
+
+
+def _request(base: str, method: str, rest: str, body: Optional[bytes] = None, headers: bytes = b"",
+             version: str = "HTTP/1.1") -> bytes:
+    length = b"" if body is None else b"Content-Length: %d\r\n" % len(body)
+    return (b"%s %s%s %s\r\nHost: 127.0.0.1\r\n%s%sContent-Type: application/json\r\n\r\n%s"
+            % (method.encode(), base.encode(), rest.encode(), version.encode(), headers, length, body or b""))
+
+
+def _play(proxy_class: type, conversation: Conversation,
+          strict_requests: Optional[List[int]] = None) -> Tuple[bytes, List[bytes], int]:
+    """Play `conversation` through a fresh proxy of `proxy_class` and a fresh _Recorder: (what the
+    client received, what the upstream received, how many upstream connections were opened; the
+    upstream's port written PORT)."""
+    upstream = _Recorder()
+    try:
+        with proxy_class(read_timeout_s=5, idle_timeout_s=10) as auth:
+            base = auth.mount("http://127.0.0.1:%d/up" % upstream.port, token="tok-loop")[len(auth.url):]
+            received = b""
+            client = socket.create_connection(("127.0.0.1", auth.port), timeout=QUIET_S)
+            with contextlib.ExitStack() as closing:
+                closing.callback(lambda: client.close())
+                for step in conversation(base):
+                    if isinstance(step, float):
+                        time.sleep(step)
+                    elif isinstance(step, int):
+                        want = len(received) + step
+                        while len(received) < want:
+                            received += client.recv(want - len(received))
+                    elif step == "shut":
+                        client.shutdown(socket.SHUT_WR)
+                    elif step == "reconnect":
+                        client.close()
+                        client = socket.create_connection(("127.0.0.1", auth.port), timeout=QUIET_S)
+                    else:
+                        client.sendall(step)  # type: ignore[arg-type]
+                with contextlib.suppress(socket.timeout, ConnectionResetError):
+                    while True:
+                        data = client.recv(65536)
+                        if not data:
+                            break
+                        received += data
+        port = b"%d" % upstream.port  # (in Host headers and route labels: the one thing two runs differ in)
+        return received.replace(port, b"PORT"), [seen.replace(port, b"PORT") for seen in upstream.seen], \
+            upstream.connections
+    finally:
+        upstream.close()
+
+
+@pytest.fixture
+def count_strict(monkeypatch: pytest.MonkeyPatch) -> List[int]:
+    """How many requests the strict path served (a spy: the real method runs)."""
+    counted = [0]
+    original = proxy._Handler.handle_one_request
+
+    def counting(self: proxy._Handler) -> None:
+        counted[0] += 1
+        original(self)
+
+    monkeypatch.setattr(proxy._Handler, "handle_one_request", counting)
+    return counted
+
+
+def _assert_same(conversation: Conversation, count_strict: Optional[List[int]] = None) -> Tuple[bytes, List[bytes], int]:
+    fast = _play(AuthProxy, conversation)
+    if count_strict is not None:
+        count_strict.append(count_strict[0])  # (the requests the plain proxy served strictly)
+    strict = _play(_StrictProxy, conversation)
+    assert fast[0] == strict[0], "the client got different bytes from the clean loop than from the strict path"
+    assert fast[1] == strict[1], "the upstream got different requests"
+    assert fast[2] == strict[2], "the upstream saw a different number of connections"
+    return fast
+
+
+def _answer(body: bytes) -> bytes:
+    return ANSWER_HEAD % len(body) + body
+
+
+def test_clean_and_unclean_requests_mixed_on_one_connection_answer_as_the_strict_path(count_strict: List[int]) -> None:
+    def conversation(base: str) -> List[Step]:
+        return [_request(base, "POST", "/ok", b'{"a": 1}'), 0.05,
+                _request(base, "POST", "/ok", b'{"b": 22}', headers=b"TE: trailers\r\n"), 0.05,  # unclean: strict
+                _request(base, "GET", "/ok"), 0.05,
+                _request("/no-such-route", "GET", "/ok"), 0.05,  # refused (404), the connection stays
+                _request(base, "POST", "/ok", b"x" * 70000), 0.05,  # a body over 64 KiB: strict
+                b"POST %s/ok HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n" % base.encode(),
+                0.05, _request(base, "GET", "/empty"), 0.05,
+                _request(base, "GET", "/chunked"), 0.05,
+                _request(base, "POST", "/ok", b"last", headers=b"Connection: close\r\n")]
+    received, seen, connections = _assert_same(conversation, count_strict)
+    assert received.count(b"HTTP/1.1 200 OK") == 7 and b"X-Proxy-Error: unknown-route" in received
+    assert received.endswith(b"Connection: close\r\n\r\nlast") and len(seen) == 8 and connections == 1
+    # Fast: the clean requests (the first, third, the 204 and the chunked answer's); the rest strictly.
+    assert count_strict[1] == 5 and count_strict[0] == 5 + 9
+
+
+def test_pipelined_requests_answer_in_order_as_the_strict_path() -> None:
+    def conversation(base: str) -> List[Step]:
+        return [b"".join([_request(base, "POST", "/ok", b"one"), _request(base, "GET", "/ok", headers=b"TE: x\r\n"),
+                          _request(base, "POST", "/ok", b"three"), _request(base, "GET", "/big"),
+                          _request(base, "GET", "/ok", headers=b"Connection: close\r\n")])]
+    received, seen, _ = _assert_same(conversation)
+    assert received.index(b"one") < received.index(b"three") < received.index(BIG_BODY) and len(seen) == 5
+
+
+def test_a_body_and_a_head_split_across_reads_are_forwarded_whole() -> None:
+    def conversation(base: str) -> List[Step]:
+        first = _request(base, "POST", "/ok", b'{"split": "body"}')
+        second = _request(base, "POST", "/ok", b'{"split": "head"}')
+        last = _request(base, "GET", "/ok", headers=b"Connection: close\r\n")
+        return [first[:-5], PAUSE_S, first[-5:], PAUSE_S, second[:20], PAUSE_S, second[20:], PAUSE_S, last]
+    received, seen, _ = _assert_same(conversation)
+    assert _answer(b'{"split": "body"}') + _answer(b'{"split": "head"}') in received and len(seen) == 3
+
+
+def test_a_client_that_closes_mid_body_gets_the_strict_paths_refusal() -> None:
+    def conversation(base: str) -> List[Step]:
+        return [_request(base, "POST", "/ok", b"whole"), _request(base, "POST", "/ok", b"0123456789")[:-4], PAUSE_S, "shut"]
+    received, seen, _ = _assert_same(conversation)
+    assert received.startswith(_answer(b"whole")) and b"X-Proxy-Error: bad-body" in received and len(seen) == 1
+
+
+@pytest.mark.slow  # the upstream takes 0.8 s to answer, twice (once per proxy)
+def test_a_client_gone_before_the_answer_abandons_the_request_as_the_strict_path() -> None:
+    def conversation(base: str) -> List[Step]:
+        return [_request(base, "POST", "/ok", b"first"), PAUSE_S, _request(base, "POST", "/slow", b"gone"), PAUSE_S, "shut"]
+    received, seen, _ = _assert_same(conversation)
+    assert received == _answer(b"first") and len(seen) == 2
+
+
+def test_a_client_gone_mid_answer_ends_its_connection_as_the_strict_path() -> None:
+    # Small answers leave in one send after their upstream connection went back to the pool; a streamed
+    # one cut short by the client costs its upstream connection (the next request opens another).
+    def conversation(base: str) -> List[Step]:
+        return [_request(base, "POST", "/ok", b"small"), len(_answer(b"small")), _request(base, "GET", "/huge"), 1000,
+                "reconnect", _request(base, "GET", "/ok", b"next", headers=b"Connection: close\r\n")]
+    received, seen, connections = _assert_same(conversation)
+    assert received.startswith(_answer(b"small")) and received.endswith(b"next") and len(seen) == 3
+    assert connections == 2
+
+
+@pytest.mark.slow  # five pauses a run, two runs: about 1 s
+def test_an_upstream_that_closed_a_pooled_connection_is_retried_or_refused_as_by_the_strict_path() -> None:
+    # `close` answers and hangs up without saying so (the pool's liveness check sees it); `drop` hangs up
+    # on a reused connection without answering: GET is retried on a fresh one, a sent POST is not (502).
+    def conversation(base: str) -> List[Step]:
+        return [_request(base, "POST", "/close", b"a"), PAUSE_S, _request(base, "POST", "/ok", b"b"), PAUSE_S,
+                _request(base, "GET", "/drop"), PAUSE_S, _request(base, "GET", "/ok"), PAUSE_S,
+                _request(base, "POST", "/drop", b"c"), PAUSE_S,
+                _request(base, "GET", "/ok", headers=b"Connection: close\r\n")]
+    received, seen, connections = _assert_same(conversation)
+    assert received.count(b"HTTP/1.1 200 OK") == 5 and b"X-Proxy-Error: upstream-unreachable" in received
+    assert connections == 4
+
+
+def test_bytes_handed_to_the_strict_path_come_back_intact_whatever_it_read_of_them() -> None:
+    # The loop hands its buffer over through the client reader; after the strict request, what the
+    # BufferedReader holds and what it never reached come back in order, without a socket read.
+    client, served = socket.socketpair()
+    with client, served:
+        handler = proxy._Handler.__new__(proxy._Handler)
+        handler.request = served
+        handler.server = type("Server", (), {"proxy": AuthProxy()})()  # type: ignore[assignment]
+        handler.setup()
+        data = bytes(range(256)) * 600  # 150 KiB: more than the BufferedReader takes in one read
+        handler._reader.pending = data
+        assert handler.rfile.read(10) == data[:10]
+        assert handler._take_pending() == data[10:]
+        client.sendall(b"after")
+        assert handler.rfile.read(5) == b"after"  # the reader reads the socket again
+        # A WebSocket upgrade served from handed-over bytes drains them all for its tunnel too.
+        handler._reader.pending = data
+        assert handler.rfile.read(10) == data[:10]
+        assert proxy._drain_buffered(handler.rfile, handler._reader) == data[10:]
+
+
+def test_an_http_1_0_request_is_answered_and_ends_the_connection_as_on_the_strict_path() -> None:
+    def conversation(base: str) -> List[Step]:
+        return [_request(base, "POST", "/ok", b"one"), len(_answer(b"one")),
+                _request(base, "POST", "/ok", b"two", headers=b"Connection: keep-alive\r\n", version="HTTP/1.0"),
+                PAUSE_S, _request(base, "POST", "/ok", b"three")]
+    received, seen, _ = _assert_same(conversation)
+    assert received.endswith(b"Connection: close\r\n\r\ntwo") and len(seen) == 2
