@@ -469,6 +469,9 @@ class _NamedPool:
         self.closed = False
         self.finalizer: Optional[weakref.finalize] = None
         self.cancelled_hosts: "set[str]" = set()
+        self.planned_hosts = 0  # hosts start_many asked for before the pool exists: its first start boots them
+        self.failures = 0  # pool creations that failed, and the last one's reason (shared by the starts waiting)
+        self.failure = ""
 
     def close(self) -> None:
         with self.lock:
@@ -508,9 +511,11 @@ _pools_lock = threading.Lock()
 _pools: Dict[Tuple[Any, ...], _NamedPool] = {}
 
 
-def prewarm(provider: "_core.HFSandboxProvider", n: int) -> None:
+def prewarm(provider: "_core.HFSandboxProvider", n: int, boot: bool = True) -> None:
     """Before `start_many(n, pool="name")`: make sure the named pool has hosts for `n` more sandboxes,
-    booting the missing ones in parallel (one cold start for all of them, not one per full host)."""
+    booting the missing ones in parallel (one cold start for all of them, not one per full host). With
+    `boot=False` and no pool yet, only plan them: the first start then boots them all at once, while the
+    other starts do their own set-up instead of waiting for the boot to begin theirs."""
     settings = provider._settings({})
     if not isinstance(settings["pool"], str):
         return
@@ -521,12 +526,30 @@ def prewarm(provider: "_core.HFSandboxProvider", n: int) -> None:
     finally:
         client.close()
     hosts = -(-n // HOST_CAPACITY_ASSUMED)
+    if not boot:
+        entry = _entry(_pool_key(settings, token, namespace, provider.endpoint))
+        with entry.lock:
+            if entry.pool is None and not entry.closed:
+                entry.planned_hosts = max(entry.planned_hosts, hosts)
+                return
     pool = _pool_for(settings, token, namespace, provider.endpoint, warm_up=hosts, new_session=provider._new_session)
     per_host = int(getattr(pool, "sandboxes_per_host", HOST_CAPACITY_ASSUMED) or HOST_CAPACITY_ASSUMED)
     wanted = -(-(n + pool.num_sandboxes) // per_host)
     if pool.num_hosts < wanted:
         logger.info("pool %s: warming %d host(s) for %d environments", pool.name, wanted, n)
         pool.warm(wanted)
+
+
+def _pool_key(settings: Mapping[str, Any], token: str, namespace: str, endpoint: str) -> Tuple[Any, ...]:
+    return (settings["pool"], settings["image"], settings["flavor"], namespace, _core._token_key(endpoint, token))
+
+
+def _entry(key: Tuple[Any, ...]) -> _NamedPool:
+    with _pools_lock:
+        entry = _pools.get(key)
+        if entry is None:
+            entry = _pools[key] = _NamedPool(key)
+        return entry
 
 
 def _pool_for(settings: Mapping[str, Any], token: str, namespace: str, endpoint: str, warm_up: int = 1,
@@ -537,24 +560,28 @@ def _pool_for(settings: Mapping[str, Any], token: str, namespace: str, endpoint:
     pool = settings["pool"]
     if not isinstance(pool, str):
         return pool
-    key = (pool, settings["image"], settings["flavor"], namespace, _core._token_key(endpoint, token))
-    with _pools_lock:
-        entry = _pools.get(key)
-        if entry is None:
-            entry = _pools[key] = _NamedPool(key)
+    entry = _entry(_pool_key(settings, token, namespace, endpoint))
+    failures_seen = entry.failures  # read before waiting: a boot that fails meanwhile fails this start too
     with entry.lock:
         if entry.pool is None:
             if entry.closed:
                 raise _core.SandboxError("pool %r was closed (close_pools() or teardown); start again to make a new "
                                          "one" % pool)
+            if entry.failures != failures_seen:  # not a new boot per waiting start: one failed boot fails them all
+                raise _core.SandboxError(entry.failure)
+            warm_up = max(warm_up, entry.planned_hosts)
             logger.info("pool %s: starting (image %s, flavor %s, namespace %s)", pool, settings["image"],
                         settings["flavor"], namespace)
             try:
                 entry.pool = _new_pool(pool, settings, token, namespace, endpoint, warm_up, new_session)
-            except Exception as exc:  # its first host failed to boot (and was cancelled by huggingface_hub)
+            except Exception as exc:  # its first hosts failed to boot (and were cancelled by huggingface_hub)
+                entry.failure = (str(exc) if isinstance(exc, _core.SandboxError)
+                                 else "pool %s could not start a host job: %s" % (pool, exc))
+                entry.failures += 1
                 if isinstance(exc, _core.SandboxError):
                     raise
-                raise _core.SandboxError("pool %s could not start a host job: %s" % (pool, exc)) from None
+                raise _core.SandboxError(entry.failure) from None
+            entry.planned_hosts = 0
             entry.finalizer = weakref.finalize(entry, _close_pool, entry.pool, entry)
             _core._live_finalizers.add(entry.finalizer)  # atexit and signal teardown run it
         return entry.pool

@@ -517,8 +517,8 @@ class HFSandboxProvider:
         providers = [cls(image, **provider_kwargs) for _ in range(n)]  # bad settings fail here, before any job
         _raise_if_rejected(_image_rejection(providers[0].image))
         providers[0]._resolve_token()  # no token: one SandboxConfigError now, not n failures later
-        if isinstance(providers[0].pool, str):  # boot the hosts n sandboxes need at once, in parallel
-            _pool_module().prewarm(providers[0], n)
+        if isinstance(providers[0].pool, str):  # the hosts n sandboxes need: the first start boots them all at once
+            _pool_module().prewarm(providers[0], n, boot=False)
         began = time.monotonic()
 
         def report(index: int, error: Optional[BaseException]) -> None:

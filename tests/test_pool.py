@@ -143,6 +143,33 @@ def test_hosts_booting_at_once_are_watched_with_one_list_per_refresh_not_an_insp
     assert hsp._watcher._groups == {} or all(not g.watches for g in hsp._watcher._groups.values())
 
 
+@pytest.mark.slow  # boots two host jobs
+def test_start_many_plans_its_hosts_and_its_first_start_boots_them_all_at_once(pool_env, proxy, monkeypatch):
+    monkeypatch.setattr(hf_sandbox_pool, "HOST_CAPACITY_ASSUMED", 2)  # 3 environments: plan 2 hosts
+    emu = pool_env()
+    providers = HFSandboxProvider.start_many(3, IMAGE, progress=False, endpoint=emu.endpoint, token=emu.token,
+                                             verify=emu.ca_path, proxy=proxy, command=SERVER, pool="planned",
+                                             start_timeout_s=TIMEOUT, ready_timeout_s=TIMEOUT)
+    try:
+        assert len(emu.jobs) == 2 and all(job.stage == "RUNNING" for job in emu.jobs)  # one boot of both hosts
+        assert all(p.base_url for p in providers)
+    finally:
+        for p in providers:
+            p.stop_container()
+
+
+@pytest.mark.slow  # a host job that crashes at boot, seen through the job watcher's 3 s refresh
+def test_starts_waiting_for_a_pools_first_host_fail_with_its_boot_error_instead_of_booting_one_each(pool_env, proxy):
+    emu = pool_env(faults={"crash-at-boot": "sbx-server: cannot start (emulated crash)"})
+    ready, errors = HFSandboxProvider.start_many(4, IMAGE, all_or_nothing=False, progress=False, endpoint=emu.endpoint,
+                                                 token=emu.token, verify=emu.ca_path, proxy=proxy, command=SERVER,
+                                                 pool="crashing", start_timeout_s=TIMEOUT, ready_timeout_s=TIMEOUT)
+    assert ready == [] and len(errors) == 4
+    assert all(isinstance(error, SandboxError) and "pool crashing could not start a host job" in str(error)
+               and "emulated crash" in str(error) for _, error in errors), errors
+    assert len(emu.jobs) == 1 and proxy._routes == {}  # one boot, its failure shared by the starts that waited
+
+
 @pytest.mark.slow  # eight environments, a 1 s cache write each
 def test_pool_cache_saves_during_a_slow_one_are_folded_into_one_write_that_keeps_the_last_state(
         pool_env, proxy, monkeypatch):
