@@ -627,12 +627,8 @@ def _pool_class() -> Any:
             if started is None or not self.token:  # not a host boot: as huggingface_hub does it
                 return super().run_job(labels=labels, **kwargs)
             job = super().run_job(labels={**(labels or {}), _core.PROCESS_LABEL_KEY: _core._process_label}, **kwargs)
-            client = _core._JobsClient(self.endpoint, self.token, self._new_session())  # the watcher's key
-            try:
-                watch = _core._watcher.register(client, self._new_session, job.owner.name, job.id,
-                                                HOST_WATCH_INTERVAL_S, threading.Event())
-            finally:
-                client.close()
+            watch = _core._watcher.register(self.endpoint, self.token, self._new_session, job.owner.name, job.id,
+                                            HOST_WATCH_INTERVAL_S, threading.Event())
             with self._watches_lock:
                 self._watches[job.id] = (watch, job)
             started.append(job.id)
