@@ -580,27 +580,13 @@ def test_a_child_gets_default_dispositions_even_when_this_process_ignores_a_sign
     finally:
         signal.signal(signal.SIGHUP, previous)
     try:
+        if reset == "gnu-env":  # no interpreter start per child (the shim's ~15 ms of CPU: 64 sandboxes ~1 CPU-s)
+            env = hf_jobs_emulator._default_signal_env()
+            assert child.args[:3] == [env, "--default-signal=HUP", "--"] and sys.executable not in child.args
         wait_until(lambda: _comm(child.pid) == "sleep", "the child to exec sleep", 10)  # past the shim that resets the disposition
         assert _signal_state(child.pid)["SigIgn"] & _bits(CHILD_SIGNALS) == 0
         child.send_signal(signal.SIGHUP)
         assert child.wait(10) == -signal.SIGHUP
-    finally:
-        child.kill()
-        child.wait()
-
-
-def test_with_gnu_env_a_child_of_a_process_ignoring_a_signal_starts_no_interpreter_to_reset_it():
-    # the Python shim costs an interpreter start per child (~15 ms of CPU): 64 sandboxes under nohup ~1 CPU-s
-    env = hf_jobs_emulator._default_signal_env()
-    if env is None:
-        pytest.skip("this env has no --default-signal")
-    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    try:
-        child = spawn_process(["sleep", "60"])
-    finally:
-        signal.signal(signal.SIGHUP, previous)
-    try:
-        assert child.args[:3] == [env, "--default-signal=HUP", "--"] and sys.executable not in child.args
     finally:
         child.kill()
         child.wait()
