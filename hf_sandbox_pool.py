@@ -80,6 +80,9 @@ CREATE_RETRY_STATUSES = frozenset([429, 500, 502, 503, 504])
 # costs ~4 calls for all the hosts booting at once instead of ~7 per host, and a host that dies while
 # booting still fails its start within this long plus huggingface_hub's 2 s, with its stage and log.
 HOST_WATCH_INTERVAL_S = 3.0
+# When a pool closes, how long it waits for its background cache writer's last write (one file write, under
+# huggingface_hub's file lock) before writing the hosts it could not cancel.
+CACHE_FLUSH_S = 10.0
 # Pool names become the `hf-sandbox-pool` job label: the Hub's label rule.
 _POOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,100}\Z")  # \Z: `$` would accept a trailing newline
 
@@ -658,7 +661,8 @@ def _pool_class() -> Any:
             self.__dict__["_hub_endpoint"] = hub_endpoint
             self.__dict__["_new_session"] = new_session
             self._cache_lock = threading.Lock()
-            self._cache_writing = self._cache_stale = False
+            self._cache_stale = self._cache_closed = False
+            self._cache_writer: Optional[threading.Thread] = None
             super().__init__(*args, **kwargs)
 
         @property
@@ -673,29 +677,52 @@ def _pool_class() -> Any:
             self.__dict__["_provider_api"] = api
 
         def _save_cache(self, hosts: Any = None) -> None:
-            """huggingface_hub saves its host cache file after every create, under a file lock polled every
-            50 ms: 64 creates at once waited up to 4 s in line for it. Here one thread writes at a time and a
-            save asked for meanwhile is folded into that thread's next write (the latest state): each create
-            returns at once and the file still ends with the last state. `hosts` (close()) is written as given."""
+            """huggingface_hub saves its host cache file after every create (under a file lock polled every
+            50 ms; 64 creates at once waited up to 4 s in line for it) and at warm-up, in the caller's thread.
+            Here the saves go to one background writer, so no start waits for the file: a save asked for while
+            it writes is folded into its next write (the latest state), and the file still ends with the last
+            state. `hosts` (close()) is written as given, after the writer's last write."""
             if hosts is not None:
+                self.flush_cache()
                 return super()._save_cache(hosts)
             with self._cache_lock:
-                self._cache_stale = True
-                if self._cache_writing:
+                if self._cache_closed:  # close() writes (or deletes) the pool's entry itself
                     return
-                self._cache_writing = True
+                self._cache_stale = True
+                if self._cache_writer is not None:
+                    return
+                writer = self._cache_writer = threading.Thread(target=self._write_cache, name="hf-sandbox-pool-cache",
+                                                               daemon=True)
+            _core._start_thread(writer)
+
+        def close(self) -> None:
+            """huggingface_hub's close, after the background writer's last write: no write of ours lands after
+            close() has deleted (or rewritten) the pool's cache entry."""
+            with self._cache_lock:
+                self._cache_closed = True
+            self.flush_cache()
+            super().close()
+
+        def flush_cache(self) -> None:
+            """Wait (at most CACHE_FLUSH_S) for the background writer's last write."""
+            with self._cache_lock:
+                writer = self._cache_writer
+            if writer is not None and writer is not threading.current_thread():
+                writer.join(CACHE_FLUSH_S)
+
+        def _write_cache(self) -> None:
             try:
                 while True:
                     with self._cache_lock:  # the check and the hand-back in one step: no save is lost
-                        if not self._cache_stale:
-                            self._cache_writing = False
+                        if not self._cache_stale or self._cache_closed:
+                            self._cache_writer = None
                             return
                         self._cache_stale = False
-                    super()._save_cache()
-            except BaseException:
+                    SandboxPool._save_cache(self)
+            except Exception as exc:  # best effort, as huggingface_hub's cache is: the pool works without it
+                logger.debug("pool %s: could not save the pool cache (%s)", self.name, type(exc).__name__)
                 with self._cache_lock:
-                    self._cache_writing = False
-                raise
+                    self._cache_writer = None
 
         def _boot_host(self) -> Any:
             self._api.booting(True)
