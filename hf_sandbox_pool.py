@@ -693,7 +693,13 @@ def _pool_class() -> Any:
                     return
                 writer = self._cache_writer = threading.Thread(target=self._write_cache, name="hf-sandbox-pool-cache",
                                                                daemon=True)
-            _core._start_thread(writer)
+            try:
+                _core._start_thread(writer)
+            except RuntimeError:  # no thread to be had (interpreter exit, a thread limit): write it here
+                with self._cache_lock:
+                    self._cache_writer = None
+                    self._cache_stale = False
+                SandboxPool._save_cache(self)
 
         def close(self) -> None:
             """huggingface_hub's close, after the background writer's last write: no write of ours lands after

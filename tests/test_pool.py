@@ -210,6 +210,27 @@ def test_pool_cache_saves_go_to_one_background_writer_that_folds_them_and_keeps_
             p.stop_container()
 
 
+@pytest.mark.slow  # a pooled start
+def test_a_pool_cache_save_with_no_thread_to_spare_is_written_by_the_start_itself(pool_env, proxy, monkeypatch):
+    import huggingface_hub._sandbox as hub_sandbox
+    real_start = hsp._start_thread
+
+    def no_cache_thread(thread: threading.Thread) -> None:
+        if thread.name == "hf-sandbox-pool-cache":
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    monkeypatch.setattr(hsp, "_start_thread", no_cache_thread)
+    emu = pool_env()
+    p = provider(emu, proxy, pool="no-threads")
+    p.wait_for_ready(p.start_container())  # the create succeeds
+    try:
+        cached = hub_sandbox.read_pool_cache("no-threads", _named_pool()._cache_context)
+        assert cached is not None and sum(host.live for host in cached.hosts) == 1
+    finally:
+        p.stop_container()
+
+
 @pytest.mark.slow  # a 1 s cache write
 def test_closing_a_pool_waits_for_a_cache_write_in_flight_so_no_entry_is_left_for_its_cancelled_hosts(
         pool_env, proxy, monkeypatch):
