@@ -98,6 +98,8 @@ ABANDON_SETTLE_S = 5.0
 # An error within this long of a fault aimed at its environment (or, for a start, of any API or URL
 # fault) is explained by it; any other is listed as unexplained, the place to look for bugs.
 EXPLAIN_WINDOW_S = 20.0
+# Unexplained errors kept in full in the report (the rest are only counted).
+UNEXPLAINED_DETAILS = 20
 # Events kept per environment, printed with a violation to show what led to it.
 HISTORY_EVENTS = 40
 # Backoff between failed replacement attempts (a user's retry loop).
@@ -453,6 +455,9 @@ class Soak:
         self.known_bug_hits: collections.Counter = collections.Counter()
         self.ran_despite: collections.Counter = collections.Counter()  # failure kind -> steps that ran anyway
         self.unexplained: collections.Counter = collections.Counter()  # errors no injected fault explains
+        # The first few of them in full (time, environment, its recent history, the error's text): a count
+        # alone does not say whether the library, the emulator or the load was behind one.
+        self.unexplained_details: List[str] = []
         self.abandoned: collections.Counter = collections.Counter()  # what became of abandoned HTTP steps
         self.last_global_fault_at = -1e9  # the last API or URL fault (any start may meet it)
         # Both grow all run long, so they hold plain doubles (one buffer each), never a Python object per
@@ -496,8 +501,12 @@ class Soak:
                      or (phase == "start" and now - self.last_global_fault_at < EXPLAIN_WINDOW_S)
                      or (kind == "HTTP 502 upstream-protocol" and slot.last_big))  # the known bug, counted apart
         if not explained:
+            text = "%.1fs env %d: %s %s: %s [history: %s]" % (
+                self.now(), slot.index, phase, kind, detail[:300], " | ".join(list(slot.history)[-8:]))
             with self.lock:
                 self.unexplained["%s %s" % (phase, kind)] += 1
+                if len(self.unexplained_details) < UNEXPLAINED_DETAILS:
+                    self.unexplained_details.append(text)
         reason = error_kind_rejection(kind, slot.stopped_by_chaos)
         if reason:
             self.violation(slot, "%s: %s (%s)" % (phase, reason, detail[:200]))
@@ -1060,6 +1069,7 @@ class Soak:
             "violations": self.violations, "known_bug_hits": dict(self.known_bug_hits),
             "steps_run_despite_error": dict(self.ran_despite),
             "unexplained_errors": dict(sorted(self.unexplained.items())),
+            "unexplained_details": list(self.unexplained_details),
             "abandoned_http_steps": dict(self.abandoned),
             "recovery_s": {"count": len(self.recoveries), "p50": _round(percentile(self.recoveries, 50)),
                            "p99": _round(percentile(self.recoveries, 99)), "max": _round(max(self.recoveries or [0]))},
@@ -1217,6 +1227,9 @@ def markdown(report: Dict[str, Any], command: str) -> str:
               "nor, for a start, any API or URL fault), outside the known bug below: %s." % (
                   EXPLAIN_WINDOW_S, "; ".join("%s: %d" % kv for kv in report.get("unexplained_errors", {}).items())
                   or "none")]
+    if report.get("unexplained_details"):
+        lines += ["", "Unexplained errors in full (first %d):" % UNEXPLAINED_DETAILS, ""] + [
+            "- %s" % text for text in report["unexplained_details"]]
     if report["known_bug_hits"]:
         lines += ["", "Known proxy bugs met (issue 10, being fixed on another branch): %s." % "; ".join(
             "%s: %d" % kv for kv in report["known_bug_hits"].items())]

@@ -12,6 +12,7 @@ import json
 import logging
 import pickle
 import threading
+import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -604,19 +605,23 @@ def test_verify_with_the_jobs_ca_reaches_a_tls_job_and_default_verification_refu
     assert cancels(api) == 2
 
 
-@pytest.mark.slow  # the stop waits for the start it interrupts: the test waits out its 10 s join
 def test_stop_landing_while_the_route_is_mounted_leaves_no_route(api):
     """A stop_container() from another thread that runs while mount() is in flight (after the start's
     last stop check) must not leave the freshly mounted route behind."""
     add_job_api(api, stages=[running()])
-    mounted = []
+    mounted, stoppers = [], []
 
     class StopDuringMount(hsp._proxy.AuthProxy):
         def mount(self, upstream, token, *, verify=True):
             mounted.append(super().mount(upstream, token, verify=verify))
             stopper = threading.Thread(target=provider.stop_container)
+            stoppers.append(stopper)
             stopper.start()
-            stopper.join(timeout=10)
+            # The stop cancels the job, then waits for this start to end: once it has cancelled, it has
+            # done all it can while mount() is in flight (joining it would wait out its bounded wait).
+            deadline = time.monotonic() + 10
+            while cancels(api) < 1 and stopper.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.01)
             return mounted[-1]
 
     with StopDuringMount() as racing_proxy:
@@ -624,9 +629,11 @@ def test_stop_landing_while_the_route_is_mounted_leaves_no_route(api):
         provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=racing_proxy, **FAST)
         with pytest.raises(hsp.SandboxError, match="stop_container"):
             provider.start_container()
-        provider.stop_container()
-        assert mounted and route_is_gone(mounted[0])
+        assert mounted and route_is_gone(mounted[0])  # the failed start took its route down itself
         assert provider.base_url is None
+        provider.stop_container()
+        stoppers[0].join(timeout=10)
+        assert not stoppers[0].is_alive()  # its wait ended with the start, not by timing out
     assert cancels(api) == 1
 
 

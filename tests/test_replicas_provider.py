@@ -374,17 +374,19 @@ def _raised(function):
     return None
 
 
-@pytest.mark.slow  # the stop waits for the start it interrupts: the test waits out its 30 s join
 def test_stop_landing_while_the_replica_route_is_mounted_leaves_no_route(emu, log_guard):
     """A stop_container() from another thread that runs just before mount_replicas() (after the
     replicas started) must not leave the replica route mounted."""
-    holder = []
+    holder, stoppers = [], []
 
     class StopBeforeMount(hsp._proxy.AuthProxy):
         def mount_replicas(self, upstreams, token, **kwargs):
             stopper = threading.Thread(target=holder[0].stop_container)
+            stoppers.append(stopper)
             stopper.start()
-            stopper.join(timeout=TIMEOUT)
+            # The stop cancels the replica jobs, then waits for this start to end: once they are gone it
+            # has done all it can before the mount (joining it would wait out its bounded wait).
+            wait_until(lambda: all_jobs_gone(emu) or not stopper.is_alive(), "the stop to cancel the replicas")
             return super().mount_replicas(upstreams, token, **kwargs)
 
     with StopBeforeMount() as racing_proxy:
@@ -392,6 +394,8 @@ def test_stop_landing_while_the_replica_route_is_mounted_leaves_no_route(emu, lo
         holder.append(provider)
         with pytest.raises(hsp.SandboxError, match="stop_container"):
             provider.start_container()
+        assert mounted_routes(racing_proxy) == 0  # the failed start took its route down itself
         provider.stop_container()
-        assert mounted_routes(racing_proxy) == 0
+        stoppers[0].join(TIMEOUT)
+        assert not stoppers[0].is_alive()  # its wait ended with the start, not by timing out
     wait_until(lambda: all_jobs_gone(emu), "every replica job to end")

@@ -134,6 +134,8 @@ def test_a_minute_of_training_under_chaos_loses_nothing_and_leaks_nothing():
     assert all(v == 0 for k, v in report["leaks"].items() if not k.endswith(" left")), report["leaks"]
     assert report["token_scan"]["leaks"] == [] and report["token_scan"]["lines"] > 1000
     assert report["emulator_problems"] == []
+    # every unexplained error is counted, and the first ones are kept in full to say what was behind them
+    assert len(report["unexplained_details"]) == min(sum(report["unexplained_errors"].values()), 20)
     # the run did what it claims: both transports ran episodes, and most fault kinds hit a target
     assert report["episodes"] > CI_ENVS and report["steps"] > 10 * CI_ENVS
     assert len([k for k in report["faults"] if not k.endswith("environments")]) >= 6, report["faults"]
