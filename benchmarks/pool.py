@@ -215,6 +215,7 @@ def _pooled(args: argparse.Namespace, server: List[str], restarts: bool) -> Dict
         r["serving_s"] = _first_median_last(serving)
         lags = sorted(p._submitted_at + p.timings["ready"] - began - at for p, at in zip(providers, serving))
         r["probe_lag_s"] = (statistics.median(lags), _percentile(lags, 0.9), lags[-1])
+        r["running_s"] = sorted(job.started_mono - began for job in emu.jobs if job.started_mono is not None)
         r["api_by_route"] = dict(emu.api_calls)
         r["hosts"] = len({p._pooled.host_id for p in providers})
         r["host_jobs"] = len(emu.jobs)
@@ -322,12 +323,13 @@ def report(r: Dict[str, Any]) -> str:
     ]
     for label, run_ in (("lean stand-in", lean), ("echo server", echo)):
         lines.append(
-            "- Where the pooled time goes, %s (seconds from start_many, first / median / last environment): sandbox "
-            "created %s, server process started and mounted %s, server serving %s, /health 200 through the proxy %s "
+            "- Where the pooled time goes, %s (seconds from start_many, first / median / last environment): host "
+            "jobs RUNNING %s, sandbox created %s, server process started and mounted %s, server serving %s, /health 200 through the proxy %s "
             "(from serving to that 200, the readiness probe's lag: median %.2f s, p90 %.2f s, max %.2f s); CPU over "
             "the whole start: the %d servers (with their shells) %.1f CPU-seconds, this process (emulator, proxy, "
             "huggingface_hub's clients, the providers) %.1f; load average %.1f before, %.1f after." % tuple(
-                [label] + ["%.1f / %.1f / %.1f" % run_["%s_s" % stage] for stage in ("created", "url", "serving", "ready")]
+                [label, " and ".join("%.1f" % t for t in run_["running_s"])]
+                + ["%.1f / %.1f / %.1f" % run_["%s_s" % stage] for stage in ("created", "url", "serving", "ready")]
                 + list(run_["probe_lag_s"]) + [r["envs"], run_["servers_cpu_s"], run_["own_cpu_s"]] + list(run_["load"])))
     lines += [
         "- Everything here runs on this one machine: the emulator, both hosts' TLS fronts, every sandbox and all "
