@@ -1481,7 +1481,7 @@ def spawn_process(argv: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen:
     if ignored:
         # A command that cannot run fails here, as Popen's own exec would, not later in the shim.
         argv[0] = _executable(argv[0], popen_kwargs.get("env"), popen_kwargs.get("cwd"))
-        argv = [sys.executable, "-I", "-S", "-c", _SIGNAL_DEFAULT_SHIM, ",".join(str(int(sig)) for sig in ignored)] + argv
+        argv = _signal_reset_prefix(ignored) + argv
     if not hasattr(signal, "pthread_sigmask"):
         return subprocess.Popen(argv, **popen_kwargs)
     blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, CHILD_SIGNALS)
@@ -1499,6 +1499,33 @@ _SIGNAL_DEFAULT_SHIM = (
     "for number in sys.argv[1].split(','):\n"
     "    signal.signal(int(number), signal.SIG_DFL)\n"
     "os.execv(sys.argv[2], sys.argv[2:])\n")
+
+
+def _signal_reset_prefix(ignored: Sequence[int]) -> List[str]:
+    """What a child of spawn_process runs first to reset the ignored signals and exec its command: GNU env's
+    --default-signal (a small C program, ~1 ms of CPU), or where env lacks it (BSD, older coreutils) the
+    Python shim (an interpreter start, ~15 ms of CPU: under nohup, 64 sandboxes at once paid ~1 CPU-s)."""
+    env = _default_signal_env()
+    if env:
+        return [env, "--default-signal=" + ",".join(signal.Signals(sig).name[3:] for sig in ignored), "--"]
+    return [sys.executable, "-I", "-S", "-c", _SIGNAL_DEFAULT_SHIM, ",".join(str(int(sig)) for sig in ignored)]
+
+
+_default_signal_env_found: List[Optional[str]] = []  # [path or None] once checked
+
+
+def _default_signal_env() -> Optional[str]:
+    """The path of an `env` that has --default-signal (GNU coreutils >= 8.31), checked once, else None."""
+    if not _default_signal_env_found:
+        path = shutil.which("env") or ""
+        try:
+            works = bool(path) and subprocess.run([path, "--default-signal=HUP", "--version"], stdin=subprocess.DEVNULL,
+                                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                                  timeout=10).returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            works = False
+        _default_signal_env_found[:] = [path if works else None]
+    return _default_signal_env_found[0]
 
 
 def _executable(command: str, env: Optional[Mapping[str, str]], cwd: Optional[str]) -> str:

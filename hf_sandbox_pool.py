@@ -80,6 +80,9 @@ CREATE_RETRY_STATUSES = frozenset([429, 500, 502, 503, 504])
 # costs ~4 calls for all the hosts booting at once instead of ~7 per host, and a host that dies while
 # booting still fails its start within this long plus huggingface_hub's 2 s, with its stage and log.
 HOST_WATCH_INTERVAL_S = 3.0
+# When a pool closes, how long it waits for its background cache writer's last write (one file write, under
+# huggingface_hub's file lock) before writing the hosts it could not cancel.
+CACHE_FLUSH_S = 10.0
 # Pool names become the `hf-sandbox-pool` job label: the Hub's label rule.
 _POOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,100}\Z")  # \Z: `$` would accept a trailing newline
 
@@ -469,6 +472,9 @@ class _NamedPool:
         self.closed = False
         self.finalizer: Optional[weakref.finalize] = None
         self.cancelled_hosts: "set[str]" = set()
+        self.planned_hosts = 0  # hosts start_many asked for before the pool exists: its first start boots them
+        self.failures = 0  # pool creations that failed, and the last one's reason (shared by the starts waiting)
+        self.failure = ""
 
     def close(self) -> None:
         with self.lock:
@@ -508,9 +514,11 @@ _pools_lock = threading.Lock()
 _pools: Dict[Tuple[Any, ...], _NamedPool] = {}
 
 
-def prewarm(provider: "_core.HFSandboxProvider", n: int) -> None:
+def prewarm(provider: "_core.HFSandboxProvider", n: int, boot: bool = True) -> None:
     """Before `start_many(n, pool="name")`: make sure the named pool has hosts for `n` more sandboxes,
-    booting the missing ones in parallel (one cold start for all of them, not one per full host)."""
+    booting the missing ones in parallel (one cold start for all of them, not one per full host). With
+    `boot=False` and no pool yet, only plan them: the first start then boots them all at once, while the
+    other starts do their own set-up instead of waiting for the boot to begin theirs."""
     settings = provider._settings({})
     if not isinstance(settings["pool"], str):
         return
@@ -521,12 +529,30 @@ def prewarm(provider: "_core.HFSandboxProvider", n: int) -> None:
     finally:
         client.close()
     hosts = -(-n // HOST_CAPACITY_ASSUMED)
+    if not boot:
+        entry = _entry(_pool_key(settings, token, namespace, provider.endpoint))
+        with entry.lock:
+            if entry.pool is None and not entry.closed:
+                entry.planned_hosts = max(entry.planned_hosts, hosts)
+                return
     pool = _pool_for(settings, token, namespace, provider.endpoint, warm_up=hosts, new_session=provider._new_session)
     per_host = int(getattr(pool, "sandboxes_per_host", HOST_CAPACITY_ASSUMED) or HOST_CAPACITY_ASSUMED)
     wanted = -(-(n + pool.num_sandboxes) // per_host)
     if pool.num_hosts < wanted:
         logger.info("pool %s: warming %d host(s) for %d environments", pool.name, wanted, n)
         pool.warm(wanted)
+
+
+def _pool_key(settings: Mapping[str, Any], token: str, namespace: str, endpoint: str) -> Tuple[Any, ...]:
+    return (settings["pool"], settings["image"], settings["flavor"], namespace, _core._token_key(endpoint, token))
+
+
+def _entry(key: Tuple[Any, ...]) -> _NamedPool:
+    with _pools_lock:
+        entry = _pools.get(key)
+        if entry is None:
+            entry = _pools[key] = _NamedPool(key)
+        return entry
 
 
 def _pool_for(settings: Mapping[str, Any], token: str, namespace: str, endpoint: str, warm_up: int = 1,
@@ -537,24 +563,28 @@ def _pool_for(settings: Mapping[str, Any], token: str, namespace: str, endpoint:
     pool = settings["pool"]
     if not isinstance(pool, str):
         return pool
-    key = (pool, settings["image"], settings["flavor"], namespace, _core._token_key(endpoint, token))
-    with _pools_lock:
-        entry = _pools.get(key)
-        if entry is None:
-            entry = _pools[key] = _NamedPool(key)
+    entry = _entry(_pool_key(settings, token, namespace, endpoint))
+    failures_seen = entry.failures  # read before waiting: a boot that fails meanwhile fails this start too
     with entry.lock:
         if entry.pool is None:
             if entry.closed:
                 raise _core.SandboxError("pool %r was closed (close_pools() or teardown); start again to make a new "
                                          "one" % pool)
+            if entry.failures != failures_seen:  # not a new boot per waiting start: one failed boot fails them all
+                raise _core.SandboxError(entry.failure)
+            warm_up = max(warm_up, entry.planned_hosts)
             logger.info("pool %s: starting (image %s, flavor %s, namespace %s)", pool, settings["image"],
                         settings["flavor"], namespace)
             try:
                 entry.pool = _new_pool(pool, settings, token, namespace, endpoint, warm_up, new_session)
-            except Exception as exc:  # its first host failed to boot (and was cancelled by huggingface_hub)
+            except Exception as exc:  # its first hosts failed to boot (and were cancelled by huggingface_hub)
+                entry.failure = (str(exc) if isinstance(exc, _core.SandboxError)
+                                 else "pool %s could not start a host job: %s" % (pool, exc))
+                entry.failures += 1
                 if isinstance(exc, _core.SandboxError):
                     raise
-                raise _core.SandboxError("pool %s could not start a host job: %s" % (pool, exc)) from None
+                raise _core.SandboxError(entry.failure) from None
+            entry.planned_hosts = 0
             entry.finalizer = weakref.finalize(entry, _close_pool, entry.pool, entry)
             _core._live_finalizers.add(entry.finalizer)  # atexit and signal teardown run it
         return entry.pool
@@ -600,12 +630,8 @@ def _pool_class() -> Any:
             if started is None or not self.token:  # not a host boot: as huggingface_hub does it
                 return super().run_job(labels=labels, **kwargs)
             job = super().run_job(labels={**(labels or {}), _core.PROCESS_LABEL_KEY: _core._process_label}, **kwargs)
-            client = _core._JobsClient(self.endpoint, self.token, self._new_session())  # the watcher's key
-            try:
-                watch = _core._watcher.register(client, self._new_session, job.owner.name, job.id,
-                                                HOST_WATCH_INTERVAL_S, threading.Event())
-            finally:
-                client.close()
+            watch = _core._watcher.register(self.endpoint, self.token, self._new_session, job.owner.name, job.id,
+                                            HOST_WATCH_INTERVAL_S, threading.Event())
             with self._watches_lock:
                 self._watches[job.id] = (watch, job)
             started.append(job.id)
@@ -635,7 +661,8 @@ def _pool_class() -> Any:
             self.__dict__["_hub_endpoint"] = hub_endpoint
             self.__dict__["_new_session"] = new_session
             self._cache_lock = threading.Lock()
-            self._cache_writing = self._cache_stale = False
+            self._cache_stale = self._cache_closed = False
+            self._cache_writer: Optional[threading.Thread] = None
             super().__init__(*args, **kwargs)
 
         @property
@@ -650,29 +677,58 @@ def _pool_class() -> Any:
             self.__dict__["_provider_api"] = api
 
         def _save_cache(self, hosts: Any = None) -> None:
-            """huggingface_hub saves its host cache file after every create, under a file lock polled every
-            50 ms: 64 creates at once waited up to 4 s in line for it. Here one thread writes at a time and a
-            save asked for meanwhile is folded into that thread's next write (the latest state): each create
-            returns at once and the file still ends with the last state. `hosts` (close()) is written as given."""
+            """huggingface_hub saves its host cache file after every create (under a file lock polled every
+            50 ms; 64 creates at once waited up to 4 s in line for it) and at warm-up, in the caller's thread.
+            Here the saves go to one background writer, so no start waits for the file: a save asked for while
+            it writes is folded into its next write (the latest state), and the file still ends with the last
+            state. `hosts` (close()) is written as given, after the writer's last write."""
             if hosts is not None:
+                self.flush_cache()
                 return super()._save_cache(hosts)
             with self._cache_lock:
-                self._cache_stale = True
-                if self._cache_writing:
+                if self._cache_closed:  # close() writes (or deletes) the pool's entry itself
                     return
-                self._cache_writing = True
+                self._cache_stale = True
+                if self._cache_writer is not None:
+                    return
+                writer = self._cache_writer = threading.Thread(target=self._write_cache, name="hf-sandbox-pool-cache",
+                                                               daemon=True)
+            try:
+                _core._start_thread(writer)
+            except RuntimeError:  # no thread to be had (interpreter exit, a thread limit): write it here
+                with self._cache_lock:
+                    self._cache_writer = None
+                    self._cache_stale = False
+                SandboxPool._save_cache(self)
+
+        def close(self) -> None:
+            """huggingface_hub's close, after the background writer's last write: no write of ours lands after
+            close() has deleted (or rewritten) the pool's cache entry."""
+            with self._cache_lock:
+                self._cache_closed = True
+            self.flush_cache()
+            super().close()
+
+        def flush_cache(self) -> None:
+            """Wait (at most CACHE_FLUSH_S) for the background writer's last write."""
+            with self._cache_lock:
+                writer = self._cache_writer
+            if writer is not None and writer is not threading.current_thread():
+                writer.join(CACHE_FLUSH_S)
+
+        def _write_cache(self) -> None:
             try:
                 while True:
                     with self._cache_lock:  # the check and the hand-back in one step: no save is lost
-                        if not self._cache_stale:
-                            self._cache_writing = False
+                        if not self._cache_stale or self._cache_closed:
+                            self._cache_writer = None
                             return
                         self._cache_stale = False
-                    super()._save_cache()
-            except BaseException:
+                    SandboxPool._save_cache(self)
+            except Exception as exc:  # best effort, as huggingface_hub's cache is: the pool works without it
+                logger.debug("pool %s: could not save the pool cache (%s)", self.name, type(exc).__name__)
                 with self._cache_lock:
-                    self._cache_writing = False
-                raise
+                    self._cache_writer = None
 
         def _boot_host(self) -> Any:
             self._api.booting(True)

@@ -517,8 +517,8 @@ class HFSandboxProvider:
         providers = [cls(image, **provider_kwargs) for _ in range(n)]  # bad settings fail here, before any job
         _raise_if_rejected(_image_rejection(providers[0].image))
         providers[0]._resolve_token()  # no token: one SandboxConfigError now, not n failures later
-        if isinstance(providers[0].pool, str):  # boot the hosts n sandboxes need at once, in parallel
-            _pool_module().prewarm(providers[0], n)
+        if isinstance(providers[0].pool, str):  # the hosts n sandboxes need: the first start boots them all at once
+            _pool_module().prewarm(providers[0], n, boot=False)
         began = time.monotonic()
 
         def report(index: int, error: Optional[BaseException]) -> None:
@@ -894,7 +894,8 @@ class HFSandboxProvider:
 
     def _watch_job(self, client: "_JobsClient", job: Optional[Mapping[str, Any]]) -> None:
         """Register with the process-wide watcher: it refreshes the job and sets `_wake` on a change."""
-        self._watch = _watcher.register(client, self._hooks()._new_session, self._job_namespace or "", self.job_id or "",
+        self._watch = _watcher.register(client.endpoint, client._token, self._hooks()._new_session,
+                                        self._job_namespace or "", self.job_id or "",
                                         float(self._active["poll_interval_s"]), self._wake, job,
                                         since=self._submitted_at)
 
@@ -2237,17 +2238,17 @@ class _JobWatcher:
         self._groups: Dict[Tuple[str, str, str], _WatchGroup] = {}
         self._thread: Optional[threading.Thread] = None
 
-    def register(self, client: "_JobsClient", new_session: Callable[[], requests.Session], namespace: str,
+    def register(self, endpoint: str, token: str, new_session: Callable[[], requests.Session], namespace: str,
                  job_id: str, interval_s: float, wake: threading.Event,
                  job: Optional[Mapping[str, Any]] = None, since: Optional[float] = None) -> _Watch:
-        """Watch `job_id` until `unregister`; `new_session` makes the group's own HTTP session."""
+        """Watch `job_id` until `unregister`; the jobs of one (endpoint, token, namespace) share one refresh,
+        by a client of their own whose HTTP session `new_session` makes."""
         watch = _Watch(namespace, job_id, interval_s, wake, job, since)
-        key = client.token_key + (namespace,)
+        key = _token_key(endpoint, token) + (namespace,)
         with self._cond:
             group = self._groups.get(key)
             if group is None:
-                group = self._groups[key] = _WatchGroup(
-                    _JobsClient(client.endpoint, client._token, new_session()), namespace)
+                group = self._groups[key] = _WatchGroup(_JobsClient(endpoint, token, new_session()), namespace)
                 group.next_due = time.monotonic() + interval_s
             group.watches.append(watch)
             group.next_due = min(group.next_due, time.monotonic() + watch.interval_s(time.monotonic()))

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
-from typing import Any, Callable, Iterator, List
+from typing import Any, Callable, Iterator, List, Tuple
 
 import pytest
 import requests
@@ -143,29 +144,107 @@ def test_hosts_booting_at_once_are_watched_with_one_list_per_refresh_not_an_insp
     assert hsp._watcher._groups == {} or all(not g.watches for g in hsp._watcher._groups.values())
 
 
-@pytest.mark.slow  # eight environments, a 1 s cache write each
-def test_pool_cache_saves_during_a_slow_one_are_folded_into_one_write_that_keeps_the_last_state(
-        pool_env, proxy, monkeypatch):
-    import huggingface_hub._sandbox as hub_sandbox
+@pytest.mark.slow  # boots two host jobs
+def test_start_many_plans_its_hosts_and_its_first_start_boots_them_all_at_once(pool_env, proxy, monkeypatch):
+    monkeypatch.setattr(hf_sandbox_pool, "HOST_CAPACITY_ASSUMED", 2)  # 3 environments: plan 2 hosts
     emu = pool_env()
-    writes: List[int] = []  # the live count each write recorded
+    providers = HFSandboxProvider.start_many(3, IMAGE, progress=False, endpoint=emu.endpoint, token=emu.token,
+                                             verify=emu.ca_path, proxy=proxy, command=SERVER, pool="planned",
+                                             start_timeout_s=TIMEOUT, ready_timeout_s=TIMEOUT)
+    try:
+        assert len(emu.jobs) == 2 and all(job.stage == "RUNNING" for job in emu.jobs)  # one boot of both hosts
+        assert all(p.base_url for p in providers)
+    finally:
+        for p in providers:
+            p.stop_container()
+
+
+@pytest.mark.slow  # a host job that crashes at boot, seen through the job watcher's 3 s refresh
+def test_starts_waiting_for_a_pools_first_host_fail_with_its_boot_error_instead_of_booting_one_each(pool_env, proxy):
+    emu = pool_env(faults={"crash-at-boot": "sbx-server: cannot start (emulated crash)"})
+    ready, errors = HFSandboxProvider.start_many(4, IMAGE, all_or_nothing=False, progress=False, endpoint=emu.endpoint,
+                                                 token=emu.token, verify=emu.ca_path, proxy=proxy, command=SERVER,
+                                                 pool="crashing", start_timeout_s=TIMEOUT, ready_timeout_s=TIMEOUT)
+    assert ready == [] and len(errors) == 4
+    assert all(isinstance(error, SandboxError) and "pool crashing could not start a host job" in str(error)
+               and "emulated crash" in str(error) for _, error in errors), errors
+    assert len(emu.jobs) == 1 and proxy._routes == {}  # one boot, its failure shared by the starts that waited
+
+
+def _slow_cache_writes(monkeypatch: pytest.MonkeyPatch) -> List[Tuple[int, str]]:
+    """Make huggingface_hub's pool-cache write take 1 s (a slow disk, or a contended file lock); returns the
+    list of (live sandboxes the write recorded, the thread that wrote) it fills."""
+    import huggingface_hub._sandbox as hub_sandbox
+    writes: List[Tuple[int, str]] = []
     real_save = hub_sandbox.save_pool_cache
 
     def slow_save(*args: Any, **kwargs: Any) -> None:
-        time.sleep(1.0)  # a slow disk (or a contended file lock): creates arrive while it writes
-        writes.append(sum(host.live for host in kwargs["hosts"]))
+        time.sleep(1.0)
+        writes.append((sum(host.live for host in kwargs["hosts"]), threading.current_thread().name))
         real_save(*args, **kwargs)
 
     monkeypatch.setattr(hub_sandbox, "save_pool_cache", slow_save)
+    return writes
+
+
+def _named_pool() -> Any:
+    (entry,) = hf_sandbox_pool._pools.values()
+    return entry.pool
+
+
+@pytest.mark.slow  # eight environments, a 1 s cache write each
+def test_pool_cache_saves_go_to_one_background_writer_that_folds_them_and_keeps_the_last_state(
+        pool_env, proxy, monkeypatch):
+    emu = pool_env()
+    writes = _slow_cache_writes(monkeypatch)
     providers = HFSandboxProvider.start_many(8, IMAGE, progress=False, endpoint=emu.endpoint, token=emu.token,
                                              verify=emu.ca_path, proxy=proxy, command=SERVER, pool="slow-cache",
                                              start_timeout_s=TIMEOUT, ready_timeout_s=TIMEOUT)
     try:
+        _named_pool().flush_cache()
         assert len(writes) < 1 + len(providers), writes  # the warm-up's write, then fewer than one per create
-        assert writes[-1] == len(providers)  # the last write has every sandbox: no save was lost
+        assert writes[-1][0] == len(providers)  # the last write has every sandbox: no save was lost
+        assert {thread for _, thread in writes} == {"hf-sandbox-pool-cache"}  # no start waited for a write
     finally:
         for p in providers:
             p.stop_container()
+
+
+@pytest.mark.slow  # a pooled start
+def test_a_pool_cache_save_with_no_thread_to_spare_is_written_by_the_start_itself(pool_env, proxy, monkeypatch):
+    import huggingface_hub._sandbox as hub_sandbox
+    real_start = hsp._start_thread
+
+    def no_cache_thread(thread: threading.Thread) -> None:
+        if thread.name == "hf-sandbox-pool-cache":
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    monkeypatch.setattr(hsp, "_start_thread", no_cache_thread)
+    emu = pool_env()
+    p = provider(emu, proxy, pool="no-threads")
+    p.wait_for_ready(p.start_container())  # the create succeeds
+    try:
+        cached = hub_sandbox.read_pool_cache("no-threads", _named_pool()._cache_context)
+        assert cached is not None and sum(host.live for host in cached.hosts) == 1
+    finally:
+        p.stop_container()
+
+
+@pytest.mark.slow  # a 1 s cache write
+def test_closing_a_pool_waits_for_a_cache_write_in_flight_so_no_entry_is_left_for_its_cancelled_hosts(
+        pool_env, proxy, monkeypatch):
+    import huggingface_hub._sandbox as hub_sandbox
+    emu = pool_env()
+    writes = _slow_cache_writes(monkeypatch)
+    p = provider(emu, proxy, pool="closing")
+    p.wait_for_ready(p.start_container())
+    pool = _named_pool()
+    wait_until(lambda: pool._cache_writer is not None, "a cache write in flight")
+    p.stop_container()
+    hf_sandbox_pool.close_pools()  # cancels the host and deletes the pool's cache entry
+    time.sleep(1.5)  # longer than a write: one still in flight would land now
+    assert hub_sandbox.read_pool_cache("closing", pool._cache_context) is None, writes
 
 
 @pytest.mark.slow  # boots two host jobs
