@@ -1893,6 +1893,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         # target, forwarded lines, whether it is keep-alive HTTP/1.1): a client's requests usually differ
         # in that value alone (see _head_key).
         last_key, last = b"", None  # type: Tuple[bytes, Optional[Tuple[str, str, str, bool]]]
+        # For that head: the routing decision (route, upstream target), kept while the route is open (the
+        # default route_request reads nothing but the target and the mounted routes; unmount closes the
+        # route before it returns, and a route id is never mounted twice), and the upstream lines
+        # made for it with the token and extra headers that went into them (compared by identity: the
+        # memo holds them, so a rotated token or new headers are new objects and make new lines).
+        routed, lines_for = None, None  # type: Optional[Tuple[Route, str]], Optional[Tuple[object, object, str]]
         try:
             while not proxy._stopping:
                 if not buf:
@@ -1909,18 +1915,22 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                         return buf
                     last_key, length = key, clean[5]
                     last = (clean[0], clean[1], clean[7], clean[2] == "HTTP/1.1" and "close" not in clean[6])
+                    routed = None
                 method, target, kept, keep_alive = last
                 if not keep_alive or length > SMALL_RESPONSE_BYTES:
                     return buf
-                decision = route_request(target, None)  # type: ignore[arg-type]  # (the default never reads headers)
-                if decision.__class__ is Refusal or decision[0].__class__ is not Route:
-                    return buf
-                route, target = decision  # type: ignore[misc]
-                if route is not self._seen_route:
-                    if route not in proxy._seen_routes:
-                        with proxy._lock:
-                            proxy._seen_routes.add(route)
-                    self._seen_route = route
+                if routed is None or routed[0]._closed:
+                    decision = route_request(target, None)  # type: ignore[arg-type]  # (the default never reads headers)
+                    if decision.__class__ is Refusal or decision[0].__class__ is not Route:
+                        return buf
+                    routed, lines_for = decision, None  # type: ignore[assignment]
+                    route = decision[0]  # type: ignore[index]
+                    if route is not self._seen_route:
+                        if route not in proxy._seen_routes:
+                            with proxy._lock:
+                                proxy._seen_routes.add(route)
+                        self._seen_route = route
+                route, target = routed  # type: ignore[misc]
                 self.command, has_body = method, length >= 0
                 if route.token is route._checked_token and route.headers is None:  # fixed: nothing to call
                     token, extra = route.token, ()
@@ -1948,8 +1958,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                         self._refuse(_client_body_refusal(error, idle_timeout_s), close=True)
                         return None
                 body, buf = buf[end:stop], buf[stop:]
-                exchange = self._exchange(route, method, _clean_request_lines(method, target, kept, route, token, extra),
-                                          body, has_body, ())
+                if lines_for is None or lines_for[0] is not token or lines_for[1] is not extra:
+                    lines_for = (token, extra, _clean_request_lines(method, target, kept, route, token, extra))
+                exchange = self._exchange(route, method, lines_for[2], body, has_body, ())
                 if exchange is None:
                     if self.close_connection:
                         return None
