@@ -3037,8 +3037,8 @@ class _UpstreamReader:
 
     def __init__(self, recv: Callable[[int], bytes], prefix: bytes = b"") -> None:
         self._recv, self._buf = recv, prefix
-        # The last answer head relayed as it came, as (its _answer_key, status, reason): see _parse_answer.
-        self.memo: Optional[Tuple[bytes, int, str]] = None
+        # The last answer head relayed as it came, as _answer_memo made it: see _parse_answer.
+        self.memo: Optional[_AnswerMemo] = None
 
     def buffered(self) -> int:
         return len(self._buf)
@@ -3145,9 +3145,9 @@ def _parse_answer(head: bytes, method: str, reader: Optional[_UpstreamReader] = 
     regular expressions."""
     memo = reader.memo if reader is not None and method != "HEAD" else None
     if memo is not None:
-        key, length = _answer_key(head)
-        if length >= 0 and key == memo[0]:
-            return _Answer(memo[1], memo[2], [], "length", length, True, head)
+        length = _answer_memo_length(head, memo)
+        if length >= 0:
+            return _Answer(memo[0], memo[1], [], "length", length, True, head)
     text = head.decode("latin-1")
     clean = _CLEAN_ANSWER_RE.fullmatch(text)
     if clean is not None and method != "HEAD" and clean.group(1) not in ("204", "304"):
@@ -3158,8 +3158,7 @@ def _parse_answer(head: bytes, method: str, reader: Optional[_UpstreamReader] = 
                 # nothing hop-by-hop, one canonical Content-Length: relayed as it is (headers not parsed)
                 status, reason = int(clean.group(1)), clean.group(2)
                 if reader is not None:
-                    key, length = _answer_key(head)
-                    reader.memo = (key, status, reason) if length >= 0 else None
+                    reader.memo = _answer_memo(head, status, reason)
                 return _Answer(status, reason, [], "length", int(value), True, head)
     return _parse_answer_strictly(text, method)
 
@@ -3185,6 +3184,53 @@ def _answer_key(head: bytes) -> Tuple[bytes, int]:
     if date < start:
         return head[:date] + head[end:start] + head[stop:], int(value)
     return head[:start] + head[stop:date] + head[end:], int(value)
+
+
+# A head relayed as it came, remembered to recognise the next ones (see _answer_memo): its status, reason,
+# _answer_key, and for the usual order (a Date line before the Content-Length one) the head before the
+# Date value, between its end and the Content-Length value, and after that value.
+_AnswerMemo = Tuple[int, str, bytes, Optional[bytes], bytes, bytes]
+
+
+def _answer_memo(head: bytes, status: int, reason: str) -> Optional[_AnswerMemo]:
+    """What _answer_memo_length needs to recognise a head with the same _answer_key as `head` (clean,
+    relayed as it came, with `status` and `reason`); None when it has no usable key."""
+    key, length = _answer_key(head)
+    if length < 0:
+        return None
+    lowered = head.lower()
+    date, start = lowered.find(b"\r\ndate: ") + 8, lowered.find(b"\r\ncontent-length: ") + 18
+    if not 8 <= date < start:
+        return status, reason, key, None, b"", b""
+    end, stop = head.find(b"\r\n", date), head.find(b"\r\n", start)
+    return status, reason, key, head[:date], head[end:start], head[stop:]
+
+
+def _answer_memo_length(head: bytes, memo: _AnswerMemo) -> int:
+    """The Content-Length of `head` if its _answer_key is the memo's, else -1.
+
+    In the usual order the key is not built: the head must be the memo's bytes around a Date value and
+    a Content-Length value that hold no line end, so the first Date and Content-Length lines are where
+    the memo's were (the bytes before each are the memo's, which had none earlier), and the values
+    get _answer_key's checks."""
+    pre = memo[3]
+    if pre is None:
+        key, length = _answer_key(head)
+        return length if key == memo[2] else -1
+    if not head.startswith(pre):
+        return -1
+    date, mid = len(pre), memo[4]
+    end = head.find(b"\r\n", date)
+    if not head.startswith(mid, end):
+        return -1
+    start = end + len(mid)
+    stop = head.find(b"\r\n", start)
+    value = head[start:stop]
+    if head[stop:] != memo[5] or not value.isdigit() or len(value) > 18 or (value[0] == 48 and stop - start > 1):
+        return -1  # (48: "0")
+    if end == date or head[date] == 32 or head[end - 1] == 32 or head[date:end].translate(None, _PRINTABLE_ASCII):
+        return -1
+    return int(value)
 
 
 def _parse_answer_strictly(text: str, method: str) -> _Answer:

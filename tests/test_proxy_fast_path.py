@@ -388,7 +388,10 @@ def test_an_answer_the_memo_recognises_is_what_the_strict_path_writes(first: byt
         text = head.decode("latin-1")
         varied = re.sub(r"(?im)^(date|content-length): [^\r\n]*", lambda m: "%s: %s" % (
             m.group(1), date if m.group(1).lower() == "date" else length), text, count=2).encode("latin-1")
-        for later in (varied, second):
+        for later in (varied, varied[:-2] + b"x-tail: 1\r\n\r\n", second):  # (the tail: a line more after them)
+            if reader.memo is not None:  # recognised exactly when its _answer_key is the remembered head's
+                key, length = proxy._answer_key(later)
+                assert proxy._answer_memo_length(later, reader.memo) == (length if key == reader.memo[2] else -1)
             try:
                 remembered = proxy._parse_answer(later, method, reader)
             except proxy._BadResponse:
