@@ -1889,10 +1889,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         route_request, idle_timeout_s = proxy.route_request, proxy.idle_timeout_s
         self._reader.body_phase(idle_timeout_s)  # each read waits idle_timeout_s (the strict path's first byte and body)
         self.request_version, self.close_connection = "HTTP/1.1", False
-        # The last clean head, minus its Content-Length value, and what the loop needs of its parse (method,
-        # target, forwarded lines, whether it is keep-alive HTTP/1.1): a client's requests usually differ
-        # in that value alone (see _head_key).
-        last_key, last = b"", None  # type: Tuple[bytes, Optional[Tuple[str, str, str, bool]]]
+        # The last clean head, split around its Content-Length value (_head_memo), and what the loop needs of
+        # its parse (method, target, forwarded lines, whether it is keep-alive HTTP/1.1): a client's requests
+        # usually differ in that value alone (see _head_key).
+        last_head, last = (b"", None), None  # type: Tuple[bytes, Optional[bytes]], Optional[Tuple[str, str, str, bool]]
         # For that head: the routing decision (route, upstream target), kept while the route is open (the
         # default route_request reads nothing but the target and the mounted routes; unmount closes the
         # route before it returns, and a route id is never mounted twice), and the upstream lines
@@ -1908,12 +1908,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 end = buf.find(b"\r\n\r\n") + 4
                 if not 4 <= end <= MAX_HEADER_BYTES:
                     return buf
-                key, length = _head_key(buf, end)
-                if key != last_key or length < -1 or last is None:
+                length = _head_memo_length(buf, end, last_head) if last is not None else -3
+                if length < -1:
                     clean = _clean_request_head(buf, end)
                     if clean is None:
                         return buf
-                    last_key, length = key, clean[5]
+                    last_head, length = _head_memo(buf, end), clean[5]
                     last = (clean[0], clean[1], clean[7], clean[2] == "HTTP/1.1" and "close" not in clean[6])
                     routed = None
                 method, target, kept, keep_alive = last
@@ -3357,14 +3357,41 @@ def _head_key(data: bytes, end: int) -> Tuple[bytes, int]:
     value (-1 without such a line, -2 if it is not 1-18 ASCII digits). Two heads with the same key
     and a valid value differ in the length alone: if one is clean (`_clean_request_head`), so is the
     other, with the same parse but the length, so a connection's repeated head is parsed once."""
+    before, after = _head_memo(data, end)
+    if after is None:
+        return before, -1
+    value = data[len(before):end - len(after)]
+    return before + after, int(value) if value.isdigit() and len(value) <= 18 else -2
+
+
+def _head_memo(data: bytes, end: int) -> Tuple[bytes, Optional[bytes]]:
+    """The request head `data[:end]` split around the value of its first `Content-Length` line (the
+    head through "Content-Length: ", and from the line's end), or (the head, None) without one."""
     start = data.find(b"\r\nContent-Length: ", 0, end)
     if start < 0:  # (the usual spellings; a head with another is still parsed, only not reused)
         start = data.find(b"\r\ncontent-length: ", 0, end)
         if start < 0:
-            return data[:end], -1
+            return data[:end], None
     stop = data.find(b"\r\n", start + 18)
-    value = data[start + 18:stop]
-    return data[:start + 18] + data[stop:end], int(value) if value.isdigit() and len(value) <= 18 else -2
+    return data[:start + 18], data[stop:end]
+
+
+def _head_memo_length(data: bytes, end: int, memo: Tuple[bytes, Optional[bytes]]) -> int:
+    """What _head_key says of the head `data[:end]` when its key is that of the head `memo` was made from
+    (_head_memo): its Content-Length value, -1 or -2; else -3. Without building the key: the head must
+    be the memo's bytes around a value with no line end, so its first Content-Length line is where the
+    memo's was (the bytes before it are the memo's, which had none earlier)."""
+    before, after = memo
+    if after is None:
+        return -1 if data[:end] == before else -3
+    if not data.startswith(before):
+        return -3
+    start = len(before)
+    stop = data.find(b"\r\n", start)
+    if data[stop:end] != after:
+        return -3
+    value = data[start:stop]
+    return int(value) if value.isdigit() and len(value) <= 18 else -2
 
 
 def _request_lines(method: str, target: str, headers: List[Tuple[str, str]]) -> str:

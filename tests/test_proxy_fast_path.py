@@ -415,6 +415,10 @@ def test_a_head_the_clean_loop_reuses_a_parse_for_parses_to_that_with_its_own_le
         later = re.sub(rb"(?i)(\r\ncontent-length: )[^\r\n]*", lambda m: m.group(1) + length.encode("latin-1"),
                        head, count=1)
         later_key, later_length = proxy._head_key(later, len(later))
+        for other in (later, later[:-2] + b"X-Tail: 1\r\n\r\n"):  # the loop's test: the same as comparing keys
+            other_key, other_length = proxy._head_key(other, len(other))
+            assert proxy._head_memo_length(other + b"body", len(other), proxy._head_memo(head, len(head))) == (
+                other_length if other_key == key else -3)
         if first is None or later_key != key or later_length < -1:
             continue  # (the loop parses such a head afresh)
         again = proxy._clean_request_head(later, len(later))
