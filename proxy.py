@@ -1976,17 +1976,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     continue
                 # What _relay_response does for a clean small answer: read it whole, give the connection
                 # back to the pool, relay head and body in one send.
-                held = reader._buf
-                if len(held) >= size:
-                    reader._buf = held[size:]
-                    body = held if len(held) == size else held[:size]
-                else:
-                    try:
-                        body = b"".join(reader.pieces(size, "its response body"))
-                    except Exception as exc:
-                        route._checkin(conn, False)
-                        self._answer_body_failed(route, exc)
-                        return None
+                try:
+                    body = reader.read_exact(size, "its response body")
+                except Exception as exc:
+                    route._checkin(conn, False)
+                    self._answer_body_failed(route, exc)
+                    return None
                 route._checkin(conn, sent_all and not reader._buf)
                 try:
                     sendall(answer.raw + body)
@@ -2501,8 +2496,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         prefix = b""
         if mode == "length" and answer.length <= SMALL_RESPONSE_BYTES:
             try:
-                prefix = reader.read1(answer.length) if len(reader._buf) >= answer.length else \
-                    b"".join(reader.pieces(answer.length, "its response body"))  # (read with its head: no generator)
+                prefix = reader.read_exact(answer.length, "its response body")
             except Exception as exc:
                 on_done(False)
                 self._answer_body_failed(route, exc)
@@ -3056,7 +3050,10 @@ class _UpstreamReader:
         buf, searched = self._buf, 0
         while True:
             if buf:  # (nothing to search before the first read: a pooled connection's buffer is empty)
-                end = _head_end(buf, searched)
+                # Just past the blank line ending the head (CRLF or bare LF lines: the first of either), or -1.
+                crlf = buf.find(b"\n\r\n", searched)
+                lf = buf.find(b"\n\n", searched) if crlf < 0 else buf.find(b"\n\n", searched, crlf + 1)
+                end = lf + 2 if lf >= 0 else crlf + 3 if crlf >= 0 else -1
                 if 0 <= end <= MAX_RESPONSE_HEAD_BYTES:
                     self._buf = buf[end:]
                     return buf[:end]
@@ -3087,6 +3084,18 @@ class _UpstreamReader:
             return buf[:n]
         return self._recv(n)
 
+    def read_exact(self, n: int, where: str) -> bytes:
+        """Exactly n bytes (a small body, read whole): the buffered ones, then as many more as are missing;
+        the upstream closing first is a _BadResponse."""
+        buf = self._buf
+        while len(buf) < n:
+            data = self._recv(n - len(buf))
+            if not data:
+                raise _BadResponse("upstream-unreachable", "closed the connection in the middle of " + where)
+            buf += data
+        self._buf = buf[n:]
+        return buf if len(buf) == n else buf[:n]
+
     def pieces(self, n: int, where: str) -> Iterator[bytes]:
         """Exactly n bytes, yielded as they arrive; the upstream closing first is a _BadResponse."""
         while n > 0:
@@ -3113,14 +3122,6 @@ class _UpstreamReader:
             self._buf = buf
 
 
-def _head_end(buf: bytes, start: int) -> int:
-    """Index just past the blank line ending a head in buf (CRLF or bare LF lines), or -1."""
-    crlf, lf = buf.find(b"\n\r\n", start), buf.find(b"\n\n", start)
-    if crlf >= 0 and (lf < 0 or crlf < lf):
-        return crlf + 3
-    return lf + 2 if lf >= 0 else -1
-
-
 class _Answer(NamedTuple):
     """A parsed upstream response head and how its body is delimited (RFC 9112 section 6.3)."""
 
@@ -3131,6 +3132,10 @@ class _Answer(NamedTuple):
     length: int  # the Content-Length for "length", else -1
     keep_alive: bool  # the connection may carry another request once this body is read
     raw: Optional[bytes] = None  # a clean head (see _CLEAN_ANSWER_RE) to relay as it is; `headers` is then []
+
+
+# Builds a NamedTuple without its generated __new__, a Python function (a frame more on the hot path).
+_new_tuple = tuple.__new__
 
 
 def _parse_answer(head: bytes, method: str, reader: Optional[_UpstreamReader] = None) -> _Answer:
@@ -3147,7 +3152,7 @@ def _parse_answer(head: bytes, method: str, reader: Optional[_UpstreamReader] = 
     if memo is not None:
         length = _answer_memo_length(head, memo)
         if length >= 0:
-            return _Answer(memo[0], memo[1], [], "length", length, True, head)
+            return _new_tuple(_Answer, (memo[0], memo[1], [], "length", length, True, head))
     text = head.decode("latin-1")
     clean = _CLEAN_ANSWER_RE.fullmatch(text)
     if clean is not None and method != "HEAD" and clean.group(1) not in ("204", "304"):
