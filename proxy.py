@@ -424,23 +424,24 @@ class Route:
     def _checkin(self, conn: "_UpstreamConnection", reusable: bool) -> None:
         """Return a connection after its response was fully read (reusable) or close it."""
         self._active.discard(conn)
+        pool, idle = self._pool, self._idle
         # A closed route's finished connection still serves the host's other routes: only the pool's end closes it.
-        if not reusable or self._pool.closed or len(self._idle) >= POOL_MAX_IDLE:
+        if not reusable or pool.closed or len(idle) >= POOL_MAX_IDLE:
             conn.close()
             return
         conn.since = now = time.monotonic()
-        self._idle.append(conn)
-        idle = self._idle
-        while idle and idle[0].since < now - POOL_IDLE_S:  # evict the oldest so they do not linger
+        idle.append(conn)
+        cutoff = now - POOL_IDLE_S
+        while idle and idle[0].since < cutoff:  # evict the oldest so they do not linger
             try:
                 old = idle.popleft()
             except IndexError:
                 break
-            if old.since >= now - POOL_IDLE_S:  # another thread checked it in meanwhile: keep it
+            if old.since >= cutoff:  # another thread checked it in meanwhile: keep it
                 idle.append(old)
                 break
             old.close()
-        if self._pool.closed:  # the pool's last route closed while we appended: it may have missed this one
+        if pool.closed:  # the pool's last route closed while we appended: it may have missed this one
             for late in self._drain_idle():
                 late.close()
 
@@ -3193,8 +3194,9 @@ def _answer_key(head: bytes) -> Tuple[bytes, int]:
 
 # A head relayed as it came, remembered to recognise the next ones (see _answer_memo): its status, reason,
 # _answer_key, and for the usual order (a Date line before the Content-Length one) the head before the
-# Date value, between its end and the Content-Length value, and after that value.
-_AnswerMemo = Tuple[int, str, bytes, Optional[bytes], bytes, bytes]
+# Date value, between its end and the Content-Length value, and after that value, and the lengths of
+# the first two.
+_AnswerMemo = Tuple[int, str, bytes, Optional[bytes], bytes, bytes, int, int]
 
 
 def _answer_memo(head: bytes, status: int, reason: str) -> Optional[_AnswerMemo]:
@@ -3206,9 +3208,9 @@ def _answer_memo(head: bytes, status: int, reason: str) -> Optional[_AnswerMemo]
     lowered = head.lower()
     date, start = lowered.find(b"\r\ndate: ") + 8, lowered.find(b"\r\ncontent-length: ") + 18
     if not 8 <= date < start:
-        return status, reason, key, None, b"", b""
+        return status, reason, key, None, b"", b"", 0, 0
     end, stop = head.find(b"\r\n", date), head.find(b"\r\n", start)
-    return status, reason, key, head[:date], head[end:start], head[stop:]
+    return status, reason, key, head[:date], head[end:start], head[stop:], date, start - end
 
 
 def _answer_memo_length(head: bytes, memo: _AnswerMemo) -> int:
@@ -3222,18 +3224,20 @@ def _answer_memo_length(head: bytes, memo: _AnswerMemo) -> int:
     if pre is None:
         key, length = _answer_key(head)
         return length if key == memo[2] else -1
-    if not head.startswith(pre):
+    date = memo[6]  # (slices compared: cheaper than startswith, whose arguments are parsed per call)
+    if head[:date] != pre:
         return -1
-    date, mid = len(pre), memo[4]
     end = head.find(b"\r\n", date)
-    if not head.startswith(mid, end):
+    start = end + memo[7]
+    if head[end:start] != memo[4]:
         return -1
-    start = end + len(mid)
     stop = head.find(b"\r\n", start)
     value = head[start:stop]
     if head[stop:] != memo[5] or not value.isdigit() or len(value) > 18 or (value[0] == 48 and stop - start > 1):
         return -1  # (48: "0")
-    if end == date or head[date] == 32 or head[end - 1] == 32 or head[date:end].translate(None, _PRINTABLE_ASCII):
+    # A clean Date value (as _answer_key checks it): printable ASCII without a blank at either end.
+    stamp = head[date:end]
+    if end == date or head[date] == 32 or head[end - 1] == 32 or not (stamp.isascii() and stamp.decode().isprintable()):
         return -1
     return int(value)
 

@@ -388,10 +388,14 @@ def test_an_answer_the_memo_recognises_is_what_the_strict_path_writes(first: byt
         text = head.decode("latin-1")
         varied = re.sub(r"(?im)^(date|content-length): [^\r\n]*", lambda m: "%s: %s" % (
             m.group(1), date if m.group(1).lower() == "date" else length), text, count=2).encode("latin-1")
-        for later in (varied, varied[:-2] + b"x-tail: 1\r\n\r\n", second):  # (the tail: a line more after them)
-            if reader.memo is not None:  # recognised exactly when its _answer_key is the remembered head's
-                key, length = proxy._answer_key(later)
-                assert proxy._answer_memo_length(later, reader.memo) == (length if key == reader.memo[2] else -1)
+        memo = reader.memo  # (each later head is also compared with the first's memo)
+        # (and as HTTP/1.0, with a line more after them, and another letter starting the line after the Date line)
+        for later in (varied, varied.replace(b"HTTP/1.1 ", b"HTTP/1.0 ", 1), varied[:-2] + b"x-tail: 1\r\n\r\n", re.sub(
+                rb"(?i)(\ndate: [^\r\n]*\r\n)([a-z])", lambda m: m.group(1) + (b"z" if m.group(2) == b"y" else b"y"),
+                varied, count=1), second):
+            if memo is not None:  # recognised exactly when its _answer_key is the remembered head's
+                key, later_length = proxy._answer_key(later)
+                assert proxy._answer_memo_length(later, memo) == (later_length if key == memo[2] else -1)
             try:
                 remembered = proxy._parse_answer(later, method, reader)
             except proxy._BadResponse:
