@@ -2295,30 +2295,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._relay_response(route, conn.reader, answer,
                              on_done=lambda reusable: route._checkin(conn, reusable and sent_all))
 
-    def _exchange(self, route: Route, method: str, lines: str, body: bytes, has_body: bool,
-                  rest: Iterable[bytes]) -> Optional[Tuple[_UpstreamConnection, _Answer, bool]]:
-        """Send the request upstream (see _send_upstream) and read its answer head: (connection, answer,
-        whether the whole request was sent), or None once the client was answered (a refusal) or left."""
-        replayable = len(body) <= REPLAYABLE_BODY_BYTES
-        try:
-            exchange = self._send_upstream(route, method, lines, body, has_body, replayable, rest)
-        except _ClientBodyError as exc:
-            self._refuse(_client_body_refusal(exc, self.proxy.idle_timeout_s), close=True)
-            return None
-        except _ClientGone:
-            log.debug("proxy: %s: client left before the upstream answered; request abandoned", route.label)
-            self.close_connection = True
-            return None
-        except _UpstreamFailure as failure:
-            _log_upstream_failure(route, failure.refusal.kind, "")
-            self._refuse(failure.refusal, close=not replayable or failure.refusal.status == 504)
-            return None
-        if route._failing_kind is not None:  # (note_answer's own test, without the call)
-            route.note_answer()
-        if not exchange[2] and not replayable:
-            self.close_connection = True  # the upstream answered early: the rest of the client's body is unread
-        return exchange
-
     def _buffered_body(self, framing: Tuple[str, int]) -> Tuple[bytes, Iterator[bytes]]:
         """The request body's first bytes, all of it if it is at most REPLAYABLE_BODY_BYTES (then it
         can be replayed on a retry), and an iterator over the rest. A Content-Length body that small
@@ -2344,61 +2320,82 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 return b"".join(buffered), body_iter
         return b"".join(buffered), iter(())
 
-    def _send_upstream(self, route: Route, method: str, lines: str, body: bytes, has_body: bool, replayable: bool,
-                       rest: Iterable[bytes]) -> Tuple[_UpstreamConnection, _Answer, bool]:
-        """Send the request (`lines`: its head without framing header and blank line) on a pooled (or
-        fresh) connection; (connection, final answer head, whether the whole request was sent).
-        Interim answers are relayed on the way."""
+    def _exchange(self, route: Route, method: str, lines: str, body: bytes, has_body: bool,
+                  rest: Iterable[bytes]) -> Optional[Tuple[_UpstreamConnection, _Answer, bool]]:
+        """Send the request (`lines`: its head without framing header and blank line; `body`, then `rest`)
+        on a pooled (or fresh) connection, retrying once on a fresh one as _may_retry allows, and read
+        its final answer head (interim ones are relayed on the way): (connection, answer, whether the
+        whole request was sent), or None once the client was answered (a refusal) or left."""
         size = len(body)
+        replayable = size <= REPLAYABLE_BODY_BYTES
         if replayable:
             lines += "Content-Length: %d\r\n\r\n" % size if has_body else "\r\n"
         else:
             lines += "Transfer-Encoding: chunked\r\n\r\n"
         head = lines.encode("latin-1")  # parsed as latin-1 text, so this round-trips
-        for attempt in (1, 2):
-            try:
-                conn, reused = route._checkout(self.proxy)
-            except Exception as exc:
-                raise _UpstreamFailure(_classify_upstream_error(exc, route)) from None
-            sent_all = False
-            try:
+        try:
+            for attempt in (1, 2):
                 try:
-                    if replayable and size <= SMALL_RESPONSE_BYTES:  # one send, as send_request would
-                        conn._sendall(head + body)
-                        sent_all = True
-                    else:
-                        sent_all = conn.send_request(head, iter((body,)) if replayable else _prepend(body, rest),
-                                                     chunked=not replayable)
-                except (socket.timeout, TimeoutError):
+                    conn, reused = route._checkout(self.proxy)
+                except Exception as exc:
+                    raise _UpstreamFailure(_classify_upstream_error(exc, route)) from None
+                sent_all = False
+                try:
+                    try:
+                        if replayable and size <= SMALL_RESPONSE_BYTES:  # one send, as send_request would
+                            conn._sendall(head + body)
+                            sent_all = True
+                        else:
+                            sent_all = conn.send_request(head, iter((body,)) if replayable else _prepend(body, rest),
+                                                         chunked=not replayable)
+                    except (socket.timeout, TimeoutError):
+                        raise
+                    except OSError:
+                        # Dropped while sending: a stale pooled connection (nothing to read: the retry rule
+                        # decides), or an upstream that answered early (e.g. 413) and closed: relay that.
+                        pass
+                    if sent_all:  # the client is watched while the upstream works on the request
+                        self._watched, conn.watch = conn, self._watch_client
+                    reader = conn.reader
+                    try:
+                        answer = _parse_answer(reader.read_head(True), method, reader)
+                        if answer.status < 200:
+                            answer = self._final_answer(reader, method, answer)
+                    finally:
+                        conn.watch = None
+                    break
+                except (_ClientBodyError, _ClientGone):
+                    route._checkin(conn, False)
                     raise
-                except OSError:
-                    # Dropped while sending: a stale pooled connection (nothing to read: the retry rule
-                    # decides), or an upstream that answered early (e.g. 413) and closed: relay that.
-                    pass
-                if sent_all:  # the client is watched while the upstream works on the request
-                    self._watched, conn.watch = conn, self._watch_client
-                try:
-                    answer = self._read_answer(conn.reader, method)
-                finally:
-                    conn.watch = None
-                return conn, answer, sent_all
-            except (_ClientBodyError, _ClientGone):
-                route._checkin(conn, False)
-                raise
-            except Exception as exc:
-                route._checkin(conn, False)
-                if attempt == 1 and _may_retry(method, reused, replayable, sent_all, exc):
-                    log.debug("proxy: %s pooled connection was stale; retrying once on a fresh one", route.label)
-                    continue
-                raise _UpstreamFailure(_classify_upstream_error(exc, route)) from None
-        raise AssertionError("unreachable")  # pragma: no cover
+                except Exception as exc:
+                    route._checkin(conn, False)
+                    if attempt == 1 and _may_retry(method, reused, replayable, sent_all, exc):
+                        log.debug("proxy: %s pooled connection was stale; retrying once on a fresh one", route.label)
+                        continue
+                    raise _UpstreamFailure(_classify_upstream_error(exc, route)) from None
+        except _ClientBodyError as exc:
+            self._refuse(_client_body_refusal(exc, self.proxy.idle_timeout_s), close=True)
+            return None
+        except _ClientGone:
+            log.debug("proxy: %s: client left before the upstream answered; request abandoned", route.label)
+            self.close_connection = True
+            return None
+        except _UpstreamFailure as failure:
+            _log_upstream_failure(route, failure.refusal.kind, "")
+            self._refuse(failure.refusal, close=not replayable or failure.refusal.status == 504)
+            return None
+        if route._failing_kind is not None:  # (note_answer's own test, without the call)
+            route.note_answer()
+        if not sent_all and not replayable:
+            self.close_connection = True  # the upstream answered early: the rest of the client's body is unread
+        return conn, answer, sent_all
 
-    def _read_answer(self, reader: _UpstreamReader, method: str) -> _Answer:
-        """Read the final answer head, relaying interim 1xx ones (102, 103, ...) to HTTP/1.1 clients.
+    def _final_answer(self, reader: _UpstreamReader, method: str, answer: _Answer) -> _Answer:
+        """After an interim (1xx) answer head: relay it to HTTP/1.1 clients, and the next ones (102, 103,
+        ...), until the final answer head, which is returned.
 
         100 Continue is not relayed: the proxy answered the client's Expect itself and never sends
         one upstream. A 101 without an upgrade request is a protocol error."""
-        answer = _parse_answer(reader.read_head(first=True), method, reader)
         count = 0
         while answer.status < 200:
             if answer.status == 101:
