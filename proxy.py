@@ -3145,10 +3145,33 @@ def _parse_answer(head: bytes, method: str, reader: Optional[_UpstreamReader] = 
     anything else is parsed line by line (_parse_answer_strictly). With the connection's `reader`, a
     head equal to the last one relayed as it is but in its Date and Content-Length values (an
     upstream's answers usually differ in those alone: see _answer_key) is recognised without the
-    regular expressions."""
+    regular expressions.
+
+    For the usual order (a Date line before the Content-Length one; see _answer_memo) the key is not
+    built: the head must be the memo's bytes around a Date value and a Content-Length value that hold
+    no line end, so the first Date and Content-Length lines are where the memo's were (the bytes
+    before each are the memo's, which had none earlier), and the values get _answer_key's checks.
+    (Slices are compared: startswith parses its arguments per call. Inline: a call is a frame.)"""
     memo = reader.memo if reader is not None and method != "HEAD" else None
     if memo is not None:
-        length = _answer_memo_length(head, memo)
+        pre, date, length = memo[3], memo[6], -1
+        if pre is None:
+            key, length = _answer_key(head)
+            if key != memo[2]:
+                length = -1
+        elif head[:date] == pre:
+            end = head.find(b"\r\n", date)
+            start = end + memo[7]
+            if head[end:start] == memo[4]:
+                stop = head.find(b"\r\n", start)
+                value = head[start:stop]
+                if (head[stop:] == memo[5] and value.isdigit() and len(value) <= 18
+                        and (value[0] != 48 or stop - start == 1)):  # (48: "0")
+                    # A clean Date value (as _answer_key checks it): printable ASCII, no blank at either end.
+                    stamp = head[date:end]
+                    if (end > date and head[date] != 32 and head[end - 1] != 32 and stamp.isascii()
+                            and stamp.decode().isprintable()):
+                        length = int(value)
         if length >= 0:
             return _new_tuple(_Answer, (memo[0], memo[1], [], "length", length, True, head))
     text = head.decode("latin-1")
@@ -3197,7 +3220,7 @@ _AnswerMemo = Tuple[int, str, bytes, Optional[bytes], bytes, bytes, int, int]
 
 
 def _answer_memo(head: bytes, status: int, reason: str) -> Optional[_AnswerMemo]:
-    """What _answer_memo_length needs to recognise a head with the same _answer_key as `head` (clean,
+    """What _parse_answer needs to recognise a head with the same _answer_key as `head` (clean,
     relayed as it came, with `status` and `reason`); None when it has no usable key."""
     key, length = _answer_key(head)
     if length < 0:
@@ -3208,35 +3231,6 @@ def _answer_memo(head: bytes, status: int, reason: str) -> Optional[_AnswerMemo]
         return status, reason, key, None, b"", b"", 0, 0
     end, stop = head.find(b"\r\n", date), head.find(b"\r\n", start)
     return status, reason, key, head[:date], head[end:start], head[stop:], date, start - end
-
-
-def _answer_memo_length(head: bytes, memo: _AnswerMemo) -> int:
-    """The Content-Length of `head` if its _answer_key is the memo's, else -1.
-
-    In the usual order the key is not built: the head must be the memo's bytes around a Date value and
-    a Content-Length value that hold no line end, so the first Date and Content-Length lines are where
-    the memo's were (the bytes before each are the memo's, which had none earlier), and the values
-    get _answer_key's checks."""
-    pre = memo[3]
-    if pre is None:
-        key, length = _answer_key(head)
-        return length if key == memo[2] else -1
-    date = memo[6]  # (slices compared: cheaper than startswith, whose arguments are parsed per call)
-    if head[:date] != pre:
-        return -1
-    end = head.find(b"\r\n", date)
-    start = end + memo[7]
-    if head[end:start] != memo[4]:
-        return -1
-    stop = head.find(b"\r\n", start)
-    value = head[start:stop]
-    if head[stop:] != memo[5] or not value.isdigit() or len(value) > 18 or (value[0] == 48 and stop - start > 1):
-        return -1  # (48: "0")
-    # A clean Date value (as _answer_key checks it): printable ASCII without a blank at either end.
-    stamp = head[date:end]
-    if end == date or head[date] == 32 or head[end - 1] == 32 or not (stamp.isascii() and stamp.decode().isprintable()):
-        return -1
-    return int(value)
 
 
 def _parse_answer_strictly(text: str, method: str) -> _Answer:

@@ -393,9 +393,17 @@ def test_an_answer_the_memo_recognises_is_what_the_strict_path_writes(first: byt
         for later in (varied, varied.replace(b"HTTP/1.1 ", b"HTTP/1.0 ", 1), varied[:-2] + b"x-tail: 1\r\n\r\n", re.sub(
                 rb"(?i)(\ndate: [^\r\n]*\r\n)([a-z])", lambda m: m.group(1) + (b"z" if m.group(2) == b"y" else b"y"),
                 varied, count=1), second):
-            if memo is not None:  # recognised exactly when its _answer_key is the remembered head's
+            if memo is not None:  # recognised by the memo exactly when its _answer_key is the remembered head's
                 key, later_length = proxy._answer_key(later)
-                assert proxy._answer_memo_length(later, memo) == (later_length if key == memo[2] else -1)
+                probe = proxy._UpstreamReader(lambda n: b"")
+                probe.memo = memo
+                try:
+                    answer = proxy._parse_answer(later, method, probe)
+                except proxy._BadResponse:
+                    answer = None
+                recognised = answer is not None and answer.raw is not None and probe.memo is memo  # (else replaced)
+                assert recognised == (later_length >= 0 and key == memo[2])
+                assert not recognised or answer.length == later_length  # type: ignore[union-attr]
             try:
                 remembered = proxy._parse_answer(later, method, reader)
             except proxy._BadResponse:
