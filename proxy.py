@@ -3160,8 +3160,11 @@ def _parse_answer(head: bytes, method: str, reader: Optional[_UpstreamReader] = 
             if key != memo[2]:
                 length = -1
         elif head[:date] == pre:
-            end = head.find(b"\r\n", date)
+            end = date + memo[8]  # (where it is when the Date value is as long as the memo's, as HTTP dates are)
             start = end + memo[7]
+            if head[end:start] != memo[4]:
+                end = head.find(b"\r\n", date)
+                start = end + memo[7]
             if head[end:start] == memo[4]:
                 stop = head.find(b"\r\n", start)
                 value = head[start:stop]
@@ -3169,9 +3172,11 @@ def _parse_answer(head: bytes, method: str, reader: Optional[_UpstreamReader] = 
                         and (value[0] != 48 or stop - start == 1)):  # (48: "0")
                     # A clean Date value (as _answer_key checks it): printable ASCII, no blank at either end.
                     stamp = head[date:end]
-                    if (end > date and head[date] != 32 and head[end - 1] != 32 and stamp.isascii()
-                            and stamp.decode().isprintable()):
+                    if stamp == _clean_stamp[0]:
                         length = int(value)
+                    elif (end > date and head[date] != 32 and head[end - 1] != 32 and stamp.isascii()
+                            and stamp.decode().isprintable()):
+                        length, _clean_stamp[0] = int(value), stamp
         if length >= 0:
             return _new_tuple(_Answer, (memo[0], memo[1], [], "length", length, True, head))
     text = head.decode("latin-1")
@@ -3214,9 +3219,12 @@ def _answer_key(head: bytes) -> Tuple[bytes, int]:
 
 # A head relayed as it came, remembered to recognise the next ones (see _answer_memo): its status, reason,
 # _answer_key, and for the usual order (a Date line before the Content-Length one) the head before the
-# Date value, between its end and the Content-Length value, and after that value, and the lengths of
-# the first two.
-_AnswerMemo = Tuple[int, str, bytes, Optional[bytes], bytes, bytes, int, int]
+# Date value, between its end and the Content-Length value, and after that value, the lengths of the
+# first two, and the Date value's length.
+_AnswerMemo = Tuple[int, str, bytes, Optional[bytes], bytes, bytes, int, int, int]
+# The last Date value _parse_answer found clean (upstreams change it once a second): checked again only
+# when another comes. Any thread may replace it; it only ever holds a clean value (one to start with).
+_clean_stamp = [b"Thu, 01 Jan 1970 00:00:00 GMT"]
 
 
 def _answer_memo(head: bytes, status: int, reason: str) -> Optional[_AnswerMemo]:
@@ -3228,9 +3236,9 @@ def _answer_memo(head: bytes, status: int, reason: str) -> Optional[_AnswerMemo]
     lowered = head.lower()
     date, start = lowered.find(b"\r\ndate: ") + 8, lowered.find(b"\r\ncontent-length: ") + 18
     if not 8 <= date < start:
-        return status, reason, key, None, b"", b"", 0, 0
+        return status, reason, key, None, b"", b"", 0, 0, 0
     end, stop = head.find(b"\r\n", date), head.find(b"\r\n", start)
-    return status, reason, key, head[:date], head[end:start], head[stop:], date, start - end
+    return status, reason, key, head[:date], head[end:start], head[stop:], date, start - end, end - date
 
 
 def _parse_answer_strictly(text: str, method: str) -> _Answer:
@@ -3384,9 +3392,9 @@ def _head_memo_length(data: bytes, end: int, memo: Tuple[bytes, Optional[bytes]]
     before, after = memo
     if after is None:
         return -1 if data[:end] == before else -3
-    if not data.startswith(before):
-        return -3
     start = len(before)
+    if data[:start] != before:  # (a slice compared: startswith parses its arguments per call)
+        return -3
     stop = data.find(b"\r\n", start)
     if data[stop:end] != after:
         return -3
