@@ -3162,10 +3162,12 @@ def _parse_answer(head: bytes, method: str, reader: Optional[_UpstreamReader] = 
         elif head[:date] == pre:
             end = date + memo[8]  # (where it is when the Date value is as long as the memo's, as HTTP dates are)
             start = end + memo[7]
-            if head[end:start] != memo[4]:
+            same = head[end:start] == memo[4]
+            if not same:
                 end = head.find(b"\r\n", date)
                 start = end + memo[7]
-            if head[end:start] == memo[4]:
+                same = head[end:start] == memo[4]
+            if same:
                 stop = head.find(b"\r\n", start)
                 value = head[start:stop]
                 if (head[stop:] == memo[5] and value.isdigit() and len(value) <= 18
