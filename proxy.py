@@ -3168,7 +3168,7 @@ def _parse_answer(head: bytes, method: str, reader: Optional[_UpstreamReader] = 
                 start = end + memo[7]
                 same = head[end:start] == memo[4]
             if same:
-                stop = head.find(b"\r\n", start)
+                stop = len(head) - len(memo[5])  # (a value of digits holds no line end: the one after it is here)
                 value = head[start:stop]
                 if (head[stop:] == memo[5] and value.isdigit() and len(value) <= 18
                         and (value[0] != 48 or stop - start == 1)):  # (48: "0")
@@ -3397,11 +3397,13 @@ def _head_memo_length(data: bytes, end: int, memo: Tuple[bytes, Optional[bytes]]
     start = len(before)
     if data[:start] != before:  # (a slice compared: startswith parses its arguments per call)
         return -3
-    stop = data.find(b"\r\n", start)
-    if data[stop:end] != after:
+    stop = end - len(after)  # (where the value's line ends if the rest is the memo's)
+    if stop < start or data[stop:end] != after:
         return -3
     value = data[start:stop]
-    return int(value) if value.isdigit() and len(value) <= 18 else -2
+    if value.isdigit() and len(value) <= 18:  # (digits hold no line end: the value's line ends at stop)
+        return int(value)
+    return -2 if data.find(b"\r\n", start) == stop else -3
 
 
 def _request_lines(method: str, target: str, headers: List[Tuple[str, str]]) -> str:
