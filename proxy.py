@@ -424,23 +424,24 @@ class Route:
     def _checkin(self, conn: "_UpstreamConnection", reusable: bool) -> None:
         """Return a connection after its response was fully read (reusable) or close it."""
         self._active.discard(conn)
+        pool, idle = self._pool, self._idle
         # A closed route's finished connection still serves the host's other routes: only the pool's end closes it.
-        if not reusable or self._pool.closed or len(self._idle) >= POOL_MAX_IDLE:
+        if not reusable or pool.closed or len(idle) >= POOL_MAX_IDLE:
             conn.close()
             return
         conn.since = now = time.monotonic()
-        self._idle.append(conn)
-        idle = self._idle
-        while idle and idle[0].since < now - POOL_IDLE_S:  # evict the oldest so they do not linger
+        idle.append(conn)
+        cutoff = now - POOL_IDLE_S
+        while idle and idle[0].since < cutoff:  # evict the oldest so they do not linger
             try:
                 old = idle.popleft()
             except IndexError:
                 break
-            if old.since >= now - POOL_IDLE_S:  # another thread checked it in meanwhile: keep it
+            if old.since >= cutoff:  # another thread checked it in meanwhile: keep it
                 idle.append(old)
                 break
             old.close()
-        if self._pool.closed:  # the pool's last route closed while we appended: it may have missed this one
+        if pool.closed:  # the pool's last route closed while we appended: it may have missed this one
             for late in self._drain_idle():
                 late.close()
 
@@ -1889,10 +1890,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         route_request, idle_timeout_s = proxy.route_request, proxy.idle_timeout_s
         self._reader.body_phase(idle_timeout_s)  # each read waits idle_timeout_s (the strict path's first byte and body)
         self.request_version, self.close_connection = "HTTP/1.1", False
-        # The last clean head, minus its Content-Length value, and what the loop needs of its parse (method,
-        # target, forwarded lines, whether it is keep-alive HTTP/1.1): a client's requests usually differ
-        # in that value alone (see _head_key).
-        last_key, last = b"", None  # type: Tuple[bytes, Optional[Tuple[str, str, str, bool]]]
+        # The last clean head, split around its Content-Length value (_head_memo), and what the loop needs of
+        # its parse (method, target, forwarded lines, whether it is keep-alive HTTP/1.1): a client's requests
+        # usually differ in that value alone (see _head_key).
+        last_head, last = (b"", None), None  # type: Tuple[bytes, Optional[bytes]], Optional[Tuple[str, str, str, bool]]
+        # For that head: the routing decision (route, upstream target), kept while the route is open (the
+        # default route_request reads nothing but the target and the mounted routes; unmount closes the
+        # route before it returns, and a route id is never mounted twice), and the upstream lines
+        # made for it with the token and extra headers that went into them (compared by identity: the
+        # memo holds them, so a rotated token or new headers are new objects and make new lines).
+        routed, lines_for = None, None  # type: Optional[Tuple[Route, str]], Optional[Tuple[object, object, str]]
         try:
             while not proxy._stopping:
                 if not buf:
@@ -1902,25 +1909,29 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 end = buf.find(b"\r\n\r\n") + 4
                 if not 4 <= end <= MAX_HEADER_BYTES:
                     return buf
-                key, length = _head_key(buf, end)
-                if key != last_key or length < -1 or last is None:
+                length = _head_memo_length(buf, end, last_head) if last is not None else -3
+                if length < -1:
                     clean = _clean_request_head(buf, end)
                     if clean is None:
                         return buf
-                    last_key, length = key, clean[5]
+                    last_head, length = _head_memo(buf, end), clean[5]
                     last = (clean[0], clean[1], clean[7], clean[2] == "HTTP/1.1" and "close" not in clean[6])
+                    routed = None
                 method, target, kept, keep_alive = last
                 if not keep_alive or length > SMALL_RESPONSE_BYTES:
                     return buf
-                decision = route_request(target, None)  # type: ignore[arg-type]  # (the default never reads headers)
-                if decision.__class__ is Refusal or decision[0].__class__ is not Route:
-                    return buf
-                route, target = decision  # type: ignore[misc]
-                if route is not self._seen_route:
-                    if route not in proxy._seen_routes:
-                        with proxy._lock:
-                            proxy._seen_routes.add(route)
-                    self._seen_route = route
+                if routed is None or routed[0]._closed:
+                    decision = route_request(target, None)  # type: ignore[arg-type]  # (the default never reads headers)
+                    if decision.__class__ is Refusal or decision[0].__class__ is not Route:
+                        return buf
+                    routed, lines_for = decision, None  # type: ignore[assignment]
+                    route = decision[0]  # type: ignore[index]
+                    if route is not self._seen_route:
+                        if route not in proxy._seen_routes:
+                            with proxy._lock:
+                                proxy._seen_routes.add(route)
+                        self._seen_route = route
+                route, target = routed  # type: ignore[misc]
                 self.command, has_body = method, length >= 0
                 if route.token is route._checked_token and route.headers is None:  # fixed: nothing to call
                     token, extra = route.token, ()
@@ -1948,8 +1959,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                         self._refuse(_client_body_refusal(error, idle_timeout_s), close=True)
                         return None
                 body, buf = buf[end:stop], buf[stop:]
-                exchange = self._exchange(route, method, _clean_request_lines(method, target, kept, route, token, extra),
-                                          body, has_body, ())
+                if lines_for is None or lines_for[0] is not token or lines_for[1] is not extra:
+                    lines_for = (token, extra, _clean_request_lines(method, target, kept, route, token, extra))
+                exchange = self._exchange(route, method, lines_for[2], body, has_body, ())
                 if exchange is None:
                     if self.close_connection:
                         return None
@@ -1965,17 +1977,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     continue
                 # What _relay_response does for a clean small answer: read it whole, give the connection
                 # back to the pool, relay head and body in one send.
-                held = reader._buf
-                if len(held) >= size:
-                    reader._buf = held[size:]
-                    body = held if len(held) == size else held[:size]
-                else:
-                    try:
-                        body = b"".join(reader.pieces(size, "its response body"))
-                    except Exception as exc:
-                        route._checkin(conn, False)
-                        self._answer_body_failed(route, exc)
-                        return None
+                try:
+                    body = reader.read_exact(size, "its response body")
+                except Exception as exc:
+                    route._checkin(conn, False)
+                    self._answer_body_failed(route, exc)
+                    return None
                 route._checkin(conn, sent_all and not reader._buf)
                 try:
                     sendall(answer.raw + body)
@@ -2288,30 +2295,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._relay_response(route, conn.reader, answer,
                              on_done=lambda reusable: route._checkin(conn, reusable and sent_all))
 
-    def _exchange(self, route: Route, method: str, lines: str, body: bytes, has_body: bool,
-                  rest: Iterable[bytes]) -> Optional[Tuple[_UpstreamConnection, _Answer, bool]]:
-        """Send the request upstream (see _send_upstream) and read its answer head: (connection, answer,
-        whether the whole request was sent), or None once the client was answered (a refusal) or left."""
-        replayable = len(body) <= REPLAYABLE_BODY_BYTES
-        try:
-            exchange = self._send_upstream(route, method, lines, body, has_body, replayable, rest)
-        except _ClientBodyError as exc:
-            self._refuse(_client_body_refusal(exc, self.proxy.idle_timeout_s), close=True)
-            return None
-        except _ClientGone:
-            log.debug("proxy: %s: client left before the upstream answered; request abandoned", route.label)
-            self.close_connection = True
-            return None
-        except _UpstreamFailure as failure:
-            _log_upstream_failure(route, failure.refusal.kind, "")
-            self._refuse(failure.refusal, close=not replayable or failure.refusal.status == 504)
-            return None
-        if route._failing_kind is not None:  # (note_answer's own test, without the call)
-            route.note_answer()
-        if not exchange[2] and not replayable:
-            self.close_connection = True  # the upstream answered early: the rest of the client's body is unread
-        return exchange
-
     def _buffered_body(self, framing: Tuple[str, int]) -> Tuple[bytes, Iterator[bytes]]:
         """The request body's first bytes, all of it if it is at most REPLAYABLE_BODY_BYTES (then it
         can be replayed on a retry), and an iterator over the rest. A Content-Length body that small
@@ -2337,61 +2320,82 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 return b"".join(buffered), body_iter
         return b"".join(buffered), iter(())
 
-    def _send_upstream(self, route: Route, method: str, lines: str, body: bytes, has_body: bool, replayable: bool,
-                       rest: Iterable[bytes]) -> Tuple[_UpstreamConnection, _Answer, bool]:
-        """Send the request (`lines`: its head without framing header and blank line) on a pooled (or
-        fresh) connection; (connection, final answer head, whether the whole request was sent).
-        Interim answers are relayed on the way."""
+    def _exchange(self, route: Route, method: str, lines: str, body: bytes, has_body: bool,
+                  rest: Iterable[bytes]) -> Optional[Tuple[_UpstreamConnection, _Answer, bool]]:
+        """Send the request (`lines`: its head without framing header and blank line; `body`, then `rest`)
+        on a pooled (or fresh) connection, retrying once on a fresh one as _may_retry allows, and read
+        its final answer head (interim ones are relayed on the way): (connection, answer, whether the
+        whole request was sent), or None once the client was answered (a refusal) or left."""
         size = len(body)
+        replayable = size <= REPLAYABLE_BODY_BYTES
         if replayable:
             lines += "Content-Length: %d\r\n\r\n" % size if has_body else "\r\n"
         else:
             lines += "Transfer-Encoding: chunked\r\n\r\n"
         head = lines.encode("latin-1")  # parsed as latin-1 text, so this round-trips
-        for attempt in (1, 2):
-            try:
-                conn, reused = route._checkout(self.proxy)
-            except Exception as exc:
-                raise _UpstreamFailure(_classify_upstream_error(exc, route)) from None
-            sent_all = False
-            try:
+        try:
+            for attempt in (1, 2):
                 try:
-                    if replayable and size <= SMALL_RESPONSE_BYTES:  # one send, as send_request would
-                        conn._sendall(head + body)
-                        sent_all = True
-                    else:
-                        sent_all = conn.send_request(head, iter((body,)) if replayable else _prepend(body, rest),
-                                                     chunked=not replayable)
-                except (socket.timeout, TimeoutError):
+                    conn, reused = route._checkout(self.proxy)
+                except Exception as exc:
+                    raise _UpstreamFailure(_classify_upstream_error(exc, route)) from None
+                sent_all = False
+                try:
+                    try:
+                        if replayable and size <= SMALL_RESPONSE_BYTES:  # one send, as send_request would
+                            conn._sendall(head + body)
+                            sent_all = True
+                        else:
+                            sent_all = conn.send_request(head, iter((body,)) if replayable else _prepend(body, rest),
+                                                         chunked=not replayable)
+                    except (socket.timeout, TimeoutError):
+                        raise
+                    except OSError:
+                        # Dropped while sending: a stale pooled connection (nothing to read: the retry rule
+                        # decides), or an upstream that answered early (e.g. 413) and closed: relay that.
+                        pass
+                    if sent_all:  # the client is watched while the upstream works on the request
+                        self._watched, conn.watch = conn, self._watch_client
+                    reader = conn.reader
+                    try:
+                        answer = _parse_answer(reader.read_head(True), method, reader)
+                        if answer.status < 200:
+                            answer = self._final_answer(reader, method, answer)
+                    finally:
+                        conn.watch = None
+                    break
+                except (_ClientBodyError, _ClientGone):
+                    route._checkin(conn, False)
                     raise
-                except OSError:
-                    # Dropped while sending: a stale pooled connection (nothing to read: the retry rule
-                    # decides), or an upstream that answered early (e.g. 413) and closed: relay that.
-                    pass
-                if sent_all:  # the client is watched while the upstream works on the request
-                    self._watched, conn.watch = conn, self._watch_client
-                try:
-                    answer = self._read_answer(conn.reader, method)
-                finally:
-                    conn.watch = None
-                return conn, answer, sent_all
-            except (_ClientBodyError, _ClientGone):
-                route._checkin(conn, False)
-                raise
-            except Exception as exc:
-                route._checkin(conn, False)
-                if attempt == 1 and _may_retry(method, reused, replayable, sent_all, exc):
-                    log.debug("proxy: %s pooled connection was stale; retrying once on a fresh one", route.label)
-                    continue
-                raise _UpstreamFailure(_classify_upstream_error(exc, route)) from None
-        raise AssertionError("unreachable")  # pragma: no cover
+                except Exception as exc:
+                    route._checkin(conn, False)
+                    if attempt == 1 and _may_retry(method, reused, replayable, sent_all, exc):
+                        log.debug("proxy: %s pooled connection was stale; retrying once on a fresh one", route.label)
+                        continue
+                    raise _UpstreamFailure(_classify_upstream_error(exc, route)) from None
+        except _ClientBodyError as exc:
+            self._refuse(_client_body_refusal(exc, self.proxy.idle_timeout_s), close=True)
+            return None
+        except _ClientGone:
+            log.debug("proxy: %s: client left before the upstream answered; request abandoned", route.label)
+            self.close_connection = True
+            return None
+        except _UpstreamFailure as failure:
+            _log_upstream_failure(route, failure.refusal.kind, "")
+            self._refuse(failure.refusal, close=not replayable or failure.refusal.status == 504)
+            return None
+        if route._failing_kind is not None:  # (note_answer's own test, without the call)
+            route.note_answer()
+        if not sent_all and not replayable:
+            self.close_connection = True  # the upstream answered early: the rest of the client's body is unread
+        return conn, answer, sent_all
 
-    def _read_answer(self, reader: _UpstreamReader, method: str) -> _Answer:
-        """Read the final answer head, relaying interim 1xx ones (102, 103, ...) to HTTP/1.1 clients.
+    def _final_answer(self, reader: _UpstreamReader, method: str, answer: _Answer) -> _Answer:
+        """After an interim (1xx) answer head: relay it to HTTP/1.1 clients, and the next ones (102, 103,
+        ...), until the final answer head, which is returned.
 
         100 Continue is not relayed: the proxy answered the client's Expect itself and never sends
         one upstream. A 101 without an upgrade request is a protocol error."""
-        answer = _parse_answer(reader.read_head(first=True), method, reader)
         count = 0
         while answer.status < 200:
             if answer.status == 101:
@@ -2490,8 +2494,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         prefix = b""
         if mode == "length" and answer.length <= SMALL_RESPONSE_BYTES:
             try:
-                prefix = reader.read1(answer.length) if len(reader._buf) >= answer.length else \
-                    b"".join(reader.pieces(answer.length, "its response body"))  # (read with its head: no generator)
+                prefix = reader.read_exact(answer.length, "its response body")
             except Exception as exc:
                 on_done(False)
                 self._answer_body_failed(route, exc)
@@ -3026,8 +3029,8 @@ class _UpstreamReader:
 
     def __init__(self, recv: Callable[[int], bytes], prefix: bytes = b"") -> None:
         self._recv, self._buf = recv, prefix
-        # The last answer head relayed as it came, as (its _answer_key, status, reason): see _parse_answer.
-        self.memo: Optional[Tuple[bytes, int, str]] = None
+        # The last answer head relayed as it came, as _answer_memo made it: see _parse_answer.
+        self.memo: Optional[_AnswerMemo] = None
 
     def buffered(self) -> int:
         return len(self._buf)
@@ -3045,7 +3048,10 @@ class _UpstreamReader:
         buf, searched = self._buf, 0
         while True:
             if buf:  # (nothing to search before the first read: a pooled connection's buffer is empty)
-                end = _head_end(buf, searched)
+                # Just past the blank line ending the head (CRLF or bare LF lines: the first of either), or -1.
+                crlf = buf.find(b"\n\r\n", searched)
+                lf = buf.find(b"\n\n", searched) if crlf < 0 else buf.find(b"\n\n", searched, crlf + 1)
+                end = lf + 2 if lf >= 0 else crlf + 3 if crlf >= 0 else -1
                 if 0 <= end <= MAX_RESPONSE_HEAD_BYTES:
                     self._buf = buf[end:]
                     return buf[:end]
@@ -3076,6 +3082,18 @@ class _UpstreamReader:
             return buf[:n]
         return self._recv(n)
 
+    def read_exact(self, n: int, where: str) -> bytes:
+        """Exactly n bytes (a small body, read whole): the buffered ones, then as many more as are missing;
+        the upstream closing first is a _BadResponse."""
+        buf = self._buf
+        while len(buf) < n:
+            data = self._recv(n - len(buf))
+            if not data:
+                raise _BadResponse("upstream-unreachable", "closed the connection in the middle of " + where)
+            buf += data
+        self._buf = buf[n:]
+        return buf if len(buf) == n else buf[:n]
+
     def pieces(self, n: int, where: str) -> Iterator[bytes]:
         """Exactly n bytes, yielded as they arrive; the upstream closing first is a _BadResponse."""
         while n > 0:
@@ -3102,14 +3120,6 @@ class _UpstreamReader:
             self._buf = buf
 
 
-def _head_end(buf: bytes, start: int) -> int:
-    """Index just past the blank line ending a head in buf (CRLF or bare LF lines), or -1."""
-    crlf, lf = buf.find(b"\n\r\n", start), buf.find(b"\n\n", start)
-    if crlf >= 0 and (lf < 0 or crlf < lf):
-        return crlf + 3
-    return lf + 2 if lf >= 0 else -1
-
-
 class _Answer(NamedTuple):
     """A parsed upstream response head and how its body is delimited (RFC 9112 section 6.3)."""
 
@@ -3122,6 +3132,10 @@ class _Answer(NamedTuple):
     raw: Optional[bytes] = None  # a clean head (see _CLEAN_ANSWER_RE) to relay as it is; `headers` is then []
 
 
+# Builds a NamedTuple without its generated __new__, a Python function (a frame more on the hot path).
+_new_tuple = tuple.__new__
+
+
 def _parse_answer(head: bytes, method: str, reader: Optional[_UpstreamReader] = None) -> _Answer:
     """Parse a response head (status line, `Name: value` lines; obs-fold joined with a space), or raise
     _BadResponse. Framing: HEAD, 1xx, 204 and 304 have no body; Transfer-Encoding wins over
@@ -3131,12 +3145,42 @@ def _parse_answer(head: bytes, method: str, reader: Optional[_UpstreamReader] = 
     anything else is parsed line by line (_parse_answer_strictly). With the connection's `reader`, a
     head equal to the last one relayed as it is but in its Date and Content-Length values (an
     upstream's answers usually differ in those alone: see _answer_key) is recognised without the
-    regular expressions."""
+    regular expressions.
+
+    For the usual order (a Date line before the Content-Length one; see _answer_memo) the key is not
+    built: the head must be the memo's bytes around a Date value and a Content-Length value that hold
+    no line end, so the first Date and Content-Length lines are where the memo's were (the bytes
+    before each are the memo's, which had none earlier), and the values get _answer_key's checks.
+    (Slices are compared: startswith parses its arguments per call. Inline: a call is a frame.)"""
     memo = reader.memo if reader is not None and method != "HEAD" else None
     if memo is not None:
-        key, length = _answer_key(head)
-        if length >= 0 and key == memo[0]:
-            return _Answer(memo[1], memo[2], [], "length", length, True, head)
+        pre, date, length = memo[3], memo[6], -1
+        if pre is None:
+            key, length = _answer_key(head)
+            if key != memo[2]:
+                length = -1
+        elif head[:date] == pre:
+            end = date + memo[8]  # (where it is when the Date value is as long as the memo's, as HTTP dates are)
+            start = end + memo[7]
+            same = head[end:start] == memo[4]
+            if not same:
+                end = head.find(b"\r\n", date)
+                start = end + memo[7]
+                same = head[end:start] == memo[4]
+            if same:
+                stop = len(head) - len(memo[5])  # (a value of digits holds no line end: the one after it is here)
+                value = head[start:stop]
+                if (head[stop:] == memo[5] and value.isdigit() and len(value) <= 18
+                        and (value[0] != 48 or stop - start == 1)):  # (48: "0")
+                    # A clean Date value (as _answer_key checks it): printable ASCII, no blank at either end.
+                    stamp = head[date:end]
+                    if stamp == _clean_stamp[0]:
+                        length = int(value)
+                    elif (end > date and head[date] != 32 and head[end - 1] != 32 and stamp.isascii()
+                            and stamp.decode().isprintable()):
+                        length, _clean_stamp[0] = int(value), stamp
+        if length >= 0:
+            return _new_tuple(_Answer, (memo[0], memo[1], [], "length", length, True, head))
     text = head.decode("latin-1")
     clean = _CLEAN_ANSWER_RE.fullmatch(text)
     if clean is not None and method != "HEAD" and clean.group(1) not in ("204", "304"):
@@ -3147,8 +3191,7 @@ def _parse_answer(head: bytes, method: str, reader: Optional[_UpstreamReader] = 
                 # nothing hop-by-hop, one canonical Content-Length: relayed as it is (headers not parsed)
                 status, reason = int(clean.group(1)), clean.group(2)
                 if reader is not None:
-                    key, length = _answer_key(head)
-                    reader.memo = (key, status, reason) if length >= 0 else None
+                    reader.memo = _answer_memo(head, status, reason)
                 return _Answer(status, reason, [], "length", int(value), True, head)
     return _parse_answer_strictly(text, method)
 
@@ -3174,6 +3217,30 @@ def _answer_key(head: bytes) -> Tuple[bytes, int]:
     if date < start:
         return head[:date] + head[end:start] + head[stop:], int(value)
     return head[:start] + head[stop:date] + head[end:], int(value)
+
+
+# A head relayed as it came, remembered to recognise the next ones (see _answer_memo): its status, reason,
+# _answer_key, and for the usual order (a Date line before the Content-Length one) the head before the
+# Date value, between its end and the Content-Length value, and after that value, the lengths of the
+# first two, and the Date value's length.
+_AnswerMemo = Tuple[int, str, bytes, Optional[bytes], bytes, bytes, int, int, int]
+# The last Date value _parse_answer found clean (upstreams change it once a second): checked again only
+# when another comes. Any thread may replace it; it only ever holds a clean value (one to start with).
+_clean_stamp = [b"Thu, 01 Jan 1970 00:00:00 GMT"]
+
+
+def _answer_memo(head: bytes, status: int, reason: str) -> Optional[_AnswerMemo]:
+    """What _parse_answer needs to recognise a head with the same _answer_key as `head` (clean,
+    relayed as it came, with `status` and `reason`); None when it has no usable key."""
+    key, length = _answer_key(head)
+    if length < 0:
+        return None
+    lowered = head.lower()
+    date, start = lowered.find(b"\r\ndate: ") + 8, lowered.find(b"\r\ncontent-length: ") + 18
+    if not 8 <= date < start:
+        return status, reason, key, None, b"", b"", 0, 0, 0
+    end, stop = head.find(b"\r\n", date), head.find(b"\r\n", start)
+    return status, reason, key, head[:date], head[end:start], head[stop:], date, start - end, end - date
 
 
 def _parse_answer_strictly(text: str, method: str) -> _Answer:
@@ -3300,14 +3367,43 @@ def _head_key(data: bytes, end: int) -> Tuple[bytes, int]:
     value (-1 without such a line, -2 if it is not 1-18 ASCII digits). Two heads with the same key
     and a valid value differ in the length alone: if one is clean (`_clean_request_head`), so is the
     other, with the same parse but the length, so a connection's repeated head is parsed once."""
+    before, after = _head_memo(data, end)
+    if after is None:
+        return before, -1
+    value = data[len(before):end - len(after)]
+    return before + after, int(value) if value.isdigit() and len(value) <= 18 else -2
+
+
+def _head_memo(data: bytes, end: int) -> Tuple[bytes, Optional[bytes]]:
+    """The request head `data[:end]` split around the value of its first `Content-Length` line (the
+    head through "Content-Length: ", and from the line's end), or (the head, None) without one."""
     start = data.find(b"\r\nContent-Length: ", 0, end)
     if start < 0:  # (the usual spellings; a head with another is still parsed, only not reused)
         start = data.find(b"\r\ncontent-length: ", 0, end)
         if start < 0:
-            return data[:end], -1
+            return data[:end], None
     stop = data.find(b"\r\n", start + 18)
-    value = data[start + 18:stop]
-    return data[:start + 18] + data[stop:end], int(value) if value.isdigit() and len(value) <= 18 else -2
+    return data[:start + 18], data[stop:end]
+
+
+def _head_memo_length(data: bytes, end: int, memo: Tuple[bytes, Optional[bytes]]) -> int:
+    """What _head_key says of the head `data[:end]` when its key is that of the head `memo` was made from
+    (_head_memo): its Content-Length value, -1 or -2; else -3. Without building the key: the head must
+    be the memo's bytes around a value with no line end, so its first Content-Length line is where the
+    memo's was (the bytes before it are the memo's, which had none earlier)."""
+    before, after = memo
+    if after is None:
+        return -1 if data[:end] == before else -3
+    start = len(before)
+    if data[:start] != before:  # (a slice compared: startswith parses its arguments per call)
+        return -3
+    stop = end - len(after)  # (where the value's line ends if the rest is the memo's)
+    if stop < start or data[stop:end] != after:
+        return -3
+    value = data[start:stop]
+    if value.isdigit() and len(value) <= 18:  # (digits hold no line end: the value's line ends at stop)
+        return int(value)
+    return -2 if data.find(b"\r\n", start) == stop else -3
 
 
 def _request_lines(method: str, target: str, headers: List[Tuple[str, str]]) -> str:

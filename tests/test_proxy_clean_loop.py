@@ -305,3 +305,60 @@ def test_an_http_1_0_request_is_answered_and_ends_the_connection_as_on_the_stric
                 PAUSE_S, _request(base, "POST", "/ok", b"three")]
     received, seen, _ = _assert_same(conversation)
     assert received.endswith(b"Connection: close\r\n\r\ntwo") and len(seen) == 2
+
+
+def _ask(client: socket.socket, request: bytes) -> bytes:
+    """Send one request on `client` and read its whole answer (a Content-Length body)."""
+    client.sendall(request)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += client.recv(65536)
+    end = data.index(b"\r\n\r\n") + 4
+    length = int(data[:end].lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    while len(data) < end + length:
+        data += client.recv(65536)
+    return data
+
+
+@contextlib.contextmanager
+def _one_connection(**mount: object) -> Iterator[Tuple[AuthProxy, _Recorder, str, socket.socket]]:
+    """A proxy with one route to a fresh _Recorder (mounted with `mount`), and one client connection to it."""
+    upstream = _Recorder()
+    try:
+        with AuthProxy(read_timeout_s=5, idle_timeout_s=10) as auth:
+            base = auth.mount("http://127.0.0.1:%d/up" % upstream.port, **mount)  # type: ignore[arg-type]
+            with socket.create_connection(("127.0.0.1", auth.port), timeout=5) as client:
+                yield auth, upstream, base, client
+    finally:
+        upstream.close()
+
+
+def test_a_token_rotated_between_two_requests_on_one_connection_reaches_the_upstream_on_the_next() -> None:
+    current = ["tok-one"]
+    with _one_connection(token=lambda: current[0]) as (auth, upstream, base, client):
+        request = _request(base[len(auth.url):], "POST", "/ok", b"same")  # the same head twice: the loop's memos hold
+        assert _ask(client, request) == _answer(b"same")
+        current[0] = "tok-two"
+        assert _ask(client, request) == _answer(b"same")
+    assert [b"Authorization: Bearer tok-one\r\n" in seen for seen in upstream.seen] == [True, False]
+    assert b"Authorization: Bearer tok-two\r\n" in upstream.seen[1]
+
+
+def test_a_headers_callable_changing_between_two_requests_on_one_connection_is_read_for_each() -> None:
+    current = ["first"]
+    with _one_connection(token="tok", headers=lambda: {"X-Env-Session": current[0]}) as (auth, upstream, base, client):
+        request = _request(base[len(auth.url):], "GET", "/ok")
+        _ask(client, request)
+        current[0] = "second"
+        _ask(client, request)
+    assert [b"X-Env-Session: first\r\n" in upstream.seen[0], b"X-Env-Session: second\r\n" in upstream.seen[1]] == [True, True]
+
+
+def test_an_unmount_between_two_requests_on_one_connection_answers_the_next_404() -> None:
+    with _one_connection(token="tok") as (auth, upstream, base, client):
+        request = _request(base[len(auth.url):], "POST", "/ok", b"same")
+        assert _ask(client, request) == _answer(b"same")
+        assert auth.unmount(base)
+        answer = _ask(client, request)
+    assert answer.startswith(b"HTTP/1.1 404 ") and b"X-Proxy-Error: unknown-route" in answer
+    assert len(upstream.seen) == 1

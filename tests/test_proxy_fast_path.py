@@ -388,7 +388,22 @@ def test_an_answer_the_memo_recognises_is_what_the_strict_path_writes(first: byt
         text = head.decode("latin-1")
         varied = re.sub(r"(?im)^(date|content-length): [^\r\n]*", lambda m: "%s: %s" % (
             m.group(1), date if m.group(1).lower() == "date" else length), text, count=2).encode("latin-1")
-        for later in (varied, second):
+        memo = reader.memo  # (each later head is also compared with the first's memo)
+        # (and as HTTP/1.0, with a line more after them, and another letter starting the line after the Date line)
+        for later in (varied, varied.replace(b"HTTP/1.1 ", b"HTTP/1.0 ", 1), varied[:-2] + b"x-tail: 1\r\n\r\n", re.sub(
+                rb"(?i)(\ndate: [^\r\n]*\r\n)([a-z])", lambda m: m.group(1) + (b"z" if m.group(2) == b"y" else b"y"),
+                varied, count=1), second):
+            if memo is not None:  # recognised by the memo exactly when its _answer_key is the remembered head's
+                key, later_length = proxy._answer_key(later)
+                probe = proxy._UpstreamReader(lambda n: b"")
+                probe.memo = memo
+                try:
+                    answer = proxy._parse_answer(later, method, probe)
+                except proxy._BadResponse:
+                    answer = None
+                recognised = answer is not None and answer.raw is not None and probe.memo is memo  # (else replaced)
+                assert recognised == (later_length >= 0 and key == memo[2])
+                assert not recognised or answer.length == later_length  # type: ignore[union-attr]
             try:
                 remembered = proxy._parse_answer(later, method, reader)
             except proxy._BadResponse:
@@ -412,6 +427,10 @@ def test_a_head_the_clean_loop_reuses_a_parse_for_parses_to_that_with_its_own_le
         later = re.sub(rb"(?i)(\r\ncontent-length: )[^\r\n]*", lambda m: m.group(1) + length.encode("latin-1"),
                        head, count=1)
         later_key, later_length = proxy._head_key(later, len(later))
+        for other in (later, later[:-2] + b"X-Tail: 1\r\n\r\n"):  # the loop's test: the same as comparing keys
+            other_key, other_length = proxy._head_key(other, len(other))
+            assert proxy._head_memo_length(other + b"body", len(other), proxy._head_memo(head, len(head))) == (
+                other_length if other_key == key else -3)
         if first is None or later_key != key or later_length < -1:
             continue  # (the loop parses such a head afresh)
         again = proxy._clean_request_head(later, len(later))
