@@ -2076,6 +2076,7 @@ class _ApiBudget:
         with self._lock:
             now = self.clock()
             self.server_told = True
+            self._sent.clear()  # the server counts from now on
             if quota and window:
                 self.calls, self.window_s = quota, float(window)
             self.remaining = max(0.0, remaining - (self.sent - ticket))
@@ -2129,7 +2130,8 @@ class _ApiBudget:
             self._next_paced = now + reset_in / max(1.0, remaining - self.reserve)
         if self.remaining is not None:
             self.remaining = max(0.0, self.remaining - 1)
-        self._sent.append(now)
+        if not self.server_told:  # the sliding window is only for a server that says nothing (else: unbounded)
+            self._sent.append(now)
         self.teardown_sent += int(teardown)
         self.sent += 1
         return self.sent

@@ -612,3 +612,19 @@ def test_a_start_whose_create_was_refused_raises_the_create_error_and_looks_for_
     assert info.value.may_have_acted is False
     assert "made a job anyway" not in caplog.text  # nothing was sent: no lookup, no warning about a lost job
     assert provider.phase is hsp.Phase.IDLE
+
+
+@pytest.mark.parametrize("server_counts", [True, False])
+def test_the_budget_keeps_at_most_one_windows_send_times_over_a_long_run(server_counts):
+    """Hours of calls must not grow the budget: once the server counts (RateLimit headers) the process's
+    own send times are not needed at all, and without it only the current window's are (a 60-minute soak
+    grew its heap by one float per Jobs API call before this)."""
+    fake = FakeTime()
+    budget = fake.on(hsp._ApiBudget())
+    for call in range(3000):  # one call a second for 50 minutes: ten 300 s windows
+        ticket = budget.acquire()
+        if server_counts:
+            budget.observe(limit_headers(900, 200), ticket)
+        fake.now += 1.0
+    kept = len(budget._sent)
+    assert kept == 0 if server_counts else kept <= 300, kept
