@@ -35,6 +35,7 @@ Stable names other test files may rely on:
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gzip
 import hashlib
@@ -479,6 +480,75 @@ class Upstream:
             live = list(self._server.live)
         for sock in live:
             _hard_close(sock)
+
+
+class RecordingUpstream:
+    """A loopback HTTP/1.1 upstream, a thread per connection, that records each request's bytes
+    (Content-Length bodies only) in `seen` and counts connections; `answer` (a subclass's) replies.
+    Byte-level on purpose: the proxy tests compare exactly what reached the upstream."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.seen: List[bytes] = []
+        self.connections = 0
+        self._socks: List[socket.socket] = []
+        self._threads: List[threading.Thread] = []
+        self._accepting = threading.Thread(target=self._accept, daemon=True)
+        self._accepting.start()
+
+    def answer(self, sock: socket.socket, request: bytes, head_end: int, served: int) -> bool:
+        """Reply to the connection's `served`-th request (`request[head_end:]` is its body); False ends
+        the connection without a word."""
+        raise NotImplementedError
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            self._socks.append(sock)
+            thread = threading.Thread(target=self._serve, args=(sock,), daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        buf, served = b"", 0
+        with sock, contextlib.suppress(OSError):
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    data = sock.recv(65536)
+                    if not data:
+                        return
+                    buf += data
+                end = buf.index(b"\r\n\r\n") + 4
+                length = 0
+                for line in buf[:end].split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                while len(buf) < end + length:
+                    data = sock.recv(65536)
+                    if not data:
+                        return
+                    buf += data
+                request, buf = buf[:end + length], buf[end + length:]
+                self.seen.append(request)
+                served += 1
+                if not self.answer(sock, request, end, served):
+                    return
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)  # (wakes the accept; a close alone does not)
+        self.listener.close()
+        for sock in self._socks:  # (the proxy keeps its pooled connections open)
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        self._accepting.join(5)
+        for thread in self._threads:
+            thread.join(5)
 
 
 def wait_until(predicate: Callable[[], object], what: str, timeout_s: float = 60.0) -> None:

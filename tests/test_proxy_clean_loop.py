@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import threading
 import time
 from typing import Callable, Iterator, List, Optional, Tuple
 
 import pytest
 
 import proxy
+import support
 from proxy import AuthProxy
 
 # Every answer's head is fixed (no changing Date), so the two runs compare byte for byte.
@@ -31,84 +31,29 @@ PAUSE_S = 0.1
 QUIET_S = 2.0
 
 
-class _Recorder:
-    """A loopback HTTP/1.1 upstream (Content-Length bodies) that records each request and answers by
-    the path's last segment: `ok` echoes the body; `close` answers then closes without saying so; `drop`
-    closes a reused connection without answering; `slow` answers after 0.8 s; `big` and `huge` send BIG_BODY and HUGE_BODY;
-    `chunked` answers chunked; `empty` answers 204."""
+class _Recorder(support.RecordingUpstream):
+    """Records each request and answers by the path's last segment: `ok` echoes the body; `close`
+    answers then closes without saying so; `drop` closes a reused connection without answering; `slow`
+    answers after 0.8 s; `big` and `huge` send BIG_BODY and HUGE_BODY; `chunked` answers chunked;
+    `empty` answers 204."""
 
-    def __init__(self) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.seen: List[bytes] = []
-        self.connections = 0
-        self._socks: List[socket.socket] = []
-        self._threads: List[threading.Thread] = []
-        self._accepting = threading.Thread(target=self._accept, daemon=True)
-        self._accepting.start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                sock, _ = self.listener.accept()
-            except OSError:
-                return
-            self.connections += 1
-            self._socks.append(sock)
-            thread = threading.Thread(target=self._serve, args=(sock,), daemon=True)
-            self._threads.append(thread)
-            thread.start()
-
-    def _serve(self, sock: socket.socket) -> None:
-        buf, served = b"", 0
-        with sock, contextlib.suppress(OSError):
-            while True:
-                while b"\r\n\r\n" not in buf:
-                    data = sock.recv(65536)
-                    if not data:
-                        return
-                    buf += data
-                end = buf.index(b"\r\n\r\n") + 4
-                length = 0
-                for line in buf[:end].split(b"\r\n"):
-                    if line.lower().startswith(b"content-length:"):
-                        length = int(line.split(b":")[1])
-                while len(buf) < end + length:
-                    data = sock.recv(65536)
-                    if not data:
-                        return
-                    buf += data
-                request, buf = buf[:end + length], buf[end + length:]
-                self.seen.append(request)
-                served += 1
-                what = request.split(b" ", 2)[1].split(b"?")[0].rsplit(b"/", 1)[-1]
-                if what == b"drop" and served > 1:
-                    return
-                if what == b"slow":
-                    time.sleep(0.8)
-                body = request[end:]
-                if what in (b"big", b"huge"):
-                    big = BIG_BODY if what == b"big" else HUGE_BODY
-                    sock.sendall(ANSWER_HEAD % len(big) + big)
-                elif what == b"chunked":
-                    sock.sendall(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nab\r\n0\r\n\r\n")
-                elif what == b"empty":
-                    sock.sendall(b"HTTP/1.1 204 No Content\r\nserver: recorder\r\n\r\n")
-                else:
-                    sock.sendall(ANSWER_HEAD % len(body) + body)
-                if what == b"close":
-                    return
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.listener.shutdown(socket.SHUT_RDWR)
-        self.listener.close()
-        for sock in self._socks:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-        self._accepting.join(5)
-        for thread in self._threads:
-            thread.join(5)
+    def answer(self, sock: socket.socket, request: bytes, head_end: int, served: int) -> bool:
+        what = request.split(b" ", 2)[1].split(b"?")[0].rsplit(b"/", 1)[-1]
+        if what == b"drop" and served > 1:
+            return False
+        if what == b"slow":
+            time.sleep(0.8)
+        body = request[head_end:]
+        if what in (b"big", b"huge"):
+            big = BIG_BODY if what == b"big" else HUGE_BODY
+            sock.sendall(ANSWER_HEAD % len(big) + big)
+        elif what == b"chunked":
+            sock.sendall(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nab\r\n0\r\n\r\n")
+        elif what == b"empty":
+            sock.sendall(b"HTTP/1.1 204 No Content\r\nserver: recorder\r\n\r\n")
+        else:
+            sock.sendall(ANSWER_HEAD % len(body) + body)
+        return what != b"close"
 
 
 class _StrictProxy(AuthProxy):

@@ -10,12 +10,10 @@ upstream and a client see the same bytes whichever path served the request.
 """
 from __future__ import annotations
 
-import contextlib
 import re
 import io
 import socket
-import threading
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
 import pytest
 import requests
@@ -243,59 +241,12 @@ def test_each_answer_fallback_trigger_takes_the_strict_path(change: Tuple[bytes,
 # --------------------------------------------------------------------------------------------------
 
 
-class _RecordingUpstream:
-    """A loopback HTTP/1.1 server that records each request's bytes and answers UVICORN_ANSWER + "ok"."""
+class _RecordingUpstream(support.RecordingUpstream):
+    """Records each request's bytes and answers UVICORN_ANSWER + "ok"."""
 
-    def __init__(self) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.seen: List[bytes] = []
-        self.threads: List[threading.Thread] = []
-        self.socks: List[socket.socket] = []
-        self.thread = threading.Thread(target=self._accept, daemon=True)
-        self.thread.start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                sock, _ = self.listener.accept()
-            except OSError:
-                return
-            self.socks.append(sock)
-            thread = threading.Thread(target=self._serve, args=(sock,), daemon=True)
-            self.threads.append(thread)
-            thread.start()
-
-    def _serve(self, sock: socket.socket) -> None:
-        buf = b""
-        with sock, contextlib.suppress(OSError):
-            while True:
-                while b"\r\n\r\n" not in buf:
-                    data = sock.recv(65536)
-                    if not data:
-                        return
-                    buf += data
-                end = buf.index(b"\r\n\r\n") + 4
-                length = 0
-                for line in buf[:end].split(b"\r\n"):
-                    if line.lower().startswith(b"content-length:"):
-                        length = int(line.split(b":")[1])
-                while len(buf) < end + length:
-                    buf += sock.recv(65536)
-                self.seen.append(buf[:end + length])
-                buf = buf[end + length:]
-                sock.sendall(UVICORN_ANSWER + b"ok")
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.listener.shutdown(socket.SHUT_RDWR)  # (wakes the accept; a close alone does not)
-        self.listener.close()
-        for sock in self.socks:  # (the proxy keeps its pooled connection open)
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-        self.thread.join(5)
-        for thread in self.threads:
-            thread.join(5)
+    def answer(self, sock: socket.socket, request: bytes, head_end: int, served: int) -> bool:
+        sock.sendall(UVICORN_ANSWER + b"ok")
+        return True
 
 
 def _exchange(port: int, path: str, head: bytes) -> bytes:
