@@ -1892,7 +1892,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.request_version, self.close_connection = "HTTP/1.1", False
         # The last clean head, split around its Content-Length value (_head_memo), and what the loop needs of
         # its parse (method, target, forwarded lines, whether it is keep-alive HTTP/1.1): a client's requests
-        # usually differ in that value alone (see _head_key).
+        # usually differ in that value alone (see _head_memo_length).
         last_head, last = (b"", None), None  # type: Tuple[bytes, Optional[bytes]], Optional[Tuple[str, str, str, bool]]
         # For that head: the routing decision (route, upstream target), kept while the route is open (the
         # default route_request reads nothing but the target and the mounted routes; unmount closes the
@@ -3362,18 +3362,6 @@ def _clean_request_head(data: bytes, end: int) -> Optional[Tuple[str, str, str, 
     return command, target, version, names, values, length, tokens, "".join(kept)
 
 
-def _head_key(data: bytes, end: int) -> Tuple[bytes, int]:
-    """The request head `data[:end]` without the value of its first `Content-Length` line, and that
-    value (-1 without such a line, -2 if it is not 1-18 ASCII digits). Two heads with the same key
-    and a valid value differ in the length alone: if one is clean (`_clean_request_head`), so is the
-    other, with the same parse but the length, so a connection's repeated head is parsed once."""
-    before, after = _head_memo(data, end)
-    if after is None:
-        return before, -1
-    value = data[len(before):end - len(after)]
-    return before + after, int(value) if value.isdigit() and len(value) <= 18 else -2
-
-
 def _head_memo(data: bytes, end: int) -> Tuple[bytes, Optional[bytes]]:
     """The request head `data[:end]` split around the value of its first `Content-Length` line (the
     head through "Content-Length: ", and from the line's end), or (the head, None) without one."""
@@ -3387,10 +3375,13 @@ def _head_memo(data: bytes, end: int) -> Tuple[bytes, Optional[bytes]]:
 
 
 def _head_memo_length(data: bytes, end: int, memo: Tuple[bytes, Optional[bytes]]) -> int:
-    """What _head_key says of the head `data[:end]` when its key is that of the head `memo` was made from
-    (_head_memo): its Content-Length value, -1 or -2; else -3. Without building the key: the head must
-    be the memo's bytes around a value with no line end, so its first Content-Length line is where the
-    memo's was (the bytes before it are the memo's, which had none earlier)."""
+    """For a head `data[:end]` equal to the one `memo` was made from (_head_memo) but in the value of its
+    first Content-Length line: that value (-1 without such a line, -2 if it is not 1-18 ASCII digits);
+    for any other head -3. Two such heads with a valid value differ in the length alone: if one is clean
+    (`_clean_request_head`), so is the other, with the same parse but the length, so a connection's
+    repeated head is parsed once. The head must be the memo's bytes around a value with no line end, so
+    its first Content-Length line is where the memo's was (the bytes before it are the memo's, which had
+    none earlier)."""
     before, after = memo
     if after is None:
         return -1 if data[:end] == before else -3
