@@ -56,7 +56,6 @@ SANDBOX_SERVER_PROTOCOL = 3
 EMULATED_SERVER_VERSION = "0.7.0+hf-jobs-emulator"
 # The labels and environment huggingface_hub gives a sandbox job (its `_sandbox.py` constants).
 SANDBOX_LABEL = "hf-sandbox"
-MODE_LABEL = "hf-sandbox-mode"
 TOKEN_ENV = "SBX_TOKEN"
 HOST_MODE_ENV = "SBX_HOST_MODE"
 CAPACITY_ENV = "SBX_CAPACITY"
