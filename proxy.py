@@ -78,6 +78,9 @@ MAX_RESPONSE_HEAD_BYTES = 256 * 1024
 MAX_INTERIM_RESPONSES = 32
 # Socket read size for streaming bodies and tunnels: large enough to move a 1 MiB frame in a few calls.
 IO_CHUNK = 64 * 1024
+# What a pooled TLS connection asks its engine for per read: a TLS record's largest plaintext (RFC 8446
+# section 5.1, RFC 5246 section 6.2.1), so each read takes a whole record and none is left half-read.
+TLS_RECORD_BYTES = 16 * 1024
 # Read size of each WebSocket tunnel direction. A direction spends the whole session blocked in recv
 # holding a buffer of this size, so it sets most of an open session's memory (64 KiB per direction
 # measured 37-43 KiB RSS per session at 2,048 sessions). OpenEnv frames are a few hundred bytes; a
@@ -2799,7 +2802,7 @@ class _UpstreamConnection:
     (set while a request waits for its answer) between slices, and gives up after read_timeout_s."""
 
     __slots__ = ("sock", "reader", "since", "watch", "read_timeout_s", "tls", "_incoming", "_outgoing", "_poller",
-                 "received", "_tls_held", "__weakref__")
+                 "received", "_tls_ended", "__weakref__")
 
     def __init__(self, sock: socket.socket, read_timeout_s: float,
                  tls: Optional[Tuple[ssl.SSLObject, ssl.MemoryBIO, ssl.MemoryBIO]] = None) -> None:
@@ -2809,8 +2812,7 @@ class _UpstreamConnection:
         # The liveness check's poll object, the socket registered once (not one poll object a request).
         self._poller: Optional["select.poll"] = None
         self.received = 0  # bytes read from the socket (see looks_idle)
-        # Whether the TLS engine may hold decrypted bytes not yet read (see _recv_tls); True until known.
-        self._tls_held = True
+        self._tls_ended = False  # a probe met the engine's end (close_notify) or an error: the next read meets it too
         self.watch: Optional[Callable[[], None]] = None
         self.reader = _UpstreamReader(self._recv if tls is None else self._recv_tls)
         self.since = 0.0  # when it was last checked in
@@ -2848,23 +2850,22 @@ class _UpstreamConnection:
         return conn
 
     def _recv_tls(self, n: int) -> bytes:
-        """Up to n decrypted bytes (b"" at the end of the stream, or at once for n=0 as a socket's recv),
-        reading the socket only when the engine holds no whole record. (OpenSSL takes one record at
-        a time from the buffer, so what it has not read is `incoming.pending`: the engine is asked
-        only then, not to fail with an exception, which costs as much as a hundred bytecodes.)
-
-        Decrypted bytes stay in the engine only after a read that filled its n (`_tls_held`): asking
-        the engine instead (`pending()`) would release the GIL, a hand-off to one of the other busy
-        threads before every socket read."""
+        """Decrypted bytes (b"" at the end of the stream, or at once for n=0 as a socket's recv): whole
+        records, so at least one byte and possibly more than n (the reader keeps what is past n, and
+        a connection whose reader holds bytes is never pooled). The socket is read only when the
+        buffer holds no whole record: OpenSSL takes one record at a time from it, so what it has not
+        read is `incoming.pending`, and a read of TLS_RECORD_BYTES takes a whole record, so the engine
+        never holds decrypted bytes between calls (asking it, `pending()`, would release the GIL: a
+        hand-off to one of the other busy threads; failing a read costs an exception)."""
         engine, incoming = self.tls, self._incoming
         if n <= 0:
             return b""
         while True:
-            if incoming.pending or self._tls_held:
+            if incoming.pending or self._tls_ended:
                 try:
-                    data = engine.read(n)  # type: ignore[union-attr]
+                    data = engine.read(TLS_RECORD_BYTES)  # type: ignore[union-attr]
                 except ssl.SSLWantReadError:  # part of a record, or records without data (session tickets)
-                    self._tls_held = False
+                    self._tls_ended = False
                 except ssl.SSLZeroReturnError:  # the upstream's close_notify
                     return b""
                 else:
@@ -2874,15 +2875,14 @@ class _UpstreamConnection:
                     # next read to meet, after these bytes.
                     while incoming.pending and len(data) < n:
                         try:
-                            data += engine.read(n - len(data))  # type: ignore[union-attr]
+                            data += engine.read(TLS_RECORD_BYTES)  # type: ignore[union-attr]
                         except ssl.SSLError:
                             break
-                    self._tls_held = len(data) >= n  # (a read short of n emptied the engine's record)
                     return data
             data = self._recv(IO_CHUNK)
             if not data:
                 return b""
-            self._incoming.write(data)  # type: ignore[union-attr]
+            incoming.write(data)  # type: ignore[union-attr]
 
     def _recv(self, n: int) -> bytes:
         try:
@@ -2948,7 +2948,7 @@ class _UpstreamConnection:
         right after the handshake): those are consumed by a non-blocking read, and only application
         bytes (kept for the reader) or an end of stream count."""
         sock, engine = self.sock, self.tls
-        if engine is not None and (engine.pending() or self._incoming.pending):  # type: ignore[union-attr]
+        if engine is not None and self._incoming.pending:  # type: ignore[union-attr]  # (see _recv_tls)
             if self._has_tls_data():
                 return True
         poller = self._poller
@@ -2978,12 +2978,12 @@ class _UpstreamConnection:
     def _has_tls_data(self) -> bool:
         """Whether the engine's buffered records hold data or an end (kept for the reader); records
         without data (TLS 1.3 session tickets arrive right after the handshake) are consumed."""
-        self._tls_held = True  # (this read may leave decrypted bytes behind: _recv_tls asks the engine next)
         try:
-            data = self.tls.read(IO_CHUNK)  # type: ignore[union-attr]
+            data = self.tls.read(TLS_RECORD_BYTES)  # type: ignore[union-attr]
         except ssl.SSLWantReadError:
             return False
         except OSError:  # (ssl.SSLError included: a close_notify, a bad record)
+            self._tls_ended = True
             return True
         self.reader.unread(data)
         return True
@@ -3075,12 +3075,15 @@ class _UpstreamReader:
             buf += data
 
     def read1(self, n: int) -> bytes:
-        """Up to n bytes: buffered ones first, else one recv; b"" at end of stream."""
+        """Up to n bytes: buffered ones first, else one recv (what it returns past n is kept); b"" at end
+        of stream."""
         buf = self._buf
-        if buf:
-            self._buf = buf[n:]
-            return buf[:n]
-        return self._recv(n)
+        if not buf:
+            buf = self._recv(n)
+            if len(buf) <= n:
+                return buf
+        self._buf = buf[n:]
+        return buf[:n]
 
     def read_exact(self, n: int, where: str) -> bytes:
         """Exactly n bytes (a small body, read whole): the buffered ones, then as many more as are missing;

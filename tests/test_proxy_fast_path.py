@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import io
 import socket
+import time
 from typing import Iterator, Optional, Tuple
 
 import pytest
@@ -300,6 +301,54 @@ def test_empty_and_multi_record_tls_answers_are_relayed_on_one_pooled_connection
             answer = session.get(base + path, timeout=4)
             assert answer.status_code == 200 and "X-Proxy-Error" not in answer.headers, (path, answer.text[:200])
         assert tls_upstream.connections == 1  # (one pooled connection served them all)
+
+
+class _OverrunningUpstream(support.RecordingUpstream):
+    """Answers the first request with a body of `size` bytes that comes after the head, in a write (for
+    TLS, records) that runs on past it with a whole made-up answer; every later request "RIGHT"."""
+
+    def __init__(self, tls: Optional[support.TestCA], size: int) -> None:
+        self.context = tls.server_context() if tls is not None else None
+        self.size = size
+        super().__init__()
+
+    def _serve(self, sock: socket.socket) -> None:
+        if self.context is not None:
+            try:
+                sock = self.context.wrap_socket(sock, server_side=True)
+            except OSError:
+                return
+        super()._serve(sock)
+
+    def answer(self, sock: socket.socket, request: bytes, head_end: int, served: int) -> bool:
+        if len(self.seen) > 1:
+            sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nRIGHT")
+            return True
+        sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % self.size)
+        time.sleep(0.5)  # (the proxy reads the head on its own first)
+        sock.sendall(b"x" * self.size + b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nWRONG")
+        return True
+
+
+@pytest.mark.parametrize("size", [2, 70000], ids=["small", "streamed"])
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_bytes_an_upstream_sends_past_its_answer_are_never_relayed(test_ca, tls: bool, size: int) -> None:
+    # Neither as the rest of the body nor as the next request's answer: the pooled connection must
+    # not be reused with them waiting. Over plain HTTP they stay in the kernel (the liveness check
+    # sees them); over TLS they were read and decrypted with the body's last record, and the reader
+    # keeps them (they were relayed as the next answer; a streamed body's were relayed with it).
+    upstream = _OverrunningUpstream(test_ca if tls else None, size)
+    try:
+        with AuthProxy(read_timeout_s=5) as p, requests.Session() as session:
+            base = p.mount(("https" if tls else "http") + "://127.0.0.1:%d" % upstream.port, "tok-overrun",
+                           verify=test_ca.ca_path)
+            first = session.post(base + "/step", data=b"{}", timeout=10)
+            second = session.post(base + "/step", data=b"{}", timeout=10)
+        assert (first.status_code, first.content) == (200, b"x" * size)
+        assert (second.status_code, second.content) == (200, b"RIGHT")
+        assert upstream.connections == 2  # (the overrun one was dropped, not pooled)
+    finally:
+        upstream.close()
 
 
 def test_a_pooled_connection_looks_idle_only_until_the_upstream_sends_or_closes() -> None:
