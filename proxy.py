@@ -2802,13 +2802,15 @@ class _UpstreamConnection:
     (set while a request waits for its answer) between slices, and gives up after read_timeout_s."""
 
     __slots__ = ("sock", "reader", "since", "watch", "read_timeout_s", "tls", "_incoming", "_outgoing", "_poller",
-                 "received", "_tls_ended", "__weakref__")
+                 "received", "_tls_ended", "_tls_object", "__weakref__")
 
     def __init__(self, sock: socket.socket, read_timeout_s: float,
                  tls: Optional[Tuple[ssl.SSLObject, ssl.MemoryBIO, ssl.MemoryBIO]] = None) -> None:
         self.sock = sock
         self.read_timeout_s = read_timeout_s
-        self.tls, self._incoming, self._outgoing = tls if tls is not None else (None, None, None)
+        self._tls_object, self._incoming, self._outgoing = tls if tls is not None else (None, None, None)
+        # The engine itself: an SSLObject's read and write are Python methods that call it (a frame each).
+        self.tls = getattr(self._tls_object, "_sslobj", self._tls_object)
         # The liveness check's poll object, the socket registered once (not one poll object a request).
         self._poller: Optional["select.poll"] = None
         self.received = 0  # bytes read from the socket (see looks_idle)
@@ -2879,9 +2881,13 @@ class _UpstreamConnection:
                         except ssl.SSLError:
                             break
                     return data
-            data = self._recv(IO_CHUNK)
+            try:  # (what _recv does, without its frame)
+                data = self.sock.recv(IO_CHUNK)
+            except (BlockingIOError, socket.timeout):
+                data = self._recv_slices(IO_CHUNK)
             if not data:
                 return b""
+            self.received += len(data)
             incoming.write(data)  # type: ignore[union-attr]
 
     def _recv(self, n: int) -> bytes:
