@@ -1980,12 +1980,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     continue
                 # What _relay_response does for a clean small answer: read it whole, give the connection
                 # back to the pool, relay head and body in one send.
-                try:
-                    body = reader.read_exact(size, "its response body")
-                except Exception as exc:
-                    route._checkin(conn, False)
-                    self._answer_body_failed(route, exc)
-                    return None
+                body = reader._buf
+                if len(body) == size:  # (most often the body came with the head: read_exact's answer, without its frame)
+                    reader._buf = b""
+                else:
+                    try:
+                        body = reader.read_exact(size, "its response body")
+                    except Exception as exc:
+                        route._checkin(conn, False)
+                        self._answer_body_failed(route, exc)
+                        return None
                 route._checkin(conn, sent_all and not reader._buf)
                 try:
                     sendall(answer.raw + body)
