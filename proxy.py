@@ -2941,7 +2941,10 @@ class _UpstreamConnection:
         """Whether a pooled connection is as its last answer left it: the upstream neither closed nor
         reset it (TCP state ESTABLISHED) nor sent a byte since (the kernel's count of bytes received
         equals ours). One getsockopt(TCP_INFO), which, unlike poll(), keeps the GIL: with many busy
-        threads every release is a hand-off. Where TCP_INFO is missing: not has_input()."""
+        threads every release is a hand-off. Where TCP_INFO is missing: not has_input(). Over TLS the
+        engine's buffer must be empty too: records read with an answer's last one, not yet decrypted."""
+        if self._incoming is not None and self._incoming.pending:
+            return False
         if _TCP_INFO_BYTES:
             try:
                 info = self.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_BYTES)

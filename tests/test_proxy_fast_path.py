@@ -304,12 +304,13 @@ def test_empty_and_multi_record_tls_answers_are_relayed_on_one_pooled_connection
 
 
 class _OverrunningUpstream(support.RecordingUpstream):
-    """Answers the first request with a body of `size` bytes that comes after the head, in a write (for
-    TLS, records) that runs on past it with a whole made-up answer; every later request "RIGHT"."""
+    """Answers the first request with a body of `size` bytes that comes after the head, followed at once
+    by a whole made-up answer (in the same write, or `apart`: in a write of its own, for TLS a record
+    of its own, leaving in the same TCP segment); every later request "RIGHT"."""
 
-    def __init__(self, tls: Optional[support.TestCA], size: int) -> None:
+    def __init__(self, tls: Optional[support.TestCA], size: int, apart: bool) -> None:
         self.context = tls.server_context() if tls is not None else None
-        self.size = size
+        self.size, self.apart = size, apart
         super().__init__()
 
     def _serve(self, sock: socket.socket) -> None:
@@ -326,18 +327,25 @@ class _OverrunningUpstream(support.RecordingUpstream):
             return True
         sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % self.size)
         time.sleep(0.5)  # (the proxy reads the head on its own first)
-        sock.sendall(b"x" * self.size + b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nWRONG")
+        body, overrun = b"x" * self.size, b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nWRONG"
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 1)  # (held until uncorked: one segment)
+        sock.sendall(body) if self.apart else None
+        sock.sendall(overrun if self.apart else body + overrun)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 0)
         return True
 
 
+@pytest.mark.skipif(not hasattr(socket, "TCP_CORK"), reason="the upstream corks its writes (Linux)")
+@pytest.mark.parametrize("apart", [False, True], ids=["same-write", "own-write"])
 @pytest.mark.parametrize("size", [2, 70000], ids=["small", "streamed"])
 @pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
-def test_bytes_an_upstream_sends_past_its_answer_are_never_relayed(test_ca, tls: bool, size: int) -> None:
+def test_bytes_an_upstream_sends_past_its_answer_are_never_relayed(test_ca, tls: bool, size: int, apart: bool) -> None:
     # Neither as the rest of the body nor as the next request's answer: the pooled connection must
     # not be reused with them waiting. Over plain HTTP they stay in the kernel (the liveness check
-    # sees them); over TLS they were read and decrypted with the body's last record, and the reader
-    # keeps them (they were relayed as the next answer; a streamed body's were relayed with it).
-    upstream = _OverrunningUpstream(test_ca if tls else None, size)
+    # sees them). Over TLS they were read with the body's last record: decrypted with it (the reader
+    # keeps them; they were relayed as the next answer, a streamed body's with the body), or still
+    # encrypted in the engine's buffer (the liveness check sees them; they were the next answer too).
+    upstream = _OverrunningUpstream(test_ca if tls else None, size, apart)
     try:
         with AuthProxy(read_timeout_s=5) as p, requests.Session() as session:
             base = p.mount(("https" if tls else "http") + "://127.0.0.1:%d" % upstream.port, "tok-overrun",
