@@ -78,6 +78,9 @@ MAX_RESPONSE_HEAD_BYTES = 256 * 1024
 MAX_INTERIM_RESPONSES = 32
 # Socket read size for streaming bodies and tunnels: large enough to move a 1 MiB frame in a few calls.
 IO_CHUNK = 64 * 1024
+# Content-Length lines made for request bodies, kept by size (a client's requests repeat a few sizes: the
+# line is then looked up, not formatted); at most this many sizes are kept, each ~25 bytes.
+MAX_LENGTH_LINES = 4096
 # What a pooled TLS connection asks its engine for per read: a TLS record's largest plaintext (RFC 8446
 # section 5.1, RFC 5246 section 6.2.1), so each read takes a whole record and none is left half-read.
 TLS_RECORD_BYTES = 16 * 1024
@@ -1902,7 +1905,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         # route before it returns, and a route id is never mounted twice), and the upstream lines
         # made for it with the token and extra headers that went into them (compared by identity: the
         # memo holds them, so a rotated token or new headers are new objects and make new lines).
-        routed, lines_for = None, None  # type: Optional[Tuple[Route, str]], Optional[Tuple[object, object, str]]
+        routed, lines_for = None, None  # type: Optional[Tuple[Route, str]], Optional[Tuple[object, object, bytes]]
         try:
             while not proxy._stopping:
                 if not buf:
@@ -1963,7 +1966,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                         return None
                 body, buf = buf[end:stop], buf[stop:]
                 if lines_for is None or lines_for[0] is not token or lines_for[1] is not extra:
-                    lines_for = (token, extra, _clean_request_lines(method, target, kept, route, token, extra))
+                    lines_for = (token, extra, _clean_request_lines(method, target, kept, route, token,
+                                                                    extra).encode("latin-1"))
                 exchange = self._exchange(route, method, lines_for[2], body, has_body, ())
                 if exchange is None:
                     if self.close_connection:
@@ -2295,7 +2299,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         except _ClientBodyError as exc:
             self._refuse(_client_body_refusal(exc, self.proxy.idle_timeout_s), close=True)
             return
-        exchange = self._exchange(route, method, lines, body, framing[0] != "none", body_iter)
+        exchange = self._exchange(route, method, lines.encode("latin-1"), body, framing[0] != "none", body_iter)
         if exchange is None:
             return
         conn, answer, sent_all = exchange
@@ -2327,19 +2331,26 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 return b"".join(buffered), body_iter
         return b"".join(buffered), iter(())
 
-    def _exchange(self, route: Route, method: str, lines: str, body: bytes, has_body: bool,
+    def _exchange(self, route: Route, method: str, lines: bytes, body: bytes, has_body: bool,
                   rest: Iterable[bytes]) -> Optional[Tuple[_UpstreamConnection, _Answer, bool]]:
-        """Send the request (`lines`: its head without framing header and blank line; `body`, then `rest`)
-        on a pooled (or fresh) connection, retrying once on a fresh one as _may_retry allows, and read
-        its final answer head (interim ones are relayed on the way): (connection, answer, whether the
-        whole request was sent), or None once the client was answered (a refusal) or left."""
+        """Send the request (`lines`: its head without framing header and blank line, encoded as latin-1,
+        as it was parsed; `body`, then `rest`) on a pooled (or fresh) connection, retrying once on a
+        fresh one as _may_retry allows, and read its final answer head (interim ones are relayed on the
+        way): (connection, answer, whether the whole request was sent), or None once the client was
+        answered (a refusal) or left."""
         size = len(body)
         replayable = size <= REPLAYABLE_BODY_BYTES
-        if replayable:
-            lines += "Content-Length: %d\r\n\r\n" % size if has_body else "\r\n"
+        if not replayable:
+            head = lines + b"Transfer-Encoding: chunked\r\n\r\n"
+        elif not has_body:
+            head = lines + b"\r\n"
         else:
-            lines += "Transfer-Encoding: chunked\r\n\r\n"
-        head = lines.encode("latin-1")  # parsed as latin-1 text, so this round-trips
+            framing = _LENGTH_LINES.get(size)
+            if framing is None:
+                framing = b"Content-Length: %d\r\n\r\n" % size
+                if len(_LENGTH_LINES) < MAX_LENGTH_LINES:
+                    _LENGTH_LINES[size] = framing
+            head = lines + framing
         try:
             for attempt in (1, 2):
                 try:
@@ -3464,6 +3475,8 @@ def _timeval(timeout: Optional[float]) -> bytes:
 _TCP_INFO_BYTES = 136 if hasattr(socket, "TCP_INFO") and sys.platform.startswith("linux") else 0
 _TCP_INFO_RECEIVED = struct.Struct("=128xQ")
 _TCP_ESTABLISHED = 1
+# Request framing lines by body size (see MAX_LENGTH_LINES); dict reads and writes are atomic.
+_LENGTH_LINES: Dict[int, bytes] = {}
 
 
 def _readable(sock: socket.socket) -> bool:
