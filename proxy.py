@@ -78,9 +78,10 @@ MAX_RESPONSE_HEAD_BYTES = 256 * 1024
 MAX_INTERIM_RESPONSES = 32
 # Socket read size for streaming bodies and tunnels: large enough to move a 1 MiB frame in a few calls.
 IO_CHUNK = 64 * 1024
-# Content-Length lines made for request bodies, kept by size (a client's requests repeat a few sizes: the
-# line is then looked up, not formatted); at most this many sizes are kept, each ~25 bytes.
-MAX_LENGTH_LINES = 4096
+# Content-Length values read (digits to int) and lines made (int to a request's framing line), kept: a
+# client's requests and an upstream's answers repeat a few lengths, then looked up instead of converted
+# (int() or formatting, ~500 instructions each). At most this many of each are kept, each ~100 bytes.
+MAX_CACHED_LENGTHS = 4096
 # What a pooled TLS connection asks its engine for per read: a TLS record's largest plaintext (RFC 8446
 # section 5.1, RFC 5246 section 6.2.1), so each read takes a whole record and none is left half-read.
 TLS_RECORD_BYTES = 16 * 1024
@@ -2348,7 +2349,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             framing = _LENGTH_LINES.get(size)
             if framing is None:
                 framing = b"Content-Length: %d\r\n\r\n" % size
-                if len(_LENGTH_LINES) < MAX_LENGTH_LINES:
+                if len(_LENGTH_LINES) < MAX_CACHED_LENGTHS:
                     _LENGTH_LINES[size] = framing
             head = lines + framing
         try:
@@ -3202,10 +3203,12 @@ def _parse_answer(head: bytes, method: str, reader: Optional[_UpstreamReader] = 
                     # A clean Date value (as _answer_key checks it): printable ASCII, no blank at either end.
                     stamp = head[date:end]
                     if stamp == _clean_stamp[0]:
-                        length = int(value)
+                        length = _LENGTH_VALUES.get(value, -1)
+                        if length < 0:
+                            length = _length_value(value)
                     elif (end > date and head[date] != 32 and head[end - 1] != 32 and stamp.isascii()
                             and stamp.decode().isprintable()):
-                        length, _clean_stamp[0] = int(value), stamp
+                        length, _clean_stamp[0] = _length_value(value), stamp
         if length >= 0:
             return _new_tuple(_Answer, (memo[0], memo[1], [], "length", length, True, head))
     text = head.decode("latin-1")
@@ -3420,7 +3423,8 @@ def _head_memo_length(data: bytes, end: int, memo: Tuple[bytes, Optional[bytes]]
         return -3
     value = data[start:stop]
     if value.isdigit() and len(value) <= 18:  # (digits hold no line end: the value's line ends at stop)
-        return int(value)
+        length = _LENGTH_VALUES.get(value, -1)
+        return length if length >= 0 else _length_value(value)
     return -2 if data.find(b"\r\n", start) == stop else -3
 
 
@@ -3475,8 +3479,18 @@ def _timeval(timeout: Optional[float]) -> bytes:
 _TCP_INFO_BYTES = 136 if hasattr(socket, "TCP_INFO") and sys.platform.startswith("linux") else 0
 _TCP_INFO_RECEIVED = struct.Struct("=128xQ")
 _TCP_ESTABLISHED = 1
-# Request framing lines by body size (see MAX_LENGTH_LINES); dict reads and writes are atomic.
+# Request framing lines by body size, and Content-Length values by their digits (see MAX_CACHED_LENGTHS);
+# dict reads and writes are atomic.
 _LENGTH_LINES: Dict[int, bytes] = {}
+_LENGTH_VALUES: Dict[bytes, int] = {}
+
+
+def _length_value(value: bytes) -> int:
+    """int(value) for 1-18 ASCII digits, remembered in _LENGTH_VALUES (read first: `.get(value, -1)`)."""
+    length = int(value)
+    if len(_LENGTH_VALUES) < MAX_CACHED_LENGTHS:
+        _LENGTH_VALUES[value] = length
+    return length
 
 
 def _readable(sock: socket.socket) -> bool:

@@ -423,6 +423,26 @@ def test_an_answer_the_memo_recognises_is_what_the_strict_path_writes(first: byt
                     proxy._parse_answer(later, method).length)
 
 
+def test_content_length_values_are_read_as_their_numbers_through_the_length_cache() -> None:
+    # Both memos look a value up (proxy._LENGTH_VALUES) before converting it: values that are prefixes
+    # of one another, seen in any order, must each read as their own number, and the cache stays bounded.
+    values = [b"70000", b"7000", b"700", b"70", b"7", b"0", b"7000", b"70000", b"10", b"100", b"10"]
+    request = b"POST /r/step HTTP/1.1\r\nHost: h\r\nContent-Length: %s\r\nContent-Type: a/b\r\n\r\n"
+    memo = proxy._head_memo(request % b"2", len(request % b"2"))
+    reader = proxy._UpstreamReader(lambda n: b"")
+    proxy._parse_answer(UVICORN_ANSWER, "POST", reader)
+    assert reader.memo is not None
+    for value in values:
+        head = request % value
+        assert proxy._head_memo_length(head, len(head), memo) == int(value)
+        answer = UVICORN_ANSWER.replace(b"content-length: 2", b"content-length: " + value)
+        assert proxy._parse_answer(answer, "POST", reader).length == int(value)
+    for number in range(proxy.MAX_CACHED_LENGTHS + 10):
+        head = request % b"%d" % number
+        assert proxy._head_memo_length(head, len(head), memo) == number
+    assert len(proxy._LENGTH_VALUES) <= proxy.MAX_CACHED_LENGTHS
+
+
 def _head_key(data: bytes, end: int) -> Tuple[bytes, int]:
     """What the clean loop's head memo must agree with: the request head `data[:end]` without the value
     of its first `Content-Length` line, and that value (-1 without such a line, -2 if it is not 1-18
