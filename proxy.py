@@ -1986,7 +1986,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 # What _relay_response does for a clean small answer: read it whole, give the connection
                 # back to the pool, relay head and body in one send.
                 body = reader._buf
-                if len(body) == size:  # (most often the body came with the head: read_exact's answer, without its frame)
+                if len(body) == size:  # (the body came with the head, as most do: read_exact's answer, no frame)
                     reader._buf = b""
                 else:
                     try:
