@@ -78,6 +78,13 @@ MAX_RESPONSE_HEAD_BYTES = 256 * 1024
 MAX_INTERIM_RESPONSES = 32
 # Socket read size for streaming bodies and tunnels: large enough to move a 1 MiB frame in a few calls.
 IO_CHUNK = 64 * 1024
+# Content-Length values read (digits to int) and lines made (int to a request's framing line), kept: a
+# client's requests and an upstream's answers repeat a few lengths, then looked up instead of converted
+# (int() or formatting, ~500 instructions each). At most this many of each are kept, each ~100 bytes.
+MAX_CACHED_LENGTHS = 4096
+# What a pooled TLS connection asks its engine for per read: a TLS record's largest plaintext (RFC 8446
+# section 5.1, RFC 5246 section 6.2.1), so each read takes a whole record and none is left half-read.
+TLS_RECORD_BYTES = 16 * 1024
 # Read size of each WebSocket tunnel direction. A direction spends the whole session blocked in recv
 # holding a buffer of this size, so it sets most of an open session's memory (64 KiB per direction
 # measured 37-43 KiB RSS per session at 2,048 sessions). OpenEnv frames are a few hundred bytes; a
@@ -1899,7 +1906,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         # route before it returns, and a route id is never mounted twice), and the upstream lines
         # made for it with the token and extra headers that went into them (compared by identity: the
         # memo holds them, so a rotated token or new headers are new objects and make new lines).
-        routed, lines_for = None, None  # type: Optional[Tuple[Route, str]], Optional[Tuple[object, object, str]]
+        routed, lines_for = None, None  # type: Optional[Tuple[Route, str]], Optional[Tuple[object, object, bytes]]
         try:
             while not proxy._stopping:
                 if not buf:
@@ -1960,7 +1967,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                         return None
                 body, buf = buf[end:stop], buf[stop:]
                 if lines_for is None or lines_for[0] is not token or lines_for[1] is not extra:
-                    lines_for = (token, extra, _clean_request_lines(method, target, kept, route, token, extra))
+                    lines_for = (token, extra, _clean_request_lines(method, target, kept, route, token,
+                                                                    extra).encode("latin-1"))
                 exchange = self._exchange(route, method, lines_for[2], body, has_body, ())
                 if exchange is None:
                     if self.close_connection:
@@ -1977,12 +1985,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     continue
                 # What _relay_response does for a clean small answer: read it whole, give the connection
                 # back to the pool, relay head and body in one send.
-                try:
-                    body = reader.read_exact(size, "its response body")
-                except Exception as exc:
-                    route._checkin(conn, False)
-                    self._answer_body_failed(route, exc)
-                    return None
+                body = reader._buf
+                if len(body) == size:  # (the body came with the head, as most do: read_exact's answer, no frame)
+                    reader._buf = b""
+                else:
+                    try:
+                        body = reader.read_exact(size, "its response body")
+                    except Exception as exc:
+                        route._checkin(conn, False)
+                        self._answer_body_failed(route, exc)
+                        return None
                 route._checkin(conn, sent_all and not reader._buf)
                 try:
                     sendall(answer.raw + body)
@@ -2288,7 +2300,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         except _ClientBodyError as exc:
             self._refuse(_client_body_refusal(exc, self.proxy.idle_timeout_s), close=True)
             return
-        exchange = self._exchange(route, method, lines, body, framing[0] != "none", body_iter)
+        exchange = self._exchange(route, method, lines.encode("latin-1"), body, framing[0] != "none", body_iter)
         if exchange is None:
             return
         conn, answer, sent_all = exchange
@@ -2320,19 +2332,26 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 return b"".join(buffered), body_iter
         return b"".join(buffered), iter(())
 
-    def _exchange(self, route: Route, method: str, lines: str, body: bytes, has_body: bool,
+    def _exchange(self, route: Route, method: str, lines: bytes, body: bytes, has_body: bool,
                   rest: Iterable[bytes]) -> Optional[Tuple[_UpstreamConnection, _Answer, bool]]:
-        """Send the request (`lines`: its head without framing header and blank line; `body`, then `rest`)
-        on a pooled (or fresh) connection, retrying once on a fresh one as _may_retry allows, and read
-        its final answer head (interim ones are relayed on the way): (connection, answer, whether the
-        whole request was sent), or None once the client was answered (a refusal) or left."""
+        """Send the request (`lines`: its head without framing header and blank line, encoded as latin-1,
+        as it was parsed; `body`, then `rest`) on a pooled (or fresh) connection, retrying once on a
+        fresh one as _may_retry allows, and read its final answer head (interim ones are relayed on the
+        way): (connection, answer, whether the whole request was sent), or None once the client was
+        answered (a refusal) or left."""
         size = len(body)
         replayable = size <= REPLAYABLE_BODY_BYTES
-        if replayable:
-            lines += "Content-Length: %d\r\n\r\n" % size if has_body else "\r\n"
+        if not replayable:
+            head = lines + b"Transfer-Encoding: chunked\r\n\r\n"
+        elif not has_body:
+            head = lines + b"\r\n"
         else:
-            lines += "Transfer-Encoding: chunked\r\n\r\n"
-        head = lines.encode("latin-1")  # parsed as latin-1 text, so this round-trips
+            framing = _LENGTH_LINES.get(size)
+            if framing is None:
+                framing = b"Content-Length: %d\r\n\r\n" % size
+                if len(_LENGTH_LINES) < MAX_CACHED_LENGTHS:
+                    _LENGTH_LINES[size] = framing
+            head = lines + framing
         try:
             for attempt in (1, 2):
                 try:
@@ -2799,18 +2818,19 @@ class _UpstreamConnection:
     (set while a request waits for its answer) between slices, and gives up after read_timeout_s."""
 
     __slots__ = ("sock", "reader", "since", "watch", "read_timeout_s", "tls", "_incoming", "_outgoing", "_poller",
-                 "received", "_tls_held", "__weakref__")
+                 "received", "_tls_ended", "_tls_object", "__weakref__")
 
     def __init__(self, sock: socket.socket, read_timeout_s: float,
                  tls: Optional[Tuple[ssl.SSLObject, ssl.MemoryBIO, ssl.MemoryBIO]] = None) -> None:
         self.sock = sock
         self.read_timeout_s = read_timeout_s
-        self.tls, self._incoming, self._outgoing = tls if tls is not None else (None, None, None)
+        self._tls_object, self._incoming, self._outgoing = tls if tls is not None else (None, None, None)
+        # The engine itself: an SSLObject's read and write are Python methods that call it (a frame each).
+        self.tls = getattr(self._tls_object, "_sslobj", self._tls_object)
         # The liveness check's poll object, the socket registered once (not one poll object a request).
         self._poller: Optional["select.poll"] = None
         self.received = 0  # bytes read from the socket (see looks_idle)
-        # Whether the TLS engine may hold decrypted bytes not yet read (see _recv_tls); True until known.
-        self._tls_held = True
+        self._tls_ended = False  # a probe met the engine's end (close_notify) or an error: the next read meets it too
         self.watch: Optional[Callable[[], None]] = None
         self.reader = _UpstreamReader(self._recv if tls is None else self._recv_tls)
         self.since = 0.0  # when it was last checked in
@@ -2848,23 +2868,22 @@ class _UpstreamConnection:
         return conn
 
     def _recv_tls(self, n: int) -> bytes:
-        """Up to n decrypted bytes (b"" at the end of the stream, or at once for n=0 as a socket's recv),
-        reading the socket only when the engine holds no whole record. (OpenSSL takes one record at
-        a time from the buffer, so what it has not read is `incoming.pending`: the engine is asked
-        only then, not to fail with an exception, which costs as much as a hundred bytecodes.)
-
-        Decrypted bytes stay in the engine only after a read that filled its n (`_tls_held`): asking
-        the engine instead (`pending()`) would release the GIL, a hand-off to one of the other busy
-        threads before every socket read."""
+        """Decrypted bytes (b"" at the end of the stream, or at once for n=0 as a socket's recv): whole
+        records, so at least one byte and possibly more than n (the reader keeps what is past n, and
+        a connection whose reader holds bytes is never pooled). The socket is read only when the
+        buffer holds no whole record: OpenSSL takes one record at a time from it, so what it has not
+        read is `incoming.pending`, and a read of TLS_RECORD_BYTES takes a whole record, so the engine
+        never holds decrypted bytes between calls (asking it, `pending()`, would release the GIL: a
+        hand-off to one of the other busy threads; failing a read costs an exception)."""
         engine, incoming = self.tls, self._incoming
         if n <= 0:
             return b""
         while True:
-            if incoming.pending or self._tls_held:
+            if incoming.pending or self._tls_ended:
                 try:
-                    data = engine.read(n)  # type: ignore[union-attr]
+                    data = engine.read(TLS_RECORD_BYTES)  # type: ignore[union-attr]
                 except ssl.SSLWantReadError:  # part of a record, or records without data (session tickets)
-                    self._tls_held = False
+                    self._tls_ended = False
                 except ssl.SSLZeroReturnError:  # the upstream's close_notify
                     return b""
                 else:
@@ -2874,15 +2893,18 @@ class _UpstreamConnection:
                     # next read to meet, after these bytes.
                     while incoming.pending and len(data) < n:
                         try:
-                            data += engine.read(n - len(data))  # type: ignore[union-attr]
+                            data += engine.read(TLS_RECORD_BYTES)  # type: ignore[union-attr]
                         except ssl.SSLError:
                             break
-                    self._tls_held = len(data) >= n  # (a read short of n emptied the engine's record)
                     return data
-            data = self._recv(IO_CHUNK)
+            try:  # (what _recv does, without its frame)
+                data = self.sock.recv(IO_CHUNK)
+            except (BlockingIOError, socket.timeout):
+                data = self._recv_slices(IO_CHUNK)
             if not data:
                 return b""
-            self._incoming.write(data)  # type: ignore[union-attr]
+            self.received += len(data)
+            incoming.write(data)  # type: ignore[union-attr]
 
     def _recv(self, n: int) -> bytes:
         try:
@@ -2931,7 +2953,10 @@ class _UpstreamConnection:
         """Whether a pooled connection is as its last answer left it: the upstream neither closed nor
         reset it (TCP state ESTABLISHED) nor sent a byte since (the kernel's count of bytes received
         equals ours). One getsockopt(TCP_INFO), which, unlike poll(), keeps the GIL: with many busy
-        threads every release is a hand-off. Where TCP_INFO is missing: not has_input()."""
+        threads every release is a hand-off. Where TCP_INFO is missing: not has_input(). Over TLS the
+        engine's buffer must be empty too: records read with an answer's last one, not yet decrypted."""
+        if self._incoming is not None and self._incoming.pending:
+            return False
         if _TCP_INFO_BYTES:
             try:
                 info = self.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_BYTES)
@@ -2948,7 +2973,7 @@ class _UpstreamConnection:
         right after the handshake): those are consumed by a non-blocking read, and only application
         bytes (kept for the reader) or an end of stream count."""
         sock, engine = self.sock, self.tls
-        if engine is not None and (engine.pending() or self._incoming.pending):  # type: ignore[union-attr]
+        if engine is not None and self._incoming.pending:  # type: ignore[union-attr]  # (see _recv_tls)
             if self._has_tls_data():
                 return True
         poller = self._poller
@@ -2978,12 +3003,12 @@ class _UpstreamConnection:
     def _has_tls_data(self) -> bool:
         """Whether the engine's buffered records hold data or an end (kept for the reader); records
         without data (TLS 1.3 session tickets arrive right after the handshake) are consumed."""
-        self._tls_held = True  # (this read may leave decrypted bytes behind: _recv_tls asks the engine next)
         try:
-            data = self.tls.read(IO_CHUNK)  # type: ignore[union-attr]
+            data = self.tls.read(TLS_RECORD_BYTES)  # type: ignore[union-attr]
         except ssl.SSLWantReadError:
             return False
         except OSError:  # (ssl.SSLError included: a close_notify, a bad record)
+            self._tls_ended = True
             return True
         self.reader.unread(data)
         return True
@@ -3075,12 +3100,15 @@ class _UpstreamReader:
             buf += data
 
     def read1(self, n: int) -> bytes:
-        """Up to n bytes: buffered ones first, else one recv; b"" at end of stream."""
+        """Up to n bytes: buffered ones first, else one recv (what it returns past n is kept); b"" at end
+        of stream."""
         buf = self._buf
-        if buf:
-            self._buf = buf[n:]
-            return buf[:n]
-        return self._recv(n)
+        if not buf:
+            buf = self._recv(n)
+            if len(buf) <= n:
+                return buf
+        self._buf = buf[n:]
+        return buf[:n]
 
     def read_exact(self, n: int, where: str) -> bytes:
         """Exactly n bytes (a small body, read whole): the buffered ones, then as many more as are missing;
@@ -3175,10 +3203,12 @@ def _parse_answer(head: bytes, method: str, reader: Optional[_UpstreamReader] = 
                     # A clean Date value (as _answer_key checks it): printable ASCII, no blank at either end.
                     stamp = head[date:end]
                     if stamp == _clean_stamp[0]:
-                        length = int(value)
+                        length = _LENGTH_VALUES.get(value, -1)
+                        if length < 0:
+                            length = _length_value(value)
                     elif (end > date and head[date] != 32 and head[end - 1] != 32 and stamp.isascii()
                             and stamp.decode().isprintable()):
-                        length, _clean_stamp[0] = int(value), stamp
+                        length, _clean_stamp[0] = _length_value(value), stamp
         if length >= 0:
             return _new_tuple(_Answer, (memo[0], memo[1], [], "length", length, True, head))
     text = head.decode("latin-1")
@@ -3393,7 +3423,8 @@ def _head_memo_length(data: bytes, end: int, memo: Tuple[bytes, Optional[bytes]]
         return -3
     value = data[start:stop]
     if value.isdigit() and len(value) <= 18:  # (digits hold no line end: the value's line ends at stop)
-        return int(value)
+        length = _LENGTH_VALUES.get(value, -1)
+        return length if length >= 0 else _length_value(value)
     return -2 if data.find(b"\r\n", start) == stop else -3
 
 
@@ -3448,6 +3479,18 @@ def _timeval(timeout: Optional[float]) -> bytes:
 _TCP_INFO_BYTES = 136 if hasattr(socket, "TCP_INFO") and sys.platform.startswith("linux") else 0
 _TCP_INFO_RECEIVED = struct.Struct("=128xQ")
 _TCP_ESTABLISHED = 1
+# Request framing lines by body size, and Content-Length values by their digits (see MAX_CACHED_LENGTHS);
+# dict reads and writes are atomic.
+_LENGTH_LINES: Dict[int, bytes] = {}
+_LENGTH_VALUES: Dict[bytes, int] = {}
+
+
+def _length_value(value: bytes) -> int:
+    """int(value) for 1-18 ASCII digits, remembered in _LENGTH_VALUES (read first: `.get(value, -1)`)."""
+    length = int(value)
+    if len(_LENGTH_VALUES) < MAX_CACHED_LENGTHS:
+        _LENGTH_VALUES[value] = length
+    return length
 
 
 def _readable(sock: socket.socket) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import io
 import socket
+import time
 from typing import Iterator, Optional, Tuple
 
 import pytest
@@ -302,6 +303,62 @@ def test_empty_and_multi_record_tls_answers_are_relayed_on_one_pooled_connection
         assert tls_upstream.connections == 1  # (one pooled connection served them all)
 
 
+class _OverrunningUpstream(support.RecordingUpstream):
+    """Answers the first request with a body of `size` bytes that comes after the head, followed at once
+    by a whole made-up answer (in the same write, or `apart`: in a write of its own, for TLS a record
+    of its own, leaving in the same TCP segment); every later request "RIGHT"."""
+
+    def __init__(self, tls: Optional[support.TestCA], size: int, apart: bool) -> None:
+        self.context = tls.server_context() if tls is not None else None
+        self.size, self.apart = size, apart
+        super().__init__()
+
+    def _serve(self, sock: socket.socket) -> None:
+        if self.context is not None:
+            try:
+                sock = self.context.wrap_socket(sock, server_side=True)
+            except OSError:
+                return
+        super()._serve(sock)
+
+    def answer(self, sock: socket.socket, request: bytes, head_end: int, served: int) -> bool:
+        if len(self.seen) > 1:
+            sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nRIGHT")
+            return True
+        sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % self.size)
+        time.sleep(0.5)  # (the proxy reads the head on its own first)
+        body, overrun = b"x" * self.size, b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nWRONG"
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 1)  # (held until uncorked: one segment)
+        sock.sendall(body) if self.apart else None
+        sock.sendall(overrun if self.apart else body + overrun)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 0)
+        return True
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_CORK"), reason="the upstream corks its writes (Linux)")
+@pytest.mark.parametrize("apart", [False, True], ids=["same-write", "own-write"])
+@pytest.mark.parametrize("size", [2, 70000], ids=["small", "streamed"])
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_bytes_an_upstream_sends_past_its_answer_are_never_relayed(test_ca, tls: bool, size: int, apart: bool) -> None:
+    # Neither as the rest of the body nor as the next request's answer: the pooled connection must
+    # not be reused with them waiting. Over plain HTTP they stay in the kernel (the liveness check
+    # sees them). Over TLS they were read with the body's last record: decrypted with it (the reader
+    # keeps them; they were relayed as the next answer, a streamed body's with the body), or still
+    # encrypted in the engine's buffer (the liveness check sees them; they were the next answer too).
+    upstream = _OverrunningUpstream(test_ca if tls else None, size, apart)
+    try:
+        with AuthProxy(read_timeout_s=5) as p, requests.Session() as session:
+            base = p.mount(("https" if tls else "http") + "://127.0.0.1:%d" % upstream.port, "tok-overrun",
+                           verify=test_ca.ca_path)
+            first = session.post(base + "/step", data=b"{}", timeout=10)
+            second = session.post(base + "/step", data=b"{}", timeout=10)
+        assert (first.status_code, first.content) == (200, b"x" * size)
+        assert (second.status_code, second.content) == (200, b"RIGHT")
+        assert upstream.connections == 2  # (the overrun one was dropped, not pooled)
+    finally:
+        upstream.close()
+
+
 def test_a_pooled_connection_looks_idle_only_until_the_upstream_sends_or_closes() -> None:
     # The pool's liveness check reads the kernel's TCP state and byte count (no poll: a poll hands
     # the GIL to another thread): stray bytes and a FIN must both be seen, and reading them counts.
@@ -364,6 +421,26 @@ def test_an_answer_the_memo_recognises_is_what_the_strict_path_writes(first: byt
                 assert (remembered.status, remembered.reason, remembered.length) == (
                     proxy._parse_answer(later, method).status, proxy._parse_answer(later, method).reason,
                     proxy._parse_answer(later, method).length)
+
+
+def test_content_length_values_are_read_as_their_numbers_through_the_length_cache() -> None:
+    # Both memos look a value up (proxy._LENGTH_VALUES) before converting it: values that are prefixes
+    # of one another, seen in any order, must each read as their own number, and the cache stays bounded.
+    values = [b"70000", b"7000", b"700", b"70", b"7", b"0", b"7000", b"70000", b"10", b"100", b"10"]
+    request = b"POST /r/step HTTP/1.1\r\nHost: h\r\nContent-Length: %s\r\nContent-Type: a/b\r\n\r\n"
+    memo = proxy._head_memo(request % b"2", len(request % b"2"))
+    reader = proxy._UpstreamReader(lambda n: b"")
+    proxy._parse_answer(UVICORN_ANSWER, "POST", reader)
+    assert reader.memo is not None
+    for value in values:
+        head = request % value
+        assert proxy._head_memo_length(head, len(head), memo) == int(value)
+        answer = UVICORN_ANSWER.replace(b"content-length: 2", b"content-length: " + value)
+        assert proxy._parse_answer(answer, "POST", reader).length == int(value)
+    for number in range(proxy.MAX_CACHED_LENGTHS + 10):
+        head = request % b"%d" % number
+        assert proxy._head_memo_length(head, len(head), memo) == number
+    assert len(proxy._LENGTH_VALUES) <= proxy.MAX_CACHED_LENGTHS
 
 
 def _head_key(data: bytes, end: int) -> Tuple[bytes, int]:
