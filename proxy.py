@@ -3917,9 +3917,11 @@ class _TunnelRelay:
         buffer = bytearray(TUNNEL_READ_BYTES)  # the fast path's reads: one relay thread, one buffer
         view = memoryview(buffer)
         per_second = 1 if hasattr(select, "epoll") else 1000  # epoll's timeout is in seconds, poll's in ms
+        deadlines = self._deadlines
+        woken = True  # the wake-up socket fired: tunnels may be waiting in _incoming, or close() was called
         try:
             while True:
-                if self._incoming or self._closed:  # (a lock-free look first: most wake-ups carry only bytes)
+                if woken and (self._incoming or self._closed):
                     with self._lock:
                         batch, self._incoming = self._incoming, []
                         closed = self._closed
@@ -3935,19 +3937,21 @@ class _TunnelRelay:
                     del batch
                     if closed:
                         return
-                timeout = self._expire_setups() if self._deadlines else None
+                woken = False
+                timeout = self._expire_setups() if deadlines else None
                 polled = poller.poll() if timeout is None else poller.poll(timeout * per_second)
                 ready: Optional[Dict[_Tunnel, None]] = None  # tunnels for the general path (made when needed)
                 for fd, events in polled:
-                    side = sides.get(fd)
-                    if side is None:
+                    try:
+                        tunnel, client_side, src, dst = sides[fd]
+                    except KeyError:  # the wake-up socket, or a tunnel that ended earlier in this batch
                         if fd == wake_fd:
+                            woken = True
                             try:  # one read: wake-ups left over (more than 4,096) wake the next poll
                                 self._wake_r.recv(4096)  # type: ignore[union-attr]
                             except OSError:
                                 pass
                         continue
-                    tunnel, client_side, src, dst = side
                     if events == POLLIN and tunnel.steady:
                         # A plain tunnel in steady use (most events): one read, one write, nothing left
                         # over, nothing to re-register: the general path below costs several Python calls more.
