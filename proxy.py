@@ -3777,9 +3777,10 @@ class _UpgradeSetup:
         self.queued = 0.0  # the deadline last put on the relay's heap (a newer one makes that entry stale)
 
     def advance(self, sock: socket.socket) -> Optional[Tuple[bytes, bytes, int]]:
-        """Take every step the upstream allows now: the answer's (head, bytes past it, status) once its
-        head is in, else None with `wants` set to the poll events the next step waits for. Raises what
-        the blocking path would (an SSL or socket error, a timeout, a head too large or cut short)."""
+        """Take the steps the upstream allows now (sending the request ends them: its answer is waited
+        for): the answer's (head, bytes past it, status) once its head is in, else None with `wants` set
+        to the poll events the next step waits for. Raises what the blocking path would (an SSL or
+        socket error, a timeout, a head too large or cut short)."""
         self.wants = 0
         try:
             if self.phase == self.HANDSHAKE:
