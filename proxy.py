@@ -2574,7 +2574,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if not route._add_tunnel(tunnel):  # unmounted meanwhile
             stream.close()
             return
-        self._reader.body_phase(None)
+        # (no socket timeouts to set: the relay makes both sockets non-blocking, and a worker taking the
+        # session back sets its own)
         first = self._take_buffered()  # frames the client sent right behind its request: upstream after the 101
         tunnel.setup = _UpgradeSetup(self, route, head)
         self._hand_to_relay(route, tunnel, first)
@@ -3846,6 +3847,7 @@ class _TunnelRelay:
         self._wake_r: Optional[socket.socket] = None
         self._wake_w: Optional[socket.socket] = None
         self._poller = None  # type: ignore[var-annotated]  # epoll (poll where there is none), made by _start()
+        self._epoll = hasattr(select, "epoll")
         # registered fd -> (tunnel, is it the client side, the socket read on its events, the one written)
         self._sides: Dict[int, Tuple[_Tunnel, bool, socket.socket, socket.socket]] = {}
         self._masks: Dict[int, int] = {}  # registered fd -> the events it is registered for
@@ -3890,7 +3892,7 @@ class _TunnelRelay:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        if hasattr(select, "epoll"):
+        if self._epoll:
             self._poller = select.epoll()
         else:  # pragma: no cover - not Linux
             self._poller = select.poll()
@@ -4123,9 +4125,13 @@ class _TunnelRelay:
             self._poller.modify(fd, events)
             self._masks[fd] = events
 
-    def _forget(self, fd: int) -> None:
+    def _forget(self, fd: int, closing: bool = False) -> None:
+        """Stop polling `fd`; `closing`: its socket is about to be closed, which takes it out of an epoll
+        set by itself (a system call saved per side; poll() objects keep closed fds, so those unregister)."""
         if self._masks.pop(fd, None) is not None:
             del self._sides[fd]
+            if closing and self._epoll:
+                return
             try:
                 self._poller.unregister(fd)
             except (OSError, ValueError, KeyError):  # closed already
@@ -4133,14 +4139,14 @@ class _TunnelRelay:
 
     def _end(self, tunnel: _Tunnel) -> None:
         """A tunnel ended: stop polling it, close it, take it off its route, release its client."""
-        self._unregister(tunnel)
+        self._unregister(tunnel, closing=True)
         route, server = self._owners.pop(tunnel)
         self._release(tunnel, route, server)
 
-    def _unregister(self, tunnel: _Tunnel) -> None:
+    def _unregister(self, tunnel: _Tunnel, closing: bool = False) -> None:
         for fd in (getattr(tunnel, "client_fd", -1), getattr(tunnel, "up_fd", -1)):  # (unset: start failed)
             if self._sides.get(fd, (None,))[0] is tunnel:
-                self._forget(fd)
+                self._forget(fd, closing)
 
     @staticmethod
     def _release(tunnel: _Tunnel, route: Route, server: Optional["_Server"]) -> None:
