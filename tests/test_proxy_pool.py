@@ -285,8 +285,7 @@ def test_refusals_at_the_thread_cap_warn_at_most_once_per_interval_with_a_count(
     if every_s is not None:
         monkeypatch.setattr(proxy_module, "BUSY_WARNING_EVERY_S", every_s)
     caplog.set_level(logging.WARNING, logger="proxy")
-    with Upstream() as upstream, AuthProxy() as proxy:
-        base = proxy.mount(upstream.url, TEST_TOKEN)
+    with AuthProxy() as proxy:
         with contextlib.ExitStack() as idle:
             _hold_every_worker(proxy, idle, 2)
             for _ in range(5):
