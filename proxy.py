@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import heapq
 import http.client
 import http.server
@@ -85,10 +86,9 @@ MAX_CACHED_LENGTHS = 4096
 # What a pooled TLS connection asks its engine for per read: a TLS record's largest plaintext (RFC 8446
 # section 5.1, RFC 5246 section 6.2.1), so each read takes a whole record and none is left half-read.
 TLS_RECORD_BYTES = 16 * 1024
-# Read size of each WebSocket tunnel direction. A direction spends the whole session blocked in recv
-# holding a buffer of this size, so it sets most of an open session's memory (64 KiB per direction
-# measured 37-43 KiB RSS per session at 2,048 sessions). OpenEnv frames are a few hundred bytes; a
-# 1 MiB frame takes 64 reads instead of 16.
+# Read size of the tunnel relay, per read of one side of a WebSocket tunnel. OpenEnv frames are a few
+# hundred bytes; a 1 MiB frame takes 64 reads instead of 16. (When a thread per direction waited in
+# recv, this buffer set most of an open session's memory; the relay thread holds none per session.)
 TUNNEL_READ_BYTES = 16 * 1024
 # Idle upstream connections kept per route; more concurrent requests simply open more connections.
 POOL_MAX_IDLE = 64
@@ -119,10 +119,10 @@ MALLOC_TRIM_EVERY_S = 30.0
 TUNNEL_TRIM_EVERY_S = 1.0
 # How long stop() waits for each thread it started before naming it as left behind.
 STOP_JOIN_S = 5.0
-# Worker threads (client connections, and the second direction of each WebSocket tunnel) at most. A
-# tunnel holds two for its whole life, so this allows 8,192 open sessions, the largest batch
-# benchmarks/ws_scale.py runs. At the cap a new connection (or tunnel) is answered 503
-# `X-Proxy-Error: proxy-busy` with `Retry-After` instead of queueing behind sessions that may last hours.
+# Worker threads (client connections being served) at most. An open WebSocket tunnel holds none (the
+# relay thread pumps them all) and a keep-alive HTTP connection holds one, so this caps connections
+# served at once, not open sessions. At the cap a new connection is answered 503
+# `X-Proxy-Error: proxy-busy` with `Retry-After` instead of queueing behind connections that may last hours.
 MAX_WORKERS = 16384
 # A parked worker that got no work for this long ends. Long enough that a trainer's next batch of
 # sessions (seconds to a minute apart) finds the threads the previous one left; short enough that a
@@ -462,11 +462,8 @@ class Route:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.scheme == "https":
                 sock = self.tls_context().wrap_socket(sock, server_hostname=self.host)  # handshakes now
-                stream: _Stream = _TLSStream(sock)
-            else:
-                stream = _Stream(sock)
             sock.settimeout(proxy.read_timeout_s)
-            return stream
+            return _Stream(sock)
         except BaseException:
             sock.close()
             raise
@@ -1584,7 +1581,7 @@ class _Server(http.server.ThreadingHTTPServer):
         self._conn_lock = threading.Lock()
         self._conns: Set[socket.socket] = set()
         self.workers = _WorkerPool("proxy-worker", MAX_WORKERS, WORKER_IDLE_S, WORKER_STACK_BYTES)
-        self.relay = _TunnelRelay("proxy-tls-relay")  # every open TLS tunnel, on one thread
+        self.relay = _TunnelRelay("proxy-relay")  # every WebSocket tunnel, set up and relayed on one thread
         self._relayed: Set[socket.socket] = set()  # client connections the relay owns: _run leaves them open
         self.busy_warnings = _WarningRate(BUSY_WARNING_EVERY_S)  # connections refused at the thread cap
         super().__init__((proxy.host.strip("[]"), proxy._requested_port), _Handler)
@@ -1652,9 +1649,13 @@ class _Server(http.server.ThreadingHTTPServer):
         with self._conn_lock:
             self._relayed.add(request)
 
-    def release_connection(self, request: socket.socket) -> None:
-        """Close a client connection the proxy is done with (its worker's, or the relay's when it ends)."""
-        self.shutdown_request(request)
+    def release_connection(self, request: socket.socket, shut: bool = False) -> None:
+        """Close a client connection the proxy is done with (its worker's, or the relay's when it ends);
+        `shut`: it was shut down already (a second shutdown fails, and raising costs more than the call)."""
+        if shut:
+            self.close_request(request)
+        else:
+            self.shutdown_request(request)
         with self._conn_lock:
             self._conns.discard(request)
 
@@ -1669,11 +1670,11 @@ class _Server(http.server.ThreadingHTTPServer):
             _abort_socket(sock)
 
     def live_threads(self) -> List[threading.Thread]:
-        """Worker threads serving a connection or a tunnel direction right now (parked ones excluded)."""
+        """Worker threads serving a connection right now (parked ones excluded)."""
         return self.workers.busy_threads()
 
     def all_threads(self) -> List[threading.Thread]:
-        """Every worker thread, busy or parked, and the TLS relay's: what `stop()` joins."""
+        """Every worker thread, busy or parked, and the relay's: what `stop()` joins."""
         return self.workers.threads() + self.relay.threads()
 
 
@@ -2564,61 +2565,55 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     # -- WebSocket tunnel ---------------------------------------------------------------------------
 
     def _tunnel(self, route: Route, target: str, token: Optional[str]) -> None:
-        """Replay the upgrade upstream; relay a 101 verbatim and copy bytes both ways, else relay HTTP."""
+        """Connect to the upstream, then hand the session to the relay thread, which sends the upgrade
+        request (after the TLS handshake over https) and reads the answer without blocking
+        (`_UpgradeSetup`), then relays a 101 verbatim and copies bytes both ways. This worker goes back to
+        the pool at once, so a session holds no thread, being set up or open: with a worker per TLS
+        set-up, a burst of 2,048 kept ~1,200 workers (~30 KiB each: stack, frame stack, glibc's
+        per-thread cache), and a plain session set up on its worker paid ~90 GIL hand-offs (futex calls)
+        where the relay pays ~5. A set-up that fails or is answered without a 101 comes back to a worker
+        (`_after_relay_setup`), which answers as HTTP."""
         self.close_connection = True  # whatever happens, this connection ends with the tunnel
-        if route.scheme == "https":
-            self._tunnel_on_relay(route, target, token)
-            return
-        try:
-            stream, head, extra, status = self._upgrade(route, target, token)
-        except _ClientGone:
-            log.debug("proxy: %s: client left before the upstream answered the upgrade", route.label)
-            return
-        except Exception as exc:
-            self._upgrade_failed(route, exc)
-            return
-        route.note_answer()
-        self._finish_upgrade(route, stream, head, extra, status)
-
-    def _upgrade_failed(self, route: Route, exc: BaseException) -> None:
-        refusal = _classify_upstream_error(exc, route)
-        _log_upstream_failure(route, refusal.kind, "WebSocket upgrade failed: ")
-        self._refuse(refusal, close=True)
-
-    def _tunnel_on_relay(self, route: Route, target: str, token: Optional[str]) -> None:
-        """TLS upstream: connect, then hand the session to the relay thread, which drives the TLS
-        handshake and the upgrade exchange without blocking (`_UpgradeSetup`) and relays from the 101 on.
-        This worker goes back to the pool at once, so a session being set up holds no thread: a burst of
-        2,048 set-ups kept ~1,200 workers (~30 KiB each: stack, frame stack, glibc's per-thread cache).
-        A set-up that fails or is answered without a 101 comes back to a worker (`_after_relay_setup`)."""
         head = self._upgrade_head(route, target, token)
         try:
             sock = route._connect(self.proxy.connect_timeout_s)
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                sock = route.tls_context().wrap_socket(sock, server_hostname=route.host, do_handshake_on_connect=False)
+                if route.scheme == "https":
+                    sock = route.tls_context().wrap_socket(sock, server_hostname=route.host,
+                                                           do_handshake_on_connect=False)
             except BaseException:
                 sock.close()
                 raise
         except Exception as exc:
             self._upgrade_failed(route, exc)
             return
-        stream = _TLSStream(sock)
+        stream = _Stream(sock)
         tunnel = _Tunnel(self.connection, stream, route.label)
         if not route._add_tunnel(tunnel):  # unmounted meanwhile
             stream.close()
             return
-        self._reader.body_phase(None)
+        # (no socket timeouts to set: the relay makes both sockets non-blocking, and a worker taking the
+        # session back sets its own)
         first = self._take_buffered()  # frames the client sent right behind its request: upstream after the 101
         tunnel.setup = _UpgradeSetup(self, route, head)
+        self._hand_to_relay(route, tunnel, first)
+
+    def _upgrade_failed(self, route: Route, exc: BaseException) -> None:
+        refusal = _classify_upstream_error(exc, route)
+        _log_upstream_failure(route, refusal.kind, "WebSocket upgrade failed: ")
+        self._refuse(refusal, close=True)
+
+    def _hand_to_relay(self, route: Route, tunnel: "_Tunnel", first: bytes) -> None:
+        """The relay thread owns the session from here on (`first`: the client's bytes already read, for
+        the upstream) and closes everything when it ends; this worker goes back to the pool."""
         _MEMORY.trim_soon(TUNNEL_TRIM_EVERY_S)
         self.server.hand_off(self.connection)
         if not self.server.relay.add(tunnel, first, (route, self.server)):  # stopping: nothing relays any more
             with self.server._conn_lock:
                 self.server._relayed.discard(self.connection)
             tunnel.close()
-            route._remove_tunnel(tunnel)
-            stream.close()
+            _TunnelRelay._release(tunnel, route, None)
 
     def _after_relay_setup(self, tunnel: "_Tunnel", failure: Optional[BaseException],
                            answer: Optional[Tuple[bytes, bytes, int]]) -> None:
@@ -2654,6 +2649,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 break
             tried.append(replica)
             route = replica.route
+            released = False  # True once the relay owns the session and with it the replica's slot
             try:
                 try:
                     stream, head, extra, status = self._upgrade(route, route.base_path + target, token)
@@ -2670,10 +2666,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                                                                "upgrade; its job may have stopped." % (route.label, status))
                     replicas._mark_failed(replica, "answered %d to the WebSocket upgrade" % status)
                     continue
-                self._finish_upgrade(route, stream, head, extra, status)
+                # an open session keeps its slot on the replica until the relay ends it
+                released = self._finish_upgrade(route, stream, head, extra, status,
+                                                 on_end=functools.partial(replicas._release, replica))
                 return
             finally:
-                replicas._release(replica)
+                if not released:
+                    replicas._release(replica)
         total, failed = replicas._failure_summary()
         if last is not None and len(failed) < total:
             self._refuse(last, close=True)  # tried twice; other replicas remain for the next session
@@ -2710,8 +2709,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _take_buffered(self) -> bytes:
         return _drain_buffered(self.rfile, self._reader)
 
-    def _finish_upgrade(self, route: Route, stream: "_Stream", head: bytes, extra: bytes, status: int) -> None:
-        """Relay a non-101 answer as HTTP; on 101 relay the head and run the tunnel until it ends."""
+    def _finish_upgrade(self, route: Route, stream: "_Stream", head: bytes, extra: bytes, status: int,
+                        on_end: Optional[Callable[[], None]] = None) -> bool:
+        """Relay a non-101 answer as HTTP; on 101 relay the head and hand the tunnel to the relay thread
+        (a replicated route's session, set up on this worker so that a failed replica can be retried),
+        which calls `on_end` when the tunnel ends. True if it was handed over (`on_end` is the relay's)."""
         if status != 101:
             # Not switching: parse it as an ordinary HTTP response and relay it.
             reader = _UpstreamReader(stream.recv, head + extra)
@@ -2722,51 +2724,19 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self._refuse(_classify_upstream_error(exc, route), close=True)
             finally:
                 stream.close()
-            return
+            return False
         tunnel = _Tunnel(self.connection, stream, route.label)
         if not route._add_tunnel(tunnel):
             stream.close()
-            return
-        relayed = False
+            return False
+        tunnel.on_end = on_end
         try:
-            if stream.one_thread:
-                try:
-                    self._reader.body_phase(None)
-                    self.connection.sendall(head + extra)
-                except OSError:
-                    tunnel.close()
-                first = self._take_buffered()
-                _MEMORY.trim_soon(TUNNEL_TRIM_EVERY_S)
-                # The relay thread pumps it from here on and closes everything when it ends; this worker
-                # goes back to the pool (an open session holds no thread).
-                self.server.hand_off(self.connection)
-                relayed = self.server.relay.add(tunnel, first, (route, self.server))
-                if not relayed:  # stopping: nothing relays any more
-                    with self.server._conn_lock:
-                        self.server._relayed.discard(self.connection)
-                return
-            # The upstream->client direction runs on a pool worker, gated until the 101 is sent. Taken
-            # before the 101 so that, at the thread limit, the client gets a 503 rather than a tunnel
-            # that cannot carry the upstream's frames.
-            if not self.server.workers.submit(tunnel.pump_upstream):
-                if not self.proxy._stopping:  # (the upstream stream is closed below; the client gets the answer)
-                    _warn_busy(self.server.busy_warnings)
-                    self._refuse(_busy_refusal(), close=True)
-                return
-            try:
-                # Blocking from here on (the tunnel waits as long as the session lasts); switched before
-                # the 101 is sent, so that send is not preceded by the poll() a socket with a timeout does.
-                self._reader.body_phase(None)
-                stream.settimeout(None)
-                self.connection.sendall(head + extra)
-            except OSError:
-                tunnel.close()
-            tunnel.run(self._take_buffered())
-        finally:
-            if not relayed:
-                tunnel.close()  # a no-op after run(); if something raised before it, frees the gated worker
-                route._remove_tunnel(tunnel)
-                stream.close()
+            self._reader.body_phase(None)
+            self.connection.sendall(head + extra)
+        except OSError:
+            tunnel.close()  # the relay ends it at once
+        self._hand_to_relay(route, tunnel, self._take_buffered())
+        return True
 
 
 def _drain_buffered(rfile: io.BufferedReader, reader: _ClientReader) -> bytes:
@@ -3675,9 +3645,7 @@ _MEMORY = _FreedMemory()
 
 
 class _Stream:
-    """A plain TCP byte stream to the upstream (the base `_TLSStream` keeps, over an SSLSocket)."""
-
-    one_thread = False  # True: the tunnel must use this stream from one thread only (`_TunnelRelay`)
+    """A byte stream to the upstream for one WebSocket tunnel: a TCP socket, or an `ssl.SSLSocket`."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -3705,74 +3673,38 @@ class _Stream:
         self.sock.close()
 
 
-class _TLSStream(_Stream):
-    """A TLS byte stream to the upstream: an `ssl.SSLSocket`, used by one thread at a time (OpenSSL
-    forbids two in one SSL object), so the proxy's relay thread pumps both directions (`_TunnelRelay`)."""
-
-    one_thread = True
-
-
 class _Tunnel:
-    """A WebSocket byte tunnel; when either direction ends, both sockets close.
-
-    Plain upstream: one thread per direction. The handler's thread copies client->upstream (`run`); a
-    pool worker copies upstream->client (`pump_upstream`), starting only once `run` begins (after the
-    101 went to the client). TLS upstream: the proxy's relay thread pumps both directions of every TLS
-    tunnel (`_TunnelRelay` calling `advance`), because an SSL object must not be used by two threads at
-    once (docs/performance.md: one thread per tunnel cut a TLS session's system calls from ~3,000 to
-    ~480, most of them futex), and one thread for all of them means an open session holds none."""
+    """A WebSocket byte tunnel, set up (`setup`, an `_UpgradeSetup`, until the 101) and then pumped both
+    ways by the proxy's relay thread (`_TunnelRelay` calling `advance`, or its own loop for a plain
+    tunnel with nothing pending); when either direction ends, both sockets close. One thread for every
+    tunnel means an open session holds none, and a TLS upstream's SSL object is only ever used by one
+    thread, as OpenSSL requires (docs/performance.md, "Thread model")."""
 
     def __init__(self, client: socket.socket, upstream: _Stream, label: str) -> None:
         self.client, self.upstream, self.label = client, upstream, label
-        # Plain locks, not Events: an Event is a Condition, a lock and a waiter list, built and notified
-        # per session; these are one futex each way. Both start held.
         self._closed = False
-        self._go = threading.Lock()  # released once the 101 is out (or the tunnel closed before)
-        self._go.acquire()
-        self._pump_done = threading.Lock()  # released when the upstream->client pump ended
-        self._pump_done.acquire()
-        self.setup: Optional[_UpgradeSetup] = None  # TLS: the relay is still setting it up (until the 101)
+        self.setup: Optional[_UpgradeSetup] = None  # the relay is still setting it up (until the 101)
+        self.steady = False  # plain, nothing pending, both sides polled for input: the relay's own loop pumps it
+        self.on_end: Optional[Callable[[], None]] = None  # called once when the relay ends it (a replica's slot)
 
     def close(self) -> None:
         """End both directions now (safe from any thread, idempotent: shutting a socket twice is harmless)."""
         if self._closed:
             return
         self._closed = True
-        self._release_go()
         _abort_socket(self.client)
         self.upstream.abort()
 
-    def _release_go(self) -> None:
-        try:
-            self._go.release()
-        except RuntimeError:  # released already (by run() or close())
-            pass
-
-    def run(self, first: bytes = b"") -> None:
-        """Pump client->upstream in this thread (releasing the upstream->client worker first), starting
-        with `first`, bytes of the client's already read; return when both directions ended."""
-        self._release_go()
-        try:
-            if first:
-                try:
-                    self.upstream.sendall(first)
-                except (OSError, ValueError, ssl.SSLError):
-                    self.close()
-            self._pump(self.client.recv, self.upstream.sendall)
-        finally:
-            self.close()
-            if not self._pump_done.acquire(timeout=STOP_JOIN_S):  # pragma: no cover - its sockets are shut
-                log.warning("proxy: %s tunnel's upstream reader did not end", self.label)
-
     def start_relay(self, first: bytes) -> None:
-        """Set this tunnel up for `_TunnelRelay` (TLS): non-blocking sockets, `first` (bytes of the
-        client's already read) to go upstream, and the upstream counted readable (its SSL object may
-        hold bytes read with the 101)."""
+        """Set this tunnel up for `_TunnelRelay`: non-blocking sockets, `first` (bytes of the client's
+        already read) to go upstream, and a TLS upstream counted readable (its SSL object may hold bytes
+        read with the 101, which no poll reports)."""
+        self.tls = isinstance(self.upstream.sock, ssl.SSLSocket)
+        self.plain = not self.tls
         self.to_up, self.to_client = first, b""
-        self.client_in, self.up_in = False, True
+        self.client_in, self.up_in = False, self.tls
         self.client_ended = self.up_ended = False  # hung up or reset: read what is left, poll it no more
         self.up_wants = 0  # the poll events the SSL object asked for to finish an interrupted recv or send
-        self.tls = isinstance(self.upstream.sock, ssl.SSLSocket)
         # The SSL object under the SSLSocket (CPython's _ssl._SSLSocket): its read/write/pending skip the
         # wrapper's checks (closed? flags?), three Python calls per frame that the relay, the only user of
         # a socket it closes itself, does not need. A plain socket (or another Python) uses the socket.
@@ -3864,30 +3796,10 @@ class _Tunnel:
             self.up_wants = up_wants
         return None
 
-    def pump_upstream(self) -> None:
-        """Upstream->client (a pool worker's job)."""
-        try:
-            self._go.acquire()
-            self._pump(self.upstream.recv, self.client.sendall)
-        finally:
-            self._pump_done.release()
-
-    def _pump(self, read: Callable[[int], bytes], write: Callable[[bytes], None]) -> None:
-        try:
-            while not self._closed:
-                data = read(TUNNEL_READ_BYTES)
-                if not data:
-                    break
-                write(data)
-        except (OSError, ValueError, ssl.SSLError):
-            pass
-        finally:
-            self.close()
-
 
 class _UpgradeSetup:
-    """A TLS session the relay thread is setting up (`_TunnelRelay._advance_setup`): the TLS handshake
-    with the upstream, the upgrade request sent, the answer's head read, each step taken when its socket
+    """A session the relay thread is setting up (`_TunnelRelay._advance_setup`): the TLS handshake with
+    an https upstream, the upgrade request sent, the answer's head read, each step taken when its socket
     is ready, so no thread waits on it. The client is watched meanwhile, as `_Handler._await_answer`
     does: a client that hangs up ends the set-up quietly."""
 
@@ -3898,28 +3810,43 @@ class _UpgradeSetup:
     def __init__(self, handler: "_Handler", route: Route, request: bytes) -> None:
         self.handler, self.route, self.request = handler, route, request
         self.answer = b""
-        self.phase = self.HANDSHAKE
-        self.deadline = time.monotonic() + handler.proxy.connect_timeout_s  # the handshake's, as in a blocking connect
+        if route.scheme == "https":
+            self.phase = self.HANDSHAKE
+            self.deadline = time.monotonic() + handler.proxy.connect_timeout_s  # the handshake's, as in a blocking connect
+        else:
+            self.phase = self.SEND
+            self.deadline = time.monotonic() + handler.proxy.read_timeout_s  # the answer's
         self.watch_client = True  # until the client sends something (then it is relayed after the 101)
         self.wants = 0  # the poll events the upstream's next step waits for
         self.queued = 0.0  # the deadline last put on the relay's heap (a newer one makes that entry stale)
 
-    def advance(self, sock: ssl.SSLSocket) -> Optional[Tuple[bytes, bytes, int]]:
-        """Take every step the upstream allows now: the answer's (head, bytes past it, status) once its
-        head is in, else None with `wants` set to the poll events the next step waits for. Raises what
-        the blocking path would (an SSL or socket error, a timeout, a head too large or cut short)."""
+    def advance(self, sock: socket.socket) -> Optional[Tuple[bytes, bytes, int]]:
+        """Take the steps the upstream allows now (sending the request ends them: its answer is waited
+        for): the answer's (head, bytes past it, status) once its head is in, else None with `wants` set
+        to the poll events the next step waits for. Raises what the blocking path would (an SSL or
+        socket error, a timeout, a head too large or cut short)."""
         self.wants = 0
         try:
             if self.phase == self.HANDSHAKE:
-                sock.do_handshake()
+                sock.do_handshake()  # type: ignore[attr-defined]  # (https: an SSLSocket)
                 self.phase = self.SEND
                 self.deadline = time.monotonic() + self.handler.proxy.read_timeout_s  # the answer's
-            while self.phase == self.SEND:
+            if self.phase == self.SEND:
                 self.request = self.request[sock.send(self.request):]
-                if not self.request:
-                    self.phase = self.ANSWER
+                if self.request:
+                    self.wants = select.POLLOUT
+                    return None
+                # The answer cannot be in before the request went out: wait for it rather than try a
+                # read that fails (each failed read raises, ~2 us of building an OSError and its message).
+                self.phase = self.ANSWER
+                self.wants = select.POLLIN
+                return None
             while True:
-                data = sock.recv(TUNNEL_READ_BYTES)
+                try:
+                    data = sock.recv(TUNNEL_READ_BYTES)
+                except BlockingIOError:  # a plain socket's (TLS raises SSLWantReadError)
+                    self.wants = select.POLLIN
+                    return None
                 if not data:
                     raise http.client.RemoteDisconnected("upstream closed the connection before answering the upgrade")
                 self.answer += data
@@ -3942,11 +3869,17 @@ class _UpgradeSetup:
         return socket.timeout("the upstream did not answer the upgrade within read_timeout_s")
 
 
+# What `_Tunnel.advance` returns for a tunnel with nothing pending: both sides polled for input.
+_BOTH_READ = (select.POLLIN, select.POLLIN)
+
+
 class _TunnelRelay:
-    """One thread that sets up (`_UpgradeSetup`) and relays every TLS tunnel of a proxy (`_Tunnel.advance`
-    per tunnel, around one epoll, or poll() where there is none), so a session holds no thread: with a thread per
-    TLS session, 2,048 held sessions kept 2,048 threads, each ~30 KiB of RSS (its touched stack, Python's
-    frame stack, glibc's per-thread cache). Started with the first tunnel, ended by `close()`."""
+    """One thread that sets up (`_UpgradeSetup`) and relays every WebSocket tunnel of a proxy
+    (`_Tunnel.advance` per tunnel, around one epoll, or poll() where there is none; a plain tunnel with
+    nothing pending is pumped by `_run` itself), so a session holds no thread: with a thread per TLS
+    session (two per plain one), 2,048 held sessions kept 2,048 (4,096) threads, each ~30 KiB of RSS
+    (its touched stack, Python's frame stack, glibc's per-thread cache). Started with the first tunnel,
+    ended by `close()`."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -3957,7 +3890,9 @@ class _TunnelRelay:
         self._wake_r: Optional[socket.socket] = None
         self._wake_w: Optional[socket.socket] = None
         self._poller = None  # type: ignore[var-annotated]  # epoll (poll where there is none), made by _start()
-        self._sides: Dict[int, Tuple[_Tunnel, bool]] = {}  # registered fd -> (tunnel, is it the client side)
+        self._epoll = hasattr(select, "epoll")
+        # registered fd -> (tunnel, is it the client side, the socket read on its events, the one written)
+        self._sides: Dict[int, Tuple[_Tunnel, bool, socket.socket, socket.socket]] = {}
         self._masks: Dict[int, int] = {}  # registered fd -> the events it is registered for
         self._owners: Dict[_Tunnel, Tuple[Route, "_Server"]] = {}  # relayed tunnels: who to tell at the end
         self._deadlines: List[Tuple[float, int, _Tunnel]] = []  # heap of set-ups' deadlines (stale ones skipped)
@@ -4000,7 +3935,7 @@ class _TunnelRelay:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        if hasattr(select, "epoll"):
+        if self._epoll:
             self._poller = select.epoll()
         else:  # pragma: no cover - not Linux
             self._poller = select.poll()
@@ -4023,11 +3958,16 @@ class _TunnelRelay:
             pass
 
     def _run(self) -> None:
-        poller, wake_fd = self._poller, self._wake_r.fileno()  # type: ignore[union-attr]
+        poller, wake_fd, sides = self._poller, self._wake_r.fileno(), self._sides  # type: ignore[union-attr]
+        POLLIN = select.POLLIN
+        buffer = bytearray(TUNNEL_READ_BYTES)  # the fast path's reads: one relay thread, one buffer
+        view = memoryview(buffer)
         per_second = 1 if hasattr(select, "epoll") else 1000  # epoll's timeout is in seconds, poll's in ms
+        deadlines = self._deadlines
+        woken = True  # the wake-up socket fired: tunnels may be waiting in _incoming, or close() was called
         try:
             while True:
-                if self._incoming or self._closed:  # (a lock-free look first: most wake-ups carry only bytes)
+                if woken and (self._incoming or self._closed):
                     with self._lock:
                         batch, self._incoming = self._incoming, []
                         closed = self._closed
@@ -4043,30 +3983,59 @@ class _TunnelRelay:
                     del batch
                     if closed:
                         return
-                ready: Dict[_Tunnel, None] = {}
-                timeout = self._expire_setups() if self._deadlines else None
+                woken = False
+                timeout = self._expire_setups() if deadlines else None
                 polled = poller.poll() if timeout is None else poller.poll(timeout * per_second)
+                ready: Optional[Dict[_Tunnel, None]] = None  # tunnels for the general path (made when needed)
                 for fd, events in polled:
-                    if fd == wake_fd:
-                        try:
-                            while self._wake_r.recv(4096):  # type: ignore[union-attr]
+                    try:
+                        tunnel, client_side, src, dst = sides[fd]
+                    except KeyError:  # the wake-up socket, or a tunnel that ended earlier in this batch
+                        if fd == wake_fd:
+                            woken = True
+                            try:  # one read: wake-ups left over (more than 4,096) wake the next poll
+                                self._wake_r.recv(4096)  # type: ignore[union-attr]
+                            except OSError:
                                 pass
-                        except OSError:  # drained
-                            pass
                         continue
-                    side = self._sides.get(fd)
-                    if side is None:
-                        continue
-                    if side[0].note(side[1], events):
-                        ready[side[0]] = None
-                    else:
-                        side[0].close()
-                        ready[side[0]] = None
-                for tunnel in ready:
-                    if tunnel in self._owners:
-                        self._advance(tunnel)
+                    if events == POLLIN and tunnel.steady:
+                        # A plain tunnel in steady use (most events): one read, one write, nothing left
+                        # over, nothing to re-register: the general path below costs several Python calls more.
+                        try:
+                            got = src.recv_into(buffer)
+                        except BlockingIOError:  # (a readiness that went away)
+                            continue
+                        except (OSError, ValueError):  # reset, or closed under the relay
+                            got = 0
+                        if got:
+                            try:
+                                sent = dst.send(view[:got])
+                            except BlockingIOError:
+                                sent = 0
+                            except (OSError, ValueError):
+                                sent = -1
+                            if sent == got:
+                                continue
+                            if sent < 0:
+                                tunnel.close()
+                            elif client_side:  # the rest waits for the other side: the general path polls for it
+                                tunnel.to_up = buffer[sent:got]
+                            else:
+                                tunnel.to_client = buffer[sent:got]
+                        else:  # hung up: the general path ends the tunnel
+                            tunnel.close()
+                    elif not tunnel.note(client_side, events):
+                        tunnel.close()
+                    tunnel.steady = False
+                    if ready is None:
+                        ready = {}
+                    ready[tunnel] = None
+                if ready is not None:
+                    for tunnel in ready:
+                        if tunnel in self._owners:
+                            self._advance(tunnel)
         except Exception:  # pragma: no cover - a bug: end every tunnel rather than leave them hanging
-            log.error("proxy: unexpected error in the TLS relay", exc_info=True)
+            log.error("proxy: unexpected error in the tunnel relay", exc_info=True)
         finally:
             for tunnel in list(self._owners):
                 tunnel.close()
@@ -4094,6 +4063,7 @@ class _TunnelRelay:
                     self._want(tunnel, tunnel.client_fd, True, wanted[0])
                     self._want(tunnel, tunnel.up_fd, False, wanted[1])
                     tunnel.wanted = wanted
+                tunnel.steady = tunnel.plain and wanted == _BOTH_READ
                 return
         except (OSError, ValueError):  # a socket closed under the relay: end this tunnel, not the relay
             pass
@@ -4147,7 +4117,9 @@ class _TunnelRelay:
             self._hand_back(tunnel, None, answer)
             return
         tunnel.setup = None
-        tunnel.to_client, tunnel.up_in, tunnel.client_in = head + extra, True, True
+        # Read at once only what may hold bytes no poll reports: a TLS upstream's SSL object (records read
+        # with the 101), a client whose bytes were seen while watching it. Anything else the poll reports.
+        tunnel.to_client, tunnel.up_in, tunnel.client_in = head + extra, tunnel.tls, not setup.watch_client
         self._advance(tunnel)
 
     def _expire_setups(self) -> Optional[float]:
@@ -4189,15 +4161,20 @@ class _TunnelRelay:
             return
         if had is None:
             self._poller.register(fd, events)
-            self._sides[fd] = (tunnel, client_side)
+            up = tunnel.upstream.sock
+            self._sides[fd] = (tunnel, client_side, tunnel.client if client_side else up, up if client_side else tunnel.client)
             self._masks[fd] = events
         elif had != events:
             self._poller.modify(fd, events)
             self._masks[fd] = events
 
-    def _forget(self, fd: int) -> None:
+    def _forget(self, fd: int, closing: bool = False) -> None:
+        """Stop polling `fd`; `closing`: its socket is about to be closed, which takes it out of an epoll
+        set by itself (a system call saved per side; poll() objects keep closed fds, so those unregister)."""
         if self._masks.pop(fd, None) is not None:
             del self._sides[fd]
+            if closing and self._epoll:
+                return
             try:
                 self._poller.unregister(fd)
             except (OSError, ValueError, KeyError):  # closed already
@@ -4205,23 +4182,28 @@ class _TunnelRelay:
 
     def _end(self, tunnel: _Tunnel) -> None:
         """A tunnel ended: stop polling it, close it, take it off its route, release its client."""
-        self._unregister(tunnel)
+        self._unregister(tunnel, closing=True)
         route, server = self._owners.pop(tunnel)
         self._release(tunnel, route, server)
 
-    def _unregister(self, tunnel: _Tunnel) -> None:
+    def _unregister(self, tunnel: _Tunnel, closing: bool = False) -> None:
         for fd in (getattr(tunnel, "client_fd", -1), getattr(tunnel, "up_fd", -1)):  # (unset: start failed)
             if self._sides.get(fd, (None,))[0] is tunnel:
-                self._forget(fd)
+                self._forget(fd, closing)
 
     @staticmethod
-    def _release(tunnel: _Tunnel, route: Route, server: "_Server") -> None:
+    def _release(tunnel: _Tunnel, route: Route, server: Optional["_Server"]) -> None:
+        """After `tunnel.close()`: take it off its route, close its upstream, tell its owner (`on_end`)
+        and release its client connection (unless `server` is None: its worker still has it)."""
         try:
             route._remove_tunnel(tunnel)
             tunnel.upstream.close()
-            server.release_connection(tunnel.client)
+            if tunnel.on_end is not None:
+                tunnel.on_end()
+            if server is not None:
+                server.release_connection(tunnel.client, shut=True)  # (tunnel.close() shut it)
         except Exception:  # pragma: no cover - closing sockets does not raise; never kill the relay
-            log.error("proxy: unexpected error ending a TLS tunnel", exc_info=True)
+            log.error("proxy: unexpected error ending a tunnel", exc_info=True)
 
 
 # --------------------------------------------------------------------------------------------------

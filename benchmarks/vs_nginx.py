@@ -887,20 +887,21 @@ def _floor_verdicts(result: Dict[str, Any]) -> List[str]:
 
 # What would remove each bottleneck: one fixed sentence per kind (the reasoning is in docs/performance.md);
 # the measured part of each "why" comes from the run being reported.
-REMEDY_SETUP = ("each hand-off between the listener, the handler's worker and (plain) the second direction's "
-                "worker is a GIL hand-off, and with hundreds of sessions setting up at once the waiting threads "
-                "wake every switch interval: fewer threads per session (an event-loop relay for open tunnels, a "
-                "contract change), or one proxy process per core (SO_REUSEPORT), would remove it")
+REMEDY_SETUP = ("a session costs one hand-off from the listener to a worker, which parses the request (the "
+                "strict HTTP path), and one from the worker to the relay thread, which sets it up and relays "
+                "it; the rest is Python work per session in both: one proxy process per core (SO_REUSEPORT) "
+                "would spread it")
 REMEDY_HTTP = ("what is left is Python work per request (parsing, header building, checks) and one GIL hand-off "
                "per system call with one thread per connection: a C HTTP parser, or one proxy process per core, "
                "would remove it")
-REMEDY_ROUND_TRIP = ("each frame is a recv and a send per direction in Python plus a thread wake-up (plain) or a "
-                     "poll() (TLS, one thread); only a relay outside the interpreter (splice(), or nginx) removes it")
-REMEDY_RSS = ("an open plain session holds two threads, each costing the figure above; an open TLS session holds "
-              "none, and neither does one being set up (the relay thread runs the TLS handshake and the upgrade "
-              "exchange), but an OpenSSL connection: ~35 KiB with OpenSSL 3.0 once the server's TLS 1.3 session "
-              "tickets were read (19 KiB before), which the proxy cannot shrink (benchmarks/held_tls_memory.py; "
-              "docs/performance.md, 'Memory per held TLS session')")
+REMEDY_ROUND_TRIP = ("each frame is an epoll wake-up, a recv and a send in the relay thread's Python loop (TLS "
+                     "adds the SSL object's calls); only a relay outside the interpreter (splice(), or nginx) "
+                     "removes it")
+REMEDY_RSS = ("an open session holds no thread, and neither does one being set up (the relay thread runs the "
+              "set-up and relays every tunnel); an open plain session holds two sockets and a few Python objects, "
+              "an open TLS session also an OpenSSL connection: ~35 KiB with OpenSSL 3.0 once the server's TLS 1.3 "
+              "session tickets were read (19 KiB before), which the proxy cannot shrink "
+              "(benchmarks/held_tls_memory.py; docs/performance.md, 'Memory per held TLS session')")
 
 
 def _top_own(result: Dict[str, Any], label: str, n: int = 3) -> str:

@@ -177,9 +177,19 @@ def fuzz_upstream(test_ca: support.TestCA) -> Iterator[UpstreamProcess]:
 
 
 def _baseline(proxy: AuthProxy) -> Tuple[int, int]:
-    """Threads (less the proxy's pooled workers, which stay parked by design) and open fds."""
+    """Threads (less the proxy's pooled workers, which stay parked by design, and its relay thread) and
+    open fds (less the relay's own: its wake-up pair and epoll, open from the first tunnel to stop())."""
     pooled = len(proxy._server.all_threads()) if proxy._server else 0  # type: ignore[union-attr]
-    return threading.active_count() - pooled, len(os.listdir("/proc/self/fd"))
+    relay = proxy._server.relay if proxy._server else None  # type: ignore[union-attr]
+    relay_fds = sum(_is_open(f) for f in (relay._wake_r, relay._wake_w, relay._poller)) if relay is not None else 0
+    return threading.active_count() - pooled, len(os.listdir("/proc/self/fd")) - relay_fds
+
+
+def _is_open(owner: object) -> bool:
+    try:
+        return owner is not None and owner.fileno() >= 0  # type: ignore[attr-defined]
+    except ValueError:  # a closed epoll object
+        return False
 
 
 def _fd_links() -> List[str]:

@@ -197,25 +197,27 @@ def test_a_warm_proxy_starts_no_thread_for_200_sequential_connections(served, mo
     assert idents == set(t.ident for t in workers.threads())  # the same parked threads throughout
 
 
-def test_sequential_websocket_sessions_reuse_the_same_workers_for_both_directions(served, monkeypatch):
+def test_sequential_websocket_sessions_start_no_thread_and_hold_no_worker_while_open(served, monkeypatch):
     _, proxy, base = served
     for _ in range(2):
         with ws_connect(ws_url(base) + "/ws") as ws:
             ws.send("warm")
             assert ws.recv(TIMEOUT) == "warm"
-    wait_until(lambda: not proxy._server.live_threads(), "the warm-up tunnels' workers to park")
+    wait_until(lambda: not proxy._server.live_threads(), "the warm-up sessions' workers to park")
     starts = _counting_thread_starts(monkeypatch)
     for i in range(30):
         with ws_connect(ws_url(base) + "/ws") as ws:
             ws.send("step %d" % i)
             assert ws.recv(TIMEOUT) == "step %d" % i
-        wait_until(lambda: not proxy._server.live_threads(), "both directions' workers to park")
+            # open: the relay thread pumps it, and the worker that parsed its request is parked again
+            wait_until(lambda: not proxy._server.live_threads(), "the set-up's worker to park")
     assert [name for name in starts if name.startswith("proxy")] == []
     total, parked = proxy._server.workers.counts()
-    assert total == parked >= 2
+    assert total == parked >= 1
+    assert len(proxy._server.relay.threads()) == 1
 
 
-def test_concurrent_sessions_grow_the_pool_and_stop_joins_every_worker(no_leaks):
+def test_concurrent_sessions_hold_no_worker_and_stop_ends_the_relay_and_every_worker(no_leaks):
     with Upstream() as upstream, contextlib.ExitStack() as clients:
         proxy = AuthProxy().start()
         try:
@@ -224,23 +226,32 @@ def test_concurrent_sessions_grow_the_pool_and_stop_joins_every_worker(no_leaks)
             for i, ws in enumerate(sessions):
                 ws.send("s%d" % i)
             assert [ws.recv(TIMEOUT) for ws in sessions] == ["s%d" % i for i in range(len(sessions))]
-            total, parked = proxy._server.workers.counts()
-            assert total - parked >= 12  # two per open tunnel
-            threads = proxy._server.workers.threads()
-            proxy.stop()  # tunnels still open: stop must cut them and join both directions
+            wait_until(lambda: not proxy._server.live_threads(), "every set-up's worker to park")
+            assert proxy._server.relay.count() == 6
+            threads = proxy._server.all_threads()
+            proxy.stop()  # tunnels still open: stop must cut them and end the relay thread
             assert not any(thread.is_alive() for thread in threads)
-            assert proxy._server.workers.counts() == (0, 0)
+            assert proxy._server.workers.counts() == (0, 0) and proxy._server.relay.count() == 0
         finally:
             proxy.stop()
+
+
+def _hold_every_worker(proxy: AuthProxy, stack: contextlib.ExitStack, n: int) -> None:
+    """Open n idle client connections, each holding a worker in its request read (open WebSocket
+    sessions hold none), and wait until all n are busy."""
+    for _ in range(n):
+        stack.enter_context(socket.create_connection(("127.0.0.1", proxy.port), timeout=TIMEOUT))
+    wait_until(lambda: len(proxy._server.live_threads()) == n, "every worker to be busy")
 
 
 def test_at_the_thread_cap_a_new_connection_gets_503_proxy_busy_and_service_resumes_after(monkeypatch, no_leaks):
     monkeypatch.setattr(proxy_module, "MAX_WORKERS", 2)
     with Upstream() as upstream, AuthProxy() as proxy:
         base = proxy.mount(upstream.url, TEST_TOKEN)
-        with ws_connect(ws_url(base) + "/ws") as ws:  # one tunnel: both workers taken
+        with ws_connect(ws_url(base) + "/ws") as ws, contextlib.ExitStack() as idle:
             ws.send("hold")
             assert ws.recv(TIMEOUT) == "hold"
+            _hold_every_worker(proxy, idle, 2)
             with socket.create_connection(("127.0.0.1", proxy.port), timeout=TIMEOUT) as sock:
                 sock.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
                 answer = support.read_to_eof(sock)
@@ -248,9 +259,9 @@ def test_at_the_thread_cap_a_new_connection_gets_503_proxy_busy_and_service_resu
             assert head.startswith(b"HTTP/1.1 503 ")
             assert b"X-Proxy-Error: proxy-busy" in head and b"Retry-After: 1" in head
             assert json.loads(body)["error"] == "proxy-busy"
-            ws.send("still open")  # the session at the cap is untouched
+            ws.send("still open")  # the session open at the cap is untouched
             assert ws.recv(TIMEOUT) == "still open"
-        wait_until(lambda: proxy._server.workers.counts() == (2, 2), "the tunnel's workers to park")
+        wait_until(lambda: proxy._server.workers.counts() == (2, 2), "the idle connections' workers to park")
         assert requests.get(base + "/after", timeout=TIMEOUT).status_code == 200
 
 
@@ -274,11 +285,9 @@ def test_refusals_at_the_thread_cap_warn_at_most_once_per_interval_with_a_count(
     if every_s is not None:
         monkeypatch.setattr(proxy_module, "BUSY_WARNING_EVERY_S", every_s)
     caplog.set_level(logging.WARNING, logger="proxy")
-    with Upstream() as upstream, AuthProxy() as proxy:
-        base = proxy.mount(upstream.url, TEST_TOKEN)
-        with ws_connect(ws_url(base) + "/ws") as ws:  # both workers taken
-            ws.send("hold")
-            assert ws.recv(TIMEOUT) == "hold"
+    with AuthProxy() as proxy:
+        with contextlib.ExitStack() as idle:
+            _hold_every_worker(proxy, idle, 2)
             for _ in range(5):
                 with socket.create_connection(("127.0.0.1", proxy.port), timeout=TIMEOUT) as sock:
                     sock.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -288,16 +297,21 @@ def test_refusals_at_the_thread_cap_warn_at_most_once_per_interval_with_a_count(
     assert all(count + " since the previous warning" in m for count, m in zip(expected, busy)), busy
 
 
-def test_an_upgrade_with_no_worker_left_for_its_second_direction_gets_503_before_switching(monkeypatch, no_leaks):
+def test_one_worker_sets_up_any_number_of_websocket_sessions_and_still_serves_http(monkeypatch, no_leaks):
+    # A session needs a worker only to parse its request: at MAX_WORKERS = 1 (where a thread per tunnel
+    # direction answered the upgrade 503), sessions open one after another and HTTP is served between.
     monkeypatch.setattr(proxy_module, "MAX_WORKERS", 1)
-    with Upstream() as upstream, AuthProxy() as proxy:
+    with Upstream() as upstream, AuthProxy() as proxy, contextlib.ExitStack() as clients:
         base = proxy.mount(upstream.url, TEST_TOKEN)
-        path = base[len(proxy.url):].encode()
-        answer = support.raw_request(
-            proxy.port, b"GET %s/ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n" % path)
-        assert answer.startswith(b"HTTP/1.1 503 ")
-        assert b"X-Proxy-Error: proxy-busy" in answer
-        assert b"101" not in answer.split(b"\r\n", 1)[0]
-        wait_until(lambda: not proxy._server.live_threads(), "the worker to park")
-        assert requests.get(base + "/after", timeout=TIMEOUT).status_code == 200
+        sessions = []
+        for i in range(3):
+            ws = clients.enter_context(ws_connect(ws_url(base) + "/ws"))
+            ws.send("s%d" % i)
+            assert ws.recv(TIMEOUT) == "s%d" % i
+            sessions.append(ws)
+            wait_until(lambda: not proxy._server.live_threads(), "the worker to park")
+        assert requests.get(base + "/between", timeout=TIMEOUT).status_code == 200
+        for i, ws in enumerate(sessions):  # all still open
+            ws.send("again %d" % i)
+            assert ws.recv(TIMEOUT) == "again %d" % i
+        assert proxy._server.workers.counts()[0] == 1

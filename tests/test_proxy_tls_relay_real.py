@@ -1,10 +1,11 @@
-"""The one-thread TLS tunnel relay (`proxy._Tunnel.relay`) with real peers: the `websockets` sync client
-and uvicorn over TLS in its own process (tests/upstreams/pressure_app.py), plus raw sockets and a
-stdlib TLS server for the peers that misbehave. Seeded sequences of large frames both ways at once,
+"""The one-thread tunnel relay (`proxy._TunnelRelay`) with real peers, over TLS and plain upstreams (a
+plain tunnel with nothing pending is pumped by the relay's own loop, anything else by `_Tunnel.advance`):
+the `websockets` sync client and uvicorn in its own process (tests/upstreams/pressure_app.py), plus raw
+sockets and a stdlib TLS server for the peers that misbehave. Seeded sequences of large frames both ways at once,
 bursts of small frames and deaf periods (PROXY_RELAY_SEED and PROXY_RELAY_EXAMPLES set the slow run);
 a peer that stops reading (the relay must wait, not spin); abrupt closes mid-frame from either side;
-TLS close_notify, a bare TCP close and a reset from the upstream, each compared with the two-thread
-plain tunnel. After each: no thread or fd left behind.
+TLS close_notify, a bare TCP close and a reset from the upstream, each compared with the plain
+tunnel. After each: no thread or fd left behind.
 """
 from __future__ import annotations
 
@@ -42,9 +43,12 @@ STALL_S = 3.0
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-@pytest.fixture(scope="module")
-def tls_app(test_ca: support.TestCA) -> Iterator[UpstreamProcess]:
-    up = UpstreamProcess("pressure-tls", "pressure_app.py", TOKEN, (test_ca.cert_path, test_ca.key_path))
+@pytest.fixture(scope="module", params=["tls", "plain"])
+def tls_app(request: pytest.FixtureRequest, test_ca: support.TestCA) -> Iterator[UpstreamProcess]:
+    """The pressure app over TLS, then over plain TCP (the name stays: most of these tests began TLS-only)."""
+    tls = request.param == "tls"
+    up = UpstreamProcess("pressure-" + request.param, "pressure_app.py", TOKEN,
+                         (test_ca.cert_path, test_ca.key_path) if tls else None)
     yield up
     up.stop()
 
@@ -54,7 +58,7 @@ def _mount(proxy: AuthProxy, url: str, test_ca: support.TestCA) -> str:
 
 
 def _relay_thread(proxy: AuthProxy) -> threading.Thread:
-    """The proxy's TLS relay thread, once it carries the session (no worker holds a TLS session)."""
+    """The proxy's relay thread, once it carries the session (no worker holds a session)."""
     # (its worker is handing it over, then back to the pool: both settle)
     support.wait_until(lambda: proxy._server.relay.count() == 1 and not proxy._server.live_threads(),
                        "the relay to carry the session and no worker to hold it", TIMEOUT)
@@ -363,7 +367,7 @@ def test_bytes_the_upstream_sent_before_it_ended_reach_a_slow_client_then_the_co
         test_ca, no_leaks, scheme, ending):
     # The client reads nothing until the upstream has ended, so the relay still holds bytes for it
     # when the end arrives: close_notify, a bare TCP close and a reset must all let those bytes
-    # through first, over TLS (one thread) as over plain TCP (two threads: the reference).
+    # through first, over TLS (the SSL object may hold decrypted bytes) as over plain TCP.
     # A reset discards what the upstream's kernel has not sent yet, directly as through the proxy:
     # 80 KB fits in the proxy's receive window, so all of it has left the upstream before the reset.
     payload = support.pattern(80000 if ending == "reset" else 400000)

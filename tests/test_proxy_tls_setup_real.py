@@ -1,9 +1,11 @@
-"""TLS WebSocket set-ups driven by the proxy's relay thread (`proxy._UpgradeSetup`): the TLS handshake
-with the upstream and the upgrade exchange run without a thread per session, and every way a set-up
-can end gives what the blocking path gave: a 101 and a working tunnel, the upstream's own non-101
-answer, a typed refusal (upstream-timeout, upstream-tls, upstream-unreachable), or a quiet end when the
-client leaves or the proxy stops. The upstream here is a stdlib TLS server on raw sockets that can be
-told to stall before its handshake, to stall before answering, or to hang up mid-handshake.
+"""WebSocket set-ups driven by the proxy's relay thread (`proxy._UpgradeSetup`), to TLS and (where the
+test is not about the handshake) plain upstreams: the TLS handshake with the upstream and the upgrade
+exchange run without a thread per session, and every way a set-up can end gives what the blocking path
+gave: a 101 and a working tunnel, the upstream's own non-101 answer, a typed refusal (upstream-timeout,
+upstream-tls, upstream-unreachable), or a quiet end when the client leaves or the proxy stops. The
+upstream here is a stdlib server on raw sockets (TLS or plain) that can be told to stall before its
+handshake (plain: before reading the request), to stall before answering, or to hang up mid-handshake
+(plain: before answering).
 """
 from __future__ import annotations
 
@@ -26,15 +28,17 @@ GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 
 
 class _ScriptedTLSUpstream:
-    """A TLS upstream serving each connection on its own thread: `hold_handshake` (an Event) delays the
-    handshake until set, `mode` says what follows it ("101" then echo, "silent": never answer, "403",
-    "hangup": close the TCP connection before the handshake; "403": a keep-alive refusal)."""
+    """A TLS (or, `tls=False`, plain) upstream serving each connection on its own thread: `hold_handshake`
+    (an Event) delays the handshake (plain: reading the request) until set, `mode` says what follows it
+    ("101" then echo, "silent": never answer, "403", "hangup": close the TCP connection before the
+    handshake (plain: before answering); "403": a keep-alive refusal)."""
 
-    def __init__(self, test_ca: support.TestCA, mode: str = "101", hold_handshake: Optional[threading.Event] = None):
-        self._context = test_ca.server_context()
+    def __init__(self, test_ca: support.TestCA, mode: str = "101", hold_handshake: Optional[threading.Event] = None,
+                 tls: bool = True):
+        self._context = test_ca.server_context() if tls else None
         self.mode, self.hold = mode, hold_handshake
         self.listener = socket.create_server(("127.0.0.1", 0))
-        self.url = "https://localhost:%d" % self.listener.getsockname()[1]
+        self.url = "%s://localhost:%d" % ("https" if tls else "http", self.listener.getsockname()[1])
         self.accepted = 0
         self.ended = threading.Semaphore(0)  # released as each connection's server side ends
         self._stop = threading.Event()
@@ -63,7 +67,7 @@ class _ScriptedTLSUpstream:
                     return
                 if self.hold is not None:
                     self.hold.wait(TIMEOUT)
-                with self._context.wrap_socket(conn, server_side=True) as tls:
+                with (self._context.wrap_socket(conn, server_side=True) if self._context else conn) as tls:
                     head = b""
                     while b"\r\n\r\n" not in head:
                         chunk = tls.recv(65536)
@@ -108,8 +112,8 @@ class _ScriptedTLSUpstream:
 def scripted(test_ca: support.TestCA) -> Iterator[Callable[..., "_ScriptedTLSUpstream"]]:
     made: List[_ScriptedTLSUpstream] = []
 
-    def make(mode: str = "101", hold: Optional[threading.Event] = None) -> _ScriptedTLSUpstream:
-        made.append(_ScriptedTLSUpstream(test_ca, mode, hold))
+    def make(mode: str = "101", hold: Optional[threading.Event] = None, tls: bool = True) -> _ScriptedTLSUpstream:
+        made.append(_ScriptedTLSUpstream(test_ca, mode, hold, tls))
         return made[-1]
 
     yield make
@@ -151,16 +155,18 @@ def test_a_handshake_that_stalls_holds_no_thread_and_gets_504_upstream_timeout(n
     hold.set()
 
 
-def test_an_upgrade_never_answered_gets_504_upstream_timeout(no_leaks, scripted, test_ca):
-    upstream = scripted("silent")
+@pytest.mark.parametrize("tls", [True, False], ids=["tls", "plain"])
+def test_an_upgrade_never_answered_gets_504_upstream_timeout(no_leaks, scripted, test_ca, tls):
+    upstream = scripted("silent", tls=tls)
     answer = _answer_to_upgrade(AuthProxy(read_timeout_s=0.5), upstream, test_ca)
     assert answer.startswith(b"HTTP/1.1 504 "), answer
     assert b"X-Proxy-Error: upstream-timeout" in answer
     assert upstream.ended.acquire(timeout=TIMEOUT)  # the proxy closed its upstream connection
 
 
-def test_an_upstream_hanging_up_mid_handshake_gets_a_typed_502(no_leaks, scripted, test_ca):
-    upstream = scripted("hangup")
+@pytest.mark.parametrize("tls", [True, False], ids=["tls", "plain"])
+def test_an_upstream_hanging_up_mid_set_up_gets_a_typed_502(no_leaks, scripted, test_ca, tls):
+    upstream = scripted("hangup", tls=tls)
     answer = _answer_to_upgrade(AuthProxy(), upstream, test_ca)
     assert answer.startswith(b"HTTP/1.1 502 "), answer
     assert b"X-Proxy-Error: upstream-" in answer  # upstream-tls or upstream-unreachable, as OpenSSL words the EOF
@@ -177,8 +183,9 @@ def test_an_untrusted_upstream_certificate_names_the_verification_failure(tls_up
     assert b"CERTIFICATE_VERIFY_FAILED" in response.body
 
 
-def test_a_non_101_answer_from_a_tls_upstream_reaches_the_client_as_http(no_leaks, scripted, test_ca):
-    upstream = scripted("403")
+@pytest.mark.parametrize("tls", [True, False], ids=["tls", "plain"])
+def test_a_non_101_answer_reaches_the_client_as_http(no_leaks, scripted, test_ca, tls):
+    upstream = scripted("403", tls=tls)
     answer = _answer_to_upgrade(AuthProxy(), upstream, test_ca)
     assert answer.startswith(b"HTTP/1.1 403 "), answer
     assert answer.endswith(b"\r\n\r\nno, no.") and b"X-Proxy-Error" not in answer
@@ -207,9 +214,10 @@ def _echoes(sock: socket.socket, data: bytes) -> bool:
     return got == data
 
 
-def test_two_set_ups_in_flight_hold_no_thread_while_a_third_session_relays(no_leaks, scripted, test_ca):
+@pytest.mark.parametrize("tls", [True, False], ids=["tls", "plain"])
+def test_two_set_ups_in_flight_hold_no_thread_while_a_third_session_relays(no_leaks, scripted, test_ca, tls):
     hold = threading.Event()
-    stalled, live = scripted(hold=hold), scripted()
+    stalled, live = scripted(hold=hold, tls=tls), scripted(tls=tls)
     with AuthProxy() as proxy:
         slow_base = proxy.mount(stalled.url, TEST_TOKEN, verify=test_ca.ca_path)
         live_base = proxy.mount(live.url, TEST_TOKEN, verify=test_ca.ca_path)
@@ -232,9 +240,10 @@ def test_two_set_ups_in_flight_hold_no_thread_while_a_third_session_relays(no_le
             support.wait_until(lambda: _setting_up(proxy, 1), "the two sessions to end with their clients", TIMEOUT)
 
 
-def test_a_client_leaving_during_set_up_ends_it_and_closes_the_upstream_connection(no_leaks, scripted, test_ca):
+@pytest.mark.parametrize("tls", [True, False], ids=["tls", "plain"])
+def test_a_client_leaving_during_set_up_ends_it_and_closes_the_upstream_connection(no_leaks, scripted, test_ca, tls):
     hold = threading.Event()
-    upstream = scripted(hold=hold)
+    upstream = scripted(hold=hold, tls=tls)
     with AuthProxy() as proxy:
         base = proxy.mount(upstream.url, TEST_TOKEN, verify=test_ca.ca_path)
         sock = _send_upgrade(proxy, base)
@@ -245,9 +254,10 @@ def test_a_client_leaving_during_set_up_ends_it_and_closes_the_upstream_connecti
         assert upstream.ended.acquire(timeout=TIMEOUT / 2)
 
 
-def test_stop_during_set_ups_closes_their_clients_and_leaves_nothing(no_leaks, scripted, test_ca):
+@pytest.mark.parametrize("tls", [True, False], ids=["tls", "plain"])
+def test_stop_during_set_ups_closes_their_clients_and_leaves_nothing(no_leaks, scripted, test_ca, tls):
     hold = threading.Event()
-    upstream = scripted(hold=hold)
+    upstream = scripted(hold=hold, tls=tls)
     proxy = AuthProxy().start()
     try:
         base = proxy.mount(upstream.url, TEST_TOKEN, verify=test_ca.ca_path)
