@@ -232,9 +232,10 @@ def _control(pid: int, *args: str) -> None:
     subprocess.run(["callgrind_control"] + list(args) + [str(pid)], check=True, capture_output=True, timeout=120)
 
 
-def _spawn(cmd: List[str], timeout: float) -> Tuple[subprocess.Popen, Dict[str, object]]:
+def _spawn(cmd: List[str], timeout: float, root: str = REPO) -> Tuple[subprocess.Popen, Dict[str, object]]:
+    """Start `cmd` with `root`'s modules first on its path; (the process, the JSON line it printed)."""
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONPATH=REPO), cwd=REPO)
+                            env=dict(os.environ, PYTHONPATH=root), cwd=root)
     line = scale._read_line(proc, timeout)
     try:
         return proc, json.loads(line)

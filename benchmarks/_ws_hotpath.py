@@ -36,6 +36,8 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.join(REPO, "tests"))  # support.make_test_ca: the tests' throwaway CA
 import ws_scale as scale  # noqa: E402
+from _hotpath import _control, _spawn, _strace_counts  # noqa: E402
+from vs_nginx import _ws_wait as _wait  # noqa: E402
 
 # Sessions opened at once per batch: enough that set-ups overlap (as in a burst), few enough that the
 # client, one blocking thread, keeps up.
@@ -72,7 +74,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         for kind in args.upstreams.split(","):
             extra = ["--certfile", ca.cert_path, "--keyfile", ca.key_path] if kind == "tls" else []
-            proc, info = _spawn([sys.executable, os.path.join(HERE, "_asgi_upstream.py")] + extra, REPO, 30.0)
+            proc, info = _spawn([sys.executable, os.path.join(HERE, "_asgi_upstream.py")] + extra, 30.0, REPO)
             upstreams[kind] = (int(info["port"]), proc)
         for kind in args.upstreams.split(","):
             url = "%s://127.0.0.1:%d" % ("https" if kind == "tls" else "http", upstreams[kind][0])
@@ -100,7 +102,7 @@ def _instructions(cmd: List[str], root: str, workdir: str, round_trips: int, ses
     """User-space instructions per round trip and per session of the forwarder `cmd` (callgrind)."""
     out = os.path.join(workdir, "callgrind.out.%d" % time.monotonic_ns())
     proc, info = _spawn(["valgrind", "--tool=callgrind", "--instr-atstart=no", "--callgrind-out-file=" + out] + cmd,
-                        root, START_TIMEOUT_S)
+                        START_TIMEOUT_S, root)
     try:
         port, path = _port_path(str(info["base_url"]))
         _sessions(port, path, WARMUP_SESSIONS)
@@ -137,7 +139,7 @@ def _syscalls(cmd: List[str], root: str, workdir: str, round_trips: int, session
     counts = []
     for rts, n in ((0, 0), (round_trips, 0), (0, sessions)):
         out = os.path.join(workdir, "strace.%d" % time.monotonic_ns())
-        proc, info = _spawn(["strace", "-f", "-c", "-o", out] + cmd, root, START_TIMEOUT_S)
+        proc, info = _spawn(["strace", "-f", "-c", "-o", out] + cmd, START_TIMEOUT_S, root)
         try:
             port, path = _port_path(str(info["base_url"]))
             _sessions(port, path, WARMUP_SESSIONS + n)
@@ -159,29 +161,7 @@ def _syscalls(cmd: List[str], root: str, workdir: str, round_trips: int, session
             "top_per_session": list(ss.items())[:6]}
 
 
-def _strace_counts(path: str) -> Dict[str, int]:
-    counts: Dict[str, int] = {}
-    with open(path) as fh:
-        for line in fh:
-            fields = line.split()
-            if len(fields) >= 5 and fields[0][0].isdigit() and fields[-1] != "total":
-                counts[fields[-1]] = int(fields[3])
-    return counts
 
-
-def _control(pid: int, *args: str) -> None:
-    subprocess.run(["callgrind_control"] + list(args) + [str(pid)], check=True, capture_output=True, timeout=120)
-
-
-def _spawn(cmd: List[str], root: str, timeout: float) -> Tuple[subprocess.Popen, Dict[str, object]]:
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONPATH=root), cwd=root)
-    line = scale._read_line(proc, timeout)
-    try:
-        return proc, json.loads(line)
-    except ValueError:
-        scale._stop_child(proc, terminate_first=True)
-        raise RuntimeError("%s did not start: %r%s" % (cmd[0], line, scale._stderr_tail(proc)))
 
 
 def _port_path(base_url: str) -> Tuple[int, str]:
@@ -190,16 +170,6 @@ def _port_path(base_url: str) -> Tuple[int, str]:
     hostport, _, path = rest.partition("/")
     return int(hostport.rsplit(":", 1)[1]), ("/" + path if path else "") + "/ws"
 
-
-def _wait(sock: socket.socket, conn: WSConnection, kind: type) -> None:
-    while True:
-        for event in conn.events():
-            if isinstance(event, kind):
-                return
-        data = sock.recv(65536)
-        if not data:
-            raise ConnectionError("the forwarder closed the session before %s" % kind.__name__)
-        conn.receive_data(data)
 
 
 def _open(port: int, path: str, round_trips: int) -> Tuple[socket.socket, WSConnection]:
