@@ -3913,6 +3913,13 @@ class _TunnelRelay:
             self._wake()
         return True
 
+    def start(self) -> bool:
+        """Start the thread now rather than with the first tunnel (False if closed or it could not
+        start). For a leak check's baseline: the relay's thread and its three fds (the wake-up pair and
+        the epoll) then stay until stop(), like the listener's."""
+        with self._lock:
+            return not self._closed and (self._thread is not None or self._start())
+
     def close(self) -> None:
         """End the thread: tunnels still open are closed (stop() has shut their sockets already)."""
         with self._lock:
@@ -3985,6 +3992,9 @@ class _TunnelRelay:
                         return
                 woken = False
                 timeout = self._expire_setups() if deadlines else None
+                # The wait may last until the next tunnel: names left from the last pass would keep that
+                # pass's tunnel, its sockets and its route (unmounted since, perhaps) alive meanwhile.
+                tunnel = first = owner = src = dst = ready = None  # type: ignore[assignment]
                 polled = poller.poll() if timeout is None else poller.poll(timeout * per_second)
                 ready: Optional[Dict[_Tunnel, None]] = None  # tunnels for the general path (made when needed)
                 for fd, events in polled:

@@ -78,6 +78,24 @@ def test_repeated_mount_request_session_unmount_keeps_the_live_object_count_flat
         logging.disable(logging.NOTSET)
 
 
+@pytest.mark.parametrize("scheme", ["http", "https"])
+def test_an_unmounted_route_is_freed_once_its_last_websocket_session_ends_while_the_relay_waits(
+        scheme, test_ca):
+    # The relay thread waits in poll() for as long as no tunnel has anything to move: whatever its loop
+    # still names then (the last tunnel, its owner route) must not keep an unmounted route alive.
+    with support.Upstream(tls=test_ca if scheme == "https" else None) as upstream, \
+            AuthProxy(read_timeout_s=TIMEOUT) as proxy:
+        base = proxy.mount(upstream.url, TEST_TOKEN, verify=test_ca.ca_path)
+        with support.ws_connect(support.ws_url(base) + "/ws") as ws:
+            ws.send("ping")
+            assert ws.recv(timeout=TIMEOUT) == "ping"
+        support.wait_until(lambda: proxy._server.relay.count() == 0, "the relay to end the tunnel", TIMEOUT)
+        assert proxy.unmount(base)
+        support.wait_until(lambda: gc.collect() is not None and not len(proxy._seen_routes),
+                           "the unmounted route to be freed", TIMEOUT)
+        assert proxy._server.relay.threads()  # still waiting for the next tunnel
+
+
 def _rss_kib() -> int:
     with open("/proc/self/status") as fh:
         return int(next(line for line in fh if line.startswith("VmRSS")).split()[1])
