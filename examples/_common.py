@@ -62,11 +62,14 @@ class Backend:
         self.emulator: Any = None
         self.leftovers: List[str] = []
         if args.local:
-            from hf_jobs_emulator import JobsEmulator, echo_server_command
-            from hf_sandbox_cli import SMOKE_POOL_EMULATOR
-            self.emulator = JobsEmulator(**(SMOKE_POOL_EMULATOR if args.pool else {}))
-            if not args.pool:
-                self.settings.setdefault("command", echo_server_command())
+            import hf_jobs_emulator
+            from hf_sandbox_cli import SMOKE_POOL_EMULATOR, _local_pool_rejection
+            reason = _local_pool_rejection(hf_jobs_emulator) if args.pool else None
+            if reason:  # a package to install: one line, the usage exit code, no traceback
+                print("error: %s" % reason, file=sys.stderr)
+                raise SystemExit(EXIT_USAGE)
+            self.emulator = hf_jobs_emulator.JobsEmulator(**(SMOKE_POOL_EMULATOR if args.pool else {}))
+            self.settings.setdefault("command", hf_jobs_emulator.echo_server_command())
 
     def __enter__(self) -> "Backend":
         if self.emulator is not None:
@@ -75,7 +78,7 @@ class Backend:
             if self.pool:  # TLS hosts, the echo environment on each sandbox's unix socket (as smoke --local --pool)
                 import hf_jobs_emulator
                 from hf_sandbox_cli import _local_pool_settings
-                _local_pool_settings(self.settings, self.emulator, hf_jobs_emulator, self.settings.get("command"))
+                _local_pool_settings(self.settings, self.emulator, hf_jobs_emulator, self.settings["command"])
             print("local HF Jobs emulator at %s" % self.emulator.endpoint)
         return self
 

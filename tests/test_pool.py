@@ -23,7 +23,7 @@ pytest.importorskip("huggingface_hub._sandbox")
 
 import hf_sandbox_pool  # noqa: E402
 import hf_sandbox_provider as hsp  # noqa: E402
-from hf_jobs_emulator import JobsEmulator  # noqa: E402
+from hf_jobs_emulator import JobsEmulator, echo_server_command  # noqa: E402
 from hf_sandbox_provider import (EnvSession, HFSandboxProvider, InsecureURLError, JobFailedError,  # noqa: E402
                                  JobsAPIError, SandboxConfigError, SandboxError, SessionError)
 from proxy import AuthProxy  # noqa: E402
@@ -33,7 +33,8 @@ if hf_sandbox_pool.hub_rejection():  # pragma: no cover - an older huggingface_h
     pytest.skip(hf_sandbox_pool.hub_rejection(), allow_module_level=True)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SERVER = [sys.executable, os.path.join(HERE, "upstreams", "uds_echo_env.py"), "{socket}"]
+SERVER = echo_server_command()  # binds $SBX_PROXY_DIR/8000.sock in the sandbox
+FAULTY_SERVER = [sys.executable, os.path.join(HERE, "upstreams", "uds_echo_env.py"), "{socket}"]
 IMAGE = "python:3.12"
 # Small delays: the defaults (13 s cold host, 0.27 s per sandbox) are for benchmarks.
 FAST = dict(tls=True, sandbox_host_boot_s=0.0, sandbox_host_ready_s=0.1, sandbox_create_s=0.0)
@@ -104,7 +105,7 @@ def test_a_pooled_environment_serves_http_and_websocket_through_the_proxy_and_st
         with EnvSession(base_url) as session:
             session.reset()
             assert session.step({"message": "hello"})["observation"]["echoed_message"] == "hello"
-        assert any("serving on" in line for line in p.logs())
+        assert any("echo environment listening on unix:" in line for line in p.logs())
         assert host_sandboxes(emu, host_id) == [local_id(p)]
     assert host_sandboxes(emu, host_id) == []  # killed; the host keeps running for the pool
     assert emu.job(host_id).stage == "RUNNING" and p.stage == "CANCELED"
@@ -353,7 +354,7 @@ def test_the_server_command_places_the_socket_and_keeps_list_arguments_as_words(
 
 def test_a_server_that_crashes_at_boot_fails_fast_with_its_own_output_and_its_sandbox_is_killed(pool_env, proxy):
     emu = pool_env()
-    p = provider(emu, proxy, command=SERVER + ["--crash-after", "0"])
+    p = provider(emu, proxy, command=FAULTY_SERVER + ["--crash-after", "0"])
     p.start_container()
     host_id = p._pooled.host_id
     with pytest.raises(JobFailedError) as failed:
@@ -586,7 +587,7 @@ def _processes_running(needle: str) -> List[int]:
 def test_the_job_timeout_watcher_ends_with_its_server_so_no_process_is_left(pool_env, proxy):
     emu = pool_env()
     marker = "--crash-after"
-    p = provider(emu, proxy, command=SERVER + [marker, "0"], job_timeout=3599)
+    p = provider(emu, proxy, command=FAULTY_SERVER + [marker, "0"], job_timeout=3599)
     p.start_container()
     with pytest.raises(JobFailedError):
         p.wait_for_ready()
