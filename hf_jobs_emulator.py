@@ -1303,10 +1303,36 @@ def _create_body_rejection(body: Any, flavors: Sequence[str] = FLAVORS) -> Optio
     timeout = body.get("timeoutSeconds")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int) or timeout <= 0):
         return f"field 'timeoutSeconds' must be a whole number of seconds > 0, got {timeout!r}"
-    reason = _labels_rejection(body.get("labels") or {}, FAULT_LABEL_PREFIX)
+    reason = (_labels_rejection(body.get("labels") or {}, FAULT_LABEL_PREFIX)
+              or _network_rejection(body.get("network")) or _volumes_rejection(body.get("volumes")))
     if reason:
         return reason
     return None if body.get("expose") is None else _expose_rejection(body["expose"], "expose.")
+
+
+def _network_rejection(network: Any) -> Optional[str]:
+    """`network`: {"group": name, "aliases": [names]} (huggingface_hub's network_group / network_aliases)."""
+    if network is None:
+        return None
+    if not isinstance(network, dict) or not isinstance(network.get("group"), str) or not network["group"]:
+        return "field 'network' must be {\"group\": a non-empty string, \"aliases\": [strings]}"
+    aliases = network.get("aliases")
+    if aliases is not None and not (isinstance(aliases, list) and all(isinstance(a, str) and a for a in aliases)):
+        return "field 'network.aliases' must be a list of non-empty strings"
+    return None
+
+
+def _volumes_rejection(volumes: Any) -> Optional[str]:
+    """`volumes`: [{"type", "source", "mountPath", ...}] (huggingface_hub's Volume.to_dict())."""
+    if volumes is None:
+        return None
+    if not isinstance(volumes, list):
+        return "field 'volumes' must be a list of volume objects"
+    for index, volume in enumerate(volumes):
+        if not isinstance(volume, dict) or not all(isinstance(volume.get(key), str) and volume[key]
+                                                   for key in ("type", "source", "mountPath")):
+            return f"field 'volumes[{index}]' must be an object with string 'type', 'source' and 'mountPath'"
+    return None
 
 
 def _labels_rejection(labels: Mapping[str, Any], fault_prefix: Optional[str]) -> Optional[str]:
@@ -1418,6 +1444,12 @@ def _job_info(job: EmulatedJob, state: _JobState) -> Dict[str, Any]:
     if "expose" in spec:
         info["expose"] = {"ports": list(spec["expose"].get("ports") or []),
                           "portsPublic": list(spec["expose"].get("portsPublic") or [])}
+    if spec.get("network"):  # `aliases` only when some were claimed, as huggingface_hub sends it
+        network = spec["network"]
+        info["network"] = {"group": network["group"], **({"aliases": list(network["aliases"])}
+                                                         if network.get("aliases") else {})}
+    if spec.get("volumes"):
+        info["volumes"] = [dict(volume) for volume in spec["volumes"]]
     return info
 
 

@@ -93,6 +93,21 @@ def test_run_inspect_and_finish_a_job_with_hfapi(emu, api):
     assert api.inspect_job(job_id=job.id, namespace="local").status.stage == "COMPLETED"
 
 
+def test_network_and_volumes_set_at_create_come_back_as_hfapi_parses_them(emu, api):
+    from huggingface_hub import Volume
+
+    volume = Volume(type="bucket", source="local/data", mount_path="/data", read_only=True)
+    job = run(api, emu, SLEEP_FOREVER, network_group="rollouts", network_aliases=["env-1"], volumes=[volume])
+    seen = api.inspect_job(job_id=job.id, namespace="local")
+    assert (seen.network.group, seen.network.aliases) == ("rollouts", ["env-1"])
+    assert [(v.type, v.source, v.mount_path, v.read_only) for v in seen.volumes] == [
+        ("bucket", "local/data", "/data", True)]
+    plain = run(api, emu, SLEEP_FOREVER, network_group="rollouts")
+    answer = raw(emu, "GET", f"/api/jobs/local/{plain.id}").json()
+    assert answer["network"] == {"group": "rollouts"} and "volumes" not in answer  # aliases omitted when none
+    assert api.inspect_job(job_id=plain.id, namespace="local").network.aliases == []
+
+
 def test_space_image_is_sent_as_space_id(emu, api):
     job = api.run_job(image="hf.co/spaces/someone/env", command=py("pass"), namespace="local")
     assert job.space_id == "someone/env" and job.docker_image is None
@@ -269,6 +284,9 @@ def test_unknown_job_is_404_for_inspect_cancel_and_logs(emu):
     ({"dockerImage": "a", "labels": {"emulator-teleport": "1"}}, "emulator-teleport"),
     ({"dockerImage": "a", "labels": {"model": "Qwen/Qwen3"}}, "label model='Qwen/Qwen3'"),
     ({"dockerImage": "a", "labels": {"a b": "1"}}, "label key 'a b'"),
+    ({"dockerImage": "a", "network": {"aliases": ["x"]}}, "network"),
+    ({"dockerImage": "a", "network": {"group": "g", "aliases": "x"}}, "network.aliases"),
+    ({"dockerImage": "a", "volumes": [{"type": "bucket", "source": "a/b"}]}, "volumes[0]"),
     ([1, 2], "JSON object"),
 ])
 def test_bad_create_bodies_are_400_naming_the_field(emu, body, field):
