@@ -529,6 +529,25 @@ class JobsEmulator:
             job._die_now = True
             job._attention.set()
 
+    def forget_job(self, job_id: str, timeout_s: float = 30.0) -> None:
+        """The Hub forgets a job (deleted, or garbage-collected after it ended): it is stopped if it
+        still runs (CANCELED, its gates and processes gone), then every API call about it answers 404,
+        which huggingface_hub raises as JobNotFoundError. Faults and tests use it; no route does."""
+        with self._lock:
+            job = self.job(job_id)
+            if not job.terminal and job._stop_reason is None:
+                job._stop_reason = "canceled"
+                job._attention.set()
+            supervisor = job._supervisor
+        if supervisor is not None and supervisor is not threading.current_thread():
+            supervisor.join(timeout_s)  # stop() joins the supervisors of listed jobs only: end it here
+            if supervisor.is_alive():
+                raise TimeoutError(f"job {job_id} did not stop within {timeout_s}s; it is still listed")
+        with self._lock:
+            del self._jobs[job_id]
+            self._changed.notify_all()
+        log.info("job %s forgotten: the API answers 404 for it", job_id)
+
     def inject_server_errors(self, calls: int, status: int = DEFAULT_SERVER_ERROR_STATUS,
                              routes: Optional[Iterable[str]] = None) -> None:
         """Answer the next `calls` API calls (optionally only on these route names) with a 5xx `status`.

@@ -494,6 +494,64 @@ def test_a_process_that_exits_or_gets_sigterm_kills_its_sandboxes_and_cancels_th
     assert emu.token not in child.stderr.read()
 
 
+def _age_pool_cache(pool: str, seconds: float) -> None:
+    """Make every host huggingface_hub's pool cache holds for `pool` look `seconds` older, as if that
+    long had passed since a process wrote it."""
+    import glob
+    import json
+
+    paths = glob.glob(os.path.join(hub.constants.HF_HOME, "sandbox", "pools", "*", pool + ".json"))
+    assert paths, "no pool cache for %s under %s" % (pool, hub.constants.HF_HOME)
+    for path in paths:
+        with open(path) as fh:
+            cache = json.load(fh)
+        for host in cache["hosts"]:
+            host["updated_at"] -= seconds
+        with open(path, "w") as fh:
+            json.dump(cache, fh)
+
+
+@pytest.mark.slow  # a child interpreter that boots a host job
+@pytest.mark.parametrize("age", ["fresh", "past-its-trust-ttl"])
+def test_a_start_after_a_killed_process_left_a_host_the_hub_then_forgot_lands_on_a_new_host(
+        pool_env, proxy, tmp_path, age):
+    import subprocess
+
+    from huggingface_hub._sandbox_cache import HOST_TRUST_TTL
+
+    emu = pool_env()
+    env = dict(os.environ, ROOT=os.path.dirname(HERE), TESTS=HERE, HF_HOME_DIR=hub.constants.HF_HOME,
+               EMU_ENDPOINT=emu.endpoint, EMU_TOKEN=emu.token, SERVER="\x1f".join(SERVER))
+    child = subprocess.Popen([sys.executable, "-c", CHILD, "exit"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=env, text=True)
+    try:
+        line = child.stdout.readline()
+        assert line.startswith("READY"), child.stderr.read()
+        host_id = line.split()[1].split(".")[0]
+    finally:
+        child.kill()  # a trainer killed outright: no teardown, its pool's host stays in the cache file
+        child.communicate()
+    emu.forget_job(host_id)  # the Hub no longer knows the host job (huggingface_hub: JobNotFoundError)
+    if age != "fresh":
+        _age_pool_cache("child", HOST_TRUST_TTL + 60)
+    p = provider(emu, proxy, pool="child", start_timeout_s=30, ready_timeout_s=30)
+    with p:
+        p.wait_for_ready(p.start_container())
+        assert p._pooled.host_id != host_id
+        assert requests.post(p.base_url + "/reset", json={}, timeout=10).status_code == 200
+
+
+def test_a_start_after_the_hub_forgot_a_host_of_this_processs_pool_lands_on_a_new_host(pool_env, proxy):
+    emu = pool_env()
+    with provider(emu, proxy, pool="forgotten") as first:
+        first.wait_for_ready(first.start_container())
+        host_id = first._pooled.host_id
+    emu.forget_job(host_id)
+    with provider(emu, proxy, pool="forgotten", start_timeout_s=30, ready_timeout_s=30) as second:
+        second.wait_for_ready(second.start_container())
+        assert second._pooled.host_id != host_id
+
+
 @pytest.mark.slow  # waits out a 3 s job timeout
 def test_job_timeout_bounds_a_pooled_server_so_nothing_bills_forever_after_a_lost_client(pool_env, proxy):
     emu = pool_env()
