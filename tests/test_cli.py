@@ -229,3 +229,16 @@ def test_sweep_in_an_org_cancels_only_jobs_the_current_user_started(tmp_path):
         finally:
             mine.stop_container()
             bobs.stop_container()
+
+
+def test_readmes_first_command_installs_only_the_library_and_its_test_command_is_what_ci_runs():
+    with open(os.path.join(REPO, "README.md")) as fh:
+        block = fh.read().split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [line for line in block.splitlines() if line and not line.startswith("#")]
+    assert len(commands) == 2, commands
+    assert "pip install -e . &&" in commands[0] and commands[0].endswith("hf_sandbox_provider smoke --local")
+    test_command = commands[1].split(" && ")[-1]
+    with open(os.path.join(REPO, ".ci", "run")) as fh:
+        ci = [line.strip() for line in fh if line.strip() and not line.lstrip().startswith("#")]
+    assert ci[-1] == test_command  # CI runs exactly README's test command
+    assert any("pip install" in line and "-e '.[test,trl]'" in line for line in ci)
