@@ -181,6 +181,9 @@ SANDBOX_PROXY_DIR_ENV = "SBX_PROXY_DIR"
 # were an OpenEnv echo environment.
 OPENENV_DEFAULT_COMMAND = re.compile(
     r"^cd /app/env && (?:exec )?uvicorn server\.app:app --host [0-9.:]+ --port (?P<port>[0-9]{1,5})$")
+# The same command on a unix socket, as a pooled sandbox runs it (hf_sandbox_pool's default, inside its
+# shell wrapper): the emulated sandbox server runs the echo server on that socket instead.
+OPENENV_POOLED_COMMAND = re.compile(r"cd /app/env && (?:exec )?uvicorn server\.app:app --uds ")
 ECHO_STEP_DELAY_ENV = "ECHO_STEP_DELAY_S"
 # Largest WebSocket message the echo server accepts (OpenEnv clients default to 100 MiB; 16 MiB is
 # plenty for an echo and bounds memory).
@@ -3128,13 +3131,14 @@ def _run_until_signal(stop: Callable[[], Any], announce: Callable[[], None] = la
 
 
 def _run_echo_server(host: str = "127.0.0.1", port: Optional[int] = None,
-                     step_delay_s: Optional[float] = None) -> int:
+                     step_delay_s: Optional[float] = None, unix_socket: Optional[str] = None) -> int:
     """`echo-server`: serve the echo environment until SIGINT / SIGTERM (port default $PORT), on
-    `$SBX_PROXY_DIR/<port>.sock` when run in a pooled sandbox."""
+    `unix_socket`, or on `$SBX_PROXY_DIR/<port>.sock` when run in a pooled sandbox."""
     port = port if port is not None else _echo_port_default()
     delay = step_delay_s if step_delay_s is not None else _step_delay_default()
     proxy_dir = os.environ.get(SANDBOX_PROXY_DIR_ENV)
-    unix_socket = os.path.join(proxy_dir, f"{port}.sock") if proxy_dir else None
+    if unix_socket is None and proxy_dir:
+        unix_socket = os.path.join(proxy_dir, f"{port}.sock")
     try:
         server = EchoServer(host, port, delay, unix_socket=unix_socket)
     except (ValueError, OSError) as exc:
@@ -3177,6 +3181,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     echo.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     echo.add_argument("--port", type=int, default=None, help=f"port (default $PORT or {ECHO_DEFAULT_PORT}); in a pooled "
                                                                  "sandbox, the socket $SBX_PROXY_DIR/<port>.sock")
+    echo.add_argument("--unix-socket", default=None, metavar="PATH", help="serve on this unix socket instead")
     echo.add_argument("--step-delay-s", type=float, default=None,
                       help=f"seconds to sleep in every step (default ${ECHO_STEP_DELAY_ENV} or 0)")
     zygote = commands.add_parser("zygote", help=argparse.SUPPRESS)  # internal: started by JobsEmulator
@@ -3186,7 +3191,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "zygote":
         return _zygote_main(args.fd)
     if args.command == "echo-server":
-        return _run_echo_server(args.host, args.port, args.step_delay_s)
+        return _run_echo_server(args.host, args.port, args.step_delay_s, args.unix_socket)
 
     # Job activity (created, running, ready, ended) and the gates' proxy lines, each with its time.
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")

@@ -29,6 +29,7 @@ import posixpath
 import queue
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -830,8 +831,9 @@ class _SbxHandler(_jobs._QuietHandler):
 
     def _argv(self, sbx: EmulatedSandbox, body: Mapping[str, Any]) -> Tuple[List[str], Dict[str, str], str]:
         cmd, shell = body.get("cmd"), body.get("shell")
-        if isinstance(cmd, str) and shell is not False:
-            argv = ["/bin/sh", "-c", cmd]
+        if isinstance(cmd, str) and shell is not False:  # OpenEnv's server in the image: the echo server
+            echo = " ".join(shlex.quote(part) for part in _jobs.echo_server_command())
+            argv = ["/bin/sh", "-c", _jobs.OPENENV_POOLED_COMMAND.sub(lambda _: f"exec {echo} --unix-socket ", cmd)]
         elif isinstance(cmd, list) and cmd and all(isinstance(a, str) for a in cmd) and shell is not True:
             argv = list(cmd)
         else:

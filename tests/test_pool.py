@@ -114,6 +114,18 @@ def test_a_pooled_environment_serves_http_and_websocket_through_the_proxy_and_st
     assert emu.wait_for_stage(host_id, ["CANCELED"]).stage == "CANCELED"  # a host we booted is cancelled
 
 
+@pytest.mark.parametrize("port", [8000, 9000])
+def test_a_pooled_environment_left_at_openenvs_default_command_runs_the_emulators_echo_environment(
+        pool_env, proxy, port):
+    emu = pool_env()
+    with provider(emu, proxy, command=None, port=port, pool="default-command") as p:
+        p.wait_for_ready(p.start_container())
+        with EnvSession(p.base_url) as session:
+            session.reset()
+            assert session.step({"message": "image"})["observation"]["echoed_message"] == "image"
+        assert p.upstream_url.endswith("/proxy/%d" % port)
+
+
 @pytest.mark.slow  # four environments on one host job
 def test_environments_of_one_named_pool_pack_onto_one_host_with_one_jobs_api_create(pool_env, proxy, log_guard):
     emu = pool_env()
