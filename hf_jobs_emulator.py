@@ -173,16 +173,16 @@ SANDBOX_CREATE_S = 0.27
 SANDBOX_GATES_WAIT_S = 60.0
 # Echo server defaults: OpenEnv images listen on 8000; the step delay is for benchmarks only.
 ECHO_DEFAULT_PORT = 8000
-# In a pooled sandbox (this variable set by the sandbox server), the echo server binds the unix socket
-# `$SBX_PROXY_DIR/<port>.sock` that the host's `proxy/<port>/...` forwards to: no TCP port there.
+# In a pooled sandbox (this variable set by the sandbox server), the echo server binds the unix
+# socket `$SBX_PROXY_DIR/<port>.sock` that the host's `proxy/<port>/...` forwards to: no TCP port.
 SANDBOX_PROXY_DIR_ENV = "SBX_PROXY_DIR"
-# OpenEnv's image command (its Dockerfile template's CMD, which the provider sends when `command` is not
-# given, with `exec` or without): a job running it gets the echo server on that port, as if the image
-# were an OpenEnv echo environment.
-OPENENV_DEFAULT_COMMAND = re.compile(
-    r"^cd /app/env && (?:exec )?uvicorn server\.app:app --host [0-9.:]+ --port (?P<port>[0-9]{1,5})$")
-# The same command on a unix socket, as a pooled sandbox runs it (hf_sandbox_pool's default, inside its
-# shell wrapper): the emulated sandbox server runs the echo server on that socket instead.
+# OpenEnv's image command (its Dockerfile template's CMD, which the provider sends when `command` is
+# not given, with `exec` or without): a job running it gets the echo server on that port, as if the
+# image were an OpenEnv echo environment.
+OPENENV_DEFAULT_COMMAND = re.compile(r"^cd /app/env && (?:exec )?uvicorn server\.app:app "
+                                     r"--host [0-9.:]+ --port (?P<port>[0-9]{1,5})$")
+# The same command on a unix socket, as a pooled sandbox runs it (hf_sandbox_pool's default, inside
+# its shell wrapper): the emulated sandbox server runs the echo server on that socket instead.
 OPENENV_POOLED_COMMAND = re.compile(r"cd /app/env && (?:exec )?uvicorn server\.app:app --uds ")
 ECHO_STEP_DELAY_ENV = "ECHO_STEP_DELAY_S"
 # Largest WebSocket message the echo server accepts (OpenEnv clients default to 100 MiB; 16 MiB is
@@ -533,9 +533,9 @@ class JobsEmulator:
             job._attention.set()
 
     def forget_job(self, job_id: str, timeout_s: float = 30.0) -> None:
-        """The Hub forgets a job (deleted, or garbage-collected after it ended): it is stopped if it
-        still runs (CANCELED, its gates and processes gone), then every API call about it answers 404,
-        which huggingface_hub raises as JobNotFoundError. Faults and tests use it; no route does."""
+        """The Hub forgets a job (deleted, or garbage-collected after it ended): it is stopped if
+        it still runs (CANCELED, its gates and processes gone), then every API call about it answers
+        404, which huggingface_hub raises as JobNotFoundError. For tests; no route does it."""
         with self._lock:
             job = self.job(job_id)
             if not job.terminal and job._stop_reason is None:
@@ -543,9 +543,9 @@ class JobsEmulator:
                 job._attention.set()
             supervisor = job._supervisor
         if supervisor is not None and supervisor is not threading.current_thread():
-            supervisor.join(timeout_s)  # stop() joins the supervisors of listed jobs only: end it here
+            supervisor.join(timeout_s)  # stop() joins listed jobs' supervisors only: end it here
             if supervisor.is_alive():
-                raise TimeoutError(f"job {job_id} did not stop within {timeout_s}s; it is still listed")
+                raise TimeoutError(f"job {job_id} did not stop within {timeout_s}s; still listed")
         with self._lock:
             del self._jobs[job_id]
             self._changed.notify_all()
@@ -727,8 +727,8 @@ class JobsEmulator:
             after = int(faults.get("rate-limit-after-create", "0"))
             if after > 0:
                 self._rate_limits.arm(after, DEFAULT_RETRY_AFTER_S, None)
-        log.info("job %s created in %s (%s, %s)", job.id, namespace, spec.get("dockerImage") or spec.get("spaceId"),
-                 spec.get("flavor") or "cpu-basic")
+        log.info("job %s created in %s (%s, %s)", job.id, namespace,
+                 spec.get("dockerImage") or spec.get("spaceId"), spec.get("flavor") or "cpu-basic")
         job._supervisor.start()
         if self._is_sandbox_host(job):
             job._gates_made.wait(SANDBOX_GATES_WAIT_S)
@@ -891,8 +891,8 @@ class JobsEmulator:
                 job.logs.append((_iso(job.started_at), f"===== Job started at {job.started_at.isoformat()} ====="))
                 self._changed.notify_all()
         if not canceled:
-            log.info("job %s running (pid %s)%s", job.id, process.pid, "" if job.expose_urls or not exposed
-                     else " without an exposed URL")
+            log.info("job %s running (pid %s)%s", job.id, process.pid,
+                     "" if job.expose_urls or not exposed else " without an exposed URL")
         reader = threading.Thread(target=self._read_output, args=(job,), name=f"job-log:{job.id}", daemon=True)
         reader.start()
         if exposed and not canceled:
@@ -1119,7 +1119,7 @@ class EchoServer:
         self.step_delay_s = float(step_delay_s)
         self.http_env = EchoEnvironment()
         self.http_lock = threading.Lock()
-        # unix_socket: serve on that path instead of host:port (a pooled sandbox's $SBX_PROXY_DIR/<port>.sock)
+        # unix_socket: serve on that path instead of host:port (a pooled sandbox's socket)
         self.unix_socket = unix_socket
         handler = type("_BoundEchoHandler", (_EchoHandler,), {"server_ref": self})
         self._server: Any = (_TrackingHTTPServer((host, port), handler) if unix_socket is None
@@ -1172,14 +1172,14 @@ def echo_server_command() -> List[str]:
 
 
 def tls_rejection() -> Optional[str]:
-    """Why `JobsEmulator(tls=True)` (its sandbox hosts, pooled placement) cannot run here, or None: it
-    makes its certificates with `cryptography`, a test dependency the library itself does not need."""
+    """Why `JobsEmulator(tls=True)` (its sandbox hosts, pooled placement) cannot run here, or None:
+    it makes its certificates with `cryptography`, a test dependency the library does not need."""
     try:
         import cryptography  # noqa: F401
     except ImportError:
-        return ("the local emulator's TLS mode (sandbox hosts, pooled placement) makes its certificates with "
-                "the `cryptography` package, which is not installed: pip install cryptography (or the "
-                "project's test extra: pip install -e '.[test]')")
+        return ("the local emulator's TLS mode (sandbox hosts, pooled placement) makes its "
+                "certificates with the `cryptography` package, which is not installed: pip install "
+                "cryptography (or the project's test extra: pip install -e '.[test]')")
     return None
 
 
@@ -1333,13 +1333,16 @@ def _create_body_rejection(body: Any, flavors: Sequence[str] = FLAVORS) -> Optio
 
 
 def _network_rejection(network: Any) -> Optional[str]:
-    """`network`: {"group": name, "aliases": [names]} (huggingface_hub's network_group / network_aliases)."""
+    """`network`: {"group": name, "aliases": [names]} (huggingface_hub's network_group and
+    network_aliases)."""
     if network is None:
         return None
-    if not isinstance(network, dict) or not isinstance(network.get("group"), str) or not network["group"]:
+    group = network.get("group") if isinstance(network, dict) else None
+    if not isinstance(group, str) or not group:
         return "field 'network' must be {\"group\": a non-empty string, \"aliases\": [strings]}"
     aliases = network.get("aliases")
-    if aliases is not None and not (isinstance(aliases, list) and all(isinstance(a, str) and a for a in aliases)):
+    if aliases is not None and not (isinstance(aliases, list)
+                                    and all(isinstance(a, str) and a for a in aliases)):
         return "field 'network.aliases' must be a list of non-empty strings"
     return None
 
@@ -1353,7 +1356,8 @@ def _volumes_rejection(volumes: Any) -> Optional[str]:
     for index, volume in enumerate(volumes):
         if not isinstance(volume, dict) or not all(isinstance(volume.get(key), str) and volume[key]
                                                    for key in ("type", "source", "mountPath")):
-            return f"field 'volumes[{index}]' must be an object with string 'type', 'source' and 'mountPath'"
+            return (f"field 'volumes[{index}]' must be an object with string 'type', 'source' "
+                    "and 'mountPath'")
     return None
 
 
@@ -1481,8 +1485,8 @@ def _job_info(job: EmulatedJob, state: _JobState) -> Dict[str, Any]:
 
 
 def _openenv_default_port(command: Sequence[str]) -> Optional[int]:
-    """The port of OpenEnv's default server command (`sh -c "cd /app/env && exec uvicorn ..."`), or None
-    when `command` is another one."""
+    """The port of OpenEnv's default server command (`sh -c "cd /app/env && exec uvicorn ..."`),
+    or None when `command` is another one."""
     if len(command) != 3 or command[0] not in ("sh", "/bin/sh") or command[1] != "-c":
         return None
     match = OPENENV_DEFAULT_COMMAND.match(str(command[2]).strip())
@@ -2167,8 +2171,8 @@ class _HealthProber:
 
 
 class _OpenConnections:
-    """A threading socketserver mixin that remembers open connections so `stop()` can close every one
-    of them (idle keep-alive connections, log streams and WebSocket sessions would otherwise outlive it)."""
+    """A threading socketserver mixin that remembers open connections so `stop()` can close every
+    one of them (idle keep-alive connections, log streams and WebSocket sessions outlive it)."""
 
     daemon_threads = True
     request_queue_size = LISTEN_BACKLOG
@@ -2213,7 +2217,8 @@ class _TrackingHTTPServer(_OpenConnections, ThreadingHTTPServer):
         self.server_name, self.server_port = str(host), port
 
 
-class _TrackingUnixServer(_OpenConnections, socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+class _TrackingUnixServer(_OpenConnections, socketserver.ThreadingMixIn,
+                          socketserver.UnixStreamServer):
     """The same on a unix socket (a pooled sandbox's server); a stale socket file is replaced."""
 
     def server_bind(self) -> None:
@@ -3131,7 +3136,8 @@ def _run_until_signal(stop: Callable[[], Any], announce: Callable[[], None] = la
 
 
 def _run_echo_server(host: str = "127.0.0.1", port: Optional[int] = None,
-                     step_delay_s: Optional[float] = None, unix_socket: Optional[str] = None) -> int:
+                     step_delay_s: Optional[float] = None,
+                     unix_socket: Optional[str] = None) -> int:
     """`echo-server`: serve the echo environment until SIGINT / SIGTERM (port default $PORT), on
     `unix_socket`, or on `$SBX_PROXY_DIR/<port>.sock` when run in a pooled sandbox."""
     port = port if port is not None else _echo_port_default()
@@ -3142,7 +3148,8 @@ def _run_echo_server(host: str = "127.0.0.1", port: Optional[int] = None,
     try:
         server = EchoServer(host, port, delay, unix_socket=unix_socket)
     except (ValueError, OSError) as exc:
-        print(f"echo-server: cannot listen on {unix_socket or f'{host}:{port}'}: {exc}", file=sys.stderr)
+        where = unix_socket or f"{host}:{port}"
+        print(f"echo-server: cannot listen on {where}: {exc}", file=sys.stderr)
         return 2
     server.start()
     print(f"echo-server: OpenEnv echo environment listening on {server.url}", flush=True)
@@ -3179,9 +3186,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     serve.add_argument("--json", action="store_true", help="print endpoint and token as one JSON line")
     echo = commands.add_parser("echo-server", help="run the OpenEnv-compatible echo environment")
     echo.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    echo.add_argument("--port", type=int, default=None, help=f"port (default $PORT or {ECHO_DEFAULT_PORT}); in a pooled "
-                                                                 "sandbox, the socket $SBX_PROXY_DIR/<port>.sock")
-    echo.add_argument("--unix-socket", default=None, metavar="PATH", help="serve on this unix socket instead")
+    echo.add_argument("--port", type=int, default=None,
+                      help=f"port (default $PORT or {ECHO_DEFAULT_PORT}); in a pooled sandbox, "
+                           "the socket $SBX_PROXY_DIR/<port>.sock")
+    echo.add_argument("--unix-socket", default=None, metavar="PATH",
+                      help="serve on this unix socket instead")
     echo.add_argument("--step-delay-s", type=float, default=None,
                       help=f"seconds to sleep in every step (default ${ECHO_STEP_DELAY_ENV} or 0)")
     zygote = commands.add_parser("zygote", help=argparse.SUPPRESS)  # internal: started by JobsEmulator
@@ -3194,8 +3203,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _run_echo_server(args.host, args.port, args.step_delay_s, args.unix_socket)
 
     # Job activity (created, running, ready, ended) and the gates' proxy lines, each with its time.
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
-    logging.getLogger("proxy").setLevel(logging.WARNING)  # the gates' problems, not each gate's start and stop
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("proxy").setLevel(logging.WARNING)  # the gates' problems, not their starts
     try:
         emulator = JobsEmulator(args.token, args.namespace, args.host, args.port, args.scheduling_delay_s,
                                 faults=dict(args.fault), rate_limit=args.rate_limit, tls=args.tls,

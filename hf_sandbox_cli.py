@@ -169,31 +169,35 @@ def _usage_error(message: str) -> int:
 
 
 def _run_smoke(args: Any) -> int:
-    """`smoke`: one environment through every stage, then teardown; the exit status says if all passed.
-    A bad flag exits EXIT_USAGE before anything starts, with --local or without."""
+    """`smoke`: one environment through every stage, then teardown; the exit status says if all
+    passed. A bad flag exits EXIT_USAGE before anything starts, with --local or without."""
     try:
         action = json.loads(args.action) if args.action is not None else SMOKE_DEFAULT_ACTION
         if not isinstance(action, dict):
             raise ValueError("not a JSON object")
     except ValueError as exc:
         return _usage_error("--action must be a JSON object (%s)" % exc)
-    image = args.image if args.image is not None else os.environ.get("HF_SANDBOX_IMAGE") or SMOKE_DEFAULT_IMAGE
+    image = args.image
+    if image is None:
+        image = os.environ.get("HF_SANDBOX_IMAGE") or SMOKE_DEFAULT_IMAGE
     settings: Dict[str, Any] = dict(flavor=args.flavor, command=args.command, pool=args.pool)
     if args.timeout is not None:
         settings.update(start_timeout_s=args.timeout, ready_timeout_s=args.timeout)
     module = _import_emulator() if args.local else None
     if args.local:
         if module is None:
-            return _usage_error("smoke --local needs hf_jobs_emulator.py next to this module (it is not part of a "
-                                "vendored copy); copy it from the hf-sandbox-provider repository, or run smoke "
-                                "without --local against the Hub")
+            return _usage_error("smoke --local needs hf_jobs_emulator.py next to this module (it "
+                                "is not part of a vendored copy); copy it from the "
+                                "hf-sandbox-provider repository, or run smoke without --local "
+                                "against the Hub")
         if args.command is None:
             settings["command"] = module.echo_server_command()
         reason = _local_pool_rejection(module) if args.pool else None
         if reason:
             return _usage_error(reason)
     try:  # the settings' checks, before anything starts (the emulator's endpoint is loopback too)
-        checked = HFSandboxProvider(image, **settings, **({"endpoint": "http://127.0.0.1"} if args.local else {}))
+        where = {"endpoint": "http://127.0.0.1"} if args.local else {}
+        checked = HFSandboxProvider(image, **settings, **where)
         if not args.local:
             checked._resolve_token()  # fail now, with the hint, rather than mid-stage
     except (SandboxConfigError, InsecureURLError) as exc:
@@ -204,7 +208,8 @@ def _run_smoke(args: Any) -> int:
     try:
         if args.local:
             emulator = module.JobsEmulator(**(SMOKE_POOL_EMULATOR if args.pool else {}))
-            if smoke.stage("start local Jobs emulator", lambda: "endpoint %s" % emulator.start().endpoint):
+            if smoke.stage("start local Jobs emulator",
+                           lambda: "endpoint %s" % emulator.start().endpoint):
                 settings.update(endpoint=emulator.endpoint, token=emulator.token)
                 if args.pool:
                     _local_pool_settings(settings, emulator, module, settings["command"])
@@ -243,8 +248,8 @@ def _run_smoke(args: Any) -> int:
 
 
 def _local_pool_rejection(module: Any) -> Optional[str]:
-    """Why `--local --pool` cannot run here (a package missing), or None: the emulator's sandbox hosts
-    need TLS certificates (`cryptography`) and pooled placement a recent huggingface_hub."""
+    """Why `--local --pool` cannot run here (a package missing), or None: the emulator's sandbox
+    hosts need TLS certificates (`cryptography`) and pooled placement a recent huggingface_hub."""
     if __package__:
         from . import hf_sandbox_pool
     else:
@@ -252,17 +257,19 @@ def _local_pool_rejection(module: Any) -> Optional[str]:
     return module.tls_rejection() or hf_sandbox_pool.hub_rejection()
 
 
-def _local_pool_settings(settings: Dict[str, Any], emulator: Any, module: Any, command: Any) -> None:
-    """`--local --pool`: huggingface_hub's clients trust the TLS emulator's CA and keep their pool cache in
-    a temporary directory; the server (default: the emulator's echo server, which binds the sandbox's
-    `$SBX_PROXY_DIR/<port>.sock` itself) runs in each sandbox."""
+def _local_pool_settings(settings: Dict[str, Any], emulator: Any, module: Any,
+                         command: Any) -> None:
+    """`--local --pool`: huggingface_hub's clients trust the TLS emulator's CA and keep their pool
+    cache in a temporary directory; the server (default: the emulator's echo server, which binds the
+    sandbox's `$SBX_PROXY_DIR/<port>.sock` itself) runs in each sandbox."""
     import tempfile
 
     import huggingface_hub.constants
 
     os.environ["SSL_CERT_FILE"] = emulator.ca_path
     huggingface_hub.constants.HF_HOME = tempfile.mkdtemp(prefix="hf-sandbox-smoke-")
-    settings.update(verify=emulator.ca_path, command=command if command is not None else module.echo_server_command())
+    settings.update(verify=emulator.ca_path,
+                    command=command if command is not None else module.echo_server_command())
 
 
 def _close_pools() -> str:

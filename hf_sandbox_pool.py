@@ -317,9 +317,9 @@ class PooledSandbox:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _drop_dead_hosts(self, pool: Any) -> bool:
-        """Make the pool forget its hosts whose jobs have ended or that the Hub no longer knows (huggingface_hub
-        keeps placing sandboxes on a host it booted until it is closed, even after the host died); True if it
-        forgot any."""
+        """Make the pool forget its hosts whose jobs have ended or that the Hub no longer knows
+        (huggingface_hub keeps placing sandboxes on a host it booted until it is closed, even after
+        the host died); True if it forgot any."""
         owner = self.owner
         client, hosts, drop = owner._job_client, getattr(pool, "_hosts", None), getattr(pool, "_drop_host", None)
         if client is None or hosts is None or drop is None:
@@ -329,7 +329,7 @@ class PooledSandbox:
             try:
                 job = client.get_job(getattr(host, "owner", None) or owner._job_namespace or "", host.job_id, retries=0)
                 stage = (job.get("status") or {}).get("stage")
-            except _core.JobsAPIError as exc:  # 404: the job vanished (deleted, garbage-collected): gone too
+            except _core.JobsAPIError as exc:  # 404: the job vanished (deleted, collected): gone
                 if exc.status_code != 404:
                     continue
                 stage = "no longer known to the Hub"
@@ -737,18 +737,19 @@ def _pool_class() -> Any:
                     self._cache_writer = None
 
         def _confirm_cached_host(self, cached: Any) -> bool:
-            """huggingface_hub (2.4.0) re-checks a cache entry older than its trust TTL with inspect_job and
-            prunes it on an httpx HTTPStatusError 404, but inspect_job raises JobNotFoundError, which is not one:
-            a host whose job the Hub forgot then failed every start of the pool with "Could not confirm cached
-            host" (DESIGN.md, "HF Jobs facts"). That answer is a definite no: forget the host, as its pruning
-            means to (the next cache save drops the entry), and place the sandbox elsewhere."""
+            """huggingface_hub (2.4.0) re-checks a cache entry older than its trust TTL with
+            inspect_job and prunes it on an httpx HTTPStatusError 404, but inspect_job raises
+            JobNotFoundError, which is not one: a host whose job the Hub forgot then failed every
+            start of the pool with "Could not confirm cached host" (DESIGN.md, "HF Jobs facts").
+            That answer is a definite no: forget the host, as its pruning means to (the next cache
+            save drops the entry), and place the sandbox elsewhere."""
             try:
                 return bool(super()._confirm_cached_host(cached))
             except SandboxError as exc:
                 if not isinstance(exc.__cause__, JobNotFoundError):
                     raise
-            logger.info("pool %s: cached host %s is gone (the Hub no longer knows its job); forgetting it",
-                        self.name, cached.job_id)
+            logger.info("pool %s: cached host %s is gone (the Hub no longer knows its job); "
+                        "forgetting it", self.name, cached.job_id)
             with self._lock:
                 self._dead_host_ids.add(cached.job_id)
             return False

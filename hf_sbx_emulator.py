@@ -422,10 +422,13 @@ class SandboxHost:
     def dedicated_sandbox(self) -> "EmulatedSandbox":
         """A dedicated job is one sandbox, addressed under /v1 with the job's own token."""
         with self._lock:
-            if DEDICATED_ID not in self._sandboxes:  # its commands run in the job's environment and secrets
-                job_env = {k: v for k, v in self._env.items()  # what the job set, not this process's own
+            if DEDICATED_ID not in self._sandboxes:
+                # Its commands run with the job's env and secrets: what the job set (not this
+                # process's own variables), without the server's SBX_* settings and token.
+                job_env = {k: v for k, v in self._env.items()
                            if os.environ.get(k) != v and not k.startswith("SBX_")}
-                sbx = EmulatedSandbox(self, DEDICATED_ID, self.idle_timeout_s, job_env, token=self._token)
+                sbx = EmulatedSandbox(self, DEDICATED_ID, self.idle_timeout_s, job_env,
+                                      token=self._token)
                 self._sandboxes[DEDICATED_ID] = sbx
             return self._sandboxes[DEDICATED_ID]
 
@@ -817,7 +820,7 @@ class _SbxHandler(_jobs._QuietHandler):
                 return self.send_json(200, [p.as_json() for p in sbx.processes()])
         if rest.startswith("/processes/") and method == "DELETE":
             proc = sbx.process(rest[len("/processes/"):])
-            if proc is None:  # 400, as the reference server answers: the id is a bad argument, not a route
+            if proc is None:  # 400, as the reference server answers: a bad argument, not a route
                 raise _SbxError(400, f"no process {rest[len('/processes/'):]!r} in this sandbox")
             killed = proc.kill()
             return self.send_json(200, {"id": proc.id, "pid": proc.popen.pid, "killed": killed})
@@ -831,9 +834,10 @@ class _SbxHandler(_jobs._QuietHandler):
 
     def _argv(self, sbx: EmulatedSandbox, body: Mapping[str, Any]) -> Tuple[List[str], Dict[str, str], str]:
         cmd, shell = body.get("cmd"), body.get("shell")
-        if isinstance(cmd, str) and shell is not False:  # OpenEnv's server in the image: the echo server
+        if isinstance(cmd, str) and shell is not False:  # OpenEnv's server in the image: the echo's
             echo = " ".join(shlex.quote(part) for part in _jobs.echo_server_command())
-            argv = ["/bin/sh", "-c", _jobs.OPENENV_POOLED_COMMAND.sub(lambda _: f"exec {echo} --unix-socket ", cmd)]
+            played = _jobs.OPENENV_POOLED_COMMAND.sub(lambda _: f"exec {echo} --unix-socket ", cmd)
+            argv = ["/bin/sh", "-c", played]
         elif isinstance(cmd, list) and cmd and all(isinstance(a, str) for a in cmd) and shell is not True:
             argv = list(cmd)
         else:
@@ -949,7 +953,7 @@ class _SbxHandler(_jobs._QuietHandler):
         self.wfile.write(b"0\r\n\r\n")
         self.wfile.flush()
 
-    # -- files (a pooled sandbox's rooted at its home, a dedicated one's absolute; symlinks refused) --------
+    # -- files (pooled: rooted at its home; dedicated: absolute; symlinks refused) -----------------
 
     def _file_read(self, sbx: EmulatedSandbox, query: Mapping[str, List[str]]) -> None:
         real, shown = _resolve(sbx, _param(query, "path"))

@@ -68,7 +68,8 @@ class Backend:
             if reason:  # a package to install: one line, the usage exit code, no traceback
                 print("error: %s" % reason, file=sys.stderr)
                 raise SystemExit(EXIT_USAGE)
-            self.emulator = hf_jobs_emulator.JobsEmulator(**(SMOKE_POOL_EMULATOR if args.pool else {}))
+            settings = SMOKE_POOL_EMULATOR if args.pool else {}
+            self.emulator = hf_jobs_emulator.JobsEmulator(**settings)
             self.settings.setdefault("command", hf_jobs_emulator.echo_server_command())
 
     def __enter__(self) -> "Backend":
@@ -78,7 +79,8 @@ class Backend:
             if self.pool:  # TLS hosts, the echo environment on each sandbox's unix socket (as smoke --local --pool)
                 import hf_jobs_emulator
                 from hf_sandbox_cli import _local_pool_settings
-                _local_pool_settings(self.settings, self.emulator, hf_jobs_emulator, self.settings["command"])
+                _local_pool_settings(self.settings, self.emulator, hf_jobs_emulator,
+                                     self.settings["command"])
             print("local HF Jobs emulator at %s" % self.emulator.endpoint)
         return self
 

@@ -80,20 +80,25 @@ def test_smoke_rejects_a_non_object_action(tmp_path):
     assert result.returncode == 2 and "--action" in result.stderr
 
 
-@pytest.mark.parametrize("flag", [["--command", ""], ["--image", ""], ["--action", ""], ["--timeout", "0"],
-                                  ["--flavor", "cpu-basci"], ["--pool", "bad/name"]],
+@pytest.mark.parametrize("flag", [["--command", ""], ["--image", ""], ["--action", ""],
+                                  ["--timeout", "0"], ["--flavor", "cpu-basci"],
+                                  ["--pool", "bad/name"]],
                          ids=lambda flag: flag[0] + "=" + flag[1])
-def test_smoke_refuses_a_bad_flag_with_exit_2_and_the_same_words_with_and_without_local(tmp_path, flag):
+def test_smoke_refuses_a_bad_flag_with_exit_2_and_the_same_words_with_and_without_local(
+        tmp_path, flag):
     # With a token and an endpoint nothing listens on: a usage error must come before any call.
     env = clean_env(tmp_path, HF_TOKEN="hf_" + "x" * 34, HF_ENDPOINT="http://127.0.0.1:9")
     hub, local = run(["smoke"] + flag, env), run(["smoke", "--local"] + flag, env)
-    assert (hub.returncode, local.returncode) == (2, 2), (hub.stdout + hub.stderr, local.stdout + local.stderr)
-    assert hub.stderr == local.stderr and hub.stderr.startswith("error: ") and len(hub.stderr.splitlines()) == 1
+    assert (hub.returncode, local.returncode) == (2, 2), (hub.stdout + hub.stderr,
+                                                          local.stdout + local.stderr)
+    assert hub.stderr == local.stderr and hub.stderr.startswith("error: ")
+    assert len(hub.stderr.splitlines()) == 1
     assert hub.stdout == local.stdout == ""  # nothing started: no stage, no emulator
 
 
 # Runs a module or script with `cryptography` unimportable, as in an install without the test extra.
-WITHOUT_CRYPTOGRAPHY = ("import os, runpy, sys; sys.modules['cryptography'] = None; target = sys.argv.pop(1)\n"
+WITHOUT_CRYPTOGRAPHY = ("import os, runpy, sys; sys.modules['cryptography'] = None\n"
+                        "target = sys.argv.pop(1)\n"
                         "if target.endswith('.py'):\n"
                         "    sys.path.insert(0, os.path.dirname(os.path.abspath(target)))\n"
                         "    runpy.run_path(target, run_name='__main__')\n"
@@ -103,10 +108,12 @@ WITHOUT_CRYPTOGRAPHY = ("import os, runpy, sys; sys.modules['cryptography'] = No
 
 @pytest.mark.parametrize("target", ["hf_sandbox_provider", "examples/legacy_http_client.py",
                                     "examples/many_envs.py"])
-def test_local_pool_without_cryptography_fails_in_one_line_naming_the_package_to_install(tmp_path, target):
+def test_local_pool_without_cryptography_fails_in_one_line_naming_the_package_to_install(
+        tmp_path, target):
     args = (["smoke"] if target == "hf_sandbox_provider" else []) + ["--local", "--pool", "p1"]
     result = subprocess.run([sys.executable, "-c", WITHOUT_CRYPTOGRAPHY, target] + args, cwd=REPO,
-                            env=clean_env(tmp_path), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+                            env=clean_env(tmp_path), capture_output=True, text=True,
+                            timeout=RUN_TIMEOUT_S)
     assert result.returncode == 2, result.stdout + result.stderr
     assert len(result.stderr.splitlines()) == 1 and "Traceback" not in result.stderr, result.stderr
     assert "pip install cryptography" in result.stderr
@@ -116,8 +123,9 @@ def test_smoke_on_a_terminal_shows_one_line_per_stage(tmp_path):
     import pty
 
     leader, follower = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "hf_sandbox_provider", "smoke", "--local"], cwd=REPO,
-                            env=clean_env(tmp_path), stdout=follower, stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-m", "hf_sandbox_provider", "smoke", "--local"],
+                            cwd=REPO, env=clean_env(tmp_path), stdout=follower,
+                            stderr=subprocess.PIPE)
     os.close(follower)
     chunks = []
     try:
@@ -236,7 +244,8 @@ def test_readmes_first_command_installs_only_the_library_and_its_test_command_is
         block = fh.read().split("```bash\n", 1)[1].split("```", 1)[0]
     commands = [line for line in block.splitlines() if line and not line.startswith("#")]
     assert len(commands) == 2, commands
-    assert "pip install -e . &&" in commands[0] and commands[0].endswith("hf_sandbox_provider smoke --local")
+    assert "pip install -e . &&" in commands[0]
+    assert commands[0].endswith("hf_sandbox_provider smoke --local")
     test_command = commands[1].split(" && ")[-1]
     with open(os.path.join(REPO, ".ci", "run")) as fh:
         ci = [line.strip() for line in fh if line.strip() and not line.lstrip().startswith("#")]

@@ -253,8 +253,9 @@ def test_cli_echo_server_in_a_pooled_sandbox_binds_the_sbx_proxy_dir_socket_of_i
             assert proc.poll() is None and time.monotonic() < deadline, "no socket at %s" % path
             time.sleep(0.02)
         body = json.dumps({"action": {"message": "socket"}}).encode()
-        step = _unix_request(path, b"POST /step HTTP/1.1\r\nHost: sandbox\r\nConnection: close\r\n"
-                                   b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        head = (b"POST /step HTTP/1.1\r\nHost: sandbox\r\nConnection: close\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body))
+        step = _unix_request(path, head + body)
         assert step.startswith(b"HTTP/1.1 200") and b'"echoed_message": "socket"' in step, step
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
             raw.connect(path)
@@ -264,7 +265,7 @@ def test_cli_echo_server_in_a_pooled_sandbox_binds_the_sbx_proxy_dir_socket_of_i
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=TIMEOUT)
         assert proc.returncode == 0 and path in out.decode()
-        assert not os.path.exists(path)  # removed at exit: the next server of that port binds it afresh
+        assert not os.path.exists(path)  # removed at exit: the port's next server binds it afresh
     finally:
         if proc.poll() is None:
             proc.kill()

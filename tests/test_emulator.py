@@ -97,14 +97,16 @@ def test_network_and_volumes_set_at_create_come_back_as_hfapi_parses_them(emu, a
     from huggingface_hub import Volume
 
     volume = Volume(type="bucket", source="local/data", mount_path="/data", read_only=True)
-    job = run(api, emu, SLEEP_FOREVER, network_group="rollouts", network_aliases=["env-1"], volumes=[volume])
+    job = run(api, emu, SLEEP_FOREVER, network_group="rollouts", network_aliases=["env-1"],
+              volumes=[volume])
     seen = api.inspect_job(job_id=job.id, namespace="local")
     assert (seen.network.group, seen.network.aliases) == ("rollouts", ["env-1"])
     assert [(v.type, v.source, v.mount_path, v.read_only) for v in seen.volumes] == [
         ("bucket", "local/data", "/data", True)]
     plain = run(api, emu, SLEEP_FOREVER, network_group="rollouts")
     answer = raw(emu, "GET", f"/api/jobs/local/{plain.id}").json()
-    assert answer["network"] == {"group": "rollouts"} and "volumes" not in answer  # aliases omitted when none
+    assert answer["network"] == {"group": "rollouts"}  # aliases omitted when none
+    assert "volumes" not in answer
     assert api.inspect_job(job_id=plain.id, namespace="local").network.aliases == []
 
 
@@ -498,7 +500,7 @@ def test_a_job_that_ignores_sigterm_is_killed_after_the_grace():
 
 @contextlib.contextmanager
 def serve_cli():
-    """`python -m hf_jobs_emulator serve --json` as a subprocess: (process, its JSON line, an HfApi)."""
+    """`python -m hf_jobs_emulator serve --json` as a subprocess: (process, its JSON, an HfApi)."""
     proc = subprocess.Popen([PY, hf_jobs_emulator.__file__, "serve", "--json"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
@@ -533,10 +535,12 @@ def test_serve_logs_each_jobs_activity_and_its_gates_proxy_lines_with_the_job_id
         (url,) = api.wait_for_job(echo.id, stages=["RUNNING"], timeout=TIMEOUT, poll_interval=0.05,
                                   namespace="local").status.expose_urls
         assert get_when_up(url + "/health", bearer(info["token"])).status_code == 200
-        deaf = api.run_job(image="python:3.12", command=SLEEP_FOREVER, expose=[8000], namespace="local")
-        (deaf_url,) = api.wait_for_job(deaf.id, stages=["RUNNING"], timeout=TIMEOUT, poll_interval=0.05,
-                                       namespace="local").status.expose_urls
-        assert requests.get(deaf_url + "/health", headers=bearer(info["token"]), timeout=TIMEOUT).status_code == 502
+        deaf = api.run_job(image="python:3.12", command=SLEEP_FOREVER, expose=[8000],
+                           namespace="local")
+        (deaf_url,) = api.wait_for_job(deaf.id, stages=["RUNNING"], timeout=TIMEOUT,
+                                       poll_interval=0.05, namespace="local").status.expose_urls
+        refused = requests.get(deaf_url + "/health", headers=bearer(info["token"]), timeout=TIMEOUT)
+        assert refused.status_code == 502
         api.cancel_job(job_id=echo.id, namespace="local")
         api.wait_for_job(echo.id, timeout=TIMEOUT, poll_interval=0.05, namespace="local")
         proc.send_signal(signal.SIGTERM)
@@ -544,9 +548,12 @@ def test_serve_logs_each_jobs_activity_and_its_gates_proxy_lines_with_the_job_id
     stamped = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ")
     lines = err.splitlines()
     for event in ("created", "running", "ready", "canceled"):
-        assert any(stamped.match(line) and f"job {echo.id} {event}" in line for line in lines), (event, err)
-    proxy_lines = [line for line in lines if " proxy " in line and "502" not in line and "upstream" in line]
-    assert proxy_lines and all(stamped.match(line) and f"job {deaf.id} port 8000" in line for line in proxy_lines), err
+        assert any(stamped.match(line) and f"job {echo.id} {event}" in line
+                   for line in lines), (event, err)
+    proxy_lines = [line for line in lines if " proxy " in line and "upstream" in line]
+    assert proxy_lines, err
+    assert all(stamped.match(line) and f"job {deaf.id} port 8000" in line
+               for line in proxy_lines), err
     assert info["token"] not in err
 
 
@@ -681,20 +688,22 @@ def test_websocket_goes_through_the_gate_with_the_token_only(emu, api):
 
 
 # OpenEnv's default server command: the provider's (with `exec`), and its Dockerfile template's CMD.
-OPENENV_COMMANDS = [["sh", "-c", "cd /app/env && exec uvicorn server.app:app --host 0.0.0.0 --port 8000"],
-                    ["/bin/sh", "-c", "cd /app/env && uvicorn server.app:app --host 0.0.0.0 --port 8000"]]
+OPENENV_COMMANDS = [
+    ["sh", "-c", "cd /app/env && exec uvicorn server.app:app --host 0.0.0.0 --port 8000"],
+    ["/bin/sh", "-c", "cd /app/env && uvicorn server.app:app --host 0.0.0.0 --port 8000"]]
 
 
 @pytest.mark.parametrize("command", OPENENV_COMMANDS, ids=["provider", "dockerfile"])
-def test_a_job_running_openenvs_default_server_command_serves_the_echo_environment(emu, api, command):
+def test_a_job_running_openenvs_default_server_command_serves_the_echo_environment(
+        emu, api, command):
     ws_sync = pytest.importorskip("websockets.sync.client")
     (url,) = running_with_urls(api, emu, command=command, expose=[8000]).status.expose_urls
     assert get_when_up(url + "/health", bearer(emu.token)).json() == {"status": "healthy"}
-    step = requests.post(url + "/step", json={"action": {"message": "image"}}, headers=bearer(emu.token),
-                         timeout=TIMEOUT)
+    step = requests.post(url + "/step", json={"action": {"message": "image"}},
+                         headers=bearer(emu.token), timeout=TIMEOUT)
     assert step.json()["observation"]["echoed_message"] == "image"
-    with ws_sync.connect(url.replace("http://", "ws://") + "/ws", additional_headers=bearer(emu.token),
-                         open_timeout=TIMEOUT) as ws:
+    with ws_sync.connect(url.replace("http://", "ws://") + "/ws",
+                         additional_headers=bearer(emu.token), open_timeout=TIMEOUT) as ws:
         ws.send(json.dumps({"type": "step", "data": {"message": "ws"}}))
         assert json.loads(ws.recv(timeout=TIMEOUT))["data"]["observation"]["echoed_message"] == "ws"
 
@@ -703,12 +712,14 @@ def test_a_job_running_openenvs_default_server_command_serves_the_echo_environme
 def test_the_providers_default_command_starts_the_echo_environment_on_its_port(emu, port):
     from hf_sandbox_provider import EnvSession, HFSandboxProvider
 
-    with HFSandboxProvider("registry.hf.space/openenv-echo-env:latest", endpoint=emu.endpoint, token=emu.token,
-                           port=port, start_timeout_s=TIMEOUT, ready_timeout_s=TIMEOUT) as provider:
+    with HFSandboxProvider("registry.hf.space/openenv-echo-env:latest", endpoint=emu.endpoint,
+                           token=emu.token, port=port, start_timeout_s=TIMEOUT,
+                           ready_timeout_s=TIMEOUT) as provider:
         provider.wait_for_ready(provider.start_container())
         with EnvSession(provider.base_url) as session:
             session.reset()
-            assert session.step({"message": "default"})["observation"]["echoed_message"] == "default"
+            answer = session.step({"message": "default"})
+        assert answer["observation"]["echoed_message"] == "default"
         assert emu.job(provider.job_id).spec["command"][2].startswith("cd /app/env && exec uvicorn")
 
 

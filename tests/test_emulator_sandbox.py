@@ -533,7 +533,8 @@ def test_a_dedicated_sandboxs_commands_get_its_env_and_secrets_but_not_the_serve
     emu = hub_env()
     with Sandbox.create(IMAGE, token=emu.token, start_timeout=60, env={"GREETING": "hello"},
                         secrets={"API_KEY": "s3cret"}) as sbx:
-        assert sbx.run("echo $GREETING $API_KEY ${SBX_TOKEN:-no-token}").stdout == "hello s3cret no-token\n"
+        seen = sbx.run("echo $GREETING $API_KEY ${SBX_TOKEN:-no-token}").stdout
+        assert seen == "hello s3cret no-token\n"
         server = sbx.run(["sh", "-c", "echo $GREETING > $HOME/env.txt; sleep 60"], background=True)
         wait_until(lambda: sbx.files.exists("env.txt"), "the background process's file")
         assert sbx.files.read_text("env.txt") == "hello\n"

@@ -507,8 +507,8 @@ def test_a_process_that_exits_or_gets_sigterm_kills_its_sandboxes_and_cancels_th
 
 
 def _age_pool_cache(pool: str, seconds: float) -> None:
-    """Make every host huggingface_hub's pool cache holds for `pool` look `seconds` older, as if that
-    long had passed since a process wrote it."""
+    """Make every host huggingface_hub's pool cache holds for `pool` look `seconds` older, as if
+    that long had passed since a process wrote it."""
     import glob
     import json
 
@@ -532,18 +532,18 @@ def test_a_start_after_a_killed_process_left_a_host_the_hub_then_forgot_lands_on
     from huggingface_hub._sandbox_cache import HOST_TRUST_TTL
 
     emu = pool_env()
-    env = dict(os.environ, ROOT=os.path.dirname(HERE), TESTS=HERE, HF_HOME_DIR=hub.constants.HF_HOME,
-               EMU_ENDPOINT=emu.endpoint, EMU_TOKEN=emu.token, SERVER="\x1f".join(SERVER))
-    child = subprocess.Popen([sys.executable, "-c", CHILD, "exit"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, env=env, text=True)
+    env = dict(os.environ, ROOT=os.path.dirname(HERE), TESTS=HERE, EMU_ENDPOINT=emu.endpoint,
+               HF_HOME_DIR=hub.constants.HF_HOME, EMU_TOKEN=emu.token, SERVER="\x1f".join(SERVER))
+    child = subprocess.Popen([sys.executable, "-c", CHILD, "exit"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
     try:
         line = child.stdout.readline()
         assert line.startswith("READY"), child.stderr.read()
         host_id = line.split()[1].split(".")[0]
     finally:
-        child.kill()  # a trainer killed outright: no teardown, its pool's host stays in the cache file
+        child.kill()  # a trainer killed outright: no teardown, its host stays in the cache file
         child.communicate()
-    emu.forget_job(host_id)  # the Hub no longer knows the host job (huggingface_hub: JobNotFoundError)
+    emu.forget_job(host_id)  # the Hub no longer knows the host job: JobNotFoundError
     if age != "fresh":
         _age_pool_cache("child", HOST_TRUST_TTL + 60)
     p = provider(emu, proxy, pool="child", start_timeout_s=30, ready_timeout_s=30)
@@ -553,7 +553,8 @@ def test_a_start_after_a_killed_process_left_a_host_the_hub_then_forgot_lands_on
         assert requests.post(p.base_url + "/reset", json={}, timeout=10).status_code == 200
 
 
-def test_a_start_after_the_hub_forgot_a_host_of_this_processs_pool_lands_on_a_new_host(pool_env, proxy):
+def test_a_start_after_the_hub_forgot_a_host_of_this_processs_pool_lands_on_a_new_host(
+        pool_env, proxy):
     emu = pool_env()
     with provider(emu, proxy, pool="forgotten") as first:
         first.wait_for_ready(first.start_container())

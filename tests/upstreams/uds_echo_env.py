@@ -1,11 +1,11 @@
 """The emulator's echo environment on a unix socket with two faults the pool tests need:
 `python uds_echo_env.py [SOCKET] [--one-session] [--crash-after S]`.
 
-Without a fault, use the emulator's own echo server (`hf_jobs_emulator.echo_server_command()`), which binds
-`$SBX_PROXY_DIR/<port>.sock` itself in a pooled sandbox. SOCKET defaults to $HF_SANDBOX_SOCKET (set by
-hf_sandbox_pool's server command). `--one-session` refuses a second concurrent WebSocket session like an
-OpenEnv server without concurrent sessions (an error message, then close); `--crash-after S` exits with
-status 3 after S seconds, printing a line first.
+Without a fault, use the emulator's own echo server (`hf_jobs_emulator.echo_server_command()`),
+which binds `$SBX_PROXY_DIR/<port>.sock` itself in a pooled sandbox. SOCKET defaults to
+$HF_SANDBOX_SOCKET (set by hf_sandbox_pool's server command). `--one-session` refuses a second
+concurrent WebSocket session like an OpenEnv server without concurrent sessions (an error message,
+then close); `--crash-after S` exits with status 3 after S seconds, printing a line first.
 """
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ def main(argv: list) -> int:
                 if not self.path.startswith("/ws"):
                     return super().do_GET()
                 if not sessions.acquire(blocking=False):
-                    return self.send_json(503, {"detail": "SessionCapacityError: this server serves one session"})
+                    busy = "SessionCapacityError: this server serves one session"
+                    return self.send_json(503, {"detail": busy})
                 try:
                     super().do_GET()
                 finally:
