@@ -190,8 +190,6 @@ def _run_smoke(args: Any) -> int:
                                 "is not part of a vendored copy); copy it from the "
                                 "hf-sandbox-provider repository, or run smoke without --local "
                                 "against the Hub")
-        if args.command is None:
-            settings["command"] = module.echo_server_command()
         reason = _local_pool_rejection(module) if args.pool else None
         if reason:
             return _usage_error(reason)
@@ -212,7 +210,7 @@ def _run_smoke(args: Any) -> int:
                            lambda: "endpoint %s" % emulator.start().endpoint):
                 settings.update(endpoint=emulator.endpoint, token=emulator.token)
                 if args.pool:
-                    _local_pool_settings(settings, emulator, module, settings["command"])
+                    _local_pool_settings(settings, emulator)
                 provider = HFSandboxProvider(image, **settings)
         if provider is not None:
             started = smoke.stage("start_container (submit -> exposed URL)", lambda: "job %s at %s" % (
@@ -257,19 +255,16 @@ def _local_pool_rejection(module: Any) -> Optional[str]:
     return module.tls_rejection() or hf_sandbox_pool.hub_rejection()
 
 
-def _local_pool_settings(settings: Dict[str, Any], emulator: Any, module: Any,
-                         command: Any) -> None:
+def _local_pool_settings(settings: Dict[str, Any], emulator: Any) -> None:
     """`--local --pool`: huggingface_hub's clients trust the TLS emulator's CA and keep their pool
-    cache in a temporary directory; the server (default: the emulator's echo server, which binds the
-    sandbox's `$SBX_PROXY_DIR/<port>.sock` itself) runs in each sandbox."""
+    cache in a temporary directory."""
     import tempfile
 
     import huggingface_hub.constants
 
     os.environ["SSL_CERT_FILE"] = emulator.ca_path
     huggingface_hub.constants.HF_HOME = tempfile.mkdtemp(prefix="hf-sandbox-smoke-")
-    settings.update(verify=emulator.ca_path,
-                    command=command if command is not None else module.echo_server_command())
+    settings.update(verify=emulator.ca_path)
 
 
 def _close_pools() -> str:
@@ -382,8 +377,8 @@ def _parser() -> Any:
     smoke.add_argument("--local", action="store_true",
                        help="use the local HF Jobs emulator and its echo server: no token, no network")
     smoke.add_argument("--image", help="image to run (default: $HF_SANDBOX_IMAGE or %s)" % SMOKE_DEFAULT_IMAGE)
-    smoke.add_argument("--command", help="server command in the job (default: OpenEnv's uvicorn command; "
-                                         "with --local: the emulator's echo server)")
+    smoke.add_argument("--command", help="server command in the job (default: OpenEnv's uvicorn "
+                                         "command; the emulator plays it with its echo server)")
     smoke.add_argument("--flavor", default=DEFAULT_FLAVOR, help="hardware flavor (default %(default)s)")
     smoke.add_argument("--pool", metavar="NAME", help="pooled placement: a sandbox of the named SandboxPool's host "
                                                       "jobs instead of a dedicated job (docs/pool.md)")

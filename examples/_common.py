@@ -31,8 +31,8 @@ def parser(description: str) -> argparse.ArgumentParser:
                    help="run against a local HF Jobs emulator and its echo server (no token, no network)")
     p.add_argument("--image", default=DEFAULT_IMAGE, help="environment image (default: %(default)s)")
     p.add_argument("--flavor", default="cpu-basic", help="HF Jobs hardware flavor (default: %(default)s)")
-    p.add_argument("--command", help="the job's server command (default: OpenEnv's uvicorn command; "
-                   "with --local, the emulator's echo server)")
+    p.add_argument("--command", help="the job's server command (default: OpenEnv's uvicorn "
+                   "command; the local emulator plays it with its echo server)")
     p.add_argument("--pool", metavar="NAME", help="pooled placement: each environment a sandbox of the named "
                    "SandboxPool's host jobs instead of its own job (docs/pool.md)")
     p.add_argument("-v", "--verbose", action="store_true", help="log each job's stage changes")
@@ -70,17 +70,14 @@ class Backend:
                 raise SystemExit(EXIT_USAGE)
             settings = SMOKE_POOL_EMULATOR if args.pool else {}
             self.emulator = hf_jobs_emulator.JobsEmulator(**settings)
-            self.settings.setdefault("command", hf_jobs_emulator.echo_server_command())
 
     def __enter__(self) -> "Backend":
         if self.emulator is not None:
             self.emulator.start()
             self.settings.update(endpoint=self.emulator.endpoint, token=self.emulator.token)
-            if self.pool:  # TLS hosts, the echo environment on each sandbox's unix socket (as smoke --local --pool)
-                import hf_jobs_emulator
+            if self.pool:  # TLS hosts huggingface_hub trusts (as smoke --local --pool)
                 from hf_sandbox_cli import _local_pool_settings
-                _local_pool_settings(self.settings, self.emulator, hf_jobs_emulator,
-                                     self.settings["command"])
+                _local_pool_settings(self.settings, self.emulator)
             print("local HF Jobs emulator at %s" % self.emulator.endpoint)
         return self
 
