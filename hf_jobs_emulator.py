@@ -11,7 +11,8 @@ emulator or per job, so the provider's failure paths can be exercised offline.
 A job that is huggingface_hub's sandbox bootstrap (`SandboxPool` hosts, `Sandbox.create`) runs the
 emulated sandbox server of `hf_sbx_emulator.py` on its port 49983 instead of downloading the real one.
 
-`python -m hf_jobs_emulator echo-server` is a stdlib OpenEnv echo environment (HTTP and `/ws`);
+`python -m hf_jobs_emulator echo-server` is a stdlib OpenEnv echo environment (HTTP and `/ws`, on
+`$SBX_PROXY_DIR/<port>.sock` in a pooled sandbox);
 `python -m hf_jobs_emulator serve` runs the emulator standalone and prints its endpoint and token.
 
 Built for hundreds of jobs at once: nothing slow runs under the emulator's lock, echo-server jobs are
@@ -19,7 +20,8 @@ forked from one pre-imported "zygote" process (a fresh interpreter per job canno
 2 cores in seconds), and one thread probes every booting job's `/health`.
 
 Where it differs from the real service: jobs run on this machine (the image is not pulled; the
-command runs as is, or `default_command` when the create body has none), exposed URLs are
+command runs as is, or `default_command` when the create body has none or OpenEnv's default server
+command, so the echo server plays an OpenEnv image), exposed URLs are
 `http://127.0.0.1:<port>` gates instead of `https://<id>--<port>.hf.jobs`, every valid token is a
 user of this emulator only, and `timeoutSeconds` counts from the start of RUNNING.
 """
