@@ -11,7 +11,8 @@ emulator or per job, so the provider's failure paths can be exercised offline.
 A job that is huggingface_hub's sandbox bootstrap (`SandboxPool` hosts, `Sandbox.create`) runs the
 emulated sandbox server of `hf_sbx_emulator.py` on its port 49983 instead of downloading the real one.
 
-`python -m hf_jobs_emulator echo-server` is a stdlib OpenEnv echo environment (HTTP and `/ws`);
+`python -m hf_jobs_emulator echo-server` is a stdlib OpenEnv echo environment (HTTP and `/ws`, on
+`$SBX_PROXY_DIR/<port>.sock` in a pooled sandbox);
 `python -m hf_jobs_emulator serve` runs the emulator standalone and prints its endpoint and token.
 
 Built for hundreds of jobs at once: nothing slow runs under the emulator's lock, echo-server jobs are
@@ -19,7 +20,8 @@ forked from one pre-imported "zygote" process (a fresh interpreter per job canno
 2 cores in seconds), and one thread probes every booting job's `/health`.
 
 Where it differs from the real service: jobs run on this machine (the image is not pulled; the
-command runs as is, or `default_command` when the create body has none), exposed URLs are
+command runs as is, or `default_command` when the create body has none or OpenEnv's default server
+command, so the echo server plays an OpenEnv image), exposed URLs are
 `http://127.0.0.1:<port>` gates instead of `https://<id>--<port>.hf.jobs`, every valid token is a
 user of this emulator only, and `timeoutSeconds` counts from the start of RUNNING.
 """
@@ -173,6 +175,17 @@ SANDBOX_CREATE_S = 0.27
 SANDBOX_GATES_WAIT_S = 60.0
 # Echo server defaults: OpenEnv images listen on 8000; the step delay is for benchmarks only.
 ECHO_DEFAULT_PORT = 8000
+# In a pooled sandbox (this variable set by the sandbox server), the echo server binds the unix
+# socket `$SBX_PROXY_DIR/<port>.sock` that the host's `proxy/<port>/...` forwards to: no TCP port.
+SANDBOX_PROXY_DIR_ENV = "SBX_PROXY_DIR"
+# OpenEnv's image command (its Dockerfile template's CMD, which the provider sends when `command` is
+# not given, with `exec` or without): a job running it gets the echo server on that port, as if the
+# image were an OpenEnv echo environment.
+OPENENV_DEFAULT_COMMAND = re.compile(r"^cd /app/env && (?:exec )?uvicorn server\.app:app "
+                                     r"--host [0-9.:]+ --port (?P<port>[0-9]{1,5})$")
+# The same command on a unix socket, as a pooled sandbox runs it (hf_sandbox_pool's default, inside
+# its shell wrapper): the emulated sandbox server runs the echo server on that socket instead.
+OPENENV_POOLED_COMMAND = re.compile(r"cd /app/env && (?:exec )?uvicorn server\.app:app --uds ")
 ECHO_STEP_DELAY_ENV = "ECHO_STEP_DELAY_S"
 # Largest WebSocket message the echo server accepts (OpenEnv clients default to 100 MiB; 16 MiB is
 # plenty for an echo and bounds memory).
@@ -521,6 +534,25 @@ class JobsEmulator:
             job._die_now = True
             job._attention.set()
 
+    def forget_job(self, job_id: str, timeout_s: float = 30.0) -> None:
+        """The Hub forgets a job (deleted, or garbage-collected after it ended): it is stopped if
+        it still runs (CANCELED, its gates and processes gone), then every API call about it answers
+        404, which huggingface_hub raises as JobNotFoundError. For tests; no route does it."""
+        with self._lock:
+            job = self.job(job_id)
+            if not job.terminal and job._stop_reason is None:
+                job._stop_reason = "canceled"
+                job._attention.set()
+            supervisor = job._supervisor
+        if supervisor is not None and supervisor is not threading.current_thread():
+            supervisor.join(timeout_s)  # stop() joins listed jobs' supervisors only: end it here
+            if supervisor.is_alive():
+                raise TimeoutError(f"job {job_id} did not stop within {timeout_s}s; still listed")
+        with self._lock:
+            del self._jobs[job_id]
+            self._changed.notify_all()
+        log.info("job %s forgotten: the API answers 404 for it", job_id)
+
     def inject_server_errors(self, calls: int, status: int = DEFAULT_SERVER_ERROR_STATUS,
                              routes: Optional[Iterable[str]] = None) -> None:
         """Answer the next `calls` API calls (optionally only on these route names) with a 5xx `status`.
@@ -581,8 +613,11 @@ class JobsEmulator:
         """Note the first time the job's server answered 200 on /health (the emulator's own probe)."""
         with self._lock:
             job = self._jobs.get(job_id)
-            if job is not None and job.first_health_ok_mono is None:
-                job.first_health_ok_mono = time.monotonic()
+            if job is None or job.first_health_ok_mono is not None:
+                return
+            job.first_health_ok_mono = time.monotonic()
+        log.info("job %s ready: /health answered 200, %.2fs after create", job_id,
+                 job.first_health_ok_mono - job.created_mono)
 
     # -- the API's rules, apart from HTTP (answers are JSON-ready values; refusals raise _ApiError) --
 
@@ -694,6 +729,8 @@ class JobsEmulator:
             after = int(faults.get("rate-limit-after-create", "0"))
             if after > 0:
                 self._rate_limits.arm(after, DEFAULT_RETRY_AFTER_S, None)
+        log.info("job %s created in %s (%s, %s)", job.id, namespace,
+                 spec.get("dockerImage") or spec.get("spaceId"), spec.get("flavor") or "cpu-basic")
         job._supervisor.start()
         if self._is_sandbox_host(job):
             job._gates_made.wait(SANDBOX_GATES_WAIT_S)
@@ -829,6 +866,9 @@ class JobsEmulator:
         env["PORT"] = str(process_ports.get(job.port, job.port))
         for exposed_port, local_port in job.local_ports.items():
             env[f"PORT_{exposed_port}"] = str(process_ports.get(local_port, local_port))
+        default_port = _openenv_default_port(job.spec.get("command") or [])
+        if f"PORT_{default_port}" in env:  # OpenEnv's command names the port its server listens on
+            env["PORT"] = env[f"PORT_{default_port}"]
         try:
             if sbx_host and not crash:
                 process = self.sandbox_hosts.launch(job)
@@ -852,6 +892,9 @@ class JobsEmulator:
                 job.expose_urls = urls if exposed and not withhold else None
                 job.logs.append((_iso(job.started_at), f"===== Job started at {job.started_at.isoformat()} ====="))
                 self._changed.notify_all()
+        if not canceled:
+            log.info("job %s running (pid %s)%s", job.id, process.pid,
+                     "" if job.expose_urls or not exposed else " without an exposed URL")
         reader = threading.Thread(target=self._read_output, args=(job,), name=f"job-log:{job.id}", daemon=True)
         reader.start()
         if exposed and not canceled:
@@ -961,8 +1004,8 @@ class JobsEmulator:
         if crash is not None:
             return [sys.executable, "-c", "import sys; sys.stderr.write(sys.argv[1] + '\\n'); sys.exit(1)", crash]
         command = list(job.spec.get("command") or [])
-        if not command:
-            image = job.spec.get("dockerImage") or job.spec.get("spaceId") or ""
+        image = job.spec.get("dockerImage") or job.spec.get("spaceId") or ""
+        if not command or _openenv_default_port(command) is not None:  # the image's own server
             command = list(self.image_commands.get(image, self.default_command))
         return command + list(job.spec.get("arguments") or [])
 
@@ -1016,6 +1059,7 @@ class JobsEmulator:
             job.finished_at = _utcnow()
             job.finished_mono = time.monotonic()
             self._changed.notify_all()
+        log.info("job %s %s%s", job.id, stage.lower(), f": {message}" if message else "")
 
     def _insert_fault_links(self, job: EmulatedJob) -> Dict[int, int]:
         """With network_faults, put a _FaultLink on each exposed port's local port and move the job's
@@ -1068,7 +1112,8 @@ class EchoServer:
     own. `step_delay_s` sleeps in every step, to model a slow environment in benchmarks.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, step_delay_s: float = 0.0) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, step_delay_s: float = 0.0,
+                 unix_socket: Optional[str] = None) -> None:
         reason = _delay_rejection("step_delay_s", step_delay_s)
         if reason:
             raise ValueError(reason)
@@ -1076,22 +1121,28 @@ class EchoServer:
         self.step_delay_s = float(step_delay_s)
         self.http_env = EchoEnvironment()
         self.http_lock = threading.Lock()
+        # unix_socket: serve on that path instead of host:port (a pooled sandbox's socket)
+        self.unix_socket = unix_socket
         handler = type("_BoundEchoHandler", (_EchoHandler,), {"server_ref": self})
-        self._server = _TrackingHTTPServer((host, port), handler)
+        self._server: Any = (_TrackingHTTPServer((host, port), handler) if unix_socket is None
+                             else _TrackingUnixServer(unix_socket, handler))
         self._thread: Optional[threading.Thread] = None
 
     @property
-    def port(self) -> int:
-        return self._server.server_address[1]
+    def port(self) -> Optional[int]:
+        """The TCP port it listens on (None on a unix socket)."""
+        return self._server.server_address[1] if self.unix_socket is None else None
 
     @property
     def url(self) -> str:
+        if self.unix_socket is not None:
+            return f"unix:{self.unix_socket}"
         return f"http://{_url_host(self.host)}:{self.port}"
 
     def start(self) -> "EchoServer":
         """Serve from a background thread; returns self."""
         self._thread = threading.Thread(target=self._server.serve_forever, args=(SERVE_POLL_S,),
-                                        name=f"echo:{self.port}", daemon=True)
+                                        name=f"echo:{self.port or self.unix_socket}", daemon=True)
         self._thread.start()
         return self
 
@@ -1103,6 +1154,11 @@ class EchoServer:
             thread.join(5.0)
         self._server.close_all_connections()
         self._server.server_close()
+        if self.unix_socket is not None:
+            try:
+                os.unlink(self.unix_socket)
+            except OSError:
+                pass  # already removed
 
     def __enter__(self) -> "EchoServer":
         return self.start()
@@ -1112,8 +1168,21 @@ class EchoServer:
 
 
 def echo_server_command() -> List[str]:
-    """The argv that runs this module's echo server on `$PORT` (the emulator's default job command)."""
+    """The argv that runs this module's echo server on `$PORT`, or in a pooled sandbox on
+    `$SBX_PROXY_DIR/<port>.sock` (the emulator's default job command)."""
     return [sys.executable, os.path.abspath(__file__), "echo-server"]
+
+
+def tls_rejection() -> Optional[str]:
+    """Why `JobsEmulator(tls=True)` (its sandbox hosts, pooled placement) cannot run here, or None:
+    it makes its certificates with `cryptography`, a test dependency the library does not need."""
+    try:
+        import cryptography  # noqa: F401
+    except ImportError:
+        return ("the local emulator's TLS mode (sandbox hosts, pooled placement) makes its "
+                "certificates with the `cryptography` package, which is not installed: pip install "
+                "cryptography (or the project's test extra: pip install -e '.[test]')")
+    return None
 
 
 # ==================================================================================================
@@ -1258,10 +1327,40 @@ def _create_body_rejection(body: Any, flavors: Sequence[str] = FLAVORS) -> Optio
     timeout = body.get("timeoutSeconds")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int) or timeout <= 0):
         return f"field 'timeoutSeconds' must be a whole number of seconds > 0, got {timeout!r}"
-    reason = _labels_rejection(body.get("labels") or {}, FAULT_LABEL_PREFIX)
+    reason = (_labels_rejection(body.get("labels") or {}, FAULT_LABEL_PREFIX)
+              or _network_rejection(body.get("network")) or _volumes_rejection(body.get("volumes")))
     if reason:
         return reason
     return None if body.get("expose") is None else _expose_rejection(body["expose"], "expose.")
+
+
+def _network_rejection(network: Any) -> Optional[str]:
+    """`network`: {"group": name, "aliases": [names]} (huggingface_hub's network_group and
+    network_aliases)."""
+    if network is None:
+        return None
+    group = network.get("group") if isinstance(network, dict) else None
+    if not isinstance(group, str) or not group:
+        return "field 'network' must be {\"group\": a non-empty string, \"aliases\": [strings]}"
+    aliases = network.get("aliases")
+    if aliases is not None and not (isinstance(aliases, list)
+                                    and all(isinstance(a, str) and a for a in aliases)):
+        return "field 'network.aliases' must be a list of non-empty strings"
+    return None
+
+
+def _volumes_rejection(volumes: Any) -> Optional[str]:
+    """`volumes`: [{"type", "source", "mountPath", ...}] (huggingface_hub's Volume.to_dict())."""
+    if volumes is None:
+        return None
+    if not isinstance(volumes, list):
+        return "field 'volumes' must be a list of volume objects"
+    for index, volume in enumerate(volumes):
+        if not isinstance(volume, dict) or not all(isinstance(volume.get(key), str) and volume[key]
+                                                   for key in ("type", "source", "mountPath")):
+            return (f"field 'volumes[{index}]' must be an object with string 'type', 'source' "
+                    "and 'mountPath'")
+    return None
 
 
 def _labels_rejection(labels: Mapping[str, Any], fault_prefix: Optional[str]) -> Optional[str]:
@@ -1373,12 +1472,27 @@ def _job_info(job: EmulatedJob, state: _JobState) -> Dict[str, Any]:
     if "expose" in spec:
         info["expose"] = {"ports": list(spec["expose"].get("ports") or []),
                           "portsPublic": list(spec["expose"].get("portsPublic") or [])}
+    if spec.get("network"):  # `aliases` only when some were claimed, as huggingface_hub sends it
+        network = spec["network"]
+        info["network"] = {"group": network["group"], **({"aliases": list(network["aliases"])}
+                                                         if network.get("aliases") else {})}
+    if spec.get("volumes"):
+        info["volumes"] = [dict(volume) for volume in spec["volumes"]]
     return info
 
 
 # ==================================================================================================
 # Machinery: small helpers
 # ==================================================================================================
+
+
+def _openenv_default_port(command: Sequence[str]) -> Optional[int]:
+    """The port of OpenEnv's default server command (`sh -c "cd /app/env && exec uvicorn ..."`),
+    or None when `command` is another one."""
+    if len(command) != 3 or command[0] not in ("sh", "/bin/sh") or command[1] != "-c":
+        return None
+    match = OPENENV_DEFAULT_COMMAND.match(str(command[2]).strip())
+    return int(match.group("port")) if match else None
 
 
 def _hardware_list(flavors: Sequence[str] = FLAVORS) -> List[Dict[str, Any]]:
@@ -2058,25 +2172,17 @@ class _HealthProber:
 # ==================================================================================================
 
 
-class _TrackingHTTPServer(ThreadingHTTPServer):
-    """A ThreadingHTTPServer that remembers open connections so `stop()` can close every one of them
-    (idle keep-alive connections, log streams and WebSocket sessions would otherwise outlive it)."""
+class _OpenConnections:
+    """A threading socketserver mixin that remembers open connections so `stop()` can close every
+    one of them (idle keep-alive connections, log streams and WebSocket sessions outlive it)."""
 
     daemon_threads = True
     request_queue_size = LISTEN_BACKLOG
 
-    def __init__(self, address: Tuple[str, int], handler: type) -> None:
-        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._open: set = set()
         self._open_lock = threading.Lock()
-        super().__init__(address, handler)
-
-    def server_bind(self) -> None:
-        # HTTPServer.server_bind does a reverse DNS lookup (socket.getfqdn): 3-4 ms of every echo
-        # server's start, and a stall with a slow resolver. Nothing here uses the name.
-        socketserver.TCPServer.server_bind(self)
-        host, port = self.server_address[:2]
-        self.server_name, self.server_port = str(host), port
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
 
     def process_request(self, request: Any, client_address: Any) -> None:
         with self._open_lock:
@@ -2096,6 +2202,31 @@ class _TrackingHTTPServer(ThreadingHTTPServer):
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass  # already closed by its handler
+
+
+class _TrackingHTTPServer(_OpenConnections, ThreadingHTTPServer):
+    """A ThreadingHTTPServer on loopback TCP whose open connections `stop()` can close."""
+
+    def __init__(self, address: Tuple[str, int], handler: type) -> None:
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        super().__init__(address, handler)
+
+    def server_bind(self) -> None:
+        # HTTPServer.server_bind does a reverse DNS lookup (socket.getfqdn): 3-4 ms of every echo
+        # server's start, and a stall with a slow resolver. Nothing here uses the name.
+        socketserver.TCPServer.server_bind(self)
+        host, port = self.server_address[:2]
+        self.server_name, self.server_port = str(host), port
+
+
+class _TrackingUnixServer(_OpenConnections, socketserver.ThreadingMixIn,
+                          socketserver.UnixStreamServer):
+    """The same on a unix socket (a pooled sandbox's server); a stale socket file is replaced."""
+
+    def server_bind(self) -> None:
+        if os.path.exists(self.server_address):
+            os.unlink(self.server_address)
+        super().server_bind()
 
 
 class _FaultLink:
@@ -2253,6 +2384,8 @@ class _JobGate(AuthProxy):
         self._job = job
         self._public = public
         self._upstream = Route(f"http://{_url_host(local_host)}:{job.local_ports[exposed_port]}", None)
+        # The proxy's log lines name a route by its label: say which job's port this is.
+        self._upstream.label = f"job {job.id} port {exposed_port} ({self._upstream.label})"
         material = emulator._tls
         self._front = _TLSFront(material.server_context(), self) if material is not None else None
 
@@ -2291,14 +2424,13 @@ class _TLSMaterial:
     with `cryptography` (a test dependency: the emulator's TLS mode is for tests and benchmarks)."""
 
     def __init__(self, suffix: str) -> None:
-        try:
-            from cryptography import x509
-            from cryptography.hazmat.primitives import hashes, serialization
-            from cryptography.hazmat.primitives.asymmetric import ec
-            from cryptography.x509.oid import NameOID
-        except ImportError:
-            raise RuntimeError("JobsEmulator(tls=True) makes its certificates with the `cryptography` package; "
-                               "install it (pip install cryptography, or the project's [test] extra)") from None
+        reason = tls_rejection()
+        if reason:
+            raise RuntimeError(f"JobsEmulator(tls=True): {reason}")
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
         self.directory = tempfile.mkdtemp(prefix="hf-jobs-emulator-tls-")
         now = datetime.datetime.now(datetime.timezone.utc)
         lifetime = (now - datetime.timedelta(days=1), now + datetime.timedelta(days=2))
@@ -2487,7 +2619,11 @@ class _QuietHandler(BaseHTTPRequestHandler):
         super().setup()
         # Headers and body leave in two writes; with Nagle on, the body waits for the peer's delayed
         # ACK of the headers (40 ms on Linux), which made every echo-server answer cost 40 ms.
-        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.connection.family != getattr(socket, "AF_UNIX", None):
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def address_string(self) -> str:
+        return str(self.client_address[0]) if self.client_address else "unix"
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         pass  # request lines may carry job ids only, but tests and benchmarks want a quiet stderr
@@ -3002,14 +3138,20 @@ def _run_until_signal(stop: Callable[[], Any], announce: Callable[[], None] = la
 
 
 def _run_echo_server(host: str = "127.0.0.1", port: Optional[int] = None,
-                     step_delay_s: Optional[float] = None) -> int:
-    """`echo-server`: serve the echo environment until SIGINT / SIGTERM (port default $PORT)."""
+                     step_delay_s: Optional[float] = None,
+                     unix_socket: Optional[str] = None) -> int:
+    """`echo-server`: serve the echo environment until SIGINT / SIGTERM (port default $PORT), on
+    `unix_socket`, or on `$SBX_PROXY_DIR/<port>.sock` when run in a pooled sandbox."""
     port = port if port is not None else _echo_port_default()
     delay = step_delay_s if step_delay_s is not None else _step_delay_default()
+    proxy_dir = os.environ.get(SANDBOX_PROXY_DIR_ENV)
+    if unix_socket is None and proxy_dir:
+        unix_socket = os.path.join(proxy_dir, f"{port}.sock")
     try:
-        server = EchoServer(host, port, delay)
+        server = EchoServer(host, port, delay, unix_socket=unix_socket)
     except (ValueError, OSError) as exc:
-        print(f"echo-server: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
+        where = unix_socket or f"{host}:{port}"
+        print(f"echo-server: cannot listen on {where}: {exc}", file=sys.stderr)
         return 2
     server.start()
     print(f"echo-server: OpenEnv echo environment listening on {server.url}", flush=True)
@@ -3046,7 +3188,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     serve.add_argument("--json", action="store_true", help="print endpoint and token as one JSON line")
     echo = commands.add_parser("echo-server", help="run the OpenEnv-compatible echo environment")
     echo.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    echo.add_argument("--port", type=int, default=None, help=f"port (default $PORT or {ECHO_DEFAULT_PORT})")
+    echo.add_argument("--port", type=int, default=None,
+                      help=f"port (default $PORT or {ECHO_DEFAULT_PORT}); in a pooled sandbox, "
+                           "the socket $SBX_PROXY_DIR/<port>.sock")
+    echo.add_argument("--unix-socket", default=None, metavar="PATH",
+                      help="serve on this unix socket instead")
     echo.add_argument("--step-delay-s", type=float, default=None,
                       help=f"seconds to sleep in every step (default ${ECHO_STEP_DELAY_ENV} or 0)")
     zygote = commands.add_parser("zygote", help=argparse.SUPPRESS)  # internal: started by JobsEmulator
@@ -3056,8 +3202,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "zygote":
         return _zygote_main(args.fd)
     if args.command == "echo-server":
-        return _run_echo_server(args.host, args.port, args.step_delay_s)
+        return _run_echo_server(args.host, args.port, args.step_delay_s, args.unix_socket)
 
+    # Job activity (created, running, ready, ended) and the gates' proxy lines, each with its time.
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("proxy").setLevel(logging.WARNING)  # the gates' problems, not their starts
     try:
         emulator = JobsEmulator(args.token, args.namespace, args.host, args.port, args.scheduling_delay_s,
                                 faults=dict(args.fault), rate_limit=args.rate_limit, tls=args.tls,

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
@@ -49,25 +50,6 @@ __all__ = ["main", "SMOKE_DEFAULT_IMAGE", "SMOKE_DEFAULT_ACTION", "SMOKE_WS_STEP
 SMOKE_DEFAULT_IMAGE = "registry.hf.space/openenv-echo-env:latest"
 # The echo environment's action; other environments take --action.
 SMOKE_DEFAULT_ACTION = {"message": "hello from hf-sandbox-provider smoke"}
-# `smoke --local --pool NAME`: the emulator's echo environment on the sandbox's unix socket (argv[1], the
-# `{socket}` of hf_sandbox_pool), since a pooled sandbox cannot bind a TCP port.
-SMOKE_POOL_SERVER = r"""
-import os, socketserver, sys, threading
-from http.server import BaseHTTPRequestHandler
-sys.path.insert(0, os.environ["HF_SMOKE_EMULATOR_DIR"])
-import hf_jobs_emulator as emulator
-state = emulator.EchoServer.__new__(emulator.EchoServer)
-state.host, state.step_delay_s = "uds", 0.0
-state.http_env, state.http_lock = emulator.EchoEnvironment(), threading.Lock()
-class Handler(emulator._EchoHandler):
-    server_ref = state
-    def setup(self):
-        BaseHTTPRequestHandler.setup(self)
-class Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-    daemon_threads = True
-print("echo environment on", sys.argv[1], flush=True)
-Server(sys.argv[1], Handler).serve_forever()
-"""
 # The emulator's sandbox hosts for `smoke --local --pool`: ready at once (the defaults model the Hub's delays).
 SMOKE_POOL_EMULATOR = dict(tls=True, sandbox_host_boot_s=0.0, sandbox_host_ready_s=0.1, sandbox_create_s=0.05)
 # WebSocket steps after the reset: enough to show a session keeps its state.
@@ -78,16 +60,20 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 class _Smoke:
-    """Runs the smoke stages in order, printing one line per stage as it finishes."""
+    """Runs the smoke stages in order: a `...` line as a stage begins, its result as it ends. On a
+    terminal the result replaces the `...` line (one line per stage); in a log or pipe both stay."""
 
     def __init__(self, out: Any) -> None:
         self.stages: List[Dict[str, Any]] = []
         self.out = out
         self.began = time.monotonic()
+        self.live = bool(getattr(out, "isatty", lambda: False)())
+        self._lock = threading.Lock()  # each line whole, even if another thread says something
+        self._pending = False  # a terminal's `...` line is waiting for its result
 
     def stage(self, name: str, action: Callable[[], Optional[str]]) -> bool:
         start = time.monotonic()
-        self.say("  ...   %s" % name)
+        self._begin("  ...   %s" % name)
         ok, detail = False, None
         try:
             ok, detail = True, action()
@@ -106,7 +92,17 @@ class _Smoke:
         return ok
 
     def say(self, line: str) -> None:
-        print(line, file=self.out, flush=True)
+        with self._lock:
+            erase = "\r\x1b[K" if self._pending else ""  # back over the `...` line, then clear it
+            self._pending = False
+            self.out.write(erase + line + "\n")
+            self.out.flush()
+
+    def _begin(self, line: str) -> None:
+        with self._lock:
+            self.out.write(line if self.live else line + "\n")
+            self.out.flush()
+            self._pending = self.live
 
     @property
     def ok(self) -> bool:
@@ -173,39 +169,50 @@ def _usage_error(message: str) -> int:
 
 
 def _run_smoke(args: Any) -> int:
-    """`smoke`: one environment through every stage, then teardown; the exit status says if all passed."""
+    """`smoke`: one environment through every stage, then teardown; the exit status says if all
+    passed. A bad flag exits EXIT_USAGE before anything starts, with --local or without."""
     try:
-        action = json.loads(args.action) if args.action else SMOKE_DEFAULT_ACTION
+        action = json.loads(args.action) if args.action is not None else SMOKE_DEFAULT_ACTION
         if not isinstance(action, dict):
             raise ValueError("not a JSON object")
     except ValueError as exc:
         return _usage_error("--action must be a JSON object (%s)" % exc)
-    image = args.image or os.environ.get("HF_SANDBOX_IMAGE") or SMOKE_DEFAULT_IMAGE
+    image = args.image
+    if image is None:
+        image = os.environ.get("HF_SANDBOX_IMAGE") or SMOKE_DEFAULT_IMAGE
     settings: Dict[str, Any] = dict(flavor=args.flavor, command=args.command, pool=args.pool)
-    if args.timeout:
+    if args.timeout is not None:
         settings.update(start_timeout_s=args.timeout, ready_timeout_s=args.timeout)
+    module = _import_emulator() if args.local else None
+    if args.local:
+        if module is None:
+            return _usage_error("smoke --local needs hf_jobs_emulator.py next to this module (it "
+                                "is not part of a vendored copy); copy it from the "
+                                "hf-sandbox-provider repository, or run smoke without --local "
+                                "against the Hub")
+        reason = _local_pool_rejection(module) if args.pool else None
+        if reason:
+            return _usage_error(reason)
+    try:  # the settings' checks, before anything starts (the emulator's endpoint is loopback too)
+        where = {"endpoint": "http://127.0.0.1"} if args.local else {}
+        checked = HFSandboxProvider(image, **settings, **where)
+        if not args.local:
+            checked._resolve_token()  # fail now, with the hint, rather than mid-stage
+    except (SandboxConfigError, InsecureURLError) as exc:
+        return _usage_error(str(exc))
     out = sys.stderr if args.json else sys.stdout
-    smoke, emulator, provider, failure = _Smoke(out), None, None, None
+    smoke, emulator, failure = _Smoke(out), None, None
+    provider = None if args.local else checked
     try:
         if args.local:
-            module = _import_emulator()
-            if module is None:
-                return _usage_error("smoke --local needs hf_jobs_emulator.py next to this module (it is not part of a "
-                                    "vendored copy); copy it from the hf-sandbox-provider repository, or run smoke "
-                                    "without --local against the Hub")
             emulator = module.JobsEmulator(**(SMOKE_POOL_EMULATOR if args.pool else {}))
-            smoke.stage("start local Jobs emulator", lambda: "endpoint %s" % emulator.start().endpoint)
-            settings.update(endpoint=emulator.endpoint, token=emulator.token,
-                            command=args.command or module.echo_server_command())
-            if args.pool:
-                _local_pool_settings(settings, emulator, module, args.command)
-        try:
-            provider = HFSandboxProvider(image, **settings)
-            if not args.local:
-                provider._resolve_token()  # fail now, with the hint, rather than mid-stage
-        except SandboxConfigError as exc:
-            return _usage_error(str(exc))
-        if smoke.ok or not smoke.stages:
+            if smoke.stage("start local Jobs emulator",
+                           lambda: "endpoint %s" % emulator.start().endpoint):
+                settings.update(endpoint=emulator.endpoint, token=emulator.token)
+                if args.pool:
+                    _local_pool_settings(settings, emulator)
+                provider = HFSandboxProvider(image, **settings)
+        if provider is not None:
             started = smoke.stage("start_container (submit -> exposed URL)", lambda: "job %s at %s" % (
                 provider.start_container() and provider.job_id, provider.upstream_url))
             if started:
@@ -238,18 +245,26 @@ def _run_smoke(args: Any) -> int:
     return EXIT_OK if smoke.ok and failure is None else EXIT_FAILED
 
 
-def _local_pool_settings(settings: Dict[str, Any], emulator: Any, module: Any, command: Optional[str]) -> None:
-    """`smoke --local --pool`: huggingface_hub's clients trust the TLS emulator's CA and keep their pool cache
-    in a temporary directory; the server is the echo environment on the sandbox's unix socket."""
+def _local_pool_rejection(module: Any) -> Optional[str]:
+    """Why `--local --pool` cannot run here (a package missing), or None: the emulator's sandbox
+    hosts need TLS certificates (`cryptography`) and pooled placement a recent huggingface_hub."""
+    if __package__:
+        from . import hf_sandbox_pool
+    else:
+        import hf_sandbox_pool
+    return module.tls_rejection() or hf_sandbox_pool.hub_rejection()
+
+
+def _local_pool_settings(settings: Dict[str, Any], emulator: Any) -> None:
+    """`--local --pool`: huggingface_hub's clients trust the TLS emulator's CA and keep their pool
+    cache in a temporary directory."""
     import tempfile
 
     import huggingface_hub.constants
 
     os.environ["SSL_CERT_FILE"] = emulator.ca_path
-    os.environ["HF_SMOKE_EMULATOR_DIR"] = os.path.dirname(os.path.abspath(module.__file__))
     huggingface_hub.constants.HF_HOME = tempfile.mkdtemp(prefix="hf-sandbox-smoke-")
-    settings.update(verify=emulator.ca_path,
-                    command=command or [sys.executable, "-c", SMOKE_POOL_SERVER, "{socket}"])
+    settings.update(verify=emulator.ca_path)
 
 
 def _close_pools() -> str:
@@ -362,8 +377,8 @@ def _parser() -> Any:
     smoke.add_argument("--local", action="store_true",
                        help="use the local HF Jobs emulator and its echo server: no token, no network")
     smoke.add_argument("--image", help="image to run (default: $HF_SANDBOX_IMAGE or %s)" % SMOKE_DEFAULT_IMAGE)
-    smoke.add_argument("--command", help="server command in the job (default: OpenEnv's uvicorn command; "
-                                         "with --local: the emulator's echo server)")
+    smoke.add_argument("--command", help="server command in the job (default: OpenEnv's uvicorn "
+                                         "command; the emulator plays it with its echo server)")
     smoke.add_argument("--flavor", default=DEFAULT_FLAVOR, help="hardware flavor (default %(default)s)")
     smoke.add_argument("--pool", metavar="NAME", help="pooled placement: a sandbox of the named SandboxPool's host "
                                                       "jobs instead of a dedicated job (docs/pool.md)")

@@ -317,8 +317,9 @@ class PooledSandbox:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _drop_dead_hosts(self, pool: Any) -> bool:
-        """Make the pool forget its hosts whose jobs have ended (huggingface_hub keeps placing sandboxes on
-        a host it booted until it is closed, even after the host died); True if it forgot any."""
+        """Make the pool forget its hosts whose jobs have ended or that the Hub no longer knows
+        (huggingface_hub keeps placing sandboxes on a host it booted until it is closed, even after
+        the host died); True if it forgot any."""
         owner = self.owner
         client, hosts, drop = owner._job_client, getattr(pool, "_hosts", None), getattr(pool, "_drop_host", None)
         if client is None or hosts is None or drop is None:
@@ -327,10 +328,14 @@ class PooledSandbox:
         for host in list(hosts):
             try:
                 job = client.get_job(getattr(host, "owner", None) or owner._job_namespace or "", host.job_id, retries=0)
+                stage = (job.get("status") or {}).get("stage")
+            except _core.JobsAPIError as exc:  # 404: the job vanished (deleted, collected): gone
+                if exc.status_code != 404:
+                    continue
+                stage = "no longer known to the Hub"
             except Exception:
                 continue
-            stage = (job.get("status") or {}).get("stage")
-            if stage in _core.TERMINAL_STAGES:
+            if stage in _core.TERMINAL_STAGES or stage == "no longer known to the Hub":
                 drop(host)
                 dropped.append("%s (%s)" % (host.job_id, stage))
         if dropped:
@@ -613,6 +618,7 @@ def _pool_class() -> Any:
     if _pool_class_cache:
         return _pool_class_cache[0]
     from huggingface_hub import HfApi, JobInfo, SandboxPool
+    from huggingface_hub.errors import JobNotFoundError, SandboxError
 
     class WatchingHfApi(HfApi):  # type: ignore[misc,valid-type]
         """HfApi whose `inspect_job` of a host this pool is booting reads the job watcher's latest answer
@@ -729,6 +735,24 @@ def _pool_class() -> Any:
                 logger.debug("pool %s: could not save the pool cache (%s)", self.name, type(exc).__name__)
                 with self._cache_lock:
                     self._cache_writer = None
+
+        def _confirm_cached_host(self, cached: Any) -> bool:
+            """huggingface_hub (2.4.0) re-checks a cache entry older than its trust TTL with
+            inspect_job and prunes it on an httpx HTTPStatusError 404, but inspect_job raises
+            JobNotFoundError, which is not one: a host whose job the Hub forgot then failed every
+            start of the pool with "Could not confirm cached host" (DESIGN.md, "HF Jobs facts").
+            That answer is a definite no: forget the host, as its pruning means to (the next cache
+            save drops the entry), and place the sandbox elsewhere."""
+            try:
+                return bool(super()._confirm_cached_host(cached))
+            except SandboxError as exc:
+                if not isinstance(exc.__cause__, JobNotFoundError):
+                    raise
+            logger.info("pool %s: cached host %s is gone (the Hub no longer knows its job); "
+                        "forgetting it", self.name, cached.job_id)
+            with self._lock:
+                self._dead_host_ids.add(cached.job_id)
+            return False
 
         def _boot_host(self) -> Any:
             self._api.booting(True)

@@ -29,6 +29,7 @@ import posixpath
 import queue
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -422,7 +423,12 @@ class SandboxHost:
         """A dedicated job is one sandbox, addressed under /v1 with the job's own token."""
         with self._lock:
             if DEDICATED_ID not in self._sandboxes:
-                sbx = EmulatedSandbox(self, DEDICATED_ID, self.idle_timeout_s, {}, token=self._token)
+                # Its commands run with the job's env and secrets: what the job set (not this
+                # process's own variables), without the server's SBX_* settings and token.
+                job_env = {k: v for k, v in self._env.items()
+                           if os.environ.get(k) != v and not k.startswith("SBX_")}
+                sbx = EmulatedSandbox(self, DEDICATED_ID, self.idle_timeout_s, job_env,
+                                      token=self._token)
                 self._sandboxes[DEDICATED_ID] = sbx
             return self._sandboxes[DEDICATED_ID]
 
@@ -447,6 +453,9 @@ class EmulatedSandbox:
                  env: Mapping[str, str], token: Optional[str] = None) -> None:
         self.id = sandbox_id
         self.token = token or secrets.token_hex(32)
+        # File paths: a pooled sandbox's are rooted at its home; a dedicated one's (the job's whole
+        # container) are absolute, relative ones under its home (huggingface_hub's SandboxFiles).
+        self.rooted = sandbox_id != DEDICATED_ID
         self.idle_timeout_s = idle_timeout_s
         root = os.path.join(host._state_dir, sandbox_id)
         self.home = os.path.join(root, "home")
@@ -811,8 +820,8 @@ class _SbxHandler(_jobs._QuietHandler):
                 return self.send_json(200, [p.as_json() for p in sbx.processes()])
         if rest.startswith("/processes/") and method == "DELETE":
             proc = sbx.process(rest[len("/processes/"):])
-            if proc is None:
-                raise _SbxError(404, f"no process {rest[len('/processes/'):]!r} in this sandbox")
+            if proc is None:  # 400, as the reference server answers: a bad argument, not a route
+                raise _SbxError(400, f"no process {rest[len('/processes/'):]!r} in this sandbox")
             killed = proc.kill()
             return self.send_json(200, {"id": proc.id, "pid": proc.popen.pid, "killed": killed})
         files = {("GET", "/files/read"): self._file_read, ("PUT", "/files/write"): self._file_write,
@@ -825,8 +834,10 @@ class _SbxHandler(_jobs._QuietHandler):
 
     def _argv(self, sbx: EmulatedSandbox, body: Mapping[str, Any]) -> Tuple[List[str], Dict[str, str], str]:
         cmd, shell = body.get("cmd"), body.get("shell")
-        if isinstance(cmd, str) and shell is not False:
-            argv = ["/bin/sh", "-c", cmd]
+        if isinstance(cmd, str) and shell is not False:  # OpenEnv's server in the image: the echo's
+            echo = " ".join(shlex.quote(part) for part in _jobs.echo_server_command())
+            played = _jobs.OPENENV_POOLED_COMMAND.sub(lambda _: f"exec {echo} --unix-socket ", cmd)
+            argv = ["/bin/sh", "-c", played]
         elif isinstance(cmd, list) and cmd and all(isinstance(a, str) for a in cmd) and shell is not True:
             argv = list(cmd)
         else:
@@ -942,7 +953,7 @@ class _SbxHandler(_jobs._QuietHandler):
         self.wfile.write(b"0\r\n\r\n")
         self.wfile.flush()
 
-    # -- files (rooted at the sandbox's home; symlinks refused on every component) ------------------
+    # -- files (pooled: rooted at its home; dedicated: absolute; symlinks refused) -----------------
 
     def _file_read(self, sbx: EmulatedSandbox, query: Mapping[str, List[str]]) -> None:
         real, shown = _resolve(sbx, _param(query, "path"))
@@ -1027,8 +1038,8 @@ class _SbxHandler(_jobs._QuietHandler):
 
     def _file_delete(self, sbx: EmulatedSandbox, query: Mapping[str, List[str]]) -> None:
         real, shown = _resolve(sbx, _param(query, "path"))
-        if real == sbx.home:
-            raise _SbxError(400, "the sandbox's home itself cannot be deleted")
+        if real in (sbx.home, "/"):
+            raise _SbxError(400, f"{shown} cannot be deleted: it is the sandbox's home or root")
         recursive = query.get("recursive", ["0"])[0] in ("1", "true")
         try:
             if os.path.isdir(real) and not os.path.islink(real):
@@ -1226,9 +1237,13 @@ def _token_rejection(presented: Optional[str], expected: str, what: str) -> Opti
 
 
 def _resolve(sbx: EmulatedSandbox, raw: str) -> Tuple[str, str]:
-    """(real path, path as the client sees it) for a path rooted at the sandbox's home."""
-    shown = posixpath.normpath("/" + raw.lstrip("/"))
-    real = sbx.home
+    """(real path, path as the client sees it): rooted at a pooled sandbox's home; for a dedicated
+    sandbox an absolute path as is and a relative one under its home."""
+    if sbx.rooted:
+        shown, real = posixpath.normpath("/" + raw.lstrip("/")), sbx.home
+    else:
+        shown = posixpath.normpath(raw if raw.startswith("/") else posixpath.join(sbx.home, raw))
+        real = "/"
     for part in [p for p in shown.split("/") if p]:
         real = os.path.join(real, part)
         if os.path.islink(real):

@@ -31,8 +31,8 @@ def parser(description: str) -> argparse.ArgumentParser:
                    help="run against a local HF Jobs emulator and its echo server (no token, no network)")
     p.add_argument("--image", default=DEFAULT_IMAGE, help="environment image (default: %(default)s)")
     p.add_argument("--flavor", default="cpu-basic", help="HF Jobs hardware flavor (default: %(default)s)")
-    p.add_argument("--command", help="the job's server command (default: OpenEnv's uvicorn command; "
-                   "with --local, the emulator's echo server)")
+    p.add_argument("--command", help="the job's server command (default: OpenEnv's uvicorn "
+                   "command; the local emulator plays it with its echo server)")
     p.add_argument("--pool", metavar="NAME", help="pooled placement: each environment a sandbox of the named "
                    "SandboxPool's host jobs instead of its own job (docs/pool.md)")
     p.add_argument("-v", "--verbose", action="store_true", help="log each job's stage changes")
@@ -62,20 +62,22 @@ class Backend:
         self.emulator: Any = None
         self.leftovers: List[str] = []
         if args.local:
-            from hf_jobs_emulator import JobsEmulator, echo_server_command
-            from hf_sandbox_cli import SMOKE_POOL_EMULATOR
-            self.emulator = JobsEmulator(**(SMOKE_POOL_EMULATOR if args.pool else {}))
-            if not args.pool:
-                self.settings.setdefault("command", echo_server_command())
+            import hf_jobs_emulator
+            from hf_sandbox_cli import SMOKE_POOL_EMULATOR, _local_pool_rejection
+            reason = _local_pool_rejection(hf_jobs_emulator) if args.pool else None
+            if reason:  # a package to install: one line, the usage exit code, no traceback
+                print("error: %s" % reason, file=sys.stderr)
+                raise SystemExit(EXIT_USAGE)
+            settings = SMOKE_POOL_EMULATOR if args.pool else {}
+            self.emulator = hf_jobs_emulator.JobsEmulator(**settings)
 
     def __enter__(self) -> "Backend":
         if self.emulator is not None:
             self.emulator.start()
             self.settings.update(endpoint=self.emulator.endpoint, token=self.emulator.token)
-            if self.pool:  # TLS hosts, the echo environment on each sandbox's unix socket (as smoke --local --pool)
-                import hf_jobs_emulator
+            if self.pool:  # TLS hosts huggingface_hub trusts (as smoke --local --pool)
                 from hf_sandbox_cli import _local_pool_settings
-                _local_pool_settings(self.settings, self.emulator, hf_jobs_emulator, self.settings.get("command"))
+                _local_pool_settings(self.settings, self.emulator)
             print("local HF Jobs emulator at %s" % self.emulator.endpoint)
         return self
 

@@ -80,6 +80,75 @@ def test_smoke_rejects_a_non_object_action(tmp_path):
     assert result.returncode == 2 and "--action" in result.stderr
 
 
+@pytest.mark.parametrize("flag", [["--command", ""], ["--image", ""], ["--action", ""],
+                                  ["--timeout", "0"], ["--flavor", "cpu-basci"],
+                                  ["--pool", "bad/name"]],
+                         ids=lambda flag: flag[0] + "=" + flag[1])
+def test_smoke_refuses_a_bad_flag_with_exit_2_and_the_same_words_with_and_without_local(
+        tmp_path, flag):
+    # With a token and an endpoint nothing listens on: a usage error must come before any call.
+    env = clean_env(tmp_path, HF_TOKEN="hf_" + "x" * 34, HF_ENDPOINT="http://127.0.0.1:9")
+    hub, local = run(["smoke"] + flag, env), run(["smoke", "--local"] + flag, env)
+    assert (hub.returncode, local.returncode) == (2, 2), (hub.stdout + hub.stderr,
+                                                          local.stdout + local.stderr)
+    assert hub.stderr == local.stderr and hub.stderr.startswith("error: ")
+    assert len(hub.stderr.splitlines()) == 1
+    assert hub.stdout == local.stdout == ""  # nothing started: no stage, no emulator
+
+
+# Runs a module or script with `cryptography` unimportable, as in an install without the test extra.
+WITHOUT_CRYPTOGRAPHY = ("import os, runpy, sys; sys.modules['cryptography'] = None\n"
+                        "target = sys.argv.pop(1)\n"
+                        "if target.endswith('.py'):\n"
+                        "    sys.path.insert(0, os.path.dirname(os.path.abspath(target)))\n"
+                        "    runpy.run_path(target, run_name='__main__')\n"
+                        "else:\n"
+                        "    runpy.run_module(target, run_name='__main__', alter_sys=True)")
+
+
+@pytest.mark.parametrize("target", ["hf_sandbox_provider", "examples/legacy_http_client.py",
+                                    "examples/many_envs.py"])
+def test_local_pool_without_cryptography_fails_in_one_line_naming_the_package_to_install(
+        tmp_path, target):
+    args = (["smoke"] if target == "hf_sandbox_provider" else []) + ["--local", "--pool", "p1"]
+    result = subprocess.run([sys.executable, "-c", WITHOUT_CRYPTOGRAPHY, target] + args, cwd=REPO,
+                            env=clean_env(tmp_path), capture_output=True, text=True,
+                            timeout=RUN_TIMEOUT_S)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert len(result.stderr.splitlines()) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "pip install cryptography" in result.stderr
+
+
+def test_smoke_on_a_terminal_shows_one_line_per_stage(tmp_path):
+    import pty
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "hf_sandbox_provider", "smoke", "--local"],
+                            cwd=REPO, env=clean_env(tmp_path), stdout=follower,
+                            stderr=subprocess.PIPE)
+    os.close(follower)
+    chunks = []
+    try:
+        while True:
+            try:
+                data = os.read(leader, 65536)
+            except OSError:  # EIO: the terminal's last writer is gone
+                break
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        os.close(leader)
+        assert proc.wait(RUN_TIMEOUT_S) == 0, proc.stderr.read()
+        proc.stderr.close()
+    # What the terminal shows: each line as its last carriage return and erase-line left it.
+    shown = [line.rsplit("\r", 1)[-1].replace("\x1b[K", "")
+             for line in b"".join(chunks).decode().replace("\r\n", "\n").split("\n")]
+    stage_lines = [line for line in shown if line.startswith(("  ok", "  FAIL", "  ..."))]
+    assert stage_lines and all(line.startswith("  ok") for line in stage_lines), shown
+    assert len([line for line in stage_lines if "WebSocket /ws" in line]) == 1
+
+
 def test_no_subcommand_prints_usage_and_exits_2(tmp_path):
     result = run([], clean_env(tmp_path))
     assert result.returncode == 2 and "smoke" in result.stderr
@@ -168,3 +237,17 @@ def test_sweep_in_an_org_cancels_only_jobs_the_current_user_started(tmp_path):
         finally:
             mine.stop_container()
             bobs.stop_container()
+
+
+def test_readmes_first_command_installs_only_the_library_and_its_test_command_is_what_ci_runs():
+    with open(os.path.join(REPO, "README.md")) as fh:
+        block = fh.read().split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [line for line in block.splitlines() if line and not line.startswith("#")]
+    assert len(commands) == 2, commands
+    assert "pip install -e . &&" in commands[0]
+    assert commands[0].endswith("hf_sandbox_provider smoke --local")
+    test_command = commands[1].split(" && ")[-1]
+    with open(os.path.join(REPO, ".ci", "run")) as fh:
+        ci = [line.strip() for line in fh if line.strip() and not line.lstrip().startswith("#")]
+    assert ci[-1] == test_command  # CI runs exactly README's test command
+    assert any("pip install" in line and "-e '.[test,trl]'" in line for line in ci)

@@ -15,6 +15,7 @@ import requests
 
 import hf_jobs_emulator
 from hf_jobs_emulator import EchoServer
+from support import read_to_eof
 
 ws_sync = pytest.importorskip("websockets.sync.client")
 
@@ -229,3 +230,43 @@ def test_cli_echo_server_refuses_a_bad_step_delay_with_the_variable_name():
                           capture_output=True, timeout=TIMEOUT)
     assert done.returncode != 0
     assert b"ECHO_STEP_DELAY_S" in done.stderr
+
+
+def _unix_request(path: str, raw: bytes) -> bytes:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(TIMEOUT)
+        sock.connect(path)
+        sock.sendall(raw)
+        return read_to_eof(sock)
+
+
+def test_cli_echo_server_in_a_pooled_sandbox_binds_the_sbx_proxy_dir_socket_of_its_port(tmp_path):
+    """In a pooled sandbox ($SBX_PROXY_DIR set, no TCP port to bind) it serves HTTP and /ws on
+    `$SBX_PROXY_DIR/<port>.sock`, the socket the host's `proxy/<port>/...` forwards to."""
+    env = dict(os.environ, SBX_PROXY_DIR=str(tmp_path), PORT="8123")
+    proc = subprocess.Popen([sys.executable, hf_jobs_emulator.__file__, "echo-server"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    path = str(tmp_path / "8123.sock")
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not os.path.exists(path):
+            assert proc.poll() is None and time.monotonic() < deadline, "no socket at %s" % path
+            time.sleep(0.02)
+        body = json.dumps({"action": {"message": "socket"}}).encode()
+        head = (b"POST /step HTTP/1.1\r\nHost: sandbox\r\nConnection: close\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body))
+        step = _unix_request(path, head + body)
+        assert step.startswith(b"HTTP/1.1 200") and b'"echoed_message": "socket"' in step, step
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+            raw.connect(path)
+            with ws_sync.connect("ws://sandbox/ws", sock=raw, open_timeout=TIMEOUT) as ws:
+                answer = ask(ws, {"type": "step", "data": {"message": "ws"}})
+        assert answer["data"]["observation"]["echoed_message"] == "ws"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=TIMEOUT)
+        assert proc.returncode == 0 and path in out.decode()
+        assert not os.path.exists(path)  # removed at exit: the port's next server binds it afresh
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(TIMEOUT)

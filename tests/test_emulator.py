@@ -3,6 +3,7 @@ processes, errors, faults and teardown."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -90,6 +91,23 @@ def test_run_inspect_and_finish_a_job_with_hfapi(emu, api):
     assert done.started_at is not None and done.finished_at is not None and done.created_at is not None
     assert done.durations.total_secs is not None and done.durations.running_secs is not None
     assert api.inspect_job(job_id=job.id, namespace="local").status.stage == "COMPLETED"
+
+
+def test_network_and_volumes_set_at_create_come_back_as_hfapi_parses_them(emu, api):
+    from huggingface_hub import Volume
+
+    volume = Volume(type="bucket", source="local/data", mount_path="/data", read_only=True)
+    job = run(api, emu, SLEEP_FOREVER, network_group="rollouts", network_aliases=["env-1"],
+              volumes=[volume])
+    seen = api.inspect_job(job_id=job.id, namespace="local")
+    assert (seen.network.group, seen.network.aliases) == ("rollouts", ["env-1"])
+    assert [(v.type, v.source, v.mount_path, v.read_only) for v in seen.volumes] == [
+        ("bucket", "local/data", "/data", True)]
+    plain = run(api, emu, SLEEP_FOREVER, network_group="rollouts")
+    answer = raw(emu, "GET", f"/api/jobs/local/{plain.id}").json()
+    assert answer["network"] == {"group": "rollouts"}  # aliases omitted when none
+    assert "volumes" not in answer
+    assert api.inspect_job(job_id=plain.id, namespace="local").network.aliases == []
 
 
 def test_space_image_is_sent_as_space_id(emu, api):
@@ -268,6 +286,9 @@ def test_unknown_job_is_404_for_inspect_cancel_and_logs(emu):
     ({"dockerImage": "a", "labels": {"emulator-teleport": "1"}}, "emulator-teleport"),
     ({"dockerImage": "a", "labels": {"model": "Qwen/Qwen3"}}, "label model='Qwen/Qwen3'"),
     ({"dockerImage": "a", "labels": {"a b": "1"}}, "label key 'a b'"),
+    ({"dockerImage": "a", "network": {"aliases": ["x"]}}, "network"),
+    ({"dockerImage": "a", "network": {"group": "g", "aliases": "x"}}, "network.aliases"),
+    ({"dockerImage": "a", "volumes": [{"type": "bucket", "source": "a/b"}]}, "volumes[0]"),
     ([1, 2], "JSON object"),
 ])
 def test_bad_create_bodies_are_400_naming_the_field(emu, body, field):
@@ -477,13 +498,23 @@ def test_a_job_that_ignores_sigterm_is_killed_after_the_grace():
         assert not pid_alive(emu.job(job.id).pid)
 
 
-@pytest.mark.slow  # the emulator CLI as a subprocess
-def test_serve_cli_prints_endpoint_and_token_and_sigterm_stops_its_jobs():
+@contextlib.contextmanager
+def serve_cli():
+    """`python -m hf_jobs_emulator serve --json` as a subprocess: (process, its JSON, an HfApi)."""
     proc = subprocess.Popen([PY, hf_jobs_emulator.__file__, "serve", "--json"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         info = json.loads(proc.stdout.readline())
-        api = HfApi(endpoint=info["endpoint"], token=info["token"])
+        yield proc, info, HfApi(endpoint=info["endpoint"], token=info["token"])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(TIMEOUT)
+
+
+@pytest.mark.slow  # the emulator CLI as a subprocess
+def test_serve_cli_prints_endpoint_and_token_and_sigterm_stops_its_jobs():
+    with serve_cli() as (proc, info, api):
         code = "import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(600)"
         job = api.run_job(image="python:3.12", command=py(code), namespace=info["namespace"])
         lines = api.fetch_job_logs(job_id=job.id, namespace="local", follow=True)
@@ -493,10 +524,37 @@ def test_serve_cli_prints_endpoint_and_token_and_sigterm_stops_its_jobs():
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(TIMEOUT) == 0
         wait_until(lambda: not pid_alive(job_pid), "the serve job to die")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(TIMEOUT)
+
+
+@pytest.mark.slow  # the emulator CLI as a subprocess
+def test_serve_logs_each_jobs_activity_and_its_gates_proxy_lines_with_the_job_id_and_time():
+    import re
+
+    with serve_cli() as (proc, info, api):
+        echo = api.run_job(image="python:3.12", command=[], expose=[8000], namespace="local")
+        (url,) = api.wait_for_job(echo.id, stages=["RUNNING"], timeout=TIMEOUT, poll_interval=0.05,
+                                  namespace="local").status.expose_urls
+        assert get_when_up(url + "/health", bearer(info["token"])).status_code == 200
+        deaf = api.run_job(image="python:3.12", command=SLEEP_FOREVER, expose=[8000],
+                           namespace="local")
+        (deaf_url,) = api.wait_for_job(deaf.id, stages=["RUNNING"], timeout=TIMEOUT,
+                                       poll_interval=0.05, namespace="local").status.expose_urls
+        refused = requests.get(deaf_url + "/health", headers=bearer(info["token"]), timeout=TIMEOUT)
+        assert refused.status_code == 502
+        api.cancel_job(job_id=echo.id, namespace="local")
+        api.wait_for_job(echo.id, timeout=TIMEOUT, poll_interval=0.05, namespace="local")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=TIMEOUT)
+    stamped = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ")
+    lines = err.splitlines()
+    for event in ("created", "running", "ready", "canceled"):
+        assert any(stamped.match(line) and f"job {echo.id} {event}" in line
+                   for line in lines), (event, err)
+    proxy_lines = [line for line in lines if " proxy " in line and "upstream" in line]
+    assert proxy_lines, err
+    assert all(stamped.match(line) and f"job {deaf.id} port 8000" in line
+               for line in proxy_lines), err
+    assert info["token"] not in err
 
 
 # -- exposed ports behind the token gate ---------------------------------------------------------
@@ -627,6 +685,42 @@ def test_websocket_goes_through_the_gate_with_the_token_only(emu, api):
     with pytest.raises(Exception) as refused:
         ws_sync.connect(ws_url, open_timeout=TIMEOUT)
     assert "401" in str(refused.value)
+
+
+# OpenEnv's default server command: the provider's (with `exec`), and its Dockerfile template's CMD.
+OPENENV_COMMANDS = [
+    ["sh", "-c", "cd /app/env && exec uvicorn server.app:app --host 0.0.0.0 --port 8000"],
+    ["/bin/sh", "-c", "cd /app/env && uvicorn server.app:app --host 0.0.0.0 --port 8000"]]
+
+
+@pytest.mark.parametrize("command", OPENENV_COMMANDS, ids=["provider", "dockerfile"])
+def test_a_job_running_openenvs_default_server_command_serves_the_echo_environment(
+        emu, api, command):
+    ws_sync = pytest.importorskip("websockets.sync.client")
+    (url,) = running_with_urls(api, emu, command=command, expose=[8000]).status.expose_urls
+    assert get_when_up(url + "/health", bearer(emu.token)).json() == {"status": "healthy"}
+    step = requests.post(url + "/step", json={"action": {"message": "image"}},
+                         headers=bearer(emu.token), timeout=TIMEOUT)
+    assert step.json()["observation"]["echoed_message"] == "image"
+    with ws_sync.connect(url.replace("http://", "ws://") + "/ws",
+                         additional_headers=bearer(emu.token), open_timeout=TIMEOUT) as ws:
+        ws.send(json.dumps({"type": "step", "data": {"message": "ws"}}))
+        assert json.loads(ws.recv(timeout=TIMEOUT))["data"]["observation"]["echoed_message"] == "ws"
+
+
+@pytest.mark.parametrize("port", [8000, 9000])
+def test_the_providers_default_command_starts_the_echo_environment_on_its_port(emu, port):
+    from hf_sandbox_provider import EnvSession, HFSandboxProvider
+
+    with HFSandboxProvider("registry.hf.space/openenv-echo-env:latest", endpoint=emu.endpoint,
+                           token=emu.token, port=port, start_timeout_s=TIMEOUT,
+                           ready_timeout_s=TIMEOUT) as provider:
+        provider.wait_for_ready(provider.start_container())
+        with EnvSession(provider.base_url) as session:
+            session.reset()
+            answer = session.step({"message": "default"})
+        assert answer["observation"]["echoed_message"] == "default"
+        assert emu.job(provider.job_id).spec["command"][2].startswith("cd /app/env && exec uvicorn")
 
 
 def test_first_healthy_moment_is_recorded_after_running(emu, api):

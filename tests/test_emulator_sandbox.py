@@ -529,6 +529,41 @@ def test_a_dedicated_sandbox_runs_commands_and_its_kill_cancels_the_job(hub_env)
     assert emu.wait_for_stage(sbx.id, ["CANCELED"]).stage == "CANCELED"
 
 
+def test_a_dedicated_sandboxs_commands_get_its_env_and_secrets_but_not_the_servers_token(hub_env):
+    emu = hub_env()
+    with Sandbox.create(IMAGE, token=emu.token, start_timeout=60, env={"GREETING": "hello"},
+                        secrets={"API_KEY": "s3cret"}) as sbx:
+        seen = sbx.run("echo $GREETING $API_KEY ${SBX_TOKEN:-no-token}").stdout
+        assert seen == "hello s3cret no-token\n"
+        server = sbx.run(["sh", "-c", "echo $GREETING > $HOME/env.txt; sleep 60"], background=True)
+        wait_until(lambda: sbx.files.exists("env.txt"), "the background process's file")
+        assert sbx.files.read_text("env.txt") == "hello\n"
+        server.kill()
+
+
+def test_a_dedicated_sandboxs_file_paths_are_absolute_on_its_container(hub_env, tmp_path):
+    emu = hub_env()
+    with Sandbox.create(IMAGE, token=emu.token, start_timeout=60) as sbx:
+        target = str(tmp_path / "written" / "a.txt")
+        sbx.files.write(target, "alpha")
+        with open(target) as fh:  # the emulated container's filesystem is this machine's
+            assert fh.read() == "alpha"
+        assert sbx.files.stat(target).path == target
+        assert [e.name for e in sbx.files.list(str(tmp_path / "written"))] == ["a.txt"]
+        sbx.files.write("relative.txt", "beta")  # a relative path is under the sandbox's home
+        assert sbx.run("cat $HOME/relative.txt").stdout == "beta"
+
+
+def test_killing_a_process_id_the_sandbox_never_issued_answers_400(hub_env):
+    emu = hub_env()
+    with _pool(emu) as pool:
+        sbx = pool.create()
+        unknown = sandbox_mod.SandboxProcess(id="0123456789ab", pid=1, cmd="sleep 1", _sandbox=sbx)
+        with pytest.raises(SandboxError) as refused:
+            unknown.kill()
+        assert refused.value.status_code == 400 and "0123456789ab" in str(refused.value)
+
+
 @pytest.mark.slow  # waits out a 1 s idle timeout
 def test_an_idle_dedicated_sandbox_ends_its_job_unless_a_process_runs(hub_env):
     emu = hub_env()

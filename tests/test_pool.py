@@ -23,7 +23,7 @@ pytest.importorskip("huggingface_hub._sandbox")
 
 import hf_sandbox_pool  # noqa: E402
 import hf_sandbox_provider as hsp  # noqa: E402
-from hf_jobs_emulator import JobsEmulator  # noqa: E402
+from hf_jobs_emulator import JobsEmulator, echo_server_command  # noqa: E402
 from hf_sandbox_provider import (EnvSession, HFSandboxProvider, InsecureURLError, JobFailedError,  # noqa: E402
                                  JobsAPIError, SandboxConfigError, SandboxError, SessionError)
 from proxy import AuthProxy  # noqa: E402
@@ -33,7 +33,8 @@ if hf_sandbox_pool.hub_rejection():  # pragma: no cover - an older huggingface_h
     pytest.skip(hf_sandbox_pool.hub_rejection(), allow_module_level=True)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SERVER = [sys.executable, os.path.join(HERE, "upstreams", "uds_echo_env.py"), "{socket}"]
+SERVER = echo_server_command()  # binds $SBX_PROXY_DIR/8000.sock in the sandbox
+FAULTY_SERVER = [sys.executable, os.path.join(HERE, "upstreams", "uds_echo_env.py"), "{socket}"]
 IMAGE = "python:3.12"
 # Small delays: the defaults (13 s cold host, 0.27 s per sandbox) are for benchmarks.
 FAST = dict(tls=True, sandbox_host_boot_s=0.0, sandbox_host_ready_s=0.1, sandbox_create_s=0.0)
@@ -104,13 +105,25 @@ def test_a_pooled_environment_serves_http_and_websocket_through_the_proxy_and_st
         with EnvSession(base_url) as session:
             session.reset()
             assert session.step({"message": "hello"})["observation"]["echoed_message"] == "hello"
-        assert any("serving on" in line for line in p.logs())
+        assert any("echo environment listening on unix:" in line for line in p.logs())
         assert host_sandboxes(emu, host_id) == [local_id(p)]
     assert host_sandboxes(emu, host_id) == []  # killed; the host keeps running for the pool
     assert emu.job(host_id).stage == "RUNNING" and p.stage == "CANCELED"
     assert requests.get(base_url + "/health", timeout=10).status_code == 404  # unmounted
     hf_sandbox_pool.close_pools()
     assert emu.wait_for_stage(host_id, ["CANCELED"]).stage == "CANCELED"  # a host we booted is cancelled
+
+
+@pytest.mark.parametrize("port", [8000, 9000])
+def test_a_pooled_environment_left_at_openenvs_default_command_runs_the_emulators_echo_environment(
+        pool_env, proxy, port):
+    emu = pool_env()
+    with provider(emu, proxy, command=None, port=port, pool="default-command") as p:
+        p.wait_for_ready(p.start_container())
+        with EnvSession(p.base_url) as session:
+            session.reset()
+            assert session.step({"message": "image"})["observation"]["echoed_message"] == "image"
+        assert p.upstream_url.endswith("/proxy/%d" % port)
 
 
 @pytest.mark.slow  # four environments on one host job
@@ -353,7 +366,7 @@ def test_the_server_command_places_the_socket_and_keeps_list_arguments_as_words(
 
 def test_a_server_that_crashes_at_boot_fails_fast_with_its_own_output_and_its_sandbox_is_killed(pool_env, proxy):
     emu = pool_env()
-    p = provider(emu, proxy, command=SERVER + ["--crash-after", "0"])
+    p = provider(emu, proxy, command=FAULTY_SERVER + ["--crash-after", "0"])
     p.start_container()
     host_id = p._pooled.host_id
     with pytest.raises(JobFailedError) as failed:
@@ -493,6 +506,65 @@ def test_a_process_that_exits_or_gets_sigterm_kills_its_sandboxes_and_cancels_th
     assert emu.token not in child.stderr.read()
 
 
+def _age_pool_cache(pool: str, seconds: float) -> None:
+    """Make every host huggingface_hub's pool cache holds for `pool` look `seconds` older, as if
+    that long had passed since a process wrote it."""
+    import glob
+    import json
+
+    paths = glob.glob(os.path.join(hub.constants.HF_HOME, "sandbox", "pools", "*", pool + ".json"))
+    assert paths, "no pool cache for %s under %s" % (pool, hub.constants.HF_HOME)
+    for path in paths:
+        with open(path) as fh:
+            cache = json.load(fh)
+        for host in cache["hosts"]:
+            host["updated_at"] -= seconds
+        with open(path, "w") as fh:
+            json.dump(cache, fh)
+
+
+@pytest.mark.slow  # a child interpreter that boots a host job
+@pytest.mark.parametrize("age", ["fresh", "past-its-trust-ttl"])
+def test_a_start_after_a_killed_process_left_a_host_the_hub_then_forgot_lands_on_a_new_host(
+        pool_env, proxy, tmp_path, age):
+    import subprocess
+
+    from huggingface_hub._sandbox_cache import HOST_TRUST_TTL
+
+    emu = pool_env()
+    env = dict(os.environ, ROOT=os.path.dirname(HERE), TESTS=HERE, EMU_ENDPOINT=emu.endpoint,
+               HF_HOME_DIR=hub.constants.HF_HOME, EMU_TOKEN=emu.token, SERVER="\x1f".join(SERVER))
+    child = subprocess.Popen([sys.executable, "-c", CHILD, "exit"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    try:
+        line = child.stdout.readline()
+        assert line.startswith("READY"), child.stderr.read()
+        host_id = line.split()[1].split(".")[0]
+    finally:
+        child.kill()  # a trainer killed outright: no teardown, its host stays in the cache file
+        child.communicate()
+    emu.forget_job(host_id)  # the Hub no longer knows the host job: JobNotFoundError
+    if age != "fresh":
+        _age_pool_cache("child", HOST_TRUST_TTL + 60)
+    p = provider(emu, proxy, pool="child", start_timeout_s=30, ready_timeout_s=30)
+    with p:
+        p.wait_for_ready(p.start_container())
+        assert p._pooled.host_id != host_id
+        assert requests.post(p.base_url + "/reset", json={}, timeout=10).status_code == 200
+
+
+def test_a_start_after_the_hub_forgot_a_host_of_this_processs_pool_lands_on_a_new_host(
+        pool_env, proxy):
+    emu = pool_env()
+    with provider(emu, proxy, pool="forgotten") as first:
+        first.wait_for_ready(first.start_container())
+        host_id = first._pooled.host_id
+    emu.forget_job(host_id)
+    with provider(emu, proxy, pool="forgotten", start_timeout_s=30, ready_timeout_s=30) as second:
+        second.wait_for_ready(second.start_container())
+        assert second._pooled.host_id != host_id
+
+
 @pytest.mark.slow  # waits out a 3 s job timeout
 def test_job_timeout_bounds_a_pooled_server_so_nothing_bills_forever_after_a_lost_client(pool_env, proxy):
     emu = pool_env()
@@ -586,7 +658,7 @@ def _processes_running(needle: str) -> List[int]:
 def test_the_job_timeout_watcher_ends_with_its_server_so_no_process_is_left(pool_env, proxy):
     emu = pool_env()
     marker = "--crash-after"
-    p = provider(emu, proxy, command=SERVER + [marker, "0"], job_timeout=3599)
+    p = provider(emu, proxy, command=FAULTY_SERVER + [marker, "0"], job_timeout=3599)
     p.start_container()
     with pytest.raises(JobFailedError):
         p.wait_for_ready()
