@@ -740,7 +740,7 @@ def _pool_class() -> Any:
             """huggingface_hub (2.4.0) re-checks a cache entry older than its trust TTL with
             inspect_job and prunes it on an httpx HTTPStatusError 404, but inspect_job raises
             JobNotFoundError, which is not one: a host whose job the Hub forgot then failed every
-            start of the pool with "Could not confirm cached host" (DESIGN.md, "HF Jobs facts").
+            start of the pool with "Could not confirm cached host".
             That answer is a definite no: forget the host, as its pruning means to (the next cache
             save drops the entry), and place the sandbox elsewhere."""
             try:
