@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import abc
 import atexit
+import concurrent.futures
+import contextlib
 import email.utils
 import enum
 import hashlib
@@ -35,13 +37,14 @@ import os
 import random
 import re
 import shlex
+import signal
 import sys
 import threading
 import time
 import uuid
 import weakref
 from collections import deque
-from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 from urllib.parse import urlsplit
 
 import requests
@@ -1266,9 +1269,9 @@ def _in_parallel(actions: Sequence[Callable[[], None]], budget_s: Optional[float
 
 
 class _Parallel:
-    """Runs `action(index, provider)` over providers, at most `max_parallel` at a time, for start_many()
-    and for a replica set. With `all_or_nothing`, the first failure makes the others give up (their
-    jobs are cancelled by their own teardown); so does `stop_requested` (the owner's stop), which
+    """Runs `action(index, provider)` over providers on a thread pool of at most `max_parallel`, for
+    start_many() and for a replica set. With `all_or_nothing`, the first failure makes the others give up
+    (their jobs are cancelled by their own teardown); so does `stop_requested` (the owner's stop), which
     `wake` signals. Outcomes: `ready` (indexes), `errors` [(index, exception)], `aborted` (given up)."""
 
     def __init__(self, providers: List["HFSandboxProvider"], action: Callable[[int, "HFSandboxProvider"], None],
@@ -1278,75 +1281,78 @@ class _Parallel:
         self.providers, self.action, self.on_done = providers, action, on_done
         self.max_parallel, self.all_or_nothing = min(max_parallel, len(providers)), all_or_nothing
         self.stop_requested = stop_requested or threading.Event()
-        self.wake = wake or threading.Event()  # set by each worker that finishes (and by the owner's stop)
+        self.wake = wake or threading.Event()  # set by each action that ends (and by the owner's stop)
         self.ready: set = set()
         self.errors: List[Tuple[int, BaseException]] = []
         self.aborted = 0
         self.stopping = False
-        self._next = self._finished = 0
+        self._began: set = set()  # indexes whose action has begun
         self._lock = threading.Lock()
 
     def run(self, name: str) -> None:
-        """Returns when every worker has finished; an interrupt gives the rest up, then propagates."""
-        workers = [threading.Thread(target=self._work, name="%s-%d" % (name, i), daemon=True)
-                   for i in range(self.max_parallel)]
-        try:
-            for worker in workers:
-                _start_thread(worker)
-            while True:
-                self.wake.clear()  # before the checks, so a change made after them still wakes the wait
-                if self.stop_requested.is_set() and not self.stopping:
-                    self.abort()
-                with self._lock:
-                    if self._finished == len(workers):
-                        break
-                self.wake.wait(0.5)  # bounded: a Ctrl-C reaches this thread
-            for worker in workers:
-                worker.join()  # each has finished its work; this only reaps it
-        except BaseException:
-            self.abort()
-            for worker in workers:
-                if worker.ident is not None:
-                    worker.join()
-            raise
+        """Returns when every action has ended; an interrupt gives the rest up, then propagates."""
+        with concurrent.futures.ThreadPoolExecutor(self.max_parallel, thread_name_prefix=name) as pool:
+            with _library_signal_mask():  # the pool starts its threads in submit(): they inherit the mask
+                futures = [pool.submit(self._one, index) for index in range(len(self.providers))]
+            try:
+                while True:
+                    self.wake.clear()  # before the checks, so a change made after them still wakes the wait
+                    if self.stop_requested.is_set() and not self.stopping:
+                        self.abort()
+                    if all(future.done() for future in futures):
+                        return
+                    self.wake.wait(0.5)  # bounded: a Ctrl-C reaches this thread
+            except BaseException:
+                self.abort()  # leaving the block waits for the actions in flight, which now give up
+                raise
 
     def abort(self) -> None:
-        """Stop taking work and make every start or readiness wait in flight give up at once."""
+        """Begin no more actions and make every start or readiness wait in flight give up at once."""
         with self._lock:
             self.stopping = True
-            in_flight = [p for i, p in enumerate(self.providers[:self._next]) if i not in self.ready]
-            self.aborted += len(self.providers) - self._next
-            self._next = len(self.providers)
+            in_flight = [self.providers[index] for index in self._began - self.ready]
         for provider in in_flight:
             provider._request_stop()
 
-    def _work(self) -> None:
+    def _one(self, index: int) -> None:
+        provider, error = self.providers[index], None
         try:
-            while True:
-                with self._lock:
-                    if self._next >= len(self.providers):
-                        return
-                    index, self._next = self._next, self._next + 1
-                provider, error = self.providers[index], None
-                try:
-                    self.action(index, provider)
-                except BaseException as exc:  # recorded and raised by the caller, never lost
-                    error = exc
-                with self._lock:
-                    if error is None:
-                        self.ready.add(index)
-                    elif self.stopping and provider._stop_requested.is_set():
-                        self.aborted += 1  # given up because another one failed: not its own failure
-                        continue
-                    else:
-                        self.errors.append((index, error))
-                self.on_done(index, error)
-                if error is not None and self.all_or_nothing:
-                    self.abort()
-        finally:
             with self._lock:
-                self._finished += 1
+                if self.stopping:
+                    self.aborted += 1
+                    return
+                self._began.add(index)
+            try:
+                self.action(index, provider)
+            except BaseException as exc:  # recorded and raised by the caller, never lost
+                error = exc
+            with self._lock:
+                if error is None:
+                    self.ready.add(index)
+                elif self.stopping and provider._stop_requested.is_set():
+                    self.aborted += 1  # given up because another one failed: not its own failure
+                    return
+                else:
+                    self.errors.append((index, error))
+            self.on_done(index, error)
+            if error is not None and self.all_or_nothing:
+                self.abort()
+        finally:
             self.wake.set()
+
+
+@contextlib.contextmanager
+def _library_signal_mask() -> Iterator[None]:
+    """Block LIBRARY_THREAD_BLOCKED_SIGNALS in this thread meanwhile, so threads started inside inherit the
+    mask (proxy._start_thread's rule: signals sent meanwhile wait, they are not lost)."""
+    if not hasattr(signal, "pthread_sigmask"):  # Windows: no per-thread signal masks
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _proxy.LIBRARY_THREAD_BLOCKED_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 # --------------------------------------------------------------------------------------------------
