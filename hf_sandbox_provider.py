@@ -1257,7 +1257,8 @@ def stop_all(providers: Iterable["HFSandboxProvider"]) -> None:
 
 
 def _in_parallel(actions: Sequence[Callable[[], None]], budget_s: Optional[float] = None) -> None:
-    """Run each action in its own daemon thread (at most STOP_PARALLEL at a time); wait up to `budget_s`."""
+    """Run each action in its own daemon thread (at most STOP_PARALLEL at a time); wait up to `budget_s`.
+    Not a concurrent.futures pool: this runs at exit too, where such a pool takes no new work."""
     deadline = None if budget_s is None else time.monotonic() + budget_s
     for first in range(0, len(actions), STOP_PARALLEL):
         batch = [threading.Thread(target=action, name="hf-sandbox-stop", daemon=True)
