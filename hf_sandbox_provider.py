@@ -2022,25 +2022,22 @@ class _JobsClient:
 class _ApiBudget:
     """One token's view of the Hub's per-user rate limit, shared by every client of the process. It follows
     the server's RateLimit headers (remaining calls, seconds to reset, quota, window) when they come, else
-    counts this process's own calls against the configured quota. When little is left it paces calls over
-    the time to the reset; the last `reserve` calls are kept for teardown, which never waits here; a 429
-    pauses every other call until the server's reset. `clock`/`sleep` are hooks for tests."""
+    counts this process's own calls in a sliding window of the configured quota. When little is left it
+    paces calls over the time to the reset; the last `reserve` calls are kept for teardown, which never
+    waits here; a 429 pauses every other call until the server's reset. `clock`/`sleep` are test hooks."""
 
     def __init__(self, calls: int = RATE_LIMIT_CALLS, window_s: float = RATE_LIMIT_WINDOW_S,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
-        self.calls = calls  # the quota per window: the server's once it says, else the setting
-        self.window_s = window_s
-        self.clock = clock
-        self.sleep = sleep
-        self.paused_until = 0.0
-        self.rate_limited_count = 0
+        self.calls, self.window_s = calls, window_s  # the quota per window: the server's once it says
+        self.clock, self.sleep = clock, sleep
         self.server_told = False  # whether an answer carried RateLimit headers
-        self.remaining: Optional[float] = None  # the server's count (minus calls sent since), while it holds
+        self.remaining: Optional[float] = None  # the server's count (less calls sent since), while it holds
         self.reset_at = 0.0  # clock time the server's window resets
+        self.paused_until = 0.0  # after a 429: ordinary calls wait until then
+        self.rate_limited_count = self.teardown_sent = 0
         self.sent = 0  # calls sent through this budget; a call's ticket is this count once it was sent
-        self.teardown_sent = 0
-        self.waited_s = 0.0  # time calls spent held here (and watcher refreshes put off), summed over threads
-        self._next_paced = 0.0
+        self.waited_s = 0.0  # time calls spent held here (and watcher refreshes put off), over all threads
+        self._next_paced = 0.0  # while pacing: when the next ordinary call may go
         self._sent: deque = deque()  # send times within the window, for a server that says nothing
         self._lock = threading.Lock()
 
@@ -2055,23 +2052,31 @@ class _ApiBudget:
         while True:
             with self._lock:
                 now = self.clock()
-                wait = 0.0 if teardown else self._wait_locked(now)
+                left, reset_in = self._estimate(now)
+                wait = 0.0 if teardown else self._wait(now, left, reset_in)
                 if wait <= 0:
-                    return self._record_locked(now, teardown)
-                remaining, reset_in = self._estimate_locked(now)
+                    if not teardown and left < self.calls * RATE_LIMIT_PACE_BELOW:
+                        self._next_paced = now + reset_in / max(1.0, left - self.reserve)
+                    if self.remaining is not None:
+                        self.remaining = max(0.0, self.remaining - 1)
+                    if not self.server_told:  # (once the server counts, send times are not needed)
+                        self._sent.append(now)
+                    self.teardown_sent += int(teardown)
+                    self.sent += 1
+                    return self.sent
             if not warned and wait >= RATE_LIMIT_RECHECK_S:
                 warned = True
                 logger.info("Jobs API budget: about %d of %d calls left for %.0fs; pacing this call %.1fs",
-                            remaining, self.calls, reset_in, wait)
-            step = min(wait, RATE_LIMIT_RECHECK_S)
-            self.waited_s += step
-            self.sleep(step)
+                            left, self.calls, reset_in, wait)
+            self.waited_s += min(wait, RATE_LIMIT_RECHECK_S)
+            self.sleep(min(wait, RATE_LIMIT_RECHECK_S))  # other threads' answers may change the count
 
     def wait_s(self) -> float:
         """How long an ordinary call would wait now (0: it may go); counts nothing. The job watcher asks this
         instead of blocking its thread, which serves other tokens too."""
         with self._lock:
-            return self._wait_locked(self.clock())
+            now = self.clock()
+            return self._wait(now, *self._estimate(now))
 
     def observe(self, headers: Mapping[str, str], ticket: int) -> None:
         """Take the server's count from an answer's RateLimit headers; `ticket` (from acquire) discounts the
@@ -2081,13 +2086,12 @@ class _ApiBudget:
             return
         remaining, reset_in, quota, window, _ = info
         with self._lock:
-            now = self.clock()
             self.server_told = True
             self._sent.clear()  # the server counts from now on
             if quota and window:
                 self.calls, self.window_s = quota, float(window)
             self.remaining = max(0.0, remaining - (self.sent - ticket))
-            self.reset_at = now + reset_in
+            self.reset_at = self.clock() + reset_in
 
     def rate_limited(self, retry_after: Optional[float], headers: Optional[Mapping[str, str]] = None) -> float:
         """A call was answered 429: pause every ordinary call until the server's reset (`t` of RateLimit when
@@ -2105,43 +2109,29 @@ class _ApiBudget:
                 delay = _retry_delay(min(self.rate_limited_count, 6), None)
             delay = min(delay, self.window_s + RATE_LIMIT_RESET_MARGIN_S)
             self.paused_until = max(self.paused_until, self.clock() + delay)
-        logger.info("Jobs API answered 429: every call of this process with this token (but cancels) pauses %.1fs",
-                    delay)
+        logger.info("Jobs API answered 429: every call of this process with this token (but cancels) pauses "
+                    "%.1fs", delay)
         return delay
 
-    def _estimate_locked(self, now: float) -> Tuple[float, float]:
-        """(calls left, seconds to the reset): the server's count while its window lasts, else this
-        process's own calls in a sliding window of the configured quota."""
+    def _estimate(self, now: float) -> Tuple[float, float]:
+        """(calls left, seconds to the reset), under the lock: the server's count while its window lasts
+        (then a fresh quota until it says otherwise), else this process's calls in the last window."""
         if self.server_told:
-            if now >= self.reset_at:  # the server's window has passed: a fresh quota until it says otherwise
+            if now >= self.reset_at:
                 self.remaining, self.reset_at = float(self.calls), now + self.window_s
             return float(self.remaining or 0.0), self.reset_at - now
         while self._sent and self._sent[0] <= now - self.window_s:
             self._sent.popleft()
-        reset_in = self._sent[0] + self.window_s - now if self._sent else self.window_s
-        return float(self.calls - len(self._sent)), reset_in
+        return float(self.calls - len(self._sent)), (self._sent[0] if self._sent else now) + self.window_s - now
 
-    def _wait_locked(self, now: float) -> float:
+    def _wait(self, now: float, left: float, reset_in: float) -> float:
+        """How long an ordinary call waits: out a 429's pause; for the reset once only the reserve is left;
+        its turn while pacing."""
         if self.paused_until > now:
             return self.paused_until - now
-        remaining, reset_in = self._estimate_locked(now)
-        if remaining <= self.reserve:  # the rest is teardown's: wait for the reset
+        if left <= self.reserve:
             return max(reset_in, 0.01)
-        if remaining < self.calls * RATE_LIMIT_PACE_BELOW:
-            return max(0.0, self._next_paced - now)
-        return 0.0
-
-    def _record_locked(self, now: float, teardown: bool) -> int:
-        remaining, reset_in = self._estimate_locked(now)
-        if not teardown and remaining < self.calls * RATE_LIMIT_PACE_BELOW:
-            self._next_paced = now + reset_in / max(1.0, remaining - self.reserve)
-        if self.remaining is not None:
-            self.remaining = max(0.0, self.remaining - 1)
-        if not self.server_told:  # the sliding window is only for a server that says nothing (else: unbounded)
-            self._sent.append(now)
-        self.teardown_sent += int(teardown)
-        self.sent += 1
-        return self.sent
+        return max(0.0, self._next_paced - now) if left < self.calls * RATE_LIMIT_PACE_BELOW else 0.0
 
 
 # RateLimit headers as huggingface_hub's parse_ratelimit_headers reads them (its regexes; the IETF draft).
@@ -2184,9 +2174,7 @@ _budgets_lock = threading.Lock()
 def _api_budget(endpoint: str, token: str) -> _ApiBudget:
     key = _token_key(endpoint, token)
     with _budgets_lock:
-        if key not in _budgets:
-            _budgets[key] = _ApiBudget(*_configured_rate_limit())
-        return _budgets[key]
+        return _budgets[key] if key in _budgets else _budgets.setdefault(key, _ApiBudget(*_configured_rate_limit()))
 
 
 class _Watch:
