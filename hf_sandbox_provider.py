@@ -2134,13 +2134,24 @@ class _ApiBudget:
         return max(0.0, self._next_paced - now) if left < self.calls * RATE_LIMIT_PACE_BELOW else 0.0
 
 
-# RateLimit headers as huggingface_hub's parse_ratelimit_headers reads them (its regexes; the IETF draft).
+def _ratelimit_info(headers: Mapping[str, str]) -> Optional[Tuple[int, int, Optional[int], Optional[int], str]]:
+    """(remaining, seconds to reset, quota or None, window or None, resource) from an answer's RateLimit
+    headers, or None: huggingface_hub's parse_ratelimit_headers (1.2 and later), else the same reading."""
+    try:
+        from huggingface_hub.utils import parse_ratelimit_headers
+    except ImportError:
+        return _parse_ratelimit(headers)
+    info = parse_ratelimit_headers(headers)
+    return None if info is None else (info.remaining, info.reset_in_seconds, info.limit, info.window_seconds,
+                                      info.resource_type)
+
+
+# huggingface_hub's regular expressions for the IETF draft's headers, for a huggingface_hub older than 1.2.
 _RATELIMIT = re.compile(r"\"(?P<resource>\w+)\"\s*;\s*r\s*=\s*(?P<r>\d+)\s*;\s*t\s*=\s*(?P<t>\d+)")
 _RATELIMIT_POLICY = re.compile(r"q\s*=\s*(?P<q>\d+).*?w\s*=\s*(?P<w>\d+)")
 
 
-def _ratelimit_info(headers: Mapping[str, str]) -> Optional[Tuple[int, int, Optional[int], Optional[int], str]]:
-    """(remaining, seconds to reset, quota or None, window or None, resource) from an answer's headers, or None."""
+def _parse_ratelimit(headers: Mapping[str, str]) -> Optional[Tuple[int, int, Optional[int], Optional[int], str]]:
     lowered = {str(key).lower(): value for key, value in headers.items()}
     match = _RATELIMIT.search(lowered.get("ratelimit") or "")
     if match is None:
