@@ -117,6 +117,9 @@ TLS_HOST_SUFFIX = "jobs.localhost"
 TLS_HANDSHAKE_TIMEOUT_S = 10.0
 # Labels starting with this prefix configure faults on one job (see FAULT_KEYS).
 FAULT_LABEL_PREFIX = "emulator-"
+# So do environment variables `HF_JOBS_EMULATOR_<KEY>` (upper case, `_` for `-`): the form a provider passes
+# them in, since it holds labels to the Hub's rule, whose values have no room for a message or "0.5".
+FAULT_ENV_PREFIX = "HF_JOBS_EMULATOR_"
 # The fault keys, as emulator-wide `faults={key: value}` or per-job labels `emulator-<key>: value`.
 FAULT_KEYS = (
     "scheduling-delay-s",  # extra seconds in SCHEDULING (float)
@@ -671,7 +674,11 @@ class JobsEmulator:
         labels = dict(body.get("labels") or {})
         job_faults = {k[len(FAULT_LABEL_PREFIX):]: v for k, v in labels.items()
                       if k.startswith(FAULT_LABEL_PREFIX)}
-        reason = _faults_rejection(job_faults, "labels", prefix=FAULT_LABEL_PREFIX)
+        env_faults = {k[len(FAULT_ENV_PREFIX):].lower().replace("_", "-"): v
+                      for k, v in (body.get("environment") or {}).items() if k.startswith(FAULT_ENV_PREFIX)}
+        reason = (_faults_rejection(job_faults, "labels", prefix=FAULT_LABEL_PREFIX)
+                  or _faults_rejection(env_faults, "environment", prefix=FAULT_ENV_PREFIX))
+        job_faults.update(env_faults)
         if reason:
             raise _ApiError(400, reason)
         faults = {**self.default_faults, **job_faults}

@@ -149,9 +149,6 @@ START_LABEL_KEY = "hf-sandbox-start"
 # The Hub's rule for job labels (huggingface_hub's update_job_labels): keys and values at most this many
 # characters of letters, digits, '-' and '_'. Checked before any call, so a bad label never costs a create.
 LABEL_MAX_CHARS = 100
-# Labels with this key prefix configure faults of the local emulator (hf_jobs_emulator.FAULT_LABEL_PREFIX);
-# their values (messages, seconds) are not label-shaped, and only the emulator reads them.
-EMULATOR_FAULT_LABEL_PREFIX = "emulator-"
 # Every job this process creates carries `hf-sandbox-process=<uuid of this process>`, so the watcher
 # can refresh all of them with one filtered `list` call.
 PROCESS_LABEL_KEY = "hf-sandbox-process"
@@ -1538,13 +1535,12 @@ def _command_rejection(command: Any) -> Optional[str]:
 
 
 def _label_rule_rejection(labels: Any) -> Optional[str]:
-    """Why a label breaks the Hub's rule (refused at create time, after the call), or None. The local
-    emulator's fault labels (`emulator-<fault>`) are its own extension: their values are passed as they are."""
+    """Why a label breaks the Hub's rule (refused at create time, after the call), or None."""
     for key, value in (labels or {}).items():
         if not _LABEL_KEY.match(str(key)):
             return ("label key %r must be 1 to %d characters of letters, digits, '-' and '_' (the Hub's rule "
                     "for job labels)" % (key, LABEL_MAX_CHARS))
-        if not str(key).startswith(EMULATOR_FAULT_LABEL_PREFIX) and not _LABEL_VALUE.match(str(value)):
+        if not _LABEL_VALUE.match(str(value)):
             return ("label %s=%r: the value must be at most %d characters of letters, digits, '-' and '_' "
                     "(the Hub's rule for job labels)" % (key, str(value), LABEL_MAX_CHARS))
     return None

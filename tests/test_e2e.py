@@ -108,7 +108,7 @@ def test_emulator_token_never_reaches_the_job_and_env_vars_do(emu, proxy):
 
 
 def test_crash_at_boot_raises_job_failed_with_the_message_and_log_tail(emu, proxy):
-    provider = provider_for(emu, proxy, labels={"emulator-crash-at-boot": "ModuleNotFoundError: server"})
+    provider = provider_for(emu, proxy, env_vars={"HF_JOBS_EMULATOR_CRASH_AT_BOOT": "ModuleNotFoundError: server"})
     with pytest.raises(JobFailedError) as caught:
         provider.start_container()
         provider.wait_for_ready()
@@ -192,7 +192,7 @@ def test_a_job_that_dies_mid_use_answers_502_and_teardown_still_works(emu, proxy
 
 
 def test_die_after_fault_ends_a_started_job_in_error_and_the_provider_reports_it(emu, proxy):
-    provider = provider_for(emu, proxy, command=SLEEP_FOREVER, labels={"emulator-die-after-s": "0.5"})
+    provider = provider_for(emu, proxy, command=SLEEP_FOREVER, env_vars={"HF_JOBS_EMULATOR_DIE_AFTER_S": "0.5"})
     provider.start_container()
     with pytest.raises(JobFailedError) as caught:
         provider.wait_for_ready()

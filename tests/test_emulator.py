@@ -266,6 +266,7 @@ def test_unknown_job_is_404_for_inspect_cancel_and_logs(emu):
     ({"dockerImage": "a", "expose": {"ports": [8000], "portsPublic": [9000]}}, "portsPublic"),
     ({"dockerImage": "a", "labels": {"emulator-die-after-s": "soon"}}, "emulator-die-after-s"),
     ({"dockerImage": "a", "labels": {"emulator-teleport": "1"}}, "emulator-teleport"),
+    ({"dockerImage": "a", "environment": {"HF_JOBS_EMULATOR_DIE_AFTER_S": "soon"}}, "HF_JOBS_EMULATOR_die-after-s"),
     ({"dockerImage": "a", "labels": {"model": "Qwen/Qwen3"}}, "label model='Qwen/Qwen3'"),
     ({"dockerImage": "a", "labels": {"a b": "1"}}, "label key 'a b'"),
     ([1, 2], "JSON object"),

@@ -231,7 +231,7 @@ class ThirdOneCrashes(hsp.HFSandboxProvider):
     def __init__(self, *args, **kwargs):
         type(self).made += 1
         if type(self).made == 3:
-            kwargs["labels"] = {"emulator-crash-at-boot": "boom: third environment"}
+            kwargs["env_vars"] = {"HF_JOBS_EMULATOR_CRASH_AT_BOOT": "boom: third environment"}
         super().__init__(*args, **kwargs)
 
 
