@@ -29,6 +29,7 @@ import contextlib
 import email.utils
 import enum
 import hashlib
+import http.client
 import importlib
 import importlib.util
 import json
@@ -1764,22 +1765,26 @@ def _retry_delay(attempt: int, retry_after: Optional[float], base: float = API_B
     return rng(0.0, min(cap, base * (2 ** attempt)))
 
 
-# The OS's words in a requests/urllib3 failure ("[Errno 111] Connection refused"), or http.client's when
-# the server hung up without answering; the rest of such a message is object reprs.
-_OS_ERROR_REASON = re.compile(r"\[Errno -?[0-9]+\] ([^'\")\]]+)")
-_DISCONNECT_REASON = re.compile(r"RemoteDisconnected\('([^']+)'")
-
-
 def _transport_failure(exc: requests.RequestException) -> Tuple[str, bool]:
-    """(what went wrong, whether the server may have received the request) for a call with no answer. A
-    refused, unresolvable or timed-out connection sent nothing; the OS's reason is kept for the message."""
-    text = str(exc)
-    reason = _OS_ERROR_REASON.search(text) or _DISCONNECT_REASON.search(text)
-    failure = "%s (%s)" % (type(exc).__name__, reason.group(1).strip()) if reason else type(exc).__name__
-    cause = exc.args[0] if exc.args else None
-    nothing_sent = isinstance(exc, requests.ConnectTimeout) or isinstance(
-        getattr(cause, "reason", cause), urllib3.exceptions.NewConnectionError)
-    return failure, not nothing_sent
+    """(what went wrong, whether the server may have received the request) for a call with no answer, read
+    from the exceptions requests wraps (urllib3's `reason`, the args, the chained causes). A refused,
+    unresolvable or timed-out connection sent nothing; the OS's reason (or http.client's, when the server
+    hung up without answering) is kept for the message."""
+    reason, nothing_sent = None, isinstance(exc, requests.ConnectTimeout)
+    pending, seen = [exc], set()
+    while pending:
+        cause = pending.pop(0)
+        if id(cause) in seen:
+            continue
+        seen.add(id(cause))
+        nothing_sent = nothing_sent or isinstance(cause, urllib3.exceptions.NewConnectionError)
+        if reason is None and isinstance(cause, http.client.RemoteDisconnected):
+            reason = str(cause)
+        elif reason is None and isinstance(cause, OSError) and cause.strerror:
+            reason = cause.strerror
+        pending += [item for item in (getattr(cause, "reason", None), cause.__cause__, cause.__context__)
+                    + tuple(cause.args) if isinstance(item, BaseException)]
+    return "%s (%s)" % (type(exc).__name__, reason) if reason else type(exc).__name__, not nothing_sent
 
 
 def _refused(exc: BaseException) -> bool:

@@ -629,3 +629,21 @@ def test_the_budget_keeps_at_most_one_windows_send_times_over_a_long_run(server_
         fake.now += 1.0
     kept = len(budget._sent)
     assert kept == 0 if server_counts else kept <= 300, kept
+
+
+def test_a_call_with_no_answer_is_described_by_its_exception_types_not_its_text():
+    """_transport_failure reads the exceptions requests wraps (urllib3's reason, chained causes): the OS's or
+    http.client's words for the message, and whether the request may have reached the server."""
+    server = HangUpServer()
+    try:
+        for url, expected in ((refused_endpoint(), ("ConnectionError (Connection refused)", False)),
+                              (server.endpoint, ("ConnectionError (Remote end closed connection without response)",
+                                                 True))):
+            with pytest.raises(requests.RequestException) as info:
+                requests.get(url + "/api/whoami-v2", timeout=5)
+            assert hsp._transport_failure(info.value) == expected
+    finally:
+        server.close()
+    timeout = requests.ReadTimeout("read timed out")
+    assert hsp._transport_failure(timeout) == ("ReadTimeout", True)  # sent: the server may have acted
+    assert hsp._transport_failure(requests.ConnectTimeout("connect timed out")) == ("ConnectTimeout", False)
