@@ -473,7 +473,7 @@ class HFSandboxProvider:
         started = False
         try:
             if settings["pool"] is not None:
-                pooled = _pool_module().PooledSandbox(self, settings)  # bad combinations fail here
+                pooled = _placement("pool").PooledSandbox(self, settings)  # bad combinations fail here
                 with self._lock:
                     self._pooled = pooled
             elif settings["replicas"] > 1:
@@ -519,7 +519,7 @@ class HFSandboxProvider:
         _raise_if_rejected(_image_rejection(providers[0].image))
         providers[0]._resolve_token()  # no token: one SandboxConfigError now, not n failures later
         if isinstance(providers[0].pool, str):  # the hosts n sandboxes need: the first start boots them all at once
-            _pool_module().prewarm(providers[0], n, boot=False)
+            _placement("pool").prewarm(providers[0], n, boot=False)
         began = time.monotonic()
 
         def report(index: int, error: Optional[BaseException]) -> None:
@@ -1573,7 +1573,7 @@ _SETTING_CHECKS: Tuple[Tuple[str, Callable[[Any], Optional[str]]], ...] = (
         "namespace %r must be a user or organisation name" % (value,))),
     ("verify", lambda value: None if isinstance(value, (bool, str)) else (
         "verify must be True, False or a CA bundle path, not %r" % (value,))),
-    ("pool", lambda value: None if value is None else _pool_module().pool_rejection(value)),
+    ("pool", lambda value: None if value is None else _placement("pool").pool_rejection(value)),
 )
 
 
@@ -1588,15 +1588,6 @@ def _settings_rejection(settings: Mapping[str, Any], image_required: bool) -> Op
         if reason:
             return reason
     return None
-
-
-def _pool_module() -> Any:
-    """hf_sandbox_pool (pooled placement), imported on first use: dedicated placement never loads it."""
-    if __package__:
-        from . import hf_sandbox_pool
-    else:
-        import hf_sandbox_pool
-    return hf_sandbox_pool
 
 
 def _job_command(command: Union[None, str, Sequence[str]], port: int) -> List[str]:
@@ -2477,10 +2468,28 @@ def _stop_everything_at_exit() -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# The layers' names, re-exported lazily (PEP 562), and the hand-over to the command line
+# The layers: the registry of placements, the names re-exported lazily (PEP 562), the command line
 # --------------------------------------------------------------------------------------------------
 
 _LAYER_OF = {name: module for module, names in _LAYERS.items() for name in names}
+# Placements besides a dedicated job, by keyword: the layer (file) that provides each. A placement layer
+# plugs in through `_register_placement` when it is imported; the core imports it on first use through
+# this table, never by name, so a copy without that file is told which file to copy.
+_PLACEMENT_LAYERS = {"pool": "hf_sandbox_pool"}
+_placements: Dict[str, Any] = {}  # keyword -> the registered layer; filled as layers are imported
+
+
+def _register_placement(keyword: str, layer: Any) -> None:
+    """Called by a placement layer as it is imported. The pool layer offers `pool_rejection(value)`,
+    `PooledSandbox(provider, settings)` (what runs the provider's job) and `prewarm(provider, n, boot)`."""
+    _placements[keyword] = layer
+
+
+def _placement(keyword: str) -> Any:
+    """The layer registered for `keyword=`, imported on first use (a dedicated job never loads one)."""
+    if keyword not in _placements:
+        _import_layer(_PLACEMENT_LAYERS[keyword], "%s= (pooled placement)" % keyword)
+    return _placements[keyword]
 
 
 def _import_layer(module: str, wanted: str) -> Any:
