@@ -647,7 +647,7 @@ class HFSandboxProvider:
         return requests.Session()
 
     def _exposed_url_rejection(self, url: str, job_id: str, port: int) -> Optional[str]:
-        """Why the job's exposed URL must not receive the token, or None (DESIGN.md's rule)."""
+        """Why the job's exposed URL must not receive the token, or None (see `_exposed_url_rejection`)."""
         return _exposed_url_rejection(url, job_id, port, self.endpoint)
 
     def _replica_settings(self, index: int, settings: Dict[str, Any]) -> Dict[str, Any]:
