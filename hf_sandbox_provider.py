@@ -57,10 +57,7 @@ else:
     import proxy as _proxy
 
 InsecureURLError = _proxy.InsecureURLError
-# One copy each, shared with the proxy and the emulator (see proxy.py's shared block).
-_is_loopback_host = _proxy._is_loopback_host
-_discover_token = _proxy._discover_token
-_start_thread = _proxy._start_thread
+_is_loopback_host, _start_thread = _proxy._is_loopback_host, _proxy._start_thread  # one copy each, in proxy.py
 
 __all__ = [
     # the provider and its errors
@@ -197,8 +194,10 @@ STOP_PARALLEL = 32
 # stop_container() during a start in another thread waits this long for that start to end (its create
 # answered, its job cancelled), so it never returns while a job it could not see may still be made.
 STOP_WAIT_S = 30.0
-# Stages after which a job never runs again (one list shared with the emulator, in proxy.py).
-TERMINAL_STAGES = frozenset(_proxy.JOB_TERMINAL_STAGES)
+# Job stages (huggingface_hub's JobStage): the live ones in the order a job passes them, and those after which
+# it never runs again (its TERMINAL_JOB_STAGES). The emulator takes them from here too.
+LIVE_STAGES = ("SCHEDULING", "RUNNING")
+TERMINAL_STAGES = frozenset({"COMPLETED", "CANCELED", "ERROR", "DELETED"})
 # What OpenEnv's image template runs (openenv/cli/templates/openenv_env/server/Dockerfile, CMD:
 # `sh -c "cd /app/env && uvicorn server.app:app --host 0.0.0.0 --port 8000"`), with the port
 # filled in and `exec` so the server receives the job's stop signal directly.
@@ -207,10 +206,18 @@ DEFAULT_COMMAND_TEMPLATE = (
     "-c",
     "cd /app/env && exec uvicorn server.app:app --host 0.0.0.0 --port {port}",
 )
-# The Jobs flavors (a static copy of huggingface_hub's JobHardware, shared with the emulator, in proxy.py). The
-# authority is the Hub: `_known_flavors()` takes the installed huggingface_hub's JobHardware where there is one,
-# and the live `GET /api/jobs/hardware` list once a start of this process has fetched it.
-KNOWN_FLAVORS = _proxy.JOB_FLAVORS
+# The Jobs flavors: a static copy of huggingface_hub 2.4's JobHardware (the emulator's too), for a huggingface_hub
+# without Jobs. The authority is the Hub: `_known_flavors()` takes the installed huggingface_hub's JobHardware
+# where there is one, and the live `GET /api/jobs/hardware` list once a start of this process has fetched it.
+KNOWN_FLAVORS = frozenset({
+    "cpu-basic", "cpu-upgrade", "cpu-performance", "cpu-xl", "t4-small", "t4-medium", "l4x1", "l4x4", "l40sx1",
+    "l40sx4", "l40sx8", "a10g-small", "a10g-large", "a10g-largex2", "a10g-largex4", "a100-large", "a100x4",
+    "a100x8", "h200", "h200x2", "h200x4", "h200x8", "rtx-pro-6000", "rtx-pro-6000x2", "rtx-pro-6000x4",
+    "rtx-pro-6000x8"})
+# Where a token may be found, in order: the environment variables huggingface_hub itself reads first (so the
+# answer is the same with or without huggingface_hub), then its get_token() (the `hf auth login` file, Colab
+# secrets), then the token file at its documented path.
+TOKEN_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 # Spaces hardware names that are not Jobs flavors, left out even if an old huggingface_hub listed them.
 SPACES_ONLY_HARDWARE = frozenset({"h100", "h100x8", "zero-a10g"})
 # Image references of HF Spaces, sent as `spaceId` rather than `dockerImage` (as huggingface_hub does).
@@ -1228,7 +1235,7 @@ class _ReplicaSet:
 
 
 # Order of the live stages, least advanced first (an unknown live stage counts as not running yet).
-_LIVE_STAGE_ORDER = {None: 0, "SCHEDULING": 1, "RUNNING": 2}
+_LIVE_STAGE_ORDER = {None: 0, **{stage: order for order, stage in enumerate(LIVE_STAGES, 1)}}
 
 
 def _replicas_stage(stages: Sequence[Optional[str]]) -> Optional[str]:
@@ -1682,6 +1689,31 @@ def _endpoint_rejection(endpoint: str) -> Optional[str]:
         return None
     return ("Jobs endpoint %r must be https (http only for a loopback host such as the local emulator): "
             "the token is sent to it" % endpoint)
+
+
+def _discover_token() -> Optional[str]:
+    """The HF token (never logged): TOKEN_ENV_VARS, huggingface_hub's get_token(), then the token file
+    ($HF_TOKEN_PATH, else $HF_HOME/token). Blank values count as absent."""
+    for value in [os.environ.get(name) or "" for name in TOKEN_ENV_VARS]:
+        if value.strip():
+            return value.strip()
+    try:
+        try:
+            from huggingface_hub import get_token  # type: ignore[attr-defined]
+        except ImportError:
+            from huggingface_hub.utils import get_token  # type: ignore[no-redef]
+        value = (get_token() or "").strip()
+        if value:
+            return value
+    except Exception:  # absent or too old: fall back to the documented location
+        pass
+    path = os.environ.get("HF_TOKEN_PATH") or os.path.join(os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"), "token")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read().strip() or None
+    except OSError:
+        return None
 
 
 def _resolve_endpoint(endpoint: Optional[str]) -> str:
@@ -2306,7 +2338,7 @@ class _JobWatcher:
                 found = {watches[0].job_id: client.get_job(group.namespace, watches[0].job_id, retries=0)}
             else:
                 listed = client.list_jobs(group.namespace, labels={PROCESS_LABEL_KEY: _process_label},
-                                          stages=_proxy.JOB_LIVE_STAGES, retries=0)
+                                          stages=LIVE_STAGES, retries=0)
                 found = {str(job.get("id")): job for job in listed}
                 # the least refreshed first, so a job that stays unlisted cannot starve the others
                 missing = sorted((w for w in watches if w.job_id not in found),

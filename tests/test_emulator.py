@@ -648,15 +648,16 @@ def test_the_gate_closes_when_the_job_ends(emu, api):
         requests.get(url + "/health", headers=bearer(emu.token), timeout=TIMEOUT)
 
 
-def test_vendored_copy_inside_a_package_uses_its_sibling_proxy(tmp_path):
+def test_vendored_copy_inside_a_package_uses_its_sibling_proxy_and_core(tmp_path):
     package = tmp_path / "vendored_sandbox"
     package.mkdir()
     (package / "__init__.py").write_text("")
     root = os.path.dirname(os.path.abspath(hf_jobs_emulator.__file__))
-    for name in ("hf_jobs_emulator.py", "proxy.py"):
+    for name in ("hf_jobs_emulator.py", "proxy.py", "hf_sandbox_provider.py"):  # the core: the Jobs facts
         (package / name).write_text(open(os.path.join(root, name)).read())
     code = ("import vendored_sandbox.hf_jobs_emulator as e, vendored_sandbox.proxy as p\n"
             "assert issubclass(e._JobGate, p.AuthProxy)\n"
+            "assert e._jobs_facts().__name__ == 'vendored_sandbox.hf_sandbox_provider'\n"
             "with e.JobsEmulator() as emu: print(emu.endpoint)\n")
     done = subprocess.run([PY, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT,
                           env={**os.environ, "PYTHONPATH": str(tmp_path)})

@@ -153,7 +153,7 @@ def test_flavor_list_includes_huggingface_hub_job_hardware():
 def test_the_static_flavor_copy_is_huggingface_hubs_job_hardware_without_spaces_names():
     from huggingface_hub import JobHardware
 
-    assert hsp.KNOWN_FLAVORS == {member.value for member in JobHardware}  # update proxy.JOB_FLAVORS if not
+    assert hsp.KNOWN_FLAVORS == {member.value for member in JobHardware}  # update KNOWN_FLAVORS if not
     for spaces_name in ("h100", "h100x8"):
         assert "valid Jobs flavors: a100-large" in hsp._flavor_rejection(spaces_name)
 
