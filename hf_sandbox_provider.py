@@ -26,6 +26,7 @@ import abc
 import atexit
 import concurrent.futures
 import contextlib
+import difflib
 import email.utils
 import enum
 import hashlib
@@ -496,11 +497,15 @@ class HFSandboxProvider:
     def wait_for_ready(self, base_url: Optional[str] = None, timeout_s: Optional[float] = None) -> None:
         """Poll `/health` through the proxy until 200, watching the job's stage (each replica's, in parallel).
 
-        A terminal stage raises `JobFailedError`, the deadline `JobStartTimeout`; any failure cancels the job."""
+        A terminal stage raises `JobFailedError`, the deadline `JobStartTimeout`; any failure cancels the job.
+        A URL that is not this provider's base URL is refused at once (SandboxConfigError; the job runs on)."""
         if self._phase is not Phase.RUNNING or self.base_url is None:
-            raise SandboxError("wait_for_ready() needs a started provider: call start_container() first")
+            raise SandboxError("wait_for_ready(): job %s was stopped; call start_container() to start a new one"
+                               % self.job_id if self._phase is Phase.IDLE and self.job_id else
+                               "wait_for_ready() needs a started provider: call start_container() first")
         budget = self._active["ready_timeout_s"] if timeout_s is None else timeout_s
-        _raise_if_rejected(_positive_number_rejection("timeout_s", budget))
+        _raise_if_rejected(_positive_number_rejection("timeout_s", budget)
+                           or _ready_url_rejection(base_url, self.base_url))
         try:
             self._jobs._wait_ready(base_url or self.base_url, float(budget))
         except BaseException:
@@ -986,7 +991,7 @@ class HFSandboxProvider:
                         self.timings["ready"] = self._elapsed()
                         logger.info("%s ready (%.1fs after submit)", label, self._elapsed())
                         return
-                    reason = _health_status_rejection(status)
+                    reason = _health_status_rejection(response)
                     if reason:
                         raise SandboxError("%s: /health %s" % (short, reason))
                 except requests.RequestException as exc:
@@ -1436,8 +1441,9 @@ def _flavor_rejection(flavor: Any, known: Optional[frozenset] = None) -> Optiona
     known = _known_flavors() if known is None else known
     if isinstance(flavor, str) and flavor in known:
         return None
-    return ("unknown flavor %r; valid Jobs flavors: %s (see `hf jobs hardware`; if HF added a new one, upgrade "
-            "huggingface_hub)" % (flavor, ", ".join(sorted(known))))
+    close = difflib.get_close_matches(flavor, known, n=1) if isinstance(flavor, str) else []
+    return ("unknown flavor %r%s; valid Jobs flavors: %s (see `hf jobs hardware`; if HF added a new one, upgrade "
+            "huggingface_hub)" % (flavor, " (did you mean %r?)" % close[0] if close else "", ", ".join(sorted(known))))
 
 
 # endpoint -> the flavors its `GET /api/jobs/hardware` listed, or None when it did not answer (asked once
@@ -1673,12 +1679,29 @@ def _describe_health_answer(response: requests.Response) -> str:
     return text
 
 
-def _health_status_rejection(status: int) -> Optional[str]:
-    """Why a /health answer means "give up now" (auth refused), or None for "ready or not yet"."""
-    if status in (401, 403):
+def _health_status_rejection(response: requests.Response) -> Optional[str]:
+    """Why a /health answer means "give up now" (auth refused, no such route), or None for "not yet"."""
+    if response.status_code in (401, 403):
         return ("answered HTTP %d: the job's proxy refused the token (it needs read access to the "
-                "job's namespace)" % status)
+                "job's namespace)" % response.status_code)
+    if response.status_code == 404 and response.headers.get("X-Proxy-Error") == "unknown-route":
+        return ("the local proxy has no route at %s: it was unmounted, or the URL is not the one "
+                "start_container() returned (use provider.base_url)" % response.url.rsplit("/", 1)[0])
     return None
+
+
+def _ready_url_rejection(url: Optional[str], base_url: str) -> Optional[str]:
+    """Why wait_for_ready(url) cannot be about this provider's job (probing it would wait in vain and then
+    cancel a healthy job), or None. A path under the proxy's origin but not under the route is what
+    `urljoin(base_url, "/step")` makes: a leading "/" replaces the route id."""
+    if url is None or url.rstrip("/") == base_url.rstrip("/"):
+        return None
+    given, own = urlsplit(str(url)), urlsplit(base_url)
+    slip = ("; under the proxy's address only the base URL itself serves this job: urljoin(base_url, '/step') "
+            "drops its route id, base_url + '/step' keeps it" if (given.scheme, given.netloc) == (own.scheme, own.netloc)
+            else "")
+    return "wait_for_ready(%r): not this provider's base URL, which is %s (pass it, or nothing)%s" % (
+        url, base_url, slip)
 
 
 def _endpoint_rejection(endpoint: str) -> Optional[str]:
