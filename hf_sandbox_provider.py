@@ -117,6 +117,9 @@ WATCH_SLOW_INTERVAL_S = 5.0
 HEALTH_PROBE_FIRST_S = 0.05
 HEALTH_PROBE_GROWTH = 1.3
 HEALTH_PROBE_INTERVAL_S = 0.5
+# A start that waits (scheduling, image pull, boot: minutes on the Hub) logs a line this often (INFO) with
+# its stage and the seconds so far, so a long start is not silent.
+HEARTBEAT_S = 10.0
 # Per-probe timeouts for /health: (connect, read). A wedged server must not eat the whole budget.
 HEALTH_PROBE_TIMEOUT_S = (5.0, 10.0)
 # Timeouts for Jobs API calls: (connect, read).
@@ -843,6 +846,7 @@ class HFSandboxProvider:
                 self.job_url = "%s/jobs/%s/%s" % (self.endpoint, namespace, self.job_id)
                 self._move(Phase.STARTING)  # from here on every teardown cancels this job
                 self.timings["created"] = self._elapsed()
+            logger.info("HF job %s created (%.1fs after submit): %s", self.job_id, self._elapsed(), self.job_url)
             recorded = True
             self._swap_finalizer(self._safety_net(client, None, None))
             self._observe(job)
@@ -936,6 +940,7 @@ class HFSandboxProvider:
     def _wait_for_url(self, client: "_JobsClient", settings: Mapping[str, Any]) -> str:
         deadline = self._submitted_at + float(settings["start_timeout_s"])
         job_id, port = self.job_id or "", int(settings["port"])
+        heartbeat = time.monotonic() + HEARTBEAT_S
         while True:
             self._wake.clear()  # before reading, so a change made after the read still wakes the wait
             job = self._latest_job(client) or {}
@@ -952,7 +957,11 @@ class HFSandboxProvider:
                     "HF job %s exposed no URL within start_timeout_s=%gs (last stage %s); raise "
                     "start_timeout_s for slow flavors or large images" % (
                         job_id, settings["start_timeout_s"], self.stage), job_id, self.stage)
-            self._wake.wait(remaining)
+            if time.monotonic() >= heartbeat:
+                logger.info("HF job %s: still %s, %.0fs after submit (start_timeout_s=%g)", job_id, self.stage,
+                            self._elapsed(), settings["start_timeout_s"])
+                heartbeat = time.monotonic() + HEARTBEAT_S
+            self._wake.wait(min(remaining, max(0.0, heartbeat - time.monotonic())))
 
     def _wait_ready(self, base_url: str, budget: float) -> None:
         client = self._job_client
@@ -976,6 +985,7 @@ class HFSandboxProvider:
         deadline = time.monotonic() + budget
         interval = HEALTH_PROBE_FIRST_S
         last_seen = "no answer yet"
+        heartbeat = time.monotonic() + HEARTBEAT_S
         with requests.Session() as session:
             session.trust_env = False  # loopback proxy: never route through HTTP(S)_PROXY
             while True:
@@ -997,6 +1007,10 @@ class HFSandboxProvider:
                 except requests.RequestException as exc:
                     last_seen = type(exc).__name__
                 check()
+                if time.monotonic() >= heartbeat:
+                    logger.info("%s: /health not ready yet, %.0fs after submit (last: %s%s)", label, self._elapsed(),
+                                last_seen, detail())
+                    heartbeat = time.monotonic() + HEARTBEAT_S
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise JobStartTimeout("%s did not answer /health with 200 within %gs (last: %s%s)"
@@ -2051,7 +2065,8 @@ class _JobsClient:
                 delay = paused if teardown else 0.0
             else:
                 delay = min(_retry_delay(attempt, retry_after), max_delay)
-            logger.debug("%s: %s, retrying in %.1fs", action, failure, delay)
+            logger.info("%s: %s from %s; retry %d of %d in %.1fs", action, failure, self.endpoint, attempt + 1,
+                        retries, delay)
             time.sleep(delay)
             attempt += 1
 

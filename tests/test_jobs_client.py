@@ -9,6 +9,7 @@ import email.utils
 import socket
 import json
 import random
+import re
 import threading
 import uuid
 
@@ -647,3 +648,14 @@ def test_a_call_with_no_answer_is_described_by_its_exception_types_not_its_text(
     timeout = requests.ReadTimeout("read timed out")
     assert hsp._transport_failure(timeout) == ("ReadTimeout", True)  # sent: the server may have acted
     assert hsp._transport_failure(requests.ConnectTimeout("connect timed out")) == ("ConnectTimeout", False)
+
+
+def test_an_unreachable_endpoint_is_logged_at_the_first_retry_with_its_reason_and_wait(caplog):
+    endpoint = refused_endpoint()
+    with caplog.at_level("INFO", logger="hf_sandbox_provider"):
+        with pytest.raises(hsp.JobsAPIError, match="no answer"):
+            hsp._JobsClient(endpoint, fresh_token()).get_job("alice", "j1", retries=1)
+    retries = [r for r in caplog.records if "retry" in r.getMessage()]
+    assert len(retries) == 1 and retries[0].levelname == "INFO"  # a library's default logging stays quiet
+    assert re.search(r"inspecting job j1: ConnectionError \(Connection refused\) from %s; retry 1 of 1 in "
+                     r"[0-9.]+s" % re.escape(endpoint), retries[0].getMessage()), retries[0].getMessage()
