@@ -184,6 +184,10 @@ WATCH_MAX_INSPECTS = 8
 # start_many(): how many environments are brought up at once by default. Each in-flight start is a
 # thread waiting on the watcher (cheap), so the bound mostly spreads the creates and the boot probes.
 DEFAULT_MAX_PARALLEL = 64
+# start_many(progress=True) writes to stderr at most a line per this fraction of the environments or per this
+# many seconds (a terminal gets one line updated in place), so 512 environments do not print 512 lines.
+PROGRESS_STEP = 0.05
+PROGRESS_INTERVAL_S = 1.0
 # replicas=K: K jobs start at once (one thread each) behind one proxy route. Beyond this many, one
 # route is the wrong tool: use start_many() (independent environments) or several providers.
 MAX_REPLICAS = 64
@@ -524,8 +528,9 @@ class HFSandboxProvider:
         """Start `n` providers, at most `max_parallel` at a time, and wait until each is ready.
 
         All or nothing (default): the n providers, or every job cancelled and one `StartManyError`. Else
-        `(ready_providers, [(index, exception)])`. `progress`: True prints a line per environment to
-        stderr; a callable gets `(ready, failed, n)`.
+        `(ready_providers, [(index, exception)])`. `progress`: True writes whole lines to stderr, bounded
+        (PROGRESS_STEP, PROGRESS_INTERVAL_S; on a terminal one line updated in place); a callable gets
+        `(ready, failed, n)` after each environment.
         """
         _raise_if_rejected(_positive_int_rejection("n", n) or _positive_int_rejection("max_parallel", max_parallel))
         if not (isinstance(progress, bool) or callable(progress)):
@@ -535,28 +540,28 @@ class HFSandboxProvider:
         providers[0]._resolve_token()  # no token: one SandboxConfigError now, not n failures later
         if isinstance(providers[0].pool, str):  # the hosts n sandboxes need: the first start boots them all at once
             _placement("pool").prewarm(providers[0], n, boot=False)
-        began = time.monotonic()
+        shown = _ProgressLine(n) if progress is True else None
 
         def report(index: int, error: Optional[BaseException]) -> None:
             ready, failed = len(launch.ready), len(launch.errors)
-            if callable(progress):
-                try:
-                    progress(ready, failed, n)
-                except Exception:  # the caller's display must not kill a launch worker (and lose its work)
-                    logger.warning("start_many: the progress callback raised; ignoring it", exc_info=True)
-            elif progress:
-                line = "start_many: %d/%d ready, %d failed (%.1fs)" % (ready, n, failed, time.monotonic() - began)
-                if error is not None:
-                    line += "; environment %d: %s" % (index, _first_line(error) or type(error).__name__)
-                print(line, file=sys.stderr, flush=True)
+            if shown is not None:
+                shown.update(ready, failed, index, error)
+                return
+            try:
+                progress(ready, failed, n)  # type: ignore[operator]
+            except Exception:  # the caller's display must not kill a launch worker (and lose its work)
+                logger.warning("start_many: the progress callback raised; ignoring it", exc_info=True)
 
         launch = _Parallel(providers, lambda index, p: p.wait_for_ready(p.start_container()), max_parallel,
-                           all_or_nothing, on_done=report)
+                           all_or_nothing, on_done=report if progress else lambda index, error: None)
         try:
             launch.run("hf-sandbox-start")
         except BaseException:
             stop_all(providers)
             raise
+        finally:
+            if shown is not None:
+                shown.close()
         if launch.errors and all_or_nothing:
             stop_all(providers)
             raise StartManyError(n, launch.errors, launch.aborted)
@@ -1364,6 +1369,37 @@ class _Parallel:
                 self.abort()
         finally:
             self.wake.set()
+
+
+class _ProgressLine:
+    """start_many's progress on stderr: whole lines written under a lock, at most one per PROGRESS_STEP of the
+    environments or PROGRESS_INTERVAL_S (and the first failure at once); on a terminal, one updated line."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.began, self.lock = total, time.monotonic(), threading.Lock()
+        self.tty = bool(getattr(sys.stderr, "isatty", lambda: False)())
+        self.shown_at, self.shown_done, self.open = float("-inf"), 0, False
+
+    def update(self, ready: int, failed: int, index: int, error: Optional[BaseException]) -> None:
+        with self.lock:
+            now, done = time.monotonic(), ready + failed
+            due = (done - self.shown_done >= self.total * PROGRESS_STEP or now - self.shown_at >= PROGRESS_INTERVAL_S)
+            if not (self.tty or due or done == self.total or (error is not None and failed == 1)):
+                return
+            line = "start_many: %d/%d ready, %d failed (%.1fs)" % (ready, self.total, failed, now - self.began)
+            if error is not None:
+                line += "; environment %d: %s" % (index, _first_line(error) or type(error).__name__)
+            self.shown_at, self.shown_done, self.open = now, done, self.tty
+            sys.stderr.write("\r%s\x1b[K" % line if self.tty else line + "\n")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        """End a terminal's updated line, so what is printed next starts on a line of its own."""
+        with self.lock:
+            if self.open:
+                sys.stderr.write("\n")
+                sys.stderr.flush()
+                self.open = False
 
 
 @contextlib.contextmanager
