@@ -87,6 +87,18 @@ def test_importing_the_core_loads_no_layer_nor_the_emulator_and_starts_no_thread
 
 
 @pytest.mark.slow  # a fresh interpreter
+@pytest.mark.xfail(strict=False, reason="proxy.py imports argparse at module level until its command line "
+                   "imports it in main() (issue 28's proxy rewrite)")
+def test_importing_the_core_loads_no_argparse():
+    """README: the library modules import neither argparse nor the emulator (the emulator and the layers are
+    checked above); only the command lines load the parser."""
+    script = "import sys, hf_sandbox_provider\nprint('argparse' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
+                            timeout=RUN_TIMEOUT_S)
+    assert result.returncode == 0 and result.stdout.split() == ["False"], result.stdout + result.stderr
+
+
+@pytest.mark.slow  # a fresh interpreter
 def test_importing_the_library_loads_no_openenv_and_starts_no_thread():
     # openenv.core's package init loads gradio, pandas and pyarrow: about 4 s, 170 MiB and two native threads
     # that every trainer process importing the library would pay, whether or not it uses OpenEnv.
