@@ -10,14 +10,16 @@ watcher thread (one Jobs API call per interval for all starting jobs) and one AP
 `HFSandboxProvider.start_many()` launches n with bounded concurrency, all or nothing; `replicas=K`
 puts K jobs of one image behind one route (sessions spread by the proxy, least sessions first).
 
-Read top to bottom: constants, errors, the job lifecycle (`Phase`), the provider, what runs its jobs
-(itself for one job, a `_ReplicaSet` for K), `_Parallel` (start_many's and a replica set's workers) and
-`stop_all`, settings validation, the small Jobs REST client, the process-wide API budget and job
-watcher, teardown and the exit hook; last, the lazy re-exports of the layers. Imports `proxy` (relatively
-inside a package, absolutely at top level) and no layer: the training layer (`EnvSession`, `Sandbox`,
-`stop_sandboxes`, `install_signal_teardown`) lives in hf_sandbox_training.py and the command line in
-hf_sandbox_cli.py, each importing this module; their names are re-exported here on first use. Vendoring:
-copy this file and proxy.py, plus each layer you use.
+Read top to bottom: constants (the HF Jobs facts among them), errors, the job lifecycle (`Phase`), the
+provider, what runs its jobs (itself for one job, a `_ReplicaSet` for K), `stop_all` and `_Parallel`
+(start_many's and a replica set's thread pool) with start_many's progress line, settings validation and
+the token lookup, the small Jobs REST client, the process-wide API budget and job watcher, teardown and
+the exit hook; last, the layers: the placement registry, the lazy re-exports, the command line. Imports
+`proxy` (relatively inside a package, absolutely at top level) and no layer: the training layer
+(hf_sandbox_training.py), pooled placement (hf_sandbox_pool.py, which registers itself through
+`_register_placement`) and the command line (hf_sandbox_cli.py) each import this module, which loads
+them only on use, through the tables `_LAYERS` and `_PLACEMENT_LAYERS`. Vendoring: copy this file and
+proxy.py, plus each layer you use; a missing one is named by its file.
 """
 
 from __future__ import annotations
@@ -83,9 +85,7 @@ __version__ = "0.1.0"
 
 logger = logging.getLogger("hf_sandbox_provider")
 
-# --------------------------------------------------------------------------------------------------
-# Constants
-# --------------------------------------------------------------------------------------------------
+# -- Constants -------------------------------------------------------------------------------------
 
 # The public Hub; HF_ENDPOINT overrides it (mirrors, staging, the local emulator).
 DEFAULT_ENDPOINT = "https://huggingface.co"
@@ -93,32 +93,25 @@ DEFAULT_ENDPOINT = "https://huggingface.co"
 DEFAULT_PORT = 8000
 # The cheapest flavor; OpenEnv environment servers are CPU-bound HTTP servers.
 DEFAULT_FLAVOR = "cpu-basic"
-# Server-side lifetime of a job, always sent: nothing else stops billing if the client dies. One
-# hour covers a long batch of episodes yet bounds what a leaked job can cost.
+# Server-side lifetime of a job, always sent: nothing else stops billing if the client dies (an hour).
 DEFAULT_JOB_TIMEOUT_S = 3600
-# From submit to an exposed URL. CPU jobs schedule in 4-11 s (see the upstream PR's benchmark);
-# GPU flavors and large images can take minutes, so the budget is generous.
+# From submit to an exposed URL: CPU jobs schedule in 4-11 s, GPU flavors and large images in minutes.
 DEFAULT_START_TIMEOUT_S = 600.0
 # From URL to a 200 on /health: image pull plus server boot.
 DEFAULT_READY_TIMEOUT_S = 300.0
-# How often the process-wide job watcher refreshes the jobs that are starting. It makes ONE call per
-# interval for the whole process (a `list` filtered by this process's label), however many providers
-# wait, so a short interval is affordable: a stage change is seen within 0.5 s (the provider's own
-# overhead on top of the job's readiness is mostly this lag), for at most 60 calls per 30 s wave.
+# How often the job watcher refreshes starting jobs: ONE call per interval for the whole process (a `list`
+# by this process's label), so a stage change is seen within 0.5 s for at most 60 calls per 30 s wave.
 DEFAULT_POLL_INTERVAL_S = 0.5
-# Jobs still SCHEDULING after this long are slow (GPU flavors, big images: minutes), so a group whose
-# jobs have all waited this long is refreshed at most every WATCH_SLOW_INTERVAL_S: a long wait then
-# costs ~60 calls per 5 minutes instead of ~600.
+# Jobs that waited this long are slow (minutes): refreshed at most every WATCH_SLOW_INTERVAL_S, a long wait
+# then costs ~60 calls per 5 minutes instead of ~600.
 WATCH_SLOWDOWN_AFTER_S = 30.0
 WATCH_SLOW_INTERVAL_S = 5.0
-# /health is probed through the local proxy (no Jobs API call) on a growing schedule: the first
-# probes come quickly, so a server that boots in a few hundred milliseconds is seen within ~0.1 s of
-# answering, and the interval grows to the cap so a slow image does not flood its job with probes.
+# /health is probed through the local proxy (no API call) quickly at first (a fast boot is seen within
+# ~0.1 s), then less often up to the cap, so a slow image is not flooded with probes.
 HEALTH_PROBE_FIRST_S = 0.05
 HEALTH_PROBE_GROWTH = 1.3
 HEALTH_PROBE_INTERVAL_S = 0.5
-# A start that waits (scheduling, image pull, boot: minutes on the Hub) logs a line this often (INFO) with
-# its stage and the seconds so far, so a long start is not silent.
+# A start that waits (minutes on the Hub) logs its stage and seconds so far this often (INFO).
 HEARTBEAT_S = 10.0
 # Per-probe timeouts for /health: (connect, read). A wedged server must not eat the whole budget.
 HEALTH_PROBE_TIMEOUT_S = (5.0, 10.0)
@@ -133,98 +126,74 @@ RETRY_AFTER_CAP_S = 60.0
 # Teardown retries a failed cancel briefly: it runs in `finally` blocks and at exit.
 CANCEL_ATTEMPTS = 3
 CANCEL_BACKOFF_CAP_S = 2.0
-# Log tail attached to JobFailedError: bounded in lines and in time (the SSE stream of a running
-# job never ends by itself).
+# Log tail of JobFailedError, bounded in lines and time (a running job's SSE stream never ends).
 LOG_TAIL_LINES = 40
 LOG_FETCH_TIMEOUT_S = 5.0
-# `list` answers are paginated (Link: rel="next", as huggingface_hub's paginate() follows); more pages
-# than this means something is wrong (a loop, or thousands of live jobs): the listing fails, naming it.
+# `list` answers are paginated (Link: rel="next"); more pages than this is a loop or thousands of jobs.
 LIST_MAX_PAGES = 50
-# Host names of the one public Hub: a next-page link may name another of them than the configured endpoint
-# (it is followed on the configured one); any other host is refused, since the token would go with it.
+# Names of the one public Hub: a next-page link may use either (any other host would get the token).
 HUB_HOST_NAMES = frozenset({"huggingface.co", "hf.co"})
-# Labels: one marks every job this library makes (so `sweep` can find leftovers), one is unique per
-# start so a create whose answer was lost can be found instead of submitted twice.
+# Labels: one on every job this library makes (`sweep` finds leftovers by it), one unique per start (a
+# create whose answer was lost is found by it instead of submitted twice).
 PROVIDER_LABEL_KEY = "hf-sandbox-provider"
 PROVIDER_LABEL_VALUE = "1"
 START_LABEL_KEY = "hf-sandbox-start"
-# The Hub's rule for job labels (huggingface_hub's update_job_labels): keys and values at most this many
-# characters of letters, digits, '-' and '_'. Checked before any call, so a bad label never costs a create.
+# The Hub's label rule: keys and values of at most this many letters, digits, '-' and '_' (checked first).
 LABEL_MAX_CHARS = 100
-# Every job this process creates carries `hf-sandbox-process=<uuid of this process>`, so the watcher
-# can refresh all of them with one filtered `list` call.
+# `hf-sandbox-process=<uuid of this process>` on each job: the watcher lists them all with one call.
 PROCESS_LABEL_KEY = "hf-sandbox-process"
-# The Hub's API limit is per user (every process and tool of that user shares it), in fixed 5-minute
-# windows: 1,000 calls (free), 2,500 (PRO), 3,000 (Team), 6,000 (Enterprise). Every answer says what is
-# left (`RateLimit: "api";r=<remaining>;t=<seconds to reset>`, `RateLimit-Policy: ...;q=<quota>;w=<window>`),
-# and that shared truth is what the budget follows; these defaults (the free tier, or HF_SANDBOX_RATE_LIMIT,
-# e.g. "2500/300") serve until the first answer and with a server that sends no such headers.
+# The Hub's API limit is per user, in fixed 5-minute windows (1,000 calls free, 2,500 PRO, 3,000 Team, 6,000
+# Enterprise); answers' RateLimit headers say what is left, and the budget follows them. These defaults (or
+# HF_SANDBOX_RATE_LIMIT, e.g. "2500/300") serve until the first answer, or with a server that says nothing.
 RATE_LIMIT_CALLS = 1000
 RATE_LIMIT_WINDOW_S = 300.0
 RATE_LIMIT_ENV = "HF_SANDBOX_RATE_LIMIT"
-# The budget follows the "api" bucket; an answer describing another (whoami-v2 has its own, smaller one) is
-# not taken for the quota of the other calls.
+# The bucket the budget follows (whoami-v2 has its own, smaller one).
 RATE_LIMIT_RESOURCE = "api"
-# Below this fraction of the quota left, calls are spread over the time to the reset instead of spent at
-# once (then stalling until the reset): each process paces by the server's count, which also falls with the
-# other processes' calls, so N processes slow down together without talking to each other.
+# Below this fraction left, calls are spread over the time to the reset: paced by the server's count, which
+# falls with every process's calls, N processes slow down together without talking to each other.
 RATE_LIMIT_PACE_BELOW = 0.25
-# This fraction of the quota (at least RATE_LIMIT_RESERVE_MIN calls) is left to teardown: ordinary calls
-# wait for the reset once only this much remains, while cancels are never held by the budget.
+# This fraction of the quota (at least RATE_LIMIT_RESERVE_MIN calls) is kept for cancels, never held here.
 RATE_LIMIT_RESERVE = 0.05
 RATE_LIMIT_RESERVE_MIN = 5
 # A call waiting for budget looks again at least this often: other threads' answers may change the count.
 RATE_LIMIT_RECHECK_S = 2.0
 # Added to a 429's reset time, as huggingface_hub does (the server rounds `t` to whole seconds).
 RATE_LIMIT_RESET_MARGIN_S = 1.0
-# A job missing from the watcher's `list` (of SCHEDULING/RUNNING jobs) has ended or is not listed
-# yet: it is inspected on its own, at most this many per refresh, so a burst of endings cannot turn
-# one call per interval into hundreds.
+# Jobs missing from the watcher's `list` (ended, or not listed yet) inspected per refresh, at most: a burst
+# of endings cannot turn one call per interval into hundreds.
 WATCH_MAX_INSPECTS = 8
-# start_many(): how many environments are brought up at once by default. Each in-flight start is a
-# thread waiting on the watcher (cheap), so the bound mostly spreads the creates and the boot probes.
+# start_many(): environments brought up at once by default (the bound mostly spreads creates and probes).
 DEFAULT_MAX_PARALLEL = 64
-# start_many(progress=True) writes to stderr at most a line per this fraction of the environments or per this
-# many seconds (a terminal gets one line updated in place), so 512 environments do not print 512 lines.
+# start_many(progress=True): at most a line per this fraction of the environments or per this many seconds.
 PROGRESS_STEP = 0.05
 PROGRESS_INTERVAL_S = 1.0
-# replicas=K: K jobs start at once (one thread each) behind one proxy route. Beyond this many, one
-# route is the wrong tool: use start_many() (independent environments) or several providers.
+# replicas=K: K jobs behind one route; beyond this many use start_many() or several providers.
 MAX_REPLICAS = 64
-# replica_status() inspects a job the proxy took out of rotation at most this often, so a caller that
-# polls the status in a loop cannot drain the Jobs API budget (refresh=True always inspects).
+# replica_status() inspects a replica out of rotation at most this often: polling cannot drain the API.
 REPLICA_CHECK_INTERVAL_S = 5.0
-# proxy="process": every provider of the process mounts on one AuthProxy served by a child process
-# (AuthProxy.spawn), so relaying costs the trainer's GIL nothing. The default (None) keeps it in-process.
+# proxy="process": one shared AuthProxy in a child process (AuthProxy.spawn): relaying costs no trainer GIL.
 PROXY_PROCESS = "process"
 # stop_all(): cancels run this many at a time (each is one API call plus a brief retry).
 STOP_PARALLEL = 32
-# stop_container() during a start in another thread waits this long for that start to end (its create
-# answered, its job cancelled), so it never returns while a job it could not see may still be made.
+# stop_container() waits this long for a start in another thread to end (its create answered, its job
+# cancelled), so it does not return while a job it could not see may still be made.
 STOP_WAIT_S = 30.0
 # Job stages (huggingface_hub's JobStage): the live ones in the order a job passes them, and those after which
 # it never runs again (its TERMINAL_JOB_STAGES). The emulator takes them from here too.
 LIVE_STAGES = ("SCHEDULING", "RUNNING")
 TERMINAL_STAGES = frozenset({"COMPLETED", "CANCELED", "ERROR", "DELETED"})
-# What OpenEnv's image template runs (openenv/cli/templates/openenv_env/server/Dockerfile, CMD:
-# `sh -c "cd /app/env && uvicorn server.app:app --host 0.0.0.0 --port 8000"`), with the port
-# filled in and `exec` so the server receives the job's stop signal directly.
-DEFAULT_COMMAND_TEMPLATE = (
-    "sh",
-    "-c",
-    "cd /app/env && exec uvicorn server.app:app --host 0.0.0.0 --port {port}",
-)
-# The Jobs flavors: a static copy of huggingface_hub 2.4's JobHardware (the emulator's too), for a huggingface_hub
-# without Jobs. The authority is the Hub: `_known_flavors()` takes the installed huggingface_hub's JobHardware
-# where there is one, and the live `GET /api/jobs/hardware` list once a start of this process has fetched it.
+# OpenEnv's image template's CMD (openenv_env/server/Dockerfile), `exec` so the server gets the stop signal.
+DEFAULT_COMMAND_TEMPLATE = ("sh", "-c",
+                            "cd /app/env && exec uvicorn server.app:app --host 0.0.0.0 --port {port}")
+# huggingface_hub 2.4's JobHardware, for one without Jobs (the emulator's list too); `_known_flavors()`
+# prefers the installed JobHardware and the Hub's live `GET /api/jobs/hardware` once a start fetched it.
 KNOWN_FLAVORS = frozenset({
     "cpu-basic", "cpu-upgrade", "cpu-performance", "cpu-xl", "t4-small", "t4-medium", "l4x1", "l4x4", "l40sx1",
     "l40sx4", "l40sx8", "a10g-small", "a10g-large", "a10g-largex2", "a10g-largex4", "a100-large", "a100x4",
     "a100x8", "h200", "h200x2", "h200x4", "h200x8", "rtx-pro-6000", "rtx-pro-6000x2", "rtx-pro-6000x4",
     "rtx-pro-6000x8"})
-# Where a token may be found, in order: the environment variables huggingface_hub itself reads first (so the
-# answer is the same with or without huggingface_hub), then its get_token() (the `hf auth login` file, Colab
-# secrets), then the token file at its documented path.
+# Token variables, read first as huggingface_hub does (the same answer with or without it; _discover_token).
 TOKEN_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 # Spaces hardware names that are not Jobs flavors, left out even if an old huggingface_hub listed them.
 SPACES_ONLY_HARDWARE = frozenset({"h100", "h100x8", "zero-a10g"})
@@ -232,14 +201,12 @@ SPACES_ONLY_HARDWARE = frozenset({"h100", "h100x8", "zero-a10g"})
 SPACE_IMAGE_PREFIXES = ("https://huggingface.co/spaces/", "https://hf.co/spaces/",
                         "huggingface.co/spaces/", "hf.co/spaces/")
 # start_container keywords that override the constructor's settings for one start.
-_OVERRIDABLE = ("command", "flavor", "namespace", "secrets", "labels", "job_timeout",
-                "start_timeout_s", "ready_timeout_s", "poll_interval_s", "verify", "replicas", "pool")
+_OVERRIDABLE = ("command", "flavor", "namespace", "secrets", "labels", "job_timeout", "start_timeout_s",
+                "ready_timeout_s", "poll_interval_s", "verify", "replicas", "pool")
 USER_AGENT = "hf-sandbox-provider/" + __version__
 
 
-# --------------------------------------------------------------------------------------------------
-# Errors
-# --------------------------------------------------------------------------------------------------
+# -- Errors ----------------------------------------------------------------------------------------
 
 
 class SandboxError(RuntimeError):
@@ -333,9 +300,7 @@ class JobsAPIError(SandboxError):
         super().__init__(text)
 
 
-# --------------------------------------------------------------------------------------------------
-# The job lifecycle: one explicit phase per provider (in the spirit of wsproto's ConnectionState)
-# --------------------------------------------------------------------------------------------------
+# -- The job lifecycle: one explicit phase per provider (in the spirit of wsproto's ConnectionState) ---
 
 
 class Phase(enum.Enum):
@@ -377,9 +342,7 @@ class _Detached(NamedTuple):
     client: Any  # Optional[_JobsClient]
 
 
-# --------------------------------------------------------------------------------------------------
-# The provider
-# --------------------------------------------------------------------------------------------------
+# -- The provider ----------------------------------------------------------------------------------
 
 
 # Where OpenEnv's `ContainerProvider` ABC has lived (current, older and pre-package layouts). It is looked up
@@ -1064,9 +1027,7 @@ class HFSandboxProvider:
 _register_with_openenv()
 
 
-# --------------------------------------------------------------------------------------------------
-# Replicas: K single-job providers behind one route, run for the provider that owns them
-# --------------------------------------------------------------------------------------------------
+# -- Replicas: K single-job providers behind one route, run for the provider that owns them --------
 
 
 class _ReplicaSet:
@@ -1275,9 +1236,7 @@ def _replicas_stage(stages: Sequence[Optional[str]]) -> Optional[str]:
     return stages[0]
 
 
-# --------------------------------------------------------------------------------------------------
-# Many providers at once: stop_all and the parallel workers of start_many and replica sets
-# --------------------------------------------------------------------------------------------------
+# -- Many providers at once: stop_all and the parallel workers of start_many and replica sets ------
 
 
 def stop_all(providers: Iterable["HFSandboxProvider"]) -> None:
@@ -1416,9 +1375,7 @@ def _library_signal_mask() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-# --------------------------------------------------------------------------------------------------
-# Settings validation (pure: each `_..._rejection` returns why a value is refused, or None)
-# --------------------------------------------------------------------------------------------------
+# -- Settings validation (pure: each `_..._rejection` returns why a value is refused, or None) -----
 
 # Patterns end in \Z, not $: `$` also matches before a trailing newline, which would let "name\n" through.
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -1797,9 +1754,7 @@ def _resolve_endpoint(endpoint: Optional[str]) -> str:
     return value
 
 
-# --------------------------------------------------------------------------------------------------
-# The Jobs REST client
-# --------------------------------------------------------------------------------------------------
+# -- The Jobs REST client --------------------------------------------------------------------------
 
 
 def _token_key(endpoint: str, token: str) -> Tuple[str, str]:
@@ -2112,9 +2067,7 @@ class _JobsClient:
                             response.headers.get("X-Request-Id"), _status_hint(response.status_code))
 
 
-# --------------------------------------------------------------------------------------------------
-# Process-wide Jobs API budget and job watcher (many providers, one thread, O(1) calls per interval)
-# --------------------------------------------------------------------------------------------------
+# -- Process-wide Jobs API budget and job watcher (many providers, one thread, O(1) calls per interval) ---
 
 
 class _ApiBudget:
@@ -2462,9 +2415,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_after_fork)
 
 
-# --------------------------------------------------------------------------------------------------
-# Process-wide state: the shared proxy and the exit hook
-# --------------------------------------------------------------------------------------------------
+# -- Process-wide state: the shared proxy and the exit hook ----------------------------------------
 
 _shared_proxy_instance: Optional["_proxy.AuthProxy"] = None
 _shared_process_proxy: Optional["_proxy.AuthProxyProcess"] = None  # proxy="process"
@@ -2573,9 +2524,7 @@ def _stop_everything_at_exit() -> None:
                 pass
 
 
-# --------------------------------------------------------------------------------------------------
-# The layers: the registry of placements, the names re-exported lazily (PEP 562), the command line
-# --------------------------------------------------------------------------------------------------
+# -- The layers: the registry of placements, the names re-exported lazily (PEP 562), the command line ---
 
 _LAYER_OF = {name: module for module, names in _LAYERS.items() for name in names}
 # Placements besides a dedicated job, by keyword: the layer (file) that provides each. A placement layer
