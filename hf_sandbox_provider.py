@@ -1268,7 +1268,7 @@ class _Parallel:
                  wake: Optional[threading.Event] = None,
                  on_done: Callable[[int, Optional[BaseException]], None] = lambda index, error: None) -> None:
         self.providers, self.action, self.on_done = providers, action, on_done
-        self.max_parallel, self.all_or_nothing = min(max_parallel, len(providers)), all_or_nothing
+        self.max_parallel, self.all_or_nothing = max(1, min(max_parallel, len(providers))), all_or_nothing
         self.stop_requested = stop_requested or threading.Event()
         self.wake = wake or threading.Event()  # set by each action that ends (and by the owner's stop)
         self.ready: set = set()
@@ -1349,8 +1349,11 @@ class _ProgressLine:
             if error is not None:
                 line += "; environment %d: %s" % (index, _first_line(error) or type(error).__name__)
             self.shown_at, self.shown_done, self.open = now, done, self.tty
-            sys.stderr.write("\r%s\x1b[K" % line if self.tty else line + "\n")
-            sys.stderr.flush()
+            try:
+                sys.stderr.write("\r%s\x1b[K" % line if self.tty else line + "\n")
+                sys.stderr.flush()
+            except (AttributeError, OSError, ValueError):  # no stderr, or a closed one: a display must not
+                pass  # kill a launch worker (and lose its work)
 
     def close(self) -> None:
         """End a terminal's updated line, so what is printed next starts on a line of its own."""
