@@ -48,7 +48,8 @@ import time
 import uuid
 import weakref
 from collections import deque
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import (Any, Callable, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional,
+                    Sequence, Tuple, Union)
 from urllib.parse import urlsplit
 
 import requests
@@ -60,7 +61,7 @@ else:
     import proxy as _proxy
 
 InsecureURLError = _proxy.InsecureURLError
-_is_loopback_host, _start_thread = _proxy._is_loopback_host, _proxy._start_thread  # one copy each, in proxy.py
+_is_loopback_host, _start_thread = _proxy._is_loopback_host, _proxy._start_thread  # one copy each
 
 __all__ = [
     # the provider and its errors
@@ -189,10 +190,10 @@ DEFAULT_COMMAND_TEMPLATE = ("sh", "-c",
 # huggingface_hub 2.4's JobHardware, for one without Jobs (the emulator's list too); `_known_flavors()`
 # prefers the installed JobHardware and the Hub's live `GET /api/jobs/hardware` once a start fetched it.
 KNOWN_FLAVORS = frozenset({
-    "cpu-basic", "cpu-upgrade", "cpu-performance", "cpu-xl", "t4-small", "t4-medium", "l4x1", "l4x4", "l40sx1",
-    "l40sx4", "l40sx8", "a10g-small", "a10g-large", "a10g-largex2", "a10g-largex4", "a100-large", "a100x4",
-    "a100x8", "h200", "h200x2", "h200x4", "h200x8", "rtx-pro-6000", "rtx-pro-6000x2", "rtx-pro-6000x4",
-    "rtx-pro-6000x8"})
+    "cpu-basic", "cpu-upgrade", "cpu-performance", "cpu-xl", "t4-small", "t4-medium", "l4x1", "l4x4",
+    "l40sx1", "l40sx4", "l40sx8", "a10g-small", "a10g-large", "a10g-largex2", "a10g-largex4",
+    "a100-large", "a100x4", "a100x8", "h200", "h200x2", "h200x4", "h200x8",
+    "rtx-pro-6000", "rtx-pro-6000x2", "rtx-pro-6000x4", "rtx-pro-6000x8"})
 # Token variables, read first as huggingface_hub does (the same answer with or without it; _discover_token).
 TOKEN_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 # Spaces hardware names that are not Jobs flavors, left out even if an old huggingface_hub listed them.
@@ -468,10 +469,10 @@ class HFSandboxProvider:
         """Poll `/health` through the proxy until 200, watching the job's stage (each replica's, in parallel).
 
         A terminal stage raises `JobFailedError`, the deadline `JobStartTimeout`; any failure cancels the job.
-        A URL that is not this provider's base URL is refused at once (SandboxConfigError; the job runs on)."""
+        A URL that is not this provider's base URL is refused at once (SandboxConfigError; the job runs)."""
         if self._phase is not Phase.RUNNING or self.base_url is None:
-            raise SandboxError("wait_for_ready(): job %s was stopped; call start_container() to start a new one"
-                               % self.job_id if self._phase is Phase.IDLE and self.job_id else
+            raise SandboxError("wait_for_ready(): job %s was stopped; call start_container() to start a new "
+                               "one" % self.job_id if self._phase is Phase.IDLE and self.job_id else
                                "wait_for_ready() needs a started provider: call start_container() first")
         budget = self._active["ready_timeout_s"] if timeout_s is None else timeout_s
         _raise_if_rejected(_positive_number_rejection("timeout_s", budget)
@@ -814,7 +815,8 @@ class HFSandboxProvider:
                 self.job_url = "%s/jobs/%s/%s" % (self.endpoint, namespace, self.job_id)
                 self._move(Phase.STARTING)  # from here on every teardown cancels this job
                 self.timings["created"] = self._elapsed()
-            logger.info("HF job %s created (%.1fs after submit): %s", self.job_id, self._elapsed(), self.job_url)
+            logger.info("HF job %s created (%.1fs after submit): %s", self.job_id, self._elapsed(),
+                        self.job_url)
             recorded = True
             self._swap_finalizer(self._safety_net(client, None, None))
             self._observe(job)
@@ -926,8 +928,8 @@ class HFSandboxProvider:
                     "start_timeout_s for slow flavors or large images" % (
                         job_id, settings["start_timeout_s"], self.stage), job_id, self.stage)
             if time.monotonic() >= heartbeat:
-                logger.info("HF job %s: still %s, %.0fs after submit (start_timeout_s=%g)", job_id, self.stage,
-                            self._elapsed(), settings["start_timeout_s"])
+                logger.info("HF job %s: still %s, %.0fs after submit (start_timeout_s=%g)", job_id,
+                            self.stage, self._elapsed(), settings["start_timeout_s"])
                 heartbeat = time.monotonic() + HEARTBEAT_S
             self._wake.wait(min(remaining, max(0.0, heartbeat - time.monotonic())))
 
@@ -976,8 +978,8 @@ class HFSandboxProvider:
                     last_seen = type(exc).__name__
                 check()
                 if time.monotonic() >= heartbeat:
-                    logger.info("%s: /health not ready yet, %.0fs after submit (last: %s%s)", label, self._elapsed(),
-                                last_seen, detail())
+                    logger.info("%s: /health not ready yet, %.0fs after submit (last: %s%s)", label,
+                                self._elapsed(), last_seen, detail())
                     heartbeat = time.monotonic() + HEARTBEAT_S
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -1342,10 +1344,12 @@ class _ProgressLine:
     def update(self, ready: int, failed: int, index: int, error: Optional[BaseException]) -> None:
         with self.lock:
             now, done = time.monotonic(), ready + failed
-            due = (done - self.shown_done >= self.total * PROGRESS_STEP or now - self.shown_at >= PROGRESS_INTERVAL_S)
+            due = (done - self.shown_done >= self.total * PROGRESS_STEP
+                   or now - self.shown_at >= PROGRESS_INTERVAL_S)
             if not (self.tty or due or done == self.total or (error is not None and failed == 1)):
                 return
-            line = "start_many: %d/%d ready, %d failed (%.1fs)" % (ready, self.total, failed, now - self.began)
+            line = "start_many: %d/%d ready, %d failed (%.1fs)" % (ready, self.total, failed,
+                                                                    now - self.began)
             if error is not None:
                 line += "; environment %d: %s" % (index, _first_line(error) or type(error).__name__)
             self.shown_at, self.shown_done, self.open = now, done, self.tty
@@ -1452,8 +1456,9 @@ def _flavor_rejection(flavor: Any, known: Optional[frozenset] = None) -> Optiona
     if isinstance(flavor, str) and flavor in known:
         return None
     close = difflib.get_close_matches(flavor, known, n=1) if isinstance(flavor, str) else []
-    return ("unknown flavor %r%s; valid Jobs flavors: %s (see `hf jobs hardware`; if HF added a new one, upgrade "
-            "huggingface_hub)" % (flavor, " (did you mean %r?)" % close[0] if close else "", ", ".join(sorted(known))))
+    return ("unknown flavor %r%s; valid Jobs flavors: %s (see `hf jobs hardware`; if HF added a new one, "
+            "upgrade huggingface_hub)" % (flavor, " (did you mean %r?)" % close[0] if close else "",
+                                          ", ".join(sorted(known))))
 
 
 # endpoint -> the flavors its `GET /api/jobs/hardware` listed, or None when it did not answer (asked once
@@ -1707,9 +1712,9 @@ def _ready_url_rejection(url: Optional[str], base_url: str) -> Optional[str]:
     if url is None or url.rstrip("/") == base_url.rstrip("/"):
         return None
     given, own = urlsplit(str(url)), urlsplit(base_url)
-    slip = ("; under the proxy's address only the base URL itself serves this job: urljoin(base_url, '/step') "
-            "drops its route id, base_url + '/step' keeps it" if (given.scheme, given.netloc) == (own.scheme, own.netloc)
-            else "")
+    same_origin = (given.scheme, given.netloc) == (own.scheme, own.netloc)
+    slip = ("; under the proxy's address only the base URL itself serves this job: urljoin(base_url, "
+            "'/step') drops its route id, base_url + '/step' keeps it" if same_origin else "")
     return "wait_for_ready(%r): not this provider's base URL, which is %s (pass it, or nothing)%s" % (
         url, base_url, slip)
 
@@ -2059,8 +2064,8 @@ class _JobsClient:
                 delay = paused if teardown else 0.0
             else:
                 delay = min(_retry_delay(attempt, retry_after), max_delay)
-            logger.info("%s: %s from %s; retry %d of %d in %.1fs", action, failure, self.endpoint, attempt + 1,
-                        retries, delay)
+            logger.info("%s: %s from %s; retry %d of %d in %.1fs", action, failure, self.endpoint,
+                        attempt + 1, retries, delay)
             time.sleep(delay)
             attempt += 1
 
@@ -2176,7 +2181,8 @@ class _ApiBudget:
             return float(self.remaining or 0.0), self.reset_at - now
         while self._sent and self._sent[0] <= now - self.window_s:
             self._sent.popleft()
-        return float(self.calls - len(self._sent)), (self._sent[0] if self._sent else now) + self.window_s - now
+        oldest = self._sent[0] if self._sent else now
+        return float(self.calls - len(self._sent)), oldest + self.window_s - now
 
     def _wait(self, now: float, left: float, reset_in: float) -> float:
         """How long an ordinary call waits: out a 429's pause; for the reset once only the reserve is left;
@@ -2188,7 +2194,10 @@ class _ApiBudget:
         return max(0.0, self._next_paced - now) if left < self.calls * RATE_LIMIT_PACE_BELOW else 0.0
 
 
-def _ratelimit_info(headers: Mapping[str, str]) -> Optional[Tuple[int, int, Optional[int], Optional[int], str]]:
+_RateLimitInfo = Optional[Tuple[int, int, Optional[int], Optional[int], str]]
+
+
+def _ratelimit_info(headers: Mapping[str, str]) -> _RateLimitInfo:
     """(remaining, seconds to reset, quota or None, window or None, resource) from an answer's RateLimit
     headers, or None: huggingface_hub's parse_ratelimit_headers (1.2 and later), else the same reading."""
     try:
@@ -2205,7 +2214,7 @@ _RATELIMIT = re.compile(r"\"(?P<resource>\w+)\"\s*;\s*r\s*=\s*(?P<r>\d+)\s*;\s*t
 _RATELIMIT_POLICY = re.compile(r"q\s*=\s*(?P<q>\d+).*?w\s*=\s*(?P<w>\d+)")
 
 
-def _parse_ratelimit(headers: Mapping[str, str]) -> Optional[Tuple[int, int, Optional[int], Optional[int], str]]:
+def _parse_ratelimit(headers: Mapping[str, str]) -> _RateLimitInfo:
     lowered = {str(key).lower(): value for key, value in headers.items()}
     match = _RATELIMIT.search(lowered.get("ratelimit") or "")
     if match is None:
@@ -2239,7 +2248,9 @@ _budgets_lock = threading.Lock()
 def _api_budget(endpoint: str, token: str) -> _ApiBudget:
     key = _token_key(endpoint, token)
     with _budgets_lock:
-        return _budgets[key] if key in _budgets else _budgets.setdefault(key, _ApiBudget(*_configured_rate_limit()))
+        if key not in _budgets:
+            _budgets[key] = _ApiBudget(*_configured_rate_limit())
+        return _budgets[key]
 
 
 class _Watch:
