@@ -60,11 +60,21 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 if __package__:  # vendored inside a package: proxy.py sits next to this module
-    from .proxy import JOB_FLAVORS, JOB_LIVE_STAGES, JOB_TERMINAL_STAGES, AuthProxy, Refusal, Route, _is_loopback_host
+    from .proxy import AuthProxy, Refusal, Route, _is_loopback_host
 else:  # top-level module (the repo layout), or run as a script
-    from proxy import JOB_FLAVORS, JOB_LIVE_STAGES, JOB_TERMINAL_STAGES, AuthProxy, Refusal, Route, _is_loopback_host
+    from proxy import AuthProxy, Refusal, Route, _is_loopback_host
 
 log = logging.getLogger("hf_jobs_emulator")
+
+
+def _jobs_facts() -> Any:
+    """The provider's core, for the HF Jobs facts it holds (KNOWN_FLAVORS, LIVE_STAGES, TERMINAL_STAGES: one
+    copy). Imported on first use by the Hub side only: the echo server and its job processes never load it."""
+    if __package__:
+        from . import hf_sandbox_provider as core
+    else:
+        import hf_sandbox_provider as core
+    return core
 
 # The default namespace (user name) of the emulator's own token.
 DEFAULT_NAMESPACE = "local"
@@ -119,6 +129,9 @@ TLS_HOST_SUFFIX = "jobs.localhost"
 TLS_HANDSHAKE_TIMEOUT_S = 10.0
 # Labels starting with this prefix configure faults on one job (see FAULT_KEYS).
 FAULT_LABEL_PREFIX = "emulator-"
+# So do environment variables `HF_JOBS_EMULATOR_<KEY>` (upper case, `_` for `-`): the form a provider passes
+# them in, since it holds labels to the Hub's rule, whose values have no room for a message or "0.5".
+FAULT_ENV_PREFIX = "HF_JOBS_EMULATOR_"
 # The fault keys, as emulator-wide `faults={key: value}` or per-job labels `emulator-<key>: value`.
 FAULT_KEYS = (
     "scheduling-delay-s",  # extra seconds in SCHEDULING (float)
@@ -155,10 +168,6 @@ HUB_RATE_LIMIT_WINDOW_S = 300.0
 # whoami-v2 is limited much harder than the rest ("intentionally strict", huggingface_hub says; the real
 # number is not published): in the emulator, this fraction of the quota per window (at least 1 call).
 WHOAMI_QUOTA_FRACTION = 0.05
-# Hardware flavors and job stages: the same facts the provider relies on (one copy, in proxy.py).
-FLAVORS = tuple(sorted(JOB_FLAVORS))
-TERMINAL_STAGES = JOB_TERMINAL_STAGES
-ALL_STAGES = JOB_LIVE_STAGES + JOB_TERMINAL_STAGES
 # Environment variables of this process a job must not inherit: the real service never hands the
 # submitting user's token to a job unless it is passed as a secret.
 SCRUBBED_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_API_TOKEN")
@@ -243,7 +252,7 @@ class EmulatedJob:
     @property
     def terminal(self) -> bool:
         """Whether the job reached a stage it never leaves."""
-        return self.stage in TERMINAL_STAGES
+        return self.stage in _jobs_facts().TERMINAL_STAGES
 
     def __repr__(self) -> str:
         return f"EmulatedJob(id={self.id!r}, stage={self.stage!r}, pid={self.pid!r})"
@@ -309,8 +318,8 @@ class JobsEmulator:
         self.default_faults = {k: str(v) for k, v in (faults or {}).items()}
         self.default_command = list(default_command) if default_command else echo_server_command()
         self.image_commands = {k: list(v) for k, v in (image_commands or {}).items()}
-        # The flavors `GET /api/jobs/hardware` lists and creates accept (default: the Hub's, FLAVORS).
-        self.flavors = tuple(sorted(flavors)) if flavors is not None else FLAVORS
+        # The flavors `GET /api/jobs/hardware` lists and creates accept (default: the Hub's).
+        self.flavors = tuple(sorted(flavors if flavors is not None else _jobs_facts().KNOWN_FLAVORS))
         # list_page_size=N: listings answer N jobs a page with a `Link: <...>; rel="next"` (as the Hub
         # paginates), whose scheme://host:port is `next_link_base` (default: the emulator's own endpoint), so
         # a client can be shown the same server under another name, or a foreign one.
@@ -489,7 +498,7 @@ class JobsEmulator:
 
     def wait_for_stage(self, job_id: str, stages: Iterable[str], timeout_s: float = 10.0) -> EmulatedJob:
         """Block until the job is in one of `stages` (or terminal); TimeoutError naming the stage."""
-        wanted = set(stages) | set(TERMINAL_STAGES)
+        wanted = set(stages) | _jobs_facts().TERMINAL_STAGES
         deadline = time.monotonic() + timeout_s
         with self._changed:
             job = self.job(job_id)
@@ -706,7 +715,11 @@ class JobsEmulator:
         labels = dict(body.get("labels") or {})
         job_faults = {k[len(FAULT_LABEL_PREFIX):]: v for k, v in labels.items()
                       if k.startswith(FAULT_LABEL_PREFIX)}
-        reason = _faults_rejection(job_faults, "labels", prefix=FAULT_LABEL_PREFIX)
+        env_faults = {k[len(FAULT_ENV_PREFIX):].lower().replace("_", "-"): v
+                      for k, v in (body.get("environment") or {}).items() if k.startswith(FAULT_ENV_PREFIX)}
+        reason = (_faults_rejection(job_faults, "labels", prefix=FAULT_LABEL_PREFIX)
+                  or _faults_rejection(env_faults, "environment", prefix=FAULT_ENV_PREFIX))
+        job_faults.update(env_faults)
         if reason:
             raise _ApiError(400, reason)
         faults = {**self.default_faults, **job_faults}
@@ -753,8 +766,9 @@ class JobsEmulator:
                     raise _ApiError(400, f"label filter must be key=value, got {value!r}")
                 labels.append((name, wanted))
             elif key == "stage":
-                if value.upper() not in ALL_STAGES:
-                    raise _ApiError(400, f"stage filter {value!r} is not a job stage; use one of {', '.join(ALL_STAGES)}")
+                all_stages = _jobs_facts().LIVE_STAGES + tuple(sorted(_jobs_facts().TERMINAL_STAGES))
+                if value.upper() not in all_stages:
+                    raise _ApiError(400, f"stage filter {value!r} is not a job stage; use one of {', '.join(all_stages)}")
                 stages.add(value.upper())
         with self._lock:  # only a snapshot under the lock: 256 jobs' JSON is built outside it
             chosen = [(j, _JobState.of(j)) for j in self._jobs.values()
@@ -1303,7 +1317,7 @@ def _str_map_rejection(body: Mapping[str, Any], field: str) -> Optional[str]:
     return None
 
 
-def _create_body_rejection(body: Any, flavors: Sequence[str] = FLAVORS) -> Optional[str]:
+def _create_body_rejection(body: Any, flavors: Sequence[str]) -> Optional[str]:
     """Why a create body is refused (naming the field), or None."""
     if not isinstance(body, dict):
         return "the request body must be a JSON object describing the job"
@@ -1495,9 +1509,9 @@ def _openenv_default_port(command: Sequence[str]) -> Optional[int]:
     return int(match.group("port")) if match else None
 
 
-def _hardware_list(flavors: Sequence[str] = FLAVORS) -> List[Dict[str, Any]]:
+def _hardware_list(flavors: Sequence[str]) -> List[Dict[str, Any]]:
     """`GET /api/jobs/hardware` in the shape huggingface_hub's JobHardwareInfo reads. Only the names are the
-    Hub's (FLAVORS); the specs and prices are placeholders (docs/emulator.md)."""
+    Hub's (the provider's KNOWN_FLAVORS); the specs and prices are placeholders (docs/emulator.md)."""
     entries = []
     for name in flavors:
         shape = re.match(r"^(?P<model>.+?)(?:-(?:small|medium|large))?(?:x(?P<count>[0-9]+))?$", name)

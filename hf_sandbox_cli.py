@@ -29,7 +29,6 @@ else:
     from hf_sandbox_training import EnvSession
 
 # What the command line uses of the core.
-_proxy = _core._proxy
 HFSandboxProvider = _core.HFSandboxProvider
 SandboxError, SandboxConfigError, JobsAPIError = _core.SandboxError, _core.SandboxConfigError, _core.JobsAPIError
 InsecureURLError = _core.InsecureURLError
@@ -337,7 +336,7 @@ def _run_sweep(args: Any) -> int:
         labels = {PROVIDER_LABEL_KEY: PROVIDER_LABEL_VALUE}
         if args.pool:  # the host jobs of a named pool (huggingface_hub's labels: hosts carry no label of ours)
             labels = {"hf-sandbox-mode": "pool", "hf-sandbox-pool": args.pool}
-        found = client.list_jobs(namespace, labels=labels, stages=_proxy.JOB_LIVE_STAGES)
+        found = client.list_jobs(namespace, labels=labels, stages=_core.LIVE_STAGES)
         failed = swept = 0
         now = time.time()
         for job in found:

@@ -18,6 +18,7 @@ import atexit
 import logging
 import re
 import shlex
+import sys
 import threading
 import time
 import weakref
@@ -773,3 +774,6 @@ def _close_pools_at_exit() -> None:
                   and f.peek()[1] is _release_sandbox]
     _core._in_parallel(finalizers, EXIT_KILL_BUDGET_S)
     close_pools()
+
+
+_core._register_placement("pool", sys.modules[__name__])  # the core's pool= finds this layer here

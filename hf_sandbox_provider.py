@@ -10,23 +10,29 @@ watcher thread (one Jobs API call per interval for all starting jobs) and one AP
 `HFSandboxProvider.start_many()` launches n with bounded concurrency, all or nothing; `replicas=K`
 puts K jobs of one image behind one route (sessions spread by the proxy, least sessions first).
 
-Read top to bottom: constants, errors, the job lifecycle (`Phase`), the provider, what runs its jobs
-(itself for one job, a `_ReplicaSet` for K), `_Parallel` (start_many's and a replica set's workers) and
-`stop_all`, settings validation, the small Jobs REST client, the process-wide API budget and job
-watcher, teardown and the exit hook; last, the lazy re-exports of the layers. Imports `proxy` (relatively
-inside a package, absolutely at top level) and no layer: the training layer (`EnvSession`, `Sandbox`,
-`stop_sandboxes`, `install_signal_teardown`) lives in hf_sandbox_training.py and the command line in
-hf_sandbox_cli.py, each importing this module; their names are re-exported here on first use. Vendoring:
-copy this file and proxy.py, plus each layer you use.
+Read top to bottom: constants (the HF Jobs facts among them), errors, the job lifecycle (`Phase`), the
+provider, what runs its jobs (itself for one job, a `_ReplicaSet` for K), `stop_all` and `_Parallel`
+(start_many's and a replica set's thread pool) with start_many's progress line, settings validation and
+the token lookup, the small Jobs REST client, the process-wide API budget and job watcher, teardown and
+the exit hook; last, the layers: the placement registry, the lazy re-exports, the command line. Imports
+`proxy` (relatively inside a package, absolutely at top level) and no layer: the training layer
+(hf_sandbox_training.py), pooled placement (hf_sandbox_pool.py, which registers itself through
+`_register_placement`) and the command line (hf_sandbox_cli.py) each import this module, which loads
+them only on use, through the tables `_LAYERS` and `_PLACEMENT_LAYERS`. Vendoring: copy this file and
+proxy.py, plus each layer you use; a missing one is named by its file.
 """
 
 from __future__ import annotations
 
 import abc
 import atexit
+import concurrent.futures
+import contextlib
+import difflib
 import email.utils
 import enum
 import hashlib
+import http.client
 import importlib
 import importlib.util
 import json
@@ -35,13 +41,15 @@ import os
 import random
 import re
 import shlex
+import signal
 import sys
 import threading
 import time
 import uuid
 import weakref
 from collections import deque
-from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import (Any, Callable, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional,
+                    Sequence, Tuple, Union)
 from urllib.parse import urlsplit
 
 import requests
@@ -53,10 +61,7 @@ else:
     import proxy as _proxy
 
 InsecureURLError = _proxy.InsecureURLError
-# One copy each, shared with the proxy and the emulator (see proxy.py's shared block).
-_is_loopback_host = _proxy._is_loopback_host
-_discover_token = _proxy._discover_token
-_start_thread = _proxy._start_thread
+_is_loopback_host, _start_thread = _proxy._is_loopback_host, _proxy._start_thread  # one copy each
 
 __all__ = [
     # the provider and its errors
@@ -81,9 +86,7 @@ __version__ = "0.1.0"
 
 logger = logging.getLogger("hf_sandbox_provider")
 
-# --------------------------------------------------------------------------------------------------
-# Constants
-# --------------------------------------------------------------------------------------------------
+# -- Constants -------------------------------------------------------------------------------------
 
 # The public Hub; HF_ENDPOINT overrides it (mirrors, staging, the local emulator).
 DEFAULT_ENDPOINT = "https://huggingface.co"
@@ -91,30 +94,26 @@ DEFAULT_ENDPOINT = "https://huggingface.co"
 DEFAULT_PORT = 8000
 # The cheapest flavor; OpenEnv environment servers are CPU-bound HTTP servers.
 DEFAULT_FLAVOR = "cpu-basic"
-# Server-side lifetime of a job, always sent: nothing else stops billing if the client dies. One
-# hour covers a long batch of episodes yet bounds what a leaked job can cost.
+# Server-side lifetime of a job, always sent: nothing else stops billing if the client dies (an hour).
 DEFAULT_JOB_TIMEOUT_S = 3600
-# From submit to an exposed URL. CPU jobs schedule in 4-11 s (see the upstream PR's benchmark);
-# GPU flavors and large images can take minutes, so the budget is generous.
+# From submit to an exposed URL: CPU jobs schedule in 4-11 s, GPU flavors and large images in minutes.
 DEFAULT_START_TIMEOUT_S = 600.0
 # From URL to a 200 on /health: image pull plus server boot.
 DEFAULT_READY_TIMEOUT_S = 300.0
-# How often the process-wide job watcher refreshes the jobs that are starting. It makes ONE call per
-# interval for the whole process (a `list` filtered by this process's label), however many providers
-# wait, so a short interval is affordable: a stage change is seen within 0.5 s (the provider's own
-# overhead on top of the job's readiness is mostly this lag), for at most 60 calls per 30 s wave.
+# How often the job watcher refreshes starting jobs: ONE call per interval for the whole process (a `list`
+# by this process's label), so a stage change is seen within 0.5 s for at most 60 calls per 30 s wave.
 DEFAULT_POLL_INTERVAL_S = 0.5
-# Jobs still SCHEDULING after this long are slow (GPU flavors, big images: minutes), so a group whose
-# jobs have all waited this long is refreshed at most every WATCH_SLOW_INTERVAL_S: a long wait then
-# costs ~60 calls per 5 minutes instead of ~600.
+# Jobs that waited this long are slow (minutes): refreshed at most every WATCH_SLOW_INTERVAL_S, a long wait
+# then costs ~60 calls per 5 minutes instead of ~600.
 WATCH_SLOWDOWN_AFTER_S = 30.0
 WATCH_SLOW_INTERVAL_S = 5.0
-# /health is probed through the local proxy (no Jobs API call) on a growing schedule: the first
-# probes come quickly, so a server that boots in a few hundred milliseconds is seen within ~0.1 s of
-# answering, and the interval grows to the cap so a slow image does not flood its job with probes.
+# /health is probed through the local proxy (no API call) quickly at first (a fast boot is seen within
+# ~0.1 s), then less often up to the cap, so a slow image is not flooded with probes.
 HEALTH_PROBE_FIRST_S = 0.05
 HEALTH_PROBE_GROWTH = 1.3
 HEALTH_PROBE_INTERVAL_S = 0.5
+# A start that waits (minutes on the Hub) logs its stage and seconds so far this often (INFO).
+HEARTBEAT_S = 10.0
 # Per-probe timeouts for /health: (connect, read). A wedged server must not eat the whole budget.
 HEALTH_PROBE_TIMEOUT_S = (5.0, 10.0)
 # Timeouts for Jobs API calls: (connect, read).
@@ -128,102 +127,87 @@ RETRY_AFTER_CAP_S = 60.0
 # Teardown retries a failed cancel briefly: it runs in `finally` blocks and at exit.
 CANCEL_ATTEMPTS = 3
 CANCEL_BACKOFF_CAP_S = 2.0
-# Log tail attached to JobFailedError: bounded in lines and in time (the SSE stream of a running
-# job never ends by itself).
+# Log tail of JobFailedError, bounded in lines and time (a running job's SSE stream never ends).
 LOG_TAIL_LINES = 40
 LOG_FETCH_TIMEOUT_S = 5.0
-# `list` answers are paginated (Link: rel="next", as huggingface_hub's paginate() follows); more pages
-# than this means something is wrong (a loop, or thousands of live jobs): the listing fails, naming it.
+# `list` answers are paginated (Link: rel="next"); more pages than this is a loop or thousands of jobs.
 LIST_MAX_PAGES = 50
-# Host names of the one public Hub: a next-page link may name another of them than the configured endpoint
-# (it is followed on the configured one); any other host is refused, since the token would go with it.
+# Names of the one public Hub: a next-page link may use either (any other host would get the token).
 HUB_HOST_NAMES = frozenset({"huggingface.co", "hf.co"})
-# Labels: one marks every job this library makes (so `sweep` can find leftovers), one is unique per
-# start so a create whose answer was lost can be found instead of submitted twice.
+# Labels: one on every job this library makes (`sweep` finds leftovers by it), one unique per start (a
+# create whose answer was lost is found by it instead of submitted twice).
 PROVIDER_LABEL_KEY = "hf-sandbox-provider"
 PROVIDER_LABEL_VALUE = "1"
 START_LABEL_KEY = "hf-sandbox-start"
-# The Hub's rule for job labels (huggingface_hub's update_job_labels): keys and values at most this many
-# characters of letters, digits, '-' and '_'. Checked before any call, so a bad label never costs a create.
+# The Hub's label rule: keys and values of at most this many letters, digits, '-' and '_' (checked first).
 LABEL_MAX_CHARS = 100
-# Labels with this key prefix configure faults of the local emulator (hf_jobs_emulator.FAULT_LABEL_PREFIX);
-# their values (messages, seconds) are not label-shaped, and only the emulator reads them.
-EMULATOR_FAULT_LABEL_PREFIX = "emulator-"
-# Every job this process creates carries `hf-sandbox-process=<uuid of this process>`, so the watcher
-# can refresh all of them with one filtered `list` call.
+# `hf-sandbox-process=<uuid of this process>` on each job: the watcher lists them all with one call.
 PROCESS_LABEL_KEY = "hf-sandbox-process"
-# The Hub's API limit is per user (every process and tool of that user shares it), in fixed 5-minute
-# windows: 1,000 calls (free), 2,500 (PRO), 3,000 (Team), 6,000 (Enterprise). Every answer says what is
-# left (`RateLimit: "api";r=<remaining>;t=<seconds to reset>`, `RateLimit-Policy: ...;q=<quota>;w=<window>`),
-# and that shared truth is what the budget follows; these defaults (the free tier, or HF_SANDBOX_RATE_LIMIT,
-# e.g. "2500/300") serve until the first answer and with a server that sends no such headers.
+# The Hub's API limit is per user, in fixed 5-minute windows (1,000 calls free, 2,500 PRO, 3,000 Team, 6,000
+# Enterprise); answers' RateLimit headers say what is left, and the budget follows them. These defaults (or
+# HF_SANDBOX_RATE_LIMIT, e.g. "2500/300") serve until the first answer, or with a server that says nothing.
 RATE_LIMIT_CALLS = 1000
 RATE_LIMIT_WINDOW_S = 300.0
 RATE_LIMIT_ENV = "HF_SANDBOX_RATE_LIMIT"
-# The budget follows the "api" bucket; an answer describing another (whoami-v2 has its own, smaller one) is
-# not taken for the quota of the other calls.
+# The bucket the budget follows (whoami-v2 has its own, smaller one).
 RATE_LIMIT_RESOURCE = "api"
-# Below this fraction of the quota left, calls are spread over the time to the reset instead of spent at
-# once (then stalling until the reset): each process paces by the server's count, which also falls with the
-# other processes' calls, so N processes slow down together without talking to each other.
+# Below this fraction left, calls are spread over the time to the reset: paced by the server's count, which
+# falls with every process's calls, N processes slow down together without talking to each other.
 RATE_LIMIT_PACE_BELOW = 0.25
-# This fraction of the quota (at least RATE_LIMIT_RESERVE_MIN calls) is left to teardown: ordinary calls
-# wait for the reset once only this much remains, while cancels are never held by the budget.
+# This fraction of the quota (at least RATE_LIMIT_RESERVE_MIN calls) is kept for cancels, never held here.
 RATE_LIMIT_RESERVE = 0.05
 RATE_LIMIT_RESERVE_MIN = 5
 # A call waiting for budget looks again at least this often: other threads' answers may change the count.
 RATE_LIMIT_RECHECK_S = 2.0
 # Added to a 429's reset time, as huggingface_hub does (the server rounds `t` to whole seconds).
 RATE_LIMIT_RESET_MARGIN_S = 1.0
-# A job missing from the watcher's `list` (of SCHEDULING/RUNNING jobs) has ended or is not listed
-# yet: it is inspected on its own, at most this many per refresh, so a burst of endings cannot turn
-# one call per interval into hundreds.
+# Jobs missing from the watcher's `list` (ended, or not listed yet) inspected per refresh, at most: a burst
+# of endings cannot turn one call per interval into hundreds.
 WATCH_MAX_INSPECTS = 8
-# start_many(): how many environments are brought up at once by default. Each in-flight start is a
-# thread waiting on the watcher (cheap), so the bound mostly spreads the creates and the boot probes.
+# start_many(): environments brought up at once by default (the bound mostly spreads creates and probes).
 DEFAULT_MAX_PARALLEL = 64
-# replicas=K: K jobs start at once (one thread each) behind one proxy route. Beyond this many, one
-# route is the wrong tool: use start_many() (independent environments) or several providers.
+# start_many(progress=True): at most a line per this fraction of the environments or per this many seconds.
+PROGRESS_STEP = 0.05
+PROGRESS_INTERVAL_S = 1.0
+# replicas=K: K jobs behind one route; beyond this many use start_many() or several providers.
 MAX_REPLICAS = 64
-# replica_status() inspects a job the proxy took out of rotation at most this often, so a caller that
-# polls the status in a loop cannot drain the Jobs API budget (refresh=True always inspects).
+# replica_status() inspects a replica out of rotation at most this often: polling cannot drain the API.
 REPLICA_CHECK_INTERVAL_S = 5.0
-# proxy="process": every provider of the process mounts on one AuthProxy served by a child process
-# (AuthProxy.spawn), so relaying costs the trainer's GIL nothing. The default (None) keeps it in-process.
+# proxy="process": one shared AuthProxy in a child process (AuthProxy.spawn): relaying costs no trainer GIL.
 PROXY_PROCESS = "process"
 # stop_all(): cancels run this many at a time (each is one API call plus a brief retry).
 STOP_PARALLEL = 32
-# stop_container() during a start in another thread waits this long for that start to end (its create
-# answered, its job cancelled), so it never returns while a job it could not see may still be made.
+# stop_container() waits this long for a start in another thread to end (its create answered, its job
+# cancelled), so it does not return while a job it could not see may still be made.
 STOP_WAIT_S = 30.0
-# Stages after which a job never runs again (one list shared with the emulator, in proxy.py).
-TERMINAL_STAGES = frozenset(_proxy.JOB_TERMINAL_STAGES)
-# What OpenEnv's image template runs (openenv/cli/templates/openenv_env/server/Dockerfile, CMD:
-# `sh -c "cd /app/env && uvicorn server.app:app --host 0.0.0.0 --port 8000"`), with the port
-# filled in and `exec` so the server receives the job's stop signal directly.
-DEFAULT_COMMAND_TEMPLATE = (
-    "sh",
-    "-c",
-    "cd /app/env && exec uvicorn server.app:app --host 0.0.0.0 --port {port}",
-)
-# The Jobs flavors (a static copy of huggingface_hub's JobHardware, shared with the emulator, in proxy.py). The
-# authority is the Hub: `_known_flavors()` takes the installed huggingface_hub's JobHardware where there is one,
-# and the live `GET /api/jobs/hardware` list once a start of this process has fetched it.
-KNOWN_FLAVORS = _proxy.JOB_FLAVORS
+# Job stages (huggingface_hub's JobStage): the live ones in the order a job passes them, and those after which
+# it never runs again (its TERMINAL_JOB_STAGES). The emulator takes them from here too.
+LIVE_STAGES = ("SCHEDULING", "RUNNING")
+TERMINAL_STAGES = frozenset({"COMPLETED", "CANCELED", "ERROR", "DELETED"})
+# OpenEnv's image template's CMD (openenv_env/server/Dockerfile), `exec` so the server gets the stop signal.
+DEFAULT_COMMAND_TEMPLATE = ("sh", "-c",
+                            "cd /app/env && exec uvicorn server.app:app --host 0.0.0.0 --port {port}")
+# huggingface_hub 2.4's JobHardware, for one without Jobs (the emulator's list too); `_known_flavors()`
+# prefers the installed JobHardware and the Hub's live `GET /api/jobs/hardware` once a start fetched it.
+KNOWN_FLAVORS = frozenset({
+    "cpu-basic", "cpu-upgrade", "cpu-performance", "cpu-xl", "t4-small", "t4-medium", "l4x1", "l4x4",
+    "l40sx1", "l40sx4", "l40sx8", "a10g-small", "a10g-large", "a10g-largex2", "a10g-largex4",
+    "a100-large", "a100x4", "a100x8", "h200", "h200x2", "h200x4", "h200x8",
+    "rtx-pro-6000", "rtx-pro-6000x2", "rtx-pro-6000x4", "rtx-pro-6000x8"})
+# Token variables, read first as huggingface_hub does (the same answer with or without it; _discover_token).
+TOKEN_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 # Spaces hardware names that are not Jobs flavors, left out even if an old huggingface_hub listed them.
 SPACES_ONLY_HARDWARE = frozenset({"h100", "h100x8", "zero-a10g"})
 # Image references of HF Spaces, sent as `spaceId` rather than `dockerImage` (as huggingface_hub does).
 SPACE_IMAGE_PREFIXES = ("https://huggingface.co/spaces/", "https://hf.co/spaces/",
                         "huggingface.co/spaces/", "hf.co/spaces/")
 # start_container keywords that override the constructor's settings for one start.
-_OVERRIDABLE = ("command", "flavor", "namespace", "secrets", "labels", "job_timeout",
-                "start_timeout_s", "ready_timeout_s", "poll_interval_s", "verify", "replicas", "pool")
+_OVERRIDABLE = ("command", "flavor", "namespace", "secrets", "labels", "job_timeout", "start_timeout_s",
+                "ready_timeout_s", "poll_interval_s", "verify", "replicas", "pool")
 USER_AGENT = "hf-sandbox-provider/" + __version__
 
 
-# --------------------------------------------------------------------------------------------------
-# Errors
-# --------------------------------------------------------------------------------------------------
+# -- Errors ----------------------------------------------------------------------------------------
 
 
 class SandboxError(RuntimeError):
@@ -317,9 +301,7 @@ class JobsAPIError(SandboxError):
         super().__init__(text)
 
 
-# --------------------------------------------------------------------------------------------------
-# The job lifecycle: one explicit phase per provider (in the spirit of wsproto's ConnectionState)
-# --------------------------------------------------------------------------------------------------
+# -- The job lifecycle: one explicit phase per provider (in the spirit of wsproto's ConnectionState) ---
 
 
 class Phase(enum.Enum):
@@ -361,9 +343,7 @@ class _Detached(NamedTuple):
     client: Any  # Optional[_JobsClient]
 
 
-# --------------------------------------------------------------------------------------------------
-# The provider
-# --------------------------------------------------------------------------------------------------
+# -- The provider ----------------------------------------------------------------------------------
 
 
 # Where OpenEnv's `ContainerProvider` ABC has lived (current, older and pre-package layouts). It is looked up
@@ -472,7 +452,7 @@ class HFSandboxProvider:
         started = False
         try:
             if settings["pool"] is not None:
-                pooled = _pool_module().PooledSandbox(self, settings)  # bad combinations fail here
+                pooled = _placement("pool").PooledSandbox(self, settings)  # bad combinations fail here
                 with self._lock:
                     self._pooled = pooled
             elif settings["replicas"] > 1:
@@ -488,11 +468,15 @@ class HFSandboxProvider:
     def wait_for_ready(self, base_url: Optional[str] = None, timeout_s: Optional[float] = None) -> None:
         """Poll `/health` through the proxy until 200, watching the job's stage (each replica's, in parallel).
 
-        A terminal stage raises `JobFailedError`, the deadline `JobStartTimeout`; any failure cancels the job."""
+        A terminal stage raises `JobFailedError`, the deadline `JobStartTimeout`; any failure cancels the job.
+        A URL that is not this provider's base URL is refused at once (SandboxConfigError; the job runs)."""
         if self._phase is not Phase.RUNNING or self.base_url is None:
-            raise SandboxError("wait_for_ready() needs a started provider: call start_container() first")
+            raise SandboxError("wait_for_ready(): job %s was stopped; call start_container() to start a new "
+                               "one" % self.job_id if self._phase is Phase.IDLE and self.job_id else
+                               "wait_for_ready() needs a started provider: call start_container() first")
         budget = self._active["ready_timeout_s"] if timeout_s is None else timeout_s
-        _raise_if_rejected(_positive_number_rejection("timeout_s", budget))
+        _raise_if_rejected(_positive_number_rejection("timeout_s", budget)
+                           or _ready_url_rejection(base_url, self.base_url))
         try:
             self._jobs._wait_ready(base_url or self.base_url, float(budget))
         except BaseException:
@@ -508,8 +492,9 @@ class HFSandboxProvider:
         """Start `n` providers, at most `max_parallel` at a time, and wait until each is ready.
 
         All or nothing (default): the n providers, or every job cancelled and one `StartManyError`. Else
-        `(ready_providers, [(index, exception)])`. `progress`: True prints a line per environment to
-        stderr; a callable gets `(ready, failed, n)`.
+        `(ready_providers, [(index, exception)])`. `progress`: True writes whole lines to stderr, bounded
+        (PROGRESS_STEP, PROGRESS_INTERVAL_S; on a terminal one line updated in place); a callable gets
+        `(ready, failed, n)` after each environment.
         """
         _raise_if_rejected(_positive_int_rejection("n", n) or _positive_int_rejection("max_parallel", max_parallel))
         if not (isinstance(progress, bool) or callable(progress)):
@@ -518,29 +503,29 @@ class HFSandboxProvider:
         _raise_if_rejected(_image_rejection(providers[0].image))
         providers[0]._resolve_token()  # no token: one SandboxConfigError now, not n failures later
         if isinstance(providers[0].pool, str):  # the hosts n sandboxes need: the first start boots them all at once
-            _pool_module().prewarm(providers[0], n, boot=False)
-        began = time.monotonic()
+            _placement("pool").prewarm(providers[0], n, boot=False)
+        shown = _ProgressLine(n) if progress is True else None
 
         def report(index: int, error: Optional[BaseException]) -> None:
             ready, failed = len(launch.ready), len(launch.errors)
-            if callable(progress):
-                try:
-                    progress(ready, failed, n)
-                except Exception:  # the caller's display must not kill a launch worker (and lose its work)
-                    logger.warning("start_many: the progress callback raised; ignoring it", exc_info=True)
-            elif progress:
-                line = "start_many: %d/%d ready, %d failed (%.1fs)" % (ready, n, failed, time.monotonic() - began)
-                if error is not None:
-                    line += "; environment %d: %s" % (index, _first_line(error) or type(error).__name__)
-                print(line, file=sys.stderr, flush=True)
+            if shown is not None:
+                shown.update(ready, failed, index, error)
+                return
+            try:
+                progress(ready, failed, n)  # type: ignore[operator]
+            except Exception:  # the caller's display must not kill a launch worker (and lose its work)
+                logger.warning("start_many: the progress callback raised; ignoring it", exc_info=True)
 
         launch = _Parallel(providers, lambda index, p: p.wait_for_ready(p.start_container()), max_parallel,
-                           all_or_nothing, on_done=report)
+                           all_or_nothing, on_done=report if progress else lambda index, error: None)
         try:
             launch.run("hf-sandbox-start")
         except BaseException:
             stop_all(providers)
             raise
+        finally:
+            if shown is not None:
+                shown.close()
         if launch.errors and all_or_nothing:
             stop_all(providers)
             raise StartManyError(n, launch.errors, launch.aborted)
@@ -646,7 +631,7 @@ class HFSandboxProvider:
         return requests.Session()
 
     def _exposed_url_rejection(self, url: str, job_id: str, port: int) -> Optional[str]:
-        """Why the job's exposed URL must not receive the token, or None (DESIGN.md's rule)."""
+        """Why the job's exposed URL must not receive the token, or None (see `_exposed_url_rejection`)."""
         return _exposed_url_rejection(url, job_id, port, self.endpoint)
 
     def _replica_settings(self, index: int, settings: Dict[str, Any]) -> Dict[str, Any]:
@@ -830,6 +815,8 @@ class HFSandboxProvider:
                 self.job_url = "%s/jobs/%s/%s" % (self.endpoint, namespace, self.job_id)
                 self._move(Phase.STARTING)  # from here on every teardown cancels this job
                 self.timings["created"] = self._elapsed()
+            logger.info("HF job %s created (%.1fs after submit): %s", self.job_id, self._elapsed(),
+                        self.job_url)
             recorded = True
             self._swap_finalizer(self._safety_net(client, None, None))
             self._observe(job)
@@ -923,6 +910,7 @@ class HFSandboxProvider:
     def _wait_for_url(self, client: "_JobsClient", settings: Mapping[str, Any]) -> str:
         deadline = self._submitted_at + float(settings["start_timeout_s"])
         job_id, port = self.job_id or "", int(settings["port"])
+        heartbeat = time.monotonic() + HEARTBEAT_S
         while True:
             self._wake.clear()  # before reading, so a change made after the read still wakes the wait
             job = self._latest_job(client) or {}
@@ -939,7 +927,11 @@ class HFSandboxProvider:
                     "HF job %s exposed no URL within start_timeout_s=%gs (last stage %s); raise "
                     "start_timeout_s for slow flavors or large images" % (
                         job_id, settings["start_timeout_s"], self.stage), job_id, self.stage)
-            self._wake.wait(remaining)
+            if time.monotonic() >= heartbeat:
+                logger.info("HF job %s: still %s, %.0fs after submit (start_timeout_s=%g)", job_id,
+                            self.stage, self._elapsed(), settings["start_timeout_s"])
+                heartbeat = time.monotonic() + HEARTBEAT_S
+            self._wake.wait(min(remaining, max(0.0, heartbeat - time.monotonic())))
 
     def _wait_ready(self, base_url: str, budget: float) -> None:
         client = self._job_client
@@ -963,6 +955,7 @@ class HFSandboxProvider:
         deadline = time.monotonic() + budget
         interval = HEALTH_PROBE_FIRST_S
         last_seen = "no answer yet"
+        heartbeat = time.monotonic() + HEARTBEAT_S
         with requests.Session() as session:
             session.trust_env = False  # loopback proxy: never route through HTTP(S)_PROXY
             while True:
@@ -978,12 +971,16 @@ class HFSandboxProvider:
                         self.timings["ready"] = self._elapsed()
                         logger.info("%s ready (%.1fs after submit)", label, self._elapsed())
                         return
-                    reason = _health_status_rejection(status)
+                    reason = _health_status_rejection(response)
                     if reason:
                         raise SandboxError("%s: /health %s" % (short, reason))
                 except requests.RequestException as exc:
                     last_seen = type(exc).__name__
                 check()
+                if time.monotonic() >= heartbeat:
+                    logger.info("%s: /health not ready yet, %.0fs after submit (last: %s%s)", label,
+                                self._elapsed(), last_seen, detail())
+                    heartbeat = time.monotonic() + HEARTBEAT_S
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise JobStartTimeout("%s did not answer /health with 200 within %gs (last: %s%s)"
@@ -1032,9 +1029,7 @@ class HFSandboxProvider:
 _register_with_openenv()
 
 
-# --------------------------------------------------------------------------------------------------
-# Replicas: K single-job providers behind one route, run for the provider that owns them
-# --------------------------------------------------------------------------------------------------
+# -- Replicas: K single-job providers behind one route, run for the provider that owns them --------
 
 
 class _ReplicaSet:
@@ -1227,7 +1222,7 @@ class _ReplicaSet:
 
 
 # Order of the live stages, least advanced first (an unknown live stage counts as not running yet).
-_LIVE_STAGE_ORDER = {None: 0, "SCHEDULING": 1, "RUNNING": 2}
+_LIVE_STAGE_ORDER = {None: 0, **{stage: order for order, stage in enumerate(LIVE_STAGES, 1)}}
 
 
 def _replicas_stage(stages: Sequence[Optional[str]]) -> Optional[str]:
@@ -1243,9 +1238,7 @@ def _replicas_stage(stages: Sequence[Optional[str]]) -> Optional[str]:
     return stages[0]
 
 
-# --------------------------------------------------------------------------------------------------
-# Many providers at once: stop_all and the parallel workers of start_many and replica sets
-# --------------------------------------------------------------------------------------------------
+# -- Many providers at once: stop_all and the parallel workers of start_many and replica sets ------
 
 
 def stop_all(providers: Iterable["HFSandboxProvider"]) -> None:
@@ -1254,7 +1247,8 @@ def stop_all(providers: Iterable["HFSandboxProvider"]) -> None:
 
 
 def _in_parallel(actions: Sequence[Callable[[], None]], budget_s: Optional[float] = None) -> None:
-    """Run each action in its own daemon thread (at most STOP_PARALLEL at a time); wait up to `budget_s`."""
+    """Run each action in its own daemon thread (at most STOP_PARALLEL at a time); wait up to `budget_s`.
+    Not a concurrent.futures pool: this runs at exit too, where such a pool takes no new work."""
     deadline = None if budget_s is None else time.monotonic() + budget_s
     for first in range(0, len(actions), STOP_PARALLEL):
         batch = [threading.Thread(target=action, name="hf-sandbox-stop", daemon=True)
@@ -1266,9 +1260,9 @@ def _in_parallel(actions: Sequence[Callable[[], None]], budget_s: Optional[float
 
 
 class _Parallel:
-    """Runs `action(index, provider)` over providers, at most `max_parallel` at a time, for start_many()
-    and for a replica set. With `all_or_nothing`, the first failure makes the others give up (their
-    jobs are cancelled by their own teardown); so does `stop_requested` (the owner's stop), which
+    """Runs `action(index, provider)` over providers on a thread pool of at most `max_parallel`, for
+    start_many() and for a replica set. With `all_or_nothing`, the first failure makes the others give up
+    (their jobs are cancelled by their own teardown); so does `stop_requested` (the owner's stop), which
     `wake` signals. Outcomes: `ready` (indexes), `errors` [(index, exception)], `aborted` (given up)."""
 
     def __init__(self, providers: List["HFSandboxProvider"], action: Callable[[int, "HFSandboxProvider"], None],
@@ -1276,82 +1270,119 @@ class _Parallel:
                  wake: Optional[threading.Event] = None,
                  on_done: Callable[[int, Optional[BaseException]], None] = lambda index, error: None) -> None:
         self.providers, self.action, self.on_done = providers, action, on_done
-        self.max_parallel, self.all_or_nothing = min(max_parallel, len(providers)), all_or_nothing
+        self.max_parallel, self.all_or_nothing = max(1, min(max_parallel, len(providers))), all_or_nothing
         self.stop_requested = stop_requested or threading.Event()
-        self.wake = wake or threading.Event()  # set by each worker that finishes (and by the owner's stop)
+        self.wake = wake or threading.Event()  # set by each action that ends (and by the owner's stop)
         self.ready: set = set()
         self.errors: List[Tuple[int, BaseException]] = []
         self.aborted = 0
         self.stopping = False
-        self._next = self._finished = 0
+        self._began: set = set()  # indexes whose action has begun
         self._lock = threading.Lock()
 
     def run(self, name: str) -> None:
-        """Returns when every worker has finished; an interrupt gives the rest up, then propagates."""
-        workers = [threading.Thread(target=self._work, name="%s-%d" % (name, i), daemon=True)
-                   for i in range(self.max_parallel)]
-        try:
-            for worker in workers:
-                _start_thread(worker)
-            while True:
-                self.wake.clear()  # before the checks, so a change made after them still wakes the wait
-                if self.stop_requested.is_set() and not self.stopping:
-                    self.abort()
-                with self._lock:
-                    if self._finished == len(workers):
-                        break
-                self.wake.wait(0.5)  # bounded: a Ctrl-C reaches this thread
-            for worker in workers:
-                worker.join()  # each has finished its work; this only reaps it
-        except BaseException:
-            self.abort()
-            for worker in workers:
-                if worker.ident is not None:
-                    worker.join()
-            raise
+        """Returns when every action has ended; an interrupt gives the rest up, then propagates."""
+        with concurrent.futures.ThreadPoolExecutor(self.max_parallel, thread_name_prefix=name) as pool:
+            with _library_signal_mask():  # the pool starts its threads in submit(): they inherit the mask
+                futures = [pool.submit(self._one, index) for index in range(len(self.providers))]
+            try:
+                while True:
+                    self.wake.clear()  # before the checks, so a change made after them still wakes the wait
+                    if self.stop_requested.is_set() and not self.stopping:
+                        self.abort()
+                    if all(future.done() for future in futures):
+                        return
+                    self.wake.wait(0.5)  # bounded: a Ctrl-C reaches this thread
+            except BaseException:
+                self.abort()  # leaving the block waits for the actions in flight, which now give up
+                raise
 
     def abort(self) -> None:
-        """Stop taking work and make every start or readiness wait in flight give up at once."""
+        """Begin no more actions and make every start or readiness wait in flight give up at once."""
         with self._lock:
             self.stopping = True
-            in_flight = [p for i, p in enumerate(self.providers[:self._next]) if i not in self.ready]
-            self.aborted += len(self.providers) - self._next
-            self._next = len(self.providers)
+            in_flight = [self.providers[index] for index in self._began - self.ready]
         for provider in in_flight:
             provider._request_stop()
 
-    def _work(self) -> None:
+    def _one(self, index: int) -> None:
+        provider, error = self.providers[index], None
         try:
-            while True:
-                with self._lock:
-                    if self._next >= len(self.providers):
-                        return
-                    index, self._next = self._next, self._next + 1
-                provider, error = self.providers[index], None
-                try:
-                    self.action(index, provider)
-                except BaseException as exc:  # recorded and raised by the caller, never lost
-                    error = exc
-                with self._lock:
-                    if error is None:
-                        self.ready.add(index)
-                    elif self.stopping and provider._stop_requested.is_set():
-                        self.aborted += 1  # given up because another one failed: not its own failure
-                        continue
-                    else:
-                        self.errors.append((index, error))
-                self.on_done(index, error)
-                if error is not None and self.all_or_nothing:
-                    self.abort()
-        finally:
             with self._lock:
-                self._finished += 1
+                if self.stopping:
+                    self.aborted += 1
+                    return
+                self._began.add(index)
+            try:
+                self.action(index, provider)
+            except BaseException as exc:  # recorded and raised by the caller, never lost
+                error = exc
+            with self._lock:
+                if error is None:
+                    self.ready.add(index)
+                elif self.stopping and provider._stop_requested.is_set():
+                    self.aborted += 1  # given up because another one failed: not its own failure
+                    return
+                else:
+                    self.errors.append((index, error))
+            self.on_done(index, error)
+            if error is not None and self.all_or_nothing:
+                self.abort()
+        finally:
             self.wake.set()
 
 
-# --------------------------------------------------------------------------------------------------
-# Settings validation (pure: each `_..._rejection` returns why a value is refused, or None)
-# --------------------------------------------------------------------------------------------------
+class _ProgressLine:
+    """start_many's progress on stderr: whole lines written under a lock, at most one per PROGRESS_STEP of the
+    environments or PROGRESS_INTERVAL_S (and the first failure at once); on a terminal, one updated line."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.began, self.lock = total, time.monotonic(), threading.Lock()
+        self.tty = bool(getattr(sys.stderr, "isatty", lambda: False)())
+        self.shown_at, self.shown_done, self.open = float("-inf"), 0, False
+
+    def update(self, ready: int, failed: int, index: int, error: Optional[BaseException]) -> None:
+        with self.lock:
+            now, done = time.monotonic(), ready + failed
+            due = (done - self.shown_done >= self.total * PROGRESS_STEP
+                   or now - self.shown_at >= PROGRESS_INTERVAL_S)
+            if not (self.tty or due or done == self.total or (error is not None and failed == 1)):
+                return
+            line = "start_many: %d/%d ready, %d failed (%.1fs)" % (ready, self.total, failed,
+                                                                    now - self.began)
+            if error is not None:
+                line += "; environment %d: %s" % (index, _first_line(error) or type(error).__name__)
+            self.shown_at, self.shown_done, self.open = now, done, self.tty
+            try:
+                sys.stderr.write("\r%s\x1b[K" % line if self.tty else line + "\n")
+                sys.stderr.flush()
+            except (AttributeError, OSError, ValueError):  # no stderr, or a closed one: a display must not
+                pass  # kill a launch worker (and lose its work)
+
+    def close(self) -> None:
+        """End a terminal's updated line, so what is printed next starts on a line of its own."""
+        with self.lock:
+            if self.open:
+                sys.stderr.write("\n")
+                sys.stderr.flush()
+                self.open = False
+
+
+@contextlib.contextmanager
+def _library_signal_mask() -> Iterator[None]:
+    """Block LIBRARY_THREAD_BLOCKED_SIGNALS in this thread meanwhile, so threads started inside inherit the
+    mask (proxy._start_thread's rule: signals sent meanwhile wait, they are not lost)."""
+    if not hasattr(signal, "pthread_sigmask"):  # Windows: no per-thread signal masks
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _proxy.LIBRARY_THREAD_BLOCKED_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+# -- Settings validation (pure: each `_..._rejection` returns why a value is refused, or None) -----
 
 # Patterns end in \Z, not $: `$` also matches before a trailing newline, which would let "name\n" through.
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -1424,8 +1455,10 @@ def _flavor_rejection(flavor: Any, known: Optional[frozenset] = None) -> Optiona
     known = _known_flavors() if known is None else known
     if isinstance(flavor, str) and flavor in known:
         return None
-    return ("unknown flavor %r; valid Jobs flavors: %s (see `hf jobs hardware`; if HF added a new one, upgrade "
-            "huggingface_hub)" % (flavor, ", ".join(sorted(known))))
+    close = difflib.get_close_matches(flavor, known, n=1) if isinstance(flavor, str) else []
+    return ("unknown flavor %r%s; valid Jobs flavors: %s (see `hf jobs hardware`; if HF added a new one, "
+            "upgrade huggingface_hub)" % (flavor, " (did you mean %r?)" % close[0] if close else "",
+                                          ", ".join(sorted(known))))
 
 
 # endpoint -> the flavors its `GET /api/jobs/hardware` listed, or None when it did not answer (asked once
@@ -1531,13 +1564,12 @@ def _command_rejection(command: Any) -> Optional[str]:
 
 
 def _label_rule_rejection(labels: Any) -> Optional[str]:
-    """Why a label breaks the Hub's rule (refused at create time, after the call), or None. The local
-    emulator's fault labels (`emulator-<fault>`) are its own extension: their values are passed as they are."""
+    """Why a label breaks the Hub's rule (refused at create time, after the call), or None."""
     for key, value in (labels or {}).items():
         if not _LABEL_KEY.match(str(key)):
             return ("label key %r must be 1 to %d characters of letters, digits, '-' and '_' (the Hub's rule "
                     "for job labels)" % (key, LABEL_MAX_CHARS))
-        if not str(key).startswith(EMULATOR_FAULT_LABEL_PREFIX) and not _LABEL_VALUE.match(str(value)):
+        if not _LABEL_VALUE.match(str(value)):
             return ("label %s=%r: the value must be at most %d characters of letters, digits, '-' and '_' "
                     "(the Hub's rule for job labels)" % (key, str(value), LABEL_MAX_CHARS))
     return None
@@ -1569,7 +1601,7 @@ _SETTING_CHECKS: Tuple[Tuple[str, Callable[[Any], Optional[str]]], ...] = (
         "namespace %r must be a user or organisation name" % (value,))),
     ("verify", lambda value: None if isinstance(value, (bool, str)) else (
         "verify must be True, False or a CA bundle path, not %r" % (value,))),
-    ("pool", lambda value: None if value is None else _pool_module().pool_rejection(value)),
+    ("pool", lambda value: None if value is None else _placement("pool").pool_rejection(value)),
 )
 
 
@@ -1584,15 +1616,6 @@ def _settings_rejection(settings: Mapping[str, Any], image_required: bool) -> Op
         if reason:
             return reason
     return None
-
-
-def _pool_module() -> Any:
-    """hf_sandbox_pool (pooled placement), imported on first use: dedicated placement never loads it."""
-    if __package__:
-        from . import hf_sandbox_pool
-    else:
-        import hf_sandbox_pool
-    return hf_sandbox_pool
 
 
 def _job_command(command: Union[None, str, Sequence[str]], port: int) -> List[str]:
@@ -1671,12 +1694,29 @@ def _describe_health_answer(response: requests.Response) -> str:
     return text
 
 
-def _health_status_rejection(status: int) -> Optional[str]:
-    """Why a /health answer means "give up now" (auth refused), or None for "ready or not yet"."""
-    if status in (401, 403):
+def _health_status_rejection(response: requests.Response) -> Optional[str]:
+    """Why a /health answer means "give up now" (auth refused, no such route), or None for "not yet"."""
+    if response.status_code in (401, 403):
         return ("answered HTTP %d: the job's proxy refused the token (it needs read access to the "
-                "job's namespace)" % status)
+                "job's namespace)" % response.status_code)
+    if response.status_code == 404 and response.headers.get("X-Proxy-Error") == "unknown-route":
+        return ("the local proxy has no route at %s: it was unmounted, or the URL is not the one "
+                "start_container() returned (use provider.base_url)" % response.url.rsplit("/", 1)[0])
     return None
+
+
+def _ready_url_rejection(url: Optional[str], base_url: str) -> Optional[str]:
+    """Why wait_for_ready(url) cannot be about this provider's job (probing it would wait in vain and then
+    cancel a healthy job), or None. A path under the proxy's origin but not under the route is what
+    `urljoin(base_url, "/step")` makes: a leading "/" replaces the route id."""
+    if url is None or url.rstrip("/") == base_url.rstrip("/"):
+        return None
+    given, own = urlsplit(str(url)), urlsplit(base_url)
+    same_origin = (given.scheme, given.netloc) == (own.scheme, own.netloc)
+    slip = ("; under the proxy's address only the base URL itself serves this job: urljoin(base_url, "
+            "'/step') drops its route id, base_url + '/step' keeps it" if same_origin else "")
+    return "wait_for_ready(%r): not this provider's base URL, which is %s (pass it, or nothing)%s" % (
+        url, base_url, slip)
 
 
 def _endpoint_rejection(endpoint: str) -> Optional[str]:
@@ -1689,6 +1729,31 @@ def _endpoint_rejection(endpoint: str) -> Optional[str]:
             "the token is sent to it" % endpoint)
 
 
+def _discover_token() -> Optional[str]:
+    """The HF token (never logged): TOKEN_ENV_VARS, huggingface_hub's get_token(), then the token file
+    ($HF_TOKEN_PATH, else $HF_HOME/token). Blank values count as absent."""
+    for value in [os.environ.get(name) or "" for name in TOKEN_ENV_VARS]:
+        if value.strip():
+            return value.strip()
+    try:
+        try:
+            from huggingface_hub import get_token  # type: ignore[attr-defined]
+        except ImportError:
+            from huggingface_hub.utils import get_token  # type: ignore[no-redef]
+        value = (get_token() or "").strip()
+        if value:
+            return value
+    except Exception:  # absent or too old: fall back to the documented location
+        pass
+    path = os.environ.get("HF_TOKEN_PATH") or os.path.join(os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"), "token")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read().strip() or None
+    except OSError:
+        return None
+
+
 def _resolve_endpoint(endpoint: Optional[str]) -> str:
     value = (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).strip().rstrip("/")
     reason = _endpoint_rejection(value)
@@ -1697,9 +1762,7 @@ def _resolve_endpoint(endpoint: Optional[str]) -> str:
     return value
 
 
-# --------------------------------------------------------------------------------------------------
-# The Jobs REST client
-# --------------------------------------------------------------------------------------------------
+# -- The Jobs REST client --------------------------------------------------------------------------
 
 
 def _token_key(endpoint: str, token: str) -> Tuple[str, str]:
@@ -1761,22 +1824,26 @@ def _retry_delay(attempt: int, retry_after: Optional[float], base: float = API_B
     return rng(0.0, min(cap, base * (2 ** attempt)))
 
 
-# The OS's words in a requests/urllib3 failure ("[Errno 111] Connection refused"), or http.client's when
-# the server hung up without answering; the rest of such a message is object reprs.
-_OS_ERROR_REASON = re.compile(r"\[Errno -?[0-9]+\] ([^'\")\]]+)")
-_DISCONNECT_REASON = re.compile(r"RemoteDisconnected\('([^']+)'")
-
-
 def _transport_failure(exc: requests.RequestException) -> Tuple[str, bool]:
-    """(what went wrong, whether the server may have received the request) for a call with no answer. A
-    refused, unresolvable or timed-out connection sent nothing; the OS's reason is kept for the message."""
-    text = str(exc)
-    reason = _OS_ERROR_REASON.search(text) or _DISCONNECT_REASON.search(text)
-    failure = "%s (%s)" % (type(exc).__name__, reason.group(1).strip()) if reason else type(exc).__name__
-    cause = exc.args[0] if exc.args else None
-    nothing_sent = isinstance(exc, requests.ConnectTimeout) or isinstance(
-        getattr(cause, "reason", cause), urllib3.exceptions.NewConnectionError)
-    return failure, not nothing_sent
+    """(what went wrong, whether the server may have received the request) for a call with no answer, read
+    from the exceptions requests wraps (urllib3's `reason`, the args, the chained causes). A refused,
+    unresolvable or timed-out connection sent nothing; the OS's reason (or http.client's, when the server
+    hung up without answering) is kept for the message."""
+    reason, nothing_sent = None, isinstance(exc, requests.ConnectTimeout)
+    pending, seen = [exc], set()
+    while pending:
+        cause = pending.pop(0)
+        if id(cause) in seen:
+            continue
+        seen.add(id(cause))
+        nothing_sent = nothing_sent or isinstance(cause, urllib3.exceptions.NewConnectionError)
+        if reason is None and isinstance(cause, http.client.RemoteDisconnected):
+            reason = str(cause)
+        elif reason is None and isinstance(cause, OSError) and cause.strerror:
+            reason = cause.strerror
+        pending += [item for item in (getattr(cause, "reason", None), cause.__cause__, cause.__context__)
+                    + tuple(cause.args) if isinstance(item, BaseException)]
+    return "%s (%s)" % (type(exc).__name__, reason) if reason else type(exc).__name__, not nothing_sent
 
 
 def _refused(exc: BaseException) -> bool:
@@ -1997,7 +2064,8 @@ class _JobsClient:
                 delay = paused if teardown else 0.0
             else:
                 delay = min(_retry_delay(attempt, retry_after), max_delay)
-            logger.debug("%s: %s, retrying in %.1fs", action, failure, delay)
+            logger.info("%s: %s from %s; retry %d of %d in %.1fs", action, failure, self.endpoint,
+                        attempt + 1, retries, delay)
             time.sleep(delay)
             attempt += 1
 
@@ -2007,33 +2075,28 @@ class _JobsClient:
                             response.headers.get("X-Request-Id"), _status_hint(response.status_code))
 
 
-# --------------------------------------------------------------------------------------------------
-# Process-wide Jobs API budget and job watcher (many providers, one thread, O(1) calls per interval)
-# --------------------------------------------------------------------------------------------------
+# -- Process-wide Jobs API budget and job watcher (many providers, one thread, O(1) calls per interval) ---
 
 
 class _ApiBudget:
     """One token's view of the Hub's per-user rate limit, shared by every client of the process. It follows
     the server's RateLimit headers (remaining calls, seconds to reset, quota, window) when they come, else
-    counts this process's own calls against the configured quota. When little is left it paces calls over
-    the time to the reset; the last `reserve` calls are kept for teardown, which never waits here; a 429
-    pauses every other call until the server's reset. `clock`/`sleep` are hooks for tests."""
+    counts this process's own calls in a sliding window of the configured quota. When little is left it
+    paces calls over the time to the reset; the last `reserve` calls are kept for teardown, which never
+    waits here; a 429 pauses every other call until the server's reset. `clock`/`sleep` are test hooks."""
 
     def __init__(self, calls: int = RATE_LIMIT_CALLS, window_s: float = RATE_LIMIT_WINDOW_S,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
-        self.calls = calls  # the quota per window: the server's once it says, else the setting
-        self.window_s = window_s
-        self.clock = clock
-        self.sleep = sleep
-        self.paused_until = 0.0
-        self.rate_limited_count = 0
+        self.calls, self.window_s = calls, window_s  # the quota per window: the server's once it says
+        self.clock, self.sleep = clock, sleep
         self.server_told = False  # whether an answer carried RateLimit headers
-        self.remaining: Optional[float] = None  # the server's count (minus calls sent since), while it holds
+        self.remaining: Optional[float] = None  # the server's count (less calls sent since), while it holds
         self.reset_at = 0.0  # clock time the server's window resets
+        self.paused_until = 0.0  # after a 429: ordinary calls wait until then
+        self.rate_limited_count = self.teardown_sent = 0
         self.sent = 0  # calls sent through this budget; a call's ticket is this count once it was sent
-        self.teardown_sent = 0
-        self.waited_s = 0.0  # time calls spent held here (and watcher refreshes put off), summed over threads
-        self._next_paced = 0.0
+        self.waited_s = 0.0  # time calls spent held here (and watcher refreshes put off), over all threads
+        self._next_paced = 0.0  # while pacing: when the next ordinary call may go
         self._sent: deque = deque()  # send times within the window, for a server that says nothing
         self._lock = threading.Lock()
 
@@ -2048,23 +2111,31 @@ class _ApiBudget:
         while True:
             with self._lock:
                 now = self.clock()
-                wait = 0.0 if teardown else self._wait_locked(now)
+                left, reset_in = self._estimate(now)
+                wait = 0.0 if teardown else self._wait(now, left, reset_in)
                 if wait <= 0:
-                    return self._record_locked(now, teardown)
-                remaining, reset_in = self._estimate_locked(now)
+                    if not teardown and left < self.calls * RATE_LIMIT_PACE_BELOW:
+                        self._next_paced = now + reset_in / max(1.0, left - self.reserve)
+                    if self.remaining is not None:
+                        self.remaining = max(0.0, self.remaining - 1)
+                    if not self.server_told:  # (once the server counts, send times are not needed)
+                        self._sent.append(now)
+                    self.teardown_sent += int(teardown)
+                    self.sent += 1
+                    return self.sent
             if not warned and wait >= RATE_LIMIT_RECHECK_S:
                 warned = True
                 logger.info("Jobs API budget: about %d of %d calls left for %.0fs; pacing this call %.1fs",
-                            remaining, self.calls, reset_in, wait)
-            step = min(wait, RATE_LIMIT_RECHECK_S)
-            self.waited_s += step
-            self.sleep(step)
+                            left, self.calls, reset_in, wait)
+            self.waited_s += min(wait, RATE_LIMIT_RECHECK_S)
+            self.sleep(min(wait, RATE_LIMIT_RECHECK_S))  # other threads' answers may change the count
 
     def wait_s(self) -> float:
         """How long an ordinary call would wait now (0: it may go); counts nothing. The job watcher asks this
         instead of blocking its thread, which serves other tokens too."""
         with self._lock:
-            return self._wait_locked(self.clock())
+            now = self.clock()
+            return self._wait(now, *self._estimate(now))
 
     def observe(self, headers: Mapping[str, str], ticket: int) -> None:
         """Take the server's count from an answer's RateLimit headers; `ticket` (from acquire) discounts the
@@ -2074,13 +2145,12 @@ class _ApiBudget:
             return
         remaining, reset_in, quota, window, _ = info
         with self._lock:
-            now = self.clock()
             self.server_told = True
             self._sent.clear()  # the server counts from now on
             if quota and window:
                 self.calls, self.window_s = quota, float(window)
             self.remaining = max(0.0, remaining - (self.sent - ticket))
-            self.reset_at = now + reset_in
+            self.reset_at = self.clock() + reset_in
 
     def rate_limited(self, retry_after: Optional[float], headers: Optional[Mapping[str, str]] = None) -> float:
         """A call was answered 429: pause every ordinary call until the server's reset (`t` of RateLimit when
@@ -2098,52 +2168,53 @@ class _ApiBudget:
                 delay = _retry_delay(min(self.rate_limited_count, 6), None)
             delay = min(delay, self.window_s + RATE_LIMIT_RESET_MARGIN_S)
             self.paused_until = max(self.paused_until, self.clock() + delay)
-        logger.info("Jobs API answered 429: every call of this process with this token (but cancels) pauses %.1fs",
-                    delay)
+        logger.info("Jobs API answered 429: every call of this process with this token (but cancels) pauses "
+                    "%.1fs", delay)
         return delay
 
-    def _estimate_locked(self, now: float) -> Tuple[float, float]:
-        """(calls left, seconds to the reset): the server's count while its window lasts, else this
-        process's own calls in a sliding window of the configured quota."""
+    def _estimate(self, now: float) -> Tuple[float, float]:
+        """(calls left, seconds to the reset), under the lock: the server's count while its window lasts
+        (then a fresh quota until it says otherwise), else this process's calls in the last window."""
         if self.server_told:
-            if now >= self.reset_at:  # the server's window has passed: a fresh quota until it says otherwise
+            if now >= self.reset_at:
                 self.remaining, self.reset_at = float(self.calls), now + self.window_s
             return float(self.remaining or 0.0), self.reset_at - now
         while self._sent and self._sent[0] <= now - self.window_s:
             self._sent.popleft()
-        reset_in = self._sent[0] + self.window_s - now if self._sent else self.window_s
-        return float(self.calls - len(self._sent)), reset_in
+        oldest = self._sent[0] if self._sent else now
+        return float(self.calls - len(self._sent)), oldest + self.window_s - now
 
-    def _wait_locked(self, now: float) -> float:
+    def _wait(self, now: float, left: float, reset_in: float) -> float:
+        """How long an ordinary call waits: out a 429's pause; for the reset once only the reserve is left;
+        its turn while pacing."""
         if self.paused_until > now:
             return self.paused_until - now
-        remaining, reset_in = self._estimate_locked(now)
-        if remaining <= self.reserve:  # the rest is teardown's: wait for the reset
+        if left <= self.reserve:
             return max(reset_in, 0.01)
-        if remaining < self.calls * RATE_LIMIT_PACE_BELOW:
-            return max(0.0, self._next_paced - now)
-        return 0.0
-
-    def _record_locked(self, now: float, teardown: bool) -> int:
-        remaining, reset_in = self._estimate_locked(now)
-        if not teardown and remaining < self.calls * RATE_LIMIT_PACE_BELOW:
-            self._next_paced = now + reset_in / max(1.0, remaining - self.reserve)
-        if self.remaining is not None:
-            self.remaining = max(0.0, self.remaining - 1)
-        if not self.server_told:  # the sliding window is only for a server that says nothing (else: unbounded)
-            self._sent.append(now)
-        self.teardown_sent += int(teardown)
-        self.sent += 1
-        return self.sent
+        return max(0.0, self._next_paced - now) if left < self.calls * RATE_LIMIT_PACE_BELOW else 0.0
 
 
-# RateLimit headers as huggingface_hub's parse_ratelimit_headers reads them (its regexes; the IETF draft).
+_RateLimitInfo = Optional[Tuple[int, int, Optional[int], Optional[int], str]]
+
+
+def _ratelimit_info(headers: Mapping[str, str]) -> _RateLimitInfo:
+    """(remaining, seconds to reset, quota or None, window or None, resource) from an answer's RateLimit
+    headers, or None: huggingface_hub's parse_ratelimit_headers (1.2 and later), else the same reading."""
+    try:
+        from huggingface_hub.utils import parse_ratelimit_headers
+    except ImportError:
+        return _parse_ratelimit(headers)
+    info = parse_ratelimit_headers(headers)
+    return None if info is None else (info.remaining, info.reset_in_seconds, info.limit, info.window_seconds,
+                                      info.resource_type)
+
+
+# huggingface_hub's regular expressions for the IETF draft's headers, for a huggingface_hub older than 1.2.
 _RATELIMIT = re.compile(r"\"(?P<resource>\w+)\"\s*;\s*r\s*=\s*(?P<r>\d+)\s*;\s*t\s*=\s*(?P<t>\d+)")
 _RATELIMIT_POLICY = re.compile(r"q\s*=\s*(?P<q>\d+).*?w\s*=\s*(?P<w>\d+)")
 
 
-def _ratelimit_info(headers: Mapping[str, str]) -> Optional[Tuple[int, int, Optional[int], Optional[int], str]]:
-    """(remaining, seconds to reset, quota or None, window or None, resource) from an answer's headers, or None."""
+def _parse_ratelimit(headers: Mapping[str, str]) -> _RateLimitInfo:
     lowered = {str(key).lower(): value for key, value in headers.items()}
     match = _RATELIMIT.search(lowered.get("ratelimit") or "")
     if match is None:
@@ -2308,7 +2379,7 @@ class _JobWatcher:
                 found = {watches[0].job_id: client.get_job(group.namespace, watches[0].job_id, retries=0)}
             else:
                 listed = client.list_jobs(group.namespace, labels={PROCESS_LABEL_KEY: _process_label},
-                                          stages=_proxy.JOB_LIVE_STAGES, retries=0)
+                                          stages=LIVE_STAGES, retries=0)
                 found = {str(job.get("id")): job for job in listed}
                 # the least refreshed first, so a job that stays unlisted cannot starve the others
                 missing = sorted((w for w in watches if w.job_id not in found),
@@ -2358,9 +2429,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_after_fork)
 
 
-# --------------------------------------------------------------------------------------------------
-# Process-wide state: the shared proxy and the exit hook
-# --------------------------------------------------------------------------------------------------
+# -- Process-wide state: the shared proxy and the exit hook ----------------------------------------
 
 _shared_proxy_instance: Optional["_proxy.AuthProxy"] = None
 _shared_process_proxy: Optional["_proxy.AuthProxyProcess"] = None  # proxy="process"
@@ -2469,11 +2538,27 @@ def _stop_everything_at_exit() -> None:
                 pass
 
 
-# --------------------------------------------------------------------------------------------------
-# The layers' names, re-exported lazily (PEP 562), and the hand-over to the command line
-# --------------------------------------------------------------------------------------------------
+# -- The layers: the registry of placements, the names re-exported lazily (PEP 562), the command line ---
 
 _LAYER_OF = {name: module for module, names in _LAYERS.items() for name in names}
+# Placements besides a dedicated job, by keyword: the layer (file) that provides each. A placement layer
+# plugs in through `_register_placement` when it is imported; the core imports it on first use through
+# this table, never by name, so a copy without that file is told which file to copy.
+_PLACEMENT_LAYERS = {"pool": "hf_sandbox_pool"}
+_placements: Dict[str, Any] = {}  # keyword -> the registered layer; filled as layers are imported
+
+
+def _register_placement(keyword: str, layer: Any) -> None:
+    """Called by a placement layer as it is imported. The pool layer offers `pool_rejection(value)`,
+    `PooledSandbox(provider, settings)` (what runs the provider's job) and `prewarm(provider, n, boot)`."""
+    _placements[keyword] = layer
+
+
+def _placement(keyword: str) -> Any:
+    """The layer registered for `keyword=`, imported on first use (a dedicated job never loads one)."""
+    if keyword not in _placements:
+        _import_layer(_PLACEMENT_LAYERS[keyword], "%s= (pooled placement)" % keyword)
+    return _placements[keyword]
 
 
 def _import_layer(module: str, wanted: str) -> Any:

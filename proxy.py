@@ -970,33 +970,10 @@ class AuthProxy:
 
 
 # --------------------------------------------------------------------------------------------------
-# Shared with hf_sandbox_provider and hf_jobs_emulator: ONE copy of the loopback test, the token
-# discovery order and the HF Jobs facts. It lives here because this is the bottom module (standard
-# library only) that both of them import; keeping the Jobs facts out of hf_sandbox_provider means the
-# emulator, and every echo-server job process it spawns, never imports requests or the provider.
+# Shared with hf_sandbox_provider and hf_jobs_emulator: ONE copy of the loopback test and of the library
+# threads' signal rule. They live here because this is the bottom module (standard library only) that both
+# import; the emulator, and every echo-server job process it spawns, never imports requests or the provider.
 # --------------------------------------------------------------------------------------------------
-
-# Hardware flavors HF Jobs accepts: a static copy of huggingface_hub 2.4's JobHardware (the Hub's live list is
-# `GET /api/jobs/hardware`). Spaces hardware such as h100 is not a Jobs flavor. The provider prefers the
-# installed huggingface_hub's enum and the live list; this copy serves huggingface_hub versions without Jobs.
-JOB_FLAVORS = frozenset(
-    {
-        "cpu-basic", "cpu-upgrade", "cpu-performance", "cpu-xl",
-        "t4-small", "t4-medium", "l4x1", "l4x4", "l40sx1", "l40sx4", "l40sx8",
-        "a10g-small", "a10g-large", "a10g-largex2", "a10g-largex4",
-        "a100-large", "a100x4", "a100x8",
-        "h200", "h200x2", "h200x4", "h200x8",
-        "rtx-pro-6000", "rtx-pro-6000x2", "rtx-pro-6000x4", "rtx-pro-6000x8",
-    }
-)
-# Job stages: the live ones in the order a job passes them, then those after which it never runs again
-# (huggingface_hub's TERMINAL_JOB_STAGES).
-JOB_LIVE_STAGES = ("SCHEDULING", "RUNNING")
-JOB_TERMINAL_STAGES = ("COMPLETED", "CANCELED", "ERROR", "DELETED")
-# Where a token may be found, in order: the environment variables huggingface_hub itself reads first
-# (so the answer is the same with or without huggingface_hub installed), then its get_token() (the
-# `hf auth login` file, Colab secrets), then the token file at the documented path.
-TOKEN_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 
 
 # Signals a process receives to end (a scheduler's SIGTERM, Ctrl-C, a closed terminal). The kernel may hand
@@ -1046,33 +1023,6 @@ def _is_loopback_host(host: Optional[str]) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def _discover_token() -> Optional[str]:
-    """The HF token (never logged): HF_TOKEN, HUGGING_FACE_HUB_TOKEN, huggingface_hub's get_token(),
-    then the token file ($HF_TOKEN_PATH, else $HF_HOME/token). Blank values count as absent."""
-    for name in TOKEN_ENV_VARS:
-        value = (os.environ.get(name) or "").strip()
-        if value:
-            return value
-    try:
-        try:
-            from huggingface_hub import get_token  # type: ignore[attr-defined]
-        except ImportError:
-            from huggingface_hub.utils import get_token  # type: ignore[no-redef]
-        value = (get_token() or "").strip()
-        if value:
-            return value
-    except Exception:  # absent or too old: fall back to the documented location
-        pass
-    path = os.environ.get("HF_TOKEN_PATH") or os.path.join(
-        os.environ.get("HF_HOME") or os.path.join(
-            os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"), "token")
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return handle.read().strip() or None
-    except OSError:
-        return None
 
 
 def _ip_literal_family(host: str) -> Optional[int]:
@@ -5039,7 +4989,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(reason)
     sys.setswitchinterval(CLI_SWITCH_INTERVAL_S)
     log.debug("proxy: GIL switch interval %.3g s (this process only runs the proxy)", CLI_SWITCH_INTERVAL_S)
-    token = _discover_token()
+    from huggingface_hub import get_token  # HF_TOKEN, then the `hf auth login` file (imported only here)
+    token = get_token()
     host = urllib.parse.urlsplit(args.upstream).hostname or ""
     if not token and not _is_loopback_host(host):
         print("error: no HF token found: set HF_TOKEN or run `hf auth login`", file=sys.stderr)

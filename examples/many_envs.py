@@ -79,7 +79,8 @@ def run(args: Any, backend: _common.Backend) -> int:
     settings = dict(backend.settings)
     if args.fault:
         key, _, value = args.fault.partition("=")
-        settings["labels"] = {"emulator-" + key: value}  # the emulator's per-job fault injection
+        # the emulator's per-job fault injection: HF_JOBS_EMULATOR_<KEY> in the job's environment
+        settings["env_vars"] = {"HF_JOBS_EMULATOR_" + key.upper().replace("-", "_"): value}
     began = time.monotonic()
     try:
         providers = HFSandboxProvider.start_many(args.n, args.image, **settings)

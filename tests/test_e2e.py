@@ -5,7 +5,9 @@ proxy route behind."""
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -108,7 +110,7 @@ def test_emulator_token_never_reaches_the_job_and_env_vars_do(emu, proxy):
 
 
 def test_crash_at_boot_raises_job_failed_with_the_message_and_log_tail(emu, proxy):
-    provider = provider_for(emu, proxy, labels={"emulator-crash-at-boot": "ModuleNotFoundError: server"})
+    provider = provider_for(emu, proxy, env_vars={"HF_JOBS_EMULATOR_CRASH_AT_BOOT": "ModuleNotFoundError: server"})
     with pytest.raises(JobFailedError) as caught:
         provider.start_container()
         provider.wait_for_ready()
@@ -136,6 +138,25 @@ def test_slow_scheduling_past_the_start_timeout_raises_and_cancels_the_job(emu, 
     with pytest.raises(JobStartTimeout):
         provider.start_container()
     assert emu.wait_for_stage(emu.jobs[0].id, ["CANCELED"]).stage == "CANCELED" and emu.jobs[0].pid is None
+    assert_nothing_left(emu, proxy)
+
+
+@pytest.mark.slow  # a start that waits 11 s in SCHEDULING, to hear its heartbeat
+def test_a_long_start_logs_its_job_page_at_once_then_a_heartbeat_with_stage_and_seconds(emu, proxy, caplog):
+    provider = provider_for(emu, proxy, labels={"emulator-scheduling-delay-s": "11"})
+    with caplog.at_level("DEBUG", logger="hf_sandbox_provider"):
+        provider.start_container()
+    provider.close()
+    ours = [record for record in caplog.records if record.name == "hf_sandbox_provider"]
+    lines = [record.getMessage() for record in ours]
+    created = next(i for i, line in enumerate(lines) if "created" in line)
+    assert provider.job_id in lines[created] and provider.job_url in lines[created]
+    heartbeat = next(i for i, line in enumerate(lines) if "still SCHEDULING" in line)
+    running = next(i for i, line in enumerate(lines) if "-> RUNNING" in line)
+    assert created < heartbeat < running, lines
+    assert re.search(r"still SCHEDULING, 1[0-9]s after submit \(start_timeout_s=", lines[heartbeat]), lines[heartbeat]
+    # a library user with no logging configured sees none of it: nothing above INFO for a healthy start
+    assert all(record.levelno <= logging.INFO for record in ours), lines
     assert_nothing_left(emu, proxy)
 
 
@@ -192,7 +213,7 @@ def test_a_job_that_dies_mid_use_answers_502_and_teardown_still_works(emu, proxy
 
 
 def test_die_after_fault_ends_a_started_job_in_error_and_the_provider_reports_it(emu, proxy):
-    provider = provider_for(emu, proxy, command=SLEEP_FOREVER, labels={"emulator-die-after-s": "0.5"})
+    provider = provider_for(emu, proxy, command=SLEEP_FOREVER, env_vars={"HF_JOBS_EMULATOR_DIE_AFTER_S": "0.5"})
     provider.start_container()
     with pytest.raises(JobFailedError) as caught:
         provider.wait_for_ready()

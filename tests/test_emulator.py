@@ -284,6 +284,7 @@ def test_unknown_job_is_404_for_inspect_cancel_and_logs(emu):
     ({"dockerImage": "a", "expose": {"ports": [8000], "portsPublic": [9000]}}, "portsPublic"),
     ({"dockerImage": "a", "labels": {"emulator-die-after-s": "soon"}}, "emulator-die-after-s"),
     ({"dockerImage": "a", "labels": {"emulator-teleport": "1"}}, "emulator-teleport"),
+    ({"dockerImage": "a", "environment": {"HF_JOBS_EMULATOR_DIE_AFTER_S": "soon"}}, "HF_JOBS_EMULATOR_die-after-s"),
     ({"dockerImage": "a", "labels": {"model": "Qwen/Qwen3"}}, "label model='Qwen/Qwen3'"),
     ({"dockerImage": "a", "labels": {"a b": "1"}}, "label key 'a b'"),
     ({"dockerImage": "a", "network": {"aliases": ["x"]}}, "network"),
@@ -741,15 +742,16 @@ def test_the_gate_closes_when_the_job_ends(emu, api):
         requests.get(url + "/health", headers=bearer(emu.token), timeout=TIMEOUT)
 
 
-def test_vendored_copy_inside_a_package_uses_its_sibling_proxy(tmp_path):
+def test_vendored_copy_inside_a_package_uses_its_sibling_proxy_and_core(tmp_path):
     package = tmp_path / "vendored_sandbox"
     package.mkdir()
     (package / "__init__.py").write_text("")
     root = os.path.dirname(os.path.abspath(hf_jobs_emulator.__file__))
-    for name in ("hf_jobs_emulator.py", "proxy.py"):
+    for name in ("hf_jobs_emulator.py", "proxy.py", "hf_sandbox_provider.py"):  # the core: the Jobs facts
         (package / name).write_text(open(os.path.join(root, name)).read())
     code = ("import vendored_sandbox.hf_jobs_emulator as e, vendored_sandbox.proxy as p\n"
             "assert issubclass(e._JobGate, p.AuthProxy)\n"
+            "assert e._jobs_facts().__name__ == 'vendored_sandbox.hf_sandbox_provider'\n"
             "with e.JobsEmulator() as emu: print(emu.endpoint)\n")
     done = subprocess.run([PY, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT,
                           env={**os.environ, "PYTHONPATH": str(tmp_path)})

@@ -9,6 +9,7 @@ import email.utils
 import socket
 import json
 import random
+import re
 import threading
 import uuid
 
@@ -153,7 +154,7 @@ def test_flavor_list_includes_huggingface_hub_job_hardware():
 def test_the_static_flavor_copy_is_huggingface_hubs_job_hardware_without_spaces_names():
     from huggingface_hub import JobHardware
 
-    assert hsp.KNOWN_FLAVORS == {member.value for member in JobHardware}  # update proxy.JOB_FLAVORS if not
+    assert hsp.KNOWN_FLAVORS == {member.value for member in JobHardware}  # update KNOWN_FLAVORS if not
     for spaces_name in ("h100", "h100x8"):
         assert "valid Jobs flavors: a100-large" in hsp._flavor_rejection(spaces_name)
 
@@ -216,9 +217,10 @@ def test_ratelimit_headers_are_read_as_huggingface_hub_reads_them():
 
     for headers in (limit_headers(0, 55, 500, 300), {"ratelimit": '"api";r=12;t=3'}, {"RateLimit": "garbage"}, {}):
         theirs = parse_ratelimit_headers(headers)
-        ours = hsp._ratelimit_info(headers)
-        assert ours == (None if theirs is None else (theirs.remaining, theirs.reset_in_seconds, theirs.limit,
-                                                     theirs.window_seconds, theirs.resource_type))
+        expected = None if theirs is None else (theirs.remaining, theirs.reset_in_seconds, theirs.limit,
+                                                theirs.window_seconds, theirs.resource_type)
+        assert hsp._ratelimit_info(headers) == expected
+        assert hsp._parse_ratelimit(headers) == expected  # the copy for a huggingface_hub older than 1.2
 
 
 def test_the_quota_and_window_come_from_the_server_when_it_says_else_the_setting(monkeypatch):
@@ -628,3 +630,32 @@ def test_the_budget_keeps_at_most_one_windows_send_times_over_a_long_run(server_
         fake.now += 1.0
     kept = len(budget._sent)
     assert kept == 0 if server_counts else kept <= 300, kept
+
+
+def test_a_call_with_no_answer_is_described_by_its_exception_types_not_its_text():
+    """_transport_failure reads the exceptions requests wraps (urllib3's reason, chained causes): the OS's or
+    http.client's words for the message, and whether the request may have reached the server."""
+    server = HangUpServer()
+    try:
+        for url, expected in ((refused_endpoint(), ("ConnectionError (Connection refused)", False)),
+                              (server.endpoint, ("ConnectionError (Remote end closed connection without response)",
+                                                 True))):
+            with pytest.raises(requests.RequestException) as info:
+                requests.get(url + "/api/whoami-v2", timeout=5)
+            assert hsp._transport_failure(info.value) == expected
+    finally:
+        server.close()
+    timeout = requests.ReadTimeout("read timed out")
+    assert hsp._transport_failure(timeout) == ("ReadTimeout", True)  # sent: the server may have acted
+    assert hsp._transport_failure(requests.ConnectTimeout("connect timed out")) == ("ConnectTimeout", False)
+
+
+def test_an_unreachable_endpoint_is_logged_at_the_first_retry_with_its_reason_and_wait(caplog):
+    endpoint = refused_endpoint()
+    with caplog.at_level("INFO", logger="hf_sandbox_provider"):
+        with pytest.raises(hsp.JobsAPIError, match="no answer"):
+            hsp._JobsClient(endpoint, fresh_token()).get_job("alice", "j1", retries=1)
+    retries = [r for r in caplog.records if "retry" in r.getMessage()]
+    assert len(retries) == 1 and retries[0].levelname == "INFO"  # a library's default logging stays quiet
+    assert re.search(r"inspecting job j1: ConnectionError \(Connection refused\) from %s; retry 1 of 1 in "
+                     r"[0-9.]+s" % re.escape(endpoint), retries[0].getMessage()), retries[0].getMessage()

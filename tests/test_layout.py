@@ -46,11 +46,33 @@ def test_the_library_modules_import_no_layer_argparse_or_emulator_at_module_leve
     assert sibling in imported  # the one module below it
 
 
+# Every module beside the core that imports it (a layer), or that the core must never load (the emulators).
+LAYERS = ("hf_sandbox_training", "hf_sandbox_cli", "hf_sandbox_pool", "proxy_host", "hf_jobs_emulator",
+          "hf_sbx_emulator")
+
+
+def test_no_core_function_imports_a_layer_module():
+    """No import circle: the core's functions neither import a layer nor name one; a layer is found through
+    the module-level tables (_LAYERS, _PLACEMENT_LAYERS) by the one loader, _import_layer."""
+    tree = ast.parse(open(LIBRARY, encoding="utf-8").read(), filename=LIBRARY)
+    found = []
+    for function in (node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.Lambda))):
+        for node in ast.walk(function):
+            if isinstance(node, ast.Import):
+                found += [alias.name for alias in node.names if alias.name.split(".")[-1] in LAYERS]
+            elif isinstance(node, ast.ImportFrom):
+                found += [alias.name for alias in node.names if alias.name in LAYERS]
+                found += [node.module] if node.module and node.module.split(".")[-1] in LAYERS else []
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in LAYERS:
+                found.append(node.value)
+    assert found == []
+
+
 @pytest.mark.slow  # a fresh interpreter importing requests and huggingface_hub
 def test_importing_the_core_loads_no_layer_nor_the_emulator_and_starts_no_thread():
     script = textwrap.dedent("""
         import json, os, sys, hf_sandbox_provider as hsp
-        ours = ("hf_jobs_emulator", "hf_sandbox_training", "hf_sandbox_cli")
+        ours = %r""" % (LAYERS,) + """
         loaded = sorted(set(ours) & set(sys.modules))
         threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
         import hf_sandbox_cli, hf_sandbox_training
@@ -62,6 +84,18 @@ def test_importing_the_core_loads_no_layer_nor_the_emulator_and_starts_no_thread
                             timeout=RUN_TIMEOUT_S)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {"loaded": [], "threads": 1, "reexported": True}
+
+
+@pytest.mark.slow  # a fresh interpreter
+@pytest.mark.xfail(strict=False, reason="proxy.py imports argparse at module level until its command line "
+                   "imports it in main() (issue 28's proxy rewrite)")
+def test_importing_the_core_loads_no_argparse():
+    """README: the library modules import neither argparse nor the emulator (the emulator and the layers are
+    checked above); only the command lines load the parser."""
+    script = "import sys, hf_sandbox_provider\nprint('argparse' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
+                            timeout=RUN_TIMEOUT_S)
+    assert result.returncode == 0 and result.stdout.split() == ["False"], result.stdout + result.stderr
 
 
 @pytest.mark.slow  # a fresh interpreter
@@ -143,6 +177,10 @@ CORE_ALONE = textwrap.dedent("""
         from vendored.hf_sandbox_provider import Sandbox
     except ImportError as exc:
         print("ImportError", exc)
+    try:
+        HFSandboxProvider("img:tag", endpoint=sys.argv[1], token=sys.argv[2], pool="p")
+    except ImportError as exc:
+        print("ImportError", exc)
     print("modules", sorted(m for m in sys.modules if m.startswith(("vendored.", "hf_", "proxy"))))
 """)
 
@@ -175,7 +213,9 @@ def test_the_core_vendored_alone_runs_a_provider_and_names_the_file_sandbox_need
     lines = result.stdout.splitlines()
     assert lines[:2] == ["health 200", "stage CANCELED"]
     assert lines[2].startswith("ImportError Sandbox lives in hf_sandbox_training.py") and "copy it" in lines[2]
-    assert lines[3] == "modules ['vendored.hf_sandbox_provider', 'vendored.proxy']"
+    assert lines[3].startswith("ImportError pool= (pooled placement) lives in hf_sandbox_pool.py"), lines[3]
+    assert "copy it" in lines[3]
+    assert lines[4] == "modules ['vendored.hf_sandbox_provider', 'vendored.proxy']"
     cli = subprocess.run([sys.executable, "-m", "vendored.hf_sandbox_provider", "smoke", "--local"], cwd=str(tmp_path),
                          env=clean_env(tmp_path, PYTHONPATH=str(tmp_path)), capture_output=True, text=True,
                          timeout=RUN_TIMEOUT_S)

@@ -692,3 +692,47 @@ def test_a_pooled_environment_works_through_the_process_host_with_its_sandbox_he
 def test_a_bad_pool_is_refused_at_construction_naming_the_value_and_the_rule(pool, message):
     with pytest.raises(SandboxConfigError, match=message):
         HFSandboxProvider("python:3.12", pool=pool)
+
+
+# Run inside a vendored package (the core, proxy.py and the pool layer only) against the TLS emulator.
+VENDORED_POOL = """
+import json, socket, sys, requests
+# The TLS emulator's hosts (*.jobs.localhost) are loopback (RFC 6761), which this resolver may not know: the
+# emulator maps them in its own process, so this one does the same before anything connects.
+resolve = socket.getaddrinfo
+socket.getaddrinfo = lambda host, *args, **kwargs: resolve(
+    "127.0.0.1" if str(host).endswith(".localhost") else host, *args, **kwargs)
+from vendored.hf_sandbox_provider import HFSandboxProvider
+endpoint, token, ca_path, command = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+with HFSandboxProvider("python:3.12", endpoint=endpoint, token=token, verify=ca_path, command=command,
+                       pool="vendored-pool", start_timeout_s=60, ready_timeout_s=60) as provider:
+    base_url = provider.start_container()
+    provider.wait_for_ready()
+    print("health", requests.get(base_url + "/health", timeout=30).status_code)
+import vendored.hf_sandbox_pool as pool
+pool.close_pools()
+print("modules", sorted(m for m in sys.modules if m.startswith(("vendored.", "hf_", "proxy"))))
+"""
+
+
+@pytest.mark.slow  # a fresh interpreter, a host job and a sandbox
+def test_the_core_vendored_with_the_pool_layer_runs_a_pooled_environment(pool_env, tmp_path):
+    import json
+    import subprocess
+
+    emu = pool_env()
+    package = tmp_path / "vendored"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    root = os.path.dirname(HERE)
+    for name in ("hf_sandbox_provider.py", "proxy.py", "hf_sandbox_pool.py"):
+        (package / name).write_text(open(os.path.join(root, name), encoding="utf-8").read())
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "PYTHON"))}
+    env.update(PYTHONPATH=str(tmp_path), HF_HOME=str(tmp_path / "hf-home"), SSL_CERT_FILE=emu.ca_path)
+    result = subprocess.run([sys.executable, "-c", VENDORED_POOL, emu.endpoint, emu.token, emu.ca_path,
+                             json.dumps(SERVER)], cwd=str(tmp_path), env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == [
+        "health 200", "modules ['vendored.hf_sandbox_pool', 'vendored.hf_sandbox_provider', 'vendored.proxy']"]
+    assert all(job.stage in ("CANCELED", "COMPLETED") for job in emu.jobs)  # the host it booted is cancelled

@@ -234,6 +234,8 @@ def test_token_is_discovered_from_hf_token_env(api, proxy, no_token_anywhere, mo
     (dict(labels={"k" * 101: "1"}), "label key 'k{101}' must be 1 to 100"),
     (dict(labels={"model": "Qwen/Qwen3-0.6B"}), r"label model='Qwen/Qwen3-0.6B': the value must be at most 100"),
     (dict(labels={"step": "v" * 101}), "label step='v{101}'"),
+    # the emulator's fault labels get no exemption: the core holds every label to the Hub's rule
+    (dict(labels={"emulator-crash-at-boot": "boom: at boot"}), "label emulator-crash-at-boot='boom: at boot'"),
 ])
 def test_bad_start_arguments_fail_before_any_network_call(api, proxy, kwargs, message):
     provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy)

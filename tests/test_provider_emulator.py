@@ -143,3 +143,51 @@ def test_health_answering_503_is_not_a_refusal_the_wait_goes_on_until_its_deadli
         provider.stop_container()
     wait_until(lambda: all(job.terminal for job in emu.jobs), "every job to end")
     assert [job.stage for job in emu.jobs] == ["CANCELED"]
+
+
+# -- first contact: a wrong URL never costs a healthy job (issue 30) -----------------------------------
+
+
+def test_wait_for_ready_refuses_a_url_that_is_not_the_providers_at_once_and_keeps_the_job(emu, proxy):
+    from urllib.parse import urljoin
+
+    with hsp.HFSandboxProvider(IMAGE, endpoint=emu.endpoint, token=emu.token, proxy=proxy,
+                               command=echo_server_command(), poll_interval_s=0.05) as provider:
+        base_url = provider.start_container()
+        typo = base_url[:-1] + ("x" if base_url[-1] != "x" else "y")  # a route id with one wrong character
+        for wrong in ("http://127.0.0.1:1/other", typo, urljoin(base_url, "/step")):
+            with pytest.raises(hsp.SandboxConfigError, match="not this provider's base URL, which is %s" % base_url):
+                provider.wait_for_ready(wrong, timeout_s=300)
+        with pytest.raises(hsp.SandboxConfigError, match=r"urljoin\(base_url, '/step'\) drops its route id"):
+            provider.wait_for_ready(urljoin(base_url, "/step"))
+        assert provider.phase is hsp.Phase.RUNNING and emu.job(provider.job_id).stage == "RUNNING"
+        provider.wait_for_ready(base_url + "/")  # the right URL still works after the refusals
+    assert emu.wait_for_stage(provider.job_id, ["CANCELED"]).stage == "CANCELED"
+
+
+def test_a_route_the_proxy_does_not_know_ends_the_wait_at_once_speaking_of_the_provider(emu, proxy):
+    provider = hsp.HFSandboxProvider(IMAGE, endpoint=emu.endpoint, token=emu.token, proxy=proxy,
+                                     command=echo_server_command(), poll_interval_s=0.05)
+    base_url = provider.start_container()
+    proxy.unmount(base_url)  # behind the provider's back: every probe now answers 404 unknown-route
+    with pytest.raises(hsp.SandboxError) as info:
+        provider.wait_for_ready(timeout_s=300)
+    assert not isinstance(info.value, hsp.JobStartTimeout)  # a permanent answer, not waited out
+    assert "no route at %s" % base_url in str(info.value) and "provider.base_url" in str(info.value)
+    assert "AuthProxy.mount" not in str(info.value)
+    assert provider.phase is hsp.Phase.IDLE  # the failed wait cancelled the job, as any failure does
+
+
+def test_wait_for_ready_after_a_stop_says_the_job_was_stopped(emu, proxy):
+    provider = hsp.HFSandboxProvider(IMAGE, endpoint=emu.endpoint, token=emu.token, proxy=proxy,
+                                     command=echo_server_command(), poll_interval_s=0.05)
+    provider.start_container()
+    job_id = provider.job_id
+    provider.stop_container()
+    with pytest.raises(hsp.SandboxError, match="job %s was stopped; call start_container" % job_id):
+        provider.wait_for_ready()
+
+
+def test_a_misspelt_flavor_is_refused_with_the_closest_one_suggested():
+    with pytest.raises(hsp.SandboxConfigError, match=r"unknown flavor 'cpu-basci' \(did you mean 'cpu-basic'\?\)"):
+        hsp.HFSandboxProvider(IMAGE, flavor="cpu-basci")

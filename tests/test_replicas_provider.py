@@ -80,11 +80,11 @@ def state(ws):
 
 
 class CrashOneReplica(hsp.HFSandboxProvider):
-    """Replica 1's job crashes at boot (an emulator fault label on that job only)."""
+    """Replica 1's job crashes at boot (an emulator fault on that job only)."""
 
     def _replica_settings(self, index, settings):
         if index == 1:
-            settings = dict(settings, labels={**settings["labels"], "emulator-crash-at-boot": "replica 1 boom"})
+            settings = dict(settings, env_vars={**settings["env_vars"], "HF_JOBS_EMULATOR_CRASH_AT_BOOT": "replica 1 boom"})
         return settings
 
 
@@ -298,7 +298,7 @@ class FirstCrashesOthersHang(hsp.HFSandboxProvider):
 
     def _replica_settings(self, index, settings):
         if self.role == 0 and index == 0:
-            return dict(settings, labels={**settings["labels"], "emulator-crash-at-boot": "env 0 boom"})
+            return dict(settings, env_vars={**settings["env_vars"], "HF_JOBS_EMULATOR_CRASH_AT_BOOT": "env 0 boom"})
         return dict(settings, command=NEVER_READY)
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import sys
 import threading
 import time
@@ -231,7 +233,7 @@ class ThirdOneCrashes(hsp.HFSandboxProvider):
     def __init__(self, *args, **kwargs):
         type(self).made += 1
         if type(self).made == 3:
-            kwargs["labels"] = {"emulator-crash-at-boot": "boom: third environment"}
+            kwargs["env_vars"] = {"HF_JOBS_EMULATOR_CRASH_AT_BOOT": "boom: third environment"}
         super().__init__(*args, **kwargs)
 
 
@@ -251,6 +253,52 @@ def test_start_many_returns_n_ready_providers_with_progress(no_leaks, proxy):
         wait_until(lambda: all(job.terminal for job in emu.jobs), "every job to end")
         assert all(job.stage == "CANCELED" for job in emu.jobs)
         wait_until(lambda: emu.live_pids() == [], "every job process to exit")
+
+
+PROGRESS_LINE = r"start_many: [0-9]+/%d ready, [0-9]+ failed \([0-9]+\.[0-9]s\)(; environment [0-9]+: .+)?"
+
+
+@pytest.mark.slow  # forty environments
+def test_start_many_progress_is_whole_lines_bounded_well_below_one_per_environment(no_leaks, proxy, capfd):
+    with JobsEmulator() as emu:
+        providers = hsp.HFSandboxProvider.start_many(
+            40, IMAGE, max_parallel=40, endpoint=emu.endpoint, token=emu.token, proxy=proxy,
+            command=echo_server_command(), poll_interval_s=0.05)
+        hsp.stop_all(providers)
+    lines = capfd.readouterr().err.splitlines()
+    progress = [line for line in lines if line.startswith("start_many")]
+    assert all(re.fullmatch(PROGRESS_LINE % 40, line) for line in progress), lines
+    assert progress[-1].startswith("start_many: 40/40 ready, 0 failed")
+    # a line per 5% (two environments) or per second: twenty-odd lines at most, not forty
+    assert len(progress) <= 20 + 10, progress
+
+
+def test_start_many_progress_on_a_terminal_is_one_line_updated_in_place(no_leaks, proxy, monkeypatch):
+    import pty
+
+    master, slave = pty.openpty()
+    terminal = os.fdopen(slave, "w")
+    monkeypatch.setattr(sys, "stderr", terminal)
+    with JobsEmulator() as emu:
+        providers = hsp.HFSandboxProvider.start_many(
+            4, IMAGE, endpoint=emu.endpoint, token=emu.token, proxy=proxy, command=echo_server_command(),
+            poll_interval_s=0.05)
+        hsp.stop_all(providers)
+    terminal.close()
+    written = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the terminal's other end is closed: everything was read
+            break
+        if not chunk:
+            break
+        written += chunk
+    os.close(master)
+    text = written.decode()
+    assert text.count("\n") == 1 and text.endswith("\n"), text  # one line, ended once
+    updates = [part for part in text.rstrip("\r\n").split("\r") if part]
+    assert len(updates) == 4 and updates[-1].startswith("start_many: 4/4 ready, 0 failed"), updates
 
 
 def test_start_many_all_or_nothing_cancels_every_job_and_raises_one_error_naming_the_failure(proxy):

@@ -2,14 +2,20 @@
 
 They used to keep their own copies and disagreed (only the proxy took `[::1]` and `*.localhost`, the
 emulator refused `h100`, the proxy CLI read HF_TOKEN before huggingface_hub's login file while the
-provider did the opposite). Each table below is checked through every module's own behaviour, so a
+provider did the opposite). The loopback rule lives in proxy.py (the module below both); the Jobs facts
+and the token order in the core, which the emulator's Hub side reads and the proxy CLI mirrors through
+huggingface_hub's get_token(). Each table below is checked through every module's own behaviour, so a
 copy that drifts again fails here."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
+import requests
 
 import hf_jobs_emulator as emulator_module
 import hf_sandbox_provider as hsp
@@ -92,21 +98,23 @@ def test_provider_and_proxy_cli_find_the_same_token_in_the_same_order(monkeypatc
         monkeypatch.setenv(name, value)
     if file_content is not None:
         (tmp_path / "token").write_text(file_content)
-    assert proxy_module._discover_token() == expected
+    from huggingface_hub import get_token  # what `python proxy.py UPSTREAM_URL` asks
+
+    assert (get_token() or None) == expected
+    assert hsp._discover_token() == expected
     provider = hsp.HFSandboxProvider("python:3.12")
     if expected is None:
         with pytest.raises(hsp.SandboxConfigError, match="no Hugging Face token"):
             provider._resolve_token()
     else:
         assert provider._resolve_token() == expected
-    assert hsp._discover_token is proxy_module._discover_token  # the proxy CLI's own lookup
 
 
-@pytest.mark.parametrize("flavor", sorted(proxy_module.JOB_FLAVORS))
+@pytest.mark.parametrize("flavor", sorted(hsp.KNOWN_FLAVORS))
 def test_every_flavor_the_provider_sends_the_emulator_accepts(flavor):
     provider = hsp.HFSandboxProvider("python:3.12", flavor=flavor)
     body = hsp._job_body(provider._settings({"image": "python:3.12"}), "start-label")
-    assert emulator_module._create_body_rejection(body) is None
+    assert emulator_module._create_body_rejection(body, JobsEmulator().flavors) is None
 
 
 @pytest.mark.parametrize("flavor", ["cpu-huge", "H100", "", "a100", "h100", "h100x8"])  # h100: Spaces hardware
@@ -115,20 +123,40 @@ def test_a_flavor_unknown_to_both_is_refused_by_both_naming_it(flavor):
         hsp.HFSandboxProvider("python:3.12", flavor=flavor)
     body = hsp._job_body(hsp.HFSandboxProvider("python:3.12")._settings({"image": "python:3.12"}), "label")
     body["flavor"] = flavor
-    assert "flavor" in (emulator_module._create_body_rejection(body) or "")
+    assert "flavor" in (emulator_module._create_body_rejection(body, JobsEmulator().flavors) or "")
 
 
-def test_provider_and_emulator_share_the_job_stages():
-    assert hsp.TERMINAL_STAGES == set(emulator_module.TERMINAL_STAGES) == set(proxy_module.JOB_TERMINAL_STAGES)
-    assert set(emulator_module.ALL_STAGES) == set(proxy_module.JOB_LIVE_STAGES) | hsp.TERMINAL_STAGES
-    assert hsp.KNOWN_FLAVORS == set(emulator_module.FLAVORS)
+def test_provider_and_emulator_share_the_job_stages_and_flavors(emu):
+    assert hsp.TERMINAL_STAGES == {"COMPLETED", "CANCELED", "ERROR", "DELETED"} and hsp.LIVE_STAGES[0] == "SCHEDULING"
+    auth = {"Authorization": "Bearer " + emu.token}
+    for stage in hsp.LIVE_STAGES + tuple(hsp.TERMINAL_STAGES):  # the emulator's list filter takes each
+        assert requests.get(emu.endpoint + "/api/jobs/local", params={"stage": stage}, headers=auth,
+                            timeout=10).status_code == 200
+    refused = requests.get(emu.endpoint + "/api/jobs/local", params={"stage": "PAUSED"}, headers=auth, timeout=10)
+    assert refused.status_code == 400 and "SCHEDULING, RUNNING, CANCELED, COMPLETED" in refused.json()["error"]
+    hardware = requests.get(emu.endpoint + "/api/jobs/hardware", headers=auth, timeout=10).json()
+    assert {entry["name"] for entry in hardware} == hsp.KNOWN_FLAVORS
 
 
-def test_the_shared_block_is_the_only_copy():
-    """Each helper is defined once, in proxy.py: the other modules bind the same objects."""
-    for name in ("_is_loopback_host", "_discover_token"):
-        sources = [path for path in ("hf_sandbox_provider.py", "hf_sandbox_training.py", "hf_sandbox_cli.py",
-                                     "proxy.py", "hf_jobs_emulator.py")
-                   if "def %s(" % name in open(os.path.join(os.path.dirname(proxy_module.__file__), path)).read()]
-        assert sources == ["proxy.py"], name
+def test_each_shared_fact_and_helper_is_defined_once():
+    """The loopback test in proxy.py, the token lookup and the Jobs facts in the core: the other modules
+    bind the same objects or read them from there."""
+    here = os.path.dirname(proxy_module.__file__)
+    modules = ("hf_sandbox_provider.py", "hf_sandbox_training.py", "hf_sandbox_cli.py", "hf_sandbox_pool.py",
+               "proxy.py", "hf_jobs_emulator.py", "hf_sbx_emulator.py")
+    for definition, home in (("def _is_loopback_host(", "proxy.py"), ("def _discover_token(", "hf_sandbox_provider.py"),
+                             ('"rtx-pro-6000x8"', "hf_sandbox_provider.py"), ('"SCHEDULING", "RUNNING"', "hf_sandbox_provider.py"),
+                             ("TOKEN_ENV_VARS = ", "hf_sandbox_provider.py")):
+        sources = [path for path in modules if definition in open(os.path.join(here, path)).read()]
+        assert sources == [home], definition
     assert emulator_module._is_loopback_host is proxy_module._is_loopback_host is hsp._is_loopback_host
+
+
+def test_the_echo_server_path_of_the_emulator_loads_neither_requests_nor_the_core():
+    """Every echo-server job process imports hf_jobs_emulator: the Jobs facts are read from the core only by
+    the emulator's Hub side, so a job process stays light."""
+    script = ("import sys, hf_jobs_emulator\n"
+              "print(sorted(m for m in ('requests', 'hf_sandbox_provider', 'huggingface_hub') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", script], cwd=os.path.dirname(proxy_module.__file__),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and json.loads(result.stdout.replace("'", '"')) == [], result.stderr

@@ -211,6 +211,7 @@ def test_library_threads_leave_termination_signals_to_the_main_thread() -> None:
         seen[threading.current_thread().name] = _blocked_signals_of_thread(threading.get_native_id())
 
     hf_sandbox_provider._in_parallel([record, record])
+    hf_sandbox_provider._Parallel([None, None], lambda index, provider: record(), 2).run("hf-sandbox-start")
     with AuthProxy() as proxy:
         proxy_threads = []
         base = proxy.mount("http://127.0.0.1:9", token="t")  # nothing listens: a 502 still runs a worker
@@ -220,6 +221,7 @@ def test_library_threads_leave_termination_signals_to_the_main_thread() -> None:
                 proxy_threads.append(thread.name)
                 seen[thread.name + "#%d" % thread.native_id] = _blocked_signals_of_thread(thread.native_id)
     assert any(name.startswith("hf-sandbox-stop") for name in seen), seen
+    assert any(name.startswith("hf-sandbox-start") for name in seen), seen  # start_many's pool workers
     assert len(proxy_threads) >= 2, proxy_threads  # the listener and at least one pool worker
     assert all(wanted <= blocked for blocked in seen.values()), seen
     assert not wanted & _blocked_signals_of_thread(threading.get_native_id())  # the main thread's mask is untouched
