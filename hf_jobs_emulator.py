@@ -125,6 +125,10 @@ FAULT_KEYS = (
     "lost-create-response",  # "true": the job is created but the create connection drops unanswered
     "rate-limit-after-create",  # N: the N API calls after this create answer 429 with Retry-After
     "no-url",  # "true": the job runs but its exposed URLs never appear (status.exposeUrls stays empty)
+    # "true" (tls=True only): status.exposeUrls name another job id (`https://<other>--<port>.`) while
+    # still reaching this job's gate, as a misrouted answer would; a client must refuse to send its
+    # token there, and if it does not, its request still lands here, on loopback, for the test to see.
+    "foreign-url",
 )
 # Status an injected API server error answers when none is given (the Hub's load balancer says 503).
 DEFAULT_SERVER_ERROR_STATUS = 503
@@ -675,6 +679,9 @@ class JobsEmulator:
         if reason:
             raise _ApiError(400, reason)
         faults = {**self.default_faults, **job_faults}
+        if _truthy(faults.get("foreign-url", "false")) and not self.tls:
+            raise _ApiError(400, "the foreign-url fault needs JobsEmulator(tls=True): a plain emulator's "
+                                 "loopback URLs carry no job id to make foreign")
         spec = {k: v for k, v in body.items() if k != "secrets"}
         secret_values = dict(body.get("secrets") or {})
         owner_type = "org" if namespace in self._orgs else "user"
@@ -1184,7 +1191,7 @@ def _faults_rejection(faults: Mapping[str, Any], where: str, prefix: str = "") -
                 return f"{shown}={text!r}: must be a number of seconds >= 0"
         elif key == "rate-limit-after-create" and not (text.isdigit()):
             return f"{shown}={text!r}: must be a whole number of API calls >= 0"
-        elif key in ("lost-create-response", "no-url") and text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+        elif key in ("lost-create-response", "no-url", "foreign-url") and text.lower() not in ("true", "false", "1", "0", "yes", "no"):
             return f"{shown}={text!r}: must be true or false"
         elif key == "crash-at-boot" and not text:
             return f"{shown}: give the crash message as the value"
@@ -1328,6 +1335,10 @@ class _JobState:
         state = cls()
         state.stage, state.message = job.stage, job.message
         state.expose_urls = list(job.expose_urls) if job.expose_urls is not None else None
+        if state.expose_urls and _truthy(job.faults.get("foreign-url", "false")):
+            foreign = job.id[::-1]  # another well-formed job id, stable for the job's life
+            state.expose_urls = [url.replace("//%s--" % job.id, "//%s--" % foreign)
+                                 for url in state.expose_urls]
         state.started_at, state.finished_at = job.started_at, job.finished_at
         state.started_mono, state.finished_mono = job.started_mono, job.finished_mono
         return state

@@ -297,19 +297,36 @@ def test_the_sandbox_gets_no_hf_token_and_the_sandbox_token_never_reaches_a_log(
         assert emu.token not in repr(p) and "X-Sandbox-Token" not in repr(proxy._routes)
 
 
-def test_a_host_url_that_is_not_the_hosts_own_gets_no_token_and_the_sandbox_is_killed(pool_env, proxy):
+def test_a_sandbox_url_that_is_not_its_hosts_own_gets_no_token_and_the_sandbox_is_killed(pool_env, proxy,
+                                                                                           monkeypatch):
+    """The token goes only to the host job's own exposed URL: a caller's pool whose sandboxes name another
+    job's URL (a misbehaving pool object; the URL still reaches the emulator, on loopback) is refused on
+    the sandbox's real upstream, and the sandbox it made is killed."""
     emu = pool_env()
+    monkeypatch.setattr(hub.constants, "ENDPOINT", emu.endpoint)
+    offered: List[str] = []
 
-    class Strict(HFSandboxProvider):
-        def _exposed_url_rejection(self, url: str, job_id: str, port: int) -> str:
-            return "refused %s for the test" % url.split("/v1/")[0]
+    class MisroutingPool(hub.SandboxPool):
+        def create(self, *args: Any, **kwargs: Any) -> Any:
+            sandbox = super().create(*args, **kwargs)
+            real = sandbox.proxy_url_for
 
-    p = Strict(IMAGE, endpoint=emu.endpoint, token=emu.token, verify=emu.ca_path, proxy=proxy, command=SERVER,
-               pool="strict", start_timeout_s=TIMEOUT)
-    with pytest.raises(InsecureURLError, match="refused https://"):
-        p.start_container()
-    host_id = emu.jobs[0].id
-    assert host_sandboxes(emu, host_id) == [] and proxy._routes == {}
+            def foreign(port: Any, path: str = "/", **options: Any) -> str:
+                url = real(port, path, **options)
+                host_id = url.split("//", 1)[1].split("--", 1)[0]
+                offered.append(url.replace("//%s--" % host_id, "//%s--" % host_id[::-1]))
+                return offered[-1]
+
+            sandbox.proxy_url_for = foreign
+            return sandbox
+
+    with MisroutingPool(IMAGE, token=emu.token, namespace=emu.namespace, start_timeout=TIMEOUT) as pool:
+        p = provider(emu, proxy, pool=pool)
+        with pytest.raises(InsecureURLError, match="does not belong to job") as refused:
+            p.start_container()
+        host_id = pool.host_ids[0]
+        assert offered and offered[-1].split("/v1/")[0] in str(refused.value)
+        assert host_sandboxes(emu, host_id) == [] and proxy._routes == {}
 
 
 # -- refusals before anything starts ----------------------------------------------------------------
