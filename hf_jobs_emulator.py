@@ -333,6 +333,9 @@ class JobsEmulator:
         self._lose_creates_left = 0
         self._server_errors = _Injection(DEFAULT_SERVER_ERROR_STATUS)  # 5xx answers to give; value: status
         self._withhold_urls_left = 0
+        self._create_delays = _Injection(0.0)  # creates whose answer waits; value: seconds
+        self.create_answers_held = 0  # creates made whose answer is being held now
+        self.create_answers_peak = 0  # the most held at once: how many creates a client had in flight
         # network_faults=True puts a _FaultLink between each exposed port's gate and the job's process,
         # so stall_next_responses / reset_next_responses / reset_tunnels can act on the wire.
         self.network_faults = bool(network_faults)
@@ -513,6 +516,16 @@ class JobsEmulator:
         with self._lock:
             self._lose_creates_left = count
 
+    def delay_next_create_answers(self, count: int, seconds: float) -> None:
+        """Make each of the next `count` jobs at once but answer its create `seconds` later (sooner if the
+        emulator stops), as a slow Hub does: the job exists while the caller's create is in flight.
+        `create_answers_held` / `create_answers_peak` count those held now / at most at once."""
+        reason = _count_rejection(count) or _delay_rejection("seconds", seconds)
+        if reason:
+            raise ValueError(reason)
+        with self._lock:
+            self._create_delays.arm(count, float(seconds), None)
+
     def kill_job(self, job_id: str) -> None:
         """SIGKILL a running job's process group now, as if its machine died: the job ends in ERROR.
 
@@ -651,6 +664,21 @@ class JobsEmulator:
         headers = {"RateLimit": f'"{bucket}";r={max(0, int(limit - state[1]))};t={reset}',
                    "RateLimit-Policy": f'"fixed window";"{bucket}";q={limit};w={int(window)}'}
         return (reset if full else None), headers
+
+    def _hold_create_answer(self) -> None:
+        """Wait before answering a create when delay_next_create_answers armed it."""
+        with self._changed:
+            delay = self._create_delays.take("create")
+            if delay is None:
+                return
+            self.create_answers_held += 1
+            self.create_answers_peak = max(self.create_answers_peak, self.create_answers_held)
+            deadline = time.monotonic() + delay
+            try:
+                while not self._stopping and time.monotonic() < deadline:
+                    self._changed.wait(deadline - time.monotonic())
+            finally:
+                self.create_answers_held -= 1
 
     def _count(self, route: str) -> None:
         with self._lock:
@@ -2622,6 +2650,7 @@ class _ApiHandler(_QuietHandler):
 
     def _create(self, user: str, namespace: str, body: bytes) -> None:
         job, lose_answer = self.emulator._create(user, namespace, _json_body(body))
+        self.emulator._hold_create_answer()
         if lose_answer:  # the job exists, but the client never learns it
             self.close_connection = True
             try:
