@@ -351,15 +351,28 @@ def test_loopback_url_from_a_remote_endpoint_is_refused(api, proxy):
     assert cancels(api) == 1
 
 
+def test_a_refused_cancel_warns_naming_the_job_its_hub_page_and_sweep(api, proxy, caplog):
+    add_job_api(api, stages=[running()], cancel_status=403)  # refused; the job still runs
+    provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST)
+    provider.start_container()
+    page = provider.job_url
+    provider.stop_container()  # must not raise
+    warning = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING][-1]
+    assert "HF job job1" in warning and page in warning and "hf_sandbox_provider sweep" in warning
+    assert page.endswith("/jobs/alice/job1") and cancels(api) == hsp.CANCEL_ATTEMPTS
+
+
 @pytest.mark.slow  # the cancel is retried with backoff
 def test_failed_cancel_is_retried_then_logged_with_job_id_and_sweep_hint_without_raising(api, proxy, caplog):
     add_job_api(api, stages=[running()], cancel_status=500)
     provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST)
     base_url = provider.start_container()
+    page = provider.job_url
     provider.stop_container()  # must not raise
     assert cancels(api) == hsp.CANCEL_ATTEMPTS * 3  # each attempt is one call plus two quick retries
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert warnings and "job1" in warnings[-1].getMessage() and "sweep" in warnings[-1].getMessage()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings and "job1" in warnings[-1] and "sweep" in warnings[-1]
+    assert page and page.endswith("/jobs/alice/job1") and page in warnings[-1]  # README: its Hub page
     assert route_is_gone(base_url)
 
 

@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLOTS = 4
 SCHEDULING_DELAY_S = 6.0  # long enough that "during a cold start" is certain when the signal lands
 CHILD_TIMEOUT_S = 60.0
-CREATE_ANSWER_S = 2.0  # how long the emulator holds each create's answer in the in-flight test
+CREATE_ANSWER_S = 1.5  # how long the emulator holds each create's answer in the in-flight test
 
 # CPython runs a Python signal handler only between bytecodes: a signal that lands after the child's last
 # check and before a sleep's system call waits out the whole sleep (about 1 run in 10 with one 120 s sleep
@@ -107,7 +107,6 @@ def test_a_signal_during_the_cold_start_cancels_every_job_then_kills_the_process
     assert_every_job_cancelled(slow_emu, SLOTS + 2)
 
 
-@pytest.mark.slow
 def test_sigterm_while_every_create_is_in_flight_waits_for_the_answers_and_cancels_each_job(slow_emu) -> None:
     # Every create is made at once but answered CREATE_ANSWER_S later, and the signal lands while all of
     # them are held: the teardown must wait for the answers (or look the jobs up) and cancel every one.
