@@ -27,7 +27,7 @@ def echo_url():
         yield server.url
 
 
-def run_sequence(session: EnvSession, seed: int) -> None:
+def run_sequence(session: EnvSession, seed: int) -> dict:
     """A random sequence of OpenEnv messages, each answer checked against a local EchoEnvironment."""
     rng = random.Random(seed)
     model = EchoEnvironment()
@@ -51,6 +51,7 @@ def run_sequence(session: EnvSession, seed: int) -> None:
             with pytest.raises(EnvError, match="UNKNOWN_TYPE"):
                 session.request({"type": "dance"})
     assert session.state() == model.state()  # the errors changed nothing on the server's side
+    return model.state()
 
 
 @pytest.mark.parametrize("seed", SEQUENCE_SEEDS)
@@ -73,17 +74,17 @@ def test_sessions_in_plain_threads_and_inside_a_running_loop_keep_their_own_epis
     async def in_loop() -> dict:
         assert asyncio.get_running_loop() is not None
         with EnvSession(echo_url, timeout_s=TIMEOUT) as session:  # blocks the loop briefly; needs none
-            run_sequence(session, 99)
-            return session.state()
+            expected = run_sequence(session, 99)
+            return session.state(), expected
 
     threads = [threading.Thread(target=in_thread, args=(seed,)) for seed in SEQUENCE_SEEDS]
     for thread in threads:
         thread.start()
-    state = asyncio.run(in_loop())
+    state, expected = asyncio.run(in_loop())
     for thread in threads:
         thread.join(TIMEOUT)
     assert errors == [] and not any(t.is_alive() for t in threads)
-    assert state["step_count"] >= 0
+    assert state == expected and state["episode_id"].startswith(("seed-99", "e"))
 
 
 def test_an_environment_error_keeps_the_session_and_a_refused_upgrade_names_the_environment(echo_url) -> None:
