@@ -177,6 +177,9 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 class H(BaseHTTPRequestHandler):
     def do_GET(self):
         ok = os.path.exists(sys.argv[1])
+        if not ok:  # one byte per 503 answered, for the test to count
+            with open(sys.argv[1] + ".refused", "ab") as refused:
+                refused.write(b".")
         self.send_response(200 if ok else 503)
         self.send_header("Content-Length", "0")
         self.end_headers()
@@ -191,7 +194,8 @@ def test_the_prober_records_the_first_200_not_the_first_answer(emu, tmp_path):
     job_id = create(emu, command=[PY, "-c", HEALTH_AFTER_FILE, str(flag)])
     emu.wait_for_stage(job_id, ["RUNNING"], TIMEOUT)
     wait_until(lambda: health(emu, job_id) == 503, "the server to answer 503")
-    time.sleep(0.2)  # several probe rounds answered 503
+    refused = tmp_path / "ready.refused"
+    wait_until(lambda: refused.exists() and len(refused.read_bytes()) >= 4, "probe rounds answered 503")
     assert emu.job(job_id).first_health_ok_mono is None
     made = time.monotonic()
     flag.write_text("now")

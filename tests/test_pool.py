@@ -243,7 +243,8 @@ def test_closing_a_pool_waits_for_a_cache_write_in_flight_so_no_entry_is_left_fo
     wait_until(lambda: pool._cache_writer is not None, "a cache write in flight")
     p.stop_container()
     hf_sandbox_pool.close_pools()  # cancels the host and deletes the pool's cache entry
-    time.sleep(1.5)  # longer than a write: one still in flight would land now
+    wait_until(lambda: not any(t.name == "hf-sandbox-pool-cache" for t in threading.enumerate()),
+               "every cache writer to end")  # a write close_pools did not wait for lands before this
     assert hub_sandbox.read_pool_cache("closing", pool._cache_context) is None, writes
 
 
