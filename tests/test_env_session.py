@@ -13,6 +13,7 @@ import threading
 import pytest
 
 from hf_jobs_emulator import EchoEnvironment, EchoServer, JobsEmulator, echo_server_command
+from support import wait_until
 from hf_sandbox_provider import (EnvError, EnvSession, HFSandboxProvider, SandboxConfigError, SessionError,
                                  SessionRefusedError, SessionTimeout)
 
@@ -211,8 +212,7 @@ def test_close_from_another_thread_ends_a_request_in_flight_with_a_session_error
         thread = threading.Thread(target=slow_step)
         thread.start()
         started.wait(TIMEOUT)
-        while not session._lock.locked():  # the step is waiting for its reply
-            threading.Event().wait(0.01)
+        wait_until(session._lock.locked, "the step to wait for its reply")
         session.close()  # e.g. close_all() at the end of training
         thread.join(TIMEOUT)
         assert len(outcome) == 1 and isinstance(outcome[0], SessionError), outcome  # not the late reply

@@ -21,6 +21,7 @@ import requests
 import responses
 
 import hf_sandbox_provider as hsp
+from support import in_thread, wait_until
 
 ENDPOINT = "https://hub.test"
 LOOPBACK_ENDPOINT = "http://127.0.0.1:9"  # never contacted: `responses` answers for it
@@ -429,18 +430,8 @@ def test_stop_from_another_thread_aborts_a_start_in_progress_and_cancels(api, pr
     add_job_api(api, stages=[job_json()])
     provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy,
                                      poll_interval_s=0.05, start_timeout_s=30)
-    outcome = []
-
-    def start():
-        try:
-            provider.start_container()
-        except BaseException as exc:
-            outcome.append(exc)
-
-    thread = threading.Thread(target=start)
-    thread.start()
-    while not calls_to(api, "GET", "/api/jobs/alice/job1"):
-        thread.join(timeout=0.01)
+    thread, outcome = in_thread(provider.start_container)
+    wait_until(lambda: calls_to(api, "GET", "/api/jobs/alice/job1"), "the start to poll its job")
     provider.stop_container()
     thread.join(timeout=10)
     assert not thread.is_alive()

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import List
 
 import pytest
 
 import hf_sandbox_provider as hsp
 from hf_jobs_emulator import echo_server_command
-from support import wait_until
+from support import in_thread, wait_until
 
 IMAGE = "registry.hf.space/openenv-echo-env:latest"
 HELD_WINDOW_S = 2.0  # how long a start held by the API budget is watched for calls it should not make
@@ -25,20 +24,6 @@ def _provider(emu, proxy, **kwargs) -> hsp.HFSandboxProvider:
                    poll_interval_s=0.05, start_timeout_s=60, ready_timeout_s=60)
     options.update(kwargs)
     return hsp.HFSandboxProvider(IMAGE, **options)
-
-
-def _start_in_thread(provider: hsp.HFSandboxProvider) -> "tuple[threading.Thread, List[BaseException]]":
-    errors: List[BaseException] = []
-
-    def run() -> None:
-        try:
-            provider.start_container()
-        except BaseException as exc:  # the test reads it
-            errors.append(exc)
-
-    thread = threading.Thread(target=run, name="test-start", daemon=True)
-    thread.start()
-    return thread, errors
 
 
 # -- Errors: a malformed HF_SANDBOX_RATE_LIMIT ---------------------------------------------------------
@@ -64,7 +49,7 @@ def test_the_rate_limit_setting_holds_the_librarys_calls_and_a_stop_still_cancel
     emu = make_emu()
     monkeypatch.setenv(hsp.RATE_LIMIT_ENV, "8/600")
     provider = _provider(emu, proxy)
-    thread, errors = _start_in_thread(provider)
+    thread, errors = in_thread(provider.start_container)
     wait_until(lambda: emu.jobs and emu.jobs[0].stage == "RUNNING", "the job to run")
     # Unheld, the watcher (polling every 0.05 s) would see RUNNING and the URL well within this window.
     threading.Event().wait(HELD_WINDOW_S)
@@ -85,7 +70,7 @@ def test_a_stop_whose_start_outlasts_the_wait_warns_with_the_start_label_and_the
     monkeypatch.setattr(hsp, "STOP_WAIT_S", 0.5)  # README: 30 s; the rule, not its length, is under test
     emu.delay_next_create_answers(1, 3.0)  # the create is in flight when the stop comes
     provider = _provider(emu, proxy)
-    thread, errors = _start_in_thread(provider)
+    thread, errors = in_thread(provider.start_container)
     wait_until(lambda: emu.create_answers_held == 1, "the create to be in flight")
     label = emu.jobs[0].spec["labels"][hsp.START_LABEL_KEY]  # the job already exists; its answer is held
     provider.stop_container()
