@@ -67,6 +67,20 @@ def test_a_listing_whose_next_link_names_a_foreign_host_fails_loudly_after_the_f
         emu.stop()
 
 
+@pytest.mark.parametrize("link_base", ["http://user@127.0.0.1", "http://user:pw@127.0.0.1", "https://127.0.0.1",
+                                       "http://127.0.0.1:notaport"])
+def test_a_next_link_with_credentials_another_scheme_or_a_bad_port_is_not_followed(link_base):
+    emu, client = listing_emulator("127.0.0.1")
+    emu.next_link_base = link_base if link_base.endswith("notaport") else "%s:%d" % (link_base, emu.port)
+    try:
+        with pytest.raises(hsp.JobsAPIError, match="next-page link .*not following it"):
+            client.list_jobs("local", labels={"batch": "b1"})
+        assert emu.api_calls["list"] == 1
+    finally:
+        client.close()
+        emu.stop()
+
+
 # -- the per-user rate limit ---------------------------------------------------------------------------
 
 

@@ -399,6 +399,40 @@ def test_create_that_keeps_failing_reports_the_error_and_leaves_no_job(api, prox
     assert provider.job_id is None and provider.base_url is None
 
 
+def test_a_failed_create_whose_job_cannot_be_looked_up_warns_with_the_start_label_and_sweep(api, proxy, caplog):
+    api.add(responses.GET, ENDPOINT + "/api/whoami-v2", json={"name": "alice"})
+    api.add(responses.POST, ENDPOINT + "/api/jobs/alice", status=503, headers={"Retry-After": "0"})
+    api.add(responses.GET, ENDPOINT + "/api/jobs/alice", status=503, headers={"Retry-After": "0"})
+    provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST)
+    with pytest.raises(hsp.JobsAPIError):
+        provider.start_container()
+    listed = calls_to(api, "GET", "/api/jobs/alice")
+    label = requests.utils.unquote(listed[-1].request.url.split("label=", 1)[1]).split("&")[0]
+    warning = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING][-1]
+    assert label.startswith(hsp.START_LABEL_KEY + "=") and label in warning
+    assert "JobsAPIError" in warning and "`python -m hf_sandbox_provider sweep`" in warning
+
+
+@pytest.mark.parametrize("cancel_status", [200, 403])
+def test_a_job_made_by_a_failed_create_is_cancelled_or_named_with_sweep(api, proxy, caplog, cancel_status):
+    caplog.set_level(logging.INFO, logger="hf_sandbox_provider")
+    api.add(responses.GET, ENDPOINT + "/api/whoami-v2", json={"name": "alice"})
+    api.add(responses.POST, ENDPOINT + "/api/jobs/alice", json={"status": {"stage": "SCHEDULING"}})
+    api.add(responses.GET, ENDPOINT + "/api/jobs/alice", json=[job_json("ghost")])
+    api.add(responses.POST, ENDPOINT + "/api/jobs/alice/ghost/cancel", status=cancel_status)
+    api.add(responses.GET, ENDPOINT + "/api/jobs/alice/ghost", json=job_json("ghost", "RUNNING"))
+    provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST)
+    with pytest.raises(hsp.JobsAPIError):
+        provider.start_container()
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if "ghost" in r.getMessage()]
+    if cancel_status == 200:
+        assert (logging.INFO, "cancelled job ghost made by a create that reported failure") in said
+    else:
+        assert [m for level, m in said if level == logging.WARNING and m.startswith(
+            "HF job ghost (made by a failed create) could not be cancelled: ") and "HTTP 403" in m
+            and m.endswith("; run `python -m hf_sandbox_provider sweep`")], said
+
+
 def interrupt(request):
     """A Ctrl-C arriving while the call is in flight."""
     raise KeyboardInterrupt
