@@ -140,6 +140,10 @@ FAULT_KEYS = (
     "lost-create-response",  # "true": the job is created but the create connection drops unanswered
     "rate-limit-after-create",  # N: the N API calls after this create answer 429 with Retry-After
     "no-url",  # "true": the job runs but its exposed URLs never appear (status.exposeUrls stays empty)
+    # "true" (tls=True only): status.exposeUrls name another job id (`https://<other>--<port>.`) while
+    # still reaching this job's gate, as a misrouted answer would; a client must refuse to send its
+    # token there, and if it does not, its request still lands here, on loopback, for the test to see.
+    "foreign-url",
 )
 # Status an injected API server error answers when none is given (the Hub's load balancer says 503).
 DEFAULT_SERVER_ERROR_STATUS = 503
@@ -351,6 +355,9 @@ class JobsEmulator:
         self._lose_creates_left = 0
         self._server_errors = _Injection(DEFAULT_SERVER_ERROR_STATUS)  # 5xx answers to give; value: status
         self._withhold_urls_left = 0
+        self._create_delays = _Injection(0.0)  # creates whose answer waits; value: seconds
+        self.create_answers_held = 0  # creates made whose answer is being held now
+        self.create_answers_peak = 0  # the most held at once: how many creates a client had in flight
         # network_faults=True puts a _FaultLink between each exposed port's gate and the job's process,
         # so stall_next_responses / reset_next_responses / reset_tunnels can act on the wire.
         self.network_faults = bool(network_faults)
@@ -531,6 +538,16 @@ class JobsEmulator:
         with self._lock:
             self._lose_creates_left = count
 
+    def delay_next_create_answers(self, count: int, seconds: float) -> None:
+        """Make each of the next `count` jobs at once but answer its create `seconds` later (sooner if the
+        emulator stops), as a slow Hub does: the job exists while the caller's create is in flight.
+        `create_answers_held` / `create_answers_peak` count those held now / at most at once."""
+        reason = _count_rejection(count) or _delay_rejection("seconds", seconds)
+        if reason:
+            raise ValueError(reason)
+        with self._lock:
+            self._create_delays.arm(count, float(seconds), None)
+
     def kill_job(self, job_id: str) -> None:
         """SIGKILL a running job's process group now, as if its machine died: the job ends in ERROR.
 
@@ -692,6 +709,21 @@ class JobsEmulator:
                    "RateLimit-Policy": f'"fixed window";"{bucket}";q={limit};w={int(window)}'}
         return (reset if full else None), headers
 
+    def _hold_create_answer(self) -> None:
+        """Wait before answering a create when delay_next_create_answers armed it."""
+        with self._changed:
+            delay = self._create_delays.take("create")
+            if delay is None:
+                return
+            self.create_answers_held += 1
+            self.create_answers_peak = max(self.create_answers_peak, self.create_answers_held)
+            deadline = time.monotonic() + delay
+            try:
+                while not self._stopping and time.monotonic() < deadline:
+                    self._changed.wait(deadline - time.monotonic())
+            finally:
+                self.create_answers_held -= 1
+
     def _count(self, route: str) -> None:
         with self._lock:
             self._api_calls[route] = self._api_calls.get(route, 0) + 1
@@ -723,6 +755,9 @@ class JobsEmulator:
         if reason:
             raise _ApiError(400, reason)
         faults = {**self.default_faults, **job_faults}
+        if _truthy(faults.get("foreign-url", "false")) and not self.tls:
+            raise _ApiError(400, "the foreign-url fault needs JobsEmulator(tls=True): a plain emulator's "
+                                 "loopback URLs carry no job id to make foreign")
         spec = {k: v for k, v in body.items() if k != "secrets"}
         secret_values = dict(body.get("secrets") or {})
         owner_type = "org" if namespace in self._orgs else "user"
@@ -1267,7 +1302,7 @@ def _faults_rejection(faults: Mapping[str, Any], where: str, prefix: str = "") -
                 return f"{shown}={text!r}: must be a number of seconds >= 0"
         elif key == "rate-limit-after-create" and not (text.isdigit()):
             return f"{shown}={text!r}: must be a whole number of API calls >= 0"
-        elif key in ("lost-create-response", "no-url") and text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+        elif key in ("lost-create-response", "no-url", "foreign-url") and text.lower() not in ("true", "false", "1", "0", "yes", "no"):
             return f"{shown}={text!r}: must be true or false"
         elif key == "crash-at-boot" and not text:
             return f"{shown}: give the crash message as the value"
@@ -1441,6 +1476,10 @@ class _JobState:
         state = cls()
         state.stage, state.message = job.stage, job.message
         state.expose_urls = list(job.expose_urls) if job.expose_urls is not None else None
+        if state.expose_urls and _truthy(job.faults.get("foreign-url", "false")):
+            foreign = job.id[::-1]  # another well-formed job id, stable for the job's life
+            state.expose_urls = [url.replace("//%s--" % job.id, "//%s--" % foreign)
+                                 for url in state.expose_urls]
         state.started_at, state.finished_at = job.started_at, job.finished_at
         state.started_mono, state.finished_mono = job.started_mono, job.finished_mono
         return state
@@ -2761,6 +2800,7 @@ class _ApiHandler(_QuietHandler):
 
     def _create(self, user: str, namespace: str, body: bytes) -> None:
         job, lose_answer = self.emulator._create(user, namespace, _json_body(body))
+        self.emulator._hold_create_answer()
         if lose_answer:  # the job exists, but the client never learns it
             self.close_connection = True
             try:

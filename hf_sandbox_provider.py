@@ -1936,8 +1936,11 @@ class _JobsClient:
                 raise SandboxError("stop_container() was called while the job was being created")
             return None
 
-        return self._json("POST", "/api/jobs/%s" % namespace, "creating the job in namespace %r" % namespace,
-                          body=dict(body), find_lost=find_lost)
+        action = "creating the job in namespace %r" % namespace
+        job = self._json("POST", "/api/jobs/%s" % namespace, action, body=dict(body), find_lost=find_lost)
+        if not isinstance(job, dict) or not job.get("id"):  # the caller finds it by its label and cancels it
+            raise JobsAPIError(action, 200, "the answer names no job id")
+        return job
 
     def get_job(self, namespace: str, job_id: str, retries: int = API_MAX_RETRIES) -> Dict[str, Any]:
         return self._json("GET", "/api/jobs/%s/%s" % (namespace, job_id), "inspecting job %s" % job_id,

@@ -32,6 +32,10 @@ Stable names other test files may rely on:
 - `raw_request(port, data, timeout=5)`: send raw bytes to 127.0.0.1:port, return everything read until
   the peer closes or goes quiet.
 - `pattern(n)`: n deterministic bytes.
+- `proc_stat(pid)`, `alive(pid)`, `processes(where)`: a process's (state, ppid, pgid) from /proc, whether
+  it runs (not a zombie), and the live pids whose stat satisfies `where` (Linux).
+- `in_thread(action)`: run it in a daemon thread; returns (thread, outcome list: its result or exception).
+- `wait_until(predicate, what, timeout_s=60)`: poll until truthy, failing with `what` at the deadline.
 """
 from __future__ import annotations
 
@@ -549,6 +553,48 @@ class RecordingUpstream:
         self._accepting.join(5)
         for thread in self._threads:
             thread.join(5)
+
+
+def proc_stat(pid: int) -> Optional[Tuple[str, int, int]]:
+    """(state, ppid, pgid) of a process from /proc (Linux), or None when it is gone."""
+    try:
+        with open("/proc/%d/stat" % pid) as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+    return fields[0], int(fields[1]), int(fields[2])
+
+
+def alive(pid: int) -> bool:
+    """Running and not a zombie (an orphan killed in a test may wait for an init that never reaps it)."""
+    stat = proc_stat(pid)
+    return stat is not None and stat[0] != "Z"
+
+
+def processes(where: Callable[[Tuple[str, int, int]], bool]) -> List[int]:
+    """Pids of the live (non-zombie) processes whose (state, ppid, pgid) satisfy `where`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        stat = proc_stat(int(entry)) if entry.isdigit() else None
+        if stat is not None and stat[0] != "Z" and where(stat):
+            found.append(int(entry))
+    return found
+
+
+def in_thread(action: Callable[[], object], name: str = "test-action") -> Tuple[threading.Thread, List[object]]:
+    """Run `action` in a daemon thread; returns the thread and a list that receives what it returned or the
+    exception it raised (never lost: the test reads it)."""
+    outcome: List[object] = []
+
+    def run() -> None:
+        try:
+            outcome.append(action())
+        except BaseException as exc:  # handed to the test's thread
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread, outcome
 
 
 def wait_until(predicate: Callable[[], object], what: str, timeout_s: float = 60.0) -> None:

@@ -66,6 +66,7 @@ def test_smoke_with_a_crashing_job_exits_non_zero_with_the_job_reason(tmp_path):
     assert report["ok"] is False
     assert "JobFailedError" in report["error"] and "ERROR" in report["error"]
     assert "boom-at-boot" in report["error"]  # the log tail travels with the failure
+    assert "exit code: 3" in report["error"]
     assert report["stages"][-1]["detail"] == "no job process left"
 
 

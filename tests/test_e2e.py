@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -252,24 +250,3 @@ def test_stopping_the_emulator_while_the_provider_runs_leaves_nothing_behind(pro
 
 
 # -- the smoke CLI as users run it ----------------------------------------------------------------
-
-
-def run_smoke(*extra: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HF_ENDPOINT")}
-    return subprocess.run([sys.executable, "-m", "hf_sandbox_provider", "smoke", "--local", *extra],
-                          capture_output=True, text=True, timeout=120, env=env,
-                          cwd=os.path.dirname(os.path.abspath(hf_jobs_emulator.__file__)))
-
-
-@pytest.mark.slow  # the CLI as a subprocess
-def test_smoke_local_exits_zero():
-    done = run_smoke()
-    assert done.returncode == 0, done.stdout + done.stderr
-
-
-@pytest.mark.slow  # the CLI as a subprocess
-def test_smoke_local_with_a_crashing_job_exits_nonzero_with_the_reason():
-    crash = f"{sys.executable} -c \"import sys; print('env import failed', file=sys.stderr); sys.exit(3)\""
-    done = run_smoke("--command", crash)
-    assert done.returncode != 0
-    assert "exit code: 3" in done.stdout + done.stderr

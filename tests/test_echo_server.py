@@ -18,6 +18,7 @@ from hf_jobs_emulator import EchoServer
 from support import read_to_eof
 
 ws_sync = pytest.importorskip("websockets.sync.client")
+from websockets.exceptions import ConnectionClosed, ConnectionClosedOK  # noqa: E402
 
 TIMEOUT = 10
 
@@ -114,7 +115,7 @@ def test_websocket_reset_step_state_and_close(echo, compression):
         assert step["data"]["observation"] == {"echoed_message": "héllo", "message_length": 5}
         assert ask(ws, {"type": "state"}) == {"type": "state", "data": {"episode_id": "ws-1", "step_count": 1}}
         ws.send(json.dumps({"type": "close"}))
-        with pytest.raises(Exception):  # the server ends the session after a close message
+        with pytest.raises(ConnectionClosedOK):  # the server ends the session after a close message
             ws.recv(timeout=TIMEOUT)
         assert ws.close_code == 1000
 
@@ -161,7 +162,7 @@ def test_stop_closes_open_websocket_sessions():
         with ws_sync.connect(ws_url(server), open_timeout=TIMEOUT) as ws:
             ask(ws, {"type": "reset", "data": {}})
             server.stop()
-            with pytest.raises(Exception):
+            with pytest.raises(ConnectionClosed):
                 ws.recv(timeout=TIMEOUT)
     finally:
         server.stop()

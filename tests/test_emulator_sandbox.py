@@ -23,7 +23,7 @@ import requests
 import hf_jobs_emulator
 import hf_sbx_emulator
 from hf_jobs_emulator import JobsEmulator, spawn_process
-from support import wait_until
+from support import alive, processes, wait_until
 
 hub = pytest.importorskip("huggingface_hub")
 sandbox_mod = pytest.importorskip("huggingface_hub._sandbox")
@@ -124,15 +124,7 @@ def hub_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Any, log_guard: Any) -> C
     for emulator in made:
         pids = emulator.live_pids()
         assert emulator.stop() == []
-        assert [pid for pid in pids if _alive(pid)] == [], "a job or sandbox process outlived the emulator"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().split(") ")[-1][:1] != "Z"  # a zombie is dead, only not reaped yet
-    except FileNotFoundError:
-        return False
+        assert [pid for pid in pids if alive(pid)] == [], "a job or sandbox process outlived the emulator"
 
 
 def _pool(emu: JobsEmulator, **kwargs: Any) -> SandboxPool:
@@ -242,7 +234,7 @@ def test_an_exec_ends_with_its_command_not_with_descendants_holding_its_output(h
         sbx = pool.create()
         result = sbx.run("sleep 600 & echo $! > child.pid; echo done")  # waiting for it hits the test timeout
         assert result.stdout == "done\n"
-        wait_until(lambda: not _alive(int(sbx.files.read_text("child.pid"))), "the leftover child to be killed")
+        wait_until(lambda: not alive(int(sbx.files.read_text("child.pid"))), "the leftover child to be killed")
 
 
 @pytest.mark.slow  # waits out 1 s of boot and ready delays
@@ -324,7 +316,7 @@ def test_background_processes_are_listed_and_killed(hub_env):
         assert listed[sleeper.id].running and listed[sleeper.id].cmd == ["sleep", "60"]
         assert listed[quick.id].exit_code == 7
         assert sleeper.kill() is True
-        assert not _alive(sleeper.pid)
+        assert not alive(sleeper.pid)
         assert sleeper.kill() is False  # already gone: idempotent, not an error
         assert not {p.id: p for p in sbx.processes()}[sleeper.id].running
 
@@ -435,7 +427,7 @@ def test_an_idle_sandbox_is_evicted_but_one_running_a_process_is_not(hub_env):
         with pytest.raises(SandboxError) as refused:
             idle.run("true")
         assert refused.value.status_code == 404
-        assert busy.id.split(".")[1] in host.sandbox_ids and _alive(sleeper.pid)
+        assert busy.id.split(".")[1] in host.sandbox_ids and alive(sleeper.pid)
 
 
 def test_an_emulator_idle_timeout_overrides_what_the_create_asks(hub_env):
@@ -461,7 +453,7 @@ def test_killing_a_sandbox_ends_its_processes_and_its_routes(hub_env):
         sleeper = sbx.run("sleep 60", background=True)
         survivor = neighbour.run("sleep 60", background=True)
         sbx.kill()
-        assert not _alive(sleeper.pid) and _alive(survivor.pid)
+        assert not alive(sleeper.pid) and alive(survivor.pid)
         url = f"{_host_url(emu, sbx.host_id)}/v1/sandboxes/{sbx.id.split('.')[1]}/processes"
         headers = {"Authorization": f"Bearer {emu.token}", **sbx.proxy_headers}
         assert requests.get(url, headers=headers, timeout=10).status_code == 404
@@ -482,7 +474,7 @@ def test_a_host_killed_while_serving_fails_its_sessions_promptly_and_ends_its_sa
             with pytest.raises(ConnectionClosed):
                 ws.recv(timeout=20)  # the session ends when the host does, not at a timeout
         assert emu.wait_for_stage(sbx.host_id, ["ERROR"]).stage == "ERROR"
-        wait_until(lambda: not [pid for pid in app_pids if _alive(pid)], "the host's sandbox processes to end")
+        wait_until(lambda: not [pid for pid in app_pids if alive(pid)], "the host's sandbox processes to end")
         with pytest.raises(requests.RequestException):
             requests.get(sbx.proxy_url_for(8001, "/"), headers=sbx.proxy_headers, timeout=10)
 
@@ -656,7 +648,7 @@ def test_sandbox_and_job_processes_of_an_emulator_started_in_a_blocked_thread_en
         sleeper = sbx.run(["sleep", "60"], background=True)
         assert _signal_state(sleeper.pid)["SigBlk"] & _bits(CHILD_SIGNALS) == 0
         os.kill(sleeper.pid, signal.SIGTERM)
-        wait_until(lambda: not _alive(sleeper.pid), "the sandbox process to end on SIGTERM", timeout_s=10)
+        wait_until(lambda: not alive(sleeper.pid), "the sandbox process to end on SIGTERM", timeout_s=10)
         host_stub = emu.job(sbx.host_id).pid
         assert _signal_state(host_stub)["SigBlk"] & _bits(CHILD_SIGNALS) == 0
     echo = hf_jobs_emulator.echo_server_command()  # a zygote child, then a plain Popen job
@@ -694,7 +686,7 @@ def test_no_sandbox_process_or_directory_is_left_after_the_emulator_stops(hub_en
     assert emu.stop() == []
     running.join(30)
     assert len(cut) == 1
-    assert [pid for pid in pids if _alive(pid)] == []
+    assert [pid for pid in pids if alive(pid)] == []
     assert [home for home in homes if os.path.exists(home)] == []
     with pytest.raises(SandboxError):
         pool.close()  # its host is gone already: close() says it could not cancel it
@@ -831,17 +823,7 @@ time.sleep(300)
 
 def _group_members(pgid: int) -> List[int]:
     """Live processes (not zombies) of the process group `pgid`."""
-    members = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as handle:
-                    fields = handle.read().rsplit(") ", 1)[1].split()
-            except (FileNotFoundError, IndexError):
-                continue
-            if fields[0] != "Z" and int(fields[2]) == pgid:
-                members.append(int(entry))
-    return members
+    return processes(lambda stat: stat[2] == pgid)
 
 
 @pytest.mark.slow  # an emulator and a pool in a child process

@@ -17,29 +17,12 @@ import requests
 
 import hf_jobs_emulator
 from hf_jobs_emulator import JobsEmulator
-from support import wait_until
+from support import alive, proc_stat, processes, wait_until
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
 TIMEOUT = 30  # generous: other work may load the 2 cores; passing tests never wait this long
 PY = sys.executable
-
-
-def proc_stat(pid: int):
-    """(state, ppid, pgid) of a process from /proc, or None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            text = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    fields = text.rsplit(")", 1)[1].split()
-    return fields[0], int(fields[1]), int(fields[2])
-
-
-def running(pid: int) -> bool:
-    """Alive and not a zombie (an orphan killed here may wait for an init that never reaps)."""
-    stat = proc_stat(pid)
-    return stat is not None and stat[0] != "Z"
 
 
 def create(emu: JobsEmulator, command=None, labels=None) -> str:
@@ -63,8 +46,8 @@ def emu():
         yield emulator
         pids = [job.pid for job in emulator.jobs if job.pid]
         zygote = emulator._zygote.pid if emulator._zygote is not None else None
-    assert not any(running(pid) for pid in pids), "a job process outlived the emulator"
-    assert zygote is None or not running(zygote), "the zygote outlived the emulator"
+    assert not any(alive(pid) for pid in pids), "a job process outlived the emulator"
+    assert zygote is None or not alive(zygote), "the zygote outlived the emulator"
 
 
 def test_echo_jobs_are_forked_by_the_zygote_each_in_its_own_process_group(emu):
@@ -95,7 +78,7 @@ def test_canceling_a_zygote_job_ends_its_process_and_leaves_the_others_running(e
                            headers={"Authorization": f"Bearer {emu.token}"}, timeout=TIMEOUT)
     assert answer.status_code == 200
     assert emu.wait_for_stage(first, ["CANCELED"], TIMEOUT).stage == "CANCELED"
-    wait_until(lambda: not running(pid), "the canceled job's process to end")
+    wait_until(lambda: not alive(pid), "the canceled job's process to end")
     assert emu.live_pids() == [emu.job(second).pid]
     assert health(emu, second) == 200
 
@@ -125,7 +108,7 @@ def test_zygote_false_starts_the_echo_server_with_popen():
         wait_until(lambda: health(emu, job.id) == 200, "the echo server to answer /health")
         assert emu._zygote is None
         pid = job.pid
-    assert not running(pid)
+    assert not alive(pid)
 
 
 @pytest.mark.slow  # a fresh zygote interpreter replaces the killed one
@@ -136,7 +119,7 @@ def test_when_the_zygote_dies_its_jobs_are_killed_and_end_in_error_and_new_jobs_
     os.kill(old.pid, signal.SIGKILL)
     for job_id in ids:
         assert emu.wait_for_stage(job_id, ["ERROR"], TIMEOUT).stage == "ERROR"
-    wait_until(lambda: not any(running(pid) for pid in pids), "the dead zygote's jobs to be killed")
+    wait_until(lambda: not any(alive(pid) for pid in pids), "the dead zygote's jobs to be killed")
     assert emu.live_pids() == []
     fresh = emu.wait_for_stage(create(emu), ["RUNNING"], TIMEOUT)
     assert emu._zygote is not old and proc_stat(fresh.pid)[1] == emu._zygote.pid
@@ -154,7 +137,7 @@ def test_a_job_canceled_while_its_process_starts_is_never_running_and_its_proces
         job = emu.wait_for_stage(create(emu), ["CANCELED"], TIMEOUT)
         assert job.stage == "CANCELED" and job.started_mono is None and job.expose_urls is None
         assert job.pid is not None
-        wait_until(lambda: not running(job.pid), "the process started for a canceled job to end")
+        wait_until(lambda: not alive(job.pid), "the process started for a canceled job to end")
         assert emu.live_pids() == []
 
 
@@ -177,6 +160,9 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 class H(BaseHTTPRequestHandler):
     def do_GET(self):
         ok = os.path.exists(sys.argv[1])
+        if not ok:  # one byte per 503 answered, for the test to count
+            with open(sys.argv[1] + ".refused", "ab") as refused:
+                refused.write(b".")
         self.send_response(200 if ok else 503)
         self.send_header("Content-Length", "0")
         self.end_headers()
@@ -191,7 +177,8 @@ def test_the_prober_records_the_first_200_not_the_first_answer(emu, tmp_path):
     job_id = create(emu, command=[PY, "-c", HEALTH_AFTER_FILE, str(flag)])
     emu.wait_for_stage(job_id, ["RUNNING"], TIMEOUT)
     wait_until(lambda: health(emu, job_id) == 503, "the server to answer 503")
-    time.sleep(0.2)  # several probe rounds answered 503
+    refused = tmp_path / "ready.refused"
+    wait_until(lambda: refused.exists() and len(refused.read_bytes()) >= 4, "probe rounds answered 503")
     assert emu.job(job_id).first_health_ok_mono is None
     made = time.monotonic()
     flag.write_text("now")
@@ -218,13 +205,7 @@ def test_list_answers_with_every_job_while_many_start(emu):
 
 
 def _children(pid: int):
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            stat = proc_stat(int(entry))
-            if stat is not None and stat[1] == pid:
-                found.append(int(entry))
-    return found
+    return processes(lambda stat: stat[1] == pid)
 
 
 def test_killing_the_emulator_process_ends_the_zygote_and_every_echo_job(tmp_path):
@@ -247,7 +228,7 @@ def test_killing_the_emulator_process_ends_the_zygote_and_every_echo_job(tmp_pat
         assert len(jobs) == 2
         os.kill(serve.pid, signal.SIGKILL)  # no stop(), no cleanup: the zygote must notice alone
         serve.wait(TIMEOUT)
-        wait_until(lambda: not any(running(pid) for pid in jobs + zygotes), "the zygote and its jobs to end")
+        wait_until(lambda: not any(alive(pid) for pid in jobs + zygotes), "the zygote and its jobs to end")
     finally:
         if serve.poll() is None:
             os.killpg(serve.pid, signal.SIGKILL)
@@ -263,10 +244,10 @@ def test_a_child_whose_spawn_gave_up_waiting_is_killed_not_left_running(monkeypa
         with pytest.raises(hf_jobs_emulator._ZygoteUnavailable, match="no answer from the zygote"):
             zygote.spawn([], env)
         wait_until(lambda: zygote._children == {} and not [
-            pid for pid in _children(zygote.pid) if running(pid)], "the late child to be killed and reaped")
+            pid for pid in _children(zygote.pid) if alive(pid)], "the late child to be killed and reaped")
     finally:
         assert zygote.stop() == []
-    assert not running(zygote.pid)
+    assert not alive(zygote.pid)
 
 
 def test_a_zygote_job_holds_none_of_the_zygotes_descriptors(emu):

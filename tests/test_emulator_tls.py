@@ -60,6 +60,22 @@ def test_a_provider_reaches_a_tls_job_by_its_job_shaped_https_url_over_http_and_
     wait_until(lambda: all(job.terminal for job in tls_emu.jobs), "the job to end")
 
 
+def test_a_job_whose_exposed_url_names_another_job_gets_no_token_and_is_cancelled(proxy, log_guard):
+    """The exposed-URL rule on the real path: the Jobs API answers with a URL naming another job id (the
+    emulator's foreign-url fault; the URL still reaches this job's gate, on loopback). The start must
+    refuse it before the token is sent, cancel the job and mount nothing."""
+    with JobsEmulator(tls=True, faults={"foreign-url": "true"}) as emu:
+        log_guard.watch(emu.token)
+        provider = _provider(emu, proxy, start_timeout_s=TIMEOUT)
+        with pytest.raises(hsp.InsecureURLError, match="does not belong to job") as refused:
+            provider.start_container()
+        job = emu.jobs[0]
+        assert job.id[::-1] in str(refused.value) and emu.token not in str(refused.value)
+        assert emu.wait_for_stage(job.id, ["CANCELED"]).stage == "CANCELED"
+        assert provider.base_url is None and proxy._routes == {}
+    assert emu.live_pids() == []
+
+
 def test_the_gate_over_tls_still_wants_the_token_and_an_untrusting_proxy_gets_502_upstream_tls(tls_emu, proxy):
     provider = _provider(tls_emu, proxy)
     try:

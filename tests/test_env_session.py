@@ -13,6 +13,7 @@ import threading
 import pytest
 
 from hf_jobs_emulator import EchoEnvironment, EchoServer, JobsEmulator, echo_server_command
+from support import wait_until
 from hf_sandbox_provider import (EnvError, EnvSession, HFSandboxProvider, SandboxConfigError, SessionError,
                                  SessionRefusedError, SessionTimeout)
 
@@ -27,7 +28,7 @@ def echo_url():
         yield server.url
 
 
-def run_sequence(session: EnvSession, seed: int) -> None:
+def run_sequence(session: EnvSession, seed: int) -> dict:
     """A random sequence of OpenEnv messages, each answer checked against a local EchoEnvironment."""
     rng = random.Random(seed)
     model = EchoEnvironment()
@@ -51,6 +52,7 @@ def run_sequence(session: EnvSession, seed: int) -> None:
             with pytest.raises(EnvError, match="UNKNOWN_TYPE"):
                 session.request({"type": "dance"})
     assert session.state() == model.state()  # the errors changed nothing on the server's side
+    return model.state()
 
 
 @pytest.mark.parametrize("seed", SEQUENCE_SEEDS)
@@ -73,17 +75,17 @@ def test_sessions_in_plain_threads_and_inside_a_running_loop_keep_their_own_epis
     async def in_loop() -> dict:
         assert asyncio.get_running_loop() is not None
         with EnvSession(echo_url, timeout_s=TIMEOUT) as session:  # blocks the loop briefly; needs none
-            run_sequence(session, 99)
-            return session.state()
+            expected = run_sequence(session, 99)
+            return session.state(), expected
 
     threads = [threading.Thread(target=in_thread, args=(seed,)) for seed in SEQUENCE_SEEDS]
     for thread in threads:
         thread.start()
-    state = asyncio.run(in_loop())
+    state, expected = asyncio.run(in_loop())
     for thread in threads:
         thread.join(TIMEOUT)
     assert errors == [] and not any(t.is_alive() for t in threads)
-    assert state["step_count"] >= 0
+    assert state == expected and state["episode_id"].startswith(("seed-99", "e"))
 
 
 def test_an_environment_error_keeps_the_session_and_a_refused_upgrade_names_the_environment(echo_url) -> None:
@@ -210,8 +212,7 @@ def test_close_from_another_thread_ends_a_request_in_flight_with_a_session_error
         thread = threading.Thread(target=slow_step)
         thread.start()
         started.wait(TIMEOUT)
-        while not session._lock.locked():  # the step is waiting for its reply
-            threading.Event().wait(0.01)
+        wait_until(session._lock.locked, "the step to wait for its reply")
         session.close()  # e.g. close_all() at the end of training
         thread.join(TIMEOUT)
         assert len(outcome) == 1 and isinstance(outcome[0], SessionError), outcome  # not the late reply

@@ -3,6 +3,11 @@ processes, teardown that never waits for budget, pagination across the Hub's hos
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 
 import pytest
@@ -12,6 +17,7 @@ import hf_sandbox_provider as hsp
 from hf_jobs_emulator import JobsEmulator, echo_server_command
 
 IMAGE = "registry.hf.space/openenv-echo-env:latest"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_a_flavor_the_hubs_live_list_lacks_is_refused_before_any_create(proxy):
@@ -61,37 +67,50 @@ def test_a_listing_whose_next_link_names_a_foreign_host_fails_loudly_after_the_f
         emu.stop()
 
 
+@pytest.mark.parametrize("link_base", ["http://user@127.0.0.1", "http://user:pw@127.0.0.1", "https://127.0.0.1",
+                                       "http://127.0.0.1:notaport"])
+def test_a_next_link_with_credentials_another_scheme_or_a_bad_port_is_not_followed(link_base):
+    emu, client = listing_emulator("127.0.0.1")
+    emu.next_link_base = link_base if link_base.endswith("notaport") else "%s:%d" % (link_base, emu.port)
+    try:
+        with pytest.raises(hsp.JobsAPIError, match="next-page link .*not following it"):
+            client.list_jobs("local", labels={"batch": "b1"})
+        assert emu.api_calls["list"] == 1
+    finally:
+        client.close()
+        emu.stop()
+
+
 # -- the per-user rate limit ---------------------------------------------------------------------------
 
 
+# A process of a trainer (say one rank of `accelerate launch`), in miniature: its own budget and client,
+# the user's token, a run of Jobs API calls. Prints how many it made and the quota its budget learnt.
+QUOTA_CHILD = textwrap.dedent("""
+    import json, sys
+    import hf_sandbox_provider as hsp
+    endpoint, token, calls = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    client = hsp._JobsClient(endpoint, token)
+    made = sum(1 for _ in range(calls) if client.list_jobs("local", retries=0) is not None)
+    print(json.dumps([made, client._budget.calls, client._budget.window_s]))
+""")
+
+
 @pytest.mark.slow  # waits out rate-limit windows
-def test_two_processes_of_one_user_share_its_quota_through_the_servers_count_without_a_429():
-    """Each client stands for a process (its own budget), both with the user's token: the server's RateLimit
-    count is all they share, and it keeps both under the quota across windows."""
-    with JobsEmulator(rate_limit=(40, 4)) as emu:
-        clients = [hsp._JobsClient(emu.endpoint, emu.token) for _ in range(2)]
-        for client in clients:
-            client._budget = hsp._ApiBudget()  # another process: its own budget
-        outcome = {}
-
-        def spend(index):
-            try:
-                outcome[index] = sum(len(clients[index].list_jobs("local", retries=0)) + 1 for _ in range(30))
-            except BaseException as exc:
-                outcome[index] = exc
-
-        threads = [threading.Thread(target=spend, args=(i,)) for i in range(2)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(120)
-        try:
-            assert outcome == {0: 30, 1: 30}  # 60 calls for a quota of 40: more than one window, none refused
-            assert emu.rate_limited_calls == 0 and emu.window_peaks["local"] <= 40
-            assert all(client._budget.calls == 40 and client._budget.window_s == 4 for client in clients)
-        finally:
-            for client in clients:
-                client.close()
+def test_processes_of_one_user_share_its_quota_through_the_servers_count_without_a_429():
+    """Four real processes, each with its own budget and the user's token: the server's RateLimit count
+    is all they share, and it keeps them under the quota across windows (README, Many environments)."""
+    processes, calls, quota = 4, 25, 40
+    with JobsEmulator(rate_limit=(quota, 4)) as emu:
+        env = dict(os.environ, PYTHONPATH=ROOT)
+        children = [subprocess.Popen([sys.executable, "-c", QUOTA_CHILD, emu.endpoint, emu.token, str(calls)],
+                                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                    for _ in range(processes)]
+        outcomes = [child.communicate(timeout=120) for child in children]
+        assert [child.returncode for child in children] == [0] * processes, outcomes
+        assert [json.loads(out) for out, _ in outcomes] == [[calls, quota, 4.0]] * processes
+        # 100 calls for a quota of 40: more than two windows, none refused, no window over the quota
+        assert emu.rate_limited_calls == 0 and 0 < emu.window_peaks["local"] <= quota
 
 
 @pytest.mark.slow  # spends a rate-limit window

@@ -11,6 +11,7 @@ import json
 import random
 import re
 import threading
+import time
 import uuid
 
 import pytest
@@ -55,6 +56,12 @@ def test_retry_after_as_http_date_counts_from_now():
     now = 1_700_000_000.0
     header = email.utils.formatdate(now + 30, usegmt=True)
     assert hsp._retry_after_seconds(header, now=now) == pytest.approx(30.0)
+
+
+def test_retry_after_zero_means_at_once_and_a_date_counts_from_the_clock_by_default():
+    assert hsp._retry_after_seconds("0") == 0.0 and hsp._retry_after_seconds(" 2.5 ") == 2.5
+    ahead = hsp._retry_after_seconds(email.utils.formatdate(time.time() + 60, usegmt=True))
+    assert 55.0 <= ahead <= 60.0
 
 
 def test_retry_after_in_the_past_or_garbage_means_no_wait_or_no_hint():

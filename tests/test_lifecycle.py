@@ -4,14 +4,13 @@ an allowlist of settings: checked against the real local Jobs emulator and the r
 from __future__ import annotations
 
 import pickle
-import threading
 
 import pytest
 
 import hf_sandbox_provider as hsp
 from hf_jobs_emulator import JobsEmulator, echo_server_command
 from hf_sandbox_provider import Phase
-from support import wait_until
+from support import in_thread, wait_until
 
 IMAGE = "registry.hf.space/openenv-echo-env:latest"
 TIMEOUT = 60
@@ -22,20 +21,6 @@ def provider_on(emu, proxy, cls=hsp.HFSandboxProvider, **kwargs):
                    poll_interval_s=0.05)
     options.update(kwargs)
     return cls(IMAGE, **options)
-
-
-def in_thread(action):
-    outcome = []
-
-    def run():
-        try:
-            outcome.append(action())
-        except BaseException as exc:  # recorded for the test to inspect
-            outcome.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, outcome
 
 
 def test_phases_follow_a_start_a_readiness_wait_and_a_stop(proxy):

@@ -256,7 +256,8 @@ def test_closing_a_pool_waits_for_a_cache_write_in_flight_so_no_entry_is_left_fo
     wait_until(lambda: pool._cache_writer is not None, "a cache write in flight")
     p.stop_container()
     hf_sandbox_pool.close_pools()  # cancels the host and deletes the pool's cache entry
-    time.sleep(1.5)  # longer than a write: one still in flight would land now
+    wait_until(lambda: not any(t.name == "hf-sandbox-pool-cache" for t in threading.enumerate()),
+               "every cache writer to end")  # a write close_pools did not wait for lands before this
     assert hub_sandbox.read_pool_cache("closing", pool._cache_context) is None, writes
 
 
@@ -310,19 +311,36 @@ def test_the_sandbox_gets_no_hf_token_and_the_sandbox_token_never_reaches_a_log(
         assert emu.token not in repr(p) and "X-Sandbox-Token" not in repr(proxy._routes)
 
 
-def test_a_host_url_that_is_not_the_hosts_own_gets_no_token_and_the_sandbox_is_killed(pool_env, proxy):
+def test_a_sandbox_url_that_is_not_its_hosts_own_gets_no_token_and_the_sandbox_is_killed(pool_env, proxy,
+                                                                                           monkeypatch):
+    """The token goes only to the host job's own exposed URL: a caller's pool whose sandboxes name another
+    job's URL (a misbehaving pool object; the URL still reaches the emulator, on loopback) is refused on
+    the sandbox's real upstream, and the sandbox it made is killed."""
     emu = pool_env()
+    monkeypatch.setattr(hub.constants, "ENDPOINT", emu.endpoint)
+    offered: List[str] = []
 
-    class Strict(HFSandboxProvider):
-        def _exposed_url_rejection(self, url: str, job_id: str, port: int) -> str:
-            return "refused %s for the test" % url.split("/v1/")[0]
+    class MisroutingPool(hub.SandboxPool):
+        def create(self, *args: Any, **kwargs: Any) -> Any:
+            sandbox = super().create(*args, **kwargs)
+            real = sandbox.proxy_url_for
 
-    p = Strict(IMAGE, endpoint=emu.endpoint, token=emu.token, verify=emu.ca_path, proxy=proxy, command=SERVER,
-               pool="strict", start_timeout_s=TIMEOUT)
-    with pytest.raises(InsecureURLError, match="refused https://"):
-        p.start_container()
-    host_id = emu.jobs[0].id
-    assert host_sandboxes(emu, host_id) == [] and proxy._routes == {}
+            def foreign(port: Any, path: str = "/", **options: Any) -> str:
+                url = real(port, path, **options)
+                host_id = url.split("//", 1)[1].split("--", 1)[0]
+                offered.append(url.replace("//%s--" % host_id, "//%s--" % host_id[::-1]))
+                return offered[-1]
+
+            sandbox.proxy_url_for = foreign
+            return sandbox
+
+    with MisroutingPool(IMAGE, token=emu.token, namespace=emu.namespace, start_timeout=TIMEOUT) as pool:
+        p = provider(emu, proxy, pool=pool)
+        with pytest.raises(InsecureURLError, match="does not belong to job") as refused:
+            p.start_container()
+        host_id = pool.host_ids[0]
+        assert offered and offered[-1].split("/v1/")[0] in str(refused.value)
+        assert host_sandboxes(emu, host_id) == [] and proxy._routes == {}
 
 
 # -- refusals before anything starts ----------------------------------------------------------------
@@ -335,16 +353,6 @@ def test_an_older_huggingface_hub_is_refused_naming_the_version_needed(monkeypat
     p = HFSandboxProvider(IMAGE, pool="named", token="hf_x", endpoint="http://127.0.0.1:9", proxy=proxy)
     with pytest.raises(SandboxConfigError, match=r"2\.1\.1"):
         p.start_container()
-
-
-@pytest.mark.parametrize("pool, words", [
-    ("has space", "pool name of 1-100 letters"),
-    ("x" * 101, "pool name of 1-100 letters"),
-    (42, "a huggingface_hub SandboxPool, not int"),
-])
-def test_a_bad_pool_is_refused_at_construction(pool, words):
-    with pytest.raises(SandboxConfigError, match=words):
-        HFSandboxProvider(IMAGE, pool=pool)
 
 
 def test_pool_and_replicas_cannot_be_combined(proxy):
@@ -687,7 +695,7 @@ def test_a_pooled_environment_works_through_the_process_host_with_its_sandbox_he
 
 @pytest.mark.parametrize("pool, message", [
     ("", "pool=''"), ("my pool", "pool='my pool'"), ("p" * 101, "1-100 letters"), ("pool\n", "pool='pool"),
-    (42, "not int"),
+    (42, "a huggingface_hub SandboxPool, not int"),
 ], ids=["empty", "space", "too-long", "trailing-newline", "int"])
 def test_a_bad_pool_is_refused_at_construction_naming_the_value_and_the_rule(pool, message):
     with pytest.raises(SandboxConfigError, match=message):

@@ -21,6 +21,7 @@ import requests
 import responses
 
 import hf_sandbox_provider as hsp
+from support import in_thread, wait_until
 
 ENDPOINT = "https://hub.test"
 LOOPBACK_ENDPOINT = "http://127.0.0.1:9"  # never contacted: `responses` answers for it
@@ -353,15 +354,28 @@ def test_loopback_url_from_a_remote_endpoint_is_refused(api, proxy):
     assert cancels(api) == 1
 
 
+def test_a_refused_cancel_warns_naming_the_job_its_hub_page_and_sweep(api, proxy, caplog):
+    add_job_api(api, stages=[running()], cancel_status=403)  # refused; the job still runs
+    provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST)
+    provider.start_container()
+    page = provider.job_url
+    provider.stop_container()  # must not raise
+    warning = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING][-1]
+    assert "HF job job1" in warning and page in warning and "hf_sandbox_provider sweep" in warning
+    assert page.endswith("/jobs/alice/job1") and cancels(api) == hsp.CANCEL_ATTEMPTS
+
+
 @pytest.mark.slow  # the cancel is retried with backoff
 def test_failed_cancel_is_retried_then_logged_with_job_id_and_sweep_hint_without_raising(api, proxy, caplog):
     add_job_api(api, stages=[running()], cancel_status=500)
     provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST)
     base_url = provider.start_container()
+    page = provider.job_url
     provider.stop_container()  # must not raise
     assert cancels(api) == hsp.CANCEL_ATTEMPTS * 3  # each attempt is one call plus two quick retries
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert warnings and "job1" in warnings[-1].getMessage() and "sweep" in warnings[-1].getMessage()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings and "job1" in warnings[-1] and "sweep" in warnings[-1]
+    assert page and page.endswith("/jobs/alice/job1") and page in warnings[-1]  # README: its Hub page
     assert route_is_gone(base_url)
 
 
@@ -385,6 +399,40 @@ def test_create_that_keeps_failing_reports_the_error_and_leaves_no_job(api, prox
     assert info.value.status_code == 503
     assert len(calls_to(api, "POST", "/api/jobs/alice")) == hsp.API_MAX_RETRIES + 1
     assert provider.job_id is None and provider.base_url is None
+
+
+def test_a_failed_create_whose_job_cannot_be_looked_up_warns_with_the_start_label_and_sweep(api, proxy, caplog):
+    api.add(responses.GET, ENDPOINT + "/api/whoami-v2", json={"name": "alice"})
+    api.add(responses.POST, ENDPOINT + "/api/jobs/alice", status=503, headers={"Retry-After": "0"})
+    api.add(responses.GET, ENDPOINT + "/api/jobs/alice", status=503, headers={"Retry-After": "0"})
+    provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST)
+    with pytest.raises(hsp.JobsAPIError):
+        provider.start_container()
+    listed = calls_to(api, "GET", "/api/jobs/alice")
+    label = requests.utils.unquote(listed[-1].request.url.split("label=", 1)[1]).split("&")[0]
+    warning = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING][-1]
+    assert label.startswith(hsp.START_LABEL_KEY + "=") and label in warning
+    assert "JobsAPIError" in warning and "`python -m hf_sandbox_provider sweep`" in warning
+
+
+@pytest.mark.parametrize("cancel_status", [200, 403])
+def test_a_job_made_by_a_failed_create_is_cancelled_or_named_with_sweep(api, proxy, caplog, cancel_status):
+    caplog.set_level(logging.INFO, logger="hf_sandbox_provider")
+    api.add(responses.GET, ENDPOINT + "/api/whoami-v2", json={"name": "alice"})
+    api.add(responses.POST, ENDPOINT + "/api/jobs/alice", json={"status": {"stage": "SCHEDULING"}})
+    api.add(responses.GET, ENDPOINT + "/api/jobs/alice", json=[job_json("ghost")])
+    api.add(responses.POST, ENDPOINT + "/api/jobs/alice/ghost/cancel", status=cancel_status)
+    api.add(responses.GET, ENDPOINT + "/api/jobs/alice/ghost", json=job_json("ghost", "RUNNING"))
+    provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST)
+    with pytest.raises(hsp.JobsAPIError):
+        provider.start_container()
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if "ghost" in r.getMessage()]
+    if cancel_status == 200:
+        assert (logging.INFO, "cancelled job ghost made by a create that reported failure") in said
+    else:
+        assert [m for level, m in said if level == logging.WARNING and m.startswith(
+            "HF job ghost (made by a failed create) could not be cancelled: ") and "HTTP 403" in m
+            and m.endswith("; run `python -m hf_sandbox_provider sweep`")], said
 
 
 def interrupt(request):
@@ -418,18 +466,8 @@ def test_stop_from_another_thread_aborts_a_start_in_progress_and_cancels(api, pr
     add_job_api(api, stages=[job_json()])
     provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy,
                                      poll_interval_s=0.05, start_timeout_s=30)
-    outcome = []
-
-    def start():
-        try:
-            provider.start_container()
-        except BaseException as exc:
-            outcome.append(exc)
-
-    thread = threading.Thread(target=start)
-    thread.start()
-    while not calls_to(api, "GET", "/api/jobs/alice/job1"):
-        thread.join(timeout=0.01)
+    thread, outcome = in_thread(provider.start_container)
+    wait_until(lambda: calls_to(api, "GET", "/api/jobs/alice/job1"), "the start to poll its job")
     provider.stop_container()
     thread.join(timeout=10)
     assert not thread.is_alive()
@@ -645,7 +683,7 @@ def test_create_answer_without_a_job_id_cancels_the_job_found_by_its_start_label
     api.add(responses.GET, ENDPOINT + "/api/jobs/alice", json=[job_json("ghost")])
     api.add(responses.POST, ENDPOINT + "/api/jobs/alice/ghost/cancel", status=200)
     provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST)
-    with pytest.raises(Exception):
+    with pytest.raises(hsp.JobsAPIError, match="names no job id") as failed:
         provider.start_container()
-    assert cancels(api, "ghost") == 1
+    assert failed.value.status_code == 200 and cancels(api, "ghost") == 1
     assert "label=hf-sandbox-start%3D" in calls_to(api, "GET", "/api/jobs/alice")[0].request.url

@@ -8,6 +8,7 @@ from typing import Iterator, Optional, Tuple, Union
 
 import pytest
 import requests
+from websockets.exceptions import ConnectionClosed
 from support import ws_connect as connect
 
 import support
@@ -125,7 +126,7 @@ def test_stop_closes_everything_and_joins_every_thread(upstream, no_leaks):
         assert ws.recv(TIMEOUT) == "open"
         assert session.get(base + "/x", timeout=TIMEOUT).status_code == 200
         p.stop()
-        with pytest.raises(Exception):
+        with pytest.raises(ConnectionClosed):
             ws.recv(TIMEOUT)
     upstream.kill_connections()
 

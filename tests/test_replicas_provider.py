@@ -15,7 +15,7 @@ import requests
 
 import hf_sandbox_provider as hsp
 from hf_jobs_emulator import JobsEmulator, echo_server_command
-from support import wait_until, ws_connect, ws_url
+from support import in_thread, wait_until, ws_connect, ws_url
 
 IMAGE = "registry.hf.space/openenv-echo-env:latest"
 TIMEOUT = 30
@@ -259,9 +259,7 @@ def test_stop_from_another_thread_while_replicas_schedule_cancels_every_job(prox
     with JobsEmulator(scheduling_delay_s=1.0) as emu:
         log_guard.watch(emu.token)
         provider = replicated(emu, proxy)
-        outcome = []
-        starter = threading.Thread(target=lambda: outcome.append(_raised(provider.start_container)))
-        starter.start()
+        starter, outcome = in_thread(provider.start_container)
         try:
             wait_until(lambda: len(emu.jobs) == 3, "three creates")
             provider.stop_container()
@@ -304,12 +302,9 @@ class FirstCrashesOthersHang(hsp.HFSandboxProvider):
 
 def test_start_many_of_replicated_providers_aborts_the_waiting_ones_when_one_fails(emu, proxy):
     FirstCrashesOthersHang.made = 0
-    outcome = []
     options = dict(endpoint=emu.endpoint, token=emu.token, proxy=proxy, poll_interval_s=0.05, replicas=2,
                    ready_timeout_s=300)  # the hanging replicas would wait this long if the abort were lost
-    starter = threading.Thread(target=lambda: outcome.append(_raised(
-        lambda: FirstCrashesOthersHang.start_many(2, IMAGE, progress=False, **options))))
-    starter.start()
+    starter, outcome = in_thread(lambda: FirstCrashesOthersHang.start_many(2, IMAGE, progress=False, **options))
     starter.join(TIMEOUT)
     assert not starter.is_alive(), "the abort did not reach the replicas waiting for /health"
     error = outcome[0]
@@ -364,14 +359,6 @@ def test_replica_status_of_a_single_job_provider_says_to_use_stage_and_job_id(em
             provider.replica_status()
     finally:
         provider.stop_container()
-
-
-def _raised(function):
-    try:
-        function()
-    except BaseException as exc:  # handed to the test thread
-        return exc
-    return None
 
 
 def test_stop_landing_while_the_replica_route_is_mounted_leaves_no_route(emu, log_guard):

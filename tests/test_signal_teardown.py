@@ -19,11 +19,13 @@ import hf_sandbox_provider
 import hf_sandbox_training
 from hf_jobs_emulator import JobsEmulator, echo_server_command
 from hf_sandbox_provider import install_signal_teardown, uninstall_signal_teardown
+from support import wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLOTS = 4
 SCHEDULING_DELAY_S = 6.0  # long enough that "during a cold start" is certain when the signal lands
 CHILD_TIMEOUT_S = 60.0
+CREATE_ANSWER_S = 1.5  # how long the emulator holds each create's answer in the in-flight test
 
 # CPython runs a Python signal handler only between bytecodes: a signal that lands after the child's last
 # check and before a sleep's system call waits out the whole sleep (about 1 run in 10 with one 120 s sleep
@@ -105,15 +107,17 @@ def test_a_signal_during_the_cold_start_cancels_every_job_then_kills_the_process
     assert_every_job_cancelled(slow_emu, SLOTS + 2)
 
 
-@pytest.mark.slow
-def test_sigterm_right_after_the_starts_began_waits_for_creates_in_flight(slow_emu) -> None:
+def test_sigterm_while_every_create_is_in_flight_waits_for_the_answers_and_cancels_each_job(slow_emu) -> None:
+    # Every create is made at once but answered CREATE_ANSWER_S later, and the signal lands while all of
+    # them are held: the teardown must wait for the answers (or look the jobs up) and cancel every one.
+    slow_emu.delay_next_create_answers(SLOTS + 2, CREATE_ANSWER_S)
     child = run_child_until(slow_emu, "cold")
-    child.send_signal(signal.SIGTERM)  # some creates may not have been answered yet
+    wait_until(lambda: slow_emu.create_answers_held == SLOTS + 2, "every create to be in flight",
+               timeout_s=CHILD_TIMEOUT_S)
+    child.send_signal(signal.SIGTERM)
     out, err = child.communicate(timeout=CHILD_TIMEOUT_S)
     assert child.returncode == -signal.SIGTERM, (out, err)
-    time.sleep(1.0)  # a create the child never saw answered would show up by now
-    for job in slow_emu.jobs:
-        assert slow_emu.wait_for_stage(job.id, ["CANCELED"]).stage == "CANCELED", job
+    assert_every_job_cancelled(slow_emu, SLOTS + 2)
 
 
 @pytest.mark.slow
