@@ -2,12 +2,24 @@
 emulator (section names are README's): a malformed HF_SANDBOX_RATE_LIMIT is refused before any call and a
 well-formed one paces the library's calls while cancels still go through (Errors, Many environments);
 a stop that cannot wait for a start to end warns naming what to look for, and the job is still
-cancelled (Cost safety); start_many keeps at most `max_parallel` starts in flight (Many environments)."""
+cancelled (Cost safety); start_many keeps at most `max_parallel` starts in flight (Many environments).
+
+The audit of those sections (docs/promises.md maps every promise to its guard) added: the error classes
+are what the Errors table says, so `except ValueError` / `except SandboxError` catch what it promises;
+signal teardown stays opt-in (a start installs no handler); every provider of the process shares one
+proxy bound to loopback and no URL carries the token; start_many's documented defaults; stop_all stops
+providers in parallel; route ids carry 192 random bits (Security)."""
 
 from __future__ import annotations
 
+import base64
+import inspect
 import logging
+import signal
 import threading
+
+import os
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -24,6 +36,29 @@ def _provider(emu, proxy, **kwargs) -> hsp.HFSandboxProvider:
                    poll_interval_s=0.05, start_timeout_s=60, ready_timeout_s=60)
     options.update(kwargs)
     return hsp.HFSandboxProvider(IMAGE, **options)
+
+
+# -- Errors: the classes of the table ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("error, bases", [
+    (hsp.SandboxConfigError, (hsp.SandboxError, ValueError)),
+    (hsp.InsecureURLError, (ValueError,)),
+    (hsp.JobsAPIError, (hsp.SandboxError,)),
+    (hsp.JobFailedError, (hsp.SandboxError,)),
+    (hsp.JobStartTimeout, (hsp.SandboxError, TimeoutError)),
+    (hsp.StartManyError, (hsp.SandboxError,)),
+    (hsp.ReplicaStartError, (hsp.SandboxError,)),
+], ids=lambda value: getattr(value, "__name__", None))
+def test_each_error_is_catchable_as_the_classes_the_errors_table_names(error, bases):
+    assert all(issubclass(error, base) for base in bases), error.__mro__
+
+
+def test_a_config_error_from_a_start_is_caught_by_except_value_error(make_emu, proxy):
+    emu = make_emu()
+    with pytest.raises(ValueError, match="port 70000"):
+        _provider(emu, proxy).start_container(port=70000)
+    assert emu.api_calls == {}
 
 
 # -- Errors: a malformed HF_SANDBOX_RATE_LIMIT ---------------------------------------------------------
@@ -97,3 +132,97 @@ def test_start_many_keeps_at_most_max_parallel_creates_in_flight(make_emu, proxy
         assert len(emu.jobs) == 6 and emu.create_answers_peak == 2
     finally:
         hsp.stop_all(providers)
+
+
+# -- Cost safety: signal teardown is opt-in ---------------------------------------------------------------
+
+
+def test_a_start_and_a_stop_install_no_signal_handler_until_asked(make_emu, proxy):
+    import hf_sandbox_training  # the layer that holds the handler, loaded as a trainer would
+
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    emu = make_emu()
+    with _provider(emu, proxy) as provider:
+        provider.wait_for_ready(provider.start_container())
+        during = {signum: signal.getsignal(signum) for signum in before}
+    assert during == before and hf_sandbox_training._on_teardown_signal not in during.values()
+    assert {signum: signal.getsignal(signum) for signum in before} == before
+
+
+# -- Many environments and Security: one loopback proxy for every provider ------------------------------
+
+
+def _listening_addresses(port: int) -> list:
+    """Local addresses (hex, as /proc/net/tcp{,6} spell them) of the sockets listening on `port`."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as lines:
+            for line in list(lines)[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, port_hex = local.rsplit(":", 1)
+                if state == "0A" and int(port_hex, 16) == port:  # 0A: LISTEN
+                    found.append(address)
+    return found
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads the listening sockets from /proc")
+def test_providers_given_no_proxy_share_one_proxy_that_listens_on_loopback_only(make_emu):
+    emu = make_emu()
+    first, second = (_provider(emu, None) for _ in range(2))
+    try:
+        urls = [first.start_container(), second.start_container()]
+        origins = {urlsplit(url)[:2] for url in urls}
+        assert len(origins) == 1 and urlsplit(urls[0]).hostname == "127.0.0.1", urls
+        assert _listening_addresses(urlsplit(urls[0]).port) == ["0100007F"]  # 127.0.0.1, nothing else
+        for url in urls + [first.upstream_url, first.job_url, repr(first)]:
+            assert emu.token not in url
+    finally:
+        hsp.stop_all([first, second])
+
+
+# -- Many environments: start_many's defaults; stop_all in parallel --------------------------------------
+
+
+def test_start_many_defaults_are_the_documented_ones():
+    defaults = {name: parameter.default for name, parameter
+                in inspect.signature(hsp.HFSandboxProvider.start_many).parameters.items()
+                if parameter.default is not inspect.Parameter.empty}
+    assert defaults == {"image": None, "max_parallel": 64, "all_or_nothing": True, "progress": True}
+
+
+class _MeetsTheOthersBeforeStopping(hsp.HFSandboxProvider):
+    """Each stop waits, before cancelling, until every provider of the group is inside its own stop: only
+    stops running at the same time get through."""
+
+    group: "threading.Barrier"
+    met: list = []
+
+    def stop_container(self) -> None:
+        try:
+            self.group.wait()
+            self.met.append(self.job_id)
+        finally:
+            super().stop_container()
+
+
+def test_stop_all_stops_the_providers_in_parallel_and_cancels_every_job(make_emu, proxy):
+    emu = make_emu()
+    providers = _MeetsTheOthersBeforeStopping.start_many(
+        3, IMAGE, progress=False, endpoint=emu.endpoint, token=emu.token, proxy=proxy,
+        command=echo_server_command(), poll_interval_s=0.05)
+    _MeetsTheOthersBeforeStopping.group = threading.Barrier(3, timeout=20)
+    _MeetsTheOthersBeforeStopping.met = []
+    hsp.stop_all(providers)
+    assert sorted(_MeetsTheOthersBeforeStopping.met) == sorted(p.job_id for p in providers)
+    assert {emu.wait_for_stage(job.id, ["CANCELED"]).stage for job in emu.jobs} == {"CANCELED"}
+
+
+# -- Security: route ids ---------------------------------------------------------------------------------
+
+
+def test_each_route_id_is_192_random_bits(proxy, upstream):
+    ids = [proxy.mount(upstream.url, "hf_" + "r" * 30).rsplit("/", 1)[1] for _ in range(64)]
+    decoded = [base64.urlsafe_b64decode(route_id + "=" * (-len(route_id) % 4)) for route_id in ids]
+    assert {len(raw) for raw in decoded} == {24} and len(set(ids)) == 64
+    # 32 hex digits would decode to 24 bytes too, with 128 bits: a urlsafe id uses the whole alphabet.
+    assert set("".join(ids)) - set("0123456789abcdef")
