@@ -8,7 +8,9 @@ The audit of those sections (docs/promises.md maps every promise to its guard) a
 are what the Errors table says, so `except ValueError` / `except SandboxError` catch what it promises;
 signal teardown stays opt-in (a start installs no handler); every provider of the process shares one
 proxy bound to loopback and no URL carries the token; start_many's documented defaults; stop_all stops
-providers in parallel; route ids carry 192 random bits (Security)."""
+providers in parallel; route ids carry 192 random bits and a client's own Authorization never reaches the
+job, whichever way the proxy parses the request (Security); response heads are refused above 256 KiB,
+not at some other size (Limits)."""
 
 from __future__ import annotations
 
@@ -22,10 +24,12 @@ import os
 from urllib.parse import urlsplit
 
 import pytest
+import requests
 
 import hf_sandbox_provider as hsp
 from hf_jobs_emulator import echo_server_command
-from support import in_thread, wait_until
+from support import TEST_TOKEN, in_thread, wait_until
+from upstreams.scripted import ScriptedUpstream, serve_by_path
 
 IMAGE = "registry.hf.space/openenv-echo-env:latest"
 HELD_WINDOW_S = 2.0  # how long a start held by the API budget is watched for calls it should not make
@@ -226,3 +230,48 @@ def test_each_route_id_is_192_random_bits(proxy, upstream):
     assert {len(raw) for raw in decoded} == {24} and len(set(ids)) == 64
     # 32 hex digits would decode to 24 bytes too, with 128 bits: a urlsafe id uses the whole alphabet.
     assert set("".join(ids)) - set("0123456789abcdef")
+
+
+# -- Security: a client's own Authorization never reaches the job --------------------------------------
+
+
+# Today's proxy parses a plain request on a fast path and one with a hop-by-hop header it must act on
+# (chunked framing, a header the Connection header names) the strict way: the rule holds on both.
+@pytest.mark.parametrize("method, extra, body", [
+    ("GET", {}, None),
+    ("POST", {"Content-Type": "application/json", "Connection": "close"}, b"{}"),
+    ("POST", {}, iter([b"{", b"}"])),  # chunked
+    ("GET", {"Connection": "keep-alive, X-Hop", "X-Hop": "dropped"}, None),
+], ids=["get", "post-with-body", "post-chunked", "connection-names-a-header"])
+def test_a_clients_own_authorization_is_replaced_by_the_route_token(upstream, proxy, method, extra, body):
+    base = proxy.mount(upstream.url, TEST_TOKEN)  # the upstream answers 401 to anything else
+    headers = dict(extra, Authorization="Bearer client-own")
+    answer = requests.request(method, base + "/x", headers=headers, data=body, timeout=30)
+    (seen,) = upstream.requests
+    sent = [value for name, value in seen.headers if name.lower() == "authorization"]
+    assert sent == ["Bearer " + TEST_TOKEN]
+    assert answer.status_code == 200
+
+
+# -- Limits: response heads over 256 KiB ------------------------------------------------------------------
+
+
+HEAD_LIMIT = 256 * 1024  # README's number, not the module's constant: the promise is the number
+HEAD_LINE = b"X-Pad-%d: " + b"p" * 63000 + b"\r\n"  # under http.client's 64 KiB per line
+
+
+@pytest.mark.parametrize("pad_lines, extra, relayed", [
+    (4, b"", True),  # a head of ~252 KB: under the limit
+    (4, b"X-Tail: " + b"q" * 12000 + b"\r\n", False),  # ~264 KB: over it
+], ids=["under-256KiB", "over-256KiB"])
+def test_a_response_head_is_relayed_up_to_256_kib_and_refused_past_it(proxy, pad_lines, extra, relayed):
+    head = b"".join(HEAD_LINE % i for i in range(pad_lines)) + extra
+    assert (len(head) < HEAD_LIMIT - 1024) if relayed else (len(head) > HEAD_LIMIT + 1024)
+    script = serve_by_path({"/big-head": b"HTTP/1.1 200 OK\r\n" + head + b"Content-Length: 4\r\n\r\nbody"},
+                           b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nsmall")
+    with ScriptedUpstream(script) as up:
+        answer = requests.get(proxy.mount(up.url, None) + "/big-head", timeout=30)
+    if relayed:
+        assert (answer.status_code, answer.content) == (200, b"body")
+    else:
+        assert (answer.status_code, answer.headers["X-Proxy-Error"]) == (502, "upstream-head-too-large")
