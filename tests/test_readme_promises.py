@@ -6,7 +6,8 @@ cancelled (Cost safety); start_many keeps at most `max_parallel` starts in fligh
 
 The audit of those sections (docs/promises.md maps every promise to its guard) added: the error classes
 are what the Errors table says, so `except ValueError` / `except SandboxError` catch what it promises;
-signal teardown stays opt-in (a start installs no handler); every provider of the process shares one
+signal teardown stays opt-in (a start installs no handler); a provider still running when its interpreter
+exits normally has its job cancelled; every provider of the process shares one
 proxy bound to loopback and no URL carries the token; start_many's documented defaults; stop_all stops
 providers in parallel; route ids carry 192 random bits and a client's own Authorization never reaches the
 job, whichever way the proxy parses the request (Security); response heads are refused above 256 KiB,
@@ -16,8 +17,12 @@ from __future__ import annotations
 
 import base64
 import inspect
+import json
 import logging
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 
 import os
@@ -106,7 +111,8 @@ def test_the_rate_limit_setting_holds_the_librarys_calls_and_a_stop_still_cancel
 def test_a_stop_whose_start_outlasts_the_wait_warns_with_the_start_label_and_the_job_is_still_cancelled(
         make_emu, proxy, monkeypatch, caplog):
     emu = make_emu()
-    monkeypatch.setattr(hsp, "STOP_WAIT_S", 0.5)  # README: 30 s; the rule, not its length, is under test
+    assert hsp.STOP_WAIT_S == 30  # README's number; the rule, not its length, is what runs below
+    monkeypatch.setattr(hsp, "STOP_WAIT_S", 0.5)
     emu.delay_next_create_answers(1, 3.0)  # the create is in flight when the stop comes
     provider = _provider(emu, proxy)
     thread, errors = in_thread(provider.start_container)
@@ -151,6 +157,34 @@ def test_a_start_and_a_stop_install_no_signal_handler_until_asked(make_emu, prox
         during = {signum: signal.getsignal(signum) for signum in before}
     assert during == before and hf_sandbox_training._on_teardown_signal not in during.values()
     assert {signum: signal.getsignal(signum) for signum in before} == before
+
+
+# -- Cost safety: every provider still running at interpreter exit ---------------------------------------
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LEFT_RUNNING = textwrap.dedent("""
+    import json, sys
+    import hf_sandbox_provider as hsp
+    provider = hsp.HFSandboxProvider(sys.argv[1], **json.loads(sys.argv[2]))
+    provider.start_container()
+    print(provider.job_id, flush=True)
+    # the script ends here with its job running: no stop, no close, no with-block
+""")
+
+
+@pytest.mark.slow  # a fresh interpreter that imports the library and starts a job
+def test_a_provider_still_running_when_the_interpreter_exits_has_its_job_cancelled(make_emu):
+    emu = make_emu()
+    settings = dict(endpoint=emu.endpoint, token=emu.token, command=echo_server_command(), poll_interval_s=0.05)
+    child = subprocess.run([sys.executable, "-c", LEFT_RUNNING, IMAGE, json.dumps(settings)], cwd=ROOT,
+                           env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr
+    (job,) = emu.jobs
+    assert child.stdout.strip() == job.id and "still running at exit" in child.stderr
+    assert emu.api_calls.get("cancel") == 1  # sent by the child, which is gone
+    assert emu.wait_for_stage(job.id, ["CANCELED"]).stage == "CANCELED"
+    assert emu.token not in child.stdout + child.stderr
 
 
 # -- Many environments and Security: one loopback proxy for every provider ------------------------------
