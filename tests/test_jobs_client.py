@@ -283,6 +283,33 @@ def test_at_the_reserve_ordinary_calls_wait_for_the_reset_and_teardown_does_not(
     assert sum(fake.waits) == pytest.approx(40.0)  # then a fresh window
 
 
+@pytest.mark.parametrize("remaining, paced", [(260, False), (240, True)])
+def test_pacing_starts_below_a_quarter_of_the_quota_left(remaining, paced):
+    # README, Many environments: "below a quarter left, calls are spread over the time to the reset"
+    fake = FakeTime()
+    budget = fake.on(hsp._ApiBudget())
+    budget.observe(limit_headers(remaining, 100), budget.sent)
+    for _ in range(3):
+        budget.acquire()
+    assert bool(fake.waits) is paced, fake.waits
+
+
+def test_the_free_tiers_last_five_percent_is_kept_for_cancels():
+    # README, Many environments: the free tier (1,000 calls a 5-minute window) until a server says
+    # otherwise, and "the last 5% is kept for cancels, which never wait".
+    fake = FakeTime()
+    budget = fake.on(hsp._ApiBudget(*hsp._configured_rate_limit()))
+    start = fake.now
+    for _ in range(950):
+        budget.acquire()  # paced once under a quarter is left, but all within the window
+    assert fake.now - start < 300.0
+    waited = len(fake.waits)
+    budget.acquire(teardown=True)
+    assert len(fake.waits) == waited
+    budget.acquire()  # the 951st ordinary call waits for the window to pass
+    assert fake.now - start >= 300.0
+
+
 def test_calls_sent_after_a_request_are_discounted_from_its_answers_count():
     budget = hsp._ApiBudget()
     ticket = budget.acquire()
