@@ -82,10 +82,6 @@ MAX_RESPONSE_HEAD_BYTES = 256 * 1024
 MAX_INTERIM_RESPONSES = 32
 # Socket read size for streaming bodies and tunnels: large enough to move a 1 MiB frame in a few calls.
 IO_CHUNK = 64 * 1024
-# Content-Length values read (digits to int) and lines made (int to a request's framing line), kept: a
-# client's requests and an upstream's answers repeat a few lengths, then looked up instead of converted
-# (int() or formatting, ~500 instructions each). At most this many of each are kept, each ~100 bytes.
-MAX_CACHED_LENGTHS = 4096
 # What a pooled TLS connection asks its engine for per read: a TLS record's largest plaintext (RFC 8446
 # section 5.1, RFC 5246 section 6.2.1), so each read takes a whole record and none is left half-read.
 TLS_RECORD_BYTES = 16 * 1024
@@ -108,12 +104,6 @@ POOL_IDLE_S = 4.0
 # so per-route contexts cost 64 environments ~58 MiB and churned the heap at every restart. A handful
 # of distinct `verify` values is the norm; the least recently used beyond this many is dropped.
 TLS_CONTEXTS_KEPT = 8
-# glibc gives each busy thread an arena of its own and returns freed memory to the system only from
-# the top of an arena's heap: in a 5-minute chaos run (64 environments, restarts) the live heap stayed
-# ~20 MiB while the free memory glibc held grew ~2 MiB a minute, and RSS with it. The proxy asks glibc
-# to release free pages (malloc_trim) after an unmount or a worker's retirement, at most this often
-# (a trim walks every arena: a few milliseconds); no-op where malloc_trim does not exist (not glibc).
-MALLOC_TRIM_EVERY_S = 30.0
 # A burst of TLS WebSocket set-ups leaves the memory each handshake touched and freed (OpenSSL's
 # handshake buffers, ~16 KiB each) resident between the sessions' long-lived allocations: with 1,024
 # sessions held, one malloc_trim returned 18 KiB per session. A tunnel that starts relaying trims when
@@ -190,33 +180,12 @@ _RESPONSE_LINE_RE = re.compile(r"^HTTP/1\.([01]) ([0-9]{3})(?: (.*))?$")
 # leading blanks, with no control character but tab (what _TOKEN_RE, _BAD_VALUE_CHAR_RE and a CR check
 # did in three calls per line).
 _RESPONSE_HEADER_RE = re.compile(r"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*([^\x00-\x08\x0a-\x1f\x7f]*)\Z")
-# The fast path for the common heads (anything else goes to the strict parsers, which name what is
-# wrong). A clean request head is "METHOD /target HTTP/1.x", then "Name: value" lines with one space
-# after the colon, a value without surrounding blanks or control characters, CRLF line ends: it
-# parses to exactly what the strict parser makes of it, and each line is already the line the strict
-# path would write upstream. Found with two regex calls (each costs about as much as 30 bytecodes):
-# the request line, then a split on the header lines, which leaves only empty gaps if all are clean.
-_CLEAN_VALUE = r"[^\x00-\x20\x7f](?:[^\x00-\x08\x0a-\x1f\x7f]*[^\x00-\x20\x7f])?"
-_CLEAN_REQUEST_LINE_RE = re.compile(r"([!#$%&'*+\-.^_`|~0-9A-Za-z]+) (/[\x21-\x7e]*) (HTTP/1\.[01])\r\n")
-_CLEAN_HEADER_LINE_RE = re.compile(r"(([!#$%%&'*+\-.^_`|~0-9A-Za-z]+): ((?:%s)?)\r\n)" % _CLEAN_VALUE)
-# Request headers the fast path looks at (framing, connection, expectations) or drops (hop-by-hop ones,
-# and those the proxy replaces). `close` is here because a `Connection: close` makes a header called
-# Close hop-by-hop: such a request takes the strict path.
-_SPECIAL_REQUEST_HEADERS = HOP_BY_HOP | REPLACED_REQUEST_HEADERS | {"close"}
-# Of those, the ones the fast path simply drops; any other special one sends the request the strict way.
-_DROPPED_PLAINLY = frozenset(["host", "authorization", "keep-alive", "proxy-connection", "proxy-authorization",
-                              "proxy-authenticate"])
-# Connection tokens the fast path understands ("" from a stray comma, which the strict parse skips).
-_PLAIN_CONNECTION_TOKENS = frozenset(["keep-alive", "close", ""])
-# A clean answer head: an HTTP/1.1 status line with a reason, header lines as a clean request's (an
-# empty value allowed). Relayed byte for byte when it names no hop-by-hop header and has one
-# Content-Length in canonical decimal: what the strict path writes for it, without re-formatting.
-_CLEAN_ANSWER_RE = re.compile(r"HTTP/1\.1 ([2-5][0-9][0-9]) ([^\x00-\x08\x0a-\x1f\x7f]*)\r\n"
-                              r"(?:[!#$%%&'*+\-.^_`|~0-9A-Za-z]+: (?:%s)?\r\n)*\r\n" % _CLEAN_VALUE)
-# Its special lines, searched in the lower-cased head (a literal prefix: the search skips ahead).
-_SPECIAL_ANSWER_RE = re.compile(r"\r\n(%s): ([^\r]*)" % "|".join(sorted(HOP_BY_HOP | {"content-length"})))
-# A Date value the answer memo accepts unseen (see _answer_key): printable ASCII, deleted to nothing.
-_PRINTABLE_ASCII = bytes(range(0x20, 0x7F))
+# A request line: three parts, one space apart (the target and method are checked when dispatched).
+_REQUEST_LINE_RE = re.compile(r"([^ ]*) ([^ ]*) (HTTP/1\.[0-9])")
+# One request header line, as the strict reading takes it: a token name, a colon, the value without the
+# blanks around it, then the line's end (CRs before the LF dropped). A value may hold any character but
+# LF here; control characters in it are refused when the request is dispatched (_header_refusal).
+_HEADER_LINE_RE = re.compile(r"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*(.*?)[ \t]*\r*\n")
 
 Token = Union[str, Callable[[], str], None]
 Verify = Union[bool, str]
@@ -405,7 +374,7 @@ class Route:
             except IndexError:
                 break
             # Reusable: no stray bytes read or readable (an idle keep-alive connection that is readable was closed).
-            if conn.since >= cutoff and not conn.reader._buf and conn.looks_idle():
+            if conn.since >= cutoff and conn.looks_idle():
                 self._register(conn)
                 return conn, True
             conn.close()
@@ -414,10 +383,11 @@ class Route:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.scheme == "https":  # handshakes now, within the connect timeout
-                conn = _UpstreamConnection.over_tls(sock, self.tls_context(), self.host, proxy.read_timeout_s)
+                sock = self.tls_context().wrap_socket(sock, server_hostname=self.host)
+                sock.settimeout(slice_s)
             else:
-                conn = _UpstreamConnection(sock, proxy.read_timeout_s)
-            _set_socket_timeout(sock, slice_s, send_timeout=proxy.read_timeout_s)
+                _set_socket_timeout(sock, slice_s, send_timeout=proxy.read_timeout_s)
+            conn = _UpstreamConnection(sock, proxy.read_timeout_s)
         except BaseException:
             sock.close()
             raise
@@ -795,7 +765,6 @@ class AuthProxy:
             self._serve_thread = threading.Thread(target=self._server.serve_until_woken, name="proxy-listener",
                                                   daemon=True)
             _start_thread(self._serve_thread)
-        _MEMORY.load()
         log.info("proxy listening on %s", self.url)
         return self
 
@@ -946,12 +915,12 @@ class AuthProxy:
         if route is None:
             return False
         problems = route.close()
-        _MEMORY.trim_soon()
         log.info("unmounted %s%s", route.label, (" (could not close: %s)" % ", ".join(problems)) if problems else "")
         return True
 
-    def route_request(self, target: str, headers: http.client.HTTPMessage) -> Union[Tuple[AnyRoute, str], Refusal]:
+    def route_request(self, target: str, headers: "_RequestHeaders") -> Union[Tuple[AnyRoute, str], Refusal]:
         """Overridable hook: map an origin-form request target to (route, upstream target), or refuse it.
+        `headers` are the request's (`get`, `get_all`, `items`; a hook may set or delete fields).
 
         Default: `/<route-id>/<rest>?q` -> (mounted route, `<upstream path>/<rest>?q`); unknown id -> 404.
         For a `ReplicaRoute` the target is `/<rest>?q`: each replica's own path is added when sent.
@@ -1212,7 +1181,7 @@ def _target_refusal(method: str, target: str) -> Optional[Refusal]:
     return None
 
 
-def _upgrade_refusal(headers: http.client.HTTPMessage) -> Optional[Refusal]:
+def _upgrade_refusal(headers: _RequestHeaders) -> Optional[Refusal]:
     if not headers.get("Sec-WebSocket-Key"):
         return Refusal(400, "bad-upgrade", "WebSocket upgrade without Sec-WebSocket-Key.")
     return None
@@ -1244,14 +1213,38 @@ def _no_live_replica_refusal(total: int, failed: List[Dict[str, object]]) -> Ref
                    body={"replicas": total, "failed": failed})
 
 
-def _header_refusal(headers: http.client.HTTPMessage) -> Optional[Refusal]:
+def _header_refusal(headers: _RequestHeaders) -> Optional[Refusal]:
     """Header values must not carry control characters (names were checked while parsing)."""
     if _BAD_VALUE_CHAR_RE.search("".join([value for _, value in headers.items()])):  # one search, not one a header
         return Refusal(400, "bad-header", "A request header value contains control characters.")
     return None
 
 
-def _body_framing(headers: http.client.HTTPMessage) -> Union[Tuple[str, int], Refusal]:
+def _request_line_fault(line: str) -> Tuple[int, str]:
+    """Why a request line does not match _REQUEST_LINE_RE: (status, a sentence for the client)."""
+    parts = line.split(" ")
+    if len(parts) != 3:
+        return 400, "The request line must be 'METHOD /target HTTP/1.1'."
+    if not _VERSION_RE.match(parts[2]):
+        return 400, "The request line must end with an HTTP version like HTTP/1.1."
+    return 505, "Only HTTP/1.0 and HTTP/1.1 are supported."
+
+
+def _head_fault(lines: List[bytes], last: bytes, budget: int) -> Refusal:
+    """Why a request's header section is refused, as a line-by-line reading meets it: the first
+    malformed line of `lines`, else what `last` (the line read after them) broke."""
+    for line in lines:
+        if _HEADER_LINE_RE.fullmatch(line.decode("latin-1")) is None:
+            return Refusal(400, "bad-header", "Malformed header line (expected 'Name: value', no line folding).")
+    if budget < 0:
+        return Refusal(431, "headers-too-large",
+                       "The request headers are larger than %d bytes in total." % MAX_HEADER_BYTES)
+    if not last.endswith(b"\n"):
+        return Refusal(400, "bad-request", "The request head ended before its blank line.")
+    return Refusal(431, "headers-too-large", "More than %d request headers." % MAX_HEADERS)
+
+
+def _body_framing(headers: _RequestHeaders) -> Union[Tuple[str, int], Refusal]:
     """How the request body is delimited: ("none", 0), ("length", n) or ("chunked", -1), or a refusal.
 
     Ambiguous framing is refused outright (it is how request smuggling works)."""
@@ -1276,28 +1269,17 @@ def _body_framing(headers: http.client.HTTPMessage) -> Union[Tuple[str, int], Re
     return ("none", 0)
 
 
-def _connection_tokens(headers: http.client.HTTPMessage) -> "frozenset[str]":
-    """The Connection header's tokens, lower-cased; parsed once per request (three checks read them)."""
-    tokens = getattr(headers, "_tokens", None)
-    if tokens is None:
-        tokens = frozenset(t.strip().lower() for value in headers.get_all("Connection") or []
-                           for t in value.split(",") if t.strip())
-        if isinstance(headers, _RequestHeaders) and headers._index is not None:
-            headers._tokens = tokens  # dropped with the index by any mutation
-    return tokens
-
-
-def _is_websocket_upgrade(method: str, headers: http.client.HTTPMessage) -> bool:
+def _is_websocket_upgrade(method: str, headers: _RequestHeaders) -> bool:
     upgrade = {t.strip().lower() for value in headers.get_all("Upgrade") or [] for t in value.split(",")}
-    return method == "GET" and "websocket" in upgrade and "upgrade" in _connection_tokens(headers)
+    return method == "GET" and "websocket" in upgrade and "upgrade" in headers.connection_tokens()
 
 
-def _upstream_request_headers(headers: http.client.HTTPMessage, route: Route, token: Optional[str],
+def _upstream_request_headers(headers: _RequestHeaders, route: Route, token: Optional[str],
                               extra: Tuple[Tuple[str, str], ...] = ()) -> List[Tuple[str, str]]:
     """Client headers minus hop-by-hop ones (stripped first, so a client cannot name the token away),
     minus the client's own Authorization/Host and those the route's `extra` headers replace; then Host,
     Authorization and the extra headers set for the upstream."""
-    drop = HOP_BY_HOP | REPLACED_REQUEST_HEADERS | _connection_tokens(headers)
+    drop = HOP_BY_HOP | REPLACED_REQUEST_HEADERS | headers.connection_tokens()
     if extra:
         drop = drop | {name.lower() for name, _ in extra}
     out = [("Host", route.host_header)]
@@ -1546,12 +1528,9 @@ class _WorkerPool:
         if worker.wake.acquire(timeout=self.idle_s):
             return worker.job is not None
         with self._lock:
-            retire = worker in self._parked
-            if retire:  # nobody picked it
+            if worker in self._parked:  # nobody picked it
                 del self._parked[worker]
-        if retire:
-            _MEMORY.trim_soon()
-            return False
+                return False
         # submit() or close() took it off the parked list just as the wait timed out: its release is
         # coming (or came), and with it a job or the order to end.
         worker.wake.acquire()
@@ -1756,70 +1735,62 @@ class _ClientReader(io.RawIOBase):
         return n
 
 
-class _RequestHeaders(http.client.HTTPMessage):
-    """The request's headers, as the `HTTPMessage` hooks expect, with O(1) `get`/`get_all`: the
-    email package scans and lowercases every header on each lookup, and the proxy does a dozen."""
+class _RequestHeaders:
+    """A request's header fields in order, looked up by case-insensitive name: what the forwarding and a
+    `route_request` hook read (`get`, `get_all`, `items`, `in`, `[name]`, as on an `HTTPMessage`) and what
+    a hook may edit (`headers[name] = value` adds a field, `del headers[name]` removes each of that name)."""
 
-    _index: Optional[Dict[str, List[str]]] = None
-    _tokens: "Optional[frozenset[str]]" = None  # the Connection tokens (see _connection_tokens)
-    # The parsed (name, value) pairs while nothing mutated them: what `items()` answers without the
-    # email policy's per-header sanitising (parsed values are latin-1 text, so it would change nothing).
-    _pairs: Optional[List[Tuple[str, str]]] = None
+    __slots__ = ("_pairs", "_index", "_tokens")
 
-    @classmethod
-    def parsed(cls, pairs: List[Tuple[str, str]]) -> "_RequestHeaders":
-        """Headers from the parser's (name, value) pairs (indexed at the first lookup: a clean request
-        that no hook reads is never indexed)."""
-        headers = cls()
-        # A private attribute, kept on purpose: email.message.Message stores headers in `_headers`
-        # (unchanged from Python 3.3 to 3.13; the proxy tests pass on 3.9.18 and 3.13.0), and
-        # filling it directly skips the email policy's per-header work, the proxy's largest
-        # per-request cost when it went through __setitem__.
-        headers._headers = list(pairs)  # type: ignore[attr-defined]
-        headers._pairs = pairs
-        return headers
+    def __init__(self, pairs: List[Tuple[str, str]]) -> None:
+        self._set(pairs)
 
-    def items(self) -> List[Tuple[str, str]]:  # type: ignore[override]
-        if self._pairs is not None:
-            return list(self._pairs)
-        return super().items()  # type: ignore[return-value]
+    def _set(self, pairs: List[Tuple[str, str]]) -> None:
+        self._pairs = pairs
+        self._index: Dict[str, List[str]] = {}
+        for name, value in pairs:
+            self._index.setdefault(name.lower(), []).append(value)
+        self._tokens: "Optional[frozenset[str]]" = None
 
-    def _lookup(self) -> Dict[str, List[str]]:
-        if self._index is None:
-            index: Dict[str, List[str]] = {}
-            for name, value in self._pairs if self._pairs is not None else self.raw_items():
-                index.setdefault(name.lower(), []).append(value)
-            self._index = index
-        return self._index
+    def get(self, name: str, default: Optional[str] = None) -> Optional[str]:
+        values = self._index.get(name.lower())
+        return values[0] if values else default
 
-    def get(self, name: str, failobj: object = None) -> object:  # type: ignore[override]
-        values = self._lookup().get(name.lower())
-        return values[0] if values else failobj
+    def get_all(self, name: str, default: Optional[List[str]] = None) -> Optional[List[str]]:
+        values = self._index.get(name.lower())
+        return list(values) if values else default
 
-    def get_all(self, name: str, failobj: object = None) -> object:  # type: ignore[override]
-        values = self._lookup().get(name.lower())
-        return list(values) if values else failobj
+    def items(self) -> List[Tuple[str, str]]:
+        return list(self._pairs)
 
-    # Any mutation (a subclass hook may edit headers) drops the index; it is rebuilt on next lookup.
-    def __setitem__(self, name: str, value: object) -> None:
-        self._index = self._pairs = self._tokens = None
-        super().__setitem__(name, value)
+    def keys(self) -> List[str]:
+        return [name for name, _ in self._pairs]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def __len__(self) -> int:
+        return len(self._pairs)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name.lower() in self._index
+
+    def __getitem__(self, name: str) -> Optional[str]:
+        return self.get(name)
+
+    def __setitem__(self, name: str, value: str) -> None:
+        self._set(self._pairs + [(name, value)])
 
     def __delitem__(self, name: str) -> None:
-        self._index = self._pairs = self._tokens = None
-        super().__delitem__(name)
+        lower = name.lower()
+        self._set([pair for pair in self._pairs if pair[0].lower() != lower])
 
-    def add_header(self, *args: object, **kwargs: object) -> None:  # type: ignore[override]
-        self._index = self._pairs = self._tokens = None
-        super().add_header(*args, **kwargs)  # type: ignore[arg-type]
-
-    def replace_header(self, name: str, value: object) -> None:  # type: ignore[override]
-        self._index = self._pairs = self._tokens = None
-        super().replace_header(name, value)
-
-    def set_raw(self, name: str, value: object) -> None:  # type: ignore[override]
-        self._index = self._pairs = self._tokens = None
-        super().set_raw(name, value)
+    def connection_tokens(self) -> "frozenset[str]":
+        """The Connection header's tokens, lower-cased (three checks read them)."""
+        if self._tokens is None:
+            self._tokens = frozenset(token.strip().lower() for value in self._index.get("connection", ())
+                                     for token in value.split(",") if token.strip())
+        return self._tokens
 
 
 class _SocketWriter(io.BufferedIOBase):
@@ -1880,175 +1851,17 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             pass
 
     def handle(self) -> None:
-        self.close_connection = True
-        if self._own_routing:  # clean requests take _serve_clean's loop; any other one request the strict way
-            pending = self._serve_clean(b"")
-            while pending is not None:
-                self._reader.pending = pending
-                self.handle_one_request()
-                if self.close_connection or self.proxy._stopping:
-                    return
-                pending = self._serve_clean(self._take_pending())
-            return
         self.handle_one_request()
         while not self.close_connection and not self.proxy._stopping:
             self.handle_one_request()
 
-    def _serve_clean(self, buf: bytes) -> Optional[bytes]:
-        """Serve the connection's requests while they are clean keep-alive HTTP/1.1 requests with a small
-        body to a single route (`buf`: bytes already read), in one loop over one buffer: what the strict
-        path does for them (same checks, refusals, timeouts, retries and bytes on both sides; the
-        fast-path tests compare the two) without its layers (BufferedReader, header objects, dispatch).
-
-        Returns None when the connection is done (closed, timed out, or closed after a refusal), or the
-        bytes read so far when the next request is one it does not take (a head not complete in one
-        read or not clean, HTTP/1.0, Connection: close, a body over SMALL_RESPONSE_BYTES, a refusal by
-        routing, a replica route): the strict path (handle_one_request) then serves it from them."""
-        proxy, sock = self.proxy, self.connection
-        recv, sendall = sock.recv, sock.sendall
-        route_request, idle_timeout_s = proxy.route_request, proxy.idle_timeout_s
-        self._reader.body_phase(idle_timeout_s)  # each read waits idle_timeout_s (the strict path's first byte and body)
-        self.request_version, self.close_connection = "HTTP/1.1", False
-        # The last clean head, split around its Content-Length value (_head_memo), and what the loop needs of
-        # its parse (method, target, forwarded lines, whether it is keep-alive HTTP/1.1): a client's requests
-        # usually differ in that value alone (see _head_memo_length).
-        last_head, last = (b"", None), None  # type: Tuple[bytes, Optional[bytes]], Optional[Tuple[str, str, str, bool]]
-        # For that head: the routing decision (route, upstream target), kept while the route is open (the
-        # default route_request reads nothing but the target and the mounted routes; unmount closes the
-        # route before it returns, and a route id is never mounted twice), and the upstream lines
-        # made for it with the token and extra headers that went into them (compared by identity: the
-        # memo holds them, so a rotated token or new headers are new objects and make new lines).
-        routed, lines_for = None, None  # type: Optional[Tuple[Route, str]], Optional[Tuple[object, object, bytes]]
-        try:
-            while not proxy._stopping:
-                if not buf:
-                    buf = recv(IO_CHUNK)
-                    if not buf:
-                        return None
-                end = buf.find(b"\r\n\r\n") + 4
-                if not 4 <= end <= MAX_HEADER_BYTES:
-                    return buf
-                length = _head_memo_length(buf, end, last_head) if last is not None else -3
-                if length < -1:
-                    clean = _clean_request_head(buf, end)
-                    if clean is None:
-                        return buf
-                    last_head, length = _head_memo(buf, end), clean[5]
-                    last = (clean[0], clean[1], clean[7], clean[2] == "HTTP/1.1" and "close" not in clean[6])
-                    routed = None
-                method, target, kept, keep_alive = last
-                if not keep_alive or length > SMALL_RESPONSE_BYTES:
-                    return buf
-                if routed is None or routed[0]._closed:
-                    decision = route_request(target, None)  # type: ignore[arg-type]  # (the default never reads headers)
-                    if decision.__class__ is Refusal or decision[0].__class__ is not Route:
-                        return buf
-                    routed, lines_for = decision, None  # type: ignore[assignment]
-                    route = decision[0]  # type: ignore[index]
-                    if route is not self._seen_route:
-                        if route not in proxy._seen_routes:
-                            with proxy._lock:
-                                proxy._seen_routes.add(route)
-                        self._seen_route = route
-                route, target = routed  # type: ignore[misc]
-                self.command, has_body = method, length >= 0
-                if route.token is route._checked_token and route.headers is None:  # fixed: nothing to call
-                    token, extra = route.token, ()
-                elif self._credentials(route, has_body):
-                    token, extra = self._token, self._route_headers
-                elif self.close_connection:
-                    return None
-                else:
-                    buf = buf[end:]
-                    continue
-                stop = end + length if has_body else end
-                while len(buf) < stop:  # the rest of the body (a client may send it after the head)
-                    error = None
-                    try:
-                        data = recv(IO_CHUNK)
-                    except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
-                        error = _client_body_error(socket.timeout("timed out"))
-                    except (OSError, ValueError) as exc:
-                        error = _client_body_error(exc)
-                    else:
-                        if not data:
-                            error = _ClientBodyError("the client closed the connection before sending the whole body")
-                        buf += data
-                    if error is not None:
-                        self._refuse(_client_body_refusal(error, idle_timeout_s), close=True)
-                        return None
-                body, buf = buf[end:stop], buf[stop:]
-                if lines_for is None or lines_for[0] is not token or lines_for[1] is not extra:
-                    lines_for = (token, extra, _clean_request_lines(method, target, kept, route, token,
-                                                                    extra).encode("latin-1"))
-                exchange = self._exchange(route, method, lines_for[2], body, has_body, ())
-                if exchange is None:
-                    if self.close_connection:
-                        return None
-                    continue
-                conn, answer, sent_all = exchange
-                reader = conn.reader
-                size = answer.length
-                if answer.raw is None or size > SMALL_RESPONSE_BYTES:  # any other answer: the strict relay
-                    self._relay_response(route, reader, answer,
-                                         on_done=lambda reusable: route._checkin(conn, reusable and sent_all))
-                    if self.close_connection:
-                        return None
-                    continue
-                # What _relay_response does for a clean small answer: read it whole, give the connection
-                # back to the pool, relay head and body in one send.
-                body = reader._buf
-                if len(body) == size:  # (the body came with the head, as most do: read_exact's answer, no frame)
-                    reader._buf = b""
-                else:
-                    try:
-                        body = reader.read_exact(size, "its response body")
-                    except Exception as exc:
-                        route._checkin(conn, False)
-                        self._answer_body_failed(route, exc)
-                        return None
-                route._checkin(conn, sent_all and not reader._buf)
-                try:
-                    sendall(answer.raw + body)
-                except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
-                    raise socket.timeout("timed out") from None
-        except (socket.timeout, TimeoutError, BlockingIOError):
-            log.debug("proxy: client connection timed out; closing it")
-        except (ConnectionError, OSError, ValueError) as exc:
-            log.debug("proxy: client connection ended (%s)", type(exc).__name__)
-        self.close_connection = True
-        return None
-
-    def _take_pending(self) -> bytes:
-        """After a request served the strict way: the bytes read past it (the BufferedReader's, then any
-        handed-over ones it did not reach), without reading the socket; the reader is ready again."""
-        reader, chunks = self._reader, []
-        reader._stopped = True  # raw reads answer "no more": read1 gives up only what was already read
-        while True:
-            chunk = self.rfile.read1(IO_CHUNK)
-            if not chunk:
-                break
-            chunks.append(chunk)
-        reader._stopped = False
-        return b"".join(chunks)
-
     def handle_one_request(self) -> None:
         self.close_connection = True
         self._reader.head_phase(self.proxy.idle_timeout_s, self.proxy.header_timeout_s)
-        self._clean = None
         try:
-            if not self._parse_clean_head():
-                self.raw_requestline = self.rfile.readline(MAX_REQUEST_LINE + 1)
-                if not self.raw_requestline:
-                    return
-                if len(self.raw_requestline) > MAX_REQUEST_LINE:
-                    self.requestline, self.request_version, self.command = "", "HTTP/1.1", ""
-                    self.send_error(414, "The request line is longer than %d bytes." % MAX_REQUEST_LINE)
-                    return
-                if not self.parse_request():
-                    return
-            self._reader.body_phase(self.proxy.idle_timeout_s)
-            self._dispatch()
+            if self.parse_request():
+                self._reader.body_phase(self.proxy.idle_timeout_s)
+                self._dispatch()
         except (socket.timeout, TimeoutError):
             log.debug("proxy: client connection timed out; closing it")
             self.close_connection = True
@@ -2057,77 +1870,52 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
 
     def parse_request(self) -> bool:
-        """Parse the request line and header section; on bad input answer it and return False.
+        """Read and parse the request line and header section; on bad input answer it and return False
+        (False too, silently, when the client closed before a request).
 
-        Replaces the stdlib's parser, which runs the email package (the proxy's largest per-request
-        cost), accepts HTTP/0.9, and silently ends the header section at the first malformed line,
-        dropping the headers after it. This one is strict (RFC 9112): one space between the three
-        request-line parts, `Name: value` lines with a token name, no obs-fold, bounded sizes.
+        Replaces the stdlib's parser, which runs the email package, accepts HTTP/0.9, and silently ends
+        the header section at the first malformed line, dropping the headers after it. This one is
+        strict (RFC 9112): one space between the three request-line parts, `Name: value` lines with a
+        token name, no obs-fold, bounded sizes. One match of the request line, one split of the header
+        block; `_head_fault` names what is wrong when either fails.
         """
         self.command, self.request_version, self.close_connection = "", "HTTP/1.1", True
-        self.requestline = str(self.raw_requestline, "iso-8859-1").rstrip("\r\n")
-        parts = self.requestline.split(" ")
-        if len(parts) != 3:
-            self.send_error(400, "The request line must be 'METHOD /target HTTP/1.1'.")
+        self.raw_requestline = raw = self.rfile.readline(MAX_REQUEST_LINE + 1)
+        if not raw:
             return False
-        command, target, version = parts
-        if not _VERSION_RE.match(version):
-            self.send_error(400, "The request line must end with an HTTP version like HTTP/1.1.")
+        if len(raw) > MAX_REQUEST_LINE:
+            self.requestline = ""
+            self.send_error(414, "The request line is longer than %d bytes." % MAX_REQUEST_LINE)
             return False
-        if version[5] != "1":
-            self.send_error(505, "Only HTTP/1.0 and HTTP/1.1 are supported.")
+        self.requestline = raw.decode("latin-1").rstrip("\r\n")
+        match = _REQUEST_LINE_RE.fullmatch(self.requestline)
+        if match is None:
+            self.send_error(*_request_line_fault(self.requestline))
             return False
-        self.command, self.path, self.request_version = command, target, version
-        pairs: List[Tuple[str, str]] = []
-        budget, count = MAX_HEADER_BYTES, 0
+        self.command, self.path, self.request_version = match.groups()
+        lines: List[bytes] = []
+        budget = MAX_HEADER_BYTES
         while True:
             line = self.rfile.readline(MAX_HEADER_BYTES + 1)
             budget -= len(line)
-            if budget < 0:
-                self.send_error(431, "The request headers are larger than %d bytes in total." % MAX_HEADER_BYTES)
-                return False
-            if line in (b"\r\n", b"\n"):
+            if budget >= 0 and (line == b"\r\n" or line == b"\n"):
                 break
-            if not line.endswith(b"\n"):  # the client closed mid-head
-                self.send_error(400, "The request head ended before its blank line.")
+            if budget < 0 or not line.endswith(b"\n") or len(lines) == MAX_HEADERS:
+                self._refuse(_head_fault(lines, line, budget), close=True)
                 return False
-            count += 1
-            if count > MAX_HEADERS:
-                self.send_error(431, "More than %d request headers." % MAX_HEADERS)
-                return False
-            text = line.decode("iso-8859-1").rstrip("\r\n")
-            name, colon, value = text.partition(":")
-            if not colon or not _TOKEN_RE.match(name):
-                self._refuse(Refusal(400, "bad-header", "Malformed header line (expected 'Name: value', no "
-                                                        "line folding)."), close=True)
-                return False
-            pairs.append((name, value.strip(" \t")))  # repeated headers are all kept, in order
-        self.headers = headers = _RequestHeaders.parsed(pairs)
-        tokens = _connection_tokens(headers)
-        self.close_connection = "close" in tokens or (version == "HTTP/1.0" and "keep-alive" not in tokens)
-        if version == "HTTP/1.1" and headers.get("Expect", "").lower() == "100-continue":
+            lines.append(line)
+        # [gap, name, value, gap, name, value, ..., gap]: every gap is empty when every line is a field.
+        parts = _HEADER_LINE_RE.split(b"".join(lines).decode("latin-1"))
+        if any(parts[::3]):
+            self._refuse(_head_fault(lines, b"\n", budget), close=True)
+            return False
+        self.headers = headers = _RequestHeaders(list(zip(parts[1::3], parts[2::3])))
+        tokens = headers.connection_tokens()
+        self.close_connection = "close" in tokens or (
+            self.request_version == "HTTP/1.0" and "keep-alive" not in tokens)
+        expect = headers.get("Expect")
+        if expect is not None and self.request_version == "HTTP/1.1" and expect.lower() == "100-continue":
             return self.handle_expect_100()
-        return True
-
-    def _parse_clean_head(self) -> bool:
-        """The fast path for the common request head: if the bytes already buffered hold a whole clean
-        head (see `_clean_request_head`), consume it and set what parse_request sets (the same values
-        it would), plus `_clean`. Otherwise consume nothing and return False: parse_request reads the
-        head and answers whatever is wrong with it."""
-        buffered = self.rfile.peek(1)  # (one read if nothing is buffered yet, as readline would do)
-        end = buffered.find(b"\r\n\r\n") + 4
-        if not 4 <= end <= MAX_HEADER_BYTES:
-            return False
-        clean = _clean_request_head(buffered, end)
-        if clean is None:
-            return False
-        command, target, version, names, values, length, tokens, kept = clean
-        self.rfile.read(end)
-        self.command, self.path, self.request_version = command, target, version
-        self.requestline = "%s %s %s" % (command, target, version)
-        self.headers = _RequestHeaders.parsed(list(zip(names, values)))
-        self.close_connection = "close" in tokens or (version == "HTTP/1.0" and "keep-alive" not in tokens)
-        self._clean = (("length", length) if length >= 0 else ("none", 0), kept)
         return True
 
     def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
@@ -2172,15 +1960,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _dispatch(self) -> None:
         if self.request_version == "HTTP/1.0":
             self.close_connection = True  # no chunked framing for 1.0 clients: keep it simple, one per connection
-        clean = self._clean
-        if clean is not None:  # method, target and header values were proven clean while parsing
-            framing: Union[Tuple[str, int], Refusal] = clean[0]
-            malformed: Optional[Refusal] = None
-        else:
-            framing = _body_framing(self.headers)
-            malformed = _target_refusal(self.command, self.path) or _header_refusal(self.headers)
-            if malformed is None and isinstance(framing, Refusal):
-                malformed = framing
+        framing = _body_framing(self.headers)
+        malformed = _target_refusal(self.command, self.path) or _header_refusal(self.headers)
+        if malformed is None and isinstance(framing, Refusal):
+            malformed = framing
         decision = malformed or self._route()
         if isinstance(decision, Refusal):
             # Malformed input, or an unread body that would be parsed as the next request: close.
@@ -2193,15 +1976,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 with self.proxy._lock:
                     self.proxy._seen_routes.add(route)
             self._seen_route = route
-        # A clean head has no Upgrade header (unless a route_request hook added one: then it is no longer
-        # the parsed pairs, and the headers are read again).
-        upgrade = (clean is None or self.headers._pairs is None) and _is_websocket_upgrade(self.command, self.headers)
+        assert not isinstance(framing, Refusal)
+        upgrade = _is_websocket_upgrade(self.command, self.headers)
         refusal = _upgrade_refusal(self.headers) if upgrade else (
             _replicated_http_refusal(route.http, self.command, target) if isinstance(route, ReplicaRoute) else None)
         if refusal is not None:
-            self._refuse(refusal, close=upgrade or framing[0] != "none")  # type: ignore[index]
+            self._refuse(refusal, close=upgrade or framing[0] != "none")
             return
-        if not self._credentials(route, framing[0] != "none"):  # type: ignore[index]
+        if not self._credentials(route, framing[0] != "none"):
             return
         token = self._token
         if isinstance(route, ReplicaRoute):
@@ -2217,7 +1999,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if upgrade:
             self._tunnel(route, target, token)
         else:
-            self._forward(route, target, token, framing)  # type: ignore[arg-type]
+            self._forward(route, target, token, framing)
 
     def _credentials(self, route: AnyRoute, has_body: bool) -> bool:
         """Read the route's token and extra headers for this request (`_token`, `_route_headers`); a
@@ -2302,11 +2084,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _forward(self, route: Route, target: str, token: Optional[str], framing: Tuple[str, int]) -> None:
         method = self.command
-        if self._clean is not None and self.headers._pairs is not None:  # (None: a route_request hook edited them)
-            lines = _clean_request_lines(method, target, self._clean[1], route, token, self._route_headers)
-        else:
-            lines = _request_lines(method, target, _upstream_request_headers(self.headers, route, token,
-                                                                             self._route_headers))
+        lines = _request_lines(method, target, _upstream_request_headers(self.headers, route, token,
+                                                                         self._route_headers))
         try:
             body, body_iter = self._buffered_body(framing)
         except _ClientBodyError as exc:
@@ -2358,12 +2137,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         elif not has_body:
             head = lines + b"\r\n"
         else:
-            framing = _LENGTH_LINES.get(size)
-            if framing is None:
-                framing = b"Content-Length: %d\r\n\r\n" % size
-                if len(_LENGTH_LINES) < MAX_CACHED_LENGTHS:
-                    _LENGTH_LINES[size] = framing
-            head = lines + framing
+            head = lines + b"Content-Length: %d\r\n\r\n" % size
         try:
             for attempt in (1, 2):
                 try:
@@ -2389,7 +2163,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                         self._watched, conn.watch = conn, self._watch_client
                     reader = conn.reader
                     try:
-                        answer = _parse_answer(reader.read_head(True), method, reader)
+                        answer = _parse_answer(reader.read_head(True), method)
                         if answer.status < 200:
                             answer = self._final_answer(reader, method, answer)
                     finally:
@@ -2436,7 +2210,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             count += 1
             if count > MAX_INTERIM_RESPONSES:
                 raise _BadResponse("upstream-protocol", "sent more than %d interim (1xx) responses" % MAX_INTERIM_RESPONSES)
-            answer = _parse_answer(reader.read_head(first=False), method, reader)
+            answer = _parse_answer(reader.read_head(first=False), method)
         return answer
 
     def _relay_interim(self, answer: _Answer) -> None:
@@ -2514,8 +2288,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         Bodies keep their Content-Length; chunked and close-delimited ones are re-chunked for HTTP/1.1
         clients (so the client connection stays open) and close-delimited for HTTP/1.0 ones."""
         mode = answer.mode
-        headers = [] if answer.raw is not None else _response_headers(
-            answer.headers, answer.length if mode == "length" else None, drop_length=mode not in ("length", "none"))
+        headers = _response_headers(answer.headers, answer.length if mode == "length" else None,
+                                    drop_length=mode not in ("length", "none"))
         if mode not in ("length", "none"):
             if self.request_version == "HTTP/1.0":
                 mode, self.close_connection = "close", True
@@ -2532,15 +2306,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 return
         whole = mode == "none" or (mode == "length" and answer.length <= SMALL_RESPONSE_BYTES)
         if whole:  # the answer is read: its connection goes back before the client can send its next request
-            on_done(answer.keep_alive and not reader._buf)
+            on_done(answer.keep_alive and not reader.buffered())
         try:
-            if answer.raw is not None:  # a clean head (always "length"): as it came, Connection added
-                self.wfile.write((answer.raw[:-2] + b"Connection: close\r\n\r\n" if self.close_connection
-                                  else answer.raw) + prefix)
-            else:
-                if self.close_connection:
-                    headers.append(("Connection", "close"))
-                self._send_head(answer.status, answer.reason, headers, prefix)
+            if self.close_connection:
+                headers.append(("Connection", "close"))
+            self._send_head(answer.status, answer.reason, headers, prefix)
         except OSError:
             if not whole:
                 on_done(False)
@@ -2618,7 +2388,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _hand_to_relay(self, route: Route, tunnel: "_Tunnel", first: bytes) -> None:
         """The relay thread owns the session from here on (`first`: the client's bytes already read, for
         the upstream) and closes everything when it ends; this worker goes back to the pool."""
-        _MEMORY.trim_soon(TUNNEL_TRIM_EVERY_S)
         self.server.hand_off(self.connection)
         if not self.server.relay.add(tunnel, first, (route, self.server)):  # stopping: nothing relays any more
             with self.server._conn_lock:
@@ -2791,111 +2560,27 @@ def _read_head(stream: "_Stream") -> Tuple[bytes, bytes]:
 
 
 class _UpstreamConnection:
-    """One keep-alive HTTP/1.1 connection to an upstream: its TCP socket, for https the TLS engine
-    over it (`tls`, an `ssl.SSLObject` on memory buffers: see `over_tls`), and a reader that keeps
-    what was read past the current response visible, so such a connection is never pooled.
+    """One keep-alive HTTP/1.1 connection to an upstream: its socket (an `ssl.SSLSocket` for https) and
+    a reader that keeps what was read past the current response, so such a connection is never pooled.
 
     Its socket's receive timeout is a slice (ANSWER_WATCH_S): a read that waits longer calls `watch`
     (set while a request waits for its answer) between slices, and gives up after read_timeout_s."""
 
-    __slots__ = ("sock", "reader", "since", "watch", "read_timeout_s", "tls", "_incoming", "_outgoing", "_poller",
-                 "received", "_tls_ended", "_tls_object", "__weakref__")
+    __slots__ = ("sock", "reader", "since", "watch", "read_timeout_s", "_poller", "__weakref__")
 
-    def __init__(self, sock: socket.socket, read_timeout_s: float,
-                 tls: Optional[Tuple[ssl.SSLObject, ssl.MemoryBIO, ssl.MemoryBIO]] = None) -> None:
+    def __init__(self, sock: socket.socket, read_timeout_s: float) -> None:
         self.sock = sock
         self.read_timeout_s = read_timeout_s
-        self._tls_object, self._incoming, self._outgoing = tls if tls is not None else (None, None, None)
-        # The engine itself: an SSLObject's read and write are Python methods that call it (a frame each).
-        self.tls = getattr(self._tls_object, "_sslobj", self._tls_object)
-        # The liveness check's poll object, the socket registered once (not one poll object a request).
-        self._poller: Optional["select.poll"] = None
-        self.received = 0  # bytes read from the socket (see looks_idle)
-        self._tls_ended = False  # a probe met the engine's end (close_notify) or an error: the next read meets it too
         self.watch: Optional[Callable[[], None]] = None
-        self.reader = _UpstreamReader(self._recv if tls is None else self._recv_tls)
+        self.reader = _UpstreamReader(self._recv)
         self.since = 0.0  # when it was last checked in
-
-    @classmethod
-    def over_tls(cls, sock: socket.socket, context: ssl.SSLContext, host: str,
-                 read_timeout_s: float) -> "_UpstreamConnection":
-        """TLS over `sock` (connected, with the connect timeout set) through memory buffers: the
-        handshake happens now. The engine never touches the socket, so reads are the plain socket's
-        (kernel timeouts, whole segments at once: an SSLSocket with a timeout polls before each
-        read, and OpenSSL reads each record's header and body in two calls)."""
-        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
-        engine = context.wrap_bio(incoming, outgoing, server_hostname=host)
-        received = 0
-        while True:
-            try:
-                engine.do_handshake()
-                break
-            except ssl.SSLWantReadError:
-                pass
-            flight = outgoing.read()
-            if flight:
-                sock.sendall(flight)
-            data = sock.recv(IO_CHUNK)
-            received += len(data)
-            if data:
-                incoming.write(data)
-            else:
-                incoming.write_eof()  # the handshake then fails with SSLEOFError, as an SSLSocket's does
-        flight = outgoing.read()
-        if flight:
-            sock.sendall(flight)
-        conn = cls(sock, read_timeout_s, (engine, incoming, outgoing))
-        conn.received = received
-        return conn
-
-    def _recv_tls(self, n: int) -> bytes:
-        """Decrypted bytes (b"" at the end of the stream, or at once for n=0 as a socket's recv): whole
-        records, so at least one byte and possibly more than n (the reader keeps what is past n, and
-        a connection whose reader holds bytes is never pooled). The socket is read only when the
-        buffer holds no whole record: OpenSSL takes one record at a time from it, so what it has not
-        read is `incoming.pending`, and a read of TLS_RECORD_BYTES takes a whole record, so the engine
-        never holds decrypted bytes between calls (asking it, `pending()`, would release the GIL: a
-        hand-off to one of the other busy threads; failing a read costs an exception)."""
-        engine, incoming = self.tls, self._incoming
-        if n <= 0:
-            return b""
-        while True:
-            if incoming.pending or self._tls_ended:
-                try:
-                    data = engine.read(TLS_RECORD_BYTES)  # type: ignore[union-attr]
-                except ssl.SSLWantReadError:  # part of a record, or records without data (session tickets)
-                    self._tls_ended = False
-                except ssl.SSLZeroReturnError:  # the upstream's close_notify
-                    return b""
-                else:
-                    # A record at a time: an answer whose head and body came as two records (uvicorn
-                    # writes them apart) is read whole in one call while more records are buffered.
-                    # Whatever ends the gathering (a partial record, an end, an error) is left for the
-                    # next read to meet, after these bytes.
-                    while incoming.pending and len(data) < n:
-                        try:
-                            data += engine.read(TLS_RECORD_BYTES)  # type: ignore[union-attr]
-                        except ssl.SSLError:
-                            break
-                    return data
-            try:  # (what _recv does, without its frame)
-                data = self.sock.recv(IO_CHUNK)
-            except (BlockingIOError, socket.timeout):
-                data = self._recv_slices(IO_CHUNK)
-            if not data:
-                return b""
-            self.received += len(data)
-            incoming.write(data)  # type: ignore[union-attr]
+        self._poller: Optional["select.poll"] = None  # the liveness check's, the socket registered once
 
     def _recv(self, n: int) -> bytes:
         try:
-            data = self.sock.recv(n)
+            return self.sock.recv(n)
         except (BlockingIOError, socket.timeout):  # one slice passed (BlockingIOError: a kernel timeout)
-            data = self._recv_slices(n)
-        self.received += len(data)
-        return data
-
-    def _recv_slices(self, n: int) -> bytes:
+            pass
         deadline = time.monotonic() + self.read_timeout_s - min(ANSWER_WATCH_S, self.read_timeout_s)
         while True:
             if self.watch is not None:
@@ -2908,89 +2593,61 @@ class _UpstreamConnection:
                 continue
 
     def _sendall(self, data: bytes) -> None:
-        if self.tls is not None:
-            self.tls.write(data)  # (a memory buffer takes it all)
-            data = self._outgoing.read()  # type: ignore[union-attr]
-        if KERNEL_TIMEOUTS:
+        if KERNEL_TIMEOUTS and not isinstance(self.sock, ssl.SSLSocket):
             try:
                 self.sock.sendall(data)  # the kernel's send timeout is read_timeout_s
             except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
                 raise socket.timeout("timed out") from None
             return
-        # Python's timeouts (no kernel ones), the read slice: send until read_timeout_s passes with no
-        # progress.
+        # Python's timeouts, the read slice: send until read_timeout_s passes with no progress (a TLS
+        # write that timed out is retried with the same bytes, as OpenSSL requires).
         with memoryview(data) as view:
             deadline = None
             while view:
                 try:
                     view = view[self.sock.send(view):]
                     deadline = None
-                except (ssl.SSLWantWriteError, ssl.SSLWantReadError, socket.timeout):
-                    deadline = deadline or time.monotonic() + self.read_timeout_s - min(ANSWER_WATCH_S, self.read_timeout_s)
+                except socket.timeout:
+                    deadline = deadline or time.monotonic() + self.read_timeout_s
                     if time.monotonic() >= deadline:
                         raise socket.timeout("timed out") from None
 
     def looks_idle(self) -> bool:
-        """Whether a pooled connection is as its last answer left it: the upstream neither closed nor
-        reset it (TCP state ESTABLISHED) nor sent a byte since (the kernel's count of bytes received
-        equals ours). One getsockopt(TCP_INFO), which, unlike poll(), keeps the GIL: with many busy
-        threads every release is a hand-off. Where TCP_INFO is missing: not has_input(). Over TLS the
-        engine's buffer must be empty too: records read with an answer's last one, not yet decrypted."""
-        if self._incoming is not None and self._incoming.pending:
-            return False
-        if _TCP_INFO_BYTES:
-            try:
-                info = self.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_BYTES)
-            except OSError:
-                return False
-            if len(info) == _TCP_INFO_BYTES:
-                return info[0] == _TCP_ESTABLISHED and _TCP_INFO_RECEIVED.unpack_from(info)[0] == self.received
-        return not self.has_input()
+        """Whether a pooled connection is as its last answer left it: nothing read past that answer,
+        and the upstream has neither sent a byte nor closed since."""
+        return not self.reader.buffered() and not self.has_input()
 
     def has_input(self) -> bool:
         """Whether the upstream sent something (bytes or an end of stream), without blocking.
 
-        A TLS socket is also readable for records that carry no data (TLS 1.3 session tickets arrive
-        right after the handshake): those are consumed by a non-blocking read, and only application
-        bytes (kept for the reader) or an end of stream count."""
-        sock, engine = self.sock, self.tls
-        if engine is not None and self._incoming.pending:  # type: ignore[union-attr]  # (see _recv_tls)
-            if self._has_tls_data():
-                return True
+        A TLS socket is also readable for records that carry no data (TLS 1.3 session tickets): those
+        are consumed by a non-blocking read, and only application bytes (kept for the reader) or an
+        end of stream count."""
+        sock = self.sock
+        tls = isinstance(sock, ssl.SSLSocket)
+        if tls and sock.pending():  # type: ignore[attr-defined]
+            return True
         poller = self._poller
-        if poller is None and hasattr(select, "poll"):
+        if poller is None:
             poller = self._poller = select.poll()
             poller.register(sock, select.POLLIN)
         try:
-            readable = bool(poller.poll(0)) if poller is not None else _readable(sock)
+            if not poller.poll(0):
+                return False
         except (OSError, ValueError):
-            readable = True
-        if not readable:
-            return False
-        if engine is None:
             return True
+        if not tls:
+            return True
+        timeout = sock.gettimeout()
+        sock.settimeout(0)
         try:
-            data = sock.recv(IO_CHUNK, getattr(socket, "MSG_DONTWAIT", 0))
-        except BlockingIOError:
+            data = sock.recv(IO_CHUNK)
+        except (ssl.SSLWantReadError, BlockingIOError):
             return False
         except OSError:
             return True
-        if not data:
-            return True
-        self.received += len(data)
-        self._incoming.write(data)  # type: ignore[union-attr]
-        return self._has_tls_data()
-
-    def _has_tls_data(self) -> bool:
-        """Whether the engine's buffered records hold data or an end (kept for the reader); records
-        without data (TLS 1.3 session tickets arrive right after the handshake) are consumed."""
-        try:
-            data = self.tls.read(TLS_RECORD_BYTES)  # type: ignore[union-attr]
-        except ssl.SSLWantReadError:
-            return False
-        except OSError:  # (ssl.SSLError included: a close_notify, a bad record)
-            self._tls_ended = True
-            return True
+        finally:
+            sock.settimeout(timeout)
         self.reader.unread(data)
         return True
 
@@ -3031,12 +2688,10 @@ class _UpstreamReader:
     """Buffered reads over a `recv(n)` callable (a socket's, or a WebSocket `_Stream`'s after a non-101
     answer). Public stdlib calls only: `io.BufferedReader` would hide how many bytes it holds."""
 
-    __slots__ = ("_recv", "_buf", "memo")
+    __slots__ = ("_recv", "_buf")
 
     def __init__(self, recv: Callable[[int], bytes], prefix: bytes = b"") -> None:
         self._recv, self._buf = recv, prefix
-        # The last answer head relayed as it came, as _answer_memo made it: see _parse_answer.
-        self.memo: Optional[_AnswerMemo] = None
 
     def buffered(self) -> int:
         return len(self._buf)
@@ -3138,125 +2793,13 @@ class _Answer(NamedTuple):
     mode: str  # "none", "length", "chunked" or "close" (read until the upstream closes)
     length: int  # the Content-Length for "length", else -1
     keep_alive: bool  # the connection may carry another request once this body is read
-    raw: Optional[bytes] = None  # a clean head (see _CLEAN_ANSWER_RE) to relay as it is; `headers` is then []
 
 
-# Builds a NamedTuple without its generated __new__, a Python function (a frame more on the hot path).
-_new_tuple = tuple.__new__
-
-
-def _parse_answer(head: bytes, method: str, reader: Optional[_UpstreamReader] = None) -> _Answer:
+def _parse_answer(head: bytes, method: str) -> _Answer:
     """Parse a response head (status line, `Name: value` lines; obs-fold joined with a space), or raise
     _BadResponse. Framing: HEAD, 1xx, 204 and 304 have no body; Transfer-Encoding wins over
-    Content-Length (and then the connection is not reused); conflicting lengths are refused.
-
-    The common head (see _CLEAN_ANSWER_RE) is recognised whole and kept to be relayed as it is;
-    anything else is parsed line by line (_parse_answer_strictly). With the connection's `reader`, a
-    head equal to the last one relayed as it is but in its Date and Content-Length values (an
-    upstream's answers usually differ in those alone: see _answer_key) is recognised without the
-    regular expressions.
-
-    For the usual order (a Date line before the Content-Length one; see _answer_memo) the key is not
-    built: the head must be the memo's bytes around a Date value and a Content-Length value that hold
-    no line end, so the first Date and Content-Length lines are where the memo's were (the bytes
-    before each are the memo's, which had none earlier), and the values get _answer_key's checks.
-    (Slices are compared: startswith parses its arguments per call. Inline: a call is a frame.)"""
-    memo = reader.memo if reader is not None and method != "HEAD" else None
-    if memo is not None:
-        pre, date, length = memo[3], memo[6], -1
-        if pre is None:
-            key, length = _answer_key(head)
-            if key != memo[2]:
-                length = -1
-        elif head[:date] == pre:
-            end = date + memo[8]  # (where it is when the Date value is as long as the memo's, as HTTP dates are)
-            start = end + memo[7]
-            same = head[end:start] == memo[4]
-            if not same:
-                end = head.find(b"\r\n", date)
-                start = end + memo[7]
-                same = head[end:start] == memo[4]
-            if same:
-                stop = len(head) - len(memo[5])  # (a value of digits holds no line end: the one after it is here)
-                value = head[start:stop]
-                if (head[stop:] == memo[5] and value.isdigit() and len(value) <= 18
-                        and (value[0] != 48 or stop - start == 1)):  # (48: "0")
-                    # A clean Date value (as _answer_key checks it): printable ASCII, no blank at either end.
-                    stamp = head[date:end]
-                    if stamp == _clean_stamp[0]:
-                        length = _LENGTH_VALUES.get(value, -1)
-                        if length < 0:
-                            length = _length_value(value)
-                    elif (end > date and head[date] != 32 and head[end - 1] != 32 and stamp.isascii()
-                            and stamp.decode().isprintable()):
-                        length, _clean_stamp[0] = _length_value(value), stamp
-        if length >= 0:
-            return _new_tuple(_Answer, (memo[0], memo[1], [], "length", length, True, head))
-    text = head.decode("latin-1")
-    clean = _CLEAN_ANSWER_RE.fullmatch(text)
-    if clean is not None and method != "HEAD" and clean.group(1) not in ("204", "304"):
-        special = _SPECIAL_ANSWER_RE.findall(text.lower())
-        if len(special) == 1 and special[0][0] == "content-length":
-            value = special[0][1]
-            if value.isascii() and value.isdigit() and len(value) <= 18 and (value[0] != "0" or value == "0"):
-                # nothing hop-by-hop, one canonical Content-Length: relayed as it is (headers not parsed)
-                status, reason = int(clean.group(1)), clean.group(2)
-                if reader is not None:
-                    reader.memo = _answer_memo(head, status, reason)
-                return _Answer(status, reason, [], "length", int(value), True, head)
-    return _parse_answer_strictly(text, method)
-
-
-def _answer_key(head: bytes) -> Tuple[bytes, int]:
-    """An answer head without the values of its first Content-Length and Date lines, and its length
-    (-1 when that value is not canonical decimal or the Date value not plain printable ASCII). Values
-    hold no line end, so two heads with the same key have the same lines but in those two values: if
-    one is clean with nothing hop-by-hop (relayed as it is), so is the other, with the same status."""
-    lowered = head.lower()
-    start = lowered.find(b"\r\ncontent-length: ") + 18
-    stop = head.find(b"\r\n", start)
-    value = head[start:stop]
-    if start < 18 or not value.isdigit() or len(value) > 18 or (value[0] == 48 and stop - start > 1):  # (48: "0")
-        return b"", -1
-    date = lowered.find(b"\r\ndate: ") + 8
-    if date < 8:
-        return head[:start] + head[stop:], int(value)
-    end = head.find(b"\r\n", date)
-    # A clean value of printable ASCII: no control character, no blank at either end (none at all is unclean).
-    if end == date or head[date] == 32 or head[end - 1] == 32 or head[date:end].translate(None, _PRINTABLE_ASCII):
-        return b"", -1
-    if date < start:
-        return head[:date] + head[end:start] + head[stop:], int(value)
-    return head[:start] + head[stop:date] + head[end:], int(value)
-
-
-# A head relayed as it came, remembered to recognise the next ones (see _answer_memo): its status, reason,
-# _answer_key, and for the usual order (a Date line before the Content-Length one) the head before the
-# Date value, between its end and the Content-Length value, and after that value, the lengths of the
-# first two, and the Date value's length.
-_AnswerMemo = Tuple[int, str, bytes, Optional[bytes], bytes, bytes, int, int, int]
-# The last Date value _parse_answer found clean (upstreams change it once a second): checked again only
-# when another comes. Any thread may replace it; it only ever holds a clean value (one to start with).
-_clean_stamp = [b"Thu, 01 Jan 1970 00:00:00 GMT"]
-
-
-def _answer_memo(head: bytes, status: int, reason: str) -> Optional[_AnswerMemo]:
-    """What _parse_answer needs to recognise a head with the same _answer_key as `head` (clean,
-    relayed as it came, with `status` and `reason`); None when it has no usable key."""
-    key, length = _answer_key(head)
-    if length < 0:
-        return None
-    lowered = head.lower()
-    date, start = lowered.find(b"\r\ndate: ") + 8, lowered.find(b"\r\ncontent-length: ") + 18
-    if not 8 <= date < start:
-        return status, reason, key, None, b"", b"", 0, 0, 0
-    end, stop = head.find(b"\r\n", date), head.find(b"\r\n", start)
-    return status, reason, key, head[:date], head[end:start], head[stop:], date, start - end, end - date
-
-
-def _parse_answer_strictly(text: str, method: str) -> _Answer:
-    """`_parse_answer` line by line, for any head (`text`: decoded as latin-1)."""
-    lines = text.split("\n")
+    Content-Length (and then the connection is not reused); conflicting lengths are refused."""
+    lines = head.decode("latin-1").split("\n")
     match = _RESPONSE_LINE_RE.match(lines[0].rstrip("\r"))
     if not match:
         raise _BadResponse("upstream-protocol", "sent a malformed status line")
@@ -3336,105 +2879,9 @@ def _answer_body(reader: _UpstreamReader, answer: _Answer) -> Iterator[bytes]:
                 break
 
 
-def _clean_request_head(data: bytes, end: int) -> Optional[Tuple[str, str, str, List[str], List[str], int, List[str], str]]:
-    """The request head `data[:end]` (through its blank line) if it is clean (see _CLEAN_HEADER_LINE_RE),
-    with at most one Content-Length, at most one Connection (of keep-alive and/or close), and no
-    Transfer-Encoding, Expect, Upgrade, TE or Trailer: (method, target, version, header names, their
-    values, the Content-Length or -1, the Connection tokens, the header lines forwarded as they are).
-    None for any other head: the strict parser (`_Handler.parse_request`) takes it."""
-    text = data[:end].decode("iso-8859-1")
-    line = _CLEAN_REQUEST_LINE_RE.match(text)
-    if line is None:
-        return None
-    command, target, version = line.groups()
-    # ['', line, name, value, '', line, name, value, ..., '\r\n']: any other gap is an unclean line.
-    parts = _CLEAN_HEADER_LINE_RE.split(text[line.end():])
-    if "".join(parts[::4]) != "\r\n" or len(parts) > 4 * MAX_HEADERS + 1 or command == "CONNECT":
-        return None
-    names, values = parts[2::4], parts[3::4]
-    kept: List[str] = []
-    length, tokens = -1, []  # type: Tuple[int, List[str]]
-    lowered = ",".join(names).lower().split(",")  # (a token has no comma)
-    for line_text, name, value in zip(parts[1::4], lowered, values):
-        if name not in _SPECIAL_REQUEST_HEADERS:
-            kept.append(line_text)
-        elif name == "content-length":
-            if length >= 0 or not (value.isdigit() and value.isascii()) or len(value) > 18:
-                return None
-            length = int(value)
-        elif name == "connection":
-            if tokens:  # a second Connection header
-                return None
-            tokens = [t.strip() for t in value.lower().split(",")]
-            if not _PLAIN_CONNECTION_TOKENS.issuperset(tokens):
-                return None
-        elif name not in _DROPPED_PLAINLY:
-            return None
-    return command, target, version, names, values, length, tokens, "".join(kept)
-
-
-def _head_memo(data: bytes, end: int) -> Tuple[bytes, Optional[bytes]]:
-    """The request head `data[:end]` split around the value of its first `Content-Length` line (the
-    head through "Content-Length: ", and from the line's end), or (the head, None) without one."""
-    start = data.find(b"\r\nContent-Length: ", 0, end)
-    if start < 0:  # (the usual spellings; a head with another is still parsed, only not reused)
-        start = data.find(b"\r\ncontent-length: ", 0, end)
-        if start < 0:
-            return data[:end], None
-    stop = data.find(b"\r\n", start + 18)
-    return data[:start + 18], data[stop:end]
-
-
-def _head_memo_length(data: bytes, end: int, memo: Tuple[bytes, Optional[bytes]]) -> int:
-    """For a head `data[:end]` equal to the one `memo` was made from (_head_memo) but in the value of its
-    first Content-Length line: that value (-1 without such a line, -2 if it is not 1-18 ASCII digits);
-    for any other head -3. Two such heads with a valid value differ in the length alone: if one is clean
-    (`_clean_request_head`), so is the other, with the same parse but the length, so a connection's
-    repeated head is parsed once. The head must be the memo's bytes around a value with no line end, so
-    its first Content-Length line is where the memo's was (the bytes before it are the memo's, which had
-    none earlier)."""
-    before, after = memo
-    if after is None:
-        return -1 if data[:end] == before else -3
-    start = len(before)
-    if data[:start] != before:  # (a slice compared: startswith parses its arguments per call)
-        return -3
-    stop = end - len(after)  # (where the value's line ends if the rest is the memo's)
-    if stop < start or data[stop:end] != after:
-        return -3
-    value = data[start:stop]
-    if value.isdigit() and len(value) <= 18:  # (digits hold no line end: the value's line ends at stop)
-        length = _LENGTH_VALUES.get(value, -1)
-        return length if length >= 0 else _length_value(value)
-    return -2 if data.find(b"\r\n", start) == stop else -3
-
-
 def _request_lines(method: str, target: str, headers: List[Tuple[str, str]]) -> str:
     """The upstream request's line and header lines, each ending CRLF (no blank line yet)."""
     return "%s %s HTTP/1.1\r\n%s" % (method, target, "".join(["%s: %s\r\n" % pair for pair in headers]))
-
-
-def _clean_request_lines(method: str, target: str, kept: str, route: Route, token: Optional[str],
-                         extra: Tuple[Tuple[str, str], ...]) -> str:
-    """What `_request_lines(_upstream_request_headers(...))` makes of a clean head (see
-    _parse_clean_head) whose forwarded lines are `kept`, without looking at each header: Host, the
-    kept lines (minus those the route's `extra` headers replace), Authorization, the extra headers."""
-    extra_lines = ""
-    if extra:
-        cached = route._extra_lines
-        if cached is None or cached[0] is not extra:  # (a mapping's headers are one tuple for the route's life)
-            route._extra_lines = cached = (extra,) + _extra_header_lines(extra)
-        kept, extra_lines = cached[1].sub("", kept), cached[2]
-    return "%s %s HTTP/1.1\r\nHost: %s\r\n%s%s%s" % (
-        method, target, route.host_header, kept, "" if token is None else "Authorization: Bearer %s\r\n" % token,
-        extra_lines)
-
-
-def _extra_header_lines(extra: Tuple[Tuple[str, str], ...]) -> Tuple["re.Pattern[str]", str]:
-    """For a route's extra headers: the pattern of the clean-head lines they replace, and their lines."""
-    names = "|".join(re.escape(name) for name, _ in extra)
-    return (re.compile(r"^(?:%s): [^\r]*\r\n" % names, re.I | re.M),
-            "".join(["%s: %s\r\n" % pair for pair in extra]))
 
 
 def _set_socket_timeout(sock: socket.socket, timeout: Optional[float], send_timeout: Optional[float] = None) -> None:
@@ -3453,39 +2900,6 @@ def _set_socket_timeout(sock: socket.socket, timeout: Optional[float], send_time
 def _timeval(timeout: Optional[float]) -> bytes:
     seconds = 0.0 if timeout is None else max(float(timeout), 1e-6)  # 0 is "never" to the kernel
     return struct.pack("@ll", int(seconds), int((seconds - int(seconds)) * 1e6))
-
-
-# struct tcp_info (linux/tcp.h): tcpi_state is its first byte, tcpi_bytes_received (Linux 4.1+) the u64
-# at offset 128. 0: no TCP_INFO on this platform (the liveness check polls instead).
-_TCP_INFO_BYTES = 136 if hasattr(socket, "TCP_INFO") and sys.platform.startswith("linux") else 0
-_TCP_INFO_RECEIVED = struct.Struct("=128xQ")
-_TCP_ESTABLISHED = 1
-# Request framing lines by body size, and Content-Length values by their digits (see MAX_CACHED_LENGTHS);
-# dict reads and writes are atomic.
-_LENGTH_LINES: Dict[int, bytes] = {}
-_LENGTH_VALUES: Dict[bytes, int] = {}
-
-
-def _length_value(value: bytes) -> int:
-    """int(value) for 1-18 ASCII digits, remembered in _LENGTH_VALUES (read first: `.get(value, -1)`)."""
-    length = int(value)
-    if len(_LENGTH_VALUES) < MAX_CACHED_LENGTHS:
-        _LENGTH_VALUES[value] = length
-    return length
-
-
-def _readable(sock: socket.socket) -> bool:
-    """Whether the upstream has sent something (a zero-timeout poll; no read)."""
-    if isinstance(sock, ssl.SSLSocket) and sock.pending():
-        return True
-    try:
-        if hasattr(select, "poll"):
-            poller = select.poll()
-            poller.register(sock, select.POLLIN)
-            return bool(poller.poll(0))
-        return bool(select.select([sock], [], [], 0)[0])
-    except (OSError, ValueError):
-        return True
 
 
 _TLS_CONTEXTS: "collections.OrderedDict[object, ssl.SSLContext]" = collections.OrderedDict()
@@ -3607,52 +3021,6 @@ class _WarningRate:
                 return 0
             self._last, held, self._held = now, self._held, 0
             return held
-
-
-class _FreedMemory:
-    """Hands memory that threads freed back to the system (glibc's malloc_trim), at most once per
-    MALLOC_TRIM_EVERY_S; the first call after that long trims, in the calling thread."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._last = time.monotonic()
-        self._trim: Optional[Callable[[int], int]] = None
-        self._loaded = False
-        self.trims = 0
-
-    def load(self) -> None:
-        """Find malloc_trim (importing ctypes) when a proxy starts: importing the proxy stays cheap, and
-        the one-time allocation is done before a long run's memory is measured, not in its middle."""
-        with self._lock:
-            if not self._loaded:
-                self._trim, self._loaded = _find_malloc_trim(), True
-
-    def trim_soon(self, every_s: float = MALLOC_TRIM_EVERY_S) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now - self._last < every_s:
-                return
-            self._last = now
-        self.load()
-        if self._trim is not None:
-            self._trim(0)
-            self.trims += 1
-
-
-def _find_malloc_trim() -> Optional[Callable[[int], int]]:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        trim = ctypes.CDLL(None).malloc_trim  # the process's own C library; musl has no malloc_trim
-    except (ImportError, OSError, AttributeError):
-        return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim  # type: ignore[no-any-return]
-
-
-_MEMORY = _FreedMemory()
 
 
 class _Stream:
