@@ -176,10 +176,9 @@ _BAD_VALUE_CHAR_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 _VERSION_RE = re.compile(r"^HTTP/[0-9]\.[0-9]$")
 _STATUS_LINE_RE = re.compile(rb"^HTTP/1\.[01] (\d{3})(?: |\r?$)")
 _RESPONSE_LINE_RE = re.compile(r"^HTTP/1\.([01]) ([0-9]{3})(?: (.*))?$")
-# One response header line (its CR removed) in one match: a token name, a colon, the value after its
-# leading blanks, with no control character but tab (what _TOKEN_RE, _BAD_VALUE_CHAR_RE and a CR check
-# did in three calls per line).
-_RESPONSE_HEADER_RE = re.compile(r"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*([^\x00-\x08\x0a-\x1f\x7f]*)\Z")
+# One response header line: a token name, a colon, the value after its leading blanks (trailing ones
+# are relayed as sent: http.client keeps them) with no control character but tab, CRLF or LF.
+_RESPONSE_FIELD_RE = re.compile(r"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*([^\x00-\x08\x0a-\x1f\x7f]*)\r?\n")
 # A request line: three parts, one space apart (the target and method are checked when dispatched).
 _REQUEST_LINE_RE = re.compile(r"([^ ]*) ([^ ]*) (HTTP/1\.[0-9])")
 # One request header line, as the strict reading takes it: a token name, a colon, the value without the
@@ -2799,29 +2798,21 @@ def _parse_answer(head: bytes, method: str) -> _Answer:
     """Parse a response head (status line, `Name: value` lines; obs-fold joined with a space), or raise
     _BadResponse. Framing: HEAD, 1xx, 204 and 304 have no body; Transfer-Encoding wins over
     Content-Length (and then the connection is not reused); conflicting lengths are refused."""
-    lines = head.decode("latin-1").split("\n")
-    match = _RESPONSE_LINE_RE.match(lines[0].rstrip("\r"))
+    text = head.decode("latin-1")
+    start = text.find("\n") + 1
+    match = _RESPONSE_LINE_RE.match(text[:start - 1].rstrip("\r"))
     if not match:
         raise _BadResponse("upstream-protocol", "sent a malformed status line")
     minor, status, reason = match.group(1), int(match.group(2)), match.group(3) or ""
     if status < 100:  # "000"-"099" are not statuses (http.client and h11 refuse them too)
         raise _BadResponse("upstream-protocol", "sent the status code %03d" % status)
-    headers: List[Tuple[str, str]] = []
-    for line in lines[1:]:
-        if line.endswith("\r"):
-            line = line[:-1]
-        if not line:
-            continue  # the blank line ending the head
-        if line[0] in " \t":
-            if not headers:
-                raise _BadResponse("upstream-protocol", "sent a response head starting with a folded line")
-            name, value = headers.pop()
-            headers.append((name, (value + " " + line.strip(" \t")).strip(" ")))
-            continue
-        match = _RESPONSE_HEADER_RE.match(line)  # trailing whitespace is relayed as sent: http.client keeps it
-        if match is None:
-            raise _BadResponse("upstream-protocol", "sent a malformed response header line")
-        headers.append(match.groups())  # type: ignore[arg-type]
+    # [gap, name, value, ..., gap]: every gap is empty but the last, the blank line, when each line is
+    # a field of its own; a folded or malformed line is left to _fields_line_by_line.
+    parts = _RESPONSE_FIELD_RE.split(text[start:])
+    if len(parts[-1]) > 2 or any(parts[0:-1:3]):
+        headers = _fields_line_by_line(text[start:])
+    else:
+        headers = list(zip(parts[1::3], parts[2::3]))
     codings: List[str] = []
     lengths: Set[str] = set()
     connection: Set[str] = set()
@@ -2846,6 +2837,27 @@ def _parse_answer(head: bytes, method: str) -> _Answer:
             raise _BadResponse("upstream-protocol", "sent an invalid or conflicting Content-Length")
         return _Answer(status, reason, headers, "length", int(value), keep_alive)
     return _Answer(status, reason, headers, "close", -1, False)
+
+
+def _fields_line_by_line(text: str) -> List[Tuple[str, str]]:
+    """A response head's field lines one at a time: joins obs-folds, names a malformed line."""
+    headers: List[Tuple[str, str]] = []
+    for line in text.split("\n"):
+        if line.endswith("\r"):
+            line = line[:-1]
+        if not line:
+            continue  # the blank line ending the head
+        if line[0] in " \t":
+            if not headers:
+                raise _BadResponse("upstream-protocol", "sent a response head starting with a folded line")
+            name, value = headers.pop()
+            headers.append((name, (value + " " + line.strip(" \t")).strip(" ")))
+            continue
+        match = _RESPONSE_FIELD_RE.fullmatch(line + "\n")
+        if match is None:
+            raise _BadResponse("upstream-protocol", "sent a malformed response header line")
+        headers.append((match.group(1), match.group(2)))
+    return headers
 
 
 def _answer_body(reader: _UpstreamReader, answer: _Answer) -> Iterator[bytes]:
