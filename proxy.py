@@ -1,14 +1,16 @@
-"""A loopback auth proxy that fronts remote OpenEnv servers (HF Jobs exposed ports) for local clients.
+"""A loopback auth proxy that fronts remote OpenEnv servers (HF Jobs exposed ports) for local
+clients.
 
-`AuthProxy` listens on 127.0.0.1 and mounts upstreams under unguessable path prefixes. Each request to
-`http://127.0.0.1:<port>/<route-id>/<rest>` is forwarded to `<upstream>/<rest>` with the route's bearer
-token injected, so unmodified OpenEnv clients (HTTP and WebSocket) can talk to a token-protected job
-without ever seeing the token. Threads only, standard library only: no event loop; WebSocket frames are
-never parsed, the tunnel copies raw bytes. `mount_replicas` puts one route in front of several jobs of
-the same server and spreads WebSocket sessions over them (fewest open sessions first).
+`AuthProxy` listens on 127.0.0.1 and mounts upstreams under unguessable path prefixes. Each request
+to `http://127.0.0.1:<port>/<route-id>/<rest>` is forwarded to `<upstream>/<rest>` with the route's
+bearer token injected, so unmodified OpenEnv clients (HTTP and WebSocket) can talk to a
+token-protected job without ever seeing the token. Threads only, standard library only: no event
+loop; WebSocket frames are never parsed, the tunnel copies raw bytes. `mount_replicas` puts one
+route in front of several jobs of the same server and spreads WebSocket sessions over them (fewest
+open sessions first).
 
-Public names: `AuthProxy`, `Route`, `ReplicaRoute`, `Refusal`, `InsecureURLError`. Run `python proxy.py UPSTREAM_URL`
-to front one job from the command line.
+Public names: `AuthProxy`, `Route`, `ReplicaRoute`, `Refusal`, `InsecureURLError`. Run `python
+proxy.py UPSTREAM_URL` to front one job from the command line.
 """
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ import time
 import types
 import urllib.parse
 import weakref
-from typing import TYPE_CHECKING, Callable, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple, Union
+from typing import (TYPE_CHECKING, Callable, Dict, Iterable, Iterator, List, Mapping, NamedTuple,
+                    Optional, Sequence, Set, Tuple, Union)
 
 if TYPE_CHECKING:
     import proxy_host
@@ -51,18 +54,19 @@ log = logging.getLogger("proxy")
 # --------------------------------------------------------------------------------------------------
 
 # The stdlib listen backlog is 5: a burst of a few hundred environments connecting at once would see
-# connection resets. At 8,192 simultaneous sessions a 1,024 backlog overflowed (185 resets) while the
-# listener thread waited for the GIL; 4096 absorbs such bursts. The kernel silently caps it at
+# connection resets. At 8,192 simultaneous sessions a 1,024 backlog overflowed (185 resets) while
+# the listener thread waited for the GIL; 4096 absorbs such bursts. The kernel silently caps it at
 # net.core.somaxconn (4096 by default since Linux 5.4), so asking for more would buy nothing.
 LISTEN_BACKLOG = 4096
-# A keep-alive client connection with no request in flight is closed after this long. Generous because
-# training loops may sit idle between episodes; clients (requests/urllib3) reconnect transparently.
+# A keep-alive client connection with no request in flight is closed after this long. Generous
+# because training loops may sit idle between episodes; clients (requests/urllib3) reconnect
+# transparently.
 CLIENT_IDLE_TIMEOUT_S = 300.0
 # Once the first byte of a request has arrived, its request line and headers must be complete within
 # this bound, so a client that stalls (or drips bytes) mid-headers cannot hold a thread forever.
 HEADER_TIMEOUT_S = 30.0
-# Limits on the request head: the whole header section (the stdlib only caps each line, so 100 x 64 KiB
-# would pass), the header count (the stdlib's 100) and the request line.
+# Limits on the request head: the whole header section (the stdlib only caps each line, so 100 x 64
+# KiB would pass), the header count (the stdlib's 100) and the request line.
 MAX_HEADER_BYTES = 64 * 1024
 MAX_HEADERS = 100
 MAX_REQUEST_LINE = 64 * 1024
@@ -75,47 +79,53 @@ REPLAYABLE_BODY_BYTES = 1024 * 1024
 SMALL_RESPONSE_BYTES = 64 * 1024
 # Upstream response heads (status line + headers) up to this size are relayed; a bigger one gets 502
 # upstream-head-too-large. No separate line or count limit: clients differ (http.client stops at 100
-# header lines, h11 at 16 KiB by default, curl at 300 KiB), so the proxy is at least as permissive as
-# the Python clients and stays bounded per connection.
+# header lines, h11 at 16 KiB by default, curl at 300 KiB), so the proxy is at least as permissive
+# as the Python clients and stays bounded per connection.
 MAX_RESPONSE_HEAD_BYTES = 256 * 1024
 # Interim (1xx) responses relayed before the final one; an upstream sending more is looping: 502.
 MAX_INTERIM_RESPONSES = 32
-# Socket read size for streaming bodies and tunnels: large enough to move a 1 MiB frame in a few calls.
+# Socket read size for streaming bodies and tunnels: large enough to move a 1 MiB frame in a few
+# calls.
 IO_CHUNK = 64 * 1024
-# What a pooled TLS connection asks its engine for per read: a TLS record's largest plaintext (RFC 8446
-# section 5.1, RFC 5246 section 6.2.1), so each read takes a whole record and none is left half-read.
+# What a pooled TLS connection asks its engine for per read: a TLS record's largest plaintext (RFC
+# 8446 section 5.1, RFC 5246 section 6.2.1), so each read takes a whole record and none is left
+# half-read.
 TLS_RECORD_BYTES = 16 * 1024
-# Read size of the tunnel relay, per read of one side of a WebSocket tunnel. OpenEnv frames are a few
-# hundred bytes; a 1 MiB frame takes 64 reads instead of 16. (When a thread per direction waited in
-# recv, this buffer set most of an open session's memory; the relay thread holds none per session.)
+# Read size of the tunnel relay, per read of one side of a WebSocket tunnel. OpenEnv frames are a
+# few hundred bytes; a 1 MiB frame takes 64 reads instead of 16. (When a thread per direction waited
+# in recv, this buffer set most of an open session's memory; the relay thread holds none per
+# session.)
 TUNNEL_READ_BYTES = 16 * 1024
 # Idle upstream connections kept per route; more concurrent requests simply open more connections.
 POOL_MAX_IDLE = 64
 # While a request waits for its upstream's answer, the client may hang up (a trainer whose request
-# timed out retries on a new connection): the wait is a blocking read in slices of this many seconds,
-# checking the client between slices, instead of a poll() of both sockets per request (a system call
-# and a GIL hand-off the CPython floor does not pay; an answer within the first slice costs nothing).
+# timed out retries on a new connection): the wait is a blocking read in slices of this many
+# seconds, checking the client between slices, instead of a poll() of both sockets per request (a
+# system call and a GIL hand-off the CPython floor does not pay; an answer within the first slice
+# costs nothing).
 ANSWER_WATCH_S = 0.5
-# Pooled upstream connections idle longer than this are not reused: uvicorn (OpenEnv's server) closes
-# idle keep-alive connections after 5 s, and racing that close would turn a request into an error.
+# Pooled upstream connections idle longer than this are not reused: uvicorn (OpenEnv's server)
+# closes idle keep-alive connections after 5 s, and racing that close would turn a request into an
+# error.
 POOL_IDLE_S = 4.0
-# TLS contexts shared by routes with the same `verify`: one with the system store and certifi's bundle
-# costs ~920 KiB of RSS (measured), and a trainer mounts a route per environment and per replacement,
-# so per-route contexts cost 64 environments ~58 MiB and churned the heap at every restart. A handful
-# of distinct `verify` values is the norm; the least recently used beyond this many is dropped.
+# TLS contexts shared by routes with the same `verify`: one with the system store and certifi's
+# bundle costs ~920 KiB of RSS (measured), and a trainer mounts a route per environment and per
+# replacement, so per-route contexts cost 64 environments ~58 MiB and churned the heap at every
+# restart. A handful of distinct `verify` values is the norm; the least recently used beyond this
+# many is dropped.
 TLS_CONTEXTS_KEPT = 8
 # A burst of TLS WebSocket set-ups leaves the memory each handshake touched and freed (OpenSSL's
 # handshake buffers, ~16 KiB each) resident between the sessions' long-lived allocations: with 1,024
-# sessions held, one malloc_trim returned 18 KiB per session. A tunnel that starts relaying trims when
-# the last trim is this old, so a burst is trimmed while it sets up (a trim of a 120 MiB heap took 36 ms,
-# without the GIL); a steady trickle of sessions trims at most this often.
+# sessions held, one malloc_trim returned 18 KiB per session. A tunnel that starts relaying trims
+# when the last trim is this old, so a burst is trimmed while it sets up (a trim of a 120 MiB heap
+# took 36 ms, without the GIL); a steady trickle of sessions trims at most this often.
 TUNNEL_TRIM_EVERY_S = 1.0
 # How long stop() waits for each thread it started before naming it as left behind.
 STOP_JOIN_S = 5.0
 # Worker threads (client connections being served) at most. An open WebSocket tunnel holds none (the
 # relay thread pumps them all) and a keep-alive HTTP connection holds one, so this caps connections
-# served at once, not open sessions. At the cap a new connection is answered 503
-# `X-Proxy-Error: proxy-busy` with `Retry-After` instead of queueing behind connections that may last hours.
+# served at once, not open sessions. At the cap a new connection is answered 503 `X-Proxy-Error:
+# proxy-busy` with `Retry-After` instead of queueing behind connections that may last hours.
 MAX_WORKERS = 16384
 # A parked worker that got no work for this long ends. Long enough that a trainer's next batch of
 # sessions (seconds to a minute apart) finds the threads the previous one left; short enough that a
@@ -127,20 +137,20 @@ WORKER_IDLE_S = 60.0
 WORKER_STACK_BYTES = 256 * 1024
 # Seconds a client is asked to wait (Retry-After) when the proxy is at MAX_WORKERS.
 BUSY_RETRY_AFTER_S = 1
-# At the thread cap every new connection is refused, possibly thousands a second: at most one WARNING
-# per this many seconds, carrying the count of refusals since the previous one, says it all.
+# At the thread cap every new connection is refused, possibly thousands a second: at most one
+# WARNING per this many seconds, carrying the count of refusals since the previous one, says it all.
 BUSY_WARNING_EVERY_S = 10.0
-# `python proxy.py` only (its own process, nothing else to be fair to): how long a thread may hold the
-# GIL before another runnable one gets it. The default 5 ms makes thousands of tunnel threads hand the
-# GIL round in a futex-and-context-switch storm when sessions step together; 0.1 s cut a lockstep
-# 4,096-session p99 from 67.8 s to 11.6 s. The library never changes it: the setting is process-wide
-# and a trainer's own threads need the default.
+# `python proxy.py` only (its own process, nothing else to be fair to): how long a thread may hold
+# the GIL before another runnable one gets it. The default 5 ms makes thousands of tunnel threads
+# hand the GIL round in a futex-and-context-switch storm when sessions step together; 0.1 s cut a
+# lockstep 4,096-session p99 from 67.8 s to 11.6 s. The library never changes it: the setting is
+# process-wide and a trainer's own threads need the default.
 CLI_SWITCH_INTERVAL_S = 0.1
 # A Python socket with a timeout polls before every recv and send: two system calls (and two GIL
-# hand-offs) where one would do. On Linux the client connections and pooled plain upstream connections
-# are blocking sockets whose timeouts the kernel enforces (SO_RCVTIMEO/SO_SNDTIMEO): one call each,
-# about four fewer per forwarded request (benchmarks/RESULTS.md). Elsewhere (timeval layouts differ)
-# Python's own timeouts are used.
+# hand-offs) where one would do. On Linux the client connections and pooled plain upstream
+# connections are blocking sockets whose timeouts the kernel enforces (SO_RCVTIMEO/SO_SNDTIMEO): one
+# call each, about four fewer per forwarded request (benchmarks/RESULTS.md). Elsewhere (timeval
+# layouts differ) Python's own timeouts are used.
 KERNEL_TIMEOUTS = sys.platform.startswith("linux")
 
 # HTTP on a replica route: OpenEnv's /reset, /step and /state keep one environment per server, so a
@@ -149,42 +159,50 @@ KERNEL_TIMEOUTS = sys.platform.startswith("linux")
 # so they may go to any live replica; everything else is refused unless the route was mounted with
 # http="any".
 STATELESS_HTTP_PATHS = frozenset(["/health", "/metadata", "/schema"])
-# Answers to a WebSocket upgrade that mean "this replica is down" (the HF jobs proxy answers these when
-# the job is gone or not listening): the upgrade never reached the environment, so it is safe to retry.
+# Answers to a WebSocket upgrade that mean "this replica is down" (the HF jobs proxy answers these
+# when the job is gone or not listening): the upgrade never reached the environment, so it is safe
+# to retry.
 REPLICA_DOWN_STATUSES = frozenset([502, 503, 504])
-# A session whose upgrade fails on one replica is retried on one other replica, no more: a failure on
-# two replicas in a row usually means the request (or the image) is at fault, not one job.
+# A session whose upgrade fails on one replica is retried on one other replica, no more: a failure
+# on two replicas in a row usually means the request (or the image) is at fault, not one job.
 REPLICA_ATTEMPTS = 2
 
 # RFC 9110 section 7.6.1 hop-by-hop headers (plus the legacy Proxy-Connection). `Expect` is answered
 # by the proxy itself, and `Authorization`/`Host` are always replaced, so they never pass through.
 HOP_BY_HOP = frozenset(
-    ["connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization", "te",
+    ["connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization",
+     "te",
      "trailer", "transfer-encoding", "upgrade"]
 )
 REPLACED_REQUEST_HEADERS = frozenset(["authorization", "host", "expect", "content-length"])
-# Methods whose repetition has no extra effect (RFC 9110 section 9.2.2): safe to retry once on a fresh
-# connection when a pooled connection died before answering.
+# Methods whose repetition has no extra effect (RFC 9110 section 9.2.2): safe to retry once on a
+# fresh connection when a pooled connection died before answering.
 IDEMPOTENT_METHODS = frozenset(["GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"])
 # RFC 9110 token characters: a method is exactly one token.
 _TOKEN_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 _OBS_FOLD_RE = re.compile(r"\r?\n[ \t]+")
 # Request targets: visible ASCII only (anything else must be percent-encoded by the client).
 _BAD_TARGET_CHAR_RE = re.compile(r"[^\x21-\x7e]")
-# Header values: no control characters except tab (CR/LF only appear in obs-folds, normalised later).
+# Header values: no control characters except tab (CR/LF only appear in obs-folds, normalised
+# later).
 _BAD_VALUE_CHAR_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 _VERSION_RE = re.compile(r"^HTTP/[0-9]\.[0-9]$")
 _STATUS_LINE_RE = re.compile(rb"^HTTP/1\.[01] (\d{3})(?: |\r?$)")
 _RESPONSE_LINE_RE = re.compile(r"^HTTP/1\.([01]) ([0-9]{3})(?: (.*))?$")
 # One response header line: a token name, a colon, the value after its leading blanks (trailing ones
 # are relayed as sent: http.client keeps them) with no control character but tab, CRLF or LF.
-_RESPONSE_FIELD_RE = re.compile(r"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*([^\x00-\x08\x0a-\x1f\x7f]*)\r?\n")
+_RESPONSE_FIELD_RE = re.compile(
+    r"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*([^\x00-\x08\x0a-\x1f\x7f]*)\r?\n")
 # A request line: three parts, one space apart (the target and method are checked when dispatched).
 _REQUEST_LINE_RE = re.compile(r"([^ ]*) ([^ ]*) (HTTP/1\.[0-9])")
-# One request header line, as the strict reading takes it: a token name, a colon, the value without the
-# blanks around it, then the line's end (CRs before the LF dropped). A value may hold any character but
-# LF here; control characters in it are refused when the request is dispatched (_header_refusal).
+# One request header line, as the strict reading takes it: a token name, a colon, the value without
+# the blanks around it, then the line's end (CRs before the LF dropped). A value may hold any
+# character but LF here; control characters in it are refused when the request is dispatched
+# (_header_refusal).
 _HEADER_LINE_RE = re.compile(r"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*(.*?)[ \t]*\r*\n")
+
+# recv() flags that look at the next byte without taking it or waiting for it.
+_PEEK_NOW = socket.MSG_PEEK | getattr(socket, "MSG_DONTWAIT", 0)
 
 Token = Union[str, Callable[[], str], None]
 Verify = Union[bool, str]
@@ -200,21 +218,24 @@ HTTP_MODES = ("refuse", "any")
 
 
 class InsecureURLError(ValueError):
-    """Raised by `mount` for an upstream that would carry the token in clear text off this machine."""
+    """Raised by `mount` for an upstream that would carry the token in clear text off this
+    machine."""
 
 
 class Refusal(NamedTuple):
     """A request the proxy answers itself instead of forwarding (sent as JSON with `X-Proxy-Error`).
 
-    `proxy_error=False` leaves out the `X-Proxy-Error` header, for a subclass that must answer like the
-    server it stands in for (the HF Jobs emulator's 401 looks like the real `*.hf.jobs` one)."""
+    `proxy_error=False` leaves out the `X-Proxy-Error` header, for a subclass that must answer like
+    the server it stands in for (the HF Jobs emulator's 401 looks like the real `*.hf.jobs` one)."""
 
     status: int  # e.g. 401, 404
     kind: str  # short machine word, e.g. "unauthorized", "unknown-route"
     message: str  # human sentence, goes in the JSON body
     headers: Tuple[Tuple[str, str], ...] = ()  # e.g. (("WWW-Authenticate", "Bearer"),)
-    proxy_error: bool = True  # send `X-Proxy-Error: <kind>` (False: look like the upstream's own answer)
-    body: Optional[Dict[str, object]] = None  # extra JSON fields for the body, e.g. which replicas failed
+    # send `X-Proxy-Error: <kind>` (False: look like the upstream's own answer)
+    proxy_error: bool = True
+    # extra JSON fields for the body, e.g. which replicas failed
+    body: Optional[Dict[str, object]] = None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -223,29 +244,33 @@ class Refusal(NamedTuple):
 
 
 class Route:
-    """One mounted upstream: where to forward, which token to inject (None = inject nothing), TLS verify,
-    and extra request headers (`headers`: a mapping or a zero-argument callable, read per request).
+    """One mounted upstream: where to forward, which token to inject (None = inject nothing), TLS
+    verify, and extra request headers (`headers`: a mapping or a zero-argument callable, read per
+    request).
 
-    Keep-alive upstream connections live in a pool per upstream host (scheme, host, port, verify) that
-    every route of one `AuthProxy` to that host shares (many sandboxes behind one host job: one TLS
-    handshake per connection, not per sandbox). A route owns its in-flight requests and its open
-    WebSocket tunnels, so closing it (`AuthProxy.unmount`) ends everything that talks through it; the
-    host's idle connections close with the last route that uses them.
+    Keep-alive upstream connections live in a pool per upstream host (scheme, host, port, verify)
+    that every route of one `AuthProxy` to that host shares (many sandboxes behind one host job: one
+    TLS handshake per connection, not per sandbox). A route owns its in-flight requests and its open
+    WebSocket tunnels, so closing it (`AuthProxy.unmount`) ends everything that talks through it;
+    the host's idle connections close with the last route that uses them.
     """
 
-    def __init__(self, upstream: str, token: Token, verify: Verify = True, headers: ExtraHeaders = None,
+    def __init__(self, upstream: str, token: Token, verify: Verify = True,
+                 headers: ExtraHeaders = None,
                  host_pools: Optional["_HostPools"] = None) -> None:
         _raise_if_rejected(_upstream_rejection(upstream))
         parts = urllib.parse.urlsplit(upstream)
         if parts.scheme.lower() == "http" and not _is_loopback_host(parts.hostname or ""):
             raise InsecureURLError(
-                "refusing cleartext upstream %s://%s: the token would cross the network unencrypted; use "
-                "https:// (http:// is only allowed for loopback hosts)" % (parts.scheme, parts.netloc))
+                "refusing cleartext upstream %s://%s: the token would cross the network "
+                "unencrypted; use https:// (http:// is only allowed for loopback "
+                "hosts)" % (parts.scheme, parts.netloc))
         _raise_if_rejected(_token_rejection(token) or _verify_rejection(verify)
                            or _extra_headers_rejection(headers, token is not None))
         self.upstream: str = upstream
         self.token: Token = token
-        self._checked_token: Optional[str] = token if isinstance(token, str) else None  # validated above
+        # A string token is validated above: current_token() returns it without another check.
+        self._checked_token: Optional[str] = token if isinstance(token, str) else None
         self.verify: Verify = verify
         self.scheme: str = parts.scheme.lower()
         self.host: str = parts.hostname or ""
@@ -257,20 +282,23 @@ class Route:
         self._ip_family: Optional[int] = _ip_literal_family(self.host)
         default_port = 443 if self.scheme == "https" else 80
         host_for_header = "[%s]" % self.host if ":" in self.host else self.host
-        self.host_header: str = host_for_header if self.port == default_port else "%s:%d" % (host_for_header, self.port)
+        self.host_header: str = (host_for_header if self.port == default_port
+                                 else "%s:%d" % (host_for_header, self.port))
         self.label: str = "%s://%s" % (self.scheme, self.host_header)
         self.headers: ExtraHeaders = headers  # never logged or shown: it may hold credentials
         self._fixed_headers: Tuple[Tuple[str, str], ...] = (
             () if headers is None or callable(headers) else tuple(headers.items()))
-        # The last extra headers as clean-head lines (see _clean_request_lines): (headers, the pattern of
-        # the client lines they replace, their lines).
-        self._extra_lines: Optional[Tuple[Tuple[Tuple[str, str], ...], "re.Pattern[str]", str]] = None
+        # The last extra headers as clean-head lines (see _clean_request_lines): (headers, the
+        # pattern of the client lines they replace, their lines).
+        self._extra_lines: Optional[Tuple[Tuple[Tuple[str, str], ...], "re.Pattern[str]",
+                                          str]] = None
         self._lock = threading.Lock()  # tunnels and failure runs; never the pool
         # The host's pool (shared with the proxy's other routes to this host, or this route's own),
         # whose idle keep-alive connections (newest on the right) this route uses, and this route's
         # connections in flight, so close() can abort a request that is still streaming. Lock-free:
         # see _checkout.
-        self._pool: _HostPool = (host_pools or _HostPools()).acquire((self.scheme, self.host, self.port, verify))
+        key = (self.scheme, self.host, self.port, verify)
+        self._pool: _HostPool = (host_pools or _HostPools()).acquire(key)
         self._idle: "collections.deque[_UpstreamConnection]" = self._pool.idle
         self._active: Set[_UpstreamConnection] = set()
         self._tunnels: Set[_Tunnel] = set()
@@ -282,39 +310,46 @@ class Route:
 
     def __repr__(self) -> str:
         verify = self.verify if isinstance(self.verify, bool) else "<ca bundle>"
-        return "Route(%s, token=%s, verify=%s%s)" % (self.label, "set" if self.token is not None else "None", verify,
+        return "Route(%s, token=%s, verify=%s%s)" % (self.label,
+                                                     "set" if self.token is not None else "None",
+                                         verify,
                                                     "" if self.headers is None else ", headers=set")
 
     def current_token(self) -> Optional[str]:
-        """The token to inject now: the string, or the callable's answer (read per request for rotation)."""
+        """The token to inject now: the string, or the callable's answer (read per request for
+        rotation)."""
         token = self.token
-        if token is None or token is self._checked_token:  # a fixed token, checked once: no work per request
+        # a fixed token, checked once: no work per request
+        if token is None or token is self._checked_token:
             return token
         fixed = not callable(token)
         if not fixed:
             token = token()  # type: ignore[operator]
         if token is not None and _token_rejection(token):
-            raise ValueError("the token %s is not a usable token string" % ("set on the route" if fixed else
-                                                                            "callable returned something that"))
+            raise ValueError("the token %s is not a usable token string" % (
+                "set on the route" if fixed else "callable returned something that"))
         if fixed:
             self._checked_token = token  # type: ignore[assignment]  # (assigned after mount)
         return token  # type: ignore[return-value]
 
     def current_headers(self) -> Tuple[Tuple[str, str], ...]:
-        """The extra headers to send now: the mapping's, or the callable's answer (read per request)."""
+        """The extra headers to send now: the mapping's, or the callable's answer (read per
+        request)."""
         headers = self.headers
         if not callable(headers):
             return self._fixed_headers
         answer = headers()
-        reason = ("the headers callable returned %s, not a mapping" % type(answer).__name__
-                  if not isinstance(answer, Mapping) else _extra_headers_rejection(answer, self.token is not None))
+        if not isinstance(answer, Mapping):
+            reason = "the headers callable returned %s, not a mapping" % type(answer).__name__
+        else:
+            reason = _extra_headers_rejection(answer, self.token is not None)
         if reason:
             raise ValueError(reason)
         return tuple(answer.items())
 
     def note_failure(self, kind: str) -> bool:
-        """Record an upstream failure of `kind`; True when it starts a run (worth a WARNING), False for
-        a repeat of the failure already reported."""
+        """Record an upstream failure of `kind`; True when it starts a run (worth a WARNING), False
+        for a repeat of the failure already reported."""
         with self._lock:
             news = kind != self._failing_kind
             self._failing_kind = kind
@@ -329,11 +364,12 @@ class Route:
             kind, count = self._failing_kind, self._failures_in_run
             self._failing_kind, self._failures_in_run = None, 0
         if kind is not None:
-            log.info("proxy: %s answering again after %d failed attempt(s) (%s)", self.label, count, kind)
+            log.info("proxy: %s answering again after %d failed attempt(s) (%s)", self.label,
+                     count, kind)
 
     def close(self) -> List[str]:
-        """Abort this route's in-flight requests and tunnels, close the host's pooled connections if no
-        other route uses them; return what could not be closed. Safe to call twice."""
+        """Abort this route's in-flight requests and tunnels, close the host's pooled connections if
+        no other route uses them; return what could not be closed. Safe to call twice."""
         with self._lock:
             was_closed, self._closed = self._closed, True
             tunnels = list(self._tunnels)
@@ -351,7 +387,8 @@ class Route:
         return problems
 
     def tls_context(self) -> ssl.SSLContext:
-        """The TLS context for this upstream, honouring `verify` like requests (bool or CA bundle path)."""
+        """The TLS context for this upstream, honouring `verify` like requests (bool or CA bundle
+        path)."""
         return self._pool.tls_context(self.verify)
 
 
@@ -372,13 +409,15 @@ class Route:
                 conn = self._idle.pop()  # the most recently used: the least likely to be stale
             except IndexError:
                 break
-            # Reusable: no stray bytes read or readable (an idle keep-alive connection that is readable was closed).
+            # Reusable: no stray bytes read or readable (an idle keep-alive connection that is
+            # readable was closed).
             if conn.since >= cutoff and conn.looks_idle():
                 self._register(conn)
                 return conn, True
             conn.close()
         sock = self._connect(proxy.connect_timeout_s)
-        slice_s = min(ANSWER_WATCH_S, proxy.read_timeout_s)  # reads wait in slices (see _UpstreamConnection)
+        slice_s = min(ANSWER_WATCH_S,
+                      proxy.read_timeout_s)  # reads wait in slices (see _UpstreamConnection)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.scheme == "https":  # handshakes now, within the connect timeout
@@ -404,7 +443,8 @@ class Route:
         """Return a connection after its response was fully read (reusable) or close it."""
         self._active.discard(conn)
         pool, idle = self._pool, self._idle
-        # A closed route's finished connection still serves the host's other routes: only the pool's end closes it.
+        # A closed route's finished connection still serves the host's other routes: only the pool's
+        # end closes it.
         if not reusable or pool.closed or len(idle) >= POOL_MAX_IDLE:
             conn.close()
             return
@@ -420,7 +460,8 @@ class Route:
                 idle.append(old)
                 break
             old.close()
-        if pool.closed:  # the pool's last route closed while we appended: it may have missed this one
+        # the pool's last route closed while we appended: it may have missed this one
+        if pool.closed:
             for late in self._drain_idle():
                 late.close()
 
@@ -433,7 +474,8 @@ class Route:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.scheme == "https":
-                sock = self.tls_context().wrap_socket(sock, server_hostname=self.host)  # handshakes now
+                sock = self.tls_context().wrap_socket(sock,
+                                                      server_hostname=self.host)  # handshakes now
             sock.settimeout(proxy.read_timeout_s)
             return _Stream(sock)
         except BaseException:
@@ -441,7 +483,8 @@ class Route:
             raise
 
     def _connect(self, timeout: float) -> socket.socket:
-        """A connected TCP socket to the upstream (with `timeout` set), like socket.create_connection."""
+        """A connected TCP socket to the upstream (with `timeout` set), like
+        socket.create_connection."""
         if self._ip_family is None:
             return socket.create_connection((self.host, self.port), timeout=timeout)
         sock = socket.socket(self._ip_family, socket.SOCK_STREAM)
@@ -466,8 +509,9 @@ class Route:
 
 
 class _HostPool:
-    """The idle keep-alive connections to one upstream host and its TLS context, shared by the routes
-    that use it (`users`); closed, with its idle connections, when the last of them closes."""
+    """The idle keep-alive connections to one upstream host and its TLS context, shared by the
+    routes that use it (`users`); closed, with its idle connections, when the last of them
+    closes."""
 
     def __init__(self, key: Tuple[str, str, int, Verify]) -> None:
         self.key = key
@@ -483,7 +527,8 @@ class _HostPool:
         if context is None:
             with self._tls_lock:
                 if self._tls_context is None:
-                    self._tls_context = _shared_tls_context(verify)  # one per verify for the whole process
+                    # one per verify for the whole process
+                    self._tls_context = _shared_tls_context(verify)
                 context = self._tls_context
         return context
 
@@ -494,7 +539,8 @@ class _HostPool:
 
 
 class _HostPools:
-    """The host pools of one `AuthProxy` (or of one stand-alone route), by (scheme, host, port, verify)."""
+    """The host pools of one `AuthProxy` (or of one stand-alone route), by (scheme, host, port,
+    verify)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -514,7 +560,8 @@ class _HostPools:
             pool.users -= 1
             if pool.users > 0:
                 return []
-            pool.closed = True  # set before draining: a late check-in sees it and closes its connection
+            # set before draining: a late check-in sees it and closes its connection
+            pool.closed = True
             if self._pools.get(pool.key) is pool:
                 del self._pools[pool.key]
         return _drain(pool.idle)
@@ -545,7 +592,8 @@ class ReplicaRoute:
 
     base_path = ""  # each replica's own base path is added when a request is sent to it
 
-    def __init__(self, upstreams: Sequence[str], token: Token, verify: Verify = True, http: str = "refuse") -> None:
+    def __init__(self, upstreams: Sequence[str], token: Token, verify: Verify = True,
+                 http: str = "refuse") -> None:
         _raise_if_rejected(_replicas_rejection(upstreams) or _http_mode_rejection(http))
         self.token: Token = token
         self.verify: Verify = verify
@@ -567,16 +615,18 @@ class ReplicaRoute:
             live, total, "set" if self.token is not None else "None", self.http)
 
     def current_token(self) -> Optional[str]:
-        """The token to inject now (the string, or the callable's answer), shared by every replica."""
+        """The token to inject now (the string, or the callable's answer), shared by every
+        replica."""
         token = self.token() if callable(self.token) else self.token
         if token is not None and _token_rejection(token):
-            raise ValueError("the token callable returned something that is not a usable token string")
+            raise ValueError("the token callable returned something that is not a usable token "
+                             "string")
         return token
 
     def status(self) -> List[Dict[str, object]]:
-        """One dict per replica, in mount order: `upstream` (the URL as mounted; it holds no secret),
-        `open_sessions` (WebSocket sessions open or being opened), `healthy`, `reason` (why it was
-        taken out of rotation, else None)."""
+        """One dict per replica, in mount order: `upstream` (the URL as mounted; it holds no
+        secret), `open_sessions` (WebSocket sessions open or being opened), `healthy`, `reason` (why
+        it was taken out of rotation, else None)."""
         with self._lock:
             return [{"upstream": r.upstream, "open_sessions": r.open_sessions, "healthy": r.healthy,
                      "reason": r.reason} for r in self._replicas]
@@ -635,16 +685,18 @@ class ReplicaRoute:
         return replica
 
     def _set_label(self, label: str) -> None:
-        """Name the route in logs (e.g. "route-3"); replicas are logged as "<label> replica-<n> (<host>)"."""
+        """Name the route in logs (e.g. "route-3"); replicas are logged as "<label> replica-<n>
+        (<host>)"."""
         with self._lock:
             self.label = label
             for replica in self._replicas:
                 replica.set_label(label)
 
-    def _acquire(self, exclude: Sequence["_Replica"] = (), reserve: bool = True) -> Optional["_Replica"]:
-        """The live replica with the fewest open sessions (ties: round robin), skipping `exclude`, with
-        a session slot reserved on it (released by `_release`) unless `reserve` is False (HTTP);
-        None when no live replica is left."""
+    def _acquire(self, exclude: Sequence["_Replica"] = (),
+                 reserve: bool = True) -> Optional["_Replica"]:
+        """The live replica with the fewest open sessions (ties: round robin), skipping `exclude`,
+        with a session slot reserved on it (released by `_release`) unless `reserve` is False
+        (HTTP); None when no live replica is left."""
         with self._lock:
             candidates = [(r.open_sessions, (i - self._next) % len(self._replicas), i, r)
                           for i, r in enumerate(self._replicas) if r.healthy and r not in exclude]
@@ -668,7 +720,8 @@ class ReplicaRoute:
 
     def _failure_summary(self) -> Tuple[int, List[Dict[str, object]]]:
         with self._lock:
-            failed = [{"replica": r.number, "reason": r.reason} for r in self._replicas if not r.healthy]
+            failed = [{"replica": r.number,
+                       "reason": r.reason} for r in self._replicas if not r.healthy]
             return len(self._replicas), failed
 
 
@@ -687,7 +740,8 @@ class _Replica:
         self.reason: Optional[str] = None
 
     def set_label(self, route_label: str) -> None:
-        self.label = self.route.label = "%s replica-%d (%s)" % (route_label, self.number, self.where)
+        label = "%s replica-%d (%s)" % (route_label, self.number, self.where)
+        self.label = self.route.label = label
 
 
 AnyRoute = Union[Route, ReplicaRoute]
@@ -696,9 +750,9 @@ AnyRoute = Union[Route, ReplicaRoute]
 class AuthProxy:
     """A loopback HTTP + WebSocket auth proxy: one listener, many routes, threads only.
 
-    Use as a context manager, or `start()` / `stop()`. `mount(upstream, token)` returns the base URL a
-    client should use in place of the upstream's URL. Subclasses may override `route_request` to map
-    request targets to routes their own way (the HF Jobs emulator's token gate does).
+    Use as a context manager, or `start()` / `stop()`. `mount(upstream, token)` returns the base URL
+    a client should use in place of the upstream's URL. Subclasses may override `route_request` to
+    map request targets to routes their own way (the HF Jobs emulator's token gate does).
     """
 
     def __init__(
@@ -711,12 +765,15 @@ class AuthProxy:
         idle_timeout_s: float = CLIENT_IDLE_TIMEOUT_S,
         header_timeout_s: float = HEADER_TIMEOUT_S,
     ) -> None:
-        for name, value in (("connect_timeout_s", connect_timeout_s), ("read_timeout_s", read_timeout_s),
-                            ("idle_timeout_s", idle_timeout_s), ("header_timeout_s", header_timeout_s)):
+        for name, value in (("connect_timeout_s", connect_timeout_s),
+                            ("read_timeout_s", read_timeout_s),
+                            ("idle_timeout_s", idle_timeout_s),
+                            ("header_timeout_s", header_timeout_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError("%s must be a positive number of seconds, got %r" % (name, value))
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-            raise ValueError("port must be an integer from 0 to 65535 (0 picks a free port), got %r" % (port,))
+            raise ValueError("port must be an integer from 0 to 65535 (0 picks a free port), got "
+                             "%r" % (port,))
         if not isinstance(host, str) or not host:
             raise ValueError("host must be an address to bind, e.g. '127.0.0.1', got %r" % (host,))
         self.host = host
@@ -727,7 +784,8 @@ class AuthProxy:
         self._requested_port = port
         self._lock = threading.Lock()
         self._routes: Dict[str, AnyRoute] = {}
-        self._host_pools = _HostPools()  # keep-alive connections per upstream host, shared by its routes
+        # keep-alive connections per upstream host, shared by its routes
+        self._host_pools = _HostPools()
         self._seen_routes: "weakref.WeakSet[AnyRoute]" = weakref.WeakSet()
         self._route_count = 0
         self._server: Optional[_Server] = None
@@ -737,11 +795,12 @@ class AuthProxy:
     @classmethod
     def spawn(cls, host: str = "127.0.0.1", port: int = 0, *, processes: int = 1,
               **timeouts: float) -> "proxy_host.AuthProxyProcess":
-        """Serve an AuthProxy from a child process (same arguments as the constructor) and return its
-        started handle, an `AuthProxyProcess` with the routes API (module `proxy_host`, loaded now); the
-        relaying then costs this process's GIL nothing. Tokens reach the child over a private channel
-        only; the child ends with this process. `processes=N` (Linux) starts N children sharing one port
-        (SO_REUSEPORT), every route mounted in each, so the kernel spreads connections over N cores."""
+        """Serve an AuthProxy from a child process (same arguments as the constructor) and return
+        its started handle, an `AuthProxyProcess` with the routes API (module `proxy_host`, loaded
+        now); the relaying then costs this process's GIL nothing. Tokens reach the child over a
+        private channel only; the child ends with this process. `processes=N` (Linux) starts N
+        children sharing one port (SO_REUSEPORT), every route mounted in each, so the kernel spreads
+        connections over N cores."""
         return _layer("proxy_host").spawn(cls, host, port, processes=processes, **timeouts)
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -754,14 +813,17 @@ class AuthProxy:
             if self._server is not None:
                 return self
             if not _is_loopback_host(self.host):
-                log.warning("proxy binding non-loopback address %s: anyone who can reach it and learns a "
-                            "route URL can use that route's token", self.host)
+                log.warning("proxy binding non-loopback address %s: anyone who can reach it and "
+                            "learns a route URL can use that route's token", self.host)
             try:
                 self._server = self._new_server()
             except OSError as exc:
-                raise OSError(exc.errno, "AuthProxy cannot listen on %s:%d (%s); pick another port, or 0 for a "
-                                         "free one" % (self.host, self._requested_port, exc.strerror or exc)) from None
-            self._serve_thread = threading.Thread(target=self._server.serve_until_woken, name="proxy-listener",
+                raise OSError(exc.errno, "AuthProxy cannot listen on %s:%d (%s); pick another "
+                                         "port, or 0 for a free "
+                                         "one" % (self.host, self._requested_port,
+                                                       exc.strerror or exc)) from None
+            self._serve_thread = threading.Thread(target=self._server.serve_until_woken,
+                                                  name="proxy-listener",
                                                   daemon=True)
             _start_thread(self._serve_thread)
         log.info("proxy listening on %s", self.url)
@@ -772,8 +834,9 @@ class AuthProxy:
         return _Server(self)
 
     def stop(self) -> None:
-        """Stop serving: close the listener, every client connection, upstream connection and tunnel,
-        and join every thread the proxy started. Never raises; logs what it could not clean up."""
+        """Stop serving: close the listener, every client connection, upstream connection and
+        tunnel, and join every thread the proxy started. Never raises; logs what it could not clean
+        up."""
         with self._lock:
             if self._stopping:
                 return
@@ -787,7 +850,8 @@ class AuthProxy:
         leftovers: List[str] = []
         server.wake()
         if serve_thread is not None:
-            serve_thread.join(STOP_JOIN_S)  # the loop must be out of select() before its sockets close
+            # the loop must be out of select() before its sockets close
+            serve_thread.join(STOP_JOIN_S)
         try:
             server.server_close()
         except OSError as exc:  # pragma: no cover
@@ -817,7 +881,8 @@ class AuthProxy:
 
     def __repr__(self) -> str:
         state = "stopped" if self._stopping else ("serving" if self._server else "not started")
-        return "AuthProxy(%s, %d routes, %s)" % (self.url if self._server else self.host, len(self._routes), state)
+        return "AuthProxy(%s, %d routes, %s)" % (self.url if self._server else self.host,
+                                                 len(self._routes), state)
 
     @property
     def port(self) -> int:
@@ -832,19 +897,22 @@ class AuthProxy:
 
     # -- routes ------------------------------------------------------------------------------------
 
-    def mount(self, upstream: str, token: Token, *, verify: Verify = True, headers: ExtraHeaders = None) -> str:
+    def mount(self, upstream: str, token: Token, *, verify: Verify = True,
+              headers: ExtraHeaders = None) -> str:
         """Forward `<base_url>/<rest>` to `<upstream>/<rest>` with `Authorization: Bearer <token>`.
 
-        `token` is a string or a zero-argument callable read at each request. The upstream may carry a
-        path prefix (`https://host/v1/x/proxy/8000`: `<base_url>/a?q` goes to `/v1/x/proxy/8000/a?q`).
-        `headers` (a mapping, or a zero-argument callable returning one, read at each request) are
-        added to every request and WebSocket upgrade, replacing any the client sent with the same
-        names; their values are never logged or shown. Routes to the same upstream host (scheme, host,
-        port, verify) share its keep-alive connections. Returns the base URL
-        (`http://127.0.0.1:<port>/<route-id>`); the route id is unguessable (192 random bits).
+        `token` is a string or a zero-argument callable read at each request. The upstream may carry
+        a path prefix (`https://host/v1/x/proxy/8000`: `<base_url>/a?q` goes to
+        `/v1/x/proxy/8000/a?q`). `headers` (a mapping, or a zero-argument callable returning one,
+        read at each request) are added to every request and WebSocket upgrade, replacing any the
+        client sent with the same names; their values are never logged or shown. Routes to the same
+        upstream host (scheme, host, port, verify) share its keep-alive connections. Returns the
+        base URL (`http://127.0.0.1:<port>/<route-id>`); the route id is unguessable (192 random
+        bits).
         """
         if self._server is None or self._stopping:
-            raise RuntimeError("AuthProxy is not serving: call start() (or use it as a context manager) before mount()")
+            raise RuntimeError("AuthProxy is not serving: call start() (or use it as a context "
+                               "manager) before mount()")
         route = Route(upstream, token, verify, headers, self._host_pools)
         with self._lock:
             self._route_count += 1
@@ -856,20 +924,22 @@ class AuthProxy:
 
     def mount_replicas(self, upstreams: Sequence[str], token: Token, *, verify: Verify = True,
                        http: str = "refuse") -> str:
-        """Mount one route in front of several upstreams running the same server; returns its base URL.
+        """Mount one route in front of several upstreams running the same server; returns its base
+        URL.
 
         Every upstream gets the same `token` (string or callable) and `verify`. Each new WebSocket
-        session goes to the live replica with the fewest open sessions; a replica whose upgrade fails
-        is taken out of rotation (see `replica_status`) and the session retried once on another; with
-        no live replica left the client gets 502 `X-Proxy-Error: no-live-replica`. HTTP: `GET`/`HEAD`
-        of /health, /metadata and /schema go to a live replica; anything else is answered 409
-        `X-Proxy-Error: replicated-http-refused`, because OpenEnv's HTTP /reset and /step keep state
-        per server and cannot be pinned to one replica. `http="any"` forwards every HTTP request to a
-        live replica, for servers whose HTTP endpoints are stateless. `unmount` closes it like any route.
+        session goes to the live replica with the fewest open sessions; a replica whose upgrade
+        fails is taken out of rotation (see `replica_status`) and the session retried once on
+        another; with no live replica left the client gets 502 `X-Proxy-Error: no-live-replica`.
+        HTTP: `GET`/`HEAD` of /health, /metadata and /schema go to a live replica; anything else is
+        answered 409 `X-Proxy-Error: replicated-http-refused`, because OpenEnv's HTTP /reset and
+        /step keep state per server and cannot be pinned to one replica. `http="any"` forwards every
+        HTTP request to a live replica, for servers whose HTTP endpoints are stateless. `unmount`
+        closes it like any route.
         """
         if self._server is None or self._stopping:
-            raise RuntimeError("AuthProxy is not serving: call start() (or use it as a context manager) "
-                               "before mount_replicas()")
+            raise RuntimeError("AuthProxy is not serving: call start() (or use it as a context "
+                               "manager) before mount_replicas()")
         replicas = ReplicaRoute(upstreams, token, verify, http)
         with self._lock:
             self._route_count += 1
@@ -881,7 +951,8 @@ class AuthProxy:
 
     def add_replica(self, base_url: str, upstream: str) -> bool:
         """Add `upstream` to the replica route at `base_url`, or put it back in rotation if it had
-        failed. Returns False if it was already live. Same token and verify as the route's others."""
+        failed. Returns False if it was already live. Same token and verify as the route's
+        others."""
         return self._replica_route(base_url).add(upstream)
 
     def remove_replica(self, base_url: str, upstream: str) -> bool:
@@ -890,8 +961,9 @@ class AuthProxy:
         return self._replica_route(base_url).remove(upstream)
 
     def replica_status(self, base_url: str) -> List[Dict[str, object]]:
-        """Per replica of the route at `base_url`, in mount order: `{"upstream": url, "open_sessions":
-        n, "healthy": bool, "reason": why it left rotation or None}`. No token, no route id."""
+        """Per replica of the route at `base_url`, in mount order: `{"upstream": url,
+        "open_sessions": n, "healthy": bool, "reason": why it left rotation or None}`. No token, no
+        route id."""
         return self._replica_route(base_url).status()
 
     def _replica_route(self, base_url: str) -> ReplicaRoute:
@@ -900,36 +972,43 @@ class AuthProxy:
         if isinstance(route, ReplicaRoute):
             return route
         if route is None:
-            raise ValueError("no route is mounted at that base URL (unmounted, or not from this proxy); "
-                             "pass the exact URL mount_replicas() returned")
-        raise ValueError("the route at that base URL fronts a single upstream; replicas need a route made "
-                         "by mount_replicas()")
+            raise ValueError("no route is mounted at that base URL (unmounted, or not from this "
+                             "proxy); pass the exact URL mount_replicas() returned")
+        raise ValueError("the route at that base URL fronts a single upstream; replicas need a "
+                         "route made by mount_replicas()")
 
     def unmount(self, base_url: str) -> bool:
-        """Remove the route behind `base_url` (single or replica route) and close its connections and
-        tunnels. Returns False when no such route is mounted (already unmounted): safe to call twice."""
+        """Remove the route behind `base_url` (single or replica route) and close its connections
+        and tunnels. Returns False when no such route is mounted (already unmounted): safe to call
+        twice."""
         route_id = _route_id(base_url)
         with self._lock:
             route = self._routes.pop(route_id, None)
         if route is None:
             return False
         problems = route.close()
-        log.info("unmounted %s%s", route.label, (" (could not close: %s)" % ", ".join(problems)) if problems else "")
+        log.info("unmounted %s%s", route.label,
+                 (" (could not close: %s)" % ", ".join(problems)) if problems else "")
         return True
 
-    def route_request(self, target: str, headers: "_RequestHeaders") -> Union[Tuple[AnyRoute, str], Refusal]:
-        """Overridable hook: map an origin-form request target to (route, upstream target), or refuse it.
-        `headers` are the request's (`get`, `get_all`, `items`; a hook may set or delete fields).
+    def route_request(self, target: str,
+                      headers: "_RequestHeaders") -> Union[Tuple[AnyRoute, str], Refusal]:
+        """Overridable hook: map an origin-form request target to (route, upstream target), or
+        refuse it. `headers` are the request's (`get`, `get_all`, `items`; a hook may set or delete
+        fields).
 
-        Default: `/<route-id>/<rest>?q` -> (mounted route, `<upstream path>/<rest>?q`); unknown id -> 404.
-        For a `ReplicaRoute` the target is `/<rest>?q`: each replica's own path is added when sent.
+        Default: `/<route-id>/<rest>?q` -> (mounted route, `<upstream path>/<rest>?q`); unknown id
+        -> 404. For a `ReplicaRoute` the target is `/<rest>?q`: each replica's own path is added
+        when sent.
         """
         path, sep, query = target.partition("?")
-        route_id, _, rest = path.partition("/")[2].partition("/")  # "/<route-id>/<rest>" (route ids are never "")
+        # "/<route-id>/<rest>" (route ids are never "")
+        route_id, _, rest = path.partition("/")[2].partition("/")
         route = self._routes.get(route_id)
         if route is None:
             return Refusal(404, "unknown-route",
-                           "No route is mounted at this path; use the exact base URL AuthProxy.mount() returned.")
+                           "No route is mounted at this path; use the exact base URL "
+                           "AuthProxy.mount() returned.")
         return route, "%s/%s%s%s" % (route.base_path, rest, sep, query)
 
 
@@ -941,13 +1020,14 @@ class AuthProxy:
 # --------------------------------------------------------------------------------------------------
 # Shared with hf_sandbox_provider and hf_jobs_emulator: ONE copy of the loopback test, the token
 # discovery order and the HF Jobs facts. It lives here because this is the bottom module (standard
-# library only) that both of them import; keeping the Jobs facts out of hf_sandbox_provider means the
-# emulator, and every echo-server job process it spawns, never imports requests or the provider.
+# library only) that both of them import; keeping the Jobs facts out of hf_sandbox_provider means
+# the emulator, and every echo-server job process it spawns, never imports requests or the provider.
 # --------------------------------------------------------------------------------------------------
 
-# Hardware flavors HF Jobs accepts: a static copy of huggingface_hub 2.4's JobHardware (the Hub's live list is
-# `GET /api/jobs/hardware`). Spaces hardware such as h100 is not a Jobs flavor. The provider prefers the
-# installed huggingface_hub's enum and the live list; this copy serves huggingface_hub versions without Jobs.
+# Hardware flavors HF Jobs accepts: a static copy of huggingface_hub 2.4's JobHardware (the Hub's
+# live list is `GET /api/jobs/hardware`). Spaces hardware such as h100 is not a Jobs flavor. The
+# provider prefers the installed huggingface_hub's enum and the live list; this copy serves
+# huggingface_hub versions without Jobs.
 JOB_FLAVORS = frozenset(
     {
         "cpu-basic", "cpu-upgrade", "cpu-performance", "cpu-xl",
@@ -968,41 +1048,47 @@ JOB_TERMINAL_STAGES = ("COMPLETED", "CANCELED", "ERROR", "DELETED")
 TOKEN_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 
 
-# Signals a process receives to end (a scheduler's SIGTERM, Ctrl-C, a closed terminal). The kernel may hand
-# a process-directed signal to any thread that does not block it (Linux prefers the main thread, but not
-# when that one has a signal pending), while CPython runs Python handlers only in the main thread and a
-# blocking call there (a sleep, a join) is cut short only if the signal landed on that thread. Every thread
-# the library starts blocks these, so they always reach the main thread.
+# Signals a process receives to end (a scheduler's SIGTERM, Ctrl-C, a closed terminal). The kernel
+# may hand a process-directed signal to any thread that does not block it (Linux prefers the main
+# thread, but not when that one has a signal pending), while CPython runs Python handlers only in
+# the main thread and a blocking call there (a sleep, a join) is cut short only if the signal landed
+# on that thread. Every thread the library starts blocks these, so they always reach the main
+# thread.
 MAIN_THREAD_SIGNALS = frozenset(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
                                 if hasattr(signal, name))
-# Every other asynchronous signal (timers, children, terminals, users) is blocked in library threads too.
-# They have no use for one (CPython runs Python handlers only in the main thread), and one landing there
-# interrupts a blocking call: CPython retries a recv or send that a signal interrupted, and for a socket
-# whose timeout the kernel enforces (KERNEL_TIMEOUTS) the retry starts the whole timeout again, so a
-# signal every few seconds kept a stalled upstream or client from ever timing out (a SIGUSR1 every 20 ms:
-# no 504 in 15 s instead of one at 1.5 s). Left deliverable: the fault signals, which must reach the
-# thread that caused them, and the CPU-time profiling timers (SIGPROF, SIGVTALRM), which the kernel
-# sends only to a thread that is running, never to one waiting in a recv.
+# Every other asynchronous signal (timers, children, terminals, users) is blocked in library threads
+# too. They have no use for one (CPython runs Python handlers only in the main thread), and one
+# landing there interrupts a blocking call: CPython retries a recv or send that a signal
+# interrupted, and for a socket whose timeout the kernel enforces (KERNEL_TIMEOUTS) the retry starts
+# the whole timeout again, so a signal every few seconds kept a stalled upstream or client from ever
+# timing out (a SIGUSR1 every 20 ms: no 504 in 15 s instead of one at 1.5 s). Left deliverable: the
+# fault signals, which must reach the thread that caused them, and the CPU-time profiling timers
+# (SIGPROF, SIGVTALRM), which the kernel sends only to a thread that is running, never to one
+# waiting in a recv.
 LIBRARY_THREAD_BLOCKED_SIGNALS = MAIN_THREAD_SIGNALS | frozenset(
-    getattr(signal, name) for name in ("SIGALRM", "SIGUSR1", "SIGUSR2", "SIGCHLD", "SIGPIPE", "SIGQUIT",
-                                       "SIGWINCH", "SIGCONT", "SIGTSTP", "SIGTTIN", "SIGTTOU", "SIGURG", "SIGIO",
+    getattr(signal, name) for name in ("SIGALRM", "SIGUSR1", "SIGUSR2", "SIGCHLD", "SIGPIPE",
+                                       "SIGQUIT",
+                                       "SIGWINCH", "SIGCONT", "SIGTSTP", "SIGTTIN", "SIGTTOU",
+                                           "SIGURG", "SIGIO",
                                        "SIGPWR", "SIGXCPU", "SIGXFSZ") if hasattr(signal, name))
 
 
 def _layer(name: str) -> types.ModuleType:
-    """The optional module `name` beside this one (relative inside a package), imported on first use."""
+    """The optional module `name` beside this one (relative inside a package), imported on first
+    use."""
     try:
         return importlib.import_module(("." if __package__ else "") + name, __package__ or None)
     except ModuleNotFoundError as exc:
         if exc.name not in (name, "%s.%s" % (__package__, name)):
             raise
-        raise ImportError("this needs %s.py beside proxy.py: copy it too when vendoring" % name) from None
+        raise ImportError("this needs %s.py beside proxy.py: copy it too when "
+                          "vendoring" % name) from None
 
 
 def _start_thread(thread: threading.Thread) -> None:
     """Start a library thread with LIBRARY_THREAD_BLOCKED_SIGNALS blocked (a new thread inherits its
-    creator's signal mask, so the mask is set around the start and restored: a signal arriving meanwhile
-    waits, it is not lost)."""
+    creator's signal mask, so the mask is set around the start and restored: a signal arriving
+    meanwhile waits, it is not lost)."""
     if not hasattr(signal, "pthread_sigmask"):  # Windows: no per-thread signal masks
         thread.start()
         return
@@ -1015,7 +1101,8 @@ def _start_thread(thread: threading.Thread) -> None:
 
 def _is_loopback_host(host: Optional[str]) -> bool:
     """True for a host that names this machine: `localhost`, `*.localhost` (RFC 6761), a loopback IP
-    literal, with or without the `[...]` of an IPv6 URL host. The one rule for "may go in clear text"."""
+    literal, with or without the `[...]` of an IPv6 URL host. The one rule for "may go in clear
+    text"."""
     if not host:
         return False
     host = host.strip("[]").lower().rstrip(".")
@@ -1069,7 +1156,8 @@ def _route_id(base_url: object) -> str:
 
 def _replicas_rejection(upstreams: object) -> Optional[str]:
     if isinstance(upstreams, (str, bytes)) or not isinstance(upstreams, (list, tuple)):
-        return ("upstreams must be a list of job URLs like ['https://<job>--8000.hf.jobs', ...], got %s"
+        return ("upstreams must be a list of job URLs like ['https://<job>--8000.hf.jobs', ...], "
+                "got %s"
                 % type(upstreams).__name__)
     if not upstreams:
         return "upstreams is empty; pass at least one job URL (use mount() for a single job)"
@@ -1084,8 +1172,8 @@ def _replicas_rejection(upstreams: object) -> Optional[str]:
 
 def _http_mode_rejection(http_mode: object) -> Optional[str]:
     if http_mode not in HTTP_MODES:
-        return ("http must be 'refuse' (only GET /health, /metadata, /schema pass) or 'any' (every HTTP "
-                "request goes to some live replica), got %r" % (http_mode,))
+        return ("http must be 'refuse' (only GET /health, /metadata, /schema pass) or 'any' (every "
+                "HTTP request goes to some live replica), got %r" % (http_mode,))
     return None
 
 
@@ -1097,7 +1185,8 @@ def _raise_if_rejected(reason: Optional[str]) -> None:
 
 def _upstream_rejection(upstream: object) -> Optional[str]:
     if not isinstance(upstream, str) or not upstream:
-        return "upstream must be a URL string like 'https://<job>--8000.hf.jobs', got %r" % (type(upstream).__name__,)
+        return ("upstream must be a URL string like 'https://<job>--8000.hf.jobs', got "
+                "%r" % (type(upstream).__name__,))
     if any(c in upstream for c in "\r\n\t ") or any(ord(c) < 32 for c in upstream):
         return "upstream URL contains whitespace or control characters; pass the job URL exactly"
     try:
@@ -1106,7 +1195,8 @@ def _upstream_rejection(upstream: object) -> Optional[str]:
     except ValueError as exc:
         return "upstream URL is malformed (%s); pass e.g. 'https://<job>--8000.hf.jobs'" % exc
     if parts.scheme.lower() not in ("http", "https"):
-        return "upstream URL must start with https:// (or http:// for a loopback host), got scheme %r" % parts.scheme
+        return ("upstream URL must start with https:// (or http:// for a loopback host), got "
+                "scheme %r" % parts.scheme)
     if not parts.hostname:
         return "upstream URL has no host; pass e.g. 'https://<job>--8000.hf.jobs'"
     if parts.username is not None or parts.password is not None:
@@ -1122,33 +1212,40 @@ def _token_rejection(token: object) -> Optional[str]:
     if token is None or callable(token):
         return None
     if not isinstance(token, str):
-        return "token must be a string, a zero-argument callable returning one, or None; got %s" % type(token).__name__
+        return ("token must be a string, a zero-argument callable returning one, or None; got "
+                "%s" % type(token).__name__)
     if not token:
         return "token is empty; pass your HF token (or None to inject no Authorization header)"
-    if _BAD_TARGET_CHAR_RE.search(token):  # checked per request (tokens rotate): a regex, not a char loop
-        return "token contains whitespace, control or non-ASCII characters; pass the bare token without 'Bearer '"
+    # checked per request (tokens rotate): a regex, not a char loop
+    if _BAD_TARGET_CHAR_RE.search(token):
+        return ("token contains whitespace, control or non-ASCII characters; pass the bare token "
+                "without 'Bearer '")
     return None
 
 
 def _extra_headers_rejection(headers: object, with_token: bool) -> Optional[str]:
-    """Why a route's extra headers cannot be sent (names shown, values never: they may be credentials)."""
+    """Why a route's extra headers cannot be sent (names shown, values never: they may be
+    credentials)."""
     if headers is None or callable(headers):
         return None  # a callable's answer is checked at each request
     if not isinstance(headers, Mapping):
-        return ("headers must be a mapping of header names to values, a zero-argument callable returning one, "
-                "or None; got %s" % type(headers).__name__)
+        return ("headers must be a mapping of header names to values, a zero-argument callable "
+                "returning one, or None; got %s" % type(headers).__name__)
     for name, value in headers.items():
         if not isinstance(name, str) or not _TOKEN_RE.match(name):
             shown = name if isinstance(name, str) else type(name).__name__
             return "headers: %r is not a valid HTTP header name" % (shown,)
         low = name.lower()
         if low in PROXY_SET_HEADERS:
-            return "headers: %s is set by the proxy itself (framing, host or hop-by-hop); leave it out" % name
+            return ("headers: %s is set by the proxy itself (framing, host or hop-by-hop); leave "
+                    "it out" % name)
         if low == "authorization" and with_token:
-            return "headers: Authorization conflicts with the route's token; pass token=None to send your own"
+            return ("headers: Authorization conflicts with the route's token; pass token=None to "
+                    "send your own")
         if not isinstance(value, str) or not value.isascii() or "\r" in value or "\n" in value or \
                 _BAD_VALUE_CHAR_RE.search(value):
-            return "headers: the value of %s is not a string of printable ASCII (the value is not shown)" % name
+            return ("headers: the value of %s is not a string of printable ASCII (the value is not "
+                    "shown)" % name)
     return None
 
 
@@ -1157,26 +1254,31 @@ def _verify_rejection(verify: object) -> Optional[str]:
         return None
     if isinstance(verify, str):
         if not os.path.exists(verify):
-            return "verify=%r: no such CA bundle file or directory; pass True, False or an existing path" % verify
+            return ("verify=%r: no such CA bundle file or directory; pass True, False or an "
+                    "existing path" % verify)
         return None
-    return "verify must be True, False or a CA bundle path (like requests), got %s" % type(verify).__name__
+    return ("verify must be True, False or a CA bundle path (like requests), got "
+            "%s" % type(verify).__name__)
 
 
 def _target_refusal(method: str, target: str) -> Optional[Refusal]:
     """Never an open proxy: only origin-form targets (`/path?query`) are forwarded."""
     if method == "CONNECT":
-        return Refusal(405, "method-not-allowed", "CONNECT is not supported: this is not a forward proxy.",
+        return Refusal(405, "method-not-allowed", "CONNECT is not supported: this is not a forward "
+                                                  "proxy.",
                        (("Allow", "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"),))
     if not _TOKEN_RE.match(method):
         return Refusal(400, "bad-request", "The request method is not a valid HTTP token.")
     if target == "*":
-        return Refusal(400, "bad-target", "Asterisk-form targets (OPTIONS *) are not supported; use a route path.")
+        return Refusal(400, "bad-target", "Asterisk-form targets (OPTIONS *) are not supported; "
+                                          "use a route path.")
     if not target.startswith("/"):
         return Refusal(400, "bad-target",
-                       "Only origin-form targets (/path) are accepted: this is not a forward proxy.")
+                       "Only origin-form targets (/path) are accepted: this is not a forward "
+                       "proxy.")
     if _BAD_TARGET_CHAR_RE.search(target):
-        return Refusal(400, "bad-target", "The request target must be ASCII without spaces or control "
-                                          "characters; percent-encode it.")
+        return Refusal(400, "bad-target", "The request target must be ASCII without spaces or "
+                                          "control characters; percent-encode it.")
     return None
 
 
@@ -1195,10 +1297,11 @@ def _replicated_http_refusal(http_mode: str, method: str, target: str) -> Option
     if method in ("GET", "HEAD") and path in STATELESS_HTTP_PATHS:
         return None
     return Refusal(409, "replicated-http-refused",
-                   "This route spreads sessions over several replicas, and OpenEnv's HTTP endpoints (/reset, "
-                   "/step, /state) keep state per server, so an HTTP request cannot be pinned to one replica. "
-                   "Use a WebSocket session at <base_url>/ws (OpenEnv's EnvClient does), or mount a single job "
-                   "for HTTP clients. Only GET /health, /metadata and /schema are forwarded here.")
+                   "This route spreads sessions over several replicas, and OpenEnv's HTTP "
+                   "endpoints (/reset, /step, /state) keep state per server, so an HTTP request "
+                   "cannot be pinned to one replica. Use a WebSocket session at <base_url>/ws "
+                   "(OpenEnv's EnvClient does), or mount a single job for HTTP clients. Only GET "
+                   "/health, /metadata and /schema are forwarded here.")
 
 
 def _no_live_replica_refusal(total: int, failed: List[Dict[str, object]]) -> Refusal:
@@ -1207,14 +1310,16 @@ def _no_live_replica_refusal(total: int, failed: List[Dict[str, object]]) -> Ref
     else:
         why = "%d of %d replicas failed: %s" % (len(failed), total, "; ".join(
             "replica-%s %s" % (f["replica"], f["reason"]) for f in failed))
-    return Refusal(502, "no-live-replica", "No live replica is left behind this route: %s. Check the jobs "
-                                           "(replica_status() lists them) and add_replica() new ones." % why,
+    return Refusal(502, "no-live-replica", "No live replica is left behind this route: %s. Check "
+                                           "the jobs (replica_status() lists them) and "
+                                           "add_replica() new ones." % why,
                    body={"replicas": total, "failed": failed})
 
 
 def _header_refusal(headers: _RequestHeaders) -> Optional[Refusal]:
     """Header values must not carry control characters (names were checked while parsing)."""
-    if _BAD_VALUE_CHAR_RE.search("".join([value for _, value in headers.items()])):  # one search, not one a header
+    # one search, not one a header
+    if _BAD_VALUE_CHAR_RE.search("".join([value for _, value in headers.items()])):
         return Refusal(400, "bad-header", "A request header value contains control characters.")
     return None
 
@@ -1234,7 +1339,8 @@ def _head_fault(lines: List[bytes], last: bytes, budget: int) -> Refusal:
     malformed line of `lines`, else what `last` (the line read after them) broke."""
     for line in lines:
         if _HEADER_LINE_RE.fullmatch(line.decode("latin-1")) is None:
-            return Refusal(400, "bad-header", "Malformed header line (expected 'Name: value', no line folding).")
+            return Refusal(400, "bad-header", "Malformed header line (expected 'Name: value', no "
+                                              "line folding).")
     if budget < 0:
         return Refusal(431, "headers-too-large",
                        "The request headers are larger than %d bytes in total." % MAX_HEADER_BYTES)
@@ -1244,14 +1350,16 @@ def _head_fault(lines: List[bytes], last: bytes, budget: int) -> Refusal:
 
 
 def _body_framing(headers: _RequestHeaders) -> Union[Tuple[str, int], Refusal]:
-    """How the request body is delimited: ("none", 0), ("length", n) or ("chunked", -1), or a refusal.
+    """How the request body is delimited: ("none", 0), ("length", n) or ("chunked", -1), or a
+    refusal.
 
     Ambiguous framing is refused outright (it is how request smuggling works)."""
     encodings = headers.get_all("Transfer-Encoding") or []
     lengths = headers.get_all("Content-Length") or []
     if encodings:
         if lengths:
-            return Refusal(400, "bad-framing", "Both Transfer-Encoding and Content-Length were sent; send one.")
+            return Refusal(400, "bad-framing", "Both Transfer-Encoding and Content-Length were "
+                                               "sent; send one.")
         codings = [c.strip().lower() for value in encodings for c in value.split(",") if c.strip()]
         if codings != ["chunked"]:
             return Refusal(501, "unsupported-transfer-encoding",
@@ -1260,24 +1368,28 @@ def _body_framing(headers: _RequestHeaders) -> Union[Tuple[str, int], Refusal]:
     if lengths:
         values = {v.strip() for value in lengths for v in value.split(",")}
         if len(values) != 1:
-            return Refusal(400, "bad-content-length", "Conflicting Content-Length values were sent.")
+            return Refusal(400, "bad-content-length", "Conflicting Content-Length values were "
+                                                      "sent.")
         value = values.pop()
-        if not (value.isascii() and value.isdigit()) or len(value) > 18:  # (not "²", a digit to isdigit)
-            return Refusal(400, "bad-content-length", "Content-Length must be a non-negative decimal integer.")
+        # (not "²", a digit to isdigit)
+        if not (value.isascii() and value.isdigit()) or len(value) > 18:
+            return Refusal(400, "bad-content-length", "Content-Length must be a non-negative "
+                                                      "decimal integer.")
         return ("length", int(value))
     return ("none", 0)
 
 
 def _is_websocket_upgrade(method: str, headers: _RequestHeaders) -> bool:
-    upgrade = {t.strip().lower() for value in headers.get_all("Upgrade") or [] for t in value.split(",")}
+    upgrade = {token.strip().lower() for value in headers.get_all("Upgrade") or []
+               for token in value.split(",")}
     return method == "GET" and "websocket" in upgrade and "upgrade" in headers.connection_tokens()
 
 
 def _upstream_request_headers(headers: _RequestHeaders, route: Route, token: Optional[str],
                               extra: Tuple[Tuple[str, str], ...] = ()) -> List[Tuple[str, str]]:
-    """Client headers minus hop-by-hop ones (stripped first, so a client cannot name the token away),
-    minus the client's own Authorization/Host and those the route's `extra` headers replace; then Host,
-    Authorization and the extra headers set for the upstream."""
+    """Client headers minus hop-by-hop ones (stripped first, so a client cannot name the token
+    away), minus the client's own Authorization/Host and those the route's `extra` headers replace;
+    then Host, Authorization and the extra headers set for the upstream."""
     drop = HOP_BY_HOP | REPLACED_REQUEST_HEADERS | headers.connection_tokens()
     if extra:
         drop = drop | {name.lower() for name, _ in extra}
@@ -1293,13 +1405,15 @@ def _upstream_request_headers(headers: _RequestHeaders, route: Route, token: Opt
 
 def _response_headers(headers: List[Tuple[str, str]], length: Optional[int] = None,
                       drop_length: bool = False) -> List[Tuple[str, str]]:
-    """The upstream's response headers minus hop-by-hop ones (and those its Connection header names);
-    with `length`, one Content-Length of that value where the upstream's first one was (repeats of the
-    same value merged); with `drop_length`, none (the body is re-framed). One pass, one lower() a name."""
+    """The upstream's response headers minus hop-by-hop ones (and those its Connection header
+    names); with `length`, one Content-Length of that value where the upstream's first one was
+    (repeats of the same value merged); with `drop_length`, none (the body is re-framed). One pass,
+    one lower() a name."""
     lowered = [(name.lower(), name, value) for name, value in headers]
     drop = HOP_BY_HOP
     if any(low == "connection" for low, _, _ in lowered):
-        drop = drop | {t.strip().lower() for low, _, v in lowered if low == "connection" for t in v.split(",")}
+        drop = drop | {t.strip().lower() for low, _,
+                       v in lowered if low == "connection" for t in v.split(",")}
     out: List[Tuple[str, str]] = []
     length_sent = drop_length
     for low, name, value in lowered:
@@ -1327,11 +1441,13 @@ class _UpstreamFailure(Exception):
 
 
 class _UpstreamClosed(ConnectionError):
-    """The upstream closed, reset or TLS-ended the connection before sending any byte of an answer."""
+    """The upstream closed, reset or TLS-ended the connection before sending any byte of an
+    answer."""
 
 
 class _BadResponse(Exception):
-    """The upstream's answer broke HTTP/1.1 (or a proxy limit): `kind` is the X-Proxy-Error value."""
+    """The upstream's answer broke HTTP/1.1 (or a proxy limit): `kind` is the X-Proxy-Error
+    value."""
 
     def __init__(self, kind: str, what: str) -> None:
         super().__init__(what)
@@ -1354,11 +1470,13 @@ def _client_body_error(exc: BaseException) -> _ClientBodyError:
 
 
 def _client_body_refusal(exc: _ClientBodyError, idle_timeout_s: float) -> Refusal:
-    """408 for a body that stopped arriving (the client is slow, not wrong), 400 for a malformed one."""
+    """408 for a body that stopped arriving (the client is slow, not wrong), 400 for a malformed
+    one."""
     if isinstance(exc, _ClientBodyTimeout):
-        return Refusal(408, "request-timeout", "The request body stopped arriving: nothing came for %g s "
-                                               "(idle_timeout_s); the request was dropped. Send the whole "
-                                               "body without pausing that long." % idle_timeout_s)
+        return Refusal(408, "request-timeout", "The request body stopped arriving: nothing came "
+                                               "for %g s (idle_timeout_s); the request was "
+                                               "dropped. Send the whole body without pausing that "
+                                               "long." % idle_timeout_s)
     return Refusal(400, "bad-body", "The request body was malformed: %s." % exc)
 
 
@@ -1367,7 +1485,8 @@ class _ClientGone(Exception):
 
 
 def _failure_name(exc: BaseException) -> str:
-    """A short, secret-free name for a connection failure (the TLS reason, else the exception type)."""
+    """A short, secret-free name for a connection failure (the TLS reason, else the exception
+    type)."""
     return str(getattr(exc, "reason", None) or type(exc).__name__)
 
 
@@ -1379,46 +1498,59 @@ def _log_upstream_failure(route: Route, kind: str, what: str) -> None:
 
 
 def _classify_upstream_error(exc: BaseException, route: Route) -> Refusal:
-    """Map an exception from talking to the upstream to a 502/504 refusal (never containing the token)."""
+    """Map an exception from talking to the upstream to a 502/504 refusal (never containing the
+    token)."""
     where = route.label
     if isinstance(exc, _BadResponse):
         return Refusal(502, exc.kind, "The upstream %s %s." % (where, exc.what))
     if isinstance(exc, _UpstreamClosed):
-        return Refusal(502, "upstream-unreachable", "The upstream %s closed the connection without answering "
-                                                    "(%s); did the job restart?" % (where, exc))
+        return Refusal(502, "upstream-unreachable", "The upstream %s closed the connection without "
+                                                    "answering (%s); did the job "
+                                                    "restart?" % (where, exc))
     if isinstance(exc, (socket.timeout, TimeoutError)):
         return Refusal(504, "upstream-timeout",
-                       "The upstream %s did not answer in time; the job may be overloaded or stuck." % where)
+                       "The upstream %s did not answer in time; the job may be overloaded or "
+                       "stuck." % where)
     if isinstance(exc, (ssl.SSLError, ssl.CertificateError)):
         return Refusal(502, "upstream-tls",
-                       "TLS with the upstream %s failed (%s); check its certificate or the route's verify "
+                       "TLS with the upstream %s failed (%s); check its certificate or the route's "
+                       "verify "
                        "setting." % (where, getattr(exc, "reason", None) or type(exc).__name__))
     if isinstance(exc, socket.gaierror):
         return Refusal(502, "upstream-unreachable",
                        "The upstream host of %s could not be resolved; check the job URL." % where)
     if isinstance(exc, ConnectionRefusedError):
         return Refusal(502, "upstream-unreachable",
-                       "The upstream %s refused the connection; is the job running with its port exposed?" % where)
+                       "The upstream %s refused the connection; is the job running with its port "
+                       "exposed?" % where)
     if isinstance(exc, http.client.IncompleteRead):
         return Refusal(502, "upstream-unreachable",
-                       "The upstream %s closed the connection in the middle of its response; did the job crash?" % where)
-    if isinstance(exc, http.client.HTTPException) and not isinstance(exc, http.client.RemoteDisconnected):
-        return Refusal(502, "upstream-protocol", "The upstream %s sent a malformed HTTP response." % where)
+                       "The upstream %s closed the connection in the middle of its response; did "
+                       "the job crash?" % where)
+    if (isinstance(exc, http.client.HTTPException)
+            and not isinstance(exc, http.client.RemoteDisconnected)):
+        return Refusal(502, "upstream-protocol", "The upstream %s sent a malformed HTTP "
+                                                 "response." % where)
     return Refusal(502, "upstream-unreachable",
-                   "The connection to the upstream %s failed (%s); is the job still running?" % (where, type(exc).__name__))
+                   "The connection to the upstream %s failed (%s); is the job still "
+                   "running?" % (where, type(exc).__name__))
 
 
-def _may_retry(method: str, reused: bool, replayable: bool, fully_sent: bool, exc: BaseException) -> bool:
+def _may_retry(method: str, reused: bool, replayable: bool, fully_sent: bool,
+               exc: BaseException) -> bool:
     """The stale-connection retry rule: retry once, on a fresh connection, only if
 
     - the connection came from the pool (a fresh connection failing is a real failure), and
-    - no response byte arrived (the connection was reset or closed, not slow: timeouts never retry), and
+    - no response byte arrived (the connection was reset or closed, not slow: timeouts never retry),
+    and
     - the request can be replayed byte for byte (its body was buffered), and
     - the method is idempotent, or the request was not completely sent (so the upstream cannot have
       acted on it). A fully sent POST that then got no answer is NOT retried: it might have run.
     """
-    no_answer = isinstance(exc, (_UpstreamClosed, http.client.RemoteDisconnected, ConnectionResetError,
-                                 BrokenPipeError, ConnectionAbortedError, ssl.SSLEOFError, ssl.SSLZeroReturnError))
+    no_answer = isinstance(exc, (_UpstreamClosed, http.client.RemoteDisconnected,
+                                 ConnectionResetError,
+                                 BrokenPipeError, ConnectionAbortedError, ssl.SSLEOFError,
+                                     ssl.SSLZeroReturnError))
     return reused and no_answer and replayable and (method in IDEMPOTENT_METHODS or not fully_sent)
 
 
@@ -1428,7 +1560,8 @@ def _may_retry(method: str, reused: bool, replayable: bool, fully_sent: bool, ex
 
 
 class _Worker:
-    """One pool thread's mailbox: the job it is given and the lock it parks on (held while parked)."""
+    """One pool thread's mailbox: the job it is given and the lock it parks on (held while
+    parked)."""
 
     __slots__ = ("job", "wake", "thread")
 
@@ -1440,20 +1573,23 @@ class _Worker:
 
 
 class _WorkerPool:
-    """Parked threads that run jobs: `submit` hands a job to the most recently parked worker (its stack
-    and caches are warm) or starts a new thread while under `max_workers`; a worker idle for `idle_s`
-    ends. No thread is created while parked ones exist, so a warm proxy serves a connection with one
-    lock release instead of a thread start (which cost most of a WebSocket set-up's CPU)."""
+    """Parked threads that run jobs: `submit` hands a job to the most recently parked worker (its
+    stack and caches are warm) or starts a new thread while under `max_workers`; a worker idle for
+    `idle_s` ends. No thread is created while parked ones exist, so a warm proxy serves a connection
+    with one lock release instead of a thread start (which cost most of a WebSocket set-up's
+    CPU)."""
 
     def __init__(self, name: str, max_workers: int, idle_s: float, stack_bytes: int) -> None:
-        self.name, self.max_workers, self.idle_s, self.stack_bytes = name, max_workers, idle_s, stack_bytes
+        self.name, self.max_workers = name, max_workers
+        self.idle_s, self.stack_bytes = idle_s, stack_bytes
         self._lock = threading.Lock()
         self._parked: Dict[_Worker, None] = {}  # insertion order: popitem() takes the latest parked
         self._threads: Set[threading.Thread] = set()
         self._closed = False
 
     def submit(self, fn: Callable[..., None], *args: object) -> bool:
-        """Run fn(*args) on a worker; False (nothing run) if the pool is closed or at `max_workers`."""
+        """Run fn(*args) on a worker; False (nothing run) if the pool is closed or at
+        `max_workers`."""
         with self._lock:
             if self._closed:
                 return False
@@ -1465,12 +1601,14 @@ class _WorkerPool:
             if len(self._threads) >= self.max_workers:
                 return False
             worker = _Worker((fn, args))
-            thread = threading.Thread(target=self._work, args=(worker,), name=self.name, daemon=True)
+            thread = threading.Thread(target=self._work, args=(worker,), name=self.name,
+                                      daemon=True)
             worker.thread = thread
             self._threads.add(thread)
         try:
             _start_with_stack(thread, self.stack_bytes)
-        except BaseException:  # e.g. RuntimeError: can't start new thread (a process or memory limit)
+        # e.g. RuntimeError: can't start new thread (a process or memory limit)
+        except BaseException:
             with self._lock:
                 self._threads.discard(thread)
             return False
@@ -1536,14 +1674,15 @@ class _WorkerPool:
         return worker.job is not None
 
 
-# threading.stack_size() is process-wide: starts that set it are serialized, and it is restored at once.
+# threading.stack_size() is process-wide: starts that set it are serialized, and it is restored at
+# once.
 _STACK_SIZE_LOCK = threading.Lock()
 
 
 def _start_with_stack(thread: threading.Thread, stack_bytes: int) -> None:
-    """Start `thread` with a `stack_bytes` stack. A thread some other code starts in the same instant
-    would get it too (the setting is process-wide); the window is one thread creation, and the pool
-    creates threads only while growing."""
+    """Start `thread` with a `stack_bytes` stack. A thread some other code starts in the same
+    instant would get it too (the setting is process-wide); the window is one thread creation, and
+    the pool creates threads only while growing."""
     with _STACK_SIZE_LOCK:
         try:
             previous = threading.stack_size(stack_bytes)
@@ -1557,7 +1696,8 @@ def _start_with_stack(thread: threading.Thread, stack_bytes: int) -> None:
 
 
 class _Server(http.server.ThreadingHTTPServer):
-    """ThreadingHTTPServer whose connections run on a `_WorkerPool`, tracked so `stop()` can end them all."""
+    """ThreadingHTTPServer whose connections run on a `_WorkerPool`, tracked so `stop()` can end
+    them all."""
 
     request_queue_size = LISTEN_BACKLOG
     daemon_threads = True
@@ -1570,25 +1710,32 @@ class _Server(http.server.ThreadingHTTPServer):
         self._conn_lock = threading.Lock()
         self._conns: Set[socket.socket] = set()
         self.workers = _WorkerPool("proxy-worker", MAX_WORKERS, WORKER_IDLE_S, WORKER_STACK_BYTES)
-        self.relay = _TunnelRelay("proxy-relay")  # every WebSocket tunnel, set up and relayed on one thread
-        self._relayed: Set[socket.socket] = set()  # client connections the relay owns: _run leaves them open
-        self.busy_warnings = _WarningRate(BUSY_WARNING_EVERY_S)  # connections refused at the thread cap
+        # every WebSocket tunnel, set up and relayed on one thread
+        self.relay = _TunnelRelay("proxy-relay")
+        # client connections the relay owns: _run leaves them open
+        self._relayed: Set[socket.socket] = set()
+        # connections refused at the thread cap
+        self.busy_warnings = _WarningRate(BUSY_WARNING_EVERY_S)
         super().__init__((proxy.host.strip("[]"), proxy._requested_port), _Handler)
-        self._wake_r, self._wake_w = socket.socketpair()  # after super(): a failed bind leaks nothing
+        # after super(): a failed bind leaks nothing
+        self._wake_r, self._wake_w = socket.socketpair()
         self._woken = False
 
     def serve_until_woken(self) -> None:
-        """Accept connections until `wake()`: select() on the listener and the wake-up socket, no polling.
+        """Accept connections until `wake()`: select() on the listener and the wake-up socket, no
+        polling.
 
-        Unlike `serve_forever(poll_interval)`, an idle proxy costs no wake-ups and `stop()` does not wait
-        for a poll (the emulator runs one proxy per job: tearing down hundreds must not cost a poll each)."""
+        Unlike `serve_forever(poll_interval)`, an idle proxy costs no wake-ups and `stop()` does not
+        wait for a poll (the emulator runs one proxy per job: tearing down hundreds must not cost a
+        poll each)."""
         with selectors.DefaultSelector() as selector:
             selector.register(self.socket, selectors.EVENT_READ)
             selector.register(self._wake_r, selectors.EVENT_READ)
             while not self._woken:
                 for key, _ in selector.select():
                     if key.fileobj is self.socket and not self._woken:
-                        self._handle_request_noblock()  # type: ignore[attr-defined]  # accept + process_request
+                        # type: ignore[attr-defined]  # accept + process_request
+                        self._handle_request_noblock()
 
     def wake(self) -> None:
         """Make `serve_until_woken` return now (thread-safe, idempotent)."""
@@ -1600,7 +1747,8 @@ class _Server(http.server.ThreadingHTTPServer):
 
     def server_close(self) -> None:
         super().server_close()
-        for sock in (getattr(self, "_wake_r", None), getattr(self, "_wake_w", None)):  # absent if bind failed
+        # (absent if the bind failed)
+        for sock in (getattr(self, "_wake_r", None), getattr(self, "_wake_w", None)):
             if sock is not None:
                 sock.close()
 
@@ -1609,7 +1757,8 @@ class _Server(http.server.ThreadingHTTPServer):
         http.server.socketserver.TCPServer.server_bind(self)  # type: ignore[attr-defined]
         self.server_name, self.server_port = self.proxy.host, self.server_address[1]
 
-    def process_request(self, request: socket.socket, client_address: object) -> None:  # type: ignore[override]
+    def process_request(self, request: socket.socket,
+                        client_address: object) -> None:  # type: ignore[override]
         with self._conn_lock:
             if self.proxy._stopping:
                 self.shutdown_request(request)
@@ -1670,8 +1819,8 @@ class _Server(http.server.ThreadingHTTPServer):
 class _ClientReader(io.RawIOBase):
     """Raw reader over the client socket that enforces a total deadline on the request head.
 
-    The first byte of a request may take up to the idle timeout; once it arrives, the rest of the head
-    must arrive within the header timeout, however slowly the client drips it."""
+    The first byte of a request may take up to the idle timeout; once it arrives, the rest of the
+    head must arrive within the header timeout, however slowly the client drips it."""
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
@@ -1735,9 +1884,10 @@ class _ClientReader(io.RawIOBase):
 
 
 class _RequestHeaders:
-    """A request's header fields in order, looked up by case-insensitive name: what the forwarding and a
-    `route_request` hook read (`get`, `get_all`, `items`, `in`, `[name]`, as on an `HTTPMessage`) and what
-    a hook may edit (`headers[name] = value` adds a field, `del headers[name]` removes each of that name)."""
+    """A request's header fields in order, looked up by case-insensitive name: what the forwarding
+    and a `route_request` hook read (`get`, `get_all`, `items`, `in`, `[name]`, as on an
+    `HTTPMessage`) and what a hook may edit (`headers[name] = value` adds a field, `del
+    headers[name]` removes each of that name)."""
 
     __slots__ = ("_pairs", "_index", "_tokens")
 
@@ -1787,7 +1937,8 @@ class _RequestHeaders:
     def connection_tokens(self) -> "frozenset[str]":
         """The Connection header's tokens, lower-cased (three checks read them)."""
         if self._tokens is None:
-            self._tokens = frozenset(token.strip().lower() for value in self._index.get("connection", ())
+            self._tokens = frozenset(token.strip().lower() for value
+                                     in self._index.get("connection", ())
                                      for token in value.split(",") if token.strip())
         return self._tokens
 
@@ -1814,13 +1965,15 @@ _ERROR_KINDS = {400: "bad-request", 408: "request-timeout", 414: "request-line-t
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
-    """Parses one client connection's requests and forwards each (or tunnels a WebSocket upgrade)."""
+    """Parses one client connection's requests and forwards each (or tunnels a WebSocket
+    upgrade)."""
 
     protocol_version = "HTTP/1.1"
     server_version = "hf-sandbox-proxy"
     sys_version = ""
     server: _Server
-    _route_headers: Tuple[Tuple[str, str], ...] = ()  # the current request's route headers (set per request)
+    _route_headers: Tuple[Tuple[str, str],
+                          ...] = ()  # the current request's route headers (set per request)
     _token: Optional[str] = None  # the current request's token (set per request, see _credentials)
     # For a head the fast path parsed (see _parse_clean_head): its body framing and its header lines
     # the upstream gets as they are (hop-by-hop and replaced ones removed); None for a strict parse.
@@ -1830,10 +1983,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         self.proxy: AuthProxy = self.server.proxy
-        # The default route_request answers (Route, "/target") or a Refusal: only a subclass's is checked.
+        # The default route_request answers (Route, "/target") or a Refusal: only a subclass's is
+        # checked.
         self._own_routing = type(self.proxy).route_request is AuthProxy.route_request
-        self._seen_route: Optional[AnyRoute] = None  # the last route known to be in proxy._seen_routes
-        self._watched: Optional[_UpstreamConnection] = None  # the connection whose answer is awaited
+        # the last route known to be in proxy._seen_routes
+        self._seen_route: Optional[AnyRoute] = None
+        # the connection whose answer is awaited
+        self._watched: Optional[_UpstreamConnection] = None
         self.connection = self.request
         try:
             self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -1869,14 +2025,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
 
     def parse_request(self) -> bool:
-        """Read and parse the request line and header section; on bad input answer it and return False
-        (False too, silently, when the client closed before a request).
+        """Read and parse the request line and header section; on bad input answer it and return
+        False (False too, silently, when the client closed before a request).
 
-        Replaces the stdlib's parser, which runs the email package, accepts HTTP/0.9, and silently ends
-        the header section at the first malformed line, dropping the headers after it. This one is
-        strict (RFC 9112): one space between the three request-line parts, `Name: value` lines with a
-        token name, no obs-fold, bounded sizes. One match of the request line, one split of the header
-        block; `_head_fault` names what is wrong when either fails.
+        Replaces the stdlib's parser, which runs the email package, accepts HTTP/0.9, and silently
+        ends the header section at the first malformed line, dropping the headers after it. This one
+        is strict (RFC 9112): one space between the three request-line parts, `Name: value` lines
+        with a token name, no obs-fold, bounded sizes. One match of the request line, one split of
+        the header block; `_head_fault` names what is wrong when either fails.
         """
         self.command, self.request_version, self.close_connection = "", "HTTP/1.1", True
         self.raw_requestline = raw = self.rfile.readline(MAX_REQUEST_LINE + 1)
@@ -1903,7 +2059,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self._refuse(_head_fault(lines, line, budget), close=True)
                 return False
             lines.append(line)
-        # [gap, name, value, gap, name, value, ..., gap]: every gap is empty when every line is a field.
+        # [gap, name, value, gap, name, value, ..., gap]: every gap is empty when every line is a
+        # field.
         parts = _HEADER_LINE_RE.split(b"".join(lines).decode("latin-1"))
         if any(parts[::3]):
             self._refuse(_head_fault(lines, b"\n", budget), close=True)
@@ -1913,12 +2070,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.close_connection = "close" in tokens or (
             self.request_version == "HTTP/1.0" and "keep-alive" not in tokens)
         expect = headers.get("Expect")
-        if expect is not None and self.request_version == "HTTP/1.1" and expect.lower() == "100-continue":
+        if (expect is not None and self.request_version == "HTTP/1.1"
+                and expect.lower() == "100-continue"):
             return self.handle_expect_100()
         return True
 
-    def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
-        """Malformed requests (found by the stdlib parser) get the same JSON shape as other refusals."""
+    def send_error(self, code: int, message: Optional[str] = None,
+                   explain: Optional[str] = None) -> None:
+        """Malformed requests (found by the stdlib parser) get the same JSON shape as other
+        refusals."""
         self.close_connection = True
         text = message or explain or http.HTTPStatus(code).phrase
         self._refuse(Refusal(code, _ERROR_KINDS.get(code, "bad-request"), text), close=True)
@@ -1942,11 +2102,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         headers += [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
         if self.close_connection:
             headers.append(("Connection", "close"))
-        self._send_head(refusal.status, None, headers, body if getattr(self, "command", "") != "HEAD" else b"")
+        if getattr(self, "command", "") == "HEAD":
+            body = b""
+        self._send_head(refusal.status, None, headers, body)
 
-    def _send_head(self, status: int, reason: Optional[str], headers: List[Tuple[str, str]], body: bytes = b"") -> None:
+    def _send_head(self, status: int, reason: Optional[str], headers: List[Tuple[str, str]],
+                   body: bytes = b"") -> None:
         """Send a response head and a small body in one write: one syscall, one TCP segment. Built
-        here rather than with send_response_only/send_header, whose buffer is a private attribute."""
+        here rather than with send_response_only/send_header, whose buffer is a private
+        attribute."""
         if reason is None:
             reason = self.responses.get(status, ("",))[0]
         lines = ["%s %d %s" % (self.protocol_version, status, reason)]
@@ -1954,11 +2118,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         lines += ["", ""]
         self.wfile.write("\r\n".join(lines).encode("latin-1") + body)
 
-    # -- dispatch -----------------------------------------------------------------------------------
+    # -- dispatch
+    # -----------------------------------------------------------------------------------
 
     def _dispatch(self) -> None:
         if self.request_version == "HTTP/1.0":
-            self.close_connection = True  # no chunked framing for 1.0 clients: keep it simple, one per connection
+            # no chunked framing for 1.0 clients: keep it simple, one per connection
+            self.close_connection = True
         framing = _body_framing(self.headers)
         malformed = _target_refusal(self.command, self.path) or _header_refusal(self.headers)
         if malformed is None and isinstance(framing, Refusal):
@@ -1967,7 +2133,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if isinstance(decision, Refusal):
             # Malformed input, or an unread body that would be parsed as the next request: close.
             has_body = isinstance(framing, Refusal) or framing[0] != "none"
-            self._refuse(decision, close=malformed is not None or has_body or decision.status >= 500)
+            self._refuse(decision,
+                         close=malformed is not None or has_body or decision.status >= 500)
             return
         route, target = decision
         if route is not self._seen_route:  # (a keep-alive connection usually asks for one route)
@@ -1977,8 +2144,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._seen_route = route
         assert not isinstance(framing, Refusal)
         upgrade = _is_websocket_upgrade(self.command, self.headers)
-        refusal = _upgrade_refusal(self.headers) if upgrade else (
-            _replicated_http_refusal(route.http, self.command, target) if isinstance(route, ReplicaRoute) else None)
+        if upgrade:
+            refusal = _upgrade_refusal(self.headers)
+        elif isinstance(route, ReplicaRoute):
+            refusal = _replicated_http_refusal(route.http, self.command, target)
+        else:
+            refusal = None
         if refusal is not None:
             self._refuse(refusal, close=upgrade or framing[0] != "none")
             return
@@ -2002,40 +2173,48 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _credentials(self, route: AnyRoute, has_body: bool) -> bool:
         """Read the route's token and extra headers for this request (`_token`, `_route_headers`); a
-        callable that fails is answered 502 here (closing if a body is unread) and False returned."""
+        callable that fails is answered 502 here (closing if a body is unread) and False
+        returned."""
         source = "token"
         try:
             self._token = route.current_token()
             source = "headers"
             self._route_headers = route.current_headers() if isinstance(route, Route) else ()
         except Exception as exc:
-            log.warning("proxy: %s %s callable failed (%s)", route.label, source, type(exc).__name__)
-            self._refuse(Refusal(502, source + "-unavailable", "The route's %s callable failed (%s); check the %s "
-                                                               "source." % (source, type(exc).__name__, source)),
-                         close=has_body)
+            log.warning("proxy: %s %s callable failed (%s)", route.label, source,
+                        type(exc).__name__)
+            message = "The route's %s callable failed (%s); check the %s source." % (
+                source, type(exc).__name__, source)
+            self._refuse(Refusal(502, source + "-unavailable", message), close=has_body)
             return False
         return True
 
     def _route(self) -> Union[Tuple[AnyRoute, str], Refusal]:
-        """Ask the `route_request` hook, turning a hook that raises or answers nonsense into a 500."""
+        """Ask the `route_request` hook, turning a hook that raises or answers nonsense into a
+        500."""
         if self._own_routing:
             return self.proxy.route_request(self.path, self.headers)
         try:
             decision = self.proxy.route_request(self.path, self.headers)
         except Exception:
             log.error("proxy: route_request raised", exc_info=True)
-            return Refusal(500, "proxy-error", "The proxy failed to route this request (see its log).")
+            return Refusal(500, "proxy-error", "The proxy failed to route this request (see its "
+                                               "log).")
         if isinstance(decision, Refusal) or (
-                isinstance(decision, tuple) and len(decision) == 2 and isinstance(decision[0], (Route, ReplicaRoute))
+                isinstance(decision, tuple) and len(decision) == 2
+                and isinstance(decision[0], (Route, ReplicaRoute))
                 and isinstance(decision[1], str) and decision[1].startswith("/")):
             return decision
-        log.error("proxy: route_request returned %s; expected (Route, '/target') or a Refusal", type(decision).__name__)
+        log.error("proxy: route_request returned %s; expected (Route, '/target') or a Refusal",
+                  type(decision).__name__)
         return Refusal(500, "proxy-error", "The proxy failed to route this request (see its log).")
 
-    # -- HTTP forwarding ----------------------------------------------------------------------------
+    # -- HTTP forwarding
+    # ----------------------------------------------------------------------------
 
     def _body_piece(self, size: int, where: str) -> Iterator[bytes]:
-        """Yield exactly `size` body bytes as they arrive; the client closing first is a body error."""
+        """Yield exactly `size` body bytes as they arrive; the client closing first is a body
+        error."""
         remaining = size
         while remaining:
             data = self.rfile.read1(min(IO_CHUNK, remaining))
@@ -2047,8 +2226,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _body_chunks(self, framing: Tuple[str, int]) -> Iterator[bytes]:
         """Yield the client's request body as it arrives (Content-Length or chunked, de-chunked).
 
-        The client's connection failing or stalling mid-body is a _ClientBodyError, never an OSError:
-        while the body streams upstream, an OSError means the upstream dropped the connection."""
+        The client's connection failing or stalling mid-body is a _ClientBodyError, never an
+        OSError: while the body streams upstream, an OSError means the upstream dropped the
+        connection."""
         try:
             yield from self._client_body(framing)
         except (OSError, ValueError) as exc:
@@ -2064,33 +2244,38 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 if len(line) > MAX_CHUNK_LINE or not line.endswith(b"\n"):
                     raise _ClientBodyError("malformed chunked body: bad chunk-size line")
                 size_text = line.split(b";", 1)[0].strip()
-                if not size_text or len(size_text) > 16 or any(c not in b"0123456789abcdefABCDEF" for c in size_text):
+                if (not size_text or len(size_text) > 16
+                        or size_text.strip(b"0123456789abcdefABCDEF")):
                     raise _ClientBodyError("malformed chunked body: chunk size is not hexadecimal")
                 size = int(size_text, 16)
                 if size == 0:
                     break
                 yield from self._body_piece(size, "in the middle of a chunk")
                 if self.rfile.read(2) not in (b"\r\n",):
-                    raise _ClientBodyError("malformed chunked body: chunk data not followed by CRLF")
+                    raise _ClientBodyError("malformed chunked body: chunk data not followed by "
+                                           "CRLF")
             trailer_bytes = 0
             while True:  # trailers are read and dropped
                 line = self.rfile.readline(MAX_CHUNK_LINE + 1)
                 trailer_bytes += len(line)
                 if not line.endswith(b"\n") or trailer_bytes > MAX_HEADER_BYTES:
-                    raise _ClientBodyError("malformed chunked body: bad or oversized trailer section")
+                    raise _ClientBodyError("malformed chunked body: bad or oversized trailer "
+                                           "section")
                 if line in (b"\r\n", b"\n"):
                     break
 
-    def _forward(self, route: Route, target: str, token: Optional[str], framing: Tuple[str, int]) -> None:
+    def _forward(self, route: Route, target: str, token: Optional[str],
+                 framing: Tuple[str, int]) -> None:
         method = self.command
-        lines = _request_lines(method, target, _upstream_request_headers(self.headers, route, token,
-                                                                         self._route_headers))
+        headers = _upstream_request_headers(self.headers, route, token, self._route_headers)
+        lines = _request_lines(method, target, headers)
         try:
             body, body_iter = self._buffered_body(framing)
         except _ClientBodyError as exc:
             self._refuse(_client_body_refusal(exc, self.proxy.idle_timeout_s), close=True)
             return
-        exchange = self._exchange(route, method, lines.encode("latin-1"), body, framing[0] != "none", body_iter)
+        exchange = self._exchange(route, method, lines.encode("latin-1"), body,
+                                  framing[0] != "none", body_iter)
         if exchange is None:
             return
         conn, answer, sent_all = exchange
@@ -2100,7 +2285,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _buffered_body(self, framing: Tuple[str, int]) -> Tuple[bytes, Iterator[bytes]]:
         """The request body's first bytes, all of it if it is at most REPLAYABLE_BODY_BYTES (then it
         can be replayed on a retry), and an iterator over the rest. A Content-Length body that small
-        (every OpenEnv action) is one buffered read, without the generators a streamed body needs."""
+        (every OpenEnv action) is one buffered read, without the generators a streamed body
+        needs."""
         kind, length = framing
         if kind == "none":
             return b"", iter(())
@@ -2110,7 +2296,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             except (OSError, ValueError) as exc:
                 raise _client_body_error(exc) from None
             if len(body) < length:
-                raise _ClientBodyError("the client closed the connection before sending the whole body")
+                raise _ClientBodyError("the client closed the connection before sending the whole "
+                                       "body")
             return body, iter(())
         body_iter = self._body_chunks(framing)
         buffered: List[bytes] = []
@@ -2124,11 +2311,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _exchange(self, route: Route, method: str, lines: bytes, body: bytes, has_body: bool,
                   rest: Iterable[bytes]) -> Optional[Tuple[_UpstreamConnection, _Answer, bool]]:
-        """Send the request (`lines`: its head without framing header and blank line, encoded as latin-1,
-        as it was parsed; `body`, then `rest`) on a pooled (or fresh) connection, retrying once on a
-        fresh one as _may_retry allows, and read its final answer head (interim ones are relayed on the
-        way): (connection, answer, whether the whole request was sent), or None once the client was
-        answered (a refusal) or left."""
+        """Send the request (`lines`: its head without framing header and blank line, encoded as
+        latin-1, as it was parsed; `body`, then `rest`) on a pooled (or fresh) connection, retrying
+        once on a fresh one as _may_retry allows, and read its final answer head (interim ones are
+        relayed on the way): (connection, answer, whether the whole request was sent), or None once
+        the client was answered (a refusal) or left."""
         size = len(body)
         replayable = size <= REPLAYABLE_BODY_BYTES
         if not replayable:
@@ -2146,17 +2333,19 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 sent_all = False
                 try:
                     try:
-                        if replayable and size <= SMALL_RESPONSE_BYTES:  # one send, as send_request would
+                        # one send, as send_request would
+                        if replayable and size <= SMALL_RESPONSE_BYTES:
                             conn._sendall(head + body)
                             sent_all = True
                         else:
-                            sent_all = conn.send_request(head, iter((body,)) if replayable else _prepend(body, rest),
-                                                         chunked=not replayable)
+                            pieces = iter((body,)) if replayable else _prepend(body, rest)
+                            sent_all = conn.send_request(head, pieces, chunked=not replayable)
                     except (socket.timeout, TimeoutError):
                         raise
                     except OSError:
-                        # Dropped while sending: a stale pooled connection (nothing to read: the retry rule
-                        # decides), or an upstream that answered early (e.g. 413) and closed: relay that.
+                        # Dropped while sending: a stale pooled connection (nothing to read: the
+                        # retry rule decides), or an upstream that answered early (e.g. 413) and
+                        # closed: relay that.
                         pass
                     if sent_all:  # the client is watched while the upstream works on the request
                         self._watched, conn.watch = conn, self._watch_client
@@ -2174,14 +2363,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 except Exception as exc:
                     route._checkin(conn, False)
                     if attempt == 1 and _may_retry(method, reused, replayable, sent_all, exc):
-                        log.debug("proxy: %s pooled connection was stale; retrying once on a fresh one", route.label)
+                        log.debug("proxy: %s pooled connection was stale; retrying once on a fresh "
+                                  "one", route.label)
                         continue
                     raise _UpstreamFailure(_classify_upstream_error(exc, route)) from None
         except _ClientBodyError as exc:
             self._refuse(_client_body_refusal(exc, self.proxy.idle_timeout_s), close=True)
             return None
         except _ClientGone:
-            log.debug("proxy: %s: client left before the upstream answered; request abandoned", route.label)
+            log.debug("proxy: %s: client left before the upstream answered; request abandoned",
+                      route.label)
             self.close_connection = True
             return None
         except _UpstreamFailure as failure:
@@ -2191,12 +2382,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if route._failing_kind is not None:  # (note_answer's own test, without the call)
             route.note_answer()
         if not sent_all and not replayable:
-            self.close_connection = True  # the upstream answered early: the rest of the client's body is unread
+            # the upstream answered early: the rest of the client's body is unread
+            self.close_connection = True
         return conn, answer, sent_all
 
     def _final_answer(self, reader: _UpstreamReader, method: str, answer: _Answer) -> _Answer:
-        """After an interim (1xx) answer head: relay it to HTTP/1.1 clients, and the next ones (102, 103,
-        ...), until the final answer head, which is returned.
+        """After an interim (1xx) answer head: relay it to HTTP/1.1 clients, and the next ones (102,
+        103, ...), until the final answer head, which is returned.
 
         100 Continue is not relayed: the proxy answered the client's Expect itself and never sends
         one upstream. A 101 without an upgrade request is a protocol error."""
@@ -2208,7 +2400,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self._relay_interim(answer)
             count += 1
             if count > MAX_INTERIM_RESPONSES:
-                raise _BadResponse("upstream-protocol", "sent more than %d interim (1xx) responses" % MAX_INTERIM_RESPONSES)
+                raise _BadResponse("upstream-protocol", "sent more than %d interim (1xx) "
+                                   "responses" % MAX_INTERIM_RESPONSES)
             answer = _parse_answer(reader.read_head(first=False), method)
         return answer
 
@@ -2219,12 +2412,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             raise _ClientGone() from None
 
     def _watch_client(self) -> None:
-        """What an upstream read calls each ANSWER_WATCH_S it waits (as the watch of `_watched`): raise
-        _ClientGone if the client hung up meanwhile (no thread and upstream connection held for
-        read_timeout_s on its behalf). A client that sent more bytes instead (a pipelined request) is
-        no longer watched."""
+        """What an upstream read calls each ANSWER_WATCH_S it waits (as the watch of `_watched`):
+        raise _ClientGone if the client hung up meanwhile (no thread and upstream connection held
+        for read_timeout_s on its behalf). A client that sent more bytes instead (a pipelined
+        request) is no longer watched."""
         try:
-            peeked = self.connection.recv(1, socket.MSG_PEEK | getattr(socket, "MSG_DONTWAIT", 0))
+            peeked = self.connection.recv(1, _PEEK_NOW)
         except BlockingIOError:
             return
         except OSError:
@@ -2235,8 +2428,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _await_answer(self, upstream: Union[_UpstreamConnection, socket.socket, None]) -> bool:
         """Wait until the upstream has something to say; False if the client hung up meanwhile, and
-        socket.timeout if the upstream said nothing for read_timeout_s (this wait is the read timeout
-        for the first byte: reading after it would wait read_timeout_s a second time).
+        socket.timeout if the upstream said nothing for read_timeout_s (this wait is the read
+        timeout for the first byte: reading after it would wait read_timeout_s a second time).
 
         A trainer whose request timed out closes its socket and retries; without this, each retry
         against a stuck job would hold a proxy thread and an upstream connection for read_timeout_s.
@@ -2264,7 +2457,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if not events:
                 continue
             try:
-                peeked = self.connection.recv(1, socket.MSG_PEEK | getattr(socket, "MSG_DONTWAIT", 0))
+                peeked = self.connection.recv(1, _PEEK_NOW)
             except BlockingIOError:
                 continue
             except OSError:
@@ -2275,7 +2468,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             client_fd = -1
 
     def _answer_body_failed(self, route: Route, exc: BaseException) -> None:
-        """Answer the client when reading a small answer's body (before its head was relayed) failed."""
+        """Answer the client when reading a small answer's body (before its head was relayed)
+        failed."""
         refusal = _classify_upstream_error(exc, route)
         log.warning("proxy: %s: %s while reading the response body", route.label, refusal.kind)
         self._refuse(refusal, close=True)
@@ -2284,8 +2478,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                         on_done: Callable[[bool], None]) -> None:
         """Stream the upstream answer to the client as it arrives; Content-Encoding untouched.
 
-        Bodies keep their Content-Length; chunked and close-delimited ones are re-chunked for HTTP/1.1
-        clients (so the client connection stays open) and close-delimited for HTTP/1.0 ones."""
+        Bodies keep their Content-Length; chunked and close-delimited ones are re-chunked for
+        HTTP/1.1 clients (so the client connection stays open) and close-delimited for HTTP/1.0
+        ones."""
         mode = answer.mode
         headers = _response_headers(answer.headers, answer.length if mode == "length" else None,
                                     drop_length=mode not in ("length", "none"))
@@ -2304,7 +2499,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self._answer_body_failed(route, exc)
                 return
         whole = mode == "none" or (mode == "length" and answer.length <= SMALL_RESPONSE_BYTES)
-        if whole:  # the answer is read: its connection goes back before the client can send its next request
+        # the answer is read: its connection goes back before the client can send its next request
+        if whole:
             on_done(answer.keep_alive and not reader.buffered())
         try:
             if self.close_connection:
@@ -2323,8 +2519,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             except Exception as exc:
                 # Headers already went out: never fake a complete response, cut the connection.
                 on_done(False)
-                log.warning("proxy: %s: upstream failed mid-response (%s); closing the client connection",
-                            route.label, _failure_name(exc) if not isinstance(exc, _BadResponse) else exc.what)
+                what = exc.what if isinstance(exc, _BadResponse) else _failure_name(exc)
+                log.warning("proxy: %s: upstream failed mid-response (%s); closing the client "
+                            "connection", route.label, what)
                 self.close_connection = True
                 return
             if not data:
@@ -2342,7 +2539,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 raise
         on_done(answer.keep_alive and answer.mode != "close" and not reader.buffered())
 
-    # -- WebSocket tunnel ---------------------------------------------------------------------------
+    # -- WebSocket tunnel
+    # ---------------------------------------------------------------------------
 
     def _tunnel(self, route: Route, target: str, token: Optional[str]) -> None:
         """Connect to the upstream, then hand the session to the relay thread, which sends the upgrade
@@ -2559,8 +2757,9 @@ def _read_head(stream: "_Stream") -> Tuple[bytes, bytes]:
 
 
 class _UpstreamConnection:
-    """One keep-alive HTTP/1.1 connection to an upstream: its socket (an `ssl.SSLSocket` for https) and
-    a reader that keeps what was read past the current response, so such a connection is never pooled.
+    """One keep-alive HTTP/1.1 connection to an upstream: its socket (an `ssl.SSLSocket` for https)
+    and a reader that keeps what was read past the current response, so such a connection is never
+    pooled.
 
     Its socket's receive timeout is a slice (ANSWER_WATCH_S): a read that waits longer calls `watch`
     (set while a request waits for its answer) between slices, and gives up after read_timeout_s."""
@@ -2573,12 +2772,14 @@ class _UpstreamConnection:
         self.watch: Optional[Callable[[], None]] = None
         self.reader = _UpstreamReader(self._recv)
         self.since = 0.0  # when it was last checked in
-        self._poller: Optional["select.poll"] = None  # the liveness check's, the socket registered once
+        # the liveness check's, the socket registered once
+        self._poller: Optional["select.poll"] = None
 
     def _recv(self, n: int) -> bytes:
         try:
             return self.sock.recv(n)
-        except (BlockingIOError, socket.timeout):  # one slice passed (BlockingIOError: a kernel timeout)
+        except (BlockingIOError,
+                socket.timeout):  # one slice passed (BlockingIOError: a kernel timeout)
             pass
         deadline = time.monotonic() + self.read_timeout_s - min(ANSWER_WATCH_S, self.read_timeout_s)
         while True:
@@ -2598,8 +2799,8 @@ class _UpstreamConnection:
             except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
                 raise socket.timeout("timed out") from None
             return
-        # Python's timeouts, the read slice: send until read_timeout_s passes with no progress (a TLS
-        # write that timed out is retried with the same bytes, as OpenSSL requires).
+        # Python's timeouts, the read slice: send until read_timeout_s passes with no progress (a
+        # TLS write that timed out is retried with the same bytes, as OpenSSL requires).
         with memoryview(data) as view:
             deadline = None
             while view:
@@ -2619,9 +2820,9 @@ class _UpstreamConnection:
     def has_input(self) -> bool:
         """Whether the upstream sent something (bytes or an end of stream), without blocking.
 
-        A TLS socket is also readable for records that carry no data (TLS 1.3 session tickets): those
-        are consumed by a non-blocking read, and only application bytes (kept for the reader) or an
-        end of stream count."""
+        A TLS socket is also readable for records that carry no data (TLS 1.3 session tickets):
+        those are consumed by a non-blocking read, and only application bytes (kept for the reader)
+        or an end of stream count."""
         sock = self.sock
         tls = isinstance(sock, ssl.SSLSocket)
         if tls and sock.pending():  # type: ignore[attr-defined]
@@ -2684,8 +2885,9 @@ class _UpstreamConnection:
 
 
 class _UpstreamReader:
-    """Buffered reads over a `recv(n)` callable (a socket's, or a WebSocket `_Stream`'s after a non-101
-    answer). Public stdlib calls only: `io.BufferedReader` would hide how many bytes it holds."""
+    """Buffered reads over a `recv(n)` callable (a socket's, or a WebSocket `_Stream`'s after a
+    non-101 answer). Public stdlib calls only: `io.BufferedReader` would hide how many bytes it
+    holds."""
 
     __slots__ = ("_recv", "_buf")
 
@@ -2702,22 +2904,25 @@ class _UpstreamReader:
             self._buf = data + self._buf
 
     def read_head(self, first: bool) -> bytes:
-        """One response head, through its blank line. Nothing at all before a close (or a reset, or a
-        TLS EOF) raises _UpstreamClosed when `first` (the retry rule's 'no answer'); anything else
+        """One response head, through its blank line. Nothing at all before a close (or a reset, or
+        a TLS EOF) raises _UpstreamClosed when `first` (the retry rule's 'no answer'); anything else
         cut short, or larger than MAX_RESPONSE_HEAD_BYTES, is a _BadResponse."""
         buf, searched = self._buf, 0
         while True:
-            if buf:  # (nothing to search before the first read: a pooled connection's buffer is empty)
-                # Just past the blank line ending the head (CRLF or bare LF lines: the first of either), or -1.
+            # (nothing to search before the first read: a pooled connection's buffer is empty)
+            if buf:
+                # Just past the blank line ending the head (CRLF or bare LF lines: the first of
+                # either), or -1.
                 crlf = buf.find(b"\n\r\n", searched)
-                lf = buf.find(b"\n\n", searched) if crlf < 0 else buf.find(b"\n\n", searched, crlf + 1)
+                lf = buf.find(b"\n\n", searched, len(buf) if crlf < 0 else crlf + 1)
                 end = lf + 2 if lf >= 0 else crlf + 3 if crlf >= 0 else -1
                 if 0 <= end <= MAX_RESPONSE_HEAD_BYTES:
                     self._buf = buf[end:]
                     return buf[:end]
                 if end > MAX_RESPONSE_HEAD_BYTES or len(buf) > MAX_RESPONSE_HEAD_BYTES:
-                    raise _BadResponse("upstream-head-too-large", "sent a response head larger than %d bytes (the "
-                                                                  "proxy's limit)" % MAX_RESPONSE_HEAD_BYTES)
+                    raise _BadResponse("upstream-head-too-large",
+                                       "sent a response head larger than %d bytes (the proxy's "
+                                       "limit)" % MAX_RESPONSE_HEAD_BYTES)
                 searched = max(0, len(buf) - 3)
             try:
                 data = self._recv(IO_CHUNK)
@@ -2726,17 +2931,19 @@ class _UpstreamReader:
             except OSError as exc:
                 if first and not buf:
                     raise _UpstreamClosed(_failure_name(exc)) from None
-                raise _BadResponse("upstream-unreachable", "dropped the connection in the middle of its "
-                                                           "response head (%s)" % _failure_name(exc)) from None
+                raise _BadResponse("upstream-unreachable", "dropped the connection in the middle "
+                                                           "of its response head "
+                                                           "(%s)" % _failure_name(exc)) from None
             if not data:
                 if first and not buf:
                     raise _UpstreamClosed("closed")
-                raise _BadResponse("upstream-unreachable", "closed the connection in the middle of its response head")
+                raise _BadResponse("upstream-unreachable", "closed the connection in the middle of "
+                                                           "its response head")
             buf += data
 
     def read1(self, n: int) -> bytes:
-        """Up to n bytes: buffered ones first, else one recv (what it returns past n is kept); b"" at end
-        of stream."""
+        """Up to n bytes: buffered ones first, else one recv (what it returns past n is kept); b""
+        at end of stream."""
         buf = self._buf
         if not buf:
             buf = self._recv(n)
@@ -2746,13 +2953,14 @@ class _UpstreamReader:
         return buf[:n]
 
     def read_exact(self, n: int, where: str) -> bytes:
-        """Exactly n bytes (a small body, read whole): the buffered ones, then as many more as are missing;
-        the upstream closing first is a _BadResponse."""
+        """Exactly n bytes (a small body, read whole): the buffered ones, then as many more as are
+        missing; the upstream closing first is a _BadResponse."""
         buf = self._buf
         while len(buf) < n:
             data = self._recv(n - len(buf))
             if not data:
-                raise _BadResponse("upstream-unreachable", "closed the connection in the middle of " + where)
+                raise _BadResponse("upstream-unreachable", "closed the connection in the middle "
+                                                           "of " + where)
             buf += data
         self._buf = buf[n:]
         return buf if len(buf) == n else buf[:n]
@@ -2762,12 +2970,14 @@ class _UpstreamReader:
         while n > 0:
             data = self.read1(min(n, IO_CHUNK))
             if not data:
-                raise _BadResponse("upstream-unreachable", "closed the connection in the middle of " + where)
+                raise _BadResponse("upstream-unreachable", "closed the connection in the middle "
+                                                           "of " + where)
             n -= len(data)
             yield data
 
     def readline(self, limit: int) -> bytes:
-        """One line (through LF), at most `limit` bytes; a longer line or the end of stream is malformed."""
+        """One line (through LF), at most `limit` bytes; a longer line or the end of stream is
+        malformed."""
         buf = self._buf
         while True:
             end = buf.find(b"\n", 0, limit)
@@ -2775,10 +2985,12 @@ class _UpstreamReader:
                 self._buf = buf[end + 1:]
                 return buf[:end + 1]
             if len(buf) >= limit:
-                raise _BadResponse("upstream-protocol", "sent a chunk-size or trailer line longer than %d bytes" % limit)
+                raise _BadResponse("upstream-protocol", "sent a chunk-size or trailer line longer "
+                                                        "than %d bytes" % limit)
             data = self._recv(IO_CHUNK)
             if not data:
-                raise _BadResponse("upstream-unreachable", "closed the connection in the middle of a chunked body")
+                raise _BadResponse("upstream-unreachable", "closed the connection in the middle of "
+                                                           "a chunked body")
             buf += data
             self._buf = buf
 
@@ -2795,8 +3007,8 @@ class _Answer(NamedTuple):
 
 
 def _parse_answer(head: bytes, method: str) -> _Answer:
-    """Parse a response head (status line, `Name: value` lines; obs-fold joined with a space), or raise
-    _BadResponse. Framing: HEAD, 1xx, 204 and 304 have no body; Transfer-Encoding wins over
+    """Parse a response head (status line, `Name: value` lines; obs-fold joined with a space), or
+    raise _BadResponse. Framing: HEAD, 1xx, 204 and 304 have no body; Transfer-Encoding wins over
     Content-Length (and then the connection is not reused); conflicting lengths are refused."""
     text = head.decode("latin-1")
     start = text.find("\n") + 1
@@ -2806,8 +3018,8 @@ def _parse_answer(head: bytes, method: str) -> _Answer:
     minor, status, reason = match.group(1), int(match.group(2)), match.group(3) or ""
     if status < 100:  # "000"-"099" are not statuses (http.client and h11 refuse them too)
         raise _BadResponse("upstream-protocol", "sent the status code %03d" % status)
-    # [gap, name, value, ..., gap]: every gap is empty but the last, the blank line, when each line is
-    # a field of its own; a folded or malformed line is left to _fields_line_by_line.
+    # [gap, name, value, ..., gap]: every gap is empty but the last, the blank line, when each line
+    # is a field of its own; a folded or malformed line is left to _fields_line_by_line.
     parts = _RESPONSE_FIELD_RE.split(text[start:])
     if len(parts[-1]) > 2 or any(parts[0:-1:3]):
         headers = _fields_line_by_line(text[start:])
@@ -2849,7 +3061,8 @@ def _fields_line_by_line(text: str) -> List[Tuple[str, str]]:
             continue  # the blank line ending the head
         if line[0] in " \t":
             if not headers:
-                raise _BadResponse("upstream-protocol", "sent a response head starting with a folded line")
+                raise _BadResponse("upstream-protocol", "sent a response head starting with a "
+                                                        "folded line")
             name, value = headers.pop()
             headers.append((name, (value + " " + line.strip(" \t")).strip(" ")))
             continue
@@ -2861,7 +3074,8 @@ def _fields_line_by_line(text: str) -> List[Tuple[str, str]]:
 
 
 def _answer_body(reader: _UpstreamReader, answer: _Answer) -> Iterator[bytes]:
-    """Yield the answer's body bytes as they arrive (de-chunked); a body cut short raises _BadResponse."""
+    """Yield the answer's body bytes as they arrive (de-chunked); a body cut short raises
+    _BadResponse."""
     if answer.mode == "length":
         yield from reader.pieces(answer.length, "its response body")
     elif answer.mode == "close":
@@ -2893,20 +3107,24 @@ def _answer_body(reader: _UpstreamReader, answer: _Answer) -> Iterator[bytes]:
 
 def _request_lines(method: str, target: str, headers: List[Tuple[str, str]]) -> str:
     """The upstream request's line and header lines, each ending CRLF (no blank line yet)."""
-    return "%s %s HTTP/1.1\r\n%s" % (method, target, "".join(["%s: %s\r\n" % pair for pair in headers]))
+    return "%s %s HTTP/1.1\r\n%s" % (method, target,
+                                     "".join(["%s: %s\r\n" % pair for pair in headers]))
 
 
-def _set_socket_timeout(sock: socket.socket, timeout: Optional[float], send_timeout: Optional[float] = None) -> None:
-    """Give a plain socket `timeout` (None: block forever): with KERNEL_TIMEOUTS a blocking socket whose
-    recv/send time out in the kernel (raising BlockingIOError, which callers turn into socket.timeout),
-    else Python's settimeout. `send_timeout`, when given, is the kernel's send timeout instead."""
+def _set_socket_timeout(sock: socket.socket, timeout: Optional[float],
+                        send_timeout: Optional[float] = None) -> None:
+    """Give a plain socket `timeout` (None: block forever): with KERNEL_TIMEOUTS a blocking socket
+    whose recv/send time out in the kernel (raising BlockingIOError, which callers turn into
+    socket.timeout), else Python's settimeout. `send_timeout`, when given, is the kernel's send
+    timeout instead."""
     if not KERNEL_TIMEOUTS:
         sock.settimeout(timeout)
         return
     if sock.gettimeout() is not None:  # e.g. the connect timeout, or socket.setdefaulttimeout()'s
         sock.settimeout(None)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(timeout))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout if send_timeout is None else send_timeout))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                    _timeval(timeout if send_timeout is None else send_timeout))
 
 
 def _timeval(timeout: Optional[float]) -> bytes:
@@ -2919,8 +3137,9 @@ _TLS_CONTEXTS_LOCK = threading.Lock()
 
 
 def _shared_tls_context(verify: Verify) -> ssl.SSLContext:
-    """The TLS context for `verify`, shared by every route with the same one (TLS_CONTEXTS_KEPT). A CA
-    bundle path is keyed with its file's size and modification time, so an edited bundle is re-read."""
+    """The TLS context for `verify`, shared by every route with the same one (TLS_CONTEXTS_KEPT). A
+    CA bundle path is keyed with its file's size and modification time, so an edited bundle is
+    re-read."""
     key: object = verify
     if isinstance(verify, str):
         try:
@@ -2963,7 +3182,8 @@ def _make_tls_context(verify: Verify) -> ssl.SSLContext:
 
 
 def _abort_socket(sock: Optional[socket.socket]) -> None:
-    """Wake any thread blocked on this socket (full shutdown, at the fd level even for TLS sockets)."""
+    """Wake any thread blocked on this socket (full shutdown, at the fd level even for TLS
+    sockets)."""
     if sock is None:
         return
     try:
@@ -2982,8 +3202,9 @@ def _quiet_close(closeable: object) -> Optional[str]:
 
 
 def _busy_refusal() -> Refusal:
-    return Refusal(503, "proxy-busy", "The proxy is at its limit of %d threads (each WebSocket session holds "
-                                      "two); retry shortly, or spread sessions over more processes." % MAX_WORKERS,
+    return Refusal(503, "proxy-busy", "The proxy is at its limit of %d threads (each WebSocket "
+                                      "session holds two); retry shortly, or spread sessions over "
+                                      "more processes." % MAX_WORKERS,
                    headers=(("Retry-After", str(BUSY_RETRY_AFTER_S)),))
 
 
@@ -2992,14 +3213,16 @@ def _answer_busy(sock: socket.socket, warnings: "_WarningRate") -> None:
     had no thread for with a 503 `proxy-busy`, without reading its request."""
     refusal = _busy_refusal()
     body = json.dumps({"error": refusal.kind, "message": refusal.message}).encode()
-    head = ("HTTP/1.1 503 Service Unavailable\r\nX-Proxy-Error: %s\r\nRetry-After: %d\r\n"
-            "Content-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+    head = ("HTTP/1.1 503 Service Unavailable\r\nX-Proxy-Error: %s\r\nRetry-After: "
+            "%d\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: "
+            "close\r\n\r\n"
             % (refusal.kind, BUSY_RETRY_AFTER_S, len(body)))
     _warn_busy(warnings)
     try:
         sock.setblocking(False)
         try:
-            sock.recv(IO_CHUNK)  # what already arrived: closing with unread bytes would send a reset
+            # what already arrived: closing with unread bytes would send a reset
+            sock.recv(IO_CHUNK)
         except OSError:
             pass
         sock.send(head.encode("latin-1") + body)
@@ -3010,13 +3233,14 @@ def _answer_busy(sock: socket.socket, warnings: "_WarningRate") -> None:
 def _warn_busy(warnings: "_WarningRate") -> None:
     refused = warnings.note(time.monotonic())
     if refused:
-        log.warning("proxy: no free worker thread (%d in use); answered 503 proxy-busy %d time(s) since the "
-                    "previous warning (at most one per %g s)", MAX_WORKERS, refused, warnings.every_s)
+        log.warning("proxy: no free worker thread (%d in use); answered 503 proxy-busy %d time(s) "
+                    "since the previous warning (at most one per %g s)", MAX_WORKERS, refused,
+                        warnings.every_s)
 
 
 class _WarningRate:
-    """Counts events and says when a WARNING about them is due: the first at once, then at most one per
-    `every_s` seconds, each reporting how many events happened since the previous one."""
+    """Counts events and says when a WARNING about them is due: the first at once, then at most one
+    per `every_s` seconds, each reporting how many events happened since the previous one."""
 
     def __init__(self, every_s: float) -> None:
         self.every_s = every_s
@@ -3025,8 +3249,8 @@ class _WarningRate:
         self._held = 0
 
     def note(self, now: float) -> int:
-        """Count one event at `now` (a monotonic time); the number to report (this event and those held
-        back since the last warning) if a warning is due, else 0."""
+        """Count one event at `now` (a monotonic time); the number to report (this event and those
+        held back since the last warning) if a warning is due, else 0."""
         with self._lock:
             self._held += 1
             if self._last is not None and now - self._last < self.every_s:
@@ -3613,14 +3837,19 @@ class _TunnelRelay:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Front one upstream URL on loopback; print the base URL first; stop cleanly on Ctrl-C/SIGTERM."""
+    """Front one upstream URL on loopback; print the base URL first; stop cleanly on
+    Ctrl-C/SIGTERM."""
     import argparse  # only the command line needs it
 
-    parser = argparse.ArgumentParser(prog="python proxy.py", description="Front a job URL with a local auth proxy.")
-    parser.add_argument("upstream", metavar="UPSTREAM_URL", help="e.g. https://<job_id>--8000.hf.jobs")
+    parser = argparse.ArgumentParser(prog="python proxy.py",
+                                     description="Front a job URL with a local auth proxy.")
+    parser.add_argument("upstream", metavar="UPSTREAM_URL",
+                        help="e.g. https://<job_id>--8000.hf.jobs")
     parser.add_argument("--port", type=int, default=0, help="local port (default: a free one)")
-    parser.add_argument("--host", default="127.0.0.1", help="local address to bind (default: 127.0.0.1)")
-    parser.add_argument("--insecure", action="store_true", help="do not verify the upstream's TLS certificate")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="local address to bind (default: 127.0.0.1)")
+    parser.add_argument("--insecure", action="store_true",
+                        help="do not verify the upstream's TLS certificate")
     parser.add_argument("--ca-bundle", help="CA bundle file to verify the upstream with")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     args = parser.parse_args(argv)
@@ -3630,7 +3859,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if reason:
         parser.error(reason)
     sys.setswitchinterval(CLI_SWITCH_INTERVAL_S)
-    log.debug("proxy: GIL switch interval %.3g s (this process only runs the proxy)", CLI_SWITCH_INTERVAL_S)
+    log.debug("proxy: GIL switch interval %.3g s (this process only runs the proxy)",
+              CLI_SWITCH_INTERVAL_S)
     token = _discover_token()
     host = urllib.parse.urlsplit(args.upstream).hostname or ""
     if not token and not _is_loopback_host(host):
