@@ -31,6 +31,7 @@ import select
 import selectors
 import signal
 import socket
+import socketserver
 import ssl
 import struct
 import sys
@@ -39,8 +40,8 @@ import time
 import types
 import urllib.parse
 import weakref
-from typing import (TYPE_CHECKING, Callable, Dict, Iterable, Iterator, List, Mapping, NamedTuple,
-                    Optional, Sequence, Set, Tuple, Union)
+from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Mapping,
+                    NamedTuple, Optional, Sequence, Set, Tuple, Union)
 
 if TYPE_CHECKING:
     import proxy_host
@@ -319,18 +320,15 @@ class Route:
         """The token to inject now: the string, or the callable's answer (read per request for
         rotation)."""
         token = self.token
-        # a fixed token, checked once: no work per request
-        if token is None or token is self._checked_token:
-            return token
-        fixed = not callable(token)
-        if not fixed:
-            token = token()  # type: ignore[operator]
-        if token is not None and _token_rejection(token):
+        if token is None or token is self._checked_token:  # fixed and checked: no work per request
+            return self._checked_token
+        value = token() if callable(token) else token
+        if value is not None and _token_rejection(value):
             raise ValueError("the token %s is not a usable token string" % (
-                "set on the route" if fixed else "callable returned something that"))
-        if fixed:
-            self._checked_token = token  # type: ignore[assignment]  # (assigned after mount)
-        return token  # type: ignore[return-value]
+                "callable returned something that" if callable(token) else "set on the route"))
+        if not callable(token):
+            self._checked_token = value  # (a string assigned to `token` after mount)
+        return value
 
     def current_headers(self) -> Tuple[Tuple[str, str], ...]:
         """The extra headers to send now: the mapping's, or the callable's answer (read per
@@ -720,8 +718,8 @@ class ReplicaRoute:
 
     def _failure_summary(self) -> Tuple[int, List[Dict[str, object]]]:
         with self._lock:
-            failed = [{"replica": r.number,
-                       "reason": r.reason} for r in self._replicas if not r.healthy]
+            failed: List[Dict[str, object]] = [{"replica": r.number, "reason": r.reason}
+                                               for r in self._replicas if not r.healthy]
             return len(self._replicas), failed
 
 
@@ -1734,8 +1732,20 @@ class _Server(http.server.ThreadingHTTPServer):
             while not self._woken:
                 for key, _ in selector.select():
                     if key.fileobj is self.socket and not self._woken:
-                        # type: ignore[attr-defined]  # accept + process_request
-                        self._handle_request_noblock()
+                        self._accept()
+
+    def _accept(self) -> None:
+        """Take one waiting connection and hand it to `process_request` (what `handle_request` does
+        after its own wait)."""
+        try:
+            request, client_address = self.get_request()
+        except OSError:
+            return
+        try:
+            self.process_request(request, client_address)
+        except Exception:
+            self.handle_error(request, client_address)
+            self.shutdown_request(request)
 
     def wake(self) -> None:
         """Make `serve_until_woken` return now (thread-safe, idempotent)."""
@@ -1754,11 +1764,10 @@ class _Server(http.server.ThreadingHTTPServer):
 
     def server_bind(self) -> None:
         # HTTPServer.server_bind does a reverse DNS lookup (getfqdn) that can stall; we need none.
-        http.server.socketserver.TCPServer.server_bind(self)  # type: ignore[attr-defined]
+        socketserver.TCPServer.server_bind(self)
         self.server_name, self.server_port = self.proxy.host, self.server_address[1]
 
-    def process_request(self, request: socket.socket,
-                        client_address: object) -> None:  # type: ignore[override]
+    def process_request(self, request: Any, client_address: Any) -> None:
         with self._conn_lock:
             if self.proxy._stopping:
                 self.shutdown_request(request)
@@ -1858,7 +1867,7 @@ class _ClientReader(io.RawIOBase):
             _set_socket_timeout(self._sock, timeout)
             self._timeout = timeout
 
-    def readinto(self, buffer: "bytearray | memoryview") -> int:  # type: ignore[override]
+    def readinto(self, buffer: Any) -> int:
         pending = self.pending
         if pending:  # (already read: served even when stopped, so a drain gives these up too)
             n = min(len(buffer), len(pending))
@@ -1952,7 +1961,7 @@ class _SocketWriter(io.BufferedIOBase):
     def writable(self) -> bool:
         return True
 
-    def write(self, data: "bytes | bytearray | memoryview") -> int:  # type: ignore[override]
+    def write(self, data: Any) -> int:
         try:
             self._sock.sendall(data)
         except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
@@ -1972,6 +1981,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     server_version = "hf-sandbox-proxy"
     sys_version = ""
     server: _Server
+    headers: _RequestHeaders  # type: ignore[assignment]  # (the stdlib's parser made a Message)
     _route_headers: Tuple[Tuple[str, str],
                           ...] = ()  # the current request's route headers (set per request)
     _token: Optional[str] = None  # the current request's token (set per request, see _credentials)
@@ -2424,7 +2434,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             raise _ClientGone() from None
         if not peeked:
             raise _ClientGone()
-        self._watched.watch = None
+        if self._watched is not None:
+            self._watched.watch = None
 
     def _await_answer(self, upstream: Union[_UpstreamConnection, socket.socket, None]) -> bool:
         """Wait until the upstream has something to say; False if the client hung up meanwhile, and
@@ -2792,7 +2803,7 @@ class _UpstreamConnection:
             except (BlockingIOError, socket.timeout):
                 continue
 
-    def _sendall(self, data: bytes) -> None:
+    def _sendall(self, data: "bytes | memoryview") -> None:
         if KERNEL_TIMEOUTS and not isinstance(self.sock, ssl.SSLSocket):
             try:
                 self.sock.sendall(data)  # the kernel's send timeout is read_timeout_s
@@ -2824,8 +2835,7 @@ class _UpstreamConnection:
         those are consumed by a non-blocking read, and only application bytes (kept for the reader)
         or an end of stream count."""
         sock = self.sock
-        tls = isinstance(sock, ssl.SSLSocket)
-        if tls and sock.pending():  # type: ignore[attr-defined]
+        if isinstance(sock, ssl.SSLSocket) and sock.pending():  # decrypted bytes a read left
             return True
         poller = self._poller
         if poller is None:
@@ -2836,7 +2846,7 @@ class _UpstreamConnection:
                 return False
         except (OSError, ValueError):
             return True
-        if not tls:
+        if not isinstance(sock, ssl.SSLSocket):
             return True
         timeout = sock.gettimeout()
         sock.settimeout(0)
@@ -3192,10 +3202,10 @@ def _abort_socket(sock: Optional[socket.socket]) -> None:
         pass
 
 
-def _quiet_close(closeable: object) -> Optional[str]:
+def _quiet_close(closeable: Any) -> Optional[str]:
     """Close without raising; return the error's name if closing failed."""
     try:
-        closeable.close()  # type: ignore[attr-defined]
+        closeable.close()
     except Exception as exc:
         return type(exc).__name__
     return None
