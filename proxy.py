@@ -4,13 +4,22 @@ clients.
 `AuthProxy` listens on 127.0.0.1 and mounts upstreams under unguessable path prefixes. Each request
 to `http://127.0.0.1:<port>/<route-id>/<rest>` is forwarded to `<upstream>/<rest>` with the route's
 bearer token injected, so unmodified OpenEnv clients (HTTP and WebSocket) can talk to a
-token-protected job without ever seeing the token. Threads only, standard library only: no event
-loop; WebSocket frames are never parsed, the tunnel copies raw bytes. `mount_replicas` puts one
-route in front of several jobs of the same server and spreads WebSocket sessions over them (fewest
-open sessions first).
+token-protected job without ever seeing the token. `mount_replicas` puts one route in front of
+several jobs of the same server and spreads WebSocket sessions over them (fewest open sessions
+first).
 
-Public names: `AuthProxy`, `Route`, `ReplicaRoute`, `Refusal`, `InsecureURLError`. Run `python
-proxy.py UPSTREAM_URL` to front one job from the command line.
+The shape, top to bottom: an `http.server.ThreadingHTTPServer` whose connections run on a pool of
+worker threads (at most MAX_WORKERS; past that a new connection is answered `503 proxy-busy`). A
+worker reads each request on its connection with one strict parser (`_Handler.parse_request`),
+forwards it over a keep-alive connection from the upstream host's pool (plain TCP, or an
+`ssl.SSLSocket`) and streams the answer back. A WebSocket upgrade is replayed to the upstream on a
+connection of its own; once it is answered 101, the session is a tunnel of two threads, one per
+direction, copying raw bytes (frames are never parsed). Blocking sockets only: no event loop, no
+readiness multiplexing. Standard library only.
+
+Public names: `AuthProxy`, `Route`, `ReplicaRoute`, `Refusal`, `InsecureURLError`.
+`AuthProxy.spawn()` serves one from a child process (module `proxy_host`, loaded on use). Run
+`python proxy.py UPSTREAM_URL` to front one job from the command line.
 """
 from __future__ import annotations
 
