@@ -97,10 +97,6 @@ MAX_INTERIM_RESPONSES = 32
 # Socket read size for streaming bodies and tunnels: large enough to move a 1 MiB frame in a few
 # calls.
 IO_CHUNK = 64 * 1024
-# What a pooled TLS connection asks its engine for per read: a TLS record's largest plaintext (RFC
-# 8446 section 5.1, RFC 5246 section 6.2.1), so each read takes a whole record and none is left
-# half-read.
-TLS_RECORD_BYTES = 16 * 1024
 # Read size of the tunnel relay, per read of one side of a WebSocket tunnel. OpenEnv frames are a
 # few hundred bytes; a 1 MiB frame takes 64 reads instead of 16. (When a thread per direction waited
 # in recv, this buffer set most of an open session's memory; the relay thread holds none per
@@ -124,18 +120,11 @@ POOL_IDLE_S = 4.0
 # restart. A handful of distinct `verify` values is the norm; the least recently used beyond this
 # many is dropped.
 TLS_CONTEXTS_KEPT = 8
-# A burst of TLS WebSocket set-ups leaves the memory each handshake touched and freed (OpenSSL's
-# handshake buffers, ~16 KiB each) resident between the sessions' long-lived allocations: with 1,024
-# sessions held, one malloc_trim returned 18 KiB per session. A tunnel that starts relaying trims
-# when the last trim is this old, so a burst is trimmed while it sets up (a trim of a 120 MiB heap
-# took 36 ms, without the GIL); a steady trickle of sessions trims at most this often.
-TUNNEL_TRIM_EVERY_S = 1.0
 # How long stop() waits for each thread it started before naming it as left behind.
 STOP_JOIN_S = 5.0
-# Worker threads (client connections being served) at most. An open WebSocket tunnel holds none (the
-# relay thread pumps them all) and a keep-alive HTTP connection holds one, so this caps connections
-# served at once, not open sessions. At the cap a new connection is answered 503 `X-Proxy-Error:
-# proxy-busy` with `Retry-After` instead of queueing behind connections that may last hours.
+# Worker threads (client connections being served) at most: a keep-alive HTTP connection holds one
+# while it is open. At the cap a new connection is answered 503 `X-Proxy-Error: proxy-busy` with
+# `Retry-After` instead of queueing behind connections that may last hours.
 MAX_WORKERS = 16384
 # A parked worker that got no work for this long ends. Long enough that a trainer's next batch of
 # sessions (seconds to a minute apart) finds the threads the previous one left; short enough that a
