@@ -194,11 +194,11 @@ _RESPONSE_FIELD_RE = re.compile(
     r"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*([^\x00-\x08\x0a-\x1f\x7f]*)\r?\n")
 # A request line: three parts, one space apart (the target and method are checked when dispatched).
 _REQUEST_LINE_RE = re.compile(r"([^ ]*) ([^ ]*) (HTTP/1\.[0-9])")
-# One request header line, as the strict reading takes it: a token name, a colon, the value without
-# the blanks around it, then the line's end (CRs before the LF dropped). A value may hold any
-# character but LF here; control characters in it are refused when the request is dispatched
+# One request header line: a token name, a colon, the rest of the line up to its LF (parse_request
+# drops the CRs before the LF, then the blanks around the value). A value may hold any character
+# but LF here; control characters in it are refused when the request is dispatched
 # (_header_refusal).
-_HEADER_LINE_RE = re.compile(r"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*(.*?)[ \t]*\r*\n")
+_HEADER_LINE_RE = re.compile(r"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):([^\n]*)\n")
 
 # recv() flags that look at the next byte without taking it or waiting for it.
 _PEEK_NOW = socket.MSG_PEEK | getattr(socket, "MSG_DONTWAIT", 0)
@@ -1376,9 +1376,11 @@ def _body_framing(headers: _RequestHeaders) -> Union[Tuple[str, int], Refusal]:
 
 
 def _is_websocket_upgrade(method: str, headers: _RequestHeaders) -> bool:
+    if method != "GET" or "upgrade" not in headers:
+        return False
     upgrade = {token.strip().lower() for value in headers.get_all("Upgrade") or []
                for token in value.split(",")}
-    return method == "GET" and "websocket" in upgrade and "upgrade" in headers.connection_tokens()
+    return "websocket" in upgrade and "upgrade" in headers.connection_tokens()
 
 
 def _upstream_request_headers(headers: _RequestHeaders, route: Route, token: Optional[str],
@@ -1390,8 +1392,8 @@ def _upstream_request_headers(headers: _RequestHeaders, route: Route, token: Opt
     if extra:
         drop = drop | {name.lower() for name, _ in extra}
     out = [("Host", route.host_header)]
-    for name, value in headers.items():
-        if name.lower() not in drop:
+    for lower, name, value in headers.lowered_items():
+        if lower not in drop:
             out.append((name, _OBS_FOLD_RE.sub(" ", value) if "\n" in value else value))
     if token is not None:
         out.append(("Authorization", "Bearer " + token))
@@ -1835,9 +1837,6 @@ class _ClientReader(io.RawIOBase):
         self._deadline: Optional[float] = None
         self._timeout: Optional[float] = -1.0  # what the socket is set to (-1: unknown)
         self._stopped = False
-        # Bytes the clean-request loop (`_Handler._serve_clean`) read and handed over: served before
-        # the socket is read, as if they had just arrived (the header deadline starts with them).
-        self.pending = b""
 
     def readable(self) -> bool:
         return True
@@ -1854,8 +1853,7 @@ class _ClientReader(io.RawIOBase):
 
     def stop(self) -> None:
         """Make every later raw read answer "no more" without touching the socket, so the buffered
-        reader above gives up only what it already holds, and any handed-over bytes it has not yet
-        reached (see `_Handler._take_buffered`)."""
+        reader above gives up only what it already holds (see `_Handler._take_buffered`)."""
         self._stopped = True
 
     def _set_timeout(self, timeout: Optional[float]) -> None:
@@ -1866,14 +1864,6 @@ class _ClientReader(io.RawIOBase):
             self._timeout = timeout
 
     def readinto(self, buffer: Any) -> int:
-        pending = self.pending
-        if pending:  # (already read: served even when stopped, so a drain gives these up too)
-            n = min(len(buffer), len(pending))
-            buffer[:n] = pending[:n]
-            self.pending = pending[n:]
-            if self._header_timeout is not None and self._deadline is None:
-                self._deadline = time.monotonic() + self._header_timeout
-            return n
         if self._stopped:
             return 0
         if self._deadline is not None:
@@ -1896,17 +1886,22 @@ class _RequestHeaders:
     `HTTPMessage`) and what a hook may edit (`headers[name] = value` adds a field, `del
     headers[name]` removes each of that name)."""
 
-    __slots__ = ("_pairs", "_index", "_tokens")
+    __slots__ = ("_pairs", "_lowered", "_index", "_tokens")
 
     def __init__(self, pairs: List[Tuple[str, str]]) -> None:
         self._set(pairs)
 
     def _set(self, pairs: List[Tuple[str, str]]) -> None:
         self._pairs = pairs
+        self._lowered = [name.lower() for name, _ in pairs]
         self._index: Dict[str, List[str]] = {}
-        for name, value in pairs:
-            self._index.setdefault(name.lower(), []).append(value)
+        for lower, (_, value) in zip(self._lowered, pairs):
+            self._index.setdefault(lower, []).append(value)
         self._tokens: "Optional[frozenset[str]]" = None
+
+    def lowered_items(self) -> Iterator[Tuple[str, str, str]]:
+        """(lower-cased name, name, value) of each field, in order."""
+        return ((lower, name, value) for lower, (name, value) in zip(self._lowered, self._pairs))
 
     def get(self, name: str, default: Optional[str] = None) -> Optional[str]:
         values = self._index.get(name.lower())
@@ -2067,13 +2062,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self._refuse(_head_fault(lines, line, budget), close=True)
                 return False
             lines.append(line)
-        # [gap, name, value, gap, name, value, ..., gap]: every gap is empty when every line is a
-        # field.
+        # [gap, name, value, gap, name, value, ..., gap]: each gap is empty if each line is a field.
         parts = _HEADER_LINE_RE.split(b"".join(lines).decode("latin-1"))
         if any(parts[::3]):
             self._refuse(_head_fault(lines, b"\n", budget), close=True)
             return False
-        self.headers = headers = _RequestHeaders(list(zip(parts[1::3], parts[2::3])))
+        fields = zip(parts[1::3], parts[2::3])
+        self.headers = headers = _RequestHeaders(
+            [(name, value.rstrip("\r").strip(" \t")) for name, value in fields])
         tokens = headers.connection_tokens()
         self.close_connection = "close" in tokens or (
             self.request_version == "HTTP/1.0" and "keep-alive" not in tokens)
