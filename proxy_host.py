@@ -1,20 +1,22 @@
-"""`AuthProxy` served from a child process: `AuthProxy.spawn()` and `HFSandboxProvider(proxy="process")`.
+"""`AuthProxy` served from a child process: `AuthProxy.spawn()` and
+`HFSandboxProvider(proxy="process")`.
 
-A layer over `proxy.py`, imported only when used. `AuthProxy.spawn()` runs an `AuthProxy` in a child Python
-process (this file, run by sys.executable; threads only inside) and returns an `AuthProxyProcess`, a
-parent-side handle with the API a provider uses. The relay work then runs on the child's GIL, not the
-trainer's.
+A layer over `proxy.py`, imported only when used. `AuthProxy.spawn()` runs an `AuthProxy` in a child
+Python process (this file, run by sys.executable; threads only inside) and returns an
+`AuthProxyProcess`, a parent-side handle with the API a provider uses. The relay work then runs on
+the child's GIL, not the trainer's.
 
-Control channel: a socketpair inherited by the child (no file, no port), carrying length-prefixed JSON
-both ways. Requests carry an id and get one answer each; the child also sends its log records. Tokens
-cross only this channel: never argv (the child's is `proxy_host.py --proxy-host FD PARENT_PID`), never
-the environment (the child gets an allowlist of variables, so HF_TOKEN stays in the parent), never a
-file.
+Control channel: a socketpair inherited by the child (no file, no port), carrying length-prefixed
+JSON both ways. Requests carry an id and get one answer each; the child also sends its log records.
+Tokens cross only this channel: never argv (the child's is `proxy_host.py --proxy-host FD
+PARENT_PID`), never the environment (the child gets an allowlist of variables, so HF_TOKEN stays in
+the parent), never a file.
 
 Token callables stay in the parent (they are Python objects of the trainer's): one parent thread
 re-reads every callable each TOKEN_PUSH_INTERVAL_S and pushes a changed value to the child, which
-injects the last value pushed. The alternative, the child asking the parent per request (with a cache),
-puts a round trip through the trainer's GIL in the request path: the cost the host exists to remove.
+injects the last value pushed. The alternative, the child asking the parent per request (with a
+cache), puts a round trip through the trainer's GIL in the request path: the cost the host exists to
+remove.
 
 The child ends with the parent: it watches the channel for EOF (the kernel closes the parent's end
 whatever kills it, SIGKILL included) and, on Linux, also asks for SIGTERM when its parent dies
@@ -35,7 +37,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence
 
 
 def _sibling_proxy_module() -> object:
@@ -68,11 +70,11 @@ __all__ = ["AuthProxyProcess", "spawn"]
 
 def spawn(cls: type, host: str = "127.0.0.1", port: int = 0, *, processes: int = 1,
           **timeouts: float) -> "AuthProxyProcess":
-    """`AuthProxy.spawn()`: start the child (or `processes` children sharing one port) and return its
-    started handle."""
+    """`AuthProxy.spawn()`: start the child (or `processes` children sharing one port) and return
+    its started handle."""
     if cls is not AuthProxy:
-        raise TypeError("spawn() hosts a plain AuthProxy: a subclass's overrides cannot cross into the child "
-                        "process; start %s in-process instead" % cls.__name__)
+        raise TypeError("spawn() hosts a plain AuthProxy: a subclass's overrides cannot cross into "
+                        "the child process; start %s in-process instead" % cls.__name__)
     _proxy._raise_if_rejected(_processes_rejection(processes))
     if processes == 1:
         return AuthProxyProcess(host, port, **timeouts).start()
@@ -81,9 +83,9 @@ def spawn(cls: type, host: str = "127.0.0.1", port: int = 0, *, processes: int =
 
 # argv[1] of the child (`python proxy_host.py --proxy-host FD PARENT_PID`): says what it is in `ps`.
 HOST_CHILD_ARG = "--proxy-host"
-# How often the parent re-reads token callables and pushes changed values: a rotated token reaches the
-# child within this delay. HF tokens and sandbox bearers rotate in minutes, with overlap; reading 64
-# callables twice a second costs the parent about 0.1 ms per second.
+# How often the parent re-reads token callables and pushes changed values: a rotated token reaches
+# the child within this delay. HF tokens and sandbox bearers rotate in minutes, with overlap;
+# reading 64 callables twice a second costs the parent about 0.1 ms per second.
 TOKEN_PUSH_INTERVAL_S = 0.5
 # How long a control request waits for the child's answer. A mount takes microseconds; a child that
 # cannot answer in this long is wedged, and the caller gets an error instead of hanging.
@@ -111,14 +113,15 @@ class AuthProxyProcess:
     """An `AuthProxy` served by a child process; made (and started) by `AuthProxy.spawn()`.
 
     Same API as the in-process proxy for a provider: `mount`, `unmount`, `mount_replicas`,
-    `add_replica`, `remove_replica`, `replica_status`, `port`, `url`, `stop()`, context manager. Mount
-    refusals are raised here with the in-process types and messages; 502/504 answers come from the child
-    as they would in-process; the child's `proxy` log records are re-emitted on this process's `proxy`
-    logger (`record.process` is the child's pid). `running` says whether the child still serves.
-    """
+    `add_replica`, `remove_replica`, `replica_status`, `port`, `url`, `stop()`, context manager.
+    Mount refusals are raised here with the in-process types and messages; 502/504 answers come from
+    the child as they would in-process; the child's `proxy` log records are re-emitted on this
+    process's `proxy` logger (`record.process` is the child's pid). `running` says whether the child
+    still serves. """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, **timeouts: float) -> None:
-        AuthProxy(host, port, **timeouts)  # the same checks and messages as in-process (binds nothing)
+        # the same checks and messages as in-process (binds nothing)
+        AuthProxy(host, port, **timeouts)
         self._reuse_port = False  # set by a process group: bind with SO_REUSEPORT
         self.host = host
         self._requested_port = port
@@ -128,8 +131,9 @@ class AuthProxyProcess:
         self._send_lock = threading.Lock()  # one message at a time on the channel
         self._next_id = 0
         self._pending: Dict[int, "_PendingAnswer"] = {}
-        # Routes with callables: route id -> {"token"/"headers": the callable or None, and what was sent}.
-        self._routes: Dict[str, Dict[str, object]] = {}
+        # Routes with callables: route id -> {"token"/"headers": the callable or None, and what was
+        # sent}.
+        self._routes: Dict[str, Dict[str, Any]] = {}
         self._sock: Optional[socket.socket] = None
         self._process: Optional["subprocess.Popen[bytes]"] = None
         self._control: Optional[threading.Thread] = None
@@ -150,9 +154,10 @@ class AuthProxyProcess:
                 return self
             parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             self._sock = parent_end
-            started: Dict[str, object] = {}
+            started: Dict[str, Any] = {}
             ready = threading.Event()
-            self._control = threading.Thread(target=self._control_thread, args=(child_end, started, ready),
+            self._control = threading.Thread(target=self._control_thread, args=(child_end, started,
+                                                                                ready),
                                              name="proxy-host-control", daemon=True)
             _proxy._start_thread(self._control)
         ready.wait()
@@ -161,19 +166,21 @@ class AuthProxyProcess:
             raise started["error"]  # type: ignore[misc]
         _live_hosts.add(self)
         try:
-            answer = self._call("start", timeout=HOST_START_S, host=self.host, port=self._requested_port,
+            answer = self._call("start", timeout=HOST_START_S, host=self.host,
+                                port=self._requested_port,
                                 timeouts=self._timeouts, reuse_port=self._reuse_port)
         except BaseException:
             self.stop()
             raise
         self._port = int(answer["port"])  # type: ignore[index, call-overload]
         self._serving = True
-        log.debug("proxy host process %s serves %s", self.pid, self.url)  # the child logged "listening" at INFO
+        # the child logged "listening" at INFO
+        log.debug("proxy host process %s serves %s", self.pid, self.url)
         return self
 
     def stop(self) -> None:
-        """Stop the child's proxy (every connection, tunnel and thread), wait for the child to exit and
-        end this handle's threads. Never raises; logs what it could not clean up."""
+        """Stop the child's proxy (every connection, tunnel and thread), wait for the child to exit
+        and end this handle's threads. Never raises; logs what it could not clean up."""
         with self._lock:
             if self._stopping:
                 return
@@ -208,8 +215,10 @@ class AuthProxyProcess:
         self.stop()
 
     def __repr__(self) -> str:
-        state = "stopped" if self._stopping else (self._ended or ("serving" if self._serving else "not started"))
-        return "AuthProxyProcess(%s, pid %s, %s)" % (self.url if self._serving else self.host, self.pid, state)
+        state = "stopped" if self._stopping else (
+            self._ended or ("serving" if self._serving else "not started"))
+        return ("AuthProxyProcess(%s, pid %s, %s)" % (self.url if self._serving else self.host,
+                                                      self.pid, state))
 
     @property
     def port(self) -> int:
@@ -234,16 +243,21 @@ class AuthProxyProcess:
 
     # -- routes (same contract as AuthProxy's) -----------------------------------------------------
 
-    def mount(self, upstream: str, token: Token, *, verify: Verify = True, headers: ExtraHeaders = None) -> str:
-        """As `AuthProxy.mount`; a callable token or headers is re-read here every TOKEN_PUSH_INTERVAL_S."""
-        Route(upstream, token, verify, headers)  # refusals raised here, with the in-process types and messages
-        return self._mount("mount", token, headers, upstream=upstream, verify=_portable_verify(verify))
+    def mount(self, upstream: str, token: Token, *, verify: Verify = True,
+              headers: ExtraHeaders = None) -> str:
+        """As `AuthProxy.mount`; a callable token or headers is re-read here every
+        TOKEN_PUSH_INTERVAL_S."""
+        # refusals raised here, with the in-process types and messages
+        Route(upstream, token, verify, headers)
+        return self._mount("mount", token, headers, upstream=upstream,
+                           verify=_portable_verify(verify))
 
     def mount_replicas(self, upstreams: Sequence[str], token: Token, *, verify: Verify = True,
                        http: str = "refuse") -> str:
         """As `AuthProxy.mount_replicas`."""
         ReplicaRoute(upstreams, token, verify, http)  # refusals raised here, as in-process
-        return self._mount("mount_replicas", token, None, upstreams=list(upstreams), verify=_portable_verify(verify),
+        return self._mount("mount_replicas", token, None, upstreams=list(upstreams),
+                           verify=_portable_verify(verify),
                            http=http)
 
     def add_replica(self, base_url: str, upstream: str) -> bool:
@@ -252,11 +266,12 @@ class AuthProxyProcess:
 
     def remove_replica(self, base_url: str, upstream: str) -> bool:
         """As `AuthProxy.remove_replica`."""
-        return bool(self._call("remove_replica", route=_proxy._route_id(base_url), upstream=upstream))
+        return bool(self._call("remove_replica", route=_proxy._route_id(base_url),
+                               upstream=upstream))
 
-    def replica_status(self, base_url: str) -> List[Dict[str, object]]:
+    def replica_status(self, base_url: str) -> List[Dict[str, Any]]:
         """As `AuthProxy.replica_status`."""
-        return list(self._call("replica_status", route=_proxy._route_id(base_url)))  # type: ignore[call-overload]
+        return list(self._call("replica_status", route=_proxy._route_id(base_url)))
 
     def unmount(self, base_url: str) -> bool:
         """As `AuthProxy.unmount`: False when nothing is mounted there; safe to call twice."""
@@ -270,7 +285,8 @@ class AuthProxyProcess:
 
     def _mount(self, op: str, token: Token, headers: ExtraHeaders, **fields: object) -> str:
         sent = {"token": _Pushed.of_token(token), "headers": _Pushed.of_headers(headers)}
-        answer = self._call(op, dynamic=[name for name, source in (("token", token), ("headers", headers))
+        answer = self._call(op, dynamic=[name for name, source in (("token", token), ("headers",
+                                                                                      headers))
                                          if callable(source)], **_pushed_fields(sent), **fields)
         route_id = _proxy._route_id(answer)
         if callable(token) or callable(headers):
@@ -279,7 +295,8 @@ class AuthProxyProcess:
                                           "headers": headers if callable(headers) else None}
                 start_pusher = self._pusher is None
                 if start_pusher:
-                    self._pusher = threading.Thread(target=self._push_tokens, name="proxy-host-tokens", daemon=True)
+                    self._pusher = threading.Thread(target=self._push_tokens,
+                                                    name="proxy-host-tokens", daemon=True)
             if start_pusher:
                 _proxy._start_thread(self._pusher)  # type: ignore[arg-type]
         return str(answer)
@@ -302,7 +319,8 @@ class AuthProxyProcess:
                 raise RuntimeError("the proxy host process %s did not answer %s within %.0f s"
                                    % (self.pid, op, timeout))
         except OSError as exc:
-            raise RuntimeError("the proxy host process is not serving (%s)" % (self._ended or exc)) from None
+            raise RuntimeError("the proxy host process is not serving "
+                               "(%s)" % (self._ended or exc)) from None
         finally:
             with self._lock:
                 self._pending.pop(request_id, None)
@@ -310,9 +328,10 @@ class AuthProxyProcess:
             raise pending.error
         return pending.result
 
-    def _control_thread(self, child_end: socket.socket, started: Dict[str, object], ready: threading.Event) -> None:
-        """Start the child (from this thread: PR_SET_PDEATHSIG follows the starting thread), then read
-        its answers and log records until the channel closes; reap the child."""
+    def _control_thread(self, child_end: socket.socket, started: Dict[str, Any],
+                        ready: threading.Event) -> None:
+        """Start the child (from this thread: PR_SET_PDEATHSIG follows the starting thread), then
+        read its answers and log records until the channel closes; reap the child."""
         try:
             try:
                 self._process = _spawn_host_child(child_end)
@@ -338,7 +357,7 @@ class AuthProxyProcess:
         finally:
             self._channel_closed()
 
-    def _deliver(self, message: Dict[str, object]) -> None:
+    def _deliver(self, message: Dict[str, Any]) -> None:
         with self._lock:
             pending = self._pending.get(message["id"])  # type: ignore[call-overload]
         if pending is None:  # its caller gave up waiting
@@ -368,10 +387,12 @@ class AuthProxyProcess:
             pending.done.set()
         self._pusher_stop.set()
         if not self._stopping and code is not None:
-            log.warning("proxy host process %s ended on its own (code %s): its routes are gone", self.pid, code)
+            log.warning("proxy host process %s ended on its own (code %s): its routes are gone",
+                        self.pid, code)
 
     def _abandon(self) -> None:
-        """Close the parent's end of the channel (the child sees EOF and exits) and stop the pusher."""
+        """Close the parent's end of the channel (the child sees EOF and exits) and stop the
+        pusher."""
         self._pusher_stop.set()
         sock = self._sock
         if sock is not None:
@@ -381,7 +402,8 @@ class AuthProxyProcess:
             pusher.join(_proxy.STOP_JOIN_S)
 
     def _push_tokens(self) -> None:
-        """Re-read every token and headers callable each TOKEN_PUSH_INTERVAL_S; send the child what changed."""
+        """Re-read every token and headers callable each TOKEN_PUSH_INTERVAL_S; send the child
+        what changed."""
         while not self._pusher_stop.wait(TOKEN_PUSH_INTERVAL_S):
             with self._lock:
                 routes = list(self._routes.items())
@@ -396,14 +418,17 @@ class AuthProxyProcess:
                     continue
                 try:
                     self._call("refresh", route=route_id, **_pushed_fields(now))
-                except Exception as exc:  # the child is gone (logged once there) or the route was unmounted
+                # the child is gone (logged once there) or the route was unmounted
+                except Exception as exc:
                     log.debug("proxy host: could not push a token (%s)", type(exc).__name__)
                     continue
                 entry["sent"] = now
 
     def _after_fork(self) -> None:
-        """In a forked child: the channel and threads belong to the parent; close our copy of its end."""
-        self._ended = "this handle belongs to the process that spawned it (this one was forked from it)"
+        """In a forked child: the channel and threads belong to the parent; close our copy of its
+        end."""
+        self._ended = ("this handle belongs to the process that spawned it (this one was forked "
+                       "from it)")
         self._pending = {}
         sock, self._sock = self._sock, None
         if sock is not None:
@@ -414,10 +439,10 @@ class AuthProxyProcess:
 
 
 class _ProxyProcessGroup:
-    """`AuthProxy.spawn(processes=N)`: N proxy host children sharing one port (SO_REUSEPORT), each route
-    mounted in every one under the same route id, so whichever child the kernel hands a connection to
-    serves it. Same API as `AuthProxyProcess` except replica routes: each child would balance its own
-    sessions, so `mount_replicas` is refused (use processes=1)."""
+    """`AuthProxy.spawn(processes=N)`: N proxy host children sharing one port (SO_REUSEPORT), each
+    route mounted in every one under the same route id, so whichever child the kernel hands a
+    connection to serves it. Same API as `AuthProxyProcess` except replica routes: each child would
+    balance its own sessions, so `mount_replicas` is refused (use processes=1)."""
 
     def __init__(self, host: str, port: int, processes: int, timeouts: Dict[str, float]) -> None:
         self.host = host
@@ -448,20 +473,24 @@ class _ProxyProcessGroup:
         self.stop()
 
     def __repr__(self) -> str:
-        return "AuthProxyProcess(%s, pids %s, %s)" % (self.url, self.pids, "serving" if self.running else "not serving")
+        state = "serving" if self.running else "not serving"
+        return "AuthProxyProcess(%s, pids %s, %s)" % (self.url, self.pids, state)
 
     port = property(lambda self: self.members[0].port, doc="The shared port.")
     url = property(lambda self: self.members[0].url, doc="The listener's root URL.")
     pid = property(lambda self: self.members[0].pid, doc="The first child's process id.")
     pids = property(lambda self: [m.pid for m in self.members], doc="Every child's process id.")
-    running = property(lambda self: all(m.running for m in self.members), doc="True while every child serves.")
+    running = property(lambda self: all(m.running for m in self.members), doc="True while every "
+                                                                              "child serves.")
 
-    def mount(self, upstream: str, token: Token, *, verify: Verify = True, headers: ExtraHeaders = None) -> str:
+    def mount(self, upstream: str, token: Token, *, verify: Verify = True,
+              headers: ExtraHeaders = None) -> str:
         """As `AuthProxy.mount`, in every child; undone in all if one refuses."""
         base_url = self.members[0].mount(upstream, token, verify=verify, headers=headers)
         try:
             for member in self.members[1:]:
-                member._mount("mount", token, headers, upstream=upstream, verify=_portable_verify(verify),
+                member._mount("mount", token, headers, upstream=upstream,
+                              verify=_portable_verify(verify),
                               route_id=_proxy._route_id(base_url))
         except BaseException:
             self.unmount(base_url)
@@ -485,15 +514,17 @@ class _ProxyProcessGroup:
 
 
 # Why a process group has no replica routes.
-_GROUP_REPLICAS_REFUSAL = ("replica routes need one proxy process: each child would balance its own sessions; "
-                           "spawn with processes=1 for mount_replicas()")
+_GROUP_REPLICAS_REFUSAL = ("replica routes need one proxy process: each child would balance its "
+                           "own sessions; spawn with processes=1 for mount_replicas()")
 
 
 def _processes_rejection(processes: object) -> Optional[str]:
     if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
-        return "processes must be a whole number of child processes, 1 or more, got %r" % (processes,)
+        return ("processes must be a whole number of child processes, 1 or more, got "
+                "%r" % (processes,))
     if processes > 1 and not hasattr(socket, "SO_REUSEPORT"):
-        return "processes > 1 needs SO_REUSEPORT (Linux, BSD, macOS); this platform has none: use processes=1"
+        return ("processes > 1 needs SO_REUSEPORT (Linux, BSD, macOS); this platform has none: use "
+                "processes=1")
     return None
 
 
@@ -531,8 +562,8 @@ class _PendingAnswer:
 
 
 class _Pushed(NamedTuple):
-    """What a route's token or headers (or its callable, read now) gave: the value to send the child,
-    or the name of the error the in-process proxy would have met reading it."""
+    """What a route's token or headers (or its callable, read now) gave: the value to send the
+    child, or the name of the error the in-process proxy would have met reading it."""
 
     value: object
     error: Optional[str]
@@ -557,18 +588,22 @@ class _Pushed(NamedTuple):
             return cls(None, type(exc).__name__)
         if value is None:
             return cls(None, None)
-        if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
-            return cls(None, "ValueError")  # in-process: "not a mapping" / "not a string of printable ASCII"
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v,
+                                                                                       str) for k,
+                                                  v in value.items()):
+            # in-process: "not a mapping" / "not a string of printable ASCII"
+            return cls(None, "ValueError")
         return cls(dict(value), None)
 
 
-def _pushed_fields(sent: Dict[str, "_Pushed"]) -> Dict[str, object]:
+def _pushed_fields(sent: Dict[str, "_Pushed"]) -> Dict[str, Any]:
     """The control-message fields for a route's token and headers."""
     return {"token": sent["token"].value, "token_error": sent["token"].error,
             "headers": sent["headers"].value, "headers_error": sent["headers"].error}
 
 
-# Handles of this process whose children are alive: closed in a forked child (see _after_fork_in_child).
+# Handles of this process whose children are alive: closed in a forked child (see
+# _after_fork_in_child).
 _live_hosts: "weakref.WeakSet[AuthProxyProcess]" = weakref.WeakSet()
 
 
@@ -588,7 +623,8 @@ def _portable_verify(verify: Verify) -> Verify:
 
 
 def _remote_error(error: object) -> BaseException:
-    kind, message = (error.get("type"), error.get("message")) if isinstance(error, dict) else (None, None)
+    kind, message = (error.get("type"), error.get("message")) if isinstance(error,
+                                                                            dict) else (None, None)
     if kind == "OSError":
         return OSError(error.get("errno"), str(message))  # type: ignore[union-attr]
     known = _REMOTE_ERRORS.get(str(kind))
@@ -605,33 +641,37 @@ def _host_environment() -> Dict[str, str]:
 def _spawn_host_child(child_end: socket.socket) -> "subprocess.Popen[bytes]":
     script = os.path.abspath(__file__)
     if os.name != "posix" or not sys.executable:
-        raise RuntimeError("AuthProxy.spawn() needs a POSIX system and sys.executable (it hands the child a "
-                           "socket by file descriptor); use the in-process AuthProxy here")
+        raise RuntimeError("AuthProxy.spawn() needs a POSIX system and sys.executable (it hands "
+                           "the child a socket by file descriptor); use the in-process AuthProxy "
+                           "here")
     if not script.endswith(".py") or not os.path.exists(script):
-        raise RuntimeError("AuthProxy.spawn() runs this module's source file as the child, but %s is not a .py "
-                           "file; use the in-process AuthProxy" % script)
-    # -I: the child imports only the standard library, so it reads no PYTHON* variable and no user site.
+        raise RuntimeError("AuthProxy.spawn() runs this module's source file as the child, but %s "
+                           "is not a .py file; use the in-process AuthProxy" % script)
+    # -I: the child imports only the standard library, so it reads no PYTHON* variable and no user
+    # site.
     args = [sys.executable, "-I", script, HOST_CHILD_ARG, str(child_end.fileno()), str(os.getpid())]
     return subprocess.Popen(args, pass_fds=(child_end.fileno(),), stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, env=_host_environment(), close_fds=True)
 
 
-def _emit_child_record(message: Dict[str, object], pid: Optional[int]) -> None:
-    """Re-emit a child's log record on this process's logger of the same name, if that level is on."""
-    name, level = str(message.get("name") or "proxy"), int(message.get("level") or logging.INFO)  # type: ignore[call-overload]
+def _emit_child_record(message: Dict[str, Any], pid: Optional[int]) -> None:
+    """Re-emit a child's log record on this process's logger of the same name, if that level is
+    on."""
+    name, level = str(message.get("name") or "proxy"), int(message.get("level") or logging.INFO)
     logger = logging.getLogger(name)
     if not logger.isEnabledFor(level):
         return
     created = float(message.get("created") or time.time())  # type: ignore[arg-type]
     record = logging.makeLogRecord({
-        "name": name, "levelno": level, "levelname": logging.getLevelName(level), "msg": message.get("msg", ""),
+        "name": name, "levelno": level, "levelname": logging.getLevelName(level),
+            "msg": message.get("msg", ""),
         "args": None, "created": created, "msecs": (created - int(created)) * 1000,
         "threadName": message.get("thread"), "process": pid, "processName": "proxy-host",
         "exc_text": message.get("exc")})
     logger.handle(record)
 
 
-def _send_message(sock: socket.socket, lock: threading.Lock, message: Dict[str, object]) -> None:
+def _send_message(sock: socket.socket, lock: threading.Lock, message: Dict[str, Any]) -> None:
     data = json.dumps(message, separators=(",", ":")).encode("utf-8")
     with lock:
         sock.sendall(_FRAME.pack(len(data)) + data)
@@ -647,7 +687,7 @@ def _recv_exact(sock: socket.socket, size: int) -> Optional[bytes]:
     return bytes(buf)
 
 
-def _recv_message(sock: socket.socket) -> Optional[Dict[str, object]]:
+def _recv_message(sock: socket.socket) -> Optional[Dict[str, Any]]:
     """The next message, or None at EOF."""
     head = _recv_exact(sock, _FRAME.size)
     if head is None:
@@ -664,12 +704,13 @@ def _recv_message(sock: socket.socket) -> Optional[Dict[str, object]]:
     return message
 
 
-# -- the child side ------------------------------------------------------------------------------------
+# -- the child side
+# ------------------------------------------------------------------------------------
 
 
 class _PushedValue:
-    """A route's token or headers in the child: the last value the parent pushed, as the callable the
-    route reads per request (raising the error the parent's callable raised, by name)."""
+    """A route's token or headers in the child: the last value the parent pushed, as the callable
+    the route reads per request (raising the error the parent's callable raised, by name)."""
 
     def __init__(self, value: object, error: Optional[str]) -> None:
         self.set(value, error)
@@ -687,7 +728,8 @@ _ERROR_TYPES: Dict[str, type] = {}
 
 
 def _error_named(name: str) -> type:
-    """An exception type called `name`, so the child logs "token callable failed (KeyError)" as in-process."""
+    """An exception type called `name`, so the child logs "token callable failed (KeyError)" as
+    in-process."""
     if name not in _ERROR_TYPES:
         _ERROR_TYPES[name] = type(name, (Exception,), {})
     return _ERROR_TYPES[name]
@@ -704,26 +746,30 @@ class _ForwardingHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             exc = self.formatter.formatException(record.exc_info) if record.exc_info else None
-            self.host.send({"op": "log", "name": record.name, "level": record.levelno, "msg": record.getMessage(),
+            self.host.send({"op": "log", "name": record.name, "level": record.levelno,
+                            "msg": record.getMessage(),
                             "created": record.created, "thread": record.threadName, "exc": exc})
         except Exception:  # the parent is gone: nobody to tell
             pass
 
 
 class _ProxyHost:
-    """The child's main thread: serve control requests on the channel until EOF, `stop`, or a signal."""
+    """The child's main thread: serve control requests on the channel until EOF, `stop`, or a
+    signal."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.send_lock = threading.Lock()
         self.proxy: Optional[AuthProxy] = None
-        self.pushed: Dict[str, Dict[str, _PushedValue]] = {}  # route id -> "token"/"headers" -> value
+        # route id -> "token"/"headers" -> value
+        self.pushed: Dict[str, Dict[str, _PushedValue]] = {}
 
-    def send(self, message: Dict[str, object]) -> None:
+    def send(self, message: Dict[str, Any]) -> None:
         _send_message(self.sock, self.send_lock, message)
 
     def end_input(self, signum: int = 0, frame: object = None) -> None:
-        """SIGTERM/SIGHUP (or the parent's death): make the next read see EOF, so the loop stops cleanly."""
+        """SIGTERM/SIGHUP (or the parent's death): make the next read see EOF, so the loop stops
+        cleanly."""
         try:
             self.sock.shutdown(socket.SHUT_RD)
         except OSError:
@@ -739,7 +785,8 @@ class _ProxyHost:
                     log.setLevel(int(message["level"]))  # type: ignore[call-overload]
                 try:
                     result = self.handle(message)
-                    answer: Dict[str, object] = {"id": message.get("id"), "ok": True, "result": result}
+                    answer: Dict[str, Any] = {"id": message.get("id"), "ok": True,
+                                                 "result": result}
                 except Exception as exc:
                     answer = {"id": message.get("id"), "ok": False,
                               "error": {"type": type(exc).__name__, "message": str(exc),
@@ -760,15 +807,15 @@ class _ProxyHost:
         if proxy is not None:
             proxy.stop()
 
-    def handle(self, message: Dict[str, object]) -> object:
+    def handle(self, message: Dict[str, Any]) -> object:
         op = message.get("op")
         if op == "start":
             if self.proxy is not None:
                 raise RuntimeError("the proxy host is already serving")
             # A process group's children share one port (this process serves nothing else).
             proxy_class = _SharedPortProxy if message.get("reuse_port") else AuthProxy
-            self.proxy = proxy_class(str(message["host"]), int(message["port"]),  # type: ignore[call-overload]
-                                   **dict(message.get("timeouts") or {})).start()  # type: ignore[arg-type]
+            self.proxy = proxy_class(str(message["host"]), int(message["port"]),
+                                   **dict(message.get("timeouts") or {})).start()
             return {"port": self.proxy.port, "pid": os.getpid()}
         if op == "stop":
             return None
@@ -776,18 +823,23 @@ class _ProxyHost:
         if proxy is None:
             raise RuntimeError("the proxy host is not serving")
         if op in ("mount", "mount_replicas"):
-            # A callable (or one whose first read failed) becomes a _PushedValue the parent refreshes.
-            pushed = {name: _PushedValue(message.get(name), message.get(name + "_error")) for name in ("token", "headers")
+            # A callable (or one whose first read failed) becomes a _PushedValue the parent
+            # refreshes.
+            pushed = {name: _PushedValue(message.get(name),
+                                         message.get(name + "_error")) for name in ("token",
+                                                                                    "headers")
                       if name in (message.get("dynamic") or ()) or message.get(name + "_error")}
             token: Token = pushed.get("token") or message.get("token")  # type: ignore[assignment]
-            headers: ExtraHeaders = pushed.get("headers") or message.get("headers")  # type: ignore[assignment]
+            headers: ExtraHeaders = pushed.get("headers") or message.get("headers")
             if op == "mount":
-                base_url = proxy.mount(str(message["upstream"]), token, verify=message["verify"],  # type: ignore[arg-type]
+                base_url = proxy.mount(str(message["upstream"]), token, verify=message["verify"],
                                        headers=headers)
             else:
-                base_url = proxy.mount_replicas(message["upstreams"], token, verify=message["verify"],  # type: ignore[arg-type]
+                base_url = proxy.mount_replicas(message["upstreams"], token,
+                                                verify=message["verify"],
                                                 http=str(message.get("http")))
-            if message.get("route_id"):  # a process group: every child serves the route at the first one's id
+            # a process group: every child serves the route at the first one's id
+            if message.get("route_id"):
                 base_url = _rekey_route(proxy, _proxy._route_id(base_url), str(message["route_id"]))
             if pushed:
                 self.pushed[_proxy._route_id(base_url)] = pushed
@@ -812,9 +864,11 @@ class _ProxyHost:
 
 
 def _host_child_main(argv: List[str]) -> int:
-    """`python proxy.py --proxy-host FD PARENT_PID`: serve an AuthProxy for the parent over channel FD."""
+    """`python proxy.py --proxy-host FD PARENT_PID`: serve an AuthProxy for the parent over
+    channel FD."""
     fd, parent_pid = int(argv[0]), int(argv[1])
-    if hasattr(signal, "pthread_sigmask"):  # a child started from a library thread inherits its blocked set
+    # a child started from a library thread inherits its blocked set
+    if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_SETMASK, set())
     _ask_for_parent_death_signal()
     sock = socket.socket(fileno=fd)
@@ -824,12 +878,13 @@ def _host_child_main(argv: List[str]) -> int:
     for name in ("SIGTERM", "SIGHUP"):
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), host.end_input)
-    # Ctrl-C in a terminal reaches the whole foreground group: the parent decides (its teardown still
-    # unmounts routes here), and this child ends with it.
+    # Ctrl-C in a terminal reaches the whole foreground group: the parent decides (its teardown
+    # still unmounts routes here), and this child ends with it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     log.addHandler(_ForwardingHandler(host))
     log.propagate = False
-    sys.setswitchinterval(_proxy.CLI_SWITCH_INTERVAL_S)  # this process only runs the proxy (see the constant)
+    # this process only runs the proxy (see the constant)
+    sys.setswitchinterval(_proxy.CLI_SWITCH_INTERVAL_S)
     _resolve_localhost_names_to_loopback()
     code = host.serve()
     sock.close()
@@ -837,9 +892,10 @@ def _host_child_main(argv: List[str]) -> int:
 
 
 def _resolve_localhost_names_to_loopback() -> None:
-    """In the child: `<name>.localhost` resolves as `localhost` (RFC 6761 6.3: loopback), as the library's
-    loopback rule (`_proxy._is_loopback_host`) already assumes. glibc does not do it by itself, and a resolver
-    patch made in the parent (the TLS emulator's, for `*.jobs.localhost`) does not cross into the child."""
+    """In the child: `<name>.localhost` resolves as `localhost` (RFC 6761 6.3: loopback), as the
+    library's loopback rule (`_proxy._is_loopback_host`) already assumes. glibc does not do it by
+    itself, and a resolver patch made in the parent (the TLS emulator's, for `*.jobs.localhost`)
+    does not cross into the child."""
     original = socket.getaddrinfo
 
     def getaddrinfo(host: object, *args: object, **kwargs: object) -> object:
@@ -852,7 +908,8 @@ def _resolve_localhost_names_to_loopback() -> None:
 
 
 def _ask_for_parent_death_signal() -> None:
-    """Linux: SIGTERM this process when its parent (thread) dies. Elsewhere EOF on the channel does it."""
+    """Linux: SIGTERM this process when its parent (thread) dies. Elsewhere EOF on the channel
+    does it."""
     if not sys.platform.startswith("linux"):
         return
     try:
@@ -865,5 +922,6 @@ def _ask_for_parent_death_signal() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] != [HOST_CHILD_ARG]:
-        sys.exit("proxy_host.py is started by AuthProxy.spawn(); to front a job, run `python proxy.py URL`")
+        sys.exit("proxy_host.py is started by AuthProxy.spawn(); to front a job, run `python "
+                 "proxy.py URL`")
     sys.exit(_host_child_main(sys.argv[2:]))
