@@ -2781,10 +2781,11 @@ class _UpstreamConnection:
         self._poller: Optional["select.poll"] = None
 
     def _recv(self, n: int) -> bytes:
+        """Up to IO_CHUNK bytes, whatever `n` (the reader keeps what is past it): more than a TLS
+        record's plaintext, so OpenSSL never keeps decrypted bytes between two reads."""
         try:
-            return self.sock.recv(n)
-        except (BlockingIOError,
-                socket.timeout):  # one slice passed (BlockingIOError: a kernel timeout)
+            return self.sock.recv(IO_CHUNK)
+        except (BlockingIOError, socket.timeout):  # a slice passed (BlockingIOError: the kernel's)
             pass
         deadline = time.monotonic() + self.read_timeout_s - min(ANSWER_WATCH_S, self.read_timeout_s)
         while True:
@@ -2793,7 +2794,7 @@ class _UpstreamConnection:
             if time.monotonic() >= deadline:
                 raise socket.timeout("timed out")
             try:
-                return self.sock.recv(n)
+                return self.sock.recv(IO_CHUNK)
             except (BlockingIOError, socket.timeout):
                 continue
 
@@ -2828,9 +2829,7 @@ class _UpstreamConnection:
         A TLS socket is also readable for records that carry no data (TLS 1.3 session tickets):
         those are consumed by a non-blocking read, and only application bytes (kept for the reader)
         or an end of stream count."""
-        sock = self.sock
-        if isinstance(sock, ssl.SSLSocket) and sock.pending():  # decrypted bytes a read left
-            return True
+        sock = self.sock  # (an SSLSocket holds no decrypted bytes between reads: see _recv)
         poller = self._poller
         if poller is None:
             poller = self._poller = select.poll()
