@@ -394,7 +394,7 @@ class HFSandboxProvider:
                  job_timeout: Union[int, float, str] = DEFAULT_JOB_TIMEOUT_S,
                  start_timeout_s: float = DEFAULT_START_TIMEOUT_S, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
                  poll_interval_s: float = DEFAULT_POLL_INTERVAL_S, verify: Union[bool, str] = True,
-                 proxy: Union[None, str, "_proxy.AuthProxy", "_proxy.AuthProxyProcess"] = None,
+                 proxy: Union[None, str, "_proxy.AuthProxy", "proxy_host.AuthProxyProcess"] = None,
                  replicas: int = 1, pool: Any = None, warn_env_credentials: bool = True) -> None:
         self.image = image
         self.command = command
@@ -2435,7 +2435,7 @@ if hasattr(os, "register_at_fork"):
 # -- Process-wide state: the shared proxy and the exit hook ----------------------------------------
 
 _shared_proxy_instance: Optional["_proxy.AuthProxy"] = None
-_shared_process_proxy: Optional["_proxy.AuthProxyProcess"] = None  # proxy="process"
+_shared_process_proxy: Optional["proxy_host.AuthProxyProcess"] = None  # proxy="process"
 _shared_proxy_lock = threading.Lock()
 # Safety nets of running providers (weakref.finalize objects: they do not keep providers alive).
 _live_finalizers: "set[weakref.finalize]" = set()

@@ -14,9 +14,8 @@ plain or TLS). User-space instructions are the forwarder's own work (Python, Ope
 kernel's share is counted separately as system calls per request (`strace -f -c` over the same load,
 warm-up excluded by difference; futex calls, the GIL's hand-offs, are left out of the table: strace
 slows every call and so changes how often threads contend). The callgrind run also counts the GIL's
-releases per request (calls of PyEval_SaveThread: around each system call, and around each ssl call
-even on memory buffers; with many busy threads each can hand the GIL over, a futex and a context
-switch) and the upstream connections opened while counting: a run that opened any (a TLS handshake
+releases per request (calls of PyEval_SaveThread: around each system call and each ssl call; with
+many busy threads each can hand the GIL over, a futex and a context switch) and the upstream connections opened while counting: a run that opened any (a TLS handshake
 is ~5.6M instructions) is redone, as that is not per-request work, and if the last attempt opened
 some too, their connect and handshake are left out of the count. Both figures then repeat to within
 a percent or two whatever the machine's load, plain or TLS, which is what a cut of a few percent

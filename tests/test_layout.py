@@ -87,8 +87,6 @@ def test_importing_the_core_loads_no_layer_nor_the_emulator_and_starts_no_thread
 
 
 @pytest.mark.slow  # a fresh interpreter
-@pytest.mark.xfail(strict=False, reason="proxy.py imports argparse at module level until its command line "
-                   "imports it in main() (issue 28's proxy rewrite)")
 def test_importing_the_core_loads_no_argparse():
     """README: the library modules import neither argparse nor the emulator (the emulator and the layers are
     checked above); only the command lines load the parser."""

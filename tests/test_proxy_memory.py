@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import threading
 import time
 
 import pytest
@@ -94,55 +93,3 @@ def test_an_unmounted_route_is_freed_once_its_last_websocket_session_ends_while_
         support.wait_until(lambda: gc.collect() is not None and not len(proxy._seen_routes),
                            "the unmounted route to be freed", TIMEOUT)
         assert proxy._server.relay.threads()  # still waiting for the next tunnel
-
-
-def _rss_kib() -> int:
-    with open("/proc/self/status") as fh:
-        return int(next(line for line in fh if line.startswith("VmRSS")).split()[1])
-
-
-@pytest.mark.skipif(proxy_module._find_malloc_trim() is None, reason="glibc's malloc_trim only")
-def test_memory_threads_freed_is_handed_back_to_the_system_when_a_route_is_unmounted(upstream):
-    """Threads' freed blocks stay in their glibc arenas (a live block above them pins the heap's top):
-    RSS keeps them until the proxy trims, which an unmount does (at most every MALLOC_TRIM_EVERY_S)."""
-    kept: list = []
-
-    def churn() -> None:  # 16 MiB in 4 KB blocks (below the mmap threshold), one in 16 kept alive
-        blocks = [bytearray(4000) for _ in range(4000)]
-        kept.extend(blocks[::16])
-
-    proxy_module._MEMORY._last = time.monotonic()  # no trim by another thread until the unmount below
-    threads = [threading.Thread(target=churn) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    gc.collect()
-    before = _rss_kib()
-    proxy_module._MEMORY._last = time.monotonic() - proxy_module.MALLOC_TRIM_EVERY_S - 1  # the interval has passed
-    with AuthProxy() as proxy:
-        assert proxy.unmount(proxy.mount(upstream.url, TEST_TOKEN))
-    after = _rss_kib()
-    assert len(kept) == 1000
-    # A quarter of it: in a long test session the churn partly reuses free pages already resident, and
-    # those were released too (measured: 32 MiB given back in the fast tier, 0 without the trim).
-    assert before - after > 16 * 1024, "RSS %d -> %d KiB: the ~60 MiB freed stayed resident" % (before, after)
-
-
-@pytest.mark.skipif(proxy_module._find_malloc_trim() is None, reason="glibc's malloc_trim only")
-def test_a_tls_tunnel_that_starts_relaying_trims_once_the_last_trim_is_older_than_the_tunnel_interval(test_ca):
-    """A burst of TLS set-ups leaves each handshake's freed buffers resident: a tunnel starting to relay
-    trims when the last trim is TUNNEL_TRIM_EVERY_S old, and not again within that interval."""
-    with support.Upstream(tls=test_ca) as tls, AuthProxy(read_timeout_s=TIMEOUT) as proxy:
-        base = support.ws_url(proxy.mount(tls.url, TEST_TOKEN, verify=test_ca.ca_path))
-        proxy_module._MEMORY._last = time.monotonic() - proxy_module.TUNNEL_TRIM_EVERY_S - 1
-        trims = proxy_module._MEMORY.trims
-        with support.ws_connect(base + "/ws") as ws:
-            ws.send("hello")
-            assert ws.recv(TIMEOUT) == "hello"
-        assert proxy_module._MEMORY.trims == trims + 1
-        proxy_module._MEMORY._last = time.monotonic()  # trimmed just now: the next tunnel does not
-        with support.ws_connect(base + "/ws") as ws:
-            ws.send("again")
-            assert ws.recv(TIMEOUT) == "again"
-        assert proxy_module._MEMORY.trims == trims + 1

@@ -20,10 +20,12 @@ import requests
 
 import hf_sandbox_provider as hsp
 import proxy as proxy_module
+import proxy_host
 import support
 from diff_clients import UpstreamProcess, start_upstreams
 from hf_jobs_emulator import echo_server_command
-from proxy import AuthProxy, AuthProxyProcess, InsecureURLError
+from proxy import AuthProxy, InsecureURLError
+from proxy_host import AuthProxyProcess
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; signals as on Linux")
 
@@ -348,6 +350,7 @@ def test_a_copy_vendored_inside_a_package_spawns_its_own_file(tmp_path, ups):
     package.mkdir()
     (package / "__init__.py").write_text("")
     (package / "proxy.py").write_bytes(open(proxy_module.__file__, "rb").read())
+    (package / "proxy_host.py").write_bytes(open(proxy_host.__file__, "rb").read())
     script = ("import sys, requests\nfrom vendored_pkg.proxy import AuthProxy\n"
               "with AuthProxy.spawn() as host:\n"
               "    print(requests.get(host.mount(sys.argv[1], sys.argv[2]) + '/r', timeout=30).status_code,\n"
@@ -355,7 +358,7 @@ def test_a_copy_vendored_inside_a_package_spawns_its_own_file(tmp_path, ups):
     out = subprocess.run([sys.executable, "-c", script, ups["plain"].url, TOKEN], cwd=str(tmp_path),
                          capture_output=True, text=True, timeout=TIMEOUT)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["200", str(package / "proxy.py")]
+    assert out.stdout.split() == ["200", str(package / "proxy_host.py")]
 
 
 def test_a_forked_copy_of_the_trainer_closes_its_copy_of_the_channel_and_refuses_to_use_it(host, ups):

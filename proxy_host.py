@@ -1,0 +1,927 @@
+"""`AuthProxy` served from a child process: `AuthProxy.spawn()` and
+`HFSandboxProvider(proxy="process")`.
+
+A layer over `proxy.py`, imported only when used. `AuthProxy.spawn()` runs an `AuthProxy` in a child
+Python process (this file, run by sys.executable; threads only inside) and returns an
+`AuthProxyProcess`, a parent-side handle with the API a provider uses. The relay work then runs on
+the child's GIL, not the trainer's.
+
+Control channel: a socketpair inherited by the child (no file, no port), carrying length-prefixed
+JSON both ways. Requests carry an id and get one answer each; the child also sends its log records.
+Tokens cross only this channel: never argv (the child's is `proxy_host.py --proxy-host FD
+PARENT_PID`), never the environment (the child gets an allowlist of variables, so HF_TOKEN stays in
+the parent), never a file.
+
+Token callables stay in the parent (they are Python objects of the trainer's): one parent thread
+re-reads every callable each TOKEN_PUSH_INTERVAL_S and pushes a changed value to the child, which
+injects the last value pushed. The alternative, the child asking the parent per request (with a
+cache), puts a round trip through the trainer's GIL in the request path: the cost the host exists to
+remove.
+
+The child ends with the parent: it watches the channel for EOF (the kernel closes the parent's end
+whatever kills it, SIGKILL included) and, on Linux, also asks for SIGTERM when its parent dies
+(PR_SET_PDEATHSIG), which covers a forked grandchild keeping the parent's end open. The kernel sends
+that signal when the *thread* that started the child ends, so the child is started by the handle's
+own control thread, which lives exactly as long as the child.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence
+
+
+def _sibling_proxy_module() -> object:
+    """The child's `proxy`: the `proxy.py` beside this file, loaded by path (`python -I` leaves this
+    file's folder off sys.path, and the child must run the very copy its parent runs)."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "proxy.py")
+    spec = importlib.util.spec_from_file_location("proxy", path)
+    if spec is None or spec.loader is None:
+        raise ImportError("proxy_host.py needs proxy.py beside it (%s)" % path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["proxy"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+if __package__:  # vendored inside a package
+    from . import proxy as _proxy
+elif __name__ == "__main__":  # the child process
+    _proxy = _sibling_proxy_module()  # type: ignore[assignment]
+else:
+    import proxy as _proxy
+
+AuthProxy, Route, ReplicaRoute = _proxy.AuthProxy, _proxy.Route, _proxy.ReplicaRoute
+InsecureURLError = _proxy.InsecureURLError
+Token, Verify, ExtraHeaders = _proxy.Token, _proxy.Verify, _proxy.ExtraHeaders
+log = _proxy.log
+
+__all__ = ["AuthProxyProcess", "spawn"]
+
+def spawn(cls: type, host: str = "127.0.0.1", port: int = 0, *, processes: int = 1,
+          **timeouts: float) -> "AuthProxyProcess":
+    """`AuthProxy.spawn()`: start the child (or `processes` children sharing one port) and return
+    its started handle."""
+    if cls is not AuthProxy:
+        raise TypeError("spawn() hosts a plain AuthProxy: a subclass's overrides cannot cross into "
+                        "the child process; start %s in-process instead" % cls.__name__)
+    _proxy._raise_if_rejected(_processes_rejection(processes))
+    if processes == 1:
+        return AuthProxyProcess(host, port, **timeouts).start()
+    return _ProxyProcessGroup(host, port, processes, timeouts).start()  # type: ignore[return-value]
+
+
+# argv[1] of the child (`python proxy_host.py --proxy-host FD PARENT_PID`): says what it is in `ps`.
+HOST_CHILD_ARG = "--proxy-host"
+# How often the parent re-reads token callables and pushes changed values: a rotated token reaches
+# the child within this delay. HF tokens and sandbox bearers rotate in minutes, with overlap;
+# reading 64 callables twice a second costs the parent about 0.1 ms per second.
+TOKEN_PUSH_INTERVAL_S = 0.5
+# How long a control request waits for the child's answer. A mount takes microseconds; a child that
+# cannot answer in this long is wedged, and the caller gets an error instead of hanging.
+CONTROL_ANSWER_S = 30.0
+# How long the child may take to import and bind before spawn() gives up (a loaded 2-core machine
+# took about 0.3 s; the margin is for a cold disk cache).
+HOST_START_S = 30.0
+# A control message is a mount or a log record: anything near this size is a bug or an attack.
+MAX_CONTROL_MESSAGE = 16 * 1024 * 1024
+# The child's environment: only what Python, OpenSSL and the C library read to run and verify TLS.
+# Everything else (HF_TOKEN first) stays in the parent; the child reads no variable of ours.
+HOST_ENV_ALLOWLIST = frozenset(["PATH", "LANG", "LANGUAGE", "TZ", "TMPDIR", "HOME", "SYSTEMROOT",
+                                "SSL_CERT_FILE", "SSL_CERT_DIR", "OPENSSL_CONF", "OPENSSL_MODULES",
+                                "LD_LIBRARY_PATH", "DYLD_LIBRARY_PATH", "MALLOC_ARENA_MAX"])
+HOST_ENV_PREFIXES = ("LC_",)
+# Errors the child may report by name, raised in the parent as the same type with the same message
+# (anything else arrives as RuntimeError naming the child's type).
+_REMOTE_ERRORS: Dict[str, type] = {"InsecureURLError": InsecureURLError, "ValueError": ValueError,
+                                   "TypeError": TypeError, "RuntimeError": RuntimeError}
+_FRAME = struct.Struct("!I")
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+class AuthProxyProcess:
+    """An `AuthProxy` served by a child process; made (and started) by `AuthProxy.spawn()`.
+
+    Same API as the in-process proxy for a provider: `mount`, `unmount`, `mount_replicas`,
+    `add_replica`, `remove_replica`, `replica_status`, `port`, `url`, `stop()`, context manager.
+    Mount refusals are raised here with the in-process types and messages; 502/504 answers come from
+    the child as they would in-process; the child's `proxy` log records are re-emitted on this
+    process's `proxy` logger (`record.process` is the child's pid). `running` says whether the child
+    still serves. """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, **timeouts: float) -> None:
+        # the same checks and messages as in-process (binds nothing)
+        AuthProxy(host, port, **timeouts)
+        self._reuse_port = False  # set by a process group: bind with SO_REUSEPORT
+        self.host = host
+        self._requested_port = port
+        self._timeouts = timeouts
+        self._port = port
+        self._lock = threading.Lock()  # ids, routes, the pending table, the phase
+        self._send_lock = threading.Lock()  # one message at a time on the channel
+        self._next_id = 0
+        self._pending: Dict[int, "_PendingAnswer"] = {}
+        # Routes with callables: route id -> {"token"/"headers": the callable or None, and what was
+        # sent}.
+        self._routes: Dict[str, Dict[str, Any]] = {}
+        self._sock: Optional[socket.socket] = None
+        self._process: Optional["subprocess.Popen[bytes]"] = None
+        self._control: Optional[threading.Thread] = None
+        self._pusher: Optional[threading.Thread] = None
+        self._pusher_stop = threading.Event()
+        self._ended: Optional[str] = None  # why the child no longer serves (None while it does)
+        self._serving = False  # the child answered `start`
+        self._stopping = False
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def start(self) -> "AuthProxyProcess":
+        """Start the child and wait until it listens; returns self. `AuthProxy.spawn()` calls it."""
+        with self._lock:
+            if self._stopping or self._ended:
+                raise RuntimeError("this AuthProxyProcess was stopped; spawn a new one")
+            if self._control is not None:
+                return self
+            parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._sock = parent_end
+            started: Dict[str, Any] = {}
+            ready = threading.Event()
+            self._control = threading.Thread(target=self._control_thread, args=(child_end, started,
+                                                                                ready),
+                                             name="proxy-host-control", daemon=True)
+            _proxy._start_thread(self._control)
+        ready.wait()
+        if "error" in started:
+            self._abandon()
+            raise started["error"]  # type: ignore[misc]
+        _live_hosts.add(self)
+        try:
+            answer = self._call("start", timeout=HOST_START_S, host=self.host,
+                                port=self._requested_port,
+                                timeouts=self._timeouts, reuse_port=self._reuse_port)
+        except BaseException:
+            self.stop()
+            raise
+        self._port = int(answer["port"])  # type: ignore[index, call-overload]
+        self._serving = True
+        # the child logged "listening" at INFO
+        log.debug("proxy host process %s serves %s", self.pid, self.url)
+        return self
+
+    def stop(self) -> None:
+        """Stop the child's proxy (every connection, tunnel and thread), wait for the child to exit
+        and end this handle's threads. Never raises; logs what it could not clean up."""
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+            control, process = self._control, self._process
+        leftovers: List[str] = []
+        if control is not None and self._ended is None:
+            try:
+                self._call("stop", timeout=CONTROL_ANSWER_S)
+            except Exception as exc:  # already gone, or wedged: the kill below ends it
+                if self._ended is None:
+                    leftovers.append("a clean stop of the host process (%s)" % exc)
+        self._abandon()
+        if control is not None:
+            control.join(_proxy.STOP_JOIN_S * 2)
+            if control.is_alive():
+                leftovers.append("thread %s" % control.name)
+        if process is not None and process.poll() is None:
+            leftovers.append("the host process %d (killed)" % process.pid)
+            process.kill()
+            process.wait(_proxy.STOP_JOIN_S)
+        if self._sock is not None:
+            self._sock.close()  # only now: the control thread, which reads it, has ended
+        _live_hosts.discard(self)
+        if leftovers:
+            log.warning("proxy host stopped but could not clean up: %s", ", ".join(leftovers))
+
+    def __enter__(self) -> "AuthProxyProcess":
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "stopped" if self._stopping else (
+            self._ended or ("serving" if self._serving else "not started"))
+        return ("AuthProxyProcess(%s, pid %s, %s)" % (self.url if self._serving else self.host,
+                                                      self.pid, state))
+
+    @property
+    def port(self) -> int:
+        """The bound port (the requested one until the child has bound)."""
+        return self._port
+
+    @property
+    def url(self) -> str:
+        """The listener's root URL, e.g. `http://127.0.0.1:41234`."""
+        host = "[%s]" % self.host if ":" in self.host else self.host
+        return "http://%s:%d" % (host, self.port)
+
+    @property
+    def pid(self) -> Optional[int]:
+        """The child's process id (None before `start()`)."""
+        return self._process.pid if self._process is not None else None
+
+    @property
+    def running(self) -> bool:
+        """True while the child serves (False before start, after stop, or once it died)."""
+        return self._serving and self._ended is None and not self._stopping
+
+    # -- routes (same contract as AuthProxy's) -----------------------------------------------------
+
+    def mount(self, upstream: str, token: Token, *, verify: Verify = True,
+              headers: ExtraHeaders = None) -> str:
+        """As `AuthProxy.mount`; a callable token or headers is re-read here every
+        TOKEN_PUSH_INTERVAL_S."""
+        # refusals raised here, with the in-process types and messages
+        Route(upstream, token, verify, headers)
+        return self._mount("mount", token, headers, upstream=upstream,
+                           verify=_portable_verify(verify))
+
+    def mount_replicas(self, upstreams: Sequence[str], token: Token, *, verify: Verify = True,
+                       http: str = "refuse") -> str:
+        """As `AuthProxy.mount_replicas`."""
+        ReplicaRoute(upstreams, token, verify, http)  # refusals raised here, as in-process
+        return self._mount("mount_replicas", token, None, upstreams=list(upstreams),
+                           verify=_portable_verify(verify),
+                           http=http)
+
+    def add_replica(self, base_url: str, upstream: str) -> bool:
+        """As `AuthProxy.add_replica`."""
+        return bool(self._call("add_replica", route=_proxy._route_id(base_url), upstream=upstream))
+
+    def remove_replica(self, base_url: str, upstream: str) -> bool:
+        """As `AuthProxy.remove_replica`."""
+        return bool(self._call("remove_replica", route=_proxy._route_id(base_url),
+                               upstream=upstream))
+
+    def replica_status(self, base_url: str) -> List[Dict[str, Any]]:
+        """As `AuthProxy.replica_status`."""
+        return list(self._call("replica_status", route=_proxy._route_id(base_url)))
+
+    def unmount(self, base_url: str) -> bool:
+        """As `AuthProxy.unmount`: False when nothing is mounted there; safe to call twice."""
+        route_id = _proxy._route_id(base_url)
+        removed = bool(self._call("unmount", route=route_id))
+        with self._lock:
+            self._routes.pop(route_id, None)
+        return removed
+
+    # -- machinery ---------------------------------------------------------------------------------
+
+    def _mount(self, op: str, token: Token, headers: ExtraHeaders, **fields: object) -> str:
+        sent = {"token": _Pushed.of_token(token), "headers": _Pushed.of_headers(headers)}
+        answer = self._call(op, dynamic=[name for name, source in (("token", token), ("headers",
+                                                                                      headers))
+                                         if callable(source)], **_pushed_fields(sent), **fields)
+        route_id = _proxy._route_id(answer)
+        if callable(token) or callable(headers):
+            with self._lock:
+                self._routes[route_id] = {"token": token if callable(token) else None, "sent": sent,
+                                          "headers": headers if callable(headers) else None}
+                start_pusher = self._pusher is None
+                if start_pusher:
+                    self._pusher = threading.Thread(target=self._push_tokens,
+                                                    name="proxy-host-tokens", daemon=True)
+            if start_pusher:
+                _proxy._start_thread(self._pusher)  # type: ignore[arg-type]
+        return str(answer)
+
+    def _call(self, op: str, timeout: float = CONTROL_ANSWER_S, **fields: object) -> object:
+        """Send one request and wait for its answer; raise the child's error as its own type."""
+        with self._lock:
+            if self._stopping and op != "stop":
+                raise RuntimeError("this AuthProxyProcess was stopped; spawn a new one")
+            if self._ended is not None or self._sock is None:
+                raise RuntimeError("the proxy host process is not serving (%s); spawn a new one"
+                                   % (self._ended or "not started"))
+            self._next_id += 1
+            request_id = self._next_id
+            pending = self._pending[request_id] = _PendingAnswer()
+        try:
+            _send_message(self._sock, self._send_lock,
+                          dict(fields, id=request_id, op=op, level=log.getEffectiveLevel()))
+            if not pending.done.wait(timeout):
+                raise RuntimeError("the proxy host process %s did not answer %s within %.0f s"
+                                   % (self.pid, op, timeout))
+        except OSError as exc:
+            raise RuntimeError("the proxy host process is not serving "
+                               "(%s)" % (self._ended or exc)) from None
+        finally:
+            with self._lock:
+                self._pending.pop(request_id, None)
+        if pending.error is not None:
+            raise pending.error
+        return pending.result
+
+    def _control_thread(self, child_end: socket.socket, started: Dict[str, Any],
+                        ready: threading.Event) -> None:
+        """Start the child (from this thread: PR_SET_PDEATHSIG follows the starting thread), then
+        read its answers and log records until the channel closes; reap the child."""
+        try:
+            try:
+                self._process = _spawn_host_child(child_end)
+            except BaseException as exc:
+                started["error"] = exc
+                return
+            finally:
+                child_end.close()
+                ready.set()
+            sock = self._sock
+            while sock is not None:
+                try:
+                    message = _recv_message(sock)
+                except (OSError, ValueError) as exc:
+                    log.debug("proxy host: control channel failed (%s)", type(exc).__name__)
+                    message = None
+                if message is None:
+                    break
+                if "id" in message:
+                    self._deliver(message)
+                elif message.get("op") == "log":
+                    _emit_child_record(message, self.pid)
+        finally:
+            self._channel_closed()
+
+    def _deliver(self, message: Dict[str, Any]) -> None:
+        with self._lock:
+            pending = self._pending.get(message["id"])  # type: ignore[call-overload]
+        if pending is None:  # its caller gave up waiting
+            return
+        if message.get("ok"):
+            pending.result = message.get("result")
+        else:
+            pending.error = _remote_error(message.get("error"))
+        pending.done.set()
+
+    def _channel_closed(self) -> None:
+        """The child closed the channel (it stopped, or died): fail waiters, reap it, say why."""
+        process = self._process
+        code: Optional[int] = None
+        if process is not None:
+            try:
+                code = process.wait(_proxy.STOP_JOIN_S * 2)
+            except subprocess.TimeoutExpired:  # closed its end but does not exit: it is of no use
+                process.kill()
+                code = process.wait(_proxy.STOP_JOIN_S)
+        why = "the host process exited with code %s" % code
+        with self._lock:
+            self._ended = self._ended or why
+            waiting = list(self._pending.values())
+        for pending in waiting:
+            pending.error = RuntimeError("the proxy host process is not serving (%s)" % why)
+            pending.done.set()
+        self._pusher_stop.set()
+        if not self._stopping and code is not None:
+            log.warning("proxy host process %s ended on its own (code %s): its routes are gone",
+                        self.pid, code)
+
+    def _abandon(self) -> None:
+        """Close the parent's end of the channel (the child sees EOF and exits) and stop the
+        pusher."""
+        self._pusher_stop.set()
+        sock = self._sock
+        if sock is not None:
+            _proxy._abort_socket(sock)
+        pusher = self._pusher
+        if pusher is not None and pusher is not threading.current_thread():
+            pusher.join(_proxy.STOP_JOIN_S)
+
+    def _push_tokens(self) -> None:
+        """Re-read every token and headers callable each TOKEN_PUSH_INTERVAL_S; send the child
+        what changed."""
+        while not self._pusher_stop.wait(TOKEN_PUSH_INTERVAL_S):
+            with self._lock:
+                routes = list(self._routes.items())
+            for route_id, entry in routes:
+                sent: Dict[str, _Pushed] = entry["sent"]  # type: ignore[assignment]
+                now = dict(sent)
+                if entry["token"] is not None:
+                    now["token"] = _Pushed.of_token(entry["token"])  # type: ignore[arg-type]
+                if entry["headers"] is not None:
+                    now["headers"] = _Pushed.of_headers(entry["headers"])  # type: ignore[arg-type]
+                if now == sent:
+                    continue
+                try:
+                    self._call("refresh", route=route_id, **_pushed_fields(now))
+                # the child is gone (logged once there) or the route was unmounted
+                except Exception as exc:
+                    log.debug("proxy host: could not push a token (%s)", type(exc).__name__)
+                    continue
+                entry["sent"] = now
+
+    def _after_fork(self) -> None:
+        """In a forked child: the channel and threads belong to the parent; close our copy of its
+        end."""
+        self._ended = ("this handle belongs to the process that spawned it (this one was forked "
+                       "from it)")
+        self._pending = {}
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+
+class _ProxyProcessGroup:
+    """`AuthProxy.spawn(processes=N)`: N proxy host children sharing one port (SO_REUSEPORT), each
+    route mounted in every one under the same route id, so whichever child the kernel hands a
+    connection to serves it. Same API as `AuthProxyProcess` except replica routes: each child would
+    balance its own sessions, so `mount_replicas` is refused (use processes=1)."""
+
+    def __init__(self, host: str, port: int, processes: int, timeouts: Dict[str, float]) -> None:
+        self.host = host
+        self.members = [AuthProxyProcess(host, port, **timeouts) for _ in range(processes)]
+        for member in self.members:
+            member._reuse_port = True
+
+    def start(self) -> "_ProxyProcessGroup":
+        try:
+            first = self.members[0].start()
+            for member in self.members[1:]:
+                member._requested_port = first.port
+                member.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Stop every child (never raises; each logs what it could not clean up)."""
+        for member in self.members:
+            member.stop()
+
+    def __enter__(self) -> "_ProxyProcessGroup":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "serving" if self.running else "not serving"
+        return "AuthProxyProcess(%s, pids %s, %s)" % (self.url, self.pids, state)
+
+    port = property(lambda self: self.members[0].port, doc="The shared port.")
+    url = property(lambda self: self.members[0].url, doc="The listener's root URL.")
+    pid = property(lambda self: self.members[0].pid, doc="The first child's process id.")
+    pids = property(lambda self: [m.pid for m in self.members], doc="Every child's process id.")
+    running = property(lambda self: all(m.running for m in self.members), doc="True while every "
+                                                                              "child serves.")
+
+    def mount(self, upstream: str, token: Token, *, verify: Verify = True,
+              headers: ExtraHeaders = None) -> str:
+        """As `AuthProxy.mount`, in every child; undone in all if one refuses."""
+        base_url = self.members[0].mount(upstream, token, verify=verify, headers=headers)
+        try:
+            for member in self.members[1:]:
+                member._mount("mount", token, headers, upstream=upstream,
+                              verify=_portable_verify(verify),
+                              route_id=_proxy._route_id(base_url))
+        except BaseException:
+            self.unmount(base_url)
+            raise
+        return base_url
+
+    def unmount(self, base_url: str) -> bool:
+        """As `AuthProxy.unmount`, in every child (one that has died is skipped)."""
+        removed = False
+        for member in self.members:
+            try:
+                removed = member.unmount(base_url) or removed
+            except RuntimeError:
+                pass
+        return removed
+
+    def mount_replicas(self, *args: object, **kwargs: object) -> str:
+        raise RuntimeError(_GROUP_REPLICAS_REFUSAL)
+
+    add_replica = remove_replica = replica_status = mount_replicas
+
+
+# Why a process group has no replica routes.
+_GROUP_REPLICAS_REFUSAL = ("replica routes need one proxy process: each child would balance its "
+                           "own sessions; spawn with processes=1 for mount_replicas()")
+
+
+def _processes_rejection(processes: object) -> Optional[str]:
+    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+        return ("processes must be a whole number of child processes, 1 or more, got "
+                "%r" % (processes,))
+    if processes > 1 and not hasattr(socket, "SO_REUSEPORT"):
+        return ("processes > 1 needs SO_REUSEPORT (Linux, BSD, macOS); this platform has none: use "
+                "processes=1")
+    return None
+
+
+class _ReusePortServer(_proxy._Server):
+    """The child's listener when it shares its port with sibling children (`spawn(processes=N)`)."""
+
+    def server_bind(self) -> None:
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        super().server_bind()
+
+
+class _SharedPortProxy(AuthProxy):
+    """The child's proxy in a process group: its listener binds with SO_REUSEPORT."""
+
+    def _new_server(self) -> _proxy._Server:
+        return _ReusePortServer(self)
+
+
+def _rekey_route(proxy: AuthProxy, route_id: str, wanted: str) -> str:
+    """Serve the route just mounted at `route_id` under `wanted` instead (a group's shared id)."""
+    with proxy._lock:
+        if wanted in proxy._routes:
+            raise ValueError("route id already mounted")
+        proxy._routes[wanted] = proxy._routes.pop(route_id)
+    return "%s/%s" % (proxy.url, wanted)
+
+
+class _PendingAnswer:
+    __slots__ = ("done", "result", "error")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.result: object = None
+        self.error: Optional[BaseException] = None
+
+
+class _Pushed(NamedTuple):
+    """What a route's token or headers (or its callable, read now) gave: the value to send the
+    child, or the name of the error the in-process proxy would have met reading it."""
+
+    value: object
+    error: Optional[str]
+
+    @classmethod
+    def of_token(cls, token: Token) -> "_Pushed":
+        if not callable(token):
+            return cls(token, None)
+        try:
+            value = token()
+        except Exception as exc:
+            return cls(None, type(exc).__name__)
+        if value is not None and not isinstance(value, str):
+            return cls(None, "ValueError")  # in-process: "not a usable token string"
+        return cls(value, None)
+
+    @classmethod
+    def of_headers(cls, headers: ExtraHeaders) -> "_Pushed":
+        try:
+            value = headers() if callable(headers) else headers
+        except Exception as exc:
+            return cls(None, type(exc).__name__)
+        if value is None:
+            return cls(None, None)
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v,
+                                                                                       str) for k,
+                                                  v in value.items()):
+            # in-process: "not a mapping" / "not a string of printable ASCII"
+            return cls(None, "ValueError")
+        return cls(dict(value), None)
+
+
+def _pushed_fields(sent: Dict[str, "_Pushed"]) -> Dict[str, Any]:
+    """The control-message fields for a route's token and headers."""
+    return {"token": sent["token"].value, "token_error": sent["token"].error,
+            "headers": sent["headers"].value, "headers_error": sent["headers"].error}
+
+
+# Handles of this process whose children are alive: closed in a forked child (see
+# _after_fork_in_child).
+_live_hosts: "weakref.WeakSet[AuthProxyProcess]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for host in list(_live_hosts):
+        host._after_fork()
+    _live_hosts.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _portable_verify(verify: Verify) -> Verify:
+    """`verify` as the child must see it: a CA bundle path made absolute (the parent may chdir)."""
+    return os.path.abspath(verify) if isinstance(verify, str) else verify
+
+
+def _remote_error(error: object) -> BaseException:
+    kind, message = (error.get("type"), error.get("message")) if isinstance(error,
+                                                                            dict) else (None, None)
+    if kind == "OSError":
+        return OSError(error.get("errno"), str(message))  # type: ignore[union-attr]
+    known = _REMOTE_ERRORS.get(str(kind))
+    if known is not None:
+        return known(str(message))
+    return RuntimeError("the proxy host process failed (%s: %s)" % (kind, message))
+
+
+def _host_environment() -> Dict[str, str]:
+    return {name: value for name, value in os.environ.items()
+            if name in HOST_ENV_ALLOWLIST or name.startswith(HOST_ENV_PREFIXES)}
+
+
+def _spawn_host_child(child_end: socket.socket) -> "subprocess.Popen[bytes]":
+    script = os.path.abspath(__file__)
+    if os.name != "posix" or not sys.executable:
+        raise RuntimeError("AuthProxy.spawn() needs a POSIX system and sys.executable (it hands "
+                           "the child a socket by file descriptor); use the in-process AuthProxy "
+                           "here")
+    if not script.endswith(".py") or not os.path.exists(script):
+        raise RuntimeError("AuthProxy.spawn() runs this module's source file as the child, but %s "
+                           "is not a .py file; use the in-process AuthProxy" % script)
+    # -I: the child imports only the standard library, so it reads no PYTHON* variable and no user
+    # site.
+    args = [sys.executable, "-I", script, HOST_CHILD_ARG, str(child_end.fileno()), str(os.getpid())]
+    return subprocess.Popen(args, pass_fds=(child_end.fileno(),), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, env=_host_environment(), close_fds=True)
+
+
+def _emit_child_record(message: Dict[str, Any], pid: Optional[int]) -> None:
+    """Re-emit a child's log record on this process's logger of the same name, if that level is
+    on."""
+    name, level = str(message.get("name") or "proxy"), int(message.get("level") or logging.INFO)
+    logger = logging.getLogger(name)
+    if not logger.isEnabledFor(level):
+        return
+    created = float(message.get("created") or time.time())  # type: ignore[arg-type]
+    record = logging.makeLogRecord({
+        "name": name, "levelno": level, "levelname": logging.getLevelName(level),
+            "msg": message.get("msg", ""),
+        "args": None, "created": created, "msecs": (created - int(created)) * 1000,
+        "threadName": message.get("thread"), "process": pid, "processName": "proxy-host",
+        "exc_text": message.get("exc")})
+    logger.handle(record)
+
+
+def _send_message(sock: socket.socket, lock: threading.Lock, message: Dict[str, Any]) -> None:
+    data = json.dumps(message, separators=(",", ":")).encode("utf-8")
+    with lock:
+        sock.sendall(_FRAME.pack(len(data)) + data)
+
+
+def _recv_exact(sock: socket.socket, size: int) -> Optional[bytes]:
+    buf = bytearray()
+    while len(buf) < size:
+        piece = sock.recv(size - len(buf))
+        if not piece:
+            return None
+        buf += piece
+    return bytes(buf)
+
+
+def _recv_message(sock: socket.socket) -> Optional[Dict[str, Any]]:
+    """The next message, or None at EOF."""
+    head = _recv_exact(sock, _FRAME.size)
+    if head is None:
+        return None
+    (size,) = _FRAME.unpack(head)
+    if size > MAX_CONTROL_MESSAGE:
+        raise ValueError("control message of %d bytes" % size)
+    body = _recv_exact(sock, size)
+    if body is None:
+        return None
+    message = json.loads(body.decode("utf-8"))
+    if not isinstance(message, dict):
+        raise ValueError("control message is not an object")
+    return message
+
+
+# -- the child side
+# ------------------------------------------------------------------------------------
+
+
+class _PushedValue:
+    """A route's token or headers in the child: the last value the parent pushed, as the callable
+    the route reads per request (raising the error the parent's callable raised, by name)."""
+
+    def __init__(self, value: object, error: Optional[str]) -> None:
+        self.set(value, error)
+
+    def set(self, value: object, error: Optional[str]) -> None:
+        self.value, self.error = value, error
+
+    def __call__(self) -> object:
+        if self.error is not None:
+            raise _error_named(self.error)()
+        return self.value
+
+
+_ERROR_TYPES: Dict[str, type] = {}
+
+
+def _error_named(name: str) -> type:
+    """An exception type called `name`, so the child logs "token callable failed (KeyError)" as
+    in-process."""
+    if name not in _ERROR_TYPES:
+        _ERROR_TYPES[name] = type(name, (Exception,), {})
+    return _ERROR_TYPES[name]
+
+
+class _ForwardingHandler(logging.Handler):
+    """The child's `proxy` log records, sent to the parent over the channel (already formatted)."""
+
+    def __init__(self, host: "_ProxyHost") -> None:
+        super().__init__(logging.DEBUG)
+        self.host = host
+        self.formatter = logging.Formatter()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            exc = self.formatter.formatException(record.exc_info) if record.exc_info else None
+            self.host.send({"op": "log", "name": record.name, "level": record.levelno,
+                            "msg": record.getMessage(),
+                            "created": record.created, "thread": record.threadName, "exc": exc})
+        except Exception:  # the parent is gone: nobody to tell
+            pass
+
+
+class _ProxyHost:
+    """The child's main thread: serve control requests on the channel until EOF, `stop`, or a
+    signal."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.send_lock = threading.Lock()
+        self.proxy: Optional[AuthProxy] = None
+        # route id -> "token"/"headers" -> value
+        self.pushed: Dict[str, Dict[str, _PushedValue]] = {}
+
+    def send(self, message: Dict[str, Any]) -> None:
+        _send_message(self.sock, self.send_lock, message)
+
+    def end_input(self, signum: int = 0, frame: object = None) -> None:
+        """SIGTERM/SIGHUP (or the parent's death): make the next read see EOF, so the loop stops
+        cleanly."""
+        try:
+            self.sock.shutdown(socket.SHUT_RD)
+        except OSError:
+            pass
+
+    def serve(self) -> int:
+        try:
+            while True:
+                message = _recv_message(self.sock)
+                if message is None:
+                    break
+                if "level" in message:
+                    log.setLevel(int(message["level"]))  # type: ignore[call-overload]
+                try:
+                    result = self.handle(message)
+                    answer: Dict[str, Any] = {"id": message.get("id"), "ok": True,
+                                                 "result": result}
+                except Exception as exc:
+                    answer = {"id": message.get("id"), "ok": False,
+                              "error": {"type": type(exc).__name__, "message": str(exc),
+                                        "errno": getattr(exc, "errno", None)}}
+                if message.get("op") == "stop":
+                    self.stop_proxy()
+                self.send(answer)
+                if message.get("op") == "stop":
+                    break
+        except (OSError, ValueError):  # the parent is gone or spoke nonsense: stop like on EOF
+            pass
+        finally:
+            self.stop_proxy()
+        return 0
+
+    def stop_proxy(self) -> None:
+        proxy, self.proxy = self.proxy, None
+        if proxy is not None:
+            proxy.stop()
+
+    def handle(self, message: Dict[str, Any]) -> object:
+        op = message.get("op")
+        if op == "start":
+            if self.proxy is not None:
+                raise RuntimeError("the proxy host is already serving")
+            # A process group's children share one port (this process serves nothing else).
+            proxy_class = _SharedPortProxy if message.get("reuse_port") else AuthProxy
+            self.proxy = proxy_class(str(message["host"]), int(message["port"]),
+                                   **dict(message.get("timeouts") or {})).start()
+            return {"port": self.proxy.port, "pid": os.getpid()}
+        if op == "stop":
+            return None
+        proxy = self.proxy
+        if proxy is None:
+            raise RuntimeError("the proxy host is not serving")
+        if op in ("mount", "mount_replicas"):
+            # A callable (or one whose first read failed) becomes a _PushedValue the parent
+            # refreshes.
+            pushed = {name: _PushedValue(message.get(name),
+                                         message.get(name + "_error")) for name in ("token",
+                                                                                    "headers")
+                      if name in (message.get("dynamic") or ()) or message.get(name + "_error")}
+            token: Token = pushed.get("token") or message.get("token")  # type: ignore[assignment]
+            headers: ExtraHeaders = pushed.get("headers") or message.get("headers")
+            if op == "mount":
+                base_url = proxy.mount(str(message["upstream"]), token, verify=message["verify"],
+                                       headers=headers)
+            else:
+                base_url = proxy.mount_replicas(message["upstreams"], token,
+                                                verify=message["verify"],
+                                                http=str(message.get("http")))
+            # a process group: every child serves the route at the first one's id
+            if message.get("route_id"):
+                base_url = _rekey_route(proxy, _proxy._route_id(base_url), str(message["route_id"]))
+            if pushed:
+                self.pushed[_proxy._route_id(base_url)] = pushed
+            return base_url
+        route = str(message.get("route"))
+        base_url = "%s/%s" % (proxy.url, route)
+        if op == "refresh":
+            values = self.pushed.get(route, {})
+            for name, value in values.items():
+                value.set(message.get(name), message.get(name + "_error"))
+            return bool(values)
+        if op == "unmount":
+            self.pushed.pop(route, None)
+            return proxy.unmount(base_url)
+        if op == "add_replica":
+            return proxy.add_replica(base_url, str(message.get("upstream")))
+        if op == "remove_replica":
+            return proxy.remove_replica(base_url, str(message.get("upstream")))
+        if op == "replica_status":
+            return proxy.replica_status(base_url)
+        raise ValueError("unknown control request %r" % (op,))
+
+
+def _host_child_main(argv: List[str]) -> int:
+    """`python proxy.py --proxy-host FD PARENT_PID`: serve an AuthProxy for the parent over
+    channel FD."""
+    fd, parent_pid = int(argv[0]), int(argv[1])
+    # a child started from a library thread inherits its blocked set
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    _ask_for_parent_death_signal()
+    sock = socket.socket(fileno=fd)
+    if os.getppid() != parent_pid:  # the parent died before the signal was asked for
+        return 1
+    host = _ProxyHost(sock)
+    for name in ("SIGTERM", "SIGHUP"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), host.end_input)
+    # Ctrl-C in a terminal reaches the whole foreground group: the parent decides (its teardown
+    # still unmounts routes here), and this child ends with it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    log.addHandler(_ForwardingHandler(host))
+    log.propagate = False
+    # this process only runs the proxy (see the constant)
+    sys.setswitchinterval(_proxy.CLI_SWITCH_INTERVAL_S)
+    _resolve_localhost_names_to_loopback()
+    code = host.serve()
+    sock.close()
+    return code
+
+
+def _resolve_localhost_names_to_loopback() -> None:
+    """In the child: `<name>.localhost` resolves as `localhost` (RFC 6761 6.3: loopback), as the
+    library's loopback rule (`_proxy._is_loopback_host`) already assumes. glibc does not do it by
+    itself, and a resolver patch made in the parent (the TLS emulator's, for `*.jobs.localhost`)
+    does not cross into the child."""
+    original = socket.getaddrinfo
+
+    def getaddrinfo(host: object, *args: object, **kwargs: object) -> object:
+        name = host.decode("idna") if isinstance(host, bytes) else host
+        if isinstance(name, str) and name.lower().rstrip(".").endswith(".localhost"):
+            host = "localhost"
+        return original(host, *args, **kwargs)  # type: ignore[arg-type]
+
+    socket.getaddrinfo = getaddrinfo  # type: ignore[assignment]
+
+
+def _ask_for_parent_death_signal() -> None:
+    """Linux: SIGTERM this process when its parent (thread) dies. Elsewhere EOF on the channel
+    does it."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):  # no libc prctl: the channel's EOF still ends the child
+        pass
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != [HOST_CHILD_ARG]:
+        sys.exit("proxy_host.py is started by AuthProxy.spawn(); to front a job, run `python "
+                 "proxy.py URL`")
+    sys.exit(_host_child_main(sys.argv[2:]))
