@@ -109,6 +109,25 @@ def test_job_url_failing_the_rule_is_refused_with_the_reason(url, why):
     assert reason is not None and why in reason
 
 
+@pytest.mark.parametrize("url, what", [
+    ("https://abc123--8000.hf.jobs:port", "is malformed"),
+    ("https://user@abc123--8000.hf.jobs", "carries credentials"),  # a user name alone is one too
+    ("https://:pw@abc123--8000.hf.jobs", "carries credentials"),
+])
+def test_a_malformed_or_credentialed_job_url_is_refused_in_words_naming_it(url, what):
+    reason = hsp._exposed_url_rejection(url, "abc123", 8000, "https://huggingface.co")
+    assert reason == "the job's exposed URL %r %s; not sending the token to it" % (url, what)
+
+
+def test_a_next_link_on_an_endpoint_with_a_path_is_followed_only_under_that_path():
+    endpoint = "https://hub.test/mirror"
+    assert hsp._next_link_rejection(endpoint + "/api/jobs/alice?cursor=2", endpoint) is None
+    link = "https://hub.test/api/jobs/alice?cursor=2"
+    assert hsp._next_link_rejection(link, endpoint) == (
+        "the API's next-page link %r is not under %s/api/jobs/ (nor the same Hub under another name); "
+        "not following it, since the token would go with it" % (link, endpoint))
+
+
 def test_loopback_job_url_is_accepted_only_when_the_endpoint_is_loopback():
     assert hsp._exposed_url_rejection("http://127.0.0.1:4321", "j", 8000, "http://127.0.0.1:9999") is None
     assert hsp._exposed_url_rejection("http://[::1]:4321", "j", 8000, "http://localhost:9999") is None
