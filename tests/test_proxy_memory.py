@@ -79,21 +79,21 @@ def test_repeated_mount_request_session_unmount_keeps_the_live_object_count_flat
 
 
 @pytest.mark.parametrize("scheme", ["http", "https"])
-def test_an_unmounted_route_is_freed_once_its_last_websocket_session_ends_while_the_relay_waits(
+def test_an_unmounted_route_is_freed_once_its_last_websocket_session_ends_while_its_workers_park(
         scheme, test_ca):
-    # The relay thread waits in poll() for as long as no tunnel has anything to move: whatever its loop
-    # still names then (the last tunnel, its owner route) must not keep an unmounted route alive.
+    # A tunnel's two threads go back to the pool and park there: whatever a parked worker still names
+    # (the last tunnel, its route) must not keep an unmounted route alive.
     with support.Upstream(tls=test_ca if scheme == "https" else None) as upstream, \
             AuthProxy(read_timeout_s=TIMEOUT) as proxy:
         base = proxy.mount(upstream.url, TEST_TOKEN, verify=test_ca.ca_path)
         with support.ws_connect(support.ws_url(base) + "/ws") as ws:
             ws.send("ping")
             assert ws.recv(timeout=TIMEOUT) == "ping"
-        support.wait_until(lambda: proxy._server.relay.count() == 0, "the relay to end the tunnel", TIMEOUT)
+        support.wait_until(lambda: not proxy._server.live_threads(), "the tunnel's threads to park", TIMEOUT)
         assert proxy.unmount(base)
         support.wait_until(lambda: gc.collect() is not None and not len(proxy._seen_routes),
                            "the unmounted route to be freed", TIMEOUT)
-        assert proxy._server.relay.threads()  # still waiting for the next tunnel
+        assert proxy._server.workers.counts()[1] >= 2  # both still parked, waiting for the next job
 
 
 def _rss_kib() -> int:
@@ -128,21 +128,3 @@ def test_memory_threads_freed_is_handed_back_to_the_system_when_a_route_is_unmou
     # those were released too (measured: 32 MiB given back in the fast tier, 0 without the trim).
     assert before - after > 16 * 1024, "RSS %d -> %d KiB: the ~60 MiB freed stayed resident" % (before, after)
 
-
-@pytest.mark.skipif(proxy_module._find_malloc_trim() is None, reason="glibc's malloc_trim only")
-def test_a_tls_tunnel_that_starts_relaying_trims_once_the_last_trim_is_older_than_the_tunnel_interval(test_ca):
-    """A burst of TLS set-ups leaves each handshake's freed buffers resident: a tunnel starting to relay
-    trims when the last trim is TUNNEL_TRIM_EVERY_S old, and not again within that interval."""
-    with support.Upstream(tls=test_ca) as tls, AuthProxy(read_timeout_s=TIMEOUT) as proxy:
-        base = support.ws_url(proxy.mount(tls.url, TEST_TOKEN, verify=test_ca.ca_path))
-        proxy_module._MEMORY._last = time.monotonic() - proxy_module.TUNNEL_TRIM_EVERY_S - 1
-        trims = proxy_module._MEMORY.trims
-        with support.ws_connect(base + "/ws") as ws:
-            ws.send("hello")
-            assert ws.recv(TIMEOUT) == "hello"
-        assert proxy_module._MEMORY.trims == trims + 1
-        proxy_module._MEMORY._last = time.monotonic()  # trimmed just now: the next tunnel does not
-        with support.ws_connect(base + "/ws") as ws:
-            ws.send("again")
-            assert ws.recv(TIMEOUT) == "again"
-        assert proxy_module._MEMORY.trims == trims + 1
