@@ -115,8 +115,9 @@ MALLOC_TRIM_EVERY_S = 30.0
 # How long stop() waits for each thread it started before naming it as left behind.
 STOP_JOIN_S = 5.0
 # Worker threads at most: a keep-alive HTTP connection holds one, an open WebSocket session two (one
-# per direction), so this caps connections served at once and open sessions at half of it. At the cap a new connection is answered 503
-# `X-Proxy-Error: proxy-busy` with `Retry-After` instead of queueing behind connections that may last hours.
+# per direction), so this caps connections served at once and open sessions at half of it. At the
+# cap a new connection (or an upgrade short of its second thread) is answered 503 `X-Proxy-Error:
+# proxy-busy` with `Retry-After` instead of queueing behind connections that may last hours.
 MAX_WORKERS = 16384
 # A parked worker that got no work for this long ends. Long enough that a trainer's next batch of
 # sessions (seconds to a minute apart) finds the threads the previous one left; short enough that a
@@ -1642,7 +1643,8 @@ class _Server(http.server.ThreadingHTTPServer):
         return self.workers.busy_threads()
 
     def all_threads(self) -> List[threading.Thread]:
-        """Every worker thread, busy or parked (a WebSocket session's two among them): what `stop()` joins."""
+        """Every worker thread, busy or parked (a WebSocket session's two among them): what
+        `stop()` joins."""
         return self.workers.threads()
 
 
@@ -2533,15 +2535,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     # -- WebSocket tunnel ---------------------------------------------------------------------------
 
     def _tunnel(self, route: Route, target: str, token: Optional[str]) -> None:
-        """Replay the upgrade upstream on this thread; relay a 101 verbatim and run the tunnel until it
-        ends, or relay any other answer as HTTP."""
+        """Replay the upgrade upstream on this thread; relay a 101 verbatim and run the tunnel
+        until it ends, or relay any other answer as HTTP."""
         self.close_connection = True  # whatever happens, this connection ends with the tunnel
         self.server.tunnelling.add(self.connection)  # stop() lets it answer: see abort_connections
         try:
             try:
                 tunnel, head, extra, status = self._upgrade(route, target, token)
             except _ClientGone:
-                log.debug("proxy: %s: client left before the upstream answered the upgrade", route.label)
+                log.debug("proxy: %s: client left before the upstream answered the upgrade",
+                          route.label)
                 return
             except Exception as exc:
                 self._upgrade_failed(route, exc)
@@ -2552,8 +2555,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.server.tunnelling.discard(self.connection)
 
     def _upgrade_failed(self, route: Route, exc: BaseException) -> None:
-        """Answer an upgrade that got no answer from the upstream: 404 or 503 if its route ended it
-        (unmount, stop), else the upstream failure's 502/504."""
+        """Answer an upgrade that got no answer from the upstream: 404 or 503 if its route ended
+        it (unmount, stop), else the upstream failure's 502/504."""
         if isinstance(exc, _RouteGone):
             self._refuse(_route_gone_refusal(self.proxy._stopping), close=True)
             return
@@ -2562,9 +2565,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._refuse(refusal, close=True)
 
     def _tunnel_replicas(self, replicas: ReplicaRoute, target: str, token: Optional[str]) -> None:
-        """Open the session on the least busy live replica; if that replica fails before switching
-        protocols, take it out of rotation and retry once on another (the environment never saw it).
-        The session keeps its slot on the replica until its tunnel ends."""
+        """Open the session on the least busy live replica; if that replica fails before
+        switching protocols, take it out of rotation and retry once on another (the environment
+        never saw it). The session keeps its slot on the replica until its tunnel ends."""
         self.close_connection = True
         self.server.tunnelling.add(self.connection)
         try:
@@ -2583,16 +2586,18 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             route = replica.route
             try:
                 try:
-                    tunnel, head, extra, status = self._upgrade(route, route.base_path + target, token)
+                    tunnel, head, extra, status = self._upgrade(
+                        route, route.base_path + target, token)
                 except _ClientGone:
-                    log.debug("proxy: %s: client left before the upstream answered the upgrade", route.label)
+                    log.debug("proxy: %s: client left before the upstream answered the upgrade",
+                              route.label)
                     return
                 except _RouteGone:
                     if replicas._closed:  # the whole route was unmounted, or the proxy is stopping
                         self._refuse(_route_gone_refusal(self.proxy._stopping), close=True)
                         return
-                    last = Refusal(502, "replica-unavailable", "The replica %s was removed while the "
-                                                               "WebSocket upgrade was under way." % route.label)
+                    last = Refusal(502, "replica-unavailable", "The replica %s was removed while "
+                                   "the WebSocket upgrade was under way." % route.label)
                     continue
                 except Exception as exc:
                     last = _classify_upstream_error(exc, route)
@@ -2600,9 +2605,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     continue
                 if status in REPLICA_DOWN_STATUSES:
                     route._remove_tunnel(tunnel)
-                    tunnel.upstream.close()
-                    last = Refusal(502, "replica-unavailable", "The replica %s answered %d to the WebSocket "
-                                                               "upgrade; its job may have stopped." % (route.label, status))
+                    tunnel.upstream.close()  # type: ignore[union-attr]
+                    last = Refusal(502, "replica-unavailable",
+                                   "The replica %s answered %d to the WebSocket upgrade; its job may "
+                                   "have stopped." % (route.label, status))
                     replicas._mark_failed(replica, "answered %d to the WebSocket upgrade" % status)
                     continue
                 self._finish_upgrade(route, tunnel, head, extra, status)
@@ -2611,16 +2617,18 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 replicas._release(replica)
         total, failed = replicas._failure_summary()
         if last is not None and len(failed) < total:
-            self._refuse(last, close=True)  # tried twice; other replicas remain for the next session
+            self._refuse(last, close=True)  # tried twice; other replicas remain for later
         else:
             self._refuse(_no_live_replica_refusal(total, failed), close=True)
 
-    def _upgrade(self, route: Route, target: str, token: Optional[str]) -> Tuple["_Tunnel", bytes, bytes, int]:
-        """Open a stream to the upstream (TLS handshake included, within connect_timeout_s), send the
-        upgrade request and read the answer's head within read_timeout_s, watching the client meanwhile:
-        (tunnel, head, bytes past the head, status). The tunnel is on its route from before the connect,
-        so an unmount or a stop cuts it at any step (raising _RouteGone). On any failure the stream is
-        closed and the tunnel off its route; _ClientGone if the client hung up first."""
+    def _upgrade(self, route: Route, target: str,
+                 token: Optional[str]) -> Tuple["_Tunnel", bytes, bytes, int]:
+        """Open a stream to the upstream (the TLS handshake within connect_timeout_s), send the
+        upgrade request and read the answer's head within read_timeout_s, watching the client
+        meanwhile: (tunnel, head, bytes past the head, status). The tunnel is on its route from
+        before the connect, so an unmount or a stop cuts it at any step (_RouteGone). On any
+        failure the stream is closed and the tunnel off its route; _ClientGone if the client
+        hung up first."""
         request = self._upgrade_head(route, target, token)
         tunnel = _Tunnel(self.connection, route.label)
         if not route._add_tunnel(tunnel):
@@ -2633,7 +2641,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             stream.settimeout(min(TUNNEL_WATCH_S, proxy.connect_timeout_s, proxy.read_timeout_s))
             if isinstance(stream, _TlsStream):
                 _watching(client, time.monotonic() + proxy.connect_timeout_s, stream.handshake,
-                          "the TLS handshake with the upstream was not done within connect_timeout_s")
+                          "the TLS handshake with the upstream took over connect_timeout_s")
             stream.sendall(request)
             head, extra = _read_head(stream, client, proxy.read_timeout_s)
         except BaseException as exc:
@@ -2647,20 +2655,23 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return tunnel, head, extra, int(match.group(1)) if match else 0
 
     def _upgrade_head(self, route: Route, target: str, token: Optional[str]) -> bytes:
-        """The upgrade request the upstream gets: the client's, with the route's token and headers."""
+        """The upgrade request the upstream gets: the client's, with the route's token and
+        headers."""
         lines = ["GET %s HTTP/1.1" % target]
-        for name, value in _upstream_request_headers(self.headers, route, token, self._route_headers):
-            lines.append("%s: %s" % (name, value))
+        pairs = _upstream_request_headers(self.headers, route, token, self._route_headers)
+        lines += ["%s: %s" % (name, value) for name, value in pairs]
         lines += ["Upgrade: %s" % self.headers.get("Upgrade", "websocket"), "Connection: Upgrade"]
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
     def _take_buffered(self) -> bytes:
         return _drain_buffered(self.rfile, self._reader)
 
-    def _finish_upgrade(self, route: Route, tunnel: "_Tunnel", head: bytes, extra: bytes, status: int) -> None:
-        """Relay a non-101 answer as HTTP; on a 101 start the upstream->client thread (a pool worker,
-        counted in the cap: at the cap the client gets 503 proxy-busy, not a half-made tunnel), relay the
-        101 verbatim and copy client->upstream on this thread until either side ends."""
+    def _finish_upgrade(self, route: Route, tunnel: "_Tunnel", head: bytes, extra: bytes,
+                        status: int) -> None:
+        """Relay a non-101 answer as HTTP. On a 101: take the upstream->client thread from the
+        pool (counted in the cap: at the cap the client gets 503 proxy-busy, not a half-made
+        tunnel), relay the 101 verbatim and copy client->upstream on this thread until either
+        side ends."""
         stream = tunnel.upstream
         assert stream is not None
         try:
@@ -2682,7 +2693,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self._refuse(_busy_refusal(), close=True)
                 return
             try:
-                self._reader.body_phase(None)  # blocking from here on: the session lasts as it likes
+                self._reader.body_phase(None)  # blocking from here on: a session lasts as it likes
                 stream.settimeout(None)
                 tunnel.opened = True
                 self.connection.sendall(head + extra)
@@ -2696,8 +2707,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 
 def _drain_buffered(rfile: io.BufferedReader, reader: _ClientReader) -> bytes:
-    """What the client sent past the upgrade request that `rfile` already buffered (frames sent right
-    behind the request), then close it: its 64 KiB buffer is freed and the tunnel reads the socket."""
+    """What the client sent past the upgrade request that `rfile` already buffered (frames sent
+    right behind the request), then close it: its 64 KiB buffer is freed and the tunnel reads the
+    socket."""
     reader.stop()
     chunks = []
     while True:
@@ -2729,15 +2741,16 @@ def _read_head(stream: "_Stream", client: socket.socket, timeout_s: float) -> Tu
         data = _watching(client, deadline, functools.partial(stream.recv, IO_CHUNK),
                          "the upstream did not answer the upgrade within read_timeout_s")
         if not data:
-            raise http.client.RemoteDisconnected("upstream closed the connection before answering the upgrade")
+            raise http.client.RemoteDisconnected(
+                "upstream closed the connection before answering the upgrade")
         buffer += data
 
 
 def _watching(client: socket.socket, deadline: float, step: Callable[[], Optional[bytes]],
               what: str) -> Optional[bytes]:
-    """step() on an upstream stream whose timeout is a slice (TUNNEL_WATCH_S), retried after each slice
-    until `deadline` (then socket.timeout saying `what`) while the client is still there: one that hung
-    up frees this thread and the upstream at once (_ClientGone), not after the whole timeout."""
+    """step() on an upstream stream whose timeout is a slice (TUNNEL_WATCH_S), retried after each
+    slice until `deadline` (then socket.timeout saying `what`) while the client is still there: one
+    that hung up frees this thread and the upstream at once (_ClientGone)."""
     while True:
         try:
             return step()
@@ -2764,9 +2777,10 @@ class _RouteGone(Exception):
 
 def _route_gone_refusal(stopping: bool) -> Refusal:
     if stopping:
-        return Refusal(503, "proxy-stopping", "The proxy is stopping; this WebSocket session was not opened.")
-    return Refusal(404, "unknown-route", "The route was unmounted while this WebSocket upgrade was under "
-                                         "way; mount it again, or use the base URL of a mounted route.")
+        return Refusal(503, "proxy-stopping",
+                       "The proxy is stopping; this WebSocket session was not opened.")
+    return Refusal(404, "unknown-route", "The route was unmounted while this WebSocket upgrade was "
+                   "under way; mount it again, or use the base URL of a mounted route.")
 
 
 
@@ -3641,8 +3655,8 @@ _MEMORY = _FreedMemory()
 
 
 class _Stream:
-    """A byte stream to the upstream for one WebSocket tunnel, over a blocking TCP socket: one thread
-    may recv while another sends (one per direction)."""
+    """A byte stream to the upstream for one WebSocket session, over a blocking TCP socket: one
+    thread may recv while another sends (one per direction)."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -3666,11 +3680,11 @@ class _Stream:
 
 
 class _TlsStream(_Stream):
-    """TLS over a blocking TCP socket through an `ssl.SSLObject` on memory buffers, usable by a reading
-    and a sending thread at once: OpenSSL forbids two threads in one SSL object, so the engine is only
-    touched under `_engine`, a lock never held across a socket call; each thread does its own socket
-    I/O outside it. What the engine writes leaves in the order written: bytes are taken from its
-    output buffer only under `_sending`, held while they are sent (see `_send_output`)."""
+    """TLS over a blocking TCP socket through an `ssl.SSLObject` on memory buffers, for a reading
+    and a sending thread at once. OpenSSL forbids two threads in one SSL object, so the engine is
+    touched only under `_engine`, a lock never held across a socket call: each thread does its own
+    socket I/O outside it. Output leaves in the order the engine wrote it: it is taken from the
+    output buffer only under `_sending`, held while it is sent (see `_send_output`)."""
 
     def __init__(self, sock: socket.socket, context: ssl.SSLContext, host: str) -> None:
         super().__init__(sock)
@@ -3680,8 +3694,8 @@ class _TlsStream(_Stream):
         self._sending = threading.Lock()
 
     def handshake(self) -> None:
-        """The TLS handshake (on the socket's timeout: called again after a timeout, it goes on where it
-        stopped); each flight is sent before the peer's is awaited."""
+        """The TLS handshake, on the socket's timeout (called again after a timeout, it goes on
+        where it stopped); each flight is sent before the peer's is awaited."""
         while True:
             try:
                 with self._engine:
@@ -3693,15 +3707,15 @@ class _TlsStream(_Stream):
         self._send_output(wait=True)
 
     def recv(self, n: int) -> bytes:
-        """Up to `n` decrypted bytes (b"" once the peer ended the stream), reading the socket when the
-        engine holds none."""
+        """Up to `n` decrypted bytes (b"" once the peer ended the stream), reading the socket when
+        the engine holds none."""
         while True:
             with self._engine:
                 try:
                     data: Optional[bytes] = self._tls.read(n)
                 except ssl.SSLWantReadError:
                     data = None
-                except (ssl.SSLZeroReturnError, ssl.SSLEOFError):  # close_notify, or a plain TCP close
+                except (ssl.SSLZeroReturnError, ssl.SSLEOFError):  # close_notify, or a TCP close
                     data = b""
                 reply = self._outgoing.pending  # e.g. the answer to a key update
             if reply:
@@ -3711,7 +3725,7 @@ class _TlsStream(_Stream):
             self._feed()
 
     def sendall(self, data: bytes) -> None:
-        """Encrypt `data` and send it; returns once it has left (by this thread or the one sending)."""
+        """Encrypt `data` and send it; returns once it left (sent by this thread or another)."""
         with self._engine:
             self._tls.write(data)  # into a memory buffer: never waits
         self._send_output(wait=True)
@@ -3725,11 +3739,11 @@ class _TlsStream(_Stream):
                 self._incoming.write_eof()
 
     def _send_output(self, wait: bool) -> None:
-        """Send what the engine wrote, in order, one sender at a time. A sender takes and sends output
-        until none is left, then looks again after letting go of `_sending`: output a thread wrote while
-        the lock was taken (and, `wait` False, left for the sender) is never stranded. The reading
-        thread does not wait (`wait` False): it must not stop reading while the upstream's window for
-        our sends is full, or both ends could wait on each other."""
+        """Send what the engine wrote, in order, one sender at a time. A sender takes and sends
+        output until none is left, then looks again after letting go of `_sending`, so output a
+        thread wrote while the lock was taken (and, `wait` False, left to the sender) is never
+        stranded. The reading thread does not wait (`wait` False): were it to stop reading while
+        the upstream's window for our sends is full, both ends could wait on each other."""
         while self._sending.acquire(wait):
             try:
                 while True:
@@ -3742,12 +3756,12 @@ class _TlsStream(_Stream):
                 self._sending.release()
             if not self._outgoing.pending:
                 return
-            wait = False  # another thread holds it now and will send what is left, or it is free
+            wait = False  # another thread holds it now and sends what is left, or it is free
 
 
 def _open_stream(route: Route, connect_timeout_s: float) -> _Stream:
-    """A new TCP stream (TLS over it for https, verified as the route says with the context shared per
-    `verify`; `handshake()` is the caller's) to the route's upstream, for one WebSocket session."""
+    """A new TCP stream to the route's upstream for one WebSocket session; for https, TLS over it
+    (verified as the route says, with the context shared per `verify`; the caller handshakes)."""
     sock = route._connect(connect_timeout_s)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -3761,11 +3775,11 @@ def _open_stream(route: Route, connect_timeout_s: float) -> _Stream:
 
 class _Tunnel:
     """A WebSocket session: the client's socket and the upstream stream, copied both ways by two
-    threads, one per direction: client->upstream on the handler's thread (`run`), upstream->client on
-    a pool worker (`pump_upstream`, held back until the 101 is out). When either direction ends, both
-    sockets close. On its route from before the upgrade's connect, so unmount and stop end it at any
-    step (`cut_off`): before the 101 only the upstream side is cut, and the handler still answers the
-    client as HTTP."""
+    threads, one per direction: client->upstream on the handler's thread (`run`), upstream->client
+    on a pool worker (`pump_upstream`, held back until the 101 is out). When either direction
+    ends, both sockets close. On its route from before the upgrade's connect, so unmount and stop
+    end it at any step (`cut_off`): before the 101 only the upstream side is cut, and the handler
+    still answers the client as HTTP."""
 
     def __init__(self, client: socket.socket, label: str) -> None:
         self.client, self.label = client, label
@@ -3773,7 +3787,7 @@ class _Tunnel:
         self.opened = False  # the 101 is on its way to the client
         self.cut = False  # ended by its route (unmount, stop)
         self._closed = False
-        # Plain locks, both held from the start: one futex each way, where an Event is a Condition.
+        # Plain locks, both held from the start: one futex each way (an Event is a Condition).
         self._go = threading.Lock()  # released once the 101 is out (or the tunnel closed before)
         self._go.acquire()
         self._pumped = threading.Lock()  # released when the upstream->client direction ended
@@ -3788,7 +3802,7 @@ class _Tunnel:
             self.upstream.abort()
 
     def close(self) -> None:
-        """End both directions now (safe from any thread, idempotent: shutting a socket twice is harmless)."""
+        """End both directions now (from any thread; idempotent: a second shutdown is harmless)."""
         if self._closed:
             return
         self._closed = True
@@ -3804,7 +3818,7 @@ class _Tunnel:
         try:
             self._pump(self.client.recv, self.upstream.sendall, first)  # type: ignore[union-attr]
         finally:
-            if not self._pumped.acquire(timeout=STOP_JOIN_S):  # pragma: no cover - its sockets are shut
+            if not self._pumped.acquire(timeout=STOP_JOIN_S):  # pragma: no cover - sockets are shut
                 log.warning("proxy: %s tunnel's upstream reader did not end", self.label)
 
     def pump_upstream(self) -> None:
@@ -3816,7 +3830,8 @@ class _Tunnel:
         finally:
             self._pumped.release()
 
-    def _pump(self, read: Callable[[int], bytes], write: Callable[[bytes], None], first: bytes = b"") -> None:
+    def _pump(self, read: Callable[[int], bytes], write: Callable[[bytes], None],
+              first: bytes = b"") -> None:
         try:
             data = first
             while True:

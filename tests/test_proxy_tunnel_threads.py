@@ -8,14 +8,17 @@ import ast
 import contextlib
 import hashlib
 import os
+import socket
+import struct
 import threading
-from typing import Iterator, List
+from typing import Iterator, List, Tuple
 
 import pytest
 
 import support
 from diff_clients import UpstreamProcess
 from proxy import AuthProxy
+from test_proxy_ws import _open_raw_tunnel
 from upstreams.common import body_of
 
 TOKEN = "unused-by-the-pressure-app"
@@ -53,35 +56,74 @@ def test_n_held_sessions_hold_exactly_2n_tunnel_threads_freed_when_they_close(ap
         assert server.workers.counts() == (2 * HELD, 2 * HELD)  # parked, ready for the next sessions
 
 
+def _client_frame(payload: bytes, opcode: int = 2) -> bytes:
+    """A final client frame masked with a zero key (so the payload goes as it is)."""
+    n = len(payload)
+    length = (struct.pack("!B", 0x80 | n) if n < 126 else struct.pack("!BH", 0x80 | 126, n)
+              if n < 65536 else struct.pack("!BQ", 0x80 | 127, n))
+    return struct.pack("!B", 0x80 | opcode) + length + b"\0\0\0\0" + payload
+
+
+class _Frames:
+    """Server frames read off a raw client socket, one message at a time."""
+
+    def __init__(self, sock: socket.socket, already: bytes) -> None:
+        self.sock, self.buffer = sock, bytearray(already)
+
+    def _need(self, n: int) -> None:
+        while len(self.buffer) < n:
+            chunk = self.sock.recv(1 << 20)
+            assert chunk, "the tunnel ended early"
+            self.buffer += chunk
+
+    def next(self) -> Tuple[int, bytes]:
+        self._need(2)
+        opcode, n, at = self.buffer[0] & 0x0F, self.buffer[1] & 0x7F, 2
+        if n == 126:
+            self._need(4)
+            n, at = struct.unpack_from("!H", self.buffer, 2)[0], 4
+        elif n == 127:
+            self._need(10)
+            n, at = struct.unpack_from("!Q", self.buffer, 2)[0], 10
+        self._need(at + n)
+        payload = bytes(self.buffer[at:at + n])
+        del self.buffer[:at + n]
+        return opcode, payload
+
+
 def test_both_directions_streaming_at_once_with_full_buffers_complete_intact(app, test_ca, no_leaks):
-    """The client sends 16 MiB (echoed) while the upstream floods 16 MiB and neither reads for a while:
-    every socket buffer on the way fills both ways at once. Over TLS both threads share one engine:
-    a lock held across a blocked send, or output sent out of order, would hang or corrupt this."""
+    """A raw client sends 16 MiB (the app echoes it) while the app floods 16 MiB: the app reads
+    nothing while it floods, so every buffer on the way fills both ways at once. Over TLS both
+    tunnel threads share one engine: a lock held across a blocked send, or output sent out of
+    order, would hang or corrupt this."""
     count, size = 256, 65536
     chunks = [support.pattern(size)[i:] + support.pattern(size)[:i] for i in range(count)]
     with AuthProxy(read_timeout_s=TIMEOUT) as proxy:
-        base = support.ws_url(proxy.mount(app.url, TOKEN, verify=test_ca.ca_path)) + "/ws"
-        with support.ws_connect(base, max_queue=2, compression=None, max_size=None) as ws:
-            ws.send("flood:%d:%d" % (count, size))
+        base = proxy.mount(app.url, TOKEN, verify=test_ca.ca_path)
+        sock, early = _open_raw_tunnel(proxy, base)
+        with sock:
+            sock.sendall(_client_frame(b"flood:%d:%d" % (count, size), opcode=1))
             failures: List[BaseException] = []
 
             def send_all() -> None:
                 try:
                     for chunk in chunks:
-                        ws.send(chunk)
+                        sock.sendall(_client_frame(chunk))
                 except BaseException as exc:  # pragma: no cover - reported below
                     failures.append(exc)
 
             sender = threading.Thread(target=send_all, daemon=True)
             sender.start()
+            frames = _Frames(sock, early)
             for i in range(count):
-                assert ws.recv(TIMEOUT) == body_of(size) + b"%d" % i
+                assert frames.next() == (2, body_of(size) + b"%d" % i)
             for chunk in chunks:  # the app echoes each binary message once the flood is out
-                assert ws.recv(TIMEOUT) == chunk
+                assert frames.next() == (2, chunk)
             sender.join(TIMEOUT)
             assert not sender.is_alive() and not failures
-            ws.send("sha")
-            assert ws.recv(TIMEOUT) == "%s %d" % (hashlib.sha256(b"".join(chunks)).hexdigest(), count * size)
+            sock.sendall(_client_frame(b"sha", opcode=1))
+            digest = hashlib.sha256(b"".join(chunks)).hexdigest()
+            assert frames.next() == (1, b"%s %d" % (digest.encode(), count * size))
 
 
 def _reactor_uses(path: str) -> List[str]:
