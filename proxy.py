@@ -3754,7 +3754,9 @@ class _TlsStream(_Stream):
                     self.sock.sendall(data)
             finally:
                 self._sending.release()
-            if not self._outgoing.pending:
+            with self._engine:  # (the buffer is the engine's: another thread may be writing to it)
+                left = self._outgoing.pending
+            if not left:
                 return
             wait = False  # another thread holds it now and sends what is left, or it is free
 
