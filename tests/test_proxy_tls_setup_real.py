@@ -281,3 +281,30 @@ def test_a_tls_session_still_echoes_frames(test_ca, no_leaks):
         with ws_connect(base + "/ws") as ws:
             ws.send("hello")
             assert ws.recv(TIMEOUT) == "hello"
+
+
+@pytest.mark.parametrize("tls", [True, False], ids=["tls", "plain"])
+@pytest.mark.parametrize("stall", ["before-handshake", "before-answer"])
+@pytest.mark.parametrize("kind", ["route", "replicas"])
+def test_an_unmount_racing_a_set_up_answers_its_client_404_unknown_route(no_leaks, scripted, test_ca,
+                                                                         tls, stall, kind):
+    """An upgrade whose route is unmounted while the upstream stalls (in the TLS handshake, or
+    before answering) still gets an HTTP answer, never a bare close before the 101 (DESIGN.md)."""
+    hold = threading.Event()
+    upstream = scripted("101" if stall == "before-handshake" else "silent",
+                        hold=hold if stall == "before-handshake" else None, tls=tls)
+    with AuthProxy() as proxy:
+        if kind == "route":
+            base = proxy.mount(upstream.url, TEST_TOKEN, verify=test_ca.ca_path)
+        else:
+            base = proxy.mount_replicas([upstream.url], TEST_TOKEN, verify=test_ca.ca_path)
+        with _send_upgrade(proxy, base) as sock:
+            support.wait_until(lambda: _setting_up(proxy, 1) and upstream.accepted == 1,
+                               "the set-up to start", TIMEOUT)
+            assert proxy.unmount(base)
+            answer = support.read_to_eof(sock)
+        assert answer.startswith(b"HTTP/1.1 404 "), answer
+        assert b"X-Proxy-Error: unknown-route" in answer
+        hold.set()
+        assert upstream.ended.acquire(timeout=TIMEOUT)  # the proxy closed its upstream connection
+        support.wait_until(lambda: _setting_up(proxy, 0), "the set-up's worker to be free", TIMEOUT)
