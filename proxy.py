@@ -1632,7 +1632,8 @@ class _Server(http.server.ThreadingHTTPServer):
         log.error("proxy: unexpected error while serving a connection", exc_info=True)
 
     def abort_connections(self) -> None:
-        """Shut every live client socket so blocked handler threads wake up and exit."""
+        """Shut every live client socket so blocked handler threads wake up and exit; WebSocket
+        connections end through their routes instead (a set-up still answers its client)."""
         with self._conn_lock:
             conns = list(self._conns - self.tunnelling)
         for sock in conns:
