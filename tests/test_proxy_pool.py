@@ -296,10 +296,12 @@ def test_refusals_at_the_thread_cap_warn_at_most_once_per_interval_with_a_count(
     assert all(count + " since the previous warning" in m for count, m in zip(expected, busy)), busy
 
 
-def test_an_upgrade_at_the_worker_cap_gets_a_clean_503_and_open_sessions_keep_working(monkeypatch, no_leaks):
-    # A session holds two workers, one per direction. At MAX_WORKERS = 3 one session is open; a second
-    # upgrade is parsed by the third worker, which finds no thread for the other direction: the client
-    # gets 503 proxy-busy before any 101 (never a half-made tunnel), and the open session is untouched.
+def test_an_upgrade_at_the_worker_cap_gets_a_clean_503_and_open_sessions_keep_working(monkeypatch,
+                                                                                     no_leaks):
+    # A session holds two workers, one per direction. At MAX_WORKERS = 3 one session is open; a
+    # second upgrade is parsed by the third worker, which finds no thread for the other direction:
+    # the client gets 503 proxy-busy before any 101 (never a half-made tunnel), and the open session
+    # is untouched.
     monkeypatch.setattr(proxy_module, "MAX_WORKERS", 3)
     with Upstream() as upstream, AuthProxy() as proxy:
         base = proxy.mount(upstream.url, TEST_TOKEN)

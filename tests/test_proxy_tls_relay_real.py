@@ -1,8 +1,9 @@
-"""The WebSocket tunnel (two threads, one per direction; over TLS both share one TLS engine) with real
-peers, over TLS and plain upstreams: the `websockets` sync client and uvicorn in its own process (tests/upstreams/pressure_app.py), plus raw
-sockets and a stdlib TLS server for the peers that misbehave. Seeded sequences of large frames both ways at once,
-bursts of small frames and deaf periods (PROXY_RELAY_SEED and PROXY_RELAY_EXAMPLES set the slow run);
-a peer that stops reading (the tunnel must wait, not spin); abrupt closes mid-frame from either side;
+"""The WebSocket tunnel (two threads, one per direction; over TLS both share one TLS engine) with
+real peers, over TLS and plain upstreams: the `websockets` sync client and uvicorn in its own
+process (tests/upstreams/pressure_app.py), plus raw sockets and a stdlib TLS server for the peers
+that misbehave. Seeded sequences of large frames both ways at once, bursts of small frames and deaf
+periods (PROXY_RELAY_SEED and PROXY_RELAY_EXAMPLES set the slow run); a peer that stops reading
+(the tunnel must wait, not spin); abrupt closes mid-frame from either side;
 TLS close_notify, a bare TCP close and a reset from the upstream, each compared with the plain
 tunnel. After each: no thread or fd left behind.
 """
@@ -36,8 +37,8 @@ SEED = int(os.environ.get("PROXY_RELAY_SEED", "20261123"))
 FAST_EXAMPLES, SLOW_EXAMPLES = 6, int(os.environ.get("PROXY_RELAY_EXAMPLES", "60"))
 SETTINGS = dict(deadline=None, database=None, print_blob=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-# Over this many seconds of a stalled peer the tunnel's two threads may use at most half a CPU: threads
-# that wait in recv or send use ~0; one that spins uses ~100%.
+# Over this many seconds of a stalled peer the tunnel's two threads may use at most half a CPU:
+# threads that wait in recv or send use ~0; one that spins uses ~100%.
 STALL_S = 3.0
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -58,7 +59,8 @@ def _mount(proxy: AuthProxy, url: str, test_ca: support.TestCA) -> str:
 
 def _tunnel_threads(proxy: AuthProxy) -> List[threading.Thread]:
     """The session's two threads, one per direction, once it is open (no other worker is busy)."""
-    support.wait_until(lambda: len(proxy._server.live_threads()) == 2, "the tunnel's two threads", TIMEOUT)
+    support.wait_until(lambda: len(proxy._server.live_threads()) == 2, "the tunnel's two threads",
+                       TIMEOUT)
     return proxy._server.live_threads()
 
 
@@ -194,7 +196,8 @@ def _check_sequence(sequence, tls_app, test_ca) -> None:  # type: ignore[no-unty
 @seed(SEED)
 @settings(max_examples=FAST_EXAMPLES, **SETTINGS)
 @given(sequence=sequences)
-def test_seeded_sessions_through_the_tls_tunnel_arrive_complete_and_in_order_sample(sequence, tls_app, test_ca):
+def test_seeded_sessions_through_the_tls_tunnel_arrive_complete_and_in_order_sample(sequence, tls_app,
+                                                                                     test_ca):
     _check_sequence(sequence, tls_app, test_ca)
 
 
@@ -203,7 +206,8 @@ def test_seeded_sessions_through_the_tls_tunnel_arrive_complete_and_in_order_sam
 @seed(SEED + 1)
 @settings(max_examples=SLOW_EXAMPLES, **SETTINGS)
 @given(sequence=sequences)
-def test_seeded_sessions_through_the_tls_tunnel_arrive_complete_and_in_order(sequence, tls_app, test_ca):
+def test_seeded_sessions_through_the_tls_tunnel_arrive_complete_and_in_order(sequence, tls_app,
+                                                                              test_ca):
     _check_sequence(sequence, tls_app, test_ca)
 
 
@@ -214,7 +218,8 @@ def test_seeded_sessions_through_the_tls_tunnel_arrive_complete_and_in_order(seq
 
 @pytest.mark.slow  # measures the tunnel's CPU over a STALL_S stall
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads a thread's CPU time from Linux /proc")
-def test_a_client_that_stops_reading_makes_the_tunnel_wait_not_spin_and_loses_nothing(tls_app, test_ca, no_leaks):
+def test_a_client_that_stops_reading_makes_the_tunnel_wait_not_spin_and_loses_nothing(tls_app, test_ca,
+                                                                                     no_leaks):
     count, size = 200, 65536  # 12.5 MiB: far more than the socket buffers between app and client hold
     with AuthProxy(read_timeout_s=TIMEOUT) as proxy:
         base = _mount(proxy, tls_app.url, test_ca)
@@ -224,7 +229,8 @@ def test_a_client_that_stops_reading_makes_the_tunnel_wait_not_spin_and_loses_no
             threads = _tunnel_threads(proxy)
             time.sleep(1.0)  # the buffers fill
             share = _cpu_share_over(threads, STALL_S)
-            assert share < 0.5, "the tunnel used %.0f%% of a CPU while the client read nothing" % (share * 100)
+            assert share < 0.5, "the tunnel used %.0f%% of a CPU while the client read nothing" % (
+                share * 100)
             for i in range(count):
                 assert ws.recv(TIMEOUT) == body_of(size) + b"%d" % i
             ws.send("after")
@@ -233,7 +239,9 @@ def test_a_client_that_stops_reading_makes_the_tunnel_wait_not_spin_and_loses_no
 
 @pytest.mark.slow  # measures the tunnel's CPU over a STALL_S stall
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads a thread's CPU time from Linux /proc")
-def test_an_upstream_that_stops_reading_makes_the_tunnel_wait_not_spin_and_loses_nothing(tls_app, test_ca, no_leaks):
+def test_an_upstream_that_stops_reading_makes_the_tunnel_wait_not_spin_and_loses_nothing(tls_app,
+                                                                                        test_ca,
+                                                                                        no_leaks):
     count = 300
     datas = [_binary(65536, i) for i in range(count)]
     with AuthProxy(read_timeout_s=TIMEOUT) as proxy:
@@ -245,7 +253,8 @@ def test_an_upstream_that_stops_reading_makes_the_tunnel_wait_not_spin_and_loses
             threads = _tunnel_threads(proxy)
             time.sleep(1.0)
             share = _cpu_share_over(threads, STALL_S)
-            assert share < 0.5, "the tunnel used %.0f%% of a CPU while the upstream read nothing" % (share * 100)
+            assert share < 0.5, "the tunnel used %.0f%% of a CPU while the upstream read nothing" % (
+                share * 100)
             assert ws.recv(TIMEOUT) == "awake"
             for data in datas:
                 assert ws.recv(TIMEOUT) == data

@@ -1,8 +1,8 @@
-"""WebSocket set-ups, to TLS and (where the test is not about the handshake) plain upstreams: the TLS
-handshake with the upstream and the upgrade exchange run on the connection's own worker thread, and
-every way a set-up can end gives a 101 and a working tunnel, the upstream's own non-101 answer, a typed
-refusal (upstream-timeout, upstream-tls, upstream-unreachable, proxy-stopping), or a quiet end when the
-client leaves. The
+"""WebSocket set-ups, to TLS and (where the test is not about the handshake) plain upstreams:
+the TLS handshake with the upstream and the upgrade exchange run on the connection's own worker
+thread, and every way a set-up can end gives a 101 and a working tunnel, the upstream's own non-101
+answer, a typed refusal (upstream-timeout, upstream-tls, upstream-unreachable, unknown-route,
+proxy-stopping), or a quiet end when the client leaves. The
 upstream here is a stdlib server on raw sockets (TLS or plain) that can be told to stall before its
 handshake (plain: before reading the request), to stall before answering, or to hang up mid-handshake
 (plain: before answering).
