@@ -3740,26 +3740,24 @@ class _TlsStream(_Stream):
                 self._incoming.write_eof()
 
     def _send_output(self, wait: bool) -> None:
-        """Send what the engine wrote, in order, one sender at a time. A sender takes and sends
-        output until none is left, then looks again after letting go of `_sending`, so output a
-        thread wrote while the lock was taken (and, `wait` False, left to the sender) is never
-        stranded. The reading thread does not wait (`wait` False): were it to stop reading while
-        the upstream's window for our sends is full, both ends could wait on each other."""
-        while self._sending.acquire(wait):
-            try:
-                while True:
-                    with self._engine:
-                        data = self._outgoing.read()
+        """Send what the engine wrote, in order, one sender at a time. The sender lets go of
+        `_sending` only under the engine lock with the output buffer empty, so output a thread
+        writes (under that lock) is taken by the sender still holding it, or finds it free. The
+        reading thread does not wait for it (`wait` False): were it to stop reading while the
+        upstream's window for our sends is full, both ends could wait on each other."""
+        if not self._sending.acquire(wait):
+            return  # the thread sending takes this output too
+        try:
+            while True:
+                with self._engine:
+                    data = self._outgoing.read()
                     if not data:
-                        break
-                    self.sock.sendall(data)
-            finally:
-                self._sending.release()
-            with self._engine:  # (the buffer is the engine's: another thread may be writing to it)
-                left = self._outgoing.pending
-            if not left:
-                return
-            wait = False  # another thread holds it now and sends what is left, or it is free
+                        self._sending.release()
+                        return
+                self.sock.sendall(data)
+        except BaseException:
+            self._sending.release()
+            raise
 
 
 def _open_stream(route: Route, connect_timeout_s: float) -> _Stream:
