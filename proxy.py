@@ -3685,7 +3685,8 @@ class _TlsStream(_Stream):
     and a sending thread at once. OpenSSL forbids two threads in one SSL object, so the engine is
     touched only under `_engine`, a lock never held across a socket call: each thread does its own
     socket I/O outside it. Output leaves in the order the engine wrote it: it is taken from the
-    output buffer only under `_sending`, held while it is sent (see `_send_output`)."""
+    output buffer only under `_sending`, held while it is sent (see `_send_output`); the sending
+    thread takes `_sending` before the engine lock, never the other way round."""
 
     def __init__(self, sock: socket.socket, context: ssl.SSLContext, host: str) -> None:
         super().__init__(sock)
@@ -3703,9 +3704,11 @@ class _TlsStream(_Stream):
                     self._tls.do_handshake()
                 break
             except ssl.SSLWantReadError:
-                self._send_output(wait=True)
+                self._sending.acquire()
+                self._send_output()
                 self._feed()
-        self._send_output(wait=True)
+        self._sending.acquire()
+        self._send_output()
 
     def recv(self, n: int) -> bytes:
         """Up to `n` decrypted bytes (b"" once the peer ended the stream), reading the socket when
@@ -3719,17 +3722,19 @@ class _TlsStream(_Stream):
                 except (ssl.SSLZeroReturnError, ssl.SSLEOFError):  # close_notify, or a TCP close
                     data = b""
                 reply = self._outgoing.pending  # e.g. the answer to a key update
-            if reply:
-                self._send_output(wait=False)
+            # The reading thread never waits for the send lock: were it to stop reading while the
+            # upstream's window for our sends is full, both ends could wait on each other. The
+            # sender holding it sends this output too.
+            if reply and self._sending.acquire(False):
+                self._send_output()
             if data is not None:
                 return data
             self._feed()
 
     def sendall(self, data: bytes) -> None:
-        """Encrypt `data` and send it; returns once it left (sent by this thread or another)."""
-        with self._engine:
-            self._tls.write(data)  # into a memory buffer: never waits
-        self._send_output(wait=True)
+        """Encrypt `data` and send it, after any output the engine wrote before it."""
+        self._sending.acquire()
+        self._send_output(data)
 
     def _feed(self) -> None:
         data = self.sock.recv(IO_CHUNK)
@@ -3739,22 +3744,22 @@ class _TlsStream(_Stream):
             else:
                 self._incoming.write_eof()
 
-    def _send_output(self, wait: bool) -> None:
-        """Send what the engine wrote, in order, one sender at a time. The sender lets go of
-        `_sending` only under the engine lock with the output buffer empty, so output a thread
-        writes (under that lock) is taken by the sender still holding it, or finds it free. The
-        reading thread does not wait for it (`wait` False): were it to stop reading while the
-        upstream's window for our sends is full, both ends could wait on each other."""
-        if not self._sending.acquire(wait):
-            return  # the thread sending takes this output too
+    def _send_output(self, data: bytes = b"") -> None:
+        """With `_sending` held: encrypt `data` (into a memory buffer: it never waits) and send what
+        the engine wrote, in order, then let go of `_sending`. It is let go only under the engine
+        lock with the output buffer empty, so output another thread writes (under that lock) is
+        sent by the sender still holding it, or finds it free."""
         try:
             while True:
                 with self._engine:
-                    data = self._outgoing.read()
-                    if not data:
+                    if data:
+                        self._tls.write(data)
+                        data = b""
+                    output = self._outgoing.read()
+                    if not output:
                         self._sending.release()
                         return
-                self.sock.sendall(data)
+                self.sock.sendall(output)
         except BaseException:
             self._sending.release()
             raise
