@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import heapq
 import http.client
 import http.server
 import importlib
@@ -97,11 +96,12 @@ MAX_INTERIM_RESPONSES = 32
 # Socket read size for streaming bodies and tunnels: large enough to move a 1 MiB frame in a few
 # calls.
 IO_CHUNK = 64 * 1024
-# Read size of the tunnel relay, per read of one side of a WebSocket tunnel. OpenEnv frames are a
-# few hundred bytes; a 1 MiB frame takes 64 reads instead of 16. (When a thread per direction waited
-# in recv, this buffer set most of an open session's memory; the relay thread holds none per
-# session.)
+# Read size of each direction of a WebSocket tunnel. OpenEnv frames are a few hundred bytes; a 1 MiB
+# frame takes 64 reads. A held session's two threads each wait in recv with a buffer of this size.
 TUNNEL_READ_BYTES = 16 * 1024
+# While an upgrade waits for the upstream's answer, the client is checked every this many seconds: one
+# that hung up frees the thread and the upstream connection at once rather than after read_timeout_s.
+TUNNEL_WATCH_S = 0.5
 # Idle upstream connections kept per route; more concurrent requests simply open more connections.
 POOL_MAX_IDLE = 64
 # While a request waits for its upstream's answer, the client may hang up (a trainer whose request
@@ -122,9 +122,10 @@ POOL_IDLE_S = 4.0
 TLS_CONTEXTS_KEPT = 8
 # How long stop() waits for each thread it started before naming it as left behind.
 STOP_JOIN_S = 5.0
-# Worker threads (client connections being served) at most: a keep-alive HTTP connection holds one
-# while it is open. At the cap a new connection is answered 503 `X-Proxy-Error: proxy-busy` with
-# `Retry-After` instead of queueing behind connections that may last hours.
+# Worker threads at most: a keep-alive HTTP connection holds one, an open WebSocket session two (one
+# per direction), so this caps connections served at once and open sessions at half of it. At the
+# cap a new connection (or an upgrade short of its second thread) is answered 503 `X-Proxy-Error:
+# proxy-busy` with `Retry-After` instead of queueing behind connections that may last hours.
 MAX_WORKERS = 16384
 # A parked worker that got no work for this long ends. Long enough that a trainer's next batch of
 # sessions (seconds to a minute apart) finds the threads the previous one left; short enough that a
@@ -300,7 +301,7 @@ class Route:
         self._pool: _HostPool = (host_pools or _HostPools()).acquire(key)
         self._idle: "collections.deque[_UpstreamConnection]" = self._pool.idle
         self._active: Set[_UpstreamConnection] = set()
-        self._tunnels: Set[_Tunnel] = set()
+        self._tunnels: Set[_Tunnel] = set()  # WebSocket sessions, from their upgrade's connect on
         self._closed = False
         # The current run of upstream failures: while a job boots, every readiness probe fails the
         # same way, and one WARNING per run (plus one INFO on recovery) says all there is to say.
@@ -379,7 +380,7 @@ class Route:
         for conn in active:
             _abort_socket(conn.sock)
         for tunnel in tunnels:
-            tunnel.close()
+            tunnel.cut_off()
         return problems
 
     def tls_context(self) -> ssl.SSLContext:
@@ -463,20 +464,6 @@ class Route:
 
     def _drain_idle(self) -> List["_UpstreamConnection"]:
         return _drain(self._idle)
-
-    def _open_stream(self, proxy: AuthProxy) -> "_Stream":
-        """A dedicated TCP (or TLS) stream to the upstream, for one WebSocket tunnel."""
-        sock = self._connect(proxy.connect_timeout_s)
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self.scheme == "https":
-                sock = self.tls_context().wrap_socket(sock,
-                                                      server_hostname=self.host)  # handshakes now
-            sock.settimeout(proxy.read_timeout_s)
-            return _Stream(sock)
-        except BaseException:
-            sock.close()
-            raise
 
     def _connect(self, timeout: float) -> socket.socket:
         """A connected TCP socket to the upstream (with `timeout` set), like
@@ -856,7 +843,6 @@ class AuthProxy:
             leftovers.extend(route.close())
         server.abort_connections()
         server.workers.close()
-        server.relay.close()
         deadline = time.monotonic() + STOP_JOIN_S
         threads = [serve_thread] if serve_thread else []
         threads += server.all_threads()
@@ -1656,12 +1642,10 @@ class _Server(http.server.ThreadingHTTPServer):
         self._conn_lock = threading.Lock()
         self._conns: Set[socket.socket] = set()
         self.workers = _WorkerPool("proxy-worker", MAX_WORKERS, WORKER_IDLE_S, WORKER_STACK_BYTES)
-        # every WebSocket tunnel, set up and relayed on one thread
-        self.relay = _TunnelRelay("proxy-relay")
-        # client connections the relay owns: _run leaves them open
-        self._relayed: Set[socket.socket] = set()
-        # connections refused at the thread cap
-        self.busy_warnings = _WarningRate(BUSY_WARNING_EVERY_S)
+        self.busy_warnings = _WarningRate(BUSY_WARNING_EVERY_S)  # connections refused at the thread cap
+        # Client connections whose WebSocket upgrade is under way or whose tunnel is open: stop() cuts
+        # those through their routes, so a set-up still answers its client (503) before the 101.
+        self.tunnelling: Set[socket.socket] = set()
         super().__init__((proxy.host.strip("[]"), proxy._requested_port), _Handler)
         # after super(): a failed bind leaks nothing
         self._wake_r, self._wake_w = socket.socketpair()
@@ -1733,24 +1717,11 @@ class _Server(http.server.ThreadingHTTPServer):
         except Exception:
             self.handle_error(request, client_address)
         finally:
-            with self._conn_lock:
-                relayed = request in self._relayed
-                self._relayed.discard(request)
-            if not relayed:
-                self.release_connection(request)
+            self.release_connection(request)
 
-    def hand_off(self, request: socket.socket) -> None:
-        """The relay owns this client connection now: its worker returns without closing it."""
-        with self._conn_lock:
-            self._relayed.add(request)
-
-    def release_connection(self, request: socket.socket, shut: bool = False) -> None:
-        """Close a client connection the proxy is done with (its worker's, or the relay's when it ends);
-        `shut`: it was shut down already (a second shutdown fails, and raising costs more than the call)."""
-        if shut:
-            self.close_request(request)
-        else:
-            self.shutdown_request(request)
+    def release_connection(self, request: socket.socket) -> None:
+        """Close a client connection the proxy is done with (its worker's, a tunnel's too)."""
+        self.shutdown_request(request)
         with self._conn_lock:
             self._conns.discard(request)
 
@@ -1758,9 +1729,10 @@ class _Server(http.server.ThreadingHTTPServer):
         log.error("proxy: unexpected error while serving a connection", exc_info=True)
 
     def abort_connections(self) -> None:
-        """Shut every live client socket so blocked handler threads wake up and exit."""
+        """Shut every live client socket so blocked handler threads wake up and exit; WebSocket
+        connections end through their routes instead (a set-up still answers its client)."""
         with self._conn_lock:
-            conns = list(self._conns)
+            conns = list(self._conns - self.tunnelling)
         for sock in conns:
             _abort_socket(sock)
 
@@ -1769,8 +1741,9 @@ class _Server(http.server.ThreadingHTTPServer):
         return self.workers.busy_threads()
 
     def all_threads(self) -> List[threading.Thread]:
-        """Every worker thread, busy or parked, and the relay's: what `stop()` joins."""
-        return self.workers.threads() + self.relay.threads()
+        """Every worker thread, busy or parked (a WebSocket session's two among them): what
+        `stop()` joins."""
+        return self.workers.threads()
 
 
 class _ClientReader(io.RawIOBase):
@@ -2496,81 +2469,47 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     # ---------------------------------------------------------------------------
 
     def _tunnel(self, route: Route, target: str, token: Optional[str]) -> None:
-        """Connect to the upstream, then hand the session to the relay thread, which sends the upgrade
-        request (after the TLS handshake over https) and reads the answer without blocking
-        (`_UpgradeSetup`), then relays a 101 verbatim and copies bytes both ways. This worker goes back to
-        the pool at once, so a session holds no thread, being set up or open: with a worker per TLS
-        set-up, a burst of 2,048 kept ~1,200 workers (~30 KiB each: stack, frame stack, glibc's
-        per-thread cache), and a plain session set up on its worker paid ~90 GIL hand-offs (futex calls)
-        where the relay pays ~5. A set-up that fails or is answered without a 101 comes back to a worker
-        (`_after_relay_setup`), which answers as HTTP."""
+        """Replay the upgrade upstream on this thread; relay a 101 verbatim and run the tunnel
+        until it ends, or relay any other answer as HTTP."""
         self.close_connection = True  # whatever happens, this connection ends with the tunnel
-        head = self._upgrade_head(route, target, token)
+        self.server.tunnelling.add(self.connection)  # stop() lets it answer: see abort_connections
         try:
-            sock = route._connect(self.proxy.connect_timeout_s)
             try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                if route.scheme == "https":
-                    sock = route.tls_context().wrap_socket(sock, server_hostname=route.host,
-                                                           do_handshake_on_connect=False)
-            except BaseException:
-                sock.close()
-                raise
-        except Exception as exc:
-            self._upgrade_failed(route, exc)
-            return
-        stream = _Stream(sock)
-        tunnel = _Tunnel(self.connection, stream, route.label)
-        if not route._add_tunnel(tunnel):  # unmounted meanwhile
-            stream.close()
-            return
-        # (no socket timeouts to set: the relay makes both sockets non-blocking, and a worker taking the
-        # session back sets its own)
-        first = self._take_buffered()  # frames the client sent right behind its request: upstream after the 101
-        tunnel.setup = _UpgradeSetup(self, route, head)
-        self._hand_to_relay(route, tunnel, first)
+                tunnel, head, extra, status = self._upgrade(route, target, token)
+            except _ClientGone:
+                log.debug("proxy: %s: client left before the upstream answered the upgrade",
+                          route.label)
+                return
+            except Exception as exc:
+                self._upgrade_failed(route, exc)
+                return
+            route.note_answer()
+            self._finish_upgrade(route, tunnel, head, extra, status)
+        finally:
+            self.server.tunnelling.discard(self.connection)
 
     def _upgrade_failed(self, route: Route, exc: BaseException) -> None:
+        """Answer an upgrade that got no answer from the upstream: 404 or 503 if its route ended
+        it (unmount, stop), else the upstream failure's 502/504."""
+        if isinstance(exc, _RouteGone):
+            self._refuse(_route_gone_refusal(self.proxy._stopping), close=True)
+            return
         refusal = _classify_upstream_error(exc, route)
         _log_upstream_failure(route, refusal.kind, "WebSocket upgrade failed: ")
         self._refuse(refusal, close=True)
 
-    def _hand_to_relay(self, route: Route, tunnel: "_Tunnel", first: bytes) -> None:
-        """The relay thread owns the session from here on (`first`: the client's bytes already read, for
-        the upstream) and closes everything when it ends; this worker goes back to the pool."""
-        self.server.hand_off(self.connection)
-        if not self.server.relay.add(tunnel, first, (route, self.server)):  # stopping: nothing relays any more
-            with self.server._conn_lock:
-                self.server._relayed.discard(self.connection)
-            tunnel.close()
-            _TunnelRelay._release(tunnel, route, None)
-
-    def _after_relay_setup(self, tunnel: "_Tunnel", failure: Optional[BaseException],
-                           answer: Optional[Tuple[bytes, bytes, int]]) -> None:
-        """A worker's job when the relay's set-up ended without a 101: answer the client as the blocking
-        path does (the refusal for `failure`, or the upstream's non-101 `answer` relayed as HTTP), then
-        close the session."""
-        route, stream = tunnel.setup.route, tunnel.upstream  # type: ignore[union-attr]
-        try:
-            self.connection.setblocking(True)
-            _set_socket_timeout(self.connection, self.proxy.read_timeout_s)
-            if failure is not None:
-                self._upgrade_failed(route, failure)
-            elif answer is not None:
-                stream.settimeout(self.proxy.read_timeout_s)
-                self._finish_upgrade(route, stream, *answer)
-        except (OSError, ValueError, ssl.SSLError) as exc:  # the client or the upstream went away meanwhile
-            log.debug("proxy: %s: answering a refused upgrade failed (%s)", route.label, type(exc).__name__)
-        finally:
-            tunnel.close()
-            route._remove_tunnel(tunnel)
-            stream.close()
-            self.server.release_connection(self.connection)
-
     def _tunnel_replicas(self, replicas: ReplicaRoute, target: str, token: Optional[str]) -> None:
-        """Open the session on the least busy live replica; if that replica fails before switching
-        protocols, take it out of rotation and retry once on another (the environment never saw it)."""
+        """Open the session on the least busy live replica; if that replica fails before
+        switching protocols, take it out of rotation and retry once on another (the environment
+        never saw it). The session keeps its slot on the replica until its tunnel ends."""
         self.close_connection = True
+        self.server.tunnelling.add(self.connection)
+        try:
+            self._open_on_a_replica(replicas, target, token)
+        finally:
+            self.server.tunnelling.discard(self.connection)
+
+    def _open_on_a_replica(self, replicas: ReplicaRoute, target: str, token: Optional[str]) -> None:
         tried: List[_Replica] = []
         last: Optional[Refusal] = None
         for _ in range(REPLICA_ATTEMPTS):
@@ -2579,99 +2518,132 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 break
             tried.append(replica)
             route = replica.route
-            released = False  # True once the relay owns the session and with it the replica's slot
             try:
                 try:
-                    stream, head, extra, status = self._upgrade(route, route.base_path + target, token)
+                    tunnel, head, extra, status = self._upgrade(
+                        route, route.base_path + target, token)
                 except _ClientGone:
-                    log.debug("proxy: %s: client left before the upstream answered the upgrade", route.label)
+                    log.debug("proxy: %s: client left before the upstream answered the upgrade",
+                              route.label)
                     return
+                except _RouteGone:
+                    if replicas._closed:  # the whole route was unmounted, or the proxy is stopping
+                        self._refuse(_route_gone_refusal(self.proxy._stopping), close=True)
+                        return
+                    last = Refusal(502, "replica-unavailable", "The replica %s was removed while "
+                                   "the WebSocket upgrade was under way." % route.label)
+                    continue
                 except Exception as exc:
                     last = _classify_upstream_error(exc, route)
                     replicas._mark_failed(replica, "%s (%s)" % (last.kind, _failure_name(exc)))
                     continue
                 if status in REPLICA_DOWN_STATUSES:
-                    stream.close()
-                    last = Refusal(502, "replica-unavailable", "The replica %s answered %d to the WebSocket "
-                                                               "upgrade; its job may have stopped." % (route.label, status))
+                    route._remove_tunnel(tunnel)
+                    tunnel.upstream.close()  # type: ignore[union-attr]
+                    last = Refusal(502, "replica-unavailable",
+                                   "The replica %s answered %d to the WebSocket upgrade; its job may "
+                                   "have stopped." % (route.label, status))
                     replicas._mark_failed(replica, "answered %d to the WebSocket upgrade" % status)
                     continue
-                # an open session keeps its slot on the replica until the relay ends it
-                released = self._finish_upgrade(route, stream, head, extra, status,
-                                                 on_end=functools.partial(replicas._release, replica))
+                self._finish_upgrade(route, tunnel, head, extra, status)
                 return
             finally:
-                if not released:
-                    replicas._release(replica)
+                replicas._release(replica)
         total, failed = replicas._failure_summary()
         if last is not None and len(failed) < total:
-            self._refuse(last, close=True)  # tried twice; other replicas remain for the next session
+            self._refuse(last, close=True)  # tried twice; other replicas remain for later
         else:
             self._refuse(_no_live_replica_refusal(total, failed), close=True)
 
-    def _upgrade(self, route: Route, target: str, token: Optional[str]) -> Tuple["_Stream", bytes, bytes, int]:
-        """Send the upgrade request on a new stream and read the answer's head, watching the client
-        meanwhile: (stream, head, bytes past the head, status). Raises _ClientGone if the client hung
-        up first, or the connection error; the stream is closed on any failure."""
-        head_bytes = self._upgrade_head(route, target, token)
-        stream = route._open_stream(self.proxy)
+    def _upgrade(self, route: Route, target: str,
+                 token: Optional[str]) -> Tuple["_Tunnel", bytes, bytes, int]:
+        """Open a stream to the upstream (the TLS handshake within connect_timeout_s), send the
+        upgrade request and read the answer's head within read_timeout_s, watching the client
+        meanwhile: (tunnel, head, bytes past the head, status). The tunnel is on its route from
+        before the connect, so an unmount or a stop cuts it at any step (_RouteGone). On any
+        failure the stream is closed and the tunnel off its route; _ClientGone if the client
+        hung up first."""
+        request = self._upgrade_head(route, target, token)
+        tunnel = _Tunnel(self.connection, route.label)
+        if not route._add_tunnel(tunnel):
+            raise _RouteGone()
+        client, proxy = self.connection, self.proxy
         try:
-            stream.sendall(head_bytes)
-            # A TLS stream's engine holds no answer bytes yet (nothing was asked before this request),
-            # so waiting on its raw socket is exact.
-            if not self._await_answer(stream.sock):
-                raise _ClientGone()
-            head, extra = _read_head(stream)
-        except BaseException:
-            stream.close()
+            tunnel.upstream = stream = _open_stream(route, proxy.connect_timeout_s)
+            if tunnel.cut:  # (cut while connecting: it had no stream to abort)
+                raise _RouteGone()
+            stream.settimeout(min(TUNNEL_WATCH_S, proxy.connect_timeout_s, proxy.read_timeout_s))
+            if isinstance(stream, _TlsStream):
+                _watching(client, time.monotonic() + proxy.connect_timeout_s, stream.handshake,
+                          "the TLS handshake with the upstream took over connect_timeout_s")
+            stream.sendall(request)
+            head, extra = _read_head(stream, client, proxy.read_timeout_s)
+        except BaseException as exc:
+            route._remove_tunnel(tunnel)
+            if tunnel.upstream is not None:
+                tunnel.upstream.close()
+            if tunnel.cut and isinstance(exc, Exception) and not isinstance(exc, _ClientGone):
+                raise _RouteGone() from None
             raise
         match = _STATUS_LINE_RE.match(head)
-        return stream, head, extra, int(match.group(1)) if match else 0
+        return tunnel, head, extra, int(match.group(1)) if match else 0
 
     def _upgrade_head(self, route: Route, target: str, token: Optional[str]) -> bytes:
-        """The upgrade request the upstream gets: the client's, with the route's token and headers."""
+        """The upgrade request the upstream gets: the client's, with the route's token and
+        headers."""
         lines = ["GET %s HTTP/1.1" % target]
-        for name, value in _upstream_request_headers(self.headers, route, token, self._route_headers):
-            lines.append("%s: %s" % (name, value))
+        pairs = _upstream_request_headers(self.headers, route, token, self._route_headers)
+        lines += ["%s: %s" % (name, value) for name, value in pairs]
         lines += ["Upgrade: %s" % self.headers.get("Upgrade", "websocket"), "Connection: Upgrade"]
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
     def _take_buffered(self) -> bytes:
         return _drain_buffered(self.rfile, self._reader)
 
-    def _finish_upgrade(self, route: Route, stream: "_Stream", head: bytes, extra: bytes, status: int,
-                        on_end: Optional[Callable[[], None]] = None) -> bool:
-        """Relay a non-101 answer as HTTP; on 101 relay the head and hand the tunnel to the relay thread
-        (a replicated route's session, set up on this worker so that a failed replica can be retried),
-        which calls `on_end` when the tunnel ends. True if it was handed over (`on_end` is the relay's)."""
-        if status != 101:
-            # Not switching: parse it as an ordinary HTTP response and relay it.
-            reader = _UpstreamReader(stream.recv, head + extra)
-            try:
-                answer = _parse_answer(reader.read_head(first=True), "GET")
-                self._relay_response(route, reader, answer, on_done=lambda reusable: None)
-            except _BadResponse as exc:
-                self._refuse(_classify_upstream_error(exc, route), close=True)
-            finally:
-                stream.close()
-            return False
-        tunnel = _Tunnel(self.connection, stream, route.label)
-        if not route._add_tunnel(tunnel):
-            stream.close()
-            return False
-        tunnel.on_end = on_end
+    def _finish_upgrade(self, route: Route, tunnel: "_Tunnel", head: bytes, extra: bytes,
+                        status: int) -> None:
+        """Relay a non-101 answer as HTTP. On a 101: take the upstream->client thread from the
+        pool (counted in the cap: at the cap the client gets 503 proxy-busy, not a half-made
+        tunnel), relay the 101 verbatim and copy client->upstream on this thread until either
+        side ends."""
+        stream = tunnel.upstream
+        assert stream is not None
         try:
-            self._reader.body_phase(None)
-            self.connection.sendall(head + extra)
-        except OSError:
-            tunnel.close()  # the relay ends it at once
-        self._hand_to_relay(route, tunnel, self._take_buffered())
-        return True
+            if status != 101:
+                stream.settimeout(self.proxy.read_timeout_s)
+                reader = _UpstreamReader(stream.recv, head + extra)
+                try:
+                    answer = _parse_answer(reader.read_head(first=True), "GET")
+                    self._relay_response(route, reader, answer, on_done=lambda reusable: None)
+                except _BadResponse as exc:
+                    self._refuse(_classify_upstream_error(exc, route), close=True)
+                return
+            if tunnel.cut:
+                self._refuse(_route_gone_refusal(self.proxy._stopping), close=True)
+                return
+            if not self.server.workers.submit(tunnel.pump_upstream):
+                if not self.proxy._stopping:
+                    _warn_busy(self.server.busy_warnings)
+                self._refuse(_busy_refusal(), close=True)
+                return
+            try:
+                self._reader.body_phase(None)  # blocking from here on: a session lasts as it likes
+                stream.settimeout(None)
+                tunnel.opened = True
+                self.connection.sendall(head + extra)
+            except OSError:
+                tunnel.close()
+            tunnel.run(self._take_buffered())
+        finally:
+            tunnel.close()  # (a no-op after run(); else it frees the upstream->client worker)
+            route._remove_tunnel(tunnel)
+            stream.close()
 
 
 def _drain_buffered(rfile: io.BufferedReader, reader: _ClientReader) -> bytes:
-    """What the client sent past the upgrade request that `rfile` already buffered (frames sent right
-    behind the request), then close it: its 64 KiB buffer is freed and the tunnel reads the socket."""
+    """What the client sent past the upgrade request that `rfile` already buffered (frames sent
+    right behind the request), then close it: its 64 KiB buffer is freed and the tunnel reads the
+    socket."""
     reader.stop()
     chunks = []
     while True:
@@ -2689,19 +2661,61 @@ def _prepend(first: bytes, rest: Iterable[bytes]) -> Iterator[bytes]:
     yield from rest
 
 
-def _read_head(stream: "_Stream") -> Tuple[bytes, bytes]:
-    """Read an HTTP response head from the stream: (head including the blank line, bytes past it)."""
+def _read_head(stream: "_Stream", client: socket.socket, timeout_s: float) -> Tuple[bytes, bytes]:
+    """The upstream's answer to an upgrade, in within `timeout_s` while the client stays (see
+    `_watching`): (head including the blank line, bytes past it)."""
     buffer = b""
+    deadline = time.monotonic() + timeout_s
     while True:
         end = buffer.find(b"\r\n\r\n")
         if end >= 0:
             return buffer[:end + 4], buffer[end + 4:]
         if len(buffer) > MAX_HEADER_BYTES:
             raise http.client.LineTooLong("upstream response head")
-        data = stream.recv(IO_CHUNK)
+        data = _watching(client, deadline, functools.partial(stream.recv, IO_CHUNK),
+                         "the upstream did not answer the upgrade within read_timeout_s")
         if not data:
-            raise http.client.RemoteDisconnected("upstream closed the connection before answering the upgrade")
+            raise http.client.RemoteDisconnected(
+                "upstream closed the connection before answering the upgrade")
         buffer += data
+
+
+def _watching(client: socket.socket, deadline: float, step: Callable[[], Optional[bytes]],
+              what: str) -> Optional[bytes]:
+    """step() on an upstream stream whose timeout is a slice (TUNNEL_WATCH_S), retried after each
+    slice until `deadline` (then socket.timeout saying `what`) while the client is still there: one
+    that hung up frees this thread and the upstream at once (_ClientGone)."""
+    while True:
+        try:
+            return step()
+        except socket.timeout:
+            if time.monotonic() >= deadline:
+                raise socket.timeout(what) from None
+            if _client_left(client):
+                raise _ClientGone() from None
+
+
+def _client_left(client: socket.socket) -> bool:
+    """Whether the client hung up (a peek that never waits; bytes it sent stay for the tunnel)."""
+    try:
+        return not client.recv(1, socket.MSG_PEEK | getattr(socket, "MSG_DONTWAIT", 0))
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+class _RouteGone(Exception):
+    """An upgrade's route was closed (unmount, stop) before its 101 reached the client."""
+
+
+def _route_gone_refusal(stopping: bool) -> Refusal:
+    if stopping:
+        return Refusal(503, "proxy-stopping",
+                       "The proxy is stopping; this WebSocket session was not opened.")
+    return Refusal(404, "unknown-route", "The route was unmounted while this WebSocket upgrade was "
+                   "under way; mount it again, or use the base URL of a mounted route.")
+
 
 
 # --------------------------------------------------------------------------------------------------
@@ -3211,12 +3225,11 @@ class _WarningRate:
 
 
 class _Stream:
-    """A byte stream to the upstream for one WebSocket tunnel: a TCP socket, or an `ssl.SSLSocket`."""
+    """A byte stream to the upstream for one WebSocket session, over a blocking TCP socket: one
+    thread may recv while another sends (one per direction)."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self._closed = False
-        self._aborted = False  # shut down already: closing needs no second shutdown syscall
 
     def recv(self, n: int) -> bytes:
         return self.sock.recv(n)
@@ -3229,557 +3242,189 @@ class _Stream:
 
     def abort(self) -> None:
         """Wake threads blocked on this stream; they see EOF or an error and end."""
-        self._aborted = True
         _abort_socket(self.sock)
 
     def close(self) -> None:
-        self._closed = True
-        if not self._aborted:
-            self.abort()
+        self.abort()
         self.sock.close()
 
 
-class _Tunnel:
-    """A WebSocket byte tunnel, set up (`setup`, an `_UpgradeSetup`, until the 101) and then pumped both
-    ways by the proxy's relay thread (`_TunnelRelay` calling `advance`, or its own loop for a plain
-    tunnel with nothing pending); when either direction ends, both sockets close. One thread for every
-    tunnel means an open session holds none, and a TLS upstream's SSL object is only ever used by one
-    thread, as OpenSSL requires (docs/performance.md, "Thread model")."""
+class _TlsStream(_Stream):
+    """TLS over a blocking TCP socket through an `ssl.SSLObject` on memory buffers, for a reading
+    and a sending thread at once. OpenSSL forbids two threads in one SSL object, so the engine is
+    touched only under `_engine`, a lock never held across a socket call: each thread does its own
+    socket I/O outside it. Output leaves in the order the engine wrote it: it is taken from the
+    output buffer only under `_sending`, held while it is sent (see `_send_output`); the sending
+    thread takes `_sending` before the engine lock, never the other way round."""
 
-    def __init__(self, client: socket.socket, upstream: _Stream, label: str) -> None:
-        self.client, self.upstream, self.label = client, upstream, label
+    def __init__(self, sock: socket.socket, context: ssl.SSLContext, host: str) -> None:
+        super().__init__(sock)
+        self._incoming, self._outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self._tls = context.wrap_bio(self._incoming, self._outgoing, server_hostname=host)
+        self._engine = threading.Lock()
+        self._sending = threading.Lock()
+
+    def handshake(self) -> None:
+        """The TLS handshake, on the socket's timeout (called again after a timeout, it goes on
+        where it stopped); each flight is sent before the peer's is awaited."""
+        while True:
+            try:
+                with self._engine:
+                    self._tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                self._sending.acquire()
+                self._send_output()
+                self._feed()
+        self._sending.acquire()
+        self._send_output()
+
+    def recv(self, n: int) -> bytes:
+        """Up to `n` decrypted bytes (b"" once the peer ended the stream), reading the socket when
+        the engine holds none."""
+        while True:
+            with self._engine:
+                try:
+                    data: Optional[bytes] = self._tls.read(n)
+                except ssl.SSLWantReadError:
+                    data = None
+                except (ssl.SSLZeroReturnError, ssl.SSLEOFError):  # close_notify, or a TCP close
+                    data = b""
+                reply = self._outgoing.pending  # e.g. the answer to a key update
+            # The reading thread never waits for the send lock: were it to stop reading while the
+            # upstream's window for our sends is full, both ends could wait on each other. The
+            # sender holding it sends this output too.
+            if reply and self._sending.acquire(False):
+                self._send_output()
+            if data is not None:
+                return data
+            self._feed()
+
+    def sendall(self, data: bytes) -> None:
+        """Encrypt `data` and send it, after any output the engine wrote before it."""
+        self._sending.acquire()
+        self._send_output(data)
+
+    def _feed(self) -> None:
+        data = self.sock.recv(IO_CHUNK)
+        with self._engine:
+            if data:
+                self._incoming.write(data)
+            else:
+                self._incoming.write_eof()
+
+    def _send_output(self, data: bytes = b"") -> None:
+        """With `_sending` held: encrypt `data` (into a memory buffer: it never waits) and send what
+        the engine wrote, in order, then let go of `_sending`. It is let go only under the engine
+        lock with the output buffer empty, so output another thread writes (under that lock) is
+        sent by the sender still holding it, or finds it free."""
+        try:
+            while True:
+                with self._engine:
+                    if data:
+                        self._tls.write(data)
+                        data = b""
+                    output = self._outgoing.read()
+                    if not output:
+                        self._sending.release()
+                        return
+                self.sock.sendall(output)
+        except BaseException:
+            self._sending.release()
+            raise
+
+
+def _open_stream(route: Route, connect_timeout_s: float) -> _Stream:
+    """A new TCP stream to the route's upstream for one WebSocket session; for https, TLS over it
+    (verified as the route says, with the context shared per `verify`; the caller handshakes)."""
+    sock = route._connect(connect_timeout_s)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if route.scheme != "https":
+            return _Stream(sock)
+        return _TlsStream(sock, route.tls_context(), route.host)
+    except BaseException:
+        sock.close()
+        raise
+
+
+class _Tunnel:
+    """A WebSocket session: the client's socket and the upstream stream, copied both ways by two
+    threads, one per direction: client->upstream on the handler's thread (`run`), upstream->client
+    on a pool worker (`pump_upstream`, held back until the 101 is out). When either direction
+    ends, both sockets close. On its route from before the upgrade's connect, so unmount and stop
+    end it at any step (`cut_off`): before the 101 only the upstream side is cut, and the handler
+    still answers the client as HTTP."""
+
+    def __init__(self, client: socket.socket, label: str) -> None:
+        self.client, self.label = client, label
+        self.upstream: Optional[_Stream] = None  # set once connected
+        self.opened = False  # the 101 is on its way to the client
+        self.cut = False  # ended by its route (unmount, stop)
         self._closed = False
-        self.setup: Optional[_UpgradeSetup] = None  # the relay is still setting it up (until the 101)
-        self.steady = False  # plain, nothing pending, both sides polled for input: the relay's own loop pumps it
-        self.on_end: Optional[Callable[[], None]] = None  # called once when the relay ends it (a replica's slot)
+        # Plain locks, both held from the start: one futex each way (an Event is a Condition).
+        self._go = threading.Lock()  # released once the 101 is out (or the tunnel closed before)
+        self._go.acquire()
+        self._pumped = threading.Lock()  # released when the upstream->client direction ended
+        self._pumped.acquire()
+
+    def cut_off(self) -> None:
+        """End the session from its route (unmount, stop)."""
+        self.cut = True
+        if self.opened:
+            self.close()
+        elif self.upstream is not None:
+            self.upstream.abort()
 
     def close(self) -> None:
-        """End both directions now (safe from any thread, idempotent: shutting a socket twice is harmless)."""
+        """End both directions now (from any thread; idempotent: a second shutdown is harmless)."""
         if self._closed:
             return
         self._closed = True
+        self._release_go()
         _abort_socket(self.client)
-        self.upstream.abort()
+        if self.upstream is not None:
+            self.upstream.abort()
 
-    def start_relay(self, first: bytes) -> None:
-        """Set this tunnel up for `_TunnelRelay`: non-blocking sockets, `first` (bytes of the client's
-        already read) to go upstream, and a TLS upstream counted readable (its SSL object may hold bytes
-        read with the 101, which no poll reports)."""
-        self.tls = isinstance(self.upstream.sock, ssl.SSLSocket)
-        self.plain = not self.tls
-        self.to_up, self.to_client = first, b""
-        self.client_in, self.up_in = False, self.tls
-        self.client_ended = self.up_ended = False  # hung up or reset: read what is left, poll it no more
-        self.up_wants = 0  # the poll events the SSL object asked for to finish an interrupted recv or send
-        # The SSL object under the SSLSocket (CPython's _ssl._SSLSocket): its read/write/pending skip the
-        # wrapper's checks (closed? flags?), three Python calls per frame that the relay, the only user of
-        # a socket it closes itself, does not need. A plain socket (or another Python) uses the socket.
-        self.engine = getattr(self.upstream.sock, "_sslobj", None) if self.tls else None
-        self.client_fd, self.up_fd = self.client.fileno(), self.upstream.sock.fileno()
-        self.wanted: Optional[Tuple[int, int]] = None  # the events each side is registered for
-        self.client.setblocking(False)
-        self.upstream.sock.setblocking(False)
-
-    def note(self, client_side: bool, events: int) -> bool:
-        """Take in what poll reported for one side; False if its socket was closed under the relay."""
-        if events & select.POLLNVAL:  # closed under us (unmount, stop)
-            return False
-        ended = bool(events & (select.POLLHUP | select.POLLERR))
-        if client_side:
-            self.client_ended = self.client_ended or ended
-            self.client_in = ended or bool(events & select.POLLIN)
-        else:
-            self.up_ended = self.up_ended or ended
-            self.up_in = ended or bool(events & (select.POLLIN | select.POLLOUT))
-            self.up_wants = 0
-        return True
-
-    def advance(self) -> Optional[Tuple[int, int]]:
-        """Copy both ways until neither side can move without waiting; then the poll events to wait
-        for on (client, upstream), -1 for a side no longer polled, or None once the tunnel ended.
-
-        A side is read only when what was read from it before has been written to the other
-        (back-pressure), and the SSL object, which may hold decrypted bytes the socket no longer shows,
-        is read until empty. A side that hung up or reset (POLLHUP/POLLERR) stays readable until its recv
-        says so: the bytes it sent before still sit in its socket and SSL object, and are relayed first
-        (as the two-thread plain tunnel does). Such a side is no longer polled, since poll() reports a
-        hang-up whatever is asked and would spin while the other side's bytes wait."""
-        client, up, engine = self.client, self.upstream.sock, self.engine
-        up_send, up_recv = (engine.write, engine.read) if engine is not None else (up.send, up.recv)
-        # Locals while it runs (this is the relay's hot path), stored back however it returns.
-        to_up, to_client, client_in, up_in = self.to_up, self.to_client, self.client_in, self.up_in
-        client_ended, up_ended, up_wants = self.client_ended, self.up_ended, self.up_wants
+    def run(self, first: bytes) -> None:
+        """Copy client->upstream on this thread, starting with `first` (the client's bytes already
+        read), while `pump_upstream` copies the other way; return once both directions ended."""
+        self._release_go()
         try:
-            while not self._closed:
-                if client_in and not to_up:
-                    client_in = client_ended
-                    try:
-                        to_up = client.recv(TUNNEL_READ_BYTES)
-                    except BlockingIOError:  # (a readiness that went away)
-                        if client_ended:
-                            return None
-                    else:
-                        if not to_up:
-                            return None
-                if to_up:
-                    try:
-                        to_up = to_up[up_send(to_up):]
-                        up_wants &= ~select.POLLOUT
-                    except ssl.SSLWantReadError:
-                        up_wants |= select.POLLIN
-                    except (ssl.SSLWantWriteError, BlockingIOError):
-                        up_wants |= select.POLLOUT
-                if up_in and not to_client:
-                    up_in = up_ended
-                    try:
-                        to_client = up_recv(TUNNEL_READ_BYTES)
-                        if not to_client:
-                            return None
-                        # more decrypted bytes than one read took: only a full read can leave some (OpenSSL
-                        # reads one record at a time and a short read emptied it), so most frames skip the call
-                        up_in = up_ended or (len(to_client) == TUNNEL_READ_BYTES and self.tls and up.pending() > 0)
-                    except (ssl.SSLWantReadError, BlockingIOError):
-                        if up_ended:
-                            return None
-                        to_client = b""
-                    except ssl.SSLWantWriteError:
-                        to_client, up_wants = b"", up_wants | select.POLLOUT
-                if to_client:
-                    try:
-                        to_client = to_client[client.send(to_client):]
-                    except BlockingIOError:
-                        pass
-                if (up_in and not to_client) or (client_in and not to_up):
-                    continue  # readable already (bytes in the SSL object, or a side that ended): no poll
-                return (-1 if client_ended else
-                        (0 if to_up else select.POLLIN) | (select.POLLOUT if to_client else 0),
-                        -1 if up_ended else
-                        (0 if to_client else select.POLLIN) | up_wants | (select.POLLOUT if to_up else 0))
+            self._pump(self.client.recv, self.upstream.sendall, first)  # type: ignore[union-attr]
+        finally:
+            if not self._pumped.acquire(timeout=STOP_JOIN_S):  # pragma: no cover - sockets are shut
+                log.warning("proxy: %s tunnel's upstream reader did not end", self.label)
+
+    def pump_upstream(self) -> None:
+        """Copy upstream->client (a pool worker's job), once the 101 is out."""
+        try:
+            self._go.acquire()
+            if not self._closed:
+                self._pump(self.upstream.recv, self.client.sendall)  # type: ignore[union-attr]
+        finally:
+            self._pumped.release()
+
+    def _pump(self, read: Callable[[int], bytes], write: Callable[[bytes], None],
+              first: bytes = b"") -> None:
+        try:
+            data = first
+            while True:
+                if data:
+                    write(data)
+                data = read(TUNNEL_READ_BYTES)
+                if not data:
+                    break
         except (OSError, ValueError, ssl.SSLError):
             pass
         finally:
-            self.to_up, self.to_client, self.client_in, self.up_in = to_up, to_client, client_in, up_in
-            self.up_wants = up_wants
-        return None
+            self.close()
 
-
-class _UpgradeSetup:
-    """A session the relay thread is setting up (`_TunnelRelay._advance_setup`): the TLS handshake with
-    an https upstream, the upgrade request sent, the answer's head read, each step taken when its socket
-    is ready, so no thread waits on it. The client is watched meanwhile, as `_Handler._await_answer`
-    does: a client that hangs up ends the set-up quietly."""
-
-    __slots__ = ("handler", "route", "request", "answer", "phase", "deadline", "watch_client", "wants", "queued")
-
-    HANDSHAKE, SEND, ANSWER = 0, 1, 2
-
-    def __init__(self, handler: "_Handler", route: Route, request: bytes) -> None:
-        self.handler, self.route, self.request = handler, route, request
-        self.answer = b""
-        if route.scheme == "https":
-            self.phase = self.HANDSHAKE
-            self.deadline = time.monotonic() + handler.proxy.connect_timeout_s  # the handshake's, as in a blocking connect
-        else:
-            self.phase = self.SEND
-            self.deadline = time.monotonic() + handler.proxy.read_timeout_s  # the answer's
-        self.watch_client = True  # until the client sends something (then it is relayed after the 101)
-        self.wants = 0  # the poll events the upstream's next step waits for
-        self.queued = 0.0  # the deadline last put on the relay's heap (a newer one makes that entry stale)
-
-    def advance(self, sock: socket.socket) -> Optional[Tuple[bytes, bytes, int]]:
-        """Take the steps the upstream allows now (sending the request ends them: its answer is waited
-        for): the answer's (head, bytes past it, status) once its head is in, else None with `wants` set
-        to the poll events the next step waits for. Raises what the blocking path would (an SSL or
-        socket error, a timeout, a head too large or cut short)."""
-        self.wants = 0
+    def _release_go(self) -> None:
         try:
-            if self.phase == self.HANDSHAKE:
-                sock.do_handshake()  # type: ignore[attr-defined]  # (https: an SSLSocket)
-                self.phase = self.SEND
-                self.deadline = time.monotonic() + self.handler.proxy.read_timeout_s  # the answer's
-            if self.phase == self.SEND:
-                self.request = self.request[sock.send(self.request):]
-                if self.request:
-                    self.wants = select.POLLOUT
-                    return None
-                # The answer cannot be in before the request went out: wait for it rather than try a
-                # read that fails (each failed read raises, ~2 us of building an OSError and its message).
-                self.phase = self.ANSWER
-                self.wants = select.POLLIN
-                return None
-            while True:
-                try:
-                    data = sock.recv(TUNNEL_READ_BYTES)
-                except BlockingIOError:  # a plain socket's (TLS raises SSLWantReadError)
-                    self.wants = select.POLLIN
-                    return None
-                if not data:
-                    raise http.client.RemoteDisconnected("upstream closed the connection before answering the upgrade")
-                self.answer += data
-                end = self.answer.find(b"\r\n\r\n")
-                if end >= 0:
-                    head, extra = self.answer[:end + 4], self.answer[end + 4:]
-                    match = _STATUS_LINE_RE.match(head)
-                    return head, extra, int(match.group(1)) if match else 0
-                if len(self.answer) > MAX_HEADER_BYTES:
-                    raise http.client.LineTooLong("upstream response head")
-        except ssl.SSLWantReadError:
-            self.wants = select.POLLIN
-        except (ssl.SSLWantWriteError, BlockingIOError):
-            self.wants = select.POLLOUT
-        return None
-
-    def timed_out(self) -> BaseException:
-        if self.phase == self.HANDSHAKE:
-            return socket.timeout("TLS handshake with the upstream not done within connect_timeout_s")
-        return socket.timeout("the upstream did not answer the upgrade within read_timeout_s")
-
-
-# What `_Tunnel.advance` returns for a tunnel with nothing pending: both sides polled for input.
-_BOTH_READ = (select.POLLIN, select.POLLIN)
-
-
-class _TunnelRelay:
-    """One thread that sets up (`_UpgradeSetup`) and relays every WebSocket tunnel of a proxy
-    (`_Tunnel.advance` per tunnel, around one epoll, or poll() where there is none; a plain tunnel with
-    nothing pending is pumped by `_run` itself), so a session holds no thread: with a thread per TLS
-    session (two per plain one), 2,048 held sessions kept 2,048 (4,096) threads, each ~30 KiB of RSS
-    (its touched stack, Python's frame stack, glibc's per-thread cache). Started with the first tunnel,
-    ended by `close()`."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._lock = threading.Lock()
-        self._incoming: List[Tuple[_Tunnel, bytes, Tuple[Route, "_Server"]]] = []
-        self._thread: Optional[threading.Thread] = None
-        self._closed = False
-        self._wake_r: Optional[socket.socket] = None
-        self._wake_w: Optional[socket.socket] = None
-        self._poller = None  # type: ignore[var-annotated]  # epoll (poll where there is none), made by _start()
-        self._epoll = hasattr(select, "epoll")
-        # registered fd -> (tunnel, is it the client side, the socket read on its events, the one written)
-        self._sides: Dict[int, Tuple[_Tunnel, bool, socket.socket, socket.socket]] = {}
-        self._masks: Dict[int, int] = {}  # registered fd -> the events it is registered for
-        self._owners: Dict[_Tunnel, Tuple[Route, "_Server"]] = {}  # relayed tunnels: who to tell at the end
-        self._deadlines: List[Tuple[float, int, _Tunnel]] = []  # heap of set-ups' deadlines (stale ones skipped)
-        self._queued = 0  # entries pushed: ties on the heap never compare tunnels
-
-    def add(self, tunnel: _Tunnel, first: bytes, owner: Tuple[Route, "_Server"]) -> bool:
-        """Relay `tunnel` (its 101 sent, or `tunnel.setup` set: the relay sets it up first; `first` the
-        client's bytes already read) until it ends, then close it, take it off its route and release the
-        client connection. False if closed."""
-        with self._lock:
-            if self._closed:
-                return False
-            if self._thread is None and not self._start():
-                return False
-            self._incoming.append((tunnel, first, owner))
-            wake = len(self._incoming) == 1  # else a wake-up is on its way already
-        if wake:
-            self._wake()
-        return True
-
-    def start(self) -> bool:
-        """Start the thread now rather than with the first tunnel (False if closed or it could not
-        start). For a leak check's baseline: the relay's thread and its three fds (the wake-up pair and
-        the epoll) then stay until stop(), like the listener's."""
-        with self._lock:
-            return not self._closed and (self._thread is not None or self._start())
-
-    def close(self) -> None:
-        """End the thread: tunnels still open are closed (stop() has shut their sockets already)."""
-        with self._lock:
-            self._closed = True
-            started = self._thread is not None
-        if started:
-            self._wake()
-
-    def threads(self) -> List[threading.Thread]:
-        with self._lock:
-            thread = self._thread
-        return [thread] if thread is not None and thread.is_alive() else []
-
-    def count(self) -> int:
-        """Tunnels relayed now (a diagnostic for tests)."""
-        with self._lock:
-            return len(self._owners) + len(self._incoming)
-
-    def _start(self) -> bool:
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
-        if self._epoll:
-            self._poller = select.epoll()
-        else:  # pragma: no cover - not Linux
-            self._poller = select.poll()
-        self._poller.register(self._wake_r.fileno(), select.POLLIN)
-        thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-        try:
-            _start_with_stack(thread, WORKER_STACK_BYTES)
-        except BaseException:  # e.g. RuntimeError: can't start new thread
-            self._poller.close()
-            self._wake_r.close()
-            self._wake_w.close()
-            return False
-        self._thread = thread
-        return True
-
-    def _wake(self) -> None:
-        try:
-            self._wake_w.send(b"x")  # type: ignore[union-attr]
-        except OSError:  # full of earlier wake-ups: it is awake
+            self._go.release()
+        except RuntimeError:  # released already (by run() or close())
             pass
-
-    def _run(self) -> None:
-        poller, wake_fd, sides = self._poller, self._wake_r.fileno(), self._sides  # type: ignore[union-attr]
-        POLLIN = select.POLLIN
-        buffer = bytearray(TUNNEL_READ_BYTES)  # the fast path's reads: one relay thread, one buffer
-        view = memoryview(buffer)
-        per_second = 1 if hasattr(select, "epoll") else 1000  # epoll's timeout is in seconds, poll's in ms
-        deadlines = self._deadlines
-        woken = True  # the wake-up socket fired: tunnels may be waiting in _incoming, or close() was called
-        try:
-            while True:
-                if woken and (self._incoming or self._closed):
-                    with self._lock:
-                        batch, self._incoming = self._incoming, []
-                        closed = self._closed
-                    for tunnel, first, owner in batch:
-                        self._owners[tunnel] = owner
-                        try:
-                            tunnel.start_relay(first)
-                        except (OSError, ValueError):  # a socket closed already
-                            tunnel.close()
-                            self._end(tunnel)
-                            continue
-                        self._advance(tunnel)
-                    del batch
-                    if closed:
-                        return
-                woken = False
-                timeout = self._expire_setups() if deadlines else None
-                # The wait may last until the next tunnel: names left from the last pass would keep that
-                # pass's tunnel, its sockets and its route (unmounted since, perhaps) alive meanwhile.
-                tunnel = first = owner = src = dst = ready = None  # type: ignore[assignment]
-                polled = poller.poll() if timeout is None else poller.poll(timeout * per_second)
-                ready: Optional[Dict[_Tunnel, None]] = None  # tunnels for the general path (made when needed)
-                for fd, events in polled:
-                    try:
-                        tunnel, client_side, src, dst = sides[fd]
-                    except KeyError:  # the wake-up socket, or a tunnel that ended earlier in this batch
-                        if fd == wake_fd:
-                            woken = True
-                            try:  # one read: wake-ups left over (more than 4,096) wake the next poll
-                                self._wake_r.recv(4096)  # type: ignore[union-attr]
-                            except OSError:
-                                pass
-                        continue
-                    if events == POLLIN and tunnel.steady:
-                        # A plain tunnel in steady use (most events): one read, one write, nothing left
-                        # over, nothing to re-register: the general path below costs several Python calls more.
-                        try:
-                            got = src.recv_into(buffer)
-                        except BlockingIOError:  # (a readiness that went away)
-                            continue
-                        except (OSError, ValueError):  # reset, or closed under the relay
-                            got = 0
-                        if got:
-                            try:
-                                sent = dst.send(view[:got])
-                            except BlockingIOError:
-                                sent = 0
-                            except (OSError, ValueError):
-                                sent = -1
-                            if sent == got:
-                                continue
-                            if sent < 0:
-                                tunnel.close()
-                            elif client_side:  # the rest waits for the other side: the general path polls for it
-                                tunnel.to_up = buffer[sent:got]
-                            else:
-                                tunnel.to_client = buffer[sent:got]
-                        else:  # hung up: the general path ends the tunnel
-                            tunnel.close()
-                    elif not tunnel.note(client_side, events):
-                        tunnel.close()
-                    tunnel.steady = False
-                    if ready is None:
-                        ready = {}
-                    ready[tunnel] = None
-                if ready is not None:
-                    for tunnel in ready:
-                        if tunnel in self._owners:
-                            self._advance(tunnel)
-        except Exception:  # pragma: no cover - a bug: end every tunnel rather than leave them hanging
-            log.error("proxy: unexpected error in the tunnel relay", exc_info=True)
-        finally:
-            for tunnel in list(self._owners):
-                tunnel.close()
-                self._end(tunnel)
-            with self._lock:
-                late = self._incoming
-                self._incoming = []
-            for tunnel, _, owner in late:  # added as close() ran
-                self._owners[tunnel] = owner
-                tunnel.close()
-                self._end(tunnel)
-            poller.close()
-            self._wake_r.close()  # type: ignore[union-attr]
-            self._wake_w.close()  # type: ignore[union-attr]
-
-    def _advance(self, tunnel: _Tunnel) -> None:
-        """Move the tunnel's bytes, then register what each side waits for (or end it)."""
-        if tunnel.setup is not None:
-            self._advance_setup(tunnel)
-            return
-        try:
-            wanted = tunnel.advance()
-            if wanted is not None:
-                if wanted != tunnel.wanted:  # (a session in steady use keeps what it waits for)
-                    self._want(tunnel, tunnel.client_fd, True, wanted[0])
-                    self._want(tunnel, tunnel.up_fd, False, wanted[1])
-                    tunnel.wanted = wanted
-                tunnel.steady = tunnel.plain and wanted == _BOTH_READ
-                return
-        except (OSError, ValueError):  # a socket closed under the relay: end this tunnel, not the relay
-            pass
-        tunnel.close()
-        self._end(tunnel)
-
-    def _advance_setup(self, tunnel: _Tunnel) -> None:
-        """Take the set-up's next steps (`_UpgradeSetup`); on a 101 start relaying the session, on a
-        failure or another answer hand it back to a worker, on the client's hang-up end it."""
-        setup = tunnel.setup
-        assert setup is not None
-        try:
-            if tunnel._closed:  # unmounted or stopping
-                raise _ClientGone()
-            if setup.watch_client and (tunnel.client_in or tunnel.client_ended):
-                tunnel.client_in = False
-                try:
-                    peeked: Optional[bytes] = tunnel.client.recv(1, socket.MSG_PEEK)
-                except BlockingIOError:
-                    peeked = None
-                except OSError:
-                    peeked = b""
-                if peeked == b"":
-                    log.debug("proxy: %s: client left before the upstream answered the upgrade", tunnel.label)
-                    raise _ClientGone()
-                setup.watch_client = peeked is None  # it sent bytes: they go upstream after the 101
-            answer = setup.advance(tunnel.upstream.sock)  # type: ignore[arg-type]
-        except _ClientGone:
-            tunnel.close()
-            self._end(tunnel)
-            return
-        except Exception as exc:
-            self._hand_back(tunnel, exc, None)
-            return
-        if answer is None:
-            try:
-                self._want(tunnel, tunnel.client_fd, True, select.POLLIN if setup.watch_client else -1)
-                self._want(tunnel, tunnel.up_fd, False, setup.wants or select.POLLIN)
-            except (OSError, ValueError):  # a socket closed under the relay
-                tunnel.close()
-                self._end(tunnel)
-                return
-            if setup.deadline != setup.queued:
-                setup.queued = setup.deadline
-                self._queued += 1
-                heapq.heappush(self._deadlines, (setup.deadline, self._queued, tunnel))
-            return
-        setup.route.note_answer()
-        head, extra, status = answer
-        if status != 101:
-            self._hand_back(tunnel, None, answer)
-            return
-        tunnel.setup = None
-        # Read at once only what may hold bytes no poll reports: a TLS upstream's SSL object (records read
-        # with the 101), a client whose bytes were seen while watching it. Anything else the poll reports.
-        tunnel.to_client, tunnel.up_in, tunnel.client_in = head + extra, tunnel.tls, not setup.watch_client
-        self._advance(tunnel)
-
-    def _expire_setups(self) -> Optional[float]:
-        """Fail the set-ups whose deadline passed (the blocking path's timeouts); the seconds until the
-        next deadline, or None if no set-up is waiting."""
-        deadlines = self._deadlines
-        now = time.monotonic()
-        while deadlines:
-            deadline, _, tunnel = deadlines[0]
-            setup = tunnel.setup
-            if setup is None or setup.queued != deadline or tunnel not in self._owners:  # stale
-                heapq.heappop(deadlines)
-                continue
-            if deadline > now:
-                return deadline - now
-            heapq.heappop(deadlines)
-            self._hand_back(tunnel, setup.timed_out(), None)
-        return None
-
-    def _hand_back(self, tunnel: _Tunnel, failure: Optional[BaseException],
-                   answer: Optional[Tuple[bytes, bytes, int]]) -> None:
-        """A set-up that did not end in a 101: a worker answers the client (`_Handler._after_relay_setup`)
-        and closes the session; if no worker can (stopping, or at the thread cap), it just ends."""
-        self._unregister(tunnel)
-        route, server = self._owners.pop(tunnel)
-        handler = tunnel.setup.handler  # type: ignore[union-attr]
-        if server.workers.submit(handler._after_relay_setup, tunnel, failure, answer):
-            return
-        if not server.proxy._stopping:
-            _answer_busy(tunnel.client, server.busy_warnings)
-        tunnel.close()
-        self._release(tunnel, route, server)
-
-    def _want(self, tunnel: _Tunnel, fd: int, client_side: bool, events: int) -> None:
-        had = self._masks.get(fd)
-        if events < 0:
-            if had is not None:
-                self._forget(fd)
-            return
-        if had is None:
-            self._poller.register(fd, events)
-            up = tunnel.upstream.sock
-            self._sides[fd] = (tunnel, client_side, tunnel.client if client_side else up, up if client_side else tunnel.client)
-            self._masks[fd] = events
-        elif had != events:
-            self._poller.modify(fd, events)
-            self._masks[fd] = events
-
-    def _forget(self, fd: int, closing: bool = False) -> None:
-        """Stop polling `fd`; `closing`: its socket is about to be closed, which takes it out of an epoll
-        set by itself (a system call saved per side; poll() objects keep closed fds, so those unregister)."""
-        if self._masks.pop(fd, None) is not None:
-            del self._sides[fd]
-            if closing and self._epoll:
-                return
-            try:
-                self._poller.unregister(fd)
-            except (OSError, ValueError, KeyError):  # closed already
-                pass
-
-    def _end(self, tunnel: _Tunnel) -> None:
-        """A tunnel ended: stop polling it, close it, take it off its route, release its client."""
-        self._unregister(tunnel, closing=True)
-        route, server = self._owners.pop(tunnel)
-        self._release(tunnel, route, server)
-
-    def _unregister(self, tunnel: _Tunnel, closing: bool = False) -> None:
-        for fd in (getattr(tunnel, "client_fd", -1), getattr(tunnel, "up_fd", -1)):  # (unset: start failed)
-            if self._sides.get(fd, (None,))[0] is tunnel:
-                self._forget(fd, closing)
-
-    @staticmethod
-    def _release(tunnel: _Tunnel, route: Route, server: Optional["_Server"]) -> None:
-        """After `tunnel.close()`: take it off its route, close its upstream, tell its owner (`on_end`)
-        and release its client connection (unless `server` is None: its worker still has it)."""
-        try:
-            route._remove_tunnel(tunnel)
-            tunnel.upstream.close()
-            if tunnel.on_end is not None:
-                tunnel.on_end()
-            if server is not None:
-                server.release_connection(tunnel.client, shut=True)  # (tunnel.close() shut it)
-        except Exception:  # pragma: no cover - closing sockets does not raise; never kill the relay
-            log.error("proxy: unexpected error ending a tunnel", exc_info=True)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -62,9 +62,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     signal.signal(signal.SIGUSR1, _print_threads)
     with AuthProxy() as proxy:
         base_url = proxy.mount(args.upstream, token=BENCH_TOKEN, verify=args.verify or True)
-        # The relay thread carries every WebSocket tunnel and stays until stop(), like the listener;
-        # started now, it is part of the idle thread count ws_scale's "threads after" must return to.
-        proxy._server.relay.start()  # type: ignore[union-attr]
         # Started before the ready line: ws_scale takes the thread count it reads right after that
         # line as the idle baseline, and under load it read it before this thread existed (2, not 3).
         waiter = threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), name="stdin-waiter", daemon=True)

@@ -70,7 +70,7 @@ def held_sessions(port: int, ca_path: str) -> Dict[str, object]:
             sock.sendall(request)
             return sock
 
-        with upgrade() as warm:  # the proxy's one-time allocations (relay thread, context) before measuring
+        with upgrade() as warm:  # the proxy's one-time allocations (worker threads, TLS context) before measuring
             warm.recv(4096)
         time.sleep(0.5)
         gc.collect()

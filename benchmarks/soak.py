@@ -521,10 +521,6 @@ class Soak:
         deadline = time.monotonic() + 5.0
         while self.proxy._server is not None and self.proxy._server.live_threads() and time.monotonic() < deadline:
             time.sleep(0.01)
-        # The relay thread (every WebSocket tunnel's) holds a wake-up pair and an epoll from the first
-        # tunnel to stop(), like the listener its socket: started now, they are part of the baseline.
-        if self.proxy._server is not None:
-            self.proxy._server.relay.start()
         baseline = {"threads": _threads_outside_pool(self.proxy), "fds": _open_fds(), "fd_targets": _fd_targets()}
         self.t0 = time.monotonic()
         sampler = threading.Thread(target=self._sample_loop, name="soak-sampler", daemon=True)

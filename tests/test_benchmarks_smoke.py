@@ -91,7 +91,7 @@ def test_a_proxy_whose_threads_do_not_drain_gets_them_named_with_their_stacks(mo
         ws_scale._stop_child(proc)
     assert "left" not in drained and "left" not in again and drained["threads"] == again["threads"] == idle
     names = sorted(line.split(":", 1)[0] for line in stuck["left"])
-    assert names == ["MainThread", "proxy-listener", "proxy-relay", "stdin-waiter"] and stuck["threads"] == idle
+    assert names == ["MainThread", "proxy-listener", "stdin-waiter"] and stuck["threads"] == idle
     listener = next(line for line in stuck["left"] if line.startswith("proxy-listener:"))
     assert "proxy.py" in listener and "in serve_until_woken" in listener, listener
 

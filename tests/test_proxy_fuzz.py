@@ -177,17 +177,10 @@ def fuzz_upstream(test_ca: support.TestCA) -> Iterator[UpstreamProcess]:
 
 
 def _baseline(proxy: AuthProxy) -> Tuple[int, int]:
-    """Threads (less the proxy's pooled workers, which stay parked by design, and its relay thread) and
-    open fds, the relay's own included: `_relay_started` starts it before the first baseline."""
+    """Threads (less the proxy's pooled workers, which stay parked by design; a WebSocket session's
+    two threads are among them) and open fds."""
     pooled = len(proxy._server.all_threads()) if proxy._server else 0  # type: ignore[union-attr]
     return threading.active_count() - pooled, len(os.listdir("/proc/self/fd"))
-
-
-def _relay_started(proxy: AuthProxy) -> AuthProxy:
-    """The proxy with its relay thread running: it holds a wake-up pair and an epoll from the first
-    tunnel to stop(), so a baseline taken before any tunnel would read those three fds as leaked."""
-    assert proxy._server is not None and proxy._server.relay.start()  # type: ignore[union-attr]
-    return proxy
 
 
 def _fd_links() -> List[str]:
@@ -245,7 +238,7 @@ def run_request_fuzz(count: int, upstream_url: str, error_log: _ErrorLog) -> Tal
         base = proxy.mount(upstream_url, TOKEN)
         prefix = base.split(str(proxy.port), 1)[1].encode()
         _good_request_answers(base)  # the serving thread has made its selector (an fd) by now
-        before = _baseline(_relay_started(proxy))
+        before = _baseline(proxy)
 
         def one(case: int) -> None:
             rng = random.Random(SEED * 1_000_003 + case)
@@ -318,7 +311,7 @@ def run_response_fuzz(count: int, error_log: _ErrorLog) -> Tally:
         base = proxy.mount(up.url, TOKEN)
         prefix = base.split(str(proxy.port), 1)[1].encode()
         support.raw_request(proxy.port, b"GET %s/good HTTP/1.1\r\nConnection: close\r\n\r\n" % prefix)  # warm
-        before = _baseline(_relay_started(proxy))
+        before = _baseline(proxy)
 
         def one(case: int) -> None:
             request = b"GET %s/m?case=%d HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % (prefix, case)

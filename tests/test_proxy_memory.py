@@ -78,18 +78,19 @@ def test_repeated_mount_request_session_unmount_keeps_the_live_object_count_flat
 
 
 @pytest.mark.parametrize("scheme", ["http", "https"])
-def test_an_unmounted_route_is_freed_once_its_last_websocket_session_ends_while_the_relay_waits(
+def test_an_unmounted_route_is_freed_once_its_last_websocket_session_ends_while_its_workers_park(
         scheme, test_ca):
-    # The relay thread waits in poll() for as long as no tunnel has anything to move: whatever its loop
-    # still names then (the last tunnel, its owner route) must not keep an unmounted route alive.
+    # A tunnel's two threads go back to the pool and park there: whatever a parked worker still
+    # names (the last tunnel, its route) must not keep an unmounted route alive.
     with support.Upstream(tls=test_ca if scheme == "https" else None) as upstream, \
             AuthProxy(read_timeout_s=TIMEOUT) as proxy:
         base = proxy.mount(upstream.url, TEST_TOKEN, verify=test_ca.ca_path)
         with support.ws_connect(support.ws_url(base) + "/ws") as ws:
             ws.send("ping")
             assert ws.recv(timeout=TIMEOUT) == "ping"
-        support.wait_until(lambda: proxy._server.relay.count() == 0, "the relay to end the tunnel", TIMEOUT)
+        support.wait_until(lambda: not proxy._server.live_threads(), "the tunnel's threads to park",
+                           TIMEOUT)
         assert proxy.unmount(base)
         support.wait_until(lambda: gc.collect() is not None and not len(proxy._seen_routes),
                            "the unmounted route to be freed", TIMEOUT)
-        assert proxy._server.relay.threads()  # still waiting for the next tunnel
+        assert proxy._server.workers.counts()[1] >= 2  # both still parked, waiting for the next job

@@ -13,6 +13,7 @@ from typing import Iterator, List, Tuple
 
 import pytest
 import requests
+from websockets.exceptions import InvalidStatus
 
 import proxy as proxy_module
 import support
@@ -209,15 +210,14 @@ def test_sequential_websocket_sessions_start_no_thread_and_hold_no_worker_while_
         with ws_connect(ws_url(base) + "/ws") as ws:
             ws.send("step %d" % i)
             assert ws.recv(TIMEOUT) == "step %d" % i
-            # open: the relay thread pumps it, and the worker that parsed its request is parked again
-            wait_until(lambda: not proxy._server.live_threads(), "the set-up's worker to park")
+            assert len(proxy._server.live_threads()) == 2  # open: one thread per direction
+        wait_until(lambda: not proxy._server.live_threads(), "the session's two workers to park")
     assert [name for name in starts if name.startswith("proxy")] == []
     total, parked = proxy._server.workers.counts()
-    assert total == parked >= 1
-    assert len(proxy._server.relay.threads()) == 1
+    assert total == parked >= 2
 
 
-def test_concurrent_sessions_hold_no_worker_and_stop_ends_the_relay_and_every_worker(no_leaks):
+def test_concurrent_sessions_hold_two_workers_each_and_stop_ends_every_worker(no_leaks):
     with Upstream() as upstream, contextlib.ExitStack() as clients:
         proxy = AuthProxy().start()
         try:
@@ -226,12 +226,11 @@ def test_concurrent_sessions_hold_no_worker_and_stop_ends_the_relay_and_every_wo
             for i, ws in enumerate(sessions):
                 ws.send("s%d" % i)
             assert [ws.recv(TIMEOUT) for ws in sessions] == ["s%d" % i for i in range(len(sessions))]
-            wait_until(lambda: not proxy._server.live_threads(), "every set-up's worker to park")
-            assert proxy._server.relay.count() == 6
+            assert len(proxy._server.live_threads()) == 12  # one per direction
             threads = proxy._server.all_threads()
-            proxy.stop()  # tunnels still open: stop must cut them and end the relay thread
+            proxy.stop()  # tunnels still open: stop must cut them and end both threads of each
             assert not any(thread.is_alive() for thread in threads)
-            assert proxy._server.workers.counts() == (0, 0) and proxy._server.relay.count() == 0
+            assert proxy._server.workers.counts() == (0, 0)
         finally:
             proxy.stop()
 
@@ -297,21 +296,28 @@ def test_refusals_at_the_thread_cap_warn_at_most_once_per_interval_with_a_count(
     assert all(count + " since the previous warning" in m for count, m in zip(expected, busy)), busy
 
 
-def test_one_worker_sets_up_any_number_of_websocket_sessions_and_still_serves_http(monkeypatch, no_leaks):
-    # A session needs a worker only to parse its request: at MAX_WORKERS = 1 (where a thread per tunnel
-    # direction answered the upgrade 503), sessions open one after another and HTTP is served between.
-    monkeypatch.setattr(proxy_module, "MAX_WORKERS", 1)
-    with Upstream() as upstream, AuthProxy() as proxy, contextlib.ExitStack() as clients:
+def test_an_upgrade_at_the_worker_cap_gets_a_clean_503_and_open_sessions_keep_working(monkeypatch,
+                                                                                     no_leaks):
+    # A session holds two workers, one per direction. At MAX_WORKERS = 3 one session is open; a
+    # second upgrade is parsed by the third worker, which finds no thread for the other direction:
+    # the client gets 503 proxy-busy before any 101 (never a half-made tunnel), and the open session
+    # is untouched.
+    monkeypatch.setattr(proxy_module, "MAX_WORKERS", 3)
+    with Upstream() as upstream, AuthProxy() as proxy:
         base = proxy.mount(upstream.url, TEST_TOKEN)
-        sessions = []
-        for i in range(3):
-            ws = clients.enter_context(ws_connect(ws_url(base) + "/ws"))
-            ws.send("s%d" % i)
-            assert ws.recv(TIMEOUT) == "s%d" % i
-            sessions.append(ws)
-            wait_until(lambda: not proxy._server.live_threads(), "the worker to park")
+        with ws_connect(ws_url(base) + "/ws") as first:
+            first.send("one")
+            assert first.recv(TIMEOUT) == "one"
+            with pytest.raises(InvalidStatus) as info:
+                with ws_connect(ws_url(base) + "/ws"):
+                    pass  # pragma: no cover
+            response = info.value.response
+            assert (response.status_code, response.headers["X-Proxy-Error"]) == (503, "proxy-busy")
+            assert response.headers["Retry-After"] == "1"
+            first.send("still open")
+            assert first.recv(TIMEOUT) == "still open"
+        wait_until(lambda: not proxy._server.live_threads(), "the session's workers to park")
+        with ws_connect(ws_url(base) + "/ws") as again:  # the freed threads carry the next session
+            again.send("two")
+            assert again.recv(TIMEOUT) == "two"
         assert requests.get(base + "/between", timeout=TIMEOUT).status_code == 200
-        for i, ws in enumerate(sessions):  # all still open
-            ws.send("again %d" % i)
-            assert ws.recv(TIMEOUT) == "again %d" % i
-        assert proxy._server.workers.counts()[0] == 1

@@ -1,9 +1,9 @@
-"""The one-thread tunnel relay (`proxy._TunnelRelay`) with real peers, over TLS and plain upstreams (a
-plain tunnel with nothing pending is pumped by the relay's own loop, anything else by `_Tunnel.advance`):
-the `websockets` sync client and uvicorn in its own process (tests/upstreams/pressure_app.py), plus raw
-sockets and a stdlib TLS server for the peers that misbehave. Seeded sequences of large frames both ways at once,
-bursts of small frames and deaf periods (PROXY_RELAY_SEED and PROXY_RELAY_EXAMPLES set the slow run);
-a peer that stops reading (the relay must wait, not spin); abrupt closes mid-frame from either side;
+"""The WebSocket tunnel (two threads, one per direction; over TLS both share one TLS engine) with
+real peers, over TLS and plain upstreams: the `websockets` sync client and uvicorn in its own
+process (tests/upstreams/pressure_app.py), plus raw sockets and a stdlib TLS server for the peers
+that misbehave. Seeded sequences of large frames both ways at once, bursts of small frames and deaf
+periods (PROXY_RELAY_SEED and PROXY_RELAY_EXAMPLES set the slow run); a peer that stops reading
+(the tunnel must wait, not spin); abrupt closes mid-frame from either side;
 TLS close_notify, a bare TCP close and a reset from the upstream, each compared with the plain
 tunnel. After each: no thread or fd left behind.
 """
@@ -32,13 +32,13 @@ from upstreams.common import body_of
 
 TOKEN = "unused-by-the-pressure-app"
 MIB = 1 << 20
-TIMEOUT = 30.0  # generous: a relay that works moves these sizes in well under a second
+TIMEOUT = 30.0  # generous: a tunnel that works moves these sizes in well under a second
 SEED = int(os.environ.get("PROXY_RELAY_SEED", "20261123"))
 FAST_EXAMPLES, SLOW_EXAMPLES = 6, int(os.environ.get("PROXY_RELAY_EXAMPLES", "60"))
 SETTINGS = dict(deadline=None, database=None, print_blob=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-# Over this many seconds of a stalled peer the relay's thread may use at most half as much CPU time:
-# a relay that waits in poll() uses ~0; one that spins uses ~100%.
+# Over this many seconds of a stalled peer the tunnel's two threads may use at most half a CPU:
+# threads that wait in recv or send use ~0; one that spins uses ~100%.
 STALL_S = 3.0
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -57,16 +57,15 @@ def _mount(proxy: AuthProxy, url: str, test_ca: support.TestCA) -> str:
     return support.ws_url(proxy.mount(url, TOKEN, verify=test_ca.ca_path))
 
 
-def _relay_thread(proxy: AuthProxy) -> threading.Thread:
-    """The proxy's relay thread, once it carries the session (no worker holds a session)."""
-    # (its worker is handing it over, then back to the pool: both settle)
-    support.wait_until(lambda: proxy._server.relay.count() == 1 and not proxy._server.live_threads(),
-                       "the relay to carry the session and no worker to hold it", TIMEOUT)
-    return proxy._server.relay.threads()[0]
+def _tunnel_threads(proxy: AuthProxy) -> List[threading.Thread]:
+    """The session's two threads, one per direction, once it is open (no other worker is busy)."""
+    support.wait_until(lambda: len(proxy._server.live_threads()) == 2, "the tunnel's two threads",
+                       TIMEOUT)
+    return proxy._server.live_threads()
 
 
-def _relay_idle(proxy: AuthProxy) -> bool:
-    return proxy._server.relay.count() == 0 and not proxy._server.live_threads()
+def _tunnel_idle(proxy: AuthProxy) -> bool:
+    return not proxy._server.live_threads()
 
 
 def _cpu_seconds(thread: threading.Thread) -> float:
@@ -76,10 +75,10 @@ def _cpu_seconds(thread: threading.Thread) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
-def _cpu_share_over(thread: threading.Thread, seconds: float) -> float:
-    cpu, wall = _cpu_seconds(thread), time.monotonic()
+def _cpu_share_over(threads: List[threading.Thread], seconds: float) -> float:
+    cpu, wall = sum(map(_cpu_seconds, threads)), time.monotonic()
     time.sleep(seconds)
-    return (_cpu_seconds(thread) - cpu) / (time.monotonic() - wall)
+    return (sum(map(_cpu_seconds, threads)) - cpu) / (time.monotonic() - wall)
 
 
 def _digest(message: object) -> Tuple[str, int, str]:
@@ -191,13 +190,14 @@ def _check_sequence(sequence, tls_app, test_ca) -> None:  # type: ignore[no-unty
     with AuthProxy(read_timeout_s=TIMEOUT) as proxy:
         base = _mount(proxy, tls_app.url, test_ca)
         play(base + "/ws", steps, ending)
-        support.wait_until(lambda: _relay_idle(proxy), "the relay to end the tunnel", TIMEOUT)
+        support.wait_until(lambda: _tunnel_idle(proxy), "the tunnel's threads to end", TIMEOUT)
 
 
 @seed(SEED)
 @settings(max_examples=FAST_EXAMPLES, **SETTINGS)
 @given(sequence=sequences)
-def test_seeded_sessions_through_the_tls_relay_arrive_complete_and_in_order_sample(sequence, tls_app, test_ca):
+def test_seeded_sessions_through_the_tls_tunnel_arrive_complete_and_in_order_sample(sequence, tls_app,
+                                                                                     test_ca):
     _check_sequence(sequence, tls_app, test_ca)
 
 
@@ -206,7 +206,8 @@ def test_seeded_sessions_through_the_tls_relay_arrive_complete_and_in_order_samp
 @seed(SEED + 1)
 @settings(max_examples=SLOW_EXAMPLES, **SETTINGS)
 @given(sequence=sequences)
-def test_seeded_sessions_through_the_tls_relay_arrive_complete_and_in_order(sequence, tls_app, test_ca):
+def test_seeded_sessions_through_the_tls_tunnel_arrive_complete_and_in_order(sequence, tls_app,
+                                                                              test_ca):
     _check_sequence(sequence, tls_app, test_ca)
 
 
@@ -215,28 +216,32 @@ def test_seeded_sessions_through_the_tls_relay_arrive_complete_and_in_order(sequ
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow  # measures the relay's CPU over a STALL_S stall
+@pytest.mark.slow  # measures the tunnel's CPU over a STALL_S stall
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads a thread's CPU time from Linux /proc")
-def test_a_client_that_stops_reading_makes_the_relay_wait_not_spin_and_loses_nothing(tls_app, test_ca, no_leaks):
+def test_a_client_that_stops_reading_makes_the_tunnel_wait_not_spin_and_loses_nothing(tls_app, test_ca,
+                                                                                     no_leaks):
     count, size = 200, 65536  # 12.5 MiB: far more than the socket buffers between app and client hold
     with AuthProxy(read_timeout_s=TIMEOUT) as proxy:
         base = _mount(proxy, tls_app.url, test_ca)
         # max_queue=2: the client's own reader stops reading the socket once 2 messages wait unread
         with support.ws_connect(base + "/ws", max_queue=2, compression=None) as ws:
             ws.send("flood:%d:%d" % (count, size))
-            relay = _relay_thread(proxy)
+            threads = _tunnel_threads(proxy)
             time.sleep(1.0)  # the buffers fill
-            share = _cpu_share_over(relay, STALL_S)
-            assert share < 0.5, "the relay used %.0f%% of a CPU while the client read nothing" % (share * 100)
+            share = _cpu_share_over(threads, STALL_S)
+            assert share < 0.5, "the tunnel used %.0f%% of a CPU while the client read nothing" % (
+                share * 100)
             for i in range(count):
                 assert ws.recv(TIMEOUT) == body_of(size) + b"%d" % i
             ws.send("after")
             assert ws.recv(TIMEOUT) == "after"
 
 
-@pytest.mark.slow  # measures the relay's CPU over a STALL_S stall
+@pytest.mark.slow  # measures the tunnel's CPU over a STALL_S stall
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads a thread's CPU time from Linux /proc")
-def test_an_upstream_that_stops_reading_makes_the_relay_wait_not_spin_and_loses_nothing(tls_app, test_ca, no_leaks):
+def test_an_upstream_that_stops_reading_makes_the_tunnel_wait_not_spin_and_loses_nothing(tls_app,
+                                                                                        test_ca,
+                                                                                        no_leaks):
     count = 300
     datas = [_binary(65536, i) for i in range(count)]
     with AuthProxy(read_timeout_s=TIMEOUT) as proxy:
@@ -245,10 +250,11 @@ def test_an_upstream_that_stops_reading_makes_the_relay_wait_not_spin_and_loses_
             ws.send("deaf:%g" % (STALL_S + 2))
             sender = threading.Thread(target=lambda: [ws.send(data) for data in datas], daemon=True)
             sender.start()
-            relay = _relay_thread(proxy)
+            threads = _tunnel_threads(proxy)
             time.sleep(1.0)
-            share = _cpu_share_over(relay, STALL_S)
-            assert share < 0.5, "the relay used %.0f%% of a CPU while the upstream read nothing" % (share * 100)
+            share = _cpu_share_over(threads, STALL_S)
+            assert share < 0.5, "the tunnel used %.0f%% of a CPU while the upstream read nothing" % (
+                share * 100)
             assert ws.recv(TIMEOUT) == "awake"
             for data in datas:
                 assert ws.recv(TIMEOUT) == data
@@ -281,12 +287,12 @@ def test_a_client_vanishing_mid_frame_ends_the_session_upstream_and_frees_everyt
     with AuthProxy(read_timeout_s=TIMEOUT) as proxy:
         base = _mount(proxy, tls_app.url, test_ca)
         sock, _ = _open_raw_tunnel(proxy, proxy.url + _route_path(proxy, base))
-        _relay_thread(proxy)
+        _tunnel_threads(proxy)
         sock.sendall(_masked_frame_head(MIB) + b"\0" * 300000)  # 300 KB of a 1 MiB frame
         if how == "reset":
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         sock.close()
-        support.wait_until(lambda: _relay_idle(proxy), "the relay to end the tunnel", TIMEOUT)
+        support.wait_until(lambda: _tunnel_idle(proxy), "the tunnel's threads to end", TIMEOUT)
         with support.ws_connect(base + "/ws", compression=None) as ws:  # the route works on
             ws.send(b"next")
             assert ws.recv(TIMEOUT) == b"next"
@@ -305,7 +311,7 @@ def test_an_upstream_dying_mid_frame_gives_the_client_an_abnormal_close_and_free
                 with pytest.raises(ConnectionClosedError) as info:
                     ws.recv(TIMEOUT)
             assert info.value.rcvd is None  # cut, as the upstream's connection was
-            support.wait_until(lambda: _relay_idle(proxy), "the relay to end the tunnel", TIMEOUT)
+            support.wait_until(lambda: _tunnel_idle(proxy), "the tunnel's threads to end", TIMEOUT)
     finally:
         up.stop()
 
@@ -365,9 +371,9 @@ ENDINGS = [pytest.param("tls", "close_notify", marks=_SLOW), pytest.param("tls",
 @pytest.mark.parametrize("scheme, ending", ENDINGS)
 def test_bytes_the_upstream_sent_before_it_ended_reach_a_slow_client_then_the_connection_closes(
         test_ca, no_leaks, scheme, ending):
-    # The client reads nothing until the upstream has ended, so the relay still holds bytes for it
+    # The client reads nothing until the upstream has ended, so the tunnel still holds bytes for it
     # when the end arrives: close_notify, a bare TCP close and a reset must all let those bytes
-    # through first, over TLS (the SSL object may hold decrypted bytes) as over plain TCP.
+    # through first, over TLS (the TLS engine may hold decrypted bytes) as over plain TCP.
     # A reset discards what the upstream's kernel has not sent yet, directly as through the proxy:
     # 80 KB fits in the proxy's receive window, so all of it has left the upstream before the reset.
     payload = support.pattern(80000 if ending == "reset" else 400000)
@@ -390,6 +396,6 @@ def test_bytes_the_upstream_sent_before_it_ended_reach_a_slow_client_then_the_co
             head, _, rest = received.partition(b"\r\n\r\n")
             assert head.startswith(b"HTTP/1.1 101 ")
             assert len(rest) == len(payload) and rest == payload
-            support.wait_until(lambda: _relay_idle(proxy), "the tunnel's relay or workers to be free", TIMEOUT)
+            support.wait_until(lambda: _tunnel_idle(proxy), "the tunnel's threads to end", TIMEOUT)
     finally:
         server.close()

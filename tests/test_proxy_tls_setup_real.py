@@ -1,8 +1,8 @@
-"""WebSocket set-ups driven by the proxy's relay thread (`proxy._UpgradeSetup`), to TLS and (where the
-test is not about the handshake) plain upstreams: the TLS handshake with the upstream and the upgrade
-exchange run without a thread per session, and every way a set-up can end gives what the blocking path
-gave: a 101 and a working tunnel, the upstream's own non-101 answer, a typed refusal (upstream-timeout,
-upstream-tls, upstream-unreachable), or a quiet end when the client leaves or the proxy stops. The
+"""WebSocket set-ups, to TLS and (where the test is not about the handshake) plain upstreams:
+the TLS handshake with the upstream and the upgrade exchange run on the connection's own worker
+thread, and every way a set-up can end gives a 101 and a working tunnel, the upstream's own non-101
+answer, a typed refusal (upstream-timeout, upstream-tls, upstream-unreachable, unknown-route,
+proxy-stopping), or a quiet end when the client leaves. The
 upstream here is a stdlib server on raw sockets (TLS or plain) that can be told to stall before its
 handshake (plain: before reading the request), to stall before answering, or to hang up mid-handshake
 (plain: before answering).
@@ -138,11 +138,11 @@ def _answer_to_upgrade(proxy: AuthProxy, upstream: _ScriptedTLSUpstream, test_ca
 
 
 def _setting_up(proxy: AuthProxy, n: int) -> bool:
-    """n sessions in the relay's hands and no worker busy: set-ups in flight hold no thread."""
-    return proxy._server.relay.count() == n and not proxy._server.live_threads()
+    """n set-ups in flight, each on its own worker thread (and no other worker busy)."""
+    return len(proxy._server.live_threads()) == n
 
 
-def test_a_handshake_that_stalls_holds_no_thread_and_gets_504_upstream_timeout(no_leaks, scripted, test_ca):
+def test_a_handshake_that_stalls_gets_504_upstream_timeout_and_frees_its_thread(no_leaks, scripted, test_ca):
     hold = threading.Event()
     upstream = scripted(hold=hold)
     with AuthProxy(connect_timeout_s=0.5) as proxy:
@@ -215,7 +215,7 @@ def _echoes(sock: socket.socket, data: bytes) -> bool:
 
 
 @pytest.mark.parametrize("tls", [True, False], ids=["tls", "plain"])
-def test_two_set_ups_in_flight_hold_no_thread_while_a_third_session_relays(no_leaks, scripted, test_ca, tls):
+def test_two_set_ups_in_flight_hold_a_thread_each_while_a_third_session_relays(no_leaks, scripted, test_ca, tls):
     hold = threading.Event()
     stalled, live = scripted(hold=hold, tls=tls), scripted(tls=tls)
     with AuthProxy() as proxy:
@@ -225,8 +225,9 @@ def test_two_set_ups_in_flight_hold_no_thread_while_a_third_session_relays(no_le
             assert _switched(open_session) == b""
             pending = [_send_upgrade(proxy, slow_base) for _ in range(2)]
             try:
-                support.wait_until(lambda: _setting_up(proxy, 3) and stalled.accepted == 2,
-                                   "two set-ups in the relay's hands, no worker busy", TIMEOUT)
+                # the open session's two threads, and one per set-up
+                support.wait_until(lambda: _setting_up(proxy, 4) and stalled.accepted == 2,
+                                   "two set-ups on their workers", TIMEOUT)
                 for i in range(20):  # the open session keeps relaying while the two wait
                     assert _echoes(open_session, b"frame %d;" % i)
                 hold.set()
@@ -237,7 +238,7 @@ def test_two_set_ups_in_flight_hold_no_thread_while_a_third_session_relays(no_le
             finally:
                 for sock in pending:
                     sock.close()
-            support.wait_until(lambda: _setting_up(proxy, 1), "the two sessions to end with their clients", TIMEOUT)
+            support.wait_until(lambda: _setting_up(proxy, 2), "the two sessions to end with their clients", TIMEOUT)
 
 
 @pytest.mark.parametrize("tls", [True, False], ids=["tls", "plain"])
@@ -249,13 +250,14 @@ def test_a_client_leaving_during_set_up_ends_it_and_closes_the_upstream_connecti
         sock = _send_upgrade(proxy, base)
         support.wait_until(lambda: _setting_up(proxy, 1) and upstream.accepted == 1, "the set-up to start", TIMEOUT)
         sock.close()
-        support.wait_until(lambda: proxy._server.relay.count() == 0, "the set-up to end with its client", TIMEOUT)
+        support.wait_until(lambda: _setting_up(proxy, 0), "the set-up to end with its client", TIMEOUT)
         hold.set()  # the upstream now handshakes on a connection the proxy closed: it ends at once
         assert upstream.ended.acquire(timeout=TIMEOUT / 2)
 
 
 @pytest.mark.parametrize("tls", [True, False], ids=["tls", "plain"])
-def test_stop_during_set_ups_closes_their_clients_and_leaves_nothing(no_leaks, scripted, test_ca, tls):
+def test_stop_during_set_ups_answers_their_clients_503_and_leaves_nothing(no_leaks, scripted, test_ca, tls):
+    """An upgrade that races a stop gets an HTTP answer, never a bare close before the 101 (DESIGN.md)."""
     hold = threading.Event()
     upstream = scripted(hold=hold, tls=tls)
     proxy = AuthProxy().start()
@@ -267,13 +269,42 @@ def test_stop_during_set_ups_closes_their_clients_and_leaves_nothing(no_leaks, s
         proxy.stop()
     for sock in pending:
         with sock:
-            assert support.read_to_eof(sock) == b""
+            answer = support.read_to_eof(sock)
+        assert answer.startswith(b"HTTP/1.1 503 "), answer
+        assert b"X-Proxy-Error: proxy-stopping" in answer
     hold.set()
 
 
-def test_a_tls_session_set_up_by_the_relay_still_echoes_frames(test_ca, no_leaks):
+def test_a_tls_session_still_echoes_frames(test_ca, no_leaks):
     with Upstream(tls=test_ca) as secure, AuthProxy() as proxy:
         base = ws_url(proxy.mount(secure.url, TEST_TOKEN, verify=test_ca.ca_path))
         with ws_connect(base + "/ws") as ws:
             ws.send("hello")
             assert ws.recv(TIMEOUT) == "hello"
+
+
+@pytest.mark.parametrize("tls", [True, False], ids=["tls", "plain"])
+@pytest.mark.parametrize("stall", ["before-handshake", "before-answer"])
+@pytest.mark.parametrize("kind", ["route", "replicas"])
+def test_an_unmount_racing_a_set_up_answers_its_client_404_unknown_route(no_leaks, scripted, test_ca,
+                                                                         tls, stall, kind):
+    """An upgrade whose route is unmounted while the upstream stalls (in the TLS handshake, or
+    before answering) still gets an HTTP answer, never a bare close before the 101 (DESIGN.md)."""
+    hold = threading.Event()
+    upstream = scripted("101" if stall == "before-handshake" else "silent",
+                        hold=hold if stall == "before-handshake" else None, tls=tls)
+    with AuthProxy() as proxy:
+        if kind == "route":
+            base = proxy.mount(upstream.url, TEST_TOKEN, verify=test_ca.ca_path)
+        else:
+            base = proxy.mount_replicas([upstream.url], TEST_TOKEN, verify=test_ca.ca_path)
+        with _send_upgrade(proxy, base) as sock:
+            support.wait_until(lambda: _setting_up(proxy, 1) and upstream.accepted == 1,
+                               "the set-up to start", TIMEOUT)
+            assert proxy.unmount(base)
+            answer = support.read_to_eof(sock)
+        assert answer.startswith(b"HTTP/1.1 404 "), answer
+        assert b"X-Proxy-Error: unknown-route" in answer
+        hold.set()
+        assert upstream.ended.acquire(timeout=TIMEOUT)  # the proxy closed its upstream connection
+        support.wait_until(lambda: _setting_up(proxy, 0), "the set-up's worker to be free", TIMEOUT)

@@ -134,9 +134,14 @@ def test_a_run_of_a_subset_of_the_measures_writes_its_own_section_beside_the_ful
 def test_the_floor_verdicts_are_ratios_to_the_floor_of_the_same_run():
     runs = [_run("http_c64", "proxy", "tls", rps=3000.0, cpu_us_per_request=200.0),
             _run("http_c64", "floor", "tls", rps=4000.0, cpu_us_per_request=100.0),
-            _run("held", "proxy", "tls", rss_kib_per_open=40.0, peak_open=2048, threads_peak=2051)]
+            _run("held", "proxy", "tls", rss_kib_per_open=120.0, peak_open=2048, threads_peak=4099),
+            _run("held", "floor", "tls", rss_kib_per_open=125.0, peak_open=2048, threads_peak=4098),
+            _run("held", "proxy", "plain", rss_kib_per_open=63.0, peak_open=2048, threads_peak=4099),
+            _run("held", "floor", "plain", rss_kib_per_open=60.0, peak_open=2048, threads_peak=4098)]
     lines = vs_nginx._floor_verdicts({"runs": runs})
     assert "- tls: CPU per HTTP request at 64 connections, proxy / floor <= 1.5x: 2.00x (limit 1.50x): **NOT met**" in lines
     assert "- tls: req/s at 64 connections, proxy / floor >= 0.67x: 0.75x (floor 0.67x): **met**" in lines
-    assert any(line.startswith("- tls: RSS per held TLS session <= 48 KiB") and "40 KiB" in line and "**met**" in line
-               for line in lines)
+    assert ("- tls: RSS per held session (2048 held), proxy / floor <= 1.0x (120 KiB vs 125 KiB): 0.96x "
+            "(limit 1.00x): **met**") in lines
+    assert ("- plain: RSS per held session (2048 held), proxy / floor <= 1.0x (63 KiB vs 60 KiB): 1.05x "
+            "(limit 1.00x): **NOT met**") in lines
