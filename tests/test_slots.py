@@ -24,8 +24,8 @@ pytestmark = pytest.mark.slow  # jobs live seconds each, and the tests cross sev
 
 COLD_START_S = 0.5
 # A lifetime short enough to cross a few of them, with room for a start and its readiness check.
-JOB_TIMEOUT_S = 8
-RENEW_BEFORE_S = 4.0
+JOB_TIMEOUT_S = 10
+RENEW_BEFORE_S = 5.0
 # Episodes run for this many lifetimes.
 LIFETIMES = 2.5
 STEPS = 5
