@@ -843,8 +843,7 @@ class _SlotSession(EnvSession):
             return
         try:
             self._closed = True
-            self._end_episode()
-            self._drop_connection()
+            self._drop_connection(polite=True)
         finally:
             self._lock.release()
 
@@ -854,16 +853,19 @@ class _SlotSession(EnvSession):
             job.provider.job_id if job is not None else None, " closed" if self._closed else "")
 
     def _begin_episode(self, message: Mapping[str, Any]) -> Dict[str, Any]:
+        slot = self._sandbox._slot_for_sessions()
+        if self._job is not None and self._job is not slot.current:
+            self._drop_connection()  # the slot moved on: off the old job before it may be cancelled
         self._end_episode()
         self._lost = None
-        slot = self._sandbox._slot_for_sessions()
         error: Optional[BaseException] = None
         for _ in range(SLOT_RESET_ATTEMPTS):
             job = slot.serving(self._wait_timeout_s, hold=True)
-            self._held = True
             if job is not self._job or self._conn is None or self._conn.closed:
-                self._drop_connection()
+                self._drop_connection()  # holds nothing here: ended above or in the last pass
                 self._job = job
+            self._held = True
+            if self._conn is None:
                 try:
                     self._conn = EnvSession(job.base_url or "", timeout_s=self.timeout_s)
                 except SessionRefusedError as exc:
@@ -883,7 +885,6 @@ class _SlotSession(EnvSession):
                 self._end_episode()
                 raise
             except SessionError as exc:  # a kept connection the job or the proxy closed since: reconnect
-                self._end_episode()
                 self._drop_connection()
                 error = exc
         assert error is not None
@@ -896,7 +897,6 @@ class _SlotSession(EnvSession):
             reply = self._conn.exchange(message)
         except SessionError as exc:
             self._lost = (job.dead if job is not None else None) or str(exc)
-            self._end_episode()
             self._drop_connection()
             raise EpisodeLost("the episode on job %s was lost: %s; call reset() to begin the next one"
                               % (job.provider.job_id if job is not None else "?", self._lost)) from exc
@@ -910,10 +910,17 @@ class _SlotSession(EnvSession):
         if held and job is not None and job.slot is not None:
             job.slot.release(job)
 
-    def _drop_connection(self) -> None:
-        conn, self._conn, self._job = self._conn, None, None
+    def _drop_connection(self, polite: bool = False) -> None:
+        """End the episode and let go of the connection, closing it before the job is released (which may
+        cancel it): with OpenEnv's close handshake when the user closes the session, else at once (a reset
+        moving to another job must not wait on the old one's answer)."""
+        conn = self._conn
         if conn is not None:
+            if not polite:
+                conn._break()
             conn.close()
+        self._end_episode()
+        self._conn = self._job = None
 
     def _job_died(self, job: _BackgroundStart) -> None:
         """From the slot (another thread): `job` is gone; a step on it fails at once instead of waiting."""
