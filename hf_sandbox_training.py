@@ -47,8 +47,9 @@ _in_parallel, _start_thread = _core._in_parallel, _core._start_thread
 _live_finalizers = _core._live_finalizers  # the providers' safety nets (a set the core never rebinds)
 logger = _core.logger  # one logger for the library: "hf_sandbox_provider"
 
-__all__ = ["EnvSession", "SessionError", "SessionRefusedError", "SessionTimeout", "EnvError", "EpisodeLost",
-           "Sandbox", "stop_sandboxes", "install_signal_teardown", "uninstall_signal_teardown"]
+__all__ = ["EnvSession", "SessionError", "SessionRefusedError", "SessionTimeout", "EnvError",
+           "EpisodeLost", "Sandbox", "stop_sandboxes", "install_signal_teardown",
+           "uninstall_signal_teardown"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -83,7 +84,7 @@ SIGNAL_TEARDOWN_BUDGET_S = 4.0
 # At interpreter exit: how long to wait for background starts in flight (their job is then cancelled).
 EXIT_TEARDOWN_BUDGET_S = 15.0
 
-# Rollout slots (see docs/training.md, "Jobs that outlive their lifetime"). A successor begins this long
+# Rollout slots (docs/training.md, "Slots that outlive their jobs"). A successor begins this long
 # before the job's lifetime ends, beyond the slot's measured start: the readiness check, an episode
 # still running on the old job, and noise in the next start.
 RENEW_MARGIN_S = 10.0
@@ -94,16 +95,16 @@ RENEW_LEAD_FLOOR_S = 15.0
 # Renewals spread over this fraction of a lifetime (random per job), so slots built together do not
 # send their creates together at every lifetime.
 RENEW_SPREAD_FRACTION = 0.1
-# A job serves at least this fraction of its lifetime before its successor begins: a lead that asks for
-# more is cut, with a warning (the job_timeout is too short for the starts).
+# A job serves at least this fraction of its lifetime before its successor begins: a lead that asks
+# for more is cut, with a warning (the job_timeout is too short for the starts).
 RENEW_EARLIEST_FRACTION = 0.5
-# A successor or replacement that failed to start is tried again after this long, doubling up to the cap.
+# A successor or replacement that failed to start is tried again after this long, doubling to the cap.
 RENEW_RETRY_FIRST_S = 5.0
 RENEW_RETRY_CAP_S = 300.0
 # How often the core's job watcher refreshes a slot's running jobs (one `list` per token for all of
 # them): the longest a death goes unseen while no session is on the job.
 SLOT_WATCH_INTERVAL_S = 5.0
-# The keeper thread wakes at least this often (it is woken on every change; this bounds a missed one).
+# The keeper thread wakes at least this often (it is woken on each change; this bounds a missed one).
 KEEPER_MAX_SLEEP_S = 5.0
 # A reset tries this many times (a kept connection found broken, a job the proxy refuses, its
 # replacement) before raising.
@@ -280,8 +281,8 @@ class EnvSession:
     # -- machinery ------------------------------------------------------------------------------------
 
     def _break(self) -> None:
-        """From any thread: mark the session lost and shut its socket down, so a request in flight (or
-        the next one) raises SessionError at once; close() releases the socket."""
+        """From any thread: mark the session lost and shut its socket down, so a request in flight
+        (or the next one) raises SessionError at once; close() releases the socket."""
         self._closed = True
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
@@ -400,8 +401,8 @@ _background_slots = threading.BoundedSemaphore(BACKGROUND_MAX_PARALLEL)
 
 class _BackgroundStart:
     """`start_container()` + `wait_for_ready()` of one provider in a daemon thread, begun at once; `wait()`
-    returns its base URL or raises its error, `stop()` cancels the job, mid-start too. One job (or one
-    group of replicas) of a slot: the slot's lock guards `users`, `dead` and `watches`."""
+    returns its base URL or raises its error, `stop()` cancels the job, mid-start too. One job (or
+    one group of replicas) of a slot: the slot's lock guards `users` and `dead`."""
 
     def __init__(self, provider: HFSandboxProvider, slot: Optional["_Slot"] = None,
                  first: Optional[Callable[[], None]] = None) -> None:
@@ -409,14 +410,14 @@ class _BackgroundStart:
         self.slot = slot  # told when the start ends
         self.base_url: Optional[str] = None
         self.error: Optional[BaseException] = None
-        self.began = time.monotonic()  # just before the create: the job's lifetime cannot begin earlier
+        self.began = time.monotonic()  # just before the create: its lifetime cannot begin earlier
         self.ready_at: Optional[float] = None
-        self.deadline = float("inf")  # when its lifetime ends at the latest (job_timeout after `began`)
+        self.deadline = float("inf")  # when its lifetime ends at the latest (`began` + job_timeout)
         self.jitter = 0.0  # how much earlier than its due time this job's renewal begins
         self.users = 0  # sessions with an episode on this job
         self.sessions: "weakref.WeakSet[_SlotSession]" = weakref.WeakSet()  # connected to it
         self.dead: Optional[str] = None  # why the job is gone (seen ended, refused by the proxy)
-        self.renew_now: Optional[str] = None  # why it should be renewed before its time (a replica ended)
+        self.renew_now: Optional[str] = None  # why to renew it before its time (a replica ended)
         self.watches: List[Any] = []  # the core's job watcher's registrations for its job(s)
         self.why = "first start"  # for the log: why this job was started
         self.replaces: List[str] = []  # for the log: the job(s) it takes over from
@@ -485,25 +486,32 @@ class _BackgroundStart:
                 self.slot._start_ended(self)
 
 
+def _ids(start: _BackgroundStart) -> str:
+    """The start's job id(s), for the log."""
+    return ", ".join(start.provider.job_ids) or "?"
+
+
 def _lifetime_s(provider: HFSandboxProvider) -> float:
     """The job's server-side lifetime (`job_timeout`) in seconds."""
     return float(_core._parse_duration(provider.job_timeout) or _core.DEFAULT_JOB_TIMEOUT_S)
 
 
-# -- rollout slots: a job renewed before its lifetime ends, replaced when it dies -----------------------
+# -- rollout slots: a job renewed before its lifetime ends, replaced when it dies ---------------------
 
 _slots_lock = threading.Lock()
 _live_slots: "set[_Slot]" = set()  # every slot begun and not stopped: the keeper tends them
 _keeper_wake = threading.Event()  # set by the job watcher on a stage change, and on any slot change
 _keeper: List[threading.Thread] = []  # the keeper thread, while one runs
 _slot_numbers = itertools.count(1)  # names slots in the log
+_STOPPED = ("this sandbox was stopped (stop() or stop_sandboxes()); begin() or a new session() starts "
+            "it again")
 
 
 class _Slot:
     """The jobs behind one Sandbox (or one shared group): `current` serves (or starts), `successor`
     starts to take over (a renewal, or the replacement of a dead job), `retiring` still carries an
-    episode. At most two of them hold a job at any moment. `_cond` guards them; the keeper thread, the
-    start threads and the sessions move them; nothing slow runs under it."""
+    episode. At most two of them hold a job at any moment. `_cond` guards them; the keeper thread,
+    the start threads and the sessions move them; nothing slow runs under it."""
 
     def __init__(self, name: str, new_provider: Callable[[], HFSandboxProvider], renew: bool,
                  renew_before_s: Optional[float]) -> None:
@@ -516,7 +524,7 @@ class _Slot:
         self.successor: Optional[_BackgroundStart] = None
         self.retiring: Optional[_BackgroundStart] = None
         self.stopped = False
-        self.failure: Optional[BaseException] = None  # the last successor's failed start, for a waiting reset
+        self.failure: Optional[BaseException] = None  # a successor's failed start, for a waiting reset
         self.retry_at = 0.0  # a failed successor is tried again from then on
         self._retry_s = RENEW_RETRY_FIRST_S
         self.last_start_s = 0.0  # how long this slot's last start took (create to ready)
@@ -529,26 +537,27 @@ class _Slot:
         with _slots_lock:
             _live_slots.add(self)
             if not _keeper:
-                _keeper.append(threading.Thread(target=_keep_slots, name="hf-sandbox-slot-keeper", daemon=True))
+                _keeper.append(threading.Thread(target=_keep_slots, name="hf-sandbox-slot-keeper",
+                                                daemon=True))
                 _start_thread(_keeper[0])
         _keeper_wake.set()
 
     def serving(self, timeout_s: Optional[float], hold: bool) -> _BackgroundStart:
-        """The slot's current job once ready (counted as used when `hold`), starting one if none serves
-        and none is coming. A failed first start raises its error (to a holder once: the next starts
-        again), as does a failed replacement to the reset waiting for it."""
+        """The slot's current job once ready (counted as used when `hold`), starting one if none
+        serves and none is coming. A failed first start raises its error (to a holder once: the next
+        one starts again), as does a failed replacement to the reset waiting for it."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
             while True:
                 if self.stopped:
-                    raise SessionError("this sandbox was stopped (stop() or stop_sandboxes()); begin() or a new "
-                                       "session() starts it again")
+                    raise SessionError(_STOPPED)
                 current = self.current
                 if current is not None and current.serving:
                     if hold:
                         current.users += 1
                     return current
-                if current is not None and current.done and current.error is not None and self.successor is None:
+                failed = current is not None and current.done and current.error is not None
+                if failed and self.successor is None:
                     if hold:
                         self.current = None
                     raise current.error
@@ -576,8 +585,8 @@ class _Slot:
             self._cancel(start, "no episode uses it any more")
 
     def report_dead(self, start: _BackgroundStart, why: str) -> None:
-        """`start`'s job is gone: its sessions lose their episode, and a current job is replaced at once
-        (with renew=False, by the next reset)."""
+        """`start`'s job is gone: its sessions lose their episode, and a current job is replaced at
+        once (with renew=False, by the next reset)."""
         cancel = None
         with self._cond:
             if start.dead is not None or self.stopped:
@@ -592,7 +601,7 @@ class _Slot:
                 elif self.renew:
                     self._replace_locked(why)
             self._cond.notify_all()
-        logger.warning("slot %s: job %s ended (%s)%s", self.name, ", ".join(start.provider.job_ids) or "?", why,
+        logger.warning("slot %s: job %s ended (%s)%s", self.name, _ids(start), why,
                        "; its replacement is starting" if self.renew and cancel is None else "")
         for session in sessions:
             session._job_died(start)
@@ -605,12 +614,15 @@ class _Slot:
         replacement is under way (however many environments ask)."""
         with self._cond:
             current, coming = self.current, self.successor is not None
-        if coming or (current is not None and (not current.done or current.serving and _group_serves(current))):
+        if coming or (current is not None and not current.done):
             return
         if current is not None and current.serving:
-            self.report_dead(current, "restart(): no job of the group serves")  # renew=True replaces it here
+            if _group_serves(current):
+                return
+            self.report_dead(current, "restart(): no job of the group serves")  # renew=True replaces it
         with self._cond:
-            if not self.stopped and self.successor is None and (self.current is None or not self.current.serving):
+            serving = self.current is not None and self.current.serving
+            if not self.stopped and self.successor is None and not serving:
                 self._replace_locked("restart()")
 
     def stop(self, wait_s: float = BACKGROUND_STOP_WAIT_S) -> None:
@@ -638,7 +650,7 @@ class _Slot:
             if (self.stopped or current is None or not current.done or current.error is not None
                     or self.successor is not None):
                 return float("inf")
-            if current.dead is not None or self.retiring is not None:  # a dead one waits for its retry
+            if current.dead is not None or self.retiring is not None:  # a dead one: its retry time
                 due = self.retry_at if current.dead is not None else now + KEEPER_MAX_SLEEP_S
             else:
                 due = max(self._renew_at(current, now), self.retry_at)
@@ -651,11 +663,11 @@ class _Slot:
                                      % (current.deadline - now))
             return float("inf")
 
-    # -- machinery ------------------------------------------------------------------------------------
+    # -- machinery --------------------------------------------------------------------------------
 
     def _replace_locked(self, why: str) -> None:
-        """Start the job that takes over (under the lock): the first one, or a successor (a dead current
-        job is cancelled first, so the slot never holds three)."""
+        """Start the job that takes over (under the lock): the first one, or a successor (a dead
+        current job is cancelled first, so the slot never holds three)."""
         current = self.current
         if current is None:
             self.current = start = _BackgroundStart(self._new_provider(), self)
@@ -667,20 +679,21 @@ class _Slot:
         logger.info("slot %s: starting a job (%s)", self.name, why)
 
     def _start_ended(self, start: _BackgroundStart) -> None:
-        """A start of this slot ended: a successor takes over, or its failure is kept for a retry."""
+        """A start of this slot ended: a successor takes over, or its failure is kept for retries."""
         cancel = None
         with self._cond:
             if start.error is None:
                 self.last_start_s = (start.ready_at or start.began) - start.began
-                start.jitter = random.uniform(0.0, RENEW_SPREAD_FRACTION * (start.deadline - start.began))
+                lifetime = start.deadline - start.began
+                start.jitter = random.uniform(0.0, RENEW_SPREAD_FRACTION * lifetime)
             if start is self.successor:
                 self.successor = None
                 if start.error is not None:
                     self.failure = start.error
                     self.retry_at = time.monotonic() + self._retry_s
-                    logger.warning("slot %s: starting the job to take over from %s failed (%s); trying again in "
-                                   "%gs", self.name, ", ".join(start.replaces) or "?", _core._first_line(start.error),
-                                   self._retry_s)
+                    logger.warning("slot %s: starting the job to take over from %s failed (%s); "
+                                   "trying again in %gs", self.name, ", ".join(start.replaces) or "?",
+                                   _core._first_line(start.error), self._retry_s)
                     self._retry_s = min(RENEW_RETRY_CAP_S, self._retry_s * 2)
                 else:
                     old, self.current = self.current, start
@@ -689,27 +702,28 @@ class _Slot:
                         cancel = old
                     elif old is not None:
                         self.retiring = old
-                    logger.info("slot %s: job %s -> job %s (%s)", self.name, ", ".join(start.replaces) or "?",
-                                ", ".join(start.provider.job_ids), start.why)
+                    logger.info("slot %s: job %s -> job %s (%s)", self.name,
+                                ", ".join(start.replaces) or "?", _ids(start), start.why)
             self._cond.notify_all()
         if cancel is not None:
             self._cancel(cancel, "its successor serves" if cancel.dead is None else "it ended")
         _keeper_wake.set()
 
     def _renew_at(self, start: _BackgroundStart, now: float) -> float:
-        """When `start`'s successor is due: a lead (the setting, or twice the last start plus a margin)
-        and the job's jitter before its lifetime ends, but not before it served half of it."""
+        """When `start`'s successor is due: a lead (the setting, or twice the last start plus a
+        margin) and the job's jitter before its lifetime ends, but not before it served half of it."""
         if start.renew_now is not None:
             return now
-        lead = (self.renew_before_s if self.renew_before_s is not None
-                else max(RENEW_LEAD_FLOOR_S, RENEW_START_FACTOR * self.last_start_s + RENEW_MARGIN_S))
+        lead = self.renew_before_s
+        if lead is None:
+            lead = max(RENEW_LEAD_FLOOR_S, RENEW_START_FACTOR * self.last_start_s + RENEW_MARGIN_S)
         earliest = start.began + RENEW_EARLIEST_FRACTION * (start.deadline - start.began)
         due = start.deadline - lead - start.jitter
         if due < earliest and not self._warned_short:
             self._warned_short = True
-            logger.warning("slot %s: job_timeout=%s is short for starts of %.1fs: each job is renewed after half "
-                           "its lifetime and its successor may not be ready in time; raise job_timeout",
-                           self.name, start.provider.job_timeout, self.last_start_s)
+            logger.warning("slot %s: job_timeout=%s is short for starts of %.1fs: each job is renewed "
+                           "after half its lifetime and its successor may not be ready in time; raise "
+                           "job_timeout", self.name, start.provider.job_timeout, self.last_start_s)
         return max(due, earliest)
 
     def _see(self, start: _BackgroundStart, now: float) -> None:
@@ -737,7 +751,7 @@ class _Slot:
 
     def _cancel(self, start: _BackgroundStart, why: str) -> None:
         """Cancel a job the slot is done with, in the background (a cancel is an API call)."""
-        job_ids = ", ".join(start.provider.job_ids) or "?"
+        job_ids = _ids(start)
 
         def cancel() -> None:
             start.stop()
@@ -746,7 +760,7 @@ class _Slot:
 
 
 def _keep_slots() -> None:
-    """The keeper thread: tends every live slot at its due time (or when woken), and ends when none is left."""
+    """The keeper thread: tends every live slot at its due time (or when woken); ends with the last."""
     while True:
         with _slots_lock:
             slots = list(_live_slots)
@@ -769,11 +783,11 @@ def _watch(start: _BackgroundStart) -> None:
     watcher wakes the keeper when one changes stage."""
     provider = start.provider
     pooled = getattr(provider, "_pooled", None)
-    job_ids = ([pooled.host_id] if pooled.host_id else []) if pooled is not None else provider.job_ids
-    token = provider._resolve_token()
+    job_ids = provider.job_ids if pooled is None else [pooled.host_id] if pooled.host_id else []
+    token, namespace = provider._resolve_token(), provider._job_namespace or ""
     start.watches = [_core._watcher.register(provider.endpoint, token, provider._new_session,
-                                             provider._job_namespace or "", job_id, SLOT_WATCH_INTERVAL_S,
-                                             _keeper_wake, since=start.began) for job_id in job_ids]
+                                             namespace, job_id, SLOT_WATCH_INTERVAL_S, _keeper_wake,
+                                             since=start.began) for job_id in job_ids]
     if start._stopped:  # stopped meanwhile: its stop may have unwatched before these were recorded
         _unwatch(start)
 
@@ -800,11 +814,12 @@ def _host_deadline(job: Mapping[str, Any], now: float) -> float:
 
 
 class _SlotSession(EnvSession):
-    """The `EnvSession` of `Sandbox.session()`: it follows its slot's jobs. Each `reset()` begins the
-    episode on the slot's current job (reconnecting when the slot moved on, waiting only when no job
-    is ready); a job lost mid-episode raises `EpisodeLost` and the next `reset()` works again."""
+    """The `EnvSession` of `Sandbox.session()`: it follows its slot's jobs. Each `reset()` begins
+    the episode on the slot's current job (reconnecting when the slot moved on, waiting only when no
+    job is ready); a job lost mid-episode raises `EpisodeLost` and the next `reset()` works again."""
 
-    def __init__(self, sandbox: "Sandbox", timeout_s: float, wait_timeout_s: Optional[float]) -> None:
+    def __init__(self, sandbox: "Sandbox", timeout_s: float,
+                 wait_timeout_s: Optional[float]) -> None:
         # No connection yet: one is opened per job, at the first message on it.
         _raise_if_rejected(_positive_number_rejection("timeout_s", timeout_s))
         self._sandbox = sandbox
@@ -825,16 +840,18 @@ class _SlotSession(EnvSession):
     def exchange(self, message: Mapping[str, Any]) -> Dict[str, Any]:
         with self._lock:
             if self._closed:
-                raise SessionError("this EnvSession is closed (close() ran); open a new one with Sandbox.session()")
+                raise SessionError("this EnvSession is closed (close() ran); open a new one with "
+                                   "Sandbox.session()")
             if message.get("type") == "reset" or (self._conn is None and self._lost is None):
                 return self._begin_episode(message)
             if self._lost is not None:
-                raise EpisodeLost("the episode was lost (%s); call reset() to begin the next one" % self._lost)
+                raise EpisodeLost("the episode was lost (%s); call reset() to begin the next one"
+                                  % self._lost)
             return self._continue_episode(message)
 
     def close(self) -> None:
-        """End the episode and close the connection; idempotent, never raises. While another thread waits
-        for a reply it shuts the connection down, so that thread gets `EpisodeLost` at once."""
+        """End the episode and close the connection; idempotent, never raises. While another thread
+        waits for a reply it shuts the connection down, so that thread gets `EpisodeLost` at once."""
         if not self._lock.acquire(blocking=False):
             self._closed = True
             conn = self._conn
@@ -884,7 +901,7 @@ class _SlotSession(EnvSession):
             except SessionTimeout:
                 self._end_episode()
                 raise
-            except SessionError as exc:  # a kept connection the job or the proxy closed since: reconnect
+            except SessionError as exc:  # a kept connection closed since (job or proxy): reconnect
                 self._drop_connection()
                 error = exc
         assert error is not None
@@ -898,8 +915,8 @@ class _SlotSession(EnvSession):
         except SessionError as exc:
             self._lost = (job.dead if job is not None else None) or str(exc)
             self._drop_connection()
-            raise EpisodeLost("the episode on job %s was lost: %s; call reset() to begin the next one"
-                              % (job.provider.job_id if job is not None else "?", self._lost)) from exc
+            raise EpisodeLost("the episode on job %s was lost: %s; call reset() to begin the next "
+                              "one" % (_ids(job) if job is not None else "?", self._lost)) from exc
         data = reply.get("data")
         if message.get("type") == "step" and isinstance(data, dict) and data.get("done"):
             self._end_episode()  # the job may go now; the connection stays for the next reset
@@ -911,9 +928,9 @@ class _SlotSession(EnvSession):
             job.slot.release(job)
 
     def _drop_connection(self, polite: bool = False) -> None:
-        """End the episode and let go of the connection, closing it before the job is released (which may
-        cancel it): with OpenEnv's close handshake when the user closes the session, else at once (a reset
-        moving to another job must not wait on the old one's answer)."""
+        """End the episode and let go of the connection, closing it before the job is released (which
+        may cancel it): with OpenEnv's close handshake when the user closes the session, else at once
+        (a reset moving to another job must not wait on the old one's answer)."""
         conn = self._conn
         if conn is not None:
             if not polite:
@@ -923,7 +940,7 @@ class _SlotSession(EnvSession):
         self._conn = self._job = None
 
     def _job_died(self, job: _BackgroundStart) -> None:
-        """From the slot (another thread): `job` is gone; a step on it fails at once instead of waiting."""
+        """From the slot (another thread): `job` is gone; a step on it fails at once, not later."""
         conn = self._conn
         if self._job is job and conn is not None:
             conn._break()
@@ -939,24 +956,25 @@ _sandbox_providers: "weakref.WeakSet[HFSandboxProvider]" = weakref.WeakSet()
 
 
 class Sandbox:
-    """An environment's remote sandbox (a rollout slot): begun in the background when built, waited for
-    only when used, renewed before its job's lifetime ends and replaced when its job dies.
+    """An environment's remote sandbox (a rollout slot): begun in the background when built, waited
+    for only when used, renewed before its job's lifetime ends and replaced when its job dies.
 
     `Sandbox(image, **provider_kwargs)` starts its job in a background thread; `session()` gives an
-    `EnvSession` that follows the slot's jobs (each reset on the current one; `EpisodeLost` when a job
-    dies mid-episode). `shared="name"`: every Sandbox of the process with that name uses one slot
-    (`replicas=K` jobs). `renew=False`: no successor before the lifetime ends, no replacement until a
-    reset needs one. `stop_sandboxes()` cancels them all. See docs/training.md.
+    `EnvSession` that follows the slot's jobs (each reset on the current one; `EpisodeLost` when a
+    job dies mid-episode). `shared="name"`: every Sandbox of the process with that name uses one
+    slot (`replicas=K` jobs). `renew=False`: no successor before the lifetime ends, no replacement
+    until a reset needs one. `stop_sandboxes()` cancels them all. See docs/training.md.
     """
 
-    def __init__(self, image: Optional[str] = None, *, shared: Optional[str] = None, begin: bool = True,
-                 renew: bool = True, renew_before_s: Optional[float] = None, **provider_kwargs: Any) -> None:
+    def __init__(self, image: Optional[str] = None, *, shared: Optional[str] = None,
+                 begin: bool = True, renew: bool = True, renew_before_s: Optional[float] = None,
+                 **provider_kwargs: Any) -> None:
         if shared is not None and (not isinstance(shared, str) or not shared):
             raise SandboxConfigError("shared=%r must be a non-empty name (environments with the same name "
                                      "share one group of jobs)" % (shared,))
         if not isinstance(renew, bool):
-            raise SandboxConfigError("renew=%r must be True (renew jobs before their lifetime ends, replace dead "
-                                     "ones at once) or False" % (renew,))
+            raise SandboxConfigError("renew=%r must be True (renew jobs before their lifetime ends, "
+                                     "replace dead ones at once) or False" % (renew,))
         if renew_before_s is not None:
             _raise_if_rejected(_positive_number_rejection("renew_before_s", renew_before_s))
         if "proxy" in provider_kwargs and not isinstance(provider_kwargs["proxy"], str):  # "process" travels
@@ -986,8 +1004,9 @@ class Sandbox:
         return self
 
     def wait(self, timeout_s: Optional[float] = None) -> str:
-        """Begin if needed and block until the slot's current job answers /health; returns its base URL or
-        raises what the start raised. `timeout_s` bounds this wait only (`JobStartTimeout`; the start goes on)."""
+        """Begin if needed and block until the slot's current job answers /health; returns its base
+        URL or raises what the start raised. `timeout_s` bounds this wait only (`JobStartTimeout`;
+        the start goes on)."""
         self.begin()
         assert self._slot is not None
         return self._slot.serving(timeout_s, hold=False).base_url or ""
@@ -999,8 +1018,8 @@ class Sandbox:
         return _SlotSession(self, timeout_s, wait_timeout_s)
 
     def restart(self) -> "Sandbox":
-        """Replace a lost job now. A shared group is replaced once none of its jobs serves, however many of
-        its environments ask (the others adopt the new one)."""
+        """Replace a lost job now. A shared group is replaced once none of its jobs serves, however
+        many of its environments ask (the others adopt the new one)."""
         if self.shared is not None and self._slot is not None and not self._slot.stopped:
             self._slot.replace_if_lost()
         else:
@@ -1009,9 +1028,9 @@ class Sandbox:
         return self
 
     def stop(self) -> None:
-        """Cancel this sandbox's own jobs (mid-start, successors and replacements too) and wait until they
-        are released; a shared sandbox lets go of its group, which runs on for the others. Idempotent;
-        never raises."""
+        """Cancel this sandbox's own jobs (mid-start, successors and replacements too) and wait until
+        they are released; a shared sandbox lets go of its group, which runs on for the others.
+        Idempotent; never raises."""
         slot, self._slot = self._slot, None
         if slot is not None and self.shared is None:
             slot.stop()
@@ -1025,13 +1044,14 @@ class Sandbox:
 
     @property
     def ready(self) -> bool:
-        """True when the slot's current job answered /health and sessions can begin episodes at once."""
+        """True when the slot's current job answered /health: episodes can begin on it at once."""
         slot = self._slot
         return slot is not None and slot.current is not None and slot.current.serving
 
     @property
     def job_ids(self) -> List[str]:
-        """The job(s) serving this sandbox now (K for a shared group with replicas=K; empty before a start)."""
+        """The job(s) serving this sandbox now (K for a shared group with replicas=K; empty before
+        a start)."""
         provider = self.provider
         return provider.job_ids if provider is not None else []
 
@@ -1053,7 +1073,7 @@ class Sandbox:
         if self.shared is None and self._slot is not None and not self._slot.stopped:
             raise TypeError("cannot pickle a Sandbox that has begun its job (%s): build it with begin=False, or "
                             "pickle the environment factory instead (each process then starts its own)"
-                            % (self.provider.job_id if self.provider and self.provider.job_id else "being created"))
+                            % (_ids(self._slot.current) if self._slot.current else "being created"))
         return dict(self.__dict__, _slot=None)
 
     def _settings_key(self) -> Tuple[Any, ...]:
@@ -1072,8 +1092,7 @@ class Sandbox:
     def _slot_for_sessions(self) -> _Slot:
         slot = self._slot
         if slot is None or slot.stopped:
-            raise SessionError("this sandbox was stopped (stop() or stop_sandboxes()); begin() or a new session() "
-                               "starts it again")
+            raise SessionError(_STOPPED)
         return slot
 
 
@@ -1127,32 +1146,39 @@ def _starts_in_flight() -> List[_BackgroundStart]:
 
 
 def _teardown_process(budget_s: float) -> None:
-    """Cancel every job this process runs or is starting, in parallel, within `budget_s`: every slot,
-    background starts (waiting for creates in flight), then every provider's safety net."""
+    """Cancel every job this process runs or is starting, in parallel, within `budget_s`: every
+    slot, background starts (waiting for creates in flight), then every provider's safety net."""
     deadline = time.monotonic() + budget_s
-    stops = [lambda s=s: s.stop(budget_s) for s in _take_slots() + _starts_in_flight()]  # type: ignore[misc]
+    stops = _stops(budget_s)
     safety_nets = list(_live_finalizers)  # each cancels one running job at most once, provider or not
     _in_parallel(stops + safety_nets, budget_s)
     _in_parallel(list(_live_finalizers), max(0.0, deadline - time.monotonic()))  # jobs recorded meanwhile
 
 
 def _stop_background_starts_at_exit() -> None:
-    """At exit, before the provider's own exit hook (atexit runs in reverse order): stop the slots (no
-    renewal may begin now) and end the background starts in flight, whose daemon threads would otherwise
-    die with a create unanswered."""
-    stops = [lambda s=s: s.stop(EXIT_TEARDOWN_BUDGET_S) for s in _take_slots() + _starts_in_flight()]
+    """At exit, before the provider's own exit hook (atexit runs in reverse order): stop the slots
+    (no renewal may begin now) and end the background starts in flight, whose daemon threads would
+    otherwise die with a create unanswered."""
+    stops = _stops(EXIT_TEARDOWN_BUDGET_S)
     if stops:
-        _in_parallel(stops, EXIT_TEARDOWN_BUDGET_S)  # type: ignore[arg-type]
+        _in_parallel(stops, EXIT_TEARDOWN_BUDGET_S)
 
 
 atexit.register(_stop_background_starts_at_exit)
+
+
+def _stops(wait_s: float) -> List[Callable[[], None]]:
+    """Stopping every slot and every start in flight, each waiting up to `wait_s`."""
+    stoppable: List[Any] = _take_slots() + _starts_in_flight()
+    return [lambda s=s: s.stop(wait_s) for s in stoppable]
 
 
 def _reset_sandboxes_after_fork() -> None:
     """A forked child has none of the parent's threads, and the parent's slots live on the parent's
     proxy: the child starts its own."""
     global _background_lock, _shared_lock, _background_slots, _slots_lock, _keeper_wake
-    _background_lock, _shared_lock, _slots_lock = threading.Lock(), threading.Lock(), threading.Lock()
+    _background_lock, _shared_lock = threading.Lock(), threading.Lock()
+    _slots_lock = threading.Lock()
     _background_slots = threading.BoundedSemaphore(BACKGROUND_MAX_PARALLEL)
     _keeper_wake = threading.Event()
     _background_starts.clear()
