@@ -499,7 +499,9 @@ def _lifetime_s(provider: HFSandboxProvider) -> float:
 # -- rollout slots: a job renewed before its lifetime ends, replaced when it dies ---------------------
 
 _slots_lock = threading.Lock()
-_live_slots: "set[_Slot]" = set()  # every slot begun and not stopped: the keeper tends them
+# Every slot begun and not stopped: the keeper tends them. Weak: a slot whose Sandbox and sessions are
+# gone is collected, and its providers' safety nets cancel its jobs (shared slots stay named below).
+_live_slots: "weakref.WeakSet[_Slot]" = weakref.WeakSet()
 _keeper_wake = threading.Event()  # set by the job watcher on a stage change, and on any slot change
 _keeper: List[threading.Thread] = []  # the keeper thread, while one runs
 _slot_numbers = itertools.count(1)  # names slots in the log
@@ -762,20 +764,29 @@ class _Slot:
 def _keep_slots() -> None:
     """The keeper thread: tends every live slot at its due time (or when woken); ends with the last."""
     while True:
-        with _slots_lock:
-            slots = list(_live_slots)
-            if not slots:
-                _keeper.clear()
-                return
-        _keeper_wake.clear()
-        now = time.monotonic()
-        due = now + KEEPER_MAX_SLEEP_S
-        for slot in slots:
-            try:
-                due = min(due, slot.tend(now))
-            except Exception:  # one slot's trouble must not stop the others' renewals
-                logger.exception("slot %s: unexpected error while tending it", slot.name)
+        due = _tend_slots()
+        if due is None:
+            return
         _keeper_wake.wait(max(0.0, due - time.monotonic()))
+
+
+def _tend_slots() -> Optional[float]:
+    """One turn of the keeper over every live slot: when the next is due, or None (and the keeper
+    ends) when none is left. The slots are referenced only during the turn, so a dropped one goes."""
+    with _slots_lock:
+        slots = list(_live_slots)
+        if not slots:
+            _keeper.clear()
+            return None
+    _keeper_wake.clear()
+    now = time.monotonic()
+    due = now + KEEPER_MAX_SLEEP_S
+    for slot in slots:
+        try:
+            due = min(due, slot.tend(now))
+        except Exception:  # one slot's trouble must not stop the others' renewals
+            logger.exception("slot %s: unexpected error while tending it", slot.name)
+    return due
 
 
 def _watch(start: _BackgroundStart) -> None:
@@ -788,12 +799,17 @@ def _watch(start: _BackgroundStart) -> None:
     start.watches = [_core._watcher.register(provider.endpoint, token, provider._new_session,
                                              namespace, job_id, SLOT_WATCH_INTERVAL_S, _keeper_wake,
                                              since=start.began) for job_id in job_ids]
+    weakref.finalize(start, _unregister, list(start.watches))  # a start collected unstopped too
     if start._stopped:  # stopped meanwhile: its stop may have unwatched before these were recorded
         _unwatch(start)
 
 
 def _unwatch(start: _BackgroundStart) -> None:
     watches, start.watches = start.watches, []
+    _unregister(watches)
+
+
+def _unregister(watches: List[Any]) -> None:
     for watch in watches:
         _core._watcher.unregister(watch)
 

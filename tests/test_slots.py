@@ -258,3 +258,21 @@ def test_a_pooled_slot_renews_its_sandbox_before_its_lifetime(make_emu, monkeypa
     finally:
         stop_sandboxes()
         hub.utils.close_session()
+
+
+def test_a_slot_dropped_without_stop_has_its_job_cancelled_and_is_no_longer_watched(emu) -> None:
+    import gc
+
+    import hf_sandbox_provider as core
+
+    box = Sandbox("img:tag", **dict(emu.settings, job_timeout=3600))  # no renewal within the test
+    with box.session() as session:
+        session.reset()
+    job_id = box.job_ids[0]
+    # The keeper registers the job with the job watcher on its next turn.
+    wait_until(lambda: any(w.job_id == job_id for g in list(core._watcher._groups.values())
+                           for w in list(g.watches)), "the job watched", timeout_s=30)
+    del box, session
+    gc.collect()  # the provider's safety net cancels the job of a collected slot, as it did before slots
+    assert emu.wait_for_stage(job_id, ["CANCELED"]).stage == "CANCELED"
+    assert not any(w.job_id == job_id for g in list(core._watcher._groups.values()) for w in list(g.watches))
