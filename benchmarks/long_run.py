@@ -117,6 +117,7 @@ def run_mode(renew: bool, args: argparse.Namespace) -> Dict[str, Any]:
     settings = dict(endpoint=emu.endpoint, token=emu.token, command=echo_server_command(),
                     job_timeout=args.job_timeout)
     samples: List[int] = []
+    loads: List[float] = []  # the 1-minute load average at each sample
     per_slot_max = [0] * args.slots
     sampling = threading.Event()
 
@@ -124,6 +125,7 @@ def run_mode(renew: bool, args: argparse.Namespace) -> Dict[str, Any]:
         while not sampling.wait(SAMPLE_INTERVAL_S):
             live = [job for job in emu.jobs if job.stage in LIVE_STAGES]
             samples.append(len(live))
+            loads.append(os.getloadavg()[0])
             for index in range(args.slots):
                 count = sum(1 for job in live if (job.spec.get("labels") or {}).get("slot") == str(index))
                 per_slot_max[index] = max(per_slot_max[index], count)
@@ -190,6 +192,8 @@ def run_mode(renew: bool, args: argparse.Namespace) -> Dict[str, Any]:
         "live_jobs_max": max(samples, default=0), "live_jobs_per_slot_max": max(per_slot_max),
         "jobs_made": jobs_made, "stop_s": round(stop_s, 2), "live_after_drain": len(live_after),
         "slowest_slot_gap_s": round(last_gap, 1), "wall_s": round(ended_at - began, 1),
+        "load_max": round(max(loads, default=0.0), 1),
+        "load_median": round(sorted(loads)[len(loads) // 2], 1) if loads else 0.0,
     }
     result["checks"] = checks(result, args)
     return result
@@ -224,6 +228,7 @@ def markdown(results: List[Dict[str, Any]], args: argparse.Namespace, load: str)
         ("most live jobs at a sample", "live_jobs_max"), ("most live jobs of one slot", "live_jobs_per_slot_max"),
         ("stop_sandboxes(), s", "stop_s"), ("live jobs %g s after it" % args.drain, "live_after_drain"),
         ("errors other than EpisodeLost", "errors"),
+        ("1-minute load average, median / max", "load"),
     ]
     lines = [SECTION_START, "## Rollout slots across job lifetimes (benchmarks/long_run.py)", "",
              "%d slots (one thread each, episodes of %d steps with %.2f s between steps), emulator cold start "
@@ -232,6 +237,8 @@ def markdown(results: List[Dict[str, Any]], args: argparse.Namespace, load: str)
              "Load: %s." % (args.slots, args.steps, STEP_PAUSE_S, args.cold_start, args.job_timeout, args.duration,
                             args.duration / args.job_timeout, args.kills, load), "",
              "| | renew | renew=False |", "| --- | --- | --- |"]
+    for result in results:
+        result.setdefault("load", "%s / %s" % (result.get("load_median", "?"), result.get("load_max", "?")))
     for label, key in rows:
         lines.append("| %s | %s | %s |" % (label, renew.get(key), old.get(key)))
     lines += ["", "Targets (renew): " + "; ".join("%s: %s" % (name, "PASS" if ok else "FAIL")
