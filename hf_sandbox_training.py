@@ -29,6 +29,7 @@ from collections import deque
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 from urllib.parse import urlsplit
 
+import requests
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import (AcceptConnection, BytesMessage, CloseConnection, Ping, RejectConnection, RejectData,
                             Request, TextMessage)
@@ -814,6 +815,17 @@ def _unregister(watches: List[Any]) -> None:
         _core._watcher.unregister(watch)
 
 
+def _answers_health(base_url: str) -> bool:
+    """Whether the job behind `base_url` still answers /health with 200 (through the local proxy)."""
+    try:
+        with requests.Session() as session:
+            session.trust_env = False  # loopback proxy: never through HTTP(S)_PROXY
+            return session.get(base_url.rstrip("/") + "/health", timeout=_core.HEALTH_PROBE_TIMEOUT_S
+                               ).status_code == 200
+    except requests.RequestException:
+        return False
+
+
 def _host_deadline(job: Mapping[str, Any], now: float) -> float:
     """When a pooled sandbox's host job ends at the latest (its creation plus its timeout), on the
     monotonic clock; infinity when its answer has no creation time."""
@@ -903,9 +915,14 @@ class _SlotSession(EnvSession):
                     self._conn = EnvSession(job.base_url or "", timeout_s=self.timeout_s)
                 except SessionRefusedError as exc:
                     self._end_episode()
-                    if not exc.proxy_error:  # the environment itself refused
+                    if exc.proxy_error:
+                        slot.report_dead(job, "the proxy refused a session: %s" % exc.proxy_error)
+                    elif exc.status_code >= 500 and not _answers_health(job.base_url or ""):
+                        # e.g. a pooled sandbox whose server died: its host answers for it
+                        slot.report_dead(job, "the upgrade got HTTP %d and /health no 200"
+                                         % exc.status_code)
+                    else:  # the environment itself refused
                         raise
-                    slot.report_dead(job, "the proxy refused a session: %s" % exc.proxy_error)
                     error = exc
                     continue
                 except BaseException:

@@ -253,7 +253,19 @@ def test_a_pooled_slot_renews_its_sandbox_before_its_lifetime(make_emu, monkeypa
                 sandboxes.add(box.job_ids[0])
                 session.step({"message": "pooled"})
                 time.sleep(0.2)
-        assert all(ready) and len(sandboxes) >= 3  # renewed twice, never found unready
+            assert all(ready) and len(sandboxes) >= 3  # renewed twice, never found unready
+            # The sandbox's server dies (its host lives on and answers for it): the episode is lost,
+            # and the next reset finds the server gone and runs on a replacement sandbox.
+            session.reset()
+            victim = box.job_ids[0]
+            for pid in emulator.sandbox_hosts.live_pids():
+                os.killpg(pid, signal.SIGKILL)
+            with pytest.raises(EpisodeLost):
+                for _ in range(50):
+                    session.step({"message": "during"})
+            session.reset()
+            assert session.step({"message": "after"})["observation"]["echoed_message"] == "after"
+            assert box.job_ids != [victim]
         assert len(emulator.jobs) == 1  # all on the one host job
     finally:
         stop_sandboxes()
