@@ -288,3 +288,18 @@ def test_a_slot_dropped_without_stop_has_its_job_cancelled_and_is_no_longer_watc
     gc.collect()  # the provider's safety net cancels the job of a collected slot, as it did before slots
     assert emu.wait_for_stage(job_id, ["CANCELED"]).stage == "CANCELED"
     assert not any(w.job_id == job_id for g in list(core._watcher._groups.values()) for w in list(g.watches))
+
+
+def test_a_shared_group_that_loses_one_job_is_renewed_as_a_whole_while_the_other_serves(emu) -> None:
+    box = Sandbox("img:tag", shared="half", replicas=2, **dict(emu.settings, job_timeout=3600))
+    with box.session() as session:
+        session.reset()
+        old = list(box.job_ids)
+        emu.kill_job(old[0])
+        # The job watcher sees one job of two ended: the slot starts a new group of two at once.
+        wait_until(lambda: box.ready and not set(box.job_ids) & set(old), "a new group serving", timeout_s=60)
+        session.reset()  # on the new group
+        assert session.step({"message": "moved"})["observation"]["echoed_message"] == "moved"
+    assert len(emu.jobs) == 4 and emu.job(old[0]).stage == "ERROR"
+    stop_sandboxes()
+    all_ended(emu)
