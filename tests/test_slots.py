@@ -129,7 +129,9 @@ def test_a_job_killed_mid_episode_costs_that_episode_only_and_the_next_reset_run
             session.step({"message": "still lost"})
         session.reset()  # works: on the replacement
         assert session.step({"message": "after"})["observation"]["echoed_message"] == "after"
-        assert box.job_ids != [victim] and emu.job(victim).stage == "ERROR"
+        # ERROR, or CANCELED when the slot's cancel of the dead job reached the emulator before it saw
+        # the process exit
+        assert box.job_ids != [victim] and emu.job(victim).stage in ("ERROR", "CANCELED")
     assert any("ended" in r.getMessage() and victim in r.getMessage() for r in slot_log.records)
     stop_sandboxes()
     all_ended(emu)
