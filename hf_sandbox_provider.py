@@ -75,7 +75,7 @@ __all__ = [
 # layer, and a vendored core copies only the layers it uses. One entry per layer: module -> its names.
 _LAYERS: Dict[str, List[str]] = {
     "hf_sandbox_training": """EnvSession SessionError SessionRefusedError SessionTimeout EnvError Sandbox stop_sandboxes
-        install_signal_teardown uninstall_signal_teardown SESSION_TIMEOUT_S SESSION_CONNECT_TIMEOUT_S
+        EpisodeLost install_signal_teardown uninstall_signal_teardown SESSION_TIMEOUT_S SESSION_CONNECT_TIMEOUT_S
         SESSION_CLOSE_WAIT_S SESSION_MAX_MESSAGE_BYTES SESSION_REFUSAL_BODY_CHARS BACKGROUND_MAX_PARALLEL
         BACKGROUND_STOP_WAIT_S BACKGROUND_STOP_REPEAT_S SIGNAL_TEARDOWN_BUDGET_S EXIT_TEARDOWN_BUDGET_S""".split(),
     "hf_sandbox_cli": """main SMOKE_DEFAULT_IMAGE SMOKE_DEFAULT_ACTION SMOKE_WS_STEPS SMOKE_REQUEST_TIMEOUT_S EXIT_OK

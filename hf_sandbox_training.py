@@ -13,8 +13,11 @@ core imports `proxy`; the core never imports this module, it re-exports these na
 from __future__ import annotations
 
 import atexit
+import datetime
+import itertools
 import json
 import os
+import random
 import signal
 import socket
 import ssl
@@ -26,6 +29,7 @@ from collections import deque
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 from urllib.parse import urlsplit
 
+import requests
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import (AcceptConnection, BytesMessage, CloseConnection, Ping, RejectConnection, RejectData,
                             Request, TextMessage)
@@ -44,8 +48,9 @@ _in_parallel, _start_thread = _core._in_parallel, _core._start_thread
 _live_finalizers = _core._live_finalizers  # the providers' safety nets (a set the core never rebinds)
 logger = _core.logger  # one logger for the library: "hf_sandbox_provider"
 
-__all__ = ["EnvSession", "SessionError", "SessionRefusedError", "SessionTimeout", "EnvError", "Sandbox",
-           "stop_sandboxes", "install_signal_teardown", "uninstall_signal_teardown"]
+__all__ = ["EnvSession", "SessionError", "SessionRefusedError", "SessionTimeout", "EnvError",
+           "EpisodeLost", "Sandbox", "stop_sandboxes", "install_signal_teardown",
+           "uninstall_signal_teardown"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -80,6 +85,35 @@ SIGNAL_TEARDOWN_BUDGET_S = 4.0
 # At interpreter exit: how long to wait for background starts in flight (their job is then cancelled).
 EXIT_TEARDOWN_BUDGET_S = 15.0
 
+# Rollout slots (docs/training.md, "Slots that outlive their jobs"). A successor begins this long
+# before the job's lifetime ends, beyond the slot's measured start: the readiness check, an episode
+# still running on the old job, and noise in the next start.
+RENEW_MARGIN_S = 10.0
+# ... plus this many of the slot's last measured starts (create to ready): a cold start varies.
+RENEW_START_FACTOR = 2.0
+# The least lead a renewal gets, whatever the measured start.
+RENEW_LEAD_FLOOR_S = 15.0
+# Renewals spread over this fraction of a lifetime (random per job), so slots built together do not
+# send their creates together at every lifetime.
+RENEW_SPREAD_FRACTION = 0.1
+# A job serves at least this fraction of its lifetime before its successor begins: a lead that asks
+# for more is cut, with a warning (the job_timeout is too short for the starts).
+RENEW_EARLIEST_FRACTION = 0.5
+# A successor or replacement that failed to start is tried again after this long, doubling to the cap.
+RENEW_RETRY_FIRST_S = 5.0
+RENEW_RETRY_CAP_S = 300.0
+# How often the core's job watcher refreshes a slot's running jobs (one `list` per token for all of
+# them): the longest a death goes unseen while no session is on the job.
+SLOT_WATCH_INTERVAL_S = 5.0
+# The keeper thread wakes at least this often (it is woken on each change; this bounds a missed one).
+KEEPER_MAX_SLEEP_S = 5.0
+# A reset tries this many times (a kept connection found broken, a job the proxy refuses, its
+# replacement) before raising.
+SLOT_RESET_ATTEMPTS = 4
+# huggingface_hub's SandboxPool runs its host jobs for 24 h (SANDBOX_MAX_LIFETIME): a pooled sandbox
+# ends then at the latest when the host's answer does not say.
+POOL_HOST_LIFETIME_S = 24 * 3600
+
 
 class SessionError(SandboxError, ConnectionError):
     """The WebSocket session could not be opened or was lost: the job is gone, the proxy or the
@@ -104,6 +138,11 @@ class SessionRefusedError(SessionError):
 class SessionTimeout(SessionError, TimeoutError):
     """No reply (or handshake) within the timeout. The session is closed: a late reply would otherwise
     be read as the answer to the next request."""
+
+
+class EpisodeLost(SessionError):
+    """The job under an episode died (or the connection to it broke) mid-episode: drop this rollout.
+    The session stays usable: its next `reset()` begins an episode on the slot's current job."""
 
 
 class EnvError(SandboxError):
@@ -242,6 +281,15 @@ class EnvSession:
 
     # -- machinery ------------------------------------------------------------------------------------
 
+    def _break(self) -> None:
+        """From any thread: mark the session lost and shut its socket down, so a request in flight
+        (or the next one) raises SessionError at once; close() releases the socket."""
+        self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
     def _abort(self) -> None:
         self._closed = True
         try:
@@ -354,12 +402,27 @@ _background_slots = threading.BoundedSemaphore(BACKGROUND_MAX_PARALLEL)
 
 class _BackgroundStart:
     """`start_container()` + `wait_for_ready()` of one provider in a daemon thread, begun at once; `wait()`
-    returns its base URL or raises its error, `stop()` cancels the job, mid-start too."""
+    returns its base URL or raises its error, `stop()` cancels the job, mid-start too. One job (or
+    one group of replicas) of a slot: the slot's lock guards `users` and `dead`."""
 
-    def __init__(self, provider: HFSandboxProvider) -> None:
+    def __init__(self, provider: HFSandboxProvider, slot: Optional["_Slot"] = None,
+                 first: Optional[Callable[[], None]] = None) -> None:
         self.provider = provider
+        self.slot = slot  # told when the start ends
         self.base_url: Optional[str] = None
         self.error: Optional[BaseException] = None
+        self.began = time.monotonic()  # just before the create: its lifetime cannot begin earlier
+        self.ready_at: Optional[float] = None
+        self.deadline = float("inf")  # when its lifetime ends at the latest (`began` + job_timeout)
+        self.jitter = 0.0  # how much earlier than its due time this job's renewal begins
+        self.users = 0  # sessions with an episode on this job
+        self.sessions: "weakref.WeakSet[_SlotSession]" = weakref.WeakSet()  # connected to it
+        self.dead: Optional[str] = None  # why the job is gone (seen ended, refused by the proxy)
+        self.renew_now: Optional[str] = None  # why to renew it before its time (a replica ended)
+        self.watches: List[Any] = []  # the core's job watcher's registrations for its job(s)
+        self.why = "first start"  # for the log: why this job was started
+        self.replaces: List[str] = []  # for the log: the job(s) it takes over from
+        self._first = first  # run before the create (the dead job it replaces is cancelled first)
         self._stopped = False
         self._done = threading.Event()
         with _background_lock:
@@ -379,6 +442,11 @@ class _BackgroundStart:
     def done(self) -> bool:
         return self._done.is_set()
 
+    @property
+    def serving(self) -> bool:
+        """Started, ready, and not seen dead."""
+        return self._done.is_set() and self.error is None and self.dead is None
+
     def stop(self, wait_s: float = BACKGROUND_STOP_WAIT_S) -> None:
         """Make the start give up, wait (up to `wait_s`) for its thread, then cancel what is left. Never raises."""
         self._stopped = True
@@ -387,21 +455,27 @@ class _BackgroundStart:
         while not self._done.wait(BACKGROUND_STOP_REPEAT_S) and time.monotonic() < deadline:
             self.provider._request_stop()  # a start that claimed the provider since cleared the last request
         self.provider.stop_container()  # a start that succeeded just before: cancel its job
+        _unwatch(self)
 
     def _run(self) -> None:
         try:
+            if self._first is not None:
+                self._first()
             while not _background_slots.acquire(timeout=BACKGROUND_STOP_REPEAT_S):
                 if self._stopped:
                     raise SandboxError("the sandbox was stopped before its start began")
             try:
                 if self._stopped:
                     raise SandboxError("the sandbox was stopped before its start began")
+                self.began = time.monotonic()
+                self.deadline = self.began + _lifetime_s(self.provider)
                 base_url = self.provider.start_container()
                 self.provider.wait_for_ready(base_url)
             finally:
                 _background_slots.release()
             if self._stopped:  # stopped during the start: the stop's own requests cancel the job
                 raise SandboxError("the sandbox was stopped while job %s was starting" % self.provider.job_id)
+            self.ready_at = time.monotonic()
             self.base_url = base_url
         except BaseException as exc:  # kept for wait(); the provider has torn the job down already
             self.error = exc
@@ -409,30 +483,533 @@ class _BackgroundStart:
             with _background_lock:
                 _background_starts.discard(self)
             self._done.set()
+            if self.slot is not None:
+                self.slot._start_ended(self)
+
+
+def _ids(start: _BackgroundStart) -> str:
+    """The start's job id(s), for the log."""
+    return ", ".join(start.provider.job_ids) or "?"
+
+
+def _lifetime_s(provider: HFSandboxProvider) -> float:
+    """The job's server-side lifetime (`job_timeout`) in seconds."""
+    return float(_core._parse_duration(provider.job_timeout) or _core.DEFAULT_JOB_TIMEOUT_S)
+
+
+# -- rollout slots: a job renewed before its lifetime ends, replaced when it dies ---------------------
+
+_slots_lock = threading.Lock()
+# Every slot begun and not stopped: the keeper tends them. Weak: a slot whose Sandbox and sessions are
+# gone is collected, and its providers' safety nets cancel its jobs (shared slots stay named below).
+_live_slots: "weakref.WeakSet[_Slot]" = weakref.WeakSet()
+_keeper_wake = threading.Event()  # set by the job watcher on a stage change, and on any slot change
+_keeper: List[threading.Thread] = []  # the keeper thread, while one runs
+_slot_numbers = itertools.count(1)  # names slots in the log
+_STOPPED = ("this sandbox was stopped (stop() or stop_sandboxes()); begin() or a new session() starts "
+            "it again")
+
+
+class _Slot:
+    """The jobs behind one Sandbox (or one shared group): `current` serves (or starts), `successor`
+    starts to take over (a renewal, or the replacement of a dead job), `retiring` still carries an
+    episode. At most two of them hold a job at any moment. `_cond` guards them; the keeper thread,
+    the start threads and the sessions move them; nothing slow runs under it."""
+
+    def __init__(self, name: str, new_provider: Callable[[], HFSandboxProvider], renew: bool,
+                 renew_before_s: Optional[float]) -> None:
+        self.name = name
+        self.renew = renew
+        self.renew_before_s = renew_before_s
+        self._new_provider = new_provider
+        self._cond = threading.Condition(threading.Lock())
+        self.current: Optional[_BackgroundStart] = None
+        self.successor: Optional[_BackgroundStart] = None
+        self.retiring: Optional[_BackgroundStart] = None
+        self.stopped = False
+        self.failure: Optional[BaseException] = None  # a successor's failed start, for a waiting reset
+        self.retry_at = 0.0  # a failed successor is tried again from then on
+        self._retry_s = RENEW_RETRY_FIRST_S
+        self.last_start_s = 0.0  # how long this slot's last start took (create to ready)
+        self._warned_short = False
+
+    def begin(self) -> None:
+        with self._cond:
+            if self.current is None and not self.stopped:
+                self.current = _BackgroundStart(self._new_provider(), self)
+        with _slots_lock:
+            _live_slots.add(self)
+            if not _keeper:
+                _keeper.append(threading.Thread(target=_keep_slots, name="hf-sandbox-slot-keeper",
+                                                daemon=True))
+                _start_thread(_keeper[0])
+        _keeper_wake.set()
+
+    def serving(self, timeout_s: Optional[float], hold: bool) -> _BackgroundStart:
+        """The slot's current job once ready (counted as used when `hold`), starting one if none
+        serves and none is coming. A failed first start raises its error (to a holder once: the next
+        one starts again), as does a failed replacement to the reset waiting for it."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                if self.stopped:
+                    raise SessionError(_STOPPED)
+                current = self.current
+                if current is not None and current.serving:
+                    if hold:
+                        current.users += 1
+                    return current
+                failed = current is not None and current.done and current.error is not None
+                if failed and self.successor is None:
+                    if hold:
+                        self.current = None
+                    raise current.error
+                if self.successor is None and (current is None or current.dead is not None):
+                    if self.failure is not None:
+                        failure, self.failure = self.failure, None
+                        raise failure
+                    self._replace_locked("a reset found no job serving")
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    waited = self.successor or self.current
+                    job_id = waited.provider.job_id if waited is not None else None
+                    raise JobStartTimeout("sandbox job %s still starting after %gs; the start goes on"
+                                          % (job_id or "(being created)", timeout_s), job_id, None)
+                self._cond.wait(remaining)
+
+    def release(self, start: _BackgroundStart) -> None:
+        """An episode on `start` ended: a job the slot has moved on from goes once none uses it."""
+        with self._cond:
+            start.users -= 1
+            done_with = start is self.retiring and start.users <= 0
+            if done_with:
+                self.retiring = None
+        if done_with:
+            self._cancel(start, "no episode uses it any more")
+
+    def report_dead(self, start: _BackgroundStart, why: str) -> None:
+        """`start`'s job is gone: its sessions lose their episode, and a current job is replaced at
+        once (with renew=False, by the next reset)."""
+        cancel = None
+        with self._cond:
+            if start.dead is not None or self.stopped:
+                return
+            start.dead = why
+            sessions = list(start.sessions)
+            if start is self.retiring:
+                self.retiring, cancel = None, start
+            elif start is self.current:
+                if self.successor is not None:
+                    cancel = start  # the renewal under way is its replacement
+                elif self.renew:
+                    self._replace_locked(why)
+            self._cond.notify_all()
+        logger.warning("slot %s: job %s ended (%s)%s", self.name, _ids(start), why,
+                       "; its replacement is starting" if self.renew and cancel is None else "")
+        for session in sessions:
+            session._job_died(start)
+        if cancel is not None:
+            self._cancel(cancel, "it ended")
+        _keeper_wake.set()
+
+    def replace_if_lost(self) -> None:
+        """Sandbox.restart() of a shared group: replace it unless a job of it still serves or a
+        replacement is under way (however many environments ask)."""
+        with self._cond:
+            current, coming = self.current, self.successor is not None
+        if coming or (current is not None and not current.done):
+            return
+        if current is not None and current.serving:
+            if _group_serves(current):
+                return
+            self.report_dead(current, "restart(): no job of the group serves")  # renew=True replaces it
+        with self._cond:
+            serving = self.current is not None and self.current.serving
+            if not self.stopped and self.successor is None and not serving:
+                self._replace_locked("restart()")
+
+    def stop(self, wait_s: float = BACKGROUND_STOP_WAIT_S) -> None:
+        """Cancel every job of the slot (starting ones too) and wait until each is released."""
+        with self._cond:
+            self.stopped = True
+            starts = [s for s in (self.current, self.successor, self.retiring) if s is not None]
+            self.current = self.successor = self.retiring = None
+            self._cond.notify_all()
+        with _slots_lock:
+            _live_slots.discard(self)
+        _in_parallel([lambda start=start: start.stop(wait_s) for start in starts], wait_s)
+
+    def tend(self, now: float) -> float:
+        """The keeper's turn: see the watcher's news, begin a renewal that is due. Returns when the
+        slot needs its next turn."""
+        with self._cond:
+            if self.stopped or not self.renew:
+                return float("inf")
+            starts = [s for s in (self.current, self.retiring) if s is not None and s.serving]
+        for start in starts:
+            self._see(start, now)
+        with self._cond:
+            current = self.current
+            if (self.stopped or current is None or not current.done or current.error is not None
+                    or self.successor is not None):
+                return float("inf")
+            if current.dead is not None or self.retiring is not None:  # a dead one: its retry time
+                due = self.retry_at if current.dead is not None else now + KEEPER_MAX_SLEEP_S
+            else:
+                due = max(self._renew_at(current, now), self.retry_at)
+            if now < due:
+                return due
+            if current.dead is not None:
+                self._replace_locked(current.dead)
+            else:
+                self._replace_locked(current.renew_now or "renewal: its job_timeout ends in %.0fs"
+                                     % (current.deadline - now))
+            return float("inf")
+
+    # -- machinery --------------------------------------------------------------------------------
+
+    def _replace_locked(self, why: str) -> None:
+        """Start the job that takes over (under the lock): the first one, or a successor (a dead
+        current job is cancelled first, so the slot never holds three)."""
+        current = self.current
+        if current is None:
+            self.current = start = _BackgroundStart(self._new_provider(), self)
+        else:
+            first = current.stop if current.dead is not None or current.error is not None else None
+            self.successor = start = _BackgroundStart(self._new_provider(), self, first)
+            start.replaces = current.provider.job_ids
+        start.why = why
+        logger.info("slot %s: starting a job (%s)", self.name, why)
+
+    def _start_ended(self, start: _BackgroundStart) -> None:
+        """A start of this slot ended: a successor takes over, or its failure is kept for retries."""
+        cancel = None
+        with self._cond:
+            if start.error is None:
+                self.last_start_s = (start.ready_at or start.began) - start.began
+                lifetime = start.deadline - start.began
+                start.jitter = random.uniform(0.0, RENEW_SPREAD_FRACTION * lifetime)
+            if start is self.successor:
+                self.successor = None
+                if start.error is not None:
+                    self.failure = start.error
+                    self.retry_at = time.monotonic() + self._retry_s
+                    logger.warning("slot %s: starting the job to take over from %s failed (%s); "
+                                   "trying again in %gs", self.name, ", ".join(start.replaces) or "?",
+                                   _core._first_line(start.error), self._retry_s)
+                    self._retry_s = min(RENEW_RETRY_CAP_S, self._retry_s * 2)
+                else:
+                    old, self.current = self.current, start
+                    self.failure, self._retry_s = None, RENEW_RETRY_FIRST_S
+                    if old is not None and (old.dead is not None or old.users <= 0):
+                        cancel = old
+                    elif old is not None:
+                        self.retiring = old
+                    logger.info("slot %s: job %s -> job %s (%s)", self.name,
+                                ", ".join(start.replaces) or "?", _ids(start), start.why)
+            self._cond.notify_all()
+        if cancel is not None:
+            self._cancel(cancel, "its successor serves" if cancel.dead is None else "it ended")
+        _keeper_wake.set()
+
+    def _renew_at(self, start: _BackgroundStart, now: float) -> float:
+        """When `start`'s successor is due: a lead (the setting, or twice the last start plus a
+        margin) and the job's jitter before its lifetime ends, but not before it served half of it."""
+        if start.renew_now is not None:
+            return now
+        lead = self.renew_before_s
+        if lead is None:
+            lead = max(RENEW_LEAD_FLOOR_S, RENEW_START_FACTOR * self.last_start_s + RENEW_MARGIN_S)
+        earliest = start.began + RENEW_EARLIEST_FRACTION * (start.deadline - start.began)
+        due = start.deadline - lead - start.jitter
+        if due < earliest and not self._warned_short:
+            self._warned_short = True
+            logger.warning("slot %s: job_timeout=%s is short for starts of %.1fs: each job is renewed "
+                           "after half its lifetime and its successor may not be ready in time; raise "
+                           "job_timeout", self.name, start.provider.job_timeout, self.last_start_s)
+        return max(due, earliest)
+
+    def _see(self, start: _BackgroundStart, now: float) -> None:
+        """Read the job watcher's latest answers for `start`'s job(s): all ended is a dead job, some
+        (replicas) a renewal now; a pooled sandbox also ends with its host's lifetime."""
+        if not start.watches:
+            _watch(start)
+        ended = []
+        for watch in start.watches:
+            job, error = watch.job, watch.error
+            stage = (job.get("status") or {}).get("stage") if job else None
+            if stage in _core.TERMINAL_STAGES:
+                ended.append("%s %s" % (watch.job_id, stage))
+            elif getattr(error, "status_code", None) == 404:
+                ended.append("%s not found" % watch.job_id)
+            elif error is not None:  # the refresh failed for good (API trouble): watch again
+                _unwatch(start)
+                return
+            if job and start.provider.pool is not None:
+                start.deadline = min(start.deadline, _host_deadline(job, now))
+        if ended and len(ended) == len(start.watches):
+            self.report_dead(start, "the job watcher saw " + ", ".join(ended))
+        elif ended and start.renew_now is None:
+            start.renew_now = "replacing the group early: " + ", ".join(ended)
+
+    def _cancel(self, start: _BackgroundStart, why: str) -> None:
+        """Cancel a job the slot is done with, in the background (a cancel is an API call)."""
+        job_ids = _ids(start)
+
+        def cancel() -> None:
+            start.stop()
+            logger.info("slot %s: job %s cancelled (%s)", self.name, job_ids, why)
+        _start_thread(threading.Thread(target=cancel, name="hf-sandbox-slot-cancel", daemon=True))
+
+
+def _keep_slots() -> None:
+    """The keeper thread: tends every live slot at its due time (or when woken); ends with the last."""
+    while True:
+        due = _tend_slots()
+        if due is None:
+            return
+        _keeper_wake.wait(max(0.0, due - time.monotonic()))
+
+
+def _tend_slots() -> Optional[float]:
+    """One turn of the keeper over every live slot: when the next is due, or None (and the keeper
+    ends) when none is left. The slots are referenced only during the turn, so a dropped one goes."""
+    with _slots_lock:
+        slots = list(_live_slots)
+        if not slots:
+            _keeper.clear()
+            return None
+    _keeper_wake.clear()
+    now = time.monotonic()
+    due = now + KEEPER_MAX_SLEEP_S
+    for slot in slots:
+        try:
+            due = min(due, slot.tend(now))
+        except Exception:  # one slot's trouble must not stop the others' renewals
+            logger.exception("slot %s: unexpected error while tending it", slot.name)
+    return due
+
+
+def _watch(start: _BackgroundStart) -> None:
+    """Register `start`'s job(s) with the core's job watcher (a pooled sandbox: its host job); the
+    watcher wakes the keeper when one changes stage."""
+    provider = start.provider
+    pooled = getattr(provider, "_pooled", None)
+    job_ids = provider.job_ids if pooled is None else [pooled.host_id] if pooled.host_id else []
+    token, namespace = provider._resolve_token(), provider._job_namespace or ""
+    start.watches = [_core._watcher.register(provider.endpoint, token, provider._new_session,
+                                             namespace, job_id, SLOT_WATCH_INTERVAL_S, _keeper_wake,
+                                             since=start.began) for job_id in job_ids]
+    weakref.finalize(start, _unregister, list(start.watches))  # a start collected unstopped too
+    if start._stopped:  # stopped meanwhile: its stop may have unwatched before these were recorded
+        _unwatch(start)
+
+
+def _unwatch(start: _BackgroundStart) -> None:
+    watches, start.watches = start.watches, []
+    _unregister(watches)
+
+
+def _unregister(watches: List[Any]) -> None:
+    for watch in watches:
+        _core._watcher.unregister(watch)
+
+
+def _answers_health(base_url: str) -> bool:
+    """Whether the job behind `base_url` still answers /health with 200 (through the local proxy)."""
+    try:
+        with requests.Session() as session:
+            session.trust_env = False  # loopback proxy: never through HTTP(S)_PROXY
+            return session.get(base_url.rstrip("/") + "/health", timeout=_core.HEALTH_PROBE_TIMEOUT_S
+                               ).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def _host_deadline(job: Mapping[str, Any], now: float) -> float:
+    """When a pooled sandbox's host job ends at the latest (its creation plus its timeout), on the
+    monotonic clock; infinity when its answer has no creation time."""
+    created = str(job.get("createdAt") or "")
+    try:
+        began = datetime.datetime.fromisoformat(created.replace("Z", "+00:00"))
+    except ValueError:
+        return float("inf")
+    lifetime = float(job.get("timeoutSeconds") or POOL_HOST_LIFETIME_S)
+    if began.tzinfo is None:
+        began = began.replace(tzinfo=datetime.timezone.utc)
+    left = (began - datetime.datetime.now(datetime.timezone.utc)).total_seconds() + lifetime
+    return now + left
+
+
+class _SlotSession(EnvSession):
+    """The `EnvSession` of `Sandbox.session()`: it follows its slot's jobs. Each `reset()` begins
+    the episode on the slot's current job (reconnecting when the slot moved on, waiting only when no
+    job is ready); a job lost mid-episode raises `EpisodeLost` and the next `reset()` works again."""
+
+    def __init__(self, sandbox: "Sandbox", timeout_s: float,
+                 wait_timeout_s: Optional[float]) -> None:
+        # No connection yet: one is opened per job, at the first message on it.
+        _raise_if_rejected(_positive_number_rejection("timeout_s", timeout_s))
+        self._sandbox = sandbox
+        self.timeout_s = float(timeout_s)
+        self._wait_timeout_s = wait_timeout_s
+        self._lock = threading.Lock()
+        self._closed = False
+        self._conn: Optional[EnvSession] = None
+        self._job: Optional[_BackgroundStart] = None  # the job `_conn` runs on
+        self._held = False  # an episode runs on `_job` (counted in its users)
+        self._lost: Optional[str] = None  # why the episode was lost, until the next reset
+
+    @property
+    def where(self) -> str:  # type: ignore[override]  # the job under it changes
+        conn = self._conn
+        return conn.where if conn is not None else "a sandbox slot"
+
+    def exchange(self, message: Mapping[str, Any]) -> Dict[str, Any]:
+        with self._lock:
+            if self._closed:
+                raise SessionError("this EnvSession is closed (close() ran); open a new one with "
+                                   "Sandbox.session()")
+            if message.get("type") == "reset" or (self._conn is None and self._lost is None):
+                return self._begin_episode(message)
+            if self._lost is not None:
+                raise EpisodeLost("the episode was lost (%s); call reset() to begin the next one"
+                                  % self._lost)
+            return self._continue_episode(message)
+
+    def close(self) -> None:
+        """End the episode and close the connection; idempotent, never raises. While another thread
+        waits for a reply it shuts the connection down, so that thread gets `EpisodeLost` at once."""
+        if not self._lock.acquire(blocking=False):
+            self._closed = True
+            conn = self._conn
+            if conn is not None:
+                conn._break()
+            return
+        try:
+            self._closed = True
+            self._drop_connection(polite=True)
+        finally:
+            self._lock.release()
+
+    def __repr__(self) -> str:
+        job = self._job
+        return "<EnvSession of a Sandbox slot on job %s%s>" % (
+            job.provider.job_id if job is not None else None, " closed" if self._closed else "")
+
+    def _begin_episode(self, message: Mapping[str, Any]) -> Dict[str, Any]:
+        slot = self._sandbox._slot_for_sessions()
+        if self._job is not None and self._job is not slot.current:
+            self._drop_connection()  # the slot moved on: off the old job before it may be cancelled
+        self._end_episode()
+        self._lost = None
+        error: Optional[BaseException] = None
+        for _ in range(SLOT_RESET_ATTEMPTS):
+            job = slot.serving(self._wait_timeout_s, hold=True)
+            if job is not self._job or self._conn is None or self._conn.closed:
+                self._drop_connection()  # holds nothing here: ended above or in the last pass
+                self._job = job
+            self._held = True
+            if self._conn is None:
+                try:
+                    self._conn = EnvSession(job.base_url or "", timeout_s=self.timeout_s)
+                except SessionRefusedError as exc:
+                    self._end_episode()
+                    if exc.proxy_error:
+                        slot.report_dead(job, "the proxy refused a session: %s" % exc.proxy_error)
+                    elif exc.status_code >= 500 and not _answers_health(job.base_url or ""):
+                        # e.g. a pooled sandbox whose server died: its host answers for it
+                        slot.report_dead(job, "the upgrade got HTTP %d and /health no 200"
+                                         % exc.status_code)
+                    else:  # the environment itself refused
+                        raise
+                    error = exc
+                    continue
+                except BaseException:
+                    self._end_episode()
+                    raise
+                job.sessions.add(self)
+            try:
+                return self._conn.exchange(message)
+            except SessionTimeout:
+                self._end_episode()
+                raise
+            except SessionError as exc:  # a kept connection closed since (job or proxy): reconnect
+                self._drop_connection()
+                error = exc
+        assert error is not None
+        raise error
+
+    def _continue_episode(self, message: Mapping[str, Any]) -> Dict[str, Any]:
+        assert self._conn is not None
+        job = self._job
+        try:
+            reply = self._conn.exchange(message)
+        except SessionError as exc:
+            self._lost = (job.dead if job is not None else None) or str(exc)
+            self._drop_connection()
+            raise EpisodeLost("the episode on job %s was lost: %s; call reset() to begin the next "
+                              "one" % (_ids(job) if job is not None else "?", self._lost)) from exc
+        data = reply.get("data")
+        if message.get("type") == "step" and isinstance(data, dict) and data.get("done"):
+            self._end_episode()  # the job may go now; the connection stays for the next reset
+        return reply
+
+    def _end_episode(self) -> None:
+        job, held, self._held = self._job, self._held, False
+        if held and job is not None and job.slot is not None:
+            job.slot.release(job)
+
+    def _drop_connection(self, polite: bool = False) -> None:
+        """End the episode and let go of the connection, closing it before the job is released (which
+        may cancel it): with OpenEnv's close handshake when the user closes the session, else at once
+        (a reset moving to another job must not wait on the old one's answer)."""
+        conn = self._conn
+        if conn is not None:
+            if not polite:
+                conn._break()
+            conn.close()
+        self._end_episode()
+        self._conn = self._job = None
+
+    def _job_died(self, job: _BackgroundStart) -> None:
+        """From the slot (another thread): `job` is gone; a step on it fails at once, not later."""
+        conn = self._conn
+        if self._job is job and conn is not None:
+            conn._break()
 
 
 # -- Sandbox: what an environment object holds --------------------------------------------------------
 
 _shared_lock = threading.Lock()
-# name -> (settings the group was made with, its current start); one group of replicas=K jobs per name.
-_shared_groups: Dict[str, Tuple[Tuple[Any, ...], _BackgroundStart]] = {}
+# name -> (settings the group was made with, its slot); one group of replicas=K jobs per name.
+_shared_slots: Dict[str, Tuple[Tuple[Any, ...], _Slot]] = {}
 # Every provider a Sandbox started in this process (for stop_sandboxes()).
 _sandbox_providers: "weakref.WeakSet[HFSandboxProvider]" = weakref.WeakSet()
 
 
 class Sandbox:
-    """An environment's remote sandbox: begun in the background when built, waited for only when used.
+    """An environment's remote sandbox (a rollout slot): begun in the background when built, waited
+    for only when used, renewed before its job's lifetime ends and replaced when its job dies.
 
-    `Sandbox(image, **provider_kwargs)` starts its job in a background thread; `session()` waits for THAT
-    job and opens an `EnvSession`. `shared="name"`: every Sandbox of the process with that name uses one
-    provider (`replicas=K` jobs); `stop_sandboxes()` cancels it. See docs/training.md.
+    `Sandbox(image, **provider_kwargs)` starts its job in a background thread; `session()` gives an
+    `EnvSession` that follows the slot's jobs (each reset on the current one; `EpisodeLost` when a
+    job dies mid-episode). `shared="name"`: every Sandbox of the process with that name uses one
+    slot (`replicas=K` jobs). `renew=False`: no successor before the lifetime ends, no replacement
+    until a reset needs one. `stop_sandboxes()` cancels them all. See docs/training.md.
     """
 
-    def __init__(self, image: Optional[str] = None, *, shared: Optional[str] = None, begin: bool = True,
+    def __init__(self, image: Optional[str] = None, *, shared: Optional[str] = None,
+                 begin: bool = True, renew: bool = True, renew_before_s: Optional[float] = None,
                  **provider_kwargs: Any) -> None:
         if shared is not None and (not isinstance(shared, str) or not shared):
             raise SandboxConfigError("shared=%r must be a non-empty name (environments with the same name "
                                      "share one group of jobs)" % (shared,))
+        if not isinstance(renew, bool):
+            raise SandboxConfigError("renew=%r must be True (renew jobs before their lifetime ends, "
+                                     "replace dead ones at once) or False" % (renew,))
+        if renew_before_s is not None:
+            _raise_if_rejected(_positive_number_rejection("renew_before_s", renew_before_s))
         if "proxy" in provider_kwargs and not isinstance(provider_kwargs["proxy"], str):  # "process" travels
             raise SandboxConfigError("Sandbox uses the process-wide proxy (a proxy object cannot travel with a "
                                      "pickled environment); leave out proxy=, or pass proxy=\"process\"")
@@ -440,65 +1017,74 @@ class Sandbox:
         HFSandboxProvider(image, **provider_kwargs)._resolve_token()
         self.image = image
         self.shared = shared
+        self.renew = renew
+        self.renew_before_s = renew_before_s
         self._provider_kwargs = dict(provider_kwargs)
-        self._start: Optional[_BackgroundStart] = None
+        self._slot: Optional[_Slot] = None
         if begin:
             self.begin()
 
     def begin(self) -> "Sandbox":
         """Begin the start in the background. A no-op once begun (a failed start keeps raising its error
         until `restart()`); a stopped sandbox starts a new job."""
-        if self._start is not None:
+        if self._slot is not None and not self._slot.stopped:
             return self
         if self.shared is not None:
-            self._start = _shared_start(self.shared, self._settings_key(), self._new_provider, replace=None)
+            self._slot = _shared_slot(self.shared, self._settings_key(), self._new_slot)
         else:
-            self._start = _BackgroundStart(self._new_provider())
+            self._slot = self._new_slot()
+        self._slot.begin()
         return self
 
     def wait(self, timeout_s: Optional[float] = None) -> str:
-        """Begin if needed and block until the job answers /health; returns its base URL or raises what the
-        start raised. `timeout_s` bounds this wait only (`JobStartTimeout`; the start goes on)."""
+        """Begin if needed and block until the slot's current job answers /health; returns its base
+        URL or raises what the start raised. `timeout_s` bounds this wait only (`JobStartTimeout`;
+        the start goes on)."""
         self.begin()
-        assert self._start is not None
-        return self._start.wait(timeout_s)
+        assert self._slot is not None
+        return self._slot.serving(timeout_s, hold=False).base_url or ""
 
     def session(self, *, timeout_s: float = SESSION_TIMEOUT_S, wait_timeout_s: Optional[float] = None) -> EnvSession:
-        """`wait()`, then open a new `EnvSession` on the sandbox (one per rollout slot)."""
-        return EnvSession(self.wait(wait_timeout_s), timeout_s=timeout_s)
+        """`wait()`, then an `EnvSession` that follows this slot's jobs (one per rollout slot): each
+        `reset()` runs on the current job; a job that dies mid-episode raises `EpisodeLost`."""
+        self.wait(wait_timeout_s)
+        return _SlotSession(self, timeout_s, wait_timeout_s)
 
     def restart(self) -> "Sandbox":
-        """Replace a lost job. A shared group is replaced once none of its jobs serves, however many of its
-        environments ask (the others adopt the new one)."""
-        if self.shared is not None:
-            if not _group_serves(self._start):
-                self._start = _shared_start(self.shared, self._settings_key(), self._new_provider,
-                                            replace=self._start)
+        """Replace a lost job now. A shared group is replaced once none of its jobs serves, however
+        many of its environments ask (the others adopt the new one)."""
+        if self.shared is not None and self._slot is not None and not self._slot.stopped:
+            self._slot.replace_if_lost()
         else:
             self.stop()
             self.begin()
         return self
 
     def stop(self) -> None:
-        """Cancel this sandbox's own job (mid-start too) and wait until it is released; a shared sandbox
-        lets go of its group, which runs on for the others. Idempotent; never raises."""
-        start, self._start = self._start, None
-        if start is not None and self.shared is None:
-            start.stop()
+        """Cancel this sandbox's own jobs (mid-start, successors and replacements too) and wait until
+        they are released; a shared sandbox lets go of its group, which runs on for the others.
+        Idempotent; never raises."""
+        slot, self._slot = self._slot, None
+        if slot is not None and self.shared is None:
+            slot.stop()
 
     @property
     def provider(self) -> Optional[HFSandboxProvider]:
-        """The provider behind this sandbox (None before it begins)."""
-        return self._start.provider if self._start is not None else None
+        """The provider of the slot's current job (None before it begins)."""
+        slot = self._slot
+        current = slot.current if slot is not None else None
+        return current.provider if current is not None else None
 
     @property
     def ready(self) -> bool:
-        """True when the job answered /health and this sandbox can open sessions at once."""
-        return self._start is not None and self._start.done and self._start.error is None
+        """True when the slot's current job answered /health: episodes can begin on it at once."""
+        slot = self._slot
+        return slot is not None and slot.current is not None and slot.current.serving
 
     @property
     def job_ids(self) -> List[str]:
-        """The job(s) serving this sandbox (K for a shared group with replicas=K; empty before a start)."""
+        """The job(s) serving this sandbox now (K for a shared group with replicas=K; empty before
+        a start)."""
         provider = self.provider
         return provider.job_ids if provider is not None else []
 
@@ -509,25 +1095,38 @@ class Sandbox:
         self.stop()
 
     def __repr__(self) -> str:
-        state = "not begun" if self._start is None else ("ready" if self.ready else (
-            "failed" if self._start.done else "starting"))
+        slot = self._slot
+        current = slot.current if slot is not None else None
+        state = "not begun" if current is None else ("ready" if current.serving else (
+            "failed" if current.done else "starting"))
         return "<Sandbox image=%r%s %s jobs=%r>" % (self.image, " shared=%r" % self.shared if self.shared else "",
                                                     state, self.job_ids)
 
     def __getstate__(self) -> Dict[str, Any]:
-        if self.shared is None and self._start is not None:
+        if self.shared is None and self._slot is not None and not self._slot.stopped:
             raise TypeError("cannot pickle a Sandbox that has begun its job (%s): build it with begin=False, or "
                             "pickle the environment factory instead (each process then starts its own)"
-                            % (self.provider.job_id if self.provider else "being created"))
-        return dict(self.__dict__, _start=None)
+                            % (_ids(self._slot.current) if self._slot.current else "being created"))
+        return dict(self.__dict__, _slot=None)
 
     def _settings_key(self) -> Tuple[Any, ...]:
-        return (self.image, sorted((k, repr(v)) for k, v in self._provider_kwargs.items()))
+        return (self.image, self.renew, self.renew_before_s,
+                sorted((k, repr(v)) for k, v in self._provider_kwargs.items()))
+
+    def _new_slot(self) -> _Slot:
+        name = "shared %r" % self.shared if self.shared is not None else str(next(_slot_numbers))
+        return _Slot(name, self._new_provider, self.renew, self.renew_before_s)
 
     def _new_provider(self) -> HFSandboxProvider:
         provider = HFSandboxProvider(self.image, **self._provider_kwargs)
         _sandbox_providers.add(provider)
         return provider
+
+    def _slot_for_sessions(self) -> _Slot:
+        slot = self._slot
+        if slot is None or slot.stopped:
+            raise SessionError(_STOPPED)
+        return slot
 
 
 def _group_serves(start: Optional[_BackgroundStart]) -> bool:
@@ -541,76 +1140,84 @@ def _group_serves(start: Optional[_BackgroundStart]) -> bool:
     return any(entry["healthy"] and entry["stage"] == "RUNNING" for entry in status)
 
 
-def _shared_start(name: str, key: Tuple[Any, ...], new_provider: Callable[[], HFSandboxProvider],
-                  replace: Optional[_BackgroundStart]) -> _BackgroundStart:
-    """The running (or starting) group called `name`, begun on first use. A failed group, or the one
-    `replace` names (a caller saw it lost), is stopped and replaced; other callers adopt the new one."""
+def _shared_slot(name: str, key: Tuple[Any, ...], new_slot: Callable[[], _Slot]) -> _Slot:
+    """The slot of the shared group called `name`, made on first use (again once stopped)."""
     with _shared_lock:
-        entry = _shared_groups.get(name)
-        if entry is not None and entry[0] != key:
+        entry = _shared_slots.get(name)
+        if entry is not None and entry[0] != key and not entry[1].stopped:
             raise SandboxConfigError("shared sandbox %r already runs with other settings; give environments with "
                                      "different images or settings different shared= names" % name)
-        old = entry[1] if entry is not None else None
-        if old is not None and old is not replace and old.error is None:
-            return old
-        start = _BackgroundStart(new_provider())
-        _shared_groups[name] = (key, start)
-    if old is not None:
-        old.stop()
-    return start
+        if entry is None or entry[1].stopped:
+            entry = _shared_slots[name] = (key, new_slot())
+        return entry[1]
 
 
 def stop_sandboxes() -> None:
-    """Cancel the job of every Sandbox of this process (own, shared, starting) in parallel and wait until
-    each is released, then close the named pools of pooled ones (their host jobs this process booted).
-    Never raises. The explicit teardown for trainers that never close environments (TRL)."""
-    _in_parallel([s.stop for s in _take_starts()] + [p.stop_container for p in list(_sandbox_providers)])
+    """Cancel the jobs of every Sandbox of this process (own, shared, starting, successors and
+    replacements) in parallel and wait until each is released, then close the named pools of pooled
+    ones (their host jobs this process booted). Never raises. The explicit teardown for trainers that
+    never close environments (TRL)."""
+    _in_parallel([s.stop for s in _take_slots()] + [s.stop for s in _starts_in_flight()]
+                 + [p.stop_container for p in list(_sandbox_providers)])
     pools = sys.modules.get(__name__.rpartition(".")[0] + ".hf_sandbox_pool" if __package__ else "hf_sandbox_pool")
     if pools is not None:  # loaded only once something used pool=
         pools.close_pools()
 
 
-def _take_starts() -> List[_BackgroundStart]:
-    """Every shared group (forgotten: the next use starts a new one) and every start still in flight."""
+def _take_slots() -> List[_Slot]:
+    """Every live slot (shared groups forgotten: the next use starts a new one)."""
     with _shared_lock:
-        groups = [start for _, start in _shared_groups.values()]
-        _shared_groups.clear()
+        _shared_slots.clear()
+    with _slots_lock:
+        slots = list(_live_slots)
+    return slots
+
+
+def _starts_in_flight() -> List[_BackgroundStart]:
     with _background_lock:
-        in_flight = list(_background_starts)
-    return list({id(s): s for s in groups + in_flight}.values())
+        return list(_background_starts)
 
 
 def _teardown_process(budget_s: float) -> None:
-    """Cancel every job this process runs or is starting, in parallel, within `budget_s`: background
-    starts (waiting for creates in flight), every Sandbox, then every provider's safety net."""
+    """Cancel every job this process runs or is starting, in parallel, within `budget_s`: every
+    slot, background starts (waiting for creates in flight), then every provider's safety net."""
     deadline = time.monotonic() + budget_s
-    stop_starts = [lambda start=start: start.stop(budget_s) for start in _take_starts()]
+    stops = _stops(budget_s)
     safety_nets = list(_live_finalizers)  # each cancels one running job at most once, provider or not
-    _in_parallel(stop_starts + safety_nets, budget_s)
+    _in_parallel(stops + safety_nets, budget_s)
     _in_parallel(list(_live_finalizers), max(0.0, deadline - time.monotonic()))  # jobs recorded meanwhile
 
 
 def _stop_background_starts_at_exit() -> None:
-    """At exit, before the provider's own exit hook (atexit runs in reverse order): end the background
-    starts in flight, whose daemon threads would otherwise die with a create unanswered."""
-    with _background_lock:
-        in_flight = list(_background_starts)
-    if in_flight:
-        _in_parallel([lambda start=start: start.stop(EXIT_TEARDOWN_BUDGET_S) for start in in_flight],
-                     EXIT_TEARDOWN_BUDGET_S)
+    """At exit, before the provider's own exit hook (atexit runs in reverse order): stop the slots
+    (no renewal may begin now) and end the background starts in flight, whose daemon threads would
+    otherwise die with a create unanswered."""
+    stops = _stops(EXIT_TEARDOWN_BUDGET_S)
+    if stops:
+        _in_parallel(stops, EXIT_TEARDOWN_BUDGET_S)
 
 
 atexit.register(_stop_background_starts_at_exit)
 
 
+def _stops(wait_s: float) -> List[Callable[[], None]]:
+    """Stopping every slot and every start in flight, each waiting up to `wait_s`."""
+    stoppable: List[Any] = _take_slots() + _starts_in_flight()
+    return [lambda s=s: s.stop(wait_s) for s in stoppable]
+
+
 def _reset_sandboxes_after_fork() -> None:
-    """A forked child has none of the parent's start threads, and the parent's shared groups live on
-    the parent's proxy: the child starts its own."""
-    global _background_lock, _shared_lock, _background_slots
+    """A forked child has none of the parent's threads, and the parent's slots live on the parent's
+    proxy: the child starts its own."""
+    global _background_lock, _shared_lock, _background_slots, _slots_lock, _keeper_wake
     _background_lock, _shared_lock = threading.Lock(), threading.Lock()
+    _slots_lock = threading.Lock()
     _background_slots = threading.BoundedSemaphore(BACKGROUND_MAX_PARALLEL)
+    _keeper_wake = threading.Event()
     _background_starts.clear()
-    _shared_groups.clear()
+    _shared_slots.clear()
+    _live_slots.clear()
+    _keeper.clear()
 
 
 if hasattr(os, "register_at_fork"):

@@ -7,6 +7,9 @@ trainer init, the others when the first batch needs them, all before the first `
 properties are not offered), and scores each rollout with `get_reward()`. So `EchoSandboxEnv`:
 - begins its sandbox's start when it is built (`hf_sandbox_provider.Sandbox`), in the background, and
   its first `reset()` waits for that job only: N slots wait about one cold start, not N;
+- outlives its jobs: the slot starts a successor before a job's `job_timeout` ends and moves to it
+  between episodes, and replaces a job that dies; a job lost mid-episode fails that rollout's tool
+  call (`EpisodeLost`, which TRL records as a failed call) and the next `reset()` works;
 - with `shared="name"` (and `replicas=K`) all slots of the process open their own WebSocket session
   on one group of K jobs instead of one job each (the server must host several sessions);
 - talks over `hf_sandbox_provider.EnvSession`: one blocking socket, no event loop;
@@ -33,7 +36,7 @@ import weakref
 from typing import Any, List, Optional, Sequence
 
 import _common
-from hf_sandbox_provider import EnvSession, Sandbox, SessionError, install_signal_teardown, stop_sandboxes
+from hf_sandbox_provider import EnvSession, Sandbox, install_signal_teardown, stop_sandboxes
 
 # A spawned worker imports this module and starts its own sandbox before answering.
 WORKER_TIMEOUT_S = 600.0
@@ -61,23 +64,12 @@ class EchoSandboxEnv:
         EchoSandboxEnv._instances.add(self)
 
     def reset(self, **kwargs: Any) -> None:
-        """Start a new episode; the first call waits for this slot's sandbox (started when it was built).
-
-        A sandbox lost since the last episode (its job died, the connection broke) is replaced, with a
-        line on stderr; a replacement that cannot start raises.
-        """
-        if self._session is not None:
-            try:
-                self._session.reset()
-            except SessionError as exc:
-                print("sandbox job %s lost (%s); starting a new one" % (self.job_id, exc), file=sys.stderr)
-                self._session.close()
-                self._session = None
-                self._sandbox.restart()
+        """Start a new episode on the slot's current job; the first call waits for this slot's sandbox
+        (started when it was built). Renewals and replacements happen in the slot, not here."""
         if self._session is None:
-            self._session = self._sandbox.session()
-            self.job_id = self._sandbox.job_ids[0]
-            self._session.reset()
+            self._session = self._sandbox.session()  # follows the slot's jobs from episode to episode
+        self._session.reset()
+        self.job_id = (self._sandbox.job_ids or [None])[0]
         self.reward = 0.0
 
     def echo(self, message: str) -> str:
@@ -88,6 +80,8 @@ class EchoSandboxEnv:
 
         Returns:
             The environment's echo of the message.
+
+        A job lost mid-episode raises `EpisodeLost` here: TRL records a failed tool call for this rollout.
         """
         if self._session is None:
             raise RuntimeError("call reset() before using the environment's tools")

@@ -124,8 +124,11 @@ def test_many_environments_share_a_few_jobs_each_with_its_own_session(slow_emu) 
 
 @pytest.mark.slow  # jobs wait SCHEDULING_DELAY_S before running
 def test_a_lost_shared_group_is_replaced_once_however_many_environments_ask(slow_emu) -> None:
-    boxes = [Sandbox("img:tag", shared="lost", replicas=2, **slow_emu.settings) for _ in range(4)]
+    # renew=False: restart() by hand, as before slots renewed and replaced their jobs (tests/test_slots.py)
+    boxes = [Sandbox("img:tag", shared="lost", replicas=2, renew=False, **slow_emu.settings) for _ in range(4)]
     sessions = [box.session() for box in boxes]
+    for session in sessions:
+        session.reset()
     old_jobs = list(boxes[0].job_ids)
     for job_id in old_jobs:
         slow_emu.kill_job(job_id)
@@ -158,7 +161,8 @@ def test_a_lost_shared_group_is_replaced_once_however_many_environments_ask(slow
 
 @pytest.mark.slow  # jobs wait SCHEDULING_DELAY_S before running
 def test_a_shared_group_with_one_live_job_is_kept_and_new_sessions_go_to_that_job(slow_emu) -> None:
-    boxes = [Sandbox("img:tag", shared="half", replicas=2, **slow_emu.settings) for _ in range(2)]
+    # renew=False: with it, a group that lost a job is renewed as a whole (tests/test_slots.py)
+    boxes = [Sandbox("img:tag", shared="half", replicas=2, renew=False, **slow_emu.settings) for _ in range(2)]
     sessions = [box.session() for box in boxes]
     for session in sessions:
         session.reset()

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import sys
 import threading
+import time
 
 import pytest
 
@@ -55,8 +57,9 @@ def cold_emu(make_emu):
     return make_emu(scheduling_delay_s=SCHEDULING_DELAY_S)
 
 
-def train(trl_example, emu: JobsEmulator, tmp_path, **env_kwargs) -> list:
-    """GRPO for STEPS steps with SLOTS environments; returns the trainer's per-step logs."""
+def train(trl_example, emu: JobsEmulator, tmp_path, env_class=None, steps: int = STEPS, callbacks=(),
+          **env_kwargs) -> list:
+    """GRPO for `steps` steps with SLOTS environments; returns the trainer's per-step logs."""
     import functools
 
     from datasets import Dataset
@@ -64,15 +67,15 @@ def train(trl_example, emu: JobsEmulator, tmp_path, **env_kwargs) -> list:
 
     tokenizer = tiny_trl.build_tokenizer()
     settings = dict(endpoint=emu.endpoint, token=emu.token, command=echo_server_command(), poll_interval_s=0.1)
-    factory = functools.partial(trl_example.EchoSandboxEnv, "img:tag", **settings, **env_kwargs)
-    prompts = [[{"role": "user", "content": "Echo '%s'." % tiny_trl.TOOL_MESSAGE}]] * (SLOTS * STEPS)
-    config = GRPOConfig(output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=SLOTS,
+    factory = functools.partial(env_class or trl_example.EchoSandboxEnv, "img:tag", **settings, **env_kwargs)
+    prompts = [[{"role": "user", "content": "Echo '%s'." % tiny_trl.TOOL_MESSAGE}]] * (SLOTS * steps)
+    config = GRPOConfig(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=SLOTS,
                         num_generations=SLOTS, max_completion_length=64, max_tool_calling_iterations=1,
                         learning_rate=1e-6, logging_steps=1, use_cpu=True, bf16=False, report_to="none",
                         save_strategy="no", seed=0)
     trainer = GRPOTrainer(model=tiny_trl.build_model(tokenizer), processing_class=tokenizer, reward_funcs=[],
                           args=config, train_dataset=Dataset.from_dict({"prompt": prompts}),
-                          environment_factory=factory)
+                          environment_factory=factory, callbacks=list(callbacks))
     try:
         trainer.train()
     finally:
@@ -112,3 +115,50 @@ def test_grpo_slots_share_two_jobs_each_with_its_own_session(trl_example, cold_e
     assert_rewards_reached_the_trainer(steps)
     assert len(cold_emu.jobs) == 2  # SLOTS environments, 2 jobs
     assert_nothing_left(cold_emu)
+
+
+# Lifetimes: each job lives LIFETIME_S; training runs until LIFETIMES of them have passed.
+LIFETIME_S = 16
+LIFETIMES = 2.5
+KILL_AFTER_S = 20.0  # one job is killed under a rollout this long into training
+
+
+def test_grpo_environments_outlive_their_jobs_and_only_the_rollout_under_a_killed_job_fails(
+        trl_example, make_emu, tmp_path) -> None:
+    from transformers import TrainerCallback
+
+    emu = make_emu(scheduling_delay_s=0.5)
+    began = time.monotonic()
+    killed: list = []
+
+    class KilledOnceEnv(trl_example.EchoSandboxEnv):
+        """The example's environment; once, KILL_AFTER_S into training, its job's process is SIGKILLed
+        right after a reset, so this rollout's tool call runs on a dead job."""
+
+        def reset(self, **kwargs):
+            super().reset(**kwargs)
+            if not killed and time.monotonic() - began > KILL_AFTER_S:
+                killed.append(self.job_id)
+                os.kill(emu.job(self.job_id).pid, signal.SIGKILL)
+                emu.wait_for_stage(self.job_id, ["ERROR"])
+
+    class StopAfterLifetimes(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = time.monotonic() - began > LIFETIMES * LIFETIME_S
+
+    steps = train(trl_example, emu, tmp_path, env_class=KilledOnceEnv, steps=500, callbacks=[StopAfterLifetimes()],
+                  job_timeout=LIFETIME_S, renew_before_s=LIFETIME_S / 2)
+    assert killed and len(steps) >= 3
+    failures = [entry["tools/failure_frequency"] for entry in steps]
+    assert sorted(failures)[-1] == pytest.approx(1 / SLOTS) and sorted(failures)[:-1] == [0.0] * (len(steps) - 1), \
+        failures  # one failed rollout: the one under the killed job
+    assert all(entry["tools/call_frequency"] == 1.0 for entry in steps)
+    assert len(emu.jobs) >= 3 * SLOTS  # each slot crossed two lifetimes at least
+    assert_nothing_left_but(emu, killed)
+
+
+def assert_nothing_left_but(emu: JobsEmulator, killed: list) -> None:
+    for job in emu.jobs:
+        stage = emu.wait_for_stage(job.id, ["CANCELED", "ERROR"]).stage
+        assert stage == ("ERROR" if job.id in killed else "CANCELED"), job
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("hf-sandbox-background")]

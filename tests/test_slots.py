@@ -1,0 +1,307 @@
+"""Rollout slots that outlive their jobs (`Sandbox` with `renew=True`, the default), against the emulator
+with real job processes: a slot renews its job before `job_timeout` ends and moves to the successor
+between episodes; a job killed from outside costs the episode in flight (`EpisodeLost`) and nothing
+more; a slot never holds more than two live jobs; `stop_sandboxes()` cancels successors too. Shared
+(`replicas=`) and pooled (`pool=`) slots follow the same rules."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, Dict, Iterator, List
+
+import pytest
+
+from hf_jobs_emulator import JobsEmulator, echo_server_command
+from hf_sandbox_provider import EpisodeLost, Sandbox, SandboxConfigError, SessionError, stop_sandboxes
+from support import wait_until
+
+pytestmark = pytest.mark.slow  # jobs live seconds each, and the tests cross several of their lifetimes
+
+COLD_START_S = 0.5
+# A lifetime short enough to cross a few of them, with room for a start and its readiness check.
+JOB_TIMEOUT_S = 10
+RENEW_BEFORE_S = 5.0
+# Episodes run for this many lifetimes.
+LIFETIMES = 2.5
+STEPS = 5
+LIVE = ("SCHEDULING", "RUNNING")
+
+
+@pytest.fixture
+def emu(make_emu) -> Iterator[JobsEmulator]:
+    emulator = make_emu(scheduling_delay_s=COLD_START_S)
+    emulator.settings = dict(endpoint=emulator.endpoint, token=emulator.token, command=echo_server_command(),
+                             poll_interval_s=0.1, job_timeout=JOB_TIMEOUT_S)
+    yield emulator
+    stop_sandboxes()
+
+
+@pytest.fixture
+def slot_log(caplog) -> Any:
+    caplog.set_level(logging.INFO, logger="hf_sandbox_provider")
+    return caplog
+
+
+class LiveJobs:
+    """Samples the emulator's job list in a thread: the most live jobs seen per `slot` label and in all."""
+
+    def __init__(self, emu: JobsEmulator) -> None:
+        self.emu = emu
+        self.per_label: Dict[str, int] = {}
+        self.total = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            live = [job for job in self.emu.jobs if job.stage in LIVE]
+            self.total = max(self.total, len(live))
+            for job in live:
+                label = (job.spec.get("labels") or {}).get("slot", "?")
+                count = sum(1 for j in live if (j.spec.get("labels") or {}).get("slot", "?") == label)
+                self.per_label[label] = max(self.per_label.get(label, 0), count)
+
+    def stop(self) -> "LiveJobs":
+        self._stop.set()
+        self._thread.join(5)
+        return self
+
+
+def episodes(session: Any, box: Sandbox, seconds: float, ready_before_reset: List[bool]) -> int:
+    """Episodes of STEPS steps for `seconds`; records, before each reset, whether a job was ready."""
+    done = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        ready_before_reset.append(box.ready)
+        session.reset()
+        for step in range(STEPS):
+            reply = session.step({"message": "s%d" % step})
+            assert reply["observation"]["echoed_message"] == "s%d" % step
+            time.sleep(0.05)
+        done += 1
+    return done
+
+
+def timed_out(emu: JobsEmulator) -> List[str]:
+    """Jobs the emulator ended at their lifetime (a renewal should have cancelled them first)."""
+    return [job.id for job in emu.jobs if "timed out" in (job.message or "")]
+
+
+def all_ended(emu: JobsEmulator) -> None:
+    for job in emu.jobs:
+        assert emu.wait_for_stage(job.id, ["CANCELED", "ERROR", "COMPLETED"]).terminal, job
+
+
+def test_a_slot_crosses_several_lifetimes_and_no_reset_finds_its_job_not_ready(emu, slot_log) -> None:
+    live = LiveJobs(emu)
+    box = Sandbox("img:tag", renew_before_s=RENEW_BEFORE_S, labels={"slot": "0"}, **emu.settings)
+    ready: List[bool] = []
+    with box.session() as session:
+        count = episodes(session, box, LIFETIMES * JOB_TIMEOUT_S, ready)
+    assert count >= 10 and all(ready), ready  # every reset found a ready job: none waited on a start
+    assert len(emu.jobs) >= 3  # two renewals at least
+    assert timed_out(emu) == []  # each old job was cancelled before its lifetime ended
+    renewals = [r.getMessage() for r in slot_log.records if "renewal" in r.getMessage() and " -> job " in r.getMessage()]
+    assert len(renewals) >= 2 and all(box_line.startswith("slot ") for box_line in renewals)
+    stop_sandboxes()
+    assert live.stop().per_label["0"] <= 2, live.per_label
+    all_ended(emu)
+
+
+def test_a_job_killed_mid_episode_costs_that_episode_only_and_the_next_reset_runs_on_a_replacement(
+        emu, slot_log) -> None:
+    box = Sandbox("img:tag", **emu.settings)
+    with box.session() as session:
+        session.reset()
+        session.step({"message": "before"})
+        victim = box.job_ids[0]
+        os.kill(emu.job(victim).pid, signal.SIGKILL)  # from outside: the machine died
+        with pytest.raises(EpisodeLost, match="call reset"):
+            for _ in range(50):  # the proxy closes the session as the process dies
+                session.step({"message": "during"})
+        with pytest.raises(EpisodeLost):  # the episode stays lost until the next reset
+            session.step({"message": "still lost"})
+        session.reset()  # works: on the replacement
+        assert session.step({"message": "after"})["observation"]["echoed_message"] == "after"
+        # ERROR, or CANCELED when the slot's cancel of the dead job reached the emulator before it saw
+        # the process exit
+        assert box.job_ids != [victim] and emu.job(victim).stage in ("ERROR", "CANCELED")
+    assert any("ended" in r.getMessage() and victim in r.getMessage() for r in slot_log.records)
+    stop_sandboxes()
+    all_ended(emu)
+
+
+def test_a_job_that_dies_between_episodes_is_replaced_in_the_background_before_any_reset(emu) -> None:
+    box = Sandbox("img:tag", **emu.settings)
+    box.wait()
+    victim = box.job_ids[0]
+    emu.kill_job(victim)
+    # The job watcher sees it ended and the slot starts its replacement with no session asking.
+    wait_until(lambda: box.ready and box.job_ids != [victim], "a replacement job ready", timeout_s=30)
+    assert emu.job(victim).stage == "ERROR" and len(emu.jobs) == 2
+    stop_sandboxes()
+    all_ended(emu)
+
+
+def test_slots_never_hold_more_than_two_jobs_and_stop_sandboxes_cancels_their_successors(emu, slot_log) -> None:
+    live = LiveJobs(emu)
+    boxes = [Sandbox("img:tag", renew_before_s=RENEW_BEFORE_S, labels={"slot": str(i)}, **emu.settings)
+             for i in range(3)]
+    sessions = [box.session() for box in boxes]
+    errors: List[BaseException] = []
+
+    def work(box: Sandbox, session: Any) -> None:
+        try:
+            episodes(session, box, 1.5 * JOB_TIMEOUT_S, [])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=pair) for pair in zip(boxes, sessions)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert errors == []
+    # Stop while renewals are in flight: begin one more round and stop as soon as one successor starts.
+    wait_until(lambda: any("starting a job (renewal" in r.getMessage() for r in slot_log.records
+                           if r.created > time.time() - 1), "a renewal starting", timeout_s=30)
+    stop_sandboxes()
+    all_ended(emu)
+    assert [job.id for job in emu.jobs if job.stage in LIVE] == []
+    assert max(live.stop().per_label.values()) <= 2 and live.total <= 6, live.per_label
+    with pytest.raises(SessionError, match="stopped"):  # a session of a stopped slot starts nothing
+        sessions[0].reset()
+    for session in sessions:
+        session.close()
+    assert len([job for job in emu.jobs if job.stage in LIVE]) == 0
+
+
+def test_renew_false_keeps_the_old_behaviour_a_reset_after_the_lifetime_waits_for_a_new_job(emu) -> None:
+    box = Sandbox("img:tag", renew=False, **dict(emu.settings, job_timeout=2))
+    with box.session() as session:
+        session.reset()
+        first = box.job_ids[0]
+        emu.wait_for_stage(first, ["CANCELED"], timeout_s=30)  # its lifetime ended: nothing replaced it
+        assert len(emu.jobs) == 1 and timed_out(emu) == [first]
+        session.reset()  # finds the job gone, starts a new one and waits for it
+        assert box.job_ids != [first] and len(emu.jobs) == 2
+    stop_sandboxes()
+    all_ended(emu)
+
+
+def test_a_shared_group_is_renewed_as_one_and_its_sessions_follow_it(emu) -> None:
+    live = LiveJobs(emu)
+    settings = dict(emu.settings, labels={"slot": "g"}, env_vars={"MAX_CONCURRENT_ENVS": "8"})
+    boxes = [Sandbox("img:tag", shared="g", replicas=2, renew_before_s=RENEW_BEFORE_S, **settings) for _ in range(3)]
+    sessions = [box.session() for box in boxes]
+    errors: List[BaseException] = []
+
+    def work(box: Sandbox, session: Any) -> None:
+        try:
+            ready: List[bool] = []
+            episodes(session, box, LIFETIMES * JOB_TIMEOUT_S, ready)
+            assert all(ready)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=pair) for pair in zip(boxes, sessions)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert errors == []
+    assert len(emu.jobs) >= 6 and timed_out(emu) == []  # two renewals of the group of 2
+    assert len({tuple(box.job_ids) for box in boxes}) == 1  # one group for all
+    for session in sessions:
+        session.close()
+    stop_sandboxes()
+    assert live.stop().per_label["g"] <= 4  # the group and its successor at most
+    all_ended(emu)
+
+
+def test_bad_renew_settings_are_refused_with_the_fix(emu) -> None:
+    with pytest.raises(SandboxConfigError, match="renew="):
+        Sandbox("img:tag", renew="yes", **emu.settings)
+    with pytest.raises(SandboxConfigError, match="renew_before_s"):
+        Sandbox("img:tag", renew_before_s=0, **emu.settings)
+    assert emu.jobs == []
+
+
+def test_a_pooled_slot_renews_its_sandbox_before_its_lifetime(make_emu, monkeypatch, tmp_path, log_guard) -> None:
+    hub = pytest.importorskip("huggingface_hub")
+    import hf_sandbox_pool
+    if hf_sandbox_pool.hub_rejection():
+        pytest.skip(hf_sandbox_pool.hub_rejection())
+    emulator = make_emu(tls=True, sandbox_host_boot_s=0.0, sandbox_host_ready_s=0.1, sandbox_create_s=0.3)
+    monkeypatch.setattr(hub.constants, "HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.setenv("SSL_CERT_FILE", emulator.ca_path)
+    server = [sys.executable, os.path.join(os.path.dirname(__file__), "upstreams", "uds_echo_env.py"), "{socket}"]
+    box = Sandbox("python:3.12", endpoint=emulator.endpoint, token=emulator.token, verify=emulator.ca_path,
+                  command=server, pool="slot-pool", job_timeout=JOB_TIMEOUT_S, renew_before_s=RENEW_BEFORE_S)
+    ready: List[bool] = []
+    sandboxes = set()
+    try:
+        with box.session() as session:
+            deadline = time.monotonic() + LIFETIMES * JOB_TIMEOUT_S
+            while time.monotonic() < deadline:
+                ready.append(box.ready)
+                session.reset()
+                sandboxes.add(box.job_ids[0])
+                session.step({"message": "pooled"})
+                time.sleep(0.2)
+            assert all(ready) and len(sandboxes) >= 3  # renewed twice, never found unready
+            # The sandbox's server dies (its host lives on and answers for it): the episode is lost,
+            # and the next reset finds the server gone and runs on a replacement sandbox.
+            session.reset()
+            victim = box.job_ids[0]
+            for pid in emulator.sandbox_hosts.live_pids():
+                os.killpg(pid, signal.SIGKILL)
+            with pytest.raises(EpisodeLost):
+                for _ in range(50):
+                    session.step({"message": "during"})
+            session.reset()
+            assert session.step({"message": "after"})["observation"]["echoed_message"] == "after"
+            assert box.job_ids != [victim]
+        assert len(emulator.jobs) == 1  # all on the one host job
+    finally:
+        stop_sandboxes()
+        hub.utils.close_session()
+
+
+def test_a_slot_dropped_without_stop_has_its_job_cancelled_and_is_no_longer_watched(emu) -> None:
+    import gc
+
+    import hf_sandbox_provider as core
+
+    box = Sandbox("img:tag", **dict(emu.settings, job_timeout=3600))  # no renewal within the test
+    with box.session() as session:
+        session.reset()
+    job_id = box.job_ids[0]
+    # The keeper registers the job with the job watcher on its next turn.
+    wait_until(lambda: any(w.job_id == job_id for g in list(core._watcher._groups.values())
+                           for w in list(g.watches)), "the job watched", timeout_s=30)
+    del box, session
+    gc.collect()  # the provider's safety net cancels the job of a collected slot, as it did before slots
+    assert emu.wait_for_stage(job_id, ["CANCELED"]).stage == "CANCELED"
+    assert not any(w.job_id == job_id for g in list(core._watcher._groups.values()) for w in list(g.watches))
+
+
+def test_a_shared_group_that_loses_one_job_is_renewed_as_a_whole_while_the_other_serves(emu) -> None:
+    box = Sandbox("img:tag", shared="half", replicas=2, **dict(emu.settings, job_timeout=3600))
+    with box.session() as session:
+        session.reset()
+        old = list(box.job_ids)
+        emu.kill_job(old[0])
+        # The job watcher sees one job of two ended: the slot starts a new group of two at once.
+        wait_until(lambda: box.ready and not set(box.job_ids) & set(old), "a new group serving", timeout_s=60)
+        session.reset()  # on the new group
+        assert session.step({"message": "moved"})["observation"]["echoed_message"] == "moved"
+    assert len(emu.jobs) == 4 and emu.job(old[0]).stage == "ERROR"
+    stop_sandboxes()
+    all_ended(emu)
