@@ -1,14 +1,12 @@
 """Run OpenEnv environment servers as Hugging Face Jobs, fronted by a local auth proxy: the core.
 
-`HFSandboxProvider` implements OpenEnv's `ContainerProvider` contract on top of HF Jobs: it submits a
-job that serves the environment on an exposed port, waits for the job's URL, mounts that URL on a
-shared loopback `AuthProxy` (which adds the bearer token) and returns the proxy's base URL, which any
-unmodified OpenEnv client can use. Synchronous and threads-only, so it embeds in any training stack.
-
-Many environments per process are a first-class path: every provider shares one proxy, one job
-watcher thread (one Jobs API call per interval for all starting jobs) and one API budget per token;
-`HFSandboxProvider.start_many()` launches n with bounded concurrency, all or nothing; `replicas=K`
-puts K jobs of one image behind one route (sessions spread by the proxy, least sessions first).
+`HFSandboxProvider` implements OpenEnv's `ContainerProvider` on HF Jobs: it submits a job serving the
+environment on an exposed port, waits for the job's URL, mounts it on a shared loopback `AuthProxy`
+(which adds the bearer token) and returns the proxy's base URL, usable by any unmodified OpenEnv client.
+Synchronous and threads-only, so it embeds in any training stack. Many environments per process are a
+first-class path: every provider shares one proxy, one job watcher thread (one Jobs API call per
+interval for all starting jobs) and one API budget per token; `start_many()` launches n with bounded
+concurrency, all or nothing; `replicas=K` puts K jobs of one image behind one route.
 
 Read top to bottom: constants (the HF Jobs facts among them), errors, the job lifecycle (`Phase`), the
 provider, what runs its jobs (itself for one job, a `_ReplicaSet` for K), `stop_all` and `_Parallel`
@@ -16,10 +14,10 @@ provider, what runs its jobs (itself for one job, a `_ReplicaSet` for K), `stop_
 the token lookup, the small Jobs REST client, the process-wide API budget and job watcher, teardown and
 the exit hook; last, the layers: the placement registry, the lazy re-exports, the command line. Imports
 `proxy` (relatively inside a package, absolutely at top level) and no layer: the training layer
-(hf_sandbox_training.py), pooled placement (hf_sandbox_pool.py, which registers itself through
+(hf_sandbox_training.py), pooled placement (hf_sandbox_pool.py, registered through
 `_register_placement`) and the command line (hf_sandbox_cli.py) each import this module, which loads
-them only on use, through the tables `_LAYERS` and `_PLACEMENT_LAYERS`. Vendoring: copy this file and
-proxy.py, plus each layer you use; a missing one is named by its file.
+them only on use (`_LAYERS`, `_PLACEMENT_LAYERS`). Vendoring: copy this file and proxy.py, plus each
+layer you use; a missing one is named by its file.
 """
 
 from __future__ import annotations
@@ -100,11 +98,11 @@ DEFAULT_JOB_TIMEOUT_S = 3600
 DEFAULT_START_TIMEOUT_S = 600.0
 # From URL to a 200 on /health: image pull plus server boot.
 DEFAULT_READY_TIMEOUT_S = 300.0
-# How often the job watcher refreshes starting jobs: ONE call per interval for the whole process (a `list`
-# by this process's label), so a stage change is seen within 0.5 s for at most 60 calls per 30 s wave.
+# The job watcher makes ONE call per interval for the whole process (a `list` by this process's
+# label): a stage change is seen within 0.5 s for at most 60 calls per 30 s wave.
 DEFAULT_POLL_INTERVAL_S = 0.5
-# Jobs that waited this long are slow (minutes): refreshed at most every WATCH_SLOW_INTERVAL_S, a long wait
-# then costs ~60 calls per 5 minutes instead of ~600.
+# Jobs that waited this long are slow (minutes): refreshed at most every WATCH_SLOW_INTERVAL_S, so a
+# long wait costs ~60 calls per 5 minutes instead of ~600.
 WATCH_SLOWDOWN_AFTER_S = 30.0
 WATCH_SLOW_INTERVAL_S = 5.0
 # /health is probed through the local proxy (no API call) quickly at first (a fast boot is seen within
@@ -134,70 +132,70 @@ LOG_FETCH_TIMEOUT_S = 5.0
 LIST_MAX_PAGES = 50
 # Names of the one public Hub: a next-page link may use either (any other host would get the token).
 HUB_HOST_NAMES = frozenset({"huggingface.co", "hf.co"})
-# Labels: one on every job this library makes (`sweep` finds leftovers by it), one unique per start (a
-# create whose answer was lost is found by it instead of submitted twice).
+# Labels: one on every job this library makes (`sweep` finds leftovers by it), one unique per start
+# (a create whose answer was lost is found by it instead of submitted twice), and one per process (the
+# watcher lists all of this process's jobs with one call).
 PROVIDER_LABEL_KEY = "hf-sandbox-provider"
 PROVIDER_LABEL_VALUE = "1"
 START_LABEL_KEY = "hf-sandbox-start"
-# The Hub's label rule: keys and values of at most this many letters, digits, '-' and '_' (checked first).
-LABEL_MAX_CHARS = 100
-# `hf-sandbox-process=<uuid of this process>` on each job: the watcher lists them all with one call.
 PROCESS_LABEL_KEY = "hf-sandbox-process"
-# The Hub's API limit is per user, in fixed 5-minute windows (1,000 calls free, 2,500 PRO, 3,000 Team, 6,000
-# Enterprise); answers' RateLimit headers say what is left, and the budget follows them. These defaults (or
-# HF_SANDBOX_RATE_LIMIT, e.g. "2500/300") serve until the first answer, or with a server that says nothing.
+# The Hub's label rule: keys and values of at most this many letters, digits, '-' and '_'.
+LABEL_MAX_CHARS = 100
+# The Hub's API limit is per user, in fixed 5-minute windows (1,000 calls free, 2,500 PRO, 3,000 Team,
+# 6,000 Enterprise); answers' RateLimit headers say what is left, and the budget follows them. These
+# defaults (or HF_SANDBOX_RATE_LIMIT, e.g. "2500/300") serve until an answer says, or if none does.
 RATE_LIMIT_CALLS = 1000
 RATE_LIMIT_WINDOW_S = 300.0
 RATE_LIMIT_ENV = "HF_SANDBOX_RATE_LIMIT"
 # The bucket the budget follows (whoami-v2 has its own, smaller one).
 RATE_LIMIT_RESOURCE = "api"
-# Below this fraction left, calls are spread over the time to the reset: paced by the server's count, which
-# falls with every process's calls, N processes slow down together without talking to each other.
+# Below this fraction left, calls are spread over the time to the reset: paced by the server's count,
+# which falls with every process's calls, N processes slow down together without talking.
 RATE_LIMIT_PACE_BELOW = 0.25
-# This fraction of the quota (at least RATE_LIMIT_RESERVE_MIN calls) is kept for cancels, never held here.
+# This fraction of the quota (at least RATE_LIMIT_RESERVE_MIN calls) is kept for cancels.
 RATE_LIMIT_RESERVE = 0.05
 RATE_LIMIT_RESERVE_MIN = 5
-# A call waiting for budget looks again at least this often: other threads' answers may change the count.
+# A call waiting for budget looks again this often: other threads' answers may change the count.
 RATE_LIMIT_RECHECK_S = 2.0
 # Added to a 429's reset time, as huggingface_hub does (the server rounds `t` to whole seconds).
 RATE_LIMIT_RESET_MARGIN_S = 1.0
-# Jobs missing from the watcher's `list` (ended, or not listed yet) inspected per refresh, at most: a burst
-# of endings cannot turn one call per interval into hundreds.
+# Jobs missing from the watcher's `list` (ended, or not listed yet) inspected per refresh, at most: a
+# burst of endings cannot turn one call per interval into hundreds.
 WATCH_MAX_INSPECTS = 8
 # start_many(): environments brought up at once by default (the bound mostly spreads creates and probes).
 DEFAULT_MAX_PARALLEL = 64
-# start_many(progress=True): at most a line per this fraction of the environments or per this many seconds.
+# start_many(progress=True): at most a line per this fraction of the environments or this many seconds.
 PROGRESS_STEP = 0.05
 PROGRESS_INTERVAL_S = 1.0
 # replicas=K: K jobs behind one route; beyond this many use start_many() or several providers.
 MAX_REPLICAS = 64
 # replica_status() inspects a replica out of rotation at most this often: polling cannot drain the API.
 REPLICA_CHECK_INTERVAL_S = 5.0
-# proxy="process": one shared AuthProxy in a child process (AuthProxy.spawn): relaying costs no trainer GIL.
+# proxy="process": one shared AuthProxy in a child process (AuthProxy.spawn): relaying costs no GIL.
 PROXY_PROCESS = "process"
 # stop_all(): cancels run this many at a time (each is one API call plus a brief retry).
 STOP_PARALLEL = 32
 # stop_container() waits this long for a start in another thread to end (its create answered, its job
 # cancelled), so it does not return while a job it could not see may still be made.
 STOP_WAIT_S = 30.0
-# Job stages (huggingface_hub's JobStage): the live ones in the order a job passes them, and those after which
-# it never runs again (its TERMINAL_JOB_STAGES). The emulator takes them from here too.
+# Job stages (huggingface_hub's JobStage): the live ones in the order a job passes them, and those
+# after which it never runs again. The emulator takes them from here too.
 LIVE_STAGES = ("SCHEDULING", "RUNNING")
 TERMINAL_STAGES = frozenset({"COMPLETED", "CANCELED", "ERROR", "DELETED"})
 # OpenEnv's image template's CMD (openenv_env/server/Dockerfile), `exec` so the server gets the stop signal.
 DEFAULT_COMMAND_TEMPLATE = ("sh", "-c",
                             "cd /app/env && exec uvicorn server.app:app --host 0.0.0.0 --port {port}")
-# huggingface_hub 2.4's JobHardware, for one without Jobs (the emulator's list too); `_known_flavors()`
-# prefers the installed JobHardware and the Hub's live `GET /api/jobs/hardware` once a start fetched it.
+# huggingface_hub 2.4's JobHardware, for a huggingface_hub without Jobs; `_known_flavors()` prefers the
+# installed JobHardware and the Hub's live `GET /api/jobs/hardware` once a start fetched it.
 KNOWN_FLAVORS = frozenset({
     "cpu-basic", "cpu-upgrade", "cpu-performance", "cpu-xl", "t4-small", "t4-medium", "l4x1", "l4x4",
     "l40sx1", "l40sx4", "l40sx8", "a10g-small", "a10g-large", "a10g-largex2", "a10g-largex4",
     "a100-large", "a100x4", "a100x8", "h200", "h200x2", "h200x4", "h200x8",
     "rtx-pro-6000", "rtx-pro-6000x2", "rtx-pro-6000x4", "rtx-pro-6000x8"})
-# Token variables, read first as huggingface_hub does (the same answer with or without it; _discover_token).
-TOKEN_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 # Spaces hardware names that are not Jobs flavors, left out even if an old huggingface_hub listed them.
 SPACES_ONLY_HARDWARE = frozenset({"h100", "h100x8", "zero-a10g"})
+# Token variables, read first as huggingface_hub does (the same answer with or without it).
+TOKEN_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 # Image references of HF Spaces, sent as `spaceId` rather than `dockerImage` (as huggingface_hub does).
 SPACE_IMAGE_PREFIXES = ("https://huggingface.co/spaces/", "https://hf.co/spaces/",
                         "huggingface.co/spaces/", "hf.co/spaces/")
@@ -226,13 +224,10 @@ class JobFailedError(SandboxError):
         self.stage = stage
         self.message = message
         self.log_tail = list(log_tail)
-        text = "HF job %s ended with stage %s before it was ready: %s" % (
-            job_id, stage, message or "(no message from the Jobs API)")
-        if self.log_tail:
-            text += "\n--- last %d log lines ---\n%s" % (len(self.log_tail), "\n".join(self.log_tail))
-        else:
-            text += "\n(no log lines could be fetched)"
-        super().__init__(text)
+        tail = ("--- last %d log lines ---\n%s" % (len(self.log_tail), "\n".join(self.log_tail))
+                if self.log_tail else "(no log lines could be fetched)")
+        super().__init__("HF job %s ended with stage %s before it was ready: %s\n%s" % (
+            job_id, stage, message or "(no message from the Jobs API)", tail))
 
 
 class JobStartTimeout(SandboxError, TimeoutError):
@@ -249,40 +244,45 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else ""
 
 
-class _StartFailures(SandboxError):
-    """Some starts of a group failed: `errors` holds `(index, exception)` per failure, in index order, and
-    `aborted` counts the starts given up because of them. The message names each failure on its own line."""
+_Failures = Sequence[Tuple[int, BaseException]]
 
-    def __init__(self, headline: str, item: str, errors: Sequence[Tuple[int, BaseException]], aborted: int):
+
+class _StartFailures(SandboxError):
+    """Some starts of a group failed: `errors` holds `(index, exception)` per failure, in index order,
+    `aborted` counts the starts given up because of them. The message names each failure on a line."""
+
+    def __init__(self, headline: str, item: str, errors: _Failures, aborted: int):
         self.errors = sorted(errors, key=lambda pair: pair[0])
         self.aborted = aborted
-        super().__init__("\n".join([headline] + ["  %s %d: %s: %s" % (item, index, type(exc).__name__, _first_line(exc))
-                                                 for index, exc in self.errors]))
+        super().__init__("\n".join([headline] + [
+            "  %s %d: %s: %s" % (item, index, type(exc).__name__, _first_line(exc))
+            for index, exc in self.errors]))
 
 
 class StartManyError(_StartFailures):
     """start_many() could not bring every environment up; every job it started was cancelled."""
 
-    def __init__(self, total: int, errors: Sequence[Tuple[int, BaseException]], aborted: int = 0):
-        super().__init__("%d of %d environments failed to start (%d more were cancelled before they were ready; "
-                         "every job started was cancelled):" % (len(errors), total, aborted), "environment",
-                         errors, aborted)
+    def __init__(self, total: int, errors: _Failures, aborted: int = 0):
+        super().__init__("%d of %d environments failed to start (%d more were cancelled before they were "
+                         "ready; every job started was cancelled):" % (len(errors), total, aborted),
+                         "environment", errors, aborted)
 
 
 class ReplicaStartError(_StartFailures):
-    """Some of K replica jobs failed to start or become ready; all K were cancelled (`job_ids`: those created)."""
+    """Some of K replica jobs failed to start or become ready; all K were cancelled (`job_ids`: those
+    created)."""
 
-    def __init__(self, phase: str, total: int, errors: Sequence[Tuple[int, BaseException]], aborted: int,
-                 job_ids: Sequence[str]):
+    def __init__(self, phase: str, total: int, errors: _Failures, aborted: int, job_ids: Sequence[str]):
         self.job_ids = list(job_ids)
-        super().__init__("%d of %d replicas failed to %s (%d more were given up; every replica job was cancelled: "
-                         "%s):" % (len(errors), total, phase, aborted, ", ".join(self.job_ids) or "none was created"),
+        super().__init__("%d of %d replicas failed to %s (%d more were given up; every replica job was "
+                         "cancelled: %s):" % (len(errors), total, phase, aborted,
+                                              ", ".join(self.job_ids) or "none was created"),
                          "replica", errors, aborted)
 
 
 class JobsAPIError(SandboxError):
-    """The Jobs REST API answered with an error (or could not be reached). `may_have_acted` is False when no
-    attempt of the call can have reached the server (refused connections): a failed create then made no job."""
+    """The Jobs REST API answered with an error (or could not be reached). `may_have_acted` is False when
+    no attempt of the call can have reached the server: a failed create then made no job."""
 
     def __init__(self, action: str, status_code: Optional[int], server_message: Optional[str],
                  request_id: Optional[str] = None, hint: Optional[str] = None):
@@ -291,22 +291,18 @@ class JobsAPIError(SandboxError):
         self.server_message = server_message
         self.request_id = request_id
         self.may_have_acted = True
-        text = "%s failed: %s" % (action, "HTTP %d" % status_code if status_code else "no answer")
-        if server_message:
-            text += ": " + server_message
-        if request_id:
-            text += " (request id %s)" % request_id
-        if hint:
-            text += ". " + hint
-        super().__init__(text)
+        super().__init__("%s failed: %s%s%s%s" % (
+            action, "HTTP %d" % status_code if status_code else "no answer",
+            ": " + server_message if server_message else "",
+            " (request id %s)" % request_id if request_id else "", ". " + hint if hint else ""))
 
 
 # -- The job lifecycle: one explicit phase per provider (in the spirit of wsproto's ConnectionState) ---
 
 
 class Phase(enum.Enum):
-    """Where a provider is in its job's life (`HFSandboxProvider.phase`). Only `_move()` changes it, under
-    the provider's lock and along `_PHASE_MOVES`, so a stop racing a start sees one consistent answer."""
+    """Where a provider is in its job's life. Only `_move()` changes it, under the provider's lock and
+    along `_PHASE_MOVES`, so a stop racing a start sees one consistent answer."""
 
     IDLE = "idle"              # no job: start_container() may begin (also after a stop)
     SUBMITTING = "submitting"  # a start is claimed; its create call is in flight, no job recorded yet
@@ -315,10 +311,9 @@ class Phase(enum.Enum):
     STOPPING = "stopping"      # torn down while the start still runs in its thread; it gives up at its next check
 
 
-# The only phase changes there are. A start: IDLE -> SUBMITTING -> STARTING -> RUNNING. A teardown:
-# RUNNING -> IDLE, or, while the start is still in flight, -> STOPPING, which the start turns into
-# IDLE when it returns (STARTING again first if its create answers after the stop: that job is then
-# recorded, so the start's own teardown cancels it).
+# The only phase changes. A start: IDLE -> SUBMITTING -> STARTING -> RUNNING. A teardown: RUNNING -> IDLE,
+# or, with the start still in flight, -> STOPPING, which the start turns into IDLE when it returns
+# (STARTING first if its create answers after the stop: its own teardown then cancels that job).
 _PHASE_MOVES = {
     Phase.IDLE: frozenset({Phase.SUBMITTING, Phase.IDLE}),
     Phase.SUBMITTING: frozenset({Phase.STARTING, Phase.STOPPING, Phase.IDLE}),
@@ -346,29 +341,22 @@ class _Detached(NamedTuple):
 # -- The provider ----------------------------------------------------------------------------------
 
 
-# Where OpenEnv's `ContainerProvider` ABC has lived (current, older and pre-package layouts). It is looked up
-# in sys.modules, never imported: `openenv.core`'s package init loads gradio, pandas and pyarrow (about 4 s,
-# 170 MiB and two native threads in every process that imports this module), which a trainer that never
-# uses OpenEnv must not pay. Whoever checks isinstance against the ABC has imported it already.
+# Where OpenEnv's `ContainerProvider` ABC has lived (current, older and pre-package layouts). Looked up in
+# sys.modules, never imported: `openenv.core`'s init loads gradio, pandas and pyarrow (about 4 s, 170 MiB),
+# which a trainer that never uses OpenEnv must not pay. Whoever checks isinstance has imported it already.
 _OPENENV_PROVIDER_MODULES = ("openenv.core.containers.runtime.providers", "openenv.core.containers.runtime",
-                             "openenv_core.containers.runtime.providers", "core.containers.runtime.providers")
+                             "openenv_core.containers.runtime.providers",
+                             "core.containers.runtime.providers")
 
 
 def _register_with_openenv() -> None:
-    """Make HFSandboxProvider a (virtual) OpenEnv `ContainerProvider` once OpenEnv is loaded, so isinstance and
-    issubclass checks pass. Runs at import and at every construction; a no-op once registered."""
-    global _openenv_registered
-    if _openenv_registered:
-        return
+    """Make HFSandboxProvider a virtual OpenEnv `ContainerProvider` once OpenEnv is loaded. Runs at import
+    and at every construction (OpenEnv may have been imported since); registering again is a no-op."""
     for module_name in _OPENENV_PROVIDER_MODULES:
         base = getattr(sys.modules.get(module_name), "ContainerProvider", None)
         if isinstance(base, abc.ABCMeta):  # not an unrelated package that happens to be called `core`
             base.register(HFSandboxProvider)
-            _openenv_registered = True
             return
-
-
-_openenv_registered = False
 
 
 class HFSandboxProvider:
@@ -376,7 +364,6 @@ class HFSandboxProvider:
 
     Settings are validated at construction and per start, before any network call. The job is cancelled
     by `stop_container()`, by any failure after its create, and at exit; `job_timeout` bounds the rest.
-    `replicas=K` puts K jobs behind one route (sessions go to the least busy; see docs/replicas.md).
     """
 
     # What a pickled provider carries: its settings (and explicit token), never its job, lock, threads
@@ -411,13 +398,12 @@ class HFSandboxProvider:
         self.poll_interval_s = poll_interval_s
         self.verify = verify
         self.replicas = replicas
-        self.pool = pool  # None: a dedicated job; a pool name or SandboxPool: a pooled sandbox (hf_sandbox_pool)
+        self.pool = pool  # None: a dedicated job; a pool name or SandboxPool: pooled (hf_sandbox_pool)
         self.warn_env_credentials = warn_env_credentials
         self._token = token
         self._proxy = proxy
-        _raise_if_rejected(_proxy_rejection(proxy))
-        # Fail at construction on what can be checked without a token or the network.
-        _raise_if_rejected(_settings_rejection(self._settings({}), image_required=False))
+        _raise_if_rejected(_proxy_rejection(proxy)
+                           or _settings_rejection(self._settings({}), image_required=False))
         if warn_env_credentials:
             _warn_credential_env_vars(self.env_vars)
         self._init_runtime_state()
@@ -428,16 +414,11 @@ class HFSandboxProvider:
     def start_container(self, image: Optional[str] = None, port: Optional[int] = None,
                         env_vars: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> str:
         """Submit the job, wait for its exposed URL, mount it on the proxy and return the base URL.
-
         Keywords in `_OVERRIDABLE` override the constructor for this start; other OpenEnv keywords are
-        ignored (debug log). Any failure or interrupt after the create cancels the job (all K with replicas).
-        """
-        overrides = {}
-        for key, value in kwargs.items():
-            if key in _OVERRIDABLE:
-                overrides[key] = value
-            else:
-                logger.debug("start_container: ignoring keyword %r (not used by HF Jobs)", key)
+        ignored. Any failure or interrupt after the create cancels the job (all K with replicas)."""
+        overrides = {key: value for key, value in kwargs.items() if key in _OVERRIDABLE}
+        for key in [key for key in kwargs if key not in _OVERRIDABLE]:
+            logger.debug("start_container: ignoring keyword %r (not used by HF Jobs)", key)
         overrides["image"] = image if image is not None else self.image
         overrides["port"] = port if port is not None else self.port
         if env_vars:
@@ -466,10 +447,9 @@ class HFSandboxProvider:
             self._end_start(started)
 
     def wait_for_ready(self, base_url: Optional[str] = None, timeout_s: Optional[float] = None) -> None:
-        """Poll `/health` through the proxy until 200, watching the job's stage (each replica's, in parallel).
-
-        A terminal stage raises `JobFailedError`, the deadline `JobStartTimeout`; any failure cancels the job.
-        A URL that is not this provider's base URL is refused at once (SandboxConfigError; the job runs)."""
+        """Poll `/health` through the proxy until 200, watching the job's stage (each replica's, in
+        parallel). A terminal stage raises `JobFailedError`, the deadline `JobStartTimeout`; any failure
+        cancels the job. A URL not this provider's base URL is refused (SandboxConfigError; the job runs)."""
         if self._phase is not Phase.RUNNING or self.base_url is None:
             raise SandboxError("wait_for_ready(): job %s was stopped; call start_container() to start a new "
                                "one" % self.job_id if self._phase is Phase.IDLE and self.job_id else
@@ -489,20 +469,19 @@ class HFSandboxProvider:
                    **provider_kwargs: Any
                    ) -> Union[List["HFSandboxProvider"],
                               Tuple[List["HFSandboxProvider"], List[Tuple[int, BaseException]]]]:
-        """Start `n` providers, at most `max_parallel` at a time, and wait until each is ready.
-
-        All or nothing (default): the n providers, or every job cancelled and one `StartManyError`. Else
-        `(ready_providers, [(index, exception)])`. `progress`: True writes whole lines to stderr, bounded
-        (PROGRESS_STEP, PROGRESS_INTERVAL_S; on a terminal one line updated in place); a callable gets
-        `(ready, failed, n)` after each environment.
-        """
-        _raise_if_rejected(_positive_int_rejection("n", n) or _positive_int_rejection("max_parallel", max_parallel))
-        if not (isinstance(progress, bool) or callable(progress)):
-            raise SandboxConfigError("progress=%r must be True, False or a callable(ready, failed, total)" % (progress,))
-        providers = [cls(image, **provider_kwargs) for _ in range(n)]  # bad settings fail here, before any job
+        """Start `n` providers, at most `max_parallel` at a time, and wait until each is ready. All or
+        nothing (default): the n providers, or every job cancelled and one `StartManyError`; else
+        `(ready_providers, [(index, exception)])`. `progress`: True writes bounded lines to stderr (one line
+        updated in place on a terminal); a callable gets `(ready, failed, n)` after each environment."""
+        _raise_if_rejected(_positive_int_rejection("n", n)
+                           or _positive_int_rejection("max_parallel", max_parallel)
+                           or (None if isinstance(progress, bool) or callable(progress) else
+                               "progress=%r must be True, False or a callable(ready, failed, total)"
+                               % (progress,)))
+        providers = [cls(image, **provider_kwargs) for _ in range(n)]  # bad settings fail before any job
         _raise_if_rejected(_image_rejection(providers[0].image))
         providers[0]._resolve_token()  # no token: one SandboxConfigError now, not n failures later
-        if isinstance(providers[0].pool, str):  # the hosts n sandboxes need: the first start boots them all at once
+        if isinstance(providers[0].pool, str):  # the hosts n sandboxes need, booted by the first start
             _placement("pool").prewarm(providers[0], n, boot=False)
         shown = _ProgressLine(n) if progress is True else None
 
@@ -556,22 +535,21 @@ class HFSandboxProvider:
         _raise_if_rejected(_positive_int_rejection("tail", tail))
         if self._pooled is not None:
             return self._pooled.logs(tail)
-        running = self._job_client
-        client = running or _JobsClient(self.endpoint, self._resolve_token(), self._hooks()._new_session())
-        try:
+        if self._job_client is not None:
+            return self._job_client.job_logs(self._job_namespace, self.job_id, tail=tail)
+        # the job's own client closed at its stop: one for this call
+        with contextlib.closing(_JobsClient(self.endpoint, self._resolve_token(),
+                                            self._hooks()._new_session())) as client:
             return client.job_logs(self._job_namespace, self.job_id, tail=tail)
-        finally:
-            if client is not running:  # made for this call: the job's own client closed at its stop
-                client.close()
 
     def replica_status(self, refresh: bool = False) -> List[Dict[str, Any]]:
         """Per replica job, in start order: the proxy's view (`upstream`, `open_sessions`, `healthy`,
-        `reason`) plus `index`, `job_id`, `stage`, `message`. A replica out of rotation has its job inspected
-        (all, with `refresh=True`); one that has ended leaves the route for good, with a WARNING."""
+        `reason`) plus `index`, `job_id`, `stage`, `message`. A replica out of rotation has its job
+        inspected (all, with `refresh=True`); one that has ended leaves the route for good (WARNING)."""
         replicas = self._replicas
         if replicas is None:
-            raise SandboxError("replica_status() needs a provider started with replicas > 1 (this one runs %s); "
-                               "use .stage and .job_id for a single job" % (self.job_id or "no job"))
+            raise SandboxError("replica_status() needs a provider started with replicas > 1 (this one runs "
+                               "%s); use .stage and .job_id for a single job" % (self.job_id or "no job"))
         return replicas.status(refresh)
 
     @property
@@ -586,8 +564,7 @@ class HFSandboxProvider:
 
     @property
     def stage(self) -> Optional[str]:
-        """The job's stage. With replicas: the least advanced stage of the live jobs (SCHEDULING until
-        all K run), or, once every job has ended, their common end stage (ERROR if any failed)."""
+        """The job's stage; with replicas, one stage for the K jobs (see `_replicas_stage`)."""
         return self._jobs._job_stage()
 
     def __enter__(self) -> "HFSandboxProvider":
@@ -603,8 +580,8 @@ class HFSandboxProvider:
             " job_ids=%r" % (job_ids,) if len(job_ids) > 1 else "")
 
     def __getstate__(self) -> Dict[str, Any]:
-        """Un-started providers pickle (TRL ships environment factories to workers); running ones don't.
-        Only the settings in `_pickled_settings` travel: the copy starts its own job, on its own proxy."""
+        """Un-started providers pickle (TRL ships environment factories to workers): only their
+        `_pickled_settings` travel, the copy starts its own job on its own proxy."""
         if self._phase is not Phase.IDLE:
             raise TypeError(
                 "cannot pickle an HFSandboxProvider while its job %s is running: pickle it before "
@@ -635,15 +612,14 @@ class HFSandboxProvider:
         return _exposed_url_rejection(url, job_id, port, self.endpoint)
 
     def _replica_settings(self, index: int, settings: Dict[str, Any]) -> Dict[str, Any]:
-        """The settings replica `index` starts with (default: the provider's, the same for every job).
-        Override to vary one replica, e.g. an env var or label per index."""
+        """The settings replica `index` starts with (override to vary one, e.g. a label per index)."""
         return settings
 
     # -- lifecycle state ----------------------------------------------------------------------------------
 
     def _init_runtime_state(self) -> None:
-        # One lock guards the phase and the job's handles; re-entrant so a teardown can move the phase
-        # while it swaps the handles out, in one critical section.
+        # Guards the phase and the job's handles; re-entrant, so a teardown moves the phase and swaps the
+        # handles out in one critical section.
         self._lock = threading.RLock()
         self._phase_changed = threading.Condition(self._lock)  # a stop waits on it for the start to end
         self._phase = Phase.IDLE
@@ -656,7 +632,7 @@ class HFSandboxProvider:
         self._job_client: Optional[_JobsClient] = None
         # A replica job: a weak reference to the provider that owns it (whose hooks it uses).
         self._owner: Optional["weakref.ReferenceType[HFSandboxProvider]"] = None
-        _register_with_openenv()  # OpenEnv may have been imported since this module was
+        _register_with_openenv()
 
     def _reset_job_state(self) -> None:
         self.job_id: Optional[str] = None
@@ -699,8 +675,8 @@ class HFSandboxProvider:
             self._move(Phase.SUBMITTING)
 
     def _end_start(self, started: bool) -> None:
-        """End a start: RUNNING if it returned a URL and no stop landed meanwhile, else IDLE. A start
-        that succeeded just as a stop took (and cancelled) its job raises instead of returning a dead URL."""
+        """End a start: RUNNING if it returned a URL and no stop landed meanwhile, else IDLE. A start that
+        succeeded just as a stop cancelled its job raises instead of returning a dead URL."""
         if not started and self._phase is Phase.STARTING:  # a recorded job never outlives a failed start
             self._teardown()
         with self._lock:
@@ -721,10 +697,10 @@ class HFSandboxProvider:
             if not self._phase_changed.wait_for(
                     lambda: self._phase not in _START_IN_FLIGHT or self._starts != start, STOP_WAIT_S):
                 logger.warning(
-                    "stop_container(): the start of this provider has not ended after %gs; it cancels its job "
-                    "when its create answers, but if this process exits first look for the job labelled %s=%s "
-                    "(or run `python -m hf_sandbox_provider sweep`)", STOP_WAIT_S, START_LABEL_KEY,
-                    self._start_label)
+                    "stop_container(): the start of this provider has not ended after %gs; it cancels its "
+                    "job when its create answers, but if this process exits first look for the job "
+                    "labelled %s=%s (or run `python -m hf_sandbox_provider sweep`)", STOP_WAIT_S,
+                    START_LABEL_KEY, self._start_label)
 
     def _request_stop(self) -> None:
         """Make a start or readiness wait in another thread give up at its next check."""
@@ -732,14 +708,13 @@ class HFSandboxProvider:
         self._wake.set()
 
     def _detach(self) -> "_Detached":
-        """Take what a teardown must release, in one critical section with the phase change (STOPPING
-        while a start is still in flight in its thread, which then returns IDLE; else IDLE), so a start
-        claimed right after cannot swap the job's identity under the teardown. Retires the safety net."""
+        """Take what a teardown must release in one critical section with the phase change (STOPPING
+        while a start is in flight in its thread, else IDLE), so a start claimed right after cannot swap
+        the job's identity under the teardown. Retires the safety net."""
         with self._lock:
             held = self._phase in _JOB_HELD
             if self._phase in _START_IN_FLIGHT:
-                # Under the lock, after the start's claim cleared any earlier request: it cannot be lost.
-                self._request_stop()
+                self._request_stop()  # under the lock, after the start's claim cleared any earlier one
                 self._move(Phase.STOPPING)
             else:
                 self._move(Phase.IDLE)
@@ -756,8 +731,8 @@ class HFSandboxProvider:
 
     @property
     def _jobs(self) -> Any:
-        """What runs this provider's jobs: its `_ReplicaSet` after a start with replicas, else the provider
-        itself (one job). Both offer `_start_jobs`, `_wait_ready`, `_teardown_jobs`, `_job_ids`, `_job_stage`."""
+        """What runs this provider's jobs: its `_ReplicaSet` or pooled sandbox, else itself (one job). Each
+        offers `_start_jobs`, `_wait_ready`, `_teardown_jobs`, `_job_ids`, `_job_stage`."""
         return self._replicas or self._pooled or self
 
     def _hooks(self) -> "HFSandboxProvider":
@@ -766,8 +741,8 @@ class HFSandboxProvider:
         return owner if owner is not None else self
 
     def _teardown(self, client: Optional["_JobsClient"] = None) -> None:
-        """Unmount and cancel, logging (never raising) what could not be cleaned up. `client` is the
-        starting thread's own, in case a concurrent stop already took ours."""
+        """Unmount and cancel, logging (never raising) what could not be cleaned up. `client`: the starting
+        thread's own, in case a concurrent stop already took ours."""
         self._jobs._teardown_jobs(client)
 
     # -- one job ------------------------------------------------------------------------------------------
@@ -790,7 +765,9 @@ class HFSandboxProvider:
         return token
 
     def _proxy_instance(self) -> "_proxy.AuthProxy":
-        return self._proxy if self._proxy is not None and not isinstance(self._proxy, str) else _shared_proxy(self._proxy)
+        if self._proxy is None or isinstance(self._proxy, str):
+            return _shared_proxy(self._proxy)
+        return self._proxy
 
     def _elapsed(self) -> float:
         return time.monotonic() - self._submitted_at
