@@ -748,10 +748,8 @@ class HFSandboxProvider:
     # -- one job ------------------------------------------------------------------------------------------
 
     def _settings(self, overrides: Mapping[str, Any]) -> Dict[str, Any]:
-        settings = {name: getattr(self, name) for name in _OVERRIDABLE}
-        settings.update(image=self.image, port=self.port, env_vars=self.env_vars)
-        settings.update(overrides)
-        return settings
+        return {**{name: getattr(self, name) for name in _OVERRIDABLE}, "image": self.image,
+                "port": self.port, "env_vars": self.env_vars, **overrides}
 
     def _resolve_token(self) -> str:
         token = self._token if self._token is not None else _discover_token()
@@ -923,11 +921,9 @@ class HFSandboxProvider:
 
     def _probe_until_ready(self, base_url: str, budget: float, check: Callable[[], Any], label: str, short: str,
                            detail: Callable[[], str] = lambda: "") -> None:
-        """Probe `/health` through the proxy until 200 (HEALTH_PROBE_* schedule; a stop wakes the wait),
-        calling `check` after each probe that was not: it raises when waiting is pointless (the job ended, the
-        server exited), and may take a request of its own, which must not delay the next probe. JobStartTimeout
-        after `budget` s. `label`/`short` name the job or sandbox in the log and errors; `detail()` is appended
-        to the timeout's `last:` (e.g. the stage). Shared by both placements."""
+        """Probe `/health` through the proxy until 200 or JobStartTimeout after `budget` s, calling `check`
+        after each other answer: it raises when waiting is pointless (the job ended). `label`/`short` name
+        the job or sandbox in logs and errors; `detail()` extends `last:` (the stage). Both placements."""
         url = base_url.rstrip("/") + "/health"
         deadline = time.monotonic() + budget
         interval = HEALTH_PROBE_FIRST_S
@@ -962,8 +958,8 @@ class HFSandboxProvider:
                 if remaining <= 0:
                     raise JobStartTimeout("%s did not answer /health with 200 within %gs (last: %s%s)"
                                           % (label, budget, last_seen, detail()), self.job_id, self.stage)
-                # the next probe `interval` after this one began (a slow check eats into the wait, not after
-                # it); a stop, or a crash seen by the watcher, ends the wait
+                # the next probe `interval` after this one began (a slow check eats into the wait); a
+                # stop, or a crash seen by the watcher, ends the wait
                 self._wake.wait(max(0.0, min(probed_at + interval - time.monotonic(), remaining)))
                 interval = min(HEALTH_PROBE_INTERVAL_S, interval * HEALTH_PROBE_GROWTH)
 
@@ -1010,11 +1006,8 @@ _register_with_openenv()
 
 
 class _ReplicaSet:
-    """K jobs of one image behind ONE replica route, for the provider that owns them (its `_jobs`).
-
-    Each replica is a plain single-job `HFSandboxProvider` built from the owner's settings for its index,
-    with the owner's proxy, token and hooks (through a weak reference); each is probed on its own route.
-    """
+    """K jobs of one image behind ONE replica route, for the provider that owns them (its `_jobs`): each a
+    single-job `HFSandboxProvider` with the owner's proxy, token and hooks, probed on its own route."""
 
     def __init__(self, owner: HFSandboxProvider, settings: Mapping[str, Any], token: str,
                  proxy: "_proxy.AuthProxy") -> None:
@@ -1043,11 +1036,9 @@ class _ReplicaSet:
     def owner(self) -> HFSandboxProvider:
         return self._owner()  # type: ignore[return-value]  # alive: only the owner calls its set
 
-    # -- the five operations the provider delegates ---------------------------------------------------
-
     def _start_jobs(self, settings: Dict[str, Any], token: str) -> str:
-        """Start the K jobs in parallel, then mount one replica route over their URLs. Any failure
-        cancels all K and raises one ReplicaStartError."""
+        """Start the K jobs in parallel, then mount one replica route over their URLs (all K cancelled on
+        any failure)."""
         owner, count, proxy = self.owner, len(self.children), self.proxy
         owner._active = settings
         owner._submitted_at = time.monotonic()
@@ -1074,15 +1065,15 @@ class _ReplicaSet:
             self._raise_if_failed(group, "start")
             first = self.children[0]
             with owner._lock:
-                owner.job_id, owner.job_url, owner._job_namespace = first.job_id, first.job_url, first._job_namespace
-                owner.upstream_url = first.upstream_url
+                owner.job_id, owner.job_url, owner.upstream_url = first.job_id, first.job_url, first.upstream_url
+                owner._job_namespace = first._job_namespace
             base_url = proxy.mount_replicas([child.upstream_url for child in self.children], token=token,
                                             verify=settings["verify"])
             owner.timings["created"] = self._all_reached("created")
             owner.timings["running"] = self._all_reached("running")
-            # The owner's safety net unmounts the route if it is collected (each replica's own cancels its job).
-            owner._publish_route(proxy, base_url, weakref.finalize(owner, _release_job, None, None, None, proxy,
-                                                                   base_url, None))
+            # The owner's safety net unmounts the route (each replica's own cancels its job).
+            owner._publish_route(proxy, base_url, weakref.finalize(
+                owner, _release_job, None, None, None, proxy, base_url, None))
             logger.info("%d replica jobs (%s) serving on one route (%.1fs after submit)", count,
                         ", ".join(self._job_ids()), owner._elapsed())
             return base_url
@@ -1102,12 +1093,8 @@ class _ReplicaSet:
     def _teardown_jobs(self, client: Optional["_JobsClient"]) -> None:
         """Unmount the replica route, then stop every replica (each names a job it could not cancel)."""
         gone = self.owner._detach()
-        if gone.base_url and gone.proxy is not None:
-            try:
-                gone.proxy.unmount(gone.base_url)
-            except Exception as exc:
-                logger.warning("could not unmount the replica route of jobs %s (%s)",
-                               ", ".join(self._job_ids()), type(exc).__name__)
+        for problem in _unmount(gone.proxy, gone.base_url):
+            logger.warning("replica jobs %s: %s", ", ".join(self._job_ids()), problem)
         stop_all(self.children)
 
     def _job_ids(self) -> List[str]:
@@ -1115,8 +1102,6 @@ class _ReplicaSet:
 
     def _job_stage(self) -> Optional[str]:
         return _replicas_stage([child.stage for child in self.children])
-
-    # -- status -------------------------------------------------------------------------------------------
 
     def status(self, refresh: bool) -> List[Dict[str, Any]]:
         """`HFSandboxProvider.replica_status()`: the proxy's view of each replica plus its job's stage."""
@@ -1168,12 +1153,10 @@ class _ReplicaSet:
                            "remain on the route", index, child.job_id, stage, message,
                            len(self._route_entries(proxy, base_url)))
 
-    # -- helpers ------------------------------------------------------------------------------------------
-
     def _parallel(self, action: Callable[[int, HFSandboxProvider], None]) -> "_Parallel":
         """All K replicas at once, all or nothing, given up when the owner is stopped."""
-        owner = self.owner
-        return _Parallel(self.children, action, len(self.children), True, owner._stop_requested, owner._wake)
+        return _Parallel(self.children, action, len(self.children), True, self.owner._stop_requested,
+                         self.owner._wake)
 
     def _raise_if_failed(self, group: "_Parallel", phase: str) -> None:
         self.owner._raise_if_stopped()
@@ -1188,7 +1171,8 @@ class _ReplicaSet:
         return max(moments) - owner._submitted_at if moments else owner._elapsed()
 
     @staticmethod
-    def _route_entries(proxy: Optional["_proxy.AuthProxy"], base_url: Optional[str]) -> Dict[str, Dict[str, Any]]:
+    def _route_entries(proxy: Optional["_proxy.AuthProxy"],
+                       base_url: Optional[str]) -> Dict[str, Dict[str, Any]]:
         """The proxy's status of the replica route by upstream URL ({} once it is unmounted)."""
         if proxy is None or base_url is None:
             return {}
@@ -1224,8 +1208,8 @@ def stop_all(providers: Iterable["HFSandboxProvider"]) -> None:
 
 
 def _in_parallel(actions: Sequence[Callable[[], None]], budget_s: Optional[float] = None) -> None:
-    """Run each action in its own daemon thread (at most STOP_PARALLEL at a time); wait up to `budget_s`.
-    Not a concurrent.futures pool: this runs at exit too, where such a pool takes no new work."""
+    """Run each action in its own daemon thread (STOP_PARALLEL at a time); wait up to `budget_s`. Not a
+    concurrent.futures pool: this runs at exit too, where such a pool takes no new work."""
     deadline = None if budget_s is None else time.monotonic() + budget_s
     for first in range(0, len(actions), STOP_PARALLEL):
         batch = [threading.Thread(target=action, name="hf-sandbox-stop", daemon=True)
@@ -1237,13 +1221,14 @@ def _in_parallel(actions: Sequence[Callable[[], None]], budget_s: Optional[float
 
 
 class _Parallel:
-    """Runs `action(index, provider)` over providers on a thread pool of at most `max_parallel`, for
-    start_many() and for a replica set. With `all_or_nothing`, the first failure makes the others give up
-    (their jobs are cancelled by their own teardown); so does `stop_requested` (the owner's stop), which
-    `wake` signals. Outcomes: `ready` (indexes), `errors` [(index, exception)], `aborted` (given up)."""
+    """Runs `action(index, provider)` over providers on at most `max_parallel` threads (start_many, a
+    replica set). With `all_or_nothing` the first failure makes the others give up (their own teardown
+    cancels their jobs); so does `stop_requested` (the owner's stop), which `wake` signals. Outcomes:
+    `ready` (indexes), `errors` [(index, exception)], `aborted` (given up)."""
 
-    def __init__(self, providers: List["HFSandboxProvider"], action: Callable[[int, "HFSandboxProvider"], None],
-                 max_parallel: int, all_or_nothing: bool = True, stop_requested: Optional[threading.Event] = None,
+    def __init__(self, providers: List["HFSandboxProvider"],
+                 action: Callable[[int, "HFSandboxProvider"], None], max_parallel: int,
+                 all_or_nothing: bool = True, stop_requested: Optional[threading.Event] = None,
                  wake: Optional[threading.Event] = None,
                  on_done: Callable[[int, Optional[BaseException]], None] = lambda index, error: None) -> None:
         self.providers, self.action, self.on_done = providers, action, on_done
@@ -1310,8 +1295,8 @@ class _Parallel:
 
 
 class _ProgressLine:
-    """start_many's progress on stderr: whole lines written under a lock, at most one per PROGRESS_STEP of the
-    environments or PROGRESS_INTERVAL_S (and the first failure at once); on a terminal, one updated line."""
+    """start_many's progress on stderr: whole lines under a lock, at most one per PROGRESS_STEP or
+    PROGRESS_INTERVAL_S (the first failure at once); on a terminal, one line updated in place."""
 
     def __init__(self, total: int) -> None:
         self.total, self.began, self.lock = total, time.monotonic(), threading.Lock()
@@ -1333,8 +1318,8 @@ class _ProgressLine:
             try:
                 sys.stderr.write("\r%s\x1b[K" % line if self.tty else line + "\n")
                 sys.stderr.flush()
-            except (AttributeError, OSError, ValueError):  # no stderr, or a closed one: a display must not
-                pass  # kill a launch worker (and lose its work)
+            except (AttributeError, OSError, ValueError):  # no stderr, or a closed one: a display
+                pass  # must not kill a launch worker (and lose its work)
 
     def close(self) -> None:
         """End a terminal's updated line, so what is printed next starts on a line of its own."""
@@ -1347,8 +1332,8 @@ class _ProgressLine:
 
 @contextlib.contextmanager
 def _library_signal_mask() -> Iterator[None]:
-    """Block LIBRARY_THREAD_BLOCKED_SIGNALS in this thread meanwhile, so threads started inside inherit the
-    mask (proxy._start_thread's rule: signals sent meanwhile wait, they are not lost)."""
+    """Block LIBRARY_THREAD_BLOCKED_SIGNALS in this thread meanwhile, so threads started inside inherit
+    the mask (proxy._start_thread's rule); signals sent meanwhile wait, they are not lost."""
     if not hasattr(signal, "pthread_sigmask"):  # Windows: no per-thread signal masks
         yield
         return
@@ -1385,9 +1370,8 @@ def _raise_if_rejected(reason: Optional[str]) -> None:
 
 
 def _proxy_rejection(proxy: Any) -> Optional[str]:
-    if proxy is None or (not isinstance(proxy, str) and callable(getattr(proxy, "mount", None))):
-        return None
-    if proxy == PROXY_PROCESS:
+    if proxy is None or proxy == PROXY_PROCESS or (
+            not isinstance(proxy, str) and callable(getattr(proxy, "mount", None))):
         return None
     return ("proxy must be None (one in-process proxy shared by the process), %r (one shared proxy in a "
             "child process) or a started AuthProxy / AuthProxy.spawn() handle, got %r" % (PROXY_PROCESS, proxy))
@@ -1401,24 +1385,20 @@ def _image_rejection(image: Any) -> Optional[str]:
     if space is not None:
         return None if _SPACE_ID.match(space) else (
             "image %r: a Space reference must look like 'hf.co/spaces/<owner>/<name>'" % image)
-    if not _IMAGE_REFERENCE.match(image):
-        return ("image %r is not a valid Docker image reference (expected e.g. 'python:3.12', "
-                "'registry.hf.space/openenv-echo-env:latest' or 'hf.co/spaces/<owner>/<name>'; "
-                "repository names are lower case)" % image)
-    return None
+    return None if _IMAGE_REFERENCE.match(image) else (
+        "image %r is not a valid Docker image reference (expected e.g. 'python:3.12', "
+        "'registry.hf.space/openenv-echo-env:latest' or 'hf.co/spaces/<owner>/<name>'; "
+        "repository names are lower case)" % image)
 
 
 def _space_id(image: str) -> Optional[str]:
     """`<owner>/<name>` when `image` names an HF Space (sent as `spaceId`), else None (a Docker image)."""
-    for prefix in SPACE_IMAGE_PREFIXES:
-        if image.startswith(prefix):
-            return image[len(prefix):]
-    return None
+    return next((image[len(prefix):] for prefix in SPACE_IMAGE_PREFIXES if image.startswith(prefix)), None)
 
 
 def _known_flavors() -> frozenset:
-    """The flavors a job may ask for before a start has fetched its Hub's live list: huggingface_hub's
-    JobHardware (the static copy when it is too old to have one), plus whatever a live list of this process named."""
+    """The flavors a job may ask for: huggingface_hub's JobHardware (else the static copy), plus what
+    a live list fetched by this process named."""
     try:
         from huggingface_hub import JobHardware  # type: ignore[attr-defined]
         static = (KNOWN_FLAVORS | {str(member.value) for member in JobHardware}) - SPACES_ONLY_HARDWARE
@@ -1445,8 +1425,8 @@ _hardware_lock = threading.Lock()
 
 
 def _live_flavor_rejection(client: "_JobsClient", flavor: str) -> Optional[str]:
-    """Why the Hub's live hardware list refuses `flavor` (fetched on this process's first start), or None.
-    A Hub that does not answer the list leaves the check to the static one done at construction."""
+    """Why the Hub's live hardware list (fetched on this process's first start) refuses `flavor`, or
+    None; a Hub that does not answer the list leaves the check to the static one."""
     with _hardware_lock:
         if client.endpoint not in _live_hardware:
             _live_hardware[client.endpoint] = client.hardware_flavors()
@@ -1456,18 +1436,14 @@ def _live_flavor_rejection(client: "_JobsClient", flavor: str) -> Optional[str]:
 
 def _parse_duration(value: Any) -> Optional[int]:
     """Seconds from 3600, 90.5, "3600", "30m", "2h", "1d"; None when unparseable or not positive."""
-    if isinstance(value, bool):
-        return None
     match = _DURATION.match(value) if isinstance(value, str) else None
-    if isinstance(value, (int, float)):
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
         seconds = float(value)
     elif match:
         seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
     else:
         return None
-    if not seconds >= 1:  # also rejects NaN
-        return None
-    return int(seconds)
+    return int(seconds) if seconds >= 1 else None  # `>=` also rejects NaN
 
 
 def _positive_number_rejection(name: str, value: Any) -> Optional[str]:
@@ -1506,12 +1482,9 @@ def _mapping_rejection(name: str, value: Any, check_names: bool) -> Optional[str
 def _credential_env_names(env_vars: Mapping[str, Any]) -> List[str]:
     """The names in `env_vars` that look like credentials: a `_`-separated part ending in TOKEN, SECRET,
     PASSWORD..., or a last part KEY (OPENAI_API_KEY). TOKENIZERS_PARALLELISM and MAX_TOKENS are not."""
-    found = []
-    for name in env_vars:
-        parts = str(name).upper().split("_")
-        if any(part.endswith(_CREDENTIAL_NAME_ENDINGS) for part in parts) or parts[-1] in ("KEY", "APIKEY"):
-            found.append(str(name))
-    return found
+    parts = {str(name): str(name).upper().split("_") for name in env_vars}
+    return [name for name, split in parts.items()
+            if any(part.endswith(_CREDENTIAL_NAME_ENDINGS) for part in split) or split[-1] == "KEY"]
 
 
 def _warn_credential_env_vars(env_vars: Mapping[str, Any]) -> None:
@@ -1534,8 +1507,7 @@ _credential_warnings_lock = threading.Lock()
 def _command_rejection(command: Any) -> Optional[str]:
     if command is None or isinstance(command, str):
         return None if command is None or command.strip() else "command must not be empty"
-    if (isinstance(command, Sequence) and command
-            and all(isinstance(part, str) for part in command)):
+    if isinstance(command, Sequence) and command and all(isinstance(part, str) for part in command):
         return None
     return "command must be None (OpenEnv's default server command), a string, or a non-empty list of strings"
 
@@ -1595,37 +1567,25 @@ def _settings_rejection(settings: Mapping[str, Any], image_required: bool) -> Op
     return None
 
 
-def _job_command(command: Union[None, str, Sequence[str]], port: int) -> List[str]:
-    if command is None:
-        return [part.format(port=port) for part in DEFAULT_COMMAND_TEMPLATE]
-    if isinstance(command, str):
-        return shlex.split(command)
-    return list(command)
-
-
 def _job_body(settings: Mapping[str, Any], start_label: str) -> Dict[str, Any]:
     """The JSON body of `POST /api/jobs/{namespace}` for these (validated) settings."""
-    image = settings["image"]
+    command, port, space = settings["command"], int(settings["port"]), _space_id(settings["image"])
     labels = {str(k): str(v) for k, v in (settings["labels"] or {}).items()}
-    labels[PROVIDER_LABEL_KEY] = PROVIDER_LABEL_VALUE
-    labels[START_LABEL_KEY] = start_label
-    labels[PROCESS_LABEL_KEY] = _process_label
+    labels.update({PROVIDER_LABEL_KEY: PROVIDER_LABEL_VALUE, START_LABEL_KEY: start_label,
+                   PROCESS_LABEL_KEY: _process_label})
     body: Dict[str, Any] = {
-        "command": _job_command(settings["command"], int(settings["port"])),
+        "command": ([part.format(port=port) for part in DEFAULT_COMMAND_TEMPLATE] if command is None
+                    else shlex.split(command) if isinstance(command, str) else list(command)),
         "arguments": [],
         "environment": {k: str(v) for k, v in (settings["env_vars"] or {}).items()},
         "flavor": settings["flavor"],
         "timeoutSeconds": _parse_duration(settings["job_timeout"]),
         "labels": labels,
-        "expose": {"ports": [int(settings["port"])], "portsPublic": []},
+        "expose": {"ports": [port], "portsPublic": []},
     }
     if settings["secrets"]:
         body["secrets"] = {k: str(v) for k, v in settings["secrets"].items()}
-    space = _space_id(image)
-    if space is not None:
-        body["spaceId"] = space
-    else:
-        body["dockerImage"] = image
+    body.update({"spaceId": space} if space is not None else {"dockerImage": settings["image"]})
     return body
 
 
