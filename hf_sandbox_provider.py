@@ -1600,15 +1600,14 @@ def _exposed_url_rejection(url: str, job_id: str, port: int, endpoint: str) -> O
         return "the job's exposed URL %r is malformed; not sending the token to it" % url
     if parts.username or parts.password:
         return "the job's exposed URL %r carries credentials; not sending the token to it" % url
-    endpoint_host = urlsplit(endpoint).hostname
     # A job-shaped host (`<id>--<port>.`) must be this job's even on loopback: the TLS emulator serves
     # `<job_id>--<port>.jobs.localhost`, which is loopback, and must still be checked as on the Hub.
     job_shaped = bool(host) and _JOB_HOST.match(host) is not None
-    if (not job_shaped and _is_loopback_host(endpoint_host) and _is_loopback_host(host)
+    if (not job_shaped and _is_loopback_host(urlsplit(endpoint).hostname) and _is_loopback_host(host)
             and parts.scheme in ("http", "https")):
         return None
     if parts.scheme != "https":
-        return ("the job's exposed URL %r is not https; refusing to send the token in clear text" % url)
+        return "the job's exposed URL %r is not https; refusing to send the token in clear text" % url
     expected = ("%s--%d." % (job_id, port)).lower()
     if not host or not host.lower().startswith(expected) or len(host) <= len(expected):
         return ("the job's exposed URL %r does not belong to job %s port %d (expected host %s<domain>); "
@@ -1619,16 +1618,15 @@ def _exposed_url_rejection(url: str, job_id: str, port: int, endpoint: str) -> O
 def _describe_health_answer(response: requests.Response) -> str:
     """`HTTP 502 upstream-tls: <the proxy's explanation>` for the timeout message; the proxy's own
     errors carry X-Proxy-Error and a JSON body, which say why the job is not reachable."""
-    text = "HTTP %d" % response.status_code
     kind = response.headers.get("X-Proxy-Error")
-    if kind:
-        try:
-            detail = response.json()
-            message = detail.get("message") or detail.get("error") if isinstance(detail, dict) else None
-        except ValueError:
-            message = None
-        text += " %s%s" % (kind, ": %s" % str(message)[:300] if message else "")
-    return text
+    if not kind:
+        return "HTTP %d" % response.status_code
+    try:
+        detail = response.json()
+        message = detail.get("message") or detail.get("error") if isinstance(detail, dict) else None
+    except ValueError:
+        message = None
+    return "HTTP %d %s%s" % (response.status_code, kind, ": %s" % str(message)[:300] if message else "")
 
 
 def _health_status_rejection(response: requests.Response) -> Optional[str]:
@@ -1658,9 +1656,8 @@ def _ready_url_rejection(url: Optional[str], base_url: str) -> Optional[str]:
 
 def _endpoint_rejection(endpoint: str) -> Optional[str]:
     parts = urlsplit(endpoint)
-    if parts.scheme == "https" and parts.hostname:
-        return None
-    if parts.scheme == "http" and _is_loopback_host(parts.hostname):
+    if (parts.scheme == "https" and parts.hostname) or (
+            parts.scheme == "http" and _is_loopback_host(parts.hostname)):
         return None
     return ("Jobs endpoint %r must be https (http only for a loopback host such as the local emulator): "
             "the token is sent to it" % endpoint)
@@ -1669,9 +1666,9 @@ def _endpoint_rejection(endpoint: str) -> Optional[str]:
 def _discover_token() -> Optional[str]:
     """The HF token (never logged): TOKEN_ENV_VARS, huggingface_hub's get_token(), then the token file
     ($HF_TOKEN_PATH, else $HF_HOME/token). Blank values count as absent."""
-    for value in [os.environ.get(name) or "" for name in TOKEN_ENV_VARS]:
-        if value.strip():
-            return value.strip()
+    found = [value.strip() for value in map(os.environ.get, TOKEN_ENV_VARS) if (value or "").strip()]
+    if found:
+        return found[0]
     try:
         try:
             from huggingface_hub import get_token  # type: ignore[attr-defined]
@@ -1739,15 +1736,12 @@ def _on_endpoint(url: str, endpoint: str) -> str:
 
 def _retry_after_seconds(value: Optional[str], now: Optional[float] = None) -> Optional[float]:
     """Seconds to wait from a Retry-After header (delta seconds or an HTTP date), or None."""
-    if not value:
-        return None
-    value = value.strip()
     try:
-        return max(0.0, float(value))
+        return max(0.0, float((value or "").strip()))
     except ValueError:
         pass
     try:
-        when = email.utils.parsedate_to_datetime(value)
+        when = email.utils.parsedate_to_datetime((value or "").strip())
     except (TypeError, ValueError, IndexError):
         return None
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
@@ -1763,9 +1757,8 @@ def _retry_delay(attempt: int, retry_after: Optional[float], base: float = API_B
 
 def _transport_failure(exc: requests.RequestException) -> Tuple[str, bool]:
     """(what went wrong, whether the server may have received the request) for a call with no answer, read
-    from the exceptions requests wraps (urllib3's `reason`, the args, the chained causes). A refused,
-    unresolvable or timed-out connection sent nothing; the OS's reason (or http.client's, when the server
-    hung up without answering) is kept for the message."""
+    from the exceptions requests wraps (urllib3's `reason`, the args, the chained causes): a connection
+    that failed sent nothing; the OS's reason (or http.client's, for a hang-up) goes in the message."""
     reason, nothing_sent = None, isinstance(exc, requests.ConnectTimeout)
     pending, seen = [exc], set()
     while pending:
@@ -1791,13 +1784,12 @@ def _refused(exc: BaseException) -> bool:
 
 def _server_message(response: requests.Response) -> Optional[str]:
     message = response.headers.get("X-Error-Message")
-    if not message:
-        try:
-            payload = response.json()
-            if isinstance(payload, dict):
-                message = payload.get("error") or payload.get("message")
-        except ValueError:
-            message = (response.text or "").strip()[:300] or None
+    try:
+        payload = None if message else response.json()
+        message = message or (payload.get("error") or payload.get("message") if isinstance(payload, dict)
+                              else None)
+    except ValueError:
+        message = (response.text or "").strip()[:300] or None
     return str(message) if message else None
 
 
