@@ -1807,7 +1807,7 @@ def _status_hint(status: int) -> Optional[str]:
 def _sse_lines(chunks: Iterable[str]) -> Iterable[str]:
     """Log lines from an HF Jobs SSE stream: `data: {"data": line, "timestamp": ...}` events."""
     for raw in chunks:
-        if not raw.startswith("data:"):
+        if raw is None or not raw.startswith("data:"):
             continue
         payload = raw[5:].strip()
         try:
@@ -1837,8 +1837,6 @@ class _JobsClient:
 
     def close(self) -> None:
         self._session.close()
-
-    # -- calls ----------------------------------------------------------------------------------------
 
     def whoami_namespace(self) -> str:
         key = self.token_key
@@ -1899,8 +1897,8 @@ class _JobsClient:
                            "loops or the namespace has too many jobs for one listing" % (LIST_MAX_PAGES, len(jobs)))
 
     def hardware_flavors(self) -> Optional[frozenset]:
-        """The flavor names of `GET /api/jobs/hardware` (huggingface_hub's list_jobs_hardware), or None when
-        the endpoint does not answer it with a list of named entries (asked once, never retried)."""
+        """The flavor names of `GET /api/jobs/hardware` (huggingface_hub's list_jobs_hardware), or None
+        when the endpoint does not answer a list of named entries (never retried)."""
         try:
             payload = self._json("GET", "/api/jobs/hardware", "listing the Jobs hardware", retries=0)
         except JobsAPIError as exc:
@@ -1922,8 +1920,7 @@ class _JobsClient:
                 self._budget.observe(response.headers, ticket)
                 if response.status_code >= 300:
                     return []
-                raw = response.iter_lines(decode_unicode=True)
-                for line in _sse_lines(line for line in raw if line is not None):
+                for line in _sse_lines(response.iter_lines(decode_unicode=True)):
                     lines.append(line)
                     if time.monotonic() > deadline:
                         break
@@ -1931,16 +1928,14 @@ class _JobsClient:
             logger.debug("log stream for job %s ended: %s", job_id, type(exc).__name__)
         return list(lines)
 
-    # -- machinery --------------------------------------------------------------------------------------
-
     def _json(self, method: str, path: str, action: str, params: Any = None, retries: int = API_MAX_RETRIES,
               max_delay: float = RETRY_AFTER_CAP_S, allow_empty: bool = False,
               next_links: Optional[List[Optional[str]]] = None, body: Any = None,
               find_lost: Optional[Callable[[], Any]] = None, teardown: bool = False) -> Any:
-        """A call retried on 429/5xx/connection errors with backoff. With `find_lost` (a create, not safe to
-        repeat), an ambiguous failure (no answer, a 5xx) first asks `find_lost()` for what it made anyway.
-        `path` may be a full URL (a pagination link); `next_links` receives the `rel="next"` URL. A
-        `teardown` call never waits for budget; answered 429, it waits for the server's reset."""
+        """A call retried on 429/5xx/connection errors with backoff; with `find_lost` (a create), an
+        ambiguous failure (no answer, a 5xx) first asks `find_lost()` for what it made anyway. `path` may be
+        a full URL (a next page); `next_links` gets the `rel="next"` URL. A `teardown` call never waits for
+        budget; answered 429, it waits for the server's reset."""
         url = path if path.startswith(self.endpoint + "/") else self.endpoint + path
         attempt = 0
         sent_maybe = False  # whether any attempt may have reached the server without an answer
@@ -1978,10 +1973,11 @@ class _JobsClient:
                 try:
                     found = find_lost()
                 except JobsAPIError as lookup:  # report the create, which is what failed
-                    error = JobsAPIError(action, response.status_code if response is not None else None,
-                                         "%s; whether it made a job anyway could not be checked (%s)" % (failure, lookup),
-                                         hint="run `python -m hf_sandbox_provider sweep` once %s answers" % self.endpoint)
-                    raise error from None
+                    raise JobsAPIError(
+                        action, response.status_code if response is not None else None,
+                        "%s; whether it made a job anyway could not be checked (%s)" % (failure, lookup),
+                        hint="run `python -m hf_sandbox_provider sweep` once %s answers" % self.endpoint
+                    ) from None
                 if found is not None:
                     return found
             if attempt >= retries:
