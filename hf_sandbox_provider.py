@@ -2004,11 +2004,10 @@ class _JobsClient:
 
 
 class _ApiBudget:
-    """One token's view of the Hub's per-user rate limit, shared by every client of the process. It follows
-    the server's RateLimit headers (remaining calls, seconds to reset, quota, window) when they come, else
-    counts this process's own calls in a sliding window of the configured quota. When little is left it
-    paces calls over the time to the reset; the last `reserve` calls are kept for teardown, which never
-    waits here; a 429 pauses every other call until the server's reset. `clock`/`sleep` are test hooks."""
+    """One token's view of the Hub's per-user rate limit, shared by the process's clients: the server's
+    RateLimit headers when they come, else this process's calls in a sliding window of the quota. With
+    little left it paces calls to the reset; the last `reserve` calls are kept for teardown, which never
+    waits here; a 429 pauses every other call until the server's reset. `clock`/`sleep`: test hooks."""
 
     def __init__(self, calls: int = RATE_LIMIT_CALLS, window_s: float = RATE_LIMIT_WINDOW_S,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
@@ -2179,15 +2178,13 @@ def _api_budget(endpoint: str, token: str) -> _ApiBudget:
 
 
 class _Watch:
-    """One starting provider's registration: the latest job answer, or the error that ends the wait."""
+    """One starting provider's registration: the latest job answer, or the error that ends the wait;
+    `wake` is set whenever the job's stage or URLs change or the error is set."""
 
     def __init__(self, namespace: str, job_id: str, interval_s: float, wake: threading.Event,
                  job: Optional[Mapping[str, Any]] = None, since: Optional[float] = None) -> None:
-        self.namespace = namespace
-        self.job_id = job_id
-        self.base_interval_s = interval_s
+        self.namespace, self.job_id, self.base_interval_s, self.wake = namespace, job_id, interval_s, wake
         self.since = time.monotonic() if since is None else since  # when the job was submitted
-        self.wake = wake  # set whenever `job` changes stage/URLs or `error` is set
         self.job: Optional[Mapping[str, Any]] = job
         self.error: Optional[BaseException] = None
         self.refreshed = 0  # answers received: a refresh inspects the least refreshed missing jobs first
@@ -2199,8 +2196,7 @@ class _Watch:
         return self.base_interval_s
 
     def deliver(self, job: Mapping[str, Any]) -> None:
-        before = self.job or {}
-        self.job = job
+        before, self.job = self.job or {}, job
         self.refreshed += 1
         if _watch_signature(job) != _watch_signature(before):
             self.wake.set()
@@ -2219,11 +2215,9 @@ class _WatchGroup:
     """The watches that share one (endpoint, token, namespace): refreshed together by one call."""
 
     def __init__(self, client: "_JobsClient", namespace: str) -> None:
-        self.client = client
-        self.namespace = namespace
+        self.client, self.namespace = client, namespace
         self.watches: List[_Watch] = []
-        self.next_due = 0.0
-        self.failures = 0
+        self.next_due, self.failures = 0.0, 0
 
 
 class _JobWatcher:
@@ -2258,9 +2252,8 @@ class _JobWatcher:
 
     def unregister(self, watch: _Watch) -> None:
         with self._cond:
-            for group in self._groups.values():
-                if watch in group.watches:
-                    group.watches.remove(watch)
+            for group in [g for g in self._groups.values() if watch in g.watches]:
+                group.watches.remove(watch)
             self._cond.notify_all()
 
     def _run(self) -> None:
@@ -2291,7 +2284,7 @@ class _JobWatcher:
 
     def _refresh(self, group: _WatchGroup, watches: List[_Watch]) -> None:
         """One refresh of a group; failures pause it, and end the waits after API_MAX_RETRIES. A refresh the
-        budget would hold is put off instead, so this thread never blocks the groups of other tokens."""
+        budget would hold is put off, so this thread never blocks the groups of other tokens."""
         client = group.client
         held = client._budget.wait_s()
         if held > 0:
@@ -2330,10 +2323,8 @@ class _JobWatcher:
                 logger.debug("job watcher: refresh failed (%s), retrying", exc)
             return
         group.failures = 0
-        for watch in watches:
-            job = found.get(watch.job_id)
-            if job is not None:
-                watch.deliver(job)
+        for watch in [w for w in watches if w.job_id in found]:
+            watch.deliver(found[watch.job_id])
 
 
 _watcher = _JobWatcher()
@@ -2341,13 +2332,12 @@ _process_label = uuid.uuid4().hex  # this process's PROCESS_LABEL_KEY value (a f
 
 
 def _reset_after_fork() -> None:
-    """A forked child inherits no threads: give it its own watcher, budgets and process label."""
+    """A forked child inherits no threads: give it its own watcher, budgets and process label (the
+    fetched hardware lists stay valid; a lock held at the fork would not)."""
     global _watcher, _process_label, _budgets_lock, _hardware_lock
-    _watcher = _JobWatcher()
-    _process_label = uuid.uuid4().hex
-    _budgets_lock = threading.Lock()
+    _watcher, _process_label = _JobWatcher(), uuid.uuid4().hex
+    _budgets_lock, _hardware_lock = threading.Lock(), threading.Lock()
     _budgets.clear()
-    _hardware_lock = threading.Lock()  # the fetched lists stay valid; a lock held at the fork would not
 
 
 if hasattr(os, "register_at_fork"):
@@ -2389,13 +2379,11 @@ def _cancel_briefly(client: "_JobsClient", namespace: str, job_id: str) -> Optio
             reason = str(exc)
             if exc.status_code == 404:
                 return None  # the job no longer exists
-            if _refused(exc):
-                try:  # the API refuses to cancel a finished job: that is success too
-                    stage = (client.get_job(namespace, job_id, retries=0).get("status") or {}).get("stage")
-                    if stage in TERMINAL_STAGES:
+            if _refused(exc):  # the API refuses to cancel a finished job: that is success too
+                with contextlib.suppress(Exception):
+                    if (client.get_job(namespace, job_id, retries=0).get("status") or {}).get(
+                            "stage") in TERMINAL_STAGES:
                         return None
-                except Exception:
-                    pass
         except Exception as exc:
             reason = "%s: %s" % (type(exc).__name__, exc)
         if attempt + 1 < CANCEL_ATTEMPTS:
@@ -2410,10 +2398,9 @@ def _release_job(client: Optional["_JobsClient"], namespace: Optional[str], job_
     when cancelled. Plain values, never the provider: the safety net (`abandoned`: a provider collected,
     or the interpreter exiting, with its job running) uses it too."""
     if abandoned and job_id:
-        logger.warning("HF job %s is still running at exit (or its provider was garbage-collected): cancelling it",
-                       job_id)
-    problems = []
-    cancelled = False
+        logger.warning("HF job %s is still running at exit (or its provider was garbage-collected): "
+                       "cancelling it", job_id)
+    problems, cancelled = [], False
     try:
         problems.extend(_unmount(proxy, base_url))
         if job_id and namespace and client is not None:
@@ -2456,11 +2443,9 @@ def _stop_everything_at_exit() -> None:
         proxy, _shared_proxy_instance = _shared_proxy_instance, None
         host, _shared_process_proxy = _shared_process_proxy, None  # proxy="process": its child stops cleanly
     for shared in (proxy, host):
-        if shared is not None:
-            try:
+        with contextlib.suppress(Exception):
+            if shared is not None:
                 shared.stop()
-            except Exception:
-                pass
 
 
 # -- The layers: the registry of placements, the names re-exported lazily (PEP 562), the command line ---
