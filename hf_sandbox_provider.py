@@ -85,7 +85,6 @@ __version__ = "0.1.0"
 logger = logging.getLogger("hf_sandbox_provider")
 
 # -- Constants -------------------------------------------------------------------------------------
-
 # The public Hub; HF_ENDPOINT overrides it (mirrors, staging, the local emulator).
 DEFAULT_ENDPOINT = "https://huggingface.co"
 # OpenEnv servers listen on 8000 in every image built from OpenEnv's template.
@@ -206,8 +205,6 @@ USER_AGENT = "hf-sandbox-provider/" + __version__
 
 
 # -- Errors ----------------------------------------------------------------------------------------
-
-
 class SandboxError(RuntimeError):
     """Base class of every error this module raises on purpose."""
 
@@ -298,8 +295,6 @@ class JobsAPIError(SandboxError):
 
 
 # -- The job lifecycle: one explicit phase per provider (in the spirit of wsproto's ConnectionState) ---
-
-
 class Phase(enum.Enum):
     """Where a provider is in its job's life. Only `_move()` changes it, under the provider's lock and
     along `_PHASE_MOVES`, so a stop racing a start sees one consistent answer."""
@@ -339,8 +334,6 @@ class _Detached(NamedTuple):
 
 
 # -- The provider ----------------------------------------------------------------------------------
-
-
 # Where OpenEnv's `ContainerProvider` ABC has lived (current, older and pre-package layouts). Looked up in
 # sys.modules, never imported: `openenv.core`'s init loads gradio, pandas and pyarrow (about 4 s, 170 MiB),
 # which a trainer that never uses OpenEnv must not pay. Whoever checks isinstance has imported it already.
@@ -410,7 +403,6 @@ class HFSandboxProvider:
         self._reset_job_state()
 
     # -- public API ---------------------------------------------------------------------------------
-
     def start_container(self, image: Optional[str] = None, port: Optional[int] = None,
                         env_vars: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> str:
         """Submit the job, wait for its exposed URL, mount it on the proxy and return the base URL.
@@ -602,7 +594,6 @@ class HFSandboxProvider:
         self._reset_job_state()
 
     # -- overridable hooks ----------------------------------------------------------------------------
-
     def _new_session(self) -> requests.Session:
         """The HTTP session the Jobs client uses (override to add adapters or a corporate CA)."""
         return requests.Session()
@@ -616,7 +607,6 @@ class HFSandboxProvider:
         return settings
 
     # -- lifecycle state ----------------------------------------------------------------------------------
-
     def _init_runtime_state(self) -> None:
         # Guards the phase and the job's handles; re-entrant, so a teardown moves the phase and swaps the
         # handles out in one critical section.
@@ -746,7 +736,6 @@ class HFSandboxProvider:
         self._jobs._teardown_jobs(client)
 
     # -- one job ------------------------------------------------------------------------------------------
-
     def _settings(self, overrides: Mapping[str, Any]) -> Dict[str, Any]:
         return {**{name: getattr(self, name) for name in _OVERRIDABLE}, "image": self.image,
                 "port": self.port, "env_vars": self.env_vars, **overrides}
@@ -1003,8 +992,6 @@ _register_with_openenv()
 
 
 # -- Replicas: K single-job providers behind one route, run for the provider that owns them --------
-
-
 class _ReplicaSet:
     """K jobs of one image behind ONE replica route, for the provider that owns them (its `_jobs`): each a
     single-job `HFSandboxProvider` with the owner's proxy, token and hooks, probed on its own route."""
@@ -1200,8 +1187,6 @@ def _replicas_stage(stages: Sequence[Optional[str]]) -> Optional[str]:
 
 
 # -- Many providers at once: stop_all and the parallel workers of start_many and replica sets ------
-
-
 def stop_all(providers: Iterable["HFSandboxProvider"]) -> None:
     """Stop many providers at once (one thread each, bounded); never raises, like stop_container()."""
     _in_parallel([p.stop_container for p in providers if p is not None])
@@ -1345,7 +1330,6 @@ def _library_signal_mask() -> Iterator[None]:
 
 
 # -- Settings validation (pure: each `_..._rejection` returns why a value is refused, or None) -----
-
 # Patterns end in \Z, not $: `$` also matches before a trailing newline, which would let "name\n" through.
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 _DOMAIN = r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*(?::[0-9]+)?"
@@ -1697,8 +1681,6 @@ def _resolve_endpoint(endpoint: Optional[str]) -> str:
 
 
 # -- The Jobs REST client --------------------------------------------------------------------------
-
-
 def _token_key(endpoint: str, token: str) -> Tuple[str, str]:
     """(endpoint, sha256 of the token): what the process caches a namespace and an API budget by."""
     return (endpoint, hashlib.sha256(token.encode("utf-8")).hexdigest())
@@ -2001,8 +1983,6 @@ class _JobsClient:
 
 
 # -- Process-wide Jobs API budget and job watcher (many providers, one thread, O(1) calls per interval) ---
-
-
 class _ApiBudget:
     """One token's view of the Hub's per-user rate limit, shared by the process's clients: the server's
     RateLimit headers when they come, else this process's calls in a sliding window of the quota. With
@@ -2345,12 +2325,13 @@ if hasattr(os, "register_at_fork"):
 
 
 # -- Process-wide state: the shared proxy and the exit hook ----------------------------------------
-
 _shared_proxy_instance: Optional["_proxy.AuthProxy"] = None
 _shared_process_proxy: Optional["_proxy.AuthProxyProcess"] = None  # proxy="process"
 _shared_proxy_lock = threading.Lock()
 # Safety nets of running providers (weakref.finalize objects: they do not keep providers alive).
 _live_finalizers: "set[weakref.finalize]" = set()
+
+
 def _shared_proxy(mode: Optional[str] = None) -> "_proxy.AuthProxy":
     """One loopback proxy for every provider in the process (started on first use). `mode="process"`:
     one proxy host child process (AuthProxy.spawn) shared the same way, replaced if it died."""
@@ -2449,7 +2430,6 @@ def _stop_everything_at_exit() -> None:
 
 
 # -- The layers: the registry of placements, the names re-exported lazily (PEP 562), the command line ---
-
 _LAYER_OF = {name: module for module, names in _LAYERS.items() for name in names}
 # Placements besides a dedicated job, by keyword: the layer (file) that provides each. A placement layer
 # plugs in through `_register_placement` when it is imported; the core imports it on first use through
