@@ -217,9 +217,7 @@ class JobFailedError(SandboxError):
     """The job reached a terminal stage before serving; carries its stage, message and log tail."""
 
     def __init__(self, job_id: str, stage: str, message: Optional[str], log_tail: Sequence[str] = ()):
-        self.job_id = job_id
-        self.stage = stage
-        self.message = message
+        self.job_id, self.stage, self.message = job_id, stage, message
         self.log_tail = list(log_tail)
         tail = ("--- last %d log lines ---\n%s" % (len(self.log_tail), "\n".join(self.log_tail))
                 if self.log_tail else "(no log lines could be fetched)")
@@ -231,14 +229,12 @@ class JobStartTimeout(SandboxError, TimeoutError):
     """The job did not expose its URL, or its server did not answer /health, in time."""
 
     def __init__(self, message: str, job_id: Optional[str] = None, stage: Optional[str] = None):
-        self.job_id = job_id
-        self.stage = stage
+        self.job_id, self.stage = job_id, stage
         super().__init__(message)
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc)
-    return text.splitlines()[0] if text else ""
+    return (str(exc).splitlines() or [""])[0]
 
 
 _Failures = Sequence[Tuple[int, BaseException]]
@@ -283,11 +279,8 @@ class JobsAPIError(SandboxError):
 
     def __init__(self, action: str, status_code: Optional[int], server_message: Optional[str],
                  request_id: Optional[str] = None, hint: Optional[str] = None):
-        self.action = action
-        self.status_code = status_code
-        self.server_message = server_message
-        self.request_id = request_id
-        self.may_have_acted = True
+        self.action, self.status_code, self.server_message = action, status_code, server_message
+        self.request_id, self.may_have_acted = request_id, True
         super().__init__("%s failed: %s%s%s%s" % (
             action, "HTTP %d" % status_code if status_code else "no answer",
             ": " + server_message if server_message else "",
@@ -376,25 +369,14 @@ class HFSandboxProvider:
                  poll_interval_s: float = DEFAULT_POLL_INTERVAL_S, verify: Union[bool, str] = True,
                  proxy: Union[None, str, "_proxy.AuthProxy", "_proxy.AuthProxyProcess"] = None,
                  replicas: int = 1, pool: Any = None, warn_env_credentials: bool = True) -> None:
-        self.image = image
-        self.command = command
-        self.port = port
-        self.flavor = flavor
-        self.namespace = namespace
-        self.endpoint = _resolve_endpoint(endpoint)
-        self.env_vars = dict(env_vars or {})
-        self.secrets = dict(secrets or {})
-        self.labels = dict(labels or {})
-        self.job_timeout = job_timeout
-        self.start_timeout_s = start_timeout_s
-        self.ready_timeout_s = ready_timeout_s
-        self.poll_interval_s = poll_interval_s
-        self.verify = verify
-        self.replicas = replicas
+        self.image, self.command, self.port, self.flavor = image, command, port, flavor
+        self.namespace, self.endpoint = namespace, _resolve_endpoint(endpoint)
+        self.env_vars, self.secrets = dict(env_vars or {}), dict(secrets or {})
+        self.labels, self.job_timeout = dict(labels or {}), job_timeout
+        self.start_timeout_s, self.ready_timeout_s = start_timeout_s, ready_timeout_s
+        self.poll_interval_s, self.verify, self.replicas = poll_interval_s, verify, replicas
         self.pool = pool  # None: a dedicated job; a pool name or SandboxPool: pooled (hf_sandbox_pool)
-        self.warn_env_credentials = warn_env_credentials
-        self._token = token
-        self._proxy = proxy
+        self.warn_env_credentials, self._token, self._proxy = warn_env_credentials, token, proxy
         _raise_if_rejected(_proxy_rejection(proxy)
                            or _settings_rejection(self._settings({}), image_required=False))
         if warn_env_credentials:
@@ -1222,8 +1204,7 @@ class _Parallel:
         self.wake = wake or threading.Event()  # set by each action that ends (and by the owner's stop)
         self.ready: set = set()
         self.errors: List[Tuple[int, BaseException]] = []
-        self.aborted = 0
-        self.stopping = False
+        self.aborted, self.stopping = 0, False
         self._began: set = set()  # indexes whose action has begun
         self._lock = threading.Lock()
 
@@ -1805,8 +1786,7 @@ class _JobsClient:
     """The few Jobs REST calls the provider needs, on a private requests.Session."""
 
     def __init__(self, endpoint: str, token: str, session: Optional[requests.Session] = None):
-        self.endpoint = endpoint
-        self._token = token
+        self.endpoint, self._token = endpoint, token
         self._session = session or requests.Session()
         if self._session.headers.get("User-Agent", "python-requests/").startswith("python-requests/"):
             self._session.headers["User-Agent"] = USER_AGENT  # a session's own agent (a hook's) is kept
