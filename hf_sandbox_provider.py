@@ -520,8 +520,7 @@ class HFSandboxProvider:
         """Per replica job, in start order: the proxy's view (`upstream`, `open_sessions`, `healthy`,
         `reason`) plus `index`, `job_id`, `stage`, `message`. A replica out of rotation has its job
         inspected (all, with `refresh=True`); one that has ended leaves the route for good (WARNING)."""
-        replicas = self._replicas
-        if replicas is None:
+        if (replicas := self._replicas) is None:
             raise SandboxError("replica_status() needs a provider started with replicas > 1 (this one runs "
                                "%s); use .stage and .job_id for a single job" % (self.job_id or "no job"))
         return replicas.status(refresh)
@@ -840,8 +839,7 @@ class HFSandboxProvider:
 
     def _latest_job(self, client: "_JobsClient") -> Optional[Mapping[str, Any]]:
         """The watcher's latest answer for our job (raising what it failed with, or on a terminal stage)."""
-        watch = self._watch
-        if watch is None:
+        if (watch := self._watch) is None:
             raise SandboxError("job %s was stopped while starting" % self.job_id)
         if watch.error is not None:
             raise watch.error
@@ -860,11 +858,9 @@ class HFSandboxProvider:
         while True:
             self._wake.clear()  # before reading, so a change made after the read still wakes the wait
             job = self._latest_job(client) or {}
-            urls = (job.get("status") or {}).get("exposeUrls") or []
-            if urls:
+            if urls := (job.get("status") or {}).get("exposeUrls") or []:
                 url = str(urls[0]).rstrip("/")  # one port is exposed, so one URL
-                reason = self._hooks()._exposed_url_rejection(url, job_id, port)
-                if reason:
+                if reason := self._hooks()._exposed_url_rejection(url, job_id, port):
                     raise InsecureURLError(reason)
                 return url
             remaining = deadline - time.monotonic()
@@ -880,8 +876,7 @@ class HFSandboxProvider:
             self._wake.wait(min(remaining, max(0.0, heartbeat - time.monotonic())))
 
     def _wait_ready(self, base_url: str, budget: float) -> None:
-        client = self._job_client
-        if client is None:
+        if (client := self._job_client) is None:
             raise SandboxError("job %s was stopped before it became ready" % self.job_id)
         self._watch_job(client, self._last_job)
         try:  # between probes: the watcher's latest answer (a crash it saw ends the wait)
@@ -915,8 +910,7 @@ class HFSandboxProvider:
                         self.timings["ready"] = self._elapsed()
                         logger.info("%s ready (%.1fs after submit)", label, self._elapsed())
                         return
-                    reason = _health_status_rejection(response)
-                    if reason:
+                    if reason := _health_status_rejection(response):
                         raise SandboxError("%s: /health %s" % (short, reason))
                 except requests.RequestException as exc:
                     last_seen = type(exc).__name__
@@ -962,8 +956,7 @@ class HFSandboxProvider:
             return
         for job in found:
             job_id = str(job.get("id"))
-            outcome = _cancel_briefly(client, namespace, job_id)
-            if outcome is None:
+            if (outcome := _cancel_briefly(client, namespace, job_id)) is None:
                 logger.info("cancelled job %s made by a create that reported failure", job_id)
             else:
                 logger.warning("HF job %s (made by a failed create) could not be cancelled: %s; run "
@@ -1424,8 +1417,7 @@ def _positive_int_rejection(name: str, value: Any) -> Optional[str]:
 
 
 def _replicas_rejection(replicas: Any) -> Optional[str]:
-    reason = _positive_int_rejection("replicas", replicas)
-    if reason:
+    if reason := _positive_int_rejection("replicas", replicas):
         return reason + " (the number of jobs behind one route; 1 = a single job)"
     if replicas > MAX_REPLICAS:
         return ("replicas=%d is more than %d jobs behind one route; use start_many() for independent "
@@ -1522,8 +1514,7 @@ _SETTING_CHECKS: Tuple[Tuple[str, Callable[[Any], Optional[str]]], ...] = (
 def _settings_rejection(settings: Mapping[str, Any], image_required: bool) -> Optional[str]:
     """Why these provider settings cannot start a job (checked before any network call), or None."""
     if image_required or settings.get("image") is not None:
-        reason = _image_rejection(settings.get("image"))
-        if reason:
+        if reason := _image_rejection(settings.get("image")):
             return reason
     for name, check in _SETTING_CHECKS:
         reason = check(settings.get(name, 1 if name == "replicas" else None))
@@ -1583,8 +1574,7 @@ def _exposed_url_rejection(url: str, job_id: str, port: int, endpoint: str) -> O
 def _describe_health_answer(response: requests.Response) -> str:
     """`HTTP 502 upstream-tls: <the proxy's explanation>` for the timeout message; the proxy's own
     errors carry X-Proxy-Error and a JSON body, which say why the job is not reachable."""
-    kind = response.headers.get("X-Proxy-Error")
-    if not kind:
+    if not (kind := response.headers.get("X-Proxy-Error")):
         return "HTTP %d" % response.status_code
     try:
         detail = response.json()
@@ -1639,8 +1629,7 @@ def _discover_token() -> Optional[str]:
             from huggingface_hub import get_token  # type: ignore[attr-defined]
         except ImportError:
             from huggingface_hub.utils import get_token  # type: ignore[no-redef]
-        value = (get_token() or "").strip()
-        if value:
+        if value := (get_token() or "").strip():
             return value
     except Exception:  # absent or too old: fall back to the documented location
         pass
@@ -1655,8 +1644,7 @@ def _discover_token() -> Optional[str]:
 
 def _resolve_endpoint(endpoint: Optional[str]) -> str:
     value = (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).strip().rstrip("/")
-    reason = _endpoint_rejection(value)
-    if reason:
+    if reason := _endpoint_rejection(value):
         raise InsecureURLError(reason)
     return value
 
@@ -1817,8 +1805,7 @@ class _JobsClient:
         """POST the job, never twice for one start: after an ambiguous failure the job carrying
         `unique_label` is adopted if it exists. Once `given_up()` (a stop), a failed POST is not retried."""
         def find_lost() -> Optional[Dict[str, Any]]:
-            found = self.list_jobs(namespace, labels=unique_label)
-            if found:
+            if found := self.list_jobs(namespace, labels=unique_label):
                 logger.info("create answer was lost; adopting job %s found by its start label", found[0].get("id"))
                 return found[0]
             if given_up():
@@ -2100,8 +2087,7 @@ _RATELIMIT_POLICY = re.compile(r"q\s*=\s*(?P<q>\d+).*?w\s*=\s*(?P<w>\d+)")
 
 def _parse_ratelimit(headers: Mapping[str, str]) -> _RateLimitInfo:
     lowered = {str(key).lower(): value for key, value in headers.items()}
-    match = _RATELIMIT.search(lowered.get("ratelimit") or "")
-    if match is None:
+    if (match := _RATELIMIT.search(lowered.get("ratelimit") or "")) is None:
         return None
     policy = _RATELIMIT_POLICY.search(lowered.get("ratelimit-policy") or "")
     return (int(match.group("r")), int(match.group("t")), int(policy.group("q")) if policy else None,
@@ -2111,8 +2097,7 @@ def _parse_ratelimit(headers: Mapping[str, str]) -> _RateLimitInfo:
 def _configured_rate_limit() -> Tuple[int, float]:
     """The quota and window to assume before the server says: HF_SANDBOX_RATE_LIMIT ("2500/300"), else the
     free tier."""
-    text = os.environ.get(RATE_LIMIT_ENV, "").strip()
-    if not text:
+    if not (text := os.environ.get(RATE_LIMIT_ENV, "").strip()):
         return RATE_LIMIT_CALLS, RATE_LIMIT_WINDOW_S
     calls, _, window = text.partition("/")
     try:
@@ -2198,8 +2183,7 @@ class _JobWatcher:
         watch = _Watch(namespace, job_id, interval_s, wake, job, since)
         key = _token_key(endpoint, token) + (namespace,)
         with self._cond:
-            group = self._groups.get(key)
-            if group is None:
+            if (group := self._groups.get(key)) is None:
                 group = self._groups[key] = _WatchGroup(_JobsClient(endpoint, token, new_session()), namespace)
                 group.next_due = time.monotonic() + interval_s
             group.watches.append(watch)
@@ -2365,8 +2349,7 @@ def _release_job(client: Optional["_JobsClient"], namespace: Optional[str], job_
     try:
         problems.extend(_unmount(proxy, base_url))
         if job_id and namespace and client is not None:
-            outcome = _cancel_briefly(client, namespace, job_id)
-            if outcome is None:
+            if (outcome := _cancel_briefly(client, namespace, job_id)) is None:
                 cancelled = True
                 logger.info("HF job %s cancelled", job_id)
             else:
