@@ -406,14 +406,12 @@ class HFSandboxProvider:
         self._claim_start()
         started = False
         try:
-            if settings["pool"] is not None:
-                pooled = _placement("pool").PooledSandbox(self, settings)  # bad combinations fail here
-                with self._lock:
-                    self._pooled = pooled
-            elif settings["replicas"] > 1:
-                replicas = _ReplicaSet(self, settings, token, self._proxy_instance())  # bad overrides fail here
-                with self._lock:
-                    self._replicas = replicas
+            # What runs the jobs (`_jobs`): bad combinations and overrides fail here, before any job.
+            pooled = _placement("pool").PooledSandbox(self, settings) if settings["pool"] is not None else None
+            replicas = (_ReplicaSet(self, settings, token, self._proxy_instance())
+                        if pooled is None and settings["replicas"] > 1 else None)
+            with self._lock:
+                self._pooled, self._replicas = pooled, replicas
             base_url = self._jobs._start_jobs(settings, token)
             started = True
             return base_url
@@ -482,11 +480,9 @@ class HFSandboxProvider:
         if launch.errors and all_or_nothing:
             stop_all(providers)
             raise StartManyError(n, launch.errors, launch.aborted)
+        stop_all([p for i, p in enumerate(providers) if i not in launch.ready])  # none if all are ready
         ready = [p for i, p in enumerate(providers) if i in launch.ready]
-        if not all_or_nothing:
-            stop_all([p for i, p in enumerate(providers) if i not in launch.ready])
-            return ready, sorted(launch.errors, key=lambda item: item[0])
-        return ready
+        return ready if all_or_nothing else (ready, sorted(launch.errors, key=lambda item: item[0]))
 
     def stop_container(self) -> None:
         """Unmount the route and cancel the job (all K with replicas, in parallel). Idempotent; never
@@ -683,12 +679,10 @@ class HFSandboxProvider:
         while a start is in flight in its thread, else IDLE), so a start claimed right after cannot swap
         the job's identity under the teardown. Retires the safety net."""
         with self._lock:
-            held = self._phase in _JOB_HELD
-            if self._phase in _START_IN_FLIGHT:
+            held, in_flight = self._phase in _JOB_HELD, self._phase in _START_IN_FLIGHT
+            if in_flight:
                 self._request_stop()  # under the lock, after the start's claim cleared any earlier one
-                self._move(Phase.STOPPING)
-            else:
-                self._move(Phase.IDLE)
+            self._move(Phase.STOPPING if in_flight else Phase.IDLE)
             detached = _Detached(self.job_id if held else None, self._job_namespace, self.job_url,
                                  self.base_url, self._mounted_on, self._job_client)
             finalizer, self._finalizer = self._finalizer, None
@@ -708,8 +702,7 @@ class HFSandboxProvider:
 
     def _hooks(self) -> "HFSandboxProvider":
         """Whose overridable hooks this job uses: its own, or for a replica job its owner's."""
-        owner = self._owner() if self._owner is not None else None
-        return owner if owner is not None else self
+        return (self._owner is not None and self._owner()) or self
 
     def _teardown(self, client: Optional["_JobsClient"] = None) -> None:
         """Unmount and cancel, logging (never raising) what could not be cleaned up. `client`: the starting
@@ -978,21 +971,19 @@ class _ReplicaSet:
         for index, item in enumerate(per_replica):  # a bad override fails before any job
             reason = _settings_rejection(item, image_required=True)
             if reason or item.get("replicas") != 1:
-                raise SandboxConfigError("_replica_settings(%d): %s" % (index, reason or "replicas must stay 1"))
+                raise SandboxConfigError("_replica_settings(%d): %s"
+                                         % (index, reason or "replicas must stay 1"))
         self.proxy = proxy
         self._owner = weakref.ref(owner)  # weak: the owner holds this set and must stay collectable
-        self.children = [self._replica(owner, item, token, proxy) for item in per_replica]
+        self.children: List[HFSandboxProvider] = []
+        for item in per_replica:
+            options = {name: item[name] for name in _OVERRIDABLE if name != "replicas"}
+            child = HFSandboxProvider(item["image"], port=item["port"], env_vars=item["env_vars"],
+                                      token=token, endpoint=owner.endpoint, proxy=proxy, **options)
+            child._owner = self._owner  # it uses its owner's hooks
+            self.children.append(child)
         self.removed: Dict[int, str] = {}  # why a replica left the route, by index
         self.checked: Dict[int, float] = {}  # when status() last inspected each replica's job
-
-    @staticmethod
-    def _replica(owner: HFSandboxProvider, settings: Mapping[str, Any], token: str,
-                 proxy: "_proxy.AuthProxy") -> HFSandboxProvider:
-        options = {name: settings[name] for name in _OVERRIDABLE if name != "replicas"}
-        child = HFSandboxProvider(settings["image"], port=settings["port"], env_vars=settings["env_vars"],
-                                  token=token, endpoint=owner.endpoint, proxy=proxy, **options)
-        child._owner = weakref.ref(owner)
-        return child
 
     @property
     def owner(self) -> HFSandboxProvider:
@@ -1074,9 +1065,8 @@ class _ReplicaSet:
         now = time.monotonic()
         for index, child in enumerate(self.children):
             entry = entries.get(child.upstream_url or "")
-            checked = self.checked.get(index)
-            if refresh or (entry is not None and not entry["healthy"]
-                           and (checked is None or now - checked >= REPLICA_CHECK_INTERVAL_S)):
+            if refresh or (entry is not None and not entry["healthy"] and now - self.checked.get(
+                    index, float("-inf")) >= REPLICA_CHECK_INTERVAL_S):
                 self.checked[index] = now
                 self._check(index, child, proxy, base_url)
         entries = self._route_entries(proxy, base_url)
