@@ -1503,14 +1503,11 @@ _SETTING_CHECKS: Tuple[Tuple[str, Callable[[Any], Optional[str]]], ...] = (
 
 def _settings_rejection(settings: Mapping[str, Any], image_required: bool) -> Optional[str]:
     """Why these provider settings cannot start a job (checked before any network call), or None."""
-    if image_required or settings.get("image") is not None:
-        if reason := _image_rejection(settings.get("image")):
-            return reason
-    for name, check in _SETTING_CHECKS:
-        reason = check(settings.get(name, 1 if name == "replicas" else None))
-        if reason:
-            return reason
-    return None
+    if (image_required or settings.get("image") is not None) and (
+            reason := _image_rejection(settings.get("image"))):
+        return reason
+    return next(filter(None, (check(settings.get(name, 1 if name == "replicas" else None))
+                              for name, check in _SETTING_CHECKS)), None)
 
 
 def _job_body(settings: Mapping[str, Any], start_label: str) -> Dict[str, Any]:
@@ -1611,25 +1608,21 @@ def _endpoint_rejection(endpoint: str) -> Optional[str]:
 def _discover_token() -> Optional[str]:
     """The HF token (never logged): TOKEN_ENV_VARS, huggingface_hub's get_token(), then the token file
     ($HF_TOKEN_PATH, else $HF_HOME/token). Blank values count as absent."""
-    found = [value.strip() for value in map(os.environ.get, TOKEN_ENV_VARS) if (value or "").strip()]
-    if found:
-        return found[0]
-    try:
+    for value in map(os.environ.get, TOKEN_ENV_VARS):
+        if value and value.strip():
+            return value.strip()
+    with contextlib.suppress(Exception):  # absent or too old: fall back to the documented location
         try:
             from huggingface_hub import get_token  # type: ignore[attr-defined]
         except ImportError:
             from huggingface_hub.utils import get_token  # type: ignore[no-redef]
         if value := (get_token() or "").strip():
             return value
-    except Exception:  # absent or too old: fall back to the documented location
-        pass
     path = os.environ.get("HF_TOKEN_PATH") or os.path.join(os.environ.get("HF_HOME") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"), "token")
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return handle.read().strip() or None
-    except OSError:
-        return None
+    with contextlib.suppress(OSError), open(path, encoding="utf-8") as handle:
+        return handle.read().strip() or None
+    return None
 
 
 def _resolve_endpoint(endpoint: Optional[str]) -> str:
