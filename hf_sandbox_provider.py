@@ -33,6 +33,7 @@ import hashlib
 import http.client
 import importlib
 import importlib.util
+import itertools
 import json
 import logging
 import os
@@ -1869,9 +1870,8 @@ class _JobsClient:
         a full URL (a next page); `next_links` gets the `rel="next"` URL. A `teardown` call never waits for
         budget; answered 429, it waits for the server's reset."""
         url = path if path.startswith(self.endpoint + "/") else self.endpoint + path
-        attempt = 0
         sent_maybe = False  # whether any attempt may have reached the server without an answer
-        while True:
+        for attempt in itertools.count():
             retry_after: Optional[float] = None
             paused = None
             ticket = self._budget.acquire(teardown)
@@ -1917,14 +1917,12 @@ class _JobsClient:
                     action, None, failure, hint="check the network and HF_ENDPOINT (%s)" % self.endpoint)
                 error.may_have_acted = sent_maybe
                 raise error from None
-            if paused is not None:  # the budget holds ordinary calls until the reset; a teardown waits it here
-                delay = paused if teardown else 0.0
-            else:
-                delay = min(_retry_delay(attempt, retry_after), max_delay)
+            # after a 429 the budget holds ordinary calls until the reset; a teardown waits it out here
+            delay = (paused if teardown else 0.0) if paused is not None else min(
+                _retry_delay(attempt, retry_after), max_delay)
             logger.info("%s: %s from %s; retry %d of %d in %.1fs", action, failure, self.endpoint,
                         attempt + 1, retries, delay)
             time.sleep(delay)
-            attempt += 1
 
     @staticmethod
     def _error(response: requests.Response, action: str) -> JobsAPIError:
@@ -2119,9 +2117,8 @@ class _Watch:
 
     def interval_s(self, now: float) -> float:
         """This job's refresh interval: its provider's, slowed down once it has waited a long time."""
-        if now - self.since >= WATCH_SLOWDOWN_AFTER_S:
-            return max(self.base_interval_s, WATCH_SLOW_INTERVAL_S)
-        return self.base_interval_s
+        slow = now - self.since >= WATCH_SLOWDOWN_AFTER_S
+        return max(self.base_interval_s, WATCH_SLOW_INTERVAL_S) if slow else self.base_interval_s
 
     def deliver(self, job: Mapping[str, Any]) -> None:
         before, self.job = self.job or {}, job
@@ -2213,8 +2210,7 @@ class _JobWatcher:
         """One refresh of a group; failures pause it, and end the waits after API_MAX_RETRIES. A refresh the
         budget would hold is put off, so this thread never blocks the groups of other tokens."""
         client = group.client
-        held = client._budget.wait_s()
-        if held > 0:
+        if (held := client._budget.wait_s()) > 0:
             put_off = min(held, RATE_LIMIT_RECHECK_S)
             group.next_due = max(group.next_due, time.monotonic() + put_off)
             client._budget.waited_s += put_off
@@ -2233,14 +2229,12 @@ class _JobWatcher:
                     try:
                         found[watch.job_id] = client.get_job(group.namespace, watch.job_id, retries=0)
                     except JobsAPIError as exc:
-                        if _refused(exc):
-                            watch.fail(exc)  # e.g. 404: this job is gone; the others are fine
-                        else:
+                        if not _refused(exc):
                             raise
+                        watch.fail(exc)  # e.g. 404: this job is gone; the others are fine
         except BaseException as exc:  # never kill the thread: the waiting providers get the error instead
             group.failures += 1
-            permanent = not isinstance(exc, Exception) or _refused(exc)
-            if permanent or group.failures > API_MAX_RETRIES:
+            if not isinstance(exc, Exception) or _refused(exc) or group.failures > API_MAX_RETRIES:
                 for watch in watches:
                     watch.fail(exc)
                 group.failures = 0
