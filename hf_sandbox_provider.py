@@ -263,8 +263,7 @@ class StartManyError(_StartFailures):
 
 
 class ReplicaStartError(_StartFailures):
-    """Some of K replica jobs failed to start or become ready; all K were cancelled (`job_ids`: those
-    created)."""
+    """Some of K replica jobs failed to start or get ready; all K were cancelled (`job_ids`)."""
 
     def __init__(self, phase: str, total: int, errors: _Failures, aborted: int, job_ids: Sequence[str]):
         self.job_ids = list(job_ids)
@@ -348,10 +347,9 @@ def _register_with_openenv() -> None:
 
 class HFSandboxProvider:
     """One OpenEnv environment server running as an HF Job, reachable through the local auth proxy.
-
-    Settings are validated at construction and per start, before any network call. The job is cancelled
-    by `stop_container()`, by any failure after its create, and at exit; `job_timeout` bounds the rest.
-    """
+    Settings are validated at construction and per start, before any network call. The job is
+    cancelled by `stop_container()`, any failure after its create, and at exit; `job_timeout` bounds
+    the rest."""
 
     # What a pickled provider carries: its settings (and explicit token), never its job, lock, threads
     # or sockets. A subclass with settings of its own adds their names (like requests' Session.__attrs__).
@@ -486,8 +484,7 @@ class HFSandboxProvider:
         return ready if all_or_nothing else (ready, sorted(launch.errors, key=lambda item: item[0]))
 
     def stop_container(self) -> None:
-        """Unmount the route and cancel the job (all K with replicas, in parallel). Idempotent; never
-        raises (a job that could not be cancelled is named in a WARNING)."""
+        """Unmount the route and cancel the job(s); idempotent, never raises (failures: WARNING)."""
         try:
             self._request_stop()  # a start or readiness wait in another thread notices at once
             self._teardown()
@@ -515,8 +512,8 @@ class HFSandboxProvider:
 
     def replica_status(self, refresh: bool = False) -> List[Dict[str, Any]]:
         """Per replica job, in start order: the proxy's view (`upstream`, `open_sessions`, `healthy`,
-        `reason`) plus `index`, `job_id`, `stage`, `message`. A replica out of rotation has its job
-        inspected (all, with `refresh=True`); one that has ended leaves the route for good (WARNING)."""
+        `reason`), `index`, `job_id`, `stage`, `message`. A replica out of rotation (all, with
+        `refresh`) has its job inspected; one that ended leaves the route for good."""
         if (replicas := self._replicas) is None:
             raise SandboxError("replica_status() needs a provider started with replicas > 1 (this one runs "
                                "%s); use .stage and .job_id for a single job" % (self.job_id or "no job"))
@@ -550,8 +547,7 @@ class HFSandboxProvider:
             " job_ids=%r" % (job_ids,) if len(job_ids) > 1 else "")
 
     def __getstate__(self) -> Dict[str, Any]:
-        """Un-started providers pickle (TRL ships environment factories to workers): only their
-        `_pickled_settings` travel, the copy starts its own job on its own proxy."""
+        """Un-started providers pickle (TRL ships env factories to workers): settings only."""
         if self._phase is not Phase.IDLE:
             raise TypeError(
                 "cannot pickle an HFSandboxProvider while its job %s is running: pickle it before "
@@ -924,8 +920,7 @@ class HFSandboxProvider:
 
     def _safety_net(self, client: "_JobsClient", proxy: Optional["_proxy.AuthProxy"],
                     base_url: Optional[str]) -> "weakref.finalize":
-        """The finalizer that releases the job at collection or exit; it holds the job's client and ids,
-        never the provider, so the provider stays collectable."""
+        """The job's finalizer (collection, exit): it holds its client and ids, not the provider."""
         return weakref.finalize(self, _release_job, client, self._job_namespace, self.job_id, proxy, base_url,
                                 self.job_url, abandoned=True)
 
@@ -991,8 +986,7 @@ class _ReplicaSet:
         return self._owner()  # type: ignore[return-value]  # alive: only the owner calls its set
 
     def _start_jobs(self, settings: Dict[str, Any], token: str) -> str:
-        """Start the K jobs in parallel, then mount one replica route over their URLs (all K cancelled on
-        any failure)."""
+        """Start the K jobs in parallel, then mount one replica route over their URLs."""
         owner, count, proxy = self.owner, len(self.children), self.proxy
         owner._active = settings
         owner._submitted_at = time.monotonic()
@@ -1172,10 +1166,9 @@ def _in_parallel(actions: Sequence[Callable[[], None]], budget_s: Optional[float
 
 
 class _Parallel:
-    """Runs `action(index, provider)` over providers on at most `max_parallel` threads (start_many, a
-    replica set). With `all_or_nothing` the first failure makes the others give up (their own teardown
-    cancels their jobs); so does `stop_requested` (the owner's stop), which `wake` signals. Outcomes:
-    `ready` (indexes), `errors` [(index, exception)], `aborted` (given up)."""
+    """Runs `action(index, provider)` on at most `max_parallel` threads. With `all_or_nothing` the
+    first failure makes the others give up (their teardown cancels their jobs), as does
+    `stop_requested` (with `wake`). Outcomes: `ready`, `errors` [(index, exception)], `aborted`."""
 
     def __init__(self, providers: List["HFSandboxProvider"],
                  action: Callable[[int, "HFSandboxProvider"], None], max_parallel: int,
@@ -1346,8 +1339,7 @@ def _space_id(image: str) -> Optional[str]:
 
 
 def _known_flavors() -> frozenset:
-    """The flavors a job may ask for: huggingface_hub's JobHardware (else the static copy), plus what
-    a live list fetched by this process named."""
+    """The flavors a job may ask for: huggingface_hub's JobHardware (else ours), the live lists."""
     try:
         from huggingface_hub import JobHardware  # type: ignore[attr-defined]
         static = (KNOWN_FLAVORS | {str(member.value) for member in JobHardware}) - SPACES_ONLY_HARDWARE
@@ -1560,8 +1552,7 @@ def _exposed_url_rejection(url: str, job_id: str, port: int, endpoint: str) -> O
 
 
 def _describe_health_answer(response: requests.Response) -> str:
-    """`HTTP 502 upstream-tls: <the proxy's explanation>` for the timeout message; the proxy's own
-    errors carry X-Proxy-Error and a JSON body, which say why the job is not reachable."""
+    """`HTTP 502 upstream-tls: <why>`: the proxy's errors carry X-Proxy-Error and a JSON body."""
     if not (kind := response.headers.get("X-Proxy-Error")):
         return "HTTP %d" % response.status_code
     try:
@@ -1830,8 +1821,7 @@ class _JobsClient:
                            "loops or the namespace has too many jobs for one listing" % (LIST_MAX_PAGES, len(jobs)))
 
     def hardware_flavors(self) -> Optional[frozenset]:
-        """The flavor names of `GET /api/jobs/hardware` (huggingface_hub's list_jobs_hardware), or None
-        when the endpoint does not answer a list of named entries (never retried)."""
+        """The flavor names `GET /api/jobs/hardware` lists, or None (asked once, never retried)."""
         try:
             payload = self._json("GET", "/api/jobs/hardware", "listing the Jobs hardware", retries=0)
         except JobsAPIError as exc:
@@ -1932,10 +1922,10 @@ class _JobsClient:
 
 # -- Process-wide Jobs API budget and job watcher (many providers, one thread, O(1) calls per interval) ---
 class _ApiBudget:
-    """One token's view of the Hub's per-user rate limit, shared by the process's clients: the server's
-    RateLimit headers when they come, else this process's calls in a sliding window of the quota. With
-    little left it paces calls to the reset; the last `reserve` calls are kept for teardown, which never
-    waits here; a 429 pauses every other call until the server's reset. `clock`/`sleep`: test hooks."""
+    """One token's view of the Hub's per-user rate limit, shared by the process's clients: the
+    server's RateLimit headers, else this process's calls in a sliding window. With little left it
+    paces calls to the reset, keeping the last `reserve` for teardown (which never waits); a 429
+    pauses every other call. `clock`/`sleep`: test hooks."""
 
     def __init__(self, calls: int = RATE_LIMIT_CALLS, window_s: float = RATE_LIMIT_WINDOW_S,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
@@ -1983,8 +1973,7 @@ class _ApiBudget:
             self.sleep(min(wait, RATE_LIMIT_RECHECK_S))  # other threads' answers may change the count
 
     def wait_s(self) -> float:
-        """How long an ordinary call would wait now (0: it may go); counts nothing. The job watcher asks this
-        instead of blocking its thread, which serves other tokens too."""
+        """How long an ordinary call would wait now, counting nothing (the watcher never blocks)."""
         with self._lock:
             now = self.clock()
             return self._wait(now, *self._estimate(now))
@@ -2037,8 +2026,8 @@ class _ApiBudget:
         return float(self.calls - len(self._sent)), oldest + self.window_s - now
 
     def _wait(self, now: float, left: float, reset_in: float) -> float:
-        """How long an ordinary call waits: out a 429's pause; for the reset once only the reserve is left;
-        its turn while pacing."""
+        """How long an ordinary call waits: a 429's pause, the reset if only the reserve is left,
+        else its pacing turn."""
         if self.paused_until > now:
             return self.paused_until - now
         if left <= self.reserve:
@@ -2076,8 +2065,7 @@ def _parse_ratelimit(headers: Mapping[str, str]) -> _RateLimitInfo:
 
 
 def _configured_rate_limit() -> Tuple[int, float]:
-    """The quota and window to assume before the server says: HF_SANDBOX_RATE_LIMIT ("2500/300"), else the
-    free tier."""
+    """The quota and window assumed until the server says: HF_SANDBOX_RATE_LIMIT, or free tier."""
     if not (text := os.environ.get(RATE_LIMIT_ENV, "").strip()):
         return RATE_LIMIT_CALLS, RATE_LIMIT_WINDOW_S
     calls, _, window = text.partition("/")
@@ -2343,8 +2331,7 @@ def _release_job(client: Optional["_JobsClient"], namespace: Optional[str], job_
 
 
 def _unmount(proxy: Optional["_proxy.AuthProxy"], base_url: Optional[str]) -> List[str]:
-    """Unmount a route (when there is one) for a teardown: [] when done, else the problem as a phrase for
-    its warning. Shared by a job's and a pooled sandbox's release."""
+    """Unmount a route, if any, for a job's or sandbox's teardown: [] if done, else the problem."""
     if base_url and proxy is not None:
         try:
             proxy.unmount(base_url)
