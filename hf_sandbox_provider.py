@@ -46,8 +46,8 @@ import threading
 import time
 import uuid
 import weakref
-from collections import deque
-from typing import (Any, Callable, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional,
+from collections import deque, namedtuple
+from typing import (Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional,
                     Sequence, Tuple, Union)
 from urllib.parse import urlsplit
 
@@ -315,15 +315,8 @@ _START_IN_FLIGHT = frozenset({Phase.SUBMITTING, Phase.STARTING, Phase.STOPPING})
 _JOB_HELD = frozenset({Phase.STARTING, Phase.RUNNING})
 
 
-class _Detached(NamedTuple):
-    """What one teardown took from its provider: the job to cancel (None if none is held), its route."""
-
-    job_id: Optional[str]
-    namespace: Optional[str]
-    job_url: Optional[str]
-    base_url: Optional[str]
-    proxy: Any  # Optional[AuthProxy]
-    client: Any  # Optional[_JobsClient]
+# What one teardown took from its provider: the job to cancel (None if none is held) and its route.
+_Detached = namedtuple("_Detached", "job_id namespace job_url base_url proxy client")
 
 
 # -- The provider ----------------------------------------------------------------------------------
@@ -559,9 +552,8 @@ class HFSandboxProvider:
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        for name in self._pickled_settings:
-            if name in state:
-                setattr(self, name, state[name])
+        for name in [name for name in self._pickled_settings if name in state]:
+            setattr(self, name, state[name])
         # A proxy's sockets and threads stay in their process: use the shared one (of the same kind).
         self._proxy = state.get("_proxy") if isinstance(state.get("_proxy"), str) else None
         self._init_runtime_state()
