@@ -86,18 +86,14 @@ __version__ = "0.1.0"
 logger = logging.getLogger("hf_sandbox_provider")
 
 # -- Constants -------------------------------------------------------------------------------------
-# The public Hub; HF_ENDPOINT overrides it (mirrors, staging, the local emulator).
-DEFAULT_ENDPOINT = "https://huggingface.co"
-# OpenEnv servers listen on 8000 in every image built from OpenEnv's template.
-DEFAULT_PORT = 8000
-# The cheapest flavor; OpenEnv environment servers are CPU-bound HTTP servers.
-DEFAULT_FLAVOR = "cpu-basic"
+DEFAULT_ENDPOINT = "https://huggingface.co"  # HF_ENDPOINT overrides it (mirrors, staging, emulator)
+DEFAULT_PORT = 8000  # what OpenEnv servers listen on in every image built from OpenEnv's template
+DEFAULT_FLAVOR = "cpu-basic"  # the cheapest: OpenEnv environment servers are CPU-bound HTTP servers
 # Server-side lifetime of a job, always sent: nothing else stops billing if the client dies (an hour).
 DEFAULT_JOB_TIMEOUT_S = 3600
 # From submit to an exposed URL: CPU jobs schedule in 4-11 s, GPU flavors and large images in minutes.
 DEFAULT_START_TIMEOUT_S = 600.0
-# From URL to a 200 on /health: image pull plus server boot.
-DEFAULT_READY_TIMEOUT_S = 300.0
+DEFAULT_READY_TIMEOUT_S = 300.0  # from URL to a 200 on /health: image pull plus server boot
 # The job watcher makes ONE call per interval for the whole process (a `list` by this process's
 # label): a stage change is seen within 0.5 s for at most 60 calls per 30 s wave.
 DEFAULT_POLL_INTERVAL_S = 0.5
@@ -110,26 +106,21 @@ WATCH_SLOW_INTERVAL_S = 5.0
 HEALTH_PROBE_FIRST_S = 0.05
 HEALTH_PROBE_GROWTH = 1.3
 HEALTH_PROBE_INTERVAL_S = 0.5
-# A start that waits (minutes on the Hub) logs its stage and seconds so far this often (INFO).
-HEARTBEAT_S = 10.0
-# Per-probe timeouts for /health: (connect, read). A wedged server must not eat the whole budget.
-HEALTH_PROBE_TIMEOUT_S = (5.0, 10.0)
-# Timeouts for Jobs API calls: (connect, read).
-API_TIMEOUT_S = (10.0, 30.0)
+HEARTBEAT_S = 10.0  # a start that waits (minutes on the Hub) logs its stage this often (INFO)
+HEALTH_PROBE_TIMEOUT_S = (5.0, 10.0)  # per /health probe: a wedged server must not eat the budget
+API_TIMEOUT_S = (10.0, 30.0)  # Jobs API calls: (connect, read)
 # Retries for 429/5xx/connection failures on API calls, with full-jitter exponential backoff.
 API_MAX_RETRIES = 5
 API_BACKOFF_BASE_S = 0.5
 API_BACKOFF_CAP_S = 20.0
-# A server asking for a longer pause than this is waited for only this long.
-RETRY_AFTER_CAP_S = 60.0
+RETRY_AFTER_CAP_S = 60.0  # a server asking for a longer pause is waited for only this long
 # Teardown retries a failed cancel briefly: it runs in `finally` blocks and at exit.
 CANCEL_ATTEMPTS = 3
 CANCEL_BACKOFF_CAP_S = 2.0
 # Log tail of JobFailedError, bounded in lines and time (a running job's SSE stream never ends).
 LOG_TAIL_LINES = 40
 LOG_FETCH_TIMEOUT_S = 5.0
-# `list` answers are paginated (Link: rel="next"); more pages than this is a loop or thousands of jobs.
-LIST_MAX_PAGES = 50
+LIST_MAX_PAGES = 50  # `list` pages (Link: rel="next"): more is a loop or thousands of jobs
 # Names of the one public Hub: a next-page link may use either (any other host would get the token).
 HUB_HOST_NAMES = frozenset({"huggingface.co", "hf.co"})
 # Labels: one on every job this library makes (`sweep` finds leftovers by it), one unique per start
@@ -139,42 +130,33 @@ PROVIDER_LABEL_KEY = "hf-sandbox-provider"
 PROVIDER_LABEL_VALUE = "1"
 START_LABEL_KEY = "hf-sandbox-start"
 PROCESS_LABEL_KEY = "hf-sandbox-process"
-# The Hub's label rule: keys and values of at most this many letters, digits, '-' and '_'.
-LABEL_MAX_CHARS = 100
+LABEL_MAX_CHARS = 100  # the Hub's rule: label keys and values of at most this many [A-Za-z0-9_-]
 # The Hub's API limit is per user, in fixed 5-minute windows (1,000 calls free, 2,500 PRO, 3,000 Team,
 # 6,000 Enterprise); answers' RateLimit headers say what is left, and the budget follows them. These
 # defaults (or HF_SANDBOX_RATE_LIMIT, e.g. "2500/300") serve until an answer says, or if none does.
 RATE_LIMIT_CALLS = 1000
 RATE_LIMIT_WINDOW_S = 300.0
 RATE_LIMIT_ENV = "HF_SANDBOX_RATE_LIMIT"
-# The bucket the budget follows (whoami-v2 has its own, smaller one).
-RATE_LIMIT_RESOURCE = "api"
+RATE_LIMIT_RESOURCE = "api"  # the bucket the budget follows (whoami-v2 has its own, smaller one)
 # Below this fraction left, calls are spread over the time to the reset: paced by the server's count,
 # which falls with every process's calls, N processes slow down together without talking.
 RATE_LIMIT_PACE_BELOW = 0.25
 # This fraction of the quota (at least RATE_LIMIT_RESERVE_MIN calls) is kept for cancels.
 RATE_LIMIT_RESERVE = 0.05
 RATE_LIMIT_RESERVE_MIN = 5
-# A call waiting for budget looks again this often: other threads' answers may change the count.
-RATE_LIMIT_RECHECK_S = 2.0
-# Added to a 429's reset time, as huggingface_hub does (the server rounds `t` to whole seconds).
-RATE_LIMIT_RESET_MARGIN_S = 1.0
+RATE_LIMIT_RECHECK_S = 2.0  # a call held here looks again this often: others' answers count too
+RATE_LIMIT_RESET_MARGIN_S = 1.0  # added to a 429's reset, as huggingface_hub does (`t` is rounded)
 # Jobs missing from the watcher's `list` (ended, or not listed yet) inspected per refresh, at most: a
 # burst of endings cannot turn one call per interval into hundreds.
 WATCH_MAX_INSPECTS = 8
-# start_many(): environments brought up at once by default (the bound mostly spreads creates and probes).
-DEFAULT_MAX_PARALLEL = 64
+DEFAULT_MAX_PARALLEL = 64  # start_many(): at once by default (spreads the creates and probes)
 # start_many(progress=True): at most a line per this fraction of the environments or this many seconds.
 PROGRESS_STEP = 0.05
 PROGRESS_INTERVAL_S = 1.0
-# replicas=K: K jobs behind one route; beyond this many use start_many() or several providers.
-MAX_REPLICAS = 64
-# replica_status() inspects a replica out of rotation at most this often: polling cannot drain the API.
-REPLICA_CHECK_INTERVAL_S = 5.0
-# proxy="process": one shared AuthProxy in a child process (AuthProxy.spawn): relaying costs no GIL.
-PROXY_PROCESS = "process"
-# stop_all(): cancels run this many at a time (each is one API call plus a brief retry).
-STOP_PARALLEL = 32
+MAX_REPLICAS = 64  # jobs behind one route; beyond, use start_many() or several providers
+REPLICA_CHECK_INTERVAL_S = 5.0  # replica_status() inspects a sick replica this often: spares the API
+PROXY_PROCESS = "process"  # one shared AuthProxy child process: relaying costs the trainer no GIL
+STOP_PARALLEL = 32  # stop_all(): cancels at a time (each one API call plus a brief retry)
 # stop_container() waits this long for a start in another thread to end (its create answered, its job
 # cancelled), so it does not return while a job it could not see may still be made.
 STOP_WAIT_S = 30.0
@@ -192,10 +174,8 @@ KNOWN_FLAVORS = frozenset({
     "l40sx1", "l40sx4", "l40sx8", "a10g-small", "a10g-large", "a10g-largex2", "a10g-largex4",
     "a100-large", "a100x4", "a100x8", "h200", "h200x2", "h200x4", "h200x8",
     "rtx-pro-6000", "rtx-pro-6000x2", "rtx-pro-6000x4", "rtx-pro-6000x8"})
-# Spaces hardware names that are not Jobs flavors, left out even if an old huggingface_hub listed them.
-SPACES_ONLY_HARDWARE = frozenset({"h100", "h100x8", "zero-a10g"})
-# Token variables, read first as huggingface_hub does (the same answer with or without it).
-TOKEN_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+SPACES_ONLY_HARDWARE = frozenset({"h100", "h100x8", "zero-a10g"})  # never Jobs flavors, if listed
+TOKEN_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")  # read first, as huggingface_hub does
 # Image references of HF Spaces, sent as `spaceId` rather than `dockerImage` (as huggingface_hub does).
 SPACE_IMAGE_PREFIXES = ("https://huggingface.co/spaces/", "https://hf.co/spaces/",
                         "huggingface.co/spaces/", "hf.co/spaces/")
@@ -309,10 +289,8 @@ _PHASE_MOVES = {
     Phase.RUNNING: frozenset({Phase.IDLE}),
     Phase.STOPPING: frozenset({Phase.STARTING, Phase.STOPPING, Phase.IDLE}),
 }
-# Phases in which start_container() is still running in some thread.
-_START_IN_FLIGHT = frozenset({Phase.SUBMITTING, Phase.STARTING, Phase.STOPPING})
-# Phases in which a job is recorded and not yet released: a teardown must cancel it.
-_JOB_HELD = frozenset({Phase.STARTING, Phase.RUNNING})
+_START_IN_FLIGHT = frozenset({Phase.SUBMITTING, Phase.STARTING, Phase.STOPPING})  # a start runs
+_JOB_HELD = frozenset({Phase.STARTING, Phase.RUNNING})  # a job is recorded: a teardown cancels it
 
 
 # What one teardown took from its provider: the job to cancel (None if none is held) and its route.
