@@ -154,7 +154,7 @@ DEFAULT_MAX_PARALLEL = 64  # start_many(): at once by default (spreads the creat
 PROGRESS_STEP = 0.05
 PROGRESS_INTERVAL_S = 1.0
 MAX_REPLICAS = 64  # jobs behind one route; beyond, use start_many() or several providers
-REPLICA_CHECK_INTERVAL_S = 5.0  # replica_status() inspects a sick replica this often: spares the API
+REPLICA_CHECK_INTERVAL_S = 5.0  # replica_status() inspects a sick replica this often (API budget)
 PROXY_PROCESS = "process"  # one shared AuthProxy child process: relaying costs the trainer no GIL
 STOP_PARALLEL = 32  # stop_all(): cancels at a time (each one API call plus a brief retry)
 # stop_container() waits this long for a start in another thread to end (its create answered, its job
@@ -1409,8 +1409,7 @@ def _warn_credential_env_vars(env_vars: Mapping[str, Any]) -> None:
                        "warn_env_credentials=False if it is not secret)", name, name)
 
 
-# Variable names already warned about (once per process, however many providers carry them).
-_credential_warnings: "set[str]" = set()
+_credential_warnings: "set[str]" = set()  # names warned about (once per process, for all providers)
 _credential_warnings_lock = threading.Lock()
 
 
@@ -1600,8 +1599,7 @@ def _token_key(endpoint: str, token: str) -> Tuple[str, str]:
     return (endpoint, hashlib.sha256(token.encode("utf-8")).hexdigest())
 
 
-# _token_key -> namespace: whoami-v2 is heavily rate limited, so once per process.
-_namespace_cache: Dict[Tuple[str, str], str] = {}
+_namespace_cache: Dict[Tuple[str, str], str] = {}  # by _token_key: whoami-v2 is rate limited
 _namespace_lock = threading.Lock()
 
 
@@ -2227,8 +2225,7 @@ if hasattr(os, "register_at_fork"):
 _shared_proxy_instance: Optional["_proxy.AuthProxy"] = None
 _shared_process_proxy: Optional["_proxy.AuthProxyProcess"] = None  # proxy="process"
 _shared_proxy_lock = threading.Lock()
-# Safety nets of running providers (weakref.finalize objects: they do not keep providers alive).
-_live_finalizers: "set[weakref.finalize]" = set()
+_live_finalizers: "set[weakref.finalize]" = set()  # running providers' safety nets (weak)
 
 
 def _shared_proxy(mode: Optional[str] = None) -> "_proxy.AuthProxy":
