@@ -823,8 +823,7 @@ class HFSandboxProvider:
                 if reason := self._hooks()._exposed_url_rejection(url, job_id, port):
                     raise InsecureURLError(reason)
                 return url
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if (remaining := deadline - time.monotonic()) <= 0:
                 raise JobStartTimeout(
                     "HF job %s exposed no URL within start_timeout_s=%gs (last stage %s); raise "
                     "start_timeout_s for slow flavors or large images" % (
@@ -852,8 +851,7 @@ class HFSandboxProvider:
         the job or sandbox in logs and errors; `detail()` extends `last:` (the stage). Both placements."""
         url = base_url.rstrip("/") + "/health"
         deadline = time.monotonic() + budget
-        interval = HEALTH_PROBE_FIRST_S
-        last_seen = "no answer yet"
+        interval, last_seen = HEALTH_PROBE_FIRST_S, "no answer yet"
         heartbeat = time.monotonic() + HEARTBEAT_S
         with requests.Session() as session:
             session.trust_env = False  # loopback proxy: never route through HTTP(S)_PROXY
@@ -863,10 +861,9 @@ class HFSandboxProvider:
                 probed_at = time.monotonic()
                 try:
                     response = session.get(url, timeout=HEALTH_PROBE_TIMEOUT_S)
-                    status = response.status_code
                     last_seen = _describe_health_answer(response)
                     response.close()
-                    if status == 200:
+                    if response.status_code == 200:
                         self.timings["ready"] = self._elapsed()
                         logger.info("%s ready (%.1fs after submit)", label, self._elapsed())
                         return
@@ -879,8 +876,7 @@ class HFSandboxProvider:
                     logger.info("%s: /health not ready yet, %.0fs after submit (last: %s%s)", label,
                                 self._elapsed(), last_seen, detail())
                     heartbeat = time.monotonic() + HEARTBEAT_S
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                if (remaining := deadline - time.monotonic()) <= 0:
                     raise JobStartTimeout("%s did not answer /health with 200 within %gs (last: %s%s)"
                                           % (label, budget, last_seen, detail()), self.job_id, self.stage)
                 # the next probe `interval` after this one began (a slow check eats into the wait); a
@@ -1780,8 +1776,8 @@ class _JobsClient:
             path, params = links[-1] if links else None, None  # the next link carries the query
             if path is None:
                 return jobs
-            reason = _next_link_rejection(path, self.endpoint)
-            if reason:  # a listing cut short would miss jobs (a lost create, a leftover for sweep): say so
+            # a listing cut short would miss jobs (a lost create, a leftover for sweep): say so
+            if reason := _next_link_rejection(path, self.endpoint):
                 raise JobsAPIError("listing jobs", 200, "%s after %d jobs" % (reason, len(jobs)),
                                    hint="report the link to the Jobs API's maintainers")
             path = _on_endpoint(path, self.endpoint)
