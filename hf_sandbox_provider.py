@@ -1354,15 +1354,13 @@ def _parse_duration(value: Any) -> Optional[int]:
 
 
 def _positive_number_rejection(name: str, value: Any) -> Optional[str]:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        return "%s=%r must be a positive number of seconds" % (name, value)
-    return None
+    bad = isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0  # NaN too
+    return "%s=%r must be a positive number of seconds" % (name, value) if bad else None
 
 
 def _positive_int_rejection(name: str, value: Any) -> Optional[str]:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        return "%s=%r must be a positive integer" % (name, value)
-    return None
+    bad = isinstance(value, bool) or not isinstance(value, int) or value <= 0
+    return "%s=%r must be a positive integer" % (name, value) if bad else None
 
 
 def _replicas_rejection(replicas: Any) -> Optional[str]:
@@ -1626,10 +1624,8 @@ def _on_endpoint(url: str, endpoint: str) -> str:
 
 def _retry_after_seconds(value: Optional[str], now: Optional[float] = None) -> Optional[float]:
     """Seconds to wait from a Retry-After header (delta seconds or an HTTP date), or None."""
-    try:
+    with contextlib.suppress(ValueError):
         return max(0.0, float((value or "").strip()))
-    except ValueError:
-        pass
     try:
         when = email.utils.parsedate_to_datetime((value or "").strip())
     except (TypeError, ValueError, IndexError):
