@@ -357,9 +357,8 @@ class HFSandboxProvider:
     # -- public API ---------------------------------------------------------------------------------
     def start_container(self, image: Optional[str] = None, port: Optional[int] = None,
                         env_vars: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> str:
-        """Submit the job, wait for its exposed URL, mount it on the proxy and return the base URL.
-        Keywords in `_OVERRIDABLE` override the constructor for this start; other OpenEnv keywords are
-        ignored. Any failure or interrupt after the create cancels the job (all K with replicas)."""
+        """Submit the job, wait for its URL, mount it on the proxy, return the base URL. Keywords in
+        `_OVERRIDABLE` override the constructor once; a failure after the create cancels the job."""
         overrides = {key: value for key, value in kwargs.items() if key in _OVERRIDABLE}
         for key in [key for key in kwargs if key not in _OVERRIDABLE]:
             logger.debug("start_container: ignoring keyword %r (not used by HF Jobs)", key)
@@ -389,9 +388,8 @@ class HFSandboxProvider:
             self._end_start(started)
 
     def wait_for_ready(self, base_url: Optional[str] = None, timeout_s: Optional[float] = None) -> None:
-        """Poll `/health` through the proxy until 200, watching the job's stage (each replica's, in
-        parallel). A terminal stage raises `JobFailedError`, the deadline `JobStartTimeout`; any failure
-        cancels the job. A URL not this provider's base URL is refused (SandboxConfigError; the job runs)."""
+        """Poll `/health` through the proxy until 200, watching the job's stage: JobFailedError if
+        it ends, JobStartTimeout at the deadline; any failure cancels it. Another URL is refused."""
         if self._phase is not Phase.RUNNING or self.base_url is None:
             raise SandboxError("wait_for_ready(): job %s was stopped; call start_container() to start a new "
                                "one" % self.job_id if self._phase is Phase.IDLE and self.job_id else
@@ -411,10 +409,9 @@ class HFSandboxProvider:
                    **provider_kwargs: Any
                    ) -> Union[List["HFSandboxProvider"],
                               Tuple[List["HFSandboxProvider"], List[Tuple[int, BaseException]]]]:
-        """Start `n` providers, at most `max_parallel` at a time, and wait until each is ready. All or
-        nothing (default): the n providers, or every job cancelled and one `StartManyError`; else
-        `(ready_providers, [(index, exception)])`. `progress`: True writes bounded lines to stderr (one line
-        updated in place on a terminal); a callable gets `(ready, failed, n)` after each environment."""
+        """Start `n` providers, `max_parallel` at a time, and wait until each is ready: all of them,
+        or every job cancelled and StartManyError (else `(ready, [(index, exception)])`).
+        `progress`: a few lines on stderr, or a callable given `(ready, failed, n)` after each."""
         _raise_if_rejected(_positive_int_rejection("n", n)
                            or _positive_int_rejection("max_parallel", max_parallel)
                            or (None if isinstance(progress, bool) or callable(progress) else
@@ -642,9 +639,8 @@ class HFSandboxProvider:
         self._wake.set()
 
     def _detach(self) -> "_Detached":
-        """Take what a teardown must release in one critical section with the phase change (STOPPING
-        while a start is in flight in its thread, else IDLE), so a start claimed right after cannot swap
-        the job's identity under the teardown. Retires the safety net."""
+        """Take what a teardown releases and retire the safety net, in one critical section with the
+        phase change: a start claimed right after cannot swap the job's identity under it."""
         with self._lock:
             held, in_flight = self._phase in _JOB_HELD, self._phase in _START_IN_FLIGHT
             if in_flight:
@@ -846,9 +842,8 @@ class HFSandboxProvider:
 
     def _probe_until_ready(self, base_url: str, budget: float, check: Callable[[], Any], label: str, short: str,
                            detail: Callable[[], str] = lambda: "") -> None:
-        """Probe `/health` through the proxy until 200 or JobStartTimeout after `budget` s, calling `check`
-        after each other answer: it raises when waiting is pointless (the job ended). `label`/`short` name
-        the job or sandbox in logs and errors; `detail()` extends `last:` (the stage). Both placements."""
+        """Probe `/health` until 200 (JobStartTimeout after `budget` s), calling `check` after each
+        other answer: it raises when waiting is pointless. `label`, `short`, `detail()`: wording."""
         url = base_url.rstrip("/") + "/health"
         deadline = time.monotonic() + budget
         interval, last_seen = HEALTH_PROBE_FIRST_S, "no answer yet"
@@ -2094,9 +2089,8 @@ class _WatchGroup:
 
 
 class _JobWatcher:
-    """One background thread that refreshes every starting job of the process: per group and interval,
-    one `inspect` (one job) or one `list` by this process's label plus an `inspect` per job missing from
-    it. Each provider is woken on its own change; the thread lives while anything is registered."""
+    """One thread that refreshes every starting job of the process: per group and interval, one
+    `inspect` (one job) or one `list` by this process's label plus an `inspect` per job missed."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
@@ -2264,8 +2258,7 @@ def _release_job(client: Optional["_JobsClient"], namespace: Optional[str], job_
                  proxy: Optional["_proxy.AuthProxy"], base_url: Optional[str], job_url: Optional[str],
                  abandoned: bool = False) -> bool:
     """Unmount the route and cancel the job, warning (never raising) about what could not be done; True
-    when cancelled. Plain values, never the provider: the safety net (`abandoned`: a provider collected,
-    or the interpreter exiting, with its job running) uses it too."""
+    when cancelled. Plain values, never the provider: the safety net (`abandoned`) uses it too."""
     if abandoned and job_id:
         logger.warning("HF job %s is still running at exit (or its provider was garbage-collected): "
                        "cancelling it", job_id)
