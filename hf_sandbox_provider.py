@@ -317,10 +317,9 @@ def _register_with_openenv() -> None:
 
 
 class HFSandboxProvider:
-    """One OpenEnv environment server running as an HF Job, reachable through the local auth proxy.
-    Settings are validated at construction and per start, before any network call. The job is
-    cancelled by `stop_container()`, any failure after its create, and at exit; `job_timeout` bounds
-    the rest."""
+    """One OpenEnv environment server run as an HF Job behind the local auth proxy. Settings are
+    checked before any network call; `stop_container()`, a failure after the create, exit or
+    `job_timeout` end the job."""
 
     # What a pickled provider carries: its settings (and explicit token), never its job, lock, threads
     # or sockets. A subclass with settings of its own adds their names (like requests' Session.__attrs__).
@@ -479,9 +478,8 @@ class HFSandboxProvider:
             return client.job_logs(self._job_namespace, self.job_id, tail=tail)
 
     def replica_status(self, refresh: bool = False) -> List[Dict[str, Any]]:
-        """Per replica job, in start order: the proxy's view (`upstream`, `open_sessions`, `healthy`,
-        `reason`), `index`, `job_id`, `stage`, `message`. A replica out of rotation (all, with
-        `refresh`) has its job inspected; one that ended leaves the route for good."""
+        """Per replica job, in start order: the proxy's view of it, `index`, `job_id`, `stage` and
+        `message`. A replica out of rotation is inspected; one whose job ended leaves the route."""
         if (replicas := self._replicas) is None:
             raise SandboxError("replica_status() needs a provider started with replicas > 1 (this one runs "
                                "%s); use .stage and .job_id for a single job" % (self.job_id or "no job"))
@@ -1127,9 +1125,8 @@ def _in_parallel(actions: Sequence[Callable[[], None]], budget_s: Optional[float
 
 
 class _Parallel:
-    """Runs `action(index, provider)` on at most `max_parallel` threads. With `all_or_nothing` the
-    first failure makes the others give up (their teardown cancels their jobs), as does
-    `stop_requested` (with `wake`). Outcomes: `ready`, `errors` [(index, exception)], `aborted`."""
+    """Runs `action(index, provider)` on `max_parallel` threads; with `all_or_nothing` the first
+    failure, like `stop_requested`, makes the rest give up. Outcomes: ready, errors, aborted."""
 
     def __init__(self, providers: List["HFSandboxProvider"],
                  action: Callable[[int, "HFSandboxProvider"], None], max_parallel: int,
@@ -1533,9 +1530,8 @@ def _health_status_rejection(response: requests.Response) -> Optional[str]:
 
 
 def _ready_url_rejection(url: Optional[str], base_url: str) -> Optional[str]:
-    """Why wait_for_ready(url) cannot be about this provider's job (probing it would wait in vain and then
-    cancel a healthy job), or None. A path under the proxy's origin but not under the route is what
-    `urljoin(base_url, "/step")` makes: a leading "/" replaces the route id."""
+    """Why wait_for_ready(url) is not about this job (it would wait in vain, then cancel a healthy
+    one), or None. `urljoin(base_url, "/step")` makes such URLs: a leading "/" drops the route."""
     if url is None or url.rstrip("/") == base_url.rstrip("/"):
         return None
     given, own = urlsplit(str(url)), urlsplit(base_url)
@@ -1637,9 +1633,8 @@ def _retry_delay(attempt: int, retry_after: Optional[float], base: float = API_B
 
 
 def _transport_failure(exc: requests.RequestException) -> Tuple[str, bool]:
-    """(what went wrong, whether the server may have received the request) for a call with no answer, read
-    from the exceptions requests wraps (urllib3's `reason`, the args, the chained causes): a connection
-    that failed sent nothing; the OS's reason (or http.client's, for a hang-up) goes in the message."""
+    """(what went wrong, whether the server may have got the request) for a call with no answer,
+    from the exceptions requests wraps: a failed connection sent nothing; the OS's reason kept."""
     reason, nothing_sent = None, isinstance(exc, requests.ConnectTimeout)
     pending, seen = [exc], set()
     while pending:
@@ -1810,10 +1805,8 @@ class _JobsClient:
               max_delay: float = RETRY_AFTER_CAP_S, allow_empty: bool = False,
               next_links: Optional[List[Optional[str]]] = None, body: Any = None,
               find_lost: Optional[Callable[[], Any]] = None, teardown: bool = False) -> Any:
-        """A call retried on 429/5xx/connection errors with backoff; with `find_lost` (a create), an
-        ambiguous failure (no answer, a 5xx) first asks `find_lost()` for what it made anyway. `path` may be
-        a full URL (a next page); `next_links` gets the `rel="next"` URL. A `teardown` call never waits for
-        budget; answered 429, it waits for the server's reset."""
+        """A call retried on 429/5xx/connection errors with backoff; after an ambiguous failure a
+        create asks `find_lost()` for what it made anyway. A `teardown` never waits for budget."""
         url = path if path.startswith(self.endpoint + "/") else self.endpoint + path
         sent_maybe = False  # whether any attempt may have reached the server without an answer
         for attempt in itertools.count():
@@ -1877,10 +1870,9 @@ class _JobsClient:
 
 # -- Process-wide Jobs API budget and job watcher (many providers, one thread, O(1) calls per interval) ---
 class _ApiBudget:
-    """One token's view of the Hub's per-user rate limit, shared by the process's clients: the
-    server's RateLimit headers, else this process's calls in a sliding window. With little left it
-    paces calls to the reset, keeping the last `reserve` for teardown (which never waits); a 429
-    pauses every other call. `clock`/`sleep`: test hooks."""
+    """One token's view of the Hub's per-user rate limit: the server's RateLimit headers, else this
+    process's calls in a sliding window. With little left it paces calls to the reset, keeping the
+    last `reserve` for teardown (which never waits); a 429 pauses every other call."""
 
     def __init__(self, calls: int = RATE_LIMIT_CALLS, window_s: float = RATE_LIMIT_WINDOW_S,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
