@@ -676,8 +676,7 @@ class HFSandboxProvider:
                 "port": self.port, "env_vars": self.env_vars, **overrides}
 
     def _resolve_token(self) -> str:
-        token = self._token if self._token is not None else _discover_token()
-        if not token:
+        if not (token := self._token if self._token is not None else _discover_token()):
             raise SandboxConfigError(
                 "no Hugging Face token found: pass token=..., set HF_TOKEN, or run `hf auth login` "
                 "(the token needs permission to run Jobs); to try everything offline use "
@@ -769,8 +768,7 @@ class HFSandboxProvider:
 
     def _observe(self, job: Mapping[str, Any]) -> str:
         """Record the job's stage; log a line when it changes."""
-        stage = str((job.get("status") or {}).get("stage") or "UNKNOWN")
-        if stage != self._stage:
+        if (stage := str((job.get("status") or {}).get("stage") or "UNKNOWN")) != self._stage:
             logger.info("HF job %s: %s -> %s (%.1fs after submit)", self.job_id, self._stage or "submitted",
                         stage, self._elapsed())
             self._stage = stage
@@ -1096,8 +1094,7 @@ def _replicas_stage(stages: Sequence[Optional[str]]) -> Optional[str]:
     """One stage for K jobs: the least advanced live one; once all ended, their common end (ERROR first)."""
     if not stages:
         return None
-    live = [stage for stage in stages if stage not in TERMINAL_STAGES]
-    if live:
+    if live := [stage for stage in stages if stage not in TERMINAL_STAGES]:
         return min(live, key=lambda stage: _LIVE_STAGE_ORDER.get(stage, 1))
     for stage in ("ERROR", "CANCELED"):  # a failure shows first; a stopped group reads CANCELED
         if stage in stages:
@@ -1281,8 +1278,7 @@ def _image_rejection(image: Any) -> Optional[str]:
     if not isinstance(image, str) or not image.strip():
         return ("no image given: pass one to HFSandboxProvider(image=...) or start_container(image), "
                 "e.g. 'registry.hf.space/openenv-echo-env:latest' or 'hf.co/spaces/owner/name'")
-    space = _space_id(image)
-    if space is not None:
+    if (space := _space_id(image)) is not None:
         return None if _SPACE_ID.match(space) else (
             "image %r: a Space reference must look like 'hf.co/spaces/<owner>/<name>'" % image)
     return None if _IMAGE_REFERENCE.match(image) else (
@@ -1638,8 +1634,7 @@ def _transport_failure(exc: requests.RequestException) -> Tuple[str, bool]:
     reason, nothing_sent = None, isinstance(exc, requests.ConnectTimeout)
     pending, seen = [exc], set()
     while pending:
-        cause = pending.pop(0)
-        if id(cause) in seen:
+        if id(cause := pending.pop(0)) in seen:
             continue
         seen.add(id(cause))
         nothing_sent = nothing_sent or isinstance(cause, urllib3.exceptions.NewConnectionError)
@@ -1718,8 +1713,7 @@ class _JobsClient:
         with _namespace_lock:  # one call per token per process, even with many threads starting
             if key not in _namespace_cache:
                 payload = self._json("GET", "/api/whoami-v2", "whoami-v2 (namespace lookup)")
-                name = payload.get("name") if isinstance(payload, dict) else None
-                if not name:
+                if not (name := payload.get("name") if isinstance(payload, dict) else None):
                     raise JobsAPIError("whoami-v2 (namespace lookup)", 200, "answer has no 'name'",
                                        hint="pass namespace=... explicitly")
                 _namespace_cache[key] = str(name)
@@ -1901,8 +1895,7 @@ class _ApiBudget:
             with self._lock:
                 now = self.clock()
                 left, reset_in = self._estimate(now)
-                wait = 0.0 if teardown else self._wait(now, left, reset_in)
-                if wait <= 0:
+                if (wait := 0.0 if teardown else self._wait(now, left, reset_in)) <= 0:
                     if not teardown and left < self.calls * RATE_LIMIT_PACE_BELOW:
                         self._next_paced = now + reset_in / max(1.0, left - self.reserve)
                     if self.remaining is not None:
@@ -2126,8 +2119,7 @@ class _JobWatcher:
                     self._thread = None  # under the lock: the next register() starts a new thread
                 else:
                     now = time.monotonic()
-                    due = [g for g in self._groups.values() if g.next_due <= now]
-                    if due:
+                    if due := [g for g in self._groups.values() if g.next_due <= now]:
                         snapshots = [(group, list(group.watches)) for group in due]
                         for group, watches in snapshots:
                             group.next_due = now + min(w.interval_s(now) for w in watches)
