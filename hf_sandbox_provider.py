@@ -1048,10 +1048,9 @@ class _ReplicaSet:
             return
         message = (job.get("status") or {}).get("message") or "(no message from the Jobs API)"
         self.removed[index] = "job %s: %s" % (stage, message)
-        try:
+        removed = False
+        with contextlib.suppress(ValueError):  # the route was unmounted meanwhile
             removed = proxy.remove_replica(base_url, child.upstream_url or "")
-        except ValueError:  # the route was unmounted meanwhile
-            removed = False
         if removed:
             logger.warning("replica %d (HF job %s) ended with stage %s (%s): taken out of rotation; %d replicas "
                            "remain on the route", index, child.job_id, stage, message,
@@ -1066,7 +1065,7 @@ class _ReplicaSet:
         self.owner._raise_if_stopped()
         if group.errors:
             raise ReplicaStartError(phase, len(self.children), group.errors, group.aborted,
-                                    [child.job_id for child in self.children if child.job_id])
+                                    self._job_ids())
 
     def _all_reached(self, key: str) -> float:
         """Seconds from the owner's submit until every replica had reached `key` of its timings."""
@@ -2109,11 +2108,10 @@ class _JobWatcher:
 
     def _run(self) -> None:
         while True:
-            closing: List[_JobsClient] = []
             snapshots: List[Tuple[_WatchGroup, List[_Watch]]] = []
             with self._cond:
-                for key in [k for k, g in self._groups.items() if not g.watches]:
-                    closing.append(self._groups.pop(key).client)
+                idle = [key for key, group in self._groups.items() if not group.watches]
+                closing = [self._groups.pop(key).client for key in idle]
                 exiting = not self._groups
                 if exiting:
                     self._thread = None  # under the lock: the next register() starts a new thread
