@@ -351,7 +351,6 @@ class HFSandboxProvider:
         if warn_env_credentials:
             _warn_credential_env_vars(self.env_vars)
         self._init_runtime_state()
-        self._reset_job_state()
 
     # -- public API ---------------------------------------------------------------------------------
     def start_container(self, image: Optional[str] = None, port: Optional[int] = None,
@@ -530,7 +529,6 @@ class HFSandboxProvider:
         # A proxy's sockets and threads stay in their process: use the shared one (of the same kind).
         self._proxy = state.get("_proxy") if isinstance(state.get("_proxy"), str) else None
         self._init_runtime_state()
-        self._reset_job_state()
 
     # -- overridable hooks ----------------------------------------------------------------------------
     def _new_session(self) -> requests.Session:
@@ -561,6 +559,7 @@ class HFSandboxProvider:
         self._job_client: Optional[_JobsClient] = None
         # A replica job: a weak reference to the provider that owns it (whose hooks it uses).
         self._owner: Optional["weakref.ReferenceType[HFSandboxProvider]"] = None
+        self._reset_job_state()
         _register_with_openenv()
 
     def _reset_job_state(self) -> None:
@@ -1776,8 +1775,7 @@ class _JobsClient:
     def job_logs(self, namespace: str, job_id: str, tail: int = LOG_TAIL_LINES,
                  timeout_s: float = LOG_FETCH_TIMEOUT_S) -> List[str]:
         """The last `tail` log lines, reading the SSE stream for at most `timeout_s`. Never raises."""
-        lines: deque = deque(maxlen=tail)
-        deadline = time.monotonic() + timeout_s
+        lines, deadline = deque(maxlen=tail), time.monotonic() + timeout_s
         try:
             ticket = self._budget.acquire()
             with self._session.get(self.endpoint + "/api/jobs/%s/%s/logs" % (namespace, job_id),
