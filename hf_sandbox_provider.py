@@ -707,8 +707,7 @@ class HFSandboxProvider:
             job = client.create_job(namespace, _job_body(settings, start_label), {START_LABEL_KEY: start_label},
                                     self._stop_requested.is_set)
             with self._lock:
-                self.job_id = str(job["id"])
-                self._job_namespace = namespace
+                self.job_id, self._job_namespace = str(job["id"]), namespace
                 self.job_url = "%s/jobs/%s/%s" % (self.endpoint, namespace, self.job_id)
                 self._move(Phase.STARTING)  # from here on every teardown cancels this job
                 self.timings["created"] = self._elapsed()
@@ -973,8 +972,7 @@ class _ReplicaSet:
                 owner._job_namespace = first._job_namespace
             base_url = proxy.mount_replicas([child.upstream_url for child in self.children], token=token,
                                             verify=settings["verify"])
-            owner.timings["created"] = self._all_reached("created")
-            owner.timings["running"] = self._all_reached("running")
+            owner.timings.update({key: self._all_reached(key) for key in ("created", "running")})
             # The owner's safety net unmounts the route (each replica's own cancels its job).
             owner._publish_route(proxy, base_url, weakref.finalize(
                 owner, _release_job, None, None, None, proxy, base_url, None))
@@ -1094,10 +1092,8 @@ def _replicas_stage(stages: Sequence[Optional[str]]) -> Optional[str]:
         return None
     if live := [stage for stage in stages if stage not in TERMINAL_STAGES]:
         return min(live, key=lambda stage: _LIVE_STAGE_ORDER.get(stage, 1))
-    for stage in ("ERROR", "CANCELED"):  # a failure shows first; a stopped group reads CANCELED
-        if stage in stages:
-            return stage
-    return stages[0]
+    # a failure shows first; a stopped group reads CANCELED
+    return next((stage for stage in ("ERROR", "CANCELED") if stage in stages), stages[0])
 
 
 # -- Many providers at once: stop_all and the parallel workers of start_many and replica sets ------
@@ -1868,7 +1864,7 @@ class _ApiBudget:
     def __init__(self, calls: int = RATE_LIMIT_CALLS, window_s: float = RATE_LIMIT_WINDOW_S,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
         self.calls, self.window_s = calls, window_s  # the quota per window: the server's once it says
-        self.clock, self.sleep = clock, sleep
+        self.clock, self.sleep, self._lock = clock, sleep, threading.Lock()
         self.server_told = False  # whether an answer carried RateLimit headers
         self.remaining: Optional[float] = None  # the server's count (less calls sent since), while it holds
         self.reset_at = 0.0  # clock time the server's window resets
@@ -1878,7 +1874,6 @@ class _ApiBudget:
         self.waited_s = 0.0  # time calls spent held here (and watcher refreshes put off), over all threads
         self._next_paced = 0.0  # while pacing: when the next ordinary call may go
         self._sent: deque = deque()  # send times within the window, for a server that says nothing
-        self._lock = threading.Lock()
 
     @property
     def reserve(self) -> int:
