@@ -62,12 +62,10 @@ else:
 InsecureURLError = _proxy.InsecureURLError
 _is_loopback_host, _start_thread = _proxy._is_loopback_host, _proxy._start_thread  # one copy each
 
-__all__ = [
-    # the provider and its errors
+__all__ = [  # the provider and its errors; the layers' names join at the end of the module
     "HFSandboxProvider", "Phase", "SandboxError", "SandboxConfigError", "JobFailedError", "JobStartTimeout",
     "JobsAPIError", "StartManyError", "ReplicaStartError", "stop_all", "InsecureURLError",
-    "DEFAULT_COMMAND_TEMPLATE", "KNOWN_FLAVORS",
-]
+    "DEFAULT_COMMAND_TEMPLATE", "KNOWN_FLAVORS"]
 
 # The layers: each a module of its own beside this one that imports the core, never the other way round.
 # Their public names are re-exported lazily (`__getattr__`, at the end), so importing the core imports no
@@ -157,18 +155,15 @@ MAX_REPLICAS = 64  # jobs behind one route; beyond, use start_many() or several 
 REPLICA_CHECK_INTERVAL_S = 5.0  # replica_status() inspects a sick replica this often (API budget)
 PROXY_PROCESS = "process"  # one shared AuthProxy child process: relaying costs the trainer no GIL
 STOP_PARALLEL = 32  # stop_all(): cancels at a time (each one API call plus a brief retry)
-# stop_container() waits this long for a start in another thread to end (its create answered, its job
-# cancelled), so it does not return while a job it could not see may still be made.
+# stop_container() waits this long for another thread's start to end: no job is made after it.
 STOP_WAIT_S = 30.0
-# Job stages (huggingface_hub's JobStage): the live ones in the order a job passes them, and those
-# after which it never runs again. The emulator takes them from here too.
+# huggingface_hub's JobStage: the live ones in the order a job passes them, then the terminal ones.
 LIVE_STAGES = ("SCHEDULING", "RUNNING")
 TERMINAL_STAGES = frozenset({"COMPLETED", "CANCELED", "ERROR", "DELETED"})
 # OpenEnv's image template's CMD (openenv_env/server/Dockerfile), `exec` so the server gets the stop signal.
 DEFAULT_COMMAND_TEMPLATE = ("sh", "-c",
                             "cd /app/env && exec uvicorn server.app:app --host 0.0.0.0 --port {port}")
-# huggingface_hub 2.4's JobHardware, for a huggingface_hub without Jobs; `_known_flavors()` prefers the
-# installed JobHardware and the Hub's live `GET /api/jobs/hardware` once a start fetched it.
+# huggingface_hub 2.4's JobHardware, for one without Jobs (`_known_flavors()` adds the live lists).
 KNOWN_FLAVORS = frozenset({
     "cpu-basic", "cpu-upgrade", "cpu-performance", "cpu-xl", "t4-small", "t4-medium", "l4x1", "l4x4",
     "l40sx1", "l40sx4", "l40sx8", "a10g-small", "a10g-large", "a10g-largex2", "a10g-largex4",
