@@ -31,8 +31,7 @@ import email.utils
 import enum
 import hashlib
 import http.client
-import importlib
-import importlib.util
+import importlib.util  # binds importlib too
 import itertools
 import json
 import logging
@@ -938,8 +937,7 @@ class _ReplicaSet:
     def _start_jobs(self, settings: Dict[str, Any], token: str) -> str:
         """Start the K jobs in parallel, then mount one replica route over their URLs."""
         owner, count, proxy = self.owner, len(self.children), self.proxy
-        owner._active = settings
-        owner._submitted_at = time.monotonic()
+        owner._active, owner._submitted_at = settings, time.monotonic()
         with owner._lock:
             owner._mounted_on = proxy
             owner._move(Phase.STARTING)  # from here on a teardown stops the replicas, whatever happens
@@ -1698,9 +1696,8 @@ class _JobsClient:
         self._session.close()
 
     def whoami_namespace(self) -> str:
-        key = self.token_key
         with _namespace_lock:  # one call per token per process, even with many threads starting
-            if key not in _namespace_cache:
+            if (key := self.token_key) not in _namespace_cache:
                 payload = self._json("GET", "/api/whoami-v2", "whoami-v2 (namespace lookup)")
                 if not (name := payload.get("name") if isinstance(payload, dict) else None):
                     raise JobsAPIError("whoami-v2 (namespace lookup)", 200, "answer has no 'name'",
