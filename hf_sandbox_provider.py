@@ -414,28 +414,17 @@ class HFSandboxProvider:
         providers[0]._resolve_token()  # no token: one SandboxConfigError now, not n failures later
         if isinstance(providers[0].pool, str):  # the hosts n sandboxes need, booted by the first start
             _placement("pool").prewarm(providers[0], n, boot=False)
-        shown = _ProgressLine(n) if progress is True else None
-
-        def report(index: int, error: Optional[BaseException]) -> None:
-            ready, failed = len(launch.ready), len(launch.errors)
-            if shown is not None:
-                shown.update(ready, failed, index, error)
-                return
-            try:
-                progress(ready, failed, n)  # type: ignore[operator]
-            except Exception:  # the caller's display must not kill a launch worker (and lose its work)
-                logger.warning("start_many: the progress callback raised; ignoring it", exc_info=True)
-
+        shown = _ProgressLine(n, progress)
         launch = _Parallel(providers, lambda index, p: p.wait_for_ready(p.start_container()), max_parallel,
-                           all_or_nothing, on_done=report if progress else lambda index, error: None)
+                           all_or_nothing, on_done=lambda index, error: shown.update(
+                               len(launch.ready), len(launch.errors), index, error))
         try:
             launch.run("hf-sandbox-start")
         except BaseException:
             stop_all(providers)
             raise
         finally:
-            if shown is not None:
-                shown.close()
+            shown.close()
         if launch.errors and all_or_nothing:
             stop_all(providers)
             raise StartManyError(n, launch.errors, launch.aborted)
@@ -1180,15 +1169,25 @@ class _Parallel:
 
 
 class _ProgressLine:
-    """start_many's progress on stderr: whole lines under a lock, at most one per PROGRESS_STEP or
+    """start_many's `progress`: a callable's errors are logged, never raised into a launch worker;
+    True writes whole lines to stderr under a lock, at most one per PROGRESS_STEP or
     PROGRESS_INTERVAL_S (the first failure at once); on a terminal, one line updated in place."""
 
-    def __init__(self, total: int) -> None:
-        self.total, self.began, self.lock = total, time.monotonic(), threading.Lock()
+    def __init__(self, total: int, progress: Union[bool, Callable[[int, int, int], None]]) -> None:
+        self.total, self.progress, self.lock = total, progress, threading.Lock()
+        self.began = time.monotonic()
         self.tty = bool(getattr(sys.stderr, "isatty", lambda: False)())
         self.shown_at, self.shown_done, self.open = float("-inf"), 0, False
 
     def update(self, ready: int, failed: int, index: int, error: Optional[BaseException]) -> None:
+        if self.progress is not True:
+            try:
+                if self.progress:
+                    self.progress(ready, failed, self.total)  # type: ignore[operator]
+            except Exception:  # a caller's display must not kill a launch worker (and its work)
+                logger.warning("start_many: the progress callback raised; ignoring it",
+                               exc_info=True)
+            return
         with self.lock:
             now, done = time.monotonic(), ready + failed
             due = (done - self.shown_done >= self.total * PROGRESS_STEP
