@@ -903,10 +903,9 @@ class _ReplicaSet:
         count = int(settings["replicas"])
         per_replica = [dict(owner._replica_settings(i, dict(settings, replicas=1))) for i in range(count)]
         for index, item in enumerate(per_replica):  # a bad override fails before any job
-            reason = _settings_rejection(item, image_required=True)
-            if reason or item.get("replicas") != 1:
-                raise SandboxConfigError("_replica_settings(%d): %s"
-                                         % (index, reason or "replicas must stay 1"))
+            if reason := (_settings_rejection(item, image_required=True)
+                          or (None if item.get("replicas") == 1 else "replicas must stay 1")):
+                raise SandboxConfigError("_replica_settings(%d): %s" % (index, reason))
         self.proxy = proxy
         self._owner = weakref.ref(owner)  # weak: the owner holds this set and must stay collectable
         self.children: List[HFSandboxProvider] = []
