@@ -1,14 +1,12 @@
 """Run OpenEnv environment servers as Hugging Face Jobs, fronted by a local auth proxy: the core.
 
-`HFSandboxProvider` implements OpenEnv's `ContainerProvider` contract on top of HF Jobs: it submits a
-job that serves the environment on an exposed port, waits for the job's URL, mounts that URL on a
-shared loopback `AuthProxy` (which adds the bearer token) and returns the proxy's base URL, which any
-unmodified OpenEnv client can use. Synchronous and threads-only, so it embeds in any training stack.
-
-Many environments per process are a first-class path: every provider shares one proxy, one job
-watcher thread (one Jobs API call per interval for all starting jobs) and one API budget per token;
-`HFSandboxProvider.start_many()` launches n with bounded concurrency, all or nothing; `replicas=K`
-puts K jobs of one image behind one route (sessions spread by the proxy, least sessions first).
+`HFSandboxProvider` implements OpenEnv's `ContainerProvider` on HF Jobs: it submits a job serving the
+environment on an exposed port, waits for the job's URL, mounts it on a shared loopback `AuthProxy`
+(which adds the bearer token) and returns the proxy's base URL, usable by any unmodified OpenEnv client.
+Synchronous and threads-only, so it embeds in any training stack. Many environments per process are a
+first-class path: every provider shares one proxy, one job watcher thread (one Jobs API call per
+interval for all starting jobs) and one API budget per token; `start_many()` launches n with bounded
+concurrency, all or nothing; `replicas=K` puts K jobs of one image behind one route.
 
 Read top to bottom: constants (the HF Jobs facts among them), errors, the job lifecycle (`Phase`), the
 provider, what runs its jobs (itself for one job, a `_ReplicaSet` for K), `stop_all` and `_Parallel`
@@ -16,10 +14,10 @@ provider, what runs its jobs (itself for one job, a `_ReplicaSet` for K), `stop_
 the token lookup, the small Jobs REST client, the process-wide API budget and job watcher, teardown and
 the exit hook; last, the layers: the placement registry, the lazy re-exports, the command line. Imports
 `proxy` (relatively inside a package, absolutely at top level) and no layer: the training layer
-(hf_sandbox_training.py), pooled placement (hf_sandbox_pool.py, which registers itself through
+(hf_sandbox_training.py), pooled placement (hf_sandbox_pool.py, registered through
 `_register_placement`) and the command line (hf_sandbox_cli.py) each import this module, which loads
-them only on use, through the tables `_LAYERS` and `_PLACEMENT_LAYERS`. Vendoring: copy this file and
-proxy.py, plus each layer you use; a missing one is named by its file.
+them only on use (`_LAYERS`, `_PLACEMENT_LAYERS`). Vendoring: copy this file and proxy.py, plus each
+layer you use; a missing one is named by its file.
 """
 
 from __future__ import annotations
@@ -33,8 +31,8 @@ import email.utils
 import enum
 import hashlib
 import http.client
-import importlib
-import importlib.util
+import importlib.util  # binds importlib too
+import itertools
 import json
 import logging
 import os
@@ -47,8 +45,8 @@ import threading
 import time
 import uuid
 import weakref
-from collections import deque
-from typing import (Any, Callable, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional,
+from collections import deque, namedtuple
+from typing import (Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional,
                     Sequence, Tuple, Union)
 from urllib.parse import urlsplit
 
@@ -63,12 +61,10 @@ else:
 InsecureURLError = _proxy.InsecureURLError
 _is_loopback_host, _start_thread = _proxy._is_loopback_host, _proxy._start_thread  # one copy each
 
-__all__ = [
-    # the provider and its errors
+__all__ = [  # the provider and its errors; the layers' names join at the end of the module
     "HFSandboxProvider", "Phase", "SandboxError", "SandboxConfigError", "JobFailedError", "JobStartTimeout",
     "JobsAPIError", "StartManyError", "ReplicaStartError", "stop_all", "InsecureURLError",
-    "DEFAULT_COMMAND_TEMPLATE", "KNOWN_FLAVORS",
-]
+    "DEFAULT_COMMAND_TEMPLATE", "KNOWN_FLAVORS"]
 
 # The layers: each a module of its own beside this one that imports the core, never the other way round.
 # Their public names are re-exported lazily (`__getattr__`, at the end), so importing the core imports no
@@ -87,24 +83,19 @@ __version__ = "0.1.0"
 logger = logging.getLogger("hf_sandbox_provider")
 
 # -- Constants -------------------------------------------------------------------------------------
-
-# The public Hub; HF_ENDPOINT overrides it (mirrors, staging, the local emulator).
-DEFAULT_ENDPOINT = "https://huggingface.co"
-# OpenEnv servers listen on 8000 in every image built from OpenEnv's template.
-DEFAULT_PORT = 8000
-# The cheapest flavor; OpenEnv environment servers are CPU-bound HTTP servers.
-DEFAULT_FLAVOR = "cpu-basic"
+DEFAULT_ENDPOINT = "https://huggingface.co"  # HF_ENDPOINT overrides it (mirrors, staging, emulator)
+DEFAULT_PORT = 8000  # what OpenEnv servers listen on in every image built from OpenEnv's template
+DEFAULT_FLAVOR = "cpu-basic"  # the cheapest: OpenEnv environment servers are CPU-bound HTTP servers
 # Server-side lifetime of a job, always sent: nothing else stops billing if the client dies (an hour).
 DEFAULT_JOB_TIMEOUT_S = 3600
 # From submit to an exposed URL: CPU jobs schedule in 4-11 s, GPU flavors and large images in minutes.
 DEFAULT_START_TIMEOUT_S = 600.0
-# From URL to a 200 on /health: image pull plus server boot.
-DEFAULT_READY_TIMEOUT_S = 300.0
-# How often the job watcher refreshes starting jobs: ONE call per interval for the whole process (a `list`
-# by this process's label), so a stage change is seen within 0.5 s for at most 60 calls per 30 s wave.
+DEFAULT_READY_TIMEOUT_S = 300.0  # from URL to a 200 on /health: image pull plus server boot
+# The job watcher makes ONE call per interval for the whole process (a `list` by this process's
+# label): a stage change is seen within 0.5 s for at most 60 calls per 30 s wave.
 DEFAULT_POLL_INTERVAL_S = 0.5
-# Jobs that waited this long are slow (minutes): refreshed at most every WATCH_SLOW_INTERVAL_S, a long wait
-# then costs ~60 calls per 5 minutes instead of ~600.
+# Jobs that waited this long are slow (minutes): refreshed at most every WATCH_SLOW_INTERVAL_S, so a
+# long wait costs ~60 calls per 5 minutes instead of ~600.
 WATCH_SLOWDOWN_AFTER_S = 30.0
 WATCH_SLOW_INTERVAL_S = 5.0
 # /health is probed through the local proxy (no API call) quickly at first (a fast boot is seen within
@@ -112,92 +103,73 @@ WATCH_SLOW_INTERVAL_S = 5.0
 HEALTH_PROBE_FIRST_S = 0.05
 HEALTH_PROBE_GROWTH = 1.3
 HEALTH_PROBE_INTERVAL_S = 0.5
-# A start that waits (minutes on the Hub) logs its stage and seconds so far this often (INFO).
-HEARTBEAT_S = 10.0
-# Per-probe timeouts for /health: (connect, read). A wedged server must not eat the whole budget.
-HEALTH_PROBE_TIMEOUT_S = (5.0, 10.0)
-# Timeouts for Jobs API calls: (connect, read).
-API_TIMEOUT_S = (10.0, 30.0)
+HEARTBEAT_S = 10.0  # a start that waits (minutes on the Hub) logs its stage this often (INFO)
+HEALTH_PROBE_TIMEOUT_S = (5.0, 10.0)  # per /health probe: a wedged server must not eat the budget
+API_TIMEOUT_S = (10.0, 30.0)  # Jobs API calls: (connect, read)
 # Retries for 429/5xx/connection failures on API calls, with full-jitter exponential backoff.
 API_MAX_RETRIES = 5
 API_BACKOFF_BASE_S = 0.5
 API_BACKOFF_CAP_S = 20.0
-# A server asking for a longer pause than this is waited for only this long.
-RETRY_AFTER_CAP_S = 60.0
+RETRY_AFTER_CAP_S = 60.0  # a server asking for a longer pause is waited for only this long
 # Teardown retries a failed cancel briefly: it runs in `finally` blocks and at exit.
 CANCEL_ATTEMPTS = 3
 CANCEL_BACKOFF_CAP_S = 2.0
 # Log tail of JobFailedError, bounded in lines and time (a running job's SSE stream never ends).
 LOG_TAIL_LINES = 40
 LOG_FETCH_TIMEOUT_S = 5.0
-# `list` answers are paginated (Link: rel="next"); more pages than this is a loop or thousands of jobs.
-LIST_MAX_PAGES = 50
+LIST_MAX_PAGES = 50  # `list` pages (Link: rel="next"): more is a loop or thousands of jobs
 # Names of the one public Hub: a next-page link may use either (any other host would get the token).
 HUB_HOST_NAMES = frozenset({"huggingface.co", "hf.co"})
-# Labels: one on every job this library makes (`sweep` finds leftovers by it), one unique per start (a
-# create whose answer was lost is found by it instead of submitted twice).
+# Labels: one on every job this library makes (`sweep` finds leftovers by it), one unique per start
+# (a create whose answer was lost is found by it instead of submitted twice), and one per process (the
+# watcher lists all of this process's jobs with one call).
 PROVIDER_LABEL_KEY = "hf-sandbox-provider"
 PROVIDER_LABEL_VALUE = "1"
 START_LABEL_KEY = "hf-sandbox-start"
-# The Hub's label rule: keys and values of at most this many letters, digits, '-' and '_' (checked first).
-LABEL_MAX_CHARS = 100
-# `hf-sandbox-process=<uuid of this process>` on each job: the watcher lists them all with one call.
 PROCESS_LABEL_KEY = "hf-sandbox-process"
-# The Hub's API limit is per user, in fixed 5-minute windows (1,000 calls free, 2,500 PRO, 3,000 Team, 6,000
-# Enterprise); answers' RateLimit headers say what is left, and the budget follows them. These defaults (or
-# HF_SANDBOX_RATE_LIMIT, e.g. "2500/300") serve until the first answer, or with a server that says nothing.
+LABEL_MAX_CHARS = 100  # the Hub's rule: label keys and values of at most this many [A-Za-z0-9_-]
+# The Hub's API limit is per user, in fixed 5-minute windows (1,000 calls free, 2,500 PRO, 3,000 Team,
+# 6,000 Enterprise); answers' RateLimit headers say what is left, and the budget follows them. These
+# defaults (or HF_SANDBOX_RATE_LIMIT, e.g. "2500/300") serve until an answer says, or if none does.
 RATE_LIMIT_CALLS = 1000
 RATE_LIMIT_WINDOW_S = 300.0
 RATE_LIMIT_ENV = "HF_SANDBOX_RATE_LIMIT"
-# The bucket the budget follows (whoami-v2 has its own, smaller one).
-RATE_LIMIT_RESOURCE = "api"
-# Below this fraction left, calls are spread over the time to the reset: paced by the server's count, which
-# falls with every process's calls, N processes slow down together without talking to each other.
+RATE_LIMIT_RESOURCE = "api"  # the bucket the budget follows (whoami-v2 has its own, smaller one)
+# Below this fraction left, calls are spread over the time to the reset: paced by the server's count,
+# which falls with every process's calls, N processes slow down together without talking.
 RATE_LIMIT_PACE_BELOW = 0.25
-# This fraction of the quota (at least RATE_LIMIT_RESERVE_MIN calls) is kept for cancels, never held here.
+# This fraction of the quota (at least RATE_LIMIT_RESERVE_MIN calls) is kept for cancels.
 RATE_LIMIT_RESERVE = 0.05
 RATE_LIMIT_RESERVE_MIN = 5
-# A call waiting for budget looks again at least this often: other threads' answers may change the count.
-RATE_LIMIT_RECHECK_S = 2.0
-# Added to a 429's reset time, as huggingface_hub does (the server rounds `t` to whole seconds).
-RATE_LIMIT_RESET_MARGIN_S = 1.0
-# Jobs missing from the watcher's `list` (ended, or not listed yet) inspected per refresh, at most: a burst
-# of endings cannot turn one call per interval into hundreds.
+RATE_LIMIT_RECHECK_S = 2.0  # a call held here looks again this often: others' answers count too
+RATE_LIMIT_RESET_MARGIN_S = 1.0  # added to a 429's reset, as huggingface_hub does (`t` is rounded)
+# Jobs missing from the watcher's `list` (ended, or not listed yet) inspected per refresh, at most: a
+# burst of endings cannot turn one call per interval into hundreds.
 WATCH_MAX_INSPECTS = 8
-# start_many(): environments brought up at once by default (the bound mostly spreads creates and probes).
-DEFAULT_MAX_PARALLEL = 64
-# start_many(progress=True): at most a line per this fraction of the environments or per this many seconds.
+DEFAULT_MAX_PARALLEL = 64  # start_many(): at once by default (spreads the creates and probes)
+# start_many(progress=True): at most a line per this fraction of the environments or this many seconds.
 PROGRESS_STEP = 0.05
 PROGRESS_INTERVAL_S = 1.0
-# replicas=K: K jobs behind one route; beyond this many use start_many() or several providers.
-MAX_REPLICAS = 64
-# replica_status() inspects a replica out of rotation at most this often: polling cannot drain the API.
-REPLICA_CHECK_INTERVAL_S = 5.0
-# proxy="process": one shared AuthProxy in a child process (AuthProxy.spawn): relaying costs no trainer GIL.
-PROXY_PROCESS = "process"
-# stop_all(): cancels run this many at a time (each is one API call plus a brief retry).
-STOP_PARALLEL = 32
-# stop_container() waits this long for a start in another thread to end (its create answered, its job
-# cancelled), so it does not return while a job it could not see may still be made.
+MAX_REPLICAS = 64  # jobs behind one route; beyond, use start_many() or several providers
+REPLICA_CHECK_INTERVAL_S = 5.0  # replica_status() inspects a sick replica this often (API budget)
+PROXY_PROCESS = "process"  # one shared AuthProxy child process: relaying costs the trainer no GIL
+STOP_PARALLEL = 32  # stop_all(): cancels at a time (each one API call plus a brief retry)
+# stop_container() waits this long for another thread's start to end: no job is made after it.
 STOP_WAIT_S = 30.0
-# Job stages (huggingface_hub's JobStage): the live ones in the order a job passes them, and those after which
-# it never runs again (its TERMINAL_JOB_STAGES). The emulator takes them from here too.
+# huggingface_hub's JobStage: the live ones in the order a job passes them, then the terminal ones.
 LIVE_STAGES = ("SCHEDULING", "RUNNING")
 TERMINAL_STAGES = frozenset({"COMPLETED", "CANCELED", "ERROR", "DELETED"})
 # OpenEnv's image template's CMD (openenv_env/server/Dockerfile), `exec` so the server gets the stop signal.
 DEFAULT_COMMAND_TEMPLATE = ("sh", "-c",
                             "cd /app/env && exec uvicorn server.app:app --host 0.0.0.0 --port {port}")
-# huggingface_hub 2.4's JobHardware, for one without Jobs (the emulator's list too); `_known_flavors()`
-# prefers the installed JobHardware and the Hub's live `GET /api/jobs/hardware` once a start fetched it.
+# huggingface_hub 2.4's JobHardware, for one without Jobs (`_known_flavors()` adds the live lists).
 KNOWN_FLAVORS = frozenset({
     "cpu-basic", "cpu-upgrade", "cpu-performance", "cpu-xl", "t4-small", "t4-medium", "l4x1", "l4x4",
     "l40sx1", "l40sx4", "l40sx8", "a10g-small", "a10g-large", "a10g-largex2", "a10g-largex4",
     "a100-large", "a100x4", "a100x8", "h200", "h200x2", "h200x4", "h200x8",
     "rtx-pro-6000", "rtx-pro-6000x2", "rtx-pro-6000x4", "rtx-pro-6000x8"})
-# Token variables, read first as huggingface_hub does (the same answer with or without it; _discover_token).
-TOKEN_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
-# Spaces hardware names that are not Jobs flavors, left out even if an old huggingface_hub listed them.
-SPACES_ONLY_HARDWARE = frozenset({"h100", "h100x8", "zero-a10g"})
+SPACES_ONLY_HARDWARE = frozenset({"h100", "h100x8", "zero-a10g"})  # never Jobs flavors, if listed
+TOKEN_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")  # read first, as huggingface_hub does
 # Image references of HF Spaces, sent as `spaceId` rather than `dockerImage` (as huggingface_hub does).
 SPACE_IMAGE_PREFIXES = ("https://huggingface.co/spaces/", "https://hf.co/spaces/",
                         "huggingface.co/spaces/", "hf.co/spaces/")
@@ -208,8 +180,6 @@ USER_AGENT = "hf-sandbox-provider/" + __version__
 
 
 # -- Errors ----------------------------------------------------------------------------------------
-
-
 class SandboxError(RuntimeError):
     """Base class of every error this module raises on purpose."""
 
@@ -222,91 +192,79 @@ class JobFailedError(SandboxError):
     """The job reached a terminal stage before serving; carries its stage, message and log tail."""
 
     def __init__(self, job_id: str, stage: str, message: Optional[str], log_tail: Sequence[str] = ()):
-        self.job_id = job_id
-        self.stage = stage
-        self.message = message
+        self.job_id, self.stage, self.message = job_id, stage, message
         self.log_tail = list(log_tail)
-        text = "HF job %s ended with stage %s before it was ready: %s" % (
-            job_id, stage, message or "(no message from the Jobs API)")
-        if self.log_tail:
-            text += "\n--- last %d log lines ---\n%s" % (len(self.log_tail), "\n".join(self.log_tail))
-        else:
-            text += "\n(no log lines could be fetched)"
-        super().__init__(text)
+        tail = ("--- last %d log lines ---\n%s" % (len(self.log_tail), "\n".join(self.log_tail))
+                if self.log_tail else "(no log lines could be fetched)")
+        super().__init__("HF job %s ended with stage %s before it was ready: %s\n%s" % (
+            job_id, stage, message or "(no message from the Jobs API)", tail))
 
 
 class JobStartTimeout(SandboxError, TimeoutError):
     """The job did not expose its URL, or its server did not answer /health, in time."""
 
     def __init__(self, message: str, job_id: Optional[str] = None, stage: Optional[str] = None):
-        self.job_id = job_id
-        self.stage = stage
+        self.job_id, self.stage = job_id, stage
         super().__init__(message)
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc)
-    return text.splitlines()[0] if text else ""
+    return (str(exc).splitlines() or [""])[0]
+
+
+_Failures = Sequence[Tuple[int, BaseException]]
 
 
 class _StartFailures(SandboxError):
-    """Some starts of a group failed: `errors` holds `(index, exception)` per failure, in index order, and
-    `aborted` counts the starts given up because of them. The message names each failure on its own line."""
+    """Some starts of a group failed: `errors` holds `(index, exception)` per failure, in index order,
+    `aborted` counts the starts given up because of them. The message names each failure on a line."""
 
-    def __init__(self, headline: str, item: str, errors: Sequence[Tuple[int, BaseException]], aborted: int):
+    def __init__(self, headline: str, item: str, errors: _Failures, aborted: int):
         self.errors = sorted(errors, key=lambda pair: pair[0])
         self.aborted = aborted
-        super().__init__("\n".join([headline] + ["  %s %d: %s: %s" % (item, index, type(exc).__name__, _first_line(exc))
-                                                 for index, exc in self.errors]))
+        super().__init__("\n".join([headline] + [
+            "  %s %d: %s: %s" % (item, index, type(exc).__name__, _first_line(exc))
+            for index, exc in self.errors]))
 
 
 class StartManyError(_StartFailures):
     """start_many() could not bring every environment up; every job it started was cancelled."""
 
-    def __init__(self, total: int, errors: Sequence[Tuple[int, BaseException]], aborted: int = 0):
-        super().__init__("%d of %d environments failed to start (%d more were cancelled before they were ready; "
-                         "every job started was cancelled):" % (len(errors), total, aborted), "environment",
-                         errors, aborted)
+    def __init__(self, total: int, errors: _Failures, aborted: int = 0):
+        super().__init__("%d of %d environments failed to start (%d more were cancelled before they were "
+                         "ready; every job started was cancelled):" % (len(errors), total, aborted),
+                         "environment", errors, aborted)
 
 
 class ReplicaStartError(_StartFailures):
-    """Some of K replica jobs failed to start or become ready; all K were cancelled (`job_ids`: those created)."""
+    """Some of K replica jobs failed to start or get ready; all K were cancelled (`job_ids`)."""
 
-    def __init__(self, phase: str, total: int, errors: Sequence[Tuple[int, BaseException]], aborted: int,
-                 job_ids: Sequence[str]):
+    def __init__(self, phase: str, total: int, errors: _Failures, aborted: int, job_ids: Sequence[str]):
         self.job_ids = list(job_ids)
-        super().__init__("%d of %d replicas failed to %s (%d more were given up; every replica job was cancelled: "
-                         "%s):" % (len(errors), total, phase, aborted, ", ".join(self.job_ids) or "none was created"),
+        super().__init__("%d of %d replicas failed to %s (%d more were given up; every replica job was "
+                         "cancelled: %s):" % (len(errors), total, phase, aborted,
+                                              ", ".join(self.job_ids) or "none was created"),
                          "replica", errors, aborted)
 
 
 class JobsAPIError(SandboxError):
-    """The Jobs REST API answered with an error (or could not be reached). `may_have_acted` is False when no
-    attempt of the call can have reached the server (refused connections): a failed create then made no job."""
+    """The Jobs REST API answered with an error (or could not be reached). `may_have_acted` is False when
+    no attempt of the call can have reached the server: a failed create then made no job."""
 
     def __init__(self, action: str, status_code: Optional[int], server_message: Optional[str],
                  request_id: Optional[str] = None, hint: Optional[str] = None):
-        self.action = action
-        self.status_code = status_code
-        self.server_message = server_message
-        self.request_id = request_id
-        self.may_have_acted = True
-        text = "%s failed: %s" % (action, "HTTP %d" % status_code if status_code else "no answer")
-        if server_message:
-            text += ": " + server_message
-        if request_id:
-            text += " (request id %s)" % request_id
-        if hint:
-            text += ". " + hint
-        super().__init__(text)
+        self.action, self.status_code, self.server_message = action, status_code, server_message
+        self.request_id, self.may_have_acted = request_id, True
+        super().__init__("%s failed: %s%s%s%s" % (
+            action, "HTTP %d" % status_code if status_code else "no answer",
+            ": " + server_message if server_message else "",
+            " (request id %s)" % request_id if request_id else "", ". " + hint if hint else ""))
 
 
 # -- The job lifecycle: one explicit phase per provider (in the spirit of wsproto's ConnectionState) ---
-
-
 class Phase(enum.Enum):
-    """Where a provider is in its job's life (`HFSandboxProvider.phase`). Only `_move()` changes it, under
-    the provider's lock and along `_PHASE_MOVES`, so a stop racing a start sees one consistent answer."""
+    """Where a provider is in its job's life. Only `_move()` changes it, under the provider's lock and
+    along `_PHASE_MOVES`, so a stop racing a start sees one consistent answer."""
 
     IDLE = "idle"              # no job: start_container() may begin (also after a stop)
     SUBMITTING = "submitting"  # a start is claimed; its create call is in flight, no job recorded yet
@@ -315,10 +273,9 @@ class Phase(enum.Enum):
     STOPPING = "stopping"      # torn down while the start still runs in its thread; it gives up at its next check
 
 
-# The only phase changes there are. A start: IDLE -> SUBMITTING -> STARTING -> RUNNING. A teardown:
-# RUNNING -> IDLE, or, while the start is still in flight, -> STOPPING, which the start turns into
-# IDLE when it returns (STARTING again first if its create answers after the stop: that job is then
-# recorded, so the start's own teardown cancels it).
+# The only phase changes. A start: IDLE -> SUBMITTING -> STARTING -> RUNNING. A teardown: RUNNING -> IDLE,
+# or, with the start still in flight, -> STOPPING, which the start turns into IDLE when it returns
+# (STARTING first if its create answers after the stop: its own teardown then cancels that job).
 _PHASE_MOVES = {
     Phase.IDLE: frozenset({Phase.SUBMITTING, Phase.IDLE}),
     Phase.SUBMITTING: frozenset({Phase.STARTING, Phase.STOPPING, Phase.IDLE}),
@@ -326,58 +283,37 @@ _PHASE_MOVES = {
     Phase.RUNNING: frozenset({Phase.IDLE}),
     Phase.STOPPING: frozenset({Phase.STARTING, Phase.STOPPING, Phase.IDLE}),
 }
-# Phases in which start_container() is still running in some thread.
-_START_IN_FLIGHT = frozenset({Phase.SUBMITTING, Phase.STARTING, Phase.STOPPING})
-# Phases in which a job is recorded and not yet released: a teardown must cancel it.
-_JOB_HELD = frozenset({Phase.STARTING, Phase.RUNNING})
+_START_IN_FLIGHT = frozenset({Phase.SUBMITTING, Phase.STARTING, Phase.STOPPING})  # a start runs
+_JOB_HELD = frozenset({Phase.STARTING, Phase.RUNNING})  # a job is recorded: a teardown cancels it
 
 
-class _Detached(NamedTuple):
-    """What one teardown took from its provider: the job to cancel (None if none is held), its route."""
-
-    job_id: Optional[str]
-    namespace: Optional[str]
-    job_url: Optional[str]
-    base_url: Optional[str]
-    proxy: Any  # Optional[AuthProxy]
-    client: Any  # Optional[_JobsClient]
+# What one teardown took from its provider: the job to cancel (None if none is held) and its route.
+_Detached = namedtuple("_Detached", "job_id namespace job_url base_url proxy client")
 
 
 # -- The provider ----------------------------------------------------------------------------------
-
-
-# Where OpenEnv's `ContainerProvider` ABC has lived (current, older and pre-package layouts). It is looked up
-# in sys.modules, never imported: `openenv.core`'s package init loads gradio, pandas and pyarrow (about 4 s,
-# 170 MiB and two native threads in every process that imports this module), which a trainer that never
-# uses OpenEnv must not pay. Whoever checks isinstance against the ABC has imported it already.
+# Where OpenEnv's `ContainerProvider` ABC has lived (current, older and pre-package layouts). Looked up in
+# sys.modules, never imported: `openenv.core`'s init loads gradio, pandas and pyarrow (about 4 s, 170 MiB),
+# which a trainer that never uses OpenEnv must not pay. Whoever checks isinstance has imported it already.
 _OPENENV_PROVIDER_MODULES = ("openenv.core.containers.runtime.providers", "openenv.core.containers.runtime",
-                             "openenv_core.containers.runtime.providers", "core.containers.runtime.providers")
+                             "openenv_core.containers.runtime.providers",
+                             "core.containers.runtime.providers")
 
 
 def _register_with_openenv() -> None:
-    """Make HFSandboxProvider a (virtual) OpenEnv `ContainerProvider` once OpenEnv is loaded, so isinstance and
-    issubclass checks pass. Runs at import and at every construction; a no-op once registered."""
-    global _openenv_registered
-    if _openenv_registered:
-        return
+    """Make HFSandboxProvider a virtual OpenEnv `ContainerProvider` once OpenEnv is loaded. Runs at import
+    and at every construction (OpenEnv may have been imported since); registering again is a no-op."""
     for module_name in _OPENENV_PROVIDER_MODULES:
         base = getattr(sys.modules.get(module_name), "ContainerProvider", None)
         if isinstance(base, abc.ABCMeta):  # not an unrelated package that happens to be called `core`
             base.register(HFSandboxProvider)
-            _openenv_registered = True
             return
 
 
-_openenv_registered = False
-
-
 class HFSandboxProvider:
-    """One OpenEnv environment server running as an HF Job, reachable through the local auth proxy.
-
-    Settings are validated at construction and per start, before any network call. The job is cancelled
-    by `stop_container()`, by any failure after its create, and at exit; `job_timeout` bounds the rest.
-    `replicas=K` puts K jobs behind one route (sessions go to the least busy; see docs/replicas.md).
-    """
+    """One OpenEnv environment server run as an HF Job behind the local auth proxy. Settings are
+    checked before any network call; `stop_container()`, a failure after the create, exit or
+    `job_timeout` end the job."""
 
     # What a pickled provider carries: its settings (and explicit token), never its job, lock, threads
     # or sockets. A subclass with settings of its own adds their names (like requests' Session.__attrs__).
@@ -396,48 +332,28 @@ class HFSandboxProvider:
                  poll_interval_s: float = DEFAULT_POLL_INTERVAL_S, verify: Union[bool, str] = True,
                  proxy: Union[None, str, "_proxy.AuthProxy", "proxy_host.AuthProxyProcess"] = None,
                  replicas: int = 1, pool: Any = None, warn_env_credentials: bool = True) -> None:
-        self.image = image
-        self.command = command
-        self.port = port
-        self.flavor = flavor
-        self.namespace = namespace
-        self.endpoint = _resolve_endpoint(endpoint)
-        self.env_vars = dict(env_vars or {})
-        self.secrets = dict(secrets or {})
-        self.labels = dict(labels or {})
-        self.job_timeout = job_timeout
-        self.start_timeout_s = start_timeout_s
-        self.ready_timeout_s = ready_timeout_s
-        self.poll_interval_s = poll_interval_s
-        self.verify = verify
-        self.replicas = replicas
-        self.pool = pool  # None: a dedicated job; a pool name or SandboxPool: a pooled sandbox (hf_sandbox_pool)
-        self.warn_env_credentials = warn_env_credentials
-        self._token = token
-        self._proxy = proxy
-        _raise_if_rejected(_proxy_rejection(proxy))
-        # Fail at construction on what can be checked without a token or the network.
-        _raise_if_rejected(_settings_rejection(self._settings({}), image_required=False))
+        self.image, self.command, self.port, self.flavor = image, command, port, flavor
+        self.namespace, self.endpoint = namespace, _resolve_endpoint(endpoint)
+        self.env_vars, self.secrets = dict(env_vars or {}), dict(secrets or {})
+        self.labels, self.job_timeout = dict(labels or {}), job_timeout
+        self.start_timeout_s, self.ready_timeout_s = start_timeout_s, ready_timeout_s
+        self.poll_interval_s, self.verify, self.replicas = poll_interval_s, verify, replicas
+        self.pool = pool  # None: a dedicated job; a pool name or SandboxPool: pooled (hf_sandbox_pool)
+        self.warn_env_credentials, self._token, self._proxy = warn_env_credentials, token, proxy
+        _raise_if_rejected(_proxy_rejection(proxy)
+                           or _settings_rejection(self._settings({}), image_required=False))
         if warn_env_credentials:
             _warn_credential_env_vars(self.env_vars)
         self._init_runtime_state()
-        self._reset_job_state()
 
     # -- public API ---------------------------------------------------------------------------------
-
     def start_container(self, image: Optional[str] = None, port: Optional[int] = None,
                         env_vars: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> str:
-        """Submit the job, wait for its exposed URL, mount it on the proxy and return the base URL.
-
-        Keywords in `_OVERRIDABLE` override the constructor for this start; other OpenEnv keywords are
-        ignored (debug log). Any failure or interrupt after the create cancels the job (all K with replicas).
-        """
-        overrides = {}
-        for key, value in kwargs.items():
-            if key in _OVERRIDABLE:
-                overrides[key] = value
-            else:
-                logger.debug("start_container: ignoring keyword %r (not used by HF Jobs)", key)
+        """Submit the job, wait for its URL, mount it on the proxy, return the base URL. Keywords in
+        `_OVERRIDABLE` override the constructor once; a failure after the create cancels the job."""
+        overrides = {key: value for key, value in kwargs.items() if key in _OVERRIDABLE}
+        for key in [key for key in kwargs if key not in _OVERRIDABLE]:
+            logger.debug("start_container: ignoring keyword %r (not used by HF Jobs)", key)
         overrides["image"] = image if image is not None else self.image
         overrides["port"] = port if port is not None else self.port
         if env_vars:
@@ -451,14 +367,12 @@ class HFSandboxProvider:
         self._claim_start()
         started = False
         try:
-            if settings["pool"] is not None:
-                pooled = _placement("pool").PooledSandbox(self, settings)  # bad combinations fail here
-                with self._lock:
-                    self._pooled = pooled
-            elif settings["replicas"] > 1:
-                replicas = _ReplicaSet(self, settings, token, self._proxy_instance())  # bad overrides fail here
-                with self._lock:
-                    self._replicas = replicas
+            # What runs the jobs (`_jobs`): bad combinations and overrides fail here, before any job.
+            pooled = _placement("pool").PooledSandbox(self, settings) if settings["pool"] is not None else None
+            replicas = (_ReplicaSet(self, settings, token, self._proxy_instance())
+                        if pooled is None and settings["replicas"] > 1 else None)
+            with self._lock:
+                self._pooled, self._replicas = pooled, replicas
             base_url = self._jobs._start_jobs(settings, token)
             started = True
             return base_url
@@ -466,10 +380,8 @@ class HFSandboxProvider:
             self._end_start(started)
 
     def wait_for_ready(self, base_url: Optional[str] = None, timeout_s: Optional[float] = None) -> None:
-        """Poll `/health` through the proxy until 200, watching the job's stage (each replica's, in parallel).
-
-        A terminal stage raises `JobFailedError`, the deadline `JobStartTimeout`; any failure cancels the job.
-        A URL that is not this provider's base URL is refused at once (SandboxConfigError; the job runs)."""
+        """Poll `/health` through the proxy until 200, watching the job's stage: JobFailedError if
+        it ends, JobStartTimeout at the deadline; any failure cancels it. Another URL is refused."""
         if self._phase is not Phase.RUNNING or self.base_url is None:
             raise SandboxError("wait_for_ready(): job %s was stopped; call start_container() to start a new "
                                "one" % self.job_id if self._phase is Phase.IDLE and self.job_id else
@@ -489,55 +401,39 @@ class HFSandboxProvider:
                    **provider_kwargs: Any
                    ) -> Union[List["HFSandboxProvider"],
                               Tuple[List["HFSandboxProvider"], List[Tuple[int, BaseException]]]]:
-        """Start `n` providers, at most `max_parallel` at a time, and wait until each is ready.
-
-        All or nothing (default): the n providers, or every job cancelled and one `StartManyError`. Else
-        `(ready_providers, [(index, exception)])`. `progress`: True writes whole lines to stderr, bounded
-        (PROGRESS_STEP, PROGRESS_INTERVAL_S; on a terminal one line updated in place); a callable gets
-        `(ready, failed, n)` after each environment.
-        """
-        _raise_if_rejected(_positive_int_rejection("n", n) or _positive_int_rejection("max_parallel", max_parallel))
-        if not (isinstance(progress, bool) or callable(progress)):
-            raise SandboxConfigError("progress=%r must be True, False or a callable(ready, failed, total)" % (progress,))
-        providers = [cls(image, **provider_kwargs) for _ in range(n)]  # bad settings fail here, before any job
+        """Start `n` providers, `max_parallel` at a time, and wait until each is ready: all of them,
+        or every job cancelled and StartManyError (else `(ready, [(index, exception)])`).
+        `progress`: a few lines on stderr, or a callable given `(ready, failed, n)` after each."""
+        _raise_if_rejected(_positive_int_rejection("n", n)
+                           or _positive_int_rejection("max_parallel", max_parallel)
+                           or (None if isinstance(progress, bool) or callable(progress) else
+                               "progress=%r must be True, False or a callable(ready, failed, total)"
+                               % (progress,)))
+        providers = [cls(image, **provider_kwargs) for _ in range(n)]  # bad settings fail before any job
         _raise_if_rejected(_image_rejection(providers[0].image))
         providers[0]._resolve_token()  # no token: one SandboxConfigError now, not n failures later
-        if isinstance(providers[0].pool, str):  # the hosts n sandboxes need: the first start boots them all at once
+        if isinstance(providers[0].pool, str):  # the hosts n sandboxes need, booted by the first start
             _placement("pool").prewarm(providers[0], n, boot=False)
-        shown = _ProgressLine(n) if progress is True else None
-
-        def report(index: int, error: Optional[BaseException]) -> None:
-            ready, failed = len(launch.ready), len(launch.errors)
-            if shown is not None:
-                shown.update(ready, failed, index, error)
-                return
-            try:
-                progress(ready, failed, n)  # type: ignore[operator]
-            except Exception:  # the caller's display must not kill a launch worker (and lose its work)
-                logger.warning("start_many: the progress callback raised; ignoring it", exc_info=True)
-
+        shown = _ProgressLine(n, progress)
         launch = _Parallel(providers, lambda index, p: p.wait_for_ready(p.start_container()), max_parallel,
-                           all_or_nothing, on_done=report if progress else lambda index, error: None)
+                           all_or_nothing, on_done=lambda index, error: shown.update(
+                               len(launch.ready), len(launch.errors), index, error))
         try:
             launch.run("hf-sandbox-start")
         except BaseException:
             stop_all(providers)
             raise
         finally:
-            if shown is not None:
-                shown.close()
+            shown.close()
         if launch.errors and all_or_nothing:
             stop_all(providers)
             raise StartManyError(n, launch.errors, launch.aborted)
+        stop_all([p for i, p in enumerate(providers) if i not in launch.ready])  # none if all are ready
         ready = [p for i, p in enumerate(providers) if i in launch.ready]
-        if not all_or_nothing:
-            stop_all([p for i, p in enumerate(providers) if i not in launch.ready])
-            return ready, sorted(launch.errors, key=lambda item: item[0])
-        return ready
+        return ready if all_or_nothing else (ready, sorted(launch.errors, key=lambda item: item[0]))
 
     def stop_container(self) -> None:
-        """Unmount the route and cancel the job (all K with replicas, in parallel). Idempotent; never
-        raises (a job that could not be cancelled is named in a WARNING)."""
+        """Unmount the route and cancel the job(s); idempotent, never raises (failures: WARNING)."""
         try:
             self._request_stop()  # a start or readiness wait in another thread notices at once
             self._teardown()
@@ -556,22 +452,19 @@ class HFSandboxProvider:
         _raise_if_rejected(_positive_int_rejection("tail", tail))
         if self._pooled is not None:
             return self._pooled.logs(tail)
-        running = self._job_client
-        client = running or _JobsClient(self.endpoint, self._resolve_token(), self._hooks()._new_session())
-        try:
+        if self._job_client is not None:
+            return self._job_client.job_logs(self._job_namespace, self.job_id, tail=tail)
+        # the job's own client closed at its stop: one for this call
+        with contextlib.closing(_JobsClient(self.endpoint, self._resolve_token(),
+                                            self._hooks()._new_session())) as client:
             return client.job_logs(self._job_namespace, self.job_id, tail=tail)
-        finally:
-            if client is not running:  # made for this call: the job's own client closed at its stop
-                client.close()
 
     def replica_status(self, refresh: bool = False) -> List[Dict[str, Any]]:
-        """Per replica job, in start order: the proxy's view (`upstream`, `open_sessions`, `healthy`,
-        `reason`) plus `index`, `job_id`, `stage`, `message`. A replica out of rotation has its job inspected
-        (all, with `refresh=True`); one that has ended leaves the route for good, with a WARNING."""
-        replicas = self._replicas
-        if replicas is None:
-            raise SandboxError("replica_status() needs a provider started with replicas > 1 (this one runs %s); "
-                               "use .stage and .job_id for a single job" % (self.job_id or "no job"))
+        """Per replica job, in start order: the proxy's view of it, `index`, `job_id`, `stage` and
+        `message`. A replica out of rotation is inspected; one whose job ended leaves the route."""
+        if (replicas := self._replicas) is None:
+            raise SandboxError("replica_status() needs a provider started with replicas > 1 (this one runs "
+                               "%s); use .stage and .job_id for a single job" % (self.job_id or "no job"))
         return replicas.status(refresh)
 
     @property
@@ -586,8 +479,7 @@ class HFSandboxProvider:
 
     @property
     def stage(self) -> Optional[str]:
-        """The job's stage. With replicas: the least advanced stage of the live jobs (SCHEDULING until
-        all K run), or, once every job has ended, their common end stage (ERROR if any failed)."""
+        """The job's stage; with replicas, one stage for the K jobs (see `_replicas_stage`)."""
         return self._jobs._job_stage()
 
     def __enter__(self) -> "HFSandboxProvider":
@@ -603,8 +495,7 @@ class HFSandboxProvider:
             " job_ids=%r" % (job_ids,) if len(job_ids) > 1 else "")
 
     def __getstate__(self) -> Dict[str, Any]:
-        """Un-started providers pickle (TRL ships environment factories to workers); running ones don't.
-        Only the settings in `_pickled_settings` travel: the copy starts its own job, on its own proxy."""
+        """Un-started providers pickle (TRL ships env factories to workers): settings only."""
         if self._phase is not Phase.IDLE:
             raise TypeError(
                 "cannot pickle an HFSandboxProvider while its job %s is running: pickle it before "
@@ -616,16 +507,13 @@ class HFSandboxProvider:
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        for name in self._pickled_settings:
-            if name in state:
-                setattr(self, name, state[name])
+        for name in [name for name in self._pickled_settings if name in state]:
+            setattr(self, name, state[name])
         # A proxy's sockets and threads stay in their process: use the shared one (of the same kind).
         self._proxy = state.get("_proxy") if isinstance(state.get("_proxy"), str) else None
         self._init_runtime_state()
-        self._reset_job_state()
 
     # -- overridable hooks ----------------------------------------------------------------------------
-
     def _new_session(self) -> requests.Session:
         """The HTTP session the Jobs client uses (override to add adapters or a corporate CA)."""
         return requests.Session()
@@ -635,15 +523,13 @@ class HFSandboxProvider:
         return _exposed_url_rejection(url, job_id, port, self.endpoint)
 
     def _replica_settings(self, index: int, settings: Dict[str, Any]) -> Dict[str, Any]:
-        """The settings replica `index` starts with (default: the provider's, the same for every job).
-        Override to vary one replica, e.g. an env var or label per index."""
+        """The settings replica `index` starts with (override to vary one, e.g. a label per index)."""
         return settings
 
     # -- lifecycle state ----------------------------------------------------------------------------------
-
     def _init_runtime_state(self) -> None:
-        # One lock guards the phase and the job's handles; re-entrant so a teardown can move the phase
-        # while it swaps the handles out, in one critical section.
+        # Guards the phase and the job's handles; re-entrant, so a teardown moves the phase and swaps the
+        # handles out in one critical section.
         self._lock = threading.RLock()
         self._phase_changed = threading.Condition(self._lock)  # a stop waits on it for the start to end
         self._phase = Phase.IDLE
@@ -656,7 +542,8 @@ class HFSandboxProvider:
         self._job_client: Optional[_JobsClient] = None
         # A replica job: a weak reference to the provider that owns it (whose hooks it uses).
         self._owner: Optional["weakref.ReferenceType[HFSandboxProvider]"] = None
-        _register_with_openenv()  # OpenEnv may have been imported since this module was
+        self._reset_job_state()
+        _register_with_openenv()
 
     def _reset_job_state(self) -> None:
         self.job_id: Optional[str] = None
@@ -699,8 +586,8 @@ class HFSandboxProvider:
             self._move(Phase.SUBMITTING)
 
     def _end_start(self, started: bool) -> None:
-        """End a start: RUNNING if it returned a URL and no stop landed meanwhile, else IDLE. A start
-        that succeeded just as a stop took (and cancelled) its job raises instead of returning a dead URL."""
+        """End a start: RUNNING if it returned a URL and no stop landed meanwhile, else IDLE. A start that
+        succeeded just as a stop cancelled its job raises instead of returning a dead URL."""
         if not started and self._phase is Phase.STARTING:  # a recorded job never outlives a failed start
             self._teardown()
         with self._lock:
@@ -721,10 +608,10 @@ class HFSandboxProvider:
             if not self._phase_changed.wait_for(
                     lambda: self._phase not in _START_IN_FLIGHT or self._starts != start, STOP_WAIT_S):
                 logger.warning(
-                    "stop_container(): the start of this provider has not ended after %gs; it cancels its job "
-                    "when its create answers, but if this process exits first look for the job labelled %s=%s "
-                    "(or run `python -m hf_sandbox_provider sweep`)", STOP_WAIT_S, START_LABEL_KEY,
-                    self._start_label)
+                    "stop_container(): the start of this provider has not ended after %gs; it cancels its "
+                    "job when its create answers, but if this process exits first look for the job "
+                    "labelled %s=%s (or run `python -m hf_sandbox_provider sweep`)", STOP_WAIT_S,
+                    START_LABEL_KEY, self._start_label)
 
     def _request_stop(self) -> None:
         """Make a start or readiness wait in another thread give up at its next check."""
@@ -732,17 +619,13 @@ class HFSandboxProvider:
         self._wake.set()
 
     def _detach(self) -> "_Detached":
-        """Take what a teardown must release, in one critical section with the phase change (STOPPING
-        while a start is still in flight in its thread, which then returns IDLE; else IDLE), so a start
-        claimed right after cannot swap the job's identity under the teardown. Retires the safety net."""
+        """Take what a teardown releases and retire the safety net, in one critical section with the
+        phase change: a start claimed right after cannot swap the job's identity under it."""
         with self._lock:
-            held = self._phase in _JOB_HELD
-            if self._phase in _START_IN_FLIGHT:
-                # Under the lock, after the start's claim cleared any earlier request: it cannot be lost.
-                self._request_stop()
-                self._move(Phase.STOPPING)
-            else:
-                self._move(Phase.IDLE)
+            held, in_flight = self._phase in _JOB_HELD, self._phase in _START_IN_FLIGHT
+            if in_flight:
+                self._request_stop()  # under the lock, after the start's claim cleared any earlier one
+            self._move(Phase.STOPPING if in_flight else Phase.IDLE)
             detached = _Detached(self.job_id if held else None, self._job_namespace, self.job_url,
                                  self.base_url, self._mounted_on, self._job_client)
             finalizer, self._finalizer = self._finalizer, None
@@ -756,31 +639,26 @@ class HFSandboxProvider:
 
     @property
     def _jobs(self) -> Any:
-        """What runs this provider's jobs: its `_ReplicaSet` after a start with replicas, else the provider
-        itself (one job). Both offer `_start_jobs`, `_wait_ready`, `_teardown_jobs`, `_job_ids`, `_job_stage`."""
+        """What runs this provider's jobs: its `_ReplicaSet` or pooled sandbox, else itself (one job). Each
+        offers `_start_jobs`, `_wait_ready`, `_teardown_jobs`, `_job_ids`, `_job_stage`."""
         return self._replicas or self._pooled or self
 
     def _hooks(self) -> "HFSandboxProvider":
         """Whose overridable hooks this job uses: its own, or for a replica job its owner's."""
-        owner = self._owner() if self._owner is not None else None
-        return owner if owner is not None else self
+        return (self._owner is not None and self._owner()) or self
 
     def _teardown(self, client: Optional["_JobsClient"] = None) -> None:
-        """Unmount and cancel, logging (never raising) what could not be cleaned up. `client` is the
-        starting thread's own, in case a concurrent stop already took ours."""
+        """Unmount and cancel, logging (never raising) what could not be cleaned up. `client`: the starting
+        thread's own, in case a concurrent stop already took ours."""
         self._jobs._teardown_jobs(client)
 
     # -- one job ------------------------------------------------------------------------------------------
-
     def _settings(self, overrides: Mapping[str, Any]) -> Dict[str, Any]:
-        settings = {name: getattr(self, name) for name in _OVERRIDABLE}
-        settings.update(image=self.image, port=self.port, env_vars=self.env_vars)
-        settings.update(overrides)
-        return settings
+        return {**{name: getattr(self, name) for name in _OVERRIDABLE}, "image": self.image,
+                "port": self.port, "env_vars": self.env_vars, **overrides}
 
     def _resolve_token(self) -> str:
-        token = self._token if self._token is not None else _discover_token()
-        if not token:
+        if not (token := self._token if self._token is not None else _discover_token()):
             raise SandboxConfigError(
                 "no Hugging Face token found: pass token=..., set HF_TOKEN, or run `hf auth login` "
                 "(the token needs permission to run Jobs); to try everything offline use "
@@ -790,7 +668,9 @@ class HFSandboxProvider:
         return token
 
     def _proxy_instance(self) -> "_proxy.AuthProxy":
-        return self._proxy if self._proxy is not None and not isinstance(self._proxy, str) else _shared_proxy(self._proxy)
+        if self._proxy is None or isinstance(self._proxy, str):
+            return _shared_proxy(self._proxy)
+        return self._proxy
 
     def _elapsed(self) -> float:
         return time.monotonic() - self._submitted_at
@@ -810,8 +690,7 @@ class HFSandboxProvider:
             job = client.create_job(namespace, _job_body(settings, start_label), {START_LABEL_KEY: start_label},
                                     self._stop_requested.is_set)
             with self._lock:
-                self.job_id = str(job["id"])
-                self._job_namespace = namespace
+                self.job_id, self._job_namespace = str(job["id"]), namespace
                 self.job_url = "%s/jobs/%s/%s" % (self.endpoint, namespace, self.job_id)
                 self._move(Phase.STARTING)  # from here on every teardown cancels this job
                 self.timings["created"] = self._elapsed()
@@ -870,8 +749,7 @@ class HFSandboxProvider:
 
     def _observe(self, job: Mapping[str, Any]) -> str:
         """Record the job's stage; log a line when it changes."""
-        stage = str((job.get("status") or {}).get("stage") or "UNKNOWN")
-        if stage != self._stage:
+        if (stage := str((job.get("status") or {}).get("stage") or "UNKNOWN")) != self._stage:
             logger.info("HF job %s: %s -> %s (%.1fs after submit)", self.job_id, self._stage or "submitted",
                         stage, self._elapsed())
             self._stage = stage
@@ -894,8 +772,7 @@ class HFSandboxProvider:
 
     def _latest_job(self, client: "_JobsClient") -> Optional[Mapping[str, Any]]:
         """The watcher's latest answer for our job (raising what it failed with, or on a terminal stage)."""
-        watch = self._watch
-        if watch is None:
+        if (watch := self._watch) is None:
             raise SandboxError("job %s was stopped while starting" % self.job_id)
         if watch.error is not None:
             raise watch.error
@@ -914,15 +791,12 @@ class HFSandboxProvider:
         while True:
             self._wake.clear()  # before reading, so a change made after the read still wakes the wait
             job = self._latest_job(client) or {}
-            urls = (job.get("status") or {}).get("exposeUrls") or []
-            if urls:
+            if urls := (job.get("status") or {}).get("exposeUrls") or []:
                 url = str(urls[0]).rstrip("/")  # one port is exposed, so one URL
-                reason = self._hooks()._exposed_url_rejection(url, job_id, port)
-                if reason:
+                if reason := self._hooks()._exposed_url_rejection(url, job_id, port):
                     raise InsecureURLError(reason)
                 return url
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if (remaining := deadline - time.monotonic()) <= 0:
                 raise JobStartTimeout(
                     "HF job %s exposed no URL within start_timeout_s=%gs (last stage %s); raise "
                     "start_timeout_s for slow flavors or large images" % (
@@ -934,8 +808,7 @@ class HFSandboxProvider:
             self._wake.wait(min(remaining, max(0.0, heartbeat - time.monotonic())))
 
     def _wait_ready(self, base_url: str, budget: float) -> None:
-        client = self._job_client
-        if client is None:
+        if (client := self._job_client) is None:
             raise SandboxError("job %s was stopped before it became ready" % self.job_id)
         self._watch_job(client, self._last_job)
         try:  # between probes: the watcher's latest answer (a crash it saw ends the wait)
@@ -946,15 +819,11 @@ class HFSandboxProvider:
 
     def _probe_until_ready(self, base_url: str, budget: float, check: Callable[[], Any], label: str, short: str,
                            detail: Callable[[], str] = lambda: "") -> None:
-        """Probe `/health` through the proxy until 200 (HEALTH_PROBE_* schedule; a stop wakes the wait),
-        calling `check` after each probe that was not: it raises when waiting is pointless (the job ended, the
-        server exited), and may take a request of its own, which must not delay the next probe. JobStartTimeout
-        after `budget` s. `label`/`short` name the job or sandbox in the log and errors; `detail()` is appended
-        to the timeout's `last:` (e.g. the stage). Shared by both placements."""
+        """Probe `/health` until 200 (JobStartTimeout after `budget` s), calling `check` after each
+        other answer: it raises when waiting is pointless. `label`, `short`, `detail()`: wording."""
         url = base_url.rstrip("/") + "/health"
         deadline = time.monotonic() + budget
-        interval = HEALTH_PROBE_FIRST_S
-        last_seen = "no answer yet"
+        interval, last_seen = HEALTH_PROBE_FIRST_S, "no answer yet"
         heartbeat = time.monotonic() + HEARTBEAT_S
         with requests.Session() as session:
             session.trust_env = False  # loopback proxy: never route through HTTP(S)_PROXY
@@ -964,15 +833,13 @@ class HFSandboxProvider:
                 probed_at = time.monotonic()
                 try:
                     response = session.get(url, timeout=HEALTH_PROBE_TIMEOUT_S)
-                    status = response.status_code
                     last_seen = _describe_health_answer(response)
                     response.close()
-                    if status == 200:
+                    if response.status_code == 200:
                         self.timings["ready"] = self._elapsed()
                         logger.info("%s ready (%.1fs after submit)", label, self._elapsed())
                         return
-                    reason = _health_status_rejection(response)
-                    if reason:
+                    if reason := _health_status_rejection(response):
                         raise SandboxError("%s: /health %s" % (short, reason))
                 except requests.RequestException as exc:
                     last_seen = type(exc).__name__
@@ -981,19 +848,17 @@ class HFSandboxProvider:
                     logger.info("%s: /health not ready yet, %.0fs after submit (last: %s%s)", label,
                                 self._elapsed(), last_seen, detail())
                     heartbeat = time.monotonic() + HEARTBEAT_S
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                if (remaining := deadline - time.monotonic()) <= 0:
                     raise JobStartTimeout("%s did not answer /health with 200 within %gs (last: %s%s)"
                                           % (label, budget, last_seen, detail()), self.job_id, self.stage)
-                # the next probe `interval` after this one began (a slow check eats into the wait, not after
-                # it); a stop, or a crash seen by the watcher, ends the wait
+                # the next probe `interval` after this one began (a slow check eats into the wait); a
+                # stop, or a crash seen by the watcher, ends the wait
                 self._wake.wait(max(0.0, min(probed_at + interval - time.monotonic(), remaining)))
                 interval = min(HEALTH_PROBE_INTERVAL_S, interval * HEALTH_PROBE_GROWTH)
 
     def _safety_net(self, client: "_JobsClient", proxy: Optional["_proxy.AuthProxy"],
                     base_url: Optional[str]) -> "weakref.finalize":
-        """The finalizer that releases the job at collection or exit; it holds the job's client and ids,
-        never the provider, so the provider stays collectable."""
+        """The job's finalizer (collection, exit): it holds its client and ids, not the provider."""
         return weakref.finalize(self, _release_job, client, self._job_namespace, self.job_id, proxy, base_url,
                                 self.job_url, abandoned=True)
 
@@ -1018,8 +883,7 @@ class HFSandboxProvider:
             return
         for job in found:
             job_id = str(job.get("id"))
-            outcome = _cancel_briefly(client, namespace, job_id)
-            if outcome is None:
+            if (outcome := _cancel_briefly(client, namespace, job_id)) is None:
                 logger.info("cancelled job %s made by a create that reported failure", job_id)
             else:
                 logger.warning("HF job %s (made by a failed create) could not be cancelled: %s; run "
@@ -1030,50 +894,38 @@ _register_with_openenv()
 
 
 # -- Replicas: K single-job providers behind one route, run for the provider that owns them --------
-
-
 class _ReplicaSet:
-    """K jobs of one image behind ONE replica route, for the provider that owns them (its `_jobs`).
-
-    Each replica is a plain single-job `HFSandboxProvider` built from the owner's settings for its index,
-    with the owner's proxy, token and hooks (through a weak reference); each is probed on its own route.
-    """
+    """K jobs of one image behind ONE replica route, for the provider that owns them (its `_jobs`): each a
+    single-job `HFSandboxProvider` with the owner's proxy, token and hooks, probed on its own route."""
 
     def __init__(self, owner: HFSandboxProvider, settings: Mapping[str, Any], token: str,
                  proxy: "_proxy.AuthProxy") -> None:
         count = int(settings["replicas"])
         per_replica = [dict(owner._replica_settings(i, dict(settings, replicas=1))) for i in range(count)]
         for index, item in enumerate(per_replica):  # a bad override fails before any job
-            reason = _settings_rejection(item, image_required=True)
-            if reason or item.get("replicas") != 1:
-                raise SandboxConfigError("_replica_settings(%d): %s" % (index, reason or "replicas must stay 1"))
+            if reason := (_settings_rejection(item, image_required=True)
+                          or (None if item.get("replicas") == 1 else "replicas must stay 1")):
+                raise SandboxConfigError("_replica_settings(%d): %s" % (index, reason))
         self.proxy = proxy
         self._owner = weakref.ref(owner)  # weak: the owner holds this set and must stay collectable
-        self.children = [self._replica(owner, item, token, proxy) for item in per_replica]
+        self.children: List[HFSandboxProvider] = []
+        for item in per_replica:
+            options = {name: item[name] for name in _OVERRIDABLE if name != "replicas"}
+            child = HFSandboxProvider(item["image"], port=item["port"], env_vars=item["env_vars"],
+                                      token=token, endpoint=owner.endpoint, proxy=proxy, **options)
+            child._owner = self._owner  # it uses its owner's hooks
+            self.children.append(child)
         self.removed: Dict[int, str] = {}  # why a replica left the route, by index
         self.checked: Dict[int, float] = {}  # when status() last inspected each replica's job
-
-    @staticmethod
-    def _replica(owner: HFSandboxProvider, settings: Mapping[str, Any], token: str,
-                 proxy: "_proxy.AuthProxy") -> HFSandboxProvider:
-        options = {name: settings[name] for name in _OVERRIDABLE if name != "replicas"}
-        child = HFSandboxProvider(settings["image"], port=settings["port"], env_vars=settings["env_vars"],
-                                  token=token, endpoint=owner.endpoint, proxy=proxy, **options)
-        child._owner = weakref.ref(owner)
-        return child
 
     @property
     def owner(self) -> HFSandboxProvider:
         return self._owner()  # type: ignore[return-value]  # alive: only the owner calls its set
 
-    # -- the five operations the provider delegates ---------------------------------------------------
-
     def _start_jobs(self, settings: Dict[str, Any], token: str) -> str:
-        """Start the K jobs in parallel, then mount one replica route over their URLs. Any failure
-        cancels all K and raises one ReplicaStartError."""
+        """Start the K jobs in parallel, then mount one replica route over their URLs."""
         owner, count, proxy = self.owner, len(self.children), self.proxy
-        owner._active = settings
-        owner._submitted_at = time.monotonic()
+        owner._active, owner._submitted_at = settings, time.monotonic()
         with owner._lock:
             owner._mounted_on = proxy
             owner._move(Phase.STARTING)  # from here on a teardown stops the replicas, whatever happens
@@ -1097,15 +949,14 @@ class _ReplicaSet:
             self._raise_if_failed(group, "start")
             first = self.children[0]
             with owner._lock:
-                owner.job_id, owner.job_url, owner._job_namespace = first.job_id, first.job_url, first._job_namespace
-                owner.upstream_url = first.upstream_url
+                owner.job_id, owner.job_url, owner.upstream_url = first.job_id, first.job_url, first.upstream_url
+                owner._job_namespace = first._job_namespace
             base_url = proxy.mount_replicas([child.upstream_url for child in self.children], token=token,
                                             verify=settings["verify"])
-            owner.timings["created"] = self._all_reached("created")
-            owner.timings["running"] = self._all_reached("running")
-            # The owner's safety net unmounts the route if it is collected (each replica's own cancels its job).
-            owner._publish_route(proxy, base_url, weakref.finalize(owner, _release_job, None, None, None, proxy,
-                                                                   base_url, None))
+            owner.timings.update({key: self._all_reached(key) for key in ("created", "running")})
+            # The owner's safety net unmounts the route (each replica's own cancels its job).
+            owner._publish_route(proxy, base_url, weakref.finalize(
+                owner, _release_job, None, None, None, proxy, base_url, None))
             logger.info("%d replica jobs (%s) serving on one route (%.1fs after submit)", count,
                         ", ".join(self._job_ids()), owner._elapsed())
             return base_url
@@ -1125,12 +976,8 @@ class _ReplicaSet:
     def _teardown_jobs(self, client: Optional["_JobsClient"]) -> None:
         """Unmount the replica route, then stop every replica (each names a job it could not cancel)."""
         gone = self.owner._detach()
-        if gone.base_url and gone.proxy is not None:
-            try:
-                gone.proxy.unmount(gone.base_url)
-            except Exception as exc:
-                logger.warning("could not unmount the replica route of jobs %s (%s)",
-                               ", ".join(self._job_ids()), type(exc).__name__)
+        for problem in _unmount(gone.proxy, gone.base_url):
+            logger.warning("replica jobs %s: %s", ", ".join(self._job_ids()), problem)
         stop_all(self.children)
 
     def _job_ids(self) -> List[str]:
@@ -1138,8 +985,6 @@ class _ReplicaSet:
 
     def _job_stage(self) -> Optional[str]:
         return _replicas_stage([child.stage for child in self.children])
-
-    # -- status -------------------------------------------------------------------------------------------
 
     def status(self, refresh: bool) -> List[Dict[str, Any]]:
         """`HFSandboxProvider.replica_status()`: the proxy's view of each replica plus its job's stage."""
@@ -1150,9 +995,8 @@ class _ReplicaSet:
         now = time.monotonic()
         for index, child in enumerate(self.children):
             entry = entries.get(child.upstream_url or "")
-            checked = self.checked.get(index)
-            if refresh or (entry is not None and not entry["healthy"]
-                           and (checked is None or now - checked >= REPLICA_CHECK_INTERVAL_S)):
+            if refresh or (entry is not None and not entry["healthy"] and now - self.checked.get(
+                    index, float("-inf")) >= REPLICA_CHECK_INTERVAL_S):
                 self.checked[index] = now
                 self._check(index, child, proxy, base_url)
         entries = self._route_entries(proxy, base_url)
@@ -1182,27 +1026,24 @@ class _ReplicaSet:
             return
         message = (job.get("status") or {}).get("message") or "(no message from the Jobs API)"
         self.removed[index] = "job %s: %s" % (stage, message)
-        try:
+        removed = False
+        with contextlib.suppress(ValueError):  # the route was unmounted meanwhile
             removed = proxy.remove_replica(base_url, child.upstream_url or "")
-        except ValueError:  # the route was unmounted meanwhile
-            removed = False
         if removed:
             logger.warning("replica %d (HF job %s) ended with stage %s (%s): taken out of rotation; %d replicas "
                            "remain on the route", index, child.job_id, stage, message,
                            len(self._route_entries(proxy, base_url)))
 
-    # -- helpers ------------------------------------------------------------------------------------------
-
     def _parallel(self, action: Callable[[int, HFSandboxProvider], None]) -> "_Parallel":
         """All K replicas at once, all or nothing, given up when the owner is stopped."""
-        owner = self.owner
-        return _Parallel(self.children, action, len(self.children), True, owner._stop_requested, owner._wake)
+        return _Parallel(self.children, action, len(self.children), True, self.owner._stop_requested,
+                         self.owner._wake)
 
     def _raise_if_failed(self, group: "_Parallel", phase: str) -> None:
         self.owner._raise_if_stopped()
         if group.errors:
             raise ReplicaStartError(phase, len(self.children), group.errors, group.aborted,
-                                    [child.job_id for child in self.children if child.job_id])
+                                    self._job_ids())
 
     def _all_reached(self, key: str) -> float:
         """Seconds from the owner's submit until every replica had reached `key` of its timings."""
@@ -1211,7 +1052,8 @@ class _ReplicaSet:
         return max(moments) - owner._submitted_at if moments else owner._elapsed()
 
     @staticmethod
-    def _route_entries(proxy: Optional["_proxy.AuthProxy"], base_url: Optional[str]) -> Dict[str, Dict[str, Any]]:
+    def _route_entries(proxy: Optional["_proxy.AuthProxy"],
+                       base_url: Optional[str]) -> Dict[str, Dict[str, Any]]:
         """The proxy's status of the replica route by upstream URL ({} once it is unmounted)."""
         if proxy is None or base_url is None:
             return {}
@@ -1229,26 +1071,21 @@ def _replicas_stage(stages: Sequence[Optional[str]]) -> Optional[str]:
     """One stage for K jobs: the least advanced live one; once all ended, their common end (ERROR first)."""
     if not stages:
         return None
-    live = [stage for stage in stages if stage not in TERMINAL_STAGES]
-    if live:
+    if live := [stage for stage in stages if stage not in TERMINAL_STAGES]:
         return min(live, key=lambda stage: _LIVE_STAGE_ORDER.get(stage, 1))
-    for stage in ("ERROR", "CANCELED"):  # a failure shows first; a stopped group reads CANCELED
-        if stage in stages:
-            return stage
-    return stages[0]
+    # a failure shows first; a stopped group reads CANCELED
+    return next((stage for stage in ("ERROR", "CANCELED") if stage in stages), stages[0])
 
 
 # -- Many providers at once: stop_all and the parallel workers of start_many and replica sets ------
-
-
 def stop_all(providers: Iterable["HFSandboxProvider"]) -> None:
     """Stop many providers at once (one thread each, bounded); never raises, like stop_container()."""
     _in_parallel([p.stop_container for p in providers if p is not None])
 
 
 def _in_parallel(actions: Sequence[Callable[[], None]], budget_s: Optional[float] = None) -> None:
-    """Run each action in its own daemon thread (at most STOP_PARALLEL at a time); wait up to `budget_s`.
-    Not a concurrent.futures pool: this runs at exit too, where such a pool takes no new work."""
+    """Run each action in its own daemon thread (STOP_PARALLEL at a time); wait up to `budget_s`. Not a
+    concurrent.futures pool: this runs at exit too, where such a pool takes no new work."""
     deadline = None if budget_s is None else time.monotonic() + budget_s
     for first in range(0, len(actions), STOP_PARALLEL):
         batch = [threading.Thread(target=action, name="hf-sandbox-stop", daemon=True)
@@ -1260,13 +1097,12 @@ def _in_parallel(actions: Sequence[Callable[[], None]], budget_s: Optional[float
 
 
 class _Parallel:
-    """Runs `action(index, provider)` over providers on a thread pool of at most `max_parallel`, for
-    start_many() and for a replica set. With `all_or_nothing`, the first failure makes the others give up
-    (their jobs are cancelled by their own teardown); so does `stop_requested` (the owner's stop), which
-    `wake` signals. Outcomes: `ready` (indexes), `errors` [(index, exception)], `aborted` (given up)."""
+    """Runs `action(index, provider)` on `max_parallel` threads; with `all_or_nothing` the first
+    failure, like `stop_requested`, makes the rest give up. Outcomes: ready, errors, aborted."""
 
-    def __init__(self, providers: List["HFSandboxProvider"], action: Callable[[int, "HFSandboxProvider"], None],
-                 max_parallel: int, all_or_nothing: bool = True, stop_requested: Optional[threading.Event] = None,
+    def __init__(self, providers: List["HFSandboxProvider"],
+                 action: Callable[[int, "HFSandboxProvider"], None], max_parallel: int,
+                 all_or_nothing: bool = True, stop_requested: Optional[threading.Event] = None,
                  wake: Optional[threading.Event] = None,
                  on_done: Callable[[int, Optional[BaseException]], None] = lambda index, error: None) -> None:
         self.providers, self.action, self.on_done = providers, action, on_done
@@ -1275,8 +1111,7 @@ class _Parallel:
         self.wake = wake or threading.Event()  # set by each action that ends (and by the owner's stop)
         self.ready: set = set()
         self.errors: List[Tuple[int, BaseException]] = []
-        self.aborted = 0
-        self.stopping = False
+        self.aborted, self.stopping = 0, False
         self._began: set = set()  # indexes whose action has begun
         self._lock = threading.Lock()
 
@@ -1333,15 +1168,25 @@ class _Parallel:
 
 
 class _ProgressLine:
-    """start_many's progress on stderr: whole lines written under a lock, at most one per PROGRESS_STEP of the
-    environments or PROGRESS_INTERVAL_S (and the first failure at once); on a terminal, one updated line."""
+    """start_many's `progress`: a callable's errors are logged, never raised into a launch worker;
+    True writes whole lines to stderr under a lock, at most one per PROGRESS_STEP or
+    PROGRESS_INTERVAL_S (the first failure at once); on a terminal, one line updated in place."""
 
-    def __init__(self, total: int) -> None:
-        self.total, self.began, self.lock = total, time.monotonic(), threading.Lock()
+    def __init__(self, total: int, progress: Union[bool, Callable[[int, int, int], None]]) -> None:
+        self.total, self.progress, self.lock = total, progress, threading.Lock()
+        self.began = time.monotonic()
         self.tty = bool(getattr(sys.stderr, "isatty", lambda: False)())
         self.shown_at, self.shown_done, self.open = float("-inf"), 0, False
 
     def update(self, ready: int, failed: int, index: int, error: Optional[BaseException]) -> None:
+        if self.progress is not True:
+            try:
+                if self.progress:
+                    self.progress(ready, failed, self.total)  # type: ignore[operator]
+            except Exception:  # a caller's display must not kill a launch worker (and its work)
+                logger.warning("start_many: the progress callback raised; ignoring it",
+                               exc_info=True)
+            return
         with self.lock:
             now, done = time.monotonic(), ready + failed
             due = (done - self.shown_done >= self.total * PROGRESS_STEP
@@ -1356,8 +1201,8 @@ class _ProgressLine:
             try:
                 sys.stderr.write("\r%s\x1b[K" % line if self.tty else line + "\n")
                 sys.stderr.flush()
-            except (AttributeError, OSError, ValueError):  # no stderr, or a closed one: a display must not
-                pass  # kill a launch worker (and lose its work)
+            except (AttributeError, OSError, ValueError):  # no stderr, or a closed one: a display
+                pass  # must not kill a launch worker (and lose its work)
 
     def close(self) -> None:
         """End a terminal's updated line, so what is printed next starts on a line of its own."""
@@ -1370,8 +1215,8 @@ class _ProgressLine:
 
 @contextlib.contextmanager
 def _library_signal_mask() -> Iterator[None]:
-    """Block LIBRARY_THREAD_BLOCKED_SIGNALS in this thread meanwhile, so threads started inside inherit the
-    mask (proxy._start_thread's rule: signals sent meanwhile wait, they are not lost)."""
+    """Block LIBRARY_THREAD_BLOCKED_SIGNALS in this thread meanwhile, so threads started inside inherit
+    the mask (proxy._start_thread's rule); signals sent meanwhile wait, they are not lost."""
     if not hasattr(signal, "pthread_sigmask"):  # Windows: no per-thread signal masks
         yield
         return
@@ -1383,7 +1228,6 @@ def _library_signal_mask() -> Iterator[None]:
 
 
 # -- Settings validation (pure: each `_..._rejection` returns why a value is refused, or None) -----
-
 # Patterns end in \Z, not $: `$` also matches before a trailing newline, which would let "name\n" through.
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 _DOMAIN = r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*(?::[0-9]+)?"
@@ -1408,9 +1252,8 @@ def _raise_if_rejected(reason: Optional[str]) -> None:
 
 
 def _proxy_rejection(proxy: Any) -> Optional[str]:
-    if proxy is None or (not isinstance(proxy, str) and callable(getattr(proxy, "mount", None))):
-        return None
-    if proxy == PROXY_PROCESS:
+    if proxy is None or proxy == PROXY_PROCESS or (
+            not isinstance(proxy, str) and callable(getattr(proxy, "mount", None))):
         return None
     return ("proxy must be None (one in-process proxy shared by the process), %r (one shared proxy in a "
             "child process) or a started AuthProxy / AuthProxy.spawn() handle, got %r" % (PROXY_PROCESS, proxy))
@@ -1420,28 +1263,22 @@ def _image_rejection(image: Any) -> Optional[str]:
     if not isinstance(image, str) or not image.strip():
         return ("no image given: pass one to HFSandboxProvider(image=...) or start_container(image), "
                 "e.g. 'registry.hf.space/openenv-echo-env:latest' or 'hf.co/spaces/owner/name'")
-    space = _space_id(image)
-    if space is not None:
+    if (space := _space_id(image)) is not None:
         return None if _SPACE_ID.match(space) else (
             "image %r: a Space reference must look like 'hf.co/spaces/<owner>/<name>'" % image)
-    if not _IMAGE_REFERENCE.match(image):
-        return ("image %r is not a valid Docker image reference (expected e.g. 'python:3.12', "
-                "'registry.hf.space/openenv-echo-env:latest' or 'hf.co/spaces/<owner>/<name>'; "
-                "repository names are lower case)" % image)
-    return None
+    return None if _IMAGE_REFERENCE.match(image) else (
+        "image %r is not a valid Docker image reference (expected e.g. 'python:3.12', "
+        "'registry.hf.space/openenv-echo-env:latest' or 'hf.co/spaces/<owner>/<name>'; "
+        "repository names are lower case)" % image)
 
 
 def _space_id(image: str) -> Optional[str]:
     """`<owner>/<name>` when `image` names an HF Space (sent as `spaceId`), else None (a Docker image)."""
-    for prefix in SPACE_IMAGE_PREFIXES:
-        if image.startswith(prefix):
-            return image[len(prefix):]
-    return None
+    return next((image[len(prefix):] for prefix in SPACE_IMAGE_PREFIXES if image.startswith(prefix)), None)
 
 
 def _known_flavors() -> frozenset:
-    """The flavors a job may ask for before a start has fetched its Hub's live list: huggingface_hub's
-    JobHardware (the static copy when it is too old to have one), plus whatever a live list of this process named."""
+    """The flavors a job may ask for: huggingface_hub's JobHardware (else ours), the live lists."""
     try:
         from huggingface_hub import JobHardware  # type: ignore[attr-defined]
         static = (KNOWN_FLAVORS | {str(member.value) for member in JobHardware}) - SPACES_ONLY_HARDWARE
@@ -1468,8 +1305,8 @@ _hardware_lock = threading.Lock()
 
 
 def _live_flavor_rejection(client: "_JobsClient", flavor: str) -> Optional[str]:
-    """Why the Hub's live hardware list refuses `flavor` (fetched on this process's first start), or None.
-    A Hub that does not answer the list leaves the check to the static one done at construction."""
+    """Why the Hub's live hardware list (fetched on this process's first start) refuses `flavor`, or
+    None; a Hub that does not answer the list leaves the check to the static one."""
     with _hardware_lock:
         if client.endpoint not in _live_hardware:
             _live_hardware[client.endpoint] = client.hardware_flavors()
@@ -1479,35 +1316,28 @@ def _live_flavor_rejection(client: "_JobsClient", flavor: str) -> Optional[str]:
 
 def _parse_duration(value: Any) -> Optional[int]:
     """Seconds from 3600, 90.5, "3600", "30m", "2h", "1d"; None when unparseable or not positive."""
-    if isinstance(value, bool):
-        return None
     match = _DURATION.match(value) if isinstance(value, str) else None
-    if isinstance(value, (int, float)):
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
         seconds = float(value)
     elif match:
         seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
     else:
         return None
-    if not seconds >= 1:  # also rejects NaN
-        return None
-    return int(seconds)
+    return int(seconds) if seconds >= 1 else None  # `>=` also rejects NaN
 
 
 def _positive_number_rejection(name: str, value: Any) -> Optional[str]:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        return "%s=%r must be a positive number of seconds" % (name, value)
-    return None
+    bad = isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0  # NaN too
+    return "%s=%r must be a positive number of seconds" % (name, value) if bad else None
 
 
 def _positive_int_rejection(name: str, value: Any) -> Optional[str]:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        return "%s=%r must be a positive integer" % (name, value)
-    return None
+    bad = isinstance(value, bool) or not isinstance(value, int) or value <= 0
+    return "%s=%r must be a positive integer" % (name, value) if bad else None
 
 
 def _replicas_rejection(replicas: Any) -> Optional[str]:
-    reason = _positive_int_rejection("replicas", replicas)
-    if reason:
+    if reason := _positive_int_rejection("replicas", replicas):
         return reason + " (the number of jobs behind one route; 1 = a single job)"
     if replicas > MAX_REPLICAS:
         return ("replicas=%d is more than %d jobs behind one route; use start_many() for independent "
@@ -1529,12 +1359,9 @@ def _mapping_rejection(name: str, value: Any, check_names: bool) -> Optional[str
 def _credential_env_names(env_vars: Mapping[str, Any]) -> List[str]:
     """The names in `env_vars` that look like credentials: a `_`-separated part ending in TOKEN, SECRET,
     PASSWORD..., or a last part KEY (OPENAI_API_KEY). TOKENIZERS_PARALLELISM and MAX_TOKENS are not."""
-    found = []
-    for name in env_vars:
-        parts = str(name).upper().split("_")
-        if any(part.endswith(_CREDENTIAL_NAME_ENDINGS) for part in parts) or parts[-1] in ("KEY", "APIKEY"):
-            found.append(str(name))
-    return found
+    parts = {str(name): str(name).upper().split("_") for name in env_vars}
+    return [name for name, split in parts.items()
+            if any(part.endswith(_CREDENTIAL_NAME_ENDINGS) for part in split) or split[-1] == "KEY"]
 
 
 def _warn_credential_env_vars(env_vars: Mapping[str, Any]) -> None:
@@ -1549,16 +1376,14 @@ def _warn_credential_env_vars(env_vars: Mapping[str, Any]) -> None:
                        "warn_env_credentials=False if it is not secret)", name, name)
 
 
-# Variable names already warned about (once per process, however many providers carry them).
-_credential_warnings: "set[str]" = set()
+_credential_warnings: "set[str]" = set()  # names warned about (once per process, for all providers)
 _credential_warnings_lock = threading.Lock()
 
 
 def _command_rejection(command: Any) -> Optional[str]:
     if command is None or isinstance(command, str):
         return None if command is None or command.strip() else "command must not be empty"
-    if (isinstance(command, Sequence) and command
-            and all(isinstance(part, str) for part in command)):
+    if isinstance(command, Sequence) and command and all(isinstance(part, str) for part in command):
         return None
     return "command must be None (OpenEnv's default server command), a string, or a non-empty list of strings"
 
@@ -1607,48 +1432,32 @@ _SETTING_CHECKS: Tuple[Tuple[str, Callable[[Any], Optional[str]]], ...] = (
 
 def _settings_rejection(settings: Mapping[str, Any], image_required: bool) -> Optional[str]:
     """Why these provider settings cannot start a job (checked before any network call), or None."""
-    if image_required or settings.get("image") is not None:
-        reason = _image_rejection(settings.get("image"))
-        if reason:
-            return reason
-    for name, check in _SETTING_CHECKS:
-        reason = check(settings.get(name, 1 if name == "replicas" else None))
-        if reason:
-            return reason
-    return None
-
-
-def _job_command(command: Union[None, str, Sequence[str]], port: int) -> List[str]:
-    if command is None:
-        return [part.format(port=port) for part in DEFAULT_COMMAND_TEMPLATE]
-    if isinstance(command, str):
-        return shlex.split(command)
-    return list(command)
+    if (image_required or settings.get("image") is not None) and (
+            reason := _image_rejection(settings.get("image"))):
+        return reason
+    return next(filter(None, (check(settings.get(name, 1 if name == "replicas" else None))
+                              for name, check in _SETTING_CHECKS)), None)
 
 
 def _job_body(settings: Mapping[str, Any], start_label: str) -> Dict[str, Any]:
     """The JSON body of `POST /api/jobs/{namespace}` for these (validated) settings."""
-    image = settings["image"]
+    command, port, space = settings["command"], int(settings["port"]), _space_id(settings["image"])
     labels = {str(k): str(v) for k, v in (settings["labels"] or {}).items()}
-    labels[PROVIDER_LABEL_KEY] = PROVIDER_LABEL_VALUE
-    labels[START_LABEL_KEY] = start_label
-    labels[PROCESS_LABEL_KEY] = _process_label
+    labels.update({PROVIDER_LABEL_KEY: PROVIDER_LABEL_VALUE, START_LABEL_KEY: start_label,
+                   PROCESS_LABEL_KEY: _process_label})
     body: Dict[str, Any] = {
-        "command": _job_command(settings["command"], int(settings["port"])),
+        "command": ([part.format(port=port) for part in DEFAULT_COMMAND_TEMPLATE] if command is None
+                    else shlex.split(command) if isinstance(command, str) else list(command)),
         "arguments": [],
         "environment": {k: str(v) for k, v in (settings["env_vars"] or {}).items()},
         "flavor": settings["flavor"],
         "timeoutSeconds": _parse_duration(settings["job_timeout"]),
         "labels": labels,
-        "expose": {"ports": [int(settings["port"])], "portsPublic": []},
+        "expose": {"ports": [port], "portsPublic": []},
     }
     if settings["secrets"]:
         body["secrets"] = {k: str(v) for k, v in settings["secrets"].items()}
-    space = _space_id(image)
-    if space is not None:
-        body["spaceId"] = space
-    else:
-        body["dockerImage"] = image
+    body.update({"spaceId": space} if space is not None else {"dockerImage": settings["image"]})
     return body
 
 
@@ -1663,15 +1472,14 @@ def _exposed_url_rejection(url: str, job_id: str, port: int, endpoint: str) -> O
         return "the job's exposed URL %r is malformed; not sending the token to it" % url
     if parts.username or parts.password:
         return "the job's exposed URL %r carries credentials; not sending the token to it" % url
-    endpoint_host = urlsplit(endpoint).hostname
     # A job-shaped host (`<id>--<port>.`) must be this job's even on loopback: the TLS emulator serves
     # `<job_id>--<port>.jobs.localhost`, which is loopback, and must still be checked as on the Hub.
     job_shaped = bool(host) and _JOB_HOST.match(host) is not None
-    if (not job_shaped and _is_loopback_host(endpoint_host) and _is_loopback_host(host)
+    if (not job_shaped and _is_loopback_host(urlsplit(endpoint).hostname) and _is_loopback_host(host)
             and parts.scheme in ("http", "https")):
         return None
     if parts.scheme != "https":
-        return ("the job's exposed URL %r is not https; refusing to send the token in clear text" % url)
+        return "the job's exposed URL %r is not https; refusing to send the token in clear text" % url
     expected = ("%s--%d." % (job_id, port)).lower()
     if not host or not host.lower().startswith(expected) or len(host) <= len(expected):
         return ("the job's exposed URL %r does not belong to job %s port %d (expected host %s<domain>); "
@@ -1680,18 +1488,15 @@ def _exposed_url_rejection(url: str, job_id: str, port: int, endpoint: str) -> O
 
 
 def _describe_health_answer(response: requests.Response) -> str:
-    """`HTTP 502 upstream-tls: <the proxy's explanation>` for the timeout message; the proxy's own
-    errors carry X-Proxy-Error and a JSON body, which say why the job is not reachable."""
-    text = "HTTP %d" % response.status_code
-    kind = response.headers.get("X-Proxy-Error")
-    if kind:
-        try:
-            detail = response.json()
-            message = detail.get("message") or detail.get("error") if isinstance(detail, dict) else None
-        except ValueError:
-            message = None
-        text += " %s%s" % (kind, ": %s" % str(message)[:300] if message else "")
-    return text
+    """`HTTP 502 upstream-tls: <why>`: the proxy's errors carry X-Proxy-Error and a JSON body."""
+    if not (kind := response.headers.get("X-Proxy-Error")):
+        return "HTTP %d" % response.status_code
+    try:
+        detail = response.json()
+        message = detail.get("message") or detail.get("error") if isinstance(detail, dict) else None
+    except ValueError:
+        message = None
+    return "HTTP %d %s%s" % (response.status_code, kind, ": %s" % str(message)[:300] if message else "")
 
 
 def _health_status_rejection(response: requests.Response) -> Optional[str]:
@@ -1706,9 +1511,8 @@ def _health_status_rejection(response: requests.Response) -> Optional[str]:
 
 
 def _ready_url_rejection(url: Optional[str], base_url: str) -> Optional[str]:
-    """Why wait_for_ready(url) cannot be about this provider's job (probing it would wait in vain and then
-    cancel a healthy job), or None. A path under the proxy's origin but not under the route is what
-    `urljoin(base_url, "/step")` makes: a leading "/" replaces the route id."""
+    """Why wait_for_ready(url) is not about this job (it would wait in vain, then cancel a healthy
+    one), or None. `urljoin(base_url, "/step")` makes such URLs: a leading "/" drops the route."""
     if url is None or url.rstrip("/") == base_url.rstrip("/"):
         return None
     given, own = urlsplit(str(url)), urlsplit(base_url)
@@ -1721,9 +1525,8 @@ def _ready_url_rejection(url: Optional[str], base_url: str) -> Optional[str]:
 
 def _endpoint_rejection(endpoint: str) -> Optional[str]:
     parts = urlsplit(endpoint)
-    if parts.scheme == "https" and parts.hostname:
-        return None
-    if parts.scheme == "http" and _is_loopback_host(parts.hostname):
+    if (parts.scheme == "https" and parts.hostname) or (
+            parts.scheme == "http" and _is_loopback_host(parts.hostname)):
         return None
     return ("Jobs endpoint %r must be https (http only for a loopback host such as the local emulator): "
             "the token is sent to it" % endpoint)
@@ -1732,46 +1535,37 @@ def _endpoint_rejection(endpoint: str) -> Optional[str]:
 def _discover_token() -> Optional[str]:
     """The HF token (never logged): TOKEN_ENV_VARS, huggingface_hub's get_token(), then the token file
     ($HF_TOKEN_PATH, else $HF_HOME/token). Blank values count as absent."""
-    for value in [os.environ.get(name) or "" for name in TOKEN_ENV_VARS]:
-        if value.strip():
+    for value in map(os.environ.get, TOKEN_ENV_VARS):
+        if value and value.strip():
             return value.strip()
-    try:
+    with contextlib.suppress(Exception):  # absent or too old: fall back to the documented location
         try:
             from huggingface_hub import get_token  # type: ignore[attr-defined]
         except ImportError:
             from huggingface_hub.utils import get_token  # type: ignore[no-redef]
-        value = (get_token() or "").strip()
-        if value:
+        if value := (get_token() or "").strip():
             return value
-    except Exception:  # absent or too old: fall back to the documented location
-        pass
     path = os.environ.get("HF_TOKEN_PATH") or os.path.join(os.environ.get("HF_HOME") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"), "token")
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return handle.read().strip() or None
-    except OSError:
-        return None
+    with contextlib.suppress(OSError), open(path, encoding="utf-8") as handle:
+        return handle.read().strip() or None
+    return None
 
 
 def _resolve_endpoint(endpoint: Optional[str]) -> str:
     value = (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).strip().rstrip("/")
-    reason = _endpoint_rejection(value)
-    if reason:
+    if reason := _endpoint_rejection(value):
         raise InsecureURLError(reason)
     return value
 
 
 # -- The Jobs REST client --------------------------------------------------------------------------
-
-
 def _token_key(endpoint: str, token: str) -> Tuple[str, str]:
     """(endpoint, sha256 of the token): what the process caches a namespace and an API budget by."""
     return (endpoint, hashlib.sha256(token.encode("utf-8")).hexdigest())
 
 
-# _token_key -> namespace: whoami-v2 is heavily rate limited, so once per process.
-_namespace_cache: Dict[Tuple[str, str], str] = {}
+_namespace_cache: Dict[Tuple[str, str], str] = {}  # by _token_key: whoami-v2 is rate limited
 _namespace_lock = threading.Lock()
 
 
@@ -1802,15 +1596,10 @@ def _on_endpoint(url: str, endpoint: str) -> str:
 
 def _retry_after_seconds(value: Optional[str], now: Optional[float] = None) -> Optional[float]:
     """Seconds to wait from a Retry-After header (delta seconds or an HTTP date), or None."""
-    if not value:
-        return None
-    value = value.strip()
+    with contextlib.suppress(ValueError):
+        return max(0.0, float((value or "").strip()))
     try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
+        when = email.utils.parsedate_to_datetime((value or "").strip())
     except (TypeError, ValueError, IndexError):
         return None
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
@@ -1825,15 +1614,12 @@ def _retry_delay(attempt: int, retry_after: Optional[float], base: float = API_B
 
 
 def _transport_failure(exc: requests.RequestException) -> Tuple[str, bool]:
-    """(what went wrong, whether the server may have received the request) for a call with no answer, read
-    from the exceptions requests wraps (urllib3's `reason`, the args, the chained causes). A refused,
-    unresolvable or timed-out connection sent nothing; the OS's reason (or http.client's, when the server
-    hung up without answering) is kept for the message."""
+    """(what went wrong, whether the server may have got the request) for a call with no answer,
+    from the exceptions requests wraps: a failed connection sent nothing; the OS's reason kept."""
     reason, nothing_sent = None, isinstance(exc, requests.ConnectTimeout)
     pending, seen = [exc], set()
     while pending:
-        cause = pending.pop(0)
-        if id(cause) in seen:
+        if id(cause := pending.pop(0)) in seen:
             continue
         seen.add(id(cause))
         nothing_sent = nothing_sent or isinstance(cause, urllib3.exceptions.NewConnectionError)
@@ -1854,13 +1640,12 @@ def _refused(exc: BaseException) -> bool:
 
 def _server_message(response: requests.Response) -> Optional[str]:
     message = response.headers.get("X-Error-Message")
-    if not message:
-        try:
-            payload = response.json()
-            if isinstance(payload, dict):
-                message = payload.get("error") or payload.get("message")
-        except ValueError:
-            message = (response.text or "").strip()[:300] or None
+    try:
+        payload = None if message else response.json()
+        message = message or (payload.get("error") or payload.get("message") if isinstance(payload, dict)
+                              else None)
+    except ValueError:
+        message = (response.text or "").strip()[:300] or None
     return str(message) if message else None
 
 
@@ -1878,7 +1663,7 @@ def _status_hint(status: int) -> Optional[str]:
 def _sse_lines(chunks: Iterable[str]) -> Iterable[str]:
     """Log lines from an HF Jobs SSE stream: `data: {"data": line, "timestamp": ...}` events."""
     for raw in chunks:
-        if not raw.startswith("data:"):
+        if raw is None or not raw.startswith("data:"):
             continue
         payload = raw[5:].strip()
         try:
@@ -1894,8 +1679,7 @@ class _JobsClient:
     """The few Jobs REST calls the provider needs, on a private requests.Session."""
 
     def __init__(self, endpoint: str, token: str, session: Optional[requests.Session] = None):
-        self.endpoint = endpoint
-        self._token = token
+        self.endpoint, self._token = endpoint, token
         self._session = session or requests.Session()
         if self._session.headers.get("User-Agent", "python-requests/").startswith("python-requests/"):
             self._session.headers["User-Agent"] = USER_AGENT  # a session's own agent (a hook's) is kept
@@ -1909,15 +1693,11 @@ class _JobsClient:
     def close(self) -> None:
         self._session.close()
 
-    # -- calls ----------------------------------------------------------------------------------------
-
     def whoami_namespace(self) -> str:
-        key = self.token_key
         with _namespace_lock:  # one call per token per process, even with many threads starting
-            if key not in _namespace_cache:
+            if (key := self.token_key) not in _namespace_cache:
                 payload = self._json("GET", "/api/whoami-v2", "whoami-v2 (namespace lookup)")
-                name = payload.get("name") if isinstance(payload, dict) else None
-                if not name:
+                if not (name := payload.get("name") if isinstance(payload, dict) else None):
                     raise JobsAPIError("whoami-v2 (namespace lookup)", 200, "answer has no 'name'",
                                        hint="pass namespace=... explicitly")
                 _namespace_cache[key] = str(name)
@@ -1928,8 +1708,7 @@ class _JobsClient:
         """POST the job, never twice for one start: after an ambiguous failure the job carrying
         `unique_label` is adopted if it exists. Once `given_up()` (a stop), a failed POST is not retried."""
         def find_lost() -> Optional[Dict[str, Any]]:
-            found = self.list_jobs(namespace, labels=unique_label)
-            if found:
+            if found := self.list_jobs(namespace, labels=unique_label):
                 logger.info("create answer was lost; adopting job %s found by its start label", found[0].get("id"))
                 return found[0]
             if given_up():
@@ -1964,8 +1743,8 @@ class _JobsClient:
             path, params = links[-1] if links else None, None  # the next link carries the query
             if path is None:
                 return jobs
-            reason = _next_link_rejection(path, self.endpoint)
-            if reason:  # a listing cut short would miss jobs (a lost create, a leftover for sweep): say so
+            # a listing cut short would miss jobs (a lost create, a leftover for sweep): say so
+            if reason := _next_link_rejection(path, self.endpoint):
                 raise JobsAPIError("listing jobs", 200, "%s after %d jobs" % (reason, len(jobs)),
                                    hint="report the link to the Jobs API's maintainers")
             path = _on_endpoint(path, self.endpoint)
@@ -1973,8 +1752,7 @@ class _JobsClient:
                            "loops or the namespace has too many jobs for one listing" % (LIST_MAX_PAGES, len(jobs)))
 
     def hardware_flavors(self) -> Optional[frozenset]:
-        """The flavor names of `GET /api/jobs/hardware` (huggingface_hub's list_jobs_hardware), or None when
-        the endpoint does not answer it with a list of named entries (asked once, never retried)."""
+        """The flavor names `GET /api/jobs/hardware` lists, or None (asked once, never retried)."""
         try:
             payload = self._json("GET", "/api/jobs/hardware", "listing the Jobs hardware", retries=0)
         except JobsAPIError as exc:
@@ -1986,8 +1764,7 @@ class _JobsClient:
     def job_logs(self, namespace: str, job_id: str, tail: int = LOG_TAIL_LINES,
                  timeout_s: float = LOG_FETCH_TIMEOUT_S) -> List[str]:
         """The last `tail` log lines, reading the SSE stream for at most `timeout_s`. Never raises."""
-        lines: deque = deque(maxlen=tail)
-        deadline = time.monotonic() + timeout_s
+        lines, deadline = deque(maxlen=tail), time.monotonic() + timeout_s
         try:
             ticket = self._budget.acquire()
             with self._session.get(self.endpoint + "/api/jobs/%s/%s/logs" % (namespace, job_id),
@@ -1996,8 +1773,7 @@ class _JobsClient:
                 self._budget.observe(response.headers, ticket)
                 if response.status_code >= 300:
                     return []
-                raw = response.iter_lines(decode_unicode=True)
-                for line in _sse_lines(line for line in raw if line is not None):
+                for line in _sse_lines(response.iter_lines(decode_unicode=True)):
                     lines.append(line)
                     if time.monotonic() > deadline:
                         break
@@ -2005,20 +1781,15 @@ class _JobsClient:
             logger.debug("log stream for job %s ended: %s", job_id, type(exc).__name__)
         return list(lines)
 
-    # -- machinery --------------------------------------------------------------------------------------
-
     def _json(self, method: str, path: str, action: str, params: Any = None, retries: int = API_MAX_RETRIES,
               max_delay: float = RETRY_AFTER_CAP_S, allow_empty: bool = False,
               next_links: Optional[List[Optional[str]]] = None, body: Any = None,
               find_lost: Optional[Callable[[], Any]] = None, teardown: bool = False) -> Any:
-        """A call retried on 429/5xx/connection errors with backoff. With `find_lost` (a create, not safe to
-        repeat), an ambiguous failure (no answer, a 5xx) first asks `find_lost()` for what it made anyway.
-        `path` may be a full URL (a pagination link); `next_links` receives the `rel="next"` URL. A
-        `teardown` call never waits for budget; answered 429, it waits for the server's reset."""
+        """A call retried on 429/5xx/connection errors with backoff; after an ambiguous failure a
+        create asks `find_lost()` for what it made anyway. A `teardown` never waits for budget."""
         url = path if path.startswith(self.endpoint + "/") else self.endpoint + path
-        attempt = 0
         sent_maybe = False  # whether any attempt may have reached the server without an answer
-        while True:
+        for attempt in itertools.count():
             retry_after: Optional[float] = None
             paused = None
             ticket = self._budget.acquire(teardown)
@@ -2052,10 +1823,11 @@ class _JobsClient:
                 try:
                     found = find_lost()
                 except JobsAPIError as lookup:  # report the create, which is what failed
-                    error = JobsAPIError(action, response.status_code if response is not None else None,
-                                         "%s; whether it made a job anyway could not be checked (%s)" % (failure, lookup),
-                                         hint="run `python -m hf_sandbox_provider sweep` once %s answers" % self.endpoint)
-                    raise error from None
+                    raise JobsAPIError(
+                        action, response.status_code if response is not None else None,
+                        "%s; whether it made a job anyway could not be checked (%s)" % (failure, lookup),
+                        hint="run `python -m hf_sandbox_provider sweep` once %s answers" % self.endpoint
+                    ) from None
                 if found is not None:
                     return found
             if attempt >= retries:
@@ -2063,14 +1835,12 @@ class _JobsClient:
                     action, None, failure, hint="check the network and HF_ENDPOINT (%s)" % self.endpoint)
                 error.may_have_acted = sent_maybe
                 raise error from None
-            if paused is not None:  # the budget holds ordinary calls until the reset; a teardown waits it here
-                delay = paused if teardown else 0.0
-            else:
-                delay = min(_retry_delay(attempt, retry_after), max_delay)
+            # after a 429 the budget holds ordinary calls until the reset; a teardown waits it out here
+            delay = (paused if teardown else 0.0) if paused is not None else min(
+                _retry_delay(attempt, retry_after), max_delay)
             logger.info("%s: %s from %s; retry %d of %d in %.1fs", action, failure, self.endpoint,
                         attempt + 1, retries, delay)
             time.sleep(delay)
-            attempt += 1
 
     @staticmethod
     def _error(response: requests.Response, action: str) -> JobsAPIError:
@@ -2079,19 +1849,15 @@ class _JobsClient:
 
 
 # -- Process-wide Jobs API budget and job watcher (many providers, one thread, O(1) calls per interval) ---
-
-
 class _ApiBudget:
-    """One token's view of the Hub's per-user rate limit, shared by every client of the process. It follows
-    the server's RateLimit headers (remaining calls, seconds to reset, quota, window) when they come, else
-    counts this process's own calls in a sliding window of the configured quota. When little is left it
-    paces calls over the time to the reset; the last `reserve` calls are kept for teardown, which never
-    waits here; a 429 pauses every other call until the server's reset. `clock`/`sleep` are test hooks."""
+    """One token's view of the Hub's per-user rate limit: the server's RateLimit headers, else this
+    process's calls in a sliding window. With little left it paces calls to the reset, keeping the
+    last `reserve` for teardown (which never waits); a 429 pauses every other call."""
 
     def __init__(self, calls: int = RATE_LIMIT_CALLS, window_s: float = RATE_LIMIT_WINDOW_S,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
         self.calls, self.window_s = calls, window_s  # the quota per window: the server's once it says
-        self.clock, self.sleep = clock, sleep
+        self.clock, self.sleep, self._lock = clock, sleep, threading.Lock()
         self.server_told = False  # whether an answer carried RateLimit headers
         self.remaining: Optional[float] = None  # the server's count (less calls sent since), while it holds
         self.reset_at = 0.0  # clock time the server's window resets
@@ -2101,7 +1867,6 @@ class _ApiBudget:
         self.waited_s = 0.0  # time calls spent held here (and watcher refreshes put off), over all threads
         self._next_paced = 0.0  # while pacing: when the next ordinary call may go
         self._sent: deque = deque()  # send times within the window, for a server that says nothing
-        self._lock = threading.Lock()
 
     @property
     def reserve(self) -> int:
@@ -2115,8 +1880,7 @@ class _ApiBudget:
             with self._lock:
                 now = self.clock()
                 left, reset_in = self._estimate(now)
-                wait = 0.0 if teardown else self._wait(now, left, reset_in)
-                if wait <= 0:
+                if (wait := 0.0 if teardown else self._wait(now, left, reset_in)) <= 0:
                     if not teardown and left < self.calls * RATE_LIMIT_PACE_BELOW:
                         self._next_paced = now + reset_in / max(1.0, left - self.reserve)
                     if self.remaining is not None:
@@ -2134,8 +1898,7 @@ class _ApiBudget:
             self.sleep(min(wait, RATE_LIMIT_RECHECK_S))  # other threads' answers may change the count
 
     def wait_s(self) -> float:
-        """How long an ordinary call would wait now (0: it may go); counts nothing. The job watcher asks this
-        instead of blocking its thread, which serves other tokens too."""
+        """How long an ordinary call would wait now, counting nothing (the watcher never blocks)."""
         with self._lock:
             now = self.clock()
             return self._wait(now, *self._estimate(now))
@@ -2188,8 +1951,8 @@ class _ApiBudget:
         return float(self.calls - len(self._sent)), oldest + self.window_s - now
 
     def _wait(self, now: float, left: float, reset_in: float) -> float:
-        """How long an ordinary call waits: out a 429's pause; for the reset once only the reserve is left;
-        its turn while pacing."""
+        """How long an ordinary call waits: a 429's pause, the reset if only the reserve is left,
+        else its pacing turn."""
         if self.paused_until > now:
             return self.paused_until - now
         if left <= self.reserve:
@@ -2219,8 +1982,7 @@ _RATELIMIT_POLICY = re.compile(r"q\s*=\s*(?P<q>\d+).*?w\s*=\s*(?P<w>\d+)")
 
 def _parse_ratelimit(headers: Mapping[str, str]) -> _RateLimitInfo:
     lowered = {str(key).lower(): value for key, value in headers.items()}
-    match = _RATELIMIT.search(lowered.get("ratelimit") or "")
-    if match is None:
+    if (match := _RATELIMIT.search(lowered.get("ratelimit") or "")) is None:
         return None
     policy = _RATELIMIT_POLICY.search(lowered.get("ratelimit-policy") or "")
     return (int(match.group("r")), int(match.group("t")), int(policy.group("q")) if policy else None,
@@ -2228,10 +1990,8 @@ def _parse_ratelimit(headers: Mapping[str, str]) -> _RateLimitInfo:
 
 
 def _configured_rate_limit() -> Tuple[int, float]:
-    """The quota and window to assume before the server says: HF_SANDBOX_RATE_LIMIT ("2500/300"), else the
-    free tier."""
-    text = os.environ.get(RATE_LIMIT_ENV, "").strip()
-    if not text:
+    """The quota and window assumed until the server says: HF_SANDBOX_RATE_LIMIT, or free tier."""
+    if not (text := os.environ.get(RATE_LIMIT_ENV, "").strip()):
         return RATE_LIMIT_CALLS, RATE_LIMIT_WINDOW_S
     calls, _, window = text.partition("/")
     try:
@@ -2257,28 +2017,24 @@ def _api_budget(endpoint: str, token: str) -> _ApiBudget:
 
 
 class _Watch:
-    """One starting provider's registration: the latest job answer, or the error that ends the wait."""
+    """One starting provider's registration: the latest job answer, or the error that ends the wait;
+    `wake` is set whenever the job's stage or URLs change or the error is set."""
 
     def __init__(self, namespace: str, job_id: str, interval_s: float, wake: threading.Event,
                  job: Optional[Mapping[str, Any]] = None, since: Optional[float] = None) -> None:
-        self.namespace = namespace
-        self.job_id = job_id
-        self.base_interval_s = interval_s
+        self.namespace, self.job_id, self.base_interval_s, self.wake = namespace, job_id, interval_s, wake
         self.since = time.monotonic() if since is None else since  # when the job was submitted
-        self.wake = wake  # set whenever `job` changes stage/URLs or `error` is set
         self.job: Optional[Mapping[str, Any]] = job
         self.error: Optional[BaseException] = None
         self.refreshed = 0  # answers received: a refresh inspects the least refreshed missing jobs first
 
     def interval_s(self, now: float) -> float:
         """This job's refresh interval: its provider's, slowed down once it has waited a long time."""
-        if now - self.since >= WATCH_SLOWDOWN_AFTER_S:
-            return max(self.base_interval_s, WATCH_SLOW_INTERVAL_S)
-        return self.base_interval_s
+        slow = now - self.since >= WATCH_SLOWDOWN_AFTER_S
+        return max(self.base_interval_s, WATCH_SLOW_INTERVAL_S) if slow else self.base_interval_s
 
     def deliver(self, job: Mapping[str, Any]) -> None:
-        before = self.job or {}
-        self.job = job
+        before, self.job = self.job or {}, job
         self.refreshed += 1
         if _watch_signature(job) != _watch_signature(before):
             self.wake.set()
@@ -2297,17 +2053,14 @@ class _WatchGroup:
     """The watches that share one (endpoint, token, namespace): refreshed together by one call."""
 
     def __init__(self, client: "_JobsClient", namespace: str) -> None:
-        self.client = client
-        self.namespace = namespace
+        self.client, self.namespace = client, namespace
         self.watches: List[_Watch] = []
-        self.next_due = 0.0
-        self.failures = 0
+        self.next_due, self.failures = 0.0, 0
 
 
 class _JobWatcher:
-    """One background thread that refreshes every starting job of the process: per group and interval,
-    one `inspect` (one job) or one `list` by this process's label plus an `inspect` per job missing from
-    it. Each provider is woken on its own change; the thread lives while anything is registered."""
+    """One thread that refreshes every starting job of the process: per group and interval, one
+    `inspect` (one job) or one `list` by this process's label plus an `inspect` per job missed."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
@@ -2322,8 +2075,7 @@ class _JobWatcher:
         watch = _Watch(namespace, job_id, interval_s, wake, job, since)
         key = _token_key(endpoint, token) + (namespace,)
         with self._cond:
-            group = self._groups.get(key)
-            if group is None:
+            if (group := self._groups.get(key)) is None:
                 group = self._groups[key] = _WatchGroup(_JobsClient(endpoint, token, new_session()), namespace)
                 group.next_due = time.monotonic() + interval_s
             group.watches.append(watch)
@@ -2336,25 +2088,22 @@ class _JobWatcher:
 
     def unregister(self, watch: _Watch) -> None:
         with self._cond:
-            for group in self._groups.values():
-                if watch in group.watches:
-                    group.watches.remove(watch)
+            for group in [g for g in self._groups.values() if watch in g.watches]:
+                group.watches.remove(watch)
             self._cond.notify_all()
 
     def _run(self) -> None:
         while True:
-            closing: List[_JobsClient] = []
             snapshots: List[Tuple[_WatchGroup, List[_Watch]]] = []
             with self._cond:
-                for key in [k for k, g in self._groups.items() if not g.watches]:
-                    closing.append(self._groups.pop(key).client)
+                idle = [key for key, group in self._groups.items() if not group.watches]
+                closing = [self._groups.pop(key).client for key in idle]
                 exiting = not self._groups
                 if exiting:
                     self._thread = None  # under the lock: the next register() starts a new thread
                 else:
                     now = time.monotonic()
-                    due = [g for g in self._groups.values() if g.next_due <= now]
-                    if due:
+                    if due := [g for g in self._groups.values() if g.next_due <= now]:
                         snapshots = [(group, list(group.watches)) for group in due]
                         for group, watches in snapshots:
                             group.next_due = now + min(w.interval_s(now) for w in watches)
@@ -2369,10 +2118,9 @@ class _JobWatcher:
 
     def _refresh(self, group: _WatchGroup, watches: List[_Watch]) -> None:
         """One refresh of a group; failures pause it, and end the waits after API_MAX_RETRIES. A refresh the
-        budget would hold is put off instead, so this thread never blocks the groups of other tokens."""
+        budget would hold is put off, so this thread never blocks the groups of other tokens."""
         client = group.client
-        held = client._budget.wait_s()
-        if held > 0:
+        if (held := client._budget.wait_s()) > 0:
             put_off = min(held, RATE_LIMIT_RECHECK_S)
             group.next_due = max(group.next_due, time.monotonic() + put_off)
             client._budget.waited_s += put_off
@@ -2391,14 +2139,12 @@ class _JobWatcher:
                     try:
                         found[watch.job_id] = client.get_job(group.namespace, watch.job_id, retries=0)
                     except JobsAPIError as exc:
-                        if _refused(exc):
-                            watch.fail(exc)  # e.g. 404: this job is gone; the others are fine
-                        else:
+                        if not _refused(exc):
                             raise
+                        watch.fail(exc)  # e.g. 404: this job is gone; the others are fine
         except BaseException as exc:  # never kill the thread: the waiting providers get the error instead
             group.failures += 1
-            permanent = not isinstance(exc, Exception) or _refused(exc)
-            if permanent or group.failures > API_MAX_RETRIES:
+            if not isinstance(exc, Exception) or _refused(exc) or group.failures > API_MAX_RETRIES:
                 for watch in watches:
                     watch.fail(exc)
                 group.failures = 0
@@ -2408,10 +2154,8 @@ class _JobWatcher:
                 logger.debug("job watcher: refresh failed (%s), retrying", exc)
             return
         group.failures = 0
-        for watch in watches:
-            job = found.get(watch.job_id)
-            if job is not None:
-                watch.deliver(job)
+        for watch in [w for w in watches if w.job_id in found]:
+            watch.deliver(found[watch.job_id])
 
 
 _watcher = _JobWatcher()
@@ -2419,13 +2163,12 @@ _process_label = uuid.uuid4().hex  # this process's PROCESS_LABEL_KEY value (a f
 
 
 def _reset_after_fork() -> None:
-    """A forked child inherits no threads: give it its own watcher, budgets and process label."""
+    """A forked child inherits no threads: give it its own watcher, budgets and process label (the
+    fetched hardware lists stay valid; a lock held at the fork would not)."""
     global _watcher, _process_label, _budgets_lock, _hardware_lock
-    _watcher = _JobWatcher()
-    _process_label = uuid.uuid4().hex
-    _budgets_lock = threading.Lock()
+    _watcher, _process_label = _JobWatcher(), uuid.uuid4().hex
+    _budgets_lock, _hardware_lock = threading.Lock(), threading.Lock()
     _budgets.clear()
-    _hardware_lock = threading.Lock()  # the fetched lists stay valid; a lock held at the fork would not
 
 
 if hasattr(os, "register_at_fork"):
@@ -2433,12 +2176,12 @@ if hasattr(os, "register_at_fork"):
 
 
 # -- Process-wide state: the shared proxy and the exit hook ----------------------------------------
-
 _shared_proxy_instance: Optional["_proxy.AuthProxy"] = None
 _shared_process_proxy: Optional["proxy_host.AuthProxyProcess"] = None  # proxy="process"
 _shared_proxy_lock = threading.Lock()
-# Safety nets of running providers (weakref.finalize objects: they do not keep providers alive).
-_live_finalizers: "set[weakref.finalize]" = set()
+_live_finalizers: "set[weakref.finalize]" = set()  # running providers' safety nets (weak)
+
+
 def _shared_proxy(mode: Optional[str] = None) -> "_proxy.AuthProxy":
     """One loopback proxy for every provider in the process (started on first use). `mode="process"`:
     one proxy host child process (AuthProxy.spawn) shared the same way, replaced if it died."""
@@ -2467,13 +2210,11 @@ def _cancel_briefly(client: "_JobsClient", namespace: str, job_id: str) -> Optio
             reason = str(exc)
             if exc.status_code == 404:
                 return None  # the job no longer exists
-            if _refused(exc):
-                try:  # the API refuses to cancel a finished job: that is success too
-                    stage = (client.get_job(namespace, job_id, retries=0).get("status") or {}).get("stage")
-                    if stage in TERMINAL_STAGES:
+            if _refused(exc):  # the API refuses to cancel a finished job: that is success too
+                with contextlib.suppress(Exception):
+                    if (client.get_job(namespace, job_id, retries=0).get("status") or {}).get(
+                            "stage") in TERMINAL_STAGES:
                         return None
-                except Exception:
-                    pass
         except Exception as exc:
             reason = "%s: %s" % (type(exc).__name__, exc)
         if attempt + 1 < CANCEL_ATTEMPTS:
@@ -2485,18 +2226,15 @@ def _release_job(client: Optional["_JobsClient"], namespace: Optional[str], job_
                  proxy: Optional["_proxy.AuthProxy"], base_url: Optional[str], job_url: Optional[str],
                  abandoned: bool = False) -> bool:
     """Unmount the route and cancel the job, warning (never raising) about what could not be done; True
-    when cancelled. Plain values, never the provider: the safety net (`abandoned`: a provider collected,
-    or the interpreter exiting, with its job running) uses it too."""
+    when cancelled. Plain values, never the provider: the safety net (`abandoned`) uses it too."""
     if abandoned and job_id:
-        logger.warning("HF job %s is still running at exit (or its provider was garbage-collected): cancelling it",
-                       job_id)
-    problems = []
-    cancelled = False
+        logger.warning("HF job %s is still running at exit (or its provider was garbage-collected): "
+                       "cancelling it", job_id)
+    problems, cancelled = [], False
     try:
         problems.extend(_unmount(proxy, base_url))
         if job_id and namespace and client is not None:
-            outcome = _cancel_briefly(client, namespace, job_id)
-            if outcome is None:
+            if (outcome := _cancel_briefly(client, namespace, job_id)) is None:
                 cancelled = True
                 logger.info("HF job %s cancelled", job_id)
             else:
@@ -2513,8 +2251,7 @@ def _release_job(client: Optional["_JobsClient"], namespace: Optional[str], job_
 
 
 def _unmount(proxy: Optional["_proxy.AuthProxy"], base_url: Optional[str]) -> List[str]:
-    """Unmount a route (when there is one) for a teardown: [] when done, else the problem as a phrase for
-    its warning. Shared by a job's and a pooled sandbox's release."""
+    """Unmount a route, if any, for a job's or sandbox's teardown: [] if done, else the problem."""
     if base_url and proxy is not None:
         try:
             proxy.unmount(base_url)
@@ -2534,15 +2271,12 @@ def _stop_everything_at_exit() -> None:
         proxy, _shared_proxy_instance = _shared_proxy_instance, None
         host, _shared_process_proxy = _shared_process_proxy, None  # proxy="process": its child stops cleanly
     for shared in (proxy, host):
-        if shared is not None:
-            try:
+        with contextlib.suppress(Exception):
+            if shared is not None:
                 shared.stop()
-            except Exception:
-                pass
 
 
 # -- The layers: the registry of placements, the names re-exported lazily (PEP 562), the command line ---
-
 _LAYER_OF = {name: module for module, names in _LAYERS.items() for name in names}
 # Placements besides a dedicated job, by keyword: the layer (file) that provides each. A placement layer
 # plugs in through `_register_placement` when it is imported; the core imports it on first use through
