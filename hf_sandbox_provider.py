@@ -39,14 +39,13 @@ import os
 import random
 import re
 import shlex
-import signal
 import sys
 import threading
 import time
 import uuid
 import weakref
 from collections import deque, namedtuple
-from typing import (Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional,
+from typing import (Any, Callable, Dict, Iterable, List, Mapping, Optional,
                     Sequence, Tuple, Union)
 from urllib.parse import urlsplit
 
@@ -59,7 +58,8 @@ else:
     import proxy as _proxy
 
 InsecureURLError = _proxy.InsecureURLError
-_is_loopback_host, _start_thread = _proxy._is_loopback_host, _proxy._start_thread  # one copy each
+_is_loopback_host, _start_thread, _library_signal_mask = (  # one copy each
+    _proxy._is_loopback_host, _proxy._start_thread, _proxy._library_signal_mask)
 
 __all__ = [  # the provider and its errors; the layers' names join at the end of the module
     "HFSandboxProvider", "Phase", "SandboxError", "SandboxConfigError", "JobFailedError", "JobStartTimeout",
@@ -330,7 +330,7 @@ class HFSandboxProvider:
                  job_timeout: Union[int, float, str] = DEFAULT_JOB_TIMEOUT_S,
                  start_timeout_s: float = DEFAULT_START_TIMEOUT_S, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
                  poll_interval_s: float = DEFAULT_POLL_INTERVAL_S, verify: Union[bool, str] = True,
-                 proxy: Union[None, str, "_proxy.AuthProxy", "proxy_host.AuthProxyProcess"] = None,
+                 proxy: Union[None, str, "_proxy.AuthProxy"] = None,
                  replicas: int = 1, pool: Any = None, warn_env_credentials: bool = True) -> None:
         self.image, self.command, self.port, self.flavor = image, command, port, flavor
         self.namespace, self.endpoint = namespace, _resolve_endpoint(endpoint)
@@ -1211,20 +1211,6 @@ class _ProgressLine:
                 sys.stderr.write("\n")
                 sys.stderr.flush()
                 self.open = False
-
-
-@contextlib.contextmanager
-def _library_signal_mask() -> Iterator[None]:
-    """Block LIBRARY_THREAD_BLOCKED_SIGNALS in this thread meanwhile, so threads started inside inherit
-    the mask (proxy._start_thread's rule); signals sent meanwhile wait, they are not lost."""
-    if not hasattr(signal, "pthread_sigmask"):  # Windows: no per-thread signal masks
-        yield
-        return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _proxy.LIBRARY_THREAD_BLOCKED_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 # -- Settings validation (pure: each `_..._rejection` returns why a value is refused, or None) -----
@@ -2177,7 +2163,7 @@ if hasattr(os, "register_at_fork"):
 
 # -- Process-wide state: the shared proxy and the exit hook ----------------------------------------
 _shared_proxy_instance: Optional["_proxy.AuthProxy"] = None
-_shared_process_proxy: Optional["proxy_host.AuthProxyProcess"] = None  # proxy="process"
+_shared_process_proxy: Any = None  # proxy="process": a proxy_host.AuthProxyProcess
 _shared_proxy_lock = threading.Lock()
 _live_finalizers: "set[weakref.finalize]" = set()  # running providers' safety nets (weak)
 

@@ -24,6 +24,7 @@ Public names: `AuthProxy`, `Route`, `ReplicaRoute`, `Refusal`, `InsecureURLError
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import http.client
 import http.server
@@ -1042,18 +1043,24 @@ def _layer(name: str) -> types.ModuleType:
                           "vendoring" % name) from None
 
 
-def _start_thread(thread: threading.Thread) -> None:
-    """Start a library thread with LIBRARY_THREAD_BLOCKED_SIGNALS blocked (a new thread inherits its
-    creator's signal mask, so the mask is set around the start and restored: a signal arriving
-    meanwhile waits, it is not lost)."""
+@contextlib.contextmanager
+def _library_signal_mask() -> Iterator[None]:
+    """Block LIBRARY_THREAD_BLOCKED_SIGNALS in this thread meanwhile, so that threads started inside
+    inherit the mask (a new thread takes its creator's); a signal sent meanwhile waits, it is not lost."""
     if not hasattr(signal, "pthread_sigmask"):  # Windows: no per-thread signal masks
-        thread.start()
+        yield
         return
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, LIBRARY_THREAD_BLOCKED_SIGNALS)
     try:
-        thread.start()
+        yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _start_thread(thread: threading.Thread) -> None:
+    """Start a library thread with LIBRARY_THREAD_BLOCKED_SIGNALS blocked."""
+    with _library_signal_mask():
+        thread.start()
 
 
 def _is_loopback_host(host: Optional[str]) -> bool:
