@@ -37,7 +37,6 @@ import os
 import re
 import secrets
 import select
-import selectors
 import signal
 import socket
 import socketserver
@@ -834,7 +833,7 @@ class AuthProxy:
         leftovers: List[str] = []
         server.wake()
         if serve_thread is not None:
-            # the loop must be out of select() before its sockets close
+            # the loop must be out of accept() before the listener closes
             serve_thread.join(STOP_JOIN_S)
         try:
             server.server_close()
@@ -1654,31 +1653,25 @@ class _Server(http.server.ThreadingHTTPServer):
         # those through their routes, so a set-up still answers its client (503) before the 101.
         self.tunnelling: Set[socket.socket] = set()
         super().__init__((proxy.host.strip("[]"), proxy._requested_port), _Handler)
-        # after super(): a failed bind leaks nothing
-        self._wake_r, self._wake_w = socket.socketpair()
         self._woken = False
 
     def serve_until_woken(self) -> None:
-        """Accept connections until `wake()`: select() on the listener and the wake-up socket, no
-        polling.
-
-        Unlike `serve_forever(poll_interval)`, an idle proxy costs no wake-ups and `stop()` does not
-        wait for a poll (the emulator runs one proxy per job: tearing down hundreds must not cost a
-        poll each)."""
-        with selectors.DefaultSelector() as selector:
-            selector.register(self.socket, selectors.EVENT_READ)
-            selector.register(self._wake_r, selectors.EVENT_READ)
-            while not self._woken:
-                for key, _ in selector.select():
-                    if key.fileobj is self.socket and not self._woken:
-                        self._accept()
+        """Accept connections until `wake()`: a blocking accept on the listener, the one socket this
+        thread waits on. Unlike `serve_forever(poll_interval)`, an idle proxy costs no wake-ups and
+        `stop()` waits for no poll (the emulator runs one proxy per job: tearing down hundreds must
+        not cost a poll each)."""
+        while not self._woken:
+            self._accept()
 
     def _accept(self) -> None:
         """Take one waiting connection and hand it to `process_request` (what `handle_request` does
-        after its own wait)."""
+        after its own wait); the connection `wake()` makes is closed unserved."""
         try:
             request, client_address = self.get_request()
         except OSError:
+            return
+        if self._woken:
+            self.shutdown_request(request)
             return
         try:
             self.process_request(request, client_address)
@@ -1687,19 +1680,25 @@ class _Server(http.server.ThreadingHTTPServer):
             self.shutdown_request(request)
 
     def wake(self) -> None:
-        """Make `serve_until_woken` return now (thread-safe, idempotent)."""
+        """Make `serve_until_woken` return now (thread-safe, idempotent): set the flag, then end the
+        blocked accept: on Linux by shutting the listener down (accept fails at once, and no other
+        listener sharing the port with SO_REUSEPORT is touched), elsewhere by connecting to it once."""
+        if self._woken:
+            return
         self._woken = True
+        if sys.platform.startswith("linux"):
+            try:
+                self.socket.shutdown(socket.SHUT_RDWR)
+                return
+            except OSError:  # not connected-capable here: connect instead
+                pass
+        host, port = self.server_address[:2]
+        if host in ("", "0.0.0.0", "::"):  # a wildcard bind: reach it on loopback
+            host = "::1" if self.address_family == socket.AF_INET6 else "127.0.0.1"
         try:
-            self._wake_w.send(b"x")
-        except OSError:  # already closed, or the buffer is full of earlier wake-ups: it is awake
+            socket.create_connection((host, port), timeout=STOP_JOIN_S).close()
+        except OSError:  # not listening any more: nothing waits in accept
             pass
-
-    def server_close(self) -> None:
-        super().server_close()
-        # (absent if the bind failed)
-        for sock in (getattr(self, "_wake_r", None), getattr(self, "_wake_w", None)):
-            if sock is not None:
-                sock.close()
 
     def server_bind(self) -> None:
         # HTTPServer.server_bind does a reverse DNS lookup (getfqdn) that can stall; we need none.
