@@ -354,6 +354,25 @@ def test_loopback_url_from_a_remote_endpoint_is_refused(api, proxy):
     assert cancels(api) == 1
 
 
+def test_a_cancel_answered_404_is_done_and_a_refused_one_asks_the_jobs_stage_once(api, proxy, caplog):
+    add_job_api(api, stages=[running()], cancel_status=404)  # the job no longer exists: nothing bills
+    provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST)
+    provider.start_container()
+    provider.stop_container()
+    assert cancels(api) == 1 and provider.stage == "CANCELED"
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    api.reset()
+    add_job_api(api, stages=[running()], cancel_status=400)  # refused: is the job over anyway?
+    api.add(responses.GET, ENDPOINT + "/api/jobs/alice/job1", status=503)  # ... the Hub cannot say
+    provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST)
+    provider.start_container()
+    inspected = len(calls_to(api, "GET", "/api/jobs/alice/job1"))
+    provider.stop_container()
+    # one look per refused attempt, never retried (a teardown must stay brief); not CANCELED
+    assert len(calls_to(api, "GET", "/api/jobs/alice/job1")) - inspected == hsp.CANCEL_ATTEMPTS
+    assert cancels(api) == hsp.CANCEL_ATTEMPTS and provider.stage != "CANCELED"
+
+
 def test_a_refused_cancel_warns_naming_the_job_its_hub_page_and_sweep(api, proxy, caplog):
     add_job_api(api, stages=[running()], cancel_status=403)  # refused; the job still runs
     provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST)
@@ -486,7 +505,8 @@ def test_second_start_while_running_is_refused(api, proxy):
     assert cancels(api) == 1
 
 
-def test_provider_collected_while_running_cancels_its_job(api, proxy):
+def test_provider_collected_while_running_cancels_its_job(api, proxy, caplog):
+    caplog.set_level(logging.INFO, logger="hf_sandbox_provider")
     add_job_api(api, stages=[running()])
     provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST)
     base_url = provider.start_container()
@@ -494,6 +514,10 @@ def test_provider_collected_while_running_cancels_its_job(api, proxy):
     gc.collect()
     assert cancels(api) == 1
     assert route_is_gone(base_url)
+    said = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert (logging.WARNING, "HF job job1 is still running at exit (or its provider was garbage-collected): "
+                             "cancelling it") in said
+    assert (logging.INFO, "HF job job1 cancelled") in said
 
 
 def test_exit_hook_cancels_jobs_still_running(api, proxy):
