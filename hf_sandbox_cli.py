@@ -97,6 +97,19 @@ class _Smoke:
             self.out.write(erase + line + "\n")
             self.out.flush()
 
+    def log_to_stages(self) -> "logging.Handler":
+        """A handler that shows the library's INFO lines (a job's id and Hub page as soon as its create
+        answers, its stages, the heartbeat of a long wait, each retry) under the current stage."""
+        smoke = self
+
+        class Handler(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                smoke.say("        " + record.getMessage())
+
+        handler = Handler(logging.INFO)
+        logging.getLogger("hf_sandbox_provider").addHandler(handler)
+        return handler
+
     def _begin(self, line: str) -> None:
         with self._lock:
             self.out.write(line if self.live else line + "\n")
@@ -212,12 +225,22 @@ def _run_smoke(args: Any) -> int:
                     _local_pool_settings(settings, emulator)
                 provider = HFSandboxProvider(image, **settings)
         if provider is not None:
-            started = smoke.stage("start_container (submit -> exposed URL)", lambda: "job %s at %s" % (
-                provider.start_container() and provider.job_id, provider.upstream_url))
-            if started:
-                smoke.say("        job page: %s" % provider.job_url)
-                if smoke.stage("wait_for_ready (/health through the proxy)", lambda: provider.wait_for_ready()):
-                    _smoke_checks(smoke, provider.base_url or "", action)
+            # A start on the Hub may wait minutes: its log says what it waits for (-v shows it anyway).
+            library_log = logging.getLogger("hf_sandbox_provider")
+            shown, level = None if args.verbose else smoke.log_to_stages(), library_log.level
+            if shown is not None and library_log.getEffectiveLevel() > logging.INFO:
+                library_log.setLevel(logging.INFO)
+            try:
+                started = smoke.stage("start_container (submit -> exposed URL)", lambda: "job %s at %s" % (
+                    provider.start_container() and provider.job_id, provider.upstream_url))
+                ready = started and smoke.stage("wait_for_ready (/health through the proxy)",
+                                                lambda: provider.wait_for_ready())
+            finally:
+                if shown is not None:
+                    library_log.removeHandler(shown)
+                    library_log.setLevel(level)
+            if ready:
+                _smoke_checks(smoke, provider.base_url or "", action)
     except KeyboardInterrupt:
         failure = "interrupted"
     finally:

@@ -56,6 +56,11 @@ def test_smoke_local_prints_a_line_per_stage_and_a_summary_table(tmp_path):
     lines = result.stdout.splitlines()
     assert any(line.strip().startswith("ok") and "WebSocket /ws" in line for line in lines)
     assert any(line.startswith("total") and " ok " in line for line in lines)
+    # a start speaks while it waits: the job's id and Hub page as soon as the create answers, before
+    # the start's own result line
+    created = next(i for i, line in enumerate(lines) if " created (" in line)
+    started = next(i for i, line in enumerate(lines) if line.strip().startswith("ok") and "start_container" in line)
+    assert created < started and "/jobs/local/" in lines[created], lines
 
 
 def test_smoke_with_a_crashing_job_exits_non_zero_with_the_job_reason(tmp_path):
