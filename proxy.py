@@ -174,6 +174,8 @@ HOP_BY_HOP = frozenset(
      "trailer", "transfer-encoding", "upgrade"]
 )
 REPLACED_REQUEST_HEADERS = frozenset(["authorization", "host", "expect", "content-length"])
+# A client's header fields never forwarded as they are.
+_NOT_FORWARDED = HOP_BY_HOP | REPLACED_REQUEST_HEADERS
 # Methods whose repetition has no extra effect (RFC 9110 section 9.2.2): safe to retry once on a
 # fresh connection when a pooled connection died before answering.
 IDEMPOTENT_METHODS = frozenset(["GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"])
@@ -1260,14 +1262,6 @@ def _no_live_replica_refusal(total: int, failed: List[Dict[str, object]]) -> Ref
                    body={"replicas": total, "failed": failed})
 
 
-def _header_refusal(headers: _RequestHeaders) -> Optional[Refusal]:
-    """Header values must not carry control characters (names were checked while parsing)."""
-    # one search, not one a header
-    if _BAD_VALUE_CHAR_RE.search("".join([value for _, value in headers.items()])):
-        return Refusal(400, "bad-header", "A request header value contains control characters.")
-    return None
-
-
 def _request_line_fault(line: str) -> Tuple[int, str]:
     """Why a request line does not match _REQUEST_LINE_RE: (status, a sentence for the client)."""
     parts = line.split(" ")
@@ -1336,13 +1330,17 @@ def _upstream_request_headers(headers: _RequestHeaders, route: Route, token: Opt
     """Client headers minus hop-by-hop ones (stripped first, so a client cannot name the token
     away), minus the client's own Authorization/Host and those the route's `extra` headers replace;
     then Host, Authorization and the extra headers set for the upstream."""
-    drop = HOP_BY_HOP | REPLACED_REQUEST_HEADERS | headers.connection_tokens()
+    drop = _NOT_FORWARDED
+    tokens = headers.connection_tokens()
+    if tokens:
+        drop = drop | tokens
     if extra:
         drop = drop | {name.lower() for name, _ in extra}
     out = [("Host", route.host_header)]
-    for lower, name, value in headers.lowered_items():
+    for lower, pair in zip(headers._lowered, headers._pairs):
         if lower not in drop:
-            out.append((name, _OBS_FOLD_RE.sub(" ", value) if "\n" in value else value))
+            value = pair[1]
+            out.append(pair if "\n" not in value else (pair[0], _OBS_FOLD_RE.sub(" ", value)))
     if token is not None:
         out.append(("Authorization", "Bearer " + token))
     out.extend(extra)
@@ -1355,21 +1353,21 @@ def _response_headers(headers: List[Tuple[str, str]], length: Optional[int] = No
     names); with `length`, one Content-Length of that value where the upstream's first one was
     (repeats of the same value merged); with `drop_length`, none (the body is re-framed). One pass,
     one lower() a name."""
-    lowered = [(name.lower(), name, value) for name, value in headers]
+    lowered = [name.lower() for name, _ in headers]
     drop = HOP_BY_HOP
-    if any(low == "connection" for low, _, _ in lowered):
-        drop = drop | {t.strip().lower() for low, _,
-                       v in lowered if low == "connection" for t in v.split(",")}
+    if "connection" in lowered:
+        drop = drop | {t.strip().lower() for low, (_, v) in zip(lowered, headers)
+                       if low == "connection" for t in v.split(",")}
     out: List[Tuple[str, str]] = []
     length_sent = drop_length
-    for low, name, value in lowered:
+    for low, pair in zip(lowered, headers):
         if low in drop:
             continue
         if low == "content-length" and (length is not None or drop_length):
             if length_sent:
                 continue
-            length_sent, value = True, str(length)
-        out.append((name, value))
+            length_sent, pair = True, (pair[0], str(length))
+        out.append(pair)
     return out
 
 
@@ -1836,16 +1834,31 @@ class _RequestHeaders:
 
     __slots__ = ("_pairs", "_lowered", "_index", "_tokens")
 
-    def __init__(self, pairs: List[Tuple[str, str]]) -> None:
-        self._set(pairs)
+    def __init__(self, parts: List[str]) -> None:
+        """From `_HEADER_LINE_RE.split`'s parts: [gap, name, value, gap, ...], each value the rest of
+        its line (its CRs before the LF, then the blanks around it, are dropped)."""
+        pairs: List[Tuple[str, str]] = []
+        lowered: List[str] = []
+        index: Dict[str, List[str]] = {}
+        for name, value in zip(parts[1::3], parts[2::3]):
+            value = value.rstrip("\r").strip(" \t")
+            lower = name.lower()
+            pairs.append((name, value))
+            lowered.append(lower)
+            if lower in index:
+                index[lower].append(value)
+            else:
+                index[lower] = [value]
+        self._pairs, self._lowered, self._index = pairs, lowered, index
+        self._tokens: "Optional[frozenset[str]]" = None
 
     def _set(self, pairs: List[Tuple[str, str]]) -> None:
         self._pairs = pairs
         self._lowered = [name.lower() for name, _ in pairs]
-        self._index: Dict[str, List[str]] = {}
+        self._index = {}
         for lower, (_, value) in zip(self._lowered, pairs):
             self._index.setdefault(lower, []).append(value)
-        self._tokens: "Optional[frozenset[str]]" = None
+        self._tokens = None
 
     def lowered_items(self) -> Iterator[Tuple[str, str, str]]:
         """(lower-cased name, name, value) of each field, in order."""
@@ -1910,6 +1923,9 @@ class _SocketWriter(io.BufferedIOBase):
         return len(data)  # (bytes: every writer here passes bytes)
 
 
+# Header values must not carry control characters (names were checked while parsing).
+_BAD_VALUE_REFUSAL = Refusal(400, "bad-header", "A request header value contains control characters.")
+
 _ERROR_KINDS = {400: "bad-request", 408: "request-timeout", 414: "request-line-too-long",
                 431: "headers-too-large", 501: "not-implemented", 505: "http-version-not-supported"}
 
@@ -1926,9 +1942,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     _route_headers: Tuple[Tuple[str, str],
                           ...] = ()  # the current request's route headers (set per request)
     _token: Optional[str] = None  # the current request's token (set per request, see _credentials)
-    # For a head the fast path parsed (see _parse_clean_head): its body framing and its header lines
-    # the upstream gets as they are (hop-by-hop and replaced ones removed); None for a strict parse.
-    _clean: Optional[Tuple[Tuple[str, int], str]] = None
+    _bad_value = False  # the current request's header values hold a control character
 
     # -- connection plumbing ----------------------------------------------------------------------
 
@@ -1999,25 +2013,31 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.send_error(*_request_line_fault(self.requestline))
             return False
         self.command, self.path, self.request_version = match.groups()
-        lines: List[bytes] = []
-        budget = MAX_HEADER_BYTES
-        while True:
-            line = self.rfile.readline(MAX_HEADER_BYTES + 1)
-            budget -= len(line)
-            if budget >= 0 and (line == b"\r\n" or line == b"\n"):
-                break
-            if budget < 0 or not line.endswith(b"\n") or len(lines) == MAX_HEADERS:
-                self._refuse(_head_fault(lines, line, budget), close=True)
+        # The header block, through its blank line: taken whole when the buffer holds it (the usual
+        # case), else line by line.
+        buffered = self.rfile.peek(1)
+        if buffered[:1] == b"\n" or buffered[:2] == b"\r\n":
+            end = 1 if buffered[0] == 10 else 2
+        else:
+            crlf = buffered.find(b"\n\r\n", 0, MAX_HEADER_BYTES)
+            lf = buffered.find(b"\n\n", 0, MAX_HEADER_BYTES if crlf < 0 else crlf + 1)
+            end = lf + 2 if lf >= 0 else crlf + 3 if crlf >= 0 else -1
+        if 0 < end <= MAX_HEADER_BYTES and buffered.count(b"\n", 0, end) <= MAX_HEADERS + 1:
+            block = self.rfile.read(end)
+            text = block[:-2 if block.endswith(b"\r\n") else -1].decode("latin-1")
+        else:
+            text = self._read_header_lines()
+            if text is None:
                 return False
-            lines.append(line)
         # [gap, name, value, gap, name, value, ..., gap]: each gap is empty if each line is a field.
-        parts = _HEADER_LINE_RE.split(b"".join(lines).decode("latin-1"))
+        parts = _HEADER_LINE_RE.split(text)
         if any(parts[::3]):
-            self._refuse(_head_fault(lines, b"\n", budget), close=True)
+            lines = [line + b"\n" for line in text.encode("latin-1").split(b"\n")[:-1]]
+            self._refuse(_head_fault(lines, b"\n", 0), close=True)
             return False
-        fields = zip(parts[1::3], parts[2::3])
-        self.headers = headers = _RequestHeaders(
-            [(name, value.rstrip("\r").strip(" \t")) for name, value in fields])
+        self.headers = headers = _RequestHeaders(parts)
+        # (control characters are refused when dispatched; names hold none, CR, LF and tab pass)
+        self._bad_value = _BAD_VALUE_CHAR_RE.search(text) is not None
         tokens = headers.connection_tokens()
         self.close_connection = "close" in tokens or (
             self.request_version == "HTTP/1.0" and "keep-alive" not in tokens)
@@ -2026,6 +2046,21 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 and expect.lower() == "100-continue"):
             return self.handle_expect_100()
         return True
+
+    def _read_header_lines(self) -> Optional[str]:
+        """The header block line by line, for one the buffer does not hold whole (sent in pieces, or
+        refused): its lines as text without the blank line, or None once the fault was answered."""
+        lines: List[bytes] = []
+        budget = MAX_HEADER_BYTES
+        while True:
+            line = self.rfile.readline(MAX_HEADER_BYTES + 1)
+            budget -= len(line)
+            if budget >= 0 and (line == b"\r\n" or line == b"\n"):
+                return b"".join(lines).decode("latin-1")
+            if budget < 0 or not line.endswith(b"\n") or len(lines) == MAX_HEADERS:
+                self._refuse(_head_fault(lines, line, budget), close=True)
+                return None
+            lines.append(line)
 
     def send_error(self, code: int, message: Optional[str] = None,
                    explain: Optional[str] = None) -> None:
@@ -2065,10 +2100,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         attribute."""
         if reason is None:
             reason = self.responses.get(status, ("",))[0]
-        lines = ["%s %d %s" % (self.protocol_version, status, reason)]
-        lines += ["%s: %s" % pair for pair in headers]
-        lines += ["", ""]
-        self.wfile.write("\r\n".join(lines).encode("latin-1") + body)
+        fields = "\r\n".join(map(": ".join, headers))
+        head = "HTTP/1.1 %d %s\r\n%s\r\n\r\n" % (status, reason, fields) if fields else (
+            "HTTP/1.1 %d %s\r\n\r\n" % (status, reason))
+        self.wfile.write(head.encode("latin-1") + body)
 
     # -- dispatch
     # -----------------------------------------------------------------------------------
@@ -2078,7 +2113,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             # no chunked framing for 1.0 clients: keep it simple, one per connection
             self.close_connection = True
         framing = _body_framing(self.headers)
-        malformed = _target_refusal(self.command, self.path) or _header_refusal(self.headers)
+        malformed = _target_refusal(self.command, self.path) or (
+            _BAD_VALUE_REFUSAL if self._bad_value else None)
         if malformed is None and isinstance(framing, Refusal):
             malformed = framing
         decision = malformed or self._route()
@@ -3058,8 +3094,7 @@ def _answer_body(reader: _UpstreamReader, answer: _Answer) -> Iterator[bytes]:
 
 def _request_lines(method: str, target: str, headers: List[Tuple[str, str]]) -> str:
     """The upstream request's line and header lines, each ending CRLF (no blank line yet)."""
-    return "%s %s HTTP/1.1\r\n%s" % (method, target,
-                                     "".join(["%s: %s\r\n" % pair for pair in headers]))
+    return "%s %s HTTP/1.1\r\n%s\r\n" % (method, target, "\r\n".join(map(": ".join, headers)))
 
 
 def _set_socket_timeout(sock: socket.socket, timeout: Optional[float],
