@@ -189,6 +189,9 @@ _BAD_TARGET_CHAR_RE = re.compile(r"[^\x21-\x7e]")
 _BAD_VALUE_CHAR_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 _VERSION_RE = re.compile(r"^HTTP/[0-9]\.[0-9]$")
 _STATUS_LINE_RE = re.compile(rb"^HTTP/1\.[01] (\d{3})(?: |\r?$)")
+# The response fields that say how the body is delimited and whether the connection stays open.
+_FRAMING_FIELDS = frozenset(["content-length", "transfer-encoding", "connection"])
+_LENGTH_ONLY = frozenset(["content-length"])
 _RESPONSE_LINE_RE = re.compile(r"^HTTP/1\.([01]) ([0-9]{3})(?: (.*))?$")
 # One response header line: a token name, a colon, the value after its leading blanks (trailing ones
 # are relayed as sent: http.client keeps them) with no control character but tab, CRLF or LF.
@@ -289,10 +292,6 @@ class Route:
         self.headers: ExtraHeaders = headers  # never logged or shown: it may hold credentials
         self._fixed_headers: Tuple[Tuple[str, str], ...] = (
             () if headers is None or callable(headers) else tuple(headers.items()))
-        # The last extra headers as clean-head lines (see _clean_request_lines): (headers, the
-        # pattern of the client lines they replace, their lines).
-        self._extra_lines: Optional[Tuple[Tuple[Tuple[str, str], ...], "re.Pattern[str]",
-                                          str]] = None
         self._lock = threading.Lock()  # tunnels and failure runs; never the pool
         # The host's pool (shared with the proxy's other routes to this host, or this route's own),
         # whose idle keep-alive connections (newest on the right) this route uses, and this route's
@@ -1292,8 +1291,12 @@ def _body_framing(headers: _RequestHeaders) -> Union[Tuple[str, int], Refusal]:
     refusal.
 
     Ambiguous framing is refused outright (it is how request smuggling works)."""
-    encodings = headers.get_all("Transfer-Encoding") or []
-    lengths = headers.get_all("Content-Length") or []
+    encodings = headers._index.get("transfer-encoding") or []
+    lengths = headers._index.get("content-length") or []
+    if not encodings and len(lengths) == 1 and "," not in lengths[0]:  # (the usual request)
+        value = lengths[0]
+        if value.isascii() and value.isdigit() and len(value) <= 18:
+            return ("length", int(value))
     if encodings:
         if lengths:
             return Refusal(400, "bad-framing", "Both Transfer-Encoding and Content-Length were "
@@ -1347,13 +1350,17 @@ def _upstream_request_headers(headers: _RequestHeaders, route: Route, token: Opt
     return out
 
 
-def _response_headers(headers: List[Tuple[str, str]], length: Optional[int] = None,
+def _response_headers(headers: List[Tuple[str, str]], lowered: List[str],
+                      length: Optional[int] = None,
                       drop_length: bool = False) -> List[Tuple[str, str]]:
-    """The upstream's response headers minus hop-by-hop ones (and those its Connection header
-    names); with `length`, one Content-Length of that value where the upstream's first one was
-    (repeats of the same value merged); with `drop_length`, none (the body is re-framed). One pass,
-    one lower() a name."""
-    lowered = [name.lower() for name, _ in headers]
+    """The upstream's response headers (`lowered`: their names lower-cased) minus hop-by-hop ones
+    (and those its Connection header names); with `length`, one Content-Length of that value where
+    the upstream's first one was (repeats of the same value merged); with `drop_length`, none (the
+    body is re-framed)."""
+    if not drop_length and HOP_BY_HOP.isdisjoint(lowered) and (length is None or (
+            lowered.count("content-length") == 1
+            and headers[lowered.index("content-length")][1] == str(length))):
+        return list(headers)  # nothing to drop or rewrite
     drop = HOP_BY_HOP
     if "connection" in lowered:
         drop = drop | {t.strip().lower() for low, (_, v) in zip(lowered, headers)
@@ -2395,7 +2402,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _relay_interim(self, answer: _Answer) -> None:
         try:
-            self._send_head(answer.status, answer.reason, _response_headers(answer.headers))
+            self._send_head(answer.status, answer.reason,
+                            _response_headers(answer.headers, answer.lowered))
         except OSError:
             raise _ClientGone() from None
 
@@ -2471,7 +2479,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         HTTP/1.1 clients (so the client connection stays open) and close-delimited for HTTP/1.0
         ones."""
         mode = answer.mode
-        headers = _response_headers(answer.headers, answer.length if mode == "length" else None,
+        headers = _response_headers(answer.headers, answer.lowered,
+                                    answer.length if mode == "length" else None,
                                     drop_length=mode not in ("length", "none"))
         if mode not in ("length", "none"):
             if self.request_version == "HTTP/1.0":
@@ -2991,6 +3000,7 @@ class _Answer(NamedTuple):
     mode: str  # "none", "length", "chunked" or "close" (read until the upstream closes)
     length: int  # the Content-Length for "length", else -1
     keep_alive: bool  # the connection may carry another request once this body is read
+    lowered: List[str]  # the header names lower-cased, in order
 
 
 def _parse_answer(head: bytes, method: str) -> _Answer:
@@ -3010,13 +3020,36 @@ def _parse_answer(head: bytes, method: str) -> _Answer:
     parts = _RESPONSE_FIELD_RE.split(text[start:])
     if len(parts[-1]) > 2 or any(parts[0:-1:3]):
         headers = _fields_line_by_line(text[start:])
+        names = [name for name, _ in headers]
     else:
-        headers = list(zip(parts[1::3], parts[2::3]))
+        names = parts[1::3]
+        headers = list(zip(names, parts[2::3]))
+    lowered = list(map(str.lower, names))
+    framing = _FRAMING_FIELDS.intersection(lowered)
+    keep_alive = minor == "1"
+    if method == "HEAD" or status < 200 or status in (204, 304):
+        if "connection" not in framing:
+            return _Answer(status, reason, headers, "none", -1, keep_alive, lowered)
+    elif not framing:
+        return _Answer(status, reason, headers, "close", -1, False, lowered)
+    elif framing == _LENGTH_ONLY and lowered.count("content-length") == 1:
+        value = headers[lowered.index("content-length")][1].strip()
+        if "," not in value:
+            if not (value.isascii() and value.isdigit()) or len(value) > 18:
+                raise _BadResponse("upstream-protocol", "sent an invalid or conflicting "
+                                                        "Content-Length")
+            return _Answer(status, reason, headers, "length", int(value), keep_alive, lowered)
+    return _framed_answer(status, reason, headers, lowered, method, minor)
+
+
+def _framed_answer(status: int, reason: str, headers: List[Tuple[str, str]], lowered: List[str],
+                   method: str, minor: str) -> _Answer:
+    """`_parse_answer` for a head that has a Connection or Transfer-Encoding field, or more than one
+    Content-Length."""
     codings: List[str] = []
     lengths: Set[str] = set()
     connection: Set[str] = set()
-    for name, value in headers:
-        lower = name.lower()
+    for lower, (name, value) in zip(lowered, headers):
         if lower == "transfer-encoding":
             codings += [c.strip().lower() for c in value.split(",") if c.strip()]
         elif lower == "content-length":
@@ -3025,17 +3058,18 @@ def _parse_answer(head: bytes, method: str) -> _Answer:
             connection.update(t.strip().lower() for t in value.split(","))
     keep_alive = "close" not in connection and (minor == "1" or "keep-alive" in connection)
     if method == "HEAD" or status < 200 or status in (204, 304):
-        return _Answer(status, reason, headers, "none", -1, keep_alive)
+        return _Answer(status, reason, headers, "none", -1, keep_alive, lowered)
     if codings:
         if codings[-1] == "chunked":
-            return _Answer(status, reason, headers, "chunked", -1, keep_alive and not lengths)
-        return _Answer(status, reason, headers, "close", -1, False)
+            return _Answer(status, reason, headers, "chunked", -1, keep_alive and not lengths,
+                           lowered)
+        return _Answer(status, reason, headers, "close", -1, False, lowered)
     if lengths:
         value = lengths.pop()
         if lengths or not (value.isascii() and value.isdigit()) or len(value) > 18:
             raise _BadResponse("upstream-protocol", "sent an invalid or conflicting Content-Length")
-        return _Answer(status, reason, headers, "length", int(value), keep_alive)
-    return _Answer(status, reason, headers, "close", -1, False)
+        return _Answer(status, reason, headers, "length", int(value), keep_alive, lowered)
+    return _Answer(status, reason, headers, "close", -1, False, lowered)
 
 
 def _fields_line_by_line(text: str) -> List[Tuple[str, str]]:
