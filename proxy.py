@@ -49,6 +49,7 @@ import time
 import types
 import urllib.parse
 import weakref
+from itertools import repeat
 from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Mapping,
                     NamedTuple, Optional, Sequence, Set, Tuple, Union)
 
@@ -187,6 +188,8 @@ _BAD_TARGET_CHAR_RE = re.compile(r"[^\x21-\x7e]")
 # Header values: no control characters except tab (CR/LF only appear in obs-folds, normalised
 # later).
 _BAD_VALUE_CHAR_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+# The same characters as bytes, for `bytes.translate` to delete: a head that loses none holds none.
+_CONTROL_BYTES = bytes(range(0, 9)) + b"\x0b\x0c" + bytes(range(14, 32)) + b"\x7f"
 _VERSION_RE = re.compile(r"^HTTP/[0-9]\.[0-9]$")
 _STATUS_LINE_RE = re.compile(rb"^HTTP/1\.[01] (\d{3})(?: |\r?$)")
 # The response fields that say how the body is delimited and whether the connection stays open.
@@ -197,8 +200,24 @@ _RESPONSE_LINE_RE = re.compile(r"^HTTP/1\.([01]) ([0-9]{3})(?: (.*))?$")
 # are relayed as sent: http.client keeps them) with no control character but tab, CRLF or LF.
 _RESPONSE_FIELD_RE = re.compile(
     r"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*([^\x00-\x08\x0a-\x1f\x7f]*)\r?\n")
+# A response head the proxy relays byte for byte, as its parse would rebuild it: an HTTP/1.1 status
+# line with a reason, `Name: value` fields one space apart, CRLF line ends (its control characters,
+# hop-by-hop fields and Content-Length are checked apart, see _parse_answer).
+_PLAIN_ANSWER_RE = re.compile(
+    rb"HTTP/1\.1 ([2-5][0-9][0-9]) ([^\r\n]*)\r\n"
+    rb"(?:[!#$%&'*+\-.^_`|~0-9A-Za-z]+: (?:[^\r\n \t][^\r\n]*)?\r\n)*\r\n")
+# In a lower-cased head: a field the proxy drops (HOP_BY_HOP) or reframes.
+_REWRITTEN_FIELD_RE = re.compile(
+    rb"\r\n(?:connection|keep-alive|proxy-connection|proxy-authenticate|proxy-authorization|te|"
+    rb"trailer|transfer-encoding|upgrade):")
+# The same line in a head known to hold no control character, CR or LF but its CRLF line ends:
+# what _RESPONSE_FIELD_RE matches there, without testing each character of the value.
+_CRLF_FIELD_RE = re.compile(r"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*([^\r]*)\r\n")
 # A request line: three parts, one space apart (the target and method are checked when dispatched).
 _REQUEST_LINE_RE = re.compile(r"([^ ]*) ([^ ]*) (HTTP/1\.[0-9])")
+# The usual request line: a token method and an origin-form target (what _target_refusal would pass
+# unless the method is CONNECT), so only other lines need that check.
+_ORIGIN_REQUEST_LINE_RE = re.compile(r"([!#$%&'*+\-.^_`|~0-9A-Za-z]+) (/[\x21-\x7e]*) (HTTP/1\.[0-9])")
 # One request header line: a token name, a colon, the rest of the line up to its LF (parse_request
 # drops the CRs before the LF, then the blanks around the value). A value may hold any character
 # but LF here; control characters in it are refused when the request is dispatched
@@ -1291,12 +1310,16 @@ def _body_framing(headers: _RequestHeaders) -> Union[Tuple[str, int], Refusal]:
     refusal.
 
     Ambiguous framing is refused outright (it is how request smuggling works)."""
-    encodings = headers._index.get("transfer-encoding") or []
-    lengths = headers._index.get("content-length") or []
-    if not encodings and len(lengths) == 1 and "," not in lengths[0]:  # (the usual request)
-        value = lengths[0]
-        if value.isascii() and value.isdigit() and len(value) <= 18:
+    lowered = headers._lowered
+    if "transfer-encoding" not in lowered:  # (the usual request: one length, or none)
+        if "content-length" not in lowered:
+            return ("none", 0)
+        value = headers._values[lowered.index("content-length")]
+        if (lowered.count("content-length") == 1 and value.isascii() and value.isdigit()
+                and len(value) <= 18):
             return ("length", int(value))
+    encodings = headers.get_all("Transfer-Encoding") or []
+    lengths = headers.get_all("Content-Length") or []
     if encodings:
         if lengths:
             return Refusal(400, "bad-framing", "Both Transfer-Encoding and Content-Length were "
@@ -1340,10 +1363,9 @@ def _upstream_request_headers(headers: _RequestHeaders, route: Route, token: Opt
     if extra:
         drop = drop | {name.lower() for name, _ in extra}
     out = [("Host", route.host_header)]
-    for lower, pair in zip(headers._lowered, headers._pairs):
+    for lower, name, value in headers.lowered_items():
         if lower not in drop:
-            value = pair[1]
-            out.append(pair if "\n" not in value else (pair[0], _OBS_FOLD_RE.sub(" ", value)))
+            out.append((name, value if "\n" not in value else _OBS_FOLD_RE.sub(" ", value)))
     if token is not None:
         out.append(("Authorization", "Bearer " + token))
     out.extend(extra)
@@ -1839,76 +1861,60 @@ class _RequestHeaders:
     `HTTPMessage`) and what a hook may edit (`headers[name] = value` adds a field, `del
     headers[name]` removes each of that name)."""
 
-    __slots__ = ("_pairs", "_lowered", "_index", "_tokens")
+    __slots__ = ("_names", "_values", "_lowered", "_tokens")
 
-    def __init__(self, parts: List[str]) -> None:
-        """From `_HEADER_LINE_RE.split`'s parts: [gap, name, value, gap, ...], each value the rest of
-        its line (its CRs before the LF, then the blanks around it, are dropped)."""
-        pairs: List[Tuple[str, str]] = []
-        lowered: List[str] = []
-        index: Dict[str, List[str]] = {}
-        for name, value in zip(parts[1::3], parts[2::3]):
-            value = value.rstrip("\r").strip(" \t")
-            lower = name.lower()
-            pairs.append((name, value))
-            lowered.append(lower)
-            if lower in index:
-                index[lower].append(value)
-            else:
-                index[lower] = [value]
-        self._pairs, self._lowered, self._index = pairs, lowered, index
+    def __init__(self, names: List[str], values: List[str]) -> None:
+        self._names, self._values = names, values
+        self._lowered = list(map(str.lower, names))
         self._tokens: "Optional[frozenset[str]]" = None
-
-    def _set(self, pairs: List[Tuple[str, str]]) -> None:
-        self._pairs = pairs
-        self._lowered = [name.lower() for name, _ in pairs]
-        self._index = {}
-        for lower, (_, value) in zip(self._lowered, pairs):
-            self._index.setdefault(lower, []).append(value)
-        self._tokens = None
 
     def lowered_items(self) -> Iterator[Tuple[str, str, str]]:
         """(lower-cased name, name, value) of each field, in order."""
-        return ((lower, name, value) for lower, (name, value) in zip(self._lowered, self._pairs))
+        return zip(self._lowered, self._names, self._values)
 
     def get(self, name: str, default: Optional[str] = None) -> Optional[str]:
-        values = self._index.get(name.lower())
-        return values[0] if values else default
+        lower = name.lower()
+        return self._values[self._lowered.index(lower)] if lower in self._lowered else default
 
     def get_all(self, name: str, default: Optional[List[str]] = None) -> Optional[List[str]]:
-        values = self._index.get(name.lower())
-        return list(values) if values else default
+        lower = name.lower()
+        values = [value for low, value in zip(self._lowered, self._values) if low == lower]
+        return values or default
 
     def items(self) -> List[Tuple[str, str]]:
-        return list(self._pairs)
+        return list(zip(self._names, self._values))
 
     def keys(self) -> List[str]:
-        return [name for name, _ in self._pairs]
+        return list(self._names)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.keys())
 
     def __len__(self) -> int:
-        return len(self._pairs)
+        return len(self._names)
 
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and name.lower() in self._index
+        return isinstance(name, str) and name.lower() in self._lowered
 
     def __getitem__(self, name: str) -> Optional[str]:
         return self.get(name)
 
     def __setitem__(self, name: str, value: str) -> None:
-        self._set(self._pairs + [(name, value)])
+        self.__init__(self._names + [name], self._values + [value])  # type: ignore[misc]
 
     def __delitem__(self, name: str) -> None:
         lower = name.lower()
-        self._set([pair for pair in self._pairs if pair[0].lower() != lower])
+        kept = [(n, v) for low, n, v in self.lowered_items() if low != lower]
+        self.__init__([n for n, _ in kept], [v for _, v in kept])  # type: ignore[misc]
 
     def connection_tokens(self) -> "frozenset[str]":
         """The Connection header's tokens, lower-cased (three checks read them)."""
         if self._tokens is None:
+            if "connection" not in self._lowered:
+                self._tokens = frozenset()
+                return self._tokens
             self._tokens = frozenset(token.strip().lower() for value
-                                     in self._index.get("connection", ())
+                                     in self.get_all("connection", [])  # type: ignore[union-attr]
                                      for token in value.split(",") if token.strip())
         return self._tokens
 
@@ -1950,6 +1956,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                           ...] = ()  # the current request's route headers (set per request)
     _token: Optional[str] = None  # the current request's token (set per request, see _credentials)
     _bad_value = False  # the current request's header values hold a control character
+    _odd_target = True  # the current request line is not the usual one (see _ORIGIN_REQUEST_LINE_RE)
 
     # -- connection plumbing ----------------------------------------------------------------------
 
@@ -2015,7 +2022,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.send_error(414, "The request line is longer than %d bytes." % MAX_REQUEST_LINE)
             return False
         self.requestline = raw.decode("latin-1").rstrip("\r\n")
-        match = _REQUEST_LINE_RE.fullmatch(self.requestline)
+        match = _ORIGIN_REQUEST_LINE_RE.fullmatch(self.requestline)
+        self._odd_target = match is None
+        if match is None:
+            match = _REQUEST_LINE_RE.fullmatch(self.requestline)
         if match is None:
             self.send_error(*_request_line_fault(self.requestline))
             return False
@@ -2031,39 +2041,45 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             end = lf + 2 if lf >= 0 else crlf + 3 if crlf >= 0 else -1
         if 0 < end <= MAX_HEADER_BYTES and buffered.count(b"\n", 0, end) <= MAX_HEADERS + 1:
             block = self.rfile.read(end)
-            text = block[:-2 if block.endswith(b"\r\n") else -1].decode("latin-1")
         else:
-            text = self._read_header_lines()
-            if text is None:
+            block = self._read_header_lines()
+            if block is None:
                 return False
+        text = block[:-2 if block.endswith(b"\r\n") else -1].decode("latin-1")
         # [gap, name, value, gap, name, value, ..., gap]: each gap is empty if each line is a field.
         parts = _HEADER_LINE_RE.split(text)
         if any(parts[::3]):
             lines = [line + b"\n" for line in text.encode("latin-1").split(b"\n")[:-1]]
             self._refuse(_head_fault(lines, b"\n", 0), close=True)
             return False
-        self.headers = headers = _RequestHeaders(parts)
+        # Each value without the CRs before its LF, then the blanks around it: one strip when every
+        # CR is in a CRLF (no value holds one but at its end).
+        values = parts[2::3]
+        if block.count(b"\r") == block.count(b"\r\n"):
+            values = list(map(str.strip, values, repeat(" \t\r")))
+        else:
+            values = [value.rstrip("\r").strip(" \t") for value in values]
+        self.headers = headers = _RequestHeaders(parts[1::3], values)
         # (control characters are refused when dispatched; names hold none, CR, LF and tab pass)
-        self._bad_value = _BAD_VALUE_CHAR_RE.search(text) is not None
+        self._bad_value = len(block.translate(None, _CONTROL_BYTES)) != len(block)
         tokens = headers.connection_tokens()
         self.close_connection = "close" in tokens or (
             self.request_version == "HTTP/1.0" and "keep-alive" not in tokens)
-        expect = headers.get("Expect")
-        if (expect is not None and self.request_version == "HTTP/1.1"
-                and expect.lower() == "100-continue"):
+        if ("expect" in headers._lowered and self.request_version == "HTTP/1.1"
+                and str(headers.get("Expect")).lower() == "100-continue"):
             return self.handle_expect_100()
         return True
 
-    def _read_header_lines(self) -> Optional[str]:
+    def _read_header_lines(self) -> Optional[bytes]:
         """The header block line by line, for one the buffer does not hold whole (sent in pieces, or
-        refused): its lines as text without the blank line, or None once the fault was answered."""
+        refused): through its blank line, or None once the fault was answered."""
         lines: List[bytes] = []
         budget = MAX_HEADER_BYTES
         while True:
             line = self.rfile.readline(MAX_HEADER_BYTES + 1)
             budget -= len(line)
             if budget >= 0 and (line == b"\r\n" or line == b"\n"):
-                return b"".join(lines).decode("latin-1")
+                return b"".join(lines) + line
             if budget < 0 or not line.endswith(b"\n") or len(lines) == MAX_HEADERS:
                 self._refuse(_head_fault(lines, line, budget), close=True)
                 return None
@@ -2120,7 +2136,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             # no chunked framing for 1.0 clients: keep it simple, one per connection
             self.close_connection = True
         framing = _body_framing(self.headers)
-        malformed = _target_refusal(self.command, self.path) or (
+        odd = self._odd_target or self.command == "CONNECT"
+        malformed = (_target_refusal(self.command, self.path) if odd else None) or (
             _BAD_VALUE_REFUSAL if self._bad_value else None)
         if malformed is None and isinstance(framing, Refusal):
             malformed = framing
@@ -2479,9 +2496,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         HTTP/1.1 clients (so the client connection stays open) and close-delimited for HTTP/1.0
         ones."""
         mode = answer.mode
-        headers = _response_headers(answer.headers, answer.lowered,
-                                    answer.length if mode == "length" else None,
-                                    drop_length=mode not in ("length", "none"))
+        if answer.raw is None:
+            headers = _response_headers(answer.headers, answer.lowered,
+                                        answer.length if mode == "length" else None,
+                                        drop_length=mode not in ("length", "none"))
         if mode not in ("length", "none"):
             if self.request_version == "HTTP/1.0":
                 mode, self.close_connection = "close", True
@@ -2501,9 +2519,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if whole:
             on_done(answer.keep_alive and not reader.buffered())
         try:
-            if self.close_connection:
-                headers.append(("Connection", "close"))
-            self._send_head(answer.status, answer.reason, headers, prefix)
+            if answer.raw is None:
+                if self.close_connection:
+                    headers.append(("Connection", "close"))
+                self._send_head(answer.status, answer.reason, headers, prefix)
+            elif self.close_connection:
+                self.wfile.write(answer.raw[:-2] + b"Connection: close\r\n\r\n" + prefix)
+            else:
+                self.wfile.write(answer.raw + prefix)
         except OSError:
             if not whole:
                 on_done(False)
@@ -2800,7 +2823,14 @@ class _UpstreamConnection:
             return
         # Python's timeouts, the read slice: send until read_timeout_s passes with no progress (a
         # TLS write that timed out is retried with the same bytes, as OpenSSL requires).
+        try:
+            sent = self.sock.send(data)
+        except socket.timeout:
+            sent = 0
+        if sent == len(data):  # (a request's head and small body: one TLS write)
+            return
         with memoryview(data) as view:
+            view = view[sent:]
             deadline = None
             while view:
                 try:
@@ -3001,12 +3031,28 @@ class _Answer(NamedTuple):
     length: int  # the Content-Length for "length", else -1
     keep_alive: bool  # the connection may carry another request once this body is read
     lowered: List[str]  # the header names lower-cased, in order
+    # the head to relay as it is (nothing to drop or rewrite in it), with `headers` and `lowered`
+    # left empty; None when the relay rebuilds the head from `headers`
+    raw: Optional[bytes] = None
 
 
 def _parse_answer(head: bytes, method: str) -> _Answer:
     """Parse a response head (status line, `Name: value` lines; obs-fold joined with a space), or
     raise _BadResponse. Framing: HEAD, 1xx, 204 and 304 have no body; Transfer-Encoding wins over
     Content-Length (and then the connection is not reused); conflicting lengths are refused."""
+    plain = _PLAIN_ANSWER_RE.fullmatch(head)
+    if plain is not None and len(head.translate(None, _CONTROL_BYTES)) == len(head):
+        lowered_head = head.lower()
+        if _REWRITTEN_FIELD_RE.search(lowered_head) is None:
+            status = int(plain.group(1))
+            reason = plain.group(2).decode("latin-1")
+            if method == "HEAD" or status in (204, 304):
+                return _Answer(status, reason, [], "none", -1, True, [], head)
+            start = lowered_head.find(b"\r\ncontent-length: ") + 18
+            if start >= 18 and lowered_head.find(b"\r\ncontent-length:", start) < 0:
+                value = head[start:head.find(b"\r", start)]
+                if value.isdigit() and len(value) <= 18 and value == b"%d" % int(value):
+                    return _Answer(status, reason, [], "length", int(value), True, [], head)
     text = head.decode("latin-1")
     start = text.find("\n") + 1
     match = _RESPONSE_LINE_RE.match(text[:start - 1].rstrip("\r"))
@@ -3017,9 +3063,13 @@ def _parse_answer(head: bytes, method: str) -> _Answer:
         raise _BadResponse("upstream-protocol", "sent the status code %03d" % status)
     # [gap, name, value, ..., gap]: every gap is empty but the last, the blank line, when each line
     # is a field of its own; a folded or malformed line is left to _fields_line_by_line.
-    parts = _RESPONSE_FIELD_RE.split(text[start:])
+    fields = text[start:]
+    crlf = fields.count("\r\n")
+    plain = (fields.count("\n") == crlf and fields.count("\r") == crlf
+             and len(head.translate(None, _CONTROL_BYTES)) == len(head))
+    parts = (_CRLF_FIELD_RE if plain else _RESPONSE_FIELD_RE).split(fields)
     if len(parts[-1]) > 2 or any(parts[0:-1:3]):
-        headers = _fields_line_by_line(text[start:])
+        headers = _fields_line_by_line(fields)
         names = [name for name, _ in headers]
     else:
         names = parts[1::3]
