@@ -2141,7 +2141,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             _BAD_VALUE_REFUSAL if self._bad_value else None)
         if malformed is None and isinstance(framing, Refusal):
             malformed = framing
-        decision = malformed or self._route()
+        decision = malformed or (self.proxy.route_request(self.path, self.headers)
+                                 if self._own_routing else self._route())
         if isinstance(decision, Refusal):
             # Malformed input, or an unread body that would be parsed as the next request: close.
             has_body = isinstance(framing, Refusal) or framing[0] != "none"
@@ -2187,6 +2188,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         """Read the route's token and extra headers for this request (`_token`, `_route_headers`); a
         callable that fails is answered 502 here (closing if a body is unread) and False
         returned."""
+        if route.__class__ is Route and not callable(route.headers) and (
+                route.token is None or route.token is route._checked_token):
+            # fixed ones: what current_token and current_headers answer, without the calls
+            self._token, self._route_headers = route._checked_token, route._fixed_headers
+            return True
         source = "token"
         try:
             self._token = route.current_token()
@@ -2202,10 +2208,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return True
 
     def _route(self) -> Union[Tuple[AnyRoute, str], Refusal]:
-        """Ask the `route_request` hook, turning a hook that raises or answers nonsense into a
-        500."""
-        if self._own_routing:
-            return self.proxy.route_request(self.path, self.headers)
+        """Ask a subclass's `route_request` hook, turning a hook that raises or answers nonsense
+        into a 500."""
         try:
             decision = self.proxy.route_request(self.path, self.headers)
         except Exception:
