@@ -217,7 +217,8 @@ _CRLF_FIELD_RE = re.compile(r"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*([^\r]*)\r\n"
 _REQUEST_LINE_RE = re.compile(r"([^ ]*) ([^ ]*) (HTTP/1\.[0-9])")
 # The usual request line: a token method and an origin-form target (what _target_refusal would pass
 # unless the method is CONNECT), so only other lines need that check.
-_ORIGIN_REQUEST_LINE_RE = re.compile(r"([!#$%&'*+\-.^_`|~0-9A-Za-z]+) (/[\x21-\x7e]*) (HTTP/1\.[0-9])")
+_ORIGIN_REQUEST_LINE_RE = re.compile(
+    r"([!#$%&'*+\-.^_`|~0-9A-Za-z]+) (/[\x21-\x7e]*) (HTTP/1\.[0-9])")
 # One request header line: a token name, a colon, the rest of the line up to its LF (parse_request
 # drops the CRs before the LF, then the blanks around the value). A value may hold any character
 # but LF here; control characters in it are refused when the request is dispatched
@@ -1937,7 +1938,8 @@ class _SocketWriter(io.BufferedIOBase):
 
 
 # Header values must not carry control characters (names were checked while parsing).
-_BAD_VALUE_REFUSAL = Refusal(400, "bad-header", "A request header value contains control characters.")
+_BAD_VALUE_REFUSAL = Refusal(400, "bad-header",
+                             "A request header value contains control characters.")
 
 _ERROR_KINDS = {400: "bad-request", 408: "request-timeout", 414: "request-line-too-long",
                 431: "headers-too-large", 501: "not-implemented", 505: "http-version-not-supported"}
@@ -1956,7 +1958,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                           ...] = ()  # the current request's route headers (set per request)
     _token: Optional[str] = None  # the current request's token (set per request, see _credentials)
     _bad_value = False  # the current request's header values hold a control character
-    _odd_target = True  # the current request line is not the usual one (see _ORIGIN_REQUEST_LINE_RE)
+    # the current request line is not the usual one (see _ORIGIN_REQUEST_LINE_RE)
+    _odd_target = True
 
     # -- connection plumbing ----------------------------------------------------------------------
 
