@@ -48,6 +48,7 @@ import time
 import types
 import urllib.parse
 import weakref
+from itertools import repeat
 from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Mapping,
                     NamedTuple, Optional, Sequence, Set, Tuple, Union)
 
@@ -175,6 +176,8 @@ HOP_BY_HOP = frozenset(
      "trailer", "transfer-encoding", "upgrade"]
 )
 REPLACED_REQUEST_HEADERS = frozenset(["authorization", "host", "expect", "content-length"])
+# A client's header fields never forwarded as they are.
+_NOT_FORWARDED = HOP_BY_HOP | REPLACED_REQUEST_HEADERS
 # Methods whose repetition has no extra effect (RFC 9110 section 9.2.2): safe to retry once on a
 # fresh connection when a pooled connection died before answering.
 IDEMPOTENT_METHODS = frozenset(["GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"])
@@ -186,15 +189,37 @@ _BAD_TARGET_CHAR_RE = re.compile(r"[^\x21-\x7e]")
 # Header values: no control characters except tab (CR/LF only appear in obs-folds, normalised
 # later).
 _BAD_VALUE_CHAR_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+# The same characters as bytes, for `bytes.translate` to delete: a head that loses none holds none.
+_CONTROL_BYTES = bytes(range(0, 9)) + b"\x0b\x0c" + bytes(range(14, 32)) + b"\x7f"
 _VERSION_RE = re.compile(r"^HTTP/[0-9]\.[0-9]$")
 _STATUS_LINE_RE = re.compile(rb"^HTTP/1\.[01] (\d{3})(?: |\r?$)")
+# The response fields that say how the body is delimited and whether the connection stays open.
+_FRAMING_FIELDS = frozenset(["content-length", "transfer-encoding", "connection"])
+_LENGTH_ONLY = frozenset(["content-length"])
 _RESPONSE_LINE_RE = re.compile(r"^HTTP/1\.([01]) ([0-9]{3})(?: (.*))?$")
 # One response header line: a token name, a colon, the value after its leading blanks (trailing ones
 # are relayed as sent: http.client keeps them) with no control character but tab, CRLF or LF.
 _RESPONSE_FIELD_RE = re.compile(
     r"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*([^\x00-\x08\x0a-\x1f\x7f]*)\r?\n")
+# A response head the proxy relays byte for byte, as its parse would rebuild it: an HTTP/1.1 status
+# line with a reason, `Name: value` fields one space apart, CRLF line ends (its control characters,
+# hop-by-hop fields and Content-Length are checked apart, see _parse_answer).
+_PLAIN_ANSWER_RE = re.compile(
+    rb"HTTP/1\.1 ([2-5][0-9][0-9]) ([^\r\n]*)\r\n"
+    rb"(?:[!#$%&'*+\-.^_`|~0-9A-Za-z]+: (?:[^\r\n \t][^\r\n]*)?\r\n)*\r\n")
+# In a lower-cased head: a field the proxy drops (HOP_BY_HOP) or reframes.
+_REWRITTEN_FIELD_RE = re.compile(
+    rb"\r\n(?:connection|keep-alive|proxy-connection|proxy-authenticate|proxy-authorization|te|"
+    rb"trailer|transfer-encoding|upgrade):")
+# The same line in a head known to hold no control character, CR or LF but its CRLF line ends:
+# what _RESPONSE_FIELD_RE matches there, without testing each character of the value.
+_CRLF_FIELD_RE = re.compile(r"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*([^\r]*)\r\n")
 # A request line: three parts, one space apart (the target and method are checked when dispatched).
 _REQUEST_LINE_RE = re.compile(r"([^ ]*) ([^ ]*) (HTTP/1\.[0-9])")
+# The usual request line: a token method and an origin-form target (what _target_refusal would pass
+# unless the method is CONNECT), so only other lines need that check.
+_ORIGIN_REQUEST_LINE_RE = re.compile(
+    r"([!#$%&'*+\-.^_`|~0-9A-Za-z]+) (/[\x21-\x7e]*) (HTTP/1\.[0-9])")
 # One request header line: a token name, a colon, the rest of the line up to its LF (parse_request
 # drops the CRs before the LF, then the blanks around the value). A value may hold any character
 # but LF here; control characters in it are refused when the request is dispatched
@@ -288,10 +313,6 @@ class Route:
         self.headers: ExtraHeaders = headers  # never logged or shown: it may hold credentials
         self._fixed_headers: Tuple[Tuple[str, str], ...] = (
             () if headers is None or callable(headers) else tuple(headers.items()))
-        # The last extra headers as clean-head lines (see _clean_request_lines): (headers, the
-        # pattern of the client lines they replace, their lines).
-        self._extra_lines: Optional[Tuple[Tuple[Tuple[str, str], ...], "re.Pattern[str]",
-                                          str]] = None
         self._lock = threading.Lock()  # tunnels and failure runs; never the pool
         # The host's pool (shared with the proxy's other routes to this host, or this route's own),
         # whose idle keep-alive connections (newest on the right) this route uses, and this route's
@@ -1252,14 +1273,6 @@ def _no_live_replica_refusal(total: int, failed: List[Dict[str, object]]) -> Ref
                    body={"replicas": total, "failed": failed})
 
 
-def _header_refusal(headers: _RequestHeaders) -> Optional[Refusal]:
-    """Header values must not carry control characters (names were checked while parsing)."""
-    # one search, not one a header
-    if _BAD_VALUE_CHAR_RE.search("".join([value for _, value in headers.items()])):
-        return Refusal(400, "bad-header", "A request header value contains control characters.")
-    return None
-
-
 def _request_line_fault(line: str) -> Tuple[int, str]:
     """Why a request line does not match _REQUEST_LINE_RE: (status, a sentence for the client)."""
     parts = line.split(" ")
@@ -1290,6 +1303,14 @@ def _body_framing(headers: _RequestHeaders) -> Union[Tuple[str, int], Refusal]:
     refusal.
 
     Ambiguous framing is refused outright (it is how request smuggling works)."""
+    lowered = headers._lowered
+    if "transfer-encoding" not in lowered:  # (the usual request: one length, or none)
+        if "content-length" not in lowered:
+            return ("none", 0)
+        value = headers._values[lowered.index("content-length")]
+        if (lowered.count("content-length") == 1 and value.isascii() and value.isdigit()
+                and len(value) <= 18):
+            return ("length", int(value))
     encodings = headers.get_all("Transfer-Encoding") or []
     lengths = headers.get_all("Content-Length") or []
     if encodings:
@@ -1328,40 +1349,47 @@ def _upstream_request_headers(headers: _RequestHeaders, route: Route, token: Opt
     """Client headers minus hop-by-hop ones (stripped first, so a client cannot name the token
     away), minus the client's own Authorization/Host and those the route's `extra` headers replace;
     then Host, Authorization and the extra headers set for the upstream."""
-    drop = HOP_BY_HOP | REPLACED_REQUEST_HEADERS | headers.connection_tokens()
+    drop = _NOT_FORWARDED
+    tokens = headers.connection_tokens()
+    if tokens:
+        drop = drop | tokens
     if extra:
         drop = drop | {name.lower() for name, _ in extra}
     out = [("Host", route.host_header)]
     for lower, name, value in headers.lowered_items():
         if lower not in drop:
-            out.append((name, _OBS_FOLD_RE.sub(" ", value) if "\n" in value else value))
+            out.append((name, value if "\n" not in value else _OBS_FOLD_RE.sub(" ", value)))
     if token is not None:
         out.append(("Authorization", "Bearer " + token))
     out.extend(extra)
     return out
 
 
-def _response_headers(headers: List[Tuple[str, str]], length: Optional[int] = None,
+def _response_headers(headers: List[Tuple[str, str]], lowered: List[str],
+                      length: Optional[int] = None,
                       drop_length: bool = False) -> List[Tuple[str, str]]:
-    """The upstream's response headers minus hop-by-hop ones (and those its Connection header
-    names); with `length`, one Content-Length of that value where the upstream's first one was
-    (repeats of the same value merged); with `drop_length`, none (the body is re-framed). One pass,
-    one lower() a name."""
-    lowered = [(name.lower(), name, value) for name, value in headers]
+    """The upstream's response headers (`lowered`: their names lower-cased) minus hop-by-hop ones
+    (and those its Connection header names); with `length`, one Content-Length of that value where
+    the upstream's first one was (repeats of the same value merged); with `drop_length`, none (the
+    body is re-framed)."""
+    if not drop_length and HOP_BY_HOP.isdisjoint(lowered) and (length is None or (
+            lowered.count("content-length") == 1
+            and headers[lowered.index("content-length")][1] == str(length))):
+        return list(headers)  # nothing to drop or rewrite
     drop = HOP_BY_HOP
-    if any(low == "connection" for low, _, _ in lowered):
-        drop = drop | {t.strip().lower() for low, _,
-                       v in lowered if low == "connection" for t in v.split(",")}
+    if "connection" in lowered:
+        drop = drop | {t.strip().lower() for low, (_, v) in zip(lowered, headers)
+                       if low == "connection" for t in v.split(",")}
     out: List[Tuple[str, str]] = []
     length_sent = drop_length
-    for low, name, value in lowered:
+    for low, pair in zip(lowered, headers):
         if low in drop:
             continue
         if low == "content-length" and (length is not None or drop_length):
             if length_sent:
                 continue
-            length_sent, value = True, str(length)
-        out.append((name, value))
+            length_sent, pair = True, (pair[0], str(length))
+        out.append(pair)
     return out
 
 
@@ -1813,61 +1841,60 @@ class _RequestHeaders:
     `HTTPMessage`) and what a hook may edit (`headers[name] = value` adds a field, `del
     headers[name]` removes each of that name)."""
 
-    __slots__ = ("_pairs", "_lowered", "_index", "_tokens")
+    __slots__ = ("_names", "_values", "_lowered", "_tokens")
 
-    def __init__(self, pairs: List[Tuple[str, str]]) -> None:
-        self._set(pairs)
-
-    def _set(self, pairs: List[Tuple[str, str]]) -> None:
-        self._pairs = pairs
-        self._lowered = [name.lower() for name, _ in pairs]
-        self._index: Dict[str, List[str]] = {}
-        for lower, (_, value) in zip(self._lowered, pairs):
-            self._index.setdefault(lower, []).append(value)
+    def __init__(self, names: List[str], values: List[str]) -> None:
+        self._names, self._values = names, values
+        self._lowered = list(map(str.lower, names))
         self._tokens: "Optional[frozenset[str]]" = None
 
     def lowered_items(self) -> Iterator[Tuple[str, str, str]]:
         """(lower-cased name, name, value) of each field, in order."""
-        return ((lower, name, value) for lower, (name, value) in zip(self._lowered, self._pairs))
+        return zip(self._lowered, self._names, self._values)
 
     def get(self, name: str, default: Optional[str] = None) -> Optional[str]:
-        values = self._index.get(name.lower())
-        return values[0] if values else default
+        lower = name.lower()
+        return self._values[self._lowered.index(lower)] if lower in self._lowered else default
 
     def get_all(self, name: str, default: Optional[List[str]] = None) -> Optional[List[str]]:
-        values = self._index.get(name.lower())
-        return list(values) if values else default
+        lower = name.lower()
+        values = [value for low, value in zip(self._lowered, self._values) if low == lower]
+        return values or default
 
     def items(self) -> List[Tuple[str, str]]:
-        return list(self._pairs)
+        return list(zip(self._names, self._values))
 
     def keys(self) -> List[str]:
-        return [name for name, _ in self._pairs]
+        return list(self._names)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.keys())
 
     def __len__(self) -> int:
-        return len(self._pairs)
+        return len(self._names)
 
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and name.lower() in self._index
+        return isinstance(name, str) and name.lower() in self._lowered
 
     def __getitem__(self, name: str) -> Optional[str]:
         return self.get(name)
 
     def __setitem__(self, name: str, value: str) -> None:
-        self._set(self._pairs + [(name, value)])
+        self.__init__(self._names + [name], self._values + [value])  # type: ignore[misc]
 
     def __delitem__(self, name: str) -> None:
         lower = name.lower()
-        self._set([pair for pair in self._pairs if pair[0].lower() != lower])
+        kept = [(n, v) for low, n, v in self.lowered_items() if low != lower]
+        self.__init__([n for n, _ in kept], [v for _, v in kept])  # type: ignore[misc]
 
     def connection_tokens(self) -> "frozenset[str]":
         """The Connection header's tokens, lower-cased (three checks read them)."""
         if self._tokens is None:
+            if "connection" not in self._lowered:
+                self._tokens = frozenset()
+                return self._tokens
             self._tokens = frozenset(token.strip().lower() for value
-                                     in self._index.get("connection", ())
+                                     in self.get_all("connection", [])  # type: ignore[union-attr]
                                      for token in value.split(",") if token.strip())
         return self._tokens
 
@@ -1889,6 +1916,10 @@ class _SocketWriter(io.BufferedIOBase):
         return len(data)  # (bytes: every writer here passes bytes)
 
 
+# Header values must not carry control characters (names were checked while parsing).
+_BAD_VALUE_REFUSAL = Refusal(400, "bad-header",
+                             "A request header value contains control characters.")
+
 _ERROR_KINDS = {400: "bad-request", 408: "request-timeout", 414: "request-line-too-long",
                 431: "headers-too-large", 501: "not-implemented", 505: "http-version-not-supported"}
 
@@ -1905,9 +1936,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     _route_headers: Tuple[Tuple[str, str],
                           ...] = ()  # the current request's route headers (set per request)
     _token: Optional[str] = None  # the current request's token (set per request, see _credentials)
-    # For a head the fast path parsed (see _parse_clean_head): its body framing and its header lines
-    # the upstream gets as they are (hop-by-hop and replaced ones removed); None for a strict parse.
-    _clean: Optional[Tuple[Tuple[str, int], str]] = None
+    _bad_value = False  # the current request's header values hold a control character
+    # the current request line is not the usual one (see _ORIGIN_REQUEST_LINE_RE)
+    _odd_target = True
 
     # -- connection plumbing ----------------------------------------------------------------------
 
@@ -1973,38 +2004,68 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.send_error(414, "The request line is longer than %d bytes." % MAX_REQUEST_LINE)
             return False
         self.requestline = raw.decode("latin-1").rstrip("\r\n")
-        match = _REQUEST_LINE_RE.fullmatch(self.requestline)
+        match = _ORIGIN_REQUEST_LINE_RE.fullmatch(self.requestline)
+        self._odd_target = match is None
+        if match is None:
+            match = _REQUEST_LINE_RE.fullmatch(self.requestline)
         if match is None:
             self.send_error(*_request_line_fault(self.requestline))
             return False
         self.command, self.path, self.request_version = match.groups()
+        # The header block, through its blank line: taken whole when the buffer holds it (the usual
+        # case), else line by line.
+        buffered = self.rfile.peek(1)
+        if buffered[:1] == b"\n" or buffered[:2] == b"\r\n":
+            end = 1 if buffered[0] == 10 else 2
+        else:
+            crlf = buffered.find(b"\n\r\n", 0, MAX_HEADER_BYTES)
+            lf = buffered.find(b"\n\n", 0, MAX_HEADER_BYTES if crlf < 0 else crlf + 1)
+            end = lf + 2 if lf >= 0 else crlf + 3 if crlf >= 0 else -1
+        if 0 < end <= MAX_HEADER_BYTES and buffered.count(b"\n", 0, end) <= MAX_HEADERS + 1:
+            block = self.rfile.read(end)
+        else:
+            block = self._read_header_lines()
+            if block is None:
+                return False
+        text = block[:-2 if block.endswith(b"\r\n") else -1].decode("latin-1")
+        # [gap, name, value, gap, name, value, ..., gap]: each gap is empty if each line is a field.
+        parts = _HEADER_LINE_RE.split(text)
+        if any(parts[::3]):
+            lines = [line + b"\n" for line in text.encode("latin-1").split(b"\n")[:-1]]
+            self._refuse(_head_fault(lines, b"\n", 0), close=True)
+            return False
+        # Each value without the CRs before its LF, then the blanks around it: one strip when every
+        # CR is in a CRLF (no value holds one but at its end).
+        values = parts[2::3]
+        if block.count(b"\r") == block.count(b"\r\n"):
+            values = list(map(str.strip, values, repeat(" \t\r")))
+        else:
+            values = [value.rstrip("\r").strip(" \t") for value in values]
+        self.headers = headers = _RequestHeaders(parts[1::3], values)
+        # (control characters are refused when dispatched; names hold none, CR, LF and tab pass)
+        self._bad_value = len(block.translate(None, _CONTROL_BYTES)) != len(block)
+        tokens = headers.connection_tokens()
+        self.close_connection = "close" in tokens or (
+            self.request_version == "HTTP/1.0" and "keep-alive" not in tokens)
+        if ("expect" in headers._lowered and self.request_version == "HTTP/1.1"
+                and str(headers.get("Expect")).lower() == "100-continue"):
+            return self.handle_expect_100()
+        return True
+
+    def _read_header_lines(self) -> Optional[bytes]:
+        """The header block line by line, for one the buffer does not hold whole (sent in pieces, or
+        refused): through its blank line, or None once the fault was answered."""
         lines: List[bytes] = []
         budget = MAX_HEADER_BYTES
         while True:
             line = self.rfile.readline(MAX_HEADER_BYTES + 1)
             budget -= len(line)
             if budget >= 0 and (line == b"\r\n" or line == b"\n"):
-                break
+                return b"".join(lines) + line
             if budget < 0 or not line.endswith(b"\n") or len(lines) == MAX_HEADERS:
                 self._refuse(_head_fault(lines, line, budget), close=True)
-                return False
+                return None
             lines.append(line)
-        # [gap, name, value, gap, name, value, ..., gap]: each gap is empty if each line is a field.
-        parts = _HEADER_LINE_RE.split(b"".join(lines).decode("latin-1"))
-        if any(parts[::3]):
-            self._refuse(_head_fault(lines, b"\n", budget), close=True)
-            return False
-        fields = zip(parts[1::3], parts[2::3])
-        self.headers = headers = _RequestHeaders(
-            [(name, value.rstrip("\r").strip(" \t")) for name, value in fields])
-        tokens = headers.connection_tokens()
-        self.close_connection = "close" in tokens or (
-            self.request_version == "HTTP/1.0" and "keep-alive" not in tokens)
-        expect = headers.get("Expect")
-        if (expect is not None and self.request_version == "HTTP/1.1"
-                and expect.lower() == "100-continue"):
-            return self.handle_expect_100()
-        return True
 
     def send_error(self, code: int, message: Optional[str] = None,
                    explain: Optional[str] = None) -> None:
@@ -2044,10 +2105,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         attribute."""
         if reason is None:
             reason = self.responses.get(status, ("",))[0]
-        lines = ["%s %d %s" % (self.protocol_version, status, reason)]
-        lines += ["%s: %s" % pair for pair in headers]
-        lines += ["", ""]
-        self.wfile.write("\r\n".join(lines).encode("latin-1") + body)
+        fields = "\r\n".join(map(": ".join, headers))
+        head = "HTTP/1.1 %d %s\r\n%s\r\n\r\n" % (status, reason, fields) if fields else (
+            "HTTP/1.1 %d %s\r\n\r\n" % (status, reason))
+        self.wfile.write(head.encode("latin-1") + body)
 
     # -- dispatch
     # -----------------------------------------------------------------------------------
@@ -2057,10 +2118,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             # no chunked framing for 1.0 clients: keep it simple, one per connection
             self.close_connection = True
         framing = _body_framing(self.headers)
-        malformed = _target_refusal(self.command, self.path) or _header_refusal(self.headers)
+        odd = self._odd_target or self.command == "CONNECT"
+        malformed = (_target_refusal(self.command, self.path) if odd else None) or (
+            _BAD_VALUE_REFUSAL if self._bad_value else None)
         if malformed is None and isinstance(framing, Refusal):
             malformed = framing
-        decision = malformed or self._route()
+        decision = malformed or (self.proxy.route_request(self.path, self.headers)
+                                 if self._own_routing else self._route())
         if isinstance(decision, Refusal):
             # Malformed input, or an unread body that would be parsed as the next request: close.
             has_body = isinstance(framing, Refusal) or framing[0] != "none"
@@ -2106,6 +2170,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         """Read the route's token and extra headers for this request (`_token`, `_route_headers`); a
         callable that fails is answered 502 here (closing if a body is unread) and False
         returned."""
+        if route.__class__ is Route and not callable(route.headers) and (
+                route.token is None or route.token is route._checked_token):
+            # fixed ones: what current_token and current_headers answer, without the calls
+            self._token, self._route_headers = route._checked_token, route._fixed_headers
+            return True
         source = "token"
         try:
             self._token = route.current_token()
@@ -2121,10 +2190,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return True
 
     def _route(self) -> Union[Tuple[AnyRoute, str], Refusal]:
-        """Ask the `route_request` hook, turning a hook that raises or answers nonsense into a
-        500."""
-        if self._own_routing:
-            return self.proxy.route_request(self.path, self.headers)
+        """Ask a subclass's `route_request` hook, turning a hook that raises or answers nonsense
+        into a 500."""
         try:
             decision = self.proxy.route_request(self.path, self.headers)
         except Exception:
@@ -2338,7 +2405,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _relay_interim(self, answer: _Answer) -> None:
         try:
-            self._send_head(answer.status, answer.reason, _response_headers(answer.headers))
+            self._send_head(answer.status, answer.reason,
+                            _response_headers(answer.headers, answer.lowered))
         except OSError:
             raise _ClientGone() from None
 
@@ -2414,8 +2482,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         HTTP/1.1 clients (so the client connection stays open) and close-delimited for HTTP/1.0
         ones."""
         mode = answer.mode
-        headers = _response_headers(answer.headers, answer.length if mode == "length" else None,
-                                    drop_length=mode not in ("length", "none"))
+        if answer.raw is None:
+            headers = _response_headers(answer.headers, answer.lowered,
+                                        answer.length if mode == "length" else None,
+                                        drop_length=mode not in ("length", "none"))
         if mode not in ("length", "none"):
             if self.request_version == "HTTP/1.0":
                 mode, self.close_connection = "close", True
@@ -2435,9 +2505,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if whole:
             on_done(answer.keep_alive and not reader.buffered())
         try:
-            if self.close_connection:
-                headers.append(("Connection", "close"))
-            self._send_head(answer.status, answer.reason, headers, prefix)
+            if answer.raw is None:
+                if self.close_connection:
+                    headers.append(("Connection", "close"))
+                self._send_head(answer.status, answer.reason, headers, prefix)
+            elif self.close_connection:
+                self.wfile.write(answer.raw[:-2] + b"Connection: close\r\n\r\n" + prefix)
+            else:
+                self.wfile.write(answer.raw + prefix)
         except OSError:
             if not whole:
                 on_done(False)
@@ -2775,7 +2850,14 @@ class _UpstreamConnection:
             return
         # Python's timeouts, the read slice: send until read_timeout_s passes with no progress (a
         # TLS write that timed out is retried with the same bytes, as OpenSSL requires).
+        try:
+            sent = self.sock.send(data)
+        except socket.timeout:
+            sent = 0
+        if sent == len(data):  # (a request's head and small body: one TLS write)
+            return
         with memoryview(data) as view:
+            view = view[sent:]
             deadline = None
             while view:
                 try:
@@ -2975,12 +3057,29 @@ class _Answer(NamedTuple):
     mode: str  # "none", "length", "chunked" or "close" (read until the upstream closes)
     length: int  # the Content-Length for "length", else -1
     keep_alive: bool  # the connection may carry another request once this body is read
+    lowered: List[str]  # the header names lower-cased, in order
+    # the head to relay as it is (nothing to drop or rewrite in it), with `headers` and `lowered`
+    # left empty; None when the relay rebuilds the head from `headers`
+    raw: Optional[bytes] = None
 
 
 def _parse_answer(head: bytes, method: str) -> _Answer:
     """Parse a response head (status line, `Name: value` lines; obs-fold joined with a space), or
     raise _BadResponse. Framing: HEAD, 1xx, 204 and 304 have no body; Transfer-Encoding wins over
     Content-Length (and then the connection is not reused); conflicting lengths are refused."""
+    plain = _PLAIN_ANSWER_RE.fullmatch(head)
+    if plain is not None and len(head.translate(None, _CONTROL_BYTES)) == len(head):
+        lowered_head = head.lower()
+        if _REWRITTEN_FIELD_RE.search(lowered_head) is None:
+            status = int(plain.group(1))
+            reason = plain.group(2).decode("latin-1")
+            if method == "HEAD" or status in (204, 304):
+                return _Answer(status, reason, [], "none", -1, True, [], head)
+            start = lowered_head.find(b"\r\ncontent-length: ") + 18
+            if start >= 18 and lowered_head.find(b"\r\ncontent-length:", start) < 0:
+                value = head[start:head.find(b"\r", start)]
+                if value.isdigit() and len(value) <= 18 and value == b"%d" % int(value):
+                    return _Answer(status, reason, [], "length", int(value), True, [], head)
     text = head.decode("latin-1")
     start = text.find("\n") + 1
     match = _RESPONSE_LINE_RE.match(text[:start - 1].rstrip("\r"))
@@ -2991,16 +3090,43 @@ def _parse_answer(head: bytes, method: str) -> _Answer:
         raise _BadResponse("upstream-protocol", "sent the status code %03d" % status)
     # [gap, name, value, ..., gap]: every gap is empty but the last, the blank line, when each line
     # is a field of its own; a folded or malformed line is left to _fields_line_by_line.
-    parts = _RESPONSE_FIELD_RE.split(text[start:])
+    fields = text[start:]
+    crlf = fields.count("\r\n")
+    plain = (fields.count("\n") == crlf and fields.count("\r") == crlf
+             and len(head.translate(None, _CONTROL_BYTES)) == len(head))
+    parts = (_CRLF_FIELD_RE if plain else _RESPONSE_FIELD_RE).split(fields)
     if len(parts[-1]) > 2 or any(parts[0:-1:3]):
-        headers = _fields_line_by_line(text[start:])
+        headers = _fields_line_by_line(fields)
+        names = [name for name, _ in headers]
     else:
-        headers = list(zip(parts[1::3], parts[2::3]))
+        names = parts[1::3]
+        headers = list(zip(names, parts[2::3]))
+    lowered = list(map(str.lower, names))
+    framing = _FRAMING_FIELDS.intersection(lowered)
+    keep_alive = minor == "1"
+    if method == "HEAD" or status < 200 or status in (204, 304):
+        if "connection" not in framing:
+            return _Answer(status, reason, headers, "none", -1, keep_alive, lowered)
+    elif not framing:
+        return _Answer(status, reason, headers, "close", -1, False, lowered)
+    elif framing == _LENGTH_ONLY and lowered.count("content-length") == 1:
+        value = headers[lowered.index("content-length")][1].strip()
+        if "," not in value:
+            if not (value.isascii() and value.isdigit()) or len(value) > 18:
+                raise _BadResponse("upstream-protocol", "sent an invalid or conflicting "
+                                                        "Content-Length")
+            return _Answer(status, reason, headers, "length", int(value), keep_alive, lowered)
+    return _framed_answer(status, reason, headers, lowered, method, minor)
+
+
+def _framed_answer(status: int, reason: str, headers: List[Tuple[str, str]], lowered: List[str],
+                   method: str, minor: str) -> _Answer:
+    """`_parse_answer` for a head that has a Connection or Transfer-Encoding field, or more than one
+    Content-Length."""
     codings: List[str] = []
     lengths: Set[str] = set()
     connection: Set[str] = set()
-    for name, value in headers:
-        lower = name.lower()
+    for lower, (name, value) in zip(lowered, headers):
         if lower == "transfer-encoding":
             codings += [c.strip().lower() for c in value.split(",") if c.strip()]
         elif lower == "content-length":
@@ -3009,17 +3135,18 @@ def _parse_answer(head: bytes, method: str) -> _Answer:
             connection.update(t.strip().lower() for t in value.split(","))
     keep_alive = "close" not in connection and (minor == "1" or "keep-alive" in connection)
     if method == "HEAD" or status < 200 or status in (204, 304):
-        return _Answer(status, reason, headers, "none", -1, keep_alive)
+        return _Answer(status, reason, headers, "none", -1, keep_alive, lowered)
     if codings:
         if codings[-1] == "chunked":
-            return _Answer(status, reason, headers, "chunked", -1, keep_alive and not lengths)
-        return _Answer(status, reason, headers, "close", -1, False)
+            return _Answer(status, reason, headers, "chunked", -1, keep_alive and not lengths,
+                           lowered)
+        return _Answer(status, reason, headers, "close", -1, False, lowered)
     if lengths:
         value = lengths.pop()
         if lengths or not (value.isascii() and value.isdigit()) or len(value) > 18:
             raise _BadResponse("upstream-protocol", "sent an invalid or conflicting Content-Length")
-        return _Answer(status, reason, headers, "length", int(value), keep_alive)
-    return _Answer(status, reason, headers, "close", -1, False)
+        return _Answer(status, reason, headers, "length", int(value), keep_alive, lowered)
+    return _Answer(status, reason, headers, "close", -1, False, lowered)
 
 
 def _fields_line_by_line(text: str) -> List[Tuple[str, str]]:
@@ -3078,8 +3205,7 @@ def _answer_body(reader: _UpstreamReader, answer: _Answer) -> Iterator[bytes]:
 
 def _request_lines(method: str, target: str, headers: List[Tuple[str, str]]) -> str:
     """The upstream request's line and header lines, each ending CRLF (no blank line yet)."""
-    return "%s %s HTTP/1.1\r\n%s" % (method, target,
-                                     "".join(["%s: %s\r\n" % pair for pair in headers]))
+    return "%s %s HTTP/1.1\r\n%s\r\n" % (method, target, "\r\n".join(map(": ".join, headers)))
 
 
 def _set_socket_timeout(sock: socket.socket, timeout: Optional[float],
