@@ -2426,47 +2426,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if self._watched is not None:
             self._watched.watch = None
 
-    def _await_answer(self, upstream: Union[_UpstreamConnection, socket.socket, None]) -> bool:
-        """Wait until the upstream has something to say; False if the client hung up meanwhile, and
-        socket.timeout if the upstream said nothing for read_timeout_s (this wait is the read
-        timeout for the first byte: reading after it would wait read_timeout_s a second time).
-
-        A trainer whose request timed out closes its socket and retries; without this, each retry
-        against a stuck job would hold a proxy thread and an upstream connection for read_timeout_s.
-        A client that sends more bytes instead (a pipelined request) is simply no longer watched."""
-        if isinstance(upstream, _UpstreamConnection):
-            if upstream.reader.buffered():
-                return True
-            upstream = upstream.sock
-        if upstream is None or not hasattr(select, "poll"):
-            return True
-        if isinstance(upstream, ssl.SSLSocket) and upstream.pending():
-            return True
-        poller = select.poll()
-        poller.register(upstream, select.POLLIN)
-        poller.register(self.connection, select.POLLIN)
-        client_fd = self.connection.fileno()
-        deadline = time.monotonic() + self.proxy.read_timeout_s
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise socket.timeout("the upstream sent nothing within read_timeout_s")
-            events = poller.poll(remaining * 1000)
-            if any(fd != client_fd for fd, _ in events):
-                return True
-            if not events:
-                continue
-            try:
-                peeked = self.connection.recv(1, _PEEK_NOW)
-            except BlockingIOError:
-                continue
-            except OSError:
-                return False
-            if not peeked:
-                return False
-            poller.unregister(self.connection)
-            client_fd = -1
-
     def _answer_body_failed(self, route: Route, exc: BaseException) -> None:
         """Answer the client when reading a small answer's body (before its head was relayed)
         failed."""
@@ -2882,7 +2841,7 @@ class _UpstreamConnection:
         sock = self.sock  # (an SSLSocket holds no decrypted bytes between reads: see _recv)
         poller = self._poller
         if poller is None:
-            poller = self._poller = select.poll()
+            poller = self._poller = select.poll()  # one socket: this connection's, asked with no wait
             poller.register(sock, select.POLLIN)
         try:
             if not poller.poll(0):
