@@ -189,12 +189,15 @@ def test_rate_limit_right_after_create_is_survived(emu, proxy):
     assert_nothing_left(emu, proxy)
 
 
-def test_lost_create_response_adopts_the_created_job_instead_of_making_a_second(emu, proxy):
+def test_lost_create_response_adopts_the_created_job_instead_of_making_a_second(emu, proxy, caplog):
+    caplog.set_level(logging.INFO, logger="hf_sandbox_provider")
     emu.lose_next_create_responses(1)
     with provider_for(emu, proxy) as provider:
         provider.start_container()
         provider.wait_for_ready()
         assert [job.id for job in emu.jobs] == [provider.job_id]
+        assert "create answer was lost; adopting job %s found by its start label" % provider.job_id in [
+            r.getMessage() for r in caplog.records]
     assert_nothing_left(emu, proxy)
 
 

@@ -109,6 +109,16 @@ def test_job_url_failing_the_rule_is_refused_with_the_reason(url, why):
     assert reason is not None and why in reason
 
 
+def test_an_exposed_url_off_https_or_of_another_job_is_refused_in_words_naming_it():
+    url = "http://abc123--8000.hf.jobs"
+    assert hsp._exposed_url_rejection(url, "abc123", 8000, "https://huggingface.co") == (
+        "the job's exposed URL %r is not https; refusing to send the token in clear text" % url)
+    url = "https://other--8000.hf.jobs"
+    assert hsp._exposed_url_rejection(url, "abc123", 8000, "https://huggingface.co") == (
+        "the job's exposed URL %r does not belong to job abc123 port 8000 (expected host abc123--8000.<domain>); "
+        "refusing to send the token to it" % url)
+
+
 @pytest.mark.parametrize("url, what", [
     ("https://abc123--8000.hf.jobs:port", "is malformed"),
     ("https://user@abc123--8000.hf.jobs", "carries credentials"),  # a user name alone is one too
