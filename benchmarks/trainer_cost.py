@@ -22,7 +22,6 @@ import contextlib
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import tempfile

@@ -11,7 +11,6 @@ import hashlib
 import http.client
 import os
 import socket
-import ssl
 import subprocess
 import sys
 import threading

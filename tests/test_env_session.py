@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from hf_jobs_emulator import EchoEnvironment, EchoServer, JobsEmulator, echo_server_command
+from hf_jobs_emulator import EchoEnvironment, EchoServer, echo_server_command
 from support import wait_until
 from hf_sandbox_provider import (EnvError, EnvSession, HFSandboxProvider, SandboxConfigError, SessionError,
                                  SessionRefusedError, SessionTimeout)

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
-from typing import Iterator, Optional, Tuple, Union
+from typing import Iterator, Tuple, Union
 
 import pytest
 import requests

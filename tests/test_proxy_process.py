@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from typing import Dict, Iterator, List
 
 import pytest
