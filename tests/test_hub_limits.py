@@ -56,24 +56,19 @@ def test_a_listing_follows_next_links_naming_the_emulator_under_another_loopback
         emu.stop()
 
 
-def test_a_listing_whose_next_link_names_a_foreign_host_fails_loudly_after_the_first_page():
-    emu, client = listing_emulator("192.0.2.1")  # TEST-NET-1: not this server
-    try:
-        with pytest.raises(hsp.JobsAPIError, match="next-page link 'http://192.0.2.1.*not following it.*after 2 jobs"):
-            client.list_jobs("local", labels={"batch": "b1"})
-        assert emu.api_calls["list"] == 1
-    finally:
-        client.close()
-        emu.stop()
-
-
-@pytest.mark.parametrize("link_base", ["http://user@127.0.0.1", "http://user:pw@127.0.0.1", "https://127.0.0.1",
-                                       "http://127.0.0.1:notaport"])
-def test_a_next_link_with_credentials_another_scheme_or_a_bad_port_is_not_followed(link_base):
+@pytest.mark.parametrize("link_base, refusal", [
+    ("http://192.0.2.1", "next-page link 'http://192.0.2.1.*not following it.*after 2 jobs"),  # TEST-NET-1
+    ("http://user@127.0.0.1", "next-page link .*not following it"),
+    ("http://user:pw@127.0.0.1", "next-page link .*not following it"),
+    ("https://127.0.0.1", "next-page link .*not following it"),
+    ("http://127.0.0.1:notaport", "next-page link .*not following it"),
+])
+def test_a_next_link_to_a_foreign_host_with_credentials_another_scheme_or_a_bad_port_is_not_followed(
+        link_base, refusal):
     emu, client = listing_emulator("127.0.0.1")
     emu.next_link_base = link_base if link_base.endswith("notaport") else "%s:%d" % (link_base, emu.port)
     try:
-        with pytest.raises(hsp.JobsAPIError, match="next-page link .*not following it"):
+        with pytest.raises(hsp.JobsAPIError, match=refusal):
             client.list_jobs("local", labels={"batch": "b1"})
         assert emu.api_calls["list"] == 1
     finally:

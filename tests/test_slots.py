@@ -18,7 +18,7 @@ import pytest
 
 from hf_jobs_emulator import JobsEmulator, echo_server_command
 from hf_sandbox_provider import EpisodeLost, Sandbox, SandboxConfigError, SessionError, stop_sandboxes
-from support import wait_until
+from support import in_thread, wait_until
 
 pytestmark = pytest.mark.slow  # jobs live seconds each, and the tests cross several of their lifetimes
 
@@ -98,6 +98,16 @@ def all_ended(emu: JobsEmulator) -> None:
         assert emu.wait_for_stage(job.id, ["CANCELED", "ERROR", "COMPLETED"]).terminal, job
 
 
+def in_each_slot(boxes: List[Sandbox], sessions: List[Any], work: Any) -> List[object]:
+    """Run `work(box, session)` for every slot in a thread of its own; the exceptions they raised."""
+    runs = [in_thread(lambda box=box, session=session: work(box, session))
+            for box, session in zip(boxes, sessions)]
+    for thread, _ in runs:
+        thread.join(120)
+    assert not any(thread.is_alive() for thread, _ in runs), "a slot's episodes did not end"
+    return [outcome[0] for _, outcome in runs if outcome and isinstance(outcome[0], BaseException)]
+
+
 def test_a_slot_crosses_several_lifetimes_and_no_reset_finds_its_job_not_ready(emu, slot_log) -> None:
     live = LiveJobs(emu)
     box = Sandbox("img:tag", renew_before_s=RENEW_BEFORE_S, labels={"slot": "0"}, **emu.settings)
@@ -154,20 +164,8 @@ def test_slots_never_hold_more_than_two_jobs_and_stop_sandboxes_cancels_their_su
     boxes = [Sandbox("img:tag", renew_before_s=RENEW_BEFORE_S, labels={"slot": str(i)}, **emu.settings)
              for i in range(3)]
     sessions = [box.session() for box in boxes]
-    errors: List[BaseException] = []
-
-    def work(box: Sandbox, session: Any) -> None:
-        try:
-            episodes(session, box, 1.5 * JOB_TIMEOUT_S, [])
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work, args=pair) for pair in zip(boxes, sessions)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    assert errors == []
+    assert in_each_slot(boxes, sessions,
+                        lambda box, session: episodes(session, box, 1.5 * JOB_TIMEOUT_S, [])) == []
     # Stop while renewals are in flight: begin one more round and stop as soon as one successor starts.
     wait_until(lambda: any("starting a job (renewal" in r.getMessage() for r in slot_log.records
                            if r.created > time.time() - 1), "a renewal starting", timeout_s=30)
@@ -200,22 +198,13 @@ def test_a_shared_group_is_renewed_as_one_and_its_sessions_follow_it(emu) -> Non
     settings = dict(emu.settings, labels={"slot": "g"}, env_vars={"MAX_CONCURRENT_ENVS": "8"})
     boxes = [Sandbox("img:tag", shared="g", replicas=2, renew_before_s=RENEW_BEFORE_S, **settings) for _ in range(3)]
     sessions = [box.session() for box in boxes]
-    errors: List[BaseException] = []
 
     def work(box: Sandbox, session: Any) -> None:
-        try:
-            ready: List[bool] = []
-            episodes(session, box, LIFETIMES * JOB_TIMEOUT_S, ready)
-            assert all(ready)
-        except BaseException as exc:
-            errors.append(exc)
+        ready: List[bool] = []
+        episodes(session, box, LIFETIMES * JOB_TIMEOUT_S, ready)
+        assert all(ready)
 
-    threads = [threading.Thread(target=work, args=pair) for pair in zip(boxes, sessions)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    assert errors == []
+    assert in_each_slot(boxes, sessions, work) == []
     assert len(emu.jobs) >= 6 and timed_out(emu) == []  # two renewals of the group of 2
     assert len({tuple(box.job_ids) for box in boxes}) == 1  # one group for all
     for session in sessions:
