@@ -10,7 +10,7 @@ first).
 
 The shape, top to bottom: an `http.server.ThreadingHTTPServer` whose connections run on a pool of
 worker threads (at most MAX_WORKERS; past that a new connection is answered `503 proxy-busy`). A
-worker reads each request on its connection with one strict parser (`_Handler.parse_request`),
+worker reads each request on its connection with one strict parser (`_Handler._read_request`),
 forwards it over a keep-alive connection from the upstream host's pool (plain TCP, or an
 `ssl.SSLSocket`) and streams the answer back. A WebSocket upgrade is replayed to the upstream on a
 connection of its own; once it is answered 101, the session is a tunnel of two threads, one per
@@ -29,7 +29,6 @@ import functools
 import http.client
 import http.server
 import importlib
-import io
 import ipaddress
 import json
 import logging
@@ -220,7 +219,7 @@ _REQUEST_LINE_RE = re.compile(r"([^ ]*) ([^ ]*) (HTTP/1\.[0-9])")
 # unless the method is CONNECT), so only other lines need that check.
 _ORIGIN_REQUEST_LINE_RE = re.compile(
     r"([!#$%&'*+\-.^_`|~0-9A-Za-z]+) (/[\x21-\x7e]*) (HTTP/1\.[0-9])")
-# One request header line: a token name, a colon, the rest of the line up to its LF (parse_request
+# One request header line: a token name, a colon, the rest of the line up to its LF (_read_request
 # drops the CRs before the LF, then the blanks around the value). A value may hold any character
 # but LF here; control characters in it are refused when the request is dispatched
 # (_header_refusal).
@@ -1273,14 +1272,43 @@ def _no_live_replica_refusal(total: int, failed: List[Dict[str, object]]) -> Ref
                    body={"replicas": total, "failed": failed})
 
 
-def _request_line_fault(line: str) -> Tuple[int, str]:
-    """Why a request line does not match _REQUEST_LINE_RE: (status, a sentence for the client)."""
+def _request_line_fault(line: str) -> Refusal:
+    """Why a request line does not match _REQUEST_LINE_RE, for the client."""
     parts = line.split(" ")
     if len(parts) != 3:
-        return 400, "The request line must be 'METHOD /target HTTP/1.1'."
+        return Refusal(400, "bad-request", "The request line must be 'METHOD /target HTTP/1.1'.")
     if not _VERSION_RE.match(parts[2]):
-        return 400, "The request line must end with an HTTP version like HTTP/1.1."
-    return 505, "Only HTTP/1.0 and HTTP/1.1 are supported."
+        return Refusal(400, "bad-request",
+                       "The request line must end with an HTTP version like HTTP/1.1.")
+    return Refusal(505, "http-version-not-supported", "Only HTTP/1.0 and HTTP/1.1 are supported.")
+
+
+def _head_end(buf: bytes, start: int) -> int:
+    """Just past the blank line ending the header block that starts at `start` in `buf`, just after
+    an LF (lines end in CRLF or a bare LF: whichever blank line comes first), or -1."""
+    crlf = buf.find(b"\n\r\n", start - 1)
+    lf = buf.find(b"\n\n", start - 1, len(buf) if crlf < 0 else crlf + 1)
+    return lf + 2 if lf >= 0 else crlf + 3 if crlf >= 0 else -1
+
+
+def _header_limit_fault(buf: bytes, start: int, eof: bool) -> Optional[Refusal]:
+    """What a line-by-line reading of the header block from `start` meets before the block ends: a
+    limit broken or (at `eof`) a head cut short, each named after the first malformed line before
+    it (`_head_fault`); None while the block may still end within the limits."""
+    lines: List[bytes] = []
+    budget = MAX_HEADER_BYTES
+    while True:
+        end = buf.find(b"\n", start, start + MAX_HEADER_BYTES + 1)
+        line = buf[start:end + 1 if end >= 0 else start + MAX_HEADER_BYTES + 1]
+        if end < 0 and len(line) <= MAX_HEADER_BYTES and not eof:
+            return None
+        budget -= len(line)
+        if budget >= 0 and line in (b"\r\n", b"\n"):
+            return None  # (a whole head within the limits: not a fault)
+        if budget < 0 or end < 0 or len(lines) == MAX_HEADERS:
+            return _head_fault(lines, line, budget)
+        lines.append(line)
+        start = end + 1
 
 
 def _head_fault(lines: List[bytes], last: bytes, budget: int) -> Refusal:
@@ -1780,61 +1808,6 @@ class _Server(http.server.ThreadingHTTPServer):
         return self.workers.threads()
 
 
-class _ClientReader(io.RawIOBase):
-    """Raw reader over the client socket that enforces a total deadline on the request head.
-
-    The first byte of a request may take up to the idle timeout; once it arrives, the rest of the
-    head must arrive within the header timeout, however slowly the client drips it."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-        self._header_timeout: Optional[float] = None
-        self._deadline: Optional[float] = None
-        self._timeout: Optional[float] = -1.0  # what the socket is set to (-1: unknown)
-        self._stopped = False
-
-    def readable(self) -> bool:
-        return True
-
-    def head_phase(self, idle_timeout: float, header_timeout: float) -> None:
-        self._header_timeout, self._deadline = header_timeout, None
-        if idle_timeout != self._timeout:
-            self._set_timeout(idle_timeout)
-
-    def body_phase(self, timeout: Optional[float]) -> None:
-        self._header_timeout = self._deadline = None
-        if timeout != self._timeout:
-            self._set_timeout(timeout)
-
-    def stop(self) -> None:
-        """Make every later raw read answer "no more" without touching the socket, so the buffered
-        reader above gives up only what it already holds (see `_Handler._take_buffered`)."""
-        self._stopped = True
-
-    def _set_timeout(self, timeout: Optional[float]) -> None:
-        # Setting a timeout costs system calls every time: skip it when nothing changes (the common
-        # keep-alive case, where head and body phases use the same idle timeout).
-        if timeout != self._timeout:
-            _set_socket_timeout(self._sock, timeout)
-            self._timeout = timeout
-
-    def readinto(self, buffer: Any) -> int:
-        if self._stopped:
-            return 0
-        if self._deadline is not None:
-            remaining = self._deadline - time.monotonic()
-            if remaining <= 0:
-                raise socket.timeout("request head not complete in time")
-            self._set_timeout(remaining)
-        try:
-            n = self._sock.recv_into(buffer)
-        except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
-            raise socket.timeout("timed out") from None
-        if self._header_timeout is not None and self._deadline is None:
-            self._deadline = time.monotonic() + self._header_timeout
-        return n
-
-
 class _RequestHeaders:
     """A request's header fields in order, looked up by case-insensitive name: what the forwarding
     and a `route_request` hook read (`get`, `get_all`, `items`, `in`, `[name]`, as on an
@@ -1899,30 +1872,9 @@ class _RequestHeaders:
         return self._tokens
 
 
-class _SocketWriter(io.BufferedIOBase):
-    """Unbuffered writes straight to the socket (what StreamRequestHandler does with wbufsize=0)."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        try:
-            self._sock.sendall(data)
-        except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
-            raise socket.timeout("timed out") from None
-        return len(data)  # (bytes: every writer here passes bytes)
-
-
 # Header values must not carry control characters (names were checked while parsing).
 _BAD_VALUE_REFUSAL = Refusal(400, "bad-header",
                              "A request header value contains control characters.")
-
-_ERROR_KINDS = {400: "bad-request", 408: "request-timeout", 414: "request-line-too-long",
-                431: "headers-too-large", 501: "not-implemented", 505: "http-version-not-supported"}
-
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     """Parses one client connection's requests and forwards each (or tunnels a WebSocket
@@ -1956,83 +1908,69 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:  # pragma: no cover - not every socket family supports it
             pass
-        self._reader = _ClientReader(self.connection)
-        self.rfile = io.BufferedReader(self._reader, IO_CHUNK)
-        self.wfile = _SocketWriter(self.connection)
+        # What the client sent past the requests read so far (the socket is read directly, never
+        # through a file object, so these bytes are never hidden in one: a tunnel takes them).
+        self._buf = b""
+        self._timeout: Optional[float] = self.proxy.idle_timeout_s  # the socket's, now
+        _set_socket_timeout(self.connection, self._timeout)
 
     def finish(self) -> None:
-        try:
-            self.rfile.close()
-        except (OSError, ValueError):
-            pass
+        """Nothing to flush: every answer goes straight to the socket."""
 
     def handle(self) -> None:
-        self.handle_one_request()
-        while not self.close_connection and not self.proxy._stopping:
-            self.handle_one_request()
-
-    def handle_one_request(self) -> None:
-        self.close_connection = True
-        self._reader.head_phase(self.proxy.idle_timeout_s, self.proxy.header_timeout_s)
+        """The connection's keep-alive loop: read a request, answer it, until either side ends
+        the connection or the proxy stops."""
         try:
-            if self.parse_request():
-                self._reader.body_phase(self.proxy.idle_timeout_s)
+            while self._read_request():
                 self._dispatch()
+                if self.close_connection or self.proxy._stopping:
+                    return
         except (socket.timeout, TimeoutError):
             log.debug("proxy: client connection timed out; closing it")
-            self.close_connection = True
         except (ConnectionError, OSError, ValueError) as exc:
             log.debug("proxy: client connection ended (%s)", type(exc).__name__)
-            self.close_connection = True
 
-    def parse_request(self) -> bool:
-        """Read and parse the request line and header section; on bad input answer it and return
-        False (False too, silently, when the client closed before a request).
+    def _read_request(self) -> bool:
+        """Read the next request head and parse it into `command`, `path`, `request_version`,
+        `headers` and `close_connection`; False when the client closed first, or once a malformed
+        head was answered.
 
-        Replaces the stdlib's parser, which runs the email package, accepts HTTP/0.9, and silently
-        ends the header section at the first malformed line, dropping the headers after it. This one
-        is strict (RFC 9112): one space between the three request-line parts, `Name: value` lines
-        with a token name, no obs-fold, bounded sizes. One match of the request line, one split of
-        the header block; `_head_fault` names what is wrong when either fails.
-        """
+        Strict (RFC 9112), unlike the stdlib's parser, which accepts HTTP/0.9 and silently ends the
+        header section at its first malformed line: one space between the request line's three
+        parts, `Name: value` lines with a token name, no obs-fold, bounded sizes. A head the buffer
+        holds whole (the usual case) takes one match of its request line and one split of its
+        header block; `_await_head` waits for the rest of any other, naming a fault on the way."""
         self.command, self.request_version, self.close_connection = "", "HTTP/1.1", True
-        self.raw_requestline = raw = self.rfile.readline(MAX_REQUEST_LINE + 1)
-        if not raw:
-            return False
-        if len(raw) > MAX_REQUEST_LINE:
-            self.requestline = ""
-            self.send_error(414, "The request line is longer than %d bytes." % MAX_REQUEST_LINE)
-            return False
-        self.requestline = raw.decode("latin-1").rstrip("\r\n")
-        match = _ORIGIN_REQUEST_LINE_RE.fullmatch(self.requestline)
+        buf = self._buf
+        if not buf:
+            buf = self._buf = self._recv()
+            if not buf:
+                return False
+        eol = buf.find(b"\n", 0, MAX_REQUEST_LINE + 1)
+        end = _head_end(buf, eol + 1) if eol >= 0 else -1
+        if end < 0 or end - eol > MAX_HEADER_BYTES + 1 or (
+                buf.count(b"\n", eol + 1, end) > MAX_HEADERS + 1):
+            got = self._await_head()
+            if got is None:
+                return False
+            buf, eol, end = got
+        line = buf[:eol].decode("latin-1").rstrip("\r")
+        match = _ORIGIN_REQUEST_LINE_RE.fullmatch(line)
         self._odd_target = match is None
         if match is None:
-            match = _REQUEST_LINE_RE.fullmatch(self.requestline)
-        if match is None:
-            self.send_error(*_request_line_fault(self.requestline))
-            return False
-        self.command, self.path, self.request_version = match.groups()
-        # The header block, through its blank line: taken whole when the buffer holds it (the usual
-        # case), else line by line.
-        buffered = self.rfile.peek(1)
-        if buffered[:1] == b"\n" or buffered[:2] == b"\r\n":
-            end = 1 if buffered[0] == 10 else 2
-        else:
-            crlf = buffered.find(b"\n\r\n", 0, MAX_HEADER_BYTES)
-            lf = buffered.find(b"\n\n", 0, MAX_HEADER_BYTES if crlf < 0 else crlf + 1)
-            end = lf + 2 if lf >= 0 else crlf + 3 if crlf >= 0 else -1
-        if 0 < end <= MAX_HEADER_BYTES and buffered.count(b"\n", 0, end) <= MAX_HEADERS + 1:
-            block = self.rfile.read(end)
-        else:
-            block = self._read_header_lines()
-            if block is None:
+            match = _REQUEST_LINE_RE.fullmatch(line)
+            if match is None:
+                self._refuse_head(_request_line_fault(line))
                 return False
+        self.command, self.path, self.request_version = match.groups()
+        block = buf[eol + 1:end]
+        self._buf = buf[end:]
         text = block[:-2 if block.endswith(b"\r\n") else -1].decode("latin-1")
         # [gap, name, value, gap, name, value, ..., gap]: each gap is empty if each line is a field.
         parts = _HEADER_LINE_RE.split(text)
         if any(parts[::3]):
             lines = [line + b"\n" for line in text.encode("latin-1").split(b"\n")[:-1]]
-            self._refuse(_head_fault(lines, b"\n", 0), close=True)
+            self._refuse_head(_head_fault(lines, b"\n", 0))
             return False
         # Each value without the CRs before its LF, then the blanks around it: one strip when every
         # CR is in a CRLF (no value holds one but at its end).
@@ -2049,31 +1987,112 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.request_version == "HTTP/1.0" and "keep-alive" not in tokens)
         if ("expect" in headers._lowered and self.request_version == "HTTP/1.1"
                 and str(headers.get("Expect")).lower() == "100-continue"):
-            return self.handle_expect_100()
+            self._send(b"HTTP/1.1 100 Continue\r\n\r\n")
         return True
 
-    def _read_header_lines(self) -> Optional[bytes]:
-        """The header block line by line, for one the buffer does not hold whole (sent in pieces, or
-        refused): through its blank line, or None once the fault was answered."""
-        lines: List[bytes] = []
-        budget = MAX_HEADER_BYTES
+    def _await_head(self) -> Optional[Tuple[bytes, int, int]]:
+        """Receive until the buffer holds a whole request head within the limits: (buffer, its
+        request line's end, the head's end). A request line or header block that breaks a rule or
+        a limit is answered as a line-by-line reading would meet it, and None returned (None too
+        when the client closed before a request). Once the head's first byte is in, the rest must
+        come within header_timeout_s, however slowly the client drips it."""
+        deadline = None
         while True:
-            line = self.rfile.readline(MAX_HEADER_BYTES + 1)
-            budget -= len(line)
-            if budget >= 0 and (line == b"\r\n" or line == b"\n"):
-                return b"".join(lines) + line
-            if budget < 0 or not line.endswith(b"\n") or len(lines) == MAX_HEADERS:
-                self._refuse(_head_fault(lines, line, budget), close=True)
-                return None
-            lines.append(line)
+            buf = self._buf
+            eol = buf.find(b"\n", 0, MAX_REQUEST_LINE + 1)
+            if eol < 0 and len(buf) > MAX_REQUEST_LINE:
+                return self._refuse_head(Refusal(
+                    414, "request-line-too-long",
+                    "The request line is longer than %d bytes." % MAX_REQUEST_LINE))
+            if eol >= 0:
+                line = buf[:eol].decode("latin-1").rstrip("\r")
+                if not _REQUEST_LINE_RE.fullmatch(line):
+                    return self._refuse_head(_request_line_fault(line))
+                end = _head_end(buf, eol + 1)
+                if 0 <= end and end - eol <= MAX_HEADER_BYTES + 1 and (
+                        buf.count(b"\n", eol + 1, end) <= MAX_HEADERS + 1):
+                    if self._timeout != self.proxy.idle_timeout_s:
+                        self._set_timeout(self.proxy.idle_timeout_s)
+                    return buf, eol, end
+                fault = _header_limit_fault(buf, eol + 1, eof=False)
+                if fault is not None:
+                    return self._refuse_head(fault)
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + self.proxy.header_timeout_s
+            elif now >= deadline:
+                raise socket.timeout("request head not complete in time")
+            self._set_timeout(deadline - now)
+            data = self._recv()
+            if not data:
+                if not buf:
+                    return None
+                if eol < 0:
+                    line = buf.decode("latin-1").rstrip("\r")
+                    if not _REQUEST_LINE_RE.fullmatch(line):
+                        return self._refuse_head(_request_line_fault(line))
+                    return self._refuse_head(_head_fault([], buf[:0], 0))
+                return self._refuse_head(_header_limit_fault(buf, eol + 1, eof=True))
+            self._buf = buf + data
 
-    def send_error(self, code: int, message: Optional[str] = None,
-                   explain: Optional[str] = None) -> None:
-        """Malformed requests (found by the stdlib parser) get the same JSON shape as other
-        refusals."""
-        self.close_connection = True
-        text = message or explain or http.HTTPStatus(code).phrase
-        self._refuse(Refusal(code, _ERROR_KINDS.get(code, "bad-request"), text), close=True)
+    def _refuse_head(self, refusal: Optional[Refusal]) -> None:
+        """Answer a malformed head (and close: what follows it cannot be trusted)."""
+        self._refuse(refusal or _head_fault([], b"", 0), close=True)
+
+    def _recv(self) -> bytes:
+        """One read of the client socket (b"" when it closed)."""
+        try:
+            return self.connection.recv(IO_CHUNK)
+        except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
+            raise socket.timeout("timed out") from None
+
+    def _send(self, data: bytes) -> None:
+        try:
+            self.connection.sendall(data)
+        except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
+            raise socket.timeout("timed out") from None
+
+    def _set_timeout(self, timeout: Optional[float]) -> None:
+        _set_socket_timeout(self.connection, timeout)
+        self._timeout = timeout
+
+    def _take(self, size: int, exact: bool = True) -> bytes:
+        """The next `size` bytes of the request body: buffered ones, then as many reads as are
+        missing. Fewer only if `exact` is False and the client closed first (else that is a
+        _ClientBodyError)."""
+        buf = self._buf
+        while len(buf) < size:
+            data = self._recv()
+            if not data:
+                if exact:
+                    raise _ClientBodyError("the client closed the connection before sending the "
+                                           "whole body")
+                break
+            buf += data
+        self._buf = buf[size:]
+        return buf[:size]
+
+    def _take_some(self, limit: int) -> bytes:
+        """Up to `limit` bytes: the buffered ones, else one read (b"" when the client closed)."""
+        buf = self._buf or self._recv()
+        self._buf = buf[limit:]
+        return buf[:limit]
+
+    def _take_line(self, limit: int) -> bytes:
+        """One line through its LF, or `limit` bytes of one that is longer, or what came before
+        the client closed (what `readline(limit)` answers)."""
+        buf = self._buf
+        while True:
+            end = buf.find(b"\n", 0, limit)
+            if end >= 0 or len(buf) >= limit:
+                end = end + 1 if end >= 0 else limit
+                self._buf = buf[end:]
+                return buf[:end]
+            data = self._recv()
+            if not data:
+                self._buf = b""
+                return buf
+            buf += data
 
     def log_message(self, format: str, *args: object) -> None:
         # Request lines carry the route id (a secret): DEBUG only.
@@ -2086,15 +2105,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         body = json.dumps(fields).encode()
         if close:
             self.close_connection = True
-        if not getattr(self, "request_version", "") or self.request_version == "HTTP/0.9":
-            self.request_version = "HTTP/1.1"
         headers = list(refusal.headers)
         if refusal.proxy_error:
             headers.append(("X-Proxy-Error", refusal.kind))
         headers += [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
         if self.close_connection:
             headers.append(("Connection", "close"))
-        if getattr(self, "command", "") == "HEAD":
+        if self.command == "HEAD":
             body = b""
         self._send_head(refusal.status, None, headers, body)
 
@@ -2108,7 +2125,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         fields = "\r\n".join(map(": ".join, headers))
         head = "HTTP/1.1 %d %s\r\n%s\r\n\r\n" % (status, reason, fields) if fields else (
             "HTTP/1.1 %d %s\r\n\r\n" % (status, reason))
-        self.wfile.write(head.encode("latin-1") + body)
+        self._send(head.encode("latin-1") + body)
 
     # -- dispatch
     # -----------------------------------------------------------------------------------
@@ -2215,7 +2232,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         error."""
         remaining = size
         while remaining:
-            data = self.rfile.read1(min(IO_CHUNK, remaining))
+            data = self._take_some(min(IO_CHUNK, remaining))
             if not data:
                 raise _ClientBodyError("the client closed the connection " + where)
             remaining -= len(data)
@@ -2238,7 +2255,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             yield from self._body_piece(length, "before sending the whole body")
         elif kind == "chunked":
             while True:
-                line = self.rfile.readline(MAX_CHUNK_LINE + 1)
+                line = self._take_line(MAX_CHUNK_LINE + 1)
                 if len(line) > MAX_CHUNK_LINE or not line.endswith(b"\n"):
                     raise _ClientBodyError("malformed chunked body: bad chunk-size line")
                 size_text = line.split(b";", 1)[0].strip()
@@ -2249,12 +2266,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 if size == 0:
                     break
                 yield from self._body_piece(size, "in the middle of a chunk")
-                if self.rfile.read(2) not in (b"\r\n",):
+                if self._take(2, exact=False) != b"\r\n":
                     raise _ClientBodyError("malformed chunked body: chunk data not followed by "
                                            "CRLF")
             trailer_bytes = 0
             while True:  # trailers are read and dropped
-                line = self.rfile.readline(MAX_CHUNK_LINE + 1)
+                line = self._take_line(MAX_CHUNK_LINE + 1)
                 trailer_bytes += len(line)
                 if not line.endswith(b"\n") or trailer_bytes > MAX_HEADER_BYTES:
                     raise _ClientBodyError("malformed chunked body: bad or oversized trailer "
@@ -2290,13 +2307,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return b"", iter(())
         if kind == "length" and length <= REPLAYABLE_BODY_BYTES:
             try:
-                body = self.rfile.read(length)
+                return self._take(length), iter(())
             except (OSError, ValueError) as exc:
                 raise _client_body_error(exc) from None
-            if len(body) < length:
-                raise _ClientBodyError("the client closed the connection before sending the whole "
-                                       "body")
-            return body, iter(())
         body_iter = self._body_chunks(framing)
         buffered: List[bytes] = []
         size = 0
@@ -2469,9 +2482,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     headers.append(("Connection", "close"))
                 self._send_head(answer.status, answer.reason, headers, prefix)
             elif self.close_connection:
-                self.wfile.write(answer.raw[:-2] + b"Connection: close\r\n\r\n" + prefix)
+                self._send(answer.raw[:-2] + b"Connection: close\r\n\r\n" + prefix)
             else:
-                self.wfile.write(answer.raw + prefix)
+                self._send(answer.raw + prefix)
         except OSError:
             if not whole:
                 on_done(False)
@@ -2493,13 +2506,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if not data:
                 break
             try:
-                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if mode == "chunked" else data)
+                self._send(b"%x\r\n%s\r\n" % (len(data), data) if mode == "chunked" else data)
             except OSError:
                 on_done(False)
                 raise
         if mode == "chunked":
             try:
-                self.wfile.write(b"0\r\n\r\n")
+                self._send(b"0\r\n\r\n")
             except OSError:
                 on_done(False)
                 raise
@@ -2638,7 +2651,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
     def _take_buffered(self) -> bytes:
-        return _drain_buffered(self.rfile, self._reader)
+        """What the client sent past the upgrade request (frames sent right behind it)."""
+        data, self._buf = self._buf, b""
+        return data
 
     def _finish_upgrade(self, route: Route, tunnel: "_Tunnel", head: bytes, extra: bytes,
                         status: int) -> None:
@@ -2667,7 +2682,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self._refuse(_busy_refusal(), close=True)
                 return
             try:
-                self._reader.body_phase(None)  # blocking from here on: a session lasts as it likes
+                self._set_timeout(None)  # blocking from here on: a session lasts as it likes
                 stream.settimeout(None)
                 tunnel.opened = True
                 self.connection.sendall(head + extra)
@@ -2678,21 +2693,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             tunnel.close()  # (a no-op after run(); else it frees the upstream->client worker)
             route._remove_tunnel(tunnel)
             stream.close()
-
-
-def _drain_buffered(rfile: io.BufferedReader, reader: _ClientReader) -> bytes:
-    """What the client sent past the upgrade request that `rfile` already buffered (frames sent
-    right behind the request), then close it: its 64 KiB buffer is freed and the tunnel reads the
-    socket."""
-    reader.stop()
-    chunks = []
-    while True:
-        chunk = rfile.read1(IO_CHUNK)  # buffered bytes only: the stopped raw reader answers b""
-        if not chunk:
-            break
-        chunks.append(chunk)
-    rfile.close()
-    return b"".join(chunks)
 
 
 def _prepend(first: bytes, rest: Iterable[bytes]) -> Iterator[bytes]:

@@ -95,16 +95,22 @@ def _line_by_line(data: bytes) -> Parsed:
 
 
 def _parsed(data: bytes) -> Parsed:
-    """What the proxy's parser makes of `data` (no server, no socket: only parsing runs)."""
+    """What the proxy's parser makes of `data`, sent whole and then ended on a real socket (no
+    server: only the reading and parsing of one request head run)."""
     handler = proxy._Handler.__new__(proxy._Handler)
-    handler.rfile = io.BufferedReader(io.BytesIO(data), proxy.IO_CHUNK)  # type: ignore[arg-type]
-    handler.wfile = io.BytesIO()  # type: ignore[assignment]
-    if handler.parse_request():
-        answered = handler.wfile.getvalue()
-        assert answered in (b"", b"HTTP/1.1 100 Continue\r\n\r\n"), answered
-        return (handler.command, handler.path, handler.request_version, handler.headers.items(),
-                handler.close_connection, handler.rfile.read())
-    answer = handler.wfile.getvalue()
+    client, server = socket.socketpair()
+    with client, server:
+        handler.connection, handler._buf, handler._timeout = server, b"", None
+        handler.proxy = AuthProxy()  # (only its timeouts are read)
+        client.sendall(data)
+        client.shutdown(socket.SHUT_WR)
+        parsed = handler._read_request()
+        server.shutdown(socket.SHUT_WR)
+        answer = support.read_to_eof(client)
+        if parsed:
+            assert answer in (b"", b"HTTP/1.1 100 Continue\r\n\r\n"), answer
+            return (handler.command, handler.path, handler.request_version, handler.headers.items(),
+                    handler.close_connection, handler._buf + support.read_to_eof(server))
     kind = re.search(rb"\r\nX-Proxy-Error: ([^\r]+)\r\n", answer)
     assert handler.close_connection and kind is not None, answer
     return int(answer.split(b" ", 2)[1]), kind.group(1).decode()
