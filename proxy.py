@@ -2117,15 +2117,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _send_head(self, status: int, reason: Optional[str], headers: List[Tuple[str, str]],
                    body: bytes = b"") -> None:
-        """Send a response head and a small body in one write: one syscall, one TCP segment. Built
-        here rather than with send_response_only/send_header, whose buffer is a private
-        attribute."""
+        """Send a response head and a small body in one write: one syscall, one TCP segment."""
         if reason is None:
             reason = self.responses.get(status, ("",))[0]
-        fields = "\r\n".join(map(": ".join, headers))
-        head = "HTTP/1.1 %d %s\r\n%s\r\n\r\n" % (status, reason, fields) if fields else (
-            "HTTP/1.1 %d %s\r\n\r\n" % (status, reason))
-        self._send(head.encode("latin-1") + body)
+        self._send(_head_bytes(status, reason, headers) + body)
 
     # -- dispatch
     # -----------------------------------------------------------------------------------
@@ -2281,33 +2276,30 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _forward(self, route: Route, target: str, token: Optional[str],
                  framing: Tuple[str, int]) -> None:
+        """Forward one HTTP request on a pooled (or fresh) upstream connection and relay the
+        answer."""
         method = self.command
-        headers = _upstream_request_headers(self.headers, route, token, self._route_headers)
-        lines = _request_lines(method, target, headers)
+        lines = _request_lines(method, target, _upstream_request_headers(
+            self.headers, route, token, self._route_headers))
         try:
-            body, body_iter = self._buffered_body(framing)
+            body, rest = self._buffered_body(framing)
         except _ClientBodyError as exc:
             self._refuse(_client_body_refusal(exc, self.proxy.idle_timeout_s), close=True)
             return
         exchange = self._exchange(route, method, lines.encode("latin-1"), body,
-                                  framing[0] != "none", body_iter)
-        if exchange is None:
-            return
-        conn, answer, sent_all = exchange
-        self._relay_response(route, conn.reader, answer,
-                             on_done=lambda reusable: route._checkin(conn, reusable and sent_all))
+                                  framing[0] != "none", rest)
+        if exchange is not None:
+            conn, answer, sent_all = exchange
+            self._relay_response(route, conn.reader, answer, conn, sent_all)
 
-    def _buffered_body(self, framing: Tuple[str, int]) -> Tuple[bytes, Iterator[bytes]]:
+    def _buffered_body(self, framing: Tuple[str, int]) -> Tuple[bytes, Optional[Iterator[bytes]]]:
         """The request body's first bytes, all of it if it is at most REPLAYABLE_BODY_BYTES (then it
-        can be replayed on a retry), and an iterator over the rest. A Content-Length body that small
-        (every OpenEnv action) is one buffered read, without the generators a streamed body
-        needs."""
+        can be replayed on a retry), and an iterator over the rest (None: nothing more). A
+        Content-Length body that small (every OpenEnv action) is taken in one piece."""
         kind, length = framing
-        if kind == "none":
-            return b"", iter(())
-        if kind == "length" and length <= REPLAYABLE_BODY_BYTES:
+        if kind != "chunked" and length <= REPLAYABLE_BODY_BYTES:
             try:
-                return self._take(length), iter(())
+                return self._take(length), None
             except (OSError, ValueError) as exc:
                 raise _client_body_error(exc) from None
         body_iter = self._body_chunks(framing)
@@ -2318,10 +2310,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             size += len(chunk)
             if size > REPLAYABLE_BODY_BYTES:
                 return b"".join(buffered), body_iter
-        return b"".join(buffered), iter(())
+        return b"".join(buffered), None
 
     def _exchange(self, route: Route, method: str, lines: bytes, body: bytes, has_body: bool,
-                  rest: Iterable[bytes]) -> Optional[Tuple[_UpstreamConnection, _Answer, bool]]:
+                  rest: Optional[Iterable[bytes]]
+                  ) -> Optional[Tuple[_UpstreamConnection, _Answer, bool]]:
         """Send the request (`lines`: its head without framing header and blank line, encoded as
         latin-1, as it was parsed; `body`, then `rest`) on a pooled (or fresh) connection, retrying
         once on a fresh one as _may_retry allows, and read its final answer head (interim ones are
@@ -2349,7 +2342,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                             conn._sendall(head + body)
                             sent_all = True
                         else:
-                            pieces = iter((body,)) if replayable else _prepend(body, rest)
+                            pieces = iter((body,)) if rest is None else _prepend(body, rest)
                             sent_all = conn.send_request(head, pieces, chunked=not replayable)
                     except (socket.timeout, TimeoutError):
                         raise
@@ -2439,84 +2432,85 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if self._watched is not None:
             self._watched.watch = None
 
-    def _answer_body_failed(self, route: Route, exc: BaseException) -> None:
-        """Answer the client when reading a small answer's body (before its head was relayed)
-        failed."""
-        refusal = _classify_upstream_error(exc, route)
-        log.warning("proxy: %s: %s while reading the response body", route.label, refusal.kind)
-        self._refuse(refusal, close=True)
-
     def _relay_response(self, route: Route, reader: _UpstreamReader, answer: _Answer,
-                        on_done: Callable[[bool], None]) -> None:
-        """Stream the upstream answer to the client as it arrives; Content-Encoding untouched.
+                        conn: Optional[_UpstreamConnection] = None, sent_all: bool = False) -> None:
+        """Relay the upstream's answer; Content-Encoding untouched. `conn` (if the answer came on a
+        pooled connection) goes back to the pool once the answer is read, reusable if `sent_all`.
 
-        Bodies keep their Content-Length; chunked and close-delimited ones are re-chunked for
-        HTTP/1.1 clients (so the client connection stays open) and close-delimited for HTTP/1.0
-        ones."""
-        mode = answer.mode
-        if answer.raw is None:
-            headers = _response_headers(answer.headers, answer.lowered,
-                                        answer.length if mode == "length" else None,
-                                        drop_length=mode not in ("length", "none"))
-        if mode not in ("length", "none"):
-            if self.request_version == "HTTP/1.0":
-                mode, self.close_connection = "close", True
-            else:
-                mode = "chunked"
-                headers.append(("Transfer-Encoding", "chunked"))
-        prefix = b""
-        if mode == "length" and answer.length <= SMALL_RESPONSE_BYTES:
-            try:
-                prefix = reader.read_exact(answer.length, "its response body")
-            except Exception as exc:
-                on_done(False)
-                self._answer_body_failed(route, exc)
-                return
-        whole = mode == "none" or (mode == "length" and answer.length <= SMALL_RESPONSE_BYTES)
-        # the answer is read: its connection goes back before the client can send its next request
-        if whole:
-            on_done(answer.keep_alive and not reader.buffered())
-        try:
-            if answer.raw is None:
-                if self.close_connection:
-                    headers.append(("Connection", "close"))
-                self._send_head(answer.status, answer.reason, headers, prefix)
-            elif self.close_connection:
-                self._send(answer.raw[:-2] + b"Connection: close\r\n\r\n" + prefix)
-            else:
-                self._send(answer.raw + prefix)
-        except OSError:
-            if not whole:
-                on_done(False)
-            raise
-        if whole:
+        A small answer with a length (the usual one) is read whole first, so its connection is back
+        in the pool before the client can send its next request, and sent in one write. Others
+        stream as they arrive (`_stream_answer`)."""
+        mode, length = answer.mode, answer.length
+        if mode == "none" or (mode == "length" and length <= SMALL_RESPONSE_BYTES):
+            body = b""
+            if length > 0:
+                try:
+                    body = reader.read_exact(length, "its response body")
+                except Exception as exc:
+                    if conn is not None:
+                        route._checkin(conn, False)
+                    refusal = _classify_upstream_error(exc, route)
+                    log.warning("proxy: %s: %s while reading the response body", route.label,
+                                refusal.kind)
+                    self._refuse(refusal, close=True)
+                    return
+            if conn is not None:
+                route._checkin(conn, sent_all and answer.keep_alive and not reader.buffered())
+            self._send(self._answer_head(answer, mode) + body)
             return
+        if mode != "length" and self.request_version == "HTTP/1.0":
+            mode, self.close_connection = "close", True
+        elif mode != "length":
+            mode = "chunked"
+        try:
+            complete = self._stream_answer(route, reader, answer, mode)
+        except BaseException:
+            if conn is not None:
+                route._checkin(conn, False)
+            raise
+        if conn is not None:
+            route._checkin(conn, complete and sent_all and answer.keep_alive
+                           and answer.mode != "close" and not reader.buffered())
+
+    def _answer_head(self, answer: _Answer, mode: str) -> bytes:
+        """The answer's head as the client gets it: as it came when nothing in it is dropped or
+        rewritten, else rebuilt without hop-by-hop fields and framed for `mode`."""
+        if answer.raw is not None:
+            if self.close_connection:
+                return answer.raw[:-2] + b"Connection: close\r\n\r\n"
+            return answer.raw
+        headers = _response_headers(answer.headers, answer.lowered,
+                                    answer.length if mode == "length" else None,
+                                    drop_length=answer.mode not in ("length", "none"))
+        if mode == "chunked":
+            headers.append(("Transfer-Encoding", "chunked"))
+        if self.close_connection:
+            headers.append(("Connection", "close"))
+        return _head_bytes(answer.status, answer.reason, headers)
+
+    def _stream_answer(self, route: Route, reader: _UpstreamReader, answer: _Answer,
+                       mode: str) -> bool:
+        """Send the head, then the body as it arrives: with its Content-Length, re-chunked for an
+        HTTP/1.1 client (so its connection stays open), or until the close for an HTTP/1.0 one.
+        False if the upstream failed once the head went out: the client's connection is then cut
+        (never a faked complete answer)."""
+        self._send(self._answer_head(answer, mode))
         body = _answer_body(reader, answer)
         while True:
             try:
                 data = next(body, b"")
             except Exception as exc:
-                # Headers already went out: never fake a complete response, cut the connection.
-                on_done(False)
                 what = exc.what if isinstance(exc, _BadResponse) else _failure_name(exc)
                 log.warning("proxy: %s: upstream failed mid-response (%s); closing the client "
                             "connection", route.label, what)
                 self.close_connection = True
-                return
+                return False
             if not data:
                 break
-            try:
-                self._send(b"%x\r\n%s\r\n" % (len(data), data) if mode == "chunked" else data)
-            except OSError:
-                on_done(False)
-                raise
+            self._send(b"%x\r\n%s\r\n" % (len(data), data) if mode == "chunked" else data)
         if mode == "chunked":
-            try:
-                self._send(b"0\r\n\r\n")
-            except OSError:
-                on_done(False)
-                raise
-        on_done(answer.keep_alive and answer.mode != "close" and not reader.buffered())
+            self._send(b"0\r\n\r\n")
+        return True
 
     # -- WebSocket tunnel
     # ---------------------------------------------------------------------------
@@ -2669,7 +2663,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 reader = _UpstreamReader(stream.recv, head + extra)
                 try:
                     answer = _parse_answer(reader.read_head(first=True), "GET")
-                    self._relay_response(route, reader, answer, on_done=lambda reusable: None)
+                    self._relay_response(route, reader, answer)
                 except _BadResponse as exc:
                     self._refuse(_classify_upstream_error(exc, route), close=True)
                 return
@@ -2693,6 +2687,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             tunnel.close()  # (a no-op after run(); else it frees the upstream->client worker)
             route._remove_tunnel(tunnel)
             stream.close()
+
+
+def _head_bytes(status: int, reason: str, headers: List[Tuple[str, str]]) -> bytes:
+    """A response head: the status line, the header lines and the blank line."""
+    fields = "".join(["%s: %s\r\n" % pair for pair in headers])
+    return ("HTTP/1.1 %d %s\r\n%s\r\n" % (status, reason, fields)).encode("latin-1")
 
 
 def _prepend(first: bytes, rest: Iterable[bytes]) -> Iterator[bytes]:
