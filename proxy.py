@@ -192,9 +192,6 @@ _BAD_VALUE_CHAR_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 _CONTROL_BYTES = bytes(range(0, 9)) + b"\x0b\x0c" + bytes(range(14, 32)) + b"\x7f"
 _VERSION_RE = re.compile(r"^HTTP/[0-9]\.[0-9]$")
 _STATUS_LINE_RE = re.compile(rb"^HTTP/1\.[01] (\d{3})(?: |\r?$)")
-# The response fields that say how the body is delimited and whether the connection stays open.
-_FRAMING_FIELDS = frozenset(["content-length", "transfer-encoding", "connection"])
-_LENGTH_ONLY = frozenset(["content-length"])
 _RESPONSE_LINE_RE = re.compile(r"^HTTP/1\.([01]) ([0-9]{3})(?: (.*))?$")
 # One response header line: a token name, a colon, the value after its leading blanks (trailing ones
 # are relayed as sent: http.client keeps them) with no control character but tab, CRLF or LF.
@@ -210,9 +207,6 @@ _PLAIN_ANSWER_RE = re.compile(
 _REWRITTEN_FIELD_RE = re.compile(
     rb"\r\n(?:connection|keep-alive|proxy-connection|proxy-authenticate|proxy-authorization|te|"
     rb"trailer|transfer-encoding|upgrade):")
-# The same line in a head known to hold no control character, CR or LF but its CRLF line ends:
-# what _RESPONSE_FIELD_RE matches there, without testing each character of the value.
-_CRLF_FIELD_RE = re.compile(r"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*([^\r]*)\r\n")
 # A request line: three parts, one space apart (the target and method are checked when dispatched).
 _REQUEST_LINE_RE = re.compile(r"([^ ]*) ([^ ]*) (HTTP/1\.[0-9])")
 # The usual request line: a token method and an origin-form target (what _target_refusal would pass
@@ -1284,10 +1278,10 @@ def _request_line_fault(line: str) -> Refusal:
 
 
 def _head_end(buf: bytes, start: int) -> int:
-    """Just past the blank line ending the header block that starts at `start` in `buf`, just after
-    an LF (lines end in CRLF or a bare LF: whichever blank line comes first), or -1."""
-    crlf = buf.find(b"\n\r\n", start - 1)
-    lf = buf.find(b"\n\n", start - 1, len(buf) if crlf < 0 else crlf + 1)
+    """Just past the first blank line in `buf` that follows an LF at or after `start` (lines end
+    in CRLF or a bare LF: whichever blank line comes first), or -1."""
+    crlf = buf.find(b"\n\r\n", start)
+    lf = buf.find(b"\n\n", start, len(buf) if crlf < 0 else crlf + 1)
     return lf + 2 if lf >= 0 else crlf + 3 if crlf >= 0 else -1
 
 
@@ -1901,16 +1895,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._own_routing = type(self.proxy).route_request is AuthProxy.route_request
         # the last route known to be in proxy._seen_routes
         self._seen_route: Optional[AnyRoute] = None
-        # the connection whose answer is awaited
-        self._watched: Optional[_UpstreamConnection] = None
         self.connection = self.request
         try:
             self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:  # pragma: no cover - not every socket family supports it
             pass
-        # What the client sent past the requests read so far (the socket is read directly, never
-        # through a file object, so these bytes are never hidden in one: a tunnel takes them).
-        self._buf = b""
+        # The client's bytes past the requests read so far are in `_client.buf` (never hidden in a
+        # file object's buffer: a tunnel takes them).
+        self._client = _Reader(self._recv, _client_cut_short)
         self._timeout: Optional[float] = self.proxy.idle_timeout_s  # the socket's, now
         _set_socket_timeout(self.connection, self._timeout)
 
@@ -1941,13 +1933,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         holds whole (the usual case) takes one match of its request line and one split of its
         header block; `_await_head` waits for the rest of any other, naming a fault on the way."""
         self.command, self.request_version, self.close_connection = "", "HTTP/1.1", True
-        buf = self._buf
+        client = self._client
+        buf = client.buf
         if not buf:
-            buf = self._buf = self._recv()
+            buf = client.buf = self._recv()
             if not buf:
                 return False
         eol = buf.find(b"\n", 0, MAX_REQUEST_LINE + 1)
-        end = _head_end(buf, eol + 1) if eol >= 0 else -1
+        end = _head_end(buf, eol) if eol >= 0 else -1
         if end < 0 or end - eol > MAX_HEADER_BYTES + 1 or (
                 buf.count(b"\n", eol + 1, end) > MAX_HEADERS + 1):
             got = self._await_head()
@@ -1964,7 +1957,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 return False
         self.command, self.path, self.request_version = match.groups()
         block = buf[eol + 1:end]
-        self._buf = buf[end:]
+        client.buf = buf[end:]
         text = block[:-2 if block.endswith(b"\r\n") else -1].decode("latin-1")
         # [gap, name, value, gap, name, value, ..., gap]: each gap is empty if each line is a field.
         parts = _HEADER_LINE_RE.split(text)
@@ -1996,9 +1989,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         a limit is answered as a line-by-line reading would meet it, and None returned (None too
         when the client closed before a request). Once the head's first byte is in, the rest must
         come within header_timeout_s, however slowly the client drips it."""
-        deadline = None
+        deadline, client = None, self._client
         while True:
-            buf = self._buf
+            buf = client.buf
             eol = buf.find(b"\n", 0, MAX_REQUEST_LINE + 1)
             if eol < 0 and len(buf) > MAX_REQUEST_LINE:
                 return self._refuse_head(Refusal(
@@ -2008,7 +2001,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 line = buf[:eol].decode("latin-1").rstrip("\r")
                 if not _REQUEST_LINE_RE.fullmatch(line):
                     return self._refuse_head(_request_line_fault(line))
-                end = _head_end(buf, eol + 1)
+                end = _head_end(buf, eol)
                 if 0 <= end and end - eol <= MAX_HEADER_BYTES + 1 and (
                         buf.count(b"\n", eol + 1, end) <= MAX_HEADERS + 1):
                     if self._timeout != self.proxy.idle_timeout_s:
@@ -2033,13 +2026,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                         return self._refuse_head(_request_line_fault(line))
                     return self._refuse_head(_head_fault([], buf[:0], 0))
                 return self._refuse_head(_header_limit_fault(buf, eol + 1, eof=True))
-            self._buf = buf + data
+            client.buf = buf + data
 
     def _refuse_head(self, refusal: Optional[Refusal]) -> None:
         """Answer a malformed head (and close: what follows it cannot be trusted)."""
         self._refuse(refusal or _head_fault([], b"", 0), close=True)
 
-    def _recv(self) -> bytes:
+    def _recv(self, n: int = IO_CHUNK) -> bytes:
         """One read of the client socket (b"" when it closed)."""
         try:
             return self.connection.recv(IO_CHUNK)
@@ -2055,44 +2048,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _set_timeout(self, timeout: Optional[float]) -> None:
         _set_socket_timeout(self.connection, timeout)
         self._timeout = timeout
-
-    def _take(self, size: int, exact: bool = True) -> bytes:
-        """The next `size` bytes of the request body: buffered ones, then as many reads as are
-        missing. Fewer only if `exact` is False and the client closed first (else that is a
-        _ClientBodyError)."""
-        buf = self._buf
-        while len(buf) < size:
-            data = self._recv()
-            if not data:
-                if exact:
-                    raise _ClientBodyError("the client closed the connection before sending the "
-                                           "whole body")
-                break
-            buf += data
-        self._buf = buf[size:]
-        return buf[:size]
-
-    def _take_some(self, limit: int) -> bytes:
-        """Up to `limit` bytes: the buffered ones, else one read (b"" when the client closed)."""
-        buf = self._buf or self._recv()
-        self._buf = buf[limit:]
-        return buf[:limit]
-
-    def _take_line(self, limit: int) -> bytes:
-        """One line through its LF, or `limit` bytes of one that is longer, or what came before
-        the client closed (what `readline(limit)` answers)."""
-        buf = self._buf
-        while True:
-            end = buf.find(b"\n", 0, limit)
-            if end >= 0 or len(buf) >= limit:
-                end = end + 1 if end >= 0 else limit
-                self._buf = buf[end:]
-                return buf[:end]
-            data = self._recv()
-            if not data:
-                self._buf = b""
-                return buf
-            buf += data
 
     def log_message(self, format: str, *args: object) -> None:
         # Request lines carry the route id (a secret): DEBUG only.
@@ -2222,57 +2177,20 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     # -- HTTP forwarding
     # ----------------------------------------------------------------------------
 
-    def _body_piece(self, size: int, where: str) -> Iterator[bytes]:
-        """Yield exactly `size` body bytes as they arrive; the client closing first is a body
-        error."""
-        remaining = size
-        while remaining:
-            data = self._take_some(min(IO_CHUNK, remaining))
-            if not data:
-                raise _ClientBodyError("the client closed the connection " + where)
-            remaining -= len(data)
-            yield data
-
     def _body_chunks(self, framing: Tuple[str, int]) -> Iterator[bytes]:
         """Yield the client's request body as it arrives (Content-Length or chunked, de-chunked).
 
         The client's connection failing or stalling mid-body is a _ClientBodyError, never an
         OSError: while the body streams upstream, an OSError means the upstream dropped the
         connection."""
+        kind, length = framing
         try:
-            yield from self._client_body(framing)
+            if kind == "length":
+                yield from self._client.pieces(length, "before sending the whole body")
+            else:
+                yield from _dechunk(self._client, _client_malformed, MAX_HEADER_BYTES)
         except (OSError, ValueError) as exc:
             raise _client_body_error(exc) from None
-
-    def _client_body(self, framing: Tuple[str, int]) -> Iterator[bytes]:
-        kind, length = framing
-        if kind == "length":
-            yield from self._body_piece(length, "before sending the whole body")
-        elif kind == "chunked":
-            while True:
-                line = self._take_line(MAX_CHUNK_LINE + 1)
-                if len(line) > MAX_CHUNK_LINE or not line.endswith(b"\n"):
-                    raise _ClientBodyError("malformed chunked body: bad chunk-size line")
-                size_text = line.split(b";", 1)[0].strip()
-                if (not size_text or len(size_text) > 16
-                        or size_text.strip(b"0123456789abcdefABCDEF")):
-                    raise _ClientBodyError("malformed chunked body: chunk size is not hexadecimal")
-                size = int(size_text, 16)
-                if size == 0:
-                    break
-                yield from self._body_piece(size, "in the middle of a chunk")
-                if self._take(2, exact=False) != b"\r\n":
-                    raise _ClientBodyError("malformed chunked body: chunk data not followed by "
-                                           "CRLF")
-            trailer_bytes = 0
-            while True:  # trailers are read and dropped
-                line = self._take_line(MAX_CHUNK_LINE + 1)
-                trailer_bytes += len(line)
-                if not line.endswith(b"\n") or trailer_bytes > MAX_HEADER_BYTES:
-                    raise _ClientBodyError("malformed chunked body: bad or oversized trailer "
-                                           "section")
-                if line in (b"\r\n", b"\n"):
-                    break
 
     def _forward(self, route: Route, target: str, token: Optional[str],
                  framing: Tuple[str, int]) -> None:
@@ -2299,7 +2217,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         kind, length = framing
         if kind != "chunked" and length <= REPLAYABLE_BODY_BYTES:
             try:
-                return self._take(length), None
+                return self._client.read_exact(length, "before sending the whole body"), None
             except (OSError, ValueError) as exc:
                 raise _client_body_error(exc) from None
         body_iter = self._body_chunks(framing)
@@ -2352,7 +2270,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                         # closed: relay that.
                         pass
                     if sent_all:  # the client is watched while the upstream works on the request
-                        self._watched, conn.watch = conn, self._watch_client
+                        conn.watch = self.connection
                     reader = conn.reader
                     try:
                         answer = _parse_answer(reader.read_head(True), method)
@@ -2390,7 +2308,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
         return conn, answer, sent_all
 
-    def _final_answer(self, reader: _UpstreamReader, method: str, answer: _Answer) -> _Answer:
+    def _final_answer(self, reader: _Reader, method: str, answer: _Answer) -> _Answer:
         """After an interim (1xx) answer head: relay it to HTTP/1.1 clients, and the next ones (102,
         103, ...), until the final answer head, which is returned.
 
@@ -2416,23 +2334,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         except OSError:
             raise _ClientGone() from None
 
-    def _watch_client(self) -> None:
-        """What an upstream read calls each ANSWER_WATCH_S it waits (as the watch of `_watched`):
-        raise _ClientGone if the client hung up meanwhile (no thread and upstream connection held
-        for read_timeout_s on its behalf). A client that sent more bytes instead (a pipelined
-        request) is no longer watched."""
-        try:
-            peeked = self.connection.recv(1, _PEEK_NOW)
-        except BlockingIOError:
-            return
-        except OSError:
-            raise _ClientGone() from None
-        if not peeked:
-            raise _ClientGone()
-        if self._watched is not None:
-            self._watched.watch = None
-
-    def _relay_response(self, route: Route, reader: _UpstreamReader, answer: _Answer,
+    def _relay_response(self, route: Route, reader: _Reader, answer: _Answer,
                         conn: Optional[_UpstreamConnection] = None, sent_all: bool = False) -> None:
         """Relay the upstream's answer; Content-Encoding untouched. `conn` (if the answer came on a
         pooled connection) goes back to the pool once the answer is read, reusable if `sent_all`.
@@ -2445,7 +2347,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             body = b""
             if length > 0:
                 try:
-                    body = reader.read_exact(length, "its response body")
+                    body = reader.read_exact(length, "in the middle of its response body")
                 except Exception as exc:
                     if conn is not None:
                         route._checkin(conn, False)
@@ -2455,7 +2357,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     self._refuse(refusal, close=True)
                     return
             if conn is not None:
-                route._checkin(conn, sent_all and answer.keep_alive and not reader.buffered())
+                route._checkin(conn, sent_all and answer.keep_alive and not reader.buf)
             self._send(self._answer_head(answer, mode) + body)
             return
         if mode != "length" and self.request_version == "HTTP/1.0":
@@ -2470,7 +2372,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             raise
         if conn is not None:
             route._checkin(conn, complete and sent_all and answer.keep_alive
-                           and answer.mode != "close" and not reader.buffered())
+                           and answer.mode != "close" and not reader.buf)
 
     def _answer_head(self, answer: _Answer, mode: str) -> bytes:
         """The answer's head as the client gets it: as it came when nothing in it is dropped or
@@ -2488,7 +2390,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             headers.append(("Connection", "close"))
         return _head_bytes(answer.status, answer.reason, headers)
 
-    def _stream_answer(self, route: Route, reader: _UpstreamReader, answer: _Answer,
+    def _stream_answer(self, route: Route, reader: _Reader, answer: _Answer,
                        mode: str) -> bool:
         """Send the head, then the body as it arrives: with its Content-Length, re-chunked for an
         HTTP/1.1 client (so its connection stays open), or until the close for an HTTP/1.0 one.
@@ -2646,7 +2548,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _take_buffered(self) -> bytes:
         """What the client sent past the upgrade request (frames sent right behind it)."""
-        data, self._buf = self._buf, b""
+        data, self._client.buf = self._client.buf, b""
         return data
 
     def _finish_upgrade(self, route: Route, tunnel: "_Tunnel", head: bytes, extra: bytes,
@@ -2660,7 +2562,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         try:
             if status != 101:
                 stream.settimeout(self.proxy.read_timeout_s)
-                reader = _UpstreamReader(stream.recv, head + extra)
+                reader = _Reader(stream.recv, _upstream_cut_short, head + extra)
                 try:
                     answer = _parse_answer(reader.read_head(first=True), "GET")
                     self._relay_response(route, reader, answer)
@@ -2768,16 +2670,17 @@ class _UpstreamConnection:
     and a reader that keeps what was read past the current response, so such a connection is never
     pooled.
 
-    Its socket's receive timeout is a slice (ANSWER_WATCH_S): a read that waits longer calls `watch`
-    (set while a request waits for its answer) between slices, and gives up after read_timeout_s."""
+    Its socket's receive timeout is a slice (ANSWER_WATCH_S): a read that waits longer checks the
+    client in `watch` (set while a request waits for its answer) between slices, raising _ClientGone
+    if it hung up, and gives up after read_timeout_s."""
 
     __slots__ = ("sock", "reader", "since", "watch", "read_timeout_s", "_poller", "__weakref__")
 
     def __init__(self, sock: socket.socket, read_timeout_s: float) -> None:
         self.sock = sock
         self.read_timeout_s = read_timeout_s
-        self.watch: Optional[Callable[[], None]] = None
-        self.reader = _UpstreamReader(self._recv)
+        self.watch: Optional[socket.socket] = None  # the client waiting for this answer, if any
+        self.reader = _Reader(self._recv, _upstream_cut_short)
         self.since = 0.0  # when it was last checked in
         # the liveness check's, the socket registered once
         self._poller: Optional["select.poll"] = None
@@ -2791,8 +2694,8 @@ class _UpstreamConnection:
             pass
         deadline = time.monotonic() + self.read_timeout_s - min(ANSWER_WATCH_S, self.read_timeout_s)
         while True:
-            if self.watch is not None:
-                self.watch()
+            if self.watch is not None and _client_left(self.watch):
+                raise _ClientGone()
             if time.monotonic() >= deadline:
                 raise socket.timeout("timed out")
             try:
@@ -2801,36 +2704,25 @@ class _UpstreamConnection:
                 continue
 
     def _sendall(self, data: "bytes | memoryview") -> None:
-        if KERNEL_TIMEOUTS and not isinstance(self.sock, ssl.SSLSocket):
+        sock = self.sock
+        if KERNEL_TIMEOUTS and not isinstance(sock, ssl.SSLSocket):
             try:
-                self.sock.sendall(data)  # the kernel's send timeout is read_timeout_s
+                sock.sendall(data)  # the kernel's send timeout is read_timeout_s
             except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
                 raise socket.timeout("timed out") from None
             return
-        # Python's timeouts, the read slice: send until read_timeout_s passes with no progress (a
-        # TLS write that timed out is retried with the same bytes, as OpenSSL requires).
+        # Python's timeouts: reads wait in slices, a send up to read_timeout_s (no system call:
+        # the socket stays non-blocking underneath either way)
+        sock.settimeout(self.read_timeout_s)
         try:
-            sent = self.sock.send(data)
-        except socket.timeout:
-            sent = 0
-        if sent == len(data):  # (a request's head and small body: one TLS write)
-            return
-        with memoryview(data) as view:
-            view = view[sent:]
-            deadline = None
-            while view:
-                try:
-                    view = view[self.sock.send(view):]
-                    deadline = None
-                except socket.timeout:
-                    deadline = deadline or time.monotonic() + self.read_timeout_s
-                    if time.monotonic() >= deadline:
-                        raise socket.timeout("timed out") from None
+            sock.sendall(data)
+        finally:
+            sock.settimeout(min(ANSWER_WATCH_S, self.read_timeout_s))
 
     def looks_idle(self) -> bool:
         """Whether a pooled connection is as its last answer left it: nothing read past that answer,
         and the upstream has neither sent a byte nor closed since."""
-        return not self.reader.buffered() and not self.has_input()
+        return not self.reader.buf and not self.has_input()
 
     def has_input(self) -> bool:
         """Whether the upstream sent something (bytes or an end of stream), without blocking.
@@ -2860,7 +2752,7 @@ class _UpstreamConnection:
             return True
         finally:
             sock.settimeout(timeout)
-        self.reader.unread(data)
+        self.reader.buf = data + self.reader.buf
         return True
 
     def send_request(self, head: bytes, pieces: Iterator[bytes], chunked: bool) -> bool:
@@ -2896,56 +2788,83 @@ class _UpstreamConnection:
         self.sock.close()
 
 
-class _UpstreamReader:
-    """Buffered reads over a `recv(n)` callable (a socket's, or a WebSocket `_Stream`'s after a
-    non-101 answer). Public stdlib calls only: `io.BufferedReader` would hide how many bytes it
-    holds."""
+class _Reader:
+    """Buffered reads over a `recv(n)` callable (a client's or upstream's socket, a stream): what
+    was read past what a caller asked for stays in `buf` for the next read. A peer that closes
+    before sending what is needed raises `cut_short(where)`. Public stdlib calls only:
+    `io.BufferedReader` would hide how many bytes it holds."""
 
-    __slots__ = ("_recv", "_buf")
+    __slots__ = ("recv", "cut_short", "buf")
 
-    def __init__(self, recv: Callable[[int], bytes], prefix: bytes = b"") -> None:
-        self._recv, self._buf = recv, prefix
+    def __init__(self, recv: Callable[[int], bytes], cut_short: Callable[[str], Exception],
+                 buf: bytes = b"") -> None:
+        self.recv, self.cut_short, self.buf = recv, cut_short, buf
 
-    def buffered(self) -> int:
-        return len(self._buf)
+    def read1(self, n: int) -> bytes:
+        """Up to n bytes: the buffered ones, else one read; b"" once the peer closed."""
+        buf = self.buf or self.recv(IO_CHUNK)
+        self.buf = buf[n:]
+        return buf[:n]
 
-    def unread(self, data: bytes) -> None:
-        """Put bytes read elsewhere (a liveness probe) in front of the buffer. b"" (an end of stream
-        seen by the probe) changes nothing: the next read sees the end again."""
-        if data:
-            self._buf = data + self._buf
+    def read_exact(self, n: int, where: str) -> bytes:
+        """Exactly n bytes: the buffered ones, then reads for the rest."""
+        buf = self.buf
+        while len(buf) < n:
+            data = self.recv(IO_CHUNK)
+            if not data:
+                raise self.cut_short(where)
+            buf += data
+        self.buf = buf[n:]
+        return buf[:n]
+
+    def pieces(self, n: int, where: str) -> Iterator[bytes]:
+        """Exactly n bytes, yielded as they arrive."""
+        while n > 0:
+            data = self.read1(min(n, IO_CHUNK))
+            if not data:
+                raise self.cut_short(where)
+            n -= len(data)
+            yield data
+
+    def readline(self, limit: int) -> bytes:
+        """One line through its LF, or the first `limit` bytes of a longer one, or what came
+        before the peer closed (what `readline(limit)` of a file answers)."""
+        buf = self.buf
+        while True:
+            end = buf.find(b"\n", 0, limit)
+            if end >= 0 or len(buf) >= limit:
+                end = end + 1 if end >= 0 else limit
+                self.buf = buf[end:]
+                return buf[:end]
+            data = self.recv(IO_CHUNK)
+            if not data:
+                self.buf = b""
+                return buf
+            buf += data
 
     def read_head(self, first: bool) -> bytes:
-        """One response head, through its blank line. Nothing at all before a close (or a reset, or
-        a TLS EOF) raises _UpstreamClosed when `first` (the retry rule's 'no answer'); anything else
-        cut short, or larger than MAX_RESPONSE_HEAD_BYTES, is a _BadResponse."""
-        buf, searched = self._buf, 0
+        """One answer head, through its blank line. Nothing at all before a close (or a reset, or
+        a TLS EOF) raises _UpstreamClosed when `first` (the retry rule's 'no answer'); anything
+        else cut short, or larger than MAX_RESPONSE_HEAD_BYTES, is a _BadResponse."""
+        buf, searched = self.buf, 0
         while True:
-            # (nothing to search before the first read: a pooled connection's buffer is empty)
-            if buf:
-                # Just past the blank line ending the head (CRLF or bare LF lines: the first of
-                # either), or -1.
-                crlf = buf.find(b"\n\r\n", searched)
-                lf = buf.find(b"\n\n", searched, len(buf) if crlf < 0 else crlf + 1)
-                end = lf + 2 if lf >= 0 else crlf + 3 if crlf >= 0 else -1
-                if 0 <= end <= MAX_RESPONSE_HEAD_BYTES:
-                    self._buf = buf[end:]
-                    return buf[:end]
-                if end > MAX_RESPONSE_HEAD_BYTES or len(buf) > MAX_RESPONSE_HEAD_BYTES:
-                    raise _BadResponse("upstream-head-too-large",
-                                       "sent a response head larger than %d bytes (the proxy's "
-                                       "limit)" % MAX_RESPONSE_HEAD_BYTES)
-                searched = max(0, len(buf) - 3)
+            end = _head_end(buf, searched) if buf else -1
+            if 0 <= end <= MAX_RESPONSE_HEAD_BYTES:
+                self.buf = buf[end:]
+                return buf[:end]
+            if end > MAX_RESPONSE_HEAD_BYTES or len(buf) > MAX_RESPONSE_HEAD_BYTES:
+                raise _BadResponse("upstream-head-too-large", "sent a response head larger than "
+                                   "%d bytes (the proxy's limit)" % MAX_RESPONSE_HEAD_BYTES)
+            searched = max(0, len(buf) - 2)
             try:
-                data = self._recv(IO_CHUNK)
+                data = self.recv(IO_CHUNK)
             except (socket.timeout, TimeoutError):
                 raise
             except OSError as exc:
                 if first and not buf:
                     raise _UpstreamClosed(_failure_name(exc)) from None
                 raise _BadResponse("upstream-unreachable", "dropped the connection in the middle "
-                                                           "of its response head "
-                                                           "(%s)" % _failure_name(exc)) from None
+                                   "of its response head (%s)" % _failure_name(exc)) from None
             if not data:
                 if first and not buf:
                     raise _UpstreamClosed("closed")
@@ -2953,58 +2872,48 @@ class _UpstreamReader:
                                                            "its response head")
             buf += data
 
-    def read1(self, n: int) -> bytes:
-        """Up to n bytes: buffered ones first, else one recv (what it returns past n is kept); b""
-        at end of stream."""
-        buf = self._buf
-        if not buf:
-            buf = self._recv(n)
-            if len(buf) <= n:
-                return buf
-        self._buf = buf[n:]
-        return buf[:n]
 
-    def read_exact(self, n: int, where: str) -> bytes:
-        """Exactly n bytes (a small body, read whole): the buffered ones, then as many more as are
-        missing; the upstream closing first is a _BadResponse."""
-        buf = self._buf
-        while len(buf) < n:
-            data = self._recv(n - len(buf))
-            if not data:
-                raise _BadResponse("upstream-unreachable", "closed the connection in the middle "
-                                                           "of " + where)
-            buf += data
-        self._buf = buf[n:]
-        return buf if len(buf) == n else buf[:n]
+def _dechunk(reader: _Reader, malformed: Callable[[str], Exception],
+             trailer_limit: int) -> Iterator[bytes]:
+    """Yield a chunked body's data as it arrives (RFC 9112 section 7.1), request or answer; the
+    trailer section is read and dropped. `malformed(what)` makes the exception for a body that
+    breaks the rules."""
+    while True:
+        line = reader.readline(MAX_CHUNK_LINE + 1)
+        size_text = line.split(b";", 1)[0].strip()
+        if (len(line) > MAX_CHUNK_LINE or not line.endswith(b"\n") or not size_text
+                or len(size_text) > 16 or size_text.strip(b"0123456789abcdefABCDEF")):
+            raise malformed("a malformed chunk-size line")
+        size = int(size_text, 16)
+        if size == 0:
+            break
+        yield from reader.pieces(size, "in the middle of a chunk")
+        if reader.read_exact(2, "in the middle of a chunk") != b"\r\n":
+            raise malformed("chunk data not followed by CRLF")
+    trailer_bytes = 0
+    while True:
+        line = reader.readline(MAX_CHUNK_LINE + 1)
+        trailer_bytes += len(line)
+        if not line.endswith(b"\n") or trailer_bytes > trailer_limit:
+            raise malformed("a malformed or oversized trailer section")
+        if line in (b"\r\n", b"\n"):
+            return
 
-    def pieces(self, n: int, where: str) -> Iterator[bytes]:
-        """Exactly n bytes, yielded as they arrive; the upstream closing first is a _BadResponse."""
-        while n > 0:
-            data = self.read1(min(n, IO_CHUNK))
-            if not data:
-                raise _BadResponse("upstream-unreachable", "closed the connection in the middle "
-                                                           "of " + where)
-            n -= len(data)
-            yield data
 
-    def readline(self, limit: int) -> bytes:
-        """One line (through LF), at most `limit` bytes; a longer line or the end of stream is
-        malformed."""
-        buf = self._buf
-        while True:
-            end = buf.find(b"\n", 0, limit)
-            if end >= 0:
-                self._buf = buf[end + 1:]
-                return buf[:end + 1]
-            if len(buf) >= limit:
-                raise _BadResponse("upstream-protocol", "sent a chunk-size or trailer line longer "
-                                                        "than %d bytes" % limit)
-            data = self._recv(IO_CHUNK)
-            if not data:
-                raise _BadResponse("upstream-unreachable", "closed the connection in the middle of "
-                                                           "a chunked body")
-            buf += data
-            self._buf = buf
+def _upstream_cut_short(where: str) -> Exception:
+    return _BadResponse("upstream-unreachable", "closed the connection " + where)
+
+
+def _upstream_malformed(what: str) -> Exception:
+    return _BadResponse("upstream-protocol", "sent " + what)
+
+
+def _client_cut_short(where: str) -> Exception:
+    return _ClientBodyError("the client closed the connection " + where)
+
+
+def _client_malformed(what: str) -> Exception:
+    return _ClientBodyError("malformed chunked body: " + what)
 
 
 class _Answer(NamedTuple):
@@ -3047,41 +2956,23 @@ def _parse_answer(head: bytes, method: str) -> _Answer:
     minor, status, reason = match.group(1), int(match.group(2)), match.group(3) or ""
     if status < 100:  # "000"-"099" are not statuses (http.client and h11 refuse them too)
         raise _BadResponse("upstream-protocol", "sent the status code %03d" % status)
-    # [gap, name, value, ..., gap]: every gap is empty but the last, the blank line, when each line
-    # is a field of its own; a folded or malformed line is left to _fields_line_by_line.
-    fields = text[start:]
-    crlf = fields.count("\r\n")
-    plain = (fields.count("\n") == crlf and fields.count("\r") == crlf
-             and len(head.translate(None, _CONTROL_BYTES)) == len(head))
-    parts = (_CRLF_FIELD_RE if plain else _RESPONSE_FIELD_RE).split(fields)
-    if len(parts[-1]) > 2 or any(parts[0:-1:3]):
-        headers = _fields_line_by_line(fields)
-        names = [name for name, _ in headers]
-    else:
-        names = parts[1::3]
-        headers = list(zip(names, parts[2::3]))
-    lowered = list(map(str.lower, names))
-    framing = _FRAMING_FIELDS.intersection(lowered)
-    keep_alive = minor == "1"
-    if method == "HEAD" or status < 200 or status in (204, 304):
-        if "connection" not in framing:
-            return _Answer(status, reason, headers, "none", -1, keep_alive, lowered)
-    elif not framing:
-        return _Answer(status, reason, headers, "close", -1, False, lowered)
-    elif framing == _LENGTH_ONLY and lowered.count("content-length") == 1:
-        value = headers[lowered.index("content-length")][1].strip()
-        if "," not in value:
-            if not (value.isascii() and value.isdigit()) or len(value) > 18:
-                raise _BadResponse("upstream-protocol", "sent an invalid or conflicting "
-                                                        "Content-Length")
-            return _Answer(status, reason, headers, "length", int(value), keep_alive, lowered)
-    return _framed_answer(status, reason, headers, lowered, method, minor)
-
-
-def _framed_answer(status: int, reason: str, headers: List[Tuple[str, str]], lowered: List[str],
-                   method: str, minor: str) -> _Answer:
-    """`_parse_answer` for a head that has a Connection or Transfer-Encoding field, or more than one
-    Content-Length."""
+    headers: List[Tuple[str, str]] = []
+    for line in text[start:].split("\n"):
+        line = line[:-1] if line.endswith("\r") else line
+        if not line:
+            continue  # the blank line ending the head
+        if line[0] in " \t":  # obs-fold: joined to the previous field's value with a space
+            if not headers:
+                raise _BadResponse("upstream-protocol", "sent a response head starting with a "
+                                                        "folded line")
+            name, value = headers.pop()
+            headers.append((name, (value + " " + line.strip(" \t")).strip(" ")))
+            continue
+        field = _RESPONSE_FIELD_RE.fullmatch(line + "\n")
+        if field is None:
+            raise _BadResponse("upstream-protocol", "sent a malformed response header line")
+        headers.append((field.group(1), field.group(2)))
+    lowered = [name.lower() for name, _ in headers]
     codings: List[str] = []
     lengths: Set[str] = set()
     connection: Set[str] = set()
@@ -3108,58 +2999,13 @@ def _framed_answer(status: int, reason: str, headers: List[Tuple[str, str]], low
     return _Answer(status, reason, headers, "close", -1, False, lowered)
 
 
-def _fields_line_by_line(text: str) -> List[Tuple[str, str]]:
-    """A response head's field lines one at a time: joins obs-folds, names a malformed line."""
-    headers: List[Tuple[str, str]] = []
-    for line in text.split("\n"):
-        if line.endswith("\r"):
-            line = line[:-1]
-        if not line:
-            continue  # the blank line ending the head
-        if line[0] in " \t":
-            if not headers:
-                raise _BadResponse("upstream-protocol", "sent a response head starting with a "
-                                                        "folded line")
-            name, value = headers.pop()
-            headers.append((name, (value + " " + line.strip(" \t")).strip(" ")))
-            continue
-        match = _RESPONSE_FIELD_RE.fullmatch(line + "\n")
-        if match is None:
-            raise _BadResponse("upstream-protocol", "sent a malformed response header line")
-        headers.append((match.group(1), match.group(2)))
-    return headers
-
-
-def _answer_body(reader: _UpstreamReader, answer: _Answer) -> Iterator[bytes]:
-    """Yield the answer's body bytes as they arrive (de-chunked); a body cut short raises
-    _BadResponse."""
+def _answer_body(reader: _Reader, answer: _Answer) -> Iterator[bytes]:
+    """The answer's body as it arrives (de-chunked); one cut short raises _BadResponse."""
     if answer.mode == "length":
-        yield from reader.pieces(answer.length, "its response body")
-    elif answer.mode == "close":
-        while True:
-            data = reader.read1(IO_CHUNK)
-            if not data:
-                return
-            yield data
-    elif answer.mode == "chunked":
-        while True:
-            size_text = reader.readline(MAX_CHUNK_LINE).split(b";", 1)[0].strip()
-            if not size_text or len(size_text) > 16 or size_text.strip(b"0123456789abcdefABCDEF"):
-                raise _BadResponse("upstream-protocol", "sent a malformed chunk-size line")
-            size = int(size_text, 16)
-            if size == 0:
-                break
-            yield from reader.pieces(size, "a chunk")
-            if reader.readline(MAX_CHUNK_LINE).rstrip(b"\r\n"):
-                raise _BadResponse("upstream-protocol", "sent chunk data not followed by CRLF")
-        trailer_bytes = 0
-        while True:  # trailers are read and dropped, like the request's
-            line = reader.readline(MAX_CHUNK_LINE)
-            trailer_bytes += len(line)
-            if trailer_bytes > MAX_RESPONSE_HEAD_BYTES:
-                raise _BadResponse("upstream-head-too-large", "sent an oversized trailer section")
-            if line in (b"\r\n", b"\n"):
-                break
+        return reader.pieces(answer.length, "in the middle of its response body")
+    if answer.mode == "chunked":
+        return _dechunk(reader, _upstream_malformed, MAX_RESPONSE_HEAD_BYTES)
+    return iter(functools.partial(reader.read1, IO_CHUNK), b"")  # until the upstream closes
 
 
 def _request_lines(method: str, target: str, headers: List[Tuple[str, str]]) -> str:

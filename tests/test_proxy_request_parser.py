@@ -100,7 +100,8 @@ def _parsed(data: bytes) -> Parsed:
     handler = proxy._Handler.__new__(proxy._Handler)
     client, server = socket.socketpair()
     with client, server:
-        handler.connection, handler._buf, handler._timeout = server, b"", None
+        handler.connection, handler._timeout = server, None
+        handler._client = proxy._Reader(handler._recv, proxy._client_cut_short)
         handler.proxy = AuthProxy()  # (only its timeouts are read)
         client.sendall(data)
         client.shutdown(socket.SHUT_WR)
@@ -110,7 +111,7 @@ def _parsed(data: bytes) -> Parsed:
         if parsed:
             assert answer in (b"", b"HTTP/1.1 100 Continue\r\n\r\n"), answer
             return (handler.command, handler.path, handler.request_version, handler.headers.items(),
-                    handler.close_connection, handler._buf + support.read_to_eof(server))
+                    handler.close_connection, handler._client.buf + support.read_to_eof(server))
     kind = re.search(rb"\r\nX-Proxy-Error: ([^\r]+)\r\n", answer)
     assert handler.close_connection and kind is not None, answer
     return int(answer.split(b" ", 2)[1]), kind.group(1).decode()
