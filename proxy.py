@@ -2711,13 +2711,19 @@ class _UpstreamConnection:
             except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
                 raise socket.timeout("timed out") from None
             return
-        # Python's timeouts: reads wait in slices, a send up to read_timeout_s (no system call:
-        # the socket stays non-blocking underneath either way)
-        sock.settimeout(self.read_timeout_s)
-        try:
-            sock.sendall(data)
-        finally:
-            sock.settimeout(min(ANSWER_WATCH_S, self.read_timeout_s))
+        # Python's timeouts, the read slice (settimeout would cost a system call each way): send
+        # until read_timeout_s passes with no progress; a TLS write that timed out is retried with
+        # the same bytes, as OpenSSL requires.
+        with memoryview(data) as view:
+            deadline = None
+            while view:
+                try:
+                    view = view[sock.send(view):]
+                    deadline = None
+                except socket.timeout:
+                    deadline = deadline or time.monotonic() + self.read_timeout_s
+                    if time.monotonic() >= deadline:
+                        raise socket.timeout("timed out") from None
 
     def looks_idle(self) -> bool:
         """Whether a pooled connection is as its last answer left it: nothing read past that answer,
