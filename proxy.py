@@ -2118,20 +2118,17 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if not self._credentials(route, framing[0] != "none"):
             return
         token = self._token
+        if upgrade:
+            self._tunnel(route, target, token)
+            return
         if isinstance(route, ReplicaRoute):
-            if upgrade:
-                self._tunnel_replicas(route, target, token)
-                return
             replica = route._acquire(reserve=False)
             if replica is None:
                 self._refuse(_no_live_replica_refusal(*route._failure_summary()), close=True)
                 return
             route = replica.route
             target = route.base_path + target
-        if upgrade:
-            self._tunnel(route, target, token)
-        else:
-            self._forward(route, target, token, framing)
+        self._forward(route, target, token, framing)
 
     def _credentials(self, route: AnyRoute, has_body: bool) -> bool:
         """Read the route's token and extra headers for this request (`_token`, `_route_headers`); a
@@ -2417,48 +2414,40 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     # -- WebSocket tunnel
     # ---------------------------------------------------------------------------
 
-    def _tunnel(self, route: Route, target: str, token: Optional[str]) -> None:
-        """Replay the upgrade upstream on this thread; relay a 101 verbatim and run the tunnel
-        until it ends, or relay any other answer as HTTP."""
+    def _tunnel(self, route: AnyRoute, target: str, token: Optional[str]) -> None:
+        """Open a WebSocket session: replay the upgrade upstream on this thread, then relay a 101
+        verbatim and run the tunnel until it ends, or relay any other answer as HTTP. A replica
+        route opens it on one of its replicas (`_open_on_a_replica`)."""
         self.close_connection = True  # whatever happens, this connection ends with the tunnel
         self.server.tunnelling.add(self.connection)  # stop() lets it answer: see abort_connections
         try:
-            try:
-                tunnel, head, extra, status = self._upgrade(route, target, token)
-            except _ClientGone:
-                log.debug("proxy: %s: client left before the upstream answered the upgrade",
-                          route.label)
+            if isinstance(route, ReplicaRoute):
+                self._open_on_a_replica(route, target, token)
                 return
+            try:
+                tunnel, reader, head, status = self._upgrade(route, target, token)
+            except _RouteGone:
+                self._refuse(_route_gone_refusal(self.proxy._stopping), close=True)
+                return
+            except _ClientGone:
+                raise
             except Exception as exc:
-                self._upgrade_failed(route, exc)
+                refusal = _classify_upstream_error(exc, route)
+                _log_upstream_failure(route, refusal.kind, "WebSocket upgrade failed: ")
+                self._refuse(refusal, close=True)
                 return
             route.note_answer()
-            self._finish_upgrade(route, tunnel, head, extra, status)
-        finally:
-            self.server.tunnelling.discard(self.connection)
-
-    def _upgrade_failed(self, route: Route, exc: BaseException) -> None:
-        """Answer an upgrade that got no answer from the upstream: 404 or 503 if its route ended
-        it (unmount, stop), else the upstream failure's 502/504."""
-        if isinstance(exc, _RouteGone):
-            self._refuse(_route_gone_refusal(self.proxy._stopping), close=True)
-            return
-        refusal = _classify_upstream_error(exc, route)
-        _log_upstream_failure(route, refusal.kind, "WebSocket upgrade failed: ")
-        self._refuse(refusal, close=True)
-
-    def _tunnel_replicas(self, replicas: ReplicaRoute, target: str, token: Optional[str]) -> None:
-        """Open the session on the least busy live replica; if that replica fails before
-        switching protocols, take it out of rotation and retry once on another (the environment
-        never saw it). The session keeps its slot on the replica until its tunnel ends."""
-        self.close_connection = True
-        self.server.tunnelling.add(self.connection)
-        try:
-            self._open_on_a_replica(replicas, target, token)
+            self._finish_upgrade(route, tunnel, reader, head, status)
+        except _ClientGone:
+            log.debug("proxy: %s: client left before the upstream answered the upgrade",
+                      route.label)
         finally:
             self.server.tunnelling.discard(self.connection)
 
     def _open_on_a_replica(self, replicas: ReplicaRoute, target: str, token: Optional[str]) -> None:
+        """Open the session on the least busy live replica; if that replica fails before
+        switching protocols, take it out of rotation and retry once on another (the environment
+        never saw it). The session keeps its slot on the replica until its tunnel ends."""
         tried: List[_Replica] = []
         last: Optional[Refusal] = None
         for _ in range(REPLICA_ATTEMPTS):
@@ -2469,12 +2458,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             route = replica.route
             try:
                 try:
-                    tunnel, head, extra, status = self._upgrade(
+                    tunnel, reader, head, status = self._upgrade(
                         route, route.base_path + target, token)
-                except _ClientGone:
-                    log.debug("proxy: %s: client left before the upstream answered the upgrade",
-                              route.label)
-                    return
                 except _RouteGone:
                     if replicas._closed:  # the whole route was unmounted, or the proxy is stopping
                         self._refuse(_route_gone_refusal(self.proxy._stopping), close=True)
@@ -2482,6 +2467,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     last = Refusal(502, "replica-unavailable", "The replica %s was removed while "
                                    "the WebSocket upgrade was under way." % route.label)
                     continue
+                except _ClientGone:
+                    raise
                 except Exception as exc:
                     last = _classify_upstream_error(exc, route)
                     replicas._mark_failed(replica, "%s (%s)" % (last.kind, _failure_name(exc)))
@@ -2494,7 +2481,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                                    "have stopped." % (route.label, status))
                     replicas._mark_failed(replica, "answered %d to the WebSocket upgrade" % status)
                     continue
-                self._finish_upgrade(route, tunnel, head, extra, status)
+                self._finish_upgrade(route, tunnel, reader, head, status)
                 return
             finally:
                 replicas._release(replica)
@@ -2505,10 +2492,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._refuse(_no_live_replica_refusal(total, failed), close=True)
 
     def _upgrade(self, route: Route, target: str,
-                 token: Optional[str]) -> Tuple["_Tunnel", bytes, bytes, int]:
+                 token: Optional[str]) -> Tuple["_Tunnel", _Reader, bytes, int]:
         """Open a stream to the upstream (the TLS handshake within connect_timeout_s), send the
         upgrade request and read the answer's head within read_timeout_s, watching the client
-        meanwhile: (tunnel, head, bytes past the head, status). The tunnel is on its route from
+        meanwhile: (tunnel, the reader holding what came past the head, head, status). The tunnel is on its route from
         before the connect, so an unmount or a stop cuts it at any step (_RouteGone). On any
         failure the stream is closed and the tunnel off its route; _ClientGone if the client
         hung up first."""
@@ -2526,7 +2513,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 _watching(client, time.monotonic() + proxy.connect_timeout_s, stream.handshake,
                           "the TLS handshake with the upstream took over connect_timeout_s")
             stream.sendall(request)
-            head, extra = _read_head(stream, client, proxy.read_timeout_s)
+            deadline = time.monotonic() + proxy.read_timeout_s
+            recv = functools.partial(stream.recv, IO_CHUNK)
+            reader = _Reader(lambda n: _watching(client, deadline, recv, "the upstream did not "
+                                                 "answer the upgrade within read_timeout_s"),
+                             _upstream_cut_short)
+            head = reader.read_head(first=True)
         except BaseException as exc:
             route._remove_tunnel(tunnel)
             if tunnel.upstream is not None:
@@ -2535,7 +2527,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 raise _RouteGone() from None
             raise
         match = _STATUS_LINE_RE.match(head)
-        return tunnel, head, extra, int(match.group(1)) if match else 0
+        return tunnel, reader, head, int(match.group(1)) if match else 0
 
     def _upgrade_head(self, route: Route, target: str, token: Optional[str]) -> bytes:
         """The upgrade request the upstream gets: the client's, with the route's token and
@@ -2551,7 +2543,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         data, self._client.buf = self._client.buf, b""
         return data
 
-    def _finish_upgrade(self, route: Route, tunnel: "_Tunnel", head: bytes, extra: bytes,
+    def _finish_upgrade(self, route: Route, tunnel: "_Tunnel", reader: _Reader, head: bytes,
                         status: int) -> None:
         """Relay a non-101 answer as HTTP. On a 101: take the upstream->client thread from the
         pool (counted in the cap: at the cap the client gets 503 proxy-busy, not a half-made
@@ -2562,10 +2554,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         try:
             if status != 101:
                 stream.settimeout(self.proxy.read_timeout_s)
-                reader = _Reader(stream.recv, _upstream_cut_short, head + extra)
+                reader.recv = stream.recv
                 try:
-                    answer = _parse_answer(reader.read_head(first=True), "GET")
-                    self._relay_response(route, reader, answer)
+                    self._relay_response(route, reader, _parse_answer(head, "GET"))
                 except _BadResponse as exc:
                     self._refuse(_classify_upstream_error(exc, route), close=True)
                 return
@@ -2581,7 +2572,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self._set_timeout(None)  # blocking from here on: a session lasts as it likes
                 stream.settimeout(None)
                 tunnel.opened = True
-                self.connection.sendall(head + extra)
+                self.connection.sendall(head + reader.buf)
             except OSError:
                 tunnel.close()
             tunnel.run(self._take_buffered())
@@ -2601,25 +2592,6 @@ def _prepend(first: bytes, rest: Iterable[bytes]) -> Iterator[bytes]:
     if first:
         yield first
     yield from rest
-
-
-def _read_head(stream: "_Stream", client: socket.socket, timeout_s: float) -> Tuple[bytes, bytes]:
-    """The upstream's answer to an upgrade, in within `timeout_s` while the client stays (see
-    `_watching`): (head including the blank line, bytes past it)."""
-    buffer = b""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        end = buffer.find(b"\r\n\r\n")
-        if end >= 0:
-            return buffer[:end + 4], buffer[end + 4:]
-        if len(buffer) > MAX_HEADER_BYTES:
-            raise http.client.LineTooLong("upstream response head")
-        data = _watching(client, deadline, functools.partial(stream.recv, IO_CHUNK),
-                         "the upstream did not answer the upgrade within read_timeout_s")
-        if not data:
-            raise http.client.RemoteDisconnected(
-                "upstream closed the connection before answering the upgrade")
-        buffer += data
 
 
 def _watching(client: socket.socket, deadline: float, step: Callable[[], Optional[bytes]],
