@@ -2162,8 +2162,8 @@ if hasattr(os, "register_at_fork"):
 
 
 # -- Process-wide state: the shared proxy and the exit hook ----------------------------------------
-_shared_proxy_instance: Optional["_proxy.AuthProxy"] = None
-_shared_process_proxy: Any = None  # proxy="process": a proxy_host.AuthProxyProcess
+# The shared proxies by mode: None, the in-process AuthProxy; "process", a proxy_host.AuthProxyProcess.
+_shared_proxies: Dict[Optional[str], Any] = {}
 _shared_proxy_lock = threading.Lock()
 _live_finalizers: "set[weakref.finalize]" = set()  # running providers' safety nets (weak)
 
@@ -2171,18 +2171,15 @@ _live_finalizers: "set[weakref.finalize]" = set()  # running providers' safety n
 def _shared_proxy(mode: Optional[str] = None) -> "_proxy.AuthProxy":
     """One loopback proxy for every provider in the process (started on first use). `mode="process"`:
     one proxy host child process (AuthProxy.spawn) shared the same way, replaced if it died."""
-    global _shared_proxy_instance, _shared_process_proxy
     with _shared_proxy_lock:
-        if mode == PROXY_PROCESS:
-            host = _shared_process_proxy
-            if host is None or not host.running:
-                if host is not None:
-                    host.stop()  # reaps it and closes its channel; its routes died with it
-                _shared_process_proxy = host = _proxy.AuthProxy.spawn()
-            return host  # type: ignore[return-value]  # the same routes API
-        if _shared_proxy_instance is None:
-            _shared_proxy_instance = _proxy.AuthProxy().start()
-        return _shared_proxy_instance
+        shared = _shared_proxies.get(mode)
+        if mode == PROXY_PROCESS and shared is not None and not shared.running:
+            shared.stop()  # reaps the dead child and closes its channel; its routes died with it
+            shared = None
+        if shared is None:  # a proxy host offers the same routes API as an AuthProxy
+            shared = _shared_proxies[mode] = (_proxy.AuthProxy.spawn() if mode == PROXY_PROCESS
+                                              else _proxy.AuthProxy().start())
+        return shared
 
 
 def _cancel_briefly(client: "_JobsClient", namespace: str, job_id: str) -> Optional[str]:
@@ -2252,14 +2249,12 @@ def _stop_everything_at_exit() -> None:
     for finalizer in list(_live_finalizers):
         finalizer()  # runs at most once; a no-op if teardown already detached it
     _live_finalizers.clear()
-    global _shared_proxy_instance, _shared_process_proxy
     with _shared_proxy_lock:
-        proxy, _shared_proxy_instance = _shared_proxy_instance, None
-        host, _shared_process_proxy = _shared_process_proxy, None  # proxy="process": its child stops cleanly
-    for shared in (proxy, host):
+        shared = list(_shared_proxies.values())  # proxy="process": its child stops cleanly
+        _shared_proxies.clear()
+    for proxy in shared:
         with contextlib.suppress(Exception):
-            if shared is not None:
-                shared.stop()
+            proxy.stop()
 
 
 # -- The layers: the registry of placements, the names re-exported lazily (PEP 562), the command line ---
