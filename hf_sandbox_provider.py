@@ -45,8 +45,7 @@ import time
 import uuid
 import weakref
 from collections import deque, namedtuple
-from typing import (Any, Callable, Dict, Iterable, List, Mapping, Optional,
-                    Sequence, Tuple, Union)
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 from urllib.parse import urlsplit
 
 import requests
@@ -66,9 +65,7 @@ __all__ = [  # the provider and its errors; the layers' names join at the end of
     "JobsAPIError", "StartManyError", "ReplicaStartError", "stop_all", "InsecureURLError",
     "DEFAULT_COMMAND_TEMPLATE", "KNOWN_FLAVORS"]
 
-# The layers: each a module of its own beside this one that imports the core, never the other way round.
-# Their public names are re-exported lazily (`__getattr__`, at the end), so importing the core imports no
-# layer, and a vendored core copies only the layers it uses. One entry per layer: module -> its names.
+# The layers (see the docstring): module -> its public names, re-exported lazily by `__getattr__`.
 _LAYERS: Dict[str, List[str]] = {
     "hf_sandbox_training": """EnvSession SessionError SessionRefusedError SessionTimeout EnvError Sandbox stop_sandboxes
         EpisodeLost install_signal_teardown uninstall_signal_teardown SESSION_TIMEOUT_S SESSION_CONNECT_TIMEOUT_S
@@ -317,10 +314,8 @@ class HFSandboxProvider:
 
     # What a pickled provider carries: its settings (and explicit token), never its job, lock, threads
     # or sockets. A subclass with settings of its own adds their names (like requests' Session.__attrs__).
-    _pickled_settings: Tuple[str, ...] = (
-        "image", "command", "port", "flavor", "namespace", "endpoint", "env_vars", "secrets", "labels",
-        "job_timeout", "start_timeout_s", "ready_timeout_s", "poll_interval_s", "verify", "replicas", "pool",
-        "_token", "warn_env_credentials")
+    _pickled_settings: Tuple[str, ...] = _OVERRIDABLE + (
+        "image", "port", "endpoint", "env_vars", "_token", "warn_env_credentials")
 
     def __init__(self, image: Optional[str] = None, *, command: Union[None, str, Sequence[str]] = None,
                  port: int = DEFAULT_PORT, flavor: str = DEFAULT_FLAVOR, namespace: Optional[str] = None,
@@ -2259,9 +2254,8 @@ def _stop_everything_at_exit() -> None:
 
 # -- The layers: the registry of placements, the names re-exported lazily (PEP 562), the command line ---
 _LAYER_OF = {name: module for module, names in _LAYERS.items() for name in names}
-# Placements besides a dedicated job, by keyword: the layer (file) that provides each. A placement layer
-# plugs in through `_register_placement` when it is imported; the core imports it on first use through
-# this table, never by name, so a copy without that file is told which file to copy.
+# Placements besides a dedicated job, by keyword: the layer (file) that provides each, imported on
+# first use through this table (never by name); as it is imported, it calls `_register_placement`.
 _PLACEMENT_LAYERS = {"pool": "hf_sandbox_pool"}
 _placements: Dict[str, Any] = {}  # keyword -> the registered layer; filled as layers are imported
 
