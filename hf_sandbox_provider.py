@@ -2001,9 +2001,9 @@ class _Watch:
     """One starting provider's registration: the latest job answer, or the error that ends the wait;
     `wake` is set whenever the job's stage or URLs change or the error is set."""
 
-    def __init__(self, namespace: str, job_id: str, interval_s: float, wake: threading.Event,
+    def __init__(self, job_id: str, interval_s: float, wake: threading.Event,
                  job: Optional[Mapping[str, Any]] = None, since: Optional[float] = None) -> None:
-        self.namespace, self.job_id, self.base_interval_s, self.wake = namespace, job_id, interval_s, wake
+        self.job_id, self.base_interval_s, self.wake = job_id, interval_s, wake
         self.since = time.monotonic() if since is None else since  # when the job was submitted
         self.job: Optional[Mapping[str, Any]] = job
         self.error: Optional[BaseException] = None
@@ -2053,7 +2053,7 @@ class _JobWatcher:
                  job: Optional[Mapping[str, Any]] = None, since: Optional[float] = None) -> _Watch:
         """Watch `job_id` until `unregister`; the jobs of one (endpoint, token, namespace) share one refresh,
         by a client of their own whose HTTP session `new_session` makes."""
-        watch = _Watch(namespace, job_id, interval_s, wake, job, since)
+        watch = _Watch(job_id, interval_s, wake, job, since)  # its group holds the namespace
         key = _token_key(endpoint, token) + (namespace,)
         with self._cond:
             if (group := self._groups.get(key)) is None:
