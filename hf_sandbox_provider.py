@@ -895,16 +895,14 @@ class _ReplicaSet:
 
     def __init__(self, owner: HFSandboxProvider, settings: Mapping[str, Any], token: str,
                  proxy: "_proxy.AuthProxy") -> None:
-        count = int(settings["replicas"])
-        per_replica = [dict(owner._replica_settings(i, dict(settings, replicas=1))) for i in range(count)]
-        for index, item in enumerate(per_replica):  # a bad override fails before any job
-            if reason := (_settings_rejection(item, image_required=True)
-                          or (None if item.get("replicas") == 1 else "replicas must stay 1")):
-                raise SandboxConfigError("_replica_settings(%d): %s" % (index, reason))
         self.proxy = proxy
         self._owner = weakref.ref(owner)  # weak: the owner holds this set and must stay collectable
         self.children: List[HFSandboxProvider] = []
-        for item in per_replica:
+        for index in range(int(settings["replicas"])):  # a bad override fails before any job
+            item = dict(owner._replica_settings(index, dict(settings, replicas=1)))
+            if reason := (_settings_rejection(item, image_required=True)
+                          or (None if item.get("replicas") == 1 else "replicas must stay 1")):
+                raise SandboxConfigError("_replica_settings(%d): %s" % (index, reason))
             options = {name: item[name] for name in _OVERRIDABLE if name != "replicas"}
             child = HFSandboxProvider(item["image"], port=item["port"], env_vars=item["env_vars"],
                                       token=token, endpoint=owner.endpoint, proxy=proxy, **options)
