@@ -679,7 +679,7 @@ class HFSandboxProvider:
         try:
             _raise_if_rejected(_live_flavor_rejection(client, settings["flavor"]))
             namespace = settings["namespace"] or client.whoami_namespace()
-            self._submitted_at = time.monotonic()
+            self._submitted_at, budget_waited = time.monotonic(), client._budget.waited_s
             logger.info("submitting HF job: image=%s flavor=%s namespace=%s", settings["image"],
                         settings["flavor"], namespace)
             job = client.create_job(namespace, _job_body(settings, start_label), {START_LABEL_KEY: start_label},
@@ -696,7 +696,7 @@ class HFSandboxProvider:
             self._observe(job)
             self._watch_job(client, job)
             try:
-                upstream = self._wait_for_url(client, settings)
+                upstream = self._wait_for_url(client, settings, budget_waited)
             finally:
                 self._unwatch_job()
             self._raise_if_stopped()
@@ -779,7 +779,8 @@ class HFSandboxProvider:
             raise JobFailedError(self.job_id or "", stage, (job.get("status") or {}).get("message"), tail)
         return job
 
-    def _wait_for_url(self, client: "_JobsClient", settings: Mapping[str, Any]) -> str:
+    def _wait_for_url(self, client: "_JobsClient", settings: Mapping[str, Any],
+                      budget_waited: float) -> str:
         deadline = self._submitted_at + float(settings["start_timeout_s"])
         job_id, port = self.job_id or "", int(settings["port"])
         heartbeat = time.monotonic() + HEARTBEAT_S
@@ -792,10 +793,14 @@ class HFSandboxProvider:
                     raise InsecureURLError(reason)
                 return url
             if (remaining := deadline - time.monotonic()) <= 0:
+                # the API budget held this token's calls since the submit, or holds them now
+                held = client._budget.waited_s > budget_waited or client._budget.wait_s() > 0
+                advice = ("the Hub's API rate limit (see %s) held this token's calls: start fewer "
+                          "jobs at once or raise start_timeout_s" % RATE_LIMIT_ENV if held else
+                          "raise start_timeout_s for slow flavors or large images")
                 raise JobStartTimeout(
-                    "HF job %s exposed no URL within start_timeout_s=%gs (last stage %s); raise "
-                    "start_timeout_s for slow flavors or large images" % (
-                        job_id, settings["start_timeout_s"], self.stage), job_id, self.stage)
+                    "HF job %s exposed no URL within start_timeout_s=%gs (last stage %s); %s"
+                    % (job_id, settings["start_timeout_s"], self.stage, advice), job_id, self.stage)
             if time.monotonic() >= heartbeat:
                 logger.info("HF job %s: still %s, %.0fs after submit (start_timeout_s=%g)", job_id,
                             self.stage, self._elapsed(), settings["start_timeout_s"])
