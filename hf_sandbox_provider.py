@@ -883,11 +883,8 @@ class HFSandboxProvider:
             return
         for job in found:
             job_id = str(job.get("id"))
-            if (outcome := _cancel_briefly(client, namespace, job_id)) is None:
-                logger.info("cancelled job %s made by a create that reported failure", job_id)
-            else:
-                logger.warning("HF job %s (made by a failed create) could not be cancelled: %s; run "
-                               "`python -m hf_sandbox_provider sweep`", job_id, outcome)
+            logger.info("the failed create made HF job %s anyway: cancelling it", job_id)
+            _release_job(client, namespace, job_id, None, None, None)  # says if it could not
 
 
 _register_with_openenv()
