@@ -156,6 +156,8 @@ STOP_WAIT_S = 30.0
 # huggingface_hub's JobStage: the live ones in the order a job passes them, then the terminal ones.
 LIVE_STAGES = ("SCHEDULING", "RUNNING")
 TERMINAL_STAGES = frozenset({"COMPLETED", "CANCELED", "ERROR", "DELETED"})
+# Order of the live stages, least advanced first (an unknown live stage counts as not running yet).
+_LIVE_STAGE_ORDER = {None: 0, **{stage: order for order, stage in enumerate(LIVE_STAGES, 1)}}
 # OpenEnv's image template's CMD (openenv_env/server/Dockerfile), `exec` so the server gets the stop signal.
 DEFAULT_COMMAND_TEMPLATE = ("sh", "-c",
                             "cd /app/env && exec uvicorn server.app:app --host 0.0.0.0 --port {port}")
@@ -282,8 +284,6 @@ _PHASE_MOVES = {
 }
 _START_IN_FLIGHT = frozenset({Phase.SUBMITTING, Phase.STARTING, Phase.STOPPING})  # a start runs
 _JOB_HELD = frozenset({Phase.STARTING, Phase.RUNNING})  # a job is recorded: a teardown cancels it
-
-
 # What one teardown took from its provider: the job to cancel (None if none is held) and its route.
 _Detached = namedtuple("_Detached", "job_id namespace job_url base_url proxy client")
 
@@ -1058,10 +1058,6 @@ class _ReplicaSet:
             return {}
 
 
-# Order of the live stages, least advanced first (an unknown live stage counts as not running yet).
-_LIVE_STAGE_ORDER = {None: 0, **{stage: order for order, stage in enumerate(LIVE_STAGES, 1)}}
-
-
 def _replicas_stage(stages: Sequence[Optional[str]]) -> Optional[str]:
     """One stage for K jobs: the least advanced live one; once all ended, their common end (ERROR first)."""
     if not stages:
@@ -1225,6 +1221,12 @@ _LABEL_VALUE = re.compile(r"^[A-Za-z0-9_-]{0,%d}\Z" % LABEL_MAX_CHARS)
 _CREDENTIAL_NAME_ENDINGS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIALS", "APIKEY")
 _DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([smhd]?)\s*$")
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+_credential_warnings: "set[str]" = set()  # names warned about (once per process, for all providers)
+_credential_warnings_lock = threading.Lock()
+# endpoint -> the flavors its `GET /api/jobs/hardware` listed, or None when it did not answer (asked once
+# per process and endpoint: the list changes when HF adds hardware, not during a run).
+_live_hardware: Dict[str, Optional[frozenset]] = {}
+_hardware_lock = threading.Lock()
 
 
 def _raise_if_rejected(reason: Optional[str]) -> None:
@@ -1277,12 +1279,6 @@ def _flavor_rejection(flavor: Any, known: Optional[frozenset] = None) -> Optiona
     return ("unknown flavor %r%s; valid Jobs flavors: %s (see `hf jobs hardware`; if HF added a new one, "
             "upgrade huggingface_hub)" % (flavor, " (did you mean %r?)" % close[0] if close else "",
                                           ", ".join(sorted(known))))
-
-
-# endpoint -> the flavors its `GET /api/jobs/hardware` listed, or None when it did not answer (asked once
-# per process and endpoint: the list changes when HF adds hardware, not during a run).
-_live_hardware: Dict[str, Optional[frozenset]] = {}
-_hardware_lock = threading.Lock()
 
 
 def _live_flavor_rejection(client: "_JobsClient", flavor: str) -> Optional[str]:
@@ -1355,10 +1351,6 @@ def _warn_credential_env_vars(env_vars: Mapping[str, Any]) -> None:
         logger.warning("env_vars[%r] looks like a credential: job environment variables are visible to anyone who "
                        "can read the namespace's jobs; pass it as secrets={%r: ...} instead (or "
                        "warn_env_credentials=False if it is not secret)", name, name)
-
-
-_credential_warnings: "set[str]" = set()  # names warned about (once per process, for all providers)
-_credential_warnings_lock = threading.Lock()
 
 
 def _command_rejection(command: Any) -> Optional[str]:
@@ -1544,10 +1536,6 @@ def _resolve_endpoint(endpoint: Optional[str]) -> str:
 def _token_key(endpoint: str, token: str) -> Tuple[str, str]:
     """(endpoint, sha256 of the token): what the process caches a namespace and an API budget by."""
     return (endpoint, hashlib.sha256(token.encode("utf-8")).hexdigest())
-
-
-_namespace_cache: Dict[Tuple[str, str], str] = {}  # by _token_key: whoami-v2 is rate limited
-_namespace_lock = threading.Lock()
 
 
 def _next_link_rejection(url: str, endpoint: str) -> Optional[str]:
@@ -1830,6 +1818,14 @@ class _JobsClient:
 
 
 # -- Process-wide Jobs API budget and job watcher (many providers, one thread, O(1) calls per interval) ---
+# By _token_key, made once under a lock each: the namespace (whoami-v2 is rate limited), the budget.
+_namespace_cache: Dict[Tuple[str, str], str] = {}
+_namespace_lock = threading.Lock()
+_budgets: Dict[Tuple[str, str], "_ApiBudget"] = {}
+_budgets_lock = threading.Lock()
+_RateLimitInfo = Optional[Tuple[int, int, Optional[int], Optional[int], str]]
+
+
 class _ApiBudget:
     """One token's view of the Hub's per-user rate limit: the server's RateLimit headers, else this
     process's calls in a sliding window. With little left it paces calls to the reset, keeping the
@@ -1941,9 +1937,6 @@ class _ApiBudget:
         return max(0.0, self._next_paced - now) if left < self.calls * RATE_LIMIT_PACE_BELOW else 0.0
 
 
-_RateLimitInfo = Optional[Tuple[int, int, Optional[int], Optional[int], str]]
-
-
 def _ratelimit_info(headers: Mapping[str, str]) -> _RateLimitInfo:
     """(remaining, seconds to reset, quota or None, window or None, resource) from an answer's RateLimit
     headers, or None: huggingface_hub's parse_ratelimit_headers (1.2 and later), else the same reading."""
@@ -1983,10 +1976,6 @@ def _configured_rate_limit() -> Tuple[int, float]:
         raise SandboxConfigError("%s=%r must be <calls>/<seconds>, e.g. 2500/300 for a PRO account"
                                  % (RATE_LIMIT_ENV, text))
     return quota, seconds
-
-
-_budgets: Dict[Tuple[str, str], _ApiBudget] = {}
-_budgets_lock = threading.Lock()
 
 
 def _api_budget(endpoint: str, token: str) -> _ApiBudget:
