@@ -176,6 +176,7 @@ SPACE_IMAGE_PREFIXES = ("https://huggingface.co/spaces/", "https://hf.co/spaces/
 _OVERRIDABLE = ("command", "flavor", "namespace", "secrets", "labels", "job_timeout", "start_timeout_s",
                 "ready_timeout_s", "poll_interval_s", "verify", "replicas", "pool")
 USER_AGENT = "hf-sandbox-provider/" + __version__
+_Failures = Sequence[Tuple[int, BaseException]]  # (index, exception) per failed start of a group
 
 
 # -- Errors ----------------------------------------------------------------------------------------
@@ -209,9 +210,6 @@ class JobStartTimeout(SandboxError, TimeoutError):
 
 def _first_line(exc: BaseException) -> str:
     return (str(exc).splitlines() or [""])[0]
-
-
-_Failures = Sequence[Tuple[int, BaseException]]
 
 
 class _StartFailures(SandboxError):
