@@ -83,10 +83,8 @@ logger = logging.getLogger("hf_sandbox_provider")
 DEFAULT_ENDPOINT = "https://huggingface.co"  # HF_ENDPOINT overrides it (mirrors, staging, emulator)
 DEFAULT_PORT = 8000  # what OpenEnv servers listen on in every image built from OpenEnv's template
 DEFAULT_FLAVOR = "cpu-basic"  # the cheapest: OpenEnv environment servers are CPU-bound HTTP servers
-# Server-side lifetime of a job, always sent: nothing else stops billing if the client dies (an hour).
-DEFAULT_JOB_TIMEOUT_S = 3600
-# From submit to an exposed URL: CPU jobs schedule in 4-11 s, GPU flavors and large images in minutes.
-DEFAULT_START_TIMEOUT_S = 600.0
+DEFAULT_JOB_TIMEOUT_S = 3600  # always sent: the Hub ends the job then, even if this client died
+DEFAULT_START_TIMEOUT_S = 600.0  # to the URL: CPU jobs in 4-11 s; GPU ones, big images in minutes
 DEFAULT_READY_TIMEOUT_S = 300.0  # from URL to a 200 on /health: image pull plus server boot
 # The job watcher makes ONE call per interval for the whole process (a `list` by this process's
 # label): a stage change is seen within 0.5 s for at most 60 calls per 30 s wave.
@@ -151,8 +149,7 @@ MAX_REPLICAS = 64  # jobs behind one route; beyond, use start_many() or several 
 REPLICA_CHECK_INTERVAL_S = 5.0  # replica_status() inspects a sick replica this often (API budget)
 PROXY_PROCESS = "process"  # one shared AuthProxy child process: relaying costs the trainer no GIL
 STOP_PARALLEL = 32  # stop_all(): cancels at a time (each one API call plus a brief retry)
-# stop_container() waits this long for another thread's start to end: no job is made after it.
-STOP_WAIT_S = 30.0
+STOP_WAIT_S = 30.0  # stop_container() waits for another thread's start: no job appears after it
 # huggingface_hub's JobStage: the live ones in the order a job passes them, then the terminal ones.
 LIVE_STAGES = ("SCHEDULING", "RUNNING")
 TERMINAL_STAGES = frozenset({"COMPLETED", "CANCELED", "ERROR", "DELETED"})
