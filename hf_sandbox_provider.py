@@ -1218,8 +1218,8 @@ _DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([smhd]?)\s*$")
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 _credential_warnings: "set[str]" = set()  # names warned about (once per process, for all providers)
 _credential_warnings_lock = threading.Lock()
-# endpoint -> the flavors its `GET /api/jobs/hardware` listed, or None when it did not answer (asked once
-# per process and endpoint: the list changes when HF adds hardware, not during a run).
+# endpoint -> the flavors its `GET /api/jobs/hardware` listed, or None when it did not answer (asked
+# once per process and endpoint: the list changes when HF adds hardware, not during a run).
 _live_hardware: Dict[str, Optional[frozenset]] = {}
 _hardware_lock = threading.Lock()
 
@@ -2141,8 +2141,7 @@ if hasattr(os, "register_at_fork"):
 
 
 # -- Process-wide state: the shared proxy and the exit hook ----------------------------------------
-# The shared proxies by mode: None, the in-process AuthProxy; "process", a proxy_host.AuthProxyProcess.
-_shared_proxies: Dict[Optional[str], Any] = {}
+_shared_proxies: Dict[Optional[str], Any] = {}  # by mode, None or "process" (see _shared_proxy)
 _shared_proxy_lock = threading.Lock()
 _live_finalizers: "set[weakref.finalize]" = set()  # running providers' safety nets (weak)
 
