@@ -2123,10 +2123,6 @@ class _JobWatcher:
             watch.deliver(found[watch.job_id])
 
 
-_watcher = _JobWatcher()
-_process_label = uuid.uuid4().hex  # this process's PROCESS_LABEL_KEY value (a forked child gets its own)
-
-
 def _reset_after_fork() -> None:
     """A forked child inherits no threads: give it its own watcher, budgets and process label (the
     fetched hardware lists stay valid; a lock held at the fork would not)."""
@@ -2136,6 +2132,8 @@ def _reset_after_fork() -> None:
     _budgets.clear()
 
 
+_watcher = _JobWatcher()
+_process_label = uuid.uuid4().hex  # this process's PROCESS_LABEL_KEY value (a forked child gets its own)
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_after_fork)
 
