@@ -284,24 +284,6 @@ _Detached = namedtuple("_Detached", "job_id namespace job_url base_url proxy cli
 
 
 # -- The provider ----------------------------------------------------------------------------------
-# Where OpenEnv's `ContainerProvider` ABC has lived (current, older and pre-package layouts). Looked up in
-# sys.modules, never imported: `openenv.core`'s init loads gradio, pandas and pyarrow (about 4 s, 170 MiB),
-# which a trainer that never uses OpenEnv must not pay. Whoever checks isinstance has imported it already.
-_OPENENV_PROVIDER_MODULES = ("openenv.core.containers.runtime.providers", "openenv.core.containers.runtime",
-                             "openenv_core.containers.runtime.providers",
-                             "core.containers.runtime.providers")
-
-
-def _register_with_openenv() -> None:
-    """Make HFSandboxProvider a virtual OpenEnv `ContainerProvider` once OpenEnv is loaded. Runs at import
-    and at every construction (OpenEnv may have been imported since); registering again is a no-op."""
-    for module_name in _OPENENV_PROVIDER_MODULES:
-        base = getattr(sys.modules.get(module_name), "ContainerProvider", None)
-        if isinstance(base, abc.ABCMeta):  # not an unrelated package that happens to be called `core`
-            base.register(HFSandboxProvider)
-            return
-
-
 class HFSandboxProvider:
     """One OpenEnv environment server run as an HF Job behind the local auth proxy. Settings are
     checked before any network call; `stop_container()`, a failure after the create, exit or
@@ -882,6 +864,22 @@ class HFSandboxProvider:
             _release_job(client, namespace, job_id, None, None, None)  # says if it could not
 
 
+def _register_with_openenv() -> None:
+    """Make HFSandboxProvider a virtual OpenEnv `ContainerProvider` once OpenEnv is loaded. Runs at import
+    and at every construction (OpenEnv may have been imported since); registering again is a no-op."""
+    for module_name in _OPENENV_PROVIDER_MODULES:
+        base = getattr(sys.modules.get(module_name), "ContainerProvider", None)
+        if isinstance(base, abc.ABCMeta):  # not an unrelated package that happens to be called `core`
+            base.register(HFSandboxProvider)
+            return
+
+
+# Where OpenEnv's `ContainerProvider` ABC has lived (current, older and pre-package layouts). Looked up in
+# sys.modules, never imported: `openenv.core`'s init loads gradio, pandas and pyarrow (about 4 s, 170 MiB),
+# which a trainer that never uses OpenEnv must not pay. Whoever checks isinstance has imported it already.
+_OPENENV_PROVIDER_MODULES = ("openenv.core.containers.runtime.providers", "openenv.core.containers.runtime",
+                             "openenv_core.containers.runtime.providers",
+                             "core.containers.runtime.providers")
 _register_with_openenv()
 
 
