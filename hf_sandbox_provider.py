@@ -45,8 +45,7 @@ import time
 import uuid
 import weakref
 from collections import deque, namedtuple
-from typing import (Any, Callable, Dict, Iterable, List, Mapping, Optional,
-                    Sequence, Tuple, Union)
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 from urllib.parse import urlsplit
 
 import requests
@@ -66,9 +65,7 @@ __all__ = [  # the provider and its errors; the layers' names join at the end of
     "JobsAPIError", "StartManyError", "ReplicaStartError", "stop_all", "InsecureURLError",
     "DEFAULT_COMMAND_TEMPLATE", "KNOWN_FLAVORS"]
 
-# The layers: each a module of its own beside this one that imports the core, never the other way round.
-# Their public names are re-exported lazily (`__getattr__`, at the end), so importing the core imports no
-# layer, and a vendored core copies only the layers it uses. One entry per layer: module -> its names.
+# The layers (see the docstring): module -> its public names, re-exported lazily by `__getattr__`.
 _LAYERS: Dict[str, List[str]] = {
     "hf_sandbox_training": """EnvSession SessionError SessionRefusedError SessionTimeout EnvError Sandbox stop_sandboxes
         EpisodeLost install_signal_teardown uninstall_signal_teardown SESSION_TIMEOUT_S SESSION_CONNECT_TIMEOUT_S
@@ -86,10 +83,8 @@ logger = logging.getLogger("hf_sandbox_provider")
 DEFAULT_ENDPOINT = "https://huggingface.co"  # HF_ENDPOINT overrides it (mirrors, staging, emulator)
 DEFAULT_PORT = 8000  # what OpenEnv servers listen on in every image built from OpenEnv's template
 DEFAULT_FLAVOR = "cpu-basic"  # the cheapest: OpenEnv environment servers are CPU-bound HTTP servers
-# Server-side lifetime of a job, always sent: nothing else stops billing if the client dies (an hour).
-DEFAULT_JOB_TIMEOUT_S = 3600
-# From submit to an exposed URL: CPU jobs schedule in 4-11 s, GPU flavors and large images in minutes.
-DEFAULT_START_TIMEOUT_S = 600.0
+DEFAULT_JOB_TIMEOUT_S = 3600  # always sent: the Hub ends the job then, even if this client died
+DEFAULT_START_TIMEOUT_S = 600.0  # to the URL: CPU jobs in 4-11 s; GPU ones, big images in minutes
 DEFAULT_READY_TIMEOUT_S = 300.0  # from URL to a 200 on /health: image pull plus server boot
 # The job watcher makes ONE call per interval for the whole process (a `list` by this process's
 # label): a stage change is seen within 0.5 s for at most 60 calls per 30 s wave.
@@ -154,11 +149,12 @@ MAX_REPLICAS = 64  # jobs behind one route; beyond, use start_many() or several 
 REPLICA_CHECK_INTERVAL_S = 5.0  # replica_status() inspects a sick replica this often (API budget)
 PROXY_PROCESS = "process"  # one shared AuthProxy child process: relaying costs the trainer no GIL
 STOP_PARALLEL = 32  # stop_all(): cancels at a time (each one API call plus a brief retry)
-# stop_container() waits this long for another thread's start to end: no job is made after it.
-STOP_WAIT_S = 30.0
+STOP_WAIT_S = 30.0  # stop_container() waits for another thread's start: no job appears after it
 # huggingface_hub's JobStage: the live ones in the order a job passes them, then the terminal ones.
 LIVE_STAGES = ("SCHEDULING", "RUNNING")
 TERMINAL_STAGES = frozenset({"COMPLETED", "CANCELED", "ERROR", "DELETED"})
+# Order of the live stages, least advanced first (an unknown live stage counts as not running yet).
+_LIVE_STAGE_ORDER = {None: 0, **{stage: order for order, stage in enumerate(LIVE_STAGES, 1)}}
 # OpenEnv's image template's CMD (openenv_env/server/Dockerfile), `exec` so the server gets the stop signal.
 DEFAULT_COMMAND_TEMPLATE = ("sh", "-c",
                             "cd /app/env && exec uvicorn server.app:app --host 0.0.0.0 --port {port}")
@@ -177,6 +173,7 @@ SPACE_IMAGE_PREFIXES = ("https://huggingface.co/spaces/", "https://hf.co/spaces/
 _OVERRIDABLE = ("command", "flavor", "namespace", "secrets", "labels", "job_timeout", "start_timeout_s",
                 "ready_timeout_s", "poll_interval_s", "verify", "replicas", "pool")
 USER_AGENT = "hf-sandbox-provider/" + __version__
+_Failures = Sequence[Tuple[int, BaseException]]  # (index, exception) per failed start of a group
 
 
 # -- Errors ----------------------------------------------------------------------------------------
@@ -210,9 +207,6 @@ class JobStartTimeout(SandboxError, TimeoutError):
 
 def _first_line(exc: BaseException) -> str:
     return (str(exc).splitlines() or [""])[0]
-
-
-_Failures = Sequence[Tuple[int, BaseException]]
 
 
 class _StartFailures(SandboxError):
@@ -285,31 +279,11 @@ _PHASE_MOVES = {
 }
 _START_IN_FLIGHT = frozenset({Phase.SUBMITTING, Phase.STARTING, Phase.STOPPING})  # a start runs
 _JOB_HELD = frozenset({Phase.STARTING, Phase.RUNNING})  # a job is recorded: a teardown cancels it
-
-
 # What one teardown took from its provider: the job to cancel (None if none is held) and its route.
 _Detached = namedtuple("_Detached", "job_id namespace job_url base_url proxy client")
 
 
 # -- The provider ----------------------------------------------------------------------------------
-# Where OpenEnv's `ContainerProvider` ABC has lived (current, older and pre-package layouts). Looked up in
-# sys.modules, never imported: `openenv.core`'s init loads gradio, pandas and pyarrow (about 4 s, 170 MiB),
-# which a trainer that never uses OpenEnv must not pay. Whoever checks isinstance has imported it already.
-_OPENENV_PROVIDER_MODULES = ("openenv.core.containers.runtime.providers", "openenv.core.containers.runtime",
-                             "openenv_core.containers.runtime.providers",
-                             "core.containers.runtime.providers")
-
-
-def _register_with_openenv() -> None:
-    """Make HFSandboxProvider a virtual OpenEnv `ContainerProvider` once OpenEnv is loaded. Runs at import
-    and at every construction (OpenEnv may have been imported since); registering again is a no-op."""
-    for module_name in _OPENENV_PROVIDER_MODULES:
-        base = getattr(sys.modules.get(module_name), "ContainerProvider", None)
-        if isinstance(base, abc.ABCMeta):  # not an unrelated package that happens to be called `core`
-            base.register(HFSandboxProvider)
-            return
-
-
 class HFSandboxProvider:
     """One OpenEnv environment server run as an HF Job behind the local auth proxy. Settings are
     checked before any network call; `stop_container()`, a failure after the create, exit or
@@ -317,10 +291,8 @@ class HFSandboxProvider:
 
     # What a pickled provider carries: its settings (and explicit token), never its job, lock, threads
     # or sockets. A subclass with settings of its own adds their names (like requests' Session.__attrs__).
-    _pickled_settings: Tuple[str, ...] = (
-        "image", "command", "port", "flavor", "namespace", "endpoint", "env_vars", "secrets", "labels",
-        "job_timeout", "start_timeout_s", "ready_timeout_s", "poll_interval_s", "verify", "replicas", "pool",
-        "_token", "warn_env_credentials")
+    _pickled_settings: Tuple[str, ...] = _OVERRIDABLE + (
+        "image", "port", "endpoint", "env_vars", "_token", "warn_env_credentials")
 
     def __init__(self, image: Optional[str] = None, *, command: Union[None, str, Sequence[str]] = None,
                  port: int = DEFAULT_PORT, flavor: str = DEFAULT_FLAVOR, namespace: Optional[str] = None,
@@ -684,7 +656,7 @@ class HFSandboxProvider:
         try:
             _raise_if_rejected(_live_flavor_rejection(client, settings["flavor"]))
             namespace = settings["namespace"] or client.whoami_namespace()
-            self._submitted_at = time.monotonic()
+            self._submitted_at, budget_waited = time.monotonic(), client._budget.waited_s
             logger.info("submitting HF job: image=%s flavor=%s namespace=%s", settings["image"],
                         settings["flavor"], namespace)
             job = client.create_job(namespace, _job_body(settings, start_label), {START_LABEL_KEY: start_label},
@@ -701,7 +673,7 @@ class HFSandboxProvider:
             self._observe(job)
             self._watch_job(client, job)
             try:
-                upstream = self._wait_for_url(client, settings)
+                upstream = self._wait_for_url(client, settings, budget_waited)
             finally:
                 self._unwatch_job()
             self._raise_if_stopped()
@@ -784,7 +756,8 @@ class HFSandboxProvider:
             raise JobFailedError(self.job_id or "", stage, (job.get("status") or {}).get("message"), tail)
         return job
 
-    def _wait_for_url(self, client: "_JobsClient", settings: Mapping[str, Any]) -> str:
+    def _wait_for_url(self, client: "_JobsClient", settings: Mapping[str, Any],
+                      budget_waited: float) -> str:
         deadline = self._submitted_at + float(settings["start_timeout_s"])
         job_id, port = self.job_id or "", int(settings["port"])
         heartbeat = time.monotonic() + HEARTBEAT_S
@@ -797,10 +770,14 @@ class HFSandboxProvider:
                     raise InsecureURLError(reason)
                 return url
             if (remaining := deadline - time.monotonic()) <= 0:
+                # the API budget held this token's calls since the submit, or holds them now
+                held = client._budget.waited_s > budget_waited or client._budget.wait_s() > 0
+                advice = ("the Hub's API rate limit (see %s) held this token's calls: start fewer "
+                          "jobs at once or raise start_timeout_s" % RATE_LIMIT_ENV if held else
+                          "raise start_timeout_s for slow flavors or large images")
                 raise JobStartTimeout(
-                    "HF job %s exposed no URL within start_timeout_s=%gs (last stage %s); raise "
-                    "start_timeout_s for slow flavors or large images" % (
-                        job_id, settings["start_timeout_s"], self.stage), job_id, self.stage)
+                    "HF job %s exposed no URL within start_timeout_s=%gs (last stage %s); %s"
+                    % (job_id, settings["start_timeout_s"], self.stage, advice), job_id, self.stage)
             if time.monotonic() >= heartbeat:
                 logger.info("HF job %s: still %s, %.0fs after submit (start_timeout_s=%g)", job_id,
                             self.stage, self._elapsed(), settings["start_timeout_s"])
@@ -883,13 +860,26 @@ class HFSandboxProvider:
             return
         for job in found:
             job_id = str(job.get("id"))
-            if (outcome := _cancel_briefly(client, namespace, job_id)) is None:
-                logger.info("cancelled job %s made by a create that reported failure", job_id)
-            else:
-                logger.warning("HF job %s (made by a failed create) could not be cancelled: %s; run "
-                               "`python -m hf_sandbox_provider sweep`", job_id, outcome)
+            logger.info("the failed create made HF job %s anyway: cancelling it", job_id)
+            _release_job(client, namespace, job_id, None, None, None)  # says if it could not
 
 
+def _register_with_openenv() -> None:
+    """Make HFSandboxProvider a virtual OpenEnv `ContainerProvider` once OpenEnv is loaded. Runs at import
+    and at every construction (OpenEnv may have been imported since); registering again is a no-op."""
+    for module_name in _OPENENV_PROVIDER_MODULES:
+        base = getattr(sys.modules.get(module_name), "ContainerProvider", None)
+        if isinstance(base, abc.ABCMeta):  # not an unrelated package that happens to be called `core`
+            base.register(HFSandboxProvider)
+            return
+
+
+# Where OpenEnv's `ContainerProvider` ABC has lived (current, older and pre-package layouts). Looked up in
+# sys.modules, never imported: `openenv.core`'s init loads gradio, pandas and pyarrow (about 4 s, 170 MiB),
+# which a trainer that never uses OpenEnv must not pay. Whoever checks isinstance has imported it already.
+_OPENENV_PROVIDER_MODULES = ("openenv.core.containers.runtime.providers", "openenv.core.containers.runtime",
+                             "openenv_core.containers.runtime.providers",
+                             "core.containers.runtime.providers")
 _register_with_openenv()
 
 
@@ -900,16 +890,14 @@ class _ReplicaSet:
 
     def __init__(self, owner: HFSandboxProvider, settings: Mapping[str, Any], token: str,
                  proxy: "_proxy.AuthProxy") -> None:
-        count = int(settings["replicas"])
-        per_replica = [dict(owner._replica_settings(i, dict(settings, replicas=1))) for i in range(count)]
-        for index, item in enumerate(per_replica):  # a bad override fails before any job
-            if reason := (_settings_rejection(item, image_required=True)
-                          or (None if item.get("replicas") == 1 else "replicas must stay 1")):
-                raise SandboxConfigError("_replica_settings(%d): %s" % (index, reason))
         self.proxy = proxy
         self._owner = weakref.ref(owner)  # weak: the owner holds this set and must stay collectable
         self.children: List[HFSandboxProvider] = []
-        for item in per_replica:
+        for index in range(int(settings["replicas"])):  # a bad override fails before any job
+            item = dict(owner._replica_settings(index, dict(settings, replicas=1)))
+            if reason := (_settings_rejection(item, image_required=True)
+                          or (None if item.get("replicas") == 1 else "replicas must stay 1")):
+                raise SandboxConfigError("_replica_settings(%d): %s" % (index, reason))
             options = {name: item[name] for name in _OVERRIDABLE if name != "replicas"}
             child = HFSandboxProvider(item["image"], port=item["port"], env_vars=item["env_vars"],
                                       token=token, endpoint=owner.endpoint, proxy=proxy, **options)
@@ -1061,10 +1049,6 @@ class _ReplicaSet:
             return {str(entry["upstream"]): dict(entry) for entry in proxy.replica_status(base_url)}
         except ValueError:  # unmounted by a concurrent stop
             return {}
-
-
-# Order of the live stages, least advanced first (an unknown live stage counts as not running yet).
-_LIVE_STAGE_ORDER = {None: 0, **{stage: order for order, stage in enumerate(LIVE_STAGES, 1)}}
 
 
 def _replicas_stage(stages: Sequence[Optional[str]]) -> Optional[str]:
@@ -1230,6 +1214,12 @@ _LABEL_VALUE = re.compile(r"^[A-Za-z0-9_-]{0,%d}\Z" % LABEL_MAX_CHARS)
 _CREDENTIAL_NAME_ENDINGS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIALS", "APIKEY")
 _DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([smhd]?)\s*$")
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+_credential_warnings: "set[str]" = set()  # names warned about (once per process, for all providers)
+_credential_warnings_lock = threading.Lock()
+# endpoint -> the flavors its `GET /api/jobs/hardware` listed, or None when it did not answer (asked
+# once per process and endpoint: the list changes when HF adds hardware, not during a run).
+_live_hardware: Dict[str, Optional[frozenset]] = {}
+_hardware_lock = threading.Lock()
 
 
 def _raise_if_rejected(reason: Optional[str]) -> None:
@@ -1282,12 +1272,6 @@ def _flavor_rejection(flavor: Any, known: Optional[frozenset] = None) -> Optiona
     return ("unknown flavor %r%s; valid Jobs flavors: %s (see `hf jobs hardware`; if HF added a new one, "
             "upgrade huggingface_hub)" % (flavor, " (did you mean %r?)" % close[0] if close else "",
                                           ", ".join(sorted(known))))
-
-
-# endpoint -> the flavors its `GET /api/jobs/hardware` listed, or None when it did not answer (asked once
-# per process and endpoint: the list changes when HF adds hardware, not during a run).
-_live_hardware: Dict[str, Optional[frozenset]] = {}
-_hardware_lock = threading.Lock()
 
 
 def _live_flavor_rejection(client: "_JobsClient", flavor: str) -> Optional[str]:
@@ -1360,10 +1344,6 @@ def _warn_credential_env_vars(env_vars: Mapping[str, Any]) -> None:
         logger.warning("env_vars[%r] looks like a credential: job environment variables are visible to anyone who "
                        "can read the namespace's jobs; pass it as secrets={%r: ...} instead (or "
                        "warn_env_credentials=False if it is not secret)", name, name)
-
-
-_credential_warnings: "set[str]" = set()  # names warned about (once per process, for all providers)
-_credential_warnings_lock = threading.Lock()
 
 
 def _command_rejection(command: Any) -> Optional[str]:
@@ -1549,10 +1529,6 @@ def _resolve_endpoint(endpoint: Optional[str]) -> str:
 def _token_key(endpoint: str, token: str) -> Tuple[str, str]:
     """(endpoint, sha256 of the token): what the process caches a namespace and an API budget by."""
     return (endpoint, hashlib.sha256(token.encode("utf-8")).hexdigest())
-
-
-_namespace_cache: Dict[Tuple[str, str], str] = {}  # by _token_key: whoami-v2 is rate limited
-_namespace_lock = threading.Lock()
 
 
 def _next_link_rejection(url: str, endpoint: str) -> Optional[str]:
@@ -1835,6 +1811,14 @@ class _JobsClient:
 
 
 # -- Process-wide Jobs API budget and job watcher (many providers, one thread, O(1) calls per interval) ---
+# By _token_key, made once under a lock each: the namespace (whoami-v2 is rate limited), the budget.
+_namespace_cache: Dict[Tuple[str, str], str] = {}
+_namespace_lock = threading.Lock()
+_budgets: Dict[Tuple[str, str], "_ApiBudget"] = {}
+_budgets_lock = threading.Lock()
+_RateLimitInfo = Optional[Tuple[int, int, Optional[int], Optional[int], str]]
+
+
 class _ApiBudget:
     """One token's view of the Hub's per-user rate limit: the server's RateLimit headers, else this
     process's calls in a sliding window. With little left it paces calls to the reset, keeping the
@@ -1946,9 +1930,6 @@ class _ApiBudget:
         return max(0.0, self._next_paced - now) if left < self.calls * RATE_LIMIT_PACE_BELOW else 0.0
 
 
-_RateLimitInfo = Optional[Tuple[int, int, Optional[int], Optional[int], str]]
-
-
 def _ratelimit_info(headers: Mapping[str, str]) -> _RateLimitInfo:
     """(remaining, seconds to reset, quota or None, window or None, resource) from an answer's RateLimit
     headers, or None: huggingface_hub's parse_ratelimit_headers (1.2 and later), else the same reading."""
@@ -1990,10 +1971,6 @@ def _configured_rate_limit() -> Tuple[int, float]:
     return quota, seconds
 
 
-_budgets: Dict[Tuple[str, str], _ApiBudget] = {}
-_budgets_lock = threading.Lock()
-
-
 def _api_budget(endpoint: str, token: str) -> _ApiBudget:
     key = _token_key(endpoint, token)
     with _budgets_lock:
@@ -2006,9 +1983,9 @@ class _Watch:
     """One starting provider's registration: the latest job answer, or the error that ends the wait;
     `wake` is set whenever the job's stage or URLs change or the error is set."""
 
-    def __init__(self, namespace: str, job_id: str, interval_s: float, wake: threading.Event,
+    def __init__(self, job_id: str, interval_s: float, wake: threading.Event,
                  job: Optional[Mapping[str, Any]] = None, since: Optional[float] = None) -> None:
-        self.namespace, self.job_id, self.base_interval_s, self.wake = namespace, job_id, interval_s, wake
+        self.job_id, self.base_interval_s, self.wake = job_id, interval_s, wake
         self.since = time.monotonic() if since is None else since  # when the job was submitted
         self.job: Optional[Mapping[str, Any]] = job
         self.error: Optional[BaseException] = None
@@ -2058,7 +2035,7 @@ class _JobWatcher:
                  job: Optional[Mapping[str, Any]] = None, since: Optional[float] = None) -> _Watch:
         """Watch `job_id` until `unregister`; the jobs of one (endpoint, token, namespace) share one refresh,
         by a client of their own whose HTTP session `new_session` makes."""
-        watch = _Watch(namespace, job_id, interval_s, wake, job, since)
+        watch = _Watch(job_id, interval_s, wake, job, since)  # its group holds the namespace
         key = _token_key(endpoint, token) + (namespace,)
         with self._cond:
             if (group := self._groups.get(key)) is None:
@@ -2144,10 +2121,6 @@ class _JobWatcher:
             watch.deliver(found[watch.job_id])
 
 
-_watcher = _JobWatcher()
-_process_label = uuid.uuid4().hex  # this process's PROCESS_LABEL_KEY value (a forked child gets its own)
-
-
 def _reset_after_fork() -> None:
     """A forked child inherits no threads: give it its own watcher, budgets and process label (the
     fetched hardware lists stay valid; a lock held at the fork would not)."""
@@ -2157,13 +2130,14 @@ def _reset_after_fork() -> None:
     _budgets.clear()
 
 
+_watcher = _JobWatcher()
+_process_label = uuid.uuid4().hex  # this process's PROCESS_LABEL_KEY value (a forked child gets its own)
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 # -- Process-wide state: the shared proxy and the exit hook ----------------------------------------
-_shared_proxy_instance: Optional["_proxy.AuthProxy"] = None
-_shared_process_proxy: Any = None  # proxy="process": a proxy_host.AuthProxyProcess
+_shared_proxies: Dict[Optional[str], Any] = {}  # by mode, None or "process" (see _shared_proxy)
 _shared_proxy_lock = threading.Lock()
 _live_finalizers: "set[weakref.finalize]" = set()  # running providers' safety nets (weak)
 
@@ -2171,18 +2145,15 @@ _live_finalizers: "set[weakref.finalize]" = set()  # running providers' safety n
 def _shared_proxy(mode: Optional[str] = None) -> "_proxy.AuthProxy":
     """One loopback proxy for every provider in the process (started on first use). `mode="process"`:
     one proxy host child process (AuthProxy.spawn) shared the same way, replaced if it died."""
-    global _shared_proxy_instance, _shared_process_proxy
     with _shared_proxy_lock:
-        if mode == PROXY_PROCESS:
-            host = _shared_process_proxy
-            if host is None or not host.running:
-                if host is not None:
-                    host.stop()  # reaps it and closes its channel; its routes died with it
-                _shared_process_proxy = host = _proxy.AuthProxy.spawn()
-            return host  # type: ignore[return-value]  # the same routes API
-        if _shared_proxy_instance is None:
-            _shared_proxy_instance = _proxy.AuthProxy().start()
-        return _shared_proxy_instance
+        shared = _shared_proxies.get(mode)
+        if mode == PROXY_PROCESS and shared is not None and not shared.running:
+            shared.stop()  # reaps the dead child and closes its channel; its routes died with it
+            shared = None
+        if shared is None:  # a proxy host offers the same routes API as an AuthProxy
+            shared = _shared_proxies[mode] = (_proxy.AuthProxy.spawn() if mode == PROXY_PROCESS
+                                              else _proxy.AuthProxy().start())
+        return shared
 
 
 def _cancel_briefly(client: "_JobsClient", namespace: str, job_id: str) -> Optional[str]:
@@ -2252,21 +2223,18 @@ def _stop_everything_at_exit() -> None:
     for finalizer in list(_live_finalizers):
         finalizer()  # runs at most once; a no-op if teardown already detached it
     _live_finalizers.clear()
-    global _shared_proxy_instance, _shared_process_proxy
     with _shared_proxy_lock:
-        proxy, _shared_proxy_instance = _shared_proxy_instance, None
-        host, _shared_process_proxy = _shared_process_proxy, None  # proxy="process": its child stops cleanly
-    for shared in (proxy, host):
+        shared = list(_shared_proxies.values())  # proxy="process": its child stops cleanly
+        _shared_proxies.clear()
+    for proxy in shared:
         with contextlib.suppress(Exception):
-            if shared is not None:
-                shared.stop()
+            proxy.stop()
 
 
 # -- The layers: the registry of placements, the names re-exported lazily (PEP 562), the command line ---
 _LAYER_OF = {name: module for module, names in _LAYERS.items() for name in names}
-# Placements besides a dedicated job, by keyword: the layer (file) that provides each. A placement layer
-# plugs in through `_register_placement` when it is imported; the core imports it on first use through
-# this table, never by name, so a copy without that file is told which file to copy.
+# Placements besides a dedicated job, by keyword: the layer (file) that provides each, imported on
+# first use through this table (never by name); as it is imported, it calls `_register_placement`.
 _PLACEMENT_LAYERS = {"pool": "hf_sandbox_pool"}
 _placements: Dict[str, Any] = {}  # keyword -> the registered layer; filled as layers are imported
 

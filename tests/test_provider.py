@@ -333,7 +333,24 @@ def test_no_url_by_start_timeout_raises_timeout_error_and_cancels(api, proxy):
     with pytest.raises(hsp.JobStartTimeout, match="start_timeout_s") as info:
         provider.start_container()
     assert isinstance(info.value, TimeoutError) and info.value.job_id == "job1"
+    assert "slow flavors" in str(info.value) and hsp.RATE_LIMIT_ENV not in str(info.value)
     assert cancels(api) == 1
+
+
+def test_a_start_the_api_budget_held_past_start_timeout_names_the_rate_limit_not_the_flavor(
+        api, proxy, monkeypatch):
+    # 7 calls per window keep a reserve of 5 for cancels: the hardware list and the create use the
+    # other 2, so the budget then holds every watcher refresh until the window resets (300 s).
+    monkeypatch.setenv(hsp.RATE_LIMIT_ENV, "7/300")
+    endpoint = "https://budget-%s.hub.test" % uuid.uuid4().hex  # its own (uncached) hardware list
+    add_job_api(api, endpoint=endpoint, stages=[job_json()])
+    provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=endpoint, proxy=proxy,
+                                     namespace="alice", poll_interval_s=0.01, start_timeout_s=0.5)
+    with pytest.raises(hsp.JobStartTimeout, match="rate limit") as info:
+        provider.start_container()
+    assert hsp.RATE_LIMIT_ENV in str(info.value) and "slow flavors" not in str(info.value)
+    assert not calls_to(api, "GET", "/api/jobs/alice/job1")  # no refresh got through the budget
+    assert cancels(api) == 1  # the cancel goes through on the reserve
 
 
 @pytest.mark.parametrize("url", ["https://evil.example", "http://job1--8000.hf.jobs",
@@ -450,12 +467,13 @@ def test_a_job_made_by_a_failed_create_is_cancelled_or_named_with_sweep(api, pro
     with pytest.raises(hsp.JobsAPIError):
         provider.start_container()
     said = [(r.levelno, r.getMessage()) for r in caplog.records if "ghost" in r.getMessage()]
+    assert said[0] == (logging.INFO, "the failed create made HF job ghost anyway: cancelling it")
     if cancel_status == 200:
-        assert (logging.INFO, "cancelled job ghost made by a create that reported failure") in said
+        assert said[1:] == [(logging.INFO, "HF job ghost cancelled")]
     else:
+        sweep = "cancel it at the Hub or run `python -m hf_sandbox_provider sweep`"
         assert [m for level, m in said if level == logging.WARNING and m.startswith(
-            "HF job ghost (made by a failed create) could not be cancelled: ") and "HTTP 403" in m
-            and m.endswith("; run `python -m hf_sandbox_provider sweep`")], said
+            "HF job ghost: could not cancel it (") and "HTTP 403" in m and m.endswith(sweep)], said
 
 
 def interrupt(request):

@@ -445,10 +445,11 @@ def test_spawn_refuses_a_bad_process_count():
 @pytest.fixture
 def fresh_process_proxy() -> Iterator[None]:
     """The core's shared process host, started fresh by the test and stopped after it."""
-    assert hsp._shared_process_proxy is None or not hsp._shared_process_proxy.running
+    host = hsp._shared_proxies.get("process")
+    assert host is None or not host.running
     yield
     with hsp._shared_proxy_lock:
-        host, hsp._shared_process_proxy = hsp._shared_process_proxy, None
+        host = hsp._shared_proxies.pop("process", None)
     if host is not None:
         host.stop()
 
@@ -460,7 +461,7 @@ def test_provider_with_proxy_process_serves_http_and_websocket_from_the_shared_c
         urls = [p.start_container() for p in providers]
         for provider in providers:
             provider.wait_for_ready()
-        host = hsp._shared_process_proxy
+        host = hsp._shared_proxies.get("process")
         assert isinstance(host, AuthProxyProcess) and host.running
         assert all(url.startswith(host.url + "/") for url in urls)  # one child for both
         with requests.Session() as http:
@@ -485,7 +486,8 @@ def test_provider_replaces_a_shared_process_host_that_died(emu, fresh_process_pr
                                      command=echo_server_command(), poll_interval_s=0.05)
     try:
         provider.wait_for_ready(provider.start_container())
-        assert hsp._shared_process_proxy is not first and hsp._shared_process_proxy.running
+        host = hsp._shared_proxies["process"]
+        assert host is not first and host.running
     finally:
         provider.stop_container()
 
@@ -499,7 +501,7 @@ def test_a_sandbox_with_proxy_process_opens_its_session_through_the_shared_child
         with box.session() as env:
             env.reset()
             assert env.step({"message": "slot"})["observation"]["echoed_message"] == "slot"
-        host = hsp._shared_process_proxy
+        host = hsp._shared_proxies.get("process")
         assert host is not None and host.running and box.provider.base_url.startswith(host.url + "/")
     finally:
         stop_sandboxes()

@@ -355,16 +355,16 @@ def test_start_many_without_an_image_says_where_to_give_one():
 
 def test_a_job_waiting_longer_than_the_slowdown_threshold_is_refreshed_less_often():
     wake = threading.Event()
-    watch = hsp._Watch("ns", "job1", 0.5, wake, since=100.0)
+    watch = hsp._Watch("job1", 0.5, wake, since=100.0)
     assert watch.interval_s(100.0 + hsp.WATCH_SLOWDOWN_AFTER_S - 1) == 0.5
     assert watch.interval_s(100.0 + hsp.WATCH_SLOWDOWN_AFTER_S) == hsp.WATCH_SLOW_INTERVAL_S
-    slow = hsp._Watch("ns", "job2", 60.0, wake, since=100.0)  # a provider asking for less is not sped up
+    slow = hsp._Watch("job2", 60.0, wake, since=100.0)  # a provider asking for less is not sped up
     assert slow.interval_s(1000.0) == 60.0
 
 
 def test_a_watch_wakes_its_provider_only_when_stage_or_urls_change():
     wake = threading.Event()
-    watch = hsp._Watch("ns", "job1", 0.5, wake)
+    watch = hsp._Watch("job1", 0.5, wake)
     scheduling = {"id": "job1", "status": {"stage": "SCHEDULING"}}
     watch.deliver(scheduling)
     assert wake.is_set()
