@@ -1,6 +1,6 @@
 """The request parser against the line-by-line reading it replaced, and requests end to end.
 
-`_Handler.parse_request` matches the request line once and splits the header block once. The spec it
+`_Handler._read_request` matches the request line once and splits the header block once. The spec it
 must keep is the line-by-line strict reading the proxy had before (`_line_by_line` below): the same
 requests accepted with the same fields, the same ones refused with the same status and kind, whatever
 the mix of clean and unclean lines. Hypothesis draws such heads; named edge cases pin the rest. End to
