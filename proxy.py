@@ -1871,19 +1871,19 @@ _BAD_VALUE_REFUSAL = Refusal(400, "bad-header",
                              "A request header value contains control characters.")
 
 class _Handler(http.server.BaseHTTPRequestHandler):
-    """Parses one client connection's requests and forwards each (or tunnels a WebSocket
-    upgrade)."""
+    """Serves one client connection: reads its requests one after another from the connection's
+    own buffer and forwards each (or tunnels a WebSocket upgrade). Only the stdlib's connection
+    hooks are used (setup, handle, finish); parsing and answering are its own."""
 
     protocol_version = "HTTP/1.1"
-    server_version = "hf-sandbox-proxy"
-    sys_version = ""
     server: _Server
     headers: _RequestHeaders  # type: ignore[assignment]  # (the stdlib's parser made a Message)
-    _route_headers: Tuple[Tuple[str, str],
-                          ...] = ()  # the current request's route headers (set per request)
-    _token: Optional[str] = None  # the current request's token (set per request, see _credentials)
-    _bad_value = False  # the current request's header values hold a control character
-    # the current request line is not the usual one (see _ORIGIN_REQUEST_LINE_RE)
+    # The current request's: route token and extra headers (set by _credentials), whether a header
+    # value holds a control character, whether the request line is not the usual one (see
+    # _ORIGIN_REQUEST_LINE_RE).
+    _token: Optional[str] = None
+    _route_headers: Tuple[Tuple[str, str], ...] = ()
+    _bad_value = False
     _odd_target = True
 
     # -- connection plumbing ----------------------------------------------------------------------
