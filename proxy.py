@@ -1,25 +1,20 @@
-"""A loopback auth proxy that fronts remote OpenEnv servers (HF Jobs exposed ports) for local
-clients.
+"""A loopback auth proxy fronting remote OpenEnv servers (HF Jobs exposed ports) for local clients.
 
-`AuthProxy` listens on 127.0.0.1 and mounts upstreams under unguessable path prefixes. Each request
-to `http://127.0.0.1:<port>/<route-id>/<rest>` is forwarded to `<upstream>/<rest>` with the route's
-bearer token injected, so unmodified OpenEnv clients (HTTP and WebSocket) can talk to a
-token-protected job without ever seeing the token. `mount_replicas` puts one route in front of
-several jobs of the same server and spreads WebSocket sessions over them (fewest open sessions
-first).
+`AuthProxy` listens on 127.0.0.1 and forwards `http://127.0.0.1:<port>/<route-id>/<rest>` to
+`<upstream>/<rest>` with the route's bearer token injected (route ids are unguessable), so
+unmodified OpenEnv clients (HTTP and WebSocket) talk to a token-protected job without seeing it.
+`mount_replicas` spreads WebSocket sessions over several jobs of one server (fewest open first).
 
-The shape, top to bottom: an `http.server.ThreadingHTTPServer` whose connections run on a pool of
-worker threads (at most MAX_WORKERS; past that a new connection is answered `503 proxy-busy`). A
-worker reads each request on its connection with one strict parser (`_Handler._read_request`),
-forwards it over a keep-alive connection from the upstream host's pool (plain TCP, or an
-`ssl.SSLSocket`) and streams the answer back. A WebSocket upgrade is replayed to the upstream on a
-connection of its own; once it is answered 101, the session is a tunnel of two threads, one per
-direction, copying raw bytes (frames are never parsed). Blocking sockets only: no event loop, no
-readiness multiplexing. Standard library only.
+The shape: an `http.server.ThreadingHTTPServer` whose connections run on a pool of worker threads
+(at most MAX_WORKERS, then `503 proxy-busy`). A worker parses each request with one strict parser,
+forwards it over a keep-alive connection from the upstream host's pool (TCP or `ssl.SSLSocket`) and
+streams the answer back. A WebSocket upgrade gets a connection of its own; after its 101 the session
+is a tunnel of two threads, one per direction, copying raw bytes. Blocking sockets only: no event
+loop. Standard library only.
 
 Public names: `AuthProxy`, `Route`, `ReplicaRoute`, `Refusal`, `InsecureURLError`.
-`AuthProxy.spawn()` serves one from a child process (module `proxy_host`, loaded on use). Run
-`python proxy.py UPSTREAM_URL` to front one job from the command line.
+`AuthProxy.spawn()` serves one from a child process (module `proxy_host`, loaded on use);
+`python proxy.py UPSTREAM_URL` fronts one job from the command line.
 """
 from __future__ import annotations
 
@@ -62,14 +57,11 @@ log = logging.getLogger("proxy")
 # Constants
 # --------------------------------------------------------------------------------------------------
 
-# The stdlib listen backlog is 5: a burst of a few hundred environments connecting at once would see
-# connection resets. At 8,192 simultaneous sessions a 1,024 backlog overflowed (185 resets) while
-# the listener thread waited for the GIL; 4096 absorbs such bursts. The kernel silently caps it at
-# net.core.somaxconn (4096 by default since Linux 5.4), so asking for more would buy nothing.
+# The stdlib's backlog of 5 would reset a burst of environments connecting at once (1,024 overflowed
+# at 8,192 sessions). The kernel caps it at net.core.somaxconn (4096 by default since Linux 5.4).
 LISTEN_BACKLOG = 4096
-# A keep-alive client connection with no request in flight is closed after this long. Generous
-# because training loops may sit idle between episodes; clients (requests/urllib3) reconnect
-# transparently.
+# A keep-alive client connection with no request in flight is closed after this long: generous, as
+# training loops idle between episodes; clients (requests/urllib3) reconnect transparently.
 CLIENT_IDLE_TIMEOUT_S = 300.0
 # Once the first byte of a request has arrived, its request line and headers must be complete within
 # this bound, so a client that stalls (or drips bytes) mid-headers cannot hold a thread forever.
@@ -86,85 +78,67 @@ MAX_CHUNK_LINE = 4096
 REPLAYABLE_BODY_BYTES = 1024 * 1024
 # Response bodies up to this size are read before answering so headers and body leave in one send.
 SMALL_RESPONSE_BYTES = 64 * 1024
-# Upstream response heads (status line + headers) up to this size are relayed; a bigger one gets 502
-# upstream-head-too-large. No separate line or count limit: clients differ (http.client stops at 100
-# header lines, h11 at 16 KiB by default, curl at 300 KiB), so the proxy is at least as permissive
-# as the Python clients and stays bounded per connection.
+# Upstream response heads up to this size are relayed (a bigger one: 502 upstream-head-too-large),
+# with no line or count limit: at least as permissive as the Python clients (http.client stops at
+# 100 lines, h11 at 16 KiB), still bounded per connection.
 MAX_RESPONSE_HEAD_BYTES = 256 * 1024
 # Interim (1xx) responses relayed before the final one; an upstream sending more is looping: 502.
 MAX_INTERIM_RESPONSES = 32
-# Socket read size for streaming bodies and tunnels: large enough to move a 1 MiB frame in a few
-# calls.
+# Socket read size for streaming bodies: a 1 MiB frame moves in a few calls.
 IO_CHUNK = 64 * 1024
-# Read size of each direction of a WebSocket tunnel. OpenEnv frames are a few hundred bytes; a 1 MiB
-# frame takes 64 reads. A held session's two threads each wait in recv with a buffer of this size.
+# Read size of each tunnel direction: OpenEnv frames are a few hundred bytes, and each held
+# session's two threads wait in recv with a buffer of this size.
 TUNNEL_READ_BYTES = 16 * 1024
-# While an upgrade waits for the upstream's answer, the client is checked every this many seconds: one
-# that hung up frees the thread and the upstream connection at once rather than after read_timeout_s.
+# While an upgrade waits for its answer the client is checked this often, so one that hung up frees
+# the thread and the upstream connection at once, not after read_timeout_s.
 TUNNEL_WATCH_S = 0.5
-# Idle upstream connections kept per route; more concurrent requests simply open more connections.
+# Idle upstream connections kept per host; more concurrent requests simply open more.
 POOL_MAX_IDLE = 64
-# While a request waits for its upstream's answer, the client may hang up (a trainer whose request
-# timed out retries on a new connection): the wait is a blocking read in slices of this many
-# seconds, checking the client between slices, instead of a poll() of both sockets per request (a
-# system call and a GIL hand-off the CPython floor does not pay; an answer within the first slice
-# costs nothing).
+# A request waits for its answer in blocking reads of this many seconds, checking between slices
+# that the client is still there (a trainer that timed out retries on a new connection): no poll()
+# per request, and an answer within the first slice costs nothing.
 ANSWER_WATCH_S = 0.5
 # Pooled upstream connections idle longer than this are not reused: uvicorn (OpenEnv's server)
-# closes idle keep-alive connections after 5 s, and racing that close would turn a request into an
-# error.
+# closes idle keep-alive connections after 5 s, and racing that close would fail a request.
 POOL_IDLE_S = 4.0
-# TLS contexts shared by routes with the same `verify`: one with the system store and certifi's
-# bundle costs ~920 KiB of RSS (measured), and a trainer mounts a route per environment and per
-# replacement, so per-route contexts cost 64 environments ~58 MiB and churned the heap at every
-# restart. A handful of distinct `verify` values is the norm; the least recently used beyond this
-# many is dropped.
+# TLS contexts kept, shared by routes with the same `verify` (the least recently used is dropped):
+# one with the system store costs ~1 MiB, and a trainer mounts a route per environment.
 TLS_CONTEXTS_KEPT = 8
 # How long stop() waits for each thread it started before naming it as left behind.
 STOP_JOIN_S = 5.0
-# Worker threads at most: a keep-alive HTTP connection holds one, an open WebSocket session two (one
-# per direction), so this caps connections served at once and open sessions at half of it. At the
-# cap a new connection (or an upgrade short of its second thread) is answered 503 `X-Proxy-Error:
-# proxy-busy` with `Retry-After` instead of queueing behind connections that may last hours.
+# Worker threads at most: a keep-alive connection holds one, a WebSocket session two. At the cap a
+# new connection (or an upgrade short of its second thread) is answered 503 `proxy-busy` with
+# `Retry-After` rather than queued behind connections that may last hours.
 MAX_WORKERS = 16384
-# A parked worker that got no work for this long ends. Long enough that a trainer's next batch of
-# sessions (seconds to a minute apart) finds the threads the previous one left; short enough that a
-# burst's thousands of threads do not outlive it by much.
+# A parked worker with no work for this long ends: a trainer's next batch of sessions finds the
+# threads the last one left, and a burst's thousands of threads do not outlive it by much.
 WORKER_IDLE_S = 60.0
-# Stack reserved per worker thread (the default is 8 MiB of address space). The proxy's call depth
-# is shallow (handler -> forwarding -> ssl/http.client), far below 256 KiB; it is virtual memory, so
-# resident memory is what is touched either way (benchmarks/RESULTS.md measures RSS per session).
+# Stack reserved per worker thread (the default is 8 MiB of address space): the proxy's call depth
+# is shallow, far below this.
 WORKER_STACK_BYTES = 256 * 1024
 # Seconds a client is asked to wait (Retry-After) when the proxy is at MAX_WORKERS.
 BUSY_RETRY_AFTER_S = 1
-# At the thread cap every new connection is refused, possibly thousands a second: at most one
-# WARNING per this many seconds, carrying the count of refusals since the previous one, says it all.
+# At the cap thousands of connections a second may be refused: one WARNING per this many seconds,
+# with the count since the previous one.
 BUSY_WARNING_EVERY_S = 10.0
-# `python proxy.py` only (its own process, nothing else to be fair to): how long a thread may hold
-# the GIL before another runnable one gets it. The default 5 ms makes thousands of tunnel threads
-# hand the GIL round in a futex-and-context-switch storm when sessions step together; 0.1 s cut a
-# lockstep 4,096-session p99 from 67.8 s to 11.6 s. The library never changes it: the setting is
-# process-wide and a trainer's own threads need the default.
+# `python proxy.py` only (a process of its own): the GIL switch interval. The default 5 ms makes
+# thousands of tunnel threads stepping together pass the GIL round in a context-switch storm; the
+# library never changes it, as the setting is process-wide and a trainer's threads need the default.
 CLI_SWITCH_INTERVAL_S = 0.1
-# A Python socket with a timeout polls before every recv and send: two system calls (and two GIL
-# hand-offs) where one would do. On Linux the client connections and pooled plain upstream
-# connections are blocking sockets whose timeouts the kernel enforces (SO_RCVTIMEO/SO_SNDTIMEO): one
-# call each, about four fewer per forwarded request (benchmarks/RESULTS.md). Elsewhere (timeval
-# layouts differ) Python's own timeouts are used.
+# A Python socket with a timeout polls before every recv and send; on Linux, blocking sockets whose
+# timeouts the kernel enforces (SO_RCVTIMEO/SO_SNDTIMEO) save that call. Elsewhere timeval layouts
+# differ, and Python's own timeouts are used.
 KERNEL_TIMEOUTS = sys.platform.startswith("linux")
 
-# HTTP on a replica route: OpenEnv's /reset, /step and /state keep one environment per server, so a
-# request sent to "any replica" would act on some other episode's state. These GET endpoints are
-# stateless on every OpenEnv server (health check, environment metadata, action/observation schema),
-# so they may go to any live replica; everything else is refused unless the route was mounted with
-# http="any".
+# HTTP on a replica route: OpenEnv's /reset, /step and /state keep one environment per server, so
+# only these GET endpoints, stateless on every OpenEnv server, may go to any live replica (unless
+# the route was mounted with http="any").
 STATELESS_HTTP_PATHS = frozenset(["/health", "/metadata", "/schema"])
-# Answers to a WebSocket upgrade that mean "this replica is down" (the HF jobs proxy answers these
-# when the job is gone or not listening): the upgrade never reached the environment, so it is safe
-# to retry.
+# Answers to a WebSocket upgrade that mean "this replica is down" (the HF jobs proxy's, for a job
+# gone or not listening): the upgrade never reached the environment, so it is safe to retry.
 REPLICA_DOWN_STATUSES = frozenset([502, 503, 504])
-# A session whose upgrade fails on one replica is retried on one other replica, no more: a failure
-# on two replicas in a row usually means the request (or the image) is at fault, not one job.
+# A failed upgrade is retried on one other replica, no more: failing on two in a row usually means
+# the request (or the image) is at fault, not one job.
 REPLICA_ATTEMPTS = 2
 
 # RFC 9110 section 7.6.1 hop-by-hop headers (plus the legacy Proxy-Connection). `Expect` is answered
@@ -242,8 +216,7 @@ HTTP_MODES = ("refuse", "any")
 
 
 class InsecureURLError(ValueError):
-    """Raised by `mount` for an upstream that would carry the token in clear text off this
-    machine."""
+    """Raised by `mount` for an upstream that would carry the token in clear text off this host."""
 
 
 class Refusal(NamedTuple):
@@ -256,10 +229,8 @@ class Refusal(NamedTuple):
     kind: str  # short machine word, e.g. "unauthorized", "unknown-route"
     message: str  # human sentence, goes in the JSON body
     headers: Tuple[Tuple[str, str], ...] = ()  # e.g. (("WWW-Authenticate", "Bearer"),)
-    # send `X-Proxy-Error: <kind>` (False: look like the upstream's own answer)
-    proxy_error: bool = True
-    # extra JSON fields for the body, e.g. which replicas failed
-    body: Optional[Dict[str, object]] = None
+    proxy_error: bool = True  # send `X-Proxy-Error: <kind>`
+    body: Optional[Dict[str, object]] = None  # extra JSON fields, e.g. which replicas failed
 
 
 # --------------------------------------------------------------------------------------------------
@@ -280,15 +251,14 @@ class Route:
     """
 
     def __init__(self, upstream: str, token: Token, verify: Verify = True,
-                 headers: ExtraHeaders = None,
-                 host_pools: Optional["_HostPools"] = None) -> None:
+                 headers: ExtraHeaders = None, host_pools: Optional["_HostPools"] = None) -> None:
         _raise_if_rejected(_upstream_rejection(upstream))
         parts = urllib.parse.urlsplit(upstream)
         if parts.scheme.lower() == "http" and not _is_loopback_host(parts.hostname or ""):
             raise InsecureURLError(
                 "refusing cleartext upstream %s://%s: the token would cross the network "
-                "unencrypted; use https:// (http:// is only allowed for loopback "
-                "hosts)" % (parts.scheme, parts.netloc))
+                "unencrypted; use https:// (http:// is only allowed for loopback hosts)"
+                % (parts.scheme, parts.netloc))
         _raise_if_rejected(_token_rejection(token) or _verify_rejection(verify)
                            or _extra_headers_rejection(headers, token is not None))
         self.upstream: str = upstream
@@ -298,53 +268,47 @@ class Route:
         self.verify: Verify = verify
         self.scheme: str = parts.scheme.lower()
         self.host: str = parts.hostname or ""
-        self.port: int = parts.port or (443 if self.scheme == "https" else 80)
-        self.base_path: str = parts.path.rstrip("/")
-        # An IP-literal upstream (the emulator, a local server) needs no name lookup per connection:
-        # getaddrinfo releases the GIL, and with thousands of sessions opening every release is a
-        # context switch. Host names are still resolved per connection (DNS answers change).
-        self._ip_family: Optional[int] = _ip_literal_family(self.host)
         default_port = 443 if self.scheme == "https" else 80
-        host_for_header = "[%s]" % self.host if ":" in self.host else self.host
-        self.host_header: str = (host_for_header if self.port == default_port
-                                 else "%s:%d" % (host_for_header, self.port))
-        self.label: str = "%s://%s" % (self.scheme, self.host_header)
+        self.port: int = parts.port or default_port
+        self.base_path: str = parts.path.rstrip("/")
+        # An IP literal needs no getaddrinfo per connection (each one a GIL release); host names
+        # are resolved per connection, as DNS answers change.
+        self._ip_family: Optional[int] = _ip_literal_family(self.host)
+        host_header = "[%s]" % self.host if ":" in self.host else self.host
+        if self.port != default_port:
+            host_header += ":%d" % self.port
+        self.host_header: str = host_header
+        self.label: str = "%s://%s" % (self.scheme, host_header)
         self.headers: ExtraHeaders = headers  # never logged or shown: it may hold credentials
         self._fixed_headers: Tuple[Tuple[str, str], ...] = (
             () if headers is None or callable(headers) else tuple(headers.items()))
         self._lock = threading.Lock()  # tunnels and failure runs; never the pool
-        # The host's pool (shared with the proxy's other routes to this host, or this route's own),
-        # whose idle keep-alive connections (newest on the right) this route uses, and this route's
-        # connections in flight, so close() can abort a request that is still streaming. Lock-free:
-        # see _checkout.
-        key = (self.scheme, self.host, self.port, verify)
-        self._pool: _HostPool = (host_pools or _HostPools()).acquire(key)
+        # The host's pool (shared with the proxy's other routes to this host) holds the idle
+        # keep-alive connections (newest on the right); `_active` are this route's in flight, so
+        # close() can abort a request still streaming. Lock-free: see _checkout.
+        self._host_pools = host_pools or _HostPools()
+        self._pool = self._host_pools.acquire((self.scheme, self.host, self.port, verify))
         self._idle: "collections.deque[_UpstreamConnection]" = self._pool.idle
         self._active: Set[_UpstreamConnection] = set()
         self._tunnels: Set[_Tunnel] = set()  # WebSocket sessions, from their upgrade's connect on
         self._closed = False
-        # The current run of upstream failures: while a job boots, every readiness probe fails the
-        # same way, and one WARNING per run (plus one INFO on recovery) says all there is to say.
+        # The current run of upstream failures: while a job boots every readiness probe fails the
+        # same way, and one WARNING per run (plus one INFO on recovery) says it all.
         self._failing_kind: Optional[str] = None
         self._failures_in_run = 0
 
     def __repr__(self) -> str:
         verify = self.verify if isinstance(self.verify, bool) else "<ca bundle>"
-        return "Route(%s, token=%s, verify=%s%s)" % (self.label,
-                                                     "set" if self.token is not None else "None",
-                                         verify,
-                                                    "" if self.headers is None else ", headers=set")
+        return "Route(%s, token=%s, verify=%s%s)" % (
+            self.label, "set" if self.token is not None else "None", verify,
+            "" if self.headers is None else ", headers=set")
 
     def current_token(self) -> Optional[str]:
-        """The token to inject now: the string, or the callable's answer (read per request for
-        rotation)."""
+        """The token to inject now: the string, or the callable's answer (read per request)."""
         token = self.token
         if token is None or token is self._checked_token:  # fixed and checked: no work per request
             return self._checked_token
-        value = token() if callable(token) else token
-        if value is not None and _token_rejection(value):
-            raise ValueError("the token %s is not a usable token string" % (
-                "callable returned something that" if callable(token) else "set on the route"))
+        value = _called_token(token)
         if not callable(token):
             self._checked_token = value  # (a string assigned to `token` after mount)
         return value
@@ -390,14 +354,10 @@ class Route:
         with self._lock:
             was_closed, self._closed = self._closed, True
             tunnels = list(self._tunnels)
-        idle = [] if was_closed else self._pool.release()
-        active = self._active.copy()
-        problems: List[str] = []
-        for conn in idle:
-            problem = _quiet_close(conn)
-            if problem:
-                problems.append("pooled connection to %s (%s)" % (self.label, problem))
-        for conn in active:
+        idle = [] if was_closed else self._host_pools.release(self._pool)
+        problems = ["pooled connection to %s (%s)" % (self.label, problem)
+                    for problem in map(_quiet_close, idle) if problem]
+        for conn in self._active.copy():
             _abort_socket(conn.sock)
         for tunnel in tunnels:
             tunnel.cut_off()
@@ -406,8 +366,7 @@ class Route:
     def tls_context(self) -> ssl.SSLContext:
         """The TLS context for this upstream, honouring `verify` like requests (bool or CA bundle
         path)."""
-        return self._pool.tls_context(self.verify)
-
+        return self._pool.tls_context()
 
     # -- machinery (used by the request handler) ------------------------------------------------
 
@@ -426,15 +385,13 @@ class Route:
                 conn = self._idle.pop()  # the most recently used: the least likely to be stale
             except IndexError:
                 break
-            # Reusable: no stray bytes read or readable (an idle keep-alive connection that is
-            # readable was closed).
+            # an idle keep-alive connection that is readable was closed (or holds stray bytes)
             if conn.since >= cutoff and conn.looks_idle():
                 self._register(conn)
                 return conn, True
             conn.close()
         sock = self._connect(proxy.connect_timeout_s)
-        slice_s = min(ANSWER_WATCH_S,
-                      proxy.read_timeout_s)  # reads wait in slices (see _UpstreamConnection)
+        slice_s = min(ANSWER_WATCH_S, proxy.read_timeout_s)  # see _UpstreamConnection
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.scheme == "https":  # handshakes now, within the connect timeout
@@ -460,8 +417,7 @@ class Route:
         """Return a connection after its response was fully read (reusable) or close it."""
         self._active.discard(conn)
         pool, idle = self._pool, self._idle
-        # A closed route's finished connection still serves the host's other routes: only the pool's
-        # end closes it.
+        # (a closed route's connection still serves the host's other routes)
         if not reusable or pool.closed or len(idle) >= POOL_MAX_IDLE:
             conn.close()
             return
@@ -477,17 +433,12 @@ class Route:
                 idle.append(old)
                 break
             old.close()
-        # the pool's last route closed while we appended: it may have missed this one
-        if pool.closed:
-            for late in self._drain_idle():
+        if pool.closed:  # the pool's last route closed while we appended: it may have missed it
+            for late in _drain(idle):
                 late.close()
 
-    def _drain_idle(self) -> List["_UpstreamConnection"]:
-        return _drain(self._idle)
-
     def _connect(self, timeout: float) -> socket.socket:
-        """A connected TCP socket to the upstream (with `timeout` set), like
-        socket.create_connection."""
+        """A TCP socket connected to the upstream with `timeout` set (socket.create_connection)."""
         if self._ip_family is None:
             return socket.create_connection((self.host, self.port), timeout=timeout)
         sock = socket.socket(self._ip_family, socket.SOCK_STREAM)
@@ -512,38 +463,25 @@ class Route:
 
 
 class _HostPool:
-    """The idle keep-alive connections to one upstream host and its TLS context, shared by the
-    routes that use it (`users`); closed, with its idle connections, when the last of them
-    closes."""
+    """The idle keep-alive connections to one upstream host (scheme, host, port, verify) and its TLS
+    context, shared by the routes that use it (`users`); closed with the last of them."""
 
     def __init__(self, key: Tuple[str, str, int, Verify]) -> None:
         self.key = key
         self.idle: "collections.deque[_UpstreamConnection]" = collections.deque()
         self.users = 0
         self.closed = False
-        self._registry: Optional[_HostPools] = None
         self._tls_context: Optional[ssl.SSLContext] = None
-        self._tls_lock = threading.Lock()
 
-    def tls_context(self, verify: Verify) -> ssl.SSLContext:
-        context = self._tls_context
-        if context is None:
-            with self._tls_lock:
-                if self._tls_context is None:
-                    # one per verify for the whole process
-                    self._tls_context = _shared_tls_context(verify)
-                context = self._tls_context
-        return context
-
-    def release(self) -> List["_UpstreamConnection"]:
-        """One user fewer; when it was the last, close the pool and return its idle connections."""
-        assert self._registry is not None
-        return self._registry.release(self)
+    def tls_context(self) -> ssl.SSLContext:
+        """The process-wide context for this host's `verify` (a race fetches the same one twice)."""
+        if self._tls_context is None:
+            self._tls_context = _shared_tls_context(self.key[3])
+        return self._tls_context
 
 
 class _HostPools:
-    """The host pools of one `AuthProxy` (or of one stand-alone route), by (scheme, host, port,
-    verify)."""
+    """The host pools of one `AuthProxy` (or of one stand-alone route), by their key."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -554,11 +492,11 @@ class _HostPools:
             pool = self._pools.get(key)
             if pool is None:
                 pool = self._pools[key] = _HostPool(key)
-                pool._registry = self
             pool.users += 1
             return pool
 
     def release(self, pool: _HostPool) -> List["_UpstreamConnection"]:
+        """One user fewer; when it was the last, close the pool and return its idle connections."""
         with self._lock:
             pool.users -= 1
             if pool.users > 0:
@@ -603,12 +541,11 @@ class ReplicaRoute:
         self.http: str = http
         self.label: str = "replica route"
         self._lock = threading.Lock()
-        self._replicas: List[_Replica] = []
         self._next = 0  # round-robin start among replicas tied on open sessions
         self._created = 0  # replicas ever added: numbers them in logs (never reused)
         self._closed = False
-        for upstream in upstreams:
-            self._replicas.append(self._new_replica(upstream))
+        self._replicas: List[_Replica] = []
+        self._replicas = [self._new_replica(upstream) for upstream in upstreams]
 
     def __repr__(self) -> str:
         with self._lock:
@@ -620,11 +557,7 @@ class ReplicaRoute:
     def current_token(self) -> Optional[str]:
         """The token to inject now (the string, or the callable's answer), shared by every
         replica."""
-        token = self.token() if callable(self.token) else self.token
-        if token is not None and _token_rejection(token):
-            raise ValueError("the token callable returned something that is not a usable token "
-                             "string")
-        return token
+        return _called_token(self.token)
 
     def status(self) -> List[Dict[str, object]]:
         """One dict per replica, in mount order: `upstream` (the URL as mounted; it holds no
@@ -688,8 +621,7 @@ class ReplicaRoute:
         return replica
 
     def _set_label(self, label: str) -> None:
-        """Name the route in logs (e.g. "route-3"); replicas are logged as "<label> replica-<n>
-        (<host>)"."""
+        """Name the route in logs (e.g. "route-3"); a replica is "<label> replica-<n> (<host>)"."""
         with self._lock:
             self.label = label
             for replica in self._replicas:
@@ -729,8 +661,7 @@ class ReplicaRoute:
 
 
 class _Replica:
-    """One upstream of a `ReplicaRoute`: its `Route` plus its rotation state (guarded by the
-    ReplicaRoute's lock)."""
+    """One upstream of a `ReplicaRoute`: its `Route` and rotation state (under the route's lock)."""
 
     def __init__(self, upstream: str, route: Route, number: int, where: str) -> None:
         self.upstream = upstream
@@ -758,20 +689,12 @@ class AuthProxy:
     map request targets to routes their own way (the HF Jobs emulator's token gate does).
     """
 
-    def __init__(
-        self,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        *,
-        connect_timeout_s: float = 10.0,
-        read_timeout_s: float = 300.0,
-        idle_timeout_s: float = CLIENT_IDLE_TIMEOUT_S,
-        header_timeout_s: float = HEADER_TIMEOUT_S,
-    ) -> None:
-        for name, value in (("connect_timeout_s", connect_timeout_s),
-                            ("read_timeout_s", read_timeout_s),
-                            ("idle_timeout_s", idle_timeout_s),
-                            ("header_timeout_s", header_timeout_s)):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, connect_timeout_s: float = 10.0,
+                 read_timeout_s: float = 300.0, idle_timeout_s: float = CLIENT_IDLE_TIMEOUT_S,
+                 header_timeout_s: float = HEADER_TIMEOUT_S) -> None:
+        timeouts = {"connect_timeout_s": connect_timeout_s, "read_timeout_s": read_timeout_s,
+                    "idle_timeout_s": idle_timeout_s, "header_timeout_s": header_timeout_s}
+        for name, value in timeouts.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError("%s must be a positive number of seconds, got %r" % (name, value))
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
@@ -787,8 +710,8 @@ class AuthProxy:
         self._requested_port = port
         self._lock = threading.Lock()
         self._routes: Dict[str, AnyRoute] = {}
-        # keep-alive connections per upstream host, shared by its routes
-        self._host_pools = _HostPools()
+        self._host_pools = _HostPools()  # shared by the routes to one upstream host
+        # Every route a request reached: stop() also closes those a subclass's route_request made.
         self._seen_routes: "weakref.WeakSet[AnyRoute]" = weakref.WeakSet()
         self._route_count = 0
         self._server: Optional[_Server] = None
@@ -822,12 +745,10 @@ class AuthProxy:
                 self._server = self._new_server()
             except OSError as exc:
                 raise OSError(exc.errno, "AuthProxy cannot listen on %s:%d (%s); pick another "
-                                         "port, or 0 for a free "
-                                         "one" % (self.host, self._requested_port,
-                                                       exc.strerror or exc)) from None
+                              "port, or 0 for a free one" % (self.host, self._requested_port,
+                                                             exc.strerror or exc)) from None
             self._serve_thread = threading.Thread(target=self._server.serve_until_woken,
-                                                  name="proxy-listener",
-                                                  daemon=True)
+                                                  name="proxy-listener", daemon=True)
             _start_thread(self._serve_thread)
         log.info("proxy listening on %s", self.url)
         return self
@@ -850,11 +771,10 @@ class AuthProxy:
             self._routes.clear()
         if server is None:
             return
-        leftovers: List[str] = []
         server.wake()
-        if serve_thread is not None:
-            # the loop must be out of accept() before the listener closes
+        if serve_thread is not None:  # out of accept() before the listener closes
             serve_thread.join(STOP_JOIN_S)
+        leftovers: List[str] = []
         try:
             server.server_close()
         except OSError as exc:  # pragma: no cover
@@ -864,8 +784,7 @@ class AuthProxy:
         server.abort_connections()
         server.workers.close()
         deadline = time.monotonic() + STOP_JOIN_S
-        threads = [serve_thread] if serve_thread else []
-        threads += server.all_threads()
+        threads = ([serve_thread] if serve_thread else []) + server.all_threads()
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
             if thread.is_alive():
@@ -901,16 +820,15 @@ class AuthProxy:
 
     def mount(self, upstream: str, token: Token, *, verify: Verify = True,
               headers: ExtraHeaders = None) -> str:
-        """Forward `<base_url>/<rest>` to `<upstream>/<rest>` with `Authorization: Bearer <token>`.
+        """Forward `<base_url>/<rest>` to `<upstream>/<rest>` with `Authorization: Bearer <token>`;
+        return the base URL (`http://127.0.0.1:<port>/<route-id>`, an id of 192 random bits).
 
         `token` is a string or a zero-argument callable read at each request. The upstream may carry
         a path prefix (`https://host/v1/x/proxy/8000`: `<base_url>/a?q` goes to
         `/v1/x/proxy/8000/a?q`). `headers` (a mapping, or a zero-argument callable returning one,
-        read at each request) are added to every request and WebSocket upgrade, replacing any the
-        client sent with the same names; their values are never logged or shown. Routes to the same
-        upstream host (scheme, host, port, verify) share its keep-alive connections. Returns the
-        base URL (`http://127.0.0.1:<port>/<route-id>`); the route id is unguessable (192 random
-        bits).
+        read per request) are added to every request and upgrade, replacing the client's of the
+        same names; their values are never logged. Routes to one upstream host (scheme, host, port,
+        verify) share its keep-alive connections.
         """
         if self._server is None or self._stopping:
             raise RuntimeError("AuthProxy is not serving: call start() (or use it as a context "
@@ -926,18 +844,15 @@ class AuthProxy:
 
     def mount_replicas(self, upstreams: Sequence[str], token: Token, *, verify: Verify = True,
                        http: str = "refuse") -> str:
-        """Mount one route in front of several upstreams running the same server; returns its base
-        URL.
+        """Mount one route in front of several upstreams running the same server (same `token` and
+        `verify`); return its base URL. `unmount` closes it like any route.
 
-        Every upstream gets the same `token` (string or callable) and `verify`. Each new WebSocket
-        session goes to the live replica with the fewest open sessions; a replica whose upgrade
-        fails is taken out of rotation (see `replica_status`) and the session retried once on
-        another; with no live replica left the client gets 502 `X-Proxy-Error: no-live-replica`.
-        HTTP: `GET`/`HEAD` of /health, /metadata and /schema go to a live replica; anything else is
-        answered 409 `X-Proxy-Error: replicated-http-refused`, because OpenEnv's HTTP /reset and
-        /step keep state per server and cannot be pinned to one replica. `http="any"` forwards every
-        HTTP request to a live replica, for servers whose HTTP endpoints are stateless. `unmount`
-        closes it like any route.
+        Each new WebSocket session goes to the live replica with the fewest open sessions; a replica
+        whose upgrade fails leaves rotation (see `replica_status`) and the session is retried once
+        on another; with none left the client gets 502 `X-Proxy-Error: no-live-replica`. HTTP:
+        `GET`/`HEAD` of /health, /metadata and /schema go to a live replica, anything else gets 409
+        `replicated-http-refused` (OpenEnv's /reset and /step keep state per server), unless
+        `http="any"` (servers whose HTTP endpoints are stateless).
         """
         if self._server is None or self._stopping:
             raise RuntimeError("AuthProxy is not serving: call start() (or use it as a context "
@@ -952,9 +867,8 @@ class AuthProxy:
         return "%s/%s" % (self.url, route_id)
 
     def add_replica(self, base_url: str, upstream: str) -> bool:
-        """Add `upstream` to the replica route at `base_url`, or put it back in rotation if it had
-        failed. Returns False if it was already live. Same token and verify as the route's
-        others."""
+        """Add `upstream` (same token and verify) to the replica route at `base_url`, or put it back
+        in rotation if it had failed; False if it was already live."""
         return self._replica_route(base_url).add(upstream)
 
     def remove_replica(self, base_url: str, upstream: str) -> bool:
@@ -980,9 +894,8 @@ class AuthProxy:
                          "route made by mount_replicas()")
 
     def unmount(self, base_url: str) -> bool:
-        """Remove the route behind `base_url` (single or replica route) and close its connections
-        and tunnels. Returns False when no such route is mounted (already unmounted): safe to call
-        twice."""
+        """Remove the route behind `base_url` and close its connections and tunnels; False when no
+        such route is mounted (safe to call twice)."""
         route_id = _route_id(base_url)
         with self._lock:
             route = self._routes.pop(route_id, None)
@@ -1004,8 +917,7 @@ class AuthProxy:
         when sent.
         """
         path, sep, query = target.partition("?")
-        # "/<route-id>/<rest>" (route ids are never "")
-        route_id, _, rest = path.partition("/")[2].partition("/")
+        route_id, _, rest = path.partition("/")[2].partition("/")  # (route ids are never "")
         route = self._routes.get(route_id)
         if route is None:
             return Refusal(404, "unknown-route",
@@ -1015,44 +927,29 @@ class AuthProxy:
 
 
 # --------------------------------------------------------------------------------------------------
-# Validation (each returns the reason something is refused, or None)
+# Shared with hf_sandbox_provider and hf_jobs_emulator (one copy): the loopback test and the library
+# threads' signal rule, here in the bottom module (standard library only) that both import.
 # --------------------------------------------------------------------------------------------------
 
 
-# --------------------------------------------------------------------------------------------------
-# Shared with hf_sandbox_provider and hf_jobs_emulator: ONE copy of the loopback test and of the library
-# threads' signal rule. They live here because this is the bottom module (standard library only) that both
-# import; the emulator, and every echo-server job process it spawns, never imports requests or the provider.
-# --------------------------------------------------------------------------------------------------
-
-
-# Signals a process receives to end (a scheduler's SIGTERM, Ctrl-C, a closed terminal). The kernel
-# may hand a process-directed signal to any thread that does not block it (Linux prefers the main
-# thread, but not when that one has a signal pending), while CPython runs Python handlers only in
-# the main thread and a blocking call there (a sleep, a join) is cut short only if the signal landed
-# on that thread. Every thread the library starts blocks these, so they always reach the main
-# thread.
+# Signals a process receives to end (SIGTERM, Ctrl-C, a closed terminal). The kernel may hand one to
+# any thread not blocking it, while CPython runs handlers, and cuts a blocking call short, only in
+# the main thread: every thread the library starts blocks these, so they reach the main thread.
 MAIN_THREAD_SIGNALS = frozenset(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
                                 if hasattr(signal, name))
-# Every other asynchronous signal (timers, children, terminals, users) is blocked in library threads
-# too. They have no use for one (CPython runs Python handlers only in the main thread), and one
-# landing there interrupts a blocking call: CPython retries a recv or send that a signal
-# interrupted, and for a socket whose timeout the kernel enforces (KERNEL_TIMEOUTS) the retry starts
-# the whole timeout again, so a signal every few seconds kept a stalled upstream or client from ever
-# timing out (a SIGUSR1 every 20 ms: no 504 in 15 s instead of one at 1.5 s). Left deliverable: the
-# fault signals, which must reach the thread that caused them, and the CPU-time profiling timers
-# (SIGPROF, SIGVTALRM), which the kernel sends only to a thread that is running, never to one
-# waiting in a recv.
+# The other asynchronous signals are blocked in library threads too: they have no use for one, and
+# a recv or send that one interrupts is retried with its whole kernel timeout (KERNEL_TIMEOUTS)
+# again, so frequent signals kept a stalled peer from ever timing out. Left deliverable: fault
+# signals (they must reach their thread) and CPU profiling timers (sent only to running threads).
 LIBRARY_THREAD_BLOCKED_SIGNALS = MAIN_THREAD_SIGNALS | frozenset(
-    getattr(signal, name) for name in ("SIGALRM", "SIGUSR1", "SIGUSR2", "SIGCHLD", "SIGPIPE", "SIGQUIT",
-                                       "SIGWINCH", "SIGCONT", "SIGTSTP", "SIGTTIN", "SIGTTOU", "SIGURG",
-                                       "SIGIO", "SIGPWR", "SIGXCPU", "SIGXFSZ")
+    getattr(signal, name) for name in (
+        "SIGALRM", "SIGUSR1", "SIGUSR2", "SIGCHLD", "SIGPIPE", "SIGQUIT", "SIGWINCH", "SIGCONT",
+        "SIGTSTP", "SIGTTIN", "SIGTTOU", "SIGURG", "SIGIO", "SIGPWR", "SIGXCPU", "SIGXFSZ")
     if hasattr(signal, name))
 
 
 def _layer(name: str) -> types.ModuleType:
-    """The optional module `name` beside this one (relative inside a package), imported on first
-    use."""
+    """The optional module `name` beside this one (relative inside a package), imported on use."""
     try:
         return importlib.import_module(("." if __package__ else "") + name, __package__ or None)
     except ModuleNotFoundError as exc:
@@ -1064,8 +961,8 @@ def _layer(name: str) -> types.ModuleType:
 
 @contextlib.contextmanager
 def _library_signal_mask() -> Iterator[None]:
-    """Block LIBRARY_THREAD_BLOCKED_SIGNALS in this thread meanwhile, so that threads started inside
-    inherit the mask (a new thread takes its creator's); a signal sent meanwhile waits, it is not lost."""
+    """Block LIBRARY_THREAD_BLOCKED_SIGNALS in this thread meanwhile, so threads started inside
+    inherit the mask; a signal sent meanwhile waits, it is not lost."""
     if not hasattr(signal, "pthread_sigmask"):  # Windows: no per-thread signal masks
         yield
         return
@@ -1083,9 +980,8 @@ def _start_thread(thread: threading.Thread) -> None:
 
 
 def _is_loopback_host(host: Optional[str]) -> bool:
-    """True for a host that names this machine: `localhost`, `*.localhost` (RFC 6761), a loopback IP
-    literal, with or without the `[...]` of an IPv6 URL host. The one rule for "may go in clear
-    text"."""
+    """The one rule for "may go in clear text": `localhost`, `*.localhost` (RFC 6761) or a loopback
+    IP literal, with or without the `[...]` of an IPv6 URL host."""
     if not host:
         return False
     host = host.strip("[]").lower().rstrip(".")
@@ -1110,15 +1006,18 @@ def _route_id(base_url: object) -> str:
     return base_url.rstrip("/").rsplit("/", 1)[-1] if isinstance(base_url, str) else ""
 
 
+# --------------------------------------------------------------------------------------------------
+# Validation (each returns the reason something is refused, or None)
+# --------------------------------------------------------------------------------------------------
+
+
 def _replicas_rejection(upstreams: object) -> Optional[str]:
-    if isinstance(upstreams, (str, bytes)) or not isinstance(upstreams, (list, tuple)):
+    if not isinstance(upstreams, (list, tuple)):
         return ("upstreams must be a list of job URLs like ['https://<job>--8000.hf.jobs', ...], "
-                "got %s"
-                % type(upstreams).__name__)
+                "got %s" % type(upstreams).__name__)
     if not upstreams:
         return "upstreams is empty; pass at least one job URL (use mount() for a single job)"
-    for upstream in upstreams:
-        reason = _upstream_rejection(upstream)
+    for reason in map(_upstream_rejection, upstreams):
         if reason:
             return reason
     if len(set(upstreams)) != len(upstreams):
@@ -1172,11 +1071,19 @@ def _token_rejection(token: object) -> Optional[str]:
                 "%s" % type(token).__name__)
     if not token:
         return "token is empty; pass your HF token (or None to inject no Authorization header)"
-    # checked per request (tokens rotate): a regex, not a char loop
-    if _BAD_TARGET_CHAR_RE.search(token):
+    if _BAD_TARGET_CHAR_RE.search(token):  # (a regex: a callable's answer is checked per request)
         return ("token contains whitespace, control or non-ASCII characters; pass the bare token "
                 "without 'Bearer '")
     return None
+
+
+def _called_token(token: Token) -> Optional[str]:
+    """The token's value now (the string, or the callable's answer); ValueError if unusable."""
+    value = token() if callable(token) else token
+    if value is not None and _token_rejection(value):
+        raise ValueError("the token %s is not a usable token string" % (
+            "callable returned something that" if callable(token) else "set on the route"))
+    return value
 
 
 def _extra_headers_rejection(headers: object, with_token: bool) -> Optional[str]:
@@ -1198,20 +1105,18 @@ def _extra_headers_rejection(headers: object, with_token: bool) -> Optional[str]
         if low == "authorization" and with_token:
             return ("headers: Authorization conflicts with the route's token; pass token=None to "
                     "send your own")
-        if not isinstance(value, str) or not value.isascii() or "\r" in value or "\n" in value or \
-                _BAD_VALUE_CHAR_RE.search(value):
+        if (not isinstance(value, str) or not value.isascii() or "\r" in value or "\n" in value
+                or _BAD_VALUE_CHAR_RE.search(value)):
             return ("headers: the value of %s is not a string of printable ASCII (the value is not "
                     "shown)" % name)
     return None
 
 
 def _verify_rejection(verify: object) -> Optional[str]:
-    if isinstance(verify, bool):
-        return None
-    if isinstance(verify, str):
-        if not os.path.exists(verify):
-            return ("verify=%r: no such CA bundle file or directory; pass True, False or an "
-                    "existing path" % verify)
+    if isinstance(verify, str) and not os.path.exists(verify):
+        return ("verify=%r: no such CA bundle file or directory; pass True, False or an "
+                "existing path" % verify)
+    if isinstance(verify, (bool, str)):
         return None
     return ("verify must be True, False or a CA bundle path (like requests), got "
             "%s" % type(verify).__name__)
