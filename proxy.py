@@ -1340,13 +1340,11 @@ class _UpstreamFailure(Exception):
 
 
 class _UpstreamClosed(ConnectionError):
-    """The upstream closed, reset or TLS-ended the connection before sending any byte of an
-    answer."""
+    """The upstream closed, reset or TLS-ended the connection before any byte of an answer."""
 
 
 class _BadResponse(Exception):
-    """The upstream's answer broke HTTP/1.1 (or a proxy limit): `kind` is the X-Proxy-Error
-    value."""
+    """The upstream's answer broke HTTP/1.1 or a proxy limit: `kind` is the X-Proxy-Error value."""
 
     def __init__(self, kind: str, what: str) -> None:
         super().__init__(what)
@@ -1369,13 +1367,12 @@ def _client_body_error(exc: BaseException) -> _ClientBodyError:
 
 
 def _client_body_refusal(exc: _ClientBodyError, idle_timeout_s: float) -> Refusal:
-    """408 for a body that stopped arriving (the client is slow, not wrong), 400 for a malformed
-    one."""
+    """408 for a body that stopped arriving (a slow client, not a wrong one), 400 for a bad one."""
     if isinstance(exc, _ClientBodyTimeout):
-        return Refusal(408, "request-timeout", "The request body stopped arriving: nothing came "
-                                               "for %g s (idle_timeout_s); the request was "
-                                               "dropped. Send the whole body without pausing that "
-                                               "long." % idle_timeout_s)
+        return Refusal(408, "request-timeout",
+                       "The request body stopped arriving: nothing came for %g s (idle_timeout_s); "
+                       "the request was dropped. Send the whole body without pausing that long."
+                       % idle_timeout_s)
     return Refusal(400, "bad-body", "The request body was malformed: %s." % exc)
 
 
@@ -1384,8 +1381,7 @@ class _ClientGone(Exception):
 
 
 def _failure_name(exc: BaseException) -> str:
-    """A short, secret-free name for a connection failure (the TLS reason, else the exception
-    type)."""
+    """A short, secret-free name for a failure (the TLS reason, else the exception type)."""
     return str(getattr(exc, "reason", None) or type(exc).__name__)
 
 
@@ -1400,39 +1396,34 @@ def _classify_upstream_error(exc: BaseException, route: Route) -> Refusal:
     """Map an exception from talking to the upstream to a 502/504 refusal (never containing the
     token)."""
     where = route.label
+    unreachable = "upstream-unreachable"
     if isinstance(exc, _BadResponse):
         return Refusal(502, exc.kind, "The upstream %s %s." % (where, exc.what))
     if isinstance(exc, _UpstreamClosed):
-        return Refusal(502, "upstream-unreachable", "The upstream %s closed the connection without "
-                                                    "answering (%s); did the job "
-                                                    "restart?" % (where, exc))
+        return Refusal(502, unreachable, "The upstream %s closed the connection without answering "
+                                         "(%s); did the job restart?" % (where, exc))
     if isinstance(exc, (socket.timeout, TimeoutError)):
-        return Refusal(504, "upstream-timeout",
-                       "The upstream %s did not answer in time; the job may be overloaded or "
-                       "stuck." % where)
+        return Refusal(504, "upstream-timeout", "The upstream %s did not answer in time; the job "
+                                                "may be overloaded or stuck." % where)
     if isinstance(exc, (ssl.SSLError, ssl.CertificateError)):
-        return Refusal(502, "upstream-tls",
-                       "TLS with the upstream %s failed (%s); check its certificate or the route's "
-                       "verify "
-                       "setting." % (where, getattr(exc, "reason", None) or type(exc).__name__))
+        return Refusal(502, "upstream-tls", "TLS with the upstream %s failed (%s); check its "
+                                            "certificate or the route's verify setting."
+                       % (where, _failure_name(exc)))
     if isinstance(exc, socket.gaierror):
-        return Refusal(502, "upstream-unreachable",
-                       "The upstream host of %s could not be resolved; check the job URL." % where)
+        return Refusal(502, unreachable, "The upstream host of %s could not be resolved; check "
+                                         "the job URL." % where)
     if isinstance(exc, ConnectionRefusedError):
-        return Refusal(502, "upstream-unreachable",
-                       "The upstream %s refused the connection; is the job running with its port "
-                       "exposed?" % where)
+        return Refusal(502, unreachable, "The upstream %s refused the connection; is the job "
+                                         "running with its port exposed?" % where)
     if isinstance(exc, http.client.IncompleteRead):
-        return Refusal(502, "upstream-unreachable",
-                       "The upstream %s closed the connection in the middle of its response; did "
-                       "the job crash?" % where)
+        return Refusal(502, unreachable, "The upstream %s closed the connection in the middle of "
+                                         "its response; did the job crash?" % where)
     if (isinstance(exc, http.client.HTTPException)
             and not isinstance(exc, http.client.RemoteDisconnected)):
-        return Refusal(502, "upstream-protocol", "The upstream %s sent a malformed HTTP "
-                                                 "response." % where)
-    return Refusal(502, "upstream-unreachable",
-                   "The connection to the upstream %s failed (%s); is the job still "
-                   "running?" % (where, type(exc).__name__))
+        return Refusal(502, "upstream-protocol",
+                       "The upstream %s sent a malformed HTTP response." % where)
+    return Refusal(502, unreachable, "The connection to the upstream %s failed (%s); is the job "
+                                     "still running?" % (where, type(exc).__name__))
 
 
 def _may_retry(method: str, reused: bool, replayable: bool, fully_sent: bool,
@@ -1440,16 +1431,14 @@ def _may_retry(method: str, reused: bool, replayable: bool, fully_sent: bool,
     """The stale-connection retry rule: retry once, on a fresh connection, only if
 
     - the connection came from the pool (a fresh connection failing is a real failure), and
-    - no response byte arrived (the connection was reset or closed, not slow: timeouts never retry),
-    and
+    - no response byte arrived (reset or closed, not slow: timeouts never retry), and
     - the request can be replayed byte for byte (its body was buffered), and
     - the method is idempotent, or the request was not completely sent (so the upstream cannot have
       acted on it). A fully sent POST that then got no answer is NOT retried: it might have run.
     """
     no_answer = isinstance(exc, (_UpstreamClosed, http.client.RemoteDisconnected,
-                                 ConnectionResetError,
-                                 BrokenPipeError, ConnectionAbortedError, ssl.SSLEOFError,
-                                     ssl.SSLZeroReturnError))
+                                 ConnectionResetError, BrokenPipeError, ConnectionAbortedError,
+                                 ssl.SSLEOFError, ssl.SSLZeroReturnError))
     return reused and no_answer and replayable and (method in IDEMPOTENT_METHODS or not fully_sent)
 
 
@@ -1459,8 +1448,7 @@ def _may_retry(method: str, reused: bool, replayable: bool, fully_sent: bool,
 
 
 class _Worker:
-    """One pool thread's mailbox: the job it is given and the lock it parks on (held while
-    parked)."""
+    """One pool thread's mailbox: its next job and the lock it parks on (held while parked)."""
 
     __slots__ = ("job", "wake", "thread")
 
@@ -1473,10 +1461,8 @@ class _Worker:
 
 class _WorkerPool:
     """Parked threads that run jobs: `submit` hands a job to the most recently parked worker (its
-    stack and caches are warm) or starts a new thread while under `max_workers`; a worker idle for
-    `idle_s` ends. No thread is created while parked ones exist, so a warm proxy serves a connection
-    with one lock release instead of a thread start (which cost most of a WebSocket set-up's
-    CPU)."""
+    stack is warm), else starts a thread while under `max_workers`; a worker idle for `idle_s`
+    ends. A warm proxy serves a connection with one lock release instead of a thread start."""
 
     def __init__(self, name: str, max_workers: int, idle_s: float, stack_bytes: int) -> None:
         self.name, self.max_workers = name, max_workers
@@ -1487,8 +1473,7 @@ class _WorkerPool:
         self._closed = False
 
     def submit(self, fn: Callable[..., None], *args: object) -> bool:
-        """Run fn(*args) on a worker; False (nothing run) if the pool is closed or at
-        `max_workers`."""
+        """Run fn(*args) on a worker; False (nothing run) if closed or at `max_workers`."""
         with self._lock:
             if self._closed:
                 return False
@@ -1500,14 +1485,12 @@ class _WorkerPool:
             if len(self._threads) >= self.max_workers:
                 return False
             worker = _Worker((fn, args))
-            thread = threading.Thread(target=self._work, args=(worker,), name=self.name,
-                                      daemon=True)
-            worker.thread = thread
+            worker.thread = thread = threading.Thread(target=self._work, args=(worker,),
+                                                      name=self.name, daemon=True)
             self._threads.add(thread)
         try:
             _start_with_stack(thread, self.stack_bytes)
-        # e.g. RuntimeError: can't start new thread (a process or memory limit)
-        except BaseException:
+        except BaseException:  # e.g. "can't start new thread" (a process or memory limit)
             with self._lock:
                 self._threads.discard(thread)
             return False
@@ -1567,8 +1550,8 @@ class _WorkerPool:
             if worker in self._parked:  # nobody picked it
                 del self._parked[worker]
                 return False
-        # submit() or close() took it off the parked list just as the wait timed out: its release is
-        # coming (or came), and with it a job or the order to end.
+        # submit() or close() took it just as the wait timed out: its release (a job, or the
+        # order to end) is coming.
         worker.wake.acquire()
         return worker.job is not None
 
@@ -1579,9 +1562,8 @@ _STACK_SIZE_LOCK = threading.Lock()
 
 
 def _start_with_stack(thread: threading.Thread, stack_bytes: int) -> None:
-    """Start `thread` with a `stack_bytes` stack. A thread some other code starts in the same
-    instant would get it too (the setting is process-wide); the window is one thread creation, and
-    the pool creates threads only while growing."""
+    """Start `thread` with a `stack_bytes` stack (a thread other code starts in that instant would
+    get it too: the window is one thread creation)."""
     with _STACK_SIZE_LOCK:
         try:
             previous = threading.stack_size(stack_bytes)
@@ -1609,41 +1591,33 @@ class _Server(http.server.ThreadingHTTPServer):
         self._conn_lock = threading.Lock()
         self._conns: Set[socket.socket] = set()
         self.workers = _WorkerPool("proxy-worker", MAX_WORKERS, WORKER_IDLE_S, WORKER_STACK_BYTES)
-        self.busy_warnings = _WarningRate(BUSY_WARNING_EVERY_S)  # connections refused at the thread cap
-        # Client connections whose WebSocket upgrade is under way or whose tunnel is open: stop() cuts
-        # those through their routes, so a set-up still answers its client (503) before the 101.
+        self.busy_warnings = _WarningRate(BUSY_WARNING_EVERY_S)  # refusals at the thread cap
+        # Client connections in a WebSocket upgrade or tunnel: stop() cuts those through their
+        # routes, so a set-up still answers its client (503) before the 101.
         self.tunnelling: Set[socket.socket] = set()
         super().__init__((proxy.host.strip("[]"), proxy._requested_port), _Handler)
         self._woken = False
 
     def serve_until_woken(self) -> None:
-        """Accept connections until `wake()`: a blocking accept on the listener, the one socket this
-        thread waits on. Unlike `serve_forever(poll_interval)`, an idle proxy costs no wake-ups and
-        `stop()` waits for no poll (the emulator runs one proxy per job: tearing down hundreds must
-        not cost a poll each)."""
+        """Accept connections until `wake()` in a blocking accept: unlike `serve_forever`, an idle
+        proxy costs no wake-ups and `stop()` waits for no poll (the emulator runs one per job)."""
         while not self._woken:
-            self._accept()
-
-    def _accept(self) -> None:
-        """Take one waiting connection and hand it to `process_request` (what `handle_request` does
-        after its own wait); the connection `wake()` makes is closed unserved."""
-        try:
-            request, client_address = self.get_request()
-        except OSError:
-            return
-        if self._woken:
-            self.shutdown_request(request)
-            return
-        try:
-            self.process_request(request, client_address)
-        except Exception:
-            self.handle_error(request, client_address)
-            self.shutdown_request(request)
+            try:
+                request, client_address = self.get_request()
+            except OSError:
+                continue
+            if self._woken:  # the connection wake() made
+                self.shutdown_request(request)
+                continue
+            try:
+                self.process_request(request, client_address)
+            except Exception:
+                self.handle_error(request, client_address)
+                self.shutdown_request(request)
 
     def wake(self) -> None:
-        """Make `serve_until_woken` return now (thread-safe, idempotent): set the flag, then end the
-        blocked accept: on Linux by shutting the listener down (accept fails at once, and no other
-        listener sharing the port with SO_REUSEPORT is touched), elsewhere by connecting to it once."""
+        """Make `serve_until_woken` return now (thread-safe, idempotent): on Linux by shutting the
+        listener down (no other listener sharing its port is touched), else by connecting once."""
         if self._woken:
             return
         self._woken = True
@@ -1696,8 +1670,8 @@ class _Server(http.server.ThreadingHTTPServer):
         log.error("proxy: unexpected error while serving a connection", exc_info=True)
 
     def abort_connections(self) -> None:
-        """Shut every live client socket so blocked handler threads wake up and exit; WebSocket
-        connections end through their routes instead (a set-up still answers its client)."""
+        """Shut every live client socket but the WebSocket ones (those end through their routes), so
+        blocked handler threads wake up and exit."""
         with self._conn_lock:
             conns = list(self._conns - self.tunnelling)
         for sock in conns:
@@ -1708,8 +1682,7 @@ class _Server(http.server.ThreadingHTTPServer):
         return self.workers.busy_threads()
 
     def all_threads(self) -> List[threading.Thread]:
-        """Every worker thread, busy or parked (a WebSocket session's two among them): what
-        `stop()` joins."""
+        """Every worker thread, busy or parked: what `stop()` joins."""
         return self.workers.threads()
 
 
@@ -3098,9 +3071,8 @@ _TLS_CONTEXTS_LOCK = threading.Lock()
 
 
 def _shared_tls_context(verify: Verify) -> ssl.SSLContext:
-    """The TLS context for `verify`, shared by every route with the same one (TLS_CONTEXTS_KEPT). A
-    CA bundle path is keyed with its file's size and modification time, so an edited bundle is
-    re-read."""
+    """The TLS context for `verify`, shared by every route with the same one (TLS_CONTEXTS_KEPT); a
+    CA bundle is keyed with its size and modification time, so an edited bundle is re-read."""
     key: object = verify
     if isinstance(verify, str):
         try:
@@ -3143,14 +3115,10 @@ def _make_tls_context(verify: Verify) -> ssl.SSLContext:
 
 
 def _abort_socket(sock: Optional[socket.socket]) -> None:
-    """Wake any thread blocked on this socket (full shutdown, at the fd level even for TLS
-    sockets)."""
-    if sock is None:
-        return
-    try:
-        socket.socket.shutdown(sock, socket.SHUT_RDWR)
-    except OSError:
-        pass
+    """Wake any thread blocked on this socket (a shutdown at the fd level, even for TLS sockets)."""
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
 
 def _quiet_close(closeable: Any) -> Optional[str]:
@@ -3174,21 +3142,14 @@ def _answer_busy(sock: socket.socket, warnings: "_WarningRate") -> None:
     had no thread for with a 503 `proxy-busy`, without reading its request."""
     refusal = _busy_refusal()
     body = json.dumps({"error": refusal.kind, "message": refusal.message}).encode()
-    head = ("HTTP/1.1 503 Service Unavailable\r\nX-Proxy-Error: %s\r\nRetry-After: "
-            "%d\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: "
-            "close\r\n\r\n"
-            % (refusal.kind, BUSY_RETRY_AFTER_S, len(body)))
+    headers = [("X-Proxy-Error", refusal.kind), *refusal.headers, ("Content-Type",
+               "application/json"), ("Content-Length", str(len(body))), ("Connection", "close")]
     _warn_busy(warnings)
-    try:
+    with contextlib.suppress(OSError):
         sock.setblocking(False)
-        try:
-            # what already arrived: closing with unread bytes would send a reset
+        with contextlib.suppress(OSError):  # what already arrived (unread bytes make a reset)
             sock.recv(IO_CHUNK)
-        except OSError:
-            pass
-        sock.send(head.encode("latin-1") + body)
-    except OSError:
-        pass
+        sock.send(_head_bytes(503, "Service Unavailable", headers) + body)
 
 
 def _warn_busy(warnings: "_WarningRate") -> None:
@@ -3196,7 +3157,7 @@ def _warn_busy(warnings: "_WarningRate") -> None:
     if refused:
         log.warning("proxy: no free worker thread (%d in use); answered 503 proxy-busy %d time(s) "
                     "since the previous warning (at most one per %g s)", MAX_WORKERS, refused,
-                        warnings.every_s)
+                    warnings.every_s)
 
 
 class _WarningRate:
@@ -3210,8 +3171,8 @@ class _WarningRate:
         self._held = 0
 
     def note(self, now: float) -> int:
-        """Count one event at `now` (a monotonic time); the number to report (this event and those
-        held back since the last warning) if a warning is due, else 0."""
+        """Count one event at `now` (monotonic); if a warning is due, the events to report (this
+        and those held back since the last one), else 0."""
         with self._lock:
             self._held += 1
             if self._last is not None and now - self._last < self.every_s:
@@ -3248,10 +3209,9 @@ class _Stream:
 class _TlsStream(_Stream):
     """TLS over a blocking TCP socket through an `ssl.SSLObject` on memory buffers, for a reading
     and a sending thread at once. OpenSSL forbids two threads in one SSL object, so the engine is
-    touched only under `_engine`, a lock never held across a socket call: each thread does its own
-    socket I/O outside it. Output leaves in the order the engine wrote it: it is taken from the
-    output buffer only under `_sending`, held while it is sent (see `_send_output`); the sending
-    thread takes `_sending` before the engine lock, never the other way round."""
+    touched only under `_engine`, never held across a socket call. Output leaves in the order the
+    engine wrote it: it is taken and sent only under `_sending` (see `_send_output`), which is
+    always taken before the engine lock."""
 
     def __init__(self, sock: socket.socket, context: ssl.SSLContext, host: str) -> None:
         super().__init__(sock)
@@ -3261,8 +3221,8 @@ class _TlsStream(_Stream):
         self._sending = threading.Lock()
 
     def handshake(self) -> None:
-        """The TLS handshake, on the socket's timeout (called again after a timeout, it goes on
-        where it stopped); each flight is sent before the peer's is awaited."""
+        """The TLS handshake on the socket's timeout (called again after one, it goes on where it
+        stopped); each flight is sent before the peer's is awaited."""
         while True:
             try:
                 with self._engine:
@@ -3287,9 +3247,8 @@ class _TlsStream(_Stream):
                 except (ssl.SSLZeroReturnError, ssl.SSLEOFError):  # close_notify, or a TCP close
                     data = b""
                 reply = self._outgoing.pending  # e.g. the answer to a key update
-            # The reading thread never waits for the send lock: were it to stop reading while the
-            # upstream's window for our sends is full, both ends could wait on each other. The
-            # sender holding it sends this output too.
+            # Never wait for the send lock: a reader stopped while the upstream's receive window is
+            # full could deadlock both ends. The sender holding it sends this output too.
             if reply and self._sending.acquire(False):
                 self._send_output()
             if data is not None:
@@ -3310,10 +3269,9 @@ class _TlsStream(_Stream):
                 self._incoming.write_eof()
 
     def _send_output(self, data: bytes = b"") -> None:
-        """With `_sending` held: encrypt `data` (into a memory buffer: it never waits) and send what
-        the engine wrote, in order, then let go of `_sending`. It is let go only under the engine
-        lock with the output buffer empty, so output another thread writes (under that lock) is
-        sent by the sender still holding it, or finds it free."""
+        """With `_sending` held: encrypt `data` and send what the engine wrote, in order, then let
+        go of `_sending`, under the engine lock with the output buffer empty (so output another
+        thread writes is sent by the sender still holding it, or finds it free)."""
         try:
             while True:
                 with self._engine:
@@ -3331,26 +3289,25 @@ class _TlsStream(_Stream):
 
 
 def _open_stream(route: Route, connect_timeout_s: float) -> _Stream:
-    """A new TCP stream to the route's upstream for one WebSocket session; for https, TLS over it
-    (verified as the route says, with the context shared per `verify`; the caller handshakes)."""
+    """A new stream to the route's upstream for one WebSocket session: TCP, or for https TLS over
+    it (verified as the route says; the caller handshakes)."""
     sock = route._connect(connect_timeout_s)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if route.scheme != "https":
-            return _Stream(sock)
-        return _TlsStream(sock, route.tls_context(), route.host)
+        if route.scheme == "https":
+            return _TlsStream(sock, route.tls_context(), route.host)
+        return _Stream(sock)
     except BaseException:
         sock.close()
         raise
 
 
 class _Tunnel:
-    """A WebSocket session: the client's socket and the upstream stream, copied both ways by two
-    threads, one per direction: client->upstream on the handler's thread (`run`), upstream->client
-    on a pool worker (`pump_upstream`, held back until the 101 is out). When either direction
-    ends, both sockets close. On its route from before the upgrade's connect, so unmount and stop
-    end it at any step (`cut_off`): before the 101 only the upstream side is cut, and the handler
-    still answers the client as HTTP."""
+    """A WebSocket session copied both ways by two threads: client->upstream on the handler's
+    thread (`run`), upstream->client on a pool worker (`pump_upstream`, once the 101 is out). When
+    either direction ends, both sockets close. It is on its route from before the upgrade's
+    connect, so unmount and stop end it at any step (`cut_off`); before the 101 only the upstream
+    side is cut, and the handler still answers the client as HTTP."""
 
     def __init__(self, client: socket.socket, label: str) -> None:
         self.client, self.label = client, label
@@ -3358,7 +3315,7 @@ class _Tunnel:
         self.opened = False  # the 101 is on its way to the client
         self.cut = False  # ended by its route (unmount, stop)
         self._closed = False
-        # Plain locks, both held from the start: one futex each way (an Event is a Condition).
+        # Plain locks, both held from the start (cheaper than Events).
         self._go = threading.Lock()  # released once the 101 is out (or the tunnel closed before)
         self._go.acquire()
         self._pumped = threading.Lock()  # released when the upstream->client direction ended
@@ -3373,7 +3330,7 @@ class _Tunnel:
             self.upstream.abort()
 
     def close(self) -> None:
-        """End both directions now (from any thread; idempotent: a second shutdown is harmless)."""
+        """End both directions now (from any thread; idempotent)."""
         if self._closed:
             return
         self._closed = True
@@ -3417,10 +3374,8 @@ class _Tunnel:
             self.close()
 
     def _release_go(self) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # released already (by run() or close())
             self._go.release()
-        except RuntimeError:  # released already (by run() or close())
-            pass
 
 
 # --------------------------------------------------------------------------------------------------
@@ -3429,8 +3384,7 @@ class _Tunnel:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Front one upstream URL on loopback; print the base URL first; stop cleanly on
-    Ctrl-C/SIGTERM."""
+    """Front one upstream URL on loopback: print the base URL, stop cleanly on Ctrl-C/SIGTERM."""
     import argparse  # only the command line needs it
 
     parser = argparse.ArgumentParser(prog="python proxy.py",
@@ -3479,7 +3433,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print("error: %s" % exc, file=sys.stderr)
             return 2
         print(base_url, flush=True)
-        while not stop.wait(0.5):
+        while not stop.wait(0.5):  # (a short wait, so Ctrl-C gets through)
             pass
     except KeyboardInterrupt:
         pass
