@@ -240,14 +240,12 @@ class Refusal(NamedTuple):
 
 class Route:
     """One mounted upstream: where to forward, which token to inject (None = inject nothing), TLS
-    verify, and extra request headers (`headers`: a mapping or a zero-argument callable, read per
-    request).
+    verify, and extra request headers (a mapping or a zero-argument callable, read per request).
 
-    Keep-alive upstream connections live in a pool per upstream host (scheme, host, port, verify)
-    that every route of one `AuthProxy` to that host shares (many sandboxes behind one host job: one
-    TLS handshake per connection, not per sandbox). A route owns its in-flight requests and its open
-    WebSocket tunnels, so closing it (`AuthProxy.unmount`) ends everything that talks through it;
-    the host's idle connections close with the last route that uses them.
+    Keep-alive connections live in a pool per upstream host (scheme, host, port, verify) shared by
+    the routes of one `AuthProxy` (many sandboxes behind one host job: one TLS handshake per
+    connection, not per sandbox), closed with the last of them. A route owns its in-flight requests
+    and WebSocket tunnels: closing it (`AuthProxy.unmount`) ends everything that talks through it.
     """
 
     def __init__(self, upstream: str, token: Token, verify: Verify = True,
@@ -307,7 +305,7 @@ class Route:
         """The token to inject now: the string, or the callable's answer (read per request)."""
         token = self.token
         if token is None or token is self._checked_token:  # fixed and checked: no work per request
-            return self._checked_token
+            return None if token is None else self._checked_token
         value = _called_token(token)
         if not callable(token):
             self._checked_token = value  # (a string assigned to `token` after mount)
@@ -329,8 +327,7 @@ class Route:
         return tuple(answer.items())
 
     def note_failure(self, kind: str) -> bool:
-        """Record an upstream failure of `kind`; True when it starts a run (worth a WARNING), False
-        for a repeat of the failure already reported."""
+        """Record an upstream failure of `kind`; True when it starts a run (worth a WARNING)."""
         with self._lock:
             news = kind != self._failing_kind
             self._failing_kind = kind
@@ -364,8 +361,7 @@ class Route:
         return problems
 
     def tls_context(self) -> ssl.SSLContext:
-        """The TLS context for this upstream, honouring `verify` like requests (bool or CA bundle
-        path)."""
+        """The TLS context for this upstream, honouring `verify` like requests (bool or CA path)."""
         return self._pool.tls_context()
 
     # -- machinery (used by the request handler) ------------------------------------------------
@@ -519,16 +515,14 @@ def _drain(idle: "collections.deque[_UpstreamConnection]") -> List["_UpstreamCon
 
 
 class ReplicaRoute:
-    """One route id in front of K upstreams running the same server (e.g. K jobs of one image, each
-    hosting many WebSocket sessions): each new WebSocket session goes to the live replica with the
-    fewest open sessions (ties: round robin).
+    """One route id in front of K upstreams running the same server (e.g. K jobs of one image),
+    made by `AuthProxy.mount_replicas`; each replica is a `Route`. Each new WebSocket session goes
+    to the live replica with the fewest open sessions (ties: round robin).
 
-    A replica whose upgrade fails (connection refused/reset, TLS failure, timeout, or a 502/503/504
-    answer) is taken out of rotation, logged and reported by `status()`, and the session is retried
-    once on another live replica. Sessions already open on a replica that dies simply end. HTTP is
-    refused with 409 except `GET`/`HEAD` of `STATELESS_HTTP_PATHS`, unless `http="any"` (for servers
-    whose HTTP endpoints are stateless), because a stateful request cannot be pinned to a replica.
-    Made by `AuthProxy.mount_replicas`; each replica is a `Route` (its own pool and tunnels).
+    A replica whose upgrade fails (no connection, TLS failure, timeout, or a 502/503/504 answer)
+    leaves rotation, logged and reported by `status()`, and the session is retried once on another.
+    Sessions open on a replica that dies simply end. HTTP is refused with 409 but for `GET`/`HEAD`
+    of `STATELESS_HTTP_PATHS`, unless `http="any"`: a stateful request cannot pick its replica.
     """
 
     base_path = ""  # each replica's own base path is added when a request is sent to it
@@ -544,8 +538,7 @@ class ReplicaRoute:
         self._next = 0  # round-robin start among replicas tied on open sessions
         self._created = 0  # replicas ever added: numbers them in logs (never reused)
         self._closed = False
-        self._replicas: List[_Replica] = []
-        self._replicas = [self._new_replica(upstream) for upstream in upstreams]
+        self._replicas: List[_Replica] = [self._new_replica(upstream) for upstream in upstreams]
 
     def __repr__(self) -> str:
         with self._lock:
@@ -555,14 +548,12 @@ class ReplicaRoute:
             live, total, "set" if self.token is not None else "None", self.http)
 
     def current_token(self) -> Optional[str]:
-        """The token to inject now (the string, or the callable's answer), shared by every
-        replica."""
+        """The token every replica injects now (the string, or the callable's answer)."""
         return _called_token(self.token)
 
     def status(self) -> List[Dict[str, object]]:
-        """One dict per replica, in mount order: `upstream` (the URL as mounted; it holds no
-        secret), `open_sessions` (WebSocket sessions open or being opened), `healthy`, `reason` (why
-        it was taken out of rotation, else None)."""
+        """One dict per replica, in mount order: `upstream` (the URL as mounted: no secret),
+        `open_sessions` (open or opening), `healthy`, `reason` (why it left rotation, or None)."""
         with self._lock:
             return [{"upstream": r.upstream, "open_sessions": r.open_sessions, "healthy": r.healthy,
                      "reason": r.reason} for r in self._replicas]
@@ -605,10 +596,7 @@ class ReplicaRoute:
         with self._lock:
             self._closed = True
             replicas = list(self._replicas)
-        problems: List[str] = []
-        for replica in replicas:
-            problems.extend(replica.route.close())
-        return problems
+        return [problem for replica in replicas for problem in replica.route.close()]
 
     # -- machinery (used by the request handler) ------------------------------------------------
 
@@ -629,9 +617,8 @@ class ReplicaRoute:
 
     def _acquire(self, exclude: Sequence["_Replica"] = (),
                  reserve: bool = True) -> Optional["_Replica"]:
-        """The live replica with the fewest open sessions (ties: round robin), skipping `exclude`,
-        with a session slot reserved on it (released by `_release`) unless `reserve` is False
-        (HTTP); None when no live replica is left."""
+        """The live replica with the fewest open sessions (ties: round robin) but `exclude`, with a
+        session slot reserved (freed by `_release`) unless `reserve` is False; None if none left."""
         with self._lock:
             candidates = [(r.open_sessions, (i - self._next) % len(self._replicas), i, r)
                           for i, r in enumerate(self._replicas) if r.healthy and r not in exclude]
@@ -655,9 +642,8 @@ class ReplicaRoute:
 
     def _failure_summary(self) -> Tuple[int, List[Dict[str, object]]]:
         with self._lock:
-            failed: List[Dict[str, object]] = [{"replica": r.number, "reason": r.reason}
-                                               for r in self._replicas if not r.healthy]
-            return len(self._replicas), failed
+            return len(self._replicas), [{"replica": r.number, "reason": r.reason}
+                                         for r in self._replicas if not r.healthy]
 
 
 class _Replica:
@@ -685,9 +671,8 @@ class AuthProxy:
     """A loopback HTTP + WebSocket auth proxy: one listener, many routes, threads only.
 
     Use as a context manager, or `start()` / `stop()`. `mount(upstream, token)` returns the base URL
-    a client should use in place of the upstream's URL. Subclasses may override `route_request` to
-    map request targets to routes their own way (the HF Jobs emulator's token gate does).
-    """
+    a client uses in place of the upstream's. A subclass may override `route_request` (the HF Jobs
+    emulator's token gate does)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, connect_timeout_s: float = 10.0,
                  read_timeout_s: float = 300.0, idle_timeout_s: float = CLIENT_IDLE_TIMEOUT_S,
@@ -721,12 +706,11 @@ class AuthProxy:
     @classmethod
     def spawn(cls, host: str = "127.0.0.1", port: int = 0, *, processes: int = 1,
               **timeouts: float) -> "proxy_host.AuthProxyProcess":
-        """Serve an AuthProxy from a child process (same arguments as the constructor) and return
-        its started handle, an `AuthProxyProcess` with the routes API (module `proxy_host`, loaded
-        now); the relaying then costs this process's GIL nothing. Tokens reach the child over a
-        private channel only; the child ends with this process. `processes=N` (Linux) starts N
-        children sharing one port (SO_REUSEPORT), every route mounted in each, so the kernel spreads
-        connections over N cores."""
+        """Serve an AuthProxy from a child process (the constructor's arguments), so relaying costs
+        this process's GIL nothing; return its started `AuthProxyProcess` (module `proxy_host`),
+        with the routes API. Tokens reach the child over a private channel only; it ends with this
+        process. `processes=N` (Linux) starts N children sharing the port (SO_REUSEPORT), every
+        route mounted in each."""
         return _layer("proxy_host").spawn(cls, host, port, processes=processes, **timeouts)
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -758,9 +742,8 @@ class AuthProxy:
         return _Server(self)
 
     def stop(self) -> None:
-        """Stop serving: close the listener, every client connection, upstream connection and
-        tunnel, and join every thread the proxy started. Never raises; logs what it could not clean
-        up."""
+        """Close the listener, every connection and tunnel, and join every thread the proxy started.
+        Never raises; logs what it could not clean up."""
         with self._lock:
             if self._stopping:
                 return
@@ -877,9 +860,8 @@ class AuthProxy:
         return self._replica_route(base_url).remove(upstream)
 
     def replica_status(self, base_url: str) -> List[Dict[str, object]]:
-        """Per replica of the route at `base_url`, in mount order: `{"upstream": url,
-        "open_sessions": n, "healthy": bool, "reason": why it left rotation or None}`. No token, no
-        route id."""
+        """`ReplicaRoute.status()` of the route at `base_url`: per replica, in mount order,
+        `{"upstream", "open_sessions", "healthy", "reason"}`. No token, no route id."""
         return self._replica_route(base_url).status()
 
     def _replica_route(self, base_url: str) -> ReplicaRoute:
@@ -909,12 +891,10 @@ class AuthProxy:
     def route_request(self, target: str,
                       headers: "_RequestHeaders") -> Union[Tuple[AnyRoute, str], Refusal]:
         """Overridable hook: map an origin-form request target to (route, upstream target), or
-        refuse it. `headers` are the request's (`get`, `get_all`, `items`; a hook may set or delete
-        fields).
+        refuse it. `headers` are the request's (`get`, `get_all`, `items`; a hook may change them).
 
         Default: `/<route-id>/<rest>?q` -> (mounted route, `<upstream path>/<rest>?q`); unknown id
-        -> 404. For a `ReplicaRoute` the target is `/<rest>?q`: each replica's own path is added
-        when sent.
+        -> 404. A `ReplicaRoute` gets `/<rest>?q` (each replica adds its own path when sending).
         """
         path, sep, query = target.partition("?")
         route_id, _, rest = path.partition("/")[2].partition("/")  # (route ids are never "")
@@ -1556,8 +1536,7 @@ class _WorkerPool:
         return worker.job is not None
 
 
-# threading.stack_size() is process-wide: starts that set it are serialized, and it is restored at
-# once.
+# threading.stack_size() is process-wide: starts that set it are serialized, and it is restored.
 _STACK_SIZE_LOCK = threading.Lock()
 
 
@@ -1581,9 +1560,7 @@ class _Server(http.server.ThreadingHTTPServer):
     them all."""
 
     request_queue_size = LISTEN_BACKLOG
-    daemon_threads = True
     allow_reuse_address = True
-    block_on_close = False
 
     def __init__(self, proxy: AuthProxy) -> None:
         self.proxy = proxy
@@ -1630,10 +1607,8 @@ class _Server(http.server.ThreadingHTTPServer):
         host, port = self.server_address[:2]
         if host in ("", "0.0.0.0", "::"):  # a wildcard bind: reach it on loopback
             host = "::1" if self.address_family == socket.AF_INET6 else "127.0.0.1"
-        try:
+        with contextlib.suppress(OSError):  # (not listening any more: nothing waits in accept)
             socket.create_connection((host, port), timeout=STOP_JOIN_S).close()
-        except OSError:  # not listening any more: nothing waits in accept
-            pass
 
     def server_bind(self) -> None:
         # HTTPServer.server_bind does a reverse DNS lookup (getfqdn) that can stall; we need none.
