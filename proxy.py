@@ -220,10 +220,9 @@ class InsecureURLError(ValueError):
 
 
 class Refusal(NamedTuple):
-    """A request the proxy answers itself instead of forwarding (sent as JSON with `X-Proxy-Error`).
-
-    `proxy_error=False` leaves out the `X-Proxy-Error` header, for a subclass that must answer like
-    the server it stands in for (the HF Jobs emulator's 401 looks like the real `*.hf.jobs` one)."""
+    """A request the proxy answers itself instead of forwarding (sent as JSON with `X-Proxy-Error`;
+    `proxy_error=False` leaves that out, for a subclass answering like the server it stands in for:
+    the HF Jobs emulator's 401 looks like the real `*.hf.jobs` one)."""
 
     status: int  # e.g. 401, 404
     kind: str  # short machine word, e.g. "unauthorized", "unknown-route"
@@ -369,10 +368,10 @@ class Route:
     def _checkout(self, proxy: AuthProxy) -> Tuple["_UpstreamConnection", bool]:
         """A keep-alive connection to the route's upstream: a pooled one if fresh, else a new one.
 
-        No lock: every request of a route would queue on it. `deque.pop`/`append` and `set.add`/
-        `discard` are atomic, and the liveness check (a poll syscall) runs on a connection this
-        thread alone now holds. A route closing meanwhile is caught by re-reading `_closed` after
-        registering the connection (close() sets the flag before it reads the set)."""
+        No lock (every request of a route would queue on it): `deque.pop`/`append` and `set.add`/
+        `discard` are atomic, and the liveness check runs on a connection this thread alone holds.
+        A route closing meanwhile is caught by re-reading `_closed` after registering the
+        connection (close() sets the flag before it reads the set)."""
         if self._closed:
             raise ConnectionAbortedError("route was unmounted")
         cutoff = time.monotonic() - POOL_IDLE_S
@@ -3050,11 +3049,9 @@ def _shared_tls_context(verify: Verify) -> ssl.SSLContext:
     CA bundle is keyed with its size and modification time, so an edited bundle is re-read."""
     key: object = verify
     if isinstance(verify, str):
-        try:
+        with contextlib.suppress(OSError):  # (else the context creation reports it)
             stat = os.stat(verify)
             key = (verify, stat.st_mtime_ns, stat.st_size)
-        except OSError:  # let the context creation report it
-            key = (verify, None, None)
     with _TLS_CONTEXTS_LOCK:
         context = _TLS_CONTEXTS.get(key)
         if context is not None:
