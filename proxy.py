@@ -3333,15 +3333,11 @@ class _Tunnel:
     def _pump(self, read: Callable[[int], bytes], write: Callable[[bytes], None],
               first: bytes = b"") -> None:
         try:
-            data = first
-            while True:
-                if data:
+            with contextlib.suppress(OSError, ValueError):  # (a shut socket, or an ssl.SSLError)
+                if first:
+                    write(first)
+                for data in iter(functools.partial(read, TUNNEL_READ_BYTES), b""):
                     write(data)
-                data = read(TUNNEL_READ_BYTES)
-                if not data:
-                    break
-        except (OSError, ValueError, ssl.SSLError):
-            pass
         finally:
             self.close()
 
@@ -3381,18 +3377,13 @@ def main(argv: Optional[List[str]] = None) -> int:
               CLI_SWITCH_INTERVAL_S)
     from huggingface_hub import get_token  # HF_TOKEN, then the `hf auth login` file (only here)
     token = get_token()
-    host = urllib.parse.urlsplit(args.upstream).hostname or ""
-    if not token and not _is_loopback_host(host):
+    if not token and not _is_loopback_host(urllib.parse.urlsplit(args.upstream).hostname):
         print("error: no HF token found: set HF_TOKEN or run `hf auth login`", file=sys.stderr)
         return 2
     verify: Verify = False if args.insecure else (args.ca_bundle or True)
     stop = threading.Event()
-
-    def _on_signal(signum: int, frame: object) -> None:
-        stop.set()
-
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _on_signal)
+        signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     try:
         proxy = AuthProxy(args.host, args.port).start()
     except (OSError, ValueError) as exc:
