@@ -1,25 +1,20 @@
-"""A loopback auth proxy that fronts remote OpenEnv servers (HF Jobs exposed ports) for local
-clients.
+"""A loopback auth proxy fronting remote OpenEnv servers (HF Jobs exposed ports) for local clients.
 
-`AuthProxy` listens on 127.0.0.1 and mounts upstreams under unguessable path prefixes. Each request
-to `http://127.0.0.1:<port>/<route-id>/<rest>` is forwarded to `<upstream>/<rest>` with the route's
-bearer token injected, so unmodified OpenEnv clients (HTTP and WebSocket) can talk to a
-token-protected job without ever seeing the token. `mount_replicas` puts one route in front of
-several jobs of the same server and spreads WebSocket sessions over them (fewest open sessions
-first).
+`AuthProxy` listens on 127.0.0.1 and forwards `http://127.0.0.1:<port>/<route-id>/<rest>` to
+`<upstream>/<rest>` with the route's bearer token injected (route ids are unguessable), so
+unmodified OpenEnv clients (HTTP and WebSocket) talk to a token-protected job without seeing it.
+`mount_replicas` spreads WebSocket sessions over several jobs of one server (fewest open first).
 
-The shape, top to bottom: an `http.server.ThreadingHTTPServer` whose connections run on a pool of
-worker threads (at most MAX_WORKERS; past that a new connection is answered `503 proxy-busy`). A
-worker reads each request on its connection with one strict parser (`_Handler._read_request`),
-forwards it over a keep-alive connection from the upstream host's pool (plain TCP, or an
-`ssl.SSLSocket`) and streams the answer back. A WebSocket upgrade is replayed to the upstream on a
-connection of its own; once it is answered 101, the session is a tunnel of two threads, one per
-direction, copying raw bytes (frames are never parsed). Blocking sockets only: no event loop, no
-readiness multiplexing. Standard library only.
+The shape: an `http.server.ThreadingHTTPServer` whose connections run on a pool of worker threads
+(at most MAX_WORKERS, then `503 proxy-busy`). A worker parses each request with one strict parser,
+forwards it over a keep-alive connection from the upstream host's pool (TCP or `ssl.SSLSocket`) and
+streams the answer back. A WebSocket upgrade gets a connection of its own; after its 101 the session
+is a tunnel of two threads, one per direction, copying raw bytes. Blocking sockets only: no event
+loop. Standard library only.
 
 Public names: `AuthProxy`, `Route`, `ReplicaRoute`, `Refusal`, `InsecureURLError`.
-`AuthProxy.spawn()` serves one from a child process (module `proxy_host`, loaded on use). Run
-`python proxy.py UPSTREAM_URL` to front one job from the command line.
+`AuthProxy.spawn()` serves one from a child process (module `proxy_host`, loaded on use);
+`python proxy.py UPSTREAM_URL` fronts one job from the command line.
 """
 from __future__ import annotations
 
@@ -62,14 +57,11 @@ log = logging.getLogger("proxy")
 # Constants
 # --------------------------------------------------------------------------------------------------
 
-# The stdlib listen backlog is 5: a burst of a few hundred environments connecting at once would see
-# connection resets. At 8,192 simultaneous sessions a 1,024 backlog overflowed (185 resets) while
-# the listener thread waited for the GIL; 4096 absorbs such bursts. The kernel silently caps it at
-# net.core.somaxconn (4096 by default since Linux 5.4), so asking for more would buy nothing.
+# The stdlib's backlog of 5 would reset a burst of environments connecting at once (1,024 overflowed
+# at 8,192 sessions). The kernel caps it at net.core.somaxconn (4096 by default since Linux 5.4).
 LISTEN_BACKLOG = 4096
-# A keep-alive client connection with no request in flight is closed after this long. Generous
-# because training loops may sit idle between episodes; clients (requests/urllib3) reconnect
-# transparently.
+# A keep-alive client connection with no request in flight is closed after this long: generous, as
+# training loops idle between episodes; clients (requests/urllib3) reconnect transparently.
 CLIENT_IDLE_TIMEOUT_S = 300.0
 # Once the first byte of a request has arrived, its request line and headers must be complete within
 # this bound, so a client that stalls (or drips bytes) mid-headers cannot hold a thread forever.
@@ -86,85 +78,67 @@ MAX_CHUNK_LINE = 4096
 REPLAYABLE_BODY_BYTES = 1024 * 1024
 # Response bodies up to this size are read before answering so headers and body leave in one send.
 SMALL_RESPONSE_BYTES = 64 * 1024
-# Upstream response heads (status line + headers) up to this size are relayed; a bigger one gets 502
-# upstream-head-too-large. No separate line or count limit: clients differ (http.client stops at 100
-# header lines, h11 at 16 KiB by default, curl at 300 KiB), so the proxy is at least as permissive
-# as the Python clients and stays bounded per connection.
+# Upstream response heads up to this size are relayed (a bigger one: 502 upstream-head-too-large),
+# with no line or count limit: at least as permissive as the Python clients (http.client stops at
+# 100 lines, h11 at 16 KiB), still bounded per connection.
 MAX_RESPONSE_HEAD_BYTES = 256 * 1024
 # Interim (1xx) responses relayed before the final one; an upstream sending more is looping: 502.
 MAX_INTERIM_RESPONSES = 32
-# Socket read size for streaming bodies and tunnels: large enough to move a 1 MiB frame in a few
-# calls.
+# Socket read size for streaming bodies: a 1 MiB frame moves in a few calls.
 IO_CHUNK = 64 * 1024
-# Read size of each direction of a WebSocket tunnel. OpenEnv frames are a few hundred bytes; a 1 MiB
-# frame takes 64 reads. A held session's two threads each wait in recv with a buffer of this size.
+# Read size of each tunnel direction: OpenEnv frames are a few hundred bytes, and each held
+# session's two threads wait in recv with a buffer of this size.
 TUNNEL_READ_BYTES = 16 * 1024
-# While an upgrade waits for the upstream's answer, the client is checked every this many seconds: one
-# that hung up frees the thread and the upstream connection at once rather than after read_timeout_s.
+# While an upgrade waits for its answer the client is checked this often, so one that hung up frees
+# the thread and the upstream connection at once, not after read_timeout_s.
 TUNNEL_WATCH_S = 0.5
-# Idle upstream connections kept per route; more concurrent requests simply open more connections.
+# Idle upstream connections kept per host; more concurrent requests simply open more.
 POOL_MAX_IDLE = 64
-# While a request waits for its upstream's answer, the client may hang up (a trainer whose request
-# timed out retries on a new connection): the wait is a blocking read in slices of this many
-# seconds, checking the client between slices, instead of a poll() of both sockets per request (a
-# system call and a GIL hand-off the CPython floor does not pay; an answer within the first slice
-# costs nothing).
+# A request waits for its answer in blocking reads of this many seconds, checking between slices
+# that the client is still there (a trainer that timed out retries on a new connection): no poll()
+# per request, and an answer within the first slice costs nothing.
 ANSWER_WATCH_S = 0.5
 # Pooled upstream connections idle longer than this are not reused: uvicorn (OpenEnv's server)
-# closes idle keep-alive connections after 5 s, and racing that close would turn a request into an
-# error.
+# closes idle keep-alive connections after 5 s, and racing that close would fail a request.
 POOL_IDLE_S = 4.0
-# TLS contexts shared by routes with the same `verify`: one with the system store and certifi's
-# bundle costs ~920 KiB of RSS (measured), and a trainer mounts a route per environment and per
-# replacement, so per-route contexts cost 64 environments ~58 MiB and churned the heap at every
-# restart. A handful of distinct `verify` values is the norm; the least recently used beyond this
-# many is dropped.
+# TLS contexts kept, shared by routes with the same `verify` (the least recently used is dropped):
+# one with the system store costs ~1 MiB, and a trainer mounts a route per environment.
 TLS_CONTEXTS_KEPT = 8
 # How long stop() waits for each thread it started before naming it as left behind.
 STOP_JOIN_S = 5.0
-# Worker threads at most: a keep-alive HTTP connection holds one, an open WebSocket session two (one
-# per direction), so this caps connections served at once and open sessions at half of it. At the
-# cap a new connection (or an upgrade short of its second thread) is answered 503 `X-Proxy-Error:
-# proxy-busy` with `Retry-After` instead of queueing behind connections that may last hours.
+# Worker threads at most: a keep-alive connection holds one, a WebSocket session two. At the cap a
+# new connection (or an upgrade short of its second thread) is answered 503 `proxy-busy` with
+# `Retry-After` rather than queued behind connections that may last hours.
 MAX_WORKERS = 16384
-# A parked worker that got no work for this long ends. Long enough that a trainer's next batch of
-# sessions (seconds to a minute apart) finds the threads the previous one left; short enough that a
-# burst's thousands of threads do not outlive it by much.
+# A parked worker with no work for this long ends: a trainer's next batch of sessions finds the
+# threads the last one left, and a burst's thousands of threads do not outlive it by much.
 WORKER_IDLE_S = 60.0
-# Stack reserved per worker thread (the default is 8 MiB of address space). The proxy's call depth
-# is shallow (handler -> forwarding -> ssl/http.client), far below 256 KiB; it is virtual memory, so
-# resident memory is what is touched either way (benchmarks/RESULTS.md measures RSS per session).
+# Stack reserved per worker thread (the default is 8 MiB of address space): the proxy's call depth
+# is shallow, far below this.
 WORKER_STACK_BYTES = 256 * 1024
 # Seconds a client is asked to wait (Retry-After) when the proxy is at MAX_WORKERS.
 BUSY_RETRY_AFTER_S = 1
-# At the thread cap every new connection is refused, possibly thousands a second: at most one
-# WARNING per this many seconds, carrying the count of refusals since the previous one, says it all.
+# At the cap thousands of connections a second may be refused: one WARNING per this many seconds,
+# with the count since the previous one.
 BUSY_WARNING_EVERY_S = 10.0
-# `python proxy.py` only (its own process, nothing else to be fair to): how long a thread may hold
-# the GIL before another runnable one gets it. The default 5 ms makes thousands of tunnel threads
-# hand the GIL round in a futex-and-context-switch storm when sessions step together; 0.1 s cut a
-# lockstep 4,096-session p99 from 67.8 s to 11.6 s. The library never changes it: the setting is
-# process-wide and a trainer's own threads need the default.
+# `python proxy.py` only (a process of its own): the GIL switch interval. The default 5 ms makes
+# thousands of tunnel threads stepping together pass the GIL round in a context-switch storm; the
+# library never changes it, as the setting is process-wide and a trainer's threads need the default.
 CLI_SWITCH_INTERVAL_S = 0.1
-# A Python socket with a timeout polls before every recv and send: two system calls (and two GIL
-# hand-offs) where one would do. On Linux the client connections and pooled plain upstream
-# connections are blocking sockets whose timeouts the kernel enforces (SO_RCVTIMEO/SO_SNDTIMEO): one
-# call each, about four fewer per forwarded request (benchmarks/RESULTS.md). Elsewhere (timeval
-# layouts differ) Python's own timeouts are used.
+# A Python socket with a timeout polls before every recv and send; on Linux, blocking sockets whose
+# timeouts the kernel enforces (SO_RCVTIMEO/SO_SNDTIMEO) save that call. Elsewhere timeval layouts
+# differ, and Python's own timeouts are used.
 KERNEL_TIMEOUTS = sys.platform.startswith("linux")
 
-# HTTP on a replica route: OpenEnv's /reset, /step and /state keep one environment per server, so a
-# request sent to "any replica" would act on some other episode's state. These GET endpoints are
-# stateless on every OpenEnv server (health check, environment metadata, action/observation schema),
-# so they may go to any live replica; everything else is refused unless the route was mounted with
-# http="any".
+# HTTP on a replica route: OpenEnv's /reset, /step and /state keep one environment per server, so
+# only these GET endpoints, stateless on every OpenEnv server, may go to any live replica (unless
+# the route was mounted with http="any").
 STATELESS_HTTP_PATHS = frozenset(["/health", "/metadata", "/schema"])
-# Answers to a WebSocket upgrade that mean "this replica is down" (the HF jobs proxy answers these
-# when the job is gone or not listening): the upgrade never reached the environment, so it is safe
-# to retry.
+# Answers to a WebSocket upgrade that mean "this replica is down" (the HF jobs proxy's, for a job
+# gone or not listening): the upgrade never reached the environment, so it is safe to retry.
 REPLICA_DOWN_STATUSES = frozenset([502, 503, 504])
-# A session whose upgrade fails on one replica is retried on one other replica, no more: a failure
-# on two replicas in a row usually means the request (or the image) is at fault, not one job.
+# A failed upgrade is retried on one other replica, no more: failing on two in a row usually means
+# the request (or the image) is at fault, not one job.
 REPLICA_ATTEMPTS = 2
 
 # RFC 9110 section 7.6.1 hop-by-hop headers (plus the legacy Proxy-Connection). `Expect` is answered
@@ -236,24 +210,20 @@ HTTP_MODES = ("refuse", "any")
 
 
 class InsecureURLError(ValueError):
-    """Raised by `mount` for an upstream that would carry the token in clear text off this
-    machine."""
+    """Raised by `mount` for an upstream that would carry the token in clear text off this host."""
 
 
 class Refusal(NamedTuple):
-    """A request the proxy answers itself instead of forwarding (sent as JSON with `X-Proxy-Error`).
-
-    `proxy_error=False` leaves out the `X-Proxy-Error` header, for a subclass that must answer like
-    the server it stands in for (the HF Jobs emulator's 401 looks like the real `*.hf.jobs` one)."""
+    """A request the proxy answers itself instead of forwarding (sent as JSON with `X-Proxy-Error`;
+    `proxy_error=False` leaves that out, for a subclass answering like the server it stands in for:
+    the HF Jobs emulator's 401 looks like the real `*.hf.jobs` one)."""
 
     status: int  # e.g. 401, 404
     kind: str  # short machine word, e.g. "unauthorized", "unknown-route"
     message: str  # human sentence, goes in the JSON body
     headers: Tuple[Tuple[str, str], ...] = ()  # e.g. (("WWW-Authenticate", "Bearer"),)
-    # send `X-Proxy-Error: <kind>` (False: look like the upstream's own answer)
-    proxy_error: bool = True
-    # extra JSON fields for the body, e.g. which replicas failed
-    body: Optional[Dict[str, object]] = None
+    proxy_error: bool = True  # send `X-Proxy-Error: <kind>`
+    body: Optional[Dict[str, object]] = None  # extra JSON fields, e.g. which replicas failed
 
 
 # --------------------------------------------------------------------------------------------------
@@ -263,26 +233,23 @@ class Refusal(NamedTuple):
 
 class Route:
     """One mounted upstream: where to forward, which token to inject (None = inject nothing), TLS
-    verify, and extra request headers (`headers`: a mapping or a zero-argument callable, read per
-    request).
+    verify, and extra request headers (a mapping or a zero-argument callable, read per request).
 
-    Keep-alive upstream connections live in a pool per upstream host (scheme, host, port, verify)
-    that every route of one `AuthProxy` to that host shares (many sandboxes behind one host job: one
-    TLS handshake per connection, not per sandbox). A route owns its in-flight requests and its open
-    WebSocket tunnels, so closing it (`AuthProxy.unmount`) ends everything that talks through it;
-    the host's idle connections close with the last route that uses them.
+    Keep-alive connections live in a pool per upstream host (scheme, host, port, verify) shared by
+    the routes of one `AuthProxy` (many sandboxes behind one host job: one TLS handshake per
+    connection, not per sandbox), closed with the last of them. A route owns its in-flight requests
+    and WebSocket tunnels: closing it (`AuthProxy.unmount`) ends everything that talks through it.
     """
 
     def __init__(self, upstream: str, token: Token, verify: Verify = True,
-                 headers: ExtraHeaders = None,
-                 host_pools: Optional["_HostPools"] = None) -> None:
+                 headers: ExtraHeaders = None, host_pools: Optional["_HostPools"] = None) -> None:
         _raise_if_rejected(_upstream_rejection(upstream))
         parts = urllib.parse.urlsplit(upstream)
         if parts.scheme.lower() == "http" and not _is_loopback_host(parts.hostname or ""):
             raise InsecureURLError(
                 "refusing cleartext upstream %s://%s: the token would cross the network "
-                "unencrypted; use https:// (http:// is only allowed for loopback "
-                "hosts)" % (parts.scheme, parts.netloc))
+                "unencrypted; use https:// (http:// is only allowed for loopback hosts)"
+                % (parts.scheme, parts.netloc))
         _raise_if_rejected(_token_rejection(token) or _verify_rejection(verify)
                            or _extra_headers_rejection(headers, token is not None))
         self.upstream: str = upstream
@@ -292,53 +259,47 @@ class Route:
         self.verify: Verify = verify
         self.scheme: str = parts.scheme.lower()
         self.host: str = parts.hostname or ""
-        self.port: int = parts.port or (443 if self.scheme == "https" else 80)
-        self.base_path: str = parts.path.rstrip("/")
-        # An IP-literal upstream (the emulator, a local server) needs no name lookup per connection:
-        # getaddrinfo releases the GIL, and with thousands of sessions opening every release is a
-        # context switch. Host names are still resolved per connection (DNS answers change).
-        self._ip_family: Optional[int] = _ip_literal_family(self.host)
         default_port = 443 if self.scheme == "https" else 80
-        host_for_header = "[%s]" % self.host if ":" in self.host else self.host
-        self.host_header: str = (host_for_header if self.port == default_port
-                                 else "%s:%d" % (host_for_header, self.port))
-        self.label: str = "%s://%s" % (self.scheme, self.host_header)
+        self.port: int = parts.port or default_port
+        self.base_path: str = parts.path.rstrip("/")
+        # An IP literal needs no getaddrinfo per connection (each one a GIL release); host names
+        # are resolved per connection, as DNS answers change.
+        self._ip_family: Optional[int] = _ip_literal_family(self.host)
+        host_header = "[%s]" % self.host if ":" in self.host else self.host
+        if self.port != default_port:
+            host_header += ":%d" % self.port
+        self.host_header: str = host_header
+        self.label: str = "%s://%s" % (self.scheme, host_header)
         self.headers: ExtraHeaders = headers  # never logged or shown: it may hold credentials
         self._fixed_headers: Tuple[Tuple[str, str], ...] = (
             () if headers is None or callable(headers) else tuple(headers.items()))
         self._lock = threading.Lock()  # tunnels and failure runs; never the pool
-        # The host's pool (shared with the proxy's other routes to this host, or this route's own),
-        # whose idle keep-alive connections (newest on the right) this route uses, and this route's
-        # connections in flight, so close() can abort a request that is still streaming. Lock-free:
-        # see _checkout.
-        key = (self.scheme, self.host, self.port, verify)
-        self._pool: _HostPool = (host_pools or _HostPools()).acquire(key)
+        # The host's pool (shared with the proxy's other routes to this host) holds the idle
+        # keep-alive connections (newest on the right); `_active` are this route's in flight, so
+        # close() can abort a request still streaming. Lock-free: see _checkout.
+        self._host_pools = host_pools or _HostPools()
+        self._pool = self._host_pools.acquire((self.scheme, self.host, self.port, verify))
         self._idle: "collections.deque[_UpstreamConnection]" = self._pool.idle
         self._active: Set[_UpstreamConnection] = set()
         self._tunnels: Set[_Tunnel] = set()  # WebSocket sessions, from their upgrade's connect on
         self._closed = False
-        # The current run of upstream failures: while a job boots, every readiness probe fails the
-        # same way, and one WARNING per run (plus one INFO on recovery) says all there is to say.
+        # The current run of upstream failures: while a job boots every readiness probe fails the
+        # same way, and one WARNING per run (plus one INFO on recovery) says it all.
         self._failing_kind: Optional[str] = None
         self._failures_in_run = 0
 
     def __repr__(self) -> str:
         verify = self.verify if isinstance(self.verify, bool) else "<ca bundle>"
-        return "Route(%s, token=%s, verify=%s%s)" % (self.label,
-                                                     "set" if self.token is not None else "None",
-                                         verify,
-                                                    "" if self.headers is None else ", headers=set")
+        return "Route(%s, token=%s, verify=%s%s)" % (
+            self.label, "set" if self.token is not None else "None", verify,
+            "" if self.headers is None else ", headers=set")
 
     def current_token(self) -> Optional[str]:
-        """The token to inject now: the string, or the callable's answer (read per request for
-        rotation)."""
+        """The token to inject now: the string, or the callable's answer (read per request)."""
         token = self.token
         if token is None or token is self._checked_token:  # fixed and checked: no work per request
-            return self._checked_token
-        value = token() if callable(token) else token
-        if value is not None and _token_rejection(value):
-            raise ValueError("the token %s is not a usable token string" % (
-                "callable returned something that" if callable(token) else "set on the route"))
+            return None if token is None else self._checked_token
+        value = _called_token(token)
         if not callable(token):
             self._checked_token = value  # (a string assigned to `token` after mount)
         return value
@@ -359,8 +320,7 @@ class Route:
         return tuple(answer.items())
 
     def note_failure(self, kind: str) -> bool:
-        """Record an upstream failure of `kind`; True when it starts a run (worth a WARNING), False
-        for a repeat of the failure already reported."""
+        """Record an upstream failure of `kind`; True when it starts a run (worth a WARNING)."""
         with self._lock:
             news = kind != self._failing_kind
             self._failing_kind = kind
@@ -384,34 +344,28 @@ class Route:
         with self._lock:
             was_closed, self._closed = self._closed, True
             tunnels = list(self._tunnels)
-        idle = [] if was_closed else self._pool.release()
-        active = self._active.copy()
-        problems: List[str] = []
-        for conn in idle:
-            problem = _quiet_close(conn)
-            if problem:
-                problems.append("pooled connection to %s (%s)" % (self.label, problem))
-        for conn in active:
+        idle = [] if was_closed else self._host_pools.release(self._pool)
+        problems = ["pooled connection to %s (%s)" % (self.label, problem)
+                    for problem in map(_quiet_close, idle) if problem]
+        for conn in self._active.copy():
             _abort_socket(conn.sock)
         for tunnel in tunnels:
             tunnel.cut_off()
         return problems
 
     def tls_context(self) -> ssl.SSLContext:
-        """The TLS context for this upstream, honouring `verify` like requests (bool or CA bundle
-        path)."""
-        return self._pool.tls_context(self.verify)
-
+        """The TLS context for this upstream, honouring `verify` like requests (bool or CA path)."""
+        return self._pool.tls_context()
 
     # -- machinery (used by the request handler) ------------------------------------------------
 
     def _checkout(self, proxy: AuthProxy) -> Tuple["_UpstreamConnection", bool]:
         """A keep-alive connection to the route's upstream: a pooled one if fresh, else a new one.
 
-        No lock: every request of a route would queue on it. `deque.pop`/`append` and `set.add`/
-        `discard` are atomic, and the liveness check (a poll syscall) runs on a connection this
-        thread alone now holds. A route closing meanwhile is caught by re-reading `_closed` after
-        registering the connection (close() sets the flag before it reads the set)."""
+        No lock (every request of a route would queue on it): `deque.pop`/`append` and `set.add`/
+        `discard` are atomic, and the liveness check runs on a connection this thread alone holds.
+        A route closing meanwhile is caught by re-reading `_closed` after registering the
+        connection (close() sets the flag before it reads the set)."""
         if self._closed:
             raise ConnectionAbortedError("route was unmounted")
         cutoff = time.monotonic() - POOL_IDLE_S
@@ -420,15 +374,13 @@ class Route:
                 conn = self._idle.pop()  # the most recently used: the least likely to be stale
             except IndexError:
                 break
-            # Reusable: no stray bytes read or readable (an idle keep-alive connection that is
-            # readable was closed).
+            # an idle keep-alive connection that is readable was closed (or holds stray bytes)
             if conn.since >= cutoff and conn.looks_idle():
                 self._register(conn)
                 return conn, True
             conn.close()
         sock = self._connect(proxy.connect_timeout_s)
-        slice_s = min(ANSWER_WATCH_S,
-                      proxy.read_timeout_s)  # reads wait in slices (see _UpstreamConnection)
+        slice_s = min(ANSWER_WATCH_S, proxy.read_timeout_s)  # see _UpstreamConnection
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.scheme == "https":  # handshakes now, within the connect timeout
@@ -454,8 +406,7 @@ class Route:
         """Return a connection after its response was fully read (reusable) or close it."""
         self._active.discard(conn)
         pool, idle = self._pool, self._idle
-        # A closed route's finished connection still serves the host's other routes: only the pool's
-        # end closes it.
+        # (a closed route's connection still serves the host's other routes)
         if not reusable or pool.closed or len(idle) >= POOL_MAX_IDLE:
             conn.close()
             return
@@ -471,17 +422,12 @@ class Route:
                 idle.append(old)
                 break
             old.close()
-        # the pool's last route closed while we appended: it may have missed this one
-        if pool.closed:
-            for late in self._drain_idle():
+        if pool.closed:  # the pool's last route closed while we appended: it may have missed it
+            for late in _drain(idle):
                 late.close()
 
-    def _drain_idle(self) -> List["_UpstreamConnection"]:
-        return _drain(self._idle)
-
     def _connect(self, timeout: float) -> socket.socket:
-        """A connected TCP socket to the upstream (with `timeout` set), like
-        socket.create_connection."""
+        """A TCP socket connected to the upstream with `timeout` set (socket.create_connection)."""
         if self._ip_family is None:
             return socket.create_connection((self.host, self.port), timeout=timeout)
         sock = socket.socket(self._ip_family, socket.SOCK_STREAM)
@@ -506,38 +452,25 @@ class Route:
 
 
 class _HostPool:
-    """The idle keep-alive connections to one upstream host and its TLS context, shared by the
-    routes that use it (`users`); closed, with its idle connections, when the last of them
-    closes."""
+    """The idle keep-alive connections to one upstream host (scheme, host, port, verify) and its TLS
+    context, shared by the routes that use it (`users`); closed with the last of them."""
 
     def __init__(self, key: Tuple[str, str, int, Verify]) -> None:
         self.key = key
         self.idle: "collections.deque[_UpstreamConnection]" = collections.deque()
         self.users = 0
         self.closed = False
-        self._registry: Optional[_HostPools] = None
         self._tls_context: Optional[ssl.SSLContext] = None
-        self._tls_lock = threading.Lock()
 
-    def tls_context(self, verify: Verify) -> ssl.SSLContext:
-        context = self._tls_context
-        if context is None:
-            with self._tls_lock:
-                if self._tls_context is None:
-                    # one per verify for the whole process
-                    self._tls_context = _shared_tls_context(verify)
-                context = self._tls_context
-        return context
-
-    def release(self) -> List["_UpstreamConnection"]:
-        """One user fewer; when it was the last, close the pool and return its idle connections."""
-        assert self._registry is not None
-        return self._registry.release(self)
+    def tls_context(self) -> ssl.SSLContext:
+        """The process-wide context for this host's `verify` (a race fetches the same one twice)."""
+        if self._tls_context is None:
+            self._tls_context = _shared_tls_context(self.key[3])
+        return self._tls_context
 
 
 class _HostPools:
-    """The host pools of one `AuthProxy` (or of one stand-alone route), by (scheme, host, port,
-    verify)."""
+    """The host pools of one `AuthProxy` (or of one stand-alone route), by their key."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -548,11 +481,11 @@ class _HostPools:
             pool = self._pools.get(key)
             if pool is None:
                 pool = self._pools[key] = _HostPool(key)
-                pool._registry = self
             pool.users += 1
             return pool
 
     def release(self, pool: _HostPool) -> List["_UpstreamConnection"]:
+        """One user fewer; when it was the last, close the pool and return its idle connections."""
         with self._lock:
             pool.users -= 1
             if pool.users > 0:
@@ -575,16 +508,14 @@ def _drain(idle: "collections.deque[_UpstreamConnection]") -> List["_UpstreamCon
 
 
 class ReplicaRoute:
-    """One route id in front of K upstreams running the same server (e.g. K jobs of one image, each
-    hosting many WebSocket sessions): each new WebSocket session goes to the live replica with the
-    fewest open sessions (ties: round robin).
+    """One route id in front of K upstreams running the same server (e.g. K jobs of one image),
+    made by `AuthProxy.mount_replicas`; each replica is a `Route`. Each new WebSocket session goes
+    to the live replica with the fewest open sessions (ties: round robin).
 
-    A replica whose upgrade fails (connection refused/reset, TLS failure, timeout, or a 502/503/504
-    answer) is taken out of rotation, logged and reported by `status()`, and the session is retried
-    once on another live replica. Sessions already open on a replica that dies simply end. HTTP is
-    refused with 409 except `GET`/`HEAD` of `STATELESS_HTTP_PATHS`, unless `http="any"` (for servers
-    whose HTTP endpoints are stateless), because a stateful request cannot be pinned to a replica.
-    Made by `AuthProxy.mount_replicas`; each replica is a `Route` (its own pool and tunnels).
+    A replica whose upgrade fails (no connection, TLS failure, timeout, or a 502/503/504 answer)
+    leaves rotation, logged and reported by `status()`, and the session is retried once on another.
+    Sessions open on a replica that dies simply end. HTTP is refused with 409 but for `GET`/`HEAD`
+    of `STATELESS_HTTP_PATHS`, unless `http="any"`: a stateful request cannot pick its replica.
     """
 
     base_path = ""  # each replica's own base path is added when a request is sent to it
@@ -597,12 +528,10 @@ class ReplicaRoute:
         self.http: str = http
         self.label: str = "replica route"
         self._lock = threading.Lock()
-        self._replicas: List[_Replica] = []
         self._next = 0  # round-robin start among replicas tied on open sessions
         self._created = 0  # replicas ever added: numbers them in logs (never reused)
         self._closed = False
-        for upstream in upstreams:
-            self._replicas.append(self._new_replica(upstream))
+        self._replicas: List[_Replica] = [self._new_replica(upstream) for upstream in upstreams]
 
     def __repr__(self) -> str:
         with self._lock:
@@ -612,18 +541,12 @@ class ReplicaRoute:
             live, total, "set" if self.token is not None else "None", self.http)
 
     def current_token(self) -> Optional[str]:
-        """The token to inject now (the string, or the callable's answer), shared by every
-        replica."""
-        token = self.token() if callable(self.token) else self.token
-        if token is not None and _token_rejection(token):
-            raise ValueError("the token callable returned something that is not a usable token "
-                             "string")
-        return token
+        """The token every replica injects now (the string, or the callable's answer)."""
+        return _called_token(self.token)
 
     def status(self) -> List[Dict[str, object]]:
-        """One dict per replica, in mount order: `upstream` (the URL as mounted; it holds no
-        secret), `open_sessions` (WebSocket sessions open or being opened), `healthy`, `reason` (why
-        it was taken out of rotation, else None)."""
+        """One dict per replica, in mount order: `upstream` (the URL as mounted: no secret),
+        `open_sessions` (open or opening), `healthy`, `reason` (why it left rotation, or None)."""
         with self._lock:
             return [{"upstream": r.upstream, "open_sessions": r.open_sessions, "healthy": r.healthy,
                      "reason": r.reason} for r in self._replicas]
@@ -666,10 +589,7 @@ class ReplicaRoute:
         with self._lock:
             self._closed = True
             replicas = list(self._replicas)
-        problems: List[str] = []
-        for replica in replicas:
-            problems.extend(replica.route.close())
-        return problems
+        return [problem for replica in replicas for problem in replica.route.close()]
 
     # -- machinery (used by the request handler) ------------------------------------------------
 
@@ -682,8 +602,7 @@ class ReplicaRoute:
         return replica
 
     def _set_label(self, label: str) -> None:
-        """Name the route in logs (e.g. "route-3"); replicas are logged as "<label> replica-<n>
-        (<host>)"."""
+        """Name the route in logs (e.g. "route-3"); a replica is "<label> replica-<n> (<host>)"."""
         with self._lock:
             self.label = label
             for replica in self._replicas:
@@ -691,9 +610,8 @@ class ReplicaRoute:
 
     def _acquire(self, exclude: Sequence["_Replica"] = (),
                  reserve: bool = True) -> Optional["_Replica"]:
-        """The live replica with the fewest open sessions (ties: round robin), skipping `exclude`,
-        with a session slot reserved on it (released by `_release`) unless `reserve` is False
-        (HTTP); None when no live replica is left."""
+        """The live replica with the fewest open sessions (ties: round robin) but `exclude`, with a
+        session slot reserved (freed by `_release`) unless `reserve` is False; None if none left."""
         with self._lock:
             candidates = [(r.open_sessions, (i - self._next) % len(self._replicas), i, r)
                           for i, r in enumerate(self._replicas) if r.healthy and r not in exclude]
@@ -717,14 +635,12 @@ class ReplicaRoute:
 
     def _failure_summary(self) -> Tuple[int, List[Dict[str, object]]]:
         with self._lock:
-            failed: List[Dict[str, object]] = [{"replica": r.number, "reason": r.reason}
-                                               for r in self._replicas if not r.healthy]
-            return len(self._replicas), failed
+            return len(self._replicas), [{"replica": r.number, "reason": r.reason}
+                                         for r in self._replicas if not r.healthy]
 
 
 class _Replica:
-    """One upstream of a `ReplicaRoute`: its `Route` plus its rotation state (guarded by the
-    ReplicaRoute's lock)."""
+    """One upstream of a `ReplicaRoute`: its `Route` and rotation state (under the route's lock)."""
 
     def __init__(self, upstream: str, route: Route, number: int, where: str) -> None:
         self.upstream = upstream
@@ -748,24 +664,15 @@ class AuthProxy:
     """A loopback HTTP + WebSocket auth proxy: one listener, many routes, threads only.
 
     Use as a context manager, or `start()` / `stop()`. `mount(upstream, token)` returns the base URL
-    a client should use in place of the upstream's URL. Subclasses may override `route_request` to
-    map request targets to routes their own way (the HF Jobs emulator's token gate does).
-    """
+    a client uses in place of the upstream's. A subclass may override `route_request` (the HF Jobs
+    emulator's token gate does)."""
 
-    def __init__(
-        self,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        *,
-        connect_timeout_s: float = 10.0,
-        read_timeout_s: float = 300.0,
-        idle_timeout_s: float = CLIENT_IDLE_TIMEOUT_S,
-        header_timeout_s: float = HEADER_TIMEOUT_S,
-    ) -> None:
-        for name, value in (("connect_timeout_s", connect_timeout_s),
-                            ("read_timeout_s", read_timeout_s),
-                            ("idle_timeout_s", idle_timeout_s),
-                            ("header_timeout_s", header_timeout_s)):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, connect_timeout_s: float = 10.0,
+                 read_timeout_s: float = 300.0, idle_timeout_s: float = CLIENT_IDLE_TIMEOUT_S,
+                 header_timeout_s: float = HEADER_TIMEOUT_S) -> None:
+        timeouts = {"connect_timeout_s": connect_timeout_s, "read_timeout_s": read_timeout_s,
+                    "idle_timeout_s": idle_timeout_s, "header_timeout_s": header_timeout_s}
+        for name, value in timeouts.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError("%s must be a positive number of seconds, got %r" % (name, value))
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
@@ -781,8 +688,8 @@ class AuthProxy:
         self._requested_port = port
         self._lock = threading.Lock()
         self._routes: Dict[str, AnyRoute] = {}
-        # keep-alive connections per upstream host, shared by its routes
-        self._host_pools = _HostPools()
+        self._host_pools = _HostPools()  # shared by the routes to one upstream host
+        # Every route a request reached: stop() also closes those a subclass's route_request made.
         self._seen_routes: "weakref.WeakSet[AnyRoute]" = weakref.WeakSet()
         self._route_count = 0
         self._server: Optional[_Server] = None
@@ -792,12 +699,11 @@ class AuthProxy:
     @classmethod
     def spawn(cls, host: str = "127.0.0.1", port: int = 0, *, processes: int = 1,
               **timeouts: float) -> "proxy_host.AuthProxyProcess":
-        """Serve an AuthProxy from a child process (same arguments as the constructor) and return
-        its started handle, an `AuthProxyProcess` with the routes API (module `proxy_host`, loaded
-        now); the relaying then costs this process's GIL nothing. Tokens reach the child over a
-        private channel only; the child ends with this process. `processes=N` (Linux) starts N
-        children sharing one port (SO_REUSEPORT), every route mounted in each, so the kernel spreads
-        connections over N cores."""
+        """Serve an AuthProxy from a child process (the constructor's arguments), so relaying costs
+        this process's GIL nothing; return its started `AuthProxyProcess` (module `proxy_host`),
+        with the routes API. Tokens reach the child over a private channel only; it ends with this
+        process. `processes=N` (Linux) starts N children sharing the port (SO_REUSEPORT), every
+        route mounted in each."""
         return _layer("proxy_host").spawn(cls, host, port, processes=processes, **timeouts)
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -816,12 +722,10 @@ class AuthProxy:
                 self._server = self._new_server()
             except OSError as exc:
                 raise OSError(exc.errno, "AuthProxy cannot listen on %s:%d (%s); pick another "
-                                         "port, or 0 for a free "
-                                         "one" % (self.host, self._requested_port,
-                                                       exc.strerror or exc)) from None
+                              "port, or 0 for a free one" % (self.host, self._requested_port,
+                                                             exc.strerror or exc)) from None
             self._serve_thread = threading.Thread(target=self._server.serve_until_woken,
-                                                  name="proxy-listener",
-                                                  daemon=True)
+                                                  name="proxy-listener", daemon=True)
             _start_thread(self._serve_thread)
         log.info("proxy listening on %s", self.url)
         return self
@@ -831,9 +735,8 @@ class AuthProxy:
         return _Server(self)
 
     def stop(self) -> None:
-        """Stop serving: close the listener, every client connection, upstream connection and
-        tunnel, and join every thread the proxy started. Never raises; logs what it could not clean
-        up."""
+        """Close the listener, every connection and tunnel, and join every thread the proxy started.
+        Never raises; logs what it could not clean up."""
         with self._lock:
             if self._stopping:
                 return
@@ -844,11 +747,10 @@ class AuthProxy:
             self._routes.clear()
         if server is None:
             return
-        leftovers: List[str] = []
         server.wake()
-        if serve_thread is not None:
-            # the loop must be out of accept() before the listener closes
+        if serve_thread is not None:  # out of accept() before the listener closes
             serve_thread.join(STOP_JOIN_S)
+        leftovers: List[str] = []
         try:
             server.server_close()
         except OSError as exc:  # pragma: no cover
@@ -858,8 +760,7 @@ class AuthProxy:
         server.abort_connections()
         server.workers.close()
         deadline = time.monotonic() + STOP_JOIN_S
-        threads = [serve_thread] if serve_thread else []
-        threads += server.all_threads()
+        threads = ([serve_thread] if serve_thread else []) + server.all_threads()
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
             if thread.is_alive():
@@ -895,16 +796,15 @@ class AuthProxy:
 
     def mount(self, upstream: str, token: Token, *, verify: Verify = True,
               headers: ExtraHeaders = None) -> str:
-        """Forward `<base_url>/<rest>` to `<upstream>/<rest>` with `Authorization: Bearer <token>`.
+        """Forward `<base_url>/<rest>` to `<upstream>/<rest>` with `Authorization: Bearer <token>`;
+        return the base URL (`http://127.0.0.1:<port>/<route-id>`, an id of 192 random bits).
 
         `token` is a string or a zero-argument callable read at each request. The upstream may carry
         a path prefix (`https://host/v1/x/proxy/8000`: `<base_url>/a?q` goes to
         `/v1/x/proxy/8000/a?q`). `headers` (a mapping, or a zero-argument callable returning one,
-        read at each request) are added to every request and WebSocket upgrade, replacing any the
-        client sent with the same names; their values are never logged or shown. Routes to the same
-        upstream host (scheme, host, port, verify) share its keep-alive connections. Returns the
-        base URL (`http://127.0.0.1:<port>/<route-id>`); the route id is unguessable (192 random
-        bits).
+        read per request) are added to every request and upgrade, replacing the client's of the
+        same names; their values are never logged. Routes to one upstream host (scheme, host, port,
+        verify) share its keep-alive connections.
         """
         if self._server is None or self._stopping:
             raise RuntimeError("AuthProxy is not serving: call start() (or use it as a context "
@@ -920,18 +820,15 @@ class AuthProxy:
 
     def mount_replicas(self, upstreams: Sequence[str], token: Token, *, verify: Verify = True,
                        http: str = "refuse") -> str:
-        """Mount one route in front of several upstreams running the same server; returns its base
-        URL.
+        """Mount one route in front of several upstreams running the same server (same `token` and
+        `verify`); return its base URL. `unmount` closes it like any route.
 
-        Every upstream gets the same `token` (string or callable) and `verify`. Each new WebSocket
-        session goes to the live replica with the fewest open sessions; a replica whose upgrade
-        fails is taken out of rotation (see `replica_status`) and the session retried once on
-        another; with no live replica left the client gets 502 `X-Proxy-Error: no-live-replica`.
-        HTTP: `GET`/`HEAD` of /health, /metadata and /schema go to a live replica; anything else is
-        answered 409 `X-Proxy-Error: replicated-http-refused`, because OpenEnv's HTTP /reset and
-        /step keep state per server and cannot be pinned to one replica. `http="any"` forwards every
-        HTTP request to a live replica, for servers whose HTTP endpoints are stateless. `unmount`
-        closes it like any route.
+        Each new WebSocket session goes to the live replica with the fewest open sessions; a replica
+        whose upgrade fails leaves rotation (see `replica_status`) and the session is retried once
+        on another; with none left the client gets 502 `X-Proxy-Error: no-live-replica`. HTTP:
+        `GET`/`HEAD` of /health, /metadata and /schema go to a live replica, anything else gets 409
+        `replicated-http-refused` (OpenEnv's /reset and /step keep state per server), unless
+        `http="any"` (servers whose HTTP endpoints are stateless).
         """
         if self._server is None or self._stopping:
             raise RuntimeError("AuthProxy is not serving: call start() (or use it as a context "
@@ -946,9 +843,8 @@ class AuthProxy:
         return "%s/%s" % (self.url, route_id)
 
     def add_replica(self, base_url: str, upstream: str) -> bool:
-        """Add `upstream` to the replica route at `base_url`, or put it back in rotation if it had
-        failed. Returns False if it was already live. Same token and verify as the route's
-        others."""
+        """Add `upstream` (same token and verify) to the replica route at `base_url`, or put it back
+        in rotation if it had failed; False if it was already live."""
         return self._replica_route(base_url).add(upstream)
 
     def remove_replica(self, base_url: str, upstream: str) -> bool:
@@ -957,9 +853,8 @@ class AuthProxy:
         return self._replica_route(base_url).remove(upstream)
 
     def replica_status(self, base_url: str) -> List[Dict[str, object]]:
-        """Per replica of the route at `base_url`, in mount order: `{"upstream": url,
-        "open_sessions": n, "healthy": bool, "reason": why it left rotation or None}`. No token, no
-        route id."""
+        """`ReplicaRoute.status()` of the route at `base_url`: per replica, in mount order,
+        `{"upstream", "open_sessions", "healthy", "reason"}`. No token, no route id."""
         return self._replica_route(base_url).status()
 
     def _replica_route(self, base_url: str) -> ReplicaRoute:
@@ -974,9 +869,8 @@ class AuthProxy:
                          "route made by mount_replicas()")
 
     def unmount(self, base_url: str) -> bool:
-        """Remove the route behind `base_url` (single or replica route) and close its connections
-        and tunnels. Returns False when no such route is mounted (already unmounted): safe to call
-        twice."""
+        """Remove the route behind `base_url` and close its connections and tunnels; False when no
+        such route is mounted (safe to call twice)."""
         route_id = _route_id(base_url)
         with self._lock:
             route = self._routes.pop(route_id, None)
@@ -990,16 +884,13 @@ class AuthProxy:
     def route_request(self, target: str,
                       headers: "_RequestHeaders") -> Union[Tuple[AnyRoute, str], Refusal]:
         """Overridable hook: map an origin-form request target to (route, upstream target), or
-        refuse it. `headers` are the request's (`get`, `get_all`, `items`; a hook may set or delete
-        fields).
+        refuse it. `headers` are the request's (`get`, `get_all`, `items`; a hook may change them).
 
         Default: `/<route-id>/<rest>?q` -> (mounted route, `<upstream path>/<rest>?q`); unknown id
-        -> 404. For a `ReplicaRoute` the target is `/<rest>?q`: each replica's own path is added
-        when sent.
+        -> 404. A `ReplicaRoute` gets `/<rest>?q` (each replica adds its own path when sending).
         """
         path, sep, query = target.partition("?")
-        # "/<route-id>/<rest>" (route ids are never "")
-        route_id, _, rest = path.partition("/")[2].partition("/")
+        route_id, _, rest = path.partition("/")[2].partition("/")  # (route ids are never "")
         route = self._routes.get(route_id)
         if route is None:
             return Refusal(404, "unknown-route",
@@ -1009,44 +900,29 @@ class AuthProxy:
 
 
 # --------------------------------------------------------------------------------------------------
-# Validation (each returns the reason something is refused, or None)
+# Shared with hf_sandbox_provider and hf_jobs_emulator (one copy): the loopback test and the library
+# threads' signal rule, here in the bottom module (standard library only) that both import.
 # --------------------------------------------------------------------------------------------------
 
 
-# --------------------------------------------------------------------------------------------------
-# Shared with hf_sandbox_provider and hf_jobs_emulator: ONE copy of the loopback test and of the library
-# threads' signal rule. They live here because this is the bottom module (standard library only) that both
-# import; the emulator, and every echo-server job process it spawns, never imports requests or the provider.
-# --------------------------------------------------------------------------------------------------
-
-
-# Signals a process receives to end (a scheduler's SIGTERM, Ctrl-C, a closed terminal). The kernel
-# may hand a process-directed signal to any thread that does not block it (Linux prefers the main
-# thread, but not when that one has a signal pending), while CPython runs Python handlers only in
-# the main thread and a blocking call there (a sleep, a join) is cut short only if the signal landed
-# on that thread. Every thread the library starts blocks these, so they always reach the main
-# thread.
+# Signals a process receives to end (SIGTERM, Ctrl-C, a closed terminal). The kernel may hand one to
+# any thread not blocking it, while CPython runs handlers, and cuts a blocking call short, only in
+# the main thread: every thread the library starts blocks these, so they reach the main thread.
 MAIN_THREAD_SIGNALS = frozenset(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
                                 if hasattr(signal, name))
-# Every other asynchronous signal (timers, children, terminals, users) is blocked in library threads
-# too. They have no use for one (CPython runs Python handlers only in the main thread), and one
-# landing there interrupts a blocking call: CPython retries a recv or send that a signal
-# interrupted, and for a socket whose timeout the kernel enforces (KERNEL_TIMEOUTS) the retry starts
-# the whole timeout again, so a signal every few seconds kept a stalled upstream or client from ever
-# timing out (a SIGUSR1 every 20 ms: no 504 in 15 s instead of one at 1.5 s). Left deliverable: the
-# fault signals, which must reach the thread that caused them, and the CPU-time profiling timers
-# (SIGPROF, SIGVTALRM), which the kernel sends only to a thread that is running, never to one
-# waiting in a recv.
+# The other asynchronous signals are blocked in library threads too: they have no use for one, and
+# a recv or send that one interrupts is retried with its whole kernel timeout (KERNEL_TIMEOUTS)
+# again, so frequent signals kept a stalled peer from ever timing out. Left deliverable: fault
+# signals (they must reach their thread) and CPU profiling timers (sent only to running threads).
 LIBRARY_THREAD_BLOCKED_SIGNALS = MAIN_THREAD_SIGNALS | frozenset(
-    getattr(signal, name) for name in ("SIGALRM", "SIGUSR1", "SIGUSR2", "SIGCHLD", "SIGPIPE", "SIGQUIT",
-                                       "SIGWINCH", "SIGCONT", "SIGTSTP", "SIGTTIN", "SIGTTOU", "SIGURG",
-                                       "SIGIO", "SIGPWR", "SIGXCPU", "SIGXFSZ")
+    getattr(signal, name) for name in (
+        "SIGALRM", "SIGUSR1", "SIGUSR2", "SIGCHLD", "SIGPIPE", "SIGQUIT", "SIGWINCH", "SIGCONT",
+        "SIGTSTP", "SIGTTIN", "SIGTTOU", "SIGURG", "SIGIO", "SIGPWR", "SIGXCPU", "SIGXFSZ")
     if hasattr(signal, name))
 
 
 def _layer(name: str) -> types.ModuleType:
-    """The optional module `name` beside this one (relative inside a package), imported on first
-    use."""
+    """The optional module `name` beside this one (relative inside a package), imported on use."""
     try:
         return importlib.import_module(("." if __package__ else "") + name, __package__ or None)
     except ModuleNotFoundError as exc:
@@ -1058,8 +934,8 @@ def _layer(name: str) -> types.ModuleType:
 
 @contextlib.contextmanager
 def _library_signal_mask() -> Iterator[None]:
-    """Block LIBRARY_THREAD_BLOCKED_SIGNALS in this thread meanwhile, so that threads started inside
-    inherit the mask (a new thread takes its creator's); a signal sent meanwhile waits, it is not lost."""
+    """Block LIBRARY_THREAD_BLOCKED_SIGNALS in this thread meanwhile, so threads started inside
+    inherit the mask; a signal sent meanwhile waits, it is not lost."""
     if not hasattr(signal, "pthread_sigmask"):  # Windows: no per-thread signal masks
         yield
         return
@@ -1077,9 +953,8 @@ def _start_thread(thread: threading.Thread) -> None:
 
 
 def _is_loopback_host(host: Optional[str]) -> bool:
-    """True for a host that names this machine: `localhost`, `*.localhost` (RFC 6761), a loopback IP
-    literal, with or without the `[...]` of an IPv6 URL host. The one rule for "may go in clear
-    text"."""
+    """The one rule for "may go in clear text": `localhost`, `*.localhost` (RFC 6761) or a loopback
+    IP literal, with or without the `[...]` of an IPv6 URL host."""
     if not host:
         return False
     host = host.strip("[]").lower().rstrip(".")
@@ -1104,15 +979,18 @@ def _route_id(base_url: object) -> str:
     return base_url.rstrip("/").rsplit("/", 1)[-1] if isinstance(base_url, str) else ""
 
 
+# --------------------------------------------------------------------------------------------------
+# Validation (each returns the reason something is refused, or None)
+# --------------------------------------------------------------------------------------------------
+
+
 def _replicas_rejection(upstreams: object) -> Optional[str]:
-    if isinstance(upstreams, (str, bytes)) or not isinstance(upstreams, (list, tuple)):
+    if not isinstance(upstreams, (list, tuple)):
         return ("upstreams must be a list of job URLs like ['https://<job>--8000.hf.jobs', ...], "
-                "got %s"
-                % type(upstreams).__name__)
+                "got %s" % type(upstreams).__name__)
     if not upstreams:
         return "upstreams is empty; pass at least one job URL (use mount() for a single job)"
-    for upstream in upstreams:
-        reason = _upstream_rejection(upstream)
+    for reason in map(_upstream_rejection, upstreams):
         if reason:
             return reason
     if len(set(upstreams)) != len(upstreams):
@@ -1166,11 +1044,19 @@ def _token_rejection(token: object) -> Optional[str]:
                 "%s" % type(token).__name__)
     if not token:
         return "token is empty; pass your HF token (or None to inject no Authorization header)"
-    # checked per request (tokens rotate): a regex, not a char loop
-    if _BAD_TARGET_CHAR_RE.search(token):
+    if _BAD_TARGET_CHAR_RE.search(token):  # (a regex: a callable's answer is checked per request)
         return ("token contains whitespace, control or non-ASCII characters; pass the bare token "
                 "without 'Bearer '")
     return None
+
+
+def _called_token(token: Token) -> Optional[str]:
+    """The token's value now (the string, or the callable's answer); ValueError if unusable."""
+    value = token() if callable(token) else token
+    if value is not None and _token_rejection(value):
+        raise ValueError("the token %s is not a usable token string" % (
+            "callable returned something that" if callable(token) else "set on the route"))
+    return value
 
 
 def _extra_headers_rejection(headers: object, with_token: bool) -> Optional[str]:
@@ -1192,20 +1078,18 @@ def _extra_headers_rejection(headers: object, with_token: bool) -> Optional[str]
         if low == "authorization" and with_token:
             return ("headers: Authorization conflicts with the route's token; pass token=None to "
                     "send your own")
-        if not isinstance(value, str) or not value.isascii() or "\r" in value or "\n" in value or \
-                _BAD_VALUE_CHAR_RE.search(value):
+        if (not isinstance(value, str) or not value.isascii() or "\r" in value or "\n" in value
+                or _BAD_VALUE_CHAR_RE.search(value)):
             return ("headers: the value of %s is not a string of printable ASCII (the value is not "
                     "shown)" % name)
     return None
 
 
 def _verify_rejection(verify: object) -> Optional[str]:
-    if isinstance(verify, bool):
-        return None
-    if isinstance(verify, str):
-        if not os.path.exists(verify):
-            return ("verify=%r: no such CA bundle file or directory; pass True, False or an "
-                    "existing path" % verify)
+    if isinstance(verify, str) and not os.path.exists(verify):
+        return ("verify=%r: no such CA bundle file or directory; pass True, False or an "
+                "existing path" % verify)
+    if isinstance(verify, (bool, str)):
         return None
     return ("verify must be True, False or a CA bundle path (like requests), got "
             "%s" % type(verify).__name__)
@@ -1429,13 +1313,11 @@ class _UpstreamFailure(Exception):
 
 
 class _UpstreamClosed(ConnectionError):
-    """The upstream closed, reset or TLS-ended the connection before sending any byte of an
-    answer."""
+    """The upstream closed, reset or TLS-ended the connection before any byte of an answer."""
 
 
 class _BadResponse(Exception):
-    """The upstream's answer broke HTTP/1.1 (or a proxy limit): `kind` is the X-Proxy-Error
-    value."""
+    """The upstream's answer broke HTTP/1.1 or a proxy limit: `kind` is the X-Proxy-Error value."""
 
     def __init__(self, kind: str, what: str) -> None:
         super().__init__(what)
@@ -1458,13 +1340,12 @@ def _client_body_error(exc: BaseException) -> _ClientBodyError:
 
 
 def _client_body_refusal(exc: _ClientBodyError, idle_timeout_s: float) -> Refusal:
-    """408 for a body that stopped arriving (the client is slow, not wrong), 400 for a malformed
-    one."""
+    """408 for a body that stopped arriving (a slow client, not a wrong one), 400 for a bad one."""
     if isinstance(exc, _ClientBodyTimeout):
-        return Refusal(408, "request-timeout", "The request body stopped arriving: nothing came "
-                                               "for %g s (idle_timeout_s); the request was "
-                                               "dropped. Send the whole body without pausing that "
-                                               "long." % idle_timeout_s)
+        return Refusal(408, "request-timeout",
+                       "The request body stopped arriving: nothing came for %g s (idle_timeout_s); "
+                       "the request was dropped. Send the whole body without pausing that long."
+                       % idle_timeout_s)
     return Refusal(400, "bad-body", "The request body was malformed: %s." % exc)
 
 
@@ -1473,8 +1354,7 @@ class _ClientGone(Exception):
 
 
 def _failure_name(exc: BaseException) -> str:
-    """A short, secret-free name for a connection failure (the TLS reason, else the exception
-    type)."""
+    """A short, secret-free name for a failure (the TLS reason, else the exception type)."""
     return str(getattr(exc, "reason", None) or type(exc).__name__)
 
 
@@ -1489,39 +1369,34 @@ def _classify_upstream_error(exc: BaseException, route: Route) -> Refusal:
     """Map an exception from talking to the upstream to a 502/504 refusal (never containing the
     token)."""
     where = route.label
+    unreachable = "upstream-unreachable"
     if isinstance(exc, _BadResponse):
         return Refusal(502, exc.kind, "The upstream %s %s." % (where, exc.what))
     if isinstance(exc, _UpstreamClosed):
-        return Refusal(502, "upstream-unreachable", "The upstream %s closed the connection without "
-                                                    "answering (%s); did the job "
-                                                    "restart?" % (where, exc))
+        return Refusal(502, unreachable, "The upstream %s closed the connection without answering "
+                                         "(%s); did the job restart?" % (where, exc))
     if isinstance(exc, (socket.timeout, TimeoutError)):
-        return Refusal(504, "upstream-timeout",
-                       "The upstream %s did not answer in time; the job may be overloaded or "
-                       "stuck." % where)
+        return Refusal(504, "upstream-timeout", "The upstream %s did not answer in time; the job "
+                                                "may be overloaded or stuck." % where)
     if isinstance(exc, (ssl.SSLError, ssl.CertificateError)):
-        return Refusal(502, "upstream-tls",
-                       "TLS with the upstream %s failed (%s); check its certificate or the route's "
-                       "verify "
-                       "setting." % (where, getattr(exc, "reason", None) or type(exc).__name__))
+        return Refusal(502, "upstream-tls", "TLS with the upstream %s failed (%s); check its "
+                                            "certificate or the route's verify setting."
+                       % (where, _failure_name(exc)))
     if isinstance(exc, socket.gaierror):
-        return Refusal(502, "upstream-unreachable",
-                       "The upstream host of %s could not be resolved; check the job URL." % where)
+        return Refusal(502, unreachable, "The upstream host of %s could not be resolved; check "
+                                         "the job URL." % where)
     if isinstance(exc, ConnectionRefusedError):
-        return Refusal(502, "upstream-unreachable",
-                       "The upstream %s refused the connection; is the job running with its port "
-                       "exposed?" % where)
+        return Refusal(502, unreachable, "The upstream %s refused the connection; is the job "
+                                         "running with its port exposed?" % where)
     if isinstance(exc, http.client.IncompleteRead):
-        return Refusal(502, "upstream-unreachable",
-                       "The upstream %s closed the connection in the middle of its response; did "
-                       "the job crash?" % where)
+        return Refusal(502, unreachable, "The upstream %s closed the connection in the middle of "
+                                         "its response; did the job crash?" % where)
     if (isinstance(exc, http.client.HTTPException)
             and not isinstance(exc, http.client.RemoteDisconnected)):
-        return Refusal(502, "upstream-protocol", "The upstream %s sent a malformed HTTP "
-                                                 "response." % where)
-    return Refusal(502, "upstream-unreachable",
-                   "The connection to the upstream %s failed (%s); is the job still "
-                   "running?" % (where, type(exc).__name__))
+        return Refusal(502, "upstream-protocol",
+                       "The upstream %s sent a malformed HTTP response." % where)
+    return Refusal(502, unreachable, "The connection to the upstream %s failed (%s); is the job "
+                                     "still running?" % (where, type(exc).__name__))
 
 
 def _may_retry(method: str, reused: bool, replayable: bool, fully_sent: bool,
@@ -1529,16 +1404,14 @@ def _may_retry(method: str, reused: bool, replayable: bool, fully_sent: bool,
     """The stale-connection retry rule: retry once, on a fresh connection, only if
 
     - the connection came from the pool (a fresh connection failing is a real failure), and
-    - no response byte arrived (the connection was reset or closed, not slow: timeouts never retry),
-    and
+    - no response byte arrived (reset or closed, not slow: timeouts never retry), and
     - the request can be replayed byte for byte (its body was buffered), and
     - the method is idempotent, or the request was not completely sent (so the upstream cannot have
       acted on it). A fully sent POST that then got no answer is NOT retried: it might have run.
     """
     no_answer = isinstance(exc, (_UpstreamClosed, http.client.RemoteDisconnected,
-                                 ConnectionResetError,
-                                 BrokenPipeError, ConnectionAbortedError, ssl.SSLEOFError,
-                                     ssl.SSLZeroReturnError))
+                                 ConnectionResetError, BrokenPipeError, ConnectionAbortedError,
+                                 ssl.SSLEOFError, ssl.SSLZeroReturnError))
     return reused and no_answer and replayable and (method in IDEMPOTENT_METHODS or not fully_sent)
 
 
@@ -1548,8 +1421,7 @@ def _may_retry(method: str, reused: bool, replayable: bool, fully_sent: bool,
 
 
 class _Worker:
-    """One pool thread's mailbox: the job it is given and the lock it parks on (held while
-    parked)."""
+    """One pool thread's mailbox: its next job and the lock it parks on (held while parked)."""
 
     __slots__ = ("job", "wake", "thread")
 
@@ -1562,10 +1434,8 @@ class _Worker:
 
 class _WorkerPool:
     """Parked threads that run jobs: `submit` hands a job to the most recently parked worker (its
-    stack and caches are warm) or starts a new thread while under `max_workers`; a worker idle for
-    `idle_s` ends. No thread is created while parked ones exist, so a warm proxy serves a connection
-    with one lock release instead of a thread start (which cost most of a WebSocket set-up's
-    CPU)."""
+    stack is warm), else starts a thread while under `max_workers`; a worker idle for `idle_s`
+    ends. A warm proxy serves a connection with one lock release instead of a thread start."""
 
     def __init__(self, name: str, max_workers: int, idle_s: float, stack_bytes: int) -> None:
         self.name, self.max_workers = name, max_workers
@@ -1576,8 +1446,7 @@ class _WorkerPool:
         self._closed = False
 
     def submit(self, fn: Callable[..., None], *args: object) -> bool:
-        """Run fn(*args) on a worker; False (nothing run) if the pool is closed or at
-        `max_workers`."""
+        """Run fn(*args) on a worker; False (nothing run) if closed or at `max_workers`."""
         with self._lock:
             if self._closed:
                 return False
@@ -1589,14 +1458,12 @@ class _WorkerPool:
             if len(self._threads) >= self.max_workers:
                 return False
             worker = _Worker((fn, args))
-            thread = threading.Thread(target=self._work, args=(worker,), name=self.name,
-                                      daemon=True)
-            worker.thread = thread
+            worker.thread = thread = threading.Thread(target=self._work, args=(worker,),
+                                                      name=self.name, daemon=True)
             self._threads.add(thread)
         try:
             _start_with_stack(thread, self.stack_bytes)
-        # e.g. RuntimeError: can't start new thread (a process or memory limit)
-        except BaseException:
+        except BaseException:  # e.g. "can't start new thread" (a process or memory limit)
             with self._lock:
                 self._threads.discard(thread)
             return False
@@ -1656,21 +1523,19 @@ class _WorkerPool:
             if worker in self._parked:  # nobody picked it
                 del self._parked[worker]
                 return False
-        # submit() or close() took it off the parked list just as the wait timed out: its release is
-        # coming (or came), and with it a job or the order to end.
+        # submit() or close() took it just as the wait timed out: its release (a job, or the
+        # order to end) is coming.
         worker.wake.acquire()
         return worker.job is not None
 
 
-# threading.stack_size() is process-wide: starts that set it are serialized, and it is restored at
-# once.
+# threading.stack_size() is process-wide: starts that set it are serialized, and it is restored.
 _STACK_SIZE_LOCK = threading.Lock()
 
 
 def _start_with_stack(thread: threading.Thread, stack_bytes: int) -> None:
-    """Start `thread` with a `stack_bytes` stack. A thread some other code starts in the same
-    instant would get it too (the setting is process-wide); the window is one thread creation, and
-    the pool creates threads only while growing."""
+    """Start `thread` with a `stack_bytes` stack (a thread other code starts in that instant would
+    get it too: the window is one thread creation)."""
     with _STACK_SIZE_LOCK:
         try:
             previous = threading.stack_size(stack_bytes)
@@ -1688,9 +1553,7 @@ class _Server(http.server.ThreadingHTTPServer):
     them all."""
 
     request_queue_size = LISTEN_BACKLOG
-    daemon_threads = True
     allow_reuse_address = True
-    block_on_close = False
 
     def __init__(self, proxy: AuthProxy) -> None:
         self.proxy = proxy
@@ -1698,41 +1561,33 @@ class _Server(http.server.ThreadingHTTPServer):
         self._conn_lock = threading.Lock()
         self._conns: Set[socket.socket] = set()
         self.workers = _WorkerPool("proxy-worker", MAX_WORKERS, WORKER_IDLE_S, WORKER_STACK_BYTES)
-        self.busy_warnings = _WarningRate(BUSY_WARNING_EVERY_S)  # connections refused at the thread cap
-        # Client connections whose WebSocket upgrade is under way or whose tunnel is open: stop() cuts
-        # those through their routes, so a set-up still answers its client (503) before the 101.
+        self.busy_warnings = _WarningRate(BUSY_WARNING_EVERY_S)  # refusals at the thread cap
+        # Client connections in a WebSocket upgrade or tunnel: stop() cuts those through their
+        # routes, so a set-up still answers its client (503) before the 101.
         self.tunnelling: Set[socket.socket] = set()
         super().__init__((proxy.host.strip("[]"), proxy._requested_port), _Handler)
         self._woken = False
 
     def serve_until_woken(self) -> None:
-        """Accept connections until `wake()`: a blocking accept on the listener, the one socket this
-        thread waits on. Unlike `serve_forever(poll_interval)`, an idle proxy costs no wake-ups and
-        `stop()` waits for no poll (the emulator runs one proxy per job: tearing down hundreds must
-        not cost a poll each)."""
+        """Accept connections until `wake()` in a blocking accept: unlike `serve_forever`, an idle
+        proxy costs no wake-ups and `stop()` waits for no poll (the emulator runs one per job)."""
         while not self._woken:
-            self._accept()
-
-    def _accept(self) -> None:
-        """Take one waiting connection and hand it to `process_request` (what `handle_request` does
-        after its own wait); the connection `wake()` makes is closed unserved."""
-        try:
-            request, client_address = self.get_request()
-        except OSError:
-            return
-        if self._woken:
-            self.shutdown_request(request)
-            return
-        try:
-            self.process_request(request, client_address)
-        except Exception:
-            self.handle_error(request, client_address)
-            self.shutdown_request(request)
+            try:
+                request, client_address = self.get_request()
+            except OSError:
+                continue
+            if self._woken:  # the connection wake() made
+                self.shutdown_request(request)
+                continue
+            try:
+                self.process_request(request, client_address)
+            except Exception:
+                self.handle_error(request, client_address)
+                self.shutdown_request(request)
 
     def wake(self) -> None:
-        """Make `serve_until_woken` return now (thread-safe, idempotent): set the flag, then end the
-        blocked accept: on Linux by shutting the listener down (accept fails at once, and no other
-        listener sharing the port with SO_REUSEPORT is touched), elsewhere by connecting to it once."""
+        """Make `serve_until_woken` return now (thread-safe, idempotent): on Linux by shutting the
+        listener down (no other listener sharing its port is touched), else by connecting once."""
         if self._woken:
             return
         self._woken = True
@@ -1745,10 +1600,8 @@ class _Server(http.server.ThreadingHTTPServer):
         host, port = self.server_address[:2]
         if host in ("", "0.0.0.0", "::"):  # a wildcard bind: reach it on loopback
             host = "::1" if self.address_family == socket.AF_INET6 else "127.0.0.1"
-        try:
+        with contextlib.suppress(OSError):  # (not listening any more: nothing waits in accept)
             socket.create_connection((host, port), timeout=STOP_JOIN_S).close()
-        except OSError:  # not listening any more: nothing waits in accept
-            pass
 
     def server_bind(self) -> None:
         # HTTPServer.server_bind does a reverse DNS lookup (getfqdn) that can stall; we need none.
@@ -1785,8 +1638,8 @@ class _Server(http.server.ThreadingHTTPServer):
         log.error("proxy: unexpected error while serving a connection", exc_info=True)
 
     def abort_connections(self) -> None:
-        """Shut every live client socket so blocked handler threads wake up and exit; WebSocket
-        connections end through their routes instead (a set-up still answers its client)."""
+        """Shut every live client socket but the WebSocket ones (those end through their routes), so
+        blocked handler threads wake up and exit."""
         with self._conn_lock:
             conns = list(self._conns - self.tunnelling)
         for sock in conns:
@@ -1797,8 +1650,7 @@ class _Server(http.server.ThreadingHTTPServer):
         return self.workers.busy_threads()
 
     def all_threads(self) -> List[threading.Thread]:
-        """Every worker thread, busy or parked (a WebSocket session's two among them): what
-        `stop()` joins."""
+        """Every worker thread, busy or parked: what `stop()` joins."""
         return self.workers.threads()
 
 
@@ -3017,16 +2869,13 @@ _TLS_CONTEXTS_LOCK = threading.Lock()
 
 
 def _shared_tls_context(verify: Verify) -> ssl.SSLContext:
-    """The TLS context for `verify`, shared by every route with the same one (TLS_CONTEXTS_KEPT). A
-    CA bundle path is keyed with its file's size and modification time, so an edited bundle is
-    re-read."""
+    """The TLS context for `verify`, shared by every route with the same one (TLS_CONTEXTS_KEPT); a
+    CA bundle is keyed with its size and modification time, so an edited bundle is re-read."""
     key: object = verify
     if isinstance(verify, str):
-        try:
+        with contextlib.suppress(OSError):  # (else the context creation reports it)
             stat = os.stat(verify)
             key = (verify, stat.st_mtime_ns, stat.st_size)
-        except OSError:  # let the context creation report it
-            key = (verify, None, None)
     with _TLS_CONTEXTS_LOCK:
         context = _TLS_CONTEXTS.get(key)
         if context is not None:
@@ -3062,14 +2911,10 @@ def _make_tls_context(verify: Verify) -> ssl.SSLContext:
 
 
 def _abort_socket(sock: Optional[socket.socket]) -> None:
-    """Wake any thread blocked on this socket (full shutdown, at the fd level even for TLS
-    sockets)."""
-    if sock is None:
-        return
-    try:
-        socket.socket.shutdown(sock, socket.SHUT_RDWR)
-    except OSError:
-        pass
+    """Wake any thread blocked on this socket (a shutdown at the fd level, even for TLS sockets)."""
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
 
 def _quiet_close(closeable: Any) -> Optional[str]:
@@ -3093,21 +2938,14 @@ def _answer_busy(sock: socket.socket, warnings: "_WarningRate") -> None:
     had no thread for with a 503 `proxy-busy`, without reading its request."""
     refusal = _busy_refusal()
     body = json.dumps({"error": refusal.kind, "message": refusal.message}).encode()
-    head = ("HTTP/1.1 503 Service Unavailable\r\nX-Proxy-Error: %s\r\nRetry-After: "
-            "%d\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: "
-            "close\r\n\r\n"
-            % (refusal.kind, BUSY_RETRY_AFTER_S, len(body)))
+    headers = [("X-Proxy-Error", refusal.kind), *refusal.headers, ("Content-Type",
+               "application/json"), ("Content-Length", str(len(body))), ("Connection", "close")]
     _warn_busy(warnings)
-    try:
+    with contextlib.suppress(OSError):
         sock.setblocking(False)
-        try:
-            # what already arrived: closing with unread bytes would send a reset
+        with contextlib.suppress(OSError):  # what already arrived (unread bytes make a reset)
             sock.recv(IO_CHUNK)
-        except OSError:
-            pass
-        sock.send(head.encode("latin-1") + body)
-    except OSError:
-        pass
+        sock.send(_head_bytes(503, "Service Unavailable", headers) + body)
 
 
 def _warn_busy(warnings: "_WarningRate") -> None:
@@ -3115,7 +2953,7 @@ def _warn_busy(warnings: "_WarningRate") -> None:
     if refused:
         log.warning("proxy: no free worker thread (%d in use); answered 503 proxy-busy %d time(s) "
                     "since the previous warning (at most one per %g s)", MAX_WORKERS, refused,
-                        warnings.every_s)
+                    warnings.every_s)
 
 
 class _WarningRate:
@@ -3129,8 +2967,8 @@ class _WarningRate:
         self._held = 0
 
     def note(self, now: float) -> int:
-        """Count one event at `now` (a monotonic time); the number to report (this event and those
-        held back since the last warning) if a warning is due, else 0."""
+        """Count one event at `now` (monotonic); if a warning is due, the events to report (this
+        and those held back since the last one), else 0."""
         with self._lock:
             self._held += 1
             if self._last is not None and now - self._last < self.every_s:
@@ -3167,10 +3005,9 @@ class _Stream:
 class _TlsStream(_Stream):
     """TLS over a blocking TCP socket through an `ssl.SSLObject` on memory buffers, for a reading
     and a sending thread at once. OpenSSL forbids two threads in one SSL object, so the engine is
-    touched only under `_engine`, a lock never held across a socket call: each thread does its own
-    socket I/O outside it. Output leaves in the order the engine wrote it: it is taken from the
-    output buffer only under `_sending`, held while it is sent (see `_send_output`); the sending
-    thread takes `_sending` before the engine lock, never the other way round."""
+    touched only under `_engine`, never held across a socket call. Output leaves in the order the
+    engine wrote it: it is taken and sent only under `_sending` (see `_send_output`), which is
+    always taken before the engine lock."""
 
     def __init__(self, sock: socket.socket, context: ssl.SSLContext, host: str) -> None:
         super().__init__(sock)
@@ -3180,8 +3017,8 @@ class _TlsStream(_Stream):
         self._sending = threading.Lock()
 
     def handshake(self) -> None:
-        """The TLS handshake, on the socket's timeout (called again after a timeout, it goes on
-        where it stopped); each flight is sent before the peer's is awaited."""
+        """The TLS handshake on the socket's timeout (called again after one, it goes on where it
+        stopped); each flight is sent before the peer's is awaited."""
         while True:
             try:
                 with self._engine:
@@ -3206,9 +3043,8 @@ class _TlsStream(_Stream):
                 except (ssl.SSLZeroReturnError, ssl.SSLEOFError):  # close_notify, or a TCP close
                     data = b""
                 reply = self._outgoing.pending  # e.g. the answer to a key update
-            # The reading thread never waits for the send lock: were it to stop reading while the
-            # upstream's window for our sends is full, both ends could wait on each other. The
-            # sender holding it sends this output too.
+            # Never wait for the send lock: a reader stopped while the upstream's receive window is
+            # full could deadlock both ends. The sender holding it sends this output too.
             if reply and self._sending.acquire(False):
                 self._send_output()
             if data is not None:
@@ -3229,10 +3065,9 @@ class _TlsStream(_Stream):
                 self._incoming.write_eof()
 
     def _send_output(self, data: bytes = b"") -> None:
-        """With `_sending` held: encrypt `data` (into a memory buffer: it never waits) and send what
-        the engine wrote, in order, then let go of `_sending`. It is let go only under the engine
-        lock with the output buffer empty, so output another thread writes (under that lock) is
-        sent by the sender still holding it, or finds it free."""
+        """With `_sending` held: encrypt `data` and send what the engine wrote, in order, then let
+        go of `_sending`, under the engine lock with the output buffer empty (so output another
+        thread writes is sent by the sender still holding it, or finds it free)."""
         try:
             while True:
                 with self._engine:
@@ -3250,26 +3085,25 @@ class _TlsStream(_Stream):
 
 
 def _open_stream(route: Route, connect_timeout_s: float) -> _Stream:
-    """A new TCP stream to the route's upstream for one WebSocket session; for https, TLS over it
-    (verified as the route says, with the context shared per `verify`; the caller handshakes)."""
+    """A new stream to the route's upstream for one WebSocket session: TCP, or for https TLS over
+    it (verified as the route says; the caller handshakes)."""
     sock = route._connect(connect_timeout_s)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if route.scheme != "https":
-            return _Stream(sock)
-        return _TlsStream(sock, route.tls_context(), route.host)
+        if route.scheme == "https":
+            return _TlsStream(sock, route.tls_context(), route.host)
+        return _Stream(sock)
     except BaseException:
         sock.close()
         raise
 
 
 class _Tunnel:
-    """A WebSocket session: the client's socket and the upstream stream, copied both ways by two
-    threads, one per direction: client->upstream on the handler's thread (`run`), upstream->client
-    on a pool worker (`pump_upstream`, held back until the 101 is out). When either direction
-    ends, both sockets close. On its route from before the upgrade's connect, so unmount and stop
-    end it at any step (`cut_off`): before the 101 only the upstream side is cut, and the handler
-    still answers the client as HTTP."""
+    """A WebSocket session copied both ways by two threads: client->upstream on the handler's
+    thread (`run`), upstream->client on a pool worker (`pump_upstream`, once the 101 is out). When
+    either direction ends, both sockets close. It is on its route from before the upgrade's
+    connect, so unmount and stop end it at any step (`cut_off`); before the 101 only the upstream
+    side is cut, and the handler still answers the client as HTTP."""
 
     def __init__(self, client: socket.socket, label: str) -> None:
         self.client, self.label = client, label
@@ -3277,7 +3111,7 @@ class _Tunnel:
         self.opened = False  # the 101 is on its way to the client
         self.cut = False  # ended by its route (unmount, stop)
         self._closed = False
-        # Plain locks, both held from the start: one futex each way (an Event is a Condition).
+        # Plain locks, both held from the start (cheaper than Events).
         self._go = threading.Lock()  # released once the 101 is out (or the tunnel closed before)
         self._go.acquire()
         self._pumped = threading.Lock()  # released when the upstream->client direction ended
@@ -3292,7 +3126,7 @@ class _Tunnel:
             self.upstream.abort()
 
     def close(self) -> None:
-        """End both directions now (from any thread; idempotent: a second shutdown is harmless)."""
+        """End both directions now (from any thread; idempotent)."""
         if self._closed:
             return
         self._closed = True
@@ -3323,23 +3157,17 @@ class _Tunnel:
     def _pump(self, read: Callable[[int], bytes], write: Callable[[bytes], None],
               first: bytes = b"") -> None:
         try:
-            data = first
-            while True:
-                if data:
+            with contextlib.suppress(OSError, ValueError):  # (a shut socket, or an ssl.SSLError)
+                if first:
+                    write(first)
+                for data in iter(functools.partial(read, TUNNEL_READ_BYTES), b""):
                     write(data)
-                data = read(TUNNEL_READ_BYTES)
-                if not data:
-                    break
-        except (OSError, ValueError, ssl.SSLError):
-            pass
         finally:
             self.close()
 
     def _release_go(self) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # released already (by run() or close())
             self._go.release()
-        except RuntimeError:  # released already (by run() or close())
-            pass
 
 
 # --------------------------------------------------------------------------------------------------
@@ -3348,8 +3176,7 @@ class _Tunnel:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Front one upstream URL on loopback; print the base URL first; stop cleanly on
-    Ctrl-C/SIGTERM."""
+    """Front one upstream URL on loopback: print the base URL, stop cleanly on Ctrl-C/SIGTERM."""
     import argparse  # only the command line needs it
 
     parser = argparse.ArgumentParser(prog="python proxy.py",
@@ -3374,18 +3201,13 @@ def main(argv: Optional[List[str]] = None) -> int:
               CLI_SWITCH_INTERVAL_S)
     from huggingface_hub import get_token  # HF_TOKEN, then the `hf auth login` file (only here)
     token = get_token()
-    host = urllib.parse.urlsplit(args.upstream).hostname or ""
-    if not token and not _is_loopback_host(host):
+    if not token and not _is_loopback_host(urllib.parse.urlsplit(args.upstream).hostname):
         print("error: no HF token found: set HF_TOKEN or run `hf auth login`", file=sys.stderr)
         return 2
     verify: Verify = False if args.insecure else (args.ca_bundle or True)
     stop = threading.Event()
-
-    def _on_signal(signum: int, frame: object) -> None:
-        stop.set()
-
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _on_signal)
+        signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     try:
         proxy = AuthProxy(args.host, args.port).start()
     except (OSError, ValueError) as exc:
@@ -3398,7 +3220,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print("error: %s" % exc, file=sys.stderr)
             return 2
         print(base_url, flush=True)
-        while not stop.wait(0.5):
+        while not stop.wait(0.5):  # (a short wait, so Ctrl-C gets through)
             pass
     except KeyboardInterrupt:
         pass

@@ -88,6 +88,18 @@ def test_token_callable_is_read_at_each_request(upstream, proxy):
     assert seen == [["Bearer first-token"], ["Bearer second-token"]]
 
 
+def test_a_token_reassigned_on_a_route_is_the_one_it_injects_next_none_included():
+    route = Route("http://127.0.0.1:9", "first-token")
+    assert route.current_token() == "first-token"
+    route.token = "second-token"
+    assert route.current_token() == "second-token"
+    route.token = None  # inject nothing from now on
+    assert route.current_token() is None
+    route.token = "not a token"
+    with pytest.raises(ValueError, match="the token set on the route is not a usable token string"):
+        route.current_token()
+
+
 def test_keep_alive_session_reuses_one_upstream_connection(any_upstream, proxy):
     upstream, verify = any_upstream
     base = proxy.mount(upstream.url, TEST_TOKEN, verify=verify)
