@@ -156,7 +156,6 @@ _NOT_FORWARDED = HOP_BY_HOP | REPLACED_REQUEST_HEADERS
 IDEMPOTENT_METHODS = frozenset(["GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"])
 # RFC 9110 token characters: a method is exactly one token.
 _TOKEN_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
-_OBS_FOLD_RE = re.compile(r"\r?\n[ \t]+")
 # Request targets: visible ASCII only (anything else must be percent-encoded by the client).
 _BAD_TARGET_CHAR_RE = re.compile(r"[^\x21-\x7e]")
 # Header values: no control characters except tab (CR/LF only appear in obs-folds, normalised
@@ -1264,7 +1263,7 @@ def _upstream_request_headers(headers: _RequestHeaders, route: Route, token: Opt
     out = [("Host", route.host_header)]
     for lower, name, value in headers.lowered_items():
         if lower not in drop:
-            out.append((name, value if "\n" not in value else _OBS_FOLD_RE.sub(" ", value)))
+            out.append((name, value))  # (no obs-fold: the parser refuses it)
     if token is not None:
         out.append(("Authorization", "Bearer " + token))
     out.extend(extra)
@@ -2328,9 +2327,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 if status in REPLICA_DOWN_STATUSES:
                     route._remove_tunnel(tunnel)
                     tunnel.upstream.close()  # type: ignore[union-attr]
-                    last = Refusal(502, "replica-unavailable",
-                                   "The replica %s answered %d to the WebSocket upgrade; its job may "
-                                   "have stopped." % (route.label, status))
+                    last = Refusal(502, "replica-unavailable", "The replica %s answered %d to the "
+                                   "WebSocket upgrade; its job may have stopped." % (
+                                       route.label, status))
                     replicas._mark_failed(replica, "answered %d to the WebSocket upgrade" % status)
                     continue
                 self._finish_upgrade(route, tunnel, reader, head, status)
@@ -2347,10 +2346,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                  token: Optional[str]) -> Tuple["_Tunnel", _Reader, bytes, int]:
         """Open a stream to the upstream (the TLS handshake within connect_timeout_s), send the
         upgrade request and read the answer's head within read_timeout_s, watching the client
-        meanwhile: (tunnel, the reader holding what came past the head, head, status). The tunnel is on its route from
-        before the connect, so an unmount or a stop cuts it at any step (_RouteGone). On any
-        failure the stream is closed and the tunnel off its route; _ClientGone if the client
-        hung up first."""
+        meanwhile: (tunnel, the reader holding what came past the head, head, status). The tunnel
+        is on its route from before the connect, so an unmount or a stop cuts it at any step
+        (_RouteGone). On any failure the stream is closed and the tunnel off its route;
+        _ClientGone if the client hung up first."""
         request = self._upgrade_head(route, target, token)
         tunnel = _Tunnel(self.connection, route.label)
         if not route._add_tunnel(tunnel):
@@ -2563,7 +2562,7 @@ class _UpstreamConnection:
         sock = self.sock  # (an SSLSocket holds no decrypted bytes between reads: see _recv)
         poller = self._poller
         if poller is None:
-            poller = self._poller = select.poll()  # one socket: this connection's, asked with no wait
+            poller = self._poller = select.poll()  # one socket: this connection's, no wait
             poller.register(sock, select.POLLIN)
         try:
             if not poller.poll(0):
