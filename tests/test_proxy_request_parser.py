@@ -245,6 +245,42 @@ def test_a_keep_alive_conversation_of_varied_requests_reaches_the_upstream_and_t
     assert upstream.connections == 1
 
 
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(cuts=st.lists(st.integers(0, 400), max_size=8))
+def test_pipelined_requests_arriving_in_any_pieces_reach_the_upstream_and_the_client_unchanged(
+        proxy: AuthProxy, cuts) -> None:
+    # The client's bytes are read into the connection's own buffer: however they arrive (a byte at
+    # a time, a request line or CRLF split, a body after its head, several requests in one read),
+    # every request reaches the upstream as the same bytes and every answer comes back whole.
+    upstream = _RecordingUpstream()
+    try:
+        base = proxy.mount("http://127.0.0.1:%d" % upstream.port, token="tok-pieces")
+        path = (base[len(proxy.url):] + "/step").encode()
+        data = b"".join(head.replace(b"/r/step", path) + b"{}"
+                        for head in (WRK_HEAD, REQUESTS_HEAD, WRK_HEAD))
+        points = sorted(set(cut % len(data) for cut in cuts) | {0, len(data)})
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for start, end in zip(points, points[1:]):
+                sock.sendall(data[start:end])
+                time.sleep(0.002)  # (only to vary how the pieces arrive; nothing waits on it)
+            answers = b""
+            while answers.count(b"ok") < 3:
+                chunk = sock.recv(65536)
+                assert chunk, answers
+                answers += chunk
+        assert answers == (UVICORN_ANSWER + b"ok") * 3
+    finally:
+        upstream.close()
+    host = b"POST /step HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n" % upstream.port
+    tail = b"Authorization: Bearer tok-pieces\r\nContent-Length: 2\r\n\r\n{}"
+    wrk = host + b"Content-Type: application/json\r\n" + tail
+    assert upstream.seen == [wrk, host + b"User-Agent: python-requests/2.32.3\r\nAccept-Encoding: gzip, "
+                             b"deflate\r\nAccept: */*\r\nContent-Type: application/json\r\n" + tail, wrk]
+    assert upstream.connections == 1
+
+
 def test_a_content_length_of_a_non_ascii_digit_is_refused_not_dropped(proxy: AuthProxy, upstream) -> None:
     # "²" is a digit to str.isdigit() but not to int(): a ValueError once ended the connection
     # without an answer (and called an upstream's such answer a connection failure).
