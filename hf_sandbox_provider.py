@@ -900,7 +900,8 @@ class _ReplicaSet:
                 raise SandboxConfigError("_replica_settings(%d): %s" % (index, reason))
             options = {name: item[name] for name in _OVERRIDABLE if name != "replicas"}
             child = HFSandboxProvider(item["image"], port=item["port"], env_vars=item["env_vars"],
-                                      token=token, endpoint=owner.endpoint, proxy=proxy, **options)
+                                      token=token, endpoint=owner.endpoint, proxy=proxy,
+                                      warn_env_credentials=owner.warn_env_credentials, **options)
             child._owner = self._owner  # it uses its owner's hooks
             self.children.append(child)
         self.removed: Dict[int, str] = {}  # why a replica left the route, by index
@@ -2122,11 +2123,12 @@ class _JobWatcher:
 
 
 def _reset_after_fork() -> None:
-    """A forked child inherits no threads: give it its own watcher, budgets and process label (the
-    fetched hardware lists stay valid; a lock held at the fork would not)."""
-    global _watcher, _process_label, _budgets_lock, _hardware_lock
+    """A forked child inherits no threads: give it its own watcher, budgets, process label and locks
+    (the fetched hardware lists stay valid; a lock held at the fork would stay held)."""
+    global _watcher, _process_label, _budgets_lock, _hardware_lock, _namespace_lock
     _watcher, _process_label = _JobWatcher(), uuid.uuid4().hex
     _budgets_lock, _hardware_lock = threading.Lock(), threading.Lock()
+    _namespace_lock = threading.Lock()
     _budgets.clear()
 
 

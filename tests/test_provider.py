@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 import pickle
 import re
 import threading
@@ -733,3 +734,24 @@ def test_create_answer_without_a_job_id_cancels_the_job_found_by_its_start_label
         provider.start_container()
     assert failed.value.status_code == 200 and cancels(api, "ghost") == 1
     assert "label=hf-sandbox-start%3D" in calls_to(api, "GET", "/api/jobs/alice")[0].request.url
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_child_forked_while_a_start_looks_up_the_namespace_gets_free_locks(no_token_anywhere):
+    # A DataLoader worker forked while another thread held a process-wide lock (the namespace
+    # lookup holds one during a Hub call) must not inherit it held: its first start would hang.
+    with hsp._namespace_lock, hsp._budgets_lock, hsp._hardware_lock:
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                free = all(lock.acquire(timeout=2) for lock in (
+                    hsp._namespace_lock, hsp._budgets_lock, hsp._hardware_lock))
+                os.write(write_end, b"free" if free else b"held")
+            finally:
+                os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as report:
+        answer = report.read()
+    os.waitpid(pid, 0)
+    assert answer == b"free"

@@ -6,9 +6,11 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import logging
 import pickle
 import sys
 import threading
+import uuid
 
 import pytest
 import requests
@@ -386,3 +388,17 @@ def test_stop_landing_while_the_replica_route_is_mounted_leaves_no_route(emu, lo
         stoppers[0].join(TIMEOUT)
         assert not stoppers[0].is_alive()  # its wait ended with the start, not by timing out
     wait_until(lambda: all_jobs_gone(emu), "every replica job to end")
+
+
+def test_replicas_keep_their_owners_choice_not_to_warn_about_credential_like_env_vars(emu, proxy, caplog):
+    # Each replica is a provider of its own: built with the owner's warn_env_credentials=False, it
+    # must not warn about the owner's environment either.
+    name = "X_%s_SECRET" % uuid.uuid4().hex[:8].upper()
+    provider = replicated(emu, proxy, replicas=2, env_vars={name: "1"}, warn_env_credentials=False)
+    try:
+        with caplog.at_level(logging.WARNING, logger="hf_sandbox_provider"):
+            provider.start_container()
+        assert len(provider.job_ids) == 2
+    finally:
+        provider.stop_container()
+    assert "looks like a credential" not in caplog.text
