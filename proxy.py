@@ -1884,7 +1884,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._refuse(refusal or _head_fault([], b"", 0), close=True)
 
     def _recv(self, n: int = IO_CHUNK) -> bytes:
-        """One read of the client socket (b"" when it closed)."""
+        """One read of the client socket, whatever `n` (the reader keeps what is past it); b"" when
+        it closed."""
         try:
             return self.connection.recv(IO_CHUNK)
         except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
@@ -1899,10 +1900,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _set_timeout(self, timeout: Optional[float]) -> None:
         _set_socket_timeout(self.connection, timeout)
         self._timeout = timeout
-
-    def log_message(self, format: str, *args: object) -> None:
-        # Request lines carry the route id (a secret): DEBUG only.
-        log.debug("proxy: " + format, *args)
 
     def _refuse(self, refusal: Refusal, close: bool = False) -> None:
         """Answer a refusal: its status and headers, X-Proxy-Error, and a small JSON body."""
