@@ -296,11 +296,11 @@ class Route:
     def current_token(self) -> Optional[str]:
         """The token to inject now: the string, or the callable's answer (read per request)."""
         token = self.token
-        if token is None or token is self._checked_token:  # fixed and checked: no work per request
-            return None if token is None else self._checked_token
+        if token is self._checked_token:  # fixed and checked, or None: no work per request
+            return token
         value = _called_token(token)
         if not callable(token):
-            self._checked_token = value  # (a string assigned to `token` after mount)
+            self._checked_token = value  # (a string or None assigned to `token` after mount)
         return value
 
     def current_headers(self) -> Tuple[Tuple[str, str], ...]:
@@ -1982,8 +1982,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         """Read the route's token and extra headers for this request (`_token`, `_route_headers`); a
         callable that fails is answered 502 here (closing if a body is unread) and False
         returned."""
-        if route.__class__ is Route and not callable(route.headers) and (
-                route.token is None or route.token is route._checked_token):
+        if (route.__class__ is Route and not callable(route.headers)
+                and route.token is route._checked_token):
             # fixed ones: what current_token and current_headers answer, without the calls
             self._token, self._route_headers = route._checked_token, route._fixed_headers
             return True

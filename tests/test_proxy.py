@@ -12,7 +12,7 @@ from support import ws_connect as connect
 
 import support
 from support import TEST_TOKEN, Upstream, ws_url
-from proxy import AuthProxy, InsecureURLError, Refusal, Route
+from proxy import AuthProxy, InsecureURLError, Refusal, Route, _route_id
 
 TIMEOUT = 10
 
@@ -98,6 +98,18 @@ def test_a_token_reassigned_on_a_route_is_the_one_it_injects_next_none_included(
     route.token = "not a token"
     with pytest.raises(ValueError, match="the token set on the route is not a usable token string"):
         route.current_token()
+
+
+def test_a_token_reassigned_on_a_mounted_route_is_what_its_next_request_carries(upstream, proxy):
+    upstream.token = None  # (the upstream answers whatever it gets; the test reads what it got)
+    base = proxy.mount(upstream.url, "first-token")
+    route = proxy._routes[_route_id(base)]
+    seen = [_headers(requests.get(base + "/x", timeout=TIMEOUT).json()).get("authorization")]
+    route.token = "second-token"
+    seen.append(_headers(requests.get(base + "/x", timeout=TIMEOUT).json()).get("authorization"))
+    route.token = None  # inject nothing from now on
+    seen.append(_headers(requests.get(base + "/x", timeout=TIMEOUT).json()).get("authorization"))
+    assert seen == [["Bearer first-token"], ["Bearer second-token"], None]
 
 
 def test_keep_alive_session_reuses_one_upstream_connection(any_upstream, proxy):
