@@ -384,14 +384,23 @@ def test_a_429_with_neither_reset_nor_retry_after_pauses_within_the_backoff_boun
     assert client._budget.paused_until <= fake.now  # the last pause was waited out before the call that passed
 
 
-def test_a_cancel_answered_429_waits_for_the_reset_and_retries_instead_of_giving_up(api, monkeypatch):
+def test_a_cancel_answered_429_waits_for_the_reset_and_retries_instead_of_giving_up(api, caplog):
+    # The window resets now: the cancel really waits out the pause the 429 set (the reset plus its margin,
+    # 1 s), and its retry goes only once that pause is over.
     url = ENDPOINT + "/api/jobs/alice/j1/cancel"
-    api.add(responses.POST, url, status=429, headers=limit_headers(0, 3))
-    api.add(responses.POST, url, status=200)
-    slept = []
-    monkeypatch.setattr(hsp.time, "sleep", slept.append)
-    hsp._JobsClient(ENDPOINT, fresh_token()).cancel_job("alice", "j1")
-    assert slept == [4.0] and len(api.calls) == 2
+    client = hsp._JobsClient(ENDPOINT, fresh_token())
+    retried_at = []
+
+    def retried(request):
+        retried_at.append(client._budget.clock())
+        return 200, {}, ""
+
+    api.add(responses.POST, url, status=429, headers=limit_headers(0, 0))
+    api.add_callback(responses.POST, url, callback=retried)
+    with caplog.at_level("INFO", logger="hf_sandbox_provider"):
+        client.cancel_job("alice", "j1")
+    assert len(api.calls) == 2 and retried_at[0] >= client._budget.paused_until > 0
+    assert "retry 1 of 2 in %.1fs" % hsp.RATE_LIMIT_RESET_MARGIN_S in caplog.text
 
 
 # -- errors -----------------------------------------------------------------------------------------
