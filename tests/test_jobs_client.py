@@ -150,6 +150,16 @@ def test_plain_http_endpoint_off_loopback_is_refused_before_any_call():
     assert issubclass(hsp.InsecureURLError, ValueError)
 
 
+
+@pytest.mark.parametrize("endpoint", ["http://hub.example", "http://10.0.0.1:9", "https://:443", "ftp://127.0.0.1"])
+def test_an_endpoint_the_token_must_not_go_to_is_refused_in_words_naming_it(endpoint):
+    with pytest.raises(hsp.InsecureURLError) as refused:
+        hsp.HFSandboxProvider("python:3.12", endpoint=endpoint, token=fresh_token())
+    assert str(refused.value) == (
+        "Jobs endpoint %r must be https (http only for a loopback host such as the local emulator): the token "
+        "is sent to it" % endpoint)
+
+
 # -- validation -------------------------------------------------------------------------------------
 
 

@@ -214,6 +214,23 @@ def test_missing_token_fails_before_any_network_call(api, proxy, no_token_anywhe
     assert len(api.calls) == 0
 
 
+def test_a_missing_token_is_refused_in_words_naming_every_way_to_give_one(api, proxy, no_token_anywhere):
+    with pytest.raises(hsp.SandboxConfigError) as refused:
+        hsp.HFSandboxProvider(IMAGE, endpoint=ENDPOINT, proxy=proxy).start_container()
+    assert str(refused.value) == (
+        "no Hugging Face token found: pass token=..., set HF_TOKEN, or run `hf auth login` (the token needs "
+        "permission to run Jobs); to try everything offline use `python -m hf_sandbox_provider smoke --local`")
+
+
+@pytest.mark.parametrize("token", ["hf_a b", "hf_ab\n", "\thf_ab", b"hf_ab", 12345],
+                         ids=["space", "newline", "tab", "bytes", "int"])
+def test_a_token_with_whitespace_or_not_a_string_is_refused_before_it_is_sent(api, proxy, token):
+    with pytest.raises(hsp.SandboxConfigError) as refused:
+        hsp.HFSandboxProvider(IMAGE, token=token, endpoint=ENDPOINT, proxy=proxy).start_container()
+    assert str(refused.value) == "the Hugging Face token must be a string without whitespace"
+    assert len(api.calls) == 0
+
+
 def test_token_is_discovered_from_hf_token_env(api, proxy, no_token_anywhere, monkeypatch):
     token = fresh_token()
     monkeypatch.setenv("HF_TOKEN", token)
