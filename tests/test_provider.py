@@ -540,7 +540,7 @@ def test_provider_collected_while_running_cancels_its_job(api, proxy, caplog):
     assert (logging.INFO, "HF job job1 cancelled") in said
 
 
-def test_exit_hook_cancels_jobs_still_running(api, proxy):
+def test_exit_hook_cancels_jobs_still_running(api, proxy, caplog):
     add_job_api(api, stages=[running()])
     provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST)
     provider.start_container()
@@ -548,6 +548,19 @@ def test_exit_hook_cancels_jobs_still_running(api, proxy):
     assert cancels(api) == 1
     provider.stop_container()  # the provider itself learns nothing more needs cancelling
     assert cancels(api) == 1
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]  # nor fails to stop
+
+
+
+def test_a_stopped_provider_leaves_no_safety_net_for_the_exit_hook(api, proxy):
+    # Hours of start/stop cycles must not pile up exit hooks: a stop retires its provider's own.
+    add_job_api(api, stages=[running()])
+    provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST)
+    provider.start_container()
+    net = provider._finalizer
+    assert net in hsp._live_finalizers
+    provider.stop_container()
+    assert net not in hsp._live_finalizers and not net.alive and cancels(api) == 1
 
 
 # -- readiness through the real proxy ---------------------------------------------------------------
