@@ -281,6 +281,21 @@ def test_the_quota_and_window_come_from_the_server_when_it_says_else_the_setting
         hsp._configured_rate_limit()
 
 
+@pytest.mark.parametrize("setting, expected", [(" 2500 ", (2500, 300.0)), ("1/0.5", (1, 0.5))])
+def test_a_rate_limit_setting_down_to_one_call_is_taken_as_given_and_without_a_window_per_five_minutes(
+        monkeypatch, setting, expected):
+    monkeypatch.setenv(hsp.RATE_LIMIT_ENV, setting)
+    assert hsp._configured_rate_limit() == expected and hsp.RATE_LIMIT_WINDOW_S == 300.0
+
+
+def test_a_malformed_rate_limit_setting_is_refused_in_words_giving_the_form_and_an_example(monkeypatch):
+    monkeypatch.setenv(hsp.RATE_LIMIT_ENV, "2500/300/x")
+    with pytest.raises(hsp.SandboxConfigError) as refused:
+        hsp._configured_rate_limit()
+    assert str(refused.value) == (
+        "HF_SANDBOX_RATE_LIMIT='2500/300/x' must be <calls>/<seconds>, e.g. 2500/300 for a PRO account")
+
+
 def test_an_answer_about_another_bucket_is_not_taken_for_the_api_quota():
     budget = hsp._ApiBudget()
     budget.observe({"RateLimit": '"whoami";r=1;t=200', "RateLimit-Policy": '"fixed window";"whoami";q=2;w=300'},
