@@ -337,6 +337,19 @@ def test_at_the_reserve_ordinary_calls_wait_for_the_reset_and_teardown_does_not(
     assert sum(fake.waits) == pytest.approx(40.0)  # then a fresh window
 
 
+def test_pacing_ends_once_the_server_says_a_quarter_is_left_again():
+    fake = FakeTime()
+    budget = fake.on(hsp._ApiBudget())
+    budget.observe(limit_headers(240, 100), budget.sent)  # under a quarter left: calls are spread out
+    budget.acquire()
+    budget.acquire()
+    assert fake.waits
+    budget.observe(limit_headers(250, 100), budget.sent)  # a quarter of the free tier's 1,000
+    paced = len(fake.waits)
+    budget.acquire()
+    assert len(fake.waits) == paced, fake.waits[paced:]
+
+
 @pytest.mark.parametrize("remaining, paced", [(260, False), (240, True)])
 def test_pacing_starts_below_a_quarter_of_the_quota_left(remaining, paced):
     # README, Many environments: "below a quarter left, calls are spread over the time to the reset"
@@ -377,6 +390,7 @@ def test_calls_sent_after_a_request_are_discounted_from_its_answers_count():
     (dict(limit_headers(0, 55), **{"Retry-After": "7"}), 56.0),  # RateLimit's t first (+1 s, as huggingface_hub)
     ({"Retry-After": "7"}, 8.0),  # then Retry-After
     ({"RateLimit": '"api";r=600;t=55', "Retry-After": "9"}, 10.0),  # r > 0: the limit was not the reason
+    ({"Retry-After": "2"}, 3.0),  # a pause that is not a whole number of the budget's 2 s looks
 ])
 def test_a_429_pauses_until_the_servers_reset_then_retry_after(api, headers, pause):
     url = ENDPOINT + "/api/jobs/alice/j1"
