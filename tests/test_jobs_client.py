@@ -445,6 +445,15 @@ def test_a_cancel_answered_429_waits_for_the_reset_and_retries_instead_of_giving
 # -- errors -----------------------------------------------------------------------------------------
 
 
+def test_a_success_answer_that_is_not_json_is_an_error_naming_the_call_and_its_request_id(api):
+    api.add(responses.GET, ENDPOINT + "/api/jobs/alice/j1", body="<html>maintenance</html>",
+            headers={"X-Request-Id": "req-7"})
+    with pytest.raises(hsp.JobsAPIError) as info:
+        hsp._JobsClient(ENDPOINT, fresh_token()).get_job("alice", "j1")
+    assert str(info.value) == "inspecting job j1 failed: HTTP 200: the answer is not JSON (request id req-7)"
+    assert len(api.calls) == 1  # an answer, however odd, is not retried
+
+
 def test_error_answer_maps_to_jobs_api_error_with_status_request_id_and_header_message(api):
     api.add(responses.GET, ENDPOINT + "/api/jobs/alice/j1", status=404,
             headers={"X-Request-Id": "req-42", "X-Error-Message": "Job not found"})
