@@ -724,6 +724,13 @@ def test_an_unanswered_create_whose_lookup_also_fails_is_reported_as_the_create_
     assert any(line.startswith("GET /api/jobs/alice?label=") for line in server.request_lines)
 
 
+def test_a_call_refused_at_connect_says_it_cannot_have_acted():
+    # What a failed create's caller relies on to know it made no job (the start's own test is slow).
+    with pytest.raises(hsp.JobsAPIError, match="no answer") as info:
+        hsp._JobsClient(refused_endpoint(), fresh_token()).get_job("alice", "j1", retries=0)
+    assert info.value.may_have_acted is False
+
+
 @pytest.mark.slow  # the create is retried with backoff (about 8 s)
 def test_a_start_whose_create_was_refused_raises_the_create_error_and_looks_for_no_lost_job(caplog):
     endpoint = refused_endpoint()
