@@ -731,6 +731,27 @@ def test_a_call_refused_at_connect_says_it_cannot_have_acted():
     assert info.value.may_have_acted is False
 
 
+def test_a_jobs_api_that_takes_a_call_but_never_answers_fails_it_at_the_read_timeout(monkeypatch):
+    # The request is accepted into a listening socket's backlog and never answered: without a read timeout
+    # the call (and the start, or the cancel, waiting on it) would hang for good.
+    monkeypatch.setattr(hsp, "API_TIMEOUT_S", (5.0, 0.5))  # the real read timeout is 30 s
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        endpoint = "http://127.0.0.1:%d" % silent.getsockname()[1]
+        with pytest.raises(hsp.JobsAPIError, match="no answer: ReadTimeout") as info:
+            hsp._JobsClient(endpoint, fresh_token()).get_job("alice", "j1", retries=0)
+    assert info.value.may_have_acted is True  # sent, unanswered: it may have acted
+
+
+def test_a_cancel_answered_503_is_retried_and_succeeds(api):
+    url = ENDPOINT + "/api/jobs/alice/j1/cancel"
+    api.add(responses.POST, url, status=503)
+    api.add(responses.POST, url, status=200)
+    hsp._JobsClient(ENDPOINT, fresh_token()).cancel_job("alice", "j1")
+    assert len(api.calls) == 2
+
+
 @pytest.mark.slow  # the create is retried with backoff (about 8 s)
 def test_a_start_whose_create_was_refused_raises_the_create_error_and_looks_for_no_lost_job(caplog):
     endpoint = refused_endpoint()
