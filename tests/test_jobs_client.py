@@ -744,6 +744,14 @@ def test_a_jobs_api_that_takes_a_call_but_never_answers_fails_it_at_the_read_tim
     assert info.value.may_have_acted is True  # sent, unanswered: it may have acted
 
 
+def test_a_call_answered_500_is_retried_like_any_5xx_and_succeeds(api):
+    url = ENDPOINT + "/api/jobs/alice/j1"
+    api.add(responses.GET, url, status=500)
+    api.add(responses.GET, url, json=job_json("j1", "RUNNING"))
+    assert hsp._JobsClient(ENDPOINT, fresh_token()).get_job("alice", "j1")["status"]["stage"] == "RUNNING"
+    assert len(api.calls) == 2
+
+
 def test_a_cancel_answered_503_is_retried_and_succeeds(api):
     url = ENDPOINT + "/api/jobs/alice/j1/cancel"
     api.add(responses.POST, url, status=503)
