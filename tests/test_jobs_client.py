@@ -150,6 +150,16 @@ def test_plain_http_endpoint_off_loopback_is_refused_before_any_call():
     assert issubclass(hsp.InsecureURLError, ValueError)
 
 
+
+@pytest.mark.parametrize("endpoint", ["http://hub.example", "http://10.0.0.1:9", "https://:443", "ftp://127.0.0.1"])
+def test_an_endpoint_the_token_must_not_go_to_is_refused_in_words_naming_it(endpoint):
+    with pytest.raises(hsp.InsecureURLError) as refused:
+        hsp.HFSandboxProvider("python:3.12", endpoint=endpoint, token=fresh_token())
+    assert str(refused.value) == (
+        "Jobs endpoint %r must be https (http only for a loopback host such as the local emulator): the token "
+        "is sent to it" % endpoint)
+
+
 # -- validation -------------------------------------------------------------------------------------
 
 
@@ -271,6 +281,21 @@ def test_the_quota_and_window_come_from_the_server_when_it_says_else_the_setting
         hsp._configured_rate_limit()
 
 
+@pytest.mark.parametrize("setting, expected", [(" 2500 ", (2500, 300.0)), ("1/0.5", (1, 0.5))])
+def test_a_rate_limit_setting_down_to_one_call_is_taken_as_given_and_without_a_window_per_five_minutes(
+        monkeypatch, setting, expected):
+    monkeypatch.setenv(hsp.RATE_LIMIT_ENV, setting)
+    assert hsp._configured_rate_limit() == expected and hsp.RATE_LIMIT_WINDOW_S == 300.0
+
+
+def test_a_malformed_rate_limit_setting_is_refused_in_words_giving_the_form_and_an_example(monkeypatch):
+    monkeypatch.setenv(hsp.RATE_LIMIT_ENV, "2500/300/x")
+    with pytest.raises(hsp.SandboxConfigError) as refused:
+        hsp._configured_rate_limit()
+    assert str(refused.value) == (
+        "HF_SANDBOX_RATE_LIMIT='2500/300/x' must be <calls>/<seconds>, e.g. 2500/300 for a PRO account")
+
+
 def test_an_answer_about_another_bucket_is_not_taken_for_the_api_quota():
     budget = hsp._ApiBudget()
     budget.observe({"RateLimit": '"whoami";r=1;t=200', "RateLimit-Policy": '"fixed window";"whoami";q=2;w=300'},
@@ -310,6 +335,19 @@ def test_at_the_reserve_ordinary_calls_wait_for_the_reset_and_teardown_does_not(
     assert budget.wait_s() == pytest.approx(40.0)
     budget.acquire()
     assert sum(fake.waits) == pytest.approx(40.0)  # then a fresh window
+
+
+def test_pacing_ends_once_the_server_says_a_quarter_is_left_again():
+    fake = FakeTime()
+    budget = fake.on(hsp._ApiBudget())
+    budget.observe(limit_headers(240, 100), budget.sent)  # under a quarter left: calls are spread out
+    budget.acquire()
+    budget.acquire()
+    assert fake.waits
+    budget.observe(limit_headers(250, 100), budget.sent)  # a quarter of the free tier's 1,000
+    paced = len(fake.waits)
+    budget.acquire()
+    assert len(fake.waits) == paced, fake.waits[paced:]
 
 
 @pytest.mark.parametrize("remaining, paced", [(260, False), (240, True)])
@@ -352,6 +390,7 @@ def test_calls_sent_after_a_request_are_discounted_from_its_answers_count():
     (dict(limit_headers(0, 55), **{"Retry-After": "7"}), 56.0),  # RateLimit's t first (+1 s, as huggingface_hub)
     ({"Retry-After": "7"}, 8.0),  # then Retry-After
     ({"RateLimit": '"api";r=600;t=55', "Retry-After": "9"}, 10.0),  # r > 0: the limit was not the reason
+    ({"Retry-After": "2"}, 3.0),  # a pause that is not a whole number of the budget's 2 s looks
 ])
 def test_a_429_pauses_until_the_servers_reset_then_retry_after(api, headers, pause):
     url = ENDPOINT + "/api/jobs/alice/j1"
@@ -384,17 +423,35 @@ def test_a_429_with_neither_reset_nor_retry_after_pauses_within_the_backoff_boun
     assert client._budget.paused_until <= fake.now  # the last pause was waited out before the call that passed
 
 
-def test_a_cancel_answered_429_waits_for_the_reset_and_retries_instead_of_giving_up(api, monkeypatch):
+def test_a_cancel_answered_429_waits_for_the_reset_and_retries_instead_of_giving_up(api, caplog):
+    # The window resets now: the cancel really waits out the pause the 429 set (the reset plus its margin,
+    # 1 s), and its retry goes only once that pause is over.
     url = ENDPOINT + "/api/jobs/alice/j1/cancel"
-    api.add(responses.POST, url, status=429, headers=limit_headers(0, 3))
-    api.add(responses.POST, url, status=200)
-    slept = []
-    monkeypatch.setattr(hsp.time, "sleep", slept.append)
-    hsp._JobsClient(ENDPOINT, fresh_token()).cancel_job("alice", "j1")
-    assert slept == [4.0] and len(api.calls) == 2
+    client = hsp._JobsClient(ENDPOINT, fresh_token())
+    retried_at = []
+
+    def retried(request):
+        retried_at.append(client._budget.clock())
+        return 200, {}, ""
+
+    api.add(responses.POST, url, status=429, headers=limit_headers(0, 0))
+    api.add_callback(responses.POST, url, callback=retried)
+    with caplog.at_level("INFO", logger="hf_sandbox_provider"):
+        client.cancel_job("alice", "j1")
+    assert len(api.calls) == 2 and retried_at[0] >= client._budget.paused_until > 0
+    assert "retry 1 of 2 in %.1fs" % hsp.RATE_LIMIT_RESET_MARGIN_S in caplog.text
 
 
 # -- errors -----------------------------------------------------------------------------------------
+
+
+def test_a_success_answer_that_is_not_json_is_an_error_naming_the_call_and_its_request_id(api):
+    api.add(responses.GET, ENDPOINT + "/api/jobs/alice/j1", body="<html>maintenance</html>",
+            headers={"X-Request-Id": "req-7"})
+    with pytest.raises(hsp.JobsAPIError) as info:
+        hsp._JobsClient(ENDPOINT, fresh_token()).get_job("alice", "j1")
+    assert str(info.value) == "inspecting job j1 failed: HTTP 200: the answer is not JSON (request id req-7)"
+    assert len(api.calls) == 1  # an answer, however odd, is not retried
 
 
 def test_error_answer_maps_to_jobs_api_error_with_status_request_id_and_header_message(api):
@@ -665,6 +722,42 @@ def test_an_unanswered_create_whose_lookup_also_fails_is_reported_as_the_create_
     assert "could not be checked" in message, message
     assert [line for line in server.request_lines if line.startswith("POST")] == ["POST /api/jobs/alice HTTP/1.1"]
     assert any(line.startswith("GET /api/jobs/alice?label=") for line in server.request_lines)
+
+
+def test_a_call_refused_at_connect_says_it_cannot_have_acted():
+    # What a failed create's caller relies on to know it made no job (the start's own test is slow).
+    with pytest.raises(hsp.JobsAPIError, match="no answer") as info:
+        hsp._JobsClient(refused_endpoint(), fresh_token()).get_job("alice", "j1", retries=0)
+    assert info.value.may_have_acted is False
+
+
+def test_a_jobs_api_that_takes_a_call_but_never_answers_fails_it_at_the_read_timeout(monkeypatch):
+    # The request is accepted into a listening socket's backlog and never answered: without a read timeout
+    # the call (and the start, or the cancel, waiting on it) would hang for good.
+    monkeypatch.setattr(hsp, "API_TIMEOUT_S", (5.0, 0.5))  # the real read timeout is 30 s
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        endpoint = "http://127.0.0.1:%d" % silent.getsockname()[1]
+        with pytest.raises(hsp.JobsAPIError, match="no answer: ReadTimeout") as info:
+            hsp._JobsClient(endpoint, fresh_token()).get_job("alice", "j1", retries=0)
+    assert info.value.may_have_acted is True  # sent, unanswered: it may have acted
+
+
+def test_a_call_answered_500_is_retried_like_any_5xx_and_succeeds(api):
+    url = ENDPOINT + "/api/jobs/alice/j1"
+    api.add(responses.GET, url, status=500)
+    api.add(responses.GET, url, json=job_json("j1", "RUNNING"))
+    assert hsp._JobsClient(ENDPOINT, fresh_token()).get_job("alice", "j1")["status"]["stage"] == "RUNNING"
+    assert len(api.calls) == 2
+
+
+def test_a_cancel_answered_503_is_retried_and_succeeds(api):
+    url = ENDPOINT + "/api/jobs/alice/j1/cancel"
+    api.add(responses.POST, url, status=503)
+    api.add(responses.POST, url, status=200)
+    hsp._JobsClient(ENDPOINT, fresh_token()).cancel_job("alice", "j1")
+    assert len(api.calls) == 2
 
 
 @pytest.mark.slow  # the create is retried with backoff (about 8 s)

@@ -215,6 +215,23 @@ def test_missing_token_fails_before_any_network_call(api, proxy, no_token_anywhe
     assert len(api.calls) == 0
 
 
+def test_a_missing_token_is_refused_in_words_naming_every_way_to_give_one(api, proxy, no_token_anywhere):
+    with pytest.raises(hsp.SandboxConfigError) as refused:
+        hsp.HFSandboxProvider(IMAGE, endpoint=ENDPOINT, proxy=proxy).start_container()
+    assert str(refused.value) == (
+        "no Hugging Face token found: pass token=..., set HF_TOKEN, or run `hf auth login` (the token needs "
+        "permission to run Jobs); to try everything offline use `python -m hf_sandbox_provider smoke --local`")
+
+
+@pytest.mark.parametrize("token", ["hf_a b", "hf_ab\n", "\thf_ab", b"hf_ab", 12345],
+                         ids=["space", "newline", "tab", "bytes", "int"])
+def test_a_token_with_whitespace_or_not_a_string_is_refused_before_it_is_sent(api, proxy, token):
+    with pytest.raises(hsp.SandboxConfigError) as refused:
+        hsp.HFSandboxProvider(IMAGE, token=token, endpoint=ENDPOINT, proxy=proxy).start_container()
+    assert str(refused.value) == "the Hugging Face token must be a string without whitespace"
+    assert len(api.calls) == 0
+
+
 def test_token_is_discovered_from_hf_token_env(api, proxy, no_token_anywhere, monkeypatch):
     token = fresh_token()
     monkeypatch.setenv("HF_TOKEN", token)
@@ -542,7 +559,7 @@ def test_provider_collected_while_running_cancels_its_job(api, proxy, caplog):
     assert (logging.INFO, "HF job job1 cancelled") in said
 
 
-def test_exit_hook_cancels_jobs_still_running(api, proxy):
+def test_exit_hook_cancels_jobs_still_running(api, proxy, caplog):
     add_job_api(api, stages=[running()])
     provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST)
     provider.start_container()
@@ -550,6 +567,19 @@ def test_exit_hook_cancels_jobs_still_running(api, proxy):
     assert cancels(api) == 1
     provider.stop_container()  # the provider itself learns nothing more needs cancelling
     assert cancels(api) == 1
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]  # nor fails to stop
+
+
+
+def test_a_stopped_provider_leaves_no_safety_net_for_the_exit_hook(api, proxy):
+    # Hours of start/stop cycles must not pile up exit hooks: a stop retires its provider's own.
+    add_job_api(api, stages=[running()])
+    provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST)
+    provider.start_container()
+    net = provider._finalizer
+    assert net in hsp._live_finalizers
+    provider.stop_container()
+    assert net not in hsp._live_finalizers and not net.alive and cancels(api) == 1
 
 
 # -- readiness through the real proxy ---------------------------------------------------------------

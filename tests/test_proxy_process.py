@@ -492,6 +492,20 @@ def test_provider_replaces_a_shared_process_host_that_died(emu, fresh_process_pr
         provider.stop_container()
 
 
+def test_a_stop_after_its_proxy_host_died_still_cancels_the_job_and_names_the_unmount_that_failed(emu, host, caplog):
+    provider = hsp.HFSandboxProvider(IMAGE, endpoint=emu.endpoint, token=emu.token, proxy=host,
+                                     command=echo_server_command(), poll_interval_s=0.05)
+    provider.start_container()
+    job_id = provider.job_id
+    os.kill(host.pid, signal.SIGKILL)
+    support.wait_until(lambda: not host.running, "the host's death to be noticed", 10)
+    provider.stop_container()
+    assert emu.wait_for_stage(job_id, ["CANCELED"]).stage == "CANCELED"  # the unmount failing stops nothing
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(w.startswith("HF job %s: could not unmount its proxy route (RuntimeError)" % job_id)
+               for w in warnings), warnings
+
+
 def test_a_sandbox_with_proxy_process_opens_its_session_through_the_shared_child(emu, fresh_process_proxy):
     from hf_sandbox_provider import Sandbox, stop_sandboxes
 

@@ -123,6 +123,10 @@ def test_a_stop_whose_start_outlasts_the_wait_warns_with_the_start_label_and_the
     warning = [r.getMessage() for r in caplog.records
                if r.levelno == logging.WARNING and "has not ended" in r.getMessage()]
     assert warning and "%s=%s" % (hsp.START_LABEL_KEY, label) in warning[0] and "sweep" in warning[0]
+    assert warning[0] == (
+        "stop_container(): the start of this provider has not ended after 0.5s; it cancels its job when its "
+        "create answers, but if this process exits first look for the job labelled %s=%s (or run `python -m "
+        "hf_sandbox_provider sweep`)" % (hsp.START_LABEL_KEY, label))
     thread.join(30)
     assert not thread.is_alive() and isinstance(errors[0], hsp.SandboxError)
     assert len(emu.jobs) == 1
