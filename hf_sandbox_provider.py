@@ -2202,10 +2202,11 @@ def _release_job(client: Optional["_JobsClient"], namespace: Optional[str], job_
             client.close()
     except BaseException as exc:  # e.g. a second Ctrl-C during teardown: report, do not mask
         problems.append("teardown interrupted (%s)" % type(exc).__name__)
-    if problems:
-        logger.warning(
-            "HF job %s: %s. It keeps running (and billing) until its timeout; cancel it at %s or run "
-            "`python -m hf_sandbox_provider sweep`", job_id, "; ".join(problems), job_url or "the Hub")
+    if problems:  # (a job that was cancelled is not billing: then only what failed is said)
+        still = "" if cancelled or not job_id else (
+            " It keeps running (and billing) until its timeout; cancel it at %s or run `python -m "
+            "hf_sandbox_provider sweep`" % (job_url or "the Hub"))
+        logger.warning("HF job %s: %s.%s", job_id, "; ".join(problems), still)
     return cancelled
 
 
