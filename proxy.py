@@ -262,8 +262,11 @@ class Route:
         self.port: int = parts.port or default_port
         self.base_path: str = parts.path.rstrip("/")
         # An IP literal needs no getaddrinfo per connection (each one a GIL release); host names
-        # are resolved per connection, as DNS answers change.
+        # are resolved per connection, as DNS answers change. A name under `localhost` is loopback
+        # (RFC 6761, and the loopback rule here), which resolvers need not know: dial `localhost`.
         self._ip_family: Optional[int] = _ip_literal_family(self.host)
+        self._dial_host = ("localhost" if self.host.lower().rstrip(".").endswith(".localhost")
+                           else self.host)
         host_header = "[%s]" % self.host if ":" in self.host else self.host
         if self.port != default_port:
             host_header += ":%d" % self.port
@@ -428,7 +431,7 @@ class Route:
     def _connect(self, timeout: float) -> socket.socket:
         """A TCP socket connected to the upstream with `timeout` set (socket.create_connection)."""
         if self._ip_family is None:
-            return socket.create_connection((self.host, self.port), timeout=timeout)
+            return socket.create_connection((self._dial_host, self.port), timeout=timeout)
         sock = socket.socket(self._ip_family, socket.SOCK_STREAM)
         try:
             sock.settimeout(timeout)

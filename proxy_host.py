@@ -885,26 +885,9 @@ def _host_child_main(argv: List[str]) -> int:
     log.propagate = False
     # this process only runs the proxy (see the constant)
     sys.setswitchinterval(_proxy.CLI_SWITCH_INTERVAL_S)
-    _resolve_localhost_names_to_loopback()
     code = host.serve()
     sock.close()
     return code
-
-
-def _resolve_localhost_names_to_loopback() -> None:
-    """In the child: `<name>.localhost` resolves as `localhost` (RFC 6761 6.3: loopback), as the
-    library's loopback rule (`_proxy._is_loopback_host`) already assumes. glibc does not do it by
-    itself, and a resolver patch made in the parent (the TLS emulator's, for `*.jobs.localhost`)
-    does not cross into the child."""
-    original = socket.getaddrinfo
-
-    def getaddrinfo(host: object, *args: object, **kwargs: object) -> object:
-        name = host.decode("idna") if isinstance(host, bytes) else host
-        if isinstance(name, str) and name.lower().rstrip(".").endswith(".localhost"):
-            host = "localhost"
-        return original(host, *args, **kwargs)  # type: ignore[arg-type]
-
-    socket.getaddrinfo = getaddrinfo  # type: ignore[assignment]
 
 
 def _ask_for_parent_death_signal() -> None:

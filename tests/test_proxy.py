@@ -112,6 +112,16 @@ def test_a_token_reassigned_on_a_mounted_route_is_what_its_next_request_carries(
     assert seen == [["Bearer first-token"], ["Bearer second-token"], None]
 
 
+def test_a_name_under_localhost_is_dialled_as_loopback_whatever_the_resolver_knows(upstream, proxy):
+    # RFC 6761: `<name>.localhost` is loopback (the proxy's cleartext rule already says so); glibc
+    # does not resolve such names, so the route dials `localhost` and keeps the name for Host.
+    upstream.token = None
+    base = proxy.mount(upstream.url.replace("127.0.0.1", "env-7.localhost"), TEST_TOKEN)
+    answer = requests.get(base + "/x", timeout=TIMEOUT)
+    assert answer.status_code == 200
+    assert _headers(answer.json())["host"] == ["env-7.localhost:%d" % int(upstream.url.rsplit(":", 1)[1])]
+
+
 def test_keep_alive_session_reuses_one_upstream_connection(any_upstream, proxy):
     upstream, verify = any_upstream
     base = proxy.mount(upstream.url, TEST_TOKEN, verify=verify)

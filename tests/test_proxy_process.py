@@ -108,7 +108,8 @@ def test_tls_upstream_with_a_relative_ca_bundle_path_works_after_the_parent_chan
 
 
 def test_the_child_resolves_localhost_subdomains_to_loopback(host, ups):
-    # RFC 6761 names (the TLS emulator's *.jobs.localhost): glibc does not resolve them, the child does.
+    # RFC 6761 names (the TLS emulator's *.jobs.localhost): glibc does not resolve them; a route
+    # dials them as localhost, in the child as in-process.
     base = host.mount(ups["plain"].url.replace("127.0.0.1", "env-7.localhost"), TOKEN)
     assert requests.get(base + "/r", timeout=TIMEOUT).status_code == 200
 
