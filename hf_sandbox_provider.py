@@ -133,7 +133,8 @@ RATE_LIMIT_RESOURCE = "api"  # the bucket the budget follows (whoami-v2 has its 
 # Below this fraction left, calls are spread over the time to the reset: paced by the server's count,
 # which falls with every process's calls, N processes slow down together without talking.
 RATE_LIMIT_PACE_BELOW = 0.25
-# This fraction of the quota (at least RATE_LIMIT_RESERVE_MIN calls) is kept for cancels.
+# This fraction of the quota (at least RATE_LIMIT_RESERVE_MIN calls, never the whole of it) is kept for
+# cancels.
 RATE_LIMIT_RESERVE = 0.05
 RATE_LIMIT_RESERVE_MIN = 5
 RATE_LIMIT_RECHECK_S = 2.0  # a call held here looks again this often: others' answers count too
@@ -1840,8 +1841,8 @@ class _ApiBudget:
         self._sent: deque = deque()  # send times within the window, for a server that says nothing
 
     @property
-    def reserve(self) -> int:
-        return max(RATE_LIMIT_RESERVE_MIN, int(self.calls * RATE_LIMIT_RESERVE))
+    def reserve(self) -> int:  # (a quota of a few calls keeps one for ordinary calls, or none would go)
+        return min(self.calls - 1, max(RATE_LIMIT_RESERVE_MIN, int(self.calls * RATE_LIMIT_RESERVE)))
 
     def acquire(self, teardown: bool = False) -> int:
         """Block until a call may be sent and count it; returns its ticket for `observe`. Teardown (cancels)
