@@ -288,6 +288,24 @@ def test_a_rate_limit_setting_down_to_one_call_is_taken_as_given_and_without_a_w
     assert hsp._configured_rate_limit() == expected and hsp.RATE_LIMIT_WINDOW_S == 300.0
 
 
+@pytest.mark.xfail(strict=True, reason="bug (mutation run 4, docs/mutation.md): a quota of 5 calls or fewer is"
+                                      " all reserve for cancels, so every other call is held for good")
+def test_a_rate_limit_setting_at_or_under_the_cancel_reserve_is_refused_or_still_lets_calls_through(monkeypatch):
+    monkeypatch.setenv(hsp.RATE_LIMIT_ENV, "5/300")
+    try:
+        budget = hsp._ApiBudget(*hsp._configured_rate_limit())
+    except hsp.SandboxConfigError:
+        return  # refused in words: a fix
+    fake = FakeTime()
+    fake.on(budget)
+
+    def sleep(seconds):
+        fake.sleep(seconds)
+        assert fake.now - 1000.0 <= 3 * 300.0, "an ordinary call still held after three windows"
+    budget.sleep = sleep
+    budget.acquire()
+
+
 def test_a_malformed_rate_limit_setting_is_refused_in_words_giving_the_form_and_an_example(monkeypatch):
     monkeypatch.setenv(hsp.RATE_LIMIT_ENV, "2500/300/x")
     with pytest.raises(hsp.SandboxConfigError) as refused:
