@@ -789,9 +789,12 @@ def test_an_unanswered_create_whose_lookup_also_fails_is_reported_as_the_create_
 
 def test_a_call_refused_at_connect_says_it_cannot_have_acted():
     # What a failed create's caller relies on to know it made no job (the start's own test is slow).
-    with pytest.raises(hsp.JobsAPIError, match="no answer") as info:
-        hsp._JobsClient(refused_endpoint(), fresh_token()).get_job("alice", "j1", retries=0)
+    endpoint = refused_endpoint()
+    with pytest.raises(hsp.JobsAPIError) as info:
+        hsp._JobsClient(endpoint, fresh_token()).get_job("alice", "j1", retries=0)
     assert info.value.may_have_acted is False
+    assert str(info.value) == ("inspecting job j1 failed: no answer: ConnectionError (Connection refused). "
+                               "check the network and HF_ENDPOINT (%s)" % endpoint)
 
 
 def test_a_jobs_api_that_takes_a_call_but_never_answers_fails_it_at_the_read_timeout(monkeypatch):
