@@ -3,7 +3,7 @@
 mutmut (pinned below) mutates the functions named in `.ci/mutation-targets`, runs for each mutant the
 fast-tier tests that reach its function, and this script then prints, per module and per function, how
 many mutants the tests killed, and every survivor. A tool to run before a release, not part of CI: the
-provider's targets alone take two to three hours on 2 cores, so it is often run a group at a time.
+targets (1,058 mutants) take two to three hours on 2 cores, so it is often run a group at a time.
 
     python .ci/mutation.py               # run, then report
     python .ci/mutation.py --report      # report the last run (mutants/ is kept between runs)

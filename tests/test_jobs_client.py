@@ -288,6 +288,24 @@ def test_a_rate_limit_setting_down_to_one_call_is_taken_as_given_and_without_a_w
     assert hsp._configured_rate_limit() == expected and hsp.RATE_LIMIT_WINDOW_S == 300.0
 
 
+@pytest.mark.xfail(strict=True, reason="bug (mutation run 4, docs/mutation.md): a quota of 5 calls or fewer is"
+                                      " all reserve for cancels, so every other call is held for good")
+def test_a_rate_limit_setting_at_or_under_the_cancel_reserve_is_refused_or_still_lets_calls_through(monkeypatch):
+    monkeypatch.setenv(hsp.RATE_LIMIT_ENV, "5/300")
+    try:
+        budget = hsp._ApiBudget(*hsp._configured_rate_limit())
+    except hsp.SandboxConfigError:
+        return  # refused in words: a fix
+    fake = FakeTime()
+    fake.on(budget)
+
+    def sleep(seconds):
+        fake.sleep(seconds)
+        assert fake.now - 1000.0 <= 3 * 300.0, "an ordinary call still held after three windows"
+    budget.sleep = sleep
+    budget.acquire()
+
+
 def test_a_malformed_rate_limit_setting_is_refused_in_words_giving_the_form_and_an_example(monkeypatch):
     monkeypatch.setenv(hsp.RATE_LIMIT_ENV, "2500/300/x")
     with pytest.raises(hsp.SandboxConfigError) as refused:
@@ -359,6 +377,51 @@ def test_pacing_starts_below_a_quarter_of_the_quota_left(remaining, paced):
     for _ in range(3):
         budget.acquire()
     assert bool(fake.waits) is paced, fake.waits
+
+
+def test_a_call_at_a_quarter_left_sets_no_pace_and_the_first_below_it_goes_at_once():
+    # Exactly a quarter left is not "below a quarter": neither that call nor the first one below it
+    # waits; from then on each waits (time to reset) / (left - reserve) after the one before.
+    fake = FakeTime()
+    budget = fake.on(hsp._ApiBudget())
+    budget.observe(limit_headers(250, 100), budget.sent)
+    budget.acquire()  # 250 left: a quarter of the free tier's 1,000
+    budget.acquire()  # 249 left: the first call below a quarter
+    assert fake.waits == []
+    budget.acquire()
+    assert fake.waits == [pytest.approx(100.0 / (249 - budget.reserve))]
+
+
+def test_every_call_sent_counts_against_the_servers_count_down_to_the_reserve():
+    # The server said 3 calls above the reserve are left: three ordinary calls go within its window
+    # (spread over it), and the fourth waits for the reset, without another answer in between.
+    fake = FakeTime()
+    budget = fake.on(hsp._ApiBudget())
+    reset_at = fake.now + 100.0
+    budget.observe(limit_headers(budget.reserve + 3, 100), budget.sent)
+    for _ in range(3):
+        budget.acquire()
+    assert fake.now < reset_at
+    budget.acquire()
+    assert fake.now >= reset_at
+
+
+def test_a_call_held_for_the_reset_logs_once_what_is_left_and_how_long_and_paced_calls_log_nothing(caplog):
+    fake = FakeTime()
+    budget = fake.on(hsp._ApiBudget())
+    with caplog.at_level("INFO", logger="hf_sandbox_provider"):
+        budget.observe(limit_headers(150, 100), budget.sent)
+        for _ in range(3):
+            budget.acquire()  # paced about 1 s apart: a line per call would flood a long run's log
+        assert fake.waits and not caplog.records
+        paced = len(fake.waits)
+        budget.observe(limit_headers(budget.reserve, 40), budget.sent)
+        for _ in range(budget.reserve + 1):
+            budget.acquire(teardown=True)  # cancels spend the reserve (the server 429s the one past it)
+        budget.acquire()  # held 40 s, rechecking every 2 s
+    assert sum(fake.waits[paced:]) == pytest.approx(40.0)
+    assert [record.getMessage() for record in caplog.records] == [
+        "Jobs API budget: about 0 of 1000 calls left for 40s; pacing this call 40.0s"]
 
 
 def test_the_free_tiers_last_five_percent_is_kept_for_cancels():
@@ -726,9 +789,12 @@ def test_an_unanswered_create_whose_lookup_also_fails_is_reported_as_the_create_
 
 def test_a_call_refused_at_connect_says_it_cannot_have_acted():
     # What a failed create's caller relies on to know it made no job (the start's own test is slow).
-    with pytest.raises(hsp.JobsAPIError, match="no answer") as info:
-        hsp._JobsClient(refused_endpoint(), fresh_token()).get_job("alice", "j1", retries=0)
+    endpoint = refused_endpoint()
+    with pytest.raises(hsp.JobsAPIError) as info:
+        hsp._JobsClient(endpoint, fresh_token()).get_job("alice", "j1", retries=0)
     assert info.value.may_have_acted is False
+    assert str(info.value) == ("inspecting job j1 failed: no answer: ConnectionError (Connection refused). "
+                               "check the network and HF_ENDPOINT (%s)" % endpoint)
 
 
 def test_a_jobs_api_that_takes_a_call_but_never_answers_fails_it_at_the_read_timeout(monkeypatch):
@@ -744,9 +810,10 @@ def test_a_jobs_api_that_takes_a_call_but_never_answers_fails_it_at_the_read_tim
     assert info.value.may_have_acted is True  # sent, unanswered: it may have acted
 
 
-def test_a_call_answered_500_is_retried_like_any_5xx_and_succeeds(api):
+@pytest.mark.parametrize("status", [500, 599])  # the first and the last 5xx
+def test_a_call_answered_500_is_retried_like_any_5xx_and_succeeds(api, status):
     url = ENDPOINT + "/api/jobs/alice/j1"
-    api.add(responses.GET, url, status=500)
+    api.add(responses.GET, url, status=status)
     api.add(responses.GET, url, json=job_json("j1", "RUNNING"))
     assert hsp._JobsClient(ENDPOINT, fresh_token()).get_job("alice", "j1")["status"]["stage"] == "RUNNING"
     assert len(api.calls) == 2
@@ -758,6 +825,44 @@ def test_a_cancel_answered_503_is_retried_and_succeeds(api):
     api.add(responses.POST, url, status=200)
     hsp._JobsClient(ENDPOINT, fresh_token()).cancel_job("alice", "j1")
     assert len(api.calls) == 2
+
+
+def test_a_call_answered_5xx_every_time_is_sent_six_times_each_retry_logged_and_waits_retry_after(
+        api, caplog):
+    # Retry-After: 0 is honoured (no backoff between the tries); the log names each retry and its wait.
+    url = ENDPOINT + "/api/jobs/alice/j1"
+    api.add(responses.GET, url, status=503, json={"error": "overloaded"}, headers={"Retry-After": "0"})
+    with caplog.at_level("INFO", logger="hf_sandbox_provider"):
+        with pytest.raises(hsp.JobsAPIError) as info:
+            hsp._JobsClient(ENDPOINT, fresh_token()).get_job("alice", "j1")
+    assert len(api.calls) == 1 + hsp.API_MAX_RETRIES == 6
+    assert (info.value.action, info.value.status_code, info.value.server_message) == (
+        "inspecting job j1", 503, "overloaded")
+    assert [record.getMessage() for record in caplog.records] == [
+        "inspecting job j1: HTTP 503 from https://hub.test; retry %d of 5 in 0.0s" % n for n in range(1, 6)]
+
+
+@pytest.mark.parametrize("answer, failure, status", [
+    (dict(status=503), "HTTP 503: HTTP 503", 503),
+    (dict(body=requests.ConnectionError(ConnectionResetError(104, "Connection reset by peer"))),
+     "no answer: ConnectionError (Connection reset by peer)", None),
+])
+def test_a_create_that_may_have_made_a_job_whose_lookup_is_refused_is_reported_as_the_create_not_reposted(
+        api, answer, failure, status):
+    # A 5xx, or a connection lost after sending, may hide a job the create made: the start label's lookup is
+    # refused (403), so the error says the create failed, that nobody could check whether it made a job,
+    # and how to clean up.
+    api.add(responses.POST, ENDPOINT + "/api/jobs/alice", **answer)
+    api.add(responses.GET, ENDPOINT + "/api/jobs/alice", status=403, json={"error": "no access"})
+    with pytest.raises(hsp.JobsAPIError) as info:
+        hsp._JobsClient(ENDPOINT, fresh_token()).create_job("alice", BODY, LABEL)
+    message = str(info.value)
+    assert message.startswith(
+        "creating the job in namespace 'alice' failed: %s; whether it made a job anyway could not be checked "
+        "(listing jobs failed: HTTP 403: no access" % failure), message
+    assert message.endswith("). run `python -m hf_sandbox_provider sweep` once https://hub.test answers"), message
+    assert (info.value.action, info.value.status_code) == ("creating the job in namespace 'alice'", status)
+    assert len(calls_to(api, "POST", "/api/jobs/alice")) == 1
 
 
 @pytest.mark.slow  # the create is retried with backoff (about 8 s)

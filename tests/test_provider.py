@@ -371,6 +371,27 @@ def test_a_start_the_api_budget_held_past_start_timeout_names_the_rate_limit_not
     assert cancels(api) == 1  # the cancel goes through on the reserve
 
 
+def test_a_start_whose_create_the_budget_held_names_the_rate_limit_even_once_the_budget_is_free(api, proxy):
+    # Another call with this token was answered 429 (a 1.5 s pause), which the start's hardware list waits
+    # out before the submit; then the create is answered 429 (1 s more), and its retry waits that out in the
+    # budget after the submit. At start_timeout_s nothing is held any more, but the create was: the advice is
+    # the rate limit's, not the flavor's.
+    endpoint = "https://budget-%s.hub.test" % uuid.uuid4().hex  # its own (uncached) hardware list
+    token = fresh_token()
+    api.add(responses.GET, endpoint + "/api/jobs/alice/other", status=429, headers={"Retry-After": "0.5"})
+    api.add(responses.GET, endpoint + "/api/jobs/hardware", status=404)  # the static flavor list then
+    api.add(responses.POST, endpoint + "/api/jobs/alice", status=429, headers={"Retry-After": "0"})
+    add_job_api(api, endpoint=endpoint, stages=[job_json()])
+    with pytest.raises(hsp.JobsAPIError):
+        hsp._JobsClient(endpoint, token).get_job("alice", "other", retries=0)
+    provider = hsp.HFSandboxProvider(IMAGE, token=token, endpoint=endpoint, proxy=proxy, namespace="alice",
+                                     poll_interval_s=0.01, start_timeout_s=0.5)
+    with pytest.raises(hsp.JobStartTimeout) as info:
+        provider.start_container()
+    assert hsp.RATE_LIMIT_ENV in str(info.value) and "slow flavors" not in str(info.value)
+    assert len(calls_to(api, "POST", "/api/jobs/alice")) == 2 and cancels(api) == 1
+
+
 @pytest.mark.parametrize("url", ["https://evil.example", "http://job1--8000.hf.jobs",
                                  "https://job2--8000.hf.jobs"])
 def test_url_failing_the_rule_raises_insecure_url_error_before_the_token_goes_anywhere(api, proxy, url):
