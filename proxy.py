@@ -791,8 +791,8 @@ class AuthProxy:
     @property
     def url(self) -> str:
         """The listener's root URL, e.g. `http://127.0.0.1:41234`."""
-        host = "[%s]" % self.host if ":" in self.host else self.host
-        return "http://%s:%d" % (host, self.port)
+        host = self.host.strip("[]")  # (an IPv6 host may be given as in a URL, bracketed)
+        return "http://%s:%d" % ("[%s]" % host if ":" in host else host, self.port)
 
     # -- routes ------------------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from typing import Iterator, Tuple, Union
 
 import pytest
@@ -12,7 +13,7 @@ from support import ws_connect as connect
 
 import support
 from support import TEST_TOKEN, Upstream, ws_url
-from proxy import AuthProxy, InsecureURLError, Refusal, Route, _route_id
+from proxy import AuthProxy, InsecureURLError, Refusal, Route, _is_loopback_host, _route_id
 
 TIMEOUT = 10
 
@@ -149,6 +150,24 @@ def test_mount_refuses_cleartext_upstream_off_loopback(proxy):
     with pytest.raises(InsecureURLError, match="https"):
         proxy.mount("http://example.com", TEST_TOKEN)
     assert issubclass(InsecureURLError, ValueError)
+
+
+@pytest.mark.parametrize("host, loopback", [
+    ("localhost", True), ("LOCALHOST.", True), ("env-7.localhost", True), ("127.0.0.2", True),
+    ("::1", True), ("[::1]", True), ("Xlocalhost", False), ("localhost.example.com", False),
+    ("evillocalhost", False), ("10.0.0.1", False), ("[::2]", False), ("", False), (None, False)])
+def test_the_loopback_rule_takes_loopback_names_and_literals_and_nothing_that_resembles_them(
+        host, loopback):
+    # The one rule for "may go in clear text" (and for the bind warning): RFC 6761 names, loopback IP
+    # literals with or without an IPv6 URL's brackets; never a name that only contains "localhost".
+    assert _is_loopback_host(host) is loopback
+
+
+def test_a_bracketed_ipv6_loopback_bind_draws_no_non_loopback_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="proxy"):
+        with AuthProxy(host="[::1]") as p:
+            assert p.url.startswith("http://[::1]:")
+    assert "non-loopback" not in caplog.text
 
 
 def test_stop_closes_everything_and_joins_every_thread(upstream, no_leaks):
