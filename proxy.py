@@ -1171,6 +1171,16 @@ def _head_end(buf: bytes, start: int) -> int:
     return lf + 2 if lf >= 0 else crlf + 3 if crlf >= 0 else -1
 
 
+def _whole_head_end(buf: bytes, eol: int) -> int:
+    """Where the request head in `buf` ends when it is whole and within the limits (its header block
+    at most MAX_HEADER_BYTES and MAX_HEADERS lines), given its request line's LF at `eol`; else -1."""
+    end = _head_end(buf, eol) if eol >= 0 else -1
+    if end < 0 or end - eol > MAX_HEADER_BYTES + 1 or (
+            buf.count(b"\n", eol + 1, end) > MAX_HEADERS + 1):
+        return -1
+    return end
+
+
 def _header_limit_fault(buf: bytes, start: int, eof: bool) -> Optional[Refusal]:
     """What a line-by-line reading of the header block from `start` meets before the block ends: a
     limit broken or (at `eof`) a head cut short, each named after the first malformed line before
@@ -1794,9 +1804,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if not buf:
                 return False
         eol = buf.find(b"\n", 0, MAX_REQUEST_LINE + 1)
-        end = _head_end(buf, eol) if eol >= 0 else -1
-        if end < 0 or end - eol > MAX_HEADER_BYTES + 1 or (
-                buf.count(b"\n", eol + 1, end) > MAX_HEADERS + 1):
+        end = _whole_head_end(buf, eol)
+        if end < 0:
             got = self._await_head()
             if got is None:
                 return False
@@ -1855,9 +1864,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 line = buf[:eol].decode("latin-1").rstrip("\r")
                 if not _REQUEST_LINE_RE.fullmatch(line):
                     return self._refuse_head(_request_line_fault(line))
-                end = _head_end(buf, eol)
-                if 0 <= end and end - eol <= MAX_HEADER_BYTES + 1 and (
-                        buf.count(b"\n", eol + 1, end) <= MAX_HEADERS + 1):
+                end = _whole_head_end(buf, eol)
+                if end >= 0:
                     if self._timeout != self.proxy.idle_timeout_s:
                         self._set_timeout(self.proxy.idle_timeout_s)
                     return buf, eol, end
@@ -2463,7 +2471,7 @@ def _watching(client: socket.socket, deadline: float, step: Callable[[], Optiona
 def _client_left(client: socket.socket) -> bool:
     """Whether the client hung up (a peek that never waits; bytes it sent stay for the tunnel)."""
     try:
-        return not client.recv(1, socket.MSG_PEEK | getattr(socket, "MSG_DONTWAIT", 0))
+        return not client.recv(1, _PEEK_NOW)
     except BlockingIOError:
         return False
     except OSError:
