@@ -57,52 +57,44 @@ log = logging.getLogger("proxy")
 # Constants
 # --------------------------------------------------------------------------------------------------
 
-# The stdlib's backlog of 5 would reset a burst of environments connecting at once (1,024 overflowed
-# at 8,192 sessions). The kernel caps it at net.core.somaxconn (4096 by default since Linux 5.4).
+# The stdlib's 5 resets a burst of environments connecting at once (kernel cap: somaxconn).
 LISTEN_BACKLOG = 4096
-# A keep-alive client connection with no request in flight is closed after this long: generous, as
-# training loops idle between episodes; clients (requests/urllib3) reconnect transparently.
+# An idle keep-alive client connection is closed after this long: training loops idle between
+# episodes, and clients reconnect transparently.
 CLIENT_IDLE_TIMEOUT_S = 300.0
-# Once the first byte of a request has arrived, its request line and headers must be complete within
-# this bound, so a client that stalls (or drips bytes) mid-headers cannot hold a thread forever.
+# A started request head must be complete within this: a client dripping bytes cannot hold a thread.
 HEADER_TIMEOUT_S = 30.0
-# Limits on the request head: the whole header section (the stdlib only caps each line, so 100 x 64
-# KiB would pass), the header count (the stdlib's 100) and the request line.
+# Request head limits: the header section (the stdlib caps only each line), count, request line.
 MAX_HEADER_BYTES = 64 * 1024
 MAX_HEADERS = 100
 MAX_REQUEST_LINE = 64 * 1024
 # A chunk-size line ("1a2b;ext=...") longer than this is malformed, not a real chunk header.
 MAX_CHUNK_LINE = 4096
-# Request bodies up to this size are read fully before forwarding, which makes them replayable on a
-# fresh upstream connection when a pooled one turns out stale; bigger bodies are streamed.
+# Request bodies up to this size are read before forwarding, so they can be replayed on a fresh
+# connection when a pooled one turns out stale; bigger ones are streamed.
 REPLAYABLE_BODY_BYTES = 1024 * 1024
 # Response bodies up to this size are read before answering so headers and body leave in one send.
 SMALL_RESPONSE_BYTES = 64 * 1024
-# Upstream response heads up to this size are relayed (a bigger one: 502 upstream-head-too-large),
-# with no line or count limit: at least as permissive as the Python clients (http.client stops at
-# 100 lines, h11 at 16 KiB), still bounded per connection.
+# Upstream response heads up to this size are relayed, with no line or count limit: at least as
+# permissive as the Python clients (http.client stops at 100 lines, h11 at 16 KiB), still bounded.
 MAX_RESPONSE_HEAD_BYTES = 256 * 1024
 # Interim (1xx) responses relayed before the final one; an upstream sending more is looping: 502.
 MAX_INTERIM_RESPONSES = 32
 # Socket read size for streaming bodies: a 1 MiB frame moves in a few calls.
 IO_CHUNK = 64 * 1024
-# Read size of each tunnel direction: OpenEnv frames are a few hundred bytes, and each held
-# session's two threads wait in recv with a buffer of this size.
+# Read size of each tunnel direction: OpenEnv frames are a few hundred bytes, and every held
+# session's two threads wait in recv with a buffer this size.
 TUNNEL_READ_BYTES = 16 * 1024
-# While an upgrade waits for its answer the client is checked this often, so one that hung up frees
-# the thread and the upstream connection at once, not after read_timeout_s.
+# How often a pending upgrade checks its client, so one that hung up frees its thread at once.
 TUNNEL_WATCH_S = 0.5
 # Idle upstream connections kept per host; more concurrent requests simply open more.
 POOL_MAX_IDLE = 64
-# A request waits for its answer in blocking reads of this many seconds, checking between slices
-# that the client is still there (a trainer that timed out retries on a new connection): no poll()
-# per request, and an answer within the first slice costs nothing.
+# A request waits for its answer in blocking reads this long, checking between them that the client
+# is still there (one that timed out retries elsewhere): no poll() per request.
 ANSWER_WATCH_S = 0.5
-# Pooled upstream connections idle longer than this are not reused: uvicorn (OpenEnv's server)
-# closes idle keep-alive connections after 5 s, and racing that close would fail a request.
+# Pooled connections idle longer are not reused: uvicorn (OpenEnv's server) closes them after 5 s.
 POOL_IDLE_S = 4.0
-# TLS contexts kept, shared by routes with the same `verify` (the least recently used is dropped):
-# one with the system store costs ~1 MiB, and a trainer mounts a route per environment.
+# TLS contexts kept (by `verify`, least recently used dropped): one with the system store is ~1 MiB.
 TLS_CONTEXTS_KEPT = 8
 # How long stop() waits for each thread it started before naming it as left behind.
 STOP_JOIN_S = 5.0
@@ -121,75 +113,61 @@ BUSY_RETRY_AFTER_S = 1
 # At the cap thousands of connections a second may be refused: one WARNING per this many seconds,
 # with the count since the previous one.
 BUSY_WARNING_EVERY_S = 10.0
-# `python proxy.py` only (a process of its own): the GIL switch interval. The default 5 ms makes
-# thousands of tunnel threads stepping together pass the GIL round in a context-switch storm; the
-# library never changes it, as the setting is process-wide and a trainer's threads need the default.
+# `python proxy.py` only: the GIL switch interval (the default 5 ms makes thousands of tunnel
+# threads a context-switch storm; the library leaves this process-wide setting alone).
 CLI_SWITCH_INTERVAL_S = 0.1
-# A Python socket with a timeout polls before every recv and send; on Linux, blocking sockets whose
-# timeouts the kernel enforces (SO_RCVTIMEO/SO_SNDTIMEO) save that call. Elsewhere timeval layouts
-# differ, and Python's own timeouts are used.
+# On Linux the kernel enforces socket timeouts (SO_RCVTIMEO/SO_SNDTIMEO), saving the poll Python
+# makes before every recv and send; elsewhere timeval layouts differ.
 KERNEL_TIMEOUTS = sys.platform.startswith("linux")
 
-# HTTP on a replica route: OpenEnv's /reset, /step and /state keep one environment per server, so
-# only these GET endpoints, stateless on every OpenEnv server, may go to any live replica (unless
-# the route was mounted with http="any").
+# HTTP on a replica route: OpenEnv's /reset and /step keep state per server, so only these GET
+# endpoints, stateless on every OpenEnv server, may go to any replica (unless http="any").
 STATELESS_HTTP_PATHS = frozenset(["/health", "/metadata", "/schema"])
-# Answers to a WebSocket upgrade that mean "this replica is down" (the HF jobs proxy's, for a job
-# gone or not listening): the upgrade never reached the environment, so it is safe to retry.
+# Upgrade answers meaning "this replica is down" (the HF jobs proxy's, for a job gone or not
+# listening): the upgrade never reached the environment, so it is safe to retry.
 REPLICA_DOWN_STATUSES = frozenset([502, 503, 504])
-# A failed upgrade is retried on one other replica, no more: failing on two in a row usually means
-# the request (or the image) is at fault, not one job.
+# A failed upgrade is retried on one other replica: failing twice, the request is likely at fault.
 REPLICA_ATTEMPTS = 2
 
 # RFC 9110 section 7.6.1 hop-by-hop headers (plus the legacy Proxy-Connection). `Expect` is answered
 # by the proxy itself, and `Authorization`/`Host` are always replaced, so they never pass through.
-HOP_BY_HOP = frozenset(
-    ["connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization",
-     "te",
-     "trailer", "transfer-encoding", "upgrade"]
-)
+HOP_BY_HOP = frozenset(["connection", "keep-alive", "proxy-connection", "proxy-authenticate",
+                        "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade"])
 REPLACED_REQUEST_HEADERS = frozenset(["authorization", "host", "expect", "content-length"])
-# A client's header fields never forwarded as they are.
 _NOT_FORWARDED = HOP_BY_HOP | REPLACED_REQUEST_HEADERS
 # Methods whose repetition has no extra effect (RFC 9110 section 9.2.2): safe to retry once on a
-# fresh connection when a pooled connection died before answering.
+# fresh connection when a pooled one died before answering.
 IDEMPOTENT_METHODS = frozenset(["GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"])
 # RFC 9110 token characters: a method is exactly one token.
 _TOKEN_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 # Request targets: visible ASCII only (anything else must be percent-encoded by the client).
 _BAD_TARGET_CHAR_RE = re.compile(r"[^\x21-\x7e]")
-# Header values: no control characters except tab (CR/LF only appear in obs-folds, normalised
-# later).
+# Header values: no control characters but tab (CR/LF only appear in obs-folds, normalised later).
 _BAD_VALUE_CHAR_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 # The same characters as bytes, for `bytes.translate` to delete: a head that loses none holds none.
 _CONTROL_BYTES = bytes(range(0, 9)) + b"\x0b\x0c" + bytes(range(14, 32)) + b"\x7f"
 _VERSION_RE = re.compile(r"^HTTP/[0-9]\.[0-9]$")
 _STATUS_LINE_RE = re.compile(rb"^HTTP/1\.[01] (\d{3})(?: |\r?$)")
 _RESPONSE_LINE_RE = re.compile(r"^HTTP/1\.([01]) ([0-9]{3})(?: (.*))?$")
-# One response header line: a token name, a colon, the value after its leading blanks (trailing ones
-# are relayed as sent: http.client keeps them) with no control character but tab, CRLF or LF.
+# One response header line: token name, colon, the value after its leading blanks (trailing ones are
+# relayed: http.client keeps them) with no control character but tab, CRLF or LF.
 _RESPONSE_FIELD_RE = re.compile(
     r"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*([^\x00-\x08\x0a-\x1f\x7f]*)\r?\n")
-# A response head the proxy relays byte for byte, as its parse would rebuild it: an HTTP/1.1 status
-# line with a reason, `Name: value` fields one space apart, CRLF line ends (its control characters,
-# hop-by-hop fields and Content-Length are checked apart, see _parse_answer).
+# A response head relayed byte for byte, as its parse would rebuild it: HTTP/1.1 with a reason,
+# `Name: value` fields, CRLF line ends (other checks: _parse_answer).
 _PLAIN_ANSWER_RE = re.compile(
     rb"HTTP/1\.1 ([2-5][0-9][0-9]) ([^\r\n]*)\r\n"
     rb"(?:[!#$%&'*+\-.^_`|~0-9A-Za-z]+: (?:[^\r\n \t][^\r\n]*)?\r\n)*\r\n")
 # In a lower-cased head: a field the proxy drops (HOP_BY_HOP) or reframes.
 _REWRITTEN_FIELD_RE = re.compile(
-    rb"\r\n(?:connection|keep-alive|proxy-connection|proxy-authenticate|proxy-authorization|te|"
-    rb"trailer|transfer-encoding|upgrade):")
+    rb"\r\n(?:%s):" % b"|".join(name.encode() for name in sorted(HOP_BY_HOP)))
 # A request line: three parts, one space apart (the target and method are checked when dispatched).
 _REQUEST_LINE_RE = re.compile(r"([^ ]*) ([^ ]*) (HTTP/1\.[0-9])")
-# The usual request line: a token method and an origin-form target (what _target_refusal would pass
-# unless the method is CONNECT), so only other lines need that check.
+# The usual one: a token method and an origin-form target, so only other lines need _target_refusal.
 _ORIGIN_REQUEST_LINE_RE = re.compile(
     r"([!#$%&'*+\-.^_`|~0-9A-Za-z]+) (/[\x21-\x7e]*) (HTTP/1\.[0-9])")
-# One request header line: a token name, a colon, the rest of the line up to its LF (_read_request
-# drops the CRs before the LF, then the blanks around the value). A value may hold any character
-# but LF here; control characters in it are refused when the request is dispatched
-# (_header_refusal).
+# One request header line: token name, colon, the rest up to its LF (_read_request drops CRs and the
+# value's blanks); control characters in a value are refused at dispatch (_header_refusal).
 _HEADER_LINE_RE = re.compile(r"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):([^\n]*)\n")
 
 # recv() flags that look at the next byte without taking it or waiting for it.
@@ -234,10 +212,9 @@ class Route:
     """One mounted upstream: where to forward, which token to inject (None = inject nothing), TLS
     verify, and extra request headers (a mapping or a zero-argument callable, read per request).
 
-    Keep-alive connections live in a pool per upstream host (scheme, host, port, verify) shared by
-    the routes of one `AuthProxy` (many sandboxes behind one host job: one TLS handshake per
-    connection, not per sandbox), closed with the last of them. A route owns its in-flight requests
-    and WebSocket tunnels: closing it (`AuthProxy.unmount`) ends everything that talks through it.
+    Keep-alive connections live in a pool per upstream host shared by the routes of one `AuthProxy`
+    (many sandboxes behind one host job: one TLS handshake per connection, not per sandbox). A route
+    owns its in-flight requests and tunnels: closing it (`AuthProxy.unmount`) ends them all.
     """
 
     def __init__(self, upstream: str, token: Token, verify: Verify = True,
@@ -253,17 +230,15 @@ class Route:
                            or _extra_headers_rejection(headers, token is not None))
         self.upstream: str = upstream
         self.token: Token = token
-        # A string token is validated above: current_token() returns it without another check.
-        self._checked_token: Optional[str] = token if isinstance(token, str) else None
+        self._checked_token: Optional[str] = token if isinstance(token, str) else None  # validated
         self.verify: Verify = verify
         self.scheme: str = parts.scheme.lower()
         self.host: str = parts.hostname or ""
         default_port = 443 if self.scheme == "https" else 80
         self.port: int = parts.port or default_port
         self.base_path: str = parts.path.rstrip("/")
-        # An IP literal needs no getaddrinfo per connection (each one a GIL release); host names
-        # are resolved per connection, as DNS answers change. A name under `localhost` is loopback
-        # (RFC 6761, and the loopback rule here), which resolvers need not know: dial `localhost`.
+        # An IP literal needs no getaddrinfo per connection; names are resolved per connection (DNS
+        # answers change). A name under `localhost` is loopback (RFC 6761): resolvers need not know.
         self._ip_family: Optional[int] = _ip_literal_family(self.host)
         self._dial_host = ("localhost" if self.host.lower().rstrip(".").endswith(".localhost")
                            else self.host)
@@ -276,17 +251,16 @@ class Route:
         self._fixed_headers: Tuple[Tuple[str, str], ...] = (
             () if headers is None or callable(headers) else tuple(headers.items()))
         self._lock = threading.Lock()  # tunnels and failure runs; never the pool
-        # The host's pool (shared with the proxy's other routes to this host) holds the idle
-        # keep-alive connections (newest on the right); `_active` are this route's in flight, so
-        # close() can abort a request still streaming. Lock-free: see _checkout.
+        # The host's idle connections (newest on the right), and this route's in flight, so close()
+        # can abort a request still streaming. Lock-free: see _checkout.
         self._host_pools = host_pools or _HostPools()
         self._pool = self._host_pools.acquire((self.scheme, self.host, self.port, verify))
         self._idle: "collections.deque[_UpstreamConnection]" = self._pool.idle
         self._active: Set[_UpstreamConnection] = set()
         self._tunnels: Set[_Tunnel] = set()  # WebSocket sessions, from their upgrade's connect on
         self._closed = False
-        # The current run of upstream failures: while a job boots every readiness probe fails the
-        # same way, and one WARNING per run (plus one INFO on recovery) says it all.
+        # The current run of upstream failures: a booting job fails every probe the same way, so
+        # one WARNING per run (and one INFO on recovery).
         self._failing_kind: Optional[str] = None
         self._failures_in_run = 0
 
@@ -307,8 +281,7 @@ class Route:
         return value
 
     def current_headers(self) -> Tuple[Tuple[str, str], ...]:
-        """The extra headers to send now: the mapping's, or the callable's answer (read per
-        request)."""
+        """The extra headers to send now: the mapping's, or the callable's answer."""
         headers = self.headers
         if not callable(headers):
             return self._fixed_headers
