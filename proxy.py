@@ -334,6 +334,10 @@ class Route:
 
     # -- machinery (used by the request handler) ------------------------------------------------
 
+    def _set_label(self, name: str) -> None:
+        """Name the route in logs, e.g. "route-3 (https://host)"."""
+        self.label = "%s (%s)" % (name, self.label)
+
     def _checkout(self, proxy: AuthProxy) -> Tuple["_UpstreamConnection", bool]:
         """A keep-alive connection to the route's upstream: a pooled one if fresh, else a new one.
 
@@ -506,7 +510,9 @@ class ReplicaRoute:
         self._next = 0  # round-robin start among replicas tied on open sessions
         self._created = 0  # replicas ever added: numbers them in logs (never reused)
         self._closed = False
-        self._replicas: List[_Replica] = [self._new_replica(upstream) for upstream in upstreams]
+        self._replicas: List[_Replica] = []
+        for upstream in upstreams:
+            self._add_replica(upstream)
 
     def __repr__(self) -> str:
         with self._lock:
@@ -535,17 +541,9 @@ class ReplicaRoute:
                     if replica.healthy:
                         return False
                     replica.healthy, replica.reason = True, None
-                    log.info("proxy: %s is back in rotation", replica.label)
+                    log.info("proxy: %s is back in rotation", replica.route.label)
                     return True
-        replica = self._new_replica(upstream)
-        with self._lock:
-            closed = self._closed
-            if not closed:
-                self._replicas.append(replica)
-        if closed:
-            replica.route.close()
-            raise RuntimeError("this replica route was unmounted; mount a new one")
-        log.info("proxy: %s added", replica.label)
+        log.info("proxy: %s added", self._add_replica(upstream).route.label)
         return True
 
     def remove(self, upstream: str) -> bool:
@@ -555,7 +553,7 @@ class ReplicaRoute:
             self._replicas = [r for r in self._replicas if r.upstream != upstream]
         for replica in found:
             problems = replica.route.close()
-            log.info("proxy: %s removed%s", replica.label,
+            log.info("proxy: %s removed%s", replica.route.label,
                      (" (could not close: %s)" % ", ".join(problems)) if problems else "")
         return bool(found)
 
@@ -568,13 +566,18 @@ class ReplicaRoute:
 
     # -- machinery (used by the request handler) ------------------------------------------------
 
-    def _new_replica(self, upstream: str) -> "_Replica":
+    def _add_replica(self, upstream: str) -> "_Replica":
+        """Put a new replica of `upstream` in rotation (RuntimeError once the route is closed)."""
         route = Route(upstream, self.token, self.verify)  # validates the URL, the token and verify
         with self._lock:
-            self._created += 1
-            replica = _Replica(upstream, route, self._created, route.label)
-            replica.set_label(self.label)
-        return replica
+            if not self._closed:
+                self._created += 1
+                replica = _Replica(upstream, route, self._created)
+                replica.set_label(self.label)
+                self._replicas.append(replica)
+                return replica
+        route.close()
+        raise RuntimeError("this replica route was unmounted; mount a new one")
 
     def _set_label(self, label: str) -> None:
         """Name the route in logs (e.g. "route-3"); a replica is "<label> replica-<n> (<host>)"."""
@@ -606,7 +609,7 @@ class ReplicaRoute:
         with self._lock:
             was_healthy, replica.healthy, replica.reason = replica.healthy, False, reason
         if was_healthy:
-            log.warning("proxy: %s taken out of rotation: %s", replica.label, reason)
+            log.warning("proxy: %s taken out of rotation: %s", replica.route.label, reason)
 
     def _failure_summary(self) -> Tuple[int, List[Dict[str, object]]]:
         with self._lock:
@@ -617,19 +620,18 @@ class ReplicaRoute:
 class _Replica:
     """One upstream of a `ReplicaRoute`: its `Route` and rotation state (under the route's lock)."""
 
-    def __init__(self, upstream: str, route: Route, number: int, where: str) -> None:
+    def __init__(self, upstream: str, route: Route, number: int) -> None:
         self.upstream = upstream
         self.route = route
         self.number = number
-        self.where = where  # scheme://host[:port]: no path, no secret
-        self.label = ""
         self.open_sessions = 0
         self.healthy = True
         self.reason: Optional[str] = None
 
     def set_label(self, route_label: str) -> None:
-        label = "%s replica-%d (%s)" % (route_label, self.number, self.where)
-        self.label = self.route.label = label
+        route = self.route  # named by scheme://host[:port]: no path, no secret
+        route.label = "%s replica-%d (%s://%s)" % (route_label, self.number, route.scheme,
+                                                  route.host_header)
 
 
 AnyRoute = Union[Route, ReplicaRoute]
@@ -774,81 +776,69 @@ class AuthProxy:
         """Forward `<base_url>/<rest>` to `<upstream>/<rest>` with `Authorization: Bearer <token>`;
         return the base URL (`http://127.0.0.1:<port>/<route-id>`, an id of 192 random bits).
 
-        `token` is a string or a zero-argument callable read at each request. The upstream may carry
-        a path prefix (`https://host/v1/x/proxy/8000`: `<base_url>/a?q` goes to
-        `/v1/x/proxy/8000/a?q`). `headers` (a mapping, or a zero-argument callable returning one,
-        read per request) are added to every request and upgrade, replacing the client's of the
-        same names; their values are never logged. Routes to one upstream host (scheme, host, port,
-        verify) share its keep-alive connections.
+        `token` is a string or a zero-argument callable read per request. The upstream may carry a
+        path prefix (`https://host/v1/proxy/8000`: `<base_url>/a?q` goes to `/v1/proxy/8000/a?q`).
+        `headers` (a mapping, or a zero-argument callable returning one, read per request) are added
+        to every request and upgrade, replacing the client's; their values are never logged.
         """
-        if self._server is None or self._stopping:
-            raise RuntimeError("AuthProxy is not serving: call start() (or use it as a context "
-                               "manager) before mount()")
-        route = Route(upstream, token, verify, headers, self._host_pools)
-        with self._lock:
-            self._route_count += 1
-            route.label = "route-%d (%s)" % (self._route_count, route.label)
-            route_id = secrets.token_urlsafe(24)
-            self._routes[route_id] = route
+        route, base_url = self._add_route(
+            "mount", lambda: Route(upstream, token, verify, headers, self._host_pools))
         log.info("mounted %s", route.label)
-        return "%s/%s" % (self.url, route_id)
+        return base_url
 
     def mount_replicas(self, upstreams: Sequence[str], token: Token, *, verify: Verify = True,
                        http: str = "refuse") -> str:
         """Mount one route in front of several upstreams running the same server (same `token` and
-        `verify`); return its base URL. `unmount` closes it like any route.
-
-        Each new WebSocket session goes to the live replica with the fewest open sessions; a replica
-        whose upgrade fails leaves rotation (see `replica_status`) and the session is retried once
-        on another; with none left the client gets 502 `X-Proxy-Error: no-live-replica`. HTTP:
-        `GET`/`HEAD` of /health, /metadata and /schema go to a live replica, anything else gets 409
-        `replicated-http-refused` (OpenEnv's /reset and /step keep state per server), unless
-        `http="any"` (servers whose HTTP endpoints are stateless).
+        `verify`); return its base URL. Sessions and HTTP are spread as `ReplicaRoute` says (failed
+        replicas: `replica_status`); with no live replica a client gets 502 `no-live-replica`, and
+        HTTP it may not forward 409 `replicated-http-refused`. `unmount` closes it like any route.
         """
+        replicas, base_url = self._add_route(
+            "mount_replicas", lambda: ReplicaRoute(upstreams, token, verify, http))
+        log.info("mounted %s with %d replicas (http=%s)", replicas.label, len(upstreams), http)
+        return base_url
+
+    def _add_route(self, caller: str, make: Callable[[], AnyRoute]) -> Tuple[AnyRoute, str]:
+        """Make a route (if serving) and mount it under a new route id; return it and its URL."""
         if self._server is None or self._stopping:
             raise RuntimeError("AuthProxy is not serving: call start() (or use it as a context "
-                               "manager) before mount_replicas()")
-        replicas = ReplicaRoute(upstreams, token, verify, http)
+                               "manager) before %s()" % caller)
+        route = make()
         with self._lock:
             self._route_count += 1
-            replicas._set_label("route-%d" % self._route_count)
+            route._set_label("route-%d" % self._route_count)
             route_id = secrets.token_urlsafe(24)
-            self._routes[route_id] = replicas
-        log.info("mounted %s with %d replicas (http=%s)", replicas.label, len(upstreams), http)
-        return "%s/%s" % (self.url, route_id)
+            self._routes[route_id] = route
+        return route, "%s/%s" % (self.url, route_id)
 
     def add_replica(self, base_url: str, upstream: str) -> bool:
-        """Add `upstream` (same token and verify) to the replica route at `base_url`, or put it back
-        in rotation if it had failed; False if it was already live."""
+        """`ReplicaRoute.add` on the replica route at `base_url` (same token and verify)."""
         return self._replica_route(base_url).add(upstream)
 
     def remove_replica(self, base_url: str, upstream: str) -> bool:
-        """Remove `upstream` from the replica route at `base_url` and end its open sessions (e.g.
-        before cancelling its job). Returns False if the route has no such replica."""
+        """`ReplicaRoute.remove` on the replica route at `base_url` (e.g. before cancelling its
+        job)."""
         return self._replica_route(base_url).remove(upstream)
 
     def replica_status(self, base_url: str) -> List[Dict[str, object]]:
-        """`ReplicaRoute.status()` of the route at `base_url`: per replica, in mount order,
-        `{"upstream", "open_sessions", "healthy", "reason"}`. No token, no route id."""
+        """`ReplicaRoute.status()` of the replica route at `base_url`: no token, no route id."""
         return self._replica_route(base_url).status()
 
     def _replica_route(self, base_url: str) -> ReplicaRoute:
-        with self._lock:
-            route = self._routes.get(_route_id(base_url))
-        if isinstance(route, ReplicaRoute):
-            return route
+        route = self._routes.get(_route_id(base_url))
         if route is None:
             raise ValueError("no route is mounted at that base URL (unmounted, or not from this "
                              "proxy); pass the exact URL mount_replicas() returned")
-        raise ValueError("the route at that base URL fronts a single upstream; replicas need a "
-                         "route made by mount_replicas()")
+        if not isinstance(route, ReplicaRoute):
+            raise ValueError("the route at that base URL fronts a single upstream; replicas need a "
+                             "route made by mount_replicas()")
+        return route
 
     def unmount(self, base_url: str) -> bool:
         """Remove the route behind `base_url` and close its connections and tunnels; False when no
         such route is mounted (safe to call twice)."""
-        route_id = _route_id(base_url)
         with self._lock:
-            route = self._routes.pop(route_id, None)
+            route = self._routes.pop(_route_id(base_url), None)
         if route is None:
             return False
         problems = route.close()
