@@ -191,9 +191,8 @@ class InsecureURLError(ValueError):
 
 
 class Refusal(NamedTuple):
-    """A request the proxy answers itself instead of forwarding (sent as JSON with `X-Proxy-Error`;
-    `proxy_error=False` leaves that out, for a subclass answering like the server it stands in for:
-    the HF Jobs emulator's 401 looks like the real `*.hf.jobs` one)."""
+    """A request the proxy answers itself, as JSON with `X-Proxy-Error` (unless `proxy_error=False`:
+    for a subclass answering like the server it stands in for, e.g. the HF Jobs emulator's 401)."""
 
     status: int  # e.g. 401, 404
     kind: str  # short machine word, e.g. "unauthorized", "unknown-route"
@@ -431,8 +430,8 @@ class Route:
 
 
 class _HostPool:
-    """The idle keep-alive connections to one upstream host (scheme, host, port, verify) and its TLS
-    context, shared by the routes that use it (`users`); closed with the last of them."""
+    """The idle connections and TLS context of one upstream host (scheme, host, port, verify),
+    shared by the routes that use it (`users`); closed with the last of them."""
 
     def __init__(self, key: Tuple[str, str, int, Verify]) -> None:
         self.key = key
@@ -491,10 +490,10 @@ class ReplicaRoute:
     made by `AuthProxy.mount_replicas`; each replica is a `Route`. Each new WebSocket session goes
     to the live replica with the fewest open sessions (ties: round robin).
 
-    A replica whose upgrade fails (no connection, TLS failure, timeout, or a 502/503/504 answer)
-    leaves rotation, logged and reported by `status()`, and the session is retried once on another.
-    Sessions open on a replica that dies simply end. HTTP is refused with 409 but for `GET`/`HEAD`
-    of `STATELESS_HTTP_PATHS`, unless `http="any"`: a stateful request cannot pick its replica.
+    A replica whose upgrade fails (no connection, TLS, timeout, or a 502/503/504 answer) leaves
+    rotation (logged, and in `status()`) and the session is retried once on another; sessions on a
+    replica that dies end. HTTP gets 409 but for `GET`/`HEAD` of `STATELESS_HTTP_PATHS`, unless
+    `http="any"`: a stateful request cannot pick its replica.
     """
 
     base_path = ""  # each replica's own base path is added when a request is sent to it
@@ -676,11 +675,10 @@ class AuthProxy:
     @classmethod
     def spawn(cls, host: str = "127.0.0.1", port: int = 0, *, processes: int = 1,
               **timeouts: float) -> "proxy_host.AuthProxyProcess":
-        """Serve an AuthProxy from a child process (the constructor's arguments), so relaying costs
-        this process's GIL nothing; return its started `AuthProxyProcess` (module `proxy_host`),
-        with the routes API. Tokens reach the child over a private channel only; it ends with this
-        process. `processes=N` (Linux) starts N children sharing the port (SO_REUSEPORT), every
-        route mounted in each."""
+        """Serve an AuthProxy (the constructor's arguments) from a child process that ends with
+        this one, so relaying costs this GIL nothing; return its started `AuthProxyProcess` (module
+        `proxy_host`; the routes API, tokens sent over a private channel). `processes=N` (Linux): N
+        children sharing the port (SO_REUSEPORT), every route mounted in each."""
         return _layer("proxy_host").spawn(cls, host, port, processes=processes, **timeouts)
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -816,8 +814,7 @@ class AuthProxy:
         return self._replica_route(base_url).add(upstream)
 
     def remove_replica(self, base_url: str, upstream: str) -> bool:
-        """`ReplicaRoute.remove` on the replica route at `base_url` (e.g. before cancelling its
-        job)."""
+        """`ReplicaRoute.remove` on the replica route at `base_url` (e.g. before its job ends)."""
         return self._replica_route(base_url).remove(upstream)
 
     def replica_status(self, base_url: str) -> List[Dict[str, object]]:
@@ -849,11 +846,9 @@ class AuthProxy:
     def route_request(self, target: str,
                       headers: "_RequestHeaders") -> Union[Tuple[AnyRoute, str], Refusal]:
         """Overridable hook: map an origin-form request target to (route, upstream target), or
-        refuse it. `headers` are the request's (`get`, `get_all`, `items`; a hook may change them).
-
-        Default: `/<route-id>/<rest>?q` -> (mounted route, `<upstream path>/<rest>?q`); unknown id
-        -> 404. A `ReplicaRoute` gets `/<rest>?q` (each replica adds its own path when sending).
-        """
+        refuse it; `headers` (`get`, `get_all`, `items`) are the request's, a hook may change them.
+        Default: `/<route-id>/<rest>?q` -> (route, `<base path>/<rest>?q`; a `ReplicaRoute`'s is "",
+        each replica adds its own when sending); an unknown id -> 404."""
         path, sep, query = target.partition("?")
         route_id, _, rest = path.partition("/")[2].partition("/")  # (route ids are never "")
         route = self._routes.get(route_id)
