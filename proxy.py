@@ -138,8 +138,9 @@ _NOT_FORWARDED = HOP_BY_HOP | REPLACED_REQUEST_HEADERS
 # Methods whose repetition has no extra effect (RFC 9110 section 9.2.2): safe to retry once on a
 # fresh connection when a pooled one died before answering.
 IDEMPOTENT_METHODS = frozenset(["GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"])
-# RFC 9110 token characters: a method is exactly one token.
-_TOKEN_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+# An RFC 9110 token: a method, a header name.
+_TOKEN = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+_TOKEN_RE = re.compile("^" + _TOKEN + "$")
 # Request targets: visible ASCII only (anything else must be percent-encoded by the client).
 _BAD_TARGET_CHAR_RE = re.compile(r"[^\x21-\x7e]")
 # Header values: no control characters but tab (CR/LF only appear in obs-folds, normalised later).
@@ -151,24 +152,21 @@ _STATUS_LINE_RE = re.compile(rb"^HTTP/1\.[01] (\d{3})(?: |\r?$)")
 _RESPONSE_LINE_RE = re.compile(r"^HTTP/1\.([01]) ([0-9]{3})(?: (.*))?$")
 # One response header line: token name, colon, the value after its leading blanks (trailing ones are
 # relayed: http.client keeps them) with no control character but tab, CRLF or LF.
-_RESPONSE_FIELD_RE = re.compile(
-    r"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*([^\x00-\x08\x0a-\x1f\x7f]*)\r?\n")
+_RESPONSE_FIELD_RE = re.compile("(" + _TOKEN + r"):[ \t]*([^\x00-\x08\x0a-\x1f\x7f]*)\r?\n")
 # A response head relayed byte for byte, as its parse would rebuild it: HTTP/1.1 with a reason,
 # `Name: value` fields, CRLF line ends (other checks: _parse_answer).
-_PLAIN_ANSWER_RE = re.compile(
-    rb"HTTP/1\.1 ([2-5][0-9][0-9]) ([^\r\n]*)\r\n"
-    rb"(?:[!#$%&'*+\-.^_`|~0-9A-Za-z]+: (?:[^\r\n \t][^\r\n]*)?\r\n)*\r\n")
+_PLAIN_ANSWER_RE = re.compile(rb"HTTP/1\.1 ([2-5][0-9][0-9]) ([^\r\n]*)\r\n(?:"
+                              + _TOKEN.encode() + rb": (?:[^\r\n \t][^\r\n]*)?\r\n)*\r\n")
 # In a lower-cased head: a field the proxy drops (HOP_BY_HOP) or reframes.
 _REWRITTEN_FIELD_RE = re.compile(
     rb"\r\n(?:%s):" % b"|".join(name.encode() for name in sorted(HOP_BY_HOP)))
 # A request line: three parts, one space apart (the target and method are checked when dispatched).
 _REQUEST_LINE_RE = re.compile(r"([^ ]*) ([^ ]*) (HTTP/1\.[0-9])")
 # The usual one: a token method and an origin-form target, so only other lines need _target_refusal.
-_ORIGIN_REQUEST_LINE_RE = re.compile(
-    r"([!#$%&'*+\-.^_`|~0-9A-Za-z]+) (/[\x21-\x7e]*) (HTTP/1\.[0-9])")
+_ORIGIN_REQUEST_LINE_RE = re.compile("(" + _TOKEN + r") (/[\x21-\x7e]*) (HTTP/1\.[0-9])")
 # One request header line: token name, colon, the rest up to its LF (_read_request drops CRs and the
 # value's blanks); control characters in a value are refused at dispatch (_header_refusal).
-_HEADER_LINE_RE = re.compile(r"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):([^\n]*)\n")
+_HEADER_LINE_RE = re.compile("(" + _TOKEN + r"):([^\n]*)\n")
 
 # recv() flags that look at the next byte without taking it or waiting for it.
 _PEEK_NOW = socket.MSG_PEEK | getattr(socket, "MSG_DONTWAIT", 0)
@@ -181,8 +179,7 @@ ExtraHeaders = Union[Mapping[str, str], Callable[[], Mapping[str, str]], None]
 # Header names a route's extra headers may not set: the proxy frames the request and names the host
 # itself, and hop-by-hop headers describe the proxy's own connection, not the request.
 PROXY_SET_HEADERS = HOP_BY_HOP | frozenset(["host", "content-length", "expect"])
-# `mount_replicas(http=...)`: "refuse" forwards only STATELESS_HTTP_PATHS (safe for every OpenEnv
-# server); "any" forwards all HTTP to some live replica (only for servers stateless over HTTP).
+# `mount_replicas(http=...)`: "refuse" forwards only STATELESS_HTTP_PATHS, "any" all HTTP.
 HTTP_MODES = ("refuse", "any")
 
 
