@@ -337,10 +337,9 @@ class Route:
     def _checkout(self, proxy: AuthProxy) -> Tuple["_UpstreamConnection", bool]:
         """A keep-alive connection to the route's upstream: a pooled one if fresh, else a new one.
 
-        No lock (every request of a route would queue on it): `deque.pop`/`append` and `set.add`/
-        `discard` are atomic, and the liveness check runs on a connection this thread alone holds.
-        A route closing meanwhile is caught by re-reading `_closed` after registering the
-        connection (close() sets the flag before it reads the set)."""
+        No lock (every request of a route would queue on it): deque and set operations are atomic,
+        and the liveness check runs on a connection this thread alone holds. A route closing is
+        caught by re-reading `_closed` once registered (close() sets it before reading the set)."""
         if self._closed:
             raise ConnectionAbortedError("route was unmounted")
         cutoff = time.monotonic() - POOL_IDLE_S
