@@ -771,7 +771,7 @@ class AuthProxy:
         return the base URL (`http://127.0.0.1:<port>/<route-id>`, an id of 192 random bits).
 
         `token` is a string or a zero-argument callable read per request. The upstream may carry a
-        path prefix (`https://host/v1/proxy/8000`: `<base_url>/a?q` goes to `/v1/proxy/8000/a?q`).
+        path prefix (`https://host/v1/x/proxy/8000`: `<base_url>/a` goes to `/v1/x/proxy/8000/a`).
         `headers` (a mapping, or a zero-argument callable returning one, read per request) are added
         to every request and upgrade, replacing the client's; their values are never logged.
         """
