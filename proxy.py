@@ -1389,13 +1389,12 @@ def _may_retry(method: str, reused: bool, replayable: bool, fully_sent: bool,
 class _Worker:
     """One pool thread's mailbox: its next job and the lock it parks on (held while parked)."""
 
-    __slots__ = ("job", "wake", "thread")
+    __slots__ = ("job", "wake")
 
     def __init__(self, job: Tuple[Callable[..., None], tuple]) -> None:
         self.job: Optional[Tuple[Callable[..., None], tuple]] = job
         self.wake = threading.Lock()
         self.wake.acquire()  # released by whoever hands this worker its next job
-        self.thread: Optional[threading.Thread] = None
 
 
 class _WorkerPool:
@@ -1407,7 +1406,8 @@ class _WorkerPool:
         self.name, self.max_workers = name, max_workers
         self.idle_s, self.stack_bytes = idle_s, stack_bytes
         self._lock = threading.Lock()
-        self._parked: Dict[_Worker, None] = {}  # insertion order: popitem() takes the latest parked
+        # each parked worker and its thread; popitem() takes the latest parked (insertion order)
+        self._parked: Dict[_Worker, threading.Thread] = {}
         self._threads: Set[threading.Thread] = set()
         self._closed = False
 
@@ -1423,9 +1423,8 @@ class _WorkerPool:
                 return True
             if len(self._threads) >= self.max_workers:
                 return False
-            worker = _Worker((fn, args))
-            worker.thread = thread = threading.Thread(target=self._work, args=(worker,),
-                                                      name=self.name, daemon=True)
+            thread = threading.Thread(target=self._work, args=(_Worker((fn, args)),),
+                                      name=self.name, daemon=True)
             self._threads.add(thread)
         try:
             _start_with_stack(thread, self.stack_bytes)
@@ -1453,8 +1452,7 @@ class _WorkerPool:
     def busy_threads(self) -> List[threading.Thread]:
         """The threads running a job now (not parked)."""
         with self._lock:
-            parked = set(worker.thread for worker in self._parked)
-            return [thread for thread in self._threads if thread not in parked]
+            return list(self._threads.difference(self._parked.values()))
 
     def counts(self) -> Tuple[int, int]:
         """(threads alive, of which parked)."""
@@ -1482,7 +1480,7 @@ class _WorkerPool:
         with self._lock:
             if self._closed:
                 return False
-            self._parked[worker] = None
+            self._parked[worker] = threading.current_thread()
         if worker.wake.acquire(timeout=self.idle_s):
             return worker.job is not None
         with self._lock:
