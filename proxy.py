@@ -997,10 +997,9 @@ def _replicas_rejection(upstreams: object) -> Optional[str]:
 
 
 def _http_mode_rejection(http_mode: object) -> Optional[str]:
-    if http_mode not in HTTP_MODES:
-        return ("http must be 'refuse' (only GET /health, /metadata, /schema pass) or 'any' (every "
-                "HTTP request goes to some live replica), got %r" % (http_mode,))
-    return None
+    return None if http_mode in HTTP_MODES else (
+        "http must be 'refuse' (only GET /health, /metadata, /schema pass) or 'any' (every HTTP "
+        "request goes to some live replica), got %r" % (http_mode,))
 
 
 def _raise_if_rejected(reason: Optional[str]) -> None:
@@ -1058,8 +1057,7 @@ def _called_token(token: Token) -> Optional[str]:
 
 
 def _extra_headers_rejection(headers: object, with_token: bool) -> Optional[str]:
-    """Why a route's extra headers cannot be sent (names shown, values never: they may be
-    credentials)."""
+    """Why a route's extra headers cannot be sent (names shown, never values: may be secrets)."""
     if headers is None or callable(headers):
         return None  # a callable's answer is checked at each request
     if not isinstance(headers, Mapping):
@@ -1113,19 +1111,21 @@ def _target_refusal(method: str, target: str) -> Optional[Refusal]:
     return None
 
 
+# Header values must not carry control characters (names were checked while parsing).
+_BAD_VALUE_REFUSAL = Refusal(400, "bad-header",
+                             "A request header value contains control characters.")
+
+
 def _upgrade_refusal(headers: _RequestHeaders) -> Optional[Refusal]:
-    if not headers.get("Sec-WebSocket-Key"):
-        return Refusal(400, "bad-upgrade", "WebSocket upgrade without Sec-WebSocket-Key.")
-    return None
+    return None if headers.get("Sec-WebSocket-Key") else Refusal(
+        400, "bad-upgrade", "WebSocket upgrade without Sec-WebSocket-Key.")
 
 
 def _replicated_http_refusal(http_mode: str, method: str, target: str) -> Optional[Refusal]:
     """HTTP on a replica route: only what cannot depend on which replica answers passes (see
     STATELESS_HTTP_PATHS), unless the route was mounted with http="any"."""
-    if http_mode == "any":
-        return None
-    path = target.split("?", 1)[0].rstrip("/")
-    if method in ("GET", "HEAD") and path in STATELESS_HTTP_PATHS:
+    if http_mode == "any" or (method in ("GET", "HEAD")
+                              and target.split("?", 1)[0].rstrip("/") in STATELESS_HTTP_PATHS):
         return None
     return Refusal(409, "replicated-http-refused",
                    "This route spreads sessions over several replicas, and OpenEnv's HTTP "
@@ -1136,11 +1136,9 @@ def _replicated_http_refusal(http_mode: str, method: str, target: str) -> Option
 
 
 def _no_live_replica_refusal(total: int, failed: List[Dict[str, object]]) -> Refusal:
-    if not total:
-        why = "the route has no replicas (all were removed)"
-    else:
-        why = "%d of %d replicas failed: %s" % (len(failed), total, "; ".join(
-            "replica-%s %s" % (f["replica"], f["reason"]) for f in failed))
+    why = "the route has no replicas (all were removed)" if not total else (
+        "%d of %d replicas failed: %s" % (len(failed), total, "; ".join(
+            "replica-%s %s" % (f["replica"], f["reason"]) for f in failed)))
     return Refusal(502, "no-live-replica", "No live replica is left behind this route: %s. Check "
                                            "the jobs (replica_status() lists them) and "
                                            "add_replica() new ones." % why,
@@ -1365,10 +1363,8 @@ def _log_upstream_failure(route: Route, kind: str, what: str) -> None:
 
 
 def _classify_upstream_error(exc: BaseException, route: Route) -> Refusal:
-    """Map an exception from talking to the upstream to a 502/504 refusal (never containing the
-    token)."""
-    where = route.label
-    unreachable = "upstream-unreachable"
+    """Map an exception from talking to the upstream to a 502/504 refusal (never with the token)."""
+    where, unreachable = route.label, "upstream-unreachable"
     if isinstance(exc, _BadResponse):
         return Refusal(502, exc.kind, "The upstream %s %s." % (where, exc.what))
     if isinstance(exc, _UpstreamClosed):
@@ -1651,10 +1647,9 @@ class _Server(http.server.ThreadingHTTPServer):
 
 
 class _RequestHeaders:
-    """A request's header fields in order, looked up by case-insensitive name: what the forwarding
-    and a `route_request` hook read (`get`, `get_all`, `items`, `in`, `[name]`, as on an
-    `HTTPMessage`) and what a hook may edit (`headers[name] = value` adds a field, `del
-    headers[name]` removes each of that name)."""
+    """A request's header fields in order, by case-insensitive name: what the forwarding and a
+    `route_request` hook read (`get`, `get_all`, `items`, `in`, `[name]`, as on `HTTPMessage`) and
+    edit (`headers[name] = value` adds a field, `del headers[name]` removes each of that name)."""
 
     __slots__ = ("_names", "_values", "_lowered", "_tokens")
 
@@ -1709,10 +1704,6 @@ class _RequestHeaders:
                 for token in value.split(",") if token.strip())
         return self._tokens
 
-
-# Header values must not carry control characters (names were checked while parsing).
-_BAD_VALUE_REFUSAL = Refusal(400, "bad-header",
-                             "A request header value contains control characters.")
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     """Serves one client connection: reads its requests one after another from the connection's
