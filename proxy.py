@@ -988,12 +988,10 @@ def _replicas_rejection(upstreams: object) -> Optional[str]:
                 "got %s" % type(upstreams).__name__)
     if not upstreams:
         return "upstreams is empty; pass at least one job URL (use mount() for a single job)"
-    for reason in map(_upstream_rejection, upstreams):
-        if reason:
-            return reason
-    if len(set(upstreams)) != len(upstreams):
+    reason = next(filter(None, map(_upstream_rejection, upstreams)), None)
+    if not reason and len(set(upstreams)) != len(upstreams):  # (all strings: set() may hash them)
         return "upstreams lists the same URL twice; each replica must be a different job"
-    return None
+    return reason
 
 
 def _http_mode_rejection(http_mode: object) -> Optional[str]:
@@ -1196,10 +1194,9 @@ def _header_limit_fault(buf: bytes, start: int, eof: bool) -> Optional[Refusal]:
 def _head_fault(lines: List[bytes], last: bytes, budget: int) -> Refusal:
     """Why a request's header section is refused, as a line-by-line reading meets it: the first
     malformed line of `lines`, else what `last` (the line read after them) broke."""
-    for line in lines:
-        if _HEADER_LINE_RE.fullmatch(line.decode("latin-1")) is None:
-            return Refusal(400, "bad-header", "Malformed header line (expected 'Name: value', no "
-                                              "line folding).")
+    if any(_HEADER_LINE_RE.fullmatch(line.decode("latin-1")) is None for line in lines):
+        return Refusal(400, "bad-header", "Malformed header line (expected 'Name: value', no line "
+                                          "folding).")
     if budget < 0:
         return Refusal(431, "headers-too-large",
                        "The request headers are larger than %d bytes in total." % MAX_HEADER_BYTES)
