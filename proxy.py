@@ -911,10 +911,9 @@ class AuthProxy:
 # thread: every library thread blocks these, so they reach the main thread.
 MAIN_THREAD_SIGNALS = frozenset(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
                                 if hasattr(signal, name))
-# The other asynchronous signals are blocked in library threads too: they have no use for one, and
-# a recv or send that one interrupts is retried with its whole kernel timeout (KERNEL_TIMEOUTS)
-# again, so frequent signals kept a stalled peer from ever timing out. Left deliverable: fault
-# signals (they must reach their thread) and CPU profiling timers (sent only to running threads).
+# Library threads block the other asynchronous signals too: a recv or send that one interrupts is
+# retried with its whole kernel timeout (KERNEL_TIMEOUTS), so frequent signals kept a stalled peer
+# from timing out. Left deliverable: fault signals and CPU profiling timers (aimed at one thread).
 LIBRARY_THREAD_BLOCKED_SIGNALS = MAIN_THREAD_SIGNALS | frozenset(
     getattr(signal, name) for name in (
         "SIGALRM", "SIGUSR1", "SIGUSR2", "SIGCHLD", "SIGPIPE", "SIGQUIT", "SIGWINCH", "SIGCONT",
