@@ -856,20 +856,18 @@ class AuthProxy:
 
 
 # --------------------------------------------------------------------------------------------------
-# Shared with hf_sandbox_provider and hf_jobs_emulator (one copy): the loopback test and the library
-# threads' signal rule, here in the bottom module (standard library only) that both import.
+# Shared with hf_sandbox_provider and hf_jobs_emulator, which import this stdlib-only bottom module
 # --------------------------------------------------------------------------------------------------
 
 
-# Signals a process receives to end (SIGTERM, Ctrl-C, a closed terminal). The kernel may hand one to
-# any thread not blocking it, while CPython runs handlers, and cuts a blocking call short, only in
-# the main thread: every thread the library starts blocks these, so they reach the main thread.
+# Signals that end a process (SIGTERM, Ctrl-C, a closed terminal). The kernel may hand one to any
+# thread not blocking it, but CPython runs handlers (cutting a blocking call short) only in the main
+# thread: every library thread blocks these, so they reach the main thread.
 MAIN_THREAD_SIGNALS = frozenset(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
                                 if hasattr(signal, name))
-# The other asynchronous signals are blocked in library threads too: they have no use for one, and
-# a recv or send that one interrupts is retried with its whole kernel timeout (KERNEL_TIMEOUTS)
-# again, so frequent signals kept a stalled peer from ever timing out. Left deliverable: fault
-# signals (they must reach their thread) and CPU profiling timers (sent only to running threads).
+# Library threads block the other asynchronous signals too: a recv or send that one interrupts is
+# retried with its whole kernel timeout (KERNEL_TIMEOUTS), so frequent signals kept a stalled peer
+# from timing out. Left deliverable: fault signals and CPU profiling timers (aimed at one thread).
 LIBRARY_THREAD_BLOCKED_SIGNALS = MAIN_THREAD_SIGNALS | frozenset(
     getattr(signal, name) for name in (
         "SIGALRM", "SIGUSR1", "SIGUSR2", "SIGCHLD", "SIGPIPE", "SIGQUIT", "SIGWINCH", "SIGCONT",
@@ -890,8 +888,7 @@ def _layer(name: str) -> types.ModuleType:
 
 @contextlib.contextmanager
 def _library_signal_mask() -> Iterator[None]:
-    """Block LIBRARY_THREAD_BLOCKED_SIGNALS in this thread meanwhile, so threads started inside
-    inherit the mask; a signal sent meanwhile waits, it is not lost."""
+    """Block LIBRARY_THREAD_BLOCKED_SIGNALS meanwhile (threads started inside inherit the mask)."""
     if not hasattr(signal, "pthread_sigmask"):  # Windows: no per-thread signal masks
         yield
         return
@@ -911,9 +908,7 @@ def _start_thread(thread: threading.Thread) -> None:
 def _is_loopback_host(host: Optional[str]) -> bool:
     """The one rule for "may go in clear text": `localhost`, `*.localhost` (RFC 6761) or a loopback
     IP literal, with or without the `[...]` of an IPv6 URL host."""
-    if not host:
-        return False
-    host = host.strip("[]").lower().rstrip(".")
+    host = (host or "").strip("[]").lower().rstrip(".")  # ("" fails ip_address below)
     if host == "localhost" or host.endswith(".localhost"):
         return True
     try:
@@ -946,19 +941,16 @@ def _replicas_rejection(upstreams: object) -> Optional[str]:
                 "got %s" % type(upstreams).__name__)
     if not upstreams:
         return "upstreams is empty; pass at least one job URL (use mount() for a single job)"
-    for reason in map(_upstream_rejection, upstreams):
-        if reason:
-            return reason
-    if len(set(upstreams)) != len(upstreams):
+    reason = next(filter(None, map(_upstream_rejection, upstreams)), None)
+    if not reason and len(set(upstreams)) != len(upstreams):  # (all strings: set() may hash them)
         return "upstreams lists the same URL twice; each replica must be a different job"
-    return None
+    return reason
 
 
 def _http_mode_rejection(http_mode: object) -> Optional[str]:
-    if http_mode not in HTTP_MODES:
-        return ("http must be 'refuse' (only GET /health, /metadata, /schema pass) or 'any' (every "
-                "HTTP request goes to some live replica), got %r" % (http_mode,))
-    return None
+    return None if http_mode in HTTP_MODES else (
+        "http must be 'refuse' (only GET /health, /metadata, /schema pass) or 'any' (every HTTP "
+        "request goes to some live replica), got %r" % (http_mode,))
 
 
 def _raise_if_rejected(reason: Optional[str]) -> None:
@@ -1016,8 +1008,7 @@ def _called_token(token: Token) -> Optional[str]:
 
 
 def _extra_headers_rejection(headers: object, with_token: bool) -> Optional[str]:
-    """Why a route's extra headers cannot be sent (names shown, values never: they may be
-    credentials)."""
+    """Why a route's extra headers cannot be sent (names shown, never values: may be secrets)."""
     if headers is None or callable(headers):
         return None  # a callable's answer is checked at each request
     if not isinstance(headers, Mapping):
@@ -1063,28 +1054,29 @@ def _target_refusal(method: str, target: str) -> Optional[Refusal]:
         return Refusal(400, "bad-target", "Asterisk-form targets (OPTIONS *) are not supported; "
                                           "use a route path.")
     if not target.startswith("/"):
-        return Refusal(400, "bad-target",
-                       "Only origin-form targets (/path) are accepted: this is not a forward "
-                       "proxy.")
+        return Refusal(400, "bad-target", "Only origin-form targets (/path) are accepted: this is "
+                                          "not a forward proxy.")
     if _BAD_TARGET_CHAR_RE.search(target):
         return Refusal(400, "bad-target", "The request target must be ASCII without spaces or "
                                           "control characters; percent-encode it.")
     return None
 
 
+# Header values must not carry control characters (names were checked while parsing).
+_BAD_VALUE_REFUSAL = Refusal(400, "bad-header",
+                             "A request header value contains control characters.")
+
+
 def _upgrade_refusal(headers: _RequestHeaders) -> Optional[Refusal]:
-    if not headers.get("Sec-WebSocket-Key"):
-        return Refusal(400, "bad-upgrade", "WebSocket upgrade without Sec-WebSocket-Key.")
-    return None
+    return None if headers.get("Sec-WebSocket-Key") else Refusal(
+        400, "bad-upgrade", "WebSocket upgrade without Sec-WebSocket-Key.")
 
 
 def _replicated_http_refusal(http_mode: str, method: str, target: str) -> Optional[Refusal]:
     """HTTP on a replica route: only what cannot depend on which replica answers passes (see
     STATELESS_HTTP_PATHS), unless the route was mounted with http="any"."""
-    if http_mode == "any":
-        return None
-    path = target.split("?", 1)[0].rstrip("/")
-    if method in ("GET", "HEAD") and path in STATELESS_HTTP_PATHS:
+    if http_mode == "any" or (method in ("GET", "HEAD")
+                              and target.split("?", 1)[0].rstrip("/") in STATELESS_HTTP_PATHS):
         return None
     return Refusal(409, "replicated-http-refused",
                    "This route spreads sessions over several replicas, and OpenEnv's HTTP "
@@ -1095,11 +1087,9 @@ def _replicated_http_refusal(http_mode: str, method: str, target: str) -> Option
 
 
 def _no_live_replica_refusal(total: int, failed: List[Dict[str, object]]) -> Refusal:
-    if not total:
-        why = "the route has no replicas (all were removed)"
-    else:
-        why = "%d of %d replicas failed: %s" % (len(failed), total, "; ".join(
-            "replica-%s %s" % (f["replica"], f["reason"]) for f in failed))
+    why = "the route has no replicas (all were removed)" if not total else (
+        "%d of %d replicas failed: %s" % (len(failed), total, "; ".join(
+            "replica-%s %s" % (f["replica"], f["reason"]) for f in failed)))
     return Refusal(502, "no-live-replica", "No live replica is left behind this route: %s. Check "
                                            "the jobs (replica_status() lists them) and "
                                            "add_replica() new ones." % why,
@@ -1126,8 +1116,8 @@ def _head_end(buf: bytes, start: int) -> int:
 
 
 def _whole_head_end(buf: bytes, eol: int) -> int:
-    """Where the request head in `buf` ends when it is whole and within the limits (its header block
-    at most MAX_HEADER_BYTES and MAX_HEADERS lines), given its request line's LF at `eol`; else -1."""
+    """Where the request head in `buf` (request line's LF at `eol`) ends if it is whole and its
+    header block within MAX_HEADER_BYTES and MAX_HEADERS lines, else -1."""
     end = _head_end(buf, eol) if eol >= 0 else -1
     if end < 0 or end - eol > MAX_HEADER_BYTES + 1 or (
             buf.count(b"\n", eol + 1, end) > MAX_HEADERS + 1):
@@ -1136,9 +1126,8 @@ def _whole_head_end(buf: bytes, eol: int) -> int:
 
 
 def _header_limit_fault(buf: bytes, start: int, eof: bool) -> Optional[Refusal]:
-    """What a line-by-line reading of the header block from `start` meets before the block ends: a
-    limit broken or (at `eof`) a head cut short, each named after the first malformed line before
-    it (`_head_fault`); None while the block may still end within the limits."""
+    """What a line-by-line reading of the header block from `start` breaks (a limit, or at `eof` the
+    head cut short), as `_head_fault` names it; None while it may still end within the limits."""
     lines: List[bytes] = []
     budget = MAX_HEADER_BYTES
     while True:
@@ -1158,10 +1147,9 @@ def _header_limit_fault(buf: bytes, start: int, eof: bool) -> Optional[Refusal]:
 def _head_fault(lines: List[bytes], last: bytes, budget: int) -> Refusal:
     """Why a request's header section is refused, as a line-by-line reading meets it: the first
     malformed line of `lines`, else what `last` (the line read after them) broke."""
-    for line in lines:
-        if _HEADER_LINE_RE.fullmatch(line.decode("latin-1")) is None:
-            return Refusal(400, "bad-header", "Malformed header line (expected 'Name: value', no "
-                                              "line folding).")
+    if any(_HEADER_LINE_RE.fullmatch(line.decode("latin-1")) is None for line in lines):
+        return Refusal(400, "bad-header", "Malformed header line (expected 'Name: value', no line "
+                                          "folding).")
     if budget < 0:
         return Refusal(431, "headers-too-large",
                        "The request headers are larger than %d bytes in total." % MAX_HEADER_BYTES)
@@ -1172,9 +1160,7 @@ def _head_fault(lines: List[bytes], last: bytes, budget: int) -> Refusal:
 
 def _body_framing(headers: _RequestHeaders) -> Union[Tuple[str, int], Refusal]:
     """How the request body is delimited: ("none", 0), ("length", n) or ("chunked", -1), or a
-    refusal.
-
-    Ambiguous framing is refused outright (it is how request smuggling works)."""
+    refusal (ambiguous framing is refused outright: it is how request smuggling works)."""
     lowered = headers._lowered
     if "transfer-encoding" not in lowered:  # (the usual request: one length, or none)
         if "content-length" not in lowered:
@@ -1183,29 +1169,25 @@ def _body_framing(headers: _RequestHeaders) -> Union[Tuple[str, int], Refusal]:
         if (lowered.count("content-length") == 1 and value.isascii() and value.isdigit()
                 and len(value) <= 18):
             return ("length", int(value))
-    encodings = headers.get_all("Transfer-Encoding") or []
     lengths = headers.get_all("Content-Length") or []
-    if encodings:
+    if "transfer-encoding" in lowered:
         if lengths:
             return Refusal(400, "bad-framing", "Both Transfer-Encoding and Content-Length were "
                                                "sent; send one.")
-        codings = [c.strip().lower() for value in encodings for c in value.split(",") if c.strip()]
+        codings = [c.strip().lower() for value in headers.get_all("Transfer-Encoding") or []
+                   for c in value.split(",") if c.strip()]
         if codings != ["chunked"]:
             return Refusal(501, "unsupported-transfer-encoding",
                            "Only 'Transfer-Encoding: chunked' request bodies are supported.")
         return ("chunked", -1)
-    if lengths:
-        values = {v.strip() for value in lengths for v in value.split(",")}
-        if len(values) != 1:
-            return Refusal(400, "bad-content-length", "Conflicting Content-Length values were "
-                                                      "sent.")
-        value = values.pop()
-        # (not "²", a digit to isdigit)
-        if not (value.isascii() and value.isdigit()) or len(value) > 18:
-            return Refusal(400, "bad-content-length", "Content-Length must be a non-negative "
-                                                      "decimal integer.")
-        return ("length", int(value))
-    return ("none", 0)
+    values = {v.strip() for value in lengths for v in value.split(",")}  # (lengths: one or more)
+    if len(values) != 1:
+        return Refusal(400, "bad-content-length", "Conflicting Content-Length values were sent.")
+    value = values.pop()
+    if not (value.isascii() and value.isdigit()) or len(value) > 18:  # (isdigit passes "²")
+        return Refusal(400, "bad-content-length", "Content-Length must be a non-negative decimal "
+                                                  "integer.")
+    return ("length", int(value))
 
 
 def _is_websocket_upgrade(method: str, headers: _RequestHeaders) -> bool:
@@ -1241,9 +1223,8 @@ def _response_headers(headers: List[Tuple[str, str]], lowered: List[str],
                       length: Optional[int] = None,
                       drop_length: bool = False) -> List[Tuple[str, str]]:
     """The upstream's response headers (`lowered`: their names lower-cased) minus hop-by-hop ones
-    (and those its Connection header names); with `length`, one Content-Length of that value where
-    the upstream's first one was (repeats of the same value merged); with `drop_length`, none (the
-    body is re-framed)."""
+    and those its Connection header names; with `length`, one Content-Length of that value where the
+    upstream's first one was (repeats merged); with `drop_length`, none (the body is re-framed)."""
     if not drop_length and HOP_BY_HOP.isdisjoint(lowered) and (length is None or (
             lowered.count("content-length") == 1
             and headers[lowered.index("content-length")][1] == str(length))):
@@ -1332,10 +1313,8 @@ def _log_upstream_failure(route: Route, kind: str, what: str) -> None:
 
 
 def _classify_upstream_error(exc: BaseException, route: Route) -> Refusal:
-    """Map an exception from talking to the upstream to a 502/504 refusal (never containing the
-    token)."""
-    where = route.label
-    unreachable = "upstream-unreachable"
+    """Map an exception from talking to the upstream to a 502/504 refusal (never with the token)."""
+    where, unreachable = route.label, "upstream-unreachable"
     if isinstance(exc, _BadResponse):
         return Refusal(502, exc.kind, "The upstream %s %s." % (where, exc.what))
     if isinstance(exc, _UpstreamClosed):
@@ -1367,14 +1346,11 @@ def _classify_upstream_error(exc: BaseException, route: Route) -> Refusal:
 
 def _may_retry(method: str, reused: bool, replayable: bool, fully_sent: bool,
                exc: BaseException) -> bool:
-    """The stale-connection retry rule: retry once, on a fresh connection, only if
-
-    - the connection came from the pool (a fresh connection failing is a real failure), and
-    - no response byte arrived (reset or closed, not slow: timeouts never retry), and
-    - the request can be replayed byte for byte (its body was buffered), and
-    - the method is idempotent, or the request was not completely sent (so the upstream cannot have
-      acted on it). A fully sent POST that then got no answer is NOT retried: it might have run.
-    """
+    """The stale-connection retry rule: retry once, on a fresh connection, only if the connection
+    came from the pool (a fresh one failing is a real failure), no response byte arrived (reset or
+    closed, not slow: timeouts never retry), the request can be replayed byte for byte (its body was
+    buffered), and the method is idempotent or the request was not completely sent (the upstream
+    cannot have acted on it: a fully sent POST that then got no answer might have run)."""
     no_answer = isinstance(exc, (_UpstreamClosed, http.client.RemoteDisconnected,
                                  ConnectionResetError, BrokenPipeError, ConnectionAbortedError,
                                  ssl.SSLEOFError, ssl.SSLZeroReturnError))
@@ -1619,10 +1595,9 @@ class _Server(http.server.ThreadingHTTPServer):
 
 
 class _RequestHeaders:
-    """A request's header fields in order, looked up by case-insensitive name: what the forwarding
-    and a `route_request` hook read (`get`, `get_all`, `items`, `in`, `[name]`, as on an
-    `HTTPMessage`) and what a hook may edit (`headers[name] = value` adds a field, `del
-    headers[name]` removes each of that name)."""
+    """A request's header fields in order, by case-insensitive name: what the forwarding and a
+    `route_request` hook read (`get`, `get_all`, `items`, `in`, `[name]`, as on `HTTPMessage`) and
+    edit (`headers[name] = value` adds a field, `del headers[name]` removes each of that name)."""
 
     __slots__ = ("_names", "_values", "_lowered", "_tokens")
 
@@ -1659,8 +1634,7 @@ class _RequestHeaders:
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and name.lower() in self._lowered
 
-    def __getitem__(self, name: str) -> Optional[str]:
-        return self.get(name)
+    __getitem__ = get
 
     def __setitem__(self, name: str, value: str) -> None:
         self.__init__(self._names + [name], self._values + [value])  # type: ignore[misc]
@@ -1673,18 +1647,11 @@ class _RequestHeaders:
     def connection_tokens(self) -> "frozenset[str]":
         """The Connection header's tokens, lower-cased (three checks read them)."""
         if self._tokens is None:
-            if "connection" not in self._lowered:
-                self._tokens = frozenset()
-                return self._tokens
-            self._tokens = frozenset(token.strip().lower() for value
-                                     in self.get_all("connection", [])  # type: ignore[union-attr]
-                                     for token in value.split(",") if token.strip())
+            self._tokens = frozenset() if "connection" not in self._lowered else frozenset(
+                token.strip().lower() for value in self.get_all("connection") or ()
+                for token in value.split(",") if token.strip())
         return self._tokens
 
-
-# Header values must not carry control characters (names were checked while parsing).
-_BAD_VALUE_REFUSAL = Refusal(400, "bad-header",
-                             "A request header value contains control characters.")
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     """Serves one client connection: reads its requests one after another from the connection's
