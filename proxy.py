@@ -963,8 +963,9 @@ def _upstream_rejection(upstream: object) -> Optional[str]:
     if not isinstance(upstream, str) or not upstream:
         return ("upstream must be a URL string like 'https://<job>--8000.hf.jobs', got "
                 "%r" % (type(upstream).__name__,))
-    if any(c in upstream for c in "\r\n\t ") or any(ord(c) < 32 for c in upstream):
-        return "upstream URL contains whitespace or control characters; pass the job URL exactly"
+    if _BAD_TARGET_CHAR_RE.search(upstream):  # (a host name would reach Host and TLS unencoded)
+        return ("upstream URL contains whitespace, control or non-ASCII characters; pass the job "
+                "URL exactly (a non-ASCII host name in its xn-- form)")
     try:
         parts = urllib.parse.urlsplit(upstream)
         port = parts.port

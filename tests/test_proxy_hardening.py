@@ -195,6 +195,8 @@ def test_expect_100_continue_is_honoured(served):
 _CLEARTEXT = ("refusing cleartext upstream %s: the token would cross the network unencrypted; use https:// "
               "(http:// is only allowed for loopback hosts)")
 _EXAMPLE = "pass e.g. 'https://<job>--8000.hf.jobs'"
+_BAD_URL_CHARACTERS = ("upstream URL contains whitespace, control or non-ASCII characters; pass the job URL "
+                       "exactly (a non-ASCII host name in its xn-- form)")
 
 
 @pytest.mark.parametrize("upstream_url, error, message", [
@@ -209,10 +211,10 @@ _EXAMPLE = "pass e.g. 'https://<job>--8000.hf.jobs'"
     ("https://", ValueError, "upstream URL has no host; " + _EXAMPLE),
     ("https://example.com/?x=1", ValueError,
      "upstream URL must not have a query or fragment; mount the server's base URL"),
-    ("https://exa mple.com", ValueError,
-     "upstream URL contains whitespace or control characters; pass the job URL exactly"),
-    ("https://example.com/\x01", ValueError,
-     "upstream URL contains whitespace or control characters; pass the job URL exactly"),
+    ("https://exa mple.com", ValueError, _BAD_URL_CHARACTERS),
+    ("https://example.com/\x01", ValueError, _BAD_URL_CHARACTERS),
+    ("https://a\x7fb.hf.jobs", ValueError, _BAD_URL_CHARACTERS),  # DEL went to Host as it was
+    ("https://b\u00fccher.example", ValueError, _BAD_URL_CHARACTERS),  # Host got latin-1, TLS IDNA
     ("https://example.com:99999", ValueError,
      "upstream URL is malformed (Port out of range 0-65535); " + _EXAMPLE),
     ("https://example.com:0", ValueError, "upstream URL port 0 is not a real port"),
