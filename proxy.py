@@ -2497,13 +2497,9 @@ def _route_gone_refusal(stopping: bool) -> Refusal:
 
 
 class _UpstreamConnection:
-    """One keep-alive HTTP/1.1 connection to an upstream: its socket (an `ssl.SSLSocket` for https)
-    and a reader that keeps what was read past the current response, so such a connection is never
-    pooled.
-
-    Its socket's receive timeout is a slice (ANSWER_WATCH_S): a read that waits longer checks the
-    client in `watch` (set while a request waits for its answer) between slices, raising _ClientGone
-    if it hung up, and gives up after read_timeout_s."""
+    """One keep-alive HTTP/1.1 connection to an upstream (an `ssl.SSLSocket` for https) and its
+    reader. Reads wait in slices of ANSWER_WATCH_S, checking between them that the client in
+    `watch` is still there (else _ClientGone), and give up after read_timeout_s."""
 
     __slots__ = ("sock", "reader", "since", "watch", "read_timeout_s", "_poller", "__weakref__")
 
@@ -2513,8 +2509,7 @@ class _UpstreamConnection:
         self.watch: Optional[socket.socket] = None  # the client waiting for this answer, if any
         self.reader = _Reader(self._recv, _upstream_cut_short)
         self.since = 0.0  # when it was last checked in
-        # the liveness check's, the socket registered once
-        self._poller: Optional["select.poll"] = None
+        self._poller: Optional["select.poll"] = None  # has_input's, made once
 
     def _recv(self, n: int) -> bytes:
         """Up to IO_CHUNK bytes, whatever `n` (the reader keeps what is past it): more than a TLS
@@ -2542,9 +2537,9 @@ class _UpstreamConnection:
             except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
                 raise socket.timeout("timed out") from None
             return
-        # Python's timeouts, the read slice (settimeout would cost a system call each way): send
-        # until read_timeout_s passes with no progress; a TLS write that timed out is retried with
-        # the same bytes, as OpenSSL requires.
+        # Python's timeout is the read slice (settimeout costs a system call each way): give up
+        # after read_timeout_s with no progress; a timed-out TLS write is retried with the same
+        # bytes, as OpenSSL requires.
         with memoryview(data) as view:
             deadline = None
             while view:
@@ -2562,11 +2557,8 @@ class _UpstreamConnection:
         return not self.reader.buf and not self.has_input()
 
     def has_input(self) -> bool:
-        """Whether the upstream sent something (bytes or an end of stream), without blocking.
-
-        A TLS socket is also readable for records that carry no data (TLS 1.3 session tickets):
-        those are consumed by a non-blocking read, and only application bytes (kept for the reader)
-        or an end of stream count."""
+        """Whether the upstream sent bytes or an end of stream, without blocking. TLS records with
+        no data (TLS 1.3 session tickets) are consumed, and do not count."""
         sock = self.sock  # (an SSLSocket holds no decrypted bytes between reads: see _recv)
         poller = self._poller
         if poller is None:
@@ -2593,12 +2585,9 @@ class _UpstreamConnection:
         return True
 
     def send_request(self, head: bytes, pieces: Iterator[bytes], chunked: bool) -> bool:
-        """Send the request head and body; False if the upstream answered before the body was all
-        sent (it refused it early, e.g. 413 or 401, and may close): the rest is then not sent.
-
-        A small body leaves with its head in one send. Big ones go IO_CHUNK at a time with a zero
-        timeout poll between sends, so an early answer is read before the upstream's close resets
-        the connection (and the kernel drops the answer)."""
+        """Send the head and body (a small one in the same send); False, with the rest unsent, if
+        the upstream answered early (e.g. 413): big bodies go IO_CHUNK at a time, polling between
+        sends, so that answer is read before the upstream's close resets the connection."""
         sendall, pending, sent = self._sendall, head, 0
         for piece in pieces:
             if chunked:
@@ -2626,10 +2615,8 @@ class _UpstreamConnection:
 
 
 class _Reader:
-    """Buffered reads over a `recv(n)` callable (a client's or upstream's socket, a stream): what
-    was read past what a caller asked for stays in `buf` for the next read. A peer that closes
-    before sending what is needed raises `cut_short(where)`. Public stdlib calls only:
-    `io.BufferedReader` would hide how many bytes it holds."""
+    """Buffered reads over a `recv(n)` callable, keeping what was read past a caller's ask in `buf`
+    (`io.BufferedReader` would hide it); a peer that closes too early raises `cut_short(where)`."""
 
     __slots__ = ("recv", "cut_short", "buf")
 
@@ -2664,8 +2651,7 @@ class _Reader:
             yield data
 
     def readline(self, limit: int) -> bytes:
-        """One line through its LF, or the first `limit` bytes of a longer one, or what came
-        before the peer closed (what `readline(limit)` of a file answers)."""
+        """What `readline(limit)` of a file answers."""
         buf = self.buf
         while True:
             end = buf.find(b"\n", 0, limit)
@@ -2680,9 +2666,8 @@ class _Reader:
             buf += data
 
     def read_head(self, first: bool) -> bytes:
-        """One answer head, through its blank line. Nothing at all before a close (or a reset, or
-        a TLS EOF) raises _UpstreamClosed when `first` (the retry rule's 'no answer'); anything
-        else cut short, or larger than MAX_RESPONSE_HEAD_BYTES, is a _BadResponse."""
+        """One answer head, through its blank line; _BadResponse if cut short or too large, but
+        _UpstreamClosed for no byte at all when `first` (the retry rule's 'no answer')."""
         buf, searched = self.buf, 0
         while True:
             end = _head_end(buf, searched) if buf else -1
@@ -2712,9 +2697,8 @@ class _Reader:
 
 def _dechunk(reader: _Reader, malformed: Callable[[str], Exception],
              trailer_limit: int) -> Iterator[bytes]:
-    """Yield a chunked body's data as it arrives (RFC 9112 section 7.1), request or answer; the
-    trailer section is read and dropped. `malformed(what)` makes the exception for a body that
-    breaks the rules."""
+    """Yield a chunked body's data as it arrives (RFC 9112 section 7.1), dropping its trailers;
+    `malformed(what)` makes the exception for a body that breaks the rules."""
     while True:
         line = reader.readline(MAX_CHUNK_LINE + 1)
         size_text = line.split(b";", 1)[0].strip()
@@ -2769,9 +2753,8 @@ class _Answer(NamedTuple):
 
 
 def _parse_answer(head: bytes, method: str) -> _Answer:
-    """Parse a response head (status line, `Name: value` lines; obs-fold joined with a space), or
-    raise _BadResponse. Framing: HEAD, 1xx, 204 and 304 have no body; Transfer-Encoding wins over
-    Content-Length (and then the connection is not reused); conflicting lengths are refused."""
+    """Parse a response head, or raise _BadResponse. HEAD, 1xx, 204 and 304 have no body;
+    Transfer-Encoding wins over Content-Length (the connection is then not reused)."""
     plain = _PLAIN_ANSWER_RE.fullmatch(head)
     if plain is not None and len(head.translate(None, _CONTROL_BYTES)) == len(head):
         lowered_head = head.lower()
@@ -2810,30 +2793,25 @@ def _parse_answer(head: bytes, method: str) -> _Answer:
             raise _BadResponse("upstream-protocol", "sent a malformed response header line")
         headers.append((field.group(1), field.group(2)))
     lowered = [name.lower() for name, _ in headers]
-    codings: List[str] = []
-    lengths: Set[str] = set()
-    connection: Set[str] = set()
-    for lower, (name, value) in zip(lowered, headers):
-        if lower == "transfer-encoding":
-            codings += [c.strip().lower() for c in value.split(",") if c.strip()]
-        elif lower == "content-length":
-            lengths.update(v.strip() for v in value.split(","))
-        elif lower == "connection":
-            connection.update(t.strip().lower() for t in value.split(","))
+    listed: Dict[str, List[str]] = {"transfer-encoding": [], "content-length": [], "connection": []}
+    for lower, (_, value) in zip(lowered, headers):
+        if lower in listed:
+            listed[lower] += [item.strip() for item in value.split(",")]
+    codings = [coding.lower() for coding in listed["transfer-encoding"] if coding]
+    lengths, connection = set(listed["content-length"]), {t.lower() for t in listed["connection"]}
     keep_alive = "close" not in connection and (minor == "1" or "keep-alive" in connection)
+    mode, length = "close", -1
     if method == "HEAD" or status < 200 or status in (204, 304):
-        return _Answer(status, reason, headers, "none", -1, keep_alive, lowered)
-    if codings:
+        mode = "none"
+    elif codings:
         if codings[-1] == "chunked":
-            return _Answer(status, reason, headers, "chunked", -1, keep_alive and not lengths,
-                           lowered)
-        return _Answer(status, reason, headers, "close", -1, False, lowered)
-    if lengths:
+            mode, keep_alive = "chunked", keep_alive and not lengths
+    elif lengths:
         value = lengths.pop()
         if lengths or not (value.isascii() and value.isdigit()) or len(value) > 18:
             raise _BadResponse("upstream-protocol", "sent an invalid or conflicting Content-Length")
-        return _Answer(status, reason, headers, "length", int(value), keep_alive, lowered)
-    return _Answer(status, reason, headers, "close", -1, False, lowered)
+        mode, length = "length", int(value)
+    return _Answer(status, reason, headers, mode, length, keep_alive and mode != "close", lowered)
 
 
 def _answer_body(reader: _Reader, answer: _Answer) -> Iterator[bytes]:
