@@ -2830,10 +2830,9 @@ def _request_lines(method: str, target: str, headers: List[Tuple[str, str]]) -> 
 
 def _set_socket_timeout(sock: socket.socket, timeout: Optional[float],
                         send_timeout: Optional[float] = None) -> None:
-    """Give a plain socket `timeout` (None: block forever): with KERNEL_TIMEOUTS a blocking socket
-    whose recv/send time out in the kernel (raising BlockingIOError, which callers turn into
-    socket.timeout), else Python's settimeout. `send_timeout`, when given, is the kernel's send
-    timeout instead."""
+    """Give a plain socket `timeout` (None: block forever), in the kernel with KERNEL_TIMEOUTS (its
+    calls then raise BlockingIOError, which callers turn into socket.timeout); `send_timeout`, if
+    given, is the kernel's for sends."""
     if not KERNEL_TIMEOUTS:
         sock.settimeout(timeout)
         return
@@ -2863,10 +2862,8 @@ def _shared_tls_context(verify: Verify) -> ssl.SSLContext:
             key = (verify, stat.st_mtime_ns, stat.st_size)
     with _TLS_CONTEXTS_LOCK:
         context = _TLS_CONTEXTS.get(key)
-        if context is not None:
-            _TLS_CONTEXTS.move_to_end(key)
-            return context
-    context = _make_tls_context(verify)  # outside the lock: loading a CA store takes milliseconds
+    if context is None:  # made outside the lock: loading a CA store takes milliseconds
+        context = _make_tls_context(verify)
     with _TLS_CONTEXTS_LOCK:
         context = _TLS_CONTEXTS.setdefault(key, context)
         _TLS_CONTEXTS.move_to_end(key)
@@ -2876,16 +2873,14 @@ def _shared_tls_context(verify: Verify) -> ssl.SSLContext:
 
 
 def _make_tls_context(verify: Verify) -> ssl.SSLContext:
-    if verify is False:
-        context = ssl.create_default_context()
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
-        return context
     if isinstance(verify, str):
         if os.path.isdir(verify):
             return ssl.create_default_context(capath=verify)
         return ssl.create_default_context(cafile=verify)
     context = ssl.create_default_context()
+    if verify is False:
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+        return context
     try:  # like requests: also trust certifi's bundle, for hosts with an empty system store
         import certifi  # requests depends on it
 
