@@ -2986,8 +2986,9 @@ class _TlsStream(_Stream):
     """TLS over a blocking TCP socket through an `ssl.SSLObject` on memory buffers, for a reading
     and a sending thread at once. OpenSSL forbids two threads in one SSL object, so the engine is
     touched only under `_engine`, never held across a socket call. Output leaves in the order the
-    engine wrote it: it is taken and sent only under `_sending` (see `_send_output`), which is
-    always taken before the engine lock."""
+    engine wrote it: it is taken and sent only under `_sending` (always taken before `_engine`),
+    which is let go under `_engine` with the output buffer empty, so output another thread writes
+    is sent by the sender still holding it, or finds it free."""
 
     def __init__(self, sock: socket.socket, context: ssl.SSLContext, host: str) -> None:
         super().__init__(sock)
@@ -3005,11 +3006,9 @@ class _TlsStream(_Stream):
                     self._tls.do_handshake()
                 break
             except ssl.SSLWantReadError:
-                self._sending.acquire()
-                self._send_output()
+                self.sendall()
                 self._feed()
-        self._sending.acquire()
-        self._send_output()
+        self.sendall()
 
     def recv(self, n: int) -> bytes:
         """Up to `n` decrypted bytes (b"" once the peer ended the stream), reading the socket when
@@ -3025,16 +3024,11 @@ class _TlsStream(_Stream):
                 reply = self._outgoing.pending  # e.g. the answer to a key update
             # Never wait for the send lock: a reader stopped while the upstream's receive window is
             # full could deadlock both ends. The sender holding it sends this output too.
-            if reply and self._sending.acquire(False):
-                self._send_output()
+            if reply:
+                self.sendall(wait=False)
             if data is not None:
                 return data
             self._feed()
-
-    def sendall(self, data: bytes) -> None:
-        """Encrypt `data` and send it, after any output the engine wrote before it."""
-        self._sending.acquire()
-        self._send_output(data)
 
     def _feed(self) -> None:
         data = self.sock.recv(IO_CHUNK)
@@ -3044,10 +3038,11 @@ class _TlsStream(_Stream):
             else:
                 self._incoming.write_eof()
 
-    def _send_output(self, data: bytes = b"") -> None:
-        """With `_sending` held: encrypt `data` and send what the engine wrote, in order, then let
-        go of `_sending`, under the engine lock with the output buffer empty (so output another
-        thread writes is sent by the sender still holding it, or finds it free)."""
+    def sendall(self, data: bytes = b"", wait: bool = True) -> None:
+        """Encrypt `data` and send it after any output the engine wrote before it (without `wait`,
+        only if no other thread holds `_sending`)."""
+        if not self._sending.acquire(wait):
+            return
         try:
             while True:
                 with self._engine:
@@ -3079,11 +3074,10 @@ def _open_stream(route: Route, connect_timeout_s: float) -> _Stream:
 
 
 class _Tunnel:
-    """A WebSocket session copied both ways by two threads: client->upstream on the handler's
-    thread (`run`), upstream->client on a pool worker (`pump_upstream`, once the 101 is out). When
-    either direction ends, both sockets close. It is on its route from before the upgrade's
-    connect, so unmount and stop end it at any step (`cut_off`); before the 101 only the upstream
-    side is cut, and the handler still answers the client as HTTP."""
+    """A WebSocket session copied both ways: client->upstream on the handler's thread (`run`),
+    upstream->client on a pool worker (`pump_upstream`, once the 101 is out); when either ends,
+    both sockets close. Unmount and stop end it at any step from the connect on (`cut_off`): before
+    the 101 only the upstream side, and the handler still answers the client as HTTP."""
 
     def __init__(self, client: socket.socket, label: str) -> None:
         self.client, self.label = client, label
@@ -3110,7 +3104,8 @@ class _Tunnel:
         if self._closed:
             return
         self._closed = True
-        self._release_go()
+        with contextlib.suppress(RuntimeError):  # released already (by run())
+            self._go.release()
         _abort_socket(self.client)
         if self.upstream is not None:
             self.upstream.abort()
@@ -3118,7 +3113,8 @@ class _Tunnel:
     def run(self, first: bytes) -> None:
         """Copy client->upstream on this thread, starting with `first` (the client's bytes already
         read), while `pump_upstream` copies the other way; return once both directions ended."""
-        self._release_go()
+        with contextlib.suppress(RuntimeError):  # released already (by close())
+            self._go.release()
         try:
             self._pump(self.client.recv, self.upstream.sendall, first)  # type: ignore[union-attr]
         finally:
@@ -3144,10 +3140,6 @@ class _Tunnel:
                     write(data)
         finally:
             self.close()
-
-    def _release_go(self) -> None:
-        with contextlib.suppress(RuntimeError):  # released already (by run() or close())
-            self._go.release()
 
 
 # --------------------------------------------------------------------------------------------------
