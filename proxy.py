@@ -3153,15 +3153,13 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python proxy.py",
                                      description="Front a job URL with a local auth proxy.")
-    parser.add_argument("upstream", metavar="UPSTREAM_URL",
-                        help="e.g. https://<job_id>--8000.hf.jobs")
-    parser.add_argument("--port", type=int, default=0, help="local port (default: a free one)")
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="local address to bind (default: 127.0.0.1)")
-    parser.add_argument("--insecure", action="store_true",
-                        help="do not verify the upstream's TLS certificate")
-    parser.add_argument("--ca-bundle", help="CA bundle file to verify the upstream with")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    add = parser.add_argument
+    add("upstream", metavar="UPSTREAM_URL", help="e.g. https://<job_id>--8000.hf.jobs")
+    add("--port", type=int, default=0, help="local port (default: a free one)")
+    add("--host", default="127.0.0.1", help="local address to bind (default: 127.0.0.1)")
+    add("--insecure", action="store_true", help="do not verify the upstream's TLS certificate")
+    add("--ca-bundle", help="CA bundle file to verify the upstream with")
+    add("-v", "--verbose", action="store_true", help="log at DEBUG level")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -3186,14 +3184,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("error: cannot listen on %s:%d (%s)" % (args.host, args.port, exc), file=sys.stderr)
         return 2
     try:
-        try:
-            base_url = proxy.mount(args.upstream, token or None, verify=verify)
-        except ValueError as exc:
-            print("error: %s" % exc, file=sys.stderr)
-            return 2
-        print(base_url, flush=True)
+        print(proxy.mount(args.upstream, token or None, verify=verify), flush=True)
         while not stop.wait(0.5):  # (a short wait, so Ctrl-C gets through)
             pass
+    except ValueError as exc:  # (the mount's)
+        print("error: %s" % exc, file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         pass
     finally:
