@@ -2504,8 +2504,7 @@ class _UpstreamConnection:
     __slots__ = ("sock", "reader", "since", "watch", "read_timeout_s", "_poller", "__weakref__")
 
     def __init__(self, sock: socket.socket, read_timeout_s: float) -> None:
-        self.sock = sock
-        self.read_timeout_s = read_timeout_s
+        self.sock, self.read_timeout_s = sock, read_timeout_s
         self.watch: Optional[socket.socket] = None  # the client waiting for this answer, if any
         self.reader = _Reader(self._recv, _upstream_cut_short)
         self.since = 0.0  # when it was last checked in
@@ -2537,9 +2536,8 @@ class _UpstreamConnection:
             except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
                 raise socket.timeout("timed out") from None
             return
-        # Python's timeout is the read slice (settimeout costs a system call each way): give up
-        # after read_timeout_s with no progress; a timed-out TLS write is retried with the same
-        # bytes, as OpenSSL requires.
+        # Python's timeout is the read slice (settimeout costs syscalls); give up at read_timeout_s
+        # without progress. OpenSSL requires a timed-out TLS write be retried with the same bytes.
         with memoryview(data) as view:
             deadline = None
             while view:
@@ -2552,8 +2550,7 @@ class _UpstreamConnection:
                         raise socket.timeout("timed out") from None
 
     def looks_idle(self) -> bool:
-        """Whether a pooled connection is as its last answer left it: nothing read past that answer,
-        and the upstream has neither sent a byte nor closed since."""
+        """Whether the upstream sent nothing (no byte, no close) past its last answer."""
         return not self.reader.buf and not self.has_input()
 
     def has_input(self) -> bool:
@@ -2994,8 +2991,7 @@ class _TlsStream(_Stream):
         super().__init__(sock)
         self._incoming, self._outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
         self._tls = context.wrap_bio(self._incoming, self._outgoing, server_hostname=host)
-        self._engine = threading.Lock()
-        self._sending = threading.Lock()
+        self._engine, self._sending = threading.Lock(), threading.Lock()
 
     def handshake(self) -> None:
         """The TLS handshake on the socket's timeout (called again after one, it goes on where it
@@ -3011,8 +3007,7 @@ class _TlsStream(_Stream):
         self.sendall()
 
     def recv(self, n: int) -> bytes:
-        """Up to `n` decrypted bytes (b"" once the peer ended the stream), reading the socket when
-        the engine holds none."""
+        """Up to `n` decrypted bytes; b"" once the peer ended the stream."""
         while True:
             with self._engine:
                 try:
@@ -3060,8 +3055,7 @@ class _TlsStream(_Stream):
 
 
 def _open_stream(route: Route, connect_timeout_s: float) -> _Stream:
-    """A new stream to the route's upstream for one WebSocket session: TCP, or for https TLS over
-    it (verified as the route says; the caller handshakes)."""
+    """A new stream to the route's upstream for one WebSocket session (TLS: not handshaken yet)."""
     sock = route._connect(connect_timeout_s)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
