@@ -2980,12 +2980,11 @@ class _Stream:
 
 
 class _TlsStream(_Stream):
-    """TLS over a blocking TCP socket through an `ssl.SSLObject` on memory buffers, for a reading
-    and a sending thread at once. OpenSSL forbids two threads in one SSL object, so the engine is
-    touched only under `_engine`, never held across a socket call. Output leaves in the order the
-    engine wrote it: it is taken and sent only under `_sending` (always taken before `_engine`),
-    which is let go under `_engine` with the output buffer empty, so output another thread writes
-    is sent by the sender still holding it, or finds it free."""
+    """TLS through an `ssl.SSLObject` on memory buffers, for a reading and a sending thread. OpenSSL
+    forbids two threads in one SSL object, so the engine is touched only under `_engine`, never held
+    across a socket call. Output is taken and sent only under `_sending` (taken before `_engine`),
+    in the order the engine wrote it; `_sending` is let go under `_engine` with no output left, so
+    output another thread writes is sent by the holder, or finds it free."""
 
     def __init__(self, sock: socket.socket, context: ssl.SSLContext, host: str) -> None:
         super().__init__(sock)
