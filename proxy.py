@@ -2959,16 +2959,13 @@ class _Stream:
     thread may recv while another sends (one per direction)."""
 
     def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
+        self.sock, self.settimeout = sock, sock.settimeout
 
     def recv(self, n: int) -> bytes:
         return self.sock.recv(n)
 
     def sendall(self, data: bytes) -> None:
         self.sock.sendall(data)
-
-    def settimeout(self, timeout: Optional[float]) -> None:
-        self.sock.settimeout(timeout)
 
     def abort(self) -> None:
         """Wake threads blocked on this stream; they see EOF or an error and end."""
