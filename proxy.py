@@ -2417,24 +2417,18 @@ def _route_gone_refusal(stopping: bool) -> Refusal:
 
 
 class _UpstreamConnection:
-    """One keep-alive HTTP/1.1 connection to an upstream: its socket (an `ssl.SSLSocket` for https)
-    and a reader that keeps what was read past the current response, so such a connection is never
-    pooled.
-
-    Its socket's receive timeout is a slice (ANSWER_WATCH_S): a read that waits longer checks the
-    client in `watch` (set while a request waits for its answer) between slices, raising _ClientGone
-    if it hung up, and gives up after read_timeout_s."""
+    """One keep-alive HTTP/1.1 connection to an upstream (an `ssl.SSLSocket` for https) and its
+    reader. Reads wait in slices of ANSWER_WATCH_S, checking between them that the client in
+    `watch` is still there (else _ClientGone), and give up after read_timeout_s."""
 
     __slots__ = ("sock", "reader", "since", "watch", "read_timeout_s", "_poller", "__weakref__")
 
     def __init__(self, sock: socket.socket, read_timeout_s: float) -> None:
-        self.sock = sock
-        self.read_timeout_s = read_timeout_s
+        self.sock, self.read_timeout_s = sock, read_timeout_s
         self.watch: Optional[socket.socket] = None  # the client waiting for this answer, if any
         self.reader = _Reader(self._recv, _upstream_cut_short)
         self.since = 0.0  # when it was last checked in
-        # the liveness check's, the socket registered once
-        self._poller: Optional["select.poll"] = None
+        self._poller: Optional["select.poll"] = None  # has_input's, made once
 
     def _recv(self, n: int) -> bytes:
         """Up to IO_CHUNK bytes, whatever `n` (the reader keeps what is past it): more than a TLS
@@ -2462,9 +2456,8 @@ class _UpstreamConnection:
             except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
                 raise socket.timeout("timed out") from None
             return
-        # Python's timeouts, the read slice (settimeout would cost a system call each way): send
-        # until read_timeout_s passes with no progress; a TLS write that timed out is retried with
-        # the same bytes, as OpenSSL requires.
+        # Python's timeout is the read slice (settimeout costs syscalls); give up at read_timeout_s
+        # without progress. OpenSSL requires a timed-out TLS write be retried with the same bytes.
         with memoryview(data) as view:
             deadline = None
             while view:
@@ -2477,16 +2470,12 @@ class _UpstreamConnection:
                         raise socket.timeout("timed out") from None
 
     def looks_idle(self) -> bool:
-        """Whether a pooled connection is as its last answer left it: nothing read past that answer,
-        and the upstream has neither sent a byte nor closed since."""
+        """Whether the upstream sent nothing (no byte, no close) past its last answer."""
         return not self.reader.buf and not self.has_input()
 
     def has_input(self) -> bool:
-        """Whether the upstream sent something (bytes or an end of stream), without blocking.
-
-        A TLS socket is also readable for records that carry no data (TLS 1.3 session tickets):
-        those are consumed by a non-blocking read, and only application bytes (kept for the reader)
-        or an end of stream count."""
+        """Whether the upstream sent bytes or an end of stream, without blocking. TLS records with
+        no data (TLS 1.3 session tickets) are consumed, and do not count."""
         sock = self.sock  # (an SSLSocket holds no decrypted bytes between reads: see _recv)
         poller = self._poller
         if poller is None:
@@ -2513,12 +2502,9 @@ class _UpstreamConnection:
         return True
 
     def send_request(self, head: bytes, pieces: Iterator[bytes], chunked: bool) -> bool:
-        """Send the request head and body; False if the upstream answered before the body was all
-        sent (it refused it early, e.g. 413 or 401, and may close): the rest is then not sent.
-
-        A small body leaves with its head in one send. Big ones go IO_CHUNK at a time with a zero
-        timeout poll between sends, so an early answer is read before the upstream's close resets
-        the connection (and the kernel drops the answer)."""
+        """Send the head and body (a small one in the same send); False, with the rest unsent, if
+        the upstream answered early (e.g. 413): big bodies go IO_CHUNK at a time, polling between
+        sends, so that answer is read before the upstream's close resets the connection."""
         sendall, pending, sent = self._sendall, head, 0
         for piece in pieces:
             if chunked:
@@ -2546,10 +2532,8 @@ class _UpstreamConnection:
 
 
 class _Reader:
-    """Buffered reads over a `recv(n)` callable (a client's or upstream's socket, a stream): what
-    was read past what a caller asked for stays in `buf` for the next read. A peer that closes
-    before sending what is needed raises `cut_short(where)`. Public stdlib calls only:
-    `io.BufferedReader` would hide how many bytes it holds."""
+    """Buffered reads over a `recv(n)` callable, keeping what was read past a caller's ask in `buf`
+    (`io.BufferedReader` would hide it); a peer that closes too early raises `cut_short(where)`."""
 
     __slots__ = ("recv", "cut_short", "buf")
 
@@ -2584,8 +2568,7 @@ class _Reader:
             yield data
 
     def readline(self, limit: int) -> bytes:
-        """One line through its LF, or the first `limit` bytes of a longer one, or what came
-        before the peer closed (what `readline(limit)` of a file answers)."""
+        """What `readline(limit)` of a file answers."""
         buf = self.buf
         while True:
             end = buf.find(b"\n", 0, limit)
@@ -2600,9 +2583,8 @@ class _Reader:
             buf += data
 
     def read_head(self, first: bool) -> bytes:
-        """One answer head, through its blank line. Nothing at all before a close (or a reset, or
-        a TLS EOF) raises _UpstreamClosed when `first` (the retry rule's 'no answer'); anything
-        else cut short, or larger than MAX_RESPONSE_HEAD_BYTES, is a _BadResponse."""
+        """One answer head, through its blank line; _BadResponse if cut short or too large, but
+        _UpstreamClosed for no byte at all when `first` (the retry rule's 'no answer')."""
         buf, searched = self.buf, 0
         while True:
             end = _head_end(buf, searched) if buf else -1
@@ -2632,9 +2614,8 @@ class _Reader:
 
 def _dechunk(reader: _Reader, malformed: Callable[[str], Exception],
              trailer_limit: int) -> Iterator[bytes]:
-    """Yield a chunked body's data as it arrives (RFC 9112 section 7.1), request or answer; the
-    trailer section is read and dropped. `malformed(what)` makes the exception for a body that
-    breaks the rules."""
+    """Yield a chunked body's data as it arrives (RFC 9112 section 7.1), dropping its trailers;
+    `malformed(what)` makes the exception for a body that breaks the rules."""
     while True:
         line = reader.readline(MAX_CHUNK_LINE + 1)
         size_text = line.split(b";", 1)[0].strip()
@@ -2689,9 +2670,8 @@ class _Answer(NamedTuple):
 
 
 def _parse_answer(head: bytes, method: str) -> _Answer:
-    """Parse a response head (status line, `Name: value` lines; obs-fold joined with a space), or
-    raise _BadResponse. Framing: HEAD, 1xx, 204 and 304 have no body; Transfer-Encoding wins over
-    Content-Length (and then the connection is not reused); conflicting lengths are refused."""
+    """Parse a response head, or raise _BadResponse. HEAD, 1xx, 204 and 304 have no body;
+    Transfer-Encoding wins over Content-Length (the connection is then not reused)."""
     plain = _PLAIN_ANSWER_RE.fullmatch(head)
     if plain is not None and len(head.translate(None, _CONTROL_BYTES)) == len(head):
         lowered_head = head.lower()
@@ -2730,30 +2710,25 @@ def _parse_answer(head: bytes, method: str) -> _Answer:
             raise _BadResponse("upstream-protocol", "sent a malformed response header line")
         headers.append((field.group(1), field.group(2)))
     lowered = [name.lower() for name, _ in headers]
-    codings: List[str] = []
-    lengths: Set[str] = set()
-    connection: Set[str] = set()
-    for lower, (name, value) in zip(lowered, headers):
-        if lower == "transfer-encoding":
-            codings += [c.strip().lower() for c in value.split(",") if c.strip()]
-        elif lower == "content-length":
-            lengths.update(v.strip() for v in value.split(","))
-        elif lower == "connection":
-            connection.update(t.strip().lower() for t in value.split(","))
+    listed: Dict[str, List[str]] = {"transfer-encoding": [], "content-length": [], "connection": []}
+    for lower, (_, value) in zip(lowered, headers):
+        if lower in listed:
+            listed[lower] += [item.strip() for item in value.split(",")]
+    codings = [coding.lower() for coding in listed["transfer-encoding"] if coding]
+    lengths, connection = set(listed["content-length"]), {t.lower() for t in listed["connection"]}
     keep_alive = "close" not in connection and (minor == "1" or "keep-alive" in connection)
+    mode, length = "close", -1
     if method == "HEAD" or status < 200 or status in (204, 304):
-        return _Answer(status, reason, headers, "none", -1, keep_alive, lowered)
-    if codings:
+        mode = "none"
+    elif codings:
         if codings[-1] == "chunked":
-            return _Answer(status, reason, headers, "chunked", -1, keep_alive and not lengths,
-                           lowered)
-        return _Answer(status, reason, headers, "close", -1, False, lowered)
-    if lengths:
+            mode, keep_alive = "chunked", keep_alive and not lengths
+    elif lengths:
         value = lengths.pop()
         if lengths or not (value.isascii() and value.isdigit()) or len(value) > 18:
             raise _BadResponse("upstream-protocol", "sent an invalid or conflicting Content-Length")
-        return _Answer(status, reason, headers, "length", int(value), keep_alive, lowered)
-    return _Answer(status, reason, headers, "close", -1, False, lowered)
+        mode, length = "length", int(value)
+    return _Answer(status, reason, headers, mode, length, keep_alive and mode != "close", lowered)
 
 
 def _answer_body(reader: _Reader, answer: _Answer) -> Iterator[bytes]:
@@ -2772,10 +2747,9 @@ def _request_lines(method: str, target: str, headers: List[Tuple[str, str]]) -> 
 
 def _set_socket_timeout(sock: socket.socket, timeout: Optional[float],
                         send_timeout: Optional[float] = None) -> None:
-    """Give a plain socket `timeout` (None: block forever): with KERNEL_TIMEOUTS a blocking socket
-    whose recv/send time out in the kernel (raising BlockingIOError, which callers turn into
-    socket.timeout), else Python's settimeout. `send_timeout`, when given, is the kernel's send
-    timeout instead."""
+    """Give a plain socket `timeout` (None: block forever), in the kernel with KERNEL_TIMEOUTS (its
+    calls then raise BlockingIOError, which callers turn into socket.timeout); `send_timeout`, if
+    given, is the kernel's for sends."""
     if not KERNEL_TIMEOUTS:
         sock.settimeout(timeout)
         return
@@ -2805,10 +2779,8 @@ def _shared_tls_context(verify: Verify) -> ssl.SSLContext:
             key = (verify, stat.st_mtime_ns, stat.st_size)
     with _TLS_CONTEXTS_LOCK:
         context = _TLS_CONTEXTS.get(key)
-        if context is not None:
-            _TLS_CONTEXTS.move_to_end(key)
-            return context
-    context = _make_tls_context(verify)  # outside the lock: loading a CA store takes milliseconds
+    if context is None:  # made outside the lock: loading a CA store takes milliseconds
+        context = _make_tls_context(verify)
     with _TLS_CONTEXTS_LOCK:
         context = _TLS_CONTEXTS.setdefault(key, context)
         _TLS_CONTEXTS.move_to_end(key)
@@ -2818,16 +2790,14 @@ def _shared_tls_context(verify: Verify) -> ssl.SSLContext:
 
 
 def _make_tls_context(verify: Verify) -> ssl.SSLContext:
-    if verify is False:
-        context = ssl.create_default_context()
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
-        return context
     if isinstance(verify, str):
         if os.path.isdir(verify):
             return ssl.create_default_context(capath=verify)
         return ssl.create_default_context(cafile=verify)
     context = ssl.create_default_context()
+    if verify is False:
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+        return context
     try:  # like requests: also trust certifi's bundle, for hosts with an empty system store
         import certifi  # requests depends on it
 
@@ -2909,16 +2879,13 @@ class _Stream:
     thread may recv while another sends (one per direction)."""
 
     def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
+        self.sock, self.settimeout = sock, sock.settimeout
 
     def recv(self, n: int) -> bytes:
         return self.sock.recv(n)
 
     def sendall(self, data: bytes) -> None:
         self.sock.sendall(data)
-
-    def settimeout(self, timeout: Optional[float]) -> None:
-        self.sock.settimeout(timeout)
 
     def abort(self) -> None:
         """Wake threads blocked on this stream; they see EOF or an error and end."""
@@ -2930,18 +2897,17 @@ class _Stream:
 
 
 class _TlsStream(_Stream):
-    """TLS over a blocking TCP socket through an `ssl.SSLObject` on memory buffers, for a reading
-    and a sending thread at once. OpenSSL forbids two threads in one SSL object, so the engine is
-    touched only under `_engine`, never held across a socket call. Output leaves in the order the
-    engine wrote it: it is taken and sent only under `_sending` (see `_send_output`), which is
-    always taken before the engine lock."""
+    """TLS through an `ssl.SSLObject` on memory buffers, for a reading and a sending thread. OpenSSL
+    forbids two threads in one SSL object, so the engine is touched only under `_engine`, never held
+    across a socket call. Output is taken and sent only under `_sending` (taken before `_engine`),
+    in the order the engine wrote it; `_sending` is let go under `_engine` with no output left, so
+    output another thread writes is sent by the holder, or finds it free."""
 
     def __init__(self, sock: socket.socket, context: ssl.SSLContext, host: str) -> None:
         super().__init__(sock)
         self._incoming, self._outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
         self._tls = context.wrap_bio(self._incoming, self._outgoing, server_hostname=host)
-        self._engine = threading.Lock()
-        self._sending = threading.Lock()
+        self._engine, self._sending = threading.Lock(), threading.Lock()
 
     def handshake(self) -> None:
         """The TLS handshake on the socket's timeout (called again after one, it goes on where it
@@ -2952,15 +2918,12 @@ class _TlsStream(_Stream):
                     self._tls.do_handshake()
                 break
             except ssl.SSLWantReadError:
-                self._sending.acquire()
-                self._send_output()
+                self.sendall()
                 self._feed()
-        self._sending.acquire()
-        self._send_output()
+        self.sendall()
 
     def recv(self, n: int) -> bytes:
-        """Up to `n` decrypted bytes (b"" once the peer ended the stream), reading the socket when
-        the engine holds none."""
+        """Up to `n` decrypted bytes; b"" once the peer ended the stream."""
         while True:
             with self._engine:
                 try:
@@ -2972,16 +2935,11 @@ class _TlsStream(_Stream):
                 reply = self._outgoing.pending  # e.g. the answer to a key update
             # Never wait for the send lock: a reader stopped while the upstream's receive window is
             # full could deadlock both ends. The sender holding it sends this output too.
-            if reply and self._sending.acquire(False):
-                self._send_output()
+            if reply:
+                self.sendall(wait=False)
             if data is not None:
                 return data
             self._feed()
-
-    def sendall(self, data: bytes) -> None:
-        """Encrypt `data` and send it, after any output the engine wrote before it."""
-        self._sending.acquire()
-        self._send_output(data)
 
     def _feed(self) -> None:
         data = self.sock.recv(IO_CHUNK)
@@ -2991,10 +2949,11 @@ class _TlsStream(_Stream):
             else:
                 self._incoming.write_eof()
 
-    def _send_output(self, data: bytes = b"") -> None:
-        """With `_sending` held: encrypt `data` and send what the engine wrote, in order, then let
-        go of `_sending`, under the engine lock with the output buffer empty (so output another
-        thread writes is sent by the sender still holding it, or finds it free)."""
+    def sendall(self, data: bytes = b"", wait: bool = True) -> None:
+        """Encrypt `data` and send it after any output the engine wrote before it (without `wait`,
+        only if no other thread holds `_sending`)."""
+        if not self._sending.acquire(wait):
+            return
         try:
             while True:
                 with self._engine:
@@ -3012,8 +2971,7 @@ class _TlsStream(_Stream):
 
 
 def _open_stream(route: Route, connect_timeout_s: float) -> _Stream:
-    """A new stream to the route's upstream for one WebSocket session: TCP, or for https TLS over
-    it (verified as the route says; the caller handshakes)."""
+    """A new stream to the route's upstream for one WebSocket session (TLS: not handshaken yet)."""
     sock = route._connect(connect_timeout_s)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -3026,11 +2984,10 @@ def _open_stream(route: Route, connect_timeout_s: float) -> _Stream:
 
 
 class _Tunnel:
-    """A WebSocket session copied both ways by two threads: client->upstream on the handler's
-    thread (`run`), upstream->client on a pool worker (`pump_upstream`, once the 101 is out). When
-    either direction ends, both sockets close. It is on its route from before the upgrade's
-    connect, so unmount and stop end it at any step (`cut_off`); before the 101 only the upstream
-    side is cut, and the handler still answers the client as HTTP."""
+    """A WebSocket session copied both ways: client->upstream on the handler's thread (`run`),
+    upstream->client on a pool worker (`pump_upstream`, once the 101 is out); when either ends,
+    both sockets close. Unmount and stop end it at any step from the connect on (`cut_off`): before
+    the 101 only the upstream side, and the handler still answers the client as HTTP."""
 
     def __init__(self, client: socket.socket, label: str) -> None:
         self.client, self.label = client, label
@@ -3057,7 +3014,8 @@ class _Tunnel:
         if self._closed:
             return
         self._closed = True
-        self._release_go()
+        with contextlib.suppress(RuntimeError):  # released already (by run())
+            self._go.release()
         _abort_socket(self.client)
         if self.upstream is not None:
             self.upstream.abort()
@@ -3065,7 +3023,8 @@ class _Tunnel:
     def run(self, first: bytes) -> None:
         """Copy client->upstream on this thread, starting with `first` (the client's bytes already
         read), while `pump_upstream` copies the other way; return once both directions ended."""
-        self._release_go()
+        with contextlib.suppress(RuntimeError):  # released already (by close())
+            self._go.release()
         try:
             self._pump(self.client.recv, self.upstream.sendall, first)  # type: ignore[union-attr]
         finally:
@@ -3092,10 +3051,6 @@ class _Tunnel:
         finally:
             self.close()
 
-    def _release_go(self) -> None:
-        with contextlib.suppress(RuntimeError):  # released already (by run() or close())
-            self._go.release()
-
 
 # --------------------------------------------------------------------------------------------------
 # CLI: python proxy.py UPSTREAM_URL [--port P]
@@ -3108,15 +3063,13 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python proxy.py",
                                      description="Front a job URL with a local auth proxy.")
-    parser.add_argument("upstream", metavar="UPSTREAM_URL",
-                        help="e.g. https://<job_id>--8000.hf.jobs")
-    parser.add_argument("--port", type=int, default=0, help="local port (default: a free one)")
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="local address to bind (default: 127.0.0.1)")
-    parser.add_argument("--insecure", action="store_true",
-                        help="do not verify the upstream's TLS certificate")
-    parser.add_argument("--ca-bundle", help="CA bundle file to verify the upstream with")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    add = parser.add_argument
+    add("upstream", metavar="UPSTREAM_URL", help="e.g. https://<job_id>--8000.hf.jobs")
+    add("--port", type=int, default=0, help="local port (default: a free one)")
+    add("--host", default="127.0.0.1", help="local address to bind (default: 127.0.0.1)")
+    add("--insecure", action="store_true", help="do not verify the upstream's TLS certificate")
+    add("--ca-bundle", help="CA bundle file to verify the upstream with")
+    add("-v", "--verbose", action="store_true", help="log at DEBUG level")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -3141,14 +3094,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("error: cannot listen on %s:%d (%s)" % (args.host, args.port, exc), file=sys.stderr)
         return 2
     try:
-        try:
-            base_url = proxy.mount(args.upstream, token or None, verify=verify)
-        except ValueError as exc:
-            print("error: %s" % exc, file=sys.stderr)
-            return 2
-        print(base_url, flush=True)
+        print(proxy.mount(args.upstream, token or None, verify=verify), flush=True)
         while not stop.wait(0.5):  # (a short wait, so Ctrl-C gets through)
             pass
+    except ValueError as exc:  # (the mount's)
+        print("error: %s" % exc, file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         pass
     finally:
