@@ -1735,16 +1735,14 @@ _BAD_VALUE_REFUSAL = Refusal(400, "bad-header",
                              "A request header value contains control characters.")
 
 class _Handler(http.server.BaseHTTPRequestHandler):
-    """Serves one client connection: reads its requests one after another from the connection's
-    own buffer and forwards each (or tunnels a WebSocket upgrade). Only the stdlib's connection
-    hooks are used (setup, handle, finish); parsing and answering are its own."""
+    """Serves one client connection: reads its requests one after another from its own buffer and
+    forwards each (or tunnels a WebSocket upgrade); of the stdlib's handler only the hooks serve."""
 
     protocol_version = "HTTP/1.1"
     server: _Server
     headers: _RequestHeaders  # type: ignore[assignment]  # (the stdlib's parser made a Message)
-    # The current request's: route token and extra headers (set by _credentials), whether a header
-    # value holds a control character, whether the request line is not the usual one (see
-    # _ORIGIN_REQUEST_LINE_RE).
+    # The current request's route token and extra headers (see _credentials), whether a header value
+    # holds a control character, whether its request line is unusual (_ORIGIN_REQUEST_LINE_RE).
     _token: Optional[str] = None
     _route_headers: Tuple[Tuple[str, str], ...] = ()
     _bad_value = False
@@ -1754,18 +1752,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         self.proxy: AuthProxy = self.server.proxy
-        # The default route_request answers (Route, "/target") or a Refusal: only a subclass's is
-        # checked.
+        # (only a subclass's route_request is checked: the default's answers are well formed)
         self._own_routing = type(self.proxy).route_request is AuthProxy.route_request
-        # the last route known to be in proxy._seen_routes
-        self._seen_route: Optional[AnyRoute] = None
+        self._seen_route: Optional[AnyRoute] = None  # the last one known in proxy._seen_routes
         self.connection = self.request
         try:
             self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:  # pragma: no cover - not every socket family supports it
             pass
-        # The client's bytes past the requests read so far are in `_client.buf` (never hidden in a
-        # file object's buffer: a tunnel takes them).
+        # The client's unread bytes stay in `_client.buf`, not a file object's buffer: a tunnel
+        # takes them.
         self._client = _Reader(self._recv, _client_cut_short)
         self._timeout: Optional[float] = self.proxy.idle_timeout_s  # the socket's, now
         _set_socket_timeout(self.connection, self._timeout)
@@ -1774,8 +1770,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         """Nothing to flush: every answer goes straight to the socket."""
 
     def handle(self) -> None:
-        """The connection's keep-alive loop: read a request, answer it, until either side ends
-        the connection or the proxy stops."""
+        """The keep-alive loop: answer requests until either side ends the connection or the proxy
+        stops."""
         try:
             while self._read_request():
                 self._dispatch()
@@ -1787,15 +1783,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             log.debug("proxy: client connection ended (%s)", type(exc).__name__)
 
     def _read_request(self) -> bool:
-        """Read the next request head and parse it into `command`, `path`, `request_version`,
-        `headers` and `close_connection`; False when the client closed first, or once a malformed
-        head was answered.
-
-        Strict (RFC 9112), unlike the stdlib's parser, which accepts HTTP/0.9 and silently ends the
-        header section at its first malformed line: one space between the request line's three
-        parts, `Name: value` lines with a token name, no obs-fold, bounded sizes. A head the buffer
-        holds whole (the usual case) takes one match of its request line and one split of its
-        header block; `_await_head` waits for the rest of any other, naming a fault on the way."""
+        """Read and parse the next request head into `command`, `path`, `request_version`, `headers`
+        and `close_connection`; False when the client closed first or a malformed head was answered.
+        Strict (RFC 9112; the stdlib's parser takes HTTP/0.9, ends the headers at a malformed line):
+        one space between the request line's parts, `Name: value` lines with a token name, no
+        obs-fold, bounded sizes. A whole head in the buffer (the usual case) takes one match and one
+        split; `_await_head` waits for the rest of any other, naming a fault on the way."""
         self.command, self.request_version, self.close_connection = "", "HTTP/1.1", True
         client = self._client
         buf = client.buf
@@ -1847,11 +1840,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return True
 
     def _await_head(self) -> Optional[Tuple[bytes, int, int]]:
-        """Receive until the buffer holds a whole request head within the limits: (buffer, its
-        request line's end, the head's end). A request line or header block that breaks a rule or
-        a limit is answered as a line-by-line reading would meet it, and None returned (None too
-        when the client closed before a request). Once the head's first byte is in, the rest must
-        come within header_timeout_s, however slowly the client drips it."""
+        """Receive until the buffer holds a whole head within the limits: (buffer, request line's
+        end, head's end); None once a faulty head was answered (as a line-by-line reading meets it)
+        or if the client closed first. All of it must come within header_timeout_s of its start."""
         deadline, client = None, self._client
         while True:
             buf = client.buf
@@ -1895,8 +1886,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._refuse(refusal or _head_fault([], b"", 0), close=True)
 
     def _recv(self, n: int = IO_CHUNK) -> bytes:
-        """One read of the client socket, whatever `n` (the reader keeps what is past it); b"" when
-        it closed."""
+        """One read of the client socket whatever `n` (the reader keeps the rest); b"" if closed."""
         try:
             return self.connection.recv(IO_CHUNK)
         except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
@@ -1936,8 +1926,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             reason = self.responses.get(status, ("",))[0]
         self._send(_head_bytes(status, reason, headers) + body)
 
-    # -- dispatch
-    # -----------------------------------------------------------------------------------
+    # -- dispatch ---------------------------------------------------------------------------------
 
     def _dispatch(self) -> None:
         if self.request_version == "HTTP/1.0":
@@ -1990,9 +1979,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._forward(route, target, token, framing)
 
     def _credentials(self, route: AnyRoute, has_body: bool) -> bool:
-        """Read the route's token and extra headers for this request (`_token`, `_route_headers`); a
-        callable that fails is answered 502 here (closing if a body is unread) and False
-        returned."""
+        """Set `_token` and `_route_headers` for this request from the route; a callable that fails
+        is answered 502 (closing if a body is unread) and False returned."""
         if (route.__class__ is Route and not callable(route.headers)
                 and route.token is route._checked_token):
             # fixed ones: what current_token and current_headers answer, without the calls
@@ -2013,8 +2001,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return True
 
     def _route(self) -> Union[Tuple[AnyRoute, str], Refusal]:
-        """Ask a subclass's `route_request` hook, turning a hook that raises or answers nonsense
-        into a 500."""
+        """A subclass's `route_request` answer; a hook that raises or answers nonsense is a 500."""
         try:
             decision = self.proxy.route_request(self.path, self.headers)
         except Exception:
@@ -2030,15 +2017,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                   type(decision).__name__)
         return Refusal(500, "proxy-error", "The proxy failed to route this request (see its log).")
 
-    # -- HTTP forwarding
-    # ----------------------------------------------------------------------------
+    # -- HTTP forwarding --------------------------------------------------------------------------
 
     def _body_chunks(self, framing: Tuple[str, int]) -> Iterator[bytes]:
-        """Yield the client's request body as it arrives (Content-Length or chunked, de-chunked).
-
-        The client's connection failing or stalling mid-body is a _ClientBodyError, never an
-        OSError: while the body streams upstream, an OSError means the upstream dropped the
-        connection."""
+        """Yield the request body as it arrives (de-chunked); the client failing or stalling in it
+        is a _ClientBodyError, never an OSError (which, while it streams, means the upstream's)."""
         kind, length = framing
         try:
             if kind == "length":
@@ -2050,8 +2033,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _forward(self, route: Route, target: str, token: Optional[str],
                  framing: Tuple[str, int]) -> None:
-        """Forward one HTTP request on a pooled (or fresh) upstream connection and relay the
-        answer."""
+        """Forward one request on a pooled (or fresh) upstream connection and relay the answer."""
         method = self.command
         lines = _request_lines(method, target, _upstream_request_headers(
             self.headers, route, token, self._route_headers))
@@ -2067,9 +2049,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._relay_response(route, conn.reader, answer, conn, sent_all)
 
     def _buffered_body(self, framing: Tuple[str, int]) -> Tuple[bytes, Optional[Iterator[bytes]]]:
-        """The request body's first bytes, all of it if it is at most REPLAYABLE_BODY_BYTES (then it
-        can be replayed on a retry), and an iterator over the rest (None: nothing more). A
-        Content-Length body that small (every OpenEnv action) is taken in one piece."""
+        """The body's first bytes (all of it if at most REPLAYABLE_BODY_BYTES: a retry replays it)
+        and an iterator over the rest or None; a small Content-Length one (every OpenEnv action) is
+        read in one piece."""
         kind, length = framing
         if kind != "chunked" and length <= REPLAYABLE_BODY_BYTES:
             try:
@@ -2089,11 +2071,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _exchange(self, route: Route, method: str, lines: bytes, body: bytes, has_body: bool,
                   rest: Optional[Iterable[bytes]]
                   ) -> Optional[Tuple[_UpstreamConnection, _Answer, bool]]:
-        """Send the request (`lines`: its head without framing header and blank line, encoded as
-        latin-1, as it was parsed; `body`, then `rest`) on a pooled (or fresh) connection, retrying
-        once on a fresh one as _may_retry allows, and read its final answer head (interim ones are
-        relayed on the way): (connection, answer, whether the whole request was sent), or None once
-        the client was answered (a refusal) or left."""
+        """Send the request (`lines`: its parsed head in latin-1 without framing header and blank
+        line; `body`, then `rest`), retrying once on a fresh connection as _may_retry allows, and
+        read its final answer head: (connection, answer, all sent), or None once the client was
+        answered or left."""
         size = len(body)
         replayable = size <= REPLAYABLE_BODY_BYTES
         if not replayable:
@@ -2165,11 +2146,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return conn, answer, sent_all
 
     def _final_answer(self, reader: _Reader, method: str, answer: _Answer) -> _Answer:
-        """After an interim (1xx) answer head: relay it to HTTP/1.1 clients, and the next ones (102,
-        103, ...), until the final answer head, which is returned.
-
-        100 Continue is not relayed: the proxy answered the client's Expect itself and never sends
-        one upstream. A 101 without an upgrade request is a protocol error."""
+        """Relay interim (1xx) answers to an HTTP/1.1 client up to the final one, returned; not 100
+        (the proxy answered Expect itself, sending none upstream). An unasked 101 is an error."""
         count = 0
         while answer.status < 200:
             if answer.status == 101:
@@ -2270,8 +2248,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._send(b"0\r\n\r\n")
         return True
 
-    # -- WebSocket tunnel
-    # ---------------------------------------------------------------------------
+    # -- WebSocket tunnel -------------------------------------------------------------------------
 
     def _tunnel(self, route: AnyRoute, target: str, token: Optional[str]) -> None:
         """Open a WebSocket session: replay the upgrade upstream on this thread, then relay a 101
