@@ -2031,23 +2031,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         except (OSError, ValueError) as exc:
             raise _client_body_error(exc) from None
 
-    def _forward(self, route: Route, target: str, token: Optional[str],
-                 framing: Tuple[str, int]) -> None:
-        """Forward one request on a pooled (or fresh) upstream connection and relay the answer."""
-        method = self.command
-        lines = _request_lines(method, target, _upstream_request_headers(
-            self.headers, route, token, self._route_headers))
-        try:
-            body, rest = self._buffered_body(framing)
-        except _ClientBodyError as exc:
-            self._refuse(_client_body_refusal(exc, self.proxy.idle_timeout_s), close=True)
-            return
-        exchange = self._exchange(route, method, lines.encode("latin-1"), body,
-                                  framing[0] != "none", rest)
-        if exchange is not None:
-            conn, answer, sent_all = exchange
-            self._relay_response(route, conn.reader, answer, conn, sent_all)
-
     def _buffered_body(self, framing: Tuple[str, int]) -> Tuple[bytes, Optional[Iterator[bytes]]]:
         """The body's first bytes (all of it if at most REPLAYABLE_BODY_BYTES: a retry replays it)
         and an iterator over the rest or None; a small Content-Length one (every OpenEnv action) is
@@ -2068,22 +2051,25 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 return b"".join(buffered), body_iter
         return b"".join(buffered), None
 
-    def _exchange(self, route: Route, method: str, lines: bytes, body: bytes, has_body: bool,
-                  rest: Optional[Iterable[bytes]]
-                  ) -> Optional[Tuple[_UpstreamConnection, _Answer, bool]]:
-        """Send the request (`lines`: its parsed head in latin-1 without framing header and blank
-        line; `body`, then `rest`), retrying once on a fresh connection as _may_retry allows, and
-        read its final answer head: (connection, answer, all sent), or None once the client was
-        answered or left."""
-        size = len(body)
-        replayable = size <= REPLAYABLE_BODY_BYTES
-        if not replayable:
-            head = lines + b"Transfer-Encoding: chunked\r\n\r\n"
-        elif not has_body:
-            head = lines + b"\r\n"
-        else:
-            head = lines + b"Content-Length: %d\r\n\r\n" % size
+    def _forward(self, route: Route, target: str, token: Optional[str],
+                 framing: Tuple[str, int]) -> None:
+        """Forward one request on a pooled (or fresh) upstream connection, retrying once on a fresh
+        one as _may_retry allows, and relay its answer (interim ones on the way). The head goes as
+        it was parsed, in latin-1; a body of at most REPLAYABLE_BODY_BYTES is sent whole (a retry
+        replays it), a larger one streams re-chunked."""
+        method = self.command
+        lines = _request_lines(method, target, _upstream_request_headers(
+            self.headers, route, token, self._route_headers)).encode("latin-1")
         try:
+            body, rest = self._buffered_body(framing)
+            size = len(body)
+            replayable = size <= REPLAYABLE_BODY_BYTES
+            if not replayable:
+                head = lines + b"Transfer-Encoding: chunked\r\n\r\n"
+            elif framing[0] == "none":
+                head = lines + b"\r\n"
+            else:
+                head = lines + b"Content-Length: %d\r\n\r\n" % size
             for attempt in (1, 2):
                 try:
                     conn, reused = route._checkout(self.proxy)
@@ -2128,22 +2114,22 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     raise _UpstreamFailure(_classify_upstream_error(exc, route)) from None
         except _ClientBodyError as exc:
             self._refuse(_client_body_refusal(exc, self.proxy.idle_timeout_s), close=True)
-            return None
+            return
         except _ClientGone:
             log.debug("proxy: %s: client left before the upstream answered; request abandoned",
                       route.label)
             self.close_connection = True
-            return None
+            return
         except _UpstreamFailure as failure:
             _log_upstream_failure(route, failure.refusal.kind, "")
             self._refuse(failure.refusal, close=not replayable or failure.refusal.status == 504)
-            return None
+            return
         if route._failing_kind is not None:  # (note_answer's own test, without the call)
             route.note_answer()
         if not sent_all and not replayable:
             # the upstream answered early: the rest of the client's body is unread
             self.close_connection = True
-        return conn, answer, sent_all
+        self._relay_response(route, reader, answer, conn, sent_all)
 
     def _final_answer(self, reader: _Reader, method: str, answer: _Answer) -> _Answer:
         """Relay interim (1xx) answers to an HTTP/1.1 client up to the final one, returned; not 100
