@@ -1873,12 +1873,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if not data:
                 if not buf:
                     return None
-                if eol < 0:
-                    line = buf.decode("latin-1").rstrip("\r")
-                    if not _REQUEST_LINE_RE.fullmatch(line):
-                        return self._refuse_head(_request_line_fault(line))
-                    return self._refuse_head(_head_fault([], buf[:0], 0))
-                return self._refuse_head(_header_limit_fault(buf, eol + 1, eof=True))
+                if eol >= 0:
+                    return self._refuse_head(_header_limit_fault(buf, eol + 1, eof=True))
+                line = buf.decode("latin-1").rstrip("\r")
+                return self._refuse_head(
+                    None if _REQUEST_LINE_RE.fullmatch(line) else _request_line_fault(line))
             client.buf = buf + data
 
     def _refuse_head(self, refusal: Optional[Refusal]) -> None:
@@ -1903,10 +1902,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._timeout = timeout
 
     def _refuse(self, refusal: Refusal, close: bool = False) -> None:
-        """Answer a refusal: its status and headers, X-Proxy-Error, and a small JSON body."""
-        fields: Dict[str, object] = {"error": refusal.kind, "message": refusal.message}
-        fields.update(refusal.body or {})
-        body = json.dumps(fields).encode()
+        """Answer a refusal: its status and headers, X-Proxy-Error, and a small JSON body, in one
+        write (one syscall, one TCP segment)."""
+        body = json.dumps({"error": refusal.kind, "message": refusal.message,
+                           **(refusal.body or {})}).encode()
         if close:
             self.close_connection = True
         headers = list(refusal.headers)
@@ -1917,14 +1916,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             headers.append(("Connection", "close"))
         if self.command == "HEAD":
             body = b""
-        self._send_head(refusal.status, None, headers, body)
-
-    def _send_head(self, status: int, reason: Optional[str], headers: List[Tuple[str, str]],
-                   body: bytes = b"") -> None:
-        """Send a response head and a small body in one write: one syscall, one TCP segment."""
-        if reason is None:
-            reason = self.responses.get(status, ("",))[0]
-        self._send(_head_bytes(status, reason, headers) + body)
+        reason = self.responses.get(refusal.status, ("",))[0]
+        self._send(_head_bytes(refusal.status, reason, headers) + body)
 
     # -- dispatch ---------------------------------------------------------------------------------
 
@@ -2006,15 +1999,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             decision = self.proxy.route_request(self.path, self.headers)
         except Exception:
             log.error("proxy: route_request raised", exc_info=True)
-            return Refusal(500, "proxy-error", "The proxy failed to route this request (see its "
-                                               "log).")
-        if isinstance(decision, Refusal) or (
-                isinstance(decision, tuple) and len(decision) == 2
-                and isinstance(decision[0], (Route, ReplicaRoute))
-                and isinstance(decision[1], str) and decision[1].startswith("/")):
-            return decision
-        log.error("proxy: route_request returned %s; expected (Route, '/target') or a Refusal",
-                  type(decision).__name__)
+        else:
+            if isinstance(decision, Refusal) or (
+                    isinstance(decision, tuple) and len(decision) == 2
+                    and isinstance(decision[0], (Route, ReplicaRoute))
+                    and isinstance(decision[1], str) and decision[1].startswith("/")):
+                return decision
+            log.error("proxy: route_request returned %s; expected (Route, '/target') or a Refusal",
+                      type(decision).__name__)
         return Refusal(500, "proxy-error", "The proxy failed to route this request (see its log).")
 
     # -- HTTP forwarding --------------------------------------------------------------------------
@@ -2083,7 +2075,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                             conn._sendall(head + body)
                             sent_all = True
                         else:
-                            pieces = iter((body,)) if rest is None else _prepend(body, rest)
+                            pieces = (p for part in ((body,), rest or ()) for p in part)
                             sent_all = conn.send_request(head, pieces, chunked=not replayable)
                     except (socket.timeout, TimeoutError):
                         raise
@@ -2139,7 +2131,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if answer.status == 101:
                 raise _BadResponse("upstream-protocol", "switched protocols without being asked to")
             if answer.status != 100 and self.request_version == "HTTP/1.1":
-                self._relay_interim(answer)
+                try:
+                    self._send(_head_bytes(answer.status, answer.reason,
+                                           _response_headers(answer.headers, answer.lowered)))
+                except OSError:
+                    raise _ClientGone() from None
             count += 1
             if count > MAX_INTERIM_RESPONSES:
                 raise _BadResponse("upstream-protocol", "sent more than %d interim (1xx) "
@@ -2147,21 +2143,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             answer = _parse_answer(reader.read_head(first=False), method)
         return answer
 
-    def _relay_interim(self, answer: _Answer) -> None:
-        try:
-            self._send_head(answer.status, answer.reason,
-                            _response_headers(answer.headers, answer.lowered))
-        except OSError:
-            raise _ClientGone() from None
-
     def _relay_response(self, route: Route, reader: _Reader, answer: _Answer,
                         conn: Optional[_UpstreamConnection] = None, sent_all: bool = False) -> None:
         """Relay the upstream's answer; Content-Encoding untouched. `conn` (if the answer came on a
         pooled connection) goes back to the pool once the answer is read, reusable if `sent_all`.
-
         A small answer with a length (the usual one) is read whole first, so its connection is back
         in the pool before the client can send its next request, and sent in one write. Others
-        stream as they arrive (`_stream_answer`)."""
+        stream as they arrive: with their Content-Length, re-chunked for an HTTP/1.1 client (so its
+        connection stays open), or until the close for an HTTP/1.0 one. An upstream failing once
+        the head went out cuts the client's connection (never a faked complete answer)."""
         mode, length = answer.mode, answer.length
         if mode == "none" or (mode == "length" and length <= SMALL_RESPONSE_BYTES):
             body = b""
@@ -2184,15 +2174,29 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             mode, self.close_connection = "close", True
         elif mode != "length":
             mode = "chunked"
+        complete = False
         try:
-            complete = self._stream_answer(route, reader, answer, mode)
-        except BaseException:
+            self._send(self._answer_head(answer, mode))
+            body = _answer_body(reader, answer)
+            while True:
+                try:
+                    data = next(body, b"")
+                except Exception as exc:
+                    what = exc.what if isinstance(exc, _BadResponse) else _failure_name(exc)
+                    log.warning("proxy: %s: upstream failed mid-response (%s); closing the "
+                                "client connection", route.label, what)
+                    self.close_connection = True
+                    break
+                if not data:
+                    if mode == "chunked":
+                        self._send(b"0\r\n\r\n")
+                    complete = True
+                    break
+                self._send(b"%x\r\n%s\r\n" % (len(data), data) if mode == "chunked" else data)
+        finally:
             if conn is not None:
-                route._checkin(conn, False)
-            raise
-        if conn is not None:
-            route._checkin(conn, complete and sent_all and answer.keep_alive
-                           and answer.mode != "close" and not reader.buf)
+                route._checkin(conn, complete and sent_all and answer.keep_alive
+                               and answer.mode != "close" and not reader.buf)
 
     def _answer_head(self, answer: _Answer, mode: str) -> bytes:
         """The answer's head as the client gets it: as it came when nothing in it is dropped or
@@ -2209,30 +2213,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if self.close_connection:
             headers.append(("Connection", "close"))
         return _head_bytes(answer.status, answer.reason, headers)
-
-    def _stream_answer(self, route: Route, reader: _Reader, answer: _Answer,
-                       mode: str) -> bool:
-        """Send the head, then the body as it arrives: with its Content-Length, re-chunked for an
-        HTTP/1.1 client (so its connection stays open), or until the close for an HTTP/1.0 one.
-        False if the upstream failed once the head went out: the client's connection is then cut
-        (never a faked complete answer)."""
-        self._send(self._answer_head(answer, mode))
-        body = _answer_body(reader, answer)
-        while True:
-            try:
-                data = next(body, b"")
-            except Exception as exc:
-                what = exc.what if isinstance(exc, _BadResponse) else _failure_name(exc)
-                log.warning("proxy: %s: upstream failed mid-response (%s); closing the client "
-                            "connection", route.label, what)
-                self.close_connection = True
-                return False
-            if not data:
-                break
-            self._send(b"%x\r\n%s\r\n" % (len(data), data) if mode == "chunked" else data)
-        if mode == "chunked":
-            self._send(b"0\r\n\r\n")
-        return True
 
     # -- WebSocket tunnel -------------------------------------------------------------------------
 
@@ -2408,12 +2388,6 @@ def _head_bytes(status: int, reason: str, headers: List[Tuple[str, str]]) -> byt
     """A response head: the status line, the header lines and the blank line."""
     fields = "".join(["%s: %s\r\n" % pair for pair in headers])
     return ("HTTP/1.1 %d %s\r\n%s\r\n" % (status, reason, fields)).encode("latin-1")
-
-
-def _prepend(first: bytes, rest: Iterable[bytes]) -> Iterator[bytes]:
-    if first:
-        yield first
-    yield from rest
 
 
 def _watching(client: socket.socket, deadline: float, step: Callable[[], Optional[bytes]],
