@@ -2217,9 +2217,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     # -- WebSocket tunnel -------------------------------------------------------------------------
 
     def _tunnel(self, route: AnyRoute, target: str, token: Optional[str]) -> None:
-        """Open a WebSocket session: replay the upgrade upstream on this thread, then relay a 101
-        verbatim and run the tunnel until it ends, or relay any other answer as HTTP. A replica
-        route opens it on one of its replicas (`_open_on_a_replica`)."""
+        """Open a WebSocket session (a replica route's on a replica: `_open_on_a_replica`): replay
+        the upgrade upstream, then relay a 101 and run the tunnel, or another answer as HTTP."""
         self.close_connection = True  # whatever happens, this connection ends with the tunnel
         self.server.tunnelling.add(self.connection)  # stop() lets it answer: see abort_connections
         try:
@@ -2287,21 +2286,21 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 return
             finally:
                 replicas._release(replica)
-        total, failed = replicas._failure_summary()
-        if last is not None and len(failed) < total:
-            self._refuse(last, close=True)  # tried twice; other replicas remain for later
-        else:
-            self._refuse(_no_live_replica_refusal(total, failed), close=True)
+        total, failed = replicas._failure_summary()  # (`last` if other replicas remain for later)
+        self._refuse(last if last is not None and len(failed) < total
+                     else _no_live_replica_refusal(total, failed), close=True)
 
     def _upgrade(self, route: Route, target: str,
                  token: Optional[str]) -> Tuple["_Tunnel", _Reader, bytes, int]:
-        """Open a stream to the upstream (the TLS handshake within connect_timeout_s), send the
-        upgrade request and read the answer's head within read_timeout_s, watching the client
-        meanwhile: (tunnel, the reader holding what came past the head, head, status). The tunnel
-        is on its route from before the connect, so an unmount or a stop cuts it at any step
-        (_RouteGone). On any failure the stream is closed and the tunnel off its route;
+        """Open a stream to the upstream (TLS handshake within connect_timeout_s), send the client's
+        upgrade request with the route's token and headers, and read the answer's head within
+        read_timeout_s, watching the client: (tunnel, reader holding what came past the head, head,
+        status). The tunnel is on its route from before the connect, so an unmount or stop cuts it
+        at any step (_RouteGone); a failure closes the stream and takes the tunnel off its route;
         _ClientGone if the client hung up first."""
-        request = self._upgrade_head(route, target, token)
+        request = (_request_lines("GET", target, _upstream_request_headers(
+            self.headers, route, token, self._route_headers)) + "Upgrade: %s\r\nConnection: "
+            "Upgrade\r\n\r\n" % self.headers.get("Upgrade", "websocket")).encode("latin-1")
         tunnel = _Tunnel(self.connection, route.label)
         if not route._add_tunnel(tunnel):
             raise _RouteGone()
@@ -2331,26 +2330,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         match = _STATUS_LINE_RE.match(head)
         return tunnel, reader, head, int(match.group(1)) if match else 0
 
-    def _upgrade_head(self, route: Route, target: str, token: Optional[str]) -> bytes:
-        """The upgrade request the upstream gets: the client's, with the route's token and
-        headers."""
-        lines = ["GET %s HTTP/1.1" % target]
-        pairs = _upstream_request_headers(self.headers, route, token, self._route_headers)
-        lines += ["%s: %s" % (name, value) for name, value in pairs]
-        lines += ["Upgrade: %s" % self.headers.get("Upgrade", "websocket"), "Connection: Upgrade"]
-        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-
-    def _take_buffered(self) -> bytes:
-        """What the client sent past the upgrade request (frames sent right behind it)."""
-        data, self._client.buf = self._client.buf, b""
-        return data
-
     def _finish_upgrade(self, route: Route, tunnel: "_Tunnel", reader: _Reader, head: bytes,
                         status: int) -> None:
-        """Relay a non-101 answer as HTTP. On a 101: take the upstream->client thread from the
-        pool (counted in the cap: at the cap the client gets 503 proxy-busy, not a half-made
-        tunnel), relay the 101 verbatim and copy client->upstream on this thread until either
-        side ends."""
+        """Relay a non-101 answer as HTTP. On a 101: take the upstream->client thread from the pool
+        (counted in the cap: at the cap the client gets 503 proxy-busy, not a half-made tunnel),
+        relay the 101 verbatim and copy client->upstream on this thread until either side ends."""
         stream = tunnel.upstream
         assert stream is not None
         try:
@@ -2377,7 +2361,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self.connection.sendall(head + reader.buf)
             except OSError:
                 tunnel.close()
-            tunnel.run(self._take_buffered())
+            data, self._client.buf = self._client.buf, b""  # (frames sent right behind the upgrade)
+            tunnel.run(data)
         finally:
             tunnel.close()  # (a no-op after run(); else it frees the upstream->client worker)
             route._remove_tunnel(tunnel)
@@ -2425,7 +2410,6 @@ def _route_gone_refusal(stopping: bool) -> Refusal:
                        "The proxy is stopping; this WebSocket session was not opened.")
     return Refusal(404, "unknown-route", "The route was unmounted while this WebSocket upgrade was "
                    "under way; mount it again, or use the base URL of a mounted route.")
-
 
 
 # --------------------------------------------------------------------------------------------------
