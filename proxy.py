@@ -1770,8 +1770,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         """Nothing to flush: every answer goes straight to the socket."""
 
     def handle(self) -> None:
-        """The keep-alive loop: answer requests until either side ends the connection or the proxy
-        stops."""
+        """Answer requests until either side ends the connection or the proxy stops."""
         try:
             while self._read_request():
                 self._dispatch()
@@ -1784,11 +1783,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _read_request(self) -> bool:
         """Read and parse the next request head into `command`, `path`, `request_version`, `headers`
-        and `close_connection`; False when the client closed first or a malformed head was answered.
-        Strict (RFC 9112; the stdlib's parser takes HTTP/0.9, ends the headers at a malformed line):
-        one space between the request line's parts, `Name: value` lines with a token name, no
-        obs-fold, bounded sizes. A whole head in the buffer (the usual case) takes one match and one
-        split; `_await_head` waits for the rest of any other, naming a fault on the way."""
+        and `close_connection`; False if the client closed first or a malformed head was answered.
+        Strict (RFC 9112; the stdlib's parser takes HTTP/0.9, ends the headers at a malformed line).
+        A whole head in the buffer takes one match and one split; `_await_head` waits for others."""
         self.command, self.request_version, self.close_connection = "", "HTTP/1.1", True
         client = self._client
         buf = client.buf
@@ -1922,8 +1919,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     # -- dispatch ---------------------------------------------------------------------------------
 
     def _dispatch(self) -> None:
-        if self.request_version == "HTTP/1.0":
-            # no chunked framing for 1.0 clients: keep it simple, one per connection
+        if self.request_version == "HTTP/1.0":  # (no chunked framing for it: one per connection)
             self.close_connection = True
         framing = _body_framing(self.headers)
         odd = self._odd_target or self.command == "CONNECT"
@@ -1958,9 +1954,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return
         if not self._credentials(route, framing[0] != "none"):
             return
-        token = self._token
         if upgrade:
-            self._tunnel(route, target, token)
+            self._tunnel(route, target, self._token)
             return
         if isinstance(route, ReplicaRoute):
             replica = route._acquire(reserve=False)
@@ -1969,7 +1964,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 return
             route = replica.route
             target = route.base_path + target
-        self._forward(route, target, token, framing)
+        self._forward(route, target, self._token, framing)
 
     def _credentials(self, route: AnyRoute, has_body: bool) -> bool:
         """Set `_token` and `_route_headers` for this request from the route; a callable that fails
@@ -2147,11 +2142,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                         conn: Optional[_UpstreamConnection] = None, sent_all: bool = False) -> None:
         """Relay the upstream's answer; Content-Encoding untouched. `conn` (if the answer came on a
         pooled connection) goes back to the pool once the answer is read, reusable if `sent_all`.
-        A small answer with a length (the usual one) is read whole first, so its connection is back
-        in the pool before the client can send its next request, and sent in one write. Others
-        stream as they arrive: with their Content-Length, re-chunked for an HTTP/1.1 client (so its
-        connection stays open), or until the close for an HTTP/1.0 one. An upstream failing once
-        the head went out cuts the client's connection (never a faked complete answer)."""
+        A small answer with a length (the usual one) is read whole, its connection back in the pool
+        before the client can send its next request, and sent in one write. Others stream: with
+        their length, re-chunked for HTTP/1.1 (its connection stays open) or until the close for
+        HTTP/1.0; an upstream failing once the head went out cuts the client (never a faked end)."""
         mode, length = answer.mode, answer.length
         if mode == "none" or (mode == "length" and length <= SMALL_RESPONSE_BYTES):
             body = b""
@@ -2377,9 +2371,8 @@ def _head_bytes(status: int, reason: str, headers: List[Tuple[str, str]]) -> byt
 
 def _watching(client: socket.socket, deadline: float, step: Callable[[], Optional[bytes]],
               what: str) -> Optional[bytes]:
-    """step() on an upstream stream whose timeout is a slice (TUNNEL_WATCH_S), retried after each
-    slice until `deadline` (then socket.timeout saying `what`) while the client is still there: one
-    that hung up frees this thread and the upstream at once (_ClientGone)."""
+    """step() on an upstream stream timing out in slices (TUNNEL_WATCH_S), retried until `deadline`
+    (socket.timeout saying `what`) unless the client hung up (_ClientGone frees both sides now)."""
     while True:
         try:
             return step()
