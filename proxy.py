@@ -1845,9 +1845,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             buf = client.buf
             eol = buf.find(b"\n", 0, MAX_REQUEST_LINE + 1)
             if eol < 0 and len(buf) > MAX_REQUEST_LINE:
-                return self._refuse_head(Refusal(
-                    414, "request-line-too-long",
-                    "The request line is longer than %d bytes." % MAX_REQUEST_LINE))
+                return self._refuse_head(Refusal(414, "request-line-too-long", "The request line "
+                                                 "is longer than %d bytes." % MAX_REQUEST_LINE))
             if eol >= 0:
                 line = buf[:eol].decode("latin-1").rstrip("\r")
                 if not _REQUEST_LINE_RE.fullmatch(line):
@@ -2019,9 +2018,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             raise _client_body_error(exc) from None
 
     def _buffered_body(self, framing: Tuple[str, int]) -> Tuple[bytes, Optional[Iterator[bytes]]]:
-        """The body's first bytes (all of it if at most REPLAYABLE_BODY_BYTES: a retry replays it)
-        and an iterator over the rest or None; a small Content-Length one (every OpenEnv action) is
-        read in one piece."""
+        """The body's first bytes (all of it if at most REPLAYABLE_BODY_BYTES) and an iterator over
+        the rest or None; a small Content-Length body (every OpenEnv action) comes in one piece."""
         kind, length = framing
         if kind != "chunked" and length <= REPLAYABLE_BODY_BYTES:
             try:
@@ -2041,9 +2039,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _forward(self, route: Route, target: str, token: Optional[str],
                  framing: Tuple[str, int]) -> None:
         """Forward one request on a pooled (or fresh) upstream connection, retrying once on a fresh
-        one as _may_retry allows, and relay its answer (interim ones on the way). The head goes as
-        it was parsed, in latin-1; a body of at most REPLAYABLE_BODY_BYTES is sent whole (a retry
-        replays it), a larger one streams re-chunked."""
+        one as _may_retry allows, and relay the answer. A body of at most REPLAYABLE_BODY_BYTES goes
+        whole (a retry replays it); a larger one streams re-chunked."""
         method = self.command
         lines = _request_lines(method, target, _upstream_request_headers(
             self.headers, route, token, self._route_headers)).encode("latin-1")
@@ -2252,22 +2249,21 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             tried.append(replica)
             route = replica.route
             try:
-                try:
-                    tunnel, reader, head, status = self._upgrade(
-                        route, route.base_path + target, token)
-                except _RouteGone:
-                    if replicas._closed:  # the whole route was unmounted, or the proxy is stopping
-                        self._refuse(_route_gone_refusal(self.proxy._stopping), close=True)
-                        return
-                    last = Refusal(502, "replica-unavailable", "The replica %s was removed while "
-                                   "the WebSocket upgrade was under way." % route.label)
-                    continue
-                except _ClientGone:
-                    raise
-                except Exception as exc:
-                    last = _classify_upstream_error(exc, route)
-                    replicas._mark_failed(replica, "%s (%s)" % (last.kind, _failure_name(exc)))
-                    continue
+                tunnel, reader, head, status = self._upgrade(route, route.base_path + target, token)
+            except _RouteGone:
+                if replicas._closed:  # the whole route was unmounted, or the proxy is stopping
+                    self._refuse(_route_gone_refusal(self.proxy._stopping), close=True)
+                    return
+                last = Refusal(502, "replica-unavailable", "The replica %s was removed while the "
+                               "WebSocket upgrade was under way." % route.label)
+                continue
+            except _ClientGone:
+                raise
+            except Exception as exc:
+                last = _classify_upstream_error(exc, route)
+                replicas._mark_failed(replica, "%s (%s)" % (last.kind, _failure_name(exc)))
+                continue
+            else:
                 if status in REPLICA_DOWN_STATUSES:
                     route._remove_tunnel(tunnel)
                     tunnel.upstream.close()  # type: ignore[union-attr]
@@ -2287,11 +2283,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _upgrade(self, route: Route, target: str,
                  token: Optional[str]) -> Tuple["_Tunnel", _Reader, bytes, int]:
         """Open a stream to the upstream (TLS handshake within connect_timeout_s), send the client's
-        upgrade request with the route's token and headers, and read the answer's head within
-        read_timeout_s, watching the client: (tunnel, reader holding what came past the head, head,
-        status). The tunnel is on its route from before the connect, so an unmount or stop cuts it
-        at any step (_RouteGone); a failure closes the stream and takes the tunnel off its route;
-        _ClientGone if the client hung up first."""
+        upgrade request and read the answer's head within read_timeout_s, watching the client:
+        (tunnel, reader holding what came past the head, head, status). The tunnel is on its route
+        from before the connect, so an unmount or stop cuts it at any step (_RouteGone); a failure
+        closes the stream and takes the tunnel off its route (_ClientGone if the client hung up)."""
         request = (_request_lines("GET", target, _upstream_request_headers(
             self.headers, route, token, self._route_headers)) + "Upgrade: %s\r\nConnection: "
             "Upgrade\r\n\r\n" % self.headers.get("Upgrade", "websocket")).encode("latin-1")
