@@ -1736,7 +1736,7 @@ _BAD_VALUE_REFUSAL = Refusal(400, "bad-header",
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     """Serves one client connection: reads its requests one after another from its own buffer and
-    forwards each (or tunnels a WebSocket upgrade); of the stdlib's handler only the hooks serve."""
+    forwards each (or tunnels a WebSocket upgrade); it parses and answers itself, not the stdlib."""
 
     protocol_version = "HTTP/1.1"
     server: _Server
@@ -1760,8 +1760,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:  # pragma: no cover - not every socket family supports it
             pass
-        # The client's unread bytes stay in `_client.buf`, not a file object's buffer: a tunnel
-        # takes them.
+        # unread client bytes stay in `_client.buf` (not a file object's buffer): tunnels take them
         self._client = _Reader(self._recv, _client_cut_short)
         self._timeout: Optional[float] = self.proxy.idle_timeout_s  # the socket's, now
         _set_socket_timeout(self.connection, self._timeout)
@@ -2137,12 +2136,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _relay_response(self, route: Route, reader: _Reader, answer: _Answer,
                         conn: Optional[_UpstreamConnection] = None, sent_all: bool = False) -> None:
-        """Relay the upstream's answer; Content-Encoding untouched. `conn` (if the answer came on a
-        pooled connection) goes back to the pool once the answer is read, reusable if `sent_all`.
-        A small answer with a length (the usual one) is read whole, its connection back in the pool
-        before the client can send its next request, and sent in one write. Others stream: with
-        their length, re-chunked for HTTP/1.1 (its connection stays open) or until the close for
-        HTTP/1.0; an upstream failing once the head went out cuts the client (never a faked end)."""
+        """Relay the upstream's answer (Content-Encoding untouched); `conn`, if pooled, goes back
+        once read, reusable if `sent_all`. A small answer with a length (the usual one) is read
+        whole, so its connection is pooled before the client can ask again, and sent in one write;
+        others stream (with their length, re-chunked for HTTP/1.1 to keep its connection, or until
+        the close for HTTP/1.0), and an upstream failing mid-way cuts the client (no faked end)."""
         mode, length = answer.mode, answer.length
         if mode == "none" or (mode == "length" and length <= SMALL_RESPONSE_BYTES):
             body = b""
