@@ -2166,10 +2166,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         complete = False
         try:
             self._send(self._answer_head(answer, mode))
-            body = _answer_body(reader, answer)
+            chunks = _answer_body(reader, answer)
             while True:
                 try:
-                    data = next(body, b"")
+                    data = next(chunks, b"")
                 except Exception as exc:
                     what = exc.what if isinstance(exc, _BadResponse) else _failure_name(exc)
                     log.warning("proxy: %s: upstream failed mid-response (%s); closing the "
