@@ -1655,16 +1655,14 @@ class _RequestHeaders:
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
-    """Serves one client connection: reads its requests one after another from the connection's
-    own buffer and forwards each (or tunnels a WebSocket upgrade). Only the stdlib's connection
-    hooks are used (setup, handle, finish); parsing and answering are its own."""
+    """Serves one client connection: reads its requests one after another from its own buffer and
+    forwards each (or tunnels a WebSocket upgrade); it parses and answers itself, not the stdlib."""
 
     protocol_version = "HTTP/1.1"
     server: _Server
     headers: _RequestHeaders  # type: ignore[assignment]  # (the stdlib's parser made a Message)
-    # The current request's: route token and extra headers (set by _credentials), whether a header
-    # value holds a control character, whether the request line is not the usual one (see
-    # _ORIGIN_REQUEST_LINE_RE).
+    # The current request's route token and extra headers (see _credentials), whether a header value
+    # holds a control character, whether its request line is unusual (_ORIGIN_REQUEST_LINE_RE).
     _token: Optional[str] = None
     _route_headers: Tuple[Tuple[str, str], ...] = ()
     _bad_value = False
@@ -1674,18 +1672,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         self.proxy: AuthProxy = self.server.proxy
-        # The default route_request answers (Route, "/target") or a Refusal: only a subclass's is
-        # checked.
+        # (only a subclass's route_request is checked: the default's answers are well formed)
         self._own_routing = type(self.proxy).route_request is AuthProxy.route_request
-        # the last route known to be in proxy._seen_routes
-        self._seen_route: Optional[AnyRoute] = None
+        self._seen_route: Optional[AnyRoute] = None  # the last one known in proxy._seen_routes
         self.connection = self.request
         try:
             self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:  # pragma: no cover - not every socket family supports it
             pass
-        # The client's bytes past the requests read so far are in `_client.buf` (never hidden in a
-        # file object's buffer: a tunnel takes them).
+        # unread client bytes stay in `_client.buf` (not a file object's buffer): tunnels take them
         self._client = _Reader(self._recv, _client_cut_short)
         self._timeout: Optional[float] = self.proxy.idle_timeout_s  # the socket's, now
         _set_socket_timeout(self.connection, self._timeout)
@@ -1694,8 +1689,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         """Nothing to flush: every answer goes straight to the socket."""
 
     def handle(self) -> None:
-        """The connection's keep-alive loop: read a request, answer it, until either side ends
-        the connection or the proxy stops."""
+        """Answer requests until either side ends the connection or the proxy stops."""
         try:
             while self._read_request():
                 self._dispatch()
@@ -1707,15 +1701,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             log.debug("proxy: client connection ended (%s)", type(exc).__name__)
 
     def _read_request(self) -> bool:
-        """Read the next request head and parse it into `command`, `path`, `request_version`,
-        `headers` and `close_connection`; False when the client closed first, or once a malformed
-        head was answered.
-
-        Strict (RFC 9112), unlike the stdlib's parser, which accepts HTTP/0.9 and silently ends the
-        header section at its first malformed line: one space between the request line's three
-        parts, `Name: value` lines with a token name, no obs-fold, bounded sizes. A head the buffer
-        holds whole (the usual case) takes one match of its request line and one split of its
-        header block; `_await_head` waits for the rest of any other, naming a fault on the way."""
+        """Read and parse the next request head into `command`, `path`, `request_version`, `headers`
+        and `close_connection`; False if the client closed first or a malformed head was answered.
+        Strict (RFC 9112; the stdlib's parser takes HTTP/0.9, ends the headers at a malformed line).
+        A whole head in the buffer takes one match and one split; `_await_head` waits for others."""
         self.command, self.request_version, self.close_connection = "", "HTTP/1.1", True
         client = self._client
         buf = client.buf
@@ -1767,19 +1756,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return True
 
     def _await_head(self) -> Optional[Tuple[bytes, int, int]]:
-        """Receive until the buffer holds a whole request head within the limits: (buffer, its
-        request line's end, the head's end). A request line or header block that breaks a rule or
-        a limit is answered as a line-by-line reading would meet it, and None returned (None too
-        when the client closed before a request). Once the head's first byte is in, the rest must
-        come within header_timeout_s, however slowly the client drips it."""
+        """Receive until the buffer holds a whole head within the limits: (buffer, request line's
+        end, head's end); None once a faulty head was answered (as a line-by-line reading meets it)
+        or if the client closed first. All of it must come within header_timeout_s of its start."""
         deadline, client = None, self._client
         while True:
             buf = client.buf
             eol = buf.find(b"\n", 0, MAX_REQUEST_LINE + 1)
             if eol < 0 and len(buf) > MAX_REQUEST_LINE:
-                return self._refuse_head(Refusal(
-                    414, "request-line-too-long",
-                    "The request line is longer than %d bytes." % MAX_REQUEST_LINE))
+                return self._refuse_head(Refusal(414, "request-line-too-long", "The request line "
+                                                 "is longer than %d bytes." % MAX_REQUEST_LINE))
             if eol >= 0:
                 line = buf[:eol].decode("latin-1").rstrip("\r")
                 if not _REQUEST_LINE_RE.fullmatch(line):
@@ -1802,12 +1788,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if not data:
                 if not buf:
                     return None
-                if eol < 0:
-                    line = buf.decode("latin-1").rstrip("\r")
-                    if not _REQUEST_LINE_RE.fullmatch(line):
-                        return self._refuse_head(_request_line_fault(line))
-                    return self._refuse_head(_head_fault([], buf[:0], 0))
-                return self._refuse_head(_header_limit_fault(buf, eol + 1, eof=True))
+                if eol >= 0:
+                    return self._refuse_head(_header_limit_fault(buf, eol + 1, eof=True))
+                line = buf.decode("latin-1").rstrip("\r")
+                return self._refuse_head(
+                    None if _REQUEST_LINE_RE.fullmatch(line) else _request_line_fault(line))
             client.buf = buf + data
 
     def _refuse_head(self, refusal: Optional[Refusal]) -> None:
@@ -1815,8 +1800,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._refuse(refusal or _head_fault([], b"", 0), close=True)
 
     def _recv(self, n: int = IO_CHUNK) -> bytes:
-        """One read of the client socket, whatever `n` (the reader keeps what is past it); b"" when
-        it closed."""
+        """One read of the client socket whatever `n` (the reader keeps the rest); b"" if closed."""
         try:
             return self.connection.recv(IO_CHUNK)
         except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
@@ -1833,10 +1817,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._timeout = timeout
 
     def _refuse(self, refusal: Refusal, close: bool = False) -> None:
-        """Answer a refusal: its status and headers, X-Proxy-Error, and a small JSON body."""
-        fields: Dict[str, object] = {"error": refusal.kind, "message": refusal.message}
-        fields.update(refusal.body or {})
-        body = json.dumps(fields).encode()
+        """Answer a refusal: its status and headers, X-Proxy-Error, and a small JSON body, in one
+        write (one syscall, one TCP segment)."""
+        body = json.dumps({"error": refusal.kind, "message": refusal.message,
+                           **(refusal.body or {})}).encode()
         if close:
             self.close_connection = True
         headers = list(refusal.headers)
@@ -1847,21 +1831,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             headers.append(("Connection", "close"))
         if self.command == "HEAD":
             body = b""
-        self._send_head(refusal.status, None, headers, body)
+        reason = self.responses.get(refusal.status, ("",))[0]
+        self._send(_head_bytes(refusal.status, reason, headers) + body)
 
-    def _send_head(self, status: int, reason: Optional[str], headers: List[Tuple[str, str]],
-                   body: bytes = b"") -> None:
-        """Send a response head and a small body in one write: one syscall, one TCP segment."""
-        if reason is None:
-            reason = self.responses.get(status, ("",))[0]
-        self._send(_head_bytes(status, reason, headers) + body)
-
-    # -- dispatch
-    # -----------------------------------------------------------------------------------
+    # -- dispatch ---------------------------------------------------------------------------------
 
     def _dispatch(self) -> None:
-        if self.request_version == "HTTP/1.0":
-            # no chunked framing for 1.0 clients: keep it simple, one per connection
+        if self.request_version == "HTTP/1.0":  # (no chunked framing for it: one per connection)
             self.close_connection = True
         framing = _body_framing(self.headers)
         odd = self._odd_target or self.command == "CONNECT"
@@ -1896,9 +1872,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return
         if not self._credentials(route, framing[0] != "none"):
             return
-        token = self._token
         if upgrade:
-            self._tunnel(route, target, token)
+            self._tunnel(route, target, self._token)
             return
         if isinstance(route, ReplicaRoute):
             replica = route._acquire(reserve=False)
@@ -1907,12 +1882,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 return
             route = replica.route
             target = route.base_path + target
-        self._forward(route, target, token, framing)
+        self._forward(route, target, self._token, framing)
 
     def _credentials(self, route: AnyRoute, has_body: bool) -> bool:
-        """Read the route's token and extra headers for this request (`_token`, `_route_headers`); a
-        callable that fails is answered 502 here (closing if a body is unread) and False
-        returned."""
+        """Set `_token` and `_route_headers` for this request from the route; a callable that fails
+        is answered 502 (closing if a body is unread) and False returned."""
         if (route.__class__ is Route and not callable(route.headers)
                 and route.token is route._checked_token):
             # fixed ones: what current_token and current_headers answer, without the calls
@@ -1933,32 +1907,26 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return True
 
     def _route(self) -> Union[Tuple[AnyRoute, str], Refusal]:
-        """Ask a subclass's `route_request` hook, turning a hook that raises or answers nonsense
-        into a 500."""
+        """A subclass's `route_request` answer; a hook that raises or answers nonsense is a 500."""
         try:
             decision = self.proxy.route_request(self.path, self.headers)
         except Exception:
             log.error("proxy: route_request raised", exc_info=True)
-            return Refusal(500, "proxy-error", "The proxy failed to route this request (see its "
-                                               "log).")
-        if isinstance(decision, Refusal) or (
-                isinstance(decision, tuple) and len(decision) == 2
-                and isinstance(decision[0], (Route, ReplicaRoute))
-                and isinstance(decision[1], str) and decision[1].startswith("/")):
-            return decision
-        log.error("proxy: route_request returned %s; expected (Route, '/target') or a Refusal",
-                  type(decision).__name__)
+        else:
+            if isinstance(decision, Refusal) or (
+                    isinstance(decision, tuple) and len(decision) == 2
+                    and isinstance(decision[0], (Route, ReplicaRoute))
+                    and isinstance(decision[1], str) and decision[1].startswith("/")):
+                return decision
+            log.error("proxy: route_request returned %s; expected (Route, '/target') or a Refusal",
+                      type(decision).__name__)
         return Refusal(500, "proxy-error", "The proxy failed to route this request (see its log).")
 
-    # -- HTTP forwarding
-    # ----------------------------------------------------------------------------
+    # -- HTTP forwarding --------------------------------------------------------------------------
 
     def _body_chunks(self, framing: Tuple[str, int]) -> Iterator[bytes]:
-        """Yield the client's request body as it arrives (Content-Length or chunked, de-chunked).
-
-        The client's connection failing or stalling mid-body is a _ClientBodyError, never an
-        OSError: while the body streams upstream, an OSError means the upstream dropped the
-        connection."""
+        """Yield the request body as it arrives (de-chunked); the client failing or stalling in it
+        is a _ClientBodyError, never an OSError (which, while it streams, means the upstream's)."""
         kind, length = framing
         try:
             if kind == "length":
@@ -1968,28 +1936,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         except (OSError, ValueError) as exc:
             raise _client_body_error(exc) from None
 
-    def _forward(self, route: Route, target: str, token: Optional[str],
-                 framing: Tuple[str, int]) -> None:
-        """Forward one HTTP request on a pooled (or fresh) upstream connection and relay the
-        answer."""
-        method = self.command
-        lines = _request_lines(method, target, _upstream_request_headers(
-            self.headers, route, token, self._route_headers))
-        try:
-            body, rest = self._buffered_body(framing)
-        except _ClientBodyError as exc:
-            self._refuse(_client_body_refusal(exc, self.proxy.idle_timeout_s), close=True)
-            return
-        exchange = self._exchange(route, method, lines.encode("latin-1"), body,
-                                  framing[0] != "none", rest)
-        if exchange is not None:
-            conn, answer, sent_all = exchange
-            self._relay_response(route, conn.reader, answer, conn, sent_all)
-
     def _buffered_body(self, framing: Tuple[str, int]) -> Tuple[bytes, Optional[Iterator[bytes]]]:
-        """The request body's first bytes, all of it if it is at most REPLAYABLE_BODY_BYTES (then it
-        can be replayed on a retry), and an iterator over the rest (None: nothing more). A
-        Content-Length body that small (every OpenEnv action) is taken in one piece."""
+        """The body's first bytes (all of it if at most REPLAYABLE_BODY_BYTES) and an iterator over
+        the rest or None; a small Content-Length body (every OpenEnv action) comes in one piece."""
         kind, length = framing
         if kind != "chunked" and length <= REPLAYABLE_BODY_BYTES:
             try:
@@ -2006,23 +1955,24 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 return b"".join(buffered), body_iter
         return b"".join(buffered), None
 
-    def _exchange(self, route: Route, method: str, lines: bytes, body: bytes, has_body: bool,
-                  rest: Optional[Iterable[bytes]]
-                  ) -> Optional[Tuple[_UpstreamConnection, _Answer, bool]]:
-        """Send the request (`lines`: its head without framing header and blank line, encoded as
-        latin-1, as it was parsed; `body`, then `rest`) on a pooled (or fresh) connection, retrying
-        once on a fresh one as _may_retry allows, and read its final answer head (interim ones are
-        relayed on the way): (connection, answer, whether the whole request was sent), or None once
-        the client was answered (a refusal) or left."""
-        size = len(body)
-        replayable = size <= REPLAYABLE_BODY_BYTES
-        if not replayable:
-            head = lines + b"Transfer-Encoding: chunked\r\n\r\n"
-        elif not has_body:
-            head = lines + b"\r\n"
-        else:
-            head = lines + b"Content-Length: %d\r\n\r\n" % size
+    def _forward(self, route: Route, target: str, token: Optional[str],
+                 framing: Tuple[str, int]) -> None:
+        """Forward one request on a pooled (or fresh) upstream connection, retrying once on a fresh
+        one as _may_retry allows, and relay the answer. A body of at most REPLAYABLE_BODY_BYTES goes
+        whole (a retry replays it); a larger one streams re-chunked."""
+        method = self.command
+        lines = _request_lines(method, target, _upstream_request_headers(
+            self.headers, route, token, self._route_headers)).encode("latin-1")
         try:
+            body, rest = self._buffered_body(framing)
+            size = len(body)
+            replayable = size <= REPLAYABLE_BODY_BYTES
+            if not replayable:
+                head = lines + b"Transfer-Encoding: chunked\r\n\r\n"
+            elif framing[0] == "none":
+                head = lines + b"\r\n"
+            else:
+                head = lines + b"Content-Length: %d\r\n\r\n" % size
             for attempt in (1, 2):
                 try:
                     conn, reused = route._checkout(self.proxy)
@@ -2036,7 +1986,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                             conn._sendall(head + body)
                             sent_all = True
                         else:
-                            pieces = iter((body,)) if rest is None else _prepend(body, rest)
+                            pieces = (p for part in ((body,), rest or ()) for p in part)
                             sent_all = conn.send_request(head, pieces, chunked=not replayable)
                     except (socket.timeout, TimeoutError):
                         raise
@@ -2067,35 +2017,36 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     raise _UpstreamFailure(_classify_upstream_error(exc, route)) from None
         except _ClientBodyError as exc:
             self._refuse(_client_body_refusal(exc, self.proxy.idle_timeout_s), close=True)
-            return None
+            return
         except _ClientGone:
             log.debug("proxy: %s: client left before the upstream answered; request abandoned",
                       route.label)
             self.close_connection = True
-            return None
+            return
         except _UpstreamFailure as failure:
             _log_upstream_failure(route, failure.refusal.kind, "")
             self._refuse(failure.refusal, close=not replayable or failure.refusal.status == 504)
-            return None
+            return
         if route._failing_kind is not None:  # (note_answer's own test, without the call)
             route.note_answer()
         if not sent_all and not replayable:
             # the upstream answered early: the rest of the client's body is unread
             self.close_connection = True
-        return conn, answer, sent_all
+        self._relay_response(route, reader, answer, conn, sent_all)
 
     def _final_answer(self, reader: _Reader, method: str, answer: _Answer) -> _Answer:
-        """After an interim (1xx) answer head: relay it to HTTP/1.1 clients, and the next ones (102,
-        103, ...), until the final answer head, which is returned.
-
-        100 Continue is not relayed: the proxy answered the client's Expect itself and never sends
-        one upstream. A 101 without an upgrade request is a protocol error."""
+        """Relay interim (1xx) answers to an HTTP/1.1 client up to the final one, returned; not 100
+        (the proxy answered Expect itself, sending none upstream). An unasked 101 is an error."""
         count = 0
         while answer.status < 200:
             if answer.status == 101:
                 raise _BadResponse("upstream-protocol", "switched protocols without being asked to")
             if answer.status != 100 and self.request_version == "HTTP/1.1":
-                self._relay_interim(answer)
+                try:
+                    self._send(_head_bytes(answer.status, answer.reason,
+                                           _response_headers(answer.headers, answer.lowered)))
+                except OSError:
+                    raise _ClientGone() from None
             count += 1
             if count > MAX_INTERIM_RESPONSES:
                 raise _BadResponse("upstream-protocol", "sent more than %d interim (1xx) "
@@ -2103,21 +2054,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             answer = _parse_answer(reader.read_head(first=False), method)
         return answer
 
-    def _relay_interim(self, answer: _Answer) -> None:
-        try:
-            self._send_head(answer.status, answer.reason,
-                            _response_headers(answer.headers, answer.lowered))
-        except OSError:
-            raise _ClientGone() from None
-
     def _relay_response(self, route: Route, reader: _Reader, answer: _Answer,
                         conn: Optional[_UpstreamConnection] = None, sent_all: bool = False) -> None:
-        """Relay the upstream's answer; Content-Encoding untouched. `conn` (if the answer came on a
-        pooled connection) goes back to the pool once the answer is read, reusable if `sent_all`.
-
-        A small answer with a length (the usual one) is read whole first, so its connection is back
-        in the pool before the client can send its next request, and sent in one write. Others
-        stream as they arrive (`_stream_answer`)."""
+        """Relay the upstream's answer (Content-Encoding untouched); `conn`, if pooled, goes back
+        once read, reusable if `sent_all`. A small answer with a length (the usual one) is read
+        whole, so its connection is pooled before the client can ask again, and sent in one write;
+        others stream (with their length, re-chunked for HTTP/1.1 to keep its connection, or until
+        the close for HTTP/1.0), and an upstream failing mid-way cuts the client (no faked end)."""
         mode, length = answer.mode, answer.length
         if mode == "none" or (mode == "length" and length <= SMALL_RESPONSE_BYTES):
             body = b""
@@ -2140,15 +2083,29 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             mode, self.close_connection = "close", True
         elif mode != "length":
             mode = "chunked"
+        complete = False
         try:
-            complete = self._stream_answer(route, reader, answer, mode)
-        except BaseException:
+            self._send(self._answer_head(answer, mode))
+            chunks = _answer_body(reader, answer)
+            while True:
+                try:
+                    data = next(chunks, b"")
+                except Exception as exc:
+                    what = exc.what if isinstance(exc, _BadResponse) else _failure_name(exc)
+                    log.warning("proxy: %s: upstream failed mid-response (%s); closing the "
+                                "client connection", route.label, what)
+                    self.close_connection = True
+                    break
+                if not data:
+                    if mode == "chunked":
+                        self._send(b"0\r\n\r\n")
+                    complete = True
+                    break
+                self._send(b"%x\r\n%s\r\n" % (len(data), data) if mode == "chunked" else data)
+        finally:
             if conn is not None:
-                route._checkin(conn, False)
-            raise
-        if conn is not None:
-            route._checkin(conn, complete and sent_all and answer.keep_alive
-                           and answer.mode != "close" and not reader.buf)
+                route._checkin(conn, complete and sent_all and answer.keep_alive
+                               and answer.mode != "close" and not reader.buf)
 
     def _answer_head(self, answer: _Answer, mode: str) -> bytes:
         """The answer's head as the client gets it: as it came when nothing in it is dropped or
@@ -2166,37 +2123,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             headers.append(("Connection", "close"))
         return _head_bytes(answer.status, answer.reason, headers)
 
-    def _stream_answer(self, route: Route, reader: _Reader, answer: _Answer,
-                       mode: str) -> bool:
-        """Send the head, then the body as it arrives: with its Content-Length, re-chunked for an
-        HTTP/1.1 client (so its connection stays open), or until the close for an HTTP/1.0 one.
-        False if the upstream failed once the head went out: the client's connection is then cut
-        (never a faked complete answer)."""
-        self._send(self._answer_head(answer, mode))
-        body = _answer_body(reader, answer)
-        while True:
-            try:
-                data = next(body, b"")
-            except Exception as exc:
-                what = exc.what if isinstance(exc, _BadResponse) else _failure_name(exc)
-                log.warning("proxy: %s: upstream failed mid-response (%s); closing the client "
-                            "connection", route.label, what)
-                self.close_connection = True
-                return False
-            if not data:
-                break
-            self._send(b"%x\r\n%s\r\n" % (len(data), data) if mode == "chunked" else data)
-        if mode == "chunked":
-            self._send(b"0\r\n\r\n")
-        return True
-
-    # -- WebSocket tunnel
-    # ---------------------------------------------------------------------------
+    # -- WebSocket tunnel -------------------------------------------------------------------------
 
     def _tunnel(self, route: AnyRoute, target: str, token: Optional[str]) -> None:
-        """Open a WebSocket session: replay the upgrade upstream on this thread, then relay a 101
-        verbatim and run the tunnel until it ends, or relay any other answer as HTTP. A replica
-        route opens it on one of its replicas (`_open_on_a_replica`)."""
+        """Open a WebSocket session (a replica route's on a replica: `_open_on_a_replica`): replay
+        the upgrade upstream, then relay a 101 and run the tunnel, or another answer as HTTP."""
         self.close_connection = True  # whatever happens, this connection ends with the tunnel
         self.server.tunnelling.add(self.connection)  # stop() lets it answer: see abort_connections
         try:
@@ -2236,22 +2167,21 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             tried.append(replica)
             route = replica.route
             try:
-                try:
-                    tunnel, reader, head, status = self._upgrade(
-                        route, route.base_path + target, token)
-                except _RouteGone:
-                    if replicas._closed:  # the whole route was unmounted, or the proxy is stopping
-                        self._refuse(_route_gone_refusal(self.proxy._stopping), close=True)
-                        return
-                    last = Refusal(502, "replica-unavailable", "The replica %s was removed while "
-                                   "the WebSocket upgrade was under way." % route.label)
-                    continue
-                except _ClientGone:
-                    raise
-                except Exception as exc:
-                    last = _classify_upstream_error(exc, route)
-                    replicas._mark_failed(replica, "%s (%s)" % (last.kind, _failure_name(exc)))
-                    continue
+                tunnel, reader, head, status = self._upgrade(route, route.base_path + target, token)
+            except _RouteGone:
+                if replicas._closed:  # the whole route was unmounted, or the proxy is stopping
+                    self._refuse(_route_gone_refusal(self.proxy._stopping), close=True)
+                    return
+                last = Refusal(502, "replica-unavailable", "The replica %s was removed while the "
+                               "WebSocket upgrade was under way." % route.label)
+                continue
+            except _ClientGone:
+                raise
+            except Exception as exc:
+                last = _classify_upstream_error(exc, route)
+                replicas._mark_failed(replica, "%s (%s)" % (last.kind, _failure_name(exc)))
+                continue
+            else:
                 if status in REPLICA_DOWN_STATUSES:
                     route._remove_tunnel(tunnel)
                     tunnel.upstream.close()  # type: ignore[union-attr]
@@ -2264,21 +2194,20 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 return
             finally:
                 replicas._release(replica)
-        total, failed = replicas._failure_summary()
-        if last is not None and len(failed) < total:
-            self._refuse(last, close=True)  # tried twice; other replicas remain for later
-        else:
-            self._refuse(_no_live_replica_refusal(total, failed), close=True)
+        total, failed = replicas._failure_summary()  # (`last` if other replicas remain for later)
+        self._refuse(last if last is not None and len(failed) < total
+                     else _no_live_replica_refusal(total, failed), close=True)
 
     def _upgrade(self, route: Route, target: str,
                  token: Optional[str]) -> Tuple["_Tunnel", _Reader, bytes, int]:
-        """Open a stream to the upstream (the TLS handshake within connect_timeout_s), send the
-        upgrade request and read the answer's head within read_timeout_s, watching the client
-        meanwhile: (tunnel, the reader holding what came past the head, head, status). The tunnel
-        is on its route from before the connect, so an unmount or a stop cuts it at any step
-        (_RouteGone). On any failure the stream is closed and the tunnel off its route;
-        _ClientGone if the client hung up first."""
-        request = self._upgrade_head(route, target, token)
+        """Open a stream to the upstream (TLS handshake within connect_timeout_s), send the client's
+        upgrade request and read the answer's head within read_timeout_s, watching the client:
+        (tunnel, reader holding what came past the head, head, status). The tunnel is on its route
+        from before the connect, so an unmount or stop cuts it at any step (_RouteGone); a failure
+        closes the stream and takes the tunnel off its route (_ClientGone if the client hung up)."""
+        request = (_request_lines("GET", target, _upstream_request_headers(
+            self.headers, route, token, self._route_headers)) + "Upgrade: %s\r\nConnection: "
+            "Upgrade\r\n\r\n" % self.headers.get("Upgrade", "websocket")).encode("latin-1")
         tunnel = _Tunnel(self.connection, route.label)
         if not route._add_tunnel(tunnel):
             raise _RouteGone()
@@ -2308,26 +2237,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         match = _STATUS_LINE_RE.match(head)
         return tunnel, reader, head, int(match.group(1)) if match else 0
 
-    def _upgrade_head(self, route: Route, target: str, token: Optional[str]) -> bytes:
-        """The upgrade request the upstream gets: the client's, with the route's token and
-        headers."""
-        lines = ["GET %s HTTP/1.1" % target]
-        pairs = _upstream_request_headers(self.headers, route, token, self._route_headers)
-        lines += ["%s: %s" % (name, value) for name, value in pairs]
-        lines += ["Upgrade: %s" % self.headers.get("Upgrade", "websocket"), "Connection: Upgrade"]
-        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-
-    def _take_buffered(self) -> bytes:
-        """What the client sent past the upgrade request (frames sent right behind it)."""
-        data, self._client.buf = self._client.buf, b""
-        return data
-
     def _finish_upgrade(self, route: Route, tunnel: "_Tunnel", reader: _Reader, head: bytes,
                         status: int) -> None:
-        """Relay a non-101 answer as HTTP. On a 101: take the upstream->client thread from the
-        pool (counted in the cap: at the cap the client gets 503 proxy-busy, not a half-made
-        tunnel), relay the 101 verbatim and copy client->upstream on this thread until either
-        side ends."""
+        """Relay a non-101 answer as HTTP. On a 101: take the upstream->client thread from the pool
+        (counted in the cap: at the cap the client gets 503 proxy-busy, not a half-made tunnel),
+        relay the 101 verbatim and copy client->upstream on this thread until either side ends."""
         stream = tunnel.upstream
         assert stream is not None
         try:
@@ -2354,7 +2268,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self.connection.sendall(head + reader.buf)
             except OSError:
                 tunnel.close()
-            tunnel.run(self._take_buffered())
+            data, self._client.buf = self._client.buf, b""  # (frames sent right behind the upgrade)
+            tunnel.run(data)
         finally:
             tunnel.close()  # (a no-op after run(); else it frees the upstream->client worker)
             route._remove_tunnel(tunnel)
@@ -2367,17 +2282,10 @@ def _head_bytes(status: int, reason: str, headers: List[Tuple[str, str]]) -> byt
     return ("HTTP/1.1 %d %s\r\n%s\r\n" % (status, reason, fields)).encode("latin-1")
 
 
-def _prepend(first: bytes, rest: Iterable[bytes]) -> Iterator[bytes]:
-    if first:
-        yield first
-    yield from rest
-
-
 def _watching(client: socket.socket, deadline: float, step: Callable[[], Optional[bytes]],
               what: str) -> Optional[bytes]:
-    """step() on an upstream stream whose timeout is a slice (TUNNEL_WATCH_S), retried after each
-    slice until `deadline` (then socket.timeout saying `what`) while the client is still there: one
-    that hung up frees this thread and the upstream at once (_ClientGone)."""
+    """step() on an upstream stream timing out in slices (TUNNEL_WATCH_S), retried until `deadline`
+    (socket.timeout saying `what`) unless the client hung up (_ClientGone frees both sides now)."""
     while True:
         try:
             return step()
@@ -2408,7 +2316,6 @@ def _route_gone_refusal(stopping: bool) -> Refusal:
                        "The proxy is stopping; this WebSocket session was not opened.")
     return Refusal(404, "unknown-route", "The route was unmounted while this WebSocket upgrade was "
                    "under way; mount it again, or use the base URL of a mounted route.")
-
 
 
 # --------------------------------------------------------------------------------------------------
