@@ -43,7 +43,7 @@ import types
 import urllib.parse
 import weakref
 from itertools import repeat
-from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Mapping,
+from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping,
                     NamedTuple, Optional, Sequence, Set, Tuple, Union)
 
 if TYPE_CHECKING:
