@@ -1479,14 +1479,14 @@ def _start_with_stack(thread: threading.Thread, stack_bytes: int) -> None:
     get it too: the window is one thread creation)."""
     with _STACK_SIZE_LOCK:
         try:
-            previous = threading.stack_size(stack_bytes)
+            previous: Optional[int] = threading.stack_size(stack_bytes)
         except (ValueError, RuntimeError):  # a platform that cannot change it: keep its default
-            _start_thread(thread)
-            return
+            previous = None
         try:
             _start_thread(thread)
         finally:
-            threading.stack_size(previous)
+            if previous is not None:
+                threading.stack_size(previous)
 
 
 class _Server(http.server.ThreadingHTTPServer):
@@ -1567,13 +1567,9 @@ class _Server(http.server.ThreadingHTTPServer):
         except Exception:
             self.handle_error(request, client_address)
         finally:
-            self.release_connection(request)
-
-    def release_connection(self, request: socket.socket) -> None:
-        """Close a client connection the proxy is done with (its worker's, a tunnel's too)."""
-        self.shutdown_request(request)
-        with self._conn_lock:
-            self._conns.discard(request)
+            self.shutdown_request(request)
+            with self._conn_lock:
+                self._conns.discard(request)
 
     def handle_error(self, request: object, client_address: object) -> None:
         log.error("proxy: unexpected error while serving a connection", exc_info=True)
