@@ -21,7 +21,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import http.client
 import http.server
 import importlib
 import ipaddress
@@ -39,7 +38,6 @@ import struct
 import sys
 import threading
 import time
-import types
 import urllib.parse
 import weakref
 from itertools import repeat
@@ -235,7 +233,11 @@ class Route:
         self.base_path: str = parts.path.rstrip("/")
         # An IP literal needs no getaddrinfo per connection; names are resolved per connection (DNS
         # answers change). A name under `localhost` is loopback (RFC 6761): resolvers need not know.
-        self._ip_family: Optional[int] = _ip_literal_family(self.host)
+        try:
+            self._ip_family: Optional[int] = (
+                socket.AF_INET6 if ipaddress.ip_address(self.host).version == 6 else socket.AF_INET)
+        except ValueError:
+            self._ip_family = None
         self._dial_host = ("localhost" if self.host.lower().rstrip(".").endswith(".localhost")
                            else self.host)
         host_header = "[%s]" % self.host if ":" in self.host else self.host
@@ -496,7 +498,11 @@ class ReplicaRoute:
 
     def __init__(self, upstreams: Sequence[str], token: Token, verify: Verify = True,
                  http: str = "refuse") -> None:
-        _raise_if_rejected(_replicas_rejection(upstreams) or _http_mode_rejection(http))
+        _raise_if_rejected(_replicas_rejection(upstreams))
+        if http not in HTTP_MODES:
+            raise ValueError("http must be 'refuse' (only GET /health, /metadata, /schema pass) or "
+                             "'any' (every HTTP request goes to some live replica), got "
+                             "%r" % (http,))
         self.token: Token = token
         self.verify: Verify = verify
         self.http: str = http
@@ -675,7 +681,15 @@ class AuthProxy:
         this one, so relaying costs this GIL nothing; return its started `AuthProxyProcess` (module
         `proxy_host`; the routes API, tokens sent over a private channel). `processes=N` (Linux): N
         children sharing the port (SO_REUSEPORT), every route mounted in each."""
-        return _layer("proxy_host").spawn(cls, host, port, processes=processes, **timeouts)
+        try:  # (relative inside a package)
+            layer = importlib.import_module(("." if __package__ else "") + "proxy_host",
+                                            __package__ or None)
+        except ModuleNotFoundError as exc:
+            if exc.name not in ("proxy_host", "%s.proxy_host" % __package__):
+                raise
+            raise ImportError("this needs proxy_host.py beside proxy.py: copy it too when "
+                              "vendoring") from None
+        return layer.spawn(cls, host, port, processes=processes, **timeouts)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -875,17 +889,6 @@ LIBRARY_THREAD_BLOCKED_SIGNALS = MAIN_THREAD_SIGNALS | frozenset(
     if hasattr(signal, name))
 
 
-def _layer(name: str) -> types.ModuleType:
-    """The optional module `name` beside this one (relative inside a package), imported on use."""
-    try:
-        return importlib.import_module(("." if __package__ else "") + name, __package__ or None)
-    except ModuleNotFoundError as exc:
-        if exc.name not in (name, "%s.%s" % (__package__, name)):
-            raise
-        raise ImportError("this needs %s.py beside proxy.py: copy it too when "
-                          "vendoring" % name) from None
-
-
 @contextlib.contextmanager
 def _library_signal_mask() -> Iterator[None]:
     """Block LIBRARY_THREAD_BLOCKED_SIGNALS meanwhile (threads started inside inherit the mask)."""
@@ -917,14 +920,6 @@ def _is_loopback_host(host: Optional[str]) -> bool:
         return False
 
 
-def _ip_literal_family(host: str) -> Optional[int]:
-    """AF_INET or AF_INET6 when `host` is an IP address literal, else None (a name to resolve)."""
-    try:
-        return socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
-    except ValueError:
-        return None
-
-
 def _route_id(base_url: object) -> str:
     """The route id: the last path segment of a base URL `mount` returned."""
     return base_url.rstrip("/").rsplit("/", 1)[-1] if isinstance(base_url, str) else ""
@@ -945,12 +940,6 @@ def _replicas_rejection(upstreams: object) -> Optional[str]:
     if not reason and len(set(upstreams)) != len(upstreams):  # (all strings: set() may hash them)
         return "upstreams lists the same URL twice; each replica must be a different job"
     return reason
-
-
-def _http_mode_rejection(http_mode: object) -> Optional[str]:
-    return None if http_mode in HTTP_MODES else (
-        "http must be 'refuse' (only GET /health, /metadata, /schema pass) or 'any' (every HTTP "
-        "request goes to some live replica), got %r" % (http_mode,))
 
 
 def _raise_if_rejected(reason: Optional[str]) -> None:
@@ -1334,13 +1323,6 @@ def _classify_upstream_error(exc: BaseException, route: Route) -> Refusal:
     if isinstance(exc, ConnectionRefusedError):
         return Refusal(502, unreachable, "The upstream %s refused the connection; is the job "
                                          "running with its port exposed?" % where)
-    if isinstance(exc, http.client.IncompleteRead):
-        return Refusal(502, unreachable, "The upstream %s closed the connection in the middle of "
-                                         "its response; did the job crash?" % where)
-    if (isinstance(exc, http.client.HTTPException)
-            and not isinstance(exc, http.client.RemoteDisconnected)):
-        return Refusal(502, "upstream-protocol",
-                       "The upstream %s sent a malformed HTTP response." % where)
     return Refusal(502, unreachable, "The connection to the upstream %s failed (%s); is the job "
                                      "still running?" % (where, type(exc).__name__))
 
@@ -1352,9 +1334,8 @@ def _may_retry(method: str, reused: bool, replayable: bool, fully_sent: bool,
     closed, not slow: timeouts never retry), the request can be replayed byte for byte (its body was
     buffered), and the method is idempotent or the request was not completely sent (the upstream
     cannot have acted on it: a fully sent POST that then got no answer might have run)."""
-    no_answer = isinstance(exc, (_UpstreamClosed, http.client.RemoteDisconnected,
-                                 ConnectionResetError, BrokenPipeError, ConnectionAbortedError,
-                                 ssl.SSLEOFError, ssl.SSLZeroReturnError))
+    no_answer = isinstance(exc, (_UpstreamClosed, ConnectionResetError, BrokenPipeError,
+                                 ConnectionAbortedError, ssl.SSLEOFError, ssl.SSLZeroReturnError))
     return reused and no_answer and replayable and (method in IDEMPOTENT_METHODS or not fully_sent)
 
 
