@@ -12,7 +12,6 @@ streams the answer back. A WebSocket upgrade gets a connection of its own; after
 is a tunnel of two threads, one per direction, copying raw bytes. Blocking sockets only: no event
 loop. Standard library only.
 
-Public names: `AuthProxy`, `Route`, `ReplicaRoute`, `Refusal`, `InsecureURLError`.
 `AuthProxy.spawn()` serves one from a child process (module `proxy_host`, loaded on use);
 `python proxy.py UPSTREAM_URL` fronts one job from the command line.
 """
@@ -203,8 +202,8 @@ class Refusal(NamedTuple):
 
 
 class Route:
-    """One mounted upstream: where to forward, which token to inject (None = inject nothing), TLS
-    verify, and extra request headers (a mapping or a zero-argument callable, read per request).
+    """One mounted upstream: where to forward, the token to inject (None: none), TLS verify and
+    extra request headers (`ExtraHeaders`).
 
     Keep-alive connections live in a pool per upstream host shared by the routes of one `AuthProxy`
     (many sandboxes behind one host job: one TLS handshake per connection, not per sandbox). A route
@@ -454,9 +453,7 @@ class _HostPools:
 
     def acquire(self, key: Tuple[str, str, int, Verify]) -> _HostPool:
         with self._lock:
-            pool = self._pools.get(key)
-            if pool is None:
-                pool = self._pools[key] = _HostPool(key)
+            pool = self._pools.setdefault(key, _HostPool(key))
             pool.users += 1
             return pool
 
@@ -476,11 +473,10 @@ class _HostPools:
 def _drain(idle: "collections.deque[_UpstreamConnection]") -> List["_UpstreamConnection"]:
     """Take every connection out of an idle deque (safe against concurrent appends and pops)."""
     drained = []
-    while True:
-        try:
+    with contextlib.suppress(IndexError):
+        while True:
             drained.append(idle.popleft())
-        except IndexError:
-            return drained
+    return drained
 
 
 class ReplicaRoute:
@@ -517,8 +513,7 @@ class ReplicaRoute:
 
     def __repr__(self) -> str:
         with self._lock:
-            live = sum(1 for r in self._replicas if r.healthy)
-            total = len(self._replicas)
+            live, total = sum(r.healthy for r in self._replicas), len(self._replicas)
         return "ReplicaRoute(%d/%d replicas live, token=%s, http=%r)" % (
             live, total, "set" if self.token is not None else "None", self.http)
 
@@ -530,15 +525,15 @@ class ReplicaRoute:
         """One dict per replica, in mount order: `upstream` (the URL as mounted: no secret),
         `open_sessions` (open or opening), `healthy`, `reason` (why it left rotation, or None)."""
         with self._lock:
-            return [{"upstream": r.upstream, "open_sessions": r.open_sessions, "healthy": r.healthy,
-                     "reason": r.reason} for r in self._replicas]
+            return [{"upstream": r.route.upstream, "open_sessions": r.open_sessions,
+                     "healthy": r.healthy, "reason": r.reason} for r in self._replicas]
 
     def add(self, upstream: str) -> bool:
         """Add a replica, or put a failed one back in rotation; False if it was already live."""
         _raise_if_rejected(_replicas_rejection([upstream]))
         with self._lock:
             for replica in self._replicas:
-                if replica.upstream == upstream:
+                if replica.route.upstream == upstream:
                     if replica.healthy:
                         return False
                     replica.healthy, replica.reason = True, None
@@ -550,8 +545,8 @@ class ReplicaRoute:
     def remove(self, upstream: str) -> bool:
         """Take a replica out for good and end its open sessions; False if no such replica."""
         with self._lock:
-            found = [r for r in self._replicas if r.upstream == upstream]
-            self._replicas = [r for r in self._replicas if r.upstream != upstream]
+            found = [r for r in self._replicas if r.route.upstream == upstream]
+            self._replicas = [r for r in self._replicas if r.route.upstream != upstream]
         for replica in found:
             problems = replica.route.close()
             log.info("proxy: %s removed%s", replica.route.label,
@@ -573,7 +568,7 @@ class ReplicaRoute:
         with self._lock:
             if not self._closed:
                 self._created += 1
-                replica = _Replica(upstream, route, self._created)
+                replica = _Replica(route, self._created)
                 replica.set_label(self.label)
                 self._replicas.append(replica)
                 return replica
@@ -621,8 +616,7 @@ class ReplicaRoute:
 class _Replica:
     """One upstream of a `ReplicaRoute`: its `Route` and rotation state (under the route's lock)."""
 
-    def __init__(self, upstream: str, route: Route, number: int) -> None:
-        self.upstream = upstream
+    def __init__(self, route: Route, number: int) -> None:
         self.route = route
         self.number = number
         self.open_sessions = 0
@@ -1296,8 +1290,8 @@ def _failure_name(exc: BaseException) -> str:
 
 
 def _log_upstream_failure(route: Route, kind: str, what: str) -> None:
-    """WARNING for the first failure of a run on a route, DEBUG for its repeats (a booting job fails
-    every readiness probe the same way; hundreds of identical warnings would bury real problems)."""
+    """WARNING for the first failure of a run on a route (see Route.note_failure), DEBUG for its
+    repeats: hundreds of identical warnings would bury real problems."""
     level = logging.WARNING if route.note_failure(kind) else logging.DEBUG
     log.log(level, "proxy: %s: %s%s", route.label, what, kind)
 
