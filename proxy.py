@@ -12,7 +12,6 @@ streams the answer back. A WebSocket upgrade gets a connection of its own; after
 is a tunnel of two threads, one per direction, copying raw bytes. Blocking sockets only: no event
 loop. Standard library only.
 
-Public names: `AuthProxy`, `Route`, `ReplicaRoute`, `Refusal`, `InsecureURLError`.
 `AuthProxy.spawn()` serves one from a child process (module `proxy_host`, loaded on use);
 `python proxy.py UPSTREAM_URL` fronts one job from the command line.
 """
@@ -21,7 +20,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import http.client
 import http.server
 import importlib
 import ipaddress
@@ -39,7 +37,6 @@ import struct
 import sys
 import threading
 import time
-import types
 import urllib.parse
 import weakref
 from itertools import repeat
@@ -205,8 +202,8 @@ class Refusal(NamedTuple):
 
 
 class Route:
-    """One mounted upstream: where to forward, which token to inject (None = inject nothing), TLS
-    verify, and extra request headers (a mapping or a zero-argument callable, read per request).
+    """One mounted upstream: where to forward, the token to inject (None: none), TLS verify and
+    extra request headers (`ExtraHeaders`).
 
     Keep-alive connections live in a pool per upstream host shared by the routes of one `AuthProxy`
     (many sandboxes behind one host job: one TLS handshake per connection, not per sandbox). A route
@@ -235,7 +232,11 @@ class Route:
         self.base_path: str = parts.path.rstrip("/")
         # An IP literal needs no getaddrinfo per connection; names are resolved per connection (DNS
         # answers change). A name under `localhost` is loopback (RFC 6761): resolvers need not know.
-        self._ip_family: Optional[int] = _ip_literal_family(self.host)
+        try:
+            self._ip_family: Optional[int] = (
+                socket.AF_INET6 if ipaddress.ip_address(self.host).version == 6 else socket.AF_INET)
+        except ValueError:
+            self._ip_family = None
         self._dial_host = ("localhost" if self.host.lower().rstrip(".").endswith(".localhost")
                            else self.host)
         host_header = "[%s]" % self.host if ":" in self.host else self.host
@@ -452,9 +453,7 @@ class _HostPools:
 
     def acquire(self, key: Tuple[str, str, int, Verify]) -> _HostPool:
         with self._lock:
-            pool = self._pools.get(key)
-            if pool is None:
-                pool = self._pools[key] = _HostPool(key)
+            pool = self._pools.setdefault(key, _HostPool(key))
             pool.users += 1
             return pool
 
@@ -474,11 +473,10 @@ class _HostPools:
 def _drain(idle: "collections.deque[_UpstreamConnection]") -> List["_UpstreamConnection"]:
     """Take every connection out of an idle deque (safe against concurrent appends and pops)."""
     drained = []
-    while True:
-        try:
+    with contextlib.suppress(IndexError):
+        while True:
             drained.append(idle.popleft())
-        except IndexError:
-            return drained
+    return drained
 
 
 class ReplicaRoute:
@@ -496,7 +494,11 @@ class ReplicaRoute:
 
     def __init__(self, upstreams: Sequence[str], token: Token, verify: Verify = True,
                  http: str = "refuse") -> None:
-        _raise_if_rejected(_replicas_rejection(upstreams) or _http_mode_rejection(http))
+        _raise_if_rejected(_replicas_rejection(upstreams))
+        if http not in HTTP_MODES:
+            raise ValueError("http must be 'refuse' (only GET /health, /metadata, /schema pass) or "
+                             "'any' (every HTTP request goes to some live replica), got "
+                             "%r" % (http,))
         self.token: Token = token
         self.verify: Verify = verify
         self.http: str = http
@@ -511,8 +513,7 @@ class ReplicaRoute:
 
     def __repr__(self) -> str:
         with self._lock:
-            live = sum(1 for r in self._replicas if r.healthy)
-            total = len(self._replicas)
+            live, total = sum(r.healthy for r in self._replicas), len(self._replicas)
         return "ReplicaRoute(%d/%d replicas live, token=%s, http=%r)" % (
             live, total, "set" if self.token is not None else "None", self.http)
 
@@ -524,15 +525,15 @@ class ReplicaRoute:
         """One dict per replica, in mount order: `upstream` (the URL as mounted: no secret),
         `open_sessions` (open or opening), `healthy`, `reason` (why it left rotation, or None)."""
         with self._lock:
-            return [{"upstream": r.upstream, "open_sessions": r.open_sessions, "healthy": r.healthy,
-                     "reason": r.reason} for r in self._replicas]
+            return [{"upstream": r.route.upstream, "open_sessions": r.open_sessions,
+                     "healthy": r.healthy, "reason": r.reason} for r in self._replicas]
 
     def add(self, upstream: str) -> bool:
         """Add a replica, or put a failed one back in rotation; False if it was already live."""
         _raise_if_rejected(_replicas_rejection([upstream]))
         with self._lock:
             for replica in self._replicas:
-                if replica.upstream == upstream:
+                if replica.route.upstream == upstream:
                     if replica.healthy:
                         return False
                     replica.healthy, replica.reason = True, None
@@ -544,8 +545,8 @@ class ReplicaRoute:
     def remove(self, upstream: str) -> bool:
         """Take a replica out for good and end its open sessions; False if no such replica."""
         with self._lock:
-            found = [r for r in self._replicas if r.upstream == upstream]
-            self._replicas = [r for r in self._replicas if r.upstream != upstream]
+            found = [r for r in self._replicas if r.route.upstream == upstream]
+            self._replicas = [r for r in self._replicas if r.route.upstream != upstream]
         for replica in found:
             problems = replica.route.close()
             log.info("proxy: %s removed%s", replica.route.label,
@@ -567,7 +568,7 @@ class ReplicaRoute:
         with self._lock:
             if not self._closed:
                 self._created += 1
-                replica = _Replica(upstream, route, self._created)
+                replica = _Replica(route, self._created)
                 replica.set_label(self.label)
                 self._replicas.append(replica)
                 return replica
@@ -615,8 +616,7 @@ class ReplicaRoute:
 class _Replica:
     """One upstream of a `ReplicaRoute`: its `Route` and rotation state (under the route's lock)."""
 
-    def __init__(self, upstream: str, route: Route, number: int) -> None:
-        self.upstream = upstream
+    def __init__(self, route: Route, number: int) -> None:
         self.route = route
         self.number = number
         self.open_sessions = 0
@@ -675,7 +675,15 @@ class AuthProxy:
         this one, so relaying costs this GIL nothing; return its started `AuthProxyProcess` (module
         `proxy_host`; the routes API, tokens sent over a private channel). `processes=N` (Linux): N
         children sharing the port (SO_REUSEPORT), every route mounted in each."""
-        return _layer("proxy_host").spawn(cls, host, port, processes=processes, **timeouts)
+        try:  # (relative inside a package)
+            layer = importlib.import_module(("." if __package__ else "") + "proxy_host",
+                                            __package__ or None)
+        except ModuleNotFoundError as exc:
+            if exc.name not in ("proxy_host", "%s.proxy_host" % __package__):
+                raise
+            raise ImportError("this needs proxy_host.py beside proxy.py: copy it too when "
+                              "vendoring") from None
+        return layer.spawn(cls, host, port, processes=processes, **timeouts)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -875,17 +883,6 @@ LIBRARY_THREAD_BLOCKED_SIGNALS = MAIN_THREAD_SIGNALS | frozenset(
     if hasattr(signal, name))
 
 
-def _layer(name: str) -> types.ModuleType:
-    """The optional module `name` beside this one (relative inside a package), imported on use."""
-    try:
-        return importlib.import_module(("." if __package__ else "") + name, __package__ or None)
-    except ModuleNotFoundError as exc:
-        if exc.name not in (name, "%s.%s" % (__package__, name)):
-            raise
-        raise ImportError("this needs %s.py beside proxy.py: copy it too when "
-                          "vendoring" % name) from None
-
-
 @contextlib.contextmanager
 def _library_signal_mask() -> Iterator[None]:
     """Block LIBRARY_THREAD_BLOCKED_SIGNALS meanwhile (threads started inside inherit the mask)."""
@@ -917,14 +914,6 @@ def _is_loopback_host(host: Optional[str]) -> bool:
         return False
 
 
-def _ip_literal_family(host: str) -> Optional[int]:
-    """AF_INET or AF_INET6 when `host` is an IP address literal, else None (a name to resolve)."""
-    try:
-        return socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
-    except ValueError:
-        return None
-
-
 def _route_id(base_url: object) -> str:
     """The route id: the last path segment of a base URL `mount` returned."""
     return base_url.rstrip("/").rsplit("/", 1)[-1] if isinstance(base_url, str) else ""
@@ -945,12 +934,6 @@ def _replicas_rejection(upstreams: object) -> Optional[str]:
     if not reason and len(set(upstreams)) != len(upstreams):  # (all strings: set() may hash them)
         return "upstreams lists the same URL twice; each replica must be a different job"
     return reason
-
-
-def _http_mode_rejection(http_mode: object) -> Optional[str]:
-    return None if http_mode in HTTP_MODES else (
-        "http must be 'refuse' (only GET /health, /metadata, /schema pass) or 'any' (every HTTP "
-        "request goes to some live replica), got %r" % (http_mode,))
 
 
 def _raise_if_rejected(reason: Optional[str]) -> None:
@@ -1307,8 +1290,8 @@ def _failure_name(exc: BaseException) -> str:
 
 
 def _log_upstream_failure(route: Route, kind: str, what: str) -> None:
-    """WARNING for the first failure of a run on a route, DEBUG for its repeats (a booting job fails
-    every readiness probe the same way; hundreds of identical warnings would bury real problems)."""
+    """WARNING for the first failure of a run on a route (see Route.note_failure), DEBUG for its
+    repeats: hundreds of identical warnings would bury real problems."""
     level = logging.WARNING if route.note_failure(kind) else logging.DEBUG
     log.log(level, "proxy: %s: %s%s", route.label, what, kind)
 
@@ -1334,13 +1317,6 @@ def _classify_upstream_error(exc: BaseException, route: Route) -> Refusal:
     if isinstance(exc, ConnectionRefusedError):
         return Refusal(502, unreachable, "The upstream %s refused the connection; is the job "
                                          "running with its port exposed?" % where)
-    if isinstance(exc, http.client.IncompleteRead):
-        return Refusal(502, unreachable, "The upstream %s closed the connection in the middle of "
-                                         "its response; did the job crash?" % where)
-    if (isinstance(exc, http.client.HTTPException)
-            and not isinstance(exc, http.client.RemoteDisconnected)):
-        return Refusal(502, "upstream-protocol",
-                       "The upstream %s sent a malformed HTTP response." % where)
     return Refusal(502, unreachable, "The connection to the upstream %s failed (%s); is the job "
                                      "still running?" % (where, type(exc).__name__))
 
@@ -1352,9 +1328,8 @@ def _may_retry(method: str, reused: bool, replayable: bool, fully_sent: bool,
     closed, not slow: timeouts never retry), the request can be replayed byte for byte (its body was
     buffered), and the method is idempotent or the request was not completely sent (the upstream
     cannot have acted on it: a fully sent POST that then got no answer might have run)."""
-    no_answer = isinstance(exc, (_UpstreamClosed, http.client.RemoteDisconnected,
-                                 ConnectionResetError, BrokenPipeError, ConnectionAbortedError,
-                                 ssl.SSLEOFError, ssl.SSLZeroReturnError))
+    no_answer = isinstance(exc, (_UpstreamClosed, ConnectionResetError, BrokenPipeError,
+                                 ConnectionAbortedError, ssl.SSLEOFError, ssl.SSLZeroReturnError))
     return reused and no_answer and replayable and (method in IDEMPOTENT_METHODS or not fully_sent)
 
 
