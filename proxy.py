@@ -2454,7 +2454,6 @@ class _Reader:
         return buf[:n]
 
     def read_exact(self, n: int, where: str) -> bytes:
-        """Exactly n bytes: the buffered ones, then reads for the rest."""
         buf = self.buf
         while len(buf) < n:
             data = self.recv(IO_CHUNK)
