@@ -2400,9 +2400,8 @@ class _UpstreamConnection:
                         return False
                     sendall(view[offset:offset + IO_CHUNK])
                     sent += min(IO_CHUNK, len(view) - offset)
-        pending += b"0\r\n\r\n" if chunked else b""
-        if pending:
-            sendall(pending)
+        if pending or chunked:
+            sendall(pending + b"0\r\n\r\n" if chunked else pending)
         return True
 
     def close(self) -> None:
@@ -2426,7 +2425,6 @@ class _Reader:
         return buf[:n]
 
     def read_exact(self, n: int, where: str) -> bytes:
-        """Exactly n bytes: the buffered ones, then reads for the rest."""
         buf = self.buf
         while len(buf) < n:
             data = self.recv(IO_CHUNK)
@@ -2633,14 +2631,11 @@ def _set_socket_timeout(sock: socket.socket, timeout: Optional[float],
         return
     if sock.gettimeout() is not None:  # e.g. the connect timeout, or socket.setdefaulttimeout()'s
         sock.settimeout(None)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(timeout))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                    _timeval(timeout if send_timeout is None else send_timeout))
-
-
-def _timeval(timeout: Optional[float]) -> bytes:
-    seconds = 0.0 if timeout is None else max(float(timeout), 1e-6)  # 0 is "never" to the kernel
-    return struct.pack("@ll", int(seconds), int((seconds - int(seconds)) * 1e6))
+    for option, value in ((socket.SO_RCVTIMEO, timeout),
+                          (socket.SO_SNDTIMEO, timeout if send_timeout is None else send_timeout)):
+        seconds = 0.0 if value is None else max(float(value), 1e-6)  # 0 is "never" to the kernel
+        sock.setsockopt(socket.SOL_SOCKET, option,
+                        struct.pack("@ll", int(seconds), int((seconds - int(seconds)) * 1e6)))
 
 
 _TLS_CONTEXTS: "collections.OrderedDict[object, ssl.SSLContext]" = collections.OrderedDict()
@@ -2703,9 +2698,8 @@ def _quiet_close(closeable: Any) -> Optional[str]:
 
 def _busy_refusal() -> Refusal:
     return Refusal(503, "proxy-busy", "The proxy is at its limit of %d threads (each WebSocket "
-                                      "session holds two); retry shortly, or spread sessions over "
-                                      "more processes." % MAX_WORKERS,
-                   headers=(("Retry-After", str(BUSY_RETRY_AFTER_S)),))
+                   "session holds two); retry shortly, or spread sessions over more processes."
+                   % MAX_WORKERS, headers=(("Retry-After", str(BUSY_RETRY_AFTER_S)),))
 
 
 def _answer_busy(sock: socket.socket, warnings: "_WarningRate") -> None:
@@ -2736,10 +2730,8 @@ class _WarningRate:
     per `every_s` seconds, each reporting how many events happened since the previous one."""
 
     def __init__(self, every_s: float) -> None:
-        self.every_s = every_s
-        self._lock = threading.Lock()
+        self.every_s, self._lock, self._held = every_s, threading.Lock(), 0
         self._last: Optional[float] = None
-        self._held = 0
 
     def note(self, now: float) -> int:
         """Count one event at `now` (monotonic); if a warning is due, the events to report (this
@@ -2758,12 +2750,7 @@ class _Stream:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock, self.settimeout = sock, sock.settimeout
-
-    def recv(self, n: int) -> bytes:
-        return self.sock.recv(n)
-
-    def sendall(self, data: bytes) -> None:
-        self.sock.sendall(data)
+        self.recv, self.sendall = sock.recv, sock.sendall  # (_TlsStream's are methods)
 
     def abort(self) -> None:
         """Wake threads blocked on this stream; they see EOF or an error and end."""
@@ -2782,7 +2769,7 @@ class _TlsStream(_Stream):
     output another thread writes is sent by the holder, or finds it free."""
 
     def __init__(self, sock: socket.socket, context: ssl.SSLContext, host: str) -> None:
-        super().__init__(sock)
+        self.sock, self.settimeout = sock, sock.settimeout  # (not _Stream's recv and sendall)
         self._incoming, self._outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
         self._tls = context.wrap_bio(self._incoming, self._outgoing, server_hostname=host)
         self._engine, self._sending = threading.Lock(), threading.Lock()
@@ -2794,11 +2781,11 @@ class _TlsStream(_Stream):
             try:
                 with self._engine:
                     self._tls.do_handshake()
-                break
+                self.sendall()
+                return
             except ssl.SSLWantReadError:
                 self.sendall()
                 self._feed()
-        self.sendall()
 
     def recv(self, n: int) -> bytes:
         """Up to `n` decrypted bytes; b"" once the peer ended the stream."""
@@ -2880,7 +2867,6 @@ class _Tunnel:
         self._pumped.acquire()
 
     def cut_off(self) -> None:
-        """End the session from its route (unmount, stop)."""
         self.cut = True
         if self.opened:
             self.close()
