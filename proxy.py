@@ -1623,15 +1623,6 @@ class _RequestHeaders:
     def items(self) -> List[Tuple[str, str]]:
         return list(zip(self._names, self._values))
 
-    def keys(self) -> List[str]:
-        return list(self._names)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.keys())
-
-    def __len__(self) -> int:
-        return len(self._names)
-
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and name.lower() in self._lowered
 
