@@ -1594,15 +1594,6 @@ class _RequestHeaders:
     def items(self) -> List[Tuple[str, str]]:
         return list(zip(self._names, self._values))
 
-    def keys(self) -> List[str]:
-        return list(self._names)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.keys())
-
-    def __len__(self) -> int:
-        return len(self._names)
-
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and name.lower() in self._lowered
 
@@ -1647,10 +1638,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._own_routing = type(self.proxy).route_request is AuthProxy.route_request
         self._seen_route: Optional[AnyRoute] = None  # the last one known in proxy._seen_routes
         self.connection = self.request
-        try:
+        with contextlib.suppress(OSError):  # (not every socket family supports it)
             self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError:  # pragma: no cover - not every socket family supports it
-            pass
         # unread client bytes stay in `_client.buf` (not a file object's buffer): tunnels take them
         self._client = _Reader(self._recv, _client_cut_short)
         self._timeout: Optional[float] = self.proxy.idle_timeout_s  # the socket's, now
@@ -1788,8 +1777,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._timeout = timeout
 
     def _refuse(self, refusal: Refusal, close: bool = False) -> None:
-        """Answer a refusal: its status and headers, X-Proxy-Error, and a small JSON body, in one
-        write (one syscall, one TCP segment)."""
+        """Answer a refusal (status, headers, X-Proxy-Error, small JSON body) in one TCP segment."""
         body = json.dumps({"error": refusal.kind, "message": refusal.message,
                            **(refusal.body or {})}).encode()
         if close:
@@ -1800,10 +1788,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         headers += [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
         if self.close_connection:
             headers.append(("Connection", "close"))
-        if self.command == "HEAD":
-            body = b""
         reason = self.responses.get(refusal.status, ("",))[0]
-        self._send(_head_bytes(refusal.status, reason, headers) + body)
+        self._send(_head_bytes(refusal.status, reason, headers)
+                   + (b"" if self.command == "HEAD" else body))
 
     # -- dispatch ---------------------------------------------------------------------------------
 
@@ -1812,17 +1799,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
         framing = _body_framing(self.headers)
         odd = self._odd_target or self.command == "CONNECT"
-        malformed = (_target_refusal(self.command, self.path) if odd else None) or (
-            _BAD_VALUE_REFUSAL if self._bad_value else None)
-        if malformed is None and isinstance(framing, Refusal):
-            malformed = framing
+        malformed = ((_target_refusal(self.command, self.path) if odd else None)
+                     or (_BAD_VALUE_REFUSAL if self._bad_value else None)
+                     or (framing if isinstance(framing, Refusal) else None))
         decision = malformed or (self.proxy.route_request(self.path, self.headers)
                                  if self._own_routing else self._route())
         if isinstance(decision, Refusal):
             # Malformed input, or an unread body that would be parsed as the next request: close.
-            has_body = isinstance(framing, Refusal) or framing[0] != "none"
-            self._refuse(decision,
-                         close=malformed is not None or has_body or decision.status >= 500)
+            self._refuse(decision, close=malformed is not None or framing[0] != "none"
+                         or decision.status >= 500)
             return
         route, target = decision
         if route is not self._seen_route:  # (a keep-alive connection usually asks for one route)
@@ -1832,12 +1817,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._seen_route = route
         assert not isinstance(framing, Refusal)
         upgrade = _is_websocket_upgrade(self.command, self.headers)
-        if upgrade:
-            refusal = _upgrade_refusal(self.headers)
-        elif isinstance(route, ReplicaRoute):
-            refusal = _replicated_http_refusal(route.http, self.command, target)
-        else:
-            refusal = None
+        refusal = (_upgrade_refusal(self.headers) if upgrade
+                   else _replicated_http_refusal(route.http, self.command, target)
+                   if isinstance(route, ReplicaRoute) else None)
         if refusal is not None:
             self._refuse(refusal, close=upgrade or framing[0] != "none")
             return
@@ -1938,12 +1920,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             body, rest = self._buffered_body(framing)
             size = len(body)
             replayable = size <= REPLAYABLE_BODY_BYTES
-            if not replayable:
-                head = lines + b"Transfer-Encoding: chunked\r\n\r\n"
-            elif framing[0] == "none":
-                head = lines + b"\r\n"
-            else:
-                head = lines + b"Content-Length: %d\r\n\r\n" % size
+            head = lines + (b"Transfer-Encoding: chunked\r\n\r\n" if not replayable
+                            else b"\r\n" if framing[0] == "none"
+                            else b"Content-Length: %d\r\n\r\n" % size)
             for attempt in (1, 2):
                 try:
                     conn, reused = route._checkout(self.proxy)
@@ -1976,11 +1955,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     finally:
                         conn.watch = None
                     break
-                except (_ClientBodyError, _ClientGone):
-                    route._checkin(conn, False)
-                    raise
                 except Exception as exc:
                     route._checkin(conn, False)
+                    if isinstance(exc, (_ClientBodyError, _ClientGone)):
+                        raise
                     if attempt == 1 and _may_retry(method, reused, replayable, sent_all, exc):
                         log.debug("proxy: %s pooled connection was stale; retrying once on a fresh "
                                   "one", route.label)
@@ -2248,7 +2226,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 
 def _head_bytes(status: int, reason: str, headers: List[Tuple[str, str]]) -> bytes:
-    """A response head: the status line, the header lines and the blank line."""
     fields = "".join(["%s: %s\r\n" % pair for pair in headers])
     return ("HTTP/1.1 %d %s\r\n%s\r\n" % (status, reason, fields)).encode("latin-1")
 
