@@ -453,7 +453,9 @@ class _HostPools:
 
     def acquire(self, key: Tuple[str, str, int, Verify]) -> _HostPool:
         with self._lock:
-            pool = self._pools.setdefault(key, _HostPool(key))
+            pool = self._pools.get(key)
+            if pool is None:
+                pool = self._pools[key] = _HostPool(key)
             pool.users += 1
             return pool
 
@@ -2727,7 +2729,12 @@ class _Stream:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock, self.settimeout = sock, sock.settimeout
-        self.recv, self.sendall = sock.recv, sock.sendall  # (_TlsStream's are methods)
+
+    def recv(self, n: int) -> bytes:
+        return self.sock.recv(n)
+
+    def sendall(self, data: bytes) -> None:
+        self.sock.sendall(data)
 
     def abort(self) -> None:
         """Wake threads blocked on this stream; they see EOF or an error and end."""
@@ -2746,7 +2753,7 @@ class _TlsStream(_Stream):
     output another thread writes is sent by the holder, or finds it free."""
 
     def __init__(self, sock: socket.socket, context: ssl.SSLContext, host: str) -> None:
-        self.sock, self.settimeout = sock, sock.settimeout  # (not _Stream's recv and sendall)
+        super().__init__(sock)
         self._incoming, self._outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
         self._tls = context.wrap_bio(self._incoming, self._outgoing, server_hostname=host)
         self._engine, self._sending = threading.Lock(), threading.Lock()
