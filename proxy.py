@@ -496,11 +496,7 @@ class ReplicaRoute:
 
     def __init__(self, upstreams: Sequence[str], token: Token, verify: Verify = True,
                  http: str = "refuse") -> None:
-        _raise_if_rejected(_replicas_rejection(upstreams))
-        if http not in HTTP_MODES:
-            raise ValueError("http must be 'refuse' (only GET /health, /metadata, /schema pass) or "
-                             "'any' (every HTTP request goes to some live replica), got "
-                             "%r" % (http,))
+        _raise_if_rejected(_replicas_rejection(upstreams) or _http_mode_rejection(http))
         self.token: Token = token
         self.verify: Verify = verify
         self.http: str = http
@@ -936,6 +932,13 @@ def _replicas_rejection(upstreams: object) -> Optional[str]:
     if not reason and len(set(upstreams)) != len(upstreams):  # (all strings: set() may hash them)
         return "upstreams lists the same URL twice; each replica must be a different job"
     return reason
+
+
+def _http_mode_rejection(http_mode: object) -> Optional[str]:
+    if http_mode in HTTP_MODES:
+        return None
+    return ("http must be 'refuse' (only GET /health, /metadata, /schema pass) or 'any' (every "
+            "HTTP request goes to some live replica), got %r" % (http_mode,))
 
 
 def _raise_if_rejected(reason: Optional[str]) -> None:
