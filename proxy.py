@@ -144,7 +144,6 @@ _BAD_TARGET_CHAR_RE = re.compile(r"[^\x21-\x7e]")
 _BAD_VALUE_CHAR_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 # The same characters as bytes, for `bytes.translate` to delete: a head that loses none holds none.
 _CONTROL_BYTES = bytes(range(0, 9)) + b"\x0b\x0c" + bytes(range(14, 32)) + b"\x7f"
-_VERSION_RE = re.compile(r"^HTTP/[0-9]\.[0-9]$")
 _STATUS_LINE_RE = re.compile(rb"^HTTP/1\.[01] (\d{3})(?: |\r?$)")
 _RESPONSE_LINE_RE = re.compile(r"^HTTP/1\.([01]) ([0-9]{3})(?: (.*))?$")
 # One response header line: token name, colon, the value after its leading blanks (trailing ones are
@@ -157,12 +156,12 @@ _PLAIN_ANSWER_RE = re.compile(rb"HTTP/1\.1 ([2-5][0-9][0-9]) ([^\r\n]*)\r\n(?:"
 # In a lower-cased head: a field the proxy drops (HOP_BY_HOP) or reframes.
 _REWRITTEN_FIELD_RE = re.compile(
     rb"\r\n(?:%s):" % b"|".join(name.encode() for name in sorted(HOP_BY_HOP)))
-# A request line: three parts, one space apart (the target and method are checked when dispatched).
+# A request line: three parts, one space apart (the target and method are checked when dispatched);
+# the usual one, a token method and an origin-form target, needs no _target_refusal.
 _REQUEST_LINE_RE = re.compile(r"([^ ]*) ([^ ]*) (HTTP/1\.[0-9])")
-# The usual one: a token method and an origin-form target, so only other lines need _target_refusal.
 _ORIGIN_REQUEST_LINE_RE = re.compile("(" + _TOKEN + r") (/[\x21-\x7e]*) (HTTP/1\.[0-9])")
 # One request header line: token name, colon, the rest up to its LF (_read_request drops CRs and the
-# value's blanks); control characters in a value are refused at dispatch (_header_refusal).
+# value's blanks); control characters in a value are refused at dispatch (_BAD_VALUE_REFUSAL).
 _HEADER_LINE_RE = re.compile("(" + _TOKEN + r"):([^\n]*)\n")
 
 # recv() flags that look at the next byte without taking it or waiting for it.
@@ -1085,17 +1084,6 @@ def _no_live_replica_refusal(total: int, failed: List[Dict[str, object]]) -> Ref
                    body={"replicas": total, "failed": failed})
 
 
-def _request_line_fault(line: str) -> Refusal:
-    """Why a request line does not match _REQUEST_LINE_RE, for the client."""
-    parts = line.split(" ")
-    if len(parts) != 3:
-        return Refusal(400, "bad-request", "The request line must be 'METHOD /target HTTP/1.1'.")
-    if not _VERSION_RE.match(parts[2]):
-        return Refusal(400, "bad-request",
-                       "The request line must end with an HTTP version like HTTP/1.1.")
-    return Refusal(505, "http-version-not-supported", "Only HTTP/1.0 and HTTP/1.1 are supported.")
-
-
 def _head_end(buf: bytes, start: int) -> int:
     """Just past the first blank line in `buf` that follows an LF at or after `start` (lines end
     in CRLF or a bare LF: whichever blank line comes first), or -1."""
@@ -1104,47 +1092,49 @@ def _head_end(buf: bytes, start: int) -> int:
     return lf + 2 if lf >= 0 else crlf + 3 if crlf >= 0 else -1
 
 
-def _whole_head_end(buf: bytes, eol: int) -> int:
-    """Where the request head in `buf` (request line's LF at `eol`) ends if it is whole and its
-    header block within MAX_HEADER_BYTES and MAX_HEADERS lines, else -1."""
-    end = _head_end(buf, eol) if eol >= 0 else -1
-    if end < 0 or end - eol > MAX_HEADER_BYTES + 1 or (
-            buf.count(b"\n", eol + 1, end) > MAX_HEADERS + 1):
-        return -1
-    return end
-
-
-def _header_limit_fault(buf: bytes, start: int, eof: bool) -> Optional[Refusal]:
-    """What a line-by-line reading of the header block from `start` breaks (a limit, or at `eof` the
-    head cut short), as `_head_fault` names it; None while it may still end within the limits."""
+def _head_fault(buf: bytes, final: bool) -> Optional[Refusal]:
+    """The fault a line-by-line reading of the request head in `buf` meets first, or None while it
+    may still end well. Unless `final` (no more bytes will come: the client closed, or the head is
+    whole), a malformed header line waits for a limit to break, and a whole head is no fault."""
+    eol = buf.find(b"\n", 0, MAX_REQUEST_LINE + 1)
+    if eol < 0 and len(buf) > MAX_REQUEST_LINE:
+        return Refusal(414, "request-line-too-long",
+                       "The request line is longer than %d bytes." % MAX_REQUEST_LINE)
+    if eol < 0 and not final:
+        return None
+    parts = (buf[:eol] if eol >= 0 else buf).decode("latin-1").rstrip("\r").split(" ")
+    if len(parts) != 3:
+        return Refusal(400, "bad-request", "The request line must be 'METHOD /target HTTP/1.1'.")
+    if not re.fullmatch(r"HTTP/[0-9]\.[0-9]", parts[2]):
+        return Refusal(400, "bad-request",
+                       "The request line must end with an HTTP version like HTTP/1.1.")
+    if parts[2][5] != "1":
+        return Refusal(505, "http-version-not-supported",
+                       "Only HTTP/1.0 and HTTP/1.1 are supported.")
     lines: List[bytes] = []
-    budget = MAX_HEADER_BYTES
+    budget, start = MAX_HEADER_BYTES, eol + 1 if eol >= 0 else len(buf)
     while True:
         end = buf.find(b"\n", start, start + MAX_HEADER_BYTES + 1)
         line = buf[start:end + 1 if end >= 0 else start + MAX_HEADER_BYTES + 1]
-        if end < 0 and len(line) <= MAX_HEADER_BYTES and not eof:
+        if end < 0 and len(line) <= MAX_HEADER_BYTES and not final:
             return None
         budget -= len(line)
-        if budget >= 0 and line in (b"\r\n", b"\n"):
-            return None  # (a whole head within the limits: not a fault)
-        if budget < 0 or end < 0 or len(lines) == MAX_HEADERS:
-            return _head_fault(lines, line, budget)
+        if budget < 0 or end < 0 or len(lines) == MAX_HEADERS or line in (b"\r\n", b"\n"):
+            break
         lines.append(line)
         start = end + 1
-
-
-def _head_fault(lines: List[bytes], last: bytes, budget: int) -> Refusal:
-    """Why a request's header section is refused, as a line-by-line reading meets it: the first
-    malformed line of `lines`, else what `last` (the line read after them) broke."""
-    if any(_HEADER_LINE_RE.fullmatch(line.decode("latin-1")) is None for line in lines):
+    if budget >= 0 and line in (b"\r\n", b"\n") and not final:
+        return None
+    if any(_HEADER_LINE_RE.fullmatch(field.decode("latin-1")) is None for field in lines):
         return Refusal(400, "bad-header", "Malformed header line (expected 'Name: value', no line "
                                           "folding).")
     if budget < 0:
         return Refusal(431, "headers-too-large",
                        "The request headers are larger than %d bytes in total." % MAX_HEADER_BYTES)
-    if not last.endswith(b"\n"):
+    if end < 0:
         return Refusal(400, "bad-request", "The request head ended before its blank line.")
-    return Refusal(431, "headers-too-large", "More than %d request headers." % MAX_HEADERS)
+    return None if line in (b"\r\n", b"\n") else Refusal(
+        431, "headers-too-large", "More than %d request headers." % MAX_HEADERS)
 
 
 def _body_framing(headers: _RequestHeaders) -> Union[Tuple[str, int], Refusal]:
@@ -1669,7 +1659,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         """Read and parse the next request head into `command`, `path`, `request_version`, `headers`
         and `close_connection`; False if the client closed first or a malformed head was answered.
         Strict (RFC 9112; the stdlib's parser takes HTTP/0.9, ends the headers at a malformed line).
-        A whole head in the buffer takes one match and one split; `_await_head` waits for others."""
+        A whole head in the buffer takes one match and one split; others are waited for (all of it
+        within header_timeout_s of its start) and refused as soon as `_head_fault` names a fault."""
         self.command, self.request_version, self.close_connection = "", "HTTP/1.1", True
         client = self._client
         buf = client.buf
@@ -1678,20 +1669,33 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if not buf:
                 return False
         eol = buf.find(b"\n", 0, MAX_REQUEST_LINE + 1)
-        end = _whole_head_end(buf, eol)
-        if end < 0:
-            got = self._await_head()
-            if got is None:
-                return False
-            buf, eol, end = got
+        end = _head_end(buf, eol)  # (-1 too if eol is)
+        if end < 0 or end - eol > MAX_HEADER_BYTES + 1 or (
+                buf.count(b"\n", eol + 1, end) > MAX_HEADERS + 1):  # (not whole, or too large)
+            deadline, data = None, buf
+            while True:
+                if _head_fault(buf, final=not data):  # (final once the client closed)
+                    return self._refuse_head(buf)
+                end = _head_end(buf, 0)  # (no fault and a blank line: whole within the limits)
+                if end >= 0:
+                    break
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + self.proxy.header_timeout_s
+                elif now >= deadline:
+                    raise socket.timeout("request head not complete in time")
+                self._set_timeout(deadline - now)
+                data = self._recv()
+                buf = client.buf = buf + data
+            eol = buf.find(b"\n")
+            self._set_timeout(self.proxy.idle_timeout_s)
         line = buf[:eol].decode("latin-1").rstrip("\r")
         match = _ORIGIN_REQUEST_LINE_RE.fullmatch(line)
         self._odd_target = match is None
         if match is None:
             match = _REQUEST_LINE_RE.fullmatch(line)
             if match is None:
-                self._refuse_head(_request_line_fault(line))
-                return False
+                return self._refuse_head(buf)
         self.command, self.path, self.request_version = match.groups()
         block = buf[eol + 1:end]
         client.buf = buf[end:]
@@ -1699,9 +1703,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         # [gap, name, value, gap, name, value, ..., gap]: each gap is empty if each line is a field.
         parts = _HEADER_LINE_RE.split(text)
         if any(parts[::3]):
-            lines = [line + b"\n" for line in text.encode("latin-1").split(b"\n")[:-1]]
-            self._refuse_head(_head_fault(lines, b"\n", 0))
-            return False
+            return self._refuse_head(buf)
         # Each value without the CRs before its LF, then the blanks around it: one strip when every
         # CR is in a CRLF (no value holds one but at its end).
         values = parts[2::3]
@@ -1720,49 +1722,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._send(b"HTTP/1.1 100 Continue\r\n\r\n")
         return True
 
-    def _await_head(self) -> Optional[Tuple[bytes, int, int]]:
-        """Receive until the buffer holds a whole head within the limits: (buffer, request line's
-        end, head's end); None once a faulty head was answered (as a line-by-line reading meets it)
-        or if the client closed first. All of it must come within header_timeout_s of its start."""
-        deadline, client = None, self._client
-        while True:
-            buf = client.buf
-            eol = buf.find(b"\n", 0, MAX_REQUEST_LINE + 1)
-            if eol < 0 and len(buf) > MAX_REQUEST_LINE:
-                return self._refuse_head(Refusal(414, "request-line-too-long", "The request line "
-                                                 "is longer than %d bytes." % MAX_REQUEST_LINE))
-            if eol >= 0:
-                line = buf[:eol].decode("latin-1").rstrip("\r")
-                if not _REQUEST_LINE_RE.fullmatch(line):
-                    return self._refuse_head(_request_line_fault(line))
-                end = _whole_head_end(buf, eol)
-                if end >= 0:
-                    if self._timeout != self.proxy.idle_timeout_s:
-                        self._set_timeout(self.proxy.idle_timeout_s)
-                    return buf, eol, end
-                fault = _header_limit_fault(buf, eol + 1, eof=False)
-                if fault is not None:
-                    return self._refuse_head(fault)
-            now = time.monotonic()
-            if deadline is None:
-                deadline = now + self.proxy.header_timeout_s
-            elif now >= deadline:
-                raise socket.timeout("request head not complete in time")
-            self._set_timeout(deadline - now)
-            data = self._recv()
-            if not data:
-                if not buf:
-                    return None
-                if eol >= 0:
-                    return self._refuse_head(_header_limit_fault(buf, eol + 1, eof=True))
-                line = buf.decode("latin-1").rstrip("\r")
-                return self._refuse_head(
-                    None if _REQUEST_LINE_RE.fullmatch(line) else _request_line_fault(line))
-            client.buf = buf + data
-
-    def _refuse_head(self, refusal: Optional[Refusal]) -> None:
-        """Answer a malformed head (and close: what follows it cannot be trusted)."""
-        self._refuse(refusal or _head_fault([], b"", 0), close=True)
+    def _refuse_head(self, buf: bytes) -> bool:
+        """Answer the fault of the head in `buf` (and close: what follows it cannot be trusted)."""
+        self._refuse(_head_fault(buf, True), close=True)  # type: ignore[arg-type]  # (it has one)
+        return False
 
     def _recv(self, n: int = IO_CHUNK) -> bytes:
         """One read of the client socket whatever `n` (the reader keeps the rest); b"" if closed."""
