@@ -1571,7 +1571,9 @@ class _RequestHeaders:
     def __init__(self, names: List[str], values: List[str]) -> None:
         self._names, self._values = names, values
         self._lowered = list(map(str.lower, names))
-        self._tokens: "Optional[frozenset[str]]" = None
+        self._tokens = frozenset() if "connection" not in self._lowered else frozenset(
+            token.strip().lower() for value in self.get_all("connection") or ()
+            for token in value.split(",") if token.strip())
 
     def lowered_items(self) -> Iterator[Tuple[str, str, str]]:
         """(lower-cased name, name, value) of each field, in order."""
@@ -1583,8 +1585,7 @@ class _RequestHeaders:
 
     def get_all(self, name: str, default: Optional[List[str]] = None) -> Optional[List[str]]:
         lower = name.lower()
-        values = [value for low, value in zip(self._lowered, self._values) if low == lower]
-        return values or default
+        return [value for low, value in zip(self._lowered, self._values) if low == lower] or default
 
     def items(self) -> List[Tuple[str, str]]:
         return list(zip(self._names, self._values))
@@ -1598,16 +1599,11 @@ class _RequestHeaders:
         self.__init__(self._names + [name], self._values + [value])  # type: ignore[misc]
 
     def __delitem__(self, name: str) -> None:
-        lower = name.lower()
-        kept = [(n, v) for low, n, v in self.lowered_items() if low != lower]
+        kept = [(n, v) for low, n, v in self.lowered_items() if low != name.lower()]
         self.__init__([n for n, _ in kept], [v for _, v in kept])  # type: ignore[misc]
 
     def connection_tokens(self) -> "frozenset[str]":
         """The Connection header's tokens, lower-cased (three checks read them)."""
-        if self._tokens is None:
-            self._tokens = frozenset() if "connection" not in self._lowered else frozenset(
-                token.strip().lower() for value in self.get_all("connection") or ()
-                for token in value.split(",") if token.strip())
         return self._tokens
 
 
@@ -1714,7 +1710,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.headers = headers = _RequestHeaders(parts[1::3], values)
         # (control characters are refused when dispatched; names hold none, CR, LF and tab pass)
         self._bad_value = len(block.translate(None, _CONTROL_BYTES)) != len(block)
-        tokens = headers.connection_tokens()
+        tokens = headers._tokens
         self.close_connection = "close" in tokens or (
             self.request_version == "HTTP/1.0" and "keep-alive" not in tokens)
         if ("expect" in headers._lowered and self.request_version == "HTTP/1.1"
