@@ -1033,21 +1033,18 @@ def _verify_rejection(verify: object) -> Optional[str]:
 def _target_refusal(method: str, target: str) -> Optional[Refusal]:
     """Never an open proxy: only origin-form targets (`/path?query`) are forwarded."""
     if method == "CONNECT":
-        return Refusal(405, "method-not-allowed", "CONNECT is not supported: this is not a forward "
-                                                  "proxy.",
+        return Refusal(405, "method-not-allowed",
+                       "CONNECT is not supported: this is not a forward proxy.",
                        (("Allow", "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"),))
     if not _TOKEN_RE.match(method):
         return Refusal(400, "bad-request", "The request method is not a valid HTTP token.")
-    if target == "*":
-        return Refusal(400, "bad-target", "Asterisk-form targets (OPTIONS *) are not supported; "
-                                          "use a route path.")
-    if not target.startswith("/"):
-        return Refusal(400, "bad-target", "Only origin-form targets (/path) are accepted: this is "
-                                          "not a forward proxy.")
-    if _BAD_TARGET_CHAR_RE.search(target):
-        return Refusal(400, "bad-target", "The request target must be ASCII without spaces or "
-                                          "control characters; percent-encode it.")
-    return None
+    why = ("Asterisk-form targets (OPTIONS *) are not supported; use a route path."
+           if target == "*" else
+           "Only origin-form targets (/path) are accepted: this is not a forward proxy."
+           if not target.startswith("/") else
+           "The request target must be ASCII without spaces or control characters; "
+           "percent-encode it." if _BAD_TARGET_CHAR_RE.search(target) else None)
+    return Refusal(400, "bad-target", why) if why else None
 
 
 # Header values must not carry control characters (names were checked while parsing).
@@ -1141,25 +1138,23 @@ def _body_framing(headers: _RequestHeaders) -> Union[Tuple[str, int], Refusal]:
     """How the request body is delimited: ("none", 0), ("length", n) or ("chunked", -1), or a
     refusal (ambiguous framing is refused outright: it is how request smuggling works)."""
     lowered = headers._lowered
-    if "transfer-encoding" not in lowered:  # (the usual request: one length, or none)
-        if "content-length" not in lowered:
-            return ("none", 0)
-        value = headers._values[lowered.index("content-length")]
-        if (lowered.count("content-length") == 1 and value.isascii() and value.isdigit()
-                and len(value) <= 18):
-            return ("length", int(value))
-    lengths = headers.get_all("Content-Length") or []
     if "transfer-encoding" in lowered:
-        if lengths:
+        if "content-length" in lowered:
             return Refusal(400, "bad-framing", "Both Transfer-Encoding and Content-Length were "
                                                "sent; send one.")
         codings = [c.strip().lower() for value in headers.get_all("Transfer-Encoding") or []
                    for c in value.split(",") if c.strip()]
-        if codings != ["chunked"]:
-            return Refusal(501, "unsupported-transfer-encoding",
-                           "Only 'Transfer-Encoding: chunked' request bodies are supported.")
-        return ("chunked", -1)
-    values = {v.strip() for value in lengths for v in value.split(",")}  # (lengths: one or more)
+        return ("chunked", -1) if codings == ["chunked"] else Refusal(
+            501, "unsupported-transfer-encoding",
+            "Only 'Transfer-Encoding: chunked' request bodies are supported.")
+    if "content-length" not in lowered:  # (the usual request: no length, or one plain number)
+        return ("none", 0)
+    value = headers._values[lowered.index("content-length")]
+    if (lowered.count("content-length") == 1 and value.isascii() and value.isdigit()
+            and len(value) <= 18):
+        return ("length", int(value))
+    values = {v.strip() for value in headers.get_all("Content-Length") or []
+              for v in value.split(",")}
     if len(values) != 1:
         return Refusal(400, "bad-content-length", "Conflicting Content-Length values were sent.")
     value = values.pop()
@@ -1170,11 +1165,9 @@ def _body_framing(headers: _RequestHeaders) -> Union[Tuple[str, int], Refusal]:
 
 
 def _is_websocket_upgrade(method: str, headers: _RequestHeaders) -> bool:
-    if method != "GET" or "upgrade" not in headers:
-        return False
-    upgrade = {token.strip().lower() for value in headers.get_all("Upgrade") or []
-               for token in value.split(",")}
-    return "websocket" in upgrade and "upgrade" in headers.connection_tokens()
+    return method == "GET" and "upgrade" in headers and "websocket" in {
+        token.strip().lower() for value in headers.get_all("Upgrade") or []
+        for token in value.split(",")} and "upgrade" in headers.connection_tokens()
 
 
 def _upstream_request_headers(headers: _RequestHeaders, route: Route, token: Optional[str],
