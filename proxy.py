@@ -1092,7 +1092,7 @@ def _head_end(buf: bytes, start: int) -> int:
 def _head_fault(buf: bytes, final: bool) -> Optional[Refusal]:
     """The fault a line-by-line reading of the request head in `buf` meets first, or None while it
     may still end well. Unless `final` (no more bytes will come: the client closed, or the head is
-    whole), a malformed header line waits for a limit to break, and a whole head is no fault."""
+    whole), a malformed header line is named only once a limit breaks: a whole head is no fault."""
     eol = buf.find(b"\n", 0, MAX_REQUEST_LINE + 1)
     if eol < 0 and len(buf) > MAX_REQUEST_LINE:
         return Refusal(414, "request-line-too-long",
@@ -1108,21 +1108,20 @@ def _head_fault(buf: bytes, final: bool) -> Optional[Refusal]:
     if parts[2][5] != "1":
         return Refusal(505, "http-version-not-supported",
                        "Only HTTP/1.0 and HTTP/1.1 are supported.")
-    lines: List[bytes] = []
-    budget, start = MAX_HEADER_BYTES, eol + 1 if eol >= 0 else len(buf)
+    first = start = eol + 1 if eol >= 0 else len(buf)
+    budget, count = MAX_HEADER_BYTES, 0
     while True:
         end = buf.find(b"\n", start, start + MAX_HEADER_BYTES + 1)
         line = buf[start:end + 1 if end >= 0 else start + MAX_HEADER_BYTES + 1]
         if end < 0 and len(line) <= MAX_HEADER_BYTES and not final:
             return None
         budget -= len(line)
-        if budget < 0 or end < 0 or len(lines) == MAX_HEADERS or line in (b"\r\n", b"\n"):
+        if budget < 0 or end < 0 or count == MAX_HEADERS or line in (b"\r\n", b"\n"):
             break
-        lines.append(line)
-        start = end + 1
+        count, start = count + 1, end + 1
     if budget >= 0 and line in (b"\r\n", b"\n") and not final:
         return None
-    if any(_HEADER_LINE_RE.fullmatch(field.decode("latin-1")) is None for field in lines):
+    if any(_HEADER_LINE_RE.split(buf[first:start].decode("latin-1"))[::3]):  # (the lines before)
         return Refusal(400, "bad-header", "Malformed header line (expected 'Name: value', no line "
                                           "folding).")
     if budget < 0:
@@ -1647,9 +1646,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _read_request(self) -> bool:
         """Read and parse the next request head into `command`, `path`, `request_version`, `headers`
         and `close_connection`; False if the client closed first or a malformed head was answered.
-        Strict (RFC 9112; the stdlib's parser takes HTTP/0.9, ends the headers at a malformed line).
-        A whole head in the buffer takes one match and one split; others are waited for (all of it
-        within header_timeout_s of its start) and refused as soon as `_head_fault` names a fault."""
+        Strict (RFC 9112; the stdlib's parser takes HTTP/0.9, ends the headers at a malformed line):
+        a whole head takes one match and one split; others wait for the rest (header_timeout_s)."""
         self.command, self.request_version, self.close_connection = "", "HTTP/1.1", True
         client = self._client
         buf = client.buf
@@ -1681,10 +1679,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         line = buf[:eol].decode("latin-1").rstrip("\r")
         match = _ORIGIN_REQUEST_LINE_RE.fullmatch(line)
         self._odd_target = match is None
-        if match is None:
-            match = _REQUEST_LINE_RE.fullmatch(line)
-            if match is None:
-                return self._refuse_head(buf)
+        if match is None and (match := _REQUEST_LINE_RE.fullmatch(line)) is None:
+            return self._refuse_head(buf)
         self.command, self.path, self.request_version = match.groups()
         block = buf[eol + 1:end]
         client.buf = buf[end:]
