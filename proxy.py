@@ -484,13 +484,11 @@ def _drain(idle: "collections.deque[_UpstreamConnection]") -> List["_UpstreamCon
 class ReplicaRoute:
     """One route id in front of K upstreams running the same server (e.g. K jobs of one image),
     made by `AuthProxy.mount_replicas`; each replica is a `Route`. Each new WebSocket session goes
-    to the live replica with the fewest open sessions (ties: round robin).
-
-    A replica whose upgrade fails (no connection, TLS, timeout, or a 502/503/504 answer) leaves
-    rotation (logged, and in `status()`) and the session is retried once on another; sessions on a
-    replica that dies end. HTTP gets 409 but for `GET`/`HEAD` of `STATELESS_HTTP_PATHS`, unless
-    `http="any"`: a stateful request cannot pick its replica.
-    """
+    to the live replica with the fewest open sessions (ties: round robin). A replica whose upgrade
+    fails (no connection, TLS, timeout, or a 502/503/504 answer) leaves rotation (logged, and in
+    `status()`) and the session is retried once on another; sessions on a replica that dies end.
+    HTTP gets 409 but for `GET`/`HEAD` of `STATELESS_HTTP_PATHS`, unless `http="any"`: a stateful
+    request cannot pick its replica."""
 
     base_path = ""  # each replica's own base path is added when a request is sent to it
 
@@ -566,8 +564,7 @@ class ReplicaRoute:
         with self._lock:
             if not self._closed:
                 self._created += 1
-                replica = _Replica(route, self._created)
-                replica.set_label(self.label)
+                replica = _Replica(route, self._created, self.label)
                 self._replicas.append(replica)
                 return replica
         route.close()
@@ -589,7 +586,7 @@ class ReplicaRoute:
                           for i, r in enumerate(self._replicas) if r.healthy and r not in exclude]
             if not candidates:
                 return None
-            _, _, index, chosen = min(candidates, key=lambda c: (c[0], c[1]))
+            _, _, index, chosen = min(candidates)  # (no tie: each distance from _next differs)
             self._next = index + 1
             if reserve:
                 chosen.open_sessions += 1
@@ -612,14 +609,13 @@ class ReplicaRoute:
 
 
 class _Replica:
-    """One upstream of a `ReplicaRoute`: its `Route` and rotation state (under the route's lock)."""
+    """One upstream of a `ReplicaRoute`: its `Route`, number in logs, and rotation state (under the
+    route's lock): open sessions, whether in rotation, and if not why."""
 
-    def __init__(self, route: Route, number: int) -> None:
-        self.route = route
-        self.number = number
-        self.open_sessions = 0
-        self.healthy = True
+    def __init__(self, route: Route, number: int, route_label: str) -> None:
+        self.route, self.number, self.open_sessions, self.healthy = route, number, 0, True
         self.reason: Optional[str] = None
+        self.set_label(route_label)
 
     def set_label(self, route_label: str) -> None:
         route = self.route  # named by scheme://host[:port]: no path, no secret
@@ -1080,8 +1076,7 @@ def _no_live_replica_refusal(total: int, failed: List[Dict[str, object]]) -> Ref
         "%d of %d replicas failed: %s" % (len(failed), total, "; ".join(
             "replica-%s %s" % (f["replica"], f["reason"]) for f in failed)))
     return Refusal(502, "no-live-replica", "No live replica is left behind this route: %s. Check "
-                                           "the jobs (replica_status() lists them) and "
-                                           "add_replica() new ones." % why,
+                   "the jobs (replica_status() lists them) and add_replica() new ones." % why,
                    body={"replicas": total, "failed": failed})
 
 
@@ -2128,24 +2123,21 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     return
                 last = Refusal(502, "replica-unavailable", "The replica %s was removed while the "
                                "WebSocket upgrade was under way." % route.label)
-                continue
             except _ClientGone:
                 raise
             except Exception as exc:
                 last = _classify_upstream_error(exc, route)
                 replicas._mark_failed(replica, "%s (%s)" % (last.kind, _failure_name(exc)))
-                continue
             else:
-                if status in REPLICA_DOWN_STATUSES:
-                    route._remove_tunnel(tunnel)
-                    tunnel.upstream.close()  # type: ignore[union-attr]
-                    last = Refusal(502, "replica-unavailable", "The replica %s answered %d to the "
-                                   "WebSocket upgrade; its job may have stopped." % (
-                                       route.label, status))
-                    replicas._mark_failed(replica, "answered %d to the WebSocket upgrade" % status)
-                    continue
-                self._finish_upgrade(route, tunnel, reader, head, status)
-                return
+                if status not in REPLICA_DOWN_STATUSES:
+                    self._finish_upgrade(route, tunnel, reader, head, status)
+                    return
+                route._remove_tunnel(tunnel)
+                tunnel.upstream.close()  # type: ignore[union-attr]
+                why = "answered %d to the WebSocket upgrade" % status
+                last = Refusal(502, "replica-unavailable", "The replica %s %s; its job may have "
+                               "stopped." % (route.label, why))
+                replicas._mark_failed(replica, why)
             finally:
                 replicas._release(replica)
         total, failed = replicas._failure_summary()  # (`last` if other replicas remain for later)
