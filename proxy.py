@@ -931,10 +931,9 @@ def _replicas_rejection(upstreams: object) -> Optional[str]:
 
 
 def _http_mode_rejection(http_mode: object) -> Optional[str]:
-    if http_mode in HTTP_MODES:
-        return None
-    return ("http must be 'refuse' (only GET /health, /metadata, /schema pass) or 'any' (every "
-            "HTTP request goes to some live replica), got %r" % (http_mode,))
+    return None if http_mode in HTTP_MODES else (
+        "http must be 'refuse' (only GET /health, /metadata, /schema pass) or 'any' (every HTTP "
+        "request goes to some live replica), got %r" % (http_mode,))
 
 
 def _raise_if_rejected(reason: Optional[str]) -> None:
@@ -1058,8 +1057,7 @@ def _upgrade_refusal(headers: _RequestHeaders) -> Optional[Refusal]:
 
 
 def _replicated_http_refusal(http_mode: str, method: str, target: str) -> Optional[Refusal]:
-    """HTTP on a replica route: only what cannot depend on which replica answers passes (see
-    STATELESS_HTTP_PATHS), unless the route was mounted with http="any"."""
+    """HTTP on a replica route passes only if any replica may answer it (or with http="any")."""
     if http_mode == "any" or (method in ("GET", "HEAD")
                               and target.split("?", 1)[0].rstrip("/") in STATELESS_HTTP_PATHS):
         return None
