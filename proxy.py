@@ -530,11 +530,10 @@ class ReplicaRoute:
         with self._lock:
             for replica in self._replicas:
                 if replica.route.upstream == upstream:
-                    if replica.healthy:
-                        return False
-                    replica.healthy, replica.reason = True, None
-                    log.info("proxy: %s is back in rotation", replica.route.label)
-                    return True
+                    readmitted, replica.healthy, replica.reason = not replica.healthy, True, None
+                    if readmitted:
+                        log.info("proxy: %s is back in rotation", replica.route.label)
+                    return readmitted
         log.info("proxy: %s added", self._add_replica(upstream).route.label)
         return True
 
