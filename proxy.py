@@ -483,13 +483,11 @@ def _drain(idle: "collections.deque[_UpstreamConnection]") -> List["_UpstreamCon
 class ReplicaRoute:
     """One route id in front of K upstreams running the same server (e.g. K jobs of one image),
     made by `AuthProxy.mount_replicas`; each replica is a `Route`. Each new WebSocket session goes
-    to the live replica with the fewest open sessions (ties: round robin).
-
-    A replica whose upgrade fails (no connection, TLS, timeout, or a 502/503/504 answer) leaves
-    rotation (logged, and in `status()`) and the session is retried once on another; sessions on a
-    replica that dies end. HTTP gets 409 but for `GET`/`HEAD` of `STATELESS_HTTP_PATHS`, unless
-    `http="any"`: a stateful request cannot pick its replica.
-    """
+    to the live replica with the fewest open sessions (ties: round robin). A replica whose upgrade
+    fails (no connection, TLS, timeout, or a 502/503/504 answer) leaves rotation (logged, and in
+    `status()`) and the session is retried once on another; sessions on a replica that dies end.
+    HTTP gets 409 but for `GET`/`HEAD` of `STATELESS_HTTP_PATHS`, unless `http="any"`: a stateful
+    request cannot pick its replica."""
 
     base_path = ""  # each replica's own base path is added when a request is sent to it
 
@@ -531,11 +529,10 @@ class ReplicaRoute:
         with self._lock:
             for replica in self._replicas:
                 if replica.route.upstream == upstream:
-                    if replica.healthy:
-                        return False
-                    replica.healthy, replica.reason = True, None
-                    log.info("proxy: %s is back in rotation", replica.route.label)
-                    return True
+                    readmitted, replica.healthy, replica.reason = not replica.healthy, True, None
+                    if readmitted:
+                        log.info("proxy: %s is back in rotation", replica.route.label)
+                    return readmitted
         log.info("proxy: %s added", self._add_replica(upstream).route.label)
         return True
 
@@ -565,8 +562,7 @@ class ReplicaRoute:
         with self._lock:
             if not self._closed:
                 self._created += 1
-                replica = _Replica(route, self._created)
-                replica.set_label(self.label)
+                replica = _Replica(route, self._created, self.label)
                 self._replicas.append(replica)
                 return replica
         route.close()
@@ -588,7 +584,7 @@ class ReplicaRoute:
                           for i, r in enumerate(self._replicas) if r.healthy and r not in exclude]
             if not candidates:
                 return None
-            _, _, index, chosen = min(candidates, key=lambda c: (c[0], c[1]))
+            _, _, index, chosen = min(candidates)  # (no tie: each distance from _next differs)
             self._next = index + 1
             if reserve:
                 chosen.open_sessions += 1
@@ -611,14 +607,13 @@ class ReplicaRoute:
 
 
 class _Replica:
-    """One upstream of a `ReplicaRoute`: its `Route` and rotation state (under the route's lock)."""
+    """One upstream of a `ReplicaRoute`: its `Route`, number in logs, and rotation state (under the
+    route's lock): open sessions, whether in rotation, and if not why."""
 
-    def __init__(self, route: Route, number: int) -> None:
-        self.route = route
-        self.number = number
-        self.open_sessions = 0
-        self.healthy = True
+    def __init__(self, route: Route, number: int, route_label: str) -> None:
+        self.route, self.number, self.open_sessions, self.healthy = route, number, 0, True
         self.reason: Optional[str] = None
+        self.set_label(route_label)
 
     def set_label(self, route_label: str) -> None:
         route = self.route  # named by scheme://host[:port]: no path, no secret
@@ -934,10 +929,9 @@ def _replicas_rejection(upstreams: object) -> Optional[str]:
 
 
 def _http_mode_rejection(http_mode: object) -> Optional[str]:
-    if http_mode in HTTP_MODES:
-        return None
-    return ("http must be 'refuse' (only GET /health, /metadata, /schema pass) or 'any' (every "
-            "HTTP request goes to some live replica), got %r" % (http_mode,))
+    return None if http_mode in HTTP_MODES else (
+        "http must be 'refuse' (only GET /health, /metadata, /schema pass) or 'any' (every HTTP "
+        "request goes to some live replica), got %r" % (http_mode,))
 
 
 def _raise_if_rejected(reason: Optional[str]) -> None:
@@ -1058,8 +1052,7 @@ def _upgrade_refusal(headers: _RequestHeaders) -> Optional[Refusal]:
 
 
 def _replicated_http_refusal(http_mode: str, method: str, target: str) -> Optional[Refusal]:
-    """HTTP on a replica route: only what cannot depend on which replica answers passes (see
-    STATELESS_HTTP_PATHS), unless the route was mounted with http="any"."""
+    """HTTP on a replica route passes only if any replica may answer it (or with http="any")."""
     if http_mode == "any" or (method in ("GET", "HEAD")
                               and target.split("?", 1)[0].rstrip("/") in STATELESS_HTTP_PATHS):
         return None
@@ -1076,8 +1069,7 @@ def _no_live_replica_refusal(total: int, failed: List[Dict[str, object]]) -> Ref
         "%d of %d replicas failed: %s" % (len(failed), total, "; ".join(
             "replica-%s %s" % (f["replica"], f["reason"]) for f in failed)))
     return Refusal(502, "no-live-replica", "No live replica is left behind this route: %s. Check "
-                                           "the jobs (replica_status() lists them) and "
-                                           "add_replica() new ones." % why,
+                   "the jobs (replica_status() lists them) and add_replica() new ones." % why,
                    body={"replicas": total, "failed": failed})
 
 
@@ -2076,24 +2068,21 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     return
                 last = Refusal(502, "replica-unavailable", "The replica %s was removed while the "
                                "WebSocket upgrade was under way." % route.label)
-                continue
             except _ClientGone:
                 raise
             except Exception as exc:
                 last = _classify_upstream_error(exc, route)
                 replicas._mark_failed(replica, "%s (%s)" % (last.kind, _failure_name(exc)))
-                continue
             else:
-                if status in REPLICA_DOWN_STATUSES:
-                    route._remove_tunnel(tunnel)
-                    tunnel.upstream.close()  # type: ignore[union-attr]
-                    last = Refusal(502, "replica-unavailable", "The replica %s answered %d to the "
-                                   "WebSocket upgrade; its job may have stopped." % (
-                                       route.label, status))
-                    replicas._mark_failed(replica, "answered %d to the WebSocket upgrade" % status)
-                    continue
-                self._finish_upgrade(route, tunnel, reader, head, status)
-                return
+                if status not in REPLICA_DOWN_STATUSES:
+                    self._finish_upgrade(route, tunnel, reader, head, status)
+                    return
+                route._remove_tunnel(tunnel)
+                tunnel.upstream.close()  # type: ignore[union-attr]
+                why = "answered %d to the WebSocket upgrade" % status
+                last = Refusal(502, "replica-unavailable", "The replica %s %s; its job may have "
+                               "stopped." % (route.label, why))
+                replicas._mark_failed(replica, why)
             finally:
                 replicas._release(replica)
         total, failed = replicas._failure_summary()  # (`last` if other replicas remain for later)
