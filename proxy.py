@@ -1085,7 +1085,7 @@ def _head_fault(buf: bytes, final: bool) -> Optional[Refusal]:
     """The fault a line-by-line reading of the request head in `buf` meets first, or None while it
     may still end well. Unless `final` (no more bytes will come: the client closed, or the head is
     whole), a malformed header line is named only once a limit breaks: a whole head is no fault."""
-    eol = buf.find(b"\n", 0, MAX_REQUEST_LINE + 1)
+    eol = buf.find(b"\n", 0, MAX_REQUEST_LINE)
     if eol < 0 and len(buf) > MAX_REQUEST_LINE:
         return Refusal(414, "request-line-too-long",
                        "The request line is longer than %d bytes." % MAX_REQUEST_LINE)
@@ -1144,7 +1144,7 @@ def _body_framing(headers: _RequestHeaders) -> Union[Tuple[str, int], Refusal]:
     if (lowered.count("content-length") == 1 and value.isascii() and value.isdigit()
             and len(value) <= 18):
         return ("length", int(value))
-    values = {v.strip() for value in headers.get_all("Content-Length") or []
+    values = {v.strip(" \t") for value in headers.get_all("Content-Length") or []
               for v in value.split(",")}
     if len(values) != 1:
         return Refusal(400, "bad-content-length", "Conflicting Content-Length values were sent.")
@@ -1647,7 +1647,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             buf = client.buf = self._recv()
             if not buf:
                 return False
-        eol = buf.find(b"\n", 0, MAX_REQUEST_LINE + 1)
+        eol = buf.find(b"\n", 0, MAX_REQUEST_LINE)
         end = _head_end(buf, eol)  # (-1 too if eol is)
         if end < 0 or end - eol > MAX_HEADER_BYTES + 1 or (
                 buf.count(b"\n", eol + 1, end) > MAX_HEADERS + 1):  # (not whole, or too large)

@@ -84,6 +84,9 @@ def test_malformed_or_oversized_request_heads_get_a_4xx_and_the_proxy_keeps_serv
     (b"Content-Length: abc\r\n", 400, b"bad-content-length"),
     (b"Content-Length: -5\r\n", 400, b"bad-content-length"),
     (b"Content-Length: 5\r\nContent-Length: 6\r\n", 400, b"bad-content-length"),
+    # only digits (RFC 9110 8.6): a latin-1 NBSP or NEL around them is not whitespace to strip
+    (b"Content-Length: 5\xa0\r\n", 400, b"bad-content-length"),
+    (b"Content-Length: \x855\r\n", 400, b"bad-content-length"),
     (b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n", 400, b"bad-framing"),
     (b"Transfer-Encoding: gzip, chunked\r\n", 501, b"unsupported-transfer-encoding"),
 ])

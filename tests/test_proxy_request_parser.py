@@ -371,3 +371,14 @@ def test_a_pooled_connection_looks_idle_only_until_the_upstream_sends_or_closes(
         finally:
             conn.close()
             server.close()
+
+
+@pytest.mark.parametrize("ending", [b"\n", b"\r\n"])
+@pytest.mark.parametrize("slack", [-1, 0, 1])
+def test_a_request_line_at_its_size_limit_counts_its_line_ending_like_the_line_by_line_reading(
+        ending: bytes, slack: int) -> None:
+    # the line with its ending is MAX_REQUEST_LINE + slack bytes: at most the limit passes, one more is 414
+    filler = proxy.MAX_REQUEST_LINE + slack - len(b"GET / HTTP/1.1") - len(ending)
+    head = b"GET /" + b"x" * filler + b" HTTP/1.1" + ending + b"Host: x\r\n\r\n"
+    expected = _assert_parsed_as_line_by_line(head)
+    assert (expected == (414, "request-line-too-long")) == (slack > 0)
