@@ -499,6 +499,7 @@ class ReplicaRoute:
         self.http: str = http
         self.label: str = "replica route"
         self._lock = threading.Lock()
+        self._adding = threading.Lock()  # add(): looking a URL up and adding it are one step
         self._next = 0  # round-robin start among replicas tied on open sessions
         self._created = 0  # replicas ever added: numbers them in logs (never reused)
         self._closed = False
@@ -526,15 +527,16 @@ class ReplicaRoute:
     def add(self, upstream: str) -> bool:
         """Add a replica, or put a failed one back in rotation; False if it was already live."""
         _raise_if_rejected(_replicas_rejection([upstream]))
-        with self._lock:
-            for replica in self._replicas:
-                if replica.route.upstream == upstream:
-                    readmitted, replica.healthy, replica.reason = not replica.healthy, True, None
-                    if readmitted:
-                        log.info("proxy: %s is back in rotation", replica.route.label)
-                    return readmitted
-        log.info("proxy: %s added", self._add_replica(upstream).route.label)
-        return True
+        with self._adding:
+            with self._lock:
+                for replica in self._replicas:
+                    if replica.route.upstream == upstream:
+                        readmitted, replica.healthy, replica.reason = not replica.healthy, True, None
+                        if readmitted:
+                            log.info("proxy: %s is back in rotation", replica.route.label)
+                        return readmitted
+            log.info("proxy: %s added", self._add_replica(upstream).route.label)
+            return True
 
     def remove(self, upstream: str) -> bool:
         """Take a replica out for good and end its open sessions; False if no such replica."""

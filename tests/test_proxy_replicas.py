@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import sys
 import threading
 import time
 from typing import Callable, Iterator, List
@@ -217,6 +218,35 @@ def test_add_replica_readmits_a_failed_one_and_remove_replica_ends_its_sessions(
 
 
 # -- HTTP on a replica route ---------------------------------------------------------------------------
+
+
+def test_concurrent_adds_of_one_new_upstream_add_it_once():
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch at almost every bytecode: the race shows if it is there
+    try:
+        _add_one_new_upstream_from_eight_threads_at_once()
+    finally:
+        sys.setswitchinterval(previous)
+
+
+def _add_one_new_upstream_from_eight_threads_at_once() -> None:
+    with AuthProxy() as proxy:
+        base_url = proxy.mount_replicas(["http://127.0.0.1:1"], TEST_TOKEN)
+        for port in range(2, 22):  # a fresh URL each round: the race is in adding a new one
+            url, results = "http://127.0.0.1:%d" % port, []
+            start = threading.Barrier(8)
+
+            def add() -> None:
+                start.wait()
+                results.append(proxy.add_replica(base_url, url))
+
+            threads = [threading.Thread(target=add) for _ in range(8)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(TIMEOUT)
+            assert sorted(results) == [False] * 7 + [True]
+            assert [r["upstream"] for r in proxy.replica_status(base_url)].count(url) == 1
 
 
 def test_stateful_http_is_refused_with_409_and_stateless_gets_are_forwarded(three):
