@@ -2362,28 +2362,22 @@ class _UpstreamConnection:
         return True
 
     def send_request(self, head: bytes, pieces: Iterator[bytes], chunked: bool) -> bool:
-        """Send the head and body (a small one in the same send); False, with the rest unsent, if
-        the upstream answered early (e.g. 413): big bodies go IO_CHUNK at a time, polling between
-        sends, so that answer is read before the upstream's close resets the connection."""
-        sendall, pending, sent = self._sendall, head, 0
+        """Send the head, then the body IO_CHUNK at a time; False, with the rest unsent, if the
+        upstream answered early (e.g. 413): past SMALL_RESPONSE_BYTES each send polls first, so
+        that answer is read before the upstream's close resets the connection."""
+        self._sendall(head)
+        sent = 0
         for piece in pieces:
             if chunked:
                 piece = b"%x\r\n%s\r\n" % (len(piece), piece)
-            if pending:
-                if len(pending) + len(piece) <= SMALL_RESPONSE_BYTES:
-                    sendall(pending + piece)
-                    pending, sent = b"", len(piece)
-                    continue
-                sendall(pending)
-                pending = b""
             with memoryview(piece) as view:
                 for offset in range(0, len(view), IO_CHUNK):
                     if sent > SMALL_RESPONSE_BYTES and self.has_input():
                         return False
-                    sendall(view[offset:offset + IO_CHUNK])
+                    self._sendall(view[offset:offset + IO_CHUNK])
                     sent += min(IO_CHUNK, len(view) - offset)
-        if pending or chunked:
-            sendall(pending + b"0\r\n\r\n" if chunked else pending)
+        if chunked:
+            self._sendall(b"0\r\n\r\n")
         return True
 
     def close(self) -> None:
@@ -2620,31 +2614,20 @@ def _set_socket_timeout(sock: socket.socket, timeout: Optional[float],
                         struct.pack("@ll", int(seconds), int((seconds - int(seconds)) * 1e6)))
 
 
-_TLS_CONTEXTS: "collections.OrderedDict[object, ssl.SSLContext]" = collections.OrderedDict()
-_TLS_CONTEXTS_LOCK = threading.Lock()
-
-
 def _shared_tls_context(verify: Verify) -> ssl.SSLContext:
-    """The TLS context for `verify`, shared by every route with the same one (TLS_CONTEXTS_KEPT); a
-    CA bundle is keyed with its size and modification time, so an edited bundle is re-read."""
-    key: object = verify
+    """The TLS context for `verify`, shared by every route with the same one; a CA bundle is keyed
+    with its modification time and size too, so an edited bundle is re-read."""
+    stamp = None
     if isinstance(verify, str):
         with contextlib.suppress(OSError):  # (else the context creation reports it)
             stat = os.stat(verify)
-            key = (verify, stat.st_mtime_ns, stat.st_size)
-    with _TLS_CONTEXTS_LOCK:
-        context = _TLS_CONTEXTS.get(key)
-    if context is None:  # made outside the lock: loading a CA store takes milliseconds
-        context = _make_tls_context(verify)
-    with _TLS_CONTEXTS_LOCK:
-        context = _TLS_CONTEXTS.setdefault(key, context)
-        _TLS_CONTEXTS.move_to_end(key)
-        while len(_TLS_CONTEXTS) > TLS_CONTEXTS_KEPT:
-            _TLS_CONTEXTS.popitem(last=False)
-    return context
+            stamp = (stat.st_mtime_ns, stat.st_size)
+    return _make_tls_context(verify, stamp)
 
 
-def _make_tls_context(verify: Verify) -> ssl.SSLContext:
+@functools.lru_cache(maxsize=TLS_CONTEXTS_KEPT)
+def _make_tls_context(verify: Verify, stamp: object) -> ssl.SSLContext:
+    """A TLS context for `verify`, the last TLS_CONTEXTS_KEPT kept (`stamp` only keys them)."""
     if isinstance(verify, str):
         if os.path.isdir(verify):
             return ssl.create_default_context(capath=verify)
