@@ -326,8 +326,17 @@ class Route:
         return problems
 
     def tls_context(self) -> ssl.SSLContext:
-        """The TLS context for this upstream, honouring `verify` like requests (bool or CA path)."""
-        return self._pool.tls_context()
+        """The TLS context for this upstream, honouring `verify` like requests (bool or CA path),
+        shared by the routes with the same `verify` (a CA bundle edited since is read again)."""
+        pool = self._pool
+        if pool.tls_context is None:  # (two threads racing may both fetch one: either will do)
+            verify, stamp = pool.key[3], None
+            if isinstance(verify, str):  # the bundle's mtime and size key the cache too
+                with contextlib.suppress(OSError):  # (else the context creation reports it)
+                    stat = os.stat(verify)
+                    stamp = (stat.st_mtime_ns, stat.st_size)
+            pool.tls_context = _make_tls_context(verify, stamp)
+        return pool.tls_context
 
     # -- machinery (used by the request handler) ------------------------------------------------
 
@@ -435,13 +444,7 @@ class _HostPool:
         self.idle: "collections.deque[_UpstreamConnection]" = collections.deque()
         self.users = 0
         self.closed = False
-        self._tls_context: Optional[ssl.SSLContext] = None
-
-    def tls_context(self) -> ssl.SSLContext:
-        """The process-wide context for this host's `verify` (a race fetches the same one twice)."""
-        if self._tls_context is None:
-            self._tls_context = _shared_tls_context(self.key[3])
-        return self._tls_context
+        self.tls_context: Optional[ssl.SSLContext] = None  # made by Route.tls_context
 
 
 class _HostPools:
@@ -2612,17 +2615,6 @@ def _set_socket_timeout(sock: socket.socket, timeout: Optional[float],
         seconds = 0.0 if value is None else max(float(value), 1e-6)  # 0 is "never" to the kernel
         sock.setsockopt(socket.SOL_SOCKET, option,
                         struct.pack("@ll", int(seconds), int((seconds - int(seconds)) * 1e6)))
-
-
-def _shared_tls_context(verify: Verify) -> ssl.SSLContext:
-    """The TLS context for `verify`, shared by every route with the same one; a CA bundle is keyed
-    with its modification time and size too, so an edited bundle is re-read."""
-    stamp = None
-    if isinstance(verify, str):
-        with contextlib.suppress(OSError):  # (else the context creation reports it)
-            stat = os.stat(verify)
-            stamp = (stat.st_mtime_ns, stat.st_size)
-    return _make_tls_context(verify, stamp)
 
 
 @functools.lru_cache(maxsize=TLS_CONTEXTS_KEPT)
