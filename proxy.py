@@ -2425,17 +2425,14 @@ class _Reader:
     def readline(self, limit: int) -> bytes:
         """What `readline(limit)` of a file answers."""
         buf = self.buf
-        while True:
-            end = buf.find(b"\n", 0, limit)
-            if end >= 0 or len(buf) >= limit:
-                end = end + 1 if end >= 0 else limit
-                self.buf = buf[end:]
-                return buf[:end]
+        while len(buf) < limit and b"\n" not in buf:
             data = self.recv(IO_CHUNK)
             if not data:
-                self.buf = b""
-                return buf
+                break
             buf += data
+        end = buf.find(b"\n", 0, limit) + 1 or min(len(buf), limit)  # past the LF, else all it may
+        self.buf = buf[end:]
+        return buf[:end]
 
     def read_head(self, first: bool) -> bytes:
         """One answer head, through its blank line; _BadResponse if cut short or too large, but
@@ -2519,9 +2516,7 @@ class _Answer(NamedTuple):
     length: int  # the Content-Length for "length", else -1
     keep_alive: bool  # the connection may carry another request once this body is read
     lowered: List[str]  # the header names lower-cased, in order
-    # the head to relay as it is (nothing to drop or rewrite in it), with `headers` and `lowered`
-    # left empty; None when the relay rebuilds the head from `headers`
-    raw: Optional[bytes] = None
+    raw: Optional[bytes] = None  # the head, if relayed as is (`headers` and `lowered` then empty)
 
 
 def _parse_answer(head: bytes, method: str) -> _Answer:
@@ -2628,12 +2623,11 @@ def _make_tls_context(verify: Verify, stamp: object) -> ssl.SSLContext:
     if verify is False:
         context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
         return context
-    try:  # like requests: also trust certifi's bundle, for hosts with an empty system store
-        import certifi  # requests depends on it
+    # like requests: also trust certifi's bundle (requests depends on it), for an empty system store
+    with contextlib.suppress(ImportError, OSError, ssl.SSLError):
+        import certifi
 
         context.load_verify_locations(cafile=certifi.where())
-    except (ImportError, OSError, ssl.SSLError):  # pragma: no cover
-        pass
     return context
 
 
@@ -2728,7 +2722,8 @@ class _TlsStream(_Stream):
     forbids two threads in one SSL object, so the engine is touched only under `_engine`, never held
     across a socket call. Output is taken and sent only under `_sending` (taken before `_engine`),
     in the order the engine wrote it; `_sending` is let go under `_engine` with no output left, so
-    output another thread writes is sent by the holder, or finds it free."""
+    output another thread writes is sent by the holder, or finds it free. A reader never waits for
+    `_sending`: stopped while the upstream's receive window is full, it could deadlock both ends."""
 
     def __init__(self, sock: socket.socket, context: ssl.SSLContext, host: str) -> None:
         super().__init__(sock)
@@ -2760,8 +2755,6 @@ class _TlsStream(_Stream):
                 except (ssl.SSLZeroReturnError, ssl.SSLEOFError):  # close_notify, or a TCP close
                     data = b""
                 reply = self._outgoing.pending  # e.g. the answer to a key update
-            # Never wait for the send lock: a reader stopped while the upstream's receive window is
-            # full could deadlock both ends. The sender holding it sends this output too.
             if reply:
                 self.sendall(wait=False)
             if data is not None:
