@@ -345,11 +345,10 @@ class Route:
         self.label = "%s (%s)" % (name, self.label)
 
     def _checkout(self, proxy: AuthProxy) -> Tuple["_UpstreamConnection", bool]:
-        """A keep-alive connection to the route's upstream: a pooled one if fresh, else a new one.
-
-        No lock (every request of a route would queue on it): deque and set operations are atomic,
-        and the liveness check runs on a connection this thread alone holds. A route closing is
-        caught by re-reading `_closed` once registered (close() sets it before reading the set)."""
+        """A keep-alive connection to the upstream: a pooled one if fresh, else a new one. No lock
+        (every request of a route would queue on it): deque and set operations are atomic, and the
+        liveness check runs on a connection this thread alone holds. A route closing is caught by
+        re-reading `_closed` once registered (close() sets it before reading the set)."""
         if self._closed:
             raise ConnectionAbortedError("route was unmounted")
         cutoff = time.monotonic() - POOL_IDLE_S
@@ -2494,10 +2493,6 @@ def _upstream_cut_short(where: str) -> Exception:
     return _BadResponse("upstream-unreachable", "closed the connection " + where)
 
 
-def _upstream_malformed(what: str) -> Exception:
-    return _BadResponse("upstream-protocol", "sent " + what)
-
-
 def _client_cut_short(where: str) -> Exception:
     return _ClientBodyError("the client closed the connection " + where)
 
@@ -2586,7 +2581,8 @@ def _answer_body(reader: _Reader, answer: _Answer) -> Iterator[bytes]:
     if answer.mode == "length":
         return reader.pieces(answer.length, "in the middle of its response body")
     if answer.mode == "chunked":
-        return _dechunk(reader, _upstream_malformed, MAX_RESPONSE_HEAD_BYTES)
+        return _dechunk(reader, lambda what: _BadResponse("upstream-protocol", "sent " + what),
+                        MAX_RESPONSE_HEAD_BYTES)
     return iter(functools.partial(reader.read1, IO_CHUNK), b"")  # until the upstream closes
 
 
@@ -2597,9 +2593,8 @@ def _request_lines(method: str, target: str, headers: List[Tuple[str, str]]) -> 
 
 def _set_socket_timeout(sock: socket.socket, timeout: Optional[float],
                         send_timeout: Optional[float] = None) -> None:
-    """Give a plain socket `timeout` (None: block forever), in the kernel with KERNEL_TIMEOUTS (its
-    calls then raise BlockingIOError, which callers turn into socket.timeout); `send_timeout`, if
-    given, is the kernel's for sends."""
+    """Give a plain socket `timeout` (None: block forever), in the kernel with KERNEL_TIMEOUTS (for
+    sends `send_timeout` if given; calls then raise BlockingIOError: callers make it a timeout)."""
     if not KERNEL_TIMEOUTS:
         sock.settimeout(timeout)
         return
@@ -2631,11 +2626,10 @@ def _make_tls_context(verify: Verify, stamp: object) -> ssl.SSLContext:
     return context
 
 
-def _abort_socket(sock: Optional[socket.socket]) -> None:
+def _abort_socket(sock: socket.socket) -> None:
     """Wake any thread blocked on this socket (a shutdown at the fd level, even for TLS sockets)."""
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            socket.socket.shutdown(sock, socket.SHUT_RDWR)
+    with contextlib.suppress(OSError):
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
 
 def _quiet_close(closeable: Any) -> Optional[str]:
