@@ -358,7 +358,7 @@ class Route:
             except IndexError:
                 break
             # an idle keep-alive connection that is readable was closed (or holds stray bytes)
-            if conn.since >= cutoff and conn.looks_idle():
+            if conn.since >= cutoff and not conn.reader.buf and not conn.has_input():
                 self._register(conn)
                 return conn, True
             conn.close()
@@ -2331,10 +2331,6 @@ class _UpstreamConnection:
                     if time.monotonic() >= deadline:
                         raise socket.timeout("timed out") from None
 
-    def looks_idle(self) -> bool:
-        """Whether the upstream sent nothing (no byte, no close) past its last answer."""
-        return not self.reader.buf and not self.has_input()
-
     def has_input(self) -> bool:
         """Whether the upstream sent bytes or an end of stream, without blocking. TLS records with
         no data (TLS 1.3 session tickets) are consumed, and do not count."""
@@ -2392,9 +2388,8 @@ class _Reader:
 
     __slots__ = ("recv", "cut_short", "buf")
 
-    def __init__(self, recv: Callable[[int], bytes], cut_short: Callable[[str], Exception],
-                 buf: bytes = b"") -> None:
-        self.recv, self.cut_short, self.buf = recv, cut_short, buf
+    def __init__(self, recv: Callable[[int], bytes], cut_short: Callable[[str], Exception]) -> None:
+        self.recv, self.cut_short, self.buf = recv, cut_short, b""
 
     def read1(self, n: int) -> bytes:
         """Up to n bytes: the buffered ones, else one read; b"" once the peer closed."""
@@ -2539,10 +2534,8 @@ def _parse_answer(head: bytes, method: str) -> _Answer:
     if status < 100:  # "000"-"099" are not statuses (http.client and h11 refuse them too)
         raise _BadResponse("upstream-protocol", "sent the status code %03d" % status)
     headers: List[Tuple[str, str]] = []
-    for line in text[start:].split("\n"):
+    for line in text[start:].split("\n")[:-2]:  # (the last two: the blank line ending the head)
         line = line[:-1] if line.endswith("\r") else line
-        if not line:
-            continue  # the blank line ending the head
         if line[0] in " \t":  # obs-fold: joined to the previous field's value with a space
             if not headers:
                 raise _BadResponse("upstream-protocol", "sent a response head starting with a "
