@@ -2305,10 +2305,8 @@ class _UpstreamConnection:
                 raise _ClientGone()
             if time.monotonic() >= deadline:
                 raise socket.timeout("timed out")
-            try:
+            with contextlib.suppress(BlockingIOError, socket.timeout):
                 return self.sock.recv(IO_CHUNK)
-            except (BlockingIOError, socket.timeout):
-                continue
 
     def _sendall(self, data: "bytes | memoryview") -> None:
         sock = self.sock
