@@ -1280,10 +1280,9 @@ def _client_body_error(exc: BaseException) -> _ClientBodyError:
 def _client_body_refusal(exc: _ClientBodyError, idle_timeout_s: float) -> Refusal:
     """408 for a body that stopped arriving (a slow client, not a wrong one), 400 for a bad one."""
     if isinstance(exc, _ClientBodyTimeout):
-        return Refusal(408, "request-timeout",
-                       "The request body stopped arriving: nothing came for %g s (idle_timeout_s); "
-                       "the request was dropped. Send the whole body without pausing that long."
-                       % idle_timeout_s)
+        return Refusal(408, "request-timeout", "The request body stopped arriving: nothing came "
+                       "for %g s (idle_timeout_s); the request was dropped. Send the whole body "
+                       "without pausing that long." % idle_timeout_s)
     return Refusal(400, "bad-body", "The request body was malformed: %s." % exc)
 
 
@@ -1316,8 +1315,7 @@ def _classify_upstream_error(exc: BaseException, route: Route) -> Refusal:
                                                 "may be overloaded or stuck." % where)
     if isinstance(exc, (ssl.SSLError, ssl.CertificateError)):
         return Refusal(502, "upstream-tls", "TLS with the upstream %s failed (%s); check its "
-                                            "certificate or the route's verify setting."
-                       % (where, _failure_name(exc)))
+                       "certificate or the route's verify setting." % (where, _failure_name(exc)))
     if isinstance(exc, socket.gaierror):
         return Refusal(502, unreachable, "The upstream host of %s could not be resolved; check "
                                          "the job URL." % where)
