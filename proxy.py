@@ -359,8 +359,7 @@ class Route:
                 break
             # an idle keep-alive connection that is readable was closed (or holds stray bytes)
             if conn.since >= cutoff and not conn.reader.buf and not conn.has_input():
-                self._register(conn)
-                return conn, True
+                return self._register(conn), True
             conn.close()
         sock = self._connect(proxy.connect_timeout_s)
         slice_s = min(ANSWER_WATCH_S, proxy.read_timeout_s)  # see _UpstreamConnection
@@ -375,15 +374,15 @@ class Route:
         except BaseException:
             sock.close()
             raise
-        self._register(conn)
-        return conn, False
+        return self._register(conn), False
 
-    def _register(self, conn: "_UpstreamConnection") -> None:
+    def _register(self, conn: "_UpstreamConnection") -> "_UpstreamConnection":
         self._active.add(conn)
         if self._closed:
             self._active.discard(conn)
             conn.close()
             raise ConnectionAbortedError("route was unmounted")
+        return conn
 
     def _checkin(self, conn: "_UpstreamConnection", reusable: bool) -> None:
         """Return a connection after its response was fully read (reusable) or close it."""
@@ -1328,11 +1327,10 @@ def _classify_upstream_error(exc: BaseException, route: Route) -> Refusal:
 
 def _may_retry(method: str, reused: bool, replayable: bool, fully_sent: bool,
                exc: BaseException) -> bool:
-    """The stale-connection retry rule: retry once, on a fresh connection, only if the connection
-    came from the pool (a fresh one failing is a real failure), no response byte arrived (reset or
-    closed, not slow: timeouts never retry), the request can be replayed byte for byte (its body was
-    buffered), and the method is idempotent or the request was not completely sent (the upstream
-    cannot have acted on it: a fully sent POST that then got no answer might have run)."""
+    """The stale-connection retry rule: once, on a fresh connection, only if the connection was
+    pooled (a fresh one failing is a real failure), no response byte arrived (reset or closed, not
+    slow: timeouts never retry), the body was buffered (replayable), and the method is idempotent or
+    the request was not all sent (a fully sent POST that then got no answer might have run)."""
     no_answer = isinstance(exc, (_UpstreamClosed, ConnectionResetError, BrokenPipeError,
                                  ConnectionAbortedError, ssl.SSLEOFError, ssl.SSLZeroReturnError))
     return reused and no_answer and replayable and (method in IDEMPOTENT_METHODS or not fully_sent)
