@@ -325,8 +325,17 @@ class Route:
         return problems
 
     def tls_context(self) -> ssl.SSLContext:
-        """The TLS context for this upstream, honouring `verify` like requests (bool or CA path)."""
-        return self._pool.tls_context()
+        """The TLS context for this upstream, honouring `verify` like requests (bool or CA path),
+        shared by the routes with the same `verify` (a CA bundle edited since is read again)."""
+        pool = self._pool
+        if pool.tls_context is None:  # (two threads racing may both fetch one: either will do)
+            verify, stamp = pool.key[3], None
+            if isinstance(verify, str):  # the bundle's mtime and size key the cache too
+                with contextlib.suppress(OSError):  # (else the context creation reports it)
+                    stat = os.stat(verify)
+                    stamp = (stat.st_mtime_ns, stat.st_size)
+            pool.tls_context = _make_tls_context(verify, stamp)
+        return pool.tls_context
 
     # -- machinery (used by the request handler) ------------------------------------------------
 
@@ -335,11 +344,10 @@ class Route:
         self.label = "%s (%s)" % (name, self.label)
 
     def _checkout(self, proxy: AuthProxy) -> Tuple["_UpstreamConnection", bool]:
-        """A keep-alive connection to the route's upstream: a pooled one if fresh, else a new one.
-
-        No lock (every request of a route would queue on it): deque and set operations are atomic,
-        and the liveness check runs on a connection this thread alone holds. A route closing is
-        caught by re-reading `_closed` once registered (close() sets it before reading the set)."""
+        """A keep-alive connection to the upstream: a pooled one if fresh, else a new one. No lock
+        (every request of a route would queue on it): deque and set operations are atomic, and the
+        liveness check runs on a connection this thread alone holds. A route closing is caught by
+        re-reading `_closed` once registered (close() sets it before reading the set)."""
         if self._closed:
             raise ConnectionAbortedError("route was unmounted")
         cutoff = time.monotonic() - POOL_IDLE_S
@@ -349,9 +357,8 @@ class Route:
             except IndexError:
                 break
             # an idle keep-alive connection that is readable was closed (or holds stray bytes)
-            if conn.since >= cutoff and conn.looks_idle():
-                self._register(conn)
-                return conn, True
+            if conn.since >= cutoff and not conn.reader.buf and not conn.has_input():
+                return self._register(conn), True
             conn.close()
         sock = self._connect(proxy.connect_timeout_s)
         slice_s = min(ANSWER_WATCH_S, proxy.read_timeout_s)  # see _UpstreamConnection
@@ -366,15 +373,15 @@ class Route:
         except BaseException:
             sock.close()
             raise
-        self._register(conn)
-        return conn, False
+        return self._register(conn), False
 
-    def _register(self, conn: "_UpstreamConnection") -> None:
+    def _register(self, conn: "_UpstreamConnection") -> "_UpstreamConnection":
         self._active.add(conn)
         if self._closed:
             self._active.discard(conn)
             conn.close()
             raise ConnectionAbortedError("route was unmounted")
+        return conn
 
     def _checkin(self, conn: "_UpstreamConnection", reusable: bool) -> None:
         """Return a connection after its response was fully read (reusable) or close it."""
@@ -434,13 +441,7 @@ class _HostPool:
         self.idle: "collections.deque[_UpstreamConnection]" = collections.deque()
         self.users = 0
         self.closed = False
-        self._tls_context: Optional[ssl.SSLContext] = None
-
-    def tls_context(self) -> ssl.SSLContext:
-        """The process-wide context for this host's `verify` (a race fetches the same one twice)."""
-        if self._tls_context is None:
-            self._tls_context = _shared_tls_context(self.key[3])
-        return self._tls_context
+        self.tls_context: Optional[ssl.SSLContext] = None  # made by Route.tls_context
 
 
 class _HostPools:
@@ -1254,10 +1255,9 @@ def _client_body_error(exc: BaseException) -> _ClientBodyError:
 def _client_body_refusal(exc: _ClientBodyError, idle_timeout_s: float) -> Refusal:
     """408 for a body that stopped arriving (a slow client, not a wrong one), 400 for a bad one."""
     if isinstance(exc, _ClientBodyTimeout):
-        return Refusal(408, "request-timeout",
-                       "The request body stopped arriving: nothing came for %g s (idle_timeout_s); "
-                       "the request was dropped. Send the whole body without pausing that long."
-                       % idle_timeout_s)
+        return Refusal(408, "request-timeout", "The request body stopped arriving: nothing came "
+                       "for %g s (idle_timeout_s); the request was dropped. Send the whole body "
+                       "without pausing that long." % idle_timeout_s)
     return Refusal(400, "bad-body", "The request body was malformed: %s." % exc)
 
 
@@ -1290,8 +1290,7 @@ def _classify_upstream_error(exc: BaseException, route: Route) -> Refusal:
                                                 "may be overloaded or stuck." % where)
     if isinstance(exc, (ssl.SSLError, ssl.CertificateError)):
         return Refusal(502, "upstream-tls", "TLS with the upstream %s failed (%s); check its "
-                                            "certificate or the route's verify setting."
-                       % (where, _failure_name(exc)))
+                       "certificate or the route's verify setting." % (where, _failure_name(exc)))
     if isinstance(exc, socket.gaierror):
         return Refusal(502, unreachable, "The upstream host of %s could not be resolved; check "
                                          "the job URL." % where)
@@ -1304,11 +1303,10 @@ def _classify_upstream_error(exc: BaseException, route: Route) -> Refusal:
 
 def _may_retry(method: str, reused: bool, replayable: bool, fully_sent: bool,
                exc: BaseException) -> bool:
-    """The stale-connection retry rule: retry once, on a fresh connection, only if the connection
-    came from the pool (a fresh one failing is a real failure), no response byte arrived (reset or
-    closed, not slow: timeouts never retry), the request can be replayed byte for byte (its body was
-    buffered), and the method is idempotent or the request was not completely sent (the upstream
-    cannot have acted on it: a fully sent POST that then got no answer might have run)."""
+    """The stale-connection retry rule: once, on a fresh connection, only if the connection was
+    pooled (a fresh one failing is a real failure), no response byte arrived (reset or closed, not
+    slow: timeouts never retry), the body was buffered (replayable), and the method is idempotent or
+    the request was not all sent (a fully sent POST that then got no answer might have run)."""
     no_answer = isinstance(exc, (_UpstreamClosed, ConnectionResetError, BrokenPipeError,
                                  ConnectionAbortedError, ssl.SSLEOFError, ssl.SSLZeroReturnError))
     return reused and no_answer and replayable and (method in IDEMPOTENT_METHODS or not fully_sent)
@@ -2242,10 +2240,8 @@ class _UpstreamConnection:
                 raise _ClientGone()
             if time.monotonic() >= deadline:
                 raise socket.timeout("timed out")
-            try:
+            with contextlib.suppress(BlockingIOError, socket.timeout):
                 return self.sock.recv(IO_CHUNK)
-            except (BlockingIOError, socket.timeout):
-                continue
 
     def _sendall(self, data: "bytes | memoryview") -> None:
         sock = self.sock
@@ -2267,10 +2263,6 @@ class _UpstreamConnection:
                     deadline = deadline or time.monotonic() + self.read_timeout_s
                     if time.monotonic() >= deadline:
                         raise socket.timeout("timed out") from None
-
-    def looks_idle(self) -> bool:
-        """Whether the upstream sent nothing (no byte, no close) past its last answer."""
-        return not self.reader.buf and not self.has_input()
 
     def has_input(self) -> bool:
         """Whether the upstream sent bytes or an end of stream, without blocking. TLS records with
@@ -2301,28 +2293,22 @@ class _UpstreamConnection:
         return True
 
     def send_request(self, head: bytes, pieces: Iterator[bytes], chunked: bool) -> bool:
-        """Send the head and body (a small one in the same send); False, with the rest unsent, if
-        the upstream answered early (e.g. 413): big bodies go IO_CHUNK at a time, polling between
-        sends, so that answer is read before the upstream's close resets the connection."""
-        sendall, pending, sent = self._sendall, head, 0
+        """Send the head, then the body IO_CHUNK at a time; False, with the rest unsent, if the
+        upstream answered early (e.g. 413): past SMALL_RESPONSE_BYTES each send polls first, so
+        that answer is read before the upstream's close resets the connection."""
+        self._sendall(head)
+        sent = 0
         for piece in pieces:
             if chunked:
                 piece = b"%x\r\n%s\r\n" % (len(piece), piece)
-            if pending:
-                if len(pending) + len(piece) <= SMALL_RESPONSE_BYTES:
-                    sendall(pending + piece)
-                    pending, sent = b"", len(piece)
-                    continue
-                sendall(pending)
-                pending = b""
             with memoryview(piece) as view:
                 for offset in range(0, len(view), IO_CHUNK):
                     if sent > SMALL_RESPONSE_BYTES and self.has_input():
                         return False
-                    sendall(view[offset:offset + IO_CHUNK])
+                    self._sendall(view[offset:offset + IO_CHUNK])
                     sent += min(IO_CHUNK, len(view) - offset)
-        if pending or chunked:
-            sendall(pending + b"0\r\n\r\n" if chunked else pending)
+        if chunked:
+            self._sendall(b"0\r\n\r\n")
         return True
 
     def close(self) -> None:
@@ -2335,9 +2321,8 @@ class _Reader:
 
     __slots__ = ("recv", "cut_short", "buf")
 
-    def __init__(self, recv: Callable[[int], bytes], cut_short: Callable[[str], Exception],
-                 buf: bytes = b"") -> None:
-        self.recv, self.cut_short, self.buf = recv, cut_short, buf
+    def __init__(self, recv: Callable[[int], bytes], cut_short: Callable[[str], Exception]) -> None:
+        self.recv, self.cut_short, self.buf = recv, cut_short, b""
 
     def read1(self, n: int) -> bytes:
         """Up to n bytes: the buffered ones, else one read; b"" once the peer closed."""
@@ -2367,17 +2352,14 @@ class _Reader:
     def readline(self, limit: int) -> bytes:
         """What `readline(limit)` of a file answers."""
         buf = self.buf
-        while True:
-            end = buf.find(b"\n", 0, limit)
-            if end >= 0 or len(buf) >= limit:
-                end = end + 1 if end >= 0 else limit
-                self.buf = buf[end:]
-                return buf[:end]
+        while len(buf) < limit and b"\n" not in buf:
             data = self.recv(IO_CHUNK)
             if not data:
-                self.buf = b""
-                return buf
+                break
             buf += data
+        end = buf.find(b"\n", 0, limit) + 1 or min(len(buf), limit)  # past the LF, else all it may
+        self.buf = buf[end:]
+        return buf[:end]
 
     def read_head(self, first: bool) -> bytes:
         """One answer head, through its blank line; _BadResponse if cut short or too large, but
@@ -2439,10 +2421,6 @@ def _upstream_cut_short(where: str) -> Exception:
     return _BadResponse("upstream-unreachable", "closed the connection " + where)
 
 
-def _upstream_malformed(what: str) -> Exception:
-    return _BadResponse("upstream-protocol", "sent " + what)
-
-
 def _client_cut_short(where: str) -> Exception:
     return _ClientBodyError("the client closed the connection " + where)
 
@@ -2461,9 +2439,7 @@ class _Answer(NamedTuple):
     length: int  # the Content-Length for "length", else -1
     keep_alive: bool  # the connection may carry another request once this body is read
     lowered: List[str]  # the header names lower-cased, in order
-    # the head to relay as it is (nothing to drop or rewrite in it), with `headers` and `lowered`
-    # left empty; None when the relay rebuilds the head from `headers`
-    raw: Optional[bytes] = None
+    raw: Optional[bytes] = None  # the head, if relayed as is (`headers` and `lowered` then empty)
 
 
 def _parse_answer(head: bytes, method: str) -> _Answer:
@@ -2491,10 +2467,8 @@ def _parse_answer(head: bytes, method: str) -> _Answer:
     if status < 100:  # "000"-"099" are not statuses (http.client and h11 refuse them too)
         raise _BadResponse("upstream-protocol", "sent the status code %03d" % status)
     headers: List[Tuple[str, str]] = []
-    for line in text[start:].split("\n"):
+    for line in text[start:].split("\n")[:-2]:  # (the last two: the blank line ending the head)
         line = line[:-1] if line.endswith("\r") else line
-        if not line:
-            continue  # the blank line ending the head
         if line[0] in " \t":  # obs-fold: joined to the previous field's value with a space
             if not headers:
                 raise _BadResponse("upstream-protocol", "sent a response head starting with a "
@@ -2533,7 +2507,8 @@ def _answer_body(reader: _Reader, answer: _Answer) -> Iterator[bytes]:
     if answer.mode == "length":
         return reader.pieces(answer.length, "in the middle of its response body")
     if answer.mode == "chunked":
-        return _dechunk(reader, _upstream_malformed, MAX_RESPONSE_HEAD_BYTES)
+        return _dechunk(reader, lambda what: _BadResponse("upstream-protocol", "sent " + what),
+                        MAX_RESPONSE_HEAD_BYTES)
     return iter(functools.partial(reader.read1, IO_CHUNK), b"")  # until the upstream closes
 
 
@@ -2544,9 +2519,8 @@ def _request_lines(method: str, target: str, headers: List[Tuple[str, str]]) -> 
 
 def _set_socket_timeout(sock: socket.socket, timeout: Optional[float],
                         send_timeout: Optional[float] = None) -> None:
-    """Give a plain socket `timeout` (None: block forever), in the kernel with KERNEL_TIMEOUTS (its
-    calls then raise BlockingIOError, which callers turn into socket.timeout); `send_timeout`, if
-    given, is the kernel's for sends."""
+    """Give a plain socket `timeout` (None: block forever), in the kernel with KERNEL_TIMEOUTS (for
+    sends `send_timeout` if given; calls then raise BlockingIOError: callers make it a timeout)."""
     if not KERNEL_TIMEOUTS:
         sock.settimeout(timeout)
         return
@@ -2559,31 +2533,9 @@ def _set_socket_timeout(sock: socket.socket, timeout: Optional[float],
                         struct.pack("@ll", int(seconds), int((seconds - int(seconds)) * 1e6)))
 
 
-_TLS_CONTEXTS: "collections.OrderedDict[object, ssl.SSLContext]" = collections.OrderedDict()
-_TLS_CONTEXTS_LOCK = threading.Lock()
-
-
-def _shared_tls_context(verify: Verify) -> ssl.SSLContext:
-    """The TLS context for `verify`, shared by every route with the same one (TLS_CONTEXTS_KEPT); a
-    CA bundle is keyed with its size and modification time, so an edited bundle is re-read."""
-    key: object = verify
-    if isinstance(verify, str):
-        with contextlib.suppress(OSError):  # (else the context creation reports it)
-            stat = os.stat(verify)
-            key = (verify, stat.st_mtime_ns, stat.st_size)
-    with _TLS_CONTEXTS_LOCK:
-        context = _TLS_CONTEXTS.get(key)
-    if context is None:  # made outside the lock: loading a CA store takes milliseconds
-        context = _make_tls_context(verify)
-    with _TLS_CONTEXTS_LOCK:
-        context = _TLS_CONTEXTS.setdefault(key, context)
-        _TLS_CONTEXTS.move_to_end(key)
-        while len(_TLS_CONTEXTS) > TLS_CONTEXTS_KEPT:
-            _TLS_CONTEXTS.popitem(last=False)
-    return context
-
-
-def _make_tls_context(verify: Verify) -> ssl.SSLContext:
+@functools.lru_cache(maxsize=TLS_CONTEXTS_KEPT)
+def _make_tls_context(verify: Verify, stamp: object) -> ssl.SSLContext:
+    """A TLS context for `verify`, the last TLS_CONTEXTS_KEPT kept (`stamp` only keys them)."""
     if isinstance(verify, str):
         if os.path.isdir(verify):
             return ssl.create_default_context(capath=verify)
@@ -2592,20 +2544,18 @@ def _make_tls_context(verify: Verify) -> ssl.SSLContext:
     if verify is False:
         context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
         return context
-    try:  # like requests: also trust certifi's bundle, for hosts with an empty system store
-        import certifi  # requests depends on it
+    # like requests: also trust certifi's bundle (requests depends on it), for an empty system store
+    with contextlib.suppress(ImportError, OSError, ssl.SSLError):
+        import certifi
 
         context.load_verify_locations(cafile=certifi.where())
-    except (ImportError, OSError, ssl.SSLError):  # pragma: no cover
-        pass
     return context
 
 
-def _abort_socket(sock: Optional[socket.socket]) -> None:
+def _abort_socket(sock: socket.socket) -> None:
     """Wake any thread blocked on this socket (a shutdown at the fd level, even for TLS sockets)."""
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            socket.socket.shutdown(sock, socket.SHUT_RDWR)
+    with contextlib.suppress(OSError):
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
 
 def _quiet_close(closeable: Any) -> Optional[str]:
@@ -2692,7 +2642,8 @@ class _TlsStream(_Stream):
     forbids two threads in one SSL object, so the engine is touched only under `_engine`, never held
     across a socket call. Output is taken and sent only under `_sending` (taken before `_engine`),
     in the order the engine wrote it; `_sending` is let go under `_engine` with no output left, so
-    output another thread writes is sent by the holder, or finds it free."""
+    output another thread writes is sent by the holder, or finds it free. A reader never waits for
+    `_sending`: stopped while the upstream's receive window is full, it could deadlock both ends."""
 
     def __init__(self, sock: socket.socket, context: ssl.SSLContext, host: str) -> None:
         super().__init__(sock)
@@ -2724,8 +2675,6 @@ class _TlsStream(_Stream):
                 except (ssl.SSLZeroReturnError, ssl.SSLEOFError):  # close_notify, or a TCP close
                     data = b""
                 reply = self._outgoing.pending  # e.g. the answer to a key update
-            # Never wait for the send lock: a reader stopped while the upstream's receive window is
-            # full could deadlock both ends. The sender holding it sends this output too.
             if reply:
                 self.sendall(wait=False)
             if data is not None:
