@@ -394,15 +394,15 @@ class Route:
         conn.since = now = time.monotonic()
         idle.append(conn)
         cutoff = now - POOL_IDLE_S
-        while idle and idle[0].since < cutoff:  # evict the oldest so they do not linger
-            try:
+        try:  # evict the oldest so they do not linger (IndexError: another thread emptied it)
+            while idle[0].since < cutoff:
                 old = idle.popleft()
-            except IndexError:
-                break
-            if old.since >= cutoff:  # another thread checked it in meanwhile: keep it
-                idle.append(old)
-                break
-            old.close()
+                if old.since >= cutoff:  # another thread checked it in meanwhile: keep it
+                    idle.append(old)
+                    break
+                old.close()
+        except IndexError:
+            pass
         if pool.closed:  # the pool's last route closed while we appended: it may have missed it
             for late in _drain(idle):
                 late.close()
@@ -532,7 +532,8 @@ class ReplicaRoute:
             with self._lock:
                 for replica in self._replicas:
                     if replica.route.upstream == upstream:
-                        readmitted, replica.healthy, replica.reason = not replica.healthy, True, None
+                        readmitted = not replica.healthy
+                        replica.healthy, replica.reason = True, None
                         if readmitted:
                             log.info("proxy: %s is back in rotation", replica.route.label)
                         return readmitted
@@ -1876,7 +1877,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 sent_all = False
                 try:
                     try:
-                        # one send, as send_request would
+                        # a small request leaves in one send (send_request sends its head alone)
                         if replayable and size <= SMALL_RESPONSE_BYTES:
                             conn._sendall(head + body)
                             sent_all = True
