@@ -26,6 +26,7 @@ import ipaddress
 import json
 import logging
 import os
+import queue
 import re
 import secrets
 import select
@@ -1318,28 +1319,19 @@ def _may_retry(method: str, reused: bool, replayable: bool, fully_sent: bool,
 # --------------------------------------------------------------------------------------------------
 
 
-class _Worker:
-    """One pool thread's mailbox: its next job and the lock it parks on (held while parked)."""
-
-    __slots__ = ("job", "wake")
-
-    def __init__(self, job: Tuple[Callable[..., None], tuple]) -> None:
-        self.job: Optional[Tuple[Callable[..., None], tuple]] = job
-        self.wake = threading.Lock()
-        self.wake.acquire()  # released by whoever hands this worker its next job
-
-
 class _WorkerPool:
-    """Parked threads that run jobs: `submit` hands a job to the most recently parked worker (its
-    stack is warm), else starts a thread while under `max_workers`; a worker idle for `idle_s`
-    ends. A warm proxy serves a connection with one lock release instead of a thread start."""
+    """Parked threads that run jobs: `submit` hands a job to the latest parked worker (its stack is
+    warm), else starts a thread while under `max_workers`; a worker idle for `idle_s` ends. A warm
+    proxy serves a connection with one queue put instead of a thread start."""
+
+    _STACK_SIZE_LOCK = threading.Lock()  # stack_size() is process-wide: one pool sets it at a time
 
     def __init__(self, name: str, max_workers: int, idle_s: float, stack_bytes: int) -> None:
         self.name, self.max_workers = name, max_workers
         self.idle_s, self.stack_bytes = idle_s, stack_bytes
         self._lock = threading.Lock()
-        # each parked worker and its thread; popitem() takes the latest parked (insertion order)
-        self._parked: Dict[_Worker, threading.Thread] = {}
+        # parked workers' mailboxes (next job, or None: end) and threads; popitem() takes the latest
+        self._parked: Dict[queue.SimpleQueue, threading.Thread] = {}
         self._threads: Set[threading.Thread] = set()
         self._closed = False
 
@@ -1349,17 +1341,26 @@ class _WorkerPool:
             if self._closed:
                 return False
             if self._parked:
-                worker, _ = self._parked.popitem()
-                worker.job = (fn, args)
-                worker.wake.release()
+                self._parked.popitem()[0].put((fn, args))
                 return True
             if len(self._threads) >= self.max_workers:
                 return False
-            thread = threading.Thread(target=self._work, args=(_Worker((fn, args)),),
-                                      name=self.name, daemon=True)
+            mailbox: queue.SimpleQueue = queue.SimpleQueue()
+            mailbox.put((fn, args))  # not in the thread's args: those live as long as the thread
+            thread = threading.Thread(target=self._work, args=(mailbox,), name=self.name,
+                                      daemon=True)
             self._threads.add(thread)
-        try:
-            _start_with_stack(thread, self.stack_bytes)
+        try:  # a `stack_bytes` stack for this start (and for a thread other code starts meanwhile)
+            with self._STACK_SIZE_LOCK:
+                try:
+                    previous: Optional[int] = threading.stack_size(self.stack_bytes)
+                except (ValueError, RuntimeError):  # a platform that cannot change it: its default
+                    previous = None
+                try:
+                    _start_thread(thread)
+                finally:
+                    if previous is not None:
+                        threading.stack_size(previous)
         except BaseException:  # e.g. "can't start new thread" (a process or memory limit)
             with self._lock:
                 self._threads.discard(thread)
@@ -1370,11 +1371,8 @@ class _WorkerPool:
         """Refuse new jobs and end every parked worker; busy ones end after their current job."""
         with self._lock:
             self._closed = True
-            parked = list(self._parked)
-            self._parked.clear()
-        for worker in parked:
-            worker.job = None
-            worker.wake.release()
+            while self._parked:
+                self._parked.popitem()[0].put(None)
 
     def threads(self) -> List[threading.Thread]:
         """Every thread the pool started that has not ended yet (busy or parked)."""
@@ -1391,57 +1389,27 @@ class _WorkerPool:
         with self._lock:
             return len(self._threads), len(self._parked)
 
-    def _work(self, worker: _Worker) -> None:
+    def _work(self, mailbox: queue.SimpleQueue) -> None:
+        me, job = threading.current_thread(), mailbox.get()  # (submit put the first job in)
         try:
-            while worker.job is not None:
-                fn, args = worker.job
-                worker.job = None
+            while job is not None:
                 try:
-                    fn(*args)
+                    job[0](*job[1])
                 except Exception:
                     log.error("proxy: unexpected error in a worker thread", exc_info=True)
-                del fn, args  # drop references to the finished job's sockets before parking
-                if not self._park(worker):
-                    return
+                job = None  # drop references to the finished job's sockets before parking
+                with self._lock:
+                    if self._closed:
+                        return
+                    self._parked[mailbox] = me
+                try:
+                    job = mailbox.get(timeout=self.idle_s)
+                except queue.Empty:  # retire, unless submit() or close() took it meanwhile: then
+                    with self._lock:  # its put, made under this lock, is in the mailbox already
+                        job = None if self._parked.pop(mailbox, None) else mailbox.get()
         finally:
             with self._lock:
-                self._threads.discard(threading.current_thread())
-
-    def _park(self, worker: _Worker) -> bool:
-        """Wait for the next job; False when the pool closed or nothing came within `idle_s`."""
-        with self._lock:
-            if self._closed:
-                return False
-            self._parked[worker] = threading.current_thread()
-        if worker.wake.acquire(timeout=self.idle_s):
-            return worker.job is not None
-        with self._lock:
-            if worker in self._parked:  # nobody picked it
-                del self._parked[worker]
-                return False
-        # submit() or close() took it just as the wait timed out: its release (a job, or the
-        # order to end) is coming.
-        worker.wake.acquire()
-        return worker.job is not None
-
-
-# threading.stack_size() is process-wide: starts that set it are serialized, and it is restored.
-_STACK_SIZE_LOCK = threading.Lock()
-
-
-def _start_with_stack(thread: threading.Thread, stack_bytes: int) -> None:
-    """Start `thread` with a `stack_bytes` stack (a thread other code starts in that instant would
-    get it too: the window is one thread creation)."""
-    with _STACK_SIZE_LOCK:
-        try:
-            previous: Optional[int] = threading.stack_size(stack_bytes)
-        except (ValueError, RuntimeError):  # a platform that cannot change it: keep its default
-            previous = None
-        try:
-            _start_thread(thread)
-        finally:
-            if previous is not None:
-                threading.stack_size(previous)
+                self._threads.discard(me)
 
 
 class _Server(http.server.ThreadingHTTPServer):

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import json
 import logging
 import socket
 import sys
 import threading
+import time
+import weakref
 from typing import Iterator, List, Tuple
 
 import pytest
@@ -164,6 +167,90 @@ def test_pool_threads_get_the_configured_stack_size_and_the_process_default_is_r
         thread.start()
         thread.join(TIMEOUT)
         assert other and other[0] != 512 * 1024  # a thread started afterwards has the process default
+
+
+class _Gate:
+    """A stand-in for a pool's lock (the pool takes it only with `with`): re-entrant, so the test
+    thread can hold it across a submit() or close(), and it notes another thread waiting for it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self.waited = threading.Event()
+
+    def __enter__(self) -> "_Gate":
+        if not self._lock.acquire(blocking=False):
+            self.waited.set()
+            self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._lock.release()
+
+
+def _parked_worker_behind_the_gate(pool: _WorkerPool) -> Tuple[_Gate, threading.Thread]:
+    """One parked worker whose idle wait has timed out and which now waits for the pool lock: the
+    test thread holds that lock (its gate) on return."""
+    assert pool.submit(lambda: None)
+    wait_until(lambda: pool.counts() == (1, 1), "the worker to park")
+    [worker] = pool.threads()
+    gate = pool._lock = _Gate()  # type: ignore[assignment]
+    gate.__enter__()
+    assert gate.waited.wait(TIMEOUT)  # the worker's wait timed out: it is about to retire
+    return gate, worker
+
+
+def test_a_job_submitted_as_a_parked_worker_times_out_runs_on_that_worker():
+    with _pool(idle_s=0.05) as pool:
+        gate, worker = _parked_worker_behind_the_gate(pool)
+        ran: List[threading.Thread] = []
+        try:
+            assert pool.submit(lambda: ran.append(threading.current_thread()))  # takes the parked one
+            assert pool.counts() == (1, 0)
+        finally:
+            gate.__exit__()
+        wait_until(lambda: ran == [worker], "the job to run on the worker that timed out")
+        wait_until(lambda: pool.counts() == (0, 0), "the worker to retire after its next idle wait")
+
+
+def test_close_as_a_parked_worker_times_out_ends_that_worker():
+    pool = _WorkerPool("t", max_workers=4, idle_s=0.05, stack_bytes=256 * 1024)
+    gate, worker = _parked_worker_behind_the_gate(pool)
+    try:
+        pool.close()
+    finally:
+        gate.__exit__()
+    worker.join(TIMEOUT)
+    assert not worker.is_alive() and pool.counts() == (0, 0)
+
+
+def test_submits_racing_idle_timeouts_lose_no_job_and_leave_no_worker_behind():
+    done = threading.Semaphore(0)
+    with _pool(max_workers=4, idle_s=0.002) as pool:
+        for i in range(1500):
+            for _ in range(1 + i % 3):  # bursts of 1-3: parked workers, timing out, to pick from
+                assert pool.submit(done.release)
+            for _ in range(1 + i % 3):
+                assert done.acquire(timeout=TIMEOUT)
+            if i % 2:
+                time.sleep(0.002 * (i % 5) / 2)  # about the idle timeout, before or after it
+        wait_until(lambda: pool.counts() == (0, 0), "every worker to retire")
+
+
+class _Payload:
+    """A job argument: a stand-in for a connection's socket."""
+
+
+def test_a_parked_worker_holds_no_reference_to_its_finished_jobs_arguments():
+    with _pool(max_workers=1) as pool:
+        for first in (True, False):  # a new thread's first job, then a parked worker's next one
+            payload = _Payload()
+            gone = weakref.ref(payload)
+            assert pool.submit(lambda p: None, payload)
+            del payload
+            wait_until(lambda: pool.counts() == (1, 1), "the worker to park")
+            wait_until(lambda: gc.collect() is not None and gone() is None,
+                       "the finished job's argument to be freed (first job: %s)" % first, TIMEOUT)
+            assert pool.counts() == (1, 1)  # freed while its worker is still parked
 
 
 # -- the pool inside AuthProxy ------------------------------------------------------------------
