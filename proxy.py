@@ -2634,15 +2634,18 @@ class _TlsStream(_Stream):
                 self._feed()
 
     def recv(self, n: int) -> bytes:
-        """Up to `n` decrypted bytes; b"" once the peer ended the stream."""
+        """Up to `n` decrypted bytes; b"" once the peer ended the stream. With nothing buffered it
+        reads the socket first: no decrypt attempt that fails on an empty buffer per frame."""
         while True:
             with self._engine:
-                try:
-                    data: Optional[bytes] = self._tls.read(n)
-                except ssl.SSLWantReadError:
-                    data = None
-                except (ssl.SSLZeroReturnError, ssl.SSLEOFError):  # close_notify, or a TCP close
-                    data = b""
+                data: Optional[bytes] = None
+                if self._incoming.pending or self._incoming.eof or self._tls.pending():
+                    try:
+                        data = self._tls.read(n)
+                    except ssl.SSLWantReadError:
+                        pass
+                    except (ssl.SSLZeroReturnError, ssl.SSLEOFError):  # close_notify, TCP close
+                        data = b""
                 reply = self._outgoing.pending  # e.g. the answer to a key update
             if reply:
                 self.sendall(wait=False)

@@ -399,3 +399,42 @@ def test_bytes_the_upstream_sent_before_it_ended_reach_a_slow_client_then_the_co
             support.wait_until(lambda: _tunnel_idle(proxy), "the tunnel's threads to end", TIMEOUT)
     finally:
         server.close()
+
+
+def test_a_tls_stream_read_in_small_pieces_returns_what_is_decrypted_before_reading_the_socket_again(
+        test_ca) -> None:
+    """The engine's decrypted bytes and its memory buffer are drained before the socket is read: a
+    record read one byte at a time must not wait for more bytes from a peer that sent it all."""
+    import proxy
+
+    sent, finish = threading.Event(), threading.Event()
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        def serve() -> None:
+            conn, _ = listener.accept()
+            with test_ca.server_context().wrap_socket(conn, server_side=True) as tls:
+                tls.sendall(b"hello")
+                tls.sendall(b"world")  # a second record: it waits in the engine's buffer
+                sent.set()
+                finish.wait(TIMEOUT)
+                try:
+                    tls.unwrap()  # close_notify (the client closes without answering it)
+                except (ssl.SSLError, OSError):
+                    pass
+
+        server = threading.Thread(target=serve, daemon=True)
+        server.start()
+        sock = socket.create_connection(listener.getsockname(), timeout=TIMEOUT)
+        stream = proxy._TlsStream(sock, test_ca.client_context(), "localhost")
+        try:
+            stream.handshake()
+            sent.wait(TIMEOUT)
+            time.sleep(0.05)  # both records on the wire before the first read
+            sock.settimeout(2)  # a read that waits on the socket now is the bug: it times out
+            assert b"".join(stream.recv(1) for _ in range(10)) == b"helloworld"
+            finish.set()
+            sock.settimeout(TIMEOUT)
+            assert stream.recv(1) == b""
+        finally:
+            finish.set()
+            stream.close()
+            server.join(TIMEOUT)
