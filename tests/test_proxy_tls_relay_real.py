@@ -26,7 +26,7 @@ from websockets.exceptions import ConnectionClosed, ConnectionClosedError
 
 import support
 from diff_clients import UpstreamProcess
-from proxy import AuthProxy
+from proxy import AuthProxy, _TlsStream
 from test_proxy_ws import _open_raw_tunnel
 from upstreams.common import body_of
 
@@ -405,8 +405,6 @@ def test_a_tls_stream_read_in_small_pieces_returns_what_is_decrypted_before_read
         test_ca) -> None:
     """The engine's decrypted bytes and its memory buffer are drained before the socket is read: a
     record read one byte at a time must not wait for more bytes from a peer that sent it all."""
-    import proxy
-
     sent, finish = threading.Event(), threading.Event()
     with socket.create_server(("127.0.0.1", 0)) as listener:
         def serve() -> None:
@@ -424,7 +422,7 @@ def test_a_tls_stream_read_in_small_pieces_returns_what_is_decrypted_before_read
         server = threading.Thread(target=serve, daemon=True)
         server.start()
         sock = socket.create_connection(listener.getsockname(), timeout=TIMEOUT)
-        stream = proxy._TlsStream(sock, test_ca.client_context(), "localhost")
+        stream = _TlsStream(sock, test_ca.client_context(), "localhost")
         try:
             stream.handshake()
             sent.wait(TIMEOUT)
