@@ -130,7 +130,7 @@ def test_a_minute_of_training_under_chaos_loses_nothing_and_leaks_nothing():
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=CI_DURATION_S + 280)
     report = json.loads(done.stdout)
     assert report["violations"] == [], "\n".join(report["violations"][:20])
-    assert report["checks"] == {name: True for name in report["checks"]}, report["checks"]
+    assert report["checks"] == {name: True for name in report["checks"]}, (report["checks"], report["slopes_per_hour"])
     assert all(v == 0 for k, v in report["leaks"].items() if not k.endswith(" left")), report["leaks"]
     assert report["token_scan"]["leaks"] == [] and report["token_scan"]["lines"] > 1000
     assert report["emulator_problems"] == []
