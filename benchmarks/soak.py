@@ -236,6 +236,18 @@ def growth_pct(samples: Sequence[Tuple[float, float]], window_s: float) -> float
     return 100.0 * slope_per_hour(samples) * window_s / 3600.0 / max(1.0, mean)
 
 
+def live_heap_rejection(after_full_gc: Sequence[Tuple[float, float]], ran_s: float) -> Optional[str]:
+    """Why the live heap, (seconds, allocated blocks) right after each full collection, is not flat after
+    warm-up (its regression line rising more than PY_HEAP_GROWTH_LIMIT of its mean), or None."""
+    steady = [(t, v) for t, v in after_full_gc if t >= WARMUP_FRACTION * ran_s]
+    if len(steady) < 3:
+        return "only %d full collections after warm-up: too few to judge the live heap" % len(steady)
+    growth = growth_pct(steady, steady[-1][0] - steady[0][0])
+    if growth > PY_HEAP_GROWTH_LIMIT * 100.0:
+        return "the live heap grew %.2f%% after warm-up (limit %g%%)" % (growth, PY_HEAP_GROWTH_LIMIT * 100.0)
+    return None
+
+
 def max_calls_in_window(samples: Sequence[Tuple[float, int]], window_s: float) -> int:
     """The most API calls in any `window_s` seconds, from (seconds, cumulative calls) samples."""
     best, start = 0, 0
@@ -1069,7 +1081,7 @@ class Soak:
             "no wrong answer, undocumented error or double step": not self.violations,
             "nothing left running or mounted": all(v == 0 for k, v in leaks.items() if not k.endswith(" left")),
             "RSS flat": rss_late_slope * half_window / 3600.0 <= RSS_GROWTH_LIMIT_MIB,
-            "Python heap flat": len(steady_gc) >= 3 and live_growth_pct <= PY_HEAP_GROWTH_LIMIT * 100.0,
+            "Python heap flat": live_heap_rejection(full_gc, ran_s) is None,
             "threads flat": thread_slope * window / 3600.0 <= THREAD_GROWTH_LIMIT,
             "token never printed": not self.watch.leaks,
             "Jobs API within the Hub's limit": busiest <= HUB_CALLS_LIMIT,

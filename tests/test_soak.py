@@ -92,6 +92,24 @@ def test_slope_per_hour_is_the_least_squares_slope():
     assert soak.slope_per_hour([(t, 100.0 + t / 60.0) for t in range(600)]) == pytest.approx(60.0)
 
 
+def test_the_heap_is_judged_on_its_live_samples_so_cyclic_garbage_is_no_leak_but_a_slow_leak_is():
+    ran_s = 60.0
+    # per-second samples climbing 3% between full collections (the saw-tooth) while the live heap
+    # after each collection stays at 200k: flat
+    sawtooth = [(t, 200_000 + 6_000 * (t % 20) / 20) for t in range(61)]
+    live = [(t, 200_000.0) for t in range(5, 61, 5)]
+    assert soak.growth_pct(sawtooth[12:19], 6) > 0.5  # (what the old check read as growth)
+    assert soak.live_heap_rejection(live, ran_s) is None
+    # a live heap growing 100 blocks a second (2.2% from 15 s to 60 s, its samples after warm-up) is a leak
+    leaking = [(t, 200_000.0 + 100 * t) for t in range(5, 61, 5)]
+    assert "grew 2.21%" in soak.live_heap_rejection(leaking, ran_s)
+    # warm-up growth before 20% of the run is left out
+    warming = [(t, 190_000.0 if t < 12 else 200_000.0) for t in range(5, 61, 5)]
+    assert soak.live_heap_rejection(warming, ran_s) is None
+    # too few collections after warm-up to judge cannot pass
+    assert "too few" in soak.live_heap_rejection([(0.9, 200_000.0), (30.0, 200_000.0), (59.0, 200_000.0)], ran_s)
+
+
 def test_max_calls_in_window_finds_the_busiest_window_of_cumulative_samples():
     samples = [(0, 0), (100, 50), (200, 400), (300, 450), (400, 460), (700, 470)]
     assert soak.max_calls_in_window(samples, 100) == 350
