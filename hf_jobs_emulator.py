@@ -869,10 +869,12 @@ class JobsEmulator:
         try:
             self._run_job(job, secret_values)
         except Exception as exc:  # a bug here must still leave the job terminal and nothing running
+            log.error("hf_jobs_emulator: running job %s failed", job.id, exc_info=True)  # where, for the fix
             if job._process is not None:
                 _kill_process_group(job._process, 0.0)
             self._finish(job, "ERROR", f"emulator error while running the job: {exc!r}")
         finally:
+            job._gates_made.set()  # a sandbox host's create, waiting for its gates, answers now (not in 60 s)
             for gate in job._gates + job._links:
                 _stop_quietly(gate)
             if self.sandbox_hosts is not None:

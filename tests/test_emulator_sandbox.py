@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from typing import Any, Callable, Dict, Iterator, List
 
 import pytest
@@ -108,8 +109,8 @@ def hub_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Any, log_guard: Any) -> C
     stopped and every process it ran, sandboxes included, must be gone."""
     made: List[JobsEmulator] = []
 
-    def make(**kwargs: Any) -> JobsEmulator:
-        emulator = JobsEmulator(**{**FAST, **kwargs}).start()
+    def make(cls: Any = JobsEmulator, **kwargs: Any) -> JobsEmulator:
+        emulator = cls(**{**FAST, **kwargs}).start()
         made.append(emulator)
         log_guard.watch(emulator.token)
         monkeypatch.setattr(hub.constants, "ENDPOINT", emulator.endpoint)
@@ -490,6 +491,27 @@ def test_a_host_whose_server_crashes_at_boot_fails_the_pool_start_with_its_log(h
     with pytest.raises(SandboxError, match="emulated crash"):
         _pool(emu)
     assert [job.stage for job in emu.jobs] == ["ERROR"]
+
+
+class _GateFailingEmulator(JobsEmulator):
+    """An emulator whose job gates cannot start: an error inside the emulator while it runs a host job
+    (a clean CI run once met `OSError(14, 'Bad address')` there)."""
+
+    def make_gate(self, job: Any, exposed_port: int, public: bool = False) -> Any:
+        raise OSError(14, "Bad address")
+
+
+def test_a_host_job_the_emulator_fails_to_run_answers_its_create_at_once_and_logs_where(hub_env, caplog):
+    emu = hub_env(cls=_GateFailingEmulator)
+    started = time.monotonic()
+    with pytest.raises(SandboxError):
+        _pool(emu)
+    # the create answered once the job was ERROR, not after SANDBOX_GATES_WAIT_S (60 s)
+    assert time.monotonic() - started < hf_jobs_emulator.SANDBOX_GATES_WAIT_S / 3
+    [job] = emu.jobs
+    assert job.stage == "ERROR" and "Bad address" in job.message
+    logged = [r for r in caplog.records if r.getMessage() == f"hf_jobs_emulator: running job {job.id} failed"]
+    assert logged and "make_gate" in "".join(traceback.format_exception(*logged[0].exc_info))
 
 
 def test_429_and_503_on_sandbox_create_reach_the_client_and_later_creates_succeed(hub_env):
