@@ -236,13 +236,20 @@ def growth_pct(samples: Sequence[Tuple[float, float]], window_s: float) -> float
     return 100.0 * slope_per_hour(samples) * window_s / 3600.0 / max(1.0, mean)
 
 
-def live_heap_rejection(after_full_gc: Sequence[Tuple[float, float]], ran_s: float) -> Optional[str]:
-    """Why the live heap, (seconds, allocated blocks) right after each full collection, is not flat after
-    warm-up (its regression line rising more than PY_HEAP_GROWTH_LIMIT of its mean), or None."""
+def live_heap_growth_pct(after_full_gc: Sequence[Tuple[float, float]], ran_s: float) -> Optional[float]:
+    """How far the live heap, (seconds, allocated blocks) right after each full collection, rises along its
+    regression line after warm-up, in percent of its mean; None with fewer than 3 samples there."""
     steady = [(t, v) for t, v in after_full_gc if t >= WARMUP_FRACTION * ran_s]
-    if len(steady) < 3:
-        return "only %d full collections after warm-up: too few to judge the live heap" % len(steady)
-    growth = growth_pct(steady, steady[-1][0] - steady[0][0])
+    return growth_pct(steady, steady[-1][0] - steady[0][0]) if len(steady) >= 3 else None
+
+
+def live_heap_rejection(after_full_gc: Sequence[Tuple[float, float]], ran_s: float) -> Optional[str]:
+    """Why the live heap is not flat after warm-up (live_heap_growth_pct over PY_HEAP_GROWTH_LIMIT of its
+    mean, or too few samples to judge), or None."""
+    growth = live_heap_growth_pct(after_full_gc, ran_s)
+    if growth is None:
+        steady = sum(1 for t, _ in after_full_gc if t >= WARMUP_FRACTION * ran_s)
+        return "only %d full collections after warm-up: too few to judge the live heap" % steady
     if growth > PY_HEAP_GROWTH_LIMIT * 100.0:
         return "the live heap grew %.2f%% after warm-up (limit %g%%)" % (growth, PY_HEAP_GROWTH_LIMIT * 100.0)
     return None
@@ -1070,9 +1077,7 @@ class Soak:
         rss_late_slope = slope_per_hour([(s["t"], s["rss_mib"]) for s in second_half])
         full_gc = [(t, v) for t, v in zip(self.after_full_gc[0::2], self.after_full_gc[1::2])]
         late_gc = [(t, v) for t, v in full_gc if t >= ran_s / 2]
-        steady_gc = [(t, v) for t, v in full_gc if t >= WARMUP_FRACTION * ran_s]
-        live_window = (steady_gc[-1][0] - steady_gc[0][0]) if len(steady_gc) > 1 else 0.0
-        live_growth_pct = growth_pct(steady_gc, live_window)
+        live_growth_pct = live_heap_growth_pct(full_gc, ran_s)
         calls = [(s["t"], int(s["api_calls"])) for s in samples if s["api_calls"] >= 0]
         ok, status = self.emu.call("status")
         total_calls = status["api_calls"] if ok else (calls[-1][1] if calls else 0)
@@ -1110,8 +1115,8 @@ class Soak:
                                 # the same for the heap right after each full collection (None: fewer than 3)
                                 "live_heap_growth_second_half_pct": round(growth_pct(late_gc, half_window), 2)
                                 if len(late_gc) >= 3 else None,
-                                # what "Python heap flat" judges: the same after warm-up
-                                "live_heap_growth_pct": round(live_growth_pct, 2),
+                                # what "Python heap flat" judges: the same after warm-up (None: fewer than 3)
+                                "live_heap_growth_pct": None if live_growth_pct is None else round(live_growth_pct, 2),
                                 "window_s": round(window, 1)},
             "py_blocks": {"min": min(s["py_blocks"] for s in samples),
                           "max": max(s["py_blocks"] for s in samples)},
