@@ -103,9 +103,11 @@ MAX_WORKERS = 16384
 # A parked worker with no work for this long ends: a trainer's next batch of sessions finds the
 # threads the last one left, and a burst's thousands of threads do not outlive it by much.
 WORKER_IDLE_S = 60.0
-# Stack reserved per worker thread (the default is 8 MiB of address space): the proxy's call depth
-# is shallow, far below this.
-WORKER_STACK_BYTES = 256 * 1024
+# Stack per worker thread (default: 8 MiB of address space). 1 MiB: with 256 KiB Python 3.9/3.10
+# crashed at a recursion depth of 600-900 (the default limit: 1,000), and user code runs on workers
+# (callables, hooks, log handlers), as may a thread started elsewhere while a worker starts (the size
+# is process-wide then). Under 2 MiB, so never backed by a transparent huge page; RSS is what is used.
+WORKER_STACK_BYTES = 1024 * 1024
 # Seconds a client is asked to wait (Retry-After) when the proxy is at MAX_WORKERS.
 BUSY_RETRY_AFTER_S = 1
 # At the cap thousands of connections a second may be refused: one WARNING per this many seconds,

@@ -28,7 +28,7 @@ from typing import Callable, Optional
 # What a read asks for: a benchmark request or response fits many times over.
 READ_BYTES = 65536
 # Thread stacks like the proxy's workers (proxy.WORKER_STACK_BYTES), so RSS compares like for like.
-STACK_BYTES = 256 * 1024
+STACK_BYTES = 1024 * 1024
 # Any string; nothing checks it (the same role as the proxy's benchmark token). Never a real credential.
 BENCH_TOKEN = b"vs-nginx-benchmark-token"
 

@@ -36,19 +36,23 @@ Stable names other test files may rely on:
   it runs (not a zombie), and the live pids whose stat satisfies `where` (Linux).
 - `in_thread(action)`: run it in a daemon thread; returns (thread, outcome list: its result or exception).
 - `wait_until(predicate, what, timeout_s=60)`: poll until truthy, failing with `what` at the deadline.
+- `python_of(version)`: an interpreter of that (major, minor) when this machine has one (PATH or pyenv), else None.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
+import glob
 import gzip
 import hashlib
 import http.server
 import ipaddress
 import json
 import os
+import shutil
 import socket
 import ssl
+import subprocess
 import threading
 import time
 import urllib.parse
@@ -605,3 +609,16 @@ def wait_until(predicate: Callable[[], object], what: str, timeout_s: float = 60
         if time.monotonic() > deadline:
             raise AssertionError("timed out waiting for " + what)
         time.sleep(0.02)
+
+
+def python_of(version: Tuple[int, int]) -> Optional[str]:
+    """An interpreter of Python `version` (e.g. (3, 9)) when this machine has one (the PATH or pyenv), else None."""
+    name = "python%d.%d" % version
+    candidates = [shutil.which(name)] + sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/%d.%d.*/bin/python" % version)))
+    for candidate in candidates:
+        if candidate and os.path.exists(candidate):
+            probe = subprocess.run([candidate, "-c", "import sys, venv; print(sys.version_info[:2])"],
+                                   capture_output=True, text=True)
+            if probe.returncode == 0 and probe.stdout.strip() == str(tuple(version)):
+                return candidate
+    return None

@@ -7,13 +7,14 @@ from __future__ import annotations
 import ast
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import List
 
 import pytest
+
+import support
 
 ROOT = Path(__file__).resolve().parent.parent
 LIBRARY_MODULES = ["hf_sandbox_provider.py", "hf_sandbox_training.py", "hf_sandbox_cli.py", "hf_sandbox_pool.py",
@@ -31,17 +32,6 @@ DEPENDENCY_SETS = {
     "hub 1.x, httpx-based": (["huggingface_hub>=1.0,<2", "requests", "wsproto"], "1."),
 }
 INSTALL_TIMEOUT_S = 240
-
-
-def _python39() -> Optional[str]:
-    """A Python 3.9 interpreter, when this machine has one (pyenv or the PATH)."""
-    for candidate in (shutil.which("python3.9"), "/root/.pyenv/versions/3.9.18/bin/python"):
-        if candidate and Path(candidate).exists():
-            probe = subprocess.run([candidate, "-c", "import sys, venv; print(sys.version_info[:2])"],
-                                   capture_output=True, text=True)
-            if probe.returncode == 0 and probe.stdout.strip() == "(3, 9)":
-                return candidate
-    return None
 
 
 @pytest.mark.slow  # vermin in a fresh interpreter
@@ -68,7 +58,7 @@ def test_library_module_imports_no_event_loop_or_web_framework(module):
 @pytest.mark.timeout(INSTALL_TIMEOUT_S + 120)
 @pytest.mark.parametrize("requirements, hub_version", list(DEPENDENCY_SETS.values()), ids=list(DEPENDENCY_SETS))
 def test_smoke_local_passes_on_each_supported_dependency_set(tmp_path, requirements, hub_version):
-    interpreter = _python39() or sys.executable
+    interpreter = support.python_of((3, 9)) or sys.executable
     venv = tmp_path / "venv"
     subprocess.run([interpreter, "-m", "venv", str(venv)], check=True, timeout=120)
     python = str(venv / "bin" / "python")

@@ -7,7 +7,9 @@ import ctypes
 import gc
 import json
 import logging
+import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -167,6 +169,36 @@ def test_pool_threads_get_the_configured_stack_size_and_the_process_default_is_r
         thread.start()
         thread.join(TIMEOUT)
         assert other and other[0] != 512 * 1024  # a thread started afterwards has the process default
+
+
+# Run by an older interpreter from the checkout: a pool worker recursing to just under the default limit
+# (the frames below the job: thread bootstrap, the pool's loop) prints the depth reached.
+_DEEP_JOB = """
+import sys, threading
+import proxy
+def depth(k):
+    return 0 if k == 0 else 1 + depth(k - 1)
+pool = proxy._WorkerPool("deep", 1, 60.0, proxy.WORKER_STACK_BYTES)
+reached, done = [], threading.Event()
+pool.submit(lambda: (reached.append(depth(sys.getrecursionlimit() - 30)), done.set()))
+done.wait(30)
+pool.close()
+print(reached[0] if reached else "no answer")
+"""
+
+
+@pytest.mark.parametrize("version", [(3, 9), (3, 10)], ids=["3.9", "3.10"])
+def test_a_worker_holds_python_recursion_up_to_the_default_limit_on_old_interpreters(version):
+    """User code runs on workers (token and headers callables, route_request, log handlers). With 256
+    KiB stacks Python 3.9 and 3.10 killed the process (SIGSEGV) at a depth of 600-900, below the limit
+    of 1,000 that would have raised RecursionError."""
+    python = support.python_of(version)
+    if python is None:
+        pytest.skip("no Python %d.%d on this machine" % version)
+    result = subprocess.run([python, "-I", "-c", "import sys; sys.path.insert(0, %r)\n" % os.path.dirname(proxy_module.__file__) + _DEEP_JOB],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, "exit %d: %s" % (result.returncode, result.stderr[-2000:])
+    assert result.stdout.split() == ["970"], result.stdout
 
 
 class _Gate:
