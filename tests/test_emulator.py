@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -749,7 +750,7 @@ def test_vendored_copy_inside_a_package_uses_its_sibling_proxy_and_core(tmp_path
     (package / "__init__.py").write_text("")
     root = os.path.dirname(os.path.abspath(hf_jobs_emulator.__file__))
     for name in ("hf_jobs_emulator.py", "proxy.py", "hf_sandbox_provider.py"):  # the core: the Jobs facts
-        (package / name).write_text(open(os.path.join(root, name)).read())
+        (package / name).write_text(Path(root, name).read_text())
     code = ("import vendored_sandbox.hf_jobs_emulator as e, vendored_sandbox.proxy as p\n"
             "assert issubclass(e._JobGate, p.AuthProxy)\n"
             "assert e._jobs_facts().__name__ == 'vendored_sandbox.hf_sandbox_provider'\n"

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -222,7 +223,7 @@ def test_killing_the_emulator_process_ends_the_zygote_and_every_echo_job(tmp_pat
             return [requests.get(f"{info['endpoint']}/api/jobs/{info['namespace']}/{i}", headers=headers,
                                  timeout=TIMEOUT).json()["status"]["stage"] for i in ids]
         wait_until(lambda: stages() == ["RUNNING", "RUNNING"], "both jobs to run")
-        zygotes = [pid for pid in _children(serve.pid) if "zygote" in open(f"/proc/{pid}/cmdline").read()]
+        zygotes = [pid for pid in _children(serve.pid) if "zygote" in Path(f"/proc/{pid}/cmdline").read_text()]
         assert len(zygotes) == 1
         jobs = _children(zygotes[0])
         assert len(jobs) == 2

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -26,7 +27,7 @@ COMMAND_LINE = ["hf_sandbox_provider.py", "proxy.py", "hf_sandbox_training.py", 
 
 def module_level_imports(path: str):
     """Top-level module names imported when the module is imported (not inside functions or classes)."""
-    tree = ast.parse(open(path, encoding="utf-8").read(), filename=path)
+    tree = ast.parse(Path(path).read_text(encoding="utf-8"), filename=path)
     names = []
     for node in tree.body:
         for child in ast.walk(node) if isinstance(node, (ast.If, ast.Try)) else [node]:
@@ -54,7 +55,7 @@ LAYERS = ("hf_sandbox_training", "hf_sandbox_cli", "hf_sandbox_pool", "proxy_hos
 def test_no_core_function_imports_a_layer_module():
     """No import circle: the core's functions neither import a layer nor name one; a layer is found through
     the module-level tables (_LAYERS, _PLACEMENT_LAYERS) by the one loader, _import_layer."""
-    tree = ast.parse(open(LIBRARY, encoding="utf-8").read(), filename=LIBRARY)
+    tree = ast.parse(Path(LIBRARY).read_text(encoding="utf-8"), filename=LIBRARY)
     found = []
     for function in (node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.Lambda))):
         for node in ast.walk(function):
@@ -245,7 +246,7 @@ def test_a_sandbox_pickled_here_loads_and_runs_in_a_fresh_process_also_under_its
     script = textwrap.dedent("""
         import pickle, sys
         for name in ("new.pkl", "old.pkl"):
-            box = pickle.loads(open(name, "rb").read())
+            box = pickle.loads(Path(name).read_bytes())
             with box, box.session() as session:
                 session.reset()
                 print(name, type(box).__module__, session.step({"message": name})["observation"]["echoed_message"])

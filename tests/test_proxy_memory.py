@@ -6,6 +6,7 @@ import gc
 import logging
 import os
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -34,13 +35,13 @@ def _live_objects() -> int:
 
 def test_routes_with_the_same_verify_share_one_tls_context_and_an_edited_bundle_is_reread(tmp_path, test_ca):
     bundle = tmp_path / "ca.pem"
-    bundle.write_bytes(open(test_ca.ca_path, "rb").read())
+    bundle.write_bytes(Path(test_ca.ca_path).read_bytes())
     first = proxy_module.Route("https://localhost:1", TEST_TOKEN, verify=str(bundle))
     second = proxy_module.Route("https://localhost:2", TEST_TOKEN, verify=str(bundle))
     assert first.tls_context() is second.tls_context()
     unverified = proxy_module.Route("https://localhost:3", TEST_TOKEN, verify=False)
     assert unverified.tls_context() is not first.tls_context()
-    bundle.write_bytes(open(test_ca.ca_path, "rb").read() + b"\n")  # edited: size and mtime change
+    bundle.write_bytes(Path(test_ca.ca_path).read_bytes() + b"\n")  # edited: size and mtime change
     os.utime(str(bundle), ns=(time.time_ns() + 10 ** 9, time.time_ns() + 10 ** 9))
     third = proxy_module.Route("https://localhost:4", TEST_TOKEN, verify=str(bundle))
     assert third.tls_context() is not first.tls_context()

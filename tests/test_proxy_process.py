@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 from typing import Dict, Iterator, List
 
 import pytest
@@ -349,8 +350,8 @@ def test_a_copy_vendored_inside_a_package_spawns_its_own_file(tmp_path, ups):
     package = tmp_path / "vendored_pkg"
     package.mkdir()
     (package / "__init__.py").write_text("")
-    (package / "proxy.py").write_bytes(open(proxy_module.__file__, "rb").read())
-    (package / "proxy_host.py").write_bytes(open(proxy_host.__file__, "rb").read())
+    (package / "proxy.py").write_bytes(Path(proxy_module.__file__).read_bytes())
+    (package / "proxy_host.py").write_bytes(Path(proxy_host.__file__).read_bytes())
     script = ("import sys, requests\nfrom vendored_pkg.proxy import AuthProxy\n"
               "with AuthProxy.spawn() as host:\n"
               "    print(requests.get(host.mount(sys.argv[1], sys.argv[2]) + '/r', timeout=30).status_code,\n"

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import requests
@@ -147,7 +148,7 @@ def test_each_shared_fact_and_helper_is_defined_once():
     for definition, home in (("def _is_loopback_host(", "proxy.py"), ("def _discover_token(", "hf_sandbox_provider.py"),
                              ('"rtx-pro-6000x8"', "hf_sandbox_provider.py"), ('"SCHEDULING", "RUNNING"', "hf_sandbox_provider.py"),
                              ("TOKEN_ENV_VARS = ", "hf_sandbox_provider.py")):
-        sources = [path for path in modules if definition in open(os.path.join(here, path)).read()]
+        sources = [path for path in modules if definition in Path(here, path).read_text()]
         assert sources == [home], definition
     assert emulator_module._is_loopback_host is proxy_module._is_loopback_host is hsp._is_loopback_host
 
