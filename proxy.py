@@ -104,7 +104,7 @@ MAX_WORKERS = 16384
 # threads the last one left, and a burst's thousands of threads do not outlive it by much.
 WORKER_IDLE_S = 60.0
 # Stack per worker thread (default: 8 MiB of address space). 1 MiB: with 256 KiB Python 3.9/3.10
-# crashed at a recursion depth of 600-900 (the default limit: 1,000), and user code runs on workers
+# crashed at a recursion depth of 700-800 (the default limit: 1,000), and user code runs on workers
 # (callables, hooks, log handlers), as may a thread started elsewhere while a worker starts (the size
 # is process-wide then). Under 2 MiB, so never backed by a transparent huge page; RSS is what is used.
 WORKER_STACK_BYTES = 1024 * 1024

@@ -193,7 +193,7 @@ print(reached[0] if reached else "no answer")
 @pytest.mark.parametrize("version", [(3, 9), (3, 10)], ids=["3.9", "3.10"])
 def test_a_worker_holds_python_recursion_up_to_the_default_limit_on_old_interpreters(version):
     """User code runs on workers (token and headers callables, route_request, log handlers). With 256
-    KiB stacks Python 3.9 and 3.10 killed the process (SIGSEGV) at a depth of 600-900, below the limit
+    KiB stacks Python 3.9 and 3.10 killed the process (SIGSEGV) at a depth of 700-800, below the limit
     of 1,000 that would have raised RecursionError."""
     python = support.python_of(version)
     if python is None:
