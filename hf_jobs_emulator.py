@@ -2015,6 +2015,8 @@ def _zygote_main(fd: int) -> int:
                 os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+        selector.close()
+        control.close()
 
 
 def _zygote_child(request: Dict[str, Any], fds: List[int], close_fds: Tuple[int, ...],

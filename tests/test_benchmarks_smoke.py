@@ -89,6 +89,8 @@ def test_a_proxy_whose_threads_do_not_drain_gets_them_named_with_their_stacks(mo
         again = ws_scale._settle(proc, idle)  # the dump left the host serving, and its count unchanged
     finally:
         ws_scale._stop_child(proc)
+        proc.stdout.close()
+        proc.stderr.close()
     assert "left" not in drained and "left" not in again and drained["threads"] == again["threads"] == idle
     names = sorted(line.split(":", 1)[0] for line in stuck["left"])
     assert names == ["MainThread", "proxy-listener", "stdin-waiter"] and stuck["threads"] == idle
@@ -146,6 +148,7 @@ def test_load_generator_reports_a_refused_upgrade_and_a_server_that_never_answer
         silent.close()
         upstream.stdin.close()
         upstream.wait(10)
+        upstream.stdout.close()
     errors = [s["error"] for s in json.loads(wrong_path.stdout)["sessions"]]
     assert errors == ["rejected:404"] * 2
     errors = [s["error"] for s in json.loads(hung.stdout)["sessions"]]
@@ -194,6 +197,7 @@ def test_lockstep_sessions_all_finish_every_step_behind_the_barrier():
     finally:
         upstream.stdin.close()
         upstream.wait(10)
+        upstream.stdout.close()
     sessions = json.loads(proc.stdout)["sessions"]
     assert [(s["ok"], s["error"], len(s["steps"])) for s in sessions] == [(True, None, 3)] * 5
     assert all(t >= 0.02 for s in sessions for t in s["steps"])

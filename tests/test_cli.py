@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import hf_sandbox_provider as hsp
@@ -205,7 +206,7 @@ def test_module_works_vendored_inside_a_package(tmp_path):
     package.mkdir()
     (package / "__init__.py").write_text("")
     for name in ("hf_sandbox_provider.py", "proxy.py"):
-        (package / name).write_text(open(os.path.join(REPO, name), encoding="utf-8").read())
+        (package / name).write_text(Path(REPO, name).read_text(encoding="utf-8"))
     script = ("import vendored.hf_sandbox_provider as h, vendored.proxy as p, sys; "
               "assert h.InsecureURLError is p.InsecureURLError; "
               "assert 'proxy' not in sys.modules; print('ok')")

@@ -512,6 +512,8 @@ def serve_cli():
         if proc.poll() is None:
             proc.kill()
             proc.wait(TIMEOUT)
+        proc.stdout.close()
+        proc.stderr.close()
 
 
 @pytest.mark.slow  # the emulator CLI as a subprocess

@@ -725,6 +725,7 @@ def test_serve_takes_the_sandbox_settings_and_prints_the_ca_to_trust(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+        proc.stdout.close()
     bad = subprocess.run([PY, hf_jobs_emulator.__file__, "serve", "--sandbox-capacity", "0"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "sandbox_capacity must be an int >= 1" in bad.stderr

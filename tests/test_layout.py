@@ -133,7 +133,7 @@ def vendor(tmp_path, names):
     package.mkdir()
     (package / "__init__.py").write_text("")
     for name in names:
-        (package / name).write_text(open(os.path.join(REPO, name), encoding="utf-8").read())
+        (package / name).write_text(Path(REPO, name).read_text(encoding="utf-8"))
     env = clean_env(tmp_path)
     env["PYTHONPATH"] = str(tmp_path)
     return env
@@ -245,6 +245,7 @@ def test_a_sandbox_pickled_here_loads_and_runs_in_a_fresh_process_also_under_its
     (tmp_path / "old.pkl").write_bytes(data.replace(b"hf_sandbox_training", b"hf_sandbox_provider"))
     script = textwrap.dedent("""
         import pickle, sys
+        from pathlib import Path
         for name in ("new.pkl", "old.pkl"):
             box = pickle.loads(Path(name).read_bytes())
             with box, box.session() as session:

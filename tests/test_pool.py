@@ -13,6 +13,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterator, List, Tuple
 
 import pytest
@@ -511,7 +512,8 @@ def test_a_process_that_exits_or_gets_sigterm_kills_its_sandboxes_and_cancels_th
             child.wait()
     assert child.returncode == (-signal.SIGTERM if ending == "signal" else 0)
     assert emu.wait_for_stage(host_id, ["CANCELED"]).stage == "CANCELED"
-    assert emu.token not in child.stderr.read()
+    with child.stdout, child.stderr:
+        assert emu.token not in child.stderr.read()
 
 
 def _age_pool_cache(pool: str, seconds: float) -> None:
@@ -734,7 +736,7 @@ def test_the_core_vendored_with_the_pool_layer_runs_a_pooled_environment(pool_en
     (package / "__init__.py").write_text("")
     root = os.path.dirname(HERE)
     for name in ("hf_sandbox_provider.py", "proxy.py", "hf_sandbox_pool.py"):
-        (package / name).write_text(open(os.path.join(root, name), encoding="utf-8").read())
+        (package / name).write_text(Path(root, name).read_text(encoding="utf-8"))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "PYTHON"))}
     env.update(PYTHONPATH=str(tmp_path), HF_HOME=str(tmp_path / "hf-home"), SSL_CERT_FILE=emu.ca_path)
     result = subprocess.run([sys.executable, "-c", VENDORED_POOL, emu.endpoint, emu.token, emu.ca_path,
