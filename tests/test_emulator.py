@@ -9,8 +9,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import List
 
 import pytest
 import requests
@@ -535,10 +537,20 @@ def test_serve_logs_each_jobs_activity_and_its_gates_proxy_lines_with_the_job_id
     import re
 
     with serve_cli() as (proc, info, api):
+        logged: List[str] = []  # the emulator's log lines as they come (read while it runs)
+
+        def read_log() -> None:
+            for line in proc.stderr:
+                logged.append(line)
+
+        reader = threading.Thread(target=read_log, daemon=True)
+        reader.start()
         echo = api.run_job(image="python:3.12", command=[], expose=[8000], namespace="local")
         (url,) = api.wait_for_job(echo.id, stages=["RUNNING"], timeout=TIMEOUT, poll_interval=0.05,
                                   namespace="local").status.expose_urls
         assert get_when_up(url + "/health", bearer(info["token"])).status_code == 200
+        # "ready" is the emulator's own probe's finding, which may come after ours: cancel after it
+        wait_until(lambda: any(f"job {echo.id} ready" in line for line in logged), "the emulator's probe", TIMEOUT)
         deaf = api.run_job(image="python:3.12", command=SLEEP_FOREVER, expose=[8000],
                            namespace="local")
         (deaf_url,) = api.wait_for_job(deaf.id, stages=["RUNNING"], timeout=TIMEOUT,
@@ -548,7 +560,9 @@ def test_serve_logs_each_jobs_activity_and_its_gates_proxy_lines_with_the_job_id
         api.cancel_job(job_id=echo.id, namespace="local")
         api.wait_for_job(echo.id, timeout=TIMEOUT, poll_interval=0.05, namespace="local")
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=TIMEOUT)
+        proc.wait(TIMEOUT)
+        reader.join(TIMEOUT)  # the emulator's stderr ended with it
+        err = "".join(logged)
     stamped = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ")
     lines = err.splitlines()
     for event in ("created", "running", "ready", "canceled"):
