@@ -236,10 +236,14 @@ def growth_pct(samples: Sequence[Tuple[float, float]], window_s: float) -> float
     return 100.0 * slope_per_hour(samples) * window_s / 3600.0 / max(1.0, mean)
 
 
+def _after_warmup(samples: Sequence[Tuple[float, float]], ran_s: float) -> List[Tuple[float, float]]:
+    return [(t, v) for t, v in samples if t >= WARMUP_FRACTION * ran_s]
+
+
 def live_heap_growth_pct(after_full_gc: Sequence[Tuple[float, float]], ran_s: float) -> Optional[float]:
     """How far the live heap, (seconds, allocated blocks) right after each full collection, rises along its
     regression line after warm-up, in percent of its mean; None with fewer than 3 samples there."""
-    steady = [(t, v) for t, v in after_full_gc if t >= WARMUP_FRACTION * ran_s]
+    steady = _after_warmup(after_full_gc, ran_s)
     return growth_pct(steady, steady[-1][0] - steady[0][0]) if len(steady) >= 3 else None
 
 
@@ -248,8 +252,8 @@ def live_heap_rejection(after_full_gc: Sequence[Tuple[float, float]], ran_s: flo
     mean, or too few samples to judge), or None."""
     growth = live_heap_growth_pct(after_full_gc, ran_s)
     if growth is None:
-        steady = sum(1 for t, _ in after_full_gc if t >= WARMUP_FRACTION * ran_s)
-        return "only %d full collections after warm-up: too few to judge the live heap" % steady
+        return ("only %d full collections after warm-up: too few to judge the live heap"
+                % len(_after_warmup(after_full_gc, ran_s)))
     if growth > PY_HEAP_GROWTH_LIMIT * 100.0:
         return "the live heap grew %.2f%% after warm-up (limit %g%%)" % (growth, PY_HEAP_GROWTH_LIMIT * 100.0)
     return None
