@@ -36,6 +36,8 @@ Stable names other test files may rely on:
   it runs (not a zombie), and the live pids whose stat satisfies `where` (Linux).
 - `in_thread(action)`: run it in a daemon thread; returns (thread, outcome list: its result or exception).
 - `wait_until(predicate, what, timeout_s=60)`: poll until truthy, failing with `what` at the deadline.
+- `vendored_package(parent, name, modules)`: the package `parent/name` (an empty `__init__.py`) holding copies
+  of the checkout's `modules`, as a user who vendors them has it; returns its path.
 - `python_of(version)`: an interpreter of that (major, minor) when this machine has one (PATH or pyenv), else None.
 """
 from __future__ import annotations
@@ -56,7 +58,7 @@ import subprocess
 import threading
 import time
 import urllib.parse
-from typing import Callable, List, NamedTuple, Optional, Set, Tuple
+from typing import Callable, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -71,6 +73,8 @@ from wsproto.extensions import PerMessageDeflate
 
 TEST_TOKEN = "hf_testtoken_" + "Zq8XvB2kLw9Yt4"
 JOIN_S = 5.0
+# The checkout: where the library modules live (this file is in its tests/).
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -622,3 +626,14 @@ def python_of(version: Tuple[int, int]) -> Optional[str]:
             if probe.returncode == 0 and probe.stdout.strip() == str(tuple(version)):
                 return candidate
     return None
+
+
+def vendored_package(parent: str, name: str, modules: Sequence[str]) -> str:
+    """Make the package `parent/name` (an empty `__init__.py`) holding byte-for-byte copies of the checkout's
+    `modules`, as a user who vendors them has it; return its directory."""
+    package = os.path.join(parent, name)
+    os.mkdir(package)
+    open(os.path.join(package, "__init__.py"), "w").close()
+    for module in modules:
+        shutil.copyfile(os.path.join(REPO_ROOT, module), os.path.join(package, module))
+    return package

@@ -7,11 +7,11 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import hf_sandbox_provider as hsp
 from hf_jobs_emulator import JobsEmulator
+import support
 from support import wait_until
 
 # Every test here runs the CLI or a script as a subprocess (seconds each): the slow tier.
@@ -202,11 +202,7 @@ def test_job_of_a_process_that_exits_without_stopping_is_cancelled_at_exit(tmp_p
 
 
 def test_module_works_vendored_inside_a_package(tmp_path):
-    package = tmp_path / "vendored"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    for name in ("hf_sandbox_provider.py", "proxy.py"):
-        (package / name).write_text(Path(REPO, name).read_text(encoding="utf-8"))
+    support.vendored_package(str(tmp_path), "vendored", ["hf_sandbox_provider.py", "proxy.py"])
     script = ("import vendored.hf_sandbox_provider as h, vendored.proxy as p, sys; "
               "assert h.InsecureURLError is p.InsecureURLError; "
               "assert 'proxy' not in sys.modules; print('ok')")

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import List
 
 import pytest
@@ -23,6 +22,7 @@ from hf_jobs_emulator import JobsEmulator
 hub = pytest.importorskip("huggingface_hub")
 from huggingface_hub import HfApi  # noqa: E402
 from huggingface_hub.errors import HfHubHTTPError  # noqa: E402
+import support
 from support import wait_until
 
 TIMEOUT = 30  # generous: other work may load the 2 cores; passing tests never wait this long
@@ -761,12 +761,8 @@ def test_the_gate_closes_when_the_job_ends(emu, api):
 
 
 def test_vendored_copy_inside_a_package_uses_its_sibling_proxy_and_core(tmp_path):
-    package = tmp_path / "vendored_sandbox"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    root = os.path.dirname(os.path.abspath(hf_jobs_emulator.__file__))
-    for name in ("hf_jobs_emulator.py", "proxy.py", "hf_sandbox_provider.py"):  # the core: the Jobs facts
-        (package / name).write_text(Path(root, name).read_text())
+    # the core comes too: the Jobs facts live there
+    support.vendored_package(str(tmp_path), "vendored_sandbox", ["hf_jobs_emulator.py", "proxy.py", "hf_sandbox_provider.py"])
     code = ("import vendored_sandbox.hf_jobs_emulator as e, vendored_sandbox.proxy as p\n"
             "assert issubclass(e._JobGate, p.AuthProxy)\n"
             "assert e._jobs_facts().__name__ == 'vendored_sandbox.hf_sandbox_provider'\n"

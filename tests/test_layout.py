@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import support
 from hf_jobs_emulator import echo_server_command
 from test_cli import REPO, RUN_TIMEOUT_S, clean_env
 
@@ -129,11 +130,7 @@ def test_the_provider_is_an_openenv_container_provider_whichever_is_imported_fir
 
 
 def vendor(tmp_path, names):
-    package = tmp_path / "vendored"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    for name in names:
-        (package / name).write_text(Path(REPO, name).read_text(encoding="utf-8"))
+    support.vendored_package(str(tmp_path), "vendored", names)
     env = clean_env(tmp_path)
     env["PYTHONPATH"] = str(tmp_path)
     return env

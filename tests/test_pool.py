@@ -13,7 +13,6 @@ import os
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable, Iterator, List, Tuple
 
 import pytest
@@ -28,6 +27,7 @@ from hf_jobs_emulator import JobsEmulator, echo_server_command  # noqa: E402
 from hf_sandbox_provider import (EnvSession, HFSandboxProvider, InsecureURLError, JobFailedError,  # noqa: E402
                                  JobsAPIError, SandboxConfigError, SandboxError, SessionError)
 from proxy import AuthProxy  # noqa: E402
+import support  # noqa: E402
 from support import wait_until  # noqa: E402
 
 if hf_sandbox_pool.hub_rejection():  # pragma: no cover - an older huggingface_hub: see test_versions
@@ -731,12 +731,7 @@ def test_the_core_vendored_with_the_pool_layer_runs_a_pooled_environment(pool_en
     import subprocess
 
     emu = pool_env()
-    package = tmp_path / "vendored"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    root = os.path.dirname(HERE)
-    for name in ("hf_sandbox_provider.py", "proxy.py", "hf_sandbox_pool.py"):
-        (package / name).write_text(Path(root, name).read_text(encoding="utf-8"))
+    support.vendored_package(str(tmp_path), "vendored", ["hf_sandbox_provider.py", "proxy.py", "hf_sandbox_pool.py"])
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "PYTHON"))}
     env.update(PYTHONPATH=str(tmp_path), HF_HOME=str(tmp_path / "hf-home"), SSL_CERT_FILE=emu.ca_path)
     result = subprocess.run([sys.executable, "-c", VENDORED_POOL, emu.endpoint, emu.token, emu.ca_path,

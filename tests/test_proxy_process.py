@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import threading
-from pathlib import Path
 from typing import Dict, Iterator, List
 
 import pytest
@@ -20,7 +19,6 @@ import requests
 
 import hf_sandbox_provider as hsp
 import proxy as proxy_module
-import proxy_host
 import support
 from diff_clients import UpstreamProcess, start_upstreams
 from hf_jobs_emulator import echo_server_command
@@ -347,11 +345,7 @@ def test_stop_leaves_no_process_thread_or_socket(no_leaks, ups):
 
 
 def test_a_copy_vendored_inside_a_package_spawns_its_own_file(tmp_path, ups):
-    package = tmp_path / "vendored_pkg"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "proxy.py").write_bytes(Path(proxy_module.__file__).read_bytes())
-    (package / "proxy_host.py").write_bytes(Path(proxy_host.__file__).read_bytes())
+    package = support.vendored_package(str(tmp_path), "vendored_pkg", ["proxy.py", "proxy_host.py"])
     script = ("import sys, requests\nfrom vendored_pkg.proxy import AuthProxy\n"
               "with AuthProxy.spawn() as host:\n"
               "    print(requests.get(host.mount(sys.argv[1], sys.argv[2]) + '/r', timeout=30).status_code,\n"
@@ -359,7 +353,7 @@ def test_a_copy_vendored_inside_a_package_spawns_its_own_file(tmp_path, ups):
     out = subprocess.run([sys.executable, "-c", script, ups["plain"].url, TOKEN], cwd=str(tmp_path),
                          capture_output=True, text=True, timeout=TIMEOUT)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["200", str(package / "proxy_host.py")]
+    assert out.stdout.split() == ["200", os.path.join(package, "proxy_host.py")]
 
 
 def test_a_forked_copy_of_the_trainer_closes_its_copy_of_the_channel_and_refuses_to_use_it(host, ups):
