@@ -1518,8 +1518,9 @@ class _Server(http.server.ThreadingHTTPServer):
 
 class _RequestHeaders:
     """A request's header fields in order, by case-insensitive name: what the forwarding and a
-    `route_request` hook read (`get`, `get_all`, `items`, `in`, `[name]`, as on `HTTPMessage`) and
-    edit (`headers[name] = value` adds a field, `del headers[name]` removes each of that name)."""
+    `route_request` hook read (`get`, `get_all`, `items`, `keys`, `values`, `in`, `[name]`,
+    iteration over names and `len`, as on `HTTPMessage`) and edit (`headers[name] = value` adds a
+    field, `del headers[name]` removes each of that name)."""
 
     __slots__ = ("_names", "_values", "_lowered", "_tokens")
 
@@ -1544,6 +1545,18 @@ class _RequestHeaders:
 
     def items(self) -> List[Tuple[str, str]]:
         return list(zip(self._names, self._values))
+
+    def keys(self) -> List[str]:
+        return list(self._names)
+
+    def values(self) -> List[str]:
+        return list(self._values)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def __len__(self) -> int:
+        return len(self._names)
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and name.lower() in self._lowered

@@ -1,9 +1,12 @@
 """AuthProxy core behaviour: HTTP forwarding, routing, the token, WebSocket tunnels, lifecycle."""
 from __future__ import annotations
 
+import email.parser
+import email.policy
 import hashlib
 import json
 import logging
+import socket
 from typing import Iterator, Tuple, Union
 
 import pytest
@@ -246,3 +249,29 @@ def test_headers_edited_by_a_route_request_hook_are_what_gets_forwarded(upstream
         assert r.status_code == 200, r.text
         names = {name.lower(): value for name, value in r.json()["headers"]}
     assert "x-remove-me" not in names and names["x-added"] == "by-hook"
+
+
+class _ReadingHook(AuthProxy):
+    """A hook that reads the request headers the ways an `HTTPMessage` is read, and records what it saw."""
+
+    def __init__(self, upstream_url: str) -> None:
+        super().__init__()
+        self.route, self.seen = Route(upstream_url, TEST_TOKEN), []
+
+    def route_request(self, target, headers):  # type: ignore[override]
+        self.seen.append((list(headers), headers.keys(), headers.values(), len(headers), dict(headers),
+                          headers.items()))
+        return self.route, target
+
+
+def test_a_route_request_hook_reads_the_headers_by_iteration_keys_values_len_and_dict_like_an_http_message(upstream):
+    sent = (b"GET /read HTTP/1.1\r\nHost: h\r\nX-Twice: a\r\nx-twice: b\r\nAccept: */*\r\n"
+            b"Connection: close\r\n\r\n")
+    with _ReadingHook(upstream.url) as proxy, socket.create_connection(("127.0.0.1", proxy.port), TIMEOUT) as sock:
+        sock.sendall(sent)
+        answer = b"".join(iter(lambda: sock.recv(65536), b""))
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+    expected = email.parser.BytesParser(policy=email.policy.compat32).parsebytes(sent.split(b"\r\n", 1)[1])
+    names = ["Host", "X-Twice", "x-twice", "Accept", "Connection"]
+    assert expected.keys() == names  # (the stdlib's own reading of the same head)
+    assert proxy.seen == [(names, names, expected.values(), len(expected), dict(expected), expected.items())]
