@@ -1336,9 +1336,12 @@ class _WorkerPool:
         self._parked: Dict[queue.SimpleQueue, threading.Thread] = {}
         self._threads: Set[threading.Thread] = set()
         self._closed = False
+        # Why the system last refused to start a thread (e.g. `ulimit -u`), until one starts again.
+        self.start_failure: Optional[str] = None
 
     def submit(self, fn: Callable[..., None], *args: object) -> bool:
-        """Run fn(*args) on a worker; False (nothing run) if closed or at `max_workers`."""
+        """Run fn(*args) on a worker; False (nothing run) if closed, at `max_workers`, or the
+        system refused a new thread (`start_failure` says why)."""
         with self._lock:
             if self._closed:
                 return False
@@ -1363,10 +1366,12 @@ class _WorkerPool:
                 finally:
                     if previous is not None:
                         threading.stack_size(previous)
-        except BaseException:  # e.g. "can't start new thread" (a process or memory limit)
+        except BaseException as exc:  # e.g. "can't start new thread" (a process or memory limit)
             with self._lock:
                 self._threads.discard(thread)
+            self.start_failure = "%s: %s" % (type(exc).__name__, exc)
             return False
+        self.start_failure = None
         return True
 
     def close(self) -> None:
@@ -1483,7 +1488,7 @@ class _Server(http.server.ThreadingHTTPServer):
         if not self.workers.submit(self._run, request, client_address):
             with self._conn_lock:
                 self._conns.discard(request)
-            _answer_busy(request, self.busy_warnings)
+            _answer_busy(request, self.workers, self.busy_warnings)
             self.shutdown_request(request)
 
     def _run(self, request: socket.socket, client_address: object) -> None:
@@ -2133,8 +2138,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 return
             if not self.server.workers.submit(tunnel.pump_upstream):
                 if not self.proxy._stopping:
-                    _warn_busy(self.server.busy_warnings)
-                self._refuse(_busy_refusal(), close=True)
+                    _warn_busy(self.server.workers, self.server.busy_warnings)
+                self._refuse(_busy_refusal(self.server.workers), close=True)
                 return
             try:
                 self._set_timeout(None)  # blocking from here on: a session lasts as it likes
@@ -2551,20 +2556,34 @@ def _quiet_close(closeable: Any) -> Optional[str]:
     return None
 
 
-def _busy_refusal() -> Refusal:
-    return Refusal(503, "proxy-busy", "The proxy is at its limit of %d threads (each WebSocket "
-                   "session holds two); retry shortly, or spread sessions over more processes."
-                   % MAX_WORKERS, headers=(("Retry-After", str(BUSY_RETRY_AFTER_S)),))
+def _busy_reason(workers: _WorkerPool) -> str:
+    """Why `workers` had no thread: the proxy's own cap, or a limit of the system's (named so that
+    a user at `ulimit -u` is not told of a cap far above it)."""
+    running = workers.counts()[0]
+    failure = workers.start_failure
+    if failure is None or running >= workers.max_workers:
+        return ("the proxy is at its limit of %d threads (each WebSocket session holds two)"
+                % workers.max_workers)
+    return ("the system refused the proxy a new thread (%s) with %d of its threads running: raise "
+            "the process's limits (ulimit -u, kernel.threads-max, vm.max_map_count, memory)"
+            % (failure, running))
 
 
-def _answer_busy(sock: socket.socket, warnings: "_WarningRate") -> None:
+def _busy_refusal(workers: _WorkerPool) -> Refusal:
+    reason = _busy_reason(workers)
+    return Refusal(503, "proxy-busy", "%s%s; retry shortly, or spread sessions over more processes."
+                   % (reason[0].upper(), reason[1:]),
+                   headers=(("Retry-After", str(BUSY_RETRY_AFTER_S)),))
+
+
+def _answer_busy(sock: socket.socket, workers: _WorkerPool, warnings: "_WarningRate") -> None:
     """Best effort, from the listener thread (which must never block): answer a connection the pool
     had no thread for with a 503 `proxy-busy`, without reading its request."""
-    refusal = _busy_refusal()
+    refusal = _busy_refusal(workers)
     body = json.dumps({"error": refusal.kind, "message": refusal.message}).encode()
     headers = [("X-Proxy-Error", refusal.kind), *refusal.headers, ("Content-Type",
                "application/json"), ("Content-Length", str(len(body))), ("Connection", "close")]
-    _warn_busy(warnings)
+    _warn_busy(workers, warnings)
     with contextlib.suppress(OSError):
         sock.setblocking(False)
         with contextlib.suppress(OSError):  # what already arrived (unread bytes make a reset)
@@ -2572,12 +2591,12 @@ def _answer_busy(sock: socket.socket, warnings: "_WarningRate") -> None:
         sock.send(_head_bytes(503, "Service Unavailable", headers) + body)
 
 
-def _warn_busy(warnings: "_WarningRate") -> None:
+def _warn_busy(workers: _WorkerPool, warnings: "_WarningRate") -> None:
     refused = warnings.note(time.monotonic())
     if refused:
-        log.warning("proxy: no free worker thread (%d in use); answered 503 proxy-busy %d time(s) "
-                    "since the previous warning (at most one per %g s)", MAX_WORKERS, refused,
-                    warnings.every_s)
+        log.warning("proxy: answered 503 proxy-busy %d time(s) since the previous warning (at most "
+                    "one per %g s): no free worker thread, %s", refused, warnings.every_s,
+                    _busy_reason(workers))
 
 
 class _WarningRate:

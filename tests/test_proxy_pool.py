@@ -386,6 +386,82 @@ def test_at_the_thread_cap_a_new_connection_gets_503_proxy_busy_and_service_resu
         assert requests.get(base + "/after", timeout=TIMEOUT).status_code == 200
 
 
+# A proxy whose process may map only `room` MiB more once it listens (RLIMIT_AS): the system refuses
+# worker threads (1 MiB stacks) long before MAX_WORKERS, the way `ulimit -u` or a full
+# vm.max_map_count would. One malloc arena keeps the room for stacks (a new arena reserves 64 MiB).
+_ADDRESS_LIMITED_PROXY = """
+import logging, resource, sys
+sys.path.insert(0, sys.argv[1])
+import proxy
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(message)s")
+server = proxy.AuthProxy().start()
+size = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmSize:"))
+limit = (size + int(sys.argv[2]) * 1024) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+print(server.port, flush=True)
+sys.stdin.read()
+server.stop()
+"""
+
+
+def _get_unknown_route(sock: socket.socket) -> bytes:
+    """One keep-alive request for a route that is not mounted: its whole answer (head and JSON body)."""
+    sock.sendall(b"GET /no-such-route/x HTTP/1.1\r\nHost: x\r\n\r\n")
+    answer = b""
+    while b"\r\n\r\n" not in answer or not answer.endswith(b"}"):
+        data = sock.recv(65536)
+        if not data:
+            break
+        answer += data
+    return answer
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc/self/status: Linux")
+def test_when_the_system_refuses_a_worker_thread_the_503_and_the_warning_name_that_limit_not_the_cap():
+    child = subprocess.Popen([sys.executable, "-c", _ADDRESS_LIMITED_PROXY, support.REPO_ROOT, "24"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=dict(os.environ, MALLOC_ARENA_MAX="1"))
+    held: List[socket.socket] = []
+    try:
+        port = int(child.stdout.readline())
+        for _ in range(200):  # each served connection keeps its worker, waiting for its next request
+            sock = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+            held.append(sock)
+            answer = _get_unknown_route(sock)
+            if not answer.startswith(b"HTTP/1.1 404 "):
+                break
+        head, _, body = answer.partition(b"\r\n\r\n")
+        served = len(held) - 1
+        assert head.startswith(b"HTTP/1.1 503 ") and b"X-Proxy-Error: proxy-busy" in head, answer[:300]
+        assert 0 < served < proxy_module.MAX_WORKERS
+        message = json.loads(body)["message"]
+        assert message.startswith("The system refused the proxy a new thread (RuntimeError: can't start new "
+                                  "thread) with %d of its threads running: raise the process's limits (ulimit "
+                                  "-u, " % served), message
+        assert "at its limit" not in message and str(proxy_module.MAX_WORKERS) not in message
+        for sock in held:
+            sock.close()
+        held.clear()
+        with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as sock:  # a parked worker serves
+            assert _get_unknown_route(sock).startswith(b"HTTP/1.1 404 ")
+        child.stdin.close()
+        assert child.wait(TIMEOUT) == 0
+        warnings = [line for line in child.stderr.read().splitlines() if "proxy-busy" in line]
+        assert len(warnings) == 1 and warnings[0].startswith("WARNING proxy: answered 503 proxy-busy 1 time(s)")
+        assert ("no free worker thread, the system refused the proxy a new thread (RuntimeError: can't start new "
+                "thread) with %d of its threads running" % served) in warnings[0], warnings
+    finally:
+        for sock in held:
+            sock.close()
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        child.stdout.close()
+        child.stderr.close()
+        if not child.stdin.closed:
+            child.stdin.close()
+
+
 def test_warning_rate_reports_the_first_event_then_one_count_per_interval():
     rate = _WarningRate(every_s=10.0)
     times = [100.0, 100.5, 101.0, 109.9, 110.0, 110.1, 125.0, 125.0]
