@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import functools
 import http.server
 import importlib
@@ -110,6 +111,11 @@ WORKER_IDLE_S = 60.0
 WORKER_STACK_BYTES = 1024 * 1024
 # Seconds a client is asked to wait (Retry-After) when the proxy is at MAX_WORKERS.
 BUSY_RETRY_AFTER_S = 1
+# accept() failing for want of a file descriptor (the process's: EMFILE, `ulimit -n`; the system's:
+# ENFILE) leaves the connection queued and the next accept() fails at once: a spin, and a client
+# that hangs. The listener sheds one connection per failure with a spare descriptor it keeps (a
+# 503), and without one pauses this long.
+OUT_OF_FILES_PAUSE_S = 0.1
 # At the cap thousands of connections a second may be refused: one WARNING per this many seconds,
 # with the count since the previous one.
 BUSY_WARNING_EVERY_S = 10.0
@@ -1274,15 +1280,18 @@ def _failure_name(exc: BaseException) -> str:
     return str(getattr(exc, "reason", None) or type(exc).__name__)
 
 
-def _log_upstream_failure(route: Route, kind: str, what: str) -> None:
+def _log_upstream_failure(route: Route, refusal: Refusal, what: str) -> None:
     """WARNING for the first failure of a run on a route (see Route.note_failure), DEBUG for its
-    repeats: hundreds of identical warnings would bury real problems."""
-    level = logging.WARNING if route.note_failure(kind) else logging.DEBUG
-    log.log(level, "proxy: %s: %s%s", route.label, what, kind)
+    repeats: hundreds of identical warnings would bury real problems. A 503 is the proxy's own want
+    (e.g. of file descriptors): its message says what to do."""
+    level = logging.WARNING if route.note_failure(refusal.kind) else logging.DEBUG
+    log.log(level, "proxy: %s: %s%s", route.label, what,
+            refusal.message if refusal.status == 503 else refusal.kind)
 
 
 def _classify_upstream_error(exc: BaseException, route: Route) -> Refusal:
-    """Map an exception from talking to the upstream to a 502/504 refusal (never with the token)."""
+    """Map an exception from talking to the upstream to a 502/504 refusal (never with the token), or
+    to 503 `proxy-busy` when the proxy itself had no file descriptor for it."""
     where, unreachable = route.label, "upstream-unreachable"
     if isinstance(exc, _BadResponse):
         return Refusal(502, exc.kind, "The upstream %s %s." % (where, exc.what))
@@ -1298,6 +1307,8 @@ def _classify_upstream_error(exc: BaseException, route: Route) -> Refusal:
     if isinstance(exc, socket.gaierror):
         return Refusal(502, unreachable, "The upstream host of %s could not be resolved; check "
                                          "the job URL." % where)
+    if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
+        return _busy_refusal(_out_of_files_reason(exc.errno))  # (the proxy's want, not the job's)
     if isinstance(exc, ConnectionRefusedError):
         return Refusal(502, unreachable, "The upstream %s refused the connection; is the job "
                                          "running with its port exposed?" % where)
@@ -1436,8 +1447,16 @@ class _Server(http.server.ThreadingHTTPServer):
         # Client connections in a WebSocket upgrade or tunnel: stop() cuts those through their
         # routes, so a set-up still answers its client (503) before the 101.
         self.tunnelling: Set[socket.socket] = set()
+        self._spare_fd: Optional[int] = None  # see OUT_OF_FILES_PAUSE_S (server_close reads it)
         super().__init__((proxy.host.strip("[]"), proxy._requested_port), _Handler)
         self._woken = False
+        self._spare_fd = _open_spare_fd()
+
+    def server_close(self) -> None:
+        super().server_close()
+        spare, self._spare_fd = self._spare_fd, None
+        if spare is not None:
+            os.close(spare)
 
     def serve_until_woken(self) -> None:
         """Accept connections until `wake()` in a blocking accept: unlike `serve_forever`, an idle
@@ -1445,7 +1464,9 @@ class _Server(http.server.ThreadingHTTPServer):
         while not self._woken:
             try:
                 request, client_address = self.get_request()
-            except OSError:
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE) and not self._woken:
+                    self._shed_one(exc.errno)
                 continue
             if self._woken:  # the connection wake() made
                 self.shutdown_request(request)
@@ -1455,6 +1476,28 @@ class _Server(http.server.ThreadingHTTPServer):
             except Exception:
                 self.handle_error(request, client_address)
                 self.shutdown_request(request)
+
+    def _shed_one(self, error: int) -> None:
+        """Out of file descriptors (see OUT_OF_FILES_PAUSE_S): with the spare one closed, accept a
+        queued connection and answer it 503 `proxy-busy` naming the limit, then take a spare again;
+        with none queued (accept() then fails at once too) or no spare, pause: never spin."""
+        spare, self._spare_fd, request = self._spare_fd, None, None
+        if spare is not None:
+            os.close(spare)
+            timeout = self.socket.gettimeout()
+            self.socket.setblocking(False)
+            try:
+                request = self.get_request()[0]
+            except OSError:  # none queued, or another thread took the descriptor
+                pass
+            finally:
+                self.socket.settimeout(timeout)
+        if request is not None:
+            _answer_busy(request, _out_of_files_reason(error), self.busy_warnings)
+            self.shutdown_request(request)
+        self._spare_fd = _open_spare_fd()
+        if request is None:
+            time.sleep(OUT_OF_FILES_PAUSE_S)
 
     def wake(self) -> None:
         """Make `serve_until_woken` return now (thread-safe, idempotent): on Linux by shutting the
@@ -1488,7 +1531,7 @@ class _Server(http.server.ThreadingHTTPServer):
         if not self.workers.submit(self._run, request, client_address):
             with self._conn_lock:
                 self._conns.discard(request)
-            _answer_busy(request, self.workers, self.busy_warnings)
+            _answer_busy(request, _busy_reason(self.workers), self.busy_warnings)
             self.shutdown_request(request)
 
     def _run(self, request: socket.socket, client_address: object) -> None:
@@ -1907,7 +1950,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
             return
         except _UpstreamFailure as failure:
-            _log_upstream_failure(route, failure.refusal.kind, "")
+            _log_upstream_failure(route, failure.refusal, "")
             self._refuse(failure.refusal, close=not replayable or failure.refusal.status == 504)
             return
         if route._failing_kind is not None:  # (note_answer's own test, without the call)
@@ -2026,7 +2069,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 raise
             except Exception as exc:
                 refusal = _classify_upstream_error(exc, route)
-                _log_upstream_failure(route, refusal.kind, "WebSocket upgrade failed: ")
+                _log_upstream_failure(route, refusal, "WebSocket upgrade failed: ")
                 self._refuse(refusal, close=True)
                 return
             route.note_answer()
@@ -2061,6 +2104,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 raise
             except Exception as exc:
                 last = _classify_upstream_error(exc, route)
+                if last.status == 503:  # the proxy lacked a descriptor: not the replica's fault
+                    _log_upstream_failure(route, last, "WebSocket upgrade failed: ")
+                    self._refuse(last, close=True)
+                    return
                 replicas._mark_failed(replica, "%s (%s)" % (last.kind, _failure_name(exc)))
             else:
                 if status not in REPLICA_DOWN_STATUSES:
@@ -2138,8 +2185,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 return
             if not self.server.workers.submit(tunnel.pump_upstream):
                 if not self.proxy._stopping:
-                    _warn_busy(self.server.workers, self.server.busy_warnings)
-                self._refuse(_busy_refusal(self.server.workers), close=True)
+                    _warn_busy(self.server.busy_warnings, _busy_reason(self.server.workers))
+                self._refuse(_busy_refusal(_busy_reason(self.server.workers)), close=True)
                 return
             try:
                 self._set_timeout(None)  # blocking from here on: a session lasts as it likes
@@ -2562,28 +2609,65 @@ def _busy_reason(workers: _WorkerPool) -> str:
     running = workers.counts()[0]
     failure = workers.start_failure
     if failure is None or running >= workers.max_workers:
-        return ("the proxy is at its limit of %d threads (each WebSocket session holds two)"
-                % workers.max_workers)
-    return ("the system refused the proxy a new thread (%s) with %d of its threads running: raise "
-            "the process's limits (ulimit -u, kernel.threads-max, vm.max_map_count, memory)"
-            % (failure, running))
+        return ("no free worker thread: the proxy is at its limit of %d threads (each WebSocket "
+                "session holds two)" % workers.max_workers)
+    return ("no free worker thread: the system refused the proxy a new thread (%s) with %d of its "
+            "threads running: raise the process's limits (ulimit -u, kernel.threads-max, "
+            "vm.max_map_count, memory)" % (failure, running))
 
 
-def _busy_refusal(workers: _WorkerPool) -> Refusal:
-    reason = _busy_reason(workers)
+def _out_of_files_reason(error: int) -> str:
+    """Why a descriptor could not be had: this process's limit (EMFILE) or the system's (ENFILE)."""
+    if error == errno.ENFILE:
+        return ("the system is out of file descriptors (ENFILE): raise fs.file-max, or close what "
+                "holds them")
+    limit = "?"
+    with contextlib.suppress(ImportError, OSError, ValueError):
+        import resource  # (Unix only)
+
+        limit = str(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    return ("the proxy's process is out of file descriptors (EMFILE: its limit, `ulimit -n`, is "
+            "%s; a WebSocket session holds two in the proxy, one more for a client in the same "
+            "process): raise it, e.g. to the hard limit with resource.setrlimit" % limit)
+
+
+def _raise_open_files_limit() -> Optional[int]:
+    """For a process that only runs the proxy: its soft limit on open files raised to the hard one
+    (a session holds two; the usual 1,024 stops near 500), returned. Never done in a trainer's
+    process: code there using select() breaks on descriptors past 1,023."""
+    try:
+        import resource  # (Unix only)
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):  # (e.g. an unlimited hard limit the kernel caps)
+        return None
+
+
+def _open_spare_fd() -> Optional[int]:
+    """A descriptor held in reserve for `_Server._shed_one` (None if even that cannot be had)."""
+    try:
+        return os.open(os.devnull, os.O_RDONLY)
+    except OSError:
+        return None
+
+
+def _busy_refusal(reason: str) -> Refusal:
     return Refusal(503, "proxy-busy", "%s%s; retry shortly, or spread sessions over more processes."
                    % (reason[0].upper(), reason[1:]),
                    headers=(("Retry-After", str(BUSY_RETRY_AFTER_S)),))
 
 
-def _answer_busy(sock: socket.socket, workers: _WorkerPool, warnings: "_WarningRate") -> None:
-    """Best effort, from the listener thread (which must never block): answer a connection the pool
-    had no thread for with a 503 `proxy-busy`, without reading its request."""
-    refusal = _busy_refusal(workers)
+def _answer_busy(sock: socket.socket, reason: str, warnings: "_WarningRate") -> None:
+    """Best effort, from the listener thread (which must never block): answer a connection the
+    proxy cannot serve (no thread or descriptor: `reason`) with a 503 `proxy-busy`, unread."""
+    refusal = _busy_refusal(reason)
     body = json.dumps({"error": refusal.kind, "message": refusal.message}).encode()
     headers = [("X-Proxy-Error", refusal.kind), *refusal.headers, ("Content-Type",
                "application/json"), ("Content-Length", str(len(body))), ("Connection", "close")]
-    _warn_busy(workers, warnings)
+    _warn_busy(warnings, reason)
     with contextlib.suppress(OSError):
         sock.setblocking(False)
         with contextlib.suppress(OSError):  # what already arrived (unread bytes make a reset)
@@ -2591,12 +2675,11 @@ def _answer_busy(sock: socket.socket, workers: _WorkerPool, warnings: "_WarningR
         sock.send(_head_bytes(503, "Service Unavailable", headers) + body)
 
 
-def _warn_busy(workers: _WorkerPool, warnings: "_WarningRate") -> None:
+def _warn_busy(warnings: "_WarningRate", reason: str) -> None:
     refused = warnings.note(time.monotonic())
     if refused:
         log.warning("proxy: answered 503 proxy-busy %d time(s) since the previous warning (at most "
-                    "one per %g s): no free worker thread, %s", refused, warnings.every_s,
-                    _busy_reason(workers))
+                    "one per %g s): %s", refused, warnings.every_s, reason)
 
 
 class _WarningRate:
@@ -2822,8 +2905,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if reason:
         parser.error(reason)
     sys.setswitchinterval(CLI_SWITCH_INTERVAL_S)
-    log.debug("proxy: GIL switch interval %.3g s (this process only runs the proxy)",
-              CLI_SWITCH_INTERVAL_S)
+    log.debug("proxy: GIL switch interval %.3g s, open files up to %s (this process only runs the "
+              "proxy)", CLI_SWITCH_INTERVAL_S, _raise_open_files_limit())
     from huggingface_hub import get_token  # HF_TOKEN, then the `hf auth login` file (only here)
     token = get_token()
     if not token and not _is_loopback_host(urllib.parse.urlsplit(args.upstream).hostname):

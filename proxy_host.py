@@ -883,8 +883,9 @@ def _host_child_main(argv: List[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     log.addHandler(_ForwardingHandler(host))
     log.propagate = False
-    # this process only runs the proxy (see the constant)
+    # this process only runs the proxy (see the constant and the function)
     sys.setswitchinterval(_proxy.CLI_SWITCH_INTERVAL_S)
+    _proxy._raise_open_files_limit()
     code = host.serve()
     sock.close()
     return code

@@ -175,6 +175,14 @@ def ws_connect(url: str, **kwargs: object):  # type: ignore[no-untyped-def]
     return connect(url, **options)
 
 
+def open_files_limits(pid: int) -> Tuple[int, int]:
+    """(soft, hard) limits on open files of process `pid`, from /proc/<pid>/limits (Linux)."""
+    with open("/proc/%d/limits" % pid) as handle:
+        line = next(line for line in handle if line.startswith("Max open files"))
+    soft, hard = line.split()[3:5]
+    return int(soft), int(hard)
+
+
 def read_to_eof(sock: socket.socket) -> bytes:
     """Everything the peer sends until it closes; a socket timeout propagates (the peer kept the
     connection open, which the caller's test means to catch)."""

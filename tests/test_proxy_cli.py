@@ -88,21 +88,31 @@ def test_cli_rejects_bad_upstream_urls(tmp_path, url, fragment):
     assert TEST_TOKEN not in result.stderr
 
 
-def test_cli_sets_its_own_switch_interval_but_an_in_process_proxy_leaves_it_alone(upstream, tmp_path):
-    import proxy
+def test_cli_sets_its_own_switch_interval_and_open_files_limit_but_an_in_process_proxy_leaves_them_alone(
+        upstream, tmp_path):
+    import resource
 
-    before = sys.getswitchinterval()
+    import proxy
+    import support
+
+    before, limits = sys.getswitchinterval(), resource.getrlimit(resource.RLIMIT_NOFILE)
     with proxy.AuthProxy() as in_process:
         in_process.mount(upstream.url, TEST_TOKEN)
-        assert sys.getswitchinterval() == before  # a trainer's process keeps its own setting
+        assert sys.getswitchinterval() == before  # a trainer's process keeps its own settings
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == limits
+    hard = limits[1]
+    low = min(256, hard)  # the CLI starts with a low soft limit on open files, and raises it to the hard one
     proc = subprocess.Popen([sys.executable, PROXY_PY, upstream.url, "-v"], env=_env(tmp_path, TEST_TOKEN),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard)))
     try:
         assert proc.stdout.readline().startswith("http://127.0.0.1:")  # type: ignore[union-attr]
+        assert support.open_files_limits(proc.pid) == (hard, hard)
         proc.terminate()
         _, err = proc.communicate(timeout=TIMEOUT)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate(timeout=TIMEOUT)
-    assert "GIL switch interval %.3g s" % proxy.CLI_SWITCH_INTERVAL_S in err
+    assert ("GIL switch interval %.3g s, open files up to %d (this process only runs the proxy)"
+            % (proxy.CLI_SWITCH_INTERVAL_S, hard)) in err

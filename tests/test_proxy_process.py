@@ -51,6 +51,12 @@ def host() -> Iterator[AuthProxyProcess]:
         yield spawned
 
 
+def resource_hard_files() -> int:
+    import resource
+
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+
+
 def _gone(pid: int) -> bool:
     """The process has exited (absent, or a zombie its new parent has not reaped yet)."""
     try:
@@ -278,6 +284,39 @@ status = requests.get(base + "/r", timeout=30).status_code
 print(host.pid, status, flush=True)
 time.sleep(600)
 """
+
+
+# A trainer whose soft limit on open files is low (the usual 1,024 allows about 500 sessions in the
+# proxy): its own limit must stay as it is, the child's goes up to the hard limit.
+_LOW_FILES_PARENT = """
+import resource, sys
+sys.path.insert(0, sys.argv[1])
+from proxy import AuthProxy
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+with AuthProxy.spawn() as host:
+    print(host.pid, flush=True)
+    sys.stdin.readline()
+print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], flush=True)
+"""
+
+
+@pytest.mark.skipif(resource_hard_files() <= 256, reason="a hard limit on open files of 256 or less")
+def test_the_child_raises_its_open_files_limit_to_the_hard_one_and_the_trainers_stays_as_it_was():
+    parent = subprocess.Popen([sys.executable, "-c", _LOW_FILES_PARENT, ROOT], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        child_limits = support.open_files_limits(int(parent.stdout.readline()))  # type: ignore[union-attr]
+        parent.stdin.write("\n")  # type: ignore[union-attr]
+        parent.stdin.flush()  # type: ignore[union-attr]
+        assert parent.stdout.readline().strip() == "256"  # type: ignore[union-attr]
+        assert parent.wait(TIMEOUT) == 0
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait(TIMEOUT)
+        parent.stdin.close()  # type: ignore[union-attr]
+        parent.stdout.close()  # type: ignore[union-attr]
+    assert child_limits[0] == child_limits[1] == resource_hard_files()
 
 
 @pytest.mark.slow  # a parent interpreter as a subprocess
