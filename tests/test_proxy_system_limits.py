@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Iterator, List, Tuple
 
 import pytest
@@ -39,7 +40,8 @@ base_url = server.mount(sys.argv[4], sys.argv[5])
 replicas_url = server.mount_replicas([sys.argv[4]], sys.argv[5])
 limit, amount = sys.argv[2], int(sys.argv[3])
 if limit == "RLIMIT_AS":
-    size = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmSize:"))
+    with open("/proc/self/status") as status:
+        size = next(int(line.split()[1]) for line in status if line.startswith("VmSize:"))
     resource.setrlimit(resource.RLIMIT_AS, ((size + amount * 1024) * 1024,) * 2)
 else:
     resource.setrlimit(resource.RLIMIT_NOFILE, (amount, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
@@ -97,7 +99,7 @@ def _message(answer: bytes) -> str:
 
 
 def _cpu_seconds(pid: int) -> float:
-    fields = open("/proc/%d/stat" % pid).read().rsplit(")", 1)[1].split()
+    fields = Path("/proc/%d/stat" % pid).read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
