@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-from wsproto import ConnectionType, WSConnection
+from wsproto import ConnectionState, ConnectionType, WSConnection
 from wsproto.events import (
     AcceptConnection,
     BytesMessage,
@@ -217,7 +217,10 @@ class LoadGenerator:
         elif isinstance(event, BytesMessage):
             self._fail(s, "binary-reply:%s" % s.phase)
         elif isinstance(event, Ping):
-            self._send(s, s.ws.send(event.response()))
+            # A ping that crosses our close (uvicorn pings every 20 s) gets no pong: wsproto refuses to
+            # send one once the close is sent, and the session is ending anyway.
+            if s.ws.state is ConnectionState.OPEN:
+                self._send(s, s.ws.send(event.response()))
         elif isinstance(event, CloseConnection):
             if s.phase == CLOSING:
                 self._finish(s)

@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -153,6 +154,45 @@ def test_load_generator_reports_a_refused_upgrade_and_a_server_that_never_answer
     assert errors == ["rejected:404"] * 2
     errors = [s["error"] for s in json.loads(hung.stdout)["sessions"]]
     assert errors == ["timeout:handshake"] * 2
+
+
+def _pinging_server(listener: socket.socket) -> None:
+    """One WebSocket session that answers like an OpenEnv server, except that on `close` it pings
+    before its own close: what uvicorn's 20 s keepalive ping does when it crosses a client's close."""
+    from wsproto import ConnectionType, WSConnection
+    from wsproto.events import AcceptConnection, CloseConnection, Ping, Request, TextMessage
+
+    conn, _ = listener.accept()
+    with conn:
+        ws = WSConnection(ConnectionType.SERVER)
+        while True:
+            data = conn.recv(65536)
+            ws.receive_data(data or None)
+            for event in ws.events():
+                if isinstance(event, Request):
+                    conn.sendall(ws.send(AcceptConnection()))
+                elif isinstance(event, TextMessage) and json.loads(event.data)["type"] == "close":
+                    conn.sendall(ws.send(Ping(b"keepalive")) + ws.send(CloseConnection(code=1000)))
+                elif isinstance(event, TextMessage):
+                    conn.sendall(ws.send(TextMessage(data=json.dumps({"type": "observation", "data": {}}))))
+                elif isinstance(event, CloseConnection) or not data:
+                    return
+
+
+def test_load_generator_finishes_a_session_whose_server_pings_across_its_close():
+    # Answering that ping raised wsproto's LocalProtocolError ("cannot be sent in state LOCAL_CLOSING"):
+    # 8,192 held sessions with 40 s steps counted 918 such sessions as failed at the close.
+    listener = socket.create_server(("127.0.0.1", 0))
+    server = threading.Thread(target=_pinging_server, args=(listener,), daemon=True)
+    server.start()
+    try:
+        proc = _run([os.path.join(BENCH, "_loadgen.py"), "--port", str(listener.getsockname()[1]),
+                     "--sessions", "1", "--deadline-s", "20"], timeout=40)
+        server.join(20)
+    finally:
+        listener.close()
+    assert proc.returncode == 0, proc.stderr
+    assert [(s["ok"], s["error"]) for s in json.loads(proc.stdout)["sessions"]] == [(True, None)]
 
 
 def test_percentile_is_nearest_rank_and_peak_open_counts_overlap():
