@@ -1337,7 +1337,13 @@ class _WorkerPool:
     warm), else starts a thread while under `max_workers`; a worker idle for `idle_s` ends. A warm
     proxy serves a connection with one queue put instead of a thread start."""
 
-    _STACK_SIZE_LOCK = threading.Lock()  # stack_size() is process-wide: one pool sets it at a time
+    # threading.stack_size() is process-wide: the first of overlapping starts sets it, the last puts
+    # the old size back, and a start wanting another size waits. Starts overlap rather than queue on a
+    # lock: each waits for its new thread to get the GIL, long with thousands of threads running.
+    _STACK = threading.Condition()
+    _stack_starts = 0  # starts under way
+    _stack_bytes = 0  # their size
+    _stack_saved: Optional[int] = None  # the size before them, None if the platform keeps its own
 
     def __init__(self, name: str, max_workers: int, idle_s: float, stack_bytes: int) -> None:
         self.name, self.max_workers = name, max_workers
@@ -1367,16 +1373,11 @@ class _WorkerPool:
                                       daemon=True)
             self._threads.add(thread)
         try:  # a `stack_bytes` stack for this start (and for a thread other code starts meanwhile)
-            with self._STACK_SIZE_LOCK:
-                try:
-                    previous: Optional[int] = threading.stack_size(self.stack_bytes)
-                except (ValueError, RuntimeError):  # a platform that cannot change it: its default
-                    previous = None
-                try:
-                    _start_thread(thread)
-                finally:
-                    if previous is not None:
-                        threading.stack_size(previous)
+            self._open_stack_window()
+            try:
+                _start_thread(thread)
+            finally:
+                self._close_stack_window()
         except BaseException as exc:  # e.g. "can't start new thread" (a process or memory limit)
             with self._lock:
                 self._threads.discard(thread)
@@ -1384,6 +1385,27 @@ class _WorkerPool:
             return False
         self.start_failure = None
         return True
+
+    def _open_stack_window(self) -> None:
+        cls, size = _WorkerPool, self.stack_bytes
+        with cls._STACK:
+            cls._STACK.wait_for(lambda: not cls._stack_starts or cls._stack_bytes == size)
+            if not cls._stack_starts:
+                try:
+                    cls._stack_saved = threading.stack_size(size)
+                except (ValueError, RuntimeError):  # a platform that cannot change it: its default
+                    cls._stack_saved = None
+                cls._stack_bytes = size
+            cls._stack_starts += 1
+
+    def _close_stack_window(self) -> None:
+        cls = _WorkerPool
+        with cls._STACK:
+            cls._stack_starts -= 1
+            if not cls._stack_starts:
+                if cls._stack_saved is not None:
+                    threading.stack_size(cls._stack_saved)
+                cls._STACK.notify_all()
 
     def close(self) -> None:
         """Refuse new jobs and end every parked worker; busy ones end after their current job."""

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Iterator, List, Tuple
+from typing import Dict, Iterator, List, Tuple
 
 import pytest
 import requests
@@ -172,6 +172,32 @@ def test_pool_threads_get_the_configured_stack_size_and_the_process_default_is_r
         thread.start()
         thread.join(TIMEOUT)
         assert other and other[0] != wanted  # a thread started afterwards has the process default
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the stack size through glibc")
+def test_overlapping_starts_get_their_pools_stack_size_and_the_process_default_is_back_after_the_last():
+    # Starts overlap (the first sets the process-wide size, the last restores it); a pool wanting another
+    # size waits for them. Sizes glibc's stack cache cannot serve from each other or the default 8 MiB.
+    small, large = 1536 * 1024, 1792 * 1024
+    before = threading.stack_size()
+    seen: Dict[int, List[int]] = {small: [], large: []}
+    release = threading.Event()
+
+    def job(size: int) -> None:
+        seen[size].append(_own_stack_size())
+        release.wait(TIMEOUT)  # held: every submit starts a thread of its own
+
+    with _pool(max_workers=40, stack_bytes=small) as first, _pool(max_workers=40, stack_bytes=large) as second:
+        submitters = [threading.Thread(target=lambda pool=pool, size=size: [pool.submit(job, size) for _ in range(10)])
+                      for pool, size in ((first, small), (second, large)) for _ in range(3)]
+        for thread in submitters:
+            thread.start()
+        for thread in submitters:
+            thread.join(TIMEOUT)
+        wait_until(lambda: len(seen[small]) + len(seen[large]) == 60, "every job to run")
+        release.set()
+        assert threading.stack_size() == before
+    assert seen == {small: [small] * 30, large: [large] * 30}
 
 
 # Run by an older interpreter from the checkout: a pool worker recursing to just under the default limit
