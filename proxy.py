@@ -42,6 +42,11 @@ import time
 import urllib.parse
 import weakref
 from itertools import repeat
+
+try:
+    import resource  # Unix only: the open-files limit, named in refusals and raised by the CLI
+except ImportError:  # pragma: no cover - Windows
+    resource = None  # type: ignore[assignment]
 from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping,
                     NamedTuple, Optional, Sequence, Set, Tuple, Union)
 
@@ -116,6 +121,7 @@ BUSY_RETRY_AFTER_S = 1
 # that hangs. The listener sheds one connection per failure with a spare descriptor it keeps (a
 # 503), and without one pauses this long.
 OUT_OF_FILES_PAUSE_S = 0.1
+_OUT_OF_FILES_ERRNOS = (errno.EMFILE, errno.ENFILE)
 # At the cap thousands of connections a second may be refused: one WARNING per this many seconds,
 # with the count since the previous one.
 BUSY_WARNING_EVERY_S = 10.0
@@ -1307,7 +1313,7 @@ def _classify_upstream_error(exc: BaseException, route: Route) -> Refusal:
     if isinstance(exc, socket.gaierror):
         return Refusal(502, unreachable, "The upstream host of %s could not be resolved; check "
                                          "the job URL." % where)
-    if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
+    if isinstance(exc, OSError) and exc.errno in _OUT_OF_FILES_ERRNOS:
         return _busy_refusal(_out_of_files_reason(exc.errno))  # (the proxy's want, not the job's)
     if isinstance(exc, ConnectionRefusedError):
         return Refusal(502, unreachable, "The upstream %s refused the connection; is the job "
@@ -1337,9 +1343,9 @@ class _WorkerPool:
     warm), else starts a thread while under `max_workers`; a worker idle for `idle_s` ends. A warm
     proxy serves a connection with one queue put instead of a thread start."""
 
-    # threading.stack_size() is process-wide: the first of overlapping starts sets it, the last puts
-    # the old size back, and a start wanting another size waits. Starts overlap rather than queue on a
-    # lock: each waits for its new thread to get the GIL, long with thousands of threads running.
+    # threading.stack_size() is process-wide: the first of overlapping starts sets it, the last
+    # puts the old size back, and a start wanting another size waits. Starts overlap rather than
+    # queue on a lock: each waits for its new thread to get the GIL, long with thousands running.
     _STACK = threading.Condition()
     _stack_starts = 0  # starts under way
     _stack_bytes = 0  # their size
@@ -1373,11 +1379,8 @@ class _WorkerPool:
                                       daemon=True)
             self._threads.add(thread)
         try:  # a `stack_bytes` stack for this start (and for a thread other code starts meanwhile)
-            self._open_stack_window()
-            try:
+            with self._stack_window():
                 _start_thread(thread)
-            finally:
-                self._close_stack_window()
         except BaseException as exc:  # e.g. "can't start new thread" (a process or memory limit)
             with self._lock:
                 self._threads.discard(thread)
@@ -1386,7 +1389,9 @@ class _WorkerPool:
         self.start_failure = None
         return True
 
-    def _open_stack_window(self) -> None:
+    @contextlib.contextmanager
+    def _stack_window(self) -> Iterator[None]:
+        """Meanwhile, threads start with `stack_bytes` stacks (see _STACK)."""
         cls, size = _WorkerPool, self.stack_bytes
         with cls._STACK:
             cls._STACK.wait_for(lambda: not cls._stack_starts or cls._stack_bytes == size)
@@ -1397,15 +1402,15 @@ class _WorkerPool:
                     cls._stack_saved = None
                 cls._stack_bytes = size
             cls._stack_starts += 1
-
-    def _close_stack_window(self) -> None:
-        cls = _WorkerPool
-        with cls._STACK:
-            cls._stack_starts -= 1
-            if not cls._stack_starts:
-                if cls._stack_saved is not None:
-                    threading.stack_size(cls._stack_saved)
-                cls._STACK.notify_all()
+        try:
+            yield
+        finally:
+            with cls._STACK:
+                cls._stack_starts -= 1
+                if not cls._stack_starts:
+                    if cls._stack_saved is not None:
+                        threading.stack_size(cls._stack_saved)
+                    cls._STACK.notify_all()
 
     def close(self) -> None:
         """Refuse new jobs and end every parked worker; busy ones end after their current job."""
@@ -1487,7 +1492,7 @@ class _Server(http.server.ThreadingHTTPServer):
             try:
                 request, client_address = self.get_request()
             except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE) and not self._woken:
+                if exc.errno in _OUT_OF_FILES_ERRNOS and not self._woken:
                     self._shed_one(exc.errno)
                 continue
             if self._woken:  # the connection wake() made
@@ -2206,9 +2211,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self._refuse(_route_gone_refusal(self.proxy._stopping), close=True)
                 return
             if not self.server.workers.submit(tunnel.pump_upstream):
+                reason = _busy_reason(self.server.workers)
                 if not self.proxy._stopping:
-                    _warn_busy(self.server.busy_warnings, _busy_reason(self.server.workers))
-                self._refuse(_busy_refusal(_busy_reason(self.server.workers)), close=True)
+                    _warn_busy(self.server.busy_warnings, reason)
+                self._refuse(_busy_refusal(reason), close=True)
                 return
             try:
                 self._set_timeout(None)  # blocking from here on: a session lasts as it likes
@@ -2644,9 +2650,7 @@ def _out_of_files_reason(error: int) -> str:
         return ("the system is out of file descriptors (ENFILE): raise fs.file-max, or close what "
                 "holds them")
     limit = "?"
-    with contextlib.suppress(ImportError, OSError, ValueError):
-        import resource  # (Unix only)
-
+    if resource is not None:
         limit = str(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
     return ("the proxy's process is out of file descriptors (EMFILE: its limit, `ulimit -n`, is "
             "%s; a WebSocket session holds two in the proxy, one more for a client in the same "
@@ -2657,14 +2661,14 @@ def _raise_open_files_limit() -> Optional[int]:
     """For a process that only runs the proxy: its soft limit on open files raised to the hard one
     (a session holds two; the usual 1,024 stops near 500), returned. Never done in a trainer's
     process: code there using select() breaks on descriptors past 1,023."""
+    if resource is None:
+        return None
     try:
-        import resource  # (Unix only)
-
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft != hard:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    except (ImportError, OSError, ValueError):  # (e.g. an unlimited hard limit the kernel caps)
+    except (OSError, ValueError):  # (e.g. an unlimited hard limit the kernel caps)
         return None
 
 
