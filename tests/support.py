@@ -571,14 +571,26 @@ class RecordingUpstream:
             thread.join(5)
 
 
-def proc_stat(pid: int) -> Optional[Tuple[str, int, int]]:
-    """(state, ppid, pgid) of a process from /proc (Linux), or None when it is gone."""
+def _stat_fields(pid: int) -> Optional[List[str]]:
+    """The fields of /proc/<pid>/stat after the command name (Linux), or None when it is gone."""
     try:
         with open("/proc/%d/stat" % pid) as handle:
-            fields = handle.read().rsplit(")", 1)[1].split()
+            return handle.read().rsplit(")", 1)[1].split()
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return None
-    return fields[0], int(fields[1]), int(fields[2])
+
+
+def proc_stat(pid: int) -> Optional[Tuple[str, int, int]]:
+    """(state, ppid, pgid) of a process from /proc (Linux), or None when it is gone."""
+    fields = _stat_fields(pid)
+    return None if fields is None else (fields[0], int(fields[1]), int(fields[2]))
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds process `pid` has used (Linux); it must be alive."""
+    fields = _stat_fields(pid)
+    assert fields is not None, "process %d is gone" % pid
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def alive(pid: int) -> bool:

@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Iterator, List, Tuple
 
 import pytest
@@ -98,11 +97,6 @@ def _message(answer: bytes) -> str:
     return json.loads(body)["message"]
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path("/proc/%d/stat" % pid).read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def test_when_the_system_refuses_a_worker_thread_the_503_and_the_warning_name_that_limit_not_the_cap():
     with Upstream() as upstream, _limited_proxy("RLIMIT_AS", 24, upstream.url) as (child, base_url, _):
         port, path = int(base_url.split(":")[2].split("/")[0]), "/" + base_url.split("/", 3)[3]
@@ -147,9 +141,9 @@ def test_out_of_file_descriptors_queued_connections_get_a_503_naming_the_limit_a
             assert held and answers
             limit = "out of file descriptors (EMFILE: its limit, `ulimit -n`, is 40; "
             assert all(_message(answer).startswith("The proxy's process is " + limit) for answer in answers)
-            cpu = _cpu_seconds(child.pid)
+            cpu = support.cpu_seconds(child.pid)
             time.sleep(2.0)
-            assert _cpu_seconds(child.pid) - cpu < 1.0  # (the spinning listener: over 2.5 s in 3 s)
+            assert support.cpu_seconds(child.pid) - cpu < 1.0  # (the spinning listener: over 2.5 s in 3 s)
             # a served connection's request: its worker finds no descriptor for the upstream socket
             assert _message(_exchange(held[0], path + "/x")).startswith("The proxy's process is " + limit)
             # likewise an upgrade on the replica route: a 503 too, and its one replica stays in rotation
