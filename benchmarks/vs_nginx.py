@@ -76,6 +76,9 @@ STEP_DELAY_S = 1.0
 # so memory freed by earlier runs cannot hide what a session costs.
 HELD_SESSIONS = 2048
 HELD_STEP_S = 12.0
+# The GIL switch interval of the proxy's process (--proxy-switch-interval); None: Python's default, as
+# inside a trainer.
+PROXY_SWITCH_INTERVAL_S: Optional[float] = None
 # A run during which other processes kept more than this many cores busy is redone.
 NOISY_CORES = 0.75
 NOISY_RETRIES = 1
@@ -175,6 +178,8 @@ class Stack:
     def proxy_host_command(self, upstream: str) -> List[str]:
         """The command that runs one AuthProxy for `upstream` in its own process (benchmarks/_proxy_host.py)."""
         cmd = [sys.executable, os.path.join(HERE, "_proxy_host.py"), _proxy_upstream_url(self, upstream)]
+        if PROXY_SWITCH_INTERVAL_S is not None:
+            cmd += ["--switch-interval", str(PROXY_SWITCH_INTERVAL_S)]
         return cmd + ["--verify", self.ca.ca_path] if upstream == "tls" else cmd
 
     def floor_command(self, upstream: str) -> List[str]:
@@ -709,8 +714,9 @@ def render(result: Dict[str, Any], command: str) -> str:
              "",
              "Upstream: uvicorn (httptools, uvloop, wsproto) serving benchmarks/_asgi_upstream.py, plain and TLS "
              "(test CA, ECDSA P-256). nginx: one process doing one worker's work, keep-alive upstream pools, "
-             "TLS session reuse. AuthProxy: benchmarks/_proxy_host.py, one process per upstream, Python's default "
-             "GIL switch interval (as inside a trainer). Each measure runs direct, nginx and proxy interleaved "
+             "TLS session reuse. AuthProxy: benchmarks/_proxy_host.py, one process per upstream, " + (
+                 "Python's default GIL switch interval (as inside a trainer)" if PROXY_SWITCH_INTERVAL_S is None
+                 else "a GIL switch interval of %g s (--proxy-switch-interval)" % PROXY_SWITCH_INTERVAL_S) + ". Each measure runs direct, nginx and proxy interleaved "
              "(order rotated), %d time(s), median shown; wrk runs last %g s. CPU per request is the measured "
              "process's own /proc/<pid>/stat utime+stime over the run divided by wrk's request count. `direct` "
              "over TLS means the client itself speaks TLS to uvicorn." % (result["reps"], result["wrk_seconds"]),
@@ -995,6 +1001,7 @@ def write_section(path: str, section: str, subset: bool = False) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    global HELD_SESSIONS, HELD_STEP_S, PROXY_SWITCH_INTERVAL_S
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one repetition, short runs, 512 sessions only")
     parser.add_argument("--write", action="store_true", help="update the vs_nginx section of RESULTS.md")
@@ -1002,14 +1009,26 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--json", default=None, help="also write the raw runs as JSON here")
     parser.add_argument("--measures", default=",".join(MEASURES),
                         help="comma-separated subset of %s (default: all)" % ",".join(MEASURES))
+    parser.add_argument("--held-sessions", type=int, default=HELD_SESSIONS,
+                        help="sessions the held measure opens at once (%d)" % HELD_SESSIONS)
+    parser.add_argument("--held-step-s", type=float, default=HELD_STEP_S,
+                        help="each held session's one step, seconds (%g)" % HELD_STEP_S)
+    parser.add_argument("--proxy-switch-interval", type=float, default=None, metavar="S",
+                        help="GIL switch interval of the proxy's process (default: Python's, as in a trainer)")
     args = parser.parse_args(argv)
+    HELD_SESSIONS, HELD_STEP_S = args.held_sessions, args.held_step_s
+    PROXY_SWITCH_INTERVAL_S = args.proxy_switch_interval
     measures = [m.strip() for m in args.measures.split(",") if m.strip()]
     unknown = sorted(set(measures) - set(MEASURES))
     if unknown:
         parser.error("unknown measure(s) %s; choose from %s" % (", ".join(unknown), ",".join(MEASURES)))
     result = run(args.quick, lambda line: print(line, flush=True), measures)
     command = "python benchmarks/vs_nginx.py" + (" --quick" if args.quick else "") + (" --write" if args.write else "") + (
-        " --measures " + ",".join(measures) if tuple(measures) != MEASURES else "")
+        " --measures " + ",".join(measures) if tuple(measures) != MEASURES else "") + "".join(
+        " %s %g" % (flag, value) for flag, value, default in (
+            ("--held-sessions", HELD_SESSIONS, parser.get_default("held_sessions")),
+            ("--held-step-s", HELD_STEP_S, parser.get_default("held_step_s")),
+            ("--proxy-switch-interval", PROXY_SWITCH_INTERVAL_S, None)) if value != default)
     if args.json:  # first: a report that fails to render must not lose the measures
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=1)
