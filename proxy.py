@@ -57,9 +57,7 @@ __all__ = ["AuthProxy", "Route", "ReplicaRoute", "Refusal", "InsecureURLError"]
 
 log = logging.getLogger("proxy")
 
-# --------------------------------------------------------------------------------------------------
-# Constants
-# --------------------------------------------------------------------------------------------------
+# --- Constants ------------------------------------------------------------------------------------
 
 # The stdlib's 5 resets a burst of environments connecting at once (kernel cap: somaxconn).
 LISTEN_BACKLOG = 4096
@@ -210,9 +208,7 @@ class Refusal(NamedTuple):
     body: Optional[Dict[str, object]] = None  # extra JSON fields, e.g. which replicas failed
 
 
-# --------------------------------------------------------------------------------------------------
-# Public API
-# --------------------------------------------------------------------------------------------------
+# --- Public API -----------------------------------------------------------------------------------
 
 
 class Route:
@@ -266,7 +262,6 @@ class Route:
         # can abort a request still streaming. Lock-free: see _checkout.
         self._host_pools = host_pools or _HostPools()
         self._pool = self._host_pools.acquire((self.scheme, self.host, self.port, verify))
-        self._idle: "collections.deque[_UpstreamConnection]" = self._pool.idle
         self._active: Set[_UpstreamConnection] = set()
         self._tunnels: Set[_Tunnel] = set()  # WebSocket sessions, from their upgrade's connect on
         self._closed = False
@@ -368,7 +363,7 @@ class Route:
         cutoff = time.monotonic() - POOL_IDLE_S
         while True:
             try:
-                conn = self._idle.pop()  # the most recently used: the least likely to be stale
+                conn = self._pool.idle.pop()  # the most recently used: the least likely to be stale
             except IndexError:
                 break
             # an idle keep-alive connection that is readable was closed (or holds stray bytes)
@@ -401,7 +396,7 @@ class Route:
     def _checkin(self, conn: "_UpstreamConnection", reusable: bool) -> None:
         """Return a connection after its response was fully read (reusable) or close it."""
         self._active.discard(conn)
-        pool, idle = self._pool, self._idle
+        pool, idle = self._pool, self._pool.idle
         # (a closed route's connection still serves the host's other routes)
         if not reusable or pool.closed or len(idle) >= POOL_MAX_IDLE:
             conn.close()
@@ -874,9 +869,7 @@ class AuthProxy:
         return route, "%s/%s%s%s" % (route.base_path, rest, sep, query)
 
 
-# --------------------------------------------------------------------------------------------------
-# Shared with hf_sandbox_provider and hf_jobs_emulator, which import this stdlib-only bottom module
-# --------------------------------------------------------------------------------------------------
+# --- Shared with hf_sandbox_provider and hf_jobs_emulator (they import this stdlib-only module) ---
 
 
 # Signals that end a process (SIGTERM, Ctrl-C, a closed terminal). The kernel may hand one to any
@@ -908,7 +901,6 @@ def _library_signal_mask() -> Iterator[None]:
 
 
 def _start_thread(thread: threading.Thread) -> None:
-    """Start a library thread with LIBRARY_THREAD_BLOCKED_SIGNALS blocked."""
     with _library_signal_mask():
         thread.start()
 
@@ -930,9 +922,7 @@ def _route_id(base_url: object) -> str:
     return base_url.rstrip("/").rsplit("/", 1)[-1] if isinstance(base_url, str) else ""
 
 
-# --------------------------------------------------------------------------------------------------
-# Validation (each returns the reason something is refused, or None)
-# --------------------------------------------------------------------------------------------------
+# --- Validation (each returns the reason something is refused, or None) ---------------------------
 
 
 def _replicas_rejection(upstreams: object) -> Optional[str]:
@@ -954,7 +944,6 @@ def _http_mode_rejection(http_mode: object) -> Optional[str]:
 
 
 def _raise_if_rejected(reason: Optional[str]) -> None:
-    """Raise the `ValueError` a `_..._rejection()` helper's reason calls for, if it gave one."""
     if reason:
         raise ValueError(reason)
 
@@ -1228,9 +1217,7 @@ def _response_headers(headers: List[Tuple[str, str]], lowered: List[str],
     return out
 
 
-# --------------------------------------------------------------------------------------------------
-# Upstream failures
-# --------------------------------------------------------------------------------------------------
+# --- Upstream failures ----------------------------------------------------------------------------
 
 
 class _UpstreamFailure(Exception):
@@ -1333,9 +1320,7 @@ def _may_retry(method: str, reused: bool, replayable: bool, fully_sent: bool,
     return reused and no_answer and replayable and (method in IDEMPOTENT_METHODS or not fully_sent)
 
 
-# --------------------------------------------------------------------------------------------------
-# Server and request handler
-# --------------------------------------------------------------------------------------------------
+# --- Server and request handler -------------------------------------------------------------------
 
 
 class _WorkerPool:
@@ -1423,11 +1408,6 @@ class _WorkerPool:
         """Every thread the pool started that has not ended yet (busy or parked)."""
         with self._lock:
             return list(self._threads)
-
-    def busy_threads(self) -> List[threading.Thread]:
-        """The threads running a job now (not parked)."""
-        with self._lock:
-            return list(self._threads.difference(self._parked.values()))
 
     def counts(self) -> Tuple[int, int]:
         """(threads alive, of which parked)."""
@@ -1584,10 +1564,11 @@ class _Server(http.server.ThreadingHTTPServer):
 
     def live_threads(self) -> List[threading.Thread]:
         """Worker threads serving a connection right now (parked ones excluded)."""
-        return self.workers.busy_threads()
+        workers = self.workers
+        with workers._lock:
+            return list(workers._threads.difference(workers._parked.values()))
 
     def all_threads(self) -> List[threading.Thread]:
-        """Every worker thread, busy or parked: what `stop()` joins."""
         return self.workers.threads()
 
 
@@ -1657,12 +1638,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _Server
     headers: _RequestHeaders  # type: ignore[assignment]  # (the stdlib's parser made a Message)
-    # The current request's route token and extra headers (see _credentials), whether a header value
-    # holds a control character, whether its request line is unusual (_ORIGIN_REQUEST_LINE_RE).
-    _token: Optional[str] = None
-    _route_headers: Tuple[Tuple[str, str], ...] = ()
-    _bad_value = False
-    _odd_target = True
 
     # -- connection plumbing ----------------------------------------------------------------------
 
@@ -1676,8 +1651,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         # unread client bytes stay in `_client.buf` (not a file object's buffer): tunnels take them
         self._client = _Reader(self._recv, _client_cut_short)
-        self._timeout: Optional[float] = self.proxy.idle_timeout_s  # the socket's, now
-        _set_socket_timeout(self.connection, self._timeout)
+        _set_socket_timeout(self.connection, self.proxy.idle_timeout_s)
 
     def finish(self) -> None:
         """Nothing to flush: every answer goes straight to the socket."""
@@ -1722,11 +1696,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     deadline = now + self.proxy.header_timeout_s
                 elif now >= deadline:
                     raise socket.timeout("request head not complete in time")
-                self._set_timeout(deadline - now)
+                _set_socket_timeout(self.connection, deadline - now)
                 data = self._recv()
                 buf = client.buf = buf + data
             eol = buf.find(b"\n")
-            self._set_timeout(self.proxy.idle_timeout_s)
+            _set_socket_timeout(self.connection, self.proxy.idle_timeout_s)
         line = buf[:eol].decode("latin-1").rstrip("\r")
         match = _ORIGIN_REQUEST_LINE_RE.fullmatch(line)
         self._odd_target = match is None
@@ -1776,25 +1750,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         except BlockingIOError:  # a kernel-enforced timeout (see KERNEL_TIMEOUTS)
             raise socket.timeout("timed out") from None
 
-    def _set_timeout(self, timeout: Optional[float]) -> None:
-        _set_socket_timeout(self.connection, timeout)
-        self._timeout = timeout
-
     def _refuse(self, refusal: Refusal, close: bool = False) -> None:
-        """Answer a refusal (status, headers, X-Proxy-Error, small JSON body) in one TCP segment."""
-        body = json.dumps({"error": refusal.kind, "message": refusal.message,
-                           **(refusal.body or {})}).encode()
+        """Answer a refusal (see _refusal_bytes) in one TCP segment."""
         if close:
             self.close_connection = True
-        headers = list(refusal.headers)
-        if refusal.proxy_error:
-            headers.append(("X-Proxy-Error", refusal.kind))
-        headers += [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
-        if self.close_connection:
-            headers.append(("Connection", "close"))
-        reason = self.responses.get(refusal.status, ("",))[0]
-        self._send(_head_bytes(refusal.status, reason, headers)
-                   + (b"" if self.command == "HEAD" else body))
+        self._send(_refusal_bytes(refusal, self.close_connection, self.command != "HEAD"))
 
     # -- dispatch ---------------------------------------------------------------------------------
 
@@ -2217,7 +2177,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self._refuse(_busy_refusal(reason), close=True)
                 return
             try:
-                self._set_timeout(None)  # blocking from here on: a session lasts as it likes
+                _set_socket_timeout(self.connection, None)  # blocking: a session lasts as it likes
                 stream.settimeout(None)
                 tunnel.opened = True
                 self.connection.sendall(head + reader.buf)
@@ -2234,6 +2194,20 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 def _head_bytes(status: int, reason: str, headers: List[Tuple[str, str]]) -> bytes:
     fields = "".join(["%s: %s\r\n" % pair for pair in headers])
     return ("HTTP/1.1 %d %s\r\n%s\r\n" % (status, reason, fields)).encode("latin-1")
+
+
+def _refusal_bytes(refusal: Refusal, close: bool, with_body: bool = True) -> bytes:
+    """A refusal as the client gets it: its status and headers, X-Proxy-Error, a small JSON body."""
+    body = json.dumps({"error": refusal.kind, "message": refusal.message,
+                       **(refusal.body or {})}).encode()
+    headers = list(refusal.headers)
+    if refusal.proxy_error:
+        headers.append(("X-Proxy-Error", refusal.kind))
+    headers += [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
+    if close:
+        headers.append(("Connection", "close"))
+    reason = http.server.BaseHTTPRequestHandler.responses.get(refusal.status, ("",))[0]
+    return _head_bytes(refusal.status, reason, headers) + (body if with_body else b"")
 
 
 def _watching(client: socket.socket, deadline: float, step: Callable[[], Optional[bytes]],
@@ -2272,9 +2246,7 @@ def _route_gone_refusal(stopping: bool) -> Refusal:
                    "under way; mount it again, or use the base URL of a mounted route.")
 
 
-# --------------------------------------------------------------------------------------------------
-# Upstream connections: pool, streams, TLS engine, tunnel
-# --------------------------------------------------------------------------------------------------
+# --- Upstream connections: pool, streams, TLS engine, tunnel --------------------------------------
 
 
 class _UpstreamConnection:
@@ -2405,7 +2377,6 @@ class _Reader:
         return buf[:n]
 
     def pieces(self, n: int, where: str) -> Iterator[bytes]:
-        """Exactly n bytes, yielded as they arrive."""
         while n > 0:
             data = self.read1(min(n, IO_CHUNK))
             if not data:
@@ -2623,7 +2594,6 @@ def _abort_socket(sock: socket.socket) -> None:
 
 
 def _quiet_close(closeable: Any) -> Optional[str]:
-    """Close without raising; return the error's name if closing failed."""
     try:
         closeable.close()
     except Exception as exc:
@@ -2689,16 +2659,12 @@ def _busy_refusal(reason: str) -> Refusal:
 def _answer_busy(sock: socket.socket, reason: str, warnings: "_WarningRate") -> None:
     """Best effort, from the listener thread (which must never block): answer a connection the
     proxy cannot serve (no thread or descriptor: `reason`) with a 503 `proxy-busy`, unread."""
-    refusal = _busy_refusal(reason)
-    body = json.dumps({"error": refusal.kind, "message": refusal.message}).encode()
-    headers = [("X-Proxy-Error", refusal.kind), *refusal.headers, ("Content-Type",
-               "application/json"), ("Content-Length", str(len(body))), ("Connection", "close")]
     _warn_busy(warnings, reason)
     with contextlib.suppress(OSError):
         sock.setblocking(False)
         with contextlib.suppress(OSError):  # what already arrived (unread bytes make a reset)
             sock.recv(IO_CHUNK)
-        sock.send(_head_bytes(503, "Service Unavailable", headers) + body)
+        sock.send(_refusal_bytes(_busy_refusal(reason), close=True))
 
 
 def _warn_busy(warnings: "_WarningRate", reason: str) -> None:
@@ -2906,9 +2872,7 @@ class _Tunnel:
             self.close()
 
 
-# --------------------------------------------------------------------------------------------------
-# CLI: python proxy.py UPSTREAM_URL [--port P]
-# --------------------------------------------------------------------------------------------------
+# --- CLI: python proxy.py UPSTREAM_URL [--port P] -------------------------------------------------
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -145,3 +145,34 @@ def test_the_floor_verdicts_are_ratios_to_the_floor_of_the_same_run():
             "(limit 1.00x): **met**") in lines
     assert ("- plain: RSS per held session (2048 held), proxy / floor <= 1.0x (63 KiB vs 60 KiB): 1.05x "
             "(limit 1.00x): **NOT met**") in lines
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_convoy_counters_count_a_live_threads_switches_and_scale_per_request():
+    import threading
+    import time
+
+    import gil_convoy
+
+    stop, started = threading.Event(), threading.Event()
+
+    def sleeper():  # each short sleep is one voluntary context switch
+        started.set()
+        while not stop.is_set():
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=sleeper)
+    thread.start()
+    try:
+        started.wait(5)
+        before = gil_convoy.process_counters(os.getpid())
+        time.sleep(0.2)
+        after = gil_convoy.process_counters(os.getpid())
+    finally:
+        stop.set()
+        thread.join()
+    assert after["voluntary"] - before["voluntary"] >= 20
+    assert after["user_s"] >= before["user_s"] and after["kernel_s"] >= before["kernel_s"]
+    each = gil_convoy.per_request({"user_s": 1.0, "kernel_s": 2.0, "voluntary": 10.0, "involuntary": 0.0},
+                                  {"user_s": 1.5, "kernel_s": 2.25, "voluntary": 30.0, "involuntary": 4.0}, 10)
+    assert each == pytest.approx({"user_s": 5e4, "kernel_s": 2.5e4, "voluntary": 2.0, "involuntary": 0.4})

@@ -1,0 +1,92 @@
+"""Where the proxy's CPU per HTTP request goes as connections grow: user and kernel time of the proxy
+and of the CPython floor at 1 and 64 connections, and the proxy's context switches per request.
+
+    python benchmarks/gil_convoy.py [--seconds 3] [--reps 2] [--upstreams plain,tls]
+
+The same stack as benchmarks/vs_nginx.py (uvicorn upstreams, benchmarks/_floor.py, the proxy in its own
+process, wrk's POST /step), one target at a time. CPU is read from /proc/<pid>/stat before and after
+each wrk run. Context switches are summed over /proc/<pid>/task/*/status, so they count only threads
+alive at both reads: the proxy's pooled workers are, the floor's threads (one per connection, gone
+when wrk closes) are not, so the floor has no switch column. A diagnostic, not a published target:
+vs_nginx.py stays the CPU figure. It needs wrk (`apt-get install -y wrk`).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import vs_nginx  # noqa: E402  (benchmarks/ is not a package)
+
+CONNECTIONS = (1, 64)
+# Clock ticks per second of /proc/<pid>/stat's utime and stime.
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def process_counters(pid: int) -> Dict[str, float]:
+    """CPU seconds (user, kernel) of a process, and the context switches of its live threads."""
+    fields = open("/proc/%d/stat" % pid).read().rsplit(")", 1)[1].split()
+    counters = {"user_s": int(fields[11]) / TICKS, "kernel_s": int(fields[12]) / TICKS,
+                "voluntary": 0.0, "involuntary": 0.0}
+    for task in os.listdir("/proc/%d/task" % pid):
+        try:
+            with open("/proc/%d/task/%s/status" % (pid, task)) as status:
+                for line in status:
+                    if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                        name, value = line.split(":")
+                        counters["voluntary" if name[0] == "v" else "involuntary"] += int(value)
+        except OSError:  # the thread ended between the listing and the read
+            pass
+    return counters
+
+
+def per_request(before: Dict[str, float], after: Dict[str, float], requests: int) -> Dict[str, float]:
+    """The counters' growth per request (CPU in microseconds)."""
+    scale = {"user_s": 1e6, "kernel_s": 1e6}
+    return {name: (after[name] - before[name]) * scale.get(name, 1.0) / max(requests, 1) for name in before}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--upstreams", default="plain,tls")
+    args = parser.parse_args(argv)
+    workdir = tempfile.mkdtemp(prefix="gil-convoy-")
+    script = os.path.join(workdir, "post.lua")
+    with open(script, "w") as fh:
+        fh.write('wrk.method = "POST"\nwrk.body = \'{"action": {"message": "hello"}}\'\n'
+                 'wrk.headers["Content-Type"] = "application/json"\n')
+    print("| rep | upstream | target | connections | req/s | user us/req | kernel us/req | voluntary switches/req "
+          "| involuntary/req |\n|---|---|---|--:|--:|--:|--:|--:|--:|", flush=True)
+    stack = vs_nginx.Stack(workdir).start()
+    try:
+        for rep in range(1, args.reps + 1):
+            for upstream in args.upstreams.split(","):
+                for target in ("floor", "proxy"):
+                    for connections in CONNECTIONS:
+                        pid = stack.pid(target, upstream)
+                        before = process_counters(pid)
+                        out = subprocess.run(
+                            ["wrk", "-t%d" % min(2, connections), "-c%d" % connections, "-d%gs" % args.seconds,
+                             "-s", script, stack.http_url(target, upstream, "/step")],
+                            capture_output=True, text=True, timeout=args.seconds + 30).stdout
+                        parsed = vs_nginx._parse_wrk(out)
+                        each = per_request(before, process_counters(pid), parsed["requests"] or 0)
+                        switches = ("%.1f | %.1f" % (each["voluntary"], each["involuntary"])
+                                    if target == "proxy" else "- | -")
+                        print("| %d | %s | %s | %d | %.0f | %.1f | %.1f | %s |" % (
+                            rep, upstream, target, connections, parsed["rps"] or 0, each["user_s"],
+                            each["kernel_s"], switches), flush=True)
+    finally:
+        stack.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
