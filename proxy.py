@@ -42,13 +42,13 @@ import time
 import urllib.parse
 import weakref
 from itertools import repeat
+from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping,
+                    NamedTuple, Optional, Sequence, Set, Tuple, Union)
 
 try:
     import resource  # Unix only: the open-files limit, named in refusals and raised by the CLI
 except ImportError:  # pragma: no cover - Windows
     resource = None  # type: ignore[assignment]
-from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping,
-                    NamedTuple, Optional, Sequence, Set, Tuple, Union)
 
 if TYPE_CHECKING:
     import proxy_host
@@ -1409,6 +1409,11 @@ class _WorkerPool:
         with self._lock:
             return list(self._threads)
 
+    def busy_threads(self) -> List[threading.Thread]:
+        """The threads running a job now (not parked)."""
+        with self._lock:
+            return list(self._threads.difference(self._parked.values()))
+
     def counts(self) -> Tuple[int, int]:
         """(threads alive, of which parked)."""
         with self._lock:
@@ -1564,9 +1569,7 @@ class _Server(http.server.ThreadingHTTPServer):
 
     def live_threads(self) -> List[threading.Thread]:
         """Worker threads serving a connection right now (parked ones excluded)."""
-        workers = self.workers
-        with workers._lock:
-            return list(workers._threads.difference(workers._parked.values()))
+        return self.workers.busy_threads()
 
     def all_threads(self) -> List[threading.Thread]:
         return self.workers.threads()

@@ -22,16 +22,15 @@ from typing import Dict, List, Optional
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import vs_nginx  # noqa: E402  (benchmarks/ is not a package)
+import ws_scale  # noqa: E402
 
 CONNECTIONS = (1, 64)
-# Clock ticks per second of /proc/<pid>/stat's utime and stime.
-TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def process_counters(pid: int) -> Dict[str, float]:
     """CPU seconds (user, kernel) of a process, and the context switches of its live threads."""
-    fields = open("/proc/%d/stat" % pid).read().rsplit(")", 1)[1].split()
-    counters = {"user_s": int(fields[11]) / TICKS, "kernel_s": int(fields[12]) / TICKS,
+    kernel_s = ws_scale._cpu_seconds(pid, kernel_only=True)
+    counters = {"user_s": ws_scale._cpu_seconds(pid) - kernel_s, "kernel_s": kernel_s,
                 "voluntary": 0.0, "involuntary": 0.0}
     for task in os.listdir("/proc/%d/task" % pid):
         try:
@@ -58,10 +57,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--upstreams", default="plain,tls")
     args = parser.parse_args(argv)
     workdir = tempfile.mkdtemp(prefix="gil-convoy-")
-    script = os.path.join(workdir, "post.lua")
-    with open(script, "w") as fh:
-        fh.write('wrk.method = "POST"\nwrk.body = \'{"action": {"message": "hello"}}\'\n'
-                 'wrk.headers["Content-Type"] = "application/json"\n')
+    script = vs_nginx.post_script(workdir)
     print("| rep | upstream | target | connections | req/s | user us/req | kernel us/req | voluntary switches/req "
           "| involuntary/req |\n|---|---|---|--:|--:|--:|--:|--:|--:|", flush=True)
     stack = vs_nginx.Stack(workdir).start()

@@ -604,6 +604,15 @@ def _frame_name(frame: str) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
+def post_script(workdir: str) -> str:
+    """Write wrk's Lua script for the POST /step every HTTP measure sends; return its path."""
+    script = os.path.join(workdir, "post.lua")
+    with open(script, "w") as fh:
+        fh.write('wrk.method = "POST"\nwrk.body = %s\nwrk.headers["Content-Type"] = "application/json"\n'
+                 % json.dumps(STEP_BODY))
+    return script
+
+
 def run(quick: bool, say: Callable[[str], None], measures: Sequence[str] = MEASURES) -> Dict[str, Any]:
     for tool in ("nginx", "wrk"):
         if shutil.which(tool) is None:
@@ -613,10 +622,7 @@ def run(quick: bool, say: Callable[[str], None], measures: Sequence[str] = MEASU
     seconds = QUICK_WRK_SECONDS if quick else WRK_SECONDS
     batches = QUICK_SESSION_BATCHES if quick else SESSION_BATCHES
     workdir = tempfile.mkdtemp(prefix="vs-nginx-")
-    script = os.path.join(workdir, "post.lua")
-    with open(script, "w") as fh:
-        fh.write('wrk.method = "POST"\nwrk.body = %s\nwrk.headers["Content-Type"] = "application/json"\n'
-                 % json.dumps(STEP_BODY))
+    script = post_script(workdir)
     stack = Stack(workdir)
     result: Dict[str, Any] = {"machine": scale.machine_info(), "reps": reps, "wrk_seconds": seconds,
                               "nginx": subprocess.run(["nginx", "-v"], capture_output=True, text=True).stderr.strip(),
