@@ -5,9 +5,9 @@ and of the CPython floor at 1 and 64 connections, and the proxy's context switch
 
 The same stack as benchmarks/vs_nginx.py (uvicorn upstreams, benchmarks/_floor.py, the proxy in its own
 process, wrk's POST /step), one target at a time. CPU is read from /proc/<pid>/stat before and after
-each wrk run. Context switches are summed over /proc/<pid>/task/*/status, so they count only threads
-alive at both reads: the proxy's pooled workers are, the floor's threads (one per connection, gone
-when wrk closes) are not, so the floor has no switch column. A diagnostic, not a published target:
+each wrk run. Context switches are read per thread from /proc/<pid>/task/*/status and counted for the
+threads alive at the second read: the proxy's pooled workers are, the floor's threads (one per
+connection, gone when wrk closes) are not, so the floor has no switch column. A diagnostic, not a published target:
 vs_nginx.py stays the CPU figure. It needs wrk (`apt-get install -y wrk`).
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -27,27 +27,31 @@ import ws_scale  # noqa: E402
 CONNECTIONS = (1, 64)
 
 
-def process_counters(pid: int) -> Dict[str, float]:
-    """CPU seconds (user, kernel) of a process, and the context switches of its live threads."""
+def process_counters(pid: int) -> Dict[str, Any]:
+    """CPU seconds (user, kernel) of a process, and each live thread's context switches by thread id
+    as (voluntary, involuntary)."""
     kernel_s = ws_scale._cpu_seconds(pid, kernel_only=True)
-    counters = {"user_s": ws_scale._cpu_seconds(pid) - kernel_s, "kernel_s": kernel_s,
-                "voluntary": 0.0, "involuntary": 0.0}
+    threads: Dict[str, Tuple[int, int]] = {}
     for task in os.listdir("/proc/%d/task" % pid):
         try:
             with open("/proc/%d/task/%s/status" % (pid, task)) as status:
-                for line in status:
-                    if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
-                        name, value = line.split(":")
-                        counters["voluntary" if name[0] == "v" else "involuntary"] += int(value)
+                fields = dict(line.split(":", 1) for line in status if "ctxt_switches" in line)
+            threads[task] = (int(fields["voluntary_ctxt_switches"]), int(fields["nonvoluntary_ctxt_switches"]))
         except OSError:  # the thread ended between the listing and the read
             pass
-    return counters
+    return {"user_s": ws_scale._cpu_seconds(pid) - kernel_s, "kernel_s": kernel_s, "threads": threads}
 
 
-def per_request(before: Dict[str, float], after: Dict[str, float], requests: int) -> Dict[str, float]:
-    """The counters' growth per request (CPU in microseconds)."""
-    scale = {"user_s": 1e6, "kernel_s": 1e6}
-    return {name: (after[name] - before[name]) * scale.get(name, 1.0) / max(requests, 1) for name in before}
+def per_request(before: Dict[str, Any], after: Dict[str, Any], requests: int) -> Dict[str, float]:
+    """Growth per request: CPU in microseconds, and the context switches of the threads alive at the
+    second read (one started since counts from zero; one that ended since counts nothing, rather
+    than taking its whole history off the sum)."""
+    n, earlier = max(requests, 1), before["threads"]
+    switches = [(now[0] - earlier.get(tid, (0, 0))[0], now[1] - earlier.get(tid, (0, 0))[1])
+                for tid, now in after["threads"].items()]
+    return {"user_s": (after["user_s"] - before["user_s"]) * 1e6 / n,
+            "kernel_s": (after["kernel_s"] - before["kernel_s"]) * 1e6 / n,
+            "voluntary": sum(v for v, _ in switches) / n, "involuntary": sum(i for _, i in switches) / n}
 
 
 def main(argv: Optional[List[str]] = None) -> int:

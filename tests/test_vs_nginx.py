@@ -148,31 +148,44 @@ def test_the_floor_verdicts_are_ratios_to_the_floor_of_the_same_run():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_convoy_counters_count_a_live_threads_switches_and_scale_per_request():
+def test_convoy_counters_count_live_threads_switches_and_a_thread_that_ends_takes_none_off():
     import threading
     import time
 
     import gil_convoy
 
-    stop, started = threading.Event(), threading.Event()
+    stop, started, slept, end_early = (threading.Event() for _ in range(4))
 
     def sleeper():  # each short sleep is one voluntary context switch
         started.set()
         while not stop.is_set():
             time.sleep(0.001)
 
-    thread = threading.Thread(target=sleeper)
-    thread.start()
+    def busy_then_gone():  # many switches before the first read, then it ends before the second
+        for _ in range(1000):
+            time.sleep(0.0001)
+        slept.set()
+        end_early.wait(10)
+
+    threads = [threading.Thread(target=sleeper), threading.Thread(target=busy_then_gone)]
+    for thread in threads:
+        thread.start()
     try:
-        started.wait(5)
+        assert started.wait(10) and slept.wait(10)
         before = gil_convoy.process_counters(os.getpid())
+        end_early.set()
+        threads[1].join(10)
         time.sleep(0.2)
         after = gil_convoy.process_counters(os.getpid())
     finally:
         stop.set()
-        thread.join()
-    assert after["voluntary"] - before["voluntary"] >= 20
-    assert after["user_s"] >= before["user_s"] and after["kernel_s"] >= before["kernel_s"]
-    each = gil_convoy.per_request({"user_s": 1.0, "kernel_s": 2.0, "voluntary": 10.0, "involuntary": 0.0},
-                                  {"user_s": 1.5, "kernel_s": 2.25, "voluntary": 30.0, "involuntary": 4.0}, 10)
-    assert each == pytest.approx({"user_s": 5e4, "kernel_s": 2.5e4, "voluntary": 2.0, "involuntary": 0.4})
+        end_early.set()
+        for thread in threads:
+            thread.join(10)
+    each = gil_convoy.per_request(before, after, 1)
+    assert each["voluntary"] >= 20  # the sleeper's; a sum over live threads went below zero here
+    assert each["user_s"] >= 0 and each["kernel_s"] >= 0
+    earlier = {"user_s": 1.0, "kernel_s": 2.0, "threads": {"1": (10, 0), "2": (500, 9)}}
+    later = {"user_s": 1.5, "kernel_s": 2.25, "threads": {"1": (30, 4), "3": (5, 1)}}  # 2 ended, 3 began
+    assert gil_convoy.per_request(earlier, later, 10) == pytest.approx(
+        {"user_s": 5e4, "kernel_s": 2.5e4, "voluntary": 2.5, "involuntary": 0.5})
