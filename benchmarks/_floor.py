@@ -1,6 +1,6 @@
 """The CPython floor: the least a thread-per-connection Python forwarder can do, for benchmarks/vs_nginx.py.
 
-    python benchmarks/_floor.py http://127.0.0.1:PORT [--verify CA_PEM]   # or https://
+    python benchmarks/_floor.py http://127.0.0.1:PORT [--verify CA_PEM] [--processes N]   # or https://
 
 One thread per client connection; HTTP/1.1 keep-alive with one persistent upstream socket per client
 connection; request and response heads found with `bytes.find`; bodies framed by Content-Length only;
@@ -9,7 +9,8 @@ fresh upstream socket, one thread per direction. With an https upstream both run
 against --verify). No validation, no limits, no error answers, no pool, no logging: everything
 `proxy.AuthProxy` does beyond this is what its figures are compared against (ratios "proxy / floor").
 
-Prints `{"base_url": ..., "pid": ...}` once listening, serves until stdin closes or SIGTERM. Never a
+`--processes N` forks N-1 more forwarders sharing the port (SO_REUSEPORT, like `AuthProxy.spawn(processes=N)`),
+listed in `pids`; they end with the first. Prints `{"base_url": ..., "pid": ..., "pids": [...]}` once listening, serves until stdin closes or SIGTERM. Never a
 library: it trusts its peers and exists only to be measured.
 """
 from __future__ import annotations
@@ -37,6 +38,7 @@ def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("upstream")
     parser.add_argument("--verify", default=None, metavar="CA_PEM")
+    parser.add_argument("--processes", type=int, default=1)
     args = parser.parse_args(argv)
     parts = urllib.parse.urlsplit(args.upstream)
     address = (parts.hostname, parts.port)
@@ -48,14 +50,34 @@ def main(argv: Optional[list] = None) -> int:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return context.wrap_socket(sock, server_hostname="localhost") if context else sock
 
-    listener = socket.socket()
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(4096)
+    port, pids = 0, [os.getpid()]
+    for index in range(args.processes):  # (forked before any thread starts)
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if args.processes > 1:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen(4096)
+        port = listener.getsockname()[1]
+        if index == args.processes - 1:
+            break
+        child = os.fork()
+        if child == 0:
+            pids = []
+            break
+        pids.append(child)
+        listener.close()
     threading.stack_size(STACK_BYTES)
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    threading.Thread(target=lambda: (sys.stdin.read(), os._exit(0)), daemon=True).start()
-    print(json.dumps({"base_url": "http://127.0.0.1:%d" % listener.getsockname()[1], "pid": os.getpid()}), flush=True)
+
+    def end(*_: object) -> None:
+        for pid in pids[1:]:  # (the first forwarder's children: theirs is empty)
+            os.kill(pid, signal.SIGKILL)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, end)
+    threading.Thread(target=lambda: (sys.stdin.read(), end()), daemon=True).start()
+    if pids:
+        print(json.dumps({"base_url": "http://127.0.0.1:%d" % port, "pid": os.getpid(), "pids": pids}), flush=True)
     while True:
         client, _ = listener.accept()
         threading.Thread(target=_serve, args=(client, connect, auth), daemon=True).start()

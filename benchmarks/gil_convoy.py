@@ -1,7 +1,7 @@
 """Where the proxy's CPU per HTTP request goes as connections grow: user and kernel time of the proxy
 and of the CPython floor at 1 and 64 connections, and the proxy's context switches per request.
 
-    python benchmarks/gil_convoy.py [--seconds 3] [--reps 2] [--upstreams plain,tls]
+    python benchmarks/gil_convoy.py [--seconds 3] [--reps 2] [--upstreams plain,tls] [--hosts 1,2]
 
 The same stack as benchmarks/vs_nginx.py (uvicorn upstreams, benchmarks/_floor.py, the proxy in its own
 process, wrk's POST /step), one target at a time. CPU is read from /proc/<pid>/stat before and after
@@ -9,6 +9,13 @@ each wrk run. Context switches are read per thread from /proc/<pid>/task/*/statu
 threads alive at the second read: the proxy's pooled workers are, the floor's threads (one per
 connection, gone when wrk closes) are not, so the floor has no switch column. A diagnostic, not a published target:
 vs_nginx.py stays the CPU figure. It needs wrk (`apt-get install -y wrk`).
+
+`--hosts 1,2` adds the process host beside them, `AuthProxy.spawn(processes=N)` for each N (README's
+answer for HTTP-heavy loads: N children sharing one port, each with its own GIL), its figures summed
+over the N children. The host sets a 0.1 s switch interval for itself, so `host x1` is the fair
+comparison for `host x2`, and `proxy` (benchmarks/_proxy_host.py, Python's 5 ms) for the floor. For
+each N above 1 the floor runs as N forwarders sharing a port too (`floor x2`: `_floor.py --processes N`),
+so N proxy processes can be read against N floor processes as well as against one.
 """
 from __future__ import annotations
 
@@ -23,6 +30,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import vs_nginx  # noqa: E402  (benchmarks/ is not a package)
 import ws_scale  # noqa: E402
+
+sys.path.insert(1, os.path.dirname(HERE))  # the repo root, where proxy.py lives
+from proxy import AuthProxy  # noqa: E402
 
 CONNECTIONS = (1, 64)
 
@@ -42,6 +52,13 @@ def process_counters(pid: int) -> Dict[str, Any]:
     return {"user_s": ws_scale._cpu_seconds(pid) - kernel_s, "kernel_s": kernel_s, "threads": threads}
 
 
+def group_counters(pids: List[int]) -> Dict[str, Any]:
+    """process_counters summed over several processes (thread ids are unique across them)."""
+    each = [process_counters(pid) for pid in pids]
+    return {"user_s": sum(c["user_s"] for c in each), "kernel_s": sum(c["kernel_s"] for c in each),
+            "threads": {tid: counts for c in each for tid, counts in c["threads"].items()}}
+
+
 def per_request(before: Dict[str, Any], after: Dict[str, Any], requests: int) -> Dict[str, float]:
     """Growth per request: CPU in microseconds, and the context switches of the threads alive at the
     second read (one started since counts from zero; one that ended since counts nothing, rather
@@ -59,31 +76,54 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--upstreams", default="plain,tls")
+    parser.add_argument("--hosts", default="", help="also AuthProxy.spawn(processes=N) for each N, e.g. 1,2")
     args = parser.parse_args(argv)
+    counts = [int(n) for n in args.hosts.split(",") if n]
     workdir = tempfile.mkdtemp(prefix="gil-convoy-")
     script = vs_nginx.post_script(workdir)
     print("| rep | upstream | target | connections | req/s | user us/req | kernel us/req | voluntary switches/req "
           "| involuntary/req |\n|---|---|---|--:|--:|--:|--:|--:|--:|", flush=True)
     stack = vs_nginx.Stack(workdir).start()
+    hosts: Dict[Tuple[str, str], Tuple[Any, str]] = {}  # (target, upstream) -> (host, base URL)
+    floors: Dict[Tuple[str, str], Tuple[List[int], str]] = {}  # (target, upstream) -> (pids, base URL)
     try:
+        for n in (n for n in counts if n > 1):
+            for upstream in args.upstreams.split(","):
+                info = stack._spawn(stack.floor_command(upstream) + ["--processes", str(n)])
+                floors["floor x%d" % n, upstream] = ([int(p) for p in info["pids"]], str(info["base_url"]))
+        for n in counts:
+            for upstream in args.upstreams.split(","):
+                host = AuthProxy.spawn(processes=n)
+                hosts["host x%d" % n, upstream] = (host, host.mount(
+                    vs_nginx._proxy_upstream_url(stack, upstream), token=vs_nginx.BENCH_TOKEN,
+                    verify=stack.ca.ca_path if upstream == "tls" else True))
         for rep in range(1, args.reps + 1):
             for upstream in args.upstreams.split(","):
-                for target in ("floor", "proxy"):
+                targets = (["floor"] + ["floor x%d" % n for n in counts if n > 1] + ["proxy"]
+                           + ["host x%d" % n for n in counts])
+                for target in targets:
                     for connections in CONNECTIONS:
-                        pid = stack.pid(target, upstream)
-                        before = process_counters(pid)
+                        if target.startswith("floor x"):
+                            pids, url = floors[target, upstream][0], floors[target, upstream][1] + "/step"
+                        elif target.startswith("host"):
+                            host, base_url = hosts[target, upstream]
+                            pids, url = list(getattr(host, "pids", [host.pid])), base_url + "/step"
+                        else:
+                            pids, url = [stack.pid(target, upstream)], stack.http_url(target, upstream, "/step")
+                        before = group_counters(pids)
                         out = subprocess.run(
                             ["wrk", "-t%d" % min(2, connections), "-c%d" % connections, "-d%gs" % args.seconds,
-                             "-s", script, stack.http_url(target, upstream, "/step")],
-                            capture_output=True, text=True, timeout=args.seconds + 30).stdout
+                             "-s", script, url], capture_output=True, text=True, timeout=args.seconds + 30).stdout
                         parsed = vs_nginx._parse_wrk(out)
-                        each = per_request(before, process_counters(pid), parsed["requests"] or 0)
+                        each = per_request(before, group_counters(pids), parsed["requests"] or 0)
                         switches = ("%.1f | %.1f" % (each["voluntary"], each["involuntary"])
-                                    if target == "proxy" else "- | -")
+                                    if not target.startswith("floor") else "- | -")
                         print("| %d | %s | %s | %d | %.0f | %.1f | %.1f | %s |" % (
                             rep, upstream, target, connections, parsed["rps"] or 0, each["user_s"],
                             each["kernel_s"], switches), flush=True)
     finally:
+        for host, _ in hosts.values():
+            host.stop()
         stack.stop()
     return 0
 

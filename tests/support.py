@@ -599,6 +599,17 @@ def alive(pid: int) -> bool:
     return stat is not None and stat[0] != "Z"
 
 
+def open_sockets(pid: int) -> int:
+    """How many sockets process `pid` holds open (Linux)."""
+    count = 0
+    for fd in os.listdir("/proc/%d/fd" % pid):
+        try:
+            count += os.readlink("/proc/%d/fd/%s" % (pid, fd)).startswith("socket:")
+        except OSError:  # closed since the listing
+            pass
+    return count
+
+
 def processes(where: Callable[[Tuple[str, int, int]], bool]) -> List[int]:
     """Pids of the live (non-zombie) processes whose (state, ppid, pgid) satisfy `where`."""
     found = []

@@ -435,27 +435,17 @@ def test_spawn_is_refused_on_a_subclass():
 # -- several children on one port (SO_REUSEPORT) -------------------------------------------------------------
 
 
-def _sockets(pid: int) -> int:
-    count = 0
-    for fd in os.listdir("/proc/%d/fd" % pid):
-        try:
-            count += os.readlink("/proc/%d/fd/%s" % (pid, fd)).startswith("socket:")
-        except OSError:
-            pass
-    return count
-
-
 def test_two_children_share_one_port_and_each_serves_every_route(ups):
     with AuthProxy.spawn(processes=2) as group:
         pids = group.pids
         assert len(set(pids)) == 2 and group.running
         base = group.mount(ups["plain"].url, TOKEN, headers={"X-Custom": "both"})
-        before = {pid: _sockets(pid) for pid in pids}
+        before = {pid: support.open_sockets(pid) for pid in pids}
         sessions = [requests.Session() for _ in range(16)]  # 16 connections held open: the kernel spreads them
         try:
             answers = {(r.status_code, r.headers["X-Echo-Custom"])
                        for r in (s.get(base + "/r", timeout=TIMEOUT) for s in sessions)}
-            held = {pid: _sockets(pid) for pid in pids}
+            held = {pid: support.open_sockets(pid) for pid in pids}
         finally:
             for session in sessions:
                 session.close()
@@ -511,6 +501,36 @@ def test_provider_with_proxy_process_serves_http_and_websocket_from_the_shared_c
             provider.stop_container()
     assert requests.get(urls[0] + "/health", timeout=TIMEOUT).status_code == 404  # unmounted in the child
     support.wait_until(lambda: all(job.stage == "CANCELED" for job in emu.jobs), "both jobs cancelled")
+
+
+def test_a_provider_given_a_two_process_host_steps_through_both_children_and_unmounts_in_each(emu):
+    # README's advice for HTTP-heavy loads: proxy=AuthProxy.spawn(processes=2)
+    with AuthProxy.spawn(processes=2) as group:
+        provider = hsp.HFSandboxProvider(IMAGE, endpoint=emu.endpoint, token=emu.token, proxy=group,
+                                         command=echo_server_command(), poll_interval_s=0.05)
+        sessions = [requests.Session() for _ in range(16)]  # held open: the kernel spreads them
+        try:
+            url = provider.start_container()
+            provider.wait_for_ready()
+            assert url.startswith(group.url + "/")
+            before = {pid: support.open_sockets(pid) for pid in group.pids}
+            for index, session in enumerate(sessions):
+                step = session.post(url + "/step", json={"action": {"message": "s%d" % index}}, timeout=TIMEOUT)
+                assert step.json()["observation"]["echoed_message"] == "s%d" % index
+            held = {pid: support.open_sockets(pid) for pid in group.pids}
+            assert all(held[pid] > before[pid] for pid in group.pids), (before, held)  # both served
+        finally:
+            for session in sessions:
+                session.close()
+            provider.stop_container()
+        fresh = [requests.Session() for _ in range(16)]
+        try:  # new connections land on either child: neither has the route any more
+            assert {s.get(url + "/health", timeout=TIMEOUT).status_code for s in fresh} == {404}
+        finally:
+            for session in fresh:
+                session.close()
+        assert group.running  # the user's host: the provider unmounts, never stops it
+    support.wait_until(lambda: emu.jobs and all(job.stage == "CANCELED" for job in emu.jobs), "the job cancelled")
 
 
 def test_provider_replaces_a_shared_process_host_that_died(emu, fresh_process_proxy):

@@ -189,3 +189,55 @@ def test_convoy_counters_count_live_threads_switches_and_a_thread_that_ends_take
     later = {"user_s": 1.5, "kernel_s": 2.25, "threads": {"1": (30, 4), "3": (5, 1)}}  # 2 ended, 3 began
     assert gil_convoy.per_request(earlier, later, 10) == pytest.approx(
         {"user_s": 5e4, "kernel_s": 2.5e4, "voluntary": 2.5, "involuntary": 0.5})
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; SO_REUSEPORT")
+def test_a_floor_of_two_processes_serves_from_both_on_one_port_and_both_end_with_the_first():
+    import http.server
+    import json
+    import threading
+
+    import requests
+    import support
+
+    class Upstream(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            answer = json.dumps({"got": body.decode(), "auth": self.headers["Authorization"]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, *args):
+            pass
+
+    upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    floor = subprocess.Popen([sys.executable, os.path.join(REPO, "benchmarks", "_floor.py"),
+                              "http://127.0.0.1:%d" % upstream.server_address[1], "--processes", "2"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    sessions = [requests.Session() for _ in range(16)]  # held open: the kernel spreads them
+    try:
+        info = json.loads(floor.stdout.readline())
+        pids = info["pids"]
+        assert len(set(pids)) == 2 and pids[0] == floor.pid
+        before = {pid: support.open_sockets(pid) for pid in pids}
+        for index, session in enumerate(sessions):
+            answer = session.post(info["base_url"] + "/step", data="s%d" % index, timeout=30).json()
+            assert answer == {"got": "s%d" % index, "auth": "Bearer vs-nginx-benchmark-token"}
+        held = {pid: support.open_sockets(pid) for pid in pids}
+        assert all(held[pid] > before[pid] for pid in pids), (before, held)
+        floor.terminate()  # (as the Stack stops it)
+        floor.wait(10)
+        support.wait_until(lambda: not support.alive(pids[1]), "the second forwarder to end with the first", 10)
+    finally:
+        for session in sessions:
+            session.close()
+        if floor.poll() is None:
+            floor.kill()
+        floor.wait(10)
+        upstream.shutdown()
+        upstream.server_close()
