@@ -1,6 +1,6 @@
 """The CPython floor: the least a thread-per-connection Python forwarder can do, for benchmarks/vs_nginx.py.
 
-    python benchmarks/_floor.py http://127.0.0.1:PORT [--verify CA_PEM] [--processes N]   # or https://
+    python benchmarks/_floor.py http://127.0.0.1:PORT [--verify CA_PEM] [--processes N] [--busy N]   # or https://
 
 One thread per client connection; HTTP/1.1 keep-alive with one persistent upstream socket per client
 connection; request and response heads found with `bytes.find`; bodies framed by Content-Length only;
@@ -10,7 +10,9 @@ against --verify). No validation, no limits, no error answers, no pool, no loggi
 `proxy.AuthProxy` does beyond this is what its figures are compared against (ratios "proxy / floor").
 
 `--processes N` forks N-1 more forwarders sharing the port (SO_REUSEPORT, like `AuthProxy.spawn(processes=N)`),
-listed in `pids`; they end with the first. Prints `{"base_url": ..., "pid": ..., "pids": [...]}` once listening, serves until stdin closes or SIGTERM. Never a
+listed in `pids`; they end with the first. `--busy N` spins N empty loop iterations per request, half
+before each send: pure Python standing in for a proxy's own work, to show what that much Python per request
+costs at 64 connections (benchmarks/gil_convoy.py --floor-busy); never on in vs_nginx.py. Prints `{"base_url": ..., "pid": ..., "pids": [...]}` once listening, serves until stdin closes or SIGTERM. Never a
 library: it trusts its peers and exists only to be measured.
 """
 from __future__ import annotations
@@ -24,7 +26,7 @@ import ssl
 import sys
 import threading
 import urllib.parse
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 # What a read asks for: a benchmark request or response fits many times over.
 READ_BYTES = 65536
@@ -39,7 +41,9 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("upstream")
     parser.add_argument("--verify", default=None, metavar="CA_PEM")
     parser.add_argument("--processes", type=int, default=1)
+    parser.add_argument("--busy", type=int, default=0, metavar="N")
     args = parser.parse_args(argv)
+    busy = (range(args.busy // 2), range(args.busy - args.busy // 2)) if args.busy else None
     parts = urllib.parse.urlsplit(args.upstream)
     address = (parts.hostname, parts.port)
     context = ssl.create_default_context(cafile=args.verify) if parts.scheme == "https" else None
@@ -80,10 +84,11 @@ def main(argv: Optional[list] = None) -> int:
         print(json.dumps({"base_url": "http://127.0.0.1:%d" % port, "pid": os.getpid(), "pids": pids}), flush=True)
     while True:
         client, _ = listener.accept()
-        threading.Thread(target=_serve, args=(client, connect, auth), daemon=True).start()
+        threading.Thread(target=_serve, args=(client, connect, auth, busy), daemon=True).start()
 
 
-def _serve(client: socket.socket, connect: Callable[[], socket.socket], auth: bytes) -> None:
+def _serve(client: socket.socket, connect: Callable[[], socket.socket], auth: bytes,
+           busy: Optional[Tuple[range, range]] = None) -> None:
     client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     upstream = None
     buf = b""
@@ -107,6 +112,9 @@ def _serve(client: socket.socket, connect: Callable[[], socket.socket], auth: by
             body, buf = buf[:length], buf[length:]
             if upstream is None:
                 upstream = connect()
+            if busy:
+                for _ in busy[0]:
+                    pass
             upstream.sendall(head[:-4] + auth + b"\r\n\r\n" + body)
             answer, rest = _read_head(upstream, b"")
             if answer is None:
@@ -117,6 +125,9 @@ def _serve(client: socket.socket, connect: Callable[[], socket.socket], auth: by
                 if not data:
                     return
                 rest += data
+            if busy:
+                for _ in busy[1]:
+                    pass
             client.sendall(answer + rest)
     except OSError:
         pass

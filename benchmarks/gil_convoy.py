@@ -2,6 +2,7 @@
 and of the CPython floor at 1 and 64 connections, and the proxy's context switches per request.
 
     python benchmarks/gil_convoy.py [--seconds 3] [--reps 2] [--upstreams plain,tls] [--hosts 1,2]
+                                    [--floor-busy 800,1600]
 
 The same stack as benchmarks/vs_nginx.py (uvicorn upstreams, benchmarks/_floor.py, the proxy in its own
 process, wrk's POST /step), one target at a time. CPU is read from /proc/<pid>/stat before and after
@@ -16,6 +17,11 @@ over the N children. The host sets a 0.1 s switch interval for itself, so `host 
 comparison for `host x2`, and `proxy` (benchmarks/_proxy_host.py, Python's 5 ms) for the floor. For
 each N above 1 the floor runs as N forwarders sharing a port too (`floor x2`: `_floor.py --processes N`),
 so N proxy processes can be read against N floor processes as well as against one.
+
+`--floor-busy 800,1600` adds, for each N, a floor spinning N empty loop iterations per request
+(`floor busy N`: `_floor.py --busy N`): as much pure Python per request as the proxy spends, with
+nothing else of the proxy, shows whether the convoy comes with the amount of Python or with something
+the proxy does.
 """
 from __future__ import annotations
 
@@ -77,8 +83,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--upstreams", default="plain,tls")
     parser.add_argument("--hosts", default="", help="also AuthProxy.spawn(processes=N) for each N, e.g. 1,2")
+    parser.add_argument("--floor-busy", default="", help="also a floor spinning N loop iterations per request, e.g. 800,1600")
     args = parser.parse_args(argv)
     counts = [int(n) for n in args.hosts.split(",") if n]
+    busy = [int(n) for n in args.floor_busy.split(",") if n]
     workdir = tempfile.mkdtemp(prefix="gil-convoy-")
     script = vs_nginx.post_script(workdir)
     print("| rep | upstream | target | connections | req/s | user us/req | kernel us/req | voluntary switches/req "
@@ -91,6 +99,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             for upstream in args.upstreams.split(","):
                 info = stack._spawn(stack.floor_command(upstream) + ["--processes", str(n)])
                 floors["floor x%d" % n, upstream] = ([int(p) for p in info["pids"]], str(info["base_url"]))
+        for n in busy:
+            for upstream in args.upstreams.split(","):
+                info = stack._spawn(stack.floor_command(upstream) + ["--busy", str(n)])
+                floors["floor busy %d" % n, upstream] = ([int(info["pid"])], str(info["base_url"]))
         for n in counts:
             for upstream in args.upstreams.split(","):
                 host = AuthProxy.spawn(processes=n)
@@ -99,11 +111,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                     verify=stack.ca.ca_path if upstream == "tls" else True))
         for rep in range(1, args.reps + 1):
             for upstream in args.upstreams.split(","):
-                targets = (["floor"] + ["floor x%d" % n for n in counts if n > 1] + ["proxy"]
-                           + ["host x%d" % n for n in counts])
+                targets = (["floor"] + ["floor x%d" % n for n in counts if n > 1]
+                           + ["floor busy %d" % n for n in busy] + ["proxy"] + ["host x%d" % n for n in counts])
                 for target in targets:
                     for connections in CONNECTIONS:
-                        if target.startswith("floor x"):
+                        if target.startswith(("floor x", "floor busy")):
                             pids, url = floors[target, upstream][0], floors[target, upstream][1] + "/step"
                         elif target.startswith("host"):
                             host, base_url = hosts[target, upstream]

@@ -192,7 +192,7 @@ def test_convoy_counters_count_live_threads_switches_and_a_thread_that_ends_take
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; SO_REUSEPORT")
-def test_a_floor_of_two_processes_serves_from_both_on_one_port_and_both_end_with_the_first():
+def test_a_floor_of_two_busy_processes_serves_from_both_on_one_port_and_both_end_with_the_first():
     import http.server
     import json
     import threading
@@ -217,7 +217,8 @@ def test_a_floor_of_two_processes_serves_from_both_on_one_port_and_both_end_with
     upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
     threading.Thread(target=upstream.serve_forever, daemon=True).start()
     floor = subprocess.Popen([sys.executable, os.path.join(REPO, "benchmarks", "_floor.py"),
-                              "http://127.0.0.1:%d" % upstream.server_address[1], "--processes", "2"],
+                              "http://127.0.0.1:%d" % upstream.server_address[1], "--processes", "2",
+                              "--busy", "1000"],  # (gil_convoy.py's stand-in for a proxy's Python)
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     sessions = [requests.Session() for _ in range(16)]  # held open: the kernel spreads them
     try:
