@@ -1,8 +1,9 @@
 """Where the proxy's CPU per HTTP request goes as connections grow: user and kernel time of the proxy
-and of the CPython floor at 1 and 64 connections, and the proxy's context switches per request.
+and of the CPython floor at 1 and 64 connections (or --connections), and the proxy's context switches
+per request.
 
     python benchmarks/gil_convoy.py [--seconds 3] [--reps 2] [--upstreams plain,tls] [--hosts 1,2]
-                                    [--floor-busy 800,1600]
+                                    [--floor-busy 800,1600] [--connections 1,64]
 
 The same stack as benchmarks/vs_nginx.py (uvicorn upstreams, benchmarks/_floor.py, the proxy in its own
 process, wrk's POST /step), one target at a time. CPU is read from /proc/<pid>/stat before and after
@@ -40,7 +41,7 @@ import ws_scale  # noqa: E402
 sys.path.insert(1, os.path.dirname(HERE))  # the repo root, where proxy.py lives
 from proxy import AuthProxy  # noqa: E402
 
-CONNECTIONS = (1, 64)
+CONNECTIONS = "1,64"  # the targets' two loads (--connections 4,8,16,32,64 shows where the convoy starts)
 
 
 def process_counters(pid: int) -> Dict[str, Any]:
@@ -82,6 +83,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--upstreams", default="plain,tls")
+    parser.add_argument("--connections", default=CONNECTIONS, help="wrk connection counts (default %(default)s)")
     parser.add_argument("--hosts", default="", help="also AuthProxy.spawn(processes=N) for each N, e.g. 1,2")
     parser.add_argument("--floor-busy", default="", help="also a floor spinning N loop iterations per request, e.g. 800,1600")
     args = parser.parse_args(argv)
@@ -114,7 +116,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 targets = (["floor"] + ["floor x%d" % n for n in counts if n > 1]
                            + ["floor busy %d" % n for n in busy] + ["proxy"] + ["host x%d" % n for n in counts])
                 for target in targets:
-                    for connections in CONNECTIONS:
+                    for connections in [int(c) for c in args.connections.split(",")]:
                         if target.startswith(("floor x", "floor busy")):
                             pids, url = floors[target, upstream][0], floors[target, upstream][1] + "/step"
                         elif target.startswith("host"):
