@@ -9,11 +9,14 @@ fresh upstream socket, one thread per direction. With an https upstream both run
 against --verify). No validation, no limits, no error answers, no pool, no logging: everything
 `proxy.AuthProxy` does beyond this is what its figures are compared against (ratios "proxy / floor").
 
-`--processes N` forks N-1 more forwarders sharing the port (SO_REUSEPORT, like `AuthProxy.spawn(processes=N)`),
-listed in `pids`; they end with the first. `--busy N` spins N empty loop iterations per request, half
-before each send: pure Python standing in for a proxy's own work, to show what that much Python per request
-costs at 64 connections (benchmarks/gil_convoy.py --floor-busy); never on in vs_nginx.py. Prints `{"base_url": ..., "pid": ..., "pids": [...]}` once listening, serves until stdin closes or SIGTERM. Never a
-library: it trusts its peers and exists only to be measured.
+`--processes N` forks N-1 more forwarders sharing the port (SO_REUSEPORT, like
+`AuthProxy.spawn(processes=N)`), listed in `pids`; they end with the first. `--busy N` spins N empty
+loop iterations per request, half before each send: pure Python standing in for a proxy's own work, to
+show what that much Python per request costs at 64 connections (benchmarks/gil_convoy.py
+--floor-busy); never on in vs_nginx.py.
+
+Prints `{"base_url": ..., "pid": ..., "pids": [...]}` once listening, serves until stdin closes or
+SIGTERM. Never a library: it trusts its peers and exists only to be measured.
 """
 from __future__ import annotations
 
@@ -80,7 +83,7 @@ def main(argv: Optional[list] = None) -> int:
 
     signal.signal(signal.SIGTERM, end)
     threading.Thread(target=lambda: (sys.stdin.read(), end()), daemon=True).start()
-    if pids:
+    if pids:  # (a forked forwarder's list is empty: only the first reports)
         print(json.dumps({"base_url": "http://127.0.0.1:%d" % port, "pid": os.getpid(), "pids": pids}), flush=True)
     while True:
         client, _ = listener.accept()

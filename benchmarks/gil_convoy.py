@@ -94,36 +94,37 @@ def main(argv: Optional[List[str]] = None) -> int:
     print("| rep | upstream | target | connections | req/s | user us/req | kernel us/req | voluntary switches/req "
           "| involuntary/req |\n|---|---|---|--:|--:|--:|--:|--:|--:|", flush=True)
     stack = vs_nginx.Stack(workdir).start()
-    hosts: Dict[Tuple[str, str], Tuple[Any, str]] = {}  # (target, upstream) -> (host, base URL)
-    floors: Dict[Tuple[str, str], Tuple[List[int], str]] = {}  # (target, upstream) -> (pids, base URL)
+    upstreams = args.upstreams.split(",")
+    hosts: List[Any] = []  # the process hosts this run spawned, stopped at the end
+    # target -> upstream -> (the pids its CPU is summed over, the URL of POST /step), in table order
+    targets: Dict[str, Dict[str, Tuple[List[int], str]]] = {}
+
+    def stack_target(name: str) -> Dict[str, Tuple[List[int], str]]:
+        return {upstream: ([stack.pid(name, upstream)], stack.http_url(name, upstream, "/step"))
+                for upstream in upstreams}
+
     try:
-        for n in (n for n in counts if n > 1):
-            for upstream in args.upstreams.split(","):
-                info = stack._spawn(stack.floor_command(upstream) + ["--processes", str(n)])
-                floors["floor x%d" % n, upstream] = ([int(p) for p in info["pids"]], str(info["base_url"]))
-        for n in busy:
-            for upstream in args.upstreams.split(","):
-                info = stack._spawn(stack.floor_command(upstream) + ["--busy", str(n)])
-                floors["floor busy %d" % n, upstream] = ([int(info["pid"])], str(info["base_url"]))
+        targets["floor"] = stack_target("floor")
+        floor_options = [("floor x%d" % n, ["--processes", str(n)]) for n in counts if n > 1]
+        for name, options in floor_options + [("floor busy %d" % n, ["--busy", str(n)]) for n in busy]:
+            for upstream in upstreams:
+                info = stack._spawn(stack.floor_command(upstream) + options)
+                targets.setdefault(name, {})[upstream] = (
+                    [int(p) for p in info["pids"]], str(info["base_url"]) + "/step")
+        targets["proxy"] = stack_target("proxy")
         for n in counts:
-            for upstream in args.upstreams.split(","):
+            for upstream in upstreams:
                 host = AuthProxy.spawn(processes=n)
-                hosts["host x%d" % n, upstream] = (host, host.mount(
-                    vs_nginx._proxy_upstream_url(stack, upstream), token=vs_nginx.BENCH_TOKEN,
-                    verify=stack.ca.ca_path if upstream == "tls" else True))
+                hosts.append(host)
+                base_url = host.mount(vs_nginx._proxy_upstream_url(stack, upstream), token=vs_nginx.BENCH_TOKEN,
+                                      verify=stack.ca.ca_path if upstream == "tls" else True)
+                targets.setdefault("host x%d" % n, {})[upstream] = (
+                    host.pids if n > 1 else [host.pid], base_url + "/step")  # (one child has no `pids`)
         for rep in range(1, args.reps + 1):
-            for upstream in args.upstreams.split(","):
-                targets = (["floor"] + ["floor x%d" % n for n in counts if n > 1]
-                           + ["floor busy %d" % n for n in busy] + ["proxy"] + ["host x%d" % n for n in counts])
-                for target in targets:
+            for upstream in upstreams:
+                for target, where in targets.items():
+                    pids, url = where[upstream]
                     for connections in [int(c) for c in args.connections.split(",")]:
-                        if target.startswith(("floor x", "floor busy")):
-                            pids, url = floors[target, upstream][0], floors[target, upstream][1] + "/step"
-                        elif target.startswith("host"):
-                            host, base_url = hosts[target, upstream]
-                            pids, url = list(getattr(host, "pids", [host.pid])), base_url + "/step"
-                        else:
-                            pids, url = [stack.pid(target, upstream)], stack.http_url(target, upstream, "/step")
                         before = group_counters(pids)
                         out = subprocess.run(
                             ["wrk", "-t%d" % min(2, connections), "-c%d" % connections, "-d%gs" % args.seconds,
@@ -136,7 +137,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                             rep, upstream, target, connections, parsed["rps"] or 0, each["user_s"],
                             each["kernel_s"], switches), flush=True)
     finally:
-        for host, _ in hosts.values():
+        for host in hosts:
             host.stop()
         stack.stop()
     return 0
