@@ -338,13 +338,16 @@ class Route:
         """The TLS context for this upstream, honouring `verify` like requests (bool or CA path),
         shared by the routes with the same `verify` (a CA bundle edited since is read again)."""
         pool = self._pool
-        if pool.tls_context is None:  # (two threads racing may both fetch one: either will do)
-            verify, stamp = pool.key[3], None
-            if isinstance(verify, str):  # the bundle's mtime and size key the cache too
-                with contextlib.suppress(OSError):  # (else the context creation reports it)
-                    stat = os.stat(verify)
-                    stamp = (stat.st_mtime_ns, stat.st_size)
-            pool.tls_context = _make_tls_context(verify, stamp)
+        if pool.tls_context is None:
+            # One build at a time: routes racing to their first TLS use (a batch of environments
+            # stepped at once) would each build, and each pool keep, a ~1 MiB context of its own.
+            with _TLS_CONTEXT_LOCK:
+                verify, stamp = pool.key[3], None
+                if isinstance(verify, str):  # the bundle's mtime and size key the cache too
+                    with contextlib.suppress(OSError):  # (else the context creation reports it)
+                        stat = os.stat(verify)
+                        stamp = (stat.st_mtime_ns, stat.st_size)
+                pool.tls_context = pool.tls_context or _make_tls_context(verify, stamp)
         return pool.tls_context
 
     # -- machinery (used by the request handler) ------------------------------------------------
@@ -2569,6 +2572,9 @@ def _set_socket_timeout(sock: socket.socket, timeout: Optional[float],
         seconds = 0.0 if value is None else max(float(value), 1e-6)  # 0 is "never" to the kernel
         sock.setsockopt(socket.SOL_SOCKET, option,
                         struct.pack("@ll", int(seconds), int((seconds - int(seconds)) * 1e6)))
+
+
+_TLS_CONTEXT_LOCK = threading.Lock()  # see Route.tls_context
 
 
 @functools.lru_cache(maxsize=TLS_CONTEXTS_KEPT)

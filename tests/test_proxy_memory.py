@@ -5,9 +5,11 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 
+import certifi
 import pytest
 import requests
 
@@ -45,6 +47,28 @@ def test_routes_with_the_same_verify_share_one_tls_context_and_an_edited_bundle_
     os.utime(str(bundle), ns=(time.time_ns() + 10 ** 9, time.time_ns() + 10 ** 9))
     third = proxy_module.Route("https://localhost:4", TEST_TOKEN, verify=str(bundle))
     assert third.tls_context() is not first.tls_context()
+
+
+def test_routes_racing_to_their_first_tls_use_build_and_keep_one_context_between_them(tmp_path):
+    # A CA bundle of certifi's size at a new path: a context nothing built before, whose load takes
+    # long enough (the GIL let go while OpenSSL reads it) that routes unserialised each built their own.
+    bundle = tmp_path / "bundle.pem"
+    bundle.write_bytes(Path(certifi.where()).read_bytes())
+    routes = [proxy_module.Route("https://localhost:%d" % port, TEST_TOKEN, verify=str(bundle))
+              for port in range(1, 17)]
+    start = threading.Barrier(len(routes))
+    contexts: list = [None] * len(routes)
+
+    def first_use(index: int) -> None:
+        start.wait()
+        contexts[index] = routes[index].tls_context()
+
+    threads = [threading.Thread(target=first_use, args=(i,)) for i in range(len(routes))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(TIMEOUT)
+    assert all(context is contexts[0] for context in contexts) and contexts[0] is not None
 
 
 @pytest.mark.slow  # many warm-up and measured rounds
