@@ -47,7 +47,7 @@ CONNECTIONS = "1,64"  # the targets' two loads (--connections 4,8,16,32,64 shows
 def process_counters(pid: int) -> Dict[str, Any]:
     """CPU seconds (user, kernel) of a process, and each live thread's context switches by thread id
     as (voluntary, involuntary)."""
-    kernel_s = ws_scale._cpu_seconds(pid, kernel_only=True)
+    user_s, kernel_s = ws_scale._cpu_split(pid)
     threads: Dict[str, Tuple[int, int]] = {}
     for task in os.listdir("/proc/%d/task" % pid):
         try:
@@ -56,7 +56,7 @@ def process_counters(pid: int) -> Dict[str, Any]:
             threads[task] = (int(fields["voluntary_ctxt_switches"]), int(fields["nonvoluntary_ctxt_switches"]))
         except OSError:  # the thread ended between the listing and the read
             pass
-    return {"user_s": ws_scale._cpu_seconds(pid) - kernel_s, "kernel_s": kernel_s, "threads": threads}
+    return {"user_s": user_s, "kernel_s": kernel_s, "threads": threads}
 
 
 def group_counters(pids: List[int]) -> Dict[str, Any]:
