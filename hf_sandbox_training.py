@@ -45,6 +45,8 @@ SandboxError, SandboxConfigError, JobStartTimeout = _core.SandboxError, _core.Sa
 DEFAULT_MAX_PARALLEL = _core.DEFAULT_MAX_PARALLEL
 _raise_if_rejected, _positive_number_rejection = _core._raise_if_rejected, _core._positive_number_rejection
 _in_parallel, _start_thread = _core._in_parallel, _core._start_thread
+# The proxy's TLS contexts: one per `verify`, shared with the routes, trusting certifi's bundle like requests.
+_shared_tls_context, _verify_rejection = _core._proxy._shared_tls_context, _core._proxy._verify_rejection
 _live_finalizers = _core._live_finalizers  # the providers' safety nets (a set the core never rebinds)
 logger = _core.logger  # one logger for the library: "hf_sandbox_provider"
 
@@ -169,7 +171,7 @@ class EnvSession:
                  path: str = "/ws") -> None:
         _raise_if_rejected(_positive_number_rejection("timeout_s", timeout_s)
                            or _positive_number_rejection("connect_timeout_s", connect_timeout_s)
-                           or _session_url_rejection(base_url))
+                           or _session_url_rejection(base_url) or _verify_rejection(verify))
         parts = urlsplit(_session_url(base_url, path))
         # For messages and repr: scheme and host only. The path holds the proxy's route id, a secret.
         self.where = "%s://%s" % (parts.scheme, parts.netloc)
@@ -190,7 +192,7 @@ class EnvSession:
         try:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small request/reply frames
             if parts.scheme == "wss":
-                self._sock = _session_tls_context(verify).wrap_socket(self._sock, server_hostname=parts.hostname)
+                self._sock = self._tls(verify, parts.hostname, deadline, connect_timeout_s)
             target = (parts.path or "/") + ("?" + parts.query if parts.query else "")
             self._send(Request(host=parts.netloc, target=target))
             self._handshake(deadline)
@@ -198,6 +200,22 @@ class EnvSession:
             self._closed = True
             self._sock.close()
             raise
+
+    def _tls(self, verify: Union[bool, str], hostname: str, deadline: float, connect_timeout_s: float) -> ssl.SSLSocket:
+        """The connected socket wrapped in TLS, handshaken by `deadline`; failures as session errors."""
+        self._sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        try:
+            return _shared_tls_context(verify).wrap_socket(self._sock, server_hostname=hostname)
+        except ssl.SSLCertVerificationError as exc:
+            raise SessionError("TLS with %s failed: its certificate is not trusted (%s); pass verify=<CA bundle "
+                               "path> for a private CA, or verify=False for a test server"
+                               % (self.where, exc.verify_message or exc.reason)) from None
+        except socket.timeout:
+            raise SessionTimeout("the TLS handshake with %s did not finish within %gs"
+                                 % (self.where, connect_timeout_s)) from None
+        except OSError as exc:  # (ssl.SSLError is one)
+            raise SessionError("TLS with %s failed: %s" % (self.where, getattr(exc, "reason", None)
+                                                           or exc.strerror or type(exc).__name__)) from None
 
     # -- OpenEnv's messages -------------------------------------------------------------------------
 
@@ -382,15 +400,6 @@ def _session_url(base_url: str, path: str) -> str:
     scheme = {"http": "ws", "https": "wss"}.get(parts.scheme, parts.scheme)
     return "%s://%s%s/%s%s" % (scheme, parts.netloc, parts.path.rstrip("/"), path.lstrip("/"),
                                "?" + parts.query if parts.query else "")
-
-
-def _session_tls_context(verify: Union[bool, str]) -> ssl.SSLContext:
-    """TLS for wss:// URLs, following `requests`' `verify` (True, False or a CA bundle path)."""
-    context = ssl.create_default_context(cafile=verify if isinstance(verify, str) else None)
-    if verify is False:
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
-    return context
 
 
 # -- background starts ------------------------------------------------------------------------------

@@ -339,15 +339,7 @@ class Route:
         shared by the routes with the same `verify` (a CA bundle edited since is read again)."""
         pool = self._pool
         if pool.tls_context is None:
-            # One build at a time: routes racing to their first TLS use (a batch of environments
-            # stepped at once) would each build, and each pool keep, a ~1 MiB context of its own.
-            with _TLS_CONTEXT_LOCK:
-                verify, stamp = pool.key[3], None
-                if isinstance(verify, str):  # the bundle's mtime and size key the cache too
-                    with contextlib.suppress(OSError):  # (else the context creation reports it)
-                        stat = os.stat(verify)
-                        stamp = (stat.st_mtime_ns, stat.st_size)
-                pool.tls_context = pool.tls_context or _make_tls_context(verify, stamp)
+            pool.tls_context = _shared_tls_context(pool.key[3])
         return pool.tls_context
 
     # -- machinery (used by the request handler) ------------------------------------------------
@@ -2574,7 +2566,20 @@ def _set_socket_timeout(sock: socket.socket, timeout: Optional[float],
                         struct.pack("@ll", int(seconds), int((seconds - int(seconds)) * 1e6)))
 
 
-_TLS_CONTEXT_LOCK = threading.Lock()  # see Route.tls_context
+_TLS_CONTEXT_LOCK = threading.Lock()  # see _shared_tls_context
+
+
+def _shared_tls_context(verify: Verify) -> ssl.SSLContext:
+    """The TLS context for `verify` that routes (and `EnvSession`s) share; a CA bundle edited since
+    is read again. One build at a time: callers racing to their first TLS use (a batch of
+    environments stepped at once) would each build a ~1 MiB context, and each keep its own."""
+    with _TLS_CONTEXT_LOCK:
+        stamp = None
+        if isinstance(verify, str):  # the bundle's mtime and size key the cache too
+            with contextlib.suppress(OSError):  # (else the context creation reports it)
+                stat = os.stat(verify)
+                stamp = (stat.st_mtime_ns, stat.st_size)
+        return _make_tls_context(verify, stamp)
 
 
 @functools.lru_cache(maxsize=TLS_CONTEXTS_KEPT)

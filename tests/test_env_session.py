@@ -6,7 +6,12 @@ says no; timeouts that close the session instead of mixing up replies."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import shutil
+import socket
+import ssl
+import subprocess
 import sys
 import threading
 
@@ -217,3 +222,78 @@ def test_close_from_another_thread_ends_a_request_in_flight_with_a_session_error
         thread.join(TIMEOUT)
         assert len(outcome) == 1 and isinstance(outcome[0], SessionError), outcome  # not the late reply
         assert session.closed
+
+
+# -- wss:// straight to a TLS server: `verify` as requests and the proxy read it ----------------------
+
+_PLAIN_RUN = 'uvicorn.run(app, host="127.0.0.1", port=int(os.environ["PORT"]), log_level="warning")'
+_TLS_RUN = _PLAIN_RUN[:-1] + ', ssl_certfile=os.environ["CERT"], ssl_keyfile=os.environ["KEY"])'
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def openenv_tls(test_ca, tmp_path_factory):
+    """A real OpenEnv `create_app` server under uvicorn with TLS (the test CA's certificate), in its own
+    process; yields its https:// base URL."""
+    pytest.importorskip("openenv.core.env_server.http_server")
+    from test_e2e_openenv import OPENENV_SERVER
+
+    assert _PLAIN_RUN in OPENENV_SERVER
+    script = tmp_path_factory.mktemp("openenv_tls") / "server.py"
+    script.write_text(OPENENV_SERVER.replace(_PLAIN_RUN, _TLS_RUN))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = dict(os.environ, PORT=str(port), CERT=test_ca.cert_path, KEY=test_ca.key_path)
+    server = subprocess.Popen([sys.executable, str(script)], env=env)
+    try:
+        wait_until(lambda: server.poll() is not None or _listening(port), "the OpenEnv TLS server",
+                   OPENENV_TIMEOUT)
+        assert server.poll() is None, "the OpenEnv TLS server exited"
+        yield "https://127.0.0.1:%d" % port
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def test_a_wss_session_trusts_a_ca_bundle_file_or_directory_and_sessions_share_one_tls_context(
+        openenv_tls, test_ca, tmp_path, no_leaks) -> None:
+    with EnvSession(openenv_tls, verify=test_ca.ca_path) as first, \
+            EnvSession(openenv_tls, verify=test_ca.ca_path) as second:
+        assert first.reset(episode_id="a")["observation"]["echoed_message"] == "ready"
+        assert second.step({"message": "over tls"})["observation"]["echoed_message"] == "over tls"
+        assert first.state()["episode_id"] == "a"
+        assert first._sock.context is second._sock.context  # one ~1 MiB context, not one per session
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl command to hash a CA directory")
+    shutil.copy(test_ca.ca_path, str(tmp_path / "ca.pem"))
+    subprocess.run(["openssl", "rehash", str(tmp_path)], check=True, capture_output=True)
+    with EnvSession(openenv_tls, verify=str(tmp_path)) as session:  # a directory, like requests' verify
+        assert session.step({"message": "dir"})["observation"]["echoed_message"] == "dir"
+
+
+def test_a_wss_session_to_an_untrusted_certificate_raises_a_session_error_naming_verify(
+        openenv_tls, no_leaks) -> None:
+    with pytest.raises(SessionError, match="not trusted.*verify=<CA bundle path>") as caught:
+        EnvSession(openenv_tls)  # the test CA is in neither the system store nor certifi's
+    assert not isinstance(caught.value, ssl.SSLError) and "127.0.0.1" in str(caught.value)
+    with EnvSession(openenv_tls, verify=False) as session:
+        assert session.reset()["observation"]["echoed_message"] == "ready"
+    with pytest.raises(SandboxConfigError, match="no such CA bundle"):
+        EnvSession(openenv_tls, verify="/nonexistent/ca.pem")
+
+
+def test_a_tls_handshake_the_server_never_answers_raises_a_session_timeout(no_leaks) -> None:
+    with socket.socket() as silent:  # accepts in its backlog, never says a word
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        url = "https://127.0.0.1:%d" % silent.getsockname()[1]
+        with pytest.raises(SessionTimeout, match="TLS handshake .* within 0.5s"):
+            EnvSession(url, connect_timeout_s=0.5)
