@@ -5,6 +5,7 @@ The Jobs API is mocked with `responses` (the only mocked boundary); everything e
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import socket
 import json
@@ -758,8 +759,11 @@ class HangUpServer:
                     self.request_lines.append(data.split(b"\r\n", 1)[0].decode("latin-1"))
 
     def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept: a close alone leaves it blocked
         self.listener.close()
         self.thread.join(5)
+        assert not self.thread.is_alive()
 
 
 @pytest.mark.slow  # the create is retried with backoff (about 8 s)
