@@ -1636,6 +1636,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _Server
     headers: _RequestHeaders  # type: ignore[assignment]  # (the stdlib's parser made a Message)
+    _odd_target = _bad_value = False  # per request: set by _read_request, checked by _dispatch
 
     # -- connection plumbing ----------------------------------------------------------------------
 
