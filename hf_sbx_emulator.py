@@ -929,12 +929,13 @@ class _SbxHandler(_jobs._QuietHandler):
             _kill_group(popen.pid, signal.SIGKILL)
             popen.wait()
             sbx.foreground(popen, False)
-            for stream in (popen.stdout, popen.stderr, popen.stdin):
-                if stream is not None:
-                    try:
-                        stream.close()
-                    except OSError:
-                        pass
+            # stdout and stderr are closed by their pumps (a close here could free a descriptor number a
+            # pump is about to read, and let it read whatever the process opens next under that number)
+            if popen.stdin is not None:
+                try:
+                    popen.stdin.close()
+                except OSError:
+                    pass
 
     def _start_stream(self) -> None:
         self.send_response(200)
@@ -1201,6 +1202,8 @@ def _pump(stream: Any, name: str, events: "queue.Queue[Optional[Tuple[str, str]]
                 break
     except (OSError, ValueError):
         pass
+    finally:
+        stream.close()  # only here: see exec's cleanup
     events.put(None)
 
 
