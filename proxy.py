@@ -348,15 +348,16 @@ class Route:
         """Name the route in logs, e.g. "route-3 (https://host)"."""
         self.label = "%s (%s)" % (name, self.label)
 
-    def _checkout(self, proxy: AuthProxy) -> Tuple["_UpstreamConnection", bool]:
-        """A keep-alive connection to the upstream: a pooled one if fresh, else a new one. No lock
+    def _checkout(self, proxy: AuthProxy, new: bool = False) -> Tuple["_UpstreamConnection", bool]:
+        """A keep-alive connection to the upstream: a pooled one if fresh (unless `new`: a retry's,
+        as the pooled ones may be stale alike), else a new one. No lock
         (every request of a route would queue on it): deque and set operations are atomic, and the
         liveness check runs on a connection this thread alone holds. A route closing is caught by
         re-reading `_closed` once registered (close() sets it before reading the set)."""
         if self._closed:
             raise ConnectionAbortedError("route was unmounted")
         cutoff = time.monotonic() - POOL_IDLE_S
-        while True:
+        while not new:
             try:
                 conn = self._pool.idle.pop()  # the most recently used: the least likely to be stale
             except IndexError:
@@ -392,8 +393,9 @@ class Route:
         """Return a connection after its response was fully read (reusable) or close it."""
         self._active.discard(conn)
         pool, idle = self._pool, self._pool.idle
-        # (a closed route's connection still serves the host's other routes)
-        if not reusable or pool.closed or len(idle) >= POOL_MAX_IDLE:
+        # Not a closing route's: close() may have listed it as active and be about to abort it, under
+        # another route's request. (Read after the discard: a close() that misses it has not begun.)
+        if not reusable or self._closed or pool.closed or len(idle) >= POOL_MAX_IDLE:
             conn.close()
             return
         conn.since = now = time.monotonic()
@@ -1339,6 +1341,10 @@ class _WorkerPool:
         self._parked: Dict[queue.SimpleQueue, threading.Thread] = {}
         self._threads: Set[threading.Thread] = set()
         self._closed = False
+        # Threads listed but not yet started (start() waits for the GIL): close() waits for them, so
+        # every thread `threads()` lists after it can be joined.
+        self._starting = 0
+        self._started = threading.Condition(self._lock)
         # Why the system last refused to start a thread (e.g. `ulimit -u`), until one starts again.
         self.start_failure: Optional[str] = None
 
@@ -1358,16 +1364,20 @@ class _WorkerPool:
             thread = threading.Thread(target=self._work, args=(mailbox,), name=self.name,
                                       daemon=True)
             self._threads.add(thread)
+            self._starting += 1
+        failure = None
         try:  # a `stack_bytes` stack for this start (and for a thread other code starts meanwhile)
             with self._stack_window():
                 _start_thread(thread)
         except BaseException as exc:  # e.g. "can't start new thread" (a process or memory limit)
-            with self._lock:
+            failure = "%s: %s" % (type(exc).__name__, exc)
+        with self._lock:
+            self._starting -= 1
+            if failure is not None:
                 self._threads.discard(thread)
-            self.start_failure = "%s: %s" % (type(exc).__name__, exc)
-            return False
-        self.start_failure = None
-        return True
+            self._started.notify_all()
+        self.start_failure = failure
+        return failure is None
 
     @contextlib.contextmanager
     def _stack_window(self) -> Iterator[None]:
@@ -1393,11 +1403,13 @@ class _WorkerPool:
                     cls._STACK.notify_all()
 
     def close(self) -> None:
-        """Refuse new jobs and end every parked worker; busy ones end after their current job."""
+        """Refuse new jobs and end every parked worker; busy ones end after their current job.
+        Returns once the threads being started have started (at most STOP_JOIN_S)."""
         with self._lock:
             self._closed = True
             while self._parked:
                 self._parked.popitem()[0].put(None)
+            self._started.wait_for(lambda: not self._starting, STOP_JOIN_S)
 
     def threads(self) -> List[threading.Thread]:
         """Every thread the pool started that has not ended yet (busy or parked)."""
@@ -1716,13 +1728,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         # Each value without the CRs before its LF, then the blanks around it: one strip when every
         # CR is in a CRLF (no value holds one but at its end).
         values = parts[2::3]
-        if block.count(b"\r") == block.count(b"\r\n"):
+        bare_cr = block.count(b"\r") != block.count(b"\r\n")
+        if not bare_cr:
             values = list(map(str.strip, values, repeat(" \t\r")))
         else:
             values = [value.rstrip("\r").strip(" \t") for value in values]
         self.headers = headers = _RequestHeaders(parts[1::3], values)
-        # (control characters are refused when dispatched; names hold none, CR, LF and tab pass)
-        self._bad_value = len(block.translate(None, _CONTROL_BYTES)) != len(block)
+        # Control characters are refused when dispatched, and so is a CR not ending its line (RFC 9112
+        # section 2.2: an upstream may take it for one). Names hold none; LF and tab pass.
+        self._bad_value = bare_cr or len(block.translate(None, _CONTROL_BYTES)) != len(block)
         tokens = headers._tokens
         self.close_connection = "close" in tokens or (
             self.request_version == "HTTP/1.0" and "keep-alive" not in tokens)
@@ -1888,7 +1902,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                             else b"Content-Length: %d\r\n\r\n" % size)
             for attempt in (1, 2):
                 try:
-                    conn, reused = route._checkout(self.proxy)
+                    conn, reused = route._checkout(self.proxy, new=attempt == 2)
                 except Exception as exc:
                     raise _UpstreamFailure(_classify_upstream_error(exc, route)) from None
                 sent_all = False

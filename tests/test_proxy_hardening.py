@@ -81,6 +81,9 @@ def test_malformed_or_oversized_request_heads_get_a_4xx_and_the_proxy_keeps_serv
 @pytest.mark.parametrize("headers, status, kind", [
     (b"Bad Name: 1\r\n", 400, b"bad-header"),
     (b"X-Ctl: a\x01b\r\n", 400, b"bad-header"),
+    # a bare CR: an upstream taking it for a line end would see a header the proxy never checked
+    (b"X-A: foo\rAuthorization: Bearer forged\r\n", 400, b"bad-header"),
+    (b"X-A: foo\r\r\n", 400, b"bad-header"),
     (b"Content-Length: abc\r\n", 400, b"bad-content-length"),
     (b"Content-Length: -5\r\n", 400, b"bad-content-length"),
     (b"Content-Length: 5\r\nContent-Length: 6\r\n", 400, b"bad-content-length"),

@@ -126,6 +126,29 @@ def test_close_ends_parked_workers_lets_busy_ones_finish_and_refuses_new_jobs():
     assert not finished.is_set()
 
 
+def test_close_waits_for_a_thread_still_starting_so_every_listed_thread_can_be_joined():
+    """stop() joins what close() leaves listed, and joining a thread not yet started raises: a WebSocket
+    session's second thread, asked for as stop() runs, made stop() raise. A start waits for the GIL
+    (long with thousands of threads), or, as here, for the stack-size window another start holds."""
+    pool = _WorkerPool("t", max_workers=4, idle_s=60, stack_bytes=256 * 1024)
+    ran = threading.Event()
+    with _WorkerPool._STACK:  # every thread start now waits in its stack-size window
+        submitter = threading.Thread(target=pool.submit, args=(ran.set,))
+        submitter.start()
+        wait_until(lambda: pool.counts()[0] == 1, "the new thread to be listed")
+        closer = threading.Thread(target=pool.close)
+        closer.start()
+        closer.join(0.3)
+        assert closer.is_alive()  # waiting for the start, not returning with an unstarted thread listed
+    closer.join(TIMEOUT)
+    submitter.join(TIMEOUT)
+    threads = pool.threads()
+    for thread in threads:
+        thread.join(TIMEOUT)  # (raised RuntimeError for one not started)
+    assert not closer.is_alive() and not any(thread.is_alive() for thread in threads)
+    assert ran.is_set() and pool.counts() == (0, 0)  # the job given before close() ran, then the worker ended
+
+
 def test_a_job_that_raises_is_logged_and_its_worker_serves_the_next_job(log_guard):
     with _pool(max_workers=1) as pool:
         def boom() -> None:
