@@ -406,6 +406,9 @@ def _session_url(base_url: str, path: str) -> str:
 
 _background_lock = threading.Lock()
 _background_starts: "set[_BackgroundStart]" = set()  # starts still in flight
+# Slots' cancels of jobs they are done with (renewed, retired), in flight: every teardown waits for them, as
+# a daemon thread dies at exit with its cancel unsent (the job's safety net is retired when its cancel begins).
+_slot_cancels: "set[threading.Thread]" = set()
 _background_slots = threading.BoundedSemaphore(BACKGROUND_MAX_PARALLEL)
 
 
@@ -766,9 +769,21 @@ class _Slot:
         job_ids = _ids(start)
 
         def cancel() -> None:
-            start.stop()
-            logger.info("slot %s: job %s cancelled (%s)", self.name, job_ids, why)
-        _start_thread(threading.Thread(target=cancel, name="hf-sandbox-slot-cancel", daemon=True))
+            try:
+                start.stop()
+                logger.info("slot %s: job %s cancelled (%s)", self.name, job_ids, why)
+            finally:
+                with _background_lock:
+                    _slot_cancels.discard(thread)
+        thread = threading.Thread(target=cancel, name="hf-sandbox-slot-cancel", daemon=True)
+        with _background_lock:
+            _slot_cancels.add(thread)
+        try:
+            _start_thread(thread)
+        except BaseException:
+            with _background_lock:
+                _slot_cancels.discard(thread)
+            raise
 
 
 def _keep_slots() -> None:
@@ -1167,7 +1182,7 @@ def stop_sandboxes() -> None:
     ones (their host jobs this process booted). Never raises. The explicit teardown for trainers that
     never close environments (TRL)."""
     _in_parallel([s.stop for s in _take_slots()] + [s.stop for s in _starts_in_flight()]
-                 + [p.stop_container for p in list(_sandbox_providers)])
+                 + [p.stop_container for p in list(_sandbox_providers)] + [t.join for t in _cancels_in_flight()])
     pools = sys.modules.get(__name__.rpartition(".")[0] + ".hf_sandbox_pool" if __package__ else "hf_sandbox_pool")
     if pools is not None:  # loaded only once something used pool=
         pools.close_pools()
@@ -1185,6 +1200,11 @@ def _take_slots() -> List[_Slot]:
 def _starts_in_flight() -> List[_BackgroundStart]:
     with _background_lock:
         return list(_background_starts)
+
+
+def _cancels_in_flight() -> List[threading.Thread]:
+    with _background_lock:
+        return list(_slot_cancels)
 
 
 def _teardown_process(budget_s: float) -> None:
@@ -1212,7 +1232,8 @@ atexit.register(_stop_background_starts_at_exit)
 def _stops(wait_s: float) -> List[Callable[[], None]]:
     """Stopping every slot and every start in flight, each waiting up to `wait_s`."""
     stoppable: List[Any] = _take_slots() + _starts_in_flight()
-    return [lambda s=s: s.stop(wait_s) for s in stoppable]
+    return ([lambda s=s: s.stop(wait_s) for s in stoppable]
+            + [lambda t=t: t.join(wait_s) for t in _cancels_in_flight()])
 
 
 def _reset_sandboxes_after_fork() -> None:
@@ -1224,6 +1245,7 @@ def _reset_sandboxes_after_fork() -> None:
     _background_slots = threading.BoundedSemaphore(BACKGROUND_MAX_PARALLEL)
     _keeper_wake = threading.Event()
     _background_starts.clear()
+    _slot_cancels.clear()
     _shared_slots.clear()
     _live_slots.clear()
     _keeper.clear()

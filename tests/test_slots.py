@@ -6,9 +6,11 @@ more; a slot never holds more than two live jobs; `stop_sandboxes()` cancels suc
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -22,6 +24,7 @@ from support import in_thread, wait_until
 
 pytestmark = pytest.mark.slow  # jobs live seconds each, and the tests cross several of their lifetimes
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLD_START_S = 0.5
 # A lifetime short enough to cross a few of them, with room for a start and its readiness check.
 JOB_TIMEOUT_S = 10
@@ -178,6 +181,37 @@ def test_slots_never_hold_more_than_two_jobs_and_stop_sandboxes_cancels_their_su
     for session in sessions:
         session.close()
     assert len([job for job in emu.jobs if job.stage in LIVE]) == 0
+
+
+# A trainer whose slot has just renewed its job calls stop_sandboxes(), then exits normally.
+RENEWED_THEN_EXIT = r"""
+import json, sys, time
+from hf_sandbox_provider import Sandbox, stop_sandboxes
+box = Sandbox("img:tag", renew_before_s=float(sys.argv[2]), **json.loads(sys.argv[1]))
+box.wait()
+first = box.job_ids[0]
+print(first, flush=True)
+deadline = time.monotonic() + 60
+while box.job_ids in ([first], []) and time.monotonic() < deadline:  # until the successor takes over
+    time.sleep(0.01)
+stop_sandboxes()
+"""
+
+
+def test_stop_sandboxes_waits_for_the_cancel_of_a_renewed_job_so_a_normal_exit_leaves_none_running(
+        emu) -> None:
+    # The renewed job's cancel runs in a daemon thread. stop_sandboxes() did not wait for it, so an exit
+    # right after killed that thread with its cancel unsent (here held back by a 429): the job ran on.
+    emu.inject_rate_limit(1, retry_after_s=3, routes=["cancel"])
+    settings = dict(emu.settings, job_timeout=30)  # it would end on its own only long after this test
+    child = subprocess.run([sys.executable, "-c", RENEWED_THEN_EXIT, json.dumps(settings), "27"],
+                           capture_output=True, text=True, timeout=120,
+                           env=dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])))
+    assert child.returncode == 0, child.stderr
+    renewed = child.stdout.split()[0]
+    # (the emulator ends a cancelled job a moment after the cancel call returns)
+    assert emu.wait_for_stage(renewed, ["CANCELED"], timeout_s=5).stage == "CANCELED"
+    all_ended(emu)
 
 
 def test_renew_false_keeps_the_old_behaviour_a_reset_after_the_lifetime_waits_for_a_new_job(emu) -> None:
