@@ -74,6 +74,12 @@ SESSION_CLOSE_WAIT_S = 2.0
 SESSION_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # How much of a refused upgrade's body goes into the error message (the proxy's JSON fits).
 SESSION_REFUSAL_BODY_CHARS = 300
+# The proxy's refusals of an upgrade (X-Proxy-Error) that say the job is gone, so a slot replaces it. The
+# others are about the proxy (proxy-busy, proxy-stopping), the request, a token callable, TLS settings or a
+# slow job (upstream-timeout): replacing a job for those would cancel a healthy one, or loop on a bad setting.
+JOB_GONE_PROXY_ERRORS = frozenset(["upstream-unreachable", "unknown-route", "no-live-replica", "replica-unavailable"])
+# A slot's reset refused with `proxy-busy` tries again after this long (the proxy's Retry-After).
+PROXY_BUSY_RETRY_S = 1.0
 # Background starts in flight at once per process; each holds one thread for its cold start, like
 # start_many's workers. More wait for a free slot (still in the background).
 BACKGROUND_MAX_PARALLEL = DEFAULT_MAX_PARALLEL
@@ -131,10 +137,16 @@ class SessionRefusedError(SessionError):
         self.status_code = status_code
         self.proxy_error = proxy_error
         self.body = body
-        source = ("from the proxy (%s: the job is gone or not serving; start a new one)" % proxy_error
-                  if proxy_error else "from the environment")
-        super().__init__("the WebSocket was refused: HTTP %d %s%s" % (
-            status_code, source, (": " + body) if body and not proxy_error else ""))
+        if proxy_error in JOB_GONE_PROXY_ERRORS:
+            source, body = "from the proxy (%s: the job is gone or not serving; start a new one)" % proxy_error, ""
+        else:
+            source = "from the proxy (%s)" % proxy_error if proxy_error else "from the environment"
+            if proxy_error:  # the proxy's JSON says why and what to do, e.g. "retry shortly"
+                try:
+                    body = str(json.loads(body).get("message") or body)
+                except (ValueError, AttributeError):
+                    pass
+        super().__init__("the WebSocket was refused: HTTP %d %s%s" % (status_code, source, (": " + body) if body else ""))
 
 
 class SessionTimeout(SessionError, TimeoutError):
@@ -939,9 +951,13 @@ class _SlotSession(EnvSession):
                     self._conn = EnvSession(job.base_url or "", timeout_s=self.timeout_s)
                 except SessionRefusedError as exc:
                     self._end_episode()
-                    if exc.proxy_error:
+                    if exc.proxy_error in JOB_GONE_PROXY_ERRORS:
                         slot.report_dead(job, "the proxy refused a session: %s" % exc.proxy_error)
-                    elif exc.status_code >= 500 and not _answers_health(job.base_url or ""):
+                    elif exc.proxy_error == "proxy-busy":  # the proxy sheds load, the job is fine: try again
+                        time.sleep(PROXY_BUSY_RETRY_S)
+                    elif exc.proxy_error or exc.status_code < 500:  # not the job's death: the caller's to see
+                        raise
+                    elif not _answers_health(job.base_url or ""):
                         # e.g. a pooled sandbox whose server died: its host answers for it
                         slot.report_dead(job, "the upgrade got HTTP %d and /health no 200"
                                          % exc.status_code)

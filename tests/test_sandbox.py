@@ -5,14 +5,17 @@ running whether a sandbox is stopped before, during or after its start."""
 from __future__ import annotations
 
 import pickle
+import socket
 import threading
 import time
 
 import pytest
 
 from hf_jobs_emulator import JobsEmulator, echo_server_command
+import hf_sandbox_provider as core
+import proxy as proxy_module
 from hf_sandbox_provider import (JobFailedError, JobStartTimeout, Sandbox, SandboxConfigError, SessionError,
-                                 stop_sandboxes)
+                                 SessionRefusedError, stop_sandboxes)
 
 SLOTS = 6
 SCHEDULING_DELAY_S = 1.5
@@ -214,3 +217,59 @@ def test_bad_settings_and_a_missing_token_fail_at_construction(monkeypatch, tmp_
         Sandbox("img:tag", proxy=object(), token="hf_x")
     with pytest.raises(SandboxConfigError, match="flavor"):
         Sandbox("img:tag", flavor="no-such-flavor", token="hf_x")
+
+
+@pytest.mark.slow  # a reset retries for seconds at the proxy's cap
+def test_a_reset_the_proxy_refuses_as_busy_waits_and_retries_and_never_replaces_the_healthy_job(
+        make_emu, monkeypatch) -> None:
+    # Any X-Proxy-Error made the slot report its job dead: the proxy shedding load (503 proxy-busy, "retry
+    # shortly") got a healthy shared job cancelled and replaced, and every other session lost its episode.
+    monkeypatch.setattr(proxy_module, "MAX_WORKERS", 8)  # filled below: a session holds two, an idle connection one
+    monkeypatch.setattr(core, "_shared_proxies", {})  # this test's own process-wide proxy, made with that cap
+    emu = make_emu()
+    idle: list = []
+    try:
+        settings = dict(endpoint=emu.endpoint, token=emu.token, command=echo_server_command(), poll_interval_s=0.1)
+        boxes = [Sandbox("img:tag", shared="busy", **settings) for _ in range(3)]
+        sessions = [box.session() for box in boxes]
+        try:
+            for session in sessions[:2]:
+                session.reset()
+            job = boxes[0].job_ids[0]
+            idle.extend(_fill_the_proxy(core._shared_proxies[None].port))
+            with pytest.raises(SessionRefusedError, match="proxy-busy.*retry shortly") as refused:
+                sessions[2].reset()  # busy at each of its attempts
+            assert refused.value.proxy_error == "proxy-busy"
+            freed = [idle.pop(), idle.pop()]  # a session's two workers, freed while the reset retries
+            closer = threading.Timer(1.5, lambda: [sock.close() for sock in freed])
+            closer.start()
+            assert sessions[2].reset()["observation"]["echoed_message"]
+            closer.join()
+            assert sessions[0].step({"message": "still here"})["observation"]["echoed_message"] == "still here"
+            assert boxes[0].job_ids == [job] and emu.job(job).stage == "RUNNING" and len(emu.jobs) == 1
+        finally:
+            for session in sessions:
+                session.close()
+            stop_sandboxes()
+    finally:
+        for sock in idle:
+            sock.close()
+        for proxy in core._shared_proxies.values():
+            proxy.stop()
+    all_ended(emu)
+
+
+def _fill_the_proxy(port: int) -> list:
+    """Idle connections to the proxy, each holding one of its worker threads, until one is refused (503)."""
+    held = []
+    for _ in range(proxy_module.MAX_WORKERS + 1):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=0.3)
+        try:
+            answer = sock.recv(64)  # an accepted connection waits silently for its request
+        except socket.timeout:
+            held.append(sock)
+            continue
+        sock.close()
+        assert answer.startswith(b"HTTP/1.1 503 "), answer
+        return held
+    raise AssertionError("the proxy never refused a connection")
