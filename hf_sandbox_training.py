@@ -1170,9 +1170,12 @@ class Sandbox:
 
 
 def _group_serves(start: Optional[_BackgroundStart]) -> bool:
-    """Whether a shared group still has a job serving: asks the Jobs API about each (replicas > 1)."""
-    if start is None or not start.done or start.error is not None or start.provider.replicas <= 1:
+    """Whether a shared group still has a job serving: its one job's /health, or with replicas the Jobs
+    API about each."""
+    if start is None or not start.done or start.error is not None:
         return False
+    if start.provider.replicas <= 1:
+        return _answers_health(start.base_url or "")
     try:
         status = start.provider.replica_status(refresh=True)
     except Exception:  # stopped or replaced meanwhile

@@ -192,6 +192,32 @@ def test_a_shared_group_with_one_live_job_is_kept_and_new_sessions_go_to_that_jo
 
 
 @pytest.mark.slow  # jobs wait SCHEDULING_DELAY_S before running
+def test_restart_keeps_a_single_job_group_whose_job_serves_and_the_others_episodes_go_on(slow_emu) -> None:
+    # With replicas=1 (the default) restart() replaced the group's job without asking whether it served:
+    # every other environment of the group lost its episode to one environment's own timeout.
+    boxes = [Sandbox("img:tag", shared="one", **slow_emu.settings) for _ in range(2)]
+    sessions = [box.session() for box in boxes]
+    try:
+        for session in sessions:
+            session.reset()
+        job = boxes[0].job_ids[0]
+        boxes[1].restart()  # e.g. after its own SessionTimeout: the job still serves
+        assert sessions[0].step({"message": "goes on"})["observation"]["echoed_message"] == "goes on"
+        assert boxes[0].job_ids == boxes[1].job_ids == [job] and len(slow_emu.jobs) == 1
+        slow_emu.kill_job(job)
+        slow_emu.wait_for_stage(job, ["ERROR"])
+        boxes[1].restart()  # now none serves: the group is replaced
+        with boxes[1].session() as fresh:
+            assert fresh.step({"message": "moved"})["observation"]["echoed_message"] == "moved"
+        assert boxes[0].job_ids == boxes[1].job_ids != [job]
+    finally:
+        for session in sessions:
+            session.close()
+    stop_sandboxes()
+    all_ended(slow_emu)
+
+
+@pytest.mark.slow  # jobs wait SCHEDULING_DELAY_S before running
 def test_stop_sandboxes_cancels_own_shared_and_in_flight_starts_in_one_call(slow_emu) -> None:
     ready = Sandbox("img:tag", **slow_emu.settings)
     ready.wait()
