@@ -1022,6 +1022,9 @@ class _SlotSession(EnvSession):
 # -- Sandbox: what an environment object holds --------------------------------------------------------
 
 _shared_lock = threading.Lock()
+# A Sandbox's first use from two threads at once (wait(), session()) must begin one slot, not two: the
+# other's job would run unseen by its stop(). Taken before any other lock.
+_begin_lock = threading.Lock()
 # name -> (settings the group was made with, its slot); one group of replicas=K jobs per name.
 _shared_slots: Dict[str, Tuple[Tuple[Any, ...], _Slot]] = {}
 # Every provider a Sandbox started in this process (for stop_sandboxes()).
@@ -1069,11 +1072,15 @@ class Sandbox:
         until `restart()`); a stopped sandbox starts a new job."""
         if self._slot is not None and not self._slot.stopped:
             return self
-        if self.shared is not None:
-            self._slot = _shared_slot(self.shared, self._settings_key(), self._new_slot)
-        else:
-            self._slot = self._new_slot()
-        self._slot.begin()
+        with _begin_lock:
+            slot = self._slot
+            if slot is not None and not slot.stopped:  # another thread began it meanwhile
+                return self
+            if self.shared is not None:
+                slot = self._slot = _shared_slot(self.shared, self._settings_key(), self._new_slot)
+            else:
+                slot = self._slot = self._new_slot()
+        slot.begin()
         return self
 
     def wait(self, timeout_s: Optional[float] = None) -> str:
@@ -1104,7 +1111,8 @@ class Sandbox:
         """Cancel this sandbox's own jobs (mid-start, successors and replacements too) and wait until
         they are released; a shared sandbox lets go of its group, which runs on for the others.
         Idempotent; never raises."""
-        slot, self._slot = self._slot, None
+        with _begin_lock:
+            slot, self._slot = self._slot, None
         if slot is not None and self.shared is None:
             slot.stop()
 
@@ -1159,7 +1167,8 @@ class Sandbox:
 
     def _new_provider(self) -> HFSandboxProvider:
         provider = HFSandboxProvider(self.image, **self._provider_kwargs)
-        _sandbox_providers.add(provider)
+        with _background_lock:  # (stop_sandboxes() lists them under it: a WeakSet must not change meanwhile)
+            _sandbox_providers.add(provider)
         return provider
 
     def _slot_for_sessions(self) -> _Slot:
@@ -1201,7 +1210,7 @@ def stop_sandboxes() -> None:
     ones (their host jobs this process booted). Never raises. The explicit teardown for trainers that
     never close environments (TRL)."""
     _in_parallel([s.stop for s in _take_slots()] + [s.stop for s in _starts_in_flight()]
-                 + [p.stop_container for p in list(_sandbox_providers)] + [t.join for t in _cancels_in_flight()])
+                 + [p.stop_container for p in _providers()] + [t.join for t in _cancels_in_flight()])
     pools = sys.modules.get(__name__.rpartition(".")[0] + ".hf_sandbox_pool" if __package__ else "hf_sandbox_pool")
     if pools is not None:  # loaded only once something used pool=
         pools.close_pools()
@@ -1219,6 +1228,11 @@ def _take_slots() -> List[_Slot]:
 def _starts_in_flight() -> List[_BackgroundStart]:
     with _background_lock:
         return list(_background_starts)
+
+
+def _providers() -> List[HFSandboxProvider]:
+    with _background_lock:
+        return list(_sandbox_providers)
 
 
 def _cancels_in_flight() -> List[threading.Thread]:
@@ -1258,8 +1272,8 @@ def _stops(wait_s: float) -> List[Callable[[], None]]:
 def _reset_sandboxes_after_fork() -> None:
     """A forked child has none of the parent's threads, and the parent's slots live on the parent's
     proxy: the child starts its own."""
-    global _background_lock, _shared_lock, _background_slots, _slots_lock, _keeper_wake
-    _background_lock, _shared_lock = threading.Lock(), threading.Lock()
+    global _background_lock, _shared_lock, _begin_lock, _background_slots, _slots_lock, _keeper_wake
+    _background_lock, _shared_lock, _begin_lock = threading.Lock(), threading.Lock(), threading.Lock()
     _slots_lock = threading.Lock()
     _background_slots = threading.BoundedSemaphore(BACKGROUND_MAX_PARALLEL)
     _keeper_wake = threading.Event()

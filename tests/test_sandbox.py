@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pickle
 import socket
+import sys
 import threading
 import time
 
@@ -299,3 +300,28 @@ def _fill_the_proxy(port: int) -> list:
         assert answer.startswith(b"HTTP/1.1 503 "), answer
         return held
     raise AssertionError("the proxy never refused a connection")
+
+
+def test_threads_using_a_lazy_sandbox_at_once_begin_one_job_and_its_stop_leaves_none_running(make_emu) -> None:
+    # Sandbox.begin() checked, then set, its slot without a lock: threads at a begin=False sandbox's first use
+    # each began a slot and a job, the sandbox kept the last, and its stop() left the others running.
+    emu = make_emu()
+    settings = dict(endpoint=emu.endpoint, token=emu.token, command=echo_server_command(), poll_interval_s=0.1)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # more switches between threads: the race, if any, shows sooner
+    try:
+        for trial in range(40):
+            box = Sandbox("img:tag", begin=False, labels={"trial": str(trial)}, **settings)
+            barrier = threading.Barrier(4)
+            users = [threading.Thread(target=lambda: (barrier.wait(), box.begin())) for _ in range(4)]
+            for user in users:
+                user.start()
+            for user in users:
+                user.join(30)
+            box.stop()
+            mine = [job for job in emu.jobs if (job.spec.get("labels") or {}).get("trial") == str(trial)]
+            assert len(mine) <= 1, "trial %d: %d jobs for one sandbox" % (trial, len(mine))
+    finally:
+        sys.setswitchinterval(interval)
+        stop_sandboxes()
+    all_ended(emu)
