@@ -188,6 +188,7 @@ class EnvSession:
         # For messages and repr: scheme and host only. The path holds the proxy's route id, a secret.
         self.where = "%s://%s" % (parts.scheme, parts.netloc)
         self.timeout_s = float(timeout_s)
+        self._connect_timeout_s = float(connect_timeout_s)
         self._lock = threading.Lock()
         self._closed = False
         self._events: deque = deque()
@@ -328,12 +329,12 @@ class EnvSession:
             pass
 
     def _handshake(self, deadline: float) -> None:
-        event = self._next_event(deadline)
+        event = self._next_event(deadline, handshake=True)
         if isinstance(event, RejectConnection):
             status, headers = event.status_code, {k.lower(): v for k, v in event.headers}
             body, more = b"", event.has_body
             while more:  # read the (small) body for the message
-                data = self._next_event(deadline)
+                data = self._next_event(deadline, handshake=True)
                 if not isinstance(data, RejectData):
                     break
                 body, more = body + data.data, not data.body_finished
@@ -373,19 +374,21 @@ class EnvSession:
                         raise SessionError("the environment sent a reply that is not a JSON object: %r" % raw[:100])
                     return reply
 
-    def _next_event(self, deadline: float) -> Any:
+    def _next_event(self, deadline: float, handshake: bool = False) -> Any:
         while not self._events:
             self._events.extend(self._ws.events())
             if self._events:
                 break
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise SessionTimeout("no answer from %s in time (timeout_s=%g); the session is closed"
-                                     % (self.where, self.timeout_s))
-            self._sock.settimeout(remaining)
             try:
+                if remaining <= 0:
+                    raise socket.timeout()
+                self._sock.settimeout(remaining)
                 data = self._sock.recv(65536)
             except socket.timeout:
+                if handshake:
+                    raise SessionTimeout("no answer to the WebSocket upgrade from %s within connect_timeout_s=%gs"
+                                         % (self.where, self._connect_timeout_s)) from None
                 raise SessionTimeout("no answer from %s within %gs; the session is closed (raise timeout_s "
                                      "for slow environments)" % (self.where, self.timeout_s)) from None
             if not data:

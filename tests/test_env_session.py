@@ -290,10 +290,13 @@ def test_a_wss_session_to_an_untrusted_certificate_raises_a_session_error_naming
         EnvSession(openenv_tls, verify="/nonexistent/ca.pem")
 
 
-def test_a_tls_handshake_the_server_never_answers_raises_a_session_timeout(no_leaks) -> None:
+@pytest.mark.parametrize("scheme, what", [("https", "the TLS handshake .* within 0.5s"),
+                                           ("http", "no answer to the WebSocket upgrade .* connect_timeout_s=0.5s")])
+def test_a_handshake_the_server_never_answers_raises_a_session_timeout_naming_connect_timeout_s(
+        scheme, what, no_leaks) -> None:
     with socket.socket() as silent:  # accepts in its backlog, never says a word
         silent.bind(("127.0.0.1", 0))
         silent.listen(1)
-        url = "https://127.0.0.1:%d" % silent.getsockname()[1]
-        with pytest.raises(SessionTimeout, match="TLS handshake .* within 0.5s"):
-            EnvSession(url, connect_timeout_s=0.5)
+        url = "%s://127.0.0.1:%d" % (scheme, silent.getsockname()[1])
+        with pytest.raises(SessionTimeout, match=what):  # (the upgrade's named timeout_s=600, never waited)
+            EnvSession(url, connect_timeout_s=0.5, timeout_s=600)
