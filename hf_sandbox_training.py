@@ -972,6 +972,10 @@ class _SlotSession(EnvSession):
                     self._end_episode()
                     raise
                 job.sessions.add(self)
+            if self._closed:  # close() ran in another thread while this reset waited: hold and open nothing
+                self._drop_connection()
+                raise SessionError("this EnvSession was closed while its reset() waited; open a new one with "
+                                   "Sandbox.session()")
             try:
                 return self._conn.exchange(message)
             except SessionTimeout:

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from hf_jobs_emulator import JobsEmulator, echo_server_command
+from support import in_thread
 import hf_sandbox_provider as core
 import proxy as proxy_module
 from hf_sandbox_provider import (JobFailedError, JobStartTimeout, Sandbox, SandboxConfigError, SessionError,
@@ -325,3 +326,21 @@ def test_threads_using_a_lazy_sandbox_at_once_begin_one_job_and_its_stop_leaves_
         sys.setswitchinterval(interval)
         stop_sandboxes()
     all_ended(emu)
+
+
+@pytest.mark.slow  # jobs wait SCHEDULING_DELAY_S before running
+def test_close_while_a_reset_waits_for_the_slots_job_fails_that_reset_and_holds_no_job(slow_emu) -> None:
+    # The reset went on after close(): it opened a connection on the closed session and counted the job as
+    # used, so the job, once retired, was never cancelled before its lifetime ended.
+    box = Sandbox("img:tag", **slow_emu.settings)
+    session = box.session()
+    session.reset()
+    box.restart()  # a new job, starting: the next reset waits for it
+    thread, outcome = in_thread(session.reset)
+    time.sleep(0.5)
+    session.close()
+    thread.join(30)
+    assert isinstance(outcome[0], SessionError) and "closed" in str(outcome[0]), outcome
+    assert session._conn is None and (session._job is None or session._job.users == 0)
+    stop_sandboxes()
+    all_ended(slow_emu)
