@@ -1251,9 +1251,10 @@ def _teardown_process(budget_s: float) -> None:
     """Cancel every job this process runs or is starting, in parallel, within `budget_s`: every
     slot, background starts (waiting for creates in flight), then every provider's safety net."""
     deadline = time.monotonic() + budget_s
-    stops = _stops(budget_s)
     safety_nets = list(_live_finalizers)  # each cancels one running job at most once, provider or not
-    _in_parallel(stops + safety_nets, budget_s)
+    # The slots and starts come from under locks an interrupted main thread may hold (a signal's teardown):
+    # they are listed in a thread of their own, so the safety nets, which take none, go out meanwhile.
+    _in_parallel(safety_nets + [lambda: _in_parallel(_stops(budget_s), budget_s)], budget_s)
     _in_parallel(list(_live_finalizers), max(0.0, deadline - time.monotonic()))  # jobs recorded meanwhile
 
 

@@ -46,10 +46,13 @@ CHILD = textwrap.dedent('''
     print("installed %s" % install_signal_teardown(), flush=True)
     boxes = [Sandbox("img:tag", **settings) for _ in range(SLOTS)]
     boxes.append(Sandbox("img:tag", shared="group", replicas=2, **settings))
-    if phase == "running":
+    if phase in ("running", "locked"):
         sessions = [box.session() for box in boxes]
         for session in sessions:
             session.reset()
+    if phase == "locked":  # the signal lands inside a library lock, as it may in a slot's begin() or stop()
+        import hf_sandbox_training
+        hf_sandbox_training._slots_lock.acquire()
     print(phase, flush=True)
     for _ in range(240):  # a trainer's loop: back in Python bytecode often (see the note below)
         time.sleep(0.5)
@@ -131,6 +134,17 @@ def test_sigterm_while_sessions_run_cancels_every_job_and_chains_the_previous_ha
     assert "previous handler ran for signal %d" % signal.SIGTERM in out
     assert_every_job_cancelled(emu, SLOTS + 2)
     assert emu.token not in out + err
+
+
+def test_sigterm_while_the_main_thread_holds_a_library_lock_still_cancels_every_job(make_emu) -> None:
+    # The teardown's helper thread listed the slots under the lock the interrupted main thread held: it
+    # blocked before it cancelled anything, and the process died with every job running.
+    emu = make_emu(scheduling_delay_s=0.5)
+    child = run_child_until(emu, "locked")
+    child.send_signal(signal.SIGTERM)
+    out, err = child.communicate(timeout=CHILD_TIMEOUT_S)
+    assert child.returncode == -signal.SIGTERM, (out, err)
+    assert_every_job_cancelled(emu, SLOTS + 2)
 
 
 def test_uninstall_restores_the_previous_handler_and_an_ignored_signal_is_left_alone() -> None:
