@@ -263,6 +263,7 @@ class Route:
         self._host_pools = host_pools or _HostPools()
         self._pool = self._host_pools.acquire((self.scheme, self.host, self.port, verify))
         self._active: Set[_UpstreamConnection] = set()
+        self._connecting: Set[socket.socket] = set()  # sockets connecting or in their handshake
         self._tunnels: Set[_Tunnel] = set()  # WebSocket sessions, from their upgrade's connect on
         self._closed = False
         # The current run of upstream failures: a booting job fails every probe the same way, so
@@ -328,8 +329,8 @@ class Route:
         idle = [] if was_closed else self._host_pools.release(self._pool)
         problems = ["pooled connection to %s (%s)" % (self.label, problem)
                     for problem in map(_quiet_close, idle) if problem]
-        for conn in self._active.copy():
-            _abort_socket(conn.sock)
+        for sock in [conn.sock for conn in self._active.copy()] + list(self._connecting.copy()):
+            _abort_socket(sock)
         for tunnel in tunnels:
             tunnel.cut_off()
         return problems
@@ -371,7 +372,9 @@ class Route:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.scheme == "https":  # handshakes now, within the connect timeout
-                sock = self.tls_context().wrap_socket(sock, server_hostname=self.host)
+                sock = self.tls_context().wrap_socket(sock, server_hostname=self.host,
+                                                      do_handshake_on_connect=False)
+                self._dialing(sock, sock.do_handshake)
                 sock.settimeout(slice_s)
             else:
                 _set_socket_timeout(sock, slice_s, send_timeout=proxy.read_timeout_s)
@@ -415,17 +418,36 @@ class Route:
                 late.close()
 
     def _connect(self, timeout: float) -> socket.socket:
-        """A TCP socket connected to the upstream with `timeout` set (socket.create_connection)."""
-        if self._ip_family is None:
-            return socket.create_connection((self._dial_host, self.port), timeout=timeout)
-        sock = socket.socket(self._ip_family, socket.SOCK_STREAM)
+        """A TCP socket connected to the upstream with `timeout` set, each address tried in turn (as
+        socket.create_connection does) where close() can abort it."""
+        addresses = ([(self._ip_family, (self.host, self.port))] if self._ip_family is not None else
+                     [(info[0], info[4]) for info in socket.getaddrinfo(
+                         self._dial_host, self.port, type=socket.SOCK_STREAM)])
+        error: Optional[OSError] = None
+        for family, address in addresses:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(timeout)
+                self._dialing(sock, functools.partial(sock.connect, address))
+                return sock
+            except OSError as exc:
+                sock.close()
+                error = exc
+            except BaseException:
+                sock.close()
+                raise
+        raise error or OSError("getaddrinfo returned no address for %s" % self.label)
+
+    def _dialing(self, sock: socket.socket, step: Callable[[], object]) -> None:
+        """step() (a connect, a TLS handshake) with `sock` listed for close() to abort: an upstream that
+        never answers holds neither an unmount nor stop() for connect_timeout_s."""
+        self._connecting.add(sock)
         try:
-            sock.settimeout(timeout)
-            sock.connect((self.host, self.port))
-        except BaseException:
-            sock.close()
-            raise
-        return sock
+            if self._closed:  # (close() sets it before reading the set)
+                raise ConnectionAbortedError("route was unmounted")
+            step()
+        finally:
+            self._connecting.discard(sock)
 
     def _add_tunnel(self, tunnel: "_Tunnel") -> bool:
         with self._lock:

@@ -303,6 +303,56 @@ def test_a_request_on_a_stale_pooled_connection_is_retried_on_a_new_one_not_on_t
         upstream.close()
 
 
+def _silent_upstream(stage: str) -> Tuple[socket.socket, list]:
+    """A listener that never answers, and the connections filling its queue: with none, its kernel
+    completes TCP connects and nobody speaks (`tls`: the handshake stalls); full (`tcp`), it drops
+    further SYNs, so a connect itself stalls."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=0)
+    fillers = []
+    for _ in range(8 if stage == "tcp" else 0):
+        filler = socket.socket()
+        filler.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            filler.connect(listener.getsockname())
+        fillers.append(filler)
+    return listener, fillers
+
+
+@pytest.mark.parametrize("stage", ["tcp", "tls"])
+@pytest.mark.parametrize("end", ["unmount", "stop"])
+def test_unmount_and_stop_end_a_request_still_connecting_or_in_its_handshake(stage, end, log_guard):
+    # The socket was registered only once its handshake was done: stop() waited its 5 s, logged that a
+    # worker was left behind and returned with it still running (until connect_timeout_s), and an unmount
+    # left the request waiting as long.
+    listener, fillers = _silent_upstream(stage)
+    proxy = AuthProxy(connect_timeout_s=60).start()
+    try:
+        scheme = "https" if stage == "tls" else "http"
+        base = proxy.mount("%s://127.0.0.1:%d" % (scheme, listener.getsockname()[1]), TEST_TOKEN, verify=False)
+        answers: list = []
+
+        def ask() -> None:
+            try:
+                answers.append(requests.get(base + "/x", timeout=30).status_code)
+            except requests.ConnectionError:  # stop() closes client connections: no answer to wait for
+                answers.append("closed")
+        client = threading.Thread(target=ask)
+        client.start()
+        support.wait_until(lambda: proxy._server.live_threads(), "the request to reach a worker")
+        time.sleep(0.3)  # (into its connect or handshake)
+        threads = proxy._server.all_threads()
+        proxy.unmount(base) if end == "unmount" else proxy.stop()
+        client.join(30)
+        assert answers == [502 if end == "unmount" else "closed"]  # at once, not after connect_timeout_s
+        proxy.stop()
+        assert not any(thread.is_alive() for thread in threads)
+        assert "could not clean up" not in log_guard.text()
+    finally:
+        proxy.stop()
+        for sock in [listener] + fillers:
+            sock.close()
+
+
 def test_retry_rule_only_replays_what_cannot_have_run_twice():
     reset = ConnectionResetError()
     assert _may_retry("GET", reused=True, replayable=True, fully_sent=True, exc=reset)
