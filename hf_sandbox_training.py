@@ -26,7 +26,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 from urllib.parse import urlsplit
 
 import requests
@@ -146,7 +146,8 @@ class SessionRefusedError(SessionError):
                     body = str(json.loads(body).get("message") or body)
                 except (ValueError, AttributeError):
                     pass
-        super().__init__("the WebSocket was refused: HTTP %d %s%s" % (status_code, source, (": " + body) if body else ""))
+        super().__init__("the WebSocket was refused: HTTP %d %s%s"
+                         % (status_code, source, (": " + body) if body else ""))
 
 
 class SessionTimeout(SessionError, TimeoutError):
@@ -205,7 +206,7 @@ class EnvSession:
         try:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small request/reply frames
             if parts.scheme == "wss":
-                self._sock = self._tls(verify, parts.hostname, deadline, connect_timeout_s)
+                self._sock = self._tls(verify, parts.hostname, deadline)
             target = (parts.path or "/") + ("?" + parts.query if parts.query else "")
             self._send(Request(host=parts.netloc, target=target))
             self._handshake(deadline)
@@ -214,7 +215,7 @@ class EnvSession:
             self._sock.close()
             raise
 
-    def _tls(self, verify: Union[bool, str], hostname: str, deadline: float, connect_timeout_s: float) -> ssl.SSLSocket:
+    def _tls(self, verify: Union[bool, str], hostname: str, deadline: float) -> ssl.SSLSocket:
         """The connected socket wrapped in TLS, handshaken by `deadline`; failures as session errors."""
         self._sock.settimeout(max(deadline - time.monotonic(), 0.001))
         try:
@@ -225,7 +226,7 @@ class EnvSession:
                                % (self.where, exc.verify_message or exc.reason)) from None
         except socket.timeout:
             raise SessionTimeout("the TLS handshake with %s did not finish within %gs"
-                                 % (self.where, connect_timeout_s)) from None
+                                 % (self.where, self._connect_timeout_s)) from None
         except OSError as exc:  # (ssl.SSLError is one)
             raise SessionError("TLS with %s failed: %s" % (self.where, getattr(exc, "reason", None)
                                                            or exc.strerror or type(exc).__name__)) from None
@@ -1216,8 +1217,8 @@ def stop_sandboxes() -> None:
     replacements) in parallel and wait until each is released, then close the named pools of pooled
     ones (their host jobs this process booted). Never raises. The explicit teardown for trainers that
     never close environments (TRL)."""
-    _in_parallel([s.stop for s in _take_slots()] + [s.stop for s in _starts_in_flight()]
-                 + [p.stop_container for p in _providers()] + [t.join for t in _cancels_in_flight()])
+    _in_parallel([s.stop for s in _take_slots() + _listed(_background_starts)]
+                 + [p.stop_container for p in _listed(_sandbox_providers)] + [t.join for t in _listed(_slot_cancels)])
     pools = sys.modules.get(__name__.rpartition(".")[0] + ".hf_sandbox_pool" if __package__ else "hf_sandbox_pool")
     if pools is not None:  # loaded only once something used pool=
         pools.close_pools()
@@ -1232,19 +1233,10 @@ def _take_slots() -> List[_Slot]:
     return slots
 
 
-def _starts_in_flight() -> List[_BackgroundStart]:
+def _listed(guarded: Iterable[Any]) -> List[Any]:
+    """A copy of a set `_background_lock` guards: the starts in flight, the providers, the slots' cancels."""
     with _background_lock:
-        return list(_background_starts)
-
-
-def _providers() -> List[HFSandboxProvider]:
-    with _background_lock:
-        return list(_sandbox_providers)
-
-
-def _cancels_in_flight() -> List[threading.Thread]:
-    with _background_lock:
-        return list(_slot_cancels)
+        return list(guarded)
 
 
 def _teardown_process(budget_s: float) -> None:
@@ -1272,9 +1264,9 @@ atexit.register(_stop_background_starts_at_exit)
 
 def _stops(wait_s: float) -> List[Callable[[], None]]:
     """Stopping every slot and every start in flight, each waiting up to `wait_s`."""
-    stoppable: List[Any] = _take_slots() + _starts_in_flight()
+    stoppable: List[Any] = _take_slots() + _listed(_background_starts)
     return ([lambda s=s: s.stop(wait_s) for s in stoppable]
-            + [lambda t=t: t.join(wait_s) for t in _cancels_in_flight()])
+            + [lambda t=t: t.join(wait_s) for t in _listed(_slot_cancels)])
 
 
 def _reset_sandboxes_after_fork() -> None:

@@ -247,52 +247,23 @@ def test_stale_pooled_connection_is_replaced_transparently(plain):
     assert [s.method for s in upstream.requests] == ["POST", "POST"]  # no duplicate step
 
 
-class _DropsEachConnectionAtItsSecondRequest:
-    """A fault upstream: answers each connection's first request (once `hold` connections are open, so
-    that many end up pooled) and closes it unanswered at its second: stale in a way no check can see."""
+class _DropsEachConnectionAtItsSecondRequest(support.RecordingUpstream):
+    """A fault upstream: answers each connection's first request (once two are open, so that both end up
+    pooled) and closes it unanswered at its second: stale in a way no check can see."""
 
-    def __init__(self, hold: int) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.url = "http://127.0.0.1:%d" % self.listener.getsockname()[1]
-        self.connections, self.hold, self._all_open = 0, hold, threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            self.connections += 1
-            if self.connections >= self.hold:
-                self._all_open.set()
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            for answer in (True, False):
-                data = b""
-                while b"\r\n\r\n" not in data:
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        return
-                    data += chunk
-                if not answer:
-                    return
-                self._all_open.wait(TIMEOUT)
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.listener.shutdown(socket.SHUT_RDWR)
-        self.listener.close()
+    def answer(self, sock: socket.socket, request: bytes, head_end: int, served: int) -> bool:
+        if served > 1:
+            return False
+        support.wait_until(lambda: self.connections >= 2, "two connections to open", TIMEOUT)
+        sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        return True
 
 
 def test_a_request_on_a_stale_pooled_connection_is_retried_on_a_new_one_not_on_the_next_pooled_one():
-    upstream = _DropsEachConnectionAtItsSecondRequest(hold=2)
+    upstream = _DropsEachConnectionAtItsSecondRequest()
     try:
         with AuthProxy() as proxy:
-            base = proxy.mount(upstream.url, TEST_TOKEN)
+            base = proxy.mount("http://127.0.0.1:%d" % upstream.port, TEST_TOKEN)
             with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two connections, both pooled
                 assert [r.status_code for r in pool.map(lambda _: requests.get(base + "/warm", timeout=TIMEOUT),
                                                         range(2))] == [200, 200]
