@@ -29,6 +29,7 @@ user of this emulator only, and `timeoutSeconds` counts from the start of RUNNIN
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import errno
 import gc
@@ -356,6 +357,7 @@ class JobsEmulator:
         self._server_errors = _Injection(DEFAULT_SERVER_ERROR_STATUS)  # 5xx answers to give; value: status
         self._withhold_urls_left = 0
         self._create_delays = _Injection(0.0)  # creates whose answer waits; value: seconds
+        self._late_creates = _Injection(0.0)  # creates answered 504 whose job comes later; value: seconds
         self.create_answers_held = 0  # creates made whose answer is being held now
         self.create_answers_peak = 0  # the most held at once: how many creates a client had in flight
         # network_faults=True puts a _FaultLink between each exposed port's gate and the job's process,
@@ -547,6 +549,17 @@ class JobsEmulator:
             raise ValueError(reason)
         with self._lock:
             self._create_delays.arm(count, float(seconds), None)
+
+    def make_next_creates_late(self, count: int, after_s: float) -> None:
+        """Answer each of the next `count` creates 504 at once, as a gateway that gave up on a slow backend
+        does, and make its job `after_s` later (not if the emulator stops first): a client that looks for
+        it at once finds none. Whether the Hub's gateway ever answers so is not known; a timed-out create
+        leaves a client in the same place."""
+        reason = _count_rejection(count) or _delay_rejection("after_s", after_s)
+        if reason:
+            raise ValueError(reason)
+        with self._lock:
+            self._late_creates.arm(count, float(after_s), None)
 
     def kill_job(self, job_id: str) -> None:
         """SIGKILL a running job's process group now, as if its machine died: the job ends in ERROR.
@@ -2803,6 +2816,17 @@ class _ApiHandler(_QuietHandler):
             self._stream_metrics(emu._find_job(namespace, params["job_id"]))
 
     def _create(self, user: str, namespace: str, body: bytes) -> None:
+        emu = self.emulator
+        with emu._changed:
+            late = emu._late_creates.take("create")
+        if late is not None:  # answered now; the job is made on this thread once the delay passed
+            self.close_connection = True
+            self._send_error(504, "Gateway Timeout (injected by the emulator)", {"Connection": "close"})
+            with emu._changed:
+                emu._changed.wait_for(lambda: emu._stopping, late)
+            with contextlib.suppress(_ApiError):  # (the emulator stopped meanwhile)
+                emu._create(user, namespace, _json_body(body))
+            return
         job, lose_answer = self.emulator._create(user, namespace, _json_body(body))
         self.emulator._hold_create_answer()
         if lose_answer:  # the job exists, but the client never learns it

@@ -281,7 +281,7 @@ _PHASE_MOVES = {
 _START_IN_FLIGHT = frozenset({Phase.SUBMITTING, Phase.STARTING, Phase.STOPPING})  # a start runs
 _JOB_HELD = frozenset({Phase.STARTING, Phase.RUNNING})  # a job is recorded: a teardown cancels it
 # What one teardown took from its provider: the job to cancel (None if none is held) and its route.
-_Detached = namedtuple("_Detached", "job_id namespace job_url base_url proxy client")
+_Detached = namedtuple("_Detached", "job_id namespace job_url base_url proxy client twin_label")
 
 
 # -- The provider ----------------------------------------------------------------------------------
@@ -530,6 +530,7 @@ class HFSandboxProvider:
         self._job_namespace: Optional[str] = None
         self._submitted_at = 0.0
         self._start_label: Optional[str] = None  # labels the create in flight: a lost answer is found by it
+        self._twin_label: Optional[str] = None  # that label once the create was sent twice: see _release_job
         self._mounted_on: Optional[_proxy.AuthProxy] = None
         self._finalizer: Optional[weakref.finalize] = None
         self._active: Dict[str, Any] = self._settings({})  # this start's settings (after overrides)
@@ -600,7 +601,7 @@ class HFSandboxProvider:
                 self._request_stop()  # under the lock, after the start's claim cleared any earlier one
             self._move(Phase.STOPPING if in_flight else Phase.IDLE)
             detached = _Detached(self.job_id if held else None, self._job_namespace, self.job_url,
-                                 self.base_url, self._mounted_on, self._job_client)
+                                 self.base_url, self._mounted_on, self._job_client, self._twin_label)
             finalizer, self._finalizer = self._finalizer, None
             self.base_url = self._mounted_on = self._job_client = None
         if finalizer is not None:
@@ -651,7 +652,8 @@ class HFSandboxProvider:
     def _start_jobs(self, settings: Dict[str, Any], token: str) -> str:
         self._active = settings
         client = self._job_client = _JobsClient(self.endpoint, token, self._hooks()._new_session())
-        start_label = self._start_label = uuid.uuid4().hex
+        start_label, self._twin_label = uuid.uuid4().hex, None
+        self._start_label = start_label
         namespace: Optional[str] = None
         recorded = False  # until the job is ours to cancel, a failure must find it by its start label
         try:
@@ -661,14 +663,13 @@ class HFSandboxProvider:
             logger.info("submitting HF job: image=%s flavor=%s namespace=%s", settings["image"],
                         settings["flavor"], namespace)
             job = client.create_job(namespace, _job_body(settings, start_label), {START_LABEL_KEY: start_label},
-                                    self._stop_requested.is_set)
+                                    self._stop_requested.is_set, lambda: setattr(self, "_twin_label", start_label))
             with self._lock:
                 self.job_id, self._job_namespace = str(job["id"]), namespace
                 self.job_url = "%s/jobs/%s/%s" % (self.endpoint, namespace, self.job_id)
                 self._move(Phase.STARTING)  # from here on every teardown cancels this job
                 self.timings["created"] = self._elapsed()
-            logger.info("HF job %s created (%.1fs after submit): %s", self.job_id, self._elapsed(),
-                        self.job_url)
+            logger.info("HF job %s created (%.1fs after submit): %s", self.job_id, self._elapsed(), self.job_url)
             recorded = True
             self._swap_finalizer(self._safety_net(client, None, None))
             self._observe(job)
@@ -687,14 +688,15 @@ class HFSandboxProvider:
         except BaseException as exc:
             if namespace is not None and not recorded and getattr(exc, "may_have_acted", True):
                 # The create may have made the job though its answer was lost, unusable (no id) or interrupted.
-                self._cancel_by_label(client, namespace, start_label)
+                for problem in _cancel_labelled(client, namespace, start_label, late=not isinstance(exc, Exception)):
+                    logger.warning("the failed create: %s", problem)
             self._teardown(client)
             raise
 
     def _teardown_jobs(self, client: Optional["_JobsClient"]) -> None:
         gone = self._detach()
         cancelled = _release_job(client or gone.client, gone.namespace, gone.job_id, gone.proxy, gone.base_url,
-                                 gone.job_url)
+                                 gone.job_url, twin_label=gone.twin_label)
         if cancelled and self._stage not in TERMINAL_STAGES:
             self._stage = "CANCELED"
 
@@ -757,8 +759,7 @@ class HFSandboxProvider:
             raise JobFailedError(self.job_id or "", stage, (job.get("status") or {}).get("message"), tail)
         return job
 
-    def _wait_for_url(self, client: "_JobsClient", settings: Mapping[str, Any],
-                      budget_waited: float) -> str:
+    def _wait_for_url(self, client: "_JobsClient", settings: Mapping[str, Any], budget_waited: float) -> str:
         deadline = self._submitted_at + float(settings["start_timeout_s"])
         job_id, port = self.job_id or "", int(settings["port"])
         heartbeat = time.monotonic() + HEARTBEAT_S
@@ -838,7 +839,7 @@ class HFSandboxProvider:
                     base_url: Optional[str]) -> "weakref.finalize":
         """The job's finalizer (collection, exit): it holds its client and ids, not the provider."""
         return weakref.finalize(self, _release_job, client, self._job_namespace, self.job_id, proxy, base_url,
-                                self.job_url, abandoned=True)
+                                self.job_url, abandoned=True, twin_label=self._twin_label)
 
     def _swap_finalizer(self, finalizer: "weakref.finalize") -> None:
         """Make `finalizer` this provider's safety net, retiring the one it replaces."""
@@ -848,21 +849,6 @@ class HFSandboxProvider:
         if old is not None:
             old.detach()
             _live_finalizers.discard(old)
-
-    def _cancel_by_label(self, client: "_JobsClient", namespace: str, start_label: str) -> None:
-        """After a create that failed or was interrupted, cancel the job it may have made anyway."""
-        try:
-            found = client.list_jobs(namespace, labels={START_LABEL_KEY: start_label})
-        except BaseException as exc:
-            logger.warning(
-                "could not check whether the failed create made a job anyway (%s); if it did, it runs "
-                "until its timeout: run `python -m hf_sandbox_provider sweep` (label %s=%s)",
-                type(exc).__name__, START_LABEL_KEY, start_label)
-            return
-        for job in found:
-            job_id = str(job.get("id"))
-            logger.info("the failed create made HF job %s anyway: cancelling it", job_id)
-            _release_job(client, namespace, job_id, None, None, None)  # says if it could not
 
 
 def _register_with_openenv() -> None:
@@ -1032,8 +1018,7 @@ class _ReplicaSet:
     def _raise_if_failed(self, group: "_Parallel", phase: str) -> None:
         self.owner._raise_if_stopped()
         if group.errors:
-            raise ReplicaStartError(phase, len(self.children), group.errors, group.aborted,
-                                    self._job_ids())
+            raise ReplicaStartError(phase, len(self.children), group.errors, group.aborted, self._job_ids())
 
     def _all_reached(self, key: str) -> float:
         """Seconds from the owner's submit until every replica had reached `key` of its timings."""
@@ -1170,8 +1155,7 @@ class _ProgressLine:
                 if self.progress:
                     self.progress(ready, failed, self.total)  # type: ignore[operator]
             except Exception:  # a caller's display must not kill a launch worker (and its work)
-                logger.warning("start_many: the progress callback raised; ignoring it",
-                               exc_info=True)
+                logger.warning("start_many: the progress callback raised; ignoring it", exc_info=True)
             return
         with self.lock:
             now, done = time.monotonic(), ready + failed
@@ -1179,8 +1163,7 @@ class _ProgressLine:
                    or now - self.shown_at >= PROGRESS_INTERVAL_S)
             if not (self.tty or due or done == self.total or (error is not None and failed == 1)):
                 return
-            line = "start_many: %d/%d ready, %d failed (%.1fs)" % (ready, self.total, failed,
-                                                                    now - self.began)
+            line = "start_many: %d/%d ready, %d failed (%.1fs)" % (ready, self.total, failed, now - self.began)
             if error is not None:
                 line += "; environment %d: %s" % (index, _first_line(error) or type(error).__name__)
             self.shown_at, self.shown_done, self.open = now, done, self.tty
@@ -1668,15 +1651,17 @@ class _JobsClient:
             return _namespace_cache[key]
 
     def create_job(self, namespace: str, body: Mapping[str, Any], unique_label: Mapping[str, str],
-                   given_up: Callable[[], bool] = lambda: False) -> Dict[str, Any]:
-        """POST the job, never twice for one start: after an ambiguous failure the job carrying
-        `unique_label` is adopted if it exists. Once `given_up()` (a stop), a failed POST is not retried."""
+                   given_up: Callable[[], bool] = lambda: False,
+                   resent: Callable[[], None] = lambda: None) -> Dict[str, Any]:
+        """POST the job; after an ambiguous failure the job with `unique_label` is adopted if listed, else the POST is
+        sent again and `resent()` told (the first may make a job later). Once `given_up()` (a stop), no retry."""
         def find_lost() -> Optional[Dict[str, Any]]:
             if found := self.list_jobs(namespace, labels=unique_label):
                 logger.info("create answer was lost; adopting job %s found by its start label", found[0].get("id"))
                 return found[0]
             if given_up():
                 raise SandboxError("stop_container() was called while the job was being created")
+            resent()
             return None
 
         action = "creating the job in namespace %r" % namespace
@@ -1686,8 +1671,7 @@ class _JobsClient:
         return job
 
     def get_job(self, namespace: str, job_id: str, retries: int = API_MAX_RETRIES) -> Dict[str, Any]:
-        return self._json("GET", "/api/jobs/%s/%s" % (namespace, job_id), "inspecting job %s" % job_id,
-                          retries=retries)
+        return self._json("GET", "/api/jobs/%s/%s" % (namespace, job_id), "inspecting job %s" % job_id, retries=retries)
 
     def cancel_job(self, namespace: str, job_id: str) -> None:
         self._json("POST", "/api/jobs/%s/%s/cancel" % (namespace, job_id), "cancelling job %s" % job_id,
@@ -2184,7 +2168,7 @@ def _cancel_briefly(client: "_JobsClient", namespace: str, job_id: str) -> Optio
 
 def _release_job(client: Optional["_JobsClient"], namespace: Optional[str], job_id: Optional[str],
                  proxy: Optional["_proxy.AuthProxy"], base_url: Optional[str], job_url: Optional[str],
-                 abandoned: bool = False) -> bool:
+                 abandoned: bool = False, twin_label: Optional[str] = None) -> bool:
     """Unmount the route and cancel the job, warning (never raising) about what could not be done; True
     when cancelled. Plain values, never the provider: the safety net (`abandoned`) uses it too."""
     if abandoned and job_id:
@@ -2194,6 +2178,8 @@ def _release_job(client: Optional["_JobsClient"], namespace: Optional[str], job_
     try:
         problems.extend(_unmount(proxy, base_url))
         if job_id and namespace and client is not None:
+            if twin_label:  # the create was sent again after a lost answer: the first may have made a job too
+                problems.extend(_cancel_labelled(client, namespace, twin_label, keep=job_id))
             if (outcome := _cancel_briefly(client, namespace, job_id)) is None:
                 cancelled = True
                 logger.info("HF job %s cancelled", job_id)
@@ -2209,6 +2195,27 @@ def _release_job(client: Optional["_JobsClient"], namespace: Optional[str], job_
             "hf_sandbox_provider sweep`" % (job_url or "the Hub"))
         logger.warning("HF job %s: %s.%s", job_id, "; ".join(problems), still)
     return cancelled
+
+
+def _cancel_labelled(client: "_JobsClient", namespace: str, start_label: str, keep: Optional[str] = None,
+                     late: bool = False) -> List[str]:
+    """Cancel every job but `keep` labelled with `start_label` (made by a create whose answer was lost);
+    return what could not be done. `late`: an interrupted create may make its job after this looked."""
+    sweep = "run `python -m hf_sandbox_provider sweep` (label %s=%s)" % (START_LABEL_KEY, start_label)
+    try:
+        found = [job_id for job in client.list_jobs(namespace, labels={START_LABEL_KEY: start_label})
+                 if (job_id := str(job.get("id"))) != keep]
+    except BaseException as exc:
+        return ["could not look for a job it made though its answer was lost (%s); if there is one, it runs "
+                "until its timeout: %s" % (type(exc).__name__, sweep)]
+    problems = [] if found or not late else [
+        "it was interrupted and no job of it is listed yet; if the Hub makes one later, it runs until its "
+        "timeout: %s" % sweep]
+    for job_id in found:
+        logger.info("a create whose answer was lost made HF job %s: cancelling it", job_id)
+        if (outcome := _cancel_briefly(client, namespace, job_id)) is not None:
+            problems.append("could not cancel HF job %s (%s)" % (job_id, outcome))
+    return problems
 
 
 def _unmount(proxy: Optional["_proxy.AuthProxy"], base_url: Optional[str]) -> List[str]:

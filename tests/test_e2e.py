@@ -4,6 +4,7 @@ proxy route behind."""
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import re
@@ -198,6 +199,29 @@ def test_lost_create_response_adopts_the_created_job_instead_of_making_a_second(
         assert [job.id for job in emu.jobs] == [provider.job_id]
         assert "create answer was lost; adopting job %s found by its start label" % provider.job_id in [
             r.getMessage() for r in caplog.records]
+    assert_nothing_left(emu, proxy)
+
+
+def test_a_create_answered_5xx_whose_job_appears_after_the_retry_leaves_neither_job_running(emu, proxy):
+    # The gateway gives up (504) while the Hub goes on making the job: the lookup right after finds
+    # none, the create is sent again, and the first job appears later with the same start label.
+    emu.make_next_creates_late(1, after_s=1.0)
+    with provider_for(emu, proxy) as provider:
+        provider.start_container()
+        provider.wait_for_ready()
+        wait_until(lambda: len(emu.jobs) == 2, "the first create's late job")
+        assert provider.job_id in [job.id for job in emu.jobs]
+    assert_nothing_left(emu, proxy)
+
+
+def test_the_exit_safety_net_also_cancels_the_late_twin_of_a_create_sent_twice(emu, proxy):
+    emu.make_next_creates_late(1, after_s=1.0)
+    provider = provider_for(emu, proxy)
+    provider.start_container()
+    provider.wait_for_ready()
+    wait_until(lambda: len(emu.jobs) == 2, "the first create's late job")
+    del provider  # never stopped: its finalizer (what runs at exit) cancels
+    gc.collect()
     assert_nothing_left(emu, proxy)
 
 

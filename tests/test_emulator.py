@@ -467,6 +467,17 @@ def test_lost_create_response_creates_the_job_but_drops_the_answer(emu):
     assert raw(emu, "POST", "/api/jobs/local", json=body).status_code == 200
 
 
+def test_a_late_create_is_answered_504_at_once_and_its_job_appears_only_later(emu):
+    emu.make_next_creates_late(1, after_s=0.5)
+    body = {"dockerImage": "python:3.12", "command": SLEEP_FOREVER, "labels": {"create-id": "late"}}
+    answer = raw(emu, "POST", "/api/jobs/local", json=body)
+    assert answer.status_code == 504 and "Gateway Timeout" in answer.json()["error"]
+    assert raw(emu, "GET", "/api/jobs/local?label=create-id=late").json() == []  # not yet
+    wait_until(lambda: len(emu.jobs) == 1, "the late create's job")
+    assert emu.jobs[0].spec["labels"] == {"create-id": "late"}
+    assert raw(emu, "POST", "/api/jobs/local", json=body).status_code == 200  # only the next one was late
+
+
 def test_lost_create_response_label_loses_that_jobs_answer(emu):
     body = {"dockerImage": "python:3.12", "command": py("pass"), "labels": {"emulator-lost-create-response": "true"}}
     with pytest.raises(requests.ConnectionError):
