@@ -441,8 +441,9 @@ def _release_sandbox(sandbox: Any, proxy: Any, base_url: Optional[str], client: 
     except BaseException as exc:  # e.g. a second Ctrl-C during teardown: report, do not mask
         problems.append("teardown interrupted (%s)" % type(exc).__name__)
     if problems:
-        logger.warning("sandbox %s: %s. It ends with its host job (pool close, or the host's idle timeout)",
-                       sandbox_id, "; ".join(problems))
+        logger.warning("sandbox %s: %s. It ends with its host job %s (pool close, the host's idle timeout, or "
+                       "`python -m hf_sandbox_provider sweep --pool NAME`)", sandbox_id, "; ".join(problems),
+                       getattr(sandbox, "host_id", None) or "")
     return killed
 
 
@@ -497,15 +498,16 @@ def _close_pool(pool: Any, entry: Optional[_NamedPool] = None) -> None:
     """Close a pool we created: its host jobs this process booted are cancelled (so their sandboxes
     end), adopted ones only released. Never raises."""
     owned = [host.job_id for host in list(getattr(pool, "_hosts", [])) if getattr(host, "owned", False)]
-    if entry is not None:
-        entry.cancelled_hosts.update(owned)
-        _cancelled_hosts.update(owned)
     try:
         pool.close()
-        if owned:
-            logger.info("pool %s closed: host job(s) %s cancelled", pool.name, ", ".join(owned))
-    except Exception as exc:
+    except Exception as exc:  # a host it could not cancel runs on: its sandboxes are still killed one by one
         logger.warning("pool %s: %s", getattr(pool, "name", "?"), exc)
+        return
+    if entry is not None:  # marked only once cancelled: a sandbox of a host still running must be killed
+        entry.cancelled_hosts.update(owned)
+        _cancelled_hosts.update(owned)
+    if owned:
+        logger.info("pool %s closed: host job(s) %s cancelled", pool.name, ", ".join(owned))
 
 
 # Host job ids this process cancelled by closing their pool: their sandboxes need no kill of their own.
@@ -535,8 +537,8 @@ def prewarm(provider: "_core.HFSandboxProvider", n: int, boot: bool = True) -> N
     finally:
         client.close()
     hosts = -(-n // HOST_CAPACITY_ASSUMED)
+    entry = _entry(_pool_key(settings, token, namespace, provider.endpoint))
     if not boot:
-        entry = _entry(_pool_key(settings, token, namespace, provider.endpoint))
         with entry.lock:
             if entry.pool is None and not entry.closed:
                 entry.planned_hosts = max(entry.planned_hosts, hosts)
@@ -546,7 +548,9 @@ def prewarm(provider: "_core.HFSandboxProvider", n: int, boot: bool = True) -> N
     wanted = -(-(n + pool.num_sandboxes) // per_host)
     if pool.num_hosts < wanted:
         logger.info("pool %s: warming %d host(s) for %d environments", pool.name, wanted, n)
-        pool.warm(wanted)
+        with entry.lock:  # close() takes it first: a host booted here is in the pool before close() lists them
+            if entry.pool is pool and not entry.closed:
+                pool.warm(wanted)
 
 
 def _pool_key(settings: Mapping[str, Any], token: str, namespace: str, endpoint: str) -> Tuple[Any, ...]:

@@ -36,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import weakref
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence
 
@@ -353,7 +354,10 @@ class AuthProxyProcess:
                 if "id" in message:
                     self._deliver(message)
                 elif message.get("op") == "log":
-                    _emit_child_record(message, self.pid)
+                    try:
+                        _emit_child_record(message, self.pid)
+                    except Exception:  # a user's filter or handler failing must not end the channel
+                        traceback.print_exc(file=sys.stderr)
         finally:
             self._channel_closed()
 
@@ -665,7 +669,7 @@ def _emit_child_record(message: Dict[str, Any], pid: Optional[int]) -> None:
     record = logging.makeLogRecord({
         "name": name, "levelno": level, "levelname": logging.getLevelName(level),
             "msg": message.get("msg", ""),
-        "args": None, "created": created, "msecs": (created - int(created)) * 1000,
+        "args": (), "created": created, "msecs": (created - int(created)) * 1000,
         "threadName": message.get("thread"), "process": pid, "processName": "proxy-host",
         "exc_text": message.get("exc")})
     logger.handle(record)

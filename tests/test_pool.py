@@ -262,6 +262,39 @@ def test_closing_a_pool_waits_for_a_cache_write_in_flight_so_no_entry_is_left_fo
     assert hub_sandbox.read_pool_cache("closing", pool._cache_context) is None, writes
 
 
+def test_a_host_whose_cancel_failed_is_not_taken_for_cancelled_by_its_sandboxes_stop(pool_env, proxy, caplog):
+    emu = pool_env()
+    p = provider(emu, proxy, pool="flaky-cancel")
+    p.wait_for_ready(p.start_container())
+    host_id = p._pooled.host_id
+    emu.inject_server_errors(50, status=503, routes=["cancel"])  # the Hub's cancel is down for a while
+    hf_sandbox_pool.close_pools()  # fails to cancel the host (logged): the host runs on
+    emu.inject_server_errors(0, routes=["cancel"])
+    assert emu.job(host_id).stage == "RUNNING"
+    caplog.clear()
+    # Its sandbox must be killed on its own (huggingface_hub closed the host's client: that fails) and never
+    # reported cancelled while the host and the sandbox run on; the warning names the host job to cancel.
+    p.stop_container()
+    assert host_sandboxes(emu, host_id) == [local_id(p)] and p.stage != "CANCELED"
+    assert any("could not kill it. It ends with its host job %s" % host_id in r.getMessage() and "sweep --pool"
+               in r.getMessage() for r in caplog.records)  # (the emulator's stop ends the host)
+
+
+@pytest.mark.slow  # boots two host jobs
+def test_close_pools_during_a_prewarm_of_an_existing_pool_cancels_the_host_it_was_booting(pool_env, proxy):
+    emu = pool_env(sandbox_host_boot_s=2.0)
+    p = provider(emu, proxy, pool="warming")
+    hf_sandbox_pool.prewarm(p, 1)  # the pool exists, with one host
+    assert len(emu.jobs) == 1
+    warming = threading.Thread(target=hf_sandbox_pool.prewarm, args=(p, hf_sandbox_pool.HOST_CAPACITY_ASSUMED + 1))
+    warming.start()  # a second start_many's prewarm: boots a second host (2 s)
+    wait_until(lambda: len(emu.jobs) == 2, "the second host's create")
+    hf_sandbox_pool.close_pools()  # what atexit, signal teardown or the user calls meanwhile
+    warming.join(TIMEOUT)
+    for job in emu.jobs:
+        assert emu.wait_for_stage(job.id, ["CANCELED"]).stage == "CANCELED", job.id
+
+
 @pytest.mark.slow  # boots two host jobs
 def test_a_full_host_makes_the_pool_boot_another(pool_env, proxy):
     emu = pool_env(sandbox_capacity=2)

@@ -266,6 +266,32 @@ def test_the_childs_log_records_arrive_on_the_parents_proxy_logger(ups):
     assert {r.processName for r in from_child} == {"proxy-host"}
 
 
+def test_a_log_filter_that_fails_on_the_childs_records_neither_ends_the_host_nor_its_routes(host, ups):
+    class TupleArgs(logging.Filter):  # a redaction filter's usual shape: it reads args as a tuple
+        def filter(self, record: logging.LogRecord) -> bool:
+            record.args = tuple(record.args)  # type: ignore[arg-type]
+            return True
+
+    class Broken(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            if record.processName == "proxy-host":
+                raise RuntimeError("a filter bug")
+            return True
+
+    base = host.mount(ups["plain"].url, TOKEN)
+    logger = logging.getLogger("proxy")
+    for log_filter in (TupleArgs(), Broken()):
+        logger.addFilter(log_filter)
+        try:
+            failing = host.mount(ups["plain"].url, lambda: {}["missing"])  # the child logs a WARNING
+            assert requests.get(failing + "/r", timeout=TIMEOUT).status_code == 502
+            assert requests.get(base + "/r", timeout=TIMEOUT).status_code == 200
+            host.unmount(host.mount(ups["plain"].url, TOKEN))  # the control channel still answers
+        finally:
+            logger.removeFilter(log_filter)
+    assert host.running
+
+
 # -- the child's lifetime ------------------------------------------------------------------------------------
 
 _PARENT_SCRIPT = r"""
