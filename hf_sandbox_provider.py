@@ -157,8 +157,7 @@ TERMINAL_STAGES = frozenset({"COMPLETED", "CANCELED", "ERROR", "DELETED"})
 # Order of the live stages, least advanced first (an unknown live stage counts as not running yet).
 _LIVE_STAGE_ORDER = {None: 0, **{stage: order for order, stage in enumerate(LIVE_STAGES, 1)}}
 # OpenEnv's image template's CMD (openenv_env/server/Dockerfile), `exec` so the server gets the stop signal.
-DEFAULT_COMMAND_TEMPLATE = ("sh", "-c",
-                            "cd /app/env && exec uvicorn server.app:app --host 0.0.0.0 --port {port}")
+DEFAULT_COMMAND_TEMPLATE = ("sh", "-c", "cd /app/env && exec uvicorn server.app:app --host 0.0.0.0 --port {port}")
 # huggingface_hub 2.4's JobHardware, for one without Jobs (`_known_flavors()` adds the live lists).
 KNOWN_FLAVORS = frozenset({
     "cpu-basic", "cpu-upgrade", "cpu-performance", "cpu-xl", "t4-small", "t4-medium", "l4x1", "l4x4",
@@ -689,7 +688,7 @@ class HFSandboxProvider:
             if namespace is not None and not recorded and getattr(exc, "may_have_acted", True):
                 # The create may have made the job though its answer was lost, unusable (no id) or interrupted.
                 for problem in _cancel_labelled(client, namespace, start_label, late=not isinstance(exc, Exception)):
-                    logger.warning("the failed create: %s", problem)
+                    logger.warning("%s", problem)
             self._teardown(client)
             raise
 
@@ -865,8 +864,7 @@ def _register_with_openenv() -> None:
 # sys.modules, never imported: `openenv.core`'s init loads gradio, pandas and pyarrow (about 4 s, 170 MiB),
 # which a trainer that never uses OpenEnv must not pay. Whoever checks isinstance has imported it already.
 _OPENENV_PROVIDER_MODULES = ("openenv.core.containers.runtime.providers", "openenv.core.containers.runtime",
-                             "openenv_core.containers.runtime.providers",
-                             "core.containers.runtime.providers")
+                             "openenv_core.containers.runtime.providers", "core.containers.runtime.providers")
 _register_with_openenv()
 
 
@@ -1012,8 +1010,7 @@ class _ReplicaSet:
 
     def _parallel(self, action: Callable[[int, HFSandboxProvider], None]) -> "_Parallel":
         """All K replicas at once, all or nothing, given up when the owner is stopped."""
-        return _Parallel(self.children, action, len(self.children), True, self.owner._stop_requested,
-                         self.owner._wake)
+        return _Parallel(self.children, action, len(self.children), True, self.owner._stop_requested, self.owner._wake)
 
     def _raise_if_failed(self, group: "_Parallel", phase: str) -> None:
         self.owner._raise_if_stopped()
@@ -1027,8 +1024,7 @@ class _ReplicaSet:
         return max(moments) - owner._submitted_at if moments else owner._elapsed()
 
     @staticmethod
-    def _route_entries(proxy: Optional["_proxy.AuthProxy"],
-                       base_url: Optional[str]) -> Dict[str, Dict[str, Any]]:
+    def _route_entries(proxy: Optional["_proxy.AuthProxy"], base_url: Optional[str]) -> Dict[str, Dict[str, Any]]:
         """The proxy's status of the replica route by upstream URL ({} once it is unmounted)."""
         if proxy is None or base_url is None:
             return {}
@@ -1062,9 +1058,13 @@ def _in_parallel(actions: Sequence[Callable[[], None]], budget_s: Optional[float
         batch = [threading.Thread(target=action, name="hf-sandbox-stop", daemon=True)
                  for action in actions[first:first + STOP_PARALLEL]]
         for thread in batch:
-            _start_thread(thread)
+            with contextlib.suppress(RuntimeError):  # no thread to spare (a limit, a late exit): run it below
+                _start_thread(thread)
         for thread in batch:
-            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if thread.ident is None:
+                thread.run()
+            else:
+                thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
 
 class _Parallel:
@@ -2202,19 +2202,19 @@ def _cancel_labelled(client: "_JobsClient", namespace: str, start_label: str, ke
     """Cancel every job but `keep` labelled with `start_label` (made by a create whose answer was lost);
     return what could not be done. `late`: an interrupted create may make its job after this looked."""
     sweep = "run `python -m hf_sandbox_provider sweep` (label %s=%s)" % (START_LABEL_KEY, start_label)
+    who = "the first create" if keep else "the failed create"
     try:
         found = [job_id for job in client.list_jobs(namespace, labels={START_LABEL_KEY: start_label})
                  if (job_id := str(job.get("id"))) != keep]
     except BaseException as exc:
-        return ["could not look for a job it made though its answer was lost (%s); if there is one, it runs "
-                "until its timeout: %s" % (type(exc).__name__, sweep)]
+        return ["could not check whether %s made a job anyway (%s); if it did, it runs until its timeout: %s"
+                % (who, type(exc).__name__, sweep)]
     problems = [] if found or not late else [
-        "it was interrupted and no job of it is listed yet; if the Hub makes one later, it runs until its "
-        "timeout: %s" % sweep]
+        "%s was interrupted and no job of it is listed yet; if the Hub makes one later, it runs until its "
+        "timeout: %s" % (who, sweep)]
     for job_id in found:
-        logger.info("a create whose answer was lost made HF job %s: cancelling it", job_id)
-        if (outcome := _cancel_briefly(client, namespace, job_id)) is not None:
-            problems.append("could not cancel HF job %s (%s)" % (job_id, outcome))
+        logger.info("%s made HF job %s anyway: cancelling it", who, job_id)
+        _release_job(client, namespace, job_id, None, None, None)  # says if it could not
     return problems
 
 
@@ -2230,9 +2230,9 @@ def _unmount(proxy: Optional["_proxy.AuthProxy"], base_url: Optional[str]) -> Li
 
 @atexit.register
 def _stop_everything_at_exit() -> None:
-    """Cancel the jobs of providers still running at interpreter exit, then stop the shared proxy."""
-    for finalizer in list(_live_finalizers):
-        finalizer()  # runs at most once; a no-op if teardown already detached it
+    """Cancel the jobs of providers still running at interpreter exit (STOP_PARALLEL at a time, as stop_all does:
+    hundreds one by one could outlast a supervisor's kill), then stop the shared proxy."""
+    _in_parallel(list(_live_finalizers))  # each runs at most once; a no-op if teardown already detached it
     _live_finalizers.clear()
     with _shared_proxy_lock:
         shared = list(_shared_proxies.values())  # proxy="process": its child stops cleanly

@@ -9,11 +9,14 @@ import json
 import logging
 import re
 import sys
+import threading
+import time
 
 import pytest
 import requests
 
 import hf_jobs_emulator
+import hf_sandbox_provider
 from hf_jobs_emulator import JobsEmulator
 from hf_sandbox_provider import HFSandboxProvider, JobFailedError, JobStartTimeout
 from proxy import AuthProxy
@@ -222,6 +225,31 @@ def test_the_exit_safety_net_also_cancels_the_late_twin_of_a_create_sent_twice(e
     wait_until(lambda: len(emu.jobs) == 2, "the first create's late job")
     del provider  # never stopped: its finalizer (what runs at exit) cancels
     gc.collect()
+    assert_nothing_left(emu, proxy)
+
+
+def test_the_exit_safety_net_cancels_the_jobs_left_running_together_not_one_after_another(emu, proxy, monkeypatch):
+    in_flight, peak, lock = [], [0], threading.Lock()
+    original = JobsEmulator._cancel
+
+    def slow_cancel(self, job):  # a Hub whose cancel takes a while: one by one, hundreds outlast a kill
+        with lock:
+            in_flight.append(job.id)
+            peak[0] = max(peak[0], len(in_flight))
+        time.sleep(0.3)
+        with lock:
+            in_flight.remove(job.id)
+        return original(self, job)
+
+    monkeypatch.setattr(JobsEmulator, "_cancel", slow_cancel)
+    monkeypatch.setattr(hf_sandbox_provider, "_shared_proxies", {})  # (other tests' shared proxies stay up)
+    providers = [provider_for(emu, proxy) for _ in range(4)]
+    for provider in providers:
+        provider.start_container()
+    for provider in providers:
+        provider.wait_for_ready()
+    hf_sandbox_provider._stop_everything_at_exit()  # what atexit runs
+    assert peak[0] == 4
     assert_nothing_left(emu, proxy)
 
 
