@@ -161,7 +161,12 @@ class AuthProxyProcess:
                                                                                 ready),
                                              name="proxy-host-control", daemon=True)
             _proxy._start_thread(self._control)
-        ready.wait()
+        try:
+            ready.wait()
+        except BaseException:  # e.g. Ctrl-C while the child starts: it must not outlive this call
+            ready.wait(HOST_START_S)
+            self.stop()
+            raise
         if "error" in started:
             self._abandon()
             raise started["error"]  # type: ignore[misc]
