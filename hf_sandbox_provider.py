@@ -1360,8 +1360,7 @@ def _reserved_labels_rejection(labels: Any) -> Optional[str]:
 _SETTING_CHECKS: Tuple[Tuple[str, Callable[[Any], Optional[str]]], ...] = (
     ("port", lambda value: None if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 65535
         else "port %r must be an integer from 1 to 65535 (the port the server listens on in the job)" % (value,)),
-    ("flavor", _flavor_rejection),
-    ("command", _command_rejection),
+    ("flavor", _flavor_rejection), ("command", _command_rejection),
     ("env_vars", lambda value: _mapping_rejection("env_vars", value, check_names=True)),
     ("secrets", lambda value: _mapping_rejection("secrets", value, check_names=True)),
     ("labels", lambda value: _mapping_rejection("labels", value, check_names=False)),
@@ -1371,8 +1370,7 @@ _SETTING_CHECKS: Tuple[Tuple[str, Callable[[Any], Optional[str]]], ...] = (
     ("replicas", _replicas_rejection),
     ("job_timeout", lambda value: None if _parse_duration(value) is not None else (
         "job_timeout=%r must be a positive duration: seconds (3600) or a string like '30m', '2h', '1d'" % (value,))),
-    ("labels", _reserved_labels_rejection),
-    ("labels", _label_rule_rejection),
+    ("labels", _reserved_labels_rejection), ("labels", _label_rule_rejection),
     ("namespace", lambda value: None if value is None or (isinstance(value, str) and _NAMESPACE.match(value)) else (
         "namespace %r must be a user or organisation name" % (value,))),
     ("verify", lambda value: None if isinstance(value, (bool, str)) else (
@@ -1714,6 +1712,8 @@ class _JobsClient:
         """The last `tail` log lines, reading the SSE stream for at most `timeout_s`. Never raises."""
         lines, deadline = deque(maxlen=tail), time.monotonic() + timeout_s
         try:
+            if self._budget.wait_s() > timeout_s:  # the budget holds calls past this limit (a 429's pause): no tail
+                return []
             ticket = self._budget.acquire()
             with self._session.get(self.endpoint + "/api/jobs/%s/%s/logs" % (namespace, job_id),
                                    params={"tail": tail}, stream=True,

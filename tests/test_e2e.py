@@ -253,6 +253,20 @@ def test_the_exit_safety_net_cancels_the_jobs_left_running_together_not_one_afte
     assert_nothing_left(emu, proxy)
 
 
+def test_logs_while_a_429_pauses_the_token_return_at_once_instead_of_waiting_out_the_pause(emu, proxy):
+    with provider_for(emu, proxy) as provider:
+        provider.start_container()
+        provider.wait_for_ready()
+        emu.inject_rate_limit(1, retry_after_s=20, routes=["inspect"])
+        with pytest.raises(hf_sandbox_provider.JobsAPIError):  # any call of this token, answered 429
+            provider._job_client.get_job(provider._job_namespace, provider.job_id, retries=0)
+        before = emu.api_calls.get("logs", 0)
+        assert provider.logs() == []  # (a JobFailedError's log tail is read the same way)
+        assert provider._job_client._budget.wait_s() > 0  # returned while the pause still held
+        assert emu.api_calls.get("logs", 0) == before
+    assert_nothing_left(emu, proxy)
+
+
 def test_a_job_that_dies_mid_use_answers_502_and_teardown_still_works(emu, proxy):
     with provider_for(emu, proxy) as provider:
         provider.start_container()
