@@ -549,9 +549,8 @@ class HFSandboxProvider:
         """Begin a start (refused unless IDLE) and clear the last job's state."""
         with self._lock:
             if self._phase is not Phase.IDLE:
-                raise SandboxError(
-                    "this provider already runs job %s; call stop_container() before starting another "
-                    "(or use one provider per environment)" % (self.job_id or "(being created)"))
+                raise SandboxError("this provider already runs job %s; call stop_container() before starting another "
+                                   "(or use one provider per environment)" % (self.job_id or "(being created)"))
             self._stop_requested.clear()
             self._reset_job_state()
             self._starter = threading.get_ident()
@@ -776,9 +775,8 @@ class HFSandboxProvider:
                 advice = ("the Hub's API rate limit (see %s) held this token's calls: start fewer "
                           "jobs at once or raise start_timeout_s" % RATE_LIMIT_ENV if held else
                           "raise start_timeout_s for slow flavors or large images")
-                raise JobStartTimeout(
-                    "HF job %s exposed no URL within start_timeout_s=%gs (last stage %s); %s"
-                    % (job_id, settings["start_timeout_s"], self.stage, advice), job_id, self.stage)
+                raise JobStartTimeout("HF job %s exposed no URL within start_timeout_s=%gs (last stage %s); %s"
+                                      % (job_id, settings["start_timeout_s"], self.stage, advice), job_id, self.stage)
             if time.monotonic() >= heartbeat:
                 logger.info("HF job %s: still %s, %.0fs after submit (start_timeout_s=%g)", job_id,
                             self.stage, self._elapsed(), settings["start_timeout_s"])
@@ -2093,7 +2091,9 @@ class _JobWatcher:
                         watch.fail(exc)  # e.g. 404: this job is gone; the others are fine
         except BaseException as exc:  # never kill the thread: the waiting providers get the error instead
             group.failures += 1
-            if not isinstance(exc, Exception) or _refused(exc) or group.failures > API_MAX_RETRIES:
+            # An outage (5xx, 429, no answer) fails no watch, as each wait has its own deadline; a refusal does,
+            # and so does any other error once it persists past API_MAX_RETRIES refreshes.
+            if _refused(exc) or not isinstance(exc, JobsAPIError if group.failures > API_MAX_RETRIES else Exception):
                 for watch in watches:
                     watch.fail(exc)
                 group.failures = 0

@@ -136,6 +136,29 @@ def test_a_job_that_crashes_while_booting_wakes_its_own_provider_and_no_other(pr
         wait_until(lambda: emu.live_pids() == [], "every job process to exit")
 
 
+@pytest.mark.slow  # waits out seven failed watcher refreshes (about 15-30 s of backoff)
+def test_a_jobs_api_outage_fails_no_waiting_start_whose_job_runs_on(proxy):
+    with JobsEmulator() as emu:
+        provider = hsp.HFSandboxProvider(IMAGE, endpoint=emu.endpoint, token=emu.token, proxy=proxy,
+                                         command=NEVER_READY, poll_interval_s=0.05, ready_timeout_s=300)
+        try:
+            provider.start_container()
+            threads, outcome = in_threads(lambda p: p.wait_for_ready(), [provider])
+            wait_until(lambda: len(hsp._watcher._groups) == 1, "the wait to register")
+            group = next(iter(hsp._watcher._groups.values()))
+            emu.inject_server_errors(100000, status=503, routes=["list", "inspect"])  # the Jobs API is down
+            # Past the retries one call gets: an outage is no reason to fail (and cancel) a job that runs.
+            wait_until(lambda: group.failures > hsp.API_MAX_RETRIES + 1 or not threads[0].is_alive(),
+                       "seven failed refreshes", timeout_s=120)
+            assert threads[0].is_alive() and outcome == {}, outcome
+            assert emu.job(provider.job_id).stage == "RUNNING"
+            emu.inject_server_errors(0, routes=["list", "inspect"])
+        finally:
+            provider.stop_container()
+        join_all(threads)
+        assert isinstance(outcome[0], hsp.SandboxError) and "stop_container" in str(outcome[0])
+
+
 def test_watcher_list_refresh_ignores_jobs_of_another_process_label(proxy):
     with JobsEmulator(scheduling_delay_s=0.5) as emu:
         stranger = hsp._JobsClient(emu.endpoint, emu.token)
