@@ -641,8 +641,12 @@ def _pool_class() -> Any:
             if started is None or not self.token:  # not a host boot: as huggingface_hub does it
                 return super().run_job(labels=labels, **kwargs)
             job = super().run_job(labels={**(labels or {}), _core.PROCESS_LABEL_KEY: _core._process_label}, **kwargs)
-            watch = _core._watcher.register(self.endpoint, self.token, self._new_session, job.owner.name, job.id,
-                                            HOST_WATCH_INTERVAL_S, threading.Event())
+            try:
+                watch = _core._watcher.register(self.endpoint, self.token, self._new_session, job.owner.name,
+                                                job.id, HOST_WATCH_INTERVAL_S, threading.Event())
+            except Exception as exc:  # e.g. no thread for the watcher: huggingface_hub's inspects then serve
+                logger.debug("host job %s is not watched (%s)", job.id, type(exc).__name__)
+                return job  # (raising here would leave the job running: it is not the pool's yet)
             with self._watches_lock:
                 self._watches[job.id] = (watch, job)
             started.append(job.id)

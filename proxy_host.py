@@ -26,6 +26,7 @@ own control thread, which lives exactly as long as the child.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -304,7 +305,15 @@ class AuthProxyProcess:
                     self._pusher = threading.Thread(target=self._push_tokens,
                                                     name="proxy-host-tokens", daemon=True)
             if start_pusher:
-                _proxy._start_thread(self._pusher)  # type: ignore[arg-type]
+                try:
+                    _proxy._start_thread(self._pusher)  # type: ignore[arg-type]
+                except BaseException:  # e.g. a thread limit: a later mount tries again; this one is undone
+                    with self._lock:
+                        self._pusher = None
+                        self._routes.pop(route_id, None)
+                    with contextlib.suppress(Exception):
+                        self._call("unmount", route=route_id)
+                    raise
         return str(answer)
 
     def _call(self, op: str, timeout: float = CONTROL_ANSWER_S, **fields: object) -> object:
@@ -407,7 +416,7 @@ class AuthProxyProcess:
         if sock is not None:
             _proxy._abort_socket(sock)
         pusher = self._pusher
-        if pusher is not None and pusher is not threading.current_thread():
+        if pusher is not None and pusher.ident is not None and pusher is not threading.current_thread():
             pusher.join(_proxy.STOP_JOIN_S)
 
     def _push_tokens(self) -> None:

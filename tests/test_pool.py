@@ -245,6 +245,25 @@ def test_a_pool_cache_save_with_no_thread_to_spare_is_written_by_the_start_itsel
         p.stop_container()
 
 
+def test_a_host_job_whose_watch_cannot_start_a_thread_still_serves_and_is_cancelled_with_its_pool(
+        pool_env, proxy, monkeypatch):
+    real_start = hsp._start_thread
+
+    def no_watcher_thread(thread: threading.Thread) -> None:
+        if thread.name == "hf-sandbox-job-watcher":
+            raise RuntimeError("can't start new thread")  # a thread limit, hundreds of environments in
+        real_start(thread)
+
+    monkeypatch.setattr(hsp, "_start_thread", no_watcher_thread)
+    emu = pool_env()
+    p = provider(emu, proxy, pool="no-watcher")
+    p.wait_for_ready(p.start_container())  # huggingface_hub's own inspects follow the boot
+    host_id = p._pooled.host_id
+    p.stop_container()
+    hf_sandbox_pool.close_pools()
+    assert emu.wait_for_stage(host_id, ["CANCELED"]).stage == "CANCELED"
+
+
 @pytest.mark.slow  # a 1 s cache write
 def test_closing_a_pool_waits_for_a_cache_write_in_flight_so_no_entry_is_left_for_its_cancelled_hosts(
         pool_env, proxy, monkeypatch):

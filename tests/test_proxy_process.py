@@ -292,6 +292,31 @@ def test_a_log_filter_that_fails_on_the_childs_records_neither_ends_the_host_nor
     assert host.running
 
 
+def test_a_token_pusher_that_could_not_start_is_started_by_the_next_mount_and_stop_still_cleans_up(ups, monkeypatch):
+    real_start, failed = proxy_module._start_thread, []
+
+    def once_no_thread(thread: threading.Thread) -> None:
+        if thread.name == "proxy-host-tokens" and not failed:
+            failed.append(thread)
+            raise RuntimeError("can't start new thread")  # a momentary thread limit
+        real_start(thread)
+
+    monkeypatch.setattr(proxy_module, "_start_thread", once_no_thread)
+    host = AuthProxy.spawn()
+    try:
+        with pytest.raises(RuntimeError, match="can't start new thread"):
+            host.mount(ups["plain"].url, lambda: TOKEN)
+        current = [TOKEN]
+        base = host.mount(ups["plain"].url, lambda: current[0])
+        assert requests.get(base + "/r", timeout=TIMEOUT).status_code == 200
+        current[0] = "rotated-" + TOKEN  # the upstream refuses it: proof that the rotation reached the child
+        support.wait_until(lambda: requests.get(base + "/r", timeout=TIMEOUT).status_code == 401,
+                           "the rotated token to be pushed", 10)
+    finally:
+        host.stop()  # never raises
+    assert not host.running and failed
+
+
 # -- the child's lifetime ------------------------------------------------------------------------------------
 
 _PARENT_SCRIPT = r"""
