@@ -115,17 +115,15 @@ LOG_FETCH_TIMEOUT_S = 5.0
 LIST_MAX_PAGES = 50  # `list` pages (Link: rel="next"): more is a loop or thousands of jobs
 # Names of the one public Hub: a next-page link may use either (any other host would get the token).
 HUB_HOST_NAMES = frozenset({"huggingface.co", "hf.co"})
-# Labels: one on every job this library makes (`sweep` finds leftovers by it), one unique per start
-# (a create whose answer was lost is found by it instead of submitted twice), and one per process (the
-# watcher lists all of this process's jobs with one call).
+# Labels: one on every job this library makes (`sweep` finds leftovers by it), one unique per start (a lost create
+# answer's job is found by it), and one per process (the watcher lists all of this process's jobs with one call).
 PROVIDER_LABEL_KEY = "hf-sandbox-provider"
 PROVIDER_LABEL_VALUE = "1"
 START_LABEL_KEY = "hf-sandbox-start"
 PROCESS_LABEL_KEY = "hf-sandbox-process"
 LABEL_MAX_CHARS = 100  # the Hub's rule: label keys and values of at most this many [A-Za-z0-9_-]
-# The Hub's API limit is per user, in fixed 5-minute windows (1,000 calls free, 2,500 PRO, 3,000 Team,
-# 6,000 Enterprise); answers' RateLimit headers say what is left, and the budget follows them. These
-# defaults (or HF_SANDBOX_RATE_LIMIT, e.g. "2500/300") serve until an answer says, or if none does.
+# The Hub's API limit is per user, in fixed 5-minute windows (1,000 calls free, 2,500 PRO, 3,000 Team, 6,000
+# Enterprise); RateLimit headers say what is left. Until one does: these, or HF_SANDBOX_RATE_LIMIT (e.g. "2500/300").
 RATE_LIMIT_CALLS = 1000
 RATE_LIMIT_WINDOW_S = 300.0
 RATE_LIMIT_ENV = "HF_SANDBOX_RATE_LIMIT"
@@ -267,9 +265,8 @@ class Phase(enum.Enum):
     STOPPING = "stopping"      # torn down while the start still runs in its thread; it gives up at its next check
 
 
-# The only phase changes. A start: IDLE -> SUBMITTING -> STARTING -> RUNNING. A teardown: RUNNING -> IDLE,
-# or, with the start still in flight, -> STOPPING, which the start turns into IDLE when it returns
-# (STARTING first if its create answers after the stop: its own teardown then cancels that job).
+# The only phase changes. A start: IDLE -> SUBMITTING -> STARTING -> RUNNING. A teardown: RUNNING -> IDLE, or with
+# the start in flight -> STOPPING, made IDLE as it returns (STARTING first if its create answers late: then cancelled).
 _PHASE_MOVES = {
     Phase.IDLE: frozenset({Phase.SUBMITTING, Phase.IDLE}),
     Phase.SUBMITTING: frozenset({Phase.STARTING, Phase.STOPPING, Phase.IDLE}),
@@ -500,8 +497,7 @@ class HFSandboxProvider:
 
     # -- lifecycle state ----------------------------------------------------------------------------------
     def _init_runtime_state(self) -> None:
-        # Guards the phase and the job's handles; re-entrant, so a teardown moves the phase and swaps the
-        # handles out in one critical section.
+        # Guards the phase and the job's handles (re-entrant: a teardown moves both in one critical section).
         self._lock = threading.RLock()
         self._phase_changed = threading.Condition(self._lock)  # a stop waits on it for the start to end
         self._phase = Phase.IDLE
@@ -827,8 +823,7 @@ class HFSandboxProvider:
                 if (remaining := deadline - time.monotonic()) <= 0:
                     raise JobStartTimeout("%s did not answer /health with 200 within %gs (last: %s%s)"
                                           % (label, budget, last_seen, detail()), self.job_id, self.stage)
-                # the next probe `interval` after this one began (a slow check eats into the wait); a
-                # stop, or a crash seen by the watcher, ends the wait
+                # the next probe `interval` after this one began; a stop, or a crash the watcher saw, ends it
                 self._wake.wait(max(0.0, min(probed_at + interval - time.monotonic(), remaining)))
                 interval = min(HEALTH_PROBE_INTERVAL_S, interval * HEALTH_PROBE_GROWTH)
 
@@ -858,9 +853,8 @@ def _register_with_openenv() -> None:
             return
 
 
-# Where OpenEnv's `ContainerProvider` ABC has lived (current, older and pre-package layouts). Looked up in
-# sys.modules, never imported: `openenv.core`'s init loads gradio, pandas and pyarrow (about 4 s, 170 MiB),
-# which a trainer that never uses OpenEnv must not pay. Whoever checks isinstance has imported it already.
+# Where OpenEnv's `ContainerProvider` ABC has lived. Looked up in sys.modules, never imported: `openenv.core`'s init
+# loads gradio, pandas and pyarrow (about 4 s, 170 MiB); whoever checks isinstance has imported it already.
 _OPENENV_PROVIDER_MODULES = ("openenv.core.containers.runtime.providers", "openenv.core.containers.runtime",
                              "openenv_core.containers.runtime.providers", "core.containers.runtime.providers")
 _register_with_openenv()
@@ -1199,8 +1193,7 @@ _DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([smhd]?)\s*$")
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 _credential_warnings: "set[str]" = set()  # names warned about (once per process, for all providers)
 _credential_warnings_lock = threading.Lock()
-# endpoint -> the flavors its `GET /api/jobs/hardware` listed, or None when it did not answer (asked
-# once per process and endpoint: the list changes when HF adds hardware, not during a run).
+# endpoint -> the flavors its hardware list gave, or None (no answer); asked once per process and endpoint.
 _live_hardware: Dict[str, Optional[frozenset]] = {}
 _hardware_lock = threading.Lock()
 
@@ -2027,9 +2020,14 @@ class _JobWatcher:
                 group.next_due = time.monotonic() + interval_s
             group.watches.append(watch)
             group.next_due = min(group.next_due, time.monotonic() + watch.interval_s(time.monotonic()))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="hf-sandbox-job-watcher", daemon=True)
-                _start_thread(self._thread)
+            if self._thread is None:  # (recorded once started: a start refused by a thread limit is tried again)
+                thread = threading.Thread(target=self._run, name="hf-sandbox-job-watcher", daemon=True)
+                try:
+                    _start_thread(thread)
+                except BaseException:
+                    group.watches.remove(watch)
+                    raise
+                self._thread = thread
             self._cond.notify_all()
         return watch
 
@@ -2091,8 +2089,7 @@ class _JobWatcher:
                         watch.fail(exc)  # e.g. 404: this job is gone; the others are fine
         except BaseException as exc:  # never kill the thread: the waiting providers get the error instead
             group.failures += 1
-            # An outage (5xx, 429, no answer) fails no watch, as each wait has its own deadline; a refusal does,
-            # and so does any other error once it persists past API_MAX_RETRIES refreshes.
+            # An outage (5xx, 429, no answer) fails no watch (each wait has a deadline); a refusal or a lasting bug does
             if _refused(exc) or not isinstance(exc, JobsAPIError if group.failures > API_MAX_RETRIES else Exception):
                 for watch in watches:
                     watch.fail(exc)
@@ -2228,6 +2225,10 @@ def _unmount(proxy: Optional["_proxy.AuthProxy"], base_url: Optional[str]) -> Li
     return []
 
 
+# Made now, weakref.finalize's exit hook runs after ours (atexit: last in, first out), not every safety net first.
+weakref.finalize(_in_parallel, int).detach()
+
+
 @atexit.register
 def _stop_everything_at_exit() -> None:
     """Cancel the jobs of providers still running at interpreter exit (STOP_PARALLEL at a time, as stop_all does:
@@ -2244,8 +2245,7 @@ def _stop_everything_at_exit() -> None:
 
 # -- The layers: the registry of placements, the names re-exported lazily (PEP 562), the command line ---
 _LAYER_OF = {name: module for module, names in _LAYERS.items() for name in names}
-# Placements besides a dedicated job, by keyword: the layer (file) that provides each, imported on
-# first use through this table (never by name); as it is imported, it calls `_register_placement`.
+# Placements besides a dedicated job, by keyword: the layer (file) loaded on first use; it calls _register_placement.
 _PLACEMENT_LAYERS = {"pool": "hf_sandbox_pool"}
 _placements: Dict[str, Any] = {}  # keyword -> the registered layer; filled as layers are imported
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -22,6 +24,7 @@ from hf_sandbox_provider import HFSandboxProvider, JobFailedError, JobStartTimeo
 from proxy import AuthProxy
 from support import wait_until
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 30  # generous: other work may load the 2 cores; passing tests never wait this long
 IMAGE = "registry.hf.space/openenv-echo-env:latest"  # not pulled: the emulator runs the command
 ECHO = hf_jobs_emulator.echo_server_command()
@@ -228,7 +231,18 @@ def test_the_exit_safety_net_also_cancels_the_late_twin_of_a_create_sent_twice(e
     assert_nothing_left(emu, proxy)
 
 
-def test_the_exit_safety_net_cancels_the_jobs_left_running_together_not_one_after_another(emu, proxy, monkeypatch):
+_EXIT_CHILD = """
+import json, sys
+import hf_sandbox_provider
+settings = json.loads(sys.argv[1])
+providers = [hf_sandbox_provider.HFSandboxProvider("python:3.12", **settings) for _ in range(4)]
+for provider in providers:
+    provider.start_container()
+print("started", flush=True)
+"""  # then the interpreter exits with every job running: its exit hooks must cancel them
+
+
+def test_at_a_real_exit_the_safety_nets_cancel_the_jobs_left_running_together_not_one_after_another(emu):
     in_flight, peak, lock = [], [0], threading.Lock()
     original = JobsEmulator._cancel
 
@@ -241,15 +255,35 @@ def test_the_exit_safety_net_cancels_the_jobs_left_running_together_not_one_afte
             in_flight.remove(job.id)
         return original(self, job)
 
-    monkeypatch.setattr(JobsEmulator, "_cancel", slow_cancel)
-    monkeypatch.setattr(hf_sandbox_provider, "_shared_proxies", {})  # (other tests' shared proxies stay up)
-    providers = [provider_for(emu, proxy) for _ in range(4)]
-    for provider in providers:
-        provider.start_container()
-    for provider in providers:
-        provider.wait_for_ready()
-    hf_sandbox_provider._stop_everything_at_exit()  # what atexit runs
-    assert peak[0] == 4
+    emu_cancel = JobsEmulator._cancel
+    JobsEmulator._cancel = slow_cancel
+    try:
+        settings = dict(endpoint=emu.endpoint, token=emu.token, command=ECHO, poll_interval_s=0.05)
+        child = subprocess.run([sys.executable, "-c", _EXIT_CHILD, json.dumps(settings)], capture_output=True,
+                               text=True, timeout=TIMEOUT * 4, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    finally:
+        JobsEmulator._cancel = emu_cancel
+    assert child.returncode == 0 and "started" in child.stdout, child.stderr[-2000:]
+    assert peak[0] == 4, "the exit cancelled %d job(s) at a time" % peak[0]
+    wait_until(lambda: all(job.terminal for job in emu.jobs) and len(emu.jobs) == 4, "every job to end")
+
+
+def test_a_watcher_thread_refused_once_by_a_thread_limit_is_started_by_the_next_start(emu, proxy, monkeypatch):
+    real_start, refused = hf_sandbox_provider._start_thread, []
+
+    def once_no_watcher(thread):
+        if thread.name == "hf-sandbox-job-watcher" and not refused:
+            refused.append(thread)
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    monkeypatch.setattr(hf_sandbox_provider, "_start_thread", once_no_watcher)
+    with provider_for(emu, proxy, start_timeout_s=10) as first:
+        with pytest.raises(RuntimeError, match="can't start new thread"):
+            first.start_container()
+    with provider_for(emu, proxy, start_timeout_s=10) as second:  # saw no stage or URL before the fix
+        second.wait_for_ready(second.start_container())
+    assert refused
     assert_nothing_left(emu, proxy)
 
 
