@@ -682,7 +682,7 @@ class HFSandboxProvider:
         except BaseException as exc:
             if namespace is not None and not recorded and getattr(exc, "may_have_acted", True):
                 # The create may have made the job though its answer was lost, unusable (no id) or interrupted.
-                for problem in _cancel_labelled(client, namespace, start_label, late=not isinstance(exc, Exception)):
+                for problem in _cancel_labelled(client, namespace, start_label):
                     logger.warning("%s", problem)
             self._teardown(client)
             raise
@@ -2194,10 +2194,9 @@ def _release_job(client: Optional["_JobsClient"], namespace: Optional[str], job_
     return cancelled
 
 
-def _cancel_labelled(client: "_JobsClient", namespace: str, start_label: str, keep: Optional[str] = None,
-                     late: bool = False) -> List[str]:
-    """Cancel every job but `keep` labelled with `start_label` (made by a create whose answer was lost);
-    return what could not be done. `late`: an interrupted create may make its job after this looked."""
+def _cancel_labelled(client: "_JobsClient", namespace: str, start_label: str, keep: Optional[str] = None) -> List[str]:
+    """Cancel every job but `keep` labelled with `start_label` (made by a create whose answer was lost); return what
+    could not be done, and for a failed create (no `keep`) that none is listed yet: the Hub may still make it."""
     sweep = "run `python -m hf_sandbox_provider sweep` (label %s=%s)" % (START_LABEL_KEY, start_label)
     who = "the first create" if keep else "the failed create"
     try:
@@ -2206,9 +2205,9 @@ def _cancel_labelled(client: "_JobsClient", namespace: str, start_label: str, ke
     except BaseException as exc:
         return ["could not check whether %s made a job anyway (%s); if it did, it runs until its timeout: %s"
                 % (who, type(exc).__name__, sweep)]
-    problems = [] if found or not late else [
-        "%s was interrupted and no job of it is listed yet; if the Hub makes one later, it runs until its "
-        "timeout: %s" % (who, sweep)]
+    problems = [] if found or keep else [
+        "no job of the failed create is listed yet (its answer was lost or interrupted); if the Hub makes one "
+        "later, it runs until its timeout: %s" % sweep]
     for job_id in found:
         logger.info("%s made HF job %s anyway: cancelling it", who, job_id)
         _release_job(client, namespace, job_id, None, None, None)  # says if it could not

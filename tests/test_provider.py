@@ -494,6 +494,20 @@ def test_a_failed_create_whose_job_cannot_be_looked_up_warns_with_the_start_labe
         "until its timeout: run `python -m hf_sandbox_provider sweep` (label %s)" % label)
 
 
+def test_a_failed_create_whose_job_is_not_listed_yet_warns_that_the_hub_may_still_make_it(api, proxy, caplog):
+    api.add(responses.GET, ENDPOINT + "/api/whoami-v2", json={"name": "alice"})
+    api.add(responses.POST, ENDPOINT + "/api/jobs/alice", status=504, headers={"Retry-After": "0"})
+    api.add(responses.GET, ENDPOINT + "/api/jobs/alice", json=[])  # a gateway gave up; the job may come later
+    provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST)
+    with pytest.raises(hsp.JobsAPIError):
+        provider.start_container()
+    label = requests.utils.unquote(calls_to(api, "GET", "/api/jobs/alice")[-1].request.url.split("label=", 1)[1])
+    warning = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING][-1]
+    assert warning == ("no job of the failed create is listed yet (its answer was lost or interrupted); if the Hub "
+                       "makes one later, it runs until its timeout: run `python -m hf_sandbox_provider sweep` "
+                       "(label %s)" % label.split("&")[0])
+
+
 @pytest.mark.parametrize("cancel_status", [200, 403])
 def test_a_job_made_by_a_failed_create_is_cancelled_or_named_with_sweep(api, proxy, caplog, cancel_status):
     caplog.set_level(logging.INFO, logger="hf_sandbox_provider")
