@@ -263,9 +263,10 @@ class PooledSandbox:
 
         owner._probe_until_ready(base_url, budget, check, "sandbox %s" % owner.job_id, "sandbox %s" % owner.job_id)
 
-    def _teardown_jobs(self, client: Optional["_core._JobsClient"]) -> None:
+    def _teardown_jobs(self, client: Optional["_core._JobsClient"], start: Optional[int] = None) -> None:
         """Unmount the route and kill the sandbox (its host keeps running for the pool's other sandboxes)."""
-        gone = self.owner._detach()
+        if (gone := self.owner._detach(start)) is None:
+            return  # the teardown of a start that already ended
         with self._lock:
             sandbox, self.sandbox = self.sandbox, None
         killed = _release_sandbox(sandbox, gone.proxy, gone.base_url, client or gone.client)

@@ -8,16 +8,13 @@ first-class path: every provider shares one proxy, one job watcher thread (one J
 interval for all starting jobs) and one API budget per token; `start_many()` launches n with bounded
 concurrency, all or nothing; `replicas=K` puts K jobs of one image behind one route.
 
-Read top to bottom: constants (the HF Jobs facts among them), errors, the job lifecycle (`Phase`), the
-provider, what runs its jobs (itself for one job, a `_ReplicaSet` for K), `stop_all` and `_Parallel`
-(start_many's and a replica set's thread pool) with start_many's progress line, settings validation and
-the token lookup, the small Jobs REST client, the process-wide API budget and job watcher, teardown and
-the exit hook; last, the layers: the placement registry, the lazy re-exports, the command line. Imports
-`proxy` (relatively inside a package, absolutely at top level) and no layer: the training layer
-(hf_sandbox_training.py), pooled placement (hf_sandbox_pool.py, registered through
-`_register_placement`) and the command line (hf_sandbox_cli.py) each import this module, which loads
-them only on use (`_LAYERS`, `_PLACEMENT_LAYERS`). Vendoring: copy this file and proxy.py, plus each
-layer you use; a missing one is named by its file.
+Read top to bottom: constants (the HF Jobs facts among them), errors, the lifecycle (`Phase`), the provider and
+what runs its jobs (itself, or a `_ReplicaSet` for K), `stop_all` and `_Parallel` (a thread pool) with start_many's
+progress line, settings checks and the token lookup, the Jobs REST client, the process-wide API budget and job
+watcher, teardown and the exit hook, then the layers: placement registry, lazy re-exports, command line. Imports
+`proxy` and no layer: hf_sandbox_training.py, hf_sandbox_pool.py (via `_register_placement`) and hf_sandbox_cli.py
+import this module, which loads them on use (`_LAYERS`, `_PLACEMENT_LAYERS`). Vendoring: copy this file and
+proxy.py, plus each layer you use; a missing one is named by its file.
 """
 
 from __future__ import annotations
@@ -29,6 +26,7 @@ import contextlib
 import difflib
 import email.utils
 import enum
+import functools
 import hashlib
 import http.client
 import importlib.util  # binds importlib too
@@ -115,6 +113,8 @@ LOG_FETCH_TIMEOUT_S = 5.0
 LIST_MAX_PAGES = 50  # `list` pages (Link: rel="next"): more is a loop or thousands of jobs
 # Names of the one public Hub: a next-page link may use either (any other host would get the token).
 HUB_HOST_NAMES = frozenset({"huggingface.co", "hf.co"})
+# A proxy route id (token_urlsafe(24)) in a URL: the loopback credential, never printed (repr, errors).
+_hide_route = functools.partial(re.compile(r"/[A-Za-z0-9_-]{32}(?=/|$|\?)").sub, "/<route id>")
 # Labels: one on every job this library makes (`sweep` finds leftovers by it), one unique per start (a lost create
 # answer's job is found by it), and one per process (the watcher lists all of this process's jobs with one call).
 PROVIDER_LABEL_KEY = "hf-sandbox-provider"
@@ -149,6 +149,7 @@ REPLICA_CHECK_INTERVAL_S = 5.0  # replica_status() inspects a sick replica this 
 PROXY_PROCESS = "process"  # one shared AuthProxy child process: relaying costs the trainer no GIL
 STOP_PARALLEL = 32  # stop_all(): cancels at a time (each one API call plus a brief retry)
 STOP_WAIT_S = 30.0  # stop_container() waits for another thread's start: no job appears after it
+_NEVER = threading.Event()  # the stop of a Jobs API call no stop gives up: never set
 # huggingface_hub's JobStage: the live ones in the order a job passes them, then the terminal ones.
 LIVE_STAGES = ("SCHEDULING", "RUNNING")
 TERMINAL_STAGES = frozenset({"COMPLETED", "CANCELED", "ERROR", "DELETED"})
@@ -158,10 +159,9 @@ _LIVE_STAGE_ORDER = {None: 0, **{stage: order for order, stage in enumerate(LIVE
 DEFAULT_COMMAND_TEMPLATE = ("sh", "-c", "cd /app/env && exec uvicorn server.app:app --host 0.0.0.0 --port {port}")
 # huggingface_hub 2.4's JobHardware, for one without Jobs (`_known_flavors()` adds the live lists).
 KNOWN_FLAVORS = frozenset({
-    "cpu-basic", "cpu-upgrade", "cpu-performance", "cpu-xl", "t4-small", "t4-medium", "l4x1", "l4x4",
-    "l40sx1", "l40sx4", "l40sx8", "a10g-small", "a10g-large", "a10g-largex2", "a10g-largex4",
-    "a100-large", "a100x4", "a100x8", "h200", "h200x2", "h200x4", "h200x8",
-    "rtx-pro-6000", "rtx-pro-6000x2", "rtx-pro-6000x4", "rtx-pro-6000x8"})
+    "cpu-basic", "cpu-upgrade", "cpu-performance", "cpu-xl", "t4-small", "t4-medium", "l4x1", "l4x4", "l40sx1",
+    "l40sx4", "l40sx8", "a10g-small", "a10g-large", "a10g-largex2", "a10g-largex4", "a100-large", "a100x4", "a100x8",
+    "h200", "h200x2", "h200x4", "h200x8", "rtx-pro-6000", "rtx-pro-6000x2", "rtx-pro-6000x4", "rtx-pro-6000x8"})
 SPACES_ONLY_HARDWARE = frozenset({"h100", "h100x8", "zero-a10g"})  # never Jobs flavors, if listed
 TOKEN_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")  # read first, as huggingface_hub does
 # Image references of HF Spaces, sent as `spaceId` rather than `dockerImage` (as huggingface_hub does).
@@ -309,8 +309,7 @@ class HFSandboxProvider:
         self.poll_interval_s, self.verify, self.replicas = poll_interval_s, verify, replicas
         self.pool = pool  # None: a dedicated job; a pool name or SandboxPool: pooled (hf_sandbox_pool)
         self.warn_env_credentials, self._token, self._proxy = warn_env_credentials, token, proxy
-        _raise_if_rejected(_proxy_rejection(proxy)
-                           or _settings_rejection(self._settings({}), image_required=False))
+        _raise_if_rejected(_proxy_rejection(proxy) or _settings_rejection(self._settings({}), image_required=False))
         if warn_env_credentials:
             _warn_credential_env_vars(self.env_vars)
         self._init_runtime_state()
@@ -355,13 +354,13 @@ class HFSandboxProvider:
             raise SandboxError("wait_for_ready(): job %s was stopped; call start_container() to start a new "
                                "one" % self.job_id if self._phase is Phase.IDLE and self.job_id else
                                "wait_for_ready() needs a started provider: call start_container() first")
-        budget = self._active["ready_timeout_s"] if timeout_s is None else timeout_s
+        budget, start = self._active["ready_timeout_s"] if timeout_s is None else timeout_s, self._starts
         _raise_if_rejected(_positive_number_rejection("timeout_s", budget)
                            or _ready_url_rejection(base_url, self.base_url))
         try:
             self._jobs._wait_ready(base_url or self.base_url, float(budget))
         except BaseException:
-            self._teardown()
+            self._teardown(start=start)  # no-op if another thread stopped and restarted the provider meanwhile
             raise
 
     @classmethod
@@ -373,8 +372,7 @@ class HFSandboxProvider:
         """Start `n` providers, `max_parallel` at a time, and wait until each is ready: all of them,
         or every job cancelled and StartManyError (else `(ready, [(index, exception)])`).
         `progress`: a few lines on stderr, or a callable given `(ready, failed, n)` after each."""
-        _raise_if_rejected(_positive_int_rejection("n", n)
-                           or _positive_int_rejection("max_parallel", max_parallel)
+        _raise_if_rejected(_positive_int_rejection("n", n) or _positive_int_rejection("max_parallel", max_parallel)
                            or (None if isinstance(progress, bool) or callable(progress) else
                                "progress=%r must be True, False or a callable(ready, failed, total)"
                                % (progress,)))
@@ -460,7 +458,7 @@ class HFSandboxProvider:
     def __repr__(self) -> str:
         job_ids = self.job_ids
         return "<HFSandboxProvider image=%r flavor=%r job_id=%r stage=%r base_url=%r%s>" % (
-            self.image, self.flavor, self.job_id, self.stage, self.base_url,
+            self.image, self.flavor, self.job_id, self.stage, self.base_url and _hide_route(self.base_url),
             " job_ids=%r" % (job_ids,) if len(job_ids) > 1 else "")
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -502,7 +500,7 @@ class HFSandboxProvider:
         self._phase_changed = threading.Condition(self._lock)  # a stop waits on it for the start to end
         self._phase = Phase.IDLE
         self._starter: Optional[int] = None  # the thread running start_container(), while it runs
-        self._starts = 0  # starts claimed so far: tells a stop which start it waits for
+        self._starts = 0  # starts claimed so far: which start a stop waits for, or a teardown may end
         self._stop_requested = threading.Event()  # "give up": set by stop, and by start_many's abort
         self._wake = threading.Event()  # set by the job watcher on a stage change, and by stop
         self._watch: Optional[_Watch] = None
@@ -586,10 +584,12 @@ class HFSandboxProvider:
         self._stop_requested.set()
         self._wake.set()
 
-    def _detach(self) -> "_Detached":
-        """Take what a teardown releases and retire the safety net, in one critical section with the
-        phase change: a start claimed right after cannot swap the job's identity under it."""
+    def _detach(self, start: Optional[int] = None) -> Optional["_Detached"]:
+        """Take what a teardown releases and retire the safety net, in one critical section with the phase
+        change: a start claimed right after cannot swap the job's identity under it. None: `start` ended."""
         with self._lock:
+            if start is not None and start != self._starts:
+                return None  # the teardown of a start that already ended: the newer one is not its to end
             held, in_flight = self._phase in _JOB_HELD, self._phase in _START_IN_FLIGHT
             if in_flight:
                 self._request_stop()  # under the lock, after the start's claim cleared any earlier one
@@ -615,10 +615,10 @@ class HFSandboxProvider:
         """Whose overridable hooks this job uses: its own, or for a replica job its owner's."""
         return (self._owner is not None and self._owner()) or self
 
-    def _teardown(self, client: Optional["_JobsClient"] = None) -> None:
+    def _teardown(self, client: Optional["_JobsClient"] = None, start: Optional[int] = None) -> None:
         """Unmount and cancel, logging (never raising) what could not be cleaned up. `client`: the starting
-        thread's own, in case a concurrent stop already took ours."""
-        self._jobs._teardown_jobs(client)
+        thread's own, in case a concurrent stop already took ours; `start`: only if that start still holds it."""
+        self._jobs._teardown_jobs(client, start)
 
     # -- one job ------------------------------------------------------------------------------------------
     def _settings(self, overrides: Mapping[str, Any]) -> Dict[str, Any]:
@@ -657,7 +657,7 @@ class HFSandboxProvider:
             logger.info("submitting HF job: image=%s flavor=%s namespace=%s", settings["image"],
                         settings["flavor"], namespace)
             job = client.create_job(namespace, _job_body(settings, start_label), {START_LABEL_KEY: start_label},
-                                    self._stop_requested.is_set, lambda: setattr(self, "_twin_label", start_label))
+                                    self._stop_requested, lambda: setattr(self, "_twin_label", start_label))
             with self._lock:
                 self.job_id, self._job_namespace = str(job["id"]), namespace
                 self.job_url = "%s/jobs/%s/%s" % (self.endpoint, namespace, self.job_id)
@@ -667,11 +667,11 @@ class HFSandboxProvider:
             recorded = True
             self._swap_finalizer(self._safety_net(client, None, None))
             self._observe(job)
-            self._watch_job(client, job)
+            watch = self._watch_job(client, job)
             try:
                 upstream = self._wait_for_url(client, settings, budget_waited)
             finally:
-                self._unwatch_job()
+                self._unwatch_job(watch)
             self._raise_if_stopped()
             proxy = self._proxy_instance()
             self.upstream_url = upstream
@@ -687,8 +687,9 @@ class HFSandboxProvider:
             self._teardown(client)
             raise
 
-    def _teardown_jobs(self, client: Optional["_JobsClient"]) -> None:
-        gone = self._detach()
+    def _teardown_jobs(self, client: Optional["_JobsClient"], start: Optional[int] = None) -> None:
+        if (gone := self._detach(start)) is None:
+            return
         cancelled = _release_job(client or gone.client, gone.namespace, gone.job_id, gone.proxy, gone.base_url,
                                  gone.job_url, twin_label=gone.twin_label)
         if cancelled and self._stage not in TERMINAL_STAGES:
@@ -726,18 +727,20 @@ class HFSandboxProvider:
                 self.timings["running"] = self._elapsed()
         return stage
 
-    def _watch_job(self, client: "_JobsClient", job: Optional[Mapping[str, Any]]) -> None:
+    def _watch_job(self, client: "_JobsClient", job: Optional[Mapping[str, Any]]) -> "_Watch":
         """Register with the process-wide watcher: it refreshes the job and sets `_wake` on a change."""
-        self._watch = _watcher.register(client.endpoint, client._token, self._hooks()._new_session,
-                                        self._job_namespace or "", self.job_id or "",
-                                        float(self._active["poll_interval_s"]), self._wake, job,
-                                        since=self._submitted_at)
+        watch = _watcher.register(client.endpoint, client._token, self._hooks()._new_session, self._job_namespace or "",
+                                  self.job_id or "", float(self._active["poll_interval_s"]), self._wake, job,
+                                  self._submitted_at)
+        with self._lock:
+            self._watch = watch
+        return watch
 
-    def _unwatch_job(self) -> None:
-        watch, self._watch = self._watch, None
-        if watch is not None:
-            self._last_job = watch.job
-            _watcher.unregister(watch)
+    def _unwatch_job(self, watch: "_Watch") -> None:
+        _watcher.unregister(watch)
+        with self._lock:
+            if self._watch is watch:  # not a newer start's, made while this wait ended
+                self._watch, self._last_job = None, watch.job
 
     def _latest_job(self, client: "_JobsClient") -> Optional[Mapping[str, Any]]:
         """The watcher's latest answer for our job (raising what it failed with, or on a terminal stage)."""
@@ -782,12 +785,12 @@ class HFSandboxProvider:
     def _wait_ready(self, base_url: str, budget: float) -> None:
         if (client := self._job_client) is None:
             raise SandboxError("job %s was stopped before it became ready" % self.job_id)
-        self._watch_job(client, self._last_job)
+        watch = self._watch_job(client, self._last_job)
         try:  # between probes: the watcher's latest answer (a crash it saw ends the wait)
             self._probe_until_ready(base_url, budget, lambda: self._latest_job(client), "HF job %s" % self.job_id,
                                     "job %s" % self.job_id, lambda: ", stage %s" % self.stage)
         finally:
-            self._unwatch_job()
+            self._unwatch_job(watch)
 
     def _probe_until_ready(self, base_url: str, budget: float, check: Callable[[], Any], label: str, short: str,
                            detail: Callable[[], str] = lambda: "") -> None:
@@ -812,6 +815,7 @@ class HFSandboxProvider:
                         logger.info("%s ready (%.1fs after submit)", label, self._elapsed())
                         return
                     if reason := _health_status_rejection(response):
+                        self._raise_if_stopped()  # a stop unmounted the route: say that, not "no route"
                         raise SandboxError("%s: /health %s" % (short, reason))
                 except requests.RequestException as exc:
                     last_seen = type(exc).__name__
@@ -939,9 +943,10 @@ class _ReplicaSet:
         owner.timings["ready"] = owner._elapsed()
         logger.info("%d replica jobs ready (%.1fs after submit)", len(self.children), owner._elapsed())
 
-    def _teardown_jobs(self, client: Optional["_JobsClient"]) -> None:
+    def _teardown_jobs(self, client: Optional["_JobsClient"], start: Optional[int] = None) -> None:
         """Unmount the replica route, then stop every replica (each names a job it could not cancel)."""
-        gone = self.owner._detach()
+        if (gone := self.owner._detach(start)) is None:
+            return
         for problem in _unmount(gone.proxy, gone.base_url):
             logger.warning("replica jobs %s: %s", ", ".join(self._job_ids()), problem)
         stop_all(self.children)
@@ -1084,15 +1089,15 @@ class _Parallel:
             with _library_signal_mask():  # the pool starts its threads in submit(): they inherit the mask
                 futures = [pool.submit(self._one, index) for index in range(len(self.providers))]
             try:
-                while True:
+                while not all(future.done() for future in futures):
                     self.wake.clear()  # before the checks, so a change made after them still wakes the wait
-                    if self.stop_requested.is_set() and not self.stopping:
-                        self.abort()
-                    if all(future.done() for future in futures):
-                        return
+                    if self.stop_requested.is_set() or self.stopping:
+                        self.abort()  # each turn: a start claimed since the last abort cleared its stop request
                     self.wake.wait(0.5)  # bounded: a Ctrl-C reaches this thread
             except BaseException:
-                self.abort()  # leaving the block waits for the actions in flight, which now give up
+                while not all(future.done() for future in futures):  # the actions in flight give up, then it raises
+                    self.abort()
+                    self.wake.wait(0.5)
                 raise
 
     def abort(self) -> None:
@@ -1151,8 +1156,7 @@ class _ProgressLine:
             return
         with self.lock:
             now, done = time.monotonic(), ready + failed
-            due = (done - self.shown_done >= self.total * PROGRESS_STEP
-                   or now - self.shown_at >= PROGRESS_INTERVAL_S)
+            due = (done - self.shown_done >= self.total * PROGRESS_STEP or now - self.shown_at >= PROGRESS_INTERVAL_S)
             if not (self.tty or due or done == self.total or (error is not None and failed == 1)):
                 return
             line = "start_many: %d/%d ready, %d failed (%.1fs)" % (ready, self.total, failed, now - self.began)
@@ -1446,7 +1450,7 @@ def _health_status_rejection(response: requests.Response) -> Optional[str]:
                 "job's namespace)" % response.status_code)
     if response.status_code == 404 and response.headers.get("X-Proxy-Error") == "unknown-route":
         return ("the local proxy has no route at %s: it was unmounted, or the URL is not the one "
-                "start_container() returned (use provider.base_url)" % response.url.rsplit("/", 1)[0])
+                "start_container() returned (use provider.base_url)" % _hide_route(response.url.rsplit("/", 1)[0]))
     return None
 
 
@@ -1460,13 +1464,12 @@ def _ready_url_rejection(url: Optional[str], base_url: str) -> Optional[str]:
     slip = ("; under the proxy's address only the base URL itself serves this job: urljoin(base_url, "
             "'/step') drops its route id, base_url + '/step' keeps it" if same_origin else "")
     return "wait_for_ready(%r): not this provider's base URL, which is %s (pass it, or nothing)%s" % (
-        url, base_url, slip)
+        _hide_route(str(url)), _hide_route(base_url), slip)
 
 
 def _endpoint_rejection(endpoint: str) -> Optional[str]:
     parts = urlsplit(endpoint)
-    if (parts.scheme == "https" and parts.hostname) or (
-            parts.scheme == "http" and _is_loopback_host(parts.hostname)):
+    if (parts.scheme == "https" and parts.hostname) or (parts.scheme == "http" and _is_loopback_host(parts.hostname)):
         return None
     return ("Jobs endpoint %r must be https (http only for a loopback host such as the local emulator): "
             "the token is sent to it" % endpoint)
@@ -1578,8 +1581,7 @@ def _server_message(response: requests.Response) -> Optional[str]:
     message = response.headers.get("X-Error-Message")
     try:
         payload = None if message else response.json()
-        message = message or (payload.get("error") or payload.get("message") if isinstance(payload, dict)
-                              else None)
+        message = message or (payload.get("error") or payload.get("message") if isinstance(payload, dict) else None)
     except ValueError:
         message = (response.text or "").strip()[:300] or None
     return str(message) if message else None
@@ -1640,21 +1642,19 @@ class _JobsClient:
             return _namespace_cache[key]
 
     def create_job(self, namespace: str, body: Mapping[str, Any], unique_label: Mapping[str, str],
-                   given_up: Callable[[], bool] = lambda: False,
-                   resent: Callable[[], None] = lambda: None) -> Dict[str, Any]:
+                   given_up: threading.Event = _NEVER, resent: Callable[[], None] = lambda: None) -> Dict[str, Any]:
         """POST the job; after an ambiguous failure the job with `unique_label` is adopted if listed, else the POST is
-        sent again and `resent()` told (the first may make a job later). Once `given_up()` (a stop), no retry."""
+        sent again and `resent()` told (the first may make a job later). Once `given_up` is set (a stop), no retry."""
         def find_lost() -> Optional[Dict[str, Any]]:
             if found := self.list_jobs(namespace, labels=unique_label):
                 logger.info("create answer was lost; adopting job %s found by its start label", found[0].get("id"))
                 return found[0]
-            if given_up():
-                raise SandboxError("stop_container() was called while the job was being created")
             resent()
             return None
 
         action = "creating the job in namespace %r" % namespace
-        job = self._json("POST", "/api/jobs/%s" % namespace, action, body=dict(body), find_lost=find_lost)
+        job = self._json("POST", "/api/jobs/%s" % namespace, action, body=dict(body), find_lost=find_lost,
+                         given_up=given_up)
         if not isinstance(job, dict) or not job.get("id"):  # the caller finds it by its label and cancels it
             raise JobsAPIError(action, 200, "the answer names no job id")
         return job
@@ -1721,17 +1721,20 @@ class _JobsClient:
         return list(lines)
 
     def _json(self, method: str, path: str, action: str, params: Any = None, retries: int = API_MAX_RETRIES,
-              max_delay: float = RETRY_AFTER_CAP_S, allow_empty: bool = False,
-              next_links: Optional[List[Optional[str]]] = None, body: Any = None,
-              find_lost: Optional[Callable[[], Any]] = None, teardown: bool = False) -> Any:
-        """A call retried on 429/5xx/connection errors with backoff; after an ambiguous failure a
-        create asks `find_lost()` for what it made anyway. A `teardown` never waits for budget."""
+              max_delay: float = RETRY_AFTER_CAP_S, allow_empty: bool = False, body: Any = None,
+              next_links: Optional[List[Optional[str]]] = None, find_lost: Optional[Callable[[], Any]] = None,
+              teardown: bool = False, given_up: threading.Event = _NEVER) -> Any:
+        """A call retried on 429/5xx/connection errors with backoff; after an ambiguous failure a create asks
+        `find_lost()` for what it made anyway. A `teardown` never waits for budget. `given_up` set: no more sent."""
         url = path if path.startswith(self.endpoint + "/") else self.endpoint + path
         sent_maybe = False  # whether any attempt may have reached the server without an answer
         for attempt in itertools.count():
             retry_after: Optional[float] = None
             paused = None
-            ticket = self._budget.acquire(teardown)
+            if (ticket := self._budget.acquire(teardown, given_up)) is None:
+                stopped = SandboxError("stop_container() was called while %s" % action)
+                stopped.may_have_acted = sent_maybe  # type: ignore[attr-defined]
+                raise stopped
             try:
                 response: Optional[requests.Response] = self._session.request(
                     method, url, params=params, json=body, timeout=API_TIMEOUT_S)
@@ -1753,9 +1756,9 @@ class _JobsClient:
                 retry_after = _retry_after_seconds(response.headers.get("Retry-After"))
                 if response.status_code == 429:
                     paused = self._budget.rate_limited(retry_after, response.headers)
-                if response.status_code != 429 and not 500 <= response.status_code <= 599:
-                    raise self._error(response, action)
-                failure, ambiguous = "HTTP %d" % response.status_code, response.status_code != 429
+                elif not 500 <= response.status_code <= 599:
+                    retries = attempt  # refused: final, and it made nothing (an earlier attempt may have)
+                failure, ambiguous = "HTTP %d" % response.status_code, 500 <= response.status_code <= 599
                 response.close()
             sent_maybe = sent_maybe or ambiguous
             if find_lost is not None and ambiguous:
@@ -1770,21 +1773,18 @@ class _JobsClient:
                 if found is not None:
                     return found
             if attempt >= retries:
-                error = self._error(response, action) if response is not None else JobsAPIError(
-                    action, None, failure, hint="check the network and HF_ENDPOINT (%s)" % self.endpoint)
-                error.may_have_acted = sent_maybe
-                raise error from None
+                err = JobsAPIError(action, None, failure, hint="check the network and HF_ENDPOINT (%s)" % self.endpoint)
+                if response is not None:  # the last answer, with the server's own words
+                    err = JobsAPIError(action, response.status_code, _server_message(response),
+                                       response.headers.get("X-Request-Id"), _status_hint(response.status_code))
+                err.may_have_acted = sent_maybe
+                raise err from None
             # after a 429 the budget holds ordinary calls until the reset; a teardown waits it out here
             delay = (paused if teardown else 0.0) if paused is not None else min(
                 _retry_delay(attempt, retry_after), max_delay)
             logger.info("%s: %s from %s; retry %d of %d in %.1fs", action, failure, self.endpoint,
                         attempt + 1, retries, delay)
-            time.sleep(delay)
-
-    @staticmethod
-    def _error(response: requests.Response, action: str) -> JobsAPIError:
-        return JobsAPIError(action, response.status_code, _server_message(response),
-                            response.headers.get("X-Request-Id"), _status_hint(response.status_code))
+            given_up.wait(delay)  # a stop ends the pause: the next acquire sends nothing
 
 
 # -- Process-wide Jobs API budget and job watcher (many providers, one thread, O(1) calls per interval) ---
@@ -1819,11 +1819,13 @@ class _ApiBudget:
     def reserve(self) -> int:  # (a quota of a few calls keeps one for ordinary calls, or none would go)
         return min(self.calls - 1, max(RATE_LIMIT_RESERVE_MIN, int(self.calls * RATE_LIMIT_RESERVE)))
 
-    def acquire(self, teardown: bool = False) -> int:
-        """Block until a call may be sent and count it; returns its ticket for `observe`. Teardown (cancels)
-        never waits: the reserve is kept for it, and past that the server's 429 answers."""
+    def acquire(self, teardown: bool = False, given_up: threading.Event = _NEVER) -> Optional[int]:
+        """Block until a call may be sent and count it; returns its ticket for `observe` (None once `given_up` is
+        set). Teardown (cancels) never waits: the reserve is kept for it, and past that the server's 429 answers."""
         warned = False
         while True:
+            if given_up.is_set():  # a stop: the call is not sent
+                return None
             with self._lock:
                 now = self.clock()
                 left, reset_in = self._estimate(now)
@@ -2095,8 +2097,7 @@ class _JobWatcher:
                     watch.fail(exc)
                 group.failures = 0
             else:  # a 429 paused this token: wait that out here, so other tokens' groups keep going
-                group.next_due = max(time.monotonic() + _retry_delay(group.failures, None),
-                                     client._budget.paused_until)
+                group.next_due = max(time.monotonic() + _retry_delay(group.failures, None), client._budget.paused_until)
                 logger.debug("job watcher: refresh failed (%s), retrying", exc)
             return
         group.failures = 0
@@ -2109,8 +2110,7 @@ def _reset_after_fork() -> None:
     (the fetched hardware lists stay valid; a lock held at the fork would stay held)."""
     global _watcher, _process_label, _budgets_lock, _hardware_lock, _namespace_lock
     _watcher, _process_label = _JobWatcher(), uuid.uuid4().hex
-    _budgets_lock, _hardware_lock = threading.Lock(), threading.Lock()
-    _namespace_lock = threading.Lock()
+    _budgets_lock, _hardware_lock, _namespace_lock = threading.Lock(), threading.Lock(), threading.Lock()
     _budgets.clear()
 
 

@@ -301,6 +301,32 @@ def test_logs_while_a_429_pauses_the_token_return_at_once_instead_of_waiting_out
     assert_nothing_left(emu, proxy)
 
 
+def test_a_stop_while_the_create_waits_out_a_429_pause_returns_at_once_and_no_job_is_made(emu, proxy):
+    provider = provider_for(emu, proxy)
+    emu.inject_rate_limit(1, retry_after_s=30, routes=["create"])
+    outcome = []
+
+    def start() -> None:
+        try:
+            outcome.append(provider.start_container())
+        except BaseException as exc:
+            outcome.append(exc)
+
+    starter = threading.Thread(target=start)
+    starter.start()
+    wait_until(lambda: emu.api_calls.get("create", 0) == 1, "the create answered 429")
+    budget = provider._job_client._budget
+    wait_until(lambda: budget.wait_s() > 0, "the budget to pause the token's calls")
+    provider.stop_container()
+    starter.join(TIMEOUT)
+    assert budget.wait_s() > 0  # the start gave up while the 31 s pause still held
+    assert isinstance(outcome[0], hf_sandbox_provider.SandboxError), outcome
+    assert "stop_container() was called while creating the job" in str(outcome[0])
+    assert emu.api_calls.get("create") == 1 and emu.jobs == []  # the held create was never sent
+    assert emu.api_calls.get("list", 0) == 0  # a 429 made nothing: no lookup by label either
+    assert provider.phase is hf_sandbox_provider.Phase.IDLE
+
+
 def test_a_job_that_dies_mid_use_answers_502_and_teardown_still_works(emu, proxy):
     with provider_for(emu, proxy) as provider:
         provider.start_container()

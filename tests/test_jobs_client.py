@@ -881,6 +881,22 @@ def test_a_start_whose_create_was_refused_raises_the_create_error_and_looks_for_
     assert provider.phase is hsp.Phase.IDLE
 
 
+@pytest.mark.parametrize("answers, looked_up", [([422], False), ([503, 422], True)])
+def test_a_create_refused_with_a_4xx_is_looked_for_only_if_an_earlier_attempt_went_unanswered(api, answers, looked_up):
+    endpoint = "https://hw-%s.test" % uuid.uuid4().hex[:8]
+    api.add(responses.GET, endpoint + "/api/jobs/hardware", json=[hardware_entry("cpu-basic")])
+    api.add(responses.GET, endpoint + "/api/jobs/alice", json=[])
+    for status in answers:
+        api.add(responses.POST, endpoint + "/api/jobs/alice", status=status, json={"error": "bad secret name"})
+    provider = hsp.HFSandboxProvider("python:3.12", endpoint=endpoint, token=fresh_token(), namespace="alice")
+    with pytest.raises(hsp.JobsAPIError, match="bad secret name") as info:
+        provider.start_container()
+    assert info.value.status_code == 422 and info.value.may_have_acted is looked_up
+    lookups = len(calls_to(api, "GET", "/api/jobs/alice"))  # a 503'd create is looked for before its resend too
+    assert lookups == (2 if looked_up else 0) and len(calls_to(api, "POST", "/api/jobs/alice")) == len(answers)
+    assert provider.phase is hsp.Phase.IDLE
+
+
 @pytest.mark.parametrize("server_counts", [True, False])
 def test_the_budget_keeps_at_most_one_windows_send_times_over_a_long_run(server_counts):
     """Hours of calls must not grow the budget: once the server counts (RateLimit headers) the process's

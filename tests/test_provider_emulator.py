@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import pickle
+import re
 import sys
 import threading
 
@@ -155,9 +156,13 @@ def test_wait_for_ready_refuses_a_url_that_is_not_the_providers_at_once_and_keep
                                command=echo_server_command(), poll_interval_s=0.05) as provider:
         base_url = provider.start_container()
         typo = base_url[:-1] + ("x" if base_url[-1] != "x" else "y")  # a route id with one wrong character
+        origin, route_id = base_url.rsplit("/", 1)
         for wrong in ("http://127.0.0.1:1/other", typo, urljoin(base_url, "/step")):
-            with pytest.raises(hsp.SandboxConfigError, match="not this provider's base URL, which is %s" % base_url):
+            with pytest.raises(hsp.SandboxConfigError, match="not this provider's base URL, which is %s/<route id>"
+                               % re.escape(origin)) as refused:
                 provider.wait_for_ready(wrong, timeout_s=300)
+            assert route_id not in str(refused.value) and typo.rsplit("/", 1)[1] not in str(refused.value)
+        assert route_id not in repr(provider) and "base_url='%s/<route id>'" % origin in repr(provider)
         with pytest.raises(hsp.SandboxConfigError, match=r"urljoin\(base_url, '/step'\) drops its route id"):
             provider.wait_for_ready(urljoin(base_url, "/step"))
         assert provider.phase is hsp.Phase.RUNNING and emu.job(provider.job_id).stage == "RUNNING"
@@ -173,7 +178,9 @@ def test_a_route_the_proxy_does_not_know_ends_the_wait_at_once_speaking_of_the_p
     with pytest.raises(hsp.SandboxError) as info:
         provider.wait_for_ready(timeout_s=300)
     assert not isinstance(info.value, hsp.JobStartTimeout)  # a permanent answer, not waited out
-    assert "no route at %s" % base_url in str(info.value) and "provider.base_url" in str(info.value)
+    origin, route_id = base_url.rsplit("/", 1)
+    assert "no route at %s/<route id>" % origin in str(info.value) and "provider.base_url" in str(info.value)
+    assert route_id not in str(info.value)  # the route id is the loopback credential: never in an error
     assert "AuthProxy.mount" not in str(info.value)
     assert provider.phase is hsp.Phase.IDLE  # the failed wait cancelled the job, as any failure does
 

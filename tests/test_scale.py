@@ -425,3 +425,35 @@ def test_a_progress_callback_that_raises_does_not_lose_any_environment(proxy, em
     finally:
         hsp.stop_all(providers)
     wait_until(lambda: emu.live_pids() == [], "every job process to exit")
+
+
+class ClaimsLate(hsp.HFSandboxProvider):
+    """The second provider made claims its start only once the group's abort has asked it to stop (a
+    descheduled worker between start_container()'s checks and its claim)."""
+
+    made = 0
+
+    def __init__(self, *args, **kwargs):
+        type(self).made += 1
+        self.late = type(self).made == 2
+        if type(self).made == 1:
+            kwargs["env_vars"] = {"HF_JOBS_EMULATOR_CRASH_AT_BOOT": "boom: first environment"}
+        super().__init__(*args, **kwargs)
+
+    def _claim_start(self):
+        if self.late:
+            wait_until(self._stop_requested.is_set, "the group's abort")
+        super()._claim_start()
+
+
+def test_start_many_aborts_a_start_that_claimed_its_provider_after_the_abort(proxy):
+    ClaimsLate.made = 0
+    with JobsEmulator() as emu:
+        slow_boot = ["sh", "-c", "sleep 60; exec " + " ".join(echo_server_command())]
+        with pytest.raises(hsp.StartManyError) as info:
+            ClaimsLate.start_many(2, IMAGE, max_parallel=2, progress=False, endpoint=emu.endpoint, token=emu.token,
+                                  proxy=proxy, command=slow_boot, poll_interval_s=0.05, ready_timeout_s=20)
+        # before the fix the second start ran its whole ready_timeout_s and was reported as a failure of its own
+        assert [index for index, _ in info.value.errors] == [0] and info.value.aborted == 1, str(info.value)
+        wait_until(lambda: all(job.terminal for job in emu.jobs), "every job to end")
+        assert emu.live_pids() == []

@@ -92,3 +92,44 @@ def test_a_stop_racing_a_replicated_start_cancels_every_replica_before_it_return
         results = [_stop_mid_start(emu, proxy, rng, lose_create=i % 3 == 0, replicas=2)
                    for i in range(ITERATIONS // 4)]
         _assert_no_job_outlived_its_stop(emu, results)
+
+
+class SlowToTearDown(hsp.HFSandboxProvider):
+    """Holds the teardown of a failed readiness wait (a descheduled thread) until the test lets it go."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.held, self.go = threading.Event(), threading.Event()
+
+    def _teardown(self, *args, **kwargs):
+        if threading.current_thread().name == "old-wait":
+            self.held.set()
+            self.go.wait(JOIN_TIMEOUT_S)
+        super()._teardown(*args, **kwargs)
+
+
+def test_a_readiness_wait_ended_by_a_stop_does_not_tear_down_the_start_made_after_that_stop(proxy):
+    with JobsEmulator() as emu:
+        slow_boot = ["sh", "-c", "sleep 30; exec " + " ".join(echo_server_command())]
+        provider = SlowToTearDown(IMAGE, endpoint=emu.endpoint, token=emu.token, proxy=proxy, command=slow_boot,
+                                  poll_interval_s=0.05)
+        try:
+            provider.start_container()
+            first_job, outcome = provider.job_id, []
+            waiter = threading.Thread(name="old-wait", target=lambda: outcome.append(
+                pytest.raises(hsp.SandboxError, provider.wait_for_ready)))
+            waiter.start()
+            wait_until(lambda: provider._watch is not None, "the wait to begin")
+            provider.stop_container()  # the old wait fails and its teardown is held
+            wait_until(provider.held.is_set, "the old wait's teardown")
+            provider.command = echo_server_command()
+            base_url = provider.start_container()  # the same provider, restarted by another thread
+            provider.go.set()
+            waiter.join(JOIN_TIMEOUT_S)
+            assert "stop_container() was called" in str(outcome[0].value)
+            provider.wait_for_ready(base_url, timeout_s=30)  # before the fix: the old wait had stopped this start
+            assert emu.job(provider.job_id).stage == "RUNNING" and emu.job(first_job).stage == "CANCELED"
+        finally:
+            provider.go.set()
+            provider.stop_container()
+        assert emu.wait_for_stage(provider.job_id, ["CANCELED"]).stage == "CANCELED"
