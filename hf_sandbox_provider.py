@@ -1976,9 +1976,9 @@ class _Watch:
         return max(self.base_interval_s, WATCH_SLOW_INTERVAL_S) if slow else self.base_interval_s
 
     def deliver(self, job: Mapping[str, Any]) -> None:
-        before, self.job = self.job or {}, job
-        self.refreshed += 1
-        if _watch_signature(job) != _watch_signature(before):
+        changed = _watch_signature(job) != _watch_signature(self.job or {})  # raises before keeping a non-object
+        self.job, self.refreshed = job, self.refreshed + 1
+        if changed:
             self.wake.set()
 
     def fail(self, error: BaseException) -> None:
@@ -2089,6 +2089,9 @@ class _JobWatcher:
                         if not _refused(exc):
                             raise
                         watch.fail(exc)  # e.g. 404: this job is gone; the others are fine
+            for watch in [w for w in watches if w.job_id in found]:
+                watch.deliver(found[watch.job_id])  # (an answer that is no JSON object fails here, in the try)
+            group.failures = 0
         except BaseException as exc:  # never kill the thread: the waiting providers get the error instead
             group.failures += 1
             # An outage (5xx, 429, no answer) fails no watch (each wait has a deadline); a refusal or a lasting bug does
@@ -2099,10 +2102,6 @@ class _JobWatcher:
             else:  # a 429 paused this token: wait that out here, so other tokens' groups keep going
                 group.next_due = max(time.monotonic() + _retry_delay(group.failures, None), client._budget.paused_until)
                 logger.debug("job watcher: refresh failed (%s), retrying", exc)
-            return
-        group.failures = 0
-        for watch in [w for w in watches if w.job_id in found]:
-            watch.deliver(found[watch.job_id])
 
 
 def _reset_after_fork() -> None:

@@ -940,3 +940,20 @@ def test_an_unreachable_endpoint_is_logged_at_the_first_retry_with_its_reason_an
     assert len(retries) == 1 and retries[0].levelname == "INFO"  # a library's default logging stays quiet
     assert re.search(r"inspecting job j1: ConnectionError \(Connection refused\) from %s; retry 1 of 1 in "
                      r"[0-9.]+s" % re.escape(endpoint), retries[0].getMessage()), retries[0].getMessage()
+
+
+@pytest.mark.parametrize("answer", ["null", "[]", '"RUNNING"'])
+def test_a_job_answer_that_is_no_json_object_is_retried_and_never_ends_the_watcher_thread(api, answer):
+    from support import wait_until
+
+    url = ENDPOINT + "/api/jobs/alice/j1"
+    api.add(responses.GET, url, body=answer, content_type="application/json")
+    api.add(responses.GET, url, json=job_json("j1", "RUNNING"))
+    watcher, wake = hsp._JobWatcher(), threading.Event()
+    watch = watcher.register(ENDPOINT, fresh_token(), requests.Session, "alice", "j1", 0.05, wake)
+    try:  # before: the first answer ended the thread, and no later start of the process saw a stage
+        wait_until(lambda: watch.job is not None or watch.error is not None, "the watcher's next answer", 20)
+        assert watch.error is None and watch.job["status"]["stage"] == "RUNNING" and wake.is_set()
+        assert watcher._thread is not None and watcher._thread.is_alive()
+    finally:
+        watcher.unregister(watch)
