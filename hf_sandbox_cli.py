@@ -17,7 +17,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import requests
 
@@ -36,6 +36,7 @@ DEFAULT_ENDPOINT, DEFAULT_FLAVOR, TERMINAL_STAGES = _core.DEFAULT_ENDPOINT, _cor
 PROVIDER_LABEL_KEY, PROVIDER_LABEL_VALUE = _core.PROVIDER_LABEL_KEY, _core.PROVIDER_LABEL_VALUE
 _JobsClient, _cancel_briefly, _discover_token = _core._JobsClient, _core._cancel_briefly, _core._discover_token
 _parse_duration, _resolve_endpoint = _core._parse_duration, _core._resolve_endpoint
+_label_rule_rejection, START_LABEL_KEY = _core._label_rule_rejection, _core.START_LABEL_KEY
 
 __all__ = ["main", "SMOKE_DEFAULT_IMAGE", "SMOKE_DEFAULT_ACTION", "SMOKE_WS_STEPS", "SMOKE_REQUEST_TIMEOUT_S",
            "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE"]
@@ -56,6 +57,8 @@ SMOKE_WS_STEPS = 3
 # Per-request timeout of the smoke's own HTTP and WebSocket calls.
 SMOKE_REQUEST_TIMEOUT_S = 60.0
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+# What a malformed `sweep --label` is told to type instead.
+_SWEEP_LABEL_EXAMPLE = "--label %s=<the value a warning named> or --label run=exp1" % START_LABEL_KEY
 
 
 class _Smoke:
@@ -306,11 +309,17 @@ def _stop_emulator(emulator: Any) -> str:
     return "no job process left"
 
 
-def _sweep_skip_reason(job: Mapping[str, Any], user: str) -> Optional[str]:
+def _sweep_skip_reason(job: Mapping[str, Any], user: str,
+                       wanted: Optional[Mapping[str, str]] = None) -> Optional[str]:
     """Why `sweep` must leave this job alone, or None. A label is a claim, not proof: only jobs the
-    current user started are cancelled."""
+    current user started are cancelled. `wanted` (the --label filter) is checked here too, not only
+    sent to the Hub: a listing that ignored the filter must not cancel a job lacking the label."""
     if (job.get("status") or {}).get("stage") in TERMINAL_STAGES:
         return "already finished"
+    carried = job.get("labels") if isinstance(job.get("labels"), Mapping) else {}
+    missing = ["%s=%s" % item for item in (wanted or {}).items() if carried.get(item[0]) != item[1]]
+    if missing:
+        return "does not carry label %s" % ", ".join(missing)
     initiator = job.get("initiator") or {}
     if initiator.get("name") != user:
         return "started by %s, not by %s" % (initiator.get("name") or "an unknown initiator", user)
@@ -339,8 +348,33 @@ def _format_age(seconds: Optional[float]) -> str:
     return "%dm old" % (seconds // 60) if seconds < 7200 else "%.1fh old" % (seconds / 3600)
 
 
+def _sweep_labels(given: Optional[Sequence[str]], base: Mapping[str, str]) -> Union[Dict[str, str], str]:
+    """The --label filter as {key: value}, or why it is refused (a usage error, before any call): each
+    must be KEY=VALUE under the Hub's label rule, one value per key, none contradicting `base` (sweep's own
+    filter: the library's label, or the pool's)."""
+    labels: Dict[str, str] = {}
+    for item in given or ():
+        key, sep, value = item.partition("=")
+        if not sep:
+            return "--label %r has no '=': give KEY=VALUE, e.g. %s" % (item, _SWEEP_LABEL_EXAMPLE)
+        if not key:
+            return "--label %r has an empty key: give KEY=VALUE, e.g. %s" % (item, _SWEEP_LABEL_EXAMPLE)
+        reason = _label_rule_rejection({key: value})
+        if reason:
+            return "--label %r: %s; e.g. %s" % (item, reason, _SWEEP_LABEL_EXAMPLE)
+        if labels.get(key, value) != value:
+            return ("--label %s is given twice (%s=%s and %s=%s): a job carries one value per key, so no job "
+                    "would match; keep one" % (key, key, labels[key], key, value))
+        if base.get(key, value) != value:
+            return ("--label %s=%s contradicts sweep's own filter %s=%s (sweep only touches this library's jobs, "
+                    "or with --pool that pool's host jobs): drop it" % (key, value, key, base[key]))
+        labels[key] = value
+    return labels
+
+
 def _run_sweep(args: Any) -> int:
-    """Cancel (or with --dry-run, list) this library's jobs the current user left scheduling or running."""
+    """Cancel (or with --dry-run, list) this library's jobs (those carrying every --label) the current user left
+    scheduling or running."""
     try:
         endpoint = _resolve_endpoint(args.endpoint)
     except InsecureURLError as exc:
@@ -349,6 +383,12 @@ def _run_sweep(args: Any) -> int:
     if args.older_than is not None and older_than is None:
         return _usage_error("--older-than %r is not a duration: use seconds or a number with s, m, h or d "
                             "(e.g. 90s, 30m, 2h, 1d)" % args.older_than)
+    labels = {PROVIDER_LABEL_KEY: PROVIDER_LABEL_VALUE}
+    if args.pool:  # the host jobs of a named pool (huggingface_hub's labels: hosts carry no label of ours)
+        labels = {"hf-sandbox-mode": "pool", "hf-sandbox-pool": args.pool}
+    wanted = _sweep_labels(args.label, labels)
+    if isinstance(wanted, str):
+        return _usage_error(wanted)
     token = _discover_token()
     if not token:
         return _usage_error("no Hugging Face token found: set HF_TOKEN or run `hf auth login`")
@@ -356,10 +396,7 @@ def _run_sweep(args: Any) -> int:
     try:
         user = client.whoami_namespace()
         namespace = args.namespace or user
-        labels = {PROVIDER_LABEL_KEY: PROVIDER_LABEL_VALUE}
-        if args.pool:  # the host jobs of a named pool (huggingface_hub's labels: hosts carry no label of ours)
-            labels = {"hf-sandbox-mode": "pool", "hf-sandbox-pool": args.pool}
-        found = client.list_jobs(namespace, labels=labels, stages=_core.LIVE_STAGES)
+        found = client.list_jobs(namespace, labels={**labels, **wanted}, stages=_core.LIVE_STAGES)
         failed = swept = 0
         now = time.time()
         for job in found:
@@ -367,7 +404,7 @@ def _run_sweep(args: Any) -> int:
             age = _job_age_s(job, now)
             summary = "%s (%s, %s, %s)" % (job_id, (job.get("status") or {}).get("stage"),
                                            job.get("flavor") or "?", _format_age(age))
-            reason = _sweep_skip_reason(job, user)
+            reason = _sweep_skip_reason(job, user, wanted)
             if reason is None and older_than is not None and (age is None or age < older_than):
                 reason = "younger than %s" % args.older_than if age is not None else "its age is unknown"
             if reason:
@@ -380,7 +417,9 @@ def _run_sweep(args: Any) -> int:
             outcome = _cancel_briefly(client, namespace, job_id)
             print("cancelled %s" % summary if outcome is None else "FAILED to cancel %s: %s" % (summary, outcome))
             failed += outcome is not None
-        print("%d leftover job(s) of %s in %s%s" % (swept, user, namespace, " (dry run)" if args.dry_run else ""))
+        labelled = " labelled %s" % ", ".join("%s=%s" % item for item in wanted.items()) if wanted else ""
+        print("%d leftover job(s) of %s in %s%s%s" % (swept, user, namespace, labelled,
+                                                      " (dry run)" if args.dry_run else ""))
         return EXIT_FAILED if failed else EXIT_OK
     except JobsAPIError as exc:
         print("error: %s" % exc, file=sys.stderr)
@@ -416,6 +455,9 @@ def _parser() -> Any:
     sweep.add_argument("--namespace", help="user or organisation (default: the token's user)")
     sweep.add_argument("--pool", metavar="NAME", help="cancel the host jobs of the named sandbox pool instead "
                                                       "(pooled placement; every sandbox on them ends too)")
+    sweep.add_argument("--label", metavar="KEY=VALUE", action="append",
+                       help="only jobs carrying this label, e.g. the %s=... a warning named; repeat it to "
+                            "require several (all must match); combines with the other options" % START_LABEL_KEY)
     sweep.add_argument("--endpoint", help="Hub endpoint (default: $HF_ENDPOINT or %s)" % DEFAULT_ENDPOINT)
     sweep.add_argument("-v", "--verbose", action="count", default=0)
     commands.add_parser("bench", add_help=False,

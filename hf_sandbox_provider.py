@@ -575,8 +575,8 @@ class HFSandboxProvider:
                     lambda: self._phase not in _START_IN_FLIGHT or self._starts != start, STOP_WAIT_S):
                 logger.warning(
                     "stop_container(): the start of this provider has not ended after %gs; it cancels its "
-                    "job when its create answers, but if this process exits first look for the job "
-                    "labelled %s=%s (or run `python -m hf_sandbox_provider sweep`)", STOP_WAIT_S,
+                    "job when its create answers, but if this process exits first cancel it with `python -m "
+                    "hf_sandbox_provider sweep --label %s=%s`", STOP_WAIT_S,
                     START_LABEL_KEY, self._start_label)
 
     def _request_stop(self) -> None:
@@ -2196,7 +2196,7 @@ def _release_job(client: Optional["_JobsClient"], namespace: Optional[str], job_
 def _cancel_labelled(client: "_JobsClient", namespace: str, start_label: str, keep: Optional[str] = None) -> List[str]:
     """Cancel every job but `keep` labelled with `start_label` (made by a create whose answer was lost); return what
     could not be done, and for a failed create (no `keep`) that none is listed yet: the Hub may still make it."""
-    sweep = "run `python -m hf_sandbox_provider sweep` (label %s=%s)" % (START_LABEL_KEY, start_label)
+    sweep = "run `python -m hf_sandbox_provider sweep --label %s=%s`" % (START_LABEL_KEY, start_label)
     who = "the first create" if keep else "the failed create"
     try:
         found = [job_id for job in client.list_jobs(namespace, labels={START_LABEL_KEY: start_label})

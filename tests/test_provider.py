@@ -491,7 +491,7 @@ def test_a_failed_create_whose_job_cannot_be_looked_up_warns_with_the_start_labe
     warning = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING][-1]
     assert label.startswith(hsp.START_LABEL_KEY + "=") and warning == (
         "could not check whether the failed create made a job anyway (JobsAPIError); if it did, it runs "
-        "until its timeout: run `python -m hf_sandbox_provider sweep` (label %s)" % label)
+        "until its timeout: run `python -m hf_sandbox_provider sweep --label %s`" % label)
 
 
 def test_a_failed_create_whose_job_is_not_listed_yet_warns_that_the_hub_may_still_make_it(api, proxy, caplog):
@@ -504,8 +504,8 @@ def test_a_failed_create_whose_job_is_not_listed_yet_warns_that_the_hub_may_stil
     label = requests.utils.unquote(calls_to(api, "GET", "/api/jobs/alice")[-1].request.url.split("label=", 1)[1])
     warning = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING][-1]
     assert warning == ("no job of the failed create is listed yet (its answer was lost or interrupted); if the Hub "
-                       "makes one later, it runs until its timeout: run `python -m hf_sandbox_provider sweep` "
-                       "(label %s)" % label.split("&")[0])
+                       "makes one later, it runs until its timeout: run `python -m hf_sandbox_provider sweep "
+                       "--label %s`" % label.split("&")[0])
 
 
 @pytest.mark.parametrize("cancel_status", [200, 403])

@@ -125,8 +125,8 @@ def test_a_stop_whose_start_outlasts_the_wait_warns_with_the_start_label_and_the
     assert warning and "%s=%s" % (hsp.START_LABEL_KEY, label) in warning[0] and "sweep" in warning[0]
     assert warning[0] == (
         "stop_container(): the start of this provider has not ended after 0.5s; it cancels its job when its "
-        "create answers, but if this process exits first look for the job labelled %s=%s (or run `python -m "
-        "hf_sandbox_provider sweep`)" % (hsp.START_LABEL_KEY, label))
+        "create answers, but if this process exits first cancel it with `python -m hf_sandbox_provider sweep "
+        "--label %s=%s`" % (hsp.START_LABEL_KEY, label))
     thread.join(30)
     assert not thread.is_alive() and isinstance(errors[0], hsp.SandboxError)
     assert len(emu.jobs) == 1

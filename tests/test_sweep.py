@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import re
 import sys
 
 import pytest
@@ -109,3 +110,137 @@ def test_sweep_finds_and_cancels_the_jobs_of_a_trainer_killed_without_any_cleanu
                 proc.kill()
                 proc.wait(RUN_TIMEOUT_S)
             proc.stdout.close()
+
+
+def start_labelled(emulator, **labels):
+    provider = hsp.HFSandboxProvider("python:3.12", endpoint=emulator.endpoint, token=emulator.token,
+                                     command=SLEEPER, poll_interval_s=0.05, labels=labels)
+    provider.start_container()
+    return provider
+
+
+def start_label(emulator, provider):
+    """The hf-sandbox-start label of the provider's job: the one a warning names after a lost create."""
+    return "%s=%s" % (hsp.START_LABEL_KEY, emulator.job(provider.job_id).spec["labels"][hsp.START_LABEL_KEY])
+
+
+def test_sweep_with_label_cancels_the_labelled_job_and_leaves_the_librarys_other_running_jobs_running(tmp_path):
+    with JobsEmulator() as emulator:
+        stray, healthy = start_sleeper(emulator), start_sleeper(emulator)
+        try:
+            label = start_label(emulator, stray)
+            env = clean_env(tmp_path, HF_ENDPOINT=emulator.endpoint, HF_TOKEN=emulator.token)
+            swept = run(["sweep", "--label", label], env)
+            assert swept.returncode == 0, swept.stderr
+            assert "cancelled %s" % stray.job_id in swept.stdout
+            assert healthy.job_id not in swept.stdout
+            assert "1 leftover job(s) of local in local labelled %s\n" % label in swept.stdout
+            assert emulator.wait_for_stage(stray.job_id, ["CANCELED"]).stage == "CANCELED"
+            assert emulator.job(healthy.job_id).stage == "RUNNING"
+        finally:
+            hsp.stop_all([stray, healthy])
+
+
+def test_sweep_dry_run_with_label_lists_only_the_matching_jobs_and_cancels_none(tmp_path):
+    with JobsEmulator() as emulator:
+        match, other = start_labelled(emulator, run="exp1"), start_labelled(emulator, run="exp2")
+        try:
+            env = clean_env(tmp_path, HF_ENDPOINT=emulator.endpoint, HF_TOKEN=emulator.token)
+            dry = run(["sweep", "--dry-run", "--label", "run=exp1"], env)
+            assert dry.returncode == 0, dry.stderr
+            assert "would cancel %s (RUNNING" % match.job_id in dry.stdout
+            assert other.job_id not in dry.stdout
+            assert "1 leftover job(s) of local in local labelled run=exp1 (dry run)" in dry.stdout
+            assert [emulator.job(p.job_id).stage for p in (match, other)] == ["RUNNING", "RUNNING"]
+        finally:
+            hsp.stop_all([match, other])
+
+
+def test_sweep_with_repeated_labels_cancels_only_jobs_carrying_all_of_them_and_older_than_still_applies(tmp_path):
+    with JobsEmulator() as emulator:
+        both, young = start_labelled(emulator, run="exp1", shard="0"), start_labelled(emulator, run="exp1", shard="0")
+        other_shard = start_labelled(emulator, run="exp1", shard="1")
+        other_run = start_labelled(emulator, run="exp2", shard="0")
+        providers = [both, young, other_shard, other_run]
+        try:
+            for provider in (both, other_shard, other_run):  # all but `young` as if left two hours ago
+                emulator.job(provider.job_id).created_at -= datetime.timedelta(hours=2)
+            env = clean_env(tmp_path, HF_ENDPOINT=emulator.endpoint, HF_TOKEN=emulator.token)
+            swept = run(["sweep", "--label", "run=exp1", "--label", "shard=0", "--older-than", "1h"], env)
+            assert swept.returncode == 0, swept.stderr
+            assert "cancelled %s" % both.job_id in swept.stdout
+            assert "skipped %s" % young.job_id in swept.stdout and "younger than 1h" in swept.stdout
+            assert other_shard.job_id not in swept.stdout and other_run.job_id not in swept.stdout
+            assert "1 leftover job(s) of local in local labelled run=exp1, shard=0\n" in swept.stdout
+            assert emulator.wait_for_stage(both.job_id, ["CANCELED"]).stage == "CANCELED"
+            assert [emulator.job(p.job_id).stage for p in providers[1:]] == ["RUNNING"] * 3
+        finally:
+            hsp.stop_all(providers)
+
+
+def test_sweep_pool_with_label_cancels_only_that_pools_host_jobs_carrying_the_label(tmp_path):
+    from huggingface_hub import HfApi
+
+    with JobsEmulator() as emulator:
+        api = HfApi(endpoint=emulator.endpoint, token=emulator.token)
+        pool_labels = {"hf-sandbox-mode": "pool", "hf-sandbox-pool": "p"}
+        hosts = [api.run_job(image="python:3.12", command=SLEEPER, namespace=emulator.namespace,
+                             labels={**pool_labels, hsp.PROCESS_LABEL_KEY: process}) for process in ("a", "b")]
+        try:
+            for host in hosts:
+                emulator.wait_for_stage(host.id, ["RUNNING"])
+            env = clean_env(tmp_path, HF_ENDPOINT=emulator.endpoint, HF_TOKEN=emulator.token)
+            swept = run(["sweep", "--pool", "p", "--label", "%s=a" % hsp.PROCESS_LABEL_KEY], env)
+            assert swept.returncode == 0, swept.stderr
+            assert "cancelled %s" % hosts[0].id in swept.stdout and hosts[1].id not in swept.stdout
+            assert emulator.wait_for_stage(hosts[0].id, ["CANCELED"]).stage == "CANCELED"
+            assert emulator.job(hosts[1].id).stage == "RUNNING"
+        finally:
+            for host in hosts:
+                api.cancel_job(job_id=host.id, namespace=emulator.namespace)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--label", "run"], ["--label 'run' has no '='", "KEY=VALUE", "--label hf-sandbox-start="]),
+    (["--label", "=exp1"], ["--label '=exp1' has an empty key", "KEY=VALUE"]),
+    (["--label", "run=exp 1"], ["--label 'run=exp 1'", "letters, digits, '-' and '_'", "--label run=exp1"]),
+    (["--label", "a.b=1"], ["label key 'a.b'", "letters, digits"]),
+    (["--label", "run=a=b"], ["--label 'run=a=b'", "the value must be"]),
+    (["--label", "run=exp1", "--label", "run=exp2"], ["--label run is given twice", "keep one"]),
+    (["--label", "hf-sandbox-provider=0"], ["contradicts sweep's own filter hf-sandbox-provider=1", "drop it"]),
+    (["--pool", "p", "--label", "hf-sandbox-pool=q"], ["contradicts sweep's own filter hf-sandbox-pool=p"]),
+])
+def test_a_malformed_label_is_refused_naming_what_to_type_before_any_network_call(args, words, monkeypatch, capsys):
+    with JobsEmulator() as emulator:
+        monkeypatch.setenv("HF_TOKEN", emulator.token)
+        monkeypatch.setenv("HF_ENDPOINT", emulator.endpoint)
+        assert cli.main(["sweep", "--dry-run"] + args) == cli.EXIT_USAGE
+        error = capsys.readouterr().err
+        assert error.startswith("error: --label") and all(word in error for word in words), error
+        assert sum(emulator.api_calls.values()) == 0
+
+
+def test_sweep_with_label_never_cancels_a_listed_job_lacking_it_even_if_the_hub_ignored_the_filter(monkeypatch,
+                                                                                                   capsys):
+    import responses
+
+    endpoint, now = "https://hub.example", datetime.datetime.now(datetime.timezone.utc).isoformat()
+
+    def job(job_id, **labels):
+        return {"id": job_id, "status": {"stage": "RUNNING"}, "initiator": {"name": "alice"}, "flavor": "cpu-basic",
+                "createdAt": now, "labels": {hsp.PROVIDER_LABEL_KEY: hsp.PROVIDER_LABEL_VALUE, **labels}}
+
+    monkeypatch.setenv("HF_TOKEN", "hf_sweep_label_" + "c" * 20)
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    with responses.RequestsMock() as hub:  # a Hub answering the listing as if it had no label filter
+        hub.add(responses.GET, endpoint + "/api/whoami-v2", json={"name": "alice", "type": "user"})
+        listing = hub.add(responses.GET, endpoint + "/api/jobs/alice",
+                          json=[job("stray", run="exp1"), job("healthy", run="exp2"), job("unlabelled")])
+        cancel = hub.add(responses.POST, endpoint + "/api/jobs/alice/stray/cancel", json={})
+        assert cli.main(["sweep", "--label", "run=exp1"]) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    assert "label=run%3Dexp1" in listing.calls[0].request.url  # the filter is sent to the Hub ...
+    assert "label=%s%%3D%s" % (hsp.PROVIDER_LABEL_KEY, hsp.PROVIDER_LABEL_VALUE) in listing.calls[0].request.url
+    assert cancel.call_count == 1 and "cancelled stray" in out  # ... and checked again on what it lists
+    assert re.search(r"skipped healthy \(RUNNING, cpu-basic, \d+s old\): does not carry label run=exp1\n", out)
+    assert "skipped unlabelled" in out and "1 leftover job(s) of alice in alice labelled run=exp1" in out
