@@ -29,6 +29,7 @@ user of this emulator only, and `timeoutSeconds` counts from the start of RUNNIN
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import datetime
 import errno
@@ -56,6 +57,7 @@ import tempfile
 import threading
 import time
 import uuid
+import weakref
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
@@ -398,6 +400,7 @@ class JobsEmulator:
                 _LoopbackNames.add(TLS_HOST_SUFFIX)
             self._server = _TrackingHTTPServer((self.host, self._requested_port), handler)
             self._stopping = False
+            _running_emulators.add(self)
         self._server_thread = threading.Thread(
             target=self._server.serve_forever, args=(SERVE_POLL_S,), name=f"jobs-emulator:{self.port}", daemon=True)
         self._server_thread.start()
@@ -406,7 +409,8 @@ class JobsEmulator:
     def stop(self) -> List[str]:
         """End every job process group and gate, then the API listener. Safe to call twice.
 
-        Never raises: returns (and logs) what could not be cleaned up, e.g. `["job 6b00... pid 123"]`.
+        Never raises but for a Ctrl-C, and that only once every job's process group is killed: returns (and
+        logs) what could not be cleaned up, e.g. `["job 6b00... pid 123"]`.
         """
         with self._lock:
             self._stopping = True
@@ -416,9 +420,14 @@ class JobsEmulator:
                     job._stop_reason = "emulator stopped"
                     job._attention.set()
             self._changed.notify_all()
+        interrupted: Optional[BaseException] = None
         for job in jobs:
             if job._supervisor is not None and job._supervisor.ident is not None:  # started
-                job._supervisor.join(self.kill_grace_s + 5.0)
+                try:
+                    job._supervisor.join(self.kill_grace_s + 5.0)
+                except KeyboardInterrupt as exc:  # no more grace: the kills below still run, then it propagates
+                    interrupted = exc
+                    break
         problems: List[str] = []
         for job in jobs:
             if job._process is not None and job._process.poll() is None:
@@ -456,6 +465,9 @@ class JobsEmulator:
             material.remove()
         if problems:
             log.warning("hf_jobs_emulator stopped but could not clean up: %s", ", ".join(problems))
+        _running_emulators.discard(self)
+        if interrupted is not None:
+            raise interrupted
         return problems
 
     def __enter__(self) -> "JobsEmulator":
@@ -1282,6 +1294,17 @@ class _ApiError(Exception):
         self.headers = headers or {}
 
 
+def _framing_number(text: Any, base: int, what: str) -> int:
+    """A Content-Length or chunk size; a malformed one is the client's fault (400), as a real front end says."""
+    try:
+        value = int(text, base)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise _ApiError(400, f"malformed {what}: {text!r}")
+    return value
+
+
 def _host_rejection(host: str) -> Optional[str]:
     if not _is_loopback_host(host):
         return (f"host {host!r} is not a loopback address: the emulator runs commands for anyone holding "
@@ -1722,6 +1745,20 @@ def _executable(command: str, env: Optional[Mapping[str, str]], cwd: Optional[st
     if not os.access(path, os.X_OK):
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), command)
     return os.path.abspath(path)
+
+
+# Emulators started and not stopped. At interpreter exit their jobs' process groups are killed: a job started with
+# Popen leads its own session, so neither a terminal's Ctrl-C nor its parent's exit reaches it (zygote children
+# die with the zygote anyway), and a stop() cut short, or never called, would leave it running.
+_running_emulators: "weakref.WeakSet[JobsEmulator]" = weakref.WeakSet()
+
+
+@atexit.register
+def _kill_jobs_at_exit() -> None:
+    for emulator in list(_running_emulators):
+        for job in list(emulator._jobs.values()):
+            if job._process is not None and job._process.poll() is None:
+                _kill_process_group(job._process, 0.0)
 
 
 def _kill_process_group(proc: Optional[subprocess.Popen], grace_s: float) -> None:
@@ -2288,6 +2325,13 @@ class _TrackingHTTPServer(_OpenConnections, ThreadingHTTPServer):
         host, port = self.server_address[:2]
         self.server_name, self.server_port = str(host), port
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that reset or dropped its connection is routine, not a traceback on stderr."""
+        if isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)):
+            log.debug("hf_jobs_emulator: a client dropped its connection", exc_info=True)
+            return
+        super().handle_error(request, client_address)
+
 
 class _TrackingUnixServer(_OpenConnections, socketserver.ThreadingMixIn,
                           socketserver.UnixStreamServer):
@@ -2703,7 +2747,7 @@ class _QuietHandler(BaseHTTPRequestHandler):
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
             chunks, total = [], 0
             while True:
-                size = int(self.rfile.readline(1024).split(b";")[0].strip() or b"0", 16)
+                size = _framing_number(self.rfile.readline(1024).split(b";")[0].strip() or b"0", 16, "chunk size")
                 if size == 0:
                     while self.rfile.readline(1024) not in (b"\r\n", b"\n", b""):
                         pass  # trailers
@@ -2714,7 +2758,7 @@ class _QuietHandler(BaseHTTPRequestHandler):
                     raise _ApiError(413, f"request body larger than {limit} bytes")
                 chunks.append(self.rfile.read(size))
                 self.rfile.readline(1024)
-        length = int(self.headers.get("Content-Length") or 0)
+        length = _framing_number(self.headers.get("Content-Length") or "0", 10, "Content-Length")
         if length > limit:
             self.close_connection = True
             raise _ApiError(413, f"request body larger than {limit} bytes")
@@ -2774,17 +2818,18 @@ class _ApiHandler(_QuietHandler):
             reason = emu._namespace_access_rejection(user, namespace)
             if reason:
                 raise _ApiError(403, reason)
+        retry_after = emu._take_rate_limit(route)  # before the count: a refused call uses no unit of the window
+        if retry_after is not None:
+            quota, window = emu.rate_limit or (1000, 300)  # the real window's policy; else the free tier's
+            raise _ApiError(429, "You have exceeded the rate limit of the Jobs API (injected by the emulator). "
+                                 f"Retry after {retry_after} seconds.",
+                            {"Retry-After": str(retry_after), "RateLimit": f'"api";r=0;t={retry_after}',
+                             "RateLimit-Policy": f'"fixed window";"api";q={quota};w={int(window)}'})
         wait, self.limit_headers = emu._admit(user, route)
         if wait is not None:
             raise _ApiError(429, f"You have exceeded the rate limit of the Hub's API for user '{user}' "
                                  f"({emu.rate_limit[0]} calls per {emu.rate_limit[1]:g}s, whoami less). "
                                  f"Retry after {wait} seconds.", {"Retry-After": str(wait)})
-        retry_after = emu._take_rate_limit(route)
-        if retry_after is not None:
-            raise _ApiError(429, "You have exceeded the rate limit of the Jobs API (injected by the emulator). "
-                                 f"Retry after {retry_after} seconds.",
-                            {"Retry-After": str(retry_after), "RateLimit": f'"api";r=0;t={retry_after}',
-                             "RateLimit-Policy": '"fixed window";"api";q=1000;w=300'})
         server_error = emu._take_server_error(route)
         if server_error is not None:
             raise _ApiError(server_error, "Internal error (injected by the emulator); retry later")
@@ -2879,8 +2924,10 @@ class _ApiHandler(_QuietHandler):
         replica = job.id[-5:]
         previous = _process_cpu_seconds(job.pid), time.monotonic()
         while not job.terminal and not emu._stopping:
+            due = time.monotonic() + METRICS_INTERVAL_S  # one sample per interval: other jobs' notifies wake too
             with emu._changed:
-                emu._changed.wait(METRICS_INTERVAL_S)
+                while not job.terminal and not emu._stopping and (left := due - time.monotonic()) > 0:
+                    emu._changed.wait(left)
             cpu, now = _process_cpu_seconds(job.pid), time.monotonic()
             busy = max(0.0, cpu - previous[0]) / max(1e-6, now - previous[1])
             previous = cpu, now
@@ -2941,6 +2988,12 @@ def _match_api_route(method: str, path: str) -> Tuple[str, Dict[str, str]]:
         routes = [("GET", "inspect", {"namespace": parts[2], "job_id": parts[3]})]
     elif len(parts) == 5 and parts[:2] == ["api", "jobs"] and parts[4] in JOB_SUBROUTES:
         routes = [(JOB_SUBROUTES[parts[4]], parts[4], {"namespace": parts[2], "job_id": parts[3]})]
+    if parts[:2] == ["api", "scheduled-jobs"] or (len(parts) == 5 and parts[:2] == ["api", "jobs"]
+                                                  and parts[4] == "duplicate"):
+        # Real Hub routes (HfApi.rerun_job, the scheduled-jobs methods) not emulated: a 404 here would
+        # read to huggingface_hub as JobNotFoundError, "check the job id", for a job that exists.
+        raise _ApiError(501, f"Not implemented by hf_jobs_emulator: {method} {path!r} (huggingface_hub's "
+                             "HfApi.rerun_job and scheduled-jobs methods are not emulated)")
     if not routes:
         raise _ApiError(404, f"Not found: no API route {path!r} (this emulator serves /api/whoami-v2, "
                              "/api/jobs/hardware and /api/jobs/{namespace}[/{job_id}[/cancel|/logs|/labels|/expose"

@@ -7,6 +7,8 @@ import contextlib
 import json
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -841,3 +843,48 @@ def test_serve_cli_refuses_an_unknown_fault_naming_it():
     done = subprocess.run([PY, hf_jobs_emulator.__file__, "serve", "--fault", "explode=1"],
                           capture_output=True, text=True, timeout=TIMEOUT)
     assert done.returncode == 2 and "explode" in done.stderr and "crash-at-boot" in done.stderr
+
+
+CHATTY = py("import time\nwhile True:\n    print('line', flush=True)\n    time.sleep(0.002)")
+
+
+def test_metrics_stream_keeps_one_sample_per_interval_while_another_job_logs_hundreds_of_lines(emu, api):
+    job = running_with_urls(api, emu, command=SLEEP_FOREVER)
+    run(api, emu, CHATTY)  # every log line notifies the emulator's condition
+    samples, until = 0, time.monotonic() + 2.5
+    with raw(emu, "GET", f"/api/jobs/local/{job.id}/metrics", stream=True) as answer:
+        for line in answer.iter_lines():
+            samples += line == b"event: metric"
+            if time.monotonic() >= until:
+                break
+    assert 1 <= samples <= 4, samples  # before: several hundred, each over a few ms of CPU
+
+
+def test_an_injected_429_describes_the_real_window_and_uses_none_of_it():
+    with JobsEmulator(rate_limit=(40, 60)) as emu:
+        first = raw(emu, "GET", "/api/jobs/local")
+        emu.inject_rate_limit(1, retry_after_s=2, routes=["list"])
+        refused = raw(emu, "GET", "/api/jobs/local")
+        after = raw(emu, "GET", "/api/jobs/local")
+    assert refused.status_code == 429 and refused.headers["RateLimit"] == '"api";r=0;t=2'
+    assert refused.headers["RateLimit-Policy"] == first.headers["RateLimit-Policy"] == '"fixed window";"api";q=40;w=60'
+    assert first.headers["RateLimit"].startswith('"api";r=39;') and after.headers["RateLimit"].startswith('"api";r=38;')
+
+
+def test_malformed_body_framing_is_a_400_naming_it_and_a_client_reset_prints_no_traceback(emu, capfd):
+    bad = raw(emu, "POST", "/api/jobs/local", headers={"Content-Length": "abc", "Content-Type": "application/json"})
+    assert bad.status_code == 400 and "malformed Content-Length" in bad.json()["error"], bad.text
+    for _ in range(3):  # a request whose body never comes, then a reset (RST, unread data)
+        with socket.create_connection((emu.host, emu.port)) as client:
+            client.sendall(b"POST /api/jobs/local HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n")
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    time.sleep(0.5)
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_real_hub_route_not_emulated_answers_501_not_a_misleading_job_not_found(emu, api):
+    job = run(api, emu, SLEEP_FOREVER)
+    with pytest.raises(HfHubHTTPError) as info:
+        api.rerun_job(job_id=job.id, namespace="local")
+    assert info.value.response.status_code == 501 and "HfApi.rerun_job" in str(info.value)
+    api.cancel_job(job_id=job.id, namespace="local")
