@@ -138,7 +138,9 @@ def _smoke_checks(smoke: _Smoke, base_url: str, action: Mapping[str, Any]) -> No
 
         def call(method: str, path: str, body: Any = None) -> requests.Response:
             response = http.request(method, base_url + path, json=body, timeout=SMOKE_REQUEST_TIMEOUT_S)
-            response.raise_for_status()
+            if response.status_code >= 400:  # the server's own words; the path only (the URL holds the route id)
+                raise SandboxError("HTTP %d from %s %s: %s" % (response.status_code, method, path,
+                                                               response.text.strip()[:300] or "(no body)"))
             return response
 
         def health() -> str:
@@ -214,10 +216,20 @@ def _run_smoke(args: Any) -> int:
         if not args.local:
             checked._resolve_token()  # fail now, with the hint, rather than mid-stage
     except (SandboxConfigError, InsecureURLError) as exc:
-        return _usage_error(str(exc))
+        source = " (from $HF_ENDPOINT)" if isinstance(exc, InsecureURLError) and os.environ.get("HF_ENDPOINT") else ""
+        return _usage_error(str(exc) + source)
     out = sys.stderr if args.json else sys.stdout
     smoke, emulator, failure = _Smoke(out), None, None
     provider = None if args.local else checked
+
+    def settle(name: str, action: Callable[[], Optional[str]]) -> None:
+        """A teardown stage: Ctrl-C ends it, never the stages after it, and is reported, not a traceback."""
+        nonlocal failure
+        try:
+            smoke.stage(name, action)
+        except KeyboardInterrupt:
+            failure = "interrupted"
+
     try:
         if args.local:
             emulator = module.JobsEmulator(**(SMOKE_POOL_EMULATOR if args.pool else {}))
@@ -249,12 +261,12 @@ def _run_smoke(args: Any) -> int:
     finally:
         if provider is not None:
             job_id = provider.job_id
-            smoke.stage("stop_container (cancel job, unmount)", lambda: provider.stop_container() or (
+            settle("stop_container (cancel job, unmount)", lambda: provider.stop_container() or (
                 "job %s %s" % (job_id, provider.stage) if job_id else "nothing to stop"))
             if args.pool and provider._pooled is not None:
-                smoke.stage("close pool %s (cancel the host jobs it booted)" % args.pool, _close_pools)
+                settle("close pool %s (cancel the host jobs it booted)" % args.pool, _close_pools)
         if emulator is not None:
-            smoke.stage("stop local Jobs emulator", lambda: _stop_emulator(emulator))
+            settle("stop local Jobs emulator", lambda: _stop_emulator(emulator))
     if args.json:
         print(json.dumps({
             "ok": smoke.ok and failure is None, "mode": "local" if args.local else "hub", "image": image,
@@ -381,10 +393,13 @@ def _run_sweep(args: Any) -> int:
         return _usage_error(str(exc))
     older_than = None if args.older_than is None else _parse_duration(args.older_than)
     if args.older_than is not None and older_than is None:
-        return _usage_error("--older-than %r is not a duration: use seconds or a number with s, m, h or d "
-                            "(e.g. 90s, 30m, 2h, 1d)" % args.older_than)
+        return _usage_error("--older-than %r is not a duration of at least 1 second: use seconds or a number "
+                            "with s, m, h or d (e.g. 90s, 30m, 2h, 1d)" % args.older_than)
     labels = {PROVIDER_LABEL_KEY: PROVIDER_LABEL_VALUE}
-    if args.pool:  # the host jobs of a named pool (huggingface_hub's labels: hosts carry no label of ours)
+    if args.pool is not None:  # the host jobs of a named pool (huggingface_hub's labels: hosts carry no label of ours)
+        if _core._placement("pool").pool_rejection(args.pool):  # a name no pool can have would match nothing
+            return _usage_error("--pool %r is not a pool name: 1-100 letters, digits, '-' or '_' (the name "
+                                "smoke --pool and pool= take)" % args.pool)
         labels = {"hf-sandbox-mode": "pool", "hf-sandbox-pool": args.pool}
     wanted = _sweep_labels(args.label, labels)
     if isinstance(wanted, str):

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -254,3 +257,72 @@ def test_readmes_first_command_installs_only_the_library_and_its_test_command_is
         ci = [line.strip() for line in fh if line.strip() and not line.lstrip().startswith("#")]
     assert ci[-1] == test_command  # CI runs exactly README's test command
     assert any("pip install" in line and "-e '.[test,trl]'" in line for line in ci)
+
+
+def test_smoke_shows_an_http_stage_failure_in_the_servers_words_and_never_the_route_id(tmp_path):
+    result = run(["smoke", "--local", "--action", '{"no_such_field": 1}'], clean_env(tmp_path))
+    assert result.returncode == 1
+    assert "HTTP 422 from POST /step: {" in result.stdout, result.stdout  # the server's validation detail
+    assert not re.search(r":[0-9]+/[A-Za-z0-9_-]{32}", result.stdout + result.stderr)  # no proxy route id
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--pool", "bad/name"], "--pool 'bad/name' is not a pool name"),
+    (["--pool", ""], "--pool '' is not a pool name"),  # before: the empty name swept every job of the library
+    (["--older-than", "0"], "--older-than '0' is not a duration of at least 1 second"),
+])
+def test_sweep_refuses_a_pool_name_or_duration_no_job_can_match_before_any_call(tmp_path, args, words):
+    with JobsEmulator() as emu:
+        result = run(["sweep"] + args, clean_env(tmp_path, HF_ENDPOINT=emu.endpoint, HF_TOKEN=emu.token))
+        assert result.returncode == 2 and words in result.stderr, result.stderr
+        assert emu.api_calls == {}
+
+
+def test_smoke_names_hf_endpoint_as_the_source_of_a_refused_endpoint(tmp_path):
+    result = run(["smoke"], clean_env(tmp_path, HF_ENDPOINT="http://example.invalid", HF_TOKEN="hf_unused"))
+    assert result.returncode == 2
+    assert "Jobs endpoint 'http://example.invalid' must be https" in result.stderr
+    assert result.stderr.rstrip().endswith("(from $HF_ENDPOINT)"), result.stderr
+
+
+STUBBORN = "sh -c 'trap \"\" TERM; %s -m hf_jobs_emulator echo-server; sleep 30'" % sys.executable
+
+
+def test_ctrl_c_during_smokes_teardown_finishes_the_cleanup_reports_and_leaves_no_process(tmp_path):
+    marker = "SMOKE_TEST_MARK_%d" % os.getpid()
+    proc = subprocess.Popen([sys.executable, "-m", "hf_sandbox_provider", "smoke", "--local", "--command", STUBBORN],
+                            cwd=REPO, env=clean_env(tmp_path, **{marker: "1"}), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        lines = []
+        for line in proc.stdout:  # a pipe: each stage prints its `...` line as it begins
+            lines.append(line)
+            if "...   stop local Jobs emulator" in line:  # its job ignores SIGTERM: a 3 s kill grace
+                os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C does
+                break
+        out, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = "".join(lines) + out
+    assert proc.returncode == 1 and "Traceback" not in err, err  # before: a KeyboardInterrupt traceback
+    assert "\ntotal " in out and "stop local Jobs emulator" in out.split("\ntotal ")[0], out  # the table
+    try:
+        wait_until(lambda: not processes_carrying(marker), "the job's processes to end", 10)  # before: 2 left
+    finally:
+        for pid in processes_carrying(marker):  # whatever a failure left, so no later test meets it
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def processes_carrying(variable):
+    """Pids of the processes whose environment names `variable` (what a process passes to its children)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open("/proc/%s/environ" % pid, "rb") as environ:
+                if (variable + "=").encode() in environ.read():
+                    found.append(int(pid))
+        except OSError:  # ended meanwhile, or not ours to read
+            pass
+    return found
