@@ -1,7 +1,7 @@
 """A local stand-in for Hugging Face Jobs, and an OpenEnv-compatible echo environment.
 
 `JobsEmulator` serves the HF Jobs REST API (whoami-v2, hardware, create, inspect, list, cancel, logs,
-labels, expose, metrics; optionally the Hub's per-user rate limit and pagination) on loopback with the
+labels, expose, metrics, rerun; optionally the Hub's per-user rate limit and pagination) on loopback with the
 JSON shapes huggingface_hub's `HfApi` parses, runs each job's command as a local
 process group, and fronts every exposed port with a token gate, as `https://<id>--<port>.hf.jobs`
 does. Faults (slow scheduling, crash at boot, 429s and 5xx, lost create answers, jobs that never get a
@@ -57,7 +57,6 @@ import tempfile
 import threading
 import time
 import uuid
-import weakref
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
@@ -156,9 +155,11 @@ LINK_POLL_S = 0.5
 LINK_CHUNK = 16 * 1024
 # Route names: keys of `api_calls` and the `routes` of `inject_rate_limit`.
 API_ROUTES = ("whoami", "create", "list", "inspect", "cancel", "logs", "hardware", "labels", "expose", "metrics",
-              "unknown")
+              "duplicate", "unknown")
 # Job routes below /api/jobs/{namespace}/{job_id}/: their method (huggingface_hub's HfApi calls them so).
-JOB_SUBROUTES = {"cancel": "POST", "logs": "GET", "labels": "PUT", "expose": "PUT", "metrics": "GET"}
+# (`duplicate` is HfApi.rerun_job: a new job from this one's spec.)
+JOB_SUBROUTES = {"cancel": "POST", "logs": "GET", "labels": "PUT", "expose": "PUT", "metrics": "GET",
+                 "duplicate": "POST"}
 # The Hub's rule for labels (huggingface_hub's update_job_labels): keys and values of at most this many
 # letters, digits, '-' and '_'. The emulator's own fault labels (FAULT_LABEL_PREFIX) keep free-form values.
 LABEL_MAX_CHARS = 100
@@ -227,7 +228,9 @@ class EmulatedJob:
         self.owner_type = owner_type
         self.initiator = initiator
         self.spec = spec  # the validated create body minus secrets
-        self.secret_names: List[str] = []  # values live only in the supervisor, never in an answer
+        self.secret_names: List[str] = []  # values are never in an answer
+        # Kept in memory only, for a rerun (POST .../duplicate starts a new job from this spec, secrets included).
+        self._secret_values: Dict[str, str] = {}
         self.faults = faults
         self.stage = "SCHEDULING"
         self.message: Optional[str] = None
@@ -409,9 +412,19 @@ class JobsEmulator:
     def stop(self) -> List[str]:
         """End every job process group and gate, then the API listener. Safe to call twice.
 
-        Never raises but for a Ctrl-C, and that only once every job's process group is killed: returns (and
-        logs) what could not be cleaned up, e.g. `["job 6b00... pid 123"]`.
+        Never raises but for a Ctrl-C (KeyboardInterrupt), and that only once every job's process group is
+        SIGKILLed: returns (and logs) what could not be cleaned up, e.g. `["job 6b00... pid 123"]`.
         """
+        try:
+            problems, interrupted = self._stop()
+        except KeyboardInterrupt:  # one in the teardown, or a second one after the grace was cut short
+            self._kill_job_groups()
+            raise
+        if interrupted is not None:  # the one that cut the grace short: every group was killed then
+            raise interrupted
+        return problems
+
+    def _stop(self) -> Tuple[List[str], Optional[BaseException]]:
         with self._lock:
             self._stopping = True
             jobs = list(self._jobs.values())
@@ -425,8 +438,9 @@ class JobsEmulator:
             if job._supervisor is not None and job._supervisor.ident is not None:  # started
                 try:
                     job._supervisor.join(self.kill_grace_s + 5.0)
-                except KeyboardInterrupt as exc:  # no more grace: the kills below still run, then it propagates
-                    interrupted = exc
+                except KeyboardInterrupt as exc:  # no more grace: every group is killed now, the rest of the
+                    interrupted = exc             # teardown runs, then the interrupt propagates
+                    self._kill_job_groups()
                     break
         problems: List[str] = []
         for job in jobs:
@@ -466,9 +480,19 @@ class JobsEmulator:
         if problems:
             log.warning("hf_jobs_emulator stopped but could not clean up: %s", ", ".join(problems))
         _running_emulators.discard(self)
-        if interrupted is not None:
-            raise interrupted
-        return problems
+        return problems, interrupted
+
+    def _kill_job_groups(self) -> None:
+        """SIGKILL, without waiting, the process group of every job whose supervisor has not finished it (a stop()
+        cut short by Ctrl-C, or interpreter exit without stop()): no grace, and nothing here can block."""
+        for job in list(self._jobs.values()):
+            process = job._process
+            if process is None or (job.terminal and process.poll() is not None):
+                continue  # not started, or finished by its supervisor, which killed its group
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass  # the whole group is gone already
 
     def __enter__(self) -> "JobsEmulator":
         return self.start()
@@ -791,6 +815,7 @@ class JobsEmulator:
                 raise _ApiError(503, "the emulator is stopping; no new jobs")
             job = EmulatedJob(_new_job_id(), namespace, owner_type, user, spec, faults)
             job.secret_names = sorted(secret_values)
+            job._secret_values = secret_values
             # Made under the lock so stop() always sees (and joins) the supervisor of a listed job.
             job._supervisor = threading.Thread(
                 target=self._supervise, args=(job, secret_values), name=f"job:{job.id}", daemon=True)
@@ -808,6 +833,15 @@ class JobsEmulator:
         if self._is_sandbox_host(job):
             job._gates_made.wait(SANDBOX_GATES_WAIT_S)
         return job, lose
+
+    def _rerun_body(self, job: EmulatedJob) -> Dict[str, Any]:
+        """The create body of a rerun (POST .../duplicate, HfApi.rerun_job): the job's spec as it is now (labels and
+        exposed ports as last updated) with its secrets; the new job is checked and started as any create."""
+        with self._lock:
+            body = json.loads(json.dumps(job.spec))  # a deep copy: the two jobs' specs change independently
+            if job._secret_values:
+                body["secrets"] = dict(job._secret_values)
+        return body
 
     def _find_job(self, namespace: str, job_id: str) -> EmulatedJob:
         with self._lock:
@@ -828,7 +862,8 @@ class JobsEmulator:
             elif key == "stage":
                 all_stages = _jobs_facts().LIVE_STAGES + tuple(sorted(_jobs_facts().TERMINAL_STAGES))
                 if value.upper() not in all_stages:
-                    raise _ApiError(400, f"stage filter {value!r} is not a job stage; use one of {', '.join(all_stages)}")
+                    raise _ApiError(400, f"stage filter {value!r} is not a job stage; "
+                                         f"use one of {', '.join(all_stages)}")
                 stages.add(value.upper())
         with self._lock:  # only a snapshot under the lock: 256 jobs' JSON is built outside it
             chosen = [(j, _JobState.of(j)) for j in self._jobs.values()
@@ -1294,15 +1329,18 @@ class _ApiError(Exception):
         self.headers = headers or {}
 
 
+# What HTTP/1.1 allows as a Content-Length (decimal digits) and a chunk size (hex digits, RFC 9112): stricter than
+# int(), which also takes a sign, `_` separators and a `0x` prefix.
+_FRAMING_DIGITS = {10: re.compile(rb"[0-9]+"), 16: re.compile(rb"[0-9A-Fa-f]+")}
+
+
 def _framing_number(text: Any, base: int, what: str) -> int:
-    """A Content-Length or chunk size; a malformed one is the client's fault (400), as a real front end says."""
-    try:
-        value = int(text, base)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise _ApiError(400, f"malformed {what}: {text!r}")
-    return value
+    """A Content-Length or chunk size; a malformed one is the client's fault: 400 naming it, as a real front end
+    answers, and the connection is closed (where the body ends is unknown, so the next request cannot be found)."""
+    raw = (text.encode("latin-1", "replace") if isinstance(text, str) else bytes(text)).strip()
+    if not _FRAMING_DIGITS[base].fullmatch(raw):
+        raise _ApiError(400, f"malformed {what}: {raw[:40].decode('latin-1')!r}", {"Connection": "close"})
+    return int(raw, base)
 
 
 def _host_rejection(host: str) -> Optional[str]:
@@ -1340,7 +1378,8 @@ def _faults_rejection(faults: Mapping[str, Any], where: str, prefix: str = "") -
                 return f"{shown}={text!r}: must be a number of seconds >= 0"
         elif key == "rate-limit-after-create" and not (text.isdigit()):
             return f"{shown}={text!r}: must be a whole number of API calls >= 0"
-        elif key in ("lost-create-response", "no-url", "foreign-url") and text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+        elif (key in ("lost-create-response", "no-url", "foreign-url")
+              and text.lower() not in ("true", "false", "1", "0", "yes", "no")):
             return f"{shown}={text!r}: must be true or false"
         elif key == "crash-at-boot" and not text:
             return f"{shown}: give the crash message as the value"
@@ -1747,18 +1786,18 @@ def _executable(command: str, env: Optional[Mapping[str, str]], cwd: Optional[st
     return os.path.abspath(path)
 
 
-# Emulators started and not stopped. At interpreter exit their jobs' process groups are killed: a job started with
-# Popen leads its own session, so neither a terminal's Ctrl-C nor its parent's exit reaches it (zygote children
-# die with the zygote anyway), and a stop() cut short, or never called, would leave it running.
-_running_emulators: "weakref.WeakSet[JobsEmulator]" = weakref.WeakSet()
+# Emulators started and not (completely) stopped. At interpreter exit their jobs' process groups are SIGKILLed: a
+# job started with Popen leads its own session, so neither a terminal's Ctrl-C nor its parent's exit reaches it
+# (zygote children die with the zygote anyway), and a stop() cut short, or never called, would leave it running.
+# A plain set: an emulator whose stop() was interrupted after its threads ended must stay reachable from here.
+# (An emulator process killed outright, by SIGKILL or a signal it does not handle, runs no atexit hook.)
+_running_emulators: "set[JobsEmulator]" = set()
 
 
 @atexit.register
 def _kill_jobs_at_exit() -> None:
     for emulator in list(_running_emulators):
-        for job in list(emulator._jobs.values()):
-            if job._process is not None and job._process.poll() is None:
-                _kill_process_group(job._process, 0.0)
+        emulator._kill_job_groups()
 
 
 def _kill_process_group(proc: Optional[subprocess.Popen], grace_s: float) -> None:
@@ -2310,6 +2349,15 @@ class _OpenConnections:
             except OSError:
                 pass  # already closed by its handler
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that reset or dropped its connection is routine: logged at DEBUG, not a traceback on stderr
+        (socketserver's default). Anything else is a bug worth seeing: logged at ERROR with its traceback."""
+        error = sys.exc_info()[1]
+        if isinstance(error, (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)):
+            log.debug("hf_jobs_emulator: a client dropped its connection (%r)", error)
+            return
+        log.error("hf_jobs_emulator: error while serving a connection from %s", client_address, exc_info=True)
+
 
 class _TrackingHTTPServer(_OpenConnections, ThreadingHTTPServer):
     """A ThreadingHTTPServer on loopback TCP whose open connections `stop()` can close."""
@@ -2324,13 +2372,6 @@ class _TrackingHTTPServer(_OpenConnections, ThreadingHTTPServer):
         socketserver.TCPServer.server_bind(self)
         host, port = self.server_address[:2]
         self.server_name, self.server_port = str(host), port
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """A client that reset or dropped its connection is routine, not a traceback on stderr."""
-        if isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)):
-            log.debug("hf_jobs_emulator: a client dropped its connection", exc_info=True)
-            return
-        super().handle_error(request, client_address)
 
 
 class _TrackingUnixServer(_OpenConnections, socketserver.ThreadingMixIn,
@@ -2743,7 +2784,15 @@ class _QuietHandler(BaseHTTPRequestHandler):
         pass  # request lines may carry job ids only, but tests and benchmarks want a quiet stderr
 
     def read_body(self, limit: int = MAX_BODY_BYTES) -> bytes:
-        """The request body (Content-Length or chunked); _ApiError 413 when it is over `limit` bytes."""
+        """The request body (Content-Length or chunked); _ApiError 413 when it is over `limit` bytes, 400 when its
+        framing is malformed (either way the connection closes after the answer: the rest cannot be parsed)."""
+        try:
+            return self._read_body(limit)
+        except _ApiError:
+            self.close_connection = True
+            raise
+
+    def _read_body(self, limit: int) -> bytes:
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
             chunks, total = [], 0
             while True:
@@ -2754,13 +2803,12 @@ class _QuietHandler(BaseHTTPRequestHandler):
                     return b"".join(chunks)
                 total += size
                 if total > limit:
-                    self.close_connection = True
                     raise _ApiError(413, f"request body larger than {limit} bytes")
                 chunks.append(self.rfile.read(size))
                 self.rfile.readline(1024)
-        length = _framing_number(self.headers.get("Content-Length") or "0", 10, "Content-Length")
+        header = self.headers.get("Content-Length")
+        length = 0 if header is None else _framing_number(header, 10, "Content-Length header")
         if length > limit:
-            self.close_connection = True
             raise _ApiError(413, f"request body larger than {limit} bytes")
         return self.rfile.read(length) if length > 0 else b""
 
@@ -2838,7 +2886,10 @@ class _ApiHandler(_QuietHandler):
         elif route == "hardware":
             self._ok(_hardware_list(emu.flavors))
         elif route == "create":
-            self._create(user, namespace, body)
+            self._create(user, namespace, lambda: _json_body(body))
+        elif route == "duplicate":  # HfApi.rerun_job: a create from the stored spec, answered as one
+            original = emu._find_job(namespace, params["job_id"])
+            self._create(user, namespace, lambda: emu._rerun_body(original))
         elif route == "list":
             self._list_page(namespace, parse_qsl(target.query, keep_blank_values=True))
         elif route == "inspect":
@@ -2860,7 +2911,8 @@ class _ApiHandler(_QuietHandler):
         elif route == "metrics":
             self._stream_metrics(emu._find_job(namespace, params["job_id"]))
 
-    def _create(self, user: str, namespace: str, body: bytes) -> None:
+    def _create(self, user: str, namespace: str, create_body: Callable[[], Any]) -> None:
+        """A create (or a rerun, whose body is a stored spec): the create faults apply to both."""
         emu = self.emulator
         with emu._changed:
             late = emu._late_creates.take("create")
@@ -2870,9 +2922,9 @@ class _ApiHandler(_QuietHandler):
             with emu._changed:
                 emu._changed.wait_for(lambda: emu._stopping, late)
             with contextlib.suppress(_ApiError):  # (the emulator stopped meanwhile)
-                emu._create(user, namespace, _json_body(body))
+                emu._create(user, namespace, create_body())
             return
-        job, lose_answer = self.emulator._create(user, namespace, _json_body(body))
+        job, lose_answer = self.emulator._create(user, namespace, create_body())
         self.emulator._hold_create_answer()
         if lose_answer:  # the job exists, but the client never learns it
             self.close_connection = True
@@ -2932,8 +2984,9 @@ class _ApiHandler(_QuietHandler):
             busy = max(0.0, cpu - previous[0]) / max(1e-6, now - previous[1])
             previous = cpu, now
             sample = {"cpu_usage_pct": round(100.0 * busy, 1), "cpu_millicores": int(1000 * busy),
-                      "memory_used_bytes": _process_rss_bytes(job.pid), "memory_total_bytes": METRICS_MEMORY_TOTAL_BYTES,
-                      "rx_bps": 0, "tx_bps": 0, "gpus": {}, "replica": replica}
+                      "memory_used_bytes": _process_rss_bytes(job.pid),
+                      "memory_total_bytes": METRICS_MEMORY_TOTAL_BYTES, "rx_bps": 0, "tx_bps": 0, "gpus": {},
+                      "replica": replica}
             self.wfile.write(b"event: metric\ndata: " + json.dumps(sample).encode("utf-8") + b"\n\n")
             self.wfile.flush()
 
@@ -2988,16 +3041,16 @@ def _match_api_route(method: str, path: str) -> Tuple[str, Dict[str, str]]:
         routes = [("GET", "inspect", {"namespace": parts[2], "job_id": parts[3]})]
     elif len(parts) == 5 and parts[:2] == ["api", "jobs"] and parts[4] in JOB_SUBROUTES:
         routes = [(JOB_SUBROUTES[parts[4]], parts[4], {"namespace": parts[2], "job_id": parts[3]})]
-    if parts[:2] == ["api", "scheduled-jobs"] or (len(parts) == 5 and parts[:2] == ["api", "jobs"]
-                                                  and parts[4] == "duplicate"):
-        # Real Hub routes (HfApi.rerun_job, the scheduled-jobs methods) not emulated: a 404 here would
-        # read to huggingface_hub as JobNotFoundError, "check the job id", for a job that exists.
+    if parts[:2] == ["api", "scheduled-jobs"]:
+        # Real Hub routes not emulated: a 404 here would read to huggingface_hub as JobNotFoundError ("check the
+        # job id") for a scheduled job that may well exist on the Hub.
         raise _ApiError(501, f"Not implemented by hf_jobs_emulator: {method} {path!r} (huggingface_hub's "
-                             "HfApi.rerun_job and scheduled-jobs methods are not emulated)")
+                             "HfApi scheduled-job methods, create_scheduled_job, list_scheduled_jobs, "
+                             "inspect_scheduled_job and the rest, are not emulated)")
     if not routes:
         raise _ApiError(404, f"Not found: no API route {path!r} (this emulator serves /api/whoami-v2, "
                              "/api/jobs/hardware and /api/jobs/{namespace}[/{job_id}[/cancel|/logs|/labels|/expose"
-                             "|/metrics]])")
+                             "|/metrics|/duplicate]])")
     for verb, route, params in routes:
         if verb == method or (verb == "GET" and method == "HEAD"):
             return route, params

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -23,7 +24,7 @@ from hf_jobs_emulator import JobsEmulator
 
 hub = pytest.importorskip("huggingface_hub")
 from huggingface_hub import HfApi  # noqa: E402
-from huggingface_hub.errors import HfHubHTTPError  # noqa: E402
+from huggingface_hub.errors import HfHubHTTPError, JobNotFoundError  # noqa: E402
 import support
 from support import wait_until
 
@@ -871,20 +872,122 @@ def test_an_injected_429_describes_the_real_window_and_uses_none_of_it():
     assert first.headers["RateLimit"].startswith('"api";r=39;') and after.headers["RateLimit"].startswith('"api";r=38;')
 
 
-def test_malformed_body_framing_is_a_400_naming_it_and_a_client_reset_prints_no_traceback(emu, capfd):
-    bad = raw(emu, "POST", "/api/jobs/local", headers={"Content-Length": "abc", "Content-Type": "application/json"})
-    assert bad.status_code == 400 and "malformed Content-Length" in bad.json()["error"], bad.text
+MALFORMED_FRAMING = [
+    (b"Content-Length: abc\r\n", "Content-Length"),
+    (b"Content-Length: 1_0\r\n", "Content-Length"),  # int() would take these three; HTTP/1.1 does not
+    (b"Content-Length: +5\r\n", "Content-Length"),
+    (b"Transfer-Encoding: chunked\r\n\r\n0x5\r\n", "chunk size"),
+    (b"Transfer-Encoding: chunked\r\n\r\nzz\r\n", "chunk size"),
+]
+
+
+@pytest.mark.parametrize("framing,named", MALFORMED_FRAMING)
+def test_malformed_content_length_or_chunk_size_is_a_400_naming_it_and_the_connection_closes(emu, framing, named):
+    head = b"POST /api/jobs/local HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n" % emu.token.encode()
+    request = head + framing + (b"" if b"chunked" in framing else b"\r\n")
+    answer = support.raw_request(emu.port, request + b"hello", timeout=TIMEOUT)  # read until the server closes
+    status, _, body = answer.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 400 ") and b"Connection: close" in status, answer[:300]
+    assert f"malformed {named}".encode() in body and b"emulator error" not in body, body
+    assert answer.count(b"HTTP/1.1 ") == 1  # the bytes after it were not read as another request
+
+
+def test_a_client_resetting_its_connection_prints_no_traceback_and_logs_no_error(emu, capfd, caplog):
     for _ in range(3):  # a request whose body never comes, then a reset (RST, unread data)
         with socket.create_connection((emu.host, emu.port)) as client:
             client.sendall(b"POST /api/jobs/local HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n")
             client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    for _ in range(3):  # keep-alive requests sent back to back, then a reset before the answers are read
+        with socket.create_connection((emu.host, emu.port)) as client:
+            client.sendall(b"GET /api/whoami-v2 HTTP/1.1\r\nHost: x\r\n\r\n" * 50)
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     time.sleep(0.5)
     assert "Traceback" not in capfd.readouterr().err
+    assert not [r for r in caplog.records if r.name == "hf_jobs_emulator" and r.levelno >= logging.ERROR]
+    assert raw(emu, "GET", "/api/whoami-v2").status_code == 200  # and it still serves
 
 
-def test_a_real_hub_route_not_emulated_answers_501_not_a_misleading_job_not_found(emu, api):
-    job = run(api, emu, SLEEP_FOREVER)
+def test_an_error_other_than_a_dropped_connection_is_still_logged_with_its_traceback(emu, caplog):
+    try:
+        raise RuntimeError("a bug in a handler")
+    except RuntimeError:
+        emu._server.handle_error(None, ("127.0.0.1", 1))
+    errors = [r for r in caplog.records if r.name == "hf_jobs_emulator" and r.levelno == logging.ERROR]
+    assert errors and errors[0].exc_info[0] is RuntimeError
+
+
+ECHO_ENV_AND_SECRET = py("import os\nprint('env', os.environ['A'], 'secret', os.environ['S'], flush=True)\n"
+                         "import time\nwhile True: time.sleep(1)")
+
+
+def test_rerun_job_with_hfapi_starts_a_new_job_from_the_stored_spec_secrets_included(emu, api):
+    job = run(api, emu, ECHO_ENV_AND_SECRET, env={"A": "1"}, secrets={"S": "s3cret"}, labels={"team": "rl"},
+              timeout=600, expose=[8000])
+    api.update_job_labels(job_id=job.id, namespace="local", labels={"team": "rl", "round": "2"})
+    again = api.rerun_job(job_id=job.id, namespace="local")
+    assert again.id != job.id and again.status.stage in ("SCHEDULING", "RUNNING")
+    assert (again.docker_image, again.command, again.environment, again.flavor) == (
+        job.docker_image, job.command, job.environment, job.flavor)
+    assert again.labels == {"team": "rl", "round": "2"}  # the spec as it is now
+    assert again.secrets == {"S": None} and again.initiator.name == "local"
+    assert raw(emu, "GET", f"/api/jobs/local/{again.id}").json()["expose"]["ports"] == [8000]
+    wait_until(lambda: ("env 1 secret s3cret" in [line for _, line in emu.job(again.id).logs]),
+               "the rerun's process to get the env and the secret", TIMEOUT)
+    assert emu.api_calls["duplicate"] == 1 and api.inspect_job(job_id=job.id, namespace="local").id == job.id
+    with pytest.raises(JobNotFoundError):  # a job that does not exist is still not found
+        api.rerun_job(job_id="0123456789abcdef01234567", namespace="local")
+    for one in (job, again):
+        api.cancel_job(job_id=one.id, namespace="local")
+
+
+def test_scheduled_job_routes_answer_501_naming_what_is_not_emulated_not_a_misleading_job_not_found(emu, api):
     with pytest.raises(HfHubHTTPError) as info:
-        api.rerun_job(job_id=job.id, namespace="local")
-    assert info.value.response.status_code == 501 and "HfApi.rerun_job" in str(info.value)
-    api.cancel_job(job_id=job.id, namespace="local")
+        api.inspect_scheduled_job(scheduled_job_id="0123456789abcdef01234567", namespace="local")
+    assert not isinstance(info.value, JobNotFoundError)
+    assert info.value.response.status_code == 501 and "scheduled" in str(info.value)
+
+
+# A job that ignores SIGTERM (its shell and the sleep it runs), in a process that starts an emulator and then
+# either leaves without stop() or is interrupted (SIGINT: a terminal's Ctrl-C) while stop() waits out the grace.
+ORPHAN_SCRIPT = r"""
+import os, signal, sys, threading, time
+sys.path.insert(0, sys.argv[1])
+from hf_jobs_emulator import JobsEmulator
+from huggingface_hub import HfApi
+emu = JobsEmulator(kill_grace_s=60).start()
+api = HfApi(endpoint=emu.endpoint, token=emu.token)
+job = api.run_job(image="python:3.12", command=["sh", "-c", "trap '' TERM; echo up; sleep 300"], namespace="local")
+deadline = time.monotonic() + 30
+while not any(line == "up" for _, line in emu.job(job.id).logs) and time.monotonic() < deadline:
+    time.sleep(0.02)
+print("pgid", os.getpgid(emu.job(job.id).pid), flush=True)
+if sys.argv[2] == "interrupt":
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    started = time.monotonic()
+    try:
+        emu.stop()
+    except KeyboardInterrupt:
+        print("interrupted after %.1f s" % (time.monotonic() - started), flush=True)
+        os._exit(0)  # no atexit hook: what stop() itself left behind is what the test sees
+    print("stop returned", flush=True)
+"""
+
+
+def group_members(pgid: int) -> List[int]:
+    return support.processes(lambda stat: stat[2] == pgid)
+
+
+@pytest.mark.parametrize("how", ["exit", "interrupt"])
+def test_a_job_ignoring_sigterm_is_killed_when_its_process_exits_without_stop_or_is_interrupted_in_it(how):
+    root = os.path.dirname(os.path.abspath(hf_jobs_emulator.__file__))
+    done = subprocess.run([PY, "-c", ORPHAN_SCRIPT, root, how], capture_output=True, text=True, timeout=120)
+    lines = done.stdout.splitlines()
+    pgid = int(next(line for line in lines if line.startswith("pgid ")).split()[1])
+    try:
+        assert done.returncode == 0, done.stderr[-2000:]
+        if how == "interrupt":  # the interrupt cut the 60 s grace short and reached the caller
+            assert any(line.startswith("interrupted after ") and float(line.split()[2]) < 10 for line in lines), lines
+        wait_until(lambda: not group_members(pgid), "the job's process group to be killed", 10)
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)  # a failing test leaves nothing behind either
