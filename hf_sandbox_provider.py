@@ -113,8 +113,9 @@ LOG_FETCH_TIMEOUT_S = 5.0
 LIST_MAX_PAGES = 50  # `list` pages (Link: rel="next"): more is a loop or thousands of jobs
 # Names of the one public Hub: a next-page link may use either (any other host would get the token).
 HUB_HOST_NAMES = frozenset({"huggingface.co", "hf.co"})
-# A proxy route id (token_urlsafe(24)) in a URL: the loopback credential, never printed (repr, errors).
-_hide_route = functools.partial(re.compile(r"/[A-Za-z0-9_-]{32}(?=/|$|\?)").sub, "/<route id>")
+# A proxy route id in a URL: the loopback credential, never printed (repr, errors). (base64: 4 characters per 3 bytes)
+_hide_route = functools.partial(re.compile(r"/[A-Za-z0-9_-]{%d}(?=/|$|\?)" % (-(-_proxy.ROUTE_ID_BYTES // 3) * 4)).sub,
+                                "/<route id>")
 # Labels: one on every job this library makes (`sweep` finds leftovers by it), one unique per start (a lost create
 # answer's job is found by it), and one per process (the watcher lists all of this process's jobs with one call).
 PROVIDER_LABEL_KEY = "hf-sandbox-provider"

@@ -98,6 +98,8 @@ ANSWER_WATCH_S = 0.5
 POOL_IDLE_S = 4.0
 # TLS contexts kept (by `verify`, least recently used dropped): one with the system store is ~1 MiB.
 TLS_CONTEXTS_KEPT = 8
+# Random bytes of a route id (`secrets.token_urlsafe`): 192 bits, 32 URL-safe characters, unguessable.
+ROUTE_ID_BYTES = 24
 # How long stop() waits for each thread it started before naming it as left behind.
 STOP_JOIN_S = 5.0
 # Worker threads at most: a keep-alive connection holds one, a WebSocket session two. At the cap a
@@ -834,7 +836,7 @@ class AuthProxy:
         with self._lock:
             self._route_count += 1
             route._set_label("route-%d" % self._route_count)
-            route_id = secrets.token_urlsafe(24)
+            route_id = secrets.token_urlsafe(ROUTE_ID_BYTES)
             self._routes[route_id] = route
         return route, "%s/%s" % (self.url, route_id)
 
