@@ -269,9 +269,9 @@ class PooledSandbox:
             return  # the teardown of a start that already ended
         with self._lock:
             sandbox, self.sandbox = self.sandbox, None
-        killed = _release_sandbox(sandbox, gone.proxy, gone.base_url, client or gone.client)
-        if killed and self.owner._stage not in _core.TERMINAL_STAGES:
-            self.owner._stage = "CANCELED"
+        ended = _release_sandbox(sandbox, gone.proxy, gone.base_url, client or gone.client, namespace=gone.namespace)
+        if ended and self.owner._stage not in _core.TERMINAL_STAGES:
+            self.owner._stage = ended
 
     def _job_ids(self) -> List[str]:
         job_id = self.owner.job_id
@@ -414,27 +414,30 @@ class _SandboxHeaders:
 
 
 def _release_sandbox(sandbox: Any, proxy: Any, base_url: Optional[str], client: Any,
-                     abandoned: bool = False) -> bool:
-    """Unmount the route and kill the sandbox, warning (never raising) about what could not be done; True
-    when killed. Plain values, never the provider: the safety net uses it too."""
+                     abandoned: bool = False, namespace: Optional[str] = None) -> Optional[str]:
+    """Unmount the route and kill the sandbox, warning (never raising) about what could not be done; the stage
+    the sandbox ended in ("CANCELED", or its host job's when that ended first), else None. Plain values, never
+    the provider: the safety net uses it too."""
     if sandbox is None and not base_url and client is None:
-        return False
+        return None
     sandbox_id = getattr(sandbox, "id", None)
     if abandoned and sandbox_id:
         logger.warning("sandbox %s is still running at exit (or its provider was garbage-collected): killing it",
                        sandbox_id)
     problems = []
-    killed = False
+    ended: Optional[str] = None
     try:
         problems.extend(_core._unmount(proxy, base_url))
         if sandbox is not None:
             if _host_cancelled_by_us(sandbox):
-                killed = True  # its host job was cancelled with its pool: the sandbox went with it
+                ended = "CANCELED"  # its host job was cancelled with its pool: the sandbox went with it
             else:
                 sandbox.kill()  # logs its own warning on failure and stays killable
-                killed = bool(getattr(sandbox, "_killed", True))
-                if killed:
+                if getattr(sandbox, "_killed", True):
+                    ended = "CANCELED"
                     logger.info("sandbox %s killed", sandbox_id)
+                elif (ended := _ended_host_stage(client, namespace, sandbox)) is not None:
+                    logger.info("sandbox %s ended with its host job %s (%s)", sandbox_id, sandbox.host_id, ended)
                 else:
                     problems.append("could not kill it")
         if client is not None:
@@ -445,7 +448,22 @@ def _release_sandbox(sandbox: Any, proxy: Any, base_url: Optional[str], client: 
         logger.warning("sandbox %s: %s. It ends with its host job %s (pool close, the host's idle timeout, or "
                        "`python -m hf_sandbox_provider sweep --pool NAME`)", sandbox_id, "; ".join(problems),
                        getattr(sandbox, "host_id", None) or "")
-    return killed
+    return ended
+
+
+def _ended_host_stage(client: Any, namespace: Optional[str], sandbox: Any) -> Optional[str]:
+    """The terminal stage of the sandbox's host job, asked once after a kill that could not reach the host (a
+    host that died takes its sandboxes with it: nothing is left to kill), else None."""
+    host_id = getattr(sandbox, "host_id", None)
+    if client is None or not namespace or not host_id:
+        return None
+    try:
+        stage = (client.get_job(namespace, host_id, retries=0).get("status") or {}).get("stage")
+    except _core.JobsAPIError as exc:
+        stage = "DELETED" if exc.status_code == 404 else None  # (404: the Hub no longer knows the job)
+    except Exception:
+        return None
+    return stage if stage in _core.TERMINAL_STAGES else None
 
 
 def _first_line(exc: BaseException) -> str:

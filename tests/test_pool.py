@@ -9,6 +9,7 @@ booted, no process.
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -437,6 +438,21 @@ def test_a_server_that_crashes_at_boot_fails_fast_with_its_own_output_and_its_sa
     assert host_sandboxes(emu, host_id) == [] and proxy._routes == {}
 
 
+def test_stopping_a_sandbox_whose_host_died_reports_the_hosts_stage_not_a_sandbox_left_running(
+        pool_env, proxy, caplog):
+    emu = pool_env()
+    p = provider(emu, proxy, pool="host-dies")
+    p.wait_for_ready(p.start_container())
+    host_id = p._pooled.host_id
+    emu.kill_job(host_id)  # the host's machine dies: its sandboxes go with it
+    emu.wait_for_stage(host_id, ["ERROR"])
+    caplog.clear()
+    p.stop_container()  # the kill cannot reach the host; the host's own stage says the sandbox is gone
+    assert p.stage == "ERROR"
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "hf_sandbox" in r.name], [
+        r.getMessage() for r in caplog.records]
+
+
 @pytest.mark.slow  # boots two host jobs
 def test_a_host_killed_while_serving_fails_each_session_with_a_typed_error_and_a_restart_lands_on_a_new_host(
         pool_env, proxy):
@@ -458,7 +474,7 @@ def test_a_host_killed_while_serving_fails_each_session_with_a_typed_error_and_a
         for session in sessions:
             session.close()
     restarted = providers[0]
-    restarted.stop_container()  # its sandbox went with the host: the kill fails quietly
+    restarted.stop_container()  # its sandbox went with the host: the kill fails, the host's stage says so
     restarted.wait_for_ready(restarted.start_container())
     assert restarted._pooled.host_id != host_id
     with EnvSession(restarted.base_url) as session:
