@@ -1364,10 +1364,13 @@ def _delay_rejection(name: str, value: Any) -> Optional[str]:
 
 
 def _faults_rejection(faults: Mapping[str, Any], where: str, prefix: str = "") -> Optional[str]:
+    def named(key: str) -> str:  # as the caller wrote it: `emulator-die-after-s`, `HF_JOBS_EMULATOR_DIE_AFTER_S`
+        return prefix + (key.upper().replace("-", "_") if prefix == FAULT_ENV_PREFIX else key)
+
     for key, value in faults.items():
-        shown = f"{where} {prefix}{key!s}"
+        shown = f"{where} {named(str(key))}"
         if key not in FAULT_KEYS:
-            return f"{shown}: unknown fault; known faults are {', '.join(prefix + k for k in FAULT_KEYS)}"
+            return f"{shown}: unknown fault; known faults are {', '.join(map(named, FAULT_KEYS))}"
         text = str(value)
         if key in ("scheduling-delay-s", "die-after-s"):
             try:

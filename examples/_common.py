@@ -46,7 +46,7 @@ class Backend:
     records any job process it could not end in `leftovers` (which must stay empty).
     """
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, **emulator_settings: Any) -> None:
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                             format="%(asctime)s %(name)s %(message)s")
         if not args.verbose:
@@ -68,8 +68,12 @@ class Backend:
             if reason:  # a package to install: one line, the usage exit code, no traceback
                 print("error: %s" % reason, file=sys.stderr)
                 raise SystemExit(EXIT_USAGE)
-            settings = SMOKE_POOL_EMULATOR if args.pool else {}
-            self.emulator = hf_jobs_emulator.JobsEmulator(**settings)
+            settings = dict(SMOKE_POOL_EMULATOR if args.pool else {}, **emulator_settings)
+            try:
+                self.emulator = hf_jobs_emulator.JobsEmulator(**settings)
+            except ValueError as exc:  # e.g. an unknown fault: a usage error, in one line
+                print("error: %s" % exc, file=sys.stderr)
+                raise SystemExit(EXIT_USAGE) from None
 
     def __enter__(self) -> "Backend":
         if self.emulator is not None:

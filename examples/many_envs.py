@@ -10,6 +10,9 @@ environment, its job and the reason; every job is cancelled whatever happens.
     python examples/many_envs.py --n 8                          # 8 real HF Jobs
     python examples/many_envs.py --local --fault crash-at-boot=boom   # every job crashes at boot: exit 1
     python examples/many_envs.py --local --kill-env 3           # environment 3's job dies mid-run: exit 1
+
+With `--pool NAME` the faults hit the pool's host jobs: `--kill-env I` kills the host job environment I's
+sandbox runs on, so every environment on that host fails.
 """
 
 from __future__ import annotations
@@ -76,14 +79,9 @@ def spread(values: Sequence[float]) -> str:
 
 
 def run(args: Any, backend: _common.Backend) -> int:
-    settings = dict(backend.settings)
-    if args.fault:
-        key, _, value = args.fault.partition("=")
-        # the emulator's per-job fault injection: HF_JOBS_EMULATOR_<KEY> in the job's environment
-        settings["env_vars"] = {"HF_JOBS_EMULATOR_" + key.upper().replace("-", "_"): value}
     began = time.monotonic()
     try:
-        providers = HFSandboxProvider.start_many(args.n, args.image, **settings)
+        providers = HFSandboxProvider.start_many(args.n, args.image, **backend.settings)
     except Exception as exc:  # StartManyError: every job it started is cancelled already
         return _common.failure_exit(exc)
     print("%d environments ready in %.1fs (job ready times %s)" % (
@@ -91,10 +89,12 @@ def run(args: Any, backend: _common.Backend) -> int:
     outcomes: Dict[int, Any] = {}
     try:
         if args.kill_env is not None:
-            victim = providers[args.kill_env].job_id
+            # pooled, an environment's job_id is "<host job id>.<sandbox id>": its host is the job that can die
+            victim = str(providers[args.kill_env].job_id).split(".")[0]
             backend.emulator.kill_job(victim)
             backend.emulator.wait_for_stage(victim, ["ERROR"])
-            print("killed environment %d's job %s (a sandbox dying mid-run)" % (args.kill_env, victim))
+            print("killed environment %d's %s %s (a machine dying mid-run)" % (
+                args.kill_env, "host job" if args.pool else "job", victim))
         began = time.monotonic()
         outcomes = run_episodes(providers, args.steps)
         durations = [v for v in outcomes.values() if isinstance(v, float)]
@@ -117,8 +117,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _common.parser(__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, help="how many environments (default: 24 with --local, 8 on the Hub)")
     parser.add_argument("--steps", type=int, default=5, help="steps per episode (default: %(default)s)")
-    parser.add_argument("--fault", metavar="KEY=VALUE", help="--local only: emulator fault on every job, "
-                        "e.g. crash-at-boot=boom or die-after-s=2")
+    parser.add_argument("--fault", metavar="KEY=VALUE", help="--local only: emulator fault on every job (with "
+                        "--pool: every host job), e.g. crash-at-boot=boom or scheduling-delay-s=3")
     parser.add_argument("--kill-env", type=int, metavar="I", help="--local only: kill environment I's job "
                         "once all are ready, to see a mid-run failure reported")
     args = parser.parse_args(argv)
@@ -131,7 +131,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("--fault takes KEY=VALUE, e.g. crash-at-boot=boom")
     if args.kill_env is not None and not 0 <= args.kill_env < args.n:
         parser.error("--kill-env must be between 0 and %d" % (args.n - 1))
-    with _common.Backend(args) as backend:
+    faults = dict([args.fault.split("=", 1)]) if args.fault else None
+    with _common.Backend(args, faults=faults) as backend:
         code = run(args, backend)
     return _common.leftover_exit(code, backend)
 

@@ -290,7 +290,11 @@ def test_unknown_job_is_404_for_inspect_cancel_and_logs(emu):
     ({"dockerImage": "a", "expose": {"ports": [8000], "portsPublic": [9000]}}, "portsPublic"),
     ({"dockerImage": "a", "labels": {"emulator-die-after-s": "soon"}}, "emulator-die-after-s"),
     ({"dockerImage": "a", "labels": {"emulator-teleport": "1"}}, "emulator-teleport"),
-    ({"dockerImage": "a", "environment": {"HF_JOBS_EMULATOR_DIE_AFTER_S": "soon"}}, "HF_JOBS_EMULATOR_die-after-s"),
+    ({"dockerImage": "a", "environment": {"HF_JOBS_EMULATOR_DIE_AFTER_S": "soon"}}, "HF_JOBS_EMULATOR_DIE_AFTER_S"),
+    # an unknown one is named as sent, and the known ones in the same (variable) form
+    ({"dockerImage": "a", "environment": {"HF_JOBS_EMULATOR_NOPE": "1"}},
+     "HF_JOBS_EMULATOR_NOPE: unknown fault; known faults are HF_JOBS_EMULATOR_SCHEDULING_DELAY_S, "),
+    ({"dockerImage": "a", "labels": {"emulator-nope": "1"}}, "known faults are emulator-scheduling-delay-s, "),
     ({"dockerImage": "a", "labels": {"model": "Qwen/Qwen3"}}, "label model='Qwen/Qwen3'"),
     ({"dockerImage": "a", "labels": {"a b": "1"}}, "label key 'a b'"),
     ({"dockerImage": "a", "network": {"aliases": ["x"]}}, "network"),

@@ -141,6 +141,27 @@ def test_many_envs_start_failure_cancels_every_job_and_exits_nonzero(home: str) 
     assert "0 job processes left" in run.out, run
 
 
+def test_many_envs_pooled_kill_env_kills_the_host_job_and_reports_every_environment_on_it(home: str) -> None:
+    if importlib.util.find_spec("cryptography") is None:
+        pytest.skip("--local --pool needs cryptography (the emulator's TLS hosts)")
+    run = run_example("many_envs.py", "--local", "--pool", "ex-pool", "--n", "3", "--kill-env", "1", home=home)
+    assert run.code == 1, run
+    assert "killed environment 1's host job" in run.out, run
+    assert sorted(re.findall(r"FAILED environment (\d+) ", run.err)) == ["0", "1", "2"], run  # one host for all
+    assert "still running: none" in run.out and "0 job processes left" in run.out, run
+
+
+def test_many_envs_pooled_fault_reaches_the_host_jobs_and_an_unknown_fault_is_a_usage_error(home: str) -> None:
+    if importlib.util.find_spec("cryptography") is None:
+        pytest.skip("--local --pool needs cryptography (the emulator's TLS hosts)")
+    run = run_example("many_envs.py", "--local", "--pool", "ex-pool", "--n", "2", "--fault",
+                      "crash-at-boot=boom-on-the-host", home=home)
+    assert run.code == 1 and "boom-on-the-host" in run.err and "episodes" not in run.out, run
+    assert "0 job processes left" in run.out, run
+    run = run_example("many_envs.py", "--local", "--n", "2", "--fault", "no-such-fault=1", home=home)
+    assert run.code == 2 and "no-such-fault: unknown fault" in run.err and "crash-at-boot" in run.err, run
+
+
 def test_trl_example_runs_an_episode_here_and_from_its_pickled_factory_in_a_spawned_worker(home: str) -> None:
     run = run_example("trl_environment_factory.py", "--local", home=home)
     assert run.code == 0, run
