@@ -21,6 +21,7 @@ import argparse
 import json
 import logging
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -46,6 +47,10 @@ BENCH_DEFAULT_GRID = (1, 2, 4, 8, 16, 32, 64)
 # HF's CPU cold start is 4-6 s (the upstream PR's table: scheduling p50 4.0-5.0 s); the emulator
 # waits this long in SCHEDULING so --local timings have the real shape.
 BENCH_DEFAULT_SCHEDULING_DELAY_S = 5.0
+# --local: each job waits up to one watcher interval more in SCHEDULING, drawn at random, so the moment it
+# turns RUNNING falls anywhere in the watcher's cycle, as on the Hub. A fixed delay that is a multiple of the
+# interval fixes that phase for every job of a run, and the provider's overhead reads ~0 or a whole interval.
+BENCH_DEFAULT_SEED = 1
 # Steps per episode after the reset: enough to exercise a session, short next to the lifecycle.
 BENCH_DEFAULT_STEPS = 5
 # RSS and thread count are sampled this often while a concurrency level runs (peak per level).
@@ -218,7 +223,7 @@ def _bench_one(run: _BenchRun, args: argparse.Namespace, on_done: Callable[[_Ben
 def _bench_level(concurrency: int, args: argparse.Namespace, settings: Mapping[str, Any], emulator: Any,
                  say: Callable[[str], None]) -> Dict[str, Any]:
     """Start `concurrency` providers at once from threads, each: ready, episode, stop; summarise."""
-    runs = [_BenchRun(_CountedProvider(args.image, **settings)) for _ in range(concurrency)]
+    runs = [_BenchRun(_CountedProvider(args.image, **_with_jitter(settings, args))) for _ in range(concurrency)]
     calls_before = dict(emulator.api_calls) if emulator is not None else {}
     answers_before = _API_ANSWERS.count
     finished: List[_BenchRun] = []
@@ -262,11 +267,14 @@ def _bench_level(concurrency: int, args: argparse.Namespace, settings: Mapping[s
     to_ready = [run.timings["ready"] - run.timings["running"] for run in ok
                 if "ready" in run.timings and "running" in run.timings]
     overhead: List[float] = []
+    unrecorded = 0  # the provider's own /health came first, and the job ended before the emulator's probe
     if emulator is not None:
         for run in ok:
             job = emulator.job(run.job_id) if run.job_id else None
             if job is not None and job.first_health_ok_mono is not None and run.ready_mono is not None:
                 overhead.append(run.ready_mono - job.first_health_ok_mono)
+            else:
+                unrecorded += 1
     if emulator is not None:
         after = emulator.api_calls
         calls = {route: after.get(route, 0) - calls_before.get(route, 0) for route in after}
@@ -287,6 +295,7 @@ def _bench_level(concurrency: int, args: argparse.Namespace, settings: Mapping[s
         "total_s": pair([run.total for run in ok if run.total is not None]),
         "episode_s": pair([run.episode for run in ok if run.episode is not None]),
         "overhead_s": pair(overhead) if emulator is not None else None,
+        "overhead_unrecorded": unrecorded,
         "throughput_env_per_min": _round(len(ok) / wall * 60.0) if wall > 0 else None,
         "api_calls": calls, "api_calls_per_env": _round(total_calls / concurrency),
         "waiting_calls": waiting_calls,
@@ -316,14 +325,25 @@ def _hold_samples(hold: _Hold, concurrency: int, baseline_rss: Optional[int], ba
     return result
 
 
+def _with_jitter(settings: Mapping[str, Any], args: argparse.Namespace) -> Dict[str, Any]:
+    """One environment's settings: with --local (unless --no-jitter) its job gets a random extra scheduling delay
+    of up to one watcher interval (the emulator's per-job fault, an environment variable of the job)."""
+    if not args.local or args.no_jitter:
+        return dict(settings)
+    extra = _JITTER.uniform(0.0, args.poll_interval_s)
+    return dict(settings, env_vars={"HF_JOBS_EMULATOR_SCHEDULING_DELAY_S": "%.3f" % extra})
+
+
+_JITTER = random.Random(BENCH_DEFAULT_SEED)  # reseeded by --seed
+
+
 def _round(value: Optional[float], digits: int = 2) -> Optional[float]:
     return None if value is None else round(value, digits)
 
 
-def _fmt_pair(values: Optional[Sequence[Optional[float]]]) -> str:
-    if not values or values[0] is None:
-        return "n/a"
-    return "%.2fs/%.2fs" % (values[0], values[1])
+def _fmt_pair(values: Optional[Sequence[Optional[float]]], unrecorded: int = 0) -> str:
+    shown = "n/a" if not values or values[0] is None else "%.2fs/%.2fs" % (values[0], values[1])
+    return shown + (" (%d n/r)" % unrecorded if unrecorded else "")
 
 
 def _bench_markdown(report: Mapping[str, Any]) -> str:
@@ -337,7 +357,8 @@ def _bench_markdown(report: Mapping[str, Any]) -> str:
         lines.append("| %d | %d/%d | %.1fs | %s | %s | %s | %.1f env/min | %s | %.2f | %.1f MiB | %d |" % (
             row["concurrency"], row["success"], row["concurrency"], row["wall_s"], _fmt_pair(row["scheduling_s"]),
             _fmt_pair(row["running_to_ready_s"]), _fmt_pair(row["total_s"]), row["throughput_env_per_min"] or 0,
-            _fmt_pair(row["overhead_s"]), row["api_calls_per_env"], row["peak_rss_mib"], row["peak_threads"]))
+            _fmt_pair(row["overhead_s"], row.get("overhead_unrecorded", 0)), row["api_calls_per_env"],
+            row["peak_rss_mib"], row["peak_threads"]))
     held = [row for row in report["rows"] if row.get("memory")]
     if held:
         lines += ["", "| concurrency | RSS per idle provider | threads per idle provider | RSS per open session "
@@ -477,8 +498,9 @@ def _run_bench(args: argparse.Namespace) -> int:
             endpoint, token = emulator.endpoint, emulator.token
         settings.update(endpoint=endpoint, token=token, command=args.command or _emulator.echo_server_command())
         args.image = args.image or SMOKE_DEFAULT_IMAGE
-        description = "local emulator%s, scheduling delay %gs" % (
-            " in its own process" if args.emulator_process else "", args.scheduling_delay_s)
+        description = "local emulator%s, scheduling delay %gs%s" % (
+            " in its own process" if args.emulator_process else "", args.scheduling_delay_s,
+            "" if args.no_jitter else " + 0-%gs at random (seed %d)" % (args.poll_interval_s, args.seed))
     else:
         token = hsp._discover_token()
         if not token:
@@ -512,7 +534,8 @@ def _run_bench(args: argparse.Namespace) -> int:
             report["rows"].append(row)
             say("c=%d: %d/%d ok, wall %.1fs, overhead p50 %s, API calls/env %.2f, peak RSS %.0f MiB, "
                 "peak threads %d" % (concurrency, row["success"], concurrency, row["wall_s"],
-                                     _fmt_pair(row["overhead_s"]), row["api_calls_per_env"], row["peak_rss_mib"],
+                                     _fmt_pair(row["overhead_s"], row["overhead_unrecorded"]),
+                                     row["api_calls_per_env"], row["peak_rss_mib"],
                                      row["peak_threads"]))
             if row["memory"]:
                 say("c=%d held: %s" % (concurrency, ", ".join("%s %s" % kv for kv in row["memory"].items())))
@@ -562,6 +585,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--hold", action="store_true",
                        help="hold every environment when ready and with its session open, to measure RSS and "
                             "threads per idle provider and per open session")
+    bench.add_argument("--no-jitter", action="store_true",
+                       help="--local: every job waits exactly --scheduling-delay-s (by default each waits up to one "
+                            "--poll-interval-s more, at random, so its RUNNING moment falls anywhere in the "
+                            "watcher's cycle, as on the Hub)")
+    bench.add_argument("--seed", type=int, default=BENCH_DEFAULT_SEED,
+                       help="seed of those random delays (default %(default)s)")
     bench.add_argument("--poll-interval-s", type=float, default=DEFAULT_POLL_INTERVAL_S,
                        help="job watcher interval (default %(default)s)")
     bench.add_argument("--image", help="image to run (default: $HF_SANDBOX_IMAGE or %s)" % SMOKE_DEFAULT_IMAGE)
@@ -586,6 +615,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> in
                             format="%(asctime)s %(name)s %(levelname)s %(message)s")
     else:  # every readiness probe before the server listens is a 502 the proxy warns about
         logging.getLogger("proxy").setLevel(logging.ERROR)
+    _JITTER.seed(args.seed)
     return _run_bench(args)
 
 

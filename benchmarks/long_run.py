@@ -373,6 +373,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    modes = args.modes.split(",")
+    if not modes or set(modes) - {"renew", "no-renew"}:
+        parser.error("--modes takes renew and/or no-renew, comma-separated, got %r" % args.modes)
     if (
         args.slots < 1
         or args.job_timeout < 2
@@ -393,14 +396,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         os.cpu_count(),
     )
     results = []
-    for mode in args.modes.split(","):
+    for mode in modes:
         result = run_mode(mode == "renew", args)
         results.append(result)
         print(
             json.dumps({k: v for k, v in result.items() if k != "kills"}, indent=None), flush=True
         )
         for name, ok in result["checks"].items():
-            print("  %s %s" % ("PASS" if ok else "FAIL", name), flush=True)
+            print("  %s %s: %s" % ("PASS" if ok else "FAIL", mode, name), flush=True)
     load += ", %s at the end" % " ".join("%.1f" % x for x in os.getloadavg())
     if args.json:
         with open(args.json, "w") as out:

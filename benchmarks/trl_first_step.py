@@ -118,7 +118,7 @@ def sigterm_run(slots: int, delay: float) -> Dict[str, Any]:
 def markdown(rows: List[Dict[str, Any]], sig: Dict[str, Any], delay: float, load: str) -> str:
     serial = next(r["first_step_s"] for r in rows if r["mode"] == "serial")
     lines = ["## TRL first step: serial vs background starts vs shared jobs (benchmarks/trl_first_step.py)", "",
-             "Command: `python benchmarks/trl_first_step.py --slots %d --delay %g`  " % (rows[0]["slots"], delay),
+             "Command: `%s`  " % " ".join(["python benchmarks/trl_first_step.py"] + sys.argv[1:]),
              "Machine: %s, Python %s, %d CPUs; %s UTC; load average before/after %s. Real TRL GRPOTrainer "
              "(CPU, tiny offline model that calls the echo tool once per rollout), one step, emulator cold start "
              "%g s; first step = trainer construction to the end of step 1." % (

@@ -80,6 +80,7 @@ def test_bench_writes_a_plot_or_says_why_not(tmp_path):
     (["--steps", "-1"], "--steps"),
     (["--poll-interval-s", "0"], "--poll-interval-s"),
     (["--scheduling-delay-s", "-1"], "--scheduling-delay-s"),
+    (["--seed", "x"], "--seed"),
 ])
 def test_bench_refuses_bad_arguments_with_exit_2(tmp_path, args, message):
     result = run(["bench", "--local"] + args, clean_env(tmp_path))
@@ -106,3 +107,23 @@ def test_markdown_table_says_n_a_where_a_measure_is_unavailable():
     table = bench._bench_markdown({"rows": [row]})
     assert table.splitlines()[2] == ("| 2 | 2/2 | 7.5s | 4.00s/5.00s | 1.00s/1.50s | 6.00s/7.00s | 16.0 env/min "
                                      "| n/a | 3.50 | 80.0 MiB | 20 |")
+
+
+def test_each_local_job_waits_a_random_part_of_a_watcher_interval_more_unless_no_jitter():
+    args = bench._parser().parse_args(["--local", "--poll-interval-s", "0.5"])
+    extras = {float(bench._with_jitter({"flavor": "cpu-basic"}, args)["env_vars"]["HF_JOBS_EMULATOR_SCHEDULING_DELAY_S"])
+              for _ in range(50)}
+    assert len(extras) > 40 and all(0.0 <= extra < 0.5 for extra in extras)  # spread over the whole cycle
+    assert min(extras) < 0.1 and max(extras) > 0.4
+    fixed = bench._parser().parse_args(["--local", "--no-jitter"])
+    assert bench._with_jitter({"flavor": "cpu-basic"}, fixed) == {"flavor": "cpu-basic"}
+    hub = bench._parser().parse_args([])
+    assert "env_vars" not in bench._with_jitter({"flavor": "cpu-basic"}, hub)
+
+
+def test_markdown_table_counts_environments_whose_overhead_was_not_recorded():
+    row = {"concurrency": 2, "success": 2, "wall_s": 7.5, "scheduling_s": [4.0, 5.0],
+           "running_to_ready_s": [1.0, 1.5], "total_s": [6.0, 7.0], "throughput_env_per_min": 16.0,
+           "overhead_s": [0.2, 0.2], "overhead_unrecorded": 1, "api_calls_per_env": 3.5, "peak_rss_mib": 80.0,
+           "peak_threads": 20}
+    assert "| 0.20s/0.20s (1 n/r) |" in bench._bench_markdown({"rows": [row]})

@@ -297,6 +297,11 @@ def test_multiproc_runs_processes_of_one_user_within_its_quota_and_records_the_t
     assert "(jobs CANCELED), while an ordinary call then waited" in text  # the stop did not wait for budget
 
 
+def test_long_run_refuses_a_mode_it_does_not_know_before_running_anything():
+    proc = _run([os.path.join(BENCH, "long_run.py"), "--quick", "--modes", "renw"])
+    assert proc.returncode == 2 and "--modes takes renew and/or no-renew" in proc.stderr and "'renw'" in proc.stderr
+
+
 def test_long_run_quick_renews_slots_loses_only_the_killed_episode_and_leaves_no_job(tmp_path):
     raw = tmp_path / "long_run.json"
     results = tmp_path / "RESULTS.md"
