@@ -216,6 +216,8 @@ class PooledSandbox:
         owner._submitted_at = time.monotonic()
         client = owner._job_client = _core._JobsClient(owner.endpoint, token, owner._hooks()._new_session())
         try:
+            if isinstance(settings["pool"], str):  # a named pool boots hosts of this flavor (a caller's pool: its own)
+                _core._raise_if_rejected(_core._live_flavor_rejection(client, settings["flavor"]))
             namespace = settings["namespace"] or client.whoami_namespace()
             with owner._lock:
                 owner._job_namespace = namespace

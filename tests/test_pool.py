@@ -409,6 +409,14 @@ def test_an_older_huggingface_hub_is_refused_naming_the_version_needed(monkeypat
         p.start_container()
 
 
+def test_a_named_pool_refuses_a_flavor_the_hubs_live_list_lacks_before_booting_a_host(pool_env, proxy):
+    emu = pool_env(flavors=["cpu-basic", "cpu-upgrade"])
+    p = provider(emu, proxy, pool="big-iron", flavor="a100-large")
+    with pytest.raises(hsp.SandboxConfigError, match="valid Jobs flavors: cpu-basic, cpu-upgrade"):
+        p.start_container()
+    assert emu.jobs == [] and emu.api_calls.get("create", 0) == 0
+
+
 def test_pool_and_replicas_cannot_be_combined(proxy):
     p = HFSandboxProvider(IMAGE, pool="named", replicas=2, token="hf_x", endpoint="http://127.0.0.1:9", proxy=proxy)
     with pytest.raises(SandboxConfigError, match="replicas=2 and pool= cannot be combined"):
