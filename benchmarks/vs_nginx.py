@@ -918,9 +918,11 @@ REMEDY_RSS = ("an open session holds two threads (one per direction, as the floo
 
 
 def _top_own(result: Dict[str, Any], label: str, n: int = 3) -> str:
+    """Where the GIL was held most (py-spy's own time), as a clause of a sentence."""
     prof = result.get("profiles", {}).get(label) or {}
     own = prof.get("own") or []
-    return ", ".join("`%s` %.0f%%" % (name, 100 * share) for name, share in own[:n]) or "no profile"
+    top = ", ".join("`%s` %.0f%%" % (name, 100 * share) for name, share in own[:n])
+    return "GIL held most in %s" % top if top else "the GIL was not profiled in this run"
 
 
 def _setup_bottleneck(result: Dict[str, Any], upstream: str) -> str:
@@ -936,14 +938,14 @@ def _setup_bottleneck(result: Dict[str, Any], upstream: str) -> str:
             calls["per_session"], calls["futex_per_session"], _n(nginx_calls.get("per_session"))))
     if cpu is not None:
         parts.append("%.0f us CPU per session (%s us of it in the kernel)" % (cpu, _n(sys_cpu)))
-    parts.append("GIL held most in %s" % _top_own(result, "upgrades/" + upstream))
+    parts.append(_top_own(result, "upgrades/" + upstream))
     return "Measured: %s. What would remove it: %s." % ("; ".join(parts), REMEDY_SETUP)
 
 
 def _http_bottleneck(result: Dict[str, Any], upstream: str, measure: str) -> str:
     cpu = median_of(result, measure, "proxy", upstream, "cpu_us_per_request")
     sys_cpu = median_of(result, measure, "proxy", upstream, "sys_us_per_request")
-    return "Measured: %s us CPU per request at %s (%s us user, %s us kernel); GIL held most in %s. " \
+    return "Measured: %s us CPU per request at %s (%s us user, %s us kernel); %s. " \
            "What would remove it: %s." % (
                _n(cpu), "64 connections" if measure == "http_c64" else "1 connection",
                _n(None if cpu is None or sys_cpu is None else cpu - sys_cpu), _n(sys_cpu),
