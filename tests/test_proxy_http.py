@@ -314,7 +314,8 @@ def test_unmount_and_stop_end_a_request_still_connecting_or_in_its_handshake(sta
         threads = proxy._server.all_threads()
         proxy.unmount(base) if end == "unmount" else proxy.stop()
         client.join(30)
-        assert answers == [502 if end == "unmount" else "closed"]  # at once, not after connect_timeout_s
+        # at once, not after connect_timeout_s; a stop() may let the worker answer 502 before it shuts the client
+        assert answers == [502] if end == "unmount" else answers in ([502], ["closed"])
         proxy.stop()
         assert not any(thread.is_alive() for thread in threads)
         assert "could not clean up" not in log_guard.text()
