@@ -1241,8 +1241,8 @@ def _known_flavors() -> frozenset:
         static = (KNOWN_FLAVORS | {str(member.value) for member in JobHardware}) - SPACES_ONLY_HARDWARE
     except Exception:  # huggingface_hub older than Jobs, or absent: the static copy
         static = KNOWN_FLAVORS
-    with _hardware_lock:
-        return static.union(*(flavors for flavors in _live_hardware.values() if flavors is not None))
+    # Unlocked (list() of a dict's values is atomic): a constructor never waits out another start's hardware fetch.
+    return static.union(*(flavors for flavors in list(_live_hardware.values()) if flavors is not None))
 
 
 def _flavor_rejection(flavor: Any, known: Optional[frozenset] = None) -> Optional[str]:

@@ -224,6 +224,34 @@ def test_a_flavor_missing_from_the_hubs_live_hardware_list_is_refused_before_the
     assert [c.request.url for c in api.calls] == [endpoint + "/api/jobs/hardware"]  # once, and no create
 
 
+def test_a_provider_is_made_at_once_while_another_start_waits_for_a_slow_hardware_list(api):
+    endpoint = "https://hw-%s.test" % uuid.uuid4().hex[:8]
+    release = threading.Event()
+
+    def slow_hub(request):  # the first start's fetch: held until the test lets it answer
+        release.wait(30)
+        return 200, {}, json.dumps([hardware_entry("cpu-basic")])
+    api.add_callback(responses.GET, endpoint + "/api/jobs/hardware", callback=slow_hub)
+    fetch = threading.Thread(target=hsp._live_flavor_rejection, args=(hsp._JobsClient(endpoint, fresh_token()),
+                                                                      "cpu-basic"))
+    fetch.start()
+    made: list = []
+    try:
+        deadline = time.monotonic() + 10
+        while not hsp._hardware_lock.locked() and time.monotonic() < deadline:  # the fetch is under way
+            time.sleep(0.01)
+        maker = threading.Thread(target=lambda: made.append(hsp.HFSandboxProvider(
+            "python:3.12", endpoint=endpoint, token=fresh_token(), flavor="cpu-upgrade")))
+        maker.start()
+        maker.join(5)  # (a constructor checks the flavor against the lists known so far, never waits for one)
+        waited = maker.is_alive()
+    finally:
+        release.set()
+        fetch.join(10)
+    maker.join(10)
+    assert not waited and len(made) == 1
+
+
 def test_a_hub_without_the_hardware_list_leaves_the_static_check(api):
     endpoint = "https://hw-%s.test" % uuid.uuid4().hex[:8]
     api.add(responses.GET, endpoint + "/api/jobs/hardware", status=404)
