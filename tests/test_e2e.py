@@ -208,16 +208,21 @@ def test_lost_create_response_adopts_the_created_job_instead_of_making_a_second(
     assert_nothing_left(emu, proxy)
 
 
-def test_a_create_answered_5xx_whose_job_appears_after_the_retry_leaves_neither_job_running(emu, proxy):
+def test_a_create_answered_5xx_whose_job_appears_after_the_retry_leaves_neither_job_running(emu, proxy, caplog):
     # The gateway gives up (504) while the Hub goes on making the job: the lookup right after finds
     # none, the create is sent again, and the first job appears later with the same start label.
+    caplog.set_level(logging.INFO, logger="hf_sandbox_provider")
     emu.make_next_creates_late(1, after_s=1.0)
     with provider_for(emu, proxy) as provider:
         provider.start_container()
         provider.wait_for_ready()
         wait_until(lambda: len(emu.jobs) == 2, "the first create's late job")
         assert provider.job_id in [job.id for job in emu.jobs]
+        twin = next(job.id for job in emu.jobs if job.id != provider.job_id)
     assert_nothing_left(emu, proxy)
+    said = [r.getMessage() for r in caplog.records]
+    assert "the first create made HF job %s anyway: cancelling it" % twin in said, said
+    assert not [m for m in said if "listed yet" in m]  # the stop found the twin: nothing to warn about
 
 
 def test_the_exit_safety_net_also_cancels_the_late_twin_of_a_create_sent_twice(emu, proxy):

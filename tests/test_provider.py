@@ -517,10 +517,12 @@ def test_a_job_made_by_a_failed_create_is_cancelled_or_named_with_sweep(api, pro
     api.add(responses.POST, ENDPOINT + "/api/jobs/alice/ghost/cancel", status=cancel_status)
     api.add(responses.GET, ENDPOINT + "/api/jobs/alice/ghost", json=job_json("ghost", "RUNNING"))
     provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST)
-    with pytest.raises(hsp.JobsAPIError):
+    with pytest.raises(hsp.JobsAPIError) as failed:
         provider.start_container()
+    assert str(failed.value).startswith("creating the job in namespace 'alice' failed: HTTP 200: the answer names no job id")
     said = [(r.levelno, r.getMessage()) for r in caplog.records if "ghost" in r.getMessage()]
     assert said[0] == (logging.INFO, "the failed create made HF job ghost anyway: cancelling it")
+    assert not [r for r in caplog.records if "listed yet" in r.getMessage()]  # it was listed, and handled
     if cancel_status == 200:
         assert said[1:] == [(logging.INFO, "HF job ghost cancelled")]
     else:
