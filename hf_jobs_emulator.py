@@ -962,8 +962,9 @@ class JobsEmulator:
             job._gates.append(gate)
             urls.append(gate.url)
         if sbx_host:  # its server answers 503 while it boots; huggingface_hub reads its URL at create
+            declared = {**(job.spec.get("environment") or {}), **secret_values}
             self.sandbox_hosts.prepare(job, _job_environment(job.spec.get("environment") or {}, secret_values),
-                                       self.host, process_ports)
+                                       self.host, process_ports, declared)
             if not _truthy(job.faults.get("no-url", "false")):
                 with self._lock:
                     job.expose_urls = urls

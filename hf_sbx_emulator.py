@@ -63,6 +63,9 @@ CAPACITY_ENV = "SBX_CAPACITY"
 IDLE_ENV = "SBX_IDLE_TIMEOUT"
 PROXY_DIR_ENV = "SBX_PROXY_DIR"
 TOKEN_HEADER = "X-Sandbox-Token"
+# The emulator's own mark on every process a sandbox starts (the real server isolates a sandbox in its own
+# uid and Landlock domain; the emulator finds what a sandbox left behind by this inherited variable).
+SANDBOX_MARK_ENV = "HF_SBX_EMULATOR_SANDBOX"
 # Sandboxes per host when neither the emulator nor the job's SBX_CAPACITY says (huggingface_hub's default).
 DEFAULT_CAPACITY = 50
 # The client reads an exec stream with a 70 s timeout and expects a ping every 15 s.
@@ -191,14 +194,16 @@ class SandboxHosts:
 
     # -- used by hf_jobs_emulator -----------------------------------------------------------------
 
-    def prepare(self, job: Any, env: Dict[str, str], bind: str, moved: Mapping[int, int]) -> None:
+    def prepare(self, job: Any, env: Dict[str, str], bind: str, moved: Mapping[int, int],
+                declared: Optional[Mapping[str, str]] = None) -> None:
         """A bootstrap job was created: make its host and listen on the job's local port (answering 503);
-        `moved` maps a local port to the one its process must use instead (network fault links)."""
+        `moved` maps a local port to the one its process must use instead (network fault links);
+        `declared` is what the job itself set (environment and secrets), a dedicated sandbox's commands' env."""
         local = job.local_ports[SANDBOX_SERVER_PORT]
         with self._lock:
             if self.reaper is None:
                 self.reaper = _Reaper()
-            sbx = SandboxHost(self, job.id, env, bind, moved.get(local, local))
+            sbx = SandboxHost(self, job.id, env, bind, moved.get(local, local), declared)
             self._hosts[job.id] = sbx
         sbx.listen()
 
@@ -234,10 +239,14 @@ class SandboxHost:
     empty pool host has been idle for SBX_IDLE_TIMEOUT. The server answers after `host_ready_s`.
     """
 
-    def __init__(self, owner: SandboxHosts, job_id: str, env: Mapping[str, str], bind: str, port: int) -> None:
+    def __init__(self, owner: SandboxHosts, job_id: str, env: Mapping[str, str], bind: str, port: int,
+                 declared: Optional[Mapping[str, str]] = None) -> None:
         self.job_id = job_id
         self._owner = owner
         self._env = dict(env)  # the job's environment: the stub runs in it, as the real server would
+        # What the job set itself (its environment and secrets; unknown: guessed from `env`).
+        self._declared = dict(declared) if declared is not None else {
+            k: v for k, v in self._env.items() if os.environ.get(k) != v}
         self._bind = bind
         self._port = port
         self._token = env.get(TOKEN_ENV, "")
@@ -299,7 +308,8 @@ class SandboxHost:
 
     def stop(self) -> List[str]:
         """Close the server, every connection and tunnel, end every sandbox; returns what is left."""
-        self._stopped.set()
+        with self._lock:  # (under the lock: a create either made its sandbox before, or sees the stop)
+            self._stopped.set()
         problems: List[str] = []
         server = self._server
         if server is not None:
@@ -370,7 +380,8 @@ class SandboxHost:
             now = time.monotonic()
             with self._lock:
                 if self.pool_mode:  # per-sandbox eviction, then an empty host shuts down
-                    idle = [s for s in self._sandboxes.values() if s.idle_for(now) >= s.idle_timeout_s]
+                    idle = [s for s in self._sandboxes.values()
+                            if s.idle_timeout_s is not None and s.idle_for(now) >= s.idle_timeout_s]
                     for sbx in idle:
                         del self._sandboxes[sbx.id]
                     quiet = now - self._last_active if not self._sandboxes else float("-inf")
@@ -398,6 +409,8 @@ class SandboxHost:
             idle_timeout_s = self._owner.idle_timeout_s
         created: List[EmulatedSandbox] = []
         with self._lock:
+            if self._stopped.is_set():  # (its files are removed: a sandbox made now would leave them behind)
+                raise _SbxError(503, "the sandbox host is shutting down")
             room = max(0, self.capacity - len(self._sandboxes))
             for _ in range(min(count, room)):
                 sbx = EmulatedSandbox(self, _new_id(set(self._sandboxes)), idle_timeout_s, env)
@@ -424,9 +437,9 @@ class SandboxHost:
         with self._lock:
             if DEDICATED_ID not in self._sandboxes:
                 # Its commands run with the job's env and secrets: what the job set (not this
-                # process's own variables), without the server's SBX_* settings and token.
-                job_env = {k: v for k, v in self._env.items()
-                           if os.environ.get(k) != v and not k.startswith("SBX_")}
+                # process's own variables, though one may hold the same value, e.g. HF_TOKEN),
+                # without the server's SBX_* settings and token.
+                job_env = {k: v for k, v in self._declared.items() if not k.startswith("SBX_")}
                 sbx = EmulatedSandbox(self, DEDICATED_ID, self.idle_timeout_s, job_env,
                                       token=self._token)
                 self._sandboxes[DEDICATED_ID] = sbx
@@ -466,6 +479,11 @@ class EmulatedSandbox:
                     if k not in _jobs.SCRUBBED_ENV_VARS and not k.startswith("SBX_")}
         self.env.update({"HOME": self.home, PROXY_DIR_ENV: self.proxy_dir, "PYTHONUNBUFFERED": "1"})
         self.env.update({str(k): str(v) for k, v in env.items()})
+        # Inherited by everything the sandbox starts, even what leaves its process group (`cmd &` whose
+        # leader exits, a daemon's fork, setsid): end() kills every process still carrying it.
+        self.mark = "%s-%s" % (sandbox_id, secrets.token_hex(8))
+        self.env[SANDBOX_MARK_ENV] = self.mark
+        self.ended = False  # set by end(): a process starting after that is killed at once
         self._lock = threading.Lock()
         self._processes: Dict[str, _Process] = {}
         self._foreground: set = set()  # Popen of commands being exec'd (ended with the sandbox too)
@@ -489,9 +507,13 @@ class EmulatedSandbox:
     def start_process(self, argv: List[str], env: Mapping[str, str], cwd: str, cmd: Any,
                       tag: Optional[str]) -> "_Process":
         popen = _jobs.spawn_process(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL, env={**self.env, **env}, cwd=cwd,
-                                    start_new_session=True)
+                                    stderr=subprocess.DEVNULL, env={**self.env, **env, SANDBOX_MARK_ENV: self.mark},
+                                    cwd=cwd, start_new_session=True)
         with self._lock:
+            if self.ended:  # deleted while this one started: it must not outlive its sandbox
+                _kill_group(popen.pid, signal.SIGKILL)
+                popen.wait()
+                raise _SbxError(404, f"sandbox {self.id} was deleted")
             proc = _Process(_new_id(set(self._processes)), popen, cmd, tag, self.reaper)
             self._processes[proc.id] = proc
             finished = [p for p in self._processes.values() if not p.running]
@@ -501,6 +523,8 @@ class EmulatedSandbox:
 
     def foreground(self, popen: subprocess.Popen, running: bool) -> None:
         with self._lock:
+            if running and self.ended:
+                _kill_group(popen.pid, signal.SIGKILL)  # (the exec then ends with the command's kill)
             (self._foreground.add if running else self._foreground.discard)(popen)
         if self.reaper is not None:
             (self.reaper.watch if running else self.reaper.forget)(popen.pid)
@@ -521,8 +545,10 @@ class EmulatedSandbox:
     def end(self) -> List[str]:
         """Stop every process group of this sandbox and remove its files; returns what survived.
 
-        Only groups whose leader still runs: an exited leader's pid may since belong to someone else."""
+        Only groups whose leader still runs (an exited leader's pid may since belong to someone else);
+        then every process still carrying the sandbox's mark (`SANDBOX_MARK_ENV`), wherever it went."""
         with self._lock:
+            self.ended = True
             foreground = [_Process("exec", p, None, None, None) for p in self._foreground]
         procs = [p for p in self.processes() + foreground if p.running]
         for proc in procs:
@@ -540,6 +566,7 @@ class EmulatedSandbox:
             except subprocess.TimeoutExpired:
                 left.append(f"sandbox {self.id} pid {proc.popen.pid}")
             proc.forget_if_reaped()
+        left.extend(f"sandbox {self.id} pid {pid}" for pid in _kill_marked(SANDBOX_MARK_ENV, self.mark))
         shutil.rmtree(os.path.dirname(self.home), ignore_errors=True)
         return left
 
@@ -857,8 +884,8 @@ class _SbxHandler(_jobs._QuietHandler):
         tag = body.get("tag")
         try:
             proc = sbx.start_process(argv, env, cwd, body.get("cmd"), tag if isinstance(tag, str) else None)
-        except OSError as exc:
-            raise _SbxError(400, f"cannot start {argv[0]!r}: {exc.strerror or exc}")
+        except (OSError, ValueError) as exc:  # ValueError: a NUL byte, or '=' in a variable's name
+            raise _SbxError(400, f"cannot start {argv[0]!r}: {getattr(exc, 'strerror', None) or exc}")
         self.send_json(200, {"id": proc.id, "pid": proc.popen.pid, "tag": proc.tag})
 
     def _exec(self, sbx: EmulatedSandbox, body: Mapping[str, Any]) -> None:
@@ -872,10 +899,11 @@ class _SbxHandler(_jobs._QuietHandler):
         started = time.monotonic()
         try:
             popen = _jobs.spawn_process(argv, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**sbx.env, **env},
-                                        cwd=cwd, start_new_session=True)
-        except OSError as exc:
-            raise _SbxError(400, f"cannot start {argv[0]!r}: {exc.strerror or exc}")
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        env={**sbx.env, **env, SANDBOX_MARK_ENV: sbx.mark}, cwd=cwd,
+                                        start_new_session=True)
+        except (OSError, ValueError) as exc:  # ValueError: a NUL byte, or '=' in a variable's name
+            raise _SbxError(400, f"cannot start {argv[0]!r}: {getattr(exc, 'strerror', None) or exc}")
         sbx.foreground(popen, True)
         events: "queue.Queue[Optional[Tuple[str, str]]]" = queue.Queue()
         workers = [threading.Thread(target=_pump, args=(stream, name, events), daemon=True)
@@ -892,21 +920,22 @@ class _SbxHandler(_jobs._QuietHandler):
             self._event({"event": "start", "pid": popen.pid})
             open_streams = 2
             while open_streams:
+                # Each turn, not only when no output waits: a command printing without pause still times
+                # out, and one that exited ends even while a descendant keeps writing to its pipes.
                 now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    timed_out, deadline = True, None
+                    _kill_group(popen.pid, signal.SIGKILL)
                 if exited_at is not None:  # what is left in the pipes, not what descendants still write
                     wait = exited_at + EXEC_DRAIN_S - now
+                    if wait <= 0:
+                        break
                 else:
                     wait = EXEC_PING_S if deadline is None else min(EXEC_PING_S, deadline - now)
                 try:
                     item = events.get(timeout=max(0.0, wait))
-                except queue.Empty:
-                    if exited_at is not None:
-                        break
-                    if deadline is not None and time.monotonic() >= deadline:
-                        timed_out = True
-                        _kill_group(popen.pid, signal.SIGKILL)
-                        deadline = None
-                    else:
+                except queue.Empty:  # (a deadline or the drain's end is met at the top of the next turn)
+                    if exited_at is None and (deadline is None or time.monotonic() < deadline):
                         self._event({"event": "ping"})
                     continue
                 if item is None:
@@ -960,7 +989,7 @@ class _SbxHandler(_jobs._QuietHandler):
         real, shown = _resolve(sbx, _param(query, "path"))
         offset = _int_param(query, "offset", 0)
         try:
-            fd = os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            fd = os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
         except FileNotFoundError:
             raise _SbxError(404, f"{shown} does not exist")
         except OSError as exc:
@@ -997,9 +1026,11 @@ class _SbxHandler(_jobs._QuietHandler):
             perms = int(mode, 8) if mode else None
         except ValueError:
             raise _SbxError(400, f"'mode' must be octal (e.g. 644), got {mode!r}")
-        os.makedirs(os.path.dirname(real), exist_ok=True)
         flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | (0 if ranged else os.O_TRUNC)
         try:
+            os.makedirs(os.path.dirname(real), exist_ok=True)
+            if os.path.exists(real) and not stat_mod.S_ISREG(os.lstat(real).st_mode):
+                raise _SbxError(400, f"{shown} is not a file")  # (a FIFO would block the open)
             fd = os.open(real, flags, 0o644)
         except OSError as exc:
             raise _SbxError(400, f"cannot write {shown}: {exc.strerror}")
@@ -1118,25 +1149,20 @@ class _SbxHandler(_jobs._QuietHandler):
                 self.send_header("Content-Length", response.getheader("Content-Length", "0"))
             self.end_headers()
             return
-        if length is not None:
-            self.send_header("Content-Length", str(length))
-            self.end_headers()
-            while True:
-                data = response.read1(IO_CHUNK)
-                if not data:
-                    break
-                self.wfile.write(data)
-            if response.length:  # the server closed before sending all it promised
-                self.close_connection = True
-            return
-        self.send_header("Transfer-Encoding", "chunked")
+        chunked = length is None
+        self.send_header(*(("Transfer-Encoding", "chunked") if chunked else ("Content-Length", str(length))))
         self.end_headers()
-        while True:
-            data = response.read1(IO_CHUNK)
-            if not data:
-                break
-            self._chunk(data)
-        self._end_stream()
+        try:
+            for data in iter(lambda: response.read1(IO_CHUNK), b""):
+                self._chunk(data) if chunked else self.wfile.write(data)
+        except (http.client.HTTPException, OSError) as exc:  # the sandbox's server died mid-body, or it stalled
+            log.debug("sbx-server: a proxied body was cut short (%s)", type(exc).__name__)
+            self.close_connection = True  # the client sees the body end early, as it did
+            return
+        if chunked:
+            self._end_stream()
+        elif response.length:  # the server closed before sending all it promised
+            self.close_connection = True
 
     def _tunnel(self, sbx: EmulatedSandbox, port: int, sock_path: str, target: str,
                 headers: List[Tuple[str, str]]) -> None:
@@ -1257,7 +1283,7 @@ def _resolve(sbx: EmulatedSandbox, raw: str) -> Tuple[str, str]:
 def _entry(real: str, shown: str) -> Dict[str, Any]:
     try:
         info = os.lstat(real)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # (below a file: nothing is there either)
         raise _SbxError(404, f"{shown} does not exist")
     kind = "dir" if stat_mod.S_ISDIR(info.st_mode) else "symlink" if stat_mod.S_ISLNK(info.st_mode) else "file"
     return {"name": posixpath.basename(shown) or "/", "path": shown, "type": kind, "size": info.st_size,
@@ -1268,6 +1294,8 @@ def _param(query: Mapping[str, List[str]], name: str) -> str:
     value = query.get(name, [""])[0]
     if not value:
         raise _SbxError(400, f"query parameter '{name}' is required")
+    if "\0" in value:
+        raise _SbxError(400, f"query parameter '{name}' contains a NUL byte")
     return value
 
 
@@ -1275,9 +1303,45 @@ def _int_param(query: Mapping[str, List[str]], name: str, default: int) -> int:
     text = query.get(name, [None])[0]
     if text is None:
         return default
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit()):  # (isdigit alone passes "²", which int() refuses)
         raise _SbxError(400, f"query parameter '{name}' must be an int >= 0, got {text!r}")
     return int(text)
+
+
+def _kill_marked(name: str, mark: str, rounds: int = 5) -> List[int]:
+    """SIGKILL this user's processes whose environment holds `name=mark` (Linux /proc; elsewhere none
+    are found), round after round while any is found (a forking one makes more); returns the pids still
+    there after the last round."""
+    needle = b"\0%s=%s\0" % (name.encode(), mark.encode())
+    found: List[int] = []
+    for _ in range(rounds):
+        found = []
+        for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+            if entry.isdigit() and int(entry) != os.getpid():
+                try:
+                    with open(f"/proc/{entry}/environ", "rb") as handle:
+                        if needle in b"\0" + handle.read():
+                            found.append(int(entry))
+                except OSError:  # gone meanwhile, or not ours to read
+                    continue
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if not found:
+            return []
+        time.sleep(0.05)
+    return [pid for pid in found if _alive(pid)]
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            return handle.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _kill_group(pid: int, sig: int) -> None:

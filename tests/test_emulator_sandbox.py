@@ -867,3 +867,147 @@ def test_an_emulator_killed_outright_leaves_no_sandbox_process(tmp_path):
         child.stdout.close()
         if pgid is not None and _group_members(pgid):
             os.killpg(pgid, signal.SIGKILL)  # a failed run leaves nothing either
+
+
+# -- what a sandbox leaves behind, and inputs the server must refuse in words (review, stop 46) -------------------
+
+
+def test_a_sandbox_without_an_idle_timeout_neither_stops_eviction_of_the_others_nor_keeps_its_host_up(hub_env):
+    emu = hub_env()
+    with _pool(emu, idle_timeout=2) as pool:
+        forever, brief = pool.create(idle_timeout=None), pool.create(idle_timeout=1)  # None: never evicted
+        host = emu.sandbox_hosts.host(forever.host_id)
+        wait_until(lambda: brief.id.split(".")[1] not in host.sandbox_ids, "the brief sandbox's eviction")
+        assert forever.id.split(".")[1] in host.sandbox_ids and host._janitor.is_alive()
+        forever.kill()
+        emu.wait_for_stage(forever.host_id, ["COMPLETED"], timeout_s=30)  # the empty host idled out
+
+
+@pytest.mark.parametrize("escape", ["background", "fork", "setsid"])
+def test_deleting_a_sandbox_ends_what_left_its_process_group_too(hub_env, escape):
+    emu = hub_env()
+    with _pool(emu) as pool:
+        sbx = pool.create()
+        seconds = str(9100 + ["background", "fork", "setsid"].index(escape))  # names the process to look for
+        command = {"background": "sleep %s >/dev/null 2>&1 &" % seconds,  # the leader exits at once
+                   "fork": [PY, "-c", "import os, time\nif os.fork() == 0:\n    time.sleep(%s)\n" % seconds],
+                   "setsid": "setsid sleep %s >/dev/null 2>&1 &" % seconds}[escape]  # a session of its own
+        sbx.run(command, background=True)
+        wait_until(lambda: processes_named(seconds) and not any(p.running for p in sbx.processes()),
+                   "the command to exit, leaving its escaped process")
+        try:
+            sbx.kill()
+            wait_until(lambda: not processes_named(seconds), "the escaped process to end with its sandbox")
+        finally:
+            for pid in processes_named(seconds):  # a failing run leaves nothing behind either
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_command_printing_without_pause_still_times_out_and_one_whose_child_keeps_writing_still_ends(hub_env):
+    emu = hub_env()
+    with _pool(emu) as pool:
+        sbx = pool.create()
+        began = time.monotonic()
+        chatty = sbx.run([PY, "-u", "-c", "while True: print('x' * 200)"], timeout=1, check=False,
+                         capture_output=False, on_stdout=lambda line: None)
+        assert chatty.timed_out and time.monotonic() - began < 30
+        ended = sbx.run("yes chatter & exit 3", check=False, capture_output=False, on_stdout=lambda line: None)
+        assert ended.exit_code == 3
+
+
+def test_a_background_start_racing_its_sandboxs_delete_never_outlives_the_sandbox(hub_env):
+    emu = hub_env()
+    with _pool(emu) as pool:
+        for _ in range(10):
+            sbx = pool.create()
+            started = threading.Barrier(2)
+
+            def spawn() -> None:
+                started.wait()
+                try:
+                    sbx.run("sleep 9104", background=True)
+                except SandboxError:  # deleted first: refused, or its process killed at once
+                    pass
+            thread = threading.Thread(target=spawn)
+            thread.start()
+            started.wait()
+            sbx.kill()
+            thread.join(30)
+        wait_until(lambda: not processes_named("sleep 9104"), "no sleeper in a deleted sandbox")
+
+
+def processes_named(text: str) -> List[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                if text.encode() in handle.read().replace(b"\0", b" "):
+                    found.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    return [pid for pid in found if alive(pid)]
+
+
+def test_a_create_on_a_host_that_stopped_meanwhile_leaves_no_directory(hub_env):
+    emu = hub_env(sandbox_create_s=1.0)
+    with _pool(emu) as pool:
+        first = pool.create()  # the host is up
+        host = emu.sandbox_hosts.host(first.host_id)
+        late = threading.Thread(target=_quietly(pool.create), daemon=True)
+        late.start()
+        time.sleep(0.3)  # the second create is in its 1 s of work
+        emu.kill_job(first.host_id)
+        late.join(30)
+        wait_until(lambda: not os.path.exists(host._state_dir), "the host's files to stay removed", timeout_s=5)
+        time.sleep(1.0)  # past the create's work: it must not make them again
+        assert not os.path.exists(host._state_dir)
+
+
+def _quietly(action: Callable[[], Any]) -> Callable[[], None]:
+    def run() -> None:
+        try:
+            action()
+        except Exception:  # (the host died under it: what the test provokes)
+            pass
+    return run
+
+
+def test_a_dedicated_sandbox_gets_the_hf_token_it_forwards_even_when_this_process_has_the_same(hub_env):
+    emu = hub_env()  # (it sets HF_TOKEN to the emulator's token in this process, as docs/emulator.md says)
+    assert os.environ["HF_TOKEN"] == emu.token
+    with Sandbox.create(IMAGE, token=emu.token, start_timeout=60, forward_hf_token=True) as sbx:
+        assert sbx.run("echo ${HF_TOKEN:+set}").stdout == "set\n"
+
+
+def test_malformed_commands_and_paths_are_4xx_naming_them_not_a_dropped_connection(hub_env, caplog):
+    emu = hub_env()
+    with _pool(emu) as pool:
+        sbx = pool.create()
+        sbx.files.write("f.txt", "x")
+        sbx.run("mkfifo pipe")
+        for action, status, words in [
+            (lambda: sbx.run("true", env={"A=B": "1"}), 400, "illegal environment variable name"),
+            (lambda: sbx.run(["echo", "a\0b"]), 400, "embedded null byte"),
+            (lambda: sbx.run("sleep 1", env={"A": "x\0y"}, background=True), 400, "embedded null byte"),
+            (lambda: sbx.files.stat("f.txt/x"), 404, "does not exist"),
+            (lambda: sbx.files.read("a\0b"), 400, "NUL byte"),
+            (lambda: sbx.files.read("pipe"), 400, "is not a file"),  # (a FIFO: the open never blocks)
+            (lambda: sbx.files.write("pipe", "x"), 400, "is not a file"),
+        ]:
+            with pytest.raises(SandboxError) as refused:
+                action()
+            assert refused.value.status_code == status and words in str(refused.value), str(refused.value)
+        assert sbx.files.exists("f.txt/x") is False
+        assert sbx.run("echo alive").stdout == "alive\n"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+
+
+def test_a_proxied_stream_cut_by_the_sandboxs_server_ends_the_clients_body_without_an_error_logged(hub_env, caplog):
+    emu = hub_env()
+    app = HTTP_APP.replace('for i in range(3):', 'for i in range(3):\n                if i == 1: os._exit(1)')
+    with _pool(emu) as pool:
+        sbx = pool.create()
+        _start_app(sbx, "app.py", app, 8000)
+        with pytest.raises(requests.exceptions.RequestException):
+            requests.get(sbx.proxy_url_for(8000, "/stream"), headers=sbx.proxy_headers, timeout=10).content
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
