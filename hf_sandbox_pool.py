@@ -330,16 +330,8 @@ class PooledSandbox:
             return False
         dropped = []
         for host in list(hosts):
-            try:
-                job = client.get_job(getattr(host, "owner", None) or owner._job_namespace or "", host.job_id, retries=0)
-                stage = (job.get("status") or {}).get("stage")
-            except _core.JobsAPIError as exc:  # 404: the job vanished (deleted, collected): gone
-                if exc.status_code != 404:
-                    continue
-                stage = "no longer known to the Hub"
-            except Exception:
-                continue
-            if stage in _core.TERMINAL_STAGES or stage == "no longer known to the Hub":
+            stage = _host_job_stage(client, getattr(host, "owner", None) or owner._job_namespace or "", host.job_id)
+            if stage in _core.TERMINAL_STAGES or stage == _HOST_GONE:
                 drop(host)
                 dropped.append("%s (%s)" % (host.job_id, stage))
         if dropped:
@@ -459,13 +451,23 @@ def _ended_host_stage(client: Any, namespace: Optional[str], sandbox: Any) -> Op
     host_id = getattr(sandbox, "host_id", None)
     if client is None or not namespace or not host_id:
         return None
+    stage = _host_job_stage(client, namespace, host_id)
+    return "DELETED" if stage == _HOST_GONE else stage if stage in _core.TERMINAL_STAGES else None
+
+
+# What `_host_job_stage` answers for a host job the Hub answers 404 for (deleted, garbage-collected).
+_HOST_GONE = "no longer known to the Hub"
+
+
+def _host_job_stage(client: "_core._JobsClient", namespace: str, host_id: str) -> Optional[str]:
+    """A host job's stage, asked once (`_HOST_GONE` for a job the Hub no longer knows), or None when the
+    question failed."""
     try:
-        stage = (client.get_job(namespace, host_id, retries=0).get("status") or {}).get("stage")
+        return (client.get_job(namespace, host_id, retries=0).get("status") or {}).get("stage")
     except _core.JobsAPIError as exc:
-        stage = "DELETED" if exc.status_code == 404 else None  # (404: the Hub no longer knows the job)
+        return _HOST_GONE if exc.status_code == 404 else None
     except Exception:
         return None
-    return stage if stage in _core.TERMINAL_STAGES else None
 
 
 def _first_line(exc: BaseException) -> str:
