@@ -482,7 +482,6 @@ class EmulatedSandbox:
         # Inherited by everything the sandbox starts, even what leaves its process group (`cmd &` whose
         # leader exits, a daemon's fork, setsid): end() kills every process still carrying it.
         self.mark = "%s-%s" % (sandbox_id, secrets.token_hex(8))
-        self.env[SANDBOX_MARK_ENV] = self.mark
         self.ended = False  # set by end(): a process starting after that is killed at once
         self._lock = threading.Lock()
         self._processes: Dict[str, _Process] = {}
@@ -543,10 +542,9 @@ class EmulatedSandbox:
         return [p.popen.pid for p in self.processes() if p.running] + foreground
 
     def end(self) -> List[str]:
-        """Stop every process group of this sandbox and remove its files; returns what survived.
-
-        Only groups whose leader still runs (an exited leader's pid may since belong to someone else);
-        then every process still carrying the sandbox's mark (`SANDBOX_MARK_ENV`), wherever it went."""
+        """Stop every process group of this sandbox whose leader still runs (an exited leader's pid may
+        since belong to someone else); returns what survived. `_end_sandboxes` then kills what escaped
+        the groups and removes the files."""
         with self._lock:
             self.ended = True
             foreground = [_Process("exec", p, None, None, None) for p in self._foreground]
@@ -566,8 +564,6 @@ class EmulatedSandbox:
             except subprocess.TimeoutExpired:
                 left.append(f"sandbox {self.id} pid {proc.popen.pid}")
             proc.forget_if_reaped()
-        left.extend(f"sandbox {self.id} pid {pid}" for pid in _kill_marked(SANDBOX_MARK_ENV, self.mark))
-        shutil.rmtree(os.path.dirname(self.home), ignore_errors=True)
         return left
 
 
@@ -1246,13 +1242,19 @@ def _feed(stream: Any, data: bytes) -> None:
 
 
 def _end_sandboxes(sandboxes: List[EmulatedSandbox]) -> List[str]:
-    """End sandboxes in parallel (each waits out a grace period); returns what survived."""
+    """End sandboxes in parallel (each waits out a grace period), then kill every process still carrying
+    one of their marks (`SANDBOX_MARK_ENV`) wherever it went, in one pass over /proc for all of them,
+    then remove their files; returns what survived."""
     left: List[str] = []
     threads = [threading.Thread(target=lambda s=s: left.extend(s.end()), daemon=True) for s in sandboxes]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(KILL_GRACE_S + 10.0)
+    marks = {s.mark: s.id for s in sandboxes}
+    left.extend(f"sandbox {marks[mark]} pid {pid}" for pid, mark in _kill_marked(SANDBOX_MARK_ENV, list(marks)))
+    for sbx in sandboxes:  # after the sweep: an escaped process can no longer write into them
+        shutil.rmtree(os.path.dirname(sbx.home), ignore_errors=True)
     return left
 
 
@@ -1308,23 +1310,23 @@ def _int_param(query: Mapping[str, List[str]], name: str, default: int) -> int:
     return int(text)
 
 
-def _kill_marked(name: str, mark: str, rounds: int = 5) -> List[int]:
-    """SIGKILL this user's processes whose environment holds `name=mark` (Linux /proc; elsewhere none
-    are found), round after round while any is found (a forking one makes more); returns the pids still
-    there after the last round."""
-    needle = b"\0%s=%s\0" % (name.encode(), mark.encode())
-    found: List[int] = []
-    for _ in range(rounds):
+def _kill_marked(name: str, marks: List[str], rounds: int = 5) -> List[Tuple[int, str]]:
+    """SIGKILL this user's processes whose environment holds `name=<one of marks>` (Linux /proc;
+    elsewhere none are found), round after round while any is found (a forking one makes more);
+    returns (pid, mark) of those still there after the last round."""
+    needles = [(b"\0%s=%s\0" % (name.encode(), mark.encode()), mark) for mark in marks]
+    found: List[Tuple[int, str]] = []
+    for _ in range(rounds if needles else 0):
         found = []
         for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
             if entry.isdigit() and int(entry) != os.getpid():
                 try:
                     with open(f"/proc/{entry}/environ", "rb") as handle:
-                        if needle in b"\0" + handle.read():
-                            found.append(int(entry))
+                        environ = b"\0" + handle.read()
                 except OSError:  # gone meanwhile, or not ours to read
                     continue
-        for pid in found:
+                found.extend((int(entry), mark) for needle, mark in needles if needle in environ)
+        for pid, _mark in found:
             try:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -1332,7 +1334,7 @@ def _kill_marked(name: str, mark: str, rounds: int = 5) -> List[int]:
         if not found:
             return []
         time.sleep(0.05)
-    return [pid for pid in found if _alive(pid)]
+    return [(pid, mark) for pid, mark in found if _alive(pid)]
 
 
 def _alive(pid: int) -> bool:

@@ -903,6 +903,23 @@ def test_deleting_a_sandbox_ends_what_left_its_process_group_too(hub_env, escape
                 os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.slow  # kills a host job and waits for its sandboxes to end
+def test_ending_a_host_ends_what_left_each_of_its_sandboxes_process_groups(hub_env):
+    emu = hub_env()
+    with _pool(emu) as pool:
+        first, second = pool.create(), pool.create()
+        assert first.host_id == second.host_id
+        for sbx, seconds in ((first, "9105"), (second, "9106")):
+            sbx.run("sleep %s >/dev/null 2>&1 &" % seconds, background=True)
+        wait_until(lambda: processes_named("sleep 9105") and processes_named("sleep 9106"), "both escapes")
+        try:
+            emu.kill_job(first.host_id)
+            wait_until(lambda: not processes_named("sleep 910"), "both escaped processes to end with their host")
+        finally:
+            for pid in processes_named("sleep 910"):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_a_command_printing_without_pause_still_times_out_and_one_whose_child_keeps_writing_still_ends(hub_env):
     emu = hub_env()
     with _pool(emu) as pool:
