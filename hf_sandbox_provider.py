@@ -87,6 +87,7 @@ DEFAULT_READY_TIMEOUT_S = 300.0  # from URL to a 200 on /health: image pull plus
 # The job watcher makes ONE call per interval for the whole process (a `list` by this process's
 # label): a stage change is seen within 0.5 s for at most 60 calls per 30 s wave.
 DEFAULT_POLL_INTERVAL_S = 0.5
+MAX_SECONDS = 1e9  # longer durations are refused: no job runs 30 years, and a wait that long overflows the clock
 # Jobs that waited this long are slow (minutes): refreshed at most every WATCH_SLOW_INTERVAL_S, so a
 # long wait costs ~60 calls per 5 minutes instead of ~600.
 WATCH_SLOWDOWN_AFTER_S = 30.0
@@ -178,6 +179,17 @@ _Failures = Sequence[Tuple[int, BaseException]]  # (index, exception) per failed
 # -- Errors ----------------------------------------------------------------------------------------
 class SandboxError(RuntimeError):
     """Base class of every error this module raises on purpose."""
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        """Pickled by message and attributes, not constructor arguments: an error raised in a worker
+        process (ProcessPoolExecutor) reaches its parent whole."""
+        return (_unpickled_error, (type(self), self.args), self.__dict__)
+
+
+def _unpickled_error(cls: type, args: Tuple[Any, ...]) -> BaseException:
+    error = (OSError if issubclass(cls, OSError) else Exception).__new__(cls, *args)  # (an OSError: its own)
+    error.args = args  # here, not by __init__, whose arguments are not these
+    return error
 
 
 class SandboxConfigError(SandboxError, ValueError):
@@ -304,8 +316,8 @@ class HFSandboxProvider:
                  replicas: int = 1, pool: Any = None, warn_env_credentials: bool = True) -> None:
         self.image, self.command, self.port, self.flavor = image, command, port, flavor
         self.namespace, self.endpoint = namespace, _resolve_endpoint(endpoint)
-        self.env_vars, self.secrets = dict(env_vars or {}), dict(secrets or {})
-        self.labels, self.job_timeout = dict(labels or {}), job_timeout
+        self.env_vars, self.secrets, self.labels = _as_dict(env_vars), _as_dict(secrets), _as_dict(labels)
+        self.job_timeout = job_timeout
         self.start_timeout_s, self.ready_timeout_s = start_timeout_s, ready_timeout_s
         self.poll_interval_s, self.verify, self.replicas = poll_interval_s, verify, replicas
         self.pool = pool  # None: a dedicated job; a pool name or SandboxPool: pooled (hf_sandbox_pool)
@@ -326,13 +338,14 @@ class HFSandboxProvider:
         overrides["image"] = image if image is not None else self.image
         overrides["port"] = port if port is not None else self.port
         if env_vars:
-            overrides["env_vars"] = {**self.env_vars, **dict(env_vars)}
+            overrides["env_vars"] = {**self.env_vars, **env_vars} if isinstance(env_vars, Mapping) else env_vars
         settings = self._settings(overrides)
         _raise_if_rejected(_settings_rejection(settings, image_required=True))
         if env_vars and getattr(self, "warn_env_credentials", True):
             _warn_credential_env_vars(env_vars)
         token = self._resolve_token()
-        self._proxy_instance()  # start (or spawn) the shared proxy now: one that cannot start costs no job
+        if not getattr(self._proxy_instance(), "running", True):  # (the shared one starts now) no job for a dead proxy
+            raise SandboxConfigError("proxy=%r is not serving: start() it first, or pass proxy=None" % (self._proxy,))
         self._claim_start()
         started = False
         try:
@@ -403,9 +416,10 @@ class HFSandboxProvider:
     def stop_container(self) -> None:
         """Unmount the route and cancel the job(s); idempotent, never raises (failures: WARNING)."""
         try:
+            start = self._starts  # read first: a start claimed after this teardown is not this stop's to wait for
             self._request_stop()  # a start or readiness wait in another thread notices at once
             self._teardown()
-            self._wait_for_start_to_end()
+            self._wait_for_start_to_end(start)
         except BaseException:  # a teardown must never mask the caller's own exception
             logger.exception("unexpected error while stopping HF job %s", self.job_id)
 
@@ -501,6 +515,7 @@ class HFSandboxProvider:
         self._phase_changed = threading.Condition(self._lock)  # a stop waits on it for the start to end
         self._phase = Phase.IDLE
         self._starter: Optional[int] = None  # the thread running start_container(), while it runs
+        self._owner_pid = os.getpid()  # the process whose start made the job: a copy forked from it ends none
         self._starts = 0  # starts claimed so far: which start a stop waits for, or a teardown may end
         self._stop_requested = threading.Event()  # "give up": set by stop, and by start_many's abort
         self._wake = threading.Event()  # set by the job watcher on a stage change, and by stop
@@ -548,7 +563,7 @@ class HFSandboxProvider:
                                    "(or use one provider per environment)" % (self.job_id or "(being created)"))
             self._stop_requested.clear()
             self._reset_job_state()
-            self._starter = threading.get_ident()
+            self._starter, self._owner_pid = threading.get_ident(), os.getpid()
             self._starts += 1
             self._move(Phase.SUBMITTING)
 
@@ -565,13 +580,12 @@ class HFSandboxProvider:
             raise SandboxError("stop_container() was called while job %s was starting; it was cancelled"
                                % (self.job_id or "(being created)"))
 
-    def _wait_for_start_to_end(self) -> None:
-        """After a stop's teardown: wait (bounded) until a start in another thread has let go of its job,
-        so a create answered after the stop is cancelled before stop_container() returns."""
+    def _wait_for_start_to_end(self, start: int) -> None:
+        """After a stop's teardown: wait (bounded) until the start `start` in another thread has let go of its
+        job, so a create answered after the stop is cancelled before stop_container() returns."""
         with self._lock:
             if self._starter == threading.get_ident():
                 return  # called from the start's own thread (e.g. a hook): it ends after this returns
-            start = self._starts  # a start claimed after this one ended is not waited for
             if not self._phase_changed.wait_for(
                     lambda: self._phase not in _START_IN_FLIGHT or self._starts != start, STOP_WAIT_S):
                 logger.warning(
@@ -604,7 +618,7 @@ class HFSandboxProvider:
                 detached = detached._replace(job_id=None, base_url=None)
             finalizer.detach()
             _live_finalizers.discard(finalizer)
-        return detached
+        return detached if self._owner_pid == os.getpid() else None  # (a forked copy: its parent ends the job)
 
     @property
     def _jobs(self) -> Any:
@@ -632,8 +646,9 @@ class HFSandboxProvider:
                 "no Hugging Face token found: pass token=..., set HF_TOKEN, or run `hf auth login` "
                 "(the token needs permission to run Jobs); to try everything offline use "
                 "`python -m hf_sandbox_provider smoke --local`")
-        if not isinstance(token, str) or any(c.isspace() for c in token):
-            raise SandboxConfigError("the Hugging Face token must be a string without whitespace")
+        if not isinstance(token, str) or not token.isascii() or not token.isprintable() or " " in token:
+            raise SandboxConfigError("the Hugging Face token must be a string of printable ASCII without whitespace "
+                                     "(a pasted token may carry a quote or space)")
         return token
 
     def _proxy_instance(self) -> "_proxy.AuthProxy":
@@ -693,8 +708,9 @@ class HFSandboxProvider:
             return
         cancelled = _release_job(client or gone.client, gone.namespace, gone.job_id, gone.proxy, gone.base_url,
                                  gone.job_url, twin_label=gone.twin_label)
-        if cancelled and self._stage not in TERMINAL_STAGES:
-            self._stage = "CANCELED"
+        with self._lock:  # (a start claimed during a slow cancel has a stage of its own)
+            if cancelled and self._stage not in TERMINAL_STAGES and self.job_id == gone.job_id:
+                self._stage = "CANCELED"
 
     def _job_ids(self) -> List[str]:
         return [self.job_id] if self.job_id else []
@@ -1274,12 +1290,12 @@ def _parse_duration(value: Any) -> Optional[int]:
         seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
     else:
         return None
-    return int(seconds) if seconds >= 1 else None  # `>=` also rejects NaN
+    return int(seconds) if 1 <= seconds <= MAX_SECONDS else None  # (also rejects NaN and inf)
 
 
 def _positive_number_rejection(name: str, value: Any) -> Optional[str]:
-    bad = isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0  # NaN too
-    return "%s=%r must be a positive number of seconds" % (name, value) if bad else None
+    bad = isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_SECONDS  # NaN too
+    return "%s=%r must be a positive number of seconds, at most %g" % (name, value, MAX_SECONDS) if bad else None
 
 
 def _positive_int_rejection(name: str, value: Any) -> Optional[str]:
@@ -1294,6 +1310,11 @@ def _replicas_rejection(replicas: Any) -> Optional[str]:
         return ("replicas=%d is more than %d jobs behind one route; use start_many() for independent "
                 "environments, or several providers" % (replicas, MAX_REPLICAS))
     return None
+
+
+def _as_dict(value: Any) -> Any:
+    """A copy of a mapping setting (None: empty); anything else as given, for its rejection to name."""
+    return {} if value is None else dict(value) if isinstance(value, Mapping) else value
 
 
 def _mapping_rejection(name: str, value: Any, check_names: bool) -> Optional[str]:
@@ -1329,7 +1350,10 @@ def _warn_credential_env_vars(env_vars: Mapping[str, Any]) -> None:
 
 def _command_rejection(command: Any) -> Optional[str]:
     if command is None or isinstance(command, str):
-        return None if command is None or command.strip() else "command must not be empty"
+        try:  # split now, as the job body will: a bad string is refused before any call
+            return None if command is None or shlex.split(command) else "command must not be empty"
+        except ValueError as exc:
+            return "command %r cannot be split like a shell line (%s); pass a list of arguments" % (command, exc)
     if isinstance(command, Sequence) and command and all(isinstance(part, str) for part in command):
         return None
     return "command must be None (OpenEnv's default server command), a string, or a non-empty list of strings"
@@ -1458,8 +1482,10 @@ def _health_status_rejection(response: requests.Response) -> Optional[str]:
 def _ready_url_rejection(url: Optional[str], base_url: str) -> Optional[str]:
     """Why wait_for_ready(url) is not about this job (it would wait in vain, then cancel a healthy
     one), or None. `urljoin(base_url, "/step")` makes such URLs: a leading "/" drops the route."""
-    if url is None or url.rstrip("/") == base_url.rstrip("/"):
+    if url is None or (isinstance(url, str) and url.rstrip("/") == base_url.rstrip("/")):
         return None
+    if not isinstance(url, str):
+        return "wait_for_ready(url) takes the base URL start_container() returned, not %s" % type(url).__name__
     given, own = urlsplit(str(url)), urlsplit(base_url)
     same_origin = (given.scheme, given.netloc) == (own.scheme, own.netloc)
     slip = ("; under the proxy's address only the base URL itself serves this job: urljoin(base_url, "
@@ -1469,7 +1495,11 @@ def _ready_url_rejection(url: Optional[str], base_url: str) -> Optional[str]:
 
 
 def _endpoint_rejection(endpoint: str) -> Optional[str]:
-    parts = urlsplit(endpoint)
+    try:
+        parts = urlsplit(endpoint)
+        parts.port  # (raises for a port out of range)
+    except ValueError as exc:
+        return "Jobs endpoint %r is not a valid URL (%s)" % (endpoint, exc)
     if (parts.scheme == "https" and parts.hostname) or (parts.scheme == "http" and _is_loopback_host(parts.hostname)):
         return None
     return ("Jobs endpoint %r must be https (http only for a loopback host such as the local emulator): "
@@ -1622,7 +1652,10 @@ class _JobsClient:
         self._session = session or requests.Session()
         if self._session.headers.get("User-Agent", "python-requests/").startswith("python-requests/"):
             self._session.headers["User-Agent"] = USER_AGENT  # a session's own agent (a hook's) is kept
-        self._session.headers["Authorization"] = "Bearer " + token
+        def bearer(request: Any) -> Any:  # the session's auth, not a header, which a ~/.netrc entry would replace
+            request.headers["Authorization"] = "Bearer " + token
+            return request
+        self._session.auth = bearer
         self.token_key = _token_key(endpoint, token)  # its namespace, API budget and watcher group go by it
         self._budget = _api_budget(endpoint, token)  # shared with every client of this token
 
@@ -1667,8 +1700,8 @@ class _JobsClient:
         self._json("POST", "/api/jobs/%s/%s/cancel" % (namespace, job_id), "cancelling job %s" % job_id,
                    retries=2, max_delay=CANCEL_BACKOFF_CAP_S, allow_empty=True, teardown=True)
 
-    def list_jobs(self, namespace: str, labels: Optional[Mapping[str, str]] = None,
-                  stages: Sequence[str] = (), retries: int = API_MAX_RETRIES) -> List[Dict[str, Any]]:
+    def list_jobs(self, namespace: str, labels: Optional[Mapping[str, str]] = None, stages: Sequence[str] = (),
+                  retries: int = API_MAX_RETRIES, teardown: bool = False) -> List[Dict[str, Any]]:
         """Jobs with all these labels and one of these stages, following the API's pagination links."""
         params: Any = [("label", "%s=%s" % item) for item in (labels or {}).items()]
         params += [("stage", stage) for stage in stages]
@@ -1676,7 +1709,8 @@ class _JobsClient:
         jobs: List[Dict[str, Any]] = []
         for _ in range(LIST_MAX_PAGES):
             links: List[Optional[str]] = []
-            payload = self._json("GET", path or "", "listing jobs", params=params, retries=retries, next_links=links)
+            payload = self._json("GET", path or "", "listing jobs", params=params, retries=retries, next_links=links,
+                                 teardown=teardown)
             jobs += [job for job in payload if isinstance(job, dict)] if isinstance(payload, list) else []
             path, params = links[-1] if links else None, None  # the next link carries the query
             if path is None:
@@ -2107,11 +2141,18 @@ class _JobWatcher:
 
 def _reset_after_fork() -> None:
     """A forked child inherits no threads: give it its own watcher, budgets, process label and locks
-    (the fetched hardware lists stay valid; a lock held at the fork would stay held)."""
-    global _watcher, _process_label, _budgets_lock, _hardware_lock, _namespace_lock
+    (the fetched hardware lists stay valid; a lock held at the fork would stay held). It owns none of the
+    parent's jobs or proxy: their safety nets and the shared proxies (whose listener the parent still
+    serves) are forgotten, not stopped, so its exit cancels nothing of the parent's and it mounts on its own."""
+    global _watcher, _process_label, _budgets_lock, _hardware_lock, _namespace_lock, _shared_proxy_lock
     _watcher, _process_label = _JobWatcher(), uuid.uuid4().hex
     _budgets_lock, _hardware_lock, _namespace_lock = threading.Lock(), threading.Lock(), threading.Lock()
     _budgets.clear()
+    for finalizer in list(_live_finalizers):
+        finalizer.detach()
+    _live_finalizers.clear()
+    _shared_proxy_lock = threading.Lock()
+    _shared_proxies.clear()
 
 
 _watcher = _JobWatcher()
@@ -2175,13 +2216,13 @@ def _release_job(client: Optional["_JobsClient"], namespace: Optional[str], job_
     try:
         problems.extend(_unmount(proxy, base_url))
         if job_id and namespace and client is not None:
-            if twin_label:  # the create was sent again after a lost answer: the first may have made a job too
-                problems.extend(_cancel_labelled(client, namespace, twin_label, keep=job_id))
             if (outcome := _cancel_briefly(client, namespace, job_id)) is None:
                 cancelled = True
                 logger.info("HF job %s cancelled", job_id)
             else:
                 problems.append("could not cancel it (%s)" % outcome)
+            if twin_label:  # the create was sent again after a lost answer: the first may have made a job too
+                problems.extend(_cancel_labelled(client, namespace, twin_label, keep=job_id))
         if client is not None:
             client.close()
     except BaseException as exc:  # e.g. a second Ctrl-C during teardown: report, do not mask
@@ -2200,7 +2241,7 @@ def _cancel_labelled(client: "_JobsClient", namespace: str, start_label: str, ke
     sweep = "run `python -m hf_sandbox_provider sweep --label %s=%s`" % (START_LABEL_KEY, start_label)
     who = "the first create" if keep else "the failed create"
     try:
-        found = [job_id for job in client.list_jobs(namespace, labels={START_LABEL_KEY: start_label})
+        found = [job_id for job in client.list_jobs(namespace, labels={START_LABEL_KEY: start_label}, teardown=True)
                  if (job_id := str(job.get("id"))) != keep]
     except BaseException as exc:
         return ["could not check whether %s made a job anyway (%s); if it did, it runs until its timeout: %s"

@@ -788,6 +788,11 @@ class AuthProxy:
                                                  len(self._routes), state)
 
     @property
+    def running(self) -> bool:
+        """True from `start()` until `stop()` (as `AuthProxyProcess.running`)."""
+        return self._server is not None and not self._stopping
+
+    @property
     def port(self) -> int:
         """The bound port (the requested one until `start()` binds)."""
         return self._server.server_address[1] if self._server is not None else self._requested_port

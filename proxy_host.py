@@ -30,6 +30,7 @@ import contextlib
 import json
 import logging
 import os
+import select
 import signal
 import socket
 import struct
@@ -194,17 +195,21 @@ class AuthProxyProcess:
             self._stopping = True
             control, process = self._control, self._process
         leftovers: List[str] = []
-        if control is not None and self._ended is None:
+        on_control = control is threading.current_thread()  # from a handler of a child's log record
+        if control is not None and self._ended is None and not on_control:
             try:
-                self._call("stop", timeout=CONTROL_ANSWER_S)
+                self._call("stop")
             except Exception as exc:  # already gone, or wedged: the kill below ends it
                 if self._ended is None:
                     leftovers.append("a clean stop of the host process (%s)" % exc)
-        self._abandon()
-        if control is not None:
+        leftovers.extend(self._abandon())
+        if control is not None and not on_control:
             control.join(_proxy.STOP_JOIN_S * 2)
             if control.is_alive():
                 leftovers.append("thread %s" % control.name)
+        if on_control and process is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(_proxy.STOP_JOIN_S)  # ending on the channel's EOF
         if process is not None and process.poll() is None:
             leftovers.append("the host process %d (killed)" % process.pid)
             process.kill()
@@ -235,8 +240,8 @@ class AuthProxyProcess:
     @property
     def url(self) -> str:
         """The listener's root URL, e.g. `http://127.0.0.1:41234`."""
-        host = "[%s]" % self.host if ":" in self.host else self.host
-        return "http://%s:%d" % (host, self.port)
+        host = self.host.strip("[]")
+        return "http://%s:%d" % ("[%s]" % host if ":" in host else host, self.port)
 
     @property
     def pid(self) -> Optional[int]:
@@ -269,6 +274,7 @@ class AuthProxyProcess:
 
     def add_replica(self, base_url: str, upstream: str) -> bool:
         """As `AuthProxy.add_replica`."""
+        _proxy._raise_if_rejected(_proxy._replicas_rejection([upstream]))  # the in-process message
         return bool(self._call("add_replica", route=_proxy._route_id(base_url), upstream=upstream))
 
     def remove_replica(self, base_url: str, upstream: str) -> bool:
@@ -281,12 +287,18 @@ class AuthProxyProcess:
         return list(self._call("replica_status", route=_proxy._route_id(base_url)))
 
     def unmount(self, base_url: str) -> bool:
-        """As `AuthProxy.unmount`: False when nothing is mounted there; safe to call twice."""
+        """As `AuthProxy.unmount`: False when nothing is mounted there (also once the handle is
+        stopped or the child is gone, taking its routes with it); safe to call twice."""
         route_id = _proxy._route_id(base_url)
-        removed = bool(self._call("unmount", route=route_id))
         with self._lock:
             self._routes.pop(route_id, None)
-        return removed
+            gone = self._stopping or self._ended is not None
+        try:
+            return False if gone else bool(self._call("unmount", route=route_id))
+        except RuntimeError:
+            if self._ended is None and not self._stopping:  # wedged, not gone
+                raise
+            return False
 
     # -- machinery ---------------------------------------------------------------------------------
 
@@ -316,8 +328,15 @@ class AuthProxyProcess:
                     raise
         return str(answer)
 
-    def _call(self, op: str, timeout: float = CONTROL_ANSWER_S, **fields: object) -> object:
-        """Send one request and wait for its answer; raise the child's error as its own type."""
+    def _call(self, op: str, timeout: Optional[float] = None, **fields: object) -> object:
+        """Send one request and wait for its answer (CONTROL_ANSWER_S by default); raise the child's
+        error as its own type."""
+        timeout = CONTROL_ANSWER_S if timeout is None else timeout
+        if threading.current_thread() is self._control:
+            raise RuntimeError("AuthProxyProcess.%s was called from a handler of a log record "
+                               "re-emitted from the proxy host process, on the one thread that "
+                               "reads the host's answers, so its answer could never be read; call "
+                               "it from another thread" % op)
         with self._lock:
             if self._stopping and op != "stop":
                 raise RuntimeError("this AuthProxyProcess was stopped; spawn a new one")
@@ -329,10 +348,21 @@ class AuthProxyProcess:
             pending = self._pending[request_id] = _PendingAnswer()
         try:
             _send_message(self._sock, self._send_lock,
-                          dict(fields, id=request_id, op=op, level=log.getEffectiveLevel()))
+                          dict(fields, id=request_id, op=op, level=log.getEffectiveLevel()),
+                          timeout)
             if not pending.done.wait(timeout):
                 raise RuntimeError("the proxy host process %s did not answer %s within %.0f s"
                                    % (self.pid, op, timeout))
+        except socket.timeout:  # (TimeoutError from 3.10) the child reads nothing: it is wedged
+            with self._lock:
+                self._ended = self._ended or ("it took no request for %.0f s, and was killed"
+                                              % timeout)
+            # a request may be cut mid-frame: the channel is done, and so is the child
+            _proxy._abort_socket(self._sock)
+            if self._process is not None:
+                self._process.kill()
+            raise RuntimeError("the proxy host process %s did not take %s within %.0f s (%s)"
+                               % (self.pid, op, timeout, self._ended)) from None
         except OSError as exc:
             raise RuntimeError("the proxy host process is not serving "
                                "(%s)" % (self._ended or exc)) from None
@@ -408,9 +438,9 @@ class AuthProxyProcess:
             log.warning("proxy host process %s ended on its own (code %s): its routes are gone",
                         self.pid, code)
 
-    def _abandon(self) -> None:
+    def _abandon(self) -> List[str]:
         """Close the parent's end of the channel (the child sees EOF and exits) and stop the
-        pusher."""
+        pusher; returns the pusher's name if it did not end."""
         self._pusher_stop.set()
         sock = self._sock
         if sock is not None:
@@ -418,6 +448,9 @@ class AuthProxyProcess:
         pusher = self._pusher
         if pusher is not None and pusher.ident is not None and pusher is not threading.current_thread():
             pusher.join(_proxy.STOP_JOIN_S)
+            if pusher.is_alive():  # in a token callable that has not returned
+                return ["thread %s" % pusher.name]
+        return []
 
     def _push_tokens(self) -> None:
         """Re-read every token and headers callable each TOKEN_PUSH_INTERVAL_S; send the child
@@ -600,18 +633,17 @@ class _Pushed(NamedTuple):
 
     @classmethod
     def of_headers(cls, headers: ExtraHeaders) -> "_Pushed":
-        try:
+        try:  # (a mapping's own items() is user code too)
             value = headers() if callable(headers) else headers
+            if value is None:
+                return cls(None, None)
+            if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
+                                                         for k, v in value.items()):
+                # in-process: "not a mapping" / "not a string of printable ASCII"
+                return cls(None, "ValueError")
+            return cls(dict(value), None)
         except Exception as exc:
             return cls(None, type(exc).__name__)
-        if value is None:
-            return cls(None, None)
-        if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v,
-                                                                                       str) for k,
-                                                  v in value.items()):
-            # in-process: "not a mapping" / "not a string of printable ASCII"
-            return cls(None, "ValueError")
-        return cls(dict(value), None)
 
 
 def _pushed_fields(sent: Dict[str, "_Pushed"]) -> Dict[str, Any]:
@@ -640,10 +672,18 @@ def _portable_verify(verify: Verify) -> Verify:
     return os.path.abspath(verify) if isinstance(verify, str) else verify
 
 
+def _error_fields(exc: Exception) -> Dict[str, Any]:
+    """How the child reports an error: an OSError by errno and strerror, as the parent rebuilds it
+    (its str() already starts with "[Errno N]")."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return {"type": "OSError", "errno": exc.errno, "message": exc.strerror}
+    return {"type": type(exc).__name__, "message": str(exc)}
+
+
 def _remote_error(error: object) -> BaseException:
     kind, message = (error.get("type"), error.get("message")) if isinstance(error,
                                                                             dict) else (None, None)
-    if kind == "OSError":
+    if kind == "OSError" and error.get("errno") is not None:  # type: ignore[union-attr]
         return OSError(error.get("errno"), str(message))  # type: ignore[union-attr]
     known = _REMOTE_ERRORS.get(str(kind))
     if known is not None:
@@ -689,10 +729,37 @@ def _emit_child_record(message: Dict[str, Any], pid: Optional[int]) -> None:
     logger.handle(record)
 
 
-def _send_message(sock: socket.socket, lock: threading.Lock, message: Dict[str, Any]) -> None:
+def _send_message(sock: socket.socket, lock: threading.Lock, message: Dict[str, Any],
+                  timeout: Optional[float] = None) -> None:
+    """Send one frame; with `timeout`, raise socket.timeout when the lock or the peer's reading
+    takes longer (the frame may then be cut: the channel is unusable)."""
     data = json.dumps(message, separators=(",", ":")).encode("utf-8")
-    with lock:
-        sock.sendall(_FRAME.pack(len(data)) + data)
+    if len(data) > MAX_CONTROL_MESSAGE:  # the receiver would end the channel (a child: every route)
+        raise ValueError("the proxy host's %s request is %d bytes, over its %d-byte control "
+                         "message limit (a token or header value that large cannot cross to the "
+                         "child process); use the in-process proxy"
+                         % (message.get("op"), len(data), MAX_CONTROL_MESSAGE))
+    frame = memoryview(_FRAME.pack(len(data)) + data)
+    if timeout is None:
+        with lock:
+            sock.sendall(frame)
+        return
+    deadline = time.monotonic() + timeout
+    if not lock.acquire(timeout=timeout):
+        raise socket.timeout("another request's send is stuck")
+    try:
+        writable = select.poll()  # (one socket: a blocking wait, not a reactor)
+        writable.register(sock, select.POLLOUT)
+        while frame:
+            left = deadline - time.monotonic()
+            if left <= 0 or not writable.poll(left * 1000):
+                raise socket.timeout("the child reads nothing")
+            try:
+                frame = frame[sock.send(frame, socket.MSG_DONTWAIT):]
+            except BlockingIOError:
+                continue
+    finally:
+        lock.release()
 
 
 def _recv_exact(sock: socket.socket, size: int) -> Optional[bytes]:
@@ -806,9 +873,7 @@ class _ProxyHost:
                     answer: Dict[str, Any] = {"id": message.get("id"), "ok": True,
                                                  "result": result}
                 except Exception as exc:
-                    answer = {"id": message.get("id"), "ok": False,
-                              "error": {"type": type(exc).__name__, "message": str(exc),
-                                        "errno": getattr(exc, "errno", None)}}
+                    answer = {"id": message.get("id"), "ok": False, "error": _error_fields(exc)}
                 if message.get("op") == "stop":
                     self.stop_proxy()
                 self.send(answer)
@@ -873,7 +938,7 @@ class _ProxyHost:
             self.pushed.pop(route, None)
             return proxy.unmount(base_url)
         if op == "add_replica":
-            return proxy.add_replica(base_url, str(message.get("upstream")))
+            return proxy.add_replica(base_url, message.get("upstream"))  # type: ignore[arg-type]
         if op == "remove_replica":
             return proxy.remove_replica(base_url, str(message.get("upstream")))
         if op == "replica_status":
@@ -894,7 +959,9 @@ def _host_child_main(argv: List[str]) -> int:
         return 1
     host = _ProxyHost(sock)
     for name in ("SIGTERM", "SIGHUP"):
-        if hasattr(signal, name):
+        # An ignored signal stays ignored (inherited from the parent: `nohup` ignores SIGHUP), else
+        # a hang-up would end this child while its trainer runs on.
+        if hasattr(signal, name) and signal.getsignal(getattr(signal, name)) != signal.SIG_IGN:
             signal.signal(getattr(signal, name), host.end_input)
     # Ctrl-C in a terminal reaches the whole foreground group: the parent decides (its teardown
     # still unmounts routes here), and this child ends with it.

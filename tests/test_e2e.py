@@ -332,6 +332,66 @@ def test_a_stop_while_the_create_waits_out_a_429_pause_returns_at_once_and_no_jo
     assert provider.phase is hf_sandbox_provider.Phase.IDLE
 
 
+def test_a_stop_during_a_429_pause_cancels_a_job_whose_create_was_sent_twice_at_once(emu, proxy):
+    # The lookup of the first create's twin once came first, budgeted like any call: the cancel waited out the pause.
+    emu.inject_server_errors(1, routes=["create"])  # looked up, then sent again: the provider has a twin label
+    provider = provider_for(emu, proxy)
+    provider.wait_for_ready(provider.start_container())
+    assert provider._twin_label is not None
+    emu.inject_rate_limit(1, retry_after_s=30, routes=["inspect"])
+    with pytest.raises(hf_sandbox_provider.JobsAPIError):
+        provider._job_client.get_job(provider._job_namespace, provider.job_id, retries=0)
+    budget = provider._job_client._budget
+    provider.stop_container()
+    assert budget.wait_s() > 0  # stopped while the 31 s pause held
+    assert emu.api_calls.get("cancel") == 1
+    assert_nothing_left(emu, proxy)
+
+
+def test_a_stop_whose_cancel_is_slow_does_not_wait_for_a_start_made_after_its_teardown(emu, proxy, caplog,
+                                                                                        monkeypatch):
+    monkeypatch.setattr(hf_sandbox_provider, "STOP_WAIT_S", 3.0)
+    provider = provider_for(emu, proxy)
+    provider.wait_for_ready(provider.start_container())
+    emu.inject_server_errors(5, routes=["cancel"])  # the stop's cancel is retried for a few seconds
+    stopper = threading.Thread(target=provider.stop_container)
+    stopper.start()
+    wait_until(lambda: provider.phase is hf_sandbox_provider.Phase.IDLE, "the stop's teardown")
+    starter = threading.Thread(target=lambda: provider.start_container(labels={"emulator-scheduling-delay-s": "8"}))
+    starter.start()  # claimed after the stop's teardown: not that stop's to wait for
+    stopper.join(TIMEOUT)
+    starter.join(TIMEOUT)
+    assert provider.phase is hf_sandbox_provider.Phase.RUNNING and provider.stage == "RUNNING"
+    assert not [r for r in caplog.records if "has not ended after" in r.getMessage()]
+    provider.stop_container()
+    assert_nothing_left(emu, proxy)
+
+
+def test_a_start_made_while_a_slow_stop_cancels_keeps_its_own_stage(emu, proxy):
+    provider = provider_for(emu, proxy)
+    provider.wait_for_ready(provider.start_container())
+    emu.inject_server_errors(8, routes=["cancel"])  # the old job's cancel is retried for seconds
+    stopper = threading.Thread(target=provider.stop_container)
+    stopper.start()
+    wait_until(lambda: provider.phase is hf_sandbox_provider.Phase.IDLE, "the stop's teardown")
+    provider.wait_for_ready(provider.start_container())  # a new job, while the stop still cancels the old one
+    stopper.join(TIMEOUT)
+    assert provider.stage == "RUNNING" and emu.job(provider.job_id).stage == "RUNNING", repr(provider)
+    provider.stop_container()
+    assert_nothing_left(emu, proxy)
+
+
+def test_a_netrc_entry_for_the_hub_does_not_replace_the_providers_token(emu, proxy, tmp_path, monkeypatch):
+    # requests applies ~/.netrc to a request whose auth is unset: it once replaced "Bearer <token>" on every call.
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine 127.0.0.1 login someone password git-credential\n")
+    netrc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc))
+    with provider_for(emu, proxy) as provider:
+        provider.wait_for_ready(provider.start_container())  # the emulator refuses any other credential
+    assert_nothing_left(emu, proxy)
+
+
 def test_a_job_that_dies_mid_use_answers_502_and_teardown_still_works(emu, proxy):
     with provider_for(emu, proxy) as provider:
         provider.start_container()

@@ -23,6 +23,7 @@ import requests
 import responses
 
 import hf_sandbox_provider as hsp
+from proxy import AuthProxy
 from support import in_thread, wait_until
 
 ENDPOINT = "https://hub.test"
@@ -223,12 +224,15 @@ def test_a_missing_token_is_refused_in_words_naming_every_way_to_give_one(api, p
         "permission to run Jobs); to try everything offline use `python -m hf_sandbox_provider smoke --local`")
 
 
-@pytest.mark.parametrize("token", ["hf_a b", "hf_ab\n", "\thf_ab", b"hf_ab", 12345],
-                         ids=["space", "newline", "tab", "bytes", "int"])
-def test_a_token_with_whitespace_or_not_a_string_is_refused_before_it_is_sent(api, proxy, token):
+@pytest.mark.parametrize("token", ["hf_a b", "hf_ab\n", "\thf_ab", b"hf_ab", 12345, "hf_pasted\u201d",
+                                   "hf_\u00e9t\u00e9"],
+                         ids=["space", "newline", "tab", "bytes", "int", "curly-quote", "latin-1"])
+def test_a_token_with_whitespace_or_not_printable_ascii_is_refused_before_it_is_sent(api, proxy, token):
+    # A pasted quote once failed deep in http.client, in an error whose `.object` held "Bearer <token>".
     with pytest.raises(hsp.SandboxConfigError) as refused:
         hsp.HFSandboxProvider(IMAGE, token=token, endpoint=ENDPOINT, proxy=proxy).start_container()
-    assert str(refused.value) == "the Hugging Face token must be a string without whitespace"
+    assert str(refused.value) == ("the Hugging Face token must be a string of printable ASCII without whitespace "
+                                  "(a pasted token may carry a quote or space)")
     assert len(api.calls) == 0
 
 
@@ -256,11 +260,46 @@ def test_token_is_discovered_from_hf_token_env(api, proxy, no_token_anywhere, mo
     (dict(labels={"step": "v" * 101}), "label step='v{101}'"),
     # the emulator's fault labels get no exemption: the core holds every label to the Hub's rule
     (dict(labels={"emulator-crash-at-boot": "boom: at boot"}), "label emulator-crash-at-boot='boom: at boot'"),
+    # Each of these once raised a raw TypeError/ValueError/OverflowError, or (the command) only after Hub calls.
+    (dict(job_timeout=float("inf")), "job_timeout"),
+    (dict(job_timeout="9" * 400), "job_timeout"),
+    (dict(poll_interval_s=float("inf")), r"poll_interval_s=inf must be a positive number of seconds, at most 1e\+09"),
+    (dict(start_timeout_s=1e12), "start_timeout_s"),
+    (dict(env_vars="A=1"), "env_vars must be a dict of name -> string value, not str"),
+    (dict(env_vars=5), "env_vars must be a dict of name -> string value, not int"),
+    (dict(labels=7), "labels must be a dict"),
+    (dict(secrets=["TOKEN"]), "secrets must be a dict of name -> string value, not list"),
+    (dict(command='python -c "print(1)'), r"cannot be split like a shell line \(No closing quotation\)"),
 ])
 def test_bad_start_arguments_fail_before_any_network_call(api, proxy, kwargs, message):
     provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy)
     with pytest.raises(hsp.SandboxConfigError, match=message):
         provider.start_container(**kwargs)
+    with pytest.raises(hsp.SandboxConfigError, match=message):  # the constructor says the same
+        hsp.HFSandboxProvider(**{"image": IMAGE, "token": fresh_token(), "endpoint": ENDPOINT, "proxy": proxy,
+                                 **kwargs})
+    assert len(api.calls) == 0
+
+
+@pytest.mark.parametrize("endpoint", ["https://[::1", "http://localhost:99999"])
+def test_a_malformed_endpoint_is_refused_with_an_error_naming_it(endpoint):
+    with pytest.raises(hsp.InsecureURLError, match=r"Jobs endpoint '%s' is not a valid URL" % re.escape(endpoint)):
+        hsp.HFSandboxProvider(IMAGE, endpoint=endpoint)
+
+
+def test_wait_for_ready_given_something_other_than_a_url_is_refused_without_touching_the_job(api, proxy):
+    add_job_api(api, stages=[running()])
+    with hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST) as provider:
+        provider.start_container()
+        with pytest.raises(hsp.SandboxConfigError, match="takes the base URL start_container\\(\\) returned, not int"):
+            provider.wait_for_ready(123)  # type: ignore[arg-type]
+        assert provider.phase is hsp.Phase.RUNNING
+
+
+def test_an_unstarted_auth_proxy_is_refused_before_a_job_is_created(api):
+    idle = AuthProxy()  # never started
+    with pytest.raises(hsp.SandboxConfigError, match="is not serving: start\\(\\) it first, or pass proxy=None"):
+        hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=idle).start_container()
     assert len(api.calls) == 0
 
 

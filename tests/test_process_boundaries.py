@@ -1,0 +1,126 @@
+"""What crosses a process boundary: the library's errors pickled out of a worker process, and a child
+made by fork, which owns none of its parent's jobs or proxy. Real processes, the emulator, the shared proxy.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import importlib
+import json
+import multiprocessing
+import os
+import pickle
+import signal
+import time
+from typing import Any, Callable, Dict, List
+
+import pytest
+import requests
+
+import hf_sandbox_provider as hsp
+from hf_jobs_emulator import echo_server_command
+from support import wait_until
+
+for _layer in ("hf_sandbox_pool", "hf_sandbox_training"):  # their errors subclass the core's
+    importlib.import_module(_layer)
+IMAGE = "registry.hf.space/openenv-echo-env:latest"
+TIMEOUT = 60
+
+# One instance per error class: constructor arguments as the library passes them.
+_SAMPLES: Dict[str, tuple] = {
+    "JobsAPIError": ("creating the job in namespace 'alice'", 402, "no credits", "req1", "add a payment method"),
+    "JobFailedError": ("job1", "ERROR", "boom", ["line 1", "line 2"]),
+    "JobStartTimeout": ("no URL within 5s", "job1", "SCHEDULING"),
+    "StartManyError": (3, [(0, ValueError("bad")), (2, hsp.JobsAPIError("x", 500, None))], 1),
+    "ReplicaStartError": ("get ready", 2, [(1, RuntimeError("down"))], 0, ["job1", "job2"]),
+    "_StartFailures": ("headline", "item", [(0, ValueError("bad"))], 0),
+    "SessionRefusedError": (503, "upstream-unreachable", "job gone"),
+    "EnvError": ({"code": "E1", "message": "bad action"},),
+}
+
+
+def _subclasses(cls: type) -> List[type]:
+    found = []
+    for sub in cls.__subclasses__():
+        found += [sub] + _subclasses(sub)
+    return found
+
+
+@pytest.mark.parametrize("cls", sorted(set(_subclasses(hsp.SandboxError)) | {hsp.SandboxError},
+                                       key=lambda c: c.__name__), ids=lambda c: c.__name__)
+def test_every_error_of_the_library_survives_pickling_with_its_message_type_and_attributes(cls):
+    # A worker process's error once came back as BrokenProcessPool: required constructor arguments broke unpickling.
+    error = cls(*_SAMPLES.get(cls.__name__, ("a message",)))
+    error.note = "kept"  # attributes set after construction travel too
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is cls and str(copy) == str(error) and copy.args == error.args
+    assert set(copy.__dict__) == set(error.__dict__) and copy.note == "kept"
+    for name, value in vars(error).items():
+        if not isinstance(value, list):  # (lists of (index, exception) hold fresh exception objects)
+            assert getattr(copy, name) == value, name
+
+
+def _raise_no_credits() -> None:
+    raise hsp.JobsAPIError("creating the job in namespace 'alice'", 402, "no credits", "req1")
+
+
+def test_an_error_raised_in_a_process_pool_worker_reaches_the_parent_as_itself():
+    context = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        with pytest.raises(hsp.JobsAPIError) as raised:
+            pool.submit(_raise_no_credits).result(TIMEOUT)
+    assert raised.value.status_code == 402 and "HTTP 402: no credits" in str(raised.value)
+
+
+def _in_forked_child(work: Callable[[], Any]) -> Any:
+    """Run `work` in a child made by os.fork; return what it returned (JSON), or raise what it raised."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            try:
+                answer = {"ok": work()}
+            except BaseException as exc:
+                answer = {"error": "%s: %s" % (type(exc).__name__, exc)}
+            os.write(write_end, json.dumps(answer).encode())
+        finally:
+            os._exit(0)  # (this process's other exit hooks, the emulator's among them, belong to the parent)
+    os.close(write_end)
+    deadline = time.monotonic() + TIMEOUT
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError("the forked child did not finish within %ss" % TIMEOUT)
+        time.sleep(0.05)
+    with os.fdopen(read_end, "rb") as answer_file:
+        answer = json.loads(answer_file.read() or b'{"error": "no answer"}')
+    assert "error" not in answer, answer["error"]
+    return answer["ok"]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_neither_cancels_nor_unmounts_its_parents_job_and_starts_its_own(emu):
+    # The child once inherited the parent's safety nets and shared proxy: its exit hook cancelled the parent's jobs
+    # and shut the listener both share, and its own start mounted on a proxy no thread of its serves (404).
+    settings = dict(endpoint=emu.endpoint, token=emu.token, command=echo_server_command(), poll_interval_s=0.05)
+    parent = hsp.HFSandboxProvider(IMAGE, **settings)  # on the process's shared in-process proxy
+    try:
+        parent.wait_for_ready(parent.start_container())
+
+        def child() -> str:
+            parent.stop_container()  # an inherited copy: the parent's job is not the child's to end
+            own = hsp.HFSandboxProvider(IMAGE, **settings)
+            own.wait_for_ready(own.start_container())
+            status = requests.get(own.base_url + "/health", timeout=10).status_code
+            own.stop_container()
+            hsp._stop_everything_at_exit()  # what a normal exit of the child runs
+            return "own job served %d" % status
+
+        assert _in_forked_child(child) == "own job served 200"
+        assert emu.job(parent.job_id).stage == "RUNNING"
+        assert requests.get(parent.base_url + "/health", timeout=10).status_code == 200
+        own = next(job for job in emu.jobs if job.id != parent.job_id)
+        wait_until(lambda: own.stage == "CANCELED", "the child's own job to be cancelled (by the child)")
+    finally:
+        parent.stop_container()
+    wait_until(lambda: emu.job(parent.job_id).stage == "CANCELED", "the parent's job to be cancelled by the parent")
