@@ -10,14 +10,17 @@ the command line.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
 import os
+import shutil
+import signal
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 import requests
 
@@ -72,6 +75,7 @@ class _Smoke:
         self.live = bool(getattr(out, "isatty", lambda: False)())
         self._lock = threading.Lock()  # each line whole, even if another thread says something
         self._pending = False  # a terminal's `...` line is waiting for its result
+        self.closed = False  # the reader went away (`| head`): the stages and the teardown go on unprinted
 
     def stage(self, name: str, action: Callable[[], Optional[str]]) -> bool:
         start = time.monotonic()
@@ -81,8 +85,8 @@ class _Smoke:
             ok, detail = True, action()
         except Exception as exc:
             detail = "%s: %s" % (type(exc).__name__, exc)
-        except BaseException as exc:  # Ctrl-C: recorded, then it propagates
-            detail = "interrupted (%s)" % type(exc).__name__
+        except BaseException as exc:  # Ctrl-C (or SIGTERM/SIGHUP, see _interrupting): recorded, then it propagates
+            detail = "interrupted (%s)" % (exc if isinstance(exc, _Terminated) else type(exc).__name__)
             raise
         finally:
             seconds, lines = time.monotonic() - start, (detail or "").splitlines() or [""]
@@ -97,8 +101,11 @@ class _Smoke:
         with self._lock:
             erase = "\r\x1b[K" if self._pending else ""  # back over the `...` line, then clear it
             self._pending = False
-            self.out.write(erase + line + "\n")
-            self.out.flush()
+            self._write(erase + line + "\n")
+
+    def _write(self, text: str) -> None:
+        if not self.closed:
+            self.closed = not _emit(self.out, text)
 
     def log_to_stages(self) -> "logging.Handler":
         """A handler that shows the library's INFO lines (a job's id and Hub page as soon as its create
@@ -115,8 +122,7 @@ class _Smoke:
 
     def _begin(self, line: str) -> None:
         with self._lock:
-            self.out.write(line if self.live else line + "\n")
-            self.out.flush()
+            self._write(line if self.live else line + "\n")
             self._pending = self.live
 
     @property
@@ -129,6 +135,48 @@ class _Smoke:
         rows = [("stage", "result", " seconds")] + rows + [
             ("total", "ok" if self.ok else "FAIL", "%8.2f" % (time.monotonic() - self.began))]
         return "\n".join("%-*s  %-6s  %s" % (width, name, result, seconds) for name, result, seconds in rows)
+
+
+def _emit(out: Any, text: str) -> bool:
+    """Write and flush `text`; False when the reader has gone (a closed pipe), whose stream then points at
+    os.devnull so no later write or the interpreter's last flush fails."""
+    try:
+        out.write(text)
+        out.flush()
+        return True
+    except OSError:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, out.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):  # not a file descriptor (e.g. a StringIO)
+            pass
+        return False
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP during `smoke`: handled like Ctrl-C, so the teardown stages run."""
+
+
+@contextlib.contextmanager
+def _interrupting(signals: Sequence[str] = ("SIGTERM", "SIGHUP")) -> Iterator[None]:
+    """While in the block, `signals` raise _Terminated in the main thread (off it, or for a signal this process
+    ignores, e.g. SIGHUP under nohup, nothing changes); the previous handlers come back after."""
+    previous: Dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for name in signals:
+            signum = getattr(signal, name, None)
+            if signum is not None and signal.getsignal(signum) is not signal.SIG_IGN:
+                previous[signum] = signal.signal(signum, _raise_terminated)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise _Terminated(signal.Signals(signum).name)
 
 
 def _smoke_checks(smoke: _Smoke, base_url: str, action: Mapping[str, Any]) -> None:
@@ -180,6 +228,10 @@ def _import_emulator() -> Any:
     return importlib.import_module(name)  # present but broken: its own error says why
 
 
+def _interruption(exc: BaseException) -> str:
+    return "interrupted by %s" % exc if isinstance(exc, _Terminated) else "interrupted"
+
+
 def _usage_error(message: str) -> int:
     print("error: %s" % message, file=sys.stderr)
     return EXIT_USAGE
@@ -207,9 +259,10 @@ def _run_smoke(args: Any) -> int:
                                 "is not part of a vendored copy); copy it from the "
                                 "hf-sandbox-provider repository, or run smoke without --local "
                                 "against the Hub")
-        reason = _local_pool_rejection(module) if args.pool else None
-        if reason:
-            return _usage_error(reason)
+    # --pool needs a recent huggingface_hub with --local or without; --local also the emulator's TLS certificates.
+    reason = None if not args.pool else _local_pool_rejection(module) if args.local else _pool_module().hub_rejection()
+    if reason:
+        return _usage_error(reason)
     try:  # the settings' checks, before anything starts (the emulator's endpoint is loopback too)
         where = {"endpoint": "http://127.0.0.1"} if args.local else {}
         checked = HFSandboxProvider(image, **settings, **where)
@@ -227,90 +280,121 @@ def _run_smoke(args: Any) -> int:
         nonlocal failure
         try:
             smoke.stage(name, action)
-        except KeyboardInterrupt:
-            failure = "interrupted"
+        except KeyboardInterrupt as exc:
+            failure = _interruption(exc)
 
-    try:
-        if args.local:
-            emulator = module.JobsEmulator(**(SMOKE_POOL_EMULATOR if args.pool else {}))
-            if smoke.stage("start local Jobs emulator",
-                           lambda: "endpoint %s" % emulator.start().endpoint):
-                settings.update(endpoint=emulator.endpoint, token=emulator.token)
-                if args.pool:
-                    _local_pool_settings(settings, emulator)
-                provider = HFSandboxProvider(image, **settings)
-        if provider is not None:
-            # A start on the Hub may wait minutes: its log says what it waits for (-v shows it anyway).
-            library_log = logging.getLogger("hf_sandbox_provider")
-            shown, level = None if args.verbose else smoke.log_to_stages(), library_log.level
-            if shown is not None and library_log.getEffectiveLevel() > logging.INFO:
-                library_log.setLevel(logging.INFO)
-            try:
-                started = smoke.stage("start_container (submit -> exposed URL)", lambda: "job %s at %s" % (
-                    provider.start_container() and provider.job_id, provider.upstream_url))
-                ready = started and smoke.stage("wait_for_ready (/health through the proxy)",
-                                                lambda: provider.wait_for_ready())
-            finally:
-                if shown is not None:
-                    library_log.removeHandler(shown)
-                    library_log.setLevel(level)
-            if ready:
-                _smoke_checks(smoke, provider.base_url or "", action)
-    except KeyboardInterrupt:
-        failure = "interrupted"
-    finally:
-        if provider is not None:
-            job_id = provider.job_id
-            settle("stop_container (cancel job, unmount)", lambda: provider.stop_container() or (
-                "job %s %s" % (job_id, provider.stage) if job_id else "nothing to stop"))
-            if args.pool and provider._pooled is not None:
-                settle("close pool %s (cancel the host jobs it booted)" % args.pool, _close_pools)
-        if emulator is not None:
-            settle("stop local Jobs emulator", lambda: _stop_emulator(emulator))
-    if args.json:
-        print(json.dumps({
-            "ok": smoke.ok and failure is None, "mode": "local" if args.local else "hub", "image": image,
-            "job_id": provider.job_id if provider else None, "job_url": provider.job_url if provider else None,
-            "timings": provider.timings if provider else {}, "stages": smoke.stages, "error": failure or next(
-                (s["detail"] for s in smoke.stages if not s["ok"]), None),
-        }, indent=2))
-    else:
-        print("\n" + smoke.table(), file=out)
-        if provider is not None and provider.timings:
-            print("job timings (s after submit): %s" % ", ".join(
-                "%s=%.2f" % item for item in sorted(provider.timings.items(), key=lambda kv: kv[1])), file=out)
+    undo_pool_settings: Optional[Callable[[], None]] = None
+    with _interrupting():  # SIGTERM/SIGHUP (`timeout`, a CI cancel, a closed terminal) tear down as Ctrl-C does
+        try:
+            if args.local:
+                emulator = module.JobsEmulator(**(SMOKE_POOL_EMULATOR if args.pool else {}))
+                if smoke.stage("start local Jobs emulator",
+                               lambda: "endpoint %s" % emulator.start().endpoint):
+                    settings.update(endpoint=emulator.endpoint, token=emulator.token)
+                    if args.pool:
+                        undo_pool_settings = _local_pool_settings(settings, emulator)
+                    provider = HFSandboxProvider(image, **settings)
+            if provider is not None:
+                # A start on the Hub may wait minutes: its log says what it waits for (-v shows it anyway).
+                library_log = logging.getLogger("hf_sandbox_provider")
+                shown, level = None if args.verbose else smoke.log_to_stages(), library_log.level
+                if shown is not None and library_log.getEffectiveLevel() > logging.INFO:
+                    library_log.setLevel(logging.INFO)
+                try:
+                    started = smoke.stage("start_container (submit -> exposed URL)", lambda: "job %s at %s" % (
+                        provider.start_container() and provider.job_id, provider.upstream_url))
+                    ready = started and smoke.stage("wait_for_ready (/health through the proxy)",
+                                                    lambda: provider.wait_for_ready())
+                finally:
+                    if shown is not None:
+                        library_log.removeHandler(shown)
+                        library_log.setLevel(level)
+                if ready:
+                    _smoke_checks(smoke, provider.base_url or "", action)
+        except KeyboardInterrupt as exc:
+            failure = _interruption(exc)
+        finally:
+            if provider is not None:
+                settle("stop_container (cancel job, unmount)", lambda: _stop_provider(provider))
+                if args.pool and provider._pooled is not None:
+                    settle("close pool %s (cancel the host jobs it booted)" % args.pool,
+                           lambda: _close_pools(args.pool))
+            if emulator is not None:
+                settle("stop local Jobs emulator", lambda: _stop_emulator(emulator))
+            if undo_pool_settings is not None:
+                undo_pool_settings()
+        if args.json:
+            _emit(sys.stdout, json.dumps({
+                "ok": smoke.ok and failure is None, "mode": "local" if args.local else "hub", "image": image,
+                "job_id": provider.job_id if provider else None, "job_url": provider.job_url if provider else None,
+                "timings": provider.timings if provider else {}, "stages": smoke.stages, "error": failure or next(
+                    (s["detail"] for s in smoke.stages if not s["ok"]), None),
+            }, indent=2) + "\n")
+        else:
+            smoke.say("\n" + smoke.table())
+            if provider is not None and provider.timings:
+                smoke.say("job timings (s after submit): %s" % ", ".join(
+                    "%s=%.2f" % item for item in sorted(provider.timings.items(), key=lambda kv: kv[1])))
     return EXIT_OK if smoke.ok and failure is None else EXIT_FAILED
 
 
-def _local_pool_rejection(module: Any) -> Optional[str]:
-    """Why `--local --pool` cannot run here (a package missing), or None: the emulator's sandbox
-    hosts need TLS certificates (`cryptography`) and pooled placement a recent huggingface_hub."""
+def _pool_module() -> Any:
+    """hf_sandbox_pool, imported only for --pool."""
     if __package__:
         from . import hf_sandbox_pool
     else:
         import hf_sandbox_pool
-    return module.tls_rejection() or hf_sandbox_pool.hub_rejection()
+    return hf_sandbox_pool
 
 
-def _local_pool_settings(settings: Dict[str, Any], emulator: Any) -> None:
+def _local_pool_rejection(module: Any) -> Optional[str]:
+    """Why `--local --pool` cannot run here (a package missing), or None: pooled placement needs a recent
+    huggingface_hub, the emulator's sandbox hosts TLS certificates (`cryptography`). (The examples use it too.)"""
+    return _pool_module().hub_rejection() or module.tls_rejection()
+
+
+def _local_pool_settings(settings: Dict[str, Any], emulator: Any) -> Callable[[], None]:
     """`--local --pool`: huggingface_hub's clients trust the TLS emulator's CA and keep their pool
-    cache in a temporary directory."""
+    cache in a temporary directory. Returns what undoes it (the directory removed)."""
     import tempfile
 
     import huggingface_hub.constants
 
+    previous = os.environ.get("SSL_CERT_FILE"), huggingface_hub.constants.HF_HOME
     os.environ["SSL_CERT_FILE"] = emulator.ca_path
-    huggingface_hub.constants.HF_HOME = tempfile.mkdtemp(prefix="hf-sandbox-smoke-")
+    home = huggingface_hub.constants.HF_HOME = tempfile.mkdtemp(prefix="hf-sandbox-smoke-")
     settings.update(verify=emulator.ca_path)
 
+    def undo() -> None:
+        shutil.rmtree(home, ignore_errors=True)
+        huggingface_hub.constants.HF_HOME = previous[1]
+        if previous[0] is None:
+            os.environ.pop("SSL_CERT_FILE", None)
+        else:
+            os.environ["SSL_CERT_FILE"] = previous[0]
 
-def _close_pools() -> str:
-    if __package__:
-        from . import hf_sandbox_pool
-    else:
-        import hf_sandbox_pool
-    hf_sandbox_pool.close_pools()
+    return undo
+
+
+def _close_pools(name: str) -> str:
+    left = _pool_module().close_pools()
+    if left:  # huggingface_hub's warning above says why
+        raise SandboxError("host job(s) %s could not be cancelled and still run (and bill): cancel them with "
+                           "`python -m hf_sandbox_provider sweep --pool %s`" % (", ".join(left), name))
     return "closed"
+
+
+def _stop_provider(provider: "HFSandboxProvider") -> str:
+    """stop_container(), which never raises: a job (or pooled sandbox) still live after it is a failure."""
+    job_id = provider.job_id
+    provider.stop_container()
+    if not job_id:
+        return "nothing to stop"
+    if provider.stage not in TERMINAL_STAGES:
+        raise SandboxError("job %s is still %s after stop_container(): its cancel failed (see the warning above) "
+                           "and it bills until its job_timeout; `python -m hf_sandbox_provider sweep` cancels it"
+                           % (job_id, provider.stage or "live"))
+    return "job %s %s" % (job_id, provider.stage)
 
 
 def _stop_emulator(emulator: Any) -> str:
@@ -408,6 +492,7 @@ def _run_sweep(args: Any) -> int:
     if not token:
         return _usage_error("no Hugging Face token found: set HF_TOKEN or run `hf auth login`")
     client = _JobsClient(endpoint, token)
+    cancelled: List[str] = []
     try:
         user = client.whoami_namespace()
         namespace = args.namespace or user
@@ -417,8 +502,11 @@ def _run_sweep(args: Any) -> int:
         for job in found:
             job_id = str(job.get("id"))
             age = _job_age_s(job, now)
-            summary = "%s (%s, %s, %s)" % (job_id, (job.get("status") or {}).get("stage"),
-                                           job.get("flavor") or "?", _format_age(age))
+            carried = job.get("labels") if isinstance(job.get("labels"), Mapping) else {}
+            pool = (", host of pool %s" % carried.get("hf-sandbox-pool")
+                    if carried.get("hf-sandbox-mode") == "pool" else "")
+            summary = "%s (%s, %s, %s%s)" % (job_id, (job.get("status") or {}).get("stage"),
+                                             job.get("flavor") or "?", _format_age(age), pool)
             reason = _sweep_skip_reason(job, user, wanted)
             if reason is None and older_than is not None and (age is None or age < older_than):
                 reason = "younger than %s" % args.older_than if age is not None else "its age is unknown"
@@ -432,12 +520,18 @@ def _run_sweep(args: Any) -> int:
             outcome = _cancel_briefly(client, namespace, job_id)
             print("cancelled %s" % summary if outcome is None else "FAILED to cancel %s: %s" % (summary, outcome))
             failed += outcome is not None
+            if outcome is None:
+                cancelled.append(job_id)
         labelled = " labelled %s" % ", ".join("%s=%s" % item for item in wanted.items()) if wanted else ""
         print("%d leftover job(s) of %s in %s%s%s" % (swept, user, namespace, labelled,
                                                       " (dry run)" if args.dry_run else ""))
         return EXIT_FAILED if failed else EXIT_OK
     except JobsAPIError as exc:
         print("error: %s" % exc, file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:  # one line saying what is done, not a traceback
+        print("interrupted: %s" % ("cancelled %d job(s) so far: %s" % (len(cancelled), ", ".join(cancelled))
+                                   if cancelled else "no job cancelled"), file=sys.stderr)
         return EXIT_FAILED
     finally:
         client.close()

@@ -10,11 +10,12 @@ is unchanged: a loopback `base_url`, `wait_for_ready` (failing fast with the ser
 exits), typed errors, `stop_container()` (kills the sandbox), and the safety nets (finalizer, atexit,
 signal teardown), which also cancel the host jobs this process booted for a named pool.
 
-Public names: `close_pools()`, `MIN_HUB_VERSION`, `TESTED_HUB_VERSIONS`. See docs/pool.md.
+Public names: `close_pools()`, `MIN_HUB_VERSION`, `MIN_PYTHON_VERSION`, `TESTED_HUB_VERSIONS`. See docs/pool.md.
 """
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import re
 import shlex
@@ -31,7 +32,7 @@ if __package__:  # vendored inside a package
 else:
     import hf_sandbox_provider as _core
 
-__all__ = ["close_pools", "MIN_HUB_VERSION", "TESTED_HUB_VERSIONS"]
+__all__ = ["close_pools", "MIN_HUB_VERSION", "MIN_PYTHON_VERSION", "TESTED_HUB_VERSIONS"]
 
 logger = logging.getLogger("hf_sandbox_provider")
 
@@ -44,6 +45,8 @@ logger = logging.getLogger("hf_sandbox_provider")
 # sandbox's proxy_headers carry the host's credential (authority over every sibling) and it speaks an
 # older sbx-server protocol than 3, which current hosts (and the emulator) serve.
 MIN_HUB_VERSION = (2, 1, 1)
+# The oldest Python MIN_HUB_VERSION installs on (huggingface_hub 2.x: Requires-Python >= 3.10).
+MIN_PYTHON_VERSION = (3, 10)
 # The versions this module's tests ran against (tests/test_pool.py; docs/pool.md says how to rerun).
 TESTED_HUB_VERSIONS = ("2.1.1", "2.4.0")
 # The port a host's sandbox server listens on (huggingface_hub's SANDBOX_SERVER_PORT): the token may go
@@ -93,13 +96,16 @@ _POOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,100}\Z")  # \Z: `$` would accept a tr
 # --------------------------------------------------------------------------------------------------
 
 
-def close_pools() -> None:
+def close_pools() -> List[str]:
     """Close every named pool this process created: cancel the host jobs it booted (their sandboxes end
-    with them; hosts it only adopted keep running). Never raises; names what it could not cancel."""
+    with them; hosts it only adopted keep running). Never raises; returns (and warns naming) the host job ids
+    it could not cancel, which still run and bill."""
     with _pools_lock:
         entries = list(_pools.values())
         _pools.clear()
-    _core._in_parallel([entry.close for entry in entries])
+    left: List[str] = []
+    _core._in_parallel([functools.partial(lambda entry: left.extend(entry.close()), entry) for entry in entries])
+    return sorted(left)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -130,6 +136,10 @@ def hub_rejection() -> Optional[str]:
     needed = ".".join(str(part) for part in MIN_HUB_VERSION)
     advice = ("pip install -U 'huggingface_hub>=%s' (or the 'pool' extra: pip install 'hf-sandbox-provider[pool]')"
               % needed)
+    if sys.version_info < MIN_PYTHON_VERSION:  # huggingface_hub 2.x requires Python 3.10: pip cannot install it here
+        advice = ("pooled placement needs Python %s+ (huggingface_hub %s requires it); this is Python %s: use "
+                  "dedicated placement (pool=None) here, or run on Python %s or newer"
+                  % (_dotted(MIN_PYTHON_VERSION), needed, _dotted(sys.version_info[:3]), _dotted(MIN_PYTHON_VERSION)))
     try:
         import huggingface_hub
     except ImportError:
@@ -142,6 +152,10 @@ def hub_rejection() -> Optional[str]:
                 "credentials, no redirects followed, sbx-server protocol 3); huggingface_hub %s is installed: %s"
                 % (needed, version, advice))
     return None
+
+
+def _dotted(version: Sequence[int]) -> str:
+    return ".".join(str(part) for part in version)
 
 
 def _version_tuple(version: str) -> Tuple[int, ...]:
@@ -506,31 +520,35 @@ class _NamedPool:
         self.failures = 0  # pool creations that failed, and the last one's reason (shared by the starts waiting)
         self.failure = ""
 
-    def close(self) -> None:
+    def close(self) -> List[str]:
+        """Close the pool (once); the ids of the host jobs it booted that could not be cancelled."""
         with self.lock:
             pool, self.pool, self.closed = self.pool, None, True
             finalizer, self.finalizer = self.finalizer, None
         if finalizer is not None:
             finalizer.detach()
             _core._live_finalizers.discard(finalizer)
-        if pool is not None:
-            _close_pool(pool, self)
+        return [] if pool is None else _close_pool(pool, self)
 
 
-def _close_pool(pool: Any, entry: Optional[_NamedPool] = None) -> None:
+def _close_pool(pool: Any, entry: Optional[_NamedPool] = None) -> List[str]:
     """Close a pool we created: its host jobs this process booted are cancelled (so their sandboxes
-    end), adopted ones only released. Never raises."""
+    end), adopted ones only released. Never raises; returns the ids of those it could not cancel."""
     owned = [host.job_id for host in list(getattr(pool, "_hosts", [])) if getattr(host, "owned", False)]
     try:
         pool.close()
+        failed: List[str] = []
     except Exception as exc:  # a host it could not cancel runs on: its sandboxes are still killed one by one
         logger.warning("pool %s: %s", getattr(pool, "name", "?"), exc)
-        return
+        cancelled = getattr(pool.__dict__.get("_provider_api"), "cancelled", set())
+        failed = [job_id for job_id in owned if job_id not in cancelled]
+    done = [job_id for job_id in owned if job_id not in failed]
     if entry is not None:  # marked only once cancelled: a sandbox of a host still running must be killed
-        entry.cancelled_hosts.update(owned)
-        _cancelled_hosts.update(owned)
-    if owned:
-        logger.info("pool %s closed: host job(s) %s cancelled", pool.name, ", ".join(owned))
+        entry.cancelled_hosts.update(done)
+        _cancelled_hosts.update(done)
+    if done:
+        logger.info("pool %s closed: host job(s) %s cancelled", getattr(pool, "name", "?"), ", ".join(done))
+    return failed
 
 
 # Host job ids this process cancelled by closing their pool: their sandboxes need no kill of their own.
@@ -573,7 +591,12 @@ def prewarm(provider: "_core.HFSandboxProvider", n: int, boot: bool = True) -> N
         logger.info("pool %s: warming %d host(s) for %d environments", pool.name, wanted, n)
         with entry.lock:  # close() takes it first: a host booted here is in the pool before close() lists them
             if entry.pool is pool and not entry.closed:
-                pool.warm(wanted)
+                try:
+                    pool.warm(wanted)
+                except Exception as exc:  # as a first boot's failure: this library's error, not huggingface_hub's
+                    if isinstance(exc, _core.SandboxError):
+                        raise
+                    raise _core.SandboxError("pool %s could not start a host job: %s" % (pool.name, exc)) from None
 
 
 def _pool_key(settings: Mapping[str, Any], token: str, namespace: str, endpoint: str) -> Tuple[Any, ...]:
@@ -606,31 +629,78 @@ def _pool_for(settings: Mapping[str, Any], token: str, namespace: str, endpoint:
             if entry.failures != failures_seen:  # not a new boot per waiting start: one failed boot fails them all
                 raise _core.SandboxError(entry.failure)
             warm_up = max(warm_up, entry.planned_hosts)
+            entry.planned_hosts = 0  # start_many's plan is this boot's, whether it succeeds or fails
             logger.info("pool %s: starting (image %s, flavor %s, namespace %s)", pool, settings["image"],
                         settings["flavor"], namespace)
+            made: List[Any] = []
             try:
-                entry.pool = _new_pool(pool, settings, token, namespace, endpoint, warm_up, new_session)
-            except Exception as exc:  # its first hosts failed to boot (and were cancelled by huggingface_hub)
+                entry.pool = _new_pool(pool, settings, token, namespace, endpoint, warm_up, new_session, made)
+            except BaseException as exc:  # its first hosts failed to boot (and were cancelled by huggingface_hub)
+                if not isinstance(exc, Exception):  # Ctrl-C: the interrupted boot cancelled the host jobs it made
+                    for unfinished in made:  # (see _HostBoots); any that reached the pool unseen go with it here
+                        if getattr(unfinished, "_hosts", None):
+                            _close_pool(unfinished)
+                    entry.failure = "pool %s: its first host boot was interrupted (%s)" % (pool, type(exc).__name__)
+                    entry.failures += 1  # the starts waiting for it fail too, rather than each booting again
+                    raise
                 entry.failure = (str(exc) if isinstance(exc, _core.SandboxError)
                                  else "pool %s could not start a host job: %s" % (pool, exc))
                 entry.failures += 1
                 if isinstance(exc, _core.SandboxError):
                     raise
                 raise _core.SandboxError(entry.failure) from None
-            entry.planned_hosts = 0
             entry.finalizer = weakref.finalize(entry, _close_pool, entry.pool, entry)
             _core._live_finalizers.add(entry.finalizer)  # atexit and signal teardown run it
         return entry.pool
 
 
 def _new_pool(name: str, settings: Mapping[str, Any], token: str, namespace: str, endpoint: str,
-              warm_up: int, new_session: Callable[[], requests.Session]) -> Any:
+              warm_up: int, new_session: Callable[[], requests.Session], made: Optional[List[Any]] = None) -> Any:
     """A SandboxPool (booting its first `warm_up` hosts in parallel) whose Hub calls go to the provider's
-    endpoint, its booting hosts watched by the process's job watcher."""
+    endpoint, its booting hosts watched by the process's job watcher. The pool is appended to `made` before
+    it boots, so a caller whose constructor call is interrupted can still close it."""
     return _pool_class()(image=settings["image"], flavor=settings["flavor"], name=name, namespace=namespace,
                          token=token, warm_up=max(NAMED_POOL_WARM_UP, warm_up),
                          start_timeout=float(settings["start_timeout_s"]), hub_endpoint=endpoint,
-                         new_session=new_session)
+                         new_session=new_session, made=made)
+
+
+class _HostBoots:
+    """The host jobs one boot of a pool (its warm-up, `warm()` or an on-demand boot: one `_provision_hosts`)
+    creates. huggingface_hub boots them in threads of its own; when the caller is interrupted (Ctrl-C) those
+    go on without it, and the hosts they return are dropped. `abandon()` cancels what they created, and a
+    create that answers after it is cancelled at once."""
+
+    def __init__(self, api: Any) -> None:
+        self._api = api
+        self._lock = threading.Lock()
+        self._jobs: List[Tuple[str, Optional[str]]] = []
+        self._abandoned = False
+
+    def add(self, job_id: str, namespace: Optional[str]) -> bool:
+        """Record a host job just created; False (the job cancelled) when the boot was abandoned meanwhile."""
+        with self._lock:
+            if not self._abandoned:
+                self._jobs.append((job_id, namespace))
+                return True
+        _cancel_abandoned_host(self._api, job_id, namespace)
+        return False
+
+    def abandon(self) -> None:
+        with self._lock:
+            self._abandoned, jobs, self._jobs = True, self._jobs, []
+        for job_id, namespace in jobs:
+            _cancel_abandoned_host(self._api, job_id, namespace)
+
+
+def _cancel_abandoned_host(api: Any, job_id: str, namespace: Optional[str]) -> None:
+    try:
+        api.cancel_job(job_id=job_id, namespace=namespace)
+    except Exception as exc:
+        logger.warning("host job %s, whose boot was interrupted, could not be cancelled (%s): it runs until its "
+                       "idle timeout; `python -m hf_sandbox_provider sweep` cancels it", job_id, _first_line(exc))
+        return
+    logger.info("host job %s cancelled: its boot was interrupted", job_id)
 
 
 _pool_class_cache: List[Any] = []
@@ -655,15 +725,23 @@ def _pool_class() -> Any:
         def __init__(self, endpoint: str, token: Optional[str], new_session: Callable[[], requests.Session]) -> None:
             super().__init__(endpoint=endpoint, token=token)
             self._new_session = new_session
-            self._booting = threading.local()  # the host jobs the current thread's _boot_host started
+            self._booting = threading.local()  # the current thread's _boot_host: its boot record, its host jobs
             self._watches: Dict[str, Tuple[Any, Any]] = {}  # job id -> (watch, the create answer)
             self._watches_lock = threading.Lock()
+            self.cancelled: "set[str]" = set()  # host job ids whose cancel succeeded
 
         def run_job(self, *, labels: Optional[Dict[str, str]] = None, **kwargs: Any) -> Any:
-            started = getattr(self._booting, "jobs", None)
-            if started is None or not self.token:  # not a host boot: as huggingface_hub does it
+            started, boots = getattr(self._booting, "jobs", None), getattr(self._booting, "boots", None)
+            if started is None or boots is None:  # not a host boot: as huggingface_hub does it
                 return super().run_job(labels=labels, **kwargs)
-            job = super().run_job(labels={**(labels or {}), _core.PROCESS_LABEL_KEY: _core._process_label}, **kwargs)
+            # The library's label too: a plain `sweep` finds the hosts a killed process left (huggingface_hub's
+            # discovery and `sweep --pool` select hosts by the pool's own labels, which stay as they are).
+            job = super().run_job(labels={**(labels or {}), _core.PROVIDER_LABEL_KEY: _core.PROVIDER_LABEL_VALUE,
+                                          _core.PROCESS_LABEL_KEY: _core._process_label}, **kwargs)
+            if not boots.add(job.id, job.owner.name):  # the boot's caller was interrupted: the job is cancelled
+                raise _core.SandboxError("host job %s cancelled: its boot was interrupted" % job.id)
+            if not self.token:
+                return job
             try:
                 watch = _core._watcher.register(self.endpoint, self.token, self._new_session, job.owner.name,
                                                 job.id, HOST_WATCH_INTERVAL_S, threading.Event())
@@ -685,9 +763,17 @@ def _pool_class() -> Any:
                 raise watch.error
             return created if watch.job is None else JobInfo(**watch.job, endpoint=self.endpoint)
 
-        def booting(self, active: bool) -> None:
-            """Around one `_boot_host`: watch the host jobs it starts, then stop watching them."""
-            started, self._booting.jobs = getattr(self._booting, "jobs", None), [] if active else None
+        def cancel_job(self, *, job_id: str, **kwargs: Any) -> None:
+            if job_id in self.cancelled:  # e.g. a boot abandoned by Ctrl-C, then failing: cancelled already
+                return
+            super().cancel_job(job_id=job_id, **kwargs)
+            self.cancelled.add(job_id)
+
+        def booting(self, boots: Optional[_HostBoots]) -> None:
+            """Around one `_boot_host` (in its thread): record (in `boots`) and watch the host jobs it starts,
+            then, given None, stop watching them."""
+            started, self._booting.jobs = getattr(self._booting, "jobs", None), [] if boots is not None else None
+            self._booting.boots = boots
             for job_id in started or []:
                 with self._watches_lock:
                     watch, _ = self._watches.pop(job_id)
@@ -695,12 +781,15 @@ def _pool_class() -> Any:
 
     class ProviderSandboxPool(SandboxPool):  # type: ignore[misc,valid-type]
         def __init__(self, *args: Any, hub_endpoint: str, new_session: Callable[[], requests.Session],
-                     **kwargs: Any) -> None:
+                     made: Optional[List[Any]] = None, **kwargs: Any) -> None:
             self.__dict__["_hub_endpoint"] = hub_endpoint
             self.__dict__["_new_session"] = new_session
             self._cache_lock = threading.Lock()
             self._cache_stale = self._cache_closed = False
             self._cache_writer: Optional[threading.Thread] = None
+            self._provisioning = threading.local()  # the boot (_HostBoots) the current thread's _provision_hosts runs
+            if made is not None:
+                made.append(self)
             super().__init__(*args, **kwargs)
 
         @property
@@ -786,12 +875,32 @@ def _pool_class() -> Any:
                 self._dead_host_ids.add(cached.job_id)
             return False
 
-        def _boot_host(self) -> Any:
-            self._api.booting(True)
+        def _provision_hosts(self, num_new: int, **kwargs: Any) -> Any:
+            """huggingface_hub's parallel boot, its host jobs recorded: if this thread is interrupted (Ctrl-C)
+            while the boot threads run, the host jobs they create are cancelled instead of left running."""
+            boots = self._provisioning.boots = _HostBoots(self._api)
             try:
-                return super()._boot_host()
+                return super()._provision_hosts(num_new, **kwargs)
+            except BaseException as exc:
+                if not isinstance(exc, Exception):  # a failed boot's hosts huggingface_hub cancels itself
+                    boots.abandon()
+                raise
             finally:
-                self._api.booting(False)
+                self._provisioning.boots = None
+
+        @property
+        def _boot_host(self) -> Callable[[], Any]:
+            # huggingface_hub submits `self._boot_host` to its boot threads, looked up in the thread that runs
+            # _provision_hosts: read here, it carries that boot's record into each of its threads.
+            boots = getattr(self._provisioning, "boots", None) or _HostBoots(self._api)
+            return functools.partial(self._boot_host_recorded, boots)
+
+        def _boot_host_recorded(self, boots: _HostBoots) -> Any:
+            self._api.booting(boots)
+            try:
+                return SandboxPool._boot_host(self)
+            finally:
+                self._api.booting(None)
 
     _pool_class_cache.append(ProviderSandboxPool)
     return ProviderSandboxPool

@@ -81,7 +81,7 @@ class Backend:
             self.settings.update(endpoint=self.emulator.endpoint, token=self.emulator.token)
             if self.pool:  # TLS hosts huggingface_hub trusts (as smoke --local --pool)
                 from hf_sandbox_cli import _local_pool_settings
-                _local_pool_settings(self.settings, self.emulator)
+                self._undo_pool_settings = _local_pool_settings(self.settings, self.emulator)
             print("local HF Jobs emulator at %s" % self.emulator.endpoint)
         return self
 
@@ -89,6 +89,8 @@ class Backend:
         if self.pool:
             from hf_sandbox_pool import close_pools
             close_pools()  # the host jobs this run booted (the Hub's too)
+        if getattr(self, "_undo_pool_settings", None) is not None:
+            self._undo_pool_settings()  # the pool cache's temporary directory, the TLS trust it set
         if self.emulator is None:
             return
         problems = self.emulator.stop()  # names what it could not end, e.g. "job 6b00... pid 123"

@@ -326,3 +326,134 @@ def processes_carrying(variable):
         except OSError:  # ended meanwhile, or not ours to read
             pass
     return found
+
+
+# -- teardown that holds when the cancel fails, on SIGTERM/SIGHUP, with a closed stdout (review F2, F3, F7-F10) --
+
+
+def hub_env(tmp_path, emulator, **extra):
+    """The CLI pointed at `emulator` as if it were the Hub (no --local)."""
+    return clean_env(tmp_path, HF_ENDPOINT=emulator.endpoint, HF_TOKEN=emulator.token, **extra)
+
+
+def test_smoke_fails_its_stop_stage_and_exits_1_when_the_job_could_not_be_cancelled(tmp_path):
+    with JobsEmulator() as emulator:
+        emulator.inject_server_errors(1000, 503, routes=["cancel"])  # every cancel fails: the job bills on
+        result = run(["smoke", "--json"], hub_env(tmp_path, emulator))
+        emulator.inject_server_errors(0, 503, routes=["cancel"])
+        report = json.loads(result.stdout)
+        assert result.returncode == 1, result.stderr  # before: 0, "ok" and "total ok"
+        (stop,) = [s for s in report["stages"] if s["name"].startswith("stop_container")]
+        assert not stop["ok"] and "is still RUNNING after stop_container()" in stop["detail"]
+        assert emulator.job(report["job_id"]).stage == "RUNNING"
+
+
+NEVER_READY = "%s -c 'import time; time.sleep(120)'" % sys.executable
+
+
+@pytest.mark.parametrize("mode, signum", [("hub", signal.SIGTERM), ("local", signal.SIGHUP)], ids=["hub-SIGTERM",
+                                                                                                     "local-SIGHUP"])
+def test_smoke_tears_down_and_prints_its_table_on_sigterm_or_sighup(tmp_path, mode, signum):
+    marker = "SMOKE_SIGNAL_MARK_%d" % os.getpid()
+    with JobsEmulator() as emulator:
+        env = hub_env(tmp_path, emulator, **{marker: "1"})
+        args = ["smoke", "--command", NEVER_READY, "--timeout", "60"] + (["--local"] if mode == "local" else [])
+        proc = subprocess.Popen([sys.executable, "-m", "hf_sandbox_provider"] + args, cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            lines = []
+            for line in proc.stdout:
+                lines.append(line)
+                if "...   wait_for_ready" in line:  # the job runs; its server never answers
+                    proc.send_signal(signum)  # as `timeout`, a CI cancel or a closed terminal does
+                    break
+            out, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        out = "".join(lines) + out
+        assert proc.returncode == 1 and "Traceback" not in err, err  # before: killed by the signal
+        assert "interrupted (%s)" % signal.Signals(signum).name in out
+        assert "\ntotal " in out and "stop_container" in out.split("\ntotal ")[0], out  # the teardown and table
+        if mode == "hub":
+            (job,) = emulator.jobs
+            assert emulator.wait_for_stage(job.id, ["CANCELED"]).stage == "CANCELED"  # before: RUNNING
+    try:
+        wait_until(lambda: not processes_carrying(marker), "the job's processes to end", 10)
+    finally:
+        for pid in processes_carrying(marker):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+# Runs the CLI with huggingface_hub's version set to one too old for pooled placement.
+WITH_OLD_HUB = ("import runpy, sys, huggingface_hub; huggingface_hub.__version__ = '2.0.0'\n"
+                "runpy.run_module('hf_sandbox_provider', run_name='__main__', alter_sys=True)")
+
+
+def test_smoke_pool_with_a_too_old_huggingface_hub_exits_2_in_one_line_with_and_without_local(tmp_path):
+    env = clean_env(tmp_path, HF_TOKEN="hf_" + "x" * 34, HF_ENDPOINT="http://127.0.0.1:9")
+    results = [subprocess.run([sys.executable, "-c", WITH_OLD_HUB, "smoke", "--pool", "p"] + local, cwd=REPO,
+                              env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+               for local in ([], ["--local"])]
+    for result in results:  # before: without --local, stages ran and it exited 1
+        assert result.returncode == 2 and result.stdout == "", result.stdout + result.stderr
+        assert len(result.stderr.splitlines()) == 1 and "huggingface_hub >= 2.1.1" in result.stderr
+    assert results[0].stderr == results[1].stderr
+
+
+def test_smoke_with_its_stdout_closed_early_still_tears_down_without_a_traceback(tmp_path):
+    with JobsEmulator() as emulator:
+        proc = subprocess.Popen([sys.executable, "-m", "hf_sandbox_provider", "smoke"], cwd=REPO,
+                                env=hub_env(tmp_path, emulator), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        try:
+            for _, line in zip(range(4), proc.stdout):
+                pass
+            proc.stdout.close()  # the reader goes away, as `| head -n 4` does
+            err = proc.stderr.read()
+            proc.wait(RUN_TIMEOUT_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            proc.stderr.close()
+        assert "Traceback" not in err and "Broken pipe" not in err, err  # before: BrokenPipeError tracebacks
+        assert "still running at exit" not in err, err  # the CLI's teardown cancelled it, not the exit safety net
+        assert proc.returncode == 0, err
+        (job,) = emulator.jobs
+        assert emulator.wait_for_stage(job.id, ["CANCELED"]).stage == "CANCELED"
+
+
+def test_ctrl_c_during_sweep_prints_one_line_and_exits_1(tmp_path):
+    import socket
+
+    with socket.socket() as silent:  # a Hub that accepts and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        silent.settimeout(RUN_TIMEOUT_S)
+        env = clean_env(tmp_path, HF_TOKEN="hf_sweep_ctrl_c_" + "d" * 20)
+        proc = subprocess.Popen([sys.executable, "-m", "hf_sandbox_provider", "sweep", "--endpoint",
+                                 "http://127.0.0.1:%d" % silent.getsockname()[1]], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            connection, _ = silent.accept()  # sweep is waiting for its first answer
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+            connection.close()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode == 1 and "Traceback" not in err, err  # before: a KeyboardInterrupt traceback, -2
+    assert err == "interrupted: no job cancelled\n"
+
+
+@pytest.mark.parametrize("args", [["--endpoint", "https://[::1"], ["--older-than", "9" * 400]],
+                         ids=["malformed-endpoint", "huge-older-than"])
+def test_sweep_refuses_a_malformed_endpoint_or_a_huge_duration_in_one_line(tmp_path, args):
+    # F9: the core's _resolve_endpoint/_parse_duration (the lead's change) make these usage errors
+    result = run(["sweep"] + args, clean_env(tmp_path, HF_TOKEN="hf_unused", HF_ENDPOINT="http://127.0.0.1:9"))
+    assert result.returncode == 2 and result.stderr.startswith("error: "), result.stderr
+    assert len(result.stderr.splitlines()) == 1

@@ -664,18 +664,21 @@ def test_job_timeout_bounds_a_pooled_server_so_nothing_bills_forever_after_a_los
 
 
 @pytest.mark.slow  # a CLI / example subprocess, like the other CLI and example tests
-def test_smoke_local_pool_runs_every_stage_and_closes_the_pool(tmp_path):
+def test_smoke_local_pool_runs_every_stage_closes_the_pool_and_leaves_no_temporary_directory(tmp_path):
     import json
     import subprocess
 
     env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HF_ENDPOINT", "SSL_CERT_FILE")}
-    env.update(PYTHONPATH=os.path.dirname(HERE), HF_HOME=str(tmp_path))
+    (tmp_path / "tmp").mkdir()
+    env.update(PYTHONPATH=os.path.dirname(HERE), HF_HOME=str(tmp_path), TMPDIR=str(tmp_path / "tmp"))
     run = subprocess.run([sys.executable, "-m", "hf_sandbox_provider", "smoke", "--local", "--pool", "smoke", "--json"],
                          capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=120)
     report = json.loads(run.stdout)
     assert run.returncode == 0 and report["ok"], run.stderr
     assert "." in report["job_id"]  # <host job id>.<sandbox id>
     assert [s["ok"] for s in report["stages"] if s["name"].startswith("close pool")] == [True]
+    # before: a hf-sandbox-smoke-* directory (huggingface_hub's pool cache home) per run
+    assert [name for name in os.listdir(tmp_path / "tmp") if name.startswith("hf-sandbox-smoke-")] == []
 
 
 @pytest.mark.slow  # boots two host jobs
@@ -820,3 +823,159 @@ def test_the_core_vendored_with_the_pool_layer_runs_a_pooled_environment(pool_en
     # thread ends the job (stage CANCELED) a moment later: the cancel call only asks.
     assert all(job._stop_reason is not None or job.terminal for job in emu.jobs)
     wait_until(lambda: all(job.stage in ("CANCELED", "COMPLETED") for job in emu.jobs), "the host job to end")
+
+
+# -- interrupted boots, failed closes, top-ups and labels (review findings F1-F6, F12) ---------------
+
+
+def _ctrl_c_when(condition: Callable[[], object]) -> threading.Thread:
+    """A terminal's Ctrl-C (SIGINT to the main thread, which wakes a blocked wait) once `condition()` holds."""
+    import signal
+
+    main = threading.main_thread().ident
+
+    def watch() -> None:
+        wait_until(condition, "the moment to press Ctrl-C", TIMEOUT)
+        signal.pthread_kill(main, signal.SIGINT)
+
+    watcher = threading.Thread(target=watch, name="test-ctrl-c", daemon=True)
+    watcher.start()
+    return watcher
+
+
+def _boot_threads() -> List[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("ThreadPoolExecutor")]
+
+
+@pytest.mark.slow  # a 3 s host boot interrupted, then the boot threads' end awaited
+@pytest.mark.parametrize("boot", ["first-start", "prewarm-top-up", "on-demand"])
+def test_ctrl_c_during_a_host_boot_cancels_the_host_job_it_was_booting(pool_env, proxy, boot):
+    emu = pool_env(sandbox_host_boot_s=3.0, **({"sandbox_capacity": 1} if boot == "on-demand" else {}))
+    first = provider(emu, proxy, pool="interrupted")
+    if boot != "first-start":
+        first.wait_for_ready(first.start_container())  # the pool exists, with one host serving `first`
+    kept = {job.id for job in emu.jobs}
+    threads_before = set(_boot_threads())
+    watcher = _ctrl_c_when(lambda: len(emu.jobs) > len(kept))  # the host job being booted exists
+    with pytest.raises(KeyboardInterrupt):
+        if boot == "first-start":
+            first.start_container()
+        elif boot == "prewarm-top-up":
+            hf_sandbox_pool.prewarm(first, hf_sandbox_pool.HOST_CAPACITY_ASSUMED + 1)  # start_many's top-up
+        else:
+            provider(emu, proxy, pool="interrupted").start_container()  # the only host is full: boots one
+    watcher.join(TIMEOUT)
+    (booting,) = [job.id for job in emu.jobs if job.id not in kept]
+    # Cancelled without any close: before, nothing held it (no pool, or not in the pool), so nothing ever would.
+    assert emu.wait_for_stage(booting, ["CANCELED"]).stage == "CANCELED"
+    assert [emu.job(job_id).stage for job_id in kept] == ["RUNNING"] * len(kept)  # the live pool's host serves on
+    first.stop_container()
+    hf_sandbox_pool.close_pools()
+    assert all(emu.wait_for_stage(job.id, ["CANCELED"]).stage == "CANCELED" for job in emu.jobs)
+    wait_until(lambda: not set(_boot_threads()) - threads_before, "huggingface_hub's boot threads to end")
+
+
+def test_close_pools_returns_the_host_jobs_it_could_not_cancel(pool_env, proxy):
+    emu = pool_env()
+    p = provider(emu, proxy, pool="uncancellable")
+    p.wait_for_ready(p.start_container())
+    host_id = p._pooled.host_id
+    emu.inject_server_errors(50, status=503, routes=["cancel"])
+    try:
+        assert hf_sandbox_pool.close_pools() == [host_id]  # before: None, whatever was left running
+    finally:
+        emu.inject_server_errors(0, routes=["cancel"])
+    assert emu.job(host_id).stage == "RUNNING"
+    p.stop_container()
+    assert hf_sandbox_pool.close_pools() == []
+
+
+def test_a_failed_top_up_of_an_existing_pool_is_this_librarys_error_naming_the_pool(pool_env, proxy):
+    emu = pool_env()
+    first = provider(emu, proxy, pool="topup")
+    first.wait_for_ready(first.start_container())  # the pool exists, with one host
+    emu.inject_server_errors(50, status=503, routes=["create"])  # the Hub refuses the next host's create
+    try:
+        # before: huggingface_hub's HfHubHTTPError
+        with pytest.raises(SandboxError, match="pool topup could not start a host job: .*503"):
+            HFSandboxProvider.start_many(hf_sandbox_pool.HOST_CAPACITY_ASSUMED + 1, IMAGE, progress=False,
+                                         endpoint=emu.endpoint, token=emu.token, verify=emu.ca_path, proxy=proxy,
+                                         command=SERVER, pool="topup", start_timeout_s=TIMEOUT,
+                                         ready_timeout_s=TIMEOUT)
+    finally:
+        emu.inject_server_errors(0, routes=["create"])
+    first.stop_container()
+
+
+@pytest.mark.slow  # two host boots of 2 s
+def test_a_start_after_start_manys_first_boot_failed_boots_one_host_not_the_failed_plan(pool_env, proxy, monkeypatch):
+    monkeypatch.setattr(hf_sandbox_pool, "HOST_CAPACITY_ASSUMED", 2)  # 3 environments: plan 2 hosts
+    emu = pool_env(sandbox_host_boot_s=2.0)
+    common = dict(endpoint=emu.endpoint, token=emu.token, verify=emu.ca_path, proxy=proxy, command=SERVER,
+                  pool="replanned", ready_timeout_s=TIMEOUT)
+    with pytest.raises(hsp.StartManyError):  # the hosts take 2 s to boot, the start allows 1 s
+        HFSandboxProvider.start_many(3, IMAGE, progress=False, start_timeout_s=1, **common)
+    failed = {job.id for job in emu.jobs}
+    assert len(failed) == 2
+    with HFSandboxProvider(IMAGE, start_timeout_s=TIMEOUT, **common) as p:
+        p.wait_for_ready(p.start_container())
+        assert len([job for job in emu.jobs if job.id not in failed]) == 1  # before: 2, the failed plan's
+
+
+def test_plain_sweep_finds_a_pools_host_jobs_and_huggingface_hubs_pool_still_adopts_them(
+        pool_env, proxy, monkeypatch, capsys, tmp_path):
+    import hf_sandbox_cli
+
+    emu = pool_env()
+    p = provider(emu, proxy, pool="labelled")
+    p.wait_for_ready(p.start_container())
+    host_id = p._pooled.host_id
+    monkeypatch.setenv("HF_TOKEN", emu.token)
+    monkeypatch.setenv("HF_ENDPOINT", emu.endpoint)
+    assert hf_sandbox_cli.main(["sweep", "--dry-run"]) == 0
+    assert "would cancel %s (RUNNING, cpu-basic, " % host_id in capsys.readouterr().out  # before: 0 leftover jobs
+    assert hf_sandbox_cli.main(["sweep", "--pool", "labelled", "--dry-run"]) == 0
+    assert "would cancel %s" % host_id in capsys.readouterr().out
+    # huggingface_hub's own pool of that name (another process: no pool cache) finds the host by its labels.
+    monkeypatch.setattr(hub.constants, "ENDPOINT", emu.endpoint)
+    monkeypatch.setattr(hub.constants, "HF_HOME", str(tmp_path / "other-process"))
+    with hub.SandboxPool(IMAGE, name="labelled", token=emu.token, namespace=emu.namespace,
+                         start_timeout=TIMEOUT) as theirs:
+        sandbox = theirs.create()
+        assert sandbox.host_id == host_id and len(emu.jobs) == 1
+        sandbox.kill()
+    assert emu.job(host_id).stage == "RUNNING"  # adopted, so only released by their close
+    p.stop_container()
+
+
+def test_on_python_3_9_the_pooled_refusal_says_python_3_10_is_needed(monkeypatch):
+    monkeypatch.setattr(hub, "__version__", "1.3.0")  # the newest huggingface_hub a 3.9 interpreter installs
+    assert "pip install -U 'huggingface_hub>=2.1.1'" in (hf_sandbox_pool.hub_rejection() or "")  # 3.10+: upgrade
+    monkeypatch.setattr(sys, "version_info", (3, 9, 18, "final", 0))
+    reason = hf_sandbox_pool.hub_rejection() or ""
+    assert "needs Python 3.10+" in reason and "Python 3.9.18" in reason, reason
+    assert "pip install" not in reason  # before: advice pip cannot follow on 3.9
+
+
+def test_smoke_pool_fails_its_close_stage_and_exits_1_when_a_host_could_not_be_cancelled(
+        pool_env, monkeypatch, capsys):
+    import json
+    import shlex
+
+    import hf_sandbox_cli
+
+    emu = pool_env()
+    monkeypatch.setenv("HF_TOKEN", emu.token)
+    monkeypatch.setenv("HF_ENDPOINT", emu.endpoint)
+    emu.inject_server_errors(1000, status=503, routes=["cancel"])  # the Hub refuses every job cancel
+    try:
+        status = hf_sandbox_cli.main(["smoke", "--pool", "closefail", "--command", shlex.join(SERVER), "--json"])
+        report = json.loads(capsys.readouterr().out)
+        (host,) = emu.jobs
+        assert emu.job(host.id).stage == "RUNNING"  # still billing
+    finally:
+        emu.inject_server_errors(0, routes=["cancel"])
+    (close,) = [s for s in report["stages"] if s["name"].startswith("close pool")]
+    assert status == 1 and not report["ok"]  # before: 0, the close stage "ok (closed)"
+    assert not close["ok"] and host.id in close["detail"] and "sweep --pool closefail" in close["detail"]
+    assert [s["ok"] for s in report["stages"] if s["name"].startswith("stop_container")] == [True]
