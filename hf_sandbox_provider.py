@@ -133,8 +133,7 @@ RATE_LIMIT_RESOURCE = "api"  # the bucket the budget follows (whoami-v2 has its 
 # Below this fraction left, calls are spread over the time to the reset: paced by the server's count,
 # which falls with every process's calls, N processes slow down together without talking.
 RATE_LIMIT_PACE_BELOW = 0.25
-# This fraction of the quota (at least RATE_LIMIT_RESERVE_MIN calls, never the whole of it) is kept for
-# cancels.
+# This fraction of the quota (at least RATE_LIMIT_RESERVE_MIN calls, never the whole of it) is kept for cancels.
 RATE_LIMIT_RESERVE = 0.05
 RATE_LIMIT_RESERVE_MIN = 5
 RATE_LIMIT_RECHECK_S = 2.0  # a call held here looks again this often: others' answers count too
@@ -159,7 +158,7 @@ TERMINAL_STAGES = frozenset({"COMPLETED", "CANCELED", "ERROR", "DELETED"})
 _LIVE_STAGE_ORDER = {None: 0, **{stage: order for order, stage in enumerate(LIVE_STAGES, 1)}}
 # OpenEnv's image template's CMD (openenv_env/server/Dockerfile), `exec` so the server gets the stop signal.
 DEFAULT_COMMAND_TEMPLATE = ("sh", "-c", "cd /app/env && exec uvicorn server.app:app --host 0.0.0.0 --port {port}")
-# huggingface_hub 2.4's JobHardware, for one without Jobs (`_known_flavors()` adds the live lists).
+# huggingface_hub 2.4's JobHardware, for one without Jobs (`_flavor_rejection()` adds the live lists).
 KNOWN_FLAVORS = frozenset({
     "cpu-basic", "cpu-upgrade", "cpu-performance", "cpu-xl", "t4-small", "t4-medium", "l4x1", "l4x4", "l40sx1",
     "l40sx4", "l40sx8", "a10g-small", "a10g-large", "a10g-largex2", "a10g-largex4", "a100-large", "a100x4", "a100x8",
@@ -200,8 +199,7 @@ class JobFailedError(SandboxError):
     """The job reached a terminal stage before serving; carries its stage, message and log tail."""
 
     def __init__(self, job_id: str, stage: str, message: Optional[str], log_tail: Sequence[str] = ()):
-        self.job_id, self.stage, self.message = job_id, stage, message
-        self.log_tail = list(log_tail)
+        self.job_id, self.stage, self.message, self.log_tail = job_id, stage, message, list(log_tail)
         tail = ("--- last %d log lines ---\n%s" % (len(self.log_tail), "\n".join(self.log_tail))
                 if self.log_tail else "(no log lines could be fetched)")
         super().__init__("HF job %s ended with stage %s before it was ready: %s\n%s" % (
@@ -225,11 +223,9 @@ class _StartFailures(SandboxError):
     `aborted` counts the starts given up because of them. The message names each failure on a line."""
 
     def __init__(self, headline: str, item: str, errors: _Failures, aborted: int):
-        self.errors = sorted(errors, key=lambda pair: pair[0])
-        self.aborted = aborted
-        super().__init__("\n".join([headline] + [
-            "  %s %d: %s: %s" % (item, index, type(exc).__name__, _first_line(exc))
-            for index, exc in self.errors]))
+        self.errors, self.aborted = sorted(errors, key=lambda pair: pair[0]), aborted
+        super().__init__("\n".join([headline] + ["  %s %d: %s: %s" % (item, index, type(exc).__name__, _first_line(exc))
+                                                 for index, exc in self.errors]))
 
 
 class StartManyError(_StartFailures):
@@ -246,9 +242,8 @@ class ReplicaStartError(_StartFailures):
 
     def __init__(self, phase: str, total: int, errors: _Failures, aborted: int, job_ids: Sequence[str]):
         self.job_ids = list(job_ids)
-        super().__init__("%d of %d replicas failed to %s (%d more were given up; every replica job was "
-                         "cancelled: %s):" % (len(errors), total, phase, aborted,
-                                              ", ".join(self.job_ids) or "none was created"),
+        super().__init__("%d of %d replicas failed to %s (%d more were given up; every replica job was cancelled: "
+                         "%s):" % (len(errors), total, phase, aborted, ", ".join(self.job_ids) or "none was created"),
                          "replica", errors, aborted)
 
 
@@ -295,9 +290,8 @@ _Detached = namedtuple("_Detached", "job_id namespace job_url base_url proxy cli
 
 # -- The provider ----------------------------------------------------------------------------------
 class HFSandboxProvider:
-    """One OpenEnv environment server run as an HF Job behind the local auth proxy. Settings are
-    checked before any network call; `stop_container()`, a failure after the create, exit or
-    `job_timeout` end the job."""
+    """One OpenEnv environment server run as an HF Job behind the local auth proxy. Settings are checked before
+    any network call; `stop_container()`, a failure after the create, exit or `job_timeout` end the job."""
 
     # What a pickled provider carries: its settings (and explicit token), never its job, lock, threads
     # or sockets. A subclass with settings of its own adds their names (like requests' Session.__attrs__).
@@ -317,8 +311,7 @@ class HFSandboxProvider:
         self.image, self.command, self.port, self.flavor = image, command, port, flavor
         self.namespace, self.endpoint = namespace, _resolve_endpoint(endpoint)
         self.env_vars, self.secrets, self.labels = _as_dict(env_vars), _as_dict(secrets), _as_dict(labels)
-        self.job_timeout = job_timeout
-        self.start_timeout_s, self.ready_timeout_s = start_timeout_s, ready_timeout_s
+        self.job_timeout, self.start_timeout_s, self.ready_timeout_s = job_timeout, start_timeout_s, ready_timeout_s
         self.poll_interval_s, self.verify, self.replicas = poll_interval_s, verify, replicas
         self.pool = pool  # None: a dedicated job; a pool name or SandboxPool: pooled (hf_sandbox_pool)
         self.warn_env_credentials, self._token, self._proxy = warn_env_credentials, token, proxy
@@ -335,8 +328,7 @@ class HFSandboxProvider:
         overrides = {key: value for key, value in kwargs.items() if key in _OVERRIDABLE}
         for key in [key for key in kwargs if key not in _OVERRIDABLE]:
             logger.debug("start_container: ignoring keyword %r (not used by HF Jobs)", key)
-        overrides["image"] = image if image is not None else self.image
-        overrides["port"] = port if port is not None else self.port
+        overrides.update(image=image if image is not None else self.image, port=port if port is not None else self.port)
         if env_vars:
             overrides["env_vars"] = {**self.env_vars, **env_vars} if isinstance(env_vars, Mapping) else env_vars
         settings = self._settings(overrides)
@@ -388,8 +380,7 @@ class HFSandboxProvider:
         `progress`: a few lines on stderr, or a callable given `(ready, failed, n)` after each."""
         _raise_if_rejected(_positive_int_rejection("n", n) or _positive_int_rejection("max_parallel", max_parallel)
                            or (None if isinstance(progress, bool) or callable(progress) else
-                               "progress=%r must be True, False or a callable(ready, failed, total)"
-                               % (progress,)))
+                               "progress=%r must be True, False or a callable(ready, failed, total)" % (progress,)))
         providers = [cls(image, **provider_kwargs) for _ in range(n)]  # bad settings fail before any job
         _raise_if_rejected(_image_rejection(providers[0].image))
         providers[0]._resolve_token()  # no token: one SandboxConfigError now, not n failures later
@@ -434,11 +425,9 @@ class HFSandboxProvider:
         _raise_if_rejected(_positive_int_rejection("tail", tail))
         if self._pooled is not None:
             return self._pooled.logs(tail)
-        if self._job_client is not None:
-            return self._job_client.job_logs(self._job_namespace, self.job_id, tail=tail)
-        # the job's own client closed at its stop: one for this call
-        with contextlib.closing(_JobsClient(self.endpoint, self._resolve_token(),
-                                            self._hooks()._new_session())) as client:
+        # the job's own client, else (it closed at the job's stop) one for this call
+        with (contextlib.nullcontext(client) if (client := self._job_client) is not None else contextlib.closing(
+                _JobsClient(self.endpoint, self._resolve_token(), self._hooks()._new_session()))) as client:
             return client.job_logs(self._job_namespace, self.job_id, tail=tail)
 
     def replica_status(self, refresh: bool = False) -> List[Dict[str, Any]]:
@@ -461,7 +450,7 @@ class HFSandboxProvider:
 
     @property
     def stage(self) -> Optional[str]:
-        """The job's stage; with replicas, one stage for the K jobs (see `_replicas_stage`)."""
+        """The job's stage; with replicas, one stage for the K jobs (see `_ReplicaSet._job_stage`)."""
         return self._jobs._job_stage()
 
     def __enter__(self) -> "HFSandboxProvider":
@@ -479,10 +468,9 @@ class HFSandboxProvider:
     def __getstate__(self) -> Dict[str, Any]:
         """Un-started providers pickle (TRL ships env factories to workers): settings only."""
         if self._phase is not Phase.IDLE:
-            raise TypeError(
-                "cannot pickle an HFSandboxProvider while its job %s is running: pickle it before "
-                "start_container() (each worker then starts its own job) or call stop_container() first"
-                % (self.job_id or "(being created)"))
+            raise TypeError("cannot pickle an HFSandboxProvider while its job %s is running: pickle it before "
+                            "start_container() (each worker then starts its own job) or call stop_container() first"
+                            % (self.job_id or "(being created)"))
         state = {name: getattr(self, name) for name in self._pickled_settings if hasattr(self, name)}
         if isinstance(self._proxy, str):  # proxy="process" is a setting; a proxy object stays here
             state["_proxy"] = self._proxy
@@ -588,11 +576,10 @@ class HFSandboxProvider:
                 return  # called from the start's own thread (e.g. a hook): it ends after this returns
             if not self._phase_changed.wait_for(
                     lambda: self._phase not in _START_IN_FLIGHT or self._starts != start, STOP_WAIT_S):
-                logger.warning(
-                    "stop_container(): the start of this provider has not ended after %gs; it cancels its "
-                    "job when its create answers, but if this process exits first cancel it with `python -m "
-                    "hf_sandbox_provider sweep --label %s=%s`", STOP_WAIT_S,
-                    START_LABEL_KEY, self._start_label)
+                logger.warning("stop_container(): the start of this provider has not ended after %gs; it cancels "
+                               "its job when its create answers, but if this process exits first cancel it with "
+                               "`python -m hf_sandbox_provider sweep --label %s=%s`", STOP_WAIT_S, START_LABEL_KEY,
+                               self._start_label)
 
     def _request_stop(self) -> None:
         """Make a start or readiness wait in another thread give up at its next check."""
@@ -642,19 +629,16 @@ class HFSandboxProvider:
 
     def _resolve_token(self) -> str:
         if not (token := self._token if self._token is not None else _discover_token()):
-            raise SandboxConfigError(
-                "no Hugging Face token found: pass token=..., set HF_TOKEN, or run `hf auth login` "
-                "(the token needs permission to run Jobs); to try everything offline use "
-                "`python -m hf_sandbox_provider smoke --local`")
+            raise SandboxConfigError("no Hugging Face token found: pass token=..., set HF_TOKEN, or run `hf auth "
+                                     "login` (the token needs permission to run Jobs); to try everything offline "
+                                     "use `python -m hf_sandbox_provider smoke --local`")
         if not isinstance(token, str) or not token.isascii() or not token.isprintable() or " " in token:
             raise SandboxConfigError("the Hugging Face token must be a string of printable ASCII without whitespace "
                                      "(a pasted token may carry a quote or space)")
         return token
 
     def _proxy_instance(self) -> "_proxy.AuthProxy":
-        if self._proxy is None or isinstance(self._proxy, str):
-            return _shared_proxy(self._proxy)
-        return self._proxy
+        return _shared_proxy(self._proxy) if self._proxy is None or isinstance(self._proxy, str) else self._proxy
 
     def _elapsed(self) -> float:
         return time.monotonic() - self._submitted_at
@@ -689,8 +673,7 @@ class HFSandboxProvider:
             finally:
                 self._unwatch_job(watch)
             self._raise_if_stopped()
-            proxy = self._proxy_instance()
-            self.upstream_url = upstream
+            proxy, self.upstream_url = self._proxy_instance(), upstream
             base_url = proxy.mount(upstream, token=token, verify=settings["verify"])
             self._publish_route(proxy, base_url, self._safety_net(client, proxy, base_url))
             logger.info("HF job %s serving at %s (%.1fs after submit)", self.job_id, upstream, self._elapsed())
@@ -774,9 +757,8 @@ class HFSandboxProvider:
         return job
 
     def _wait_for_url(self, client: "_JobsClient", settings: Mapping[str, Any], budget_waited: float) -> str:
-        deadline = self._submitted_at + float(settings["start_timeout_s"])
+        deadline, heartbeat = self._submitted_at + float(settings["start_timeout_s"]), time.monotonic() + HEARTBEAT_S
         job_id, port = self.job_id or "", int(settings["port"])
-        heartbeat = time.monotonic() + HEARTBEAT_S
         while True:
             self._wake.clear()  # before reading, so a change made after the read still wakes the wait
             job = self._latest_job(client) or {}
@@ -814,9 +796,8 @@ class HFSandboxProvider:
         """Probe `/health` until 200 (JobStartTimeout after `budget` s), calling `check` after each
         other answer: it raises when waiting is pointless. `label`, `short`, `detail()`: wording."""
         url = base_url.rstrip("/") + "/health"
-        deadline = time.monotonic() + budget
+        deadline, heartbeat = time.monotonic() + budget, time.monotonic() + HEARTBEAT_S
         interval, last_seen = HEALTH_PROBE_FIRST_S, "no answer yet"
-        heartbeat = time.monotonic() + HEARTBEAT_S
         with requests.Session() as session:
             session.trust_env = False  # loopback proxy: never route through HTTP(S)_PROXY
             while True:
@@ -932,8 +913,7 @@ class _ReplicaSet:
         try:
             logger.info("starting %d replica jobs of %s", count, settings["image"])
             group = self._parallel(start_one)
-            group.run("hf-sandbox-replica-start")
-            self._raise_if_failed(group, "start")
+            self._run(group, "hf-sandbox-replica-start", "start")
             first = self.children[0]
             with owner._lock:
                 owner.job_id, owner.job_url, owner.upstream_url = first.job_id, first.job_url, first.upstream_url
@@ -954,9 +934,8 @@ class _ReplicaSet:
     def _wait_ready(self, base_url: str, budget: float) -> None:
         """Wait for every replica's own /health (in parallel); one failure fails them all."""
         owner = self.owner
-        group = self._parallel(lambda index, child: child.wait_for_ready(timeout_s=budget))
-        group.run("hf-sandbox-replica-ready")
-        self._raise_if_failed(group, "become ready")
+        self._run(self._parallel(lambda index, child: child.wait_for_ready(timeout_s=budget)),
+                  "hf-sandbox-replica-ready", "become ready")
         owner.timings["ready"] = owner._elapsed()
         logger.info("%d replica jobs ready (%.1fs after submit)", len(self.children), owner._elapsed())
 
@@ -972,7 +951,13 @@ class _ReplicaSet:
         return [child.job_id for child in self.children if child.job_id]
 
     def _job_stage(self) -> Optional[str]:
-        return _replicas_stage([child.stage for child in self.children])
+        """One stage for the K jobs: the least advanced live one; once all ended, their common end (a failure
+        shows first; a stopped group reads CANCELED)."""
+        if not (stages := [child.stage for child in self.children]):
+            return None
+        if live := [stage for stage in stages if stage not in TERMINAL_STAGES]:
+            return min(live, key=lambda stage: _LIVE_STAGE_ORDER.get(stage, 1))
+        return next((stage for stage in ("ERROR", "CANCELED") if stage in stages), stages[0])
 
     def status(self, refresh: bool) -> List[Dict[str, Any]]:
         """`HFSandboxProvider.replica_status()`: the proxy's view of each replica plus its job's stage."""
@@ -1000,8 +985,7 @@ class _ReplicaSet:
     def _check(self, index: int, child: HFSandboxProvider, proxy: Optional["_proxy.AuthProxy"],
                base_url: Optional[str]) -> None:
         """Inspect a replica's job; one that has ended leaves the route for good, with a WARNING."""
-        client = child._job_client
-        if client is None or child.job_id is None or child.stage in TERMINAL_STAGES:
+        if (client := child._job_client) is None or child.job_id is None or child.stage in TERMINAL_STAGES:
             return
         try:
             job = client.get_job(child._job_namespace or "", child.job_id, retries=0)
@@ -1026,7 +1010,8 @@ class _ReplicaSet:
         """All K replicas at once, all or nothing, given up when the owner is stopped."""
         return _Parallel(self.children, action, len(self.children), True, self.owner._stop_requested, self.owner._wake)
 
-    def _raise_if_failed(self, group: "_Parallel", phase: str) -> None:
+    def _run(self, group: "_Parallel", name: str, phase: str) -> None:
+        group.run(name)
         self.owner._raise_if_stopped()
         if group.errors:
             raise ReplicaStartError(phase, len(self.children), group.errors, group.aborted, self._job_ids())
@@ -1046,16 +1031,6 @@ class _ReplicaSet:
             return {str(entry["upstream"]): dict(entry) for entry in proxy.replica_status(base_url)}
         except ValueError:  # unmounted by a concurrent stop
             return {}
-
-
-def _replicas_stage(stages: Sequence[Optional[str]]) -> Optional[str]:
-    """One stage for K jobs: the least advanced live one; once all ended, their common end (ERROR first)."""
-    if not stages:
-        return None
-    if live := [stage for stage in stages if stage not in TERMINAL_STAGES]:
-        return min(live, key=lambda stage: _LIVE_STAGE_ORDER.get(stage, 1))
-    # a failure shows first; a stopped group reads CANCELED
-    return next((stage for stage in ("ERROR", "CANCELED") if stage in stages), stages[0])
 
 
 # -- Many providers at once: stop_all and the parallel workers of start_many and replica sets ------
@@ -1085,9 +1060,8 @@ class _Parallel:
     """Runs `action(index, provider)` on `max_parallel` threads; with `all_or_nothing` the first
     failure, like `stop_requested`, makes the rest give up. Outcomes: ready, errors, aborted."""
 
-    def __init__(self, providers: List["HFSandboxProvider"],
-                 action: Callable[[int, "HFSandboxProvider"], None], max_parallel: int,
-                 all_or_nothing: bool = True, stop_requested: Optional[threading.Event] = None,
+    def __init__(self, providers: List["HFSandboxProvider"], action: Callable[[int, "HFSandboxProvider"], None],
+                 max_parallel: int, all_or_nothing: bool = True, stop_requested: Optional[threading.Event] = None,
                  wake: Optional[threading.Event] = None,
                  on_done: Callable[[int, Optional[BaseException]], None] = lambda index, error: None) -> None:
         self.providers, self.action, self.on_done = providers, action, on_done
@@ -1158,8 +1132,7 @@ class _ProgressLine:
     PROGRESS_INTERVAL_S (the first failure at once); on a terminal, one line updated in place."""
 
     def __init__(self, total: int, progress: Union[bool, Callable[[int, int, int], None]]) -> None:
-        self.total, self.progress, self.lock = total, progress, threading.Lock()
-        self.began = time.monotonic()
+        self.total, self.progress, self.lock, self.began = total, progress, threading.Lock(), time.monotonic()
         self.tty = bool(getattr(sys.stderr, "isatty", lambda: False)())
         self.shown_at, self.shown_done, self.open = float("-inf"), 0, False
 
@@ -1180,11 +1153,10 @@ class _ProgressLine:
             if error is not None:
                 line += "; environment %d: %s" % (index, _first_line(error) or type(error).__name__)
             self.shown_at, self.shown_done, self.open = now, done, self.tty
-            try:
+            # no stderr, or a closed one: a display must not kill a launch worker (and lose its work)
+            with contextlib.suppress(AttributeError, OSError, ValueError):
                 sys.stderr.write("\r%s\x1b[K" % line if self.tty else line + "\n")
                 sys.stderr.flush()
-            except (AttributeError, OSError, ValueError):  # no stderr, or a closed one: a display
-                pass  # must not kill a launch worker (and lose its work)
 
     def close(self) -> None:
         """End a terminal's updated line, so what is printed next starts on a line of its own."""
@@ -1250,25 +1222,20 @@ def _space_id(image: str) -> Optional[str]:
     return next((image[len(prefix):] for prefix in SPACE_IMAGE_PREFIXES if image.startswith(prefix)), None)
 
 
-def _known_flavors() -> frozenset:
-    """The flavors a job may ask for: huggingface_hub's JobHardware (else ours), the live lists."""
-    try:
-        from huggingface_hub import JobHardware  # type: ignore[attr-defined]
-        static = (KNOWN_FLAVORS | {str(member.value) for member in JobHardware}) - SPACES_ONLY_HARDWARE
-    except Exception:  # huggingface_hub older than Jobs, or absent: the static copy
-        static = KNOWN_FLAVORS
-    # Unlocked (list() of a dict's values is atomic): a constructor never waits out another start's hardware fetch.
-    return static.union(*(flavors for flavors in list(_live_hardware.values()) if flavors is not None))
-
-
 def _flavor_rejection(flavor: Any, known: Optional[frozenset] = None) -> Optional[str]:
-    known = _known_flavors() if known is None else known
+    if known is None:  # the flavors a job may ask for: huggingface_hub's JobHardware (else ours), the live lists
+        try:
+            from huggingface_hub import JobHardware  # type: ignore[attr-defined]
+            known = (KNOWN_FLAVORS | {str(member.value) for member in JobHardware}) - SPACES_ONLY_HARDWARE
+        except Exception:  # huggingface_hub older than Jobs, or absent: the static copy
+            known = KNOWN_FLAVORS
+        # Unlocked (list() of a dict's values is atomic): a constructor never waits out another start's hardware fetch
+        known = known.union(*(flavors for flavors in list(_live_hardware.values()) if flavors is not None))
     if isinstance(flavor, str) and flavor in known:
         return None
     close = difflib.get_close_matches(flavor, known, n=1) if isinstance(flavor, str) else []
-    return ("unknown flavor %r%s; valid Jobs flavors: %s (see `hf jobs hardware`; if HF added a new one, "
-            "upgrade huggingface_hub)" % (flavor, " (did you mean %r?)" % close[0] if close else "",
-                                          ", ".join(sorted(known))))
+    return ("unknown flavor %r%s; valid Jobs flavors: %s (see `hf jobs hardware`; if HF added a new one, upgrade "
+            "huggingface_hub)" % (flavor, " (did you mean %r?)" % close[0] if close else "", ", ".join(sorted(known))))
 
 
 def _live_flavor_rejection(client: "_JobsClient", flavor: str) -> Optional[str]:
@@ -1381,12 +1348,10 @@ _SETTING_CHECKS: Tuple[Tuple[str, Callable[[Any], Optional[str]]], ...] = (
     ("port", lambda value: None if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 65535
         else "port %r must be an integer from 1 to 65535 (the port the server listens on in the job)" % (value,)),
     ("flavor", _flavor_rejection), ("command", _command_rejection),
-    ("env_vars", lambda value: _mapping_rejection("env_vars", value, check_names=True)),
-    ("secrets", lambda value: _mapping_rejection("secrets", value, check_names=True)),
-    ("labels", lambda value: _mapping_rejection("labels", value, check_names=False)),
-    ("start_timeout_s", lambda value: _positive_number_rejection("start_timeout_s", value)),
-    ("ready_timeout_s", lambda value: _positive_number_rejection("ready_timeout_s", value)),
-    ("poll_interval_s", lambda value: _positive_number_rejection("poll_interval_s", value)),
+    *[(name, functools.partial(_mapping_rejection, name, check_names=True)) for name in ("env_vars", "secrets")],
+    ("labels", functools.partial(_mapping_rejection, "labels", check_names=False)),
+    *[(name, functools.partial(_positive_number_rejection, name))
+      for name in ("start_timeout_s", "ready_timeout_s", "poll_interval_s")],
     ("replicas", _replicas_rejection),
     ("job_timeout", lambda value: None if _parse_duration(value) is not None else (
         "job_timeout=%r must be a positive duration: seconds (3600) or a string like '30m', '2h', '1d'" % (value,))),
@@ -1401,8 +1366,7 @@ _SETTING_CHECKS: Tuple[Tuple[str, Callable[[Any], Optional[str]]], ...] = (
 
 def _settings_rejection(settings: Mapping[str, Any], image_required: bool) -> Optional[str]:
     """Why these provider settings cannot start a job (checked before any network call), or None."""
-    if (image_required or settings.get("image") is not None) and (
-            reason := _image_rejection(settings.get("image"))):
+    if (image_required or settings.get("image") is not None) and (reason := _image_rejection(settings.get("image"))):
         return reason
     return next(filter(None, (check(settings.get(name, 1 if name == "replicas" else None))
                               for name, check in _SETTING_CHECKS)), None)
@@ -1417,12 +1381,9 @@ def _job_body(settings: Mapping[str, Any], start_label: str) -> Dict[str, Any]:
     body: Dict[str, Any] = {
         "command": ([part.format(port=port) for part in DEFAULT_COMMAND_TEMPLATE] if command is None
                     else shlex.split(command) if isinstance(command, str) else list(command)),
-        "arguments": [],
-        "environment": {k: str(v) for k, v in (settings["env_vars"] or {}).items()},
-        "flavor": settings["flavor"],
-        "timeoutSeconds": _parse_duration(settings["job_timeout"]),
-        "labels": labels,
-        "expose": {"ports": [port], "portsPublic": []},
+        "arguments": [], "environment": {k: str(v) for k, v in (settings["env_vars"] or {}).items()},
+        "flavor": settings["flavor"], "timeoutSeconds": _parse_duration(settings["job_timeout"]),
+        "labels": labels, "expose": {"ports": [port], "portsPublic": []},
     }
     if settings["secrets"]:
         body["secrets"] = {k: str(v) for k, v in settings["secrets"].items()}
@@ -1546,8 +1507,7 @@ def _next_link_rejection(url: str, endpoint: str) -> Optional[str]:
         link, base = urlsplit(url), urlsplit(endpoint)
         same_port = link.port == base.port
     except ValueError:
-        same_port = False
-        link, base = urlsplit(""), urlsplit(endpoint)
+        same_port, link, base = False, urlsplit(""), urlsplit(endpoint)
     host, base_host = (link.hostname or "").lower(), (base.hostname or "").lower()
     same_hub = host == base_host or {host, base_host} <= HUB_HOST_NAMES or (
         _is_loopback_host(host) and _is_loopback_host(base_host))
@@ -1648,8 +1608,7 @@ class _JobsClient:
     """The few Jobs REST calls the provider needs, on a private requests.Session."""
 
     def __init__(self, endpoint: str, token: str, session: Optional[requests.Session] = None):
-        self.endpoint, self._token = endpoint, token
-        self._session = session or requests.Session()
+        self.endpoint, self._token, self._session = endpoint, token, session or requests.Session()
         if self._session.headers.get("User-Agent", "python-requests/").startswith("python-requests/"):
             self._session.headers["User-Agent"] = USER_AGENT  # a session's own agent (a hook's) is kept
         def bearer(request: Any) -> Any:  # the session's auth, not a header, which a ~/.netrc entry would replace
@@ -1703,8 +1662,7 @@ class _JobsClient:
     def list_jobs(self, namespace: str, labels: Optional[Mapping[str, str]] = None, stages: Sequence[str] = (),
                   retries: int = API_MAX_RETRIES, teardown: bool = False) -> List[Dict[str, Any]]:
         """Jobs with all these labels and one of these stages, following the API's pagination links."""
-        params: Any = [("label", "%s=%s" % item) for item in (labels or {}).items()]
-        params += [("stage", stage) for stage in stages]
+        params: Any = [("label", "%s=%s" % item) for item in (labels or {}).items()] + [("stage", s) for s in stages]
         path: Optional[str] = "/api/jobs/%s" % namespace
         jobs: List[Dict[str, Any]] = []
         for _ in range(LIST_MAX_PAGES):
@@ -1741,9 +1699,8 @@ class _JobsClient:
             if self._budget.wait_s() > timeout_s:  # the budget holds calls past this limit (a 429's pause): no tail
                 return []
             ticket = self._budget.acquire()
-            with self._session.get(self.endpoint + "/api/jobs/%s/%s/logs" % (namespace, job_id),
-                                   params={"tail": tail}, stream=True,
-                                   timeout=(API_TIMEOUT_S[0], min(2.0, timeout_s))) as response:
+            with self._session.get(self.endpoint + "/api/jobs/%s/%s/logs" % (namespace, job_id), params={"tail": tail},
+                                   stream=True, timeout=(API_TIMEOUT_S[0], min(2.0, timeout_s))) as response:
                 self._budget.observe(response.headers, ticket)
                 if response.status_code >= 300:
                     return []
@@ -1803,8 +1760,7 @@ class _JobsClient:
                     raise JobsAPIError(
                         action, response.status_code if response is not None else None,
                         "%s; whether it made a job anyway could not be checked (%s)" % (failure, lookup),
-                        hint="run `python -m hf_sandbox_provider sweep` once %s answers" % self.endpoint
-                    ) from None
+                        hint="run `python -m hf_sandbox_provider sweep` once %s answers" % self.endpoint) from None
                 if found is not None:
                     return found
             if attempt >= retries:
@@ -1935,8 +1891,7 @@ class _ApiBudget:
         return float(self.calls - len(self._sent)), oldest + self.window_s - now
 
     def _wait(self, now: float, left: float, reset_in: float) -> float:
-        """How long an ordinary call waits: a 429's pause, the reset if only the reserve is left,
-        else its pacing turn."""
+        """An ordinary call's wait: a 429's pause, the reset if only the reserve is left, else its pacing turn."""
         if self.paused_until > now:
             return self.paused_until - now
         if left <= self.reserve:
@@ -2030,9 +1985,8 @@ class _WatchGroup:
     """The watches that share one (endpoint, token, namespace): refreshed together by one call."""
 
     def __init__(self, client: "_JobsClient", namespace: str) -> None:
-        self.client, self.namespace = client, namespace
+        self.client, self.namespace, self.next_due, self.failures = client, namespace, 0.0, 0
         self.watches: List[_Watch] = []
-        self.next_due, self.failures = 0.0, 0
 
 
 class _JobWatcher:
@@ -2080,8 +2034,7 @@ class _JobWatcher:
             with self._cond:
                 idle = [key for key, group in self._groups.items() if not group.watches]
                 closing = [self._groups.pop(key).client for key in idle]
-                exiting = not self._groups
-                if exiting:
+                if exiting := not self._groups:
                     self._thread = None  # under the lock: the next register() starts a new thread
                 else:
                     now = time.monotonic()
@@ -2146,12 +2099,11 @@ def _reset_after_fork() -> None:
     serves) are forgotten, not stopped, so its exit cancels nothing of the parent's and it mounts on its own."""
     global _watcher, _process_label, _budgets_lock, _hardware_lock, _namespace_lock, _shared_proxy_lock
     _watcher, _process_label = _JobWatcher(), uuid.uuid4().hex
-    _budgets_lock, _hardware_lock, _namespace_lock = threading.Lock(), threading.Lock(), threading.Lock()
+    _budgets_lock, _hardware_lock, _namespace_lock, _shared_proxy_lock = (threading.Lock() for _ in range(4))
     _budgets.clear()
     for finalizer in list(_live_finalizers):
         finalizer.detach()
     _live_finalizers.clear()
-    _shared_proxy_lock = threading.Lock()
     _shared_proxies.clear()
 
 
