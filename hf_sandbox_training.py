@@ -160,6 +160,11 @@ class EpisodeLost(SessionError):
     The session stays usable: its next `reset()` begins an episode on the slot's current job."""
 
 
+class _EpisodeTimedOut(EpisodeLost, SessionTimeout):
+    """A slot session's step got no reply within `timeout_s`: the episode is lost (`EpisodeLost`), and
+    the cause is a timeout (`SessionTimeout`, a `TimeoutError`), so either `except` catches it."""
+
+
 class EnvError(SandboxError):
     """The environment answered a message with OpenEnv's `{"type": "error"}`: `code`, `message` and the
     full `data`. The session stays open and usable."""
@@ -258,6 +263,7 @@ class EnvSession:
 
     def exchange(self, message: Mapping[str, Any]) -> Dict[str, Any]:
         """Send one JSON message and return the whole JSON reply (`type` and `data`), whatever its type."""
+        _raise_if_rejected(_message_rejection(message))
         text = json.dumps(message)
         with self._lock:
             if self._closed:
@@ -271,6 +277,9 @@ class EnvSession:
             except OSError as exc:  # reset, broken pipe, TLS failure: the session is gone
                 self._abort()
                 raise SessionError("the WebSocket session to %s broke: %s" % (self.where, exc)) from None
+            except BaseException:  # e.g. KeyboardInterrupt: the reply is still due and would answer the next request
+                self._abort()
+                raise
 
     @property
     def closed(self) -> bool:
@@ -366,10 +375,10 @@ class EnvSession:
                 if size > SESSION_MAX_MESSAGE_BYTES:
                     raise SessionError("a reply exceeded %d bytes" % SESSION_MAX_MESSAGE_BYTES)
                 if event.message_finished:
-                    raw = "".join(parts) if isinstance(event, TextMessage) else b"".join(parts).decode("utf-8")
+                    raw: Any = "".join(parts) if isinstance(event, TextMessage) else b"".join(parts)
                     try:
-                        reply = json.loads(raw)
-                    except ValueError:
+                        reply = json.loads(raw if isinstance(raw, str) else raw.decode("utf-8"))
+                    except ValueError:  # (UnicodeDecodeError is one)
                         raise SessionError("the environment sent a reply that is not JSON: %r" % raw[:100]) from None
                     if not isinstance(reply, dict):
                         raise SessionError("the environment sent a reply that is not a JSON object: %r" % raw[:100])
@@ -403,11 +412,28 @@ def _session_url_rejection(base_url: Any) -> Optional[str]:
     """Why `base_url` cannot carry a WebSocket session, or None."""
     if not isinstance(base_url, str) or not base_url:
         return "EnvSession needs the provider's base_url (a string such as http://127.0.0.1:<port>/<route>)"
-    parts = urlsplit(base_url)
+    try:
+        parts = urlsplit(base_url)
+        parts.port  # raises on a port out of range or not a number
+    except ValueError as exc:  # e.g. "Port out of range 0-65535", "Invalid IPv6 URL"
+        return "EnvSession's base_url is not a valid URL (%s); pass the provider's base_url" % exc
     if parts.scheme not in ("http", "https", "ws", "wss") or not parts.hostname:
         return ("EnvSession needs an http(s):// or ws(s):// base_url such as the provider's "
                 "http://127.0.0.1:<port>/<route>; got a %r URL" % (parts.scheme or "schemeless"))
     return None
+
+
+def _message_rejection(message: Any) -> Optional[str]:
+    """Why `message` cannot be sent as an OpenEnv message, or None."""
+    if isinstance(message, Mapping):
+        return None
+    return ("request() and exchange() take the message as a mapping, e.g. {'type': 'step', 'data': {...}}; got %s"
+            % type(message).__name__)
+
+
+def _optional_seconds_rejection(name: str, value: Any) -> Optional[str]:
+    """Why `value` is neither None (no bound) nor a positive number of seconds, or None."""
+    return None if value is None else _positive_number_rejection(name, value)
 
 
 def _session_url(base_url: str, path: str) -> str:
@@ -439,6 +465,7 @@ class _BackgroundStart:
         self.slot = slot  # told when the start ends
         self.base_url: Optional[str] = None
         self.error: Optional[BaseException] = None
+        self._error_tb: Any = None  # its traceback when it was stored (see raisable())
         self.began = time.monotonic()  # just before the create: its lifetime cannot begin earlier
         self.ready_at: Optional[float] = None
         self.deadline = float("inf")  # when its lifetime ends at the latest (`began` + job_timeout)
@@ -463,8 +490,14 @@ class _BackgroundStart:
                                   % (self.provider.job_id or "(being created)", timeout_s, self.provider.stage),
                                   self.provider.job_id, self.provider.stage)
         if self.error is not None:
-            raise self.error
+            raise self.raisable()
         return self.base_url or ""
+
+    def raisable(self) -> BaseException:
+        """The start's error with the traceback it was stored with: raising the one object again would
+        otherwise add this raise's frames to its traceback each time (CPython does), without bound."""
+        assert self.error is not None
+        return self.error.with_traceback(self._error_tb)
 
     @property
     def done(self) -> bool:
@@ -506,7 +539,7 @@ class _BackgroundStart:
             self.ready_at = time.monotonic()
             self.base_url = base_url
         except BaseException as exc:  # kept for wait(); the provider has torn the job down already
-            self.error = exc
+            self.error, self._error_tb = exc, exc.__traceback__
         finally:
             with _background_lock:
                 _background_starts.discard(self)
@@ -536,6 +569,7 @@ _keeper: List[threading.Thread] = []  # the keeper thread, while one runs
 _slot_numbers = itertools.count(1)  # names slots in the log
 _STOPPED = ("this sandbox was stopped (stop() or stop_sandboxes()); begin() or a new session() starts "
             "it again")
+_CLOSED_WHILE_WAITING = "this EnvSession was closed while its reset() waited; open a new one with Sandbox.session()"
 
 
 class _Slot:
@@ -555,9 +589,12 @@ class _Slot:
         self.successor: Optional[_BackgroundStart] = None
         self.retiring: Optional[_BackgroundStart] = None
         self.stopped = False
-        self.failure: Optional[BaseException] = None  # a successor's failed start, for a waiting reset
-        self.retry_at = 0.0  # a failed successor is tried again from then on
+        # The last failed start (a successor's, or a first one a reset gave up), raised to resets until
+        # `retry_at`: no job starts before then, whoever asks.
+        self.failed: Optional[_BackgroundStart] = None
+        self.retry_at = 0.0
         self._retry_s = RENEW_RETRY_FIRST_S
+        self._cancels: "set[threading.Thread]" = set()  # this slot's cancels in flight (also in _slot_cancels)
         self.last_start_s = 0.0  # how long this slot's last start took (create to ready)
         self._warned_short = False
 
@@ -573,15 +610,19 @@ class _Slot:
                 _start_thread(_keeper[0])
         _keeper_wake.set()
 
-    def serving(self, timeout_s: Optional[float], hold: bool) -> _BackgroundStart:
+    def serving(self, timeout_s: Optional[float], hold: bool,
+                closed: Optional[Callable[[], bool]] = None) -> _BackgroundStart:
         """The slot's current job once ready (counted as used when `hold`), starting one if none
-        serves and none is coming. A failed first start raises its error (to a holder once: the next
-        one starts again), as does a failed replacement to the reset waiting for it."""
+        serves and none is coming. A failed first start raises its error (to a holder: the next one
+        starts again after the retry backoff); a failed replacement raises its error until its retry
+        time. `closed()` turning true (see `wake()`) raises SessionError at once."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
             while True:
                 if self.stopped:
                     raise SessionError(_STOPPED)
+                if closed is not None and closed():
+                    raise SessionError(_CLOSED_WHILE_WAITING)
                 current = self.current
                 if current is not None and current.serving:
                     if hold:
@@ -591,11 +632,11 @@ class _Slot:
                 if failed and self.successor is None:
                     if hold:
                         self.current = None
-                    raise current.error
+                        self._failed_locked(current)
+                    raise current.raisable()
                 if self.successor is None and (current is None or current.dead is not None):
-                    if self.failure is not None:
-                        failure, self.failure = self.failure, None
-                        raise failure
+                    if self.failed is not None and time.monotonic() < self.retry_at:
+                        raise self.failed.raisable()  # within the backoff: no start, however many resets ask
                     self._replace_locked("a reset found no job serving")
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -604,6 +645,11 @@ class _Slot:
                     raise JobStartTimeout("sandbox job %s still starting after %gs; the start goes on"
                                           % (job_id or "(being created)", timeout_s), job_id, None)
                 self._cond.wait(remaining)
+
+    def wake(self) -> None:
+        """Wake the resets waiting in `serving()`, so they look at their `closed()` again."""
+        with self._cond:
+            self._cond.notify_all()
 
     def release(self, start: _BackgroundStart) -> None:
         """An episode on `start` ended: a job the slot has moved on from goes once none uses it."""
@@ -665,7 +711,10 @@ class _Slot:
             self._cond.notify_all()
         with _slots_lock:
             _live_slots.discard(self)
-        _in_parallel([lambda start=start: start.stop(wait_s) for start in starts], wait_s)
+        with _background_lock:
+            cancels = list(self._cancels)  # jobs it was done with: their cancels count as its own
+        _in_parallel([lambda start=start: start.stop(wait_s) for start in starts]
+                     + [lambda thread=thread: thread.join(wait_s) for thread in cancels], wait_s)
 
     def tend(self, now: float) -> float:
         """The keeper's turn: see the watcher's news, begin a renewal that is due. Returns when the
@@ -717,18 +766,17 @@ class _Slot:
                 self.last_start_s = (start.ready_at or start.began) - start.began
                 lifetime = start.deadline - start.began
                 start.jitter = random.uniform(0.0, RENEW_SPREAD_FRACTION * lifetime)
+            if start.error is None and start in (self.current, self.successor):
+                self.failed, self.retry_at, self._retry_s = None, 0.0, RENEW_RETRY_FIRST_S
             if start is self.successor:
                 self.successor = None
                 if start.error is not None:
-                    self.failure = start.error
-                    self.retry_at = time.monotonic() + self._retry_s
                     logger.warning("slot %s: starting the job to take over from %s failed (%s); "
                                    "trying again in %gs", self.name, ", ".join(start.replaces) or "?",
                                    _core._first_line(start.error), self._retry_s)
-                    self._retry_s = min(RENEW_RETRY_CAP_S, self._retry_s * 2)
+                    self._failed_locked(start)
                 else:
                     old, self.current = self.current, start
-                    self.failure, self._retry_s = None, RENEW_RETRY_FIRST_S
                     if old is not None and (old.dead is not None or old.users <= 0):
                         cancel = old
                     elif old is not None:
@@ -739,6 +787,12 @@ class _Slot:
         if cancel is not None:
             self._cancel(cancel, "its successor serves" if cancel.dead is None else "it ended")
         _keeper_wake.set()
+
+    def _failed_locked(self, start: _BackgroundStart) -> None:
+        """`start` failed: the next start waits the backoff (RENEW_RETRY_FIRST_S doubling to the cap)."""
+        self.failed = start
+        self.retry_at = time.monotonic() + self._retry_s
+        self._retry_s = min(RENEW_RETRY_CAP_S, self._retry_s * 2)
 
     def _renew_at(self, start: _BackgroundStart, now: float) -> float:
         """When `start`'s successor is due: a lead (the setting, or twice the last start plus a
@@ -791,14 +845,17 @@ class _Slot:
             finally:
                 with _background_lock:
                     _slot_cancels.discard(thread)
+                    self._cancels.discard(thread)
         thread = threading.Thread(target=cancel, name="hf-sandbox-slot-cancel", daemon=True)
         with _background_lock:
             _slot_cancels.add(thread)
+            self._cancels.add(thread)
         try:
             _start_thread(thread)
         except BaseException:
             with _background_lock:
                 _slot_cancels.discard(thread)
+                self._cancels.discard(thread)
             raise
 
 
@@ -906,6 +963,7 @@ class _SlotSession(EnvSession):
         return conn.where if conn is not None else "a sandbox slot"
 
     def exchange(self, message: Mapping[str, Any]) -> Dict[str, Any]:
+        _raise_if_rejected(_message_rejection(message))
         with self._lock:
             if self._closed:
                 raise SessionError("this EnvSession is closed (close() ran); open a new one with "
@@ -925,6 +983,9 @@ class _SlotSession(EnvSession):
             conn = self._conn
             if conn is not None:
                 conn._break()
+            slot = self._sandbox._slot
+            if slot is not None:  # a reset waiting for the slot's job ends now, not after the cold start
+                slot.wake()
             return
         try:
             self._closed = True
@@ -945,12 +1006,15 @@ class _SlotSession(EnvSession):
         self._lost = None
         error: Optional[BaseException] = None
         for _ in range(SLOT_RESET_ATTEMPTS):
-            job = slot.serving(self._wait_timeout_s, hold=True)
+            job = slot.serving(self._wait_timeout_s, hold=True, closed=lambda: self._closed)
             if job is not self._job or self._conn is None or self._conn.closed:
                 self._drop_connection()  # holds nothing here: ended above or in the last pass
                 self._job = job
             self._held = True
             if self._conn is None:
+                if self._closed:  # close() ran since serving() returned: open nothing
+                    self._drop_connection()
+                    raise SessionError(_CLOSED_WHILE_WAITING)
                 try:
                     self._conn = EnvSession(job.base_url or "", timeout_s=self.timeout_s)
                 except SessionRefusedError as exc:
@@ -973,10 +1037,10 @@ class _SlotSession(EnvSession):
                     self._end_episode()
                     raise
                 job.sessions.add(self)
-            if self._closed:  # close() ran in another thread while this reset waited: hold and open nothing
+            if self._closed:  # close() ran in another thread while this reset connected: hold nothing
                 self._drop_connection()
-                raise SessionError("this EnvSession was closed while its reset() waited; open a new one with "
-                                   "Sandbox.session()")
+                raise SessionError(_CLOSED_WHILE_WAITING)
+            self._conn.timeout_s = self.timeout_s  # set by the user since the connection opened, maybe
             try:
                 return self._conn.exchange(message)
             except SessionTimeout:
@@ -991,13 +1055,15 @@ class _SlotSession(EnvSession):
     def _continue_episode(self, message: Mapping[str, Any]) -> Dict[str, Any]:
         assert self._conn is not None
         job = self._job
+        self._conn.timeout_s = self.timeout_s
         try:
             reply = self._conn.exchange(message)
         except SessionError as exc:
             self._lost = (job.dead if job is not None else None) or str(exc)
             self._drop_connection()
-            raise EpisodeLost("the episode on job %s was lost: %s; call reset() to begin the next "
-                              "one" % (_ids(job) if job is not None else "?", self._lost)) from exc
+            lost = _EpisodeTimedOut if isinstance(exc, SessionTimeout) else EpisodeLost
+            raise lost("the episode on job %s was lost: %s; call reset() to begin the next "
+                       "one" % (_ids(job) if job is not None else "?", self._lost)) from exc
         data = reply.get("data")
         if message.get("type") == "step" and isinstance(data, dict) and data.get("done"):
             self._end_episode()  # the job may go now; the connection stays for the next reset
@@ -1095,6 +1161,7 @@ class Sandbox:
         """Begin if needed and block until the slot's current job answers /health; returns its base
         URL or raises what the start raised. `timeout_s` bounds this wait only (`JobStartTimeout`;
         the start goes on)."""
+        _raise_if_rejected(_optional_seconds_rejection("timeout_s", timeout_s))
         self.begin()
         assert self._slot is not None
         return self._slot.serving(timeout_s, hold=False).base_url or ""
@@ -1102,6 +1169,8 @@ class Sandbox:
     def session(self, *, timeout_s: float = SESSION_TIMEOUT_S, wait_timeout_s: Optional[float] = None) -> EnvSession:
         """`wait()`, then an `EnvSession` that follows this slot's jobs (one per rollout slot): each
         `reset()` runs on the current job; a job that dies mid-episode raises `EpisodeLost`."""
+        _raise_if_rejected(_positive_number_rejection("timeout_s", timeout_s)
+                           or _optional_seconds_rejection("wait_timeout_s", wait_timeout_s))
         self.wait(wait_timeout_s)
         return _SlotSession(self, timeout_s, wait_timeout_s)
 
@@ -1166,8 +1235,7 @@ class Sandbox:
         return dict(self.__dict__, _slot=None)
 
     def _settings_key(self) -> Tuple[Any, ...]:
-        return (self.image, self.renew, self.renew_before_s,
-                sorted((k, repr(v)) for k, v in self._provider_kwargs.items()))
+        return (self.image, self.renew, self.renew_before_s, _canonical(self._provider_kwargs))
 
     def _new_slot(self) -> _Slot:
         name = "shared %r" % self.shared if self.shared is not None else str(next(_slot_numbers))
@@ -1184,6 +1252,19 @@ class Sandbox:
         if slot is None or slot.stopped:
             raise SessionError(_STOPPED)
         return slot
+
+
+def _canonical(value: Any) -> Any:
+    """A comparable form of a setting: mappings by sorted items (their order does not matter), lists
+    and tuples item by item, sets sorted, anything else by repr."""
+    if isinstance(value, Mapping):
+        return ("mapping", tuple(sorted(((repr(k), _canonical(v)) for k, v in value.items()),
+                                        key=lambda item: item[0])))
+    if isinstance(value, (list, tuple)):
+        return ("sequence", tuple(_canonical(item) for item in value))
+    if isinstance(value, (set, frozenset)):
+        return ("set", tuple(sorted((_canonical(item) for item in value), key=repr)))
+    return repr(value)
 
 
 def _group_serves(start: Optional[_BackgroundStart]) -> bool:
@@ -1270,9 +1351,15 @@ def _stops(wait_s: float) -> List[Callable[[], None]]:
 
 
 def _reset_sandboxes_after_fork() -> None:
-    """A forked child has none of the parent's threads, and the parent's slots live on the parent's
-    proxy: the child starts its own."""
+    """A forked child has none of the parent's threads and owns none of its jobs: every inherited slot is
+    stopped for the child without cancelling anything (an inherited Sandbox starts its own job at its next
+    use), so stop(), stop_sandboxes(), the signal teardown and the exit hook reach only what the child starts."""
     global _background_lock, _shared_lock, _begin_lock, _background_slots, _slots_lock, _keeper_wake
+    global _signal_teardown_active
+    for slot in set(_live_slots) | {entry[1] for entry in _shared_slots.values()}:
+        _disown_in_child(slot)
+    _sandbox_providers.clear()
+    _signal_teardown_active = threading.Event()  # a fork during the parent's teardown must not absorb the child's
     _background_lock, _shared_lock, _begin_lock = threading.Lock(), threading.Lock(), threading.Lock()
     _slots_lock = threading.Lock()
     _background_slots = threading.BoundedSemaphore(BACKGROUND_MAX_PARALLEL)
@@ -1282,6 +1369,22 @@ def _reset_sandboxes_after_fork() -> None:
     _shared_slots.clear()
     _live_slots.clear()
     _keeper.clear()
+
+
+def _disown_in_child(slot: _Slot) -> None:
+    """After a fork: `slot` is the parent's. Stopped here without its lock (held at the fork, it stays held)
+    and without a cancel; its sessions let go of their connections, which are the parent's sockets too."""
+    starts = [start for start in (slot.current, slot.successor, slot.retiring) if start is not None]
+    slot._cond = threading.Condition(threading.Lock())
+    slot.stopped = True
+    slot.current = slot.successor = slot.retiring = None
+    slot._cancels = set()
+    for start in starts:
+        start.watches = []  # registered with the parent's job watcher, which the child does not have
+        for session in list(start.sessions):
+            session._lock = threading.Lock()
+            session._conn = session._job = None  # not closed: a close frame would end the parent's session
+            session._held, session._lost = False, None
 
 
 if hasattr(os, "register_at_fork"):
@@ -1305,7 +1408,7 @@ def install_signal_teardown(signals: Optional[Sequence[int]] = None) -> bool:
         return False
     if signals is None:
         signals = [s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s is not None]
-    for signum in [int(s) for s in signals]:
+    for signum in _signal_numbers(signals):  # all checked before any is installed
         if signum in _signal_previous:
             continue  # installed already (possibly under a handler set later, which may chain to ours)
         previous = signal.getsignal(signum)
@@ -1315,6 +1418,23 @@ def install_signal_teardown(signals: Optional[Sequence[int]] = None) -> bool:
         signal.signal(signum, _on_teardown_signal)
         _signal_previous[signum] = previous
     return bool(_signal_previous)
+
+
+def _signal_numbers(signals: Any) -> List[int]:
+    """`signals` as signal numbers a handler can be installed for; SandboxConfigError naming the first
+    that is not one."""
+    if isinstance(signals, (str, bytes)) or not isinstance(signals, Iterable):
+        raise SandboxConfigError("install_signal_teardown(signals=%r) takes a list of signal numbers, e.g. "
+                                 "[signal.SIGTERM]" % (signals,))
+    signals = list(signals)
+    uncatchable = {getattr(signal, name) for name in ("SIGKILL", "SIGSTOP") if hasattr(signal, name)}
+    for signum in signals:
+        if (isinstance(signum, bool) or not isinstance(signum, int) or signum not in signal.valid_signals()
+                or signum in uncatchable):
+            raise SandboxConfigError("install_signal_teardown(signals=...): %r is not a signal a handler can be "
+                                     "installed for (give numbers such as signal.SIGTERM; SIGKILL and SIGSTOP "
+                                     "cannot be caught)" % (signum,))
+    return [int(signum) for signum in signals]
 
 
 def uninstall_signal_teardown() -> None:

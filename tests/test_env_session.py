@@ -9,6 +9,7 @@ import asyncio
 import os
 import random
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
@@ -16,6 +17,8 @@ import sys
 import threading
 
 import pytest
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import AcceptConnection, Request, TextMessage
 
 from hf_jobs_emulator import EchoEnvironment, EchoServer, echo_server_command
 from support import wait_until
@@ -300,3 +303,80 @@ def test_a_handshake_the_server_never_answers_raises_a_session_timeout_naming_co
         url = "%s://127.0.0.1:%d" % (scheme, silent.getsockname()[1])
         with pytest.raises(SessionTimeout, match=what):  # (the upgrade's named timeout_s=600, never waited)
             EnvSession(url, connect_timeout_s=0.5, timeout_s=600)
+
+
+class Interrupted(BaseException):
+    """What a Ctrl-C is to the library: a BaseException raised in the main thread while it waits."""
+
+
+def _raise_interrupted(signum, frame) -> None:
+    raise Interrupted()
+
+
+@pytest.mark.slow  # a step that takes 1 s on purpose
+def test_an_interrupted_request_closes_the_session_so_its_late_reply_never_answers_the_next(no_leaks) -> None:
+    # A KeyboardInterrupt while a reply was due left the session open: the next request returned that reply.
+    previous = signal.signal(signal.SIGUSR1, _raise_interrupted)
+    try:
+        with EchoServer(step_delay_s=1.0) as server:
+            with EnvSession(server.url, timeout_s=TIMEOUT) as session:
+                session.reset()
+                timer = threading.Timer(0.3, signal.pthread_kill, (threading.main_thread().ident, signal.SIGUSR1))
+                timer.start()
+                with pytest.raises(Interrupted):
+                    session.step({"message": "first"})
+                timer.join()
+                assert session.closed
+                with pytest.raises(SessionError, match="closed"):
+                    session.step({"message": "second"})
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_a_url_with_a_bad_port_or_bracket_and_a_message_that_is_not_a_mapping_are_refused(echo_url) -> None:
+    for url in ("http://127.0.0.1:99999/r", "http://127.0.0.1:port/r", "http://[::1/r"):
+        with pytest.raises(SandboxConfigError, match="base_url"):
+            EnvSession(url)
+    with EnvSession(echo_url) as session:
+        with pytest.raises(SandboxConfigError, match="mapping"):
+            session.request("hi")  # type: ignore[arg-type]
+        with pytest.raises(SandboxConfigError, match="mapping"):
+            session.exchange(["reset"])  # type: ignore[arg-type]
+        assert session.reset()["observation"]["echoed_message"]  # nothing was sent: the session goes on
+
+
+def _one_reply_server(reply_frame: bytes) -> socket.socket:
+    """A WebSocket server (loopback) that answers the first message with these raw frame bytes."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        ws = WSConnection(ConnectionType.SERVER)
+        with conn:
+            while True:
+                data = conn.recv(65536)
+                if not data:
+                    return
+                ws.receive_data(data)
+                for event in ws.events():
+                    if isinstance(event, Request):
+                        conn.sendall(ws.send(AcceptConnection()))
+                    elif isinstance(event, TextMessage):
+                        conn.sendall(reply_frame)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener
+
+
+def test_a_binary_reply_that_is_not_utf8_raises_a_session_error_and_closes_the_session() -> None:
+    listener = _one_reply_server(b"\x82\x02\xff\xfe")  # a binary frame of two bytes that are not UTF-8
+    try:
+        session = EnvSession("http://127.0.0.1:%d/x" % listener.getsockname()[1], timeout_s=TIMEOUT)
+        with pytest.raises(SessionError, match="not JSON"):
+            session.reset()
+        assert session.closed
+        session.close()
+    finally:
+        listener.close()

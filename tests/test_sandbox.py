@@ -9,11 +9,12 @@ import socket
 import sys
 import threading
 import time
+import traceback
 
 import pytest
 
 from hf_jobs_emulator import JobsEmulator, echo_server_command
-from support import in_thread
+from support import in_thread, wait_until
 import hf_sandbox_provider as core
 import proxy as proxy_module
 from hf_sandbox_provider import (JobFailedError, JobStartTimeout, Sandbox, SandboxConfigError, SessionError,
@@ -344,3 +345,95 @@ def test_close_while_a_reset_waits_for_the_slots_job_fails_that_reset_and_holds_
     assert session._conn is None and (session._job is None or session._job.users == 0)
     stop_sandboxes()
     all_ended(slow_emu)
+
+
+def test_close_wakes_a_reset_waiting_for_a_cold_start_at_once_and_opens_no_connection(make_emu) -> None:
+    # close() set a flag the waiting reset read only once the job was ready (a whole cold start later, minutes
+    # on a GPU flavor), and that reset then opened a WebSocket session only to close it.
+    emu = make_emu()
+    box = Sandbox("img:tag", endpoint=emu.endpoint, token=emu.token, command=echo_server_command(),
+                  poll_interval_s=0.1)
+    try:
+        session = box.session()
+        session.reset()
+        emu.default_faults["scheduling-delay-s"] = "60"  # the next job's cold start outlasts the test
+        box.restart()
+        thread, outcome = in_thread(session.reset)
+        wait_until(lambda: len(emu.jobs) == 2 and session._lock.locked(), "the reset to wait for the new job")
+        time.sleep(0.2)
+        closed_at = time.monotonic()
+        session.close()
+        thread.join(30)
+        assert time.monotonic() - closed_at < 10  # not the 60 s cold start
+        assert isinstance(outcome[0], SessionError) and "closed" in str(outcome[0]), outcome
+        assert session._conn is None and emu.jobs[1].stage == "SCHEDULING"
+    finally:
+        stop_sandboxes()
+    all_ended(emu)
+
+
+def test_bad_wait_and_session_arguments_are_refused_naming_them_before_anything_starts(slow_emu) -> None:
+    # They were checked after the cold start (timeout_s=0), or not at all (a TypeError from inside the wait).
+    box = Sandbox("img:tag", begin=False, **slow_emu.settings)
+    with pytest.raises(SandboxConfigError, match="timeout_s='5'"):
+        box.wait(timeout_s="5")  # type: ignore[arg-type]
+    with pytest.raises(SandboxConfigError, match="timeout_s=0"):
+        box.session(timeout_s=0)
+    with pytest.raises(SandboxConfigError, match="wait_timeout_s='5'"):
+        box.session(wait_timeout_s="5")  # type: ignore[arg-type]
+    with pytest.raises(SandboxConfigError, match="wait_timeout_s=-1"):
+        box.session(wait_timeout_s=-1)
+    assert slow_emu.jobs == [] and box.provider is None  # refused before the sandbox began
+    with box.session(wait_timeout_s=60) as session:
+        with pytest.raises(SandboxConfigError, match="mapping"):
+            session.request("hi")  # type: ignore[arg-type]
+        assert session.request({"type": "reset", "data": {}})["observation"]["echoed_message"]
+    stop_sandboxes()
+    all_ended(slow_emu)
+
+
+def test_a_shared_group_accepts_equal_settings_whatever_the_order_of_a_dict_keyword(slow_emu) -> None:
+    first = Sandbox("img:tag", shared="order", env_vars={"MAX_CONCURRENT_ENVS": "32", "MODE": "x"},
+                    **slow_emu.settings)
+    second = Sandbox("img:tag", shared="order", env_vars={"MODE": "x", "MAX_CONCURRENT_ENVS": "32"},
+                     **slow_emu.settings)
+    assert first.wait() == second.wait() and len(slow_emu.jobs) == 1
+    with pytest.raises(SandboxConfigError, match="other settings"):  # a different value still differs
+        Sandbox("img:tag", shared="order", env_vars={"MODE": "y", "MAX_CONCURRENT_ENVS": "32"}, **slow_emu.settings)
+    stop_sandboxes()
+    all_ended(slow_emu)
+
+
+def test_a_failed_start_raised_again_and_again_keeps_a_traceback_of_one_size(make_emu) -> None:
+    # The one stored exception was raised at each call, and CPython added each raise's frames to its
+    # traceback: 605 entries after 200 calls, with every frame (and its locals) kept alive.
+    emu = make_emu()
+    box = Sandbox("img:tag", endpoint=emu.endpoint, token=emu.token, command=echo_server_command(),
+                  poll_interval_s=0.1, labels={"emulator-crash-at-boot": "boom-at-boot"})
+    sizes = []
+    for _ in range(20):
+        with pytest.raises(JobFailedError, match="boom-at-boot") as failed:
+            box.wait()
+        sizes.append(len(traceback.extract_tb(failed.value.__traceback__)))
+    assert len(set(sizes)) == 1, sizes
+    stop_sandboxes()
+    all_ended(emu)
+
+
+def test_resets_after_a_failed_first_start_raise_its_error_and_start_nothing_within_the_backoff(make_emu) -> None:
+    # A reset that got a failed first start cleared it, so the next reset started another job at once.
+    emu = make_emu()
+    box = Sandbox("img:tag", endpoint=emu.endpoint, token=emu.token, command=echo_server_command(),
+                  poll_interval_s=0.1)
+    try:
+        with box.session() as session:
+            session.reset()
+            emu.default_faults["crash-at-boot"] = "broken image"
+            box.restart()  # a new slot whose first start fails
+            for _ in range(10):  # well within the first 5 s of backoff
+                with pytest.raises(JobFailedError, match="broken image"):
+                    session.reset()
+            assert len(emu.jobs) == 2  # the first job and the one failed start
+    finally:
+        stop_sandboxes()
+    all_ended(emu)

@@ -243,3 +243,96 @@ def test_library_threads_leave_termination_signals_to_the_main_thread() -> None:
     assert len(proxy_threads) >= 2, proxy_threads  # the listener and at least one pool worker
     assert all(wanted <= blocked for blocked in seen.values()), seen
     assert not wanted & _blocked_signals_of_thread(threading.get_native_id())  # the main thread's mask is untouched
+
+
+def test_bad_signals_are_refused_naming_them_and_none_is_installed() -> None:
+    # install_signal_teardown([SIGTERM, 9]) installed SIGTERM's handler, then failed on SIGKILL with an OSError.
+    before = signal.getsignal(signal.SIGTERM)
+    for signals in ([signal.SIGTERM, signal.SIGKILL], [signal.SIGTERM, "SIGHUP"], [signal.SIGTERM, 0], "SIGTERM"):
+        with pytest.raises(hf_sandbox_provider.SandboxConfigError, match="signal"):
+            install_signal_teardown(signals)
+        assert signal.getsignal(signal.SIGTERM) is before and not hf_sandbox_training._signal_previous
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while True:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_acts_only_on_jobs_it_started_and_its_sigterm_leaves_the_parents_running(make_emu) -> None:
+    # A fork worker (a multiprocessing Pool, a DataLoader) inherited the parent's slots, providers and signal
+    # handler: its SIGTERM, its stop_sandboxes() and its inherited Sandbox's stop() cancelled the parent's jobs.
+    from hf_sandbox_provider import Sandbox, SessionError, stop_sandboxes
+
+    emu = make_emu()
+    settings = dict(endpoint=emu.endpoint, token=emu.token, command=echo_server_command(), poll_interval_s=0.1)
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the child then dies of the signal after its teardown
+    own = Sandbox("img:tag", **settings)
+    shared = Sandbox("img:tag", shared="fork", **settings)
+    session = own.session()
+    session.reset()
+    shared.wait()
+    parents = own.job_ids + shared.job_ids
+    read_end, write_end = os.pipe()
+    try:
+        assert install_signal_teardown()
+        pid = os.fork()
+        if pid == 0:  # the child: whatever happens, it leaves through os._exit or the signal
+            try:
+                os.close(read_end)
+                report: dict = {}
+                try:
+                    session.step({"message": "on the parent's connection?"})
+                except SessionError as exc:  # the inherited session let go of the parent's socket
+                    report["inherited_session"] = type(exc).__name__
+                with own.session() as mine:  # the inherited Sandbox starts the child's own job
+                    report["reset"] = mine.reset()["observation"]["echoed_message"]
+                report["child_jobs"] = own.job_ids
+                own.stop()
+                shared.stop()
+                stop_sandboxes()
+                os.write(write_end, json.dumps(report).encode())
+                os.close(write_end)
+                os.kill(os.getpid(), signal.SIGTERM)  # as Pool.terminate() does: teardown, then death by it
+                time.sleep(CHILD_TIMEOUT_S)
+            except BaseException as exc:
+                os.write(write_end, json.dumps({"error": repr(exc)}).encode())
+            finally:
+                os._exit(3)
+        os.close(write_end)
+        deadline = time.monotonic() + CHILD_TIMEOUT_S
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise AssertionError("the forked child did not end")
+            time.sleep(0.05)
+        report = json.loads(_read_all(read_end).decode() or "{}")
+    finally:
+        os.close(read_end)
+        uninstall_signal_teardown()
+        signal.signal(signal.SIGTERM, before)
+    try:
+        assert "error" not in report, report
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, (status, report)
+        # (no cancel requested: the emulator marks a cancel at once, and ends the job a moment later)
+        assert [(emu.job(job).stage, emu.job(job)._stop_reason) for job in parents] == [("RUNNING", None)] * 2
+        assert report["child_jobs"] and not set(report["child_jobs"]) & set(parents), (report, parents)
+        assert report["inherited_session"] == "SessionError" and report["reset"]
+        for job in report["child_jobs"]:  # the child's own job: cancelled by its stop()
+            assert emu.wait_for_stage(job, ["CANCELED"]).stage == "CANCELED"
+        assert own.job_ids + shared.job_ids == parents  # the parent's slots never saw their jobs die
+        assert session.step({"message": "still mine"})["observation"]["echoed_message"] == "still mine"
+    finally:
+        session.close()
+        stop_sandboxes()
+    for job in emu.jobs:
+        assert emu.wait_for_stage(job.id, ["CANCELED"]).stage == "CANCELED", job

@@ -19,7 +19,8 @@ from typing import Any, Dict, Iterator, List
 import pytest
 
 from hf_jobs_emulator import JobsEmulator, echo_server_command
-from hf_sandbox_provider import EpisodeLost, Sandbox, SandboxConfigError, SessionError, stop_sandboxes
+from hf_sandbox_provider import (EpisodeLost, JobFailedError, Sandbox, SandboxConfigError, SessionError, SessionTimeout,
+                                 stop_sandboxes)
 from support import in_thread, wait_until
 
 pytestmark = pytest.mark.slow  # jobs live seconds each, and the tests cross several of their lifetimes
@@ -327,4 +328,107 @@ def test_a_shared_group_that_loses_one_job_is_renewed_as_a_whole_while_the_other
         assert session.step({"message": "moved"})["observation"]["echoed_message"] == "moved"
     assert len(emu.jobs) == 4 and emu.job(old[0]).stage == "ERROR"
     stop_sandboxes()
+    all_ended(emu)
+
+
+class Interrupted(BaseException):
+    """What a Ctrl-C is to the library: a BaseException raised in the main thread while it waits."""
+
+
+def interrupt_the_main_thread_after(seconds: float) -> threading.Timer:
+    """Send SIGUSR1 to the main thread after `seconds`; `with_interrupt_handler` turns it into Interrupted."""
+    timer = threading.Timer(seconds, signal.pthread_kill, (threading.main_thread().ident, signal.SIGUSR1))
+    timer.start()
+    return timer
+
+
+def _raise_interrupted(signum: int, frame: Any) -> None:
+    raise Interrupted()
+
+
+def test_a_step_interrupted_while_its_reply_is_due_loses_the_episode_and_never_answers_the_next_step(emu) -> None:
+    # A KeyboardInterrupt while a step waited left the connection open with that step's reply still due:
+    # the next step returned the interrupted step's reply as its own.
+    box = Sandbox("img:tag", **dict(emu.settings, env_vars={"ECHO_STEP_DELAY_S": "1.0"}))
+    previous = signal.signal(signal.SIGUSR1, _raise_interrupted)
+    try:
+        with box.session() as session:
+            session.reset()
+            timer = interrupt_the_main_thread_after(0.3)
+            with pytest.raises(Interrupted):
+                session.step({"message": "first"})
+            timer.join()
+            with pytest.raises(EpisodeLost):  # never the reply to "first"
+                session.step({"message": "second"})
+            session.reset()
+            assert session.step({"message": "third"})["observation"]["echoed_message"] == "third"
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    stop_sandboxes()
+    all_ended(emu)
+
+
+def test_a_slot_step_that_times_out_is_both_episode_lost_and_session_timeout_and_timeout_s_applies_at_once(
+        emu) -> None:
+    # A slow step raised EpisodeLost only (not the documented SessionTimeout), and setting session.timeout_s
+    # after the connection opened had no effect until the next reconnect.
+    box = Sandbox("img:tag", **dict(emu.settings, env_vars={"ECHO_STEP_DELAY_S": "1.0"}))
+    with box.session(timeout_s=0.3) as session:
+        session.reset()  # (resets are not delayed) the connection opens with timeout_s=0.3
+        session.timeout_s = 30.0
+        assert session.step({"message": "slow"})["observation"]["echoed_message"] == "slow"
+        session.timeout_s = 0.3
+        with pytest.raises(EpisodeLost, match="no answer") as lost:
+            session.step({"message": "too slow"})
+        assert isinstance(lost.value, SessionTimeout) and isinstance(lost.value, TimeoutError)
+        session.timeout_s = 30.0
+        session.reset()  # the episode was lost, the session was not
+        assert session.step({"message": "again"})["observation"]["echoed_message"] == "again"
+    stop_sandboxes()
+    all_ended(emu)
+
+
+def test_resets_during_the_replacement_backoff_raise_its_failure_and_start_no_job(emu) -> None:
+    # Each reset after a failed replacement started a new job at once (184 starts in 20 s in the review);
+    # the backoff (RENEW_RETRY_FIRST_S doubling) bound only the keeper thread.
+    box = Sandbox("img:tag", **dict(emu.settings, job_timeout=3600))
+    with box.session() as session:
+        session.reset()
+        emu.default_faults["crash-at-boot"] = "broken image"  # every job from now on fails at boot
+        emu.kill_job(box.job_ids[0])
+        with pytest.raises(JobFailedError, match="broken image"):
+            for _ in range(100):  # until the replacement's failure reaches a reset
+                try:
+                    session.reset()
+                except SessionError:  # the reset that found the job gone, before its replacement failed
+                    pass
+                time.sleep(0.05)
+        failed_at = time.monotonic()
+        assert len(emu.jobs) == 2
+        for _ in range(20):  # well within the first 5 s of backoff
+            with pytest.raises(JobFailedError, match="broken image"):
+                session.reset()
+            with pytest.raises(JobFailedError, match="broken image"):
+                box.wait()
+        # the killed job and the one failed replacement: no start meanwhile (the keeper's retry comes 5 s on)
+        assert len(emu.jobs) == 2, "%d jobs after %.1fs of resets" % (len(emu.jobs), time.monotonic() - failed_at)
+        del emu.default_faults["crash-at-boot"]  # fixed: the keeper tries again once the backoff ends
+        wait_until(lambda: box.ready, "a replacement after the backoff", timeout_s=60)
+        session.reset()
+        assert session.step({"message": "back"})["observation"]["echoed_message"] == "back"
+    stop_sandboxes()
+    all_ended(emu)
+
+
+def test_stop_waits_for_the_cancel_of_a_job_its_slot_retired_moments_before(emu) -> None:
+    # Sandbox.stop() returned while the slot's cancel of the job its successor took over from was still
+    # under way (here held back by a 429): an exit right after left that job running until its lifetime.
+    box = Sandbox("img:tag", renew_before_s=RENEW_BEFORE_S, **emu.settings)
+    box.wait()
+    first = box.job_ids[0]
+    emu.inject_rate_limit(1, retry_after_s=3, routes=["cancel"])  # the first cancel: the retired job's
+    wait_until(lambda: box.job_ids not in ([first], []), "the successor to take over", timeout_s=60)
+    box.stop()
+    retired = emu.job(first)
+    assert retired.terminal or retired._stop_reason is not None, retired.stage
     all_ended(emu)
