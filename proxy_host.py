@@ -748,7 +748,7 @@ def _send_message(sock: socket.socket, lock: threading.Lock, message: Dict[str, 
     if not lock.acquire(timeout=timeout):
         raise socket.timeout("another request's send is stuck")
     try:
-        writable = select.poll()  # (one socket: a blocking wait, not a reactor)
+        writable = select.poll()  # one socket: a blocking wait for room to write, not a reactor
         writable.register(sock, select.POLLOUT)
         while frame:
             left = deadline - time.monotonic()
