@@ -576,10 +576,11 @@ class HFSandboxProvider:
                 return  # called from the start's own thread (e.g. a hook): it ends after this returns
             if not self._phase_changed.wait_for(
                     lambda: self._phase not in _START_IN_FLIGHT or self._starts != start, STOP_WAIT_S):
+                sweep = ("sweep --label %s=%s" % (START_LABEL_KEY, self._start_label) if self._start_label else
+                         "sweep --pool %s" % self.pool if isinstance(self.pool, str) else "sweep")  # (replicas: each's)
                 logger.warning("stop_container(): the start of this provider has not ended after %gs; it cancels "
                                "its job when its create answers, but if this process exits first cancel it with "
-                               "`python -m hf_sandbox_provider sweep --label %s=%s`", STOP_WAIT_S, START_LABEL_KEY,
-                               self._start_label)
+                               "`python -m hf_sandbox_provider %s`", STOP_WAIT_S, sweep)
 
     def _request_stop(self) -> None:
         """Make a start or readiness wait in another thread give up at its next check."""

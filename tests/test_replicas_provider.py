@@ -402,3 +402,22 @@ def test_replicas_keep_their_owners_choice_not_to_warn_about_credential_like_env
     finally:
         provider.stop_container()
     assert "looks like a credential" not in caplog.text
+
+
+def test_a_stop_that_outwaits_a_replica_start_names_each_replicas_label_and_never_a_label_of_none(emu, proxy, caplog,
+                                                                                                   monkeypatch):
+    # The group's owner has no start label of its own: its warning once told users to run
+    # `sweep --label hf-sandbox-start=None`, which finds nothing while the replicas' late jobs bill.
+    monkeypatch.setattr(hsp, "STOP_WAIT_S", 0.5)
+    emu.delay_next_create_answers(2, 3.0)  # both creates in flight when the stop comes
+    provider = replicated(emu, proxy, replicas=2)
+    starter, outcome = in_thread(provider.start_container)
+    wait_until(lambda: emu.api_calls.get("create", 0) == 2, "both replicas' creates in flight")
+    with caplog.at_level(logging.WARNING, logger="hf_sandbox_provider"):
+        provider.stop_container()
+    starter.join(30)
+    assert isinstance(outcome[0], hsp.SandboxError), outcome
+    said = [r.getMessage() for r in caplog.records if "has not ended after" in r.getMessage()]
+    assert not [m for m in said if "=None" in m], said
+    assert len([m for m in said if "sweep --label hf-sandbox-start=" in m]) == 2, said  # one per replica
+    wait_until(lambda: len(emu.jobs) == 2 and all(job.terminal for job in emu.jobs), "both late jobs cancelled")
