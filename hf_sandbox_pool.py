@@ -104,7 +104,7 @@ def close_pools() -> List[str]:
         entries = list(_pools.values())
         _pools.clear()
     left: List[str] = []
-    _core._in_parallel([functools.partial(lambda entry: left.extend(entry.close()), entry) for entry in entries])
+    _core._in_parallel([lambda entry=entry: left.extend(entry.close()) for entry in entries])
     return sorted(left)
 
 
