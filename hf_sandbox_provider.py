@@ -2190,7 +2190,7 @@ def _release_job(client: Optional["_JobsClient"], namespace: Optional[str], job_
 
 def _cancel_labelled(client: "_JobsClient", namespace: str, start_label: str, keep: Optional[str] = None) -> List[str]:
     """Cancel every job but `keep` labelled with `start_label` (made by a create whose answer was lost); return what
-    could not be done, and for a failed create (no `keep`) that none is listed yet: the Hub may still make it."""
+    could not be done, and that none is listed yet if so: the Hub may still make it (when is unknown)."""
     sweep = "run `python -m hf_sandbox_provider sweep --label %s=%s`" % (START_LABEL_KEY, start_label)
     who = "the first create" if keep else "the failed create"
     try:
@@ -2199,9 +2199,8 @@ def _cancel_labelled(client: "_JobsClient", namespace: str, start_label: str, ke
     except BaseException as exc:
         return ["could not check whether %s made a job anyway (%s); if it did, it runs until its timeout: %s"
                 % (who, type(exc).__name__, sweep)]
-    problems = [] if found or keep else [
-        "no job of the failed create is listed yet (its answer was lost or interrupted); if the Hub makes one "
-        "later, it runs until its timeout: %s" % sweep]
+    problems = [] if found else ["no job of %s is listed yet (its answer was lost or interrupted); if the Hub makes "
+                                 "one later, it runs until its timeout: %s" % (who, sweep)]
     for job_id in found:
         logger.info("%s made HF job %s anyway: cancelling it", who, job_id)
         _release_job(client, namespace, job_id, None, None, None)  # says if it could not

@@ -20,9 +20,11 @@ import requests
 import hf_jobs_emulator
 import hf_sandbox_provider
 from hf_jobs_emulator import JobsEmulator
-from hf_sandbox_provider import HFSandboxProvider, JobFailedError, JobStartTimeout
+from hf_sandbox_provider import START_LABEL_KEY, HFSandboxProvider, JobFailedError, JobStartTimeout
 from proxy import AuthProxy
 from support import wait_until
+from test_cli import clean_env
+from test_cli import run as run_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 30  # generous: other work may load the 2 cores; passing tests never wait this long
@@ -223,6 +225,26 @@ def test_a_create_answered_5xx_whose_job_appears_after_the_retry_leaves_neither_
     said = [r.getMessage() for r in caplog.records]
     assert "the first create made HF job %s anyway: cancelling it" % twin in said, said
     assert not [m for m in said if "listed yet" in m]  # the stop found the twin: nothing to warn about
+
+
+def test_a_twin_not_yet_made_when_its_start_stops_is_named_with_the_sweep_that_then_cancels_it(emu, proxy, caplog,
+                                                                                                   tmp_path):
+    # When the Hub makes the first create's job is unknown: a stop that finds none yet cannot cancel it, so it
+    # must say how to find it later (its start label), never stay silent while a twin bills for an hour.
+    caplog.set_level(logging.INFO, logger="hf_sandbox_provider")
+    emu.make_next_creates_late(1, after_s=6.0)
+    with provider_for(emu, proxy) as provider:
+        provider.start_container()
+        label = "%s=%s" % (START_LABEL_KEY, emu.job(provider.job_id).spec["labels"][START_LABEL_KEY])
+        assert len(emu.jobs) == 1, "the twin came before the stop: this test needs a longer after_s"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert [m for m in warnings if "no job of the first create is listed yet" in m
+            and "sweep --label %s" % label in m], warnings
+    wait_until(lambda: len(emu.jobs) == 2, "the first create's late job")
+    twin = next(job.id for job in emu.jobs if job.id != provider.job_id)
+    swept = run_cli(["sweep", "--label", label], clean_env(tmp_path, HF_ENDPOINT=emu.endpoint, HF_TOKEN=emu.token))
+    assert swept.returncode == 0 and "cancelled %s" % twin in swept.stdout, (swept.stdout, swept.stderr)
+    assert_nothing_left(emu, proxy)
 
 
 def test_the_exit_safety_net_also_cancels_the_late_twin_of_a_create_sent_twice(emu, proxy):
