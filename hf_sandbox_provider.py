@@ -1340,8 +1340,9 @@ def _label_rule_rejection(labels: Any) -> Optional[str]:
 
 
 def _reserved_labels_rejection(labels: Any) -> Optional[str]:
-    reserved = {PROVIDER_LABEL_KEY, START_LABEL_KEY, PROCESS_LABEL_KEY} & set(labels or {})
-    return "labels %s are reserved for this library's own bookkeeping" % sorted(reserved) if reserved else None
+    reserved = sorted(key for key in labels or {} if str(key).startswith("hf-sandbox-"))  # (pool hosts' too)
+    return "labels %s are reserved: keys starting with 'hf-sandbox-' are the library's own (and its pool hosts'); " \
+        "pick another key" % reserved if reserved else None
 
 
 # Each setting's check, in the order refusals are reported (the first one wins).

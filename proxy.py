@@ -2943,8 +2943,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     add("upstream", metavar="UPSTREAM_URL", help="e.g. https://<job_id>--8000.hf.jobs")
     add("--port", type=int, default=0, help="local port (default: a free one)")
     add("--host", default="127.0.0.1", help="local address to bind (default: 127.0.0.1)")
-    add("--insecure", action="store_true", help="do not verify the upstream's TLS certificate")
-    add("--ca-bundle", help="CA bundle file to verify the upstream with")
+    tls = parser.add_mutually_exclusive_group().add_argument  # (both: which one wins is unclear)
+    tls("--insecure", action="store_true", help="do not verify the upstream's TLS certificate")
+    tls("--ca-bundle", help="CA bundle file to verify the upstream with")
     add("-v", "--verbose", action="store_true", help="log at DEBUG level")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,

@@ -253,6 +253,8 @@ def test_token_is_discovered_from_hf_token_env(api, proxy, no_token_anywhere, mo
     (dict(env_vars={"1BAD": "x"}), "env_vars"),
     (dict(labels={"hf-sandbox-start": "x"}), "reserved"),
     (dict(labels={"hf-sandbox-process": "x"}), "reserved"),
+    (dict(labels={"hf-sandbox-pool": "x"}), "keys starting with 'hf-sandbox-' are the library's own"),  # sweep --pool
+    (dict(labels={"hf-sandbox-x": "1", "run": "a"}), r"labels \['hf-sandbox-x'\] are reserved"),
     (dict(command=[]), "command"),
     (dict(labels={"run id": "1"}), "label key 'run id' must be 1 to 100 characters of letters, digits"),
     (dict(labels={"k" * 101: "1"}), "label key 'k{101}' must be 1 to 100"),

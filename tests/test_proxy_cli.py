@@ -88,6 +88,13 @@ def test_cli_rejects_bad_upstream_urls(tmp_path, url, fragment):
     assert TEST_TOKEN not in result.stderr
 
 
+def test_cli_refuses_a_ca_bundle_together_with_insecure_instead_of_silently_not_verifying(tmp_path):
+    result = _run(["https://job--8000.hf.jobs", "--ca-bundle", "/etc/ssl/certs/ca-certificates.crt", "--insecure"],
+                  _env(tmp_path, TEST_TOKEN))
+    assert result.returncode == 2 and result.stdout == ""
+    assert "not allowed with argument" in result.stderr and "--insecure" in result.stderr
+
+
 def test_cli_sets_its_own_switch_interval_and_open_files_limit_but_an_in_process_proxy_leaves_them_alone(
         upstream, tmp_path):
     import resource
