@@ -26,10 +26,9 @@ import requests
 
 if __package__:  # vendored inside a package: the core and the training layer sit next to this module
     from . import hf_sandbox_provider as _core
-    from .hf_sandbox_training import EnvSession
 else:
     import hf_sandbox_provider as _core
-    from hf_sandbox_training import EnvSession
+EnvSession = _core._import_layer("hf_sandbox_training", "The smoke's WebSocket session (EnvSession)").EnvSession
 
 # What the command line uses of the core.
 HFSandboxProvider = _core.HFSandboxProvider
@@ -78,10 +77,9 @@ class _Smoke:
         self.closed = False  # the reader went away (`| head`): the stages and the teardown go on unprinted
 
     def stage(self, name: str, action: Callable[[], Optional[str]]) -> bool:
-        start = time.monotonic()
-        self._begin("  ...   %s" % name)
-        ok, detail = False, None
-        try:
+        start, ok, detail = time.monotonic(), False, None
+        try:  # (the `...` line too: a signal right after it is this stage's, never lost between stages)
+            self._begin("  ...   %s" % name)
             ok, detail = True, action()
         except Exception as exc:
             detail = "%s: %s" % (type(exc).__name__, exc)
@@ -129,12 +127,15 @@ class _Smoke:
     def ok(self) -> bool:
         return bool(self.stages) and all(stage["ok"] for stage in self.stages)
 
-    def table(self) -> str:
+    def table(self, failure: Optional[str] = None) -> str:
+        """The stages and the total; `failure` (an interrupt between stages) fails the total and is named."""
         width = max(len(stage["name"]) for stage in self.stages)
         rows = [(s["name"], "ok" if s["ok"] else "FAIL", "%8.2f" % s["seconds"]) for s in self.stages]
         rows = [("stage", "result", " seconds")] + rows + [
-            ("total", "ok" if self.ok else "FAIL", "%8.2f" % (time.monotonic() - self.began))]
-        return "\n".join("%-*s  %-6s  %s" % (width, name, result, seconds) for name, result, seconds in rows)
+            ("total", "ok" if self.ok and not failure else "FAIL", "%8.2f" % (time.monotonic() - self.began))]
+        unseen = failure and not any(s["detail"].startswith("interrupted") for s in self.stages)
+        return "\n".join("%-*s  %-6s  %s" % (width, name, result, seconds) for name, result, seconds in rows) + (
+            "\n%s between stages" % failure if unseen else "")
 
 
 def _emit(out: Any, text: str) -> bool:
@@ -331,7 +332,7 @@ def _run_smoke(args: Any) -> int:
                     (s["detail"] for s in smoke.stages if not s["ok"]), None),
             }, indent=2) + "\n")
         else:
-            smoke.say("\n" + smoke.table())
+            smoke.say("\n" + smoke.table(failure))
             if provider is not None and provider.timings:
                 smoke.say("job timings (s after submit): %s" % ", ".join(
                     "%s=%.2f" % item for item in sorted(provider.timings.items(), key=lambda kv: kv[1])))

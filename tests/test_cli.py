@@ -351,6 +351,29 @@ def test_smoke_fails_its_stop_stage_and_exits_1_when_the_job_could_not_be_cancel
 NEVER_READY = "%s -c 'import time; time.sleep(120)'" % sys.executable
 
 
+def test_a_signal_landing_just_after_a_stage_line_fails_that_stage_and_one_between_stages_fails_the_total():
+    import io
+    import hf_sandbox_cli as cli
+
+    class SignalAfterTheLine(io.StringIO):  # the handler raises at the next bytecode: here, inside the flush
+        def flush(self):
+            if self.getvalue().endswith("...   wait_for_ready\n") and not hasattr(self, "fired"):
+                self.fired = True
+                raise cli._Terminated("SIGHUP")
+
+    smoke = cli._Smoke(SignalAfterTheLine())
+    assert smoke.stage("start_container", lambda: "job 1")
+    with pytest.raises(cli._Terminated):
+        smoke.stage("wait_for_ready", lambda: "never reached")
+    assert [(s["name"], s["ok"], s["detail"]) for s in smoke.stages][1] == (
+        "wait_for_ready", False, "interrupted (SIGHUP)")  # before: not recorded, and the total said ok
+    assert smoke.table("interrupted by SIGHUP").splitlines()[-1].startswith("total ")
+    between = cli._Smoke(io.StringIO())
+    between.stage("start_container", lambda: "job 1")
+    table = between.table("interrupted by SIGTERM").splitlines()
+    assert re.match(r"total +FAIL", table[-2]) and table[-1] == "interrupted by SIGTERM between stages", table
+
+
 @pytest.mark.parametrize("mode, signum", [("hub", signal.SIGTERM), ("local", signal.SIGHUP)], ids=["hub-SIGTERM",
                                                                                                      "local-SIGHUP"])
 def test_smoke_tears_down_and_prints_its_table_on_sigterm_or_sighup(tmp_path, mode, signum):

@@ -217,6 +217,12 @@ def test_the_core_vendored_alone_runs_a_provider_and_names_the_file_sandbox_need
                          timeout=RUN_TIMEOUT_S)
     assert cli.returncode == 2 and len(cli.stderr.strip().splitlines()) == 1, cli.stderr
     assert "hf_sandbox_cli.py" in cli.stderr and "Traceback" not in cli.stderr
+    shutil.copy(os.path.join(REPO, "hf_sandbox_cli.py"), str(tmp_path / "vendored"))  # the CLI without its layer
+    cli = subprocess.run([sys.executable, "-m", "vendored.hf_sandbox_provider", "smoke", "--local"], cwd=str(tmp_path),
+                         env=clean_env(tmp_path, PYTHONPATH=str(tmp_path)), capture_output=True, text=True,
+                         timeout=RUN_TIMEOUT_S)
+    assert cli.returncode == 2 and len(cli.stderr.strip().splitlines()) == 1, cli.stderr
+    assert "hf_sandbox_training.py" in cli.stderr and "copy it" in cli.stderr, cli.stderr
 
 
 @pytest.mark.slow  # fresh interpreters and a job
