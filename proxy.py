@@ -149,7 +149,10 @@ REPLACED_REQUEST_HEADERS = frozenset(["authorization", "host", "expect", "conten
 _NOT_FORWARDED = HOP_BY_HOP | REPLACED_REQUEST_HEADERS
 # Methods whose repetition has no extra effect (RFC 9110 section 9.2.2): safe to retry once on a
 # fresh connection when a pooled one died before answering.
-IDEMPOTENT_METHODS = frozenset(["GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"])
+IDEMPOTENT_METHODS = frozenset(["GET", "HEAD", "OPTIONS", "PUT", "DELETE"])
+# Refused with 405: CONNECT (not a forward proxy) and TRACE (RFC 9110 section 9.3.8: an upstream that
+# implements it echoes the request it got, the injected token too, back to the client).
+REFUSED_METHODS = frozenset(["CONNECT", "TRACE"])
 # An RFC 9110 token: a method, a header name.
 _TOKEN = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
 _TOKEN_RE = re.compile("^" + _TOKEN + "$")
@@ -157,6 +160,8 @@ _TOKEN_RE = re.compile("^" + _TOKEN + "$")
 _BAD_TARGET_CHAR_RE = re.compile(r"[^\x21-\x7e]")
 # Header values: no control characters but tab (CR/LF only appear in obs-folds, normalised later).
 _BAD_VALUE_CHAR_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+# What a hook's header value may not hold: those, CR, LF, and anything beyond Latin-1.
+_BAD_EDIT_CHAR_RE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f\u0100-\U0010ffff]")
 # The same characters as bytes, for `bytes.translate` to delete: a head that loses none holds none.
 _CONTROL_BYTES = bytes(range(0, 9)) + b"\x0b\x0c" + bytes(range(14, 32)) + b"\x7f"
 _STATUS_LINE_RE = re.compile(rb"^HTTP/1\.[01] (\d{3})(?: |\r?$)")
@@ -1017,8 +1022,8 @@ def _token_rejection(token: object) -> Optional[str]:
 def _called_token(token: Token) -> Optional[str]:
     """The token's value now (the string, or the callable's answer); ValueError if unusable."""
     value = token() if callable(token) else token
-    if value is not None and _token_rejection(value):
-        raise ValueError("the token %s is not a usable token string" % (
+    if (value is None and callable(token)) or (value is not None and _token_rejection(value)):
+        raise ValueError("the token %s is not a usable token string" % (  # (None: logged out)
             "callable returned something that" if callable(token) else "set on the route"))
     return value
 
@@ -1060,9 +1065,10 @@ def _verify_rejection(verify: object) -> Optional[str]:
 
 def _target_refusal(method: str, target: str) -> Optional[Refusal]:
     """Never an open proxy: only origin-form targets (`/path?query`) are forwarded."""
-    if method == "CONNECT":
-        return Refusal(405, "method-not-allowed",
-                       "CONNECT is not supported: this is not a forward proxy.",
+    if method in REFUSED_METHODS:
+        return Refusal(405, "method-not-allowed", "CONNECT is not supported: this is not a forward "
+                       "proxy." if method == "CONNECT" else "TRACE is not supported: it would echo "
+                       "the injected token.",
                        (("Allow", "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"),))
     if not _TOKEN_RE.match(method):
         return Refusal(400, "bad-request", "The request method is not a valid HTTP token.")
@@ -1659,6 +1665,11 @@ class _RequestHeaders:
     __getitem__ = get
 
     def __setitem__(self, name: str, value: str) -> None:
+        # A hook's edit: held to what a client's field passed (CR/LF would add fields upstream).
+        if not (isinstance(name, str) and _TOKEN_RE.match(name) and isinstance(value, str)) or (
+                _BAD_EDIT_CHAR_RE.search(value)):
+            raise ValueError("a header set by route_request needs a token name and a one-line "
+                             "Latin-1 value without control characters (name %.60r)" % (name,))
         self.__init__(self._names + [name], self._values + [value])  # type: ignore[misc]
 
     def __delitem__(self, name: str) -> None:
@@ -1804,7 +1815,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if self.request_version == "HTTP/1.0":  # (no chunked framing for it: one per connection)
             self.close_connection = True
         framing = _body_framing(self.headers)
-        odd = self._odd_target or self.command == "CONNECT"
+        odd = self._odd_target or self.command in REFUSED_METHODS
         malformed = ((_target_refusal(self.command, self.path) if odd else None)
                      or (_BAD_VALUE_REFUSAL if self._bad_value else None)
                      or (framing if isinstance(framing, Refusal) else None))
@@ -1979,6 +1990,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
             return
         except _UpstreamFailure as failure:
+            if route._closed:  # an unmount or stop() cut it off: not the job's failure: no WARNING
+                self._refuse(_route_gone_refusal(self.proxy._stopping, "request"), close=True)
+                return
             _log_upstream_failure(route, failure.refusal, "")
             self._refuse(failure.refusal, close=not replayable or failure.refusal.status == 504)
             return
@@ -2025,6 +2039,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 except Exception as exc:
                     if conn is not None:
                         route._checkin(conn, False)
+                    if route._closed:  # (as in _forward)
+                        self._refuse(_route_gone_refusal(self.proxy._stopping, "request"), True)
+                        return
                     refusal = _classify_upstream_error(exc, route)
                     log.warning("proxy: %s: %s while reading the response body", route.label,
                                 refusal.kind)
@@ -2047,8 +2064,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     data = next(chunks, b"")
                 except Exception as exc:
                     what = exc.what if isinstance(exc, _BadResponse) else _failure_name(exc)
-                    log.warning("proxy: %s: upstream failed mid-response (%s); closing the "
-                                "client connection", route.label, what)
+                    log.log(logging.INFO if route._closed else logging.WARNING, "proxy: %s: %s "
+                            "mid-response (%s); closing the client connection", route.label,
+                            "route closed" if route._closed else "upstream failed", what)
                     self.close_connection = True
                     break
                 if not data:
@@ -2280,12 +2298,12 @@ class _RouteGone(Exception):
     """An upgrade's route was closed (unmount, stop) before its 101 reached the client."""
 
 
-def _route_gone_refusal(stopping: bool) -> Refusal:
+def _route_gone_refusal(stopping: bool, what: str = "WebSocket upgrade") -> Refusal:
+    """The answer to a request or upgrade that an unmount or stop() cut off."""
     if stopping:
-        return Refusal(503, "proxy-stopping",
-                       "The proxy is stopping; this WebSocket session was not opened.")
-    return Refusal(404, "unknown-route", "The route was unmounted while this WebSocket upgrade was "
-                   "under way; mount it again, or use the base URL of a mounted route.")
+        return Refusal(503, "proxy-stopping", "The proxy is stopping; this %s was cut off." % what)
+    return Refusal(404, "unknown-route", "The route was unmounted while this %s was under way; "
+                   "mount it again, or use the base URL of a mounted route." % what)
 
 
 # --- Upstream connections: pool, streams, TLS engine, tunnel --------------------------------------

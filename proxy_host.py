@@ -627,7 +627,7 @@ class _Pushed(NamedTuple):
             value = token()
         except Exception as exc:
             return cls(None, type(exc).__name__)
-        if value is not None and not isinstance(value, str):
+        if not isinstance(value, str):  # (None too: a callable's None is no token, as in-process)
             return cls(None, "ValueError")  # in-process: "not a usable token string"
         return cls(value, None)
 

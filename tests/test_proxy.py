@@ -251,6 +251,28 @@ def test_headers_edited_by_a_route_request_hook_are_what_gets_forwarded(upstream
     assert "x-remove-me" not in names and names["x-added"] == "by-hook"
 
 
+class _UnsendableEditHook(AuthProxy):
+    """A hook copying a value it was given into a header: CR/LF in it would add fields upstream."""
+
+    def __init__(self, upstream_url: str, value: str) -> None:
+        super().__init__()
+        self.route, self.value = Route(upstream_url, TEST_TOKEN), value
+
+    def route_request(self, target, headers):  # type: ignore[override]
+        headers["X-User"] = self.value
+        return self.route, target
+
+
+@pytest.mark.parametrize("value", ["a\r\nX-Injected: yes", "Jos\u00e9 \u20ac", "a\x01b"])
+def test_a_header_edit_a_hook_cannot_send_is_a_500_never_injected_fields_or_a_dropped_connection(upstream, value,
+                                                                                              log_guard):
+    with _UnsendableEditHook(upstream.url, value) as proxy:
+        r = requests.get(proxy.url + "/edit", timeout=TIMEOUT)
+        assert (r.status_code, r.headers.get("X-Proxy-Error")) == (500, "proxy-error"), r.text
+    assert upstream.requests == []  # before: sent with an X-Injected field, or the client got no answer at all
+    assert "route_request raised" in log_guard.text()
+
+
 class _ReadingHook(AuthProxy):
     """A hook that reads the request headers the ways an `HTTPMessage` is read, and records what it saw."""
 

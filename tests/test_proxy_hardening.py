@@ -43,6 +43,7 @@ def _header(raw: bytes, name: bytes) -> bytes:
     (b"GET http://example.com/ HTTP/1.1", 400, b"bad-target"),
     (b"GET example.com:80 HTTP/1.1", 400, b"bad-target"),
     (b"CONNECT example.com:443 HTTP/1.1", 405, b"method-not-allowed"),
+    (b"TRACE /r HTTP/1.1", 405, b"method-not-allowed"),  # an upstream would echo the injected token back
     (b"OPTIONS * HTTP/1.1", 400, b"bad-target"),
     (b"G(E)T /x HTTP/1.1", 400, b"bad-request"),
     (b"GET /\xc3\xa9t\xc3\xa9 HTTP/1.1", 400, b"bad-target"),

@@ -268,6 +268,11 @@ def test_a_headers_callable_that_fails_gives_502_headers_unavailable(host, ups):
     assert (answer.status_code, answer.headers.get("X-Proxy-Error")) == (502, "headers-unavailable")
 
 
+def test_a_token_callable_answering_none_gives_502_token_unavailable_as_in_process(host, ups):
+    answer = requests.get(host.mount(ups["plain"].url, lambda: None) + "/r", timeout=TIMEOUT)
+    assert (answer.status_code, answer.headers.get("X-Proxy-Error")) == (502, "token-unavailable")
+
+
 def test_a_failing_token_callable_gives_502_token_unavailable_and_its_log_line(host, ups, log_guard):
     def broken() -> str:
         raise KeyError("vault down")

@@ -331,3 +331,29 @@ def test_signals_landing_on_proxy_threads_neither_cut_a_wait_short_nor_stretch_i
         with requests.Session() as session:
             _assert_answered_like_directly(session, base, up, test_ca, ["/r?size=10", "/r?size=100000"])
         _wait_freed(proxy)
+
+
+# --------------------------------------------------------------------------------------------------
+# Requests cut off by an unmount: the proxy's doing, never blamed on the job
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["plain", "tls"])
+def test_requests_in_flight_when_their_route_is_unmounted_get_404_unmounted_and_no_upstream_warning(
+        pressure, test_ca, kind, caplog):
+    up = pressure[kind]
+    with AuthProxy() as proxy:
+        base = _mounted(proxy, up, test_ca)
+        with requests.Session() as pooled:
+            assert pooled.get(base + "/warm", timeout=CLIENT_TIMEOUT_S).status_code == 200  # its upstream connection is pooled
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                waits = [pool.submit(pooled.get, base + "/r?wait_s=30", timeout=CLIENT_TIMEOUT_S),
+                         pool.submit(requests.get, base + "/r?wait_s=30", timeout=CLIENT_TIMEOUT_S)]
+                time.sleep(2.0)  # both are now waiting on the upstream
+                caplog.clear()
+                assert proxy.unmount(base)
+                answers = [future.result() for future in waits]
+    for answer in answers:  # before: 502 upstream-unreachable, "did the job restart?", and a WARNING
+        assert (answer.status_code, answer.headers.get("X-Proxy-Error")) == (404, "unknown-route"), answer.text
+        assert "unmounted while this request was under way" in answer.json()["message"]
+    assert not [r.getMessage() for r in caplog.records if r.name == "proxy" and r.levelno >= 30]
