@@ -43,7 +43,7 @@ import time
 import uuid
 import weakref
 from collections import deque, namedtuple
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 from urllib.parse import urlsplit
 
 import requests
@@ -150,6 +150,7 @@ REPLICA_CHECK_INTERVAL_S = 5.0  # replica_status() inspects a sick replica this 
 PROXY_PROCESS = "process"  # one shared AuthProxy child process: relaying costs the trainer no GIL
 STOP_PARALLEL = 32  # stop_all(): cancels at a time (each one API call plus a brief retry)
 STOP_WAIT_S = 30.0  # stop_container() waits for another thread's start: no job appears after it
+EXIT_SETTLE_S = 15.0  # at exit, cancels and creates still under way (e.g. a 429's wait) get this long, then are named
 _NEVER = threading.Event()  # the stop of a Jobs API call no stop gives up: never set
 # huggingface_hub's JobStage: the live ones in the order a job passes them, then the terminal ones.
 LIVE_STAGES = ("SCHEDULING", "RUNNING")
@@ -657,8 +658,10 @@ class HFSandboxProvider:
             self._submitted_at, budget_waited = time.monotonic(), client._budget.waited_s
             logger.info("submitting HF job: image=%s flavor=%s namespace=%s", settings["image"],
                         settings["flavor"], namespace)
-            job = client.create_job(namespace, _job_body(settings, start_label), {START_LABEL_KEY: start_label},
-                                    self._stop_requested, lambda: setattr(self, "_twin_label", start_label))
+            with _unsettled_while("the create of start %s" % start_label, "sweep --label %s=%s" % (
+                    START_LABEL_KEY, start_label)):
+                job = client.create_job(namespace, _job_body(settings, start_label), {START_LABEL_KEY: start_label},
+                                        self._stop_requested, lambda: setattr(self, "_twin_label", start_label))
             with self._lock:
                 self.job_id, self._job_namespace = str(job["id"]), namespace
                 self.job_url = "%s/jobs/%s/%s" % (self.endpoint, namespace, self.job_id)
@@ -1115,7 +1118,8 @@ class _Parallel:
             with self._lock:
                 if error is None:
                     self.ready.add(index)
-                elif self.stopping and provider._stop_requested.is_set():
+                elif self.stopping and provider._stop_requested.is_set() and not isinstance(
+                        error, (JobFailedError, JobStartTimeout)):  # those two are its own, even after the abort
                     self.aborted += 1  # given up because another one failed: not its own failure
                     return
                 else:
@@ -1773,7 +1777,7 @@ class _JobsClient:
                 err.may_have_acted = sent_maybe
                 raise err from None
             # after a 429 the budget holds ordinary calls until the reset; a teardown waits it out here
-            delay = (paused if teardown else 0.0) if paused is not None else min(
+            delay = (paused if teardown else max(0.0, paused - self._budget.wait_s())) if paused is not None else min(
                 _retry_delay(attempt, retry_after), max_delay)
             logger.info("%s: %s from %s; retry %d of %d in %.1fs", action, failure, self.endpoint,
                         attempt + 1, retries, delay)
@@ -1875,9 +1879,9 @@ class _ApiBudget:
             else:
                 delay = _retry_delay(min(self.rate_limited_count, 6), None)
             delay = min(delay, self.window_s + RATE_LIMIT_RESET_MARGIN_S)
-            self.paused_until = max(self.paused_until, self.clock() + delay)
-        logger.info("Jobs API answered 429: every call of this process with this token (but cancels) pauses "
-                    "%.1fs", delay)
+            if info is None or info[4] == RATE_LIMIT_RESOURCE:  # another bucket's (whoami's) 429: its call waits
+                self.paused_until = max(self.paused_until, self.clock() + delay)
+        logger.info("Jobs API answered 429 (%s): %.1fs pause", info[4] if info else "no RateLimit header", delay)
         return delay
 
     def _estimate(self, now: float) -> Tuple[float, float]:
@@ -2107,6 +2111,7 @@ def _reset_after_fork() -> None:
         finalizer.detach()
     _live_finalizers.clear()
     _shared_proxies.clear()
+    _unsettled.clear()  # (the parent's threads: not the child's to wait for)
 
 
 _watcher = _JobWatcher()
@@ -2119,6 +2124,35 @@ if hasattr(os, "register_at_fork"):
 _shared_proxies: Dict[Optional[str], Any] = {}  # by mode, None or "process" (see _shared_proxy)
 _shared_proxy_lock = threading.Lock()
 _live_finalizers: "set[weakref.finalize]" = set()  # running providers' safety nets (weak)
+# Cancels and creates under way, each with the sweep that finds its job and its thread: the exit and signal
+# teardowns wait for them (other threads', within their budget), then name each left: it may run (and bill) on.
+_unsettled: Dict[str, Tuple[str, int]] = {}
+_unsettled_changed = threading.Condition()
+
+
+@contextlib.contextmanager
+def _unsettled_while(what: str, sweep: str) -> Iterator[None]:
+    with _unsettled_changed:
+        _unsettled[what] = (sweep, threading.get_ident())
+    try:
+        yield
+    finally:
+        with _unsettled_changed:
+            _unsettled.pop(what, None)
+            _unsettled_changed.notify_all()
+
+
+def _settle(budget_s: float) -> None:
+    """Wait up to `budget_s` for the cancels and creates other threads have under way, then warn naming each one
+    left (this process is ending: it dies with them) and the sweep that cancels its job."""
+    me = threading.get_ident()
+    with _unsettled_changed:
+        _unsettled_changed.wait_for(lambda: all(ident == me for _, ident in _unsettled.values()), budget_s)
+        left = sorted(_unsettled.items())
+    for what, (sweep, _) in left:
+        logger.warning("%s had not ended as this process exits (the Hub was slow or refusing calls): its job "
+                       "may run (and bill) until its timeout; cancel it with `python -m hf_sandbox_provider %s`",
+                       what, sweep)
 
 
 def _shared_proxy(mode: Optional[str] = None) -> "_proxy.AuthProxy":
@@ -2170,7 +2204,9 @@ def _release_job(client: Optional["_JobsClient"], namespace: Optional[str], job_
     try:
         problems.extend(_unmount(proxy, base_url))
         if job_id and namespace and client is not None:
-            if (outcome := _cancel_briefly(client, namespace, job_id)) is None:
+            with _unsettled_while("the cancel of HF job %s" % job_id, "sweep"):
+                outcome = _cancel_briefly(client, namespace, job_id)
+            if outcome is None:
                 cancelled = True
                 logger.info("HF job %s cancelled", job_id)
             else:
@@ -2228,6 +2264,7 @@ def _stop_everything_at_exit() -> None:
     hundreds one by one could outlast a supervisor's kill), then stop the shared proxy."""
     _in_parallel(list(_live_finalizers))  # each runs at most once; a no-op if teardown already detached it
     _live_finalizers.clear()
+    _settle(EXIT_SETTLE_S)  # e.g. a stop_all() that Ctrl-C cut short, its cancels waiting out a 429
     with _shared_proxy_lock:
         shared = list(_shared_proxies.values())  # proxy="process": its child stops cleanly
         _shared_proxies.clear()

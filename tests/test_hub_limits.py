@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 import requests
@@ -137,3 +138,28 @@ def test_a_process_that_spent_its_window_still_cancels_its_jobs_at_once(proxy):
                 budget.remaining, budget.reset_at = float(budget.calls), budget.clock() + 300
             held.join(30)
             spender.close()
+
+
+WHOAMI_WINDOW_S = 6
+
+
+def test_a_429_of_whoamis_own_bucket_holds_that_call_not_every_jobs_call_of_the_token():
+    with JobsEmulator(rate_limit=(200, WHOAMI_WINDOW_S)) as emu:  # whoami's bucket: 10 calls per window
+        headers = {"Authorization": "Bearer " + emu.token}
+        for _ in range(10):  # another tool of the same user spends the whoami bucket
+            requests.get(emu.endpoint + "/api/whoami-v2", headers=headers)
+        common = dict(endpoint=emu.endpoint, token=emu.token, command=echo_server_command(), poll_interval_s=0.1)
+        asks = hsp.HFSandboxProvider("img", **common)  # no namespace=: its whoami is answered 429 ("whoami";r=0)
+        given = hsp.HFSandboxProvider("img", namespace=emu.namespace, **common)
+        thread = threading.Thread(target=asks.start_container, daemon=True)
+        try:
+            thread.start()
+            time.sleep(0.5)
+            began = time.monotonic()
+            given.start_container()
+            assert time.monotonic() - began < WHOAMI_WINDOW_S / 2, "a start that needs no whoami waited for its bucket"
+            thread.join(WHOAMI_WINDOW_S + 10)
+            assert asks.job_id, "the whoami call retried after its own reset"
+        finally:
+            given.stop_container()
+            asks.stop_container()

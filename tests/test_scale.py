@@ -457,3 +457,13 @@ def test_start_many_aborts_a_start_that_claimed_its_provider_after_the_abort(pro
         assert [index for index, _ in info.value.errors] == [0] and info.value.aborted == 1, str(info.value)
         wait_until(lambda: all(job.terminal for job in emu.jobs), "every job to end")
         assert emu.live_pids() == []
+
+
+def test_start_many_counts_each_job_that_crashed_on_its_own_as_a_failure_never_as_aborted():
+    with JobsEmulator(faults={"crash-at-boot": "boom: out of memory"}) as emu:
+        with pytest.raises(hsp.StartManyError) as info:
+            hsp.HFSandboxProvider.start_many(3, "img", endpoint=emu.endpoint, token=emu.token, namespace=emu.namespace,
+                                         command=echo_server_command(), poll_interval_s=0.1, progress=False)
+        assert {job.stage for job in emu.jobs} == {"ERROR"}  # each job crashed on its own, none was cancelled
+    assert info.value.aborted == 0, str(info.value)
+    assert [type(exc) for _, exc in info.value.errors] == [hsp.JobFailedError] * 3
