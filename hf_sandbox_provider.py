@@ -1,12 +1,11 @@
 """Run OpenEnv environment servers as Hugging Face Jobs, fronted by a local auth proxy: the core.
 
-`HFSandboxProvider` implements OpenEnv's `ContainerProvider` on HF Jobs: it submits a job serving the
-environment on an exposed port, waits for the job's URL, mounts it on a shared loopback `AuthProxy`
-(which adds the bearer token) and returns the proxy's base URL, usable by any unmodified OpenEnv client.
-Synchronous and threads-only, so it embeds in any training stack. Many environments per process are a
-first-class path: every provider shares one proxy, one job watcher thread (one Jobs API call per
-interval for all starting jobs) and one API budget per token; `start_many()` launches n with bounded
-concurrency, all or nothing; `replicas=K` puts K jobs of one image behind one route.
+`HFSandboxProvider` implements OpenEnv's `ContainerProvider` on HF Jobs: it submits a job serving the environment on an
+exposed port, waits for the job's URL, mounts it on a shared loopback `AuthProxy` (which adds the bearer token) and
+returns the proxy's base URL, usable by any unmodified OpenEnv client. Synchronous and threads-only, so it embeds in any
+training stack. Many environments per process are a first-class path: every provider shares one proxy, one job watcher
+thread (one Jobs API call per interval for all starting jobs) and one API budget per token; `start_many()` launches n
+with bounded concurrency, all or nothing; `replicas=K` puts K jobs of one image behind one route.
 
 Read top to bottom: constants (the HF Jobs facts among them), errors, the lifecycle (`Phase`), the provider and
 what runs its jobs (itself, or a `_ReplicaSet` for K), `stop_all` and `_Parallel` (a thread pool) with start_many's
@@ -84,32 +83,26 @@ DEFAULT_FLAVOR = "cpu-basic"  # the cheapest: OpenEnv environment servers are CP
 DEFAULT_JOB_TIMEOUT_S = 3600  # always sent: the Hub ends the job then, even if this client died
 DEFAULT_START_TIMEOUT_S = 600.0  # to the URL: CPU jobs in 4-11 s; GPU ones, big images in minutes
 DEFAULT_READY_TIMEOUT_S = 300.0  # from URL to a 200 on /health: image pull plus server boot
-# The job watcher makes ONE call per interval for the whole process (a `list` by this process's
-# label): a stage change is seen within 0.5 s for at most 60 calls per 30 s wave.
-DEFAULT_POLL_INTERVAL_S = 0.5
+# The job watcher makes ONE call per interval for the whole process (a `list` by this process's label):
+DEFAULT_POLL_INTERVAL_S = 0.5  # a stage change is seen within 0.5 s for at most 60 calls per 30 s wave
 MAX_SECONDS = 1e9  # longer durations are refused: no job runs 30 years, and a wait that long overflows the clock
-# Jobs that waited this long are slow (minutes): refreshed at most every WATCH_SLOW_INTERVAL_S, so a
-# long wait costs ~60 calls per 5 minutes instead of ~600.
+# Jobs that waited this long are slow (minutes): refreshed at most every WATCH_SLOW_INTERVAL_S.
 WATCH_SLOWDOWN_AFTER_S = 30.0
-WATCH_SLOW_INTERVAL_S = 5.0
-# /health is probed through the local proxy (no API call) quickly at first (a fast boot is seen within
-# ~0.1 s), then less often up to the cap, so a slow image is not flooded with probes.
-HEALTH_PROBE_FIRST_S = 0.05
+WATCH_SLOW_INTERVAL_S = 5.0  # so a long wait costs ~60 calls per 5 minutes instead of ~600
+# /health is probed through the local proxy (no API call) quickly at first, then less often up to the cap.
+HEALTH_PROBE_FIRST_S = 0.05  # a fast boot is seen within ~0.1 s
 HEALTH_PROBE_GROWTH = 1.3
-HEALTH_PROBE_INTERVAL_S = 0.5
+HEALTH_PROBE_INTERVAL_S = 0.5  # the cap, so a slow image is not flooded with probes
 HEARTBEAT_S = 10.0  # a start that waits (minutes on the Hub) logs its stage this often (INFO)
 HEALTH_PROBE_TIMEOUT_S = (5.0, 10.0)  # per /health probe: a wedged server must not eat the budget
 API_TIMEOUT_S = (10.0, 30.0)  # Jobs API calls: (connect, read)
-# Retries for 429/5xx/connection failures on API calls, with full-jitter exponential backoff.
-API_MAX_RETRIES = 5
+API_MAX_RETRIES = 5  # for 429/5xx/connection failures of API calls, with full-jitter exponential backoff
 API_BACKOFF_BASE_S = 0.5
 API_BACKOFF_CAP_S = 20.0
 RETRY_AFTER_CAP_S = 60.0  # a server asking for a longer pause is waited for only this long
-# Teardown retries a failed cancel briefly: it runs in `finally` blocks and at exit.
-CANCEL_ATTEMPTS = 3
+CANCEL_ATTEMPTS = 3  # teardown retries a failed cancel briefly: it runs in `finally` blocks and at exit
 CANCEL_BACKOFF_CAP_S = 2.0
-# Log tail of JobFailedError, bounded in lines and time (a running job's SSE stream never ends).
-LOG_TAIL_LINES = 40
+LOG_TAIL_LINES = 40  # the log tail of JobFailedError, bounded in lines and time (a running job's SSE stream never ends)
 LOG_FETCH_TIMEOUT_S = 5.0
 LIST_MAX_PAGES = 50  # `list` pages (Link: rel="next"): more is a loop or thousands of jobs
 # Names of the one public Hub: a next-page link may use either (any other host would get the token).
@@ -130,17 +123,15 @@ RATE_LIMIT_CALLS = 1000
 RATE_LIMIT_WINDOW_S = 300.0
 RATE_LIMIT_ENV = "HF_SANDBOX_RATE_LIMIT"
 RATE_LIMIT_RESOURCE = "api"  # the bucket the budget follows (whoami-v2 has its own, smaller one)
-# Below this fraction left, calls are spread over the time to the reset: paced by the server's count,
-# which falls with every process's calls, N processes slow down together without talking.
-RATE_LIMIT_PACE_BELOW = 0.25
+# Below this fraction left, calls are spread over the time to the reset, paced by the server's count:
+RATE_LIMIT_PACE_BELOW = 0.25  # it falls with every process's calls, so N processes slow down together without talking
 # This fraction of the quota (at least RATE_LIMIT_RESERVE_MIN calls, never the whole of it) is kept for cancels.
 RATE_LIMIT_RESERVE = 0.05
 RATE_LIMIT_RESERVE_MIN = 5
 RATE_LIMIT_RECHECK_S = 2.0  # a call held here looks again this often: others' answers count too
 RATE_LIMIT_RESET_MARGIN_S = 1.0  # added to a 429's reset, as huggingface_hub does (`t` is rounded)
-# Jobs missing from the watcher's `list` (ended, or not listed yet) inspected per refresh, at most: a
-# burst of endings cannot turn one call per interval into hundreds.
-WATCH_MAX_INSPECTS = 8
+# Jobs missing from the watcher's `list` (ended, or not listed yet) inspected per refresh, at most:
+WATCH_MAX_INSPECTS = 8  # a burst of endings cannot turn one call per interval into hundreds
 DEFAULT_MAX_PARALLEL = 64  # start_many(): at once by default (spreads the creates and probes)
 # start_many(progress=True): at most a line per this fraction of the environments or this many seconds.
 PROGRESS_STEP = 0.05
@@ -173,6 +164,13 @@ SPACE_IMAGE_PREFIXES = ("https://huggingface.co/spaces/", "https://hf.co/spaces/
 _OVERRIDABLE = ("command", "flavor", "namespace", "secrets", "labels", "job_timeout", "start_timeout_s",
                 "ready_timeout_s", "poll_interval_s", "verify", "replicas", "pool")
 USER_AGENT = "hf-sandbox-provider/" + __version__
+_STATUS_HINTS = {  # what a Jobs API error answer adds, by HTTP status
+    401: "Check the token (HF_TOKEN or `hf auth login`)",
+    402: "The namespace needs a payment method or credits to run Jobs",
+    403: "The token lacks permission to run Jobs in this namespace (a fine-grained token needs 'jobs' write access)",
+    404: "Check the namespace and job id",
+    429: "The Jobs API rate limit (about 1,000 calls per 5 minutes) was hit; poll less often",
+}
 _Failures = Sequence[Tuple[int, BaseException]]  # (index, exception) per failed start of a group
 
 
@@ -181,8 +179,7 @@ class SandboxError(RuntimeError):
     """Base class of every error this module raises on purpose."""
 
     def __reduce__(self) -> Tuple[Any, ...]:
-        """Pickled by message and attributes, not constructor arguments: an error raised in a worker
-        process (ProcessPoolExecutor) reaches its parent whole."""
+        """Pickled by message and attributes, not constructor arguments: a worker process's error arrives whole."""
         return (_unpickled_error, (type(self), self.args), self.__dict__)
 
 
@@ -264,8 +261,7 @@ class JobsAPIError(SandboxError):
 
 # -- The job lifecycle: one explicit phase per provider (in the spirit of wsproto's ConnectionState) ---
 class Phase(enum.Enum):
-    """Where a provider is in its job's life. Only `_move()` changes it, under the provider's lock and
-    along `_PHASE_MOVES`, so a stop racing a start sees one consistent answer."""
+    """Where a provider is in its job's life. Only `_move()` changes it (locked, along `_PHASE_MOVES`): races agree."""
 
     IDLE = "idle"              # no job: start_container() may begin (also after a stop)
     SUBMITTING = "submitting"  # a start is claimed; its create call is in flight, no job recorded yet
@@ -376,9 +372,8 @@ class HFSandboxProvider:
                    **provider_kwargs: Any
                    ) -> Union[List["HFSandboxProvider"],
                               Tuple[List["HFSandboxProvider"], List[Tuple[int, BaseException]]]]:
-        """Start `n` providers, `max_parallel` at a time, and wait until each is ready: all of them,
-        or every job cancelled and StartManyError (else `(ready, [(index, exception)])`).
-        `progress`: a few lines on stderr, or a callable given `(ready, failed, n)` after each."""
+        """Start `n` providers, `max_parallel` at a time, until each is ready: all, or StartManyError with every job
+        cancelled (else `(ready, [(index, exception)])`). `progress`: stderr lines or a callable(ready, failed, n)."""
         _raise_if_rejected(_positive_int_rejection("n", n) or _positive_int_rejection("max_parallel", max_parallel)
                            or (None if isinstance(progress, bool) or callable(progress) else
                                "progress=%r must be True, False or a callable(ready, failed, total)" % (progress,)))
@@ -511,8 +506,7 @@ class HFSandboxProvider:
         self._watch: Optional[_Watch] = None
         self._last_job: Optional[Mapping[str, Any]] = None
         self._job_client: Optional[_JobsClient] = None
-        # A replica job: a weak reference to the provider that owns it (whose hooks it uses).
-        self._owner: Optional["weakref.ReferenceType[HFSandboxProvider]"] = None
+        self._owner: Optional["weakref.ReferenceType[HFSandboxProvider]"] = None  # a replica uses its owner's hooks
         self._reset_job_state()
         _register_with_openenv()
 
@@ -708,9 +702,8 @@ class HFSandboxProvider:
     def _raise_if_stopped(self) -> None:
         """A start or readiness wait gives up once a stop was requested (its teardown cancels the job)."""
         if self._stop_requested.is_set():
-            raise SandboxError("stop_container() was called while %s starting" % (
-                "the %d replicas were" % len(self._replicas.children) if self._replicas is not None
-                else "job %s was" % self.job_id))
+            raise SandboxError("stop_container() was called while %s starting" % ("job %s was" % self.job_id if
+                               self._replicas is None else "the %d replicas were" % len(self._replicas.children)))
 
     def _publish_route(self, proxy: "_proxy.AuthProxy", base_url: str, finalizer: "weakref.finalize") -> None:
         """Record the mounted route, so a stop from now on unmounts it, and make `finalizer` the safety net.
@@ -772,8 +765,7 @@ class HFSandboxProvider:
                     raise InsecureURLError(reason)
                 return url
             if (remaining := deadline - time.monotonic()) <= 0:
-                # the API budget held this token's calls since the submit, or holds them now
-                held = client._budget.waited_s > budget_waited or client._budget.wait_s() > 0
+                held = client._budget.waited_s > budget_waited or client._budget.wait_s() > 0  # since submit, or now
                 advice = ("the Hub's API rate limit (see %s) held this token's calls: start fewer "
                           "jobs at once or raise start_timeout_s" % RATE_LIMIT_ENV if held else
                           "raise start_timeout_s for slow flavors or large images")
@@ -955,8 +947,7 @@ class _ReplicaSet:
         return [child.job_id for child in self.children if child.job_id]
 
     def _job_stage(self) -> Optional[str]:
-        """One stage for the K jobs: the least advanced live one; once all ended, their common end (a failure
-        shows first; a stopped group reads CANCELED)."""
+        """One stage for the K jobs: the least advanced live one; all ended: ERROR, else CANCELED, else their end."""
         if not (stages := [child.stage for child in self.children]):
             return None
         if live := [stage for stage in stages if stage not in TERMINAL_STAGES]:
@@ -1044,8 +1035,7 @@ def stop_all(providers: Iterable["HFSandboxProvider"]) -> None:
 
 
 def _in_parallel(actions: Sequence[Callable[[], None]], budget_s: Optional[float] = None) -> None:
-    """Run each action in its own daemon thread (STOP_PARALLEL at a time); wait up to `budget_s`. Not a
-    concurrent.futures pool: this runs at exit too, where such a pool takes no new work."""
+    """Run each action in a daemon thread (STOP_PARALLEL at once) up to `budget_s`: executors take no work at exit."""
     deadline = None if budget_s is None else time.monotonic() + budget_s
     for first in range(0, len(actions), STOP_PARALLEL):
         batch = [threading.Thread(target=action, name="hf-sandbox-stop", daemon=True)
@@ -1074,9 +1064,8 @@ class _Parallel:
         self.wake = wake or threading.Event()  # set by each action that ends (and by the owner's stop)
         self.ready: set = set()
         self.errors: List[Tuple[int, BaseException]] = []
-        self.aborted, self.stopping = 0, False
+        self.aborted, self.stopping, self._lock = 0, False, threading.Lock()
         self._began: set = set()  # indexes whose action has begun
-        self._lock = threading.Lock()
 
     def run(self, name: str) -> None:
         """Returns when every action has ended; an interrupt gives the rest up, then propagates."""
@@ -1132,9 +1121,8 @@ class _Parallel:
 
 
 class _ProgressLine:
-    """start_many's `progress`: a callable's errors are logged, never raised into a launch worker;
-    True writes whole lines to stderr under a lock, at most one per PROGRESS_STEP or
-    PROGRESS_INTERVAL_S (the first failure at once); on a terminal, one line updated in place."""
+    """start_many's `progress`: a callable's errors are logged, not raised; True writes lines to stderr, at most one per
+    PROGRESS_STEP or PROGRESS_INTERVAL_S (the first failure at once), on a terminal one updated in place."""
 
     def __init__(self, total: int, progress: Union[bool, Callable[[int, int, int], None]]) -> None:
         self.total, self.progress, self.lock, self.began = total, progress, threading.Lock(), time.monotonic()
@@ -1244,8 +1232,7 @@ def _flavor_rejection(flavor: Any, known: Optional[frozenset] = None) -> Optiona
 
 
 def _live_flavor_rejection(client: "_JobsClient", flavor: str) -> Optional[str]:
-    """Why the Hub's live hardware list (fetched on this process's first start) refuses `flavor`, or
-    None; a Hub that does not answer the list leaves the check to the static one."""
+    """Why the Hub's live hardware list (fetched once) refuses `flavor`, or None; no list: only the static check."""
     with _hardware_lock:
         if client.endpoint not in _live_hardware:
             _live_hardware[client.endpoint] = client.hardware_flavors()
@@ -1309,8 +1296,7 @@ def _credential_env_names(env_vars: Mapping[str, Any]) -> List[str]:
 
 
 def _warn_credential_env_vars(env_vars: Mapping[str, Any]) -> None:
-    """One WARNING per credential-like variable name and process: a job's environment is shown to everyone
-    who can read the namespace's jobs, its secrets are not."""
+    """One WARNING per credential-like name and process: who can read a namespace's jobs sees env vars, not secrets."""
     with _credential_warnings_lock:
         names = [name for name in _credential_env_names(env_vars) if name not in _credential_warnings]
         _credential_warnings.update(names)
@@ -1357,8 +1343,7 @@ _SETTING_CHECKS: Tuple[Tuple[str, Callable[[Any], Optional[str]]], ...] = (
     *[(name, functools.partial(_mapping_rejection, name, check_names=True)) for name in ("env_vars", "secrets")],
     ("labels", functools.partial(_mapping_rejection, "labels", check_names=False)),
     *[(name, functools.partial(_positive_number_rejection, name))
-      for name in ("start_timeout_s", "ready_timeout_s", "poll_interval_s")],
-    ("replicas", _replicas_rejection),
+      for name in ("start_timeout_s", "ready_timeout_s", "poll_interval_s")], ("replicas", _replicas_rejection),
     ("job_timeout", lambda value: None if _parse_duration(value) is not None else (
         "job_timeout=%r must be a positive duration: seconds (3600) or a string like '30m', '2h', '1d'" % (value,))),
     ("labels", _reserved_labels_rejection), ("labels", _label_rule_rejection),
@@ -1389,8 +1374,7 @@ def _job_body(settings: Mapping[str, Any], start_label: str) -> Dict[str, Any]:
                     else shlex.split(command) if isinstance(command, str) else list(command)),
         "arguments": [], "environment": {k: str(v) for k, v in (settings["env_vars"] or {}).items()},
         "flavor": settings["flavor"], "timeoutSeconds": _parse_duration(settings["job_timeout"]),
-        "labels": labels, "expose": {"ports": [port], "portsPublic": []},
-    }
+        "labels": labels, "expose": {"ports": [port], "portsPublic": []}}
     if settings["secrets"]:
         body["secrets"] = {k: str(v) for k, v in settings["secrets"].items()}
     body.update({"spaceId": space} if space is not None else {"dockerImage": settings["image"]})
@@ -1408,8 +1392,7 @@ def _exposed_url_rejection(url: str, job_id: str, port: int, endpoint: str) -> O
         return "the job's exposed URL %r is malformed; not sending the token to it" % url
     if parts.username or parts.password:
         return "the job's exposed URL %r carries credentials; not sending the token to it" % url
-    # A job-shaped host (`<id>--<port>.`) must be this job's even on loopback: the TLS emulator serves
-    # `<job_id>--<port>.jobs.localhost`, which is loopback, and must still be checked as on the Hub.
+    # A job-shaped host is checked as on the Hub even on loopback (the TLS emulator's `<id>--<port>.jobs.localhost`).
     job_shaped = bool(host) and _JOB_HOST.match(host) is not None
     if (not job_shaped and _is_loopback_host(urlsplit(endpoint).hostname) and _is_loopback_host(host)
             and parts.scheme in ("http", "https")):
@@ -1474,8 +1457,7 @@ def _endpoint_rejection(endpoint: str) -> Optional[str]:
 
 
 def _discover_token() -> Optional[str]:
-    """The HF token (never logged): TOKEN_ENV_VARS, huggingface_hub's get_token(), then the token file
-    ($HF_TOKEN_PATH, else $HF_HOME/token). Blank values count as absent."""
+    """The HF token (never logged; blank: absent): TOKEN_ENV_VARS, get_token(), $HF_TOKEN_PATH or $HF_HOME/token."""
     for value in map(os.environ.get, TOKEN_ENV_VARS):
         if value and value.strip():
             return value.strip()
@@ -1544,9 +1526,7 @@ def _retry_after_seconds(value: Optional[str], now: Optional[float] = None) -> O
 def _retry_delay(attempt: int, retry_after: Optional[float], base: float = API_BACKOFF_BASE_S,
                  cap: float = API_BACKOFF_CAP_S, rng: Callable[[float, float], float] = random.uniform) -> float:
     """Full-jitter exponential backoff; a server's Retry-After wins, capped at RETRY_AFTER_CAP_S."""
-    if retry_after is not None:
-        return min(retry_after, RETRY_AFTER_CAP_S)
-    return rng(0.0, min(cap, base * (2 ** attempt)))
+    return min(retry_after, RETRY_AFTER_CAP_S) if retry_after is not None else rng(0.0, min(cap, base * (2 ** attempt)))
 
 
 def _transport_failure(exc: requests.RequestException) -> Tuple[str, bool]:
@@ -1582,17 +1562,6 @@ def _server_message(response: requests.Response) -> Optional[str]:
     except ValueError:
         message = (response.text or "").strip()[:300] or None
     return str(message) if message else None
-
-
-def _status_hint(status: int) -> Optional[str]:
-    return {
-        401: "Check the token (HF_TOKEN or `hf auth login`)",
-        402: "The namespace needs a payment method or credits to run Jobs",
-        403: "The token lacks permission to run Jobs in this namespace (a fine-grained token needs "
-             "'jobs' write access)",
-        404: "Check the namespace and job id",
-        429: "The Jobs API rate limit (about 1,000 calls per 5 minutes) was hit; poll less often",
-    }.get(status)
 
 
 def _sse_lines(chunks: Iterable[str]) -> Iterable[str]:
@@ -1773,7 +1742,7 @@ class _JobsClient:
                 err = JobsAPIError(action, None, failure, hint="check the network and HF_ENDPOINT (%s)" % self.endpoint)
                 if response is not None:  # the last answer, with the server's own words
                     err = JobsAPIError(action, response.status_code, _server_message(response),
-                                       response.headers.get("X-Request-Id"), _status_hint(response.status_code))
+                                       response.headers.get("X-Request-Id"), _STATUS_HINTS.get(response.status_code))
                 err.may_have_acted = sent_maybe
                 raise err from None
             # after a 429 the budget holds ordinary calls until the reset; a teardown waits it out here
@@ -1794,9 +1763,8 @@ _RateLimitInfo = Optional[Tuple[int, int, Optional[int], Optional[int], str]]
 
 
 class _ApiBudget:
-    """One token's view of the Hub's per-user rate limit: the server's RateLimit headers, else this
-    process's calls in a sliding window. With little left it paces calls to the reset, keeping the
-    last `reserve` for teardown (which never waits); a 429 pauses every other call."""
+    """One token's view of the Hub's rate limit: the server's RateLimit headers, else its own calls in a sliding window.
+    With little left it paces calls to the reset, keeping `reserve` for teardown; a 429 pauses every other call."""
 
     def __init__(self, calls: int = RATE_LIMIT_CALLS, window_s: float = RATE_LIMIT_WINDOW_S,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
@@ -1955,8 +1923,7 @@ def _api_budget(endpoint: str, token: str) -> _ApiBudget:
 
 
 class _Watch:
-    """One starting provider's registration: the latest job answer, or the error that ends the wait;
-    `wake` is set whenever the job's stage or URLs change or the error is set."""
+    """A starting provider's registration: its latest job answer or the error ending its wait; `wake` on each change."""
 
     def __init__(self, job_id: str, interval_s: float, wake: threading.Event,
                  job: Optional[Mapping[str, Any]] = None, since: Optional[float] = None) -> None:
@@ -2007,8 +1974,7 @@ class _JobWatcher:
     def register(self, endpoint: str, token: str, new_session: Callable[[], requests.Session], namespace: str,
                  job_id: str, interval_s: float, wake: threading.Event,
                  job: Optional[Mapping[str, Any]] = None, since: Optional[float] = None) -> _Watch:
-        """Watch `job_id` until `unregister`; the jobs of one (endpoint, token, namespace) share one refresh,
-        by a client of their own whose HTTP session `new_session` makes."""
+        """Watch `job_id` until `unregister`; one (endpoint, token, namespace)'s jobs share a refresh (one client)."""
         watch = _Watch(job_id, interval_s, wake, job, since)  # its group holds the namespace
         key = _token_key(endpoint, token) + (namespace,)
         with self._cond:
@@ -2099,10 +2065,9 @@ class _JobWatcher:
 
 
 def _reset_after_fork() -> None:
-    """A forked child inherits no threads: give it its own watcher, budgets, process label and locks
-    (the fetched hardware lists stay valid; a lock held at the fork would stay held). It owns none of the
-    parent's jobs or proxy: their safety nets and the shared proxies (whose listener the parent still
-    serves) are forgotten, not stopped, so its exit cancels nothing of the parent's and it mounts on its own."""
+    """A forked child inherits no threads: give it its own watcher, budgets, process label and locks (a lock held at the
+    fork would stay held; hardware lists stay valid). Of the parent's jobs and proxies it owns none: their safety nets
+    and shared proxies are forgotten, not stopped, so its exit cancels nothing of the parent's; it mounts on its own."""
     global _watcher, _process_label, _budgets_lock, _hardware_lock, _namespace_lock, _shared_proxy_lock
     _watcher, _process_label = _JobWatcher(), uuid.uuid4().hex
     _budgets_lock, _hardware_lock, _namespace_lock, _shared_proxy_lock = (threading.Lock() for _ in range(4))
