@@ -115,6 +115,10 @@ RENEW_RETRY_CAP_S = 300.0
 SLOT_WATCH_INTERVAL_S = 5.0
 # The keeper thread wakes at least this often (it is woken on each change; this bounds a missed one).
 KEEPER_MAX_SLEEP_S = 5.0
+# A slot session's timeout (the upgrade or a reset) on its job is followed by a /health probe through the proxy,
+# whose answer is awaited `timeout_s` but at least this long: no 200 means the job is gone (e.g. frozen), and the
+# slot replaces it as a killed one.
+HEALTH_AFTER_TIMEOUT_FLOOR_S = 2.0
 # A reset tries this many times (a kept connection found broken, a job the proxy refuses, its
 # replacement) before raising.
 SLOT_RESET_ATTEMPTS = 4
@@ -206,8 +210,9 @@ class EnvSession:
         except socket.timeout:
             raise SessionTimeout("could not connect to %s within %gs" % (self.where, connect_timeout_s)) from None
         except OSError as exc:
-            raise SessionError("could not connect to %s: %s (is the provider still running?)"
-                               % (self.where, exc.strerror or exc)) from None
+            raise SessionError("could not connect to %s: %s (%s)" % (
+                self.where, exc.strerror or exc, _ended_proxy_note(parts.hostname, port)
+                or "is the provider still running?")) from exc
         try:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small request/reply frames
             if parts.scheme == "wss":
@@ -215,9 +220,20 @@ class EnvSession:
             target = (parts.path or "/") + ("?" + parts.query if parts.query else "")
             self._send(Request(host=parts.netloc, target=target))
             self._handshake(deadline)
-        except BaseException:
-            self._closed = True
-            self._sock.close()
+        except SessionError:  # (a ConnectionError, so before OSError) refused, timed out, closed, TLS
+            self._abort()
+            raise
+        except socket.timeout as exc:  # the upgrade request could not be sent in time
+            self._abort()
+            raise SessionTimeout("the WebSocket upgrade to %s did not finish within connect_timeout_s=%gs"
+                                 % (self.where, self._connect_timeout_s)) from exc
+        except OSError as exc:  # reset, broken pipe, TLS failure mid-upgrade: the peer or the path is gone
+            self._abort()
+            note = _ended_proxy_note(parts.hostname, port)
+            raise SessionError("the connection to %s broke during the WebSocket upgrade: %s%s"
+                               % (self.where, exc.strerror or exc, " (%s)" % note if note else "")) from exc
+        except BaseException:  # e.g. KeyboardInterrupt
+            self._abort()
             raise
 
     def _tls(self, verify: Union[bool, str], hostname: str, deadline: float) -> ssl.SSLSocket:
@@ -406,6 +422,28 @@ class EnvSession:
                                    % self.where)
             self._ws.receive_data(data)
         return self._events.popleft()
+
+
+def _ended_proxy_note(host: Optional[str], port: int) -> Optional[str]:
+    """Why nothing answers at `host:port` when it is the URL of one of this process's proxies that is no
+    longer running (e.g. proxy="process" and its child died), or None when the layer cannot tell."""
+    proxies = list(_core._shared_proxies.values())
+    proxies += [provider._mounted_on for provider in _listed(_sandbox_providers)]
+    for proxy in proxies:
+        try:
+            if proxy is None or proxy.running:
+                continue
+            parts = urlsplit(proxy.url)
+            if parts.port != port or (parts.hostname or "").lower() != (host or "").lower():
+                continue
+        except Exception:  # a proxy object of another shape: no verdict from it
+            continue
+        pid = getattr(proxy, "pid", None)
+        what = ("the proxy process (pid %s) serving this URL ended" % pid if pid
+                else "the proxy serving this URL stopped")
+        return ("%s: its routes are gone, so every environment of this process on it fails until the providers "
+                "are restarted (stop them, e.g. stop_sandboxes() / stop_all(), and start again)" % what)
+    return None
 
 
 def _session_url_rejection(base_url: Any) -> Optional[str]:
@@ -912,13 +950,16 @@ def _unregister(watches: List[Any]) -> None:
         _core._watcher.unregister(watch)
 
 
-def _answers_health(base_url: str) -> bool:
-    """Whether the job behind `base_url` still answers /health with 200 (through the local proxy)."""
+def _answers_health(base_url: str, read_timeout_s: Optional[float] = None) -> bool:
+    """Whether the job behind `base_url` still answers /health with 200 (through the local proxy), its
+    answer awaited the core's probe timeout or, when shorter, `read_timeout_s`."""
+    connect_s, read_s = _core.HEALTH_PROBE_TIMEOUT_S
+    if read_timeout_s is not None:
+        read_s = min(read_s, read_timeout_s)
     try:
         with requests.Session() as session:
             session.trust_env = False  # loopback proxy: never through HTTP(S)_PROXY
-            return session.get(base_url.rstrip("/") + "/health", timeout=_core.HEALTH_PROBE_TIMEOUT_S
-                               ).status_code == 200
+            return session.get(base_url.rstrip("/") + "/health", timeout=(connect_s, read_s)).status_code == 200
     except requests.RequestException:
         return False
 
@@ -1016,21 +1057,31 @@ class _SlotSession(EnvSession):
                     self._drop_connection()
                     raise SessionError(_CLOSED_WHILE_WAITING)
                 try:
-                    self._conn = EnvSession(job.base_url or "", timeout_s=self.timeout_s)
+                    # The upgrade waits no longer than a reply would: a frozen job must not cost 30 s a reset.
+                    self._conn = EnvSession(job.base_url or "", timeout_s=self.timeout_s,
+                                            connect_timeout_s=min(SESSION_CONNECT_TIMEOUT_S, self.timeout_s))
                 except SessionRefusedError as exc:
                     self._end_episode()
                     if exc.proxy_error in JOB_GONE_PROXY_ERRORS:
                         slot.report_dead(job, "the proxy refused a session: %s" % exc.proxy_error)
                     elif exc.proxy_error == "proxy-busy":  # the proxy sheds load, the job is fine: try again
                         time.sleep(PROXY_BUSY_RETRY_S)
-                    elif exc.proxy_error or exc.status_code < 500:  # not the job's death: the caller's to see
-                        raise
+                    elif exc.proxy_error not in (None, "upstream-timeout") or exc.status_code < 500:
+                        raise  # not the job's death (a setting, the proxy, the request): the caller's to see
                     elif not _answers_health(job.base_url or ""):
-                        # e.g. a pooled sandbox whose server died: its host answers for it
-                        slot.report_dead(job, "the upgrade got HTTP %d and /health no 200"
-                                         % exc.status_code)
-                    else:  # the environment itself refused
+                        # e.g. a pooled sandbox whose server died (its host answers for it), or a frozen job
+                        slot.report_dead(job, "the upgrade got HTTP %d%s and /health no 200" % (
+                            exc.status_code, " (%s)" % exc.proxy_error if exc.proxy_error else ""))
+                    else:  # the environment itself refused, or is slow but alive
                         raise
+                    error = exc
+                    continue
+                except SessionTimeout as exc:
+                    self._end_episode()
+                    waited = min(SESSION_CONNECT_TIMEOUT_S, self.timeout_s)
+                    if not self._gone_after_timeout(slot, job, "no answer to the WebSocket upgrade within %gs"
+                                                    % waited, self.timeout_s):
+                        raise  # slow but alive: replacing it would cancel a healthy job
                     error = exc
                     continue
                 except BaseException:
@@ -1043,14 +1094,30 @@ class _SlotSession(EnvSession):
             self._conn.timeout_s = self.timeout_s  # set by the user since the connection opened, maybe
             try:
                 return self._conn.exchange(message)
-            except SessionTimeout:
-                self._end_episode()
-                raise
+            except SessionTimeout as exc:
+                self._drop_connection()  # (the session closed itself: a late reply must answer nothing)
+                if not self._gone_after_timeout(slot, job, "no answer to a reset within %gs" % self.timeout_s,
+                                                self.timeout_s):
+                    raise
+                error = exc
             except SessionError as exc:  # a kept connection closed since (job or proxy): reconnect
                 self._drop_connection()
                 error = exc
         assert error is not None
         raise error
+
+    @staticmethod
+    def _gone_after_timeout(slot: _Slot, job: _BackgroundStart, what: str, timeout_s: float) -> bool:
+        """After a timeout on `job`: whether the reset tries again on the slot's job. True (and the job
+        reported dead, so the slot replaces it as a killed one) when its /health does not answer 200 either
+        (within `timeout_s`, at least HEALTH_AFTER_TIMEOUT_FLOOR_S), e.g. a frozen server; True when the
+        slot has moved on from it; False when it still answers (slow, not gone: the timeout is raised)."""
+        if job.dead is not None or job is not slot.current:  # seen dead meanwhile, or the slot moved on: retry
+            return True
+        if _answers_health(job.base_url or "", max(timeout_s, HEALTH_AFTER_TIMEOUT_FLOOR_S)):
+            return False
+        slot.report_dead(job, "%s and /health no 200 (frozen?)" % what)
+        return True
 
     def _continue_episode(self, message: Mapping[str, Any]) -> Dict[str, Any]:
         assert self._conn is not None

@@ -12,6 +12,7 @@ import shutil
 import signal
 import socket
 import ssl
+import struct
 import subprocess
 import sys
 import threading
@@ -378,5 +379,43 @@ def test_a_binary_reply_that_is_not_utf8_raises_a_session_error_and_closes_the_s
             session.reset()
         assert session.closed
         session.close()
+    finally:
+        listener.close()
+
+
+def _resetting_server(connections: int, answer: bytes = b"") -> socket.socket:
+    """A loopback server that reads the upgrade request of each of `connections` connections, writes
+    `answer` (e.g. half a 101), then resets the connection (SO_LINGER 0): a proxy or job dying mid-upgrade."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+
+    def serve() -> None:
+        for _ in range(connections):
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(65536)
+                if answer:
+                    conn.sendall(answer)
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener
+
+
+@pytest.mark.parametrize("answer", [b"", b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"])
+def test_a_connection_reset_during_the_upgrade_raises_a_session_error_naming_the_url_without_its_route(
+        answer, no_leaks) -> None:
+    # A raw ConnectionResetError escaped EnvSession(...) (review F2): not the documented SessionError.
+    listener = _resetting_server(2, answer)
+    try:
+        where = "ws://127.0.0.1:%d" % listener.getsockname()[1]
+        for _ in range(2):
+            with pytest.raises(SessionError, match="the connection to %s broke during the WebSocket upgrade"
+                               % where) as caught:
+                EnvSession("http://127.0.0.1:%d/SeCrEtRoUtE" % listener.getsockname()[1], timeout_s=TIMEOUT)
+            assert not isinstance(caught.value, SessionTimeout)
+            assert "SeCrEtRoUtE" not in str(caught.value)
+            assert isinstance(caught.value.__cause__, ConnectionResetError)
     finally:
         listener.close()

@@ -1,0 +1,126 @@
+"""Rollout slots (`Sandbox.session()`) and `EnvSession` under faults of the path to the job, against the
+emulator with real job processes and the real proxy child of `proxy="process"`: a connection reset during the
+WebSocket upgrade is a `SessionError`; a dead proxy child is named as such (not "is the provider still
+running?"); a frozen job costs one `timeout_s`-bounded reset and is replaced (review_chaos F2, F3, F4)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Iterator
+
+import pytest
+
+import hf_sandbox_provider as hsp
+from hf_jobs_emulator import JobsEmulator, echo_server_command
+from hf_sandbox_provider import EnvSession, EpisodeLost, Sandbox, SessionError, SessionTimeout, stop_sandboxes
+from support import in_thread, wait_until
+
+TIMEOUT = 30.0
+
+
+@pytest.fixture
+def emu(make_emu) -> Iterator[JobsEmulator]:
+    emulator = make_emu(scheduling_delay_s=0.3)
+    emulator.settings = dict(endpoint=emulator.endpoint, token=emulator.token, command=echo_server_command(),
+                             poll_interval_s=0.1, job_timeout=600)
+    yield emulator
+    stop_sandboxes()
+
+
+@pytest.fixture
+def process_proxy() -> Iterator[None]:
+    """The core's shared proxy host child, started fresh by the test (its Sandbox's mount) and stopped after."""
+    with hsp._shared_proxy_lock:
+        host = hsp._shared_proxies.pop("process", None)
+    if host is not None:
+        host.stop()
+    yield
+    stop_sandboxes()
+    with hsp._shared_proxy_lock:
+        host = hsp._shared_proxies.pop("process", None)
+    if host is not None:
+        host.stop()
+
+
+def all_ended(emu: JobsEmulator) -> None:
+    for job in emu.jobs:
+        assert emu.wait_for_stage(job.id, ["CANCELED", "ERROR", "COMPLETED"]).terminal, job
+
+
+def test_a_slot_reset_whose_upgrade_the_dying_proxy_child_resets_raises_a_session_error(emu, process_proxy) -> None:
+    # A raw ConnectionResetError escaped a slot session's reset() when the proxy child died mid-upgrade (F2).
+    box = Sandbox("img:tag", proxy="process", **emu.settings)
+    box.wait(TIMEOUT)
+    host = hsp._shared_proxies["process"]
+    os.kill(host.pid, signal.SIGSTOP)  # frozen: the upgrade's connection waits in its listen backlog, unread
+    try:
+        session = box.session(timeout_s=TIMEOUT)
+        thread, outcome = in_thread(session.reset)
+        thread.join(0.5)
+        assert thread.is_alive(), outcome  # waiting for the answer to its upgrade
+    finally:
+        os.kill(host.pid, signal.SIGKILL)  # the kernel resets the connections it never accepted
+    thread.join(TIMEOUT)
+    assert not thread.is_alive()
+    error = outcome[0]
+    assert isinstance(error, SessionError) and not isinstance(error, SessionTimeout), repr(error)
+    assert "broke during the WebSocket upgrade" in str(error) and host.url.replace("http", "ws") in str(error)
+    assert box.provider is not None and box.provider.base_url.rsplit("/", 1)[1] not in str(error)  # no route id
+    assert isinstance(error.__cause__, OSError)
+    session.close()
+    stop_sandboxes()
+    all_ended(emu)
+
+
+def test_after_the_proxy_child_died_resets_and_sessions_say_so_instead_of_asking_if_the_provider_runs(
+        emu, process_proxy) -> None:
+    # Every reset said "Connection refused (is the provider still running?)" while the provider ran (F3).
+    box = Sandbox("img:tag", proxy="process", **emu.settings)
+    url = box.wait(TIMEOUT)
+    with box.session(timeout_s=TIMEOUT) as session:
+        assert session.step({"message": "before"})["observation"]["echoed_message"] == "before"
+        host = hsp._shared_proxies["process"]
+        pid = host.pid
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: not host.running, "the proxy child's death to be noticed", 10)
+        said = r"proxy process \(pid %d\) serving this URL ended: its routes are gone.*until the providers are " \
+               r"restarted" % pid
+        for _ in range(2):  # the kept connection is found closed, then the new one is refused
+            with pytest.raises(SessionError, match=said) as caught:
+                session.reset()
+            assert "still running" not in str(caught.value)
+        with pytest.raises(SessionError, match=said):
+            EnvSession(url, timeout_s=TIMEOUT)
+    stop_sandboxes()
+    all_ended(emu)
+
+
+@pytest.mark.slow  # a frozen job, a timeout and a replacement's cold start: ~5 s
+def test_a_frozen_job_costs_one_reset_bounded_by_timeout_s_and_is_replaced(emu) -> None:
+    # Each reset on a frozen (SIGSTOPped) job waited connect_timeout_s=30 whatever timeout_s, and the slot
+    # stayed on that job until its renewal (F4).
+    box = Sandbox("img:tag", **emu.settings)
+    with box.session(timeout_s=2) as session:
+        session.reset()
+        frozen = box.job_ids[0]
+        pid = emu.job(frozen).pid
+        os.killpg(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(EpisodeLost):
+                session.step({"message": "frozen"})
+            began = time.monotonic()
+            session.reset()  # the upgrade waits 2 s, /health 2 s more: the job is replaced and the reset runs there
+            took = time.monotonic() - began
+            assert took < 15, "the reset took %.1fs" % took
+            assert session.step({"message": "after"})["observation"]["echoed_message"] == "after"
+            assert box.job_ids and box.job_ids != [frozen]
+            assert len(emu.jobs) == 2
+        finally:
+            try:
+                os.killpg(pid, signal.SIGCONT)
+            except ProcessLookupError:  # cancelled (killed) already
+                pass
+    stop_sandboxes()
+    all_ended(emu)
