@@ -199,6 +199,7 @@ class EnvSession:
         self.where = "%s://%s" % (parts.scheme, parts.netloc)
         self.timeout_s = float(timeout_s)
         self._connect_timeout_s = float(connect_timeout_s)
+        self._pid = os.getpid()  # a forked child's copy shares the parent's socket: it refuses, and closes only its own
         self._lock = threading.Lock()
         self._closed = False
         self._events: deque = deque()
@@ -281,6 +282,9 @@ class EnvSession:
         """Send one JSON message and return the whole JSON reply (`type` and `data`), whatever its type."""
         _raise_if_rejected(_message_rejection(message))
         text = json.dumps(message)
+        if self._pid != os.getpid():  # checked before the lock, which a parent's thread may have held at the fork
+            raise SessionError("this EnvSession was opened by process %d and its connection is that process's; "
+                               "open a new EnvSession in this (forked) process" % self._pid)
         with self._lock:
             if self._closed:
                 raise SessionError("this EnvSession is closed (close() ran or the connection was lost); open a new one")
@@ -305,6 +309,9 @@ class EnvSession:
     def close(self) -> None:
         """Send OpenEnv's `close` and a close frame, then release the socket; idempotent, never raises. While
         another thread waits for a reply it shuts the socket down, so that thread gets `SessionError` at once."""
+        if self._pid != os.getpid():  # a forked child's copy: release this process's descriptor, send nothing
+            self._closed = True
+            return self._sock.close()
         if not self._lock.acquire(blocking=False):
             self._closed = True
             try:
@@ -1046,8 +1053,10 @@ class _SlotSession(EnvSession):
         self._end_episode()
         self._lost = None
         error: Optional[BaseException] = None
-        for _ in range(SLOT_RESET_ATTEMPTS):
-            job = slot.serving(self._wait_timeout_s, hold=True, closed=lambda: self._closed)
+        deadline = None if self._wait_timeout_s is None else time.monotonic() + self._wait_timeout_s
+        for _ in range(SLOT_RESET_ATTEMPTS):  # wait_timeout_s bounds the reset's waits together, not each
+            job = slot.serving(None if deadline is None else max(0.0, deadline - time.monotonic()), hold=True,
+                               closed=lambda: self._closed)
             if job is not self._job or self._conn is None or self._conn.closed:
                 self._drop_connection()  # holds nothing here: ended above or in the last pass
                 self._job = job
@@ -1396,6 +1405,7 @@ def _teardown_process(budget_s: float) -> None:
     # they are listed in a thread of their own, so the safety nets, which take none, go out meanwhile.
     _in_parallel(safety_nets + [lambda: _in_parallel(_stops(budget_s), budget_s)], budget_s)
     _in_parallel(list(_live_finalizers), max(0.0, deadline - time.monotonic()))  # jobs recorded meanwhile
+    _core._settle(max(0.0, deadline - time.monotonic()))  # cancels and creates still under way: waited for, or named
 
 
 def _stop_background_starts_at_exit() -> None:
@@ -1527,11 +1537,17 @@ def _on_teardown_signal(signum: int, frame: Any) -> None:
         logger.warning("signal %d: cancelling this process's HF jobs before it exits", signum)
         worker = threading.Thread(target=_teardown_process, args=(SIGNAL_TEARDOWN_BUDGET_S,),
                                   name="hf-sandbox-signal-teardown", daemon=True)
-        _start_thread(worker)
-        worker.join(SIGNAL_TEARDOWN_BUDGET_S + 1.0)
+        try:
+            _start_thread(worker)
+        except RuntimeError:  # no thread to be had: the exit hooks cancel the jobs (they run inline)
+            logger.warning("signal %d: no thread for the teardown; the exit hooks cancel the jobs", signum)
+        else:
+            worker.join(SIGNAL_TEARDOWN_BUDGET_S + 1.0)
         previous = _signal_previous.get(signum, signal.SIG_DFL)
         if callable(previous):
             previous(signum, frame)
+        elif previous is not signal.SIG_IGN and worker.ident is None:  # dying of it would skip the exit hooks
+            raise SystemExit(128 + signum)
         elif previous is not signal.SIG_IGN:  # SIG_DFL (or a handler set outside Python): die of the signal
             _signal_previous.pop(signum, None)
             signal.signal(signum, signal.SIG_DFL)

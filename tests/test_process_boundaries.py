@@ -17,7 +17,7 @@ import pytest
 import requests
 
 import hf_sandbox_provider as hsp
-from hf_jobs_emulator import echo_server_command
+from hf_jobs_emulator import EchoServer, echo_server_command
 from support import wait_until
 
 for _layer in ("hf_sandbox_pool", "hf_sandbox_training"):  # their errors subclass the core's
@@ -124,3 +124,36 @@ def test_a_forked_child_neither_cancels_nor_unmounts_its_parents_job_and_starts_
     finally:
         parent.stop_container()
     wait_until(lambda: emu.job(parent.job_id).stage == "CANCELED", "the parent's job to be cancelled by the parent")
+
+
+def _status_in_a_child(action) -> int:
+    """Run `action` in a forked child; its exit status: 0 if it raised SessionError, 1 if it returned, 2 else."""
+    pid = os.fork()
+    if pid == 0:
+        code = 2
+        try:
+            action()
+            code = 1
+        except Exception as exc:
+            code = 0 if type(exc).__name__ == "SessionError" else 2
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_plain_env_session_inherited_over_fork_is_refused_in_the_child_and_the_parents_episode_goes_on():
+    with EchoServer(step_delay_s=0.3) as server:
+        session = hsp.EnvSession("http://127.0.0.1:%d" % server.port, timeout_s=5)
+        session.reset()
+
+        def give_up_on_a_reply():
+            session.timeout_s = 0.05
+            session.step({"message": "from the child"})
+
+        assert _status_in_a_child(give_up_on_a_reply) == 0  # refused: it would have talked on the parent's socket
+        assert _status_in_a_child(session.close) == 1  # closes only its own descriptor
+        reply = session.step({"message": "from the parent"})
+        assert reply["observation"]["echoed_message"] == "from the parent"
+        assert session.state()["step_count"] == 1
+        session.close()

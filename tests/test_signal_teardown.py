@@ -336,3 +336,45 @@ def test_a_forked_child_acts_only_on_jobs_it_started_and_its_sigterm_leaves_the_
         stop_sandboxes()
     for job in emu.jobs:
         assert emu.wait_for_stage(job.id, ["CANCELED"]).stage == "CANCELED", job
+
+
+NO_THREAD_CHILD = textwrap.dedent("""
+    import sys, threading, time
+    sys.path.insert(0, %r)
+    from hf_jobs_emulator import echo_server_command
+    from hf_sandbox_provider import HFSandboxProvider, install_signal_teardown
+    p = HFSandboxProvider("img", endpoint=sys.argv[1], token=sys.argv[2], namespace=sys.argv[3],
+                          command=echo_server_command(), poll_interval_s=0.1)
+    p.wait_for_ready(p.start_container())
+    install_signal_teardown()
+    threading.stack_size(2 ** 46)  # no new thread can start from here on (the process is out of threads)
+    print("READY", p.job_id, flush=True)
+    while True:
+        try:
+            time.sleep(0.2)
+        except Exception as exc:  # a loop that logs a failed step and goes on
+            print("caught", repr(exc), flush=True)
+""") % ROOT
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGTERM"), reason="POSIX signals")
+def test_a_sigterm_whose_teardown_gets_no_thread_still_ends_the_process_and_the_exit_hooks_cancel_its_job(tmp_path):
+    with JobsEmulator() as emu:
+        child = subprocess.Popen([sys.executable, "-c", NO_THREAD_CHILD, emu.endpoint, emu.token, emu.namespace],
+                                 stdout=subprocess.PIPE, text=True)
+        try:
+            line = child.stdout.readline()
+            while line and not line.startswith("READY"):
+                line = child.stdout.readline()
+            job_id = line.split()[1]
+            child.send_signal(signal.SIGTERM)
+            try:
+                code = child.wait(15)
+            except subprocess.TimeoutExpired:
+                code = None
+            assert code is not None, "SIGTERM was swallowed: the process runs on"
+            wait_until(lambda: emu.job(job_id).stage == "CANCELED", "the job cancelled by the exit hooks", 10)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()

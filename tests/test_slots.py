@@ -19,8 +19,8 @@ from typing import Any, Dict, Iterator, List
 import pytest
 
 from hf_jobs_emulator import JobsEmulator, echo_server_command
-from hf_sandbox_provider import (EpisodeLost, JobFailedError, Sandbox, SandboxConfigError, SessionError, SessionTimeout,
-                                 stop_sandboxes)
+from hf_sandbox_provider import (EpisodeLost, JobFailedError, Sandbox, SandboxConfigError, SandboxError, SessionError,
+                                 SessionTimeout, stop_sandboxes)
 from support import in_thread, wait_until
 
 pytestmark = pytest.mark.slow  # jobs live seconds each, and the tests cross several of their lifetimes
@@ -432,3 +432,21 @@ def test_stop_waits_for_the_cancel_of_a_job_its_slot_retired_moments_before(emu)
     retired = emu.job(first)
     assert retired.terminal or retired._stop_reason is not None, retired.stage
     all_ended(emu)
+
+
+def test_a_reset_waits_at_most_wait_timeout_s_in_all_however_many_replacements_it_waits_for():
+    cold_s, wait_s = 0.8, 1.2  # each replacement is ready within wait_s; four of them are not
+    dies = [sys.executable, os.path.join(ROOT, "tests", "upstreams", "dies_at_first_session.py")]
+    with JobsEmulator(scheduling_delay_s=cold_s) as emu:
+        box = Sandbox("img", endpoint=emu.endpoint, token=emu.token, namespace=emu.namespace, poll_interval_s=0.1,
+                      command=dies)
+        try:
+            box.wait()
+            session = box.session(wait_timeout_s=wait_s)
+            began = time.monotonic()
+            with pytest.raises(SandboxError):  # every job it gets dies as the session arrives
+                session.reset()
+            assert time.monotonic() - began < wait_s + 0.6  # before: up to 4 x wait_s, one per attempt
+        finally:
+            stop_sandboxes()
+

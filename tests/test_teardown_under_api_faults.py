@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -70,3 +71,24 @@ def test_ctrl_c_during_a_stop_all_whose_cancels_wait_out_a_429_still_cancels_eve
     # before: the exit found no safety net (each stop had retired its own) and killed the cancels' threads
     wait_until(lambda: all(job.terminal for job in emu.jobs), "every job to end", 10)
     assert sorted(job.stage for job in emu.jobs) == ["CANCELED"] * ENVS, err
+
+
+def test_sigterm_while_creates_wait_longer_than_the_teardown_names_each_unanswered_create_with_its_sweep(make_emu):
+    emu = make_emu()
+    emu.delay_next_create_answers(ENVS, 12.0)  # the Hub makes each job at once and answers after the teardown
+    child = _child(emu, teardown=True)
+    try:
+        _read_until(child, "starting")
+        wait_until(lambda: len(emu.jobs) == ENVS, "every job to be made while its create waits")
+        child.send_signal(signal.SIGTERM)
+        _, err = child.communicate(timeout=CHILD_TIMEOUT_S)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == -signal.SIGTERM, err
+    # before: the teardown waited its 4 s, the process died, and no line named any job or label
+    named = re.findall(r"the create of start (\w+) had not ended as this process exits .* `python -m "
+                       r"hf_sandbox_provider sweep --label hf-sandbox-start=(\w+)`", err)
+    assert sorted(label for label, again in named if label == again) == sorted(
+        job.spec["labels"]["hf-sandbox-start"] for job in emu.jobs), err  # (the emulator's stop ends them)
