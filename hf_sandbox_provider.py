@@ -2184,7 +2184,7 @@ def _release_job(client: Optional["_JobsClient"], namespace: Optional[str], job_
         problems.append("teardown interrupted (%s)" % type(exc).__name__)
     if problems:  # (a job that was cancelled is not billing: then only what failed is said)
         still = "" if cancelled or not job_id else (
-            " It keeps running (and billing) until its timeout; cancel it at %s or run `python -m "
+            " Unless it has ended, it runs (and bills) until its timeout; cancel it at %s or run `python -m "
             "hf_sandbox_provider sweep`" % (job_url or "the Hub"))
         logger.warning("HF job %s: %s.%s", job_id, "; ".join(problems), still)
     return cancelled

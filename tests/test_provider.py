@@ -479,8 +479,8 @@ def test_a_refused_cancel_warns_naming_the_job_its_hub_page_and_sweep(api, proxy
     provider.stop_container()  # must not raise
     warning = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING][-1]
     assert page.endswith("/jobs/alice/job1") and cancels(api) == hsp.CANCEL_ATTEMPTS
-    assert re.fullmatch(r"HF job job1: could not cancel it \(cancelling job job1 failed: HTTP 403.*\)\. It "
-                        r"keeps running \(and billing\) until its timeout; cancel it at %s or run "
+    assert re.fullmatch(r"HF job job1: could not cancel it \(cancelling job job1 failed: HTTP 403.*\)\. "
+                        r"Unless it has ended, it runs \(and bills\) until its timeout; cancel it at %s or run "
                         r"`python -m hf_sandbox_provider sweep`" % re.escape(page), warning), warning
 
 
