@@ -33,6 +33,7 @@ import requests
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import (AcceptConnection, BytesMessage, CloseConnection, Ping, RejectConnection, RejectData,
                             Request, TextMessage)
+from wsproto.utilities import RemoteProtocolError
 
 if __package__:  # vendored inside a package: the core sits next to this module
     from . import hf_sandbox_provider as _core
@@ -233,6 +234,10 @@ class EnvSession:
             note = _ended_proxy_note(parts.hostname, port)
             raise SessionError("the connection to %s broke during the WebSocket upgrade: %s%s"
                                % (self.where, exc.strerror or exc, " (%s)" % note if note else "")) from exc
+        except RemoteProtocolError as exc:  # e.g. a 101 with a wrong Sec-WebSocket-Accept, or not HTTP at all
+            self._abort()
+            raise SessionError("the answer to the WebSocket upgrade from %s broke the protocol (%s): is this an "
+                               "OpenEnv server?" % (self.where, exc)) from exc
         except BaseException:  # e.g. KeyboardInterrupt
             self._abort()
             raise

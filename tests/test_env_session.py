@@ -419,3 +419,31 @@ def test_a_connection_reset_during_the_upgrade_raises_a_session_error_naming_the
             assert isinstance(caught.value.__cause__, ConnectionResetError)
     finally:
         listener.close()
+
+
+@pytest.mark.parametrize("answer", [
+    b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Accept: x\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nok",
+    b"NOT HTTP AT ALL\r\n\r\n",
+], ids=["wrong-accept", "two-lengths", "not-http"])
+def test_an_upgrade_answer_that_breaks_the_protocol_raises_a_session_error_naming_the_url(answer, no_leaks) -> None:
+    # wsproto's own RemoteProtocolError escaped EnvSession(...): not the documented SessionError.
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def answer_once() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(answer)
+            conn.recv(1)  # until the client closes
+
+    server = threading.Thread(target=answer_once)
+    server.start()
+    try:
+        with pytest.raises(SessionError, match="the answer to the WebSocket upgrade from ws://127.0.0.1:%d broke "
+                           "the protocol" % port):
+            EnvSession("http://127.0.0.1:%d/SeCrEtRoUtE" % port, timeout_s=TIMEOUT)
+    finally:
+        server.join(TIMEOUT)
+        listener.close()
