@@ -160,10 +160,11 @@ _TOKEN_RE = re.compile("^" + _TOKEN + "$")
 _BAD_TARGET_CHAR_RE = re.compile(r"[^\x21-\x7e]")
 # Header values: no control characters but tab (CR/LF only appear in obs-folds, normalised later).
 _BAD_VALUE_CHAR_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
-# What a hook's header value may not hold: those, CR, LF, and anything beyond Latin-1.
-_BAD_EDIT_CHAR_RE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f\u0100-\U0010ffff]")
 # The same characters as bytes, for `bytes.translate` to delete: a head that loses none holds none.
 _CONTROL_BYTES = bytes(range(0, 9)) + b"\x0b\x0c" + bytes(range(14, 32)) + b"\x7f"
+# Characters a header value set by a route_request hook may not hold: those, CR, LF, and any beyond
+# Latin-1 (the head goes out as Latin-1).
+_BAD_EDIT_CHAR_RE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f\u0100-\U0010ffff]")
 _STATUS_LINE_RE = re.compile(rb"^HTTP/1\.[01] (\d{3})(?: |\r?$)")
 _RESPONSE_LINE_RE = re.compile(r"^HTTP/1\.([01]) ([0-9]{3})(?: (.*))?$")
 # One response header line: token name, colon, the value after its leading blanks (trailing ones are
