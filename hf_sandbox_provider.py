@@ -2069,7 +2069,8 @@ def _reset_after_fork() -> None:
     fork would stay held; hardware lists stay valid). Of the parent's jobs and proxies it owns none: their safety nets
     and shared proxies are forgotten, not stopped, so its exit cancels nothing of the parent's; it mounts on its own."""
     global _watcher, _process_label, _budgets_lock, _hardware_lock, _namespace_lock, _shared_proxy_lock
-    _watcher, _process_label = _JobWatcher(), uuid.uuid4().hex
+    global _unsettled_changed
+    _watcher, _process_label, _unsettled_changed = _JobWatcher(), uuid.uuid4().hex, threading.Condition()
     _budgets_lock, _hardware_lock, _namespace_lock, _shared_proxy_lock = (threading.Lock() for _ in range(4))
     _budgets.clear()
     for finalizer in list(_live_finalizers):
@@ -2091,19 +2092,20 @@ _shared_proxy_lock = threading.Lock()
 _live_finalizers: "set[weakref.finalize]" = set()  # running providers' safety nets (weak)
 # Cancels and creates under way, each with the sweep that finds its job and its thread: the exit and signal
 # teardowns wait for them (other threads', within their budget), then name each left: it may run (and bill) on.
-_unsettled: Dict[str, Tuple[str, int]] = {}
+_unsettled: Dict[Tuple[str, int], str] = {}  # (what, thread ident): two threads may cancel one job at once
 _unsettled_changed = threading.Condition()
 
 
 @contextlib.contextmanager
 def _unsettled_while(what: str, sweep: str) -> Iterator[None]:
+    key = (what, threading.get_ident())
     with _unsettled_changed:
-        _unsettled[what] = (sweep, threading.get_ident())
+        _unsettled[key] = sweep
     try:
         yield
     finally:
         with _unsettled_changed:
-            _unsettled.pop(what, None)
+            _unsettled.pop(key, None)
             _unsettled_changed.notify_all()
 
 
@@ -2112,9 +2114,9 @@ def _settle(budget_s: float) -> None:
     left (this process is ending: it dies with them) and the sweep that cancels its job."""
     me = threading.get_ident()
     with _unsettled_changed:
-        _unsettled_changed.wait_for(lambda: all(ident == me for _, ident in _unsettled.values()), budget_s)
-        left = sorted(_unsettled.items())
-    for what, (sweep, _) in left:
+        _unsettled_changed.wait_for(lambda: all(ident == me for _, ident in _unsettled), budget_s)
+        left = sorted({what: sweep for (what, _), sweep in _unsettled.items()}.items())  # a job named once
+    for what, sweep in left:
         logger.warning("%s had not ended as this process exits (the Hub was slow or refusing calls): its job "
                        "may run (and bill) until its timeout; cancel it with `python -m hf_sandbox_provider %s`",
                        what, sweep)

@@ -1070,10 +1070,10 @@ class _SlotSession(EnvSession):
                 if self._closed:  # close() ran since serving() returned: open nothing
                     self._drop_connection()
                     raise SessionError(_CLOSED_WHILE_WAITING)
+                # The upgrade waits no longer than a reply would: a frozen job must not cost 30 s a reset.
+                upgrade_s = min(SESSION_CONNECT_TIMEOUT_S, self.timeout_s)
                 try:
-                    # The upgrade waits no longer than a reply would: a frozen job must not cost 30 s a reset.
-                    self._conn = EnvSession(job.base_url or "", timeout_s=self.timeout_s,
-                                            connect_timeout_s=min(SESSION_CONNECT_TIMEOUT_S, self.timeout_s))
+                    self._conn = EnvSession(job.base_url or "", timeout_s=self.timeout_s, connect_timeout_s=upgrade_s)
                 except SessionRefusedError as exc:
                     self._end_episode()
                     if exc.proxy_error in JOB_GONE_PROXY_ERRORS:
@@ -1092,9 +1092,8 @@ class _SlotSession(EnvSession):
                     continue
                 except SessionTimeout as exc:
                     self._end_episode()
-                    waited = min(SESSION_CONNECT_TIMEOUT_S, self.timeout_s)
                     if not self._gone_after_timeout(slot, job, "no answer to the WebSocket upgrade within %gs"
-                                                    % waited, self.timeout_s):
+                                                    % upgrade_s, self.timeout_s):
                         raise  # slow but alive: replacing it would cancel a healthy job
                     error = exc
                     continue

@@ -6,10 +6,12 @@ from __future__ import annotations
 import concurrent.futures
 import importlib
 import json
+import logging
 import multiprocessing
 import os
 import pickle
 import signal
+import threading
 import time
 from typing import Any, Callable, Dict, List
 
@@ -124,6 +126,64 @@ def test_a_forked_child_neither_cancels_nor_unmounts_its_parents_job_and_starts_
     finally:
         parent.stop_container()
     wait_until(lambda: emu.job(parent.job_id).stage == "CANCELED", "the parent's job to be cancelled by the parent")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_fork_while_another_thread_records_a_cancel_leaves_the_childs_exit_hook_free_to_run():
+    # A thread that records or clears a cancel holds the registry's lock for an instant; a fork in that instant
+    # once gave the child a lock no thread of it would release, and its exit hook waited on it for ever.
+    holding, release = threading.Event(), threading.Event()
+
+    def record_a_cancel() -> None:
+        with hsp._unsettled_changed:  # the instant _unsettled_while holds it, made long
+            holding.set()
+            release.wait(TIMEOUT)
+
+    thread = threading.Thread(target=record_a_cancel, daemon=True)
+    thread.start()
+    assert holding.wait(TIMEOUT)
+    try:
+        def child() -> str:
+            with hsp._unsettled_while("the cancel of HF job child-1", "sweep"):
+                pass
+            hsp._stop_everything_at_exit()  # what a normal exit of the child runs
+            return "exited"
+
+        assert _in_forked_child(child) == "exited"
+    finally:
+        release.set()
+        thread.join(TIMEOUT)
+
+
+def test_one_job_cancelled_by_two_threads_stays_waited_for_until_both_cancels_end(caplog):
+    # The registry was keyed by the job alone: the first cancel to end took the second's entry with it, and the
+    # exit hook then neither waited for the second cancel nor named its job.
+    first_in, second_in, first_out, second_out = (threading.Event() for _ in range(4))
+
+    def cancel(came_in: threading.Event, leave: threading.Event) -> None:
+        with hsp._unsettled_while("the cancel of HF job twice-1", "sweep"):
+            came_in.set()
+            leave.wait(TIMEOUT)
+
+    threads = [threading.Thread(target=cancel, args=args, daemon=True)
+               for args in ((first_in, first_out), (second_in, second_out))]
+    for thread in threads:
+        thread.start()
+    assert first_in.wait(TIMEOUT) and second_in.wait(TIMEOUT)
+    first_out.set()
+    threads[0].join(TIMEOUT)
+    try:
+        with caplog.at_level(logging.WARNING, logger="hf_sandbox_provider"):
+            hsp._settle(0.2)
+        named = [r.getMessage() for r in caplog.records if "twice-1" in r.getMessage()]
+        assert len(named) == 1 and "the cancel of HF job twice-1 had not ended" in named[0], named
+    finally:
+        second_out.set()
+        threads[1].join(TIMEOUT)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hf_sandbox_provider"):
+        hsp._settle(0.2)
+    assert not [r for r in caplog.records if "twice-1" in r.getMessage()]
 
 
 def _status_in_a_child(action) -> int:
