@@ -16,6 +16,9 @@ Stable fixture names other test files may rely on:
 - `log_guard` (autouse): captures every log record (all loggers, DEBUG and up) during each test and
   fails the test if `support.TEST_TOKEN`, or any string passed to `log_guard.watch(...)`, appears in
   one. `log_guard.text()` returns the captured log output for extra assertions.
+
+Every test's pytest-timeout alarm repeats until the test ends (`timeout_guard.py`): a swallowed one does not
+leave the test unbounded.
 """
 from __future__ import annotations
 
@@ -35,10 +38,13 @@ for path in (HERE, ROOT):
         sys.path.insert(0, path)
 
 import support  # noqa: E402
+import timeout_guard  # noqa: E402
 from hf_jobs_emulator import JobsEmulator  # noqa: E402
 from proxy import AuthProxy  # noqa: E402
 
 LEAK_WAIT_S = 5.0
+
+pytest_runtest_setup = timeout_guard.pytest_runtest_setup  # a test's timeout alarm repeats until the test ends
 
 
 @pytest.fixture(scope="session")
