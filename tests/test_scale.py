@@ -460,10 +460,20 @@ def test_start_many_aborts_a_start_that_claimed_its_provider_after_the_abort(pro
 
 
 def test_start_many_counts_each_job_that_crashed_on_its_own_as_a_failure_never_as_aborted():
-    with JobsEmulator(faults={"crash-at-boot": "boom: out of memory"}) as emu:
-        with pytest.raises(hsp.StartManyError) as info:
-            hsp.HFSandboxProvider.start_many(3, "img", endpoint=emu.endpoint, token=emu.token, namespace=emu.namespace,
-                                         command=echo_server_command(), poll_interval_s=0.1, progress=False)
-        assert {job.stage for job in emu.jobs} == {"ERROR"}  # each job crashed on its own, none was cancelled
-    assert info.value.aborted == 0, str(info.value)
-    assert [type(exc) for _, exc in info.value.errors] == [hsp.JobFailedError] * 3
+    # Which start sees its crash first is up to the scheduler: on a loaded machine the first failure can stop the
+    # others before they look, and those are rightly aborted. So: every run adds up, and within three runs one
+    # has all three starts see their own crash; before the fix, such a run counted two of them as aborted.
+    outcomes = []
+    for _ in range(3):
+        with JobsEmulator(faults={"crash-at-boot": "boom: out of memory"}) as emu:
+            with pytest.raises(hsp.StartManyError) as info:
+                hsp.HFSandboxProvider.start_many(3, "img", endpoint=emu.endpoint, token=emu.token,
+                                                 namespace=emu.namespace, command=echo_server_command(),
+                                                 poll_interval_s=0.1, progress=False)
+            assert {job.stage for job in emu.jobs} == {"ERROR"}  # each job crashed on its own, none was cancelled
+        errors = [type(exc) for _, exc in info.value.errors]
+        assert errors == [hsp.JobFailedError] * len(errors) and len(errors) + info.value.aborted == 3, str(info.value)
+        outcomes.append(info.value.aborted)
+        if info.value.aborted == 0:
+            break
+    assert outcomes[-1] == 0, "in each of three runs a crash was counted as aborted: %s" % outcomes
