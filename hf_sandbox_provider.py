@@ -1967,7 +1967,8 @@ class _JobWatcher:
     `inspect` (one job) or one `list` by this process's label plus an `inspect` per job missed."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()  # entered itself, never through the Condition (see _unsettled)
+        self._cond = threading.Condition(self._lock)
         self._groups: Dict[Tuple[str, str, str], _WatchGroup] = {}
         self._thread: Optional[threading.Thread] = None
 
@@ -1977,7 +1978,7 @@ class _JobWatcher:
         """Watch `job_id` until `unregister`; one (endpoint, token, namespace)'s jobs share a refresh (one client)."""
         watch = _Watch(job_id, interval_s, wake, job, since)  # its group holds the namespace
         key = _token_key(endpoint, token) + (namespace,)
-        with self._cond:
+        with self._lock:
             if (group := self._groups.get(key)) is None:
                 group = self._groups[key] = _WatchGroup(_JobsClient(endpoint, token, new_session()), namespace)
                 group.next_due = time.monotonic() + interval_s
@@ -1995,7 +1996,7 @@ class _JobWatcher:
         return watch
 
     def unregister(self, watch: _Watch) -> None:
-        with self._cond:
+        with self._lock:
             for group in [g for g in self._groups.values() if watch in g.watches]:
                 group.watches.remove(watch)
             self._cond.notify_all()
@@ -2003,7 +2004,7 @@ class _JobWatcher:
     def _run(self) -> None:
         while True:
             snapshots: List[Tuple[_WatchGroup, List[_Watch]]] = []
-            with self._cond:
+            with self._lock:
                 idle = [key for key, group in self._groups.items() if not group.watches]
                 closing = [self._groups.pop(key).client for key in idle]
                 if exiting := not self._groups:
@@ -2069,8 +2070,7 @@ def _reset_after_fork() -> None:
     fork would stay held; hardware lists stay valid). Of the parent's jobs and proxies it owns none: their safety nets
     and shared proxies are forgotten, not stopped, so its exit cancels nothing of the parent's; it mounts on its own."""
     global _watcher, _process_label, _budgets_lock, _hardware_lock, _namespace_lock, _shared_proxy_lock
-    global _unsettled_changed
-    _watcher, _process_label, _unsettled_changed = _JobWatcher(), uuid.uuid4().hex, threading.Condition()
+    _watcher, _process_label = _JobWatcher(), uuid.uuid4().hex
     _budgets_lock, _hardware_lock, _namespace_lock, _shared_proxy_lock = (threading.Lock() for _ in range(4))
     _budgets.clear()
     for finalizer in list(_live_finalizers):
@@ -2090,32 +2090,30 @@ if hasattr(os, "register_at_fork"):
 _shared_proxies: Dict[Optional[str], Any] = {}  # by mode, None or "process" (see _shared_proxy)
 _shared_proxy_lock = threading.Lock()
 _live_finalizers: "set[weakref.finalize]" = set()  # running providers' safety nets (weak)
-# Cancels and creates under way, each with the sweep that finds its job and its thread: the exit and signal
-# teardowns wait for them (other threads', within their budget), then name each left: it may run (and bill) on.
-_unsettled: Dict[Tuple[str, int], str] = {}  # (what, thread ident): two threads may cancel one job at once
-_unsettled_changed = threading.Condition()
+# Cancels and creates under way, each with the sweep that finds its job, by (what, thread): two threads may cancel one
+# job. The exit and signal teardowns wait for other threads' (within their budget), then name each left: it may run (and
+# bill) on. No lock: each dict operation is atomic, and a lock the main thread enters is one a signal handler's raise
+# can leave held for ever (a Condition's __enter__ is Python code: the raise can land after its acquire).
+_unsettled: Dict[Tuple[str, int], str] = {}
 
 
 @contextlib.contextmanager
 def _unsettled_while(what: str, sweep: str) -> Iterator[None]:
     key = (what, threading.get_ident())
-    with _unsettled_changed:
-        _unsettled[key] = sweep
     try:
+        _unsettled[key] = sweep
         yield
     finally:
-        with _unsettled_changed:
-            _unsettled.pop(key, None)
-            _unsettled_changed.notify_all()
+        _unsettled.pop(key, None)
 
 
 def _settle(budget_s: float) -> None:
     """Wait up to `budget_s` for the cancels and creates other threads have under way, then warn naming each one
     left (this process is ending: it dies with them) and the sweep that cancels its job."""
-    me = threading.get_ident()
-    with _unsettled_changed:
-        _unsettled_changed.wait_for(lambda: all(ident == me for _, ident in _unsettled), budget_s)
-        left = sorted({what: sweep for (what, _), sweep in _unsettled.items()}.items())  # a job named once
+    me, deadline = threading.get_ident(), time.monotonic() + budget_s
+    while any(ident != me for _, ident in list(_unsettled)) and time.monotonic() < deadline:
+        time.sleep(0.05)  # (a poll: at exit only, and no lock where a signal may land)
+    left = sorted({what: sweep for (what, _), sweep in list(_unsettled.items())}.items())  # a job named once
     for what, sweep in left:
         logger.warning("%s had not ended as this process exits (the Hub was slow or refusing calls): its job "
                        "may run (and bill) until its timeout; cancel it with `python -m hf_sandbox_provider %s`",

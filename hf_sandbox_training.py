@@ -634,7 +634,10 @@ class _Slot:
         self.renew = renew
         self.renew_before_s = renew_before_s
         self._new_provider = new_provider
-        self._cond = threading.Condition(threading.Lock())
+        # Entered as `with self._lock` (the C lock), never `with self._cond`: a Condition's __enter__ is Python code,
+        # and a Ctrl-C or teardown signal raising just after its acquire left the slot locked for ever.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self.current: Optional[_BackgroundStart] = None
         self.successor: Optional[_BackgroundStart] = None
         self.retiring: Optional[_BackgroundStart] = None
@@ -649,7 +652,7 @@ class _Slot:
         self._warned_short = False
 
     def begin(self) -> None:
-        with self._cond:
+        with self._lock:
             if self.current is None and not self.stopped:
                 self.current = _BackgroundStart(self._new_provider(), self)
         with _slots_lock:
@@ -667,7 +670,7 @@ class _Slot:
         starts again after the retry backoff); a failed replacement raises its error until its retry
         time. `closed()` turning true (see `wake()`) raises SessionError at once."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        with self._cond:
+        with self._lock:
             while True:
                 if self.stopped:
                     raise SessionError(_STOPPED)
@@ -698,12 +701,12 @@ class _Slot:
 
     def wake(self) -> None:
         """Wake the resets waiting in `serving()`, so they look at their `closed()` again."""
-        with self._cond:
+        with self._lock:
             self._cond.notify_all()
 
     def release(self, start: _BackgroundStart) -> None:
         """An episode on `start` ended: a job the slot has moved on from goes once none uses it."""
-        with self._cond:
+        with self._lock:
             start.users -= 1
             done_with = start is self.retiring and start.users <= 0
             if done_with:
@@ -715,7 +718,7 @@ class _Slot:
         """`start`'s job is gone: its sessions lose their episode, and a current job is replaced at
         once (with renew=False, by the next reset)."""
         cancel = None
-        with self._cond:
+        with self._lock:
             if start.dead is not None or self.stopped:
                 return
             start.dead = why
@@ -739,7 +742,7 @@ class _Slot:
     def replace_if_lost(self) -> None:
         """Sandbox.restart() of a shared group: replace it unless a job of it still serves or a
         replacement is under way (however many environments ask)."""
-        with self._cond:
+        with self._lock:
             current, coming = self.current, self.successor is not None
         if coming or (current is not None and not current.done):
             return
@@ -747,14 +750,14 @@ class _Slot:
             if _group_serves(current):
                 return
             self.report_dead(current, "restart(): no job of the group serves")  # renew=True replaces it
-        with self._cond:
+        with self._lock:
             serving = self.current is not None and self.current.serving
             if not self.stopped and self.successor is None and not serving:
                 self._replace_locked("restart()")
 
     def stop(self, wait_s: float = BACKGROUND_STOP_WAIT_S) -> None:
         """Cancel every job of the slot (starting ones too) and wait until each is released."""
-        with self._cond:
+        with self._lock:
             self.stopped = True
             starts = [s for s in (self.current, self.successor, self.retiring) if s is not None]
             self.current = self.successor = self.retiring = None
@@ -769,13 +772,13 @@ class _Slot:
     def tend(self, now: float) -> float:
         """The keeper's turn: see the watcher's news, begin a renewal that is due. Returns when the
         slot needs its next turn."""
-        with self._cond:
+        with self._lock:
             if self.stopped or not self.renew:
                 return float("inf")
             starts = [s for s in (self.current, self.retiring) if s is not None and s.serving]
         for start in starts:
             self._see(start, now)
-        with self._cond:
+        with self._lock:
             current = self.current
             if (self.stopped or current is None or not current.done or current.error is not None
                     or self.successor is not None):
@@ -811,7 +814,7 @@ class _Slot:
     def _start_ended(self, start: _BackgroundStart) -> None:
         """A start of this slot ended: a successor takes over, or its failure is kept for retries."""
         cancel = None
-        with self._cond:
+        with self._lock:
             if start.error is None:
                 self.last_start_s = (start.ready_at or start.began) - start.began
                 lifetime = start.deadline - start.began
@@ -1456,7 +1459,8 @@ def _disown_in_child(slot: _Slot) -> None:
     """After a fork: `slot` is the parent's. Stopped here without its lock (held at the fork, it stays held)
     and without a cancel; its sessions let go of their connections, which are the parent's sockets too."""
     starts = [start for start in (slot.current, slot.successor, slot.retiring) if start is not None]
-    slot._cond = threading.Condition(threading.Lock())
+    slot._lock = threading.Lock()
+    slot._cond = threading.Condition(slot._lock)
     slot.stopped = True
     slot.current = slot.successor = slot.retiring = None
     slot._cancels = set()

@@ -1364,7 +1364,9 @@ class _WorkerPool:
     # threading.stack_size() is process-wide: the first of overlapping starts sets it, the last
     # puts the old size back, and a start wanting another size waits. Starts overlap rather than
     # queue on a lock: each waits for its new thread to get the GIL, long with thousands running.
-    _STACK = threading.Condition()
+    # Entered as _STACK_LOCK (Condition.__enter__ is Python: a signal's raise could leave it held)
+    _STACK_LOCK = threading.Lock()
+    _STACK = threading.Condition(_STACK_LOCK)
     _stack_starts = 0  # starts under way
     _stack_bytes = 0  # their size
     _stack_saved: Optional[int] = None  # the size before them, None if the platform keeps its own
@@ -1419,7 +1421,7 @@ class _WorkerPool:
     def _stack_window(self) -> Iterator[None]:
         """Meanwhile, threads start with `stack_bytes` stacks (see _STACK)."""
         cls, size = _WorkerPool, self.stack_bytes
-        with cls._STACK:
+        with cls._STACK_LOCK:
             cls._STACK.wait_for(lambda: not cls._stack_starts or cls._stack_bytes == size)
             if not cls._stack_starts:
                 try:
@@ -1431,7 +1433,7 @@ class _WorkerPool:
         try:
             yield
         finally:
-            with cls._STACK:
+            with cls._STACK_LOCK:
                 cls._stack_starts -= 1
                 if not cls._stack_starts:
                     if cls._stack_saved is not None:

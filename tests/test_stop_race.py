@@ -56,6 +56,8 @@ def _stop_mid_start(emu: JobsEmulator, proxy, rng: random.Random, lose_create: b
     phase_after_stop = provider.phase
     live = [job.id for job in emu.jobs if not job.terminal and job._stop_reason is None]
     thread.join(JOIN_TIMEOUT_S)
+    # at once, not after the other iterations: a stuck start would make each of them wait out every bound
+    assert not thread.is_alive(), "the start thread outlived its stop by %ss: %s" % (JOIN_TIMEOUT_S, provider.moves)
     leaked = [job.id for job in emu.jobs if not job.terminal and job._stop_reason is None]  # after the start too
     return {"phase": phase_after_stop, "live": live, "leaked": leaked, "outcome": outcome, "alive": thread.is_alive(),
             "stopped_running": provider.moves[-1:] == [(Phase.RUNNING, Phase.IDLE)]}

@@ -1,0 +1,117 @@
+"""An interrupt (Ctrl-C, a teardown signal's handler, pytest-timeout's alarm) that lands in the main thread as
+it takes one of the library's locks leaves no lock held. `with cond:` on a threading.Condition runs
+Condition.__enter__, which is Python code: a handler can raise there after the acquire and before the `with`
+block exists, and the lock stays held for ever. A CI run sat for an hour that way: the cancel registry's
+Condition was left held by the main thread, and every later create in another thread blocked on it. The
+library enters each Condition's lock itself (a C lock: no such gap), and these tests hold it to that."""
+from __future__ import annotations
+
+import ast
+import os
+import sys
+import threading
+from typing import Callable, List, Set
+
+import requests
+
+import hf_sandbox_provider as hsp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LIBRARY_MODULES = ["proxy.py", "proxy_host.py", "hf_sandbox_provider.py", "hf_sandbox_training.py",
+                   "hf_sandbox_cli.py", "hf_sandbox_pool.py"]
+JOIN_S = 10
+
+
+def _conditions_entered_with_with(path: str) -> List[str]:
+    """`with X:` where X names something assigned a threading.Condition in the same module (by its last name)."""
+    with open(path) as fh:
+        tree = ast.parse(fh.read(), path)
+
+    def last_name(node: ast.AST) -> str:
+        return node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+
+    conditions: Set[str] = set()
+    for node in ast.walk(tree):
+        value = getattr(node, "value", None)
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(value, ast.Call) and (
+                last_name(value.func) == "Condition"):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            conditions.update(last_name(target) for target in targets)
+    return ["%s:%d with %s" % (os.path.basename(path), node.lineno, last_name(item.context_expr))
+            for node in ast.walk(tree) if isinstance(node, ast.With) for item in node.items
+            if last_name(item.context_expr) in conditions - {""}]
+
+
+def test_the_condition_scan_finds_a_condition_entered_by_with(tmp_path) -> None:
+    sample = tmp_path / "sample.py"
+    sample.write_text("import threading\nlock = threading.Lock()\nCHANGED = threading.Condition(lock)\n"
+                      "class A:\n    def __init__(self):\n        self._cond = threading.Condition()\n"
+                      "    def f(self):\n        with self._cond:\n            pass\n        with lock:\n"
+                      "            CHANGED.notify_all()\n        with CHANGED:\n            pass\n")
+    assert [found.split(" ", 1)[1] for found in _conditions_entered_with_with(str(sample))] == [
+        "with _cond", "with CHANGED"]
+
+
+def test_no_library_module_enters_a_condition_through_its_python_enter() -> None:
+    found = [use for module in LIBRARY_MODULES for use in _conditions_entered_with_with(os.path.join(ROOT, module))]
+    assert found == [], "enter the Condition's own lock instead (`with lock:`): %s" % found
+
+
+class _RaiseAfterALibraryAcquire:
+    """A profile hook that raises KeyboardInterrupt, once, where a signal handler's raise is possible and
+    harmful: on return from a lock's acquire made inside Condition.__enter__ called from library code."""
+
+    def __init__(self) -> None:
+        self.raised = False
+
+    def __call__(self, frame, event: str, arg) -> None:
+        if (not self.raised and event == "c_return" and getattr(arg, "__name__", "") in ("__enter__", "acquire")
+                and frame.f_code.co_name == "__enter__" and frame.f_back is not None
+                and os.path.basename(frame.f_back.f_code.co_filename) in LIBRARY_MODULES):
+            self.raised = True
+            raise KeyboardInterrupt("landed just after the acquire")
+
+
+def _interrupted_once(action: Callable[[], None]) -> None:
+    hook = _RaiseAfterALibraryAcquire()
+    sys.setprofile(hook)
+    try:
+        action()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.setprofile(None)
+
+
+def _runs_in_another_thread(action: Callable[[], None]) -> bool:
+    thread = threading.Thread(target=action, daemon=True)
+    thread.start()
+    thread.join(JOIN_S)
+    return not thread.is_alive()
+
+
+def test_an_interrupt_as_a_cancel_is_recorded_leaves_other_threads_free_to_record_theirs_and_exit() -> None:
+    def record(what: str) -> Callable[[], None]:
+        def action() -> None:
+            with hsp._unsettled_while(what, "sweep"):
+                pass
+        return action
+
+    _interrupted_once(record("the cancel of HF job main-1"))
+    assert _runs_in_another_thread(record("the cancel of HF job other-1")), "the other thread's cancel blocked"
+    assert _runs_in_another_thread(lambda: hsp._settle(1.0)), "the exit hook's wait blocked"
+    assert not [key for key in list(hsp._unsettled) if "main-1" in key[0] or "other-1" in key[0]]
+
+
+def test_an_interrupt_as_a_job_is_watched_leaves_the_watcher_free_for_other_jobs() -> None:
+    watcher = hsp._JobWatcher()
+
+    def watch_and_unwatch(job_id: str) -> Callable[[], None]:
+        def action() -> None:
+            watch = watcher.register("http://127.0.0.1:9", "hf_not_a_token", requests.Session, "ns", job_id, 60.0,
+                                     threading.Event())
+            watcher.unregister(watch)
+        return action
+
+    _interrupted_once(watch_and_unwatch("main-1"))
+    assert _runs_in_another_thread(watch_and_unwatch("other-1")), "the watcher's lock was left held"
