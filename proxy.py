@@ -925,8 +925,11 @@ def _library_signal_mask() -> Iterator[None]:
     if not hasattr(signal, "pthread_sigmask"):  # Windows: no per-thread signal masks
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, LIBRARY_THREAD_BLOCKED_SIGNALS)
+    # Blocked inside the try: a signal handler raising just after the block returned would leave the
+    # main thread deaf to Ctrl-C and SIGTERM for good (the mask is read first, by a no-op change).
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, ())
     try:
+        signal.pthread_sigmask(signal.SIG_BLOCK, LIBRARY_THREAD_BLOCKED_SIGNALS)
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import ast
 import os
+import signal
 import sys
 import threading
 from typing import Callable, List, Set
 
+import pytest
 import requests
 
 import hf_sandbox_provider as hsp
@@ -115,3 +117,39 @@ def test_an_interrupt_as_a_job_is_watched_leaves_the_watcher_free_for_other_jobs
 
     _interrupted_once(watch_and_unwatch("main-1"))
     assert _runs_in_another_thread(watch_and_unwatch("other-1")), "the watcher's lock was left held"
+
+
+class _RaiseAfterTheNthMaskChange:
+    """A profile hook that raises KeyboardInterrupt on return from the `nth` pthread_sigmask call made by
+    proxy._library_signal_mask: where a handler of a signal that came just before could raise."""
+
+    def __init__(self, nth: int) -> None:
+        self.calls, self.nth = 0, nth
+
+    def __call__(self, frame, event: str, arg) -> None:
+        # (signal.pthread_sigmask is a Python wrapper: its C call returns inside it, called from the mask's frame)
+        if event == "c_return" and getattr(arg, "__name__", "") == "pthread_sigmask" and frame.f_back is not None and (
+                frame.f_back.f_code.co_name == "_library_signal_mask"):
+            self.calls += 1
+            if self.calls == self.nth:
+                raise KeyboardInterrupt("landed just after a mask change")
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="no per-thread signal masks")
+@pytest.mark.parametrize("nth", [1, 2])
+def test_an_interrupt_as_a_library_thread_starts_leaves_the_main_threads_signal_mask_as_it_was(nth: int) -> None:
+    # The block was made before its try: a raise right after it left SIGINT, SIGTERM and SIGALRM blocked in the
+    # main thread for good, so Ctrl-C, a SIGTERM and pytest-timeout's alarm never reached it again.
+    import proxy
+
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, ())
+    thread = threading.Thread(target=lambda: None, daemon=True)
+    sys.setprofile(_RaiseAfterTheNthMaskChange(nth))
+    try:
+        proxy._start_thread(thread)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.setprofile(None)
+        after = signal.pthread_sigmask(signal.SIG_SETMASK, before)  # (put back for the rest of the suite)
+    assert after == before, "left blocked: %s" % sorted(after - before)
