@@ -11,16 +11,15 @@ import os
 import signal
 import sys
 import threading
-from typing import Callable, List, Set
+from typing import Callable, List, Optional, Set
 
 import pytest
 import requests
 
 import hf_sandbox_provider as hsp
+from support import LIBRARY_MODULES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LIBRARY_MODULES = ["proxy.py", "proxy_host.py", "hf_sandbox_provider.py", "hf_sandbox_training.py",
-                   "hf_sandbox_cli.py", "hf_sandbox_pool.py"]
 JOIN_S = 10
 
 
@@ -74,9 +73,9 @@ class _RaiseAfterALibraryAcquire:
             raise KeyboardInterrupt("landed just after the acquire")
 
 
-def _interrupted_once(action: Callable[[], None]) -> None:
-    hook = _RaiseAfterALibraryAcquire()
-    sys.setprofile(hook)
+def _interrupted_once(action: Callable[[], None], hook: Optional[Callable[..., None]] = None) -> None:
+    """Run `action` with `hook` (by default _RaiseAfterALibraryAcquire) as the profile hook; its raise is expected."""
+    sys.setprofile(hook or _RaiseAfterALibraryAcquire())
     try:
         action()
     except KeyboardInterrupt:
@@ -143,13 +142,9 @@ def test_an_interrupt_as_a_library_thread_starts_leaves_the_main_threads_signal_
     import proxy
 
     before = signal.pthread_sigmask(signal.SIG_BLOCK, ())
-    thread = threading.Thread(target=lambda: None, daemon=True)
-    sys.setprofile(_RaiseAfterTheNthMaskChange(nth))
     try:
-        proxy._start_thread(thread)
-    except KeyboardInterrupt:
-        pass
+        _interrupted_once(lambda: proxy._start_thread(threading.Thread(target=lambda: None, daemon=True)),
+                          _RaiseAfterTheNthMaskChange(nth))
     finally:
-        sys.setprofile(None)
         after = signal.pthread_sigmask(signal.SIG_SETMASK, before)  # (put back for the rest of the suite)
     assert after == before, "left blocked: %s" % sorted(after - before)

@@ -27,8 +27,6 @@ TIMEOUT = 30.0
 HELD = 12
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What the project vendors and a trainer imports (the emulator is a test and benchmark stand-in).
-LIBRARY_MODULES = ["proxy.py", "proxy_host.py", "hf_sandbox_provider.py", "hf_sandbox_training.py",
-                   "hf_sandbox_cli.py", "hf_sandbox_pool.py"]
 
 
 @pytest.fixture(scope="module", params=["plain", "tls"])
@@ -185,7 +183,7 @@ def test_the_reactor_scan_finds_each_kind_of_reactor(tmp_path) -> None:
 
 
 def test_no_library_module_contains_a_reactor() -> None:
-    found = [use for module in LIBRARY_MODULES if os.path.exists(os.path.join(ROOT, module))
+    found = [use for module in support.LIBRARY_MODULES if os.path.exists(os.path.join(ROOT, module))
              for use in _reactor_uses(os.path.join(ROOT, module))]
     assert found == []
 
