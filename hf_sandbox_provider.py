@@ -747,7 +747,8 @@ class HFSandboxProvider:
             raise watch.error
         job = watch.job
         stage = self._observe(job) if job is not None else None
-        self._raise_if_stopped()
+        if stage not in TERMINAL_STAGES or stage in ("CANCELED", "DELETED"):  # a crash outranks a stop: its logs
+            self._raise_if_stopped()                                           # say why (start_many counts it)
         if job is not None and stage in TERMINAL_STAGES:
             tail = client.job_logs(self._job_namespace or "", self.job_id or "", tail=LOG_TAIL_LINES)
             raise JobFailedError(self.job_id or "", stage, (job.get("status") or {}).get("message"), tail)

@@ -135,3 +135,33 @@ def test_a_readiness_wait_ended_by_a_stop_does_not_tear_down_the_start_made_afte
             provider.go.set()
             provider.stop_container()
         assert emu.wait_for_stage(provider.job_id, ["CANCELED"]).stage == "CANCELED"
+
+
+class StoppedAsItSeesTheCrash(hsp.HFSandboxProvider):
+    """Has a stop requested from another thread (as start_many's abort does after another start failed) the
+    moment its start first sees its job crashed, before the start acts on it."""
+
+    def _observe(self, job):
+        stage = super()._observe(job)
+        if stage == "ERROR" and not self.stoppers:
+            self.stoppers.append(threading.Thread(target=self.stop_container))
+            self.stoppers[0].start()
+            wait_until(lambda: self.phase is Phase.STOPPING, "the stop to be requested")
+        return stage
+
+
+def test_a_start_whose_job_crashed_reports_the_crash_with_its_logs_even_when_a_stop_came_first(proxy):
+    with JobsEmulator(faults={"crash-at-boot": "boom: out of memory"}) as emu:
+        provider = StoppedAsItSeesTheCrash(IMAGE, endpoint=emu.endpoint, token=emu.token, proxy=proxy,
+                                           command=echo_server_command(), poll_interval_s=0.05)
+        provider.stoppers = []
+        try:
+            with pytest.raises(hsp.SandboxError) as info:
+                provider.start_container()
+        finally:
+            provider.stop_container()
+        provider.stoppers[0].join(JOIN_TIMEOUT_S)
+        # before: "stop_container() was called while job ... was starting", and start_many counted it as aborted
+        assert isinstance(info.value, hsp.JobFailedError), info.value
+        assert info.value.stage == "ERROR" and "boom: out of memory" in str(info.value)
+        assert provider.phase is Phase.IDLE and emu.job(provider.job_id).stage == "ERROR"
