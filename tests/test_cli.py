@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 import hf_sandbox_provider as hsp
-from hf_jobs_emulator import JobsEmulator
+from hf_jobs_emulator import JobsEmulator, spawn_process
 import support
 from support import wait_until
 
@@ -290,9 +290,11 @@ STUBBORN = "sh -c 'trap \"\" TERM; %s -m hf_jobs_emulator echo-server; sleep 30'
 
 def test_ctrl_c_during_smokes_teardown_finishes_the_cleanup_reports_and_leaves_no_process(tmp_path):
     marker = "SMOKE_TEST_MARK_%d" % os.getpid()
-    proc = subprocess.Popen([sys.executable, "-m", "hf_sandbox_provider", "smoke", "--local", "--command", STUBBORN],
-                            cwd=REPO, env=clean_env(tmp_path, **{marker: "1"}), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # spawn_process: the child gets the default SIGINT/SIGHUP even when the suite runs with them ignored
+    # (nohup, a script's background job), as the CLI keeps an ignored disposition by design.
+    proc = spawn_process([sys.executable, "-m", "hf_sandbox_provider", "smoke", "--local", "--command", STUBBORN],
+                         cwd=REPO, env=clean_env(tmp_path, **{marker: "1"}), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         lines = []
         for line in proc.stdout:  # a pipe: each stage prints its `...` line as it begins
@@ -381,8 +383,8 @@ def test_smoke_tears_down_and_prints_its_table_on_sigterm_or_sighup(tmp_path, mo
     with JobsEmulator() as emulator:
         env = hub_env(tmp_path, emulator, **{marker: "1"})
         args = ["smoke", "--command", NEVER_READY, "--timeout", "60"] + (["--local"] if mode == "local" else [])
-        proc = subprocess.Popen([sys.executable, "-m", "hf_sandbox_provider"] + args, cwd=REPO, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = spawn_process([sys.executable, "-m", "hf_sandbox_provider"] + args, cwd=REPO, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             lines = []
             for line in proc.stdout:
@@ -457,9 +459,9 @@ def test_ctrl_c_during_sweep_prints_one_line_and_exits_1(tmp_path):
         silent.listen(8)
         silent.settimeout(RUN_TIMEOUT_S)
         env = clean_env(tmp_path, HF_TOKEN="hf_sweep_ctrl_c_" + "d" * 20)
-        proc = subprocess.Popen([sys.executable, "-m", "hf_sandbox_provider", "sweep", "--endpoint",
-                                 "http://127.0.0.1:%d" % silent.getsockname()[1]], cwd=REPO, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = spawn_process([sys.executable, "-m", "hf_sandbox_provider", "sweep", "--endpoint",
+                              "http://127.0.0.1:%d" % silent.getsockname()[1]], cwd=REPO, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             connection, _ = silent.accept()  # sweep is waiting for its first answer
             proc.send_signal(signal.SIGINT)
