@@ -20,7 +20,7 @@ import pytest
 import requests
 
 import hf_jobs_emulator
-from hf_jobs_emulator import JobsEmulator
+from hf_jobs_emulator import JobsEmulator, spawn_process
 
 hub = pytest.importorskip("huggingface_hub")
 from huggingface_hub import HfApi  # noqa: E402
@@ -984,7 +984,16 @@ def group_members(pgid: int) -> List[int]:
 @pytest.mark.parametrize("how", ["exit", "interrupt"])
 def test_a_job_ignoring_sigterm_is_killed_when_its_process_exits_without_stop_or_is_interrupted_in_it(how):
     root = os.path.dirname(os.path.abspath(hf_jobs_emulator.__file__))
-    done = subprocess.run([PY, "-c", ORPHAN_SCRIPT, root, how], capture_output=True, text=True, timeout=120)
+    # spawn_process: the child gets the default SIGINT (so Python's KeyboardInterrupt) even when the suite runs
+    # with it ignored (nohup, a script's background job), as Python installs no handler for an ignored SIGINT.
+    with spawn_process([PY, "-c", ORPHAN_SCRIPT, root, how], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       text=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     lines = done.stdout.splitlines()
     pgid = int(next(line for line in lines if line.startswith("pgid ")).split()[1])
     try:

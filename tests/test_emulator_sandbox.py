@@ -623,11 +623,19 @@ def test_a_child_gets_default_dispositions_even_when_this_process_ignores_a_sign
         monkeypatch.setattr(hf_jobs_emulator, "_default_signal_env_found", [None])
     elif hf_jobs_emulator._default_signal_env() is None:
         pytest.skip("this env has no --default-signal")
-    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    # SIGHUP alone ignored here, whatever this run inherited: under nohup or a script's background job SIGINT
+    # starts ignored too (Python then installs no handler), and spawn_process would rightly reset it as well.
+    previous = {sig: signal.getsignal(sig) for sig in CHILD_SIGNALS}
     try:
+        for sig in CHILD_SIGNALS:
+            if sig == signal.SIGHUP:
+                signal.signal(sig, signal.SIG_IGN)
+            elif previous[sig] == signal.SIG_IGN:
+                signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
         child = spawn_process(["sleep", "60"])
     finally:
-        signal.signal(signal.SIGHUP, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     try:
         if reset == "gnu-env":  # no interpreter start per child (the shim's ~15 ms of CPU: 64 sandboxes ~1 CPU-s)
             env = hf_jobs_emulator._default_signal_env()

@@ -10,6 +10,7 @@ from typing import Dict, List
 import pytest
 import requests
 
+from hf_jobs_emulator import spawn_process
 from support import TEST_TOKEN
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,8 +32,10 @@ def _run(args: List[str], env: Dict[str, str]) -> subprocess.CompletedProcess:
 
 
 def test_cli_prints_the_base_url_first_forwards_with_the_token_and_stops_on_ctrl_c(upstream, tmp_path):
-    proc = subprocess.Popen([sys.executable, PROXY_PY, upstream.url, "--port", "0"], env=_env(tmp_path, TEST_TOKEN),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # spawn_process: the child gets the default SIGINT even when the suite runs with it ignored (nohup, a
+    # script's background job), as the CLI keeps an ignored disposition by design.
+    proc = spawn_process([sys.executable, PROXY_PY, upstream.url, "--port", "0"], env=_env(tmp_path, TEST_TOKEN),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         base = proc.stdout.readline().strip()  # type: ignore[union-attr]
         assert base.startswith("http://127.0.0.1:")

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import textwrap
 
-from hf_jobs_emulator import JobsEmulator, echo_server_command
+from hf_jobs_emulator import JobsEmulator, echo_server_command, spawn_process
 from support import wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,9 +39,11 @@ CHILD = textwrap.dedent('''
 def _child(emu: JobsEmulator, teardown: bool) -> subprocess.Popen:
     settings = {"endpoint": emu.endpoint, "token": emu.token, "poll_interval_s": 0.05,
                 "command": echo_server_command()}
-    return subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(settings), "teardown" if teardown else "-"],
-                            cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # spawn_process: the child gets the default SIGINT (Ctrl-C) even when the suite runs with it ignored (nohup,
+    # a script's background job), as Python installs no KeyboardInterrupt handler for an ignored SIGINT.
+    return spawn_process([sys.executable, "-c", CHILD, json.dumps(settings), "teardown" if teardown else "-"],
+                         cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _read_until(child: subprocess.Popen, line: str) -> None:
