@@ -2123,7 +2123,7 @@ def _settle(budget_s: float) -> None:
 
 def _shared_proxy(mode: Optional[str] = None) -> "_proxy.AuthProxy":
     """One loopback proxy for every provider in the process (started on first use). `mode="process"`:
-    one proxy host child process (AuthProxy.spawn) shared the same way, replaced if it died."""
+    one proxy host child process (AuthProxy.spawn) shared the same way, replaced once it ended."""
     with _shared_proxy_lock:
         shared = _shared_proxies.get(mode)
         if mode == PROXY_PROCESS and shared is not None and not shared.running:

@@ -18,6 +18,9 @@ injects the last value pushed. The alternative, the child asking the parent per 
 cache), puts a round trip through the trainer's GIL in the request path: the cost the host exists to
 remove.
 
+A child that dies without being asked (a signal, a crash: any exit but 0) is replaced on the same
+port, every route mounted again under its id, so base URLs keep working (see MAX_REVIVALS).
+
 The child ends with the parent: it watches the channel for EOF (the kernel closes the parent's end
 whatever kills it, SIGKILL included) and, on Linux, also asks for SIGTERM when its parent dies
 (PR_SET_PDEATHSIG), which covers a forked grandchild keeping the parent's end open. The kernel sends
@@ -40,7 +43,7 @@ import threading
 import time
 import traceback
 import weakref
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 
 def _sibling_proxy_module() -> object:
@@ -96,6 +99,12 @@ CONTROL_ANSWER_S = 30.0
 # How long the child may take to import and bind before spawn() gives up (a loaded 2-core machine
 # took about 0.3 s; the margin is for a cold disk cache).
 HOST_START_S = 30.0
+# A child that died of something it did not ask for (the OOM killer's SIGKILL, a crash: any end but
+# the clean exit 0 that SIGTERM, SIGHUP or the channel's EOF give) is replaced by a new one on the
+# same port, serving every route under its same URL, at most this many times within
+# REVIVAL_WINDOW_S: a child that keeps dying has a cause that a new one will not cure.
+MAX_REVIVALS = 3
+REVIVAL_WINDOW_S = 600.0
 # A control message is a mount or a log record: anything near this size is a bug or an attack.
 MAX_CONTROL_MESSAGE = 16 * 1024 * 1024
 # The child's environment: only what Python, OpenSSL and the C library read to run and verify TLS.
@@ -134,8 +143,8 @@ class AuthProxyProcess:
         self._send_lock = threading.Lock()  # one message at a time on the channel
         self._next_id = 0
         self._pending: Dict[int, "_PendingAnswer"] = {}
-        # Routes with callables: route id -> {"token"/"headers": the callable or None, and what was
-        # sent}.
+        # Every route: id -> how it was mounted ("op", "fields", "dynamic"), what was last sent
+        # ("sent"), and "token"/"headers": a callable re-read by the pusher, or None.
         self._routes: Dict[str, Dict[str, Any]] = {}
         self._sock: Optional[socket.socket] = None
         self._process: Optional["subprocess.Popen[bytes]"] = None
@@ -143,6 +152,10 @@ class AuthProxyProcess:
         self._pusher: Optional[threading.Thread] = None
         self._pusher_stop = threading.Event()
         self._ended: Optional[str] = None  # why the child no longer serves (None while it does)
+        # A revival under way (see MAX_REVIVALS): set when it ends; calls wait for it meanwhile.
+        self._revival: Optional[threading.Event] = None
+        self._reviver: Optional[threading.Thread] = None
+        self._revived_at: List[float] = []  # monotonic times of the revivals made
         self._serving = False  # the child answered `start`
         self._stopping = False
 
@@ -155,14 +168,7 @@ class AuthProxyProcess:
                 raise RuntimeError("this AuthProxyProcess was stopped; spawn a new one")
             if self._control is not None:
                 return self
-            parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            self._sock = parent_end
-            started: Dict[str, Any] = {}
-            ready = threading.Event()
-            self._control = threading.Thread(target=self._control_thread, args=(child_end, started,
-                                                                                ready),
-                                             name="proxy-host-control", daemon=True)
-            _proxy._start_thread(self._control)
+            started, ready = self._launch()
         try:
             ready.wait()
         except BaseException:  # e.g. Ctrl-C while the child starts: it must not outlive this call
@@ -174,13 +180,10 @@ class AuthProxyProcess:
             raise started["error"]  # type: ignore[misc]
         _live_hosts.add(self)
         try:
-            answer = self._call("start", timeout=HOST_START_S, host=self.host,
-                                port=self._requested_port,
-                                timeouts=self._timeouts, reuse_port=self._reuse_port)
+            self._port = self._start_child_proxy(self._requested_port)
         except BaseException:
             self.stop()
             raise
-        self._port = int(answer["port"])  # type: ignore[index, call-overload]
         self._serving = True
         # the child logged "listening" at INFO
         log.debug("proxy host process %s serves %s", self.pid, self.url)
@@ -193,6 +196,11 @@ class AuthProxyProcess:
             if self._stopping:
                 return
             self._stopping = True
+            revival, control = self._revival, self._control
+        if revival is not None and control is not threading.current_thread():
+            # (its calls fail at once now: it ends soon)
+            revival.wait(HOST_START_S + CONTROL_ANSWER_S)
+        with self._lock:
             control, process = self._control, self._process
         leftovers: List[str] = []
         on_control = control is threading.current_thread()  # from a handler of a child's log record
@@ -227,8 +235,9 @@ class AuthProxyProcess:
         self.stop()
 
     def __repr__(self) -> str:
-        state = "stopped" if self._stopping else (
-            self._ended or ("serving" if self._serving else "not started"))
+        state = "stopped" if self._stopping else self._ended or (
+            "replacing its child" if self._revival else
+            "serving" if self._serving else "not started")
         return ("AuthProxyProcess(%s, pid %s, %s)" % (self.url if self._serving else self.host,
                                                       self.pid, state))
 
@@ -250,7 +259,8 @@ class AuthProxyProcess:
 
     @property
     def running(self) -> bool:
-        """True while the child serves (False before start, after stop, or once it died)."""
+        """True while the child serves or is being replaced (False before start, after stop, or once
+        it ended for good)."""
         return self._serving and self._ended is None and not self._stopping
 
     # -- routes (same contract as AuthProxy's) -----------------------------------------------------
@@ -275,12 +285,11 @@ class AuthProxyProcess:
     def add_replica(self, base_url: str, upstream: str) -> bool:
         """As `AuthProxy.add_replica`."""
         _proxy._raise_if_rejected(_proxy._replicas_rejection([upstream]))  # the in-process message
-        return bool(self._call("add_replica", route=_proxy._route_id(base_url), upstream=upstream))
+        return self._change_replicas("add_replica", base_url, upstream)
 
     def remove_replica(self, base_url: str, upstream: str) -> bool:
         """As `AuthProxy.remove_replica`."""
-        return bool(self._call("remove_replica", route=_proxy._route_id(base_url),
-                               upstream=upstream))
+        return self._change_replicas("remove_replica", base_url, upstream)
 
     def replica_status(self, base_url: str) -> List[Dict[str, Any]]:
         """As `AuthProxy.replica_status`."""
@@ -291,10 +300,11 @@ class AuthProxyProcess:
         stopped or the child is gone, taking its routes with it); safe to call twice."""
         route_id = _proxy._route_id(base_url)
         with self._lock:
-            self._routes.pop(route_id, None)
+            recorded = self._routes.pop(route_id, None) is not None
             gone = self._stopping or self._ended is not None
+        # (a revival that took its list before this pop mounts it again, then this unmounts it)
         try:
-            return False if gone else bool(self._call("unmount", route=route_id))
+            return False if gone else bool(self._call("unmount", route=route_id)) or recorded
         except RuntimeError:
             if self._ended is None and not self._stopping:  # wedged, not gone
                 raise
@@ -304,14 +314,17 @@ class AuthProxyProcess:
 
     def _mount(self, op: str, token: Token, headers: ExtraHeaders, **fields: object) -> str:
         sent = {"token": _Pushed.of_token(token), "headers": _Pushed.of_headers(headers)}
-        answer = self._call(op, dynamic=[name for name, source in (("token", token), ("headers",
-                                                                                      headers))
-                                         if callable(source)], **_pushed_fields(sent), **fields)
+        dynamic = [name for name, source in (("token", token), ("headers", headers))
+                   if callable(source)]
+        answer = self._call(op, dynamic=dynamic, **_pushed_fields(sent), **fields)
         route_id = _proxy._route_id(answer)
-        if callable(token) or callable(headers):
+        fields.pop("route_id", None)  # (a revival names the id it had)
+        with self._lock:  # kept for a revival, and for the pusher if a callable is in it
+            self._routes[route_id] = {"op": op, "fields": fields, "dynamic": dynamic, "sent": sent,
+                                      "token": token if callable(token) else None,
+                                      "headers": headers if callable(headers) else None}
+        if dynamic:
             with self._lock:
-                self._routes[route_id] = {"token": token if callable(token) else None, "sent": sent,
-                                          "headers": headers if callable(headers) else None}
                 start_pusher = self._pusher is None
                 if start_pusher:
                     self._pusher = threading.Thread(target=self._push_tokens,
@@ -328,26 +341,43 @@ class AuthProxyProcess:
                     raise
         return str(answer)
 
+    def _change_replicas(self, op: str, base_url: str, upstream: str) -> bool:
+        """add_replica/remove_replica in the child, then in the route's record (for a revival)."""
+        route_id = _proxy._route_id(base_url)
+        changed = bool(self._call(op, route=route_id, upstream=upstream))
+        with self._lock:
+            entry = self._routes.get(route_id)
+            if changed and entry is not None and entry["op"] == "mount_replicas":
+                kept = [url for url in entry["fields"]["upstreams"] if url != upstream]
+                entry["fields"] = dict(entry["fields"], upstreams=kept + [upstream] * (
+                    op == "add_replica"))
+        return changed
+
     def _call(self, op: str, timeout: Optional[float] = None, **fields: object) -> object:
         """Send one request and wait for its answer (CONTROL_ANSWER_S by default); raise the child's
-        error as its own type."""
+        error as its own type. During a revival it first waits for the new child."""
         timeout = CONTROL_ANSWER_S if timeout is None else timeout
         if threading.current_thread() is self._control:
             raise RuntimeError("AuthProxyProcess.%s was called from a handler of a log record "
                                "re-emitted from the proxy host process, on the one thread that "
                                "reads the host's answers, so its answer could never be read; call "
                                "it from another thread" % op)
-        with self._lock:
-            if self._stopping and op != "stop":
-                raise RuntimeError("this AuthProxyProcess was stopped; spawn a new one")
-            if self._ended is not None or self._sock is None:
-                raise RuntimeError("the proxy host process is not serving (%s); spawn a new one"
-                                   % (self._ended or "not started"))
-            self._next_id += 1
-            request_id = self._next_id
-            pending = self._pending[request_id] = _PendingAnswer()
+        while True:
+            with self._lock:
+                if self._stopping and op != "stop":
+                    raise RuntimeError("this AuthProxyProcess was stopped; spawn a new one")
+                if self._ended is not None or self._sock is None:
+                    raise RuntimeError("the proxy host process is not serving (%s); spawn a new "
+                                       "one" % (self._ended or "not started"))
+                revival, sock = self._revival, self._sock
+                if revival is None or threading.current_thread() is self._reviver:
+                    self._next_id += 1
+                    request_id = self._next_id
+                    pending = self._pending[request_id] = _PendingAnswer()
+                    break
+            revival.wait(HOST_START_S)  # (bounded: a stop ends the revival's calls at once)
         try:
-            _send_message(self._sock, self._send_lock,
+            _send_message(sock, self._send_lock,
                           dict(fields, id=request_id, op=op, level=log.getEffectiveLevel()),
                           timeout)
             if not pending.done.wait(timeout):
@@ -358,7 +388,7 @@ class AuthProxyProcess:
                 self._ended = self._ended or ("it took no request for %.0f s, and was killed"
                                               % timeout)
             # a request may be cut mid-frame: the channel is done, and so is the child
-            _proxy._abort_socket(self._sock)
+            _proxy._abort_socket(sock)
             if self._process is not None:
                 self._process.kill()
             raise RuntimeError("the proxy host process %s did not take %s within %.0f s (%s)"
@@ -373,8 +403,27 @@ class AuthProxyProcess:
             raise pending.error
         return pending.result
 
-    def _control_thread(self, child_end: socket.socket, started: Dict[str, Any],
-                        ready: threading.Event) -> None:
+    def _launch(self) -> Tuple[Dict[str, Any], threading.Event]:
+        """(Under the lock.) A fresh channel, and a control thread starting a child on it: wait for
+        the event, then `started` holds any error."""
+        parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock, self._process = parent_end, None
+        started: Dict[str, Any] = {}
+        ready = threading.Event()
+        self._control = threading.Thread(target=self._control_thread, args=(parent_end, child_end,
+                                                                            started, ready),
+                                         name="proxy-host-control", daemon=True)
+        _proxy._start_thread(self._control)
+        return started, ready
+
+    def _start_child_proxy(self, port: int) -> int:
+        """Have the child start its AuthProxy on `port`; returns the port it bound."""
+        answer = self._call("start", timeout=HOST_START_S, host=self.host, port=port,
+                            timeouts=self._timeouts, reuse_port=self._reuse_port)
+        return int(answer["port"])  # type: ignore[index, call-overload]
+
+    def _control_thread(self, sock: socket.socket, child_end: socket.socket,
+                        started: Dict[str, Any], ready: threading.Event) -> None:
         """Start the child (from this thread: PR_SET_PDEATHSIG follows the starting thread), then
         read its answers and log records until the channel closes; reap the child."""
         try:
@@ -386,8 +435,7 @@ class AuthProxyProcess:
             finally:
                 child_end.close()
                 ready.set()
-            sock = self._sock
-            while sock is not None:
+            while True:
                 try:
                     message = _recv_message(sock)
                 except (OSError, ValueError) as exc:
@@ -417,7 +465,8 @@ class AuthProxyProcess:
         pending.done.set()
 
     def _channel_closed(self) -> None:
-        """The child closed the channel (it stopped, or died): fail waiters, reap it, say why."""
+        """The child closed the channel (it stopped, or died): fail waiters, reap it, say why, and
+        replace a child that died of something it did not ask for (see MAX_REVIVALS)."""
         process = self._process
         code: Optional[int] = None
         if process is not None:
@@ -427,16 +476,97 @@ class AuthProxyProcess:
                 process.kill()
                 code = process.wait(_proxy.STOP_JOIN_S)
         why = "the host process exited with code %s" % code
-        with self._lock:
-            self._ended = self._ended or why
+        if code is not None and code < 0:
+            why += " (%s)" % _signal_name(-code)
+        now = time.monotonic()
+        with self._lock:  # (one critical section: a call made after it waits for the revival)
+            recent = [at for at in self._revived_at if now - at < REVIVAL_WINDOW_S]
+            revive = (code not in (None, 0) and self._serving and self._revival is None
+                      and self._ended is None and not self._stopping and len(recent) < MAX_REVIVALS)
+            if revive:
+                self._revival, self._revived_at = threading.Event(), recent + [now]
+            else:
+                self._ended = self._ended or why
             waiting = list(self._pending.values())
         for pending in waiting:
             pending.error = RuntimeError("the proxy host process is not serving (%s)" % why)
             pending.done.set()
+        if revive:
+            log.warning("proxy host process %s ended on its own (code %s): starting another on "
+                        "port %d for its %d routes", self.pid, code, self._port, len(self._routes))
+            self._start_revival(why)
+            return
         self._pusher_stop.set()
-        if not self._stopping and code is not None:
-            log.warning("proxy host process %s ended on its own (code %s): its routes are gone",
-                        self.pid, code)
+        if not self._stopping and code is not None and self._ended == why:  # (not a revival's end)
+            log.warning("proxy host process %s ended on its own (code %s): its routes are gone%s",
+                        self.pid, code, " (replaced %d times in %.0f s: not again)" % (
+                            len(recent), REVIVAL_WINDOW_S) if len(recent) >= MAX_REVIVALS else "")
+
+    def _start_revival(self, why: str) -> None:
+        reviver = threading.Thread(target=self._revive, args=(why,), name="proxy-host-revival",
+                                   daemon=True)
+        with self._lock:
+            self._reviver = reviver
+        try:
+            _proxy._start_thread(reviver)
+        except BaseException as exc:  # e.g. a thread limit: the routes are gone after all
+            self._revival_failed(why, exc)
+            self._end_revival()
+
+    def _revive(self, why: str) -> None:
+        """Start a new child on the same port and mount every route in it again under its id."""
+        old_pid, old_control, old_sock = self.pid, self._control, self._sock
+        try:
+            if old_control is not None:
+                old_control.join(_proxy.STOP_JOIN_S)  # returning now: then its socket can close
+            if old_sock is not None:
+                old_sock.close()
+            with self._lock:
+                if self._stopping:  # stop() goes on once this ends: there is no child to stop
+                    self._ended = self._ended or why
+                    return
+                started, ready = self._launch()
+            ready.wait()
+            if "error" in started:
+                raise started["error"]
+            self._start_child_proxy(self._port)
+            with self._lock:
+                routes = list(self._routes.items())
+            lost = []
+            for route_id, entry in routes:
+                try:
+                    self._call(entry["op"], route_id=route_id, dynamic=entry["dynamic"],
+                               **_pushed_fields(entry["sent"]), **entry["fields"])
+                except Exception as exc:  # that route only (e.g. its CA file is gone since)
+                    if self._ended is not None:  # the new child is gone too (wedged: killed)
+                        raise
+                    fields = entry["fields"]
+                    lost.append("%s (%s)" % (fields.get("upstream") or fields.get("upstreams"),
+                                             exc))
+            log.warning("proxy host process %s replaced process %s on port %d: %d of its %d "
+                        "routes serve again under their URLs%s", self.pid, old_pid, self._port,
+                        len(routes) - len(lost), len(routes),
+                        "; not mounted again: " + ", ".join(lost) if lost else "")
+        except BaseException as exc:
+            self._revival_failed(why, exc)
+        finally:
+            self._end_revival()
+
+    def _revival_failed(self, why: str, error: BaseException) -> None:
+        with self._lock:
+            if self._stopping:
+                return
+            self._ended = "%s, and no new child could take its place (%s)" % (why, error)
+        log.error("proxy host: %s: its routes are gone", self._ended)
+        self._pusher_stop.set()
+        if self._sock is not None:  # a new child that did start ends on the channel's EOF
+            _proxy._abort_socket(self._sock)
+
+    def _end_revival(self) -> None:
+        with self._lock:
+            revival, self._revival, self._reviver = self._revival, None, None
+        if revival is not None:
+            revival.set()
 
     def _abandon(self) -> List[str]:
         """Close the parent's end of the channel (the child sees EOF and exits) and stop the
@@ -480,7 +610,7 @@ class AuthProxyProcess:
         end."""
         self._ended = ("this handle belongs to the process that spawned it (this one was forked "
                        "from it)")
-        self._pending = {}
+        self._pending, self._revival, self._reviver = {}, None, None
         sock, self._sock = self._sock, None
         if sock is not None:
             try:
@@ -665,6 +795,13 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return "signal %d" % number
 
 
 def _portable_verify(verify: Verify) -> Verify:

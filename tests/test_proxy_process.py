@@ -214,14 +214,159 @@ def test_a_bracketed_ipv6_host_gives_a_url_with_one_pair_of_brackets():
         assert spawned.url == "http://[::1]:%d" % spawned.port and "[[" not in repr(spawned)
 
 
-def test_unmount_once_the_host_is_stopped_or_its_child_died_returns_false(ups):
+def test_unmount_once_the_host_is_stopped_or_its_child_ended_returns_false(ups):
     spawned = AuthProxy.spawn()
     base = spawned.mount(ups["plain"].url, TOKEN)
-    os.kill(spawned.pid, signal.SIGKILL)
-    support.wait_until(lambda: not spawned.running, "the child's death to be noticed", 10)
+    os.kill(spawned.pid, signal.SIGTERM)  # a clean end, asked for: not replaced (a SIGKILL is, see below)
+    support.wait_until(lambda: not spawned.running, "the child's end to be noticed", 10)
     assert spawned.unmount(base) is False  # its routes died with it: nothing to unmount
     spawned.stop()
     assert spawned.unmount(base) is False and spawned.unmount(base) is False  # as in-process: safe twice
+
+
+# -- a child that dies on its own is replaced ----------------------------------------------------------
+
+
+def _killed_and_replaced(spawned: AuthProxyProcess, signum: int = signal.SIGKILL) -> int:
+    """Kill the child with `signum` (the OOM killer's SIGKILL, a crash's SIGSEGV); return the new pid."""
+    old = spawned.pid
+    os.kill(old, signum)
+    support.wait_until(lambda: spawned.pid != old and spawned._revival is None, "the child to be replaced", 30)
+    assert spawned.running and _gone(old)
+    return spawned.pid
+
+
+def _killed_for_good(spawned: AuthProxyProcess, base: str, upstream: str, caplog, says: str) -> None:
+    """Kill the child when the handle will not replace it: it gives up, and its calls raise `says`."""
+    with caplog.at_level(logging.WARNING, logger="proxy"):
+        os.kill(spawned.pid, signal.SIGKILL)
+        support.wait_until(lambda: not spawned.running, "the host to give up", 30)
+    with pytest.raises(RuntimeError, match=says):
+        spawned.mount(upstream, TOKEN)
+    assert spawned.unmount(base) is False
+
+
+def test_a_killed_child_is_replaced_on_the_same_port_and_every_route_serves_again_under_its_url(ups, caplog):
+    current = {"X-Custom": "first"}
+    tokens = iter(["wrong-token"] + [TOKEN] * 1000)  # the callable's first read is refused: rotated after
+    with AuthProxy.spawn() as spawned, requests.Session() as http:
+        port = spawned.port
+        plain = spawned.mount(ups["plain"].url, TOKEN, headers={"X-Custom": "fixed"})
+        rotating = spawned.mount(ups["plain"].url, lambda: next(tokens), headers=lambda: current)
+        replicas = spawned.mount_replicas([ups["plain"].url], TOKEN)
+        twin = ups["plain"].url.replace("127.0.0.1", "localhost")
+        assert spawned.add_replica(replicas, twin)
+        gone = spawned.mount(ups["plain"].url, TOKEN)
+        assert spawned.unmount(gone)
+        support.wait_until(lambda: http.get(rotating + "/r", timeout=TIMEOUT).status_code == 200,
+                           "the rotated token to be used", 10)
+        current = {"X-Custom": "second"}
+        support.wait_until(lambda: http.get(rotating + "/r", timeout=TIMEOUT).headers["X-Echo-Custom"] == "second",
+                           "the rotated header to be sent", 10)
+        with caplog.at_level(logging.WARNING, logger="proxy"):
+            _killed_and_replaced(spawned)
+        assert spawned.port == port and spawned.url in repr(spawned) and "serving" in repr(spawned)
+        answer = http.get(plain + "/r", timeout=TIMEOUT)  # a new connection: the old one died with the child
+        assert (answer.status_code, answer.headers["X-Echo-Custom"]) == (200, "fixed")
+        answer = http.get(rotating + "/r", timeout=TIMEOUT)  # the last values pushed, not the first ones
+        assert (answer.status_code, answer.headers["X-Echo-Custom"]) == (200, "second")
+        assert http.get(gone + "/r", timeout=TIMEOUT).status_code == 404  # unmounted stays unmounted
+        assert [row["upstream"] for row in spawned.replica_status(replicas)] == [ups["plain"].url, twin]
+        with support.ws_connect(support.ws_url(replicas) + "/ws") as ws:
+            ws.send("after the death")
+            assert ws.recv(timeout=TIMEOUT) == "after the death"
+        current = {"X-Custom": "third"}  # the pusher goes on with the new child
+        support.wait_until(lambda: http.get(rotating + "/r", timeout=TIMEOUT).headers["X-Echo-Custom"] == "third",
+                           "the rotated header to reach the new child", 10)
+        assert spawned.unmount(plain) and http.get(plain + "/r", timeout=TIMEOUT).status_code == 404
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("ended on its own (code -9)" in w and "starting another" in w for w in warnings), warnings
+    assert any("3 of its 3 routes serve again" in w for w in warnings), warnings
+    assert not any(TOKEN in w for w in warnings)
+
+
+def test_a_child_that_keeps_dying_is_replaced_at_most_max_revivals_times_then_its_routes_are_gone(ups, caplog):
+    with AuthProxy.spawn() as spawned:
+        base = spawned.mount(ups["plain"].url, TOKEN)
+        for _ in range(proxy_host.MAX_REVIVALS):
+            _killed_and_replaced(spawned, signal.SIGSEGV)
+        _killed_for_good(spawned, base, ups["plain"].url, caplog, "not serving .*code -9")
+        with pytest.raises(requests.ConnectionError):
+            requests.get(base + "/r", timeout=TIMEOUT)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("its routes are gone (replaced 3 times" in w for w in warnings), warnings
+
+
+class _WhenLogged(logging.Handler):
+    """Runs `action` (in a new thread unless `inline`) the first time a `proxy` record holding `text` is
+    logged: the revival's first record is logged once it is under way and before its new child starts."""
+
+    def __init__(self, text: str, action, inline: bool = False) -> None:
+        super().__init__()
+        self.text, self.action, self.inline, self.outcome, self.thread = text, action, inline, [], None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.thread is None and self.text in record.getMessage():
+            self.thread = threading.Thread(target=lambda: self.outcome.append(self.action()))
+            if self.inline:
+                self.thread.run()
+            else:
+                self.thread.start()
+
+
+def _while_replacing(spawned: AuthProxyProcess, action) -> list:
+    """Kill the child and run `action` while its revival is under way; returns [what action returned]."""
+    when = _WhenLogged("starting another", action)
+    proxy_module.log.addHandler(when)
+    try:
+        os.kill(spawned.pid, signal.SIGKILL)
+        support.wait_until(lambda: when.thread is not None, "the revival to begin", 10)
+        when.thread.join(TIMEOUT)
+    finally:
+        proxy_module.log.removeHandler(when)
+    return when.outcome
+
+
+def test_a_mount_made_while_the_child_is_replaced_waits_for_the_new_child(ups):
+    with AuthProxy.spawn() as spawned:
+        spawned.mount(ups["plain"].url, TOKEN)
+        old = spawned.pid
+        # before: "the proxy host process is not serving (... code -9); spawn a new one"
+        (base,) = _while_replacing(spawned, lambda: spawned.mount(ups["plain"].url, TOKEN))
+        assert spawned.pid != old and requests.get(base + "/r", timeout=TIMEOUT).status_code == 200
+
+
+def test_stop_during_a_revival_stops_the_new_child_and_leaves_no_process(ups):
+    spawned = AuthProxy.spawn()
+    spawned.mount(ups["plain"].url, TOKEN)
+    old = spawned.pid
+    _while_replacing(spawned, spawned.stop)
+    assert not spawned.running and "stopped" in repr(spawned)
+    assert spawned.pid == old or _gone(spawned.pid)
+    support.wait_until(lambda: not [t for t in threading.enumerate() if t.name.startswith("proxy-host-")],
+                       "the host's threads to end", 10)
+
+
+def test_a_revival_that_cannot_bind_the_port_again_ends_the_host_and_says_why(ups, caplog):
+    spawned = AuthProxy.spawn()
+    base = spawned.mount(ups["plain"].url, TOKEN)
+    squatter = socket.socket()
+    # another process takes the port before the new child binds it
+    when = _WhenLogged("starting another", lambda: (squatter.bind(("127.0.0.1", spawned.port)),
+                                                    squatter.listen(1)), inline=True)
+    proxy_module.log.addHandler(when)
+    try:
+        _killed_for_good(spawned, base, ups["plain"].url, caplog,
+                         "no new child could take its place .*Address already in use")
+    finally:
+        proxy_module.log.removeHandler(when)
+        spawned.stop()
+        squatter.close()
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert any("no new child could take its place" in e and "its routes are gone" in e for e in errors), errors
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len([w for w in warnings if "routes are gone" in w]) == 0, warnings  # said once, by the ERROR
+    assert _gone(spawned.pid)
 
 
 # -- tokens --------------------------------------------------------------------------------------------
@@ -667,6 +812,25 @@ def test_two_children_share_one_port_and_each_serves_every_route(ups):
     support.wait_until(lambda: all(_gone(pid) for pid in pids), "both children to exit", 10)
 
 
+def test_a_killed_child_of_two_is_replaced_on_the_shared_port_with_every_route(ups):
+    with AuthProxy.spawn(processes=2) as group:
+        base = group.mount(ups["plain"].url, TOKEN, headers={"X-Custom": "both"})
+        first, second = group.members
+        survivor = second.pid
+        _killed_and_replaced(first)
+        assert group.running and second.pid == survivor and first.port == second.port
+        sessions = [requests.Session() for _ in range(16)]  # the kernel spreads them over both children again
+        try:
+            answers = {(r.status_code, r.headers["X-Echo-Custom"])
+                       for r in (s.get(base + "/r", timeout=TIMEOUT) for s in sessions)}
+            held = support.open_sockets(first.pid)
+        finally:
+            for session in sessions:
+                session.close()
+        assert answers == {(200, "both")}  # the new child serves the route under the group's id
+        assert held > 2, held  # (its channel and listener, plus connections the kernel gave it)
+
+
 def test_spawn_refuses_a_bad_process_count():
     with pytest.raises(ValueError, match="processes must be a whole number"):
         AuthProxy.spawn(processes=0)
@@ -741,10 +905,10 @@ def test_a_provider_given_a_two_process_host_steps_through_both_children_and_unm
     support.wait_until(lambda: emu.jobs and all(job.stage == "CANCELED" for job in emu.jobs), "the job cancelled")
 
 
-def test_provider_replaces_a_shared_process_host_that_died(emu, fresh_process_proxy):
+def test_provider_replaces_a_shared_process_host_that_ended(emu, fresh_process_proxy):
     first = hsp._shared_proxy("process")
-    os.kill(first.pid, signal.SIGKILL)
-    support.wait_until(lambda: not first.running, "the host's death to be noticed", 10)
+    os.kill(first.pid, signal.SIGTERM)  # ended for good (a killed child is replaced by its handle itself)
+    support.wait_until(lambda: not first.running, "the host's end to be noticed", 10)
     provider = hsp.HFSandboxProvider(IMAGE, endpoint=emu.endpoint, token=emu.token, proxy="process",
                                      command=echo_server_command(), poll_interval_s=0.05)
     try:
@@ -755,13 +919,29 @@ def test_provider_replaces_a_shared_process_host_that_died(emu, fresh_process_pr
         provider.stop_container()
 
 
-def test_a_stop_after_its_proxy_host_died_still_cancels_the_job_and_warns_only_of_the_death(emu, host, caplog):
+def test_a_providers_environment_answers_again_at_its_url_after_its_proxy_host_child_was_killed(emu, host):
+    provider = hsp.HFSandboxProvider(IMAGE, endpoint=emu.endpoint, token=emu.token, proxy=host,
+                                     command=echo_server_command(), poll_interval_s=0.05)
+    try:
+        base_url = provider.start_container()
+        provider.wait_for_ready(base_url)
+        _killed_and_replaced(host)  # as the OOM killer would
+        answer = requests.post(base_url + "/step", json={"action": {"message": "after"}}, timeout=TIMEOUT)
+        assert answer.status_code == 200 and answer.json()["observation"]["echoed_message"] == "after"
+        assert provider.base_url == base_url and emu.job(provider.job_id).stage == "RUNNING"
+    finally:
+        provider.stop_container()
+    assert emu.wait_for_stage(provider.job_id, ["CANCELED"]).stage == "CANCELED"
+    assert requests.get(base_url + "/health", timeout=TIMEOUT).status_code == 404  # unmounted in the new child
+
+
+def test_a_stop_after_its_proxy_host_ended_still_cancels_the_job_and_warns_only_of_the_end(emu, host, caplog):
     provider = hsp.HFSandboxProvider(IMAGE, endpoint=emu.endpoint, token=emu.token, proxy=host,
                                      command=echo_server_command(), poll_interval_s=0.05)
     provider.start_container()
     job_id = provider.job_id
-    os.kill(host.pid, signal.SIGKILL)
-    support.wait_until(lambda: not host.running, "the host's death to be noticed", 10)
+    os.kill(host.pid, signal.SIGTERM)  # ended for good: a SIGTERM is asked for, so it is not replaced
+    support.wait_until(lambda: not host.running, "the host's end to be noticed", 10)
     provider.stop_container()
     assert emu.wait_for_stage(job_id, ["CANCELED"]).stage == "CANCELED"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

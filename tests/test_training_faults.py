@@ -74,7 +74,7 @@ def test_a_slot_reset_whose_upgrade_the_dying_proxy_child_resets_raises_a_sessio
     all_ended(emu)
 
 
-def test_after_the_proxy_child_died_resets_and_sessions_say_so_instead_of_asking_if_the_provider_runs(
+def test_after_the_proxy_child_ended_resets_and_sessions_say_so_instead_of_asking_if_the_provider_runs(
         emu, process_proxy) -> None:
     # Every reset said "Connection refused (is the provider still running?)" while the provider ran (F3).
     box = Sandbox("img:tag", proxy="process", **emu.settings)
@@ -83,8 +83,8 @@ def test_after_the_proxy_child_died_resets_and_sessions_say_so_instead_of_asking
         assert session.step({"message": "before"})["observation"]["echoed_message"] == "before"
         host = hsp._shared_proxies["process"]
         pid = host.pid
-        os.kill(pid, signal.SIGKILL)
-        wait_until(lambda: not host.running, "the proxy child's death to be noticed", 10)
+        os.kill(pid, signal.SIGTERM)  # ended for good (a killed child is replaced: see the next test)
+        wait_until(lambda: not host.running, "the proxy child's end to be noticed", 10)
         said = r"proxy process \(pid %d\) serving this URL ended: its routes are gone.*until the providers are " \
                r"restarted" % pid
         for _ in range(2):  # the kept connection is found closed, then the new one is refused
@@ -93,6 +93,25 @@ def test_after_the_proxy_child_died_resets_and_sessions_say_so_instead_of_asking
             assert "still running" not in str(caught.value)
         with pytest.raises(SessionError, match=said):
             EnvSession(url, timeout_s=TIMEOUT)
+    stop_sandboxes()
+    all_ended(emu)
+
+
+def test_after_the_proxy_child_was_killed_and_replaced_the_next_reset_runs_on_the_same_job(emu, process_proxy) -> None:
+    box = Sandbox("img:tag", proxy="process", **emu.settings)
+    url = box.wait(TIMEOUT)
+    with box.session(timeout_s=TIMEOUT) as session:
+        session.reset()
+        assert session.step({"message": "before"})["observation"]["echoed_message"] == "before"
+        host, job = hsp._shared_proxies["process"], box.job_ids[0]
+        pid = host.pid
+        os.kill(pid, signal.SIGKILL)  # as the OOM killer would
+        wait_until(lambda: host.pid != pid and host._revival is None, "the proxy child to be replaced", 30)
+        with pytest.raises(EpisodeLost):  # the episode's connection died with the child
+            session.step({"message": "during"})
+        session.reset()  # a new connection, at the same URL, to the same job
+        assert session.step({"message": "after"})["observation"]["echoed_message"] == "after"
+        assert box.job_ids == [job] and box.provider.base_url == url and host.running
     stop_sandboxes()
     all_ended(emu)
 
