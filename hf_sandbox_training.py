@@ -81,6 +81,9 @@ SESSION_REFUSAL_BODY_CHARS = 300
 JOB_GONE_PROXY_ERRORS = frozenset(["upstream-unreachable", "unknown-route", "no-live-replica", "replica-unavailable"])
 # A slot's reset refused with `proxy-busy` tries again after this long (the proxy's Retry-After).
 PROXY_BUSY_RETRY_S = 1.0
+# A slot's reset refused a connection by a proxy="process" child being replaced waits this long at most
+# for the new child (about 0.15 s with 100 routes; proxy_host gives a child's start 30 s).
+PROXY_REPLACEMENT_WAIT_S = 30.0
 # Background starts in flight at once per process; each holds one thread for its cold start, like
 # start_many's workers. More wait for a free slot (still in the background).
 BACKGROUND_MAX_PARALLEL = DEFAULT_MAX_PARALLEL
@@ -436,20 +439,44 @@ class EnvSession:
         return self._events.popleft()
 
 
-def _ended_proxy_note(host: Optional[str], port: int) -> Optional[str]:
-    """Why nothing answers at `host:port` when it is the URL of one of this process's proxies that is no
-    longer running (e.g. proxy="process" and its child died), or None when the layer cannot tell."""
+def _own_proxy(host: Optional[str], port: int, running: bool) -> Any:
+    """This process's proxy (shared, or one a Sandbox was given) listening at `host:port` whose `running`
+    is `running`, or None (also when the layer cannot tell)."""
     proxies = list(_core._shared_proxies.values())
     proxies += [provider._mounted_on for provider in _listed(_sandbox_providers)]
     for proxy in proxies:
         try:
-            if proxy is None or proxy.running:
+            if proxy is None or bool(proxy.running) != running:
                 continue
             parts = urlsplit(proxy.url)
-            if parts.port != port or (parts.hostname or "").lower() != (host or "").lower():
-                continue
+            if parts.port == port and (parts.hostname or "").lower() == (host or "").lower():
+                return proxy
         except Exception:  # a proxy object of another shape: no verdict from it
             continue
+    return None
+
+
+def _replaced_proxy_waited(error: SessionError, base_url: str) -> bool:
+    """Whether `error` (a session that could not connect) met a proxy of this process that still runs: a
+    proxy="process" child being replaced (see proxy_host.MAX_REVIVALS) has no listener for a moment. Then
+    its replacement is waited for (the route comes back at the same URL), and True."""
+    parts = urlsplit(base_url)
+    if not isinstance(error.__cause__, ConnectionRefusedError) or parts.port is None:
+        return False
+    proxy = _own_proxy(parts.hostname, parts.port, running=True)
+    if proxy is None:
+        return False
+    revival = getattr(proxy, "_revival", None)
+    if revival is not None:
+        revival.wait(PROXY_REPLACEMENT_WAIT_S)
+    return True
+
+
+def _ended_proxy_note(host: Optional[str], port: int) -> Optional[str]:
+    """Why nothing answers at `host:port` when it is the URL of one of this process's proxies that is no
+    longer running (e.g. proxy="process" and its child ended), or None when the layer cannot tell."""
+    proxy = _own_proxy(host, port, running=False)
+    if proxy is not None:
         pid = getattr(proxy, "pid", None)
         what = ("the proxy process (pid %s) serving this URL ended" % pid if pid
                 else "the proxy serving this URL stopped")
@@ -1098,6 +1125,12 @@ class _SlotSession(EnvSession):
                     if not self._gone_after_timeout(slot, job, "no answer to the WebSocket upgrade within %gs"
                                                     % upgrade_s, self.timeout_s):
                         raise  # slow but alive: replacing it would cancel a healthy job
+                    error = exc
+                    continue
+                except SessionError as exc:  # refused by the proxy's port: its child is being replaced?
+                    self._end_episode()
+                    if not _replaced_proxy_waited(exc, job.base_url or ""):
+                        raise
                     error = exc
                     continue
                 except BaseException:

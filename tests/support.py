@@ -50,6 +50,7 @@ import hashlib
 import http.server
 import ipaddress
 import json
+import logging
 import os
 import shutil
 import socket
@@ -638,6 +639,25 @@ def in_thread(action: Callable[[], object], name: str = "test-action") -> Tuple[
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
     return thread, outcome
+
+
+class WhenLogged(logging.Handler):
+    """Runs `action` the first time a record holding `text` is logged: inline (in the logging thread, before
+    the code that logged goes on), else in a thread (`in_thread`: `outcome` gets its result or exception)."""
+
+    def __init__(self, text: str, action: Callable[[], object], inline: bool = False) -> None:
+        super().__init__()
+        self.text, self.action, self.inline = text, action, inline
+        self.thread: Optional[threading.Thread] = None
+        self.outcome: List[object] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.thread is None and self.text in record.getMessage():
+            if self.inline:
+                self.thread = threading.current_thread()
+                self.outcome.append(self.action())
+            else:
+                self.thread, self.outcome = in_thread(self.action, "when-logged")
 
 
 def wait_until(predicate: Callable[[], object], what: str, timeout_s: float = 60.0) -> None:

@@ -297,26 +297,9 @@ def test_a_child_that_keeps_dying_is_replaced_at_most_max_revivals_times_then_it
     assert any("its routes are gone (replaced 3 times" in w for w in warnings), warnings
 
 
-class _WhenLogged(logging.Handler):
-    """Runs `action` (in a new thread unless `inline`) the first time a `proxy` record holding `text` is
-    logged: the revival's first record is logged once it is under way and before its new child starts."""
-
-    def __init__(self, text: str, action, inline: bool = False) -> None:
-        super().__init__()
-        self.text, self.action, self.inline, self.outcome, self.thread = text, action, inline, [], None
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if self.thread is None and self.text in record.getMessage():
-            self.thread = threading.Thread(target=lambda: self.outcome.append(self.action()))
-            if self.inline:
-                self.thread.run()
-            else:
-                self.thread.start()
-
-
 def _while_replacing(spawned: AuthProxyProcess, action) -> list:
     """Kill the child and run `action` while its revival is under way; returns [what action returned]."""
-    when = _WhenLogged("starting another", action)
+    when = support.WhenLogged("starting another", action)
     proxy_module.log.addHandler(when)
     try:
         os.kill(spawned.pid, signal.SIGKILL)
@@ -324,6 +307,7 @@ def _while_replacing(spawned: AuthProxyProcess, action) -> list:
         when.thread.join(TIMEOUT)
     finally:
         proxy_module.log.removeHandler(when)
+    assert not [o for o in when.outcome if isinstance(o, BaseException)], when.outcome
     return when.outcome
 
 
@@ -352,7 +336,7 @@ def test_a_revival_that_cannot_bind_the_port_again_ends_the_host_and_says_why(up
     base = spawned.mount(ups["plain"].url, TOKEN)
     squatter = socket.socket()
     # another process takes the port before the new child binds it
-    when = _WhenLogged("starting another", lambda: (squatter.bind(("127.0.0.1", spawned.port)),
+    when = support.WhenLogged("starting another", lambda: (squatter.bind(("127.0.0.1", spawned.port)),
                                                     squatter.listen(1)), inline=True)
     proxy_module.log.addHandler(when)
     try:

@@ -5,6 +5,7 @@ running?"); a frozen job costs one `timeout_s`-bounded reset and is replaced (re
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -15,7 +16,7 @@ import pytest
 import hf_sandbox_provider as hsp
 from hf_jobs_emulator import JobsEmulator, echo_server_command
 from hf_sandbox_provider import EnvSession, EpisodeLost, Sandbox, SessionError, SessionTimeout, stop_sandboxes
-from support import in_thread, wait_until
+from support import WhenLogged, in_thread, wait_until
 
 TIMEOUT = 30.0
 
@@ -112,6 +113,30 @@ def test_after_the_proxy_child_was_killed_and_replaced_the_next_reset_runs_on_th
         session.reset()  # a new connection, at the same URL, to the same job
         assert session.step({"message": "after"})["observation"]["echoed_message"] == "after"
         assert box.job_ids == [job] and box.provider.base_url == url and host.running
+    stop_sandboxes()
+    all_ended(emu)
+
+
+def test_a_reset_made_while_the_proxy_child_is_replaced_waits_for_it_instead_of_failing(emu, process_proxy) -> None:
+    box = Sandbox("img:tag", proxy="process", **emu.settings)
+    box.wait(TIMEOUT)
+    proxy_log = logging.getLogger("proxy")
+    with box.session(timeout_s=TIMEOUT) as session:
+        session.reset()
+        host = hsp._shared_proxies["process"]
+        # the reset begins once the replacement does, before the new child listens on the proxy's port
+        resetter = WhenLogged("starting another", session.reset)
+        proxy_log.addHandler(resetter)
+        try:
+            os.kill(host.pid, signal.SIGKILL)
+            wait_until(lambda: resetter.thread is not None, "the replacement to begin", 10)
+            resetter.thread.join(TIMEOUT)
+        finally:
+            proxy_log.removeHandler(resetter)
+        # before: SessionError "could not connect ...: Connection refused (is the provider still running?)"
+        assert isinstance(resetter.outcome[0], dict), resetter.outcome
+        assert session.step({"message": "after"})["observation"]["echoed_message"] == "after"
+        assert len(box.job_ids) == 1 and host.running
     stop_sandboxes()
     all_ended(emu)
 
