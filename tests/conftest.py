@@ -13,6 +13,8 @@ Stable fixture names other test files may rely on:
   the test fails if any job process outlived it.
 - `make_emu`: `make_emu(**JobsEmulator_kwargs)` starts an emulator (e.g. with `scheduling_delay_s`)
   whose token is watched; each is stopped after the test, which fails if a job process outlived it.
+- `fresh_hardware_lists` (autouse): forgets the hardware lists the core fetched (keyed by endpoint, and
+  emulators reuse ports).
 - `log_guard` (autouse): captures every log record (all loggers, DEBUG and up) during each test and
   fails the test if `support.TEST_TOKEN`, or any string passed to `log_guard.watch(...)`, appears in
   one. `log_guard.text()` returns the captured log output for extra assertions.
@@ -132,6 +134,15 @@ def log_guard() -> Iterator[LogGuard]:
     text = guard.text()
     for secret in guard.secrets:
         assert secret not in text, "a secret appeared in the captured log output"
+
+
+@pytest.fixture(autouse=True)
+def fresh_hardware_lists() -> None:
+    """The core asks each endpoint for its hardware list once per process, but a test's emulator may get an
+    earlier test's port: that emulator's flavors would then decide this test's flavor checks."""
+    import hf_sandbox_provider
+
+    hf_sandbox_provider._live_hardware.clear()
 
 
 @pytest.fixture
