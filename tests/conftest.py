@@ -29,6 +29,7 @@ import os
 import sys
 import threading
 import time
+import urllib.parse
 from typing import Any, Callable, Iterator, List
 
 import pytest
@@ -139,10 +140,14 @@ def log_guard() -> Iterator[LogGuard]:
 @pytest.fixture(autouse=True)
 def fresh_hardware_lists() -> None:
     """The core asks each endpoint for its hardware list once per process, but a test's emulator may get an
-    earlier test's port: that emulator's flavors would then decide this test's flavor checks."""
+    earlier test's port: that emulator's flavors would then decide this test's flavor checks. Only loopback
+    endpoints are forgotten: a mocked Hub (`responses`) keeps the list its first test fetched, since a fetch it
+    does not answer is kept in its `calls`, traceback and all, and pins the provider that made it."""
     import hf_sandbox_provider
 
-    hf_sandbox_provider._live_hardware.clear()
+    for endpoint in list(hf_sandbox_provider._live_hardware):
+        if urllib.parse.urlsplit(endpoint).hostname in ("127.0.0.1", "localhost", "::1"):
+            hf_sandbox_provider._live_hardware.pop(endpoint, None)
 
 
 @pytest.fixture
