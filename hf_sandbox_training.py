@@ -472,6 +472,13 @@ def _replaced_proxy_waited(error: SessionError, base_url: str) -> bool:
     return True
 
 
+def _own_proxy_runs(base_url: str) -> bool:
+    """Whether this process's proxy at `base_url` runs: then a `proxy-stopping` refusal there is not its own
+    but relayed from upstream (e.g. the gateway of a job going down), a 5xx like any other."""
+    parts = urlsplit(base_url)
+    return parts.port is not None and _own_proxy(parts.hostname, parts.port, running=True) is not None
+
+
 def _ended_proxy_note(host: Optional[str], port: int) -> Optional[str]:
     """Why nothing answers at `host:port` when it is the URL of one of this process's proxies that is no
     longer running (e.g. proxy="process" and its child ended), or None when the layer cannot tell."""
@@ -1110,7 +1117,8 @@ class _SlotSession(EnvSession):
                         slot.report_dead(job, "the proxy refused a session: %s" % exc.proxy_error)
                     elif exc.proxy_error == "proxy-busy":  # the proxy sheds load, the job is fine: try again
                         time.sleep(PROXY_BUSY_RETRY_S)
-                    elif exc.proxy_error not in (None, "upstream-timeout") or exc.status_code < 500:
+                    elif exc.status_code < 500 or (exc.proxy_error not in (None, "upstream-timeout") and not (
+                            exc.proxy_error == "proxy-stopping" and _own_proxy_runs(job.base_url or ""))):
                         raise  # not the job's death (a setting, the proxy, the request): the caller's to see
                     elif not _answers_health(job.base_url or ""):
                         # e.g. a pooled sandbox whose server died (its host answers for it), or a frozen job

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import time
 from typing import Iterator
 
@@ -137,6 +138,52 @@ def test_a_reset_made_while_the_proxy_child_is_replaced_waits_for_it_instead_of_
         assert isinstance(resetter.outcome[0], dict), resetter.outcome
         assert session.step({"message": "after"})["observation"]["echoed_message"] == "after"
         assert len(box.job_ids) == 1 and host.running
+    stop_sandboxes()
+    all_ended(emu)
+
+
+# A job whose gateway goes down as a session's upgrade arrives, as the emulator's does when its job is killed:
+# the first instance answers the upgrade 503 with `X-Proxy-Error: proxy-stopping` and /health 503 from then on;
+# an instance started after it (the marker file exists) is the echo server.
+GATEWAY_GOING_DOWN = """
+import os, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+marker, echo = sys.argv[1], sys.argv[2:]
+if os.path.exists(marker):
+    os.execv(echo[0], echo)
+open(marker, "w").close()
+down = []
+
+class Gateway(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self):
+        if self.headers.get("Upgrade", "").lower() == "websocket":
+            down.append(True)
+        status = 503 if down else 200
+        self.send_response(status)
+        if status == 503:
+            self.send_header("X-Proxy-Error", "proxy-stopping")
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *args):
+        pass
+
+ThreadingHTTPServer(("127.0.0.1", int(os.environ["PORT"])), Gateway).serve_forever()
+"""
+
+
+def test_a_proxy_stopping_refusal_relayed_from_a_dying_job_replaces_it_while_our_proxy_runs(emu, tmp_path) -> None:
+    # The slot took the relayed refusal for its own proxy stopping and raised it from reset() (seen once in CI).
+    command = [sys.executable, "-c", GATEWAY_GOING_DOWN, str(tmp_path / "first-started")] + echo_server_command()
+    box = Sandbox("img:tag", **dict(emu.settings, command=command))
+    first = box.wait(TIMEOUT) and box.job_ids[0]
+    with box.session(timeout_s=TIMEOUT) as session:
+        session.reset()  # before: SessionRefusedError "HTTP 503 from the proxy (proxy-stopping)"
+        assert session.step({"message": "after"})["observation"]["echoed_message"] == "after"
+        assert box.job_ids != [first]
     stop_sandboxes()
     all_ended(emu)
 
