@@ -158,6 +158,7 @@ class AuthProxyProcess:
         self._revived_at: List[float] = []  # monotonic times of the revivals made
         self._serving = False  # the child answered `start`
         self._stopping = False
+        self._stopped = threading.Event()  # set once stop() has returned
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -193,17 +194,21 @@ class AuthProxyProcess:
         """Stop the child's proxy (every connection, tunnel and thread), wait for the child to exit
         and end this handle's threads. Never raises; logs what it could not clean up."""
         with self._lock:
-            if self._stopping:
-                return
-            self._stopping = True
-            revival, control = self._revival, self._control
-        if revival is not None and control is not threading.current_thread():
+            stopping, self._stopping = self._stopping, True
+            revival, control, reviver = self._revival, self._control, self._reviver
+        if stopping:  # another thread's stop(): returns once it has (unless that one waits for us)
+            if threading.current_thread() not in (control, reviver):
+                self._stopped.wait(HOST_START_S + CONTROL_ANSWER_S + _proxy.STOP_JOIN_S * 4)
+            return
+        if revival is not None and threading.current_thread() not in (control, reviver):
             # (its calls fail at once now: it ends soon)
             revival.wait(HOST_START_S + CONTROL_ANSWER_S)
         with self._lock:
             control, process = self._control, self._process
         leftovers: List[str] = []
-        on_control = control is threading.current_thread()  # from a handler of a child's log record
+        # From a log handler on the control thread (a child's record) or the revival's: the control
+        # thread may wait for that handler's lock, so no answer is awaited from it, nor its end.
+        on_control = threading.current_thread() in (control, reviver)
         if control is not None and self._ended is None and not on_control:
             try:
                 self._call("stop")
@@ -225,6 +230,7 @@ class AuthProxyProcess:
         if self._sock is not None:
             self._sock.close()  # only now: the control thread, which reads it, has ended
         _live_hosts.discard(self)
+        self._stopped.set()
         if leftovers:
             log.warning("proxy host stopped but could not clean up: %s", ", ".join(leftovers))
 
@@ -351,6 +357,8 @@ class AuthProxyProcess:
                 kept = [url for url in entry["fields"]["upstreams"] if url != upstream]
                 entry["fields"] = dict(entry["fields"], upstreams=kept + [upstream] * (
                     op == "add_replica"))
+                # (a revival mounts an emptied route with this one, then removes it)
+                entry["removed"] = upstream
         return changed
 
     def _call(self, op: str, timeout: Optional[float] = None, **fields: object) -> object:
@@ -362,6 +370,16 @@ class AuthProxyProcess:
                                "re-emitted from the proxy host process, on the one thread that "
                                "reads the host's answers, so its answer could never be read; call "
                                "it from another thread" % op)
+        for _ in range(MAX_REVIVALS + 1):  # (sent again to each new child of a revival, at most)
+            pending = self._call_once(op, timeout, fields)
+            if not pending.retry:
+                break
+        if pending.error is not None:
+            raise pending.error
+        return pending.result
+
+    def _call_once(self, op: str, timeout: float, fields: Dict[str, object]) -> "_PendingAnswer":
+        """One attempt of `_call`: its answer, or one marked `retry` (its child died meanwhile)."""
         while True:
             with self._lock:
                 if self._stopping and op != "stop":
@@ -393,27 +411,33 @@ class AuthProxyProcess:
                 self._process.kill()
             raise RuntimeError("the proxy host process %s did not take %s within %.0f s (%s)"
                                % (self.pid, op, timeout, self._ended)) from None
-        except OSError as exc:
-            raise RuntimeError("the proxy host process is not serving "
-                               "(%s)" % (self._ended or exc)) from None
+        except OSError as exc:  # the channel broke: if the child is replaced, its end marks this
+            pending.done.wait(_proxy.STOP_JOIN_S * 3)  # (once the child is reaped)
+            if not pending.retry:
+                raise RuntimeError("the proxy host process is not serving "
+                                   "(%s)" % (self._ended or exc)) from None
         finally:
             with self._lock:
                 self._pending.pop(request_id, None)
-        if pending.error is not None:
-            raise pending.error
-        return pending.result
+        return pending
 
     def _launch(self) -> Tuple[Dict[str, Any], threading.Event]:
         """(Under the lock.) A fresh channel, and a control thread starting a child on it: wait for
         the event, then `started` holds any error."""
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock, self._process = parent_end, None
         started: Dict[str, Any] = {}
         ready = threading.Event()
-        self._control = threading.Thread(target=self._control_thread, args=(parent_end, child_end,
-                                                                            started, ready),
-                                         name="proxy-host-control", daemon=True)
-        _proxy._start_thread(self._control)
+        control = threading.Thread(target=self._control_thread, args=(parent_end, child_end,
+                                                                      started, ready),
+                                   name="proxy-host-control", daemon=True)
+        self._process = None
+        try:
+            _proxy._start_thread(control)
+        except BaseException:  # e.g. a thread limit: nothing of it is left open
+            parent_end.close()
+            child_end.close()
+            raise
+        self._sock, self._control = parent_end, control
         return started, ready
 
     def _start_child_proxy(self, port: int) -> int:
@@ -488,8 +512,10 @@ class AuthProxyProcess:
             else:
                 self._ended = self._ended or why
             waiting = list(self._pending.values())
-        for pending in waiting:
-            pending.error = RuntimeError("the proxy host process is not serving (%s)" % why)
+        for pending in waiting:  # (sent again to the new child, or failed)
+            pending.retry = revive
+            pending.error = None if revive else RuntimeError(
+                "the proxy host process is not serving (%s)" % why)
             pending.done.set()
         if revive:
             log.warning("proxy host process %s ended on its own (code %s): starting another on "
@@ -534,13 +560,17 @@ class AuthProxyProcess:
                 routes = list(self._routes.items())
             lost = []
             for route_id, entry in routes:
-                try:
+                fields = entry["fields"]
+                emptied = entry["op"] == "mount_replicas" and not fields["upstreams"]
+                try:  # (a replica route with none left is mounted with one, then emptied again)
                     self._call(entry["op"], route_id=route_id, dynamic=entry["dynamic"],
-                               **_pushed_fields(entry["sent"]), **entry["fields"])
+                               **_pushed_fields(entry["sent"]),
+                               **dict(fields, upstreams=[entry["removed"]]) if emptied else fields)
+                    if emptied:
+                        self._call("remove_replica", route=route_id, upstream=entry["removed"])
                 except Exception as exc:  # that route only (e.g. its CA file is gone since)
-                    if self._ended is not None:  # the new child is gone too (wedged: killed)
+                    if self._ended is not None or self._stopping:  # (the new child is gone too)
                         raise
-                    fields = entry["fields"]
                     lost.append("%s (%s)" % (fields.get("upstream") or fields.get("upstreams"),
                                              exc))
             log.warning("proxy host process %s replaced process %s on port %d: %d of its %d "
@@ -734,12 +764,13 @@ def _rekey_route(proxy: AuthProxy, route_id: str, wanted: str) -> str:
 
 
 class _PendingAnswer:
-    __slots__ = ("done", "result", "error")
+    __slots__ = ("done", "result", "error", "retry")
 
     def __init__(self) -> None:
         self.done = threading.Event()
         self.result: object = None
         self.error: Optional[BaseException] = None
+        self.retry = False  # its child died before answering and is being replaced: send it again
 
 
 class _Pushed(NamedTuple):

@@ -353,6 +353,71 @@ def test_a_revival_that_cannot_bind_the_port_again_ends_the_host_and_says_why(up
     assert _gone(spawned.pid)
 
 
+def test_a_replica_route_emptied_by_remove_replica_is_still_mounted_after_a_revival(ups):
+    with AuthProxy.spawn() as spawned:
+        base = spawned.mount_replicas([ups["plain"].url], TOKEN)
+        assert spawned.remove_replica(base, ups["plain"].url)  # a rolling swap: remove the old, add the new
+        _killed_and_replaced(spawned)
+        answer = requests.get(base + "/health", timeout=TIMEOUT)  # before: 404 unknown-route, the route gone
+        assert (answer.status_code, answer.headers.get("X-Proxy-Error")) == (502, "no-live-replica")
+        assert spawned.add_replica(base, ups["plain"].url) and spawned.replica_status(base)
+
+
+def test_calls_in_flight_when_the_child_dies_are_answered_by_its_replacement(ups):
+    with AuthProxy.spawn() as spawned:
+        base = spawned.mount(ups["plain"].url, TOKEN)
+        old = spawned.pid
+        os.kill(old, signal.SIGSTOP)  # stalled (e.g. memory pressure), then killed: the calls are in flight
+        mounting, mounted = support.in_thread(lambda: spawned.mount(ups["plain"].url, TOKEN))
+        unmounting, unmounted = support.in_thread(lambda: spawned.unmount(base))
+        time.sleep(0.5)
+        os.kill(old, signal.SIGKILL)
+        mounting.join(TIMEOUT)
+        unmounting.join(TIMEOUT)
+        # before: both raised "the proxy host process is not serving (... code -9 (SIGKILL))"
+        assert unmounted == [True] and isinstance(mounted[0], str), (mounted, unmounted)
+        assert spawned.pid != old and requests.get(mounted[0] + "/r", timeout=TIMEOUT).status_code == 200
+        assert requests.get(base + "/r", timeout=TIMEOUT).status_code == 404
+
+
+def test_stop_from_a_handler_of_the_revivals_record_and_from_another_thread_both_end_the_child(ups):
+    spawned = AuthProxy.spawn()
+    spawned.mount(ups["plain"].url, TOKEN)
+    old = spawned.pid
+    handler = support.WhenLogged("replaced process", spawned.stop, inline=True)  # on the revival's own thread
+    proxy_module.log.addHandler(handler)
+    try:
+        os.kill(old, signal.SIGKILL)
+        support.wait_until(lambda: handler.thread is not None or spawned._stopping, "the stop to begin", 30)
+        began = time.monotonic()
+        spawned.stop()  # before: returned at once, the new child still serving
+        took = time.monotonic() - began
+    finally:
+        proxy_module.log.removeHandler(handler)
+    new = spawned.pid
+    assert new != old and _gone(new) and not spawned.running
+    assert took < proxy_host.HOST_START_S, took  # before: the handler's stop waited 60 s for its own revival
+
+
+def test_a_stop_while_the_revival_mounts_the_routes_again_logs_no_replacement(ups, caplog):
+    spawned = AuthProxy.spawn()
+    for _ in range(200):
+        spawned.mount(ups["plain"].url, TOKEN)
+    # the new child logs that it listens before the revival mounts the routes in it
+    stopper = support.WhenLogged("proxy listening on", spawned.stop)
+    proxy_module.log.addHandler(stopper)
+    try:
+        with caplog.at_level(logging.INFO, logger="proxy"):
+            os.kill(spawned.pid, signal.SIGKILL)
+            support.wait_until(lambda: stopper.thread is not None, "the stop to begin", 30)
+            stopper.thread.join(TIMEOUT)
+    finally:
+        proxy_module.log.removeHandler(stopper)
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [m for m in said if "serve again" in m or "routes are gone" in m], said  # before: "0 of its 200"
+    assert not spawned.running and _gone(spawned.pid)
+
+
 # -- tokens --------------------------------------------------------------------------------------------
 
 
