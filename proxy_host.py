@@ -30,6 +30,7 @@ own control thread, which lives exactly as long as the child.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -329,22 +330,20 @@ class AuthProxyProcess:
             self._routes[route_id] = {"op": op, "fields": fields, "dynamic": dynamic, "sent": sent,
                                       "token": token if callable(token) else None,
                                       "headers": headers if callable(headers) else None}
-        if dynamic:
-            with self._lock:
-                start_pusher = self._pusher is None
-                if start_pusher:
-                    self._pusher = threading.Thread(target=self._push_tokens,
-                                                    name="proxy-host-tokens", daemon=True)
+            start_pusher = bool(dynamic) and self._pusher is None
             if start_pusher:
-                try:
-                    _proxy._start_thread(self._pusher)  # type: ignore[arg-type]
-                except BaseException:  # e.g. a thread limit: a later mount tries again; this one is undone
-                    with self._lock:
-                        self._pusher = None
-                        self._routes.pop(route_id, None)
-                    with contextlib.suppress(Exception):
-                        self._call("unmount", route=route_id)
-                    raise
+                self._pusher = threading.Thread(target=self._push_tokens,
+                                                name="proxy-host-tokens", daemon=True)
+        if start_pusher:
+            try:
+                _proxy._start_thread(self._pusher)  # type: ignore[arg-type]
+            except BaseException:  # e.g. a thread limit: this mount is undone, the next tries again
+                with self._lock:
+                    self._pusher = None
+                    self._routes.pop(route_id, None)
+                with contextlib.suppress(Exception):
+                    self._call("unmount", route=route_id)
+                raise
         return str(answer)
 
     def _change_replicas(self, op: str, base_url: str, upstream: str) -> bool:
@@ -616,8 +615,9 @@ class AuthProxyProcess:
         """Re-read every token and headers callable each TOKEN_PUSH_INTERVAL_S; send the child
         what changed."""
         while not self._pusher_stop.wait(TOKEN_PUSH_INTERVAL_S):
-            with self._lock:
-                routes = list(self._routes.items())
+            with self._lock:  # (a route with neither callable has nothing to re-read)
+                routes = [(route_id, entry) for route_id, entry in self._routes.items()
+                          if entry["dynamic"]]
             for route_id, entry in routes:
                 sent: Dict[str, _Pushed] = entry["sent"]  # type: ignore[assignment]
                 now = dict(sent)
@@ -917,7 +917,10 @@ def _send_message(sock: socket.socket, lock: threading.Lock, message: Dict[str, 
         raise socket.timeout("another request's send is stuck")
     try:
         writable = select.poll()  # one socket: a blocking wait for room to write, not a reactor
-        writable.register(sock, select.POLLOUT)
+        try:
+            writable.register(sock, select.POLLOUT)
+        except ValueError:  # closed since the caller took it: a revival closes the dead child's
+            raise OSError(errno.EBADF, "the control channel is closed") from None
         while frame:
             left = deadline - time.monotonic()
             if left <= 0 or not writable.poll(left * 1000):

@@ -380,6 +380,24 @@ def test_calls_in_flight_when_the_child_dies_are_answered_by_its_replacement(ups
         assert requests.get(base + "/r", timeout=TIMEOUT).status_code == 404
 
 
+def test_a_call_that_reaches_the_dead_childs_channel_after_the_revival_closed_it_goes_to_the_new_child(ups):
+    with AuthProxy.spawn() as spawned:
+        old_pid, old_channel = spawned.pid, spawned._sock
+        # the call takes the old channel, then waits its turn to send (another call is sending)
+        spawned._send_lock.acquire()
+        try:
+            mounting, mounted = support.in_thread(lambda: spawned.mount(ups["plain"].url, TOKEN))
+            time.sleep(0.2)
+            os.kill(old_pid, signal.SIGKILL)
+            support.wait_until(lambda: old_channel.fileno() == -1, "the revival to close the old channel", 30)
+        finally:
+            spawned._send_lock.release()
+        mounting.join(TIMEOUT)
+        # before: ValueError "file descriptor cannot be a negative integer (-1)", from poll.register
+        assert isinstance(mounted[0], str), mounted
+        assert spawned.pid != old_pid and requests.get(mounted[0] + "/r", timeout=TIMEOUT).status_code == 200
+
+
 def test_stop_from_a_handler_of_the_revivals_record_and_from_another_thread_both_end_the_child(ups):
     spawned = AuthProxy.spawn()
     spawned.mount(ups["plain"].url, TOKEN)
