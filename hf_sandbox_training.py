@@ -84,6 +84,8 @@ PROXY_BUSY_RETRY_S = 1.0
 # A slot's reset refused a connection by a proxy="process" child being replaced waits this long at most
 # for the new child (about 0.15 s with 100 routes; proxy_host gives a child's start 30 s).
 PROXY_REPLACEMENT_WAIT_S = 30.0
+# Meanwhile a connection is tried again this often: a few tries a replacement, each a loopback connect.
+PROXY_REPLACEMENT_POLL_S = 0.05
 # Background starts in flight at once per process; each holds one thread for its cold start, like
 # start_many's workers. More wait for a free slot (still in the background).
 BACKGROUND_MAX_PARALLEL = DEFAULT_MAX_PARALLEL
@@ -211,7 +213,7 @@ class EnvSession:
         port = parts.port or (443 if parts.scheme == "wss" else 80)
         deadline = time.monotonic() + float(connect_timeout_s)
         try:
-            self._sock: Any = socket.create_connection((parts.hostname, port), timeout=float(connect_timeout_s))
+            self._sock: Any = _dial(parts.hostname, port, deadline)
         except socket.timeout:
             raise SessionTimeout("could not connect to %s within %gs" % (self.where, connect_timeout_s)) from None
         except OSError as exc:
@@ -456,19 +458,31 @@ def _own_proxy(host: Optional[str], port: int, running: bool) -> Any:
     return None
 
 
+def _dial(host: Optional[str], port: int, deadline: float) -> socket.socket:
+    """A TCP connection to `host:port`, opened by `deadline` (else socket.timeout). Refused by a proxy of
+    this process that still runs, it is tried again until then: a proxy="process" child being replaced
+    (see proxy_host.MAX_REVIVALS) has no listener for a moment, and its routes come back at the same URLs.
+    Only the port can say when: the refusal may come before the handle has noticed the child's death."""
+    while True:
+        try:
+            return socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.001))
+        except ConnectionRefusedError:
+            if (time.monotonic() + PROXY_REPLACEMENT_POLL_S >= deadline
+                    or _own_proxy(host, port, running=True) is None):
+                raise
+            time.sleep(PROXY_REPLACEMENT_POLL_S)
+
+
 def _replaced_proxy_waited(error: SessionError, base_url: str) -> bool:
-    """Whether `error` (a session that could not connect) met a proxy of this process that still runs: a
-    proxy="process" child being replaced (see proxy_host.MAX_REVIVALS) has no listener for a moment. Then
-    its replacement is waited for (the route comes back at the same URL), and True."""
+    """Whether `error` (a session that could not connect) met a proxy of this process that still runs and
+    listens again within PROXY_REPLACEMENT_WAIT_S: a proxy="process" child that was being replaced."""
     parts = urlsplit(base_url)
     if not isinstance(error.__cause__, ConnectionRefusedError) or parts.port is None:
         return False
-    proxy = _own_proxy(parts.hostname, parts.port, running=True)
-    if proxy is None:
+    try:
+        _dial(parts.hostname, parts.port, time.monotonic() + PROXY_REPLACEMENT_WAIT_S).close()
+    except OSError:
         return False
-    revival = getattr(proxy, "_revival", None)
-    if revival is not None:
-        revival.wait(PROXY_REPLACEMENT_WAIT_S)
     return True
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from typing import Iterator
@@ -138,6 +139,59 @@ def test_a_reset_made_while_the_proxy_child_is_replaced_waits_for_it_instead_of_
         assert isinstance(resetter.outcome[0], dict), resetter.outcome
         assert session.step({"message": "after"})["observation"]["echoed_message"] == "after"
         assert len(box.job_ids) == 1 and host.running
+    stop_sandboxes()
+    all_ended(emu)
+
+
+def _refused_before_the_death_is_noticed(host, action) -> list:
+    """Kill the proxy child while the handle cannot record it (its lock held), and run `action` once the port
+    refuses connections: the refusals meet a handle that still says it runs and replaces nothing yet. Then let
+    the handle notice; returns [what `action` returned or raised]."""
+    port = host.port
+    thread = None
+    with host._lock:
+        os.kill(host.pid, signal.SIGKILL)
+        wait_until(lambda: _refuses(port), "the dead child's port to refuse connections", 10)
+        thread, outcome = in_thread(action)
+        time.sleep(0.5)
+        assert thread.is_alive(), outcome  # before: failed at once, every attempt refused
+    thread.join(TIMEOUT)
+    assert not thread.is_alive()
+    return outcome
+
+
+def _refuses(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def test_a_reset_refused_before_the_proxy_childs_death_is_noticed_waits_for_its_replacement(emu, process_proxy):
+    box = Sandbox("img:tag", proxy="process", **emu.settings)
+    box.wait(TIMEOUT)
+    with box.session(timeout_s=TIMEOUT) as session:
+        session.reset()
+        host = hsp._shared_proxies["process"]
+        outcome = _refused_before_the_death_is_noticed(host, session.reset)
+        assert isinstance(outcome[0], dict), outcome
+        assert session.step({"message": "after"})["observation"]["echoed_message"] == "after"
+        assert len(box.job_ids) == 1 and host.running
+    stop_sandboxes()
+    all_ended(emu)
+
+
+def test_an_env_session_opened_while_the_proxy_child_is_replaced_connects_to_the_new_child(emu, process_proxy):
+    box = Sandbox("img:tag", proxy="process", **emu.settings)
+    url = box.wait(TIMEOUT)
+    host = hsp._shared_proxies["process"]
+    pid = host.pid
+    # before: SessionError "could not connect ...: Connection refused (is the provider still running?)"
+    (session,) = _refused_before_the_death_is_noticed(host, lambda: EnvSession(url, timeout_s=TIMEOUT))
+    with session:
+        assert session.step({"message": "after"})["observation"]["echoed_message"] == "after"
+    assert host.pid != pid and host.running
     stop_sandboxes()
     all_ended(emu)
 
