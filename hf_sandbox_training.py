@@ -473,11 +473,12 @@ def _dial(host: Optional[str], port: int, deadline: float) -> socket.socket:
             time.sleep(PROXY_REPLACEMENT_POLL_S)
 
 
-def _replaced_proxy_waited(error: SessionError, base_url: str) -> bool:
-    """Whether `error` (a session that could not connect) met a proxy of this process that still runs and
-    listens again within PROXY_REPLACEMENT_WAIT_S: a proxy="process" child that was being replaced."""
+def _replaced_proxy_waited(base_url: str) -> bool:
+    """After a session could not be opened at `base_url` (refused, or cut during its upgrade): whether that
+    is a proxy of this process that still runs and listens within PROXY_REPLACEMENT_WAIT_S. A proxy="process"
+    child being replaced refuses connections for a moment, and its death resets those it had not accepted."""
     parts = urlsplit(base_url)
-    if not isinstance(error.__cause__, ConnectionRefusedError) or parts.port is None:
+    if parts.port is None:
         return False
     try:
         _dial(parts.hostname, parts.port, time.monotonic() + PROXY_REPLACEMENT_WAIT_S).close()
@@ -1149,9 +1150,9 @@ class _SlotSession(EnvSession):
                         raise  # slow but alive: replacing it would cancel a healthy job
                     error = exc
                     continue
-                except SessionError as exc:  # refused by the proxy's port: its child is being replaced?
+                except SessionError as exc:  # refused or cut by the proxy: its child is being replaced?
                     self._end_episode()
-                    if not _replaced_proxy_waited(exc, job.base_url or ""):
+                    if not _replaced_proxy_waited(job.base_url or ""):
                         raise
                     error = exc
                     continue

@@ -52,27 +52,47 @@ def all_ended(emu: JobsEmulator) -> None:
         assert emu.wait_for_stage(job.id, ["CANCELED", "ERROR", "COMPLETED"]).terminal, job
 
 
-def test_a_slot_reset_whose_upgrade_the_dying_proxy_child_resets_raises_a_session_error(emu, process_proxy) -> None:
-    # A raw ConnectionResetError escaped a slot session's reset() when the proxy child died mid-upgrade (F2).
-    box = Sandbox("img:tag", proxy="process", **emu.settings)
-    box.wait(TIMEOUT)
-    host = hsp._shared_proxies["process"]
-    os.kill(host.pid, signal.SIGSTOP)  # frozen: the upgrade's connection waits in its listen backlog, unread
+def _upgrade_cut_by_the_dying_proxy_child(host, action) -> list:
+    """Run `action` while the proxy child is frozen, so its WebSocket upgrade waits in the listen backlog,
+    then SIGKILL the child: the kernel resets the connections it never accepted. Returns [outcome]."""
+    os.kill(host.pid, signal.SIGSTOP)
     try:
-        session = box.session(timeout_s=TIMEOUT)
-        thread, outcome = in_thread(session.reset)
+        thread, outcome = in_thread(action)
         thread.join(0.5)
         assert thread.is_alive(), outcome  # waiting for the answer to its upgrade
     finally:
-        os.kill(host.pid, signal.SIGKILL)  # the kernel resets the connections it never accepted
+        os.kill(host.pid, signal.SIGKILL)
     thread.join(TIMEOUT)
     assert not thread.is_alive()
-    error = outcome[0]
+    return outcome
+
+
+def test_an_env_session_whose_upgrade_the_dying_proxy_child_resets_raises_a_session_error(emu, process_proxy):
+    # A raw ConnectionResetError escaped a slot session's reset() when the proxy child died mid-upgrade (F2).
+    box = Sandbox("img:tag", proxy="process", **emu.settings)
+    url = box.wait(TIMEOUT)
+    host = hsp._shared_proxies["process"]
+    (error,) = _upgrade_cut_by_the_dying_proxy_child(host, lambda: EnvSession(url, timeout_s=TIMEOUT))
     assert isinstance(error, SessionError) and not isinstance(error, SessionTimeout), repr(error)
     assert "broke during the WebSocket upgrade" in str(error) and host.url.replace("http", "ws") in str(error)
-    assert box.provider is not None and box.provider.base_url.rsplit("/", 1)[1] not in str(error)  # no route id
+    assert url.rsplit("/", 1)[1] not in str(error)  # no route id
     assert isinstance(error.__cause__, OSError)
-    session.close()
+    stop_sandboxes()
+    all_ended(emu)
+
+
+def test_a_slot_reset_whose_upgrade_the_dying_proxy_child_resets_runs_on_its_replacement(emu, process_proxy):
+    # Found by real TRL (test_trl_training.py): the reset raised "broke during the WebSocket upgrade: Connection
+    # reset by peer" to the trainer, which ended training, while the child was being replaced on the same port.
+    box = Sandbox("img:tag", proxy="process", **emu.settings)
+    box.wait(TIMEOUT)
+    host = hsp._shared_proxies["process"]
+    pid = host.pid
+    with box.session(timeout_s=TIMEOUT) as session:
+        (answer,) = _upgrade_cut_by_the_dying_proxy_child(host, session.reset)
+        assert isinstance(answer, dict), answer
+        assert session.step({"message": "after"})["observation"]["echoed_message"] == "after"
+    assert host.pid != pid and host.running and len(box.job_ids) == 1
     stop_sandboxes()
     all_ended(emu)
 

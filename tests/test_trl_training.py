@@ -162,3 +162,46 @@ def assert_nothing_left_but(emu: JobsEmulator, killed: list) -> None:
         stage = emu.wait_for_stage(job.id, ["CANCELED", "ERROR"]).stage
         assert stage == ("ERROR" if job.id in killed else "CANCELED"), job
     assert not [t.name for t in threading.enumerate() if t.name.startswith("hf-sandbox-background")]
+
+
+def test_grpo_with_the_proxy_in_a_child_process_trains_on_after_that_child_is_killed(
+        trl_example, make_emu, tmp_path) -> None:
+    # The OOM killer picks the biggest process it can free, and a proxy child holding thousands of sessions is
+    # a candidate. Training must go on with the same jobs: the child is replaced, the next resets wait for it.
+    import hf_sandbox_provider as hsp
+
+    emu = make_emu(scheduling_delay_s=0.5)
+    resets: list = []
+    killed: list = []
+
+    class ProxyKilledOnceEnv(trl_example.EchoSandboxEnv):
+        """The example's environment; the first reset of the second step SIGKILLs the proxy child after it
+        returns, so that rollout's tool call finds its connection dead."""
+
+        def reset(self, **kwargs):
+            super().reset(**kwargs)
+            resets.append(self.job_id)
+            if len(resets) == SLOTS + 1:
+                host = hsp._shared_proxies["process"]
+                killed.append(host.pid)
+                os.kill(host.pid, signal.SIGKILL)
+
+    with hsp._shared_proxy_lock:  # a child of this test's own, not one an earlier test left
+        earlier = hsp._shared_proxies.pop("process", None)
+    if earlier is not None:
+        earlier.stop()
+    try:
+        steps = train(trl_example, emu, tmp_path, env_class=ProxyKilledOnceEnv, steps=3, proxy="process")
+        host = hsp._shared_proxies["process"]
+        assert killed and host.pid != killed[0] and host.running  # replaced, not ended
+    finally:
+        with hsp._shared_proxy_lock:
+            host = hsp._shared_proxies.pop("process", None)
+        if host is not None:
+            host.stop()
+    failures = [entry["tools/failure_frequency"] for entry in steps]
+    # only the rollout whose connection died with the child failed; every later reset reached its job again
+    assert failures == [0.0, pytest.approx(1 / SLOTS), 0.0], failures
+    assert steps[2]["reward"] == pytest.approx(EXPECTED_REWARD), steps[2]
+    assert len(emu.jobs) == SLOTS  # the jobs were fine: none was replaced
+    assert_nothing_left(emu)
