@@ -1016,16 +1016,24 @@ def _unregister(watches: List[Any]) -> None:
 
 def _answers_health(base_url: str, read_timeout_s: Optional[float] = None) -> bool:
     """Whether the job behind `base_url` still answers /health with 200 (through the local proxy), its
-    answer awaited the core's probe timeout or, when shorter, `read_timeout_s`."""
+    answer awaited the core's probe timeout or, when shorter, `read_timeout_s`. A probe that could not
+    connect to a proxy child being replaced is made again on the new child: a wrong "no" replaces a
+    healthy job."""
     connect_s, read_s = _core.HEALTH_PROBE_TIMEOUT_S
     if read_timeout_s is not None:
         read_s = min(read_s, read_timeout_s)
-    try:
-        with requests.Session() as session:
-            session.trust_env = False  # loopback proxy: never through HTTP(S)_PROXY
-            return session.get(base_url.rstrip("/") + "/health", timeout=(connect_s, read_s)).status_code == 200
-    except requests.RequestException:
-        return False
+    url = base_url.rstrip("/") + "/health"
+    with requests.Session() as session:
+        session.trust_env = False  # loopback proxy: never through HTTP(S)_PROXY
+        try:
+            try:
+                return session.get(url, timeout=(connect_s, read_s)).status_code == 200
+            except requests.ConnectionError:
+                if not _replaced_proxy_waited(base_url):
+                    raise
+            return session.get(url, timeout=(connect_s, read_s)).status_code == 200
+        except requests.RequestException:
+            return False
 
 
 def _host_deadline(job: Mapping[str, Any], now: float) -> float:

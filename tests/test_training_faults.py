@@ -289,3 +289,18 @@ def test_a_frozen_job_costs_one_reset_bounded_by_timeout_s_and_is_replaced(emu) 
                 pass
     stop_sandboxes()
     all_ended(emu)
+
+
+def test_a_health_probe_made_while_the_proxy_child_is_replaced_asks_the_new_child_instead_of_saying_no(
+        emu, process_proxy):
+    # The slot asks /health whether to replace a job (after a 5xx upgrade or a timeout, and before joining a
+    # shared group): a probe refused by the port of a child being replaced said "no", and a healthy job went.
+    from hf_sandbox_training import _answers_health
+
+    box = Sandbox("img:tag", proxy="process", **emu.settings)
+    url = box.wait(TIMEOUT)
+    host = hsp._shared_proxies["process"]
+    (answer,) = _refused_before_the_death_is_noticed(host, lambda: _answers_health(url))
+    assert answer is True
+    stop_sandboxes()
+    all_ended(emu)
