@@ -51,6 +51,25 @@ def test_grpo_trains_with_one_pooled_sandbox_per_slot_on_one_host(base_trl_examp
     assert tls_emu.wait_for_stage(host.id, ["CANCELED"]).stage == "CANCELED"  # stop_sandboxes closed the pool
 
 
+@pytest.mark.skipif(bool(hf_sandbox_pool.hub_rejection()), reason=hf_sandbox_pool.hub_rejection() or "")
+def test_grpo_with_pooled_sandboxes_trains_on_after_the_proxy_child_is_killed(base_trl_example, tls_emu, tmp_path,
+                                                                              monkeypatch) -> None:
+    # Pooled routes carry each sandbox's token in a headers callable: the replacement child must get them too.
+    import hf_sandbox_provider as hsp
+
+    monkeypatch.setattr(base, "echo_server_command", lambda: ONE_SESSION_SERVER)
+    env_class, killed = base.proxy_killed_once_env(base_trl_example)
+    with base.own_process_proxy() as hosts:
+        steps = base.train(base_trl_example, tls_emu, tmp_path, env_class=env_class, steps=3, pool="trl-pool",
+                           verify=tls_emu.ca_path, proxy="process")
+        hosts.append(hsp._shared_proxies["process"])
+    assert killed and hosts[0].pid != killed[0]
+    failures = [entry["tools/failure_frequency"] for entry in steps]
+    assert failures == [0.0, pytest.approx(1 / base.SLOTS), 0.0], failures
+    assert steps[2]["reward"] == pytest.approx(base.EXPECTED_REWARD), steps[2]
+    assert len(tls_emu.jobs) == 1
+
+
 @pytest.fixture
 def base_trl_example(monkeypatch):
     """The TRL example module, as tests/test_trl_training.py's `trl_example` fixture loads it."""

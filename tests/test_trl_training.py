@@ -4,12 +4,13 @@ example's `EchoSandboxEnv` as `environment_factory`, against the emulator with a
 The tiny model always calls the `echo` tool once (tests/tiny_trl.py), so each rollout makes a real tool
 call through the proxy into a job's WebSocket session. Checked: the environment's rewards reach the
 trainer's logs, the rollout slots' cold starts overlapped (every slot's job was created before any of
-them left SCHEDULING), shared jobs use K jobs for all slots, and `close_all()` leaves no job or job
-process. Skips without TRL, except under CI (env CI set), where it fails: CI installs `.[trl]`.
+them left SCHEDULING), shared jobs use K jobs for all slots, a proxy="process" child SIGKILLed mid-training
+costs one rollout, and `close_all()` leaves no job or job process. Skips without TRL, except under CI (env CI set), where it fails: CI installs `.[trl]`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import signal
@@ -164,20 +165,17 @@ def assert_nothing_left_but(emu: JobsEmulator, killed: list) -> None:
     assert not [t.name for t in threading.enumerate() if t.name.startswith("hf-sandbox-background")]
 
 
-def test_grpo_with_the_proxy_in_a_child_process_trains_on_after_that_child_is_killed(
-        trl_example, make_emu, tmp_path) -> None:
-    # The OOM killer picks the biggest process it can free, and a proxy child holding thousands of sessions is
-    # a candidate. Training must go on with the same jobs: the child is replaced, the next resets wait for it.
+def proxy_killed_once_env(trl_example) -> tuple:
+    """(an environment class, the killed pids): the example's environment, whose first reset of the second
+    step SIGKILLs the proxy="process" child after it returns, so that rollout's tool call finds its
+    connection dead. The OOM killer picks the biggest process it can free: a proxy child holding thousands
+    of sessions is a candidate."""
     import hf_sandbox_provider as hsp
 
-    emu = make_emu(scheduling_delay_s=0.5)
     resets: list = []
     killed: list = []
 
     class ProxyKilledOnceEnv(trl_example.EchoSandboxEnv):
-        """The example's environment; the first reset of the second step SIGKILLs the proxy child after it
-        returns, so that rollout's tool call finds its connection dead."""
-
         def reset(self, **kwargs):
             super().reset(**kwargs)
             resets.append(self.job_id)
@@ -186,22 +184,45 @@ def test_grpo_with_the_proxy_in_a_child_process_trains_on_after_that_child_is_ki
                 killed.append(host.pid)
                 os.kill(host.pid, signal.SIGKILL)
 
-    with hsp._shared_proxy_lock:  # a child of this test's own, not one an earlier test left
+    return ProxyKilledOnceEnv, killed
+
+
+@contextlib.contextmanager
+def own_process_proxy():
+    """A proxy="process" child of the caller's own (not one an earlier test left), stopped after; yields a
+    list the caller may append the live handle to, for a look after training."""
+    import hf_sandbox_provider as hsp
+
+    with hsp._shared_proxy_lock:
         earlier = hsp._shared_proxies.pop("process", None)
     if earlier is not None:
         earlier.stop()
     try:
-        steps = train(trl_example, emu, tmp_path, env_class=ProxyKilledOnceEnv, steps=3, proxy="process")
-        host = hsp._shared_proxies["process"]
-        assert killed and host.pid != killed[0] and host.running  # replaced, not ended
+        yield []
     finally:
         with hsp._shared_proxy_lock:
             host = hsp._shared_proxies.pop("process", None)
         if host is not None:
             host.stop()
+
+
+@pytest.mark.parametrize("placement", [{}, {"shared": "trl-test", "replicas": 2,
+                                       "env_vars": {"MAX_CONCURRENT_ENVS": str(SLOTS)}}],
+                         ids=["a-job-per-slot", "shared-replicas"])
+def test_grpo_with_the_proxy_in_a_child_process_trains_on_after_that_child_is_killed(
+        trl_example, make_emu, tmp_path, placement) -> None:
+    # Training must go on with the same jobs: the child is replaced, and the next resets wait for it.
+    import hf_sandbox_provider as hsp
+
+    emu = make_emu(scheduling_delay_s=0.5)
+    env_class, killed = proxy_killed_once_env(trl_example)
+    with own_process_proxy() as hosts:
+        steps = train(trl_example, emu, tmp_path, env_class=env_class, steps=3, proxy="process", **placement)
+        hosts.append(hsp._shared_proxies["process"])
+    assert killed and hosts[0].pid != killed[0]  # replaced, not ended (it served the rest of training)
     failures = [entry["tools/failure_frequency"] for entry in steps]
     # only the rollout whose connection died with the child failed; every later reset reached its job again
     assert failures == [0.0, pytest.approx(1 / SLOTS), 0.0], failures
     assert steps[2]["reward"] == pytest.approx(EXPECTED_REWARD), steps[2]
-    assert len(emu.jobs) == SLOTS  # the jobs were fine: none was replaced
+    assert len(emu.jobs) == (2 if placement else SLOTS)  # the jobs were fine: none was replaced
     assert_nothing_left(emu)
