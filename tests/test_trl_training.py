@@ -4,8 +4,9 @@ example's `EchoSandboxEnv` as `environment_factory`, against the emulator with a
 The tiny model always calls the `echo` tool once (tests/tiny_trl.py), so each rollout makes a real tool
 call through the proxy into a job's WebSocket session. Checked: the environment's rewards reach the
 trainer's logs, the rollout slots' cold starts overlapped (every slot's job was created before any of
-them left SCHEDULING), shared jobs use K jobs for all slots, a proxy="process" child SIGKILLed mid-training
-costs one rollout, and `close_all()` leaves no job or job process. Skips without TRL, except under CI (env CI set), where it fails: CI installs `.[trl]`.
+them left SCHEDULING), shared jobs use K jobs for all slots, a proxy="process" child SIGKILLed
+mid-training costs one rollout, and `close_all()` leaves no job or job process. Skips without TRL,
+except under CI (env CI set), where it fails: CI installs `.[trl]`.
 """
 
 from __future__ import annotations
