@@ -478,7 +478,7 @@ def _replaced_proxy_waited(base_url: str) -> bool:
     is a proxy of this process that still runs and listens within PROXY_REPLACEMENT_WAIT_S. A proxy="process"
     child being replaced refuses connections for a moment, and its death resets those it had not accepted."""
     parts = urlsplit(base_url)
-    if parts.port is None:
+    if parts.port is None or _own_proxy(parts.hostname, parts.port, running=True) is None:
         return False
     try:
         _dial(parts.hostname, parts.port, time.monotonic() + PROXY_REPLACEMENT_WAIT_S).close()

@@ -605,7 +605,8 @@ class AuthProxyProcess:
         if sock is not None:
             _proxy._abort_socket(sock)
         pusher = self._pusher
-        if pusher is not None and pusher.ident is not None and pusher is not threading.current_thread():
+        if (pusher is not None and pusher.ident is not None
+                and pusher is not threading.current_thread()):
             pusher.join(_proxy.STOP_JOIN_S)
             if pusher.is_alive():  # in a token callable that has not returned
                 return ["thread %s" % pusher.name]
