@@ -142,6 +142,7 @@ PROXY_PROCESS = "process"  # one shared AuthProxy child process: relaying costs 
 STOP_PARALLEL = 32  # stop_all(): cancels at a time (each one API call plus a brief retry)
 STOP_WAIT_S = 30.0  # stop_container() waits for another thread's start: no job appears after it
 EXIT_SETTLE_S = 15.0  # at exit, cancels and creates still under way (e.g. a 429's wait) get this long, then are named
+RESCUE_RESERVE_S = 1.5  # of that wait (at most half), kept to list and cancel a job that a create still under way made
 _NEVER = threading.Event()  # the stop of a Jobs API call no stop gives up: never set
 # huggingface_hub's JobStage: the live ones in the order a job passes them, then the terminal ones.
 LIVE_STAGES = ("SCHEDULING", "RUNNING")
@@ -253,8 +254,7 @@ class JobsAPIError(SandboxError):
                  request_id: Optional[str] = None, hint: Optional[str] = None):
         self.action, self.status_code, self.server_message = action, status_code, server_message
         self.request_id, self.may_have_acted = request_id, True
-        super().__init__("%s failed: %s%s%s%s" % (
-            action, "HTTP %d" % status_code if status_code else "no answer",
+        super().__init__("%s failed: %s%s%s%s" % (action, "HTTP %d" % status_code if status_code else "no answer",
             ": " + server_message if server_message else "",
             " (request id %s)" % request_id if request_id else "", ". " + hint if hint else ""))
 
@@ -653,17 +653,17 @@ class HFSandboxProvider:
             logger.info("submitting HF job: image=%s flavor=%s namespace=%s", settings["image"],
                         settings["flavor"], namespace)
             with _unsettled_while("the create of start %s" % start_label, "sweep --label %s=%s" % (
-                    START_LABEL_KEY, start_label)):
+                    START_LABEL_KEY, start_label), lambda: _cancel_labelled(client, namespace, start_label)):
                 job = client.create_job(namespace, _job_body(settings, start_label), {START_LABEL_KEY: start_label},
                                         self._stop_requested, lambda: setattr(self, "_twin_label", start_label))
-            with self._lock:
-                self.job_id, self._job_namespace = str(job["id"]), namespace
-                self.job_url = "%s/jobs/%s/%s" % (self.endpoint, namespace, self.job_id)
-                self._move(Phase.STARTING)  # from here on every teardown cancels this job
-                self.timings["created"] = self._elapsed()
+                with self._lock:
+                    self.job_id, self._job_namespace = str(job["id"]), namespace
+                    self.job_url = "%s/jobs/%s/%s" % (self.endpoint, namespace, self.job_id)
+                    self._move(Phase.STARTING)  # from here on every teardown cancels this job
+                    self.timings["created"] = self._elapsed()
+                recorded = True
+                self._swap_finalizer(self._safety_net(client, None, None))
             logger.info("HF job %s created (%.1fs after submit): %s", self.job_id, self._elapsed(), self.job_url)
-            recorded = True
-            self._swap_finalizer(self._safety_net(client, None, None))
             self._observe(job)
             watch = self._watch_job(client, job)
             try:
@@ -2091,34 +2091,37 @@ if hasattr(os, "register_at_fork"):
 _shared_proxies: Dict[Optional[str], Any] = {}  # by mode, None or "process" (see _shared_proxy)
 _shared_proxy_lock = threading.Lock()
 _live_finalizers: "set[weakref.finalize]" = set()  # running providers' safety nets (weak)
-# Cancels and creates under way, each with the sweep that finds its job, by (what, thread): two threads may cancel one
-# job. The exit and signal teardowns wait for other threads' (within their budget), then name each left: it may run (and
-# bill) on. No lock: each dict operation is atomic, and a lock the main thread enters is one a signal handler's raise
-# can leave held for ever (a Condition's __enter__ is Python code: the raise can land after its acquire).
-_unsettled: Dict[Tuple[str, int], str] = {}
+# Cancels and creates under way by (what, thread) (two threads may cancel one job): the sweep that finds the job, and
+# for a create the rescue that cancels what it made, found by its start label (see _settle). No lock: dict operations
+# are atomic, and a signal handler's raise can leave a lock the main thread enters held for ever (a Condition's
+# __enter__ is Python code: the raise can land after its acquire).
+_unsettled: Dict[Tuple[str, int], Tuple[str, Optional[Callable[[], List[str]]]]] = {}
 
 
 @contextlib.contextmanager
-def _unsettled_while(what: str, sweep: str) -> Iterator[None]:
+def _unsettled_while(what: str, sweep: str, rescue: Optional[Callable[[], List[str]]] = None) -> Iterator[None]:
     key = (what, threading.get_ident())
     try:
-        _unsettled[key] = sweep
+        _unsettled[key] = (sweep, rescue)
         yield
     finally:
         _unsettled.pop(key, None)
 
 
-def _settle(budget_s: float) -> None:
-    """Wait up to `budget_s` for the cancels and creates other threads have under way, then warn naming each one
-    left (this process is ending: it dies with them) and the sweep that cancels its job."""
+def _settle(budget_s: float, stuck: Optional[int] = None) -> None:
+    """Wait up to `budget_s` for other threads' cancels and creates (not thread `stuck`'s: a signal interrupted it),
+    cancel the job each create left made if the Hub lists it, then name each left and the sweep that cancels its job."""
     me, deadline = threading.get_ident(), time.monotonic() + budget_s
-    while any(ident != me for _, ident in list(_unsettled)) and time.monotonic() < deadline:
+    waited = deadline - min(RESCUE_RESERVE_S, budget_s / 2)
+    while any(ident not in (me, stuck) for _, ident in list(_unsettled)) and time.monotonic() < waited:
         time.sleep(0.05)  # (a poll: at exit only, and no lock where a signal may land)
-    left = sorted({what: sweep for (what, _), sweep in list(_unsettled.items())}.items())  # a job named once
-    for what, sweep in left:
-        logger.warning("%s had not ended as this process exits (the Hub was slow or refusing calls): its job "
-                       "may run (and bill) until its timeout; cancel it with `python -m hf_sandbox_provider %s`",
-                       what, sweep)
+    left = {what: entry for (what, _), entry in list(_unsettled.items())}  # a job named once
+    rescued: Dict[str, List[str]] = {}  # what -> the rescue's problems ([]: cancelled)
+    _in_parallel([lambda what=what, rescue=rescue: rescued.__setitem__(what, rescue()) for what, (_, rescue)
+                  in left.items() if rescue is not None], max(0.0, deadline - time.monotonic()))
+    for what, (sweep, _) in sorted(item for item in left.items() if rescued.get(item[0]) != []):  # not cancelled
+        logger.warning("%s had not ended as this process exits (the Hub was slow or refusing calls): its job may run "
+                       "(and bill) until its timeout; cancel it with `python -m hf_sandbox_provider %s`", what, sweep)
 
 
 def _shared_proxy(mode: Optional[str] = None) -> "_proxy.AuthProxy":

@@ -1467,16 +1467,20 @@ def _listed(guarded: Iterable[Any]) -> List[Any]:
         return list(guarded)
 
 
-def _teardown_process(budget_s: float) -> None:
+def _teardown_process(budget_s: float, interrupted: Optional[int] = None) -> None:
     """Cancel every job this process runs or is starting, in parallel, within `budget_s`: every
-    slot, background starts (waiting for creates in flight), then every provider's safety net."""
+    slot, background starts (waiting for creates in flight), then every provider's safety net.
+    `interrupted`: the thread a signal interrupted, whose create in flight cannot end meanwhile."""
     deadline = time.monotonic() + budget_s
     safety_nets = list(_live_finalizers)  # each cancels one running job at most once, provider or not
     # The slots and starts come from under locks an interrupted main thread may hold (a signal's teardown):
     # they are listed in a thread of their own, so the safety nets, which take none, go out meanwhile.
     _in_parallel(safety_nets + [lambda: _in_parallel(_stops(budget_s), budget_s)], budget_s)
     _in_parallel(list(_live_finalizers), max(0.0, deadline - time.monotonic()))  # jobs recorded meanwhile
-    _core._settle(max(0.0, deadline - time.monotonic()))  # cancels and creates still under way: waited for, or named
+    # Creates and cancels still under way (start_many's, a user's threads'): waited for, rescued, or named;
+    # then the safety nets of the jobs those creates recorded meanwhile.
+    _core._settle(max(0.0, deadline - time.monotonic()), stuck=interrupted)
+    _in_parallel(list(_live_finalizers), max(0.0, deadline - time.monotonic()))
 
 
 def _stop_background_starts_at_exit() -> None:
@@ -1607,7 +1611,7 @@ def _on_teardown_signal(signum: int, frame: Any) -> None:
     _signal_teardown_active.set()
     try:
         logger.warning("signal %d: cancelling this process's HF jobs before it exits", signum)
-        worker = threading.Thread(target=_teardown_process, args=(SIGNAL_TEARDOWN_BUDGET_S,),
+        worker = threading.Thread(target=_teardown_process, args=(SIGNAL_TEARDOWN_BUDGET_S, threading.get_ident()),
                                   name="hf-sandbox-signal-teardown", daemon=True)
         try:
             _start_thread(worker)

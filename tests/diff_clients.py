@@ -20,6 +20,8 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CLIENT_TIMEOUT_S = 10.0
+# A test upstream asked to stop is killed after this long: a clean exit is not what any test checks.
+UPSTREAM_STOP_GRACE_S = 2.0
 
 # Headers left out of the comparison: hop-by-hop ones (RFC 9110 section 7.6.1, which a proxy must
 # not forward and re-frames: chunked vs close-delimited), and Date (a clock, not content).
@@ -331,8 +333,8 @@ class UpstreamProcess:
 
     def stop(self) -> None:
         self.process.terminate()
-        try:
-            self.process.wait(10)
+        try:  # (uvicorn waits for handlers still in flight, e.g. a test's 30 s wait the proxy gave up on)
+            self.process.wait(UPSTREAM_STOP_GRACE_S)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait(10)

@@ -692,3 +692,15 @@ def vendored_package(parent: str, name: str, modules: Sequence[str]) -> str:
     for module in modules:
         shutil.copyfile(os.path.join(REPO_ROOT, module), os.path.join(package, module))
     return package
+
+
+def signalled(child: "subprocess.Popen", signum: int, timeout_s: float) -> Tuple[str, str]:
+    """Send `signum` to `child` and return its (stdout, stderr) once it ended; a child still running after
+    `timeout_s` is killed (the test fails on the timeout, and no process outlives it)."""
+    try:
+        child.send_signal(signum)
+        return child.communicate(timeout=timeout_s)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()

@@ -19,7 +19,7 @@ import hf_sandbox_provider
 import hf_sandbox_training
 from hf_jobs_emulator import JobsEmulator, echo_server_command
 from hf_sandbox_provider import install_signal_teardown, uninstall_signal_teardown
-from support import wait_until
+from support import signalled, wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLOTS = 4
@@ -121,6 +121,61 @@ def test_sigterm_while_every_create_is_in_flight_waits_for_the_answers_and_cance
     out, err = child.communicate(timeout=CHILD_TIMEOUT_S)
     assert child.returncode == -signal.SIGTERM, (out, err)
     assert_every_job_cancelled(slow_emu, SLOTS + 2)
+
+
+# A provider-level trainer: `start_many` (its creates run on worker threads) or one `start_container()` on the
+# main thread, the signal landing while the Hub holds the create answers.
+PROVIDER_CHILD = textwrap.dedent('''
+    import json, sys, time
+    from hf_sandbox_provider import HFSandboxProvider, install_signal_teardown
+
+    settings, how = json.loads(sys.argv[1]), sys.argv[2]
+    print("installed %s" % install_signal_teardown(), flush=True)
+    print(how, flush=True)
+    if how == "start_many":
+        HFSandboxProvider.start_many(SLOTS, "img:tag", progress=False, **settings)
+    else:
+        HFSandboxProvider("img:tag", **settings).start_container()
+    for _ in range(240):
+        time.sleep(0.5)
+    print("not killed", flush=True)
+''').replace("SLOTS", str(SLOTS))
+
+
+def sigterm_while_creates_are_held(emu: JobsEmulator, how: str, count: int, held_s: float) -> str:
+    """Run PROVIDER_CHILD, SIGTERM it once the Hub holds `count` create answers (each `held_s`); returns its
+    stderr."""
+    emu.delay_next_create_answers(count, held_s)
+    settings = dict(endpoint=emu.endpoint, token=emu.token, command=echo_server_command(), poll_interval_s=0.1)
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+    child = subprocess.Popen([sys.executable, "-c", PROVIDER_CHILD, json.dumps(settings), how], cwd=ROOT, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "installed True"
+        assert child.stdout.readline().strip() == how
+        wait_until(lambda: emu.create_answers_held == count, "the creates to be in flight", timeout_s=CHILD_TIMEOUT_S)
+    finally:
+        out, err = signalled(child, signal.SIGTERM, CHILD_TIMEOUT_S)
+    assert child.returncode == -signal.SIGTERM, (out, err)
+    return err
+
+
+def test_sigterm_while_start_manys_creates_are_in_flight_cancels_each_job_once_answered(make_emu) -> None:
+    # The creates answered after the teardown had run the safety nets: their jobs got safety nets nothing ran
+    # any more, and the process died with every job running and not a word (found by review).
+    emu = make_emu(scheduling_delay_s=0.5)
+    err = sigterm_while_creates_are_held(emu, "start_many", SLOTS, CREATE_ANSWER_S)
+    assert_every_job_cancelled(emu, SLOTS)
+    assert "had not ended" not in err, err
+
+
+def test_sigterm_while_the_main_threads_create_waits_for_its_answer_cancels_the_job_it_made_at_once(make_emu):
+    # The handler runs on the thread holding the create, so its answer cannot arrive: the teardown waited its
+    # whole budget for it, warned, and the process died with the job running (found by review).
+    emu = make_emu(scheduling_delay_s=0.5)
+    err = sigterm_while_creates_are_held(emu, "start_container", 1, CHILD_TIMEOUT_S)
+    assert_every_job_cancelled(emu, 1)
+    assert "had not ended" not in err, err  # before: the whole budget waited, then this warning
 
 
 @pytest.mark.slow

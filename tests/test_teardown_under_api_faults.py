@@ -13,7 +13,7 @@ import sys
 import textwrap
 
 from hf_jobs_emulator import JobsEmulator, echo_server_command, spawn_process
-from support import wait_until
+from support import signalled, wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENVS = 4
@@ -75,21 +75,34 @@ def test_ctrl_c_during_a_stop_all_whose_cancels_wait_out_a_429_still_cancels_eve
     assert sorted(job.stage for job in emu.jobs) == ["CANCELED"] * ENVS, err
 
 
-def test_sigterm_while_creates_wait_longer_than_the_teardown_names_each_unanswered_create_with_its_sweep(make_emu):
-    emu = make_emu()
-    emu.delay_next_create_answers(ENVS, 12.0)  # the Hub makes each job at once and answers after the teardown
+def _sigterm_while_creates_wait_longer_than_the_teardown(emu: JobsEmulator) -> str:
+    """SIGTERM a start_many child while the Hub, which made every job at once, holds each create's answer
+    past the signal teardown's budget; returns the child's stderr."""
+    emu.delay_next_create_answers(ENVS, 12.0)
     child = _child(emu, teardown=True)
     try:
         _read_until(child, "starting")
         wait_until(lambda: len(emu.jobs) == ENVS, "every job to be made while its create waits")
-        child.send_signal(signal.SIGTERM)
-        _, err = child.communicate(timeout=CHILD_TIMEOUT_S)
     finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
+        _, err = signalled(child, signal.SIGTERM, CHILD_TIMEOUT_S)
     assert child.returncode == -signal.SIGTERM, err
-    # before: the teardown waited its 4 s, the process died, and no line named any job or label
+    return err
+
+
+def test_sigterm_while_creates_wait_longer_than_the_teardown_cancels_each_job_found_by_its_start_label(make_emu):
+    emu = make_emu()
+    err = _sigterm_while_creates_wait_longer_than_the_teardown(emu)
+    # before: each create was named with its sweep, and its job ran on until the Hub's timeout
+    for job in emu.jobs:
+        assert emu.wait_for_stage(job.id, ["CANCELED"]).stage == "CANCELED", (job, err)
+    assert "had not ended" not in err, err
+
+
+def test_sigterm_while_creates_wait_and_the_listing_fails_names_each_unanswered_create_with_its_sweep(make_emu):
+    emu = make_emu()
+    emu.inject_server_errors(1000, routes=["list"])  # nothing can be looked up by its start label
+    err = _sigterm_while_creates_wait_longer_than_the_teardown(emu)
+    # before the names: the teardown waited its 4 s, the process died, and no line named any job or label
     named = re.findall(r"the create of start (\w+) had not ended as this process exits .* `python -m "
                        r"hf_sandbox_provider sweep --label hf-sandbox-start=(\w+)`", err)
     assert sorted(label for label, again in named if label == again) == sorted(
