@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import os
 import re
 import shlex
 import sys
@@ -561,6 +562,20 @@ def _host_cancelled_by_us(sandbox: Any) -> bool:
 
 _pools_lock = threading.Lock()
 _pools: Dict[Tuple[Any, ...], _NamedPool] = {}
+
+
+def _forget_pools_after_fork() -> None:
+    """A forked child owns none of the parent's pools (as of its jobs, see the core's _reset_after_fork): they
+    are forgotten, not closed, so its exit or stop_sandboxes() cancels no host job of the parent's, and its own
+    starts get pools of their own. The lock is new: a parent thread may have held it at the fork."""
+    global _pools_lock
+    _pools_lock = threading.Lock()
+    _pools.clear()
+    _cancelled_hosts.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools_after_fork)
 
 
 def prewarm(provider: "_core.HFSandboxProvider", n: int, boot: bool = True) -> None:

@@ -825,6 +825,37 @@ def test_the_core_vendored_with_the_pool_layer_runs_a_pooled_environment(pool_en
     wait_until(lambda: all(job.stage in ("CANCELED", "COMPLETED") for job in emu.jobs), "the host job to end")
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("how", ["exit", "stop_sandboxes"])
+def test_a_forked_childs_exit_or_stop_sandboxes_leaves_the_parents_pool_host_and_environment_serving(pool_env, how):
+    # A fork worker inherited the named pools: its normal exit (the pool layer's exit hook) or its
+    # stop_sandboxes() closed them, cancelling the parent's host job and every environment on it (found by review).
+    from hf_sandbox_provider import stop_sandboxes
+
+    emu = pool_env()
+    with AuthProxy() as proxy:
+        p = provider(emu, proxy, pool="forked")
+        p.wait_for_ready(p.start_container())
+        host = p._pooled.host_id
+        pid = os.fork()
+        if pid == 0:  # the child: whatever happens, it leaves through os._exit
+            code = 1
+            try:
+                if how == "stop_sandboxes":
+                    stop_sandboxes()
+                else:  # the pool layer's exit hook (not every atexit hook of pytest's process: the emulator's)
+                    hf_sandbox_pool._close_pools_at_exit()
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        time.sleep(0.5)  # a cancel the child sent would have ended the host by now
+        assert emu.job(host).stage == "RUNNING"
+        assert requests.get(p.base_url + "/health", timeout=TIMEOUT).status_code == 200
+        p.stop_container()
+
+
 # -- interrupted boots, failed closes, top-ups and labels (review findings F1-F6, F12) ---------------
 
 
