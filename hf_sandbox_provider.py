@@ -86,8 +86,7 @@ DEFAULT_READY_TIMEOUT_S = 300.0  # from URL to a 200 on /health: image pull plus
 # The job watcher makes ONE call per interval for the whole process (a `list` by this process's label):
 DEFAULT_POLL_INTERVAL_S = 0.5  # a stage change is seen within 0.5 s for at most 60 calls per 30 s wave
 MAX_SECONDS = 1e9  # longer durations are refused: no job runs 30 years, and a wait that long overflows the clock
-# Jobs that waited this long are slow (minutes): refreshed at most every WATCH_SLOW_INTERVAL_S.
-WATCH_SLOWDOWN_AFTER_S = 30.0
+WATCH_SLOWDOWN_AFTER_S = 30.0  # jobs that waited this long are slow (minutes): refreshed every WATCH_SLOW_INTERVAL_S
 WATCH_SLOW_INTERVAL_S = 5.0  # so a long wait costs ~60 calls per 5 minutes instead of ~600
 # /health is probed through the local proxy (no API call) quickly at first, then less often up to the cap.
 HEALTH_PROBE_FIRST_S = 0.05  # a fast boot is seen within ~0.1 s
@@ -133,9 +132,8 @@ RATE_LIMIT_RESET_MARGIN_S = 1.0  # added to a 429's reset, as huggingface_hub do
 # Jobs missing from the watcher's `list` (ended, or not listed yet) inspected per refresh, at most:
 WATCH_MAX_INSPECTS = 8  # a burst of endings cannot turn one call per interval into hundreds
 DEFAULT_MAX_PARALLEL = 64  # start_many(): at once by default (spreads the creates and probes)
-# start_many(progress=True): at most a line per this fraction of the environments or this many seconds.
-PROGRESS_STEP = 0.05
-PROGRESS_INTERVAL_S = 1.0
+PROGRESS_STEP = 0.05  # start_many(progress=True): at most a line per this fraction of the environments ...
+PROGRESS_INTERVAL_S = 1.0  # ... or this many seconds
 MAX_REPLICAS = 64  # jobs behind one route; beyond, use start_many() or several providers
 REPLICA_CHECK_INTERVAL_S = 5.0  # replica_status() inspects a sick replica this often (API budget)
 PROXY_PROCESS = "process"  # one shared AuthProxy child process: relaying costs the trainer no GIL
@@ -1637,7 +1635,8 @@ class _JobsClient:
 
     def list_jobs(self, namespace: str, labels: Optional[Mapping[str, str]] = None, stages: Sequence[str] = (),
                   retries: int = API_MAX_RETRIES, teardown: bool = False) -> List[Dict[str, Any]]:
-        """Jobs with all these labels and one of these stages, following the API's pagination links."""
+        """Jobs with all these labels and one of these stages, following next-page links. A job that names its labels
+        must carry them too: a listing that ignored the filter hands over no other job to adopt or cancel."""
         params: Any = [("label", "%s=%s" % item) for item in (labels or {}).items()] + [("stage", s) for s in stages]
         path: Optional[str] = "/api/jobs/%s" % namespace
         jobs: List[Dict[str, Any]] = []
@@ -1645,7 +1644,9 @@ class _JobsClient:
             links: List[Optional[str]] = []
             payload = self._json("GET", path or "", "listing jobs", params=params, retries=retries, next_links=links,
                                  teardown=teardown)
-            jobs += [job for job in payload if isinstance(job, dict)] if isinstance(payload, list) else []
+            jobs += [job for job in (payload if isinstance(payload, list) else []) if isinstance(job, dict) and (
+                "labels" not in job or all(isinstance(job["labels"], dict) and job["labels"].get(k) == v
+                                           for k, v in (labels or {}).items()))]
             path, params = links[-1] if links else None, None  # the next link carries the query
             if path is None:
                 return jobs

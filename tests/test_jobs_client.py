@@ -632,6 +632,18 @@ def test_lost_create_response_adopts_the_job_found_by_its_start_label(api):
     assert "label=hf-sandbox-start%3Ds1" in listing
 
 
+def test_a_lost_create_never_adopts_a_listed_job_without_its_start_label(api):
+    # A listing that ignored the label filter handed the lookup another user's job, which the provider adopted
+    # (and later cancelled) while its own job ran on unseen (found by review).
+    api.add(responses.POST, ENDPOINT + "/api/jobs/alice", body=requests.ConnectionError("reset by peer"))
+    api.add(responses.POST, ENDPOINT + "/api/jobs/alice", json=job_json("j-mine"))
+    api.add(responses.GET, ENDPOINT + "/api/jobs/alice",
+            json=[dict(job_json("j-bobs"), labels={"hf-sandbox-start": "another"}), dict(job_json("j-x"), labels=None)])
+    job = hsp._JobsClient(ENDPOINT, fresh_token()).create_job("alice", BODY, LABEL)
+    assert job["id"] == "j-mine"  # none listed carried its label: sent again, as for an empty listing
+    assert len(calls_to(api, "POST", "/api/jobs/alice")) == 2
+
+
 def test_5xx_on_create_looks_up_the_label_then_reposts_when_no_job_exists(api):
     api.add(responses.POST, ENDPOINT + "/api/jobs/alice", status=502)
     api.add(responses.POST, ENDPOINT + "/api/jobs/alice", json=job_json("j2"))

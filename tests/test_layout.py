@@ -147,6 +147,11 @@ def test_a_vendored_copy_without_the_emulator_refuses_smoke_local_in_one_sentenc
     bench = subprocess.run([sys.executable, "-m", "vendored.hf_sandbox_provider", "bench", "--local"],
                            cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert bench.returncode == 2 and "benchmarks/lifecycle.py" in bench.stderr and "Traceback" not in bench.stderr
+    env["HF_TOKEN"], env["HF_ENDPOINT"] = "hf_unused_" + "x" * 20, "http://127.0.0.1:9"  # (no call is made)
+    sweep = subprocess.run([sys.executable, "-m", "vendored.hf_sandbox_provider", "sweep", "--pool", "mypool"],
+                           cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    lines = sweep.stderr.strip().splitlines()  # before: an ImportError's traceback
+    assert sweep.returncode == 2 and len(lines) == 1 and "hf_sandbox_pool.py" in lines[0], sweep.stderr
 
 
 @pytest.mark.slow  # fresh interpreters importing requests, huggingface_hub and openenv
