@@ -252,7 +252,10 @@ class PooledSandbox:
             if reason:
                 raise _core.InsecureURLError(reason)
             command = server_command(settings["command"], self.port, _core._parse_duration(settings["job_timeout"]))
-            process = sandbox.run(command, background=True)
+            try:  # (not retried: a request that reached the host may have started the server)
+                process = sandbox.run(command, background=True)
+            except Exception as exc:  # e.g. the host answered 502, or evicted the sandbox meanwhile (404)
+                raise _as_library_error("starting the server in sandbox %s" % sandbox.id, exc) from None
             self.process_id = process.id
             owner._raise_if_stopped()
             proxy = owner._proxy_instance()
@@ -328,11 +331,7 @@ class PooledSandbox:
                     if owner._stop_requested.wait(delay):
                         owner._raise_if_stopped()
                     continue
-                if status is not None:
-                    raise _core.JobsAPIError("creating a sandbox in pool %s" % pool.name, status,
-                                             _first_line(exc)) from None
-                raise _core.SandboxError("pool %s: creating a sandbox failed: %s"
-                                         % (pool.name, _first_line(exc))) from None
+                raise _as_library_error("creating a sandbox in pool %s" % pool.name, exc) from None
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _drop_dead_hosts(self, pool: Any) -> bool:
@@ -447,6 +446,9 @@ def _release_sandbox(sandbox: Any, proxy: Any, base_url: Optional[str], client: 
                     logger.info("sandbox %s killed", sandbox_id)
                 elif (ended := _ended_host_stage(client, namespace, sandbox)) is not None:
                     logger.info("sandbox %s ended with its host job %s (%s)", sandbox_id, sandbox.host_id, ended)
+                elif _released_if_gone(sandbox):
+                    ended = "DELETED"
+                    logger.info("sandbox %s was gone from its host already (evicted)", sandbox_id)
                 else:
                     problems.append("could not kill it")
         if client is not None:
@@ -458,6 +460,24 @@ def _release_sandbox(sandbox: Any, proxy: Any, base_url: Optional[str], client: 
                        "`python -m hf_sandbox_provider sweep --pool NAME`)", sandbox_id, "; ".join(problems),
                        getattr(sandbox, "host_id", None) or "")
     return ended
+
+
+def _released_if_gone(sandbox: Any) -> bool:
+    """After a kill that failed: whether the host answers 404 for the sandbox (it evicted it, e.g. once its server
+    had exited). huggingface_hub's kill() counts that 404 as a failure and so keeps the sandbox's place on the host
+    taken: after as many as a host holds, the pool would boot (and bill) a new host for an empty one. So the
+    sandbox is released here as its kill() would have (its `_killed` mark and `_on_kill` hook, huggingface_hub 1.x)."""
+    try:
+        sandbox.processes()
+        return False
+    except Exception as exc:
+        if getattr(exc, "status_code", None) != 404:
+            return False
+    sandbox._killed = True
+    on_kill = getattr(sandbox, "_on_kill", None)
+    if callable(on_kill):
+        on_kill(sandbox)
+    return True
 
 
 def _ended_host_stage(client: Any, namespace: Optional[str], sandbox: Any) -> Optional[str]:
@@ -487,6 +507,17 @@ def _host_job_stage(client: "_core._JobsClient", namespace: str, host_id: str) -
 
 def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _as_library_error(what: str, exc: BaseException) -> Exception:
+    """huggingface_hub's (or its HTTP client's) error raised as this library's, so `except SandboxError`
+    catches it: JobsAPIError with the HTTP status it carries, else SandboxError; its first line kept."""
+    if isinstance(exc, _core.SandboxError):
+        return exc
+    status = getattr(exc, "status_code", None)
+    if status is not None:
+        return _core.JobsAPIError(what, status, _first_line(exc))
+    return _core.SandboxError("%s failed: %s" % (what, _first_line(exc)))
 
 
 def _server_log_tail(sandbox: Any, port: int, tail: int) -> List[str]:

@@ -446,6 +446,57 @@ def test_a_server_that_crashes_at_boot_fails_fast_with_its_own_output_and_its_sa
     assert host_sandboxes(emu, host_id) == [] and proxy._routes == {}
 
 
+def test_a_sandbox_evicted_before_its_server_starts_fails_the_start_with_this_librarys_error(pool_env, proxy,
+                                                                                            monkeypatch):
+    # sandbox.run()'s failure escaped as huggingface_hub's own SandboxError, which `except SandboxError` (this
+    # library's) missed, while the create just before it was wrapped (found by review).
+    emu = pool_env()
+    first = provider(emu, proxy, pool="run-fault")
+    first.wait_for_ready(first.start_container())  # a warm host
+    host_id = first._pooled.host_id
+    real_create = hub.SandboxPool.create
+
+    def create_then_evict(self, **kwargs):  # the host evicts the sandbox right after its create
+        sandbox = real_create(self, **kwargs)
+        emu.sandbox_hosts.host(host_id).delete_sandbox(sandbox.id.split(".", 1)[1])
+        return sandbox
+
+    monkeypatch.setattr(hub.SandboxPool, "create", create_then_evict)
+    p = provider(emu, proxy, pool="run-fault")
+    with pytest.raises(SandboxError, match="starting the server in sandbox .* failed: HTTP 404") as failed:
+        p.start_container()
+    assert isinstance(failed.value, JobsAPIError) and failed.value.status_code == 404
+    assert host_sandboxes(emu, host_id) == [local_id(first)] and p.phase == hsp.Phase.IDLE
+    first.stop_container()
+
+
+def test_a_stop_of_a_sandbox_its_host_evicted_says_so_and_frees_its_place_so_no_extra_host_is_booted(
+        pool_env, proxy, caplog):
+    # huggingface_hub's kill() counts the host's 404 for an evicted sandbox as a failure: the stop warned "could
+    # not kill it ... sweep --pool", left the stage RUNNING, and kept the sandbox's place on the host taken, so after
+    # a host's worth of such stops the pool booted (and billed) a new host for an empty one (found by review).
+    emu = pool_env()
+    cheap = ["sleep", "600"]  # start_container() only: no readiness needed
+    first = provider(emu, proxy, pool="evicted", command=cheap)
+    first.start_container()
+    host_id = first._pooled.host_id
+    first.stop_container()
+    capacity = hf_sandbox_pool._pools[next(iter(hf_sandbox_pool._pools))].pool.sandboxes_per_host
+    caplog.clear()
+    for _ in range(capacity):
+        p = provider(emu, proxy, pool="evicted", command=cheap)
+        p.start_container()
+        emu.sandbox_hosts.host(host_id).delete_sandbox(local_id(p))  # the host's idle eviction
+        p.stop_container()
+        assert p.stage == "DELETED" and p.phase == hsp.Phase.IDLE
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "hf_sandbox" in r.name]
+    jobs = len(emu.jobs)
+    last = provider(emu, proxy, pool="evicted", command=cheap)
+    last.start_container()
+    assert last._pooled.host_id == host_id and len(emu.jobs) == jobs  # before: a new host job for an empty one
+    last.stop_container()
+
+
 def test_stopping_a_sandbox_whose_host_died_reports_the_hosts_stage_not_a_sandbox_left_running(
         pool_env, proxy, caplog):
     emu = pool_env()
