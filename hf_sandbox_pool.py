@@ -290,8 +290,9 @@ class PooledSandbox:
         with self._lock:
             sandbox, self.sandbox = self.sandbox, None
         ended = _release_sandbox(sandbox, gone.proxy, gone.base_url, client or gone.client, namespace=gone.namespace)
-        if ended and self.owner._stage not in _core.TERMINAL_STAGES:
-            self.owner._stage = ended
+        with self.owner._lock:  # (a start made during a slow kill has a sandbox, and a stage, of its own)
+            if ended and self.owner._stage not in _core.TERMINAL_STAGES and self.owner.job_id == gone.job_id:
+                self.owner._stage = ended
 
     def _job_ids(self) -> List[str]:
         job_id = self.owner.job_id

@@ -497,6 +497,32 @@ def test_a_stop_of_a_sandbox_its_host_evicted_says_so_and_frees_its_place_so_no_
     last.stop_container()
 
 
+def test_a_slow_kill_that_ends_after_the_environment_was_started_again_leaves_the_new_stage_alone(
+        pool_env, proxy, monkeypatch):
+    # The pooled teardown wrote "CANCELED" over the stage of the start made while its kill was in flight, so a
+    # running environment said it was cancelled (the core's own teardown checked the job id; found by review).
+    emu = pool_env()
+    real_kill = hub.Sandbox._kill
+    killing = threading.Event()
+
+    def slow_kill(self):  # the host answers this kill late (busy, or a slow link)
+        killing.set()
+        time.sleep(1.5)
+        return real_kill(self)
+
+    p = provider(emu, proxy, pool="stage")
+    p.wait_for_ready(p.start_container())
+    monkeypatch.setattr(hub.Sandbox, "_kill", slow_kill)
+    stopper, _ = support.in_thread(p.stop_container)
+    assert killing.wait(TIMEOUT)  # the stop has let go of the sandbox and sent its kill
+    monkeypatch.setattr(hub.Sandbox, "_kill", real_kill)
+    p.wait_for_ready(p.start_container())  # started again meanwhile
+    stopper.join(TIMEOUT)
+    assert p.stage == "RUNNING" and p.phase == hsp.Phase.RUNNING  # before: CANCELED
+    assert requests.get(p.base_url + "/health", timeout=TIMEOUT).status_code == 200
+    p.stop_container()
+
+
 def test_stopping_a_sandbox_whose_host_died_reports_the_hosts_stage_not_a_sandbox_left_running(
         pool_env, proxy, caplog):
     emu = pool_env()
