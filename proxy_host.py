@@ -439,10 +439,11 @@ class AuthProxyProcess:
         self._sock, self._control = parent_end, control
         return started, ready
 
-    def _start_child_proxy(self, port: int) -> int:
-        """Have the child start its AuthProxy on `port`; returns the port it bound."""
+    def _start_child_proxy(self, port: int, held: bool = False) -> int:
+        """Have the child start its AuthProxy on `port` (`held`: accepting nothing until `serve`);
+        returns the port it bound."""
         answer = self._call("start", timeout=HOST_START_S, host=self.host, port=port,
-                            timeouts=self._timeouts, reuse_port=self._reuse_port)
+                            timeouts=self._timeouts, reuse_port=self._reuse_port, held=held)
         return int(answer["port"])  # type: ignore[index, call-overload]
 
     def _control_thread(self, sock: socket.socket, child_end: socket.socket,
@@ -554,7 +555,7 @@ class AuthProxyProcess:
             ready.wait()
             if "error" in started:
                 raise started["error"]
-            self._start_child_proxy(self._port)
+            self._start_child_proxy(self._port, held=True)  # (bound: the port is ours again)
             with self._lock:
                 routes = list(self._routes.items())
             lost = []
@@ -572,6 +573,7 @@ class AuthProxyProcess:
                         raise
                     lost.append("%s (%s)" % (fields.get("upstream") or fields.get("upstreams"),
                                              exc))
+            self._call("serve")  # the connections waiting in the backlog meet every route
             log.warning("proxy host process %s replaced process %s on port %d: %d of its %d "
                         "routes serve again under their URLs%s", self.pid, old_pid, self._port,
                         len(routes) - len(lost), len(routes),
@@ -740,19 +742,43 @@ def _processes_rejection(processes: object) -> Optional[str]:
     return None
 
 
-class _ReusePortServer(_proxy._Server):
-    """The child's listener when it shares its port with sibling children (`spawn(processes=N)`)."""
+class _ChildServer(_proxy._Server):
+    """The child's listener: bound with SO_REUSEPORT when it shares its port with sibling children
+    (`spawn(processes=N)`), and accepting nothing until its proxy's `gate` opens. A revival opens it
+    once every route is mounted again: a client arriving meanwhile waits in the listen backlog
+    instead of meeting an unknown route (a 404 a trainer would take for its job's end)."""
+
+    def __init__(self, proxy: "_ChildProxy") -> None:
+        self.gate = proxy.gate
+        self.reuse_port = proxy.reuse_port  # (read by server_bind, which the constructor calls)
+        super().__init__(proxy)
 
     def server_bind(self) -> None:
-        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if self.reuse_port:
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         super().server_bind()
 
+    def serve_until_woken(self) -> None:
+        self.gate.wait()  # (wake() opens it too)
+        super().serve_until_woken()
 
-class _SharedPortProxy(AuthProxy):
-    """The child's proxy in a process group: its listener binds with SO_REUSEPORT."""
+    def wake(self) -> None:
+        super().wake()
+        self.gate.set()
+
+
+class _ChildProxy(AuthProxy):
+    """The child's AuthProxy (see _ChildServer); `held`: it accepts nothing until `gate` is set."""
+
+    def __init__(self, host: str, port: int, reuse_port: bool = False, held: bool = False,
+                 **timeouts: float) -> None:
+        super().__init__(host, port, **timeouts)
+        self.reuse_port, self.gate = reuse_port, threading.Event()
+        if not held:
+            self.gate.set()
 
     def _new_server(self) -> _proxy._Server:
-        return _ReusePortServer(self)
+        return _ChildServer(self)
 
 
 def _rekey_route(proxy: AuthProxy, route_id: str, wanted: str) -> str:
@@ -1068,15 +1094,18 @@ class _ProxyHost:
             if self.proxy is not None:
                 raise RuntimeError("the proxy host is already serving")
             # A process group's children share one port (this process serves nothing else).
-            proxy_class = _SharedPortProxy if message.get("reuse_port") else AuthProxy
-            self.proxy = proxy_class(str(message["host"]), int(message["port"]),
-                                   **dict(message.get("timeouts") or {})).start()
+            self.proxy = _ChildProxy(str(message["host"]), int(message["port"]),
+                                     bool(message.get("reuse_port")), bool(message.get("held")),
+                                     **dict(message.get("timeouts") or {})).start()
             return {"port": self.proxy.port, "pid": os.getpid()}
         if op == "stop":
             return None
         proxy = self.proxy
         if proxy is None:
             raise RuntimeError("the proxy host is not serving")
+        if op == "serve":  # a revival's routes are mounted again: accept connections
+            proxy.gate.set()
+            return None
         if op in ("mount", "mount_replicas"):
             # A callable (or one whose first read failed) becomes a _PushedValue the parent
             # refreshes.

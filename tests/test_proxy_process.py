@@ -417,6 +417,24 @@ def test_stop_from_a_handler_of_the_revivals_record_and_from_another_thread_both
     assert took < proxy_host.HOST_START_S, took  # before: the handler's stop waited 60 s for its own revival
 
 
+def test_a_request_that_reaches_the_new_child_before_its_routes_are_mounted_again_waits_for_them(ups):
+    # The new child listened at once and mounted the routes one by one: a request arriving meanwhile got 404
+    # unknown-route, which a trainer's slot takes for its job's end (it would replace a healthy job).
+    with AuthProxy.spawn() as spawned:
+        bases = [spawned.mount(ups["plain"].url, TOKEN) for _ in range(200)]
+        # the new child logs that it listens before the revival mounts the routes in it
+        early = support.WhenLogged("proxy listening on", lambda: requests.get(bases[-1] + "/r", timeout=TIMEOUT))
+        proxy_module.log.addHandler(early)
+        try:
+            os.kill(spawned.pid, signal.SIGKILL)
+            support.wait_until(lambda: early.thread is not None, "the new child to listen", 30)
+            early.thread.join(TIMEOUT)
+        finally:
+            proxy_module.log.removeHandler(early)
+        (answer,) = early.outcome
+        assert answer.status_code == 200, (answer.status_code, answer.headers.get("X-Proxy-Error"))  # before: 404
+
+
 def test_a_stop_while_the_revival_mounts_the_routes_again_logs_no_replacement(ups, caplog):
     spawned = AuthProxy.spawn()
     for _ in range(200):

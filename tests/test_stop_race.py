@@ -151,7 +151,8 @@ class StoppedAsItSeesTheCrash(hsp.HFSandboxProvider):
 
 
 def test_a_start_whose_job_crashed_reports_the_crash_with_its_logs_even_when_a_stop_came_first(proxy):
-    with JobsEmulator(faults={"crash-at-boot": "boom: out of memory"}) as emu:
+    # no-url: the start waits for the crash, whatever the load (a URL published before it would end the start)
+    with JobsEmulator(faults={"crash-at-boot": "boom: out of memory", "no-url": "true"}) as emu:
         provider = StoppedAsItSeesTheCrash(IMAGE, endpoint=emu.endpoint, token=emu.token, proxy=proxy,
                                            command=echo_server_command(), poll_interval_s=0.05)
         provider.stoppers = []
