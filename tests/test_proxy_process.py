@@ -297,9 +297,10 @@ def test_a_child_that_keeps_dying_is_replaced_at_most_max_revivals_times_then_it
     assert any("its routes are gone (replaced 3 times" in w for w in warnings), warnings
 
 
-def _while_replacing(spawned: AuthProxyProcess, action) -> list:
-    """Kill the child and run `action` while its revival is under way; returns [what action returned]."""
-    when = support.WhenLogged("starting another", action)
+def _while_replacing(spawned: AuthProxyProcess, action, logged: str = "starting another") -> list:
+    """Kill the child and run `action` while its revival is under way, once the record saying `logged` is
+    re-emitted; returns [what action returned]."""
+    when = support.WhenLogged(logged, action)
     proxy_module.log.addHandler(when)
     try:
         os.kill(spawned.pid, signal.SIGKILL)
@@ -423,15 +424,8 @@ def test_a_request_that_reaches_the_new_child_before_its_routes_are_mounted_agai
     with AuthProxy.spawn() as spawned:
         bases = [spawned.mount(ups["plain"].url, TOKEN) for _ in range(200)]
         # the new child logs that it listens before the revival mounts the routes in it
-        early = support.WhenLogged("proxy listening on", lambda: requests.get(bases[-1] + "/r", timeout=TIMEOUT))
-        proxy_module.log.addHandler(early)
-        try:
-            os.kill(spawned.pid, signal.SIGKILL)
-            support.wait_until(lambda: early.thread is not None, "the new child to listen", 30)
-            early.thread.join(TIMEOUT)
-        finally:
-            proxy_module.log.removeHandler(early)
-        (answer,) = early.outcome
+        (answer,) = _while_replacing(spawned, lambda: requests.get(bases[-1] + "/r", timeout=TIMEOUT),
+                                     "proxy listening on")
         assert answer.status_code == 200, (answer.status_code, answer.headers.get("X-Proxy-Error"))  # before: 404
 
 
