@@ -492,6 +492,33 @@ def _run_sweep(args: Any) -> int:
     if not token:
         return _usage_error("no Hugging Face token found: set HF_TOKEN or run `hf auth login`")
     client = _JobsClient(endpoint, token)
+    with contextlib.ExitStack() as shown:
+        if not args.verbose:  # (-v shows every record) a pause for the Hub's rate limit may last minutes
+            shown.enter_context(_rate_limit_pauses_shown())
+        return _sweep_with(client, args, labels, wanted, older_than)
+
+
+@contextlib.contextmanager
+def _rate_limit_pauses_shown() -> Iterator[None]:
+    """Meanwhile the library's records of a pause for the Hub's rate limit ("Jobs API ...", INFO) go to
+    stderr: without them a sweep that waits out a spent quota (up to 5 minutes) looks hung."""
+    library_log, shown = logging.getLogger("hf_sandbox_provider"), logging.StreamHandler(sys.stderr)
+    shown.addFilter(lambda record: record.levelno < logging.WARNING and record.getMessage().startswith("Jobs API"))
+    shown.setFormatter(logging.Formatter("waiting: %(message)s"))
+    level = library_log.level
+    library_log.addHandler(shown)
+    if library_log.getEffectiveLevel() > logging.INFO:
+        library_log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        library_log.removeHandler(shown)
+        library_log.setLevel(level)
+
+
+def _sweep_with(client: Any, args: Any, labels: Dict[str, str], wanted: Dict[str, str],
+                older_than: Optional[float]) -> int:
+    """The listing and the cancels of `_run_sweep`, on its client (closed here)."""
     cancelled: List[str] = []
     try:
         user = client.whoami_namespace()

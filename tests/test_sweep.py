@@ -57,6 +57,21 @@ def test_sweep_without_older_than_cancels_young_jobs_too(tmp_path):
             young.stop_container()
 
 
+def test_sweep_says_when_it_waits_out_the_hubs_rate_limit_instead_of_looking_hung(tmp_path):
+    # Without -v a sweep waiting for a spent quota's reset (up to 5 minutes on the Hub) printed nothing at all
+    # until the end (found by review).
+    with JobsEmulator() as emulator:
+        young = start_sleeper(emulator)
+        try:
+            emulator.inject_rate_limit(1, retry_after_s=1, routes=["list"])
+            swept = run(["sweep"], clean_env(tmp_path, HF_ENDPOINT=emulator.endpoint, HF_TOKEN=emulator.token))
+            assert swept.returncode == 0 and "cancelled %s" % young.job_id in swept.stdout
+            assert "waiting: Jobs API answered 429" in swept.stderr and "pause" in swept.stderr, swept.stderr
+            assert emulator.token not in swept.stderr
+        finally:
+            young.stop_container()
+
+
 def test_sweep_refuses_an_unparseable_duration_before_any_call(tmp_path):
     result = run(["sweep", "--older-than", "soon"], clean_env(tmp_path, HF_ENDPOINT="http://127.0.0.1:9",
                                                               HF_TOKEN="hf_unused"))
