@@ -552,6 +552,9 @@ def _sweep_with(client: Any, args: Any, labels: Dict[str, str], wanted: Dict[str
         labelled = " labelled %s" % ", ".join("%s=%s" % item for item in wanted.items()) if wanted else ""
         print("%d leftover job(s) of %s in %s%s%s" % (swept, user, namespace, labelled,
                                                       " (dry run)" if args.dry_run else ""))
+        if failed:
+            print("error: %d of them could not be cancelled (see above): they run and bill on; run this sweep "
+                  "again" % failed, file=sys.stderr)
         return EXIT_FAILED if failed else EXIT_OK
     except JobsAPIError as exc:
         print("error: %s" % exc, file=sys.stderr)

@@ -72,6 +72,21 @@ def test_sweep_says_when_it_waits_out_the_hubs_rate_limit_instead_of_looking_hun
             young.stop_container()
 
 
+def test_a_sweep_whose_cancel_fails_exits_1_saying_the_job_bills_on_and_to_sweep_again(tmp_path):
+    # The summary counted the job as a leftover like the others, and nothing said to run the sweep again.
+    with JobsEmulator() as emulator:
+        stuck = start_sleeper(emulator)
+        try:
+            emulator.inject_server_errors(20, routes=["cancel"])  # more than the brief retries
+            swept = run(["sweep"], clean_env(tmp_path, HF_ENDPOINT=emulator.endpoint, HF_TOKEN=emulator.token))
+            assert swept.returncode == 1 and "FAILED to cancel %s" % stuck.job_id in swept.stdout
+            assert "1 of them could not be cancelled (see above): they run and bill on; run this sweep again" in (
+                swept.stderr), swept.stderr
+            assert emulator.job(stuck.job_id).stage == "RUNNING"
+        finally:
+            stuck.stop_container()
+
+
 def test_sweep_refuses_an_unparseable_duration_before_any_call(tmp_path):
     result = run(["sweep", "--older-than", "soon"], clean_env(tmp_path, HF_ENDPOINT="http://127.0.0.1:9",
                                                               HF_TOKEN="hf_unused"))
