@@ -114,9 +114,7 @@ class _Smoke:
             def emit(self, record: logging.LogRecord) -> None:
                 smoke.say("        " + record.getMessage())
 
-        handler = Handler(logging.INFO)
-        logging.getLogger("hf_sandbox_provider").addHandler(handler)
-        return handler
+        return Handler(logging.INFO)
 
     def _begin(self, line: str) -> None:
         with self._lock:
@@ -296,20 +294,13 @@ def _run_smoke(args: Any) -> int:
                         undo_pool_settings = _local_pool_settings(settings, emulator)
                     provider = HFSandboxProvider(image, **settings)
             if provider is not None:
-                # A start on the Hub may wait minutes: its log says what it waits for (-v shows it anyway).
-                library_log = logging.getLogger("hf_sandbox_provider")
-                shown, level = None if args.verbose else smoke.log_to_stages(), library_log.level
-                if shown is not None and library_log.getEffectiveLevel() > logging.INFO:
-                    library_log.setLevel(logging.INFO)
-                try:
+                with contextlib.ExitStack() as shown:
+                    if not args.verbose:  # a start on the Hub may wait minutes: its log says what for
+                        shown.enter_context(_library_log_shown(smoke.log_to_stages()))
                     started = smoke.stage("start_container (submit -> exposed URL)", lambda: "job %s at %s" % (
                         provider.start_container() and provider.job_id, provider.upstream_url))
                     ready = started and smoke.stage("wait_for_ready (/health through the proxy)",
                                                     lambda: provider.wait_for_ready())
-                finally:
-                    if shown is not None:
-                        library_log.removeHandler(shown)
-                        library_log.setLevel(level)
                 if ready:
                     _smoke_checks(smoke, provider.base_url or "", action)
         except KeyboardInterrupt as exc:
@@ -498,21 +489,28 @@ def _run_sweep(args: Any) -> int:
         return _sweep_with(client, args, labels, wanted, older_than)
 
 
-@contextlib.contextmanager
-def _rate_limit_pauses_shown() -> Iterator[None]:
+def _rate_limit_pauses_shown() -> "contextlib.AbstractContextManager[None]":
     """Meanwhile the library's records of a pause for the Hub's rate limit ("Jobs API ...", INFO) go to
     stderr: without them a sweep that waits out a spent quota (up to 5 minutes) looks hung."""
-    library_log, shown = logging.getLogger("hf_sandbox_provider"), logging.StreamHandler(sys.stderr)
+    shown = logging.StreamHandler(sys.stderr)
     shown.addFilter(lambda record: record.levelno < logging.WARNING and record.getMessage().startswith("Jobs API"))
     shown.setFormatter(logging.Formatter("waiting: %(message)s"))
+    return _library_log_shown(shown)
+
+
+@contextlib.contextmanager
+def _library_log_shown(handler: logging.Handler) -> Iterator[None]:
+    """Meanwhile the library's logger hands its INFO records (and above) to `handler`; its level is put back
+    after. (Without -v the command line shows none of them otherwise.)"""
+    library_log = logging.getLogger("hf_sandbox_provider")
     level = library_log.level
-    library_log.addHandler(shown)
+    library_log.addHandler(handler)
     if library_log.getEffectiveLevel() > logging.INFO:
         library_log.setLevel(logging.INFO)
     try:
         yield
     finally:
-        library_log.removeHandler(shown)
+        library_log.removeHandler(handler)
         library_log.setLevel(level)
 
 

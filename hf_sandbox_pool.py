@@ -513,8 +513,6 @@ def _first_line(exc: BaseException) -> str:
 def _as_library_error(what: str, exc: BaseException) -> Exception:
     """huggingface_hub's (or its HTTP client's) error raised as this library's, so `except SandboxError`
     catches it: JobsAPIError with the HTTP status it carries, else SandboxError; its first line kept."""
-    if isinstance(exc, _core.SandboxError):
-        return exc
     status = getattr(exc, "status_code", None)
     if status is not None:
         return _core.JobsAPIError(what, status, _first_line(exc))

@@ -477,11 +477,11 @@ def _replaced_proxy_waited(base_url: str) -> bool:
     """After a session could not be opened at `base_url` (refused, or cut during its upgrade): whether that
     is a proxy of this process that still runs and listens within PROXY_REPLACEMENT_WAIT_S. A proxy="process"
     child being replaced refuses connections for a moment, and its death resets those it had not accepted."""
-    parts = urlsplit(base_url)
-    if parts.port is None or _own_proxy(parts.hostname, parts.port, running=True) is None:
+    if not _own_proxy_runs(base_url):
         return False
+    parts = urlsplit(base_url)
     try:
-        _dial(parts.hostname, parts.port, time.monotonic() + PROXY_REPLACEMENT_WAIT_S).close()
+        _dial(parts.hostname, parts.port, time.monotonic() + PROXY_REPLACEMENT_WAIT_S).close()  # type: ignore[arg-type]
     except OSError:
         return False
     return True

@@ -59,7 +59,7 @@ import subprocess
 import threading
 import time
 import urllib.parse
-from typing import Callable, List, NamedTuple, Optional, Sequence, Set, Tuple
+from typing import Callable, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -704,3 +704,22 @@ def signalled(child: "subprocess.Popen", signum: int, timeout_s: float) -> Tuple
         if child.poll() is None:
             child.kill()
             child.communicate()
+
+
+@contextlib.contextmanager
+def own_process_proxy() -> Iterator[None]:
+    """Meanwhile the core's shared proxy="process" host is one the caller's code starts (not one an earlier
+    test left); it is stopped after."""
+    import hf_sandbox_provider as hsp
+
+    with hsp._shared_proxy_lock:
+        earlier = hsp._shared_proxies.pop("process", None)
+    if earlier is not None:
+        earlier.stop()
+    try:
+        yield
+    finally:
+        with hsp._shared_proxy_lock:
+            host = hsp._shared_proxies.pop("process", None)
+        if host is not None:
+            host.stop()

@@ -18,7 +18,7 @@ import pytest
 import hf_sandbox_provider as hsp
 from hf_jobs_emulator import JobsEmulator, echo_server_command
 from hf_sandbox_provider import EnvSession, EpisodeLost, Sandbox, SessionError, SessionTimeout, stop_sandboxes
-from support import WhenLogged, in_thread, wait_until
+from support import WhenLogged, in_thread, own_process_proxy, wait_until
 
 TIMEOUT = 30.0
 
@@ -35,16 +35,9 @@ def emu(make_emu) -> Iterator[JobsEmulator]:
 @pytest.fixture
 def process_proxy() -> Iterator[None]:
     """The core's shared proxy host child, started fresh by the test (its Sandbox's mount) and stopped after."""
-    with hsp._shared_proxy_lock:
-        host = hsp._shared_proxies.pop("process", None)
-    if host is not None:
-        host.stop()
-    yield
-    stop_sandboxes()
-    with hsp._shared_proxy_lock:
-        host = hsp._shared_proxies.pop("process", None)
-    if host is not None:
-        host.stop()
+    with own_process_proxy():
+        yield
+        stop_sandboxes()
 
 
 def all_ended(emu: JobsEmulator) -> None:

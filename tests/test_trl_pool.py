@@ -17,6 +17,7 @@ import test_trl_training as base  # skips (or fails under CI) without TRL, like 
 hub = pytest.importorskip("huggingface_hub")
 
 import hf_sandbox_pool  # noqa: E402
+import support  # noqa: E402
 from hf_jobs_emulator import JobsEmulator  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -59,11 +60,11 @@ def test_grpo_with_pooled_sandboxes_trains_on_after_the_proxy_child_is_killed(ba
 
     monkeypatch.setattr(base, "echo_server_command", lambda: ONE_SESSION_SERVER)
     env_class, killed = base.proxy_killed_once_env(base_trl_example)
-    with base.own_process_proxy() as hosts:
+    with support.own_process_proxy():
         steps = base.train(base_trl_example, tls_emu, tmp_path, env_class=env_class, steps=3, pool="trl-pool",
                            verify=tls_emu.ca_path, proxy="process")
-        hosts.append(hsp._shared_proxies["process"])
-    assert killed and hosts[0].pid != killed[0]
+        host = hsp._shared_proxies["process"]
+    assert killed and host.pid != killed[0]
     failures = [entry["tools/failure_frequency"] for entry in steps]
     assert failures == [0.0, pytest.approx(1 / base.SLOTS), 0.0], failures
     assert steps[2]["reward"] == pytest.approx(base.EXPECTED_REWARD), steps[2]

@@ -11,7 +11,6 @@ except under CI (env CI set), where it fails: CI installs `.[trl]`.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 import signal
@@ -32,6 +31,7 @@ if _missing:
 
 from hf_jobs_emulator import JobsEmulator, echo_server_command  # noqa: E402
 
+import support  # noqa: E402
 import tiny_trl  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -188,25 +188,6 @@ def proxy_killed_once_env(trl_example) -> tuple:
     return ProxyKilledOnceEnv, killed
 
 
-@contextlib.contextmanager
-def own_process_proxy():
-    """A proxy="process" child of the caller's own (not one an earlier test left), stopped after; yields a
-    list the caller may append the live handle to, for a look after training."""
-    import hf_sandbox_provider as hsp
-
-    with hsp._shared_proxy_lock:
-        earlier = hsp._shared_proxies.pop("process", None)
-    if earlier is not None:
-        earlier.stop()
-    try:
-        yield []
-    finally:
-        with hsp._shared_proxy_lock:
-            host = hsp._shared_proxies.pop("process", None)
-        if host is not None:
-            host.stop()
-
-
 @pytest.mark.parametrize("placement", [{}, {"shared": "trl-test", "replicas": 2,
                                        "env_vars": {"MAX_CONCURRENT_ENVS": str(SLOTS)}}],
                          ids=["a-job-per-slot", "shared-replicas"])
@@ -217,10 +198,10 @@ def test_grpo_with_the_proxy_in_a_child_process_trains_on_after_that_child_is_ki
 
     emu = make_emu(scheduling_delay_s=0.5)
     env_class, killed = proxy_killed_once_env(trl_example)
-    with own_process_proxy() as hosts:
+    with support.own_process_proxy():
         steps = train(trl_example, emu, tmp_path, env_class=env_class, steps=3, proxy="process", **placement)
-        hosts.append(hsp._shared_proxies["process"])
-    assert killed and hosts[0].pid != killed[0]  # replaced, not ended (it served the rest of training)
+        host = hsp._shared_proxies["process"]
+    assert killed and host.pid != killed[0]  # replaced, not ended (it served the rest of training)
     failures = [entry["tools/failure_frequency"] for entry in steps]
     # only the rollout whose connection died with the child failed; every later reset reached its job again
     assert failures == [0.0, pytest.approx(1 / SLOTS), 0.0], failures
