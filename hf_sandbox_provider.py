@@ -1178,9 +1178,9 @@ _DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([smhd]?)\s*$")
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 _credential_warnings: "set[str]" = set()  # names warned about (once per process, for all providers)
 _credential_warnings_lock = threading.Lock()
-# endpoint -> the flavors its hardware list gave, or None (no answer); asked once per process and endpoint.
+# endpoint -> the flavors its hardware list gave, or None (no answer); asked once per process, under its own lock.
 _live_hardware: Dict[str, Optional[frozenset]] = {}
-_hardware_lock = threading.Lock()
+_hardware_locks: Dict[str, threading.Lock] = {}
 
 
 def _raise_if_rejected(reason: Optional[str]) -> None:
@@ -1232,7 +1232,7 @@ def _flavor_rejection(flavor: Any, known: Optional[frozenset] = None) -> Optiona
 
 def _live_flavor_rejection(client: "_JobsClient", flavor: str) -> Optional[str]:
     """Why the Hub's live hardware list (fetched once) refuses `flavor`, or None; no list: only the static check."""
-    with _hardware_lock:
+    with _hardware_locks.setdefault(client.endpoint, threading.Lock()):  # (setdefault: atomic, one lock per key)
         if client.endpoint not in _live_hardware:
             _live_hardware[client.endpoint] = client.hardware_flavors()
         live = _live_hardware[client.endpoint]
@@ -1599,8 +1599,8 @@ class _JobsClient:
         self._session.close()
 
     def whoami_namespace(self) -> str:
-        with _namespace_lock:  # one call per token per process, even with many threads starting
-            if (key := self.token_key) not in _namespace_cache:
+        with _namespace_locks.setdefault(key := self.token_key, threading.Lock()):  # one call per token and process
+            if key not in _namespace_cache:
                 payload = self._json("GET", "/api/whoami-v2", "whoami-v2 (namespace lookup)")
                 if not (name := payload.get("name") if isinstance(payload, dict) else None):
                     raise JobsAPIError("whoami-v2 (namespace lookup)", 200, "answer has no 'name'",
@@ -1756,9 +1756,9 @@ class _JobsClient:
 
 
 # -- Process-wide Jobs API budget and job watcher (many providers, one thread, O(1) calls per interval) ---
-# By _token_key, made once under a lock each: the namespace (whoami-v2 is rate limited), the budget.
+# By _token_key, made once under its own lock (a stalled Hub stalls no other's starts): namespace (whoami-v2), budget.
 _namespace_cache: Dict[Tuple[str, str], str] = {}
-_namespace_lock = threading.Lock()
+_namespace_locks: Dict[Tuple[str, str], threading.Lock] = {}
 _budgets: Dict[Tuple[str, str], "_ApiBudget"] = {}
 _budgets_lock = threading.Lock()
 _RateLimitInfo = Optional[Tuple[int, int, Optional[int], Optional[int], str]]
@@ -1957,22 +1957,22 @@ def _watch_signature(job: Mapping[str, Any]) -> Tuple[Any, ...]:
 
 
 class _WatchGroup:
-    """The watches that share one (endpoint, token, namespace): refreshed together by one call."""
+    """The watches that share one (endpoint, token, namespace): refreshed together by one call, in their own thread."""
 
     def __init__(self, client: "_JobsClient", namespace: str) -> None:
         self.client, self.namespace, self.next_due, self.failures = client, namespace, 0.0, 0
         self.watches: List[_Watch] = []
+        self.thread: Optional[threading.Thread] = None
 
 
 class _JobWatcher:
-    """One thread that refreshes every starting job of the process: per group and interval, one
-    `inspect` (one job) or one `list` by this process's label plus an `inspect` per job missed."""
+    """Refreshes every starting job of the process: per group, one thread and per interval one `inspect` (one job) or
+    one `list` by this process's label plus an `inspect` per job missed. A group's stalled Hub holds up no other."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # entered itself, never through the Condition (see _unsettled)
         self._cond = threading.Condition(self._lock)
         self._groups: Dict[Tuple[str, str, str], _WatchGroup] = {}
-        self._thread: Optional[threading.Thread] = None
 
     def register(self, endpoint: str, token: str, new_session: Callable[[], requests.Session], namespace: str,
                  job_id: str, interval_s: float, wake: threading.Event,
@@ -1986,14 +1986,15 @@ class _JobWatcher:
                 group.next_due = time.monotonic() + interval_s
             group.watches.append(watch)
             group.next_due = min(group.next_due, time.monotonic() + watch.interval_s(time.monotonic()))
-            if self._thread is None:  # (recorded once started: a start refused by a thread limit is tried again)
-                thread = threading.Thread(target=self._run, name="hf-sandbox-job-watcher", daemon=True)
+            if group.thread is None:  # (recorded once started: a start refused by a thread limit is tried again)
+                thread = threading.Thread(target=self._run, args=(key, group), name="hf-sandbox-job-watcher",
+                                          daemon=True)
                 try:
                     _start_thread(thread)
                 except BaseException:
                     group.watches.remove(watch)
                     raise
-                self._thread = thread
+                group.thread = thread
             self._cond.notify_all()
         return watch
 
@@ -2003,32 +2004,26 @@ class _JobWatcher:
                 group.watches.remove(watch)
             self._cond.notify_all()
 
-    def _run(self) -> None:
+    def _run(self, key: Tuple[str, str, str], group: _WatchGroup) -> None:
+        """A group's thread: refresh it when due; once it has no watch, forget it (under the lock: the next
+        register() makes a new group and thread) and end."""
         while True:
-            snapshots: List[Tuple[_WatchGroup, List[_Watch]]] = []
             with self._lock:
-                idle = [key for key, group in self._groups.items() if not group.watches]
-                closing = [self._groups.pop(key).client for key in idle]
-                if exiting := not self._groups:
-                    self._thread = None  # under the lock: the next register() starts a new thread
-                else:
-                    now = time.monotonic()
-                    if due := [g for g in self._groups.values() if g.next_due <= now]:
-                        snapshots = [(group, list(group.watches)) for group in due]
-                        for group, watches in snapshots:
-                            group.next_due = now + min(w.interval_s(now) for w in watches)
-                    elif not closing:
-                        self._cond.wait(max(0.0, min(g.next_due for g in self._groups.values()) - now))
-            for client in closing:
-                client.close()
-            if exiting:
-                return
-            for group, watches in snapshots:
-                self._refresh(group, watches)
+                if not group.watches:
+                    self._groups.pop(key, None)
+                    break
+                now = time.monotonic()
+                if group.next_due > now:
+                    self._cond.wait(group.next_due - now)
+                    continue
+                watches = list(group.watches)
+                group.next_due = now + min(w.interval_s(now) for w in watches)
+            self._refresh(group, watches)
+        group.client.close()
 
     def _refresh(self, group: _WatchGroup, watches: List[_Watch]) -> None:
         """One refresh of a group; failures pause it, and end the waits after API_MAX_RETRIES. A refresh the
-        budget would hold is put off, so this thread never blocks the groups of other tokens."""
+        budget would hold is put off: a group whose waits all ended keeps no thread through a pause."""
         client = group.client
         if (held := client._budget.wait_s()) > 0:
             put_off = min(held, RATE_LIMIT_RECHECK_S)
@@ -2071,9 +2066,9 @@ def _reset_after_fork() -> None:
     """A forked child inherits no threads: give it its own watcher, budgets, process label and locks (a lock held at the
     fork would stay held; hardware lists stay valid). Of the parent's jobs and proxies it owns none: their safety nets
     and shared proxies are forgotten, not stopped, so its exit cancels nothing of the parent's; it mounts on its own."""
-    global _watcher, _process_label, _budgets_lock, _hardware_lock, _namespace_lock, _shared_proxy_lock
+    global _watcher, _process_label, _budgets_lock, _hardware_locks, _namespace_locks, _shared_proxy_lock
     _watcher, _process_label = _JobWatcher(), uuid.uuid4().hex
-    _budgets_lock, _hardware_lock, _namespace_lock, _shared_proxy_lock = (threading.Lock() for _ in range(4))
+    _budgets_lock, _hardware_locks, _namespace_locks, _shared_proxy_lock = threading.Lock(), {}, {}, threading.Lock()
     _budgets.clear()
     for finalizer in list(_live_finalizers):
         finalizer.detach()

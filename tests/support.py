@@ -53,6 +53,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
@@ -695,11 +696,18 @@ def vendored_package(parent: str, name: str, modules: Sequence[str]) -> str:
 
 
 def signalled(child: "subprocess.Popen", signum: int, timeout_s: float) -> Tuple[str, str]:
-    """Send `signum` to `child` and return its (stdout, stderr) once it ended; a child still running after
-    `timeout_s` is killed (the test fails on the timeout, and no process outlives it)."""
+    """Send `signum` to `child` and return its (stdout, stderr) once it ended. A child still running after
+    `timeout_s` fails the test with every thread's stack (SIGABRT: start it with PYTHONFAULTHANDLER=1), and
+    no process outlives the test."""
     try:
         child.send_signal(signum)
-        return child.communicate(timeout=timeout_s)
+        try:
+            return child.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            child.send_signal(signal.SIGABRT)  # faulthandler writes where each thread is stuck
+            _, err = child.communicate(timeout=30)
+            raise AssertionError("the child outlived signal %d by %ss; its threads:\n%s"
+                                 % (signum, timeout_s, err[-6000:])) from None
     finally:
         if child.poll() is None:
             child.kill()

@@ -238,7 +238,7 @@ def test_a_provider_is_made_at_once_while_another_start_waits_for_a_slow_hardwar
     made: list = []
     try:
         deadline = time.monotonic() + 10
-        while not hsp._hardware_lock.locked() and time.monotonic() < deadline:  # the fetch is under way
+        while not hsp._hardware_locks.get(endpoint, threading.Lock()).locked() and time.monotonic() < deadline:
             time.sleep(0.01)
         maker = threading.Thread(target=lambda: made.append(hsp.HFSandboxProvider(
             "python:3.12", endpoint=endpoint, token=fresh_token(), flavor="cpu-upgrade")))
@@ -994,6 +994,7 @@ def test_a_job_answer_that_is_no_json_object_is_retried_and_never_ends_the_watch
     try:  # before: the first answer ended the thread, and no later start of the process saw a stage
         wait_until(lambda: watch.job is not None or watch.error is not None, "the watcher's next answer", 20)
         assert watch.error is None and watch.job["status"]["stage"] == "RUNNING" and wake.is_set()
-        assert watcher._thread is not None and watcher._thread.is_alive()
+        (group,) = watcher._groups.values()
+        assert group.thread is not None and group.thread.is_alive()
     finally:
         watcher.unregister(watch)

@@ -745,17 +745,21 @@ def test_smoke_local_pool_runs_every_stage_closes_the_pool_and_leaves_no_tempora
     import json
     import subprocess
 
+    import tempfile
+
     env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HF_ENDPOINT", "SSL_CERT_FILE")}
-    (tmp_path / "tmp").mkdir()
-    env.update(PYTHONPATH=os.path.dirname(HERE), HF_HOME=str(tmp_path), TMPDIR=str(tmp_path / "tmp"))
-    run = subprocess.run([sys.executable, "-m", "hf_sandbox_provider", "smoke", "--local", "--pool", "smoke", "--json"],
-                         capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=120)
-    report = json.loads(run.stdout)
-    assert run.returncode == 0 and report["ok"], run.stderr
-    assert "." in report["job_id"]  # <host job id>.<sandbox id>
-    assert [s["ok"] for s in report["stages"] if s["name"].startswith("close pool")] == [True]
-    # before: a hf-sandbox-smoke-* directory (huggingface_hub's pool cache home) per run
-    assert [name for name in os.listdir(tmp_path / "tmp") if name.startswith("hf-sandbox-smoke-")] == []
+    # A short TMPDIR: the sandbox emulator's Unix sockets live under it (108 bytes at most), and pytest-xdist's
+    # tmp_path is longer than pytest's
+    with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
+        env.update(PYTHONPATH=os.path.dirname(HERE), HF_HOME=str(tmp_path), TMPDIR=tmp)
+        run = subprocess.run([sys.executable, "-m", "hf_sandbox_provider", "smoke", "--local", "--pool", "smoke",
+                              "--json"], capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=120)
+        report = json.loads(run.stdout)
+        assert run.returncode == 0 and report["ok"], run.stderr
+        assert "." in report["job_id"]  # <host job id>.<sandbox id>
+        assert [s["ok"] for s in report["stages"] if s["name"].startswith("close pool")] == [True]
+        # before: a hf-sandbox-smoke-* directory (huggingface_hub's pool cache home) per run
+        assert [name for name in os.listdir(tmp) if name.startswith("hf-sandbox-smoke-")] == []
 
 
 @pytest.mark.slow  # boots two host jobs

@@ -848,13 +848,16 @@ def test_create_answer_without_a_job_id_cancels_the_job_found_by_its_start_label
 def test_a_child_forked_while_a_start_looks_up_the_namespace_gets_free_locks(no_token_anywhere):
     # A DataLoader worker forked while another thread held a process-wide lock (the namespace
     # lookup holds one during a Hub call) must not inherit it held: its first start would hang.
-    with hsp._namespace_lock, hsp._budgets_lock, hsp._hardware_lock:
+    endpoint, key = "https://huggingface.co", hsp._token_key("https://huggingface.co", "hf_forked")
+    namespace_lock = hsp._namespace_locks.setdefault(key, threading.Lock())
+    with namespace_lock, hsp._budgets_lock, hsp._hardware_locks.setdefault(endpoint, threading.Lock()):
         read_end, write_end = os.pipe()
         pid = os.fork()
         if pid == 0:
             try:
                 free = all(lock.acquire(timeout=2) for lock in (
-                    hsp._namespace_lock, hsp._budgets_lock, hsp._hardware_lock))
+                    hsp._namespace_locks.setdefault(key, threading.Lock()), hsp._budgets_lock,
+                    hsp._hardware_locks.setdefault(endpoint, threading.Lock())))
                 os.write(write_end, b"free" if free else b"held")
             finally:
                 os._exit(0)

@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import sys
 import threading
 import time
 import urllib.parse
+from typing import Optional
 
 import pytest
+import requests
 
 import hf_sandbox_provider as hsp
 from hf_jobs_emulator import JobsEmulator, echo_server_command
-from support import wait_until
+from support import in_thread, wait_until
 
 IMAGE = "registry.hf.space/openenv-echo-env:latest"
 TIMEOUT = 60
@@ -208,6 +211,96 @@ def test_one_429_pauses_every_client_of_that_token_and_no_other_token():
             for client in (first, second, carol):
                 client.close()
             budget.sleep = carol_budget.sleep = time.sleep
+
+
+class BlackHoleHub:
+    """A Jobs API whose first connection is taken and never answered (a wedged load balancer) until `release()`;
+    from then on every request gets 401, so the stalled start ends at once."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = "http://127.0.0.1:%d" % self.listener.getsockname()[1]
+        self.taken, self.released = threading.Event(), threading.Event()
+        self.held: Optional[socket.socket] = None
+        self.thread = threading.Thread(target=self._serve, name="black-hole-hub", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        first = True
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            with conn:
+                conn.recv(65536)
+                if first:
+                    first, self.held = False, conn
+                    self.taken.set()
+                    self.released.wait(TIMEOUT)
+                conn.sendall(b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+
+    def still_waiting(self) -> bool:
+        """Whether the caller of the held request still waits for its answer (it has not hung up)."""
+        try:
+            return self.held.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+        except BlockingIOError:  # open, nothing more sent: still waiting
+            return True
+
+    def release(self) -> None:
+        self.released.set()
+
+    def close(self) -> None:
+        self.release()
+        self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept (a close alone does not, on Linux)
+        self.listener.close()
+        self.thread.join(TIMEOUT)
+
+
+@pytest.mark.parametrize("stalled_call, namespace", [("namespace lookup", None), ("hardware list", "someone")])
+def test_a_start_stalled_on_one_hub_holds_up_no_start_on_another(proxy, stalled_call, namespace):
+    # Both were fetched under one lock for the whole process: a start whose Hub took the connection and never
+    # answered held every other start, on any endpoint and token, for 3.5 minutes (6 tries of 30 s).
+    hub = BlackHoleHub()
+    stalled = hsp.HFSandboxProvider(IMAGE, endpoint=hub.endpoint, token="hf_" + "s" * 34, namespace=namespace,
+                                    proxy=proxy, command=echo_server_command())
+    thread, outcome = in_thread(stalled.start_container, "stalled-start")
+    try:
+        assert hub.taken.wait(TIMEOUT), "the stalled start never called its Hub"
+        with JobsEmulator() as emu:
+            other = hsp.HFSandboxProvider(IMAGE, endpoint=emu.endpoint, token=emu.token, proxy=proxy,
+                                          command=echo_server_command(), poll_interval_s=0.05)
+            try:
+                other.start_container()
+                assert hub.still_waiting(), "the stalled start gave up first: %r" % outcome
+            finally:
+                other.stop_container()
+    finally:
+        hub.release()
+        thread.join(TIMEOUT)
+        hub.close()
+    assert isinstance(outcome[0], hsp.JobsAPIError) and "401" in str(outcome[0]), outcome
+
+
+def test_a_watched_job_whose_hub_stalls_holds_up_no_other_tokens_start(proxy):
+    # One watcher thread refreshed every group in turn: a refresh stuck on one Hub (30 s read timeout, then again
+    # after a backoff) kept every other token's starts from seeing their jobs run.
+    hub = BlackHoleHub()
+    stalled = hsp._watcher.register(hub.endpoint, "hf_" + "s" * 34, requests.Session, "someone", "stalled-job", 0.05,
+                                    threading.Event())
+    try:
+        assert hub.taken.wait(TIMEOUT), "the watcher never refreshed the job on the stalled Hub"
+        with JobsEmulator(scheduling_delay_s=0.5) as emu:
+            other = hsp.HFSandboxProvider(IMAGE, endpoint=emu.endpoint, token=emu.token, proxy=proxy,
+                                          command=echo_server_command(), poll_interval_s=0.05)
+            try:
+                other.wait_for_ready(other.start_container(), timeout_s=TIMEOUT)
+                assert hub.still_waiting(), "the stalled refresh gave up first"
+            finally:
+                other.stop_container()
+    finally:
+        hsp._watcher.unregister(stalled)
+        hub.close()
 
 
 def test_without_rate_limit_headers_the_budget_counts_its_own_calls_and_keeps_the_reserve_for_teardown():

@@ -38,6 +38,7 @@ CHILD = textwrap.dedent('''
     from hf_sandbox_provider import Sandbox, install_signal_teardown
 
     settings, phase, chain = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3] == "chain"
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as in a terminal, even when this suite runs under nohup
     if chain:
         def previous(signum, frame):
             print("previous handler ran for signal %d" % signum, flush=True)
@@ -67,7 +68,7 @@ def slow_emu(make_emu):
 
 def run_child_until(emu: JobsEmulator, phase: str, chain: bool = False) -> subprocess.Popen:
     settings = dict(endpoint=emu.endpoint, token=emu.token, command=echo_server_command(), poll_interval_s=0.1)
-    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     child = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(settings), phase, "chain" if chain else "-"],
                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -103,8 +104,7 @@ def test_a_signal_during_the_cold_start_cancels_every_job_then_kills_the_process
     child = run_child_until(slow_emu, "cold")
     wait_for_jobs(slow_emu, SLOTS + 2)  # every create answered; all jobs still SCHEDULING
     assert all(job.stage == "SCHEDULING" for job in slow_emu.jobs)
-    child.send_signal(signum)
-    out, err = child.communicate(timeout=CHILD_TIMEOUT_S)
+    out, err = signalled(child, signum, CHILD_TIMEOUT_S)
     assert child.returncode == -signum, (out, err)  # then died of the signal, as by default
     assert "cancelling this process's HF jobs" in err and "not killed" not in out
     assert_every_job_cancelled(slow_emu, SLOTS + 2)
@@ -117,8 +117,7 @@ def test_sigterm_while_every_create_is_in_flight_waits_for_the_answers_and_cance
     child = run_child_until(slow_emu, "cold")
     wait_until(lambda: slow_emu.create_answers_held == SLOTS + 2, "every create to be in flight",
                timeout_s=CHILD_TIMEOUT_S)
-    child.send_signal(signal.SIGTERM)
-    out, err = child.communicate(timeout=CHILD_TIMEOUT_S)
+    out, err = signalled(child, signal.SIGTERM, CHILD_TIMEOUT_S)
     assert child.returncode == -signal.SIGTERM, (out, err)
     assert_every_job_cancelled(slow_emu, SLOTS + 2)
 
@@ -147,7 +146,7 @@ def sigterm_while_creates_are_held(emu: JobsEmulator, how: str, count: int, held
     stderr."""
     emu.delay_next_create_answers(count, held_s)
     settings = dict(endpoint=emu.endpoint, token=emu.token, command=echo_server_command(), poll_interval_s=0.1)
-    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     child = subprocess.Popen([sys.executable, "-c", PROVIDER_CHILD, json.dumps(settings), how], cwd=ROOT, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -183,8 +182,7 @@ def test_sigterm_while_sessions_run_cancels_every_job_and_chains_the_previous_ha
     emu = make_emu(scheduling_delay_s=0.5)
     child = run_child_until(emu, "running", chain=True)
     assert all(job.stage == "RUNNING" for job in emu.jobs)
-    child.send_signal(signal.SIGTERM)
-    out, err = child.communicate(timeout=CHILD_TIMEOUT_S)
+    out, err = signalled(child, signal.SIGTERM, CHILD_TIMEOUT_S)
     assert child.returncode == 7, (out, err)  # the handler installed before ours ran, after the teardown
     assert "previous handler ran for signal %d" % signal.SIGTERM in out
     assert_every_job_cancelled(emu, SLOTS + 2)
@@ -196,8 +194,7 @@ def test_sigterm_while_the_main_thread_holds_a_library_lock_still_cancels_every_
     # blocked before it cancelled anything, and the process died with every job running.
     emu = make_emu(scheduling_delay_s=0.5)
     child = run_child_until(emu, "locked")
-    child.send_signal(signal.SIGTERM)
-    out, err = child.communicate(timeout=CHILD_TIMEOUT_S)
+    out, err = signalled(child, signal.SIGTERM, CHILD_TIMEOUT_S)
     assert child.returncode == -signal.SIGTERM, (out, err)
     assert_every_job_cancelled(emu, SLOTS + 2)
 
