@@ -1991,8 +1991,10 @@ class _JobWatcher:
                                           daemon=True)
                 try:
                     _start_thread(thread)
-                except BaseException:
+                except BaseException:  # no thread, so no watch: forget the group (only its thread would)
                     group.watches.remove(watch)
+                    self._groups.pop(key, None)
+                    group.client.close()
                     raise
                 group.thread = thread
             self._cond.notify_all()

@@ -263,6 +263,8 @@ def test_a_host_job_whose_watch_cannot_start_a_thread_still_serves_and_is_cancel
     p.stop_container()
     hf_sandbox_pool.close_pools()
     assert emu.wait_for_stage(host_id, ["CANCELED"]).stage == "CANCELED"
+    # no group is left behind without the thread that would forget it (before: later tests found two groups)
+    assert [g for g in list(hsp._watcher._groups.values()) if g.thread is None] == []
 
 
 @pytest.mark.slow  # a 1 s cache write
