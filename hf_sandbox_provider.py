@@ -253,8 +253,9 @@ class JobsAPIError(SandboxError):
         self.action, self.status_code, self.server_message = action, status_code, server_message
         self.request_id, self.may_have_acted = request_id, True
         super().__init__("%s failed: %s%s%s%s" % (action, "HTTP %d" % status_code if status_code else "no answer",
-            ": " + server_message if server_message else "",
-            " (request id %s)" % request_id if request_id else "", ". " + hint if hint else ""))
+                                                  ": " + server_message if server_message else "",
+                                                  " (request id %s)" % request_id if request_id else "",
+                                                  ". " + hint if hint else ""))
 
 
 # -- The job lifecycle: one explicit phase per provider (in the spirit of wsproto's ConnectionState) ---
@@ -1991,12 +1992,14 @@ class _JobWatcher:
                                           daemon=True)
                 try:
                     _start_thread(thread)
-                except BaseException:  # no thread, so no watch: forget the group (only its thread would)
+                except BaseException:  # a thread limit, or a signal that landed as the thread began (it runs)
                     group.watches.remove(watch)
-                    self._groups.pop(key, None)
-                    group.client.close()
+                    if thread.ident is None:  # no thread: forget the group now (only its thread would)
+                        self._groups.pop(key, None)
+                        group.client.close()
                     raise
-                group.thread = thread
+                finally:
+                    group.thread = thread if thread.ident is not None else None
             self._cond.notify_all()
         return watch
 

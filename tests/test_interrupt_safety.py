@@ -134,6 +134,41 @@ class _RaiseAfterTheNthMaskChange:
                 raise KeyboardInterrupt("landed just after a mask change")
 
 
+class _HeldWatcher(hsp._JobWatcher):
+    """A job watcher whose group threads wait for `go` before their first look, so a register can come first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go, self.threads = threading.Event(), []
+
+    def _run(self, key, group) -> None:
+        self.threads.append(threading.current_thread())
+        self.go.wait(JOIN_S)
+        super()._run(key, group)
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="no per-thread signal masks")
+def test_an_interrupt_just_after_a_watch_groups_thread_began_leaves_that_thread_serving_the_next_watch() -> None:
+    # register() took it for a refused thread and forgot the group; the thread, running all the same, then forgot
+    # the next caller's group by its key: that watch was never unregistered and was refreshed for good (review).
+    watcher = _HeldWatcher()
+
+    def watch(job_id: str) -> "hsp._Watch":
+        return watcher.register("http://127.0.0.1:9", "hf_not_a_token", requests.Session, "ns", job_id, 60.0,
+                                threading.Event())
+
+    _interrupted_once(lambda: watch("main-1"), _RaiseAfterTheNthMaskChange(3))  # the mask restored: it runs
+    assert len(watcher.threads) == 1
+    other = watch("other-1")
+    (group,) = watcher._groups.values()
+    assert group.watches == [other] and group.thread is watcher.threads[0]  # no second thread for the group
+    watcher.go.set()
+    watcher.unregister(other)
+    for thread in watcher.threads:
+        thread.join(JOIN_S)
+    assert watcher._groups == {} and not [t for t in watcher.threads if t.is_alive()]
+
+
 @pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="no per-thread signal masks")
 @pytest.mark.parametrize("nth", [1, 2])
 def test_an_interrupt_as_a_library_thread_starts_leaves_the_main_threads_signal_mask_as_it_was(nth: int) -> None:
