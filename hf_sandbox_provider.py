@@ -1971,7 +1971,7 @@ class _JobWatcher:
     one `list` by this process's label plus an `inspect` per job missed. A group's stalled Hub holds up no other."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()  # entered itself, never through the Condition (see _unsettled)
+        self._lock = threading.RLock()  # re-entrant: the GC may run a finalizer that unregisters while it is held
         self._cond = threading.Condition(self._lock)
         self._groups: Dict[Tuple[str, str, str], _WatchGroup] = {}
 

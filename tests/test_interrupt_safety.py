@@ -7,10 +7,12 @@ library enters each Condition's lock itself (a C lock: no such gap), and these t
 from __future__ import annotations
 
 import ast
+import gc
 import os
 import signal
 import sys
 import threading
+import weakref
 from typing import Callable, List, Optional, Set
 
 import pytest
@@ -132,6 +134,46 @@ class _RaiseAfterTheNthMaskChange:
             self.calls += 1
             if self.calls == self.nth:
                 raise KeyboardInterrupt("landed just after a mask change")
+
+
+def test_a_finalizer_the_garbage_collector_runs_inside_register_may_unregister_without_a_deadlock() -> None:
+    # A slot's start collected unstopped unregisters its watches from a weakref finalizer, run wherever the garbage
+    # collector happens to run: here while register() holds the watcher's lock to make a group thread. With a plain
+    # Lock that thread hung, and every later start of the process behind it (found by the clean-clone CI run).
+    watcher = hsp._JobWatcher()
+
+    def watch(endpoint: str, job_id: str) -> "hsp._Watch":
+        return watcher.register(endpoint, "hf_not_a_token", requests.Session, "ns", job_id, 60.0, threading.Event())
+
+    dropped = watch("http://127.0.0.1:9", "dropped-1")
+    cycle: dict = {}
+    cycle["self"] = cycle
+    holder = _Collectable()
+    holder.cycle = cycle
+    cycle["holder"] = holder
+    weakref.finalize(holder, watcher.unregister, dropped)
+    del holder, cycle  # garbage now, collected at the next gc.collect()
+    made: List["hsp._Watch"] = []
+
+    def collect_as_a_thread_is_made(frame, event: str, arg) -> None:
+        if event == "call" and frame.f_code is threading.Thread.__init__.__code__:
+            sys.setprofile(None)
+            gc.collect()  # what an allocation inside register() may set off
+
+    def register_with_a_collection_inside() -> None:
+        sys.setprofile(collect_as_a_thread_is_made)
+        try:
+            made.append(watch("http://127.0.0.1:10", "other-1"))
+        finally:
+            sys.setprofile(None)
+
+    assert _runs_in_another_thread(register_with_a_collection_inside), "register() deadlocked on its own lock"
+    assert made and not [g for g in watcher._groups.values() if dropped in g.watches]
+    watcher.unregister(made[0])
+
+
+class _Collectable:
+    """An object a weakref finalizer can watch (a dict cannot be weakly referenced)."""
 
 
 class _HeldWatcher(hsp._JobWatcher):
