@@ -1756,7 +1756,7 @@ class _JobsClient:
             given_up.wait(delay)  # a stop ends the pause: the next acquire sends nothing
 
 
-# -- Process-wide Jobs API budget and job watcher (many providers, one thread, O(1) calls per interval) ---
+# -- Process-wide Jobs API budget and job watcher (many providers, a thread per group, O(1) calls per interval) -
 # By _token_key, made once under its own lock (a stalled Hub stalls no other's starts): namespace (whoami-v2), budget.
 _namespace_cache: Dict[Tuple[str, str], str] = {}
 _namespace_locks: Dict[Tuple[str, str], threading.Lock] = {}
