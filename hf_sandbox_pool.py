@@ -261,8 +261,8 @@ class PooledSandbox:
             proxy = owner._proxy_instance()
             owner.upstream_url = upstream
             base_url = proxy.mount(upstream, token=None, verify=settings["verify"], headers=_SandboxHeaders(sandbox))
-            owner._publish_route(proxy, base_url, weakref.finalize(owner, _release_sandbox, sandbox, proxy, base_url,
-                                                                   None, True))
+            owner._publish_route(proxy, base_url, _core._reaper.arm(owner, _release_sandbox, sandbox, proxy, base_url,
+                                                                    None, True))
             logger.info("sandbox %s (pool %s, host %s) serving through the proxy (%.1fs after submit)",
                         sandbox.id, pool.name, self.host_id, owner._elapsed())
             return base_url
@@ -364,7 +364,7 @@ class PooledSandbox:
             owner.job_url = "%s/jobs/%s/%s" % (owner.endpoint, namespace, self.host_id)
             owner._stage = "RUNNING"  # a sandbox exists only on a running host
             owner.timings["created"] = owner.timings["running"] = owner._elapsed()
-        owner._swap_finalizer(weakref.finalize(owner, _release_sandbox, sandbox, None, None, None, True))
+        owner._swap_finalizer(_core._reaper.arm(owner, _release_sandbox, sandbox, None, None, None, True))
 
     def _raise_if_server_ended(self) -> None:
         """JobFailedError when the server process exited, the sandbox is gone or its host has ended."""
@@ -557,8 +557,7 @@ class _NamedPool:
             pool, self.pool, self.closed = self.pool, None, True
             finalizer, self.finalizer = self.finalizer, None
         if finalizer is not None:
-            finalizer.detach()
-            _core._live_finalizers.discard(finalizer)
+            _core._reaper.retire(finalizer)
         return [] if pool is None else _close_pool(pool, self)
 
 
@@ -694,8 +693,7 @@ def _pool_for(settings: Mapping[str, Any], token: str, namespace: str, endpoint:
                 if isinstance(exc, _core.SandboxError):
                     raise
                 raise _core.SandboxError(entry.failure) from None
-            entry.finalizer = weakref.finalize(entry, _close_pool, entry.pool, entry)
-            _core._live_finalizers.add(entry.finalizer)  # atexit and signal teardown run it
+            entry.finalizer = _core._reaper.arm(entry, _close_pool, entry.pool, entry)  # atexit and signal teardown
         return entry.pool
 
 
@@ -955,9 +953,9 @@ def _pool_class() -> Any:
 def _close_pools_at_exit() -> None:
     """At exit (before the core's own hook: atexit runs in reverse order, and this module is imported
     after the core), kill pooled sandboxes still running, then close the named pools."""
-    finalizers = [f for f in list(_core._live_finalizers) if f.alive and f.peek() is not None
-                  and f.peek()[1] is _release_sandbox]
-    _core._in_parallel(finalizers, EXIT_KILL_BUDGET_S)
+    kills = [functools.partial(_core._run_now, net) for net in list(_core._live_finalizers)
+             if (info := net.peek()) is not None and info[1].release is _release_sandbox]
+    _core._in_parallel(kills, EXIT_KILL_BUDGET_S)
     close_pools()
 
 

@@ -7,13 +7,9 @@ training stack. Many environments per process are a first-class path: every prov
 thread (one Jobs API call per interval for all starting jobs) and one API budget per token; `start_many()` launches n
 with bounded concurrency, all or nothing; `replicas=K` puts K jobs of one image behind one route.
 
-Read top to bottom: constants (the HF Jobs facts among them), errors, the lifecycle (`Phase`), the provider and
-what runs its jobs (itself, or a `_ReplicaSet` for K), `stop_all` and `_Parallel` (a thread pool) with start_many's
-progress line, settings checks and the token lookup, the Jobs REST client, the process-wide API budget and job
-watcher, teardown and the exit hook, then the layers: placement registry, lazy re-exports, command line. Imports
-`proxy` and no layer: hf_sandbox_training.py, hf_sandbox_pool.py (via `_register_placement`) and hf_sandbox_cli.py
-import this module, which loads them on use (`_LAYERS`, `_PLACEMENT_LAYERS`). Vendoring: copy this file and
-proxy.py, plus each layer you use; a missing one is named by its file.
+Imports `proxy` and no layer: hf_sandbox_training.py, hf_sandbox_pool.py (via `_register_placement`) and
+hf_sandbox_cli.py import this module, which loads them on use (`_LAYERS`, `_PLACEMENT_LAYERS`). Vendoring: copy this
+file and proxy.py, plus each layer you use; a missing one is named by its file.
 """
 
 from __future__ import annotations
@@ -33,6 +29,7 @@ import itertools
 import json
 import logging
 import os
+import queue
 import random
 import re
 import shlex
@@ -69,8 +66,7 @@ _LAYERS: Dict[str, List[str]] = {
         SESSION_CLOSE_WAIT_S SESSION_MAX_MESSAGE_BYTES SESSION_REFUSAL_BODY_CHARS BACKGROUND_MAX_PARALLEL
         BACKGROUND_STOP_WAIT_S BACKGROUND_STOP_REPEAT_S SIGNAL_TEARDOWN_BUDGET_S EXIT_TEARDOWN_BUDGET_S""".split(),
     "hf_sandbox_cli": """main SMOKE_DEFAULT_IMAGE SMOKE_DEFAULT_ACTION SMOKE_WS_STEPS SMOKE_REQUEST_TIMEOUT_S EXIT_OK
-        EXIT_FAILED EXIT_USAGE""".split(),
-}
+        EXIT_FAILED EXIT_USAGE""".split()}
 
 __version__ = "0.1.0"
 
@@ -88,45 +84,35 @@ DEFAULT_POLL_INTERVAL_S = 0.5  # a stage change is seen within 0.5 s for at most
 MAX_SECONDS = 1e9  # longer durations are refused: no job runs 30 years, and a wait that long overflows the clock
 WATCH_SLOWDOWN_AFTER_S = 30.0  # jobs that waited this long are slow (minutes): refreshed every WATCH_SLOW_INTERVAL_S
 WATCH_SLOW_INTERVAL_S = 5.0  # so a long wait costs ~60 calls per 5 minutes instead of ~600
-# /health is probed through the local proxy (no API call) quickly at first, then less often up to the cap.
-HEALTH_PROBE_FIRST_S = 0.05  # a fast boot is seen within ~0.1 s
-HEALTH_PROBE_GROWTH = 1.3
+HEALTH_PROBE_FIRST_S = 0.05  # /health, probed through the local proxy (no API call): a fast boot is seen within ~0.1 s
+HEALTH_PROBE_GROWTH = 1.3  # quickly at first, then less often up to the cap
 HEALTH_PROBE_INTERVAL_S = 0.5  # the cap, so a slow image is not flooded with probes
 HEARTBEAT_S = 10.0  # a start that waits (minutes on the Hub) logs its stage this often (INFO)
 HEALTH_PROBE_TIMEOUT_S = (5.0, 10.0)  # per /health probe: a wedged server must not eat the budget
 API_TIMEOUT_S = (10.0, 30.0)  # Jobs API calls: (connect, read)
 API_MAX_RETRIES = 5  # for 429/5xx/connection failures of API calls, with full-jitter exponential backoff
-API_BACKOFF_BASE_S = 0.5
-API_BACKOFF_CAP_S = 20.0
+API_BACKOFF_BASE_S, API_BACKOFF_CAP_S = 0.5, 20.0
 RETRY_AFTER_CAP_S = 60.0  # a server asking for a longer pause is waited for only this long
-CANCEL_ATTEMPTS = 3  # teardown retries a failed cancel briefly: it runs in `finally` blocks and at exit
-CANCEL_BACKOFF_CAP_S = 2.0
-LOG_TAIL_LINES = 40  # the log tail of JobFailedError, bounded in lines and time (a running job's SSE stream never ends)
-LOG_FETCH_TIMEOUT_S = 5.0
+CANCEL_ATTEMPTS, CANCEL_BACKOFF_CAP_S = 3, 2.0  # teardown retries a failed cancel briefly: in `finally` blocks, at exit
+LOG_TAIL_LINES, LOG_FETCH_TIMEOUT_S = 40, 5.0  # JobFailedError's log tail, bounded (a running job's log never ends)
 LIST_MAX_PAGES = 50  # `list` pages (Link: rel="next"): more is a loop or thousands of jobs
 # Names of the one public Hub: a next-page link may use either (any other host would get the token).
 HUB_HOST_NAMES = frozenset({"huggingface.co", "hf.co"})
 # A proxy route id in a URL: the loopback credential, never printed (repr, errors). (base64: 4 characters per 3 bytes)
 _hide_route = functools.partial(re.compile(r"/[A-Za-z0-9_-]{%d}(?=/|$|\?)" % (-(-_proxy.ROUTE_ID_BYTES // 3) * 4)).sub,
                                 "/<route id>")
-# Labels: one on every job this library makes (`sweep` finds leftovers by it), one unique per start (a lost create
-# answer's job is found by it), and one per process (the watcher lists all of this process's jobs with one call).
-PROVIDER_LABEL_KEY = "hf-sandbox-provider"
+PROVIDER_LABEL_KEY = "hf-sandbox-provider"  # a label on every job this library makes: `sweep` finds leftovers by it
 PROVIDER_LABEL_VALUE = "1"
-START_LABEL_KEY = "hf-sandbox-start"
-PROCESS_LABEL_KEY = "hf-sandbox-process"
+START_LABEL_KEY = "hf-sandbox-start"  # one unique per start: a lost create answer's job is found by it
+PROCESS_LABEL_KEY = "hf-sandbox-process"  # one per process: the watcher lists all of this process's jobs with one call
 LABEL_MAX_CHARS = 100  # the Hub's rule: label keys and values of at most this many [A-Za-z0-9_-]
-# The Hub's API limit is per user, in fixed 5-minute windows (1,000 calls free, 2,500 PRO, 3,000 Team, 6,000
-# Enterprise); RateLimit headers say what is left. Until one does: these, or HF_SANDBOX_RATE_LIMIT (e.g. "2500/300").
-RATE_LIMIT_CALLS = 1000
-RATE_LIMIT_WINDOW_S = 300.0
+RATE_LIMIT_CALLS = 1000  # the Hub's, per user and fixed 5-minute window (free; PRO 2,500, Team 3,000, Enterprise 6,000)
+RATE_LIMIT_WINDOW_S = 300.0  # used until RateLimit headers say what is left; or HF_SANDBOX_RATE_LIMIT (e.g. "2500/300")
 RATE_LIMIT_ENV = "HF_SANDBOX_RATE_LIMIT"
 RATE_LIMIT_RESOURCE = "api"  # the bucket the budget follows (whoami-v2 has its own, smaller one)
 # Below this fraction left, calls are spread over the time to the reset, paced by the server's count:
 RATE_LIMIT_PACE_BELOW = 0.25  # it falls with every process's calls, so N processes slow down together without talking
-# This fraction of the quota (at least RATE_LIMIT_RESERVE_MIN calls, never the whole of it) is kept for cancels.
-RATE_LIMIT_RESERVE = 0.05
-RATE_LIMIT_RESERVE_MIN = 5
+RATE_LIMIT_RESERVE, RATE_LIMIT_RESERVE_MIN = 0.05, 5  # of the quota (at least _MIN calls, never all of it): for cancels
 RATE_LIMIT_RECHECK_S = 2.0  # a call held here looks again this often: others' answers count too
 RATE_LIMIT_RESET_MARGIN_S = 1.0  # added to a 429's reset, as huggingface_hub does (`t` is rounded)
 # Jobs missing from the watcher's `list` (ended, or not listed yet) inspected per refresh, at most:
@@ -142,9 +128,8 @@ STOP_WAIT_S = 30.0  # stop_container() waits for another thread's start: no job 
 EXIT_SETTLE_S = 15.0  # at exit, cancels and creates still under way (e.g. a 429's wait) get this long, then are named
 RESCUE_RESERVE_S = 1.5  # of that wait (at most half), kept to list and cancel a job that a create still under way made
 _NEVER = threading.Event()  # the stop of a Jobs API call no stop gives up: never set
-# huggingface_hub's JobStage: the live ones in the order a job passes them, then the terminal ones.
-LIVE_STAGES = ("SCHEDULING", "RUNNING")
-TERMINAL_STAGES = frozenset({"COMPLETED", "CANCELED", "ERROR", "DELETED"})
+LIVE_STAGES = ("SCHEDULING", "RUNNING")  # huggingface_hub's JobStage: the live ones, in the order a job passes them
+TERMINAL_STAGES = frozenset({"COMPLETED", "CANCELED", "ERROR", "DELETED"})  # ... and the terminal ones
 # Order of the live stages, least advanced first (an unknown live stage counts as not running yet).
 _LIVE_STAGE_ORDER = {None: 0, **{stage: order for order, stage in enumerate(LIVE_STAGES, 1)}}
 # OpenEnv's image template's CMD (openenv_env/server/Dockerfile), `exec` so the server gets the stop signal.
@@ -159,17 +144,14 @@ TOKEN_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")  # read first, as huggin
 # Image references of HF Spaces, sent as `spaceId` rather than `dockerImage` (as huggingface_hub does).
 SPACE_IMAGE_PREFIXES = ("https://huggingface.co/spaces/", "https://hf.co/spaces/",
                         "huggingface.co/spaces/", "hf.co/spaces/")
-# start_container keywords that override the constructor's settings for one start.
 _OVERRIDABLE = ("command", "flavor", "namespace", "secrets", "labels", "job_timeout", "start_timeout_s",
                 "ready_timeout_s", "poll_interval_s", "verify", "replicas", "pool")
 USER_AGENT = "hf-sandbox-provider/" + __version__
 _STATUS_HINTS = {  # what a Jobs API error answer adds, by HTTP status
-    401: "Check the token (HF_TOKEN or `hf auth login`)",
+    401: "Check the token (HF_TOKEN or `hf auth login`)", 404: "Check the namespace and job id",
     402: "The namespace needs a payment method or credits to run Jobs",
     403: "The token lacks permission to run Jobs in this namespace (a fine-grained token needs 'jobs' write access)",
-    404: "Check the namespace and job id",
-    429: "The Jobs API rate limit (about 1,000 calls per 5 minutes) was hit; poll less often",
-}
+    429: "The Jobs API rate limit (about 1,000 calls per 5 minutes) was hit; poll less often"}
 _Failures = Sequence[Tuple[int, BaseException]]  # (index, exception) per failed start of a group
 
 
@@ -276,8 +258,7 @@ _PHASE_MOVES = {
     Phase.SUBMITTING: frozenset({Phase.STARTING, Phase.STOPPING, Phase.IDLE}),
     Phase.STARTING: frozenset({Phase.RUNNING, Phase.STOPPING}),
     Phase.RUNNING: frozenset({Phase.IDLE}),
-    Phase.STOPPING: frozenset({Phase.STARTING, Phase.STOPPING, Phase.IDLE}),
-}
+    Phase.STOPPING: frozenset({Phase.STARTING, Phase.STOPPING, Phase.IDLE})}
 _START_IN_FLIGHT = frozenset({Phase.SUBMITTING, Phase.STARTING, Phase.STOPPING})  # a start runs
 _JOB_HELD = frozenset({Phase.STARTING, Phase.RUNNING})  # a job is recorded: a teardown cancels it
 # What one teardown took from its provider: the job to cancel (None if none is held) and its route.
@@ -316,7 +297,6 @@ class HFSandboxProvider:
             _warn_credential_env_vars(self.env_vars)
         self._init_runtime_state()
 
-    # -- public API ---------------------------------------------------------------------------------
     def start_container(self, image: Optional[str] = None, port: Optional[int] = None,
                         env_vars: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> str:
         """Submit the job, wait for its URL, mount it on the proxy, return the base URL. Keywords in
@@ -336,15 +316,13 @@ class HFSandboxProvider:
             raise SandboxConfigError("proxy=%r is not serving: start() it first, or pass proxy=None" % (self._proxy,))
         self._claim_start()
         started = False
-        try:
-            # What runs the jobs (`_jobs`): bad combinations and overrides fail here, before any job.
+        try:  # What runs the jobs (`_jobs`): bad combinations and overrides fail here, before any job.
             pooled = _placement("pool").PooledSandbox(self, settings) if settings["pool"] is not None else None
             replicas = (_ReplicaSet(self, settings, token, self._proxy_instance())
                         if pooled is None and settings["replicas"] > 1 else None)
             with self._lock:
                 self._pooled, self._replicas = pooled, replicas
-            base_url = self._jobs._start_jobs(settings, token)
-            started = True
+            base_url, started = self._jobs._start_jobs(settings, token), True
             return base_url
         finally:
             self._end_start(started)
@@ -368,9 +346,8 @@ class HFSandboxProvider:
     @classmethod
     def start_many(cls, n: int, image: Optional[str] = None, *, max_parallel: int = DEFAULT_MAX_PARALLEL,
                    all_or_nothing: bool = True, progress: Union[bool, Callable[[int, int, int], None]] = True,
-                   **provider_kwargs: Any
-                   ) -> Union[List["HFSandboxProvider"],
-                              Tuple[List["HFSandboxProvider"], List[Tuple[int, BaseException]]]]:
+                   **provider_kwargs: Any) -> Union[
+                       List["HFSandboxProvider"], Tuple[List["HFSandboxProvider"], List[Tuple[int, BaseException]]]]:
         """Start `n` providers, `max_parallel` at a time, until each is ready: all, or StartManyError with every job
         cancelled (else `(ready, [(index, exception)])`). `progress`: stderr lines or a callable(ready, failed, n)."""
         _raise_if_rejected(_positive_int_rejection("n", n) or _positive_int_rejection("max_parallel", max_parallel)
@@ -455,10 +432,9 @@ class HFSandboxProvider:
         self.stop_container()
 
     def __repr__(self) -> str:
-        job_ids = self.job_ids
         return "<HFSandboxProvider image=%r flavor=%r job_id=%r stage=%r base_url=%r%s>" % (
             self.image, self.flavor, self.job_id, self.stage, self.base_url and _hide_route(self.base_url),
-            " job_ids=%r" % (job_ids,) if len(job_ids) > 1 else "")
+            " job_ids=%r" % (job_ids,) if len(job_ids := self.job_ids) > 1 else "")
 
     def __getstate__(self) -> Dict[str, Any]:
         """Un-started providers pickle (TRL ships env factories to workers): settings only."""
@@ -491,7 +467,6 @@ class HFSandboxProvider:
         """The settings replica `index` starts with (override to vary one, e.g. a label per index)."""
         return settings
 
-    # -- lifecycle state ----------------------------------------------------------------------------------
     def _init_runtime_state(self) -> None:
         # Guards the phase and the job's handles (re-entrant: a teardown moves both in one critical section).
         self._lock = threading.RLock()
@@ -538,7 +513,6 @@ class HFSandboxProvider:
             return previous
 
     def _claim_start(self) -> None:
-        """Begin a start (refused unless IDLE) and clear the last job's state."""
         with self._lock:
             if self._phase is not Phase.IDLE:
                 raise SandboxError("this provider already runs job %s; call stop_container() before starting another "
@@ -555,8 +529,7 @@ class HFSandboxProvider:
         if not started and self._phase is Phase.STARTING:  # a recorded job never outlives a failed start
             self._teardown()
         with self._lock:
-            stopped = self._phase is Phase.STOPPING
-            self._starter = None
+            stopped, self._starter = self._phase is Phase.STOPPING, None
             self._move(Phase.RUNNING if started and not stopped else Phase.IDLE)
         if started and stopped:
             raise SandboxError("stop_container() was called while job %s was starting; it was cancelled"
@@ -598,8 +571,7 @@ class HFSandboxProvider:
         if finalizer is not None:
             if not finalizer.alive:  # the exit safety net already released the job and its route
                 detached = detached._replace(job_id=None, base_url=None)
-            finalizer.detach()
-            _live_finalizers.discard(finalizer)
+            _reaper.retire(finalizer)
         return detached if self._owner_pid == os.getpid() else None  # (a forked copy: its parent ends the job)
 
     @property
@@ -617,7 +589,6 @@ class HFSandboxProvider:
         thread's own, in case a concurrent stop already took ours; `start`: only if that start still holds it."""
         self._jobs._teardown_jobs(client, start)
 
-    # -- one job ------------------------------------------------------------------------------------------
     def _settings(self, overrides: Mapping[str, Any]) -> Dict[str, Any]:
         return {**{name: getattr(self, name) for name in _OVERRIDABLE}, "image": self.image,
                 "port": self.port, "env_vars": self.env_vars, **overrides}
@@ -714,7 +685,6 @@ class HFSandboxProvider:
         self.timings["url"] = self._elapsed()
 
     def _observe(self, job: Mapping[str, Any]) -> str:
-        """Record the job's stage; log a line when it changes."""
         if (stage := str((job.get("status") or {}).get("stage") or "UNKNOWN")) != self._stage:
             logger.info("HF job %s: %s -> %s (%.1fs after submit)", self.job_id, self._stage or "submitted",
                         stage, self._elapsed())
@@ -744,8 +714,7 @@ class HFSandboxProvider:
             raise SandboxError("job %s was stopped while starting" % self.job_id)
         if watch.error is not None:
             raise watch.error
-        job = watch.job
-        stage = self._observe(job) if job is not None else None
+        stage = self._observe(job) if (job := watch.job) is not None else None
         if stage not in TERMINAL_STAGES or stage in ("CANCELED", "DELETED"):  # a crash outranks a stop: its logs
             self._raise_if_stopped()                                           # say why (start_many counts it)
         if job is not None and stage in TERMINAL_STAGES:
@@ -758,8 +727,7 @@ class HFSandboxProvider:
         job_id, port = self.job_id or "", int(settings["port"])
         while True:
             self._wake.clear()  # before reading, so a change made after the read still wakes the wait
-            job = self._latest_job(client) or {}
-            if urls := (job.get("status") or {}).get("exposeUrls") or []:
+            if urls := ((self._latest_job(client) or {}).get("status") or {}).get("exposeUrls") or []:
                 url = str(urls[0]).rstrip("/")  # one port is exposed, so one URL
                 if reason := self._hooks()._exposed_url_rejection(url, job_id, port):
                     raise InsecureURLError(reason)
@@ -791,9 +759,8 @@ class HFSandboxProvider:
                            detail: Callable[[], str] = lambda: "") -> None:
         """Probe `/health` until 200 (JobStartTimeout after `budget` s), calling `check` after each
         other answer: it raises when waiting is pointless. `label`, `short`, `detail()`: wording."""
-        url = base_url.rstrip("/") + "/health"
+        url, interval, last_seen = base_url.rstrip("/") + "/health", HEALTH_PROBE_FIRST_S, "no answer yet"
         deadline, heartbeat = time.monotonic() + budget, time.monotonic() + HEARTBEAT_S
-        interval, last_seen = HEALTH_PROBE_FIRST_S, "no answer yet"
         with requests.Session() as session:
             session.trust_env = False  # loopback proxy: never route through HTTP(S)_PROXY
             while True:
@@ -828,17 +795,14 @@ class HFSandboxProvider:
     def _safety_net(self, client: "_JobsClient", proxy: Optional["_proxy.AuthProxy"],
                     base_url: Optional[str]) -> "weakref.finalize":
         """The job's finalizer (collection, exit): it holds its client and ids, not the provider."""
-        return weakref.finalize(self, _release_job, client, self._job_namespace, self.job_id, proxy, base_url,
-                                self.job_url, abandoned=True, twin_label=self._twin_label)
+        return _reaper.arm(self, _release_job, client, self._job_namespace, self.job_id, proxy, base_url, self.job_url,
+                           abandoned=True, twin_label=self._twin_label)
 
     def _swap_finalizer(self, finalizer: "weakref.finalize") -> None:
-        """Make `finalizer` this provider's safety net, retiring the one it replaces."""
         with self._lock:
             old, self._finalizer = self._finalizer, finalizer
-        _live_finalizers.add(finalizer)
         if old is not None:
-            old.detach()
-            _live_finalizers.discard(old)
+            _reaper.retire(old)
 
 
 def _register_with_openenv() -> None:
@@ -905,7 +869,6 @@ class _ReplicaSet:
                 started = True
             finally:
                 child._end_start(started)
-
         try:
             logger.info("starting %d replica jobs of %s", count, settings["image"])
             group = self._parallel(start_one)
@@ -917,9 +880,8 @@ class _ReplicaSet:
             base_url = proxy.mount_replicas([child.upstream_url for child in self.children], token=token,
                                             verify=settings["verify"])
             owner.timings.update({key: self._all_reached(key) for key in ("created", "running")})
-            # The owner's safety net unmounts the route (each replica's own cancels its job).
-            owner._publish_route(proxy, base_url, weakref.finalize(
-                owner, _release_job, None, None, None, proxy, base_url, None))
+            net = _reaper.arm(owner, _release_job, None, None, None, proxy, base_url, None)
+            owner._publish_route(proxy, base_url, net)  # unmounts the route (each replica's own net cancels its job)
             logger.info("%d replica jobs (%s) serving on one route (%.1fs after submit)", count,
                         ", ".join(self._job_ids()), owner._elapsed())
             return base_url
@@ -929,11 +891,10 @@ class _ReplicaSet:
 
     def _wait_ready(self, base_url: str, budget: float) -> None:
         """Wait for every replica's own /health (in parallel); one failure fails them all."""
-        owner = self.owner
         self._run(self._parallel(lambda index, child: child.wait_for_ready(timeout_s=budget)),
                   "hf-sandbox-replica-ready", "become ready")
-        owner.timings["ready"] = owner._elapsed()
-        logger.info("%d replica jobs ready (%.1fs after submit)", len(self.children), owner._elapsed())
+        self.owner.timings["ready"] = self.owner._elapsed()
+        logger.info("%d replica jobs ready (%.1fs after submit)", len(self.children), self.owner._elapsed())
 
     def _teardown_jobs(self, client: Optional["_JobsClient"], start: Optional[int] = None) -> None:
         """Unmount the replica route, then stop every replica (each names a job it could not cancel)."""
@@ -956,11 +917,9 @@ class _ReplicaSet:
 
     def status(self, refresh: bool) -> List[Dict[str, Any]]:
         """`HFSandboxProvider.replica_status()`: the proxy's view of each replica plus its job's stage."""
-        owner = self.owner
-        with owner._lock:
-            base_url, proxy = owner.base_url, owner._mounted_on
-        entries = self._route_entries(proxy, base_url)
-        now = time.monotonic()
+        with self.owner._lock:
+            base_url, proxy = self.owner.base_url, self.owner._mounted_on
+        entries, now = self._route_entries(proxy, base_url), time.monotonic()
         for index, child in enumerate(self.children):
             entry = entries.get(child.upstream_url or "")
             if refresh or (entry is not None and not entry["healthy"] and now - self.checked.get(
@@ -987,8 +946,7 @@ class _ReplicaSet:
         except Exception as exc:  # a status call must not fail over a busy API: report what is known
             logger.debug("replica %d: could not inspect job %s (%s)", index, child.job_id, type(exc).__name__)
             return
-        child._last_job = job
-        stage = child._observe(job)
+        child._last_job, stage = job, child._observe(job)
         if stage not in TERMINAL_STAGES or proxy is None or base_url is None:
             return
         message = (job.get("status") or {}).get("message") or "(no message from the Jobs API)"
@@ -1013,13 +971,11 @@ class _ReplicaSet:
 
     def _all_reached(self, key: str) -> float:
         """Seconds from the owner's submit until every replica had reached `key` of its timings."""
-        owner = self.owner
         moments = [child._submitted_at + child.timings[key] for child in self.children if key in child.timings]
-        return max(moments) - owner._submitted_at if moments else owner._elapsed()
+        return max(moments) - self.owner._submitted_at if moments else self.owner._elapsed()
 
     @staticmethod
     def _route_entries(proxy: Optional["_proxy.AuthProxy"], base_url: Optional[str]) -> Dict[str, Dict[str, Any]]:
-        """The proxy's status of the replica route by upstream URL ({} once it is unmounted)."""
         if proxy is None or base_url is None:
             return {}
         try:
@@ -1085,7 +1041,6 @@ class _Parallel:
                 raise
 
     def abort(self) -> None:
-        """Begin no more actions and make every start or readiness wait in flight give up at once."""
         with self._lock:
             self.stopping = True
             in_flight = [self.providers[index] for index in self._began - self.ready]
@@ -1173,15 +1128,13 @@ _NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
 _SPACE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
 _LABEL_KEY = re.compile(r"^[A-Za-z0-9_-]{1,%d}\Z" % LABEL_MAX_CHARS)
 _LABEL_VALUE = re.compile(r"^[A-Za-z0-9_-]{0,%d}\Z" % LABEL_MAX_CHARS)
-# What the parts of a credential's variable name end with (HF_TOKEN, AWS_SECRET_ACCESS_KEY, DB_PASSWORD).
 _CREDENTIAL_NAME_ENDINGS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIALS", "APIKEY")
 _DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([smhd]?)\s*$")
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 _credential_warnings: "set[str]" = set()  # names warned about (once per process, for all providers)
 _credential_warnings_lock = threading.Lock()
-# endpoint -> the flavors its hardware list gave, or None (no answer); asked once per process, under its own lock.
-_live_hardware: Dict[str, Optional[frozenset]] = {}
-_hardware_locks: Dict[str, threading.Lock] = {}
+_live_hardware: Dict[str, Optional[frozenset]] = {}  # endpoint -> the flavors its hardware list gave, or None
+_hardware_locks: Dict[str, threading.Lock] = {}  # each list is asked for once per process, under its own lock
 
 
 def _raise_if_rejected(reason: Optional[str]) -> None:
@@ -1242,10 +1195,9 @@ def _live_flavor_rejection(client: "_JobsClient", flavor: str) -> Optional[str]:
 
 def _parse_duration(value: Any) -> Optional[int]:
     """Seconds from 3600, 90.5, "3600", "30m", "2h", "1d"; None when unparseable or not positive."""
-    match = _DURATION.match(value) if isinstance(value, str) else None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         seconds = float(value)
-    elif match:
+    elif isinstance(value, str) and (match := _DURATION.match(value)):
         seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
     else:
         return None
@@ -1351,8 +1303,7 @@ _SETTING_CHECKS: Tuple[Tuple[str, Callable[[Any], Optional[str]]], ...] = (
         "namespace %r must be a user or organisation name" % (value,))),
     ("verify", lambda value: None if isinstance(value, (bool, str)) else (
         "verify must be True, False or a CA bundle path, not %r" % (value,))),
-    ("pool", lambda value: None if value is None else _placement("pool").pool_rejection(value)),
-)
+    ("pool", lambda value: None if value is None else _placement("pool").pool_rejection(value)))
 
 
 def _settings_rejection(settings: Mapping[str, Any], image_required: bool) -> Optional[str]:
@@ -1366,9 +1317,8 @@ def _settings_rejection(settings: Mapping[str, Any], image_required: bool) -> Op
 def _job_body(settings: Mapping[str, Any], start_label: str) -> Dict[str, Any]:
     """The JSON body of `POST /api/jobs/{namespace}` for these (validated) settings."""
     command, port, space = settings["command"], int(settings["port"]), _space_id(settings["image"])
-    labels = {str(k): str(v) for k, v in (settings["labels"] or {}).items()}
-    labels.update({PROVIDER_LABEL_KEY: PROVIDER_LABEL_VALUE, START_LABEL_KEY: start_label,
-                   PROCESS_LABEL_KEY: _process_label})
+    labels = {**{str(k): str(v) for k, v in (settings["labels"] or {}).items()},
+              PROVIDER_LABEL_KEY: PROVIDER_LABEL_VALUE, START_LABEL_KEY: start_label, PROCESS_LABEL_KEY: _process_label}
     body: Dict[str, Any] = {
         "command": ([part.format(port=port) for part in DEFAULT_COMMAND_TEMPLATE] if command is None
                     else shlex.split(command) if isinstance(command, str) else list(command)),
@@ -1532,8 +1482,7 @@ def _retry_delay(attempt: int, retry_after: Optional[float], base: float = API_B
 def _transport_failure(exc: requests.RequestException) -> Tuple[str, bool]:
     """(what went wrong, whether the server may have got the request) for a call with no answer,
     from the exceptions requests wraps: a failed connection sent nothing; the OS's reason kept."""
-    reason, nothing_sent = None, isinstance(exc, requests.ConnectTimeout)
-    pending, seen = [exc], set()
+    reason, nothing_sent, pending, seen = None, isinstance(exc, requests.ConnectTimeout), [exc], set()
     while pending:
         if id(cause := pending.pop(0)) in seen:
             continue
@@ -1619,7 +1568,6 @@ class _JobsClient:
                 return found[0]
             resent()
             return None
-
         action = "creating the job in namespace %r" % namespace
         job = self._json("POST", "/api/jobs/%s" % namespace, action, body=dict(body), find_lost=find_lost,
                          given_up=given_up)
@@ -1639,8 +1587,7 @@ class _JobsClient:
         """Jobs with all these labels and one of these stages, following next-page links. A job that names its labels
         must carry them too: a listing that ignored the filter hands over no other job to adopt or cancel."""
         params: Any = [("label", "%s=%s" % item) for item in (labels or {}).items()] + [("stage", s) for s in stages]
-        path: Optional[str] = "/api/jobs/%s" % namespace
-        jobs: List[Dict[str, Any]] = []
+        path, jobs = "/api/jobs/%s" % namespace, []  # type: Optional[str], List[Dict[str, Any]]
         for _ in range(LIST_MAX_PAGES):
             links: List[Optional[str]] = []
             payload = self._json("GET", path or "", "listing jobs", params=params, retries=retries, next_links=links,
@@ -1669,16 +1616,15 @@ class _JobsClient:
         names = [entry.get("name") for entry in payload if isinstance(entry, dict)] if isinstance(payload, list) else []
         return frozenset(str(name) for name in names if name) or None
 
-    def job_logs(self, namespace: str, job_id: str, tail: int = LOG_TAIL_LINES,
-                 timeout_s: float = LOG_FETCH_TIMEOUT_S) -> List[str]:
-        """The last `tail` log lines, reading the SSE stream for at most `timeout_s`. Never raises."""
-        lines, deadline = deque(maxlen=tail), time.monotonic() + timeout_s
+    def job_logs(self, namespace: str, job_id: str, tail: int = LOG_TAIL_LINES) -> List[str]:
+        """The last `tail` log lines, reading the SSE stream for at most LOG_FETCH_TIMEOUT_S. Never raises."""
+        lines, deadline = deque(maxlen=tail), time.monotonic() + LOG_FETCH_TIMEOUT_S
         try:
-            if self._budget.wait_s() > timeout_s:  # the budget holds calls past this limit (a 429's pause): no tail
+            if self._budget.wait_s() > LOG_FETCH_TIMEOUT_S:  # the budget holds calls past it (a 429's pause): no tail
                 return []
             ticket = self._budget.acquire()
             with self._session.get(self.endpoint + "/api/jobs/%s/%s/logs" % (namespace, job_id), params={"tail": tail},
-                                   stream=True, timeout=(API_TIMEOUT_S[0], min(2.0, timeout_s))) as response:
+                                   stream=True, timeout=(API_TIMEOUT_S[0], min(2.0, LOG_FETCH_TIMEOUT_S))) as response:
                 self._budget.observe(response.headers, ticket)
                 if response.status_code >= 300:
                     return []
@@ -1699,8 +1645,7 @@ class _JobsClient:
         url = path if path.startswith(self.endpoint + "/") else self.endpoint + path
         sent_maybe = False  # whether any attempt may have reached the server without an answer
         for attempt in itertools.count():
-            retry_after: Optional[float] = None
-            paused = None
+            retry_after, paused = None, None  # type: Optional[float], Optional[float]
             if (ticket := self._budget.acquire(teardown, given_up)) is None:
                 stopped = SandboxError("stop_container() was called while %s" % action)
                 stopped.may_have_acted = sent_maybe  # type: ignore[attr-defined]
@@ -1763,6 +1708,9 @@ _namespace_locks: Dict[Tuple[str, str], threading.Lock] = {}
 _budgets: Dict[Tuple[str, str], "_ApiBudget"] = {}
 _budgets_lock = threading.Lock()
 _RateLimitInfo = Optional[Tuple[int, int, Optional[int], Optional[int], str]]
+# huggingface_hub's regular expressions for the IETF draft's headers, for a huggingface_hub older than 1.2.
+_RATELIMIT = re.compile(r"\"(?P<resource>\w+)\"\s*;\s*r\s*=\s*(?P<r>\d+)\s*;\s*t\s*=\s*(?P<t>\d+)")
+_RATELIMIT_POLICY = re.compile(r"q\s*=\s*(?P<q>\d+).*?w\s*=\s*(?P<w>\d+)")
 
 
 class _ApiBudget:
@@ -1832,8 +1780,7 @@ class _ApiBudget:
             self._sent.clear()  # the server counts from now on
             if quota and window:
                 self.calls, self.window_s = quota, float(window)
-            self.remaining = max(0.0, remaining - (self.sent - ticket))
-            self.reset_at = self.clock() + reset_in
+            self.remaining, self.reset_at = max(0.0, remaining - (self.sent - ticket)), self.clock() + reset_in
 
     def rate_limited(self, retry_after: Optional[float], headers: Optional[Mapping[str, str]] = None) -> float:
         """A call was answered 429: pause every ordinary call until the server's reset (`t` of RateLimit when
@@ -1864,8 +1811,7 @@ class _ApiBudget:
             return float(self.remaining or 0.0), self.reset_at - now
         while self._sent and self._sent[0] <= now - self.window_s:
             self._sent.popleft()
-        oldest = self._sent[0] if self._sent else now
-        return float(self.calls - len(self._sent)), oldest + self.window_s - now
+        return float(self.calls - len(self._sent)), (self._sent[0] if self._sent else now) + self.window_s - now
 
     def _wait(self, now: float, left: float, reset_in: float) -> float:
         """An ordinary call's wait: a 429's pause, the reset if only the reserve is left, else its pacing turn."""
@@ -1886,11 +1832,6 @@ def _ratelimit_info(headers: Mapping[str, str]) -> _RateLimitInfo:
     info = parse_ratelimit_headers(headers)
     return None if info is None else (info.remaining, info.reset_in_seconds, info.limit, info.window_seconds,
                                       info.resource_type)
-
-
-# huggingface_hub's regular expressions for the IETF draft's headers, for a huggingface_hub older than 1.2.
-_RATELIMIT = re.compile(r"\"(?P<resource>\w+)\"\s*;\s*r\s*=\s*(?P<r>\d+)\s*;\s*t\s*=\s*(?P<t>\d+)")
-_RATELIMIT_POLICY = re.compile(r"q\s*=\s*(?P<q>\d+).*?w\s*=\s*(?P<w>\d+)")
 
 
 def _parse_ratelimit(headers: Mapping[str, str]) -> _RateLimitInfo:
@@ -1918,9 +1859,8 @@ def _configured_rate_limit() -> Tuple[int, float]:
 
 
 def _api_budget(endpoint: str, token: str) -> _ApiBudget:
-    key = _token_key(endpoint, token)
     with _budgets_lock:
-        if key not in _budgets:
+        if (key := _token_key(endpoint, token)) not in _budgets:
             _budgets[key] = _ApiBudget(*_configured_rate_limit())
         return _budgets[key]
 
@@ -1932,12 +1872,10 @@ class _Watch:
                  job: Optional[Mapping[str, Any]] = None, since: Optional[float] = None) -> None:
         self.job_id, self.base_interval_s, self.wake = job_id, interval_s, wake
         self.since = time.monotonic() if since is None else since  # when the job was submitted
-        self.job: Optional[Mapping[str, Any]] = job
-        self.error: Optional[BaseException] = None
+        self.job, self.error = job, None  # type: Optional[Mapping[str, Any]], Optional[BaseException]
         self.refreshed = 0  # answers received: a refresh inspects the least refreshed missing jobs first
 
     def interval_s(self, now: float) -> float:
-        """This job's refresh interval: its provider's, slowed down once it has waited a long time."""
         slow = now - self.since >= WATCH_SLOWDOWN_AFTER_S
         return max(self.base_interval_s, WATCH_SLOW_INTERVAL_S) if slow else self.base_interval_s
 
@@ -1962,8 +1900,7 @@ class _WatchGroup:
 
     def __init__(self, client: "_JobsClient", namespace: str) -> None:
         self.client, self.namespace, self.next_due, self.failures = client, namespace, 0.0, 0
-        self.watches: List[_Watch] = []
-        self.thread: Optional[threading.Thread] = None
+        self.watches, self.thread = [], None  # type: List[_Watch], Optional[threading.Thread]
 
 
 class _JobWatcher:
@@ -2039,9 +1976,8 @@ class _JobWatcher:
             if len(watches) == 1:
                 found = {watches[0].job_id: client.get_job(group.namespace, watches[0].job_id, retries=0)}
             else:
-                listed = client.list_jobs(group.namespace, labels={PROCESS_LABEL_KEY: _process_label},
-                                          stages=LIVE_STAGES, retries=0)
-                found = {str(job.get("id")): job for job in listed}
+                found = {str(job.get("id")): job for job in client.list_jobs(
+                    group.namespace, labels={PROCESS_LABEL_KEY: _process_label}, stages=LIVE_STAGES, retries=0)}
                 # the least refreshed first, so a job that stays unlisted cannot starve the others
                 missing = sorted((w for w in watches if w.job_id not in found),
                                  key=lambda w: w.refreshed)[:WATCH_MAX_INSPECTS]
@@ -2071,8 +2007,8 @@ def _reset_after_fork() -> None:
     """A forked child inherits no threads: give it its own watcher, budgets, process label and locks (a lock held at the
     fork would stay held; hardware lists stay valid). Of the parent's jobs and proxies it owns none: their safety nets
     and shared proxies are forgotten, not stopped, so its exit cancels nothing of the parent's; it mounts on its own."""
-    global _watcher, _process_label, _budgets_lock, _hardware_locks, _namespace_locks, _shared_proxy_lock
-    _watcher, _process_label = _JobWatcher(), uuid.uuid4().hex
+    global _watcher, _process_label, _budgets_lock, _hardware_locks, _namespace_locks, _shared_proxy_lock, _reaper
+    _watcher, _process_label, _reaper = _JobWatcher(), uuid.uuid4().hex, _Reaper()
     _budgets_lock, _hardware_locks, _namespace_locks, _shared_proxy_lock = threading.Lock(), {}, {}, threading.Lock()
     _budgets.clear()
     for finalizer in list(_live_finalizers):
@@ -2091,12 +2027,82 @@ if hasattr(os, "register_at_fork"):
 # -- Process-wide state: the shared proxy and the exit hook ----------------------------------------
 _shared_proxies: Dict[Optional[str], Any] = {}  # by mode, None or "process" (see _shared_proxy)
 _shared_proxy_lock = threading.Lock()
-_live_finalizers: "set[weakref.finalize]" = set()  # running providers' safety nets (weak)
+_live_finalizers: "set[weakref.finalize]" = set()  # armed safety nets (weak), and those the reaper has yet to end
+
+
+class _Release:
+    """A safety net's work, `release(*args, **kwargs)`; called by the GC (`__call__`) it is queued for the reaper."""
+
+    def __init__(self, release: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        self.release, self.args, self.kwargs, self.net = release, args, kwargs, None  # net: its weakref.finalize
+
+    def __call__(self) -> None:
+        _reaper.queue.put(self)
+
+    def run(self) -> None:
+        try:
+            self.release(*self.args, **self.kwargs)
+        finally:
+            _live_finalizers.discard(self.net)
+
+
+class _Reaper:
+    """Runs the releases of collected providers. The GC runs a finalizer in whichever thread allocates, which may hold
+    a lock the release takes (the proxy's host pools, its child's channel) and would wait on itself for ever: so a
+    finalizer only queues (SimpleQueue.put is safe there) for this thread, which lives while a safety net is armed."""
+
+    def __init__(self) -> None:
+        self.queue: "queue.SimpleQueue[Optional[_Release]]" = queue.SimpleQueue()
+        self.lock, self.thread = threading.Lock(), None  # type: threading.Lock, Optional[threading.Thread]
+
+    def arm(self, owner: Any, release: Callable[..., Any], *args: Any, **kwargs: Any) -> "weakref.finalize":
+        """`owner`'s safety net: `release(*args, **kwargs)` once it is collected, or at exit (never holding `owner`)."""
+        with self.lock:  # (the thread ends under it once no net is armed: a new net starts another)
+            if self.thread is None or not self.thread.is_alive():  # (or its start raised, or a release killed it)
+                self.thread = threading.Thread(target=self._run, name="hf-sandbox-reaper", daemon=True)
+                _start_thread(self.thread)
+            action = _Release(release, args, kwargs)
+            action.net = net = weakref.finalize(owner, action)
+            _live_finalizers.add(net)
+        return net
+
+    def retire(self, net: "weakref.finalize") -> None:
+        """A net whose owner released what it held: it never runs; the thread ends if it was the last."""
+        net.detach()
+        _live_finalizers.discard(net)
+        self.queue.put(None)
+
+    def now(self) -> List[Callable[[], None]]:
+        """For the exit hooks and signal teardown: the armed nets, and the releases queued and not begun (each once)."""
+        actions = [functools.partial(_run_now, net) for net in list(_live_finalizers)]
+        with contextlib.suppress(queue.Empty):
+            while True:
+                actions.append(getattr(self.queue.get_nowait(), "run", lambda: None))
+        return actions
+
+    def _run(self) -> None:
+        while True:
+            if (action := self.queue.get()) is not None:
+                action.run()  # (one at a time, as the collector ran them)
+            with self.lock:
+                if not _live_finalizers and self.queue.empty():
+                    self.thread = None
+                    return
+
+
+def _run_now(net: "weakref.finalize") -> None:
+    if (info := net.detach()) is not None:
+        info[1].run()
+
+
+_reaper = _Reaper()
 # Cancels and creates under way by (what, thread) (two threads may cancel one job): the sweep that finds the job, and
 # for a create the rescue that cancels what it made, found by its start label (see _settle). No lock: dict operations
 # are atomic, and a signal handler's raise can leave a lock the main thread enters held for ever (a Condition's
 # __enter__ is Python code: the raise can land after its acquire).
 _unsettled: Dict[Tuple[str, int], Tuple[str, Optional[Callable[[], List[str]]]]] = {}
+# Made before our exit hook is registered (atexit: last in, first out), weakref.finalize's runs after it, not first.
+weakref.finalize(_in_parallel, int).detach()
 
 
 @contextlib.contextmanager
@@ -2224,15 +2230,11 @@ def _unmount(proxy: Optional["_proxy.AuthProxy"], base_url: Optional[str]) -> Li
     return []
 
 
-# Made now, weakref.finalize's exit hook runs after ours (atexit: last in, first out), not every safety net first.
-weakref.finalize(_in_parallel, int).detach()
-
-
 @atexit.register
 def _stop_everything_at_exit() -> None:
     """Cancel the jobs of providers still running at interpreter exit (STOP_PARALLEL at a time, as stop_all does:
     hundreds one by one could outlast a supervisor's kill), then stop the shared proxy."""
-    _in_parallel(list(_live_finalizers))  # each runs at most once; a no-op if teardown already detached it
+    _in_parallel(_reaper.now())  # each runs at most once; a no-op if teardown already detached it
     _live_finalizers.clear()
     _settle(EXIT_SETTLE_S)  # e.g. a stop_all() that Ctrl-C cut short, its cancels waiting out a 429
     with _shared_proxy_lock:
@@ -2245,6 +2247,9 @@ def _stop_everything_at_exit() -> None:
 
 # -- The layers: the registry of placements, the names re-exported lazily (PEP 562), the command line ---
 _LAYER_OF = {name: module for module, names in _LAYERS.items() for name in names}
+# A layer's names count as this module's (dir(), `import *`) when its file is present.
+__all__ += [name for name, module in _LAYER_OF.items()
+            if importlib.util.find_spec("%s.%s" % (__package__, module) if __package__ else module)]
 # Placements besides a dedicated job, by keyword: the layer (file) loaded on first use; it calls _register_placement.
 _PLACEMENT_LAYERS = {"pool": "hf_sandbox_pool"}
 _placements: Dict[str, Any] = {}  # keyword -> the registered layer; filled as layers are imported
@@ -2280,11 +2285,6 @@ def __getattr__(name: str) -> Any:
     if name not in _LAYER_OF:
         raise AttributeError("module %r has no attribute %r" % (__name__, name))
     return getattr(_import_layer(_LAYER_OF[name], name), name)
-
-
-# A layer's names count as this module's (dir(), `import *`) when its file is present.
-__all__ += [name for name, module in _LAYER_OF.items()
-            if importlib.util.find_spec("%s.%s" % (__package__, module) if __package__ else module)]
 
 
 def __dir__() -> List[str]:

@@ -48,7 +48,6 @@ _raise_if_rejected, _positive_number_rejection = _core._raise_if_rejected, _core
 _in_parallel, _start_thread = _core._in_parallel, _core._start_thread
 # The proxy's TLS contexts: one per `verify`, shared with the routes, trusting certifi's bundle like requests.
 _shared_tls_context, _verify_rejection = _core._proxy._shared_tls_context, _core._proxy._verify_rejection
-_live_finalizers = _core._live_finalizers  # the providers' safety nets (a set the core never rebinds)
 logger = _core.logger  # one logger for the library: "hf_sandbox_provider"
 
 __all__ = ["EnvSession", "SessionError", "SessionRefusedError", "SessionTimeout", "EnvError",
@@ -1472,15 +1471,15 @@ def _teardown_process(budget_s: float, interrupted: Optional[int] = None) -> Non
     slot, background starts (waiting for creates in flight), then every provider's safety net.
     `interrupted`: the thread a signal interrupted, whose create in flight cannot end meanwhile."""
     deadline = time.monotonic() + budget_s
-    safety_nets = list(_live_finalizers)  # each cancels one running job at most once, provider or not
+    safety_nets = _core._reaper.now()  # each cancels one running job at most once, provider or not
     # The slots and starts come from under locks an interrupted main thread may hold (a signal's teardown):
     # they are listed in a thread of their own, so the safety nets, which take none, go out meanwhile.
     _in_parallel(safety_nets + [lambda: _in_parallel(_stops(budget_s), budget_s)], budget_s)
-    _in_parallel(list(_live_finalizers), max(0.0, deadline - time.monotonic()))  # jobs recorded meanwhile
+    _in_parallel(_core._reaper.now(), max(0.0, deadline - time.monotonic()))  # jobs recorded meanwhile
     # Creates and cancels still under way (start_many's, a user's threads'): waited for, rescued, or named;
     # then the safety nets of the jobs those creates recorded meanwhile.
     _core._settle(max(0.0, deadline - time.monotonic()), stuck=interrupted)
-    _in_parallel(list(_live_finalizers), max(0.0, deadline - time.monotonic()))
+    _in_parallel(_core._reaper.now(), max(0.0, deadline - time.monotonic()))
 
 
 def _stop_background_starts_at_exit() -> None:

@@ -258,6 +258,55 @@ def test_the_exit_safety_net_also_cancels_the_late_twin_of_a_create_sent_twice(e
     assert_nothing_left(emu, proxy)
 
 
+_COLLECTED_MID_MOUNT_CHILD = """
+import gc, json, sys, threading
+import hf_sandbox_provider, proxy, proxy_host
+settings, (module, cls) = json.loads(sys.argv[1]), sys.argv[2].split(".")
+allocation = getattr(sys.modules[module], cls).__init__.__code__  # made while its object's owner holds a lock
+gc.disable()  # the one collection below is the test's
+dropped = hf_sandbox_provider.HFSandboxProvider("python:3.12", **settings)
+dropped.start_container()
+dropped.cycle = {"provider": dropped}  # held by a cycle: only a collection frees it, in whatever thread runs it
+del dropped
+
+def collect_inside(frame, event, arg):
+    if event == "call" and frame.f_code is allocation:
+        sys.setprofile(None)
+        gc.collect()
+
+def start_another():
+    other = hf_sandbox_provider.HFSandboxProvider("python:3.12", **settings)
+    sys.setprofile(collect_inside)
+    try:
+        other.start_container()
+    finally:
+        sys.setprofile(None)
+    other.stop_container()
+    print("started and stopped another", flush=True)
+
+thread = threading.Thread(target=start_another, daemon=True)
+thread.start()
+thread.join(60)
+sys.stdout.flush()
+sys.exit(1 if thread.is_alive() else 0)
+"""
+
+
+@pytest.mark.parametrize("mode, allocation", [(None, "proxy._HostPool"), ("process", "proxy_host._PendingAnswer")])
+def test_a_provider_collected_while_another_start_holds_the_proxys_lock_is_released_without_a_deadlock(
+        emu, mode, allocation):
+    # The GC runs a finalizer in whichever thread allocates. A start mounting its route allocates under the proxy's
+    # host-pool lock (the proxy child's handle lock with proxy="process"); a release run there took that lock again
+    # and hung the start, and every later mount and unmount, for good.
+    settings = dict(endpoint=emu.endpoint, token=emu.token, command=ECHO, poll_interval_s=0.05, proxy=mode)
+    child = subprocess.run([sys.executable, "-c", _COLLECTED_MID_MOUNT_CHILD, json.dumps(settings), allocation],
+                           capture_output=True, text=True, timeout=TIMEOUT * 4, cwd=ROOT,
+                           env={**os.environ, "PYTHONPATH": ROOT})
+    assert child.returncode == 0 and "started and stopped another" in child.stdout, child.stderr[-3000:]
+    assert "garbage-collected): cancelling it" in child.stderr
+    wait_until(lambda: len(emu.jobs) == 2 and all(job.stage == "CANCELED" for job in emu.jobs), "both jobs cancelled")
+
+
 _EXIT_CHILD = """
 import json, sys
 import hf_sandbox_provider
