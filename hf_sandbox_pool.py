@@ -953,7 +953,7 @@ def _pool_class() -> Any:
 def _close_pools_at_exit() -> None:
     """At exit (before the core's own hook: atexit runs in reverse order, and this module is imported
     after the core), kill pooled sandboxes still running, then close the named pools."""
-    kills = [functools.partial(_core._run_now, net) for net in list(_core._live_finalizers)
+    kills = [functools.partial(_core._reaper.retire, net, True) for net in list(_core._live_finalizers)
              if (info := net.peek()) is not None and info[1].release is _release_sandbox]
     _core._in_parallel(kills, EXIT_KILL_BUDGET_S)
     close_pools()

@@ -837,9 +837,8 @@ class _ReplicaSet:
             if reason := (_settings_rejection(item, image_required=True)
                           or (None if item.get("replicas") == 1 else "replicas must stay 1")):
                 raise SandboxConfigError("_replica_settings(%d): %s" % (index, reason))
-            options = {name: item[name] for name in _OVERRIDABLE if name != "replicas"}
-            child = HFSandboxProvider(item["image"], port=item["port"], env_vars=item["env_vars"],
-                                      token=token, endpoint=owner.endpoint, proxy=proxy,
+            options = {name: item[name] for name in ("image", "port", "env_vars", *_OVERRIDABLE) if name != "replicas"}
+            child = HFSandboxProvider(token=token, endpoint=owner.endpoint, proxy=proxy,
                                       warn_env_credentials=owner.warn_env_credentials, **options)
             child._owner = self._owner  # it uses its owner's hooks
             self.children.append(child)
@@ -2053,46 +2052,45 @@ class _Reaper:
 
     def __init__(self) -> None:
         self.queue: "queue.SimpleQueue[Optional[_Release]]" = queue.SimpleQueue()
-        self.lock, self.thread = threading.Lock(), None  # type: threading.Lock, Optional[threading.Thread]
+        self.lock, self.thread, self.exiting = threading.Lock(), None, False  # type: threading.Lock, Any, bool
 
     def arm(self, owner: Any, release: Callable[..., Any], *args: Any, **kwargs: Any) -> "weakref.finalize":
-        """`owner`'s safety net: `release(*args, **kwargs)` once it is collected, or at exit (never holding `owner`)."""
+        """`owner`'s safety net: `release(*args, **kwargs)` once it is collected (never if args hold it), or at exit."""
         with self.lock:  # (the thread ends under it once no net is armed: a new net starts another)
-            if self.thread is None or not self.thread.is_alive():  # (or its start raised, or a release killed it)
+            if self.thread is None or not self.thread.is_alive():  # (or its start failed, or a release killed it)
                 self.thread = threading.Thread(target=self._run, name="hf-sandbox-reaper", daemon=True)
-                _start_thread(self.thread)
+                with contextlib.suppress(RuntimeError):  # no thread to spare: the next arm tries, the exit runs all
+                    _start_thread(self.thread)
             action = _Release(release, args, kwargs)
             action.net = net = weakref.finalize(owner, action)
+            net.atexit = False
             _live_finalizers.add(net)
         return net
 
-    def retire(self, net: "weakref.finalize") -> None:
-        """A net whose owner released what it held: it never runs; the thread ends if it was the last."""
-        net.detach()
+    def retire(self, net: "weakref.finalize", run: bool = False) -> None:
+        """Disarm `net` (`run`: run it here first, unless it ran); the thread ends if it was the last net."""
+        if (info := net.detach()) is not None and run:
+            info[1].run()
         _live_finalizers.discard(net)
         self.queue.put(None)
 
     def now(self) -> List[Callable[[], None]]:
         """For the exit hooks and signal teardown: the armed nets, and the releases queued and not begun (each once)."""
-        actions = [functools.partial(_run_now, net) for net in list(_live_finalizers)]
+        actions = [functools.partial(self.retire, net, True) for net in list(_live_finalizers)]
         with contextlib.suppress(queue.Empty):
             while True:
                 actions.append(getattr(self.queue.get_nowait(), "run", lambda: None))
         return actions
 
     def _run(self) -> None:
-        while True:
-            if (action := self.queue.get()) is not None:
-                action.run()  # (one at a time, as the collector ran them)
+        while not self.exiting:  # (from then on, the exit hook runs what is queued)
+            if (action := self.queue.get()) is not None:  # (one at a time, as the collector ran them)
+                with _unsettled_while("the release of a garbage-collected provider", "sweep"):  # (exit waits)
+                    action.run()
             with self.lock:
                 if not _live_finalizers and self.queue.empty():
                     self.thread = None
                     return
-
-
-def _run_now(net: "weakref.finalize") -> None:
-    if (info := net.detach()) is not None:
-        info[1].run()
 
 
 _reaper = _Reaper()
@@ -2101,7 +2099,7 @@ _reaper = _Reaper()
 # are atomic, and a signal handler's raise can leave a lock the main thread enters held for ever (a Condition's
 # __enter__ is Python code: the raise can land after its acquire).
 _unsettled: Dict[Tuple[str, int], Tuple[str, Optional[Callable[[], List[str]]]]] = {}
-# Made before our exit hook is registered (atexit: last in, first out), weakref.finalize's runs after it, not first.
+# Made before our exit hook is registered, so weakref.finalize's own runs after it: from then on a net fires nothing.
 weakref.finalize(_in_parallel, int).detach()
 
 
@@ -2221,7 +2219,6 @@ def _cancel_labelled(client: "_JobsClient", namespace: str, start_label: str, ke
 
 
 def _unmount(proxy: Optional["_proxy.AuthProxy"], base_url: Optional[str]) -> List[str]:
-    """Unmount a route, if any, for a job's or sandbox's teardown: [] if done, else the problem."""
     if base_url and proxy is not None:
         try:
             proxy.unmount(base_url)
@@ -2234,9 +2231,12 @@ def _unmount(proxy: Optional["_proxy.AuthProxy"], base_url: Optional[str]) -> Li
 def _stop_everything_at_exit() -> None:
     """Cancel the jobs of providers still running at interpreter exit (STOP_PARALLEL at a time, as stop_all does:
     hundreds one by one could outlast a supervisor's kill), then stop the shared proxy."""
+    _reaper.exiting = True  # (its release under way: _settle waits for it)
+    _reaper.queue.put(None)
     _in_parallel(_reaper.now())  # each runs at most once; a no-op if teardown already detached it
-    _live_finalizers.clear()
     _settle(EXIT_SETTLE_S)  # e.g. a stop_all() that Ctrl-C cut short, its cancels waiting out a 429
+    _in_parallel(_reaper.now())  # the jobs those creates recorded meanwhile
+    _live_finalizers.clear()
     with _shared_proxy_lock:
         shared = list(_shared_proxies.values())  # proxy="process": its child stops cleanly
         _shared_proxies.clear()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import functools
 import itertools
 import json
 import os
@@ -560,7 +561,9 @@ class _BackgroundStart:
     def __init__(self, provider: HFSandboxProvider, slot: Optional["_Slot"] = None,
                  first: Optional[Callable[[], None]] = None) -> None:
         self.provider = provider
-        self.slot = slot  # told when the start ends
+        # Told when the start ends; weak, as the slot holds its starts: no cycle keeps a dropped Sandbox (and its
+        # jobs) until a full collection, which a trainer's large heap may make rare.
+        self._slot = None if slot is None else weakref.ref(slot)
         self.base_url: Optional[str] = None
         self.error: Optional[BaseException] = None
         self._error_tb: Any = None  # its traceback when it was stored (see raisable())
@@ -596,6 +599,10 @@ class _BackgroundStart:
         otherwise add this raise's frames to its traceback each time (CPython does), without bound."""
         assert self.error is not None
         return self.error.with_traceback(self._error_tb)
+
+    @property
+    def slot(self) -> Optional["_Slot"]:
+        return None if self._slot is None else self._slot()
 
     @property
     def done(self) -> bool:
@@ -642,8 +649,8 @@ class _BackgroundStart:
             with _background_lock:
                 _background_starts.discard(self)
             self._done.set()
-            if self.slot is not None:
-                self.slot._start_ended(self)
+            if (slot := self.slot) is not None:
+                slot._start_ended(self)
 
 
 def _ids(start: _BackgroundStart) -> str:
@@ -1217,8 +1224,8 @@ class _SlotSession(EnvSession):
 
     def _end_episode(self) -> None:
         job, held, self._held = self._job, self._held, False
-        if held and job is not None and job.slot is not None:
-            job.slot.release(job)
+        if held and job is not None and (slot := job.slot) is not None:
+            slot.release(job)
 
     def _drop_connection(self, polite: bool = False) -> None:
         """End the episode and let go of the connection, closing it before the job is released (which
@@ -1249,6 +1256,13 @@ _begin_lock = threading.Lock()
 _shared_slots: Dict[str, Tuple[Tuple[Any, ...], _Slot]] = {}
 # Every provider a Sandbox started in this process (for stop_sandboxes()).
 _sandbox_providers: "weakref.WeakSet[HFSandboxProvider]" = weakref.WeakSet()
+
+
+def _new_provider(image: Optional[str], provider_kwargs: Dict[str, Any]) -> HFSandboxProvider:
+    provider = HFSandboxProvider(image, **provider_kwargs)
+    with _background_lock:  # (stop_sandboxes() lists them under it: a WeakSet must not change meanwhile)
+        _sandbox_providers.add(provider)
+    return provider
 
 
 class Sandbox:
@@ -1385,13 +1399,9 @@ class Sandbox:
 
     def _new_slot(self) -> _Slot:
         name = "shared %r" % self.shared if self.shared is not None else str(next(_slot_numbers))
-        return _Slot(name, self._new_provider, self.renew, self.renew_before_s)
-
-    def _new_provider(self) -> HFSandboxProvider:
-        provider = HFSandboxProvider(self.image, **self._provider_kwargs)
-        with _background_lock:  # (stop_sandboxes() lists them under it: a WeakSet must not change meanwhile)
-            _sandbox_providers.add(provider)
-        return provider
+        # (not a bound method: a slot holding its Sandbox would keep a dropped one alive)
+        return _Slot(name, functools.partial(_new_provider, self.image, dict(self._provider_kwargs)), self.renew,
+                     self.renew_before_s)
 
     def _slot_for_sessions(self) -> _Slot:
         slot = self._slot

@@ -344,6 +344,64 @@ def test_at_a_real_exit_the_safety_nets_cancel_the_jobs_left_running_together_no
     wait_until(lambda: all(job.terminal for job in emu.jobs) and len(emu.jobs) == 4, "every job to end")
 
 
+_EXIT_WITH_CREATES_IN_FLIGHT_CHILD = """
+import json, sys, threading, time
+import hf_sandbox_provider
+settings = json.loads(sys.argv[1])
+for _ in range(3):  # (each provider is dropped as its start's thread ends: its net fires then, at exit)
+    provider = hf_sandbox_provider.HFSandboxProvider("python:3.12", **settings)
+    threading.Thread(target=provider.start_container, daemon=True).start()
+time.sleep(0.6)
+print("exiting with the creates in flight", flush=True)
+"""  # the exit hook waits for the creates (EXIT_SETTLE_S); the jobs they record meanwhile must be cancelled
+
+
+def test_at_a_real_exit_the_jobs_that_creates_in_flight_record_while_the_exit_waits_are_cancelled(emu):
+    emu.delay_next_create_answers(3, 1.5)
+    settings = dict(endpoint=emu.endpoint, token=emu.token, command=ECHO, poll_interval_s=0.05)
+    child = subprocess.run([sys.executable, "-c", _EXIT_WITH_CREATES_IN_FLIGHT_CHILD, json.dumps(settings)],
+                           capture_output=True, text=True, timeout=TIMEOUT * 4, cwd=ROOT,
+                           env={**os.environ, "PYTHONPATH": ROOT})
+    assert child.returncode == 0 and "in flight" in child.stdout, child.stderr[-2000:]
+    wait_until(lambda: len(emu.jobs) == 3 and all(job.terminal for job in emu.jobs), "every job to end")
+    assert {job.stage for job in emu.jobs} == {"CANCELED"}, child.stderr[-2000:]
+
+
+_EXIT_WITH_A_RELEASE_UNDER_WAY_CHILD = """
+import gc, json, sys, threading, time
+import hf_sandbox_provider
+from proxy import AuthProxy
+settings = json.loads(sys.argv[1])
+proxy = AuthProxy().start()
+gc.disable()
+provider = hf_sandbox_provider.HFSandboxProvider("python:3.12", proxy=proxy, **settings)
+provider.start_container()
+provider.cycle = provider  # only a collection frees it
+del provider
+held = threading.Event()
+
+def busy():  # the proxy's route table busy for a moment, as in a burst of mounts
+    with proxy._lock:
+        held.set()
+        time.sleep(1.0)
+
+threading.Thread(target=busy, daemon=True).start()
+held.wait()
+gc.collect()  # the release goes to the reaper thread, which waits for that lock to unmount the route
+print("exiting with the release under way", flush=True)
+"""
+
+
+def test_at_a_real_exit_a_collected_providers_release_under_way_on_the_reaper_is_waited_for(emu):
+    settings = dict(endpoint=emu.endpoint, token=emu.token, command=ECHO, poll_interval_s=0.05)
+    child = subprocess.run([sys.executable, "-c", _EXIT_WITH_A_RELEASE_UNDER_WAY_CHILD, json.dumps(settings)],
+                           capture_output=True, text=True, timeout=TIMEOUT * 4, cwd=ROOT,
+                           env={**os.environ, "PYTHONPATH": ROOT})
+    assert child.returncode == 0 and "under way" in child.stdout, child.stderr[-2000:]
+    wait_until(lambda: len(emu.jobs) == 1 and emu.jobs[0].terminal, "the job to end")
+    assert emu.jobs[0].stage == "CANCELED", child.stderr[-2000:]
+
+
 def test_a_watcher_thread_refused_once_by_a_thread_limit_is_started_by_the_next_start(emu, proxy, monkeypatch):
     real_start, refused = hf_sandbox_provider._start_thread, []
 

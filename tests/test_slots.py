@@ -298,6 +298,26 @@ def test_a_pooled_slot_renews_its_sandbox_before_its_lifetime(make_emu, monkeypa
         hub.utils.close_session()
 
 
+def test_a_sandbox_dropped_mid_episode_has_its_job_cancelled_without_waiting_for_a_garbage_collection(emu) -> None:
+    # Its slot held the Sandbox (a bound method) and each start held the slot: cycles, freed only by a full
+    # collection, which a trainer's large heap may make rare. Until then the keeper renewed the dropped slot's job.
+    import gc
+    import weakref
+
+    box = Sandbox("img:tag", **dict(emu.settings, job_timeout=3600))  # no renewal within the test
+    session = box.session()
+    session.reset()
+    job_id, slot = box.job_ids[0], weakref.ref(box._slot)
+    gc.collect()
+    gc.disable()
+    try:
+        del box, session  # an episode open: its session holds the job
+        assert slot() is None, "the slot outlived its Sandbox and session: a reference cycle holds it"
+        assert emu.wait_for_stage(job_id, ["CANCELED"]).stage == "CANCELED"
+    finally:
+        gc.enable()
+
+
 def test_a_slot_dropped_without_stop_has_its_job_cancelled_and_is_no_longer_watched(emu) -> None:
     import gc
 
