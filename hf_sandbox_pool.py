@@ -569,7 +569,7 @@ def _close_pool(pool: Any, entry: Optional[_NamedPool] = None) -> List[str]:
         pool.close()
         failed: List[str] = []
     except Exception as exc:  # a host it could not cancel runs on: its sandboxes are still killed one by one
-        logger.warning("pool %s: %s", getattr(pool, "name", "?"), exc)
+        logger.warning("pool %s: %s", getattr(pool, "name", "?"), str(exc))
         cancelled = getattr(pool.__dict__.get("_provider_api"), "cancelled", set())
         failed = [job_id for job_id in owned if job_id not in cancelled]
     done = [job_id for job_id in owned if job_id not in failed]
@@ -954,7 +954,7 @@ def _close_pools_at_exit() -> None:
     """At exit (before the core's own hook: atexit runs in reverse order, and this module is imported
     after the core), kill pooled sandboxes still running, then close the named pools."""
     kills = [functools.partial(_core._reaper.retire, net, True) for net in list(_core._live_finalizers)
-             if (info := net.peek()) is not None and info[1].release is _release_sandbox]
+             if (info := net.peek()) is not None and info[2][0].release is _release_sandbox]
     _core._in_parallel(kills, EXIT_KILL_BUDGET_S)
     close_pools()
 

@@ -1610,7 +1610,7 @@ class _JobsClient:
         try:
             payload = self._json("GET", "/api/jobs/hardware", "listing the Jobs hardware", retries=0)
         except JobsAPIError as exc:
-            logger.debug("the Jobs hardware list is not available (%s); using the built-in flavor list", exc)
+            logger.debug("the Jobs hardware list is not available (%s); using the built-in flavor list", str(exc))
             return None
         names = [entry.get("name") for entry in payload if isinstance(entry, dict)] if isinstance(payload, list) else []
         return frozenset(str(name) for name in names if name) or None
@@ -1999,7 +1999,7 @@ class _JobWatcher:
                 group.failures = 0
             else:  # a 429 paused this token: wait that out here, so other tokens' groups keep going
                 group.next_due = max(time.monotonic() + _retry_delay(group.failures, None), client._budget.paused_until)
-                logger.debug("job watcher: refresh failed (%s), retrying", exc)
+                logger.debug("job watcher: refresh failed (%s), retrying", str(exc))
 
 
 def _reset_after_fork() -> None:
@@ -2030,13 +2030,10 @@ _live_finalizers: "set[weakref.finalize]" = set()  # armed safety nets (weak), a
 
 
 class _Release:
-    """A safety net's work, `release(*args, **kwargs)`; called by the GC (`__call__`) it is queued for the reaper."""
+    """A safety net's work, `release(*args, **kwargs)`, queued for the reaper when the GC fires its net."""
 
     def __init__(self, release: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         self.release, self.args, self.kwargs, self.net = release, args, kwargs, None  # net: its weakref.finalize
-
-    def __call__(self) -> None:
-        _reaper.queue.put(self)
 
     def run(self) -> None:
         try:
@@ -2062,7 +2059,7 @@ class _Reaper:
                 with contextlib.suppress(RuntimeError):  # no thread to spare: the next arm tries, the exit runs all
                     _start_thread(self.thread)
             action = _Release(release, args, kwargs)
-            action.net = net = weakref.finalize(owner, action)
+            action.net = net = weakref.finalize(owner, self.queue.put, action)  # all the GC's thread does
             net.atexit = False
             _live_finalizers.add(net)
         return net
@@ -2070,7 +2067,7 @@ class _Reaper:
     def retire(self, net: "weakref.finalize", run: bool = False) -> None:
         """Disarm `net` (`run`: run it here first, unless it ran); the thread ends if it was the last net."""
         if (info := net.detach()) is not None and run:
-            info[1].run()
+            info[2][0].run()
         _live_finalizers.discard(net)
         self.queue.put(None)
 
@@ -2083,14 +2080,15 @@ class _Reaper:
         return actions
 
     def _run(self) -> None:
-        while not self.exiting:  # (from then on, the exit hook runs what is queued)
-            if (action := self.queue.get()) is not None:  # (one at a time, as the collector ran them)
+        while (action := self.queue.get()) is None or not self.exiting:  # (exiting: the exit hook runs the queue)
+            if action is not None:  # (one at a time, as the collector ran them)
                 with _unsettled_while("the release of a garbage-collected provider", "sweep"):  # (exit waits)
                     action.run()
             with self.lock:
                 if not _live_finalizers and self.queue.empty():
                     self.thread = None
                     return
+        self.queue.put(action)
 
 
 _reaper = _Reaper()
@@ -2231,12 +2229,12 @@ def _unmount(proxy: Optional["_proxy.AuthProxy"], base_url: Optional[str]) -> Li
 def _stop_everything_at_exit() -> None:
     """Cancel the jobs of providers still running at interpreter exit (STOP_PARALLEL at a time, as stop_all does:
     hundreds one by one could outlast a supervisor's kill), then stop the shared proxy."""
-    _reaper.exiting = True  # (its release under way: _settle waits for it)
-    _reaper.queue.put(None)
+    _reaper.exiting = True  # releases queued from now on are the hook's (one under way: _settle waits for it)
     _in_parallel(_reaper.now())  # each runs at most once; a no-op if teardown already detached it
     _settle(EXIT_SETTLE_S)  # e.g. a stop_all() that Ctrl-C cut short, its cancels waiting out a 429
     _in_parallel(_reaper.now())  # the jobs those creates recorded meanwhile
     _live_finalizers.clear()
+    _reaper.exiting = False  # (a test calling the hook in-process leaves the reaper working)
     with _shared_proxy_lock:
         shared = list(_shared_proxies.values())  # proxy="process": its child stops cleanly
         _shared_proxies.clear()

@@ -1464,9 +1464,11 @@ def stop_sandboxes() -> None:
 def _take_slots() -> List[_Slot]:
     """Every live slot (shared groups forgotten: the next use starts a new one)."""
     with _shared_lock:
+        shared = list(_shared_slots.values())  # held while listed: forgotten, a group nobody uses would go at once
         _shared_slots.clear()
     with _slots_lock:
         slots = list(_live_slots)
+    del shared
     return slots
 
 

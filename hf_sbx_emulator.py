@@ -112,6 +112,10 @@ HOP_BY_HOP = frozenset(["connection", "keep-alive", "proxy-connection", "proxy-a
 CONSUMED = frozenset(["authorization", TOKEN_HEADER.lower()])
 # The one sandbox of a dedicated job (never in a pool's listing).
 DEDICATED_ID = "dedicated"
+# A unix socket's path holds at most 104 bytes on macOS (108 on Linux), and a sandbox's `<port>.sock` sits
+# ~40 characters below the host's state directory: a temporary directory longer than this (macOS's
+# /var/folders/..., pytest-xdist's) is passed over for /tmp.
+MAX_STATE_ROOT_CHARS = 48
 # Sandbox and process ids: 12 hex digits, never containing huggingface_hub's shared-id separator ".".
 _SANDBOX_ROUTE = re.compile(r"^/v1/sandboxes/([0-9a-f]{12})(/.*)?$")
 _PROXY_ROUTE = re.compile(r"^/proxy/([0-9]{1,5})(/.*)?$")
@@ -258,7 +262,7 @@ class SandboxHost:
         self.idle_timeout_s: Optional[float] = float(idle) if idle.isdigit() else None
         self._lock = threading.RLock()
         self._sandboxes: Dict[str, EmulatedSandbox] = {}
-        self._state_dir = tempfile.mkdtemp(prefix="sbx-")
+        self._state_dir = tempfile.mkdtemp(prefix="sbx-", dir=_state_root())
         self._stub: Optional[subprocess.Popen] = None
         self._stub_lock = threading.Lock()
         self._server: Optional[Any] = None
@@ -1351,6 +1355,13 @@ def _kill_group(pid: int, sig: int) -> None:
         os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _state_root() -> Optional[str]:
+    """Where a host keeps its state: the temporary directory, unless its path is too long for the sockets in it."""
+    if len(tempfile.gettempdir()) <= MAX_STATE_ROOT_CHARS or not os.access("/tmp", os.W_OK | os.X_OK):
+        return None
+    return "/tmp"
 
 
 def _close_socket(sock: socket.socket) -> None:

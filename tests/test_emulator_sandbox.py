@@ -13,6 +13,7 @@ import signal
 import ssl
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -270,6 +271,21 @@ def test_a_background_server_on_the_unix_socket_is_reached_over_http_through_pro
             assert "authorization" not in seen["headers"] and "x-sandbox-token" not in seen["headers"]
             streamed = session.get(sbx.proxy_url_for(8000, "/stream"), headers=sbx.proxy_headers, stream=True)
             assert list(streamed.iter_lines()) == [b"part 0", b"part 1", b"part 2"]
+
+
+def test_a_host_under_a_long_tmpdir_still_gives_its_sandbox_servers_a_unix_socket_they_can_listen_on(
+        hub_env, monkeypatch, tmp_path):
+    # macOS's TMPDIR (/var/folders/...) or pytest-xdist's: a sandbox's `<port>.sock` under it passed the unix
+    # socket path limit (104-108 bytes), and no server in a sandbox could listen (the smoke's pooled stage failed).
+    long_tmp = tmp_path / ("a-temporary-directory-as-long-as-some-systems-give-" + "x" * 30)
+    long_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long_tmp))  # as TMPDIR sets it (the hosts run in this process)
+    emu = hub_env()
+    with _pool(emu) as pool:
+        sbx = pool.create()
+        _start_app(sbx, "app.py", HTTP_APP, 8000)
+        answer = requests.get(sbx.proxy_url_for(8000, "/long-tmpdir"), headers=sbx.proxy_headers, timeout=10)
+        assert answer.status_code == 200 and answer.json()["path"] == "/long-tmpdir"
 
 
 def test_a_websocket_server_on_the_unix_socket_is_reached_through_proxy_url_for(hub_env):

@@ -750,9 +750,9 @@ def test_smoke_local_pool_runs_every_stage_closes_the_pool_and_leaves_no_tempora
     import tempfile
 
     env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HF_ENDPOINT", "SSL_CERT_FILE")}
-    # A short TMPDIR: the sandbox emulator's Unix sockets live under it (108 bytes at most), and pytest-xdist's
-    # tmp_path is longer than pytest's
-    with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
+    # A TMPDIR of its own, to see that the run leaves nothing in it (a long one works too: see
+    # test_emulator_sandbox's long-TMPDIR test)
+    with tempfile.TemporaryDirectory() as tmp:
         env.update(PYTHONPATH=os.path.dirname(HERE), HF_HOME=str(tmp_path), TMPDIR=tmp)
         run = subprocess.run([sys.executable, "-m", "hf_sandbox_provider", "smoke", "--local", "--pool", "smoke",
                               "--json"], capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=120)

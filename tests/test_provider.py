@@ -654,6 +654,44 @@ def test_exit_hook_cancels_jobs_still_running(api, proxy, caplog):
 
 
 
+def test_a_provider_collected_after_a_test_ran_the_exit_hook_in_process_still_has_its_job_cancelled(api, proxy):
+    # The hook hands the reaper's work to itself while it runs; left so, a later collected provider's release
+    # waited in the queue for the real exit (review).
+    hsp._stop_everything_at_exit()
+    add_job_api(api, stages=[running()])
+    provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=ENDPOINT, proxy=proxy, **FAST)
+    base_url = provider.start_container()
+    del provider
+    gc.collect()
+    wait_until(lambda: cancels(api) == 1, "the reaper to cancel the job")
+    assert route_is_gone(base_url)
+
+
+def test_a_provider_whose_start_logged_a_failure_is_not_kept_alive_by_a_handler_that_keeps_records(api, proxy):
+    # The hardware list's failure was logged with the exception as an argument: a handler keeping its records
+    # (pytest's, a MemoryHandler) kept its traceback, whose frames held the provider, and the job ran on.
+    import logging.handlers
+
+    endpoint = "https://records-%s.hub.test" % uuid.uuid4().hex  # its own (uncached) hardware list
+    add_job_api(api, endpoint=endpoint, stages=[running()])
+    keeper = logging.handlers.MemoryHandler(capacity=100000, flushLevel=logging.CRITICAL + 1)
+    library = logging.getLogger("hf_sandbox_provider")
+    level = library.level
+    library.addHandler(keeper)
+    library.setLevel(logging.DEBUG)
+    try:
+        provider = hsp.HFSandboxProvider(IMAGE, token=fresh_token(), endpoint=endpoint, proxy=proxy, **FAST)
+        provider.start_container()
+        assert any("hardware list is not available" in record.getMessage() for record in keeper.buffer)
+        del provider
+        gc.collect()
+        wait_until(lambda: cancels(api) == 1, "the collected provider's job to be cancelled")
+    finally:
+        library.removeHandler(keeper)
+        library.setLevel(level)
+        keeper.close()
+
+
 def test_a_stopped_provider_leaves_no_safety_net_for_the_exit_hook(api, proxy):
     # Hours of start/stop cycles must not pile up exit hooks: a stop retires its provider's own.
     add_job_api(api, stages=[running()])

@@ -318,6 +318,28 @@ def test_a_sandbox_dropped_mid_episode_has_its_job_cancelled_without_waiting_for
         gc.enable()
 
 
+def test_stop_sandboxes_cancels_a_shared_group_whose_sandboxes_were_all_dropped_before_it_returns(
+        emu, slot_log) -> None:
+    # Forgetting the shared groups before listing the live slots freed a group nobody held any more: its job was
+    # left to the reaper, cancelled after stop_sandboxes() returned, or never if the process then ended with
+    # os._exit, as a forked worker does (review).
+    import gc
+
+    box = Sandbox("img:tag", shared="dropped", **dict(emu.settings, job_timeout=3600))
+    box.wait()
+    job_id = box.job_ids[0]
+    gc.collect()
+    gc.disable()
+    try:
+        del box  # the group's registry entry holds its slot
+        stop_sandboxes()
+        assert emu.api_calls.get("cancel", 0) == 1, "stop_sandboxes() returned before the group's cancel"
+    finally:
+        gc.enable()
+    assert emu.wait_for_stage(job_id, ["CANCELED"]).stage == "CANCELED"
+    assert not [r for r in slot_log.records if "garbage-collected" in r.getMessage()]
+
+
 def test_a_slot_dropped_without_stop_has_its_job_cancelled_and_is_no_longer_watched(emu) -> None:
     import gc
 
