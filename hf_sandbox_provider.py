@@ -36,6 +36,7 @@ import shlex
 import sys
 import threading
 import time
+import traceback  # (a traceback logged as text: a record kept with exc_info would hold providers)
 import uuid
 import weakref
 from collections import deque, namedtuple
@@ -384,7 +385,7 @@ class HFSandboxProvider:
             self._teardown()
             self._wait_for_start_to_end(start)
         except BaseException:  # a teardown must never mask the caller's own exception
-            logger.exception("unexpected error while stopping HF job %s", self.job_id)
+            logger.error("unexpected error while stopping HF job %s:\n%s", self.job_id, traceback.format_exc())
 
     def close(self) -> None:
         """Same as `stop_container()`."""
@@ -1089,7 +1090,7 @@ class _ProgressLine:
                 if self.progress:
                     self.progress(ready, failed, self.total)  # type: ignore[operator]
             except Exception:  # a caller's display must not kill a launch worker (and its work)
-                logger.warning("start_many: the progress callback raised; ignoring it", exc_info=True)
+                logger.warning("start_many: the progress callback raised; ignoring it:\n%s", traceback.format_exc())
             return
         with self.lock:
             now, done = time.monotonic(), ready + failed
@@ -2088,6 +2089,8 @@ class _Reaper:
                 if not _live_finalizers and self.queue.empty():
                     self.thread = None
                     return
+        with self.lock:  # (an arm from now on starts a new thread)
+            self.thread = None
         self.queue.put(action)
 
 
@@ -2233,7 +2236,6 @@ def _stop_everything_at_exit() -> None:
     _in_parallel(_reaper.now())  # each runs at most once; a no-op if teardown already detached it
     _settle(EXIT_SETTLE_S)  # e.g. a stop_all() that Ctrl-C cut short, its cancels waiting out a 429
     _in_parallel(_reaper.now())  # the jobs those creates recorded meanwhile
-    _live_finalizers.clear()
     _reaper.exiting = False  # (a test calling the hook in-process leaves the reaper working)
     with _shared_proxy_lock:
         shared = list(_shared_proxies.values())  # proxy="process": its child stops cleanly

@@ -25,6 +25,7 @@ import ssl
 import sys
 import threading
 import time
+import traceback
 import weakref
 from collections import deque
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
@@ -596,7 +597,9 @@ class _BackgroundStart:
 
     def raisable(self) -> BaseException:
         """The start's error with the traceback it was stored with: raising the one object again would
-        otherwise add this raise's frames to its traceback each time (CPython does), without bound."""
+        otherwise add this raise's frames to its traceback each time (CPython does), without bound. Those
+        frames (the slot's `serving`, the Sandbox's `wait`) stay in the stored error until the next raise:
+        a Sandbox whose failed start was raised waits for a collection once dropped (known, not fixed)."""
         assert self.error is not None
         return self.error.with_traceback(self._error_tb)
 
@@ -649,8 +652,12 @@ class _BackgroundStart:
             with _background_lock:
                 _background_starts.discard(self)
             self._done.set()
-            if (slot := self.slot) is not None:
-                slot._start_ended(self)
+            self._tell_slot()
+
+    def _tell_slot(self) -> None:
+        # (not in _run: a failed start keeps its traceback, and _run's frame must not hold the slot)
+        if (slot := self.slot) is not None:
+            slot._start_ended(self)
 
 
 def _ids(start: _BackgroundStart) -> str:
@@ -991,7 +998,7 @@ def _tend_slots() -> Optional[float]:
         try:
             due = min(due, slot.tend(now))
         except Exception:  # one slot's trouble must not stop the others' renewals
-            logger.exception("slot %s: unexpected error while tending it", slot.name)
+            logger.error("slot %s: unexpected error while tending it:\n%s", slot.name, traceback.format_exc())
     return due
 
 

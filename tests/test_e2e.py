@@ -307,6 +307,37 @@ def test_a_provider_collected_while_another_start_holds_the_proxys_lock_is_relea
     wait_until(lambda: len(emu.jobs) == 2 and all(job.stage == "CANCELED" for job in emu.jobs), "both jobs cancelled")
 
 
+def test_providers_whose_progress_callback_raised_are_not_kept_alive_by_a_handler_that_keeps_records(emu, proxy):
+    # The callback's failure was logged with exc_info: a handler keeping its records (pytest's, a MemoryHandler)
+    # kept the traceback, whose frames held start_many's workers and every provider, and their jobs ran on.
+    import logging.handlers
+
+    keeper = logging.handlers.MemoryHandler(capacity=100000, flushLevel=logging.CRITICAL + 1)
+    library = logging.getLogger("hf_sandbox_provider")
+    level = library.level
+    library.addHandler(keeper)
+    library.setLevel(logging.DEBUG)
+    calls: list = []
+
+    def progress(ready: int, failed: int, total: int) -> None:
+        calls.append(ready)
+        if len(calls) == 1:
+            raise RuntimeError("the display broke")
+
+    try:
+        providers = HFSandboxProvider.start_many(2, IMAGE, progress=progress, endpoint=emu.endpoint, token=emu.token,
+                                                 command=ECHO, proxy=proxy, poll_interval_s=0.05)
+        assert any("progress callback raised" in record.getMessage() for record in keeper.buffer)
+        job_ids = [provider.job_id for provider in providers]
+        del providers
+        gc.collect()
+        wait_until(lambda: all(emu.job(job_id).stage == "CANCELED" for job_id in job_ids), "both jobs cancelled")
+    finally:
+        library.removeHandler(keeper)
+        library.setLevel(level)
+        keeper.close()
+
+
 _EXIT_CHILD = """
 import json, sys
 import hf_sandbox_provider

@@ -318,6 +318,28 @@ def test_a_sandbox_dropped_mid_episode_has_its_job_cancelled_without_waiting_for
         gc.enable()
 
 
+def test_a_sandbox_whose_start_failed_is_freed_by_its_last_reference(emu) -> None:
+    # The failed start keeps its error's traceback, and the frame of its thread's run held the slot: a cycle, so a
+    # dropped Sandbox and its slot (and a job still serving, after a failed renewal) waited for a collection.
+    import gc
+    import weakref
+
+    crash = [sys.executable, "-c", "raise SystemExit(3)"]
+    box = Sandbox("img:tag", **dict(emu.settings, command=crash))
+    start = box._slot.current
+    wait_until(lambda started=start: started.done, "the start to fail")  # (not box.wait(): see raisable())
+    assert isinstance(start.error, JobFailedError)
+    slot = weakref.ref(box._slot)
+    del start
+    gc.collect()
+    gc.disable()
+    try:
+        del box
+        assert slot() is None, "a failed start's traceback held its slot"
+    finally:
+        gc.enable()
+
+
 def test_stop_sandboxes_cancels_a_shared_group_whose_sandboxes_were_all_dropped_before_it_returns(
         emu, slot_log) -> None:
     # Forgetting the shared groups before listing the live slots freed a group nobody held any more: its job was
