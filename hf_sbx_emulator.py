@@ -113,8 +113,8 @@ CONSUMED = frozenset(["authorization", TOKEN_HEADER.lower()])
 # The one sandbox of a dedicated job (never in a pool's listing).
 DEDICATED_ID = "dedicated"
 # A unix socket's path holds at most 104 bytes on macOS (108 on Linux), and a sandbox's `<port>.sock` sits
-# ~40 characters below the host's state directory: a temporary directory longer than this (macOS's
-# /var/folders/..., pytest-xdist's) is passed over for /tmp.
+# 39 bytes below the temporary directory (`/sbx-XXXXXXXX/<12 hex>/p/65535.sock`): a temporary directory
+# longer than this (pytest-xdist's, some of macOS's /var/folders/...) is passed over for /tmp.
 MAX_STATE_ROOT_CHARS = 48
 # Sandbox and process ids: 12 hex digits, never containing huggingface_hub's shared-id separator ".".
 _SANDBOX_ROUTE = re.compile(r"^/v1/sandboxes/([0-9a-f]{12})(/.*)?$")
@@ -1359,7 +1359,7 @@ def _kill_group(pid: int, sig: int) -> None:
 
 def _state_root() -> Optional[str]:
     """Where a host keeps its state: the temporary directory, unless its path is too long for the sockets in it."""
-    if len(tempfile.gettempdir()) <= MAX_STATE_ROOT_CHARS or not os.access("/tmp", os.W_OK | os.X_OK):
+    if len(os.fsencode(tempfile.gettempdir())) <= MAX_STATE_ROOT_CHARS or not os.access("/tmp", os.W_OK | os.X_OK):
         return None
     return "/tmp"
 
