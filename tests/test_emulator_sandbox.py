@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import signal
+import secrets
 import ssl
 import subprocess
 import sys
@@ -912,7 +913,7 @@ def test_deleting_a_sandbox_ends_what_left_its_process_group_too(hub_env, escape
     emu = hub_env()
     with _pool(emu) as pool:
         sbx = pool.create()
-        seconds = str(9100 + ["background", "fork", "setsid"].index(escape))  # names the process to look for
+        seconds = unique_seconds()  # names the process to look for, and only ours
         command = {"background": "sleep %s >/dev/null 2>&1 &" % seconds,  # the leader exits at once
                    "fork": [PY, "-c", "import os, time\nif os.fork() == 0:\n    time.sleep(%s)\n" % seconds],
                    "setsid": "setsid sleep %s >/dev/null 2>&1 &" % seconds}[escape]  # a session of its own
@@ -933,14 +934,16 @@ def test_ending_a_host_ends_what_left_each_of_its_sandboxes_process_groups(hub_e
     with _pool(emu) as pool:
         first, second = pool.create(), pool.create()
         assert first.host_id == second.host_id
-        for sbx, seconds in ((first, "9105"), (second, "9106")):
+        marks = (unique_seconds(), unique_seconds())
+        for sbx, seconds in zip((first, second), marks):
             sbx.run("sleep %s >/dev/null 2>&1 &" % seconds, background=True)
-        wait_until(lambda: processes_named("sleep 9105") and processes_named("sleep 9106"), "both escapes")
+        wait_until(lambda: all(processes_named(seconds) for seconds in marks), "both escapes")
         try:
             emu.kill_job(first.host_id)
-            wait_until(lambda: not processes_named("sleep 910"), "both escaped processes to end with their host")
+            wait_until(lambda: not any(processes_named(seconds) for seconds in marks),
+                       "both escaped processes to end with their host")
         finally:
-            for pid in processes_named("sleep 910"):
+            for pid in processes_named(*marks):
                 os.kill(pid, signal.SIGKILL)
 
 
@@ -959,6 +962,7 @@ def test_a_command_printing_without_pause_still_times_out_and_one_whose_child_ke
 def test_a_background_start_racing_its_sandboxs_delete_never_outlives_the_sandbox(hub_env):
     emu = hub_env()
     with _pool(emu) as pool:
+        seconds = unique_seconds()
         for _ in range(10):
             sbx = pool.create()
             started = threading.Barrier(2)
@@ -966,7 +970,7 @@ def test_a_background_start_racing_its_sandboxs_delete_never_outlives_the_sandbo
             def spawn() -> None:
                 started.wait()
                 try:
-                    sbx.run("sleep 9104", background=True)
+                    sbx.run("sleep " + seconds, background=True)
                 except SandboxError:  # deleted first: refused, or its process killed at once
                     pass
             thread = threading.Thread(target=spawn)
@@ -974,17 +978,27 @@ def test_a_background_start_racing_its_sandboxs_delete_never_outlives_the_sandbo
             started.wait()
             sbx.kill()
             thread.join(30)
-        wait_until(lambda: not processes_named("sleep 9104"), "no sleeper in a deleted sandbox")
+        wait_until(lambda: not processes_named(seconds), "no sleeper in a deleted sandbox")
 
 
-def processes_named(text: str) -> List[int]:
+def unique_seconds() -> str:
+    """A sleep length no other process on this machine carries (9,000 s and 12 random decimals), so a test
+    that finds and kills its escaped processes by it never reaches another's (a bare "9100" could match,
+    and kill, any process of the machine: a CI run died in these tests)."""
+    return "9%03d.%012d" % (secrets.randbelow(1000), secrets.randbelow(10 ** 12))
+
+
+def processes_named(*marks: str) -> List[int]:
+    """Live processes of this user with one of `marks` in an argument of their command line."""
     found = []
-    for entry in os.listdir("/proc"):
+    for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
+            if os.stat(f"/proc/{entry}").st_uid != os.getuid():
+                continue
             with open(f"/proc/{entry}/cmdline", "rb") as handle:
-                if text.encode() in handle.read().replace(b"\0", b" "):
+                if any(mark.encode() in arg for arg in handle.read().split(b"\0") for mark in marks):
                     found.append(int(entry))
-        except (OSError, ValueError):
+        except OSError:  # gone meanwhile
             continue
     return [pid for pid in found if alive(pid)]
 
