@@ -163,8 +163,10 @@ def run_mode(renew: bool, args: argparse.Namespace) -> Dict[str, Any]:
         victim = rng.choice(runs)
         job = emu.job(victim.episode_job or victim.box.job_ids[0])
         in_flight = sum(1 for run in runs if run.in_episode and run.episode_job == job.id)
+        if not job.pid or job.stage != "RUNNING":  # still scheduling, or ended: no process of its own (kill(0)
+            continue  # would be this process's whole group, and an ended job's pid may be another's by now)
         try:
-            os.kill(job.pid or 0, signal.SIGKILL)  # from outside, as a machine dying
+            os.kill(job.pid, signal.SIGKILL)  # from outside, as a machine dying
         except (ProcessLookupError, PermissionError):
             continue
         kills.append(

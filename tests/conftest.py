@@ -7,6 +7,7 @@ Stable fixture names other test files may rely on:
 - `no_leaks`: asserts that the threads and open file descriptors of the process return to their
   pre-test counts after the test (waits briefly for sockets/threads being torn down).
 - `proxy`: a started `proxy.AuthProxy` on loopback, stopped after the test.
+- `socket_dir`: a short directory for Unix sockets (removed after the test), whatever TMPDIR's length.
 - `shared_proxy` (module): one `proxy.AuthProxy` (30 s read timeout) for every test of a module, for
   suites that mount a fresh route per example (the differential ones) instead of paying a start each.
 - `emu`: a running `hf_jobs_emulator.JobsEmulator` whose token is watched in the logs; after it stops,
@@ -24,15 +25,28 @@ leave the test unbounded.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
 import urllib.parse
 from typing import Any, Callable, Iterator, List
 
 import pytest
+
+# CI runs on machines we do not know. The suite reads none of this one's Hugging Face set-up (a stored login, an
+# endpoint, offline mode: huggingface_hub reads them once, at import, so this comes before any import of it), and
+# loopback never goes through an HTTP proxy the machine sets (the pip installs some tests make still may).
+for _name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH", "HF_ENDPOINT", "HF_HUB_OFFLINE", "HF_HUB_CACHE"):
+    os.environ.pop(_name, None)
+os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="hf-home-")
+atexit.register(shutil.rmtree, os.environ["HF_HOME"], True)
+for _name in ("NO_PROXY", "no_proxy"):
+    os.environ[_name] = ",".join(filter(None, [os.environ.get(_name), "127.0.0.1,localhost,::1,.localhost"]))
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -148,6 +162,15 @@ def fresh_hardware_lists() -> None:
     for endpoint in list(hf_sandbox_provider._live_hardware):
         if urllib.parse.urlsplit(endpoint).hostname in ("127.0.0.1", "localhost", "::1"):
             hf_sandbox_provider._live_hardware.pop(endpoint, None)
+
+
+@pytest.fixture
+def socket_dir() -> Iterator[str]:
+    """A short directory for Unix sockets: a path there fits the ~107 bytes a socket's name may take, however
+    long this machine's TMPDIR (pytest's `tmp_path` adds ~60 characters to it)."""
+    path = tempfile.mkdtemp(prefix="sock-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

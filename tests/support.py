@@ -36,6 +36,7 @@ Stable names other test files may rely on:
   it runs (not a zombie), and the live pids whose stat satisfies `where` (Linux).
 - `in_thread(action)`: run it in a daemon thread; returns (thread, outcome list: its result or exception).
 - `wait_until(predicate, what, timeout_s=60)`: poll until truthy, failing with `what` at the deadline.
+- `ipv6_loopback()`: whether ::1 can be bound on this machine (a skip condition).
 - `vendored_package(parent, name, modules)`: the package `parent/name` (an empty `__init__.py`) holding copies
   of the checkout's `modules`, as a user who vendors them has it; returns its path.
 - `python_of(version)`: an interpreter of that (major, minor) when this machine has one (PATH or pyenv), else None.
@@ -659,6 +660,17 @@ class WhenLogged(logging.Handler):
                 self.outcome.append(self.action())
             else:
                 self.thread, self.outcome = in_thread(self.action, "when-logged")
+
+
+def ipv6_loopback() -> bool:
+    """Whether ::1 can be bound here (`socket.has_ipv6` says only how Python was built: a container may have
+    IPv6 off all the same)."""
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
 
 
 def wait_until(predicate: Callable[[], object], what: str, timeout_s: float = 60.0) -> None:

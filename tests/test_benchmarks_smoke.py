@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.slow,
 
 def _run(args, timeout=RUN_TIMEOUT_S):
     return subprocess.run([sys.executable] + args, cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, start_new_session=True)  # no signal of its reaches pytest's group
 
 
 def _free_port() -> int:

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import uuid
 
 import pytest
 import hf_sandbox_provider as hsp
@@ -289,7 +290,7 @@ STUBBORN = "sh -c 'trap \"\" TERM; %s -m hf_jobs_emulator echo-server; sleep 30'
 
 
 def test_ctrl_c_during_smokes_teardown_finishes_the_cleanup_reports_and_leaves_no_process(tmp_path):
-    marker = "SMOKE_TEST_MARK_%d" % os.getpid()
+    marker = "SMOKE_TEST_MARK_" + uuid.uuid4().hex
     # spawn_process: the child gets the default SIGINT/SIGHUP even when the suite runs with them ignored
     # (nohup, a script's background job), as the CLI keeps an ignored disposition by design.
     proc = spawn_process([sys.executable, "-m", "hf_sandbox_provider", "smoke", "--local", "--command", STUBBORN],
@@ -318,12 +319,15 @@ def test_ctrl_c_during_smokes_teardown_finishes_the_cleanup_reports_and_leaves_n
 
 
 def processes_carrying(variable):
-    """Pids of the processes whose environment names `variable` (what a process passes to its children)."""
+    """Pids of this user's processes whose environment sets `variable` (what a process passes to its children;
+    a random name, matched as a whole entry, so the kills it leads to reach only this test's processes)."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
+            if os.stat("/proc/%s" % pid).st_uid != os.getuid():
+                continue
             with open("/proc/%s/environ" % pid, "rb") as environ:
-                if (variable + "=").encode() in environ.read():
+                if (b"\0" + environ.read()).find(b"\0" + variable.encode() + b"=") >= 0:
                     found.append(int(pid))
         except OSError:  # ended meanwhile, or not ours to read
             pass
@@ -379,7 +383,7 @@ def test_a_signal_landing_just_after_a_stage_line_fails_that_stage_and_one_betwe
 @pytest.mark.parametrize("mode, signum", [("hub", signal.SIGTERM), ("local", signal.SIGHUP)], ids=["hub-SIGTERM",
                                                                                                      "local-SIGHUP"])
 def test_smoke_tears_down_and_prints_its_table_on_sigterm_or_sighup(tmp_path, mode, signum):
-    marker = "SMOKE_SIGNAL_MARK_%d" % os.getpid()
+    marker = "SMOKE_SIGNAL_MARK_" + uuid.uuid4().hex
     with JobsEmulator() as emulator:
         env = hub_env(tmp_path, emulator, **{marker: "1"})
         args = ["smoke", "--command", NEVER_READY, "--timeout", "60"] + (["--local"] if mode == "local" else [])

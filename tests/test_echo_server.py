@@ -241,13 +241,13 @@ def _unix_request(path: str, raw: bytes) -> bytes:
         return read_to_eof(sock)
 
 
-def test_cli_echo_server_in_a_pooled_sandbox_binds_the_sbx_proxy_dir_socket_of_its_port(tmp_path):
+def test_cli_echo_server_in_a_pooled_sandbox_binds_the_sbx_proxy_dir_socket_of_its_port(socket_dir):
     """In a pooled sandbox ($SBX_PROXY_DIR set, no TCP port to bind) it serves HTTP and /ws on
     `$SBX_PROXY_DIR/<port>.sock`, the socket the host's `proxy/<port>/...` forwards to."""
-    env = dict(os.environ, SBX_PROXY_DIR=str(tmp_path), PORT="8123")
+    env = dict(os.environ, SBX_PROXY_DIR=socket_dir, PORT="8123")
     proc = subprocess.Popen([sys.executable, hf_jobs_emulator.__file__, "echo-server"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    path = str(tmp_path / "8123.sock")
+    path = os.path.join(socket_dir, "8123.sock")
     try:
         deadline = time.monotonic() + TIMEOUT
         while not os.path.exists(path):

@@ -996,6 +996,7 @@ def test_a_job_ignoring_sigterm_is_killed_when_its_process_exits_without_stop_or
     done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     lines = done.stdout.splitlines()
     pgid = int(next(line for line in lines if line.startswith("pgid ")).split()[1])
+    assert pgid != os.getpgrp(), "the job shares pytest's process group"  # (the kill below would end pytest)
     try:
         assert done.returncode == 0, done.stderr[-2000:]
         if how == "interrupt":  # the interrupt cut the 60 s grace short and reached the caller

@@ -318,11 +318,11 @@ def _raise_interrupted(signum, frame) -> None:
 def test_an_interrupted_request_closes_the_session_so_its_late_reply_never_answers_the_next(no_leaks) -> None:
     # A KeyboardInterrupt while a reply was due left the session open: the next request returned that reply.
     previous = signal.signal(signal.SIGUSR1, _raise_interrupted)
+    timer = threading.Timer(0.3, signal.pthread_kill, (threading.main_thread().ident, signal.SIGUSR1))
     try:
         with EchoServer(step_delay_s=1.0) as server:
             with EnvSession(server.url, timeout_s=TIMEOUT) as session:
                 session.reset()
-                timer = threading.Timer(0.3, signal.pthread_kill, (threading.main_thread().ident, signal.SIGUSR1))
                 timer.start()
                 with pytest.raises(Interrupted):
                     session.step({"message": "first"})
@@ -331,6 +331,9 @@ def test_an_interrupted_request_closes_the_session_so_its_late_reply_never_answe
                 with pytest.raises(SessionError, match="closed"):
                     session.step({"message": "second"})
     finally:
+        timer.cancel()  # a late signal after the restore would end pytest (SIGUSR1's default)
+        if timer.ident is not None:
+            timer.join()
         signal.signal(signal.SIGUSR1, previous)
 
 

@@ -166,6 +166,7 @@ def test_the_loopback_rule_takes_loopback_names_and_literals_and_nothing_that_re
     assert _is_loopback_host(host) is loopback
 
 
+@pytest.mark.skipif(not support.ipv6_loopback(), reason="::1 is not configured on this machine")
 def test_a_bracketed_ipv6_loopback_bind_draws_no_non_loopback_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="proxy"):
         with AuthProxy(host="[::1]") as p:

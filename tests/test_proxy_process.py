@@ -208,7 +208,7 @@ def test_add_replica_refusals_are_the_in_process_messages(host, proxy, ups):
         assert messages[0] == messages[1] and "upstream must be a URL string" in messages[0]
 
 
-@pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6 on this machine")
+@pytest.mark.skipif(not support.ipv6_loopback(), reason="::1 is not configured on this machine")
 def test_a_bracketed_ipv6_host_gives_a_url_with_one_pair_of_brackets():
     with AuthProxy.spawn("[::1]") as spawned:
         assert spawned.url == "http://[::1]:%d" % spawned.port and "[[" not in repr(spawned)

@@ -292,7 +292,7 @@ class _SignalRain:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(5)
+        self._thread.join()  # (not bounded: a signal sent after the restore would end pytest)
         signal.signal(signal.SIGUSR1, self._previous)
 
 

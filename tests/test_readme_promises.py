@@ -16,6 +16,7 @@ not at some other size (Limits)."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import inspect
 import json
 import logging
@@ -195,14 +196,19 @@ def test_a_provider_still_running_when_the_interpreter_exits_has_its_job_cancell
 
 
 def _listening_addresses(port: int) -> list:
-    """Local addresses (hex, as /proc/net/tcp{,6} spell them) of the sockets listening on `port`."""
+    """Local addresses (hex, as /proc/net/tcp{,6} spell them) of this process's sockets listening on `port`
+    (another process of the machine may listen on the same port at another address)."""
+    ours = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            ours.add(os.readlink("/proc/self/fd/" + fd))
     found = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with open(table) as lines:
             for line in list(lines)[1:]:
-                local, state = line.split()[1], line.split()[3]
-                address, port_hex = local.rsplit(":", 1)
-                if state == "0A" and int(port_hex, 16) == port:  # 0A: LISTEN
+                fields = line.split()
+                address, port_hex = fields[1].rsplit(":", 1)
+                if fields[3] == "0A" and int(port_hex, 16) == port and "socket:[%s]" % fields[9] in ours:  # LISTEN
                     found.append(address)
     return found
 

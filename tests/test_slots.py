@@ -415,6 +415,7 @@ def test_a_step_interrupted_while_its_reply_is_due_loses_the_episode_and_never_a
     # the next step returned the interrupted step's reply as its own.
     box = Sandbox("img:tag", **dict(emu.settings, env_vars={"ECHO_STEP_DELAY_S": "1.0"}))
     previous = signal.signal(signal.SIGUSR1, _raise_interrupted)
+    timer = None
     try:
         with box.session() as session:
             session.reset()
@@ -427,6 +428,9 @@ def test_a_step_interrupted_while_its_reply_is_due_loses_the_episode_and_never_a
             session.reset()
             assert session.step({"message": "third"})["observation"]["echoed_message"] == "third"
     finally:
+        if timer is not None:  # a late signal after the restore would end pytest (SIGUSR1's default)
+            timer.cancel()
+            timer.join()
         signal.signal(signal.SIGUSR1, previous)
     stop_sandboxes()
     all_ended(emu)

@@ -21,8 +21,8 @@ LEAN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "upstreams", "ud
 
 
 @pytest.fixture
-def lean_server(tmp_path) -> Iterator[Tuple[subprocess.Popen, str]]:
-    path = str(tmp_path / "8000.sock")
+def lean_server(socket_dir) -> Iterator[Tuple[subprocess.Popen, str]]:
+    path = os.path.join(socket_dir, "8000.sock")
     proc = subprocess.Popen([sys.executable, "-I", "-S", LEAN], env={**os.environ, "HF_SANDBOX_SOCKET": path},
                             stdout=subprocess.PIPE, text=True)
     try:
