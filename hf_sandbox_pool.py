@@ -75,6 +75,10 @@ NAMED_POOL_WARM_UP = 1
 HOST_CAPACITY_ASSUMED = 50
 # At exit, how long killing the pooled sandboxes still running may take (in parallel), before the pools close.
 EXIT_KILL_BUDGET_S = 15.0
+# How long after its pool's close began a sandbox's release waits for that close to cancel its host (the signal
+# teardown runs both at once) before it kills the sandbox anyway: a cancel is one Jobs API call. A close still
+# waiting for creates in flight cancels later, and those kills let an uncancelled host idle out.
+HOST_CLOSE_WAIT_S = 1.0
 # A sandbox create the host answers 429 or 5xx (busy, restarting) is retried this many times, with the
 # Jobs client's backoff; huggingface_hub itself does not retry it.
 CREATE_RETRIES = 4
@@ -438,13 +442,16 @@ def _release_sandbox(sandbox: Any, proxy: Any, base_url: Optional[str], client: 
     try:
         problems.extend(_core._unmount(proxy, base_url))
         if sandbox is not None:
-            if _host_cancelled_by_us(sandbox):
+            if _host_cancelled_by_us(sandbox, wait=True):
                 ended = "CANCELED"  # its host job was cancelled with its pool: the sandbox went with it
             else:
                 sandbox.kill()  # logs its own warning on failure and stays killable
                 if getattr(sandbox, "_killed", True):
                     ended = "CANCELED"
                     logger.info("sandbox %s killed", sandbox_id)
+                elif _host_cancelled_by_us(sandbox, wait=True):  # the kill met its host's cancel, begun meanwhile
+                    ended = "CANCELED"
+                    logger.info("sandbox %s ended with its host job %s (its pool closed)", sandbox_id, sandbox.host_id)
                 elif (ended := _ended_host_stage(client, namespace, sandbox)) is not None:
                     logger.info("sandbox %s ended with its host job %s (%s)", sandbox_id, sandbox.host_id, ended)
                 elif _released_if_gone(sandbox):
@@ -564,29 +571,70 @@ class _NamedPool:
 def _close_pool(pool: Any, entry: Optional[_NamedPool] = None) -> List[str]:
     """Close a pool we created: its host jobs this process booted are cancelled (so their sandboxes
     end), adopted ones only released. Never raises; returns the ids of those it could not cancel."""
-    owned = [host.job_id for host in list(getattr(pool, "_hosts", [])) if getattr(host, "owned", False)]
+    owned = _owned_hosts(pool)
+    closing = [_closing_hosts.setdefault(job_id, _Closing()) for job_id in owned]  # (or the teardown's marks)
     try:
-        pool.close()
-        failed: List[str] = []
-    except Exception as exc:  # a host it could not cancel runs on: its sandboxes are still killed one by one
-        logger.warning("pool %s: %s", getattr(pool, "name", "?"), str(exc))
-        cancelled = getattr(pool.__dict__.get("_provider_api"), "cancelled", set())
-        failed = [job_id for job_id in owned if job_id not in cancelled]
-    done = [job_id for job_id in owned if job_id not in failed]
-    if entry is not None:  # marked only once cancelled: a sandbox of a host still running must be killed
-        entry.cancelled_hosts.update(done)
-        _cancelled_hosts.update(done)
+        try:
+            pool.close()
+            failed: List[str] = []
+        except Exception as exc:  # a host it could not cancel runs on: its sandboxes are still killed one by one
+            logger.warning("pool %s: %s", getattr(pool, "name", "?"), str(exc))
+            cancelled = getattr(pool.__dict__.get("_provider_api"), "cancelled", set())
+            failed = [job_id for job_id in owned if job_id not in cancelled]
+        done = [job_id for job_id in owned if job_id not in failed]
+        if entry is not None:  # marked only once cancelled: a sandbox of a host still running must be killed
+            entry.cancelled_hosts.update(done)
+            _cancelled_hosts.update(done)
+    finally:  # (a Ctrl-C too: the releases waiting go on to kill their sandboxes)
+        for job_id, mark in zip(owned, closing):
+            if _closing_hosts.get(job_id) is mark:
+                del _closing_hosts[job_id]
+            mark.ended.set()
     if done:
         logger.info("pool %s closed: host job(s) %s cancelled", getattr(pool, "name", "?"), ", ".join(done))
     return failed
 
 
+def _owned_hosts(pool: Any) -> List[str]:
+    """The ids of the host jobs `pool` booted (a close cancels those; adopted ones are only released)."""
+    return [host.job_id for host in list(getattr(pool, "_hosts", [])) if getattr(host, "owned", False)]
+
+
 # Host job ids this process cancelled by closing their pool: their sandboxes need no kill of their own.
 _cancelled_hosts: "set[str]" = set()
+class _Closing:
+    """A host job whose pool is closing: `ended` is set once that close has ended (cancelled or not)."""
+
+    def __init__(self) -> None:
+        self.ended, self.deadline = threading.Event(), time.monotonic() + HOST_CLOSE_WAIT_S
 
 
-def _host_cancelled_by_us(sandbox: Any) -> bool:
-    return getattr(sandbox, "host_id", None) in _cancelled_hosts
+# Host job ids whose pool is closing.
+_closing_hosts: Dict[str, _Closing] = {}
+
+
+def _host_cancelled_by_us(sandbox: Any, wait: bool = False) -> bool:
+    """Whether closing its pool cancelled the sandbox's host job; `wait`: first wait for a close under way (up to
+    HOST_CLOSE_WAIT_S after it began), so that its cancel and the sandbox's own kill do not race (the kill fails)."""
+    host_id = getattr(sandbox, "host_id", None)
+    mark = _closing_hosts.get(host_id) if wait else None
+    if mark is not None:
+        mark.ended.wait(max(0.0, mark.deadline - time.monotonic()))
+    return host_id in _cancelled_hosts
+
+
+def _closes_first() -> List[Callable[[], None]]:
+    """For a teardown that runs every safety net at once, in batches: the named pools' closes, to run first, their
+    hosts marked as closing meanwhile so that no sandbox's release races a cancel (see _host_cancelled_by_us).
+    Takes no lock (a signal may have interrupted a thread holding one); a pool being closed already is left out."""
+    closes = []
+    for entry in list(_pools.values()):
+        pool, net = entry.pool, entry.finalizer
+        if pool is not None and net is not None and not entry.closed:
+            for job_id in _owned_hosts(pool):
+                _closing_hosts.setdefault(job_id, _Closing())
+            closes.append(functools.partial(_core._reaper.retire, net, True))  # (its net: at most once in all)
+    return closes
 
 
 _pools_lock = threading.Lock()
@@ -601,6 +649,7 @@ def _forget_pools_after_fork() -> None:
     _pools_lock = threading.Lock()
     _pools.clear()
     _cancelled_hosts.clear()
+    _closing_hosts.clear()
 
 
 if hasattr(os, "register_at_fork"):

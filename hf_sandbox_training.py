@@ -1463,9 +1463,14 @@ def stop_sandboxes() -> None:
     never close environments (TRL)."""
     _in_parallel([s.stop for s in _take_slots() + _listed(_background_starts)]
                  + [p.stop_container for p in _listed(_sandbox_providers)] + [t.join for t in _listed(_slot_cancels)])
-    pools = sys.modules.get(__name__.rpartition(".")[0] + ".hf_sandbox_pool" if __package__ else "hf_sandbox_pool")
-    if pools is not None:  # loaded only once something used pool=
+    pools = _pool_layer()
+    if pools is not None:
         pools.close_pools()
+
+
+def _pool_layer() -> Any:
+    """The pool layer's module when it is loaded (only once something used pool=), else None."""
+    return sys.modules.get(__name__.rpartition(".")[0] + ".hf_sandbox_pool" if __package__ else "hf_sandbox_pool")
 
 
 def _take_slots() -> List[_Slot]:
@@ -1490,7 +1495,9 @@ def _teardown_process(budget_s: float, interrupted: Optional[int] = None) -> Non
     slot, background starts (waiting for creates in flight), then every provider's safety net.
     `interrupted`: the thread a signal interrupted, whose create in flight cannot end meanwhile."""
     deadline = time.monotonic() + budget_s
-    safety_nets = _core._reaper.now()  # each cancels one running job at most once, provider or not
+    pools = _pool_layer()  # the named pools' closes first: their sandboxes' releases wait for those host cancels
+    # each net cancels one running job (or closes one pool) at most once
+    safety_nets = (pools._closes_first() if pools is not None else []) + _core._reaper.now()
     # The slots and starts come from under locks an interrupted main thread may hold (a signal's teardown):
     # they are listed in a thread of their own, so the safety nets, which take none, go out meanwhile.
     _in_parallel(safety_nets + [lambda: _in_parallel(_stops(budget_s), budget_s)], budget_s)
