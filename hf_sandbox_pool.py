@@ -624,17 +624,50 @@ def _host_cancelled_by_us(sandbox: Any, wait: bool = False) -> bool:
 
 
 def _closes_first() -> List[Callable[[], None]]:
-    """For a teardown that runs every safety net at once, in batches: the named pools' closes, to run first, their
-    hosts marked as closing meanwhile so that no sandbox's release races a cancel (see _host_cancelled_by_us).
-    Takes no lock (a signal may have interrupted a thread holding one); a pool being closed already is left out."""
+    """For a teardown that runs every safety net at once, in batches: each named pool's close, taken from its net (so
+    no batch runs it too), to run first and apart. Its hosts are marked as closing meanwhile, so that their sandboxes'
+    releases wait for the cancels instead of racing them (see _host_cancelled_by_us). The sandboxes of hosts it only
+    adopted (a close releases those hosts' clients and cancels nothing) are killed first, as at exit. Takes no lock
+    (a signal may have interrupted a thread holding one); a pool being closed already is left out."""
     closes = []
     for entry in list(_pools.values()):
         pool, net = entry.pool, entry.finalizer
-        if pool is not None and net is not None and not entry.closed:
-            for job_id in _owned_hosts(pool):
-                _closing_hosts.setdefault(job_id, _Closing())
-            closes.append(functools.partial(_core._reaper.retire, net, True))  # (its net: at most once in all)
+        if pool is None or net is None or entry.closed:
+            continue
+        hosts = list(getattr(pool, "_hosts", []))
+        for host in hosts:
+            if getattr(host, "owned", False):
+                _closing_hosts.setdefault(host.job_id, _Closing())
+        adopted = {host.job_id for host in hosts if not getattr(host, "owned", False)}
+        kills = []
+        for other in list(_core._live_finalizers) if adopted else []:
+            release = _release_of(other)
+            if (getattr(release, "release", None) is _release_sandbox
+                    and getattr(release.args[0], "host_id", None) in adopted):
+                taken = _take(other)
+                if taken is not None:
+                    kills.append(taken.run)
+        close = _take(net)
+        if close is not None:
+            closes.append(functools.partial(_kill_then_close, kills, close.run))
     return closes
+
+
+def _kill_then_close(kills: List[Callable[[], None]], close: Callable[[], None]) -> None:
+    _core._in_parallel(kills, HOST_CLOSE_WAIT_S)
+    close()
+
+
+def _release_of(net: "weakref.finalize") -> Any:
+    """The release (`_core._Release`) an armed safety net holds, else None."""
+    info = net.peek()
+    return None if info is None else info[2][0]
+
+
+def _take(net: "weakref.finalize") -> Any:
+    """The release of a safety net, taken from it (None when it ran, or was taken, already): the taker runs it."""
+    info = net.detach()
+    return None if info is None else info[2][0]
 
 
 _pools_lock = threading.Lock()
@@ -1003,7 +1036,7 @@ def _close_pools_at_exit() -> None:
     """At exit (before the core's own hook: atexit runs in reverse order, and this module is imported
     after the core), kill pooled sandboxes still running, then close the named pools."""
     kills = [functools.partial(_core._reaper.retire, net, True) for net in list(_core._live_finalizers)
-             if (info := net.peek()) is not None and info[2][0].release is _release_sandbox]
+             if getattr(_release_of(net), "release", None) is _release_sandbox]
     _core._in_parallel(kills, EXIT_KILL_BUDGET_S)
     close_pools()
 

@@ -1495,9 +1495,16 @@ def _teardown_process(budget_s: float, interrupted: Optional[int] = None) -> Non
     slot, background starts (waiting for creates in flight), then every provider's safety net.
     `interrupted`: the thread a signal interrupted, whose create in flight cannot end meanwhile."""
     deadline = time.monotonic() + budget_s
-    pools = _pool_layer()  # the named pools' closes first: their sandboxes' releases wait for those host cancels
-    # each net cancels one running job (or closes one pool) at most once
-    safety_nets = (pools._closes_first() if pools is not None else []) + _core._reaper.now()
+    # The named pools' closes go first, in a thread of their own (one waiting for a create in flight must not hold
+    # up the batches below): their sandboxes' releases wait briefly for those host cancels instead of racing them.
+    pools = _pool_layer()
+    closes = threading.Thread(target=_in_parallel, args=(pools._closes_first() if pools else [], budget_s),
+                              name="hf-sandbox-stop", daemon=True)
+    try:
+        _start_thread(closes)
+    except RuntimeError:  # no thread to spare: run below, after the nets
+        pass
+    safety_nets = _core._reaper.now()  # each cancels one running job at most once, provider or not
     # The slots and starts come from under locks an interrupted main thread may hold (a signal's teardown):
     # they are listed in a thread of their own, so the safety nets, which take none, go out meanwhile.
     _in_parallel(safety_nets + [lambda: _in_parallel(_stops(budget_s), budget_s)], budget_s)
@@ -1506,6 +1513,10 @@ def _teardown_process(budget_s: float, interrupted: Optional[int] = None) -> Non
     # then the safety nets of the jobs those creates recorded meanwhile.
     _core._settle(max(0.0, deadline - time.monotonic()), stuck=interrupted)
     _in_parallel(_core._reaper.now(), max(0.0, deadline - time.monotonic()))
+    if closes.ident is None:
+        closes.run()
+    else:
+        closes.join(max(0.0, deadline - time.monotonic()))
 
 
 def _stop_background_starts_at_exit() -> None:

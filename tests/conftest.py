@@ -41,7 +41,9 @@ import pytest
 # CI runs on machines we do not know. The suite reads none of this one's Hugging Face set-up (a stored login, an
 # endpoint, offline mode: huggingface_hub reads them once, at import, so this comes before any import of it), and
 # loopback never goes through an HTTP proxy the machine sets (the pip installs some tests make still may).
-for _name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH", "HF_ENDPOINT", "HF_HUB_OFFLINE", "HF_HUB_CACHE"):
+for _name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH", "HF_ENDPOINT", "HF_HUB_OFFLINE", "HF_HUB_CACHE",
+              "TRANSFORMERS_OFFLINE", "HUGGINGFACE_CO_STAGING", "HF_OIDC_RESOURCE", "HF_OIDC_ID_TOKEN",
+              "ALL_PROXY", "all_proxy"):  # (a SOCKS ALL_PROXY makes every httpx client fail: socksio is absent)
     os.environ.pop(_name, None)
 os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="hf-home-")
 atexit.register(shutil.rmtree, os.environ["HF_HOME"], True)

@@ -638,6 +638,8 @@ for _ in range(int(sys.argv[2]) if len(sys.argv) > 2 else 1):  # sandboxes on th
     kept.append(p)
 if sys.argv[1] == "signal":
     hsp.install_signal_teardown()
+    import hf_sandbox_pool
+    hf_sandbox_pool.HOST_CLOSE_WAIT_S = 3.0  # what is tested is the order; the cancel may be slow on a loaded machine
 print("READY", p.job_id, flush=True)
 if sys.argv[1] == "signal":
     time.sleep(120)
@@ -678,6 +680,39 @@ def test_a_process_that_exits_or_gets_sigterm_kills_its_sandboxes_and_cancels_th
     # Each sandbox ended, with its host or by its own kill: no warning says otherwise (before: "could not kill
     # it" and huggingface_hub's "Failed to kill sandbox", when a kill met its host's cancel).
     assert "could not kill" not in err and "Failed to kill" not in err, err
+
+
+@pytest.mark.slow  # a child interpreter given SIGTERM
+def test_on_sigterm_the_sandboxes_of_a_host_the_pool_only_adopted_are_killed_before_its_close_releases_it(
+        pool_env, proxy, tmp_path):
+    import signal
+    import subprocess
+
+    emu = pool_env()
+    ours = provider(emu, proxy, pool="child")  # this process boots the host; the child's pool of that name adopts it
+    ours.wait_for_ready(ours.start_container())
+    host_id = ours._pooled.host_id
+    env = dict(os.environ, ROOT=os.path.dirname(HERE), TESTS=HERE, HF_HOME_DIR=str(tmp_path / "child-home"),
+               EMU_ENDPOINT=emu.endpoint, EMU_TOKEN=emu.token, SERVER="\x1f".join(SERVER))
+    child = subprocess.Popen([sys.executable, "-c", CHILD, "signal", "2"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    try:
+        line = child.stdout.readline()
+        assert line.startswith("READY"), child.stderr.read()
+        assert line.split()[1].split(".")[0] == host_id and len(host_sandboxes(emu, host_id)) == 3
+        child.send_signal(signal.SIGTERM)
+        child.wait(60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    with child.stdout, child.stderr:
+        err = child.stderr.read()
+    # Before: the close released the host's client at once, so the kills failed and both sandboxes ran on.
+    assert host_sandboxes(emu, host_id) == [local_id(ours)] and emu.job(host_id).stage == "RUNNING", err
+    assert "could not kill" not in err and "Failed to kill" not in err and emu.token not in err, err
+    assert requests.get(ours.base_url + "/health", timeout=TIMEOUT).status_code == 200  # ours serves on
+    ours.stop_container()
 
 
 def _age_pool_cache(pool: str, seconds: float) -> None:

@@ -45,13 +45,26 @@ def all_ended(emu: JobsEmulator) -> None:
         assert emu.wait_for_stage(job.id, ["CANCELED", "ERROR", "COMPLETED"]).terminal, job
 
 
+def _accept_queue(port: int) -> int:
+    """Connections waiting in the accept queue of the socket listening on loopback `port` (Linux: a listening
+    socket's rx_queue in /proc/net/tcp{,6})."""
+    waiting = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as lines:
+            for fields in (line.split() for line in list(lines)[1:]):
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                    waiting += int(fields[4].split(":")[1], 16)
+    return waiting
+
+
 def _upgrade_cut_by_the_dying_proxy_child(host, action) -> list:
     """Run `action` while the proxy child is frozen, so its WebSocket upgrade waits in the listen backlog,
     then SIGKILL the child: the kernel resets the connections it never accepted. Returns [outcome]."""
     os.kill(host.pid, signal.SIGSTOP)
     try:
         thread, outcome = in_thread(action)
-        thread.join(0.5)
+        # (not a fixed pause: on a loaded machine the action may not have connected yet, and would be refused)
+        wait_until(lambda: _accept_queue(host.port) or not thread.is_alive(), "the upgrade in the listen backlog")
         assert thread.is_alive(), outcome  # waiting for the answer to its upgrade
     finally:
         os.kill(host.pid, signal.SIGKILL)
