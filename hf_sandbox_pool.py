@@ -595,6 +595,16 @@ def _close_pool(pool: Any, entry: Optional[_NamedPool] = None) -> List[str]:
     return failed
 
 
+def _close_named_pool(entry: _NamedPool) -> List[str]:
+    """A named pool's safety net (the exit hook, the signal teardown): its close, as close_pools() makes it but with
+    no lock (a signal may have interrupted a thread holding one). A process that lives on starts a new pool of that
+    name, instead of finding this one closed."""
+    pool, entry.pool, entry.closed = entry.pool, None, True
+    if _pools.get(entry.key) is entry:
+        _pools.pop(entry.key, None)
+    return [] if pool is None else _close_pool(pool, entry)
+
+
 def _owned_hosts(pool: Any) -> List[str]:
     """The ids of the host jobs `pool` booted (a close cancels those; adopted ones are only released)."""
     return [host.job_id for host in list(getattr(pool, "_hosts", [])) if getattr(host, "owned", False)]
@@ -605,8 +615,8 @@ _cancelled_hosts: "set[str]" = set()
 class _Closing:
     """A host job whose pool is closing: `ended` is set once that close has ended (cancelled or not)."""
 
-    def __init__(self) -> None:
-        self.ended, self.deadline = threading.Event(), time.monotonic() + HOST_CLOSE_WAIT_S
+    def __init__(self, later_s: float = 0.0) -> None:  # later_s: the close begins that much later, at most
+        self.ended, self.deadline = threading.Event(), time.monotonic() + later_s + HOST_CLOSE_WAIT_S
 
 
 # Host job ids whose pool is closing.
@@ -623,21 +633,19 @@ def _host_cancelled_by_us(sandbox: Any, wait: bool = False) -> bool:
     return host_id in _cancelled_hosts
 
 
-def _closes_first() -> List[Callable[[], None]]:
-    """For a teardown that runs every safety net at once, in batches: each named pool's close, taken from its net (so
-    no batch runs it too), to run first and apart. Its hosts are marked as closing meanwhile, so that their sandboxes'
-    releases wait for the cancels instead of racing them (see _host_cancelled_by_us). The sandboxes of hosts it only
-    adopted (a close releases those hosts' clients and cancels nothing) are killed first, as at exit. Takes no lock
-    (a signal may have interrupted a thread holding one); a pool being closed already is left out."""
+def _closes_first(budget_s: float) -> List[Callable[[], None]]:
+    """For a teardown that runs every safety net at once, in batches, within `budget_s`: each named pool's close,
+    taken from its net (so no batch runs it too), to run first and apart. The sandboxes of hosts it only adopted (a
+    close releases those hosts' clients and cancels nothing) are killed first, as at exit, for up to half the budget:
+    the rest is the cancels'. Its own hosts are marked as closing meanwhile, so that their sandboxes' releases wait
+    for the cancels instead of racing them (see _host_cancelled_by_us). Takes no lock (a signal may have interrupted
+    a thread holding one); a pool being closed already is left out."""
     closes = []
     for entry in list(_pools.values()):
         pool, net = entry.pool, entry.finalizer
         if pool is None or net is None or entry.closed:
             continue
         hosts = list(getattr(pool, "_hosts", []))
-        for host in hosts:
-            if getattr(host, "owned", False):
-                _closing_hosts.setdefault(host.job_id, _Closing())
         adopted = {host.job_id for host in hosts if not getattr(host, "owned", False)}
         kills = []
         for other in list(_core._live_finalizers) if adopted else []:
@@ -647,14 +655,18 @@ def _closes_first() -> List[Callable[[], None]]:
                 taken = _take(other)
                 if taken is not None:
                     kills.append(taken.run)
+        kills_s = budget_s / 2 if kills else 0.0
+        for host in hosts:
+            if getattr(host, "owned", False):
+                _closing_hosts.setdefault(host.job_id, _Closing(later_s=kills_s))
         close = _take(net)
         if close is not None:
-            closes.append(functools.partial(_kill_then_close, kills, close.run))
+            closes.append(functools.partial(_kill_then_close, kills, kills_s, close.run))
     return closes
 
 
-def _kill_then_close(kills: List[Callable[[], None]], close: Callable[[], None]) -> None:
-    _core._in_parallel(kills, HOST_CLOSE_WAIT_S)
+def _kill_then_close(kills: List[Callable[[], None]], kills_s: float, close: Callable[[], None]) -> None:
+    _core._in_parallel(kills, kills_s)
     close()
 
 
@@ -775,7 +787,7 @@ def _pool_for(settings: Mapping[str, Any], token: str, namespace: str, endpoint:
                 if isinstance(exc, _core.SandboxError):
                     raise
                 raise _core.SandboxError(entry.failure) from None
-            entry.finalizer = _core._reaper.arm(entry, _close_pool, entry.pool, entry)  # atexit and signal teardown
+            entry.finalizer = _core._reaper.arm(entry, _close_named_pool, entry)  # atexit and signal teardown
         return entry.pool
 
 

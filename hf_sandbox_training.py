@@ -1498,8 +1498,8 @@ def _teardown_process(budget_s: float, interrupted: Optional[int] = None) -> Non
     # The named pools' closes go first, in a thread of their own (one waiting for a create in flight must not hold
     # up the batches below): their sandboxes' releases wait briefly for those host cancels instead of racing them.
     pools = _pool_layer()
-    closes = threading.Thread(target=_in_parallel, args=(pools._closes_first() if pools else [], budget_s),
-                              name="hf-sandbox-stop", daemon=True)
+    pool_closes = pools._closes_first(budget_s) if pools is not None else []
+    closes = threading.Thread(target=_in_parallel, args=(pool_closes, budget_s), name="hf-sandbox-stop", daemon=True)
     try:
         _start_thread(closes)
     except RuntimeError:  # no thread to spare: run below, after the nets
@@ -1514,7 +1514,7 @@ def _teardown_process(budget_s: float, interrupted: Optional[int] = None) -> Non
     _core._settle(max(0.0, deadline - time.monotonic()), stuck=interrupted)
     _in_parallel(_core._reaper.now(), max(0.0, deadline - time.monotonic()))
     if closes.ident is None:
-        closes.run()
+        _in_parallel(pool_closes, max(0.0, deadline - time.monotonic()))
     else:
         closes.join(max(0.0, deadline - time.monotonic()))
 

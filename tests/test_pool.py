@@ -1054,13 +1054,29 @@ def test_a_sandbox_whose_pool_close_has_not_cancelled_its_host_within_the_wait_i
     p.wait_for_ready(p.start_container())
     host_id = p._pooled.host_id
     began = time.monotonic()
-    closes = hf_sandbox_pool._closes_first()  # as the teardown begins; these closes are not run here
+    closes = hf_sandbox_pool._closes_first(4.0)  # as the teardown begins; these closes are not run here
     assert len(closes) == 1 and host_id in hf_sandbox_pool._closing_hosts
     p.stop_container()
     assert time.monotonic() - began >= hf_sandbox_pool.HOST_CLOSE_WAIT_S - 0.05  # it waited for the close first
     assert host_sandboxes(emu, host_id) == [] and emu.job(host_id).stage == "RUNNING"  # its own kill ended it
     assert hf_sandbox_pool.close_pools() == [] and hf_sandbox_pool._closing_hosts == {}  # the marks end with it
     assert emu.wait_for_stage(host_id, ["CANCELED"]).stage == "CANCELED"
+
+
+def test_a_process_that_lives_on_after_the_signal_teardown_closed_its_pool_starts_a_new_pool_of_that_name(
+        pool_env, proxy):
+    emu = pool_env()
+    first = provider(emu, proxy, pool="again")
+    first.wait_for_ready(first.start_container())
+    host_id = first._pooled.host_id
+    for close in hf_sandbox_pool._closes_first(4.0):  # the teardown's closes; a handler then lets the process live
+        close()
+    assert emu.wait_for_stage(host_id, ["CANCELED"]).stage == "CANCELED"
+    first.stop_container()  # (its sandbox ended with the host: nothing to kill)
+    with provider(emu, proxy, pool="again") as second:  # before: "This SandboxPool is closed", at every start
+        second.wait_for_ready(second.start_container())
+        assert second._pooled.host_id != host_id
+    assert hf_sandbox_pool.close_pools() == []
 
 
 def test_close_pools_returns_the_host_jobs_it_could_not_cancel(pool_env, proxy):
