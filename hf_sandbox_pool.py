@@ -597,12 +597,23 @@ def _close_pool(pool: Any, entry: Optional[_NamedPool] = None) -> List[str]:
 
 def _close_named_pool(entry: _NamedPool) -> List[str]:
     """A named pool's safety net (the exit hook, the signal teardown): its close, as close_pools() makes it but with
-    no lock (a signal may have interrupted a thread holding one). A process that lives on starts a new pool of that
-    name, instead of finding this one closed."""
+    no lock (a signal may have interrupted a thread holding one). The entry stays, closed: a start during the
+    teardown fails rather than boot a host nothing would cancel, until _forget_closed() at its end."""
     pool, entry.pool, entry.closed = entry.pool, None, True
-    if _pools.get(entry.key) is entry:
-        _pools.pop(entry.key, None)
     return [] if pool is None else _close_pool(pool, entry)
+
+
+def _forget_closed() -> None:
+    """After the signal teardown: forget the pools its safety nets closed, so a process that lives on (a handler of
+    its own) makes a new pool of that name at its next pooled start. Skipped if the lock stays taken (a thread the
+    signal interrupted may hold it): those starts then say the pool was closed."""
+    if _pools_lock.acquire(timeout=0.5):
+        try:
+            for key, entry in list(_pools.items()):
+                if entry.closed and entry.pool is None:
+                    del _pools[key]
+        finally:
+            _pools_lock.release()
 
 
 def _owned_hosts(pool: Any) -> List[str]:

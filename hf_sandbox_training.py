@@ -1502,9 +1502,11 @@ def _teardown_process(budget_s: float, interrupted: Optional[int] = None) -> Non
     closes = threading.Thread(target=_in_parallel, args=(pool_closes, budget_s), name="hf-sandbox-stop", daemon=True)
     try:
         _start_thread(closes)
-    except RuntimeError:  # no thread to spare: run below, after the nets
-        pass
-    safety_nets = _core._reaper.now()  # each cancels one running job at most once, provider or not
+    except RuntimeError:  # no thread to spare: they lead the batches below
+        safety_nets = list(pool_closes)
+    else:
+        safety_nets = []
+    safety_nets += _core._reaper.now()  # each cancels one running job at most once, provider or not
     # The slots and starts come from under locks an interrupted main thread may hold (a signal's teardown):
     # they are listed in a thread of their own, so the safety nets, which take none, go out meanwhile.
     _in_parallel(safety_nets + [lambda: _in_parallel(_stops(budget_s), budget_s)], budget_s)
@@ -1513,10 +1515,10 @@ def _teardown_process(budget_s: float, interrupted: Optional[int] = None) -> Non
     # then the safety nets of the jobs those creates recorded meanwhile.
     _core._settle(max(0.0, deadline - time.monotonic()), stuck=interrupted)
     _in_parallel(_core._reaper.now(), max(0.0, deadline - time.monotonic()))
-    if closes.ident is None:
-        _in_parallel(pool_closes, max(0.0, deadline - time.monotonic()))
-    else:
+    if closes.ident is not None:
         closes.join(max(0.0, deadline - time.monotonic()))
+    if pools is not None:  # a start made during the teardown found its pool closed; one made after makes a new pool
+        pools._forget_closed()
 
 
 def _stop_background_starts_at_exit() -> None:

@@ -25,6 +25,7 @@ hub = pytest.importorskip("huggingface_hub")
 pytest.importorskip("huggingface_hub._sandbox")
 
 import hf_sandbox_pool  # noqa: E402
+import hf_sandbox_training  # noqa: E402
 import hf_sandbox_provider as hsp  # noqa: E402
 from hf_jobs_emulator import JobsEmulator, echo_server_command  # noqa: E402
 from hf_sandbox_provider import (EnvSession, HFSandboxProvider, InsecureURLError, JobFailedError,  # noqa: E402
@@ -1069,8 +1070,7 @@ def test_a_process_that_lives_on_after_the_signal_teardown_closed_its_pool_start
     first = provider(emu, proxy, pool="again")
     first.wait_for_ready(first.start_container())
     host_id = first._pooled.host_id
-    for close in hf_sandbox_pool._closes_first(4.0):  # the teardown's closes; a handler then lets the process live
-        close()
+    hf_sandbox_training._teardown_process(4.0)  # what SIGTERM runs; a handler of the process's own lets it live on
     assert emu.wait_for_stage(host_id, ["CANCELED"]).stage == "CANCELED"
     first.stop_container()  # (its sandbox ended with the host: nothing to kill)
     with provider(emu, proxy, pool="again") as second:  # before: "This SandboxPool is closed", at every start
