@@ -1076,8 +1076,8 @@ class _Parallel:
 
 
 class _ProgressLine:
-    """start_many's `progress`: a callable's errors are logged, not raised; True writes lines to stderr, at most one per
-    PROGRESS_STEP or PROGRESS_INTERVAL_S (the first failure at once), on a terminal one updated in place."""
+    """start_many's `progress`: a callable's errors are logged; True writes stderr lines, one per PROGRESS_STEP or
+    PROGRESS_INTERVAL_S at most (a first failure at once), updated in place on a terminal, none older than one shown."""
 
     def __init__(self, total: int, progress: Union[bool, Callable[[int, int, int], None]]) -> None:
         self.total, self.progress, self.lock, self.began = total, progress, threading.Lock(), time.monotonic()
@@ -1095,7 +1095,7 @@ class _ProgressLine:
         with self.lock:
             now, done = time.monotonic(), ready + failed
             due = (done - self.shown_done >= self.total * PROGRESS_STEP or now - self.shown_at >= PROGRESS_INTERVAL_S)
-            if not (self.tty or due or done == self.total or (error is not None and failed == 1)):
+            if done < self.shown_done or not (self.tty or due or done == self.total or (error and failed == 1)):
                 return
             line = "start_many: %d/%d ready, %d failed (%.1fs)" % (ready, self.total, failed, now - self.began)
             if error is not None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import socket
@@ -389,6 +390,21 @@ def test_start_many_progress_is_whole_lines_bounded_well_below_one_per_environme
     assert len(progress) <= 20 + 10, progress
 
 
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_progress_count_read_before_a_newer_one_was_shown_is_never_shown_after_it(monkeypatch):
+    # The order four workers' updates took in a fast-tier run: each read its counts, then waited for the lock.
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    shown = hsp._ProgressLine(4, True)
+    for ready in (1, 4, 3, 2):
+        shown.update(ready, 0, ready - 1, None)
+    shown.close()
+    assert [part.split()[1] for part in sys.stderr.getvalue().rstrip("\n").split("\r") if part] == ["1/4", "4/4"]
+
+
 def test_start_many_progress_on_a_terminal_is_one_line_updated_in_place(no_leaks, proxy, monkeypatch):
     import pty
 
@@ -414,7 +430,10 @@ def test_start_many_progress_on_a_terminal_is_one_line_updated_in_place(no_leaks
     text = written.decode()
     assert text.count("\n") == 1 and text.endswith("\n"), text  # one line, ended once
     updates = [part for part in text.rstrip("\r\n").split("\r") if part]
-    assert len(updates) == 4 and updates[-1].startswith("start_many: 4/4 ready, 0 failed"), updates
+    # Each count shown is newer than the one before (before: the 4 workers' counts could land in any order,
+    # and the line ended on "2/4 ready" with all 4 ready), and the last says all are.
+    shown = [int(update.split()[1].split("/")[0]) for update in updates]
+    assert shown == sorted(set(shown)) and updates[-1].startswith("start_many: 4/4 ready, 0 failed"), updates
 
 
 def test_start_many_all_or_nothing_cancels_every_job_and_raises_one_error_naming_the_failure(proxy):
