@@ -688,8 +688,10 @@ def _release_of(net: "weakref.finalize") -> Any:
 
 
 def _take(net: "weakref.finalize") -> Any:
-    """The release of a safety net, taken from it (None when it ran, or was taken, already): the taker runs it."""
+    """The release of a safety net, taken from it (None when it ran, or was taken, already): the taker runs it. The
+    net is no longer armed (retired), so the reaper thread may end without it."""
     info = net.detach()
+    _core._reaper.retire(net)
     return None if info is None else info[2][0]
 
 

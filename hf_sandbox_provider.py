@@ -2078,7 +2078,7 @@ class _Reaper:
         with contextlib.suppress(queue.Empty):
             while True:
                 actions.append(getattr(self.queue.get_nowait(), "run", lambda: None))
-        return actions
+        return actions + [functools.partial(self.queue.put, None)]  # (a wake-up the drain took: the reaper may end)
 
     def _run(self) -> None:
         while (action := self.queue.get()) is None or not self.exiting:  # (exiting: the exit hook runs the queue)
