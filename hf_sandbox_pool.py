@@ -623,6 +623,8 @@ def _owned_hosts(pool: Any) -> List[str]:
 
 # Host job ids this process cancelled by closing their pool: their sandboxes need no kill of their own.
 _cancelled_hosts: "set[str]" = set()
+
+
 class _Closing:
     """A host job whose pool is closing: `ended` is set once that close has ended (cancelled or not)."""
 
