@@ -279,9 +279,10 @@ class JobsEmulator:
     `image_commands` picks one per image instead. `zygote=False` starts even the echo server with
     `Popen` (see `launch_process`). `rate_limit=(quota, window_s)` limits each user as the Hub does (fixed
     windows, RateLimit headers on every answer, 429 past the quota, whoami harder); `flavors` replaces the
-    Hub's hardware list; `list_page_size` / `next_link_base` paginate listings.
-    `Popen` (see `launch_process`). A job that is huggingface_hub's sandbox bootstrap runs the emulated
-    sbx-server instead (hf_sbx_emulator.py; `sandbox_*` settings, `sandbox_hosts` for its hosts and faults).
+    Hub's hardware list; `list_page_size` / `next_link_base` paginate listings; `ended_url_status` makes an
+    ended job's exposed URLs answer that status instead of refusing connections. A job that is
+    huggingface_hub's sandbox bootstrap runs the emulated sbx-server instead (hf_sbx_emulator.py; `sandbox_*`
+    settings, `sandbox_hosts` for its hosts and faults).
     """
 
     def __init__(
@@ -305,6 +306,7 @@ class JobsEmulator:
         list_page_size: Optional[int] = None,
         next_link_base: Optional[str] = None,
         rate_limit: Optional[Tuple[int, float]] = None,
+        ended_url_status: Optional[int] = None,
         sandbox_host_boot_s: float = SANDBOX_HOST_BOOT_S,
         sandbox_host_ready_s: float = SANDBOX_HOST_READY_S,
         sandbox_create_s: float = SANDBOX_CREATE_S,
@@ -342,6 +344,14 @@ class JobsEmulator:
         if reason:
             raise ValueError(reason)
         self.rate_limit = (int(rate_limit[0]), float(rate_limit[1])) if rate_limit is not None else None
+        # ended_url_status=N: once a job has ended, its exposed URLs stay up and answer every request N, as a front
+        # serving many jobs' names would; None: they refuse connections. What the Hub's `*.hf.jobs` front answers
+        # for an ended job is not known (a 404 or a 502 are both plausible), so a client must cope with each.
+        if ended_url_status is not None and (_count_rejection(ended_url_status, "ended_url_status")
+                                             or not 400 <= ended_url_status <= 599):
+            raise ValueError(f"ended_url_status must be an HTTP error status (400-599) or None, "
+                             f"got {ended_url_status!r}")
+        self.ended_url_status = ended_url_status
         self._windows: Dict[Tuple[str, str], List[float]] = {}  # (user, bucket) -> [window start, calls]
         self.rate_limited_calls = 0  # calls answered 429 by the limit (not by inject_rate_limit)
         self.window_peaks: Dict[str, int] = {}  # user -> the most calls any one window of theirs admitted
@@ -935,8 +945,7 @@ class JobsEmulator:
             self._finish(job, "ERROR", f"emulator error while running the job: {exc!r}")
         finally:
             job._gates_made.set()  # a sandbox host's create, waiting for its gates, answers now (not in 60 s)
-            for gate in job._gates + job._links:
-                _stop_quietly(gate)
+            self._end_gates(job)
             if self.sandbox_hosts is not None:
                 self.sandbox_hosts.release(job.id)  # a sandbox host's sandboxes end with its job
 
@@ -1159,9 +1168,16 @@ class JobsEmulator:
                     self._zygote = None
             return self._zygote
 
-    def _finish(self, job: EmulatedJob, stage: str, message: Optional[str]) -> None:
+    def _end_gates(self, job: EmulatedJob) -> None:
+        """An ended job's fault links stop, and its gates too, or with `ended_url_status` answer that status."""
         for gate in job._gates + job._links:
-            _stop_quietly(gate)
+            if self.ended_url_status is not None and isinstance(gate, _JobGate):
+                gate.end(self.ended_url_status)  # stopped with the emulator (stop())
+            else:
+                _stop_quietly(gate)
+
+    def _finish(self, job: EmulatedJob, stage: str, message: Optional[str]) -> None:
+        self._end_gates(job)
         with self._lock:
             self._reserved_ports -= {job.port, *job.local_ports.values(), *(l.backend_port for l in job._links)}
             if job.terminal:
@@ -2542,6 +2558,7 @@ class _JobGate(AuthProxy):
         self._emulator = emulator
         self._job = job
         self._public = public
+        self.ended_status: Optional[int] = None  # set when the job has ended (JobsEmulator.ended_url_status)
         self._upstream = Route(f"http://{_url_host(local_host)}:{job.local_ports[exposed_port]}", None)
         # The proxy's log lines name a route by its label: say which job's port this is.
         self._upstream.label = f"job {job.id} port {exposed_port} ({self._upstream.label})"
@@ -2570,7 +2587,14 @@ class _JobGate(AuthProxy):
             return super().url
         return f"https://{self._job.id}--{self.exposed_port}.{TLS_HOST_SUFFIX}:{self._front.port}"
 
+    def end(self, status: int) -> None:
+        """The job has ended: cut what is open to it (requests, WebSocket sessions), answer `status` from now on."""
+        self.ended_status = status
+        self._upstream.close()
+
     def route_request(self, target: str, headers: Any) -> Any:
+        if self.ended_status is not None:
+            return Refusal(self.ended_status, "job-ended", f"Job {self._job.id} is not running", proxy_error=False)
         reason = None if self._public else self._emulator._gate_rejection(self._job, headers.get("Authorization"))
         if reason:
             return Refusal(401, "unauthorized", reason, (("WWW-Authenticate", 'Bearer realm="hf.jobs"'),),

@@ -15,6 +15,7 @@ Public names: `close_pools()`, `MIN_HUB_VERSION`, `MIN_PYTHON_VERSION`, `TESTED_
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import logging
 import os
@@ -83,6 +84,11 @@ HOST_CLOSE_WAIT_S = 1.0
 # Jobs client's backoff; huggingface_hub itself does not retry it.
 CREATE_RETRIES = 4
 CREATE_RETRY_STATUSES = frozenset([429, 500, 502, 503, 504])
+# A create that fails with no answer (refused, reset, timed out) or one of these, which a front serving many
+# jobs' names may give for one that has ended (what the Hub's gives is not known), asks the host job's stage
+# once: huggingface_hub keeps placing sandboxes on a host it booted until the pool closes, so an ended host
+# is forgotten and the sandbox placed again.
+HOST_GONE_STATUSES = frozenset([404, 410, 502, 503, 504])
 # While a host job this process started boots, huggingface_hub checks its stage every 2 s: one inspect per
 # host. The pool's HfApi answers those checks from the process's job watcher instead, which refreshes every
 # job the process is starting with one call (a `list` by this process's label) this often: a 13 s cold boot
@@ -328,8 +334,9 @@ class PooledSandbox:
                 if isinstance(exc, _core.SandboxError):
                     raise
                 status = getattr(exc, "status_code", None)
-                if status is None and attempt < CREATE_RETRIES and self._drop_dead_hosts(pool):
-                    continue  # the pool placed it on a host whose job has ended: now forgotten, place again
+                if (not isinstance(pool, _pool_class()) and (status is None or status in HOST_GONE_STATUSES)
+                        and attempt < CREATE_RETRIES and self._drop_dead_hosts(pool)):
+                    continue  # (a caller's own SandboxPool; ours forgets a dead host in _create_one)
                 if status in CREATE_RETRY_STATUSES and attempt < CREATE_RETRIES:
                     delay = _core._retry_delay(attempt, None)
                     logger.info("pool %s: sandbox create answered %s; retrying in %.1fs", pool.name, status, delay)
@@ -340,9 +347,8 @@ class PooledSandbox:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _drop_dead_hosts(self, pool: Any) -> bool:
-        """Make the pool forget its hosts whose jobs have ended or that the Hub no longer knows
-        (huggingface_hub keeps placing sandboxes on a host it booted until it is closed, even after
-        the host died); True if it forgot any."""
+        """Make a SandboxPool the caller made forget its hosts whose jobs have ended or that the Hub no longer
+        knows (see HOST_GONE_STATUSES); True if it forgot any."""
         owner = self.owner
         client, hosts, drop = owner._job_client, getattr(pool, "_hosts", None), getattr(pool, "_drop_host", None)
         if client is None or hosts is None or drop is None:
@@ -390,24 +396,21 @@ class PooledSandbox:
                                    _server_log_tail(sandbox, self.port, _core.LOG_TAIL_LINES))
 
     def _raise_if_host_ended(self, error: BaseException) -> None:
-        """After the host failed to answer: JobFailedError if its job has ended or the sandbox is gone."""
-        owner = self.owner
-        client = owner._job_client
-        status = getattr(error, "status_code", None)
-        if status == 404:
-            raise _core.JobFailedError(owner.job_id or "", "DELETED", "the sandbox no longer exists on host %s "
-                                       "(evicted or killed)" % self.host_id)
-        if client is None or self.host_id is None:
-            return
-        try:
-            job = client.get_job(owner._job_namespace or "", self.host_id, retries=0)
-        except Exception:
-            return
-        stage = (job.get("status") or {}).get("stage")
-        if stage in _core.TERMINAL_STAGES:
-            tail = client.job_logs(owner._job_namespace or "", self.host_id, tail=_core.LOG_TAIL_LINES)
-            raise _core.JobFailedError(self.host_id, str(stage), (job.get("status") or {}).get("message")
+        """After the host failed to answer: JobFailedError if its job has ended, or else if the sandbox is gone
+        (a 404: asked after the host's stage, since a front may answer 404 for an ended job too)."""
+        owner, client, host_id = self.owner, self.owner._job_client, self.host_id
+        job: Dict[str, Any] = {}
+        if client is not None and host_id is not None:
+            with contextlib.suppress(Exception):
+                job = client.get_job(owner._job_namespace or "", host_id, retries=0)
+        status = job.get("status") or {}
+        if client is not None and host_id is not None and status.get("stage") in _core.TERMINAL_STAGES:
+            tail = client.job_logs(owner._job_namespace or "", host_id, tail=_core.LOG_TAIL_LINES)
+            raise _core.JobFailedError(host_id, str(status["stage"]), status.get("message")
                                        or "the sandbox's host job ended", tail)
+        if getattr(error, "status_code", None) == 404:
+            raise _core.JobFailedError(owner.job_id or "", "DELETED", "the sandbox no longer exists on host %s "
+                                       "(evicted or killed)" % host_id)
 
 
 class _SandboxHeaders:
@@ -1026,6 +1029,38 @@ def _pool_class() -> Any:
             with self._lock:
                 self._dead_host_ids.add(cached.job_id)
             return False
+
+        def _create_one(self, host: Any, env: Any, idle_secs: Any) -> Any:
+            """huggingface_hub's, but a host that fails the create as an ended one would (HOST_GONE_STATUSES) and
+            whose job has ended is forgotten: None, so huggingface_hub places the sandbox again, as it does for
+            a cached host that is gone."""
+            try:
+                return super()._create_one(host, env, idle_secs)
+            except Exception as exc:
+                status = getattr(exc, "status_code", None)
+                if status is not None and status not in HOST_GONE_STATUSES:
+                    raise
+                stage = self._ended_stage(host)
+                if stage is None:
+                    raise
+            logger.warning("pool %s: host job %s has ended (%s); placing the sandbox on another host or a new one",
+                           self.name, host.job_id, stage)
+            self._drop_host(host)
+            return None
+
+        def _ended_stage(self, host: Any) -> Optional[str]:
+            """The host job's terminal stage (DELETED for a job the Hub no longer knows), asked once; None if it
+            runs or the question failed."""
+            try:
+                stage = self._api.inspect_job(job_id=host.job_id, namespace=host.owner).status.stage
+            except JobNotFoundError:
+                return "DELETED"
+            except Exception as exc:
+                logger.debug("pool %s: could not ask host job %s's stage (%s)", self.name, host.job_id,
+                             type(exc).__name__)
+                return None
+            stage = str(getattr(stage, "value", stage))
+            return stage if stage in _core.TERMINAL_STAGES else None
 
         def _provision_hosts(self, num_new: int, **kwargs: Any) -> Any:
             """huggingface_hub's parallel boot, its host jobs recorded: if this thread is interrupted (Ctrl-C)

@@ -27,6 +27,8 @@ from huggingface_hub import HfApi  # noqa: E402
 from huggingface_hub.errors import HfHubHTTPError, JobNotFoundError  # noqa: E402
 import support
 from support import wait_until
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect as ws_connect
 
 TIMEOUT = 30  # generous: other work may load the 2 cores; passing tests never wait this long
 PY = sys.executable
@@ -682,6 +684,44 @@ def test_exposed_url_is_401_without_the_token_and_200_with_it(emu, api):
         refused = requests.get(url + "/health", headers=headers, timeout=TIMEOUT)
         assert refused.status_code == 401 and "Authorization: Bearer" in refused.json()["message"]
         assert "X-Proxy-Error" not in refused.headers  # as on *.hf.jobs: the gate is not our proxy
+
+
+@pytest.mark.parametrize("ending", ["kill", "cancel"])
+@pytest.mark.parametrize("status", [None, 404, 502])
+def test_an_ended_jobs_url_refuses_connections_or_with_ended_url_status_answers_it(status, ending):
+    with JobsEmulator(ended_url_status=status) as emulator:
+        api = HfApi(endpoint=emulator.endpoint, token=emulator.token)
+        job = running_with_urls(api, emulator, command=[], expose=[8000])
+        (url,) = job.status.expose_urls
+        with requests.Session() as kept:  # a keep-alive connection made while the job ran
+            assert get_when_up(url + "/health", bearer(emulator.token)).status_code == 200
+            assert kept.get(url + "/health", headers=bearer(emulator.token), timeout=TIMEOUT).status_code == 200
+            session = ws_connect("ws" + url[4:] + "/ws", additional_headers=bearer(emulator.token),
+                                 open_timeout=TIMEOUT)
+            if ending == "kill":
+                emulator.kill_job(job.id)
+            else:
+                api.cancel_job(job_id=job.id, namespace="local")
+            finished(api, emulator, job.id)
+            with session, pytest.raises(ConnectionClosed):  # what was open to the job is cut
+                session.recv(timeout=TIMEOUT)
+            if status is None:
+                with pytest.raises(requests.ConnectionError):
+                    requests.get(url + "/health", headers=bearer(emulator.token), timeout=TIMEOUT)
+                return
+            upgrade = {**bearer(emulator.token), "Connection": "Upgrade", "Upgrade": "websocket",
+                       "Sec-WebSocket-Version": "13", "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="}
+            for answer in (kept.get(url + "/health", headers=bearer(emulator.token), timeout=TIMEOUT),
+                           requests.post(url + "/reset", json={}, timeout=TIMEOUT),  # no token: still that status
+                           requests.get(url + "/ws", headers=upgrade, timeout=TIMEOUT)):
+                assert answer.status_code == status and job.id in answer.json()["message"]
+                assert "X-Proxy-Error" not in answer.headers
+
+
+def test_ended_url_status_must_be_an_http_error_status():
+    for bad in (200, 302, 600, "502", True):
+        with pytest.raises(ValueError, match="ended_url_status must be an HTTP error status"):
+            JobsEmulator(ended_url_status=bad)
 
 
 def test_the_gate_consumes_authorization_and_forwards_path_query_and_headers(emu, api):

@@ -544,9 +544,10 @@ def test_stopping_a_sandbox_whose_host_died_reports_the_hosts_stage_not_a_sandbo
 
 
 @pytest.mark.slow  # boots two host jobs
+@pytest.mark.parametrize("ended_url_status", [None, 502])
 def test_a_host_killed_while_serving_fails_each_session_with_a_typed_error_and_a_restart_lands_on_a_new_host(
-        pool_env, proxy):
-    emu = pool_env()
+        pool_env, proxy, ended_url_status):
+    emu = pool_env(ended_url_status=ended_url_status)
     providers = [provider(emu, proxy, pool="doomed") for _ in range(2)]
     for p in providers:
         p.wait_for_ready(p.start_container())
@@ -572,6 +573,43 @@ def test_a_host_killed_while_serving_fails_each_session_with_a_typed_error_and_a
         assert session.step({"message": "again"})["observation"]["echoed_message"] == "again"
     for p in providers:
         p.stop_container()
+
+
+@pytest.mark.parametrize("ended_url_status", [None, 404, 502, 503])
+def test_a_start_after_the_pools_host_died_lands_on_a_new_host_whatever_the_dead_hosts_url_answers(
+        pool_env, proxy, caplog, ended_url_status):
+    # huggingface_hub keeps placing sandboxes on a host it booted until the pool closes. A dead host whose URL
+    # refused connections was forgotten, but one whose URL answered an HTTP status (as a front serving many jobs'
+    # names may; the Hub's answer is not known) failed every later start of the pool.
+    emu = pool_env(ended_url_status=ended_url_status)
+    p = provider(emu, proxy, pool="dies-answering")
+    p.wait_for_ready(p.start_container())
+    host_id = p._pooled.host_id
+    emu.kill_job(host_id)
+    emu.wait_for_stage(host_id, ["ERROR"])
+    p.stop_container()
+    caplog.clear()
+    p.wait_for_ready(p.start_container())
+    assert p._pooled.host_id != host_id
+    with EnvSession(p.base_url) as session:
+        session.reset()
+        assert session.step({"message": "on the new host"})["observation"]["echoed_message"] == "on the new host"
+    assert "host job %s has ended" % host_id in caplog.text
+    p.stop_container()
+
+
+@pytest.mark.parametrize("ended_url_status", [None, 404, 502])
+def test_a_host_that_dies_before_the_server_answers_fails_readiness_with_the_hosts_stage(
+        pool_env, proxy, ended_url_status):
+    # A front answering 404 for the ended host must not read as the sandbox's eviction (stage DELETED).
+    emu = pool_env(ended_url_status=ended_url_status)
+    p = provider(emu, proxy, pool="dies-booting", command=[sys.executable, "-c", "import time; time.sleep(60)"])
+    p.start_container()
+    emu.kill_job(p._pooled.host_id)
+    with pytest.raises(JobFailedError) as failed:
+        p.wait_for_ready(timeout_s=30)
+    assert failed.value.stage == "ERROR" and failed.value.job_id == p._pooled.host_id
+    p.stop_container()
 
 
 def test_an_evicted_sandbox_fails_readiness_with_a_typed_error(pool_env, proxy):
