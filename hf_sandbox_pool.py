@@ -64,6 +64,9 @@ SERVER_LOG_TEMPLATE = '"${HOME:-/tmp}/.hf-sandbox-server-%d.log"'
 # While waiting for /health, how often the host is asked whether the server process still runs (one
 # small request each): a crash at boot is reported within about this long, with its output.
 SERVER_CHECK_INTERVAL_S = 0.5
+# Each such question waits this long for its answer, as a /health probe does (huggingface_hub's own 60 s let a
+# stalled host hold a 3 s readiness budget for a minute).
+SERVER_CHECK_TIMEOUT_S = 10.0
 # A sandbox's own idle eviction (huggingface_hub's default, 10 minutes). A running server counts as activity,
 # so this only ends a sandbox whose server has exited, e.g. at its job_timeout deadline after this process
 # was killed without teardown; the host, once empty, then ends after its own idle timeout. That is the
@@ -383,14 +386,14 @@ class PooledSandbox:
             owner._raise_if_stopped()
             raise _core.SandboxError("sandbox %s was stopped while starting" % owner.job_id)
         try:
-            processes = sandbox.processes()
+            processes = _processes(sandbox)
         except Exception as exc:
             self._raise_if_host_ended(exc)
             return  # a transient failure asking: /health decides, or the next check
-        process = next((p for p in processes if p.id == self.process_id), None)
-        if process is not None and process.running:
+        process = next((p for p in processes if p.get("id") == self.process_id), {"exit_code": "unknown"})
+        if process.get("running"):
             return
-        code = "unknown" if process is None else process.exit_code
+        code = process.get("exit_code")
         raise _core.JobFailedError(owner.job_id or "", "ERROR",
                                    "the environment server exited (code %s) before it answered /health" % code,
                                    _server_log_tail(sandbox, self.port, _core.LOG_TAIL_LINES))
@@ -473,13 +476,20 @@ def _release_sandbox(sandbox: Any, proxy: Any, base_url: Optional[str], client: 
     return ended
 
 
+def _processes(sandbox: Any) -> List[Dict[str, Any]]:
+    """What huggingface_hub's `Sandbox.processes()` asks (`GET /processes`, one dict per process: `id`, `running`,
+    `exit_code`...), within SERVER_CHECK_TIMEOUT_S; its request helper takes the timeout its public call does not."""
+    payload = sandbox._request("GET", "/processes", timeout=SERVER_CHECK_TIMEOUT_S).json()
+    return [p for p in payload if isinstance(p, dict)] if isinstance(payload, list) else []
+
+
 def _released_if_gone(sandbox: Any) -> bool:
     """After a kill that failed: whether the host answers 404 for the sandbox (it evicted it, e.g. once its server
     had exited). huggingface_hub's kill() counts that 404 as a failure and so keeps the sandbox's place on the host
     taken: after as many as a host holds, the pool would boot (and bill) a new host for an empty one. So the
     sandbox is released here as its kill() would have (its `_killed` mark and `_on_kill` hook, huggingface_hub 1.x)."""
     try:
-        sandbox.processes()
+        _processes(sandbox)
         return False
     except Exception as exc:
         if getattr(exc, "status_code", None) != 404:

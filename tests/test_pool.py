@@ -29,7 +29,7 @@ import hf_sandbox_training  # noqa: E402
 import hf_sandbox_provider as hsp  # noqa: E402
 from hf_jobs_emulator import JobsEmulator, echo_server_command  # noqa: E402
 from hf_sandbox_provider import (EnvSession, HFSandboxProvider, InsecureURLError, JobFailedError,  # noqa: E402
-                                 JobsAPIError, SandboxConfigError, SandboxError, SessionError)
+                                 JobStartTimeout, JobsAPIError, SandboxConfigError, SandboxError, SessionError)
 from proxy import AuthProxy  # noqa: E402
 import support  # noqa: E402
 from support import wait_until  # noqa: E402
@@ -609,6 +609,24 @@ def test_a_host_that_dies_before_the_server_answers_fails_readiness_with_the_hos
     with pytest.raises(JobFailedError) as failed:
         p.wait_for_ready(timeout_s=30)
     assert failed.value.stage == "ERROR" and failed.value.job_id == p._pooled.host_id
+    p.stop_container()
+
+
+@pytest.mark.slow  # waits out a health probe's and a host check's timeouts
+def test_a_readiness_wait_on_a_host_that_stalls_its_answers_ends_near_its_budget(pool_env, proxy):
+    # The host check asked huggingface_hub's processes(), whose 60 s timeout outlasted a 3 s budget by a minute.
+    emu = pool_env(network_faults=True)
+    p = provider(emu, proxy, pool="stalls", command=[sys.executable, "-c", "import time; time.sleep(120)"])
+    p.start_container()
+    # The first /health probe and the first host check stall; the failed start's kill, the third answer, does
+    # not (huggingface_hub's kill waits 60 s for a stalled host: docs/pool.md).
+    emu.stall_next_responses(p._pooled.host_id, count=2, seconds=110)
+    began = time.monotonic()
+    with pytest.raises(JobStartTimeout):
+        p.wait_for_ready(timeout_s=3)
+    took = time.monotonic() - began
+    assert took < 3 + 10 + 10 + 10, took  # the budget, a /health probe's and a host check's timeouts, slack
+    assert emu.sandbox_hosts.host(p._pooled.host_id).sandbox_ids == []  # the failed start's teardown killed it
     p.stop_container()
 
 
