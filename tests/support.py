@@ -683,6 +683,36 @@ def wait_until(predicate: Callable[[], object], what: str, timeout_s: float = 60
         time.sleep(0.02)
 
 
+def stop_process(pid: int, group: bool = False) -> None:
+    """SIGSTOP process `pid` (or its process group) and wait until every thread of it is stopped. The signal
+    stops a thread only once the kernel next schedules it: until then a thread blocked in accept() can still
+    take a connection that has just arrived (it checks the queue before the signal), and the test's "frozen"
+    process then holds it unanswered (seen under load: a 30 s upgrade timeout)."""
+    if group:
+        os.killpg(pid, signal.SIGSTOP)
+    else:
+        os.kill(pid, signal.SIGSTOP)
+
+    def states() -> List[str]:
+        pids = [pid] if not group else [int(p) for p in os.listdir("/proc") if p.isdigit() and _pgid(int(p)) == pid]
+        found = []
+        for each in pids:
+            for task in glob.glob("/proc/%d/task/*/stat" % each):
+                with contextlib.suppress(OSError):
+                    with open(task) as stat:
+                        found.append(stat.read().rsplit(")", 1)[1].split()[0])
+        return found
+
+    wait_until(lambda: all(state in "tTZX" for state in states()), "process %d to stop" % pid, 10)
+
+
+def _pgid(pid: int) -> Optional[int]:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
 def python_of(version: Tuple[int, int]) -> Optional[str]:
     """An interpreter of Python `version` (e.g. (3, 9)) when this machine has one (the PATH or pyenv), else None."""
     name = "python%d.%d" % version

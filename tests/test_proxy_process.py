@@ -368,7 +368,7 @@ def test_calls_in_flight_when_the_child_dies_are_answered_by_its_replacement(ups
     with AuthProxy.spawn() as spawned:
         base = spawned.mount(ups["plain"].url, TOKEN)
         old = spawned.pid
-        os.kill(old, signal.SIGSTOP)  # stalled (e.g. memory pressure), then killed: the calls are in flight
+        support.stop_process(old)  # stalled (e.g. memory pressure), then killed: the calls are in flight
         mounting, mounted = support.in_thread(lambda: spawned.mount(ups["plain"].url, TOKEN))
         unmounting, unmounted = support.in_thread(lambda: spawned.unmount(base))
         time.sleep(0.5)
@@ -546,7 +546,7 @@ def test_a_wedged_child_fails_a_big_request_after_the_control_timeout_and_stop_s
     monkeypatch.setattr(proxy_host, "CONTROL_ANSWER_S", 2.0)
     spawned = AuthProxy.spawn()
     pid = spawned.pid
-    os.kill(pid, signal.SIGSTOP)  # wedged: it reads nothing more from the channel
+    support.stop_process(pid)  # wedged: it reads nothing more from the channel
     try:
         with pytest.raises(RuntimeError, match="did not take mount within 2 s"):  # a send that once blocked forever
             spawned.mount(ups["plain"].url, TOKEN, headers={"X-Big": "x" * (4 * 1024 * 1024)})
