@@ -1969,10 +1969,7 @@ class _Zygote:
                 self._pending.pop(request_id, None)
             reason = (waiter[1] or {}).get("error") if isinstance(waiter[1], dict) else None
             raise _ZygoteUnavailable(reason or f"no answer from the zygote within {ZYGOTE_SPAWN_TIMEOUT_S}s")
-        pid = waiter[1]["pid"]
-        with self._lock:
-            child = self._children.get(pid)
-        assert child is not None
+        child = waiter[1]["child"]
         child.stdout = os.fdopen(read_fd, "rb")
         child.args = echo_server_command() + list(args)
         return child
@@ -2016,8 +2013,8 @@ class _Zygote:
                         child._set_exited(int(message["code"]))
                     continue
                 waiter = self._pending.pop(message.get("id"), None)
-                if "pid" in message:
-                    self._children[message["pid"]] = _ZygoteChild(message["pid"], None, [])
+                if "pid" in message:  # (handed to spawn() itself: its exit report may pop it from _children first)
+                    message["child"] = self._children[message["pid"]] = _ZygoteChild(message["pid"], None, [])
             if waiter is None and "pid" in message:  # its spawn() gave up waiting: no job owns it
                 try:
                     os.killpg(message["pid"], signal.SIGKILL)  # the zygote reaps it and reports the exit

@@ -84,6 +84,16 @@ def test_canceling_a_zygote_job_ends_its_process_and_leaves_the_others_running(e
     assert health(emu, second) == 200
 
 
+def test_zygote_jobs_that_exit_at_once_report_their_exit_codes_however_the_answers_interleave(emu):
+    # spawn() looked its child up after the zygote's answer woke it; a child that had exited meanwhile was gone
+    # from the table (its exit report pops it), and the job failed with the emulator's AssertionError (seen under
+    # load). Many at once make the zygote's answers and exit reports interleave.
+    jobs = [create(emu, command=hf_jobs_emulator.echo_server_command() + ["--port", "not-a-port"])
+            for _ in range(40)]
+    ended = [emu.wait_for_stage(job_id, ["ERROR", "COMPLETED"], TIMEOUT) for job_id in jobs]
+    assert [(job.stage, job.exit_code) for job in ended] == [("ERROR", 2)] * len(jobs), [job.message for job in ended]
+
+
 def test_a_zygote_job_that_exits_reports_its_exit_code_from_the_zygote(emu):
     # A bad argument makes the echo server exit 2 at once: the stage must come from the real exit code.
     job_id = create(emu, command=hf_jobs_emulator.echo_server_command() + ["--port", "not-a-port"])
