@@ -636,6 +636,8 @@ class JobsEmulator:
         with self._lock:
             del self._jobs[job_id]
             self._changed.notify_all()
+        for gate in job._gates:  # (kept up by ended_url_status; stop() stops only the gates of listed jobs)
+            _stop_quietly(gate)
         log.info("job %s forgotten: the API answers 404 for it", job_id)
 
     def inject_server_errors(self, calls: int, status: int = DEFAULT_SERVER_ERROR_STATUS,

@@ -83,13 +83,13 @@ EXIT_KILL_BUDGET_S = 15.0
 # teardown runs both at once) before it kills the sandbox anyway: a cancel is one Jobs API call. A close still
 # waiting for creates in flight cancels later, and those kills let an uncancelled host idle out.
 HOST_CLOSE_WAIT_S = 1.0
-# A sandbox create the host answers 429 or 5xx (busy, restarting) is retried this many times, with the
-# Jobs client's backoff; huggingface_hub itself does not retry it.
+# A sandbox create the host answers 429 or 5xx (busy, restarting), or one of HOST_GONE_STATUSES while the host's
+# job still runs, is retried this many times, with the Jobs client's backoff; huggingface_hub does not retry it.
 CREATE_RETRIES = 4
 CREATE_RETRY_STATUSES = frozenset([429, 500, 502, 503, 504])
 # A create that fails with no answer (refused, reset, timed out) or one of these, which a front serving many
-# jobs' names may give for one that has ended (what the Hub's gives is not known), asks the host job's stage
-# once: huggingface_hub keeps placing sandboxes on a host it booted until the pool closes, so an ended host
+# jobs' names may give for one that has ended (what the Hub's gives is not known), asks the pool's host jobs'
+# stages: huggingface_hub keeps placing sandboxes on a host it booted until the pool closes, so an ended host
 # is forgotten and the sandbox placed again.
 HOST_GONE_STATUSES = frozenset([404, 410, 502, 503, 504])
 # While a host job this process started boots, huggingface_hub checks its stage every 2 s: one inspect per
@@ -340,7 +340,7 @@ class PooledSandbox:
                 if (not isinstance(pool, _pool_class()) and (status is None or status in HOST_GONE_STATUSES)
                         and attempt < CREATE_RETRIES and self._drop_dead_hosts(pool)):
                     continue  # (a caller's own SandboxPool; ours forgets a dead host in _create_one)
-                if status in CREATE_RETRY_STATUSES and attempt < CREATE_RETRIES:
+                if (status in CREATE_RETRY_STATUSES or status in HOST_GONE_STATUSES) and attempt < CREATE_RETRIES:
                     delay = _core._retry_delay(attempt, None)
                     logger.info("pool %s: sandbox create answered %s; retrying in %.1fs", pool.name, status, delay)
                     if owner._stop_requested.wait(delay):
@@ -479,8 +479,13 @@ def _release_sandbox(sandbox: Any, proxy: Any, base_url: Optional[str], client: 
 def _processes(sandbox: Any) -> List[Dict[str, Any]]:
     """What huggingface_hub's `Sandbox.processes()` asks (`GET /processes`, one dict per process: `id`, `running`,
     `exit_code`...), within SERVER_CHECK_TIMEOUT_S; its request helper takes the timeout its public call does not."""
-    payload = sandbox._request("GET", "/processes", timeout=SERVER_CHECK_TIMEOUT_S).json()
-    return [p for p in payload if isinstance(p, dict)] if isinstance(payload, list) else []
+    request = getattr(sandbox, "_request", None)
+    if request is None:  # a huggingface_hub without it: its own call, and its own 60 s
+        return [{"id": p.id, "running": p.running, "exit_code": p.exit_code} for p in sandbox.processes()]
+    payload = request("GET", "/processes", timeout=SERVER_CHECK_TIMEOUT_S).json()
+    if not isinstance(payload, list) or not all(isinstance(p, dict) and "running" in p for p in payload):
+        raise ValueError("the host's process list is not a list of processes")  # as processes() would fail
+    return payload
 
 
 def _released_if_gone(sandbox: Any) -> bool:
@@ -953,6 +958,9 @@ def _pool_class() -> Any:
             self._cache_stale = self._cache_closed = False
             self._cache_writer: Optional[threading.Thread] = None
             self._provisioning = threading.local()  # the boot (_HostBoots) the current thread's _provision_hosts runs
+            self._stages_lock = threading.Lock()  # see _ended
+            self._stages_asked_at = float("-inf")
+            self._stages_client: Optional[_core._JobsClient] = None
             if made is not None:
                 made.append(self)
             super().__init__(*args, **kwargs)
@@ -999,7 +1007,11 @@ def _pool_class() -> Any:
             with self._cache_lock:
                 self._cache_closed = True
             self.flush_cache()
-            super().close()
+            try:
+                super().close()
+            finally:
+                if self._stages_client is not None:
+                    self._stages_client.close()
 
         def flush_cache(self) -> None:
             """Wait (at most CACHE_FLUSH_S) for the background writer's last write."""
@@ -1043,34 +1055,41 @@ def _pool_class() -> Any:
         def _create_one(self, host: Any, env: Any, idle_secs: Any) -> Any:
             """huggingface_hub's, but a host that fails the create as an ended one would (HOST_GONE_STATUSES) and
             whose job has ended is forgotten: None, so huggingface_hub places the sandbox again, as it does for
-            a cached host that is gone."""
+            a cached host that is gone (not while the pool closes: a new host would only be cancelled)."""
+            failed_at = time.monotonic()
             try:
                 return super()._create_one(host, env, idle_secs)
             except Exception as exc:
                 status = getattr(exc, "status_code", None)
-                if status is not None and status not in HOST_GONE_STATUSES:
+                if (status is not None and status not in HOST_GONE_STATUSES) or self._closed or not self._ended(
+                        host, failed_at):
                     raise
-                stage = self._ended_stage(host)
-                if stage is None:
-                    raise
-            logger.warning("pool %s: host job %s has ended (%s); placing the sandbox on another host or a new one",
-                           self.name, host.job_id, stage)
-            self._drop_host(host)
             return None
 
-        def _ended_stage(self, host: Any) -> Optional[str]:
-            """The host job's terminal stage (DELETED for a job the Hub no longer knows), asked once; None if it
-            runs or the question failed."""
-            try:
-                stage = self._api.inspect_job(job_id=host.job_id, namespace=host.owner).status.stage
-            except JobNotFoundError:
-                return "DELETED"
-            except Exception as exc:
-                logger.debug("pool %s: could not ask host job %s's stage (%s)", self.name, host.job_id,
-                             type(exc).__name__)
-                return None
-            stage = str(getattr(stage, "value", stage))
-            return stage if stage in _core.TERMINAL_STAGES else None
+        def _ended(self, host: Any, failed_at: float) -> bool:
+            """Whether `host` was found ended since `failed_at`. One question at a time for the pool: it asks every
+            host's stage (hosts may die together) and drops the ended ones, each with one WARNING; a create that
+            failed before it began takes its answers instead of asking again."""
+            with self._stages_lock:
+                if self._stages_asked_at < failed_at:
+                    self._stages_asked_at = time.monotonic()
+                    with self._lock:
+                        hosts = list(self._hosts)
+                    for each in hosts:
+                        stage = _host_job_stage(self._stage_client(), each.owner, each.job_id)
+                        if stage in _core.TERMINAL_STAGES or stage == _HOST_GONE:
+                            logger.warning("pool %s: host job %s has ended (%s); placing sandboxes on the other "
+                                           "hosts or a new one", self.name, each.job_id, stage)
+                            self._drop_host(each)
+                with self._lock:
+                    return host.job_id in self._dead_host_ids
+
+        def _stage_client(self) -> "_core._JobsClient":
+            """The Jobs client of those questions (the provider's kind: the token's API budget, its timeouts)."""
+            if self._stages_client is None:
+                self._stages_client = _core._JobsClient(self._api.endpoint, self._api.token or "",
+                                                        self.__dict__["_new_session"]())
+            return self._stages_client
 
         def _provision_hosts(self, num_new: int, **kwargs: Any) -> Any:
             """huggingface_hub's parallel boot, its host jobs recorded: if this thread is interrupted (Ctrl-C)

@@ -598,6 +598,32 @@ def test_a_start_after_the_pools_host_died_lands_on_a_new_host_whatever_the_dead
     p.stop_container()
 
 
+@pytest.mark.slow  # boots four host jobs
+def test_starts_made_at_once_after_two_hosts_died_land_on_new_hosts_and_each_death_is_reported_once(
+        pool_env, proxy, caplog):
+    emu = pool_env(sandbox_capacity=2, ended_url_status=502)
+    providers = [provider(emu, proxy, pool="two-die") for _ in range(3)]
+    for p in providers:
+        p.wait_for_ready(p.start_container())
+    dead = sorted({p._pooled.host_id for p in providers})
+    assert len(dead) == 2
+    for host_id in dead:
+        emu.kill_job(host_id)
+        emu.wait_for_stage(host_id, ["ERROR"])
+    for p in providers:
+        p.stop_container()
+    caplog.clear()
+    starts = [support.in_thread(lambda p=p: p.wait_for_ready(p.start_container())) for p in providers]
+    for thread, outcome in starts:
+        thread.join(TIMEOUT)
+        assert outcome == [None], outcome
+    assert not {p._pooled.host_id for p in providers} & set(dead)
+    for host_id in dead:  # one question at a time for the pool: the creates that failed meanwhile take its answer
+        assert caplog.text.count("host job %s has ended" % host_id) == 1, caplog.text
+    for p in providers:
+        p.stop_container()
+
+
 @pytest.mark.parametrize("ended_url_status", [None, 404, 502])
 def test_a_host_that_dies_before_the_server_answers_fails_readiness_with_the_hosts_stage(
         pool_env, proxy, ended_url_status):
