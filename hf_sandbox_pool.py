@@ -959,7 +959,8 @@ def _pool_class() -> Any:
             self._cache_writer: Optional[threading.Thread] = None
             self._provisioning = threading.local()  # the boot (_HostBoots) the current thread's _provision_hosts runs
             self._stages_lock = threading.Lock()  # see _ended
-            self._stages_asked_at = float("-inf")
+            self._asked_at: Dict[str, float] = {}  # host job id -> when _ended last asked its stage
+            self._ended_ids: "set[str]" = set()  # host jobs _ended found ended (and dropped)
             self._stages_client: Optional[_core._JobsClient] = None
             if made is not None:
                 made.append(self)
@@ -1056,33 +1057,39 @@ def _pool_class() -> Any:
             """huggingface_hub's, but a host that fails the create as an ended one would (HOST_GONE_STATUSES) and
             whose job has ended is forgotten: None, so huggingface_hub places the sandbox again, as it does for
             a cached host that is gone (not while the pool closes: a new host would only be cancelled)."""
-            failed_at = time.monotonic()
             try:
                 return super()._create_one(host, env, idle_secs)
             except Exception as exc:
                 status = getattr(exc, "status_code", None)
                 if (status is not None and status not in HOST_GONE_STATUSES) or self._closed or not self._ended(
-                        host, failed_at):
+                        host, time.monotonic()):
                     raise
             return None
 
         def _ended(self, host: Any, failed_at: float) -> bool:
-            """Whether `host` was found ended since `failed_at`. One question at a time for the pool: it asks every
-            host's stage (hosts may die together) and drops the ended ones, each with one WARNING; a create that
-            failed before it began takes its answers instead of asking again."""
+            """Whether `host` was found ended since `failed_at`. One question at a time for the pool: the host's
+            stage, unless asked since (a create that failed meanwhile takes that answer), and once it has ended
+            every other host's (hosts may die together); each ended host is dropped with one WARNING."""
             with self._stages_lock:
-                if self._stages_asked_at < failed_at:
-                    self._stages_asked_at = time.monotonic()
+                if (host.job_id not in self._ended_ids and self._asked_at.get(host.job_id, float("-inf")) < failed_at
+                        and self._ask_stage(host)):
                     with self._lock:
-                        hosts = list(self._hosts)
-                    for each in hosts:
-                        stage = _host_job_stage(self._stage_client(), each.owner, each.job_id)
-                        if stage in _core.TERMINAL_STAGES or stage == _HOST_GONE:
-                            logger.warning("pool %s: host job %s has ended (%s); placing sandboxes on the other "
-                                           "hosts or a new one", self.name, each.job_id, stage)
-                            self._drop_host(each)
-                with self._lock:
-                    return host.job_id in self._dead_host_ids
+                        others = [each for each in self._hosts if each is not host]
+                    for each in others:
+                        self._ask_stage(each)
+                return host.job_id in self._ended_ids
+
+        def _ask_stage(self, host: Any) -> bool:
+            """Ask the host job's stage (under _stages_lock); drop the host if it has ended, and say so."""
+            self._asked_at[host.job_id] = time.monotonic()
+            stage = _host_job_stage(self._stage_client(), host.owner, host.job_id)
+            if stage not in _core.TERMINAL_STAGES and stage != _HOST_GONE:
+                return False
+            logger.warning("pool %s: host job %s has ended (%s); placing sandboxes on the other hosts or a new one",
+                           self.name, host.job_id, stage)
+            self._ended_ids.add(host.job_id)
+            self._drop_host(host)
+            return True
 
         def _stage_client(self) -> "_core._JobsClient":
             """The Jobs client of those questions (the provider's kind: the token's API budget, its timeouts)."""
