@@ -350,6 +350,24 @@ def test_a_callers_own_sandbox_pool_is_used_as_given_and_its_host_is_never_cance
     assert emu.wait_for_stage(host_id, ["CANCELED"]).stage == "CANCELED"  # the caller's close did it
 
 
+@pytest.mark.parametrize("ended_url_status", [None, 502])
+def test_a_callers_own_sandbox_pool_whose_host_died_places_the_next_start_on_a_new_host(
+        pool_env, proxy, monkeypatch, caplog, ended_url_status):
+    emu = pool_env(ended_url_status=ended_url_status)
+    monkeypatch.setattr(hub.constants, "ENDPOINT", emu.endpoint)  # the caller's pool uses huggingface_hub's
+    with hub.SandboxPool(IMAGE, token=emu.token, namespace=emu.namespace, start_timeout=TIMEOUT) as pool:
+        with provider(emu, proxy, pool=pool) as p:
+            p.wait_for_ready(p.start_container())
+            dead = p._pooled.host_id
+            emu.kill_job(dead)
+            emu.wait_for_stage(dead, ["ERROR"])
+            p.stop_container()
+            p.wait_for_ready(p.start_container())
+            assert p._pooled.host_id != dead and pool.host_ids == [p._pooled.host_id]
+            assert "host job(s) %s (ERROR) ended" % dead in caplog.text
+            p.stop_container()
+
+
 def test_a_start_container_override_places_one_start_in_a_pool(pool_env, proxy):
     emu = pool_env()
     with provider(emu, proxy, pool=None) as p:
