@@ -80,6 +80,9 @@ SESSION_REFUSAL_BODY_CHARS = 300
 # others are about the proxy (proxy-busy, proxy-stopping), the request, a token callable, TLS settings or a
 # slow job (upstream-timeout): replacing a job for those would cancel a healthy one, or loop on a bad setting.
 JOB_GONE_PROXY_ERRORS = frozenset(["upstream-unreachable", "unknown-route", "no-live-replica", "replica-unavailable"])
+# Upstream answers to an upgrade that a front serving many jobs' names may give for one that has ended (what the
+# Hub's gives is not known): with /health no 200 either, the job is gone (it answered 200 to become ready).
+JOB_GONE_STATUSES = frozenset([404, 410])
 # A slot's reset refused with `proxy-busy` tries again after this long (the proxy's Retry-After).
 PROXY_BUSY_RETRY_S = 1.0
 # A slot's reset refused a connection by a proxy="process" child being replaced waits this long at most
@@ -1153,6 +1156,9 @@ class _SlotSession(EnvSession):
                         slot.report_dead(job, "the proxy refused a session: %s" % exc.proxy_error)
                     elif exc.proxy_error == "proxy-busy":  # the proxy sheds load, the job is fine: try again
                         time.sleep(PROXY_BUSY_RETRY_S)
+                    elif (exc.proxy_error is None and exc.status_code in JOB_GONE_STATUSES
+                          and not _answers_health(job.base_url or "")):
+                        slot.report_dead(job, "the upgrade got HTTP %d and /health no 200" % exc.status_code)
                     elif exc.status_code < 500 or (exc.proxy_error not in (None, "upstream-timeout") and not (
                             exc.proxy_error == "proxy-stopping" and _own_proxy_runs(job.base_url or ""))):
                         raise  # not the job's death (a setting, the proxy, the request): the caller's to see

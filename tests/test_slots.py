@@ -151,6 +151,28 @@ def test_a_job_killed_mid_episode_costs_that_episode_only_and_the_next_reset_run
     all_ended(emu)
 
 
+@pytest.mark.slow  # the replacement waits for a slow watcher's refresh (10 s)
+@pytest.mark.parametrize("ended_url_status", [404, 410, 502])
+def test_a_reset_whose_upgrade_meets_the_front_of_a_job_that_died_runs_on_a_replacement(
+        make_emu, ended_url_status) -> None:
+    # A front serving many jobs' names may answer an ended job's URL with 404 (what the Hub's does is not known).
+    # A slot took an upgrade answered 404 for the environment's own refusal and raised it to the trainer, before
+    # its watcher (here slow: poll_interval_s=10) had seen the job end.
+    emu = make_emu(scheduling_delay_s=COLD_START_S, ended_url_status=ended_url_status)
+    box = Sandbox("img:tag", endpoint=emu.endpoint, token=emu.token, command=echo_server_command(),
+                  poll_interval_s=10, job_timeout=JOB_TIMEOUT_S * 6)
+    with box.session() as session:
+        session.reset()
+        victim = box.job_ids[0]
+        emu.kill_job(victim)
+        emu.wait_for_stage(victim, ["ERROR"])
+        session.reset()  # its kept connection was cut: the new upgrade meets the front's answer
+        assert session.step({"message": "after"})["observation"]["echoed_message"] == "after"
+        assert box.job_ids != [victim]
+    stop_sandboxes()
+    all_ended(emu)
+
+
 def test_a_job_that_dies_between_episodes_is_replaced_in_the_background_before_any_reset(emu) -> None:
     box = Sandbox("img:tag", **emu.settings)
     box.wait()
