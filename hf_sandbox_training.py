@@ -1156,6 +1156,14 @@ class _SlotSession(EnvSession):
                         slot.report_dead(job, "the proxy refused a session: %s" % exc.proxy_error)
                     elif exc.proxy_error == "proxy-busy":  # the proxy sheds load, the job is fine: try again
                         time.sleep(PROXY_BUSY_RETRY_S)
+                    elif exc.proxy_error is None and exc.status_code in JOB_GONE_STATUSES and job.provider.replicas > 1:
+                        ended = [stage in _core.TERMINAL_STAGES for stage in _replica_stages(job)]
+                        if not any(ended):
+                            raise  # every job runs (or the Jobs API could not say): the environment's own answer
+                        if all(ended):
+                            slot.report_dead(job, "the upgrade got HTTP %d and every job of the group ended"
+                                             % exc.status_code)
+                        # (else the jobs that ended have left the route: try again on the others)
                     elif (exc.proxy_error is None and exc.status_code in JOB_GONE_STATUSES
                           and not _answers_health(job.base_url or "")):
                         slot.report_dead(job, "the upgrade got HTTP %d and /health no 200" % exc.status_code)
@@ -1434,6 +1442,15 @@ def _canonical(value: Any) -> Any:
     if isinstance(value, (set, frozenset)):
         return ("set", tuple(sorted((_canonical(item) for item in value), key=repr)))
     return repr(value)
+
+
+def _replica_stages(start: _BackgroundStart) -> List[Optional[str]]:
+    """The stage of each job of a group of replicas, asked of the Jobs API (one call each); the provider takes
+    a job that ended out of the route. [] when that cannot be asked (stopped or replaced meanwhile)."""
+    try:
+        return [entry["stage"] for entry in start.provider.replica_status(refresh=True)]
+    except Exception:
+        return []
 
 
 def _group_serves(start: Optional[_BackgroundStart]) -> bool:

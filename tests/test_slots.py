@@ -417,6 +417,31 @@ def test_a_shared_group_that_loses_one_job_is_renewed_as_a_whole_while_the_other
     all_ended(emu)
 
 
+@pytest.mark.slow  # a group of two jobs, a slow watcher
+def test_a_reset_meeting_a_dead_replicas_404_front_runs_on_the_live_replica_and_keeps_the_group(make_emu) -> None:
+    # The proxy keeps a replica answering 404 in rotation (its own server may 404 a path), and picks it first
+    # (no open session). A reset's upgrade met it; the slot's /health probe met it too, and the whole group was
+    # reported dead: the live job was cancelled and every reset waited for a new group's cold start.
+    emu = make_emu(scheduling_delay_s=COLD_START_S, ended_url_status=404)
+    boxes = [Sandbox("img:tag", shared="front-404", replicas=2, endpoint=emu.endpoint, token=emu.token,
+                     command=echo_server_command(), poll_interval_s=10, job_timeout=3600) for _ in range(2)]
+    sessions = [box.session() for box in boxes]
+    for session in sessions:
+        session.reset()  # one on each job (fewest open sessions first)
+    dead, live = boxes[0].job_ids
+    emu.kill_job(dead)
+    emu.wait_for_stage(dead, ["ERROR"])
+    for index in range(3):
+        for session in sessions:  # the one cut reconnects: the dead job, with no session open, is picked first
+            session.reset()
+            assert session.step({"message": "on %d" % index})["observation"]["echoed_message"] == "on %d" % index
+    assert live in boxes[0].job_ids and emu.job(live).stage == "RUNNING"
+    for session in sessions:
+        session.close()
+    stop_sandboxes()
+    all_ended(emu)
+
+
 class Interrupted(BaseException):
     """What a Ctrl-C is to the library: a BaseException raised in the main thread while it waits."""
 
