@@ -413,7 +413,7 @@ class PooledSandbox:
                                        or "the sandbox's host job ended", tail)
         if getattr(error, "status_code", None) == 404:
             raise _core.JobFailedError(owner.job_id or "", "DELETED", "the sandbox no longer exists on host %s "
-                                       "(evicted or killed)" % host_id)
+                                       "(evicted or killed, or its host job is ending)" % host_id)
 
 
 class _SandboxHeaders:
