@@ -939,7 +939,7 @@ class _ReplicaSet:
     def _check(self, index: int, child: HFSandboxProvider, proxy: Optional["_proxy.AuthProxy"],
                base_url: Optional[str]) -> None:
         """Inspect a replica's job; one that has ended leaves the route for good, with a WARNING."""
-        if (client := child._job_client) is None or child.job_id is None or child.stage in TERMINAL_STAGES:
+        if (client := child._job_client) is None or child.job_id is None or index in self.removed:
             return
         try:
             job = client.get_job(child._job_namespace or "", child.job_id, retries=0)
@@ -950,14 +950,13 @@ class _ReplicaSet:
         if stage not in TERMINAL_STAGES or proxy is None or base_url is None:
             return
         message = (job.get("status") or {}).get("message") or "(no message from the Jobs API)"
-        self.removed[index] = "job %s: %s" % (stage, message)
-        removed = False
-        with contextlib.suppress(ValueError):  # the route was unmounted meanwhile
+        with contextlib.suppress(ValueError, RuntimeError):  # unmounted meanwhile, or a proxy child being replaced
             removed = proxy.remove_replica(base_url, child.upstream_url or "")
-        if removed:
-            logger.warning("replica %d (HF job %s) ended with stage %s (%s): taken out of rotation; %d replicas "
-                           "remain on the route", index, child.job_id, stage, message,
-                           len(self._route_entries(proxy, base_url)))
+            self.removed[index] = "job %s: %s" % (stage, message)  # (not after a failure: the next check tries again)
+            if removed:
+                logger.warning("replica %d (HF job %s) ended with stage %s (%s): taken out of rotation; %d replicas "
+                               "remain on the route", index, child.job_id, stage, message,
+                               len(self._route_entries(proxy, base_url)))
 
     def _parallel(self, action: Callable[[int, HFSandboxProvider], None]) -> "_Parallel":
         """All K replicas at once, all or nothing, given up when the owner is stopped."""

@@ -553,7 +553,7 @@ _background_lock = threading.Lock()
 _background_starts: "set[_BackgroundStart]" = set()  # starts still in flight
 # Slots' cancels of jobs they are done with (renewed, retired), in flight: every teardown waits for them, as
 # a daemon thread dies at exit with its cancel unsent (the job's safety net is retired when its cancel begins).
-_slot_cancels: "set[threading.Thread]" = set()
+_slot_cancels: "set[threading.Event]" = set()
 _background_slots = threading.BoundedSemaphore(BACKGROUND_MAX_PARALLEL)
 
 
@@ -579,6 +579,8 @@ class _BackgroundStart:
         self.sessions: "weakref.WeakSet[_SlotSession]" = weakref.WeakSet()  # connected to it
         self.dead: Optional[str] = None  # why the job is gone (seen ended, refused by the proxy)
         self.renew_now: Optional[str] = None  # why to renew it before its time (a replica ended)
+        self.stages_lock = threading.Lock()  # (replicas) one Jobs API refresh of the group at a time
+        self.stages: Tuple[float, List[Optional[str]]] = (float("-inf"), [])  # its last: when, each job's stage
         self.watches: List[Any] = []  # the core's job watcher's registrations for its job(s)
         self.why = "first start"  # for the log: why this job was started
         self.replaces: List[str] = []  # for the log: the job(s) it takes over from
@@ -712,7 +714,7 @@ class _Slot:
         self.failed: Optional[_BackgroundStart] = None
         self.retry_at = 0.0
         self._retry_s = RENEW_RETRY_FIRST_S
-        self._cancels: "set[threading.Thread]" = set()  # this slot's cancels in flight (also in _slot_cancels)
+        self._cancels: "set[threading.Event]" = set()  # its cancels in flight, set when done (also in _slot_cancels)
         self.last_start_s = 0.0  # how long this slot's last start took (create to ready)
         self._warned_short = False
 
@@ -771,13 +773,13 @@ class _Slot:
 
     def release(self, start: _BackgroundStart) -> None:
         """An episode on `start` ended: a job the slot has moved on from goes once none uses it."""
+        cancel = None
         with self._lock:
             start.users -= 1
-            done_with = start is self.retiring and start.users <= 0
-            if done_with:
-                self.retiring = None
-        if done_with:
-            self._cancel(start, "no episode uses it any more")
+            if start is self.retiring and start.users <= 0:
+                self.retiring, cancel = None, self._cancel_thread(start, "no episode uses it any more")
+        if cancel is not None:
+            self._start_cancel(cancel)
 
     def report_dead(self, start: _BackgroundStart, why: str) -> None:
         """`start`'s job is gone: its sessions lose their episode, and a current job is replaced at
@@ -789,10 +791,10 @@ class _Slot:
             start.dead = why
             sessions = list(start.sessions)
             if start is self.retiring:
-                self.retiring, cancel = None, start
+                self.retiring, cancel = None, self._cancel_thread(start, "it ended")
             elif start is self.current:
                 if self.successor is not None:
-                    cancel = start  # the renewal under way is its replacement
+                    cancel = self._cancel_thread(start, "it ended")  # the renewal under way is its replacement
                 elif self.renew:
                     self._replace_locked(why)
             self._cond.notify_all()
@@ -801,7 +803,7 @@ class _Slot:
         for session in sessions:
             session._job_died(start)
         if cancel is not None:
-            self._cancel(cancel, "it ended")
+            self._start_cancel(cancel)
         _keeper_wake.set()
 
     def replace_if_lost(self) -> None:
@@ -832,7 +834,7 @@ class _Slot:
         with _background_lock:
             cancels = list(self._cancels)  # jobs it was done with: their cancels count as its own
         _in_parallel([lambda start=start: start.stop(wait_s) for start in starts]
-                     + [lambda thread=thread: thread.join(wait_s) for thread in cancels], wait_s)
+                     + [lambda done=done: done.wait(wait_s) for done in cancels], wait_s)
 
     def tend(self, now: float) -> float:
         """The keeper's turn: see the watcher's news, begin a renewal that is due. Returns when the
@@ -896,14 +898,14 @@ class _Slot:
                 else:
                     old, self.current = self.current, start
                     if old is not None and (old.dead is not None or old.users <= 0):
-                        cancel = old
+                        cancel = self._cancel_thread(old, "its successor serves" if old.dead is None else "it ended")
                     elif old is not None:
                         self.retiring = old
                     logger.info("slot %s: job %s -> job %s (%s)", self.name,
                                 ", ".join(start.replaces) or "?", _ids(start), start.why)
             self._cond.notify_all()
         if cancel is not None:
-            self._cancel(cancel, "its successor serves" if cancel.dead is None else "it ended")
+            self._start_cancel(cancel)
         _keeper_wake.set()
 
     def _failed_locked(self, start: _BackgroundStart) -> None:
@@ -952,29 +954,37 @@ class _Slot:
         elif ended and start.renew_now is None:
             start.renew_now = "replacing the group early: " + ", ".join(ended)
 
-    def _cancel(self, start: _BackgroundStart, why: str) -> None:
-        """Cancel a job the slot is done with, in the background (a cancel is an API call)."""
-        job_ids = _ids(start)
+    def _cancel_thread(self, start: _BackgroundStart, why: str) -> Tuple[threading.Thread, threading.Event]:
+        """The thread that cancels a job the slot is done with (a cancel is an API call), and the event it sets when
+        done, listed at once so that a stop from now on waits for it, even before `_start_cancel`: made under the
+        slot's lock where the job leaves the slot (a stop that ran between the two found it in neither, and
+        returned with the job running)."""
+        job_ids, done = _ids(start), threading.Event()
 
         def cancel() -> None:
             try:
                 start.stop()
                 logger.info("slot %s: job %s cancelled (%s)", self.name, job_ids, why)
             finally:
-                with _background_lock:
-                    _slot_cancels.discard(thread)
-                    self._cancels.discard(thread)
+                self._cancel_done(done)
         thread = threading.Thread(target=cancel, name="hf-sandbox-slot-cancel", daemon=True)
         with _background_lock:
-            _slot_cancels.add(thread)
-            self._cancels.add(thread)
+            _slot_cancels.add(done)
+            self._cancels.add(done)
+        return thread, done
+
+    def _start_cancel(self, cancel: Tuple[threading.Thread, threading.Event]) -> None:
         try:
-            _start_thread(thread)
+            _start_thread(cancel[0])
         except BaseException:
-            with _background_lock:
-                _slot_cancels.discard(thread)
-                self._cancels.discard(thread)
+            self._cancel_done(cancel[1])
             raise
+
+    def _cancel_done(self, done: threading.Event) -> None:
+        with _background_lock:
+            _slot_cancels.discard(done)
+            self._cancels.discard(done)
+        done.set()
 
 
 def _keep_slots() -> None:
@@ -1135,6 +1145,7 @@ class _SlotSession(EnvSession):
         self._lost = None
         error: Optional[BaseException] = None
         deadline = None if self._wait_timeout_s is None else time.monotonic() + self._wait_timeout_s
+        retried_group = False  # (replicas) the reset tried again once after a 404 from a job that had ended
         for _ in range(SLOT_RESET_ATTEMPTS):  # wait_timeout_s bounds the reset's waits together, not each
             job = slot.serving(None if deadline is None else max(0.0, deadline - time.monotonic()), hold=True,
                                closed=lambda: self._closed)
@@ -1157,13 +1168,14 @@ class _SlotSession(EnvSession):
                     elif exc.proxy_error == "proxy-busy":  # the proxy sheds load, the job is fine: try again
                         time.sleep(PROXY_BUSY_RETRY_S)
                     elif exc.proxy_error is None and exc.status_code in JOB_GONE_STATUSES and job.provider.replicas > 1:
-                        ended = [stage in _core.TERMINAL_STAGES for stage in _replica_stages(job)]
-                        if not any(ended):
+                        ended = [stage in _core.TERMINAL_STAGES
+                                 for stage in _replica_stages(job, time.monotonic())]
+                        if not any(ended) or (retried_group and not all(ended)):
                             raise  # every job runs (or the Jobs API could not say): the environment's own answer
                         if all(ended):
                             slot.report_dead(job, "the upgrade got HTTP %d and every job of the group ended"
                                              % exc.status_code)
-                        # (else the jobs that ended have left the route: try again on the others)
+                        retried_group = True  # (once: the jobs that ended have left the route, try the others)
                     elif (exc.proxy_error is None and exc.status_code in JOB_GONE_STATUSES
                           and not _answers_health(job.base_url or "")):
                         slot.report_dead(job, "the upgrade got HTTP %d and /health no 200" % exc.status_code)
@@ -1444,13 +1456,19 @@ def _canonical(value: Any) -> Any:
     return repr(value)
 
 
-def _replica_stages(start: _BackgroundStart) -> List[Optional[str]]:
-    """The stage of each job of a group of replicas, asked of the Jobs API (one call each); the provider takes
-    a job that ended out of the route. [] when that cannot be asked (stopped or replaced meanwhile)."""
-    try:
-        return [entry["stage"] for entry in start.provider.replica_status(refresh=True)]
-    except Exception:
-        return []
+def _replica_stages(start: _BackgroundStart, failed_at: float) -> List[Optional[str]]:
+    """The stage of each job of a group of replicas, asked of the Jobs API (one call each; the provider takes a
+    job that ended out of the route) unless asked since `failed_at`: the sessions that failed meanwhile take that
+    answer. [] when it cannot be asked (stopped or replaced meanwhile)."""
+    with start.stages_lock:
+        if start.stages[0] < failed_at:
+            asked_at = time.monotonic()
+            try:
+                stages = [entry["stage"] for entry in start.provider.replica_status(refresh=True)]
+            except Exception:
+                stages = []
+            start.stages = (asked_at, stages)
+        return start.stages[1]
 
 
 def _group_serves(start: Optional[_BackgroundStart]) -> bool:
@@ -1485,7 +1503,7 @@ def stop_sandboxes() -> None:
     ones (their host jobs this process booted). Never raises. The explicit teardown for trainers that
     never close environments (TRL)."""
     _in_parallel([s.stop for s in _take_slots() + _listed(_background_starts)]
-                 + [p.stop_container for p in _listed(_sandbox_providers)] + [t.join for t in _listed(_slot_cancels)])
+                 + [p.stop_container for p in _listed(_sandbox_providers)] + [d.wait for d in _listed(_slot_cancels)])
     pools = _pool_layer()
     if pools is not None:
         pools.close_pools()
@@ -1560,7 +1578,7 @@ def _stops(wait_s: float) -> List[Callable[[], None]]:
     """Stopping every slot and every start in flight, each waiting up to `wait_s`."""
     stoppable: List[Any] = _take_slots() + _listed(_background_starts)
     return ([lambda s=s: s.stop(wait_s) for s in stoppable]
-            + [lambda t=t: t.join(wait_s) for t in _listed(_slot_cancels)])
+            + [lambda d=d: d.wait(wait_s) for d in _listed(_slot_cancels)])
 
 
 def _reset_sandboxes_after_fork() -> None:
