@@ -774,36 +774,40 @@ class _Slot:
     def release(self, start: _BackgroundStart) -> None:
         """An episode on `start` ended: a job the slot has moved on from goes once none uses it."""
         cancel = None
-        with self._lock:
-            start.users -= 1
-            if start is self.retiring and start.users <= 0:
-                self.retiring, cancel = None, self._cancel_thread(start, "no episode uses it any more")
-        if cancel is not None:
-            self._start_cancel(cancel)
+        try:
+            with self._lock:
+                start.users -= 1
+                if start is self.retiring and start.users <= 0:
+                    self.retiring, cancel = None, self._cancel_thread(start, "no episode uses it any more")
+        finally:  # (a cancel listed is always started, or marked done: a stop waits for it)
+            if cancel is not None:
+                self._start_cancel(cancel)
 
     def report_dead(self, start: _BackgroundStart, why: str) -> None:
         """`start`'s job is gone: its sessions lose their episode, and a current job is replaced at
         once (with renew=False, by the next reset)."""
         cancel = None
-        with self._lock:
-            if start.dead is not None or self.stopped:
-                return
-            start.dead = why
-            sessions = list(start.sessions)
-            if start is self.retiring:
-                self.retiring, cancel = None, self._cancel_thread(start, "it ended")
-            elif start is self.current:
-                if self.successor is not None:
-                    cancel = self._cancel_thread(start, "it ended")  # the renewal under way is its replacement
-                elif self.renew:
-                    self._replace_locked(why)
-            self._cond.notify_all()
-        logger.warning("slot %s: job %s ended (%s)%s", self.name, _ids(start), why,
-                       "; its replacement is starting" if self.renew and cancel is None else "")
-        for session in sessions:
-            session._job_died(start)
-        if cancel is not None:
-            self._start_cancel(cancel)
+        try:
+            with self._lock:
+                if start.dead is not None or self.stopped:
+                    return
+                start.dead = why
+                sessions = list(start.sessions)
+                if start is self.retiring:
+                    self.retiring, cancel = None, self._cancel_thread(start, "it ended")
+                elif start is self.current:
+                    if self.successor is not None:
+                        cancel = self._cancel_thread(start, "it ended")  # the renewal under way is its replacement
+                    elif self.renew:
+                        self._replace_locked(why)
+                self._cond.notify_all()
+            logger.warning("slot %s: job %s ended (%s)%s", self.name, _ids(start), why,
+                           "; its replacement is starting" if self.renew and cancel is None else "")
+            for session in sessions:
+                session._job_died(start)
+        finally:  # (as in release)
+            if cancel is not None:
+                self._start_cancel(cancel)
         _keeper_wake.set()
 
     def replace_if_lost(self) -> None:
@@ -881,31 +885,33 @@ class _Slot:
     def _start_ended(self, start: _BackgroundStart) -> None:
         """A start of this slot ended: a successor takes over, or its failure is kept for retries."""
         cancel = None
-        with self._lock:
-            if start.error is None:
-                self.last_start_s = (start.ready_at or start.began) - start.began
-                lifetime = start.deadline - start.began
-                start.jitter = random.uniform(0.0, RENEW_SPREAD_FRACTION * lifetime)
-            if start.error is None and start in (self.current, self.successor):
-                self.failed, self.retry_at, self._retry_s = None, 0.0, RENEW_RETRY_FIRST_S
-            if start is self.successor:
-                self.successor = None
-                if start.error is not None:
-                    logger.warning("slot %s: starting the job to take over from %s failed (%s); "
-                                   "trying again in %gs", self.name, ", ".join(start.replaces) or "?",
-                                   _core._first_line(start.error), self._retry_s)
-                    self._failed_locked(start)
-                else:
-                    old, self.current = self.current, start
-                    if old is not None and (old.dead is not None or old.users <= 0):
-                        cancel = self._cancel_thread(old, "its successor serves" if old.dead is None else "it ended")
-                    elif old is not None:
-                        self.retiring = old
-                    logger.info("slot %s: job %s -> job %s (%s)", self.name,
-                                ", ".join(start.replaces) or "?", _ids(start), start.why)
-            self._cond.notify_all()
-        if cancel is not None:
-            self._start_cancel(cancel)
+        try:
+            with self._lock:
+                if start.error is None:
+                    self.last_start_s = (start.ready_at or start.began) - start.began
+                    lifetime = start.deadline - start.began
+                    start.jitter = random.uniform(0.0, RENEW_SPREAD_FRACTION * lifetime)
+                if start.error is None and start in (self.current, self.successor):
+                    self.failed, self.retry_at, self._retry_s = None, 0.0, RENEW_RETRY_FIRST_S
+                if start is self.successor:
+                    self.successor = None
+                    if start.error is not None:
+                        logger.warning("slot %s: starting the job to take over from %s failed (%s); "
+                                       "trying again in %gs", self.name, ", ".join(start.replaces) or "?",
+                                       _core._first_line(start.error), self._retry_s)
+                        self._failed_locked(start)
+                    else:
+                        old, self.current = self.current, start
+                        if old is not None and (old.dead is not None or old.users <= 0):
+                            cancel = self._cancel_thread(old, "it ended" if old.dead else "its successor serves")
+                        elif old is not None:
+                            self.retiring = old
+                        logger.info("slot %s: job %s -> job %s (%s)", self.name,
+                                    ", ".join(start.replaces) or "?", _ids(start), start.why)
+                self._cond.notify_all()
+        finally:  # (as in release)
+            if cancel is not None:
+                self._start_cancel(cancel)
         _keeper_wake.set()
 
     def _failed_locked(self, start: _BackgroundStart) -> None:
@@ -1145,7 +1151,7 @@ class _SlotSession(EnvSession):
         self._lost = None
         error: Optional[BaseException] = None
         deadline = None if self._wait_timeout_s is None else time.monotonic() + self._wait_timeout_s
-        retried_group = False  # (replicas) the reset tried again once after a 404 from a job that had ended
+        retried: Optional[_BackgroundStart] = None  # (replicas) the group tried again after a 404: once per group
         for _ in range(SLOT_RESET_ATTEMPTS):  # wait_timeout_s bounds the reset's waits together, not each
             job = slot.serving(None if deadline is None else max(0.0, deadline - time.monotonic()), hold=True,
                                closed=lambda: self._closed)
@@ -1158,7 +1164,7 @@ class _SlotSession(EnvSession):
                     self._drop_connection()
                     raise SessionError(_CLOSED_WHILE_WAITING)
                 # The upgrade waits no longer than a reply would: a frozen job must not cost 30 s a reset.
-                upgrade_s = min(SESSION_CONNECT_TIMEOUT_S, self.timeout_s)
+                upgrade_s, upgrade_began = min(SESSION_CONNECT_TIMEOUT_S, self.timeout_s), time.monotonic()
                 try:
                     self._conn = EnvSession(job.base_url or "", timeout_s=self.timeout_s, connect_timeout_s=upgrade_s)
                 except SessionRefusedError as exc:
@@ -1169,13 +1175,13 @@ class _SlotSession(EnvSession):
                         time.sleep(PROXY_BUSY_RETRY_S)
                     elif exc.proxy_error is None and exc.status_code in JOB_GONE_STATUSES and job.provider.replicas > 1:
                         ended = [stage in _core.TERMINAL_STAGES
-                                 for stage in _replica_stages(job, time.monotonic())]
-                        if not any(ended) or (retried_group and not all(ended)):
+                                 for stage in _replica_stages(job, upgrade_began)]
+                        if not any(ended) or (retried is job and not all(ended)):
                             raise  # every job runs (or the Jobs API could not say): the environment's own answer
                         if all(ended):
                             slot.report_dead(job, "the upgrade got HTTP %d and every job of the group ended"
                                              % exc.status_code)
-                        retried_group = True  # (once: the jobs that ended have left the route, try the others)
+                        retried = job  # (once: the jobs that ended have left the route, try the others)
                     elif (exc.proxy_error is None and exc.status_code in JOB_GONE_STATUSES
                           and not _answers_health(job.base_url or "")):
                         slot.report_dead(job, "the upgrade got HTTP %d and /health no 200" % exc.status_code)
@@ -1456,12 +1462,15 @@ def _canonical(value: Any) -> Any:
     return repr(value)
 
 
-def _replica_stages(start: _BackgroundStart, failed_at: float) -> List[Optional[str]]:
+def _replica_stages(start: _BackgroundStart, since: float) -> List[Optional[str]]:
     """The stage of each job of a group of replicas, asked of the Jobs API (one call each; the provider takes a
-    job that ended out of the route) unless asked since `failed_at`: the sessions that failed meanwhile take that
-    answer. [] when it cannot be asked (stopped or replaced meanwhile)."""
-    with start.stages_lock:
-        if start.stages[0] < failed_at:
+    job that ended out of the route) unless asked since `since` (when the failed upgrade began): the sessions
+    that failed meanwhile take that answer. [] when it cannot be asked (stopped or replaced meanwhile); the last
+    answer when another session's question holds the group past SESSION_CONNECT_TIMEOUT_S."""
+    if not start.stages_lock.acquire(timeout=SESSION_CONNECT_TIMEOUT_S):
+        return start.stages[1]
+    try:
+        if start.stages[0] < since:
             asked_at = time.monotonic()
             try:
                 stages = [entry["stage"] for entry in start.provider.replica_status(refresh=True)]
@@ -1469,6 +1478,8 @@ def _replica_stages(start: _BackgroundStart, failed_at: float) -> List[Optional[
                 stages = []
             start.stages = (asked_at, stages)
         return start.stages[1]
+    finally:
+        start.stages_lock.release()
 
 
 def _group_serves(start: Optional[_BackgroundStart]) -> bool:
@@ -1503,7 +1514,8 @@ def stop_sandboxes() -> None:
     ones (their host jobs this process booted). Never raises. The explicit teardown for trainers that
     never close environments (TRL)."""
     _in_parallel([s.stop for s in _take_slots() + _listed(_background_starts)]
-                 + [p.stop_container for p in _listed(_sandbox_providers)] + [d.wait for d in _listed(_slot_cancels)])
+                 + [p.stop_container for p in _listed(_sandbox_providers)]
+                 + [lambda d=d: d.wait(BACKGROUND_STOP_WAIT_S) for d in _listed(_slot_cancels)])
     pools = _pool_layer()
     if pools is not None:
         pools.close_pools()
