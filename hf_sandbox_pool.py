@@ -358,8 +358,8 @@ class PooledSandbox:
             return False
         dropped = []
         for host in list(hosts):
-            stage = _host_job_stage(client, getattr(host, "owner", None) or owner._job_namespace or "", host.job_id)
-            if stage in _core.TERMINAL_STAGES or stage == _HOST_GONE:
+            stage = _ended_host_stage(client, getattr(host, "owner", None) or owner._job_namespace, host.job_id)
+            if stage is not None:
                 drop(host)
                 dropped.append("%s (%s)" % (host.job_id, stage))
         if dropped:
@@ -402,15 +402,15 @@ class PooledSandbox:
         """After the host failed to answer: JobFailedError if its job has ended, or else if the sandbox is gone
         (a 404: asked after the host's stage, since a front may answer 404 for an ended job too)."""
         owner, client, host_id = self.owner, self.owner._job_client, self.host_id
-        job: Dict[str, Any] = {}
         if client is not None and host_id is not None:
+            job: Dict[str, Any] = {}
             with contextlib.suppress(Exception):
                 job = client.get_job(owner._job_namespace or "", host_id, retries=0)
-        status = job.get("status") or {}
-        if client is not None and host_id is not None and status.get("stage") in _core.TERMINAL_STAGES:
-            tail = client.job_logs(owner._job_namespace or "", host_id, tail=_core.LOG_TAIL_LINES)
-            raise _core.JobFailedError(host_id, str(status["stage"]), status.get("message")
-                                       or "the sandbox's host job ended", tail)
+            status = job.get("status") or {}
+            if status.get("stage") in _core.TERMINAL_STAGES:
+                tail = client.job_logs(owner._job_namespace or "", host_id, tail=_core.LOG_TAIL_LINES)
+                raise _core.JobFailedError(host_id, str(status["stage"]), status.get("message")
+                                           or "the sandbox's host job ended", tail)
         if getattr(error, "status_code", None) == 404:
             raise _core.JobFailedError(owner.job_id or "", "DELETED", "the sandbox no longer exists on host %s "
                                        "(evicted or killed, or its host job is ending)" % host_id)
@@ -458,7 +458,7 @@ def _release_sandbox(sandbox: Any, proxy: Any, base_url: Optional[str], client: 
                 elif _host_cancelled_by_us(sandbox, wait=True):  # the kill met its host's cancel, begun meanwhile
                     ended = "CANCELED"
                     logger.info("sandbox %s ended with its host job %s (its pool closed)", sandbox_id, sandbox.host_id)
-                elif (ended := _ended_host_stage(client, namespace, sandbox)) is not None:
+                elif (ended := _ended_host_stage(client, namespace, getattr(sandbox, "host_id", None))) is not None:
                     logger.info("sandbox %s ended with its host job %s (%s)", sandbox_id, sandbox.host_id, ended)
                 elif _released_if_gone(sandbox):
                     ended = "DELETED"
@@ -506,29 +506,19 @@ def _released_if_gone(sandbox: Any) -> bool:
     return True
 
 
-def _ended_host_stage(client: Any, namespace: Optional[str], sandbox: Any) -> Optional[str]:
-    """The terminal stage of the sandbox's host job, asked once after a kill that could not reach the host (a
-    host that died takes its sandboxes with it: nothing is left to kill), else None."""
-    host_id = getattr(sandbox, "host_id", None)
+def _ended_host_stage(client: Optional["_core._JobsClient"], namespace: Optional[str],
+                      host_id: Optional[str]) -> Optional[str]:
+    """A host job's terminal stage, asked once (DELETED for a job the Hub no longer knows: deleted, garbage-
+    collected); None while it runs, or when it cannot be asked. A host that died takes its sandboxes with it."""
     if client is None or not namespace or not host_id:
         return None
-    stage = _host_job_stage(client, namespace, host_id)
-    return "DELETED" if stage == _HOST_GONE else stage if stage in _core.TERMINAL_STAGES else None
-
-
-# What `_host_job_stage` answers for a host job the Hub answers 404 for (deleted, garbage-collected).
-_HOST_GONE = "no longer known to the Hub"
-
-
-def _host_job_stage(client: "_core._JobsClient", namespace: str, host_id: str) -> Optional[str]:
-    """A host job's stage, asked once (`_HOST_GONE` for a job the Hub no longer knows), or None when the
-    question failed."""
     try:
-        return (client.get_job(namespace, host_id, retries=0).get("status") or {}).get("stage")
+        stage = (client.get_job(namespace, host_id, retries=0).get("status") or {}).get("stage")
     except _core.JobsAPIError as exc:
-        return _HOST_GONE if exc.status_code == 404 else None
+        return "DELETED" if exc.status_code == 404 else None
     except Exception:
         return None
+    return stage if stage in _core.TERMINAL_STAGES else None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -1082,8 +1072,8 @@ def _pool_class() -> Any:
         def _ask_stage(self, host: Any) -> bool:
             """Ask the host job's stage (under _stages_lock); drop the host if it has ended, and say so."""
             self._asked_at[host.job_id] = time.monotonic()
-            stage = _host_job_stage(self._stage_client(), host.owner, host.job_id)
-            if stage not in _core.TERMINAL_STAGES and stage != _HOST_GONE:
+            stage = _ended_host_stage(self._stage_client(), host.owner, host.job_id)
+            if stage is None:
                 return False
             logger.warning("pool %s: host job %s has ended (%s); placing sandboxes on the other hosts or a new one",
                            self.name, host.job_id, stage)
