@@ -578,10 +578,11 @@ class RecordingUpstream:
             thread.join(5)
 
 
-def _stat_fields(pid: int) -> Optional[List[str]]:
-    """The fields of /proc/<pid>/stat after the command name (Linux), or None when it is gone."""
+def _stat_fields(pid: int, thread: Optional[str] = None) -> Optional[List[str]]:
+    """The fields of /proc/<pid>/stat (or of one of its threads, /proc/<pid>/task/<thread>/stat) after the command
+    name (Linux), or None when it is gone."""
     try:
-        with open("/proc/%d/stat" % pid) as handle:
+        with open("/proc/%d/stat" % pid if thread is None else "/proc/%d/task/%s/stat" % (pid, thread)) as handle:
             return handle.read().rsplit(")", 1)[1].split()
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return None
@@ -694,23 +695,15 @@ def stop_process(pid: int, group: bool = False) -> None:
         os.kill(pid, signal.SIGSTOP)
 
     def states() -> List[str]:
-        pids = [pid] if not group else [int(p) for p in os.listdir("/proc") if p.isdigit() and _pgid(int(p)) == pid]
         found = []
-        for each in pids:
-            for task in glob.glob("/proc/%d/task/*/stat" % each):
-                with contextlib.suppress(OSError):
-                    with open(task) as stat:
-                        found.append(stat.read().rsplit(")", 1)[1].split()[0])
+        for each in processes(lambda stat: stat[2] == pid) if group else [pid]:
+            for thread in glob.glob("/proc/%d/task/*" % each):
+                fields = _stat_fields(each, os.path.basename(thread))
+                if fields is not None:
+                    found.append(fields[0])
         return found
 
     wait_until(lambda: all(state in "tTZX" for state in states()), "process %d to stop" % pid, 10)
-
-
-def _pgid(pid: int) -> Optional[int]:
-    try:
-        return os.getpgid(pid)
-    except OSError:
-        return None
 
 
 def python_of(version: Tuple[int, int]) -> Optional[str]:
